@@ -1,0 +1,79 @@
+# The two commands a user needs: `make demo` (the main job) and `make test`.
+# Each installs what it needs: apt packages, the .venv with torch, the build.
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+PY        := .venv/bin/python
+PIP       := .venv/bin/pip
+JOBS      ?= $(shell nproc)
+APT_PKGS  := g++ cmake ninja-build pkg-config liburing-dev libisal-dev libpmem2-dev \
+             nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
+             clang-14 libclang-rt-14-dev fio python3-venv
+SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+CMAKE     := $(shell command -v cmake || echo .venv/bin/cmake)
+CMAKE_GEN := -G Ninja
+
+.PHONY: deps venv build cbuild test test-cpp test-py test-asan test-tsan test-fuzz test-gpu \
+        demo bench clean format
+
+# Installs the Debian packages that are missing (quietly when all are there).
+deps:
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "== installing apt packages:" $$missing; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+# The virtual environment with torch (CPU wheel 2.13.0) and the test tools.
+.venv/.ready: pyproject.toml
+	@command -v python3 >/dev/null || { echo "python3 is required"; exit 1; }
+	@[ -x $(PY) ] || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0" numpy pytest pytest-timeout hypothesis safetensors matplotlib tqdm \
+	    scikit-build-core pybind11 ninja cmake
+	touch $@
+venv: deps .venv/.ready
+
+# Editable install: `import nonstop` and .venv/bin/nonstop.
+build: venv
+	$(PIP) install -q --no-build-isolation -e .
+	@$(PY) -c "import nonstop; print('nonstop', nonstop.__version__, 'ready:', nonstop.build_info())"
+
+# The C++ build with tests (separate from the Python extension's build dir).
+cbuild: deps
+	$(CMAKE) -S . -B build $(CMAKE_GEN) -DNONSTOP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	$(CMAKE) --build build -j $(JOBS)
+
+test-cpp: cbuild
+	cd build && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+test-py: build
+	$(PY) -m pytest -q tests/python
+
+test: build cbuild
+	$(MAKE) --no-print-directory test-cpp
+	$(MAKE) --no-print-directory test-py
+
+test-asan: deps
+	$(CMAKE) -S . -B build-asan $(CMAKE_GEN) -DNONSTOP_SANITIZE=address -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	$(CMAKE) --build build-asan -j $(JOBS)
+	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+
+test-tsan: deps
+	$(CMAKE) -S . -B build-tsan $(CMAKE_GEN) -DNONSTOP_SANITIZE=thread -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	$(CMAKE) --build build-tsan -j $(JOBS)
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L concurrency
+
+FUZZ_SECONDS ?= 60
+test-fuzz: deps
+	CC=clang-14 CXX=clang++-14 $(CMAKE) -S . -B build-fuzz $(CMAKE_GEN) -DNONSTOP_FUZZ=ON -DNONSTOP_BUILD_TESTS=OFF \
+	    -DNONSTOP_BUILD_TOOLS=OFF -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	$(CMAKE) --build build-fuzz -j $(JOBS) --target fuzz_store
+	mkdir -p build-fuzz/corpus && ./build-fuzz/tests/fuzz_store -max_total_time=$(FUZZ_SECONDS) build-fuzz/corpus
+
+demo: build
+	$(PY) -m nonstop.demo
+
+clean:
+	rm -rf build build-* .venv

@@ -1,0 +1,57 @@
+// CopyEngine: moves bytes from a tensor's memory (host or device) into host
+// staging memory, asynchronously. The host implementation uses memcpy
+// threads; the CUDA implementation (built with NONSTOP_CUDA) uses
+// cudaMemcpyAsync on a dedicated non-blocking stream, ordered after the
+// caller's stream by an event, with completion tracked by events.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "nonstop/status.h"
+#include "nonstop/types.h"
+
+namespace nonstop {
+
+// A pending copy. Wait() blocks until the bytes are in `dst` (or the copy
+// failed); Ready() polls. Completions are move-only and must be waited on or
+// polled to readiness before `dst` is reused or freed.
+class CopyCompletion {
+ public:
+  virtual ~CopyCompletion() = default;
+  virtual Status Wait() = 0;
+  virtual bool Ready() = 0;
+};
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  // Starts copying `bytes` from `src` (on `src_device`) to host memory `dst`.
+  // For CUDA sources the copy is ordered after all work already enqueued on
+  // src_device.stream at the time of the call; that stream is never
+  // synchronised.
+  virtual std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& src_device,
+                                               void* dst, size_t bytes) = 0;
+  // Host memory for staging: pinned (cudaHostAlloc) where a GPU is present,
+  // else page-aligned, pre-faulted and mlock'ed where allowed. Returns nullptr
+  // on failure. Free with FreeHost.
+  virtual void* AllocHost(size_t bytes, bool* pinned) = 0;
+  virtual void FreeHost(void* p, size_t bytes) = 0;
+  virtual std::string Describe() const = 0;
+};
+
+// memcpy on `threads` background threads.
+std::unique_ptr<CopyEngine> MakeHostCopyEngine(int threads);
+
+// The CUDA engine when this build has CUDA and a device is usable; otherwise
+// the host engine, and `note` (if given) says why ("built without CUDA",
+// "no CUDA device: cudaGetDeviceCount returned ...").
+std::unique_ptr<CopyEngine> MakeBestCopyEngine(int host_threads, std::string* note);
+
+// True when this binary was built with CUDA support.
+bool BuiltWithCuda();
+
+}  // namespace nonstop

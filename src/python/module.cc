@@ -1,0 +1,12 @@
+// nonstop._core: the pybind11 module. Each binding file defines an Init*
+// function called here; the module holds no checkpoint logic.
+#include <pybind11/pybind11.h>
+
+#include "nonstop/copy_engine.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "nonstop C++ engine bindings";
+  m.def("built_with_cuda", &nonstop::BuiltWithCuda);
+}

@@ -3,10 +3,13 @@
 #include <pybind11/pybind11.h>
 
 #include "nonstop/copy_engine.h"
+#include "python/bindings.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "nonstop C++ engine bindings";
   m.def("built_with_cuda", &nonstop::BuiltWithCuda);
+  nonstop::py_bindings::InitEngine(m);
+  nonstop::py_bindings::InitOptim(m);
 }

@@ -1,0 +1,1 @@
+# Host copy engine sources (engine module).

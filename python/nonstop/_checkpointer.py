@@ -1,0 +1,475 @@
+"""nonstop.Checkpointer: checkpoints a PyTorch job every few steps without
+stopping it, and restores it bit-identically.
+
+The Python side only gathers state: it turns each object's state_dict() into
+named tensors (registered with the C++ engine by pointer, never copied here)
+and JSON, and it installs one optimizer step pre-hook that waits until the
+tensors of the checkpoint in flight have been copied. Copying, writing,
+committing and reading are done by the engine, with the GIL released.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from . import _rng, _state
+from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                     CorruptCheckpointError, IncompatibleCheckpointError)
+
+FORMAT = "nonstop.torch/1"
+MODES = ("concurrent",)
+_RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
+
+
+def _core():
+    """The C++ extension (looked up on each use, so tests may swap it)."""
+    import nonstop
+    if nonstop._core is None:
+        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
+    return nonstop._core
+
+
+def _world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def check_directory(path: str, rank: int, world_size: Optional[int], must_exist: bool) -> bool:
+    """Checks that `path` is a nonstop directory (or may become one).
+
+    Returns True when it holds this rank's slot file. Raises a one-line
+    error for a missing (when must_exist), foreign or other-world-size
+    directory.
+    """
+    if not os.path.exists(path):
+        if must_exist:
+            raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
+        return False
+    if not os.path.isdir(path):
+        raise IncompatibleCheckpointError(f"{path} is a file, not a checkpoint directory")
+    names = sorted(os.listdir(path))
+    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, names) if m)
+    if not ranks:
+        others = [n for n in names if not n.startswith(".")]
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise IncompatibleCheckpointError(
+                f"{path} is not a nonstop checkpoint directory (it holds {shown}); "
+                f"use an empty or new directory")
+        if must_exist:
+            raise CheckpointNotFoundError(f"no nonstop checkpoint in {path} (directory is empty)")
+        return False
+    if world_size is not None and ranks[-1] >= world_size:
+        raise IncompatibleCheckpointError(
+            f"{path} was written by a job of world size {ranks[-1] + 1} or more; this job has "
+            f"world size {world_size}: use the same world size or a new directory")
+    if rank not in ranks:
+        if must_exist:
+            raise CheckpointNotFoundError(f"no nonstop checkpoint for rank {rank} in {path}")
+        return False
+    return True
+
+
+class _Snapshot:
+    """A tensor whose own memory cannot be registered (not contiguous): it
+    is copied into a persistent buffer at each checkpoint instead."""
+
+    def __init__(self, t: torch.Tensor):
+        self.buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+class Checkpointer:
+    """Checkpoints `state` every `every` steps; see docs/PYTHON.md.
+
+    state: a dict of objects with state_dict()/load_state_dict() (modules,
+        optimizers, schedulers, your own), tensors, or plain data (dicts,
+        lists, numbers, strings). Dicts and lists are restored in place;
+        other plain values are replaced in `ckpt.state`.
+    """
+
+    def __init__(self, dir: str, state: dict, every: int = 10, mode: str = "concurrent",
+                 max_in_flight: int = 2, writers: Optional[int] = None,
+                 staging_bytes: Optional[int] = None, chunk_bytes: Optional[int] = None,
+                 medium: str = "auto", keep: Optional[int] = None, rng: bool = True,
+                 copy_threads: int = 1, rank: Optional[int] = None,
+                 world_size: Optional[int] = None):
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise CheckpointMismatchError("state must be a dict with string keys, "
+                                          "e.g. {'model': model, 'optim': optimizer}")
+        if mode not in MODES:
+            raise CheckpointMismatchError(
+                f"mode {mode!r} is not available in this version; use one of {', '.join(MODES)}")
+        if not isinstance(every, int) or every < 1:
+            raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise CheckpointMismatchError(
+                f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        drank, dworld = _world()
+        self.dir = os.fspath(dir)
+        self.state = state
+        self.every = every
+        self.mode = mode
+        self.keep = keep
+        self.rng = rng
+        self.rank = drank if rank is None else rank
+        self.world_size = dworld if world_size is None else world_size
+        check_directory(self.dir, self.rank, self.world_size, must_exist=False)
+        self._engine = _core().Engine(
+            self.dir, rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
+            writers=writers or 0, staging_bytes=staging_bytes or 0, chunk_bytes=chunk_bytes or 0,
+            copy_threads=copy_threads, medium=medium)
+        self._registered: Optional[list] = None
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._copy_pending = False
+        self._visible_stall_s = 0.0
+        self._hook_stall_s = 0.0
+        self._saves = 0
+        self._registers = 0
+        self._hooks = [obj.register_step_pre_hook(self._before_update)
+                       for obj in state.values() if isinstance(obj, torch.optim.Optimizer)]
+
+    # ---------------------------------------------------------------- saving
+
+    def step(self, step: int) -> Optional[int]:
+        """Call after the update of `step` (counted from 0). Starts a
+        checkpoint when `step + 1` is a multiple of `every`; returns the
+        checkpoint's counter, or None when none was due."""
+        if (step + 1) % self.every == 0:
+            return self.save(step)
+        return None
+
+    def save(self, step: int) -> int:
+        """Starts a checkpoint of the state as it is now, labelled `step`.
+        Returns at once (after small tensors not updated by the optimizer are
+        copied); the next optimizer.step() waits until every tensor has been
+        copied, and the engine writes and commits in the background."""
+        t0 = time.perf_counter()
+        engine = self._live()
+        tensors: dict[str, torch.Tensor] = {}
+        tree = {key: _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors,
+                                    f"state[{key!r}]")
+                for key, obj in self.state.items()}
+        meta = {"format": FORMAT, "step": int(step), "rank": self.rank,
+                "world_size": self.world_size, "state": tree}
+        if self.rng:
+            meta["rng"] = _rng.capture()
+        refs = self._refs(tensors)
+        if refs != self._registered:
+            engine.register(refs)
+            self._registered = refs
+            self._registers += 1
+        counter = engine.checkpoint(int(step), _state.dumps(meta))
+        self._copy_pending = True
+        self._saves += 1
+        self._visible_stall_s += time.perf_counter() - t0
+        return counter
+
+    def _refs(self, tensors: dict) -> list:
+        """(name, dtype, shape, nbytes, ptr, device kind, index, stream,
+        copy_at_checkpoint) for each tensor, as the engine's register() takes."""
+        in_optimizer = self._optimizer_owned()
+        refs = []
+        snapshots_used = set()
+        for name, t in tensors.items():
+            copy_now = t.data_ptr() not in in_optimizer
+            if not t.is_contiguous():
+                snap = self._snapshots.get(name)
+                if snap is None or snap.buffer.shape != t.shape or snap.buffer.dtype != t.dtype:
+                    snap = self._snapshots[name] = _Snapshot(t)
+                if self._copy_pending:
+                    self._engine.wait_copied()
+                    self._copy_pending = False
+                with torch.no_grad():
+                    snap.buffer.copy_(t)
+                t, copy_now = snap.buffer, False
+                snapshots_used.add(name)
+            if t.device.type == "cuda":
+                dev_kind, dev_index = 1, t.device.index or 0
+                stream = torch.cuda.current_stream(t.device).cuda_stream
+            elif t.device.type == "cpu":
+                dev_kind, dev_index, stream = 0, 0, 0
+            else:
+                raise CheckpointMismatchError(
+                    f"tensor {name!r} is on {t.device}; nonstop checkpoints CPU and CUDA tensors")
+            refs.append((name, _state.torch_dtype_code(t.dtype), list(t.shape),
+                         t.numel() * t.element_size(), t.data_ptr(), dev_kind, dev_index, stream,
+                         copy_now))
+        for name in set(self._snapshots) - snapshots_used:
+            del self._snapshots[name]
+        return refs
+
+    def _optimizer_owned(self) -> set:
+        """Data pointers of tensors that only optimizer.step() changes: the
+        parameters and state of the optimizers in `state` (their step
+        pre-hook waits for the copy). Everything else is copied inside
+        save(), because forward passes or user code may change it sooner."""
+        ptrs = set()
+        for obj in self.state.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    ptrs.update(p.data_ptr() for p in group["params"])
+                for st in obj.state.values():
+                    ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _before_update(self, optimizer, args, kwargs):
+        if self._copy_pending and self._engine is not None:
+            t0 = time.perf_counter()
+            self._engine.wait_copied()
+            self._copy_pending = False
+            dt = time.perf_counter() - t0
+            self._hook_stall_s += dt
+            self._visible_stall_s += dt
+
+    def wait_copied(self) -> None:
+        """Returns once every tensor of the checkpoints in flight has been
+        copied out of its memory. Call it before changing checkpointed
+        tensors by hand (outside optimizer.step())."""
+        t0 = time.perf_counter()
+        self._live().wait_copied()
+        self._copy_pending = False
+        self._visible_stall_s += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Waits until every checkpoint in flight is committed (or raises its error)."""
+        t0 = time.perf_counter()
+        self._live().wait_committed(0)
+        self._copy_pending = False
+        self._visible_stall_s += time.perf_counter() - t0
+
+    def latest(self) -> Optional[int]:
+        """The step of the newest committed checkpoint, or None."""
+        got = self._live().latest()
+        return None if got is None else got[1]
+
+    def stats(self) -> dict:
+        """The engine's counters and per-checkpoint times (stall, copy and
+        persist seconds, GB/s, in flight), plus the time the training thread
+        spent inside nonstop from Python (visible_stall_s)."""
+        s = self._live().stats()
+        s.update(visible_stall_s=self._visible_stall_s, hook_stall_s=self._hook_stall_s,
+                 saves=self._saves, registers=self._registers)
+        return s
+
+    def close(self) -> None:
+        """Waits for the checkpoints in flight, then stops the engine. Idempotent."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _live(self):
+        if self._engine is None:
+            raise CheckpointError(f"the checkpointer for {self.dir} is closed")
+        return self._engine
+
+    # ------------------------------------------------------------- restoring
+
+    def restore(self, step: Optional[int] = None) -> Optional[int]:
+        """Restores `state` in place from the newest valid checkpoint (or the
+        one at `step`). Returns the restored step, or None when the directory
+        holds no checkpoint yet (a fresh start). A damaged newest checkpoint
+        is skipped with a warning."""
+        self._live()
+        if not check_directory(self.dir, self.rank, self.world_size, must_exist=step is not None):
+            return None
+        loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False)
+        if loaded is None:
+            return None
+        meta = loaded.meta
+        saved = meta["state"]
+        missing = [k for k in self.state if k not in saved]
+        if missing:
+            raise CheckpointMismatchError(
+                f"checkpoint step {loaded.step} in {self.dir} has no state {missing[0]!r} "
+                f"(it has {', '.join(saved) or 'nothing'})")
+        extra = [k for k in saved if k not in self.state]
+        if extra:
+            warnings.warn(f"nonstop: checkpoint step {loaded.step} also holds state "
+                          f"{', '.join(map(repr, extra))}, not restored", stacklevel=2)
+        values = {key: _state.unflatten(saved[key], loaded.tensors) for key in self.state}
+        for key, obj in self.state.items():
+            self._check_fits(key, obj, saved[key], loaded)
+        for key, obj in list(self.state.items()):
+            value = values[key]
+            if _stateful(obj):
+                obj.load_state_dict(value)
+            elif isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(value)
+            elif isinstance(obj, dict) and isinstance(value, dict):
+                obj.clear()
+                obj.update(value)
+            elif isinstance(obj, list) and isinstance(value, list):
+                obj[:] = value
+            else:
+                self.state[key] = value
+        if self.rng and "rng" in meta:
+            _rng.restore(meta["rng"])
+        self._registered = None
+        return loaded.step
+
+    def _check_fits(self, key: str, obj: Any, saved_tree: Any, loaded) -> None:
+        """Raises a one-line error naming the first tensor whose shape or
+        dtype differs between the checkpoint and `obj` (and, for modules,
+        a tensor the checkpoint lacks), before anything is changed."""
+        if not (_stateful(obj) or isinstance(obj, torch.Tensor)):
+            return
+        current: dict = {}
+        _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, current)
+        saved_names: dict = {}
+        _collect_tensor_names(saved_tree, saved_names)
+        for name, t in current.items():
+            if name not in loaded.tensors:
+                if isinstance(obj, (torch.nn.Module, torch.Tensor)):
+                    raise CheckpointMismatchError(
+                        f"tensor {name!r} is not in checkpoint step {loaded.step} in {self.dir}")
+                continue
+            got = loaded.tensors[name]
+            if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+                raise CheckpointMismatchError(
+                    f"tensor {name!r}: checkpoint step {loaded.step} has "
+                    f"{_describe(got)}, the state has {_describe(t)}")
+
+
+def _stateful(obj) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
+        obj, (dict, torch.Tensor))
+
+
+def _describe(t) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def _collect_tensor_names(tree, out: dict) -> None:
+    if isinstance(tree, list):
+        for v in tree:
+            _collect_tensor_names(v, out)
+    elif isinstance(tree, dict):
+        if len(tree) == 1 and ("__tensor__" in tree or "__ndarray__" in tree):
+            out[next(iter(tree.values()))] = True
+            return
+        for v in tree.values():
+            _collect_tensor_names(v, out)
+
+
+class LoadedCheckpoint:
+    """What nonstop.load returns: one checkpoint, without a model."""
+
+    def __init__(self, step, counter, tensors, meta, info, path):
+        self.step = step            # training step
+        self.counter = counter      # global checkpoint counter
+        self.tensors = tensors      # name -> tensor (numpy arrays without torch)
+        self.meta = meta            # the JSON document: state tree, rng, ...
+        self.info = info            # the store's record: slot, commit time, sizes, ...
+        self.path = path
+
+    @property
+    def state(self) -> dict:
+        """The saved state, rebuilt: {'model': {...}, 'optim': {...}, ...}."""
+        as_numpy = not any(isinstance(t, torch.Tensor) for t in self.tensors.values())
+        return _state.unflatten(self.meta.get("state", {}), self.tensors, as_numpy)
+
+    def __repr__(self):
+        return (f"LoadedCheckpoint(step={self.step}, counter={self.counter}, "
+                f"tensors={len(self.tensors)}, path={self.path!r})")
+
+
+def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
+          as_numpy: bool) -> Optional[LoadedCheckpoint]:
+    """Reads one checkpoint of `rank` in `path`: `step`, or the newest that
+    verifies (warning about each newer damaged one). None when there is none
+    and `step` is None."""
+    reader = _core().Reader(path, rank=rank, verify_data=True)
+    geometry = reader.geometry
+    if world_size is not None and geometry["world_size"] != world_size:
+        raise IncompatibleCheckpointError(
+            f"{path} was written by a job of world size {geometry['world_size']}; this job "
+            f"has world size {world_size}: use the same world size or a new directory")
+    ckpts = reader.checkpoints
+    committed = [i for i, c in enumerate(ckpts) if c["committed"]]
+    if step is not None:
+        order = [i for i in committed if ckpts[i]["step"] == step]
+        if not order:
+            have = ", ".join(str(ckpts[i]["step"]) for i in committed) or "none"
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
+    else:
+        order = committed
+        for line in reader.skipped:
+            warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
+                          stacklevel=3)
+        if not order:
+            if ckpts:
+                raise CorruptCheckpointError(
+                    f"no valid checkpoint in {path}: {ckpts[0]['reason'] or 'all damaged'}")
+            return None
+    for n, idx in enumerate(order):
+        info = ckpts[idx]
+        try:
+            tensors = {}
+            for ti, spec in enumerate(info["tensors"]):
+                tensors[spec["name"]] = _read_tensor(reader, idx, ti, spec, as_numpy)
+        except CorruptCheckpointError as e:
+            if step is not None or n + 1 == len(order):
+                raise
+            warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
+            continue
+        try:
+            meta = _state.loads(info["meta_json"].decode("utf-8"))
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"{path}: step {info['step']}: metadata is not JSON ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise IncompatibleCheckpointError(
+                f"{path}: step {info['step']} was not written by nonstop's PyTorch front end "
+                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})")
+        info = dict(info)
+        info.pop("meta_json")
+        return LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, reader.path)
+    return None
+
+
+def _read_tensor(reader, idx: int, ti: int, spec: dict, as_numpy: bool):
+    code, shape, nbytes = spec["dtype"], spec["shape"], spec["nbytes"]
+    if as_numpy:
+        np_dtype = _state.NUMPY_DTYPES.get(code)
+        import numpy as np
+        buf = np.empty(shape, dtype=np_dtype) if np_dtype is not None else np.empty(
+            nbytes, dtype=np.uint8)
+        if nbytes:
+            reader.read_tensor(idx, ti, buf.ctypes.data, nbytes)
+        return buf
+    t = torch.empty(shape, dtype=_state.torch_dtype(code))
+    if nbytes:
+        reader.read_tensor(idx, ti, t.data_ptr(), nbytes)
+    return t
+
+
+def load(dir: str, step: Optional[int] = None, rank: int = 0,
+         as_numpy: bool = False) -> LoadedCheckpoint:
+    """Reads a checkpoint for inspection, without a model: its tensors by
+    name and its metadata. The newest valid one unless `step` is given."""
+    path = os.fspath(dir)
+    check_directory(path, rank, None, must_exist=True)
+    loaded = _read(path, rank, step, None, as_numpy)
+    if loaded is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
+    return loaded

@@ -1,0 +1,77 @@
+"""nonstop.export: one checkpoint as a safetensors file.
+
+The C++ reader reads and verifies each tensor; this module only writes the
+safetensors header (JSON) and the bytes, one tensor at a time, so memory
+stays bounded by the largest tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from . import _state
+from ._checkpointer import _core, check_directory
+from .errors import CheckpointMismatchError, CheckpointNotFoundError
+
+
+def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
+           include: Optional[str] = None) -> dict:
+    """Writes checkpoint `step` (newest valid when None) of `rank` in `dir`
+    to the safetensors file `out`. Tensor names are kept ('model/fc.weight');
+    with include='model', only tensors under 'model/' are written, with that
+    prefix removed, so the file loads into the model directly. The
+    checkpoint's step and JSON metadata go into the safetensors metadata.
+    Returns {'step', 'tensors', 'bytes', 'path'}."""
+    path = os.fspath(dir)
+    check_directory(path, rank, None, must_exist=True)
+    reader = _core().Reader(path, rank=rank, verify_data=True)
+    ckpts = reader.checkpoints
+    if step is None:
+        idx = reader.newest_valid
+        if idx < 0:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
+    else:
+        found = [i for i, c in enumerate(ckpts) if c["committed"] and c["step"] == step]
+        if not found:
+            raise CheckpointNotFoundError(f"no committed checkpoint at step {step} in {path}")
+        idx = found[0]
+    info = ckpts[idx]
+    entries = []
+    for ti, spec in enumerate(info["tensors"]):
+        name = spec["name"]
+        if include is not None:
+            if not name.startswith(include + "/"):
+                continue
+            name = name[len(include) + 1:]
+        st = _state.SAFETENSORS_DTYPES.get(spec["dtype"])
+        if st is None:
+            raise CheckpointMismatchError(
+                f"tensor {spec['name']!r} has dtype {_state.DTYPE_NAMES[spec['dtype']]}, "
+                f"which safetensors cannot hold")
+        entries.append((name, ti, spec, st))
+    header, offset = {}, 0
+    for name, _, spec, st in entries:
+        header[name] = {"dtype": st, "shape": spec["shape"],
+                        "data_offsets": [offset, offset + spec["nbytes"]]}
+        offset += spec["nbytes"]
+    header["__metadata__"] = {"nonstop.step": str(info["step"]),
+                              "nonstop.counter": str(info["counter"]),
+                              "nonstop.meta": info["meta_json"].decode("utf-8")}
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    tmp = os.fspath(out) + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, ti, spec, _ in entries:
+            buf = np.empty(spec["nbytes"], dtype=np.uint8)
+            if spec["nbytes"]:
+                reader.read_tensor(idx, ti, buf.ctypes.data, spec["nbytes"])
+            f.write(buf.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return {"step": info["step"], "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}

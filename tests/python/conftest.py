@@ -1,0 +1,39 @@
+import os
+import sys
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def real_engine_available() -> bool:
+    """True when nonstop._core loads and its Engine can open a directory."""
+    import tempfile
+
+    import nonstop
+    if nonstop._core is None or not hasattr(nonstop._core, "Engine"):
+        return False
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            e = nonstop._core.Engine(os.path.join(d, "probe"))
+            e.close()
+        return True
+    except Exception:  # an engine that is still a stub
+        return False
+
+
+@pytest.fixture
+def fake_core(monkeypatch):
+    import fake_core as fc
+    import nonstop
+    fc.DISK.clear()
+    monkeypatch.setattr(nonstop, "_core", fc)
+    yield fc
+    fc.DISK.clear()
+
+
+needs_engine = pytest.mark.skipif(
+    not real_engine_available(),
+    reason="the C++ Engine (include/nonstop/engine.h) has not landed in this build yet")

@@ -98,6 +98,9 @@ struct ScanReport {
 
 struct ScanOptions {
   bool verify_data = true;  // also check every data chunk crc (reads the data)
+  // Verify the data of every checkpoint, not only until the newest valid one
+  // is found (inspect/verify do; recovery does not need to).
+  bool verify_all = false;
 };
 
 struct CommitRequest {

@@ -1,0 +1,139 @@
+// FaultDisk: a simulated device for crash and error tests, after LevelDB's
+// db/fault_injection_test.cc. It remembers which writes were synced; a
+// simulated power loss drops (or tears, at 512-byte sectors) everything that
+// was not, and chosen calls can be made to fail with an errno.
+//
+// Usage:
+//   auto disk = FaultDisk::Create();
+//   std::unique_ptr<Medium> m = disk->Open();
+//   ... m->Write(...), m->Sync() ...
+//   disk->Crash(CrashMode::kTornUnsynced, seed);
+//   std::unique_ptr<Medium> after = disk->Open();  // sees the post-crash image
+//
+// Thread safety: every method of FaultDisk, and every call on the media it
+// opens, may run concurrently. One mutex guards the disk, so concurrent
+// writers are correct but serialized (a test device, not a fast one).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "nonstop/medium.h"
+#include "nonstop/status.h"
+
+namespace nonstop {
+
+enum class CrashMode {
+  // Every write since the last successful Sync is lost.
+  kDropUnsynced,
+  // Each unsynced write is, at random, lost, kept whole, or torn: each 512-byte
+  // device sector it touches is independently kept or lost. No sector is ever
+  // partly written. Writes are replayed in issue order, so of two overlapping
+  // kept writes the later one wins. Unsynced Resizes are kept or lost at random.
+  kTornUnsynced,
+};
+
+// The calls that InjectError and CrashOnCall count.
+enum class FaultOp { kWrite = 0, kRead = 1, kSync = 2, kResize = 3 };
+
+struct FaultDiskOptions {
+  size_t alignment = 1;  // Alignment() of opened media, enforced as O_DIRECT would
+  MediumKind kind = MediumKind::kBuffered;  // what opened media report as kind()
+};
+
+class FaultMedium;
+
+class FaultDisk : public std::enable_shared_from_this<FaultDisk> {
+ public:
+  static constexpr uint64_t kSectorSize = 512;
+
+  static std::shared_ptr<FaultDisk> Create(FaultDiskOptions opts = {});
+
+  FaultDisk(const FaultDisk&) = delete;
+  FaultDisk& operator=(const FaultDisk&) = delete;
+
+  // A Medium over this disk's current image. Media opened before a Crash()
+  // return IOError "device crashed" on every call afterwards, so a test's
+  // background threads cannot write into the post-crash image.
+  std::unique_ptr<Medium> Open();
+
+  // Simulated power loss (see CrashMode). `seed` makes torn crashes
+  // reproducible: the same log and seed give the same image.
+  void Crash(CrashMode mode, uint64_t seed);
+  // The nth call of `op` from now (1-based) crashes the disk before it takes
+  // effect, and returns "device crashed". For crash points inside a run.
+  void CrashOnCall(FaultOp op, uint64_t nth_call, CrashMode mode, uint64_t seed);
+
+  // The nth call of `op` from now (1-based) fails with errno `err` (EIO,
+  // ENOSPC, ...) without changing the image; later calls succeed.
+  void InjectError(FaultOp op, uint64_t nth_call, int err);
+  // Every call of `op` from the nth one on fails with `err` (a persistently
+  // full or dead disk) until ClearErrors().
+  void InjectErrorFrom(FaultOp op, uint64_t nth_call, int err);
+  // Removes all pending errors and scheduled crashes.
+  void ClearErrors();
+
+  // What a reader sees now (synced and unsynced writes applied).
+  std::vector<uint8_t> Snapshot() const;
+  // What would survive a kDropUnsynced crash now.
+  std::vector<uint8_t> DurableSnapshot() const;
+  uint64_t size() const;
+
+  // Counters of successful calls, over the disk's life (crashes included).
+  uint64_t writes() const;
+  uint64_t syncs() const;
+  uint64_t crashes() const;
+  // Writes (and resizes) logged since the last successful Sync.
+  size_t unsynced_ops() const;
+
+ private:
+  friend class FaultMedium;
+
+  // One unsynced change: a write of `bytes` at `offset`, or a resize.
+  struct LogEntry {
+    bool is_resize = false;
+    uint64_t offset = 0;  // or the new size, for a resize
+    std::vector<uint8_t> bytes;
+  };
+  struct Rule {
+    FaultOp op;
+    uint64_t at_call;  // fires on this call count of `op`
+    bool persistent;   // and on every later call
+    bool crash;        // crash instead of failing with `err`
+    int err;
+    CrashMode mode;
+    uint64_t seed;
+  };
+
+  explicit FaultDisk(FaultDiskOptions opts) : opts_(opts) {}
+
+  // Counts a call of `op` and applies any matching rule. OK means proceed.
+  Status BeginCallLocked(FaultOp op, uint64_t generation, const std::string& what);
+  void CrashLocked(CrashMode mode, uint64_t seed);
+  void AddRule(Rule r);
+
+  // Called by FaultMedium, which passes the generation it was opened at.
+  Status DoWrite(uint64_t generation, uint64_t offset, const void* buf, size_t n);
+  Status DoRead(uint64_t generation, uint64_t offset, void* buf, size_t n);
+  Status DoSync(uint64_t generation);
+  Status DoResize(uint64_t generation, uint64_t size);
+  uint64_t DoSize(uint64_t generation) const;
+
+  const FaultDiskOptions opts_;
+  mutable std::mutex mu_;
+  std::vector<uint8_t> visible_;   // guarded by mu_
+  std::vector<uint8_t> durable_;   // guarded by mu_
+  std::vector<LogEntry> log_;      // guarded by mu_; unsynced changes in issue order
+  uint64_t generation_ = 0;        // guarded by mu_; bumped by each crash
+  uint64_t calls_[4] = {};         // guarded by mu_; per FaultOp
+  std::vector<Rule> rules_;        // guarded by mu_
+  uint64_t writes_ = 0;            // guarded by mu_
+  uint64_t syncs_ = 0;             // guarded by mu_
+  uint64_t crashes_ = 0;           // guarded by mu_
+};
+
+}  // namespace nonstop

@@ -1,0 +1,276 @@
+// The buffered and O_DIRECT media, and the file helpers every backend uses.
+#include "media/fd_medium.h"
+
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
+#include <utility>
+
+namespace nonstop::media {
+
+std::string FormatBytes(uint64_t n) {
+  if (n >= (1ull << 30) && n % (1ull << 30) == 0) return std::to_string(n >> 30) + " GiB";
+  if (n >= (1ull << 20) && n % (1ull << 20) == 0) return std::to_string(n >> 20) + " MiB";
+  if (n >= (1ull << 10) && n % (1ull << 10) == 0) return std::to_string(n >> 10) + " KiB";
+  return std::to_string(n) + " bytes";
+}
+
+Result<int> OpenFile(const std::string& path, int extra_flags, const MediumOptions& opts) {
+  int flags = O_RDWR | O_CLOEXEC | extra_flags | (opts.create ? O_CREAT : 0);
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags, 0644);
+  } while (fd < 0 && errno == EINTR);
+  if (fd >= 0) return fd;
+  const int err = errno;
+  if (err == ENOENT && !opts.create) {
+    return Status::NotFound("open " + path + ": no such file (pass create=true to make it)");
+  }
+  Status st = Status::FromErrno("open " + path, err);
+  errno = err;  // OpenDirectFile tells EINVAL (no O_DIRECT here) from other failures
+  return st;
+}
+
+Result<uint64_t> FileSize(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return Status::FromErrno("fstat " + path, errno);
+  if (S_ISBLK(st.st_mode)) {
+    uint64_t bytes = 0;
+    if (::ioctl(fd, BLKGETSIZE64, &bytes) != 0) {
+      return Status::FromErrno("BLKGETSIZE64 " + path, errno);
+    }
+    return bytes;
+  }
+  return static_cast<uint64_t>(st.st_size);
+}
+
+static std::string RangeText(const std::string& path, uint64_t offset, size_t n) {
+  return path + " at " + std::to_string(offset) + " (+" + std::to_string(n) + " bytes)";
+}
+
+Status WriteFull(int fd, const std::string& path, uint64_t offset, const void* buf, size_t n) {
+  const char* p = static_cast<const char*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = ::pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno("write " + RangeText(path, offset + done, n - done), errno);
+    }
+    if (w == 0) {
+      // pwrite returning 0 for a non-empty buffer would loop forever; the
+      // device is refusing space without saying so.
+      return Status::IOError("write " + RangeText(path, offset + done, n - done) +
+                             ": wrote 0 bytes (device full?)");
+    }
+    done += static_cast<size_t>(w);
+  }
+  return Status::OK();
+}
+
+Status ReadFull(int fd, const std::string& path, uint64_t offset, void* buf, size_t n) {
+  char* p = static_cast<char*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno("read " + RangeText(path, offset + done, n - done), errno);
+    }
+    if (r == 0) {
+      return Status::Corruption("read " + RangeText(path, offset, n) + ": file ends at " +
+                                std::to_string(offset + done));
+    }
+    done += static_cast<size_t>(r);
+  }
+  return Status::OK();
+}
+
+Status ResizeFile(int fd, const std::string& path, uint64_t size) {
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    return Status::FromErrno("ftruncate " + path + " to " + std::to_string(size), errno);
+  }
+  if (size == 0) return Status::OK();
+  // fallocate(2) rather than posix_fallocate(3): where the file system lacks
+  // fallocate, glibc's emulation writes a byte into every block through the
+  // page cache, which is slow for multi-GB files and gains nothing here.
+  int rc;
+  do {
+    rc = ::fallocate(fd, 0, 0, static_cast<off_t>(size));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0 && errno != EOPNOTSUPP && errno != ENOSYS) {
+    int err = errno;
+    Status st = Status::FromErrno(
+        "fallocate " + path + " to " + std::to_string(size) + " bytes", err);
+    if (err == ENOSPC) {
+      return Status::IOError(st.message() + "; free space or use a smaller checkpoint dir");
+    }
+    return st;
+  }
+  return Status::OK();
+}
+
+// The logical block size of the block device holding a file, from sysfs
+// (reading the device node itself would need permission to open it).
+static size_t SysfsLogicalBlockSize(dev_t dev) {
+  const std::string base = "/sys/dev/block/" + std::to_string(major(dev)) + ":" +
+                           std::to_string(minor(dev));
+  // A partition has no queue/ of its own; its parent disk's is one level up.
+  for (const char* rel : {"/queue/logical_block_size", "/../queue/logical_block_size"}) {
+    std::ifstream in(base + rel);
+    size_t v = 0;
+    if (in >> v && v > 0 && (v & (v - 1)) == 0) return v;
+  }
+  return 0;
+}
+
+size_t DirectAlignment(int fd, const std::string& path, std::string* source) {
+#ifdef STATX_DIOALIGN
+  struct statx stx = {};
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
+      (stx.stx_mask & STATX_DIOALIGN) && stx.stx_dio_offset_align > 0) {
+    *source = "statx";
+    return std::max<size_t>(stx.stx_dio_mem_align, stx.stx_dio_offset_align);
+  }
+#endif
+  struct stat st;
+  if (::fstat(fd, &st) == 0) {
+    if (S_ISBLK(st.st_mode)) {
+      int bs = 0;
+      if (::ioctl(fd, BLKSSZGET, &bs) == 0 && bs > 0) {
+        *source = "BLKSSZGET";
+        return static_cast<size_t>(bs);
+      }
+    } else if (size_t bs = SysfsLogicalBlockSize(st.st_dev); bs > 0) {
+      *source = "device block size";
+      return bs;
+    }
+  }
+  (void)path;
+  *source = "default";
+  return 4096;
+}
+
+Status CheckAligned(const char* op, const std::string& path, uint64_t offset, const void* buf,
+                    size_t n, size_t align) {
+  if (align <= 1) return Status::OK();
+  const uint64_t a = align;
+  if (offset % a == 0 && n % a == 0 && reinterpret_cast<uintptr_t>(buf) % a == 0) {
+    return Status::OK();
+  }
+  return Status::InvalidArgument(std::string(op) + " " + RangeText(path, offset, n) +
+                                 ": offset, length and buffer address must be multiples of " +
+                                 std::to_string(align) +
+                                 " for O_DIRECT (use an aligned staging buffer)");
+}
+
+Status CheckReadRange(const std::string& path, uint64_t offset, size_t n, uint64_t size) {
+  if (offset <= size && n <= size - offset) return Status::OK();
+  return Status::Corruption("read " + RangeText(path, offset, n) + ": past the end (size " +
+                            std::to_string(size) + ")");
+}
+
+void DirtyRange::Add(uint64_t offset, uint64_t n) {
+  if (n == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  begin_ = std::min(begin_, offset);
+  end_ = std::max(end_, offset + n);
+}
+
+bool DirtyRange::Take(uint64_t* begin, uint64_t* end) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (begin_ >= end_) return false;
+  *begin = begin_;
+  *end = end_;
+  begin_ = UINT64_MAX;
+  end_ = 0;
+  return true;
+}
+
+FdMedium::FdMedium(MediumKind kind, std::string path, int fd, uint64_t size, size_t alignment,
+                   std::string alignment_source)
+    : kind_(kind),
+      path_(std::move(path)),
+      fd_(fd),
+      alignment_(alignment),
+      alignment_source_(std::move(alignment_source)),
+      size_(size) {}
+
+FdMedium::~FdMedium() { ::close(fd_); }
+
+Status FdMedium::Write(uint64_t offset, const void* buf, size_t n) {
+  NONSTOP_RETURN_IF_ERROR(CheckAligned("write", path_, offset, buf, n, alignment_));
+  NONSTOP_RETURN_IF_ERROR(WriteFull(fd_, path_, offset, buf, n));
+  RaiseTo(size_, offset + n);
+  return Status::OK();
+}
+
+Status FdMedium::Read(uint64_t offset, void* buf, size_t n) {
+  NONSTOP_RETURN_IF_ERROR(CheckAligned("read", path_, offset, buf, n, alignment_));
+  NONSTOP_RETURN_IF_ERROR(CheckReadRange(path_, offset, n, Size()));
+  return ReadFull(fd_, path_, offset, buf, n);
+}
+
+Status FdMedium::Sync() {
+  if (::fdatasync(fd_) != 0) return Status::FromErrno("fdatasync " + path_, errno);
+  return Status::OK();
+}
+
+Status FdMedium::Resize(uint64_t size) {
+  NONSTOP_RETURN_IF_ERROR(ResizeFile(fd_, path_, size));
+  size_.store(size, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+std::string FdMedium::Name() const {
+  return kind_ == MediumKind::kBuffered ? "buffered pwrite+fdatasync" : "O_DIRECT pwrite";
+}
+
+std::vector<std::string> FdMedium::Details() const {
+  if (alignment_ <= 1) return {};
+  return {"align " + std::to_string(alignment_) + " from " + alignment_source_};
+}
+
+Result<int> OpenDirectFile(const std::string& path, const MediumOptions& opts) {
+  Result<int> fd = OpenFile(path, O_DIRECT, opts);
+  if (!fd.ok() && fd.status().code() == StatusCode::kIOError && errno == EINVAL) {
+    // Before Linux 6.6 tmpfs refused O_DIRECT with EINVAL; so do some FUSE
+    // and network file systems. (OpenFile leaves open's errno in place.)
+    return Status::Unavailable(path + " is on tmpfs: O_DIRECT unsupported; use medium='buffered'");
+  }
+  return fd;
+}
+
+Result<std::unique_ptr<MediumBase>> OpenBufferedMedium(const std::string& path,
+                                                       const MediumOptions& opts) {
+  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenFile(path, 0, opts));
+  Result<uint64_t> size = FileSize(fd, path);
+  if (!size.ok()) {
+    ::close(fd);
+    return size.status();
+  }
+  return std::unique_ptr<MediumBase>(
+      new FdMedium(MediumKind::kBuffered, path, fd, *size, 1, ""));
+}
+
+Result<std::unique_ptr<MediumBase>> OpenDirectMedium(const std::string& path,
+                                                     const MediumOptions& opts) {
+  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenDirectFile(path, opts));
+  Result<uint64_t> size = FileSize(fd, path);
+  if (!size.ok()) {
+    ::close(fd);
+    return size.status();
+  }
+  std::string source;
+  size_t align = DirectAlignment(fd, path, &source);
+  return std::unique_ptr<MediumBase>(
+      new FdMedium(MediumKind::kDirect, path, fd, *size, align, std::move(source)));
+}
+
+}  // namespace nonstop::media

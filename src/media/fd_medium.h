@@ -1,0 +1,50 @@
+// FdMedium: a Medium over one file descriptor with pwrite/pread/fdatasync.
+// The buffered and O_DIRECT kinds are this class; io_uring derives from it and
+// replaces Write and Read.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "media/media_internal.h"
+
+namespace nonstop::media {
+
+class FdMedium : public MediumBase {
+ public:
+  // Takes ownership of `fd`. `alignment` is 1 for buffered I/O.
+  FdMedium(MediumKind kind, std::string path, int fd, uint64_t size, size_t alignment,
+           std::string alignment_source);
+  ~FdMedium() override;
+  FdMedium(const FdMedium&) = delete;
+  FdMedium& operator=(const FdMedium&) = delete;
+
+  Status Write(uint64_t offset, const void* buf, size_t n) override;
+  Status Read(uint64_t offset, void* buf, size_t n) override;
+  Status Sync() override;
+  Status Resize(uint64_t size) override;
+  uint64_t Size() const override { return size_.load(std::memory_order_relaxed); }
+  size_t Alignment() const override { return alignment_; }
+  MediumKind kind() const override { return kind_; }
+
+ protected:
+  std::string Name() const override;
+  std::vector<std::string> Details() const override;
+
+  const MediumKind kind_;
+  const std::string path_;
+  const int fd_;
+  const size_t alignment_;
+  const std::string alignment_source_;
+  // The file size as this medium knows it: set by Resize, raised by writes
+  // that extend the file. Read() checks against it.
+  std::atomic<uint64_t> size_;
+};
+
+// Opens `path` with O_DIRECT and wraps it; Unavailable with advice when the
+// file system refuses O_DIRECT.
+Result<int> OpenDirectFile(const std::string& path, const MediumOptions& opts);
+
+}  // namespace nonstop::media

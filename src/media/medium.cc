@@ -1,0 +1,112 @@
+// OpenMedium: picks a backend by kind, and the kAuto fallback chain.
+#include <string>
+#include <utility>
+
+#include "media/media_internal.h"
+#include "nonstop/medium.h"
+
+namespace nonstop {
+
+const char* MediumKindName(MediumKind k) {
+  switch (k) {
+    case MediumKind::kAuto:
+      return "auto";
+    case MediumKind::kBuffered:
+      return "buffered";
+    case MediumKind::kDirect:
+      return "direct";
+    case MediumKind::kUring:
+      return "uring";
+    case MediumKind::kMmap:
+      return "mmap";
+    case MediumKind::kPmem:
+      return "pmem";
+  }
+  return "unknown";
+}
+
+bool ParseMediumKind(std::string_view name, MediumKind* out) {
+  for (MediumKind k : {MediumKind::kAuto, MediumKind::kBuffered, MediumKind::kDirect,
+                       MediumKind::kUring, MediumKind::kMmap, MediumKind::kPmem}) {
+    if (name == MediumKindName(k)) {
+      *out = k;
+      return true;
+    }
+  }
+  return false;
+}
+
+namespace media {
+
+std::string MediumBase::Describe() const {
+  std::string out = Name();
+  std::vector<std::string> parts = Details();
+  parts.insert(parts.end(), notes_.begin(), notes_.end());
+  if (parts.empty()) return out;
+  out += " (";
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i > 0) out += "; ";
+    out += parts[i];
+  }
+  return out + ")";
+}
+
+}  // namespace media
+
+namespace {
+
+using media::MediumBase;
+
+Result<std::unique_ptr<MediumBase>> OpenKind(const std::string& path, MediumKind kind,
+                                             const MediumOptions& opts) {
+  switch (kind) {
+    case MediumKind::kBuffered:
+      return media::OpenBufferedMedium(path, opts);
+    case MediumKind::kDirect:
+      return media::OpenDirectMedium(path, opts);
+    case MediumKind::kUring:
+      return media::OpenUringMedium(path, opts);
+    case MediumKind::kMmap:
+      return media::OpenMmapMedium(path, opts);
+    case MediumKind::kPmem:
+      return media::OpenPmemMedium(path, opts);
+    case MediumKind::kAuto:
+      break;
+  }
+  return Status::Internal("OpenKind: kAuto has no backend of its own");
+}
+
+// io_uring first (deepest queue, least CPU per byte), then O_DIRECT pwrite,
+// then buffered. Only errors that say "this kind cannot work here" move on to
+// the next kind; anything else (NotFound, EACCES, ...) would fail the
+// slower kinds the same way and is returned as it is.
+Result<std::unique_ptr<MediumBase>> OpenAuto(const std::string& path, const MediumOptions& opts) {
+  std::vector<std::string> reasons;
+  for (MediumKind k : {MediumKind::kUring, MediumKind::kDirect}) {
+    Result<std::unique_ptr<MediumBase>> m = OpenKind(path, k, opts);
+    if (m.ok()) {
+      // "O_DIRECT pwrite (align 512 from statx; io_uring: <why not>)".
+      for (std::string& r : reasons) m.value()->AddNote(std::move(r));
+      return m;
+    }
+    if (m.status().code() != StatusCode::kUnavailable) return m.status();
+    reasons.push_back(std::string(k == MediumKind::kUring ? "io_uring: " : "O_DIRECT: ") +
+                      m.status().message());
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<MediumBase> m, media::OpenBufferedMedium(path, opts));
+  // The brief's order: the reason closest to the choice first.
+  for (auto it = reasons.rbegin(); it != reasons.rend(); ++it) m->AddNote(std::move(*it));
+  return m;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind kind,
+                                           const MediumOptions& opts) {
+  Result<std::unique_ptr<MediumBase>> m =
+      kind == MediumKind::kAuto ? OpenAuto(path, opts) : OpenKind(path, kind, opts);
+  if (!m.ok()) return m.status();
+  return std::unique_ptr<Medium>(std::move(m).value());
+}
+
+}  // namespace nonstop

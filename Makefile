@@ -72,6 +72,20 @@ test-fuzz: deps
 	$(CMAKE) --build build-fuzz -j $(JOBS) --target fuzz_store
 	mkdir -p build-fuzz/corpus && ./build-fuzz/tests/fuzz_store -max_total_time=$(FUZZ_SECONDS) build-fuzz/corpus
 
+# The GPU checks, for a GPU machine where nothing can be installed: the C++
+# build with CUDA (whatever needs a missing -dev package is skipped at
+# configure time), its tests (the GPU ones skip where no device is usable),
+# then the PyTorch GPU check with the machine's python3 when it has CUDA torch.
+GPU_BUILD ?= build-gpu
+test-gpu:
+	$(CMAKE) -S . -B $(GPU_BUILD) $(CMAKE_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	$(CMAKE) --build $(GPU_BUILD) -j $(JOBS)
+	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+	@if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+	  PYTHONPATH=python:$(GPU_BUILD)/python python3 tests/gpu/test_gpu_torch.py; \
+	else echo "== test-gpu: no CUDA torch for python3: tests/gpu/test_gpu_torch.py skipped"; fi
+
 demo: build
 	$(PY) -m nonstop.demo
 

@@ -33,29 +33,49 @@ if(NONSTOP_BUILD_TOOLS AND (NOT nlohmann_json_FOUND OR NOT CLI11_FOUND))
   set(NONSTOP_BUILD_TOOLS OFF)
 endif()
 
-# CUDA: AUTO builds it when a toolkit is found.
+# CUDA: AUTO builds it when a toolkit is found; ON insists; OFF skips it.
+# The copy engine is plain C++ over the runtime API, so what it needs is the
+# toolkit's headers and cudart_static, not nvcc: a host compiler that nvcc
+# does not support still builds it. nvcc, when it works, is enabled too so that
+# kernels may be added later, for the architectures below (Ampere and Hopper
+# machine code; override with -DCMAKE_CUDA_ARCHITECTURES=...).
 set(NONSTOP_HAVE_CUDA OFF)
+set(NONSTOP_HAVE_NVCC OFF)
+if(NOT NONSTOP_CUDA MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "NONSTOP_CUDA must be AUTO, ON or OFF, not '${NONSTOP_CUDA}'")
+endif()
 if(NOT NONSTOP_CUDA STREQUAL "OFF")
-  include(CheckLanguage)
-  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
-    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  if(NOT CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDA_PATH} AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
   endif()
-  check_language(CUDA)
-  if(CMAKE_CUDA_COMPILER)
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND AND TARGET CUDA::cudart_static)
+    set(NONSTOP_HAVE_CUDA ON)
+    if(NOT CMAKE_CUDA_COMPILER AND CUDAToolkit_NVCC_EXECUTABLE)
+      set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
+    endif()
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 80 90)
     endif()
-    enable_language(CUDA)
-    find_package(CUDAToolkit QUIET)
-    if(CUDAToolkit_FOUND)
-      set(NONSTOP_HAVE_CUDA ON)
+    include(CheckLanguage)
+    check_language(CUDA)
+    if(CMAKE_CUDA_COMPILER)
+      enable_language(CUDA)
+      set(NONSTOP_HAVE_NVCC ON)
     endif()
   endif()
   if(NONSTOP_CUDA STREQUAL "ON" AND NOT NONSTOP_HAVE_CUDA)
-    message(FATAL_ERROR "NONSTOP_CUDA=ON but no CUDA toolkit was found")
+    message(FATAL_ERROR "NONSTOP_CUDA=ON but no CUDA toolkit (headers + cudart_static) was found; "
+                        "set CUDAToolkit_ROOT or configure with -DNONSTOP_CUDA=OFF")
   endif()
 endif()
-message(STATUS "nonstop: CUDA copy engine: ${NONSTOP_HAVE_CUDA}")
+if(NONSTOP_HAVE_CUDA)
+  message(STATUS "nonstop: CUDA copy engine: yes (CUDA ${CUDAToolkit_VERSION}, "
+                 "${CUDAToolkit_INCLUDE_DIRS}; nvcc: ${NONSTOP_HAVE_NVCC}, "
+                 "archs ${CMAKE_CUDA_ARCHITECTURES})")
+else()
+  message(STATUS "nonstop: CUDA copy engine: no -> host copies only")
+endif()
 
 function(nonstop_link_optional_deps target)
   if(NONSTOP_HAVE_URING)

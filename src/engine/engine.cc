@@ -1,0 +1,910 @@
+// The checkpoint orchestrator. docs/ENGINE.md describes the data path and
+// the threading; this file keeps the rules next to the data they protect.
+//
+// Threads (all long-lived, started by Open, stopped by Close):
+//   training thread  the caller: Register, Checkpoint, WaitCopied, ... .
+//   dispatcher (1)   takes checkpoints FIFO; for each chunk of the slot's data
+//                    region: acquires a staging chunk (the staging wait),
+//                    zeroes padding, starts the copies of the tensor pieces,
+//                    and once they are done hands the chunk to the writers.
+//                    Keeps a small window of chunks copying, so chunk k+1 is
+//                    copied while chunk k is written.
+//   writers (p)      TaskPool: write a staged chunk at its slot offset, crc it,
+//                    free the staging chunk. The last chunk of a checkpoint
+//                    hands it to the committer.
+//   committer (1)    claims the counter by CAS, commits through SlotFile
+//                    (data, table, superblock durable in that order), then
+//                    publishes it and releases the previously retained slot.
+//   copy threads     inside the CopyEngine.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_set>
+
+#include "engine/chunk_plan.h"
+#include "engine/engine_internal.h"
+#include "engine/slot_queue.h"
+#include "engine/task_pool.h"
+#include "nonstop/copy_engine.h"
+#include "nonstop/engine.h"
+#include "stage/staging_pool.h"
+
+namespace nonstop {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+constexpr uint64_t kDefaultChunkBytes = 4 << 20;
+constexpr uint64_t kDefaultStagingBytes = 256 << 20;
+constexpr int kDefaultWriters = 4;
+
+// What one Register call fixed: the tensors, their slot layout, the chunk
+// plan and the buffers for copy_at_checkpoint tensors. Immutable once built
+// (the snapshot buffers' contents change, guarded by the snapshot protocol
+// below); shared by every checkpoint started under it.
+struct Registration {
+  std::vector<TensorRef> tensors;
+  SlotLayout layout;
+  ChunkPlan plan;
+  // copy_at_checkpoint tensors: their offset inside one snapshot buffer.
+  std::vector<int64_t> snapshot_offset;  // -1 for tensors copied in the background
+  uint64_t snapshot_bytes = 0;
+  // One buffer per possible in-flight checkpoint. A checkpoint takes one in
+  // Checkpoint() and gives it back once its copies are done (dispatcher);
+  // ownership moves through Engine::free_snapshots_ (guarded by Engine::mu_).
+  std::vector<std::byte*> snapshots;
+  CopyEngine* copy = nullptr;
+
+  ~Registration() {
+    for (std::byte* p : snapshots) copy->FreeHost(p, snapshot_bytes);
+  }
+};
+
+// One checkpoint on its way to the medium.
+struct Job {
+  uint64_t counter = 0;
+  int64_t step = 0;
+  uint32_t slot = 0;
+  std::shared_ptr<Registration> reg;
+  std::shared_ptr<SlotFile> file;
+  std::vector<const void*> src;  // per tensor: registered memory or its snapshot
+  std::vector<Device> src_device;
+  int snapshot = -1;  // index into reg->snapshots, or -1
+  std::string meta_json;
+  Clock::time_point t_start;
+  double stall_s = 0;  // GUARDED_BY(Engine::mu_) after Checkpoint() returns
+  double copy_s = 0;   // written by the dispatcher before it publishes copied_through_
+
+  // Each crc is written by the one writer task of its chunk; the committer
+  // reads them after `remaining` reached 0 (acq_rel on the decrement).
+  std::vector<uint32_t> crcs;
+  std::atomic<uint64_t> remaining{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mu;
+  Status error;  // GUARDED_BY(error_mu): the first failure
+
+  void Fail(const Status& s) {
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (error.ok()) error = s;
+    failed.store(true, std::memory_order_release);
+  }
+  Status TakeError() {
+    std::lock_guard<std::mutex> lock(error_mu);
+    return error;
+  }
+};
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl(const EngineOptions& opts, EngineMedia media) : opts_(opts), media_(std::move(media)) {}
+  ~EngineImpl() override { (void)Close(); }
+
+  Status Init();
+
+  Status Register(std::vector<TensorRef> tensors) override;
+  Result<uint64_t> Checkpoint(int64_t step, std::string meta_json) override;
+  Status WaitCopied() override;
+  Status WaitCommitted(uint64_t counter) override;
+  std::optional<CommittedCheckpoint> Latest() override;
+  Result<CheckpointInfo> Restore(std::optional<int64_t> step) override;
+  EngineStats Stats() override;
+  Status Close() override;
+
+ private:
+  std::string FinalPath() const { return (fs::path(opts_.dir) / SlotFileName(opts_.rank)).string(); }
+  std::string TempPath() const { return FinalPath() + ".tmp"; }
+  uint32_t WantedSlots() const {
+    return static_cast<uint32_t>(opts_.max_in_flight) + 1 + opts_.extra_slots;
+  }
+
+  // Thread bodies.
+  void DispatchLoop();
+  void CopyJob(const std::shared_ptr<Job>& job);
+  void WriteChunk(const std::shared_ptr<Job>& job, uint32_t j, StagingPool::Chunk chunk);
+  void ChunksDone(const std::shared_ptr<Job>& job, uint64_t n);
+  void CommitLoop();
+  void FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded, Status st);
+
+  Status TakePendingError();  // REQUIRES(mu_)
+  Status CheckOpen();         // REQUIRES(mu_)
+  void AddStall(double s);    // REQUIRES(mu_)
+  Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
+  Status SwitchFile(uint64_t slot_bytes, bool keep_old);
+  Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
+
+  const EngineOptions opts_;
+  const EngineMedia media_;
+  std::unique_ptr<CopyEngine> copy_;
+  std::unique_ptr<StagingPool> staging_;
+  std::unique_ptr<TaskPool> writers_;
+  std::string medium_desc_;
+  uint64_t chunk_bytes_ = 0;
+  int window_ = 2;  // chunks the dispatcher keeps copying ahead of the writers
+
+  // The free slots of file_. Popped by the training thread (Checkpoint),
+  // pushed by the committer; replaced only by Register while nothing is in
+  // flight. See slot_queue.h for why a pop after observing in_flight_ < N
+  // always succeeds.
+  std::unique_ptr<SlotQueue> free_slots_;
+
+  // The newest counter claimed for commit: written only by the committer (by
+  // CAS, so a future multi-committer keeps the rule); an older checkpoint
+  // that finishes after a newer one has claimed is superseded, never committed.
+  std::atomic<uint64_t> claimed_{0};
+
+  std::mutex mu_;
+  std::condition_variable cv_;  // any change of the state below
+  bool closed_ = false;                              // GUARDED_BY(mu_)
+  bool stopping_ = false;                            // GUARDED_BY(mu_)
+  std::shared_ptr<Registration> reg_;                // GUARDED_BY(mu_)
+  std::shared_ptr<SlotFile> file_;                   // GUARDED_BY(mu_): where new checkpoints go
+  // Set while file_ is a fresh TempPath() file that has no commit yet: the
+  // committed checkpoints still live in old_file_ at FinalPath().
+  std::shared_ptr<SlotFile> old_file_;               // GUARDED_BY(mu_)
+  bool pending_rename_ = false;                      // GUARDED_BY(mu_)
+  std::optional<uint32_t> retained_slot_;            // GUARDED_BY(mu_): newest committed, in file_
+  std::vector<int> free_snapshots_;                  // GUARDED_BY(mu_)
+  uint64_t next_counter_ = 1;                        // GUARDED_BY(mu_)
+  uint64_t committed_counter_ = 0;                   // GUARDED_BY(mu_)
+  std::optional<CommittedCheckpoint> latest_;        // GUARDED_BY(mu_)
+  int in_flight_ = 0;                                // GUARDED_BY(mu_)
+  std::set<uint64_t> unfinished_;                    // GUARDED_BY(mu_)
+  uint64_t started_last_ = 0;                        // GUARDED_BY(mu_)
+  uint64_t copied_through_ = 0;                      // GUARDED_BY(mu_): dispatcher is FIFO
+  std::deque<std::shared_ptr<Job>> dispatch_q_;      // GUARDED_BY(mu_)
+  std::deque<std::shared_ptr<Job>> commit_q_;        // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<Job>> live_;    // GUARDED_BY(mu_): started, unfinished
+  // Failures not yet handed to the caller, oldest first, with their counter.
+  std::deque<std::pair<uint64_t, Status>> pending_errors_;  // GUARDED_BY(mu_)
+  EngineStats stats_;                                // GUARDED_BY(mu_)
+
+  std::thread dispatcher_;
+  std::thread committer_;
+};
+
+Status EngineImpl::Init() {
+  if (opts_.dir.empty()) return Status::InvalidArgument("engine: empty checkpoint dir");
+  if (opts_.max_in_flight < 1) {
+    return Status::InvalidArgument("max_in_flight must be >= 1, got " +
+                                   std::to_string(opts_.max_in_flight));
+  }
+  if (opts_.world_size < 1 || opts_.rank >= opts_.world_size) {
+    return Status::InvalidArgument("rank " + std::to_string(opts_.rank) +
+                                   " is not below world_size " +
+                                   std::to_string(opts_.world_size));
+  }
+  chunk_bytes_ = opts_.chunk_bytes ? opts_.chunk_bytes : kDefaultChunkBytes;
+  if (chunk_bytes_ % kStoreAlign != 0 || chunk_bytes_ > (1u << 30)) {
+    return Status::InvalidArgument("chunk_bytes " + std::to_string(chunk_bytes_) +
+                                   " must be a multiple of 4096 and at most 1 GiB");
+  }
+  std::error_code ec;
+  fs::create_directories(opts_.dir, ec);
+  if (ec) return Status::IOError("cannot create checkpoint dir " + opts_.dir + ": " + ec.message());
+
+  const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
+  const int copy_threads = std::max(0, opts_.copy_threads);
+  copy_ = MakeBestCopyEngine(copy_threads, nullptr);
+  window_ = std::max(2, 2 * copy_threads);
+  // Enough chunks for every writer to hold one while the dispatcher fills a window.
+  const uint32_t min_chunks = static_cast<uint32_t>(writers + window_);
+  uint64_t staging = opts_.staging_bytes;
+  if (staging == 0) staging = std::max<uint64_t>(kDefaultStagingBytes, min_chunks * chunk_bytes_);
+  NONSTOP_ASSIGN_OR_RETURN(staging_,
+                           StagingPool::Create(copy_.get(), staging, chunk_bytes_, min_chunks));
+  writers_ = std::make_unique<TaskPool>(writers);
+
+  // A temp file left by a crash during a slot resize holds no committed
+  // checkpoint that the final file lacks (the rename is the commit point).
+  fs::remove(TempPath(), ec);
+  Result<std::unique_ptr<Medium>> existing = media_.open(FinalPath(), false);
+  if (!existing.ok() && existing.status().code() != StatusCode::kNotFound) return existing.status();
+  if (existing.ok()) {
+    std::unique_ptr<Medium> medium = std::move(existing).value();
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf, SlotFile::Open(std::move(medium)));
+    const StoreGeometry& g = sf->geometry();
+    if (g.world_size != opts_.world_size || g.rank != opts_.rank) {
+      return Status::FailedPrecondition(
+          FinalPath() + " was written by rank " + std::to_string(g.rank) + " of world size " +
+          std::to_string(g.world_size) + ", not rank " + std::to_string(opts_.rank) + " of " +
+          std::to_string(opts_.world_size) + ": use another dir or the matching world size");
+    }
+    ScanOptions so;
+    so.verify_data = false;  // Restore verifies what it reads; Open stays cheap
+    NONSTOP_ASSIGN_OR_RETURN(ScanReport report, sf->Scan(so));
+    uint64_t max_counter = sf->newest_committed_counter();
+    for (const auto& c : report.checkpoints) max_counter = std::max(max_counter, c.info.counter);
+    next_counter_ = max_counter + 1;
+    free_slots_ = std::make_unique<SlotQueue>(g.slots);
+    if (report.newest_valid >= 0) {
+      const CheckpointInfo& info = report.checkpoints[report.newest_valid].info;
+      retained_slot_ = info.slot;
+      latest_ = CommittedCheckpoint{info.counter, info.step};
+      committed_counter_ = info.counter;
+    }
+    claimed_.store(committed_counter_);
+    for (uint32_t s = 0; s < g.slots; ++s) {
+      if (!retained_slot_ || *retained_slot_ != s) free_slots_->Push(s);
+    }
+    medium_desc_ = sf->medium().Describe();
+    file_ = std::move(sf);
+  }
+
+  stats_.staging_bytes = staging_->total_bytes();
+  stats_.chunk_bytes = chunk_bytes_;
+  stats_.writers = writers;
+  stats_.max_in_flight = opts_.max_in_flight;
+  stats_.copy_engine = copy_->Describe();
+  dispatcher_ = std::thread([this] { DispatchLoop(); });
+  committer_ = std::thread([this] { CommitLoop(); });
+  return Status::OK();
+}
+
+Status EngineImpl::TakePendingError() {
+  if (pending_errors_.empty()) return Status::OK();
+  Status s = pending_errors_.front().second;
+  pending_errors_.pop_front();
+  return s;
+}
+
+Status EngineImpl::CheckOpen() {
+  if (closed_) return Status::FailedPrecondition("engine is closed");
+  return Status::OK();
+}
+
+void EngineImpl::AddStall(double s) { stats_.stall_s_total += s; }
+
+Status EngineImpl::WaitAllFinished(std::unique_lock<std::mutex>& lock) {
+  cv_.wait(lock, [&] { return in_flight_ == 0; });
+  return Status::OK();
+}
+
+// Creates a new slot file with slot_bytes per slot. With keep_old the new file
+// lives at TempPath() until its first commit renames it over the old one, so
+// a committed checkpoint exists at every instant. Called with nothing in flight.
+Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
+  const std::string path = keep_old ? TempPath() : FinalPath();
+  NONSTOP_ASSIGN_OR_RETURN(auto medium, media_.open(path, true));
+  StoreGeometry g;
+  g.slots = WantedSlots();
+  g.slot_bytes = slot_bytes;
+  g.rank = opts_.rank;
+  g.world_size = opts_.world_size;
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf, SlotFile::Create(std::move(medium), g));
+  medium_desc_ = sf->medium().Describe();
+  free_slots_ = std::make_unique<SlotQueue>(g.slots);
+  for (uint32_t s = 0; s < g.slots; ++s) free_slots_->Push(s);
+  retained_slot_.reset();
+  if (keep_old) {
+    if (!pending_rename_) old_file_ = file_;
+    pending_rename_ = true;
+  } else {
+    old_file_.reset();
+    pending_rename_ = false;
+  }
+  file_ = std::move(sf);
+  return Status::OK();
+}
+
+Status EngineImpl::Register(std::vector<TensorRef> tensors) {
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  NONSTOP_RETURN_IF_ERROR(TakePendingError());
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const TensorRef& t : tensors) {
+    if (t.data == nullptr && t.spec.nbytes > 0) {
+      return Status::InvalidArgument("tensor '" + t.spec.name + "' has no data pointer");
+    }
+    specs.push_back(t.spec);
+  }
+  NONSTOP_ASSIGN_OR_RETURN(SlotLayout layout, SlotLayout::Plan(specs));
+
+  // In-flight copies still read the old registration's memory and snapshots.
+  const auto t0 = Clock::now();
+  cv_.wait(lock, [&] { return copied_through_ >= started_last_; });
+
+  const uint64_t slot_bytes = StoreGeometry::SlotBytesFor(layout);
+  const bool fits = file_ && file_->geometry().slot_bytes >= slot_bytes &&
+                    file_->geometry().slots >= WantedSlots();
+  if (!fits) {
+    // Slot ids and the retained slot belong to one file: switch with nothing in flight.
+    NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+    const bool keep_old = file_ != nullptr && (latest_.has_value() || pending_rename_);
+    NONSTOP_RETURN_IF_ERROR(SwitchFile(slot_bytes, keep_old));
+    stats_.medium = medium_desc_;
+  }
+  AddStall(Seconds(t0, Clock::now()));
+
+  auto reg = std::make_shared<Registration>();
+  reg->copy = copy_.get();
+  reg->plan = ChunkPlan::Build(layout.tensors, layout.data_bytes, chunk_bytes_);
+  reg->layout = std::move(layout);
+  reg->snapshot_offset.assign(tensors.size(), -1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].copy_at_checkpoint) continue;
+    reg->snapshot_offset[i] = static_cast<int64_t>(reg->snapshot_bytes);
+    reg->snapshot_bytes += (tensors[i].spec.nbytes + 63) / 64 * 64;
+  }
+  free_snapshots_.clear();
+  if (reg->snapshot_bytes > 0) {
+    for (int i = 0; i < opts_.max_in_flight; ++i) {
+      bool pinned = false;
+      auto* p = static_cast<std::byte*>(copy_->AllocHost(reg->snapshot_bytes, &pinned));
+      if (p == nullptr) {
+        return Status::IOError("cannot allocate " + std::to_string(reg->snapshot_bytes) +
+                               " bytes for copy_at_checkpoint tensors");
+      }
+      reg->snapshots.push_back(p);
+      free_snapshots_.push_back(i);
+    }
+  }
+  reg->tensors = std::move(tensors);
+  reg_ = std::move(reg);
+  return Status::OK();
+}
+
+Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  NONSTOP_RETURN_IF_ERROR(TakePendingError());
+  if (!reg_ || !file_) return Status::FailedPrecondition("Checkpoint before Register");
+  // The only place Checkpoint blocks on the pipeline: N already in flight.
+  cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight; });
+  std::optional<uint32_t> slot = free_slots_->Pop();
+  if (!slot) return Status::Internal("no free slot with fewer than max_in_flight in flight");
+
+  auto job = std::make_shared<Job>();
+  job->counter = next_counter_++;
+  job->step = step;
+  job->slot = *slot;
+  job->reg = reg_;
+  job->file = file_;
+  job->meta_json = std::move(meta_json);
+  job->t_start = t0;
+  const Registration& reg = *reg_;
+  job->src.resize(reg.tensors.size());
+  job->src_device.resize(reg.tensors.size());
+  job->crcs.assign(reg.plan.chunks.size(), 0);
+  job->remaining.store(reg.plan.chunks.size());
+  for (size_t i = 0; i < reg.tensors.size(); ++i) {
+    job->src[i] = reg.tensors[i].data;
+    job->src_device[i] = reg.tensors[i].device;
+  }
+  if (reg.snapshot_bytes > 0) {
+    // At most N snapshots are out (one per in-flight checkpoint), and we hold
+    // one of the N in-flight places, so one is free.
+    if (free_snapshots_.empty()) return Status::Internal("no free copy_at_checkpoint buffer");
+    job->snapshot = free_snapshots_.back();
+    free_snapshots_.pop_back();
+  }
+  ++in_flight_;
+  unfinished_.insert(job->counter);
+  live_[job->counter] = job;
+  ++stats_.started;
+  lock.unlock();
+
+  // copy_at_checkpoint tensors: copied now, on the caller's time, into the
+  // snapshot buffer; the background pipeline reads the snapshot instead.
+  Status copy_status;
+  if (job->snapshot >= 0) {
+    std::byte* base = reg.snapshots[job->snapshot];
+    std::vector<std::unique_ptr<CopyCompletion>> done;
+    for (size_t i = 0; i < reg.tensors.size(); ++i) {
+      if (reg.snapshot_offset[i] < 0) continue;
+      std::byte* dst = base + reg.snapshot_offset[i];
+      done.push_back(copy_->Copy(reg.tensors[i].data, reg.tensors[i].device, dst,
+                                 reg.tensors[i].spec.nbytes));
+      job->src[i] = dst;
+      job->src_device[i] = Device{};
+    }
+    for (auto& d : done) {
+      Status s = d->Wait();
+      if (copy_status.ok() && !s.ok()) copy_status = s;
+    }
+    if (!copy_status.ok()) job->Fail(copy_status.Annotate("copy_at_checkpoint"));
+  }
+
+  lock.lock();
+  started_last_ = job->counter;
+  dispatch_q_.push_back(job);
+  const double stall = Seconds(t0, Clock::now());
+  job->stall_s += stall;
+  AddStall(stall);
+  lock.unlock();
+  cv_.notify_all();
+  return job->counter;
+}
+
+Status EngineImpl::WaitCopied() {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (copied_through_ < started_last_) {
+    std::shared_ptr<Job> newest = live_.count(started_last_) ? live_[started_last_] : nullptr;
+    cv_.wait(lock, [&] { return copied_through_ >= started_last_; });
+    const double s = Seconds(t0, Clock::now());
+    if (newest) newest->stall_s += s;
+    AddStall(s);
+  }
+  return TakePendingError();
+}
+
+Status EngineImpl::WaitCommitted(uint64_t counter) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  std::shared_ptr<Job> job = live_.count(counter) ? live_[counter] : nullptr;
+  cv_.wait(lock, [&] {
+    return counter == 0 ? unfinished_.empty() : unfinished_.count(counter) == 0;
+  });
+  const double s = Seconds(t0, Clock::now());
+  if (job) job->stall_s += s;
+  AddStall(s);
+  if (counter != 0) {
+    for (auto it = pending_errors_.begin(); it != pending_errors_.end(); ++it) {
+      if (it->first == counter) {
+        Status st = it->second;
+        pending_errors_.erase(it);
+        return st;
+      }
+    }
+  }
+  return TakePendingError();
+}
+
+std::optional<CommittedCheckpoint> EngineImpl::Latest() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return latest_;
+}
+
+// ---- background: dispatcher ----------------------------------------------
+
+void EngineImpl::DispatchLoop() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !dispatch_q_.empty(); });
+      if (dispatch_q_.empty()) return;
+      job = dispatch_q_.front();
+      dispatch_q_.pop_front();
+    }
+    CopyJob(job);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (job->snapshot >= 0) free_snapshots_.push_back(job->snapshot);
+      copied_through_ = job->counter;
+    }
+    cv_.notify_all();
+  }
+}
+
+void EngineImpl::CopyJob(const std::shared_ptr<Job>& job) {
+  const ChunkPlan& plan = job->reg->plan;
+  const uint32_t n = static_cast<uint32_t>(plan.chunks.size());
+  struct InCopy {
+    uint32_t j;
+    StagingPool::Chunk chunk;
+    std::vector<std::unique_ptr<CopyCompletion>> done;
+  };
+  std::deque<InCopy> window;
+  auto finish_front = [&] {
+    InCopy& c = window.front();
+    Status st;
+    for (auto& d : c.done) {
+      Status s = d->Wait();
+      if (st.ok() && !s.ok()) st = s;
+    }
+    if (!st.ok()) job->Fail(st.Annotate("copy to staging"));
+    if (job->failed.load(std::memory_order_acquire)) {
+      staging_->Release(c.chunk);
+      ChunksDone(job, 1);
+    } else {
+      const uint32_t j = c.j;
+      const StagingPool::Chunk chunk = c.chunk;
+      writers_->Submit([this, job, j, chunk] { WriteChunk(job, j, chunk); });
+    }
+    window.pop_front();
+  };
+  uint32_t issued = 0;
+  for (; issued < n && !job->failed.load(std::memory_order_acquire); ++issued) {
+    Result<StagingPool::Chunk> chunk = staging_->Acquire();
+    if (!chunk.ok()) {
+      job->Fail(chunk.status());
+      break;
+    }
+    const PlannedChunk& pc = plan.chunks[issued];
+    InCopy c{issued, *chunk, {}};
+    for (const ChunkSpan& g : pc.gaps) std::memset(c.chunk.data + g.offset, 0, g.bytes);
+    for (const ChunkPiece& p : pc.pieces) {
+      const auto* src = static_cast<const std::byte*>(job->src[p.tensor]) + p.tensor_offset;
+      c.done.push_back(copy_->Copy(src, job->src_device[p.tensor], c.chunk.data + p.chunk_offset,
+                                   p.bytes));
+    }
+    window.push_back(std::move(c));
+    while (window.size() > static_cast<size_t>(window_)) finish_front();
+  }
+  while (!window.empty()) finish_front();
+  job->copy_s = Seconds(job->t_start, Clock::now());
+  if (issued < n) {
+    ChunksDone(job, n - issued);
+  } else if (n == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    commit_q_.push_back(job);
+    cv_.notify_all();
+  }
+}
+
+// ---- background: writers -------------------------------------------------
+
+void EngineImpl::WriteChunk(const std::shared_ptr<Job>& job, uint32_t j, StagingPool::Chunk chunk) {
+  if (!job->failed.load(std::memory_order_acquire)) {
+    const PlannedChunk& pc = job->reg->plan.chunks[j];
+    job->crcs[j] = Crc32c(chunk.data, pc.bytes);
+    Status st = job->file->WriteData(job->slot, pc.slot_offset, chunk.data, pc.bytes);
+    if (!st.ok()) job->Fail(st);
+  }
+  staging_->Release(chunk);
+  ChunksDone(job, 1);
+}
+
+void EngineImpl::ChunksDone(const std::shared_ptr<Job>& job, uint64_t n) {
+  if (job->remaining.fetch_sub(n, std::memory_order_acq_rel) == n) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      commit_q_.push_back(job);
+    }
+    cv_.notify_all();
+  }
+}
+
+// ---- background: committer -----------------------------------------------
+
+void EngineImpl::CommitLoop() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return (stopping_ && in_flight_ == 0) || !commit_q_.empty(); });
+      if (commit_q_.empty()) return;
+      job = commit_q_.front();
+      commit_q_.pop_front();
+    }
+    Status st = job->TakeError();
+    if (!st.ok()) {
+      FinishJob(job, false, false, st);
+      continue;
+    }
+    // Claim: only a counter above every claimed one may commit (PCcheck's CAS
+    // rule, on all 64 bits). A late older checkpoint is superseded.
+    uint64_t cur = claimed_.load(std::memory_order_acquire);
+    bool won = false;
+    while (cur < job->counter) {
+      if (claimed_.compare_exchange_weak(cur, job->counter, std::memory_order_acq_rel)) {
+        won = true;
+        break;
+      }
+    }
+    if (!won) {
+      FinishJob(job, false, true, Status::OK());
+      continue;
+    }
+    CommitRequest req;
+    req.slot = job->slot;
+    req.counter = job->counter;
+    req.step = job->step;
+    req.layout = &job->reg->layout;
+    req.crc_chunk_bytes = static_cast<uint32_t>(chunk_bytes_);
+    req.chunk_crcs = job->crcs;
+    req.meta_json = job->meta_json;
+    Result<CheckpointInfo> info = job->file->Commit(req);
+    if (!info.ok()) {
+      // Give the claim back so an older in-flight checkpoint may still commit.
+      uint64_t expected = job->counter;
+      uint64_t durable;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        durable = committed_counter_;
+      }
+      claimed_.compare_exchange_strong(expected, durable, std::memory_order_acq_rel);
+      FinishJob(job, false, false, info.status().Annotate("commit"));
+      continue;
+    }
+    FinishJob(job, true, false, Status::OK());
+  }
+}
+
+void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded,
+                           Status st) {
+  const double persist_s = Seconds(job->t_start, Clock::now());
+  std::unique_lock<std::mutex> lock(mu_);
+  // The first commit into a resized file makes it the file: rename it over the
+  // old one and sync the directory, so the old committed checkpoint is
+  // replaced by a newer committed one in one atomic step.
+  if (committed && pending_rename_ && job->file == file_) {
+    Status rs = media_.rename(TempPath(), FinalPath());
+    if (!rs.ok()) {
+      st = rs;
+      committed = false;
+    } else {
+      pending_rename_ = false;
+      old_file_.reset();
+    }
+  }
+  // Slots go back before in_flight_ drops (see slot_queue.h).
+  if (committed) {
+    if (job->file == file_) {
+      if (retained_slot_) free_slots_->Push(*retained_slot_);
+      retained_slot_ = job->slot;
+    }
+    committed_counter_ = std::max(committed_counter_, job->counter);
+    latest_ = CommittedCheckpoint{job->counter, job->step};
+    ++stats_.committed;
+  } else {
+    if (job->file == file_) free_slots_->Push(job->slot);
+    if (superseded) {
+      ++stats_.superseded;
+    } else {
+      ++stats_.failed;
+      st = st.Annotate("checkpoint " + std::to_string(job->counter) + " (step " +
+                       std::to_string(job->step) + ")");
+      pending_errors_.emplace_back(job->counter, st);
+    }
+  }
+  CheckpointStats cs;
+  cs.counter = job->counter;
+  cs.step = job->step;
+  cs.bytes = job->reg->layout.data_bytes;
+  cs.stall_s = job->stall_s;
+  cs.copy_s = job->copy_s;
+  cs.persist_s = persist_s;
+  cs.write_GBps = persist_s > 0 ? static_cast<double>(cs.bytes) / persist_s / 1e9 : 0;
+  cs.committed = committed;
+  if (superseded) cs.error = "superseded by a newer checkpoint";
+  if (!st.ok()) cs.error = st.ToString();
+  stats_.recent.push_back(std::move(cs));
+  if (stats_.recent.size() > 64) stats_.recent.erase(stats_.recent.begin());
+  unfinished_.erase(job->counter);
+  live_.erase(job->counter);
+  --in_flight_;
+  lock.unlock();
+  cv_.notify_all();
+}
+
+// ---- restore ---------------------------------------------------------------
+
+// Reads one planned chunk into `dst` and checks its crc. Where the stored crc
+// chunks are the engine's chunks (the usual case) it reads straight from the
+// medium into staging; otherwise SlotFile::ReadData does the verified read.
+Status ReadChunk(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info,
+                 const PlannedChunk& pc, std::byte* dst) {
+  const uint64_t cb = info.crc_chunk_bytes;
+  const bool same = cb != 0 && pc.slot_offset % cb == 0 &&
+                    (pc.bytes == cb || pc.slot_offset + pc.bytes == info.data_bytes) &&
+                    info.chunk_crcs.size() == (info.data_bytes + cb - 1) / cb;
+  if (!same) return file->ReadData(info, pc.slot_offset, dst, pc.bytes, true);
+  NONSTOP_RETURN_IF_ERROR(file->medium().Read(info.data_offset + pc.slot_offset, dst, pc.bytes));
+  const uint64_t j = pc.slot_offset / cb;
+  if (Crc32c(dst, pc.bytes) != info.chunk_crcs[j]) {
+    return Status::Corruption("data chunk " + std::to_string(j) + " of checkpoint #" +
+                              std::to_string(info.counter) + " (step " +
+                              std::to_string(info.step) + ") has a checksum mismatch");
+  }
+  return Status::OK();
+}
+
+Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
+                                  const CheckpointInfo& info) {
+  const std::vector<TensorRef>& tensors = reg_->tensors;
+  // Map every registered tensor to the stored one, checking name, dtype, shape.
+  std::vector<int> stored_to_reg(info.tensors.size(), -1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& want = tensors[i].spec;
+    const int k = info.FindTensor(want.name);
+    if (k < 0) {
+      return Status::NotFound("tensor '" + want.name + "' is not in checkpoint " +
+                              std::to_string(info.counter) + " (step " +
+                              std::to_string(info.step) + ")");
+    }
+    const TensorSpec& have = info.tensors[k].spec;
+    if (have.dtype != want.dtype) {
+      return Status::InvalidArgument("tensor '" + want.name + "': checkpoint has dtype " +
+                                     std::string(DTypeName(have.dtype)) + ", registered " +
+                                     std::string(DTypeName(want.dtype)));
+    }
+    if (have.shape != want.shape || have.nbytes != want.nbytes) {
+      auto str = [](const std::vector<int64_t>& s) {
+        std::string r = "[";
+        for (size_t d = 0; d < s.size(); ++d) r += (d ? "," : "") + std::to_string(s[d]);
+        return r + "]";
+      };
+      return Status::InvalidArgument("tensor '" + want.name + "': checkpoint has shape " +
+                                     str(have.shape) + ", registered " + str(want.shape));
+    }
+    if (tensors[i].device.kind != DeviceKind::kHost) {
+      return Status::Unavailable("tensor '" + want.name +
+                                 "' is in device memory: restore it through a host tensor");
+    }
+    stored_to_reg[k] = static_cast<int>(i);
+  }
+  std::vector<bool> include(info.tensors.size());
+  for (size_t k = 0; k < include.size(); ++k) include[k] = stored_to_reg[k] >= 0;
+  const ChunkPlan plan = ChunkPlan::Build(info.tensors, info.data_bytes, chunk_bytes_, include);
+
+  // Chunks are read in parallel on the writer threads, each through a staging
+  // chunk (aligned for O_DIRECT), verified, then scattered to the tensors.
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = 0;  // GUARDED_BY(mu)
+  Status first;        // GUARDED_BY(mu)
+  for (const PlannedChunk& pc : plan.chunks) {
+    if (pc.pieces.empty()) continue;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      ++pending;
+    }
+    writers_->Submit([&, pc_ptr = &pc] {
+      Status st;
+      Result<StagingPool::Chunk> chunk = staging_->Acquire();
+      if (!chunk.ok()) {
+        st = chunk.status();
+      } else {
+        st = ReadChunk(file, info, *pc_ptr, chunk->data);
+        if (st.ok()) {
+          for (const ChunkPiece& p : pc_ptr->pieces) {
+            auto* dst = static_cast<std::byte*>(const_cast<void*>(
+                            tensors[stored_to_reg[p.tensor]].data)) + p.tensor_offset;
+            std::memcpy(dst, chunk->data + p.chunk_offset, p.bytes);
+          }
+        }
+        staging_->Release(*chunk);
+      }
+      std::lock_guard<std::mutex> l(mu);
+      if (first.ok() && !st.ok()) first = st;
+      if (--pending == 0) cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> l(mu);
+  cv.wait(l, [&] { return pending == 0; });
+  return first;
+}
+
+Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  NONSTOP_RETURN_IF_ERROR(TakePendingError());
+  if (!reg_) return Status::FailedPrecondition("Restore before Register");
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
+  if (!file) return Status::NotFound("no checkpoint in " + opts_.dir);
+  ScanOptions so;
+  so.verify_data = false;  // each chunk's crc is verified as it is read below
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
+  std::vector<std::string> skipped;
+  for (const ScannedCheckpoint& c : report.checkpoints) {
+    if (c.state != CheckpointState::kCommitted) continue;
+    if (step && c.info.step != *step) continue;
+    Status st = ReadCheckpoint(file, c.info);
+    if (st.ok()) {
+      AddStall(Seconds(t0, Clock::now()));
+      return c.info;
+    }
+    // Damaged bytes: fall back to an older checkpoint of the same step or,
+    // without a step, any older one. Mismatched tensors are the caller's error.
+    if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
+    skipped.push_back("checkpoint " + std::to_string(c.info.counter) + ": " + st.message());
+  }
+  std::string why = step ? "no valid checkpoint of step " + std::to_string(*step)
+                         : "no valid checkpoint";
+  why += " in " + file->medium().Describe();
+  for (const auto& s : skipped) why += "; " + s;
+  return Status::NotFound(why);
+}
+
+EngineStats EngineImpl::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats s = stats_;
+  s.in_flight = in_flight_;
+  s.medium = medium_desc_;
+  s.staging_wait_s_total = staging_ ? staging_->wait_s_total() : 0;
+  return s;
+}
+
+Status EngineImpl::Close() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return Status::OK();
+  cv_.wait(lock, [&] { return in_flight_ == 0; });
+  closed_ = true;
+  stopping_ = true;
+  Status st = TakePendingError();
+  lock.unlock();
+  cv_.notify_all();
+  if (dispatcher_.joinable()) dispatcher_.join();
+  if (committer_.joinable()) committer_.join();
+  writers_.reset();
+  lock.lock();
+  reg_.reset();
+  file_.reset();
+  old_file_.reset();
+  lock.unlock();
+  staging_.reset();
+  return st;
+}
+
+}  // namespace
+
+EngineMedia FileMedia(MediumKind kind) {
+  EngineMedia m;
+  m.open = [kind](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
+    std::error_code ec;
+    if (!create && !fs::exists(path, ec)) return Status::NotFound(path + " does not exist");
+    MediumOptions mo;
+    mo.create = create;
+    return OpenMedium(path, kind, mo);
+  };
+  m.rename = [](const std::string& from, const std::string& to) -> Status {
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      return Status::FromErrno("rename " + from + " over " + to, errno);
+    }
+    const std::string dir = fs::path(to).parent_path().string();
+    const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+    if (dfd < 0) return Status::FromErrno("open dir " + dir, errno);
+    const int rc = ::fsync(dfd);
+    const int err = errno;
+    ::close(dfd);
+    if (rc != 0) return Status::FromErrno("fsync dir " + dir, err);
+    return Status::OK();
+  };
+  return m;
+}
+
+Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& opts) {
+  return OpenEngine(opts, FileMedia(opts.medium));
+}
+
+Result<std::unique_ptr<Engine>> OpenEngine(const EngineOptions& opts, EngineMedia media) {
+  auto engine = std::make_unique<EngineImpl>(opts, std::move(media));
+  NONSTOP_RETURN_IF_ERROR(engine->Init().Annotate("open engine in " + opts.dir));
+  return std::unique_ptr<Engine>(std::move(engine));
+}
+
+}  // namespace nonstop

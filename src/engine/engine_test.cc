@@ -1,0 +1,317 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "engine/engine_internal.h"
+#include "media/fault_medium.h"
+#include "nonstop/engine.h"
+
+namespace nonstop {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A tensor the test owns: host bytes whose contents are a function of the step.
+struct HostTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+
+  void Fill(int64_t step, int salt) {
+    for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(step * 1000003 + salt * 7919 + i);
+  }
+  TensorRef Ref(bool copy_now = false) {
+    TensorRef r;
+    r.spec.name = name;
+    r.spec.dtype = DType::kFloat32;
+    r.spec.shape = shape;
+    r.spec.nbytes = data.size() * sizeof(float);
+    r.data = data.data();
+    r.copy_at_checkpoint = copy_now;
+    return r;
+  }
+};
+
+HostTensor MakeTensor(const std::string& name, int64_t n) {
+  return HostTensor{name, {n}, std::vector<float>(static_cast<size_t>(n))};
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("nonstop_engine_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  EngineOptions Options() {
+    EngineOptions o;
+    o.dir = dir_.string();
+    o.medium = MediumKind::kBuffered;
+    o.chunk_bytes = 64 << 10;
+    o.staging_bytes = 1 << 20;
+    o.writers = 2;
+    return o;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(EngineTest, CheckpointThenRestoreRoundTrips) {
+  auto big = MakeTensor("w", 300000);  // > 4 chunks, 4 KiB aligned in the slot
+  auto small = MakeTensor("b", 10);
+  auto bn = MakeTensor("bn.running_mean", 33);
+  auto engine = std::move(Engine::Open(Options())).value();
+  ASSERT_TRUE(engine->Register({big.Ref(), small.Ref(), bn.Ref(/*copy_now=*/true)}).ok());
+  big.Fill(7, 1);
+  small.Fill(7, 2);
+  bn.Fill(7, 3);
+  auto c = engine->Checkpoint(7, R"({"step":7})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  bn.Fill(8, 3);  // allowed right after Checkpoint(): copied synchronously
+  ASSERT_TRUE(engine->WaitCopied().ok());
+  big.Fill(8, 1);
+  small.Fill(8, 2);
+  ASSERT_TRUE(engine->WaitCommitted(*c).ok());
+  ASSERT_TRUE(engine->Latest().has_value());
+  EXPECT_EQ(engine->Latest()->counter, *c);
+  EXPECT_EQ(engine->Latest()->step, 7);
+
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, 7);
+  EXPECT_EQ(info->meta_json, R"({"step":7})");
+  auto want_big = MakeTensor("w", 300000), want_small = MakeTensor("b", 10),
+       want_bn = MakeTensor("bn", 33);
+  want_big.Fill(7, 1);
+  want_small.Fill(7, 2);
+  want_bn.Fill(7, 3);
+  EXPECT_EQ(big.data, want_big.data);
+  EXPECT_EQ(small.data, want_small.data);
+  EXPECT_EQ(bn.data, want_bn.data);
+
+  EngineStats s = engine->Stats();
+  EXPECT_EQ(s.started, 1u);
+  EXPECT_EQ(s.committed, 1u);
+  ASSERT_EQ(s.recent.size(), 1u);
+  EXPECT_TRUE(s.recent[0].committed);
+  EXPECT_GT(s.recent[0].bytes, 300000u * 4);
+  EXPECT_FALSE(s.medium.empty());
+  EXPECT_TRUE(engine->Close().ok());
+  EXPECT_TRUE(engine->Close().ok());
+}
+
+TEST_F(EngineTest, ReopenFindsNewestAndContinuesTheCounter) {
+  auto t = MakeTensor("x", 5000);
+  uint64_t last = 0;
+  {
+    auto engine = std::move(Engine::Open(Options())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    for (int step = 1; step <= 5; ++step) {
+      t.Fill(step, 0);
+      auto c = engine->Checkpoint(step, "");
+      ASSERT_TRUE(c.ok());
+      ASSERT_TRUE(engine->WaitCopied().ok());
+      last = *c;
+    }
+    ASSERT_TRUE(engine->Close().ok());
+  }
+  auto engine = std::move(Engine::Open(Options())).value();
+  ASSERT_TRUE(engine->Latest().has_value());
+  EXPECT_EQ(engine->Latest()->counter, last);
+  EXPECT_EQ(engine->Latest()->step, 5);
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  t.Fill(0, 0);
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  auto want = MakeTensor("x", 5000);
+  want.Fill(5, 0);
+  EXPECT_EQ(t.data, want.data);
+  // An older step that is still in a slot can be restored by step.
+  auto older = engine->Restore(4);
+  ASSERT_TRUE(older.ok()) << older.status().ToString();
+  want.Fill(4, 0);
+  EXPECT_EQ(t.data, want.data);
+  auto c = engine->Checkpoint(6, "");
+  ASSERT_TRUE(c.ok());
+  EXPECT_GT(*c, last);
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+}
+
+TEST_F(EngineTest, RestoreNamesTheMismatchedTensor) {
+  auto t = MakeTensor("layer.weight", 100);
+  auto engine = std::move(Engine::Open(Options())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  auto other = MakeTensor("layer.weight", 50);
+  other.shape = {5, 10};
+  ASSERT_TRUE(engine->Register({other.Ref()}).ok());
+  auto r = engine->Restore();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("layer.weight"), std::string::npos);
+  auto missing = MakeTensor("nope", 100);
+  ASSERT_TRUE(engine->Register({missing.Ref()}).ok());
+  r = engine->Restore();
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("nope"), std::string::npos);
+}
+
+TEST_F(EngineTest, BiggerRegistrationSwapsFilesWithoutLosingTheCommittedOne) {
+  auto a = MakeTensor("a", 1000);
+  auto engine = std::move(Engine::Open(Options())).value();
+  ASSERT_TRUE(engine->Register({a.Ref()}).ok());
+  a.Fill(1, 0);
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  // Needs bigger slots: a new file under a temp name until its first commit.
+  auto big = MakeTensor("a", 200000);
+  ASSERT_TRUE(engine->Register({big.Ref()}).ok());
+  EXPECT_TRUE(fs::exists(dir_ / (SlotFileName(0) + ".tmp")));
+  EXPECT_TRUE(fs::exists(dir_ / SlotFileName(0)));
+  EXPECT_EQ(engine->Latest()->step, 1);
+  // Until the new file has a commit, Restore still reads the old one.
+  auto small_again = MakeTensor("a", 1000);
+  ASSERT_TRUE(engine->Register({small_again.Ref()}).ok());
+  ASSERT_TRUE(engine->Restore().ok());
+  a.Fill(1, 0);
+  EXPECT_EQ(small_again.data, a.data);
+  ASSERT_TRUE(engine->Register({big.Ref()}).ok());
+  big.Fill(2, 0);
+  ASSERT_TRUE(engine->Checkpoint(2, "").ok());
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  EXPECT_FALSE(fs::exists(dir_ / (SlotFileName(0) + ".tmp")));
+  ASSERT_TRUE(engine->Close().ok());
+  auto reopened = std::move(Engine::Open(Options())).value();
+  EXPECT_EQ(reopened->Latest()->step, 2);
+  ASSERT_TRUE(reopened->Register({big.Ref()}).ok());
+  big.Fill(0, 0);
+  ASSERT_TRUE(reopened->Restore().ok());
+  auto want = MakeTensor("a", 200000);
+  want.Fill(2, 0);
+  EXPECT_EQ(big.data, want.data);
+}
+
+uint64_t RssBytes() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// N checkpoints in flight on a state 8x larger than M: host memory grows by
+// at most M plus a small constant (no per-checkpoint copy of the state).
+TEST_F(EngineTest, HostMemoryStaysWithinTheStagingBound) {
+  const uint64_t kM = 8 << 20;
+  auto state = MakeTensor("state", (64 << 20) / 4);
+  state.Fill(1, 0);
+  const uint64_t before = RssBytes();
+  EngineOptions o = Options();
+  o.staging_bytes = kM;
+  o.chunk_bytes = 1 << 20;
+  o.max_in_flight = 3;
+  o.medium = MediumKind::kDirect;
+  auto engine = std::move(Engine::Open(o)).value();
+  ASSERT_TRUE(engine->Register({state.Ref()}).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> peak{0};
+  std::thread sampler([&] {
+    while (!stop.load()) {
+      peak.store(std::max(peak.load(), RssBytes()));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  for (int step = 1; step <= 6; ++step) {
+    ASSERT_TRUE(engine->Checkpoint(step, "").ok());
+  }
+  EXPECT_GE(engine->Stats().in_flight, 1);
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  stop.store(true);
+  sampler.join();
+  const uint64_t growth = peak.load() > before ? peak.load() - before : 0;
+  EXPECT_LE(growth, kM + (16u << 20)) << "peak RSS grew by " << growth << " bytes";
+  EngineStats s = engine->Stats();
+  EXPECT_LE(s.staging_bytes, kM);
+  EXPECT_EQ(s.committed + s.superseded, 6u);
+}
+
+// ---- failures through the fault-injecting disk ----------------------------
+
+struct FaultRig {
+  std::shared_ptr<FaultDisk> disk = FaultDisk::Create();
+  EngineMedia Media() {
+    EngineMedia m;
+    auto d = disk;
+    m.open = [d](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
+      if (!create && d->size() == 0) return Status::NotFound(path + " does not exist");
+      return d->Open();
+    };
+    m.rename = [](const std::string&, const std::string&) { return Status::OK(); };
+    return m;
+  }
+};
+
+TEST_F(EngineTest, FailedWriteKeepsThePreviousCheckpointAndTheEngineUsable) {
+  for (int err : {EIO, ENOSPC}) {
+    FaultRig rig;
+    auto t = MakeTensor("t", 100000);
+    auto engine = std::move(OpenEngine(Options(), rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    t.Fill(1, 0);
+    ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+    ASSERT_TRUE(engine->WaitCommitted().ok());
+
+    rig.disk->InjectError(FaultOp::kWrite, 2, err);
+    t.Fill(2, 0);
+    auto c2 = engine->Checkpoint(2, "");
+    ASSERT_TRUE(c2.ok());
+    Status st = engine->WaitCommitted(*c2);
+    EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+    EXPECT_NE(st.message().find(std::strerror(err)), std::string::npos) << st.message();
+    EXPECT_EQ(engine->Latest()->step, 1);
+    EXPECT_EQ(engine->Stats().failed, 1u);
+
+    t.Fill(3, 0);
+    auto c3 = engine->Checkpoint(3, "");
+    ASSERT_TRUE(c3.ok()) << c3.status().ToString();
+    ASSERT_TRUE(engine->WaitCommitted(*c3).ok());
+    EXPECT_EQ(engine->Latest()->step, 3);
+    t.Fill(0, 0);
+    auto info = engine->Restore();
+    ASSERT_TRUE(info.ok());
+    auto want = MakeTensor("t", 100000);
+    want.Fill(3, 0);
+    EXPECT_EQ(t.data, want.data);
+  }
+}
+
+TEST_F(EngineTest, BackgroundErrorReachesTheNextCall) {
+  FaultRig rig;
+  auto t = MakeTensor("t", 100000);
+  auto engine = std::move(OpenEngine(Options(), rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  rig.disk->InjectError(FaultOp::kSync, 1, EIO);  // the commit's first sync
+  ASSERT_TRUE(engine->Checkpoint(2, "").ok());
+  // Let it fail in the background, then make an unrelated call.
+  while (engine->Stats().in_flight > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Status st = engine->WaitCopied();
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_NE(st.message().find("step 2"), std::string::npos) << st.message();
+  EXPECT_TRUE(engine->WaitCopied().ok());  // delivered once
+  EXPECT_EQ(engine->Latest()->step, 1);
+}
+
+}  // namespace
+}  // namespace nonstop

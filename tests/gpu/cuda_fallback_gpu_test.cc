@@ -27,9 +27,9 @@ GPU_TEST(NoUsableDeviceMeansHostCopiesAndANote) {
   GPU_CHECK_MSG(note.find("; using host copies") != std::string::npos, note);
 
   std::vector<char> src(1 << 16, 'x');
-  bool pinned = true;
+  bool pinned = false;  // mlock'ed by the host engine where RLIMIT_MEMLOCK allows
   char* dst = static_cast<char*>(engine->AllocHost(src.size(), &pinned));
-  GPU_CHECK(dst != nullptr && !pinned);
+  GPU_CHECK(dst != nullptr);
   auto c = engine->Copy(src.data(), Device{}, dst, src.size());
   GPU_CHECK_OK(c->Wait());
   GPU_CHECK(std::memcmp(dst, src.data(), src.size()) == 0);

@@ -77,8 +77,9 @@ test-fuzz: deps
 # configure time), its tests (the GPU ones skip where no device is usable),
 # then the PyTorch GPU check with the machine's python3 when it has CUDA torch.
 GPU_BUILD ?= build-gpu
+GPU_GEN   := $(if $(shell command -v ninja),-G Ninja,)
 test-gpu:
-	$(CMAKE) -S . -B $(GPU_BUILD) $(CMAKE_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
+	$(CMAKE) -S . -B $(GPU_BUILD) $(GPU_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
 	    -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	$(CMAKE) --build $(GPU_BUILD) -j $(JOBS)
 	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600

@@ -176,7 +176,8 @@ Status FaultDisk::DoRead(uint64_t generation, uint64_t offset, void* buf, size_t
   NONSTOP_RETURN_IF_ERROR(
       media::CheckAligned("read", "fault-injecting device", offset, buf, n, opts_.alignment));
   std::lock_guard<std::mutex> lock(mu_);
-  NONSTOP_RETURN_IF_ERROR(BeginCallLocked(FaultOp::kRead, generation, RangeText("read", offset, n)));
+  NONSTOP_RETURN_IF_ERROR(
+      BeginCallLocked(FaultOp::kRead, generation, RangeText("read", offset, n)));
   NONSTOP_RETURN_IF_ERROR(
       media::CheckReadRange("fault-injecting device", offset, n, visible_.size()));
   if (n > 0) std::memcpy(buf, visible_.data() + offset, n);

@@ -273,7 +273,8 @@ TEST(FaultDiskConcurrencyTest, ConcurrentWritersAndSyncs) {
       auto m = disk->Open();  // one medium per thread, and one shared below
       for (int i = 0; i < kWrites; ++i) {
         auto b = Bytes(kLen, static_cast<uint8_t>(t * 50 + i % 50 + 1));
-        if (!m->Write((static_cast<uint64_t>(i) * kThreads + t) * kLen, b.data(), kLen).ok()) ++failures;
+        const uint64_t off = (static_cast<uint64_t>(i) * kThreads + t) * kLen;
+        if (!m->Write(off, b.data(), kLen).ok()) ++failures;
         if (i % 17 == 0 && !m->Sync().ok()) ++failures;
       }
     });

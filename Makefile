@@ -77,10 +77,11 @@ test-fuzz: deps
 # configure time), its tests (the GPU ones skip where no device is usable),
 # then the PyTorch GPU check with the machine's python3 when it has CUDA torch.
 GPU_BUILD ?= build-gpu
+GPU_CMAKE_ARGS ?=
 GPU_GEN   := $(if $(shell command -v ninja),-G Ninja,)
 test-gpu:
 	$(CMAKE) -S . -B $(GPU_BUILD) $(GPU_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
-	    -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo $(GPU_CMAKE_ARGS)
 	$(CMAKE) --build $(GPU_BUILD) -j $(JOBS)
 	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 	@if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \

@@ -4,11 +4,11 @@
 #include "copy/cuda_copy_engine.h"
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -203,10 +203,9 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
       : options_(options), host_(std::move(host)), contexts_(devices) {}
 
   ~CudaCopyEngineImpl() override {
-    // Pinned memory still handed out is the caller's leak; free it so the
+    // Host memory still handed out is the caller's leak; release it so the
     // driver does not keep it pinned after the engine is gone.
-    for (auto& [p, bytes] : pinned_) cudaFreeHost(p);
-    for (auto& [p, bytes] : pageable_) std::free(p);
+    for (auto& [p, block] : host_blocks_) ReleaseHost(p, block);
   }
 
   std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& src_device, void* dst,
@@ -219,42 +218,63 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
     return Enqueue(src, src_device, dst, bytes, cudaMemcpyDeviceToHost, "copy to host");
   }
 
+  // Pinned host memory, pinned the fast way: cudaHostAlloc pins at ~2 GB/s
+  // (16 GiB took 7.3 s on an H100 machine), while registering memory that is
+  // already faulted in runs at ~13 GB/s. So: map, ask for transparent huge
+  // pages, fault the pages in on several threads, then cudaHostRegister.
+  // Falls back to cudaHostAlloc, then to pageable pre-faulted memory.
   void* AllocHost(size_t bytes, bool* pinned) override {
     if (pinned != nullptr) *pinned = false;
     if (bytes == 0) return nullptr;
-    void* p = nullptr;
     auto t0 = Clock::now();
-    // Portable: the staging pool serves every device of the process.
-    cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    HostBlock block;
+    block.bytes = bytes;
+    block.mapped_bytes = (bytes + kHugePage - 1) & ~(kHugePage - 1);
+    void* p = MapAndPrefault(block.mapped_bytes);
+    if (p != nullptr) {
+      if (cudaHostRegister(p, block.mapped_bytes, cudaHostRegisterPortable) == cudaSuccess) {
+        block.kind = HostBlock::kRegistered;
+      } else {
+        cudaGetLastError();
+        block.kind = HostBlock::kPageable;  // kept in case cudaHostAlloc fails too
+      }
+    }
+    if (block.kind != HostBlock::kRegistered) {
+      void* q = nullptr;
+      // Portable: the staging pool serves every device of the process.
+      if (cudaHostAlloc(&q, bytes, cudaHostAllocPortable) == cudaSuccess) {
+        if (p != nullptr) munmap(p, block.mapped_bytes);
+        p = q;
+        block.kind = HostBlock::kHostAlloc;
+      } else {
+        cudaGetLastError();
+      }
+    }
+    if (p == nullptr) return nullptr;
     double seconds = SecondsSince(t0);
     std::lock_guard<std::mutex> lock(mu_);
-    if (err == cudaSuccess) {
-      pinned_[p] = bytes;
-      stats_.alloc_bytes += bytes;
-      stats_.alloc_seconds += seconds;
-      if (pinned != nullptr) *pinned = true;
+    host_blocks_[p] = block;
+    if (block.kind == HostBlock::kPageable) {
+      stats_.unpinned_fallbacks++;
       return p;
     }
-    cudaGetLastError();  // not sticky, but keep the next caller's error clean
-    // Pageable, page-aligned and pre-faulted: copies into never-touched
-    // memory run ~10x slower than into memory already mapped.
-    size_t rounded = (bytes + 4095) & ~size_t{4095};
-    p = std::aligned_alloc(4096, rounded);
-    if (p == nullptr) return nullptr;
-    for (size_t off = 0; off < rounded; off += 4096) static_cast<volatile char*>(p)[off] = 0;
-    pageable_[p] = bytes;
-    stats_.unpinned_fallbacks++;
+    stats_.alloc_bytes += bytes;
+    stats_.alloc_seconds += seconds;
+    if (pinned != nullptr) *pinned = true;
     return p;
   }
 
   void FreeHost(void* p, size_t /*bytes*/) override {
     if (p == nullptr) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pinned_.erase(p) > 0) {
-      cudaFreeHost(p);
-    } else if (pageable_.erase(p) > 0) {
-      std::free(p);
+    HostBlock block;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = host_blocks_.find(p);
+      if (it == host_blocks_.end()) return;
+      block = it->second;
+      host_blocks_.erase(it);
     }
+    ReleaseHost(p, block);
   }
 
   std::string Describe() const override {
@@ -365,6 +385,51 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
   }
 
  private:
+  struct HostBlock {
+    enum Kind { kRegistered, kHostAlloc, kPageable } kind = kPageable;
+    size_t bytes = 0;
+    size_t mapped_bytes = 0;  // of the mmap, for kRegistered and kPageable
+  };
+  static constexpr size_t kHugePage = size_t{2} << 20;
+
+  static void ReleaseHost(void* p, const HostBlock& block) {
+    switch (block.kind) {
+      case HostBlock::kRegistered:
+        cudaHostUnregister(p);
+        munmap(p, block.mapped_bytes);
+        break;
+      case HostBlock::kHostAlloc:
+        cudaFreeHost(p);
+        break;
+      case HostBlock::kPageable:
+        munmap(p, block.mapped_bytes);
+        break;
+    }
+  }
+
+  // Anonymous memory with every page faulted in. Large blocks are faulted
+  // on up to 8 threads: the kernel zeroes each page on its first touch, and
+  // one thread does that at only a few GB/s.
+  static void* MapAndPrefault(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    madvise(p, bytes, MADV_HUGEPAGE);  // a hint; fine where THP is off
+    auto* base = static_cast<volatile char*>(p);
+    auto touch = [base](size_t from, size_t to) {
+      for (size_t off = from; off < to; off += 4096) base[off] = 0;
+    };
+    size_t hw = std::max(1u, std::thread::hardware_concurrency());
+    size_t threads = bytes >= (size_t{256} << 20) ? std::min<size_t>(8, hw) : 1;
+    size_t per = ((bytes / threads) + kHugePage - 1) & ~(kHugePage - 1);
+    std::vector<std::thread> pool;
+    for (size_t from = per; from < bytes; from += per) {
+      pool.emplace_back(touch, from, std::min(bytes, from + per));
+    }
+    touch(0, std::min(bytes, per));
+    for (auto& t : pool) t.join();
+    return p;
+  }
+
   // Marks a source already ordered on the engine's copy stream.
   static constexpr uintptr_t kOwnStream = ~uintptr_t{0};
 
@@ -456,8 +521,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
 
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<DeviceContext>> contexts_;  // GUARDED_BY(mu_), size fixed
-  std::unordered_map<void*, size_t> pinned_;              // GUARDED_BY(mu_)
-  std::unordered_map<void*, size_t> pageable_;            // GUARDED_BY(mu_)
+  std::unordered_map<void*, HostBlock> host_blocks_;      // GUARDED_BY(mu_)
   PinStats stats_;                                        // GUARDED_BY(mu_)
 };
 

@@ -35,7 +35,7 @@ std::vector<uint8_t> Pattern(size_t bytes, uint32_t seed) {
 }
 
 std::unique_ptr<CudaCopyEngine> NewEngine(
-    CudaCopyOptions::WaitMode mode = CudaCopyOptions::WaitMode::kBlockingSync) {
+    CudaCopyOptions::WaitMode mode = CudaCopyOptions::WaitMode::kPoll) {
   CudaCopyOptions options;
   options.wait_mode = mode;
   auto engine = MakeCudaCopyEngine(options, nullptr);
@@ -78,6 +78,9 @@ GPU_TEST(CopyToHostIsByteExact) {
     bool pinned = false;
     auto* host = static_cast<uint8_t*>(engine->AllocHost(bytes, &pinned));
     GPU_CHECK(host != nullptr && pinned);
+    cudaPointerAttributes attr;
+    GPU_CHECK_CUDA(cudaPointerGetAttributes(&attr, host + bytes - 1));
+    GPU_CHECK_MSG(attr.type == cudaMemoryTypeHost, "AllocHost memory is not page-locked");
     std::vector<uint8_t> pageable(bytes);
     auto a = engine->Copy(dsrc, Device{DeviceKind::kCuda, 0, 0}, host, bytes);
     auto b = engine->Copy(dsrc, Device{DeviceKind::kCuda, 0, 0}, pageable.data(), bytes);
@@ -237,8 +240,8 @@ GPU_TEST(DirectCopyIntoRegisteredMappings) {
   munmap(p, 1 << 20);
 }
 
-GPU_TEST(PollWaitModeCopies) {
-  auto engine = NewEngine(CudaCopyOptions::WaitMode::kPoll);
+GPU_TEST(BlockingSyncWaitModeCopies) {
+  auto engine = NewEngine(CudaCopyOptions::WaitMode::kBlockingSync);
   GPU_CHECK(engine != nullptr);
   constexpr size_t kBytes = size_t{8} << 20;
   auto want = Pattern(kBytes, 5);

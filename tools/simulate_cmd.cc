@@ -351,7 +351,8 @@ void RunSimulate(const SimulateArgs& args) {
       const SimResult& r = *b.row;
       const SchemeSpec& s = *spec_of.at(r.scheme);
       const bool checkpoints = s.kind != SchemeKind::kNone && s.kind != SchemeKind::kIdeal;
-      const double cost = s.kind == SchemeKind::kSync ? std::max(s.stall_s, s.persist_s) : s.stall_s;
+      const double cost =
+          s.kind == SchemeKind::kSync ? std::max(s.stall_s, s.persist_s) : s.stall_s;
       const double yd = checkpoints ? YoungDalyIntervalSteps(cost, s.step_s, rate) : NAN;
       std::printf("%-14s %8d %9.3f %8.3f %6lld %6lld %9.1f %9.1f %8.1f\n", r.scheme.c_str(),
                   r.interval, r.goodput_steps_per_s, ratio(r.goodput_steps_per_s),
@@ -363,7 +364,8 @@ void RunSimulate(const SimulateArgs& args) {
                   nonstop_best->scheme.c_str(), nonstop_best->row->interval,
                   ratio(nonstop_best->row->goodput_steps_per_s));
     }
-    std::printf("(YD f*: Young/Daly interval sqrt(2C/(p T^2)), C = visible stall per checkpoint)\n");
+    std::printf(
+        "(YD f*: Young/Daly interval sqrt(2C/(p T^2)), C = visible stall per checkpoint)\n");
   }
   if (!args.plot.empty()) Plot(doc, args.plot);
 }

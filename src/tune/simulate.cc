@@ -373,8 +373,8 @@ Result<std::vector<SimResult>> Simulate(const std::vector<SchemeSpec>& specs,
     const std::vector<int>& use = spec.intervals.empty() ? intervals : spec.intervals;
     for (int f : use) {
       if (!seen.emplace(std::make_pair(spec.name, f), true).second) {
-        return Status::InvalidArgument("scheme '" + spec.name + "' is described twice for interval " +
-                                       std::to_string(f));
+        return Status::InvalidArgument("scheme '" + spec.name +
+                                       "' is described twice for interval " + std::to_string(f));
       }
       NONSTOP_ASSIGN_OR_RETURN(SimResult r, SimulateScheme(spec, f, trace));
       out.push_back(std::move(r));
@@ -556,8 +556,8 @@ double PccheckArtifactGoodput(const SchemeSpec& spec, int interval, int64_t fail
     } else if (spec.kind == SchemeKind::kSync) {
       redo += interval * T / 2;
     } else {
-      redo += interval * T / 2 +
-              T * std::min(e.durable_after_s / T, static_cast<double>(interval) * e.max_in_flight) / 2;
+      const double in_flight_steps = static_cast<double>(interval) * e.max_in_flight;
+      redo += interval * T / 2 + T * std::min(e.durable_after_s / T, in_flight_steps) / 2;
     }
   }
   const double seen = (horizon_s - static_cast<double>(failures) * redo) / iter_time;

@@ -179,7 +179,9 @@ TEST(TraceTest, BadInputGivesAClearError) {
             StatusCode::kNotFound);
 }
 
-std::string BundledTrace() { return std::string(NONSTOP_TEST_DATA_DIR) + "/gcp_a100_spot_trace.csv"; }
+std::string BundledTrace() {
+  return std::string(NONSTOP_TEST_DATA_DIR) + "/gcp_a100_spot_trace.csv";
+}
 
 TEST(TraceTest, BundledTrace) {
   auto t = LoadAvailabilityTrace(BundledTrace(), {});
@@ -220,9 +222,8 @@ TEST(ClosedFormTest, SeriesMatchesGeometricFormWithoutQueueing) {
 // most about 1 (it is an exponential-like age), so the ratio estimator's
 // relative standard error is at most about sqrt(2 / 2e5) = 0.3 %; 1 % is more
 // than three of those (the fixed seed lands within 0.05 %). A modelling error
-// moves these cases by far more: rolling back to a checkpoint that was not yet
-// durable, or to half its persist time as PCcheck's artifact counts, shifts
-// them by 3-10 %.
+// moves the asynchronous cases by far more: counting half the persist time, as
+// PCcheck's artifact does, shifts them by about 4 %.
 struct Agreement {
   const char* what;
   SchemeSpec spec;

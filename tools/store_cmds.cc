@@ -1,5 +1,516 @@
+// `nonstop inspect`, `nonstop verify` and `nonstop export`: read-only views of
+// a checkpoint directory (one rank-*.nsck slot file per rank, docs/FORMAT.md).
+// Every error is one line on stderr and a non-zero exit; a damaged file is
+// reported, never a reason to crash.
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "nonstop/medium.h"
+#include "nonstop/store.h"
 #include "tools/commands.h"
 
 namespace nonstop::cli {
-void AddStoreCommands(CLI::App& /*app*/) {}
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// Exit codes: 1 = the checkpoint is damaged / not found; 2 = bad usage or input.
+constexpr int kExitDamaged = 1;
+constexpr int kExitUsage = 2;
+
+[[noreturn]] void Fail(const std::string& cmd, const std::string& message, int code) {
+  std::cerr << "nonstop " << cmd << ": " << message << "\n";
+  throw CLI::RuntimeError(code);
+}
+
+std::string HumanBytes(uint64_t n) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(n));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
+  }
+  return buf;
+}
+
+std::string UtcTime(uint64_t unix_ns) {
+  std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000ull);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string CkptName(const CheckpointInfo& info) {
+  return "checkpoint #" + std::to_string(info.counter) + " (step " + std::to_string(info.step) +
+         ")";
+}
+
+std::string Plural(uint64_t n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+}
+
+// A damaged checkpoint whose slot a newer commit has reused is not damage but
+// the N+1 slot rotation at work: the newer record that took its slot, or null.
+const ScannedCheckpoint* ReusedBy(const ScanReport& r, const ScannedCheckpoint& sc) {
+  if (sc.state == CheckpointState::kCommitted) return nullptr;
+  const ScannedCheckpoint* by = nullptr;
+  for (const ScannedCheckpoint& o : r.checkpoints) {  // newest first: keep the oldest newer one
+    if (o.info.counter > sc.info.counter && o.info.slot == sc.info.slot) by = &o;
+  }
+  return by;
+}
+
+std::string StateText(const ScanReport& r, const ScannedCheckpoint& sc) {
+  if (sc.state == CheckpointState::kCommitted) return "committed";
+  if (const ScannedCheckpoint* by = ReusedBy(r, sc)) {
+    return "overwritten: slot " + std::to_string(sc.info.slot) + " was reused by checkpoint #" +
+           std::to_string(by->info.counter);
+  }
+  return "damaged: " + sc.reason;
+}
+
+// The slot files of a checkpoint directory, by rank order of their names.
+std::vector<fs::path> SlotFiles(const std::string& cmd, const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) Fail(cmd, dir + ": no such directory", kExitUsage);
+  if (!fs::is_directory(dir, ec)) Fail(cmd, dir + " is not a directory", kExitUsage);
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("rank-", 0) == 0 && name.size() > 10 &&
+        name.compare(name.size() - 5, 5, ".nsck") == 0) {
+      files.push_back(e.path());
+    }
+  }
+  if (ec) Fail(cmd, dir + ": " + ec.message(), kExitUsage);
+  if (files.empty()) {
+    Fail(cmd, dir + " is not a nonstop checkpoint directory (no rank-*.nsck files)", kExitUsage);
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+// One slot file, opened and scanned (every checkpoint's data verified).
+struct ScannedFile {
+  fs::path path;
+  std::unique_ptr<SlotFile> file;  // null when it could not be opened
+  std::string error;               // why it could not be opened or scanned
+  ScanReport report;
+};
+
+ScannedFile ScanFile(const fs::path& path, bool verify_all) {
+  ScannedFile s;
+  s.path = path;
+  auto medium = OpenMedium(path.string(), MediumKind::kBuffered, {});
+  if (!medium.ok()) {
+    s.error = medium.status().message();
+    return s;
+  }
+  auto opened = SlotFile::Open(std::move(medium).value());
+  if (!opened.ok()) {
+    s.error = opened.status().message();
+    return s;
+  }
+  s.file = std::move(opened).value();
+  ScanOptions opts;
+  opts.verify_all = verify_all;
+  auto scan = s.file->Scan(opts);
+  if (!scan.ok()) {
+    s.error = scan.status().message();
+    return s;
+  }
+  s.report = std::move(scan).value();
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// inspect
+
+json MetaJson(const std::string& meta) {
+  if (meta.empty()) return nullptr;
+  json j = json::parse(meta, nullptr, /*allow_exceptions=*/false);
+  return j.is_discarded() ? json(meta) : j;
+}
+
+json TensorsJson(const CheckpointInfo& info) {
+  json out = json::array();
+  for (const TensorEntry& te : info.tensors) {
+    json t = {{"name", te.spec.name},
+              {"dtype", std::string(DTypeName(te.spec.dtype))},
+              {"shape", te.spec.shape},
+              {"offset", te.data_offset},
+              {"bytes", te.spec.nbytes}};
+    if (!te.spec.global.global_shape.empty()) {
+      t["global_shape"] = te.spec.global.global_shape;
+      t["global_offset"] = te.spec.global.global_offset;
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// What each slot holds: the committed checkpoint in it, else "free".
+std::vector<const ScannedCheckpoint*> SlotOwners(const ScannedFile& s) {
+  std::vector<const ScannedCheckpoint*> owner(s.file->geometry().slots, nullptr);
+  for (const ScannedCheckpoint& sc : s.report.checkpoints) {  // newest first
+    if (sc.state == CheckpointState::kCommitted && sc.info.slot < owner.size() &&
+        owner[sc.info.slot] == nullptr) {
+      owner[sc.info.slot] = &sc;
+    }
+  }
+  return owner;
+}
+
+json InspectJson(const ScannedFile& s) {
+  json f = {{"file", s.path.filename().string()}};
+  if (s.file == nullptr || !s.error.empty()) {
+    f["error"] = s.error;
+    return f;
+  }
+  const StoreGeometry& g = s.file->geometry();
+  f["rank"] = g.rank;
+  f["world_size"] = g.world_size;
+  f["slot_count"] = g.slots;
+  f["slot_bytes"] = g.slot_bytes;
+  f["medium_bytes"] = s.file->medium().Size();
+  json ckpts = json::array();
+  for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
+    const ScannedCheckpoint& sc = s.report.checkpoints[i];
+    const CheckpointInfo& in = sc.info;
+    json c = {{"counter", in.counter},
+              {"step", in.step},
+              {"slot", in.slot},
+              {"sequence", in.sequence},
+              {"state", sc.state == CheckpointState::kCommitted ? "committed"
+                        : ReusedBy(s.report, sc)                  ? "overwritten"
+                                                                  : "damaged"},
+              {"newest_valid", static_cast<int>(i) == s.report.newest_valid},
+              {"data_bytes", in.data_bytes},
+              {"table_bytes", in.table_bytes},
+              {"commit_unix_ns", in.commit_unix_ns},
+              {"crc_chunk_bytes", in.crc_chunk_bytes},
+              {"chunks", in.chunk_crcs.size()}};
+    if (sc.state == CheckpointState::kDamaged) c["reason"] = StateText(s.report, sc);
+    c["meta"] = MetaJson(in.meta_json);
+    c["tensors"] = TensorsJson(in);
+    ckpts.push_back(std::move(c));
+  }
+  f["checkpoints"] = std::move(ckpts);
+  json slots = json::array();
+  auto owner = SlotOwners(s);
+  for (size_t i = 0; i < owner.size(); ++i) {
+    json sl = {{"slot", i}, {"state", owner[i] ? "committed" : "free"}};
+    if (owner[i]) {
+      sl["counter"] = owner[i]->info.counter;
+      sl["step"] = owner[i]->info.step;
+    }
+    slots.push_back(std::move(sl));
+  }
+  f["slots"] = std::move(slots);
+  f["skipped"] = s.report.skipped;
+  return f;
+}
+
+void PrintInspect(const ScannedFile& s) {
+  const std::string name = s.path.filename().string();
+  if (s.file == nullptr || !s.error.empty()) {
+    std::cout << name << ": unreadable: " << s.error << "\n";
+    return;
+  }
+  const StoreGeometry& g = s.file->geometry();
+  std::cout << name << ": rank " << g.rank << " of " << g.world_size << ", " << g.slots
+            << " slots of " << HumanBytes(g.slot_bytes) << ", "
+            << HumanBytes(s.file->medium().Size()) << "\n";
+  std::cout << "  checkpoints (newest first):\n";
+  if (s.report.checkpoints.empty()) std::cout << "    none committed yet\n";
+  for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
+    const ScannedCheckpoint& sc = s.report.checkpoints[i];
+    const CheckpointInfo& in = sc.info;
+    char line[160];
+    std::snprintf(line, sizeof(line), "    #%-6llu step %-8lld slot %-3u %10s  %s",
+                  static_cast<unsigned long long>(in.counter), static_cast<long long>(in.step),
+                  in.slot, HumanBytes(in.data_bytes + in.table_bytes).c_str(),
+                  UtcTime(in.commit_unix_ns).c_str());
+    std::cout << line << "  " << StateText(s.report, sc)
+              << (static_cast<int>(i) == s.report.newest_valid ? " (newest)" : "") << "\n";
+  }
+  for (const std::string& sk : s.report.skipped) {
+    if (sk.rfind("ring entry", 0) == 0) std::cout << "    " << sk << "\n";
+  }
+  std::cout << "  slots:\n";
+  auto owner = SlotOwners(s);
+  for (size_t i = 0; i < owner.size(); ++i) {
+    std::cout << "    slot " << i << ": ";
+    if (owner[i]) {
+      std::cout << CkptName(owner[i]->info) << ", committed\n";
+    } else {
+      std::cout << "free\n";
+    }
+  }
+  for (const ScannedCheckpoint& sc : s.report.checkpoints) {
+    const CheckpointInfo& in = sc.info;
+    if ((in.tensors.empty() && in.meta_json.empty()) || ReusedBy(s.report, sc)) continue;
+    std::cout << "  " << CkptName(in) << ": " << Plural(in.tensors.size(), "tensor") << ", "
+              << HumanBytes(in.data_bytes) << " data, " << Plural(in.chunk_crcs.size(), "chunk")
+              << " of "
+              << HumanBytes(in.crc_chunk_bytes) << "\n";
+    if (!in.meta_json.empty()) std::cout << "    meta: " << in.meta_json << "\n";
+    char line[96];
+    std::snprintf(line, sizeof(line), "    %-10s %-20s %12s %12s  %s", "dtype", "shape", "offset",
+                  "bytes", "name");
+    std::cout << line << "\n";
+    for (const TensorEntry& te : in.tensors) {
+      std::snprintf(line, sizeof(line), "    %-10s %-20s %12llu %12llu  ",
+                    std::string(DTypeName(te.spec.dtype)).c_str(), ShapeText(te.spec.shape).c_str(),
+                    static_cast<unsigned long long>(te.data_offset),
+                    static_cast<unsigned long long>(te.spec.nbytes));
+      std::cout << line << te.spec.name << "\n";
+    }
+  }
+}
+
+void RunInspect(const std::string& dir, bool as_json) {
+  json all = {{"dir", dir}, {"files", json::array()}};
+  for (const fs::path& p : SlotFiles("inspect", dir)) {
+    ScannedFile s = ScanFile(p, /*verify_all=*/true);
+    if (as_json) {
+      all["files"].push_back(InspectJson(s));
+    } else {
+      PrintInspect(s);
+    }
+  }
+  if (as_json) std::cout << all.dump(2) << "\n";
+}
+
+// ---------------------------------------------------------------------------
+// verify and export: pick one checkpoint per rank.
+
+// The checkpoint of `s` that verify/export look at: the newest record (or the
+// newest at `step`), committed or not. Null when there is none.
+const ScannedCheckpoint* Target(const ScannedFile& s, std::optional<int64_t> step) {
+  for (const ScannedCheckpoint& sc : s.report.checkpoints) {  // newest first
+    if (!step || sc.info.step == *step) return &sc;
+  }
+  return nullptr;
+}
+
+std::string StepsText(const ScannedFile& s) {
+  std::set<int64_t> steps;
+  for (const auto& sc : s.report.checkpoints) steps.insert(sc.info.step);
+  std::string t;
+  for (int64_t v : steps) t += (t.empty() ? "" : ", ") + std::to_string(v);
+  return t.empty() ? "none" : t;
+}
+
+void RunVerify(const std::string& dir, std::optional<int64_t> step) {
+  std::vector<ScannedFile> files;
+  for (const fs::path& p : SlotFiles("verify", dir)) files.push_back(ScanFile(p, true));
+  // Without --step: the newest step any rank has; every rank must have it.
+  if (!step) {
+    for (const ScannedFile& s : files) {
+      if (s.file != nullptr && s.error.empty() && !s.report.checkpoints.empty()) {
+        step = std::max(step.value_or(s.report.checkpoints[0].info.step),
+                        s.report.checkpoints[0].info.step);
+      }
+    }
+  }
+  uint64_t tensors = 0, bytes = 0, chunks = 0;
+  for (const ScannedFile& s : files) {
+    const std::string name = (fs::path(dir) / s.path.filename()).string();
+    if (s.file == nullptr || !s.error.empty()) Fail("verify", name + ": " + s.error, kExitDamaged);
+    // A damaged ring entry may have been the newest commit record.
+    for (const std::string& sk : s.report.skipped) {
+      if (sk.rfind("ring entry", 0) == 0) {
+        Fail("verify", name + ": " + sk + " (a commit record torn by a crash, or corruption)",
+             kExitDamaged);
+      }
+    }
+    if (s.report.checkpoints.empty()) {
+      Fail("verify", name + ": no checkpoint has been committed", kExitDamaged);
+    }
+    const ScannedCheckpoint* t = Target(s, step);
+    if (t == nullptr) {
+      Fail("verify", name + ": no checkpoint at step " + std::to_string(*step) +
+           " (steps here: " + StepsText(s) + ")", kExitDamaged);
+    }
+    if (t->state != CheckpointState::kCommitted) {
+      std::string fallback;
+      if (t == &s.report.checkpoints[0] && s.report.newest_valid >= 0) {
+        fallback = "; recovery would fall back to " +
+                   CkptName(s.report.checkpoints[s.report.newest_valid].info);
+      }
+      Fail("verify", name + ": " + CkptName(t->info) + " is " + StateText(s.report, *t) + fallback,
+           kExitDamaged);
+    }
+    tensors += t->info.tensors.size();
+    bytes += t->info.data_bytes;
+    chunks += t->info.chunk_crcs.size();
+  }
+  std::cout << "OK: step " << *step << " verified on " << Plural(files.size(), "rank") << ": "
+            << Plural(tensors, "tensor") << ", " << HumanBytes(bytes) << ", "
+            << Plural(chunks, "data chunk checksum") << ", tables and commit records\n";
+}
+
+void RunExport(const std::string& dir, std::optional<int64_t> step, const std::string& out) {
+  const std::vector<fs::path> paths = SlotFiles("export", dir);
+  if (paths.size() != 1) {
+    Fail("export", dir + " holds " + std::to_string(paths.size()) +
+         " ranks; export of multi-rank checkpoints is not supported yet (export needs one "
+         "rank-*.nsck file)", kExitUsage);
+  }
+  ScannedFile s = ScanFile(paths[0], /*verify_all=*/step.has_value());
+  const std::string name = (fs::path(dir) / s.path.filename()).string();
+  if (s.file == nullptr || !s.error.empty()) Fail("export", name + ": " + s.error, kExitDamaged);
+  // Default: what recovery would load. With --step: the newest committed one at that step.
+  const ScannedCheckpoint* t = nullptr;
+  if (!step) {
+    if (s.report.newest_valid < 0) {
+      Fail("export", name + ": no committed checkpoint to export", kExitDamaged);
+    }
+    t = &s.report.checkpoints[s.report.newest_valid];
+  } else {
+    for (const auto& sc : s.report.checkpoints) {
+      if (sc.info.step == *step && sc.state == CheckpointState::kCommitted) {
+        t = &sc;
+        break;
+      }
+    }
+    if (t == nullptr) {
+      const ScannedCheckpoint* any = Target(s, step);
+      Fail("export", name + ": no committed checkpoint at step " + std::to_string(*step) +
+           (any ? " (" + CkptName(any->info) + " is " + StateText(s.report, *any) + ")"
+                : " (steps here: " + StepsText(s) + ")"), kExitDamaged);
+    }
+  }
+  const CheckpointInfo& info = t->info;
+
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const TensorEntry& te : info.tensors) {
+    const TensorSpec& sp = te.spec;
+    if (sp.name == "__metadata__" || header.contains(sp.name)) {
+      Fail("export", name + ": " + CkptName(info) + " has a tensor name safetensors cannot hold: '" +
+           sp.name + "'", kExitUsage);
+    }
+    if (sp.dtype == DType::kComplex128) {
+      Fail("export", "tensor '" + sp.name + "' is complex128, which safetensors cannot hold",
+           kExitUsage);
+    }
+    header[sp.name] = {{"dtype", std::string(DTypeSafetensorsName(sp.dtype))},
+                       {"shape", sp.shape},
+                       {"data_offsets", {offset, offset + sp.nbytes}}};
+    offset += sp.nbytes;
+  }
+  header["__metadata__"] = {{"nonstop.step", std::to_string(info.step)},
+                            {"nonstop.counter", std::to_string(info.counter)},
+                            {"nonstop.meta", info.meta_json}};
+  std::string blob;
+  try {
+    blob = header.dump();
+  } catch (const json::exception&) {
+    Fail("export", name + ": " + CkptName(info) + " has a tensor name or metadata that is not "
+         "valid UTF-8", kExitUsage);
+  }
+  blob.append((8 - blob.size() % 8) % 8, ' ');
+
+  // Written beside the target and renamed over it, so a failed export leaves
+  // no half-written file under the requested name.
+  const std::string tmp = out + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) Fail("export", "cannot create " + tmp + ": " + std::strerror(errno), kExitUsage);
+    uint64_t len = blob.size();
+    unsigned char le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(len >> (8 * i));
+    f.write(reinterpret_cast<const char*>(le), 8);
+    f.write(blob.data(), static_cast<std::streamsize>(blob.size()));
+    constexpr uint64_t kPiece = 16 << 20;
+    std::vector<char> buf;
+    for (const TensorEntry& te : info.tensors) {
+      for (uint64_t done = 0; done < te.spec.nbytes;) {
+        const uint64_t n = std::min(kPiece, te.spec.nbytes - done);
+        buf.resize(n);
+        Status st = s.file->ReadData(info, te.data_offset + done, buf.data(), n, /*verify=*/true);
+        if (!st.ok()) {
+          f.close();
+          std::remove(tmp.c_str());
+          Fail("export", name + ": " + st.message(), kExitDamaged);
+        }
+        f.write(buf.data(), static_cast<std::streamsize>(n));
+        done += n;
+      }
+    }
+    f.flush();
+    if (!f) {
+      std::remove(tmp.c_str());
+      Fail("export", "writing " + tmp + " failed: " + std::strerror(errno), kExitUsage);
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, out, ec);
+  if (ec) Fail("export", "renaming " + tmp + " to " + out + ": " + ec.message(), kExitUsage);
+  std::cout << "exported " << CkptName(info) << ": " << Plural(info.tensors.size(), "tensor") << ", "
+            << HumanBytes(offset) << " to " << out << "\n";
+}
+
+}  // namespace
+
+void AddStoreCommands(CLI::App& app) {
+  struct Args {
+    std::string dir;
+    bool json = false;
+    std::optional<int64_t> step;
+    std::string out;
+  };
+  auto args = std::make_shared<Args>();
+
+  CLI::App* inspect = app.add_subcommand(
+      "inspect", "List every slot and checkpoint of a checkpoint directory, with tensor tables");
+  inspect->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
+  inspect->add_flag("--json", args->json, "print JSON instead of text");
+  inspect->callback([args] { RunInspect(args->dir, args->json); });
+
+  CLI::App* verify = app.add_subcommand(
+      "verify", "Check every checksum of the newest (or --step) checkpoint on every rank");
+  verify->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
+  verify->add_option("--step", args->step, "training step to verify (default: the newest)");
+  verify->callback([args] { RunVerify(args->dir, args->step); });
+
+  CLI::App* exp = app.add_subcommand(
+      "export", "Write one checkpoint as a safetensors file (single-rank directories)");
+  exp->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
+  exp->add_option("--step", args->step, "training step to export (default: the newest valid)");
+  exp->add_option("-o,--output", args->out, "output .safetensors file")->required();
+  exp->callback([args] { RunExport(args->dir, args->step, args->out); });
+}
+
 }  // namespace nonstop::cli

@@ -328,8 +328,10 @@ Result<CheckpointInfo> SlotFile::Commit(const CommitRequest& req) {
 
 // Verifies one record's table and (optionally) data. Fills `info`; returns
 // the reason it is unusable, or OK.
+// `ring` holds every parsed record, to tell a reused slot from a damaged table.
 static Status CheckRecord(Medium& m, const format::FileHeader& h, const format::Record& r,
-                          bool verify_data, CheckpointInfo* info, SlotFile* f) {
+                          const std::vector<format::Record>& ring, bool verify_data,
+                          CheckpointInfo* info, SlotFile* f) {
   info->counter = r.counter;
   info->step = r.step;
   info->sequence = r.sequence;
@@ -355,8 +357,21 @@ static Status CheckRecord(Medium& m, const format::FileHeader& h, const format::
   NONSTOP_RETURN_IF_ERROR(m.Read(r.table_offset, tbuf.data(), tbuf.size()));
   std::span<const uint8_t> tb(tbuf.data(), r.table_bytes);
   if (Crc32c(tbuf.data(), tbuf.size()) != r.table_crc) {
+    // The slot was reused when its table now belongs to a later checkpoint of
+    // this slot: one with a record here, or one newer than every record (a
+    // commit under way). Any other counter is a damaged table, not a reuse.
     auto peek = format::PeekTableHeader(tb);
-    if (peek.ok() && peek->counter != r.counter && peek->uuid_lo == h.uuid_lo) {
+    bool reused = false;
+    if (peek.ok() && peek->counter > r.counter && peek->uuid_hi == h.uuid_hi &&
+        peek->uuid_lo == h.uuid_lo) {
+      uint64_t newest = 0;
+      for (const format::Record& o : ring) {
+        newest = std::max(newest, o.counter);
+        if (o.counter == peek->counter && o.slot == r.slot) reused = true;
+      }
+      if (peek->counter > newest && peek->counter - newest <= h.slot_count) reused = true;
+    }
+    if (reused) {
       return Status::Corruption("slot " + std::to_string(r.slot) + " was reused by checkpoint #" +
                                 std::to_string(peek->counter));
     }
@@ -402,7 +417,7 @@ Result<ScanReport> SlotFile::Scan(const ScanOptions& opts) {
     }
     ScannedCheckpoint sc;
     bool verify = opts.verify_data && (report.newest_valid < 0 || opts.verify_all);
-    Status st = CheckRecord(*medium_, I.header, r, verify, &sc.info, this);
+    Status st = CheckRecord(*medium_, I.header, r, records, verify, &sc.info, this);
     if (st.ok()) {
       sc.state = CheckpointState::kCommitted;
       if (report.newest_valid < 0) report.newest_valid = static_cast<int>(report.checkpoints.size());

@@ -1,5 +1,364 @@
+// Bindings of nonstop::Engine (the write side) and of a job directory's slot
+// file (the read side: scan, read tensors). A thin layer: it converts types,
+// releases the GIL around every call that may block, and turns a non-OK
+// Status into the nonstop.errors class for its code, with its one-line
+// message. Tensors arrive as plain numbers (data pointer, byte count, dtype
+// code, shape, device, stream): this module never sees torch.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "nonstop/engine.h"
+#include "nonstop/medium.h"
+#include "nonstop/status.h"
+#include "nonstop/store.h"
+#include "nonstop/types.h"
 #include "python/bindings.h"
 
+namespace py = pybind11;
+
 namespace nonstop::py_bindings {
-void InitEngine(pybind11::module_& /*m*/) {}
+namespace {
+
+// Carries a non-OK Status out of a GIL-released region to the translator.
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(Status s) : status_(std::move(s)) {}
+  const char* what() const noexcept override { return status_.message().c_str(); }
+  const Status& status() const { return status_; }
+
+ private:
+  Status status_;
+};
+
+void Check(const Status& s) {
+  if (!s.ok()) throw StatusError(s);
+}
+
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) throw StatusError(r.status());
+  return std::move(r).value();
+}
+
+// (name, dtype code, shape, nbytes, data_ptr, device kind, device index,
+//  stream, copy_at_checkpoint)
+using PyTensorRef = std::tuple<std::string, int, std::vector<int64_t>, uint64_t, uintptr_t, int,
+                               int, uintptr_t, bool>;
+
+TensorRef ToTensorRef(const PyTensorRef& t) {
+  const auto& [name, dtype, shape, nbytes, ptr, dev_kind, dev_index, stream, copy_now] = t;
+  if (dtype < 0 || dtype >= kNumDTypes) {
+    throw StatusError(Status::InvalidArgument("tensor '" + name + "': unknown dtype code " +
+                                              std::to_string(dtype)));
+  }
+  TensorRef r;
+  r.spec.name = name;
+  r.spec.dtype = static_cast<DType>(dtype);
+  r.spec.shape = shape;
+  r.spec.nbytes = nbytes;
+  r.data = reinterpret_cast<const void*>(ptr);
+  r.device.kind = dev_kind == 1 ? DeviceKind::kCuda : DeviceKind::kHost;
+  r.device.index = dev_index;
+  r.device.stream = stream;
+  r.copy_at_checkpoint = copy_now;
+  return r;
+}
+
+py::dict TensorDict(const TensorEntry& e) {
+  py::dict d;
+  d["name"] = e.spec.name;
+  d["dtype"] = static_cast<int>(e.spec.dtype);
+  d["shape"] = e.spec.shape;
+  d["nbytes"] = e.spec.nbytes;
+  d["global_shape"] = e.spec.global.global_shape;
+  d["global_offset"] = e.spec.global.global_offset;
+  d["data_offset"] = e.data_offset;
+  return d;
+}
+
+py::dict InfoDict(const CheckpointInfo& info) {
+  py::dict d;
+  d["counter"] = info.counter;
+  d["step"] = info.step;
+  d["sequence"] = info.sequence;
+  d["slot"] = info.slot;
+  d["rank"] = info.rank;
+  d["world_size"] = info.world_size;
+  d["commit_unix_ns"] = info.commit_unix_ns;
+  d["data_bytes"] = info.data_bytes;
+  d["meta_json"] = py::bytes(info.meta_json);
+  py::list tensors;
+  for (const auto& e : info.tensors) tensors.append(TensorDict(e));
+  d["tensors"] = tensors;
+  return d;
+}
+
+py::dict CheckpointStatsDict(const CheckpointStats& c) {
+  py::dict d;
+  d["counter"] = c.counter;
+  d["step"] = c.step;
+  d["bytes"] = c.bytes;
+  d["stall_s"] = c.stall_s;
+  d["copy_s"] = c.copy_s;
+  d["persist_s"] = c.persist_s;
+  d["write_GBps"] = c.write_GBps;
+  d["committed"] = c.committed;
+  d["error"] = c.error;
+  return d;
+}
+
+py::dict EngineStatsDict(const EngineStats& s) {
+  py::dict d;
+  d["started"] = s.started;
+  d["committed"] = s.committed;
+  d["failed"] = s.failed;
+  d["superseded"] = s.superseded;
+  d["in_flight"] = s.in_flight;
+  d["stall_s_total"] = s.stall_s_total;
+  d["staging_wait_s_total"] = s.staging_wait_s_total;
+  d["staging_bytes"] = s.staging_bytes;
+  d["chunk_bytes"] = s.chunk_bytes;
+  d["writers"] = s.writers;
+  d["max_in_flight"] = s.max_in_flight;
+  d["medium"] = s.medium;
+  d["copy_engine"] = s.copy_engine;
+  py::list recent;
+  for (const auto& c : s.recent) recent.append(CheckpointStatsDict(c));
+  d["recent"] = recent;
+  return d;
+}
+
+// The Engine, owned by Python. Every method that may block releases the GIL.
+class PyEngine {
+ public:
+  explicit PyEngine(const EngineOptions& opts) {
+    py::gil_scoped_release release;
+    engine_ = Take(Engine::Open(opts));
+  }
+  ~PyEngine() {
+    if (engine_) {
+      py::gil_scoped_release release;
+      (void)engine_->Close();
+    }
+  }
+
+  void Register(const std::vector<PyTensorRef>& refs) {
+    std::vector<TensorRef> tensors;
+    tensors.reserve(refs.size());
+    for (const auto& r : refs) tensors.push_back(ToTensorRef(r));
+    py::gil_scoped_release release;
+    Check(Get().Register(std::move(tensors)));
+  }
+  uint64_t Checkpoint(int64_t step, std::string meta_json) {
+    py::gil_scoped_release release;
+    return Take(Get().Checkpoint(step, std::move(meta_json)));
+  }
+  void WaitCopied() {
+    py::gil_scoped_release release;
+    Check(Get().WaitCopied());
+  }
+  void WaitCommitted(uint64_t counter) {
+    py::gil_scoped_release release;
+    Check(Get().WaitCommitted(counter));
+  }
+  std::optional<std::pair<uint64_t, int64_t>> Latest() {
+    std::optional<CommittedCheckpoint> c;
+    {
+      py::gil_scoped_release release;
+      c = Get().Latest();
+    }
+    if (!c) return std::nullopt;
+    return std::make_pair(c->counter, c->step);
+  }
+  py::dict Restore(std::optional<int64_t> step) {
+    Result<CheckpointInfo> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release release;
+      r = Get().Restore(step);
+    }
+    return InfoDict(Take(std::move(r)));
+  }
+  py::dict Stats() {
+    EngineStats s;
+    {
+      py::gil_scoped_release release;
+      s = Get().Stats();
+    }
+    return EngineStatsDict(s);
+  }
+  void Close() {
+    if (!engine_) return;
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = engine_->Close();
+    }
+    engine_.reset();
+    Check(s);
+  }
+  bool closed() const { return engine_ == nullptr; }
+
+ private:
+  Engine& Get() {
+    if (!engine_) throw StatusError(Status::FailedPrecondition("the checkpointer is closed"));
+    return *engine_;
+  }
+  std::unique_ptr<Engine> engine_;
+};
+
+// One rank's slot file, opened for reading: the scan report and tensor reads.
+class PyReader {
+ public:
+  PyReader(const std::string& dir, int rank, bool verify_data) {
+    py::gil_scoped_release release;
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) {
+      throw StatusError(Status::NotFound("checkpoint directory " + dir + " does not exist"));
+    }
+    path_ = (fs::path(dir) / SlotFileName(rank)).string();
+    if (!fs::exists(path_, ec)) {
+      throw StatusError(Status::NotFound("no nonstop checkpoint for rank " + std::to_string(rank) +
+                                         " in " + dir + " (no " + SlotFileName(rank) + ")"));
+    }
+    MediumOptions mopts;
+    auto medium = Take(OpenMedium(path_, MediumKind::kBuffered, mopts));
+    Result<std::unique_ptr<SlotFile>> file = SlotFile::Open(std::move(medium));
+    if (!file.ok()) throw StatusError(file.status().Annotate(path_));
+    file_ = std::move(file).value();
+    ScanOptions sopts;
+    sopts.verify_data = verify_data;
+    Result<ScanReport> report = file_->Scan(sopts);
+    if (!report.ok()) throw StatusError(report.status().Annotate(path_));
+    report_ = std::move(report).value();
+  }
+
+  py::dict Geometry() const {
+    const StoreGeometry& g = file_->geometry();
+    py::dict d;
+    d["slots"] = g.slots;
+    d["slot_bytes"] = g.slot_bytes;
+    d["rank"] = g.rank;
+    d["world_size"] = g.world_size;
+    return d;
+  }
+  py::list Checkpoints() const {
+    py::list out;
+    for (const auto& c : report_.checkpoints) {
+      py::dict d = InfoDict(c.info);
+      d["committed"] = c.state == CheckpointState::kCommitted;
+      d["reason"] = c.reason;
+      out.append(d);
+    }
+    return out;
+  }
+  const std::vector<std::string>& Skipped() const { return report_.skipped; }
+  int NewestValid() const { return report_.newest_valid; }
+  const std::string& path() const { return path_; }
+
+  // Reads tensor `tensor` of checkpoint `ckpt` (indices into Checkpoints())
+  // into host memory at `dst`, which must hold `nbytes`.
+  void ReadTensor(int ckpt, int tensor, uintptr_t dst, uint64_t nbytes, bool verify) {
+    if (ckpt < 0 || ckpt >= static_cast<int>(report_.checkpoints.size())) {
+      throw StatusError(Status::InvalidArgument("no checkpoint #" + std::to_string(ckpt)));
+    }
+    const CheckpointInfo& info = report_.checkpoints[ckpt].info;
+    if (tensor < 0 || tensor >= static_cast<int>(info.tensors.size())) {
+      throw StatusError(Status::InvalidArgument("no tensor #" + std::to_string(tensor)));
+    }
+    const TensorSpec& spec = info.tensors[tensor].spec;
+    if (spec.nbytes != nbytes) {
+      throw StatusError(Status::InvalidArgument(
+          "tensor '" + spec.name + "' holds " + std::to_string(spec.nbytes) +
+          " bytes, destination " + std::to_string(nbytes)));
+    }
+    py::gil_scoped_release release;
+    Status s = file_->ReadTensor(info, tensor, reinterpret_cast<void*>(dst), verify);
+    if (!s.ok()) {
+      throw StatusError(s.Annotate(path_ + ": step " + std::to_string(info.step) + " tensor '" +
+                                   spec.name + "'"));
+    }
+  }
+
+ private:
+  std::string path_;
+  std::unique_ptr<SlotFile> file_;
+  ScanReport report_;
+};
+
+}  // namespace
+
+void InitEngine(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object classes = py::module_::import("nonstop.errors").attr("BY_STATUS_CODE");
+      py::object cls = classes.attr("get")(static_cast<int>(e.status().code()),
+                                           py::module_::import("builtins").attr("RuntimeError"));
+      PyErr_SetString(cls.ptr(), e.status().message().c_str());
+    }
+  });
+
+  m.def("slot_file_name", &SlotFileName, py::arg("rank"));
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init([](const std::string& dir, uint32_t rank, uint32_t world_size,
+                       int max_in_flight, int writers, uint64_t staging_bytes,
+                       uint64_t chunk_bytes, int copy_threads, const std::string& medium,
+                       uint32_t extra_slots) {
+             EngineOptions o;
+             o.dir = dir;
+             o.rank = rank;
+             o.world_size = world_size;
+             o.max_in_flight = max_in_flight;
+             o.writers = writers;
+             o.staging_bytes = staging_bytes;
+             o.chunk_bytes = chunk_bytes;
+             o.copy_threads = copy_threads;
+             o.extra_slots = extra_slots;
+             if (!ParseMediumKind(medium, &o.medium)) {
+               throw StatusError(Status::InvalidArgument(
+                   "unknown medium '" + medium +
+                   "'; use auto, buffered, direct, uring, mmap or pmem"));
+             }
+             return std::make_unique<PyEngine>(o);
+           }),
+           py::arg("dir"), py::arg("rank") = 0, py::arg("world_size") = 1,
+           py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
+           py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
+           py::arg("extra_slots") = 0)
+      .def("register", &PyEngine::Register, py::arg("tensors"),
+           "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "
+           "kind, device index, stream, copy_at_checkpoint).")
+      .def("checkpoint", &PyEngine::Checkpoint, py::arg("step"), py::arg("meta_json"))
+      .def("wait_copied", &PyEngine::WaitCopied)
+      .def("wait_committed", &PyEngine::WaitCommitted, py::arg("counter") = 0)
+      .def("latest", &PyEngine::Latest)
+      .def("restore", &PyEngine::Restore, py::arg("step") = py::none())
+      .def("stats", &PyEngine::Stats)
+      .def("close", &PyEngine::Close)
+      .def_property_readonly("closed", &PyEngine::closed);
+
+  py::class_<PyReader>(m, "Reader")
+      .def(py::init<const std::string&, int, bool>(), py::arg("dir"), py::arg("rank") = 0,
+           py::arg("verify_data") = true)
+      .def_property_readonly("geometry", &PyReader::Geometry)
+      .def_property_readonly("checkpoints", &PyReader::Checkpoints)
+      .def_property_readonly("skipped", &PyReader::Skipped)
+      .def_property_readonly("newest_valid", &PyReader::NewestValid)
+      .def_property_readonly("path", &PyReader::path)
+      .def("read_tensor", &PyReader::ReadTensor, py::arg("checkpoint"), py::arg("tensor"),
+           py::arg("dst"), py::arg("nbytes"), py::arg("verify") = true);
+}
+
 }  // namespace nonstop::py_bindings

@@ -388,6 +388,9 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   if (!reg_ || !file_) return Status::FailedPrecondition("Checkpoint before Register");
   // The only place Checkpoint blocks on the pipeline: N already in flight.
   cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight; });
+  if (reg_->snapshot_bytes > 0 && free_snapshots_.empty()) {
+    return Status::Internal("no free copy_at_checkpoint buffer below max_in_flight");
+  }
   std::optional<uint32_t> slot = free_slots_->Pop();
   if (!slot) return Status::Internal("no free slot with fewer than max_in_flight in flight");
 
@@ -409,9 +412,8 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
     job->src_device[i] = reg.tensors[i].device;
   }
   if (reg.snapshot_bytes > 0) {
-    // At most N snapshots are out (one per in-flight checkpoint), and we hold
-    // one of the N in-flight places, so one is free.
-    if (free_snapshots_.empty()) return Status::Internal("no free copy_at_checkpoint buffer");
+    // At most N snapshots are out (one per in-flight checkpoint, given back
+    // when its copies end), and we hold one of the N places, so one is free.
     job->snapshot = free_snapshots_.back();
     free_snapshots_.pop_back();
   }

@@ -66,11 +66,16 @@ test-tsan: deps
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L concurrency
 
 FUZZ_SECONDS ?= 60
+# The store's parsers and a full open + scan + read under libFuzzer, ASan and
+# UBSan. NONSTOP_BUILD_TESTS=ON only adds tests/ (where the target lives);
+# nothing but fuzz_store is built. Seeds (valid inputs) are written first.
 test-fuzz: deps
-	CC=clang-14 CXX=clang++-14 $(CMAKE) -S . -B build-fuzz $(CMAKE_GEN) -DNONSTOP_FUZZ=ON -DNONSTOP_BUILD_TESTS=OFF \
+	CC=clang-14 CXX=clang++-14 $(CMAKE) -S . -B build-fuzz $(CMAKE_GEN) -DNONSTOP_FUZZ=ON -DNONSTOP_BUILD_TESTS=ON \
 	    -DNONSTOP_BUILD_TOOLS=OFF -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
 	$(CMAKE) --build build-fuzz -j $(JOBS) --target fuzz_store
-	mkdir -p build-fuzz/corpus && ./build-fuzz/tests/fuzz_store -max_total_time=$(FUZZ_SECONDS) build-fuzz/corpus
+	mkdir -p build-fuzz/corpus
+	NONSTOP_FUZZ_SEEDS=build-fuzz/corpus ./build-fuzz/tests/fuzz_store -max_total_time=$(FUZZ_SECONDS) \
+	    -max_len=65536 -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 build-fuzz/corpus
 
 # The GPU checks, for a GPU machine where nothing can be installed: the C++
 # build with CUDA (whatever needs a missing -dev package is skipped at

@@ -1,0 +1,319 @@
+// libFuzzer target for the store: the file header, superblock record and
+// tensor table parsers, and a full SlotFile::Open + Scan + ReadTensor over a
+// slot file held in memory. A damaged or hostile file must give an error,
+// never a crash, an out-of-range read or a huge allocation.
+//
+// The first input byte picks what the rest is fed to. Checksums would stop a
+// fuzzer at the first field, so some modes first make the header, record and
+// table checksums consistent with the fuzzed bytes; the parsers' later checks
+// are then reached.
+//
+//   0  ParseHeader(rest)                 3  ParseRecord(rest, padded, crc fixed)
+//   1  ParseHeader(rest, padded, crc fixed)  4  ParseTable(rest), PeekTableHeader(rest)
+//   2  ParseRecord(rest)                 5  the rest is a whole slot file (crcs fixed)
+//   6  the rest is patches applied to a valid slot file (crcs fixed or not)
+//
+// With NONSTOP_FUZZ_SEEDS=DIR set, LLVMFuzzerInitialize writes a seed corpus
+// of valid inputs for every mode into DIR.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "nonstop/store.h"
+#include "store/format.h"
+#include "store_test_util.h"
+
+namespace nonstop {
+namespace {
+
+// A slot file held in memory.
+class MemMedium : public Medium {
+ public:
+  explicit MemMedium(std::vector<uint8_t> bytes) : b_(std::move(bytes)) {}
+  Status Write(uint64_t off, const void* buf, size_t n) override {
+    if (off > b_.size() || n > b_.size() - off) return Status::IOError("write past the end");
+    std::memcpy(b_.data() + off, buf, n);
+    return Status::OK();
+  }
+  Status Read(uint64_t off, void* buf, size_t n) override {
+    if (off > b_.size() || n > b_.size() - off) return Status::Corruption("read past the end");
+    if (n > 0) std::memcpy(buf, b_.data() + off, n);
+    return Status::OK();
+  }
+  Status Sync() override { return Status::OK(); }
+  Status Resize(uint64_t size) override {
+    if (size > (64u << 20)) return Status::IOError("too large for the fuzzer");
+    b_.resize(size);
+    return Status::OK();
+  }
+  uint64_t Size() const override { return b_.size(); }
+  size_t Alignment() const override { return 1; }
+  MediumKind kind() const override { return MediumKind::kBuffered; }
+  std::string Describe() const override { return "memory"; }
+  std::vector<uint8_t>& bytes() { return b_; }
+
+ private:
+  std::vector<uint8_t> b_;
+};
+
+uint32_t Load32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+uint64_t Load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// Stores the crc of a block, computed with the crc field itself skipped.
+void FixBlockCrc(uint8_t* b, size_t n, size_t crc_at) {
+  uint32_t c = Crc32c(b, crc_at);
+  c = Crc32c(b + crc_at + 4, n - crc_at - 4, c);
+  std::memcpy(b + crc_at, &c, 4);
+}
+
+// Makes the header, every ring record and the table crc each record holds
+// agree with the bytes of `img`, wherever they are in bounds.
+void FixFileCrcs(std::vector<uint8_t>& img) {
+  if (img.size() < format::kHeaderBytes) return;
+  FixBlockCrc(img.data(), format::kHeaderBytes, format::kHeaderCrcOffset);
+  auto h = format::ParseHeader({img.data(), format::kHeaderBytes});
+  if (!h.ok()) return;
+  for (uint32_t i = 0; i < h->ring_records; ++i) {
+    const uint64_t off = h->ring_offset + uint64_t{i} * format::kRecordBytes;
+    if (off + format::kRecordBytes > img.size()) break;
+    uint8_t* rec = img.data() + off;
+    if (std::all_of(rec, rec + format::kRecordBytes, [](uint8_t c) { return c == 0; })) continue;
+    // table_offset at 72, table_bytes at 80, table_crc at 88 (docs/FORMAT.md).
+    const uint64_t t_off = Load64(rec + 72), t_bytes = Load64(rec + 80);
+    const uint64_t padded = format::AlignUp(t_bytes, kStoreAlign);
+    if (t_bytes > 0 && t_off <= img.size() && padded <= img.size() - t_off) {
+      const uint32_t c = Crc32c(img.data() + t_off, padded);
+      std::memcpy(rec + 88, &c, 4);
+    }
+    FixBlockCrc(rec, format::kRecordBytes, format::kRecordCrcOffset);
+  }
+}
+
+// Opens, scans (verifying everything) and reads every tensor of every
+// checkpoint whose table parsed.
+void OpenScanRead(std::vector<uint8_t> img) {
+  auto opened = SlotFile::Open(std::make_unique<MemMedium>(std::move(img)));
+  if (!opened.ok()) return;
+  SlotFile& f = **opened;
+  ScanOptions opts;
+  opts.verify_all = true;
+  auto scan = f.Scan(opts);
+  if (!scan.ok()) return;
+  std::vector<uint8_t> buf;
+  for (const ScannedCheckpoint& sc : scan->checkpoints) {
+    const CheckpointInfo& info = sc.info;
+    for (size_t i = 0; i < info.tensors.size(); ++i) {
+      buf.resize(info.tensors[i].spec.nbytes);
+      (void)f.ReadTensor(info, static_cast<int>(i), buf.data(), /*verify=*/true);
+      (void)f.ReadTensor(info, static_cast<int>(i), buf.data(), /*verify=*/false);
+    }
+    (void)f.ReadTensor(info, -1, nullptr);
+    (void)f.ReadTensor(info, static_cast<int>(info.tensors.size()), nullptr);
+    if (info.data_bytes > 0) {
+      buf.resize(std::min<uint64_t>(info.data_bytes, 4096));
+      (void)f.ReadData(info, info.data_bytes - buf.size(), buf.data(), buf.size());
+      (void)f.ReadData(info, info.data_bytes, buf.data(), 1);
+    }
+  }
+}
+
+// A valid slot file, small so each run is fast: four checkpoints of three
+// small tensors committed in turn to three 8 KiB slots (the first overwritten).
+const std::vector<uint8_t>& BaseImage() {
+  static const std::vector<uint8_t> image = [] {
+    auto medium = std::make_unique<MemMedium>(std::vector<uint8_t>());
+    MemMedium* raw = medium.get();
+    StoreGeometry g;
+    g.slots = 3;
+    g.slot_bytes = 2 * kStoreAlign;
+    auto f = SlotFile::Create(std::move(medium), g).value();
+    for (uint64_t c = 1; c <= 4; ++c) {
+      std::vector<TensorSpec> specs = {{"w", DType::kFloat32, {4, 8}, 128, {}},
+                                       {"b", DType::kBFloat16, {8}, 16, {{16}, 8}},
+                                       {"step", DType::kInt64, {}, 8, {}}};
+      SlotLayout layout = SlotLayout::Plan(specs).value();
+      std::vector<uint8_t> data(layout.data_bytes, 0);
+      for (size_t i = 0; i < 152; ++i) data[i] = static_cast<uint8_t>(i * c + 1);
+      (void)f->WriteData(static_cast<uint32_t>(c % 3), 0, data.data(), data.size());
+      CommitRequest req;
+      req.slot = static_cast<uint32_t>(c % 3);
+      req.counter = c;
+      req.step = static_cast<int64_t>(c) * 10;
+      req.layout = &layout;
+      req.crc_chunk_bytes = kStoreAlign;
+      req.chunk_crcs = testing::ChunkCrcs(data, kStoreAlign);
+      req.meta_json = "{\"step\": " + std::to_string(req.step) + "}";
+      (void)f->Commit(req);
+    }
+    return raw->bytes();
+  }();
+  return image;
+}
+
+// A small valid slot file built by hand: 2 ring records, 1 slot of 8 KiB
+// holding one checkpoint of two tiny tensors. Small enough for mode 5.
+std::vector<uint8_t> TinyImage() {
+  format::FileHeader h;
+  h.uuid_hi = 1;
+  h.uuid_lo = 2;
+  h.ring_records = 2;
+  h.ring_offset = format::kHeaderBytes;
+  h.slot_count = 1;
+  h.slots_offset = h.ring_offset + 2 * format::kRecordBytes;
+  h.slot_bytes = 2 * kStoreAlign;
+  std::vector<uint8_t> img(h.slots_offset + h.slot_bytes, 0);
+  auto hb = format::EncodeHeader(h);
+  std::copy(hb.begin(), hb.end(), img.begin());
+  format::Table t;
+  t.uuid_hi = 1;
+  t.uuid_lo = 2;
+  t.counter = 7;
+  t.step = 70;
+  t.crc_chunk_bytes = kStoreAlign;
+  t.data_bytes = kStoreAlign;
+  TensorEntry a, b;
+  a.spec = {"w", DType::kFloat32, {2, 3}, 24, {}};
+  b.spec = {"step", DType::kInt64, {}, 8, {{10}, 0}};
+  b.data_offset = 24;
+  t.tensors = {a, b};
+  uint8_t* data = img.data() + h.slots_offset;
+  for (int i = 0; i < 32; ++i) data[i] = static_cast<uint8_t>(i * 7);
+  t.chunk_crcs = {Crc32c(data, kStoreAlign)};
+  t.meta_json = "{\"step\": 70}";
+  auto tb = format::EncodeTable(t);
+  std::copy(tb.begin(), tb.end(), img.begin() + h.slots_offset + kStoreAlign);
+  format::Record r;
+  r.uuid_hi = 1;
+  r.uuid_lo = 2;
+  r.counter = 7;
+  r.step = 70;
+  r.data_offset = h.slots_offset;
+  r.data_bytes = kStoreAlign;
+  r.table_offset = h.slots_offset + kStoreAlign;
+  r.table_bytes = tb.size();
+  r.table_crc = Crc32c(img.data() + r.table_offset, kStoreAlign);
+  auto rb = format::EncodeRecord(r);
+  std::copy(rb.begin(), rb.end(), img.begin() + h.ring_offset);
+  return img;
+}
+
+void WriteSeed(const std::string& dir, const std::string& name, uint8_t mode,
+               const std::vector<uint8_t>& body) {
+  const std::string path = dir + "/seed-" + name;
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) return;
+  std::fputc(mode, f);
+  std::fwrite(body.data(), 1, body.size(), f);
+  std::fclose(f);
+}
+
+void WriteSeeds(const std::string& dir) {
+  const std::vector<uint8_t>& base = BaseImage();
+  std::vector<uint8_t> header(base.begin(), base.begin() + format::kHeaderBytes);
+  WriteSeed(dir, "header", 0, header);
+  WriteSeed(dir, "header-fixed", 1, header);
+  auto h = format::ParseHeader({base.data(), format::kHeaderBytes}).value();
+  std::vector<uint8_t> record(base.begin() + h.ring_offset,
+                              base.begin() + h.ring_offset + format::kRecordBytes);
+  WriteSeed(dir, "record", 2, record);
+  WriteSeed(dir, "record-fixed", 3, record);
+  auto rec = format::ParseRecord(record).value();
+  std::vector<uint8_t> table(base.begin() + rec.table_offset,
+                             base.begin() + rec.table_offset + rec.table_bytes);
+  WriteSeed(dir, "table", 4, table);
+  WriteSeed(dir, "tiny-file", 5, TinyImage());
+  // Patch seeds: [u32 offset][u8 len][len bytes]..., first byte 1 = fix crcs.
+  std::vector<uint8_t> patch = {1};
+  const uint32_t off = static_cast<uint32_t>(rec.table_offset + 40);
+  patch.insert(patch.end(), reinterpret_cast<const uint8_t*>(&off),
+               reinterpret_cast<const uint8_t*>(&off) + 4);
+  patch.push_back(4);
+  patch.insert(patch.end(), {1, 0, 0, 0});
+  WriteSeed(dir, "patch-table", 6, patch);
+  WriteSeed(dir, "patch-none", 6, {0});
+}
+
+// Mode 6: applies patches to the valid base image, so deep states (several
+// checkpoints, reused slots, fallbacks) are one small mutation away.
+void PatchBase(std::span<const uint8_t> in) {
+  std::vector<uint8_t> img = BaseImage();
+  if (in.empty()) return;
+  const bool fix = in[0] & 1;
+  size_t p = 1;
+  while (p + 5 <= in.size()) {
+    // Offsets wrap, so a patch can land anywhere in the image.
+    const uint64_t off = Load32(&in[p]) % (img.size() + 1);
+    const size_t len = in[p + 4];
+    p += 5;
+    const size_t n = std::min({len, in.size() - p, static_cast<size_t>(img.size() - off)});
+    std::memcpy(img.data() + off, &in[p], n);
+    p += n;
+  }
+  if (fix) FixFileCrcs(img);
+  OpenScanRead(std::move(img));
+}
+
+}  // namespace
+}  // namespace nonstop
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  if (const char* dir = std::getenv("NONSTOP_FUZZ_SEEDS")) nonstop::WriteSeeds(dir);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace nonstop;  // NOLINT(build/namespaces)
+  if (size == 0) return 0;
+  const uint8_t mode = data[0];
+  std::span<const uint8_t> rest(data + 1, size - 1);
+  switch (mode % 7) {
+    case 0:
+      (void)format::ParseHeader(rest);
+      break;
+    case 1: {
+      std::vector<uint8_t> b(rest.begin(), rest.end());
+      b.resize(format::kHeaderBytes, 0);
+      FixBlockCrc(b.data(), b.size(), format::kHeaderCrcOffset);
+      (void)format::ParseHeader(b);
+      break;
+    }
+    case 2:
+      (void)format::ParseRecord(rest);
+      break;
+    case 3: {
+      std::vector<uint8_t> b(rest.begin(), rest.end());
+      b.resize(format::kRecordBytes, 0);
+      FixBlockCrc(b.data(), b.size(), format::kRecordCrcOffset);
+      (void)format::ParseRecord(b);
+      break;
+    }
+    case 4:
+      (void)format::ParseTable(rest);
+      (void)format::PeekTableHeader(rest);
+      break;
+    case 5: {
+      std::vector<uint8_t> img(rest.begin(), rest.end());
+      FixFileCrcs(img);
+      OpenScanRead(std::move(img));
+      break;
+    }
+    default:
+      PatchBase(rest);
+      break;
+  }
+  return 0;
+}

@@ -1,0 +1,218 @@
+// `nonstop inspect`, `verify` and `export` on real checkpoint directories:
+// good files verify, every kind of single bit flip is named, and an export is
+// a valid safetensors file holding exactly the checkpoint's bytes.
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "nonstop/medium.h"
+#include "nonstop/store.h"
+#include "store/format.h"
+#include "store_test_util.h"
+#include "tools/commands.h"
+
+namespace nonstop {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct CliResult {
+  int code = 0;
+  std::string out, err;
+};
+
+CliResult RunCli(std::vector<std::string> args) {
+  CLI::App app{"nonstop"};
+  app.require_subcommand(1);
+  cli::AddStoreCommands(app);
+  std::vector<const char*> argv = {"nonstop"};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  CliResult r;
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  try {
+    app.parse(static_cast<int>(argv.size()), const_cast<char**>(argv.data()));
+  } catch (const CLI::Error& e) {
+    r.code = e.get_exit_code();
+  }
+  std::fflush(stdout);
+  r.out = ::testing::internal::GetCapturedStdout();
+  r.err = ::testing::internal::GetCapturedStderr();
+  return r;
+}
+
+class StoreCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "nonstop-cli-XXXXXX").string();
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    file_ = dir_ + "/" + SlotFileName(0);
+    MediumOptions mo;
+    mo.create = true;
+    auto f = SlotFile::Create(OpenMedium(file_, MediumKind::kBuffered, mo).value(),
+                              StoreGeometry{3, testing::kTestSlotBytes, 0, 1})
+                 .value();
+    // Steps 10..50 as checkpoints #1..#5 in slots 1, 2, 0, 1, 2.
+    for (uint64_t c = 1; c <= 5; ++c) {
+      ASSERT_TRUE(testing::WriteAndCommit(*f, testing::MakeCheckpoint(StepOf(c)),
+                                          static_cast<uint32_t>(c % 3), c)
+                      .ok());
+    }
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  static int64_t StepOf(uint64_t counter) { return static_cast<int64_t>(counter) * 10; }
+
+  void FlipBit(uint64_t offset, int bit = 3) {
+    std::fstream f(file_, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    char c;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ (1 << bit));
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.write(&c, 1);
+  }
+  // The newest checkpoint (#5) as the store sees it.
+  CheckpointInfo Newest() {
+    auto f = SlotFile::Open(OpenMedium(file_, MediumKind::kBuffered, {}).value()).value();
+    auto scan = f->Scan().value();
+    return scan.checkpoints[scan.newest_valid].info;
+  }
+
+  std::string dir_, file_;
+};
+
+TEST_F(StoreCliTest, InspectListsEveryCheckpointAndSlot) {
+  CliResult r = RunCli({"inspect", dir_, "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  json j = json::parse(r.out);
+  ASSERT_EQ(j["files"].size(), 1u);
+  const json& f = j["files"][0];
+  ASSERT_EQ(f["checkpoints"].size(), 5u);
+  EXPECT_EQ(f["checkpoints"][0]["counter"], 5);
+  EXPECT_EQ(f["checkpoints"][0]["state"], "committed");
+  EXPECT_TRUE(f["checkpoints"][0]["newest_valid"].get<bool>());
+  EXPECT_EQ(f["checkpoints"][0]["meta"]["step"], 50);
+  EXPECT_EQ(f["checkpoints"][2]["state"], "committed");
+  EXPECT_EQ(f["checkpoints"][3]["state"], "overwritten");  // #2, slot 2 reused by #5
+  ASSERT_EQ(f["slots"].size(), 3u);
+  for (const json& s : f["slots"]) EXPECT_EQ(s["state"], "committed");
+  const auto want = testing::MakeCheckpoint(50);
+  ASSERT_EQ(f["checkpoints"][0]["tensors"].size(), want.layout.tensors.size());
+  EXPECT_EQ(f["checkpoints"][0]["tensors"][0]["name"], want.layout.tensors[0].spec.name);
+
+  r = RunCli({"inspect", dir_});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("committed (newest)"), std::string::npos) << r.out;
+}
+
+TEST_F(StoreCliTest, VerifyPassesOnAGoodDirectory) {
+  CliResult r = RunCli({"verify", dir_});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("OK: step 50", 0), 0u) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1);
+  r = RunCli({"verify", dir_, "--step", "30"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = RunCli({"verify", dir_, "--step", "20"});  // overwritten by #5
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("overwritten"), std::string::npos) << r.err;
+  r = RunCli({"verify", dir_, "--step", "77"});
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("no checkpoint at step 77"), std::string::npos) << r.err;
+}
+
+TEST_F(StoreCliTest, VerifyNamesEveryKindOfBitFlip) {
+  const CheckpointInfo n = Newest();
+  const uint64_t table = n.data_offset + n.data_bytes;
+  const uint64_t record = format::kHeaderBytes + (n.sequence % kRingRecords) * format::kRecordBytes;
+  const TensorEntry& t0 = n.tensors[0];
+  struct Case {
+    const char* what;
+    uint64_t offset;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"data", n.data_offset + t0.data_offset + t0.spec.nbytes / 2,
+       "(tensor '" + t0.spec.name + "')"},
+      {"table", table + 30, "tensor table checksum mismatch"},
+      {"table padding", table + n.table_bytes + 1, "tensor table checksum mismatch"},
+      {"record", record + 33, "ring entry"},
+      {"header", 20, "file header checksum mismatch"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    CliResult good = RunCli({"verify", dir_});
+    ASSERT_EQ(good.code, 0);
+    FlipBit(c.offset);
+    CliResult r = RunCli({"verify", dir_});
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(SlotFileName(0)), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    FlipBit(c.offset);  // undo
+  }
+}
+
+TEST_F(StoreCliTest, ExportWritesAValidSafetensorsFileWithTheCheckpointBytes) {
+  const std::string out = dir_ + "/out.safetensors";
+  CliResult r = RunCli({"export", dir_, "--step", "40", "-o", out});
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::ifstream f(out, std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ASSERT_GE(bytes.size(), 8u);
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= uint64_t{bytes[i]} << (8 * i);
+  ASSERT_EQ((8 + hlen) % 8, 0u);
+  ASSERT_LE(8 + hlen, bytes.size());
+  json h = json::parse(std::string(bytes.begin() + 8, bytes.begin() + 8 + hlen));
+  EXPECT_EQ(h["__metadata__"]["nonstop.step"], "40");
+  EXPECT_EQ(h["__metadata__"]["nonstop.meta"], testing::MetaForStep(40));
+  const auto want = testing::MakeCheckpoint(40);
+  const uint8_t* data = bytes.data() + 8 + hlen;
+  uint64_t total = 0;
+  for (const TensorEntry& te : want.layout.tensors) {
+    const json& e = h.at(te.spec.name);
+    EXPECT_EQ(e["dtype"], std::string(DTypeSafetensorsName(te.spec.dtype)));
+    EXPECT_EQ(e["shape"].get<std::vector<int64_t>>(), te.spec.shape);
+    const uint64_t b = e["data_offsets"][0], end = e["data_offsets"][1];
+    ASSERT_EQ(end - b, te.spec.nbytes);
+    ASSERT_LE(8 + hlen + end, bytes.size());
+    EXPECT_EQ(std::memcmp(data + b, want.data.data() + te.data_offset, te.spec.nbytes), 0)
+        << te.spec.name;
+    total += te.spec.nbytes;
+  }
+  EXPECT_EQ(8 + hlen + total, bytes.size());  // contiguous, no holes
+}
+
+TEST_F(StoreCliTest, ClearOneLineErrors) {
+  CliResult r = RunCli({"verify", fs::temp_directory_path().string() + "/no-such-dir-nonstop"});
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("no such directory"), std::string::npos) << r.err;
+  const std::string empty = dir_ + "/empty";
+  fs::create_directory(empty);
+  r = RunCli({"inspect", empty});
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("is not a nonstop checkpoint directory (no rank-*.nsck files)"),
+            std::string::npos)
+      << r.err;
+  fs::copy_file(file_, dir_ + "/" + SlotFileName(1));
+  r = RunCli({"export", dir_, "-o", dir_ + "/x.safetensors"});
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("multi-rank"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ + "/x.safetensors"));
+}
+
+}  // namespace
+}  // namespace nonstop

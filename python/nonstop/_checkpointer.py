@@ -407,6 +407,10 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     committed = [i for i, c in enumerate(ckpts) if c["committed"]]
     if step is not None:
         order = [i for i in committed if ckpts[i]["step"] == step]
+        damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]
+        if not order and damaged:
+            raise CorruptCheckpointError(
+                f"checkpoint at step {step} in {path} is damaged: {damaged[0]['reason']}")
         if not order:
             have = ", ".join(str(ckpts[i]["step"]) for i in committed) or "none"
             raise CheckpointNotFoundError(

@@ -94,6 +94,7 @@ py::dict InfoDict(const CheckpointInfo& info) {
   d["rank"] = info.rank;
   d["world_size"] = info.world_size;
   d["commit_unix_ns"] = info.commit_unix_ns;
+  d["data_offset"] = info.data_offset;
   d["data_bytes"] = info.data_bytes;
   d["meta_json"] = py::bytes(info.meta_json);
   py::list tensors;

@@ -37,3 +37,20 @@ def fake_core(monkeypatch):
 needs_engine = pytest.mark.skipif(
     not real_engine_available(),
     reason="the C++ Engine (include/nonstop/engine.h) has not landed in this build yet")
+
+
+@pytest.fixture(params=["fake", "real"])
+def core(request, monkeypatch):
+    """Runs a test against fake_core (the laziest legal engine) and against
+    the real C++ engine."""
+    import nonstop
+    if request.param == "fake":
+        import fake_core as fc
+        fc.DISK.clear()
+        monkeypatch.setattr(nonstop, "_core", fc)
+        yield fc
+        fc.DISK.clear()
+    else:
+        if not real_engine_available():
+            pytest.skip("the C++ Engine has not landed in this build yet")
+        yield nonstop._core

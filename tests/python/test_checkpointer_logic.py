@@ -19,7 +19,7 @@ def run(ckpt, model, opt, sched, steps, losses=None):
             ckpt.step(s)
 
 
-def test_resume_into_fresh_objects_is_bit_identical(fake_core, tmp_path):
+def test_resume_into_fresh_objects_is_bit_identical(core, tmp_path):
     d = str(tmp_path / "ck")
     model, opt, sched = tiny.make()
     ref_losses = []
@@ -48,7 +48,7 @@ def test_resume_into_fresh_objects_is_bit_identical(fake_core, tmp_path):
     assert tiny.state_bytes(model, opt) == ref
 
 
-def test_buffers_changed_by_forward_are_saved_at_their_step_value(fake_core, tmp_path):
+def test_buffers_changed_by_forward_are_saved_at_their_step_value(core, tmp_path):
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path), {"model": model, "optim": opt}, every=1) as ck:
         tiny.train_step(model, opt, sched, 0)
@@ -79,7 +79,7 @@ def test_optimizer_step_waits_for_the_copy(fake_core, tmp_path):
     assert torch.equal(nonstop.load(str(tmp_path), step=0).tensors["model/fc.weight"], w0)
 
 
-def test_reregisters_only_when_tensors_change(fake_core, tmp_path):
+def test_reregisters_only_when_tensors_change(core, tmp_path):
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path), {"model": model, "optim": opt}, every=1) as ck:
         ck.save(-1)  # before the first step: no optimizer state yet
@@ -90,7 +90,7 @@ def test_reregisters_only_when_tensors_change(fake_core, tmp_path):
     assert "optim/state/0/exp_avg" in nonstop.load(str(tmp_path)).tensors
 
 
-def test_tied_weights_and_rng_restore(fake_core, tmp_path):
+def test_tied_weights_and_rng_restore(core, tmp_path):
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path), {"model": model}, every=1) as ck:
         ck.save(0)
@@ -106,7 +106,7 @@ def test_tied_weights_and_rng_restore(fake_core, tmp_path):
     assert model2.head.weight.data_ptr() == model2.emb.weight.data_ptr()
 
 
-def test_plain_tensor_and_scalar_state(fake_core, tmp_path):
+def test_plain_tensor_and_scalar_state(core, tmp_path):
     t = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
     state = {"t": t, "n": 5, "xs": [1, 2]}
     with nonstop.Checkpointer(str(tmp_path), state, every=1) as ck:
@@ -122,7 +122,7 @@ def test_plain_tensor_and_scalar_state(fake_core, tmp_path):
 
 # ------------------------------------------------------------------- errors
 
-def saved_dir(tmp_path, fake_core):
+def saved_dir(tmp_path):
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path), {"model": model, "optim": opt}, every=1) as ck:
         tiny.train_step(model, opt, sched, 0)
@@ -132,8 +132,8 @@ def saved_dir(tmp_path, fake_core):
     return str(tmp_path)
 
 
-def test_shape_mismatch_names_the_tensor(fake_core, tmp_path):
-    d = saved_dir(tmp_path, fake_core)
+def test_shape_mismatch_names_the_tensor(core, tmp_path):
+    d = saved_dir(tmp_path)
     other = torch.nn.Sequential()
     other.emb = torch.nn.Embedding(32, 8)
     with nonstop.Checkpointer(d, {"model": tiny.TinyNet(dim=8)}, every=1) as ck:
@@ -143,15 +143,15 @@ def test_shape_mismatch_names_the_tensor(fake_core, tmp_path):
             ck.restore()
 
 
-def test_dtype_mismatch_names_the_tensor(fake_core, tmp_path):
-    d = saved_dir(tmp_path, fake_core)
+def test_dtype_mismatch_names_the_tensor(core, tmp_path):
+    d = saved_dir(tmp_path)
     with nonstop.Checkpointer(d, {"model": tiny.TinyNet().double()}, every=1) as ck:
         with pytest.raises(nonstop.CheckpointMismatchError, match=r"'model/emb.weight'.*float64"):
             ck.restore()
 
 
-def test_missing_state_key_and_missing_tensor(fake_core, tmp_path):
-    d = saved_dir(tmp_path, fake_core)
+def test_missing_state_key_and_missing_tensor(core, tmp_path):
+    d = saved_dir(tmp_path)
     with nonstop.Checkpointer(d, {"model": tiny.TinyNet(), "sched": {}}, every=1) as ck:
         with pytest.raises(nonstop.CheckpointMismatchError, match="has no state 'sched'"):
             ck.restore()
@@ -163,7 +163,7 @@ def test_missing_state_key_and_missing_tensor(fake_core, tmp_path):
             ck.restore()
 
 
-def test_missing_and_foreign_directories(fake_core, tmp_path):
+def test_missing_and_foreign_directories(core, tmp_path):
     with pytest.raises(nonstop.CheckpointNotFoundError, match="does not exist"):
         nonstop.load(str(tmp_path / "nope"))
     (tmp_path / "torch").mkdir()
@@ -178,15 +178,15 @@ def test_missing_and_foreign_directories(fake_core, tmp_path):
         nonstop.load(str(tmp_path / "empty"))
 
 
-def test_other_world_size(fake_core, tmp_path):
-    d = saved_dir(tmp_path, fake_core)
+def test_other_world_size(core, tmp_path):
+    d = saved_dir(tmp_path)
     open(os.path.join(d, "rank-00003.nsck"), "w").close()
     with pytest.raises(nonstop.IncompatibleCheckpointError, match="world size 4 .*world size 1"):
         nonstop.Checkpointer(d, {"model": tiny.TinyNet()})
 
 
-def test_restore_of_a_missing_step(fake_core, tmp_path):
-    d = saved_dir(tmp_path, fake_core)
+def test_restore_of_a_missing_step(core, tmp_path):
+    d = saved_dir(tmp_path)
     with nonstop.Checkpointer(d, {"model": tiny.TinyNet(), "optim": {}}, every=1) as ck:
         with pytest.raises(nonstop.CheckpointNotFoundError,
                            match=r"no committed checkpoint at step 7 .*committed steps: 1, 0"):
@@ -194,7 +194,7 @@ def test_restore_of_a_missing_step(fake_core, tmp_path):
 
 
 def test_damaged_newest_warns_and_falls_back(fake_core, tmp_path):
-    d = saved_dir(tmp_path, fake_core)
+    d = saved_dir(tmp_path)
     fake_core.DISK[d][-1]["damaged"] = True
     model = tiny.TinyNet()
     with nonstop.Checkpointer(d, {"model": model}, every=1) as ck:
@@ -202,7 +202,7 @@ def test_damaged_newest_warns_and_falls_back(fake_core, tmp_path):
             assert ck.restore() == 0
 
 
-def test_bad_arguments(fake_core, tmp_path):
+def test_bad_arguments(core, tmp_path):
     with pytest.raises(nonstop.CheckpointMismatchError, match="mode 'turbo'"):
         nonstop.Checkpointer(str(tmp_path), {}, mode="turbo")
     with pytest.raises(nonstop.CheckpointMismatchError, match="every must be"):

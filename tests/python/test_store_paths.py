@@ -1,0 +1,93 @@
+"""Against the real engine and store: damaged checkpoints, foreign files,
+load without a model, export to safetensors, stats."""
+import os
+
+import pytest
+import torch
+from conftest import needs_engine
+
+import nonstop
+import tiny
+
+pytestmark = needs_engine
+
+
+def train_and_save(d, steps=4, every=1):
+    model, opt, sched = tiny.make()
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt, "sched": sched},
+                              every=every) as ck:
+        for s in range(steps):
+            tiny.train_step(model, opt, sched, s)
+            ck.step(s)
+        ck.wait()
+        stats = ck.stats()
+        assert ck.latest() == steps - 1
+    return model, opt, stats
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_damaged_newest_checkpoint_warns_and_falls_back(tmp_path):
+    d = str(tmp_path / "ck")
+    train_and_save(d, steps=4)
+    newest = nonstop.load(d)
+    assert newest.step == 3
+    flip_byte(newest.path, newest.info["data_offset"] + 8)
+    with pytest.warns(UserWarning, match="falling back"):
+        assert nonstop.load(d).step == 2
+    model, opt, sched = tiny.make(seed=5)
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt, "sched": sched}) as ck:
+        with pytest.warns(UserWarning, match="falling back"):
+            assert ck.restore() == 2
+    with pytest.raises(nonstop.CorruptCheckpointError, match="step 3 .* is damaged: "):
+        nonstop.load(d, step=3)
+
+
+def test_every_checkpoint_damaged_is_an_error(tmp_path):
+    d = str(tmp_path / "ck")
+    train_and_save(d, steps=2)
+    for step in (0, 1):
+        c = nonstop.load(d, step=step)
+        flip_byte(c.path, c.info["data_offset"] + 8)
+    with pytest.raises(nonstop.CorruptCheckpointError):
+        with pytest.warns(UserWarning):
+            nonstop.load(d)
+
+
+def test_foreign_slot_file(tmp_path):
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "rank-00000.nsck").write_bytes(b"not a nonstop file" * 300)
+    with pytest.raises(nonstop.CheckpointError) as e:
+        nonstop.load(str(d))
+    assert "\n" not in str(e.value)
+
+
+def test_load_without_a_model_and_export(tmp_path):
+    from safetensors.torch import load_file
+    d = str(tmp_path / "ck")
+    model, opt, stats = train_and_save(d, steps=3)
+    c = nonstop.load(d)
+    assert c.step == 2 and c.meta["format"] == "nonstop.torch/1"
+    assert torch.equal(c.tensors["model/fc.weight"], model.fc.weight)
+    assert c.state["optim"]["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+    n = nonstop.load(d, as_numpy=True)
+    assert (n.tensors["model/fc.weight"] == model.fc.weight.detach().numpy()).all()
+
+    out = str(tmp_path / "model.safetensors")
+    r = nonstop.export(d, out, include="model")
+    assert r["step"] == 2
+    fresh = tiny.TinyNet()
+    sd = load_file(out)
+    sd["head.weight"] = sd["emb.weight"]  # tied, stored once
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.bn.running_var, model.bn.running_var)
+    everything = load_file(nonstop.export(d, str(tmp_path / "all.safetensors"))["path"])
+    assert "optim/state/0/exp_avg" in everything
+    assert stats["committed"] == 3 and stats["saves"] == 3 and stats["visible_stall_s"] > 0

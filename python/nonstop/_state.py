@@ -82,8 +82,13 @@ def flatten(obj, prefix: str, out: dict, where: str = "state"):
     tensor (same storage, offset, dtype and shape) seen twice, as tied
     weights are, is stored once and referenced twice.
     """
+    seen = {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
+    return _flatten(obj, prefix, out, where, seen)
+
+
+def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):
     if isinstance(obj, np.generic):  # before float: np.float64 is a float
-        return {"__npscalar__": [obj.dtype.str, flatten(obj.item(), prefix, out, where)]}
+        return {"__npscalar__": [obj.dtype.str, _flatten(obj.item(), prefix, out, where, seen)]}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -94,42 +99,50 @@ def flatten(obj, prefix: str, out: dict, where: str = "state"):
         # nan, inf, -inf: by their bits (a NaN's sign and payload included).
         return {"__float__": struct.pack("<d", obj).hex()}
     if is_tensor(obj):
-        return {"__tensor__": _add_tensor(obj, prefix, out)}
+        return {"__tensor__": _add_tensor(obj, prefix, out, seen)}
     if isinstance(obj, np.ndarray):
-        return {"__ndarray__": _add_tensor(torch.from_numpy(np.ascontiguousarray(obj))
-                                           if torch is not None else obj, prefix, out)}
+        arr = np.ascontiguousarray(obj)
+        return {"__ndarray__": _add_tensor(torch.from_numpy(arr) if torch is not None else arr,
+                                           prefix, out, seen)}
     if torch is not None and isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).replace("torch.", "")}
     if torch is not None and isinstance(obj, torch.device):
         return {"__device__": str(obj)}
     if isinstance(obj, tuple):
-        return {"__tuple__": [flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]")
+        return {"__tuple__": [_flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
                               for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [_flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
+                for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith(_RESERVED) for k in obj):
-            return {k: flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]")
+            return {k: _flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]", seen)
                     for k, v in obj.items()}
-        return {"__dict__": [[flatten(k, f"{prefix}/key{i}", out, where),
-                              flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]")]
+        return {"__dict__": [[_flatten(k, f"{prefix}/key{i}", out, where, seen),
+                              _flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]", seen)]
                              for i, (k, v) in enumerate(obj.items())]}
     raise TypeError(f"cannot checkpoint {where}: {type(obj).__name__} is neither a tensor "
                     f"nor JSON data; give it state_dict()/load_state_dict()")
 
 
-def _add_tensor(t, name: str, out: dict) -> str:
-    if is_tensor(t):
-        for other_name, other in out.items():
-            if (other.dtype == t.dtype and other.shape == t.shape and other.device == t.device
-                    and other.data_ptr() == t.data_ptr() and other.stride() == t.stride()
-                    and t.numel() > 0):
-                return other_name
+def _tensor_key(t):
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device))
+
+
+def _add_tensor(t, name: str, out: dict, seen: dict) -> str:
+    shareable = is_tensor(t) and t.numel() > 0
+    if shareable:
+        # Tied weights: the same memory under a second name is stored once.
+        key = _tensor_key(t)
+        if key in seen:
+            return seen[key]
     base, n = name, 1
     while name in out:
         n += 1
         name = f"{base}#{n}"
     out[name] = t
+    if shareable:
+        seen[key] = name
     return name
 
 

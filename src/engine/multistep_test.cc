@@ -1,0 +1,279 @@
+// The multi-step schedule against a reference trajectory: "training" applies
+// each step to live buffers with the same CPU optimizer; the checkpoint that
+// MultistepCheckpoint persists (parts copied at different versions, replayed)
+// must equal the live state at its version bit for bit.
+#include "nonstop/multistep.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/multistep_internal.h"
+
+namespace nonstop {
+namespace {
+
+namespace fs = std::filesystem;
+using multistep_internal::PlanParts;
+
+TEST(PlanPartsTest, CoversEveryElementOnceInBlocksAndParts) {
+  const std::vector<size_t> numels = {3000, 17, 1, 5000, 0, 1023};
+  for (int parts : {1, 3, 7, 40}) {
+    auto plan = PlanParts(numels, 1024, parts);
+    ASSERT_EQ(plan.size(), static_cast<size_t>(parts));
+    std::vector<std::vector<int>> seen(numels.size());
+    for (size_t t = 0; t < numels.size(); ++t) seen[t].assign(numels[t], 0);
+    size_t flat = 0;
+    for (const auto& part : plan) {
+      EXPECT_EQ(part.flat_begin, flat);
+      size_t in_part = 0;
+      for (const auto& block : part.blocks) {
+        size_t in_block = 0;
+        for (const auto& pc : block.pieces) {
+          ASSERT_LT(pc.begin, pc.end);
+          for (size_t i = pc.begin; i < pc.end; ++i) ++seen[pc.tensor][i];
+          in_block += pc.end - pc.begin;
+        }
+        EXPECT_LE(in_block, 1024u);
+        in_part += in_block;
+      }
+      EXPECT_EQ(part.flat_end - part.flat_begin, in_part);
+      flat = part.flat_end;
+    }
+    for (size_t t = 0; t < numels.size(); ++t) {
+      for (int c : seen[t]) ASSERT_EQ(c, 1) << "tensor " << t << " parts " << parts;
+    }
+  }
+}
+
+uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);  // truncation: any bf16 value will do
+}
+
+// A model of a few tensors with an optimizer, trained by optim::Replay one
+// step at a time (the reference), checkpointed by MultistepCheckpoint.
+struct Trainer {
+  optim::OptimizerConfig config;
+  std::vector<size_t> numels;
+  std::vector<std::vector<float>> param, m, v, mom;
+  std::vector<double> step;
+  std::vector<bool> has_mom;
+  std::mt19937 rng{7};
+
+  Trainer(optim::Algorithm algo, std::vector<size_t> n) : numels(std::move(n)) {
+    config.algorithm = algo;
+    for (size_t s : numels) {
+      std::vector<float> p(s);
+      std::normal_distribution<float> d;
+      for (auto& x : p) x = d(rng);
+      param.push_back(p);
+      m.emplace_back(s, 0.f);
+      v.emplace_back(s, 0.f);
+      mom.emplace_back(s, 0.f);
+    }
+    step.assign(numels.size(), 0);
+    has_mom.assign(numels.size(), false);
+  }
+
+  std::vector<OptimizerTensor> Tensors() {
+    std::vector<OptimizerTensor> out;
+    for (size_t t = 0; t < numels.size(); ++t) {
+      OptimizerTensor o;
+      o.name = "w" + std::to_string(t);
+      o.numel = numels[t];
+      o.group = static_cast<int>(t % 2);
+      o.param = param[t].data();
+      const bool adam = config.algorithm != optim::Algorithm::kSgd;
+      const bool fresh = adam ? step[t] == 0 : !has_mom[t];
+      o.exp_avg = adam && !fresh ? m[t].data() : nullptr;
+      o.exp_avg_sq = adam && !fresh ? v[t].data() : nullptr;
+      o.momentum_buffer = !adam && !fresh ? mom[t].data() : nullptr;
+      o.step = step[t];
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  std::vector<optim::StepHyperparameters> Groups(int i) {
+    std::vector<optim::StepHyperparameters> g(2);
+    for (int k = 0; k < 2; ++k) {
+      g[k].lr = 1e-2 * (1 + 0.1 * i) * (k + 1);  // a schedule, different per group
+      g[k].weight_decay = 0.01 * k;
+      g[k].momentum = 0.9;
+      g[k].nesterov = k == 1;
+    }
+    return g;
+  }
+
+  // One training step: gradients (bf16 for tensor 1), maybe skipped, maybe
+  // without a gradient for tensor 2 (unused parameter).
+  // Gradients stay alive and unchanged until the next step's backward
+  // (GoCkpt-O copies them while the update and the next forward run).
+  std::vector<std::vector<float>> g32;
+  std::vector<std::vector<uint16_t>> g16;
+
+  void Step(int i, bool skipped, MultistepCheckpoint* ms, int64_t global_step) {
+    ASSERT_TRUE(ms->OnBackwardBegin().ok());
+    g32.assign(numels.size(), {});
+    g16.assign(numels.size(), {});
+    std::vector<GradRef> refs(numels.size());
+    std::normal_distribution<float> d;
+    for (size_t t = 0; t < numels.size(); ++t) {
+      g32[t].resize(numels[t]);
+      for (auto& x : g32[t]) x = d(rng);
+      if (t == 1) {
+        g16[t].resize(numels[t]);
+        for (size_t e = 0; e < numels[t]; ++e) {
+          g16[t][e] = ToBf16(g32[t][e]);
+          uint32_t u = static_cast<uint32_t>(g16[t][e]) << 16;
+          std::memcpy(&g32[t][e], &u, 4);  // the exact upcast the optimizer consumes
+        }
+        refs[t] = {g16[t].data(), DType::kBFloat16, {}};
+      } else if (t == 2 && i % 3 == 1) {
+        refs[t] = {};  // no gradient this step
+      } else {
+        refs[t] = {g32[t].data(), DType::kFloat32, {}};
+      }
+    }
+    auto groups = Groups(i);
+    ASSERT_TRUE(ms->OnUpdateBegin(global_step, groups, skipped, refs).ok());
+    if (!skipped) {
+      for (size_t t = 0; t < numels.size(); ++t) {
+        if (refs[t].data == nullptr) continue;
+        optim::StepRecord rec;
+        rec.hyper = groups[t % 2];
+        rec.grad = {g32[t].data(), DType::kFloat32};
+        optim::PartState st;
+        st.numel = numels[t];
+        st.param = param[t].data();
+        st.exp_avg = m[t].data();
+        st.exp_avg_sq = v[t].data();
+        st.momentum_buffer = mom[t].data();
+        st.step = step[t];
+        st.has_momentum_buffer = has_mom[t];
+        ASSERT_TRUE(optim::Replay(config, {&rec, 1}, &st).ok());
+        step[t] = st.step;
+        has_mom[t] = st.has_momentum_buffer;
+      }
+    }
+    auto now = Tensors();
+    ASSERT_TRUE(ms->OnUpdateEnd(global_step, now).ok());
+  }
+};
+
+class MultistepTest : public ::testing::TestWithParam<std::tuple<optim::Algorithm, int, bool>> {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("nonstop_multistep_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_P(MultistepTest, PersistedStateEqualsLiveStateAtItsVersion) {
+  const auto [algo, parts, overlap] = GetParam();
+  EngineOptions eo;
+  eo.dir = dir_.string();
+  eo.medium = MediumKind::kBuffered;
+  eo.chunk_bytes = 64 << 10;
+  eo.staging_bytes = 1 << 20;
+  auto engine = Engine::Open(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  MultistepOptions mo;
+  mo.parts = parts;
+  mo.block_bytes = 4096;
+  mo.overlap_gradients = overlap;
+  mo.replay_threads = 2;
+  auto ms = MultistepCheckpoint::Create(engine->get(), mo);
+  ASSERT_TRUE(ms.ok());
+  Trainer tr(algo, {3000, 1500, 777, 9, 4100});
+  // Steps 0..1 before the first window: step 0 skipped (states stay fresh
+  // until step 1), one window started after step 2, one after step 2+parts+1.
+  int64_t s = 0;
+  std::vector<std::pair<int64_t, Trainer>> truth;
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < 3; ++i, ++s) tr.Step(static_cast<int>(s), s == 0, ms->get(), s);
+    ASSERT_TRUE((*ms)->Begin(s - 1, tr.config, tr.Tensors()).ok());
+    const int64_t version = (*ms)->version();
+    EXPECT_EQ(version, s - 1 + parts - 1);
+    if (parts == 1) truth.emplace_back(version, tr);
+    for (int j = 1; j <= parts; ++j, ++s) {
+      tr.Step(static_cast<int>(s), /*skipped=*/j == 2, ms->get(), s);
+      if (s == version) truth.emplace_back(version, tr);
+    }
+    EXPECT_FALSE((*ms)->active());
+  }
+  ASSERT_TRUE((*ms)->Wait().ok());
+  auto stats = (*ms)->Stats();
+  EXPECT_EQ(stats.persisted, 2u);
+  ASSERT_TRUE((*ms)->Close().ok());
+  ASSERT_TRUE((*engine)->Close().ok());
+
+  // Read both checkpoints back and compare with the live state at their versions.
+  for (const auto& [version, want] : truth) {
+    auto reader = Engine::Open(eo);
+    ASSERT_TRUE(reader.ok());
+    Trainer got = want;
+    std::vector<TensorRef> refs;
+    const bool adam = algo != optim::Algorithm::kSgd;
+    auto add = [&](size_t t, const char* role, std::vector<float>& buf) {
+      std::fill(buf.begin(), buf.end(), -1.f);
+      TensorRef r;
+      r.spec.name = "w" + std::to_string(t) + "/" + role;
+      r.spec.dtype = DType::kFloat32;
+      r.spec.shape = {static_cast<int64_t>(buf.size())};
+      r.spec.nbytes = buf.size() * 4;
+      r.data = buf.data();
+      refs.push_back(r);
+    };
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      add(t, "param", got.param[t]);
+      if (adam) {
+        add(t, "exp_avg", got.m[t]);
+        add(t, "exp_avg_sq", got.v[t]);
+      } else {
+        add(t, "momentum_buffer", got.mom[t]);
+      }
+    }
+    ASSERT_TRUE((*reader)->Register(refs).ok());
+    auto info = (*reader)->Restore(version);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      const size_t bytes = got.numels[t] * 4;
+      EXPECT_EQ(std::memcmp(got.param[t].data(), want.param[t].data(), bytes), 0)
+          << "param " << t << " version " << version;
+      if (adam) {
+        EXPECT_EQ(std::memcmp(got.m[t].data(), want.m[t].data(), bytes), 0) << "exp_avg " << t;
+        EXPECT_EQ(std::memcmp(got.v[t].data(), want.v[t].data(), bytes), 0) << "exp_avg_sq " << t;
+      } else {
+        EXPECT_EQ(std::memcmp(got.mom[t].data(), want.mom[t].data(), bytes), 0) << "momentum " << t;
+      }
+    }
+    ASSERT_TRUE((*reader)->Close().ok());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, MultistepTest,
+    ::testing::Values(std::make_tuple(optim::Algorithm::kAdamW, 7, true),
+                      std::make_tuple(optim::Algorithm::kAdamW, 4, false),
+                      std::make_tuple(optim::Algorithm::kAdam, 3, true),
+                      std::make_tuple(optim::Algorithm::kSgd, 7, false),
+                      std::make_tuple(optim::Algorithm::kSgd, 1, true)));
+
+TEST(MultistepCreateTest, RejectsBadOptions) {
+  MultistepOptions mo;
+  mo.parts = 0;
+  EXPECT_FALSE(MultistepCheckpoint::Create(nullptr, mo).ok());
+}
+
+}  // namespace
+}  // namespace nonstop

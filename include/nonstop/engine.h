@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "nonstop/medium.h"
@@ -24,6 +25,20 @@
 #include "nonstop/types.h"
 
 namespace nonstop {
+
+// How a layer-wise checkpoint (BeginCheckpoint/CopyTensors) moves a tensor's
+// bytes out of its memory; docs/LAYERWISE.md. The three strategies of LightCheck.
+enum class LayerCopy {
+  kHost,    // LightCheck-C: through the staging chunks, then written (default)
+  kDirect,  // LightCheck-D: written straight from the tensor's memory into the medium
+            // (a copy into the mapping for mmap/pmem, a pwrite for buffered files);
+            // media that need aligned buffers (O_DIRECT) fall back to kHost
+  kDevice,  // LightCheck-G: snapshot into a second buffer (device memory with CUDA,
+            // host memory otherwise), then drained to the medium; the training
+            // thread waits only for the snapshot
+};
+const char* LayerCopyName(LayerCopy c);
+bool ParseLayerCopy(std::string_view name, LayerCopy* out);
 
 struct EngineOptions {
   std::string dir;              // job directory, created if missing
@@ -36,6 +51,7 @@ struct EngineOptions {
   int copy_threads = 1;         // host memcpy threads
   MediumKind medium = MediumKind::kAuto;
   uint32_t extra_slots = 0;     // distributed mode keeps one more slot
+  LayerCopy layer_copy = LayerCopy::kHost;  // copy strategy of layer-wise checkpoints
 };
 
 // A tensor the engine checkpoints: where it lives now, and what it is.
@@ -70,6 +86,7 @@ struct EngineStats {
   int writers = 0, max_in_flight = 0;
   std::string medium;                // Medium::Describe()
   std::string copy_engine;           // CopyEngine::Describe()
+  std::string layer_copy;            // LayerCopyName(options.layer_copy)
   std::vector<CheckpointStats> recent;  // last 64 checkpoints, oldest first
 };
 
@@ -104,6 +121,35 @@ class Engine {
   // dtype mismatch, naming the tensor. Returns what was restored.
   virtual Result<CheckpointInfo> Restore(std::optional<int64_t> step = std::nullopt) = 0;
   virtual EngineStats Stats() = 0;
+
+  // ---- Layer-wise checkpoints (LightCheck; docs/LAYERWISE.md) ----
+  //
+  // A layer-wise checkpoint copies each tensor (or group) when the caller says
+  // it is final, so tensor t may be updated again as soon as t alone is
+  // copied. It keeps every invariant of Checkpoint(): it counts against
+  // max_in_flight, takes one of the N+1 slots, commits by the CAS rule once
+  // every tensor is persisted and EndCheckpoint was called, and its errors
+  // are returned by the next calls. Tensors are indices into the list given
+  // to Register().
+  //
+  // Starts a checkpoint of `step` whose tensors are not copied yet; returns
+  // its counter. Blocks (stall) like Checkpoint() while max_in_flight are in
+  // flight; FailedPrecondition when only open (not yet ended) layer-wise
+  // checkpoints are in flight, since none of them can finish.
+  virtual Result<uint64_t> BeginCheckpoint(int64_t step);
+  // Starts the copies of `tensors` into checkpoint `counter` (open), in FIFO
+  // order on the background threads; returns at once. A tensor requested
+  // twice is copied once.
+  virtual Status CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors);
+  // Returns once every requested copy of `tensors`, of every checkpoint in
+  // flight, has left the tensors' memory: they may be updated now.
+  virtual Status WaitTensorsCopied(const std::vector<uint32_t>& tensors);
+  // Seals checkpoint `counter`: copies the copy_at_checkpoint tensors now (as
+  // Checkpoint() does), starts the copies of every tensor not requested yet,
+  // and stores `step` (replacing the one given to BeginCheckpoint) and
+  // `meta_json` in its table. It commits once all its bytes are persisted.
+  virtual Status EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json);
+
   // Waits for everything in flight and stops the threads. Idempotent.
   virtual Status Close() = 0;
 };

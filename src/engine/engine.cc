@@ -16,6 +16,11 @@
 //                    (data, table, superblock durable in that order), then
 //                    publishes it and releases the previously retained slot.
 //   copy threads     inside the CopyEngine.
+//
+// Layer-wise checkpoints (BeginCheckpoint .. EndCheckpoint, docs/LAYERWISE.md)
+// use the same threads: the dispatcher takes their per-tensor copy requests
+// from the same FIFO queue, and their units (LayerPlan) go to the same
+// writers and committer.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -34,6 +39,7 @@
 
 #include "engine/chunk_plan.h"
 #include "engine/engine_internal.h"
+#include "engine/layerwise_plan.h"
 #include "engine/slot_queue.h"
 #include "engine/task_pool.h"
 #include "nonstop/copy_engine.h"
@@ -71,8 +77,22 @@ struct Registration {
   std::vector<std::byte*> snapshots;
   CopyEngine* copy = nullptr;
 
+  // Layer-wise checkpoints. The small region of each in-flight layer-wise
+  // checkpoint is assembled in one of `small_buffers` (zero padding, never
+  // written elsewhere), owned like the snapshots through Engine::free_small_.
+  LayerPlan lplan;
+  std::vector<std::byte*> small_buffers;
+  uint64_t small_bytes = 0;
+  // LayerCopy::kDevice: the second buffer, laid out like the large region
+  // (padding zero), and per tensor the writes still reading its part of it.
+  std::byte* device_snapshot = nullptr;
+  uint64_t device_snapshot_bytes = 0;
+  std::unique_ptr<std::atomic<uint32_t>[]> snapshot_writes;
+
   ~Registration() {
     for (std::byte* p : snapshots) copy->FreeHost(p, snapshot_bytes);
+    for (std::byte* p : small_buffers) copy->FreeHost(p, small_bytes);
+    if (device_snapshot != nullptr) copy->FreeHost(device_snapshot, device_snapshot_bytes);
   }
 };
 
@@ -99,6 +119,18 @@ struct Job {
   std::mutex error_mu;
   Status error;  // GUARDED_BY(error_mu): the first failure
 
+  // Layer-wise checkpoints only.
+  bool layerwise = false;
+  bool open = false;           // GUARDED_BY(Engine::mu_): between Begin and EndCheckpoint
+  bool abandoned = false;      // GUARDED_BY(Engine::mu_): closed while open; error not queued
+  std::vector<bool> requested;  // GUARDED_BY(Engine::mu_): copy requested, per tensor
+  int small_buffer = -1;       // index into reg->small_buffers
+  // Each unit's crc is written by its one writer; read by the committer after
+  // `remaining` (units + 1 for the seal) reached 0.
+  std::vector<uint32_t> unit_crcs;
+  // kDirect: per tensor, units not yet written out of its memory.
+  std::unique_ptr<std::atomic<uint32_t>[]> tensor_left;
+
   void Fail(const Status& s) {
     std::lock_guard<std::mutex> lock(error_mu);
     if (error.ok()) error = s;
@@ -108,6 +140,16 @@ struct Job {
     std::lock_guard<std::mutex> lock(error_mu);
     return error;
   }
+};
+
+// One entry of the dispatcher's FIFO queue: a whole checkpoint, the copies of
+// some tensors of a layer-wise one, or the seal of a layer-wise one (its small
+// region is written once everything before it in the queue is copied).
+struct DispatchItem {
+  enum Kind { kWhole, kTensors, kSeal };
+  Kind kind = kWhole;
+  std::shared_ptr<Job> job;
+  std::vector<uint32_t> tensors;  // kTensors
 };
 
 class EngineImpl final : public Engine {
@@ -126,6 +168,11 @@ class EngineImpl final : public Engine {
   EngineStats Stats() override;
   Status Close() override;
 
+  Result<uint64_t> BeginCheckpoint(int64_t step) override;
+  Status CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) override;
+  Status WaitTensorsCopied(const std::vector<uint32_t>& tensors) override;
+  Status EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json) override;
+
  private:
   std::string FinalPath() const { return (fs::path(opts_.dir) / SlotFileName(opts_.rank)).string(); }
   std::string TempPath() const { return FinalPath() + ".tmp"; }
@@ -140,6 +187,14 @@ class EngineImpl final : public Engine {
   void ChunksDone(const std::shared_ptr<Job>& job, uint64_t n);
   void CommitLoop();
   void FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded, Status st);
+  // Layer-wise (layerwise part of this file).
+  void CopyLayerTensors(const std::shared_ptr<Job>& job, const std::vector<uint32_t>& tensors);
+  void SealLayerJob(const std::shared_ptr<Job>& job);
+  void MarkCopied(uint32_t tensor);
+  Result<std::shared_ptr<Job>> OpenLayerJob(uint64_t counter);  // REQUIRES(mu_)
+  // Requests the copies of `tensors` not requested yet and the seal. REQUIRES(mu_)
+  void SealLocked(const std::shared_ptr<Job>& job);
+  Status SnapshotNow(const std::shared_ptr<Job>& job, bool skip_requested);
 
   Status TakePendingError();  // REQUIRES(mu_)
   Status CheckOpen();         // REQUIRES(mu_)
@@ -187,12 +242,18 @@ class EngineImpl final : public Engine {
   std::set<uint64_t> unfinished_;                    // GUARDED_BY(mu_)
   uint64_t started_last_ = 0;                        // GUARDED_BY(mu_)
   uint64_t copied_through_ = 0;                      // GUARDED_BY(mu_): dispatcher is FIFO
-  std::deque<std::shared_ptr<Job>> dispatch_q_;      // GUARDED_BY(mu_)
+  std::deque<DispatchItem> dispatch_q_;              // GUARDED_BY(mu_)
   std::deque<std::shared_ptr<Job>> commit_q_;        // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<Job>> live_;    // GUARDED_BY(mu_): started, unfinished
   // Failures not yet handed to the caller, oldest first, with their counter.
   std::deque<std::pair<uint64_t, Status>> pending_errors_;  // GUARDED_BY(mu_)
   EngineStats stats_;                                // GUARDED_BY(mu_)
+  // Layer-wise: per registered tensor, copies requested and copies done (the
+  // dispatcher is FIFO, so done catches up with requested in order).
+  std::vector<uint64_t> lw_requested_, lw_copied_;   // GUARDED_BY(mu_)
+  uint64_t lw_requested_total_ = 0, lw_copied_total_ = 0;  // GUARDED_BY(mu_)
+  int open_ = 0;                                     // GUARDED_BY(mu_): open layer-wise jobs
+  std::vector<int> free_small_;                      // GUARDED_BY(mu_)
 
   std::thread dispatcher_;
   std::thread committer_;
@@ -271,6 +332,7 @@ Status EngineImpl::Init() {
   stats_.writers = writers;
   stats_.max_in_flight = opts_.max_in_flight;
   stats_.copy_engine = copy_->Describe();
+  stats_.layer_copy = LayerCopyName(opts_.layer_copy);
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   committer_ = std::thread([this] { CommitLoop(); });
   return Status::OK();
@@ -336,9 +398,15 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   }
   NONSTOP_ASSIGN_OR_RETURN(SlotLayout layout, SlotLayout::Plan(specs));
 
+  if (open_ > 0) {
+    return Status::FailedPrecondition("Register while a layer-wise checkpoint is open: "
+                                      "EndCheckpoint first");
+  }
   // In-flight copies still read the old registration's memory and snapshots.
   const auto t0 = Clock::now();
-  cv_.wait(lock, [&] { return copied_through_ >= started_last_; });
+  cv_.wait(lock, [&] {
+    return copied_through_ >= started_last_ && lw_copied_total_ >= lw_requested_total_;
+  });
 
   const uint64_t slot_bytes = StoreGeometry::SlotBytesFor(layout);
   const bool fits = file_ && file_->geometry().slot_bytes >= slot_bytes &&
@@ -375,6 +443,34 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
       free_snapshots_.push_back(i);
     }
   }
+  // Layer-wise: the unit plan, one small-region buffer per possible in-flight
+  // checkpoint and, for kDevice, the second buffer. Allocated once here.
+  reg->lplan = LayerPlan::Build(reg->layout, chunk_bytes_);
+  reg->small_bytes = reg->layout.data_bytes - reg->lplan.small_begin;
+  free_small_.clear();
+  for (int i = 0; reg->small_bytes > 0 && i < opts_.max_in_flight; ++i) {
+    bool pinned = false;
+    auto* p = static_cast<std::byte*>(copy_->AllocHost(reg->small_bytes, &pinned));
+    if (p == nullptr) {
+      return Status::IOError("cannot allocate " + std::to_string(reg->small_bytes) +
+                             " bytes for the small tensors of layer-wise checkpoints");
+    }
+    reg->small_buffers.push_back(p);
+    free_small_.push_back(i);
+  }
+  if (opts_.layer_copy == LayerCopy::kDevice && reg->lplan.small_begin > 0) {
+    bool pinned = false;
+    reg->device_snapshot_bytes = reg->lplan.small_begin;
+    reg->device_snapshot =
+        static_cast<std::byte*>(copy_->AllocHost(reg->device_snapshot_bytes, &pinned));
+    if (reg->device_snapshot == nullptr) {
+      return Status::IOError("cannot allocate " + std::to_string(reg->device_snapshot_bytes) +
+                             " bytes for copy='device' snapshots");
+    }
+  }
+  reg->snapshot_writes = std::make_unique<std::atomic<uint32_t>[]>(tensors.size());
+  lw_requested_.assign(tensors.size(), 0);
+  lw_copied_.assign(tensors.size(), 0);
   reg->tensors = std::move(tensors);
   reg_ = std::move(reg);
   return Status::OK();
@@ -386,8 +482,15 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_RETURN_IF_ERROR(TakePendingError());
   if (!reg_ || !file_) return Status::FailedPrecondition("Checkpoint before Register");
-  // The only place Checkpoint blocks on the pipeline: N already in flight.
-  cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight; });
+  // The only place Checkpoint blocks on the pipeline: N already in flight
+  // (unless they are all open layer-wise checkpoints, which cannot finish).
+  cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight || in_flight_ == open_; });
+  if (in_flight_ >= opts_.max_in_flight) {
+    return Status::FailedPrecondition(std::to_string(open_) +
+                                      " layer-wise checkpoints are open (max_in_flight " +
+                                      std::to_string(opts_.max_in_flight) +
+                                      "): EndCheckpoint one first");
+  }
   if (reg_->snapshot_bytes > 0 && free_snapshots_.empty()) {
     return Status::Internal("no free copy_at_checkpoint buffer below max_in_flight");
   }
@@ -446,7 +549,7 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
 
   lock.lock();
   started_last_ = job->counter;
-  dispatch_q_.push_back(job);
+  dispatch_q_.push_back(DispatchItem{DispatchItem::kWhole, job, {}});
   const double stall = Seconds(t0, Clock::now());
   job->stall_s += stall;
   AddStall(stall);
@@ -459,9 +562,11 @@ Status EngineImpl::WaitCopied() {
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
-  if (copied_through_ < started_last_) {
+  if (copied_through_ < started_last_ || lw_copied_total_ < lw_requested_total_) {
     std::shared_ptr<Job> newest = live_.count(started_last_) ? live_[started_last_] : nullptr;
-    cv_.wait(lock, [&] { return copied_through_ >= started_last_; });
+    cv_.wait(lock, [&] {
+      return copied_through_ >= started_last_ && lw_copied_total_ >= lw_requested_total_;
+    });
     const double s = Seconds(t0, Clock::now());
     if (newest) newest->stall_s += s;
     AddStall(s);
@@ -474,6 +579,10 @@ Status EngineImpl::WaitCommitted(uint64_t counter) {
   std::unique_lock<std::mutex> lock(mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   std::shared_ptr<Job> job = live_.count(counter) ? live_[counter] : nullptr;
+  if (counter == 0 ? open_ > 0 : (job && job->open)) {
+    return Status::FailedPrecondition("WaitCommitted on an open layer-wise checkpoint: "
+                                      "EndCheckpoint first");
+  }
   cv_.wait(lock, [&] {
     return counter == 0 ? unfinished_.empty() : unfinished_.count(counter) == 0;
   });
@@ -501,13 +610,22 @@ std::optional<CommittedCheckpoint> EngineImpl::Latest() {
 
 void EngineImpl::DispatchLoop() {
   for (;;) {
-    std::shared_ptr<Job> job;
+    DispatchItem item;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !dispatch_q_.empty(); });
       if (dispatch_q_.empty()) return;
-      job = dispatch_q_.front();
+      item = std::move(dispatch_q_.front());
       dispatch_q_.pop_front();
+    }
+    const std::shared_ptr<Job>& job = item.job;
+    if (item.kind == DispatchItem::kTensors) {
+      CopyLayerTensors(job, item.tensors);
+      continue;
+    }
+    if (item.kind == DispatchItem::kSeal) {
+      SealLayerJob(job);
+      continue;
     }
     CopyJob(job);
     {
@@ -635,7 +753,7 @@ void EngineImpl::CommitLoop() {
     req.step = job->step;
     req.layout = &job->reg->layout;
     req.crc_chunk_bytes = static_cast<uint32_t>(chunk_bytes_);
-    req.chunk_crcs = job->crcs;
+    req.chunk_crcs = job->layerwise ? job->reg->lplan.ChunkCrcs(job->unit_crcs) : job->crcs;
     req.meta_json = job->meta_json;
     Result<CheckpointInfo> info = job->file->Commit(req);
     if (!info.ok()) {
@@ -671,6 +789,13 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
       old_file_.reset();
     }
   }
+  // A layer-wise checkpoint holds its small-region buffer and snapshot until
+  // it is finished (kDirect writers read the snapshot); buffers of an older
+  // registration are freed with it instead.
+  if (job->layerwise && job->reg == reg_) {
+    if (job->small_buffer >= 0) free_small_.push_back(job->small_buffer);
+    if (job->snapshot >= 0) free_snapshots_.push_back(job->snapshot);
+  }
   // Slots go back before in_flight_ drops (see slot_queue.h).
   if (committed) {
     if (job->file == file_) {
@@ -688,7 +813,7 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
       ++stats_.failed;
       st = st.Annotate("checkpoint " + std::to_string(job->counter) + " (step " +
                        std::to_string(job->step) + ")");
-      pending_errors_.emplace_back(job->counter, st);
+      if (!job->abandoned) pending_errors_.emplace_back(job->counter, st);
     }
   }
   CheckpointStats cs;
@@ -710,6 +835,10 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   lock.unlock();
   cv_.notify_all();
 }
+
+// ---- layer-wise checkpoints -----------------------------------------------
+
+#include "engine/layerwise_engine.inc"
 
 // ---- restore ---------------------------------------------------------------
 
@@ -815,6 +944,10 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_RETURN_IF_ERROR(TakePendingError());
   if (!reg_) return Status::FailedPrecondition("Restore before Register");
+  if (open_ > 0) {
+    return Status::FailedPrecondition("Restore while a layer-wise checkpoint is open: "
+                                      "EndCheckpoint first");
+  }
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   if (!file) return Status::NotFound("no checkpoint in " + opts_.dir);
@@ -854,6 +987,17 @@ EngineStats EngineImpl::Stats() {
 Status EngineImpl::Close() {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return Status::OK();
+  // Open layer-wise checkpoints can never be sealed now: fail them quietly
+  // (their slots go back; the newest committed checkpoint is untouched).
+  for (auto& [counter, job] : live_) {
+    if (!job->open) continue;
+    job->abandoned = true;
+    job->Fail(Status::Aborted("engine closed before EndCheckpoint"));
+    SealLocked(job);
+  }
+  lock.unlock();
+  cv_.notify_all();
+  lock.lock();
   cv_.wait(lock, [&] { return in_flight_ == 0; });
   closed_ = true;
   stopping_ = true;
@@ -873,6 +1017,42 @@ Status EngineImpl::Close() {
 }
 
 }  // namespace
+
+const char* LayerCopyName(LayerCopy c) {
+  switch (c) {
+    case LayerCopy::kHost:
+      return "host";
+    case LayerCopy::kDirect:
+      return "direct";
+    case LayerCopy::kDevice:
+      return "device";
+  }
+  return "?";
+}
+
+bool ParseLayerCopy(std::string_view name, LayerCopy* out) {
+  for (LayerCopy c : {LayerCopy::kHost, LayerCopy::kDirect, LayerCopy::kDevice}) {
+    if (name == LayerCopyName(c)) {
+      *out = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Engines that do not implement layer-wise checkpoints say so.
+Result<uint64_t> Engine::BeginCheckpoint(int64_t) {
+  return Status::Unavailable("this engine has no layer-wise checkpoints");
+}
+Status Engine::CopyTensors(uint64_t, const std::vector<uint32_t>&) {
+  return Status::Unavailable("this engine has no layer-wise checkpoints");
+}
+Status Engine::WaitTensorsCopied(const std::vector<uint32_t>&) {
+  return Status::Unavailable("this engine has no layer-wise checkpoints");
+}
+Status Engine::EndCheckpoint(uint64_t, int64_t, std::string) {
+  return Status::Unavailable("this engine has no layer-wise checkpoints");
+}
 
 EngineMedia FileMedia(MediumKind kind) {
   EngineMedia m;

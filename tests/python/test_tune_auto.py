@@ -1,0 +1,118 @@
+"""every="auto" (nonstop/_auto.py): the interval follows the stall, and the
+visible-stall overhead stays near the target. The controller is driven by a
+simulated clock here, so these tests measure the control law, not the machine."""
+import statistics
+
+import pytest
+
+from nonstop._auto import AutoInterval
+
+
+class Loop:
+    """A training loop on a simulated clock: each step takes `step_s`; a
+    checkpoint costs `save_s` inside save() and `wait_s` in the next step's
+    wait before the optimizer update (the copy not yet done)."""
+
+    def __init__(self, auto: AutoInterval, step_s: float):
+        self.auto, self.step_s = auto, step_s
+        self.now, self.stall = 0.0, 0.0
+        self.pending_wait = 0.0
+        self.ckpt_steps = []
+        self.steps = 0
+
+    def run(self, steps: int, wait_s: float, save_s: float = 0.001, persist_s: float = 0.0,
+            step_s=None):
+        t0, s0 = self.now, self.stall
+        for _ in range(steps):
+            self.now += step_s or self.step_s
+            # the optimizer pre-hook waits for the copy of the last checkpoint
+            self.now += self.pending_wait
+            self.stall += self.pending_wait
+            self.pending_wait = 0.0
+            self.steps += 1
+            if self.auto.observe_step(self.stall, now=self.now):
+                self.now += save_s
+                self.stall += save_s
+                self.auto.started(self.stall, now=self.now)
+                if persist_s:
+                    self.auto.observe_persist(persist_s, 2)
+                self.pending_wait = wait_s
+                self.ckpt_steps.append(self.steps)
+        return (self.stall - s0) / (self.now - t0)
+
+    def intervals_after(self, step: int) -> list:
+        steps = [s for s in self.ckpt_steps if s > step]
+        return [b - a for a, b in zip(steps, steps[1:])]
+
+
+def test_interval_follows_the_stall_and_overhead_stays_near_target():
+    auto = AutoInterval(target=0.03)
+    loop = Loop(auto, step_s=0.1)
+    # 31 ms of stall per checkpoint: 0.031 / (0.03 * 0.1) = 10.3 steps.
+    loop.run(100, wait_s=0.030)  # settle
+    ovh1 = loop.run(1000, wait_s=0.030)
+    f1 = statistics.median(loop.intervals_after(200))
+    mark = loop.steps
+    # The medium slows down: 121 ms per checkpoint, ~40 steps.
+    loop.run(200, wait_s=0.120)
+    ovh2 = loop.run(2000, wait_s=0.120)
+    f2 = statistics.median(loop.intervals_after(mark + 200))
+    mark = loop.steps
+    # And recovers: 16 ms, ~5 steps.
+    loop.run(100, wait_s=0.015)
+    ovh3 = loop.run(1000, wait_s=0.015)
+    f3 = statistics.median(loop.intervals_after(mark + 100))
+    assert 9 <= f1 <= 12, f1
+    assert 36 <= f2 <= 45, f2
+    assert 4 <= f3 <= 7, f3
+    for ovh in (ovh1, ovh2, ovh3):
+        assert 0.025 <= ovh <= 0.032, (ovh1, ovh2, ovh3)
+    assert auto.interval == pytest.approx(6, abs=1)
+
+
+def test_adapts_quickly_to_a_stall_step_change():
+    auto = AutoInterval(target=0.05)
+    loop = Loop(auto, step_s=0.05)
+    loop.run(300, wait_s=0.010)  # ~4 steps
+    before = len(loop.ckpt_steps)
+    loop.run(100, wait_s=0.100)  # ~40 steps: at most a few checkpoints in 100 steps
+    assert len(loop.ckpt_steps) - before <= 4
+
+
+def test_slower_steps_mean_more_frequent_checkpoints():
+    auto = AutoInterval(target=0.03)
+    loop = Loop(auto, step_s=0.05)
+    loop.run(1000, wait_s=0.03)
+    f_fast = statistics.median(loop.intervals_after(200))
+    mark = loop.steps
+    loop.run(1000, wait_s=0.03, step_s=0.2)  # 4x slower steps: the same stall is cheaper
+    f_slow = statistics.median(loop.intervals_after(mark + 100))
+    assert f_slow * 3 <= f_fast
+
+
+def test_waits_for_the_medium_before_checkpoints_queue():
+    # Stall is tiny, but persisting takes 2 s with N = 2 in flight: 1 s per
+    # checkpoint = 10 steps of 0.1 s. Checkpointing more often would queue.
+    auto = AutoInterval(target=0.03)
+    loop = Loop(auto, step_s=0.1)
+    loop.run(500, wait_s=0.0, persist_s=2.0)
+    assert min(loop.intervals_after(50)) >= 10
+    assert auto.interval == 10
+
+
+def test_warmup_and_bounds():
+    auto = AutoInterval(target=0.5, warmup=3, min_interval=2, max_interval=5)
+    loop = Loop(auto, step_s=0.1)
+    loop.run(4, wait_s=0.0)
+    assert loop.ckpt_steps == [4]  # after 3 warm-up steps
+    loop.run(60, wait_s=0.0, save_s=0.0)
+    assert set(loop.intervals_after(0)) == {2}  # free checkpoints: as often as allowed
+    loop.run(60, wait_s=10.0)  # hugely expensive: capped at max_interval
+    assert max(loop.intervals_after(70)) == 5
+
+
+@pytest.mark.parametrize("kw", [{"target": 0}, {"target": 1.5}, {"min_interval": 0},
+                                {"min_interval": 5, "max_interval": 2}, {"alpha": 0}])
+def test_rejects_bad_settings(kw):
+    with pytest.raises(ValueError):
+        AutoInterval(**kw)

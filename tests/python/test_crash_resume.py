@@ -69,7 +69,7 @@ def reference(tmp_path_factory):
 
 
 @needs_engine
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_kill_at_random_step_then_resume_bit_identically(reference, tmp_path, seed):
     rnd = random.Random(seed)
     every = rnd.choice([1, 3])
@@ -92,7 +92,7 @@ def test_kill_in_the_middle_of_a_checkpoint_many_times(reference, tmp_path):
     kills land while checkpoints are being copied, written or committed."""
     d, final = str(tmp_path / "ck"), str(tmp_path / "final")
     rnd = random.Random(7)
-    for _ in range(3):  # each run makes at least 2 steps of progress
+    for _ in range(2):  # each run makes at least 2 steps of progress
         events = run([d, STEPS, 1, final, PACE], kill_after_steps=rnd.randrange(2, 8),
                      kill_delay=rnd.choice([0.0, 0.001]))
     events = run([d, STEPS, 1, final])

@@ -1,0 +1,279 @@
+"""mode="multistep" (GoCkpt): the checkpoint is reconstructed on the CPU from
+parts copied at different versions plus the gradients and hyperparameters of
+the steps in between. It must equal the true training state at its version
+bit for bit; a killed run resumed from it must finish bit-identically to an
+uninterrupted run; skipped (GradScaler overflow) steps must not be applied."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from conftest import needs_engine
+
+import nonstop
+
+multistep_core = pytest.mark.skipif(
+    nonstop._core is None or not hasattr(nonstop._core, "Multistep"),
+    reason="this build of nonstop._core has no Multistep")
+
+
+class Net(torch.nn.Module):
+    # ~90K parameters: with 16 KiB blocks, ~22 blocks, so all 7 parts hold
+    # data and several tensors straddle part boundaries.
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(13, 211)
+        self.b = torch.nn.Linear(211, 397)
+        self.bn = torch.nn.BatchNorm1d(397)
+        self.c = torch.nn.Linear(397, 3)
+        self.unused = torch.nn.Linear(5, 5)  # never gets a gradient
+
+    def forward(self, x):
+        return self.c(self.bn(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+OPTIMIZERS = {
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3), None),
+    "adamw_warmup_wd": (lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+                        lambda o: torch.optim.lr_scheduler.LambdaLR(
+                            o, lambda s: min(1.0, (s + 1) / 8))),
+    "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                                weight_decay=1e-4), None),
+    "adam_amsgrad_two_groups": (
+        lambda ps: torch.optim.Adam([{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-4}],
+                                    lr=1e-3, weight_decay=0.01, amsgrad=True), None),
+}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    from nonstop import _multistep
+    monkeypatch.setattr(_multistep, "BLOCK_BYTES", 16 << 10)
+
+
+def state_of(model, opt):
+    """Every tensor of the model and the optimizer, cloned, by name."""
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                out[f"optim/state/{pid}/{k}"] = v.detach().clone()
+    return out
+
+
+def bits(t):
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def train(d, name, *, parts, overlap, every, steps, skip=(), scaler=False, zero_to_none=True):
+    """Trains with a multistep Checkpointer; returns (truth by step, ckpt stats)."""
+    torch.manual_seed(0)
+    model = Net()
+    factory, sched_factory = OPTIMIZERS[name]
+    opt = factory(list(model.parameters()))
+    sched = sched_factory(opt) if sched_factory else None
+    state = {"model": model, "optim": opt}
+    if sched is not None:
+        state["sched"] = sched
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    ckpt = nonstop.Checkpointer(d, state, every=every, mode="multistep", parts=parts,
+                                overlap_gradients=overlap, medium="buffered")
+    x = torch.randn(32, 13)
+    y = torch.randn(32, 3)
+    truth = {}
+    for s in range(steps):
+        opt.zero_grad(set_to_none=zero_to_none)
+        loss = torch.nn.functional.mse_loss(model(x + 0.01 * torch.randn_like(x)), y)
+        if gs is not None:
+            gs.scale(loss).backward()
+            if s in skip:
+                model.a.weight.grad[0, 0] = float("inf")  # GradScaler will skip this step
+            gs.step(opt)
+            gs.update()
+        else:
+            loss.backward()
+            if s not in skip:  # as GradScaler does on overflow: no optimizer.step()
+                opt.step()
+        if sched is not None:
+            sched.step()
+        ckpt.step(s)
+        truth[s] = state_of(model, opt)
+    ckpt.wait()
+    stats = ckpt.stats()
+    ckpt.close()
+    return truth, stats
+
+
+def assert_checkpoint_is_truth(d, truth, step):
+    got = nonstop.load(d, step=step)
+    want = truth[step]
+    assert set(want) <= set(got.tensors), sorted(set(want) - set(got.tensors))
+    for name, w in want.items():
+        g = got.tensors[name]
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), name
+        assert torch.equal(bits(g), bits(w)), f"{name} at step {step} differs"
+
+
+@needs_engine
+@multistep_core
+@pytest.mark.parametrize("overlap", [True, False], ids=["gockpt_o", "gockpt"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_reconstruction_is_bitwise_identical(tmp_path, small_blocks, name, overlap):
+    parts, every = 7, 10
+    d = str(tmp_path / "ck")
+    truth, stats = train(d, name, parts=parts, overlap=overlap, every=every, steps=2 * every + 8)
+    # Due after steps 9 and 19: versions 9 + 6 and 19 + 6.
+    versions = [w["version"] for w in stats["recent"]]
+    assert versions == [15, 25]
+    assert all(w["error"] == "" for w in stats["recent"])
+    assert all(w["grad_bytes"] > 0 and w["state_bytes"] > 0 for w in stats["recent"])
+    for v in versions:
+        assert_checkpoint_is_truth(d, truth, v)
+
+
+@needs_engine
+@multistep_core
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_few_parts_and_async_o(tmp_path, small_blocks, parts):
+    # parts=1 is Async-O: the whole state copied during one step, no replay.
+    d = str(tmp_path / "ck")
+    truth, stats = train(d, "adamw_warmup_wd", parts=parts, overlap=True, every=4, steps=14)
+    for w in stats["recent"]:
+        assert_checkpoint_is_truth(d, truth, w["version"])
+
+
+@needs_engine
+@multistep_core
+@pytest.mark.parametrize("scaler", [False, True], ids=["no_step", "grad_scaler"])
+def test_skipped_steps_are_not_applied(tmp_path, small_blocks, scaler):
+    d = str(tmp_path / "ck")
+    # Window after step 4: steps 5..11; 6, 7 and 9 overflow.
+    truth, stats = train(d, "adamw", parts=7, overlap=True, every=5, steps=12,
+                         skip=(6, 7, 9), scaler=scaler)
+    w = stats["recent"][0]
+    assert w["version"] == 10 and w["skipped_steps"] == 3
+    assert_checkpoint_is_truth(d, truth, 10)
+    # The skipped steps really did nothing: the parameters did not move.
+    assert torch.equal(truth[6]["model/a.weight"], truth[5]["model/a.weight"])
+
+
+@needs_engine
+@multistep_core
+def test_zero_grad_in_place_waits_for_gradient_copies(tmp_path, small_blocks):
+    d = str(tmp_path / "ck")
+    truth, stats = train(d, "sgd_momentum", parts=5, overlap=True, every=3, steps=12,
+                         zero_to_none=False)
+    for w in stats["recent"]:
+        assert_checkpoint_is_truth(d, truth, w["version"])
+
+
+@needs_engine
+@multistep_core
+def test_unsupported_optimizer_is_named(tmp_path):
+    model = Net()
+    opt = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(nonstop.CheckpointMismatchError, match="RMSprop"):
+        nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt},
+                             mode="multistep")
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="foreach"):
+        nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt},
+                             mode="multistep")
+    with pytest.raises(nonstop.CheckpointMismatchError, match="exactly one"):
+        nonstop.Checkpointer(str(tmp_path / "c"), {"model": model}, mode="multistep")
+
+
+# ---- kill -9 and resume ------------------------------------------------------
+
+TRAIN_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    sys.path.insert(0, {here!r})
+    import nonstop, tiny
+    from nonstop import _multistep, _state
+    torch.set_num_threads(1)
+    _multistep.BLOCK_BYTES = 4096
+    d, steps, every, final = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    model, opt, sched = tiny.make()
+    train = {{"tokens": 0}}
+    start, ckpt = 0, None
+    if d != "-":
+        ckpt = nonstop.Checkpointer(d, {{"model": model, "optim": opt, "sched": sched,
+                                         "train": train}}, every=every, mode="multistep",
+                                    parts=4, medium="buffered")
+        r = ckpt.restore()
+        start = 0 if r is None else r + 1
+        print(json.dumps({{"event": "start", "restored": r}}), flush=True)
+    for s in range(start, steps):
+        tiny.train_step(model, opt, sched, s)
+        train["tokens"] += 32
+        if ckpt is not None:
+            ckpt.step(s)
+        print(json.dumps({{"event": "step", "step": s}}), flush=True)
+        time.sleep(0.03)
+    if ckpt is not None:
+        ckpt.close()
+    tensors = {{}}
+    tree = {{"model": _state.flatten(model.state_dict(), "model", tensors),
+             "optim": _state.flatten(opt.state_dict(), "optim", tensors),
+             "sched": _state.flatten(sched.state_dict(), "sched", tensors), "train": train}}
+    from safetensors.torch import save_file
+    save_file({{k: v.contiguous() for k, v in tensors.items()}}, final + ".safetensors")
+    open(final + ".json", "w").write(_state.dumps(tree))
+    print(json.dumps({{"event": "done"}}), flush=True)
+""")
+TIMEOUT = 120
+
+
+def run_script(script, args, kill_after_steps=None):
+    p = subprocess.Popen([sys.executable, script, *map(str, args)], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + TIMEOUT
+    events = []
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            events.append(ev)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{args} ran past {TIMEOUT} s")
+            done = sum(e["event"] == "step" for e in events)
+            if kill_after_steps is not None and ev["event"] == "step" and done == kill_after_steps:
+                p.send_signal(signal.SIGKILL)
+                break
+        rc = p.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert rc == (0 if kill_after_steps is None else -signal.SIGKILL), rc
+    return events
+
+
+@needs_engine
+@multistep_core
+@pytest.mark.parametrize("kill_after", [9, 14, 21])
+def test_kill_and_resume_is_bitwise_identical(tmp_path, kill_after):
+    from safetensors.torch import load_file
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT.format(here=os.path.dirname(__file__)))
+    steps, every = 26, 5
+    ref = str(tmp_path / "ref")
+    run_script(script, ["-", steps, every, ref])
+    d, final = str(tmp_path / "ck"), str(tmp_path / "final")
+    run_script(script, [d, steps, every, final], kill_after_steps=kill_after)
+    events = run_script(script, [d, steps, every, final])
+    restored = events[0]["restored"]
+    # Checkpoints due after steps 4, 9, 14, ... land at versions 7, 12, 17, ...
+    assert restored is None or (restored - 7) % every == 0
+    assert restored is None or restored < kill_after
+    ta, tb = load_file(ref + ".safetensors"), load_file(final + ".safetensors")
+    assert set(ta) == set(tb)
+    for k in ta:
+        assert torch.equal(bits(ta[k]), bits(tb[k])), k
+    assert open(ref + ".json").read() == open(final + ".json").read()

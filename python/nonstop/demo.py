@@ -284,6 +284,8 @@ def plot(path: str, ref: Run, crashed: Run, resumed: Run, restored_step: int) ->
     us = sorted(resumed.steps)
     ax.plot(us, [resumed.steps[s]["loss"] for s in us], color="C0", lw=1.3, ls="--",
             label="nonstop run, resumed")
+    ax.axvspan(restored_step, crashed.killed_after, color="C3", alpha=0.08,
+               label="steps lost, trained again")
     ax.axvline(crashed.killed_after, color="C3", ls=":", lw=1)
     ax.annotate(f"SIGKILL after step {crashed.killed_after}", (crashed.killed_after, ax.get_ylim()[1]),
                 textcoords="offset points", xytext=(4, -14), color="C3", fontsize=8)

@@ -345,6 +345,10 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
           "multistep: expected the update of step " + std::to_string(begin_step_ + j) +
           ", got step " + std::to_string(step) + " (one update per step)"));
     }
+    if (skipped) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto* ws = WindowStats(window_index_)) ++ws->skipped_steps;
+    }
     if (j < K()) {
       LoggedStep& e = log_[j - 1];
       e.skipped = skipped;

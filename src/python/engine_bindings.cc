@@ -132,6 +132,7 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["max_in_flight"] = s.max_in_flight;
   d["medium"] = s.medium;
   d["copy_engine"] = s.copy_engine;
+  d["layer_copy"] = s.layer_copy;
   py::list recent;
   for (const auto& c : s.recent) recent.append(CheckpointStatsDict(c));
   d["recent"] = recent;
@@ -170,6 +171,24 @@ class PyEngine {
   void WaitCommitted(uint64_t counter) {
     py::gil_scoped_release release;
     Check(Get().WaitCommitted(counter));
+  }
+  // Layer-wise checkpoints (docs/LAYERWISE.md). CopyTensors is called from
+  // autograd hooks: it only queues work, but still drops the GIL.
+  uint64_t BeginCheckpoint(int64_t step) {
+    py::gil_scoped_release release;
+    return Take(Get().BeginCheckpoint(step));
+  }
+  void CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) {
+    py::gil_scoped_release release;
+    Check(Get().CopyTensors(counter, tensors));
+  }
+  void WaitTensorsCopied(const std::vector<uint32_t>& tensors) {
+    py::gil_scoped_release release;
+    Check(Get().WaitTensorsCopied(tensors));
+  }
+  void EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json) {
+    py::gil_scoped_release release;
+    Check(Get().EndCheckpoint(counter, step, std::move(meta_json)));
   }
   std::optional<std::pair<uint64_t, int64_t>> Latest() {
     std::optional<CommittedCheckpoint> c;
@@ -316,7 +335,7 @@ void InitEngine(py::module_& m) {
       .def(py::init([](const std::string& dir, uint32_t rank, uint32_t world_size,
                        int max_in_flight, int writers, uint64_t staging_bytes,
                        uint64_t chunk_bytes, int copy_threads, const std::string& medium,
-                       uint32_t extra_slots) {
+                       uint32_t extra_slots, const std::string& layer_copy) {
              EngineOptions o;
              o.dir = dir;
              o.rank = rank;
@@ -327,6 +346,10 @@ void InitEngine(py::module_& m) {
              o.chunk_bytes = chunk_bytes;
              o.copy_threads = copy_threads;
              o.extra_slots = extra_slots;
+             if (!ParseLayerCopy(layer_copy, &o.layer_copy)) {
+               throw StatusError(Status::InvalidArgument(
+                   "unknown copy '" + layer_copy + "'; use host, direct or device"));
+             }
              if (!ParseMediumKind(medium, &o.medium)) {
                throw StatusError(Status::InvalidArgument(
                    "unknown medium '" + medium +
@@ -337,12 +360,17 @@ void InitEngine(py::module_& m) {
            py::arg("dir"), py::arg("rank") = 0, py::arg("world_size") = 1,
            py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
            py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
-           py::arg("extra_slots") = 0)
+           py::arg("extra_slots") = 0, py::arg("layer_copy") = "host")
       .def("register", &PyEngine::Register, py::arg("tensors"),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "
            "kind, device index, stream, copy_at_checkpoint).")
       .def("checkpoint", &PyEngine::Checkpoint, py::arg("step"), py::arg("meta_json"))
       .def("wait_copied", &PyEngine::WaitCopied)
+      .def("begin_checkpoint", &PyEngine::BeginCheckpoint, py::arg("step"))
+      .def("copy_tensors", &PyEngine::CopyTensors, py::arg("counter"), py::arg("tensors"))
+      .def("wait_tensors_copied", &PyEngine::WaitTensorsCopied, py::arg("tensors"))
+      .def("end_checkpoint", &PyEngine::EndCheckpoint, py::arg("counter"), py::arg("step"),
+           py::arg("meta_json"))
       .def("wait_committed", &PyEngine::WaitCommitted, py::arg("counter") = 0)
       .def("latest", &PyEngine::Latest)
       .def("restore", &PyEngine::Restore, py::arg("step") = py::none())

@@ -67,6 +67,7 @@ class AutoInterval:
         self.stall_s = 0.0      # visible stall since the first checkpoint started
         self._window_stall = 0.0  # stall since the newest checkpoint started
         self.history: list = []   # steps between consecutive checkpoints
+        self.seen_counter = 0     # newest committed checkpoint fed to observe_persist
 
     # ----------------------------------------------------------- observing
 
@@ -169,3 +170,21 @@ class AutoInterval:
                 "persist_s": self.persist_s, "budget_s": self.budget_s,
                 "checkpoints": self.checkpoints, "steps": self.steps,
                 "last_interval": self.history[-1] if self.history else None}
+
+
+def checkpointer_step(ckpt, auto: AutoInterval, step: int) -> Optional[int]:
+    """Checkpointer.step() with every="auto": asks the controller, starts a
+    checkpoint when it is due, and feeds back the persist times of the
+    checkpoints committed since. Returns the counter, or None."""
+    if not auto.observe_step(ckpt._visible_stall_s):
+        return None
+    counter = ckpt.save(step)
+    auto.started(ckpt._visible_stall_s)
+    stats = ckpt._live().stats()
+    seen = auto.seen_counter
+    for r in stats.get("recent", ()):
+        if r.get("committed") and r.get("counter", 0) > seen:
+            auto.observe_persist(r.get("persist_s", 0.0), stats.get("max_in_flight", 1))
+            seen = r["counter"]
+    auto.seen_counter = seen
+    return counter

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _rng, _state
+from . import _auto, _config, _rng, _state
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
@@ -94,20 +94,39 @@ class Checkpointer:
         other plain values are replaced in `ckpt.state`.
     """
 
-    def __init__(self, dir: str, state: dict, every: int = 10, mode: str = "concurrent",
-                 max_in_flight: int = 2, writers: Optional[int] = None,
+    def __init__(self, dir: str, state: dict, every=None, mode: Optional[str] = None,
+                 max_in_flight: Optional[int] = None, writers: Optional[int] = None,
                  staging_bytes: Optional[int] = None, chunk_bytes: Optional[int] = None,
-                 medium: str = "auto", keep: Optional[int] = None, rng: bool = True,
-                 copy_threads: int = 1, rank: Optional[int] = None,
-                 world_size: Optional[int] = None):
+                 medium: Optional[str] = None, keep: Optional[int] = None, rng: bool = True,
+                 copy_threads: Optional[int] = None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, config: Optional[str] = None,
+                 max_overhead: Optional[float] = None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
+        # config=PATH (nonstop tune --out): explicit arguments override it,
+        # it overrides the defaults (every=10, max_in_flight=2, ...).
+        opts = _config.resolve(config, every=every, mode=mode, max_in_flight=max_in_flight,
+                               writers=writers, staging_bytes=staging_bytes,
+                               chunk_bytes=chunk_bytes, medium=medium, copy_threads=copy_threads,
+                               max_overhead=max_overhead)
+        every, mode, max_in_flight, medium = (opts["every"], opts["mode"], opts["max_in_flight"],
+                                              opts["medium"])
+        writers, staging_bytes, chunk_bytes, copy_threads = (
+            opts["writers"], opts["staging_bytes"], opts["chunk_bytes"], opts["copy_threads"])
+        # every="auto": the interval adapts to keep the visible stall near
+        # max_overhead (default 3 %) of wall time; see _auto.py, docs/TUNE.md.
+        self._auto = None
+        if every == "auto":
+            if mode != "concurrent":
+                raise CheckpointMismatchError('every="auto" works with mode="concurrent" only')
+            self._auto = _auto.AutoInterval(target=opts["max_overhead"])
         if mode not in MODES:
             raise CheckpointMismatchError(
                 f"mode {mode!r} is not available in this version; use one of {', '.join(MODES)}")
-        if not isinstance(every, int) or every < 1:
-            raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
+        if self._auto is None and (not isinstance(every, int) or every < 1):
+            raise CheckpointMismatchError(
+                f'every must be a positive integer or "auto", got {every!r}')
         if keep is not None:
             # Keeping a checkpoint forever needs the engine to pin its slot
             # (or copy it out before the slot is reused); not there yet.
@@ -144,8 +163,11 @@ class Checkpointer:
 
     def step(self, step: int) -> Optional[int]:
         """Call after the update of `step` (counted from 0). Starts a
-        checkpoint when `step + 1` is a multiple of `every`; returns the
-        checkpoint's counter, or None when none was due."""
+        checkpoint when `step + 1` is a multiple of `every` (or when the
+        every="auto" controller says so); returns the checkpoint's counter,
+        or None when none was due."""
+        if self._auto is not None:
+            return _auto.checkpointer_step(self, self._auto, step)
         if (step + 1) % self.every == 0:
             return self.save(step)
         return None
@@ -261,6 +283,8 @@ class Checkpointer:
         s = self._live().stats()
         s.update(visible_stall_s=self._visible_stall_s, hook_stall_s=self._hook_stall_s,
                  saves=self._saves, registers=self._registers)
+        if self._auto is not None:
+            s["auto"] = self._auto.state()
         return s
 
     def close(self) -> None:

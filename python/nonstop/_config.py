@@ -24,9 +24,9 @@ FORMAT = "nonstop.config/1"
 # Checkpointer's defaults for the arguments a config file may set.
 DEFAULTS = {"every": 10, "mode": "concurrent", "max_in_flight": 2, "writers": None,
             "staging_bytes": None, "chunk_bytes": None, "medium": "auto", "copy_threads": 1,
-            "keep": None, "max_overhead": 0.03}
+            "max_overhead": 0.03}
 
-_INT_KEYS = ("max_in_flight", "writers", "staging_bytes", "chunk_bytes", "copy_threads", "keep")
+_INT_KEYS = ("max_in_flight", "writers", "staging_bytes", "chunk_bytes", "copy_threads")
 # Keys a file may carry that are records, not settings.
 _RECORD_KEYS = {"format", "tune", "inputs", "measured", "notes"}
 

@@ -116,3 +116,83 @@ def test_warmup_and_bounds():
 def test_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         AutoInterval(**kw)
+
+
+# ------------------------------------------------- through the Checkpointer
+
+def _auto_phase(ck, model, opt, sched, steps, first, sleep_s=0.005):
+    import time
+
+    import tiny
+    marks = []
+    for s in range(first, first + steps):
+        tiny.train_step(model, opt, sched, s)
+        time.sleep(sleep_s)  # the rest of a training step
+        if ck.step(s) is not None:
+            marks.append(s)
+    return marks
+
+
+def _gaps(marks):
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def test_checkpointer_every_auto_follows_an_injected_stall(fake_core, tmp_path, monkeypatch):
+    """A slower medium, injected as a longer wait for the copy before the
+    next update: the interval grows, and shrinks again when it recovers."""
+    import time
+
+    import nonstop
+    import tiny
+    delay = {"s": 0.002}
+    real_wait = fake_core.Engine.wait_copied
+
+    def slow_wait(self):
+        time.sleep(delay["s"])
+        real_wait(self)
+
+    monkeypatch.setattr(fake_core.Engine, "wait_copied", slow_wait)
+    model, opt, sched = tiny.make()
+    with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt},
+                              every="auto", max_overhead=0.1) as ck:
+        m1 = _auto_phase(ck, model, opt, sched, 100, 0)
+        delay["s"] = 0.025
+        m2 = _auto_phase(ck, model, opt, sched, 220, 100)
+        delay["s"] = 0.002
+        m3 = _auto_phase(ck, model, opt, sched, 120, 320)
+        auto = ck.stats()["auto"]
+    f1 = statistics.median(_gaps(m1)[2:])
+    f2 = statistics.median(_gaps([s for s in m2 if s >= 140]))
+    f3 = statistics.median(_gaps([s for s in m3 if s >= 350]))
+    assert f2 >= 2.5 * f1, (f1, f2, f3)
+    assert f3 * 2.5 <= f2, (f1, f2, f3)
+    # Visible stall / wall time stays near the 10 % target over the run.
+    assert 0.05 <= auto["overhead"] <= 0.15, auto
+    assert auto["target"] == 0.1
+
+
+def test_checkpointer_every_auto_with_the_engine(core, tmp_path):
+    import nonstop
+    import tiny
+    model, opt, sched = tiny.make()
+    d = str(tmp_path / "ck")
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}, every="auto") as ck:
+        marks = _auto_phase(ck, model, opt, sched, 40, 0, sleep_s=0.002)
+        ck.wait()
+        st = ck.stats()
+    assert marks and marks[0] == 2  # after the two warm-up steps
+    assert st["auto"]["checkpoints"] == len(marks)
+    model2, opt2, _ = tiny.make(seed=5)
+    with nonstop.Checkpointer(d, {"model": model2, "optim": opt2}, every="auto") as ck2:
+        assert ck2.restore() == marks[-1]
+
+
+def test_every_auto_rejects_other_modes_and_bad_targets(fake_core, tmp_path):
+    import nonstop
+    import tiny
+    from nonstop.errors import CheckpointMismatchError
+    model, opt, _ = tiny.make()
+    with pytest.raises(CheckpointMismatchError, match="auto"):
+        nonstop.Checkpointer(str(tmp_path), {"model": model}, every="often")
+    with pytest.raises(ValueError, match="target"):
+        nonstop.Checkpointer(str(tmp_path), {"model": model}, every="auto", max_overhead=2)

@@ -141,3 +141,59 @@ def test_config_missing_or_not_json(tmp_path):
     p.write_text("{")
     with pytest.raises(CheckpointMismatchError, match="not JSON"):
         _config.load(str(p))
+
+
+def test_checkpointer_takes_the_config_and_explicit_arguments_win(fake_core, tmp_path,
+                                                                  monkeypatch):
+    import nonstop
+    import tiny
+    seen = {}
+    real_init = fake_core.Engine.__init__
+
+    def spy(self, dir, **kw):
+        seen.clear()
+        seen.update(kw)
+        real_init(self, dir, **kw)
+
+    monkeypatch.setattr(fake_core.Engine, "__init__", spy)
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"format": "nonstop.config/1", "every": 7, "max_in_flight": 3,
+                             "writers": 2, "chunk_bytes": 1 << 20, "staging_bytes": 8 << 20,
+                             "medium": "buffered"}))
+    model, opt, _ = tiny.make()
+    with nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt},
+                              config=str(p)) as ck:
+        assert ck.every == 7
+    assert (seen["max_in_flight"], seen["writers"], seen["chunk_bytes"], seen["staging_bytes"],
+            seen["medium"]) == (3, 2, 1 << 20, 8 << 20, "buffered")
+    with nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt},
+                              config=str(p), every=4, max_in_flight=1) as ck:
+        assert ck.every == 4
+    assert seen["max_in_flight"] == 1 and seen["writers"] == 2
+    with nonstop.Checkpointer(str(tmp_path / "c"), {"model": model}) as ck:
+        assert ck.every == 10
+    assert seen["max_in_flight"] == 2 and seen["medium"] == "auto"
+
+
+@needs_cli
+def test_tuned_config_runs_a_real_checkpointer(tmp_path):
+    """What tune writes, the real engine accepts."""
+    import conftest
+    if not conftest.real_engine_available():
+        pytest.skip("the C++ engine is not built")
+    import nonstop
+    import tiny
+    cfg = tmp_path / "config.json"
+    run_tune(tmp_path, "--out", str(cfg))
+    model, opt, sched = tiny.make()
+    with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt},
+                              config=str(cfg), every=2) as ck:
+        for s in range(4):
+            tiny.train_step(model, opt, sched, s)
+            ck.step(s)
+        ck.wait()
+        st = ck.stats()
+        assert ck.latest() == 3
+    tuned = json.loads(cfg.read_text())
+    assert st["max_in_flight"] == tuned["max_in_flight"]
+    assert st["chunk_bytes"] == tuned["chunk_bytes"]

@@ -91,3 +91,28 @@ def test_load_without_a_model_and_export(tmp_path):
     everything = load_file(nonstop.export(d, str(tmp_path / "all.safetensors"))["path"])
     assert "optim/state/0/exp_avg" in everything
     assert stats["committed"] == 3 and stats["saves"] == 3 and stats["visible_stall_s"] > 0
+
+
+def test_blocking_calls_release_the_gil(tmp_path):
+    """A Python thread keeps running while the training thread waits in C++."""
+    import threading
+    big = torch.zeros(16 << 20, dtype=torch.uint8)  # 16 MiB, copied at checkpoint
+    ticks, stop, waited_ticks = [0], threading.Event(), 0
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        with nonstop.Checkpointer(str(tmp_path / "ck"), {"big": big}, rng=False) as ck:
+            for s in range(3):
+                ck.save(s)
+                before = ticks[0]
+                ck.wait()
+                waited_ticks += ticks[0] - before
+    finally:
+        stop.set()
+        t.join()
+    assert waited_ticks > 0

@@ -383,6 +383,9 @@ def main(argv=None) -> int:
     for k, v in rows:
         print(f"{k:<{w}}  {v:>12}")
     print(f"{'':-<{w + 16}}")
+    print("steps/s come from runs one after another and move with the machine's load; the "
+          "stall is the\ntime the training thread was blocked in checkpoint calls, "
+          "the less noisy measure (bench/torch_overhead.py\ninterleaves and repeats).")
     png = os.path.join(args.out, "loss.png")
     plot(png, ref, crashed, resumed, restored["step"])
     with open(os.path.join(args.out, "summary.json"), "w") as f:

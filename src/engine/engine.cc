@@ -37,6 +37,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "copy/cuda_copy_engine.h"
 #include "engine/chunk_plan.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
@@ -88,8 +89,15 @@ struct Registration {
   std::byte* device_snapshot = nullptr;
   uint64_t device_snapshot_bytes = 0;
   std::unique_ptr<std::atomic<uint32_t>[]> snapshot_writes;
+  // kDevice with the CUDA engine: per CUDA tensor, its second buffer in device
+  // memory (nullptr otherwise); drained into device_snapshot.
+  CudaCopyEngine* cuda = nullptr;
+  std::vector<void*> device_buffers;
 
   ~Registration() {
+    for (size_t i = 0; i < device_buffers.size(); ++i) {
+      if (device_buffers[i] != nullptr) cuda->FreeDevice(tensors[i].device.index, device_buffers[i]);
+    }
     for (std::byte* p : snapshots) copy->FreeHost(p, snapshot_bytes);
     for (std::byte* p : small_buffers) copy->FreeHost(p, small_bytes);
     if (device_snapshot != nullptr) copy->FreeHost(device_snapshot, device_snapshot_bytes);
@@ -469,6 +477,21 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
     }
   }
   reg->snapshot_writes = std::make_unique<std::atomic<uint32_t>[]>(tensors.size());
+  reg->cuda = dynamic_cast<CudaCopyEngine*>(copy_.get());
+  reg->device_buffers.assign(tensors.size(), nullptr);
+  if (opts_.layer_copy == LayerCopy::kDevice && reg->cuda != nullptr) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].device.kind != DeviceKind::kCuda || reg->lplan.is_small[i]) continue;
+      reg->device_buffers[i] = reg->cuda->AllocDevice(tensors[i].device.index,
+                                                      tensors[i].spec.nbytes);
+      if (reg->device_buffers[i] == nullptr) {
+        reg->tensors = std::move(tensors);  // so ~Registration frees what was allocated
+        return Status::IOError("cannot allocate " + std::to_string(reg->tensors[i].spec.nbytes) +
+                               " bytes of device memory for copy='device' (tensor '" +
+                               reg->tensors[i].spec.name + "'): use copy='host'");
+      }
+    }
+  }
   lw_requested_.assign(tensors.size(), 0);
   lw_copied_.assign(tensors.size(), 0);
   reg->tensors = std::move(tensors);

@@ -333,7 +333,7 @@ class Checkpointer:
                           f"{', '.join(map(repr, extra))}, not restored", stacklevel=2)
         values = {key: _state.unflatten(saved[key], loaded.tensors) for key in self.state}
         for key, obj in self.state.items():
-            self._check_fits(key, obj, saved[key], loaded)
+            self._check_fits(key, obj, loaded)
         for key, obj in list(self.state.items()):
             value = values[key]
             if _stateful(obj):
@@ -353,7 +353,7 @@ class Checkpointer:
         self._registered = None
         return loaded.step
 
-    def _check_fits(self, key: str, obj: Any, saved_tree: Any, loaded) -> None:
+    def _check_fits(self, key: str, obj: Any, loaded) -> None:
         """Raises a one-line error naming the first tensor whose shape or
         dtype differs between the checkpoint and `obj` (and, for modules,
         a tensor the checkpoint lacks), before anything is changed."""
@@ -361,8 +361,6 @@ class Checkpointer:
             return
         current: dict = {}
         _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, current)
-        saved_names: dict = {}
-        _collect_tensor_names(saved_tree, saved_names)
         for name, t in current.items():
             if name not in loaded.tensors:
                 if isinstance(obj, (torch.nn.Module, torch.Tensor)):
@@ -383,18 +381,6 @@ def _stateful(obj) -> bool:
 
 def _describe(t) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
-
-
-def _collect_tensor_names(tree, out: dict) -> None:
-    if isinstance(tree, list):
-        for v in tree:
-            _collect_tensor_names(v, out)
-    elif isinstance(tree, dict):
-        if len(tree) == 1 and ("__tensor__" in tree or "__ndarray__" in tree):
-            out[next(iter(tree.values()))] = True
-            return
-        for v in tree.values():
-            _collect_tensor_names(v, out)
 
 
 class LoadedCheckpoint:

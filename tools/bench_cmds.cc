@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "nonstop/engine.h"
+#include "nonstop/medium.h"
 #include "tools/commands.h"
 
 namespace nonstop::cli {
@@ -174,13 +175,42 @@ struct OverheadArgs {
   std::string medium = "auto";
   int writers = 0;
   uint64_t staging = 0;
+  uint64_t chunk = 0;
+  std::vector<std::string> schemes = {"sync", "single", "gpm", "concurrent"};
   bool json = false;
 };
 
 struct Scheme {
-  std::string name;  // none, sync, single, concurrent
+  std::string name;  // none, sync, single, gpm, concurrent
   int max_in_flight = 0;
 };
+
+// GPM-like direct write and stall (GPM, ASPLOS '22, as PCcheck compares with
+// it): no staging copy and no pipelining; the training thread stalls while the
+// state is written straight from its own memory to the medium by `writers`
+// threads, then synced. No checksums and no commit record: a baseline for
+// speed, not a crash-consistent checkpoint.
+Status WriteDirectAndSync(Medium& medium, const uint8_t* p, uint64_t bytes, int writers) {
+  const uint64_t piece = 4u << 20;
+  const uint64_t align = medium.Alignment();
+  const uint64_t total = (bytes + align - 1) / align * align;  // the state is page-padded
+  std::vector<Status> errors(std::max(1, writers));
+  std::vector<std::thread> threads;
+  for (int w = 0; w < static_cast<int>(errors.size()); ++w) {
+    threads.emplace_back([&, w] {
+      for (uint64_t off = w * piece; off < total; off += piece * errors.size()) {
+        Status st = medium.Write(off, p + off, std::min(piece, total - off));
+        if (!st.ok()) {
+          errors[w] = st;
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& st : errors) NONSTOP_RETURN_IF_ERROR(st);
+  return medium.Sync();
+}
 
 struct RunResult {
   double steps_per_s = 0;
@@ -193,14 +223,25 @@ struct RunResult {
 // checkpoint every `interval` steps.
 Result<RunResult> RunLoop(const OverheadArgs& a, const Scheme& s, int interval, StateBuffer& st) {
   std::unique_ptr<Engine> engine;
+  std::unique_ptr<Medium> direct;  // gpm
   const fs::path dir = fs::path(a.dir) / (s.name + std::to_string(s.max_in_flight));
-  if (s.name != "none") {
+  if (s.name == "gpm") {
+    MediumKind kind;
+    if (!ParseMediumKind(a.medium, &kind)) return Status::InvalidArgument("unknown medium");
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    MediumOptions mo;
+    mo.create = true;
+    NONSTOP_ASSIGN_OR_RETURN(direct, OpenMedium((dir / "gpm.bin").string(), kind, mo));
+    NONSTOP_RETURN_IF_ERROR(direct->Resize((st.bytes + 4095) / 4096 * 4096));
+  } else if (s.name != "none") {
     EngineOptions o;
     o.dir = dir.string();
     o.max_in_flight = s.max_in_flight;
     // CheckFreq-like `single`: one checkpoint in flight, persisted by one thread.
     o.writers = s.name == "single" ? 1 : a.writers;
     o.staging_bytes = a.staging;
+    o.chunk_bytes = a.chunk;
     if (!ParseMediumKind(a.medium, &o.medium)) return Status::InvalidArgument("unknown medium");
     NONSTOP_ASSIGN_OR_RETURN(engine, Engine::Open(o));
     NONSTOP_RETURN_IF_ERROR(engine->Register(st.Refs()));
@@ -217,6 +258,13 @@ Result<RunResult> RunLoop(const OverheadArgs& a, const Scheme& s, int interval, 
       stall += std::chrono::duration<double>(Clock::now() - w0).count();
     }
     st.Update(i);
+    if (direct && i % interval == 0) {
+      const auto c0 = Clock::now();
+      const int writers = a.writers ? a.writers : 4;
+      NONSTOP_RETURN_IF_ERROR(WriteDirectAndSync(*direct, st.p, st.bytes, writers));
+      stall += std::chrono::duration<double>(Clock::now() - c0).count();
+      ++ckpts;
+    }
     if (engine && i % interval == 0) {
       const auto c0 = Clock::now();
       NONSTOP_ASSIGN_OR_RETURN(uint64_t c, engine->Checkpoint(i, "{}"));
@@ -245,8 +293,18 @@ int RunOverhead(const OverheadArgs& a) {
     std::cerr << "nonstop bench overhead: cannot allocate " << a.state << " bytes\n";
     return 1;
   }
-  std::vector<Scheme> schemes = {{"sync", 1}, {"single", 1}};
-  for (int n : a.in_flight) schemes.push_back({"concurrent", n});
+  std::vector<Scheme> schemes;
+  for (const std::string& name : a.schemes) {
+    if (name == "concurrent") {
+      for (int n : a.in_flight) schemes.push_back({"concurrent", n});
+    } else if (name == "sync" || name == "single" || name == "gpm") {
+      schemes.push_back({name, 1});
+    } else {
+      std::cerr << "nonstop bench overhead: unknown scheme '" << name
+                << "'; use sync, single, gpm, concurrent\n";
+      return 2;
+    }
+  }
   // results[interval][scheme] over rounds, as ratios to that round's none.
   const size_t ni = a.intervals.size(), ns = schemes.size();
   std::vector<std::vector<std::vector<double>>> rel(ni, std::vector<std::vector<double>>(ns)),
@@ -357,7 +415,7 @@ void AddBenchCommands(CLI::App& app) {
 
   auto oa = std::make_shared<OverheadArgs>();
   CLI::App* overhead = bench->add_subcommand(
-      "overhead", "synthetic training loop: none, sync, single, concurrent N=1..4");
+      "overhead", "synthetic training loop: none, sync, single, gpm, concurrent N=1..4");
   overhead->add_option("--dir", oa->dir, "directory for the checkpoints")->required();
   overhead->add_option("--step-ms", oa->step_ms, "device compute per step, ms (default 50)");
   overhead->add_option("--state", oa->state, "state bytes (default 256 MiB)");
@@ -370,6 +428,10 @@ void AddBenchCommands(CLI::App& app) {
   overhead->add_option("--medium", oa->medium, "auto, buffered, direct, uring, mmap, pmem");
   overhead->add_option("--writers", oa->writers, "writer threads (0 = engine default)");
   overhead->add_option("--staging", oa->staging, "staging bound M in bytes (0 = engine default)");
+  overhead->add_option("--chunk", oa->chunk, "chunk bytes b (0 = engine default)");
+  overhead->add_option("--schemes", oa->schemes,
+                       "schemes besides none (default sync,single,gpm,concurrent)")
+      ->delimiter(',');
   overhead->add_flag("--json", oa->json, "print one JSON object");
   overhead->callback([oa] {
     if (int rc = RunOverhead(*oa); rc != 0) throw CLI::RuntimeError(rc);

@@ -22,7 +22,7 @@ from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoun
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
 FORMAT = "nonstop.torch/1"
-MODES = ("concurrent",)
+MODES = ("concurrent", "multistep")
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
 
 
@@ -99,7 +99,8 @@ class Checkpointer:
                  staging_bytes: Optional[int] = None, chunk_bytes: Optional[int] = None,
                  medium: Optional[str] = None, keep: Optional[int] = None, rng: bool = True,
                  copy_threads: Optional[int] = None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, config: Optional[str] = None,
+                 world_size: Optional[int] = None, parts: int = 7,
+                 overlap_gradients: bool = True, config: Optional[str] = None,
                  max_overhead: Optional[float] = None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
@@ -145,10 +146,18 @@ class Checkpointer:
         self.rank = drank if rank is None else rank
         self.world_size = dworld if world_size is None else world_size
         check_directory(self.dir, self.rank, self.world_size, must_exist=False)
-        self._engine = _core().Engine(
-            self.dir, rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
+        engine_kwargs = dict(
+            rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
             writers=writers or 0, staging_bytes=staging_bytes or 0, chunk_bytes=chunk_bytes or 0,
             copy_threads=copy_threads, medium=medium)
+        self._multistep = None
+        if mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md
+            from ._multistep import MultistepMode
+            self._multistep = MultistepMode(self, _core(), dict(dir=self.dir, **engine_kwargs),
+                                            parts, overlap_gradients)
+            self._engine = self._multistep
+        else:
+            self._engine = _core().Engine(self.dir, **engine_kwargs)
         self._registered: Optional[list] = None
         self._snapshots: dict[str, _Snapshot] = {}
         self._copy_pending = False
@@ -168,6 +177,8 @@ class Checkpointer:
         or None when none was due."""
         if self._auto is not None:
             return _auto.checkpointer_step(self, self._auto, step)
+        if self._multistep is not None:  # every step drives the window
+            return self._multistep.step(step, (step + 1) % self.every == 0)
         if (step + 1) % self.every == 0:
             return self.save(step)
         return None
@@ -177,6 +188,8 @@ class Checkpointer:
         Returns at once (after small tensors not updated by the optimizer are
         copied); the next optimizer.step() waits until every tensor has been
         copied, and the engine writes and commits in the background."""
+        if self._multistep is not None:  # the window begins; version step + parts - 1
+            return self._multistep.start(step)
         t0 = time.perf_counter()
         engine = self._live()
         tensors: dict[str, torch.Tensor] = {}

@@ -8,4 +8,5 @@
 namespace nonstop::py_bindings {
 void InitEngine(pybind11::module_& m);
 void InitOptim(pybind11::module_& m);
+void InitMultistep(pybind11::module_& m);  // multistep_bindings.cc (GoCkpt schedule)
 }  // namespace nonstop::py_bindings

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_core, m) {
   m.def("built_with_cuda", &nonstop::BuiltWithCuda);
   nonstop::py_bindings::InitEngine(m);
   nonstop::py_bindings::InitOptim(m);
+  nonstop::py_bindings::InitMultistep(m);
 }

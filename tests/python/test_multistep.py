@@ -144,8 +144,11 @@ def test_few_parts_and_async_o(tmp_path, small_blocks, parts):
     # parts=1 is Async-O: the whole state copied during one step, no replay.
     d = str(tmp_path / "ck")
     truth, stats = train(d, "adamw_warmup_wd", parts=parts, overlap=True, every=4, steps=14)
-    for w in stats["recent"]:
-        assert_checkpoint_is_truth(d, truth, w["version"])
+    # A window closes at the update after its version; the last may stay open.
+    done = [w["version"] for w in stats["recent"] if w["version"] < 13]
+    assert len(done) >= 2
+    for v in done:
+        assert_checkpoint_is_truth(d, truth, v)
 
 
 @needs_engine
@@ -169,8 +172,10 @@ def test_zero_grad_in_place_waits_for_gradient_copies(tmp_path, small_blocks):
     d = str(tmp_path / "ck")
     truth, stats = train(d, "sgd_momentum", parts=5, overlap=True, every=3, steps=12,
                          zero_to_none=False)
-    for w in stats["recent"]:
-        assert_checkpoint_is_truth(d, truth, w["version"])
+    done = [w["version"] for w in stats["recent"] if w["version"] < 11]
+    assert done
+    for v in done:
+        assert_checkpoint_is_truth(d, truth, v)
 
 
 @needs_engine

@@ -1,0 +1,342 @@
+"""mode="multistep": GoCkpt's multi-step overlapped checkpoints for a
+torch.optim AdamW / Adam / SGD optimizer (docs/MULTISTEP.md).
+
+The schedule lives in C++ (nonstop._core.Multistep, include/nonstop/multistep.h);
+this module only finds the tensors and drives the paper's hooks:
+
+* on_update_begin: the optimizer's step pre-hook. Gradients are final there
+  (after GradScaler's unscale_ and any clipping), and the hyperparameters are
+  read from optimizer.param_groups as the optimizer is about to use them.
+* on_update_end: the step post-hook.
+* on_backward_begin (GoCkpt-O): gradients are copied while the update and the
+  next forward run. This module holds a reference to every gradient being
+  copied, so zero_grad(set_to_none=True) (the default) cannot free its
+  memory; optimizer.zero_grad() is wrapped so that zero_grad(set_to_none=False),
+  which zeroes in place, first waits for the copies.
+* Skipped steps: GradScaler does not call optimizer.step() when it finds
+  inf/NaN, so neither hook runs. A step is therefore skipped when no
+  optimizer.step() ran between two ckpt.step() calls; it is logged as
+  skipped and replay applies nothing for it (torch's step count does not
+  advance either). ckpt.step() must be called once per training step.
+
+A checkpoint due after step N (every `every` steps, as in concurrent mode)
+is copied during steps N+1..N+K and is the state at version N+K-1: its
+tensors the optimizer owns (parameters and their optimizer states) are
+reconstructed on the CPU; everything else (buffers, schedulers, RNG, plain
+data, Adam's step counters) is captured at the end of step N+K-1.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from . import _rng, _state
+from .errors import CheckpointMismatchError
+
+FORMAT = "nonstop.torch/1"
+# Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
+# out of a small model.
+BLOCK_BYTES = 4 << 20
+_ROLES_ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _mkl_vms_sqrt() -> int:
+    """torch's own fp32 sqrt (MKL vmsSqrt) for bitwise Adam replay; 0 if absent."""
+    from . import _checkpointer
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    return _checkpointer._core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
+
+
+def algorithm_of(opt) -> str:
+    """'adamw', 'adam' or 'sgd'; a one-line error for anything else."""
+    name = type(opt).__name__
+    if type(opt) is torch.optim.AdamW:
+        algo = "adamw"
+    elif type(opt) is torch.optim.Adam:
+        algo = "adamw" if opt.param_groups[0].get("decoupled_weight_decay") else "adam"
+    elif type(opt) is torch.optim.SGD:
+        algo = "sgd"
+    else:
+        raise CheckpointMismatchError(
+            f"mode='multistep' replays torch.optim.AdamW, Adam and SGD on the CPU; the optimizer "
+            f"{name} is not supported: use mode='concurrent'")
+    for i, g in enumerate(opt.param_groups):
+        for flag in ("fused", "capturable", "differentiable"):
+            if g.get(flag):
+                raise CheckpointMismatchError(
+                    f"mode='multistep': {name} param_groups[{i}] has {flag}=True; replay matches "
+                    f"the single-tensor path only: construct it with {flag}=False")
+        if g.get("foreach"):
+            raise CheckpointMismatchError(
+                f"mode='multistep': {name} param_groups[{i}] has foreach=True; replay matches the "
+                f"single-tensor path only: construct it with foreach=False or None")
+        if algo != "sgd" and bool(g.get("amsgrad")) != bool(opt.param_groups[0].get("amsgrad")):
+            raise CheckpointMismatchError(
+                f"mode='multistep': {name} groups differ in amsgrad; use one setting")
+        if algo != "sgd" and bool(g.get("decoupled_weight_decay")) != bool(
+                opt.param_groups[0].get("decoupled_weight_decay")):
+            raise CheckpointMismatchError(
+                f"mode='multistep': {name} groups differ in decoupled_weight_decay")
+    return algo
+
+
+def _group_hyper(g: dict) -> dict:
+    h = {"lr": float(g["lr"]), "weight_decay": float(g.get("weight_decay", 0.0)),
+         "maximize": bool(g.get("maximize", False))}
+    if "betas" in g:
+        h["betas"] = (float(g["betas"][0]), float(g["betas"][1]))
+        h["eps"] = float(g["eps"])
+    else:
+        h.update(momentum=float(g.get("momentum", 0.0)), dampening=float(g.get("dampening", 0.0)),
+                 nesterov=bool(g.get("nesterov", False)))
+    return h
+
+
+def _device(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return 1, t.device.index or 0
+    if t.device.type == "cpu":
+        return 0, 0
+    raise CheckpointMismatchError(f"mode='multistep': a parameter is on {t.device}; "
+                                  f"use CPU or CUDA tensors")
+
+
+class MultistepMode:
+    """Drives nonstop._core.Multistep for one Checkpointer. Stands in for the
+    engine object of concurrent mode (wait_copied, wait_committed, latest,
+    stats, close)."""
+
+    def __init__(self, ckpt, core, engine_kwargs: dict, parts: int, overlap_gradients: bool):
+        opts = [o for o in ckpt.state.values() if isinstance(o, torch.optim.Optimizer)]
+        if len(opts) != 1:
+            raise CheckpointMismatchError(
+                f"mode='multistep' needs exactly one torch.optim optimizer in state, found "
+                f"{len(opts)}")
+        if not isinstance(parts, int) or not 1 <= parts <= 64:
+            raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {parts!r}")
+        self._ckpt = ckpt
+        self.opt = opts[0]
+        self.algorithm = algorithm_of(self.opt)
+        self.amsgrad = bool(self.opt.param_groups[0].get("amsgrad", False))
+        self.parts = parts
+        self.overlap = bool(overlap_gradients)
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.opt.param_groups) for _ in g["params"]]
+        for i, p in enumerate(self.params):
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise CheckpointMismatchError(
+                    f"mode='multistep' needs contiguous float32 master parameters; parameter {i} "
+                    f"of the optimizer is {str(p.dtype).replace('torch.', '')}"
+                    f"{'' if p.is_contiguous() else ' (not contiguous)'}")
+            _device(p)
+        self.core = core.Multistep(parts=parts, overlap_gradients=self.overlap,
+                                   block_bytes=BLOCK_BYTES,
+                                   mkl_vms_sqrt=_mkl_vms_sqrt(), **engine_kwargs)
+        self._last_step: Optional[int] = None  # the last step ckpt.step() saw
+        self._updates = 0                       # optimizer.step() calls since then
+        self._due = False                       # a checkpoint waits for the window to close
+        self._outputs_set = False
+        self._fresh = False                     # some state did not exist at the last refresh
+        self._held: list = []                   # gradients being copied (GoCkpt-O)
+        self._hooks = [self.opt.register_step_pre_hook(self._pre),
+                       self.opt.register_step_post_hook(self._post)]
+        self._orig_zero_grad = None
+        if self.overlap:
+            self._orig_zero_grad = self.opt.zero_grad
+            self.opt.zero_grad = self._zero_grad  # instance attribute; removed by close()
+
+    # ---------------------------------------------------------------- hooks
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._ckpt._visible_stall_s += time.perf_counter() - t0
+
+    def _step_now(self) -> int:
+        return 0 if self._last_step is None else self._last_step + 1
+
+    def _pre(self, optimizer, args, kwargs):
+        self._updates += 1
+        if self._updates > 1:
+            raise CheckpointMismatchError(
+                "mode='multistep' needs one optimizer.step() per ckpt.step(); call ckpt.step(step) "
+                "after every training step")
+        self._release_copied()
+        if not self.core.active:
+            return
+        grads, held = [], []
+        code = _state.torch_dtype_code
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                grads.append((0, 7))
+                continue
+            if g.is_sparse or not g.is_contiguous():
+                raise CheckpointMismatchError("mode='multistep' needs dense contiguous gradients")
+            grads.append((g.data_ptr(), code(g.dtype)))
+            held.append(g)
+        kind, index = _device(self.params[0]) if self.params else (0, 0)
+        stream = torch.cuda.current_stream().cuda_stream if kind == 1 else 0
+        groups = [_group_hyper(g) for g in self.opt.param_groups]
+        self._timed(self.core.on_update_begin, self._step_now(), groups, False, grads, kind, index,
+                    stream)
+        if self.overlap:
+            self._held.append(held)
+
+    def _post(self, optimizer, args, kwargs):
+        if self.core.active:
+            refreshed = self._tensors() if self._fresh else None
+            self._timed(self.core.on_update_end, self._step_now(), refreshed)
+
+    def _zero_grad(self, *args, **kwargs):
+        if self._held:
+            self._timed(self.core.on_backward_begin)
+            self._held.clear()
+        return self._orig_zero_grad(*args, **kwargs)
+
+    def _release_copied(self):
+        if self._held and not self.core.gradient_copies_pending():
+            self._held.clear()
+
+    # --------------------------------------------------------------- per step
+
+    def step(self, step: int, due: bool) -> Optional[int]:
+        """ckpt.step(step): after the update of `step` (or its skip)."""
+        t0 = time.perf_counter()
+        self._last_step = step
+        if self._updates == 0 and self.core.active:
+            # No optimizer.step() this step: GradScaler skipped it.
+            self.core.on_update_begin(step, [], True, [])
+            self.core.on_update_end(step, None)
+        self._updates = 0
+        self._due = self._due or due
+        started = None
+        if self._due and not self.core.active:
+            self._begin(step)
+            self._due = False
+            started = step
+        if self.core.active and not self._outputs_set and self.core.version == step:
+            self._set_outputs(step)
+        self._release_copied()
+        self._ckpt._visible_stall_s += time.perf_counter() - t0
+        return started
+
+    def start(self, step: int) -> None:
+        """ckpt.save(step): begins a window now (or when the open one closes)."""
+        t0 = time.perf_counter()
+        if self.core.active:
+            self._due = True
+        else:
+            self._begin(step)
+            if self.core.version == step:
+                self._set_outputs(step)
+        self._ckpt._visible_stall_s += time.perf_counter() - t0
+
+    def _tensors(self) -> list:
+        out, fresh = [], False
+        for i, p in enumerate(self.params):
+            st = self.opt.state.get(p, {})
+            kind, index = _device(p)
+
+            def ptr(key):
+                v = st.get(key)
+                return v.data_ptr() if isinstance(v, torch.Tensor) else 0
+            if self.algorithm == "sgd":
+                ptrs = (0, 0, 0, ptr("momentum_buffer"))
+                fresh |= ptrs[3] == 0
+                step = 0.0
+            else:
+                ptrs = (ptr("exp_avg"), ptr("exp_avg_sq"),
+                        ptr("max_exp_avg_sq") if self.amsgrad else 0, 0)
+                fresh |= ptrs[0] == 0
+                s = st.get("step")
+                step = float(s) if s is not None else 0.0
+            out.append((f"param{i}", p.numel(), self._group_of[i], kind, index, p.data_ptr(),
+                        *ptrs, step))
+        self._fresh = fresh
+        return out
+
+    def _begin(self, step: int) -> None:
+        self._outputs_set = False
+        self.core.begin(step, self.algorithm, self.amsgrad, self._tensors())
+        self._ckpt._saves += 1
+
+    def _set_outputs(self, step: int) -> None:
+        """Everything of the checkpoint at version `step`: optimizer-owned
+        tensors point at the reconstructed buffers, the rest is copied now."""
+        ck = self._ckpt
+        tensors: dict = {}
+        tree = {key: _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors,
+                                    f"state[{key!r}]")
+                for key, obj in ck.state.items()}
+        meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
+                "world_size": ck.world_size, "state": tree}
+        if ck.rng:
+            meta["rng"] = _rng.capture()
+        owned = {}
+        roles = ("momentum_buffer",) if self.algorithm == "sgd" else _ROLES_ADAM
+        for i, p in enumerate(self.params):
+            owned[(p.data_ptr(), p.numel())] = (i, "param")
+            st = self.opt.state.get(p, {})
+            for r in roles:
+                v = st.get(r)
+                if isinstance(v, torch.Tensor):
+                    owned[(v.data_ptr(), v.numel())] = (i, r)
+        outputs, keep = [], []
+        code = _state.torch_dtype_code
+        for name, t in tensors.items():
+            hit = owned.get((t.data_ptr(), t.numel())) if (
+                t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0) else None
+            nbytes = t.numel() * t.element_size()
+            if hit is not None:
+                outputs.append((name, code(t.dtype), list(t.shape), nbytes, hit[0], hit[1], 0, 0,
+                                0, 0))
+                continue
+            if not t.is_contiguous():
+                t = t.contiguous()
+                keep.append(t)
+            kind, index = _device(t)
+            stream = torch.cuda.current_stream(t.device).cuda_stream if kind == 1 else 0
+            outputs.append((name, code(t.dtype), list(t.shape), nbytes, -1, "param",
+                            t.data_ptr() if nbytes else 0, kind, index, stream))
+        self.core.set_outputs(outputs, _state.dumps(meta))
+        self._outputs_set = True
+
+    # ------------------------------------------------- the engine's interface
+
+    def wait_copied(self) -> None:
+        pass  # nothing is read from the live tensors outside the hooks
+
+    def wait_committed(self, counter: int = 0) -> None:
+        self.core.wait()
+
+    def latest(self):
+        return self.core.latest()
+
+    def stats(self) -> dict:
+        s = self.core.stats()
+        s.update(mode="multistep", parts=self.parts, overlap_gradients=self.overlap)
+        return s
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._orig_zero_grad is not None:
+            try:
+                del self.opt.zero_grad
+            except AttributeError:
+                pass
+            self._orig_zero_grad = None
+        self._held.clear()
+        self.core.close()
+
+
+def _stateful(obj) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
+        obj, (dict, torch.Tensor))

@@ -1,0 +1,379 @@
+// Bindings of the multi-step (GoCkpt) schedule, nonstop/multistep.h, as
+// nonstop._core.Multistep. It owns its Engine (the schedule makes every engine
+// call itself) and takes tensors as plain numbers: this module never sees
+// torch. Every method that may block releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "nonstop/copy_engine.h"
+#include "nonstop/engine.h"
+#include "nonstop/medium.h"
+#include "nonstop/multistep.h"
+#include "nonstop/optim.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace nonstop::py_bindings {
+namespace {
+
+// Raises the nonstop.errors class for the status code (the GIL must be held).
+[[noreturn]] void Raise(const Status& s) {
+  py::object cls = py::module_::import("nonstop.errors")
+                       .attr("BY_STATUS_CODE")
+                       .attr("get")(static_cast<int>(s.code()),
+                                    py::module_::import("builtins").attr("RuntimeError"));
+  PyErr_SetString(cls.ptr(), s.message().c_str());
+  throw py::error_already_set();
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+template <typename T>
+T Get(const py::dict& d, const char* key, T fallback) {
+  if (!d.contains(key) || d[key].is_none()) return fallback;
+  return d[key].cast<T>();
+}
+
+Device MakeDevice(int kind, int index, uintptr_t stream) {
+  Device d;
+  d.kind = kind == 1 ? DeviceKind::kCuda : DeviceKind::kHost;
+  d.index = index;
+  d.stream = stream;
+  return d;
+}
+
+DType DTypeFromCode(int code, const std::string& what) {
+  if (code < 0 || code >= kNumDTypes) {
+    Raise(Status::InvalidArgument(what + ": unknown dtype code " + std::to_string(code)));
+  }
+  return static_cast<DType>(code);
+}
+
+optim::StepHyperparameters ParseGroup(const py::dict& d) {
+  optim::StepHyperparameters h;
+  h.lr = Get<double>(d, "lr", h.lr);
+  if (d.contains("betas") && !d["betas"].is_none()) {
+    auto betas = d["betas"].cast<std::pair<double, double>>();
+    h.beta1 = betas.first;
+    h.beta2 = betas.second;
+  }
+  h.eps = Get<double>(d, "eps", h.eps);
+  h.weight_decay = Get<double>(d, "weight_decay", h.weight_decay);
+  h.momentum = Get<double>(d, "momentum", h.momentum);
+  h.dampening = Get<double>(d, "dampening", h.dampening);
+  h.nesterov = Get<bool>(d, "nesterov", h.nesterov);
+  h.maximize = Get<bool>(d, "maximize", h.maximize);
+  return h;
+}
+
+// (name, numel, group, device kind, device index, param, exp_avg, exp_avg_sq,
+//  max_exp_avg_sq, momentum_buffer, step); pointers 0 when absent.
+using PyOptimizerTensor = std::tuple<std::string, size_t, int, int, int, uintptr_t, uintptr_t,
+                                     uintptr_t, uintptr_t, uintptr_t, double>;
+
+std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in) {
+  std::vector<OptimizerTensor> out;
+  out.reserve(in.size());
+  for (const auto& [name, numel, group, kind, index, p, m, v, vmax, mom, step] : in) {
+    OptimizerTensor t;
+    t.name = name;
+    t.numel = numel;
+    t.group = group;
+    t.device = MakeDevice(kind, index, 0);
+    t.param = reinterpret_cast<const float*>(p);
+    t.exp_avg = reinterpret_cast<const float*>(m);
+    t.exp_avg_sq = reinterpret_cast<const float*>(v);
+    t.max_exp_avg_sq = reinterpret_cast<const float*>(vmax);
+    t.momentum_buffer = reinterpret_cast<const float*>(mom);
+    t.step = step;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+StateRole ParseRole(const std::string& s) {
+  if (s == "param") return StateRole::kParam;
+  if (s == "exp_avg") return StateRole::kExpAvg;
+  if (s == "exp_avg_sq") return StateRole::kExpAvgSq;
+  if (s == "max_exp_avg_sq") return StateRole::kMaxExpAvgSq;
+  if (s == "momentum_buffer") return StateRole::kMomentumBuffer;
+  Raise(Status::InvalidArgument("multistep: unknown state role '" + s + "'"));
+}
+
+// (name, dtype code, shape, nbytes, tensor index or -1, role, data_ptr,
+//  device kind, device index, stream)
+using PyOutput = std::tuple<std::string, int, std::vector<int64_t>, uint64_t, int, std::string,
+                            uintptr_t, int, int, uintptr_t>;
+
+py::dict WindowDict(const MultistepWindowStats& w) {
+  py::dict d;
+  d["begin_step"] = w.begin_step;
+  d["version"] = w.version;
+  d["counter"] = w.counter;
+  d["stall_s"] = w.stall_s;
+  d["state_wait_s"] = w.state_wait_s;
+  d["grad_wait_s"] = w.grad_wait_s;
+  d["state_bytes"] = w.state_bytes;
+  d["grad_bytes"] = w.grad_bytes;
+  d["skipped_steps"] = w.skipped_steps;
+  d["replay_s"] = w.replay_s;
+  d["window_s"] = w.window_s;
+  d["error"] = w.error;
+  return d;
+}
+
+class PyMultistep {
+ public:
+  PyMultistep(const EngineOptions& eo, const MultistepOptions& mo) {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      auto e = Engine::Open(eo);
+      if (!e.ok()) {
+        s = e.status();
+      } else {
+        engine_ = std::move(e).value();
+        auto m = MultistepCheckpoint::Create(engine_.get(), mo);
+        if (m.ok()) {
+          ms_ = std::move(m).value();
+        } else {
+          s = m.status();
+        }
+      }
+    }
+    Check(s);
+  }
+  ~PyMultistep() {
+    py::gil_scoped_release release;
+    if (ms_) (void)ms_->Close();
+    if (engine_) (void)engine_->Close();
+  }
+
+  void Begin(int64_t step, const std::string& algorithm, bool amsgrad,
+             const std::vector<PyOptimizerTensor>& tensors) {
+    optim::OptimizerConfig c;
+    if (algorithm == "adamw") {
+      c.algorithm = optim::Algorithm::kAdamW;
+    } else if (algorithm == "adam") {
+      c.algorithm = optim::Algorithm::kAdam;
+    } else if (algorithm == "sgd") {
+      c.algorithm = optim::Algorithm::kSgd;
+    } else {
+      Raise(Status::InvalidArgument("multistep: unknown algorithm '" + algorithm +
+                                    "'; use adamw, adam or sgd"));
+    }
+    c.amsgrad = amsgrad;
+    auto t = ToTensors(tensors);
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().Begin(step, c, std::move(t));
+    }
+    Check(s);
+  }
+
+  void OnBackwardBegin() {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().OnBackwardBegin();
+    }
+    Check(s);
+  }
+
+  // grads: (data_ptr or 0, dtype code) per tensor of begin(); all on `device`.
+  void OnUpdateBegin(int64_t step, const py::list& groups, bool skipped,
+                     const std::vector<std::pair<uintptr_t, int>>& grads, int device_kind,
+                     int device_index, uintptr_t stream) {
+    std::vector<optim::StepHyperparameters> hs;
+    hs.reserve(groups.size());
+    for (const auto& g : groups) hs.push_back(ParseGroup(g.cast<py::dict>()));
+    std::vector<GradRef> gs(grads.size());
+    const Device dev = MakeDevice(device_kind, device_index, stream);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      gs[i].data = reinterpret_cast<const void*>(grads[i].first);
+      gs[i].dtype = DTypeFromCode(grads[i].second, "gradient");
+      gs[i].device = dev;
+    }
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().OnUpdateBegin(step, hs, skipped, gs);
+    }
+    Check(s);
+  }
+
+  void OnUpdateEnd(int64_t step, const std::optional<std::vector<PyOptimizerTensor>>& refreshed) {
+    std::vector<OptimizerTensor> r;
+    if (refreshed) r = ToTensors(*refreshed);
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().OnUpdateEnd(step, r);
+    }
+    Check(s);
+  }
+
+  void SetOutputs(const std::vector<PyOutput>& outputs, std::string meta_json) {
+    std::vector<OutputTensor> out;
+    out.reserve(outputs.size());
+    for (const auto& [name, dtype, shape, nbytes, tensor, role, ptr, kind, index, stream] :
+         outputs) {
+      OutputTensor o;
+      o.spec.name = name;
+      o.spec.dtype = DTypeFromCode(dtype, "tensor '" + name + "'");
+      o.spec.shape = shape;
+      o.spec.nbytes = nbytes;
+      o.tensor = tensor;
+      o.role = ParseRole(role);
+      o.data = reinterpret_cast<const void*>(ptr);
+      o.device = MakeDevice(kind, index, stream);
+      out.push_back(std::move(o));
+    }
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().SetOutputs(std::move(out), std::move(meta_json));
+    }
+    Check(s);
+  }
+
+  bool GradientCopiesPending() { return Get().GradientCopiesPending(); }
+  bool active() { return Get().active(); }
+  int64_t version() { return Get().version(); }
+
+  void Wait() {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().Wait();
+    }
+    Check(s);
+  }
+
+  std::optional<std::pair<uint64_t, int64_t>> Latest() {
+    std::optional<CommittedCheckpoint> c;
+    {
+      py::gil_scoped_release release;
+      c = Get().Latest();
+    }
+    if (!c) return std::nullopt;
+    return std::make_pair(c->counter, c->step);
+  }
+
+  py::dict Stats() {
+    MultistepStats s;
+    EngineStats e;
+    {
+      py::gil_scoped_release release;
+      s = Get().Stats();
+      e = engine_->Stats();
+    }
+    py::dict d;
+    d["windows"] = s.windows;
+    d["persisted"] = s.persisted;
+    d["failed"] = s.failed;
+    d["stall_s_total"] = s.stall_s_total;
+    d["host_bytes"] = s.host_bytes;
+    d["copy_engine"] = s.copy_engine;
+    py::list recent;
+    for (const auto& w : s.recent) recent.append(WindowDict(w));
+    d["recent"] = recent;
+    d["engine_committed"] = e.committed;
+    d["engine_failed"] = e.failed;
+    d["medium"] = e.medium;
+    return d;
+  }
+
+  void Close() {
+    if (!ms_) return;
+    Status s, e;
+    {
+      py::gil_scoped_release release;
+      s = ms_->Close();
+      e = engine_->Close();
+    }
+    ms_.reset();
+    engine_.reset();
+    Check(s.ok() ? e : s);
+  }
+
+ private:
+  MultistepCheckpoint& Get() {
+    if (!ms_) Raise(Status::FailedPrecondition("the checkpointer is closed"));
+    return *ms_;
+  }
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<MultistepCheckpoint> ms_;
+};
+
+}  // namespace
+
+void InitMultistep(py::module_& m) {
+  py::class_<PyMultistep>(m, "Multistep")
+      .def(py::init([](const std::string& dir, uint32_t rank, uint32_t world_size,
+                       int max_in_flight, int writers, uint64_t staging_bytes,
+                       uint64_t chunk_bytes, int copy_threads, const std::string& medium,
+                       int parts, uint64_t block_bytes, bool overlap_gradients,
+                       int replay_threads, uintptr_t mkl_vms_sqrt) {
+             EngineOptions o;
+             o.dir = dir;
+             o.rank = rank;
+             o.world_size = world_size;
+             o.max_in_flight = max_in_flight;
+             o.writers = writers;
+             o.staging_bytes = staging_bytes;
+             o.chunk_bytes = chunk_bytes;
+             o.copy_threads = copy_threads;
+             if (!ParseMediumKind(medium, &o.medium)) {
+               Raise(Status::InvalidArgument("unknown medium '" + medium +
+                                             "'; use auto, buffered, direct, uring, mmap or "
+                                             "pmem"));
+             }
+             MultistepOptions mo;
+             mo.parts = parts;
+             mo.block_bytes = block_bytes;
+             mo.overlap_gradients = overlap_gradients;
+             mo.replay_threads = replay_threads;
+             mo.mkl_vms_sqrt = reinterpret_cast<optim::MklVmsSqrtFn>(mkl_vms_sqrt);
+             return std::make_unique<PyMultistep>(o, mo);
+           }),
+           py::arg("dir"), py::arg("rank") = 0, py::arg("world_size") = 1,
+           py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
+           py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
+           py::arg("parts") = 7, py::arg("block_bytes") = 4ull << 20,
+           py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
+           py::arg("mkl_vms_sqrt") = 0)
+      .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
+           py::arg("amsgrad"), py::arg("tensors"),
+           "tensors: (name, numel, group, device kind, device index, param, exp_avg, "
+           "exp_avg_sq, max_exp_avg_sq, momentum_buffer, step) per parameter; pointers 0 "
+           "when absent.")
+      .def("on_backward_begin", &PyMultistep::OnBackwardBegin)
+      .def("on_update_begin", &PyMultistep::OnUpdateBegin, py::arg("step"), py::arg("groups"),
+           py::arg("skipped"), py::arg("grads"), py::arg("device_kind") = 0,
+           py::arg("device_index") = 0, py::arg("stream") = 0)
+      .def("on_update_end", &PyMultistep::OnUpdateEnd, py::arg("step"),
+           py::arg("refreshed") = py::none())
+      .def("set_outputs", &PyMultistep::SetOutputs, py::arg("outputs"), py::arg("meta_json"))
+      .def("gradient_copies_pending", &PyMultistep::GradientCopiesPending)
+      .def_property_readonly("active", &PyMultistep::active)
+      .def_property_readonly("version", &PyMultistep::version)
+      .def("wait", &PyMultistep::Wait)
+      .def("latest", &PyMultistep::Latest)
+      .def("stats", &PyMultistep::Stats)
+      .def("close", &PyMultistep::Close);
+}
+
+}  // namespace nonstop::py_bindings

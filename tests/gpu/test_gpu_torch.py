@@ -1,22 +1,217 @@
 """PyTorch GPU checks for nonstop, run by `make test-gpu` with the GPU
 machine's python3 when torch sees a CUDA device.
 
-The C++ GPU tests (tests/gpu/*.cc) cover the copy engine; this file checks
-what only torch can: that the handles the Python front end passes to the
-engine (tensor.data_ptr(), the device index and
-torch.cuda.current_stream().cuda_stream) are what the engine expects, and,
-once the front end can save and load CUDA tensors, a GPU training resume.
-It skips (exit 0, with a line saying why) whatever is not built yet.
+1. Stream handles: what the front end passes to the engine
+   (tensor.data_ptr(), the device index, torch.cuda.current_stream().cuda_stream)
+   is what the engine expects.
+2. GPU training resume: a small GPT on CUDA, AdamW, a LambdaLR schedule and
+   dropout, checkpointed by nonstop.Checkpointer (concurrent mode) every
+   EVERY steps. The training subprocess is killed with SIGKILL twice
+   mid-run and restarted; each restart restores the newest checkpoint
+   (weights, AdamW state, schedule, CPU and CUDA RNG) and goes on. The final
+   weights, optimizer state, schedule, RNG states and the losses after each
+   restore must equal, bit for bit, an uninterrupted run without
+   checkpoints on the same GPU. Deterministic kernels are forced
+   (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, the
+   math attention kernel, no TF32), fixed seeds.
+
+    PYTHONPATH=<dir holding nonstop with _core> python3 tests/gpu/test_gpu_torch.py
+    ... --device cpu     # the same harness on CPU (to check it without a GPU)
+
+Exit 0 = passed or skipped (a line says SKIP and why), 1 = failed.
+Hard timeouts: each training process 180 s, the whole file 420 s.
 """
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+
+STEPS, EVERY = 40, 4
+KILL_AFTER = (13, 27)  # SIGKILL once a step >= this is reported and a checkpoint exists
+PROC_TIMEOUT_S, TOTAL_TIMEOUT_S = 180, 420
+CFG = dict(vocab=4096, dim=256, layers=4, heads=8, seq=64, batch=8)
+CPU_CFG = dict(vocab=256, dim=64, layers=2, heads=4, seq=32, batch=4)  # --device cpu
 
 
-def main() -> int:
+# ------------------------------------------------------------------ the worker
+
+def _deterministic(torch, device: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "cuda":
+        # The math attention kernel: flash / memory-efficient backward
+        # kernels are not deterministic.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def worker(args) -> int:
     import torch
+    import torch.nn.functional as F
+    from nonstop.demo import GPT, batch_for_step
 
-    if not torch.cuda.is_available():
-        print("SKIP: torch sees no CUDA device")
-        return 0
+    cfg = CFG
+    if args.device == "cpu":  # a check of the harness, not of the GPU path
+        torch.set_num_threads(2)
+        cfg = CPU_CFG
+    _deterministic(torch, args.device)
+    dev = torch.device(args.device)
+    torch.manual_seed(1234)
+    if args.device == "cuda":
+        torch.cuda.manual_seed_all(1234)
+    model = GPT(**cfg).to(dev)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=2e-3,
+                            betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 8) * 0.97 ** s)
+    ckpt, start = None, 0
+    if args.ckpt_dir:
+        import nonstop
+        ckpt = nonstop.Checkpointer(args.ckpt_dir, {"model": model, "optim": opt, "sched": sched},
+                                    every=EVERY, mode="concurrent")
+        restored = ckpt.restore()
+        start = 0 if restored is None else restored + 1
+        print(json.dumps({"event": "start", "restored": restored,
+                          "copy_engine": ckpt.stats().get("copy_engine")}), flush=True)
+    losses = {}
+    for step in range(start, STEPS):
+        x, y = (t.to(dev) for t in batch_for_step(cfg, step))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses[step] = loss.item()  # syncs: the kill lands between steps or in a save
+        latest = None
+        if ckpt is not None:
+            ckpt.step(step)
+            latest = ckpt.latest()
+        print(json.dumps({"event": "step", "step": step, "latest": latest}), flush=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    stats = None
+    if ckpt is not None:
+        ckpt.wait()
+        st = ckpt.stats()
+        stats = {k: st.get(k) for k in ("committed", "failed", "visible_stall_s", "copy_engine")}
+        ckpt.close()
+    final = {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+             "optim": _to_cpu(opt.state_dict()), "sched": sched.state_dict(),
+             "cpu_rng": torch.get_rng_state(), "losses": losses, "start": start}
+    if args.device == "cuda":
+        final["cuda_rng"] = torch.cuda.get_rng_state()
+    torch.save(final, args.final)
+    print(json.dumps({"event": "done", "stats": stats}), flush=True)
+    return 0
+
+
+def _to_cpu(x):
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+# ------------------------------------------------------------------ the parent
+
+def run_worker(args, tmp: str, name: str, ckpt_dir: str | None, kill_after: int | None,
+               step_sleep: float) -> dict:
+    """Runs one training process; SIGKILLs it once it reports a step >=
+    kill_after with a committed checkpoint. Returns what it reported."""
+    final = os.path.join(tmp, f"final-{name}.pt")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device,
+           "--final", final, "--step-sleep", str(step_sleep)]
+    if ckpt_dir:
+        cmd += ["--ckpt-dir", ckpt_dir]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")],
+                              daemon=True)
+    reader.start()
+    got = {"name": name, "steps": [], "killed_after": None, "final": final, "start": None}
+    try:
+        while True:
+            left = PROC_TIMEOUT_S - (time.monotonic() - t0)
+            if left <= 0:
+                raise TimeoutError(f"{name}: training process ran past {PROC_TIMEOUT_S} s")
+            try:
+                line = lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if not line:
+                break
+            ev = json.loads(line)
+            if ev["event"] == "start":
+                got["start"] = ev
+            elif ev["event"] == "step":
+                got["steps"].append(ev["step"])
+                if (kill_after is not None and ev["step"] >= kill_after
+                        and ev["latest"] is not None):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    got["killed_after"] = ev["step"]
+                    break
+            elif ev["event"] == "done":
+                got["done"] = ev
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    got["rc"] = rc
+    got["wall_s"] = time.monotonic() - t0
+    if got["killed_after"] is None and rc != 0:
+        raise RuntimeError(f"{name}: training process failed with exit status {rc}")
+    return got
+
+
+def compare(torch, a: dict, b: dict, where: str = "") -> list:
+    """Paths where a and b differ (tensors bitwise, incl. dtype and shape)."""
+    out = []
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+                                b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))):
+            out.append(where)
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            out.append(f"{where} keys {sorted(map(str, set(a) ^ set(b)))[:3]}")
+        for k in a:
+            if k in b:
+                out += compare(torch, a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            out.append(f"{where} length")
+        for i, (x, y) in enumerate(zip(a, b)):
+            out += compare(torch, x, y, f"{where}/{i}")
+    elif not (a == b or (a != a and b != b)):
+        out.append(where)
+    return out
+
+
+def check_streams(torch) -> None:
     stream = torch.cuda.current_stream()
     # torch's default stream is the legacy default stream, handle 0; the
     # engine treats 0 as "order after the legacy default stream".
@@ -25,14 +220,96 @@ def main() -> int:
     assert isinstance(stream.cuda_stream, int)
     with torch.cuda.stream(torch.cuda.Stream()):
         assert torch.cuda.current_stream().cuda_stream != 0
+    print("PASS stream handles")
+
+
+def resume_test(args, torch) -> bool:
+    tmp = tempfile.mkdtemp(prefix="nonstop-gpu-resume-")
     try:
-        import nonstop  # noqa: F401
+        ckpt_dir = os.path.join(tmp, "ckpt")
+        ref = run_worker(args, tmp, "reference", None, None, 0.0)
+        print(f"reference: {len(ref['steps'])} steps without checkpoints, "
+              f"{ref['wall_s']:.1f} s")
+        runs = []
+        for i, kill_after in enumerate(KILL_AFTER + (None,)):
+            r = run_worker(args, tmp, f"part{i}", ckpt_dir, kill_after, args.step_sleep)
+            runs.append(r)
+            start = r["start"] or {}
+            print(f"part {i}: restored step {start.get('restored')}, ran steps "
+                  f"{r['steps'][0] if r['steps'] else '-'}..{r['steps'][-1] if r['steps'] else '-'}"
+                  + (f", SIGKILLed after step {r['killed_after']}" if r["killed_after"] is not None
+                     else ", finished") + f" ({r['wall_s']:.1f} s); engine: "
+                  f"{start.get('copy_engine')}")
+        ok = True
+        if args.device == "cuda" and "cuda" not in str((runs[0]["start"] or {}).get("copy_engine",
+                                                                                    "")).lower():
+            print("FAIL the engine did not use the CUDA copy engine")
+            ok = False
+        if any(r["killed_after"] is None for r in runs[:-1]):
+            print("FAIL a training process finished before it could be killed")
+            ok = False
+        restored = [(r["start"] or {}).get("restored") for r in runs]
+        if restored[0] is not None or any(x is None for x in restored[1:]):
+            print(f"FAIL unexpected restore points {restored}")
+            ok = False
+        a = torch.load(ref["final"], weights_only=False)
+        b = torch.load(runs[-1]["final"], weights_only=False)
+        diffs = compare(torch, {k: a[k] for k in a if k not in ("losses", "start")},
+                        {k: b[k] for k in b if k not in ("losses", "start")})
+        # Losses after the last restore, bitwise (floats from .item()).
+        lost = [s for s, v in b["losses"].items() if a["losses"].get(s) != v]
+        if diffs or lost:
+            ok = False
+            print(f"FAIL resumed run differs from the uninterrupted one: {len(diffs)} entries, "
+                  f"e.g. {diffs[:5]}; losses differ at steps {lost[:5]}")
+            again = run_worker(args, tmp, "reference2", None, None, 0.0)
+            c = torch.load(again["final"], weights_only=False)
+            if compare(torch, {k: a[k] for k in a if k != "start"},
+                       {k: c[k] for k in c if k != "start"}):
+                print("  (two uninterrupted runs differ too: training is not deterministic here)")
+        else:
+            n = sum(t.numel() for t in a["model"].values())
+            print(f"PASS GPU training resume: killed after steps {KILL_AFTER[0]}+ and "
+                  f"{KILL_AFTER[1]}+, restored {restored[1:]}; final weights ({n} values), AdamW "
+                  f"state, schedule, {'CPU+CUDA' if args.device == 'cuda' else 'CPU'} RNG and {len(b['losses'])} losses after the last "
+                  f"restore are bitwise equal to the uninterrupted run")
+        return ok
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--ckpt-dir")
+    p.add_argument("--final")
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    args = p.parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.worker:
+        return worker(args)
+    signal.signal(signal.SIGALRM, lambda *_: (print(f"FAIL ran past {TOTAL_TIMEOUT_S} s"),
+                                              os._exit(1)))
+    signal.alarm(TOTAL_TIMEOUT_S)
+    import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("SKIP: torch sees no CUDA device")
+            return 0
+        check_streams(torch)
+    try:
+        import nonstop
+        if nonstop._core is None:
+            raise ImportError(nonstop._CORE_ERROR)
     except ImportError as e:
         print(f"SKIP: the nonstop Python module is not built here ({e}); "
               "GPU resume test not run")
         return 0
-    print("SKIP: GPU training resume test not written yet (needs CUDA tensors in the front end)")
-    return 0
+    print(f"nonstop from {os.path.dirname(nonstop.__file__)}, build {nonstop.build_info()}")
+    ok = resume_test(args, torch)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -81,16 +81,23 @@ test-fuzz: deps
 # build with CUDA (whatever needs a missing -dev package is skipped at
 # configure time), its tests (the GPU ones skip where no device is usable),
 # then the PyTorch GPU check with the machine's python3 when it has CUDA torch.
+# The extension nonstop._core is built too when python3 has pybind11 (no pip
+# install needed); the package is assembled in $(GPU_BUILD)/pkg.
 GPU_BUILD ?= build-gpu
 GPU_CMAKE_ARGS ?=
 GPU_GEN   := $(if $(shell command -v ninja),-G Ninja,)
+GPU_PY_ARGS = $(shell python3 -c "import sys, pybind11; print('-DNONSTOP_BUILD_PYTHON=ON', \
+    '-DPython_EXECUTABLE=' + sys.executable, '-Dpybind11_DIR=' + pybind11.get_cmake_dir())" 2>/dev/null)
 test-gpu:
 	$(CMAKE) -S . -B $(GPU_BUILD) $(GPU_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
-	    -DCMAKE_BUILD_TYPE=RelWithDebInfo $(GPU_CMAKE_ARGS)
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo $(GPU_PY_ARGS) $(GPU_CMAKE_ARGS)
 	$(CMAKE) --build $(GPU_BUILD) -j $(JOBS)
 	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+	rm -rf $(GPU_BUILD)/pkg && mkdir -p $(GPU_BUILD)/pkg/nonstop && cp python/nonstop/*.py $(GPU_BUILD)/pkg/nonstop/
+	@if ls $(GPU_BUILD)/src/python/_core*.so >/dev/null 2>&1; then cp $(GPU_BUILD)/src/python/_core*.so $(GPU_BUILD)/pkg/nonstop/; \
+	else echo "== test-gpu: nonstop._core not built (python3 has no pybind11?)"; fi
 	@if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
-	  PYTHONPATH=python:$(GPU_BUILD)/python python3 tests/gpu/test_gpu_torch.py; \
+	  PYTHONPATH=$(GPU_BUILD)/pkg python3 tests/gpu/test_gpu_torch.py; \
 	else echo "== test-gpu: no CUDA torch for python3: tests/gpu/test_gpu_torch.py skipped"; fi
 
 demo: build

@@ -79,6 +79,7 @@ struct CheckpointStats {
 
 struct EngineStats {
   uint64_t started = 0, committed = 0, failed = 0, superseded = 0;
+  uint64_t abandoned = 0;            // dropped by AbandonOlderThan (not failures)
   int in_flight = 0;
   double stall_s_total = 0;          // all time blocked in engine calls
   double staging_wait_s_total = 0;   // part of the stall spent waiting for a free staging chunk
@@ -121,6 +122,16 @@ class Engine {
   // dtype mismatch, naming the tensor. Returns what was restored.
   virtual Result<CheckpointInfo> Restore(std::optional<int64_t> step = std::nullopt) = 0;
   virtual EngineStats Stats() = 0;
+
+  // Abandons every in-flight checkpoint whose counter is below `counter`, so
+  // that a newer, urgent one (a preemption notice; docs/PREEMPTION.md) gets
+  // the copy threads, the staging chunks and the writers to itself: their
+  // remaining copies and writes are skipped, their slots go back, they count
+  // as `abandoned` (not failed) and report no error. One whose commit has
+  // already begun still commits. Open layer-wise checkpoints (Begin without
+  // End) are left alone. The newest committed checkpoint is never touched.
+  // Returns how many were abandoned. Pass UINT64_MAX for "all in flight".
+  virtual Result<int> AbandonOlderThan(uint64_t counter);
 
   // ---- Layer-wise checkpoints (LightCheck; docs/LAYERWISE.md) ----
   //

@@ -131,6 +131,7 @@ struct Job {
   bool layerwise = false;
   bool open = false;           // GUARDED_BY(Engine::mu_): between Begin and EndCheckpoint
   bool abandoned = false;      // GUARDED_BY(Engine::mu_): closed while open; error not queued
+  bool dropped = false;        // GUARDED_BY(Engine::mu_): by AbandonOlderThan; error not queued
   std::vector<bool> requested;  // GUARDED_BY(Engine::mu_): copy requested, per tensor
   int small_buffer = -1;       // index into reg->small_buffers
   // Each unit's crc is written by its one writer; read by the committer after
@@ -174,6 +175,7 @@ class EngineImpl final : public Engine {
   std::optional<CommittedCheckpoint> Latest() override;
   Result<CheckpointInfo> Restore(std::optional<int64_t> step) override;
   EngineStats Stats() override;
+  Result<int> AbandonOlderThan(uint64_t counter) override;
   Status Close() override;
 
   Result<uint64_t> BeginCheckpoint(int64_t step) override;
@@ -832,6 +834,8 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
     if (job->file == file_) free_slots_->Push(job->slot);
     if (superseded) {
       ++stats_.superseded;
+    } else if (job->dropped) {
+      ++stats_.abandoned;
     } else {
       ++stats_.failed;
       st = st.Annotate("checkpoint " + std::to_string(job->counter) + " (step " +
@@ -850,6 +854,7 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   cs.committed = committed;
   if (superseded) cs.error = "superseded by a newer checkpoint";
   if (!st.ok()) cs.error = st.ToString();
+  if (!committed && job->dropped) cs.error = "abandoned for a newer checkpoint";
   stats_.recent.push_back(std::move(cs));
   if (stats_.recent.size() > 64) stats_.recent.erase(stats_.recent.begin());
   unfinished_.erase(job->counter);
@@ -1007,6 +1012,26 @@ EngineStats EngineImpl::Stats() {
   return s;
 }
 
+Result<int> EngineImpl::AbandonOlderThan(uint64_t counter) {
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  int n = 0;
+  for (auto& [c, job] : live_) {
+    if (c >= counter) break;  // live_ is ordered by counter
+    if (job->open || job->dropped) continue;
+    // Failing the job is what makes every stage skip it: the dispatcher stops
+    // issuing its chunks, writers release them unwritten, the committer
+    // finishes it without a commit. Its error is not queued (dropped, abandoned).
+    job->dropped = true;
+    job->abandoned = true;
+    job->Fail(Status::Aborted("abandoned for a newer checkpoint"));
+    ++n;
+  }
+  lock.unlock();
+  cv_.notify_all();
+  return n;
+}
+
 Status EngineImpl::Close() {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return Status::OK();
@@ -1061,6 +1086,10 @@ bool ParseLayerCopy(std::string_view name, LayerCopy* out) {
     }
   }
   return false;
+}
+
+Result<int> Engine::AbandonOlderThan(uint64_t) {
+  return Status::Unavailable("this engine cannot abandon checkpoints");
 }
 
 // Engines that do not implement layer-wise checkpoints say so.

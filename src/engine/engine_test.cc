@@ -2,10 +2,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -314,6 +316,83 @@ TEST_F(EngineTest, BackgroundErrorReachesTheNextCall) {
   EXPECT_NE(st.message().find("step 2"), std::string::npos) << st.message();
   EXPECT_TRUE(engine->WaitCopied().ok());  // delivered once
   EXPECT_EQ(engine->Latest()->step, 1);
+}
+
+// ---- AbandonOlderThan (preemption notices, docs/PREEMPTION.md) -------------
+
+// Sleeps before every write, so checkpoints stay in flight long enough to be abandoned.
+class SlowMedium final : public Medium {
+ public:
+  explicit SlowMedium(std::unique_ptr<Medium> inner) : inner_(std::move(inner)) {}
+  Status Write(uint64_t offset, const void* buf, size_t n) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    return inner_->Write(offset, buf, n);
+  }
+  Status Read(uint64_t offset, void* buf, size_t n) override { return inner_->Read(offset, buf, n); }
+  Status Sync() override { return inner_->Sync(); }
+  Status Resize(uint64_t size) override { return inner_->Resize(size); }
+  uint64_t Size() const override { return inner_->Size(); }
+  size_t Alignment() const override { return inner_->Alignment(); }
+  MediumKind kind() const override { return inner_->kind(); }
+  std::string Describe() const override { return "slow " + inner_->Describe(); }
+
+ private:
+  std::unique_ptr<Medium> inner_;
+};
+
+TEST_F(EngineTest, AbandonOlderThanLetsAnUrgentCheckpointGoFirst) {
+  FaultRig rig;
+  EngineMedia media = rig.Media();
+  auto open = media.open;
+  media.open = [open](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
+    auto m = open(path, create);
+    if (!m.ok()) return m.status();
+    return std::unique_ptr<Medium>(std::make_unique<SlowMedium>(std::move(*m)));
+  };
+  auto t = MakeTensor("t", 64 * 16384);  // 4 MiB: 64 chunks of 64 KiB, ~100 ms per checkpoint
+  auto engine = std::move(OpenEngine(Options(), media)).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  t.Fill(1, 0);
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  // Two regular checkpoints in flight (max_in_flight 2), then a notice.
+  for (int64_t step : {2, 3}) {
+    ASSERT_TRUE(engine->WaitCopied().ok());
+    t.Fill(step, 0);
+    ASSERT_TRUE(engine->Checkpoint(step, "").ok());
+  }
+  ASSERT_TRUE(engine->WaitCopied().ok());
+  t.Fill(4, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto n = engine->AbandonOlderThan(std::numeric_limits<uint64_t>::max());
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_GE(*n, 1);
+  // Whatever committed before the notice stays committed (the staging bound
+  // paces copies by the writes, so step 2 may have finished by now).
+  EXPECT_LT(engine->Latest()->step, 4);
+  auto urgent = engine->Checkpoint(4, "");
+  ASSERT_TRUE(urgent.ok()) << urgent.status().ToString();
+  ASSERT_TRUE(engine->WaitCommitted(*urgent).ok());
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(engine->Latest()->step, 4);
+  EngineStats s = engine->Stats();
+  EXPECT_EQ(s.failed, 0u);
+  EXPECT_EQ(s.abandoned, static_cast<uint64_t>(*n));
+  EXPECT_EQ(s.committed + s.abandoned + s.superseded, 4u);
+  // Abandoned work is skipped: well under the three checkpoints' worth of
+  // writes it would take to finish steps 2 and 3 first (64 x 3 ms each, 2 writers).
+  EXPECT_LT(waited, 0.5) << "urgent checkpoint took " << waited << " s";
+  ASSERT_TRUE(engine->WaitCommitted().ok());  // abandoned ones report no error
+  EXPECT_TRUE(engine->WaitCopied().ok());
+  t.Fill(0, 0);
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, 4);
+  auto want = MakeTensor("t", 64 * 16384);
+  want.Fill(4, 0);
+  EXPECT_EQ(t.data, want.data);
+  // Nothing older than the newest is in flight any more: a no-op.
+  EXPECT_EQ(engine->AbandonOlderThan(std::numeric_limits<uint64_t>::max()).value(), 0);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -123,6 +124,7 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["committed"] = s.committed;
   d["failed"] = s.failed;
   d["superseded"] = s.superseded;
+  d["abandoned"] = s.abandoned;
   d["in_flight"] = s.in_flight;
   d["stall_s_total"] = s.stall_s_total;
   d["staging_wait_s_total"] = s.staging_wait_s_total;
@@ -206,6 +208,10 @@ class PyEngine {
       r = Get().Restore(step);
     }
     return InfoDict(Take(std::move(r)));
+  }
+  int AbandonOlderThan(uint64_t counter) {
+    py::gil_scoped_release release;
+    return Take(Get().AbandonOlderThan(counter));
   }
   py::dict Stats() {
     EngineStats s;
@@ -375,6 +381,8 @@ void InitEngine(py::module_& m) {
       .def("latest", &PyEngine::Latest)
       .def("restore", &PyEngine::Restore, py::arg("step") = py::none())
       .def("stats", &PyEngine::Stats)
+      .def("abandon_older_than", &PyEngine::AbandonOlderThan,
+           py::arg("counter") = std::numeric_limits<uint64_t>::max())
       .def("close", &PyEngine::Close)
       .def_property_readonly("closed", &PyEngine::closed);
 

@@ -37,12 +37,16 @@ def __getattr__(name):
     if name in ("Checkpointer", "load", "LoadedCheckpoint"):
         from . import _checkpointer
         return getattr(_checkpointer, name)
+    if name in ("Preempted", "EXIT_PREEMPTED"):  # preemption notices: docs/PREEMPTION.md
+        from . import _preempt
+        return getattr(_preempt, name)
     if name == "export":
         from ._export import export
         return export
     raise AttributeError(f"module 'nonstop' has no attribute {name!r}")
 
 
-__all__ = ["Checkpointer", "load", "export", "LoadedCheckpoint", "build_info", "CheckpointError",
+__all__ = ["Checkpointer", "load", "export", "LoadedCheckpoint", "Preempted", "EXIT_PREEMPTED",
+           "build_info", "CheckpointError",
            "CheckpointIOError", "CheckpointMismatchError", "CheckpointNotFoundError",
            "CorruptCheckpointError", "IncompatibleCheckpointError"]

@@ -1,0 +1,413 @@
+"""Preemption notices: a committed checkpoint before the VM goes away.
+
+Spot VMs get a short notice before they are taken (about 30 s on Google
+Cloud and Azure, 2 minutes on AWS); cloud agents and Kubernetes send SIGTERM
+first. `Checkpointer(..., on_preempt=...)` turns that notice into a
+checkpoint of the step in progress, then a clean exit with a distinct status
+(`EXIT_PREEMPTED`, 75) that a restart resumes from, losing no step.
+
+What happens, in order (docs/PREEMPTION.md):
+
+1. The notice arrives: a signal (SIGTERM by default) or `ckpt.preempt()`
+   from any thread (a metadata-server watcher). The handler records it and
+   prints how long the emergency checkpoint is expected to take, from the
+   persist bandwidth measured so far, against `grace_s`. Nothing else: no
+   engine call, no lock. (CPython runs Python signal handlers on the main
+   thread between bytecodes, never inside a C call, so this is safe; the
+   line goes to stderr with one os.write.)
+2. The training thread finishes its step. At the next `ckpt.step(s)` it
+   abandons the checkpoints still in flight (Engine::AbandonOlderThan: they
+   are older, so the emergency one takes the writers at once), checkpoints
+   step `s` whatever the interval, and waits until it is committed; with
+   several ranks, until every rank has committed it.
+3. It closes the checkpointer (restoring the signal handlers), calls the
+   handler that was installed before nonstop's, if it was a Python function,
+   and raises `Preempted`, a SystemExit whose code is `exit_code`: uncaught,
+   the interpreter unwinds (finally blocks, atexit) and exits with that
+   status; caught, the caller has control back.
+
+With several ranks only some of them may get the signal (one VM of many is
+preempted). Each rank all-reduces (MAX) its notice flag on a gloo side group
+at every step boundary, asynchronously: the reduction started at boundary s
+is read at boundary s+1, so the training thread does not wait for it and
+every rank acts at the same step, one step after the first rank noticed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Optional
+
+from .errors import CheckpointError, CheckpointMismatchError
+
+# sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
+# Not 0 (a scheduler must not think training finished), not 1 (an error), and
+# not 143 = 128 + SIGTERM, which is what a job killed by SIGTERM *without* a
+# checkpoint reports: a supervisor can tell "preempted, safe to resume" apart.
+EXIT_PREEMPTED = 75
+
+_KEYS = {"signals", "exit_code", "grace_s", "chain", "group", "timeout_s"}
+
+
+class Preempted(SystemExit):
+    """Raised by `ckpt.step()` once a preemption notice has been handled.
+
+    It is a SystemExit with `code = exit_code` (75 by default): left uncaught
+    the process exits with that status; catch it to keep control.
+
+    step: the step the emergency checkpoint holds (resume at step + 1).
+    notice_step: the step that was running when the notice arrived.
+    committed: whether the emergency checkpoint is committed (on every rank).
+    latest: the step of the newest committed checkpoint after handling.
+    reason: "SIGTERM", "preempt()" or the reason given to preempt(), or
+        "rank N" when another rank got the notice.
+    notice_to_safe_s: seconds from the notice to the committed checkpoint.
+    """
+
+    def __init__(self, step: int, notice_step: Optional[int], committed: bool,
+                 latest: Optional[int], reason: str, notice_to_safe_s: float, exit_code: int):
+        super().__init__(exit_code)
+        self.step = step
+        self.notice_step = notice_step
+        self.committed = committed
+        self.latest = latest
+        self.reason = reason
+        self.notice_to_safe_s = notice_to_safe_s
+        self.exit_code = exit_code
+
+    def __str__(self):
+        state = "committed" if self.committed else "NOT committed"
+        return (f"preempted ({self.reason}): checkpoint of step {self.step} {state}, newest "
+                f"committed step {self.latest}, {self.notice_to_safe_s:.2f} s after the notice; "
+                f"exit status {self.exit_code}")
+
+
+def _signal_number(s) -> int:
+    if isinstance(s, str):
+        name = s.upper() if s.upper().startswith("SIG") else "SIG" + s.upper()
+        if not hasattr(signal, name):
+            raise CheckpointMismatchError(f"on_preempt: unknown signal {s!r}")
+        return int(getattr(signal, name))
+    if isinstance(s, int):
+        return int(s)
+    raise CheckpointMismatchError(f"on_preempt: signals must be names or numbers, got {s!r}")
+
+
+def parse(on_preempt) -> Optional[dict]:
+    """on_preempt -> its settings, or None when notices are not handled.
+
+    None/True: SIGTERM, exit status 75, no deadline. False: off. A dict
+    overrides any of: signals (names or numbers; [] = only ckpt.preempt()),
+    exit_code, grace_s (seconds the platform allows; prints whether the
+    checkpoint fits), chain (call the previous Python handler once the
+    checkpoint is committed; default True), group (a torch.distributed
+    group to agree on; default: a new gloo group when world_size > 1),
+    timeout_s (for the agreement collectives; default 300).
+    """
+    if on_preempt is False:
+        return None
+    cfg = {"signals": [signal.SIGTERM], "exit_code": EXIT_PREEMPTED, "grace_s": None,
+           "chain": True, "group": None, "timeout_s": 300.0}
+    if on_preempt is None or on_preempt is True:
+        return cfg
+    if not isinstance(on_preempt, dict):
+        raise CheckpointMismatchError(
+            f"on_preempt must be True, False or a dict (signals, exit_code, grace_s, ...), "
+            f"got {on_preempt!r}")
+    unknown = set(on_preempt) - _KEYS
+    if unknown:
+        raise CheckpointMismatchError(
+            f"on_preempt: unknown key {sorted(unknown)[0]!r}; use {', '.join(sorted(_KEYS))}")
+    cfg.update(on_preempt)
+    sigs = cfg["signals"]
+    if isinstance(sigs, (str, int)):
+        sigs = [sigs]
+    cfg["signals"] = sorted({_signal_number(s) for s in sigs})
+    if signal.SIGKILL in cfg["signals"] or signal.SIGSTOP in cfg["signals"]:
+        raise CheckpointMismatchError("on_preempt: SIGKILL and SIGSTOP cannot be caught")
+    if not isinstance(cfg["exit_code"], int) or not 0 <= cfg["exit_code"] <= 255:
+        raise CheckpointMismatchError(
+            f"on_preempt: exit_code must be an int in 0..255, got {cfg['exit_code']!r}")
+    if cfg["grace_s"] is not None and not (isinstance(cfg["grace_s"], (int, float))
+                                           and cfg["grace_s"] > 0):
+        raise CheckpointMismatchError(
+            f"on_preempt: grace_s must be a positive number of seconds, got {cfg['grace_s']!r}")
+    return cfg
+
+
+def persist_bandwidth(stats: dict) -> Optional[float]:
+    """Bytes per second of the recent committed checkpoints (median of the
+    last 5, start to commit), or None when none has committed yet."""
+    rates = [c["bytes"] / c["persist_s"] for c in stats.get("recent", [])
+             if c.get("committed") and c.get("persist_s", 0) > 0 and c.get("bytes", 0) > 0][-5:]
+    if not rates:
+        return None
+    rates.sort()
+    return rates[len(rates) // 2]
+
+
+def estimate_line(*, reason: str, rank: int, notice_step: Optional[int], state_bytes: int,
+                  bandwidth: Optional[float], step_s: Optional[float], lag_steps: int,
+                  grace_s: Optional[float], latest: Optional[int]) -> tuple[str, Optional[float]]:
+    """The one line printed when a notice arrives, and the expected seconds
+    from the notice to a committed checkpoint (None when unknown)."""
+    where = f" during step {notice_step}" if notice_step is not None else ""
+    head = f"nonstop: preemption notice ({reason}){where} on rank {rank}: "
+    size = f"{state_bytes / 2**20:.1f} MiB" if state_bytes else "size unknown (no checkpoint yet)"
+    finish = (lag_steps + 1) * step_s if step_s else 0.0
+    if bandwidth is None or not state_bytes:
+        expected = None
+        est = f"emergency checkpoint of {size}; time unknown (no checkpoint measured yet)"
+    else:
+        write = state_bytes / bandwidth
+        expected = finish + write
+        est = (f"emergency checkpoint of {size} expected in ~{expected:.1f} s "
+               f"(finish step ~{finish:.2f} s + write ~{write:.2f} s at "
+               f"{bandwidth / 1e9:.2f} GB/s measured)")
+    if grace_s is None:
+        tail = ""
+    elif expected is None:
+        tail = f"; grace {grace_s:g} s: cannot tell whether it fits"
+    elif expected <= grace_s:
+        tail = f"; grace {grace_s:g} s: fits"
+    else:
+        keep = f"step {latest}" if latest is not None else "none yet"
+        tail = (f"; grace {grace_s:g} s: WILL NOT FIT (needs ~{expected:.1f} s); trying anyway, "
+                f"the previous committed checkpoint ({keep}) stays intact")
+    return head + est + tail, expected
+
+
+class PreemptWatch:
+    """One Checkpointer's notice handling: the signal handlers, the flag, the
+    cross-rank agreement and the emergency checkpoint. See the module doc."""
+
+    def __init__(self, ckpt, cfg: dict):
+        self.ckpt = ckpt
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self.notice_t: Optional[float] = None     # monotonic time of the first notice
+        self.reason: Optional[str] = None
+        self.notice_step: Optional[int] = None
+        self.signums: list[int] = []              # signals received, in order
+        self.expected_s: Optional[float] = None
+        self.line: Optional[str] = None
+        self._last_step: Optional[int] = None
+        self._last_t: Optional[float] = None
+        self.step_s: Optional[float] = None       # EWMA of the time between step() calls
+        self._previous: dict[int, Any] = {}
+        self._handling = False
+        self._install()
+        self._group = None
+        self._flag = None
+        self._work = None
+        if ckpt.world_size > 1:
+            self._setup_group()
+
+    # ----------------------------------------------------------- the signals
+
+    def _install(self) -> None:
+        if not self.cfg["signals"]:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("nonstop: Checkpointer created outside the main thread: no signal "
+                          "handler installed (Python allows them only there); call "
+                          "ckpt.preempt() on a notice", stacklevel=4)
+            return
+        for sig in self.cfg["signals"]:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        """Puts back the handlers that were there before, unless someone
+        replaced ours since (then theirs stays)."""
+        previous, self._previous = self._previous, {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, prev in previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+
+    def _on_signal(self, signum, frame) -> None:
+        # Runs on the main thread between two bytecodes: only record the
+        # notice and print one line with os.write (print() could re-enter a
+        # buffered stream the interrupted code was writing to).
+        self.signums.append(signum)
+        self.notice(signal.Signals(signum).name)
+
+    # ------------------------------------------------------------ the notice
+
+    def notice(self, reason: str) -> None:
+        """Records a notice (first one wins) and prints the estimate.
+        Callable from any thread and from a signal handler."""
+        with self._lock:
+            if self.notice_t is not None:
+                return
+            self.notice_t = time.monotonic()
+            self.reason = reason
+            self.notice_step = None if self._last_step is None else self._last_step + 1
+        self._announce()
+
+    def _announce(self) -> None:
+        try:
+            engine = self.ckpt._engine
+            stats = engine.stats() if engine is not None else {}
+            latest = engine.latest() if engine is not None else None
+        except Exception:  # a notice must never fail on a statistics read
+            stats, latest = {}, None
+        line, expected = estimate_line(
+            reason=self.reason, rank=self.ckpt.rank, notice_step=self.notice_step,
+            state_bytes=self.state_bytes(), bandwidth=persist_bandwidth(stats),
+            step_s=self.step_s, lag_steps=1 if self.ckpt.world_size > 1 else 0,
+            grace_s=self.cfg["grace_s"], latest=None if latest is None else latest[1])
+        self.line, self.expected_s = line, expected
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:
+            pass
+
+    def state_bytes(self) -> int:
+        reg = self.ckpt._registered
+        return sum(r[3] for r in reg) if reg else 0
+
+    # ------------------------------------------------- at each step boundary
+
+    def _setup_group(self) -> None:
+        import torch
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.warn(f"nonstop: world_size {self.ckpt.world_size} without an initialised "
+                          f"torch.distributed: a notice is handled by the rank that gets it "
+                          f"only", stacklevel=4)
+            return
+        group = self.cfg["group"]
+        if group is None:
+            # A side group, so the flag never waits behind the training's own
+            # collectives, and gloo, so it works with a CPU tensor whatever
+            # the training backend (NCCL included). Collective: every rank
+            # creates its Checkpointer.
+            group = dist.new_group(backend="gloo",
+                                   timeout=timedelta(seconds=self.cfg["timeout_s"]))
+        self._group = group
+        self._flag = torch.zeros(1, dtype=torch.int32)
+
+    def _agreed(self, local: bool) -> tuple[bool, int]:
+        """Multi-rank: the flag agreed at this boundary (the MAX all-reduce
+        started at the previous one) and starts the next. Returns (flag,
+        lowest rank that had it)."""
+        import torch.distributed as dist
+        got = 0
+        if self._work is not None:
+            self._work.wait()
+            got = int(self._flag.item())
+        # encode the lowest noticing rank: world - rank, so MAX finds it
+        self._flag.fill_(self.ckpt.world_size - self.ckpt.rank if local else 0)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group,
+                                     async_op=True)
+        return got > 0, self.ckpt.world_size - got
+
+    def at_boundary(self, step: int) -> None:
+        """Called by ckpt.step(step) before anything else: raises Preempted
+        when a notice has to be handled at this boundary."""
+        now = time.monotonic()
+        if self._last_t is not None and self._last_step is not None and step > self._last_step:
+            dt = (now - self._last_t) / (step - self._last_step)
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+        self._last_step, self._last_t = step, now
+        local = self.notice_t is not None
+        if self._group is not None:
+            due, first = self._agreed(local)
+            if due and not local:
+                self.notice(f"rank {first}")
+        else:
+            due = local
+        if due and not self._handling:
+            self._handle(step)
+
+    def _wait_work(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            try:
+                work.wait()
+            except Exception:  # a peer that already left; nothing to agree on any more
+                pass
+
+    # ------------------------------------------------ the emergency checkpoint
+
+    def _handle(self, step: int) -> None:
+        self._handling = True
+        ckpt = self.ckpt
+        error: Optional[BaseException] = None
+        committed = False
+        t_start = time.monotonic()
+        try:
+            engine = ckpt._live()
+            if ckpt._multistep is None and hasattr(engine, "abandon_older_than"):
+                engine.abandon_older_than()  # everything in flight is older than what comes
+                counter = ckpt.save(step)
+                ckpt._live().wait_committed(counter)
+                committed = ckpt.latest() == step
+            else:
+                # multistep: a window cannot be cut short; keep what is in flight.
+                ckpt.wait()
+                warnings.warn("nonstop: preemption in mode 'multistep' keeps the newest "
+                              "committed checkpoint only; steps after it are lost", stacklevel=4)
+        except Exception as e:  # still exit: the previous committed checkpoint is intact
+            error = e
+        if self._group is not None:
+            committed = self._all_committed(committed)
+        latest = None
+        try:
+            latest = ckpt.latest()
+        except CheckpointError:
+            pass
+        done_t = time.monotonic()
+        prev_handlers = self._previous
+        signums = list(self.signums)
+        try:
+            ckpt.close()
+        except Exception as e:
+            error = error or e
+        notice_to_safe = done_t - (self.notice_t or t_start)
+        if error is not None:
+            os.write(2, f"nonstop: emergency checkpoint of step {step} failed: {error}; the "
+                        f"newest committed checkpoint is step {latest}\n".encode())
+        else:
+            os.write(2, f"nonstop: emergency checkpoint of step {step} "
+                        f"{'committed' if committed else 'NOT committed on every rank'} "
+                        f"{notice_to_safe:.2f} s after the notice (checkpoint "
+                        f"{done_t - t_start:.2f} s); exiting with status "
+                        f"{self.cfg['exit_code']}\n".encode())
+        if self.cfg["chain"]:
+            for signum in dict.fromkeys(signums):
+                prev = prev_handlers.get(signum)
+                if callable(prev) and prev not in (signal.default_int_handler,):
+                    prev(signum, None)
+        raise Preempted(step, self.notice_step, committed, latest, self.reason or "?",
+                        notice_to_safe, self.cfg["exit_code"]) from error
+
+    def _all_committed(self, committed: bool) -> bool:
+        """Every rank's verdict (MIN) once all have tried; blocking."""
+        import torch.distributed as dist
+        self._wait_work()
+        self._flag.fill_(1 if committed else 0)
+        try:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self._group)
+        except Exception:
+            return False
+        return bool(self._flag.item())
+
+    def close(self) -> None:
+        self.uninstall()
+        self._wait_work()
+
+
+def install(ckpt, on_preempt) -> Optional[PreemptWatch]:
+    cfg = parse(on_preempt)
+    return None if cfg is None else PreemptWatch(ckpt, cfg)
+
+
+__all__ = ["EXIT_PREEMPTED", "Preempted", "PreemptWatch", "parse", "estimate_line",
+           "persist_bandwidth", "install"]

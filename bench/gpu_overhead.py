@@ -222,18 +222,19 @@ def main() -> int:
     p.add_argument("--schemes", nargs="+", default=["nonstop", "torch.save", "dcp"],
                    choices=["nonstop", "torch.save", "dcp"])
     p.add_argument("--intervals", nargs="+", type=int, default=[1, 10, 50])
-    p.add_argument("--steps", type=int, default=10, help="measured steps at interval 1")
-    p.add_argument("--periods", type=int, default=4,
+    p.add_argument("--steps", type=int, default=8, help="measured steps at interval 1")
+    p.add_argument("--periods", type=int, default=3,
                    help="measured saves at intervals > 1 (window = periods * interval, "
                         "at least --min-steps)")
-    p.add_argument("--min-steps", type=int, default=40)
+    p.add_argument("--min-steps", type=int, default=30)
     p.add_argument("--none-steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tf32", type=int, default=1, help="TF32 matmuls (default on)")
     p.add_argument("--out", default="/tmp/nonstop-gpu-bench")
     p.add_argument("--json", default="runs/bench/gpu_overhead.json")
     p.add_argument("--time-budget", type=float, default=0,
-                   help="stop after the round during which this many seconds have passed")
+                   help="start no new run once this many seconds have passed (the table "
+                        "then holds what ran)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script, not a measurement")
     args = p.parse_args()
@@ -266,11 +267,24 @@ def main() -> int:
         return max(args.min_steps, args.periods * sc.every) // sc.every * sc.every
 
     runs = []
+
+    def dump(rows=None):
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "device": dev_name,
+                       "params": params, "state_bytes": state, "runs": runs, "rows": rows,
+                       "wall_s": time.perf_counter() - t_start}, f, indent=1)
+
+    stop = False
     for rnd in range(args.repeats):
         order = [none]
         for g in groups:
             order += g + [none]
         for sc in order:
+            if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                print(f"  stopped in round {rnd}: --time-budget {args.time_budget:.0f} s passed")
+                stop = True
+                break
             r = sc.run(tr, window(sc))
             r["round"] = rnd
             runs.append(r)
@@ -279,8 +293,8 @@ def main() -> int:
                   f"{r['drain_s']:.2f} s" + (f"  persist {r['persist_s']:.2f} s, "
                                              f"{r['write_GBps']:.2f} GB/s"
                                              if "persist_s" in r else ""), flush=True)
-        if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-            print(f"  stopping after round {rnd}: --time-budget {args.time_budget:.0f} s")
+            dump()  # what ran so far survives a kill
+        if stop:
             break
     rows = summarize(runs)
     print(f"\n{args.size} ({params / 1e6:.1f}M params, {state / 1e9:.2f} GB state; 'none' drift "
@@ -289,12 +303,7 @@ def main() -> int:
     print("\nthru ovh: median wall time per step vs 'none'; stall ovh: time blocked in "
           "checkpoint calls per step / 'none' step time; spread: (max-min)/median over rounds; "
           "drain: wait for the last save after the window.")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "torch": torch.__version__,
-                   "device": dev_name, "params": params,
-                   "state_bytes": state, "runs": runs, "rows": rows,
-                   "wall_s": time.perf_counter() - t_start}, f, indent=1)
+    dump(rows)
     print(f"wrote {args.json}")
     return 0
 

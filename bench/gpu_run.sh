@@ -5,12 +5,14 @@
 #      nonstop._core extension, tests/gpu/test_gpu_torch.py: stream handles
 #      and the SIGKILL/resume training test);
 #   2. bench/gpu_overhead.py (nonstop vs torch.save vs DCP async_save at
-#      intervals 1, 10, 50), stopped after the round that passes
-#      BENCH_BUDGET seconds.
+#      intervals 1, 10, 50); it starts no new run after BENCH_BUDGET seconds
+#      (default: what is left of DEADLINE=540 s, less 80 s).
 #   SRC=dir   build and run in that tree instead of . (e.g. an unpacked
 #             `git archive HEAD`, to test the committed tree alone)
 #   BENCH_ARGS="..."  extra arguments for bench/gpu_overhead.py
 set -u
+START=$(date +%s)
+DEADLINE=${DEADLINE:-540}  # seconds for the whole script; the bench gets what is left
 OUT=${OUT:-$PWD/runs/gpu}
 mkdir -p "$OUT"
 cd "${SRC:-.}" || exit 2
@@ -48,8 +50,12 @@ grep -E "tests passed|tests failed|\*\*\*|Not Run|PASS|FAIL|SKIP|torch |part |re
 [ $rc -ne 0 ] && tail -30 "$OUT/test-gpu-last.log"
 
 if ls build-gpu/pkg/nonstop/_core*.so > /dev/null 2>&1; then
-  PYTHONPATH=build-gpu/pkg timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu_overhead.py \
-    --json "$OUT/gpu_overhead.json" --time-budget ${BENCH_BUDGET:-150} ${BENCH_ARGS:-} \
+  left=$(( DEADLINE - ($(date +%s) - START) ))
+  budget=${BENCH_BUDGET:-$(( left - 80 ))}
+  [ "$budget" -lt 30 ] && budget=30
+  echo "== bench: --time-budget $budget s"
+  PYTHONPATH=build-gpu/pkg timeout $(( budget + 120 )) python3 bench/gpu_overhead.py \
+    --json "$OUT/gpu_overhead.json" --time-budget $budget ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/gpu_overhead.log"
   echo "== bench: exit ${PIPESTATUS[0]}"
 else

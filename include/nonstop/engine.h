@@ -51,6 +51,11 @@ struct EngineOptions {
   int copy_threads = 1;         // host memcpy threads
   MediumKind medium = MediumKind::kAuto;
   uint32_t extra_slots = 0;     // distributed mode keeps one more slot
+  // Distributed mode (docs/DISTRIBUTED.md): besides the pinned checkpoint (Pin,
+  // the last globally agreed one) keep the *oldest* committed checkpoint above
+  // it (the candidate for the next agreement) instead of the newest, so a
+  // slow peer can catch up with it. Needs extra_slots >= 1.
+  bool global_agreement = false;
   LayerCopy layer_copy = LayerCopy::kHost;  // copy strategy of layer-wise checkpoints
 };
 
@@ -132,6 +137,25 @@ class Engine {
   // End) are left alone. The newest committed checkpoint is never touched.
   // Returns how many were abandoned. Pass UINT64_MAX for "all in flight".
   virtual Result<int> AbandonOlderThan(uint64_t counter);
+
+  // ---- Distributed mode (EngineOptions::global_agreement; docs/DISTRIBUTED.md) ----
+  //
+  // Storage holds N in flight + the pinned checkpoint + the candidate, so
+  // extra_slots = 1. These three may be called from any thread.
+  //
+  // Pins committed checkpoint `counter` (the newest globally agreed one): its
+  // slot is not reused until another counter is pinned (DESIGN.md invariant
+  // 6). The candidate or the pinned counter itself pin at once; any other
+  // committed checkpoint of the file (one found on open, before a restore)
+  // needs nothing in flight. A slot file switched by Register() replaces the
+  // old file only when a checkpoint of the new file is pinned.
+  virtual Status Pin(uint64_t counter);
+  // The candidate: the oldest committed checkpoint above the pinned one that
+  // is still held (nullopt when none).
+  virtual std::optional<CommittedCheckpoint> Candidate();
+  // Releases the candidate if it is `counter` (the peers moved past it); the
+  // next commit becomes the candidate.
+  virtual Status DropCandidate(uint64_t counter);
 
   // ---- Layer-wise checkpoints (LightCheck; docs/LAYERWISE.md) ----
   //

@@ -178,6 +178,10 @@ class EngineImpl final : public Engine {
   Result<int> AbandonOlderThan(uint64_t counter) override;
   Status Close() override;
 
+  Status Pin(uint64_t counter) override;
+  std::optional<CommittedCheckpoint> Candidate() override;
+  Status DropCandidate(uint64_t counter) override;
+
   Result<uint64_t> BeginCheckpoint(int64_t step) override;
   Status CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) override;
   Status WaitTensorsCopied(const std::vector<uint32_t>& tensors) override;
@@ -244,6 +248,13 @@ class EngineImpl final : public Engine {
   std::shared_ptr<SlotFile> old_file_;               // GUARDED_BY(mu_)
   bool pending_rename_ = false;                      // GUARDED_BY(mu_)
   std::optional<uint32_t> retained_slot_;            // GUARDED_BY(mu_): newest committed, in file_
+  // Distributed mode (global_agreement): retained_slot_ holds the candidate
+  // (oldest committed above the pinned one) instead of the newest; the pinned
+  // (last globally agreed) checkpoint's slot is held apart, in pinned_file_.
+  std::optional<CommittedCheckpoint> candidate_;     // GUARDED_BY(mu_)
+  std::optional<CommittedCheckpoint> pinned_;        // GUARDED_BY(mu_)
+  std::optional<uint32_t> pinned_slot_;              // GUARDED_BY(mu_)
+  std::shared_ptr<SlotFile> pinned_file_;            // GUARDED_BY(mu_)
   std::vector<int> free_snapshots_;                  // GUARDED_BY(mu_)
   uint64_t next_counter_ = 1;                        // GUARDED_BY(mu_)
   uint64_t committed_counter_ = 0;                   // GUARDED_BY(mu_)
@@ -279,6 +290,9 @@ Status EngineImpl::Init() {
     return Status::InvalidArgument("rank " + std::to_string(opts_.rank) +
                                    " is not below world_size " +
                                    std::to_string(opts_.world_size));
+  }
+  if (opts_.global_agreement && opts_.extra_slots < 1) {
+    return Status::InvalidArgument("global_agreement needs extra_slots >= 1 (the pinned slot)");
   }
   chunk_bytes_ = opts_.chunk_bytes ? opts_.chunk_bytes : kDefaultChunkBytes;
   if (chunk_bytes_ % kStoreAlign != 0 || chunk_bytes_ > (1u << 30)) {
@@ -327,6 +341,7 @@ Status EngineImpl::Init() {
       const CheckpointInfo& info = report.checkpoints[report.newest_valid].info;
       retained_slot_ = info.slot;
       latest_ = CommittedCheckpoint{info.counter, info.step};
+      if (opts_.global_agreement) candidate_ = latest_;
       committed_counter_ = info.counter;
     }
     claimed_.store(committed_counter_);
@@ -383,6 +398,7 @@ Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
   free_slots_ = std::make_unique<SlotQueue>(g.slots);
   for (uint32_t s = 0; s < g.slots; ++s) free_slots_->Push(s);
   retained_slot_.reset();
+  candidate_.reset();  // the pinned checkpoint stays in the old file until a new one is pinned
   if (keep_old) {
     if (!pending_rename_) old_file_ = file_;
     pending_rename_ = true;
@@ -804,7 +820,8 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   // The first commit into a resized file makes it the file: rename it over the
   // old one and sync the directory, so the old committed checkpoint is
   // replaced by a newer committed one in one atomic step.
-  if (committed && pending_rename_ && job->file == file_) {
+  // In distributed mode the old file holds the pinned checkpoint: Pin renames.
+  if (committed && pending_rename_ && job->file == file_ && !opts_.global_agreement) {
     Status rs = media_.rename(TempPath(), FinalPath());
     if (!rs.ok()) {
       st = rs;
@@ -823,7 +840,16 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   }
   // Slots go back before in_flight_ drops (see slot_queue.h).
   if (committed) {
-    if (job->file == file_) {
+    if (job->file == file_ && opts_.global_agreement) {
+      // Keep the oldest committed above the pinned one: the slow peers will
+      // commit it next, so it can be agreed on; later ones are not kept.
+      if (!retained_slot_) {
+        retained_slot_ = job->slot;
+        candidate_ = CommittedCheckpoint{job->counter, job->step};
+      } else {
+        free_slots_->Push(job->slot);
+      }
+    } else if (job->file == file_) {
       if (retained_slot_) free_slots_->Push(*retained_slot_);
       retained_slot_ = job->slot;
     }
@@ -1032,6 +1058,78 @@ Result<int> EngineImpl::AbandonOlderThan(uint64_t counter) {
   return n;
 }
 
+Status EngineImpl::Pin(uint64_t counter) {
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (!opts_.global_agreement) {
+    return Status::FailedPrecondition("Pin needs EngineOptions::global_agreement");
+  }
+  if (pinned_ && pinned_->counter == counter) return Status::OK();
+  if (candidate_ && candidate_->counter == counter && retained_slot_) {
+    if (pending_rename_) {  // the first pin in a resized file makes it the file
+      NONSTOP_RETURN_IF_ERROR(media_.rename(TempPath(), FinalPath()));
+      pending_rename_ = false;
+      old_file_.reset();
+    }
+    if (pinned_slot_ && pinned_file_ == file_) free_slots_->Push(*pinned_slot_);
+    pinned_slot_ = retained_slot_;
+    pinned_ = candidate_;
+    pinned_file_ = file_;
+    retained_slot_.reset();
+    candidate_.reset();
+    return Status::OK();
+  }
+  // A checkpoint found on open (before the first restore): rebuild the queue.
+  if (in_flight_ > 0) {
+    return Status::FailedPrecondition("Pin of checkpoint #" + std::to_string(counter) +
+                                      " (not the candidate) while checkpoints are in flight");
+  }
+  if (!file_ || pending_rename_) {
+    return Status::NotFound("checkpoint #" + std::to_string(counter) + " is not held in " +
+                            opts_.dir);
+  }
+  ScanOptions so;
+  so.verify_data = false;
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file_->Scan(so));
+  const CheckpointInfo* info = nullptr;
+  for (const ScannedCheckpoint& c : report.checkpoints) {
+    if (c.state == CheckpointState::kCommitted && c.info.counter == counter) info = &c.info;
+  }
+  if (info == nullptr) {
+    return Status::NotFound("checkpoint #" + std::to_string(counter) + " is not committed in " +
+                            file_->medium().Describe());
+  }
+  pinned_slot_ = info->slot;
+  pinned_ = CommittedCheckpoint{info->counter, info->step};
+  pinned_file_ = file_;
+  if (retained_slot_ && (*retained_slot_ == info->slot || candidate_->counter < counter)) {
+    retained_slot_.reset();
+    candidate_.reset();
+  }
+  const uint32_t slots = file_->geometry().slots;
+  free_slots_ = std::make_unique<SlotQueue>(slots);
+  for (uint32_t s = 0; s < slots; ++s) {
+    if (s != *pinned_slot_ && (!retained_slot_ || s != *retained_slot_)) free_slots_->Push(s);
+  }
+  return Status::OK();
+}
+
+std::optional<CommittedCheckpoint> EngineImpl::Candidate() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return candidate_;
+}
+
+Status EngineImpl::DropCandidate(uint64_t counter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (candidate_ && candidate_->counter == counter && retained_slot_) {
+    free_slots_->Push(*retained_slot_);
+    retained_slot_.reset();
+    candidate_.reset();
+  }
+  return Status::OK();
+}
+
 Status EngineImpl::Close() {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return Status::OK();
@@ -1090,6 +1188,14 @@ bool ParseLayerCopy(std::string_view name, LayerCopy* out) {
 
 Result<int> Engine::AbandonOlderThan(uint64_t) {
   return Status::Unavailable("this engine cannot abandon checkpoints");
+}
+
+Status Engine::Pin(uint64_t) {
+  return Status::Unavailable("this engine cannot pin checkpoints");
+}
+std::optional<CommittedCheckpoint> Engine::Candidate() { return std::nullopt; }
+Status Engine::DropCandidate(uint64_t) {
+  return Status::Unavailable("this engine cannot pin checkpoints");
 }
 
 // Engines that do not implement layer-wise checkpoints say so.

@@ -395,5 +395,72 @@ TEST_F(EngineTest, AbandonOlderThanLetsAnUrgentCheckpointGoFirst) {
   EXPECT_EQ(engine->AbandonOlderThan(std::numeric_limits<uint64_t>::max()).value(), 0);
 }
 
+TEST_F(EngineTest, PinnedAndCandidateSlotsSurviveNewerCommits) {
+  // Distributed mode: the pinned (agreed) checkpoint and the candidate (the
+  // oldest committed above it) are never overwritten, however many newer
+  // checkpoints commit; later ones are not kept.
+  EngineOptions o = Options();
+  o.max_in_flight = 1;
+  o.extra_slots = 1;
+  o.global_agreement = true;
+  auto t = MakeTensor("x", 40000);
+  uint64_t c1 = 0, c2 = 0, c7 = 0;
+  {
+    auto engine = std::move(Engine::Open(o)).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    auto save = [&](int64_t step) {
+      t.Fill(step, 0);
+      auto c = engine->Checkpoint(step, "");
+      EXPECT_TRUE(c.ok());
+      EXPECT_TRUE(engine->WaitCommitted(*c).ok());
+      return *c;
+    };
+    c1 = save(1);
+    ASSERT_TRUE(engine->Candidate().has_value());
+    EXPECT_EQ(engine->Candidate()->step, 1);
+    ASSERT_TRUE(engine->Pin(c1).ok());
+    EXPECT_FALSE(engine->Candidate().has_value());
+    c2 = save(2);
+    for (int64_t step = 3; step <= 6; ++step) save(step);
+    ASSERT_TRUE(engine->Candidate().has_value());
+    EXPECT_EQ(engine->Candidate()->counter, c2);
+    auto want = MakeTensor("x", 40000);
+    for (int64_t step : {1, 2}) {
+      ASSERT_TRUE(engine->Restore(step).ok()) << step;
+      want.Fill(step, 0);
+      EXPECT_EQ(t.data, want.data);
+    }
+    ASSERT_TRUE(engine->DropCandidate(c2).ok());
+    c7 = save(7);
+    EXPECT_EQ(engine->Candidate()->counter, c7);
+    ASSERT_TRUE(engine->Pin(c7).ok());
+    EXPECT_EQ(engine->Pin(c7 + 100).code(), StatusCode::kNotFound);
+    ASSERT_TRUE(engine->Close().ok());
+  }
+  // On open the newest is the candidate; an older committed one can be pinned
+  // while nothing is in flight (the restore of a globally agreed step).
+  auto engine = std::move(Engine::Open(o)).value();
+  EXPECT_EQ(engine->Candidate()->counter, c7);
+  ASSERT_TRUE(engine->Pin(c7).ok());
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  for (int64_t step = 8; step <= 12; ++step) {
+    t.Fill(step, 0);
+    ASSERT_TRUE(engine->Checkpoint(step, "").ok());
+    ASSERT_TRUE(engine->WaitCommitted().ok());
+  }
+  ASSERT_TRUE(engine->Restore(7).ok());
+  auto want = MakeTensor("x", 40000);
+  want.Fill(7, 0);
+  EXPECT_EQ(t.data, want.data);
+}
+
+TEST_F(EngineTest, PinWithoutGlobalAgreementIsRefused) {
+  auto engine = std::move(Engine::Open(Options())).value();
+  EXPECT_EQ(engine->Pin(1).code(), StatusCode::kFailedPrecondition);
+  EngineOptions o = Options();
+  o.global_agreement = true;
+  EXPECT_FALSE(Engine::Open(o).ok());  // needs extra_slots >= 1
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -55,6 +55,9 @@ T Take(Result<T> r) {
 using PyTensorRef = std::tuple<std::string, int, std::vector<int64_t>, uint64_t, uintptr_t, int,
                                int, uintptr_t, bool>;
 
+// (global_shape, global_offset) of a rank's piece of a tensor.
+using PyLayout = std::tuple<std::vector<int64_t>, uint64_t>;
+
 TensorRef ToTensorRef(const PyTensorRef& t) {
   const auto& [name, dtype, shape, nbytes, ptr, dev_kind, dev_index, stream, copy_now] = t;
   if (dtype < 0 || dtype >= kNumDTypes) {
@@ -155,10 +158,25 @@ class PyEngine {
     }
   }
 
-  void Register(const std::vector<PyTensorRef>& refs) {
+  // `layouts`, when given, holds per tensor None or (global_shape,
+  // global_offset): where this rank's piece lies in the global tensor.
+  void Register(const std::vector<PyTensorRef>& refs,
+                const std::optional<std::vector<std::optional<PyLayout>>>& layouts) {
     std::vector<TensorRef> tensors;
     tensors.reserve(refs.size());
     for (const auto& r : refs) tensors.push_back(ToTensorRef(r));
+    if (layouts) {
+      if (layouts->size() != tensors.size()) {
+        throw StatusError(Status::InvalidArgument("register: " + std::to_string(layouts->size()) +
+                                                  " layouts for " +
+                                                  std::to_string(tensors.size()) + " tensors"));
+      }
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (!(*layouts)[i]) continue;
+        tensors[i].spec.global.global_shape = std::get<0>(*(*layouts)[i]);
+        tensors[i].spec.global.global_offset = std::get<1>(*(*layouts)[i]);
+      }
+    }
     py::gil_scoped_release release;
     Check(Get().Register(std::move(tensors)));
   }
@@ -212,6 +230,24 @@ class PyEngine {
   int AbandonOlderThan(uint64_t counter) {
     py::gil_scoped_release release;
     return Take(Get().AbandonOlderThan(counter));
+  }
+  // Distributed mode (docs/DISTRIBUTED.md); called from the agreement thread.
+  void Pin(uint64_t counter) {
+    py::gil_scoped_release release;
+    Check(Get().Pin(counter));
+  }
+  std::optional<std::pair<uint64_t, int64_t>> Candidate() {
+    std::optional<CommittedCheckpoint> c;
+    {
+      py::gil_scoped_release release;
+      c = Get().Candidate();
+    }
+    if (!c) return std::nullopt;
+    return std::make_pair(c->counter, c->step);
+  }
+  void DropCandidate(uint64_t counter) {
+    py::gil_scoped_release release;
+    Check(Get().DropCandidate(counter));
   }
   py::dict Stats() {
     EngineStats s;
@@ -341,7 +377,8 @@ void InitEngine(py::module_& m) {
       .def(py::init([](const std::string& dir, uint32_t rank, uint32_t world_size,
                        int max_in_flight, int writers, uint64_t staging_bytes,
                        uint64_t chunk_bytes, int copy_threads, const std::string& medium,
-                       uint32_t extra_slots, const std::string& layer_copy) {
+                       uint32_t extra_slots, const std::string& layer_copy,
+                       bool global_agreement) {
              EngineOptions o;
              o.dir = dir;
              o.rank = rank;
@@ -352,6 +389,7 @@ void InitEngine(py::module_& m) {
              o.chunk_bytes = chunk_bytes;
              o.copy_threads = copy_threads;
              o.extra_slots = extra_slots;
+             o.global_agreement = global_agreement;
              if (!ParseLayerCopy(layer_copy, &o.layer_copy)) {
                throw StatusError(Status::InvalidArgument(
                    "unknown copy '" + layer_copy + "'; use host, direct or device"));
@@ -366,10 +404,12 @@ void InitEngine(py::module_& m) {
            py::arg("dir"), py::arg("rank") = 0, py::arg("world_size") = 1,
            py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
            py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
-           py::arg("extra_slots") = 0, py::arg("layer_copy") = "host")
-      .def("register", &PyEngine::Register, py::arg("tensors"),
+           py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
+           py::arg("global_agreement") = false)
+      .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "
-           "kind, device index, stream, copy_at_checkpoint).")
+           "kind, device index, stream, copy_at_checkpoint); `layouts`: per tensor None or "
+           "(global_shape, global_offset).")
       .def("checkpoint", &PyEngine::Checkpoint, py::arg("step"), py::arg("meta_json"))
       .def("wait_copied", &PyEngine::WaitCopied)
       .def("begin_checkpoint", &PyEngine::BeginCheckpoint, py::arg("step"))
@@ -381,6 +421,9 @@ void InitEngine(py::module_& m) {
       .def("latest", &PyEngine::Latest)
       .def("restore", &PyEngine::Restore, py::arg("step") = py::none())
       .def("stats", &PyEngine::Stats)
+      .def("pin", &PyEngine::Pin, py::arg("counter"))
+      .def("candidate", &PyEngine::Candidate)
+      .def("drop_candidate", &PyEngine::DropCandidate, py::arg("counter"))
       .def("abandon_older_than", &PyEngine::AbandonOlderThan,
            py::arg("counter") = std::numeric_limits<uint64_t>::max())
       .def("close", &PyEngine::Close)

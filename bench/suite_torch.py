@@ -171,11 +171,18 @@ def run_one(kind: str, every: int, train, args, first_step: int) -> dict:
     # first-touch of buffers, thread pools), then wait for it to be durable.
     train_step(cfg, model, opt, sched, s)
     saver.after_step(s, force=kind != "none")
+    s += 1
+    if kind == "nonstop-multistep":
+        # Its windows start only from step(): run one whole window (the next
+        # multiple of `every`, then its K parts) before measuring.
+        for _ in range(every + int(saver.ckpt.stats().get("parts", 4))):
+            train_step(cfg, model, opt, sched, s)
+            saver.ckpt.step(s)
+            s += 1
     if saver.ckpt is not None:
         saver.ckpt.wait()
     saver.finish_pending()
     saver.persist.clear()
-    s += 1
     stall0 = saver.stall_total()
     stall_extra, saves = 0.0, 0
     t_begin, c_begin = time.perf_counter(), cpu_s()

@@ -22,7 +22,7 @@ from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoun
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
 FORMAT = "nonstop.torch/1"
-MODES = ("concurrent", "multistep")
+MODES = ("concurrent", "layerwise", "multistep")
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
 
 
@@ -101,7 +101,8 @@ class Checkpointer:
                  copy_threads: Optional[int] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, parts: int = 7,
                  overlap_gradients: bool = True, config: Optional[str] = None,
-                 max_overhead: Optional[float] = None):
+                 max_overhead: Optional[float] = None, copy: str = "host",
+                 clip_grad_norm: Optional[float] = None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -128,6 +129,8 @@ class Checkpointer:
         if self._auto is None and (not isinstance(every, int) or every < 1):
             raise CheckpointMismatchError(
                 f'every must be a positive integer or "auto", got {every!r}')
+        if mode != "layerwise" and (copy != "host" or clip_grad_norm is not None):
+            raise CheckpointMismatchError("copy= and clip_grad_norm= apply to mode='layerwise' only")
         if keep is not None:
             # Keeping a checkpoint forever needs the engine to pin its slot
             # (or copy it out before the slot is reused); not there yet.
@@ -157,6 +160,8 @@ class Checkpointer:
                                             parts, overlap_gradients)
             self._engine = self._multistep
         else:
+            if mode == "layerwise":  # LightCheck: _layerwise.py, docs/LAYERWISE.md
+                engine_kwargs["layer_copy"] = copy
             self._engine = _core().Engine(self.dir, **engine_kwargs)
         self._registered: Optional[list] = None
         self._snapshots: dict[str, _Snapshot] = {}
@@ -167,6 +172,14 @@ class Checkpointer:
         self._registers = 0
         self._hooks = [obj.register_step_pre_hook(self._before_update)
                        for obj in state.values() if isinstance(obj, torch.optim.Optimizer)]
+        self._layerwise = None
+        if mode == "layerwise":  # optimizer in backward, per-parameter copies
+            from ._layerwise import Layerwise
+            try:
+                self._layerwise = Layerwise(self, clip_grad_norm)
+            except Exception:
+                self.close()
+                raise
 
     # ---------------------------------------------------------------- saving
 
@@ -179,6 +192,8 @@ class Checkpointer:
             return _auto.checkpointer_step(self, self._auto, step)
         if self._multistep is not None:  # every step drives the window
             return self._multistep.step(step, (step + 1) % self.every == 0)
+        if self._layerwise is not None:  # seals the checkpoint its hooks began
+            return self._layerwise.step(step)
         if (step + 1) % self.every == 0:
             return self.save(step)
         return None
@@ -302,6 +317,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the checkpoints in flight, then stops the engine. Idempotent."""
+        if getattr(self, "_layerwise", None) is not None:
+            self._layerwise.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -364,6 +381,8 @@ class Checkpointer:
         if self.rng and "rng" in meta:
             _rng.restore(meta["rng"])
         self._registered = None
+        if self._layerwise is not None:
+            self._layerwise.restored(loaded.step)
         return loaded.step
 
     def _check_fits(self, key: str, obj: Any, loaded) -> None:

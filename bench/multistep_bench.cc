@@ -15,7 +15,13 @@
 //   async-o   the copy overlaps the next step's forward and backward, the
 //             update waits for the rest (MultistepCheckpoint with parts = 1);
 //   gockpt    parts = K, gradient copies before the update;
-//   gockpt-o  parts = K, gradient copies overlap the update and next forward.
+//   gockpt-o  parts = K, gradient copies overlap the update and next forward;
+//             the next backward waits for them (the paper's rule: a framework
+//             that accumulates into the same gradient buffers);
+//   gockpt-o+ as gockpt-o, but gradients are reallocated each step (torch's
+//             zero_grad(set_to_none=True), nonstop's Python front end holds the
+//             old ones until copied), so no hook waits for a gradient copy;
+//             a part's state copy still waits behind earlier gradients.
 // The visible stall is the time the training thread spends in checkpoint
 // calls. Schemes run interleaved, `none` first and last in each round.
 #include <algorithm>
@@ -248,10 +254,11 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
     eo.max_in_flight = 1;
     NONSTOP_ASSIGN_OR_RETURN(engine, nonstop::Engine::Open(eo));
   }
-  if (scheme == "async-o" || scheme == "gockpt" || scheme == "gockpt-o") {
+  const bool realloc_grads = scheme == "gockpt-o+";
+  if (scheme == "async-o" || scheme == "gockpt" || scheme == "gockpt-o" || realloc_grads) {
     nonstop::MultistepOptions mo;
     mo.parts = scheme == "async-o" ? 1 : a.parts;
-    mo.overlap_gradients = scheme == "gockpt-o";
+    mo.overlap_gradients = scheme == "gockpt-o" || realloc_grads;
     NONSTOP_ASSIGN_OR_RETURN(
         ms, nonstop::MultistepCheckpoint::Create(engine.get(), mo,
                                                  std::make_unique<LinkCopyEngine>(a.link_gbps)));
@@ -278,7 +285,7 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
     }
     Sleep(a.fwd_ms);
     auto h0 = Clock::now();
-    if (ms) NONSTOP_RETURN_IF_ERROR(ms->OnBackwardBegin());
+    if (ms && !realloc_grads) NONSTOP_RETURN_IF_ERROR(ms->OnBackwardBegin());
     stall += Seconds(h0, Clock::now());
     Sleep(a.bwd_ms);
     h0 = Clock::now();
@@ -417,7 +424,8 @@ int main(int argc, char** argv) {
               st.StateBytes() / 1048576.0, a.grad_dtype.c_str(), st.GradBytes() / 1048576.0,
               a.link_gbps, copy_ms, copy_ms / step_ms, step_ms, a.fwd_ms, a.bwd_ms, a.update_ms,
               a.parts);
-  const std::vector<std::string> schemes = {"async", "async-o", "gockpt", "gockpt-o"};
+  const std::vector<std::string> schemes = {"async", "async-o", "gockpt", "gockpt-o",
+                                            "gockpt-o+"};
   // [interval][scheme] -> per round
   const size_t ni = a.intervals.size(), ns = schemes.size();
   std::vector<std::vector<std::vector<double>>> stall(ni, std::vector<std::vector<double>>(ns)),

@@ -193,11 +193,14 @@ class MultistepMode:
             refreshed = self._tensors() if self._fresh else None
             self._timed(self.core.on_update_end, self._step_now(), refreshed)
 
-    def _zero_grad(self, *args, **kwargs):
-        if self._held:
+    def _zero_grad(self, set_to_none: bool = True):
+        # set_to_none=True drops the optimizer's reference; ours keeps the
+        # memory alive until copied, so nothing waits. Zeroing in place must
+        # wait for the copies (the paper's on_backward_begin).
+        if self._held and not set_to_none:
             self._timed(self.core.on_backward_begin)
             self._held.clear()
-        return self._orig_zero_grad(*args, **kwargs)
+        return self._orig_zero_grad(set_to_none)
 
     def _release_copied(self):
         if self._held and not self.core.gradient_copies_pending():

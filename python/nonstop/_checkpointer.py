@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _rng, _state
+from . import _auto, _config, _distributed, _rng, _state
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
@@ -102,7 +102,8 @@ class Checkpointer:
                  world_size: Optional[int] = None, parts: int = 7,
                  overlap_gradients: bool = True, config: Optional[str] = None,
                  max_overhead: Optional[float] = None, copy: str = "host",
-                 clip_grad_norm: Optional[float] = None):
+                 clip_grad_norm: Optional[float] = None, replicated: str = "shard",
+                 local=(), dist_timeout_s: float = 300.0):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -153,6 +154,17 @@ class Checkpointer:
             rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
             writers=writers or 0, staging_bytes=staging_bytes or 0, chunk_bytes=chunk_bytes or 0,
             copy_threads=copy_threads, medium=medium)
+        # world_size > 1: rank shares of replicated state, global agreement on
+        # a gloo group, pinned slot (one more); _distributed.py, docs/DISTRIBUTED.md
+        self._dist = None
+        self._base_ptr: dict = {}
+        if self.world_size > 1:
+            if mode != "concurrent":
+                raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
+                                              f"use mode='concurrent' with world_size > 1")
+            self._dist = _distributed.Distributed(self.dir, self.rank, self.world_size,
+                                                  replicated, local, dist_timeout_s)
+            engine_kwargs.update(extra_slots=1, global_agreement=True)
         self._multistep = None
         if mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md
             from ._multistep import MultistepMode
@@ -208,19 +220,28 @@ class Checkpointer:
         t0 = time.perf_counter()
         engine = self._live()
         tensors: dict[str, torch.Tensor] = {}
-        tree = {key: _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors,
-                                    f"state[{key!r}]")
+        tree = {key: _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj,
+                                    key, tensors, f"state[{key!r}]")
                 for key, obj in self.state.items()}
         meta = {"format": FORMAT, "step": int(step), "rank": self.rank,
                 "world_size": self.world_size, "state": tree}
         if self.rng:
             meta["rng"] = _rng.capture()
+        layouts = None
+        if self._dist is not None:
+            self._base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
+            tensors, layouts, meta["dist"] = self._dist.shard(tensors, self.state)
         refs = self._refs(tensors)
         if refs != self._registered:
-            engine.register(refs)
+            if layouts is None:
+                engine.register(refs)
+            else:
+                engine.register(refs, layouts=[layouts.get(r[0]) for r in refs])
             self._registered = refs
             self._registers += 1
         counter = engine.checkpoint(int(step), _state.dumps(meta))
+        if self._dist is not None:
+            self._dist.started(engine)
         self._copy_pending = True
         self._saves += 1
         self._visible_stall_s += time.perf_counter() - t0
@@ -233,7 +254,7 @@ class Checkpointer:
         refs = []
         snapshots_used = set()
         for name, t in tensors.items():
-            copy_now = t.data_ptr() not in in_optimizer
+            copy_now = self._base_ptr.get(name, t.data_ptr()) not in in_optimizer
             if not t.is_contiguous():
                 snap = self._snapshots.get(name)
                 if snap is None or snap.buffer.shape != t.shape or snap.buffer.dtype != t.dtype:
@@ -272,6 +293,7 @@ class Checkpointer:
                     ptrs.update(p.data_ptr() for p in group["params"])
                 for st in obj.state.values():
                     ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+                ptrs.update(v.data_ptr() for v in _distributed.local_optimizer_tensors(obj))
         return ptrs
 
     def _before_update(self, optimizer, args, kwargs):
@@ -300,7 +322,11 @@ class Checkpointer:
         self._visible_stall_s += time.perf_counter() - t0
 
     def latest(self) -> Optional[int]:
-        """The step of the newest committed checkpoint, or None."""
+        """The step of the newest committed checkpoint, or None. With
+        world_size > 1: of the newest globally agreed one."""
+        if self._dist is not None:
+            self._live()
+            return self._dist.agreed_step()
         got = self._live().latest()
         return None if got is None else got[1]
 
@@ -313,6 +339,8 @@ class Checkpointer:
                  saves=self._saves, registers=self._registers)
         if self._auto is not None:
             s["auto"] = self._auto.state()
+        if self._dist is not None:
+            s.update(self._dist.stats())
         return s
 
     def close(self) -> None:
@@ -324,6 +352,11 @@ class Checkpointer:
         self._hooks = []
         if self._engine is not None:
             engine, self._engine = self._engine, None
+            if self._dist is not None:  # a last agreement round with every rank
+                try:
+                    engine.wait_committed(0)
+                finally:
+                    self._dist.close()
             engine.close()
 
     def __enter__(self):
@@ -345,9 +378,14 @@ class Checkpointer:
         holds no checkpoint yet (a fresh start). A damaged newest checkpoint
         is skipped with a warning."""
         self._live()
-        if not check_directory(self.dir, self.rank, self.world_size, must_exist=step is not None):
+        if self._dist is not None:  # collective: the ranks agree on the step
+            loaded = self._dist.load(self._engine, step, _core, LoadedCheckpoint, lambda d: (
+                check_directory(d, self.rank, self.world_size, must_exist=False)))
+        elif not check_directory(self.dir, self.rank, self.world_size,
+                                 must_exist=step is not None):
             return None
-        loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False)
+        else:
+            loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False)
         if loaded is None:
             return None
         meta = loaded.meta
@@ -367,7 +405,7 @@ class Checkpointer:
         for key, obj in list(self.state.items()):
             value = values[key]
             if _stateful(obj):
-                obj.load_state_dict(value)
+                _distributed.load_state_dict_into(obj, value)
             elif isinstance(obj, torch.Tensor):
                 with torch.no_grad():
                     obj.copy_(value)
@@ -392,7 +430,7 @@ class Checkpointer:
         if not (_stateful(obj) or isinstance(obj, torch.Tensor)):
             return
         current: dict = {}
-        _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, current)
+        _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key, current)
         for name, t in current.items():
             if name not in loaded.tensors:
                 if isinstance(obj, (torch.nn.Module, torch.Tensor)):

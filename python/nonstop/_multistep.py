@@ -162,7 +162,7 @@ class MultistepMode:
 
     def _pre(self, optimizer, args, kwargs):
         self._updates += 1
-        if self._updates > 1:
+        if self._updates > 1 and self.core.active:
             raise CheckpointMismatchError(
                 "mode='multistep' needs one optimizer.step() per ckpt.step(); call ckpt.step(step) "
                 "after every training step")

@@ -40,8 +40,8 @@ def __getattr__(name):
     if name in ("Preempted", "EXIT_PREEMPTED"):  # preemption notices: docs/PREEMPTION.md
         from . import _preempt
         return getattr(_preempt, name)
-    if name == "export":
-        from ._export import export
+    if name == "export":  # safetensors, or format="dcp" (_dcp.py)
+        from ._dcp import export
         return export
     raise AttributeError(f"module 'nonstop' has no attribute {name!r}")
 

@@ -104,13 +104,14 @@ def _dcp_future(x):
 
 
 class Scheme:
-    def __init__(self, kind: str, every: int, out: str):
+    def __init__(self, kind: str, every: int, out: str, state_bytes: int = 0):
         self.kind, self.every, self.out = kind, every, out
+        self.state_bytes = state_bytes
         self.name = "none" if kind == "none" else f"{kind}/{every}"
 
     def save(self, tr: Training, ckpt, d: str, s: int, fut):
         """One checkpoint; returns DCP's future (others: None)."""
-        if self.kind == "nonstop":
+        if self.kind.startswith("nonstop"):
             ckpt.save(s)
         elif self.kind == "torch.save":
             torch.save({"model": tr.model.state_dict(), "optim": tr.opt.state_dict()},
@@ -129,9 +130,15 @@ class Scheme:
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d, exist_ok=True)
         ckpt, fut = None, None
-        if self.kind == "nonstop":
+        if self.kind.startswith("nonstop"):
+            kw = {}
+            if self.kind == "nonstop-fullstaging":
+                # A staging pool that holds the whole state: the D2H copy
+                # never waits for the writers (the default pool is 256 MiB).
+                kw["staging_bytes"] = (self.state_bytes + (64 << 20)) // (4 << 20) * (4 << 20)
             ckpt = nonstop.Checkpointer(os.path.join(d, "ckpt"),
-                                        {"model": tr.model, "optim": tr.opt}, every=self.every)
+                                        {"model": tr.model, "optim": tr.opt}, every=self.every,
+                                        **kw)
         warmup = max(3, self.every) if self.kind != "none" else 3
         if self.kind != "none":  # one-time costs, for every scheme
             fut = self.save(tr, ckpt, d, -1, fut)
@@ -202,14 +209,14 @@ def summarize(runs: list) -> list:
 
 
 def print_table(rows: list) -> None:
-    hdr = (f"{'scheme':<14} {'ms/step':>8} {'spread':>7} {'thru ovh':>9} {'stall/ckpt':>11} "
+    hdr = (f"{'scheme':<22} {'ms/step':>8} {'spread':>7} {'thru ovh':>9} {'stall/ckpt':>11} "
            f"{'stall ovh':>10} {'drain s':>8} {'copy s':>7} {'persist s':>9} {'GB/s':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         extra = (f" {r['copy_s']:7.3f} {r['persist_s']:9.3f} {r['write_GBps']:6.2f}"
                  if "copy_s" in r else "")
-        print(f"{r['scheme']:<14} {r['step_s'] * 1e3:8.1f} {r['spread'] * 100:6.1f}% "
+        print(f"{r['scheme']:<22} {r['step_s'] * 1e3:8.1f} {r['spread'] * 100:6.1f}% "
               f"{r['throughput_overhead'] * 100:8.1f}% {r['stall_per_ckpt_s'] * 1e3:9.1f}ms "
               f"{r['stall_overhead'] * 100:9.2f}% {r['drain_s']:8.2f}" + extra)
 
@@ -220,7 +227,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--schemes", nargs="+", default=["nonstop", "torch.save", "dcp"],
-                   choices=["nonstop", "torch.save", "dcp"])
+                   choices=["nonstop", "nonstop-fullstaging", "torch.save", "dcp"],
+                   help="nonstop-fullstaging: nonstop with staging_bytes >= the state")
     p.add_argument("--intervals", nargs="+", type=int, default=[1, 10, 50])
     p.add_argument("--steps", type=int, default=8, help="measured steps at interval 1")
     p.add_argument("--periods", type=int, default=3,
@@ -256,7 +264,7 @@ def main() -> int:
           f"{nonstop.build_info()}\nmodel {args.size}: {params / 1e6:.1f}M parameters, batch "
           f"{args.batch} x seq {args.seq}, tf32 {args.tf32}; checkpointed state "
           f"{state / 1e9:.2f} GB (fp32 weights + AdamW moments); dir {args.out}", flush=True)
-    groups = [[Scheme(k, e, args.out) for k in args.schemes] for e in args.intervals]
+    groups = [[Scheme(k, e, args.out, state) for k in args.schemes] for e in args.intervals]
     none = Scheme("none", 0, args.out)
 
     def window(sc: Scheme) -> int:
@@ -288,7 +296,7 @@ def main() -> int:
             r = sc.run(tr, window(sc))
             r["round"] = rnd
             runs.append(r)
-            print(f"  round {rnd} {r['scheme']:<14} {r['step_s'] * 1e3:7.1f} ms/step  stall "
+            print(f"  round {rnd} {r['scheme']:<22} {r['step_s'] * 1e3:7.1f} ms/step  stall "
                   f"{r['stall_per_ckpt_s'] * 1e3:8.1f} ms/ckpt ({r['saves']} saves)  drain "
                   f"{r['drain_s']:.2f} s" + (f"  persist {r['persist_s']:.2f} s, "
                                              f"{r['write_GBps']:.2f} GB/s"

@@ -192,8 +192,8 @@ def compare(torch, a: dict, b: dict, where: str = "") -> list:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-                                b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))):
+                and torch.equal(a.reshape(-1).view(torch.uint8),
+                                b.reshape(-1).view(torch.uint8))):
             out.append(where)
     elif isinstance(a, dict) and isinstance(b, dict):
         if set(a) != set(b):
@@ -269,9 +269,10 @@ def resume_test(args, torch) -> bool:
                 print("  (two uninterrupted runs differ too: training is not deterministic here)")
         else:
             n = sum(t.numel() for t in a["model"].values())
+            rngs = "CPU+CUDA" if args.device == "cuda" else "CPU"
             print(f"PASS GPU training resume: killed after steps {KILL_AFTER[0]}+ and "
                   f"{KILL_AFTER[1]}+, restored {restored[1:]}; final weights ({n} values), AdamW "
-                  f"state, schedule, {'CPU+CUDA' if args.device == 'cuda' else 'CPU'} RNG and {len(b['losses'])} losses after the last "
+                  f"state, schedule, {rngs} RNG and {len(b['losses'])} losses after the last "
                   f"restore are bitwise equal to the uninterrupted run")
         return ok
     finally:

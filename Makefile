@@ -83,8 +83,10 @@ test-fuzz: deps
 # then the PyTorch GPU check with the machine's python3 when it has CUDA torch.
 # The extension nonstop._core is built too when python3 has pybind11 (no pip
 # install needed); the package is assembled in $(GPU_BUILD)/pkg.
+# GPU_CTEST_ARGS="-E name" leaves a CTest test out.
 GPU_BUILD ?= build-gpu
 GPU_CMAKE_ARGS ?=
+GPU_CTEST_ARGS ?=
 GPU_GEN   := $(if $(shell command -v ninja),-G Ninja,)
 GPU_PY_ARGS = $(shell python3 -c "import sys, pybind11; print('-DNONSTOP_BUILD_PYTHON=ON', \
     '-DPython_EXECUTABLE=' + sys.executable, '-Dpybind11_DIR=' + pybind11.get_cmake_dir())" 2>/dev/null)
@@ -92,7 +94,7 @@ test-gpu:
 	$(CMAKE) -S . -B $(GPU_BUILD) $(GPU_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
 	    -DCMAKE_BUILD_TYPE=RelWithDebInfo $(GPU_PY_ARGS) $(GPU_CMAKE_ARGS)
 	$(CMAKE) --build $(GPU_BUILD) -j $(JOBS)
-	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600 $(GPU_CTEST_ARGS)
 	rm -rf $(GPU_BUILD)/pkg && mkdir -p $(GPU_BUILD)/pkg/nonstop && cp python/nonstop/*.py $(GPU_BUILD)/pkg/nonstop/
 	@if ls $(GPU_BUILD)/src/python/_core*.so >/dev/null 2>&1; then cp $(GPU_BUILD)/src/python/_core*.so $(GPU_BUILD)/pkg/nonstop/; \
 	else echo "== test-gpu: nonstop._core not built (python3 has no pybind11?)"; fi

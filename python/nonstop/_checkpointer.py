@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _distributed, _rng, _state
+from . import _auto, _config, _distributed, _preempt, _rng, _state
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
@@ -103,7 +103,7 @@ class Checkpointer:
                  overlap_gradients: bool = True, config: Optional[str] = None,
                  max_overhead: Optional[float] = None, copy: str = "host",
                  clip_grad_norm: Optional[float] = None, replicated: str = "shard",
-                 local=(), dist_timeout_s: float = 300.0):
+                 local=(), dist_timeout_s: float = 300.0, on_preempt=True):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -192,6 +192,9 @@ class Checkpointer:
             except Exception:
                 self.close()
                 raise
+        # Preemption notices (SIGTERM by default): at the next step() boundary,
+        # a checkpoint of that step at once, then exit 75; _preempt.py, docs/PREEMPTION.md
+        self._preempt = _preempt.install(self, on_preempt)
 
     # ---------------------------------------------------------------- saving
 
@@ -199,7 +202,11 @@ class Checkpointer:
         """Call after the update of `step` (counted from 0). Starts a
         checkpoint when `step + 1` is a multiple of `every` (or when the
         every="auto" controller says so); returns the checkpoint's counter,
-        or None when none was due."""
+        or None when none was due. After a preemption notice it checkpoints
+        `step` at once, waits until it is committed (on every rank), closes,
+        and raises nonstop.Preempted (exit status 75 when uncaught)."""
+        if self._preempt is not None:
+            self._preempt.at_boundary(step)
         if self._auto is not None:
             return _auto.checkpointer_step(self, self._auto, step)
         if self._multistep is not None:  # every step drives the window
@@ -321,6 +328,14 @@ class Checkpointer:
         self._copy_pending = False
         self._visible_stall_s += time.perf_counter() - t0
 
+    def preempt(self, reason: str = "preempt()") -> None:
+        """A preemption notice from your own watcher (e.g. a thread polling
+        the cloud metadata server); callable from any thread. The next step()
+        handles it as it handles SIGTERM. See docs/PREEMPTION.md."""
+        if getattr(self, "_preempt", None) is None:
+            raise CheckpointError("preemption handling is off (on_preempt=False)")
+        self._preempt.notice(reason)
+
     def latest(self) -> Optional[int]:
         """The step of the newest committed checkpoint, or None. With
         world_size > 1: of the newest globally agreed one."""
@@ -345,6 +360,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the checkpoints in flight, then stops the engine. Idempotent."""
+        if getattr(self, "_preempt", None) is not None:  # puts the signal handlers back
+            self._preempt.close()
         if getattr(self, "_layerwise", None) is not None:
             self._layerwise.close()
         for h in self._hooks:

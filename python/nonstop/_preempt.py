@@ -66,11 +66,15 @@ class Preempted(SystemExit):
     reason: "SIGTERM", "preempt()" or the reason given to preempt(), or
         "rank N" when another rank got the notice.
     notice_to_safe_s: seconds from the notice to the committed checkpoint.
+    checkpoint: the engine's record of the emergency checkpoint (bytes,
+        persist_s, write_GBps, ...), or None.
     """
 
     def __init__(self, step: int, notice_step: Optional[int], committed: bool,
-                 latest: Optional[int], reason: str, notice_to_safe_s: float, exit_code: int):
+                 latest: Optional[int], reason: str, notice_to_safe_s: float, exit_code: int,
+                 checkpoint: Optional[dict] = None):
         super().__init__(exit_code)
+        self.checkpoint = checkpoint
         self.step = step
         self.notice_step = notice_step
         self.committed = committed
@@ -150,6 +154,13 @@ def persist_bandwidth(stats: dict) -> Optional[float]:
     return rates[len(rates) // 2]
 
 
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def estimate_line(*, reason: str, rank: int, notice_step: Optional[int], state_bytes: int,
                   bandwidth: Optional[float], step_s: Optional[float], lag_steps: int,
                   grace_s: Optional[float], latest: Optional[int]) -> tuple[str, Optional[float]]:
@@ -157,7 +168,7 @@ def estimate_line(*, reason: str, rank: int, notice_step: Optional[int], state_b
     from the notice to a committed checkpoint (None when unknown)."""
     where = f" during step {notice_step}" if notice_step is not None else ""
     head = f"nonstop: preemption notice ({reason}){where} on rank {rank}: "
-    size = f"{state_bytes / 2**20:.1f} MiB" if state_bytes else "size unknown (no checkpoint yet)"
+    size = _human(state_bytes) if state_bytes else "size unknown (no checkpoint yet)"
     finish = (lag_steps + 1) * step_s if step_s else 0.0
     if bandwidth is None or not state_bytes:
         expected = None
@@ -167,7 +178,7 @@ def estimate_line(*, reason: str, rank: int, notice_step: Optional[int], state_b
         expected = finish + write
         est = (f"emergency checkpoint of {size} expected in ~{expected:.1f} s "
                f"(finish step ~{finish:.2f} s + write ~{write:.2f} s at "
-               f"{bandwidth / 1e9:.2f} GB/s measured)")
+               f"{bandwidth / 1e6:.0f} MB/s measured)")
     if grace_s is None:
         tail = ""
     elif expected is None:
@@ -200,6 +211,7 @@ class PreemptWatch:
         self.step_s: Optional[float] = None       # EWMA of the time between step() calls
         self._previous: dict[int, Any] = {}
         self._handling = False
+        self._bytes_guess = 0
         self._install()
         self._group = None
         self._flag = None
@@ -239,7 +251,7 @@ class PreemptWatch:
 
     # ------------------------------------------------------------ the notice
 
-    def notice(self, reason: str) -> None:
+    def notice(self, reason: str, step: Optional[int] = None) -> None:
         """Records a notice (first one wins) and prints the estimate.
         Callable from any thread and from a signal handler."""
         with self._lock:
@@ -247,7 +259,8 @@ class PreemptWatch:
                 return
             self.notice_t = time.monotonic()
             self.reason = reason
-            self.notice_step = None if self._last_step is None else self._last_step + 1
+            self.notice_step = (step if step is not None else
+                                None if self._last_step is None else self._last_step + 1)
         self._announce()
 
     def _announce(self) -> None:
@@ -270,7 +283,23 @@ class PreemptWatch:
 
     def state_bytes(self) -> int:
         reg = self.ckpt._registered
-        return sum(r[3] for r in reg) if reg else 0
+        return sum(r[3] for r in reg) if reg else self._bytes_guess
+
+    def _guess_bytes(self) -> int:
+        """The state's tensor bytes before the first checkpoint registered
+        them (once per process, at the first boundary)."""
+        import torch
+        from . import _state
+        from ._checkpointer import _stateful
+        tensors: dict = {}
+        try:
+            for key, obj in self.ckpt.state.items():
+                _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors)
+        except Exception:
+            return 0
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()
+                if isinstance(t, torch.Tensor)}
+        return sum(seen.values())
 
     # ------------------------------------------------- at each step boundary
 
@@ -316,11 +345,13 @@ class PreemptWatch:
             dt = (now - self._last_t) / (step - self._last_step)
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
         self._last_step, self._last_t = step, now
+        if not self._bytes_guess and not self.ckpt._registered:
+            self._bytes_guess = self._guess_bytes()
         local = self.notice_t is not None
         if self._group is not None:
             due, first = self._agreed(local)
             if due and not local:
-                self.notice(f"rank {first}")
+                self.notice(f"rank {first}", step)
         else:
             due = local
         if due and not self._handling:
@@ -338,17 +369,27 @@ class PreemptWatch:
 
     def _handle(self, step: int) -> None:
         self._handling = True
+        if self.notice_step is None:  # the notice came before the first boundary
+            self.notice_step = step
         ckpt = self.ckpt
         error: Optional[BaseException] = None
         committed = False
+        record = None
         t_start = time.monotonic()
         try:
             engine = ckpt._live()
             if ckpt._multistep is None and hasattr(engine, "abandon_older_than"):
                 engine.abandon_older_than()  # everything in flight is older than what comes
-                counter = ckpt.save(step)
+                lw = getattr(ckpt, "_layerwise", None)
+                if lw is not None and lw.counter is not None:
+                    counter = lw.step(step)  # seals the layer-wise checkpoint of this step
+                else:
+                    counter = ckpt.save(step)
                 ckpt._live().wait_committed(counter)
-                committed = ckpt.latest() == step
+                local = ckpt._live().latest()  # this rank's newest committed (not the agreed one)
+                committed = local is not None and local[1] == step
+                record = next((c for c in ckpt._live().stats().get("recent", [])
+                               if c.get("counter") == counter), None)
             else:
                 # multistep: a window cannot be cut short; keep what is in flight.
                 ckpt.wait()
@@ -367,9 +408,12 @@ class PreemptWatch:
         prev_handlers = self._previous
         signums = list(self.signums)
         try:
-            ckpt.close()
+            ckpt.close()  # with several ranks: a last agreement round (docs/DISTRIBUTED.md)
         except Exception as e:
             error = error or e
+        dist_side = getattr(ckpt, "_dist", None)
+        if dist_side is not None:
+            latest = dist_side.agreed_step()
         notice_to_safe = done_t - (self.notice_t or t_start)
         if error is not None:
             os.write(2, f"nonstop: emergency checkpoint of step {step} failed: {error}; the "
@@ -386,7 +430,7 @@ class PreemptWatch:
                 if callable(prev) and prev not in (signal.default_int_handler,):
                     prev(signum, None)
         raise Preempted(step, self.notice_step, committed, latest, self.reason or "?",
-                        notice_to_safe, self.cfg["exit_code"]) from error
+                        notice_to_safe, self.cfg["exit_code"], record) from error
 
     def _all_committed(self, committed: bool) -> bool:
         """Every rank's verdict (MIN) once all have tried; blocking."""

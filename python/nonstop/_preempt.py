@@ -378,8 +378,9 @@ class PreemptWatch:
         t_start = time.monotonic()
         try:
             engine = ckpt._live()
-            if ckpt._multistep is None and hasattr(engine, "abandon_older_than"):
-                engine.abandon_older_than()  # everything in flight is older than what comes
+            if ckpt._multistep is None:
+                if hasattr(engine, "abandon_older_than"):
+                    engine.abandon_older_than()  # everything in flight is older than what comes
                 lw = getattr(ckpt, "_layerwise", None)
                 if lw is not None and lw.counter is not None:
                     counter = lw.step(step)  # seals the layer-wise checkpoint of this step

@@ -163,6 +163,13 @@ class SlotFile {
   StoreGeometry geometry_;
 };
 
+// Copies committed checkpoint `info` of `src` into a new one-slot file on
+// `dest` (same counter, step, tensors, metadata and checksums), verifying
+// every chunk on the way, and commits it there. Used to keep a checkpoint
+// forever (EngineOptions::keep_every) and by tools. The caller must keep
+// `info`'s slot from being reused during the copy.
+Status CopyCheckpoint(SlotFile& src, const CheckpointInfo& info, std::unique_ptr<Medium> dest);
+
 // crc32c (Castagnoli), ISA-L when built with it, else SSE4.2, else software.
 uint32_t Crc32c(const void* data, size_t n, uint32_t seed = 0);
 

@@ -245,6 +245,31 @@ TEST(SlotFileTest, EverySingleBitFlipIsDetected) {
   EXPECT_GT(flips, 1000);
 }
 
+TEST(SlotFileTest, CopyCheckpointMakesAnIndependentCommittedFile) {
+  Fixture f;
+  ASSERT_TRUE(f.Save(0, 7, 70).ok());
+  auto src = f.Reopen();
+  CheckpointInfo info = src->Scan().value().checkpoints[0].info;
+  auto kept = std::make_shared<std::vector<uint8_t>>();
+  ASSERT_TRUE(CopyCheckpoint(*src, info, std::make_unique<MemMedium>(kept)).ok());
+  auto copy = SlotFile::Open(std::make_unique<MemMedium>(kept)).value();
+  auto rep = copy->Scan().value();
+  ASSERT_EQ(rep.newest_valid, 0);
+  const CheckpointInfo& got = rep.checkpoints[0].info;
+  EXPECT_EQ(got.step, 70);
+  EXPECT_EQ(got.counter, 7u);
+  EXPECT_EQ(got.meta_json, info.meta_json);
+  auto expect = MakeData(f.layout, 70);
+  std::vector<uint8_t> data(got.data_bytes);
+  ASSERT_TRUE(copy->ReadData(got, 0, data.data(), data.size()).ok());
+  EXPECT_EQ(data, expect);
+  // A damaged source is refused, not copied.
+  (*f.disk)[src->SlotOffset(0) + 5] ^= 1;
+  auto bad = std::make_shared<std::vector<uint8_t>>();
+  Status st = CopyCheckpoint(*src, info, std::make_unique<MemMedium>(bad));
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+}
+
 TEST(FormatTest, ParsersSurviveGarbage) {
   std::mt19937_64 rng(7);
   Fixture f;

@@ -51,6 +51,12 @@ struct EngineOptions {
   int copy_threads = 1;         // host memcpy threads
   MediumKind medium = MediumKind::kAuto;
   uint32_t extra_slots = 0;     // distributed mode keeps one more slot
+  // Also keep every k-th checkpoint (counter % k == 0) forever, as its own
+  // job directory DIR/keep/step-NNNNNNNNNNNN/ (readable by nonstop.load and
+  // the CLI). The copy runs on the committer thread right after the commit,
+  // while that checkpoint is the newest and its slot cannot be reused; later
+  // commits wait for it. 0 = keep nothing extra.
+  uint64_t keep_every = 0;
   // Distributed mode (docs/DISTRIBUTED.md): besides the pinned checkpoint (Pin,
   // the last globally agreed one) keep the *oldest* committed checkpoint above
   // it (the candidate for the next agreement) instead of the newest, so a

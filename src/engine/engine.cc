@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -214,6 +215,7 @@ class EngineImpl final : public Engine {
   Status CheckOpen();         // REQUIRES(mu_)
   void AddStall(double s);    // REQUIRES(mu_)
   Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
+  Status KeepCopy(SlotFile& file, const CheckpointInfo& info);  // committer thread only
   Status SwitchFile(uint64_t slot_bytes, bool keep_old);
   Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
 
@@ -809,8 +811,36 @@ void EngineImpl::CommitLoop() {
       FinishJob(job, false, false, info.status().Annotate("commit"));
       continue;
     }
+    if (opts_.keep_every > 0 && job->counter % opts_.keep_every == 0) {
+      // The checkpoint is committed whatever happens here; a failed copy is
+      // reported on the next call like any background error.
+      Status ks = KeepCopy(*job->file, info.value());
+      if (!ks.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        pending_errors_.emplace_back(job->counter, ks);
+      }
+    }
     FinishJob(job, true, false, Status::OK());
   }
+}
+
+Status EngineImpl::KeepCopy(SlotFile& file, const CheckpointInfo& info) {
+  char name[40];
+  std::snprintf(name, sizeof(name), "step-%012lld", static_cast<long long>(info.step));
+  const fs::path dir = fs::path(opts_.dir) / "keep" / name;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    return Status::IOError("keeping checkpoint: cannot create " + dir.string() + ": " +
+                           ec.message());
+  }
+  const std::string final_path = (dir / SlotFileName(opts_.rank)).string();
+  const std::string tmp_path = final_path + ".tmp";
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, media_.open(tmp_path, true));
+  NONSTOP_RETURN_IF_ERROR(CopyCheckpoint(file, info, std::move(m))
+                              .Annotate("keeping step " + std::to_string(info.step) + " in " +
+                                        dir.string()));
+  return media_.rename(tmp_path, final_path);
 }
 
 void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded,

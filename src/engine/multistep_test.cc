@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/multistep_internal.h"
+#include "nonstop/copy_engine.h"
 
 namespace nonstop {
 namespace {
@@ -268,6 +269,49 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(optim::Algorithm::kAdam, 3, true),
                       std::make_tuple(optim::Algorithm::kSgd, 7, false),
                       std::make_tuple(optim::Algorithm::kSgd, 1, true)));
+
+TEST(MultistepErrorTest, AFailedCopyFailsTheWindowAndTheNextOneWorks) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("nonstop_multistep_err_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  EngineOptions eo;
+  eo.dir = dir.string();
+  eo.medium = MediumKind::kBuffered;
+  eo.chunk_bytes = 64 << 10;
+  eo.staging_bytes = 1 << 20;
+  auto engine = Engine::Open(eo);
+  ASSERT_TRUE(engine.ok());
+  MultistepOptions mo;
+  mo.parts = 2;
+  mo.block_bytes = 4096;
+  auto ms = MultistepCheckpoint::Create(engine->get(), mo, MakeHostCopyEngine(1));
+  ASSERT_TRUE(ms.ok());
+  Trainer tr(optim::Algorithm::kSgd, {2000, 3000});
+  auto tensors = tr.Tensors();
+  tensors[1].device.kind = DeviceKind::kCuda;  // the host copy engine refuses it
+  ASSERT_TRUE((*ms)->Begin(0, tr.config, tensors).ok());
+  std::vector<optim::StepHyperparameters> groups(2);
+  std::vector<GradRef> grads(2);
+  std::vector<float> g(3000, 1.f);
+  grads[0].data = grads[1].data = g.data();
+  Status s = (*ms)->OnUpdateBegin(1, groups, false, grads);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_FALSE((*ms)->active());
+  EXPECT_EQ((*ms)->Stats().failed, 1u);
+  // A later window with readable tensors is persisted.
+  ASSERT_TRUE((*ms)->Begin(5, tr.config, tr.Tensors()).ok());
+  ASSERT_TRUE((*ms)->OnUpdateBegin(6, groups, false, grads).ok());
+  ASSERT_TRUE((*ms)->OnUpdateEnd(6).ok());
+  ASSERT_TRUE((*ms)->OnUpdateBegin(7, groups, false, grads).ok());
+  EXPECT_FALSE((*ms)->active());
+  ASSERT_TRUE((*ms)->Wait().ok());
+  auto latest = (*ms)->Latest();
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->step, 6);
+  ASSERT_TRUE((*ms)->Close().ok());
+  ASSERT_TRUE((*engine)->Close().ok());
+  fs::remove_all(dir);
+}
 
 TEST(MultistepCreateTest, RejectsBadOptions) {
   MultistepOptions mo;

@@ -56,7 +56,12 @@ def state_dict_of(obj):
     """The state a rank saves for `obj`: a ZeroRedundancyOptimizer saves its
     own shard (its local optimizer), never the consolidated state."""
     if is_zero(obj):
-        return obj.optim.state_dict()
+        sd = obj.optim.state_dict()
+        # ZeRO copies its own param_groups into the local optimizer only at
+        # the next step: a scheduler's newest lr is in ZeRO's groups.
+        for local, mine in zip(sd["param_groups"], obj.param_groups):
+            local.update({k: v for k, v in mine.items() if k != "params"})
+        return sd
     return obj.state_dict()
 
 

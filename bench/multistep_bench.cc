@@ -229,6 +229,7 @@ struct RunResult {
   double stall_ms_mean = 0;  // per checkpoint
   double stall_ms_max = 0;
   double replay_ms_mean = 0;
+  double replay_GBps = 0;  // bytes the replay reads and writes / replay time
   int checkpoints = 0;
 };
 
@@ -333,7 +334,7 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
   if (ms) {
     NONSTOP_RETURN_IF_ERROR(ms->Wait());
     auto stats = ms->Stats();
-    double replay = 0, worst = 0;
+    double replay = 0, worst = 0, replay_bytes = 0;
     int n = 0;
     for (size_t i = 1; i < stats.recent.size(); ++i) {  // [0] is the warm-up
       const auto& w = stats.recent[i];
@@ -345,10 +346,15 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
                      w.grad_bytes / 1048576.0, w.replay_s * 1e3, w.window_s * 1e3);
       }
       replay += w.replay_s;
+      // Parts 1..K-1 are replayed: their state read and written once
+      // (blocked replay), every logged gradient read once.
+      const double k = std::max(1, a.parts);
+      if (scheme != "async-o") replay_bytes += 2.0 * w.state_bytes * (k - 1) / k + w.grad_bytes;
       worst = std::max(worst, w.stall_s);
       ++n;
     }
     r.replay_ms_mean = n ? replay * 1e3 / n : 0;
+    r.replay_GBps = replay > 0 ? replay_bytes / replay / 1e9 : 0;
     r.stall_ms_max = worst * 1e3;
     NONSTOP_RETURN_IF_ERROR(ms->Close());
   }
@@ -363,13 +369,22 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
   return r;
 }
 
-// STREAM-like triad on 3 arrays of `n` floats, best of 5, GB/s (12 bytes/element).
+// STREAM-like triad on 3 arrays of `n` floats on all hardware threads (as
+// the replay runs), best of 5, GB/s (12 bytes/element).
 double TriadGBps(size_t n) {
   std::vector<float> a(n, 0.f), b(n, 1.f), c(n, 2.f);
+  const size_t threads = std::max(1u, std::thread::hardware_concurrency());
   double best = 1e9;
   for (int rep = 0; rep < 5; ++rep) {
     const auto t0 = Clock::now();
-    for (size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+    std::vector<std::thread> pool;
+    for (size_t t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        const size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        for (size_t i = lo; i < hi; ++i) a[i] = b[i] + 0.5f * c[i];
+      });
+    }
+    for (auto& th : pool) th.join();
     best = std::min(best, Seconds(t0, Clock::now()));
   }
   volatile float sink = a[n / 2];
@@ -429,7 +444,7 @@ int main(int argc, char** argv) {
   // [interval][scheme] -> per round
   const size_t ni = a.intervals.size(), ns = schemes.size();
   std::vector<std::vector<std::vector<double>>> stall(ni, std::vector<std::vector<double>>(ns)),
-      worst = stall, rel = stall, sps = stall, replay = stall;
+      worst = stall, rel = stall, sps = stall, replay = stall, replay_bw = stall;
   std::vector<double> drift, none_sps;
   for (int round = 0; round < a.repeat; ++round) {
     auto first = RunLoop(a, "none", 100, st);
@@ -463,6 +478,7 @@ int main(int argc, char** argv) {
         sps[i][k].push_back(got[i][k].steps_per_s);
         rel[i][k].push_back(got[i][k].steps_per_s / base);
         replay[i][k].push_back(got[i][k].replay_ms_mean);
+        replay_bw[i][k].push_back(got[i][k].replay_GBps);
       }
     }
   }
@@ -474,9 +490,9 @@ int main(int argc, char** argv) {
                 for (double d : drift) m = std::max(m, std::abs(d));
                 return m;
               }(), triad, a.mtbf_hours);
-  std::printf("%-9s %8s %14s %12s %10s %9s %12s %10s %9s\n", "scheme", "interval",
-              "stall ms/ckpt", "vs async-o", "steps/s", "relative", "replay ms", "N* steps",
-              "K*T ms");
+  std::printf("%-9s %8s %14s %12s %10s %9s %10s %12s %10s %9s\n", "scheme", "interval",
+              "stall ms/ckpt", "vs async-o", "steps/s", "relative", "replay ms", "replay GB/s",
+              "N* steps", "K*T ms");
   std::ostringstream js;
   js << "{\"state_bytes\":" << st.StateBytes() << ",\"grad_bytes\":" << st.GradBytes()
      << ",\"grad_dtype\":\"" << a.grad_dtype << "\",\"link_gbps\":" << a.link_gbps
@@ -490,14 +506,16 @@ int main(int argc, char** argv) {
       const double s = Median(stall[i][k]);
       const double reduction = base > 0 ? 1 - s / base : 0;
       const double nstar = nonstop::YoungDalyIntervalSteps(s / 1e3, step_ms / 1e3, p);
-      std::printf("%-9s %8d %14.1f %11.0f%% %10.3f %9.3f %12.1f %10.0f %9.0f\n",
+      std::printf("%-9s %8d %14.1f %11.0f%% %10.3f %9.3f %10.1f %12.1f %10.0f %9.0f\n",
                   schemes[k].c_str(), a.intervals[i], s, 100 * reduction, Median(sps[i][k]),
-                  Median(rel[i][k]), Median(replay[i][k]), nstar, a.parts * step_ms);
+                  Median(rel[i][k]), Median(replay[i][k]), Median(replay_bw[i][k]), nstar,
+                  a.parts * step_ms);
       js << (first_row ? "" : ",") << "{\"scheme\":\"" << schemes[k]
          << "\",\"interval\":" << a.intervals[i] << ",\"stall_ms_mean\":" << s
          << ",\"stall_ms_max_window\":" << Median(worst[i][k])
          << ",\"reduction_vs_async_o\":" << reduction << ",\"steps_per_s\":" << Median(sps[i][k])
          << ",\"relative\":" << Median(rel[i][k]) << ",\"replay_ms\":" << Median(replay[i][k])
+         << ",\"replay_GBps\":" << Median(replay_bw[i][k])
          << ",\"young_daly_steps\":" << nstar << "}";
       first_row = false;
     }

@@ -38,7 +38,9 @@ def summary(out, figs, args, doc_dir) -> str:
     m = out.get("machine", {})
     secs = out.get("total_seconds", 0)
     cmd = "bench/suite.py --quick" if args.tag == "quick" else "bench/suite.py"
-    return (f"**{args.tag} run**: `.venv/bin/python {cmd}` took {secs / 60:.1f} min on "
+    took = (f"took {secs / 60:.1f} min" if not getattr(args, "reuse", False) else
+            "(stages rerun with --reuse; see Findings for run times)")
+    return (f"**{args.tag} run**: `.venv/bin/python {cmd}` {took} on "
             f"{m.get('cores')} cores ({m.get('platform')}, Python {m.get('python')}, torch "
             f"{m.get('torch')}); results (JSON, CSV) in "
             f"`{os.path.relpath(args.out, os.path.dirname(doc_dir))}/`.")

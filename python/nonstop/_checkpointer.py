@@ -132,11 +132,8 @@ class Checkpointer:
                 f'every must be a positive integer or "auto", got {every!r}')
         if mode != "layerwise" and (copy != "host" or clip_grad_norm is not None):
             raise CheckpointMismatchError("copy= and clip_grad_norm= apply to mode='layerwise' only")
-        if keep is not None:
-            # Keeping a checkpoint forever needs the engine to pin its slot
-            # (or copy it out before the slot is reused); not there yet.
-            raise CheckpointMismatchError(
-                "keep= is not implemented yet; use keep=None and nonstop.export() to keep a copy")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise CheckpointMismatchError(
                 f"max_in_flight must be a positive integer, got {max_in_flight!r}")
@@ -153,7 +150,7 @@ class Checkpointer:
         engine_kwargs = dict(
             rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
             writers=writers or 0, staging_bytes=staging_bytes or 0, chunk_bytes=chunk_bytes or 0,
-            copy_threads=copy_threads, medium=medium)
+            copy_threads=copy_threads, medium=medium, keep_every=keep or 0)
         # world_size > 1: rank shares of replicated state, global agreement on
         # a gloo group, pinned slot (one more); _distributed.py, docs/DISTRIBUTED.md
         self._dist = None

@@ -378,7 +378,7 @@ void InitEngine(py::module_& m) {
                        int max_in_flight, int writers, uint64_t staging_bytes,
                        uint64_t chunk_bytes, int copy_threads, const std::string& medium,
                        uint32_t extra_slots, const std::string& layer_copy,
-                       bool global_agreement) {
+                       bool global_agreement, uint64_t keep_every) {
              EngineOptions o;
              o.dir = dir;
              o.rank = rank;
@@ -390,6 +390,7 @@ void InitEngine(py::module_& m) {
              o.copy_threads = copy_threads;
              o.extra_slots = extra_slots;
              o.global_agreement = global_agreement;
+             o.keep_every = keep_every;
              if (!ParseLayerCopy(layer_copy, &o.layer_copy)) {
                throw StatusError(Status::InvalidArgument(
                    "unknown copy '" + layer_copy + "'; use host, direct or device"));
@@ -405,7 +406,7 @@ void InitEngine(py::module_& m) {
            py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
            py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
            py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
-           py::arg("global_agreement") = false)
+           py::arg("global_agreement") = false, py::arg("keep_every") = 0)
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "
            "kind, device index, stream, copy_at_checkpoint); `layouts`: per tensor None or "

@@ -246,8 +246,30 @@ class PreemptWatch:
         # Runs on the main thread between two bytecodes: only record the
         # notice and print one line with os.write (print() could re-enter a
         # buffered stream the interrupted code was writing to).
+        if signum in self.signums:
+            self._insist(signum, frame)
+            return
         self.signums.append(signum)
         self.notice(signal.Signals(signum).name)
+
+    def _insist(self, signum, frame) -> None:
+        """The same signal a second time: whoever sends it will not wait for
+        a step boundary (or the job is outside its training loop). Give the
+        signal its previous meaning at once: for SIGTERM by default, the
+        process ends (status 143). The newest committed checkpoint is intact
+        whatever is in flight (the store's commit protocol)."""
+        prev = self._previous.get(signum, signal.SIG_DFL)
+        try:
+            os.write(2, f"nonstop: {signal.Signals(signum).name} again: not waiting for the "
+                        f"emergency checkpoint\n".encode())
+        except OSError:
+            pass
+        self.uninstall()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL or prev is None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     # ------------------------------------------------------------ the notice
 

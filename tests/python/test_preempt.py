@@ -327,6 +327,24 @@ def test_sigkill_during_the_emergency_checkpoint_keeps_a_valid_one(tmp_path):
 
 
 @needs_engine
+def test_a_second_sigterm_ends_the_process_at_once(tmp_path):
+    """Someone who sends SIGTERM twice does not wait for a step boundary
+    (here the step takes 30 s): the second one has its default meaning."""
+    job = Job(_cfg(tmp_path / "ck", 10, 1, None, pace_s=30))
+    try:
+        job.next_event()  # start
+        time.sleep(0.2)   # inside step 0's 30 s
+        os.kill(job.proc.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        os.kill(job.proc.pid, signal.SIGTERM)
+        job.deadline = time.monotonic() + 10
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code == -signal.SIGTERM
+
+
+@needs_engine
 def test_two_ranks_on_gloo_only_one_signalled(tmp_path):
     rnd = random.Random(22)
     steps = 40

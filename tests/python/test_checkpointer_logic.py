@@ -207,8 +207,8 @@ def test_bad_arguments(core, tmp_path):
         nonstop.Checkpointer(str(tmp_path), {}, mode="turbo")
     with pytest.raises(nonstop.CheckpointMismatchError, match="every must be"):
         nonstop.Checkpointer(str(tmp_path), {}, every=0)
-    with pytest.raises(nonstop.CheckpointMismatchError, match="keep= is not implemented"):
-        nonstop.Checkpointer(str(tmp_path), {}, keep=5)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="keep must be"):
+        nonstop.Checkpointer(str(tmp_path), {}, keep=-1)
     with pytest.raises(nonstop.CheckpointMismatchError, match="string keys"):
         nonstop.Checkpointer(str(tmp_path), [1])
     ck = nonstop.Checkpointer(str(tmp_path), {"x": object()})

@@ -132,6 +132,12 @@ class MultistepMode:
                     f"of the optimizer is {str(p.dtype).replace('torch.', '')}"
                     f"{'' if p.is_contiguous() else ' (not contiguous)'}")
             _device(p)
+        # Engine options the Multistep binding does not take yet must be unset.
+        known = {"dir", "rank", "world_size", "max_in_flight", "writers", "staging_bytes",
+                 "chunk_bytes", "copy_threads", "medium", "keep_every"}
+        for key in [k for k in engine_kwargs if k not in known]:
+            if engine_kwargs.pop(key):
+                raise CheckpointMismatchError(f"mode='multistep' does not support {key} yet")
         self.core = core.Multistep(parts=parts, overlap_gradients=self.overlap,
                                    block_bytes=BLOCK_BYTES,
                                    mkl_vms_sqrt=_mkl_vms_sqrt(), **engine_kwargs)

@@ -326,7 +326,7 @@ void InitMultistep(py::module_& m) {
                        int max_in_flight, int writers, uint64_t staging_bytes,
                        uint64_t chunk_bytes, int copy_threads, const std::string& medium,
                        int parts, uint64_t block_bytes, bool overlap_gradients,
-                       int replay_threads, uintptr_t mkl_vms_sqrt) {
+                       int replay_threads, uintptr_t mkl_vms_sqrt, uint64_t keep_every) {
              EngineOptions o;
              o.dir = dir;
              o.rank = rank;
@@ -336,6 +336,7 @@ void InitMultistep(py::module_& m) {
              o.staging_bytes = staging_bytes;
              o.chunk_bytes = chunk_bytes;
              o.copy_threads = copy_threads;
+             o.keep_every = keep_every;
              if (!ParseMediumKind(medium, &o.medium)) {
                Raise(Status::InvalidArgument("unknown medium '" + medium +
                                              "'; use auto, buffered, direct, uring, mmap or "
@@ -354,7 +355,7 @@ void InitMultistep(py::module_& m) {
            py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
            py::arg("parts") = 7, py::arg("block_bytes") = 4ull << 20,
            py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
-           py::arg("mkl_vms_sqrt") = 0)
+           py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0)
       .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
            py::arg("amsgrad"), py::arg("tensors"),
            "tensors: (name, numel, group, device kind, device index, param, exp_avg, "

@@ -1,0 +1,61 @@
+"""Starts `world` ranks of a script on localhost (gloo) under a hard timeout,
+as torchrun would, and kills them all (their whole process groups) when one
+dies or the time is up. Used by test_distributed.py and bench/distributed_bench.py."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, argv: list, timeout: float = 60.0, env=None) -> list:
+    """Runs `python argv...` as ranks 0..world-1. Returns, per rank,
+    (returncode, [parsed JSON lines], stderr). A rank killed by a signal has
+    a negative returncode; when one rank dies the others are killed (-9) too,
+    as torchrun does."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = dict(os.environ, **(env or {}))
+        e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                 GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen([sys.executable] + argv, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                break
+            if any(p.returncode is not None and p.returncode < 0 for p in procs):
+                break  # one rank was killed: torchrun stops the others
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=30)
+        lines = []
+        for line in stdout.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                pass
+        out.append((p.returncode, lines, stderr))
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"ranks did not finish in {timeout} s: " +
+                           " | ".join(e[-400:] for _, _, e in out))
+    return out

@@ -1,0 +1,151 @@
+"""One rank of a tiny data-parallel job for the distributed tests
+(test_distributed.py). Run by the test's launcher with RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set (or under torchrun):
+
+    python dist_train.py DIR STEPS EVERY KIND OUT [--kill-at S --kill-rank R]
+                         [--slow-rank R --slow-s X] [--replicated shard|rank0]
+
+KIND is ddp (DDP + AdamW, replicated state) or zero (DDP +
+ZeroRedundancyOptimizer: each rank checkpoints its optimizer shard). It
+restores from DIR when it holds a checkpoint, so the same command is both
+the first run and the restart. It prints one JSON line per event and writes
+OUT.rank-R.json with hashes of its final parameters and optimizer state.
+"""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+import nonstop  # noqa: E402
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+class SlowCommits:
+    """Simulates a rank that is slow to persist, as the agreement sees it:
+    a committed checkpoint becomes visible to the agreement thread only
+    `delay` seconds after it first appears."""
+
+    def __init__(self, engine, delay):
+        self.engine, self.delay, self.seen = engine, delay, {}
+
+    def candidate(self):
+        c = self.engine.candidate()
+        if c is None:
+            return None
+        first = self.seen.setdefault(c[0], time.monotonic())
+        return c if time.monotonic() - first >= self.delay else None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("dir")
+    p.add_argument("steps", type=int)
+    p.add_argument("every", type=int)
+    p.add_argument("kind", choices=["ddp", "zero"])
+    p.add_argument("out")
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-s", type=float, default=0.0)
+    p.add_argument("--replicated", default="shard")
+    p.add_argument("--step-s", type=float, default=0.0)
+    # DDP rebuilds its gradient buckets after a process's first iteration, so
+    # the first step after any restart all-reduces in another layout; with 3+
+    # ranks the ring's summation order (and rounding) follows the layout.
+    # "manual" all-reduces each gradient alone, the same way every step.
+    p.add_argument("--grad-sync", choices=["ddp", "manual"], default="ddp")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 32))
+    ddp = nn.parallel.DistributedDataParallel(model) if a.grad_sync == "ddp" else model
+    if a.kind == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    torch.manual_seed(100 + rank)  # dropout differs per rank; restored per rank
+    train = {"samples": 0}
+    ckpt = nonstop.Checkpointer(a.dir, {"model": ddp, "optim": opt, "sched": sched,
+                                        "train": train}, every=a.every, max_in_flight=2,
+                                medium="buffered", writers=1, replicated=a.replicated,
+                                staging_bytes=4 << 20, chunk_bytes=1 << 20,
+                                dist_timeout_s=60)
+    if rank == a.slow_rank:
+        real = ckpt._dist.started
+        ckpt._dist.started = lambda engine: real(SlowCommits(engine, a.slow_s))
+    r = ckpt.restore()
+    emit(event="start", rank=rank, restored=r)
+    start = 0 if r is None else r + 1
+    stalls = []
+    for s in range(start, a.steps):
+        g = torch.Generator().manual_seed(1000 * s + rank)
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randn(16, 32, generator=g)
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if a.grad_sync == "manual":
+            for prm in model.parameters():
+                dist.all_reduce(prm.grad)
+                prm.grad /= world
+        opt.step()
+        sched.step()
+        train["samples"] += 16
+        before = ckpt.stats()["visible_stall_s"]
+        ckpt.step(s)
+        if ckpt.stats()["saves"] > 1:  # the first save creates the slot file
+            stalls.append(ckpt.stats()["visible_stall_s"] - before)
+        emit(event="step", rank=rank, step=s, loss=loss.item(), agreed=ckpt.latest(),
+             rounds=ckpt._dist.rounds, t=time.time(),
+             dt=time.perf_counter() - t0)
+        if s == a.kill_at and rank == a.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
+        if a.step_s:
+            time.sleep(a.step_s)
+    st = ckpt.stats()
+    ckpt.close()
+    agreed = ckpt._dist.agreed_step()
+    local = opt.optim.state_dict() if a.kind == "zero" else opt.state_dict()
+    opt_tensors = [v for _, stt in sorted(local["state"].items()) for _, v in sorted(stt.items())
+                   if isinstance(v, torch.Tensor)]
+    res = {"rank": rank, "restored": r, "params": digest(model.parameters()),
+           "optim": digest(opt_tensors), "samples": train["samples"], "agreed": agreed,
+           "rng": digest([torch.get_rng_state()]), "visible_stall_s": st["visible_stall_s"],
+           "max_step_stall_s": max(stalls) if stalls else 0.0, "rounds": st["rounds"],
+           "lr": sched.get_last_lr()}
+    if os.environ.get("NONSTOP_TEST_DUMP"):
+        torch.save({"model": model.state_dict(), "optim": local}, f"{a.out}.rank-{rank}.pt")
+    with open(f"{a.out}.rank-{rank}.json", "w") as f:
+        json.dump(res, f)
+    emit(event="done", rank=rank, agreed=agreed)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

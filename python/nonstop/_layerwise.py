@@ -56,8 +56,13 @@ def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.O
 
 
 class Layerwise:
-    """Drives one Checkpointer's engine layer by layer (here: parameter by
-    parameter; a parameter and its optimizer state form one group)."""
+    """Drives one Checkpointer's engine layer by layer. A parameter and its
+    optimizer state form one group; consecutive updated groups are handed
+    to the engine together once they hold GROUP_BYTES (about a layer), so a
+    model with many small tensors does not pay one engine call (and one
+    wake-up of the copy thread) per bias vector."""
+
+    GROUP_BYTES = 4 << 20
 
     def __init__(self, ckpt, clip_grad_norm: Optional[float] = None):
         if ckpt.world_size > 1:
@@ -77,6 +82,9 @@ class Layerwise:
         self._decided = False        # whether this step's checkpoint was decided
         self._groups: dict = {}      # param -> engine tensor indices (current registration)
         self._pending: set = set()   # params with copies requested and not waited for
+        self._batch: list = []       # updated params whose copies are not requested yet
+        self._batched: set = set()   # the same, for membership (tensors compare by value)
+        self._batch_bytes = 0
         # param -> (optimizer, index of its param_group, sub-optimizer). The
         # group is looked up at each update: load_state_dict replaces the dicts.
         self._subs: dict = {}
@@ -124,6 +132,10 @@ class Layerwise:
             if p in self._pending:
                 engine.wait_tensors_copied(self._groups[p])
                 self._pending.discard(p)
+            elif p in self._batched:  # updated twice in one step: request its copy first
+                self._flush(engine)
+                engine.wait_tensors_copied(self._groups[p])
+                self._pending.discard(p)
             dt = time.perf_counter() - t0
             ck._hook_stall_s += dt
             ck._visible_stall_s += dt
@@ -135,13 +147,23 @@ class Layerwise:
         sub.state = opt.state  # shared (load_state_dict replaces opt.state)
         sub.step()
         p.grad = None
-        if self.counter is not None and engine is not None:
-            idx = self._groups.get(p)
-            if idx:
-                t0 = time.perf_counter()
-                engine.copy_tensors(self.counter, idx)
-                self._pending.add(p)
-                ck._visible_stall_s += time.perf_counter() - t0
+        if self.counter is not None and engine is not None and self._groups.get(p):
+            self._batch.append(p)
+            self._batched.add(p)
+            self._batch_bytes += p.numel() * p.element_size() * (1 + len(opt.state[p]))
+            if self._batch_bytes >= self.GROUP_BYTES:
+                self._flush(engine)
+
+    def _flush(self, engine) -> None:
+        """Requests the copies of the batched groups (they may change again
+        only after WaitTensorsCopied)."""
+        if not self._batch:
+            return
+        t0 = time.perf_counter()
+        engine.copy_tensors(self.counter, [i for p in self._batch for i in self._groups[p]])
+        self._pending.update(self._batch)
+        self._batch, self._batched, self._batch_bytes = [], set(), 0
+        self.ckpt._visible_stall_s += time.perf_counter() - t0
 
     # --------------------------------------------------------- checkpoints
 
@@ -193,8 +215,10 @@ class Layerwise:
             if ck.rng:
                 meta["rng"] = _rng.capture()
             counter, self.counter = self.counter, None
-            # Every tensor not requested yet is copied now: wait before the next update.
+            # Every tensor not requested yet (the last batch too) is copied
+            # by the seal: wait for all of them before their next update.
             self._pending = set(self._groups)
+            self._batch, self._batched, self._batch_bytes = [], set(), 0
             ck._engine.end_checkpoint(counter, int(step), _state.dumps(meta))
             ck._saves += 1
             ck._visible_stall_s += time.perf_counter() - t0
@@ -208,6 +232,7 @@ class Layerwise:
         self.next_step = 0 if step is None else step + 1
         self._decided = False
         self._pending.clear()
+        self._batch, self._batched, self._batch_bytes = [], set(), 0
         self._groups = {}
 
     def close(self) -> None:

@@ -311,12 +311,13 @@ class PreemptWatch:
         """The state's tensor bytes before the first checkpoint registered
         them (once per process, at the first boundary)."""
         import torch
-        from . import _state
+        from . import _distributed, _state
         from ._checkpointer import _stateful
         tensors: dict = {}
         try:
-            for key, obj in self.ckpt.state.items():
-                _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors)
+            for key, obj in self.ckpt.state.items():  # as save() walks it (ZeRO: local shard)
+                _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
+                               tensors)
         except Exception:
             return 0
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()

@@ -142,21 +142,26 @@ def torch_run(args, kind: str, every: int, train, d: str, first: int) -> dict:
     ck = None
     if kind != "none":
         shutil.rmtree(d, ignore_errors=True)
+        lw = dict(mode="layerwise", copy=args.copy) if kind == "layerwise" else {}
         ck = nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=every,
-                                  mode="layerwise" if kind == "layerwise" else "concurrent",
                                   max_in_flight=args.max_in_flight, medium=args.medium,
-                                  copy=args.copy, writers=args.writers, rng=False)
-    for s in range(first, first + args.warmup):  # lazily created state, warm caches
-        torch_step(cfg, model, opt, s)
+                                  writers=args.writers, rng=False, **lw)
+    # Warm-up: caches, and the first checkpoint (registration, slot file) at
+    # checkpoint step -1, so that every measured run starts alike; measured
+    # steps are numbered 0.. so each interval checkpoints steps/every times.
+    for i in range(-args.warmup, 0):
+        torch_step(cfg, model, opt, first + args.warmup + i)
         if ck is not None:
-            ck.step(s)
+            ck.step(i)
+    if ck is not None:
+        ck.wait()
     base = ck.stats()["visible_stall_s"] if ck is not None else 0.0
     saves0 = ck.stats()["saves"] if ck is not None else 0
     t_start = time.perf_counter()
-    for s in range(first + args.warmup, first + args.warmup + args.torch_steps):
-        torch_step(cfg, model, opt, s)
+    for i in range(args.torch_steps):
+        torch_step(cfg, model, opt, first + args.warmup + i)
         if ck is not None:
-            c = ck.step(s)
+            c = ck.step(i)
             if c is not None and kind == "wholewait":
                 ck.wait_copied()  # counted in visible_stall_s
     wall = time.perf_counter() - t_start
@@ -216,7 +221,7 @@ def main(argv=None):
     p.add_argument("--step-ms", type=float, default=100, help="synthetic: compute per step")
     p.add_argument("--steps", type=int, default=20, help="synthetic: steps per run")
     p.add_argument("--torch-size", default="5m", choices=["5m", "10m"])
-    p.add_argument("--torch-steps", type=int, default=10)
+    p.add_argument("--torch-steps", type=int, default=10, help="torch: measured steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

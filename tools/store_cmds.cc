@@ -2,8 +2,11 @@
 // a checkpoint directory (one rank-*.nsck slot file per rank, docs/FORMAT.md).
 // Every error is one line on stderr and a non-zero exit; a damaged file is
 // reported, never a reason to crash.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -482,6 +485,27 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
             << HumanBytes(offset) << " to " << out << "\n";
 }
 
+// `export --format dcp` is Python (torch.distributed.checkpoint writes it):
+// replaces this process with `python3 -m nonstop._dcp DIR OUT [--step N]`
+// ($NONSTOP_PYTHON picks the interpreter). docs/DISTRIBUTED.md.
+[[noreturn]] void RunExportDcp(const std::string& dir, std::optional<int64_t> step,
+                               const std::string& out) {
+  const char* env = std::getenv("NONSTOP_PYTHON");
+  const std::string python = env != nullptr && *env != '\0' ? env : "python3";
+  std::vector<std::string> argv = {python, "-m", "nonstop._dcp", dir, out};
+  if (step) {
+    argv.push_back("--step");
+    argv.push_back(std::to_string(*step));
+  }
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  ::execvp(cargv[0], cargv.data());
+  Fail("export", "cannot run " + python + " for --format dcp: " + std::strerror(errno) +
+                     " (set NONSTOP_PYTHON to a python with nonstop and torch)",
+       kExitUsage);
+}
+
 }  // namespace
 
 void AddStoreCommands(CLI::App& app) {
@@ -490,6 +514,7 @@ void AddStoreCommands(CLI::App& app) {
     bool json = false;
     std::optional<int64_t> step;
     std::string out;
+    std::string format = "safetensors";
   };
   auto args = std::make_shared<Args>();
 
@@ -509,8 +534,16 @@ void AddStoreCommands(CLI::App& app) {
       "export", "Write one checkpoint as a safetensors file (single-rank directories)");
   exp->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
   exp->add_option("--step", args->step, "training step to export (default: the newest valid)");
-  exp->add_option("-o,--output", args->out, "output .safetensors file")->required();
-  exp->callback([args] { RunExport(args->dir, args->step, args->out); });
+  exp->add_option("-o,--output", args->out, "output .safetensors file (a directory for dcp)")
+      ->required();
+  exp->add_option("--format", args->format,
+                  "safetensors (one rank) or dcp (every rank, reassembled; runs python3 -m "
+                  "nonstop._dcp)")
+      ->check(CLI::IsMember({"safetensors", "dcp"}));
+  exp->callback([args] {
+    if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out);
+    RunExport(args->dir, args->step, args->out);
+  });
 }
 
 }  // namespace nonstop::cli

@@ -117,9 +117,30 @@ def worker(args) -> int:
              "cpu_rng": torch.get_rng_state(), "losses": losses, "start": start}
     if args.device == "cuda":
         final["cuda_rng"] = torch.cuda.get_rng_state()
-    torch.save(final, args.final)
+    _save_final(final, args.final)
     print(json.dumps({"event": "done", "stats": stats}), flush=True)
     return 0
+
+
+def _save_final(final: dict, path: str) -> None:
+    """Tensors to safetensors, the rest to JSON (nonstop's own flattening): no pickle."""
+    from safetensors.torch import save_file
+
+    from nonstop import _state
+    tensors: dict = {}
+    tree = _state.flatten(final, "final", tensors)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, path + ".safetensors")
+    with open(path + ".json", "w") as f:
+        f.write(_state.dumps(tree))
+
+
+def _load_final(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    from nonstop import _state
+    with open(path + ".json") as f:
+        tree = _state.loads(f.read())
+    return _state.unflatten(tree, load_file(path + ".safetensors"))
 
 
 def _to_cpu(x):
@@ -139,7 +160,7 @@ def run_worker(args, tmp: str, name: str, ckpt_dir: str | None, kill_after: int 
                step_sleep: float) -> dict:
     """Runs one training process; SIGKILLs it once it reports a step >=
     kill_after with a committed checkpoint. Returns what it reported."""
-    final = os.path.join(tmp, f"final-{name}.pt")
+    final = os.path.join(tmp, f"final-{name}")  # .safetensors + .json
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device,
            "--final", final, "--step-sleep", str(step_sleep)]
     if ckpt_dir:
@@ -252,8 +273,8 @@ def resume_test(args, torch) -> bool:
         if restored[0] is not None or any(x is None for x in restored[1:]):
             print(f"FAIL unexpected restore points {restored}")
             ok = False
-        a = torch.load(ref["final"], weights_only=False)
-        b = torch.load(runs[-1]["final"], weights_only=False)
+        a = _load_final(ref["final"])
+        b = _load_final(runs[-1]["final"])
         diffs = compare(torch, {k: a[k] for k in a if k not in ("losses", "start")},
                         {k: b[k] for k in b if k not in ("losses", "start")})
         # Losses after the last restore, bitwise (floats from .item()).
@@ -263,7 +284,7 @@ def resume_test(args, torch) -> bool:
             print(f"FAIL resumed run differs from the uninterrupted one: {len(diffs)} entries, "
                   f"e.g. {diffs[:5]}; losses differ at steps {lost[:5]}")
             again = run_worker(args, tmp, "reference2", None, None, 0.0)
-            c = torch.load(again["final"], weights_only=False)
+            c = _load_final(again["final"])
             if compare(torch, {k: a[k] for k in a if k != "start"},
                        {k: c[k] for k in c if k != "start"}):
                 print("  (two uninterrupted runs differ too: training is not deterministic here)")

@@ -118,7 +118,7 @@ struct Job {
   std::string meta_json;
   Clock::time_point t_start;
   double stall_s = 0;  // GUARDED_BY(Engine::mu_) after Checkpoint() returns
-  double copy_s = 0;   // written by the dispatcher before it publishes copied_through_
+  double copy_s = 0;   // GUARDED_BY(engine mu_): dispatcher writes, FinishJob reads
 
   // Each crc is written by the one writer task of its chunk; the committer
   // reads them after `remaining` reached 0 (acq_rel on the decrement).
@@ -726,7 +726,12 @@ void EngineImpl::CopyJob(const std::shared_ptr<Job>& job) {
     while (window.size() > static_cast<size_t>(window_)) finish_front();
   }
   while (!window.empty()) finish_front();
-  job->copy_s = Seconds(job->t_start, Clock::now());
+  {
+    // The writers may already have finished every chunk, so the committer
+    // can be reading the job's stats in FinishJob right now.
+    std::lock_guard<std::mutex> lock(mu_);
+    job->copy_s = Seconds(job->t_start, Clock::now());
+  }
   if (issued < n) {
     ChunksDone(job, n - issued);
   } else if (n == 0) {

@@ -36,6 +36,10 @@ bool ParseMediumKind(std::string_view name, MediumKind* out);
 
 struct MediumOptions {
   bool create = false;  // create the file if missing
+  // Open for reading only (O_RDONLY, mappings PROT_READ), so that a read-only
+  // file or mount can be read: Write and Resize fail (FailedPrecondition),
+  // Sync has nothing to do. Not together with create.
+  bool read_only = false;
   // For kAuto: the kinds that did not work are reported in Medium::Describe().
 };
 

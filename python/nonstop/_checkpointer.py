@@ -156,7 +156,7 @@ class Checkpointer:
         self._dist = None
         self._base_ptr: dict = {}
         if self.world_size > 1:
-            if mode != "concurrent":
+            if mode == "multistep":
                 raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
                                               f"use mode='concurrent' with world_size > 1")
             self._dist = _distributed.Distributed(self.dir, self.rank, self.world_size,

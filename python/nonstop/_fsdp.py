@@ -1,0 +1,329 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) state: DTensors (docs/DISTRIBUTED.md, "FSDP2").
+
+FSDP2 keeps each parameter, and the optimizer keeps each of its state
+tensors, as a DTensor placed `Shard(0)` on a 1-D device mesh: rank r holds
+rows `[r*ceil(d0/W), (r+1)*ceil(d0/W))` of dim 0 (torch.chunk's split, so
+the last ranks may hold fewer rows, or none). Such a shard is one flat
+element range of the row-major global tensor, so it is recorded with the
+mechanism the replicated shares use (TensorSpec.global: global shape and
+flat element offset), and nothing else is invented:
+
+* **Saving.** Each rank registers `to_local()` (a view of the shard's own
+  memory, no copy) under the DTensor's name, with its place in the global
+  tensor, and lists the name in `meta["dist"]["dtensor"]`
+  (`name -> [global shape, dtype, placement]`). A rank whose shard is empty
+  writes nothing for it. `Replicate()` DTensors are written as replicated
+  tensors (1/world share per rank).
+* **Restoring, same world size.** Each rank reads only its own shard from
+  its own file (bitwise) and wraps it again with `DTensor.from_local` on the
+  mesh of the live model (no collective).
+* **Restoring, another world size.** `reshard()` reads the overlapping
+  ranges of every old rank file (all must be visible in the job directory)
+  and builds this rank's new shard; see read_ranges().
+* **DCP export.** `_dcp.collect` reassembles these names like the
+  replicated ones (the global layout is the same), so the export holds
+  plain full tensors that `torch.distributed.checkpoint.load` reshards into
+  any placement.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .errors import CheckpointMismatchError, IncompatibleCheckpointError
+
+
+def _dtensor_cls():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed, or too old for DTensor
+        return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    cls = _dtensor_cls()
+    return cls is not None and isinstance(t, cls)
+
+
+def has_dtensors(tensors: dict) -> bool:
+    cls = _dtensor_cls()
+    return cls is not None and any(isinstance(t, cls) for t in tensors.values())
+
+
+def data_ptr(t) -> int:
+    """The address of a tensor's memory; for a DTensor, of its local shard
+    (DTensor.data_ptr() is 0)."""
+    if is_dtensor(t):
+        return t._local_tensor.data_ptr()
+    return t.data_ptr()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def rows(d0: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [begin, end) of dim 0 that rank `rank` holds under Shard(0)
+    (torch.chunk's split, which FSDP2 and DTensor use)."""
+    per = -(-d0 // world) if d0 else 0
+    return min(rank * per, d0), min((rank + 1) * per, d0)
+
+
+def _placement(t, name: str, rank: int, world: int) -> str:
+    """'S0' or 'R'; anything else is refused with one line."""
+    from torch.distributed.tensor import Replicate, Shard
+    mesh = t.device_mesh
+    ranks = mesh.mesh.flatten().tolist()
+    if mesh.ndim != 1 or ranks != list(range(world)):
+        raise CheckpointMismatchError(
+            f"tensor {name!r} is a DTensor on mesh {mesh.mesh.tolist()}: nonstop handles "
+            f"DTensors on a 1-D mesh over all {world} ranks (FSDP2 fully_shard); HSDP and "
+            f"2-D meshes are not supported yet")
+    (p,) = t.placements
+    if isinstance(p, Shard) and p.dim == 0 and t.dim() > 0:
+        return "S0"
+    if isinstance(p, Replicate):
+        return "R"
+    raise CheckpointMismatchError(
+        f"tensor {name!r} is a DTensor placed {p}: nonstop handles Shard(0) (FSDP2's "
+        f"default) and Replicate() placements only")
+
+
+def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
+    """Splits the DTensors out of `tensors` (name -> tensor, in order).
+
+    Returns (tensors with each Replicate() DTensor replaced by its local,
+    full tensor: the caller shares those as replicated state; the Shard(0)
+    local shards to register, name -> view; their layouts, name ->
+    (global_shape, global_offset); the `meta["dist"]["dtensor"]` document)."""
+    rest, shards, layouts, doc = {}, {}, {}, {}
+    for name, t in tensors.items():
+        if not is_dtensor(t):
+            rest[name] = t
+            continue
+        kind = _placement(t, name, rank, world)
+        local = t._local_tensor.detach()  # a view of the shard's memory, never a copy
+        shape = [int(d) for d in t.shape]
+        doc[name] = [shape, str(t.dtype).replace("torch.", ""), kind]
+        if kind == "R":
+            rest[name] = local
+            continue
+        begin, end = rows(shape[0], rank, world)
+        want = [end - begin] + shape[1:]
+        if list(local.shape) != want:
+            raise CheckpointMismatchError(
+                f"tensor {name!r}: rank {rank}'s Shard(0) piece has shape {list(local.shape)}, "
+                f"not {want} (rows {begin}..{end} of {shape}): nonstop expects torch.chunk's "
+                f"split of dim 0")
+        if local.numel() == 0:
+            continue  # nothing to write; restored as an empty shard
+        shards[name] = local
+        layouts[name] = (shape, begin * _numel(shape[1:]))
+    return rest, shards, layouts, doc
+
+
+def shard(dist, tensors: dict, state: dict) -> tuple[dict, dict, dict]:
+    """Distributed.shard with FSDP2 DTensors: their Shard(0) local pieces
+    are this rank's own (with their global layout), the rest (Replicate()
+    DTensors' local tensors included) is shared as replicated state.
+    Returns what Distributed.shard does; meta["dist"]["dtensor"] lists the
+    DTensors."""
+    rest, shards, fl, doc = take(tensors, dist.rank, dist.world)
+    out, layouts, ddoc = dist.shard(rest, state)
+    out.update(shards)
+    layouts.update(fl)
+    if doc:
+        ddoc["dtensor"] = doc
+    return out, layouts, ddoc
+
+
+def localize(tensors: dict) -> tuple[dict, dict]:
+    """One rank (a mesh of one): each DTensor's local tensor is the whole
+    tensor. Returns (tensors, meta["dtensor"])."""
+    rest, shards, _, doc = take(tensors, 0, 1)
+    rest.update(shards)
+    return rest, doc
+
+
+def restored(ckpt, loaded) -> None:
+    """Checkpointer.restore's hook: the DTensors saved by an FSDP2 job become
+    DTensors again (on the live model's mesh) before load_state_dict."""
+    meta = loaded.meta
+    if not (meta.get("dtensor") or meta.get("dist", {}).get("dtensor")):
+        return
+    from . import _distributed, _state
+    from ._checkpointer import _stateful
+    current: dict = {}
+    for key, obj in ckpt.state.items():
+        _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key, current)
+    if meta.get("dtensor"):
+        meta = dict(meta, dist=dict(meta.get("dist", {}), dtensor=meta["dtensor"]))
+    wrap(loaded.tensors, meta, ckpt.state, current, ckpt.rank, ckpt.world_size)
+
+
+# --------------------------------------------------------------- restoring
+
+
+def _meshes(state: dict) -> list:
+    """The device meshes of the DTensor parameters in the live state."""
+    found = []
+    for obj in state.values():
+        params = []
+        if isinstance(obj, torch.nn.Module):
+            params = list(obj.parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+        for p in params:
+            if is_dtensor(p) and all(p.device_mesh is not m for m in found):
+                found.append(p.device_mesh)
+    return found
+
+
+def _mesh_for(name: str, current: dict, meshes: list, ndim_world: int):
+    t = current.get(name)
+    if t is not None and is_dtensor(t):
+        return t.device_mesh
+    usable = [m for m in meshes if m.ndim == 1 and m.size() == ndim_world]
+    if len(usable) == 1 or (usable and all(m == usable[0] for m in usable)):
+        return usable[0]
+    if not usable:
+        raise CheckpointMismatchError(
+            f"tensor {name!r} was saved as an FSDP2 DTensor, but the state to restore has no "
+            f"DTensor parameters on a 1-D mesh of {ndim_world} ranks: apply fully_shard "
+            f"before restore()")
+    raise CheckpointMismatchError(
+        f"tensor {name!r}: the state to restore has DTensors on {len(usable)} different "
+        f"meshes; nonstop cannot tell which one this tensor belongs to")
+
+
+def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world: int) -> None:
+    """Turns the restored pieces of the DTensors listed in meta["dist"]["dtensor"]
+    back into DTensors (in `tensors`, in place), on the live model's mesh.
+
+    `tensors` holds, per DTensor name, this rank's Shard(0) piece as read
+    from its own file (absent when the piece is empty) or the reassembled
+    full tensor of a Replicate() one. `current` is the live state, flattened
+    (name -> tensor), to find each tensor's mesh."""
+    doc = meta.get("dist", {}).get("dtensor") or {}
+    if not doc:
+        return
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    meshes = _meshes(state)
+    for name, (shape, dtype, kind) in doc.items():
+        mesh = _mesh_for(name, current, meshes, world)
+        dt = getattr(torch, dtype)
+        if kind == "R":
+            local, placement = tensors[name], Replicate()
+        else:
+            begin, end = rows(shape[0], rank, world)
+            want = [end - begin] + list(shape[1:])
+            local = tensors.get(name)
+            if local is None:
+                local = torch.empty(want, dtype=dt)
+            local = local.reshape(want)
+            placement = Shard(0)
+        cur = current.get(name)
+        if cur is not None and is_dtensor(cur):
+            local = local.to(cur._local_tensor.device)
+        elif mesh.device_type != "cpu":
+            local = local.to(torch.device(mesh.device_type, torch.accelerator.current_device_index()
+                                          if hasattr(torch, "accelerator") else 0))
+        stride = torch.empty(shape, device="meta").stride()
+        tensors[name] = DTensor.from_local(local, mesh, [placement], run_check=False,
+                                           shape=torch.Size(shape), stride=stride)
+
+
+# -------------------------------------------------------------- resharding
+
+
+def read_ranges(readers: list, indices: list, wanted: dict) -> dict:
+    """Assembles element ranges of global tensors from several rank files.
+
+    readers[r] is old rank r's Reader and indices[r] the index of the
+    checkpoint to read in it. `wanted` maps name -> (global_shape, dtype,
+    begin, end): the flat element range [begin, end) of the global tensor.
+    Every old rank's pieces of that name (TensorSpec.global: global_offset
+    and piece size) that overlap the range are read, chunk crcs verified,
+    and copied in. Returns name -> 1-D tensor of end - begin elements.
+    Raises when some element of a range is held by no old rank."""
+    from ._state import torch_dtype
+    out, filled = {}, {}
+    for name, (shape, dtype, begin, end) in wanted.items():
+        out[name] = torch.empty(end - begin, dtype=getattr(torch, dtype))
+        filled[name] = 0
+    for reader, idx in zip(readers, indices):
+        info = reader.checkpoints[idx]
+        for ti, spec in enumerate(info["tensors"]):
+            name = spec["name"]
+            if name not in wanted:
+                continue
+            _, _, begin, end = wanted[name]
+            n = _numel(spec["shape"])
+            g0 = int(spec.get("global_offset", 0))
+            lo, hi = max(begin, g0), min(end, g0 + n)
+            if lo >= hi:
+                continue
+            piece = torch.empty(n, dtype=torch_dtype(spec["dtype"]))
+            if spec["nbytes"]:
+                reader.read_tensor(idx, ti, piece.data_ptr(), spec["nbytes"])
+            out[name][lo - begin:hi - begin] = piece[lo - g0:hi - g0]
+            filled[name] += hi - lo
+    for name, (_, _, begin, end) in wanted.items():
+        if filled[name] != end - begin:
+            raise IncompatibleCheckpointError(
+                f"tensor {name!r}: the old rank files hold {filled[name]} of elements "
+                f"{begin}..{end}; some rank file is missing or incomplete")
+    return out
+
+
+def reshard(dir: str, step_key: tuple, doc: dict, rank: int, world: int,
+            core) -> dict:
+    """This rank's Shard(0) pieces (name -> tensor shaped for the new world
+    size) of the DTensors in `doc`, read from every old rank file of `dir`
+    at checkpoint `step_key` = (step, lineage). Replicate() ones come whole."""
+    from ._dcp import _readers, _key
+    from ._state import loads
+    readers = _readers(dir)
+    indices = []
+    for r, reader in enumerate(readers):
+        found = None
+        for i, c in enumerate(reader.checkpoints):
+            if c["committed"] and _key(loads(c["meta_json"].decode("utf-8"))) == tuple(step_key):
+                found = i
+                break
+        if found is None:
+            raise IncompatibleCheckpointError(
+                f"old rank {r} of {dir} holds no committed checkpoint at step {step_key[0]}")
+        indices.append(found)
+    wanted = {}
+    for name, (shape, dtype, kind) in doc.items():
+        if kind == "R":
+            wanted[name] = (shape, dtype, 0, _numel(shape))
+        else:
+            b, e = rows(shape[0], rank, world)
+            inner = _numel(shape[1:])
+            wanted[name] = (shape, dtype, b * inner, e * inner)
+    flat = read_ranges(readers, indices, wanted)
+    out = {}
+    for name, (shape, dtype, kind) in doc.items():
+        if kind == "R":
+            out[name] = flat[name].reshape(shape)
+        else:
+            b, e = rows(shape[0], rank, world)
+            out[name] = flat[name].reshape([e - b] + list(shape[1:]))
+    return out
+
+
+def old_world(dir: str) -> Optional[int]:
+    """The world size the rank files in `dir` were written with, or None."""
+    from ._dcp import _RANK_FILE
+    if not os.path.isdir(dir):
+        return None
+    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, os.listdir(dir)) if m)
+    return ranks[-1] + 1 if ranks else None

@@ -126,7 +126,10 @@ def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):
 
 
 def _tensor_key(t):
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device))
+    # A DTensor's (FSDP2's) data_ptr() is 0: key it by its local shard's memory.
+    local = getattr(t, "_local_tensor", None)
+    ptr = t.data_ptr() if local is None else local.data_ptr() if local.numel() else id(t)
+    return (ptr, t.dtype, tuple(t.shape), t.stride(), str(t.device))
 
 
 def _add_tensor(t, name: str, out: dict, seen: dict) -> str:

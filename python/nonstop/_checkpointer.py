@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _distributed, _preempt, _rng, _state
+from . import _auto, _config, _distributed, _fsdp, _preempt, _rng, _state
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 

@@ -232,9 +232,12 @@ class Checkpointer:
         if self.rng:
             meta["rng"] = _rng.capture()
         layouts = None
-        if self._dist is not None:
-            self._base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
-            tensors, layouts, meta["dist"] = self._dist.shard(tensors, self.state)
+        if self._dist is not None:  # FSDP2 DTensors: each rank its local shard (_fsdp.py)
+            self._base_ptr = {n: _fsdp.data_ptr(t) for n, t in tensors.items()}
+            tensors, layouts, meta["dist"] = _fsdp.shard(self._dist, tensors, self.state)
+        elif _fsdp.has_dtensors(tensors):  # FSDP2 on a mesh of one rank: each shard is whole
+            self._base_ptr = {n: _fsdp.data_ptr(t) for n, t in tensors.items()}
+            tensors, meta["dtensor"] = _fsdp.localize(tensors)
         refs = self._refs(tensors)
         if refs != self._registered:
             if layouts is None:

@@ -297,9 +297,10 @@ class Checkpointer:
         for obj in self.state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
-                    ptrs.update(p.data_ptr() for p in group["params"])
+                    ptrs.update(_fsdp.data_ptr(p) for p in group["params"])
                 for st in obj.state.values():
-                    ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+                    ptrs.update(_fsdp.data_ptr(v) for v in st.values()
+                                if isinstance(v, torch.Tensor))
                 ptrs.update(v.data_ptr() for v in _distributed.local_optimizer_tensors(obj))
         return ptrs
 

@@ -406,6 +406,7 @@ class Checkpointer:
             loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False)
         if loaded is None:
             return None
+        _fsdp.restored(self, loaded)  # FSDP2: the saved shards become DTensors again
         meta = loaded.meta
         saved = meta["state"]
         missing = [k for k in self.state if k not in saved]

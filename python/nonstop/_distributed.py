@@ -86,6 +86,31 @@ def local_optimizer_tensors(obj) -> list:
             if isinstance(v, torch.Tensor)]
 
 
+def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
+    """(names written whole by rank 0, names each rank writes for itself) of
+    the module buffers (BatchNorm running statistics, ...) in the state.
+
+    DDP broadcasts rank 0's buffers at the *start* of each forward, so when a
+    checkpoint is taken the ranks' buffers differ (each updated them with its
+    own batch) and rank 0's are the ones every rank will use next: rank 0
+    writes them whole and every rank restores them. With
+    broadcast_buffers=False each rank keeps its own buffers: rank-local."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    except ImportError:
+        DDP = ()
+    rank0, own = set(), set()
+    for key, obj in stateful_keys.items():
+        if key in local or not isinstance(obj, torch.nn.Module):
+            continue
+        names = {f"{key}/{n}" for n, _ in obj.named_buffers()}
+        if isinstance(obj, DDP) and not obj.broadcast_buffers:
+            own |= names
+        else:
+            rank0 |= names
+    return rank0, own
+
+
 def _owner(name: str, world: int) -> int:
     return zlib.crc32(name.encode()) % world
 
@@ -168,15 +193,18 @@ class Distributed:
         (tensors to register, name -> (global_shape, global_offset), the
         meta["dist"] document)."""
         out, layouts, shared = {}, {}, {}
+        rank0, own = module_buffers(stateful_keys, self.local)
         for name, t in tensors.items():
             key = name.split("/", 1)[0]
-            if key in self.local or is_zero(stateful_keys.get(key)):
+            if key in self.local or is_zero(stateful_keys.get(key)) or name in own:
                 out[name] = t
                 continue
             shared[name] = [list(t.shape), str(t.dtype).replace("torch.", "")]
             n = t.numel()
-            if self.replicated == "rank0" or n < MIN_SHARD_NUMEL or not t.is_contiguous():
-                owner = 0 if self.replicated == "rank0" else _owner(name, self.world)
+            if (self.replicated == "rank0" or name in rank0 or n < MIN_SHARD_NUMEL
+                    or not t.is_contiguous()):
+                owner = 0 if self.replicated == "rank0" or name in rank0 else _owner(
+                    name, self.world)
                 if owner == self.rank:
                     out[name] = t
                     layouts[name] = (list(t.shape), 0)

@@ -75,12 +75,19 @@ def main():
     # ranks the ring's summation order (and rounding) follows the layout.
     # "manual" all-reduces each gradient alone, the same way every step.
     p.add_argument("--grad-sync", choices=["ddp", "manual"], default="ddp")
+    # bn: a BatchNorm layer; DDP broadcasts rank 0's running statistics at the
+    # start of each forward, so at a checkpoint the ranks' buffers differ.
+    p.add_argument("--model", choices=["mlp", "bn"], default="mlp")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 32))
+    if a.model == "bn":
+        model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1),
+                              nn.Linear(64, 32))
+    else:
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 32))
     ddp = nn.parallel.DistributedDataParallel(model) if a.grad_sync == "ddp" else model
     if a.kind == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -135,6 +142,7 @@ def main():
     opt_tensors = [v for _, stt in sorted(local["state"].items()) for _, v in sorted(stt.items())
                    if isinstance(v, torch.Tensor)]
     res = {"rank": rank, "restored": r, "params": digest(model.parameters()),
+           "buffers": digest(model.buffers()),
            "optim": digest(opt_tensors), "samples": train["samples"], "agreed": agreed,
            "rng": digest([torch.get_rng_state()]), "visible_stall_s": st["visible_stall_s"],
            "max_step_stall_s": max(stalls) if stalls else 0.0, "rounds": st["rounds"],

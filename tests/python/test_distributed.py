@@ -49,8 +49,8 @@ def check_ok(res):
 
 def same_training(a, b):
     for x, y in zip(a, b):
-        assert (x["params"], x["optim"], x["rng"], x["samples"], x["lr"]) == (
-            y["params"], y["optim"], y["rng"], y["samples"], y["lr"]), (x, y)
+        keys = ("params", "buffers", "optim", "rng", "samples", "lr")
+        assert [x[k] for k in keys] == [y[k] for k in keys], (x, y)
 
 
 def kill_and_resume(tmp_path, world, kind, kill_rank, extra=(), ref_extra=()):
@@ -110,6 +110,20 @@ def test_zero1_four_ranks_kill_resume(tmp_path):
     # iteration of a process changes the summation order at 3+ ranks (see
     # dist_train.py, docs/DISTRIBUTED.md), with or without a checkpoint.
     kill_and_resume(tmp_path, 4, "zero", kill_rank=2, extra=("--grad-sync", "manual"))
+
+
+def test_ddp_batchnorm_buffers_kill_resume(tmp_path):
+    # Different data per rank: at each checkpoint the ranks' running
+    # statistics differ; rank 0's are the ones DDP broadcasts at the next
+    # forward, so they (not a mix of the ranks' shares) must be restored.
+    d, out, ref, _, _ = kill_and_resume(tmp_path, 2, "ddp", kill_rank=0,
+                                        extra=("--model", "bn"))
+    import nonstop
+    a, b = nonstop.load(d, rank=0), nonstop.load(d, rank=1)
+    bn = "model/module.1.running_mean"
+    assert bn in a.tensors and bn not in b.tensors  # written whole by rank 0
+    assert a.info["tensors"][[s["name"] for s in a.info["tensors"]].index(bn)][
+        "global_shape"] == [64]
 
 
 def check_shares_and_dcp(tmp_path, d, out):

@@ -1,29 +1,45 @@
 """mode="layerwise": LightCheck's layer-wise asynchronous checkpoints for
 PyTorch (docs/LAYERWISE.md).
 
-The optimizer runs in backward: a `register_post_accumulate_grad_hook` on
-every parameter updates that parameter as soon as its gradient is final,
-with a one-parameter instance of the user's optimizer class that shares the
-optimizer's `state` and copies its param_group's hyperparameters before
-each update, so the arithmetic is the optimizer's own (same kernels, same
-order of operations, per tensor). Then, in a step that is due for a
-checkpoint, the copy of that parameter and its optimizer state starts at
-once on the engine's threads (CopyTensors). Before the parameter's next
-update the hook waits for that parameter's copy alone (WaitTensorsCopied).
+The optimizer runs in backward. Each parameter is updated as soon as its
+gradient is final, with a one-parameter instance of the user's optimizer
+class that shares the optimizer's `state` and copies its param_group's
+hyperparameters before each update, so the arithmetic is the optimizer's
+own (same kernels, same order of operations, per tensor). Then, in a step
+that is due for a checkpoint, the copy of that parameter and its optimizer
+state starts at once on the engine's threads (CopyTensors). Before the
+parameter's next update the update waits for that parameter's copy alone
+(WaitTensorsCopied).
+
+When is a gradient final?
+
+* One process: in the parameter's `register_post_accumulate_grad_hook`.
+* Under DistributedDataParallel (any world size): after its bucket's
+  all-reduce. A DDP communication hook (`ddp.register_comm_hook`) scales and
+  all-reduces the bucket exactly as DDP's built-in reduction does, and
+  chains onto the all-reduce's future a callback that updates the bucket's
+  parameters from the reduced gradients (`bucket.gradients()`) and requests
+  their copies. The callback runs on the process group's worker thread
+  while backward goes on; a lock orders it with the training thread.
+  Each rank copies only its own share of the replicated tensors
+  (_distributed.py).
 
 The user's loop does not change:
 
-* The hook sets `p.grad = None` after the update, so the user's
-  `optimizer.step()` finds no gradient and applies nothing a second time
-  (it still runs its hooks, so LR schedulers see it called). A parameter
-  whose gradient was set outside backward (no hook fired) is still updated
-  by `optimizer.step()`.
+* The gradients of updated parameters are None once backward has returned,
+  so the user's `optimizer.step()` applies nothing a second time (it still
+  runs its hooks, so LR schedulers see it called). A parameter whose
+  gradient was set outside backward (no hook fired) is still updated by
+  `optimizer.step()`.
 * `ckpt.step(s)` seals the checkpoint of step s: non-tensor state, RNG and
   tensors not driven by the optimizer (BatchNorm buffers, ...) are captured
-  then, exactly as `save()` does in concurrent mode.
+  then, exactly as `save()` does in concurrent mode. When step s+1 is due,
+  it also prepares that checkpoint (the registration and each parameter's
+  engine tensors), so that backward only opens it and requests copies.
 * Gradient clipping needs the global norm before any update. With
-  `clip_grad_norm=max_norm` the hooks only mark gradients ready; the
-  updates (and copies) run in the optimizer's step pre-hook, after
+  `clip_grad_norm=max_norm` nothing is updated in backward (under DDP no
+  comm hook is installed: DDP reduces as usual); the updates (and copies)
+  run in the optimizer's step pre-hook, after
   `torch.nn.utils.clip_grad_norm_` over its parameters, one parameter after
   another in reverse registration order (about backward order). Do not clip
   by hand in layerwise mode: the gradients are gone by then.
@@ -35,13 +51,14 @@ step falls back to a whole-model (concurrent) checkpoint at `ckpt.step()`.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 import warnings
 from typing import Optional
 
 import torch
 
-from . import _rng, _state
+from . import _distributed, _rng, _state
 from .errors import CheckpointMismatchError
 
 
@@ -55,23 +72,31 @@ def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.O
     return cls([p], **kwargs)
 
 
+def _ddp_class():
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # torch built without distributed
+        return None
+    return DistributedDataParallel
+
+
+def _ddp_params(ddp) -> list:
+    """The parameters DDP reduces (in its buckets)."""
+    ignore = getattr(ddp, "parameters_to_ignore", set())
+    return [p for n, p in ddp.module.named_parameters() if n not in ignore and p.requires_grad]
+
+
 class Layerwise:
     """Drives one Checkpointer's engine layer by layer. A parameter and its
     optimizer state form one group; consecutive updated groups are handed
-    to the engine together once they hold GROUP_BYTES (about a layer), so a
-    model with many small tensors does not pay one engine call (and one
-    wake-up of the copy thread) per bias vector."""
+    to the engine together once they hold GROUP_BYTES (about a layer), and
+    under DDP at the latest at the end of each bucket, so a model with many
+    small tensors does not pay one engine call (and one wake-up of the copy
+    thread) per bias vector."""
 
     GROUP_BYTES = 4 << 20
 
     def __init__(self, ckpt, clip_grad_norm: Optional[float] = None):
-        if ckpt.world_size > 1:
-            # Under DDP the hook would see the local, not yet all-reduced
-            # gradient; the update has to run in a DDP comm hook instead
-            # (docs/LAYERWISE.md), which is not wired up yet.
-            raise CheckpointMismatchError(
-                "mode='layerwise' runs the optimizer in backward, which needs a DDP comm hook "
-                "with more than one rank (not implemented yet): use mode='concurrent'")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise CheckpointMismatchError(
                 f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
@@ -80,15 +105,48 @@ class Layerwise:
         self.next_step = 0           # the step the next backward belongs to
         self.counter: Optional[int] = None  # open layer-wise checkpoint
         self._decided = False        # whether this step's checkpoint was decided
-        self._groups: dict = {}      # param -> engine tensor indices (current registration)
+        self._plan: Optional[tuple] = None  # prepared (signature, groups) for the next one
+        self._keep: dict = {}        # the registered tensors, kept alive while registered
+        self._ptrs: dict = {}        # name -> data_ptr of the state's tensors when registered
+        self._groups: dict = {}      # param -> engine tensor indices (this rank's pieces)
         self._pending: set = set()   # params with copies requested and not waited for
         self._batch: list = []       # updated params whose copies are not requested yet
         self._batched: set = set()   # the same, for membership (tensors compare by value)
         self._batch_bytes = 0
+        # DDP's callbacks run on the process group's threads, the hooks and
+        # ckpt.step() on the training thread: one lock orders every access
+        # to the fields above and every engine call made from a hook.
+        self._lock = threading.RLock()
+        self._updated: list = []     # DDP params updated by the comm hook this backward
+        self._queued = False         # the end-of-backward callback is queued
         # param -> (optimizer, index of its param_group, sub-optimizer). The
         # group is looked up at each update: load_state_dict replaces the dicts.
         self._subs: dict = {}
         self._hooks = []
+        DDP = _ddp_class()
+        ddps = [o for o in ckpt.state.values() if DDP is not None and isinstance(o, DDP)]
+        for o in ckpt.state.values():
+            if _distributed.is_zero(o):
+                raise CheckpointMismatchError(
+                    "mode='layerwise' updates one parameter at a time, which "
+                    "ZeroRedundancyOptimizer cannot do: use mode='concurrent'")
+        if ckpt.world_size > 1 and not ddps:
+            # Without DDP the gradient a hook sees is this rank's alone.
+            raise CheckpointMismatchError(
+                "mode='layerwise' with world_size > 1 needs the model wrapped in "
+                "DistributedDataParallel in state (its comm hook says when a gradient is "
+                "reduced): use mode='concurrent' otherwise")
+        for d in ddps:
+            if getattr(d, "find_unused_parameters", False):
+                # DDP leaves a globally unused parameter's .grad alone; the
+                # bucket does not say which ones those are.
+                raise CheckpointMismatchError(
+                    "mode='layerwise' does not support DDP's find_unused_parameters=True: "
+                    "use mode='concurrent'")
+        by_ddp = {}
+        for d in ddps:
+            for p in _ddp_params(d):
+                by_ddp.setdefault(p, d)
         for opt in ckpt.state.values():
             if not isinstance(opt, torch.optim.Optimizer):
                 continue
@@ -97,28 +155,101 @@ class Layerwise:
                     if not p.requires_grad or p in self._subs:
                         continue
                     self._subs[p] = (opt, gi, _sub_optimizer(opt, p))
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    if p not in by_ddp:  # DDP's are updated by its comm hook
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             if self.clip is not None:
                 self._hooks.append(opt.register_step_pre_hook(self._on_step))
         if not self._subs:
             raise CheckpointMismatchError("mode='layerwise' needs a torch.optim.Optimizer in state whose "
                              "parameters require grad")
+        if self.clip is None:
+            for d in ddps:
+                try:
+                    d.register_comm_hook(d.process_group, self._comm_hook)
+                except RuntimeError as e:
+                    raise CheckpointMismatchError(
+                        f"mode='layerwise' installs a DDP communication hook and DDP refused "
+                        f"it ({str(e).splitlines()[0]}); register no comm hook of your own") from None
 
     # ------------------------------------------------------------ the hooks
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.clip is None:
-            self._update(p)
+            with self._lock:
+                self._update([p])
 
     def _on_step(self, opt, args, kwargs) -> None:
         params = [p for p, (o, _, _) in self._subs.items() if o is opt and p.grad is not None]
         if not params:
             return
         torch.nn.utils.clip_grad_norm_(params, self.clip)
-        for p in reversed(params):
-            self._update(p)
+        with self._lock:
+            for p in reversed(params):
+                self._update([p])
+            self._flush()
 
-    def _update(self, p: torch.Tensor) -> None:
+    def _comm_hook(self, group, bucket):
+        """DDP communication hook (training thread, inside backward): the
+        bucket's all-reduce as DDP does it without a hook, then the updates
+        and copies of its parameters, on the thread that completes it."""
+        if not self._decided or not self._queued:
+            with self._lock:
+                if not self._decided:  # before the first all-reduce: no callback runs yet
+                    self._decided = True
+                    if self.ckpt._engine is not None:
+                        self._maybe_begin(self.ckpt._engine)
+                if not self._queued:
+                    self._queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        params, grads = bucket.parameters(), bucket.gradients()
+        buf = bucket.buffer()
+        world = group.size()
+        # reducer.cpp without a comm hook: a gradient is multiplied by
+        # 1/world as it is copied into the bucket (at::mul_out with a wrapped
+        # double scalar), or divided by world in place where it already is a
+        # view of the bucket (gradient_as_bucket_view); then the bucket is
+        # summed. A comm hook receives plain copies, so do the same here.
+        views = [p.grad is not None and p.grad.data_ptr() == g.data_ptr() and g.numel() > 0
+                 for p, g in zip(params, grads)]
+        if not any(views):
+            buf.mul_(1.0 / world)
+        else:
+            for v, g in zip(views, grads):
+                if v:
+                    g.div_(world)
+                else:
+                    g.mul_(1.0 / world)
+        fut = torch.distributed.all_reduce(buf, group=group, async_op=True).get_future()
+
+        def reduced(f):
+            f.value()  # raises the all-reduce's error
+            with self._lock:
+                todo = [(p, g) for p, g in zip(params, grads) if p in self._subs]
+                self._update([p for p, _ in todo], dict(todo))
+                self._flush()
+                self._updated.extend(p for p, _ in todo)
+            return buf
+
+        return fut.then(reduced)
+
+    def _end_backward(self) -> None:
+        # Queued at the first bucket, this may run before DDP's own final
+        # callback, which waits for the buckets and writes the reduced
+        # gradients into .grad: queue the clean-up once more, after it.
+        torch.autograd.Variable._execution_engine.queue_callback(self._clear_grads)
+
+    def _clear_grads(self) -> None:
+        with self._lock:
+            for p in self._updated:
+                p.grad = None  # updated already: optimizer.step() must skip it
+            self._updated = []
+            self._queued = False
+
+    def _update(self, params: list, grads: Optional[dict] = None) -> None:
+        """Updates `params` (under the lock): waits for their copies of the
+        checkpoints in flight first, then runs each one's update and batches
+        its copy when a checkpoint is open. `grads`: param -> the reduced
+        gradient to use (DDP), else p.grad."""
         ck = self.ckpt
         engine = ck._engine
         if engine is not None:
@@ -129,111 +260,176 @@ class Layerwise:
             if ck._copy_pending:  # a whole-model checkpoint is still copying
                 engine.wait_copied()
                 ck._copy_pending = False
-            if p in self._pending:
-                engine.wait_tensors_copied(self._groups[p])
-                self._pending.discard(p)
-            elif p in self._batched:  # updated twice in one step: request its copy first
-                self._flush(engine)
-                engine.wait_tensors_copied(self._groups[p])
-                self._pending.discard(p)
+            if any(p in self._batched for p in params):  # updated twice in one step
+                self._flush()
+            wait = [p for p in params if p in self._pending]
+            if wait:
+                engine.wait_tensors_copied([i for p in wait for i in self._groups[p]])
+                self._pending.difference_update(wait)
             dt = time.perf_counter() - t0
             ck._hook_stall_s += dt
             ck._visible_stall_s += dt
-        opt, gi, sub = self._subs[p]
-        sg = sub.param_groups[0]
-        for k, v in opt.param_groups[gi].items():
-            if k != "params":
-                sg[k] = v
-        sub.state = opt.state  # shared (load_state_dict replaces opt.state)
-        sub.step()
-        p.grad = None
-        if self.counter is not None and engine is not None and self._groups.get(p):
-            self._batch.append(p)
-            self._batched.add(p)
-            self._batch_bytes += p.numel() * p.element_size() * (1 + len(opt.state[p]))
-            if self._batch_bytes >= self.GROUP_BYTES:
-                self._flush(engine)
+        for p in params:
+            opt, gi, sub = self._subs[p]
+            sg = sub.param_groups[0]
+            for k, v in opt.param_groups[gi].items():
+                if k != "params":
+                    sg[k] = v
+            sub.state = opt.state  # shared (load_state_dict replaces opt.state)
+            if grads is None:
+                sub.step()
+                p.grad = None
+            else:
+                # The reduced gradient is a view of DDP's bucket; DDP copies
+                # it into p.grad after the all-reduce's future.
+                local, p.grad = p.grad, grads[p]
+                try:
+                    sub.step()
+                finally:
+                    p.grad = local
+            if self.counter is not None and engine is not None and self._groups.get(p):
+                self._batch.append(p)
+                self._batched.add(p)
+                self._batch_bytes += p.numel() * p.element_size() * (1 + len(opt.state[p]))
+                if self._batch_bytes >= self.GROUP_BYTES:
+                    self._flush()
 
-    def _flush(self, engine) -> None:
+    def _flush(self) -> None:
         """Requests the copies of the batched groups (they may change again
         only after WaitTensorsCopied)."""
         if not self._batch:
             return
         t0 = time.perf_counter()
-        engine.copy_tensors(self.counter, [i for p in self._batch for i in self._groups[p]])
+        self.ckpt._engine.copy_tensors(self.counter,
+                                       [i for p in self._batch for i in self._groups[p]])
         self._pending.update(self._batch)
         self._batch, self._batched, self._batch_bytes = [], set(), 0
         self.ckpt._visible_stall_s += time.perf_counter() - t0
 
     # --------------------------------------------------------- checkpoints
 
-    def _maybe_begin(self, engine) -> None:
-        ck = self.ckpt
-        s = self.next_step
-        if (s + 1) % ck.every != 0:
-            return
+    def _signature(self) -> tuple:
+        """Where the optimizer-driven tensors are: the plan holds while this is unchanged."""
+        sig = []
         for p, (opt, _, _) in self._subs.items():
-            if not opt.state.get(p):
-                return  # no optimizer state yet: ckpt.step() saves the whole model
-        tensors: dict = {}
-        for key, obj in ck.state.items():
-            _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors,
-                           f"state[{key!r}]")
-        refs = ck._refs(tensors)
+            st = opt.state.get(p)
+            sig.append((p.data_ptr(), id(st),
+                        tuple(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+                        if st else ()))
+        return tuple(sig)
+
+    def _complete(self) -> bool:
+        """Whether every optimized parameter has its optimizer state."""
+        return all(opt.state.get(p) for p, (opt, _, _) in self._subs.items())
+
+    def _prepare(self, engine, tensors: Optional[dict] = None) -> None:
+        """Registers the state's tensors (this rank's pieces of them) unless
+        they are registered already, and finds each parameter's engine
+        tensors. `tensors`: the flattened state, when the caller has it."""
+        ck = self.ckpt
+        if tensors is None:
+            tensors = {}
+            for key, obj in ck.state.items():
+                _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
+                               tensors, f"state[{key!r}]")
+        refs, layouts, pieces = self._refs(tensors)
         if refs != ck._registered:
-            engine.register(refs)
+            if layouts is None:
+                engine.register(refs)
+            else:
+                engine.register(refs, layouts=[layouts.get(r[0]) for r in refs])
             ck._registered = refs
             ck._registers += 1
-        index = {}
+        self._keep = pieces  # registered by pointer: keep them alive
+        self._ptrs = dict(ck._base_ptr)
+        index: dict = {}
         for i, r in enumerate(refs):
-            index.setdefault(r[4], i)
+            index.setdefault(ck._base_ptr.get(r[0], r[4]), []).append(i)
         groups = {}
         for p, (opt, _, _) in self._subs.items():
             ts = [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
-            groups[p] = [index[t.data_ptr()] for t in ts if t.data_ptr() in index]
-        self._groups = groups
+            groups[p] = [i for t in ts for i in index.get(t.data_ptr(), ())]
+        self._plan = (self._signature(), groups)
+
+    def _refs(self, tensors: dict) -> tuple:
+        """(engine refs, layouts or None, the tensors registered) for the
+        flattened state: with world_size > 1 this rank's shares."""
+        ck = self.ckpt
+        layouts = None
+        ck._base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
+        if ck._dist is not None:
+            tensors, layouts, _ = ck._dist.shard(tensors, ck.state)
+        return ck._refs(tensors), layouts, tensors
+
+    def _maybe_begin(self, engine) -> None:
+        """At the first update of a step: opens the step's checkpoint when it
+        is due (with the plan prepared by the previous ckpt.step(), or one
+        made now)."""
+        s = self.next_step
+        if (s + 1) % self.ckpt.every != 0 or not self._complete():
+            return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
+        if self._plan is None or self._plan[0] != self._signature():
+            self._prepare(engine)
+        self._groups = self._plan[1]
         self.counter = engine.begin_checkpoint(int(s))
+        if self.ckpt._dist is not None:
+            self.ckpt._dist.started(engine)  # the first one starts the agreement thread
 
     def step(self, step: int) -> Optional[int]:
         """ckpt.step(step) in layerwise mode: seals the open checkpoint, or
-        starts a whole-model one when due and none is open."""
+        starts a whole-model one when due and none is open; then prepares
+        the checkpoint of the next step when it is due."""
         ck = self.ckpt
-        counter = None
-        if self.counter is not None:
+        with self._lock:
+            counter = None
+            tensors = None
             t0 = time.perf_counter()
-            from ._checkpointer import FORMAT
-            tensors: dict = {}
-            tree = {key: _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors,
-                                        f"state[{key!r}]")
-                    for key, obj in ck.state.items()}
-            registered = {r[0] for r in ck._registered or []}
-            if set(tensors) != registered:
-                warnings.warn("nonstop: the set of tensors changed during step "
-                              f"{step}; its layer-wise checkpoint may not restore", stacklevel=3)
-            meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
-                    "world_size": ck.world_size, "state": tree}
-            if ck.rng:
-                meta["rng"] = _rng.capture()
-            counter, self.counter = self.counter, None
-            # Every tensor not requested yet (the last batch too) is copied
-            # by the seal: wait for all of them before their next update.
-            self._pending = set(self._groups)
-            self._batch, self._batched, self._batch_bytes = [], set(), 0
-            ck._engine.end_checkpoint(counter, int(step), _state.dumps(meta))
-            ck._saves += 1
+            if self.counter is not None:
+                from ._checkpointer import FORMAT
+                tensors = {}
+                tree = {key: _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj)
+                                            else obj, key, tensors, f"state[{key!r}]")
+                        for key, obj in ck.state.items()}
+                meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
+                        "world_size": ck.world_size, "state": tree}
+                if ck._dist is not None:
+                    meta["dist"] = ck._dist.shard(tensors, ck.state)[2]
+                if ck.rng:
+                    meta["rng"] = _rng.capture()
+                counter, self.counter = self.counter, None
+                # Every tensor not requested yet (the last batch too) is copied
+                # by the seal: wait for all of them before their next update.
+                self._pending = set(self._groups)
+                self._batch, self._batched, self._batch_bytes = [], set(), 0
+                changed = {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs
+                ck._engine.end_checkpoint(counter, int(step), _state.dumps(meta))
+                if changed:
+                    warnings.warn("nonstop: the state's tensors changed during step "
+                                  f"{step}; its layer-wise checkpoint may not restore",
+                                  stacklevel=3)
+                    self._plan = None
+                ck._saves += 1
+            elif (step + 1) % ck.every == 0:
+                counter = ck.save(step)
+            self.next_step = step + 1
+            self._decided = False
+            self._queued = False  # (a backward that raised left it set)
+            # The next step is due: register and find the groups now, on the
+            # training thread between steps, so that backward only opens the
+            # checkpoint and requests copies.
+            if (step + 2) % ck.every == 0 and self._complete():
+                self._prepare(ck._engine, tensors)
             ck._visible_stall_s += time.perf_counter() - t0
-        elif (step + 1) % ck.every == 0:
-            counter = ck.save(step)
-        self.next_step = step + 1
-        self._decided = False
-        return counter
+            return counter
 
     def restored(self, step: Optional[int]) -> None:
-        self.next_step = 0 if step is None else step + 1
-        self._decided = False
-        self._pending.clear()
-        self._batch, self._batched, self._batch_bytes = [], set(), 0
-        self._groups = {}
+        with self._lock:
+            self.next_step = 0 if step is None else step + 1
+            self._decided = False
+            self._pending.clear()
+            self._batch, self._batched, self._batch_bytes = [], set(), 0
+            self._groups = {}
+            self._plan = None
 
     def close(self) -> None:
         for h in self._hooks:

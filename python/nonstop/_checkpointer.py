@@ -146,7 +146,12 @@ class Checkpointer:
         self.rng = rng
         self.rank = drank if rank is None else rank
         self.world_size = dworld if world_size is None else world_size
-        check_directory(self.dir, self.rank, self.world_size, must_exist=False)
+        # Rank files of another world size are set aside for resharding
+        # (_distributed.py; with world_size > 1 collectively, in Distributed).
+        if self.world_size == 1:
+            _distributed.set_aside(self.dir, 1)
+        check_directory(self.dir, self.rank, self.world_size if self.world_size == 1 else None,
+                        must_exist=False)
         engine_kwargs = dict(
             rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
             writers=writers or 0, staging_bytes=staging_bytes or 0, chunk_bytes=chunk_bytes or 0,

@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import random
+import re
 import threading
 import time
 import warnings
@@ -40,6 +41,11 @@ from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoun
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
 REPLICATED = ("shard", "rank0")
+_RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
+_AGREED_FILE = re.compile(r"^agreed-rank-(\d{5})\.json$")
+_ARCHIVE = re.compile(r"^world-(\d+)$")
+# Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
+CONSOLIDATED = "nonstop_consolidated_zero"
 # Tensors smaller than this (in elements) are not cut: one rank writes each whole.
 MIN_SHARD_NUMEL = 1024
 
@@ -66,6 +72,12 @@ def state_dict_of(obj):
 
 
 def load_state_dict_into(obj, value) -> None:
+    if isinstance(value, dict) and value.get(CONSOLIDATED) is not None:
+        # A resharded ZeroRedundancyOptimizer's whole state (global indices):
+        # a new ZeRO partitions it over its ranks; a plain optimizer (one
+        # process) takes it as is.
+        obj.load_state_dict({k: v for k, v in value.items() if k != CONSOLIDATED})
+        return
     if is_zero(obj):
         obj.optim.load_state_dict(value)
         # ZeRO copies its own param_groups into the local optimizer at each
@@ -109,6 +121,24 @@ def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
         else:
             rank0 |= names
     return rank0, own
+
+
+def _is_ddp(obj) -> bool:
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    except ImportError:
+        return False
+    return isinstance(obj, DDP)
+
+
+def zero_layout(obj) -> dict:
+    """What resharding a ZeroRedundancyOptimizer's saved shard needs: the
+    global index (in the order of ZeRO's own param_groups, as its consolidated
+    state_dict numbers them) of each parameter of this rank's local
+    optimizer, in the local state_dict's order, and the size of each group."""
+    index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
+    return {"index": [index[id(p)] for g in obj.optim.param_groups for p in g["params"]],
+            "groups": [len(g["params"]) for g in obj.param_groups]}
 
 
 def _owner(name: str, world: int) -> int:
@@ -167,11 +197,18 @@ class Distributed:
         self.group = dist.new_group(backend="gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self.timeout_s = timeout_s
+        # Rank files of another world size are set aside for resharding; the
+        # ranks take turns, so each file is moved once on a shared file system.
+        for turn in range(world):
+            if turn == rank:
+                set_aside(dir, world)
+            dist.barrier(group=self.group)
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
         self.lineage = self._new_lineage()
         self.engine = None
+        self.state: Optional[dict] = None  # the Checkpointer's state (resharding)
         self.agreed: Optional[dict] = read_agreed(dir, rank)
         self.rounds = 0
         self.error: Optional[BaseException] = None
@@ -216,7 +253,9 @@ class Distributed:
             out[name] = t.detach().reshape(-1)[begin:end]
             layouts[name] = (list(t.shape), begin)
         doc = {"world_size": self.world, "lineage": self.lineage, "replicated": self.replicated,
-               "shared": shared}
+               "shared": shared, "local": sorted(self.local), "own": sorted(own),
+               "ddp": sorted(k for k, o in stateful_keys.items() if _is_ddp(o)),
+               "zero": {k: zero_layout(o) for k, o in stateful_keys.items() if is_zero(o)}}
         return out, layouts, doc
 
     def started(self, engine) -> None:
@@ -360,6 +399,12 @@ class Distributed:
         order = sorted(common, reverse=True)
         if step is not None:
             order = [c for c in order if c[0] == step]
+        if not order:
+            # Nothing this world size committed on every rank: a set-aside
+            # checkpoint of another world size, resharded.
+            got = self._reshard(step)
+            if got is not None:
+                return got
         if not any(every) and step is None:
             return None
         if not order:
@@ -410,6 +455,38 @@ class Distributed:
             return info, full, meta
         return None
 
+    def _reshard(self, step: Optional[int]) -> Optional[tuple]:
+        comm = _Comm(self.group, self.world)
+        pick, err = None, None
+        try:
+            pick = pick_archive(self.dir, self.world)
+        except (CheckpointError, OSError) as e:
+            err = str(e)
+        comm.check(err)
+        picks = comm.gather(pick)
+        if picks[0] is None:
+            seen = [(r, p) for r, p in enumerate(picks) if p is not None]
+            if seen:
+                r, (w, archive, _) = seen[0]
+                raise IncompatibleCheckpointError(
+                    f"rank {r} finds a checkpoint of world size {w} in {archive} but rank 0 "
+                    f"does not: resharding to world size {self.world} needs every old rank file "
+                    f"visible to every rank (a shared file system, or copies)")
+            return None
+        old_world, archive, _ = picks[0]
+        key, info, tensors, meta = reshard(archive, old_world, self.rank, self.world, step, comm,
+                                           self.state or {})
+        self.lineage = self._new_lineage()
+        cand = self.engine.candidate()
+        if cand is not None:  # a newer checkpoint of this world size, not on every rank
+            self.engine.drop_candidate(cand[0])
+        rec = {"step": key[0], "counter": -1, "lineage": self.lineage, "rank": self.rank,
+               "world_size": self.world, "resharded_from": [archive, old_world],
+               "unix_s": time.time()}
+        _atomic_write(agreed_path(self.dir, self.rank), json.dumps(rec))
+        self.agreed = rec
+        return info, tensors, meta
+
     def _assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
         """Reassembles every replicated tensor from the ranks' pieces with an
         all_reduce(SUM) of uint8 bytes: each byte has exactly one nonzero
@@ -442,6 +519,391 @@ class Distributed:
             out[name] = flat[off:off + size].clone().view(_torch_dtype_by_name(dtype)).reshape(shape)
             off += size
         return out
+
+
+# ------------------------------------------------------------- resharding
+#
+# A job of world size W' started on a directory written by a job of world
+# size W != W' first sets the old rank files aside into JOBDIR/world-W/ (its
+# own engines then start their own rank files), and restore() rebuilds the
+# state from them: replicated tensors from the recorded global layout (which
+# old rank holds which element range), ZeRO-1 optimizer state consolidated
+# from the old shards (zero_layout) and partitioned again by the new
+# ZeroRedundancyOptimizer. Every old rank file must be visible to every new
+# rank (a shared file system, or the files copied to each node).
+
+
+def _core():
+    from ._checkpointer import _core as core
+    return core()
+
+
+def _file_world(dir: str, rank: int) -> Optional[int]:
+    """World size in the geometry of `dir`/rank-RRRRR.nsck; None when it
+    cannot be read (damaged, being created)."""
+    try:
+        return int(_core().Reader(dir, rank=rank, verify_data=False).geometry["world_size"])
+    except Exception:  # noqa: BLE001 -- unreadable: not ours to move
+        return None
+
+
+def _has_committed(dir: str, rank: int) -> bool:
+    try:
+        return any(c["committed"] for c in
+                   _core().Reader(dir, rank=rank, verify_data=False).checkpoints)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def set_aside(dir: str, world: int) -> list:
+    """Moves the rank files (and agreed records) that a job of another world
+    size wrote in `dir` into `dir`/world-W/, so this job's engines start
+    their own files. Returns the archive directories it moved files into.
+    With world_size > 1 the ranks take turns (Distributed.__init__), so on a
+    shared file system one rank moves each file; on local disks each node's
+    first rank moves its copies."""
+    if not os.path.isdir(dir):
+        return []
+    moved = set()
+    for name in sorted(os.listdir(dir)):
+        m = _RANK_FILE.match(name)
+        if not m:
+            continue
+        w = _file_world(dir, int(m.group(1)))
+        if w is None or w == world:
+            continue
+        dest = os.path.join(dir, f"world-{w}")
+        os.makedirs(dest, exist_ok=True)
+        src, target = os.path.join(dir, name), os.path.join(dest, name)
+        if os.path.exists(target):
+            # An older set-aside of world size W: the file here supersedes it
+            # unless it holds no committed checkpoint (then it is kept aside).
+            if not _has_committed(dir, int(m.group(1))):
+                target += ".uncommitted"
+            else:
+                os.replace(target, target + ".prev")
+        try:
+            os.rename(src, target)
+        except FileNotFoundError:
+            continue
+        moved.add(dest)
+        rec = agreed_path(dir, int(m.group(1)))
+        try:
+            os.replace(rec, os.path.join(dest, os.path.basename(rec)))
+        except FileNotFoundError:
+            pass
+    for d in sorted(moved):
+        _fsync_dir(d)
+    if moved:
+        _fsync_dir(dir)
+        warnings.warn(f"nonstop: {dir} holds a checkpoint of world size "
+                      f"{', '.join(os.path.basename(d)[6:] for d in sorted(moved))}; this job has "
+                      f"world size {world}: its rank files are moved to "
+                      f"{', '.join(sorted(moved))} and restore() reshards them", stacklevel=4)
+    return sorted(moved)
+
+
+def archives(dir: str) -> list:
+    """(old world size, directory) of the set-aside checkpoints in `dir`."""
+    if not os.path.isdir(dir):
+        return []
+    out = []
+    for name in sorted(os.listdir(dir)):
+        m = _ARCHIVE.match(name)
+        if m and os.path.isdir(os.path.join(dir, name)):
+            out.append((int(m.group(1)), os.path.join(dir, name)))
+    return out
+
+
+class _Comm:
+    """The few collectives resharding needs; world 1 without a process group."""
+
+    def __init__(self, group=None, world: int = 1):
+        self.group, self.world = group, world
+
+    def gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        got = [None] * self.world
+        torch.distributed.all_gather_object(got, obj, group=self.group)
+        return got
+
+    def check(self, err: Optional[str], cls=IncompatibleCheckpointError) -> None:
+        """Raises on every rank when any rank failed (so none hangs)."""
+        bad = [(r, e) for r, e in enumerate(self.gather(err)) if e is not None]
+        if bad:
+            raise cls(bad[0][1] if len(bad) == 1 or all(e == bad[0][1] for _, e in bad)
+                      else "; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+def _open_old(archive: str, old_world: int, world: int) -> list:
+    """Readers of every old rank file of `archive`; a one-line error naming
+    both world sizes and the first missing or foreign file."""
+    readers = []
+    for r in range(old_world):
+        path = os.path.join(archive, f"rank-{r:05d}.nsck")
+        if not os.path.exists(path):
+            raise IncompatibleCheckpointError(
+                f"cannot reshard the checkpoint of world size {old_world} in {archive} to world "
+                f"size {world}: {path} is missing (every old rank file must be visible to every "
+                f"rank: use a shared file system or copy them there)")
+        reader = _core().Reader(archive, rank=r, verify_data=True)
+        w = int(reader.geometry["world_size"])
+        if w != old_world:
+            raise IncompatibleCheckpointError(
+                f"cannot reshard {archive} to world size {world}: {path} was written with world "
+                f"size {w}, not {old_world}")
+        readers.append(reader)
+    return readers
+
+
+def _committed(reader) -> dict:
+    """(step, lineage) -> (index, meta) of the committed checkpoints of one file."""
+    from ._state import loads
+    found = {}
+    for i, c in enumerate(reader.checkpoints):
+        if not c["committed"]:
+            continue
+        try:
+            meta = loads(c["meta_json"].decode("utf-8"))
+        except ValueError:
+            continue
+        d = meta.get("dist", {}) if isinstance(meta, dict) else {}
+        found.setdefault((int(c["step"]), int(d.get("lineage", 0))), (i, meta))
+    return found
+
+
+def _common(readers: list) -> tuple[list, list]:
+    per = [_committed(r) for r in readers]
+    common = set(per[0]) if per else set()
+    for f in per[1:]:
+        common &= set(f)
+    return sorted(common, reverse=True), per
+
+
+def pick_archive(dir: str, world: int) -> Optional[tuple]:
+    """(old world, archive dir, newest common step) of the set-aside
+    checkpoint with the newest step committed on all of its rank files;
+    None when there is none. Raises the first archive's error (a missing
+    old rank file, ...) when no archive can be used."""
+    best, err = None, None
+    for w, archive in archives(dir):
+        try:
+            order, _ = _common(_open_old(archive, w, world))
+        except (CheckpointError, OSError) as e:
+            err = err or e
+            continue
+        if order and (best is None or order[0][0] > best[2]):
+            best = (w, archive, order[0][0])
+    if best is None and err is not None:
+        raise err
+    return best
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _read_all(reader, idx: int, names=None) -> dict:
+    """name -> tensor of checkpoint `idx` of one file (chunk crcs verified)."""
+    info = reader.checkpoints[idx]
+    out = {}
+    for ti, spec in enumerate(info["tensors"]):
+        if names is not None and not names(spec["name"]):
+            continue
+        t = torch.empty(spec["shape"], dtype=_torch_dtype(spec["dtype"]))
+        if spec["nbytes"]:
+            reader.read_tensor(idx, ti, t.data_ptr(), spec["nbytes"])
+        out[spec["name"]] = (t, spec)
+    return out
+
+
+def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
+    """A module's state tree saved under DDP ("module." prefixes) loaded into
+    a plain module (add=False), or the other way round (add=True)."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if add:
+            nk = "module." + k
+        else:
+            nk = k[len("module."):] if k.startswith("module.") else k
+        if isinstance(v, dict) and set(v) == {"__tensor__"}:
+            old = v["__tensor__"]
+            new = f"{key}/{nk}"
+            if old in tensors and new not in tensors:
+                tensors[new] = tensors.pop(old)
+                v = {"__tensor__": new}
+        out[nk] = v
+    return out
+
+
+def reshard(archive: str, old_world: int, rank: int, world: int, step: Optional[int],
+            comm: _Comm, state: dict) -> tuple[tuple, dict, dict, dict]:
+    """Rebuilds rank `rank`'s state (of a job of world size `world`) from the
+    old rank files in `archive`. Returns ((step, lineage), info, tensors, meta).
+
+    The step is the newest one committed on every old file (the old job's
+    globally committed step) that verifies everywhere; each rank reads what
+    it needs from every old file, so any rank failing makes all fall back."""
+    from . import _state
+    err, readers, order, per = None, [], [], []
+    try:
+        readers = _open_old(archive, old_world, world)
+        order, per = _common(readers)
+    except (CheckpointError, OSError) as e:
+        err = str(e)
+    comm.check(err)
+    if step is not None:
+        order = [k for k in order if k[0] == step]
+    if not order:
+        raise CheckpointNotFoundError(
+            f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
+            f"committed on every old rank file of {archive} (world size {old_world})")
+    src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
+    for n, key in enumerate(order):
+        metas = [p[key][1] for p in per]
+        doc = metas[0].get("dist", {})
+        err, got = None, None
+        try:
+            got = _rebuild(readers, [p[key][0] for p in per], metas, doc, src, archive,
+                           old_world, rank, world, key, state)
+        except (CorruptCheckpointError, OSError) as e:
+            err = str(e)
+        except CheckpointError as e:  # not a damaged file: the same on every rank
+            comm.check(str(e))
+        bad = [(r, e) for r, e in enumerate(comm.gather(err)) if e is not None]
+        if bad:
+            where = "; ".join(f"rank {r}: {e}" for r, e in bad)
+            if n + 1 == len(order):
+                raise CorruptCheckpointError(
+                    f"no checkpoint of {archive} every rank can verify: {where}")
+            warnings.warn(f"nonstop: resharding step {key[0]} fails on {where}; all ranks fall "
+                          f"back to step {order[n + 1][0]}", stacklevel=4)
+            continue
+        tensors, meta = got
+        info = dict(readers[src].checkpoints[per[src][key][0]])
+        info.pop("meta_json", None)
+        info["resharded_from"] = {"dir": archive, "world_size": old_world}
+        return key, info, tensors, meta
+    raise AssertionError("unreachable")
+
+
+def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world, key, state):
+    from . import _state
+    if old_world != world and doc.get("local"):
+        raise IncompatibleCheckpointError(
+            f"cannot reshard {archive} (world size {old_world}) to world size {world}: state "
+            f"{doc['local'][0]!r} is rank-local (local=...), a partition only its own rank knows")
+    zero_keys = set(doc.get("zero", {}))
+    stale = [k for k, o in state.items() if is_zero(o) and k not in zero_keys]
+    if stale and old_world != world:
+        raise IncompatibleCheckpointError(
+            f"cannot reshard the ZeroRedundancyOptimizer state {stale[0]!r} of {archive}: it was "
+            f"written without the layout resharding needs (an older nonstop)")
+    shared = dict(doc.get("shared", {}))
+    # Replicated tensors: every old rank's pieces, placed by global offset.
+    flat = {name: torch.zeros(_numel(shape) * _torch_dtype_by_name(dtype).itemsize,
+                              dtype=torch.uint8) for name, (shape, dtype) in shared.items()}
+    filled = dict.fromkeys(shared, 0)
+    zero_parts = []  # per old rank: name -> tensor under a ZeRO key
+    mine = {}
+    for r, (reader, idx) in enumerate(zip(readers, indices)):
+        got = _read_all(reader, idx, lambda nm: nm in shared or nm.split("/", 1)[0] in zero_keys
+                        or r == src)
+        zparts = {}
+        for name, (t, spec) in got.items():
+            if name in shared:
+                raw = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+                off = int(spec.get("global_offset", 0)) * t.element_size()
+                flat[name][off:off + raw.numel()] = raw
+                filled[name] += raw.numel()
+            elif name.split("/", 1)[0] in zero_keys:
+                zparts[name] = t
+            else:
+                mine[name] = t  # old rank `src`'s own tensors
+        zero_parts.append(zparts)
+    for name, size in filled.items():
+        if size != flat[name].numel():
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: the old rank files of {archive} hold {size} of its "
+                f"{flat[name].numel()} bytes at step {key[0]}")
+    tensors = dict(mine)
+    for name, (shape, dtype) in shared.items():
+        tensors[name] = flat[name].view(_torch_dtype_by_name(dtype)).reshape(shape)
+    meta = json.loads(json.dumps(metas[src]))  # a copy: its state tree is rewritten below
+    meta["state"] = dict(meta.get("state", {}))
+    for zk in sorted(zero_keys):
+        meta["state"][zk] = _consolidate(zk, metas, zero_parts, tensors)
+    # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.
+    dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
+    if dt:
+        from . import _fsdp
+        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, _core()))
+    # A module saved under DDP restored without it (one process), or back.
+    saved_ddp = set(doc.get("ddp", []))
+    for k, obj in state.items():
+        if k in meta["state"] and isinstance(obj, torch.nn.Module) and (
+                (k in saved_ddp) != _is_ddp(obj)):
+            meta["state"][k] = _rename_module_keys(meta["state"][k], tensors, k, _is_ddp(obj))
+    return tensors, meta
+
+
+def _consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
+    """The consolidated state_dict (global parameter indices) of the
+    ZeroRedundancyOptimizer saved under `key`, from every old rank's shard.
+    Its tensors are added to `tensors` under `key`#zero/...; returns its tree."""
+    from . import _state
+    state, groups = {}, None
+    for meta, parts in zip(metas, zero_parts):
+        layout = meta["dist"]["zero"][key]
+        local = _state.unflatten(meta["state"][key], parts)
+        ids = sorted(p for g in local["param_groups"] for p in g["params"])
+        pos = {pid: i for i, pid in enumerate(ids)}  # local state_dict ids -> local order
+        for pid, st in local["state"].items():
+            state[layout["index"][pos[pid]]] = st
+        if groups is None:
+            groups, off = [], 0
+            for g, size in zip(local["param_groups"], layout["groups"]):
+                groups.append(dict({k: v for k, v in g.items() if k != "params"},
+                                   params=list(range(off, off + size))))
+                off += size
+    value = {"state": dict(sorted(state.items())), "param_groups": groups, CONSOLIDATED: 1}
+    return _state.flatten(value, f"{key}#zero", tensors)
+
+
+def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: dict):
+    """Checkpointer.restore with world size 1 where set-aside checkpoints of
+    another world size exist: this process's own file when it holds a
+    (matching) committed checkpoint, else the newest set-aside one, resharded."""
+    own = os.path.join(dir, "rank-00000.nsck")
+    if os.path.exists(own):
+        try:
+            steps = [c["step"] for c in _core().Reader(dir, rank=0, verify_data=False).checkpoints
+                     if c["committed"]]
+        except Exception:  # noqa: BLE001 -- let the ordinary path report it
+            steps = [step]
+        if steps and (step is None or step in steps):
+            return read_own()
+    best = pick_archive(dir, 1)
+    if best is None:
+        return read_own() if os.path.exists(own) else None
+    old_world, archive, _ = best
+    key, info, tensors, meta = reshard(archive, old_world, 0, 1, step, _Comm(), state)
+    return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
+                      os.path.join(archive, "rank-00000.nsck"))
 
 
 def _torch_dtype(code: int):

@@ -57,6 +57,21 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
+def optim_by_param(opt) -> dict:
+    """{global parameter index: digest of its optimizer state} for the
+    parameters whose state this rank holds (all of them, or ZeRO's shard)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = opt.optim.state if isinstance(opt, ZeroRedundancyOptimizer) else opt.state
+    out = {}
+    for i, p in enumerate(params):
+        st = state.get(p)
+        if st:
+            out[str(i)] = digest(v if v.dim() else v.reshape(1) for _, v in sorted(st.items())
+                                 if isinstance(v, torch.Tensor))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("dir")
@@ -106,7 +121,9 @@ def main():
         real = ckpt._dist.started
         ckpt._dist.started = lambda engine: real(SlowCommits(engine, a.slow_s))
     r = ckpt.restore()
-    emit(event="start", rank=rank, restored=r)
+    emit(event="start", rank=rank, restored=r, params=digest(model.parameters()),
+         optim=optim_by_param(opt), last_epoch=sched.last_epoch, samples=train["samples"],
+         lr=[g["lr"] for g in opt.param_groups])
     start = 0 if r is None else r + 1
     stalls = []
     for s in range(start, a.steps):
@@ -146,7 +163,7 @@ def main():
            "optim": digest(opt_tensors), "samples": train["samples"], "agreed": agreed,
            "rng": digest([torch.get_rng_state()]), "visible_stall_s": st["visible_stall_s"],
            "max_step_stall_s": max(stalls) if stalls else 0.0, "rounds": st["rounds"],
-           "lr": sched.get_last_lr()}
+           "lr": sched.get_last_lr(), "by_param": optim_by_param(opt)}
     if os.environ.get("NONSTOP_TEST_DUMP"):
         torch.save({"model": model.state_dict(), "optim": local}, f"{a.out}.rank-{rank}.pt")
     with open(f"{a.out}.rank-{rank}.json", "w") as f:

@@ -166,14 +166,16 @@ def check_shares_and_dcp(tmp_path, d, out):
     assert h.hexdigest() == finals(out, 2)[0]["params"]
 
 
-def test_other_world_size_is_refused_naming_both(tmp_path):
+def test_unreadable_rank_files_of_another_world_size_are_refused(tmp_path):
     import nonstop
     d = tmp_path / "ckpt"
     d.mkdir()
-    for r in range(4):
+    for r in range(4):  # unreadable: not set aside for resharding, refused
         (d / f"rank-{r:05d}.nsck").write_bytes(b"")
-    with pytest.raises(nonstop.IncompatibleCheckpointError, match=r"world size 4 .*world size 2"):
-        nonstop.Checkpointer(str(d), {"t": torch.zeros(2)}, world_size=2, rank=0)
+    with pytest.raises(nonstop.IncompatibleCheckpointError, match=r"world size 4 .*world size 1"):
+        nonstop.Checkpointer(str(d), {"t": torch.zeros(2)})
+    assert sorted(os.listdir(d)) == [f"rank-{r:05d}.nsck" for r in range(4)]
     # world_size > 1 without torch.distributed: a one-line error saying what to do.
     with pytest.raises(nonstop.CheckpointError, match="init_process_group"):
         nonstop.Checkpointer(str(tmp_path / "new"), {"t": torch.zeros(2)}, world_size=2, rank=0)
+

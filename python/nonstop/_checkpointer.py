@@ -166,6 +166,7 @@ class Checkpointer:
                                               f"use mode='concurrent' with world_size > 1")
             self._dist = _distributed.Distributed(self.dir, self.rank, self.world_size,
                                                   replicated, local, dist_timeout_s)
+            self._dist.state = state  # resharding looks at the live objects
             engine_kwargs.update(extra_slots=1, global_agreement=True)
         self._multistep = None
         if mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md

@@ -405,6 +405,9 @@ class Checkpointer:
         if self._dist is not None:  # collective: the ranks agree on the step
             loaded = self._dist.load(self._engine, step, _core, LoadedCheckpoint, lambda d: (
                 check_directory(d, self.rank, self.world_size, must_exist=False)))
+        elif self.world_size == 1 and _distributed.archives(self.dir):  # resharding to 1 process
+            loaded = _distributed.restore_single(self.dir, step, lambda: _read(
+                self.dir, self.rank, step, 1, as_numpy=False), LoadedCheckpoint, self.state)
         elif not check_directory(self.dir, self.rank, self.world_size,
                                  must_exist=step is not None):
             return None

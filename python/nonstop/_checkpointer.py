@@ -57,7 +57,9 @@ def check_directory(path: str, rank: int, world_size: Optional[int], must_exist:
     names = sorted(os.listdir(path))
     ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, names) if m)
     if not ranks:
-        others = [n for n in names if not n.startswith(".")]
+        # world-W/: rank files of another world size, set aside for resharding
+        others = [n for n in names if not n.startswith(".")
+                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json)$", n)]
         if others:
             shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
             raise IncompatibleCheckpointError(

@@ -8,13 +8,14 @@ AdamW moments, on the GPU), same run. Prints a table, writes JSON.
 
 (`make test-gpu` builds nonstop._core and assembles build-gpu/pkg.)
 
-Method (as bench/torch_overhead.py, docs/DESIGN.md "Measuring on a noisy
-machine"):
+Method (the interleaved-rounds loop of bench/suite_rounds.py, shared with
+bench/torch_overhead.py and bench/suite_torch.py; docs/DESIGN.md "Measuring
+on a noisy machine"):
 - one process, one model; the schemes run interleaved, grouped by interval:
   none, nonstop/1, torch.save/1, dcp/1, none, nonstop/10, ..., none; the
   whole round is repeated --repeats times; the `none` runs give the drift;
-- each run continues the same training; it starts with one unmeasured save
-  (registration, pinning, thread start-up, file creation), then `every`
+- each run continues the same training; it starts with one unmeasured step
+  and save (registration, pinning, thread start-up, file creation), then `every`
   warm-up steps (at least 3) with saves at the same cadence, so the window
   starts in steady state; then the measured window of steps (a multiple of
   `every`), timed by wall clock, loss.item() every step (as a logging loop
@@ -34,8 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
 import sys
 import time
 import warnings
@@ -43,13 +42,16 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 try:
     import nonstop
     from nonstop.demo import GPT
 except ImportError:  # run from the repository: python/ holds the package
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
     import nonstop
     from nonstop.demo import GPT
+sys.path.insert(0, HERE)
+from suite_rounds import run_one, run_rounds, summarize  # noqa: E402
 
 CONFIGS = {
     # name: vocab, dim, layers, heads (GPT-2 small / medium shapes)
@@ -98,116 +100,6 @@ class Training:
         return n
 
 
-def _dcp_future(x):
-    # torch >= 2.9 may return an AsyncSaveResponse (staging + upload futures).
-    return getattr(x, "upload_completion", x)
-
-
-class Scheme:
-    def __init__(self, kind: str, every: int, out: str, state_bytes: int = 0):
-        self.kind, self.every, self.out = kind, every, out
-        self.state_bytes = state_bytes
-        self.name = "none" if kind == "none" else f"{kind}/{every}"
-
-    def save(self, tr: Training, ckpt, d: str, s: int, fut):
-        """One checkpoint; returns DCP's future (others: None)."""
-        if self.kind.startswith("nonstop"):
-            ckpt.save(s)
-        elif self.kind == "torch.save":
-            torch.save({"model": tr.model.state_dict(), "optim": tr.opt.state_dict()},
-                       os.path.join(d, "ckpt.pt"))
-        elif self.kind == "dcp":
-            import torch.distributed.checkpoint as dcp
-            if fut is not None:
-                fut.result()  # the previous save must finish first (DCP docs)
-            fut = _dcp_future(dcp.async_save({"model": tr.model.state_dict(),
-                                              "optim": tr.opt.state_dict()},
-                                             checkpoint_id=os.path.join(d, f"step{s % 2}")))
-        return fut
-
-    def run(self, tr: Training, steps: int) -> dict:
-        d = os.path.join(self.out, self.name.replace("/", "-"))
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d, exist_ok=True)
-        ckpt, fut = None, None
-        if self.kind.startswith("nonstop"):
-            kw = {}
-            if self.kind == "nonstop-fullstaging":
-                # A staging pool that holds the whole state: the D2H copy
-                # never waits for the writers (the default pool is 256 MiB).
-                kw["staging_bytes"] = (self.state_bytes + (64 << 20)) // (4 << 20) * (4 << 20)
-            ckpt = nonstop.Checkpointer(os.path.join(d, "ckpt"),
-                                        {"model": tr.model, "optim": tr.opt}, every=self.every,
-                                        **kw)
-        warmup = max(3, self.every) if self.kind != "none" else 3
-        if self.kind != "none":  # one-time costs, for every scheme
-            fut = self.save(tr, ckpt, d, -1, fut)
-            if ckpt is not None:
-                ckpt.wait()
-            if fut is not None:
-                fut.result()
-                fut = None
-        stall, saves = 0.0, 0
-        for i in range(warmup + steps):
-            if i == warmup:
-                tr.sync()
-                stall, saves = 0.0, 0
-                stall0 = ckpt.stats()["visible_stall_s"] if ckpt is not None else 0.0
-                t_begin = time.perf_counter()
-            tr.step()
-            if self.kind == "none" or (i + 1) % self.every:
-                continue
-            saves += 1
-            t0 = time.perf_counter()
-            fut = self.save(tr, ckpt, d, tr.step_no, fut)
-            stall += time.perf_counter() - t0
-        tr.sync()
-        wall = time.perf_counter() - t_begin
-        res = {"scheme": self.name, "steps": steps, "step_s": wall / steps, "saves": saves}
-        t0 = time.perf_counter()
-        if ckpt is not None:
-            stall = ckpt.stats()["visible_stall_s"] - stall0
-            ckpt.wait()
-            st = ckpt.stats()
-            rec = [r for r in st["recent"] if r["committed"]][-max(1, saves):]
-            res.update(copy_s=statistics.mean(r["copy_s"] for r in rec),
-                       persist_s=statistics.mean(r["persist_s"] for r in rec),
-                       write_GBps=statistics.mean(r["write_GBps"] for r in rec),
-                       ckpt_bytes=rec[-1]["bytes"], medium=st["medium"],
-                       copy_engine=st["copy_engine"], hook_stall_s=st["hook_stall_s"])
-            ckpt.close()
-        if fut is not None:
-            fut.result()
-        res["drain_s"] = time.perf_counter() - t0
-        res["stall_per_step_s"] = stall / steps
-        res["stall_per_ckpt_s"] = stall / saves if saves else 0.0
-        shutil.rmtree(d, ignore_errors=True)
-        return res
-
-
-def summarize(runs: list) -> list:
-    none = [r["step_s"] for r in runs if r["scheme"] == "none"]
-    base = statistics.median(none)
-    drift = (max(none) - min(none)) / base
-    rows = []
-    for name in dict.fromkeys(r["scheme"] for r in runs):
-        rs = [r for r in runs if r["scheme"] == name]
-        st = [r["step_s"] for r in rs]
-        med = statistics.median(st)
-        stall = statistics.median(r["stall_per_step_s"] for r in rs)
-        row = {"scheme": name, "step_s": med, "spread": (max(st) - min(st)) / med,
-               "throughput_overhead": med / base - 1, "stall_per_step_s": stall,
-               "stall_overhead": stall / base,
-               "stall_per_ckpt_s": statistics.median(r["stall_per_ckpt_s"] for r in rs),
-               "drain_s": statistics.median(r["drain_s"] for r in rs), "none_drift": drift,
-               "runs": len(rs)}
-        for k in ("copy_s", "persist_s", "write_GBps"):
-            if k in rs[0]:
-                row[k] = statistics.median(r[k] for r in rs)
-        rows.append(row)
-    return rows
-
-
 def print_table(rows: list) -> None:
     hdr = (f"{'scheme':<22} {'ms/step':>8} {'spread':>7} {'thru ovh':>9} {'stall/ckpt':>11} "
            f"{'stall ovh':>10} {'drain s':>8} {'copy s':>7} {'persist s':>9} {'GB/s':>6}")
@@ -241,8 +133,8 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/nonstop-gpu-bench")
     p.add_argument("--json", default="runs/bench/gpu_overhead.json")
     p.add_argument("--time-budget", type=float, default=0,
-                   help="start no new run once this many seconds have passed (the table "
-                        "then holds what ran)")
+                   help="start no run predicted (from the earlier runs of its scheme) to "
+                        "end after this many seconds (the table then holds what ran)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script, not a measurement")
     args = p.parse_args()
@@ -264,15 +156,14 @@ def main() -> int:
           f"{nonstop.build_info()}\nmodel {args.size}: {params / 1e6:.1f}M parameters, batch "
           f"{args.batch} x seq {args.seq}, tf32 {args.tf32}; checkpointed state "
           f"{state / 1e9:.2f} GB (fp32 weights + AdamW moments); dir {args.out}", flush=True)
-    groups = [[Scheme(k, e, args.out, state) for k in args.schemes] for e in args.intervals]
-    none = Scheme("none", 0, args.out)
+    staging_full = (state + (64 << 20)) // (4 << 20) * (4 << 20)
 
-    def window(sc: Scheme) -> int:
-        if sc.kind == "none":
+    def window(kind: str, every: int) -> int:
+        if kind == "none":
             return args.none_steps
-        if sc.every == 1:
+        if every == 1:
             return args.steps
-        return max(args.min_steps, args.periods * sc.every) // sc.every * sc.every
+        return max(args.min_steps, args.periods * every) // every * every
 
     runs = []
 
@@ -283,28 +174,33 @@ def main() -> int:
                        "params": params, "state_bytes": state, "runs": runs, "rows": rows,
                        "wall_s": time.perf_counter() - t_start}, f, indent=1)
 
-    stop = False
-    for rnd in range(args.repeats):
-        order = [none]
-        for g in groups:
-            order += g + [none]
-        for sc in order:
-            if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-                print(f"  stopped in round {rnd}: --time-budget {args.time_budget:.0f} s passed")
-                stop = True
-                break
-            r = sc.run(tr, window(sc))
-            r["round"] = rnd
-            runs.append(r)
-            print(f"  round {rnd} {r['scheme']:<22} {r['step_s'] * 1e3:7.1f} ms/step  stall "
-                  f"{r['stall_per_ckpt_s'] * 1e3:8.1f} ms/ckpt ({r['saves']} saves)  drain "
-                  f"{r['drain_s']:.2f} s" + (f"  persist {r['persist_s']:.2f} s, "
-                                             f"{r['write_GBps']:.2f} GB/s"
-                                             if "persist_s" in r else ""), flush=True)
-            dump()  # what ran so far survives a kill
-        if stop:
-            break
-    rows = summarize(runs)
+    def one(kind: str, every: int) -> dict:
+        # A staging pool that holds the whole state for nonstop-fullstaging:
+        # the D2H copy never waits for the writers (the default is 256 MiB).
+        opts = {"staging_bytes": staging_full} if kind == "nonstop-fullstaging" else {}
+        r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
+                    {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
+                    nonstop_opts=opts, fsync=False, sync=tr.sync,
+                    warmup=max(3, every) if kind != "none" else 3)
+        r.pop("next_step")
+        r["scheme"] = kind if kind == "none" else f"{kind}/{every}"
+        runs.append(r)
+        dump()  # what ran so far survives a kill
+        return r
+
+    def label(r):
+        return (f"{r['scheme']:<22} {r['step_s'] * 1e3:7.1f} ms/step  stall "
+                f"{r['stall_per_ckpt_s'] * 1e3:8.1f} ms/ckpt ({r['saves']} saves)  drain "
+                f"{r['drain_s']:.2f} s" + (f"  persist {r['persist_s']:.2f} s" if "persist_s" in r
+                                           else "")
+                + (f", {r['write_GBps']:.2f} GB/s" if "write_GBps" in r else ""))
+
+    res = run_rounds([[(k, e) for k in args.schemes] for e in args.intervals], args.repeats, one,
+                     label=label, deadline=(t_start + args.time_budget if args.time_budget
+                                            else None))
+    if res["stopped"]:
+        print(f"  --time-budget {args.time_budget:.0f} s: {res['stopped']}")
+    rows = summarize(runs)[0]
     print(f"\n{args.size} ({params / 1e6:.1f}M params, {state / 1e9:.2f} GB state; 'none' drift "
           f"between its runs: {rows[0]['none_drift'] * 100:.1f}%)")
     print_table(rows)

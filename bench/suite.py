@@ -4,22 +4,31 @@ in one command, with JSON, CSV, PNG plots and docs/BENCHMARKS.md updated.
     .venv/bin/python bench/suite.py --quick      # < 5 minutes
     .venv/bin/python bench/suite.py              # the full matrix, < 30 minutes
 
-Stages (each prints progress; `--only a,b` runs some of them):
+Stages (each prints progress with its budget and an upper bound on the
+suite's end; `--only a,b` runs some of them):
   tune      nonstop tune on the bench directory (inputs of the verify stage)
   storage   nonstop bench storage at several sizes: time to persist vs size
             (PCcheck Fig. 11), torch.save + fsync of the same bytes next to it
   overhead  nonstop bench overhead, the synthetic loop: none, sync, single,
             gpm (direct write and stall), concurrent N = 1..4, at each
-            interval (PCcheck Fig. 8 and Fig. 12)
+            interval (PCcheck Fig. 8 and Fig. 12); one `--repeat 1` run per
+            group and round, groups interleaved, rounds combined here
   verify    bench overhead with tune's recommendation (N*, p, b, M, f*):
             is the measured overhead within the target q?
   torch     real PyTorch training of the ~10M GPT (and ~100M in the full
             run): torch.save, DCP async_save, torchsnapshot async_take,
-            nonstop concurrent (+ layerwise / multistep when the front end
-            accepts those modes), interleaved rounds (bench/suite_torch.py)
+            nonstop concurrent, layerwise and multistep, interleaved rounds
+            (bench/suite_torch.py, bench/suite_rounds.py)
   simulate  nonstop simulate on the bundled GCP spot trace, fed with the
             measured rows (PCcheck Fig. 9)
   report    CSV, plots (bench/suite_plots.py) and docs/BENCHMARKS.md
+
+Each stage has a time budget (PLANS[...]["budget"]): it starts no round or
+run that it predicts, from the ones it already ran, to end after the budget,
+and records what it cut; the tables say how many rounds, steps and
+checkpoints each number is built from. The first round of the storage,
+overhead and verify stages always runs; the PyTorch runs stop at the budget
+even inside the first round (a 100M run can take minutes).
 
 Everything follows DESIGN.md "Measuring on a noisy machine": schemes are
 interleaved and repeated, medians with their spread are reported, and the
@@ -45,33 +54,70 @@ ROOT = os.path.dirname(HERE)
 TRACE = os.path.join(ROOT, "tests", "data", "gcp_a100_spot_trace.csv")
 MiB = 1 << 20
 
-# What each run measures. The quick plan keeps the whole suite under 5 minutes
-# on the 2-core development machine; the full one under 30.
+# What each run measures, and the time budget of each stage (seconds). A stage
+# starts no piece of work (a round, a run) that it predicts, from the pieces it
+# already ran, to end after its budget; what was cut is printed and recorded
+# ("stopped"), so the tables say how many rounds each number is built from.
+# Budgets sum to < 5 minutes (quick) and < 30 minutes (full) with margin for
+# the set-up of each stage; rounds past the first run only if they fit.
 PLANS = {
     "quick": {
         "state": 64 * MiB, "step_ms": 50, "q_verify": 0.05,
         "storage_sizes": [16 * MiB, 64 * MiB, 256 * MiB], "storage_rounds": 2,
-        "overhead_groups": [([1, 5], 24, 2), ([25], 50, 2)],
-        "torch": [("10m", [1, 4], 4, 2, None)],
+        # (intervals, steps per run, N values of concurrent); rounds below
+        "overhead_groups": [([1, 5], 20, [1, 2, 4]), ([25], 50, [1, 2, 4])],
+        "overhead_rounds": 2,
+        "verify_steps": 60, "verify_rounds": 2,
+        # (model, intervals, steps per run at least, none steps, rounds,
+        #  batch x seq override, budget share, multistep parts (0: default))
+        "torch": [("10m", [1, 4], 2, 2, 2, None, 1.0, 0)],
         "tune_quick": True,
+        "budget": {"tune": 15, "storage": 25, "overhead": 75, "verify": 25, "torch": 95,
+                   "simulate": 10, "report": 15},
     },
     "full": {
         "state": 128 * MiB, "step_ms": 50, "q_verify": 0.03,
         "storage_sizes": [16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB], "storage_rounds": 3,
-        "overhead_groups": [([1, 2, 5, 10], 40, 2), ([25, 50], 100, 2), ([100], 200, 2)],
-        # (model, intervals, steps per run at least, rounds, batch x seq override)
-        # Longer intervals of the real loops are covered by the simulator from
-        # the measured stall and persist times (a 10M step is ~0.5 s here).
-        "torch": [("10m", [1, 5], 6, 2, None), ("100m", [5], 8, 1, (4, 64))],
+        "overhead_groups": [([1, 2, 5, 10], 30, [1, 2, 3, 4]), ([25, 50], 100, [1, 2, 3, 4]),
+                            ([100], 200, [1, 2, 3, 4])],
+        "overhead_rounds": 2,
+        "verify_steps": 0, "verify_rounds": 2,   # 0: max(60, 3 f*)
+        # The ~100M model: batch 4 x seq 32 keeps a step near 2-3 s on an idle
+        # core (7-8 s at load 11; the checkpointed state, 1.17 GB of fp32
+        # weights and AdamW moments, does not depend on the batch); intervals
+        # 1 and 4 are measured, longer ones only through the simulator.
+        # multistep on 100M with K = 3 parts (its default 7 needs a warm-up
+        # window of K + interval steps per run, ~1.5 min here).
+        "torch": [("10m", [1, 5, 10], 5, 5, 2, None, 0.4, 0),
+                  ("100m", [1, 4], 2, 2, 2, (4, 32), 0.6, 3)],
         "tune_quick": False,
+        "budget": {"tune": 45, "storage": 100, "overhead": 420, "verify": 100, "torch": 840,
+                   "simulate": 20, "report": 30},
     },
 }
 
 T0 = time.time()
+STAGE = {"name": "", "t0": T0, "budget": 0.0, "left_after": 0.0}
 
 
 def say(msg: str) -> None:
-    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
+    st = STAGE
+    eta = ""
+    if st["name"]:
+        used = time.time() - st["t0"]
+        eta = (f" [{st['name']} {used:.0f}/{st['budget']:.0f} s, suite ends in <= "
+               f"{max(0.0, st['budget'] - used) + st['left_after']:.0f} s]")
+    print(f"[{time.time() - T0:6.0f}s]{eta} {msg}", flush=True)
+
+
+def stage_deadline() -> float:
+    return STAGE["t0"] + STAGE["budget"]
+
+
+def fits(predicted_s: float) -> bool:
+    """Whether a piece of work predicted to take this long ends within the
+    stage's budget."""
+    return time.time() + predicted_s <= stage_deadline()
 
 
 def find_cli(given: str | None) -> str:
@@ -130,11 +176,16 @@ def torch_save_seconds(nbytes: int, path: str) -> float:
 
 def stage_storage(args, plan, out: dict) -> None:
     sizes, rounds = plan["storage_sizes"], plan["storage_rounds"]
-    say(f"storage: sizes {[s // MiB for s in sizes]} MiB, {rounds} interleaved rounds")
+    say(f"storage: sizes {[s // MiB for s in sizes]} MiB, up to {rounds} interleaved rounds")
     per = {s: {"write_s": [], "write_GBps": [], "read_GBps": [], "torch_save_s": []}
            for s in sizes}
-    info = {}
+    info, took, stopped = {}, [], ""
     for r in range(rounds):
+        if r and not fits(max(took)):
+            stopped = f"time budget: {r} of {rounds} rounds"
+            say(f"  {stopped}")
+            break
+        t0 = time.time()
         for s in sizes:
             j = run_json([args.cli, "bench", "storage", "--dir", args.dir, "--size", str(s),
                           "--repeat", "1", "--json"], "nonstop bench storage")
@@ -143,7 +194,8 @@ def stage_storage(args, plan, out: dict) -> None:
             per[s]["write_s"].append(s / j["write_GBps"] / 1e9)
             per[s]["torch_save_s"].append(torch_save_seconds(s, os.path.join(args.dir, "ts.pt")))
             info = {k: j[k] for k in ("medium", "writers", "chunk_bytes", "copy_engine")}
-        say(f"  round {r + 1}/{rounds} done")
+        took.append(time.time() - t0)
+        say(f"  round {r + 1}/{rounds} done ({took[-1]:.0f} s)")
     rows = []
     for s in sizes:
         w, ws = median_spread(per[s]["write_s"])
@@ -152,35 +204,91 @@ def stage_storage(args, plan, out: dict) -> None:
                      "write_GBps": statistics.median(per[s]["write_GBps"]),
                      "read_GBps": statistics.median(per[s]["read_GBps"]),
                      "torch_save_fsync_s": ts, "torch_save_fsync_spread_s": tss,
-                     "rounds": rounds})
-    out["storage"] = {"rows": rows, "engine": info}
+                     "rounds": len(per[s]["write_s"])})
+    out["storage"] = {"rows": rows, "engine": info, "stopped": stopped}
+
+
+def combine_rounds(results: list) -> list:
+    """Rows of several one-round `bench overhead` runs of the same group:
+    per (scheme, interval, N) the median over rounds of each round's ratio to
+    its own `none`, and the spread (max - min) of those ratios."""
+    by = {}
+    for j in results:
+        for r in j["rows"]:
+            if r["scheme"] != "none":
+                by.setdefault((r["scheme"], r["interval"], r["max_in_flight"]), []).append(r)
+    rows = []
+    for (scheme, interval, n), rs in by.items():
+        rel = [r["relative"] for r in rs]
+        rows.append({"scheme": scheme, "interval": interval, "max_in_flight": n,
+                     "relative": statistics.median(rel), "relative_spread": max(rel) - min(rel),
+                     "steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
+                     "stall_ms_mean": statistics.median(r["stall_ms_mean"] for r in rs),
+                     "rounds": len(rs)})
+    return rows
+
+
+def overhead_rounds(args, plan, jobs: list, rounds: int, what: str) -> tuple:
+    """Runs `bench overhead --repeat 1` for each job (a list of CLI
+    arguments) in turn, round after round (job 1, job 2, ..., job 1, ...),
+    while the next one is predicted to fit the stage's budget. Returns
+    ([results per job], stopped)."""
+    res = [[] for _ in jobs]
+    took = [[] for _ in jobs]
+    total = rounds * len(jobs)
+    for k in range(total):
+        r, i = divmod(k, len(jobs))
+        guess = statistics.median(took[i]) if took[i] else (
+            statistics.median(t for ts in took for t in ts) if k else 0.0)
+        if r and not fits(guess):  # the first round of every group always runs
+            stopped = (f"time budget: stopped before round {r + 1} of group {i + 1} "
+                       f"({k} of {total} runs of `bench overhead` done)")
+            say(f"  {stopped}")
+            return res, stopped
+        t0 = time.time()
+        j = run_json([args.cli, "bench", "overhead", "--dir", args.dir, "--json", "--state",
+                      str(plan["state"]), "--step-ms", str(plan["step_ms"]), "--repeat", "1",
+                      *jobs[i]], what)
+        res[i].append(j)
+        took[i].append(time.time() - t0)
+        left = sum((statistics.median(took[x]) if took[x] else took[i][-1])
+                   for x in [(k2 % len(jobs)) for k2 in range(k + 1, total)])
+        say(f"  [{k + 1}/{total}] round {r + 1}/{rounds} {' '.join(jobs[i])}: "
+            f"{took[i][-1]:.0f} s, none drift {j['none_drift_max'] * 100:.1f} % "
+            f"(rest <= {left:.0f} s)")
+    return res, ""
 
 
 def stage_overhead(args, plan, out: dict) -> None:
-    rows, drifts, groups = [], [], []
-    for intervals, steps, repeat in plan["overhead_groups"]:
-        say(f"overhead: intervals {intervals}, {steps} steps per run, {repeat} rounds, "
-            f"state {plan['state'] // MiB} MiB, step {plan['step_ms']} ms")
-        j = run_json([args.cli, "bench", "overhead", "--dir", args.dir, "--json",
-                      "--state", str(plan["state"]), "--step-ms", str(plan["step_ms"]),
-                      "--interval", ",".join(map(str, intervals)), "--steps", str(steps),
-                      "--repeat", str(repeat)], "nonstop bench overhead")
-        say(f"  done in {j['_seconds']:.0f} s; none drift max {j['none_drift_max'] * 100:.1f} %")
-        for r in j["rows"]:
-            if r["scheme"] == "none":
-                continue
+    groups = plan["overhead_groups"]
+    say(f"overhead: state {plan['state'] // MiB} MiB, step {plan['step_ms']} ms, up to "
+        f"{plan['overhead_rounds']} rounds of " + "; ".join(
+            f"intervals {iv} x {st} steps, N {ns}" for iv, st, ns in groups))
+    jobs = [["--interval", ",".join(map(str, iv)), "--steps", str(st), "--max-in-flight",
+             ",".join(map(str, ns))] for iv, st, ns in groups]
+    res, stopped = overhead_rounds(args, plan, jobs, plan["overhead_rounds"],
+                                   "nonstop bench overhead")
+    rows, drifts, out_groups = [], [], []
+    for (intervals, steps, ns), results in zip(groups, res):
+        if not results:
+            continue
+        g_drift = [d for j in results for d in j["none_drift"]]
+        for r in combine_rounds(results):
             r["steps"] = steps
-            r["none_drift_max"] = j["none_drift_max"]
+            r["none_drift_max"] = max(abs(d) for d in g_drift)
             rows.append(r)
-        drifts.extend(j["none_drift"])
-        groups.append({"intervals": intervals, "steps": steps, "repeat": repeat,
-                       "none_steps_per_s": j["rows"][0]["steps_per_s"],
-                       "none_drift": j["none_drift"], "medium": j["medium"]})
-    none_sps = statistics.median(g["none_steps_per_s"] for g in groups)
-    out["overhead"] = {"rows": rows, "groups": groups, "none_steps_per_s": none_sps,
+        drifts.extend(g_drift)
+        out_groups.append({"intervals": intervals, "steps": steps, "repeat": len(results),
+                           "max_in_flight": ns,
+                           "none_steps_per_s": statistics.median(
+                               j["rows"][0]["steps_per_s"] for j in results),
+                           "none_drift": g_drift, "medium": results[0]["medium"]})
+    none_sps = statistics.median(g["none_steps_per_s"] for g in out_groups)
+    out["overhead"] = {"rows": rows, "groups": out_groups, "none_steps_per_s": none_sps,
                        "none_drift_max": max(abs(d) for d in drifts) if drifts else 0.0,
                        "state_bytes": plan["state"], "step_ms": plan["step_ms"],
-                       "medium": groups[0]["medium"] if groups else ""}
+                       "medium": out_groups[0]["medium"] if out_groups else "",
+                       "stopped": stopped}
 
 
 def stage_verify(args, plan, out: dict) -> None:
@@ -191,44 +299,52 @@ def stage_verify(args, plan, out: dict) -> None:
     q = plan["q_verify"]
     f = t["interval"]
     shorter = max(1, f // 4)
-    steps = max(60, 3 * f)
+    steps = plan["verify_steps"] or max(60, 3 * f)
+    rounds = plan["verify_rounds"]
     say(f"verify: tune's config (N*={t['max_in_flight']}, p={t['writers']}, "
         f"b={t['chunk_bytes'] // 1024} KiB, M={t['staging_bytes'] // MiB} MiB) at f*={f} and "
-        f"f*/4={shorter}, {steps} steps, 2 rounds")
-    j = run_json([args.cli, "bench", "overhead", "--dir", args.dir, "--json", "--state",
-                  str(plan["state"]), "--step-ms", str(plan["step_ms"]), "--interval",
-                  f"{shorter},{f}", "--steps", str(steps), "--repeat", "2", "--schemes",
-                  "concurrent", "--max-in-flight", str(t["max_in_flight"]), "--writers",
-                  str(t["writers"]), "--chunk", str(t["chunk_bytes"]), "--staging",
-                  str(t["staging_bytes"])], "nonstop bench overhead (verify)")
+        f"f*/4={shorter}, {steps} steps, up to {rounds} rounds")
+    job = ["--interval", f"{shorter},{f}", "--steps", str(steps), "--schemes", "concurrent",
+           "--max-in-flight", str(t["max_in_flight"]), "--writers", str(t["writers"]),
+           "--chunk", str(t["chunk_bytes"]), "--staging", str(t["staging_bytes"])]
+    (results,), stopped = overhead_rounds(args, plan, [job], rounds,
+                                          "nonstop bench overhead (verify)")
     rows = []
-    for r in j["rows"]:
-        if r["scheme"] == "none":
-            continue
+    for r in combine_rounds(results):
         ovh = 1 - r["relative"]
         stall_ovh = r["stall_ms_mean"] / 1e3 / (r["interval"] / (r["steps_per_s"] or 1))
         rows.append({"interval": r["interval"], "relative": r["relative"],
                      "relative_spread": r["relative_spread"], "overhead": ovh,
                      "stall_ms_mean": r["stall_ms_mean"], "stall_overhead": stall_ovh,
-                     "within_q": ovh <= q, "f_star": f})
+                     "within_q": ovh <= q, "f_star": f, "rounds": r["rounds"]})
         say(f"  f={r['interval']}: throughput overhead {ovh * 100:.2f} % (spread "
             f"{r['relative_spread'] * 100:.1f} %), stall {stall_ovh * 100:.2f} %, q = {q * 100:.0f} %")
-    out["verify"] = {"q": q, "rows": rows, "none_drift": j["none_drift"], "steps": steps,
+    out["verify"] = {"q": q, "rows": rows, "steps": steps, "rounds": len(results),
+                     "none_drift": [d for j in results for d in j["none_drift"]],
+                     "stopped": stopped,
                      "config": {k: t[k] for k in ("max_in_flight", "writers", "chunk_bytes",
                                                   "chunks", "staging_bytes", "interval")}}
 
 
 def stage_torch(args, plan, out: dict) -> None:
     res = out.setdefault("torch", {})
-    for model, intervals, steps, rounds, shape in plan["torch"]:
-        say(f"torch {model}: intervals {intervals}, >= {steps} steps per run, {rounds} rounds "
-            f"(torch threads 1)")
+    start = time.time()
+    for model, intervals, steps, none_steps, rounds, shape, share, parts in plan["torch"]:
+        # This model's share of what is left of the stage's budget.
+        left = stage_deadline() - time.time()
+        shares_left = sum(x[6] for x in plan["torch"][[x[0] for x in plan["torch"]].index(model):])
+        budget = max(30.0, left * share / shares_left)
+        say(f"torch {model}: intervals {intervals}, >= {steps} steps and >= 1 checkpoint per run, "
+            f"up to {rounds} rounds, budget {budget:.0f} s (torch threads 1)")
         path = os.path.join(args.out, f"torch-{model}.json")
         cmd = [sys.executable, os.path.join(HERE, "suite_torch.py"), "--model", model,
-               "--intervals", *map(str, intervals), "--steps", str(steps), "--rounds",
-               str(rounds), "--dir", os.path.join(args.dir, "torch"), "--json", path]
+               "--intervals", *map(str, intervals), "--steps", str(steps), "--none-steps",
+               str(none_steps), "--min-ckpts", "1", "--rounds", str(rounds), "--budget-s",
+               f"{budget:.0f}", "--dir", os.path.join(args.dir, "torch"), "--json", path]
         if shape:
             cmd += ["--batch", str(shape[0]), "--seq", str(shape[1])]
+        if parts:
+            cmd += ["--parts", str(parts)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             say(line.rstrip())
@@ -236,6 +352,7 @@ def stage_torch(args, plan, out: dict) -> None:
             sys.exit(f"bench/suite.py: {' '.join(cmd)} failed")
         with open(path) as f:
             res[model] = json.load(f)
+    say(f"torch: {time.time() - start:.0f} s")
 
 
 SIM_KIND = {"none": "none", "torch.save": "sync", "dcp": "single", "torchsnapshot": "single",
@@ -348,6 +465,7 @@ def stage_report(args, plan, out: dict) -> None:
     figs = suite_plots.render(out, args.img, args.tag)
     if args.docs:
         suite_docs.update(args.docs, out, figs, args)
+    out["total_seconds"] = time.time() - T0
 
 
 def main() -> int:
@@ -380,28 +498,49 @@ def main() -> int:
     if args.reuse and os.path.exists(results_path):
         with open(results_path) as f:
             out = json.load(f)
-    out["machine"] = {"cores": os.cpu_count(), "platform": platform.platform(),
-                      "python": platform.python_version(), "cli": args.cli,
-                      "dir": args.dir, "plan": args.tag}
+    # With --reuse the earlier run's load averages stay (its stages' numbers stay too).
+    out["machine"] = dict(out.get("machine", {}), cores=os.cpu_count(),
+                          platform=platform.platform(), python=platform.python_version(),
+                          cli=args.cli, dir=args.dir, plan=args.tag)
     try:
         import torch
         out["machine"]["torch"] = torch.__version__
     except ImportError:
         pass
-    say(f"nonstop benchmark suite ({args.tag}): stages {','.join(only)}; CLI {args.cli}")
+    if not args.reuse or "load_start" not in out["machine"]:
+        out["machine"]["load_start"] = os.getloadavg()
+    budget = plan["budget"]
+    say(f"nonstop benchmark suite ({args.tag}): stages {','.join(only)}; CLI {args.cli}; "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; budget "
+        f"{sum(budget[s] for s in only):.0f} s")
     fns = {"tune": stage_tune, "storage": stage_storage, "overhead": stage_overhead,
-           "verify": stage_verify, "torch": stage_torch, "simulate": stage_simulate}
-    for st in stages[:-1]:
-        if st in only:
-            fns[st](args, plan, out)
-            out.setdefault("seconds", {})[st] = time.time() - T0
+           "verify": stage_verify, "torch": stage_torch, "simulate": stage_simulate,
+           "report": stage_report}
+    secs = out.setdefault("seconds", {})
+    loads = out.setdefault("load", {})
+    for i, st in enumerate(stages):
+        if st not in only:
+            continue
+        STAGE.update(name=st, t0=time.time(), budget=budget[st],
+                     left_after=sum(budget[x] for x in stages[i + 1:] if x in only))
+        if st == "report":
+            out["total_seconds"] = time.time() - T0
+            if not args.reuse or "load_end" not in out["machine"]:
+                out["machine"]["load_end"] = os.getloadavg()
             with open(results_path, "w") as f:
                 json.dump(out, f, indent=1, default=str)
+        fns[st](args, plan, out)
+        secs[st] = time.time() - STAGE["t0"]
+        loads[st] = os.getloadavg()[0]
+        with open(results_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    STAGE["name"] = ""
     out["total_seconds"] = time.time() - T0
     with open(results_path, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    if "report" in only:
-        stage_report(args, plan, out)
+    say("seconds per stage (budget; 1-min load average at its end): " + ", ".join(
+        f"{st} {secs[st]:.0f} ({budget[st]}; {loads[st]:.1f})" for st in stages if st in only
+        and st in secs))
     shutil.rmtree(args.dir, ignore_errors=True)
     say(f"done in {time.time() - T0:.0f} s; results in {results_path}")
     return 0

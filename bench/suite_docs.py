@@ -40,10 +40,18 @@ def summary(out, figs, args, doc_dir) -> str:
     cmd = "bench/suite.py --quick" if args.tag == "quick" else "bench/suite.py"
     took = (f"took {secs / 60:.1f} min" if not getattr(args, "reuse", False) else
             "(stages rerun with --reuse; see Findings for run times)")
+    load = ""
+    if m.get("load_start"):
+        load = (f" Load average (1/5/15 min) {' / '.join(f'{x:.1f}' for x in m['load_start'])} "
+                f"at the start" + (f", {' / '.join(f'{x:.1f}' for x in m['load_end'])} at the end"
+                                   if m.get("load_end") else "") + ".")
+    stages = out.get("seconds", {})
+    per = ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
     return (f"**{args.tag} run**: `.venv/bin/python {cmd}` {took} on "
             f"{m.get('cores')} cores ({m.get('platform')}, Python {m.get('python')}, torch "
             f"{m.get('torch')}); results (JSON, CSV) in "
-            f"`{os.path.relpath(args.out, os.path.dirname(doc_dir))}/`.")
+            f"`{os.path.relpath(args.out, os.path.dirname(doc_dir))}/`.{load}"
+            + (f" Stages: {per}." if per else ""))
 
 
 def storage(out, figs, args, doc_dir) -> str:
@@ -56,7 +64,8 @@ def storage(out, figs, args, doc_dir) -> str:
              f"{r['torch_save_fsync_spread_s'] / 2:.3f}"] for r in st["rows"]]
     e = st["engine"]
     return (f"`nonstop bench storage --size S --repeat 1` per size, sizes interleaved, "
-            f"{st['rows'][0]['rounds']} rounds (median ± half the spread). Engine: {e.get('medium')}, "
+            f"{st['rows'][0]['rounds']} rounds (median ± half the spread"
+            + (f"; {st['stopped']}" if st.get("stopped") else "") + f"). Engine: {e.get('medium')}, "
             f"{e.get('writers')} writers, {e.get('chunk_bytes', 0) // 1024} KiB chunks, "
             f"{e.get('copy_engine')}.\n\n"
             + _table(["MiB", "nonstop persist (s)", "write GB/s", "read GB/s",
@@ -69,19 +78,24 @@ def overhead(out, figs, args, doc_dir) -> str:
         return ""
     ov = out["overhead"]
     groups = "; ".join(f"intervals {g['intervals']}: {g['steps']} steps x {g['repeat']} rounds"
+                       + (f", N = {g['max_in_flight']}" if "max_in_flight" in g else "")
                        for g in ov["groups"])
+    if ov.get("stopped"):
+        groups += f"; {ov['stopped']}"
     rows = []
     for r in ov["rows"]:
         name = r["scheme"] if r["scheme"] != "concurrent" else f"concurrent N={r['max_in_flight']}"
         rows.append([name, r["interval"], f"{r['relative']:.3f}", f"{r['relative_spread']:.3f}",
-                     f"{r['stall_ms_mean']:.1f}", _pct(r["none_drift_max"])])
+                     f"{r['stall_ms_mean']:.1f}", _pct(r["none_drift_max"]),
+                     f"{r.get('rounds', '?')} x {r['steps']}"])
     return (f"`nonstop bench overhead --state {ov['state_bytes']} --step-ms {ov['step_ms']:.0f}` "
             f"({groups}); medium {ov['medium']}. Each step sleeps {ov['step_ms']:.0f} ms "
             f"(device compute), waits for the copy, then touches every page of the state. "
             f"`relative` = steps/s over the same round's `none` (median over rounds, `spread` = "
             f"max - min); `stall` = visible stall per checkpoint (ms); `none` ran at "
             f"{ov['none_steps_per_s']:.2f} steps/s, max |drift| {_pct(ov['none_drift_max'])}.\n\n"
-            + _table(["scheme", "interval", "relative", "spread", "stall ms", "none drift"], rows)
+            + _table(["scheme", "interval", "relative", "spread", "stall ms", "none drift",
+                      "rounds x steps"], rows)
             + _img(figs, "fig8", doc_dir, "throughput vs interval")
             + _img(figs, "fig12", doc_dir, "N sensitivity")
             + _img(figs, "fig6", doc_dir, "stall per scheme"))
@@ -96,24 +110,41 @@ def torch_section(out, figs, args, doc_dir) -> str:
                          f"{r['relative']:.3f}", f"{r['relative_spread']:.3f}",
                          f"{r['stall_per_ckpt_s'] * 1e3:.1f}", _pct(r["stall_overhead"]),
                          f"{r.get('persist_s', 0):.3f}" if "persist_s" in r else "-",
-                         f"{r['cpu_per_step_s']:.2f}"])
+                         f"{r['cpu_per_step_s']:.2f}",
+                         f"{r.get('runs', '?')} / {r.get('steps_measured', '?')} / "
+                         f"{r.get('ckpts_measured', '?') if r['interval'] else '-'}"])
         skipped = "".join(f"\n- `{k}` not run: {v}" for k, v in res.get("skipped", {}).items())
+        if res.get("stopped"):
+            skipped += (f"\n- cut by the time budget ({res.get('budget_s', 0):.0f} s): "
+                        f"{res['stopped']}; the last column says what each row is built from.")
+        if res.get("parts"):
+            skipped += f"\n- `nonstop-multistep` with K = {res['parts']} parts (default 7)."
+        per_run = ", ".join(f"interval {f}: {n} steps" for f, n in
+                            res.get("steps_per_run", {}).items())
         parts.append(
             f"**GPT {model}** ({res['params'] / 1e6:.1f}M parameters, batch "
             f"{res['config']['batch']} x seq {res['config']['seq']}, torch {res['torch']}, "
             f"{res['threads']} torch thread on {res['cores']} cores), intervals "
-            f"{res['intervals']}, {res['rounds']} interleaved rounds; `none` "
-            f"{res['none_step_s']:.3f} s/step, drift between its runs {_pct(res['none_drift'])}."
+            f"{res['intervals']} measured, up to {res['rounds']} interleaved rounds"
+            + (f"; measured steps per run: {per_run}, `none` {res.get('none_steps_per_run')}"
+               if per_run else "")
+            + f" (after one unmeasured warm-up step and checkpoint); `none` "
+            f"{res['none_step_s']:.3f} s/step, drift between its runs {_pct(res['none_drift'])}; "
+            f"took {res.get('wall_s', 0):.0f} s."
             f"{skipped}\n\n"
             + _table(["scheme", "interval", "s/step", "relative", "spread", "stall/ckpt ms",
-                      "stall/step", "persist s", "CPU s/step"], rows))
+                      "stall/step", "persist s", "CPU s/step", "runs / steps / ckpts"], rows))
     if not parts:
         return ""
     return ("\n\n".join(parts) + "\n\n`stall/ckpt`: time the training thread was blocked in "
             "the checkpoint calls (nonstop: save() and the wait before the next optimizer "
             "step; torch.save: the call incl. fsync; DCP / torchsnapshot: the async call plus "
             "the wait for the previous save); `persist`: a save's start to durable (median). "
-            "`relative` is throughput over `none` in the same round.")
+            "`relative` is throughput over `none` (median over runs; `spread` = max - min). "
+            "`runs / steps / ckpts`: how many runs the row's medians come from, and the "
+            "measured steps and checkpoints of those runs together. Nothing here is "
+            "extrapolated; intervals that were not measured appear only in the simulator's "
+            "rows below, which model them from the measured stall and persist times.")
 
 
 def simulate(out, figs, args, doc_dir) -> str:
@@ -169,7 +200,8 @@ def tune(out, figs, args, doc_dir) -> str:
                   f"{v['config']['max_in_flight']} --writers {v['config']['writers']} --chunk "
                   f"{v['config']['chunk_bytes']} --staging {v['config']['staging_bytes']} "
                   f"--interval {max(1, v['config']['interval'] // 4)},{v['config']['interval']} "
-                  f"--steps {v['steps']} --repeat 2` (none drift "
+                  f"--steps {v['steps']} --repeat 1`, {v.get('rounds', 2)} rounds"
+                  + (f" ({v['stopped']})" if v.get("stopped") else "") + " (none drift "
                   f"{', '.join(_pct(d) for d in v['none_drift'])}):", "",
                   _table(["interval", "relative", "throughput overhead", "spread",
                           "stall overhead", "within q"], rows)]

@@ -1,0 +1,72 @@
+"""The benchmark suite's bookkeeping (bench/suite_rounds.py, bench/suite.py):
+interleaving, the time budget, and how rounds become table rows. No timing
+is asserted; the runs are fakes."""
+import os
+import sys
+import time
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+sys.path.insert(0, BENCH)
+
+suite_rounds = pytest.importorskip("suite_rounds")
+import suite  # noqa: E402
+
+
+def fake_run(log: list, step_s: dict, sleep_s: float = 0.0):
+    def run(kind, every):
+        log.append((kind, every))
+        if sleep_s:
+            time.sleep(sleep_s)
+        s = step_s[(kind, every)]
+        saves = 0 if kind == "none" else 4
+        return {"scheme": kind, "interval": every, "steps": 8, "step_s": s, "saves": saves,
+                "cpu_per_step_s": 0.1, "stall_per_step_s": 0.01 * saves / 8,
+                "stall_per_ckpt_s": 0.01 if saves else 0.0, "drain_s": 0.0}
+    return run
+
+
+def test_rounds_interleave_with_none_between_groups():
+    log = []
+    steps = {("none", 0): 1.0, ("a", 1): 2.0, ("b", 1): 1.25, ("a", 5): 1.1, ("b", 5): 1.0}
+    res = suite_rounds.run_rounds([[("a", 1), ("b", 1)], [("a", 5), ("b", 5)]], 2,
+                                  fake_run(log, steps), log=lambda m: None)
+    one = [("none", 0), ("a", 1), ("b", 1), ("none", 0), ("a", 5), ("b", 5), ("none", 0)]
+    assert log == one + one
+    assert res["stopped"] == ""
+    rows, drift, base = suite_rounds.summarize(res["runs"])
+    by = {(r["scheme"], r["interval"]): r for r in rows}
+    assert base == 1.0 and drift == 0.0
+    assert by[("a", 1)]["relative"] == pytest.approx(0.5)
+    assert by[("b", 1)]["relative"] == pytest.approx(0.8)
+    assert by[("a", 1)]["runs"] == 2
+    assert by[("a", 1)]["steps_measured"] == 16 and by[("a", 1)]["ckpts_measured"] == 8
+
+
+def test_rounds_stop_before_a_run_predicted_to_overrun():
+    log = []
+    steps = {("none", 0): 1.0, ("a", 1): 2.0}
+    deadline = time.perf_counter() + 0.25
+    res = suite_rounds.run_rounds([[("a", 1)]], 5, fake_run(log, steps, sleep_s=0.1),
+                                  log=lambda m: None, deadline=deadline)
+    # Each run takes 0.1 s: two fit, a third would end past the deadline.
+    assert len(log) == 2
+    assert "time budget" in res["stopped"]
+    assert time.perf_counter() <= deadline + 0.05
+
+
+def test_combine_rounds_takes_median_and_spread_of_per_round_ratios():
+    def one(rel, stall):
+        return {"none_drift": [0.0], "rows": [
+            {"scheme": "none", "interval": 0, "max_in_flight": 0, "relative": 1.0,
+             "steps_per_s": 20.0, "stall_ms_mean": 0.0},
+            {"scheme": "concurrent", "interval": 5, "max_in_flight": 2, "relative": rel,
+             "steps_per_s": 20.0 * rel, "stall_ms_mean": stall}]}
+    rows = suite.combine_rounds([one(0.9, 3.0), one(0.7, 9.0), one(0.8, 5.0)])
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["relative"] == pytest.approx(0.8)
+    assert r["relative_spread"] == pytest.approx(0.2)
+    assert r["stall_ms_mean"] == pytest.approx(5.0)
+    assert r["rounds"] == 3

@@ -77,6 +77,11 @@ def load_state_dict_into(obj, value) -> None:
         # a new ZeRO partitions it over its ranks; a plain optimizer (one
         # process) takes it as is.
         obj.load_state_dict({k: v for k, v in value.items() if k != CONSOLIDATED})
+        if is_zero(obj):
+            # ZeRO's load leaves copies (or None) of every parameter's state in
+            # its own `state`; the live state is its local optimizer's, and a
+            # ZeRO never loaded holds none there.
+            obj.state.clear()
         return
     if is_zero(obj):
         obj.optim.load_state_dict(value)

@@ -179,3 +179,102 @@ def test_unreadable_rank_files_of_another_world_size_are_refused(tmp_path):
     with pytest.raises(nonstop.CheckpointError, match="init_process_group"):
         nonstop.Checkpointer(str(tmp_path / "new"), {"t": torch.zeros(2)}, world_size=2, rank=0)
 
+
+# ----------------------------------------------------------- resharding
+
+
+def run(world, d, steps, kind, out):
+    res = run_ranks(world, [os.path.join(HERE, "dist_train.py"), d, str(steps), str(EVERY), kind,
+                            out], timeout=TIMEOUT)
+    check_ok(res)
+    return [next(l for l in lines if l["event"] == "start") for _, lines, _ in res]
+
+
+def merged(by_rank):
+    """{parameter index: optimizer state digest} over the ranks (each rank
+    holds all of them, or ZeRO's shard); ranks holding one agree on it."""
+    out = {}
+    for d in by_rank:
+        for k, v in d.items():
+            assert out.setdefault(k, v) == v, k
+    return out
+
+
+def restore_one_process(d, saved):
+    """A user moving from the cluster to one box: no process group, a plain
+    module and AdamW restore the 2-rank checkpoint (DDP or ZeRO-1) exactly."""
+    import nonstop
+    from torch import nn
+    from dist_train import digest, optim_by_param
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    train = {"samples": 0}
+    ckpt = nonstop.Checkpointer(d, {"model": model, "optim": opt, "sched": sched, "train": train},
+                                every=1, medium="buffered")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ckpt.restore() == 11
+    assert digest(model.parameters()) == saved[0]["params"]
+    assert optim_by_param(opt) == merged(f["by_param"] for f in saved)
+    assert len(optim_by_param(opt)) == 4
+    assert (train["samples"], sched.get_last_lr()) == (saved[0]["samples"], saved[0]["lr"])
+    # Training continues, and the next checkpoint is this process's own.
+    x = torch.randn(16, 32)
+    torch.nn.functional.mse_loss(model(x), x).backward()
+    opt.step()
+    sched.step()
+    ckpt.step(12)
+    ckpt.close()
+    assert nonstop.load(d).step == 12
+
+
+def reshard_round_trip(tmp_path, kind):
+    """2 ranks save; 4 ranks restore exactly the saved state and train on;
+    2 ranks restore exactly the 4-rank job's state (W' -> W); one process
+    restores a copy of the 2-rank checkpoint."""
+    d = str(tmp_path / "ckpt")
+    out2, out4, back = (str(tmp_path / n) for n in ("run2", "run4", "back"))
+    run(2, d, STEPS, kind, out2)
+    saved = finals(out2, 2)
+    one = str(tmp_path / "one")
+    shutil.copytree(d, one)
+
+    st = run(4, d, STEPS + 3, kind, out4)  # restores step 11, checkpoints step 14
+    assert os.path.isdir(os.path.join(d, "world-2"))  # the old rank files, set aside
+    assert [s["restored"] for s in st] == [11] * 4
+    assert {s["params"] for s in st} == {saved[0]["params"]}
+    assert merged(s["optim"] for s in st) == merged(f["by_param"] for f in saved)
+    assert len(merged(s["optim"] for s in st)) == 4
+    assert {(s["samples"], s["last_epoch"], tuple(s["lr"])) for s in st} == {
+        (saved[0]["samples"], STEPS, tuple(saved[0]["lr"]))}
+    four = finals(out4, 4)
+    assert [f["agreed"] for f in four] == [14] * 4
+
+    st = run(2, d, STEPS + 6, kind, back)  # world 4 -> 2: restores step 14
+    assert [s["restored"] for s in st] == [14, 14]
+    assert {s["params"] for s in st} == {four[0]["params"]}
+    assert merged(s["optim"] for s in st) == merged(f["by_param"] for f in four)
+    assert [f["agreed"] for f in finals(back, 2)] == [17, 17]
+    return one, saved
+
+
+def test_reshard_ddp_2_to_4_to_2_and_to_one_process(tmp_path):
+    one, saved = reshard_round_trip(tmp_path, "ddp")
+    miss = str(tmp_path / "missing")
+    shutil.copytree(one, miss)
+    restore_one_process(one, saved)
+    # An old rank file that is not there: refused, naming both sizes and the file.
+    import nonstop
+    os.remove(os.path.join(miss, "rank-00001.nsck"))
+    ckpt = nonstop.Checkpointer(miss, {"t": torch.zeros(2)}, every=1)
+    with pytest.raises(nonstop.IncompatibleCheckpointError,
+                       match=r"world size 2 .* to world size 1: .*rank-00001\.nsck is missing"):
+        ckpt.restore()
+    ckpt.close()
+
+
+def test_reshard_zero1_2_to_4_to_2_and_to_one_process(tmp_path):
+    one, saved = reshard_round_trip(tmp_path, "zero")
+    restore_one_process(one, saved)

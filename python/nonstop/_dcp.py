@@ -6,8 +6,10 @@ torch.distributed.checkpoint (DCP) checkpoint, loadable under any world size.
 Reads every rank file of DIR (all of them must be reachable from this
 process: copy them together first when ranks used local disks), picks the
 newest step committed on every rank (the globally committed one) or `step`,
-reassembles each replicated tensor from the ranks' shares (TensorSpec.global)
-and writes one DCP checkpoint with a single process. Rank-local tensors
+reassembles each replicated tensor and each FSDP2 (DTensor) parameter or
+optimizer state from the ranks' pieces (TensorSpec.global) and writes one DCP
+checkpoint of full tensors with a single process; DCP loads them into any
+placement (e.g. a fully_shard model's DTensors) under any world size. Rank-local tensors
 (ZeRO-1 optimizer shards, state given as local=) have no global name: they
 are written as `rank-R/NAME`. The key `nonstop.step` holds the step.
 """
@@ -69,7 +71,12 @@ def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
             f"committed on every rank of {path}")
     key = order[0]
     out: dict = {}
-    shared = per_rank[0][key][1].get("dist", {}).get("shared", {})
+    doc = per_rank[0][key][1].get("dist", {})
+    shared = dict(doc.get("shared", {}))
+    # FSDP2 Shard(0) DTensors: each rank wrote its rows with the same global
+    # layout as a replicated share (_fsdp.py), so they reassemble the same way.
+    for name, (shape, dtype, _) in doc.get("dtensor", {}).items():
+        shared.setdefault(name, [shape, dtype])
     for name, (shape, dtype) in shared.items():
         out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
     for r, (reader, found) in enumerate(zip(readers, per_rank)):

@@ -13,7 +13,9 @@ flat element offset), and nothing else is invented:
   tensor, and lists the name in `meta["dist"]["dtensor"]`
   (`name -> [global shape, dtype, placement]`). A rank whose shard is empty
   writes nothing for it. `Replicate()` DTensors are written as replicated
-  tensors (1/world share per rank).
+  tensors (1/world share per rank). Buffers of FSDP2 modules (fully_shard
+  neither shards nor synchronises them) are rank-local: each rank writes
+  its own, whole.
 * **Restoring, same world size.** Each rank reads only its own shard from
   its own file (bitwise) and wraps it again with `DTensor.from_local` on the
   mesh of the live model (no collective).
@@ -135,12 +137,31 @@ def shard(dist, tensors: dict, state: dict) -> tuple[dict, dict, dict]:
     Returns what Distributed.shard does; meta["dist"]["dtensor"] lists the
     DTensors."""
     rest, shards, fl, doc = take(tensors, dist.rank, dist.world)
-    out, layouts, ddoc = dist.shard(rest, state)
+    own = fsdp_buffers(state)
+    out, layouts, ddoc = dist.shard({n: t for n, t in rest.items() if n not in own}, state)
+    out.update((n, t) for n, t in rest.items() if n in own)
     out.update(shards)
     layouts.update(fl)
     if doc:
         ddoc["dtensor"] = doc
     return out, layouts, ddoc
+
+
+def fsdp_buffers(state: dict) -> set:
+    """Names of the buffers (BatchNorm running statistics, ...) of FSDP2
+    modules in the state. fully_shard neither shards nor synchronises
+    buffers, so each rank's are its own: each rank writes and restores its
+    own, whole."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return set()
+    names = set()
+    for key, obj in state.items():
+        if isinstance(obj, torch.nn.Module) and any(
+                isinstance(m, FSDPModule) for m in obj.modules()):
+            names |= {f"{key}/{n}" for n, _ in obj.named_buffers()}
+    return names
 
 
 def localize(tensors: dict) -> tuple[dict, dict]:
@@ -171,7 +192,8 @@ def restored(ckpt, loaded) -> None:
 
 
 def _meshes(state: dict) -> list:
-    """The device meshes of the DTensor parameters in the live state."""
+    """(device mesh, device of the local shards) of the DTensor parameters
+    in the live state, one per mesh."""
     found = []
     for obj in state.values():
         params = []
@@ -180,23 +202,26 @@ def _meshes(state: dict) -> list:
         elif isinstance(obj, torch.optim.Optimizer):
             params = [p for g in obj.param_groups for p in g["params"]]
         for p in params:
-            if is_dtensor(p) and all(p.device_mesh is not m for m in found):
-                found.append(p.device_mesh)
+            if is_dtensor(p) and all(p.device_mesh is not m for m, _ in found):
+                found.append((p.device_mesh, p._local_tensor.device))
     return found
 
 
-def _mesh_for(name: str, current: dict, meshes: list, ndim_world: int):
+def _mesh_for(name: str, current: dict, meshes: list, world: int) -> tuple:
+    """(mesh, device) for the DTensor `name`: the live tensor's of that name
+    (a module's parameter), else the one mesh of the live parameters (an
+    optimizer's state before its first step)."""
     t = current.get(name)
     if t is not None and is_dtensor(t):
-        return t.device_mesh
-    usable = [m for m in meshes if m.ndim == 1 and m.size() == ndim_world]
-    if len(usable) == 1 or (usable and all(m == usable[0] for m in usable)):
+        return t.device_mesh, t._local_tensor.device
+    usable = [(m, d) for m, d in meshes if m.ndim == 1 and m.size() == world]
+    if usable and all(m == usable[0][0] for m, _ in usable):
         return usable[0]
     if not usable:
         raise CheckpointMismatchError(
             f"tensor {name!r} was saved as an FSDP2 DTensor, but the state to restore has no "
-            f"DTensor parameters on a 1-D mesh of {ndim_world} ranks: apply fully_shard "
-            f"before restore()")
+            f"DTensor parameters on a 1-D mesh of {world} ranks: apply fully_shard before "
+            f"restore()")
     raise CheckpointMismatchError(
         f"tensor {name!r}: the state to restore has DTensors on {len(usable)} different "
         f"meshes; nonstop cannot tell which one this tensor belongs to")
@@ -216,7 +241,14 @@ def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world
     from torch.distributed.tensor import DTensor, Replicate, Shard
     meshes = _meshes(state)
     for name, (shape, dtype, kind) in doc.items():
-        mesh = _mesh_for(name, current, meshes, world)
+        cur = current.get(name)
+        if world == 1 and not meshes and (cur is None or not is_dtensor(cur)):
+            # One process without fully_shard (a resharded FSDP checkpoint
+            # loaded into a plain model): the whole tensor, as is.
+            if name in tensors:
+                tensors[name] = tensors[name].reshape(shape)
+            continue
+        mesh, device = _mesh_for(name, current, meshes, world)
         dt = getattr(torch, dtype)
         if kind == "R":
             local, placement = tensors[name], Replicate()
@@ -228,12 +260,7 @@ def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world
                 local = torch.empty(want, dtype=dt)
             local = local.reshape(want)
             placement = Shard(0)
-        cur = current.get(name)
-        if cur is not None and is_dtensor(cur):
-            local = local.to(cur._local_tensor.device)
-        elif mesh.device_type != "cpu":
-            local = local.to(torch.device(mesh.device_type, torch.accelerator.current_device_index()
-                                          if hasattr(torch, "accelerator") else 0))
+        local = local.to(device)
         stride = torch.empty(shape, device="meta").stride()
         tensors[name] = DTensor.from_local(local, mesh, [placement], run_check=False,
                                            shape=torch.Size(shape), stride=stride)

@@ -1,0 +1,148 @@
+"""One rank of a tiny FSDP2 (fully_shard) job for test_fsdp.py, gloo on CPU.
+Run by dist_launch.run_ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set) or torchrun:
+
+    python fsdp_train.py DIR STEPS EVERY OUT [--kill-at S --kill-rank R]   (any world size)
+    python fsdp_train.py DIR 0 1 OUT --load-dcp EXPORT_DIR
+
+The layers have 67 and 31 output rows (and a BatchNorm of 67, whose running
+statistics FSDP2 keeps per rank, unsynchronised), so with 2 ranks the Shard(0) pieces
+are uneven (34 + 33 rows, 16 + 15 rows). It restores from DIR when it holds
+a checkpoint, so the same command is both the first run and the restart. It
+prints one JSON line per event and writes OUT.rank-R.json with hashes of its
+final local shards (parameters and optimizer state), RNG and lr.
+--load-dcp loads a `nonstop export --format dcp` directory into the sharded
+model with torch.distributed.checkpoint.load instead of training.
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+import nonstop  # noqa: E402
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(local(t).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def full(ts) -> str:
+    """Digest of the global tensors (an all-gather of each DTensor)."""
+    return digest([t.full_tensor() if hasattr(t, "full_tensor") else t for t in ts])
+
+
+def optim_tensors(opt):
+    osd = opt.state_dict()
+    return [v for _, st in sorted(osd["state"].items()) for _, v in sorted(st.items())
+            if isinstance(v, torch.Tensor)]
+
+
+def build(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 67), nn.BatchNorm1d(67), nn.ReLU(), nn.Dropout(0.1),
+                          nn.Linear(67, 31))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("dir")
+    p.add_argument("steps", type=int)
+    p.add_argument("every", type=int)
+    p.add_argument("out")
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--load-dcp", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(world)
+    if a.load_dcp:
+        import torch.distributed.checkpoint as dcp
+        # The parameters (the BatchNorm buffers are rank-local: rank-R/... in the export).
+        sd = {f"model/{k}": v for k, v in model.named_parameters()}
+        sd["nonstop.step"] = torch.tensor(-1)
+        dcp.load(sd, checkpoint_id=a.load_dcp)
+        model.load_state_dict({k[len("model/"):]: v for k, v in sd.items()
+                               if k.startswith("model/")}, strict=False)
+        res = {"rank": rank, "step": int(sd["nonstop.step"]),
+               "params": digest(model.parameters()),
+               "placements": [str(q.placements) for q in model.parameters()]}
+        with open(f"{a.out}.rank-{rank}.json", "w") as f:
+            json.dump(res, f)
+        dist.destroy_process_group()
+        return
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    torch.manual_seed(100 + rank)  # dropout differs per rank; restored per rank
+    train = {"samples": 0}
+    ckpt = nonstop.Checkpointer(a.dir, {"model": model, "optim": opt, "sched": sched,
+                                        "train": train}, every=a.every, max_in_flight=2,
+                                medium="buffered", writers=1, staging_bytes=4 << 20,
+                                chunk_bytes=1 << 20, dist_timeout_s=60)
+    r = ckpt.restore()
+    emit(event="start", rank=rank, restored=r,
+         kinds=sorted({type(q).__name__ for q in model.parameters()}),
+         full_params=full(model.parameters()), full_optim=full(optim_tensors(opt)),
+         samples=train["samples"], lr=sched.get_last_lr())
+    for s in range(0 if r is None else r + 1, a.steps):
+        g = torch.Generator().manual_seed(1000 * s + rank)
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randn(16, 31, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        train["samples"] += 16
+        ckpt.step(s)
+        emit(event="step", rank=rank, step=s, loss=loss.item())
+        if s == a.kill_at and rank == a.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
+    if ckpt._dist is None:  # one rank
+        ckpt.wait()
+        agreed = ckpt.latest()
+    ckpt.close()
+    if ckpt._dist is not None:
+        agreed = ckpt._dist.agreed_step()
+    opt_tensors = optim_tensors(opt)
+    res = {"rank": rank, "restored": r, "params": digest(model.parameters()),
+           "buffers": digest(model.buffers()), "optim": digest(opt_tensors), "samples": train["samples"], "agreed": agreed,
+           "rng": digest([torch.get_rng_state()]), "lr": sched.get_last_lr(),
+           "optim_kinds": sorted({type(v).__name__ for v in opt_tensors}),
+           "shapes": [list(local(q).shape) for q in model.parameters()],
+           "full_params": full(model.parameters()), "full_optim": full(opt_tensors)}
+    with open(f"{a.out}.rank-{rank}.json", "w") as f:
+        json.dump(res, f)
+    emit(event="done", rank=rank, agreed=agreed)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""FSDP2 (fully_shard) state, 2 ranks with gloo on CPU (docs/DISTRIBUTED.md,
+"FSDP2"). Ranks from fsdp_train.py, each multi-process run under a hard
+timeout (dist_launch.run_ranks kills the ranks' process groups)."""
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from conftest import needs_engine
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+from dist_launch import run_ranks  # noqa: E402
+
+
+def _fsdp2_runs() -> str:
+    """Why FSDP2 cannot run here, or '' when it can."""
+    if not torch.distributed.is_available():
+        return "torch built without torch.distributed"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError as e:
+        return f"this torch has no FSDP2 (torch.distributed.fsdp.fully_shard): {e}"
+    return ""
+
+
+STEPS, EVERY = 12, 3  # checkpoints after steps 2, 5, 8, 11
+TIMEOUT = 150
+pytestmark = [needs_engine, pytest.mark.skipif(bool(_fsdp2_runs()), reason=_fsdp2_runs())]
+
+
+def launch(d, out, *extra, steps=STEPS):
+    return run_ranks(2, [os.path.join(HERE, "fsdp_train.py"), d, str(steps), str(EVERY), out,
+                         *extra], timeout=TIMEOUT)
+
+
+def check_ok(res):
+    for rank, (rc, _, err) in enumerate(res):
+        assert rc == 0, f"rank {rank} exited {rc}: {err[-2000:]}"
+
+
+def finals(out):
+    got = []
+    for r in range(2):
+        with open(f"{out}.rank-{r}.json") as f:
+            got.append(json.load(f))
+    return got
+
+
+def starts(res):
+    return [next(l for l in lines if l["event"] == "start") for _, lines, _ in res]
+
+
+def same_training(a, b):
+    keys = ("params", "buffers", "optim", "rng", "samples", "lr", "shapes")
+    for x, y in zip(a, b):
+        assert [x[k] for k in keys] == [y[k] for k in keys], (x, y)
+
+
+def corrupt_newest(d, rank):
+    import nonstop
+    c = nonstop.load(d, rank=rank)
+    with open(c.path, "r+b") as f:
+        f.seek(c.info["data_offset"] + 8)
+        b = f.read(1)
+        f.seek(c.info["data_offset"] + 8)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return c.step
+
+
+def test_fsdp2_kill_resume_corrupt_dcp_and_reshard(tmp_path):
+    ref, ref_dir = str(tmp_path / "ref"), str(tmp_path / "ref-ckpt")
+    check_ok(launch(ref_dir, ref))
+    for f in finals(ref):  # the job really is FSDP2: sharded params and optimizer state
+        assert f["optim_kinds"] == ["DTensor", "Tensor"], f
+    assert [f["shapes"] for f in finals(ref)] == [
+        [[34, 32], [34], [34], [34], [16, 67], [16]],   # 67 rows: 34 + 33, 31: 16 + 15
+        [[33, 32], [33], [33], [33], [15, 67], [15]]]
+    assert finals(ref)[0]["buffers"] != finals(ref)[1]["buffers"]  # per-rank BatchNorm stats
+
+    # SIGKILL of rank 1 right after it starts the checkpoint of step 8, then
+    # a restart of both: one resume step, and training ends bit-identical.
+    d, out = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    killed = launch(d, out, "--kill-at", "8", "--kill-rank", "1")
+    assert killed[1][0] == -9
+    resumed = launch(d, out)
+    check_ok(resumed)
+    st = starts(resumed)
+    assert st[0]["restored"] == st[1]["restored"] in (2, 5, 8), st
+    assert st[0]["kinds"] == st[1]["kinds"] == ["DTensor"], st
+    same_training(finals(out), finals(ref))
+
+    # Rank 1's newest slot damaged: both ranks fall back to step 8 together.
+    assert corrupt_newest(d, 1) == 11
+    again = launch(d, out)
+    check_ok(again)
+    assert [s["restored"] for s in starts(again)] == [8, 8]
+    assert "restores step 8, older than the agreed step 11" in again[1][2]
+    same_training(finals(out), finals(ref))
+
+    check_layout_dcp_reshard(tmp_path, ref_dir, ref)
+    reshard_two_to_one(tmp_path, ref_dir, ref)
+
+
+def check_layout_dcp_reshard(tmp_path, d, ref):
+    import nonstop
+    from nonstop import _fsdp
+    a, b = nonstop.load(d, rank=0), nonstop.load(d, rank=1)
+    assert a.step == b.step == 11
+    sa, sb = ({s["name"]: s for s in c.info["tensors"]} for c in (a, b))
+    # Each rank wrote only its own rows (uneven: 34 + 33), with their place
+    # in the global tensor; the optimizer state likewise.
+    for name in ("model/0.weight", "optim/state/0/exp_avg", "optim/state/0/exp_avg_sq"):
+        assert sa[name]["global_shape"] == sb[name]["global_shape"] == [67, 32]
+        assert (sa[name]["shape"], sa[name]["global_offset"]) == ([34, 32], 0)
+        assert (sb[name]["shape"], sb[name]["global_offset"]) == ([33, 32], 34 * 32)
+    assert (sb["model/4.bias"]["shape"], sb["model/4.bias"]["global_offset"]) == ([15], 16)
+    doc = a.meta["dist"]["dtensor"]
+    assert doc["model/0.weight"] == [[67, 32], "float32", "S0"]
+    assert doc == b.meta["dist"]["dtensor"]
+    # BatchNorm running statistics: each rank its own, whole.
+    assert a.tensors["model/1.running_mean"].shape == (67,)
+    assert not torch.equal(a.tensors["model/1.running_mean"], b.tensors["model/1.running_mean"])
+
+    # DCP export: full tensors, loadable in one process, and loadable by a
+    # 2-rank FSDP2 job into its DTensors (each rank gets its own rows back).
+    import torch.distributed.checkpoint as dcp
+    exp = str(tmp_path / "dcp")
+    assert nonstop.export(d, exp, format="dcp")["step"] == 11
+    target = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+              for name, (shape, dtype, _) in doc.items()}
+    target["nonstop.step"] = torch.tensor(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=exp)
+    assert int(target["nonstop.step"]) == 11
+    for name in doc:
+        rows_a = sa[name]["shape"][0]
+        assert torch.equal(target[name][:rows_a], a.tensors[name]), name
+        assert torch.equal(target[name][rows_a:], b.tensors[name]), name
+    back = str(tmp_path / "back")
+    res = launch(str(tmp_path / "unused"), back, "--load-dcp", exp, steps=0)
+    check_ok(res)
+    for got, want in zip(finals(back), finals(ref)):
+        assert got["step"] == 11 and got["params"] == want["params"], (got, want)
+
+    # Another world size: the pieces of all old rank files give any rank of
+    # any new world size its rows (here 1 and 3 ranks), bit-exact.
+    key = (11, a.meta["dist"]["lineage"])
+    whole = _fsdp.reshard(d, key, doc, rank=0, world=1, core=None)
+    for name in doc:
+        assert torch.equal(whole[name], target[name]), name
+    three = [_fsdp.reshard(d, key, doc, rank=r, world=3, core=None) for r in range(3)]
+    assert [t["model/0.weight"].shape[0] for t in three] == [23, 23, 21]
+    for name in doc:
+        assert torch.equal(torch.cat([t[name] for t in three]), target[name]), name
+
+
+def reshard_two_to_one(tmp_path, d, ref):
+    """Restoring the 2-rank FSDP2 checkpoint in a 1-rank FSDP2 job: resharded
+    from both old rank files when resharding is available, else refused
+    with one line naming both world sizes."""
+    import nonstop
+    from nonstop import _distributed
+    if not hasattr(_distributed, "set_aside"):
+        with pytest.raises(nonstop.IncompatibleCheckpointError,
+                           match=r"world size 2.*world size 1"):
+            nonstop.Checkpointer(d, {"t": torch.zeros(2)}, world_size=1, rank=0)
+        return
+    one = str(tmp_path / "one")
+    res = run_ranks(1, [os.path.join(HERE, "fsdp_train.py"), d, str(STEPS + 2), str(EVERY),
+                        one], timeout=TIMEOUT)
+    assert res[0][0] == 0, res[0][2][-2000:]
+    st = starts(res)[0]
+    want = finals(ref)[0]
+    assert st["restored"] == 11 and st["kinds"] == ["DTensor"], st
+    # The global parameters and optimizer state are those of the 2-rank job
+    # at step 11, bit for bit; training then goes on with one rank.
+    assert (st["full_params"], st["full_optim"], st["samples"], st["lr"]) == (
+        want["full_params"], want["full_optim"], want["samples"], want["lr"])
+    with open(f"{one}.rank-0.json") as f:
+        assert json.load(f)["samples"] == want["samples"] + 2 * 16
+
+
+def test_reshard_refuses_a_missing_rank_file(tmp_path):
+    """read_ranges() says what is missing instead of returning zeros."""
+    import ctypes
+
+    from nonstop import _fsdp
+    from nonstop.errors import IncompatibleCheckpointError
+
+    class Reader:
+        def __init__(self, off, n):
+            self.checkpoints = [{"tensors": [{"name": "w", "shape": [n], "global_offset": off,
+                                              "dtype": 7, "nbytes": 4 * n}]}]
+
+        def read_tensor(self, idx, ti, ptr, nbytes):
+            src = torch.full((nbytes // 4,), 2.0)
+            ctypes.memmove(ptr, src.data_ptr(), nbytes)
+
+    got = _fsdp.read_ranges([Reader(0, 5), Reader(5, 5)], [0, 0], {"w": ([10], "float32", 3, 8)})
+    assert torch.equal(got["w"], torch.full((5,), 2.0))
+    with pytest.raises(IncompatibleCheckpointError, match="hold 2 of elements 3..8"):
+        _fsdp.read_ranges([Reader(0, 5)], [0], {"w": ([10], "float32", 3, 8)})
+
+
+def test_rows_follow_torch_chunk():
+    from nonstop import _fsdp
+    for d0 in (0, 1, 5, 7, 67, 64):
+        for world in (1, 2, 3, 4, 8):
+            chunks = torch.arange(d0).chunk(world) if d0 else []
+            sizes = [len(c) for c in chunks] + [0] * (world - len(chunks))
+            got = [_fsdp.rows(d0, r, world) for r in range(world)]
+            assert [e - b for b, e in got] == sizes, (d0, world)

@@ -89,7 +89,9 @@ def main():
     # the first step after any restart all-reduces in another layout; with 3+
     # ranks the ring's summation order (and rounding) follows the layout.
     # "manual" all-reduces each gradient alone, the same way every step.
-    p.add_argument("--grad-sync", choices=["ddp", "manual"], default="ddp")
+    # "ddp-fixed": DDP(find_unused_parameters=True), which never rebuilds its
+    # buckets, so every step (the first after a restart too) uses one layout.
+    p.add_argument("--grad-sync", choices=["ddp", "ddp-fixed", "manual"], default="ddp")
     # bn: a BatchNorm layer; DDP broadcasts rank 0's running statistics at the
     # start of each forward, so at a checkpoint the ranks' buffers differ.
     p.add_argument("--model", choices=["mlp", "bn"], default="mlp")
@@ -103,7 +105,11 @@ def main():
                               nn.Linear(64, 32))
     else:
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 32))
-    ddp = nn.parallel.DistributedDataParallel(model) if a.grad_sync == "ddp" else model
+    if a.grad_sync == "manual":
+        ddp = model
+    else:
+        ddp = nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=a.grad_sync == "ddp-fixed")
     if a.kind == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)

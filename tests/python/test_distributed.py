@@ -106,10 +106,13 @@ def test_ddp_two_ranks_kill_resume_slow_rank_corrupt_and_dcp(tmp_path):
 
 
 def test_zero1_four_ranks_kill_resume(tmp_path):
-    # Gradients all-reduced per tensor: DDP's bucket rebuild after the first
-    # iteration of a process changes the summation order at 3+ ranks (see
-    # dist_train.py, docs/DISTRIBUTED.md), with or without a checkpoint.
-    kill_and_resume(tmp_path, 4, "zero", kill_rank=2, extra=("--grad-sync", "manual"))
+    # DDP(find_unused_parameters=True): DDP then never rebuilds its buckets
+    # after a process's first iteration, so the first step after the restart
+    # all-reduces in the same layout (and summation order, at 3+ ranks) as
+    # the uninterrupted run. With plain DDP (NONSTOP_TEST_GRAD_SYNC=ddp) this
+    # test fails by the last bits: docs/DISTRIBUTED.md, "Bitwise at 3+ ranks".
+    kill_and_resume(tmp_path, 4, "zero", kill_rank=2,
+                    extra=("--grad-sync", os.environ.get("NONSTOP_TEST_GRAD_SYNC", "ddp-fixed")))
 
 
 def test_ddp_batchnorm_buffers_kill_resume(tmp_path):

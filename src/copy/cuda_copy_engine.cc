@@ -152,8 +152,9 @@ class FinishedCompletion : public CopyCompletion {
 class CudaCompletion : public CopyCompletion {
  public:
   CudaCompletion(std::shared_ptr<DeviceContext> ctx, cudaEvent_t done,
-                 CudaCopyOptions::WaitMode mode, std::string what)
-      : ctx_(std::move(ctx)), done_(done), mode_(mode), what_(std::move(what)) {}
+                 CudaCopyOptions::WaitMode mode, double timeout_s, std::string what)
+      : ctx_(std::move(ctx)), done_(done), mode_(mode), timeout_s_(timeout_s),
+        what_(std::move(what)) {}
   ~CudaCompletion() override { ctx_->ReturnEvent(done_); }
 
   Status Wait() override {
@@ -161,7 +162,16 @@ class CudaCompletion : public CopyCompletion {
     cudaError_t err;
     if (mode_ == CudaCopyOptions::WaitMode::kPoll) {
       auto backoff = std::chrono::microseconds(1);
+      const auto t0 = Clock::now();
       while ((err = cudaEventQuery(done_)) == cudaErrorNotReady) {
+        if (SecondsSince(t0) > timeout_s_) {
+          finished_ = true;
+          status_ = Status::IOError(what_ + ": not complete after " +
+                                    std::to_string(static_cast<int>(timeout_s_)) +
+                                    " s (the stream it is ordered after never reached it: "
+                                    "a hung kernel, or a stream of another device?)");
+          return status_;
+        }
         std::this_thread::sleep_for(backoff);
         backoff = std::min(backoff * 2, std::chrono::microseconds(256));
       }
@@ -191,6 +201,7 @@ class CudaCompletion : public CopyCompletion {
   std::shared_ptr<DeviceContext> ctx_;
   cudaEvent_t done_;
   const CudaCopyOptions::WaitMode mode_;
+  const double timeout_s_;
   const std::string what_;
   bool finished_ = false;
   Status status_;
@@ -513,7 +524,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
       return Failed(CudaStatus(err, what + ": record the completion event"));
     }
     return std::make_unique<CudaCompletion>(std::move(ctx), done, options_.wait_mode,
-                                            std::move(what));
+                                            options_.wait_timeout_s, std::move(what));
   }
 
   const CudaCopyOptions options_;

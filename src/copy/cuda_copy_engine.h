@@ -45,6 +45,13 @@ struct CudaCopyOptions {
   // thread would see. Bandwidth was the same (95-99.5 % of peak) in both.
   enum class WaitMode { kBlockingSync, kPoll };
   WaitMode wait_mode = WaitMode::kPoll;
+  // kPoll only: a Wait() that sees no completion for this long returns an
+  // IOError naming the copy instead of blocking forever (the stream the copy
+  // is ordered after never reached its event: a hung kernel, or a stream
+  // handle of another device). The copy may still land in `dst` later, so the
+  // caller must treat the destination as lost. kBlockingSync waits in the
+  // driver, without a limit.
+  double wait_timeout_s = 600;
   // Copy streams get the lowest stream priority so that kernels the driver
   // may use for device-to-device copies never delay training kernels.
   bool low_priority_stream = true;

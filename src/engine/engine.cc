@@ -59,8 +59,10 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 }
 
 constexpr uint64_t kDefaultChunkBytes = 4 << 20;
-constexpr uint64_t kDefaultStagingBytes = 256 << 20;
 constexpr int kDefaultWriters = 4;
+// copy='device': how long the dispatcher waits for an older checkpoint's
+// writes of a tensor before it fails the newer checkpoint instead of hanging.
+constexpr int kSnapshotWaitSeconds = 600;
 
 // What one Register call fixed: the tensors, their slot layout, the chunk
 // plan and the buffers for copy_at_checkpoint tensors. Immutable once built
@@ -90,6 +92,8 @@ struct Registration {
   std::byte* device_snapshot = nullptr;
   uint64_t device_snapshot_bytes = 0;
   std::unique_ptr<std::atomic<uint32_t>[]> snapshot_writes;
+  mutable std::mutex snapshot_mu;  // with snapshot_cv: a count reaching 0 wakes the dispatcher
+  mutable std::condition_variable snapshot_cv;
   // kDevice with the CUDA engine: per CUDA tensor, its second buffer in device
   // memory (nullptr otherwise); drained into device_snapshot.
   CudaCopyEngine* cuda = nullptr;
@@ -210,6 +214,7 @@ class EngineImpl final : public Engine {
   // Requests the copies of `tensors` not requested yet and the seal. REQUIRES(mu_)
   void SealLocked(const std::shared_ptr<Job>& job);
   Status SnapshotNow(const std::shared_ptr<Job>& job, bool skip_requested);
+  Status WaitSnapshotFree(const Registration& reg, uint32_t t);
 
   Status TakePendingError();  // REQUIRES(mu_)
   Status CheckOpen();         // REQUIRES(mu_)
@@ -217,6 +222,7 @@ class EngineImpl final : public Engine {
   Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
   Status KeepCopy(SlotFile& file, const CheckpointInfo& info);  // committer thread only
   Status SwitchFile(uint64_t slot_bytes, bool keep_old);
+  Status GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock);
   Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
 
   const EngineOptions opts_;
@@ -225,7 +231,9 @@ class EngineImpl final : public Engine {
   std::unique_ptr<StagingPool> staging_;
   std::unique_ptr<TaskPool> writers_;
   std::string medium_desc_;
+  std::string staging_note_;  // GUARDED_BY(mu_): the last cap note printed
   uint64_t chunk_bytes_ = 0;
+  uint32_t min_chunks_ = 1;
   int window_ = 2;  // chunks the dispatcher keeps copying ahead of the writers
 
   // The free slots of file_. Popped by the training thread (Checkpoint),
@@ -307,12 +315,19 @@ Status EngineImpl::Init() {
 
   const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
   const int copy_threads = std::max(0, opts_.copy_threads);
-  copy_ = MakeBestCopyEngine(copy_threads, nullptr);
+  copy_ = media_.copy ? media_.copy(copy_threads) : MakeBestCopyEngine(copy_threads, nullptr);
   window_ = std::max(2, 2 * copy_threads);
   // Enough chunks for every writer to hold one while the dispatcher fills a window.
   const uint32_t min_chunks = static_cast<uint32_t>(writers + window_);
+  min_chunks_ = min_chunks;
+  // Without staging_bytes the pool starts at the floor and grows to the
+  // state's size at Register (DefaultStagingSize).
   uint64_t staging = opts_.staging_bytes;
-  if (staging == 0) staging = std::max<uint64_t>(kDefaultStagingBytes, min_chunks * chunk_bytes_);
+  if (staging == 0) {
+    staging = DefaultStagingSize(0, chunk_bytes_, min_chunks, PhysicalMemoryBytes(),
+                                 dynamic_cast<CudaCopyEngine*>(copy_.get()) != nullptr)
+                  .bytes;
+  }
   NONSTOP_ASSIGN_OR_RETURN(staging_,
                            StagingPool::Create(copy_.get(), staging, chunk_bytes_, min_chunks));
   writers_ = std::make_unique<TaskPool>(writers);
@@ -412,6 +427,33 @@ Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
   return Status::OK();
 }
 
+// Default staging (no staging_bytes): grows the pool to DefaultStagingSize
+// for the state about to be registered. The pool is replaced only with
+// nothing in flight (writers release chunks into staging_), so a state that
+// outgrows the pool waits for the checkpoints in flight once; it never
+// shrinks. If the larger pool cannot be allocated the old one is kept.
+Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock) {
+  const bool pinned = dynamic_cast<CudaCopyEngine*>(copy_.get()) != nullptr;
+  const StagingSize want =
+      DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned);
+  if (want.capped && want.note != staging_note_) {
+    std::fprintf(stderr, "nonstop: %s\n", want.note.c_str());
+    staging_note_ = want.note;
+  }
+  if (want.bytes <= staging_->total_bytes()) return Status::OK();
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  auto grown = StagingPool::Create(copy_.get(), want.bytes, chunk_bytes_, min_chunks_);
+  if (!grown.ok()) {
+    std::fprintf(stderr, "nonstop: keeping %llu MiB of staging: %s\n",
+                 static_cast<unsigned long long>(staging_->total_bytes() >> 20),
+                 grown.status().ToString().c_str());
+    return Status::OK();
+  }
+  staging_ = std::move(grown).value();
+  stats_.staging_bytes = staging_->total_bytes();
+  return Status::OK();
+}
+
 Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   std::unique_lock<std::mutex> lock(mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
@@ -446,6 +488,7 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
     NONSTOP_RETURN_IF_ERROR(SwitchFile(slot_bytes, keep_old));
     stats_.medium = medium_desc_;
   }
+  if (opts_.staging_bytes == 0) NONSTOP_RETURN_IF_ERROR(GrowStaging(layout.data_bytes, lock));
   AddStall(Seconds(t0, Clock::now()));
 
   auto reg = std::make_shared<Registration>();
@@ -1198,6 +1241,44 @@ Status EngineImpl::Close() {
 }
 
 }  // namespace
+
+uint64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
+StagingSize DefaultStagingSize(uint64_t state_bytes, uint64_t chunk_bytes, uint32_t min_chunks,
+                               uint64_t ram_bytes, bool pinned) {
+  const uint64_t b = std::max<uint64_t>(chunk_bytes, 1);
+  auto up = [b](uint64_t x) { return (x + b - 1) / b * b; };
+  const uint64_t floor_bytes = std::max<uint64_t>(uint64_t{min_chunks} * b, 1);
+  StagingSize r;
+  r.bytes = std::max({up(kStagingFloorBytes), up(state_bytes), floor_bytes});
+  uint64_t cap = ram_bytes > 0 ? ram_bytes / 4 : UINT64_MAX;
+  const char* why = "a quarter of physical memory";
+  if (pinned && cap > kPinnedStagingCapBytes) {
+    cap = kPinnedStagingCapBytes;
+    why = "the pinned-memory cap";
+  }
+  cap = std::max(cap / b * b, floor_bytes);
+  if (r.bytes > cap) {
+    r.capped = state_bytes > cap;
+    r.bytes = cap;
+  }
+  if (r.capped) {
+    char buf[320];
+    std::snprintf(buf, sizeof(buf),
+                  "staging capped at %.2f GiB (%s) for a %.2f GiB state: each checkpoint's copy "
+                  "waits for the medium to write the other %.2f GiB; set staging_bytes to "
+                  "override",
+                  static_cast<double>(r.bytes) / (1 << 30), why,
+                  static_cast<double>(state_bytes) / (1 << 30),
+                  static_cast<double>(state_bytes - r.bytes) / (1 << 30));
+    r.note = buf;
+  }
+  return r;
+}
 
 const char* LayerCopyName(LayerCopy c) {
   switch (c) {

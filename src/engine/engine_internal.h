@@ -2,10 +2,12 @@
 // plain files (the FaultDisk of src/media/fault_medium.h).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 
+#include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
 #include "nonstop/medium.h"
 
@@ -18,6 +20,8 @@ struct EngineMedia {
   // Atomically replaces `to` with `from` and makes that durable (a slot file
   // resize commits this way).
   std::function<Status(const std::string& from, const std::string& to)> rename;
+  // Tests: the copy engine for `copy_threads` (empty: MakeBestCopyEngine).
+  std::function<std::unique_ptr<CopyEngine>(int copy_threads)> copy;
 };
 
 // The media Engine::Open uses: OpenMedium(opts.medium) on real files,
@@ -25,5 +29,23 @@ struct EngineMedia {
 EngineMedia FileMedia(MediumKind kind);
 
 Result<std::unique_ptr<Engine>> OpenEngine(const EngineOptions& opts, EngineMedia media);
+
+// The staging pool the engine picks when EngineOptions::staging_bytes is 0
+// (docs/ENGINE.md): the whole registered state, so that a checkpoint's copy
+// never waits for the medium (the stall is the copy, not the write), but at
+// least 256 MiB and `min_chunks` chunks, rounded up to whole chunks; at most
+// a quarter of physical memory, and for pinned (CUDA) staging at most
+// 32 GiB, where `capped` is set and `note` says so. Never below min_chunks.
+struct StagingSize {
+  uint64_t bytes = 0;
+  bool capped = false;
+  std::string note;  // empty unless capped
+};
+inline constexpr uint64_t kStagingFloorBytes = uint64_t{256} << 20;
+inline constexpr uint64_t kPinnedStagingCapBytes = uint64_t{32} << 30;
+StagingSize DefaultStagingSize(uint64_t state_bytes, uint64_t chunk_bytes, uint32_t min_chunks,
+                               uint64_t ram_bytes, bool pinned);
+// Physical memory of this machine in bytes (0 if unknown).
+uint64_t PhysicalMemoryBytes();
 
 }  // namespace nonstop

@@ -136,4 +136,33 @@ std::vector<uint32_t> LayerPlan::ChunkCrcs(const std::vector<uint32_t>& unit_crc
   return crcs;
 }
 
+LayerRoute ChooseLayerRoute(LayerCopy requested, DeviceKind source, bool aligned_medium,
+                            bool has_device_buffer) {
+  const bool host = source == DeviceKind::kHost;
+  switch (requested) {
+    case LayerCopy::kHost:
+      return LayerRoute::kStage;
+    case LayerCopy::kDirect:
+      return host && !aligned_medium ? LayerRoute::kDirect : LayerRoute::kStage;
+    case LayerCopy::kDevice:
+      if (host) return LayerRoute::kHostSnapshot;
+      return has_device_buffer ? LayerRoute::kDeviceSnapshot : LayerRoute::kStage;
+  }
+  return LayerRoute::kStage;
+}
+
+const char* LayerRouteName(LayerRoute route) {
+  switch (route) {
+    case LayerRoute::kStage:
+      return "stage";
+    case LayerRoute::kDirect:
+      return "direct";
+    case LayerRoute::kHostSnapshot:
+      return "host-snapshot";
+    case LayerRoute::kDeviceSnapshot:
+      return "device-snapshot";
+  }
+  return "?";
+}
+
 }  // namespace nonstop

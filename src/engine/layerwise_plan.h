@@ -24,7 +24,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "nonstop/engine.h"
 #include "nonstop/store.h"
+#include "nonstop/types.h"
 
 namespace nonstop {
 
@@ -54,6 +56,29 @@ struct LayerPlan {
   // The crc of every chunk from the crcs of the units (same order as `units`).
   std::vector<uint32_t> ChunkCrcs(const std::vector<uint32_t>& unit_crcs) const;
 };
+
+// How the dispatcher moves one large tensor of a layer-wise checkpoint. A
+// pure function of the requested strategy and the tensor's memory, so the
+// rule is tested without a GPU (layerwise_test, LayerRouteTest).
+enum class LayerRoute {
+  kStage,           // the copy engine copies it into staging chunks; writers write them
+  kDirect,          // writers write straight from the tensor's host memory (LightCheck-D)
+  kHostSnapshot,    // memcpy into the host second buffer, writers write from it
+                    // (LightCheck-G for host tensors: no copy engine, no CUDA call)
+  kDeviceSnapshot,  // CUDA D2D snapshot into the device second buffer, drained to
+                    // host on the copy stream, writers write from there (LightCheck-G)
+};
+
+// `source` is where the bytes are now: a copy_at_checkpoint tensor is read
+// from its host snapshot even when it lives on a GPU. Host memory never goes
+// to a CUDA-only path: kDevice of a host tensor is a host memcpy, kDirect of a
+// host tensor is a write from that memory. Device memory goes through
+// staging unless it has a device second buffer (kDevice with the CUDA
+// engine); kDirect of device memory and kDirect on media that need aligned
+// buffers (O_DIRECT) use staging.
+LayerRoute ChooseLayerRoute(LayerCopy requested, DeviceKind source, bool aligned_medium,
+                            bool has_device_buffer);
+const char* LayerRouteName(LayerRoute route);
 
 // crc32c(A || B) from crc32c(A), crc32c(B) and the length of B (zlib's
 // crc32_combine for the Castagnoli polynomial).

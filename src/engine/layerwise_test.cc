@@ -6,13 +6,22 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <thread>
 
+#include "copy/cuda_copy_engine.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
 #include "media/fault_medium.h"
@@ -93,6 +102,238 @@ TEST(LayerPlanTest, UnitsTileTheRegionAlignedAndOneTensorEach) {
   }
 }
 
+// ---- routing: host memory never takes a CUDA-only path -----------------------
+
+TEST(LayerRouteTest, HostMemoryNeverTakesACudaRoute) {
+  for (LayerCopy c : {LayerCopy::kHost, LayerCopy::kDirect, LayerCopy::kDevice}) {
+    for (bool aligned : {false, true}) {
+      for (bool buffer : {false, true}) {
+        const LayerRoute host = ChooseLayerRoute(c, DeviceKind::kHost, aligned, buffer);
+        EXPECT_NE(host, LayerRoute::kDeviceSnapshot) << LayerCopyName(c);
+        const LayerRoute cuda = ChooseLayerRoute(c, DeviceKind::kCuda, aligned, buffer);
+        EXPECT_NE(cuda, LayerRoute::kDirect) << "device memory cannot be written by the writers";
+        EXPECT_NE(cuda, LayerRoute::kHostSnapshot) << "device memory cannot be memcpy'd";
+      }
+    }
+  }
+  // The table itself.
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kHost, DeviceKind::kHost, false, false), LayerRoute::kStage);
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kHost, DeviceKind::kCuda, false, true), LayerRoute::kStage);
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDirect, DeviceKind::kHost, false, false),
+            LayerRoute::kDirect);
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDirect, DeviceKind::kHost, true, false),
+            LayerRoute::kStage);  // O_DIRECT needs aligned buffers
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDirect, DeviceKind::kCuda, false, false),
+            LayerRoute::kStage);
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDevice, DeviceKind::kHost, false, false),
+            LayerRoute::kHostSnapshot);
+  // A host snapshot of a CUDA tensor (copy_at_checkpoint) is host memory even
+  // though the registration gave the tensor a device buffer.
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDevice, DeviceKind::kHost, false, true),
+            LayerRoute::kHostSnapshot);
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDevice, DeviceKind::kCuda, false, true),
+            LayerRoute::kDeviceSnapshot);
+  EXPECT_EQ(ChooseLayerRoute(LayerCopy::kDevice, DeviceKind::kCuda, true, false),
+            LayerRoute::kStage);
+}
+
+// ---- a CUDA copy engine without a GPU -------------------------------------------
+//
+// "Device memory" is host memory here; copies from it run later, on a thread,
+// after a random delay, as DMA on a copy stream would, and complete through
+// their completion only. So the engine's CUDA paths (device snapshots, drains,
+// staged copies of device memory, copy_at_checkpoint of device tensors) are
+// checked for consistency on a machine with no GPU, and every CUDA-only call
+// made with host memory is counted as a violation.
+struct FakeCudaCounters {
+  std::atomic<int> device_copies{0}, host_copies{0}, snapshots{0}, drains{0}, device_allocs{0};
+  std::atomic<int> violations{0};
+  std::mutex mu;
+  std::string first_violation;  // GUARDED_BY(mu)
+  void Violation(const std::string& what) {
+    ++violations;
+    std::lock_guard<std::mutex> lock(mu);
+    if (first_violation.empty()) first_violation = what;
+  }
+};
+
+class FakeCudaCopyEngine final : public CudaCopyEngine {
+ public:
+  explicit FakeCudaCopyEngine(std::shared_ptr<FakeCudaCounters> counters)
+      : counters_(std::move(counters)), worker_([this] { Run(); }) {}
+  ~FakeCudaCopyEngine() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& dev, void* dst,
+                                       size_t bytes) override {
+    if (dev.kind == DeviceKind::kHost) {
+      ++counters_->host_copies;
+      if (bytes > 0) std::memcpy(dst, src, bytes);
+      return Async(nullptr, nullptr, 0);
+    }
+    ++counters_->device_copies;
+    return Async(src, dst, bytes);
+  }
+  void* AllocHost(size_t bytes, bool* pinned) override {
+    if (pinned != nullptr) *pinned = true;
+    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    if (p != nullptr) std::memset(p, 0, bytes);
+    return p;
+  }
+  void FreeHost(void* p, size_t) override { std::free(p); }
+  std::string Describe() const override { return "fake cuda copy engine (no GPU)"; }
+  void* AllocDevice(int, size_t bytes) override {
+    ++counters_->device_allocs;
+    return std::calloc(1, bytes);
+  }
+  void FreeDevice(int, void* p) override { std::free(p); }
+  std::unique_ptr<CopyCompletion> SnapshotToDevice(const void* src, const Device& dev, void* dst,
+                                                   size_t bytes) override {
+    ++counters_->snapshots;
+    if (dev.kind != DeviceKind::kCuda) {
+      counters_->Violation("SnapshotToDevice of host memory");
+      return Async(nullptr, nullptr, 0, Status::InvalidArgument("SnapshotToDevice of host memory"));
+    }
+    return Async(src, dst, bytes);
+  }
+  std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int, void* dst,
+                                              size_t bytes) override {
+    ++counters_->drains;
+    return Async(src, dst, bytes);
+  }
+  Status RegisterHostRegion(void*, size_t) override {
+    counters_->Violation("RegisterHostRegion");
+    return Status::Unavailable("fake");
+  }
+  Status UnregisterHostRegion(void*) override { return Status::Unavailable("fake"); }
+  Status StreamWaitFor(CopyCompletion*, const Device&) override {
+    counters_->Violation("StreamWaitFor");
+    return Status::Unavailable("fake");
+  }
+  uintptr_t CopyStream(int) override { return 0; }
+  PinStats pin_stats() const override { return {}; }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    Status status;
+  };
+  class Completion final : public CopyCompletion {
+   public:
+    explicit Completion(std::shared_ptr<State> s) : s_(std::move(s)) {}
+    Status Wait() override {
+      std::unique_lock<std::mutex> lock(s_->mu);
+      s_->cv.wait(lock, [&] { return s_->done; });
+      return s_->status;
+    }
+    bool Ready() override {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      return s_->done;
+    }
+
+   private:
+    std::shared_ptr<State> s_;
+  };
+  struct Task {
+    const void* src;
+    void* dst;
+    size_t bytes;
+    std::shared_ptr<State> state;
+  };
+
+  std::unique_ptr<CopyCompletion> Async(const void* src, void* dst, size_t bytes,
+                                        Status status = Status::OK()) {
+    auto state = std::make_shared<State>();
+    state->status = std::move(status);
+    if (src == nullptr || bytes == 0) {
+      state->done = true;
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(Task{src, dst, bytes, state});
+      }
+      cv_.notify_all();
+    }
+    return std::make_unique<Completion>(std::move(state));
+  }
+
+  void Run() {
+    std::mt19937_64 rng(5);
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      // DMA starts late: the training thread must not touch the source
+      // before the completion says so.
+      if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400));
+      std::memcpy(t.dst, t.src, t.bytes);
+      {
+        std::lock_guard<std::mutex> lock(t.state->mu);
+        t.state->done = true;
+      }
+      t.state->cv.notify_all();
+    }
+  }
+
+  std::shared_ptr<FakeCudaCounters> counters_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;  // GUARDED_BY(mu_)
+  bool stop_ = false;       // GUARDED_BY(mu_)
+  std::thread worker_;
+};
+
+// Aborts the test binary with what it was doing when a case runs past its
+// limit, so a hang (seen once on a GPU machine, docs/CUDA.md) is reported
+// with its place instead of stopping CTest at its timeout.
+class Watchdog {
+ public:
+  Watchdog(std::string name, int seconds) : name_(std::move(name)) {
+    thread_ = std::thread([this, seconds] {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!cv_.wait_for(lock, std::chrono::seconds(seconds), [&] { return done_; })) {
+        std::fprintf(stderr, "layerwise_test: %s stuck for %d s at: %s\n", name_.c_str(), seconds,
+                     where_.c_str());
+        std::fflush(stderr);
+        std::abort();
+      }
+    });
+  }
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void At(std::string where) {
+    std::lock_guard<std::mutex> lock(mu_);
+    where_ = std::move(where);
+  }
+
+ private:
+  const std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;      // GUARDED_BY(mu_)
+  std::string where_;      // GUARDED_BY(mu_)
+  std::thread thread_;
+};
+
 // Delays each write by a random time so units and checkpoints finish out of
 // order, and copies lag behind the training thread.
 class DelayMedium final : public Medium {
@@ -117,8 +358,14 @@ class DelayMedium final : public Medium {
   const uint64_t seed_;
 };
 
-EngineMedia Media(const std::shared_ptr<FaultDisk>& disk, uint64_t seed) {
+EngineMedia Media(const std::shared_ptr<FaultDisk>& disk, uint64_t seed,
+                  std::shared_ptr<FakeCudaCounters> fake_cuda = nullptr) {
   EngineMedia m;
+  if (fake_cuda) {
+    m.copy = [fake_cuda](int) -> std::unique_ptr<CopyEngine> {
+      return std::make_unique<FakeCudaCopyEngine>(fake_cuda);
+    };
+  }
   m.open = [disk, seed](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
     if (!create && disk->size() == 0) return Status::NotFound(path + " does not exist");
     return std::unique_ptr<Medium>(std::make_unique<DelayMedium>(disk->Open(), seed));
@@ -137,6 +384,7 @@ uint64_t Word(int64_t step, size_t tensor, size_t i) {
 struct Model {
   std::vector<std::vector<uint64_t>> tensors;
   std::vector<bool> at_checkpoint;  // copy_at_checkpoint (changed outside the updates)
+  std::vector<bool> on_device;      // registered as CUDA memory (fake CUDA engine only)
 
   void Fill(size_t t, int64_t step) {
     for (size_t i = 0; i < tensors[t].size(); ++i) tensors[t][i] = Word(step, t, i);
@@ -151,6 +399,7 @@ struct Model {
       r.spec.nbytes = tensors[t].size() * 8;
       r.data = tensors[t].data();
       r.copy_at_checkpoint = at_checkpoint[t];
+      if (t < on_device.size() && on_device[t]) r.device = Device{DeviceKind::kCuda, 0, 0};
       refs.push_back(r);
     }
     return refs;
@@ -160,6 +409,10 @@ struct Model {
 struct Case {
   LayerCopy copy;
   size_t alignment;  // of the medium: 4096 makes kDirect fall back to staging
+  // 0: the build's own copy engine (CUDA where a GPU is present); 1: the fake
+  // CUDA engine with host tensors; 2: the fake CUDA engine with about half
+  // of the tensors (always tensor 0, a copy_at_checkpoint one) on the "device".
+  int fake_cuda = 0;
 };
 
 class LayerwiseConsistencyTest : public ::testing::TestWithParam<Case> {};
@@ -172,6 +425,11 @@ class LayerwiseConsistencyTest : public ::testing::TestWithParam<Case> {};
 // reference: Word(step, t, i)).
 TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
   const Case param = GetParam();
+  const std::string name = std::string(LayerCopyName(param.copy)) + " align " +
+                           std::to_string(param.alignment) + " fake_cuda " +
+                           std::to_string(param.fake_cuda);
+  Watchdog watchdog(name, 120);
+  auto counters = param.fake_cuda ? std::make_shared<FakeCudaCounters>() : nullptr;
   for (int round = 0; round < 4; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
     std::mt19937_64 rng(99 + round * 31 + static_cast<int>(param.copy));
@@ -184,6 +442,7 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       const size_t words = rng() % 3 == 0 ? 1 + rng() % 1000 : 8192 + rng() % 30000;
       m.tensors.emplace_back(words);
       m.at_checkpoint.push_back(t == 0 || rng() % 8 == 0);
+      m.on_device.push_back(param.fake_cuda == 2 && (t == 0 || rng() % 2 == 0));
       m.Fill(t, 0);
     }
     EngineOptions o;
@@ -193,9 +452,11 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
     o.chunk_bytes = 4096 * (4 + rng() % 16);
     o.staging_bytes = (o.writers + 2 + rng() % 6) * o.chunk_bytes;
     o.layer_copy = param.copy;
-    auto opened = OpenEngine(o, Media(disk, rng()));
+    watchdog.At("round " + std::to_string(round) + ": open");
+    auto opened = OpenEngine(o, Media(disk, rng(), counters));
     ASSERT_TRUE(opened.ok()) << opened.status().ToString();
     auto engine = std::move(opened).value();
+    if (round == 0) std::printf("%s: %s\n", name.c_str(), engine->Stats().copy_engine.c_str());
     ASSERT_TRUE(engine->Register(m.Refs()).ok());
 
     std::vector<uint32_t> order(n);
@@ -206,6 +467,7 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       for (int t = 0; t < n; ++t) {
         if (m.at_checkpoint[t]) m.Fill(t, step);
       }
+      watchdog.At("round " + std::to_string(round) + " step " + std::to_string(step));
       const bool ckpt = rng() % 2 == 0;
       uint64_t c = 0;
       if (ckpt) {
@@ -229,6 +491,7 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
         last_ckpt = step;
       }
     }
+    watchdog.At("round " + std::to_string(round) + ": WaitCommitted");
     ASSERT_TRUE(engine->WaitCommitted(0).ok());
     if (last_ckpt >= 0) {
       auto latest = engine->Latest();
@@ -237,8 +500,10 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
     }
     EngineStats stats = engine->Stats();
     EXPECT_EQ(stats.failed, 0u);
+    watchdog.At("round " + std::to_string(round) + ": Close");
     ASSERT_TRUE(engine->Close().ok());
     if (last_ckpt < 0) continue;
+    watchdog.At("round " + std::to_string(round) + ": verify and restore");
 
     // Every checkpoint still stored, read back through the store (crcs checked).
     auto file = SlotFile::Open(disk->Open());
@@ -275,8 +540,9 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
 
     // And Restore through a new engine returns the last one.
     Model back = m;
+    back.on_device.clear();  // restores go through host memory
     for (auto& t : back.tensors) std::fill(t.begin(), t.end(), 0);
-    auto reopened = OpenEngine(o, Media(disk, 1));
+    auto reopened = OpenEngine(o, Media(disk, 1, counters));
     ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
     ASSERT_TRUE((*reopened)->Register(back.Refs()).ok());
     auto restored = (*reopened)->Restore();
@@ -288,6 +554,28 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       }
     }
   }
+  if (counters) {
+    std::lock_guard<std::mutex> lock(counters->mu);
+    EXPECT_EQ(counters->violations.load(), 0) << counters->first_violation;
+  }
+  if (param.fake_cuda == 1) {
+    // Host tensors: no device buffer, no device snapshot, no drain, no copy
+    // of device memory.
+    EXPECT_EQ(counters->device_allocs.load(), 0);
+    EXPECT_EQ(counters->snapshots.load(), 0);
+    EXPECT_EQ(counters->drains.load(), 0);
+    EXPECT_EQ(counters->device_copies.load(), 0);
+  }
+  if (param.fake_cuda == 2) {
+    EXPECT_GT(counters->device_copies.load(), 0);  // copy_at_checkpoint, small or staged
+    if (param.copy == LayerCopy::kDevice) {
+      EXPECT_GT(counters->device_allocs.load(), 0);
+      EXPECT_GT(counters->snapshots.load(), 0);
+      EXPECT_EQ(counters->drains.load(), counters->snapshots.load());
+    } else {
+      EXPECT_EQ(counters->snapshots.load(), 0);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, LayerwiseConsistencyTest,
@@ -295,10 +583,20 @@ INSTANTIATE_TEST_SUITE_P(Strategies, LayerwiseConsistencyTest,
                                            Case{LayerCopy::kDirect, 1},
                                            Case{LayerCopy::kDirect, 4096},
                                            Case{LayerCopy::kDevice, 1},
-                                           Case{LayerCopy::kDevice, 4096}),
+                                           Case{LayerCopy::kDevice, 4096},
+                                           Case{LayerCopy::kHost, 1, 1},
+                                           Case{LayerCopy::kDirect, 1, 1},
+                                           Case{LayerCopy::kDevice, 1, 1},
+                                           Case{LayerCopy::kHost, 4096, 2},
+                                           Case{LayerCopy::kDirect, 1, 2},
+                                           Case{LayerCopy::kDevice, 1, 2},
+                                           Case{LayerCopy::kDevice, 4096, 2}),
                          [](const auto& info) {
-                           return std::string(LayerCopyName(info.param.copy)) + "_align" +
-                                  std::to_string(info.param.alignment);
+                           std::string n = std::string(LayerCopyName(info.param.copy)) + "_align" +
+                                           std::to_string(info.param.alignment);
+                           if (info.param.fake_cuda == 1) n += "_fakecuda_hosttensors";
+                           if (info.param.fake_cuda == 2) n += "_fakecuda_devicetensors";
+                           return n;
                          });
 
 class LayerwiseEngineTest : public ::testing::Test {

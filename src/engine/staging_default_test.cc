@@ -1,0 +1,119 @@
+// The default staging size (EngineOptions::staging_bytes == 0): the rule
+// (DefaultStagingSize) and the engine growing its pool to the registered
+// state at Register.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <vector>
+
+#include "engine/engine_internal.h"
+#include "nonstop/engine.h"
+
+namespace nonstop {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+TEST(DefaultStagingSizeTest, HoldsTheWholeStateAboveTheFloor) {
+  const uint64_t b = 4 * kMiB;
+  // Small states get the floor (256 MiB), as before.
+  StagingSize s = DefaultStagingSize(0, b, 6, 64 * kGiB, false);
+  EXPECT_EQ(s.bytes, 256 * kMiB);
+  EXPECT_FALSE(s.capped);
+  EXPECT_TRUE(s.note.empty());
+  EXPECT_EQ(DefaultStagingSize(10 * kMiB, b, 6, 64 * kGiB, true).bytes, 256 * kMiB);
+  // A 1.33 GB state (the H100 benchmark's) gets all of it, in whole chunks.
+  const uint64_t state = 1330000000;
+  s = DefaultStagingSize(state, b, 6, 128 * kGiB, true);
+  EXPECT_GE(s.bytes, state);
+  EXPECT_LT(s.bytes, state + b);
+  EXPECT_EQ(s.bytes % b, 0u);
+  EXPECT_FALSE(s.capped);
+  // Never fewer than min_chunks chunks, whatever the floor.
+  EXPECT_EQ(DefaultStagingSize(0, 64 * kMiB, 10, 64 * kGiB, false).bytes, 640 * kMiB);
+}
+
+TEST(DefaultStagingSizeTest, CappedByMemoryAndSaysSo) {
+  const uint64_t b = 4 * kMiB;
+  // A quarter of physical memory.
+  StagingSize s = DefaultStagingSize(20 * kGiB, b, 6, 16 * kGiB, false);
+  EXPECT_EQ(s.bytes, 4 * kGiB);
+  EXPECT_TRUE(s.capped);
+  EXPECT_NE(s.note.find("a quarter of physical memory"), std::string::npos) << s.note;
+  EXPECT_NE(s.note.find("staging_bytes"), std::string::npos) << s.note;
+  // Pinned staging: at most 32 GiB even with 1 TiB of RAM.
+  s = DefaultStagingSize(100 * kGiB, b, 6, 1024 * kGiB, true);
+  EXPECT_EQ(s.bytes, kPinnedStagingCapBytes);
+  EXPECT_TRUE(s.capped);
+  EXPECT_NE(s.note.find("pinned"), std::string::npos) << s.note;
+  // Pageable staging is not held to the pinned cap.
+  s = DefaultStagingSize(100 * kGiB, b, 6, 1024 * kGiB, false);
+  EXPECT_GE(s.bytes, 100 * kGiB);
+  EXPECT_FALSE(s.capped);
+  // The cap never goes below the chunks the pipeline needs.
+  s = DefaultStagingSize(kGiB, b, 6, 40 * kMiB, false);
+  EXPECT_EQ(s.bytes, 6 * b);
+  EXPECT_TRUE(s.capped);
+  // Unknown RAM (0): no memory cap for pageable staging.
+  EXPECT_FALSE(DefaultStagingSize(2 * kGiB, b, 6, 0, false).capped);
+}
+
+class StagingGrowthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() /
+            ("nonstop_staging_default_test_" + std::to_string(::getpid())))
+               .string();
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+TensorRef Ref(const std::string& name, std::vector<uint8_t>& data) {
+  TensorRef r;
+  r.spec.name = name;
+  r.spec.dtype = DType::kUInt8;
+  r.spec.shape = {static_cast<int64_t>(data.size())};
+  r.spec.nbytes = data.size();
+  r.data = data.data();
+  return r;
+}
+
+TEST_F(StagingGrowthTest, PoolGrowsToTheRegisteredStateUnlessStagingBytesIsGiven) {
+  std::vector<uint8_t> big(264 * kMiB, 7);  // above the 256 MiB floor
+  {
+    EngineOptions o;
+    o.dir = dir_;
+    o.chunk_bytes = 4 * kMiB;
+    auto e = Engine::Open(o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    EXPECT_EQ((*e)->Stats().staging_bytes, 256 * kMiB);
+    ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
+    EXPECT_GE((*e)->Stats().staging_bytes, big.size());
+    auto c = (*e)->Checkpoint(1, "{}");
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE((*e)->WaitCommitted(*c).ok());
+    // The whole copy fit in staging: it never waited for a free chunk.
+    EXPECT_EQ((*e)->Stats().staging_wait_s_total, 0.0);
+    ASSERT_TRUE((*e)->Close().ok());
+  }
+  std::filesystem::remove_all(dir_);
+  {
+    EngineOptions o;
+    o.dir = dir_;
+    o.chunk_bytes = 4 * kMiB;
+    o.staging_bytes = 32 * kMiB;  // explicit: kept
+    auto e = Engine::Open(o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
+    EXPECT_EQ((*e)->Stats().staging_bytes, 32 * kMiB);
+    ASSERT_TRUE((*e)->Close().ok());
+  }
+}
+
+}  // namespace
+}  // namespace nonstop

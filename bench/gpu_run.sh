@@ -4,12 +4,14 @@
 #   1. `make test-gpu` (C++ build with CUDA, CTest incl. the GPU tests, the
 #      nonstop._core extension, tests/gpu/test_gpu_torch.py: stream handles
 #      and the SIGKILL/resume training test);
-#   2. bench/gpu_overhead.py (nonstop vs torch.save vs DCP async_save at
-#      intervals 1, 10, 50); it starts no new run after BENCH_BUDGET seconds
-#      (default: what is left of DEADLINE=540 s, less 80 s).
+#   2. bench/gpu_overhead.py (nonstop with the default staging, nonstop with
+#      staging >= the state, torch.save and DCP async_save, at intervals 1,
+#      10, 50); it starts no new run after BENCH_BUDGET seconds (default:
+#      what is left of DEADLINE=540 s, less 80 s).
 #   SRC=dir   build and run in that tree instead of . (e.g. an unpacked
 #             `git archive HEAD`, to test the committed tree alone)
-#   BENCH_ARGS="..."  extra arguments for bench/gpu_overhead.py
+#   BENCH_ARGS="..."  arguments for bench/gpu_overhead.py (default: the four
+#             schemes above, 2 repeats)
 #   GPU_CTEST_ARGS="-E layerwise_test"  leave a CTest test out
 #   TEST_TIMEOUT=330  seconds for make test-gpu
 set -u
@@ -68,7 +70,8 @@ if ls build-gpu/pkg/nonstop/_core*.so > /dev/null 2>&1; then
   [ "$budget" -lt 30 ] && budget=30
   echo "== bench: --time-budget $budget s"
   PYTHONPATH=build-gpu/pkg timeout $(( budget + 120 )) python3 bench/gpu_overhead.py \
-    --json "$OUT/gpu_overhead.json" --time-budget $budget ${BENCH_ARGS:-} \
+    --json "$OUT/gpu_overhead.json" --time-budget $budget \
+    ${BENCH_ARGS:---schemes nonstop nonstop-fullstaging torch.save dcp --repeats 2} \
     2>&1 | tee "$OUT/gpu_overhead.log"
   echo "== bench: exit ${PIPESTATUS[0]}"
 else

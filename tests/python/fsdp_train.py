@@ -2,7 +2,6 @@
 Run by dist_launch.run_ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set) or torchrun:
 
     python fsdp_train.py DIR STEPS EVERY OUT [--kill-at S --kill-rank R]   (any world size)
-    python fsdp_train.py DIR 0 1 OUT --load-dcp EXPORT_DIR
 
 The layers have 67 and 31 output rows (and a BatchNorm of 67, whose running
 statistics FSDP2 keeps per rank, unsynchronised), so with 2 ranks the Shard(0) pieces
@@ -10,8 +9,9 @@ are uneven (34 + 33 rows, 16 + 15 rows). It restores from DIR when it holds
 a checkpoint, so the same command is both the first run and the restart. It
 prints one JSON line per event and writes OUT.rank-R.json with hashes of its
 final local shards (parameters and optimizer state), RNG and lr.
---load-dcp loads a `nonstop export --format dcp` directory into the sharded
-model with torch.distributed.checkpoint.load instead of training.
+--load-dcp EXPORT_DIR: after training, a fresh sharded model is loaded from a
+`nonstop export --format dcp` directory with torch.distributed.checkpoint.load
+and its parameters' digest is added to OUT.rank-R.json.
 """
 import argparse
 import datetime
@@ -55,10 +55,8 @@ def optim_tensors(opt):
             if isinstance(v, torch.Tensor)]
 
 
-def build(world):
-    from torch.distributed.device_mesh import init_device_mesh
+def build(mesh):
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 67), nn.BatchNorm1d(67), nn.ReLU(), nn.Dropout(0.1),
                           nn.Linear(67, 31))
@@ -82,22 +80,9 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(world)
-    if a.load_dcp:
-        import torch.distributed.checkpoint as dcp
-        # The parameters (the BatchNorm buffers are rank-local: rank-R/... in the export).
-        sd = {f"model/{k}": v for k, v in model.named_parameters()}
-        sd["nonstop.step"] = torch.tensor(-1)
-        dcp.load(sd, checkpoint_id=a.load_dcp)
-        model.load_state_dict({k[len("model/"):]: v for k, v in sd.items()
-                               if k.startswith("model/")}, strict=False)
-        res = {"rank": rank, "step": int(sd["nonstop.step"]),
-               "params": digest(model.parameters()),
-               "placements": [str(q.placements) for q in model.parameters()]}
-        with open(f"{a.out}.rank-{rank}.json", "w") as f:
-            json.dump(res, f)
-        dist.destroy_process_group()
-        return
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    model = build(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     torch.manual_seed(100 + rank)  # dropout differs per rank; restored per rank
@@ -138,6 +123,17 @@ def main():
            "optim_kinds": sorted({type(v).__name__ for v in opt_tensors}),
            "shapes": [list(local(q).shape) for q in model.parameters()],
            "full_params": full(model.parameters()), "full_optim": full(opt_tensors)}
+    if a.load_dcp:  # a fresh sharded model, loaded from the DCP export
+        import torch.distributed.checkpoint as dcp
+        fresh = build(mesh)
+        # The parameters (the BatchNorm buffers are rank-local: rank-R/... in the export).
+        sd = {f"model/{k}": v for k, v in fresh.named_parameters()}
+        sd["nonstop.step"] = torch.tensor(-1)
+        dcp.load(sd, checkpoint_id=a.load_dcp)
+        fresh.load_state_dict({k[len("model/"):]: v for k, v in sd.items()
+                               if k.startswith("model/")}, strict=False)
+        res["dcp"] = {"step": int(sd["nonstop.step"]), "params": digest(fresh.parameters()),
+                      "kinds": sorted({type(q).__name__ for q in fresh.parameters()})}
     with open(f"{a.out}.rank-{rank}.json", "w") as f:
         json.dump(res, f)
     emit(event="done", rank=rank, agreed=agreed)

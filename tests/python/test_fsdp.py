@@ -33,8 +33,8 @@ TIMEOUT = 150
 pytestmark = [needs_engine, pytest.mark.skipif(bool(_fsdp2_runs()), reason=_fsdp2_runs())]
 
 
-def launch(d, out, *extra, steps=STEPS):
-    return run_ranks(2, [os.path.join(HERE, "fsdp_train.py"), d, str(steps), str(EVERY), out,
+def launch(d, out, *extra):
+    return run_ranks(2, [os.path.join(HERE, "fsdp_train.py"), d, str(STEPS), str(EVERY), out,
                          *extra], timeout=TIMEOUT)
 
 
@@ -81,6 +81,9 @@ def test_fsdp2_kill_resume_corrupt_dcp_and_reshard(tmp_path):
         [[34, 32], [34], [34], [34], [16, 67], [16]],   # 67 rows: 34 + 33, 31: 16 + 15
         [[33, 32], [33], [33], [33], [15, 67], [15]]]
     assert finals(ref)[0]["buffers"] != finals(ref)[1]["buffers"]  # per-rank BatchNorm stats
+    import nonstop
+    exp = str(tmp_path / "dcp")  # the DCP export of the reference's last step
+    assert nonstop.export(ref_dir, exp, format="dcp")["step"] == 11
 
     # SIGKILL of rank 1 right after it starts the checkpoint of step 8, then
     # a restart of both: one resume step, and training ends bit-identical.
@@ -96,17 +99,21 @@ def test_fsdp2_kill_resume_corrupt_dcp_and_reshard(tmp_path):
 
     # Rank 1's newest slot damaged: both ranks fall back to step 8 together.
     assert corrupt_newest(d, 1) == 11
-    again = launch(d, out)
+    again = launch(d, out, "--load-dcp", exp)
     check_ok(again)
     assert [s["restored"] for s in starts(again)] == [8, 8]
     assert "restores step 8, older than the agreed step 11" in again[1][2]
     same_training(finals(out), finals(ref))
+    # The DCP export, loaded by a 2-rank FSDP2 job into fresh DTensors: each
+    # rank gets its own rows of the reference's last step back.
+    for got, want in zip(finals(out), finals(ref)):
+        assert got["dcp"] == {"step": 11, "params": want["params"], "kinds": ["DTensor"]}, got
 
-    check_layout_dcp_reshard(tmp_path, ref_dir, ref)
-    reshard_two_to_one(tmp_path, ref_dir, ref)
+    target = check_layout_dcp_reshard(tmp_path, ref_dir, exp)
+    reshard_two_to_one(tmp_path, ref_dir, ref, target)
 
 
-def check_layout_dcp_reshard(tmp_path, d, ref):
+def check_layout_dcp_reshard(tmp_path, d, exp):
     import nonstop
     from nonstop import _fsdp
     a, b = nonstop.load(d, rank=0), nonstop.load(d, rank=1)
@@ -126,11 +133,8 @@ def check_layout_dcp_reshard(tmp_path, d, ref):
     assert a.tensors["model/1.running_mean"].shape == (67,)
     assert not torch.equal(a.tensors["model/1.running_mean"], b.tensors["model/1.running_mean"])
 
-    # DCP export: full tensors, loadable in one process, and loadable by a
-    # 2-rank FSDP2 job into its DTensors (each rank gets its own rows back).
+    # DCP export: full tensors, loadable in one process.
     import torch.distributed.checkpoint as dcp
-    exp = str(tmp_path / "dcp")
-    assert nonstop.export(d, exp, format="dcp")["step"] == 11
     target = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
               for name, (shape, dtype, _) in doc.items()}
     target["nonstop.step"] = torch.tensor(0)
@@ -142,11 +146,6 @@ def check_layout_dcp_reshard(tmp_path, d, ref):
         rows_a = sa[name]["shape"][0]
         assert torch.equal(target[name][:rows_a], a.tensors[name]), name
         assert torch.equal(target[name][rows_a:], b.tensors[name]), name
-    back = str(tmp_path / "back")
-    res = launch(str(tmp_path / "unused"), back, "--load-dcp", exp, steps=0)
-    check_ok(res)
-    for got, want in zip(finals(back), finals(ref)):
-        assert got["step"] == 11 and got["params"] == want["params"], (got, want)
 
     # Another world size: the pieces of all old rank files give any rank of
     # any new world size its rows (here 1 and 3 ranks), bit-exact.
@@ -158,12 +157,14 @@ def check_layout_dcp_reshard(tmp_path, d, ref):
     assert [t["model/0.weight"].shape[0] for t in three] == [23, 23, 21]
     for name in doc:
         assert torch.equal(torch.cat([t[name] for t in three]), target[name]), name
+    return target
 
 
-def reshard_two_to_one(tmp_path, d, ref):
-    """Restoring the 2-rank FSDP2 checkpoint in a 1-rank FSDP2 job: resharded
-    from both old rank files when resharding is available, else refused
-    with one line naming both world sizes."""
+def reshard_two_to_one(tmp_path, d, ref, target):
+    """Restoring the 2-rank FSDP2 checkpoint with one process (a plain model,
+    and a 1-rank FSDP2 job): resharded from both old rank files when
+    resharding is available, else refused with one line naming both world
+    sizes. `target`: the full tensors (from the DCP export)."""
     import nonstop
     from nonstop import _distributed
     if not hasattr(_distributed, "set_aside"):
@@ -171,6 +172,23 @@ def reshard_two_to_one(tmp_path, d, ref):
                            match=r"world size 2.*world size 1"):
             nonstop.Checkpointer(d, {"t": torch.zeros(2)}, world_size=1, rank=0)
         return
+    # One process, no process group, no fully_shard: plain full tensors.
+    import shutil
+    plain_dir = str(tmp_path / "plain")
+    shutil.copytree(d, plain_dir)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 67), torch.nn.BatchNorm1d(67), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(67, 31))
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "moved to .../world-2 and restore() reshards them"
+        ck = nonstop.Checkpointer(plain_dir, {"model": plain, "optim": opt}, rng=False)
+        assert ck.restore() == 11
+    ck.close()
+    for i, (name, prm) in enumerate(plain.named_parameters()):
+        assert type(prm) is torch.nn.Parameter and torch.equal(prm, target[f"model/{name}"])
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[prm][k], target[f"optim/state/{i}/{k}"]), (name, k)
     one = str(tmp_path / "one")
     res = run_ranks(1, [os.path.join(HERE, "fsdp_train.py"), d, str(STEPS + 2), str(EVERY),
                         one], timeout=TIMEOUT)

@@ -3,9 +3,10 @@ Run by dist_launch.run_ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set) or torchru
 
     python fsdp_train.py DIR STEPS EVERY OUT [--kill-at S --kill-rank R]   (any world size)
 
-The layers have 67 and 31 output rows (and a BatchNorm of 67, whose running
-statistics FSDP2 keeps per rank, unsynchronised), so with 2 ranks the Shard(0) pieces
-are uneven (34 + 33 rows, 16 + 15 rows). It restores from DIR when it holds
+The layers have 67, 31 and 1 output rows (and a BatchNorm of 67, whose
+running statistics FSDP2 keeps per rank, unsynchronised), so with 2 ranks the
+Shard(0) pieces are uneven (34 + 33 rows, 16 + 15 rows) and rank 1 holds no
+row of the last layer. It restores from DIR when it holds
 a checkpoint, so the same command is both the first run and the restart. It
 prints one JSON line per event and writes OUT.rank-R.json with hashes of its
 final local shards (parameters and optimizer state), RNG and lr.
@@ -59,7 +60,7 @@ def build(mesh):
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 67), nn.BatchNorm1d(67), nn.ReLU(), nn.Dropout(0.1),
-                          nn.Linear(67, 31))
+                          nn.Linear(67, 31), nn.ReLU(), nn.Linear(31, 1))
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -99,7 +100,7 @@ def main():
     for s in range(0 if r is None else r + 1, a.steps):
         g = torch.Generator().manual_seed(1000 * s + rank)
         x = torch.randn(16, 32, generator=g)
-        y = torch.randn(16, 31, generator=g)
+        y = torch.randn(16, 1, generator=g)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

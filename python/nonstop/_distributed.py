@@ -204,10 +204,15 @@ class Distributed:
         self.timeout_s = timeout_s
         # Rank files of another world size are set aside for resharding; the
         # ranks take turns, so each file is moved once on a shared file system.
-        for turn in range(world):
-            if turn == rank:
-                set_aside(dir, world)
-            dist.barrier(group=self.group)
+        # Each rank looks at one file first, so a same-size restart costs one
+        # file header per rank and one all_gather.
+        flags = torch.tensor([1 if needs_set_aside(dir, rank, world) else 0])
+        dist.all_reduce(flags, group=self.group)
+        if int(flags.item()):
+            for turn in range(world):
+                if turn == rank:
+                    set_aside(dir, world, quick=False)
+                dist.barrier(group=self.group)
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
@@ -568,14 +573,29 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def set_aside(dir: str, world: int) -> list:
+def needs_set_aside(dir: str, rank: int, world: int) -> bool:
+    """Whether `dir` seems to hold rank files of another world size: this
+    rank's own file, or else the lowest-numbered one, is of another size."""
+    if not os.path.isdir(dir):
+        return False
+    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, os.listdir(dir)) if m)
+    if not ranks:
+        return False
+    if ranks[-1] >= world:
+        return True
+    w = _file_world(dir, rank if rank in ranks else ranks[0])
+    return w is not None and w != world
+
+
+def set_aside(dir: str, world: int, quick: bool = True) -> list:
     """Moves the rank files (and agreed records) that a job of another world
     size wrote in `dir` into `dir`/world-W/, so this job's engines start
     their own files. Returns the archive directories it moved files into.
     With world_size > 1 the ranks take turns (Distributed.__init__), so on a
     shared file system one rank moves each file; on local disks each node's
-    first rank moves its copies."""
-    if not os.path.isdir(dir):
+    first rank moves its copies. quick: return at once when the first file
+    looked at is of this world size (needs_set_aside)."""
+    if not os.path.isdir(dir) or (quick and not needs_set_aside(dir, 0, world)):
         return []
     moved = set()
     for name in sorted(os.listdir(dir)):

@@ -801,15 +801,19 @@ def reshard(archive: str, old_world: int, rank: int, world: int, step: Optional[
     for n, key in enumerate(order):
         metas = [p[key][1] for p in per]
         doc = metas[0].get("dist", {})
-        err, got = None, None
+        err, fatal, got = None, None, None
         try:
             got = _rebuild(readers, [p[key][0] for p in per], metas, doc, src, archive,
                            old_world, rank, world, key, state)
         except (CorruptCheckpointError, OSError) as e:
             err = str(e)
-        except CheckpointError as e:  # not a damaged file: the same on every rank
-            comm.check(str(e))
-        bad = [(r, e) for r, e in enumerate(comm.gather(err)) if e is not None]
+        except CheckpointError as e:  # not a damaged file: no older step helps
+            fatal = str(e)
+        got_all = comm.gather([err, fatal])
+        fatals = [f for _, f in got_all if f is not None]
+        if fatals:
+            raise IncompatibleCheckpointError(fatals[0])
+        bad = [(r, e) for r, (e, _) in enumerate(got_all) if e is not None]
         if bad:
             where = "; ".join(f"rank {r}: {e}" for r, e in bad)
             if n + 1 == len(order):

@@ -166,8 +166,9 @@ class CudaCompletion : public CopyCompletion {
       while ((err = cudaEventQuery(done_)) == cudaErrorNotReady) {
         if (SecondsSince(t0) > timeout_s_) {
           finished_ = true;
-          status_ = Status::IOError(what_ + ": not complete after " +
-                                    std::to_string(static_cast<int>(timeout_s_)) +
+          char limit[32];
+          std::snprintf(limit, sizeof(limit), "%g", timeout_s_);
+          status_ = Status::IOError(what_ + ": not complete after " + limit +
                                     " s (the stream it is ordered after never reached it: "
                                     "a hung kernel, or a stream of another device?)");
           return status_;

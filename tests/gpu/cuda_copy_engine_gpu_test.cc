@@ -264,6 +264,47 @@ GPU_TEST(HostSourcesAreCopiedOnTheHost) {
   GPU_CHECK(got == want);
 }
 
+// Blocks the stream it is enqueued on until *flag is set.
+void CUDART_CB BlockUntilSet(void* flag) {
+  auto* f = static_cast<std::atomic<bool>*>(flag);
+  while (!f->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// A copy ordered after a stream that never gets there: the poll wait gives
+// up after wait_timeout_s with an error naming the copy, instead of hanging.
+GPU_TEST(PollWaitIsBoundedWhenTheCallerStreamIsStuck) {
+  CudaCopyOptions options;
+  options.wait_timeout_s = 0.5;
+  auto made = MakeCudaCopyEngine(options, nullptr);
+  GPU_CHECK(made.ok());
+  auto engine = std::move(made).value();
+  cudaStream_t stuck = nullptr;
+  GPU_CHECK_CUDA(cudaStreamCreateWithFlags(&stuck, cudaStreamNonBlocking));
+  std::atomic<bool> release{false};
+  GPU_CHECK_CUDA(cudaLaunchHostFunc(stuck, BlockUntilSet, &release));
+  const size_t bytes = 1 << 20;
+  DeviceBuffer dev(bytes);
+  GPU_CHECK(dev.p != nullptr);
+  std::vector<uint8_t> host(bytes);
+  auto c = engine->Copy(dev.p, Device{DeviceKind::kCuda, 0, reinterpret_cast<uintptr_t>(stuck)},
+                        host.data(), bytes);
+  const auto t0 = Clock::now();
+  Status st = c->Wait();
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  release.store(true);
+  // Let the stuck copy land before `host` goes away.
+  cudaStreamSynchronize(stuck);
+  cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(engine->CopyStream(0)));
+  cudaStreamDestroy(stuck);
+  std::printf("  stuck copy: %s after %.3f s\n", st.ToString().c_str(), s);
+  GPU_CHECK(!st.ok());
+  GPU_CHECK_MSG(st.message().find("not complete after") != std::string::npos, st.message());
+  GPU_CHECK(s >= 0.5 && s < 10);
+  // The engine goes on.
+  auto again = engine->Copy(dev.p, Device{DeviceKind::kCuda, 0, 0}, host.data(), bytes);
+  GPU_CHECK_OK(again->Wait());
+}
+
 GPU_TEST(BadInputIsAnErrorAndTheEngineGoesOn) {
   auto engine = NewEngine();
   GPU_CHECK(engine != nullptr);

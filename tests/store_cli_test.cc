@@ -1,7 +1,11 @@
 // `nonstop inspect`, `verify` and `export` on real checkpoint directories:
 // good files verify, every kind of single bit flip is named, and an export is
 // a valid safetensors file holding exactly the checkpoint's bytes.
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -49,6 +53,48 @@ CliResult RunCli(std::vector<std::string> args) {
   std::fflush(stdout);
   r.out = ::testing::internal::GetCapturedStdout();
   r.err = ::testing::internal::GetCapturedStderr();
+  return r;
+}
+
+// Exit code of RunCliWithoutWriteAccess's child when it cannot become nobody.
+constexpr int kCannotDropRoot = 77;
+
+// Runs the CLI in a child process that may not write `dir`'s slot files
+// (the caller chmods them 0444): as root, whom mode bits do not stop, the
+// child first becomes nobody (uid and gid 65534). Its stdout and stderr come
+// back through a pipe.
+CliResult RunCliWithoutWriteAccess(const std::vector<std::string>& args) {
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    if (::geteuid() == 0 && (::setgroups(0, nullptr) != 0 || ::setgid(65534) != 0 ||
+                             ::setuid(65534) != 0)) {
+      ::_exit(kCannotDropRoot);
+    }
+    CliResult r = RunCli(args);
+    const std::string both = r.out + '\0' + r.err;
+    for (size_t done = 0; done < both.size();) {
+      const ssize_t w = ::write(fds[1], both.data() + done, both.size() - done);
+      if (w <= 0) ::_exit(3);
+      done += static_cast<size_t>(w);
+    }
+    ::_exit(r.code);
+  }
+  ::close(fds[1]);
+  std::string both;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) both.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  EXPECT_EQ(::waitpid(pid, &status, 0), pid);
+  CliResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  const size_t nul = both.find('\0');
+  r.out = both.substr(0, nul);
+  if (nul != std::string::npos) r.err = both.substr(nul + 1);
   return r;
 }
 
@@ -194,6 +240,42 @@ TEST_F(StoreCliTest, ExportWritesAValidSafetensorsFileWithTheCheckpointBytes) {
     total += te.spec.nbytes;
   }
   EXPECT_EQ(8 + hlen + total, bytes.size());  // contiguous, no holes
+}
+
+// A read-only slot file (a read-only mount, or files kept 0444) is read
+// through a descriptor opened O_RDONLY: inspect, verify and export work on it
+// and leave it unchanged.
+TEST_F(StoreCliTest, InspectVerifyAndExportReadAReadOnlyFile) {
+  std::ifstream before_in(file_, std::ios::binary);
+  const std::string before((std::istreambuf_iterator<char>(before_in)),
+                           std::istreambuf_iterator<char>());
+  ASSERT_EQ(::chmod(file_.c_str(), 0444), 0);
+  ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);  // nobody may enter, not write
+  const std::string out_dir = dir_ + "/out";
+  ASSERT_TRUE(fs::create_directory(out_dir));
+  ASSERT_EQ(::chmod(out_dir.c_str(), 0777), 0);  // where export may write
+
+  CliResult r = RunCliWithoutWriteAccess({"inspect", dir_, "--json"});
+  if (r.code == kCannotDropRoot) GTEST_SKIP() << "running as root and cannot become nobody";
+  ASSERT_EQ(r.code, 0) << r.err;
+  json j = json::parse(r.out);
+  ASSERT_EQ(j["files"].size(), 1u);
+  EXPECT_FALSE(j["files"][0].contains("error")) << j["files"][0]["error"];
+  EXPECT_EQ(j["files"][0]["checkpoints"].size(), 5u) << r.out;
+
+  r = RunCliWithoutWriteAccess({"verify", dir_});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("OK: step 50", 0), 0u) << r.out << r.err;
+
+  const std::string out = out_dir + "/model.safetensors";
+  r = RunCliWithoutWriteAccess({"export", dir_, "-o", out});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_GT(fs::file_size(out), 8u);
+
+  std::ifstream after_in(file_, std::ios::binary);
+  const std::string after((std::istreambuf_iterator<char>(after_in)),
+                          std::istreambuf_iterator<char>());
+  EXPECT_TRUE(before == after);
 }
 
 TEST_F(StoreCliTest, ClearOneLineErrors) {

@@ -133,7 +133,9 @@ struct ScannedFile {
 ScannedFile ScanFile(const fs::path& path, bool verify_all) {
   ScannedFile s;
   s.path = path;
-  auto medium = OpenMedium(path.string(), MediumKind::kBuffered, {});
+  MediumOptions read_only;
+  read_only.read_only = true;  // a read-only file or mount can be inspected and exported
+  auto medium = OpenMedium(path.string(), MediumKind::kBuffered, read_only);
   if (!medium.ok()) {
     s.error = medium.status().message();
     return s;

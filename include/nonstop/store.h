@@ -120,7 +120,10 @@ class SlotFile {
   static Result<std::unique_ptr<SlotFile>> Create(std::unique_ptr<Medium> medium,
                                                   const StoreGeometry& geometry);
   // Opens an existing file; fails with Corruption on a bad header and
-  // FailedPrecondition on a file that is not a nonstop slot file.
+  // FailedPrecondition on a file that is not a nonstop slot file. Open, Scan
+  // and the reads only read: on a medium opened with MediumOptions::read_only
+  // (nonstop inspect/verify/export, nonstop.load) they work on a read-only
+  // file or mount, and WriteData and Commit fail.
   static Result<std::unique_ptr<SlotFile>> Open(std::unique_ptr<Medium> medium);
 
   const StoreGeometry& geometry() const { return geometry_; }

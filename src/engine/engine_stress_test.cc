@@ -19,31 +19,26 @@
 
 #include "engine/engine_internal.h"
 #include "media/fault_medium.h"
+#include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
 
 namespace nonstop {
 namespace {
 
 // Delays each write by a random time so chunks (and checkpoints) finish out of order.
-class DelayMedium final : public Medium {
+class DelayMedium final : public media::MediumWrapper {
  public:
-  DelayMedium(std::unique_ptr<Medium> inner, uint64_t seed) : inner_(std::move(inner)), seed_(seed) {}
+  DelayMedium(std::unique_ptr<Medium> inner, uint64_t seed)
+      : MediumWrapper(std::move(inner)), seed_(seed) {}
   Status Write(uint64_t offset, const void* buf, size_t n) override {
     thread_local std::mt19937_64 rng(seed_ ^ std::hash<std::thread::id>()(std::this_thread::get_id()));
     // Mostly short, sometimes long: a slow chunk lets a newer checkpoint finish first.
     std::this_thread::sleep_for(std::chrono::microseconds(rng() % 48 == 0 ? 20000 : rng() % 200));
-    return inner_->Write(offset, buf, n);
+    return inner().Write(offset, buf, n);
   }
-  Status Read(uint64_t offset, void* buf, size_t n) override { return inner_->Read(offset, buf, n); }
-  Status Sync() override { return inner_->Sync(); }
-  Status Resize(uint64_t size) override { return inner_->Resize(size); }
-  uint64_t Size() const override { return inner_->Size(); }
-  size_t Alignment() const override { return inner_->Alignment(); }
-  MediumKind kind() const override { return inner_->kind(); }
-  std::string Describe() const override { return "delayed " + inner_->Describe(); }
+  std::string Describe() const override { return "delayed " + inner().Describe(); }
 
  private:
-  std::unique_ptr<Medium> inner_;
   const uint64_t seed_;
 };
 

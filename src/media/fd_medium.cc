@@ -22,7 +22,11 @@ std::string FormatBytes(uint64_t n) {
 }
 
 Result<int> OpenFile(const std::string& path, int extra_flags, const MediumOptions& opts) {
-  int flags = O_RDWR | O_CLOEXEC | extra_flags | (opts.create ? O_CREAT : 0);
+  if (opts.read_only && opts.create) {
+    return Status::InvalidArgument("open " + path + ": read_only and create together");
+  }
+  int flags = (opts.read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC | extra_flags |
+              (opts.create ? O_CREAT : 0);
   int fd;
   do {
     fd = ::open(path.c_str(), flags, 0644);
@@ -193,14 +197,13 @@ bool DirtyRange::Take(uint64_t* begin, uint64_t* end) {
   return true;
 }
 
-FdMedium::FdMedium(MediumKind kind, std::string path, int fd, uint64_t size, size_t alignment,
-                   std::string alignment_source)
+FdMedium::FdMedium(MediumKind kind, std::string path, FdFile file)
     : kind_(kind),
       path_(std::move(path)),
-      fd_(fd),
-      alignment_(alignment),
-      alignment_source_(std::move(alignment_source)),
-      size_(size) {}
+      fd_(file.fd),
+      alignment_(file.alignment),
+      alignment_source_(std::move(file.alignment_source)),
+      size_(file.size) {}
 
 FdMedium::~FdMedium() { ::close(fd_); }
 
@@ -237,40 +240,36 @@ std::vector<std::string> FdMedium::Details() const {
   return {"align " + std::to_string(alignment_) + " from " + alignment_source_};
 }
 
-Result<int> OpenDirectFile(const std::string& path, const MediumOptions& opts) {
-  Result<int> fd = OpenFile(path, O_DIRECT, opts);
-  if (!fd.ok() && fd.status().code() == StatusCode::kIOError && errno == EINVAL) {
+Result<FdFile> OpenFdFile(const std::string& path, bool direct, const MediumOptions& opts) {
+  Result<int> fd = OpenFile(path, direct ? O_DIRECT : 0, opts);
+  if (direct && !fd.ok() && fd.status().code() == StatusCode::kIOError && errno == EINVAL) {
     // Before Linux 6.6 tmpfs refused O_DIRECT with EINVAL; so do some FUSE
     // and network file systems. (OpenFile leaves open's errno in place.)
     return Status::Unavailable(path + " is on tmpfs: O_DIRECT unsupported; use medium='buffered'");
   }
-  return fd;
+  if (!fd.ok()) return fd.status();
+  FdFile f;
+  f.fd = *fd;
+  Result<uint64_t> size = FileSize(f.fd, path);
+  if (!size.ok()) {
+    ::close(f.fd);
+    return size.status();
+  }
+  f.size = *size;
+  if (direct) f.alignment = DirectAlignment(f.fd, path, &f.alignment_source);
+  return f;
 }
 
 Result<std::unique_ptr<MediumBase>> OpenBufferedMedium(const std::string& path,
                                                        const MediumOptions& opts) {
-  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenFile(path, 0, opts));
-  Result<uint64_t> size = FileSize(fd, path);
-  if (!size.ok()) {
-    ::close(fd);
-    return size.status();
-  }
-  return std::unique_ptr<MediumBase>(
-      new FdMedium(MediumKind::kBuffered, path, fd, *size, 1, ""));
+  NONSTOP_ASSIGN_OR_RETURN(FdFile f, OpenFdFile(path, /*direct=*/false, opts));
+  return std::unique_ptr<MediumBase>(new FdMedium(MediumKind::kBuffered, path, std::move(f)));
 }
 
 Result<std::unique_ptr<MediumBase>> OpenDirectMedium(const std::string& path,
                                                      const MediumOptions& opts) {
-  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenDirectFile(path, opts));
-  Result<uint64_t> size = FileSize(fd, path);
-  if (!size.ok()) {
-    ::close(fd);
-    return size.status();
-  }
-  std::string source;
-  size_t align = DirectAlignment(fd, path, &source);
-  return std::unique_ptr<MediumBase>(
-      new FdMedium(MediumKind::kDirect, path, fd, *size, align, std::move(source)));
+  NONSTOP_ASSIGN_OR_RETURN(FdFile f, OpenFdFile(path, /*direct=*/true, opts));
+  return std::unique_ptr<MediumBase>(new FdMedium(MediumKind::kDirect, path, std::move(f)));
 }
 
 }  // namespace nonstop::media

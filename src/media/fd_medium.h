@@ -12,11 +12,23 @@
 
 namespace nonstop::media {
 
+// An open file as the fd media take it: the descriptor, its size and, for
+// O_DIRECT, the alignment and how it was found (1 and "" for buffered I/O).
+struct FdFile {
+  int fd = -1;
+  uint64_t size = 0;
+  size_t alignment = 1;
+  std::string alignment_source;
+};
+
+// Opens `path` (with O_DIRECT when `direct`; Unavailable with advice where
+// the file system refuses it) and reads its size and O_DIRECT alignment.
+Result<FdFile> OpenFdFile(const std::string& path, bool direct, const MediumOptions& opts);
+
 class FdMedium : public MediumBase {
  public:
-  // Takes ownership of `fd`. `alignment` is 1 for buffered I/O.
-  FdMedium(MediumKind kind, std::string path, int fd, uint64_t size, size_t alignment,
-           std::string alignment_source);
+  // Takes ownership of `file.fd`.
+  FdMedium(MediumKind kind, std::string path, FdFile file);
   ~FdMedium() override;
   FdMedium(const FdMedium&) = delete;
   FdMedium& operator=(const FdMedium&) = delete;
@@ -42,9 +54,5 @@ class FdMedium : public MediumBase {
   // that extend the file. Read() checks against it.
   std::atomic<uint64_t> size_;
 };
-
-// Opens `path` with O_DIRECT and wraps it; Unavailable with advice when the
-// file system refuses O_DIRECT.
-Result<int> OpenDirectFile(const std::string& path, const MediumOptions& opts);
 
 }  // namespace nonstop::media

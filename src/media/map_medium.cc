@@ -22,8 +22,8 @@ namespace {
 // (that would be SIGBUS), so callers Resize first.
 class MappedMedium : public MediumBase {
  public:
-  MappedMedium(MediumKind kind, std::string path, int fd)
-      : kind_(kind), path_(std::move(path)), fd_(fd) {}
+  MappedMedium(MediumKind kind, std::string path, int fd, bool read_only = false)
+      : kind_(kind), path_(std::move(path)), fd_(fd), read_only_(read_only) {}
   ~MappedMedium() override { ::close(fd_); }
   MappedMedium(const MappedMedium&) = delete;
   MappedMedium& operator=(const MappedMedium&) = delete;
@@ -98,6 +98,7 @@ class MappedMedium : public MediumBase {
   const MediumKind kind_;
   const std::string path_;
   const int fd_;
+  const bool read_only_;  // mapped PROT_READ (OpenMedium refuses writes before they get here)
   // Set by Map/Unmap, which run only in Open and Resize (never concurrently
   // with other calls, per the Medium contract).
   char* base_ = nullptr;
@@ -107,8 +108,8 @@ class MappedMedium : public MediumBase {
 
 class MmapMedium final : public MappedMedium {
  public:
-  MmapMedium(std::string path, int fd, std::string why)
-      : MappedMedium(MediumKind::kMmap, std::move(path), fd) {
+  MmapMedium(std::string path, int fd, std::string why, bool read_only)
+      : MappedMedium(MediumKind::kMmap, std::move(path), fd, read_only) {
     if (!why.empty()) AddNote(std::move(why));
   }
   ~MmapMedium() override { Unmap(); }
@@ -116,7 +117,8 @@ class MmapMedium final : public MappedMedium {
   Status Map(uint64_t size) override {
     size_ = 0;
     if (size == 0) return Status::OK();
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    const int prot = read_only_ ? PROT_READ : PROT_READ | PROT_WRITE;
+    void* p = ::mmap(nullptr, size, prot, MAP_SHARED, fd_, 0);
     if (p == MAP_FAILED) {
       return Status::FromErrno("mmap " + path_ + " (" + std::to_string(size) + " bytes)", errno);
     }
@@ -237,17 +239,23 @@ class PmemMedium final : public MappedMedium {
 Result<std::unique_ptr<MediumBase>> OpenMmapMedium(const std::string& path,
                                                    const MediumOptions& opts) {
   NONSTOP_ASSIGN_OR_RETURN(int fd, OpenFile(path, 0, opts));
-  return OpenMapped(std::make_unique<MmapMedium>(path, fd, ""), fd, path);
+  return OpenMapped(std::make_unique<MmapMedium>(path, fd, "", opts.read_only), fd, path);
 }
 
 Result<std::unique_ptr<MediumBase>> OpenPmemMedium(const std::string& path,
                                                    const MediumOptions& opts) {
   NONSTOP_ASSIGN_OR_RETURN(int fd, OpenFile(path, 0, opts));
+  if (opts.read_only) {  // reads need no persistence: a read-only mmap
+    return OpenMapped(
+        std::make_unique<MmapMedium>(path, fd, "pmem requested read-only", /*read_only=*/true),
+        fd, path);
+  }
 #ifdef NONSTOP_HAVE_PMEM2
   return OpenMapped(std::make_unique<PmemMedium>(path, fd), fd, path);
 #else
-  return OpenMapped(
-      std::make_unique<MmapMedium>(path, fd, "pmem requested; libpmem2 not built in"), fd, path);
+  return OpenMapped(std::make_unique<MmapMedium>(path, fd, "pmem requested; libpmem2 not built in",
+                                                 /*read_only=*/false),
+                    fd, path);
 #endif
 }
 

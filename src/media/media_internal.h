@@ -32,8 +32,9 @@ class MediumBase : public Medium {
   std::vector<std::string> notes_;
 };
 
-// A file opened read-write (created when opts.create), with `extra_flags`
-// (O_DIRECT) added. A missing file without create is NotFound.
+// A file opened read-write (created when opts.create; read-only when
+// opts.read_only), with `extra_flags` (O_DIRECT) added. A missing file
+// without create is NotFound.
 Result<int> OpenFile(const std::string& path, int extra_flags, const MediumOptions& opts);
 Result<uint64_t> FileSize(int fd, const std::string& path);
 

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "media/media_internal.h"
+#include "media/medium_wrapper.h"
 #include "nonstop/medium.h"
 
 namespace nonstop {
@@ -99,6 +100,29 @@ Result<std::unique_ptr<MediumBase>> OpenAuto(const std::string& path, const Medi
   return m;
 }
 
+// A medium opened with MediumOptions::read_only: reads go to the backend
+// (whose file is O_RDONLY, its mapping PROT_READ); writes stop here, before
+// they could reach a read-only mapping.
+class ReadOnlyMedium final : public media::MediumWrapper {
+ public:
+  ReadOnlyMedium(std::string path, std::unique_ptr<Medium> m)
+      : MediumWrapper(std::move(m)), path_(std::move(path)) {}
+  Status Write(uint64_t offset, const void*, size_t n) override {
+    return Refuse("write " + path_ + " at " + std::to_string(offset) + " (+" + std::to_string(n) +
+                  " bytes)");
+  }
+  Status Sync() override { return Status::OK(); }  // nothing was written
+  Status Resize(uint64_t size) override {
+    return Refuse("resize " + path_ + " to " + std::to_string(size) + " bytes");
+  }
+
+ private:
+  static Status Refuse(const std::string& what) {
+    return Status::FailedPrecondition(what + ": the medium was opened read-only");
+  }
+  const std::string path_;
+};
+
 }  // namespace
 
 Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind kind,
@@ -106,6 +130,10 @@ Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind k
   Result<std::unique_ptr<MediumBase>> m =
       kind == MediumKind::kAuto ? OpenAuto(path, opts) : OpenKind(path, kind, opts);
   if (!m.ok()) return m.status();
+  if (opts.read_only) {
+    m.value()->AddNote("read-only");
+    return std::unique_ptr<Medium>(new ReadOnlyMedium(path, std::move(m).value()));
+  }
   return std::unique_ptr<Medium>(std::move(m).value());
 }
 

@@ -2,10 +2,13 @@
 // or /dev/shm (mmap, pmem).
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -154,6 +157,85 @@ TEST_P(EachKind, ConcurrentWritersOnDisjointRanges) {
       ASSERT_EQ(std::memcmp(want.p, got.p, kChunk), 0) << "thread " << t << " chunk " << c;
     }
   }
+}
+
+// The access mode of every descriptor this process holds open on `path`
+// (O_RDONLY, O_WRONLY or O_RDWR), from /proc/self/fdinfo: what the kernel
+// will allow, whoever runs the test (root ignores the file's mode bits).
+std::vector<int> OpenAccessModes(const std::string& path) {
+  std::vector<int> modes;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(e.path(), ec) != path) continue;
+    std::ifstream info("/proc/self/fdinfo/" + e.path().filename().string());
+    std::string key;
+    while (info >> key) {
+      if (key == "flags:") {
+        std::string octal;
+        info >> octal;
+        modes.push_back(static_cast<int>(std::stoul(octal, nullptr, 8)) & O_ACCMODE);
+        break;
+      }
+    }
+  }
+  return modes;
+}
+
+// The permissions ("r--s", "rw-s") of every mapping of `path`, from /proc/self/maps.
+std::vector<std::string> MappingPerms(const std::string& path) {
+  std::vector<std::string> perms;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.size() > path.size() &&
+        line.compare(line.size() - path.size(), path.size(), path) == 0) {
+      perms.push_back(line.substr(line.find(' ') + 1, 4));
+    }
+  }
+  return perms;
+}
+
+TEST_P(EachKind, ReadOnlyOpensTheFileForReadingAndRefusesWrites) {
+  const MediumKind kind = GetParam();
+  TempPath tp(DirFor(kind));
+  const size_t kBytes = 64 << 10;
+  AlignedBuf out(kBytes), in(kBytes);
+  Fill(out.p, kBytes, 5);
+  {
+    OPEN_OR_SKIP(w, tp.path(), kind);
+    ASSERT_TRUE(w->Resize(kBytes).ok());
+    ASSERT_TRUE(w->Write(0, out.p, kBytes).ok());
+    ASSERT_TRUE(w->Sync().ok());
+  }
+  ASSERT_EQ(::chmod(tp.path().c_str(), 0444), 0);
+  MediumOptions ro;
+  ro.read_only = true;
+  auto r = OpenMedium(tp.path(), kind, ro);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::unique_ptr<Medium> m = std::move(r).value();
+  EXPECT_NE(m->Describe().find("read-only"), std::string::npos) << m->Describe();
+  EXPECT_EQ(m->Size(), kBytes);
+  ASSERT_TRUE(m->Read(0, in.p, kBytes).ok());
+  EXPECT_EQ(std::memcmp(in.p, out.p, kBytes), 0);
+
+  // The kernel, not only this class, refuses writes: every descriptor on the
+  // file is O_RDONLY and every mapping of it lacks 'w'.
+  const std::vector<int> modes = OpenAccessModes(tp.path());
+  ASSERT_FALSE(modes.empty());
+  for (int mode : modes) EXPECT_EQ(mode, O_RDONLY);
+  for (const std::string& p : MappingPerms(tp.path())) EXPECT_EQ(p[1], '-') << p;
+  if (kind == MediumKind::kMmap || kind == MediumKind::kPmem) {
+    EXPECT_FALSE(MappingPerms(tp.path()).empty());
+  }
+
+  Status w = m->Write(0, out.p, kBytes);
+  EXPECT_EQ(w.code(), StatusCode::kFailedPrecondition) << w.ToString();
+  EXPECT_NE(w.message().find("read-only"), std::string::npos) << w.message();
+  EXPECT_EQ(m->Resize(2 * kBytes).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(m->Sync().ok());
+  EXPECT_EQ(m->Size(), kBytes);
+
+  ro.create = true;  // a contradiction
+  EXPECT_EQ(OpenMedium(tp.path(), kind, ro).status().code(), StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Media, EachKind,

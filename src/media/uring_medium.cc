@@ -230,16 +230,8 @@ Result<std::unique_ptr<MediumBase>> OpenUringMedium(const std::string& path,
                                std::strerror(init_err) +
                                " (io_uring disabled here?); use medium='direct'");
   }
-  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenDirectFile(path, opts));
-  Result<uint64_t> size = FileSize(fd, path);
-  if (!size.ok()) {
-    ::close(fd);
-    return size.status();
-  }
-  std::string source;
-  size_t align = DirectAlignment(fd, path, &source);
-  return std::unique_ptr<MediumBase>(
-      new UringMedium(MediumKind::kUring, path, fd, *size, align, std::move(source)));
+  NONSTOP_ASSIGN_OR_RETURN(FdFile f, OpenFdFile(path, /*direct=*/true, opts));
+  return std::unique_ptr<MediumBase>(new UringMedium(MediumKind::kUring, path, std::move(f)));
 }
 
 #endif  // NONSTOP_HAVE_URING

@@ -3,6 +3,7 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 namespace nonstop::format {
 namespace {
@@ -76,6 +77,15 @@ uint32_t BlockCrc(std::span<const uint8_t> b, size_t crc_at) {
   return Crc32c(b.data() + crc_at + 4, b.size() - crc_at - 4, c);
 }
 
+// Pads an encoded block to `size` bytes and stores its BlockCrc in the crc
+// field at `crc_at` (the encoder wrote 0 there).
+std::vector<uint8_t> Seal(std::vector<uint8_t> out, size_t size, size_t crc_at) {
+  out.resize(size, 0);
+  const uint32_t crc = BlockCrc(out, crc_at);
+  std::memcpy(out.data() + crc_at, &crc, 4);
+  return out;
+}
+
 // a*b without overflow; false on overflow.
 bool MulOk(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
@@ -128,10 +138,7 @@ std::vector<uint8_t> EncodeHeader(const FileHeader& h) {
   w.U64(h.slot_bytes);
   w.U64(h.created_unix_ns);
   w.U32(0);  // crc, at kHeaderCrcOffset
-  out.resize(kHeaderBytes, 0);
-  uint32_t crc = BlockCrc(out, kHeaderCrcOffset);
-  std::memcpy(out.data() + kHeaderCrcOffset, &crc, 4);
-  return out;
+  return Seal(std::move(out), kHeaderBytes, kHeaderCrcOffset);
 }
 
 Result<FileHeader> ParseHeader(std::span<const uint8_t> bytes) {
@@ -205,10 +212,7 @@ std::vector<uint8_t> EncodeRecord(const Record& rec) {
   w.U32(0);
   w.U64(rec.commit_unix_ns);
   w.U32(0);  // crc, at kRecordCrcOffset
-  out.resize(kRecordBytes, 0);
-  uint32_t crc = BlockCrc(out, kRecordCrcOffset);
-  std::memcpy(out.data() + kRecordCrcOffset, &crc, 4);
-  return out;
+  return Seal(std::move(out), kRecordBytes, kRecordCrcOffset);
 }
 
 Result<Record> ParseRecord(std::span<const uint8_t> bytes) {

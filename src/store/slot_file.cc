@@ -44,6 +44,23 @@ std::string Describe(const format::Record& r) {
          ", slot " + std::to_string(r.slot) + ")";
 }
 
+// What a commit record (and the file header) says of its checkpoint; the
+// table adds chunk crcs, tensors and metadata.
+CheckpointInfo RecordInfo(const format::Record& r, const format::FileHeader& h) {
+  CheckpointInfo info;
+  info.counter = r.counter;
+  info.step = r.step;
+  info.sequence = r.sequence;
+  info.slot = r.slot;
+  info.rank = h.rank;
+  info.world_size = h.world_size;
+  info.commit_unix_ns = r.commit_unix_ns;
+  info.data_offset = r.data_offset;
+  info.data_bytes = r.data_bytes;
+  info.table_bytes = r.table_bytes;
+  return info;
+}
+
 }  // namespace
 
 std::string SlotFileName(int rank) {
@@ -308,21 +325,11 @@ Result<CheckpointInfo> SlotFile::Commit(const CommitRequest& req) {
   NONSTOP_RETURN_IF_ERROR(medium_->Sync().Annotate("syncing the superblock record"));
   I.newest_counter = req.counter;
 
-  CheckpointInfo info;
-  info.counter = req.counter;
-  info.step = req.step;
-  info.sequence = rec.sequence;
-  info.slot = req.slot;
-  info.rank = I.header.rank;
-  info.world_size = I.header.world_size;
-  info.commit_unix_ns = rec.commit_unix_ns;
-  info.data_offset = data_offset;
-  info.data_bytes = layout.data_bytes;
+  CheckpointInfo info = RecordInfo(rec, I.header);
   info.crc_chunk_bytes = req.crc_chunk_bytes;
   info.chunk_crcs = req.chunk_crcs;
   info.tensors = layout.tensors;
   info.meta_json = req.meta_json;
-  info.table_bytes = table.size();
   return info;
 }
 
@@ -332,16 +339,7 @@ Result<CheckpointInfo> SlotFile::Commit(const CommitRequest& req) {
 static Status CheckRecord(Medium& m, const format::FileHeader& h, const format::Record& r,
                           const std::vector<format::Record>& ring, bool verify_data,
                           CheckpointInfo* info, SlotFile* f) {
-  info->counter = r.counter;
-  info->step = r.step;
-  info->sequence = r.sequence;
-  info->slot = r.slot;
-  info->commit_unix_ns = r.commit_unix_ns;
-  info->data_offset = r.data_offset;
-  info->data_bytes = r.data_bytes;
-  info->table_bytes = r.table_bytes;
-  info->rank = h.rank;
-  info->world_size = h.world_size;
+  *info = RecordInfo(r, h);
   if (r.uuid_hi != h.uuid_hi || r.uuid_lo != h.uuid_lo) {
     return Status::Corruption("record belongs to another slot file (uuid mismatch)");
   }

@@ -1,6 +1,7 @@
 """FSDP2 (fully_shard) state, 2 ranks with gloo on CPU (docs/DISTRIBUTED.md,
 "FSDP2"). Ranks from fsdp_train.py, each multi-process run under a hard
 timeout (dist_launch.run_ranks kills the ranks' process groups)."""
+import hashlib
 import json
 import os
 import sys
@@ -174,37 +175,59 @@ def reshard_two_to_one(tmp_path, d, ref, target):
                            match=r"world size 2.*world size 1"):
             nonstop.Checkpointer(d, {"t": torch.zeros(2)}, world_size=1, rank=0)
         return
-    # One process, no process group, no fully_shard: plain full tensors.
     import shutil
     plain_dir = str(tmp_path / "plain")
-    shutil.copytree(d, plain_dir)
-    torch.manual_seed(0)
-    nn = torch.nn
-    plain = nn.Sequential(nn.Linear(32, 67), nn.BatchNorm1d(67), nn.ReLU(), nn.Dropout(0.1),
-                          nn.Linear(67, 31), nn.ReLU(), nn.Linear(31, 1))
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "moved to .../world-2 and restore() reshards them"
-        ck = nonstop.Checkpointer(plain_dir, {"model": plain, "optim": opt}, rng=False)
-        assert ck.restore() == 11
-    ck.close()
-    for i, (name, prm) in enumerate(plain.named_parameters()):
-        assert type(prm) is torch.nn.Parameter and torch.equal(prm, target[f"model/{name}"])
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(opt.state[prm][k], target[f"optim/state/{i}/{k}"]), (name, k)
+    shutil.copytree(d, plain_dir)  # the 2-rank files, for a plain model below
+
+    # A 1-rank FSDP2 job: the global parameters and optimizer state are those
+    # of the 2-rank job at step 11, bit for bit; it trains on and checkpoints
+    # step 14 (one rank: each DTensor's local tensor is whole).
     one = str(tmp_path / "one")
-    res = run_ranks(1, [os.path.join(HERE, "fsdp_train.py"), d, str(STEPS + 2), str(EVERY),
+    res = run_ranks(1, [os.path.join(HERE, "fsdp_train.py"), d, str(STEPS + 3), str(EVERY),
                         one], timeout=TIMEOUT)
     assert res[0][0] == 0, res[0][2][-2000:]
     st = starts(res)[0]
     want = finals(ref)[0]
     assert st["restored"] == 11 and st["kinds"] == ["DTensor"], st
-    # The global parameters and optimizer state are those of the 2-rank job
-    # at step 11, bit for bit; training then goes on with one rank.
     assert (st["full_params"], st["full_optim"], st["samples"], st["lr"]) == (
         want["full_params"], want["full_optim"], want["samples"], want["lr"])
     with open(f"{one}.rank-0.json") as f:
-        assert json.load(f)["samples"] == want["samples"] + 2 * 16
+        one_final = json.load(f)
+    assert one_final["samples"] == want["samples"] + 3 * 16 and one_final["agreed"] == 14
+
+    # One process, no process group, no fully_shard: plain full tensors,
+    # from the 2-rank files (resharded) and from the 1-rank FSDP2 job's own.
+    for where, step in ((plain_dir, 11), (d, 14)):
+        torch.manual_seed(0)
+        nn = torch.nn
+        plain = nn.Sequential(nn.Linear(32, 67), nn.BatchNorm1d(67), nn.ReLU(), nn.Dropout(0.1),
+                              nn.Linear(67, 31), nn.ReLU(), nn.Linear(31, 1))
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "moved to .../world-2 and restore() reshards them"
+            ck = nonstop.Checkpointer(where, {"model": plain, "optim": opt}, rng=False)
+            assert ck.restore() == step
+        ck.close()
+        for prm in plain.parameters():
+            assert type(prm) is torch.nn.Parameter
+        opt_tensors = [v for _, s in sorted(opt.state_dict()["state"].items())
+                       for _, v in sorted(s.items())]
+        if step == 11:
+            for i, (name, prm) in enumerate(plain.named_parameters()):
+                assert torch.equal(prm, target[f"model/{name}"]), name
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(opt.state[prm][k], target[f"optim/state/{i}/{k}"]), name
+            assert digest(opt_tensors) == want["full_optim"]
+        else:
+            assert digest(plain.parameters()) == one_final["full_params"]
+            assert digest(opt_tensors) == one_final["full_optim"]
+
+
+def digest(tensors) -> str:  # as fsdp_train.py's
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def test_reshard_refuses_a_missing_rank_file(tmp_path):

@@ -46,9 +46,20 @@ def snapshot(ddp, opt) -> dict:
 
 
 def check_pieces(d, rank, refs) -> int:
-    """Every tensor piece of every checkpoint still in this rank's file holds
-    its value at the checkpoint's step (this rank's share of it). Returns how
-    many checkpoints were checked."""
+    """Every tensor piece of every checkpoint in this rank's file, and of
+    every one kept (keep=1: all of them), holds its value at the
+    checkpoint's step (this rank's share of it). Returns how many
+    checkpoints were checked."""
+    kept = os.path.join(d, "keep")
+    dirs = [d] + ([os.path.join(kept, k) for k in sorted(os.listdir(kept))]
+                  if os.path.isdir(kept) else [])
+    checked = 0
+    for where in dirs:
+        checked += check_dir(where, rank, refs)
+    return checked
+
+
+def check_dir(d, rank, refs) -> int:
     reader = nonstop._core.Reader(d, rank=rank)
     checked = 0
     for c in reader.checkpoints:
@@ -82,6 +93,10 @@ def main():
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--bucket-kb", type=float, default=64)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--medium", default="buffered")
+    p.add_argument("--keep", type=int, default=None)
+    p.add_argument("--chunk-kb", type=int, default=4)
+    p.add_argument("--staging-chunks", type=int, default=3)
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
@@ -101,13 +116,15 @@ def main():
     ckpt = None
     if a.mode != "plain":
         lw = dict(copy=a.copy, clip_grad_norm=a.clip) if a.mode == "layerwise" else {}
-        # A small staging pool and one writer: copies lag behind training,
-        # so a missing wait before an update would show.
+        # 4 KiB chunks, a staging pool of 3 and one writer: copies lag behind
+        # training, so a missing wait before an update shows (checked: with
+        # the wait removed, check_pieces finds a later step's values).
         ckpt = nonstop.Checkpointer(a.dir, {"model": ddp, "optim": opt, "sched": sched,
                                             "train": train}, every=a.every, mode=a.mode,
-                                    max_in_flight=2, medium="buffered", writers=1,
-                                    staging_bytes=4 * 16384, chunk_bytes=16384,
-                                    dist_timeout_s=60, **lw)
+                                    max_in_flight=2, medium=a.medium, writers=1,
+                                    staging_bytes=a.staging_chunks * a.chunk_kb * 1024,
+                                    chunk_bytes=a.chunk_kb * 1024,
+                                    dist_timeout_s=60, keep=a.keep, **lw)
         r = ckpt.restore()
     else:
         r = None

@@ -128,7 +128,7 @@ def torch_section(out, figs, args, doc_dir) -> str:
             f"{res['intervals']} measured, up to {res['rounds']} interleaved rounds"
             + (f"; measured steps per run: {per_run}, `none` {res.get('none_steps_per_run')}"
                if per_run else "")
-            + f" (after one unmeasured warm-up step and checkpoint); `none` "
+            + f" (each after one unmeasured warm-up checkpoint, waited for); `none` "
             f"{res['none_step_s']:.3f} s/step, drift between its runs {_pct(res['none_drift'])}; "
             f"took {res.get('wall_s', 0):.0f} s."
             f"{skipped}\n\n"

@@ -20,8 +20,12 @@ Schemes (each run continues the same training, so the state keeps changing):
 Measured per run: wall time per step, the visible stall (time the training
 thread spent inside the checkpoint calls and waits), the time from a save's
 start until it is durable (persist), and CPU seconds per step. Runs are
-interleaved: each round runs every (interval, scheme) once, with `none` at
-its start and end; the drift between those two is reported.
+interleaved (bench/suite_rounds.py): each round runs none, every scheme at
+the first interval, none, every scheme at the next, ..., none; the drift
+between the `none` runs is reported. Each run first takes one unmeasured
+checkpoint and waits for it. --budget-s stops before a run predicted to end
+past the budget; the JSON says where ("stopped") and each row how many runs,
+steps and checkpoints it comes from.
 """
 from __future__ import annotations
 

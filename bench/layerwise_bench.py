@@ -25,6 +25,10 @@ Schemes:
               starting the checkpoint until the whole model is copied
               (CheckFreq-PM: snapshot the whole model, then persist in the
               background)
+  layerwise_prev  (torch loop, with --compare-layerwise FILE) mode="layerwise"
+              driven by another version of python/nonstop/_layerwise.py, e.g.
+              `git show REV:python/nonstop/_layerwise.py > /tmp/lw_prev.py`:
+              before/after comparisons in one interleaved run
 
 Method (DESIGN.md, "Measuring on a noisy machine"): schemes interleaved in
 every round, `none` at the start and end of each round (its drift printed),
@@ -47,7 +51,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import nonstop  # noqa: E402
 
-SCHEMES = ("layerwise", "concurrent", "wholewait")
+SCHEMES = ["layerwise", "concurrent", "wholewait"]
+_PREV = None  # the Layerwise class of --compare-layerwise
+
+
+def load_prev_layerwise(path: str):
+    """Layerwise from another version of _layerwise.py, as a module of the package."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nonstop._layerwise_prev", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.Layerwise
 
 
 # ------------------------------------------------------------------ synthetic
@@ -142,10 +157,17 @@ def torch_run(args, kind: str, every: int, train, d: str, first: int) -> dict:
     ck = None
     if kind != "none":
         shutil.rmtree(d, ignore_errors=True)
-        lw = dict(mode="layerwise", copy=args.copy) if kind == "layerwise" else {}
-        ck = nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=every,
-                                  max_in_flight=args.max_in_flight, medium=args.medium,
-                                  writers=args.writers, rng=False, **lw)
+        lw = dict(mode="layerwise", copy=args.copy) if kind.startswith("layerwise") else {}
+        import nonstop._layerwise as current
+        cls = current.Layerwise
+        if kind == "layerwise_prev":
+            current.Layerwise = _PREV
+        try:
+            ck = nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=every,
+                                      max_in_flight=args.max_in_flight, medium=args.medium,
+                                      writers=args.writers, rng=False, **lw)
+        finally:
+            current.Layerwise = cls
     # Warm-up: caches, and the first checkpoint (registration, slot file) at
     # checkpoint step -1, so that every measured run starts alike; measured
     # steps are numbered 0.. so each interval checkpoints steps/every times.
@@ -178,7 +200,7 @@ def torch_run(args, kind: str, every: int, train, d: str, first: int) -> dict:
 
 # ---------------------------------------------------------------------- table
 
-def summarize(name: str, runs: dict, steps: int, intervals) -> list:
+def summarize(name: str, runs: dict, steps: int, intervals, schemes=SCHEMES) -> list:
     nones = runs["none"]
     none_med = statistics.median(r["wall_s"] for r in nones)
     drift = [abs(nones[i + 1]["wall_s"] - nones[i]["wall_s"]) / nones[i]["wall_s"]
@@ -190,7 +212,7 @@ def summarize(name: str, runs: dict, steps: int, intervals) -> list:
     print(f"{'scheme':<12}{'every':>6}{'throughput':>12}{'overhead':>10}"
           f"{'stall/ckpt ms':>15}{'spread ms':>11}")
     for every in intervals:
-        for kind in SCHEMES:
+        for kind in schemes:
             rs = runs[(kind, every)]
             wall = statistics.median(r["wall_s"] for r in rs)
             per = [r["stall_s"] / max(1, r["checkpoints"]) * 1000 for r in rs]
@@ -223,12 +245,15 @@ def main(argv=None):
     p.add_argument("--torch-size", default="5m", choices=["5m", "10m"])
     p.add_argument("--torch-steps", type=int, default=10, help="torch: measured steps per run")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compare-layerwise", default=None, metavar="FILE",
+                   help="torch: also run scheme layerwise_prev with this _layerwise.py")
+    p.add_argument("--schemes", default=None, help="torch: comma-separated subset of schemes")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     intervals = [int(x) for x in args.intervals.split(",")]
     loops = args.loops.split(",")
-    out = {"args": vars(args), "rows": [], "threads": 1}
+    out = {"args": vars(args), "rows": [], "threads": 1, "load_before": os.getloadavg()}
     if "synthetic" in loops:
         per = args.state_mib * (1 << 20) // 4 // args.layers
         tensors = [torch.zeros(per) for _ in range(args.layers)]
@@ -245,6 +270,13 @@ def main(argv=None):
                                  f"{args.step_ms:g} ms compute/step, medium {args.medium}, "
                                  f"copy {args.copy})", runs, args.steps, intervals)
     if "torch" in loops:
+        global _PREV
+        schemes = list(SCHEMES)
+        if args.compare_layerwise:
+            _PREV = load_prev_layerwise(args.compare_layerwise)
+            schemes.insert(1, "layerwise_prev")
+        if args.schemes:
+            schemes = [k for k in schemes if k in args.schemes.split(",")]
         train = make_torch(args.torch_size)
         nparams = sum(p.numel() for p in train[1].parameters())
         runs = {"none": []}
@@ -254,7 +286,7 @@ def main(argv=None):
             runs["none"].append(torch_run(args, "none", 0, train, "", first))
             first += per_run
             for every in intervals:
-                for kind in SCHEMES:
+                for kind in schemes:
                     res = torch_run(args, kind, every, train,
                                     os.path.join(args.dir, f"torch-{kind}-{every}"), first)
                     first += per_run
@@ -263,7 +295,9 @@ def main(argv=None):
             first += per_run
         out["rows"] += summarize(f"torch GPT {nparams / 1e6:.1f}M params, AdamW, 1 thread, "
                                  f"medium {args.medium}, copy {args.copy}", runs,
-                                 args.torch_steps, intervals)
+                                 args.torch_steps, intervals, schemes)
+    out["load_after"] = os.getloadavg()
+    print(f"load average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -102,7 +102,9 @@ def test_layerwise_ddp_sigkill_resumes_bit_identically(plain, tmp_path):
     starts = [next(l["restored"] for l in lines if l["event"] == "start")
               for _, lines, _ in resumed]
     assert len(set(starts)) == 1, f"ranks resumed from different steps: {starts}"
-    assert starts[0] in (3, 5), starts
+    # 5 when both committed it before the kill; 3 or 1 when fdatasync lags
+    # (N = 2 in flight) on a loaded machine.
+    assert starts[0] in (1, 3, 5), starts
     got = finals(out)
     same_training(got, plain)
     for f in got:

@@ -1,12 +1,81 @@
-// Each binding file of nonstop._core defines one Init* function; module.cc
-// calls them all. Owners: engine/store bindings (Python front end), optim
-// bindings (CPU optimizer replay).
+// What the binding files of nonstop._core share: each defines one Init*
+// function that module.cc calls; the Status -> Python error mapping; the
+// engine options that Engine and Multistep both take; the param_group parser
+// that Multistep and optim.replay both use. Owners: engine/store bindings
+// (Python front end), optim bindings (CPU optimizer replay).
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "nonstop/engine.h"
+#include "nonstop/optim.h"
+#include "nonstop/status.h"
+
 namespace nonstop::py_bindings {
+
 void InitEngine(pybind11::module_& m);
 void InitOptim(pybind11::module_& m);
 void InitMultistep(pybind11::module_& m);  // multistep_bindings.cc (GoCkpt schedule)
+
+// Carries a non-OK Status to Python, also out of a GIL-released region: the
+// translator (RegisterStatusTranslator) raises the nonstop.errors class for
+// its code with its one-line message.
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(Status s) : status_(std::move(s)) {}
+  const char* what() const noexcept override { return status_.message().c_str(); }
+  const Status& status() const { return status_; }
+
+ private:
+  Status status_;
+};
+
+// Registers the StatusError translator; module.cc calls it before the Init*s.
+void RegisterStatusTranslator();
+
+inline void Check(const Status& s) {
+  if (!s.ok()) throw StatusError(s);
+}
+
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) throw StatusError(r.status());
+  return std::move(r).value();
+}
+
+// d[key] as T, or `fallback` when the key is missing or None.
+template <typename T>
+T DictGet(const pybind11::dict& d, const char* key, T fallback) {
+  if (!d.contains(key) || d[key].is_none()) return fallback;
+  return d[key].cast<T>();
+}
+
+// The EngineOptions that nonstop._core.Engine and Multistep both take as
+// arguments; `medium` by name (InvalidArgument naming the choices otherwise).
+EngineOptions EngineOptionsFromPy(const std::string& dir, uint32_t rank, uint32_t world_size,
+                                  int max_in_flight, int writers, uint64_t staging_bytes,
+                                  uint64_t chunk_bytes, int copy_threads,
+                                  const std::string& medium, uint64_t keep_every);
+
+// cls.def(init, <the arguments of EngineOptionsFromPy but keep_every, with their
+// defaults>, extra...): `init` takes those nine first, then its own `extra`.
+template <typename Class, typename Init, typename... Extra>
+Class& DefInitWithEngineOptions(Class& cls, Init&& init, const Extra&... extra) {
+  namespace py = pybind11;
+  return cls.def(std::forward<Init>(init), py::arg("dir"), py::arg("rank") = 0,
+                 py::arg("world_size") = 1, py::arg("max_in_flight") = 2, py::arg("writers") = 0,
+                 py::arg("staging_bytes") = 0, py::arg("chunk_bytes") = 0,
+                 py::arg("copy_threads") = 1, py::arg("medium") = "auto", extra...);
+}
+
+// The hyperparameters of one torch param_group dict ('lr', 'betas', 'eps',
+// 'weight_decay', 'momentum', 'dampening', 'nesterov', 'maximize'); missing
+// or None keys keep StepHyperparameters' defaults, other keys are ignored.
+optim::StepHyperparameters HyperparametersFromGroup(const pybind11::dict& group);
+
 }  // namespace nonstop::py_bindings

@@ -29,27 +29,6 @@ namespace py = pybind11;
 namespace nonstop::py_bindings {
 namespace {
 
-// Carries a non-OK Status out of a GIL-released region to the translator.
-class StatusError : public std::exception {
- public:
-  explicit StatusError(Status s) : status_(std::move(s)) {}
-  const char* what() const noexcept override { return status_.message().c_str(); }
-  const Status& status() const { return status_; }
-
- private:
-  Status status_;
-};
-
-void Check(const Status& s) {
-  if (!s.ok()) throw StatusError(s);
-}
-
-template <typename T>
-T Take(Result<T> r) {
-  if (!r.ok()) throw StatusError(r.status());
-  return std::move(r).value();
-}
-
 // (name, dtype code, shape, nbytes, data_ptr, device kind, device index,
 //  stream, copy_at_checkpoint)
 using PyTensorRef = std::tuple<std::string, int, std::vector<int64_t>, uint64_t, uintptr_t, int,
@@ -293,6 +272,7 @@ class PyReader {
                                          " in " + dir + " (no " + SlotFileName(rank) + ")"));
     }
     MediumOptions mopts;
+    mopts.read_only = true;  // nonstop.load() and export() read read-only files too
     auto medium = Take(OpenMedium(path_, MediumKind::kBuffered, mopts));
     Result<std::unique_ptr<SlotFile>> file = SlotFile::Open(std::move(medium));
     if (!file.ok()) throw StatusError(file.status().Annotate(path_));
@@ -360,53 +340,31 @@ class PyReader {
 }  // namespace
 
 void InitEngine(py::module_& m) {
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const StatusError& e) {
-      py::object classes = py::module_::import("nonstop.errors").attr("BY_STATUS_CODE");
-      py::object cls = classes.attr("get")(static_cast<int>(e.status().code()),
-                                           py::module_::import("builtins").attr("RuntimeError"));
-      PyErr_SetString(cls.ptr(), e.status().message().c_str());
-    }
-  });
-
   m.def("slot_file_name", &SlotFileName, py::arg("rank"));
 
-  py::class_<PyEngine>(m, "Engine")
-      .def(py::init([](const std::string& dir, uint32_t rank, uint32_t world_size,
-                       int max_in_flight, int writers, uint64_t staging_bytes,
-                       uint64_t chunk_bytes, int copy_threads, const std::string& medium,
-                       uint32_t extra_slots, const std::string& layer_copy,
-                       bool global_agreement, uint64_t keep_every) {
-             EngineOptions o;
-             o.dir = dir;
-             o.rank = rank;
-             o.world_size = world_size;
-             o.max_in_flight = max_in_flight;
-             o.writers = writers;
-             o.staging_bytes = staging_bytes;
-             o.chunk_bytes = chunk_bytes;
-             o.copy_threads = copy_threads;
-             o.extra_slots = extra_slots;
-             o.global_agreement = global_agreement;
-             o.keep_every = keep_every;
-             if (!ParseLayerCopy(layer_copy, &o.layer_copy)) {
-               throw StatusError(Status::InvalidArgument(
-                   "unknown copy '" + layer_copy + "'; use host, direct or device"));
-             }
-             if (!ParseMediumKind(medium, &o.medium)) {
-               throw StatusError(Status::InvalidArgument(
-                   "unknown medium '" + medium +
-                   "'; use auto, buffered, direct, uring, mmap or pmem"));
-             }
-             return std::make_unique<PyEngine>(o);
-           }),
-           py::arg("dir"), py::arg("rank") = 0, py::arg("world_size") = 1,
-           py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
-           py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
-           py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
-           py::arg("global_agreement") = false, py::arg("keep_every") = 0)
+  py::class_<PyEngine> engine(m, "Engine");
+  DefInitWithEngineOptions(
+      engine,
+      py::init([](const std::string& dir, uint32_t rank, uint32_t world_size, int max_in_flight,
+                  int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
+                  const std::string& medium, uint32_t extra_slots, const std::string& layer_copy,
+                  bool global_agreement, uint64_t keep_every) {
+        LayerCopy copy;
+        if (!ParseLayerCopy(layer_copy, &copy)) {
+          throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
+                                                    "'; use host, direct or device"));
+        }
+        EngineOptions o =
+            EngineOptionsFromPy(dir, rank, world_size, max_in_flight, writers, staging_bytes,
+                                chunk_bytes, copy_threads, medium, keep_every);
+        o.extra_slots = extra_slots;
+        o.layer_copy = copy;
+        o.global_agreement = global_agreement;
+        return std::make_unique<PyEngine>(o);
+      }),
+      py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
+      py::arg("global_agreement") = false, py::arg("keep_every") = 0);
+  engine
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "
            "kind, device index, stream, copy_at_checkpoint); `layouts`: per tensor None or "

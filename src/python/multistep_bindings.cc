@@ -25,26 +25,6 @@ namespace py = pybind11;
 namespace nonstop::py_bindings {
 namespace {
 
-// Raises the nonstop.errors class for the status code (the GIL must be held).
-[[noreturn]] void Raise(const Status& s) {
-  py::object cls = py::module_::import("nonstop.errors")
-                       .attr("BY_STATUS_CODE")
-                       .attr("get")(static_cast<int>(s.code()),
-                                    py::module_::import("builtins").attr("RuntimeError"));
-  PyErr_SetString(cls.ptr(), s.message().c_str());
-  throw py::error_already_set();
-}
-
-void Check(const Status& s) {
-  if (!s.ok()) Raise(s);
-}
-
-template <typename T>
-T Get(const py::dict& d, const char* key, T fallback) {
-  if (!d.contains(key) || d[key].is_none()) return fallback;
-  return d[key].cast<T>();
-}
-
 Device MakeDevice(int kind, int index, uintptr_t stream) {
   Device d;
   d.kind = kind == 1 ? DeviceKind::kCuda : DeviceKind::kHost;
@@ -55,26 +35,10 @@ Device MakeDevice(int kind, int index, uintptr_t stream) {
 
 DType DTypeFromCode(int code, const std::string& what) {
   if (code < 0 || code >= kNumDTypes) {
-    Raise(Status::InvalidArgument(what + ": unknown dtype code " + std::to_string(code)));
+    throw StatusError(
+        Status::InvalidArgument(what + ": unknown dtype code " + std::to_string(code)));
   }
   return static_cast<DType>(code);
-}
-
-optim::StepHyperparameters ParseGroup(const py::dict& d) {
-  optim::StepHyperparameters h;
-  h.lr = Get<double>(d, "lr", h.lr);
-  if (d.contains("betas") && !d["betas"].is_none()) {
-    auto betas = d["betas"].cast<std::pair<double, double>>();
-    h.beta1 = betas.first;
-    h.beta2 = betas.second;
-  }
-  h.eps = Get<double>(d, "eps", h.eps);
-  h.weight_decay = Get<double>(d, "weight_decay", h.weight_decay);
-  h.momentum = Get<double>(d, "momentum", h.momentum);
-  h.dampening = Get<double>(d, "dampening", h.dampening);
-  h.nesterov = Get<bool>(d, "nesterov", h.nesterov);
-  h.maximize = Get<bool>(d, "maximize", h.maximize);
-  return h;
 }
 
 // (name, numel, group, device kind, device index, param, exp_avg, exp_avg_sq,
@@ -108,7 +72,7 @@ StateRole ParseRole(const std::string& s) {
   if (s == "exp_avg_sq") return StateRole::kExpAvgSq;
   if (s == "max_exp_avg_sq") return StateRole::kMaxExpAvgSq;
   if (s == "momentum_buffer") return StateRole::kMomentumBuffer;
-  Raise(Status::InvalidArgument("multistep: unknown state role '" + s + "'"));
+  throw StatusError(Status::InvalidArgument("multistep: unknown state role '" + s + "'"));
 }
 
 // (name, dtype code, shape, nbytes, tensor index or -1, role, data_ptr,
@@ -136,23 +100,9 @@ py::dict WindowDict(const MultistepWindowStats& w) {
 class PyMultistep {
  public:
   PyMultistep(const EngineOptions& eo, const MultistepOptions& mo) {
-    Status s;
-    {
-      py::gil_scoped_release release;
-      auto e = Engine::Open(eo);
-      if (!e.ok()) {
-        s = e.status();
-      } else {
-        engine_ = std::move(e).value();
-        auto m = MultistepCheckpoint::Create(engine_.get(), mo);
-        if (m.ok()) {
-          ms_ = std::move(m).value();
-        } else {
-          s = m.status();
-        }
-      }
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    engine_ = Take(Engine::Open(eo));
+    ms_ = Take(MultistepCheckpoint::Create(engine_.get(), mo));
   }
   ~PyMultistep() {
     py::gil_scoped_release release;
@@ -170,26 +120,18 @@ class PyMultistep {
     } else if (algorithm == "sgd") {
       c.algorithm = optim::Algorithm::kSgd;
     } else {
-      Raise(Status::InvalidArgument("multistep: unknown algorithm '" + algorithm +
-                                    "'; use adamw, adam or sgd"));
+      throw StatusError(Status::InvalidArgument("multistep: unknown algorithm '" + algorithm +
+                                                "'; use adamw, adam or sgd"));
     }
     c.amsgrad = amsgrad;
     auto t = ToTensors(tensors);
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = Get().Begin(step, c, std::move(t));
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    Check(Get().Begin(step, c, std::move(t)));
   }
 
   void OnBackwardBegin() {
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = Get().OnBackwardBegin();
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    Check(Get().OnBackwardBegin());
   }
 
   // grads: (data_ptr or 0, dtype code) per tensor of begin(); all on `device`.
@@ -198,7 +140,7 @@ class PyMultistep {
                      int device_index, uintptr_t stream) {
     std::vector<optim::StepHyperparameters> hs;
     hs.reserve(groups.size());
-    for (const auto& g : groups) hs.push_back(ParseGroup(g.cast<py::dict>()));
+    for (const auto& g : groups) hs.push_back(HyperparametersFromGroup(g.cast<py::dict>()));
     std::vector<GradRef> gs(grads.size());
     const Device dev = MakeDevice(device_kind, device_index, stream);
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -206,23 +148,15 @@ class PyMultistep {
       gs[i].dtype = DTypeFromCode(grads[i].second, "gradient");
       gs[i].device = dev;
     }
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = Get().OnUpdateBegin(step, hs, skipped, gs);
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    Check(Get().OnUpdateBegin(step, hs, skipped, gs));
   }
 
   void OnUpdateEnd(int64_t step, const std::optional<std::vector<PyOptimizerTensor>>& refreshed) {
     std::vector<OptimizerTensor> r;
     if (refreshed) r = ToTensors(*refreshed);
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = Get().OnUpdateEnd(step, r);
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    Check(Get().OnUpdateEnd(step, r));
   }
 
   void SetOutputs(const std::vector<PyOutput>& outputs, std::string meta_json) {
@@ -241,12 +175,8 @@ class PyMultistep {
       o.device = MakeDevice(kind, index, stream);
       out.push_back(std::move(o));
     }
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = Get().SetOutputs(std::move(out), std::move(meta_json));
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    Check(Get().SetOutputs(std::move(out), std::move(meta_json)));
   }
 
   bool GradientCopiesPending() { return Get().GradientCopiesPending(); }
@@ -254,12 +184,8 @@ class PyMultistep {
   int64_t version() { return Get().version(); }
 
   void Wait() {
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = Get().Wait();
-    }
-    Check(s);
+    py::gil_scoped_release release;
+    Check(Get().Wait());
   }
 
   std::optional<std::pair<uint64_t, int64_t>> Latest() {
@@ -311,7 +237,7 @@ class PyMultistep {
 
  private:
   MultistepCheckpoint& Get() {
-    if (!ms_) Raise(Status::FailedPrecondition("the checkpointer is closed"));
+    if (!ms_) throw StatusError(Status::FailedPrecondition("the checkpointer is closed"));
     return *ms_;
   }
   std::unique_ptr<Engine> engine_;
@@ -321,41 +247,29 @@ class PyMultistep {
 }  // namespace
 
 void InitMultistep(py::module_& m) {
-  py::class_<PyMultistep>(m, "Multistep")
-      .def(py::init([](const std::string& dir, uint32_t rank, uint32_t world_size,
-                       int max_in_flight, int writers, uint64_t staging_bytes,
-                       uint64_t chunk_bytes, int copy_threads, const std::string& medium,
-                       int parts, uint64_t block_bytes, bool overlap_gradients,
-                       int replay_threads, uintptr_t mkl_vms_sqrt, uint64_t keep_every) {
-             EngineOptions o;
-             o.dir = dir;
-             o.rank = rank;
-             o.world_size = world_size;
-             o.max_in_flight = max_in_flight;
-             o.writers = writers;
-             o.staging_bytes = staging_bytes;
-             o.chunk_bytes = chunk_bytes;
-             o.copy_threads = copy_threads;
-             o.keep_every = keep_every;
-             if (!ParseMediumKind(medium, &o.medium)) {
-               Raise(Status::InvalidArgument("unknown medium '" + medium +
-                                             "'; use auto, buffered, direct, uring, mmap or "
-                                             "pmem"));
-             }
-             MultistepOptions mo;
-             mo.parts = parts;
-             mo.block_bytes = block_bytes;
-             mo.overlap_gradients = overlap_gradients;
-             mo.replay_threads = replay_threads;
-             mo.mkl_vms_sqrt = reinterpret_cast<optim::MklVmsSqrtFn>(mkl_vms_sqrt);
-             return std::make_unique<PyMultistep>(o, mo);
-           }),
-           py::arg("dir"), py::arg("rank") = 0, py::arg("world_size") = 1,
-           py::arg("max_in_flight") = 2, py::arg("writers") = 0, py::arg("staging_bytes") = 0,
-           py::arg("chunk_bytes") = 0, py::arg("copy_threads") = 1, py::arg("medium") = "auto",
-           py::arg("parts") = 7, py::arg("block_bytes") = 4ull << 20,
-           py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
-           py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0)
+  py::class_<PyMultistep> multistep(m, "Multistep");
+  DefInitWithEngineOptions(
+      multistep,
+      py::init([](const std::string& dir, uint32_t rank, uint32_t world_size, int max_in_flight,
+                  int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
+                  const std::string& medium, int parts, uint64_t block_bytes,
+                  bool overlap_gradients, int replay_threads, uintptr_t mkl_vms_sqrt,
+                  uint64_t keep_every) {
+        EngineOptions o =
+            EngineOptionsFromPy(dir, rank, world_size, max_in_flight, writers, staging_bytes,
+                                chunk_bytes, copy_threads, medium, keep_every);
+        MultistepOptions mo;
+        mo.parts = parts;
+        mo.block_bytes = block_bytes;
+        mo.overlap_gradients = overlap_gradients;
+        mo.replay_threads = replay_threads;
+        mo.mkl_vms_sqrt = reinterpret_cast<optim::MklVmsSqrtFn>(mkl_vms_sqrt);
+        return std::make_unique<PyMultistep>(o, mo);
+      }),
+      py::arg("parts") = 7, py::arg("block_bytes") = 4ull << 20,
+      py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
+      py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0);
+  multistep
       .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
            py::arg("amsgrad"), py::arg("tensors"),
            "tensors: (name, numel, group, device kind, device index, param, exp_avg, "

@@ -23,14 +23,8 @@ using optim::BiasCorrection2Sqrt;
 using optim::FirstMoment;
 
 template <typename T>
-T Get(const py::dict& d, const char* key, T fallback) {
-  if (!d.contains(key) || d[key].is_none()) return fallback;
-  return d[key].cast<T>();
-}
-
-template <typename T>
 T* Pointer(const py::dict& d, const char* key) {
-  return reinterpret_cast<T*>(Get<uintptr_t>(d, key, 0));
+  return reinterpret_cast<T*>(DictGet<uintptr_t>(d, key, 0));
 }
 
 Algorithm ParseAlgorithm(const std::string& name) {
@@ -43,25 +37,14 @@ Algorithm ParseAlgorithm(const std::string& name) {
 
 optim::StepRecord ParseStep(const py::dict& d) {
   optim::StepRecord r;
+  r.hyper = HyperparametersFromGroup(d);
   optim::StepHyperparameters& h = r.hyper;
-  h.lr = Get<double>(d, "lr", h.lr);
-  if (d.contains("betas") && !d["betas"].is_none()) {
-    auto betas = d["betas"].cast<std::pair<double, double>>();
-    h.beta1 = betas.first;
-    h.beta2 = betas.second;
-  }
-  h.beta1 = Get<double>(d, "beta1", h.beta1);
-  h.beta2 = Get<double>(d, "beta2", h.beta2);
-  h.eps = Get<double>(d, "eps", h.eps);
-  h.weight_decay = Get<double>(d, "weight_decay", h.weight_decay);
-  h.momentum = Get<double>(d, "momentum", h.momentum);
-  h.dampening = Get<double>(d, "dampening", h.dampening);
-  h.nesterov = Get<bool>(d, "nesterov", h.nesterov);
-  h.maximize = Get<bool>(d, "maximize", h.maximize);
-  h.skipped = Get<bool>(d, "skipped", h.skipped);
-  h.step = Get<double>(d, "step", h.step);
+  h.beta1 = DictGet<double>(d, "beta1", h.beta1);  // override 'betas'
+  h.beta2 = DictGet<double>(d, "beta2", h.beta2);
+  h.skipped = DictGet<bool>(d, "skipped", h.skipped);
+  h.step = DictGet<double>(d, "step", h.step);
   r.grad.data = Pointer<const void>(d, "grad");
-  const std::string dtype = Get<std::string>(d, "grad_dtype", "float32");
+  const std::string dtype = DictGet<std::string>(d, "grad_dtype", "float32");
   if (!ParseDType(dtype, &r.grad.dtype)) {
     throw py::value_error("optim.replay: unknown grad_dtype '" + dtype + "'");
   }
@@ -92,14 +75,14 @@ py::dict Replay(const std::string& algorithm, const py::dict& state, const py::l
   }
 
   optim::PartState s;
-  s.numel = Get<size_t>(state, "numel", 0);
+  s.numel = DictGet<size_t>(state, "numel", 0);
   s.param = Pointer<float>(state, "param");
   s.exp_avg = Pointer<float>(state, "exp_avg");
   s.exp_avg_sq = Pointer<float>(state, "exp_avg_sq");
   s.max_exp_avg_sq = Pointer<float>(state, "max_exp_avg_sq");
   s.momentum_buffer = Pointer<float>(state, "momentum_buffer");
-  s.step = Get<double>(state, "step", 0.0);
-  s.has_momentum_buffer = Get<bool>(state, "has_momentum_buffer", false);
+  s.step = DictGet<double>(state, "step", 0.0);
+  s.has_momentum_buffer = DictGet<bool>(state, "has_momentum_buffer", false);
 
   std::vector<optim::StepRecord> records;
   records.reserve(steps.size());

@@ -8,28 +8,20 @@ parameter waits for that parameter's copy alone.
   with reference snapshots taken synchronously at step s), for every copy
   strategy and random in-flight limits and chunk sizes;
 * a real kill -9 at a random step, then a restart, finishes bit-identically
-  to an uninterrupted run. Every subprocess has a hard timeout.
+  to an uninterrupted run (crash_harness.py: every subprocess has a hard
+  timeout).
 """
-import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 import torch
 from conftest import needs_engine
-from safetensors.torch import load_file
 
+import crash_harness as ch
 import nonstop
 import tiny
-from nonstop import _state
 
-HERE = os.path.dirname(__file__)
-TIMEOUT = 120
 KILL_STEPS = 20
 
 
@@ -167,121 +159,25 @@ def test_every_tensor_of_a_checkpoint_holds_its_step_value(tmp_path, seed):
     assert checked >= 1
 
 
-CHILD = textwrap.dedent("""
-    import json, os, sys, time
-    import torch
-    sys.path.insert(0, {here!r})
-    import nonstop, tiny
-    from nonstop import _state
-
-    torch.set_num_threads(1)
-    d, steps, every, final, copy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    model, opt, sched = tiny.make()
-    train = {{"tokens": 0}}
-    start, ckpt = 0, None
-    if d != "-":
-        ckpt = nonstop.Checkpointer(d, {{"model": model, "optim": opt, "sched": sched, "train": train}},
-                                    every=every, mode="layerwise", copy=copy)
-        r = ckpt.restore()
-        start = 0 if r is None else r + 1
-        print(json.dumps({{"event": "start", "restored": r}}), flush=True)
-    for s in range(start, steps):
-        tiny.train_step(model, opt, sched, s)
-        train["tokens"] += 32
-        if ckpt is not None:
-            ckpt.step(s)
-        print(json.dumps({{"event": "step", "step": s}}), flush=True)
-        time.sleep(0.05)
-    if ckpt is not None:
-        ckpt.close()
-    tensors = {{}}
-    tree = {{"model": _state.flatten(model.state_dict(), "model", tensors),
-            "optim": _state.flatten(opt.state_dict(), "optim", tensors),
-            "sched": _state.flatten(sched.state_dict(), "sched", tensors), "train": train}}
-    from safetensors.torch import save_file
-    save_file({{k: v.contiguous() for k, v in tensors.items()}}, final + ".safetensors")
-    with open(final + ".json", "w") as f:
-        f.write(_state.dumps(tree))
-    print(json.dumps({{"event": "done"}}), flush=True)
-""")
-
-
-def run_child(script, args, kill_after_steps=None, kill_delay=0.0):
-    p = subprocess.Popen([sys.executable, script, *map(str, args)], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + TIMEOUT
-    events = []
-    try:
-        for line in p.stdout:
-            events.append(json.loads(line))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{args} ran past {TIMEOUT} s")
-            done = sum(e["event"] == "step" for e in events)
-            if kill_after_steps is not None and done == kill_after_steps:
-                if kill_delay:
-                    time.sleep(kill_delay)
-                p.send_signal(signal.SIGKILL)
-                break
-        rc = p.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if kill_after_steps is None:
-        assert rc == 0, f"{args} exited with {rc}"
-    else:
-        assert rc == -signal.SIGKILL
-    return events
-
-
 @pytest.fixture(scope="module")
-def child(tmp_path_factory):
-    path = tmp_path_factory.mktemp("child") / "layerwise_train.py"
-    path.write_text(CHILD.format(here=HERE))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def reference(child, tmp_path_factory):
+def reference(tmp_path_factory):
     """An uninterrupted run with a normal optimizer (no checkpointer)."""
-    final = str(tmp_path_factory.mktemp("ref") / "final")
-    run_child(child, ["-", KILL_STEPS, 1, final, "host"])
-    return final
+    return ch.reference(tmp_path_factory, KILL_STEPS)
 
 
 @needs_engine
 @pytest.mark.parametrize("seed", range(3))
-def test_layerwise_kill_at_random_step_then_resume_bit_identically(child, reference, tmp_path,
-                                                                    seed):
-    steps, ref = KILL_STEPS, reference
+def test_layerwise_kill_at_random_step_then_resume_bit_identically(reference, tmp_path, seed):
     rnd = random.Random(seed)
     every = rnd.choice([1, 3])
     copy = ["host", "direct", "device"][seed]
-    kill_after = rnd.randrange(every + 1, steps - 2)
+    kill_after = rnd.randrange(every + 1, KILL_STEPS - 2)
     d, final = str(tmp_path / "ck"), str(tmp_path / "final")
-    run_child(child, [d, steps, every, final, copy], kill_after_steps=kill_after,
-              kill_delay=rnd.choice([0.0, 0.003, 0.02]))
-    events = run_child(child, [d, steps, every, final, copy])
-    restored = events[0]["restored"]
+    restored = ch.kill_then_resume(d, KILL_STEPS, every, final, kill_after,
+                                   kill_delay=rnd.choice([0.0, 0.003, 0.02]), pace=0.05,
+                                   options={"mode": "layerwise", "copy": copy})
     assert restored is not None and restored < kill_after
-    ta, tb = load_file(ref + ".safetensors"), load_file(final + ".safetensors")
-    assert set(ta) == set(tb)
-    for k in ta:
-        assert torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8)), k
     # The rest equal as values: optimizer.state_dict()["state"] lists the
     # parameters in the order their state was created, which is backward
     # order under layerwise (load_state_dict does not depend on it).
-    with open(ref + ".json") as f1, open(final + ".json") as f2:
-        assert _unordered(_state.loads(f1.read())) == _unordered(_state.loads(f2.read()))
-
-
-def _unordered(tree):
-    """The tree with every {"__dict__": [[key, value], ...]} sorted by key."""
-    if isinstance(tree, list):
-        return [_unordered(v) for v in tree]
-    if isinstance(tree, dict):
-        if set(tree) == {"__dict__"} and isinstance(tree["__dict__"], list):
-            return {"__dict__": sorted(([repr(k), _unordered(v)] for k, v in tree["__dict__"]),
-                                       key=lambda kv: kv[0])}
-        return {k: _unordered(v) for k, v in tree.items()}
-    return tree
+    ch.assert_same_final(reference, final, ordered=False)

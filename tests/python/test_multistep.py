@@ -3,19 +3,13 @@ parts copied at different versions plus the gradients and hyperparameters of
 the steps in between. It must equal the true training state at its version
 bit for bit; a killed run resumed from it must finish bit-identically to an
 uninterrupted run; skipped (GradScaler overflow) steps must not be applied."""
-import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
-
 import pytest
 import torch
 from conftest import needs_engine
 
+import crash_harness as ch
 import nonstop
+from crash_harness import bits
 
 multistep_core = pytest.mark.skipif(
     nonstop._core is None or not hasattr(nonstop._core, "Multistep"),
@@ -64,11 +58,6 @@ def state_of(model, opt):
             if torch.is_tensor(v):
                 out[f"optim/state/{pid}/{k}"] = v.detach().clone()
     return out
-
-
-def bits(t):
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t
 
 
 def train(d, name, *, parts, overlap, every, steps, skip=(), scaler=False, zero_to_none=True):
@@ -196,89 +185,23 @@ def test_unsupported_optimizer_is_named(tmp_path):
 
 # ---- kill -9 and resume ------------------------------------------------------
 
-TRAIN_SCRIPT = textwrap.dedent("""
-    import json, sys, time
-    import torch
-    sys.path.insert(0, {here!r})
-    import nonstop, tiny
-    from nonstop import _multistep, _state
-    torch.set_num_threads(1)
-    _multistep.BLOCK_BYTES = 4096
-    d, steps, every, final = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    model, opt, sched = tiny.make()
-    train = {{"tokens": 0}}
-    start, ckpt = 0, None
-    if d != "-":
-        ckpt = nonstop.Checkpointer(d, {{"model": model, "optim": opt, "sched": sched,
-                                         "train": train}}, every=every, mode="multistep",
-                                    parts=4, medium="buffered")
-        r = ckpt.restore()
-        start = 0 if r is None else r + 1
-        print(json.dumps({{"event": "start", "restored": r}}), flush=True)
-    for s in range(start, steps):
-        tiny.train_step(model, opt, sched, s)
-        train["tokens"] += 32
-        if ckpt is not None:
-            ckpt.step(s)
-        print(json.dumps({{"event": "step", "step": s}}), flush=True)
-        time.sleep(0.03)
-    if ckpt is not None:
-        ckpt.close()
-    tensors = {{}}
-    tree = {{"model": _state.flatten(model.state_dict(), "model", tensors),
-             "optim": _state.flatten(opt.state_dict(), "optim", tensors),
-             "sched": _state.flatten(sched.state_dict(), "sched", tensors), "train": train}}
-    from safetensors.torch import save_file
-    save_file({{k: v.contiguous() for k, v in tensors.items()}}, final + ".safetensors")
-    open(final + ".json", "w").write(_state.dumps(tree))
-    print(json.dumps({{"event": "done"}}), flush=True)
-""")
-TIMEOUT = 120
+KILL_STEPS, KILL_EVERY = 26, 5
 
 
-def run_script(script, args, kill_after_steps=None):
-    p = subprocess.Popen([sys.executable, script, *map(str, args)], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + TIMEOUT
-    events = []
-    try:
-        for line in p.stdout:
-            ev = json.loads(line)
-            events.append(ev)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{args} ran past {TIMEOUT} s")
-            done = sum(e["event"] == "step" for e in events)
-            if kill_after_steps is not None and ev["event"] == "step" and done == kill_after_steps:
-                p.send_signal(signal.SIGKILL)
-                break
-        rc = p.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert rc == (0 if kill_after_steps is None else -signal.SIGKILL), rc
-    return events
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return ch.reference(tmp_path_factory, KILL_STEPS)
 
 
 @needs_engine
 @multistep_core
 @pytest.mark.parametrize("kill_after", [9, 14, 21])
-def test_kill_and_resume_is_bitwise_identical(tmp_path, kill_after):
-    from safetensors.torch import load_file
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN_SCRIPT.format(here=os.path.dirname(__file__)))
-    steps, every = 26, 5
-    ref = str(tmp_path / "ref")
-    run_script(script, ["-", steps, every, ref])
+def test_kill_and_resume_is_bitwise_identical(reference, tmp_path, kill_after):
     d, final = str(tmp_path / "ck"), str(tmp_path / "final")
-    run_script(script, [d, steps, every, final], kill_after_steps=kill_after)
-    events = run_script(script, [d, steps, every, final])
-    restored = events[0]["restored"]
+    restored = ch.kill_then_resume(d, KILL_STEPS, KILL_EVERY, final, kill_after, pace=0.03,
+                                   options={"mode": "multistep", "parts": 4,
+                                            "medium": "buffered", "block_bytes": 4096})
     # Checkpoints due after steps 4, 9, 14, ... land at versions 7, 12, 17, ...
-    assert restored is None or (restored - 7) % every == 0
+    assert restored is None or (restored - 7) % KILL_EVERY == 0
     assert restored is None or restored < kill_after
-    ta, tb = load_file(ref + ".safetensors"), load_file(final + ".safetensors")
-    assert set(ta) == set(tb)
-    for k in ta:
-        assert torch.equal(bits(ta[k]), bits(tb[k])), k
-    assert open(ref + ".json").read() == open(final + ".json").read()
+    ch.assert_same_final(reference, final)

@@ -1,0 +1,128 @@
+"""The crash tests' harness: run killable_train.py (a tiny training job that
+restores from its checkpoint directory and writes its final state), SIGKILL
+it after a chosen step, run it again to the end, and compare its final state
+bit for bit with an uninterrupted run's. Every child runs under a hard
+timeout: a watchdog kills it, silent or not."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from nonstop import _state
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "killable_train.py")
+TIMEOUT = 120  # seconds, per child
+
+
+def run(ckpt_dir, steps, every, final, *, options=None, pace=0.0, kill_after_steps=None,
+        kill_delay=0.0):
+    """Runs killable_train.py (`ckpt_dir` "-": no checkpointer). `options`
+    ({"mode": "layerwise", "copy": "host", ...}) become its --flags. With
+    `kill_after_steps`, SIGKILLs it `kill_delay` seconds after it reported
+    that many steps. Asserts how it ended; returns its JSON lines."""
+    args = [ckpt_dir, steps, every, final, pace]
+    for k, v in (options or {}).items():
+        args += [f"--{k.replace('_', '-')}", v]
+    p = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        p.kill()
+
+    watchdog = threading.Timer(TIMEOUT, expire)
+    watchdog.start()
+    events = []
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            events.append(ev)
+            done = sum(e["event"] == "step" for e in events)
+            if kill_after_steps is not None and ev["event"] == "step" and done == kill_after_steps:
+                if kill_delay:
+                    time.sleep(kill_delay)
+                p.send_signal(signal.SIGKILL)
+                break
+        rc = p.wait(timeout=TIMEOUT)
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if expired.is_set():
+        raise TimeoutError(f"{args} ran past {TIMEOUT} s")
+    if kill_after_steps is None:
+        assert rc == 0, f"{args} exited with {rc}"
+    else:
+        assert rc == -signal.SIGKILL, f"{args} exited with {rc} before the kill"
+    return events
+
+
+def kill_then_resume(ckpt_dir, steps, every, final, kill_after_steps, *, kill_delay=0.0,
+                     pace=0.0, options=None):
+    """Kills a run after `kill_after_steps` steps (see run()), then runs it
+    again to the end; returns the step the second run restored (or None)."""
+    run(ckpt_dir, steps, every, final, options=options, pace=pace,
+        kill_after_steps=kill_after_steps, kill_delay=kill_delay)
+    return resume(ckpt_dir, steps, every, final, options=options)
+
+
+def resume(ckpt_dir, steps, every, final, *, options=None):
+    """Runs to the end from what `ckpt_dir` holds; returns the restored step."""
+    events = run(ckpt_dir, steps, every, final, options=options)
+    assert events[0]["event"] == "start", events[0]
+    return events[0]["restored"]
+
+
+_references = {}
+
+
+def reference(tmp_path_factory, steps):
+    """The final state of an uninterrupted run of `steps` steps without a
+    checkpointer, made once per session."""
+    if steps not in _references:
+        final = str(tmp_path_factory.mktemp(f"ref{steps}") / "final")
+        run("-", steps, 1, final)
+        _references[steps] = final
+    return _references[steps]
+
+
+def bits(t):
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def assert_same_final(a, b, *, ordered=True):
+    """Final states `a` and `b` (paths without extension) hold the same
+    tensors bit for bit and the same JSON: text-identical when `ordered`,
+    else equal as values with every dict's key order ignored (layer-wise
+    training creates optimizer state in backward order)."""
+    ta, tb = load_file(a + ".safetensors"), load_file(b + ".safetensors")
+    assert set(ta) == set(tb)
+    for k in ta:
+        assert torch.equal(bits(ta[k]), bits(tb[k])), k
+    with open(a + ".json") as f1, open(b + ".json") as f2:
+        ja, jb = f1.read(), f2.read()
+    if ordered:
+        assert ja == jb
+    else:
+        assert _unordered(_state.loads(ja)) == _unordered(_state.loads(jb))
+
+
+def _unordered(tree):
+    """The tree with every {"__dict__": [[key, value], ...]} sorted by key."""
+    if isinstance(tree, list):
+        return [_unordered(v) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {"__dict__"} and isinstance(tree["__dict__"], list):
+            return {"__dict__": sorted(([repr(k), _unordered(v)] for k, v in tree["__dict__"]),
+                                       key=lambda kv: kv[0])}
+        return {k: _unordered(v) for k, v in tree.items()}
+    return tree

@@ -30,6 +30,7 @@ flat element offset), and nothing else is invented:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -38,11 +39,10 @@ from .errors import CheckpointMismatchError, IncompatibleCheckpointError
 
 
 def _dtensor_cls():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed, or too old for DTensor
-        return None
-    return DTensor
+    """The DTensor class, or None while torch.distributed.tensor has not been
+    imported (then no DTensor exists; importing it here would cost seconds)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None)
 
 
 def is_dtensor(t) -> bool:
@@ -152,9 +152,9 @@ def fsdp_buffers(state: dict) -> set:
     modules in the state. fully_shard neither shards nor synchronises
     buffers, so each rank's are its own: each rank writes and restores its
     own, whole."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
+    # Not imported: no FSDP2 module exists (and importing it costs seconds).
+    FSDPModule = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if FSDPModule is None:
         return set()
     names = set()
     for key, obj in state.items():

@@ -6,10 +6,13 @@
 // `none` baseline runs at the start and at the end of every round so its
 // drift is printed next to the ratios.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -392,11 +395,61 @@ int RunOverhead(const OverheadArgs& a) {
   return 0;
 }
 
+// `nonstop bench [--quick] [suite options]` without a subcommand: the whole
+// comparison matrix, bench/suite.py (it needs torch and matplotlib).
+// Replaces this process with `PY SUITE [--quick] [options...]`: PY is
+// $NONSTOP_PYTHON, else the `python` next to this executable (a virtual
+// environment's bin/), else python3; SUITE is $NONSTOP_SOURCE/bench/suite.py,
+// else ./bench/suite.py. docs/BENCHMARKS.md.
+[[noreturn]] void RunSuite(bool quick, const std::vector<std::string>& extra) {
+  std::string python = "python3";
+  if (const char* env = std::getenv("NONSTOP_PYTHON"); env != nullptr && *env != '\0') {
+    python = env;
+  } else {
+    std::error_code ec;
+    const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+    const fs::path sibling = self.parent_path() / "python";
+    if (!ec && ::access(sibling.c_str(), X_OK) == 0) python = sibling.string();
+  }
+  const char* src = std::getenv("NONSTOP_SOURCE");
+  const fs::path suite =
+      fs::path(src != nullptr && *src != '\0' ? src : ".") / "bench" / "suite.py";
+  if (!fs::exists(suite)) {
+    std::fprintf(stderr,
+                 "nonstop bench: %s not found; run it from the repository root or set "
+                 "NONSTOP_SOURCE (or use `nonstop bench storage|overhead`)\n",
+                 suite.c_str());
+    std::exit(2);
+  }
+  std::vector<std::string> argv = {python, suite.string()};
+  if (quick) argv.emplace_back("--quick");
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  ::execvp(cargv[0], cargv.data());
+  std::fprintf(stderr, "nonstop bench: cannot run %s: %s (set NONSTOP_PYTHON to a python with "
+               "torch)\n", python.c_str(), std::strerror(errno));
+  std::exit(2);
+}
+
 }  // namespace
 
 void AddBenchCommands(CLI::App& app) {
-  CLI::App* bench = app.add_subcommand("bench", "measure checkpoint bandwidth and training overhead");
-  bench->require_subcommand(1);
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "measure checkpoint bandwidth and training overhead; without a subcommand: the whole "
+      "benchmark suite (bench/suite.py, --quick < 5 min; other options pass through)");
+  bench->require_subcommand(0, 1);
+  auto quick = std::make_shared<bool>(false);
+  bench->add_flag("--quick", *quick, "the suite's < 5 minute plan");
+  bench->final_callback([bench, quick] {
+    if (bench->get_subcommands().empty()) RunSuite(*quick, bench->remaining());
+    if (!bench->remaining().empty()) {
+      throw CLI::ExtrasError("bench " + bench->get_subcommands()[0]->get_name(),
+                             bench->remaining());
+    }
+  });
 
   auto sa = std::make_shared<StorageArgs>();
   CLI::App* storage = bench->add_subcommand(
@@ -436,6 +489,9 @@ void AddBenchCommands(CLI::App& app) {
   overhead->callback([oa] {
     if (int rc = RunOverhead(*oa); rc != 0) throw CLI::RuntimeError(rc);
   });
+  // Only now: subcommands created after allow_extras() would inherit it and
+  // take unknown options silently.
+  bench->allow_extras();
 }
 
 }  // namespace nonstop::cli

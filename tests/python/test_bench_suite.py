@@ -70,3 +70,46 @@ def test_combine_rounds_takes_median_and_spread_of_per_round_ratios():
     assert r["relative_spread"] == pytest.approx(0.2)
     assert r["stall_ms_mean"] == pytest.approx(5.0)
     assert r["rounds"] == 3
+
+
+def _cli():
+    """$NONSTOP_CLI, else the `nonstop` next to this Python, else None."""
+    for c in (os.environ.get("NONSTOP_CLI", ""),
+              os.path.join(os.path.dirname(sys.executable), "nonstop")):
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def _cli_runs_the_suite(cli) -> bool:
+    import subprocess
+    out = subprocess.run([cli, "bench", "--help"], capture_output=True, text=True, timeout=30)
+    return "--quick" in out.stdout
+
+
+def test_nonstop_bench_without_subcommand_runs_the_suite(tmp_path):
+    """`nonstop bench --quick ...` execs `PY SUITE --quick ...`, PY and SUITE
+    from $NONSTOP_PYTHON and $NONSTOP_SOURCE (here: a stub suite that
+    records its arguments)."""
+    import subprocess
+    cli = _cli()
+    if cli is None or not _cli_runs_the_suite(cli):
+        pytest.skip("this nonstop CLI predates `nonstop bench --quick` (set NONSTOP_CLI)")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "suite.py").write_text(
+        "import json, sys\nprint(json.dumps(sys.argv[1:]))\nsys.exit(3)\n")
+    env = dict(os.environ, NONSTOP_SOURCE=str(tmp_path), NONSTOP_PYTHON=sys.executable)
+    out = subprocess.run([cli, "bench", "--quick", "--only", "tune,report"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout.strip() == '["--quick", "--only", "tune,report"]'
+    # No suite there: a clear one-line error, not a crash.
+    env["NONSTOP_SOURCE"] = str(tmp_path / "nowhere")
+    out = subprocess.run([cli, "bench"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "bench/suite.py not found" in out.stderr
+    # A subcommand still refuses options it does not know.
+    out = subprocess.run([cli, "bench", "storage", "--dir", str(tmp_path), "--size", "1048576",
+                          "--repeat", "1", "--bogus"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0

@@ -340,7 +340,10 @@ def stage_torch(args, plan, out: dict) -> None:
         cmd = [sys.executable, os.path.join(HERE, "suite_torch.py"), "--model", model,
                "--intervals", *map(str, intervals), "--steps", str(steps), "--none-steps",
                str(none_steps), "--min-ckpts", "1", "--rounds", str(rounds), "--budget-s",
-               f"{budget:.0f}", "--dir", os.path.join(args.dir, "torch"), "--json", path]
+               f"{budget:.0f}", "--dir", os.path.join(args.dir, "torch"), "--json", path,
+               # The same budget counted from now: torch's import and the model's
+               # set-up count too; a few seconds kept for writing the JSON.
+               "--deadline", f"{time.time() + budget - 3:.1f}"]
         if shape:
             cmd += ["--batch", str(shape[0]), "--seq", str(shape[1])]
         if parts:

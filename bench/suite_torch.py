@@ -100,6 +100,9 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=0,
                    help="start no run predicted to end after this many seconds (0: none); "
                         "the JSON then holds the runs that fitted and says where it stopped")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="like --budget-s, as a time.time() value (the caller's budget, "
+                        "counting this process's start-up)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-in-flight", type=int, default=2)
     p.add_argument("--parts", type=int, default=0,
@@ -112,6 +115,9 @@ def main() -> int:
     args = p.parse_args()
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s if args.budget_s > 0 else None
+    if args.deadline > 0:
+        d = t_start + (args.deadline - time.time())
+        deadline = d if deadline is None else min(deadline, d)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=r".*(overwrit|torch\.distributed is disabled)")
     args.nonstop_opts = {"max_in_flight": args.max_in_flight}

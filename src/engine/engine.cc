@@ -232,6 +232,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<TaskPool> writers_;
   std::string medium_desc_;
   std::string staging_note_;  // GUARDED_BY(mu_): the last cap note printed
+  double staging_wait_s_before_ = 0;  // GUARDED_BY(mu_): waits in pools GrowStaging replaced
   uint64_t chunk_bytes_ = 0;
   uint32_t min_chunks_ = 1;
   int window_ = 2;  // chunks the dispatcher keeps copying ahead of the writers
@@ -449,6 +450,7 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex
                  grown.status().ToString().c_str());
     return Status::OK();
   }
+  staging_wait_s_before_ += staging_->wait_s_total();
   staging_ = std::move(grown).value();
   stats_.staging_bytes = staging_->total_bytes();
   return Status::OK();
@@ -1112,7 +1114,7 @@ EngineStats EngineImpl::Stats() {
   EngineStats s = stats_;
   s.in_flight = in_flight_;
   s.medium = medium_desc_;
-  s.staging_wait_s_total = staging_ ? staging_->wait_s_total() : 0;
+  s.staging_wait_s_total = staging_wait_s_before_ + (staging_ ? staging_->wait_s_total() : 0);
   return s;
 }
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import platform
 import shutil

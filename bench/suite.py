@@ -81,8 +81,8 @@ PLANS = {
                             ([100], 200, [1, 2, 3, 4])],
         "overhead_rounds": 2,
         "verify_steps": 0, "verify_rounds": 2,   # 0: max(60, 3 f*)
-        # The ~100M model: batch 4 x seq 32 keeps a step near 2-3 s on an idle
-        # core (7-8 s at load 11; the checkpointed state, 1.17 GB of fp32
+        # The ~100M model: batch 4 x seq 32 keeps a step short (6-9 s
+        # measured at load 10-16; the checkpointed state, 1.17 GB of fp32
         # weights and AdamW moments, does not depend on the batch); intervals
         # 1 and 4 are measured, longer ones only through the simulator.
         # multistep on 100M with K = 3 parts (its default 7 needs a warm-up

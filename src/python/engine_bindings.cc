@@ -349,7 +349,7 @@ void InitEngine(py::module_& m) {
                   int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
                   const std::string& medium, uint32_t extra_slots, const std::string& layer_copy,
                   bool global_agreement, uint64_t keep_every) {
-        LayerCopy copy;
+        LayerCopy copy = LayerCopy::kHost;
         if (!ParseLayerCopy(layer_copy, &copy)) {
           throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
                                                     "'; use host, direct or device"));

@@ -783,7 +783,6 @@ def reshard(archive: str, old_world: int, rank: int, world: int, step: Optional[
     The step is the newest one committed on every old file (the old job's
     globally committed step) that verifies everywhere; each rank reads what
     it needs from every old file, so any rank failing makes all fall back."""
-    from . import _state
     err, readers, order, per = None, [], [], []
     try:
         readers = _open_old(archive, old_world, world)
@@ -831,7 +830,7 @@ def reshard(archive: str, old_world: int, rank: int, world: int, step: Optional[
 
 
 def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world, key, state):
-    from . import _state
+    """(tensors, meta) of one step of the old files, for new rank `rank`."""
     if old_world != world and doc.get("local"):
         raise IncompatibleCheckpointError(
             f"cannot reshard {archive} (world size {old_world}) to world size {world}: state "

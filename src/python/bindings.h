@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -53,6 +54,13 @@ template <typename T>
 T DictGet(const pybind11::dict& d, const char* key, T fallback) {
   if (!d.contains(key) || d[key].is_none()) return fallback;
   return d[key].cast<T>();
+}
+
+// (counter, step) of a committed checkpoint, as latest() and candidate() return it.
+inline std::optional<std::pair<uint64_t, int64_t>> CounterAndStep(
+    const std::optional<CommittedCheckpoint>& c) {
+  if (!c) return std::nullopt;
+  return std::make_pair(c->counter, c->step);
 }
 
 // The EngineOptions that nonstop._core.Engine and Multistep both take as

@@ -190,13 +190,8 @@ class PyEngine {
     Check(Get().EndCheckpoint(counter, step, std::move(meta_json)));
   }
   std::optional<std::pair<uint64_t, int64_t>> Latest() {
-    std::optional<CommittedCheckpoint> c;
-    {
-      py::gil_scoped_release release;
-      c = Get().Latest();
-    }
-    if (!c) return std::nullopt;
-    return std::make_pair(c->counter, c->step);
+    py::gil_scoped_release release;
+    return CounterAndStep(Get().Latest());
   }
   py::dict Restore(std::optional<int64_t> step) {
     Result<CheckpointInfo> r = Status::Internal("unset");
@@ -216,13 +211,8 @@ class PyEngine {
     Check(Get().Pin(counter));
   }
   std::optional<std::pair<uint64_t, int64_t>> Candidate() {
-    std::optional<CommittedCheckpoint> c;
-    {
-      py::gil_scoped_release release;
-      c = Get().Candidate();
-    }
-    if (!c) return std::nullopt;
-    return std::make_pair(c->counter, c->step);
+    py::gil_scoped_release release;
+    return CounterAndStep(Get().Candidate());
   }
   void DropCandidate(uint64_t counter) {
     py::gil_scoped_release release;

@@ -189,13 +189,8 @@ class PyMultistep {
   }
 
   std::optional<std::pair<uint64_t, int64_t>> Latest() {
-    std::optional<CommittedCheckpoint> c;
-    {
-      py::gil_scoped_release release;
-      c = Get().Latest();
-    }
-    if (!c) return std::nullopt;
-    return std::make_pair(c->counter, c->step);
+    py::gil_scoped_release release;
+    return CounterAndStep(Get().Latest());
   }
 
   py::dict Stats() {

@@ -105,7 +105,8 @@ class Layerwise:
         self.next_step = 0           # the step the next backward belongs to
         self.counter: Optional[int] = None  # open layer-wise checkpoint
         self._decided = False        # whether this step's checkpoint was decided
-        self._plan: Optional[tuple] = None  # prepared (signature, groups) for the next one
+        # Prepared for the next checkpoint: (signature, groups, the registered refs).
+        self._plan: Optional[tuple] = None
         self._keep: dict = {}        # the registered tensors, kept alive while registered
         self._ptrs: dict = {}        # name -> data_ptr of the state's tensors when registered
         self._groups: dict = {}      # param -> engine tensor indices (this rank's pieces)
@@ -332,6 +333,10 @@ class Layerwise:
             for key, obj in ck.state.items():
                 _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
                                tensors, f"state[{key!r}]")
+        if (self._plan is not None and ck._registered is self._plan[2] and not ck._snapshots
+                and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
+                and self._plan[0] == self._signature()):
+            return  # nothing moved (the usual case): the registration and the groups hold
         refs, layouts, pieces = self._refs(tensors)
         if refs != ck._registered:
             if layouts is None:
@@ -349,7 +354,7 @@ class Layerwise:
         for p, (opt, _, _) in self._subs.items():
             ts = [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
             groups[p] = [i for t in ts for i in index.get(t.data_ptr(), ())]
-        self._plan = (self._signature(), groups)
+        self._plan = (self._signature(), groups, ck._registered)
 
     def _refs(self, tensors: dict) -> tuple:
         """(engine refs, layouts or None, the tensors registered) for the
@@ -368,7 +373,9 @@ class Layerwise:
         s = self.next_step
         if (s + 1) % self.ckpt.every != 0 or not self._complete():
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
-        if self._plan is None or self._plan[0] != self._signature():
+        if (self._plan is None or self._plan[0] != self._signature()
+                or self.ckpt._registered is not self._plan[2]):
+            self._plan = None
             self._prepare(engine)
         self._groups = self._plan[1]
         self.counter = engine.begin_checkpoint(int(s))

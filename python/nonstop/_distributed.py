@@ -384,9 +384,10 @@ class Distributed:
             if w is not None and w != self.world:
                 raise IncompatibleCheckpointError(
                     f"{self.dir} was written by a job of world size {w}; this job has world size "
-                    f"{self.world}: resharding is not supported; restart with world size {w}, or "
-                    f"reshard through DCP (nonstop export --format dcp, then "
-                    f"torch.distributed.checkpoint.load)")
+                    f"{self.world} and the old rank files were not set aside for resharding: "
+                    f"open the directory with nonstop.Checkpointer (it moves them to world-{w}/ "
+                    f"and restore() reshards), restart with world size {w}, or reshard through "
+                    f"DCP (nonstop export --format dcp)")
         check_world(self.dir)
         metas = {}
         if reader is not None:

@@ -400,18 +400,29 @@ Status EngineImpl::WaitAllFinished(std::unique_lock<std::mutex>& lock) {
   return Status::OK();
 }
 
-// Creates a new slot file with slot_bytes per slot. With keep_old the new file
-// lives at TempPath() until its first commit renames it over the old one, so
-// a committed checkpoint exists at every instant. Called with nothing in flight.
+// Creates a new slot file with slot_bytes per slot, always at TempPath()
+// first: a crash while the header is written never leaves a torn file at
+// FinalPath() (Init removes a stale temp file). With keep_old the new file
+// stays there until its first commit renames it over the old one, so a
+// committed checkpoint exists at every instant; without, nothing committed
+// is lost by renaming it over at once. Called with nothing in flight.
 Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
-  const std::string path = keep_old ? TempPath() : FinalPath();
-  NONSTOP_ASSIGN_OR_RETURN(auto medium, media_.open(path, true));
+  NONSTOP_ASSIGN_OR_RETURN(auto medium, media_.open(TempPath(), true));
   StoreGeometry g;
   g.slots = WantedSlots();
   g.slot_bytes = slot_bytes;
   g.rank = opts_.rank;
   g.world_size = opts_.world_size;
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf, SlotFile::Create(std::move(medium), g));
+  Result<std::unique_ptr<SlotFile>> created = SlotFile::Create(std::move(medium), g);
+  if (created.ok() && !keep_old) {
+    if (Status rs = media_.rename(TempPath(), FinalPath()); !rs.ok()) created = rs;
+  }
+  if (!created.ok()) {
+    std::error_code ec;
+    fs::remove(TempPath(), ec);  // best effort: Init removes it too
+    return created.status();
+  }
+  std::unique_ptr<SlotFile> sf = std::move(created).value();
   medium_desc_ = sf->medium().Describe();
   free_slots_ = std::make_unique<SlotQueue>(g.slots);
   for (uint32_t s = 0; s < g.slots; ++s) free_slots_->Push(s);

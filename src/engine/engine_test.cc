@@ -13,6 +13,7 @@
 
 #include "engine/engine_internal.h"
 #include "media/fault_medium.h"
+#include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
 
 namespace nonstop {
@@ -322,6 +323,46 @@ TEST_F(EngineTest, BackgroundErrorReachesTheNextCall) {
 
 // Sleeps before every write, so checkpoints stay in flight long enough to be
 // abandoned, and counts the writes.
+// A medium whose header write (offset 0) fails: the process dying while the
+// engine creates its slot file, before the header is durable.
+class HeaderWriteFails final : public media::MediumWrapper {
+ public:
+  using MediumWrapper::MediumWrapper;
+  Status Write(uint64_t offset, const void* buf, size_t n) override {
+    if (offset == 0) return Status::IOError("header write: injected EIO");
+    return MediumWrapper::Write(offset, buf, n);
+  }
+};
+
+TEST_F(EngineTest, ATornSlotFileCreationNeverBlocksTheNextStart) {
+  EngineMedia files = FileMedia(MediumKind::kBuffered);
+  EngineMedia failing = files;
+  failing.open = [files](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, files.open(path, create));
+    if (!create) return m;
+    return std::unique_ptr<Medium>(std::make_unique<HeaderWriteFails>(std::move(m)));
+  };
+  auto t = MakeTensor("t", 5000);
+  {
+    auto engine = std::move(OpenEngine(Options(), failing)).value();
+    EXPECT_FALSE(engine->Register({t.Ref()}).ok());
+  }
+  // Nothing torn at the final name: the file is created under a temp name.
+  EXPECT_FALSE(fs::exists(dir_ / SlotFileName(0)));
+  EXPECT_FALSE(fs::exists(dir_ / (SlotFileName(0) + ".tmp")));
+  // A temp file left by a process killed mid-creation is removed at start.
+  std::ofstream(dir_ / (SlotFileName(0) + ".tmp")) << "torn";
+  auto engine = Engine::Open(Options());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_TRUE((*engine)->Register({t.Ref()}).ok());
+  t.Fill(4, 0);
+  auto c = (*engine)->Checkpoint(4, "");
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*engine)->WaitCommitted(*c).ok());
+  EXPECT_FALSE(fs::exists(dir_ / (SlotFileName(0) + ".tmp")));
+  EXPECT_EQ((*engine)->Latest()->step, 4);
+}
+
 class SlowMedium final : public Medium {
  public:
   SlowMedium(std::unique_ptr<Medium> inner, std::shared_ptr<std::atomic<int>> writes)

@@ -57,9 +57,11 @@ def check_directory(path: str, rank: int, world_size: Optional[int], must_exist:
     names = sorted(os.listdir(path))
     ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, names) if m)
     if not ranks:
-        # world-W/: rank files of another world size, set aside for resharding
+        # world-W/: rank files of another world size, set aside for resharding;
+        # rank-R.nsck.tmp: a slot file being created (a kill left it; the
+        # engine deletes it on open)
         others = [n for n in names if not n.startswith(".")
-                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json)$", n)]
+                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp)$", n)]
         if others:
             shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
             raise IncompatibleCheckpointError(

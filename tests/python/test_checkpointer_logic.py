@@ -178,6 +178,21 @@ def test_missing_and_foreign_directories(core, tmp_path):
         nonstop.load(str(tmp_path / "empty"))
 
 
+def test_a_slot_file_killed_while_being_created_is_not_foreign(core, tmp_path):
+    # A process killed while its engine created the first slot file leaves
+    # rank-00000.nsck.tmp (the engine renames it into place once its header
+    # is durable, and deletes a stale one on open): the restart starts fresh.
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "rank-00000.nsck.tmp").write_bytes(b"")
+    model = tiny.TinyNet()
+    with nonstop.Checkpointer(str(d), {"model": model}, every=1) as ck:
+        assert ck.restore() is None
+        ck.step(0)
+        ck.wait()
+    assert nonstop.load(str(d)).step == 0
+
+
 def test_other_world_size(core, tmp_path):
     d = saved_dir(tmp_path)
     open(os.path.join(d, "rank-00003.nsck"), "w").close()

@@ -371,7 +371,7 @@ class Distributed:
     def recover(self, reader_factory, step: Optional[int], check_world) -> Optional[tuple]:
         """(info, tensors, meta) of the agreed checkpoint of this rank; see load()."""
         dist = torch.distributed
-        mine = []  # (step, lineage, index) committed in this rank's file
+        mine = []  # (step, lineage) committed in this rank's file
         reader, geometry = None, None
         path = os.path.join(self.dir, f"rank-{self.rank:05d}.nsck")
         if os.path.exists(path):
@@ -389,19 +389,8 @@ class Distributed:
                     f"and restore() reshards), restart with world size {w}, or reshard through "
                     f"DCP (nonstop export --format dcp)")
         check_world(self.dir)
-        metas = {}
-        if reader is not None:
-            from ._state import loads
-            for i, c in enumerate(reader.checkpoints):
-                if not c["committed"]:
-                    continue
-                try:
-                    meta = loads(c["meta_json"].decode("utf-8"))
-                except ValueError:
-                    continue
-                d = meta.get("dist", {}) if isinstance(meta, dict) else {}
-                mine.append((int(c["step"]), int(d.get("lineage", 0))))
-                metas[(int(c["step"]), int(d.get("lineage", 0)))] = (i, meta)
+        metas = _committed(reader) if reader is not None else {}
+        mine.extend(metas)
         every = [None] * self.world
         dist.all_gather_object(every, sorted(set(mine), reverse=True), group=self.group)
         common = set(every[0])

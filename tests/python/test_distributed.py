@@ -72,6 +72,17 @@ def kill_and_resume(tmp_path, world, kind, kill_rank, extra=(), ref_extra=()):
     return d, out, ref, ref_dir, ref_res
 
 
+
+def corrupt_newest(nonstop, d, rank, step):
+    """Flips one data byte of `rank`'s newest checkpoint (which must be `step`)."""
+    c = nonstop.load(d, rank=rank)
+    assert c.step == step
+    with open(c.path, "r+b") as f:
+        f.seek(c.info["data_offset"] + 8)
+        b = f.read(1)
+        f.seek(c.info["data_offset"] + 8)
+        f.write(bytes([b[0] ^ 0xFF]))
+
 def test_ddp_two_ranks_kill_resume_slow_rank_corrupt_and_dcp(tmp_path):
     # The reference run is also the slow-rank run: rank 1's commits reach the
     # agreement 1 s late (its training is untouched, so it is a valid reference).
@@ -89,13 +100,7 @@ def test_ddp_two_ranks_kill_resume_slow_rank_corrupt_and_dcp(tmp_path):
 
     # Corrupt rank 1's newest checkpoint: both ranks fall back to step 8.
     import nonstop
-    c = nonstop.load(d, rank=1)
-    assert c.step == 11
-    with open(c.path, "r+b") as f:
-        f.seek(c.info["data_offset"] + 8)
-        b = f.read(1)
-        f.seek(c.info["data_offset"] + 8)
-        f.write(bytes([b[0] ^ 0xFF]))
+    corrupt_newest(nonstop, d, rank=1, step=11)
     again = launch(2, d, "ddp", out)
     check_ok(again)
     assert starts(again) == [8, 8]
@@ -274,13 +279,7 @@ def test_reshard_ddp_2_to_4_to_2_and_to_one_process(tmp_path):
     restore_one_process(one, saved)
     # Old rank 1's newest checkpoint damaged: the one process falls back to step 8.
     import nonstop
-    c = nonstop.load(bad, rank=1)
-    assert c.step == 11
-    with open(c.path, "r+b") as f:
-        f.seek(c.info["data_offset"] + 8)
-        b = f.read(1)
-        f.seek(c.info["data_offset"] + 8)
-        f.write(bytes([b[0] ^ 0xFF]))
+    corrupt_newest(nonstop, bad, rank=1, step=11)
     restore_one_process(bad, saved, expect=8)
     # An old rank file that is not there: refused, naming both sizes and the file.
     os.remove(os.path.join(miss, "rank-00001.nsck"))

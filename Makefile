@@ -5,6 +5,10 @@ SHELL := /bin/bash
 
 PY        := .venv/bin/python
 PIP       := .venv/bin/pip
+# The frameworks nonstop integrates with (nonstop.lightning, nonstop.hf,
+# Accelerate, torchdata's StatefulDataLoader), pinned; all four work with
+# torch 2.13.0, which constraints.txt holds in place.
+INTEGRATIONS := lightning==2.6.6 transformers==5.23.0 accelerate==1.15.0 torchdata==0.11.0
 JOBS      ?= $(shell nproc)
 APT_PKGS  := g++ cmake ninja-build pkg-config liburing-dev libisal-dev libpmem2-dev \
              nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
@@ -26,18 +30,19 @@ deps:
 	fi
 
 # The virtual environment with torch (CPU wheel 2.13.0) and the test tools.
-.venv/.ready: pyproject.toml
+.venv/.ready: pyproject.toml constraints.txt
 	@command -v python3 >/dev/null || { echo "python3 is required"; exit 1; }
 	@[ -x $(PY) ] || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "torch==2.13.0" numpy pytest pytest-timeout hypothesis safetensors matplotlib tqdm \
+	$(PIP) install -c constraints.txt -q "torch==2.13.0" numpy pytest pytest-timeout hypothesis safetensors matplotlib tqdm \
 	    scikit-build-core pybind11 ninja cmake
+	$(PIP) install -c constraints.txt -q $(INTEGRATIONS)
 	touch $@
 venv: deps .venv/.ready
 
 # Editable install: `import nonstop` and .venv/bin/nonstop.
 build: venv
-	$(PIP) install -q --no-build-isolation -e .
+	$(PIP) install -c constraints.txt -q --no-build-isolation -e .
 	@$(PY) -c "import nonstop; print('nonstop', nonstop.__version__, 'ready:', nonstop.build_info())"
 
 # The C++ build with tests (separate from the Python extension's build dir).

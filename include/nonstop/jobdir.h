@@ -1,0 +1,235 @@
+// JobDir: the only owner of a job directory (docs/FORMAT.md "The job
+// directory", docs/ARCHITECTURE.md "Job directory"). Nothing else in nonstop
+// spells a file name of the directory, takes its lock, chooses which
+// checkpoint to recover, records lineage, sets rank files aside or makes keep
+// copies. Every file operation goes through the Env (env.h).
+//
+// Layout of DIR (all names come from the functions below):
+//   .nonstop.lock                      rank 0's writer lock (the job's lock)
+//   .nonstop.rank-RRRRR.lock           rank R's writer lock (R > 0)
+//   rank-RRRRR.nsck                    rank R's slot file (store.h)
+//   rank-RRRRR.nsck.tmp                a slot file being created or resized
+//   lineage-rank-RRRRR.json            rank R's lineage record (abandoned counters)
+//   agreed-rank-RRRRR.json             rank R's last globally agreed checkpoint
+//   keep/step-NNNNNNNNNNNN/rank-RRRRR.nsck   a kept copy (one-slot file)
+//   world-W/                           rank files of a job of world size W, set aside
+//
+// Writers and readers:
+//   - OpenForWrite(rank R) takes R's lock (a second writer of the same rank
+//     gets FailedPrecondition naming the lock file and the holder's line
+//     "pid P on host H (started <UTC>)"), removes R's leftovers (stale temp
+//     slot file, keep/*/rank-R.nsck.tmp, R's empty half-made keep dirs) and
+//     redoes every keep copy a kill interrupted while its source checkpoint is
+//     still committed in R's slot file. The lock is held until the JobDir is
+//     destroyed.
+//   - OpenForRead takes no lock and changes nothing. Its selections never
+//     report a live writer's reused slot as damage: when a checkpoint fails to
+//     verify and the file has committed a newer checkpoint since the scan
+//     began, the selection rescans and retries.
+//
+// Lineage (invariant 9): RecordRestore(rank, C) durably records that counters
+// above C, up to the newest counter present in rank R's files, are abandoned.
+// Every selection skips abandoned counters forever (a rollback is final).
+// NextCounter() is above every abandoned counter: a writer must number new
+// checkpoints from it. ProtectedCounter() is C until a newer checkpoint of the
+// new lineage commits: the engine keeps C's slot until then.
+//
+// Python (src/python/jobdir_bindings.cc, module nonstop._core):
+//   JobDir.open_for_write(path, rank=0, world_size=1) / JobDir.open_for_read(path)
+//   jd.select(rank=0, step=None, verify_data=True) -> dict(step, counter, where,
+//       slot, skipped=[...]) or None when no checkpoint file exists
+//   jd.select_common(world_size, step=None, set_aside_world=None) -> dict(step,
+//       counters=[...], wheres=[...], skipped=[...]); raises when none is common
+//   jd.list(rank=0) -> [dict(step, counter, where, state, reason)]
+//   jd.record_restore(rank, counter), jd.lineage(rank) -> dict, jd.next_counter(rank)
+//   jd.needs_set_aside(world_size), jd.set_aside(world_size) -> [W...],
+//   jd.set_aside_worlds() -> [W...]
+//   jd.write_agreed(dict), jd.read_agreed(rank) -> dict or None
+//   jd.slot_path(rank), jd.path, jd.foreign_entries()
+// Errors map to nonstop.errors through the StatusError translator.
+//
+// Thread safety: a JobDir may be used from several threads; Keep() and the
+// selections of different ranks may run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nonstop/env.h"
+#include "nonstop/medium.h"
+#include "nonstop/status.h"
+#include "nonstop/store.h"
+
+namespace nonstop {
+
+// ---- Names (the only place they are spelled) ----
+struct JobDirNames {
+  static std::string Slot(int rank);           // "rank-00003.nsck"
+  static std::string TempSlot(int rank);       // "rank-00003.nsck.tmp"
+  static std::string Lock(int rank);           // ".nonstop.lock" (rank 0), ".nonstop.rank-00003.lock"
+  static std::string Lineage(int rank);        // "lineage-rank-00003.json"
+  static std::string Agreed(int rank);         // "agreed-rank-00003.json"
+  static std::string KeepRoot();               // "keep"
+  static std::string KeepStep(int64_t step);   // "step-000000000042"
+  static std::string World(int world_size);    // "world-4"
+  // Parsers: the rank/step/world of a name, or nullopt when it is not one.
+  static std::optional<int> ParseSlot(std::string_view name);
+  static std::optional<int64_t> ParseKeepStep(std::string_view name);
+  static std::optional<int> ParseWorld(std::string_view name);
+};
+
+// Where a checkpoint lives, relative to the job directory.
+struct CheckpointLocation {
+  std::string where;  // "rank-00000.nsck", "keep/step-000000000008/rank-00000.nsck",
+                      // "world-2/rank-00001.nsck"
+  bool keep = false;  // a kept copy
+};
+
+// One committed or damaged checkpoint as List() reports it.
+struct ListedCheckpoint {
+  uint64_t counter = 0;
+  int64_t step = 0;
+  CheckpointLocation location;
+  enum class State { kCommitted, kDamaged, kAbandoned } state = State::kDamaged;
+  std::string reason;  // why damaged/abandoned; empty when committed
+};
+
+struct SelectOptions {
+  std::optional<int64_t> step;         // only this step (restore(step=s))
+  bool verify_data = true;             // verify every data chunk crc of the chosen one
+  bool include_keep = true;            // consider keep/ copies too
+  std::vector<uint64_t> exclude;       // counters the caller found damaged while reading
+  MediumKind kind = MediumKind::kBuffered;  // how the chosen file is opened (read only)
+};
+
+// The checkpoint recovery chose, with its file open read-only for reading it.
+struct Selected {
+  CheckpointInfo info;
+  CheckpointLocation location;
+  std::unique_ptr<SlotFile> file;
+};
+
+struct Selection {
+  std::optional<Selected> chosen;      // empty: no checkpoint file exists at all
+  std::vector<std::string> skipped;    // one line per newer checkpoint not chosen, and why
+  bool fallback = false;               // chosen is not the newest non-abandoned committed one
+  uint64_t newest_counter = 0;         // newest counter present in the rank's files
+};
+
+// The newest step committed (and verified) on every rank file of a world.
+struct CommonSelection {
+  int64_t step = 0;
+  std::vector<Selected> ranks;         // index = rank
+  std::vector<std::string> skipped;
+};
+
+struct LineageRecord {
+  // Closed ranges [lo, hi] of abandoned counters, sorted, disjoint.
+  std::vector<std::pair<uint64_t, uint64_t>> abandoned;
+  uint64_t restored_counter = 0;       // counter of the last RecordRestore (0 = none)
+  uint64_t abandoned_through = 0;      // highest abandoned counter (0 = none)
+  bool IsAbandoned(uint64_t counter) const;
+};
+
+struct AgreedRecord {
+  int64_t step = 0;
+  int64_t counter = -1;                // -1: resharded (no counter of this world)
+  uint64_t lineage = 0;
+  int rank = 0;
+  int world_size = 1;
+  double unix_s = 0;
+  std::string resharded_from;          // set-aside dir ("world-2"), empty when not resharded
+  int resharded_from_world = 0;
+};
+
+class JobDir {
+ public:
+  // Opens (creating when missing) `path` for rank `rank` of `world_size`,
+  // takes the rank's lock and tidies leftovers (see above). `env` null:
+  // DefaultEnv().
+  static Result<std::unique_ptr<JobDir>> OpenForWrite(const std::string& path, int rank = 0,
+                                                      int world_size = 1, Env* env = nullptr);
+  // Opens an existing directory for reading: NotFound when it is missing.
+  static Result<std::unique_ptr<JobDir>> OpenForRead(const std::string& path, Env* env = nullptr);
+
+  ~JobDir();
+
+  const std::string& path() const;
+  bool writable() const;
+  int rank() const;  // the writer's rank (0 for readers)
+  Directory& dir();
+  // "DIR/rank-00003.nsck", for messages.
+  std::string SlotPath(int rank) const;
+  // Entries that are not part of a job directory (hidden names excepted).
+  Result<std::vector<std::string>> ForeignEntries();
+
+  // ---- Slot files (writer: only its own rank) ----
+  // Opens rank R's slot file; NotFound when missing.
+  Result<std::unique_ptr<Medium>> OpenSlot(int rank, MediumKind kind, bool read_only);
+  // Creates R's temp slot file (a stale one is removed first); the caller
+  // lays it out (SlotFile::Create), then PublishTempSlot renames it over the
+  // slot file and syncs the directory, or DiscardTempSlot removes it.
+  Result<std::unique_ptr<Medium>> CreateTempSlot(MediumKind kind);
+  Status PublishTempSlot();
+  Status DiscardTempSlot();
+
+  // ---- Recovery selection (the only one) ----
+  // Newest committed, non-abandoned checkpoint of rank R (its slot file and
+  // keep copies) that verifies; else older ones, each skipped with a reason.
+  // NotFound (with every reason) when files exist but nothing is usable;
+  // a Selection without `chosen` when no file of rank R exists.
+  Result<Selection> Select(int rank, const SelectOptions& opts = {});
+  // Newest step committed and verified on every rank 0..world_size-1 (in
+  // world-W/ when set_aside_world is given). NotFound naming the ranks when
+  // no step is common, or when a rank file is missing: never "nothing".
+  Result<CommonSelection> SelectCommon(int world_size, const SelectOptions& opts = {},
+                                       std::optional<int> set_aside_world = std::nullopt);
+  // Every checkpoint record of rank R (slot file, then keep copies), newest first.
+  Result<std::vector<ListedCheckpoint>> List(int rank);
+
+  // ---- Lineage (writer) ----
+  // Durably records that rank R restored `counter`: every counter above it
+  // present in R's files is abandoned. Call before writing anything new.
+  Status RecordRestore(int rank, uint64_t counter);
+  Result<LineageRecord> ReadLineage(int rank);
+  // First counter a writer of rank R may use (above every record and every
+  // abandoned counter).
+  Result<uint64_t> NextCounter(int rank);
+  // The restored counter while no newer checkpoint of its lineage has
+  // committed in R's slot file; nullopt otherwise.
+  Result<std::optional<uint64_t>> ProtectedCounter(int rank);
+
+  // ---- Keep copies (writer) ----
+  // Copies committed `info` of `src` to keep/step-N/rank-R.nsck: temp name,
+  // CopyCheckpoint (verifies every chunk), sync, rename, SyncDir. OK at once
+  // when that copy already holds `info.counter`. The caller keeps `info`'s
+  // slot from being reused during the copy.
+  Status Keep(SlotFile& src, const CheckpointInfo& info);
+
+  // ---- Set-aside for resharding (writer) ----
+  // Whether rank files of another world size than `world_size` are here.
+  Result<bool> NeedsSetAside(int world_size);
+  // Moves them (with their agreed and lineage records) into world-W/ by
+  // rename + SyncDir; returns the W's moved. A file already set aside there
+  // is kept as ".prev" when the new one has a committed checkpoint.
+  Result<std::vector<int>> SetAside(int world_size);
+  // The W of every world-W/ directory, ascending.
+  Result<std::vector<int>> SetAsideWorlds();
+
+  // ---- Agreed records (distributed) ----
+  Status WriteAgreed(const AgreedRecord& rec);  // rec.rank's record, atomically
+  // nullopt when missing; Corruption when unparsable or over 64 KiB.
+  Result<std::optional<AgreedRecord>> ReadAgreed(int rank);
+
+  struct Impl;
+
+ private:
+  explicit JobDir(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace nonstop

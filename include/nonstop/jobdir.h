@@ -111,6 +111,7 @@ struct Selected {
   CheckpointInfo info;
   CheckpointLocation location;
   std::unique_ptr<SlotFile> file;
+  uint64_t newest_at_scan = 0;  // newest record counter of `file` when it was scanned
 };
 
 struct Selection {
@@ -180,9 +181,14 @@ class JobDir {
   // ---- Recovery selection (the only one) ----
   // Newest committed, non-abandoned checkpoint of rank R (its slot file and
   // keep copies) that verifies; else older ones, each skipped with a reason.
-  // NotFound (with every reason) when files exist but nothing is usable;
-  // a Selection without `chosen` when no file of rank R exists.
+  // A Selection without `chosen` when R's files hold no checkpoint record at
+  // all (a fresh start; never with opts.step). Otherwise, when nothing is
+  // usable: Corruption when damage was seen, else NotFound, with every reason.
   Result<Selection> Select(int rank, const SelectOptions& opts = {});
+  // Readers: whether a live writer may have reused `sel`'s slot since it was
+  // selected (its file has committed a newer checkpoint). On a read error
+  // that returns true, Select again instead of reporting damage.
+  Result<bool> Superseded(Selected& sel);
   // Newest step committed and verified on every rank 0..world_size-1 (in
   // world-W/ when set_aside_world is given). NotFound naming the ranks when
   // no step is common, or when a rank file is missing: never "nothing".

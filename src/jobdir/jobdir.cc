@@ -1,18 +1,80 @@
-// JobDir (include/nonstop/jobdir.h). First merge: the API only; the
-// implementation follows.
+// JobDir (include/nonstop/jobdir.h): the job directory's only owner.
 #include "nonstop/jobdir.h"
 
-#include <cstdlib>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+#include <map>
+#include <mutex>
+
+#include "jobdir/records.h"
 
 namespace nonstop {
 
-namespace {
-Status NotYet() { return Status::Unavailable("JobDir: not implemented yet"); }
-}  // namespace
+using jobdir_internal::DecodeAgreed;
+using jobdir_internal::DecodeLineage;
+using jobdir_internal::EncodeAgreed;
+using jobdir_internal::EncodeLineage;
+using jobdir_internal::kMaxAbandonedRanges;
+using jobdir_internal::kMaxRecordBytes;
 
-struct JobDir::Impl {
-  std::string path;
+namespace {
+
+constexpr int kReaderRetries = 32;  // a live writer committing while a reader verifies
+constexpr uint64_t kMaxAgreedBytes = 64 << 10;
+
+bool IsNotFound(const Status& s) { return s.code() == StatusCode::kNotFound; }
+
+std::string UtcNow() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char b[32];
+  std::strftime(b, sizeof(b), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return b;
+}
+
+std::string HolderLine() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "unknown");
+  return "pid " + std::to_string(getpid()) + " on host " + host + " (started " + UtcNow() + ")";
+}
+
+std::string Describe(uint64_t counter, int64_t step) {
+  return "checkpoint #" + std::to_string(counter) + " (step " + std::to_string(step) + ")";
+}
+
+// One file holding checkpoints of a rank: the slot file, a keep copy, or a
+// temp slot file, opened read-only and scanned (records and tables only).
+struct Source {
+  CheckpointLocation loc;
+  std::unique_ptr<SlotFile> file;
+  ScanReport report;
+  uint64_t newest_record = 0;  // newest counter of any record that parsed
 };
+
+uint64_t NewestRecord(const ScanReport& r) {
+  uint64_t n = 0;
+  for (const auto& c : r.checkpoints) n = std::max(n, c.info.counter);
+  return n;
+}
+
+Status VerifyData(SlotFile& f, const CheckpointInfo& info) {
+  return f.ReadData(info, 0, nullptr, info.data_bytes, /*verify=*/true);
+}
+
+// Whether `info` of `src` may be chosen: not excluded by the caller, and its
+// data verifies when asked.
+Status Usable(const CheckpointInfo& info, Source& src, const SelectOptions& opts) {
+  if (std::find(opts.exclude.begin(), opts.exclude.end(), info.counter) != opts.exclude.end()) {
+    return Status::Corruption("failed while it was read");
+  }
+  return opts.verify_data ? VerifyData(*src.file, info) : Status::OK();
+}
+
+}  // namespace
 
 bool LineageRecord::IsAbandoned(uint64_t counter) const {
   for (const auto& [lo, hi] : abandoned) {
@@ -21,37 +83,823 @@ bool LineageRecord::IsAbandoned(uint64_t counter) const {
   return false;
 }
 
+struct JobDir::Impl {
+  Env* env = nullptr;
+  std::string path;
+  std::unique_ptr<Directory> dir;
+  std::unique_ptr<FileLock> lock;
+  bool writable = false;
+  int rank = 0;
+  int world = 1;
+  std::mutex mu;  // serialises lineage, keep and set-aside changes
+
+  std::string Where(const std::string& rel) const { return path + "/" + rel; }
+
+  Status CheckWriter(const char* op, int for_rank) const {
+    if (!writable) {
+      return Status::FailedPrecondition(std::string(op) + " needs the job directory " + path +
+                                        " opened for writing");
+    }
+    if (for_rank != rank) {
+      return Status::InvalidArgument(std::string(op) + ": this writer of " + path + " is rank " +
+                                     std::to_string(rank) + ", not rank " +
+                                     std::to_string(for_rank));
+    }
+    return Status::OK();
+  }
+
+  // Opens `name` in `d` read-only and scans it. NotFound when missing; any
+  // other failure is returned (the caller reports it as one skipped file).
+  Result<Source> OpenSource(Directory& d, const std::string& name, CheckpointLocation loc) {
+    MediumOptions mo;
+    mo.read_only = true;
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, d.OpenFile(name, MediumKind::kBuffered, mo));
+    Result<std::unique_ptr<SlotFile>> sf = SlotFile::Open(std::move(m));
+    if (!sf.ok()) return sf.status().Annotate(Where(loc.where));
+    Source s;
+    s.loc = std::move(loc);
+    s.file = std::move(sf).value();
+    ScanOptions so;
+    so.verify_data = false;
+    Result<ScanReport> rep = s.file->Scan(so);
+    if (!rep.ok()) return rep.status().Annotate(Where(s.loc.where));
+    s.report = std::move(rep).value();
+    s.newest_record = NewestRecord(s.report);
+    return s;
+  }
+
+  // Rank `r`'s files in `d` (prefix: d's name relative to the job dir, with
+  // a trailing '/', or empty): the slot file, then keep copies (newest step
+  // first), then the temp slot file when asked. Files that cannot be read
+  // are reported in `problems`.
+  Status Sources(Directory& d, const std::string& prefix, int r, bool include_keep,
+                 bool include_temp, std::vector<Source>* out, std::vector<std::string>* problems) {
+    auto add = [&](Directory& in, const std::string& name, const std::string& rel, bool keep) {
+      Result<Source> s = OpenSource(in, name, CheckpointLocation{rel, keep});
+      if (s.ok()) {
+        out->push_back(std::move(s).value());
+      } else if (!IsNotFound(s.status())) {
+        problems->push_back(s.status().message());
+      }
+    };
+    add(d, JobDirNames::Slot(r), prefix + JobDirNames::Slot(r), false);
+    if (include_keep) {
+      Result<std::unique_ptr<Directory>> kd = d.OpenDir(JobDirNames::KeepRoot(), false);
+      if (!kd.ok() && !IsNotFound(kd.status())) {
+        problems->push_back(kd.status().Annotate(Where(prefix + JobDirNames::KeepRoot())).message());
+      }
+      if (kd.ok()) {
+        Directory& keep = *kd.value();
+        NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, keep.List());
+        std::reverse(entries.begin(), entries.end());  // newest step first
+        for (const DirEntry& e : entries) {
+          if (e.type != EntryType::kDirectory || !JobDirNames::ParseKeepStep(e.name)) continue;
+          Result<std::unique_ptr<Directory>> sd = keep.OpenDir(e.name, false);
+          if (!sd.ok()) {
+            if (!IsNotFound(sd.status())) problems->push_back(sd.status().message());
+            continue;
+          }
+          add(*sd.value(), JobDirNames::Slot(r),
+              prefix + JobDirNames::KeepRoot() + "/" + e.name + "/" + JobDirNames::Slot(r), true);
+        }
+      }
+    }
+    if (include_temp) {
+      add(d, JobDirNames::TempSlot(r), prefix + JobDirNames::TempSlot(r), false);
+    }
+    return Status::OK();
+  }
+
+  Result<LineageRecord> LineageIn(Directory& d, const std::string& prefix, int r) {
+    Result<std::string> text = ReadSmallFile(d, JobDirNames::Lineage(r), kMaxRecordBytes);
+    if (!text.ok()) {
+      if (IsNotFound(text.status())) return LineageRecord{};
+      return text.status().Annotate(Where(prefix + JobDirNames::Lineage(r)));
+    }
+    return DecodeLineage(text.value(), Where(prefix + JobDirNames::Lineage(r)));
+  }
+
+  // Newest counter of any record in r's files (temp slot file and keep copies included).
+  Result<uint64_t> NewestCounter(int r) {
+    std::vector<Source> sources;
+    std::vector<std::string> problems;
+    NONSTOP_RETURN_IF_ERROR(Sources(*dir, "", r, true, true, &sources, &problems));
+    uint64_t n = 0;
+    for (const Source& s : sources) {
+      n = std::max(n, std::max(s.newest_record, s.file->newest_committed_counter()));
+    }
+    return n;
+  }
+
+  Result<Selection> SelectIn(Directory& d, const std::string& prefix, int r,
+                             const SelectOptions& opts);
+  Result<CommonSelection> SelectCommonIn(Directory& d, const std::string& prefix, int world,
+                                         const SelectOptions& opts);
+  Status KeepLocked(SlotFile& src, const CheckpointInfo& info);
+  Status TidyLeftovers();
+};
+
+// ---------------------------------------------------------------- open
+
 JobDir::JobDir(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 JobDir::~JobDir() = default;
 
-Result<std::unique_ptr<JobDir>> JobDir::OpenForWrite(const std::string&, int, int, Env*) {
-  return NotYet();
+Result<std::unique_ptr<JobDir>> JobDir::OpenForWrite(const std::string& path, int rank,
+                                                     int world_size, Env* env) {
+  if (world_size < 1 || rank < 0 || rank >= world_size || world_size > 99999) {
+    return Status::InvalidArgument("job directory " + path + ": rank " + std::to_string(rank) +
+                                   " is not below world size " + std::to_string(world_size));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->env = env ? env : DefaultEnv();
+  impl->path = path;
+  impl->writable = true;
+  impl->rank = rank;
+  impl->world = world_size;
+  Result<std::unique_ptr<Directory>> d = impl->env->OpenDirectory(path, /*create=*/true);
+  if (!d.ok()) return d.status().Annotate("cannot open job directory " + path);
+  impl->dir = std::move(d).value();
+  Result<std::unique_ptr<FileLock>> lock = impl->dir->Lock(JobDirNames::Lock(rank), HolderLine());
+  if (!lock.ok()) {
+    if (lock.status().code() == StatusCode::kFailedPrecondition) {
+      return Status::FailedPrecondition("job directory " + path + " has another writer" +
+                                        (world_size > 1 ? " for rank " + std::to_string(rank) : "") +
+                                        ": " + lock.status().message());
+    }
+    return lock.status().Annotate("cannot lock job directory " + path);
+  }
+  impl->lock = std::move(lock).value();
+  NONSTOP_RETURN_IF_ERROR(impl->TidyLeftovers());
+  return std::unique_ptr<JobDir>(new JobDir(std::move(impl)));
 }
-Result<std::unique_ptr<JobDir>> JobDir::OpenForRead(const std::string&, Env*) { return NotYet(); }
+
+Result<std::unique_ptr<JobDir>> JobDir::OpenForRead(const std::string& path, Env* env) {
+  auto impl = std::make_unique<Impl>();
+  impl->env = env ? env : DefaultEnv();
+  impl->path = path;
+  Result<std::unique_ptr<Directory>> d = impl->env->OpenDirectory(path, /*create=*/false);
+  if (!d.ok()) {
+    if (IsNotFound(d.status())) return Status::NotFound("checkpoint directory " + path + " does not exist");
+    return d.status().Annotate("cannot open job directory " + path);
+  }
+  impl->dir = std::move(d).value();
+  return std::unique_ptr<JobDir>(new JobDir(std::move(impl)));
+}
+
+// Removes the writer's leftovers and redoes the keep copies a kill interrupted.
+Status JobDir::Impl::TidyLeftovers() {
+  auto unlink_if = [&](Directory& d, const std::string& name) -> Result<bool> {
+    Status s = d.Unlink(name);
+    if (s.ok()) return true;
+    if (IsNotFound(s)) return false;
+    return s;
+  };
+  bool changed = false;
+  for (const std::string& name : {JobDirNames::TempSlot(rank), JobDirNames::Lineage(rank) + ".tmp",
+                                  JobDirNames::Agreed(rank) + ".tmp"}) {
+    NONSTOP_ASSIGN_OR_RETURN(bool gone, unlink_if(*dir, name));
+    changed = changed || gone;
+  }
+  if (changed) NONSTOP_RETURN_IF_ERROR(dir->SyncDir());
+
+  Result<std::unique_ptr<Directory>> kd = dir->OpenDir(JobDirNames::KeepRoot(), false);
+  if (!kd.ok()) return IsNotFound(kd.status()) ? Status::OK() : kd.status();
+  Directory& keep = *kd.value();
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, keep.List());
+  std::vector<int64_t> interrupted;  // steps whose copy for this rank is missing
+  bool keep_changed = false;
+  for (const DirEntry& e : entries) {
+    std::optional<int64_t> step = JobDirNames::ParseKeepStep(e.name);
+    if (!step || e.type != EntryType::kDirectory) continue;
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> sd, keep.OpenDir(e.name, false));
+    NONSTOP_ASSIGN_OR_RETURN(bool had_tmp, unlink_if(*sd, JobDirNames::TempSlot(rank)));
+    if (had_tmp) NONSTOP_RETURN_IF_ERROR(sd->SyncDir());
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> files, sd->List());
+    bool has_final = false;
+    for (const DirEntry& f : files) has_final = has_final || f.name == JobDirNames::Slot(rank);
+    if (had_tmp || (!has_final && files.empty())) interrupted.push_back(*step);
+  }
+  if (interrupted.empty()) return Status::OK();
+  // Redo each from this rank's slot file when the step is still committed there.
+  std::vector<std::string> problems;
+  Result<Source> src = OpenSource(*dir, JobDirNames::Slot(rank),
+                                  CheckpointLocation{JobDirNames::Slot(rank), false});
+  Result<LineageRecord> lineage = LineageIn(*dir, "", rank);
+  for (int64_t step : interrupted) {
+    bool redone = false;
+    if (src.ok() && lineage.ok()) {
+      for (const ScannedCheckpoint& c : src.value().report.checkpoints) {
+        if (c.state != CheckpointState::kCommitted || c.info.step != step ||
+            lineage.value().IsAbandoned(c.info.counter)) {
+          continue;
+        }
+        Status st = KeepLocked(*src.value().file, c.info);
+        if (st.ok()) {
+          redone = true;
+          break;
+        }
+        std::fprintf(stderr, "nonstop: cannot redo the interrupted keep copy of step %lld: %s\n",
+                     static_cast<long long>(step), st.message().c_str());
+      }
+    }
+    if (redone || world > 1) continue;
+    // Nothing to copy from any more: remove the half-made directory when empty.
+    const std::string name = JobDirNames::KeepStep(step);
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> sd, keep.OpenDir(name, false));
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> files, sd->List());
+    if (files.empty()) {
+      Status rs = keep.RemoveDir(name);
+      if (!rs.ok() && !IsNotFound(rs)) return rs;
+      keep_changed = true;
+    }
+  }
+  if (keep_changed) NONSTOP_RETURN_IF_ERROR(keep.SyncDir());
+  return Status::OK();
+}
+
 const std::string& JobDir::path() const { return impl_->path; }
-bool JobDir::writable() const { return false; }
-int JobDir::rank() const { return 0; }
-Directory& JobDir::dir() { std::abort(); }
-std::string JobDir::SlotPath(int rank) const { return impl_->path + "/" + JobDirNames::Slot(rank); }
-Result<std::vector<std::string>> JobDir::ForeignEntries() { return NotYet(); }
-Result<std::unique_ptr<Medium>> JobDir::OpenSlot(int, MediumKind, bool) { return NotYet(); }
-Result<std::unique_ptr<Medium>> JobDir::CreateTempSlot(MediumKind) { return NotYet(); }
-Status JobDir::PublishTempSlot() { return NotYet(); }
-Status JobDir::DiscardTempSlot() { return NotYet(); }
-Result<Selection> JobDir::Select(int, const SelectOptions&) { return NotYet(); }
-Result<CommonSelection> JobDir::SelectCommon(int, const SelectOptions&, std::optional<int>) {
-  return NotYet();
+bool JobDir::writable() const { return impl_->writable; }
+int JobDir::rank() const { return impl_->rank; }
+Directory& JobDir::dir() { return *impl_->dir; }
+std::string JobDir::SlotPath(int rank) const { return impl_->Where(JobDirNames::Slot(rank)); }
+
+Result<std::vector<std::string>> JobDir::ForeignEntries() {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, impl_->dir->List());
+  std::vector<std::string> out;
+  auto ranked = [](std::string_view n, std::string_view pre, std::string_view suf) {
+    if (n.size() != pre.size() + 5 + suf.size() || n.substr(0, pre.size()) != pre ||
+        n.substr(pre.size() + 5) != suf) {
+      return false;
+    }
+    for (char c : n.substr(pre.size(), 5)) {
+      if (c < '0' || c > '9') return false;
+    }
+    return true;
+  };
+  for (const DirEntry& e : entries) {
+    const std::string& n = e.name;
+    if (n.empty() || n[0] == '.') continue;
+    const bool file = e.type == EntryType::kFile;
+    const bool dir = e.type == EntryType::kDirectory;
+    if (file && (ranked(n, "rank-", ".nsck") || ranked(n, "rank-", ".nsck.tmp") ||
+                 ranked(n, "lineage-rank-", ".json") || ranked(n, "lineage-rank-", ".json.tmp") ||
+                 ranked(n, "agreed-rank-", ".json") || ranked(n, "agreed-rank-", ".json.tmp"))) {
+      continue;
+    }
+    if (dir && (n == JobDirNames::KeepRoot() || JobDirNames::ParseWorld(n))) continue;
+    out.push_back(n);
+  }
+  return out;
 }
-Result<std::vector<ListedCheckpoint>> JobDir::List(int) { return NotYet(); }
-Status JobDir::RecordRestore(int, uint64_t) { return NotYet(); }
-Result<LineageRecord> JobDir::ReadLineage(int) { return NotYet(); }
-Result<uint64_t> JobDir::NextCounter(int) { return NotYet(); }
-Result<std::optional<uint64_t>> JobDir::ProtectedCounter(int) { return NotYet(); }
-Status JobDir::Keep(SlotFile&, const CheckpointInfo&) { return NotYet(); }
-Result<bool> JobDir::NeedsSetAside(int) { return NotYet(); }
-Result<std::vector<int>> JobDir::SetAside(int) { return NotYet(); }
-Result<std::vector<int>> JobDir::SetAsideWorlds() { return NotYet(); }
-Status JobDir::WriteAgreed(const AgreedRecord&) { return NotYet(); }
-Result<std::optional<AgreedRecord>> JobDir::ReadAgreed(int) { return NotYet(); }
+
+// ---------------------------------------------------------------- slot files
+
+Result<std::unique_ptr<Medium>> JobDir::OpenSlot(int rank, MediumKind kind, bool read_only) {
+  if (!read_only) NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("opening a slot file to write", rank));
+  MediumOptions mo;
+  mo.read_only = read_only;
+  return impl_->dir->OpenFile(JobDirNames::Slot(rank), kind, mo);
+}
+
+Result<std::unique_ptr<Medium>> JobDir::CreateTempSlot(MediumKind kind) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("creating a slot file", impl_->rank));
+  const std::string tmp = JobDirNames::TempSlot(impl_->rank);
+  Status s = impl_->dir->Unlink(tmp);
+  if (!s.ok() && !IsNotFound(s)) return s;
+  return impl_->dir->CreateFile(tmp, kind, MediumOptions{});
+}
+
+Status JobDir::PublishTempSlot() {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("publishing a slot file", impl_->rank));
+  NONSTOP_RETURN_IF_ERROR(
+      impl_->dir->Rename(JobDirNames::TempSlot(impl_->rank), JobDirNames::Slot(impl_->rank)));
+  return impl_->dir->SyncDir();
+}
+
+Status JobDir::DiscardTempSlot() {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("removing a temp slot file", impl_->rank));
+  Status s = impl_->dir->Unlink(JobDirNames::TempSlot(impl_->rank));
+  return IsNotFound(s) ? Status::OK() : s;
+}
+
+// ---------------------------------------------------------------- selection
+
+Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix, int r,
+                                         const SelectOptions& opts) {
+  for (int attempt = 0;; ++attempt) {
+    NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, LineageIn(d, prefix, r));
+    std::vector<Source> sources;
+    std::vector<std::string> problems;
+    NONSTOP_RETURN_IF_ERROR(Sources(d, prefix, r, opts.include_keep && prefix.empty(), false,
+                                    &sources, &problems));
+    struct Cand {
+      uint64_t counter;
+      size_t src;
+      size_t idx;
+    };
+    std::vector<Cand> cands;
+    std::vector<std::pair<uint64_t, std::string>> damaged;  // (counter, line)
+    Selection sel;
+    bool any_record = false;
+    for (size_t s = 0; s < sources.size(); ++s) {
+      const ScanReport& rep = sources[s].report;
+      any_record = any_record || !rep.checkpoints.empty() || !rep.skipped.empty();
+      for (size_t i = 0; i < rep.checkpoints.size(); ++i) {
+        const ScannedCheckpoint& c = rep.checkpoints[i];
+        sel.newest_counter = std::max(sel.newest_counter, c.info.counter);
+        if (c.state == CheckpointState::kCommitted) {
+          cands.push_back(Cand{c.info.counter, s, i});
+        } else if (!lineage.IsAbandoned(c.info.counter) &&
+                   (!opts.step || c.info.step == *opts.step)) {
+          damaged.emplace_back(c.info.counter, sources[s].loc.where + ": " +
+                                                   Describe(c.info.counter, c.info.step) + ": " +
+                                                   c.reason);
+        }
+      }
+    }
+    std::stable_sort(cands.begin(), cands.end(),
+                     [](const Cand& a, const Cand& b) { return a.counter > b.counter; });
+    std::vector<std::pair<uint64_t, std::string>> passed;  // newer ones not chosen
+    bool retry = false, saw_damage = !damaged.empty() || !problems.empty();
+    std::optional<uint64_t> newest_live;
+    const Cand* chosen = nullptr;
+    for (const Cand& c : cands) {
+      Source& src = sources[c.src];
+      const CheckpointInfo& info = src.report.checkpoints[c.idx].info;
+      const std::string what = src.loc.where + ": " + Describe(info.counter, info.step);
+      if (lineage.IsAbandoned(info.counter)) {
+        passed.emplace_back(info.counter, what + ": abandoned (a restore of #" +
+                                              std::to_string(lineage.restored_counter) +
+                                              " rolled back past it; a rollback is final)");
+        continue;
+      }
+      if (!newest_live) newest_live = info.counter;
+      if (opts.step && info.step != *opts.step) continue;
+      if (std::find(opts.exclude.begin(), opts.exclude.end(), info.counter) != opts.exclude.end()) {
+        passed.emplace_back(info.counter, what + ": failed while it was read");
+        saw_damage = true;
+        continue;
+      }
+      if (opts.verify_data) {
+        Status st = VerifyData(*src.file, info);
+        if (!st.ok()) {
+          if (!writable && !src.loc.keep && attempt < kReaderRetries) {
+            // A reader: a live writer may have committed a newer checkpoint
+            // and reused this slot while we verified it. Then look again.
+            ScanOptions so;
+            so.verify_data = false;
+            Result<ScanReport> again = src.file->Scan(so);
+            if (again.ok() && NewestRecord(again.value()) > src.newest_record) {
+              retry = true;
+              break;
+            }
+          }
+          if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
+          passed.emplace_back(info.counter, what + ": " + st.message());
+          saw_damage = true;
+          continue;
+        }
+      }
+      chosen = &c;
+      break;
+    }
+    if (retry) continue;
+    const uint64_t floor = chosen ? chosen->counter : 0;
+    std::vector<std::pair<uint64_t, std::string>> lines = passed;
+    for (auto& dmg : damaged) {
+      if (dmg.first > floor) lines.push_back(std::move(dmg));
+    }
+    std::stable_sort(lines.begin(), lines.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (auto& l : lines) sel.skipped.push_back(std::move(l.second));
+    for (auto& p : problems) sel.skipped.push_back(std::move(p));
+    if (chosen == nullptr) {
+      if (!any_record && problems.empty() && !opts.step) return sel;  // a fresh start
+      std::string why = "no " + (opts.step ? "checkpoint of step " + std::to_string(*opts.step)
+                                           : std::string("checkpoint")) +
+                        " of rank " + std::to_string(r) + " in " + Where(prefix.empty() ? "" : prefix);
+      if (why.back() == '/') why.pop_back();
+      why += " can be restored";
+      if (sel.skipped.empty()) why += " (none is committed)";
+      for (const auto& s : sel.skipped) why += "; " + s;
+      return saw_damage ? Status::Corruption(why) : Status::NotFound(why);
+    }
+    Source& src = sources[chosen->src];
+    Selected out;
+    out.info = src.report.checkpoints[chosen->idx].info;
+    out.location = src.loc;
+    out.newest_at_scan = src.newest_record;
+    out.file = std::move(src.file);
+    sel.fallback = newest_live && *newest_live != out.info.counter;
+    sel.chosen = std::move(out);
+    return sel;
+  }
+}
+
+Result<Selection> JobDir::Select(int rank, const SelectOptions& opts) {
+  return impl_->SelectIn(*impl_->dir, "", rank, opts);
+}
+
+Result<bool> JobDir::Superseded(Selected& sel) {
+  if (!sel.file) return Status::InvalidArgument("Superseded: the selection holds no file");
+  if (sel.location.keep) return false;  // keep copies are never rewritten
+  ScanOptions so;
+  so.verify_data = false;
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport rep, sel.file->Scan(so));
+  return NewestRecord(rep) > sel.newest_at_scan;
+}
+
+Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::string& prefix,
+                                                     int world, const SelectOptions& opts) {
+  const std::string where = Where(prefix.empty() ? "" : prefix.substr(0, prefix.size() - 1));
+  const std::string here = prefix.empty() ? path : where;
+  struct PerRank {
+    std::vector<Source> sources;
+    LineageRecord lineage;
+    std::map<int64_t, std::vector<std::pair<size_t, size_t>>, std::greater<>> steps;  // step -> (src, idx), newest counter first
+    std::vector<std::string> problems;
+  };
+  std::vector<PerRank> ranks(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    PerRank& pr = ranks[r];
+    NONSTOP_ASSIGN_OR_RETURN(pr.lineage, LineageIn(d, prefix, r));
+    NONSTOP_RETURN_IF_ERROR(Sources(d, prefix, r, opts.include_keep && prefix.empty(), false,
+                                    &pr.sources, &pr.problems));
+    if (pr.sources.empty()) {
+      std::string why = Where(prefix + JobDirNames::Slot(r)) +
+                        (pr.problems.empty() ? " is missing" : " cannot be read");
+      for (const auto& p : pr.problems) why += ": " + p;
+      return Status::NotFound("no checkpoint committed on every rank of " + here + " (world size " +
+                              std::to_string(world) + "): " + why);
+    }
+    for (size_t s = 0; s < pr.sources.size(); ++s) {
+      const Source& src = pr.sources[s];
+      const StoreGeometry& g = src.file->geometry();
+      if (static_cast<int>(g.world_size) != world || static_cast<int>(g.rank) != r) {
+        return Status::FailedPrecondition(
+            Where(src.loc.where) + " was written by rank " + std::to_string(g.rank) +
+            " of world size " + std::to_string(g.world_size) + ", not rank " + std::to_string(r) +
+            " of " + std::to_string(world));
+      }
+      for (size_t i = 0; i < src.report.checkpoints.size(); ++i) {
+        const ScannedCheckpoint& c = src.report.checkpoints[i];
+        if (c.state != CheckpointState::kCommitted || pr.lineage.IsAbandoned(c.info.counter)) continue;
+        pr.steps[c.info.step].emplace_back(s, i);
+      }
+    }
+    for (auto& [step, v] : pr.steps) {
+      std::stable_sort(v.begin(), v.end(), [&](const auto& a, const auto& b) {
+        return pr.sources[a.first].report.checkpoints[a.second].info.counter >
+               pr.sources[b.first].report.checkpoints[b.second].info.counter;
+      });
+    }
+  }
+  std::vector<int64_t> common;
+  for (const auto& [step, v] : ranks[0].steps) {
+    bool all = true;
+    for (int r = 1; r < world && all; ++r) all = ranks[r].steps.count(step) > 0;
+    if (all && (!opts.step || step == *opts.step)) common.push_back(step);
+  }
+  CommonSelection out;
+  bool saw_damage = false;
+  for (int64_t step : common) {
+    std::vector<std::pair<size_t, size_t>> picks(world);
+    std::string why;
+    for (int r = 0; r < world && why.empty(); ++r) {
+      PerRank& pr = ranks[r];
+      std::string reasons;
+      bool ok = false;
+      for (const auto& [s, i] : pr.steps[step]) {
+        const CheckpointInfo& info = pr.sources[s].report.checkpoints[i].info;
+        Status st = Usable(info, pr.sources[s], opts);
+        if (st.ok()) {
+          picks[r] = {s, i};
+          ok = true;
+          break;
+        }
+        if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
+        reasons += (reasons.empty() ? "" : "; ") + pr.sources[s].loc.where + ": " + st.message();
+      }
+      if (!ok) why = "rank " + std::to_string(r) + ": " + reasons;
+    }
+    if (!why.empty()) {
+      saw_damage = true;
+      out.skipped.push_back("step " + std::to_string(step) + ": " + why);
+      continue;
+    }
+    out.step = step;
+    for (int r = 0; r < world; ++r) {
+      Source& src = ranks[r].sources[picks[r].first];
+      Selected sel;
+      sel.info = src.report.checkpoints[picks[r].second].info;
+      sel.location = src.loc;
+      sel.newest_at_scan = src.newest_record;
+      // Two picks never share a file: one per rank.
+      sel.file = std::move(src.file);
+      out.ranks.push_back(std::move(sel));
+    }
+    return out;
+  }
+  std::string why = "no " + (opts.step ? "checkpoint of step " + std::to_string(*opts.step)
+                                       : std::string("checkpoint")) +
+                    " committed on every rank of " + here + " (world size " +
+                    std::to_string(world) + ")";
+  for (int r = 0; r < world; ++r) {
+    std::string have;
+    int shown = 0;
+    for (const auto& [step, v] : ranks[r].steps) {
+      if (++shown > 4) {
+        have += ", ...";
+        break;
+      }
+      have += (have.empty() ? "" : ", ") + std::to_string(step);
+    }
+    why += "; rank " + std::to_string(r) + " holds " + (have.empty() ? "none" : "steps " + have);
+    for (const ScannedCheckpoint& c : ranks[r].sources.empty()
+                                          ? std::vector<ScannedCheckpoint>{}
+                                          : ranks[r].sources[0].report.checkpoints) {
+      if (c.state == CheckpointState::kDamaged) {
+        saw_damage = true;
+        why += " (" + Describe(c.info.counter, c.info.step) + ": " + c.reason + ")";
+        break;
+      }
+    }
+    for (const auto& p : ranks[r].problems) {
+      saw_damage = true;
+      why += " (" + p + ")";
+    }
+  }
+  for (const auto& s : out.skipped) why += "; " + s;
+  return saw_damage ? Status::Corruption(why) : Status::NotFound(why);
+}
+
+Result<CommonSelection> JobDir::SelectCommon(int world_size, const SelectOptions& opts,
+                                             std::optional<int> set_aside_world) {
+  if (world_size < 1 || world_size > 99999) {
+    return Status::InvalidArgument("SelectCommon: bad world size " + std::to_string(world_size));
+  }
+  if (!set_aside_world) return impl_->SelectCommonIn(*impl_->dir, "", world_size, opts);
+  const std::string name = JobDirNames::World(*set_aside_world);
+  Result<std::unique_ptr<Directory>> d = impl_->dir->OpenDir(name, false);
+  if (!d.ok()) {
+    if (IsNotFound(d.status())) {
+      return Status::NotFound("no checkpoint of world size " + std::to_string(*set_aside_world) +
+                              " is set aside in " + impl_->path + " (" + impl_->Where(name) +
+                              " does not exist)");
+    }
+    return d.status();
+  }
+  return impl_->SelectCommonIn(*d.value(), name + "/", world_size, opts);
+}
+
+Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, impl_->LineageIn(*impl_->dir, "", rank));
+  std::vector<Source> sources;
+  std::vector<std::string> problems;
+  NONSTOP_RETURN_IF_ERROR(impl_->Sources(*impl_->dir, "", rank, true, false, &sources, &problems));
+  std::vector<ListedCheckpoint> out;
+  for (const Source& s : sources) {
+    for (const ScannedCheckpoint& c : s.report.checkpoints) {
+      ListedCheckpoint l;
+      l.counter = c.info.counter;
+      l.step = c.info.step;
+      l.location = s.loc;
+      if (c.state == CheckpointState::kDamaged) {
+        l.state = ListedCheckpoint::State::kDamaged;
+        l.reason = c.reason;
+      } else if (lineage.IsAbandoned(c.info.counter)) {
+        l.state = ListedCheckpoint::State::kAbandoned;
+        l.reason = "abandoned by a restore of #" + std::to_string(lineage.restored_counter);
+      } else {
+        l.state = ListedCheckpoint::State::kCommitted;
+      }
+      out.push_back(std::move(l));
+    }
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const auto& a, const auto& b) { return a.counter > b.counter; });
+  return out;
+}
+
+// ---------------------------------------------------------------- lineage
+
+Status JobDir::RecordRestore(int rank, uint64_t counter) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("recording a restore", rank));
+  if (counter == 0) return Status::InvalidArgument("RecordRestore: counter 0 is no checkpoint");
+  std::lock_guard<std::mutex> l(impl_->mu);
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord rec, impl_->LineageIn(*impl_->dir, "", rank));
+  if (rec.IsAbandoned(counter)) {
+    return Status::InvalidArgument("checkpoint #" + std::to_string(counter) + " of " +
+                                   impl_->path + " was abandoned by an earlier restore");
+  }
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t newest, impl_->NewestCounter(rank));
+  if (newest > counter) {
+    rec.abandoned.emplace_back(counter + 1, newest);
+    std::sort(rec.abandoned.begin(), rec.abandoned.end());
+    std::vector<std::pair<uint64_t, uint64_t>> merged;
+    for (const auto& r : rec.abandoned) {
+      if (!merged.empty() && r.first <= merged.back().second + 1) {
+        merged.back().second = std::max(merged.back().second, r.second);
+      } else {
+        merged.push_back(r);
+      }
+    }
+    if (merged.size() > kMaxAbandonedRanges) {
+      return Status::FailedPrecondition(impl_->Where(JobDirNames::Lineage(rank)) + " holds " +
+                                        std::to_string(kMaxAbandonedRanges) +
+                                        " rollbacks already: use a new directory");
+    }
+    rec.abandoned = std::move(merged);
+    rec.abandoned_through = rec.abandoned.back().second;
+  }
+  rec.restored_counter = counter;
+  return WriteFileAtomic(*impl_->dir, JobDirNames::Lineage(rank), EncodeLineage(rec, rank))
+      .Annotate("recording the restore of checkpoint #" + std::to_string(counter) + " in " +
+                impl_->path);
+}
+
+Result<LineageRecord> JobDir::ReadLineage(int rank) {
+  return impl_->LineageIn(*impl_->dir, "", rank);
+}
+
+Result<uint64_t> JobDir::NextCounter(int rank) {
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord rec, impl_->LineageIn(*impl_->dir, "", rank));
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t newest, impl_->NewestCounter(rank));
+  return std::max(newest, rec.abandoned_through) + 1;
+}
+
+Result<std::optional<uint64_t>> JobDir::ProtectedCounter(int rank) {
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord rec, impl_->LineageIn(*impl_->dir, "", rank));
+  if (rec.restored_counter == 0) return std::optional<uint64_t>();
+  const uint64_t above = std::max(rec.restored_counter, rec.abandoned_through);
+  Result<Source> src = impl_->OpenSource(*impl_->dir, JobDirNames::Slot(rank),
+                                         CheckpointLocation{JobDirNames::Slot(rank), false});
+  if (!src.ok() && !IsNotFound(src.status())) return src.status();
+  if (src.ok()) {
+    for (const ScannedCheckpoint& c : src.value().report.checkpoints) {
+      if (c.state == CheckpointState::kCommitted && c.info.counter > above) {
+        return std::optional<uint64_t>();
+      }
+    }
+  }
+  return std::optional<uint64_t>(rec.restored_counter);
+}
+
+// ---------------------------------------------------------------- keep copies
+
+Status JobDir::Keep(SlotFile& src, const CheckpointInfo& info) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("keeping a checkpoint", impl_->rank));
+  std::lock_guard<std::mutex> l(impl_->mu);
+  return impl_->KeepLocked(src, info);
+}
+
+Status JobDir::Impl::KeepLocked(SlotFile& src, const CheckpointInfo& info) {
+  if (static_cast<int>(info.rank) != rank) {
+    return Status::InvalidArgument("Keep: checkpoint #" + std::to_string(info.counter) +
+                                   " is of rank " + std::to_string(info.rank) + ", this writer of " +
+                                   path + " is rank " + std::to_string(rank));
+  }
+  const std::string step_name = JobDirNames::KeepStep(info.step);
+  const std::string rel = JobDirNames::KeepRoot() + "/" + step_name;
+  const std::string final_name = JobDirNames::Slot(rank), tmp = JobDirNames::TempSlot(rank);
+  auto ctx = [&](const Status& s) {
+    return s.Annotate("keeping step " + std::to_string(info.step) + " in " + Where(rel));
+  };
+  Result<std::unique_ptr<Directory>> kd = dir->OpenDir(JobDirNames::KeepRoot(), true);
+  if (!kd.ok()) return ctx(kd.status());
+  Result<std::unique_ptr<Directory>> sdr = kd.value()->OpenDir(step_name, true);
+  if (!sdr.ok()) return ctx(sdr.status());
+  Directory& sd = *sdr.value();
+  // Already there (a copy of this very checkpoint)?
+  Result<Source> have = OpenSource(sd, final_name, CheckpointLocation{rel + "/" + final_name, true});
+  if (have.ok()) {
+    for (const ScannedCheckpoint& c : have.value().report.checkpoints) {
+      if (c.state == CheckpointState::kCommitted && c.info.counter == info.counter) {
+        return Status::OK();
+      }
+    }
+  }
+  Status s = sd.Unlink(tmp);
+  if (!s.ok() && !IsNotFound(s)) return ctx(s);
+  Result<std::unique_ptr<Medium>> m = sd.CreateFile(tmp, MediumKind::kBuffered, MediumOptions{});
+  if (!m.ok()) return ctx(m.status());
+  s = CopyCheckpoint(src, info, std::move(m).value());
+  if (s.ok()) s = sd.Rename(tmp, final_name);
+  if (s.ok()) s = sd.SyncDir();
+  if (!s.ok()) {
+    (void)sd.Unlink(tmp);  // best effort; the next writer's open removes it too
+    return ctx(s);
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- set-aside
+
+Result<bool> JobDir::NeedsSetAside(int world_size) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, impl_->dir->List());
+  for (const DirEntry& e : entries) {
+    std::optional<int> r = JobDirNames::ParseSlot(e.name);
+    if (!r || e.type != EntryType::kFile) continue;
+    if (*r >= world_size) return true;
+    MediumOptions mo;
+    mo.read_only = true;
+    Result<std::unique_ptr<Medium>> m = impl_->dir->OpenFile(e.name, MediumKind::kBuffered, mo);
+    if (!m.ok()) continue;
+    Result<std::unique_ptr<SlotFile>> sf = SlotFile::Open(std::move(m).value());
+    if (!sf.ok()) continue;  // unreadable: not ours to move
+    if (static_cast<int>(sf.value()->geometry().world_size) != world_size) return true;
+  }
+  return false;
+}
+
+Result<std::vector<int>> JobDir::SetAside(int world_size) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("setting rank files aside", impl_->rank));
+  std::lock_guard<std::mutex> l(impl_->mu);
+  Directory& top = *impl_->dir;
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, top.List());
+  std::map<int, std::unique_ptr<Directory>> dests;
+  for (const DirEntry& e : entries) {
+    std::optional<int> r = JobDirNames::ParseSlot(e.name);
+    if (!r || e.type != EntryType::kFile) continue;
+    MediumOptions mo;
+    mo.read_only = true;
+    Result<std::unique_ptr<Medium>> m = top.OpenFile(e.name, MediumKind::kBuffered, mo);
+    if (!m.ok()) continue;
+    Result<std::unique_ptr<SlotFile>> sf = SlotFile::Open(std::move(m).value());
+    if (!sf.ok()) continue;  // unreadable (damaged, being created): not ours to move
+    const int w = static_cast<int>(sf.value()->geometry().world_size);
+    if (w == world_size) continue;
+    bool committed = false;
+    {
+      ScanOptions so;
+      so.verify_data = false;
+      Result<ScanReport> rep = sf.value()->Scan(so);
+      committed = rep.ok() && rep.value().newest_valid >= 0;
+    }
+    auto& dest = dests[w];
+    if (!dest) {
+      Result<std::unique_ptr<Directory>> d = top.OpenDir(JobDirNames::World(w), true);
+      if (!d.ok()) return d.status().Annotate("setting " + impl_->Where(e.name) + " aside");
+      dest = std::move(d).value();
+    }
+    std::string target = e.name;
+    Result<FileStat> there = dest->Stat(target);
+    if (there.ok()) {
+      // An older set-aside of world size W: the file here supersedes it
+      // unless it holds no committed checkpoint (then it is kept apart).
+      if (!committed) {
+        target += ".uncommitted";
+      } else {
+        NONSTOP_RETURN_IF_ERROR(dest->Rename(target, target + ".prev"));
+      }
+    } else if (!IsNotFound(there.status())) {
+      return there.status();
+    }
+    // The rank file first, then its records (a stranded lineage record in the
+    // top directory is harmless: NextCounter numbers new checkpoints above it).
+    NONSTOP_RETURN_IF_ERROR(top.Rename(e.name, target, dest.get()));
+    for (const std::string& rec : {JobDirNames::Agreed(*r), JobDirNames::Lineage(*r)}) {
+      Status s = top.Rename(rec, rec, dest.get());
+      if (!s.ok() && !IsNotFound(s)) return s;
+    }
+  }
+  std::vector<int> moved;
+  for (auto& [w, d] : dests) {
+    NONSTOP_RETURN_IF_ERROR(d->SyncDir());
+    moved.push_back(w);
+  }
+  if (!moved.empty()) NONSTOP_RETURN_IF_ERROR(top.SyncDir());
+  return moved;
+}
+
+Result<std::vector<int>> JobDir::SetAsideWorlds() {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, impl_->dir->List());
+  std::vector<int> out;
+  for (const DirEntry& e : entries) {
+    std::optional<int> w = JobDirNames::ParseWorld(e.name);
+    if (w && e.type == EntryType::kDirectory) out.push_back(*w);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// ---------------------------------------------------------------- agreed records
+
+Status JobDir::WriteAgreed(const AgreedRecord& rec) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("writing an agreed record", rec.rank));
+  if (!rec.resharded_from.empty()) NONSTOP_RETURN_IF_ERROR(CheckEntryName(rec.resharded_from));
+  return WriteFileAtomic(*impl_->dir, JobDirNames::Agreed(rec.rank), EncodeAgreed(rec));
+}
+
+Result<std::optional<AgreedRecord>> JobDir::ReadAgreed(int rank) {
+  const std::string name = JobDirNames::Agreed(rank);
+  Result<std::string> text = ReadSmallFile(*impl_->dir, name, kMaxAgreedBytes);
+  if (!text.ok()) {
+    if (IsNotFound(text.status())) return std::optional<AgreedRecord>();
+    return text.status().Annotate(impl_->Where(name));
+  }
+  NONSTOP_ASSIGN_OR_RETURN(AgreedRecord rec, DecodeAgreed(text.value(), impl_->Where(name)));
+  return std::optional<AgreedRecord>(std::move(rec));
+}
 
 }  // namespace nonstop

@@ -1,0 +1,422 @@
+// Bounded JSON for the job directory's records (records.h).
+#include "jobdir/records.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+namespace nonstop::jobdir_internal {
+namespace {
+
+class Parser {
+ public:
+  Parser(std::string_view s, const std::string& what) : s_(s), what_(what) {}
+
+  Result<Json> Run() {
+    if (s_.size() > kMaxRecordBytes) {
+      return Status::Corruption(what_ + ": " + std::to_string(s_.size()) +
+                                " bytes, more than a record may hold (" +
+                                std::to_string(kMaxRecordBytes) + ")");
+    }
+    Json v;
+    if (!Value(&v, 0)) return Err();
+    Ws();
+    if (i_ != s_.size()) {
+      msg_ = "trailing bytes";
+      return Err();
+    }
+    return v;
+  }
+
+ private:
+  Status Err() const {
+    return Status::Corruption(what_ + ": not a valid record (" + msg_ + " at byte " +
+                              std::to_string(i_) + ")");
+  }
+  void Ws() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) {
+      ++i_;
+    }
+  }
+  bool Lit(std::string_view w) {
+    if (s_.substr(i_, w.size()) != w) {
+      msg_ = "unexpected token";
+      return false;
+    }
+    i_ += w.size();
+    return true;
+  }
+  bool Count() {
+    if (++elements_ > kMaxJsonElements) {
+      msg_ = "too many elements";
+      return false;
+    }
+    return true;
+  }
+  bool Value(Json* v, int depth) {
+    if (depth > kMaxJsonDepth) {
+      msg_ = "nested too deep";
+      return false;
+    }
+    if (!Count()) return false;
+    Ws();
+    if (i_ >= s_.size()) {
+      msg_ = "unexpected end";
+      return false;
+    }
+    const char c = s_[i_];
+    if (c == '{') return Object(v, depth);
+    if (c == '[') return Array(v, depth);
+    if (c == '"') {
+      v->type = Json::Type::kString;
+      return String(&v->text);
+    }
+    if (c == 't') {
+      v->type = Json::Type::kBool;
+      v->b = true;
+      return Lit("true");
+    }
+    if (c == 'f') {
+      v->type = Json::Type::kBool;
+      return Lit("false");
+    }
+    if (c == 'n') return Lit("null");
+    return Number(v);
+  }
+  bool Number(Json* v) {
+    const size_t b = i_;
+    if (i_ < s_.size() && s_[i_] == '-') ++i_;
+    bool digits = false;
+    while (i_ < s_.size() && ((s_[i_] >= '0' && s_[i_] <= '9') || s_[i_] == '.' ||
+                              s_[i_] == 'e' || s_[i_] == 'E' || s_[i_] == '+' ||
+                              (s_[i_] == '-' && i_ > b))) {
+      digits = digits || (s_[i_] >= '0' && s_[i_] <= '9');
+      ++i_;
+    }
+    if (!digits || i_ - b > 40) {
+      msg_ = "bad number";
+      return false;
+    }
+    v->type = Json::Type::kNumber;
+    v->text = std::string(s_.substr(b, i_ - b));
+    return true;
+  }
+  static void Utf8(uint32_t cp, std::string* out) {
+    if (cp < 0x80) {
+      out->push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else if (cp < 0x10000) {
+      out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else {
+      out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  }
+  bool Hex4(uint32_t* cp) {
+    if (i_ + 4 > s_.size()) return false;
+    uint32_t v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char h = s_[i_++];
+      v <<= 4;
+      if (h >= '0' && h <= '9') v |= h - '0';
+      else if (h >= 'a' && h <= 'f') v |= h - 'a' + 10;
+      else if (h >= 'A' && h <= 'F') v |= h - 'A' + 10;
+      else return false;
+    }
+    *cp = v;
+    return true;
+  }
+  bool String(std::string* out) {
+    ++i_;  // opening quote
+    while (i_ < s_.size()) {
+      const char c = s_[i_++];
+      if (c == '"') return true;
+      if (static_cast<unsigned char>(c) < 0x20) {
+        msg_ = "control character in a string";
+        return false;
+      }
+      if (c != '\\') {
+        out->push_back(c);
+        continue;
+      }
+      if (i_ >= s_.size()) break;
+      const char e = s_[i_++];
+      switch (e) {
+        case '"': out->push_back('"'); break;
+        case '\\': out->push_back('\\'); break;
+        case '/': out->push_back('/'); break;
+        case 'b': out->push_back('\b'); break;
+        case 'f': out->push_back('\f'); break;
+        case 'n': out->push_back('\n'); break;
+        case 'r': out->push_back('\r'); break;
+        case 't': out->push_back('\t'); break;
+        case 'u': {
+          uint32_t cp = 0;
+          if (!Hex4(&cp)) {
+            msg_ = "bad \\u escape";
+            return false;
+          }
+          if (cp >= 0xD800 && cp < 0xDC00 && s_.substr(i_, 2) == "\\u") {
+            i_ += 2;
+            uint32_t lo = 0;
+            if (!Hex4(&lo) || lo < 0xDC00 || lo > 0xDFFF) {
+              msg_ = "bad surrogate pair";
+              return false;
+            }
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          Utf8(cp, out);
+          break;
+        }
+        default:
+          msg_ = "bad escape";
+          return false;
+      }
+    }
+    msg_ = "unterminated string";
+    return false;
+  }
+  bool Array(Json* v, int depth) {
+    v->type = Json::Type::kArray;
+    ++i_;
+    Ws();
+    if (i_ < s_.size() && s_[i_] == ']') {
+      ++i_;
+      return true;
+    }
+    while (true) {
+      v->items.emplace_back();
+      if (!Value(&v->items.back(), depth + 1)) return false;
+      Ws();
+      if (i_ < s_.size() && s_[i_] == ',') {
+        ++i_;
+        continue;
+      }
+      if (i_ < s_.size() && s_[i_] == ']') {
+        ++i_;
+        return true;
+      }
+      msg_ = "expected ',' or ']'";
+      return false;
+    }
+  }
+  bool Object(Json* v, int depth) {
+    v->type = Json::Type::kObject;
+    ++i_;
+    Ws();
+    if (i_ < s_.size() && s_[i_] == '}') {
+      ++i_;
+      return true;
+    }
+    while (true) {
+      Ws();
+      if (i_ >= s_.size() || s_[i_] != '"') {
+        msg_ = "expected a key";
+        return false;
+      }
+      std::string key;
+      if (!String(&key)) return false;
+      Ws();
+      if (i_ >= s_.size() || s_[i_] != ':') {
+        msg_ = "expected ':'";
+        return false;
+      }
+      ++i_;
+      v->keys.push_back(std::move(key));
+      v->items.emplace_back();
+      if (!Value(&v->items.back(), depth + 1)) return false;
+      Ws();
+      if (i_ < s_.size() && s_[i_] == ',') {
+        ++i_;
+        continue;
+      }
+      if (i_ < s_.size() && s_[i_] == '}') {
+        ++i_;
+        return true;
+      }
+      msg_ = "expected ',' or '}'";
+      return false;
+    }
+  }
+
+  std::string_view s_;
+  const std::string& what_;
+  size_t i_ = 0;
+  size_t elements_ = 0;
+  std::string msg_;
+};
+
+bool IsInteger(const std::string& t) {
+  if (t.empty()) return false;
+  for (size_t k = 0; k < t.size(); ++k) {
+    if (!(t[k] >= '0' && t[k] <= '9') && !(k == 0 && t[k] == '-')) return false;
+  }
+  return true;
+}
+
+std::string Num(double d) {
+  char b[64];
+  std::snprintf(b, sizeof(b), "%.6f", d);
+  return b;
+}
+
+}  // namespace
+
+const Json* Json::Get(std::string_view key) const {
+  if (type != Type::kObject) return nullptr;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (keys[k] == key) return &items[k];
+  }
+  return nullptr;
+}
+
+bool Json::AsUint64(uint64_t* out) const {
+  if (type != Type::kNumber || !IsInteger(text) || text[0] == '-') return false;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && p == text.data() + text.size();
+}
+
+bool Json::AsInt64(int64_t* out) const {
+  if (type != Type::kNumber || !IsInteger(text)) return false;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && p == text.data() + text.size();
+}
+
+bool Json::AsDouble(double* out) const {
+  if (type != Type::kNumber) return false;
+  char* end = nullptr;
+  *out = std::strtod(text.c_str(), &end);
+  return end == text.c_str() + text.size() && std::isfinite(*out);
+}
+
+Result<Json> ParseJson(std::string_view text, const std::string& what) {
+  return Parser(text, what).Run();
+}
+
+std::string JsonString(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(c);
+    } else if (u < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof(b), "\\u%04x", u);
+      out += b;
+    } else {
+      out.push_back(c);
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+std::string EncodeLineage(const LineageRecord& rec, int rank) {
+  std::string out = "{\"format\": \"nonstop-lineage\", \"version\": 1, \"rank\": " +
+                    std::to_string(rank) +
+                    ", \"restored\": " + std::to_string(rec.restored_counter) + ", \"abandoned\": [";
+  for (size_t k = 0; k < rec.abandoned.size(); ++k) {
+    if (k) out += ", ";
+    out += "[" + std::to_string(rec.abandoned[k].first) + ", " +
+           std::to_string(rec.abandoned[k].second) + "]";
+  }
+  out += "]}\n";
+  return out;
+}
+
+Result<LineageRecord> DecodeLineage(std::string_view text, const std::string& what) {
+  NONSTOP_ASSIGN_OR_RETURN(Json j, ParseJson(text, what));
+  auto bad = [&](const std::string& why) {
+    return Status::Corruption(what + ": not a lineage record (" + why + ")");
+  };
+  const Json* fmt = j.Get("format");
+  if (fmt == nullptr || fmt->type != Json::Type::kString || fmt->text != "nonstop-lineage") {
+    return bad("no \"format\": \"nonstop-lineage\"");
+  }
+  const Json* ver = j.Get("version");
+  uint64_t version = 0;
+  if (ver == nullptr || !ver->AsUint64(&version) || version != 1) return bad("version is not 1");
+  LineageRecord rec;
+  const Json* restored = j.Get("restored");
+  if (restored == nullptr || !restored->AsUint64(&rec.restored_counter)) {
+    return bad("\"restored\" is not a counter");
+  }
+  const Json* ab = j.Get("abandoned");
+  if (ab == nullptr || ab->type != Json::Type::kArray) return bad("\"abandoned\" is not a list");
+  if (ab->items.size() > kMaxAbandonedRanges) return bad("too many abandoned ranges");
+  uint64_t prev_hi = 0;
+  for (const Json& r : ab->items) {
+    uint64_t lo = 0, hi = 0;
+    if (r.type != Json::Type::kArray || r.items.size() != 2 || !r.items[0].AsUint64(&lo) ||
+        !r.items[1].AsUint64(&hi) || lo == 0 || lo > hi || lo <= prev_hi) {
+      return bad("abandoned ranges must be sorted, disjoint [lo, hi] counter pairs");
+    }
+    rec.abandoned.emplace_back(lo, hi);
+    prev_hi = hi;
+  }
+  rec.abandoned_through = prev_hi;
+  return rec;
+}
+
+std::string EncodeAgreed(const AgreedRecord& rec) {
+  std::string out = "{\"step\": " + std::to_string(rec.step) +
+                    ", \"counter\": " + std::to_string(rec.counter) +
+                    ", \"lineage\": " + std::to_string(rec.lineage) +
+                    ", \"rank\": " + std::to_string(rec.rank) +
+                    ", \"world_size\": " + std::to_string(rec.world_size) +
+                    ", \"unix_s\": " + Num(rec.unix_s);
+  if (!rec.resharded_from.empty()) {
+    out += ", \"resharded_from\": [" + JsonString(rec.resharded_from) + ", " +
+           std::to_string(rec.resharded_from_world) + "]";
+  }
+  out += "}\n";
+  return out;
+}
+
+Result<AgreedRecord> DecodeAgreed(std::string_view text, const std::string& what) {
+  NONSTOP_ASSIGN_OR_RETURN(Json j, ParseJson(text, what));
+  auto bad = [&](const std::string& why) {
+    return Status::Corruption(what + ": not an agreed record (" + why + ")");
+  };
+  if (j.type != Json::Type::kObject) return bad("not an object");
+  AgreedRecord rec;
+  int64_t v = 0;
+  const Json* f = j.Get("step");
+  if (f == nullptr || !f->AsInt64(&rec.step)) return bad("\"step\" is not an integer");
+  f = j.Get("counter");
+  if (f == nullptr || !f->AsInt64(&rec.counter)) return bad("\"counter\" is not an integer");
+  f = j.Get("lineage");
+  if (f == nullptr || !f->AsUint64(&rec.lineage)) return bad("\"lineage\" is not an integer");
+  f = j.Get("rank");
+  if (f == nullptr || !f->AsInt64(&v) || v < 0 || v > 99999) return bad("\"rank\" is not a rank");
+  rec.rank = static_cast<int>(v);
+  f = j.Get("world_size");
+  if (f == nullptr || !f->AsInt64(&v) || v < 1 || v > 100000) {
+    return bad("\"world_size\" is not a world size");
+  }
+  rec.world_size = static_cast<int>(v);
+  f = j.Get("unix_s");
+  if (f != nullptr && !f->AsDouble(&rec.unix_s)) return bad("\"unix_s\" is not a number");
+  f = j.Get("resharded_from");
+  if (f != nullptr && f->type != Json::Type::kNull) {
+    if (f->type != Json::Type::kArray || f->items.size() != 2 ||
+        f->items[0].type != Json::Type::kString || !f->items[1].AsInt64(&v) || v < 1 ||
+        v > 100000) {
+      return bad("\"resharded_from\" is not [dir, world size]");
+    }
+    rec.resharded_from = f->items[0].text;
+    rec.resharded_from_world = static_cast<int>(v);
+  }
+  return rec;
+}
+
+}  // namespace nonstop::jobdir_internal

@@ -1,0 +1,46 @@
+// The small JSON records of a job directory (lineage, agreed): a bounded
+// parser (size, depth and element counts limited before anything grows) and
+// their encoding. Internal to src/jobdir.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "nonstop/jobdir.h"
+#include "nonstop/status.h"
+
+namespace nonstop::jobdir_internal {
+
+inline constexpr uint64_t kMaxRecordBytes = 256 << 10;
+inline constexpr int kMaxJsonDepth = 8;
+inline constexpr size_t kMaxJsonElements = 20000;
+inline constexpr size_t kMaxAbandonedRanges = 8192;
+
+struct Json {
+  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject } type = Type::kNull;
+  bool b = false;
+  std::string text;  // number text, or string value
+  std::vector<Json> items;  // array items; object values (keys in `keys`)
+  std::vector<std::string> keys;
+
+  const Json* Get(std::string_view key) const;
+  bool AsUint64(uint64_t* out) const;
+  bool AsInt64(int64_t* out) const;
+  bool AsDouble(double* out) const;
+};
+
+// Parses `text` (at most kMaxRecordBytes). Corruption naming `what` on any error.
+Result<Json> ParseJson(std::string_view text, const std::string& what);
+// A JSON string literal for `s` (quotes included).
+std::string JsonString(std::string_view s);
+
+std::string EncodeLineage(const LineageRecord& rec, int rank);
+Result<LineageRecord> DecodeLineage(std::string_view text, const std::string& what);
+std::string EncodeAgreed(const AgreedRecord& rec);
+Result<AgreedRecord> DecodeAgreed(std::string_view text, const std::string& what);
+
+}  // namespace nonstop::jobdir_internal

@@ -58,13 +58,18 @@ class Directory {
   // re-resolves it).
   virtual const std::string& path() const = 0;
 
-  // Opens an existing regular file as a Medium of `kind`. NotFound when there
-  // is none; FailedPrecondition when `name` is a symlink or not a regular file.
+  // Opens an existing regular file (or block device) as a Medium of `kind`.
+  // NotFound when there is none; FailedPrecondition when `name` is a symlink
+  // or something else; InvalidArgument with opts.create (use CreateFile).
+  // Every medium an Env opens has sticky sync errors: after one failed Sync,
+  // every later Write/Resize/Sync fails (IOError "an earlier fsync of ...
+  // failed ...: reopen it"); close it, reopen the file and rewrite.
   virtual Result<std::unique_ptr<Medium>> OpenFile(std::string_view name, MediumKind kind,
                                                    const MediumOptions& opts) = 0;
   // Creates a new regular file (O_CREAT|O_EXCL|O_NOFOLLOW). FailedPrecondition
   // "... already exists" when anything (file, symlink, directory) has that
-  // name. The new entry is durable only after SyncDir().
+  // name. The new entry is durable only after SyncDir(). opts.create is
+  // implied; opts.read_only is InvalidArgument.
   virtual Result<std::unique_ptr<Medium>> CreateFile(std::string_view name, MediumKind kind,
                                                      const MediumOptions& opts) = 0;
 

@@ -21,24 +21,22 @@ std::string FormatBytes(uint64_t n) {
   return std::to_string(n) + " bytes";
 }
 
-Result<int> OpenFile(const std::string& path, int extra_flags, const MediumOptions& opts) {
-  if (opts.read_only && opts.create) {
-    return Status::InvalidArgument("open " + path + ": read_only and create together");
-  }
-  int flags = (opts.read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC | extra_flags |
-              (opts.create ? O_CREAT : 0);
-  int fd;
-  do {
-    fd = ::open(path.c_str(), flags, 0644);
-  } while (fd < 0 && errno == EINTR);
-  if (fd >= 0) return fd;
+Status SetDirect(int fd, const std::string& path, bool direct) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0) return Status::FromErrno("fcntl F_GETFL " + path, errno);
+  const int want = direct ? (flags | O_DIRECT) : (flags & ~O_DIRECT);
+  if (want == flags) return Status::OK();
+  if (::fcntl(fd, F_SETFL, want) == 0) return Status::OK();
   const int err = errno;
-  if (err == ENOENT && !opts.create) {
-    return Status::NotFound("open " + path + ": no such file (pass create=true to make it)");
+  if (direct && err == EINVAL) {
+    // Before Linux 6.6 tmpfs refused O_DIRECT with EINVAL; so do some FUSE
+    // and network file systems.
+    return Status::Unavailable(path +
+                               ": the file system refuses O_DIRECT (tmpfs?); use medium='buffered'");
   }
-  Status st = Status::FromErrno("open " + path, err);
-  errno = err;  // OpenDirectFile tells EINVAL (no O_DIRECT here) from other failures
-  return st;
+  return Status::FromErrno(std::string("fcntl F_SETFL ") + (direct ? "+" : "-") + "O_DIRECT " +
+                               path,
+                           err);
 }
 
 Result<uint64_t> FileSize(int fd, const std::string& path) {
@@ -240,35 +238,24 @@ std::vector<std::string> FdMedium::Details() const {
   return {"align " + std::to_string(alignment_) + " from " + alignment_source_};
 }
 
-Result<FdFile> OpenFdFile(const std::string& path, bool direct, const MediumOptions& opts) {
-  Result<int> fd = OpenFile(path, direct ? O_DIRECT : 0, opts);
-  if (direct && !fd.ok() && fd.status().code() == StatusCode::kIOError && errno == EINVAL) {
-    // Before Linux 6.6 tmpfs refused O_DIRECT with EINVAL; so do some FUSE
-    // and network file systems. (OpenFile leaves open's errno in place.)
-    return Status::Unavailable(path + " is on tmpfs: O_DIRECT unsupported; use medium='buffered'");
-  }
-  if (!fd.ok()) return fd.status();
+Result<FdFile> PrepareFdFile(int fd, const std::string& path, bool direct) {
+  NONSTOP_RETURN_IF_ERROR(SetDirect(fd, path, direct));
   FdFile f;
-  f.fd = *fd;
-  Result<uint64_t> size = FileSize(f.fd, path);
-  if (!size.ok()) {
-    ::close(f.fd);
-    return size.status();
-  }
-  f.size = *size;
-  if (direct) f.alignment = DirectAlignment(f.fd, path, &f.alignment_source);
+  f.fd = fd;
+  NONSTOP_ASSIGN_OR_RETURN(f.size, FileSize(fd, path));
+  if (direct) f.alignment = DirectAlignment(fd, path, &f.alignment_source);
   return f;
 }
 
-Result<std::unique_ptr<MediumBase>> OpenBufferedMedium(const std::string& path,
-                                                       const MediumOptions& opts) {
-  NONSTOP_ASSIGN_OR_RETURN(FdFile f, OpenFdFile(path, /*direct=*/false, opts));
+Result<std::unique_ptr<MediumBase>> OpenBufferedMedium(int fd, const std::string& path,
+                                                       const MediumOptions&) {
+  NONSTOP_ASSIGN_OR_RETURN(FdFile f, PrepareFdFile(fd, path, /*direct=*/false));
   return std::unique_ptr<MediumBase>(new FdMedium(MediumKind::kBuffered, path, std::move(f)));
 }
 
-Result<std::unique_ptr<MediumBase>> OpenDirectMedium(const std::string& path,
-                                                     const MediumOptions& opts) {
-  NONSTOP_ASSIGN_OR_RETURN(FdFile f, OpenFdFile(path, /*direct=*/true, opts));
+Result<std::unique_ptr<MediumBase>> OpenDirectMedium(int fd, const std::string& path,
+                                                     const MediumOptions&) {
+  NONSTOP_ASSIGN_OR_RETURN(FdFile f, PrepareFdFile(fd, path, /*direct=*/true));
   return std::unique_ptr<MediumBase>(new FdMedium(MediumKind::kDirect, path, std::move(f)));
 }
 

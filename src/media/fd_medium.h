@@ -21,9 +21,10 @@ struct FdFile {
   std::string alignment_source;
 };
 
-// Opens `path` (with O_DIRECT when `direct`; Unavailable with advice where
-// the file system refuses it) and reads its size and O_DIRECT alignment.
-Result<FdFile> OpenFdFile(const std::string& path, bool direct, const MediumOptions& opts);
+// Sets or clears O_DIRECT on `fd` (Unavailable with advice where the file
+// system refuses it) and reads its size and O_DIRECT alignment. Does not
+// take `fd` over.
+Result<FdFile> PrepareFdFile(int fd, const std::string& path, bool direct);
 
 class FdMedium : public MediumBase {
  public:

@@ -24,7 +24,9 @@ class MappedMedium : public MediumBase {
  public:
   MappedMedium(MediumKind kind, std::string path, int fd, bool read_only = false)
       : kind_(kind), path_(std::move(path)), fd_(fd), read_only_(read_only) {}
-  ~MappedMedium() override { ::close(fd_); }
+  ~MappedMedium() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
   MappedMedium(const MappedMedium&) = delete;
   MappedMedium& operator=(const MappedMedium&) = delete;
 
@@ -74,6 +76,12 @@ class MappedMedium : public MediumBase {
   size_t Alignment() const override { return 1; }
   MediumKind kind() const override { return kind_; }
 
+  // Gives `fd` back to the caller (a failed open: the caller closes it).
+  void Disown() {
+    Unmap();
+    fd_ = -1;
+  }
+
   // Maps the whole file at its current size (nothing for an empty file).
   virtual Status Map(uint64_t size) = 0;
   virtual void Unmap() = 0;
@@ -97,7 +105,7 @@ class MappedMedium : public MediumBase {
 
   const MediumKind kind_;
   const std::string path_;
-  const int fd_;
+  int fd_;  // -1 after Disown()
   const bool read_only_;  // mapped PROT_READ (OpenMedium refuses writes before they get here)
   // Set by Map/Unmap, which run only in Open and Resize (never concurrently
   // with other calls, per the Medium contract).
@@ -142,8 +150,11 @@ class MmapMedium final : public MappedMedium {
 Result<std::unique_ptr<MediumBase>> OpenMapped(std::unique_ptr<MappedMedium> m, int fd,
                                                const std::string& path) {
   Result<uint64_t> size = FileSize(fd, path);
-  if (!size.ok()) return size.status();
-  NONSTOP_RETURN_IF_ERROR(m->Map(*size));
+  Status st = size.ok() ? m->Map(*size) : size.status();
+  if (!st.ok()) {
+    m->Disown();
+    return st;
+  }
   return std::unique_ptr<MediumBase>(std::move(m));
 }
 
@@ -236,15 +247,15 @@ class PmemMedium final : public MappedMedium {
 
 }  // namespace
 
-Result<std::unique_ptr<MediumBase>> OpenMmapMedium(const std::string& path,
+Result<std::unique_ptr<MediumBase>> OpenMmapMedium(int fd, const std::string& path,
                                                    const MediumOptions& opts) {
-  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenFile(path, 0, opts));
+  NONSTOP_RETURN_IF_ERROR(SetDirect(fd, path, false));
   return OpenMapped(std::make_unique<MmapMedium>(path, fd, "", opts.read_only), fd, path);
 }
 
-Result<std::unique_ptr<MediumBase>> OpenPmemMedium(const std::string& path,
+Result<std::unique_ptr<MediumBase>> OpenPmemMedium(int fd, const std::string& path,
                                                    const MediumOptions& opts) {
-  NONSTOP_ASSIGN_OR_RETURN(int fd, OpenFile(path, 0, opts));
+  NONSTOP_RETURN_IF_ERROR(SetDirect(fd, path, false));
   if (opts.read_only) {  // reads need no persistence: a read-only mmap
     return OpenMapped(
         std::make_unique<MmapMedium>(path, fd, "pmem requested read-only", /*read_only=*/true),

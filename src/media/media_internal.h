@@ -32,10 +32,10 @@ class MediumBase : public Medium {
   std::vector<std::string> notes_;
 };
 
-// A file opened read-write (created when opts.create; read-only when
-// opts.read_only), with `extra_flags` (O_DIRECT) added. A missing file
-// without create is NotFound.
-Result<int> OpenFile(const std::string& path, int extra_flags, const MediumOptions& opts);
+// Sets or clears O_DIRECT on the open file `fd` (fcntl F_SETFL). Unavailable,
+// with advice, where the file system refuses O_DIRECT (tmpfs before Linux 6.6,
+// some FUSE and network file systems).
+Status SetDirect(int fd, const std::string& path, bool direct);
 Result<uint64_t> FileSize(int fd, const std::string& path);
 
 // pwrite/pread loops that retry EINTR and partial transfers. A read that hits
@@ -83,17 +83,28 @@ class DirtyRange {
   uint64_t end_ = 0;             // guarded by mu_
 };
 
-// Constructors of the backends; each returns Unavailable (with the reason)
-// when its kind cannot work on this path or in this build.
-Result<std::unique_ptr<MediumBase>> OpenBufferedMedium(const std::string& path,
+// Constructors of the backends, each on a file the Env already opened (`fd`,
+// O_RDWR or, with opts.read_only, O_RDONLY; `path` is for messages only).
+// On success the medium owns `fd`; on failure the caller still does (so that
+// kAuto can try the next kind on the same file). Each returns Unavailable
+// (with the reason) when its kind cannot work on this file or in this build.
+Result<std::unique_ptr<MediumBase>> OpenBufferedMedium(int fd, const std::string& path,
                                                        const MediumOptions& opts);
-Result<std::unique_ptr<MediumBase>> OpenDirectMedium(const std::string& path,
+Result<std::unique_ptr<MediumBase>> OpenDirectMedium(int fd, const std::string& path,
                                                      const MediumOptions& opts);
-Result<std::unique_ptr<MediumBase>> OpenUringMedium(const std::string& path,
+Result<std::unique_ptr<MediumBase>> OpenUringMedium(int fd, const std::string& path,
                                                     const MediumOptions& opts);
-Result<std::unique_ptr<MediumBase>> OpenMmapMedium(const std::string& path,
+Result<std::unique_ptr<MediumBase>> OpenMmapMedium(int fd, const std::string& path,
                                                    const MediumOptions& opts);
-Result<std::unique_ptr<MediumBase>> OpenPmemMedium(const std::string& path,
+Result<std::unique_ptr<MediumBase>> OpenPmemMedium(int fd, const std::string& path,
                                                    const MediumOptions& opts);
+
+// The Medium of `kind` over the open file `fd`, which it takes over (closed
+// on failure too). This is how an Env turns a file it opened (openat with
+// O_NOFOLLOW, O_EXCL for new files) into a Medium: the backend, then the
+// read-only guard (opts.read_only), then the sticky-sync guard
+// (media/sticky_medium.h) that every Env-opened medium goes through.
+Result<std::unique_ptr<Medium>> OpenMediumOnFd(int fd, const std::string& path, MediumKind kind,
+                                               const MediumOptions& opts);
 
 }  // namespace nonstop::media

@@ -1,9 +1,13 @@
 // OpenMedium: picks a backend by kind, and the kAuto fallback chain.
+#include <unistd.h>
+
 #include <string>
 #include <utility>
 
 #include "media/media_internal.h"
 #include "media/medium_wrapper.h"
+#include "media/sticky_medium.h"
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 
 namespace nonstop {
@@ -58,19 +62,19 @@ namespace {
 
 using media::MediumBase;
 
-Result<std::unique_ptr<MediumBase>> OpenKind(const std::string& path, MediumKind kind,
+Result<std::unique_ptr<MediumBase>> OpenKind(int fd, const std::string& path, MediumKind kind,
                                              const MediumOptions& opts) {
   switch (kind) {
     case MediumKind::kBuffered:
-      return media::OpenBufferedMedium(path, opts);
+      return media::OpenBufferedMedium(fd, path, opts);
     case MediumKind::kDirect:
-      return media::OpenDirectMedium(path, opts);
+      return media::OpenDirectMedium(fd, path, opts);
     case MediumKind::kUring:
-      return media::OpenUringMedium(path, opts);
+      return media::OpenUringMedium(fd, path, opts);
     case MediumKind::kMmap:
-      return media::OpenMmapMedium(path, opts);
+      return media::OpenMmapMedium(fd, path, opts);
     case MediumKind::kPmem:
-      return media::OpenPmemMedium(path, opts);
+      return media::OpenPmemMedium(fd, path, opts);
     case MediumKind::kAuto:
       break;
   }
@@ -81,10 +85,13 @@ Result<std::unique_ptr<MediumBase>> OpenKind(const std::string& path, MediumKind
 // then buffered. Only errors that say "this kind cannot work here" move on to
 // the next kind; anything else (NotFound, EACCES, ...) would fail the
 // slower kinds the same way and is returned as it is.
-Result<std::unique_ptr<MediumBase>> OpenAuto(const std::string& path, const MediumOptions& opts) {
+// All kinds are tried on the one file the Env opened (O_DIRECT is switched
+// on and off with fcntl), so a file created with O_EXCL is created once.
+Result<std::unique_ptr<MediumBase>> OpenAuto(int fd, const std::string& path,
+                                             const MediumOptions& opts) {
   std::vector<std::string> reasons;
   for (MediumKind k : {MediumKind::kUring, MediumKind::kDirect}) {
-    Result<std::unique_ptr<MediumBase>> m = OpenKind(path, k, opts);
+    Result<std::unique_ptr<MediumBase>> m = OpenKind(fd, path, k, opts);
     if (m.ok()) {
       // "O_DIRECT pwrite (align 512 from statx; io_uring: <why not>)".
       for (std::string& r : reasons) m.value()->AddNote(std::move(r));
@@ -94,7 +101,8 @@ Result<std::unique_ptr<MediumBase>> OpenAuto(const std::string& path, const Medi
     reasons.push_back(std::string(k == MediumKind::kUring ? "io_uring: " : "O_DIRECT: ") +
                       m.status().message());
   }
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<MediumBase> m, media::OpenBufferedMedium(path, opts));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<MediumBase> m,
+                           media::OpenBufferedMedium(fd, path, opts));
   // The brief's order: the reason closest to the choice first.
   for (auto it = reasons.rbegin(); it != reasons.rend(); ++it) m->AddNote(std::move(*it));
   return m;
@@ -125,16 +133,48 @@ class ReadOnlyMedium final : public media::MediumWrapper {
 
 }  // namespace
 
-Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind kind,
-                                           const MediumOptions& opts) {
+namespace media {
+
+Result<std::unique_ptr<Medium>> OpenMediumOnFd(int fd, const std::string& path, MediumKind kind,
+                                               const MediumOptions& opts) {
   Result<std::unique_ptr<MediumBase>> m =
-      kind == MediumKind::kAuto ? OpenAuto(path, opts) : OpenKind(path, kind, opts);
-  if (!m.ok()) return m.status();
+      kind == MediumKind::kAuto ? OpenAuto(fd, path, opts) : OpenKind(fd, path, kind, opts);
+  if (!m.ok()) {
+    ::close(fd);
+    return m.status();
+  }
+  std::unique_ptr<Medium> out;
   if (opts.read_only) {
     m.value()->AddNote("read-only");
-    return std::unique_ptr<Medium>(new ReadOnlyMedium(path, std::move(m).value()));
+    out.reset(new ReadOnlyMedium(path, std::move(m).value()));
+  } else {
+    out = std::move(m).value();
   }
-  return std::unique_ptr<Medium>(std::move(m).value());
+  return std::unique_ptr<Medium>(new StickySyncMedium(path, std::move(out)));
+}
+
+}  // namespace media
+
+// Through the Env, like every other file nonstop opens: the parent directory,
+// then the file relative to it (O_NOFOLLOW; O_CREAT|O_EXCL with create).
+Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind kind,
+                                           const MediumOptions& opts) {
+  if (opts.read_only && opts.create) {
+    return Status::InvalidArgument("open " + path + ": read_only and create together");
+  }
+  const size_t slash = path.find_last_of('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  NONSTOP_RETURN_IF_ERROR(CheckEntryName(name).Annotate("open " + path));
+  Result<std::unique_ptr<Directory>> d = DefaultEnv()->OpenDirectory(dir, /*create=*/false);
+  if (!d.ok()) return d.status().Annotate("open " + path);
+  if (opts.create) {
+    MediumOptions o = opts;
+    o.create = false;
+    return (*d)->CreateFile(name, kind, o);
+  }
+  return (*d)->OpenFile(name, kind, opts);
 }
 
 }  // namespace nonstop

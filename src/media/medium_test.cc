@@ -57,12 +57,15 @@ std::string DirFor(MediumKind k) {
   return (k == MediumKind::kMmap || k == MediumKind::kPmem) ? "/dev/shm" : "/tmp";
 }
 
-// Opens `kind`, or skips the test where the kind is not available here.
-#define OPEN_OR_SKIP(var, path, kind)                                                \
+// Creates (OPEN_OR_SKIP) or reopens (REOPEN_OR_SKIP) `kind`, or skips the
+// test where the kind is not available here.
+#define OPEN_OR_SKIP(var, path, kind) OPEN_OR_SKIP_(var, path, kind, true)
+#define REOPEN_OR_SKIP(var, path, kind) OPEN_OR_SKIP_(var, path, kind, false)
+#define OPEN_OR_SKIP_(var, path, kind, create_it)                                    \
   std::unique_ptr<Medium> var;                                                       \
   {                                                                                  \
     MediumOptions o;                                                                 \
-    o.create = true;                                                                 \
+    o.create = create_it;                                                            \
     auto r = OpenMedium(path, kind, o);                                              \
     if (!r.ok() && r.status().code() == StatusCode::kUnavailable) {                  \
       GTEST_SKIP() << MediumKindName(kind) << ": " << r.status().message();          \
@@ -105,7 +108,7 @@ TEST_P(EachKind, WritesReadsSyncsAndResizes) {
   EXPECT_EQ(std::memcmp(check.data(), out.p, kBytes), 0);
 
   // Shrink and grow again.
-  OPEN_OR_SKIP(m2, tp.path(), kind);
+  REOPEN_OR_SKIP(m2, tp.path(), kind);
   ASSERT_TRUE(m2->Resize(8192).ok());
   EXPECT_EQ(m2->Size(), 8192u);
   ASSERT_TRUE(m2->Read(4096, in.p, 4096).ok());

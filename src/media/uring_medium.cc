@@ -16,7 +16,8 @@ namespace nonstop::media {
 
 #ifndef NONSTOP_HAVE_URING
 
-Result<std::unique_ptr<MediumBase>> OpenUringMedium(const std::string&, const MediumOptions&) {
+Result<std::unique_ptr<MediumBase>> OpenUringMedium(int, const std::string&,
+                                                    const MediumOptions&) {
   return Status::Unavailable(
       "io_uring not built in (liburing was missing at build time); use medium='direct'");
 }
@@ -222,15 +223,15 @@ class UringMedium final : public FdMedium {
 
 }  // namespace
 
-Result<std::unique_ptr<MediumBase>> OpenUringMedium(const std::string& path,
-                                                    const MediumOptions& opts) {
+Result<std::unique_ptr<MediumBase>> OpenUringMedium(int fd, const std::string& path,
+                                                    const MediumOptions&) {
   int init_err = 0;
   if (AcquireRing(&init_err) == nullptr) {
     return Status::Unavailable(std::string("io_uring_queue_init failed: ") +
                                std::strerror(init_err) +
                                " (io_uring disabled here?); use medium='direct'");
   }
-  NONSTOP_ASSIGN_OR_RETURN(FdFile f, OpenFdFile(path, /*direct=*/true, opts));
+  NONSTOP_ASSIGN_OR_RETURN(FdFile f, PrepareFdFile(fd, path, /*direct=*/true));
   return std::unique_ptr<MediumBase>(new UringMedium(MediumKind::kUring, path, std::move(f)));
 }
 

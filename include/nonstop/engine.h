@@ -5,8 +5,23 @@
 // Checkpoint returns at once; copies to staging, writes to the medium and the
 // commit run in the background with up to `max_in_flight` checkpoints at
 // once. Before the next update may modify the registered tensors, the caller
-// calls WaitCopied(). Errors from background threads are returned by the next
-// call into the engine.
+// calls WaitCopied().
+//
+// Errors. A checkpoint that fails in the background (a write, a sync, a
+// keep copy) is queued, oldest first, and each queued failure is returned
+// once: by WaitCommitted(its counter), or by the next TakeError(),
+// WaitCopied(), WaitCommitted(0), Register(), Restore() or Close().
+// Checkpoint() never returns an earlier checkpoint's failure: it starts the
+// new checkpoint, so one transient error costs only the checkpoint that
+// failed. A caller that wants to report failures at checkpoint time calls
+// TakeError() right after Checkpoint().
+//
+// fsync failures are sticky (DESIGN.md invariant 8): after a sync of the
+// slot file fails, no checkpoint whose bytes were written before it is ever
+// reported committed (every checkpoint in flight on the file fails with it),
+// the file is reopened with a fresh descriptor and later checkpoints commit
+// again; if it cannot be reopened, every later checkpoint fails with one line
+// saying so, and training goes on.
 //
 // Thread safety: the public methods may be called from one thread at a time
 // (the training thread). Stats() may be called from any thread.
@@ -133,6 +148,9 @@ class Engine {
   // dtype mismatch, naming the tensor. Returns what was restored.
   virtual Result<CheckpointInfo> Restore(std::optional<int64_t> step = std::nullopt) = 0;
   virtual EngineStats Stats() = 0;
+  // Returns (and forgets) the oldest queued background failure; OK when none.
+  // Never blocks.
+  virtual Status TakeError();
 
   // Abandons every in-flight checkpoint whose counter is below `counter`, so
   // that a newer, urgent one (a preemption notice; docs/PREEMPTION.md) gets

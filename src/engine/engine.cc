@@ -42,6 +42,7 @@
 #include "engine/chunk_plan.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
+#include "engine/slot_medium.h"
 #include "engine/slot_queue.h"
 #include "engine/task_pool.h"
 #include "nonstop/copy_engine.h"
@@ -53,6 +54,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+
+// The SlotMedium every slot file the engine opens is wrapped in (null for
+// none, which does not happen).
+SlotMedium* SlotOf(SlotFile& f) { return dynamic_cast<SlotMedium*>(&f.medium()); }
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -182,6 +187,7 @@ class EngineImpl final : public Engine {
   EngineStats Stats() override;
   Result<int> AbandonOlderThan(uint64_t counter) override;
   Status Close() override;
+  Status TakeError() override;
 
   Status Pin(uint64_t counter) override;
   std::optional<CommittedCheckpoint> Candidate() override;
@@ -221,6 +227,10 @@ class EngineImpl final : public Engine {
   void AddStall(double s);    // REQUIRES(mu_)
   Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
   Status KeepCopy(SlotFile& file, const CheckpointInfo& info);  // committer thread only
+  // Committer thread: `failed`'s commit failed on a sync of its slot file.
+  void AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm);
+  // Wraps a slot file's medium (opened as `name` in the job directory).
+  std::unique_ptr<Medium> Wrap(std::unique_ptr<Medium> m, const std::string& name);
   Status SwitchFile(uint64_t slot_bytes, bool keep_old);
   Status GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock);
   Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
@@ -279,6 +289,9 @@ class EngineImpl final : public Engine {
   std::map<uint64_t, std::shared_ptr<Job>> live_;    // GUARDED_BY(mu_): started, unfinished
   // Failures not yet handed to the caller, oldest first, with their counter.
   std::deque<std::pair<uint64_t, Status>> pending_errors_;  // GUARDED_BY(mu_)
+  // Counters whose commit failed on a failed fsync: their record may be
+  // readable (page cache) without being durable. Restore never picks them.
+  std::set<uint64_t> not_durable_;                   // GUARDED_BY(mu_)
   EngineStats stats_;                                // GUARDED_BY(mu_)
   // Layer-wise: per registered tensor, copies requested and copies done (the
   // dispatcher is FIFO, so done catches up with requested in order).
@@ -339,7 +352,7 @@ Status EngineImpl::Init() {
   Result<std::unique_ptr<Medium>> existing = media_.open(FinalPath(), false);
   if (!existing.ok() && existing.status().code() != StatusCode::kNotFound) return existing.status();
   if (existing.ok()) {
-    std::unique_ptr<Medium> medium = std::move(existing).value();
+    std::unique_ptr<Medium> medium = Wrap(std::move(existing).value(), SlotFileName(opts_.rank));
     NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf, SlotFile::Open(std::move(medium)));
     const StoreGeometry& g = sf->geometry();
     if (g.world_size != opts_.world_size || g.rank != opts_.rank) {
@@ -388,6 +401,11 @@ Status EngineImpl::TakePendingError() {
   return s;
 }
 
+Status EngineImpl::TakeError() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return TakePendingError();
+}
+
 Status EngineImpl::CheckOpen() {
   if (closed_) return Status::FailedPrecondition("engine is closed");
   return Status::OK();
@@ -407,7 +425,9 @@ Status EngineImpl::WaitAllFinished(std::unique_lock<std::mutex>& lock) {
 // committed checkpoint exists at every instant; without, nothing committed
 // is lost by renaming it over at once. Called with nothing in flight.
 Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
-  NONSTOP_ASSIGN_OR_RETURN(auto medium, media_.open(TempPath(), true));
+  NONSTOP_ASSIGN_OR_RETURN(auto opened, media_.open(TempPath(), true));
+  std::unique_ptr<Medium> medium = Wrap(std::move(opened), SlotFileName(opts_.rank) + ".tmp");
+  SlotMedium* sm = static_cast<SlotMedium*>(medium.get());
   StoreGeometry g;
   g.slots = WantedSlots();
   g.slot_bytes = slot_bytes;
@@ -415,7 +435,11 @@ Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
   g.world_size = opts_.world_size;
   Result<std::unique_ptr<SlotFile>> created = SlotFile::Create(std::move(medium), g);
   if (created.ok() && !keep_old) {
-    if (Status rs = media_.rename(TempPath(), FinalPath()); !rs.ok()) created = rs;
+    if (Status rs = media_.rename(TempPath(), FinalPath()); !rs.ok()) {
+      created = rs;
+    } else {
+      sm->Renamed(SlotFileName(opts_.rank));
+    }
   }
   if (!created.ok()) {
     std::error_code ec;
@@ -579,7 +603,8 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
-  NONSTOP_RETURN_IF_ERROR(TakePendingError());
+  // An earlier checkpoint's failure stays queued for TakeError() and the
+  // wait calls: this checkpoint starts anyway, so one failure costs one.
   if (!reg_ || !file_) return Status::FailedPrecondition("Checkpoint before Register");
   // The only place Checkpoint blocks on the pipeline: N already in flight
   // (unless they are all open layer-wise checkpoints, which cannot finish).
@@ -861,6 +886,10 @@ void EngineImpl::CommitLoop() {
     req.meta_json = job->meta_json;
     Result<CheckpointInfo> info = job->file->Commit(req);
     if (!info.ok()) {
+      // A failed fsync poisons everything written to the file before it.
+      if (SlotMedium* sm = SlotOf(*job->file); sm != nullptr && sm->sync_failed()) {
+        AfterFailedSync(job, *sm);
+      }
       // Give the claim back so an older in-flight checkpoint may still commit.
       uint64_t expected = job->counter;
       uint64_t durable;
@@ -904,6 +933,36 @@ Status EngineImpl::KeepCopy(SlotFile& file, const CheckpointInfo& info) {
   return media_.rename(tmp_path, final_path);
 }
 
+// On Linux a failed fsync drops the dirty pages it could not write and
+// consumes the error: the next fsync of the file returns 0 though those
+// bytes never reached the disk. So every checkpoint in flight on this file
+// may have lost bytes whatever its own sync says later: fail them all (their
+// slots go back as they finish; the newest committed checkpoint was durable
+// before and is untouched), then reopen the file so that later checkpoints,
+// which rewrite their whole slot, can commit. If it cannot be reopened the
+// medium stays dead and every later checkpoint fails with one line saying so.
+void EngineImpl::AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm) {
+  const std::string path = sm.path();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    not_durable_.insert(failed->counter);
+    for (auto& [c, job] : live_) {
+      if (job == failed || job->file != failed->file) continue;
+      job->Fail(Status::IOError("its bytes were written before a failed fsync of " + path +
+                                ", so it is not committed"));
+    }
+  }
+  Status rs = sm.Reopen();
+  if (!rs.ok()) std::fprintf(stderr, "nonstop: %s\n", rs.message().c_str());
+}
+
+std::unique_ptr<Medium> EngineImpl::Wrap(std::unique_ptr<Medium> m, const std::string& name) {
+  auto reopen = [this](const std::string& n, MediumKind) -> Result<std::unique_ptr<Medium>> {
+    return media_.open((fs::path(opts_.dir) / n).string(), false);
+  };
+  return std::make_unique<SlotMedium>(std::move(m), opts_.dir, name, reopen);
+}
+
 void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded,
                            Status st) {
   const double persist_s = Seconds(job->t_start, Clock::now());
@@ -918,6 +977,7 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
       st = rs;
       committed = false;
     } else {
+      if (SlotMedium* sm = SlotOf(*file_)) sm->Renamed(SlotFileName(opts_.rank));
       pending_rename_ = false;
       old_file_.reset();
     }
@@ -1103,6 +1163,7 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   for (const ScannedCheckpoint& c : report.checkpoints) {
     if (c.state != CheckpointState::kCommitted) continue;
     if (step && c.info.step != *step) continue;
+    if (not_durable_.count(c.info.counter) != 0) continue;  // its commit's fsync failed
     Status st = ReadCheckpoint(file, c.info);
     if (st.ok()) {
       AddStall(Seconds(t0, Clock::now()));
@@ -1159,6 +1220,7 @@ Status EngineImpl::Pin(uint64_t counter) {
   if (candidate_ && candidate_->counter == counter && retained_slot_) {
     if (pending_rename_) {  // the first pin in a resized file makes it the file
       NONSTOP_RETURN_IF_ERROR(media_.rename(TempPath(), FinalPath()));
+      if (SlotMedium* sm = SlotOf(*file_)) sm->Renamed(SlotFileName(opts_.rank));
       pending_rename_ = false;
       old_file_.reset();
     }
@@ -1314,6 +1376,8 @@ bool ParseLayerCopy(std::string_view name, LayerCopy* out) {
   }
   return false;
 }
+
+Status Engine::TakeError() { return Status::OK(); }
 
 Result<int> Engine::AbandonOlderThan(uint64_t) {
   return Status::Unavailable("this engine cannot abandon checkpoints");

@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -317,6 +319,195 @@ TEST_F(EngineTest, BackgroundErrorReachesTheNextCall) {
   EXPECT_NE(st.message().find("step 2"), std::string::npos) << st.message();
   EXPECT_TRUE(engine->WaitCopied().ok());  // delivered once
   EXPECT_EQ(engine->Latest()->step, 1);
+}
+
+// ---- fsync failures with Linux semantics (DESIGN.md invariant 8) ----------
+
+// The page cache of one file over a FaultDisk, as Linux keeps it: writes stay
+// dirty in memory (readable at once) until a sync writes them to the disk. A
+// failed sync drops the dirty pages it could not write (they stay readable,
+// clean, but never reach the disk) and consumes the error, so the next sync
+// returns 0. Shared by every descriptor of the file, as the page cache is.
+struct LinuxPageCache {
+  std::shared_ptr<FaultDisk> disk = FaultDisk::Create();
+  std::mutex mu;
+  std::condition_variable cv;
+  struct Piece {
+    uint64_t offset;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Piece> dropped;  // GUARDED_BY(mu): readable, never durable
+  std::vector<Piece> dirty;    // GUARDED_BY(mu)
+  uint64_t writes = 0;         // GUARDED_BY(mu)
+  // The sync that fails (1-based count from arming) and how many writes it
+  // waits for first, so that other checkpoints' bytes are dirty when it fails.
+  uint64_t syncs = 0, fail_sync = 0, wait_writes = 0;  // GUARDED_BY(mu)
+  int failed_syncs = 0;                                // GUARDED_BY(mu)
+
+  void Arm(uint64_t nth_sync, uint64_t writes_first) {
+    std::lock_guard<std::mutex> l(mu);
+    syncs = 0;
+    fail_sync = nth_sync;
+    wait_writes = writes + writes_first;
+  }
+};
+
+class LinuxCachedMedium final : public Medium {
+ public:
+  explicit LinuxCachedMedium(std::shared_ptr<LinuxPageCache> c) : c_(std::move(c)), disk_(c_->disk->Open()) {}
+  Status Write(uint64_t offset, const void* buf, size_t n) override {
+    std::lock_guard<std::mutex> l(c_->mu);
+    const auto* p = static_cast<const uint8_t*>(buf);
+    if (offset + n > disk_->Size()) return Status::IOError("write past the end");
+    c_->dirty.push_back({offset, std::vector<uint8_t>(p, p + n)});
+    ++c_->writes;
+    c_->cv.notify_all();
+    return Status::OK();
+  }
+  Status Read(uint64_t offset, void* buf, size_t n) override {
+    std::lock_guard<std::mutex> l(c_->mu);
+    NONSTOP_RETURN_IF_ERROR(disk_->Read(offset, buf, n));
+    auto* out = static_cast<uint8_t*>(buf);
+    for (const auto* list : {&c_->dropped, &c_->dirty}) {
+      for (const LinuxPageCache::Piece& piece : *list) {
+        const uint64_t lo = std::max<uint64_t>(offset, piece.offset);
+        const uint64_t hi = std::min<uint64_t>(offset + n, piece.offset + piece.bytes.size());
+        if (lo < hi) std::memcpy(out + (lo - offset), piece.bytes.data() + (lo - piece.offset), hi - lo);
+      }
+    }
+    return Status::OK();
+  }
+  Status Sync() override {
+    std::unique_lock<std::mutex> l(c_->mu);
+    if (++c_->syncs == c_->fail_sync) {
+      c_->cv.wait_for(l, std::chrono::seconds(10), [&] { return c_->writes >= c_->wait_writes; });
+      for (auto& piece : c_->dirty) c_->dropped.push_back(std::move(piece));
+      c_->dirty.clear();
+      ++c_->failed_syncs;
+      return Status::FromErrno("fdatasync (injected)", EIO);
+    }
+    for (const auto& piece : c_->dirty) {
+      NONSTOP_RETURN_IF_ERROR(disk_->Write(piece.offset, piece.bytes.data(), piece.bytes.size()));
+    }
+    c_->dirty.clear();
+    return disk_->Sync();
+  }
+  Status Resize(uint64_t size) override {
+    std::lock_guard<std::mutex> l(c_->mu);
+    return disk_->Resize(size);
+  }
+  uint64_t Size() const override { return disk_->Size(); }
+  size_t Alignment() const override { return 1; }
+  MediumKind kind() const override { return MediumKind::kBuffered; }
+  std::string Describe() const override { return "linux page cache over a fault disk"; }
+
+ private:
+  std::shared_ptr<LinuxPageCache> c_;
+  std::unique_ptr<Medium> disk_;
+};
+
+struct LinuxRig {
+  std::shared_ptr<LinuxPageCache> cache = std::make_shared<LinuxPageCache>();
+  EngineMedia Media() {
+    EngineMedia m;
+    auto c = cache;
+    m.open = [c](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
+      if (!create && c->disk->size() == 0) return Status::NotFound(path + " does not exist");
+      return std::unique_ptr<Medium>(std::make_unique<LinuxCachedMedium>(c));
+    };
+    m.rename = [](const std::string&, const std::string&) { return Status::OK(); };
+    return m;
+  }
+  // Power cut: the page cache is gone; the disk keeps what was synced.
+  void PowerCut() {
+    std::lock_guard<std::mutex> l(cache->mu);
+    cache->dropped.clear();
+    cache->dirty.clear();
+    cache->disk->Crash(CrashMode::kDropUnsynced, 1);
+  }
+};
+
+TEST_F(EngineTest, AFailedFsyncNeverLetsACheckpointWrittenBeforeItCommit) {
+  // Regression (issue 14, defect 1): after one failed fdatasync the engine
+  // kept writing on the file and the next checkpoint's fsync returned 0, so
+  // Latest() advanced to a checkpoint whose data the kernel had dropped.
+  LinuxRig rig;
+  EngineOptions o = Options();
+  o.max_in_flight = 2;
+  auto t = MakeTensor("t", 100000);  // 7 chunks of 64 KiB
+  auto want = MakeTensor("t", 100000);
+  auto engine = std::move(OpenEngine(o, rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  t.Fill(1, 0);
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+
+  // Checkpoint 2's commit sync fails once both 2 and 3 have written their
+  // data (7 + 1 table + 7 writes): the kernel drops 3's pages too.
+  rig.cache->Arm(1, 15);
+  t.Fill(2, 0);
+  auto c2 = engine->Checkpoint(2, "");
+  ASSERT_TRUE(c2.ok());
+  ASSERT_TRUE(engine->WaitCopied().ok());
+  t.Fill(3, 0);
+  auto c3 = engine->Checkpoint(3, "");
+  ASSERT_TRUE(c3.ok());
+  EXPECT_EQ(engine->WaitCommitted(*c2).code(), StatusCode::kIOError);
+  Status st3 = engine->WaitCommitted(*c3);
+  EXPECT_FALSE(st3.ok()) << "checkpoint 3 was written before the failed fsync";
+  EXPECT_NE(st3.message().find("fsync"), std::string::npos) << st3.ToString();
+  {
+    std::lock_guard<std::mutex> l(rig.cache->mu);
+    EXPECT_EQ(rig.cache->failed_syncs, 1);
+  }
+  ASSERT_TRUE(engine->Latest().has_value());
+  EXPECT_EQ(engine->Latest()->step, 1);
+
+  // The file was reopened: the next checkpoint commits, and is durable.
+  t.Fill(4, 0);
+  auto c4 = engine->Checkpoint(4, "");
+  ASSERT_TRUE(c4.ok()) << c4.status().ToString();
+  ASSERT_TRUE(engine->WaitCommitted(*c4).ok());
+  EXPECT_EQ(engine->Latest()->step, 4);
+  const CommittedCheckpoint latest = *engine->Latest();
+  engine.reset();
+
+  // After a power cut every checkpoint reported committed reads back.
+  rig.PowerCut();
+  auto again = std::move(OpenEngine(o, rig.Media())).value();
+  ASSERT_TRUE(again->Register({t.Ref()}).ok());
+  ASSERT_TRUE(again->Latest().has_value());
+  EXPECT_EQ(again->Latest()->counter, latest.counter);
+  t.Fill(0, 0);
+  auto info = again->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, latest.step);
+  want.Fill(latest.step, 0);
+  EXPECT_EQ(t.data, want.data);
+}
+
+TEST_F(EngineTest, AQueuedFailureDoesNotCostTheNextCheckpoint) {
+  // Regression (issue 14): Checkpoint() returned a queued failure and started
+  // nothing, so one transient error cost two checkpoints.
+  FaultRig rig;
+  auto t = MakeTensor("t", 100000);
+  auto engine = std::move(OpenEngine(Options(), rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  rig.disk->InjectError(FaultOp::kWrite, 1, EIO);
+  t.Fill(1, 0);
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  while (engine->Stats().in_flight > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  t.Fill(2, 0);
+  auto c2 = engine->Checkpoint(2, "");
+  ASSERT_TRUE(c2.ok()) << "the earlier failure must not stop this checkpoint: "
+                       << c2.status().ToString();
+  Status old = engine->TakeError();  // reported separately, once
+  EXPECT_EQ(old.code(), StatusCode::kIOError) << old.ToString();
+  EXPECT_NE(old.message().find("step 1"), std::string::npos) << old.message();
+  EXPECT_TRUE(engine->TakeError().ok());
+  ASSERT_TRUE(engine->WaitCommitted(*c2).ok());
+  EXPECT_EQ(engine->Latest()->step, 2);
+  EXPECT_EQ(engine->Stats().failed, 1u);
 }
 
 // ---- AbandonOlderThan (preemption notices, docs/PREEMPTION.md) -------------

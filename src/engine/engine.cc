@@ -234,6 +234,7 @@ class EngineImpl final : public Engine {
   Status SwitchFile(uint64_t slot_bytes, bool keep_old);
   Status GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock);
   Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
+  void ProtectRestored(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
 
   const EngineOptions opts_;
   const EngineMedia media_;
@@ -1143,6 +1144,24 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
   return first;
 }
 
+// The checkpoint a job restored from stays intact until a newer checkpoint
+// commits (DESIGN.md invariant 9): its slot becomes the retained one, and the
+// slots of the checkpoints newer than it (damaged, or rolled back from) are
+// free for the next checkpoints. Called with nothing in flight. Distributed
+// mode keeps the restored (agreed) checkpoint by Pin instead.
+void EngineImpl::ProtectRestored(const std::shared_ptr<SlotFile>& file,
+                                 const CheckpointInfo& info) {
+  if (opts_.global_agreement || file != file_ || pending_rename_) return;
+  if (retained_slot_ && *retained_slot_ == info.slot) return;
+  retained_slot_ = info.slot;
+  latest_ = CommittedCheckpoint{info.counter, info.step};
+  const uint32_t slots = file_->geometry().slots;
+  free_slots_ = std::make_unique<SlotQueue>(slots);
+  for (uint32_t s = 0; s < slots; ++s) {
+    if (s != info.slot) free_slots_->Push(s);
+  }
+}
+
 Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
@@ -1166,6 +1185,7 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
     if (not_durable_.count(c.info.counter) != 0) continue;  // its commit's fsync failed
     Status st = ReadCheckpoint(file, c.info);
     if (st.ok()) {
+      ProtectRestored(file, c.info);
       AddStall(Seconds(t0, Clock::now()));
       return c.info;
     }

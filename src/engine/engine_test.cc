@@ -17,6 +17,7 @@
 #include "media/fault_medium.h"
 #include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
+#include "nonstop/store.h"
 
 namespace nonstop {
 namespace {
@@ -508,6 +509,71 @@ TEST_F(EngineTest, AQueuedFailureDoesNotCostTheNextCheckpoint) {
   ASSERT_TRUE(engine->WaitCommitted(*c2).ok());
   EXPECT_EQ(engine->Latest()->step, 2);
   EXPECT_EQ(engine->Stats().failed, 1u);
+}
+
+// ---- the restored checkpoint is protected (DESIGN.md invariant 9) ----------
+
+// Overwrites the first 4 KiB of the data of step `step`'s checkpoint on the
+// disk, durably (a bad sector under the newest checkpoint).
+void DamageStep(FaultDisk& disk, int64_t step) {
+  auto sf = SlotFile::Open(disk.Open());
+  ASSERT_TRUE(sf.ok()) << sf.status().ToString();
+  ScanOptions so;
+  so.verify_data = false;
+  auto rep = (*sf)->Scan(so);
+  ASSERT_TRUE(rep.ok());
+  for (const ScannedCheckpoint& c : rep->checkpoints) {
+    if (c.state != CheckpointState::kCommitted || c.info.step != step) continue;
+    std::vector<uint8_t> junk(4096, 0xA5);
+    ASSERT_TRUE((*sf)->medium().Write(c.info.data_offset, junk.data(), junk.size()).ok());
+    ASSERT_TRUE((*sf)->medium().Sync().ok());
+    return;
+  }
+  FAIL() << "no committed checkpoint of step " << step;
+}
+
+TEST_F(EngineTest, AFallbackRestoreKeepsTheRestoredCheckpointUntilANewerCommits) {
+  // Regression (issue 14, defect 4): newest step 9 damaged, restore() falls
+  // back to step 7, but the engine kept step 9's slot and wrote the next
+  // checkpoint over step 7's; a kill during that commit left nothing valid.
+  FaultRig rig;
+  EngineOptions o = Options();
+  o.max_in_flight = 1;  // two slots: 7 and 9 are the only checkpoints held
+  auto t = MakeTensor("t", 100000);
+  {
+    auto engine = std::move(OpenEngine(o, rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    for (int64_t step : {5, 7, 9}) {
+      t.Fill(step, 0);
+      ASSERT_TRUE(engine->Checkpoint(step, "").ok());
+      ASSERT_TRUE(engine->WaitCommitted().ok());
+    }
+    ASSERT_TRUE(engine->Close().ok());
+  }
+  DamageStep(*rig.disk, 9);
+  {
+    auto engine = std::move(OpenEngine(o, rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    auto info = engine->Restore();
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    ASSERT_EQ(info->step, 7);
+    EXPECT_EQ(engine->Latest()->step, 7);
+    // The first new checkpoint's data and table become durable, then the
+    // process dies before its commit record does.
+    rig.disk->CrashOnCall(FaultOp::kSync, 2, CrashMode::kDropUnsynced, 0);
+    t.Fill(10, 0);
+    ASSERT_TRUE(engine->Checkpoint(10, "").ok());
+    EXPECT_FALSE(engine->WaitCommitted().ok());
+  }
+  auto engine = std::move(OpenEngine(o, rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  t.Fill(0, 0);
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << "the restored checkpoint was overwritten: " << info.status().ToString();
+  EXPECT_EQ(info->step, 7);
+  auto want = MakeTensor("t", 100000);
+  want.Fill(7, 0);
+  EXPECT_EQ(t.data, want.data);
 }
 
 // ---- AbandonOlderThan (preemption notices, docs/PREEMPTION.md) -------------

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _distributed, _fsdp, _preempt, _rng, _state
+from . import _auto, _config, _distributed, _fsdp, _preempt, _remote, _rng, _state
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
@@ -61,7 +61,7 @@ def check_directory(path: str, rank: int, world_size: Optional[int], must_exist:
         # rank-R.nsck.tmp: a slot file being created (a kill left it; the
         # engine deletes it on open)
         others = [n for n in names if not n.startswith(".")
-                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp)$", n)]
+                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp|remote)$", n)]
         if others:
             shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
             raise IncompatibleCheckpointError(
@@ -107,7 +107,8 @@ class Checkpointer:
                  overlap_gradients: bool = True, config: Optional[str] = None,
                  max_overhead: Optional[float] = None, copy: str = "host",
                  clip_grad_norm: Optional[float] = None, replicated: str = "shard",
-                 local=(), dist_timeout_s: float = 300.0, on_preempt=True):
+                 local=(), dist_timeout_s: float = 300.0, on_preempt=True,
+                 remote=None, remote_options: Optional[dict] = None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -202,6 +203,10 @@ class Checkpointer:
         # Preemption notices (SIGTERM by default): at the next step() boundary,
         # a checkpoint of that step at once, then exit 75; _preempt.py, docs/PREEMPTION.md
         self._preempt = _preempt.install(self, on_preempt)
+        # remote="s3://bucket/prefix" or a path: committed checkpoints are also
+        # uploaded in the background, and restore() falls back to them; _remote.py, docs/TIERS.md
+        self._remote = None if remote is None else _remote.Tier(
+            self, remote, remote_options, _core, _read, LoadedCheckpoint)
 
     # ---------------------------------------------------------------- saving
 
@@ -259,6 +264,8 @@ class Checkpointer:
         counter = engine.checkpoint(int(step), _state.dumps(meta))
         if self._dist is not None:
             self._dist.started(engine)
+        if self._remote is not None:
+            self._remote.started()
         self._copy_pending = True
         self._saves += 1
         self._visible_stall_s += time.perf_counter() - t0
@@ -367,6 +374,8 @@ class Checkpointer:
             s["auto"] = self._auto.state()
         if self._dist is not None:
             s.update(self._dist.stats())
+        if self._remote is not None:
+            s["remote"] = self._remote.stats()
         return s
 
     def close(self) -> None:
@@ -380,12 +389,18 @@ class Checkpointer:
         self._hooks = []
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            if self._dist is not None:  # a last agreement round with every rank
-                try:
+            try:
+                if self._dist is not None:  # a last agreement round with every rank
+                    try:
+                        engine.wait_committed(0)
+                    finally:
+                        self._dist.close()
+                elif getattr(self, "_remote", None) is not None:
                     engine.wait_committed(0)
-                finally:
-                    self._dist.close()
-            engine.close()
+            finally:
+                if getattr(self, "_remote", None) is not None:  # the newest one uploaded
+                    self._remote.close()
+                engine.close()
 
     def __enter__(self):
         return self
@@ -406,7 +421,10 @@ class Checkpointer:
         holds no checkpoint yet (a fresh start). A damaged newest checkpoint
         is skipped with a warning."""
         self._live()
-        if self._dist is not None:  # collective: the ranks agree on the step
+        remote = None if self._remote is None else self._remote.restore(step)
+        if remote is not None:  # newer than every rank's local checkpoint
+            loaded = remote
+        elif self._dist is not None:  # collective: the ranks agree on the step
             loaded = self._dist.load(self._engine, step, _core, LoadedCheckpoint, lambda d: (
                 check_directory(d, self.rank, self.world_size, must_exist=False)))
         elif self.world_size == 1 and _distributed.archives(self.dir):  # resharding to 1 process
@@ -583,10 +601,14 @@ def _read_tensor(reader, idx: int, ti: int, spec: dict, as_numpy: bool):
 
 
 def load(dir: str, step: Optional[int] = None, rank: int = 0,
-         as_numpy: bool = False) -> LoadedCheckpoint:
+         as_numpy: bool = False, remote_options: Optional[dict] = None) -> LoadedCheckpoint:
     """Reads a checkpoint for inspection, without a model: its tensors by
-    name and its metadata. The newest valid one unless `step` is given."""
+    name and its metadata. The newest valid one unless `step` is given.
+    A URL ("s3://bucket/prefix"), or any path with remote_options, is read
+    as a remote tier (docs/TIERS.md)."""
     path = os.fspath(dir)
+    if remote_options is not None or re.match(r"^[a-z][a-z0-9+.-]*://", path):
+        return _remote.load(path, step, rank, remote_options, _read, as_numpy)
     check_directory(path, rank, None, must_exist=True)
     loaded = _read(path, rank, step, None, as_numpy)
     if loaded is None:

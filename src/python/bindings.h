@@ -22,6 +22,7 @@ namespace nonstop::py_bindings {
 void InitEngine(pybind11::module_& m);
 void InitOptim(pybind11::module_& m);
 void InitMultistep(pybind11::module_& m);  // multistep_bindings.cc (GoCkpt schedule)
+void InitRemote(pybind11::module_& m);     // remote_bindings.cc (copy_checkpoint)
 
 // Carries a non-OK Status to Python, also out of a GIL-released region: the
 // translator (RegisterStatusTranslator) raises the nonstop.errors class for

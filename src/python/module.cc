@@ -14,4 +14,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitEngine(m);
   nonstop::py_bindings::InitOptim(m);
   nonstop::py_bindings::InitMultistep(m);
+  nonstop::py_bindings::InitRemote(m);
 }

@@ -1,0 +1,805 @@
+"""The remote tier: committed checkpoints copied to an object store (S3 and
+what obstore speaks) or a plain path (a shared file system), and fetched
+back by a node that lost its local directory. See docs/TIERS.md.
+
+Layout and commit rule (class Layout: the one place that knows them):
+
+    PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.nsck   one-slot copy of rank R's checkpoint
+    PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.json   rank R's manifest, written after its part
+    PREFIX/step-NNNNNNNNNNNN/COMMITTED         written last, by rank 0, once every
+                                               rank's manifest is there (same lineage)
+
+A reader trusts a step only when COMMITTED is there, and verifies end to
+end: the manifest's size and crc32 of every part while downloading, then
+every chunk crc32c of the .nsck file itself when reading it (nonstop's own
+store). The transfer is obstore's (Rust, GIL released, multipart, retries);
+nothing here speaks S3.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from datetime import timedelta
+from typing import Optional
+
+from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+
+FORMAT = "nonstop.remote/1"
+MAX_JSON_BYTES = 1 << 20          # manifests and markers are small: refuse more before reading
+PART_BYTES = 8 << 20              # crc unit and multipart chunk
+LOCAL_DIR = "remote"              # DIR/remote/step-N/rank-R.nsck: staged uploads, fetched parts
+
+
+# ------------------------------------------------------------------ layout
+
+class Layout:
+    """Names of the objects of a remote checkpoint and the commit rule. The
+    job directory's owner (include/nonstop/jobdir.h) is meant to take this
+    over; nothing else in this module builds a name."""
+
+    STEP = re.compile(r"^step-(\d{12})$")
+
+    @staticmethod
+    def step_dir(step: int) -> str:
+        return f"step-{int(step):012d}"
+
+    @classmethod
+    def part(cls, step: int, rank: int) -> str:
+        return f"{cls.step_dir(step)}/rank-{int(rank):05d}.nsck"
+
+    @classmethod
+    def manifest(cls, step: int, rank: int) -> str:
+        return f"{cls.step_dir(step)}/rank-{int(rank):05d}.json"
+
+    @classmethod
+    def marker(cls, step: int) -> str:
+        return f"{cls.step_dir(step)}/COMMITTED"
+
+    @staticmethod
+    def committed(marker: dict, manifests: dict, world: int) -> bool:
+        """The commit rule: a marker for `world` ranks and one manifest per
+        rank, all of the marker's step and lineage."""
+        return (marker.get("world_size") == world and len(manifests) == world and all(
+            m.get("step") == marker.get("step") and m.get("lineage") == marker.get("lineage")
+            for m in manifests.values()))
+
+
+def _check_doc(doc, what: str) -> dict:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{what} is not a nonstop remote document")
+    for key in ("step", "world_size", "lineage"):
+        if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool):
+            raise CorruptCheckpointError(f"{what}: field {key!r} is missing or not an integer")
+    return doc
+
+
+def _check_manifest(doc, what: str) -> dict:
+    _check_doc(doc, what)
+    size, part, crcs = doc.get("bytes"), doc.get("part_bytes"), doc.get("part_crc32")
+    if (not isinstance(size, int) or size < 0 or not isinstance(part, int) or part < 4096
+            or part > (1 << 30) or not isinstance(crcs, list)
+            or len(crcs) != -(-size // part) or not all(isinstance(c, int) for c in crcs)):
+        raise CorruptCheckpointError(f"{what}: sizes or part checksums are malformed")
+    return doc
+
+
+# ------------------------------------------------------------------ stores
+
+class _Throttle:
+    """A file reader that keeps to `bps` bytes per second (the optional
+    bandwidth limit of uploads)."""
+
+    def __init__(self, f, bps: float, abort: Optional[threading.Event] = None):
+        self.f, self.bps, self.t0, self.n = f, float(bps), time.monotonic(), 0
+        self.abort = abort or threading.Event()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.n += len(data)
+        ahead = self.n / self.bps - (time.monotonic() - self.t0)
+        if ahead > 0 and self.abort.wait(ahead):
+            raise CheckpointError("upload aborted (close_timeout_s passed)")
+        return data
+
+    def seek(self, *a):
+        return self.f.seek(*a)
+
+    def tell(self):
+        return self.f.tell()
+
+
+class ObjectStore:
+    """An S3 (or GCS/Azure) prefix through obstore."""
+
+    def __init__(self, url: str, options: dict):
+        try:
+            import obstore
+            import obstore.store
+        except ImportError as e:  # pragma: no cover - make build installs it
+            raise CheckpointError(f"remote={url!r} needs the obstore package ({e})") from None
+        self._ob = obstore
+        opts = dict(options or {})
+        self.concurrency = int(opts.pop("max_concurrency", 8))
+        self.part_bytes = int(opts.pop("part_bytes", PART_BYTES))
+        for k in _TIER_OPTIONS:
+            opts.pop(k, None)
+        m = re.match(r"^s3://([^/]+)/?(.*)$", url)
+        if m:
+            bucket, prefix = m.group(1), m.group(2).strip("/")
+            endpoint = opts.pop("endpoint", None) or opts.pop("endpoint_url", None) or (
+                opts.get("client_kwargs", {}) or {}).get("endpoint_url")
+            opts.pop("client_kwargs", None)
+            kw = {}
+            for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"),
+                             ("token", "session_token"), ("region", "region")):
+                if opts.get(src) is not None:
+                    kw[dst] = opts.pop(src)
+            client = {"timeout": str(opts.pop("timeout", "60s")),
+                      "connect_timeout": str(opts.pop("connect_timeout", "5s"))}
+            if endpoint:
+                kw["endpoint"] = endpoint
+                client["allow_http"] = endpoint.startswith("http://")
+            kw.update(opts)
+            self.store = obstore.store.S3Store(
+                bucket, prefix=prefix or None, client_options=client,
+                retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=30),
+                              "backoff": {"init_backoff": timedelta(seconds=0.1),
+                                          "max_backoff": timedelta(seconds=2), "base": 2}},
+                **kw)
+        else:
+            self.store = obstore.store.from_url(url, **opts)
+        self.url = url
+
+    def put_file(self, key: str, path: str, bps: Optional[float] = None, abort=None) -> None:
+        with open(path, "rb") as f:
+            src = _Throttle(f, bps, abort) if bps else f
+            self._ob.put(self.store, key, src, chunk_size=self.part_bytes,
+                         max_concurrency=self.concurrency)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._ob.put(self.store, key, data)
+
+    def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
+        try:
+            meta = self._ob.head(self.store, key)
+        except FileNotFoundError:
+            return None
+        if meta["size"] > limit:
+            raise CorruptCheckpointError(f"{self.url}/{key} is {meta['size']} bytes, "
+                                         f"more than a nonstop document ({limit})")
+        try:
+            return bytes(self._ob.get(self.store, key).bytes())
+        except FileNotFoundError:
+            return None
+
+    def get_chunks(self, key: str):
+        """(size, iterator of buffers); FileNotFoundError when missing."""
+        res = self._ob.get(self.store, key)
+        return res.meta["size"], res.stream(min_chunk_size=self.part_bytes)
+
+    def list(self, prefix: str = "") -> list:
+        out = []
+        for batch in self._ob.list(self.store, prefix or None):
+            out.extend((m["path"], m["size"]) for m in batch)
+        return out
+
+    def delete(self, keys: list) -> None:
+        if keys:
+            self._ob.delete(self.store, keys)
+
+
+class PathStore:
+    """A directory (a shared file system) as the remote: each object a file,
+    written under a temp name, fsynced, renamed, directory fsynced."""
+
+    def __init__(self, root: str, options: dict):
+        self.root = os.path.abspath(root)
+        self.part_bytes = int((options or {}).get("part_bytes", PART_BYTES))
+        self.url = self.root
+
+    def _p(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def _commit(self, tmp: str, dest: str) -> None:
+        os.replace(tmp, dest)
+        fd = os.open(os.path.dirname(dest), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def put_file(self, key: str, path: str, bps: Optional[float] = None, abort=None) -> None:
+        dest = self._p(key)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = dest + ".tmp"
+        with open(path, "rb") as f, open(tmp, "wb") as out:
+            src = _Throttle(f, bps, abort) if bps else f
+            while True:
+                buf = src.read(self.part_bytes)
+                if not buf:
+                    break
+                out.write(buf)
+            out.flush()
+            os.fsync(out.fileno())
+        self._commit(tmp, dest)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dest = self._p(key)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = dest + ".tmp"
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        self._commit(tmp, dest)
+
+    def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
+        try:
+            with open(self._p(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > limit:
+                    raise CorruptCheckpointError(f"{self._p(key)} is {size} bytes, more than "
+                                                 f"a nonstop document ({limit})")
+                return f.read(limit)
+        except FileNotFoundError:
+            return None
+
+    def get_chunks(self, key: str):
+        f = open(self._p(key), "rb")
+        size = os.fstat(f.fileno()).st_size
+
+        def chunks():
+            with f:
+                while True:
+                    buf = f.read(self.part_bytes)
+                    if not buf:
+                        return
+                    yield buf
+        return size, chunks()
+
+    def list(self, prefix: str = "") -> list:
+        base = self._p(prefix) if prefix else self.root
+        out = []
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if name.endswith(".tmp"):
+                    continue
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                try:
+                    out.append((rel, os.path.getsize(full)))
+                except OSError:
+                    pass
+        return out
+
+    def delete(self, keys: list) -> None:
+        for k in keys:
+            try:
+                os.unlink(self._p(k))
+            except FileNotFoundError:
+                pass
+        for d in {os.path.dirname(self._p(k)) for k in keys}:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+# Options of the tier itself (the rest go to the client).
+_TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
+                 "commit_timeout_s", "retry_max_s")
+
+
+def open_store(url: str, options: Optional[dict]):
+    url = os.fspath(url)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", url) and not url.startswith("file://"):
+        return ObjectStore(url, options or {})
+    return PathStore(url[len("file://"):] if url.startswith("file://") else url, options or {})
+
+
+# --------------------------------------------------------------- reading
+
+def _load_json(store, key: str) -> Optional[dict]:
+    data = store.get_bytes(key, MAX_JSON_BYTES)
+    if data is None:
+        return None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise CorruptCheckpointError(f"{store.url}/{key} is not JSON") from None
+
+
+def committed_steps(store) -> list:
+    """[(step, marker)] of the steps with a COMMITTED marker, newest first
+    (a marker that does not parse is skipped with a warning)."""
+    steps = set()
+    for key, _ in store.list(""):
+        parts = key.split("/")
+        if len(parts) == 2 and parts[1] == "COMMITTED":
+            m = Layout.STEP.match(parts[0])
+            if m:
+                steps.add(int(m.group(1)))
+    out = []
+    for step in sorted(steps, reverse=True):
+        try:
+            marker = _check_doc(_load_json(store, Layout.marker(step)), f"{store.url} step {step}")
+        except CorruptCheckpointError as e:
+            warnings.warn(f"nonstop: remote: {e}; skipped", stacklevel=2)
+            continue
+        if marker.get("step") == step:
+            out.append((step, marker))
+    return out
+
+
+def fetch(store, step: int, rank: int, local_dir: str) -> str:
+    """Downloads rank `rank`'s part of committed remote step `step` into
+    local_dir/remote/step-N/rank-R.nsck (verifying the size and every part's
+    crc32 against the manifest while writing, then fsync and rename).
+    Returns the one-slot job directory. Raises CorruptCheckpointError (a
+    missing or damaged part, a manifest of another lineage) or OSError."""
+    where = f"{store.url}/{Layout.step_dir(step)}"
+    marker = _load_json(store, Layout.marker(step))
+    if marker is None:
+        raise CorruptCheckpointError(f"{where} is not committed (no COMMITTED marker)")
+    _check_doc(marker, f"{where}/COMMITTED")
+    man = _load_json(store, Layout.manifest(step, rank))
+    if man is None:
+        raise CorruptCheckpointError(f"{where}: rank {rank}'s manifest is missing")
+    _check_manifest(man, f"{where}/rank-{rank:05d}.json")
+    if man["step"] != step or man["lineage"] != marker["lineage"] or man.get("rank") != rank:
+        raise CorruptCheckpointError(f"{where}: rank {rank}'s manifest is of another checkpoint")
+    dest_dir = os.path.join(local_dir, LOCAL_DIR, Layout.step_dir(step))
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, f"rank-{rank:05d}.nsck")
+    tmp = dest + ".fetch"
+    try:
+        size, chunks = store.get_chunks(Layout.part(step, rank))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: rank {rank}'s part is missing") from None
+    if size != man["bytes"]:
+        raise CorruptCheckpointError(f"{where}: rank {rank}'s part is {size} bytes, the manifest "
+                                     f"says {man['bytes']}")
+    part, crcs = man["part_bytes"], man["part_crc32"]
+    got, crc, idx, fill = 0, 0, 0, 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        for buf in chunks:
+            mv = memoryview(buf)
+            if got + len(mv) > size:
+                raise CorruptCheckpointError(f"{where}: rank {rank}'s part is longer than stated")
+            while len(mv):
+                take = min(len(mv), part - fill)
+                crc = zlib.crc32(mv[:take], crc)
+                fill += take
+                if fill == part or got + take == size:
+                    if crc != crcs[idx]:
+                        raise CorruptCheckpointError(
+                            f"{where}: rank {rank}'s part {idx} (bytes {idx * part}..) crc "
+                            f"mismatch: damaged in the store")
+                    idx, crc, fill = idx + 1, 0, 0
+                os.write(fd, mv[:take])
+                got += take
+                mv = mv[take:]
+        if got != size or idx != len(crcs):
+            raise CorruptCheckpointError(f"{where}: rank {rank}'s part ended at {got} of {size} "
+                                         f"bytes")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, dest)
+    return dest_dir
+
+
+def read_fetched(path: str, rank: int, world_size: int, read):
+    """Reads the fetched one-slot directory with nonstop's reader (every
+    chunk crc32c verified); `read` is _checkpointer._read."""
+    return read(path, rank, None, world_size, as_numpy=False)
+
+
+# --------------------------------------------------------------- uploader
+
+class Uploader:
+    """One rank's background uploads. `target()` returns the newest
+    checkpoint to upload as (counter, step, lineage) or None: the newest
+    committed one (one process) or the newest globally agreed one."""
+
+    def __init__(self, store, dir: str, rank: int, world: int, target, core, keep=None,
+                 options: Optional[dict] = None):
+        opts = options or {}
+        self.store, self.dir, self.rank, self.world = store, dir, rank, world
+        self.target, self.core = target, core
+        self.keep = keep
+        self.max_to_keep = int(opts.get("max_to_keep", 2))
+        if self.max_to_keep < 1:
+            raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
+        self.bps = opts.get("bandwidth_bps")
+        self.poll_s = float(opts.get("poll_s", 0.05))
+        self.commit_timeout_s = float(opts.get("commit_timeout_s", 300.0))
+        self.retry_max_s = float(opts.get("retry_max_s", 10.0))
+        self.close_timeout_s = float(opts.get("close_timeout_s", 600.0))
+        self.done_step: Optional[int] = None    # newest step this rank uploaded (and, rank 0, committed)
+        self.busy_step: Optional[int] = None
+        self.stats = {"uploads": 0, "committed": 0, "retries": 0, "failures": 0,
+                      "bytes": 0, "upload_s": 0.0, "last_GBps": 0.0, "skipped_existing": 0,
+                      "last_error": None, "deleted_steps": 0}
+        self._stop = threading.Event()
+        self._abort = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"nonstop-remote-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the loop
+
+    def _loop(self) -> None:
+        backoff = 0.2
+        while True:
+            t = None
+            try:
+                t = self.target()
+            except Exception as e:  # noqa: BLE001 -- engine closed, reported
+                self.stats["last_error"] = f"target: {e}"
+            if t is not None and (self.done_step is None or t[1] > self.done_step):
+                try:
+                    self._upload(*t)
+                    backoff = 0.2
+                    continue
+                except Exception as e:  # noqa: BLE001 -- retried with backoff
+                    self.stats["retries"] += 1
+                    self.stats["last_error"] = f"step {t[1]}: {type(e).__name__}: {e}"
+                    if self._stop.is_set() and self._deadline_passed():
+                        self.stats["failures"] += 1
+                        return
+                    self._stop.wait(backoff) if not self._stop.is_set() else time.sleep(backoff)
+                    backoff = min(backoff * 2, self.retry_max_s)
+                    continue
+                finally:
+                    self.busy_step = None
+            if self._stop.is_set():
+                return
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+
+    def _deadline_passed(self) -> bool:
+        return time.monotonic() > self._close_deadline
+
+    def _upload(self, counter: int, step: int) -> None:
+        self.busy_step = step
+        sdir = os.path.join(self.dir, LOCAL_DIR, Layout.step_dir(step))
+        os.makedirs(sdir, exist_ok=True)
+        staged = os.path.join(sdir, f"rank-{self.rank:05d}.nsck")
+        if not os.path.exists(staged):  # a one-slot copy, every chunk verified
+            tmp = staged + ".tmp"
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            self.core().copy_checkpoint(self.dir, self.rank, counter, tmp)
+            os.replace(tmp, staged)
+        # The lineage (distributed: one run from one restored state) is the
+        # checkpoint's own, as local recovery keys it.
+        info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
+        meta = json.loads(info["meta_json"].decode("utf-8"))
+        lineage = int((meta.get("dist") or {}).get("lineage", 0))
+        marker = _load_json(self.store, Layout.marker(step))
+        if marker is not None and marker.get("lineage") == lineage:
+            self.stats["skipped_existing"] += 1  # already there (a restart of the same run)
+            self.done_step = step
+            self._drop_staged(keep_step=step)
+            return
+        t0 = time.perf_counter()
+        size = os.path.getsize(staged)
+        part = self.store.part_bytes
+        crcs = []
+        with open(staged, "rb") as f:
+            while True:
+                buf = f.read(part)
+                if not buf:
+                    break
+                crcs.append(zlib.crc32(buf))
+        self.store.put_file(Layout.part(step, self.rank), staged, self.bps, self._abort)
+        man = {"format": FORMAT, "step": step, "counter": counter, "rank": self.rank,
+               "world_size": self.world, "lineage": lineage, "bytes": size,
+               "part_bytes": part, "part_crc32": crcs, "unix_s": time.time()}
+        self.store.put_bytes(Layout.manifest(step, self.rank), json.dumps(man).encode())
+        dt = time.perf_counter() - t0
+        self.stats["uploads"] += 1
+        self.stats["bytes"] += size
+        self.stats["upload_s"] += dt
+        self.stats["last_GBps"] = size / dt / 1e9 if dt > 0 else 0.0
+        if self.rank == 0:
+            self._commit(step, counter, lineage)
+        self.done_step = step
+        self._drop_staged(keep_step=step)
+
+    def _commit(self, step: int, counter: int, lineage: int) -> None:
+        """Rank 0: COMMITTED once every rank's manifest of this step and
+        lineage is there. Gives the step up when a newer target appears and
+        the others did not come within commit_timeout_s."""
+        t0 = time.monotonic()
+        while True:
+            mans = {}
+            for r in range(self.world):
+                m = _load_json(self.store, Layout.manifest(step, r))
+                if m is not None and m.get("step") == step and m.get("lineage") == lineage:
+                    mans[r] = m
+            marker = {"format": FORMAT, "step": step, "world_size": self.world,
+                      "lineage": lineage, "counter": counter,
+                      "ranks": {str(r): m["bytes"] for r, m in mans.items()},
+                      "unix_s": time.time()}
+            if Layout.committed(marker, mans, self.world):
+                self.store.put_bytes(Layout.marker(step), json.dumps(marker).encode())
+                self.stats["committed"] += 1
+                self._retain()
+                return
+            if time.monotonic() - t0 > self.commit_timeout_s or (
+                    self._stop.is_set() and self._deadline_passed()):
+                self.stats["failures"] += 1
+                self.stats["last_error"] = (f"step {step}: only ranks {sorted(mans)} of "
+                                            f"{self.world} uploaded; not committed")
+                return
+            time.sleep(max(self.poll_s, 0.1))
+
+    def _retain(self) -> None:
+        """Keeps the newest max_to_keep committed steps (and, with keep=k,
+        those whose counter is a multiple of k); deletes the rest, marker
+        first, and any uncommitted step older than the newest committed."""
+        objs = self.store.list("")
+        by_step: dict = {}
+        for key, _ in objs:
+            m = Layout.STEP.match(key.split("/")[0])
+            if m:
+                by_step.setdefault(int(m.group(1)), []).append(key)
+        committed = sorted((s for s, keys in by_step.items()
+                            if Layout.marker(s) in keys), reverse=True)
+        if not committed:
+            return
+        keep = set(committed[:self.max_to_keep])
+        if self.keep:
+            for s in committed[self.max_to_keep:]:
+                mk = _load_json(self.store, Layout.marker(s)) or {}
+                if isinstance(mk.get("counter"), int) and mk["counter"] % self.keep == 0:
+                    keep.add(s)
+        newest = committed[0]
+        for s, keys in by_step.items():
+            if s in keep or (s not in committed and s >= newest):
+                continue
+            mk = Layout.marker(s)
+            if mk in keys:
+                self.store.delete([mk])  # uncommitted first: never a marker without its parts
+            self.store.delete([k for k in keys if k != mk])
+            self.stats["deleted_steps"] += 1
+
+    def _drop_staged(self, keep_step: int) -> None:
+        base = os.path.join(self.dir, LOCAL_DIR)
+        for name in os.listdir(base):
+            m = Layout.STEP.match(name)
+            if m and int(m.group(1)) != keep_step:
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+    # -- control
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def snapshot(self) -> dict:
+        s = dict(self.stats)
+        s.update(url=self.store.url, uploaded_step=self.done_step, uploading_step=self.busy_step)
+        return s
+
+    def close(self, wait: bool = True) -> None:
+        """Uploads the newest checkpoint still to upload (wait=True, within
+        close_timeout_s), then stops the thread."""
+        self._close_deadline = time.monotonic() + (self.close_timeout_s if wait else 0.0)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(self.close_timeout_s if wait else 0.0)
+        if self._thread.is_alive():  # past the deadline: a throttled transfer stops now
+            self._abort.set()
+            self._thread.join(10)
+            if self._thread.is_alive():
+                warnings.warn(f"nonstop: rank {self.rank}: a remote transfer is still running "
+                              f"after close_timeout_s; left to finish in the background",
+                              stacklevel=3)
+        err = self.stats["last_error"]
+        if wait and self.stats["failures"] and err:
+            warnings.warn(f"nonstop: rank {self.rank}: remote upload: {err}", stacklevel=3)
+
+    _close_deadline = float("inf")
+
+
+# ------------------------------------------------------------- restoring
+
+def restore_candidates(store, local_newest: Optional[int], step: Optional[int]) -> list:
+    """Remote steps to try before the local directory: committed remote steps
+    newer than the newest local one (all of them at `step` if given and
+    not local)."""
+    steps = committed_steps(store)
+    if step is not None:
+        return [(s, m) for s, m in steps if s == step] if local_newest != step else []
+    return [(s, m) for s, m in steps if local_newest is None or s > local_newest]
+
+
+# ------------------------------------------------------------------ tier
+
+class Tier:
+    """The remote tier of one Checkpointer (its `remote=` argument). The
+    Checkpointer hands in what it owns (the engine, its reader), so this
+    module imports nothing of the front end."""
+
+    def __init__(self, ckpt, url, options: Optional[dict], core, read, loaded_cls):
+        if options is not None and not isinstance(options, dict):
+            raise CheckpointMismatchError("remote_options must be a dict")
+        self.ckpt, self.core, self.read, self.loaded_cls = ckpt, core, read, loaded_cls
+        self.options = dict(options or {})
+        self.store = open_store(url, self.options)
+        self.uploader: Optional[Uploader] = None
+        self.engine = None
+        self.restored_from: Optional[str] = None
+
+    def _target(self):
+        dist = self.ckpt._dist
+        engine = self.engine  # held here: close() clears the Checkpointer's first
+        if engine is None or getattr(engine, "closed", False):
+            return None
+        if dist is not None:
+            a = dist.agreed
+            return None if a is None else (int(a["counter"]), int(a["step"]))
+        got = engine.latest()
+        return None if got is None else (int(got[0]), int(got[1]))
+
+    def started(self) -> None:
+        """After each save(): the first starts the upload thread."""
+        if self.uploader is None:
+            self.engine = self.ckpt._engine
+            self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
+                                     self.ckpt.world_size, self._target, self.core,
+                                     keep=self.ckpt.keep, options=self.options)
+        self.uploader.poke()
+
+    def stats(self) -> dict:
+        s = self.uploader.snapshot() if self.uploader is not None else {
+            "url": self.store.url, "uploaded_step": None, "uploading_step": None}
+        s["restored_from"] = self.restored_from
+        return s
+
+    def close(self, wait: bool = True) -> None:
+        if self.uploader is not None:
+            self.uploader.close(wait)
+
+    # -- restore
+
+    def _local_steps(self) -> dict:
+        """(step, lineage) -> None of this rank's committed local checkpoints."""
+        from ._distributed import _committed
+        path = os.path.join(self.ckpt.dir, f"rank-{self.ckpt.rank:05d}.nsck")
+        if not os.path.exists(path):
+            return {}
+        try:
+            reader = self.core().Reader(self.ckpt.dir, rank=self.ckpt.rank, verify_data=False)
+        except Exception:  # noqa: BLE001 -- an unreadable file: the local path reports it
+            return {}
+        return {k: None for k in _committed(reader)}
+
+    def _try(self, step: int):
+        """(LoadedCheckpoint, None) or (None, one-line error) for remote step."""
+        try:
+            d = fetch(self.store, step, self.ckpt.rank, self.ckpt.dir)
+            loaded = self.read(d, self.ckpt.rank, None, self.ckpt.world_size, as_numpy=False)
+            if loaded is None or loaded.step != step:
+                raise CorruptCheckpointError(f"{d} holds no committed checkpoint of step {step}")
+            return loaded, None
+        except (CheckpointError, OSError) as e:
+            return None, str(e)
+
+    def restore(self, step: Optional[int]):
+        """A LoadedCheckpoint from the remote when its newest usable step is
+        newer than every rank's local one (or `step` is only remote); None to
+        restore from the local directory."""
+        if self.ckpt._dist is not None:
+            return self._restore_dist(step)
+        local = self._local_steps()
+        newest = max((s for s, _ in local), default=None)
+        if step is not None and any(s == step for s, _ in local):
+            return None
+        errors = []
+        for s, _ in restore_candidates(self.store, newest, step):
+            loaded, err = self._try(s)
+            if loaded is not None:
+                self.restored_from = f"{self.store.url}/{Layout.step_dir(s)}"
+                return loaded
+            errors.append(err)
+            warnings.warn(f"nonstop: remote step {s}: {err}; falling back", stacklevel=3)
+        if errors and newest is None:
+            raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies: "
+                                         f"{errors[0]}")
+        return None
+
+    def _restore_dist(self, step: Optional[int]):
+        import torch.distributed as tdist
+        d = self.ckpt._dist
+        local = sorted(self._local_steps())
+        every = [None] * d.world
+        tdist.all_gather_object(every, local, group=d.group)
+        common = set(map(tuple, every[0]))
+        for s in every[1:]:
+            common &= set(map(tuple, s))
+        newest = max((s for s, _ in common), default=None)
+        box = [None]
+        if d.rank == 0:
+            try:
+                box[0] = [(s, m["lineage"]) for s, m in committed_steps(self.store)]
+            except Exception as e:  # noqa: BLE001 -- the store is down: local only
+                warnings.warn(f"nonstop: remote {self.store.url} cannot be listed: {e}",
+                              stacklevel=3)
+                box[0] = []
+        tdist.broadcast_object_list(box, src=0, group=d.group)
+        if step is not None:
+            if any(s == step for s, _ in common):
+                return None
+            cands = [c for c in box[0] if c[0] == step]
+        else:
+            cands = [c for c in box[0] if newest is None or c[0] > newest]
+        errors = []
+        for s, lineage in cands:
+            loaded, err = self._try(s)
+            errs = [None] * d.world
+            tdist.all_gather_object(errs, err, group=d.group)
+            bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+            if bad:
+                where = "; ".join(f"rank {r}: {e}" for r, e in bad)
+                errors.append(where)
+                warnings.warn(f"nonstop: remote step {s} fails on {where}; falling back",
+                              stacklevel=3)
+                continue
+            full = d._assemble(loaded.tensors, loaded.info, loaded.meta)
+            engine = self.ckpt._engine
+            d.engine = engine
+            d.lineage = d._new_lineage()
+            cand = engine.candidate()
+            if cand is not None:
+                engine.drop_candidate(cand[0])
+            self.restored_from = f"{self.store.url}/{Layout.step_dir(s)}"
+            return self.loaded_cls(loaded.step, loaded.counter, full, loaded.meta, loaded.info,
+                                   loaded.path)
+        if errors and newest is None and not any(every):
+            raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies on "
+                                         f"every rank: {errors[0]}")
+        return None
+
+
+def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read,
+         as_numpy: bool):
+    """nonstop.load() of a remote URL (or, with remote_options, a remote
+    path): the newest committed remote step that verifies (or `step`),
+    fetched into a temporary directory and read from there."""
+    import tempfile
+    store = open_store(url, options or {})
+    steps = [s for s, _ in committed_steps(store) if step is None or s == step]
+    if not steps:
+        from .errors import CheckpointNotFoundError
+        raise CheckpointNotFoundError(
+            f"no committed remote checkpoint{'' if step is None else ' at step ' + str(step)} "
+            f"in {store.url}")
+    errors = []
+    for s in steps:
+        tmp = tempfile.mkdtemp(prefix="nonstop-remote-")
+        try:
+            d = fetch(store, s, rank, tmp)
+            loaded = read(d, rank, None, None, as_numpy)
+            if loaded is not None:
+                loaded.path = f"{store.url}/{Layout.part(s, rank)}"
+                return loaded
+        except (CheckpointError, OSError) as e:
+            errors.append(str(e))
+            warnings.warn(f"nonstop: remote step {s}: {e}; falling back", stacklevel=3)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise CorruptCheckpointError(f"no remote checkpoint in {store.url} verifies: {errors[0]}")

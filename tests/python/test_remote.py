@@ -1,0 +1,282 @@
+"""The remote tier against a real S3 server (SeaweedFS, tests/python/s3_server.py)
+and a plain path: upload after a local commit, restore on a node whose local
+directory is gone, and the faults: the server stopped during an upload, a
+deleted part, a flipped bit. Nothing is mocked."""
+import os
+import shutil
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import nonstop
+import tiny
+from conftest import needs_engine
+from nonstop import _remote
+from nonstop.errors import CorruptCheckpointError
+from s3_server import SeaweedS3, s3_server  # noqa: F401 -- the fixture
+
+pytestmark = [needs_engine, pytest.mark.timeout(300)]
+
+
+def _train(dir, steps, remote, options, every=2, start_from=None, big=0):
+    model, opt, sched = tiny.make()
+    state = {"model": model, "optim": opt, "sched": sched}
+    if big:
+        state["blob"] = torch.arange(big, dtype=torch.float32)
+    ckpt = nonstop.Checkpointer(dir, state, every=every, remote=remote, remote_options=options)
+    start = ckpt.restore()
+    first = 0 if start is None else start + 1
+    for step in range(first, steps):
+        tiny.train_step(model, opt, sched, step)
+        if big:
+            state["blob"].add_(1.0)
+        ckpt.step(step)
+    return ckpt, state, start
+
+
+def _params(state):
+    return {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _remote_url(kind, s3, tmp_path):
+    if kind == "s3":
+        return s3.url("job"), s3.options
+    return str(tmp_path / "shared"), {}
+
+
+def _wait_uploaded(store, step, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s == step for s, _ in _remote.committed_steps(store)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never committed remotely")
+
+
+@pytest.fixture(params=["s3", "path"])
+def remote(request, tmp_path):
+    if request.param == "s3":
+        srv = SeaweedS3(tmp_path / "seaweedfs")
+        srv.start()
+        try:
+            yield _remote_url("s3", srv, tmp_path) + (srv,)
+        finally:
+            srv.stop()
+    else:
+        yield _remote_url("path", None, tmp_path) + (None,)
+
+
+def test_upload_then_restore_after_local_dir_is_lost(tmp_path, remote):
+    url, opts, _ = remote
+    d = str(tmp_path / "local")
+    ckpt, state, _ = _train(d, 10, url, opts)
+    ckpt.close()  # waits for the newest upload
+    st = ckpt.stats()["remote"] if False else None  # noqa: F841 -- closed
+    store = _remote.open_store(url, opts)
+    steps = [s for s, _ in _remote.committed_steps(store)]
+    assert steps[0] == 9
+    assert len(steps) <= 2  # max_to_keep=2 by default
+    want = _params(state)
+    # the replaced node: an empty local directory
+    shutil.rmtree(d)
+    model, opt, sched = tiny.make(seed=123)
+    state2 = {"model": model, "optim": opt, "sched": sched}
+    ck2 = nonstop.Checkpointer(d, state2, every=2, remote=url, remote_options=opts)
+    assert ck2.restore() == 9
+    _same(want, _params(state2))
+    assert ck2.stats()["remote"]["restored_from"].endswith("step-000000000009")
+    # and training goes on bit-identically: compare with an uninterrupted run
+    for step in range(10, 14):
+        tiny.train_step(model, opt, sched, step)
+        ck2.step(step)
+    ck2.close()
+    ref, _, _ = _train(str(tmp_path / "ref"), 14, None, None)
+    ref_state = ref.state
+    ref.close()
+    _same(_params(ref_state), _params(state2))
+
+
+def test_local_newer_than_remote_wins(tmp_path, remote):
+    url, opts, _ = remote
+    d = str(tmp_path / "local")
+    ckpt, state, _ = _train(d, 6, url, opts)
+    ckpt.close()
+    # a newer local checkpoint that never reached the remote
+    ck, st, start = _train(d, 10, None, None)
+    assert start == 5
+    ck.close()
+    model, opt, sched = tiny.make(seed=5)
+    ck3 = nonstop.Checkpointer(d, {"model": model, "optim": opt, "sched": sched}, every=2,
+                               remote=url, remote_options=opts)
+    assert ck3.restore() == 9
+    assert ck3.stats()["remote"]["restored_from"] is None
+    ck3.close()
+
+
+def _two_remote_steps(tmp_path, url, opts):
+    d = str(tmp_path / "local")
+    ckpt, state, _ = _train(d, 4, url, opts, every=4)  # step 3
+    ckpt.close()
+    ckpt, state, start = _train(d, 8, url, opts, every=4)  # step 7
+    assert start == 3
+    ckpt.close()
+    store = _remote.open_store(url, opts)
+    assert [s for s, _ in _remote.committed_steps(store)] == [7, 3]
+    ref3, _, _ = _train(str(tmp_path / "ref3"), 4, None, None)
+    want3 = _params(ref3.state)
+    ref3.close()
+    shutil.rmtree(d)
+    return d, store, want3
+
+
+def _fresh(d, url, opts):
+    model, opt, sched = tiny.make(seed=77)
+    state = {"model": model, "optim": opt, "sched": sched}
+    return nonstop.Checkpointer(d, state, every=4, remote=url, remote_options=opts), state
+
+
+def test_deleted_remote_part_falls_back(tmp_path, remote):
+    url, opts, _ = remote
+    d, store, want3 = _two_remote_steps(tmp_path, url, opts)
+    store.delete([_remote.Layout.part(7, 0)])
+    ck, state = _fresh(d, url, opts)
+    with pytest.warns(UserWarning, match="remote step 7: .*part is missing"):
+        assert ck.restore() == 3
+    _same(want3, _params(state))
+    ck.close()
+
+
+def _flip(store, key, at):
+    tmp = "/tmp/nonstop-flip-" + str(os.getpid())
+    size, chunks = store.get_chunks(key)
+    data = bytearray(b"".join(bytes(c) for c in chunks))
+    data[at] ^= 0x10
+    with open(tmp, "wb") as f:
+        f.write(data)
+    store.put_file(key, tmp)
+    os.unlink(tmp)
+    return size
+
+
+@pytest.mark.parametrize("where", ["data", "manifest-ok-bit-in-copy"])
+def test_flipped_bit_in_remote_part_falls_back(tmp_path, remote, where):
+    url, opts, _ = remote
+    d, store, want3 = _two_remote_steps(tmp_path, url, opts)
+    key = _remote.Layout.part(7, 0)
+    probe = str(tmp_path / "probe")
+    info = nonstop._core.Reader(_remote.fetch(store, 7, 0, probe), rank=0).checkpoints[0]
+    shutil.rmtree(probe)
+    _flip(store, key, info["data_offset"] + info["data_bytes"] // 2)  # inside a tensor
+    if where != "data":
+        # rewrite the manifest to match the damaged bytes: the transfer
+        # checksums pass, and nonstop's own chunk crc32c must catch it
+        import json
+        import zlib
+        man = json.loads(store.get_bytes(_remote.Layout.manifest(7, 0), 1 << 20))
+        _, chunks = store.get_chunks(key)
+        blob = b"".join(bytes(c) for c in chunks)
+        p = man["part_bytes"]
+        man["part_crc32"] = [zlib.crc32(blob[i:i + p]) for i in range(0, len(blob), p)]
+        store.put_bytes(_remote.Layout.manifest(7, 0), json.dumps(man).encode())
+    ck, state = _fresh(d, url, opts)
+    with pytest.warns(UserWarning, match="remote step 7"):
+        assert ck.restore() == 3
+    _same(want3, _params(state))
+    ck.close()
+    # with no older remote step left: a clear error, never wrong data
+    store.delete([_remote.Layout.marker(3)])
+    shutil.rmtree(d)
+    ck, state = _fresh(d, url, opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CorruptCheckpointError, match="no remote checkpoint .* verifies"):
+            ck.restore()
+    ck.close()
+
+
+def test_server_stopped_during_upload_then_restarted(tmp_path, s3_server):  # noqa: F811
+    srv = s3_server
+    url, opts = srv.url("job"), dict(srv.options, bandwidth_bps=20e6, retry_max_s=1.0)
+    d = str(tmp_path / "local")
+    big = 24 << 20  # 96 MiB of float32: about 5 s at 20 MB/s
+    ckpt, state, _ = _train(d, 2, url, opts, every=2, big=big)
+    ckpt.wait()
+    deadline = time.monotonic() + 60
+    while ckpt.stats()["remote"]["uploading_step"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ckpt.stats()["remote"]["uploading_step"] == 1
+    time.sleep(0.5)
+    srv.stop()  # mid-upload
+    time.sleep(2.0)
+    store = _remote.open_store(url, opts)
+    assert ckpt.stats()["remote"]["uploaded_step"] is None
+    srv.start()
+    # nothing partial was committed while the server was gone
+    assert [s for s, _ in _remote.committed_steps(store)] in ([], [1])
+    _wait_uploaded(store, 1, timeout=180)
+    s = ckpt.stats()["remote"]
+    assert s["retries"] >= 1 and s["uploaded_step"] == 1
+    want = state["blob"].clone()
+    ckpt.close()
+    shutil.rmtree(d)
+    model, opt, sched = tiny.make(seed=9)
+    st2 = {"model": model, "optim": opt, "sched": sched,
+           "blob": torch.zeros(big, dtype=torch.float32)}
+    ck2 = nonstop.Checkpointer(d, st2, every=2, remote=url, remote_options=opts)
+    assert ck2.restore() == 1
+    assert torch.equal(st2["blob"], want)
+    ck2.close()
+
+
+def test_load_reads_a_remote_url(tmp_path, remote):
+    url, opts, _ = remote
+    ckpt, state, _ = _train(str(tmp_path / "local"), 4, url, opts)
+    ckpt.close()
+    got = nonstop.load(url, remote_options=opts)
+    assert got.step == 3
+    want = _params(state)
+    loaded = {k[len("model/"):]: v for k, v in got.tensors.items() if k.startswith("model/")}
+    assert "fc.weight" in loaded
+    for k, v in loaded.items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_retention_keeps_the_newest(tmp_path):
+    url = str(tmp_path / "shared")
+    opts = {"max_to_keep": 1}
+    ckpt, _, _ = _train(str(tmp_path / "local"), 12, url, opts, every=2)
+    ckpt.close()
+    store = _remote.open_store(url, opts)
+    assert [s for s, _ in _remote.committed_steps(store)] == [11]
+    dirs = sorted(os.listdir(url))
+    assert dirs == ["step-000000000011"], dirs
+    # local staging keeps at most the newest uploaded copy
+    assert os.listdir(str(tmp_path / "local" / "remote")) == ["step-000000000011"]
+
+
+def test_uploads_never_block_local_checkpoints(tmp_path):
+    """The remote is a path that hangs (a FIFO in place of the step
+    directory would block; here: bandwidth 1 byte/s): local checkpoints go on
+    committing at full speed, and close() gives up after close_timeout_s."""
+    url = str(tmp_path / "slow")
+    opts = {"bandwidth_bps": 1000.0, "close_timeout_s": 1.0}
+    t0 = time.monotonic()
+    ckpt, state, _ = _train(str(tmp_path / "local"), 20, url, opts, every=2)
+    ckpt.wait()
+    assert ckpt.latest() == 19
+    assert ckpt.stats()["remote"]["uploaded_step"] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.close()
+    assert time.monotonic() - t0 < 60
+    store = _remote.open_store(url, opts)
+    assert _remote.committed_steps(store) == []

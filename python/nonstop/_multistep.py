@@ -73,6 +73,11 @@ def algorithm_of(opt) -> str:
             raise CheckpointMismatchError(
                 f"mode='multistep': {name} param_groups[{i}] has foreach=True; replay matches the "
                 f"single-tensor path only: construct it with foreach=False or None")
+        if g.get("foreach") is None and _torch_picks_foreach(g["params"]):
+            raise CheckpointMismatchError(
+                f"mode='multistep': {name} param_groups[{i}] has foreach=None and torch picks "
+                f"the foreach kernel for its tensors; replay matches the single-tensor path "
+                f"only: use mode='concurrent' or mode='layerwise'")
         if algo != "sgd" and bool(g.get("amsgrad")) != bool(opt.param_groups[0].get("amsgrad")):
             raise CheckpointMismatchError(
                 f"mode='multistep': {name} groups differ in amsgrad; use one setting")
@@ -95,13 +100,30 @@ def _group_hyper(g: dict) -> dict:
     return h
 
 
-def _device(t: torch.Tensor):
-    if t.device.type == "cuda":
-        return 1, t.device.index or 0
-    if t.device.type == "cpu":
-        return 0, 0
-    raise CheckpointMismatchError(f"mode='multistep': a parameter is on {t.device}; "
-                                  f"use CPU or CUDA tensors")
+def _device(t: torch.Tensor, what: str = "a parameter"):
+    """The engine's (kind, index) of a tensor the replay reads: CPU only.
+
+    The replay applies the CPU's single-tensor kernels (x86/MKL arithmetic,
+    src/optim) to the state; for tensors a GPU updates, the CUDA kernels'
+    results differ in the last bits (and with foreach=None torch picks the
+    foreach kernel there), so the checkpoint would not be the state training
+    reached. Refused rather than tolerated (docs/MULTISTEP.md, "CUDA")."""
+    if t.device.type != "cpu":
+        raise CheckpointMismatchError(
+            f"mode='multistep' replays the optimizer on the CPU and needs CPU tensors, but "
+            f"{what} is on {t.device}: use mode='concurrent' or mode='layerwise' for GPU training")
+    return 0, 0
+
+
+def _torch_picks_foreach(params: list) -> bool:
+    """Whether torch runs the foreach kernel for an optimizer group built
+    with foreach=None over `params` (torch's own rule: only for tensors on
+    devices with foreach kernels, never for CPU tensors)."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:  # another torch: decide by device, as torch 2.x does
+        return any(p.device.type != "cpu" for p in params)
+    return bool(_default_to_fused_or_foreach(list(params), False, False)[1])
 
 
 class MultistepMode:
@@ -119,6 +141,10 @@ class MultistepMode:
             raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {parts!r}")
         self._ckpt = ckpt
         self.opt = opts[0]
+        # Device first: a GPU run gets the one line that says what to use.
+        for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"]):
+            _device(p, f"parameter {i} of the optimizer")
+        self._check_state()
         self.algorithm = algorithm_of(self.opt)
         self.amsgrad = bool(self.opt.param_groups[0].get("amsgrad", False))
         self.parts = parts
@@ -154,6 +180,14 @@ class MultistepMode:
             self._orig_zero_grad = self.opt.zero_grad
             self.opt.zero_grad = self._zero_grad  # instance attribute; removed by close()
 
+    def _check_state(self) -> None:
+        """Every optimizer state tensor is on the CPU (state created or
+        loaded after the constructor is checked at each window's start)."""
+        for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"]):
+            for key, v in self.opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    _device(v, f"optimizer state {key!r} of parameter {i}")
+
     # ---------------------------------------------------------------- hooks
 
     def _timed(self, fn, *args):
@@ -186,8 +220,7 @@ class MultistepMode:
                 raise CheckpointMismatchError("mode='multistep' needs dense contiguous gradients")
             grads.append((g.data_ptr(), code(g.dtype)))
             held.append(g)
-        kind, index = _device(self.params[0]) if self.params else (0, 0)
-        stream = torch.cuda.current_stream().cuda_stream if kind == 1 else 0
+        kind, index, stream = 0, 0, 0  # CPU tensors only (_device)
         groups = [_group_hyper(g) for g in self.opt.param_groups]
         self._timed(self.core.on_update_begin, self._step_now(), groups, False, grads, kind, index,
                     stream)
@@ -247,6 +280,7 @@ class MultistepMode:
         self._ckpt._visible_stall_s += time.perf_counter() - t0
 
     def _tensors(self) -> list:
+        self._check_state()
         out, fresh = [], False
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
@@ -309,8 +343,8 @@ class MultistepMode:
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
-            kind, index = _device(t)
-            stream = torch.cuda.current_stream(t.device).cuda_stream if kind == 1 else 0
+            kind, index = _device(t, f"tensor {name!r} of the state")
+            stream = 0
             outputs.append((name, code(t.dtype), list(t.shape), nbytes, -1, "param",
                             t.data_ptr() if nbytes else 0, kind, index, stream))
         self.core.set_outputs(outputs, _state.dumps(meta))

@@ -183,6 +183,75 @@ def test_unsupported_optimizer_is_named(tmp_path):
         nonstop.Checkpointer(str(tmp_path / "c"), {"model": model}, mode="multistep")
 
 
+# ---- tensors off the CPU: refused (docs/MULTISTEP.md, "CUDA") -----------------
+
+def _one_line_refusal(excinfo, where):
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    assert where in msg and "mode='concurrent' or mode='layerwise'" in msg, msg
+
+
+@needs_engine
+@multistep_core
+def test_parameters_off_the_cpu_are_refused(tmp_path):
+    # `meta` is a real non-CPU device here; CUDA takes the same branch (the
+    # guard is "not on the CPU"), and the replay would be wrong for both.
+    model = Net().to("meta")
+    for foreach in (None, False):
+        opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+        with pytest.raises(nonstop.CheckpointMismatchError) as e:
+            nonstop.Checkpointer(str(tmp_path / f"a{foreach}"), {"model": model, "optim": opt},
+                                 mode="multistep")
+        _one_line_refusal(e, "parameter 0 of the optimizer is on meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(nonstop.CheckpointMismatchError) as e:
+        nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt}, mode="multistep")
+    _one_line_refusal(e, "on meta")
+
+
+@needs_engine
+@multistep_core
+def test_optimizer_state_off_the_cpu_is_refused(tmp_path, small_blocks):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    p = next(model.parameters())
+    # State that is already there (e.g. loaded) is checked by the constructor.
+    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(p.shape, device="meta"),
+                    "exp_avg_sq": torch.zeros(p.shape)}
+    with pytest.raises(nonstop.CheckpointMismatchError) as e:
+        nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt}, mode="multistep")
+    _one_line_refusal(e, "optimizer state 'exp_avg' of parameter 0 is on meta")
+    # State moved after the constructor is checked when a window begins.
+    opt.state.clear()
+    ck = nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt},
+                              mode="multistep", every=2, parts=2)
+    try:
+        x = torch.randn(8, 13)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ck.step(0)
+        model(x).sum().backward()
+        opt.step()
+        opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].to("meta")
+        with pytest.raises(nonstop.CheckpointMismatchError) as e:
+            ck.step(1)  # due: the window begins here
+        _one_line_refusal(e, "optimizer state 'exp_avg_sq' of parameter 0 is on meta")
+    finally:
+        ck.close()
+
+
+def test_torch_picks_no_foreach_kernel_for_cpu_tensors():
+    # The rule the guard relies on: foreach=None runs the single-tensor
+    # kernel (the one replay matches) for CPU tensors; a device with foreach
+    # kernels (CUDA) gets foreach, and is refused by the device guard first.
+    from nonstop._multistep import _torch_picks_foreach
+    assert not _torch_picks_foreach([torch.zeros(3), torch.zeros(2, 2)])
+    if torch.cuda.is_available():
+        assert _torch_picks_foreach([torch.zeros(3, device="cuda")])
+
+
 # ---- kill -9 and resume ------------------------------------------------------
 
 KILL_STEPS, KILL_EVERY = 26, 5

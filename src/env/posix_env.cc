@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <utility>
@@ -337,6 +336,47 @@ class PosixDirectory final : public Directory {
 };
 
 class PosixEnv final : public Env {
+ private:
+  // Opens `parent` following links (a home directory on another mount may be
+  // one); with create, makes each missing component and fsyncs the directory
+  // that holds it, so a new job directory cannot vanish in a crash.
+  static Result<int> OpenParent(const std::string& parent, bool create) {
+    int fd = RetryOpenAt(AT_FDCWD, parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) return fd;
+    int err = errno;
+    if (err != ENOENT || !create) {
+      if (err == ENOENT) return Status::NotFound("open directory " + parent + ": does not exist");
+      return Status::FromErrno("open directory " + parent, err);
+    }
+    fd = RetryOpenAt(AT_FDCWD, parent[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return Status::FromErrno("open directory " + parent, errno);
+    size_t i = 0;
+    while (i < parent.size()) {
+      size_t j = parent.find('/', i);
+      if (j == std::string::npos) j = parent.size();
+      const std::string c = parent.substr(i, j - i);
+      i = j + 1;
+      if (c.empty() || c == ".") continue;
+      if (::mkdirat(fd, c.c_str(), 0755) == 0) {
+        if (::fsync(fd) != 0) {
+          err = errno;
+          ::close(fd);
+          return Status::FromErrno("fsync directory holding " + c + " of " + parent, err);
+        }
+      } else if (errno != EEXIST) {
+        err = errno;
+        ::close(fd);
+        return Status::FromErrno("mkdir " + c + " in " + parent, err);
+      }
+      const int next = RetryOpenAt(fd, c.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      err = errno;
+      ::close(fd);
+      if (next < 0) return Status::FromErrno("open directory " + c + " of " + parent, err);
+      fd = next;
+    }
+    return fd;
+  }
+
  public:
   Result<std::unique_ptr<Directory>> OpenDirectory(const std::string& path_in,
                                                     bool create) override {
@@ -357,19 +397,7 @@ class PosixEnv final : public Env {
     if (Status st = CheckEntryName(name); !st.ok()) {
       return Status::InvalidArgument("open directory " + path + ": " + st.message());
     }
-    if (create && parent != "." && parent != "/") {
-      std::error_code ec;
-      std::filesystem::create_directories(parent, ec);
-      if (ec) return Status::IOError("create directory " + parent + ": " + ec.message());
-    }
-    const int pfd = RetryOpenAt(AT_FDCWD, parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (pfd < 0) {
-      const int err = errno;
-      if (err == ENOENT) {
-        return Status::NotFound("open directory " + path + ": " + parent + " does not exist");
-      }
-      return Status::FromErrno("open directory " + parent, err);
-    }
+    NONSTOP_ASSIGN_OR_RETURN(const int pfd, OpenParent(parent, create));
     PosixDirectory p(pfd, parent);
     return p.OpenDir(name, create);
   }

@@ -43,6 +43,14 @@ enum class FaultOp { kWrite = 0, kRead = 1, kSync = 2, kResize = 3 };
 struct FaultDiskOptions {
   size_t alignment = 1;  // Alignment() of opened media, enforced as O_DIRECT would
   MediumKind kind = MediumKind::kBuffered;  // what opened media report as kind()
+  // Linux's fsync-failure semantics: when an injected Sync error fires, the
+  // writes not yet synced are dropped from the durable image's future (lost
+  // at a crash) but are no longer dirty, so the next Sync returns OK without
+  // making them durable. That is what the kernel does after a writeback error
+  // (the pages are marked clean and the error is reported once), and why a
+  // writer must never trust a file after a failed fsync (media/sticky_medium.h).
+  // Off: a failed Sync leaves the writes pending, and a retry makes them durable.
+  bool forget_failed_syncs = false;
 };
 
 class FaultMedium;

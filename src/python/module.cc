@@ -15,4 +15,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitOptim(m);
   nonstop::py_bindings::InitMultistep(m);
   nonstop::py_bindings::InitRemote(m);
+  nonstop::py_bindings::InitJobDir(m);
 }

@@ -1,0 +1,308 @@
+// nonstop._core.JobDir: the job directory's one owner (include/nonstop/jobdir.h)
+// for Python. Thin: every call goes to JobDir with the GIL released around
+// its I/O; errors become nonstop.errors classes through StatusError.
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nonstop/jobdir.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace nonstop::py_bindings {
+namespace {
+
+// The same keys as Reader.checkpoints' dicts (engine_bindings.cc).
+py::dict CheckpointDict(const CheckpointInfo& info) {
+  py::dict d;
+  d["counter"] = info.counter;
+  d["step"] = info.step;
+  d["sequence"] = info.sequence;
+  d["slot"] = info.slot;
+  d["rank"] = info.rank;
+  d["world_size"] = info.world_size;
+  d["commit_unix_ns"] = info.commit_unix_ns;
+  d["data_offset"] = info.data_offset;
+  d["data_bytes"] = info.data_bytes;
+  d["meta_json"] = py::bytes(info.meta_json);
+  py::list tensors;
+  for (const auto& e : info.tensors) {
+    py::dict t;
+    t["name"] = e.spec.name;
+    t["dtype"] = static_cast<int>(e.spec.dtype);
+    t["shape"] = e.spec.shape;
+    t["nbytes"] = e.spec.nbytes;
+    t["global_shape"] = e.spec.global.global_shape;
+    t["global_offset"] = e.spec.global.global_offset;
+    t["data_offset"] = e.data_offset;
+    tensors.append(t);
+  }
+  d["tensors"] = tensors;
+  return d;
+}
+
+// One selected checkpoint with its file open for reading.
+class PySelected {
+ public:
+  PySelected(std::shared_ptr<JobDir> jd, Selected sel, std::vector<std::string> skipped,
+             bool fallback)
+      : jd_(std::move(jd)), sel_(std::move(sel)), skipped_(std::move(skipped)),
+        fallback_(fallback) {}
+
+  py::dict Info() const { return CheckpointDict(sel_.info); }
+  const std::string& where() const { return sel_.location.where; }
+  bool keep() const { return sel_.location.keep; }
+  const std::vector<std::string>& skipped() const { return skipped_; }
+  bool fallback() const { return fallback_; }
+  uint64_t counter() const { return sel_.info.counter; }
+  int64_t step() const { return sel_.info.step; }
+
+  void ReadTensor(int tensor, uintptr_t dst, uint64_t nbytes, bool verify) {
+    if (tensor < 0 || tensor >= static_cast<int>(sel_.info.tensors.size())) {
+      throw StatusError(Status::InvalidArgument("no tensor #" + std::to_string(tensor)));
+    }
+    const TensorSpec& spec = sel_.info.tensors[tensor].spec;
+    if (spec.nbytes != nbytes) {
+      throw StatusError(Status::InvalidArgument("tensor '" + spec.name + "' holds " +
+                                                std::to_string(spec.nbytes) + " bytes, destination " +
+                                                std::to_string(nbytes)));
+    }
+    py::gil_scoped_release release;
+    Status s = sel_.file->ReadTensor(sel_.info, tensor, reinterpret_cast<void*>(dst), verify);
+    if (!s.ok()) {
+      throw StatusError(s.Annotate(jd_->path() + "/" + sel_.location.where + ": step " +
+                                   std::to_string(sel_.info.step) + " tensor '" + spec.name + "'"));
+    }
+  }
+
+  bool Superseded() {
+    py::gil_scoped_release release;
+    return Take(jd_->Superseded(sel_));
+  }
+
+ private:
+  std::shared_ptr<JobDir> jd_;  // keeps the directory (and a writer's lock) alive
+  Selected sel_;
+  std::vector<std::string> skipped_;
+  bool fallback_ = false;
+};
+
+class PyJobDir {
+ public:
+  explicit PyJobDir(std::unique_ptr<JobDir> jd) : jd_(std::move(jd)) {}
+
+  static PyJobDir OpenForWrite(const std::string& path, int rank, int world_size) {
+    py::gil_scoped_release release;
+    return PyJobDir(Take(JobDir::OpenForWrite(path, rank, world_size)));
+  }
+  static PyJobDir OpenForRead(const std::string& path) {
+    py::gil_scoped_release release;
+    return PyJobDir(Take(JobDir::OpenForRead(path)));
+  }
+
+  JobDir& jd() const {
+    if (!jd_) throw StatusError(Status::FailedPrecondition("the job directory is closed"));
+    return *jd_;
+  }
+  // Releases the lock (a writer) once no selection holds the directory.
+  void Close() { jd_.reset(); }
+  std::string path() const { return jd().path(); }
+  bool writable() const { return jd().writable(); }
+  int rank() const { return jd().rank(); }
+  std::string SlotPath(int rank) const { return jd().SlotPath(rank); }
+  std::vector<std::string> ForeignEntries() {
+    py::gil_scoped_release release;
+    return Take(jd().ForeignEntries());
+  }
+
+  std::optional<PySelected> Select(int rank, std::optional<int64_t> step, bool verify_data,
+                                   bool include_keep) {
+    JobDir& j = jd();
+    SelectOptions o;
+    o.step = step;
+    o.verify_data = verify_data;
+    o.include_keep = include_keep;
+    Selection sel;
+    {
+      py::gil_scoped_release release;
+      sel = Take(j.Select(rank, o));
+    }
+    if (!sel.chosen) return std::nullopt;
+    return PySelected(jd_, std::move(*sel.chosen), std::move(sel.skipped), sel.fallback);
+  }
+
+  py::dict SelectCommon(int world_size, std::optional<int64_t> step,
+                        std::optional<int> set_aside_world, bool verify_data) {
+    JobDir& j = jd();
+    SelectOptions o;
+    o.step = step;
+    o.verify_data = verify_data;
+    CommonSelection cs;
+    {
+      py::gil_scoped_release release;
+      cs = Take(j.SelectCommon(world_size, o, set_aside_world));
+    }
+    py::dict d;
+    d["step"] = cs.step;
+    py::list ranks;
+    for (auto& s : cs.ranks) ranks.append(PySelected(jd_, std::move(s), {}, false));
+    d["ranks"] = ranks;
+    d["skipped"] = cs.skipped;
+    return d;
+  }
+
+  py::list List(int rank) {
+    std::vector<ListedCheckpoint> l;
+    {
+      py::gil_scoped_release release;
+      l = Take(jd().List(rank));
+    }
+    py::list out;
+    for (const auto& c : l) {
+      py::dict d;
+      d["counter"] = c.counter;
+      d["step"] = c.step;
+      d["where"] = c.location.where;
+      d["keep"] = c.location.keep;
+      d["state"] = c.state == ListedCheckpoint::State::kCommitted ? "committed"
+                   : c.state == ListedCheckpoint::State::kAbandoned ? "abandoned"
+                                                                    : "damaged";
+      d["reason"] = c.reason;
+      out.append(d);
+    }
+    return out;
+  }
+
+  void RecordRestore(int rank, uint64_t counter) {
+    py::gil_scoped_release release;
+    Check(jd().RecordRestore(rank, counter));
+  }
+  py::dict Lineage(int rank) {
+    LineageRecord r;
+    {
+      py::gil_scoped_release release;
+      r = Take(jd().ReadLineage(rank));
+    }
+    py::dict d;
+    d["restored"] = r.restored_counter;
+    d["abandoned"] = r.abandoned;
+    d["abandoned_through"] = r.abandoned_through;
+    return d;
+  }
+  uint64_t NextCounter(int rank) {
+    py::gil_scoped_release release;
+    return Take(jd().NextCounter(rank));
+  }
+  std::optional<uint64_t> ProtectedCounter(int rank) {
+    py::gil_scoped_release release;
+    return Take(jd().ProtectedCounter(rank));
+  }
+
+  bool NeedsSetAside(int world_size) {
+    py::gil_scoped_release release;
+    return Take(jd().NeedsSetAside(world_size));
+  }
+  std::vector<int> SetAside(int world_size) {
+    py::gil_scoped_release release;
+    return Take(jd().SetAside(world_size));
+  }
+  std::vector<int> SetAsideWorlds() {
+    py::gil_scoped_release release;
+    return Take(jd().SetAsideWorlds());
+  }
+
+  void WriteAgreed(const py::dict& d) {
+    AgreedRecord r;
+    r.step = d["step"].cast<int64_t>();
+    r.counter = DictGet<int64_t>(d, "counter", -1);
+    r.lineage = DictGet<uint64_t>(d, "lineage", 0);
+    r.rank = DictGet<int>(d, "rank", jd().rank());
+    r.world_size = DictGet<int>(d, "world_size", 1);
+    r.unix_s = DictGet<double>(d, "unix_s", 0.0);
+    if (d.contains("resharded_from") && !d["resharded_from"].is_none()) {
+      auto rf = d["resharded_from"].cast<std::pair<std::string, int>>();
+      r.resharded_from = rf.first;
+      r.resharded_from_world = rf.second;
+    }
+    py::gil_scoped_release release;
+    Check(jd().WriteAgreed(r));
+  }
+  std::optional<py::dict> ReadAgreed(int rank) {
+    std::optional<AgreedRecord> r;
+    {
+      py::gil_scoped_release release;
+      r = Take(jd().ReadAgreed(rank));
+    }
+    if (!r) return std::nullopt;
+    py::dict d;
+    d["step"] = r->step;
+    d["counter"] = r->counter;
+    d["lineage"] = r->lineage;
+    d["rank"] = r->rank;
+    d["world_size"] = r->world_size;
+    d["unix_s"] = r->unix_s;
+    if (!r->resharded_from.empty()) {
+      d["resharded_from"] = py::make_tuple(r->resharded_from, r->resharded_from_world);
+    }
+    return d;
+  }
+
+ private:
+  std::shared_ptr<JobDir> jd_;
+};
+
+}  // namespace
+
+void InitJobDir(py::module_& m) {
+  py::class_<PySelected>(m, "SelectedCheckpoint")
+      .def_property_readonly("info", &PySelected::Info)
+      .def_property_readonly("where", &PySelected::where)
+      .def_property_readonly("keep", &PySelected::keep)
+      .def_property_readonly("skipped", &PySelected::skipped)
+      .def_property_readonly("fallback", &PySelected::fallback)
+      .def_property_readonly("counter", &PySelected::counter)
+      .def_property_readonly("step", &PySelected::step)
+      .def("read_tensor", &PySelected::ReadTensor, py::arg("tensor"), py::arg("dst"),
+           py::arg("nbytes"), py::arg("verify") = true)
+      .def("superseded", &PySelected::Superseded);
+
+  py::class_<PyJobDir>(m, "JobDir")
+      .def_static("open_for_write", &PyJobDir::OpenForWrite, py::arg("path"), py::arg("rank") = 0,
+                  py::arg("world_size") = 1)
+      .def_static("open_for_read", &PyJobDir::OpenForRead, py::arg("path"))
+      .def_static("slot_name", &JobDirNames::Slot, py::arg("rank"))
+      .def_static("lock_name", &JobDirNames::Lock, py::arg("rank") = 0)
+      .def_static("agreed_name", &JobDirNames::Agreed, py::arg("rank"))
+      .def_static("lineage_name", &JobDirNames::Lineage, py::arg("rank"))
+      .def_static("keep_step_name", &JobDirNames::KeepStep, py::arg("step"))
+      .def_static("world_name", &JobDirNames::World, py::arg("world_size"))
+      .def("close", &PyJobDir::Close)
+      .def_property_readonly("path", &PyJobDir::path)
+      .def_property_readonly("writable", &PyJobDir::writable)
+      .def_property_readonly("rank", &PyJobDir::rank)
+      .def("slot_path", &PyJobDir::SlotPath, py::arg("rank") = 0)
+      .def("foreign_entries", &PyJobDir::ForeignEntries)
+      .def("select", &PyJobDir::Select, py::arg("rank") = 0, py::arg("step") = py::none(),
+           py::arg("verify_data") = true, py::arg("include_keep") = true)
+      .def("select_common", &PyJobDir::SelectCommon, py::arg("world_size"),
+           py::arg("step") = py::none(), py::arg("set_aside_world") = py::none(),
+           py::arg("verify_data") = true)
+      .def("list", &PyJobDir::List, py::arg("rank") = 0)
+      .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
+      .def("lineage", &PyJobDir::Lineage, py::arg("rank") = 0)
+      .def("next_counter", &PyJobDir::NextCounter, py::arg("rank") = 0)
+      .def("protected_counter", &PyJobDir::ProtectedCounter, py::arg("rank") = 0)
+      .def("needs_set_aside", &PyJobDir::NeedsSetAside, py::arg("world_size"))
+      .def("set_aside", &PyJobDir::SetAside, py::arg("world_size"))
+      .def("set_aside_worlds", &PyJobDir::SetAsideWorlds)
+      .def("write_agreed", &PyJobDir::WriteAgreed, py::arg("record"))
+      .def("read_agreed", &PyJobDir::ReadAgreed, py::arg("rank") = 0);
+}
+
+}  // namespace nonstop::py_bindings

@@ -61,6 +61,12 @@ class Layout:
     def marker(cls, step: int) -> str:
         return f"{cls.step_dir(step)}/COMMITTED"
 
+    @classmethod
+    def lead(cls, step: int) -> str:
+        """Rank 0's intent to upload this step (world > 1): the other ranks
+        upload the steps rank 0 leads, so every rank sends the same ones."""
+        return f"{cls.step_dir(step)}/LEAD"
+
     @staticmethod
     def committed(marker: dict, manifests: dict, world: int) -> bool:
         """The commit rule: a marker for `world` ranks and one manifest per
@@ -423,7 +429,7 @@ class Uploader:
             raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
         self.bps = opts.get("bandwidth_bps")
         self.poll_s = float(opts.get("poll_s", 0.05))
-        self.commit_timeout_s = float(opts.get("commit_timeout_s", 300.0))
+        self.commit_timeout_s = float(opts.get("commit_timeout_s", 120.0))
         self.retry_max_s = float(opts.get("retry_max_s", 10.0))
         self.close_timeout_s = float(opts.get("close_timeout_s", 600.0))
         self.done_step: Optional[int] = None    # newest step this rank uploaded (and, rank 0, committed)
@@ -450,6 +456,14 @@ class Uploader:
                 self.stats["last_error"] = f"target: {e}"
             if t is not None and (self.done_step is None or t[1] > self.done_step):
                 try:
+                    t = self._pick(t)
+                    if t is None:  # a follower with no step led yet
+                        if self._stop.is_set() and time.monotonic() > min(
+                                self._close_deadline, self._stop_time + self.commit_timeout_s):
+                            return
+                        self._stop.wait(max(self.poll_s, 0.2)) if not self._stop.is_set() \
+                            else time.sleep(max(self.poll_s, 0.2))
+                        continue
                     self._upload(*t)
                     backoff = 0.2
                     continue
@@ -468,6 +482,33 @@ class Uploader:
                 return
             self._wake.wait(self.poll_s)
             self._wake.clear()
+
+    def _pick(self, t):
+        """(counter, step) to upload now. Rank 0 (and one process) leads: the
+        newest target. Rank R > 0 follows: the newest step rank 0 leads that
+        is newer than its last upload and not newer than its own target (its
+        counter looked up in its slot file); None while there is none."""
+        if self.world == 1 or self.rank == 0:
+            return t
+        led = set()
+        for key, _ in self.store.list(""):
+            parts = key.split("/")
+            m = Layout.STEP.match(parts[0])
+            if m and len(parts) == 2 and parts[1] == "LEAD":
+                led.add(int(m.group(1)))
+        led = [x for x in led if x <= t[1] and (self.done_step is None or x > self.done_step)]
+        if not led:
+            return None
+        step = max(led)
+        if step == t[1]:
+            return t
+        reader = self.core().Reader(self.dir, rank=self.rank, verify_data=False)
+        for c in reader.checkpoints:
+            if c["committed"] and int(c["step"]) == step:
+                return int(c["counter"]), step
+        self.done_step = step  # no longer in the slot file: rank 0 gives it up
+        self.stats["last_error"] = f"step {step}: led by rank 0 but no longer here"
+        return None
 
     def _deadline_passed(self) -> bool:
         return time.monotonic() > self._close_deadline
@@ -494,6 +535,10 @@ class Uploader:
             self.done_step = step
             self._drop_staged(keep_step=step)
             return
+        if self.world > 1 and self.rank == 0:
+            self.store.put_bytes(Layout.lead(step), json.dumps(
+                {"format": FORMAT, "step": step, "lineage": lineage,
+                 "world_size": self.world, "unix_s": time.time()}).encode())
         t0 = time.perf_counter()
         size = os.path.getsize(staged)
         part = self.store.part_bytes
@@ -597,7 +642,8 @@ class Uploader:
     def close(self, wait: bool = True) -> None:
         """Uploads the newest checkpoint still to upload (wait=True, within
         close_timeout_s), then stops the thread."""
-        self._close_deadline = time.monotonic() + (self.close_timeout_s if wait else 0.0)
+        self._stop_time = time.monotonic()
+        self._close_deadline = self._stop_time + (self.close_timeout_s if wait else 0.0)
         self._stop.set()
         self._wake.set()
         self._thread.join(self.close_timeout_s if wait else 0.0)
@@ -613,6 +659,7 @@ class Uploader:
             warnings.warn(f"nonstop: rank {self.rank}: remote upload: {err}", stacklevel=3)
 
     _close_deadline = float("inf")
+    _stop_time = float("inf")
 
 
 # ------------------------------------------------------------- restoring

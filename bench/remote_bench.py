@@ -1,0 +1,218 @@
+"""The remote tier on a ~1 GB state against a local SeaweedFS (docs/TIERS.md).
+
+    python bench/remote_bench.py [--gb 1.0] [--rounds 2] [--out bench/remote_bench_results.json]
+
+Three measurements, each interleaved (A, B, A, B, ...) because the machine
+is shared and noisy; compare the ratios:
+
+1. upload throughput: nonstop's remote tier (staging copy excluded: the
+   upload of the staged part, its crcs and manifest) against obstore alone
+   putting the same file with the same part size and concurrency; also
+   boto3 and s3fs alone when installed (how the client was chosen);
+2. training stall: the visible stall per checkpoint and the step time with
+   the remote tier on and off;
+3. restore: from the remote (empty local directory) against from the local
+   directory.
+
+Prints a table and writes JSON.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+import nonstop  # noqa: E402
+from nonstop import _remote  # noqa: E402
+from s3_server import ACCESS_KEY, SECRET_KEY, SeaweedS3  # noqa: E402
+
+
+def make_state(gb: float):
+    n = int(gb * (1 << 30) / 4 / 4)
+    params = [torch.nn.Parameter(torch.randn(n)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.SGD(params, lr=0.1)
+    model = torch.nn.ParameterList(params)
+    return {"model": model, "optim": opt}
+
+
+def train(dir, state, steps, every, step_s, remote=None, options=None):
+    ckpt = nonstop.Checkpointer(dir, state, every=every, remote=remote, remote_options=options)
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        time.sleep(step_s)              # the forward/backward of a real job
+        state["optim"].step()           # touches the whole state (waits for the copy)
+        ckpt.step(step)
+        times.append(time.perf_counter() - t0)
+    st = ckpt.stats()
+    ckpt.wait()
+    t0 = time.perf_counter()
+    ckpt.close()
+    close_s = time.perf_counter() - t0
+    return {"step_s_mean": statistics.mean(times[every:]),
+            "stall_per_ckpt_s": st["visible_stall_s"] / max(1, st["saves"]),
+            "saves": st["saves"], "close_s": close_s,
+            "remote": {k: v for k, v in (st.get("remote") or {}).items()
+                       if k in ("uploads", "bytes", "upload_s", "last_GBps", "retries")}}
+
+
+def client_put(kind, srv, path, key, part, conc):
+    if kind == "obstore":
+        import obstore
+        import obstore.store
+        st = obstore.store.S3Store(srv.bucket, endpoint=srv.endpoint, access_key_id=ACCESS_KEY,
+                                   secret_access_key=SECRET_KEY, region="us-east-1",
+                                   client_options={"allow_http": True})
+        with open(path, "rb") as f:
+            obstore.put(st, key, f, chunk_size=part, max_concurrency=conc)
+    elif kind == "boto3":
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        c = boto3.client("s3", endpoint_url=srv.endpoint, aws_access_key_id=ACCESS_KEY,
+                         aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+        c.upload_file(path, srv.bucket, key, Config=TransferConfig(
+            multipart_chunksize=part, max_concurrency=conc))
+    elif kind == "s3fs":
+        import s3fs
+        fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=srv.endpoint)
+        fs.put_file(path, f"{srv.bucket}/{key}", chunksize=part)
+
+
+def available(kind):
+    try:
+        __import__(kind)
+        return True
+    except ImportError:
+        return False
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=0.5)
+    ap.add_argument("--root", default=None)
+    ap.add_argument("--out", default=os.path.join(HERE, "remote_bench_results.json"))
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    root = a.root or tempfile.mkdtemp(prefix="nonstop-remote-bench-")
+    srv = SeaweedS3(os.path.join(root, "seaweedfs"))
+    srv.start()
+    opts = dict(srv.options)
+    res = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "load": os.getloadavg()},
+           "args": vars(a), "upload": [], "clients": [], "stall": [], "restore": []}
+    try:
+        state = make_state(a.gb)
+        # one checkpoint to get a staged part of the real size
+        d0 = os.path.join(root, "seed")
+        train(d0, state, a.every, a.every, 0.0, srv.url("seed"), opts)
+        staged_dir = os.path.join(d0, "remote")
+        staged = os.path.join(staged_dir, os.listdir(staged_dir)[0], "rank-00000.nsck")
+        size = os.path.getsize(staged)
+        store = _remote.open_store(srv.url("seed"), opts)
+        part, conc = store.part_bytes, store.concurrency
+        clients = ["obstore"] + [k for k in ("boto3", "s3fs") if available(k)]
+        for r in range(a.rounds):
+            # 1. nonstop's upload path (part + crcs + manifest) vs the clients alone
+            t0 = time.perf_counter()
+            with open(staged, "rb") as f:
+                while True:
+                    buf = f.read(part)
+                    if not buf:
+                        break
+                    zlib.crc32(buf)
+            store.put_file(f"bench/nonstop-{r}.nsck", staged)
+            store.put_bytes(f"bench/nonstop-{r}.json", b"{}")
+            dt = time.perf_counter() - t0
+            res["upload"].append({"round": r, "who": "nonstop", "MBps": size / dt / 1e6})
+            for kind in clients:
+                t0 = time.perf_counter()
+                client_put(kind, srv, staged, f"seed/bench/{kind}-{r}", part, conc)
+                dt = time.perf_counter() - t0
+                res["clients"].append({"round": r, "who": kind, "MBps": size / dt / 1e6})
+            store.delete([k for k, _ in store.list("bench")])
+            print(f"round {r}: upload", res["upload"][-1], res["clients"][-len(clients):],
+                  flush=True)
+            # 2. stall with the remote tier off and on
+            for on in (False, True):
+                d = os.path.join(root, f"stall-{r}-{on}")
+                got = train(d, state, a.steps, a.every, a.step_s,
+                            srv.url(f"stall-{r}") if on else None, opts if on else None)
+                got.update(round=r, remote=on)
+                res["stall"].append(got)
+                shutil.rmtree(d)
+                print(f"round {r}: stall remote={on}", got, flush=True)
+            # 3. restore from local vs from the remote (empty local directory)
+            for src in ("local", "remote"):
+                d = d0 if src == "local" else os.path.join(root, f"empty-{r}")
+                ck = nonstop.Checkpointer(d, state, every=a.every,
+                                          remote=srv.url("seed") if src == "remote" else None,
+                                          remote_options=opts if src == "remote" else None)
+                t0 = time.perf_counter()
+                step = ck.restore()
+                dt = time.perf_counter() - t0
+                ck.close()
+                if src == "remote":
+                    shutil.rmtree(d)
+                res["restore"].append({"round": r, "from": src, "s": dt, "step": step,
+                                       "GBps": size / dt / 1e9})
+                print(f"round {r}: restore from {src}: {dt:.2f} s", flush=True)
+    finally:
+        srv.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    def med(rows, key, **match):
+        vals = [x[key] for x in rows if all(x.get(k) == v for k, v in match.items())]
+        return statistics.median(vals) if vals else float("nan")
+
+    summary = {
+        "state_bytes": size,
+        "upload_MBps": {"nonstop": med(res["upload"], "MBps"),
+                        **{k: med(res["clients"], "MBps", who=k) for k in clients}},
+        "stall_per_ckpt_s": {"off": med(res["stall"], "stall_per_ckpt_s", remote=False),
+                             "on": med(res["stall"], "stall_per_ckpt_s", remote=True)},
+        "step_s_mean": {"off": med(res["stall"], "step_s_mean", remote=False),
+                        "on": med(res["stall"], "step_s_mean", remote=True)},
+        "restore_s": {"local": med(res["restore"], "s", **{"from": "local"}),
+                      "remote": med(res["restore"], "s", **{"from": "remote"})},
+    }
+    summary["ratios"] = {
+        "nonstop_vs_obstore_upload": summary["upload_MBps"]["nonstop"]
+        / summary["upload_MBps"]["obstore"],
+        "stall_on_vs_off": summary["stall_per_ckpt_s"]["on"] / summary["stall_per_ckpt_s"]["off"],
+        "step_on_vs_off": summary["step_s_mean"]["on"] / summary["step_s_mean"]["off"],
+        "restore_remote_vs_local": summary["restore_s"]["remote"] / summary["restore_s"]["local"],
+    }
+    res["summary"] = summary
+    print()
+    print(f"state {size / 1e9:.2f} GB, {a.rounds} interleaved rounds, medians")
+    print(f"{'upload MB/s':<28}" + "  ".join(f"{k} {v:7.1f}"
+                                             for k, v in summary["upload_MBps"].items()))
+    print(f"{'stall per checkpoint (s)':<28}off {summary['stall_per_ckpt_s']['off']:.3f}  "
+          f"on {summary['stall_per_ckpt_s']['on']:.3f}")
+    print(f"{'step time (s)':<28}off {summary['step_s_mean']['off']:.3f}  "
+          f"on {summary['step_s_mean']['on']:.3f}")
+    print(f"{'restore (s)':<28}local {summary['restore_s']['local']:.2f}  "
+          f"remote {summary['restore_s']['remote']:.2f}")
+    print("ratios:", {k: round(v, 3) for k, v in summary["ratios"].items()})
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -432,7 +432,7 @@ class Uploader:
         self.commit_timeout_s = float(opts.get("commit_timeout_s", 120.0))
         self.retry_max_s = float(opts.get("retry_max_s", 10.0))
         self.close_timeout_s = float(opts.get("close_timeout_s", 600.0))
-        self.done_step: Optional[int] = None    # newest step this rank uploaded (and, rank 0, committed)
+        self.done_step: Optional[int] = None  # newest step uploaded (rank 0: and committed)
         self.busy_step: Optional[int] = None
         self.stats = {"uploads": 0, "committed": 0, "retries": 0, "failures": 0,
                       "bytes": 0, "upload_s": 0.0, "last_GBps": 0.0, "skipped_existing": 0,
@@ -499,15 +499,21 @@ class Uploader:
         led = [x for x in led if x <= t[1] and (self.done_step is None or x > self.done_step)]
         if not led:
             return None
-        step = max(led)
-        if step == t[1]:
-            return t
-        reader = self.core().Reader(self.dir, rank=self.rank, verify_data=False)
-        for c in reader.checkpoints:
-            if c["committed"] and int(c["step"]) == step:
-                return int(c["counter"]), step
-        self.done_step = step  # no longer in the slot file: rank 0 gives it up
-        self.stats["last_error"] = f"step {step}: led by rank 0 but no longer here"
+        mine = {}  # step -> (counter, lineage) of this rank's committed checkpoints
+        for c in self.core().Reader(self.dir, rank=self.rank, verify_data=False).checkpoints:
+            if c["committed"]:
+                try:
+                    meta = json.loads(c["meta_json"].decode("utf-8"))
+                    lin = int((meta.get("dist") or {}).get("lineage", 0))
+                except (ValueError, AttributeError, TypeError):
+                    continue
+                mine.setdefault(int(c["step"]), (int(c["counter"]), lin))
+        for step in sorted(led, reverse=True):
+            lead = _load_json(self.store, Layout.lead(step)) or {}
+            if step in mine and lead.get("lineage") == mine[step][1]:
+                return mine[step][0], step
+        # a LEAD of an abandoned run, or of a step this rank's slot no longer
+        # holds: not followed (rank 0 gives such a step up after commit_timeout_s)
         return None
 
     def _deadline_passed(self) -> bool:
@@ -518,15 +524,24 @@ class Uploader:
         sdir = os.path.join(self.dir, LOCAL_DIR, Layout.step_dir(step))
         os.makedirs(sdir, exist_ok=True)
         staged = os.path.join(sdir, f"rank-{self.rank:05d}.nsck")
-        if not os.path.exists(staged):  # a one-slot copy, every chunk verified
+        info = None
+        if os.path.exists(staged):  # staged before a restart, or fetched: the same checkpoint?
+            try:
+                info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
+            except Exception:  # noqa: BLE001 -- unreadable: staged again
+                info = None
+            if info is None or int(info["counter"]) != counter or not info["committed"]:
+                os.unlink(staged)
+                info = None
+        if info is None:  # a one-slot copy, every chunk verified
             tmp = staged + ".tmp"
             if os.path.exists(tmp):
                 os.unlink(tmp)
             self.core().copy_checkpoint(self.dir, self.rank, counter, tmp)
             os.replace(tmp, staged)
+            info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
         # The lineage (distributed: one run from one restored state) is the
         # checkpoint's own, as local recovery keys it.
-        info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
         meta = json.loads(info["meta_json"].decode("utf-8"))
         lineage = int((meta.get("dist") or {}).get("lineage", 0))
         marker = _load_json(self.store, Layout.marker(step))
@@ -697,8 +712,10 @@ class Tier:
         if engine is None or getattr(engine, "closed", False):
             return None
         if dist is not None:
-            a = dist.agreed
-            return None if a is None else (int(a["counter"]), int(a["step"]))
+            a = dist.agreed  # of this run only: an older record may name an abandoned future
+            if a is None or a.get("lineage") != dist.lineage:
+                return None
+            return int(a["counter"]), int(a["step"])
         got = engine.latest()
         return None if got is None else (int(got[0]), int(got[1]))
 

@@ -349,6 +349,28 @@ TEST(FaultDiskLinuxSyncTest, AFailedSyncForgetsTheWritesAndTheRetrySaysOK) {
   EXPECT_EQ(disk2->size(), 4u);
 }
 
+TEST(StickySyncTest, FaultDiskMediaCanBeStickyToo) {
+  FaultDiskOptions o;
+  o.forget_failed_syncs = true;
+  o.sticky_sync = true;
+  auto disk = FaultDisk::Create(o);
+  auto m = disk->Open();
+  ASSERT_TRUE(m->Write(0, "data", 4).ok());
+  disk->InjectError(FaultOp::kSync, 1, ENOSPC);
+  EXPECT_FALSE(m->Sync().ok());
+  Status again = m->Sync();  // Linux would say OK here; the data is gone
+  EXPECT_EQ(again.code(), StatusCode::kIOError);
+  EXPECT_NE(again.message().find("an earlier fsync of fault-injecting device failed (No space "
+                                 "left on device)"),
+            std::string::npos)
+      << again.message();
+  auto fresh = disk->Open();  // a reopened medium works
+  ASSERT_TRUE(fresh->Write(0, "data", 4).ok());
+  ASSERT_TRUE(fresh->Sync().ok());
+  disk->Crash(CrashMode::kDropUnsynced, 1);
+  EXPECT_EQ(disk->size(), 4u);
+}
+
 TEST(StickySyncTest, AFailedSyncFailsEveryLaterWriteAndSyncUntilReopened) {
   for (int err : {EIO, ENOSPC}) {
     auto env = FaultEnv::Create();

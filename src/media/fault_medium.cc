@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "media/media_internal.h"
+#include "media/sticky_medium.h"
 
 namespace nonstop {
 namespace {
@@ -70,8 +71,13 @@ std::shared_ptr<FaultDisk> FaultDisk::Create(FaultDiskOptions opts) {
 }
 
 std::unique_ptr<Medium> FaultDisk::Open() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return std::make_unique<FaultMedium>(shared_from_this(), generation_);
+  std::unique_ptr<Medium> m;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    m = std::make_unique<FaultMedium>(shared_from_this(), generation_);
+  }
+  if (!opts_.sticky_sync) return m;
+  return std::make_unique<media::StickySyncMedium>("fault-injecting device", std::move(m));
 }
 
 void FaultDisk::Crash(CrashMode mode, uint64_t seed) {

@@ -51,6 +51,11 @@ struct FaultDiskOptions {
   // writer must never trust a file after a failed fsync (media/sticky_medium.h).
   // Off: a failed Sync leaves the writes pending, and a retry makes them durable.
   bool forget_failed_syncs = false;
+  // Open() wraps each medium in the sticky-sync guard every Env-opened medium
+  // has (media/sticky_medium.h): after a failed Sync, every later Write,
+  // Resize and Sync on that medium fails. (The fault Env uses
+  // forget_failed_syncs and wraps its media in the same guard itself.)
+  bool sticky_sync = false;
 };
 
 class FaultMedium;

@@ -113,6 +113,12 @@ struct CommitRequest {
   std::string meta_json;
 };
 
+struct SlotOpenOptions {
+  // The writer's open: repair what Open salvaged (see SlotFile::Open).
+  // Readers leave it false; they never write.
+  bool repair = false;
+};
+
 class SlotFile {
  public:
   // Lays out a new file on `medium` (header, empty ring, preallocated slots)
@@ -124,7 +130,21 @@ class SlotFile {
   // and the reads only read: on a medium opened with MediumOptions::read_only
   // (nonstop inspect/verify/export, nonstop.load) they work on a read-only
   // file or mount, and WriteData and Commit fail.
-  static Result<std::unique_ptr<SlotFile>> Open(std::unique_ptr<Medium> medium);
+  //
+  // A damaged header (or header copy) does not fail Open while its twin is
+  // intact, and a file shorter than its geometry opens: the checkpoints whose
+  // bytes are all present are found by Scan, the others are reported. What
+  // was salvaged is in salvaged(). Only with opts.repair (the writer) does
+  // Open write: it rewrites the damaged copy from the intact one and restores
+  // the file's length, durably, before it returns.
+  static Result<std::unique_ptr<SlotFile>> Open(std::unique_ptr<Medium> medium,
+                                                const SlotOpenOptions& opts = {});
+
+  // One line per damage Open found in the file header, the header copy or
+  // the file's length, saying what it used instead ("file header damaged
+  // (file header checksum mismatch); used the copy at offset 4096"), ending
+  // in "(repaired)" when a repairing Open fixed it. Empty for a sound file.
+  const std::vector<std::string>& salvaged() const { return salvaged_; }
 
   const StoreGeometry& geometry() const { return geometry_; }
   Medium& medium() { return *medium_; }
@@ -164,6 +184,7 @@ class SlotFile {
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<Medium> medium_;
   StoreGeometry geometry_;
+  std::vector<std::string> salvaged_;
 };
 
 // Copies committed checkpoint `info` of `src` into a new one-slot file on

@@ -1,7 +1,10 @@
 #include "store/format.h"
 
 #include <bit>
+#include <cstdio>
 #include <cstring>
+#include <algorithm>
+#include <string_view>
 #include <limits>
 #include <utility>
 
@@ -116,7 +119,101 @@ Status ParseTableFixed(Reader& r, Table* t, uint32_t* n_tensors, uint64_t* n_chu
   return Status::OK();
 }
 
+// Length of the UTF-8 sequence starting at s[i] when it is well formed, else 0.
+size_t Utf8SeqLen(std::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<uint8_t>(s[k]); };
+  const uint8_t c = b(i);
+  if (c < 0x80) return 1;
+  size_t n = 0;
+  uint32_t cp = 0;
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+    cp = c & 0x1F;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    cp = c & 0x0F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    cp = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (n > s.size() - i) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xC0) != 0x80) return 0;
+    cp = (cp << 6) | (b(i + k) & 0x3F);
+  }
+  if ((n == 3 && cp < 0x800) || (n == 4 && (cp < 0x10000 || cp > 0x10FFFF)) ||
+      (cp >= 0xD800 && cp <= 0xDFFF)) {
+    return 0;
+  }
+  return n;
+}
+
+// The code point of a well-formed sequence of `n` bytes at s[i].
+uint32_t Utf8CodePoint(std::string_view s, size_t i, size_t n) {
+  static constexpr uint8_t kLead[] = {0, 0x7F, 0x1F, 0x0F, 0x07};
+  uint32_t cp = static_cast<uint8_t>(s[i]) & kLead[n];
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[i + k]) & 0x3F);
+  return cp;
+}
+
+bool IsControl(uint32_t cp) { return cp < 0x20 || (cp >= 0x7F && cp <= 0x9F); }
+
 }  // namespace
+
+bool IsValidUtf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = Utf8SeqLen(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+std::string TensorNameProblem(std::string_view name) {
+  if (name.empty()) return "empty name";
+  if (name.size() > kMaxNameBytes) {
+    return "name of " + std::to_string(name.size()) + " bytes (at most " +
+           std::to_string(kMaxNameBytes) + ")";
+  }
+  for (size_t i = 0; i < name.size();) {
+    const size_t n = Utf8SeqLen(name, i);
+    if (n == 0) return "name is not valid UTF-8 (byte " + std::to_string(i) + ")";
+    if (IsControl(Utf8CodePoint(name, i, n))) {
+      return "name holds a control character (byte " + std::to_string(i) + ")";
+    }
+    i += n;
+  }
+  return "";
+}
+
+std::string Printable(std::string_view s) {
+  constexpr size_t kShown = 80;
+  std::string out;
+  size_t i = 0;
+  for (; i < s.size() && out.size() < kShown;) {
+    const size_t n = Utf8SeqLen(s, i);
+    if (n == 0 || IsControl(Utf8CodePoint(s, i, n)) || s[i] == '\\') {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\x%02X", static_cast<uint8_t>(s[i]));
+      out += esc;
+      ++i;
+    } else {
+      out.append(s.substr(i, n));
+      i += n;
+    }
+  }
+  if (i < s.size()) out += "...";
+  return out;
+}
+
+bool HeaderCrcOk(std::span<const uint8_t> bytes) {
+  if (bytes.size() != kHeaderBytes) return false;
+  uint32_t crc;
+  std::memcpy(&crc, bytes.data() + kHeaderCrcOffset, 4);
+  return crc == BlockCrc(bytes, kHeaderCrcOffset);
+}
 
 std::vector<uint8_t> EncodeHeader(const FileHeader& h) {
   std::vector<uint8_t> out;
@@ -313,6 +410,10 @@ Result<Table> ParseTable(std::span<const uint8_t> bytes) {
     return Status::Corruption("tensor table crc chunk size " + std::to_string(t.crc_chunk_bytes) +
                               " is not a positive multiple of 4096");
   }
+  if (t.data_bytes % kStoreAlign != 0) {
+    return Status::Corruption("tensor table data region of " + std::to_string(t.data_bytes) +
+                              " bytes is not a multiple of 4096");
+  }
   uint64_t expect_chunks = (t.data_bytes + t.crc_chunk_bytes - 1) / t.crc_chunk_bytes;
   if (n_chunks != expect_chunks) return Status::Corruption("tensor table chunk count mismatch");
   // Each section must fit in what is left; check before allocating anything.
@@ -322,8 +423,16 @@ Result<Table> ParseTable(std::span<const uint8_t> bytes) {
       meta_bytes != r.remaining() - entries_bytes - crc_bytes) {
     return Status::Corruption("tensor table section sizes do not add up");
   }
-  // An entry is at least 2+1+1+8+8+1+8 bytes.
-  if (n_tensors > entries_bytes / 29 + 1) return Status::Corruption("tensor table tensor count");
+  if (meta_bytes > kMaxMetaBytes) {
+    return Status::Corruption("tensor table metadata of " + std::to_string(meta_bytes) +
+                              " bytes is larger than the limit of " + std::to_string(kMaxMetaBytes));
+  }
+  // Every entry takes at least kMinEntryBytes, so the count is bounded by the
+  // table's own size (itself bounded by the slot and the file).
+  if (n_tensors > entries_bytes / kMinEntryBytes) {
+    return Status::Corruption("tensor table claims " + std::to_string(n_tensors) +
+                              " tensors in " + std::to_string(entries_bytes) + " bytes of entries");
+  }
   std::span<const uint8_t> eb = bytes.subspan(r.pos(), entries_bytes);
   r.Skip(entries_bytes);
   Reader er(eb);
@@ -331,16 +440,25 @@ Result<Table> ParseTable(std::span<const uint8_t> bytes) {
   for (uint32_t i = 0; i < n_tensors; ++i) {
     TensorEntry te;
     TensorSpec& s = te.spec;
+    const std::string at = "tensor table entry " + std::to_string(i);
     uint16_t name_len = er.U16();
     if (!er.ok() || name_len == 0 || name_len > kMaxNameBytes || name_len > er.remaining()) {
-      return Status::Corruption("tensor table entry " + std::to_string(i) + ": bad name length");
+      return Status::Corruption(at + ": bad name length");
     }
     s.name.resize(name_len);
     er.Bytes(s.name.data(), name_len);
+    const std::string what = at + " ('" + Printable(s.name) + "')";
+    if (std::string why = TensorNameProblem(s.name); !why.empty()) {
+      return Status::Corruption(what + ": " + why);
+    }
     uint8_t dtype = er.U8();
     uint8_t ndim = er.U8();
-    if (!er.ok() || dtype >= kNumDTypes || ndim > kMaxDims) {
-      return Status::Corruption("tensor table entry '" + s.name + "': bad dtype or rank");
+    if (!er.ok()) return Status::Corruption(what + ": truncated");
+    if (dtype >= kNumDTypes) {
+      return Status::Corruption(what + ": unknown dtype " + std::to_string(dtype));
+    }
+    if (ndim > kMaxDims) {
+      return Status::Corruption(what + ": " + std::to_string(ndim) + " dimensions (at most 64)");
     }
     s.dtype = static_cast<DType>(dtype);
     s.shape.resize(ndim);
@@ -348,42 +466,85 @@ Result<Table> ParseTable(std::span<const uint8_t> bytes) {
     for (auto& d : s.shape) {
       d = er.I64();
       if (d < 0 || !MulOk(numel, static_cast<uint64_t>(d), &numel)) {
-        return Status::Corruption("tensor table entry '" + s.name + "': bad shape");
+        return Status::Corruption(what + ": bad shape");
       }
     }
     te.data_offset = er.U64();
     s.nbytes = er.U64();
     uint8_t gdim = er.U8();
-    if (!er.ok() || gdim > kMaxDims) {
-      return Status::Corruption("tensor table entry '" + s.name + "': truncated");
-    }
+    if (!er.ok() || gdim > kMaxDims) return Status::Corruption(what + ": truncated");
     s.global.global_shape.resize(gdim);
     uint64_t gnumel = 1;
     for (auto& d : s.global.global_shape) {
       d = er.I64();
       if (d < 0 || !MulOk(gnumel, static_cast<uint64_t>(d), &gnumel)) {
-        return Status::Corruption("tensor table entry '" + s.name + "': bad global shape");
+        return Status::Corruption(what + ": bad global shape");
       }
     }
     s.global.global_offset = er.U64();
-    if (!er.ok()) return Status::Corruption("tensor table entry '" + s.name + "': truncated");
+    if (!er.ok()) return Status::Corruption(what + ": truncated");
     uint64_t expect_bytes = 0, end = 0;
-    if (!MulOk(numel, DTypeSize(s.dtype), &expect_bytes) || expect_bytes != s.nbytes ||
-        __builtin_add_overflow(te.data_offset, s.nbytes, &end) || end > t.data_bytes) {
-      return Status::Corruption("tensor table entry '" + s.name +
-                                "': size or offset outside the data region");
+    if (!MulOk(numel, DTypeSize(s.dtype), &expect_bytes) || expect_bytes != s.nbytes) {
+      return Status::Corruption(what + ": " + std::to_string(s.nbytes) +
+                                " bytes do not match its shape and dtype");
+    }
+    if (__builtin_add_overflow(te.data_offset, s.nbytes, &end) || end > t.data_bytes) {
+      return Status::Corruption(what + ": bytes [" + std::to_string(te.data_offset) + ", +" +
+                                std::to_string(s.nbytes) + ") lie outside the data region of " +
+                                std::to_string(t.data_bytes) + " bytes");
+    }
+    const uint64_t align = s.nbytes >= kLargeTensorBytes ? kStoreAlign : 8;
+    if (te.data_offset % align != 0) {
+      return Status::Corruption(what + ": offset " + std::to_string(te.data_offset) +
+                                " is not a multiple of " + std::to_string(align));
     }
     if (gdim > 0 && (s.global.global_offset > gnumel || numel > gnumel - s.global.global_offset)) {
-      return Status::Corruption("tensor table entry '" + s.name + "': bad global range");
+      return Status::Corruption(what + ": bad global range");
     }
     t.tensors.push_back(std::move(te));
   }
   if (er.remaining() != 0) return Status::Corruption("tensor table has trailing entry bytes");
+  // No two tensors share a byte, so their sizes add up to at most data_bytes
+  // (a reader allocating every tensor allocates at most the data region).
+  std::vector<uint32_t> order(t.tensors.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    return t.tensors[a].data_offset < t.tensors[b].data_offset;
+  });
+  const TensorEntry* prev = nullptr;
+  uint32_t prev_i = 0;
+  for (uint32_t i : order) {
+    const TensorEntry& te = t.tensors[i];
+    if (te.spec.nbytes == 0) continue;
+    if (prev != nullptr && te.data_offset < prev->data_offset + prev->spec.nbytes) {
+      const uint32_t lo = std::min(i, prev_i), hi = std::max(i, prev_i);
+      return Status::Corruption("tensor table entry " + std::to_string(hi) + " ('" +
+                                Printable(t.tensors[hi].spec.name) + "') overlaps entry " +
+                                std::to_string(lo) + " ('" + Printable(t.tensors[lo].spec.name) +
+                                "') in the data region");
+    }
+    prev = &te;
+    prev_i = i;
+  }
+  std::vector<uint32_t> by_name(order.size());
+  for (uint32_t i = 0; i < by_name.size(); ++i) by_name[i] = i;
+  std::sort(by_name.begin(), by_name.end(), [&](uint32_t a, uint32_t b) {
+    return t.tensors[a].spec.name < t.tensors[b].spec.name;
+  });
+  for (size_t k = 1; k < by_name.size(); ++k) {
+    const uint32_t a = by_name[k - 1], b = by_name[k];
+    if (t.tensors[a].spec.name == t.tensors[b].spec.name) {
+      return Status::Corruption("tensor table entry " + std::to_string(std::max(a, b)) + " ('" +
+                                Printable(t.tensors[b].spec.name) + "'): duplicate of entry " +
+                                std::to_string(std::min(a, b)));
+    }
+  }
   t.chunk_crcs.resize(n_chunks);
   for (auto& c : t.chunk_crcs) c = r.U32();
   t.meta_json.resize(meta_bytes);
   r.Bytes(t.meta_json.data(), meta_bytes);
   if (!r.ok()) return Status::Corruption("tensor table truncated");
+  if (!IsValidUtf8(t.meta_json)) return Status::Corruption("tensor table metadata is not valid UTF-8");
   return t;
 }
 

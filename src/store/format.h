@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "nonstop/status.h"
@@ -24,6 +25,17 @@ inline constexpr uint32_t kRecordCrcOffset = 104;
 inline constexpr uint32_t kTableHeaderBytes = 96;
 inline constexpr uint32_t kMaxNameBytes = 4096;
 inline constexpr uint32_t kMaxDims = 64;
+// Files written by this version keep a second copy of the file header in
+// block 1 (offset 4096) and start the ring at 8192; files whose ring starts
+// at 4096 (written before) have no copy. A header is the copy's twin only
+// when it says ring_offset >= kHeaderCopyOffset + kHeaderBytes.
+inline constexpr uint64_t kHeaderCopyOffset = kHeaderBytes;
+inline constexpr uint64_t kRingOffset = kHeaderCopyOffset + kHeaderBytes;
+// The smallest tensor entry: name_len, a 1-byte name, dtype, ndim, offset,
+// nbytes, gdim, global_offset.
+inline constexpr uint64_t kMinEntryBytes = 2 + 1 + 1 + 1 + 8 + 8 + 1 + 8;
+// The metadata JSON of one checkpoint, at most (the writer refuses more).
+inline constexpr uint64_t kMaxMetaBytes = 64ull << 20;
 
 struct FileHeader {
   uint64_t uuid_hi = 0, uuid_lo = 0;
@@ -68,12 +80,26 @@ std::vector<uint8_t> EncodeRecord(const Record& r);
 std::vector<uint8_t> EncodeTable(const Table& t);
 
 Result<FileHeader> ParseHeader(std::span<const uint8_t> bytes);
+// True when a header block's crc matches its bytes (whatever they say).
+bool HeaderCrcOk(std::span<const uint8_t> bytes);
 // An all-zero block is an empty ring entry: NotFound, not Corruption.
 Result<Record> ParseRecord(std::span<const uint8_t> bytes);
 Result<Table> ParseTable(std::span<const uint8_t> bytes);
 // Reads only the fixed table header (counter, step) without checking the crc;
 // used to explain why an old record's slot no longer matches.
 Result<Table> PeekTableHeader(std::span<const uint8_t> bytes);
+
+// True when `s` is well-formed UTF-8 (no overlong forms, no surrogates,
+// nothing above U+10FFFF).
+bool IsValidUtf8(std::string_view s);
+// Why `name` cannot be a tensor name, or "" when it can: 1 to kMaxNameBytes
+// bytes of valid UTF-8 without control characters (U+0000-U+001F, U+007F,
+// U+0080-U+009F). The writer (SlotLayout::Plan) and the reader (ParseTable)
+// apply the same rule.
+std::string TensorNameProblem(std::string_view name);
+// `s` made safe for a one-line message: printable ASCII and valid UTF-8 kept,
+// control characters and invalid bytes as \xNN, cut to about 80 bytes.
+std::string Printable(std::string_view s);
 
 inline uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

@@ -83,9 +83,11 @@ Result<SlotLayout> SlotLayout::Plan(const std::vector<TensorSpec>& specs) {
   names.reserve(specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
     const TensorSpec& s = specs[i];
-    if (s.name.empty() || s.name.size() > format::kMaxNameBytes) {
-      return Status::InvalidArgument("tensor " + std::to_string(i) +
-                                     ": name must be 1 to 4096 bytes long");
+    if (std::string why = format::TensorNameProblem(s.name); !why.empty()) {
+      return Status::InvalidArgument("tensor " + std::to_string(i) + " ('" +
+                                     format::Printable(s.name) + "'): " + why +
+                                     "; a name is 1 to 4096 bytes of UTF-8 without control "
+                                     "characters");
     }
     if (DTypeSize(s.dtype) == 0) {
       return Status::InvalidArgument("tensor '" + s.name + "': unknown dtype");
@@ -145,14 +147,29 @@ struct SlotFile::Impl {
   uint64_t newest_counter = 0;
 
   // Reads the whole ring; fills records (index -> parsed or error).
+  // Entries past the end of a truncated file are Corruption; the buffer
+  // never exceeds the file's size.
   Status ReadRing(Medium& m, std::vector<Result<format::Record>>* out) {
     const uint64_t n = header.ring_records;
-    AlignedBuffer buf(n * format::kRecordBytes);
+    const uint64_t size = m.Size();
+    const uint64_t present =
+        size <= header.ring_offset
+            ? 0
+            : std::min<uint64_t>(n, (size - header.ring_offset) / format::kRecordBytes);
+    AlignedBuffer buf(present * format::kRecordBytes);
     if (!buf.ok()) return Status::Internal("out of memory reading the superblock ring");
-    NONSTOP_RETURN_IF_ERROR(m.Read(header.ring_offset, buf.data(), n * format::kRecordBytes)
-                                .Annotate("reading the superblock ring"));
+    if (present > 0) {
+      NONSTOP_RETURN_IF_ERROR(
+          m.Read(header.ring_offset, buf.data(), present * format::kRecordBytes)
+              .Annotate("reading the superblock ring"));
+    }
     out->clear();
     for (uint64_t i = 0; i < n; ++i) {
+      if (i >= present) {
+        out->push_back(Status::Corruption("superblock record lies past the end of the file "
+                                          "(truncated)"));
+        continue;
+      }
       out->push_back(format::ParseRecord(
           std::span<const uint8_t>(buf.data() + i * format::kRecordBytes, format::kRecordBytes)));
     }
@@ -190,7 +207,7 @@ Result<std::unique_ptr<SlotFile>> SlotFile::Create(std::unique_ptr<Medium> mediu
   h.rank = g.rank;
   h.world_size = g.world_size;
   h.ring_records = kRingRecords;
-  h.ring_offset = format::kHeaderBytes;
+  h.ring_offset = format::kRingOffset;  // block 1 holds the header copy
   h.slot_count = g.slots;
   h.slots_offset = h.ring_offset + uint64_t{kRingRecords} * format::kRecordBytes;
   h.slot_bytes = g.slot_bytes;
@@ -205,23 +222,94 @@ Result<std::unique_ptr<SlotFile>> SlotFile::Create(std::unique_ptr<Medium> mediu
   AlignedBuffer hbuf(hb.size());
   std::memcpy(hbuf.data(), hb.data(), hb.size());
   NONSTOP_RETURN_IF_ERROR(m.Write(0, hbuf.data(), hbuf.size()));
+  NONSTOP_RETURN_IF_ERROR(m.Write(format::kHeaderCopyOffset, hbuf.data(), hbuf.size()));
   NONSTOP_RETURN_IF_ERROR(m.Sync());
   return f;
 }
 
-Result<std::unique_ptr<SlotFile>> SlotFile::Open(std::unique_ptr<Medium> medium) {
-  if (medium->Size() < format::kHeaderBytes) {
+Result<std::unique_ptr<SlotFile>> SlotFile::Open(std::unique_ptr<Medium> medium,
+                                                 const SlotOpenOptions& opts) {
+  const uint64_t size = medium->Size();
+  if (size < format::kHeaderBytes) {
     return Status::FailedPrecondition("not a nonstop slot file (shorter than its header)");
   }
-  AlignedBuffer hbuf(format::kHeaderBytes);
+  // The header (block 0) and, where the file has one, its copy (block 1).
+  const bool copy_present = size >= format::kHeaderCopyOffset + format::kHeaderBytes;
+  AlignedBuffer hbuf(2 * format::kHeaderBytes);
   if (!hbuf.ok()) return Status::Internal("out of memory opening the slot file");
-  NONSTOP_RETURN_IF_ERROR(medium->Read(0, hbuf.data(), format::kHeaderBytes));
-  NONSTOP_ASSIGN_OR_RETURN(format::FileHeader h,
-                           format::ParseHeader({hbuf.data(), format::kHeaderBytes}));
-  uint64_t end = h.slots_offset + uint64_t{h.slot_count} * h.slot_bytes;
-  if (medium->Size() < end) {
-    return Status::Corruption("slot file is truncated: " + std::to_string(medium->Size()) +
-                              " bytes, its header describes " + std::to_string(end));
+  NONSTOP_RETURN_IF_ERROR(medium->Read(0, hbuf.data(), format::kHeaderBytes)
+                              .Annotate("reading the file header"));
+  if (copy_present) {
+    NONSTOP_RETURN_IF_ERROR(medium->Read(format::kHeaderCopyOffset,
+                                         hbuf.data() + format::kHeaderBytes, format::kHeaderBytes)
+                                .Annotate("reading the file header copy"));
+  }
+  const std::span<const uint8_t> pb(hbuf.data(), format::kHeaderBytes);
+  const std::span<const uint8_t> cb(hbuf.data() + format::kHeaderBytes, format::kHeaderBytes);
+  Result<format::FileHeader> primary = format::ParseHeader(pb);
+  Result<format::FileHeader> copy =
+      copy_present ? format::ParseHeader(cb) : Status::NotFound("no header copy");
+  // A block parses as the copy only when it describes a file that has one
+  // (in older files block 1 is ring entry 0).
+  const bool copy_ok = copy.ok() && copy->ring_offset >= format::kRingOffset;
+  const std::string copy_at = "the copy at offset " + std::to_string(format::kHeaderCopyOffset);
+  format::FileHeader h;
+  std::vector<std::string> notes;
+  bool fix_primary = false, fix_copy = false;
+  if (primary.ok()) {
+    h = *primary;
+    if (h.ring_offset >= format::kRingOffset) {  // this file keeps a copy
+      if (!copy_present) {
+        notes.push_back("header copy at offset 4096 is missing (the file is truncated); used "
+                        "the header at offset 0");
+        fix_copy = true;
+      } else if (!copy_ok) {
+        notes.push_back("header copy at offset 4096 is damaged (" +
+                        (copy.ok() ? std::string("describes no copy") : copy.status().message()) +
+                        "); used the header at offset 0");
+        fix_copy = true;
+      } else if (std::memcmp(pb.data(), cb.data(), format::kHeaderBytes) != 0) {
+        notes.push_back("header copy at offset 4096 differs from the header; used the header at "
+                        "offset 0");
+        fix_copy = true;
+      }
+    }
+  } else if (!format::HeaderCrcOk(pb) && copy_ok) {
+    // The header's own checksum fails and the copy is intact: a damaged
+    // header, not a foreign file or a newer version (those have a good crc).
+    h = *copy;
+    notes.push_back("file header damaged (" + primary.status().message() + "); used " + copy_at);
+    fix_primary = true;
+  } else {
+    return primary.status();
+  }
+  const uint64_t end = h.slots_offset + uint64_t{h.slot_count} * h.slot_bytes;
+  const bool truncated = size < end;
+  if (truncated) {
+    notes.push_back("slot file is truncated: " + std::to_string(size) +
+                    " bytes, its header describes " + std::to_string(end) +
+                    "; checkpoints whose bytes are missing are reported damaged");
+  }
+  if (opts.repair && !notes.empty()) {
+    // The header never changes after Create, so rewriting the damaged block
+    // from the intact one restores the file exactly.
+    if (truncated) {
+      NONSTOP_RETURN_IF_ERROR(medium->Resize(end).Annotate("restoring the truncated slot file's length"));
+    }
+    std::vector<uint8_t> hb = format::EncodeHeader(h);
+    AlignedBuffer good(hb.size());
+    if (!good.ok()) return Status::Internal("out of memory repairing the file header");
+    std::memcpy(good.data(), hb.data(), hb.size());
+    if (fix_primary) {
+      NONSTOP_RETURN_IF_ERROR(
+          medium->Write(0, good.data(), good.size()).Annotate("repairing the file header"));
+    }
+    if (fix_copy) {
+      NONSTOP_RETURN_IF_ERROR(medium->Write(format::kHeaderCopyOffset, good.data(), good.size())
+                                  .Annotate("repairing the file header copy"));
+    }
+    NONSTOP_RETURN_IF_ERROR(medium->Sync().Annotate("syncing the repaired file header"));
+    for (std::string& n : notes) n += " (repaired)";
   }
   StoreGeometry g;
   g.slots = h.slot_count;
@@ -230,6 +318,7 @@ Result<std::unique_ptr<SlotFile>> SlotFile::Open(std::unique_ptr<Medium> medium)
   g.world_size = h.world_size;
   std::unique_ptr<SlotFile> f(new SlotFile(std::move(medium), g));
   f->impl_->header = h;
+  f->salvaged_ = std::move(notes);
   // Learn the ring position and newest counter so commits continue above them.
   std::vector<Result<format::Record>> ring;
   NONSTOP_RETURN_IF_ERROR(f->impl_->ReadRing(*f->medium_, &ring));
@@ -262,6 +351,14 @@ Result<CheckpointInfo> SlotFile::Commit(const CommitRequest& req) {
   if (req.chunk_crcs.size() != n_chunks) {
     return Status::InvalidArgument("commit has " + std::to_string(req.chunk_crcs.size()) +
                                    " chunk checksums, the layout needs " + std::to_string(n_chunks));
+  }
+  if (req.meta_json.size() > format::kMaxMetaBytes) {
+    return Status::InvalidArgument("checkpoint metadata of " + std::to_string(req.meta_json.size()) +
+                                   " bytes is larger than the limit of " +
+                                   std::to_string(format::kMaxMetaBytes));
+  }
+  if (!format::IsValidUtf8(req.meta_json)) {
+    return Status::InvalidArgument("checkpoint metadata is not valid UTF-8");
   }
   Impl& I = *impl_;
   format::Table t;
@@ -346,9 +443,14 @@ static Status CheckRecord(Medium& m, const format::FileHeader& h, const format::
   const uint64_t slot_off = h.slots_offset + uint64_t{r.slot} * h.slot_bytes;
   if (r.slot >= h.slot_count || r.data_offset != slot_off || r.data_bytes % kStoreAlign != 0 ||
       r.data_bytes > h.slot_bytes || r.table_offset != slot_off + r.data_bytes ||
-      r.table_bytes < format::kTableHeaderBytes ||
+      r.table_bytes < format::kTableHeaderBytes || r.table_bytes > h.slot_bytes ||
       AlignUp(r.table_bytes, kStoreAlign) > h.slot_bytes - r.data_bytes) {
     return Status::Corruption("record points outside its slot");
+  }
+  // Nothing is allocated for bytes the file does not hold.
+  if (r.table_offset + AlignUp(r.table_bytes, kStoreAlign) > m.Size()) {
+    return Status::Corruption("slot " + std::to_string(r.slot) +
+                              " lies past the end of the file (truncated)");
   }
   AlignedBuffer tbuf(r.table_bytes);
   if (!tbuf.ok()) return Status::Internal("out of memory reading a tensor table");
@@ -442,7 +544,7 @@ Status SlotFile::ReadData(const CheckpointInfo& info, uint64_t offset, void* dst
   auto* out = static_cast<uint8_t*>(dst);
   // Reads whole chunks (aligned for O_DIRECT), checks each, copies the part asked for.
   constexpr uint64_t kPiece = 8 << 20;
-  AlignedBuffer buf(std::min<uint64_t>(cb, kPiece));
+  AlignedBuffer buf(std::min<uint64_t>({cb, kPiece, info.data_bytes}));
   if (!buf.ok()) return Status::Internal("out of memory reading checkpoint data");
   const uint64_t first = offset / cb, last = (offset + n - 1) / cb;
   for (uint64_t c = first; c <= last; ++c) {

@@ -83,7 +83,7 @@ test-fuzz: deps
 	$(CMAKE) --build build-fuzz -j $(JOBS) --target fuzz_store
 	mkdir -p build-fuzz/corpus
 	NONSTOP_FUZZ_SEEDS=build-fuzz/corpus ./build-fuzz/tests/fuzz_store -max_total_time=$(FUZZ_SECONDS) \
-	    -max_len=65536 -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 build-fuzz/corpus
+	    -max_len=65536 -timeout=20 -rss_limit_mb=2048 -malloc_limit_mb=16 -print_final_stats=1 build-fuzz/corpus
 
 # The GPU checks, for a GPU machine where nothing can be installed: the C++
 # build with CUDA (whatever needs a missing -dev package is skipped at

@@ -63,14 +63,14 @@ constexpr int kCannotDropRoot = 77;
 // (the caller chmods them 0444): as root, whom mode bits do not stop, the
 // child first becomes nobody (uid and gid 65534). Its stdout and stderr come
 // back through a pipe.
-CliResult RunCliWithoutWriteAccess(const std::vector<std::string>& args) {
+CliResult RunCliInChild(const std::vector<std::string>& args, bool drop_root) {
   int fds[2];
   EXPECT_EQ(::pipe(fds), 0);
   std::fflush(nullptr);
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(fds[0]);
-    if (::geteuid() == 0 && (::setgroups(0, nullptr) != 0 || ::setgid(65534) != 0 ||
+    if (drop_root && ::geteuid() == 0 && (::setgroups(0, nullptr) != 0 || ::setgid(65534) != 0 ||
                              ::setuid(65534) != 0)) {
       ::_exit(kCannotDropRoot);
     }
@@ -96,6 +96,47 @@ CliResult RunCliWithoutWriteAccess(const std::vector<std::string>& args) {
   r.out = both.substr(0, nul);
   if (nul != std::string::npos) r.err = both.substr(nul + 1);
   return r;
+}
+
+CliResult RunCliWithoutWriteAccess(const std::vector<std::string>& args) {
+  return RunCliInChild(args, /*drop_root=*/true);
+}
+
+// For inputs that crashed the CLI: a crash (SIGSEGV, abort) shows as an exit
+// code above 128 instead of killing the test.
+CliResult RunCliIsolated(const std::vector<std::string>& args) {
+  return RunCliInChild(args, /*drop_root=*/false);
+}
+
+std::vector<uint8_t> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+void WriteFile(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Replaces the table of the checkpoint with ring sequence `seq` in slot file
+// `path` by `t` (encoded as is, whatever rule it breaks) and makes the
+// record's table crc and its own crc match: a crafted file with valid
+// checksums, as an attacker would make it.
+void CraftTable(const std::string& path, uint64_t seq, const format::Table& t) {
+  std::vector<uint8_t> img = ReadFile(path);
+  const format::FileHeader h = format::ParseHeader({img.data(), format::kHeaderBytes}).value();
+  uint8_t* rb = img.data() + h.ring_offset + (seq % h.ring_records) * format::kRecordBytes;
+  format::Record r = format::ParseRecord({rb, format::kRecordBytes}).value();
+  const std::vector<uint8_t> tb = format::EncodeTable(t);
+  const uint64_t padded = format::AlignUp(tb.size(), kStoreAlign);
+  ASSERT_LE(r.data_bytes + padded, h.slot_bytes) << "crafted table does not fit the slot";
+  std::fill(img.begin() + r.table_offset, img.begin() + r.table_offset + padded, 0);
+  std::copy(tb.begin(), tb.end(), img.begin() + r.table_offset);
+  r.table_bytes = tb.size();
+  r.table_crc = Crc32c(img.data() + r.table_offset, padded);
+  const std::vector<uint8_t> enc = format::EncodeRecord(r);
+  std::copy(enc.begin(), enc.end(), rb);
+  WriteFile(path, img);
 }
 
 class StoreCliTest : public ::testing::Test {
@@ -182,7 +223,7 @@ TEST_F(StoreCliTest, VerifyPassesOnAGoodDirectory) {
 TEST_F(StoreCliTest, VerifyNamesEveryKindOfBitFlip) {
   const CheckpointInfo n = Newest();
   const uint64_t table = n.data_offset + n.data_bytes;
-  const uint64_t record = format::kHeaderBytes + (n.sequence % kRingRecords) * format::kRecordBytes;
+  const uint64_t record = format::kRingOffset + (n.sequence % kRingRecords) * format::kRecordBytes;
   const TensorEntry& t0 = n.tensors[0];
   struct Case {
     const char* what;
@@ -195,7 +236,9 @@ TEST_F(StoreCliTest, VerifyNamesEveryKindOfBitFlip) {
       {"table", table + 30, "tensor table checksum mismatch"},
       {"table padding", table + n.table_bytes + 1, "tensor table checksum mismatch"},
       {"record", record + 33, "ring entry"},
-      {"header", 20, "file header checksum mismatch"},
+      {"header", 20, "file header checksum mismatch); used the copy at offset 4096; step 50 verified"},
+      {"header padding", 3000, "file header checksum mismatch); used the copy at offset 4096"},
+      {"header copy", 4096 + 30, "header copy at offset 4096 is damaged"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -294,6 +337,149 @@ TEST_F(StoreCliTest, ClearOneLineErrors) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("multi-rank"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(dir_ + "/x.safetensors"));
+}
+
+// A damaged header is salvaged from its copy: inspect says so and lists
+// every checkpoint, export works, and verify names the damage and what it used.
+TEST_F(StoreCliTest, DamagedHeaderOrTruncatedTailIsSalvaged) {
+  FlipBit(40);
+  CliResult r = RunCli({"inspect", dir_, "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  json j = json::parse(r.out);
+  const json& f = j["files"][0];
+  ASSERT_FALSE(f.contains("error")) << f["error"];
+  ASSERT_EQ(f["salvaged"].size(), 1u);
+  EXPECT_NE(f["salvaged"][0].get<std::string>().find("used the copy at offset 4096"),
+            std::string::npos);
+  EXPECT_EQ(f["checkpoints"].size(), 5u);
+  EXPECT_EQ(f["checkpoints"][0]["state"], "committed");
+  r = RunCli({"export", dir_, "-o", dir_ + "/out.safetensors"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("used the copy"), std::string::npos) << r.err;
+  FlipBit(40);
+
+  // One byte cut from the unused tail of the last slot.
+  fs::resize_file(file_, fs::file_size(file_) - 1);
+  r = RunCli({"verify", dir_});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("slot file is truncated"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("step 50 verified"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  r = RunCli({"verify", dir_, "--step", "30"});
+  EXPECT_NE(r.err.find("step 30 verified"), std::string::npos) << r.err;
+}
+
+format::Table TableOfNewest(const std::string& file, CheckpointInfo* info) {
+  auto f = SlotFile::Open(OpenMedium(file, MediumKind::kBuffered, {}).value()).value();
+  auto scan = f->Scan().value();
+  *info = scan.checkpoints[0].info;
+  const format::FileHeader h =
+      format::ParseHeader({ReadFile(file).data(), format::kHeaderBytes}).value();
+  format::Table t;
+  t.uuid_hi = h.uuid_hi;
+  t.uuid_lo = h.uuid_lo;
+  t.counter = info->counter;
+  t.step = info->step;
+  t.crc_chunk_bytes = info->crc_chunk_bytes;
+  t.data_bytes = info->data_bytes;
+  t.tensors = info->tensors;
+  t.chunk_crcs = info->chunk_crcs;
+  t.meta_json = info->meta_json;
+  return t;
+}
+
+// 2,000 entries that all cover the data region, with valid checksums: verify
+// refuses the checkpoint naming the entry (it said OK), export writes
+// nothing (it wrote 2,000 copies of the data region).
+TEST_F(StoreCliTest, CraftedOverlappingTableIsRefusedByVerifyAndExport) {
+  // A directory whose slots have room for a 2,000-entry table.
+  const std::string dir = dir_ + "/big";
+  fs::create_directory(dir);
+  const std::string file = dir + "/" + SlotFileName(0);
+  {
+    MediumOptions mo;
+    mo.create = true;
+    auto f = SlotFile::Create(OpenMedium(file, MediumKind::kBuffered, mo).value(),
+                              StoreGeometry{3, testing::kTestSlotBytes + (128 << 10), 0, 1})
+                 .value();
+    ASSERT_TRUE(testing::WriteAndCommit(*f, testing::MakeCheckpoint(10), 0, 1).ok());
+    ASSERT_TRUE(testing::WriteAndCommit(*f, testing::MakeCheckpoint(20), 1, 2).ok());
+  }
+  CheckpointInfo info;
+  format::Table t = TableOfNewest(file, &info);
+  t.tensors.clear();
+  for (int i = 0; i < 2000; ++i) {
+    TensorEntry te;
+    te.spec = {"t" + std::to_string(i), DType::kUInt8, {static_cast<int64_t>(t.data_bytes)},
+               t.data_bytes, {}};
+    t.tensors.push_back(te);
+  }
+  CraftTable(file, info.sequence, t);
+  CliResult r = RunCli({"verify", dir});
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find("tensor table entry 1 ('t1') overlaps entry 0 ('t0')"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  r = RunCli({"export", dir, "--step", "20", "-o", dir + "/x.safetensors"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("overlaps"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir + "/x.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/x.safetensors.tmp"));
+  // What recovery would load is the intact step 10.
+  r = RunCli({"export", dir, "-o", dir + "/y.safetensors"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("step 10"), std::string::npos) << r.out;
+}
+
+// Inputs that crashed `nonstop inspect --json`: 200,000 nested brackets in
+// the metadata (SIGSEGV), a tensor name that is not UTF-8 and a file name
+// that is not UTF-8 (uncaught nlohmann exception, abort).
+TEST_F(StoreCliTest, InspectNeverCrashesOnHostileInput) {
+  const std::string dir = dir_ + "/deep";
+  fs::create_directory(dir);
+  const std::string file = dir + "/" + SlotFileName(0);
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  {
+    MediumOptions mo;
+    mo.create = true;
+    auto f = SlotFile::Create(OpenMedium(file, MediumKind::kBuffered, mo).value(),
+                              StoreGeometry{3, testing::kTestSlotBytes + (512 << 10), 0, 1})
+                 .value();
+    testing::TestCheckpoint c = testing::MakeCheckpoint(10);
+    c.meta_json = deep;  // a writer may store any UTF-8 of bounded size
+    ASSERT_TRUE(f->WriteData(0, 0, c.data.data(), c.data.size()).ok());
+    ASSERT_TRUE(f->Commit(testing::MakeCommitRequest(c, 0, 1)).ok());
+  }
+  CliResult r = RunCliIsolated({"inspect", dir, "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["files"][0]["checkpoints"][0]["meta"], deep);  // shown as text, not parsed
+  r = RunCliIsolated({"inspect", dir});
+  EXPECT_EQ(r.code, 0) << r.err;
+
+  // A tensor name that is not UTF-8, with valid checksums.
+  CheckpointInfo info;
+  format::Table t = TableOfNewest(file_, &info);
+  t.tensors[0].spec.name = "w\xff\xfe";
+  CraftTable(file_, info.sequence, t);
+  r = RunCliIsolated({"inspect", dir_, "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  j = json::parse(r.out);
+  EXPECT_EQ(j["files"][0]["checkpoints"][0]["state"], "damaged");
+  EXPECT_NE(j["files"][0]["checkpoints"][0]["reason"].get<std::string>().find(
+                "('w\\xFF\\xFE'): name is not valid UTF-8"),
+            std::string::npos)
+      << r.out;
+  r = RunCliIsolated({"export", dir_, "--step", "50", "-o", dir_ + "/x.safetensors"});
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("not valid UTF-8"), std::string::npos) << r.err;
+
+  // A slot file whose name is not UTF-8.
+  fs::copy_file(file, dir + "/rank-\xff\xfe.nsck");
+  r = RunCliIsolated({"inspect", dir, "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  j = json::parse(r.out);
+  EXPECT_EQ(j["files"].size(), 2u);
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <new>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -23,7 +25,9 @@
 
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
+#include "store/format.h"
 #include "tools/commands.h"
+#include "tools/store_json.h"
 
 namespace nonstop::cli {
 namespace {
@@ -75,6 +79,26 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 std::string CkptName(const CheckpointInfo& info) {
   return "checkpoint #" + std::to_string(info.counter) + " (step " + std::to_string(info.step) +
          ")";
+}
+
+// Text from a file for the terminal: control characters (escape sequences,
+// newlines) shown as \xNN, at most 64 KiB.
+std::string DisplayText(std::string_view text) {
+  constexpr size_t kMax = 64 << 10;
+  std::string out;
+  size_t i = 0;
+  for (; i < text.size() && out.size() < kMax; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c == 0x7F) {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\x%02X", c);
+      out += esc;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (i < text.size()) out += "...";
+  return out;
 }
 
 std::string Plural(uint64_t n, const char* what) {
@@ -160,12 +184,6 @@ ScannedFile ScanFile(const fs::path& path, bool verify_all) {
 // ---------------------------------------------------------------------------
 // inspect
 
-json MetaJson(const std::string& meta) {
-  if (meta.empty()) return nullptr;
-  json j = json::parse(meta, nullptr, /*allow_exceptions=*/false);
-  return j.is_discarded() ? json(meta) : j;
-}
-
 json TensorsJson(const CheckpointInfo& info) {
   json out = json::array();
   for (const TensorEntry& te : info.tensors) {
@@ -201,6 +219,7 @@ json InspectJson(const ScannedFile& s) {
     f["error"] = s.error;
     return f;
   }
+  f["salvaged"] = s.file->salvaged();
   const StoreGeometry& g = s.file->geometry();
   f["rank"] = g.rank;
   f["world_size"] = g.world_size;
@@ -255,6 +274,7 @@ void PrintInspect(const ScannedFile& s) {
   std::cout << name << ": rank " << g.rank << " of " << g.world_size << ", " << g.slots
             << " slots of " << HumanBytes(g.slot_bytes) << ", "
             << HumanBytes(s.file->medium().Size()) << "\n";
+  for (const std::string& note : s.file->salvaged()) std::cout << "  salvaged: " << note << "\n";
   std::cout << "  checkpoints (newest first):\n";
   if (s.report.checkpoints.empty()) std::cout << "    none committed yet\n";
   for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
@@ -288,7 +308,7 @@ void PrintInspect(const ScannedFile& s) {
               << HumanBytes(in.data_bytes) << " data, " << Plural(in.chunk_crcs.size(), "chunk")
               << " of "
               << HumanBytes(in.crc_chunk_bytes) << "\n";
-    if (!in.meta_json.empty()) std::cout << "    meta: " << in.meta_json << "\n";
+    if (!in.meta_json.empty()) std::cout << "    meta: " << DisplayText(in.meta_json) << "\n";
     char line[96];
     std::snprintf(line, sizeof(line), "    %-10s %-20s %12s %12s  %s", "dtype", "shape", "offset",
                   "bytes", "name");
@@ -313,7 +333,7 @@ void RunInspect(const std::string& dir, bool as_json) {
       PrintInspect(s);
     }
   }
-  if (as_json) std::cout << all.dump(2) << "\n";
+  if (as_json) std::cout << DumpJson(all, 2) << "\n";
 }
 
 // ---------------------------------------------------------------------------
@@ -349,9 +369,13 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
     }
   }
   uint64_t tensors = 0, bytes = 0, chunks = 0;
+  std::string salvaged;  // the first damage recovery worked around
   for (const ScannedFile& s : files) {
     const std::string name = (fs::path(dir) / s.path.filename()).string();
     if (s.file == nullptr || !s.error.empty()) Fail("verify", name + ": " + s.error, kExitDamaged);
+    if (salvaged.empty() && !s.file->salvaged().empty()) {
+      salvaged = name + ": " + s.file->salvaged()[0];
+    }
     // A damaged ring entry may have been the newest commit record.
     for (const std::string& sk : s.report.skipped) {
       if (sk.rfind("ring entry", 0) == 0) {
@@ -380,6 +404,13 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
     bytes += t->info.data_bytes;
     chunks += t->info.chunk_crcs.size();
   }
+  // The checkpoint is intact, the file is not: damage, named with what was
+  // used instead (a writer opening the directory repairs it).
+  if (!salvaged.empty()) {
+    Fail("verify", salvaged + "; step " + std::to_string(*step) + " verified with it on " +
+                       Plural(files.size(), "rank") + " (a writer opening the directory repairs it)",
+         kExitDamaged);
+  }
   std::cout << "OK: step " << *step << " verified on " << Plural(files.size(), "rank") << ": "
             << Plural(tensors, "tensor") << ", " << HumanBytes(bytes) << ", "
             << Plural(chunks, "data chunk checksum") << ", tables and commit records\n";
@@ -395,6 +426,9 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
   ScannedFile s = ScanFile(paths[0], /*verify_all=*/step.has_value());
   const std::string name = (fs::path(dir) / s.path.filename()).string();
   if (s.file == nullptr || !s.error.empty()) Fail("export", name + ": " + s.error, kExitDamaged);
+  for (const std::string& note : s.file->salvaged()) {
+    std::cerr << "nonstop export: note: " << name << ": " << note << "\n";
+  }
   // Default: what recovery would load. With --step: the newest committed one at that step.
   const ScannedCheckpoint* t = nullptr;
   if (!step) {
@@ -508,6 +542,26 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
        kExitUsage);
 }
 
+// Runs a command so that nothing escapes it but its one-line error: any
+// exception (a bug, or memory exhausted by a hostile input) becomes one line
+// and exit code 1.
+template <class F>
+std::function<void()> Guarded(const char* cmd, F run) {
+  return [cmd, run] {
+    try {
+      run();
+    } catch (const CLI::Error&) {
+      throw;  // Fail's exit, or CLI11's own
+    } catch (const std::bad_alloc&) {
+      Fail(cmd, "out of memory", kExitDamaged);
+    } catch (const std::exception& e) {
+      Fail(cmd, "internal error: " + format::Printable(e.what()), kExitDamaged);
+    } catch (...) {
+      Fail(cmd, "internal error", kExitDamaged);
+    }
+  };
+}
+
 }  // namespace
 
 void AddStoreCommands(CLI::App& app) {
@@ -524,13 +578,13 @@ void AddStoreCommands(CLI::App& app) {
       "inspect", "List every slot and checkpoint of a checkpoint directory, with tensor tables");
   inspect->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
   inspect->add_flag("--json", args->json, "print JSON instead of text");
-  inspect->callback([args] { RunInspect(args->dir, args->json); });
+  inspect->callback(Guarded("inspect", [args] { RunInspect(args->dir, args->json); }));
 
   CLI::App* verify = app.add_subcommand(
       "verify", "Check every checksum of the newest (or --step) checkpoint on every rank");
   verify->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
   verify->add_option("--step", args->step, "training step to verify (default: the newest)");
-  verify->callback([args] { RunVerify(args->dir, args->step); });
+  verify->callback(Guarded("verify", [args] { RunVerify(args->dir, args->step); }));
 
   CLI::App* exp = app.add_subcommand(
       "export", "Write one checkpoint as a safetensors file (single-rank directories)");
@@ -542,10 +596,10 @@ void AddStoreCommands(CLI::App& app) {
                   "safetensors (one rank) or dcp (every rank, reassembled; runs python3 -m "
                   "nonstop._dcp)")
       ->check(CLI::IsMember({"safetensors", "dcp"}));
-  exp->callback([args] {
+  exp->callback(Guarded("export", [args] {
     if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out);
     RunExport(args->dir, args->step, args->out);
-  });
+  }));
 }
 
 }  // namespace nonstop::cli

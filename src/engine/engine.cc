@@ -354,7 +354,10 @@ Status EngineImpl::Init() {
   if (!existing.ok() && existing.status().code() != StatusCode::kNotFound) return existing.status();
   if (existing.ok()) {
     std::unique_ptr<Medium> medium = Wrap(std::move(existing).value(), SlotFileName(opts_.rank));
-    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf, SlotFile::Open(std::move(medium)));
+    // The writer repairs a damaged header copy or a truncated length (the
+    // store salvages them; DESIGN.md invariant 10).
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf,
+                             SlotFile::Open(std::move(medium), {.repair = true}));
     const StoreGeometry& g = sf->geometry();
     if (g.world_size != opts_.world_size || g.rank != opts_.rank) {
       return Status::FailedPrecondition(

@@ -12,6 +12,19 @@
 //   1  ParseHeader(rest, padded, crc fixed)  4  ParseTable(rest), PeekTableHeader(rest)
 //   2  ParseRecord(rest)                 5  the rest is a whole slot file (crcs fixed)
 //   6  the rest is patches applied to a valid slot file (crcs fixed or not)
+//   7  the rest is a crafted tensor table (entries and metadata as given,
+//      table header, chunk crcs, table crc and record crc all made valid)
+//      in a valid slot file: every entry rule is reached and every tensor the
+//      table lets through is allocated and read
+//   8  the rest is checkpoint metadata for the command line's JSON path
+//      (tools/store_json.h: depth and size bound, parse, dump)
+//
+// Memory bound (`make test-fuzz` runs with -malloc_limit_mb=16
+// -rss_limit_mb=2048): inputs are at most 64 KiB and the files built from
+// them under 1 MiB, and no allocation the store or the CLI's JSON path makes
+// for a file may exceed the file's own size (tables, ring, tensors) or 8 MiB
+// (a read buffer), so any single allocation over 16 MiB is a bug and fails
+// the run.
 //
 // With NONSTOP_FUZZ_SEEDS=DIR set, LLVMFuzzerInitialize writes a seed corpus
 // of valid inputs for every mode into DIR.
@@ -28,6 +41,7 @@
 #include "nonstop/store.h"
 #include "store/format.h"
 #include "store_test_util.h"
+#include "tools/store_json.h"
 
 namespace nonstop {
 namespace {
@@ -116,6 +130,12 @@ void OpenScanRead(std::vector<uint8_t> img) {
   std::vector<uint8_t> buf;
   for (const ScannedCheckpoint& sc : scan->checkpoints) {
     const CheckpointInfo& info = sc.info;
+    // The command line's JSON of this checkpoint (inspect --json).
+    nlohmann::json names = nlohmann::json::array();
+    for (const TensorEntry& te : info.tensors) names.push_back(te.spec.name);
+    nlohmann::json j = {{"meta", cli::MetaJson(info.meta_json)}, {"tensors", names},
+                        {"reason", sc.reason}};
+    (void)cli::DumpJson(j, 2);
     for (size_t i = 0; i < info.tensors.size(); ++i) {
       buf.resize(info.tensors[i].spec.nbytes);
       (void)f.ReadTensor(info, static_cast<int>(i), buf.data(), /*verify=*/true);
@@ -245,6 +265,9 @@ void WriteSeeds(const std::string& dir) {
   patch.insert(patch.end(), {1, 0, 0, 0});
   WriteSeed(dir, "patch-table", 6, patch);
   WriteSeed(dir, "patch-none", 6, {0});
+  WriteSeed(dir, "crafted-table", 7, CraftedTableSeed());
+  const std::string meta = "{\"step\": 70, \"sched\": {\"lr\": [0.1, 0.01]}, \"s\": \"\\u00e9\\\"\"}";
+  WriteSeed(dir, "cli-json", 8, std::vector<uint8_t>(meta.begin(), meta.end()));
 }
 
 // Mode 6: applies patches to the valid base image, so deep states (several
@@ -267,6 +290,105 @@ void PatchBase(std::span<const uint8_t> in) {
   OpenScanRead(std::move(img));
 }
 
+// Mode 7: [u16 n_tensors][u16 entries_len][entries][metadata...]. The table
+// header is made to agree with the record and the data region (a 16 KiB data
+// region of a one-slot file), so only the entries and the metadata are
+// hostile, with valid checksums everywhere.
+std::vector<uint8_t> CraftedTableImage(std::span<const uint8_t> in) {
+  if (in.size() < 4) return {};
+  uint16_t n_tensors, entries_len;
+  std::memcpy(&n_tensors, in.data(), 2);
+  std::memcpy(&entries_len, in.data() + 2, 2);
+  in = in.subspan(4);
+  const size_t e_len = std::min<size_t>(entries_len, in.size());
+  std::span<const uint8_t> entries = in.first(e_len), meta = in.subspan(e_len);
+  constexpr uint64_t kData = 4 * kStoreAlign, kSlot = kData + 80 * 1024;
+  format::FileHeader h;
+  h.uuid_hi = 5;
+  h.uuid_lo = 6;
+  h.ring_records = 2;
+  h.ring_offset = format::kRingOffset;
+  h.slot_count = 1;
+  h.slots_offset = h.ring_offset + 2 * format::kRecordBytes;
+  h.slot_bytes = kSlot;
+  std::vector<uint8_t> img(h.slots_offset + h.slot_bytes, 0);
+  const auto hb = format::EncodeHeader(h);
+  std::copy(hb.begin(), hb.end(), img.begin());
+  std::copy(hb.begin(), hb.end(), img.begin() + format::kHeaderCopyOffset);
+  uint8_t* data = img.data() + h.slots_offset;
+  for (uint64_t i = 0; i < kData; ++i) data[i] = static_cast<uint8_t>(i * 13 + 5);
+  // The table, byte by byte as docs/FORMAT.md lays it out.
+  std::vector<uint8_t> t(format::kTableHeaderBytes, 0);
+  auto put = [&](size_t at, uint64_t v, size_t n) { std::memcpy(t.data() + at, &v, n); };
+  put(0, format::kTableMagic, 4);
+  put(4, 1, 2);
+  put(6, format::kTableHeaderBytes, 2);
+  put(8, h.uuid_hi, 8);
+  put(16, h.uuid_lo, 8);
+  put(24, 9, 8);        // counter
+  put(32, 90, 8);       // step
+  put(40, 0, 4);        // rank
+  put(44, 1, 4);        // world size
+  put(48, n_tensors, 4);
+  put(52, kStoreAlign, 4);
+  put(56, kData / kStoreAlign, 8);
+  put(64, kData, 8);
+  put(72, entries.size(), 8);
+  put(80, meta.size(), 8);
+  t.insert(t.end(), entries.begin(), entries.end());
+  for (uint64_t c = 0; c < kData / kStoreAlign; ++c) {
+    const uint32_t crc = Crc32c(data + c * kStoreAlign, kStoreAlign);
+    t.insert(t.end(), reinterpret_cast<const uint8_t*>(&crc),
+             reinterpret_cast<const uint8_t*>(&crc) + 4);
+  }
+  t.insert(t.end(), meta.begin(), meta.end());
+  const uint64_t padded = format::AlignUp(t.size(), kStoreAlign);
+  if (kData + padded > kSlot) return {};
+  std::copy(t.begin(), t.end(), img.begin() + h.slots_offset + kData);
+  format::Record r;
+  r.uuid_hi = h.uuid_hi;
+  r.uuid_lo = h.uuid_lo;
+  r.counter = 9;
+  r.step = 90;
+  r.data_offset = h.slots_offset;
+  r.data_bytes = kData;
+  r.table_offset = h.slots_offset + kData;
+  r.table_bytes = t.size();
+  r.table_crc = Crc32c(img.data() + r.table_offset, padded);
+  const auto rb = format::EncodeRecord(r);
+  std::copy(rb.begin(), rb.end(), img.begin() + h.ring_offset);
+  return img;
+}
+
+// Mode 8: what `nonstop inspect --json` does with a checkpoint's metadata and
+// names (tools/store_json.h).
+void CliJson(std::span<const uint8_t> in) {
+  const std::string_view text(reinterpret_cast<const char*>(in.data()), in.size());
+  (void)cli::JsonNestingDepth(text);
+  nlohmann::json j = {{"meta", cli::MetaJson(text)}, {"name", std::string(text)}};
+  (void)cli::DumpJson(j, 2);
+  (void)cli::DumpJson(j);
+}
+
+// A valid seed for mode 7: the entries of a real table.
+std::vector<uint8_t> CraftedTableSeed() {
+  TensorEntry a, b;
+  a.spec = {"w", DType::kFloat32, {2, 3}, 24, {}};
+  b.spec = {"step", DType::kInt64, {}, 8, {{10}, 0}};
+  b.data_offset = 24;
+  format::Table t;
+  t.crc_chunk_bytes = kStoreAlign;
+  t.tensors = {a, b};
+  t.meta_json = "{\"step\": 90, \"lr\": [0.1, {\"x\": null}]}";
+  std::vector<uint8_t> tb = format::EncodeTable(t);
+  // Entries start at 96 and end where the (empty) chunk crcs begin.
+  const size_t e_len = tb.size() - format::kTableHeaderBytes - t.meta_json.size();
+  std::vector<uint8_t> seed = {2, 0, static_cast<uint8_t>(e_len & 0xFF),
+                               static_cast<uint8_t>(e_len >> 8)};
+  seed.insert(seed.end(), tb.begin() + format::kTableHeaderBytes, tb.end());
+  return seed;
+}
+
 }  // namespace
 }  // namespace nonstop
 
@@ -280,7 +402,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const uint8_t mode = data[0];
   std::span<const uint8_t> rest(data + 1, size - 1);
-  switch (mode % 7) {
+  switch (mode % 9) {
     case 0:
       (void)format::ParseHeader(rest);
       break;
@@ -311,8 +433,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       OpenScanRead(std::move(img));
       break;
     }
-    default:
+    case 6:
       PatchBase(rest);
+      break;
+    case 7: {
+      std::vector<uint8_t> img = CraftedTableImage(rest);
+      if (!img.empty()) OpenScanRead(std::move(img));
+      break;
+    }
+    default:
+      CliJson(rest);
       break;
   }
   return 0;

@@ -482,5 +482,32 @@ TEST_F(StoreCliTest, InspectNeverCrashesOnHostileInput) {
   EXPECT_EQ(j["files"].size(), 2u);
 }
 
+// A symlink planted at OUT.tmp is refused and its target left untouched
+// (export used to open OUT.tmp with O_TRUNC through the link and then rename
+// it, so it overwrote the target). A regular OUT.tmp left by an interrupted
+// export is replaced.
+TEST_F(StoreCliTest, ExportRefusesASymlinkAtItsTempName) {
+  const std::string out = dir_ + "/model.safetensors";
+  const std::string victim = dir_ + "/victim.txt";
+  { std::ofstream(victim) << "precious"; }
+  fs::create_symlink(victim, out + ".tmp");
+  CliResult r = RunCli({"export", dir_, "-o", out});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("model.safetensors.tmp"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  std::ifstream v(victim);
+  std::string content((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(content, "precious");
+  EXPECT_TRUE(fs::is_symlink(out + ".tmp"));
+  EXPECT_FALSE(fs::exists(out));
+
+  fs::remove(out + ".tmp");
+  { std::ofstream(out + ".tmp") << "half an export"; }
+  r = RunCli({"export", dir_, "-o", out});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  EXPECT_GT(fs::file_size(out), 100u);
+}
+
 }  // namespace
 }  // namespace nonstop

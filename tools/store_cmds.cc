@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
 #include "store/format.h"
@@ -481,17 +482,55 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
   }
   blob.append((8 - blob.size() % 8) % 8, ' ');
 
-  // Written beside the target and renamed over it, so a failed export leaves
-  // no half-written file under the requested name.
+  // Written beside the target as OUT.tmp and renamed over it, so a failed
+  // export leaves no half-written file under the requested name. Through the
+  // Env: OUT.tmp is created with O_EXCL|O_NOFOLLOW relative to the output
+  // directory's fd, so a symlink planted there is refused, never followed.
+  const fs::path out_path(out);
+  const std::string out_name = out_path.filename().string();
+  const std::string out_dir =
+      out_path.has_parent_path() ? out_path.parent_path().string() : std::string(".");
+  const std::string tmp_name = out_name + ".tmp";
   const std::string tmp = out + ".tmp";
+  if (Status st = CheckEntryName(out_name); !st.ok()) {
+    Fail("export", "-o " + out + " does not name a file: " + st.message(), kExitUsage);
+  }
+  if (Status st = CheckEntryName(tmp_name); !st.ok()) {
+    Fail("export", "-o " + out + ": " + st.message(), kExitUsage);
+  }
+  Result<std::unique_ptr<Directory>> od = DefaultEnv()->OpenDirectory(out_dir, /*create=*/false);
+  if (!od.ok()) Fail("export", "cannot open " + out_dir + ": " + od.status().message(), kExitUsage);
+  Directory& odir = *od.value();
+  // A regular file left by an interrupted export is removed (unlink never
+  // follows a link); anything else there (a symlink, a directory) is refused.
+  if (Result<FileStat> st = odir.Stat(tmp_name); st.ok()) {
+    if (st->type != EntryType::kFile) {
+      Fail("export", tmp + " already exists and is not a regular file (a symlink?); refusing to "
+           "write through it: remove it", kExitUsage);
+    }
+    if (Status u = odir.Unlink(tmp_name); !u.ok()) Fail("export", u.message(), kExitUsage);
+  }
+  Result<std::unique_ptr<Medium>> created =
+      odir.CreateFile(tmp_name, MediumKind::kBuffered, MediumOptions{});
+  if (!created.ok()) Fail("export", created.status().message(), kExitUsage);
+  std::unique_ptr<Medium> f = std::move(created).value();
+  auto abandon = [&](const std::string& why, int code) {
+    f.reset();
+    (void)odir.Unlink(tmp_name);
+    Fail("export", why, code);
+  };
+  uint64_t pos = 0;
+  auto put = [&](const void* p, size_t n) {
+    Status st = f->Write(pos, p, n);
+    if (!st.ok()) abandon("writing " + tmp + ": " + st.message(), kExitUsage);
+    pos += n;
+  };
   {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) Fail("export", "cannot create " + tmp + ": " + std::strerror(errno), kExitUsage);
     uint64_t len = blob.size();
     unsigned char le[8];
     for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(len >> (8 * i));
-    f.write(reinterpret_cast<const char*>(le), 8);
-    f.write(blob.data(), static_cast<std::streamsize>(blob.size()));
+    put(le, 8);
+    put(blob.data(), blob.size());
     constexpr uint64_t kPiece = 16 << 20;
     std::vector<char> buf;
     for (const TensorEntry& te : info.tensors) {
@@ -499,24 +538,21 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
         const uint64_t n = std::min(kPiece, te.spec.nbytes - done);
         buf.resize(n);
         Status st = s.file->ReadData(info, te.data_offset + done, buf.data(), n, /*verify=*/true);
-        if (!st.ok()) {
-          f.close();
-          std::remove(tmp.c_str());
-          Fail("export", name + ": " + st.message(), kExitDamaged);
-        }
-        f.write(buf.data(), static_cast<std::streamsize>(n));
+        if (!st.ok()) abandon(name + ": " + st.message(), kExitDamaged);
+        put(buf.data(), n);
         done += n;
       }
     }
-    f.flush();
-    if (!f) {
-      std::remove(tmp.c_str());
-      Fail("export", "writing " + tmp + " failed: " + std::strerror(errno), kExitUsage);
-    }
+    if (Status st = f->Sync(); !st.ok()) abandon("syncing " + tmp + ": " + st.message(), kExitUsage);
+    f.reset();
   }
-  std::error_code ec;
-  fs::rename(tmp, out, ec);
-  if (ec) Fail("export", "renaming " + tmp + " to " + out + ": " + ec.message(), kExitUsage);
+  if (Status st = odir.Rename(tmp_name, out_name); !st.ok()) {
+    (void)odir.Unlink(tmp_name);
+    Fail("export", "renaming " + tmp + " to " + out + ": " + st.message(), kExitUsage);
+  }
+  if (Status st = odir.SyncDir(); !st.ok()) {
+    Fail("export", "syncing " + out_dir + ": " + st.message(), kExitUsage);
+  }
   std::cout << "exported " << CkptName(info) << ": " << Plural(info.tensors.size(), "tensor") << ", "
             << HumanBytes(offset) << " to " << out << "\n";
 }

@@ -18,6 +18,10 @@
 //      table lets through is allocated and read
 //   8  the rest is checkpoint metadata for the command line's JSON path
 //      (tools/store_json.h: depth and size bound, parse, dump)
+//   9  the job directory's own files (src/jobdir/records.h, names.cc): the
+//      rest is a lineage record, an agreed record, any JSON, or a directory
+//      entry name, by its first byte; what decodes is encoded and decoded
+//      again
 //
 // Memory bound (`make test-fuzz` runs with -malloc_limit_mb=16
 // -rss_limit_mb=2048): inputs are at most 64 KiB and the files built from
@@ -41,6 +45,8 @@
 #include "nonstop/store.h"
 #include "store/format.h"
 #include "store_test_util.h"
+#include "jobdir/records.h"
+#include "nonstop/jobdir.h"
 #include "tools/store_json.h"
 
 namespace nonstop {
@@ -268,6 +274,24 @@ void WriteSeeds(const std::string& dir) {
   WriteSeed(dir, "crafted-table", 7, CraftedTableSeed());
   const std::string meta = "{\"step\": 70, \"sched\": {\"lr\": [0.1, 0.01]}, \"s\": \"\\u00e9\\\"\"}";
   WriteSeed(dir, "cli-json", 8, std::vector<uint8_t>(meta.begin(), meta.end()));
+  {
+    LineageRecord lin;
+    lin.abandoned = {{3, 5}, {9, 9}};
+    lin.restored_counter = 2;
+    lin.abandoned_through = 9;
+    std::string l = std::string(1, '\0') + jobdir_internal::EncodeLineage(lin, 0);
+    WriteSeed(dir, "jobdir-lineage", 9, std::vector<uint8_t>(l.begin(), l.end()));
+    AgreedRecord ag;
+    ag.step = 40;
+    ag.counter = 4;
+    ag.world_size = 2;
+    ag.resharded_from = "world-4";
+    ag.resharded_from_world = 4;
+    std::string a = std::string(1, '\1') + jobdir_internal::EncodeAgreed(ag);
+    WriteSeed(dir, "jobdir-agreed", 9, std::vector<uint8_t>(a.begin(), a.end()));
+    const std::string name = std::string(1, '\3') + "rank-00003.nsck";
+    WriteSeed(dir, "jobdir-name", 9, std::vector<uint8_t>(name.begin(), name.end()));
+  }
 }
 
 // Mode 6: applies patches to the valid base image, so deep states (several
@@ -370,6 +394,44 @@ void CliJson(std::span<const uint8_t> in) {
   (void)cli::DumpJson(j);
 }
 
+// Mode 9: the job directory's records and names.
+void JobDirFiles(std::span<const uint8_t> in) {
+  if (in.empty()) return;
+  const std::string_view text(reinterpret_cast<const char*>(in.data()) + 1, in.size() - 1);
+  namespace ji = jobdir_internal;
+  switch (in[0] % 4) {
+    case 0: {
+      auto rec = ji::DecodeLineage(text, "fuzz lineage");
+      if (rec.ok()) (void)ji::DecodeLineage(ji::EncodeLineage(*rec, 0), "re-encoded lineage");
+      break;
+    }
+    case 1: {
+      auto rec = ji::DecodeAgreed(text, "fuzz agreed");
+      if (rec.ok()) (void)ji::DecodeAgreed(ji::EncodeAgreed(*rec), "re-encoded agreed");
+      break;
+    }
+    case 2: {
+      auto j = ji::ParseJson(text, "fuzz json");
+      if (j.ok()) {
+        uint64_t u;
+        int64_t i;
+        double d;
+        (void)j->AsUint64(&u);
+        (void)j->AsInt64(&i);
+        (void)j->AsDouble(&d);
+        (void)j->Get("step");
+      }
+      (void)ji::JsonString(text);
+      break;
+    }
+    default:
+      (void)JobDirNames::ParseSlot(text);
+      (void)JobDirNames::ParseKeepStep(text);
+      (void)JobDirNames::ParseWorld(text);
+      break;
+  }
+}
+
 // A valid seed for mode 7: the entries of a real table.
 std::vector<uint8_t> CraftedTableSeed() {
   TensorEntry a, b;
@@ -402,7 +464,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const uint8_t mode = data[0];
   std::span<const uint8_t> rest(data + 1, size - 1);
-  switch (mode % 9) {
+  switch (mode % 10) {
     case 0:
       (void)format::ParseHeader(rest);
       break;
@@ -441,8 +503,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!img.empty()) OpenScanRead(std::move(img));
       break;
     }
-    default:
+    case 8:
       CliJson(rest);
+      break;
+    default:
+      JobDirFiles(rest);
       break;
   }
   return 0;

@@ -26,6 +26,15 @@ constexpr int kReaderRetries = 32;  // a live writer committing while a reader v
 constexpr uint64_t kMaxAgreedBytes = 64 << 10;
 
 bool IsNotFound(const Status& s) { return s.code() == StatusCode::kNotFound; }
+// Stored bytes that are not what they should be (as opposed to an I/O error,
+// which may be transient and is never taken for damage).
+bool IsDamage(const Status& s) {
+  return s.code() == StatusCode::kCorruption || s.code() == StatusCode::kFailedPrecondition;
+}
+
+// Counters a rollback abandons above the restored one when a file of the
+// rank cannot be read (its records unknown): far more than any job commits.
+constexpr uint64_t kUnknownCounterMargin = uint64_t{1} << 32;
 
 std::string UtcNow() {
   const std::time_t t = std::time(nullptr);
@@ -132,20 +141,30 @@ struct JobDir::Impl {
   // a trailing '/', or empty): the slot file, then keep copies (newest step
   // first), then the temp slot file when asked. Files that cannot be read
   // are reported in `problems`.
+  // only_step: of the keep copies, only that step's (a selection of one step).
   Status Sources(Directory& d, const std::string& prefix, int r, bool include_keep,
-                 bool include_temp, std::vector<Source>* out, std::vector<std::string>* problems) {
-    auto add = [&](Directory& in, const std::string& name, const std::string& rel, bool keep) {
+                 bool include_temp, std::vector<Source>* out, std::vector<std::string>* problems,
+                 std::optional<int64_t> only_step = std::nullopt) {
+    // A file that is missing is skipped; one whose bytes are not a readable
+    // slot file is a problem (reported, recovery goes on); an I/O error stops
+    // the selection (a transient error must not look like damage).
+    auto add = [&](Directory& in, const std::string& name, const std::string& rel,
+                   bool keep) -> Status {
       Result<Source> s = OpenSource(in, name, CheckpointLocation{rel, keep});
       if (s.ok()) {
         out->push_back(std::move(s).value());
-      } else if (!IsNotFound(s.status())) {
+      } else if (IsDamage(s.status())) {
         problems->push_back(s.status().message());
+      } else if (!IsNotFound(s.status())) {
+        return s.status();
       }
+      return Status::OK();
     };
-    add(d, JobDirNames::Slot(r), prefix + JobDirNames::Slot(r), false);
+    NONSTOP_RETURN_IF_ERROR(add(d, JobDirNames::Slot(r), prefix + JobDirNames::Slot(r), false));
     if (include_keep) {
       Result<std::unique_ptr<Directory>> kd = d.OpenDir(JobDirNames::KeepRoot(), false);
       if (!kd.ok() && !IsNotFound(kd.status())) {
+        if (!IsDamage(kd.status())) return kd.status();
         problems->push_back(kd.status().Annotate(Where(prefix + JobDirNames::KeepRoot())).message());
       }
       if (kd.ok()) {
@@ -154,18 +173,23 @@ struct JobDir::Impl {
         std::reverse(entries.begin(), entries.end());  // newest step first
         for (const DirEntry& e : entries) {
           if (e.type != EntryType::kDirectory || !JobDirNames::ParseKeepStep(e.name)) continue;
+          if (only_step && e.name != JobDirNames::KeepStep(*only_step)) continue;
           Result<std::unique_ptr<Directory>> sd = keep.OpenDir(e.name, false);
           if (!sd.ok()) {
-            if (!IsNotFound(sd.status())) problems->push_back(sd.status().message());
+            if (IsNotFound(sd.status())) continue;
+            if (!IsDamage(sd.status())) return sd.status();
+            problems->push_back(sd.status().message());
             continue;
           }
-          add(*sd.value(), JobDirNames::Slot(r),
-              prefix + JobDirNames::KeepRoot() + "/" + e.name + "/" + JobDirNames::Slot(r), true);
+          NONSTOP_RETURN_IF_ERROR(add(*sd.value(), JobDirNames::Slot(r),
+                                      prefix + JobDirNames::KeepRoot() + "/" + e.name + "/" +
+                                          JobDirNames::Slot(r),
+                                      true));
         }
       }
     }
     if (include_temp) {
-      add(d, JobDirNames::TempSlot(r), prefix + JobDirNames::TempSlot(r), false);
+      NONSTOP_RETURN_IF_ERROR(add(d, JobDirNames::TempSlot(r), prefix + JobDirNames::TempSlot(r), false));
     }
     return Status::OK();
   }
@@ -188,6 +212,9 @@ struct JobDir::Impl {
     for (const Source& s : sources) {
       n = std::max(n, std::max(s.newest_record, s.file->newest_committed_counter()));
     }
+    // A file whose records cannot be read may hold newer counters (a later
+    // salvage could find them): count them as far above every known one.
+    if (!problems.empty()) n += kUnknownCounterMargin;
     return n;
   }
 
@@ -284,7 +311,9 @@ Status JobDir::Impl::TidyLeftovers() {
   std::vector<std::string> problems;
   Result<Source> src = OpenSource(*dir, JobDirNames::Slot(rank),
                                   CheckpointLocation{JobDirNames::Slot(rank), false});
+  if (!src.ok() && !IsNotFound(src.status()) && !IsDamage(src.status())) return src.status();
   Result<LineageRecord> lineage = LineageIn(*dir, "", rank);
+  if (!lineage.ok() && !IsDamage(lineage.status())) return lineage.status();
   for (int64_t step : interrupted) {
     bool redone = false;
     if (src.ok() && lineage.ok()) {
@@ -298,6 +327,7 @@ Status JobDir::Impl::TidyLeftovers() {
           redone = true;
           break;
         }
+        if (st.code() != StatusCode::kCorruption) return st;  // damage only is not fatal here
         std::fprintf(stderr, "nonstop: cannot redo the interrupted keep copy of step %lld: %s\n",
                      static_cast<long long>(step), st.message().c_str());
       }
@@ -391,7 +421,7 @@ Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix
     std::vector<Source> sources;
     std::vector<std::string> problems;
     NONSTOP_RETURN_IF_ERROR(Sources(d, prefix, r, opts.include_keep && prefix.empty(), false,
-                                    &sources, &problems));
+                                    &sources, &problems, opts.step));
     struct Cand {
       uint64_t counter;
       size_t src;
@@ -454,7 +484,7 @@ Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix
               break;
             }
           }
-          if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
+          if (st.code() != StatusCode::kCorruption) return st.Annotate(Where(src.loc.where));
           passed.emplace_back(info.counter, what + ": " + st.message());
           saw_damage = true;
           continue;
@@ -577,7 +607,7 @@ Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::st
           ok = true;
           break;
         }
-        if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
+        if (st.code() != StatusCode::kCorruption) return st.Annotate(Where(pr.sources[s].loc.where));
         reasons += (reasons.empty() ? "" : "; ") + pr.sources[s].loc.where + ": " + st.message();
       }
       if (!ok) why = "rank " + std::to_string(r) + ": " + reasons;
@@ -804,13 +834,55 @@ Result<bool> JobDir::NeedsSetAside(int world_size) {
     MediumOptions mo;
     mo.read_only = true;
     Result<std::unique_ptr<Medium>> m = impl_->dir->OpenFile(e.name, MediumKind::kBuffered, mo);
-    if (!m.ok()) continue;
+    if (!m.ok()) {
+      if (IsNotFound(m.status()) || IsDamage(m.status())) continue;
+      return m.status();
+    }
     Result<std::unique_ptr<SlotFile>> sf = SlotFile::Open(std::move(m).value());
-    if (!sf.ok()) continue;  // unreadable: not ours to move
+    if (!sf.ok()) {
+      if (IsDamage(sf.status())) continue;  // unreadable: not ours to move
+      return sf.status();
+    }
     if (static_cast<int>(sf.value()->geometry().world_size) != world_size) return true;
   }
   return false;
 }
+
+namespace {
+
+// Moves file `name` of `from` to `target` in `to` so that a durable entry
+// holds its bytes at every instant, whatever a crash keeps of either
+// directory's pending entries: a copy under a temp name in `to`, synced,
+// renamed and made durable there; only then the source is unlinked. A crash
+// in between leaves both (the next SetAside moves the source again).
+Status MoveDurably(Directory& from, const std::string& name, Directory& to,
+                   const std::string& target) {
+  MediumOptions ro;
+  ro.read_only = true;
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> src, from.OpenFile(name, MediumKind::kBuffered, ro));
+  const std::string tmp = target + ".tmp";
+  Status s = to.Unlink(tmp);
+  if (!s.ok() && !IsNotFound(s)) return s;
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> dst,
+                           to.CreateFile(tmp, MediumKind::kBuffered, MediumOptions{}));
+  const uint64_t size = src->Size();
+  NONSTOP_RETURN_IF_ERROR(dst->Resize(size));
+  std::vector<uint8_t> buf(static_cast<size_t>(std::min<uint64_t>(size, 8 << 20)));
+  for (uint64_t off = 0; off < size; off += buf.size()) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - off));
+    NONSTOP_RETURN_IF_ERROR(src->Read(off, buf.data(), n));
+    NONSTOP_RETURN_IF_ERROR(dst->Write(off, buf.data(), n));
+  }
+  NONSTOP_RETURN_IF_ERROR(dst->Sync());
+  dst.reset();
+  src.reset();
+  NONSTOP_RETURN_IF_ERROR(to.Rename(tmp, target));
+  NONSTOP_RETURN_IF_ERROR(to.SyncDir());
+  s = from.Unlink(name);
+  return IsNotFound(s) ? Status::OK() : s;
+}
+
+}  // namespace
 
 Result<std::vector<int>> JobDir::SetAside(int world_size) {
   NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("setting rank files aside", impl_->rank));
@@ -821,19 +893,27 @@ Result<std::vector<int>> JobDir::SetAside(int world_size) {
   for (const DirEntry& e : entries) {
     std::optional<int> r = JobDirNames::ParseSlot(e.name);
     if (!r || e.type != EntryType::kFile) continue;
-    MediumOptions mo;
-    mo.read_only = true;
-    Result<std::unique_ptr<Medium>> m = top.OpenFile(e.name, MediumKind::kBuffered, mo);
-    if (!m.ok()) continue;
-    Result<std::unique_ptr<SlotFile>> sf = SlotFile::Open(std::move(m).value());
-    if (!sf.ok()) continue;  // unreadable (damaged, being created): not ours to move
-    const int w = static_cast<int>(sf.value()->geometry().world_size);
-    if (w == world_size) continue;
+    int w = 0;
     bool committed = false;
     {
+      MediumOptions mo;
+      mo.read_only = true;
+      Result<std::unique_ptr<Medium>> m = top.OpenFile(e.name, MediumKind::kBuffered, mo);
+      if (!m.ok()) {
+        if (IsNotFound(m.status()) || IsDamage(m.status())) continue;
+        return m.status();
+      }
+      Result<std::unique_ptr<SlotFile>> sf = SlotFile::Open(std::move(m).value());
+      if (!sf.ok()) {
+        if (IsDamage(sf.status())) continue;  // unreadable (damaged, being created): not ours
+        return sf.status();
+      }
+      w = static_cast<int>(sf.value()->geometry().world_size);
+      if (w == world_size) continue;
       ScanOptions so;
       so.verify_data = false;
       Result<ScanReport> rep = sf.value()->Scan(so);
+      if (!rep.ok() && !IsDamage(rep.status())) return rep.status();
       committed = rep.ok() && rep.value().newest_valid >= 0;
     }
     auto& dest = dests[w];
@@ -851,23 +931,29 @@ Result<std::vector<int>> JobDir::SetAside(int world_size) {
         target += ".uncommitted";
       } else {
         NONSTOP_RETURN_IF_ERROR(dest->Rename(target, target + ".prev"));
+        NONSTOP_RETURN_IF_ERROR(dest->SyncDir());
       }
     } else if (!IsNotFound(there.status())) {
       return there.status();
     }
-    // The rank file first, then its records (a stranded lineage record in the
+    // The rank file first, then its records: a lineage record must never be
+    // apart from the file whose counters it abandons (a stranded one in the
     // top directory is harmless: NextCounter numbers new checkpoints above it).
-    NONSTOP_RETURN_IF_ERROR(top.Rename(e.name, target, dest.get()));
+    NONSTOP_RETURN_IF_ERROR(
+        MoveDurably(top, e.name, *dest, target).Annotate("setting " + impl_->Where(e.name) + " aside"));
     for (const std::string& rec : {JobDirNames::Agreed(*r), JobDirNames::Lineage(*r)}) {
-      Status s = top.Rename(rec, rec, dest.get());
+      Result<std::string> text = ReadSmallFile(top, rec, kMaxRecordBytes);
+      if (!text.ok()) {
+        if (IsNotFound(text.status())) continue;
+        return text.status();
+      }
+      NONSTOP_RETURN_IF_ERROR(WriteFileAtomic(*dest, rec, text.value()));
+      Status s = top.Unlink(rec);
       if (!s.ok() && !IsNotFound(s)) return s;
     }
   }
   std::vector<int> moved;
-  for (auto& [w, d] : dests) {
-    NONSTOP_RETURN_IF_ERROR(d->SyncDir());
-    moved.push_back(w);
-  }
+  for (auto& [w, d] : dests) moved.push_back(w);
   if (!moved.empty()) NONSTOP_RETURN_IF_ERROR(top.SyncDir());
   return moved;
 }

@@ -60,7 +60,7 @@ def train(dir, state, steps, every, step_s, remote=None, options=None):
     t0 = time.perf_counter()
     ckpt.close()
     close_s = time.perf_counter() - t0
-    return {"step_s_mean": statistics.mean(times[every:]),
+    return {"step_s_mean": statistics.mean(times[every:] or times),
             "stall_per_ckpt_s": st["visible_stall_s"] / max(1, st["saves"]),
             "saves": st["saves"], "close_s": close_s,
             "remote": {k: v for k, v in (st.get("remote") or {}).items()

@@ -55,8 +55,18 @@ enum class LayerCopy {
 const char* LayerCopyName(LayerCopy c);
 bool ParseLayerCopy(std::string_view name, LayerCopy* out);
 
+class Env;
+
 struct EngineOptions {
-  std::string dir;              // job directory, created if missing
+  // The job directory, created if missing. The engine opens it once as its
+  // writer through JobDir (jobdir.h), which takes the rank's lock for the
+  // engine's life (a second engine of the same rank is refused, naming the
+  // holder) and spells every file name; every file and directory operation
+  // goes through `env` (env.h): files are created with O_EXCL|O_NOFOLLOW
+  // under a temp name and renamed into place, and a symlink at any name the
+  // engine uses is refused, never followed.
+  std::string dir;
+  Env* env = nullptr;           // nullptr: DefaultEnv()
   uint32_t rank = 0;
   uint32_t world_size = 1;
   int max_in_flight = 2;        // N: checkpoints in flight at once; storage holds N+1+extra_slots

@@ -21,7 +21,6 @@
 // use the same threads: the dispatcher takes their per-tensor copy requests
 // from the same FIFO queue, and their units (LayerPlan) go to the same
 // writers and committer.
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,7 +30,6 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
@@ -47,12 +45,13 @@
 #include "engine/task_pool.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
+#include "nonstop/env.h"
+#include "nonstop/jobdir.h"
 #include "stage/staging_pool.h"
 
 namespace nonstop {
 namespace {
 
-namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 // The SlotMedium every slot file the engine opens is wrapped in (null for
@@ -199,8 +198,12 @@ class EngineImpl final : public Engine {
   Status EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json) override;
 
  private:
-  std::string FinalPath() const { return (fs::path(opts_.dir) / SlotFileName(opts_.rank)).string(); }
-  std::string TempPath() const { return FinalPath() + ".tmp"; }
+  int rank() const { return static_cast<int>(opts_.rank); }
+  // Opens the slot file (or, with create, a new temp slot file) through the
+  // job directory, wrapped in a SlotMedium.
+  Result<std::unique_ptr<Medium>> OpenSlotMedium(bool create);
+  // Publishes the temp slot file over the slot file (rename + SyncDir).
+  Status PublishTemp(SlotFile& file);
   uint32_t WantedSlots() const {
     return static_cast<uint32_t>(opts_.max_in_flight) + 1 + opts_.extra_slots;
   }
@@ -223,6 +226,9 @@ class EngineImpl final : public Engine {
   Status WaitSnapshotFree(const Registration& reg, uint32_t t);
 
   Status TakePendingError();  // REQUIRES(mu_)
+  // After a Restore() that rolled back (newer checkpoints exist): records the
+  // rollback durably through JobDir before anything new is written. REQUIRES(mu_)
+  Status RecordRollback();
   Status CheckOpen();         // REQUIRES(mu_)
   void AddStall(double s);    // REQUIRES(mu_)
   Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
@@ -238,6 +244,9 @@ class EngineImpl final : public Engine {
 
   const EngineOptions opts_;
   const EngineMedia media_;
+  // The job directory, opened as its writer for the engine's life (holds
+  // the rank's lock); every file name and file operation goes through it.
+  std::unique_ptr<JobDir> jd_;
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<StagingPool> staging_;
   std::unique_ptr<TaskPool> writers_;
@@ -265,8 +274,8 @@ class EngineImpl final : public Engine {
   bool stopping_ = false;                            // GUARDED_BY(mu_)
   std::shared_ptr<Registration> reg_;                // GUARDED_BY(mu_)
   std::shared_ptr<SlotFile> file_;                   // GUARDED_BY(mu_): where new checkpoints go
-  // Set while file_ is a fresh TempPath() file that has no commit yet: the
-  // committed checkpoints still live in old_file_ at FinalPath().
+  // Set while file_ is a fresh temp slot file that has no commit yet: the
+  // committed checkpoints still live in old_file_ under the slot file's name.
   std::shared_ptr<SlotFile> old_file_;               // GUARDED_BY(mu_)
   bool pending_rename_ = false;                      // GUARDED_BY(mu_)
   std::optional<uint32_t> retained_slot_;            // GUARDED_BY(mu_): newest committed, in file_
@@ -293,6 +302,8 @@ class EngineImpl final : public Engine {
   // Counters whose commit failed on a failed fsync: their record may be
   // readable (page cache) without being durable. Restore never picks them.
   std::set<uint64_t> not_durable_;                   // GUARDED_BY(mu_)
+  // The counter the last Restore() rolled back to, until RecordRollback.
+  std::optional<uint64_t> rollback_from_;            // GUARDED_BY(mu_)
   EngineStats stats_;                                // GUARDED_BY(mu_)
   // Layer-wise: per registered tensor, copies requested and copies done (the
   // dispatcher is FIFO, so done catches up with requested in order).
@@ -324,9 +335,8 @@ Status EngineImpl::Init() {
     return Status::InvalidArgument("chunk_bytes " + std::to_string(chunk_bytes_) +
                                    " must be a multiple of 4096 and at most 1 GiB");
   }
-  std::error_code ec;
-  fs::create_directories(opts_.dir, ec);
-  if (ec) return Status::IOError("cannot create checkpoint dir " + opts_.dir + ": " + ec.message());
+  NONSTOP_ASSIGN_OR_RETURN(jd_, JobDir::OpenForWrite(opts_.dir, rank(),
+                                                     static_cast<int>(opts_.world_size), opts_.env));
 
   const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
   const int copy_threads = std::max(0, opts_.copy_threads);
@@ -347,21 +357,22 @@ Status EngineImpl::Init() {
                            StagingPool::Create(copy_.get(), staging, chunk_bytes_, min_chunks));
   writers_ = std::make_unique<TaskPool>(writers);
 
-  // A temp file left by a crash during a slot resize holds no committed
-  // checkpoint that the final file lacks (the rename is the commit point).
-  fs::remove(TempPath(), ec);
-  Result<std::unique_ptr<Medium>> existing = media_.open(FinalPath(), false);
+  // JobDir::OpenForWrite removed a temp file left by a crash during a slot
+  // resize: it holds no committed checkpoint the final file lacks (the rename
+  // is the commit point).
+  NONSTOP_ASSIGN_OR_RETURN(next_counter_, jd_->NextCounter(rank()));
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd_->ReadLineage(rank()));
+  Result<std::unique_ptr<Medium>> existing = OpenSlotMedium(false);
   if (!existing.ok() && existing.status().code() != StatusCode::kNotFound) return existing.status();
   if (existing.ok()) {
-    std::unique_ptr<Medium> medium = Wrap(std::move(existing).value(), SlotFileName(opts_.rank));
     // The writer repairs a damaged header copy or a truncated length (the
     // store salvages them; DESIGN.md invariant 10).
     NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf,
-                             SlotFile::Open(std::move(medium), {.repair = true}));
+                             SlotFile::Open(std::move(existing).value(), {.repair = true}));
     const StoreGeometry& g = sf->geometry();
     if (g.world_size != opts_.world_size || g.rank != opts_.rank) {
       return Status::FailedPrecondition(
-          FinalPath() + " was written by rank " + std::to_string(g.rank) + " of world size " +
+          jd_->SlotPath(rank()) + " was written by rank " + std::to_string(g.rank) + " of world size " +
           std::to_string(g.world_size) + ", not rank " + std::to_string(opts_.rank) + " of " +
           std::to_string(opts_.world_size) + ": use another dir or the matching world size");
     }
@@ -370,10 +381,19 @@ Status EngineImpl::Init() {
     NONSTOP_ASSIGN_OR_RETURN(ScanReport report, sf->Scan(so));
     uint64_t max_counter = sf->newest_committed_counter();
     for (const auto& c : report.checkpoints) max_counter = std::max(max_counter, c.info.counter);
-    next_counter_ = max_counter + 1;
+    next_counter_ = std::max(next_counter_, max_counter + 1);
     free_slots_ = std::make_unique<SlotQueue>(g.slots);
-    if (report.newest_valid >= 0) {
-      const CheckpointInfo& info = report.checkpoints[report.newest_valid].info;
+    // The newest committed checkpoint of the current lineage: one a restore
+    // rolled back from is never resumed (DESIGN.md invariant 9).
+    const CheckpointInfo* newest = nullptr;
+    for (const ScannedCheckpoint& c : report.checkpoints) {
+      if (c.state == CheckpointState::kCommitted && !lineage.IsAbandoned(c.info.counter)) {
+        newest = &c.info;
+        break;
+      }
+    }
+    if (newest != nullptr) {
+      const CheckpointInfo& info = *newest;
       retained_slot_ = info.slot;
       latest_ = CommittedCheckpoint{info.counter, info.step};
       if (opts_.global_agreement) candidate_ = latest_;
@@ -405,6 +425,15 @@ Status EngineImpl::TakePendingError() {
   return s;
 }
 
+Status EngineImpl::RecordRollback() {
+  if (!rollback_from_) return Status::OK();
+  NONSTOP_RETURN_IF_ERROR(jd_->RecordRestore(rank(), *rollback_from_));
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t next, jd_->NextCounter(rank()));
+  next_counter_ = std::max(next_counter_, next);
+  rollback_from_.reset();
+  return Status::OK();
+}
+
 Status EngineImpl::TakeError() {
   std::lock_guard<std::mutex> lock(mu_);
   return TakePendingError();
@@ -422,15 +451,14 @@ Status EngineImpl::WaitAllFinished(std::unique_lock<std::mutex>& lock) {
   return Status::OK();
 }
 
-// Creates a new slot file with slot_bytes per slot, always at TempPath()
-// first: a crash while the header is written never leaves a torn file at
-// FinalPath() (Init removes a stale temp file). With keep_old the new file
+// Creates a new slot file with slot_bytes per slot, always under the temp
+// name first (JobDir::CreateTempSlot: O_EXCL|O_NOFOLLOW, a stale one removed): a crash while the header is written never leaves a torn file at
+// the slot file's name (the next open removes a stale temp file). With keep_old the new file
 // stays there until its first commit renames it over the old one, so a
 // committed checkpoint exists at every instant; without, nothing committed
 // is lost by renaming it over at once. Called with nothing in flight.
 Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
-  NONSTOP_ASSIGN_OR_RETURN(auto opened, media_.open(TempPath(), true));
-  std::unique_ptr<Medium> medium = Wrap(std::move(opened), SlotFileName(opts_.rank) + ".tmp");
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> medium, OpenSlotMedium(true));
   SlotMedium* sm = static_cast<SlotMedium*>(medium.get());
   StoreGeometry g;
   g.slots = WantedSlots();
@@ -439,15 +467,14 @@ Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
   g.world_size = opts_.world_size;
   Result<std::unique_ptr<SlotFile>> created = SlotFile::Create(std::move(medium), g);
   if (created.ok() && !keep_old) {
-    if (Status rs = media_.rename(TempPath(), FinalPath()); !rs.ok()) {
+    if (Status rs = jd_->PublishTempSlot(); !rs.ok()) {
       created = rs;
     } else {
-      sm->Renamed(SlotFileName(opts_.rank));
+      sm->Renamed(JobDirNames::Slot(rank()));
     }
   }
   if (!created.ok()) {
-    std::error_code ec;
-    fs::remove(TempPath(), ec);  // best effort: Init removes it too
+    (void)jd_->DiscardTempSlot();  // best effort: the next open removes it too
     return created.status();
   }
   std::unique_ptr<SlotFile> sf = std::move(created).value();
@@ -610,6 +637,7 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   // An earlier checkpoint's failure stays queued for TakeError() and the
   // wait calls: this checkpoint starts anyway, so one failure costs one.
   if (!reg_ || !file_) return Status::FailedPrecondition("Checkpoint before Register");
+  NONSTOP_RETURN_IF_ERROR(RecordRollback());
   // The only place Checkpoint blocks on the pipeline: N already in flight
   // (unless they are all open layer-wise checkpoints, which cannot finish).
   cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight || in_flight_ == open_; });
@@ -919,22 +947,9 @@ void EngineImpl::CommitLoop() {
 }
 
 Status EngineImpl::KeepCopy(SlotFile& file, const CheckpointInfo& info) {
-  char name[40];
-  std::snprintf(name, sizeof(name), "step-%012lld", static_cast<long long>(info.step));
-  const fs::path dir = fs::path(opts_.dir) / "keep" / name;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) {
-    return Status::IOError("keeping checkpoint: cannot create " + dir.string() + ": " +
-                           ec.message());
-  }
-  const std::string final_path = (dir / SlotFileName(opts_.rank)).string();
-  const std::string tmp_path = final_path + ".tmp";
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, media_.open(tmp_path, true));
-  NONSTOP_RETURN_IF_ERROR(CopyCheckpoint(file, info, std::move(m))
-                              .Annotate("keeping step " + std::to_string(info.step) + " in " +
-                                        dir.string()));
-  return media_.rename(tmp_path, final_path);
+  // keep/step-N/rank-R.nsck through the job directory: temp name (O_EXCL),
+  // verified copy, sync, rename, SyncDir; redone at the next open after a kill.
+  return jd_->Keep(file, info);
 }
 
 // On Linux a failed fsync drops the dirty pages it could not write and
@@ -961,10 +976,31 @@ void EngineImpl::AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium&
 }
 
 std::unique_ptr<Medium> EngineImpl::Wrap(std::unique_ptr<Medium> m, const std::string& name) {
-  auto reopen = [this](const std::string& n, MediumKind) -> Result<std::unique_ptr<Medium>> {
-    return media_.open((fs::path(opts_.dir) / n).string(), false);
+  // A reopen after a failed fsync: the same name in the same directory fd.
+  auto reopen = [this](const std::string& n, MediumKind kind) -> Result<std::unique_ptr<Medium>> {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> fresh,
+                             jd_->dir().OpenFile(n, kind, MediumOptions{}));
+    if (media_.wrap) return media_.wrap(std::move(fresh), n, false);
+    return fresh;
   };
-  return std::make_unique<SlotMedium>(std::move(m), opts_.dir, name, reopen);
+  return std::make_unique<SlotMedium>(std::move(m), jd_->path(), name, reopen);
+}
+
+Result<std::unique_ptr<Medium>> EngineImpl::OpenSlotMedium(bool create) {
+  const std::string name = create ? JobDirNames::TempSlot(rank()) : JobDirNames::Slot(rank());
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m,
+                           create ? jd_->CreateTempSlot(opts_.medium)
+                                  : jd_->OpenSlot(rank(), opts_.medium, /*read_only=*/false));
+  if (media_.wrap) {
+    NONSTOP_ASSIGN_OR_RETURN(m, media_.wrap(std::move(m), name, create));
+  }
+  return Wrap(std::move(m), name);
+}
+
+Status EngineImpl::PublishTemp(SlotFile& file) {
+  NONSTOP_RETURN_IF_ERROR(jd_->PublishTempSlot());
+  if (SlotMedium* sm = SlotOf(file)) sm->Renamed(JobDirNames::Slot(rank()));
+  return Status::OK();
 }
 
 void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded,
@@ -976,12 +1012,11 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   // replaced by a newer committed one in one atomic step.
   // In distributed mode the old file holds the pinned checkpoint: Pin renames.
   if (committed && pending_rename_ && job->file == file_ && !opts_.global_agreement) {
-    Status rs = media_.rename(TempPath(), FinalPath());
+    Status rs = PublishTemp(*file_);
     if (!rs.ok()) {
       st = rs;
       committed = false;
     } else {
-      if (SlotMedium* sm = SlotOf(*file_)) sm->Renamed(SlotFileName(opts_.rank));
       pending_rename_ = false;
       old_file_.reset();
     }
@@ -1181,13 +1216,28 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   ScanOptions so;
   so.verify_data = false;  // each chunk's crc is verified as it is read below
   NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd_->ReadLineage(rank()));
   std::vector<std::string> skipped;
   for (const ScannedCheckpoint& c : report.checkpoints) {
     if (c.state != CheckpointState::kCommitted) continue;
     if (step && c.info.step != *step) continue;
     if (not_durable_.count(c.info.counter) != 0) continue;  // its commit's fsync failed
+    if (lineage.IsAbandoned(c.info.counter)) {
+      skipped.push_back("checkpoint " + std::to_string(c.info.counter) + " (step " +
+                        std::to_string(c.info.step) + ") was rolled back from by a restore");
+      continue;
+    }
     Status st = ReadCheckpoint(file, c.info);
     if (st.ok()) {
+      // A rollback is final (DESIGN.md invariant 9): when newer records
+      // exist (damaged, or an older step asked for), the next checkpoint
+      // first records durably that their counters are abandoned
+      // (RecordRollback). Distributed mode records rollbacks by agreement
+      // (Pin) instead.
+      rollback_from_.reset();
+      if (!opts_.global_agreement && report.checkpoints.front().info.counter > c.info.counter) {
+        rollback_from_ = c.info.counter;
+      }
       ProtectRestored(file, c.info);
       AddStall(Seconds(t0, Clock::now()));
       return c.info;
@@ -1242,8 +1292,7 @@ Status EngineImpl::Pin(uint64_t counter) {
   if (pinned_ && pinned_->counter == counter) return Status::OK();
   if (candidate_ && candidate_->counter == counter && retained_slot_) {
     if (pending_rename_) {  // the first pin in a resized file makes it the file
-      NONSTOP_RETURN_IF_ERROR(media_.rename(TempPath(), FinalPath()));
-      if (SlotMedium* sm = SlotOf(*file_)) sm->Renamed(SlotFileName(opts_.rank));
+      NONSTOP_RETURN_IF_ERROR(PublishTemp(*file_));
       pending_rename_ = false;
       old_file_.reset();
     }
@@ -1333,8 +1382,10 @@ Status EngineImpl::Close() {
   reg_.reset();
   file_.reset();
   old_file_.reset();
+  pinned_file_.reset();
   lock.unlock();
   staging_.reset();
+  jd_.reset();  // releases the writer lock
   return st;
 }
 
@@ -1428,33 +1479,8 @@ Status Engine::EndCheckpoint(uint64_t, int64_t, std::string) {
   return Status::Unavailable("this engine has no layer-wise checkpoints");
 }
 
-EngineMedia FileMedia(MediumKind kind) {
-  EngineMedia m;
-  m.open = [kind](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
-    std::error_code ec;
-    if (!create && !fs::exists(path, ec)) return Status::NotFound(path + " does not exist");
-    MediumOptions mo;
-    mo.create = create;
-    return OpenMedium(path, kind, mo);
-  };
-  m.rename = [](const std::string& from, const std::string& to) -> Status {
-    if (::rename(from.c_str(), to.c_str()) != 0) {
-      return Status::FromErrno("rename " + from + " over " + to, errno);
-    }
-    const std::string dir = fs::path(to).parent_path().string();
-    const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-    if (dfd < 0) return Status::FromErrno("open dir " + dir, errno);
-    const int rc = ::fsync(dfd);
-    const int err = errno;
-    ::close(dfd);
-    if (rc != 0) return Status::FromErrno("fsync dir " + dir, err);
-    return Status::OK();
-  };
-  return m;
-}
-
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& opts) {
-  return OpenEngine(opts, FileMedia(opts.medium));
+  return OpenEngine(opts, EngineMedia{});
 }
 
 Result<std::unique_ptr<Engine>> OpenEngine(const EngineOptions& opts, EngineMedia media) {

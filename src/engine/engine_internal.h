@@ -14,20 +14,19 @@
 namespace nonstop {
 
 struct EngineMedia {
-  // Opens the medium at `path`; with create=false it returns NotFound when
-  // there is none (the engine then starts with no checkpoint).
-  std::function<Result<std::unique_ptr<Medium>>(const std::string& path, bool create)> open;
-  // Atomically replaces `to` with `from` and makes that durable (a slot file
-  // resize commits this way).
-  std::function<Status(const std::string& from, const std::string& to)> rename;
+  // Tests: wraps or replaces the medium of each slot file the engine opens
+  // through the job directory (`name` is its name there; `created`: the file
+  // was just created), e.g. to put its bytes on a FaultDisk. Every file and
+  // directory operation still goes through EngineOptions::env and JobDir.
+  // Empty: the file's own medium.
+  std::function<Result<std::unique_ptr<Medium>>(std::unique_ptr<Medium> opened,
+                                                const std::string& name, bool created)>
+      wrap;
   // Tests: the copy engine for `copy_threads` (empty: MakeBestCopyEngine).
   std::function<std::unique_ptr<CopyEngine>(int copy_threads)> copy;
 };
 
-// The media Engine::Open uses: OpenMedium(opts.medium) on real files,
-// rename(2) + fsync of the directory.
-EngineMedia FileMedia(MediumKind kind);
-
+// Engine::Open(opts) is OpenEngine(opts, EngineMedia{}).
 Result<std::unique_ptr<Engine>> OpenEngine(const EngineOptions& opts, EngineMedia media);
 
 // The staging pool the engine picks when EngineOptions::staging_bytes is 0

@@ -9,6 +9,7 @@
 //     the bytes of its step. If the newest slot had been reused early, its
 //     data would be torn and this would fail.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -79,11 +80,12 @@ struct State {
 
 EngineMedia Media(const std::shared_ptr<FaultDisk>& disk, uint64_t seed) {
   EngineMedia m;
-  m.open = [disk, seed](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
-    if (!create && disk->size() == 0) return Status::NotFound(path + " does not exist");
+  // The slot file's bytes go to the disk; the job directory itself is real.
+  m.wrap = [disk, seed](std::unique_ptr<Medium>, const std::string& name,
+                        bool created) -> Result<std::unique_ptr<Medium>> {
+    if (!created && disk->size() == 0) return Status::NotFound(name + " does not exist");
     return std::unique_ptr<Medium>(std::make_unique<DelayMedium>(disk->Open(), seed));
   };
-  m.rename = [](const std::string&, const std::string&) { return Status::OK(); };
   return m;
 }
 
@@ -100,7 +102,7 @@ TEST(EngineStressTest, RandomConcurrencyFailuresAndCrashRecovery) {
 
     EngineOptions o;
     // Every byte goes to the fault disk; the dir only has to exist.
-    o.dir = (std::filesystem::temp_directory_path() / "nonstop_stress_test").string();
+    o.dir = (std::filesystem::temp_directory_path() / ("nonstop_stress_test_" + std::to_string(::getpid()))).string();
     o.max_in_flight = 1 + static_cast<int>(rng() % 4);
     o.writers = 1 + static_cast<int>(rng() % 4);
     o.chunk_bytes = 16 << 10;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -258,14 +259,16 @@ TEST_F(EngineTest, HostMemoryStaysWithinTheStagingBound) {
 
 struct FaultRig {
   std::shared_ptr<FaultDisk> disk = FaultDisk::Create();
+  // The slot file's bytes go to the disk; its name, lock, temp file and
+  // rename are real (the job directory).
   EngineMedia Media() {
     EngineMedia m;
     auto d = disk;
-    m.open = [d](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
-      if (!create && d->size() == 0) return Status::NotFound(path + " does not exist");
+    m.wrap = [d](std::unique_ptr<Medium>, const std::string& name,
+                 bool created) -> Result<std::unique_ptr<Medium>> {
+      if (!created && d->size() == 0) return Status::NotFound(name + " does not exist");
       return d->Open();
     };
-    m.rename = [](const std::string&, const std::string&) { return Status::OK(); };
     return m;
   }
 };
@@ -412,11 +415,11 @@ struct LinuxRig {
   EngineMedia Media() {
     EngineMedia m;
     auto c = cache;
-    m.open = [c](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
-      if (!create && c->disk->size() == 0) return Status::NotFound(path + " does not exist");
+    m.wrap = [c](std::unique_ptr<Medium>, const std::string& name,
+                 bool created) -> Result<std::unique_ptr<Medium>> {
+      if (!created && c->disk->size() == 0) return Status::NotFound(name + " does not exist");
       return std::unique_ptr<Medium>(std::make_unique<LinuxCachedMedium>(c));
     };
-    m.rename = [](const std::string&, const std::string&) { return Status::OK(); };
     return m;
   }
   // Power cut: the page cache is gone; the disk keeps what was synced.
@@ -576,6 +579,164 @@ TEST_F(EngineTest, AFallbackRestoreKeepsTheRestoredCheckpointUntilANewerCommits)
   EXPECT_EQ(t.data, want.data);
 }
 
+// A process killed inside a commit, after the checkpoint's data and table
+// were synced and before its record was written: once armed (1), the first
+// sync goes through and every later write fails.
+class KilledBeforeTheRecord final : public media::MediumWrapper {
+ public:
+  KilledBeforeTheRecord(std::unique_ptr<Medium> inner, std::shared_ptr<std::atomic<int>> arm)
+      : MediumWrapper(std::move(inner)), arm_(std::move(arm)) {}
+  Status Write(uint64_t offset, const void* buf, size_t n) override {
+    if (arm_->load() == 2) return Status::IOError("the process was killed");
+    return MediumWrapper::Write(offset, buf, n);
+  }
+  Status Sync() override {
+    Status st = MediumWrapper::Sync();
+    int armed = 1;
+    if (st.ok()) arm_->compare_exchange_strong(armed, 2);
+    return st;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int>> arm_;
+};
+
+TEST_F(EngineTest, ARollbackIsFinalEvenIfTheFirstNewCommitIsKilled) {
+  // Regression (issue 14, defect 4): after restore(step=5) with 7 and 9
+  // newer, a kill during the first new commit resumed step 9, the future the
+  // user rolled back from.
+  auto arm = std::make_shared<std::atomic<int>>(0);
+  EngineMedia media;
+  media.wrap = [arm](std::unique_ptr<Medium> m, const std::string&,
+                     bool) -> Result<std::unique_ptr<Medium>> {
+    return std::unique_ptr<Medium>(std::make_unique<KilledBeforeTheRecord>(std::move(m), arm));
+  };
+  EngineOptions o = Options();
+  o.max_in_flight = 2;
+  auto t = MakeTensor("t", 100000);
+  {
+    auto engine = std::move(OpenEngine(o, media)).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    for (int64_t step : {5, 7, 9}) {
+      t.Fill(step, 0);
+      ASSERT_TRUE(engine->Checkpoint(step, "").ok());
+      ASSERT_TRUE(engine->WaitCommitted().ok());
+    }
+  }
+  {
+    auto engine = std::move(OpenEngine(o, media)).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    auto info = engine->Restore(5);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    EXPECT_EQ(engine->Latest()->step, 5);
+    arm->store(1);
+    t.Fill(10, 0);
+    ASSERT_TRUE(engine->Checkpoint(10, "").ok());
+    EXPECT_FALSE(engine->WaitCommitted().ok());
+  }
+  auto engine = Engine::Open(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_TRUE((*engine)->Register({t.Ref()}).ok());
+  ASSERT_TRUE((*engine)->Latest().has_value());
+  EXPECT_EQ((*engine)->Latest()->step, 5) << "resumed a step the user rolled back from";
+  t.Fill(0, 0);
+  auto info = (*engine)->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, 5);
+  auto want = MakeTensor("t", 100000);
+  want.Fill(5, 0);
+  EXPECT_EQ(t.data, want.data);
+}
+
+// ---- one writer per job directory; symlinks are refused (DESIGN.md 7) -----
+
+TEST_F(EngineTest, ASecondEngineOnTheSameDirectoryIsRefusedNamingTheHolder) {
+  // Regression (issue 14, defect 2): two jobs on one directory both started
+  // and overwrote each other's committed checkpoints.
+  auto t = MakeTensor("t", 5000);
+  auto first = Engine::Open(Options());
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_TRUE((*first)->Register({t.Ref()}).ok());
+  t.Fill(1, 0);
+  ASSERT_TRUE((*first)->Checkpoint(1, "").ok());
+  ASSERT_TRUE((*first)->WaitCommitted().ok());
+  auto second = Engine::Open(Options());
+  ASSERT_FALSE(second.ok()) << "a second writer was let in";
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  const std::string& m = second.status().message();
+  EXPECT_NE(m.find("pid " + std::to_string(::getpid())), std::string::npos) << m;
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  // Once the first is closed, the directory is free again.
+  ASSERT_TRUE((*first)->Close().ok());
+  auto third = Engine::Open(Options());
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+  EXPECT_EQ((*third)->Latest()->step, 1);
+}
+
+std::string ReadAll(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST_F(EngineTest, SymlinksPlantedAtTheEnginesNamesAreNeverFollowed) {
+  // Regression (issue 14, defect 3): a symlink at rank-00000.nsck.tmp (or the
+  // slot file) made the engine overwrite the link's target.
+  auto t = MakeTensor("t", 5000);
+  const fs::path victim = dir_.string() + "_victim";
+  fs::remove_all(victim);
+  fs::create_directories(victim);
+  std::ofstream(victim / "precious") << "precious bytes";
+  fs::create_directories(dir_);
+  {
+    // At the slot file's name: refused, with the name.
+    fs::create_symlink(victim / "precious", dir_ / SlotFileName(0));
+    auto e = Engine::Open(Options());
+    ASSERT_FALSE(e.ok()) << "the engine opened a symlink as its slot file";
+    EXPECT_NE(e.status().message().find("symlink"), std::string::npos) << e.status().ToString();
+    fs::remove(dir_ / SlotFileName(0));
+  }
+  {
+    // At the temp name while the engine runs: a resize creates the new slot
+    // file there, never through the link.
+    auto engine = std::move(Engine::Open(Options())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    t.Fill(1, 0);
+    ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+    ASSERT_TRUE(engine->WaitCommitted().ok());
+    fs::create_symlink(victim / "precious", dir_ / (SlotFileName(0) + ".tmp"));
+    auto big = MakeTensor("big", 2 << 20);  // needs bigger slots: a new slot file
+    big.Fill(2, 1);
+    ASSERT_TRUE(engine->Register({t.Ref(), big.Ref()}).ok());
+    t.Fill(2, 0);
+    ASSERT_TRUE(engine->Checkpoint(2, "").ok());
+    ASSERT_TRUE(engine->WaitCommitted().ok());
+    EXPECT_EQ(engine->Latest()->step, 2);
+    EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(dir_ / SlotFileName(0))));
+  }
+  {
+    // In keep/: a symlinked step directory is refused; the target stays empty.
+    fs::create_directories(dir_ / "keep");
+    fs::create_directories(victim / "stepdir");
+    char name[40];
+    std::snprintf(name, sizeof(name), "step-%012d", 4);
+    fs::create_symlink(victim / "stepdir", dir_ / "keep" / name);
+    EngineOptions o = Options();
+    o.keep_every = 1;
+    auto engine = std::move(Engine::Open(o)).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    t.Fill(4, 0);
+    auto c = engine->Checkpoint(4, "");
+    ASSERT_TRUE(c.ok());
+    Status st = engine->WaitCommitted(*c);
+    EXPECT_FALSE(st.ok()) << "keep copy made through a symlink";
+    EXPECT_NE(st.message().find("symlink"), std::string::npos) << st.ToString();
+    EXPECT_EQ(engine->Latest()->step, 4);  // the checkpoint itself is committed
+    EXPECT_TRUE(fs::is_empty(victim / "stepdir"));
+  }
+  EXPECT_EQ(ReadAll(victim / "precious"), "precious bytes");
+  fs::remove_all(victim);
+}
+
 // ---- AbandonOlderThan (preemption notices, docs/PREEMPTION.md) -------------
 
 // Sleeps before every write, so checkpoints stay in flight long enough to be
@@ -592,11 +753,10 @@ class HeaderWriteFails final : public media::MediumWrapper {
 };
 
 TEST_F(EngineTest, ATornSlotFileCreationNeverBlocksTheNextStart) {
-  EngineMedia files = FileMedia(MediumKind::kBuffered);
-  EngineMedia failing = files;
-  failing.open = [files](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
-    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, files.open(path, create));
-    if (!create) return m;
+  EngineMedia failing;
+  failing.wrap = [](std::unique_ptr<Medium> m, const std::string&,
+                    bool created) -> Result<std::unique_ptr<Medium>> {
+    if (!created) return m;
     return std::unique_ptr<Medium>(std::make_unique<HeaderWriteFails>(std::move(m)));
   };
   auto t = MakeTensor("t", 5000);
@@ -645,11 +805,11 @@ class SlowMedium final : public Medium {
 TEST_F(EngineTest, AbandonOlderThanLetsAnUrgentCheckpointGoFirst) {
   FaultRig rig;
   EngineMedia media = rig.Media();
-  auto open = media.open;
+  auto wrap = media.wrap;
   auto writes = std::make_shared<std::atomic<int>>(0);
-  media.open = [open, writes](const std::string& path,
-                              bool create) -> Result<std::unique_ptr<Medium>> {
-    auto m = open(path, create);
+  media.wrap = [wrap, writes](std::unique_ptr<Medium> opened, const std::string& name,
+                              bool created) -> Result<std::unique_ptr<Medium>> {
+    auto m = wrap(std::move(opened), name, created);
     if (!m.ok()) return m.status();
     return std::unique_ptr<Medium>(std::make_unique<SlowMedium>(std::move(*m), writes));
   };

@@ -4,6 +4,7 @@
 // its step-s value, whatever order tensors are updated and copied in, for
 // every copy strategy. Run under TSan by `make test-tsan` (label: concurrency).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -366,11 +367,12 @@ EngineMedia Media(const std::shared_ptr<FaultDisk>& disk, uint64_t seed,
       return std::make_unique<FakeCudaCopyEngine>(fake_cuda);
     };
   }
-  m.open = [disk, seed](const std::string& path, bool create) -> Result<std::unique_ptr<Medium>> {
-    if (!create && disk->size() == 0) return Status::NotFound(path + " does not exist");
+  // The slot file's bytes go to the disk; the job directory itself is real.
+  m.wrap = [disk, seed](std::unique_ptr<Medium>, const std::string& name,
+                        bool created) -> Result<std::unique_ptr<Medium>> {
+    if (!created && disk->size() == 0) return Status::NotFound(name + " does not exist");
     return std::unique_ptr<Medium>(std::make_unique<DelayMedium>(disk->Open(), seed));
   };
-  m.rename = [](const std::string&, const std::string&) { return Status::OK(); };
   return m;
 }
 
@@ -446,7 +448,7 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       m.Fill(t, 0);
     }
     EngineOptions o;
-    o.dir = (std::filesystem::temp_directory_path() / "nonstop_layerwise_test").string();
+    o.dir = (std::filesystem::temp_directory_path() / ("nonstop_layerwise_test_" + std::to_string(::getpid()))).string();
     o.max_in_flight = 1 + static_cast<int>(rng() % 3);
     o.writers = 1 + static_cast<int>(rng() % 3);
     o.chunk_bytes = 4096 * (4 + rng() % 16);
@@ -603,7 +605,7 @@ class LayerwiseEngineTest : public ::testing::Test {
  protected:
   std::unique_ptr<Engine> Open(const std::shared_ptr<FaultDisk>& disk, int max_in_flight = 2) {
     EngineOptions o;
-    o.dir = (std::filesystem::temp_directory_path() / "nonstop_layerwise_test").string();
+    o.dir = (std::filesystem::temp_directory_path() / ("nonstop_layerwise_test_" + std::to_string(::getpid()))).string();
     o.max_in_flight = max_in_flight;
     o.writers = 2;
     o.chunk_bytes = 64 << 10;

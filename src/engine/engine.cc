@@ -372,8 +372,8 @@ Status EngineImpl::Init() {
     const StoreGeometry& g = sf->geometry();
     if (g.world_size != opts_.world_size || g.rank != opts_.rank) {
       return Status::FailedPrecondition(
-          jd_->SlotPath(rank()) + " was written by rank " + std::to_string(g.rank) + " of world size " +
-          std::to_string(g.world_size) + ", not rank " + std::to_string(opts_.rank) + " of " +
+          jd_->SlotPath(rank()) + " was written by rank " + std::to_string(g.rank) +
+          " of world size " + std::to_string(g.world_size) + ", not rank " + std::to_string(opts_.rank) + " of " +
           std::to_string(opts_.world_size) + ": use another dir or the matching world size");
     }
     ScanOptions so;
@@ -452,9 +452,10 @@ Status EngineImpl::WaitAllFinished(std::unique_lock<std::mutex>& lock) {
 }
 
 // Creates a new slot file with slot_bytes per slot, always under the temp
-// name first (JobDir::CreateTempSlot: O_EXCL|O_NOFOLLOW, a stale one removed): a crash while the header is written never leaves a torn file at
-// the slot file's name (the next open removes a stale temp file). With keep_old the new file
-// stays there until its first commit renames it over the old one, so a
+// name first (JobDir::CreateTempSlot: O_EXCL|O_NOFOLLOW, a stale one
+// removed): a crash while the header is written never leaves a torn file at
+// the slot file's name (the next open removes a stale temp file). With
+// keep_old the new file stays there until its first commit renames it over the old one, so a
 // committed checkpoint exists at every instant; without, nothing committed
 // is lost by renaming it over at once. Called with nothing in flight.
 Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {

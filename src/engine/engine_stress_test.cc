@@ -102,7 +102,9 @@ TEST(EngineStressTest, RandomConcurrencyFailuresAndCrashRecovery) {
 
     EngineOptions o;
     // Every byte goes to the fault disk; the dir only has to exist.
-    o.dir = (std::filesystem::temp_directory_path() / ("nonstop_stress_test_" + std::to_string(::getpid()))).string();
+    o.dir = (std::filesystem::temp_directory_path() /
+             ("nonstop_stress_test_" + std::to_string(::getpid())))
+                .string();
     o.max_in_flight = 1 + static_cast<int>(rng() % 4);
     o.writers = 1 + static_cast<int>(rng() % 4);
     o.chunk_bytes = 16 << 10;

@@ -448,7 +448,9 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       m.Fill(t, 0);
     }
     EngineOptions o;
-    o.dir = (std::filesystem::temp_directory_path() / ("nonstop_layerwise_test_" + std::to_string(::getpid()))).string();
+    o.dir = (std::filesystem::temp_directory_path() /
+             ("nonstop_layerwise_test_" + std::to_string(::getpid())))
+                .string();
     o.max_in_flight = 1 + static_cast<int>(rng() % 3);
     o.writers = 1 + static_cast<int>(rng() % 3);
     o.chunk_bytes = 4096 * (4 + rng() % 16);
@@ -605,7 +607,9 @@ class LayerwiseEngineTest : public ::testing::Test {
  protected:
   std::unique_ptr<Engine> Open(const std::shared_ptr<FaultDisk>& disk, int max_in_flight = 2) {
     EngineOptions o;
-    o.dir = (std::filesystem::temp_directory_path() / ("nonstop_layerwise_test_" + std::to_string(::getpid()))).string();
+    o.dir = (std::filesystem::temp_directory_path() /
+             ("nonstop_layerwise_test_" + std::to_string(::getpid())))
+                .string();
     o.max_in_flight = max_in_flight;
     o.writers = 2;
     o.chunk_bytes = 64 << 10;

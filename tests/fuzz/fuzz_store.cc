@@ -247,6 +247,8 @@ void WriteSeed(const std::string& dir, const std::string& name, uint8_t mode,
   std::fclose(f);
 }
 
+std::vector<uint8_t> CraftedTableSeed();  // below, beside mode 7
+
 void WriteSeeds(const std::string& dir) {
   const std::vector<uint8_t>& base = BaseImage();
   std::vector<uint8_t> header(base.begin(), base.begin() + format::kHeaderBytes);

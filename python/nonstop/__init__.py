@@ -12,6 +12,8 @@ See docs/PYTHON.md.
 
 __version__ = "0.1.0"
 
+from typing import Optional  # noqa: E402
+
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,  # noqa: E402
                      CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
@@ -31,22 +33,41 @@ def build_info() -> dict:
     return {"cuda": _core.built_with_cuda()}
 
 
-def __getattr__(name):
-    # The torch-facing parts are imported on first use, so `import nonstop`
-    # stays cheap for the CLI and for tools without torch.
-    if name in ("Checkpointer", "load", "LoadedCheckpoint"):
-        from . import _checkpointer
-        return getattr(_checkpointer, name)
-    if name in ("Preempted", "EXIT_PREEMPTED"):  # preemption notices: docs/PREEMPTION.md
-        from . import _preempt
-        return getattr(_preempt, name)
-    if name == "export":  # safetensors, or format="dcp" (_dcp.py)
-        from ._dcp import export
-        return export
-    raise AttributeError(f"module 'nonstop' has no attribute {name!r}")
+# The public API, imported eagerly so that IDEs and type checkers see it
+# (the package ships py.typed). Without torch only the errors and
+# build_info() are there (the command line needs no more); the other names
+# then raise an ImportError that says so.
+try:
+    import torch as _torch  # noqa: F401
+    _TORCH_ERROR = None
+except ImportError as e:
+    _TORCH_ERROR = str(e)
 
+if _TORCH_ERROR is None:
+    from ._checkpointer import Checkpointer, LoadedCheckpoint, load  # noqa: E402
 
-__all__ = ["Checkpointer", "load", "export", "LoadedCheckpoint", "Preempted", "EXIT_PREEMPTED",
+    def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
+               include: Optional[str] = None, format: str = "safetensors") -> dict:
+        """Writes a checkpoint of `dir` to `out`: format="safetensors" (one
+        rank's tensors in one file; include= a glob of names) or format="dcp"
+        (every rank, reassembled, as a torch.distributed.checkpoint directory).
+        Returns {'step', 'tensors', 'bytes', 'path'}."""
+        from ._dcp import export as _export  # torch.distributed.checkpoint: on first use
+        return _export(dir, out, step=step, rank=rank, include=include, format=format)
+
+    from ._handle import CheckpointHandle  # noqa: E402
+    from ._preempt import EXIT_PREEMPTED, Preempted  # noqa: E402  docs/PREEMPTION.md
+else:
+    def __getattr__(name):
+        if name in _TORCH_NAMES:
+            raise ImportError(f"nonstop.{name} needs torch, which did not import: {_TORCH_ERROR}")
+        raise AttributeError(f"module 'nonstop' has no attribute {name!r}")
+
+_TORCH_NAMES = ("Checkpointer", "load", "LoadedCheckpoint", "CheckpointHandle", "export",
+                "Preempted", "EXIT_PREEMPTED")
+
+__all__ = ["Checkpointer", "CheckpointHandle", "load", "export", "LoadedCheckpoint", "Preempted",
+           "EXIT_PREEMPTED",
            "build_info", "CheckpointError",
            "CheckpointIOError", "CheckpointMismatchError", "CheckpointNotFoundError",
            "CorruptCheckpointError", "IncompatibleCheckpointError"]

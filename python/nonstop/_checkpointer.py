@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _distributed, _fsdp, _preempt, _remote, _rng, _state
+from . import _auto, _config, _distributed, _fsdp, _preempt, _remote, _rng, _state, _unwrap
+from ._handle import CheckpointHandle, Watcher
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
@@ -108,7 +109,7 @@ class Checkpointer:
                  max_overhead: Optional[float] = None, copy: str = "host",
                  clip_grad_norm: Optional[float] = None, replicated: str = "shard",
                  local=(), dist_timeout_s: float = 300.0, on_preempt=True,
-                 remote=None, remote_options: Optional[dict] = None):
+                 remote=None, remote_options: Optional[dict] = None, on_commit=None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -190,8 +191,14 @@ class Checkpointer:
         self._hook_stall_s = 0.0
         self._saves = 0
         self._registers = 0
+        # Per-checkpoint handles (and on_commit) settled from the engine's
+        # records by a watcher thread; _handle.py
+        self._watcher = Watcher(lambda: self._live().stats(), on_commit,
+                                None if self._dist is None else self._dist.agreed_step)
+        # Wrapped optimizers (Accelerate's, Lightning's) are hooked where they
+        # step: the torch optimizer inside (_unwrap.py).
         self._hooks = [obj.register_step_pre_hook(self._before_update)
-                       for obj in state.values() if isinstance(obj, torch.optim.Optimizer)]
+                       for obj in _unwrap.optimizers(state.values())]
         self._layerwise = None
         if mode == "layerwise":  # optimizer in backward, per-parameter copies
             from ._layerwise import Layerwise
@@ -210,30 +217,37 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
 
-    def step(self, step: int) -> Optional[int]:
+    def step(self, step: int) -> Optional[CheckpointHandle]:
         """Call after the update of `step` (counted from 0). Starts a
         checkpoint when `step + 1` is a multiple of `every` (or when the
-        every="auto" controller says so); returns the checkpoint's counter,
-        or None when none was due. After a preemption notice it checkpoints
+        every="auto" controller says so); returns the checkpoint's handle
+        (nonstop.CheckpointHandle), or None when none was due. After a preemption notice it checkpoints
         `step` at once, waits until it is committed (on every rank), closes,
         and raises nonstop.Preempted (exit status 75 when uncaught)."""
         if self._preempt is not None:
             self._preempt.at_boundary(step)
         if self._auto is not None:
-            return _auto.checkpointer_step(self, self._auto, step)
+            return self._watcher.track(_auto.checkpointer_step(self, self._auto, step), step)
         if self._multistep is not None:  # every step drives the window
             return self._multistep.step(step, (step + 1) % self.every == 0)
         if self._layerwise is not None:  # seals the checkpoint its hooks began
-            return self._layerwise.step(step)
+            return self._watcher.track(self._layerwise.step(step), step)
         if (step + 1) % self.every == 0:
             return self.save(step)
         return None
 
-    def save(self, step: int) -> int:
+    def save(self, step: int) -> Optional[CheckpointHandle]:
         """Starts a checkpoint of the state as it is now, labelled `step`.
         Returns at once (after small tensors not updated by the optimizer are
-        copied); the next optimizer.step() waits until every tensor has been
-        copied, and the engine writes and commits in the background."""
+        copied) with the checkpoint's handle: handle.wait() blocks until it
+        is committed, add_done_callback(fn) runs fn then. The next
+        optimizer.step() waits until every tensor has been copied, and the
+        engine writes and commits in the background. (mode="multistep":
+        None; its window's checkpoint is not known yet.)"""
+        return self._watcher.track(self._save(step), step)
+
+    def _save(self, step: int) -> Optional[int]:
+        """save() without the handle: the engine's counter."""
         if self._multistep is not None:  # the window begins; version step + parts - 1
             return self._multistep.start(step)
         t0 = time.perf_counter()
@@ -311,7 +325,7 @@ class Checkpointer:
         pre-hook waits for the copy). Everything else is copied inside
         save(), because forward passes or user code may change it sooner."""
         ptrs = set()
-        for obj in self.state.values():
+        for obj in _unwrap.optimizers(self.state.values()):
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
                     ptrs.update(_fsdp.data_ptr(p) for p in group["params"])
@@ -387,6 +401,8 @@ class Checkpointer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._engine is not None and getattr(self, "_watcher", None) is not None:
+            self._watcher.close()  # settles the handles of what finishes now
         if self._engine is not None:
             engine, self._engine = self._engine, None
             try:

@@ -408,7 +408,7 @@ class PreemptWatch:
                 if lw is not None and lw.counter is not None:
                     counter = lw.step(step)  # seals the layer-wise checkpoint of this step
                 else:
-                    counter = ckpt.save(step)
+                    counter = ckpt._save(step)
                 ckpt._live().wait_committed(counter)
                 local = ckpt._live().latest()  # this rank's newest committed (not the agreed one)
                 committed = local is not None and local[1] == step

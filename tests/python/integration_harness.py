@@ -1,0 +1,86 @@
+"""Runs integration_jobs.py: an uninterrupted reference, then a run SIGKILLed
+after a random step and its restart through the integration; the final
+weights, optimizer state and data position must match bit for bit. Every
+child runs under a hard timeout (a watchdog kills it)."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from crash_harness import assert_same_final
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "integration_jobs.py")
+TIMEOUT = 90  # seconds, per child
+
+
+def run(kind, ckpt_dir, steps, every, final, *, pace=0.0, kill_after_steps=None):
+    """One child; with kill_after_steps, SIGKILLed right after it printed
+    that many steps. Returns its JSON lines."""
+    cmd = [sys.executable, SCRIPT, kind, ckpt_dir, str(steps), str(every), final,
+           "--pace", str(pace)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        p.kill()
+
+    watchdog = threading.Timer(TIMEOUT, expire)
+    watchdog.start()
+    events = []
+    err = ""
+    try:
+        for line in p.stdout:
+            if not line.startswith("{"):
+                continue
+            ev = json.loads(line)
+            events.append(ev)
+            done = sum(e["event"] == "step" for e in events)
+            if kill_after_steps is not None and ev["event"] == "step" and done == kill_after_steps:
+                p.send_signal(signal.SIGKILL)
+                break
+        rc = p.wait(timeout=TIMEOUT)
+        err = p.stderr.read()
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if expired.is_set():
+        raise TimeoutError(f"{cmd} ran past {TIMEOUT} s")
+    if kill_after_steps is None:
+        assert rc == 0, f"{cmd} exited with {rc}:\n{err[-3000:]}"
+    else:
+        assert rc == -signal.SIGKILL, f"{cmd} exited with {rc} before the kill:\n{err[-3000:]}"
+    return events
+
+
+def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None):
+    """The test: reference, kill at a random step, resume, compare. Returns
+    (kill step, steps the restart ran)."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    kill_after = random.Random(seed).randint(every + 1, steps - 2)
+    ref = str(tmp_path / "ref")
+    run(kind, "-", steps, every, ref)
+    ckpt = str(tmp_path / "ckpt")
+    first = run(kind, ckpt, steps, every, str(tmp_path / "killed"), pace=pace,
+                kill_after_steps=kill_after)
+    assert sum(e["event"] == "step" for e in first) == kill_after
+    final = str(tmp_path / "resumed")
+    second = run(kind, ckpt, steps, every, final)
+    ran = [e["step"] for e in second if e["event"] == "step"]
+    assert ran and ran[-1] == steps - 1, ran
+    # it resumed from a checkpoint (not from scratch) whenever one was committed
+    assert ran[0] <= kill_after, (seed, kill_after, ran)
+    try:
+        assert_same_final(ref, final)
+    except AssertionError as e:
+        raise AssertionError(f"{kind}: killed after {kill_after} steps (seed {seed}), "
+                             f"restart ran steps {ran[0]}..{ran[-1]}: {e}") from None
+    return kill_after, ran

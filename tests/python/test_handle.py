@@ -1,0 +1,124 @@
+"""Per-checkpoint handles: save()/step() return one; it settles once its
+checkpoint is committed (readable from disk by then) or has failed."""
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+import nonstop
+from conftest import needs_engine
+from nonstop.errors import CheckpointError, CheckpointIOError
+
+pytestmark = needs_engine
+
+
+def _train(model, opt):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).square().mean().backward()
+    opt.step()
+
+
+def test_step_returns_handles_that_settle_after_commit(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    seen, on_disk, threads = [], {}, []
+
+    def on_commit(stats):
+        seen.append(stats)
+
+    def check_on_disk(h):
+        # Called once committed: the checkpoint must be readable now.
+        threads.append(threading.get_ident())
+        on_disk[h.step] = nonstop.load(str(tmp_path / "ck"), step=h.step).tensors["model/weight"]
+
+    ckpt = nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt}, every=2,
+                                on_commit=on_commit)
+    handles, weights = [], {}
+    for step in range(6):
+        _train(model, opt)
+        h = ckpt.step(step)
+        if (step + 1) % 2:
+            assert h is None, "a step() that is not due returns None"
+            continue
+        assert isinstance(h, nonstop.CheckpointHandle) and h.step == step
+        weights[step] = model.weight.detach().clone()
+        h.add_done_callback(check_on_disk)
+        handles.append(h)
+    for h in handles:
+        stats = h.wait(timeout=60)
+        assert h.done() and h.exception() is None
+        assert stats["committed"] and stats["step"] == h.step and stats["counter"] == h.counter
+        assert stats["bytes"] > 0 and stats["persist_s"] >= 0
+    ckpt.close()
+    assert sorted(on_disk) == [1, 3, 5]
+    for step, w in on_disk.items():
+        assert torch.equal(w, weights[step])
+    assert [s["step"] for s in seen] == [1, 3, 5] and all(s["committed"] for s in seen)
+    # a callback added after the fact runs at once, on the caller's thread
+    late = []
+    handles[0].add_done_callback(lambda h: late.append(threading.get_ident()))
+    assert late == [threading.get_ident()]
+
+
+def test_save_returns_a_handle(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model}, every=100) as ckpt:
+        h = ckpt.save(41)
+        assert h.wait(timeout=60)["step"] == 41
+        assert ckpt.latest() == 41
+        assert "committed" in repr(h)
+
+
+def test_failed_checkpoint_settles_its_handle_with_the_error_while_training_goes_on(tmp_path):
+    """A real failure after the data is written: the state grew, so the engine
+    writes a new, larger slot file and renames it over the old one at the
+    first commit. Something put a directory where the slot file lives, so the
+    rename fails (EISDIR) in the background: that checkpoint is not
+    committed, its handle says why, training is not blocked, and the
+    training thread sees the error at its next save()."""
+    torch.manual_seed(0)
+    d = str(tmp_path / "ck")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {"buf": torch.zeros(4)}
+    failed = []
+    ckpt = nonstop.Checkpointer(d, {"model": model, "optim": opt, "extra": extra}, every=1,
+                                on_commit=lambda s: failed.append(s) if not s["committed"] else 0)
+    _train(model, opt)
+    first = ckpt.step(0)
+    assert first.wait(timeout=60)["committed"]
+    slot = os.path.join(d, "rank-00000.nsck")
+    shutil.move(slot, str(tmp_path / "aside.nsck"))  # the engine keeps its open file
+    os.makedirs(os.path.join(slot, "in-the-way"))
+    extra["buf"] = torch.zeros(1 << 16)  # a larger registration: a new slot file
+    _train(model, opt)
+    h = ckpt.step(1)
+    err = h.exception(timeout=60)
+    assert isinstance(err, CheckpointIOError), err
+    assert "step 1" in str(err)
+    with pytest.raises(CheckpointIOError):
+        h.wait(timeout=1)
+    assert not h.stats["committed"] and h.stats["error"]
+    assert [s["step"] for s in failed] == [1]
+    # Training went on meanwhile (nothing waited on the failed checkpoint);
+    # the training thread is told too, at its next call into nonstop: the
+    # handle does not swallow the error.
+    surfaced = False
+    try:
+        for _ in range(3):
+            _train(model, opt)
+        ckpt.save(4)
+    except CheckpointError as e:
+        surfaced = "step 1" in str(e)
+    assert surfaced
+    try:
+        ckpt.close()
+    except CheckpointError:
+        pass
+    # the committed checkpoint of step 0 is intact
+    shutil.rmtree(slot)
+    shutil.move(str(tmp_path / "aside.nsck"), slot)
+    assert nonstop.load(d).step == 0

@@ -1,0 +1,82 @@
+"""nonstop.lightning: zero-copy registration of the LightningModule's
+parameters and optimizer state, a last.ckpt marker that only ever names a
+committed checkpoint, and an exact resume after SIGKILL with
+trainer.fit(..., ckpt_path="last")."""
+import os
+
+import pytest
+import torch
+
+from conftest import needs_engine
+
+L = pytest.importorskip("lightning")
+pytestmark = needs_engine
+
+
+def _fit(tmp_path, steps, callbacks):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import integration_jobs as jobs
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = jobs.Net()
+
+        def training_step(self, batch, batch_idx):
+            return jobs.loss_of(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    module = Module()
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks, default_root_dir=str(tmp_path))
+    trainer.fit(module, jobs.loader_of(StatefulDataLoader), ckpt_path="last")
+    return trainer, module
+
+
+def test_zero_copy_and_marker_only_after_commit(tmp_path):
+    import nonstop
+    from nonstop.lightning import NonstopCheckpoint, read_marker
+
+    seen_markers, registered = [], {}
+
+    class Check(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            # Whenever last.ckpt exists, the step it names is committed on disk.
+            m = read_marker(str(tmp_path / "ck" / "last.ckpt"))
+            if m is not None:
+                got = nonstop.load(str(tmp_path / "ck" / "nonstop"), step=m["step"])
+                assert got.step == m["step"]
+                seen_markers.append(m["step"])
+            if cb.ckpt is not None:
+                registered.update(refs=cb.ckpt._registered, registers=cb.ckpt._registers)
+
+    committed = []
+    cb = NonstopCheckpoint(str(tmp_path / "ck"), every=2, on_commit=committed.append)
+    trainer, module = _fit(tmp_path, 9, [cb, Check()])
+    # The engine registered the live tensors once; those the optimizer owns
+    # are copied in the background (copy_at_checkpoint False), not in save().
+    assert registered["registers"] == 1
+    refs = {r[0]: r for r in registered["refs"]}
+    params = [n for n in refs if n.startswith("lightning/state_dict/net.fc")]
+    assert len(params) == 4 and all(refs[n][8] is False for n in params), refs
+    for n in params:
+        p = module.net.get_parameter(n.split("/")[-1][len("net."):])
+        assert refs[n][4] == p.data_ptr()
+    states = [n for n in refs if n.startswith("lightning/optimizer_states/0/state/")]
+    assert states and all(refs[n][8] is False for n in states)
+    assert refs["lightning/state_dict/net.seen"][8] is True  # a buffer: copied in save()
+    assert [s["step"] for s in committed] == [1, 3, 5, 7] and all(s["committed"] for s in committed)
+    assert seen_markers and seen_markers == sorted(seen_markers)
+    assert read_marker(str(tmp_path / "ck" / "last.ckpt"))["step"] == 7
+    got = nonstop.load(str(tmp_path / "ck" / "nonstop"), step=7).state["lightning"]
+    assert got["global_step"] == 8 and trainer.global_step == 9
+
+
+def test_lightning_kill_and_resume_is_exact(tmp_path):
+    from integration_harness import kill_resume_compare
+    kill_resume_compare("lightning", tmp_path)

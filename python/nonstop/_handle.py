@@ -204,9 +204,12 @@ class Watcher:
         while True:
             try:
                 self.poll()
-                in_flight = self._stats().get("in_flight", 0)
+                stats = self._stats()
             except Exception:
                 break
+            if "recent" not in stats:  # an engine that keeps no records
+                break
+            in_flight = stats.get("in_flight", 0)
             with self._lock:
                 if not self._pending:
                     break

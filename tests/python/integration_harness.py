@@ -37,7 +37,7 @@ def run(kind, ckpt_dir, steps, every, final, *, pace=0.0, kill_after_steps=None)
     err = ""
     try:
         for line in p.stdout:
-            if not line.startswith("{"):
+            if not line.startswith('{"event"'):
                 continue
             ev = json.loads(line)
             events.append(ev)

@@ -45,7 +45,7 @@ venv: deps .venv/.ready
 
 # Editable install: `import nonstop` and .venv/bin/nonstop.
 build: venv
-	$(PIP) install -c constraints.txt -q --no-build-isolation -e .
+	$(PIP) install -c constraints.txt -q --no-build-isolation -Cbuild-dir="build-py/{wheel_tag}" -e .
 	@$(PY) -c "import nonstop; print('nonstop', nonstop.__version__, 'ready:', nonstop.build_info())"
 
 # The C++ build with tests (separate from the Python extension's build dir).

@@ -123,7 +123,9 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump(ts, f, indent=2, sort_keys=True)
     from safetensors.torch import save_file
-    save_file({k: v.contiguous() for k, v in saved["model"].items()
+    # Tied weights come back as one tensor under two names: safetensors wants
+    # each name to own its memory (the Trainer loads with strict=False).
+    save_file({k: v.contiguous().clone() for k, v in saved["model"].items()
                if isinstance(v, torch.Tensor)}, os.path.join(tmp, "model.safetensors"))
     rng = loaded.meta.get("rng")
     if rng is not None:

@@ -84,3 +84,25 @@ def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None)
         raise AssertionError(f"{kind}: killed after {kill_after} steps (seed {seed}), "
                              f"restart ran steps {ran[0]}..{ran[-1]}: {e}") from None
     return kill_after, ran
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_doc_example(doc, tmp_path, runs=1):
+    """Extracts the first ```python block of docs/`doc` and runs it (in
+    `tmp_path`, under a hard timeout) `runs` times: the copy-paste example
+    must work as written."""
+    with open(os.path.join(ROOT, "docs", doc)) as f:
+        text = f.read()
+    start = text.index("```python\n") + len("```python\n")
+    code = text[start:text.index("```", start)]
+    path = os.path.join(str(tmp_path), "example.py")
+    with open(path, "w") as f:
+        f.write(code)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, path], cwd=str(tmp_path), capture_output=True,
+                           text=True, timeout=TIMEOUT, env=env)
+        assert r.returncode == 0, f"docs/{doc} example failed:\n{r.stderr[-3000:]}"
+    return r

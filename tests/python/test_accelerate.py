@@ -48,3 +48,9 @@ def test_plain_loop_with_stateful_dataloader_kill_and_resume_is_exact(tmp_path):
     pytest.importorskip("torchdata")
     from integration_harness import kill_resume_compare
     kill_resume_compare("plain", tmp_path)
+
+
+def test_docs_example_runs(tmp_path):
+    from integration_harness import run_doc_example
+    run_doc_example("ACCELERATE.md", tmp_path)
+    assert nonstop.load(str(tmp_path / "runs/accelerate")).step == 19

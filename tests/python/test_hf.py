@@ -27,3 +27,11 @@ def test_hf_kill_and_resume_is_exact(tmp_path):
 def test_resume_from_an_empty_directory_is_a_fresh_start(tmp_path):
     from nonstop.hf import NonstopCallback, resume_from
     assert resume_from(NonstopCallback(str(tmp_path / "none"))) is None
+
+
+def test_docs_example_runs_and_resumes(tmp_path):
+    import nonstop
+    from integration_harness import run_doc_example
+    run_doc_example("HF.md", tmp_path, runs=2)  # the second run resumes through the bridge
+    assert nonstop.load(str(tmp_path / "runs/hf/nonstop")).step == 11
+    assert (tmp_path / "runs/hf/nonstop-resume/checkpoint-12/trainer_state.json").exists()

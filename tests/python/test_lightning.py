@@ -80,3 +80,13 @@ def test_zero_copy_and_marker_only_after_commit(tmp_path):
 def test_lightning_kill_and_resume_is_exact(tmp_path):
     from integration_harness import kill_resume_compare
     kill_resume_compare("lightning", tmp_path)
+
+
+def test_docs_example_runs_and_resumes(tmp_path):
+    import nonstop
+    from integration_harness import run_doc_example
+    from nonstop.lightning import read_marker
+    run_doc_example("LIGHTNING.md", tmp_path, runs=2)  # the second run resumes at the end
+    m = read_marker(str(tmp_path / "runs/lightning/last.ckpt"))
+    assert m["step"] == 19
+    assert nonstop.load(str(tmp_path / "runs/lightning/nonstop")).step == 19

@@ -58,7 +58,8 @@ def test_pip_install_from_a_read_only_tree(tmp_path):
                 os.chmod(p, os.stat(p).st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     os.chmod(src, 0o555)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
     # torch and the build tools of this environment, seen (not copied) by the new one
     import torch
     site = subprocess.run([str(venv / "bin" / "python"), "-c",
@@ -66,7 +67,7 @@ def test_pip_install_from_a_read_only_tree(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "here.pth"), "w") as f:
         f.write(os.path.dirname(os.path.dirname(torch.__file__)) + "\n")
-    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
     out = subprocess.run(pip + ["install", "-q", "--no-build-isolation", "--no-deps",
                                 "-c", os.path.join(ROOT, "constraints.txt"), str(src)],
                          capture_output=True, text=True, timeout=3000)

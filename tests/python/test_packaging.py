@@ -47,6 +47,7 @@ def test_import_without_the_extension(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("NONSTOP_PACKAGING_TEST") != "1",
                     reason="compiles the engine (minutes): set NONSTOP_PACKAGING_TEST=1")
+@pytest.mark.timeout(3600)
 def test_pip_install_from_a_read_only_tree(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(

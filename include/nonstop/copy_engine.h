@@ -41,6 +41,29 @@ class CopyEngine {
   virtual void* AllocHost(size_t bytes, bool* pinned) = 0;
   virtual void FreeHost(void* p, size_t bytes) = 0;
   virtual std::string Describe() const = 0;
+
+  // --- Ordering a device stream after a copy, without blocking the host. ---
+  //
+  // Whether StreamWaitFor can order a stream of `stream_device` after copies
+  // this engine made from memory on that device (the CUDA engine: CUDA
+  // devices; the host engine: never). Callers ask this instead of testing
+  // the engine's type.
+  virtual bool CanOrderStreams(const Device& stream_device) const {
+    (void)stream_device;
+    return false;
+  }
+  // Makes `stream_device.stream` wait, on the device, until `completion` (a
+  // copy from this engine with a source on that device) is done, and returns
+  // without waiting for it: work enqueued on the stream afterwards runs only
+  // once the copy has read its source. A completion that is already done
+  // (or never started) returns its status. May be called while another
+  // thread Wait()s on the same completion. Unavailable where
+  // CanOrderStreams is false.
+  virtual Status StreamWaitFor(CopyCompletion* completion, const Device& stream_device) {
+    (void)completion;
+    (void)stream_device;
+    return Status::Unavailable(Describe() + " cannot order a device stream; Wait() instead");
+  }
 };
 
 // memcpy on `threads` background threads.

@@ -200,7 +200,7 @@ class CudaCompletion : public CopyCompletion {
   }
 
   std::shared_ptr<DeviceContext> ctx_;
-  cudaEvent_t done_;
+  const cudaEvent_t done_;  // read by StreamWaitFor from any thread
   const CudaCopyOptions::WaitMode mode_;
   const double timeout_s_;
   const std::string what_;
@@ -358,6 +358,11 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
       return CudaStatus(err, "cudaHostUnregister at " + Hex(p));
     }
     return Status::OK();
+  }
+
+  bool CanOrderStreams(const Device& stream_device) const override {
+    return stream_device.kind == DeviceKind::kCuda && stream_device.index >= 0 &&
+           stream_device.index < static_cast<int>(contexts_.size());
   }
 
   Status StreamWaitFor(CopyCompletion* completion, const Device& stream_device) override {

@@ -104,13 +104,17 @@ class CudaCopyEngine : public CopyEngine {
   virtual Status RegisterHostRegion(void* p, size_t bytes) = 0;
   virtual Status UnregisterHostRegion(void* p) = 0;
 
-  // --- Ordering without blocking the host. ---
+  // --- Ordering without blocking the host (CopyEngine::StreamWaitFor). ---
   //
-  // Makes `stream` (a cudaStream_t as an integer on `stream_device.index`)
-  // wait on the GPU for `completion` (from this engine), without blocking
-  // the calling thread: the training stream's next update of a tensor may be
-  // enqueued at once and runs only after the tensor's copy finished.
-  virtual Status StreamWaitFor(CopyCompletion* completion, const Device& stream_device) = 0;
+  // CanOrderStreams is true for CUDA devices. StreamWaitFor makes
+  // `stream_device.stream` (a cudaStream_t as an integer on
+  // `stream_device.index`) wait on the GPU for `completion`'s event
+  // (cudaStreamWaitEvent), without blocking the calling thread: the training
+  // stream's next update of a tensor may be enqueued at once and runs only
+  // after the tensor's copy finished. Completions that are not events (host
+  // copies, failed or empty copies) are returned as their status when done,
+  // else InvalidArgument. It reads only the completion's event, so it may
+  // run while another thread Wait()s on the same completion.
 
   // The engine's copy stream on `device` (a cudaStream_t as an integer),
   // created on first use; 0 if it cannot be created.

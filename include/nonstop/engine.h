@@ -213,6 +213,16 @@ class Engine {
   // Returns once every requested copy of `tensors`, of every checkpoint in
   // flight, has left the tensors' memory: they may be updated now.
   virtual Status WaitTensorsCopied(const std::vector<uint32_t>& tensors);
+  // The same rule enforced on a device stream: `stream` ({kCuda, index,
+  // cudaStream_t}) is made to wait, on the device, for the copies of the
+  // tensors in that device's memory, and the call returns without waiting
+  // for them (the host waits only until those copies are issued). Tensors in
+  // host memory, and every tensor when the copy engine cannot order streams
+  // (CopyEngine::CanOrderStreams), are waited for on the host as
+  // WaitTensorsCopied does. Work enqueued on `stream` afterwards may update
+  // the tensors.
+  virtual Status WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensors,
+                                           const Device& stream);
   // Seals checkpoint `counter`: copies the copy_at_checkpoint tensors now (as
   // Checkpoint() does), starts the copies of every tensor not requested yet,
   // and stores `step` (replacing the one given to BeginCheckpoint) and

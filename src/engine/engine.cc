@@ -195,6 +195,8 @@ class EngineImpl final : public Engine {
   Result<uint64_t> BeginCheckpoint(int64_t step) override;
   Status CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) override;
   Status WaitTensorsCopied(const std::vector<uint32_t>& tensors) override;
+  Status WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensors,
+                                   const Device& stream) override;
   Status EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json) override;
 
  private:
@@ -219,6 +221,7 @@ class EngineImpl final : public Engine {
   void CopyLayerTensors(const std::shared_ptr<Job>& job, const std::vector<uint32_t>& tensors);
   void SealLayerJob(const std::shared_ptr<Job>& job);
   void MarkCopied(uint32_t tensor);
+  void PublishFence(uint32_t tensor, std::vector<std::shared_ptr<CopyCompletion>> reads);
   Result<std::shared_ptr<Job>> OpenLayerJob(uint64_t counter);  // REQUIRES(mu_)
   // Requests the copies of `tensors` not requested yet and the seal. REQUIRES(mu_)
   void SealLocked(const std::shared_ptr<Job>& job);
@@ -309,6 +312,11 @@ class EngineImpl final : public Engine {
   // dispatcher is FIFO, so done catches up with requested in order).
   std::vector<uint64_t> lw_requested_, lw_copied_;   // GUARDED_BY(mu_)
   uint64_t lw_requested_total_ = 0, lw_copied_total_ = 0;  // GUARDED_BY(mu_)
+  // Device-side waits (WaitTensorsCopiedOnStream): per tensor, the copies the
+  // dispatcher has taken up, the newest of them whose device reads are all
+  // issued, and the completions of those reads.
+  std::vector<uint64_t> lw_dispatched_, lw_fenced_;  // GUARDED_BY(mu_)
+  std::vector<std::vector<std::shared_ptr<CopyCompletion>>> lw_fences_;  // GUARDED_BY(mu_)
   int open_ = 0;                                     // GUARDED_BY(mu_): open layer-wise jobs
   std::vector<int> free_small_;                      // GUARDED_BY(mu_)
 
@@ -626,6 +634,9 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   }
   lw_requested_.assign(tensors.size(), 0);
   lw_copied_.assign(tensors.size(), 0);
+  lw_dispatched_.assign(tensors.size(), 0);
+  lw_fenced_.assign(tensors.size(), 0);
+  lw_fences_.assign(tensors.size(), {});
   reg->tensors = std::move(tensors);
   reg_ = std::move(reg);
   return Status::OK();
@@ -1475,6 +1486,9 @@ Status Engine::CopyTensors(uint64_t, const std::vector<uint32_t>&) {
 }
 Status Engine::WaitTensorsCopied(const std::vector<uint32_t>&) {
   return Status::Unavailable("this engine has no layer-wise checkpoints");
+}
+Status Engine::WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensors, const Device&) {
+  return WaitTensorsCopied(tensors);
 }
 Status Engine::EndCheckpoint(uint64_t, int64_t, std::string) {
   return Status::Unavailable("this engine has no layer-wise checkpoints");

@@ -146,8 +146,77 @@ TEST(LayerRouteTest, HostMemoryNeverTakesACudaRoute) {
 // staged copies of device memory, copy_at_checkpoint of device tensors) are
 // checked for consistency on a machine with no GPU, and every CUDA-only call
 // made with host memory is counted as a violation.
+// A device stream without a GPU: its work runs on its own thread, in order,
+// sometimes late, so work enqueued on it lands after the enqueuing call
+// returned. Its address is the Device::stream handle.
+class FakeStream {
+ public:
+  FakeStream() : thread_([this] { Run(); }) {}
+  ~FakeStream() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // Returns the position of `work` (1, 2, ...).
+  uint64_t Enqueue(std::function<void()> work) {
+    uint64_t pos;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(work));
+      pos = ++enqueued_;
+    }
+    cv_.notify_all();
+    return pos;
+  }
+  uint64_t Enqueued() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return enqueued_;
+  }
+  void WaitExecuted(uint64_t pos) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return executed_ >= pos; });
+  }
+  void Synchronize() { WaitExecuted(Enqueued()); }
+  uintptr_t handle() { return reinterpret_cast<uintptr_t>(this); }
+  static FakeStream* From(uintptr_t handle) { return reinterpret_cast<FakeStream*>(handle); }
+
+ private:
+  void Run() {
+    std::mt19937_64 rng(17);
+    for (;;) {
+      std::function<void()> work;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
+      work();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++executed_;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;  // GUARDED_BY(mu_)
+  uint64_t enqueued_ = 0;                    // GUARDED_BY(mu_)
+  uint64_t executed_ = 0;                    // GUARDED_BY(mu_)
+  bool stop_ = false;                        // GUARDED_BY(mu_)
+  std::thread thread_;
+};
+
 struct FakeCudaCounters {
   std::atomic<int> device_copies{0}, host_copies{0}, snapshots{0}, drains{0}, device_allocs{0};
+  std::atomic<int> stream_waits{0};
   std::atomic<int> violations{0};
   std::mutex mu;
   std::string first_violation;  // GUARDED_BY(mu)
@@ -179,7 +248,7 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
       return Async(nullptr, nullptr, 0);
     }
     ++counters_->device_copies;
-    return Async(src, dst, bytes);
+    return Async(src, dst, bytes, Status::OK(), After(dev));
   }
   void* AllocHost(size_t bytes, bool* pinned) override {
     if (pinned != nullptr) *pinned = true;
@@ -201,7 +270,7 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
       counters_->Violation("SnapshotToDevice of host memory");
       return Async(nullptr, nullptr, 0, Status::InvalidArgument("SnapshotToDevice of host memory"));
     }
-    return Async(src, dst, bytes);
+    return Async(src, dst, bytes, Status::OK(), After(dev));
   }
   std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int, void* dst,
                                               size_t bytes) override {
@@ -213,9 +282,22 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
     return Status::Unavailable("fake");
   }
   Status UnregisterHostRegion(void*) override { return Status::Unavailable("fake"); }
-  Status StreamWaitFor(CopyCompletion*, const Device&) override {
-    counters_->Violation("StreamWaitFor");
-    return Status::Unavailable("fake");
+  bool CanOrderStreams(const Device& dev) const override { return dev.kind == DeviceKind::kCuda; }
+  // The stream's later work waits for the copy on the stream's thread; the
+  // caller does not wait.
+  Status StreamWaitFor(CopyCompletion* c, const Device& dev) override {
+    auto* completion = dynamic_cast<Completion*>(c);
+    if (dev.kind != DeviceKind::kCuda || dev.stream == 0 || completion == nullptr) {
+      counters_->Violation("StreamWaitFor without a device stream or a completion of this engine");
+      return Status::InvalidArgument("fake StreamWaitFor");
+    }
+    ++counters_->stream_waits;
+    std::shared_ptr<State> state = completion->state();
+    FakeStream::From(dev.stream)->Enqueue([state] {
+      std::unique_lock<std::mutex> lock(state->mu);
+      state->cv.wait(lock, [&] { return state->done; });
+    });
+    return Status::OK();
   }
   uintptr_t CopyStream(int) override { return 0; }
   PinStats pin_stats() const override { return {}; }
@@ -239,6 +321,7 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
       std::lock_guard<std::mutex> lock(s_->mu);
       return s_->done;
     }
+    const std::shared_ptr<State>& state() const { return s_; }
 
    private:
     std::shared_ptr<State> s_;
@@ -248,10 +331,20 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
     void* dst;
     size_t bytes;
     std::shared_ptr<State> state;
+    FakeStream* after = nullptr;  // the copy starts once this stream reached `position`
+    uint64_t position = 0;
   };
+  // A copy from device memory is ordered after the work already enqueued on
+  // the caller's stream, like the CUDA engine's event.
+  static std::pair<FakeStream*, uint64_t> After(const Device& dev) {
+    if (dev.kind != DeviceKind::kCuda || dev.stream == 0) return {nullptr, 0};
+    FakeStream* s = FakeStream::From(dev.stream);
+    return {s, s->Enqueued()};
+  }
 
   std::unique_ptr<CopyCompletion> Async(const void* src, void* dst, size_t bytes,
-                                        Status status = Status::OK()) {
+                                        Status status = Status::OK(),
+                                        std::pair<FakeStream*, uint64_t> after = {nullptr, 0}) {
     auto state = std::make_shared<State>();
     state->status = std::move(status);
     if (src == nullptr || bytes == 0) {
@@ -259,7 +352,7 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
     } else {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(Task{src, dst, bytes, state});
+        queue_.push_back(Task{src, dst, bytes, state, after.first, after.second});
       }
       cv_.notify_all();
     }
@@ -280,6 +373,7 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
       // DMA starts late: the training thread must not touch the source
       // before the completion says so.
       if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400));
+      if (t.after != nullptr) t.after->WaitExecuted(t.position);
       std::memcpy(t.dst, t.src, t.bytes);
       {
         std::lock_guard<std::mutex> lock(t.state->mu);
@@ -387,6 +481,7 @@ struct Model {
   std::vector<std::vector<uint64_t>> tensors;
   std::vector<bool> at_checkpoint;  // copy_at_checkpoint (changed outside the updates)
   std::vector<bool> on_device;      // registered as CUDA memory (fake CUDA engine only)
+  uintptr_t stream = 0;             // their stream (a FakeStream), 0 for none
 
   void Fill(size_t t, int64_t step) {
     for (size_t i = 0; i < tensors[t].size(); ++i) tensors[t][i] = Word(step, t, i);
@@ -401,7 +496,7 @@ struct Model {
       r.spec.nbytes = tensors[t].size() * 8;
       r.data = tensors[t].data();
       r.copy_at_checkpoint = at_checkpoint[t];
-      if (t < on_device.size() && on_device[t]) r.device = Device{DeviceKind::kCuda, 0, 0};
+      if (t < on_device.size() && on_device[t]) r.device = Device{DeviceKind::kCuda, 0, stream};
       refs.push_back(r);
     }
     return refs;
@@ -415,6 +510,9 @@ struct Case {
   // CUDA engine with host tensors; 2: the fake CUDA engine with about half
   // of the tensors (always tensor 0, a copy_at_checkpoint one) on the "device".
   int fake_cuda = 0;
+  // The training thread waits with WaitTensorsCopiedOnStream on a FakeStream
+  // and enqueues the updates of device tensors on it (fake CUDA engine only).
+  bool on_stream = false;
 };
 
 class LayerwiseConsistencyTest : public ::testing::TestWithParam<Case> {};
@@ -429,7 +527,8 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
   const Case param = GetParam();
   const std::string name = std::string(LayerCopyName(param.copy)) + " align " +
                            std::to_string(param.alignment) + " fake_cuda " +
-                           std::to_string(param.fake_cuda);
+                           std::to_string(param.fake_cuda) +
+                           (param.on_stream ? " on_stream" : "");
   Watchdog watchdog(name, 120);
   auto counters = param.fake_cuda ? std::make_shared<FakeCudaCounters>() : nullptr;
   for (int round = 0; round < 4; ++round) {
@@ -447,6 +546,21 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       m.on_device.push_back(param.fake_cuda == 2 && (t == 0 || rng() % 2 == 0));
       m.Fill(t, 0);
     }
+    // Declared after the model and before the engine: destroyed after the
+    // engine's copies (which may wait on it) and before the model it writes.
+    std::unique_ptr<FakeStream> stream;
+    if (param.on_stream) {
+      stream = std::make_unique<FakeStream>();
+      m.stream = stream->handle();
+    }
+    // An update: device tensors on the stream (it lands later), host tensors now.
+    auto update = [&](uint32_t t, int64_t step) {
+      if (stream && m.on_device[t]) {
+        stream->Enqueue([&m, t, step] { m.Fill(t, step); });
+      } else {
+        m.Fill(t, step);
+      }
+    };
     EngineOptions o;
     o.dir = (std::filesystem::temp_directory_path() /
              ("nonstop_layerwise_test_" + std::to_string(::getpid())))
@@ -469,7 +583,7 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
     for (int64_t step = 1; step <= 24; ++step) {
       // Tensors not driven by updates change "in the forward pass".
       for (int t = 0; t < n; ++t) {
-        if (m.at_checkpoint[t]) m.Fill(t, step);
+        if (m.at_checkpoint[t]) update(t, step);
       }
       watchdog.At("round " + std::to_string(round) + " step " + std::to_string(step));
       const bool ckpt = rng() % 2 == 0;
@@ -482,8 +596,14 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
       std::shuffle(order.begin(), order.end(), rng);
       for (uint32_t t : order) {
         if (m.at_checkpoint[t]) continue;
-        ASSERT_TRUE(engine->WaitTensorsCopied({t}).ok());
-        m.Fill(t, step);  // the update of step `step`
+        if (stream) {
+          // Device tensors: the stream waits for the copies, the host goes on.
+          ASSERT_TRUE(
+              engine->WaitTensorsCopiedOnStream({t}, Device{DeviceKind::kCuda, 0, m.stream}).ok());
+        } else {
+          ASSERT_TRUE(engine->WaitTensorsCopied({t}).ok());
+        }
+        update(t, step);  // the update of step `step`
         if (ckpt && rng() % 10 != 0) {
           ASSERT_TRUE(engine->CopyTensors(c, {t}).ok());
         }
@@ -495,6 +615,7 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
         last_ckpt = step;
       }
     }
+    if (stream) stream->Synchronize();  // the last updates landed
     watchdog.At("round " + std::to_string(round) + ": WaitCommitted");
     ASSERT_TRUE(engine->WaitCommitted(0).ok());
     if (last_ckpt >= 0) {
@@ -562,6 +683,14 @@ TEST_P(LayerwiseConsistencyTest, EveryTensorHoldsItsStepValue) {
     std::lock_guard<std::mutex> lock(counters->mu);
     EXPECT_EQ(counters->violations.load(), 0) << counters->first_violation;
   }
+  if (counters) {
+    // Stream waits only for device tensors waited for on a stream.
+    if (param.on_stream && param.fake_cuda == 2) {
+      EXPECT_GT(counters->stream_waits.load(), 0);
+    } else {
+      EXPECT_EQ(counters->stream_waits.load(), 0);
+    }
+  }
   if (param.fake_cuda == 1) {
     // Host tensors: no device buffer, no device snapshot, no drain, no copy
     // of device memory.
@@ -594,12 +723,20 @@ INSTANTIATE_TEST_SUITE_P(Strategies, LayerwiseConsistencyTest,
                                            Case{LayerCopy::kHost, 4096, 2},
                                            Case{LayerCopy::kDirect, 1, 2},
                                            Case{LayerCopy::kDevice, 1, 2},
-                                           Case{LayerCopy::kDevice, 4096, 2}),
+                                           Case{LayerCopy::kDevice, 4096, 2},
+                                           Case{LayerCopy::kHost, 1, 1, true},
+                                           Case{LayerCopy::kDevice, 1, 1, true},
+                                           Case{LayerCopy::kHost, 1, 2, true},
+                                           Case{LayerCopy::kHost, 4096, 2, true},
+                                           Case{LayerCopy::kDirect, 1, 2, true},
+                                           Case{LayerCopy::kDevice, 1, 2, true},
+                                           Case{LayerCopy::kDevice, 4096, 2, true}),
                          [](const auto& info) {
                            std::string n = std::string(LayerCopyName(info.param.copy)) + "_align" +
                                            std::to_string(info.param.alignment);
                            if (info.param.fake_cuda == 1) n += "_fakecuda_hosttensors";
                            if (info.param.fake_cuda == 2) n += "_fakecuda_devicetensors";
+                           if (info.param.on_stream) n += "_onstream";
                            return n;
                          });
 

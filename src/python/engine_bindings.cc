@@ -185,6 +185,12 @@ class PyEngine {
     py::gil_scoped_release release;
     Check(Get().WaitTensorsCopied(tensors));
   }
+  // stream: torch.cuda.current_stream(device).cuda_stream.
+  void WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensors, int device,
+                                 uintptr_t stream) {
+    py::gil_scoped_release release;
+    Check(Get().WaitTensorsCopiedOnStream(tensors, Device{DeviceKind::kCuda, device, stream}));
+  }
   void EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json) {
     py::gil_scoped_release release;
     Check(Get().EndCheckpoint(counter, step, std::move(meta_json)));
@@ -364,6 +370,8 @@ void InitEngine(py::module_& m) {
       .def("begin_checkpoint", &PyEngine::BeginCheckpoint, py::arg("step"))
       .def("copy_tensors", &PyEngine::CopyTensors, py::arg("counter"), py::arg("tensors"))
       .def("wait_tensors_copied", &PyEngine::WaitTensorsCopied, py::arg("tensors"))
+      .def("wait_tensors_copied_on_stream", &PyEngine::WaitTensorsCopiedOnStream,
+           py::arg("tensors"), py::arg("device"), py::arg("stream"))
       .def("end_checkpoint", &PyEngine::EndCheckpoint, py::arg("counter"), py::arg("step"),
            py::arg("meta_json"))
       .def("wait_committed", &PyEngine::WaitCommitted, py::arg("counter") = 0)

@@ -8,7 +8,10 @@ hyperparameters before each update, so the arithmetic is the optimizer's
 own (same kernels, same order of operations, per tensor). Then, in a step
 that is due for a checkpoint, the copy of that parameter and its optimizer
 state starts at once on the engine's threads (CopyTensors). Before the
-parameter's next update the update waits for that parameter's copy alone
+parameter's next update the update waits for that parameter's copy alone:
+for a CUDA parameter on the GPU, where the current stream waits for the
+copy's event (WaitTensorsCopiedOnStream: the host returns once the copy is
+issued and enqueues the update at once); for a CPU parameter on the host
 (WaitTensorsCopied).
 
 When is a gradient final?
@@ -265,7 +268,7 @@ class Layerwise:
                 self._flush()
             wait = [p for p in params if p in self._pending]
             if wait:
-                engine.wait_tensors_copied([i for p in wait for i in self._groups[p]])
+                self._wait_copies(engine, wait)
                 self._pending.difference_update(wait)
             dt = time.perf_counter() - t0
             ck._hook_stall_s += dt
@@ -294,6 +297,22 @@ class Layerwise:
                 self._batch_bytes += p.numel() * p.element_size() * (1 + len(opt.state[p]))
                 if self._batch_bytes >= self.GROUP_BYTES:
                     self._flush()
+
+    def _wait_copies(self, engine, params: list) -> None:
+        """LightCheck's rule for `params`: their next update (about to be
+        enqueued on the current stream) runs after their copies. CUDA
+        parameters: the stream waits on the GPU; others: the host waits."""
+        host, on_stream = [], {}
+        for p in params:
+            if p.device.type == "cuda":
+                on_stream.setdefault(p.device, []).extend(self._groups[p])
+            else:
+                host.extend(self._groups[p])
+        if host:
+            engine.wait_tensors_copied(host)
+        for device, tensors in on_stream.items():
+            engine.wait_tensors_copied_on_stream(
+                tensors, device.index or 0, torch.cuda.current_stream(device).cuda_stream)
 
     def _flush(self) -> None:
         """Requests the copies of the batched groups (they may change again

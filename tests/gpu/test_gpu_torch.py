@@ -14,6 +14,12 @@ machine's python3 when torch sees a CUDA device.
    checkpoints on the same GPU. Deterministic kernels are forced
    (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, the
    math attention kernel, no TF32), fixed seeds.
+3. Layer-wise on CUDA (copy="host" and "device"): each parameter's next
+   update waits for its copy on the GPU stream (an event), not on the host;
+   every committed checkpoint holds, bit for bit, each tensor's value at its
+   step (references cloned on the stream at that step).
+4. mode="multistep" with CUDA parameters is refused with a one-line error
+   that names mode="concurrent" / "layerwise".
 
     PYTHONPATH=<dir holding nonstop with _core> python3 tests/gpu/test_gpu_torch.py
     ... --device cpu     # the same harness on CPU (to check it without a GPU)
@@ -300,6 +306,100 @@ def resume_test(args, torch) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _flat(torch, model, opt) -> dict:
+    """Every tensor of the model and the optimizer, cloned (on the stream,
+    so the clone is the value at this point of the step), by state name."""
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                out[f"optim/state/{pid}/{k}"] = v.detach().clone()
+    return out
+
+
+def layerwise_test(args, torch) -> bool:
+    """Layer-wise checkpoints of CUDA tensors: every committed checkpoint
+    holds each tensor's value at its step. The copies are made to lag (a
+    small staging pool on a real file, several in flight), so an update that
+    did not wait for its copy on the stream would show."""
+    import nonstop
+    ok = True
+    dev = args.device
+    for copy in ("host", "device"):
+        tmp = tempfile.mkdtemp(prefix=f"nonstop-gpu-layerwise-{copy}-")
+        try:
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(1024, 1024) for _ in range(6)]
+            model = torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.Tanh())]).to(dev)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            refs = {}
+            t0 = time.perf_counter()
+            with nonstop.Checkpointer(tmp, {"model": model, "optim": opt}, every=2,
+                                      mode="layerwise", copy=copy, max_in_flight=2,
+                                      chunk_bytes=1 << 20, staging_bytes=8 << 20, writers=2,
+                                      rng=False) as ck:
+                for s in range(12):
+                    x = torch.randn(64, 1024, device=dev)
+                    loss = model(x).square().mean()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    if (s + 1) % 2 == 0:
+                        refs[s] = _flat(torch, model, opt)
+                    ck.step(s)
+                ck.wait()
+                stats = ck.stats()
+            wall = time.perf_counter() - t0
+            checked = 0
+            for c in nonstop._core.Reader(tmp).checkpoints:
+                if not c["committed"] or c["step"] not in refs:
+                    continue
+                loaded = nonstop.load(tmp, step=c["step"])
+                for name, t in refs[c["step"]].items():
+                    got = loaded.tensors[name].reshape(-1).view(torch.uint8)
+                    if not torch.equal(got, t.cpu().reshape(-1).view(torch.uint8)):
+                        print(f"FAIL layerwise copy={copy}: {name} of the checkpoint of step "
+                              f"{c['step']} is not its step value")
+                        ok = False
+                        break
+                checked += 1
+            engine = str(stats.get("copy_engine", ""))
+            if dev == "cuda" and "cuda" not in engine.lower():
+                print(f"FAIL layerwise copy={copy}: copy engine is {engine!r}")
+                ok = False
+            if checked == 0 or stats.get("failed"):
+                print(f"FAIL layerwise copy={copy}: {checked} checkpoints checked, "
+                      f"{stats.get('failed')} failed")
+                ok = False
+            elif ok:
+                print(f"PASS layerwise on {dev}, copy={copy}: {checked} checkpoints hold their "
+                      f"step values bit for bit ({wall:.1f} s, visible stall "
+                      f"{stats.get('visible_stall_s', float('nan')):.3f} s)")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ok
+
+
+def multistep_refused(args, torch) -> bool:
+    import nonstop
+    model = torch.nn.Linear(8, 8).to(args.device)
+    opt = torch.optim.AdamW(model.parameters())
+    tmp = tempfile.mkdtemp(prefix="nonstop-gpu-multistep-")
+    try:
+        nonstop.Checkpointer(tmp, {"model": model, "optim": opt}, mode="multistep").close()
+    except nonstop.CheckpointMismatchError as e:
+        msg = str(e)
+        if "\n" not in msg and "mode='concurrent' or mode='layerwise'" in msg:
+            print(f"PASS multistep with {args.device} parameters refused: {msg}")
+            return True
+        print(f"FAIL multistep refusal is not the one line expected: {msg!r}")
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"FAIL multistep with {args.device} parameters was accepted")
+    return False
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
@@ -307,6 +407,7 @@ def main() -> int:
     p.add_argument("--ckpt-dir")
     p.add_argument("--final")
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--only", choices=["resume", "layerwise", "multistep"])
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.worker:
@@ -330,7 +431,14 @@ def main() -> int:
               "GPU resume test not run")
         return 0
     print(f"nonstop from {os.path.dirname(nonstop.__file__)}, build {nonstop.build_info()}")
-    ok = resume_test(args, torch)
+    if args.only in (None, "resume"):
+        ok = resume_test(args, torch)
+    else:
+        ok = True
+    if args.only in (None, "layerwise"):
+        ok = layerwise_test(args, torch) and ok
+    if args.device == "cuda" and args.only in (None, "multistep"):
+        ok = multistep_refused(args, torch) and ok
     return 0 if ok else 1
 
 

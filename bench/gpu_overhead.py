@@ -1,10 +1,18 @@
 """Overhead of checkpointing a PyTorch training loop on a GPU: nonstop
-(concurrent mode, CUDA copy engine) vs torch.save vs DCP async_save
-(torch.distributed.checkpoint), every 1, 10 and 50 steps, relative to no
-checkpoints. Same model, same state ({"model", "optim"}: fp32 weights and
-AdamW moments, on the GPU), same run. Prints a table, writes JSON.
+(concurrent, layerwise with copy="host" and "device", multistep) vs
+torch.save vs DCP async_save (torch.distributed.checkpoint) in thread mode
+and in process mode with pinned staging, every 1, 10 and 50 steps, relative
+to no checkpoints. Same model, same state ({"model", "optim"}: fp32 weights
+and AdamW moments, on the GPU), same run. Prints a table, writes JSON.
 
     PYTHONPATH=build-gpu/pkg python3 bench/gpu_overhead.py --json $OUT/gpu_overhead.json
+    ... --size 1.4b --max-in-flight 1      # the >= 1B model (16.5 GB of state)
+    ... --disk-GBps 2.1                    # fio's O_DIRECT write bandwidth: disk-bound limit
+    ... --restore                          # also: restore into CUDA tensors vs DCP load
+    ... --device cpu --size tiny           # a check of this script, not a measurement
+
+mode="multistep" refuses CUDA parameters (docs/MULTISTEP.md); the run
+records the refusal in the JSON ("refused") instead of a row.
 
 (`make test-gpu` builds nonstop._core and assembles build-gpu/pkg.)
 
@@ -51,6 +59,7 @@ except ImportError:  # run from the repository: python/ holds the package
     import nonstop
     from nonstop.demo import GPT
 sys.path.insert(0, HERE)
+import suite_rounds  # noqa: E402
 from suite_rounds import run_one, run_rounds, summarize  # noqa: E402
 
 CONFIGS = {
@@ -58,7 +67,14 @@ CONFIGS = {
     "125m": dict(vocab=32768, dim=768, layers=12, heads=12),
     "350m": dict(vocab=32768, dim=1024, layers=24, heads=16),
     "tiny": dict(vocab=1024, dim=128, layers=2, heads=4),
+    # >= 1B parameters and >= 16 GB of fp32 weights + AdamW moments:
+    # 1.38B parameters, 16.5 GB.
+    "1.4b": dict(vocab=32768, dim=2048, layers=26, heads=16),
 }
+ALL_SCHEMES = ["nonstop", "nonstop-layerwise", "nonstop-layerwise-device", "nonstop-multistep",
+               "torch.save", "dcp", "dcp-process"]
+# Layer-wise with copy="device" (suite_rounds knows the mode of each nonstop kind).
+suite_rounds.NONSTOP_MODES.setdefault("nonstop-layerwise-device", "layerwise")
 
 
 class Training:
@@ -74,6 +90,9 @@ class Training:
         self.batches = [torch.randint(0, cfg["vocab"], (batch, seq + 1), device=device,
                                       generator=g) for _ in range(8)]
         self.step_no = 0
+        # Layer-wise runs clip inside nonstop (clip_grad_norm=1.0): the
+        # gradients are gone once backward has updated the parameters.
+        self.clip = True
 
     def step(self) -> float:
         b = self.batches[self.step_no % len(self.batches)]
@@ -81,7 +100,8 @@ class Training:
         loss = F.cross_entropy(self.model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         return loss.item()
 
@@ -118,9 +138,21 @@ def main() -> int:
     p.add_argument("--size", default="125m", choices=sorted(CONFIGS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--schemes", nargs="+", default=["nonstop", "torch.save", "dcp"],
-                   choices=["nonstop", "nonstop-fullstaging", "torch.save", "dcp"],
-                   help="nonstop-fullstaging: nonstop with staging_bytes >= the state")
+    p.add_argument("--schemes", nargs="+", default=ALL_SCHEMES,
+                   choices=ALL_SCHEMES + ["nonstop-fullstaging"],
+                   help="nonstop-fullstaging: nonstop with staging_bytes >= the state; "
+                        "dcp-process: DCP async_save in process mode, pinned staging")
+    p.add_argument("--max-in-flight", type=int, default=0,
+                   help="nonstop max_in_flight (0: its default); the slot file holds this + 1 "
+                        "checkpoints: use 1 for the 1.4b model on a 64 GB disk")
+    p.add_argument("--disk-GBps", type=float, default=0,
+                   help="O_DIRECT write bandwidth of the checkpoint disk (fio, same machine): "
+                        "adds the disk-bound limit (state bytes / bandwidth) to the table")
+    p.add_argument("--restore", action="store_true",
+                   help="after the rounds: restore into the CUDA tensors (nonstop) vs DCP load")
+    p.add_argument("--restore-repeats", type=int, default=3)
+    p.add_argument("--measure-disk", metavar="DIR",
+                   help="only measure O_DIRECT write bandwidth in DIR (where fio is missing)")
     p.add_argument("--intervals", nargs="+", type=int, default=[1, 10, 50])
     p.add_argument("--steps", type=int, default=8, help="measured steps at interval 1")
     p.add_argument("--periods", type=int, default=3,
@@ -138,6 +170,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script, not a measurement")
     args = p.parse_args()
+    if args.measure_disk:
+        return measure_disk(args.measure_disk, args.json)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("SKIP: torch sees no CUDA device")
         return 0
@@ -146,6 +180,8 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = bool(args.tf32)
     warnings.filterwarnings("ignore", message=r".*(overwrit|torch\.distributed is disabled)")
     os.makedirs(args.out, exist_ok=True)
+    if "dcp-process" in args.schemes:
+        dcp_process_setup(args.device)
     tr = Training(args.size, args.batch, args.seq, args.device)
     dev_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     params = sum(p.numel() for p in {id(p): p for p in tr.model.parameters()}.values())
@@ -166,22 +202,41 @@ def main() -> int:
         return max(args.min_steps, args.periods * every) // every * every
 
     runs = []
+    extra = {"refused": {}, "restore": None, "disk_GBps": args.disk_GBps or None}
+    schemes = list(args.schemes)
+    if "nonstop-multistep" in schemes:
+        why = multistep_refusal(tr, args.out)
+        if why is not None:
+            print(f"nonstop-multistep: refused on {args.device} ({why}); recorded, not run",
+                  flush=True)
+            extra["refused"]["nonstop-multistep"] = why
+            schemes.remove("nonstop-multistep")
 
     def dump(rows=None):
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "device": dev_name,
                        "params": params, "state_bytes": state, "runs": runs, "rows": rows,
-                       "wall_s": time.perf_counter() - t_start}, f, indent=1)
+                       "wall_s": time.perf_counter() - t_start, **extra}, f, indent=1)
 
     def one(kind: str, every: int) -> dict:
-        # A staging pool that holds the whole state for nonstop-fullstaging:
-        # the D2H copy never waits for the writers (the default is 256 MiB).
+        # A staging pool that holds the whole state for nonstop-fullstaging
+        # (the default grows to the state's size, capped: docs/CUDA.md).
         opts = {"staging_bytes": staging_full} if kind == "nonstop-fullstaging" else {}
-        r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
-                    {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
-                    nonstop_opts=opts, fsync=False, sync=tr.sync,
-                    warmup=max(3, every) if kind != "none" else 3)
+        if kind.startswith("nonstop") and args.max_in_flight:
+            opts["max_in_flight"] = args.max_in_flight
+        if kind.startswith("nonstop-layerwise"):
+            opts["clip_grad_norm"] = 1.0
+            if kind.endswith("-device"):
+                opts["copy"] = "device"
+        tr.clip = not kind.startswith("nonstop-layerwise")
+        try:
+            r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
+                        {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
+                        nonstop_opts=opts, fsync=False, sync=tr.sync,
+                        warmup=max(3, every) if kind != "none" else 3)
+        finally:
+            tr.clip = True
         r.pop("next_step")
         r["scheme"] = kind if kind == "none" else f"{kind}/{every}"
         runs.append(r)
@@ -195,7 +250,7 @@ def main() -> int:
                                            else "")
                 + (f", {r['write_GBps']:.2f} GB/s" if "write_GBps" in r else ""))
 
-    res = run_rounds([[(k, e) for k in args.schemes] for e in args.intervals], args.repeats, one,
+    res = run_rounds([[(k, e) for k in schemes] for e in args.intervals], args.repeats, one,
                      label=label, deadline=(t_start + args.time_budget if args.time_budget
                                             else None))
     if res["stopped"]:
@@ -203,13 +258,177 @@ def main() -> int:
     rows = summarize(runs)[0]
     print(f"\n{args.size} ({params / 1e6:.1f}M params, {state / 1e9:.2f} GB state; 'none' drift "
           f"between its runs: {rows[0]['none_drift'] * 100:.1f}%)")
+    if args.disk_GBps:
+        # At every step the disk is the limit: state bytes / O_DIRECT bandwidth
+        # per step (or the step itself, if longer).
+        limit = max(state / (args.disk_GBps * 1e9), rows[0]["step_s"])
+        extra["disk_bound_step_s"] = limit
+        for r in rows:
+            if r.get("interval") == 1:
+                r["vs_disk_bound"] = r["step_s"] / limit
     print_table(rows)
+    if args.disk_GBps:
+        print(f"disk-bound step at interval 1: {extra['disk_bound_step_s'] * 1e3:.1f} ms "
+              f"({state / 1e9:.2f} GB at {args.disk_GBps:.2f} GB/s O_DIRECT); interval-1 rows: "
+              + ", ".join(f"{r['scheme']} {r['vs_disk_bound']:.2f}x" for r in rows
+                          if "vs_disk_bound" in r))
+    for k, why in extra["refused"].items():
+        print(f"{k}: refused ({why})")
     print("\nthru ovh: median wall time per step vs 'none'; stall ovh: time blocked in "
           "checkpoint calls per step / 'none' step time; spread: (max-min)/median over rounds; "
           "drain: wait for the last save after the window.")
     dump(rows)
+    if args.restore:
+        extra["restore"] = restore_bench(tr, args.out, args.restore_repeats, args.device)
+        dump(rows)
     print(f"wrote {args.json}")
     return 0
+
+
+def measure_disk(d: str, json_path: str, gib: int = 8, threads: int = 4) -> int:
+    """Sequential 4 MiB O_DIRECT pwrites from `threads` threads into one
+    file of `gib` GiB, then fsync: the bandwidth a checkpoint's writes can
+    reach (fio's job, for machines without fio)."""
+    import mmap
+    import threading
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "disk-probe.dat")
+    block = 4 << 20
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(block))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    total = gib << 30
+    per = total // threads
+
+    def writer(i):
+        for off in range(i * per, (i + 1) * per, block):
+            os.pwrite(fd, buf, off)
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.fsync(fd)
+    secs = time.perf_counter() - t0
+    os.close(fd)
+    os.unlink(path)
+    res = {"tool": "python O_DIRECT pwrite", "bytes": total, "threads": threads,
+           "block": block, "seconds": secs, "GBps": round(total / secs / 1e9, 3),
+           "o_direct": hasattr(os, "O_DIRECT")}
+    with open(json_path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"O_DIRECT write bandwidth of {d}: {res['GBps']} GB/s ({gib} GiB, {threads} threads)")
+    return 0
+
+
+def dcp_process_setup(device: str) -> None:
+    """DCP's process mode needs a process group; one rank, on a HashStore so
+    that MASTER_PORT stays free for DCP's checkpoint daemon."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    suite_rounds.DCP_ASYNC_KWARGS["dcp-process"] = dcp_process_kwargs(device)
+
+
+def dcp_process_kwargs(device: str) -> dict:
+    """async_save arguments of the process mode with pinned staging, where
+    this torch has them (DefaultStager, torch >= 2.9)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    kw = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return kw
+    cuda = device == "cuda"
+    kw["async_stager"] = DefaultStager(StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+        use_non_blocking_copy=cuda))
+    return kw
+
+
+def multistep_refusal(tr, root: str):
+    """None when mode="multistep" accepts this model, else its one-line error."""
+    import shutil
+    d = os.path.join(root, "multistep-probe")
+    shutil.rmtree(d, ignore_errors=True)
+    try:
+        nonstop.Checkpointer(d, {"model": tr.model, "optim": tr.opt}, mode="multistep").close()
+    except nonstop.CheckpointMismatchError as e:
+        return str(e)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return None
+
+
+def restore_bench(tr, root: str, repeats: int, device: str) -> dict:
+    """Restore of the whole state into the live (CUDA) tensors: nonstop's
+    Checkpointer.restore() vs DCP load into the same state dicts. One
+    checkpoint of each, written once; each repeat reads it again (page cache
+    dropped first on a GPU machine where allowed: `cold` says whether it
+    was). nonstop's time is restore() alone; opening the Checkpointer (engine
+    start, staging allocation) is reported apart as nonstop_open_s."""
+    import shutil
+    import statistics
+    import torch.distributed.checkpoint as dcp
+
+    def drop_caches() -> bool:
+        if device != "cuda":
+            return False  # a shared CPU box: leave its page cache alone
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return True
+        except OSError:
+            return False
+
+    d = os.path.join(root, "restore")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    state = {"model": tr.model, "optim": tr.opt}
+    nbytes = tr.state_bytes()
+    with nonstop.Checkpointer(os.path.join(d, "nonstop"), state, every=1 << 30, rng=False) as ck:
+        ck.save(tr.step_no)
+        ck.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(suite_rounds._state_dicts(state), checkpoint_id=os.path.join(d, "dcp"))
+    out = {"bytes": nbytes, "nonstop_s": [], "nonstop_open_s": [], "dcp_s": [], "cold": []}
+    for _ in range(repeats):
+        for kind in ("nonstop", "dcp"):
+            cold = drop_caches()
+            tr.sync()
+            t0 = time.perf_counter()
+            if kind == "nonstop":
+                with nonstop.Checkpointer(os.path.join(d, "nonstop"), state, every=1 << 30,
+                                          rng=False) as ck:
+                    tr.sync()
+                    t1 = time.perf_counter()
+                    out["nonstop_open_s"].append(t1 - t0)
+                    t0 = t1
+                    ck.restore()
+                    tr.sync()
+                    t1 = time.perf_counter()
+            else:
+                sd = suite_rounds._state_dicts(state)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dcp.load(sd, checkpoint_id=os.path.join(d, "dcp"))
+                tr.opt.load_state_dict(sd["optim"])
+                tr.sync()
+                t1 = time.perf_counter()
+            out[f"{kind}_s"].append(t1 - t0)
+            out["cold"].append(cold)
+    for kind in ("nonstop", "dcp"):
+        med = statistics.median(out[f"{kind}_s"])
+        out[f"{kind}_GBps"] = nbytes / med / 1e9
+        print(f"restore into {device} tensors: {kind} {med:.2f} s, {out[f'{kind}_GBps']:.2f} GB/s "
+              f"(median of {repeats}; page cache dropped: {all(out['cold'])})", flush=True)
+    shutil.rmtree(d, ignore_errors=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,80 +1,160 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 9 in one command, for a lent GPU machine (run from
-# the repository root; results go to $OUT, default ./runs/gpu):
-#   1. `make test-gpu` (C++ build with CUDA, CTest incl. the GPU tests, the
-#      nonstop._core extension, tests/gpu/test_gpu_torch.py: stream handles
-#      and the SIGKILL/resume training test);
-#   2. bench/gpu_overhead.py (nonstop with the default staging, nonstop with
-#      staging >= the state, torch.save and DCP async_save, at intervals 1,
-#      10, 50); it starts no new run after BENCH_BUDGET seconds (default:
-#      what is left of DEADLINE=540 s, less 80 s).
-#   SRC=dir   build and run in that tree instead of . (e.g. an unpacked
-#             `git archive HEAD`, to test the committed tree alone)
-#   BENCH_ARGS="..."  arguments for bench/gpu_overhead.py (default: the four
-#             schemes above, 2 repeats)
-#   GPU_CTEST_ARGS="-E layerwise_test"  leave a CTest test out
-#   TEST_TIMEOUT=330  seconds for make test-gpu
+# Every GPU measurement of issue 15, for a lent GPU machine (run from the
+# repository root; results and logs go to $OUT, default ./runs/gpu):
+#
+#   bash bench/gpu_run.sh [PHASE...]      (default: test small big)
+#
+# Phases:
+#   test    `make test-gpu` from this tree: C++ build with CUDA (-Werror), all
+#           of CTest (layerwise_test included: its watchdog names where a case
+#           stops), nonstop._core, then tests/gpu/test_gpu_torch.py (stream
+#           handles, SIGKILL/resume training, layer-wise on CUDA with
+#           copy="host"/"device" checked bit for bit, multistep refused on CUDA).
+#   fio     O_DIRECT write bandwidth of the checkpoint disk ($BENCH_DIR), fio
+#           if present, else a Python O_DIRECT writer; -> $OUT/disk.json.
+#           Run by `small` and `big` themselves when not yet done in this call,
+#           so the disk-bound limit is measured in the same call.
+#   small   bench/gpu_overhead.py, the 111M GPT (125m), all schemes interleaved
+#           (nonstop concurrent, layerwise host/device, multistep (refused on
+#           CUDA: recorded), torch.save, DCP async_save thread and process mode
+#           with pinned staging) at every 1, 10, 50 steps, the disk-bound
+#           limit, restore into CUDA tensors vs DCP load.
+#   big     the same for the 1.38B-parameter GPT (1.4b, 16.5 GB of state),
+#           max_in_flight 1 (the slot file holds 2 checkpoints: 33 GB of disk).
+#
+# One device call runs at most 10 minutes: run the phases in three calls,
+#   bash bench/gpu_run.sh test      (build ~3 min + CTest + torch tests)
+#   bash bench/gpu_run.sh small     (~9 min)
+#   bash bench/gpu_run.sh big       (~9 min)
+# (a warm machine keeps build-gpu between calls; `small`/`big` build the
+# package first when it is missing). Env:
+#   DEADLINE=560     seconds for this call; a bench phase starts no run that
+#                    would end after it (its table then holds what ran)
+#   SRC=dir          build and run in that tree instead of .
+#   BENCH_DIR=/tmp/nonstop-gpu-bench   where checkpoints are written
+#   BENCH_ARGS="..." extra arguments for bench/gpu_overhead.py
+#   GPU_CTEST_ARGS="-E name"  leave a CTest test out
+#   DRY_RUN=1        print the commands instead of running them (checks the
+#                    script on a machine without a GPU)
 set -u
 START=$(date +%s)
-DEADLINE=${DEADLINE:-540}  # seconds for the whole script; the bench gets what is left
+DEADLINE=${DEADLINE:-560}
 OUT=${OUT:-$PWD/runs/gpu}
 mkdir -p "$OUT"
 cd "${SRC:-.}" || exit 2
 JOBS=${JOBS:-$(nproc)}
+BENCH_DIR=${BENCH_DIR:-/tmp/nonstop-gpu-bench}
+PY=${PYTHON:-python3}
+PHASES=("$@")
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(test small big)
+for ph in "${PHASES[@]}"; do
+  case $ph in test|fio|small|big) ;; *) echo "unknown phase $ph (test fio small big)"; exit 2 ;; esac
+done
+run() {  # run (or, with DRY_RUN=1, print) a command
+  if [ -n "${DRY_RUN:-}" ]; then echo "+ $*"; else "$@"; fi
+}
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+
 {
   date -u
+  echo "phases: ${PHASES[*]}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  python3 -c "import sys, torch, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__)" 2>&1
-  python3 -c "import pybind11; print('pybind11', pybind11.__version__)" 2>&1
-  python3 -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print('Python.h', os.path.exists(os.path.join(h, 'Python.h')), h)" 2>&1
+  $PY -c "import sys, torch, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__)" 2>&1
+  $PY -c "import pybind11; print('pybind11', pybind11.__version__)" 2>&1
   ${CXX:-c++} --version 2>&1 | head -1
+  free -g 2>&1 | head -2
   df -h /tmp . 2>&1 | tail -n +2
-} | tee "$OUT/env.txt"
+  command -v fio || echo "no fio: the Python O_DIRECT writer measures the disk"
+} | tee "$OUT/env-$START.txt"
 
-rm -rf build-gpu/pkg  # assembled by make test-gpu after CTest
-t0=$(date +%s)
-timeout ${TEST_TIMEOUT:-330} make test-gpu JOBS="$JOBS" GPU_CTEST_ARGS="${GPU_CTEST_ARGS:-}" \
-  > "$OUT/test-gpu.log" 2>&1
-rc=$?
-echo "== make test-gpu: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/test-gpu.log"
-if [ $rc -ne 0 ] && grep -q "^FAILED: " "$OUT/test-gpu.log"; then
-  # A compile error (the GPU machine's newer g++ is stricter under -Werror).
-  # Say where, then retry without the CLI, which is not needed here.
-  grep -A12 "^FAILED: " "$OUT/test-gpu.log" | head -60
-  t0=$(date +%s)
-  timeout ${TEST_TIMEOUT:-330} make test-gpu JOBS="$JOBS" GPU_CMAKE_ARGS=-DNONSTOP_BUILD_TOOLS=OFF \
-    GPU_CTEST_ARGS="${GPU_CTEST_ARGS:-}" \
-    > "$OUT/test-gpu-notools.log" 2>&1
-  rc=$?
-  echo "== make test-gpu GPU_CMAKE_ARGS=-DNONSTOP_BUILD_TOOLS=OFF: exit $rc after $(( $(date +%s) - t0 )) s" \
-    | tee -a "$OUT/test-gpu-notools.log"
-  cp "$OUT/test-gpu-notools.log" "$OUT/test-gpu-last.log"
-else
-  cp "$OUT/test-gpu.log" "$OUT/test-gpu-last.log"
-fi
-if [ ! -e build-gpu/pkg/nonstop/__init__.py ] && ls build-gpu/src/python/_core*.so > /dev/null 2>&1; then
-  # make stopped before the package was assembled (a CTest test failed or
-  # hung): the torch test still runs.
-  echo "== make test-gpu stopped before the torch test; running it on its own"
-  mkdir -p build-gpu/pkg/nonstop && cp python/nonstop/*.py build-gpu/src/python/_core*.so build-gpu/pkg/nonstop/
-  PYTHONPATH=build-gpu/pkg timeout 450 python3 tests/gpu/test_gpu_torch.py >> "$OUT/test-gpu-last.log" 2>&1
-  echo "== tests/gpu/test_gpu_torch.py: exit $?" >> "$OUT/test-gpu-last.log"
-fi
-grep -E "tests passed|tests failed|\*\*\*|Not Run|PASS|FAIL|SKIP|torch |part |reference|nonstop from|^== " \
-  "$OUT/test-gpu-last.log"
-[ $rc -ne 0 ] && tail -30 "$OUT/test-gpu-last.log"
+rc=0
+phase_test() {
+  rm -rf build-gpu/pkg  # assembled by make test-gpu after CTest
+  local t0; t0=$(date +%s)
+  run timeout $(( $(left) - 20 )) make test-gpu JOBS="$JOBS" GPU_CTEST_ARGS="${GPU_CTEST_ARGS:-}" \
+    > "$OUT/test-gpu.log" 2>&1
+  local r=$?
+  echo "== make test-gpu: exit $r after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/test-gpu.log"
+  if [ ! -e build-gpu/pkg/nonstop/__init__.py ] && ls build-gpu/src/python/_core*.so > /dev/null 2>&1; then
+    # make stopped before the torch test (a CTest test failed or hung): run it alone.
+    echo "== make test-gpu stopped before the torch test; running it on its own" | tee -a "$OUT/test-gpu.log"
+    assemble
+    PYTHONPATH=build-gpu/pkg run timeout $(( $(left) > 30 ? $(left) - 10 : 20 )) \
+      $PY tests/gpu/test_gpu_torch.py >> "$OUT/test-gpu.log" 2>&1
+    echo "== tests/gpu/test_gpu_torch.py: exit $?" | tee -a "$OUT/test-gpu.log"
+  fi
+  grep -E "tests passed|tests failed|\*\*\*|Not Run|PASS|FAIL|SKIP|stuck|nonstop from|^== " \
+    "$OUT/test-gpu.log"
+  [ $r -ne 0 ] && tail -40 "$OUT/test-gpu.log"
+  [ $r -ne 0 ] && rc=$r
+}
 
-if ls build-gpu/pkg/nonstop/_core*.so > /dev/null 2>&1; then
-  left=$(( DEADLINE - ($(date +%s) - START) ))
-  budget=${BENCH_BUDGET:-$(( left - 80 ))}
-  [ "$budget" -lt 30 ] && budget=30
-  echo "== bench: --time-budget $budget s"
-  PYTHONPATH=build-gpu/pkg timeout $(( budget + 120 )) python3 bench/gpu_overhead.py \
-    --json "$OUT/gpu_overhead.json" --time-budget $budget \
-    ${BENCH_ARGS:---schemes nonstop nonstop-fullstaging torch.save dcp --repeats 2} \
-    2>&1 | tee "$OUT/gpu_overhead.log"
-  echo "== bench: exit ${PIPESTATUS[0]}"
-else
-  echo "== bench skipped: build-gpu/pkg/nonstop/_core*.so was not built"
-fi
+assemble() {  # build-gpu/pkg/nonstop: the Python package with the built _core
+  mkdir -p build-gpu/pkg/nonstop
+  cp python/nonstop/*.py build-gpu/pkg/nonstop/ && cp build-gpu/src/python/_core*.so build-gpu/pkg/nonstop/
+}
+
+ensure_pkg() {
+  ls build-gpu/pkg/nonstop/_core*.so > /dev/null 2>&1 && return 0
+  if ! ls build-gpu/src/python/_core*.so > /dev/null 2>&1; then
+    echo "== building nonstop._core (no build-gpu on this machine yet)"
+    PYB=$($PY -c 'import pybind11; print(pybind11.get_cmake_dir())' 2>/dev/null)
+    run cmake -S . -B build-gpu -G Ninja -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=OFF \
+      -DNONSTOP_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v $PY)" -Dpybind11_DIR="$PYB" \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$OUT/build-pkg.log" 2>&1 &&
+      run cmake --build build-gpu -j "$JOBS" --target _core >> "$OUT/build-pkg.log" 2>&1 ||
+      { tail -20 "$OUT/build-pkg.log"; return 1; }
+  fi
+  [ -n "${DRY_RUN:-}" ] || assemble
+}
+
+DISK_GBPS=""
+phase_fio() {
+  mkdir -p "$BENCH_DIR"
+  local f="$BENCH_DIR/disk-probe.dat"
+  if command -v fio > /dev/null; then
+    # Sequential 4 MiB O_DIRECT writes, 4 jobs (nonstop's default writers),
+    # 4 GiB each, fsync at the end: what a checkpoint's writes can reach.
+    run fio --name=ckpt --filename="$f" --rw=write --bs=4M --direct=1 --ioengine=psync \
+      --numjobs=4 --size=4G --offset_increment=4G --end_fsync=1 --group_reporting \
+      --output-format=json --output="$OUT/fio.json" > /dev/null 2>&1
+    [ -n "${DRY_RUN:-}" ] && { DISK_GBPS=1.0; return 0; }
+    DISK_GBPS=$($PY -c "import json; j = json.load(open('$OUT/fio.json')); print(round(j['jobs'][0]['write']['bw_bytes'] / 1e9, 3))")
+    echo "{\"tool\": \"fio\", \"GBps\": $DISK_GBPS}" > "$OUT/disk.json"
+  else
+    run $PY bench/gpu_overhead.py --measure-disk "$BENCH_DIR" --json "$OUT/disk.json"
+    [ -n "${DRY_RUN:-}" ] && { DISK_GBPS=1.0; return 0; }
+    DISK_GBPS=$($PY -c "import json; print(json.load(open('$OUT/disk.json'))['GBps'])")
+  fi
+  rm -f "$f"
+  echo "== O_DIRECT write bandwidth of $BENCH_DIR: $DISK_GBPS GB/s" | tee -a "$OUT/disk.log"
+}
+
+phase_bench() {  # $1: small | big
+  ensure_pkg || { echo "== bench $1 skipped: nonstop._core not built"; rc=1; return; }
+  [ -z "$DISK_GBPS" ] && phase_fio
+  local size=125m args=""
+  [ "$1" = big ] && { size=1.4b; args="--batch 4 --max-in-flight 1 --periods 2 --steps 4"; }
+  local budget=$(( $(left) - 90 ))
+  [ "$1" = big ] && budget=$(( budget - 60 ))  # the restore of 16.5 GB after the rounds
+  [ $budget -lt 60 ] && budget=60
+  echo "== bench $size: --time-budget $budget s"
+  PYTHONPATH=build-gpu/pkg run timeout $(( $(left) > 40 ? $(left) - 10 : 30 )) \
+    $PY bench/gpu_overhead.py --size $size $args --repeats 1 --disk-GBps "$DISK_GBPS" --restore \
+    --out "$BENCH_DIR" --json "$OUT/gpu_overhead_$size.json" --time-budget $budget \
+    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_overhead_$size.log"
+  local r=${PIPESTATUS[0]}
+  echo "== bench $size: exit $r"
+  [ $r -ne 0 ] && rc=$r
+  rm -rf "$BENCH_DIR"
+}
+
+for ph in "${PHASES[@]}"; do
+  case $ph in
+    test) phase_test ;;
+    fio) phase_fio ;;
+    small|big) phase_bench $ph ;;
+  esac
+done
+echo "== gpu_run.sh ${PHASES[*]}: exit $rc after $(( $(date +%s) - START )) s"
 exit $rc

@@ -13,6 +13,9 @@ Schemes (Saver kinds):
                       unless fsync=False): the call blocks (sync)
   dcp                 torch.distributed.checkpoint.async_save; the previous
                       save's future is awaited before the next (DCP's docs)
+  dcp-process         the same with the async_save arguments in
+                      DCP_ASYNC_KWARGS["dcp-process"] (gpu_overhead.py: process
+                      mode, pinned staging)
   torchsnapshot       torchsnapshot.Snapshot.async_take; likewise
   nonstop             nonstop.Checkpointer, mode concurrent (PCcheck)
   nonstop-layerwise   mode="layerwise" (LightCheck)
@@ -34,6 +37,8 @@ import nonstop
 
 NONSTOP_MODES = {"nonstop": "concurrent", "nonstop-layerwise": "layerwise",
                  "nonstop-multistep": "multistep", "nonstop-fullstaging": "concurrent"}
+# Extra dcp.async_save arguments per DCP kind (set by the caller).
+DCP_ASYNC_KWARGS: dict = {}
 
 
 def cpu_s() -> float:
@@ -68,7 +73,7 @@ class Saver:
             if NONSTOP_MODES[kind] != "concurrent":
                 kw["mode"] = NONSTOP_MODES[kind]
             self.ckpt = nonstop.Checkpointer(os.path.join(root, "ckpt"), state, every=every, **kw)
-        elif kind not in ("none", "torch.save", "dcp", "torchsnapshot"):
+        elif kind not in ("none", "torch.save", "dcp", "dcp-process", "torchsnapshot"):
             raise ValueError(f"unknown scheme {kind!r}")
 
     def stall_total(self) -> float:
@@ -84,7 +89,7 @@ class Saver:
         if self.pending is None:
             return
         t0, fut = self.pending
-        if self.kind == "dcp":
+        if self.kind in ("dcp", "dcp-process"):
             fut.result()
         else:
             fut.wait()
@@ -115,7 +120,7 @@ class Saver:
                     f.flush()
                     os.fsync(f.fileno())
             self.persist.append(time.perf_counter() - t0)
-        elif self.kind == "dcp":
+        elif self.kind in ("dcp", "dcp-process"):
             import torch.distributed.checkpoint as dcp
             self.finish_pending()  # DCP: the previous save must finish first
             t0b = time.perf_counter()
@@ -123,7 +128,8 @@ class Saver:
                 warnings.simplefilter("ignore")
                 fut = _dcp_future(dcp.async_save(
                     _state_dicts(self.state, ("model", "optim")),
-                    checkpoint_id=os.path.join(self.root, f"step{self.n % 2}")))
+                    checkpoint_id=os.path.join(self.root, f"step{self.n % 2}"),
+                    **DCP_ASYNC_KWARGS.get(self.kind, {})))
             self.pending = (t0b, fut)
         elif self.kind == "torchsnapshot":
             from torchsnapshot import Snapshot

@@ -134,7 +134,7 @@ phase_bench() {  # $1: small | big
   ensure_pkg || { echo "== bench $1 skipped: nonstop._core not built"; rc=1; return; }
   [ -z "$DISK_GBPS" ] && phase_fio
   local size=125m args=""
-  [ "$1" = big ] && { size=1.4b; args="--batch 4 --max-in-flight 1 --periods 2 --steps 4"; }
+  [ "$1" = big ] && { size=1.4b; args="--batch 4 --max-in-flight 1 --periods 2 --min-steps 20 --steps 3 --warmup 1"; }
   local budget=$(( $(left) - 90 ))
   [ "$1" = big ] && budget=$(( budget - 60 ))  # the restore of 16.5 GB after the rounds
   [ $budget -lt 60 ] && budget=60

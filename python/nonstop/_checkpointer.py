@@ -434,8 +434,10 @@ class Checkpointer:
     def restore(self, step: Optional[int] = None) -> Optional[int]:
         """Restores `state` in place from the newest valid checkpoint (or the
         one at `step`). Returns the restored step, or None when the directory
-        holds no checkpoint yet (a fresh start). A damaged newest checkpoint
-        is skipped with a warning."""
+        holds no checkpoint yet (a fresh start). Everything (metadata, every
+        tensor's name, shape and dtype against the live objects, the RNG
+        record) is checked before any object is changed; a newest checkpoint
+        that is damaged or malformed is skipped with a warning."""
         self._live()
         remote = None if self._remote is None else self._remote.restore(step)
         if remote is not None:  # newer than every rank's local checkpoint
@@ -445,33 +447,93 @@ class Checkpointer:
                 check_directory(d, self.rank, self.world_size, must_exist=False)))
         elif self.world_size == 1 and _distributed.archives(self.dir):  # resharding to 1 process
             loaded = _distributed.restore_single(self.dir, step, lambda: _read(
-                self.dir, self.rank, step, 1, as_numpy=False), LoadedCheckpoint, self.state)
+                self.dir, self.rank, step, 1, as_numpy=False, prepare=self._prepare),
+                LoadedCheckpoint, self.state)
         elif not check_directory(self.dir, self.rank, self.world_size,
                                  must_exist=step is not None):
             return None
         else:
-            loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False)
+            loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False,
+                           prepare=self._prepare)
         if loaded is None:
             return None
+        plan = loaded.plan if loaded.plan is not None else self._prepare(loaded)
+        self._apply(plan)
+        self._registered = None
+        if self._layerwise is not None:
+            self._layerwise.restored(loaded.step)
+        return loaded.step
+
+    def _prepare(self, loaded) -> tuple:
+        """Everything restore() will do to the live objects, checked and
+        decoded, with nothing changed yet: (values by key, RNG setters).
+        Raises CorruptCheckpointError where the checkpoint is malformed (the
+        caller falls back to an older one) and CheckpointMismatchError where
+        it does not fit the live state."""
         _fsdp.restored(self, loaded)  # FSDP2: the saved shards become DTensors again
         meta = loaded.meta
-        saved = meta["state"]
+        where = f"checkpoint step {loaded.step} in {self.dir}"
+        saved = meta.get("state")
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"{where}: its metadata holds no state tree")
         missing = [k for k in self.state if k not in saved]
         if missing:
             raise CheckpointMismatchError(
-                f"checkpoint step {loaded.step} in {self.dir} has no state {missing[0]!r} "
-                f"(it has {', '.join(saved) or 'nothing'})")
+                f"{where} has no state {missing[0]!r} "
+                f"(it has {', '.join(map(str, saved)) or 'nothing'})")
+        try:
+            values = {key: _state.unflatten(saved[key], loaded.tensors) for key in self.state}
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+        for key, obj in self.state.items():
+            self._check_fits(key, obj, loaded)
+            self._check_value(key, obj, values[key], where)
+        setters = []
+        if self.rng and "rng" in meta:
+            try:
+                setters = _rng.prepare(meta["rng"])
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{where}: {e}") from None
         extra = [k for k in saved if k not in self.state]
         if extra:
             warnings.warn(f"nonstop: checkpoint step {loaded.step} also holds state "
-                          f"{', '.join(map(repr, extra))}, not restored", stacklevel=2)
-        values = {key: _state.unflatten(saved[key], loaded.tensors) for key in self.state}
-        for key, obj in self.state.items():
-            self._check_fits(key, obj, loaded)
+                          f"{', '.join(map(repr, extra))}, not restored", stacklevel=4)
+        return values, setters
+
+    def _check_value(self, key: str, obj: Any, value: Any, where: str) -> None:
+        """The checks load_state_dict would fail only halfway through."""
+        if isinstance(obj, torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise CorruptCheckpointError(f"{where}: state {key!r} is not a tensor")
+        if _stateful(obj) and not isinstance(value, dict):
+            raise CorruptCheckpointError(
+                f"{where}: state {key!r} is a {type(value).__name__}, not a state dict")
+        if isinstance(obj, torch.optim.Optimizer) and not _distributed.is_zero(obj) and (
+                value.get(_distributed.CONSOLIDATED) is None):
+            groups = value.get("param_groups")
+            if not isinstance(groups, list) or not isinstance(value.get("state"), dict) or not all(
+                    isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+                raise CorruptCheckpointError(
+                    f"{where}: state {key!r} is not an optimizer state dict")
+            have = [len(g["params"]) for g in obj.param_groups]
+            got = [len(g["params"]) for g in groups]
+            if have != got:
+                raise CheckpointMismatchError(
+                    f"{where}: optimizer {key!r} has parameter groups of sizes {got}, the "
+                    f"live optimizer {have}")
+
+    def _apply(self, plan: tuple) -> None:
+        values, setters = plan
         for key, obj in list(self.state.items()):
             value = values[key]
             if _stateful(obj):
-                _distributed.load_state_dict_into(obj, value)
+                try:
+                    _distributed.load_state_dict_into(obj, value)
+                except CheckpointError:
+                    raise
+                except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise CheckpointMismatchError(
+                        f"state {key!r}: load_state_dict failed: {first}") from e
             elif isinstance(obj, torch.Tensor):
                 with torch.no_grad():
                     obj.copy_(value)
@@ -482,12 +544,8 @@ class Checkpointer:
                 obj[:] = value
             else:
                 self.state[key] = value
-        if self.rng and "rng" in meta:
-            _rng.restore(meta["rng"])
-        self._registered = None
-        if self._layerwise is not None:
-            self._layerwise.restored(loaded.step)
-        return loaded.step
+        for setter in setters:
+            setter()
 
     def _check_fits(self, key: str, obj: Any, loaded) -> None:
         """Raises a one-line error naming the first tensor whose shape or
@@ -529,6 +587,7 @@ class LoadedCheckpoint:
         self.meta = meta            # the JSON document: state tree, rng, ...
         self.info = info            # the store's record: slot, commit time, sizes, ...
         self.path = path
+        self.plan = None            # restore()'s checked plan (Checkpointer._prepare)
 
     @property
     def state(self) -> dict:
@@ -542,10 +601,12 @@ class LoadedCheckpoint:
 
 
 def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
-          as_numpy: bool) -> Optional[LoadedCheckpoint]:
+          as_numpy: bool, prepare=None) -> Optional[LoadedCheckpoint]:
     """Reads one checkpoint of `rank` in `path`: `step`, or the newest that
     verifies (warning about each newer damaged one). None when there is none
-    and `step` is None."""
+    and `step` is None. prepare(loaded), when given, checks a checkpoint
+    before it is chosen (its result becomes loaded.plan): a
+    CorruptCheckpointError from it falls back to the next older one."""
     reader = _core().Reader(path, rank=rank, verify_data=True)
     geometry = reader.geometry
     if world_size is not None and geometry["world_size"] != world_size:
@@ -580,23 +641,27 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
             tensors = {}
             for ti, spec in enumerate(info["tensors"]):
                 tensors[spec["name"]] = _read_tensor(reader, idx, ti, spec, as_numpy)
+            try:
+                meta = _state.loads(info["meta_json"])
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{reader.path}: step {info['step']}: {e}") from None
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise IncompatibleCheckpointError(
+                    f"{reader.path}: step {info['step']} was not written by nonstop's PyTorch "
+                    f"front end (format "
+                    f"{str(meta.get('format'))[:40] if isinstance(meta, dict) else None!r})")
+            info = dict(info)
+            info.pop("meta_json")
+            loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info,
+                                      reader.path)
+            if prepare is not None:
+                loaded.plan = prepare(loaded)
         except CorruptCheckpointError as e:
             if step is not None or n + 1 == len(order):
                 raise
             warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
             continue
-        try:
-            meta = _state.loads(info["meta_json"].decode("utf-8"))
-        except ValueError as e:
-            raise CorruptCheckpointError(
-                f"{path}: step {info['step']}: metadata is not JSON ({e})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise IncompatibleCheckpointError(
-                f"{path}: step {info['step']} was not written by nonstop's PyTorch front end "
-                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})")
-        info = dict(info)
-        info.pop("meta_json")
-        return LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, reader.path)
+        return loaded
     return None
 
 

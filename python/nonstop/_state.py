@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,13 @@ def torch_dtype_code(dtype) -> int:
 
 
 def torch_dtype(code: int):
-    return getattr(torch, DTYPE_NAMES[code])
+    """torch.dtype of a dtype code of the on-disk format (a fixed table)."""
+    name = DTYPE_NAMES.get(code) if isinstance(code, int) else None
+    dt = torch_dtype_by_name(name)
+    if dt is None:
+        from .errors import CorruptCheckpointError
+        raise CorruptCheckpointError(f"unknown tensor dtype code {code!r}")
+    return dt
 
 
 def is_tensor(x) -> bool:
@@ -105,8 +112,15 @@ def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):
         return {"__ndarray__": _add_tensor(torch.from_numpy(arr) if torch is not None else arr,
                                            prefix, out, seen)}
     if torch is not None and isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).replace("torch.", "")}
+        name = str(obj).replace("torch.", "")
+        if name not in _TORCH_DTYPES:
+            raise TypeError(f"cannot checkpoint {where}: dtype {name} is not one nonstop can "
+                            f"restore ({', '.join(sorted(_TORCH_DTYPES))})")
+        return {"__dtype__": name}
     if torch is not None and isinstance(obj, torch.device):
+        if obj.type not in DEVICE_TYPES:
+            raise TypeError(f"cannot checkpoint {where}: device type {obj.type} is not one of "
+                            f"{', '.join(DEVICE_TYPES)}")
         return {"__device__": str(obj)}
     if isinstance(obj, tuple):
         return {"__tuple__": [_flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
@@ -149,33 +163,124 @@ def _add_tensor(t, name: str, out: dict, seen: dict) -> str:
     return name
 
 
+# The only dtypes and devices a checkpoint's metadata may name: decoded from
+# these fixed lists, never by looking a name up in torch or numpy.
+TORCH_DTYPE_NAMES = frozenset((
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "qint8", "quint8", "qint32", "quint4x2", "quint2x4"))
+_TORCH_DTYPES = ({n: getattr(torch, n) for n in TORCH_DTYPE_NAMES
+                  if isinstance(getattr(torch, n, None), torch.dtype)}
+                 if torch is not None else {})
+DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "privateuseone")
+_NUMPY_SCALARS = {np.dtype(t).str: np.dtype(t).type for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)}
+# Bounds on the metadata document: its size, and how deeply it nests.
+MAX_META_BYTES = 256 << 20
+MAX_DEPTH = 200
+
+
+class _Bad(Exception):
+    """A malformed value in a checkpoint's state tree (becomes a
+    CorruptCheckpointError naming where it is)."""
+
+
+def torch_dtype_by_name(name):
+    """torch.dtype for a name written by flatten; None for any other name."""
+    return _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+
+
+def _device(val):
+    if not isinstance(val, str) or len(val) > 32:
+        raise _Bad(f"device {val!r} is not a device name")
+    kind, sep, index = val.partition(":")
+    if kind not in DEVICE_TYPES or (sep and not (index.isdigit() and len(index) <= 5)):
+        raise _Bad(f"device {val!r} is not one of {', '.join(DEVICE_TYPES)} (with an index)")
+    return val
+
+
 def unflatten(tree, tensors: dict, as_numpy: bool = False):
-    """The inverse of flatten: rebuilds the state with tensors from `tensors`."""
+    """The inverse of flatten: rebuilds the state with tensors from `tensors`.
+
+    Every tag is decoded from a fixed list; anything malformed (an unknown
+    dtype or device, a dangling tensor reference, a broken float) raises a
+    one-line CorruptCheckpointError."""
+    try:
+        return _unflatten(tree, tensors, as_numpy, "state", 0)
+    except _Bad as e:
+        from .errors import CorruptCheckpointError
+        raise CorruptCheckpointError(f"malformed checkpoint metadata: {e}") from None
+
+
+def _unflatten(tree, tensors: dict, as_numpy: bool, where: str, depth: int):
+    if depth > MAX_DEPTH:
+        raise _Bad(f"{where} nests deeper than {MAX_DEPTH} levels")
+    d = depth + 1
     if isinstance(tree, list):
-        return [unflatten(v, tensors, as_numpy) for v in tree]
+        return [_unflatten(v, tensors, as_numpy, f"{where}[{i}]", d) for i, v in enumerate(tree)]
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
         (tag, val), = tree.items()
-        if tag == "__tensor__":
-            return tensors[val]
-        if tag == "__ndarray__":
+        if tag in ("__tensor__", "__ndarray__"):
+            if not isinstance(val, str) or val not in tensors:
+                raise _Bad(f"{where} refers to tensor {str(val)[:80]!r}, which the checkpoint "
+                           f"does not hold")
             t = tensors[val]
-            return t if isinstance(t, np.ndarray) else t.numpy()
+            if tag == "__ndarray__" and not isinstance(t, np.ndarray):
+                return t.numpy()
+            return t
         if tag == "__float__":
-            return struct.unpack("<d", bytes.fromhex(val))[0]
+            if not isinstance(val, str) or len(val) != 16:
+                raise _Bad(f"{where}: {str(val)[:40]!r} is not a float's 8 bytes in hex")
+            try:
+                return struct.unpack("<d", bytes.fromhex(val))[0]
+            except ValueError:
+                raise _Bad(f"{where}: {val!r} is not a float's 8 bytes in hex") from None
         if tag == "__tuple__":
-            return tuple(unflatten(v, tensors, as_numpy) for v in val)
+            if not isinstance(val, list):
+                raise _Bad(f"{where}: a tuple must be a list")
+            return tuple(_unflatten(v, tensors, as_numpy, f"{where}[{i}]", d)
+                         for i, v in enumerate(val))
         if tag == "__dict__":
-            return {unflatten(k, tensors, as_numpy): unflatten(v, tensors, as_numpy)
-                    for k, v in val}
+            if not isinstance(val, list) or not all(isinstance(kv, list) and len(kv) == 2
+                                                    for kv in val):
+                raise _Bad(f"{where}: a dict must be a list of [key, value] pairs")
+            out = {}
+            for i, (k, v) in enumerate(val):
+                key = _unflatten(k, tensors, as_numpy, f"{where}.key{i}", d)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise _Bad(f"{where}: key {i} is of unhashable type "
+                               f"{type(key).__name__}") from None
+                out[key] = _unflatten(v, tensors, as_numpy, f"{where}[{key!r}]", d)
+            return out
         if tag == "__npscalar__":
-            return np.dtype(val[0]).type(unflatten(val[1], tensors, as_numpy))
+            if not (isinstance(val, list) and len(val) == 2 and val[0] in _NUMPY_SCALARS
+                    and isinstance(val[1], (bool, int, float, dict))):
+                raise _Bad(f"{where}: numpy scalar {str(val)[:60]!r} is not of a numeric "
+                           f"dtype")
+            value = _unflatten(val[1], tensors, as_numpy, where, d)
+            try:
+                return _NUMPY_SCALARS[val[0]](value)
+            except (TypeError, ValueError, OverflowError):
+                raise _Bad(f"{where}: {value!r} is not a {val[0]} numpy scalar") from None
         if tag == "__dtype__":
-            return getattr(torch, val) if torch is not None and not as_numpy else val
+            dt = torch_dtype_by_name(val)
+            if dt is None and not (torch is None and isinstance(val, str)
+                                   and val in TORCH_DTYPE_NAMES):
+                raise _Bad(f"{where}: dtype {str(val)[:40]!r} is not one of torch's tensor "
+                           f"dtypes")
+            return dt if dt is not None and not as_numpy else val
         if tag == "__device__":
+            val = _device(val)
             return torch.device(val) if torch is not None and not as_numpy else val
-    return {k: unflatten(v, tensors, as_numpy) for k, v in tree.items()}
+        if tag.startswith(_RESERVED) and tag.endswith(_RESERVED):
+            raise _Bad(f"{where}: unknown tag {tag[:40]!r}")
+    return {k: _unflatten(v, tensors, as_numpy, f"{where}[{k!r}]", d) for k, v in tree.items()}
 
 
 def dumps(tree) -> str:
@@ -184,5 +289,45 @@ def dumps(tree) -> str:
     return json.dumps(tree, allow_nan=False, separators=(",", ":"))
 
 
-def loads(text: str):
-    return json.loads(text)
+def loads(text):
+    """Parses a metadata document (str or UTF-8 bytes), bounded in size and
+    depth. Raises CorruptCheckpointError (one line) on anything else."""
+    from .errors import CorruptCheckpointError
+    if isinstance(text, (bytes, bytearray)):
+        if len(text) > MAX_META_BYTES:
+            raise CorruptCheckpointError(f"metadata of {len(text)} bytes is larger than "
+                                         f"{MAX_META_BYTES}")
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"metadata is not UTF-8 ({e.reason} at byte "
+                                         f"{e.start})") from None
+    if len(text) > MAX_META_BYTES:
+        raise CorruptCheckpointError(f"metadata of {len(text)} characters is larger than "
+                                     f"{MAX_META_BYTES}")
+    if _depth_exceeds(text, MAX_DEPTH):
+        raise CorruptCheckpointError(f"metadata nests deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"metadata is not JSON ({str(e)[:120]})") from None
+
+
+def _depth_exceeds(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than `limit` (a cheap
+    upper bound is tried first)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for ch in _BRACKETS.findall(_STRINGS.sub("", text)):
+        if ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")

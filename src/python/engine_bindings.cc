@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -56,9 +58,53 @@ TensorRef ToTensorRef(const PyTensorRef& t) {
   return r;
 }
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, no surrogates, at
+// most U+10FFFF): what Python can decode into a str.
+bool IsUtf8(const std::string& s) {
+  size_t i = 0;
+  const size_t n = s.size();
+  while (i < n) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t len;
+    uint32_t cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + len > n) return false;
+    for (size_t k = 1; k < len; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+        cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return false;
+    }
+    i += len;
+  }
+  return true;
+}
+
+// A str from bytes that may not be UTF-8 (a damaged or hostile file's names
+// inside a message): invalid bytes become U+FFFD instead of an exception.
+py::str LossyStr(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
 py::dict TensorDict(const TensorEntry& e) {
   py::dict d;
-  d["name"] = e.spec.name;
+  d["name"] = LossyStr(e.spec.name);
   d["dtype"] = static_cast<int>(e.spec.dtype);
   d["shape"] = e.spec.shape;
   d["nbytes"] = e.spec.nbytes;
@@ -126,11 +172,17 @@ py::dict EngineStatsDict(const EngineStats& s) {
 // The Engine, owned by Python. Every method that may block releases the GIL.
 class PyEngine {
  public:
-  explicit PyEngine(const EngineOptions& opts) {
+  explicit PyEngine(const EngineOptions& opts) : pid_(getpid()) {
     py::gil_scoped_release release;
     engine_ = Take(Engine::Open(opts));
   }
   ~PyEngine() {
+    if (engine_ && getpid() != pid_) {
+      // A forked child: the engine's threads were not copied and its locks
+      // may be held by them, so closing would wait forever. Leave it.
+      (void)engine_.release();
+      return;
+    }
     if (engine_) {
       py::gil_scoped_release release;
       (void)engine_->Close();
@@ -234,6 +286,12 @@ class PyEngine {
   }
   void Close() {
     if (!engine_) return;
+    if (getpid() != pid_) {
+      (void)engine_.release();  // a forked child: see ~PyEngine
+      throw StatusError(Status::FailedPrecondition(
+          "this engine belongs to process " + std::to_string(pid_) +
+          "; a forked child cannot use or close it"));
+    }
     Status s;
     {
       py::gil_scoped_release release;
@@ -247,8 +305,14 @@ class PyEngine {
  private:
   Engine& Get() {
     if (!engine_) throw StatusError(Status::FailedPrecondition("the checkpointer is closed"));
+    if (getpid() != pid_) {
+      throw StatusError(Status::FailedPrecondition(
+          "this engine belongs to process " + std::to_string(pid_) +
+          "; a forked child cannot use it: create a new Checkpointer in the child"));
+    }
     return *engine_;
   }
+  pid_t pid_;
   std::unique_ptr<Engine> engine_;
 };
 
@@ -289,18 +353,42 @@ class PyReader {
     d["world_size"] = g.world_size;
     return d;
   }
+  // A checkpoint whose tensor names are not UTF-8 is reported damaged (not
+  // committed, with its reason), so readers fall back to an older one.
   py::list Checkpoints() const {
     py::list out;
     for (const auto& c : report_.checkpoints) {
       py::dict d = InfoDict(c.info);
-      d["committed"] = c.state == CheckpointState::kCommitted;
-      d["reason"] = c.reason;
+      std::string bad = BadName(c.info);
+      d["committed"] = c.state == CheckpointState::kCommitted && bad.empty();
+      d["reason"] = bad.empty() ? LossyStr(c.reason) : LossyStr(bad);
       out.append(d);
     }
     return out;
   }
-  const std::vector<std::string>& Skipped() const { return report_.skipped; }
-  int NewestValid() const { return report_.newest_valid; }
+  py::list Skipped() const {
+    py::list out;
+    for (const auto& line : report_.skipped) out.append(LossyStr(line));
+    for (const auto& c : report_.checkpoints) {
+      std::string bad = BadName(c.info);
+      if (c.state == CheckpointState::kCommitted && !bad.empty()) {
+        out.append(LossyStr("checkpoint " + std::to_string(c.info.counter) + " (step " +
+                            std::to_string(c.info.step) + "): " + bad));
+      }
+    }
+    return out;
+  }
+  int NewestValid() const {
+    const int n = report_.newest_valid;
+    if (n < 0 || BadName(report_.checkpoints[n].info).empty()) return n;
+    int best = -1;
+    for (int i = 0; i < static_cast<int>(report_.checkpoints.size()); ++i) {
+      const auto& c = report_.checkpoints[i];
+      if (c.state != CheckpointState::kCommitted || !BadName(c.info).empty()) continue;
+      if (best < 0 || c.info.counter > report_.checkpoints[best].info.counter) best = i;
+    }
+    return best;
+  }
   const std::string& path() const { return path_; }
 
   // Reads tensor `tensor` of checkpoint `ckpt` (indices into Checkpoints())
@@ -328,6 +416,15 @@ class PyReader {
   }
 
  private:
+  static std::string BadName(const CheckpointInfo& info) {
+    for (size_t i = 0; i < info.tensors.size(); ++i) {
+      if (!IsUtf8(info.tensors[i].spec.name)) {
+        return "tensor #" + std::to_string(i) + "'s name is not valid UTF-8";
+      }
+    }
+    return "";
+  }
+
   std::string path_;
   std::unique_ptr<SlotFile> file_;
   ScanReport report_;

@@ -181,8 +181,17 @@ def test_a_bad_rng_record_changes_nothing_and_falls_back(tmp_path, rng):
 
 def test_a_non_utf8_tensor_name_falls_back(tmp_path):
     d = str(tmp_path / "ck")
-    good = write_good_then_hostile(
-        d, names=lambda n: n.encode() + b"\xff" if n.endswith("weight") else n)
+    try:
+        good = write_good_then_hostile(
+            d, names=lambda n: n.encode() + b"\xff" if n.endswith("weight") else n)
+    except CheckpointMismatchError as e:
+        # The engine refuses to write such a name at all (one line); the
+        # store's own tests cover reading one from a crafted file.
+        one_line(e)
+        assert "UTF-8" in str(e)
+        got, _, _, _ = restore_into_fresh(d)
+        assert got == 1
+        return
     loaded = nonstop.load(d)  # the newest readable
     assert loaded.step == 1
     got, after, _, warned = restore_into_fresh(d)

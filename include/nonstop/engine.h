@@ -157,6 +157,16 @@ class Engine {
   // tensors' memory, matching by name. Fails on a missing name, a shape or
   // dtype mismatch, naming the tensor. Returns what was restored.
   virtual Result<CheckpointInfo> Restore(std::optional<int64_t> step = std::nullopt) = 0;
+  // Tells the engine that the caller restored committed checkpoint `counter`
+  // of this rank with its own reader (the Python front end reads into torch
+  // tensors itself). From then on it is treated as a Restore() of it
+  // (DESIGN.md invariant 9): when it is in the slot file its slot is kept
+  // until a newer checkpoint commits, and when newer checkpoints exist the
+  // first new checkpoint durably records the rollback (JobDir lineage) before
+  // anything is written, so a crash never resumes a step rolled back from.
+  // Waits for everything in flight. No-op in distributed mode (Pin keeps the
+  // agreed checkpoint there).
+  virtual Status AdoptRestored(uint64_t counter);
   virtual EngineStats Stats() = 0;
   // Returns (and forgets) the oldest queued background failure; OK when none.
   // Never blocks.

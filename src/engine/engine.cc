@@ -183,6 +183,7 @@ class EngineImpl final : public Engine {
   Status WaitCommitted(uint64_t counter) override;
   std::optional<CommittedCheckpoint> Latest() override;
   Result<CheckpointInfo> Restore(std::optional<int64_t> step) override;
+  Status AdoptRestored(uint64_t counter) override;
   EngineStats Stats() override;
   Result<int> AbandonOlderThan(uint64_t counter) override;
   Status Close() override;
@@ -1266,6 +1267,33 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   return Status::NotFound(why);
 }
 
+Status EngineImpl::AdoptRestored(uint64_t counter) {
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (opts_.global_agreement) return Status::OK();
+  if (open_ > 0) {
+    return Status::FailedPrecondition("AdoptRestored while a layer-wise checkpoint is open: "
+                                      "EndCheckpoint first");
+  }
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
+  rollback_from_.reset();
+  if (!file) return Status::OK();  // restored from elsewhere (a keep copy, a remote), no file yet
+  ScanOptions so;
+  so.verify_data = false;  // the caller verified what it read
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
+  uint64_t newest = 0;
+  for (const ScannedCheckpoint& c : report.checkpoints) newest = std::max(newest, c.info.counter);
+  if (newest > counter) rollback_from_ = counter;
+  for (const ScannedCheckpoint& c : report.checkpoints) {
+    if (c.state == CheckpointState::kCommitted && c.info.counter == counter) {
+      ProtectRestored(file, c.info);
+      break;
+    }
+  }
+  return Status::OK();
+}
+
 EngineStats EngineImpl::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
   EngineStats s = stats_;
@@ -1476,6 +1504,8 @@ std::optional<CommittedCheckpoint> Engine::Candidate() { return std::nullopt; }
 Status Engine::DropCandidate(uint64_t) {
   return Status::Unavailable("this engine cannot pin checkpoints");
 }
+
+Status Engine::AdoptRestored(uint64_t) { return Status::OK(); }
 
 // Engines that do not implement layer-wise checkpoints say so.
 Result<uint64_t> Engine::BeginCheckpoint(int64_t) {

@@ -259,6 +259,10 @@ class PyEngine {
     }
     return InfoDict(Take(std::move(r)));
   }
+  void AdoptRestored(uint64_t counter) {
+    py::gil_scoped_release release;
+    Check(Get().AdoptRestored(counter));
+  }
   int AbandonOlderThan(uint64_t counter) {
     py::gil_scoped_release release;
     return Take(Get().AbandonOlderThan(counter));
@@ -474,6 +478,7 @@ void InitEngine(py::module_& m) {
       .def("wait_committed", &PyEngine::WaitCommitted, py::arg("counter") = 0)
       .def("latest", &PyEngine::Latest)
       .def("restore", &PyEngine::Restore, py::arg("step") = py::none())
+      .def("adopt_restored", &PyEngine::AdoptRestored, py::arg("counter"))
       .def("stats", &PyEngine::Stats)
       .def("pin", &PyEngine::Pin, py::arg("counter"))
       .def("candidate", &PyEngine::Candidate)

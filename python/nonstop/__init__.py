@@ -56,7 +56,7 @@ if _TORCH_ERROR is None:
         return _export(dir, out, step=step, rank=rank, include=include, format=format)
 
     from ._handle import CheckpointHandle  # noqa: E402
-    from ._preempt import EXIT_PREEMPTED, Preempted  # noqa: E402  docs/PREEMPTION.md
+    from ._preempt import EXIT_PREEMPTED, Preempted, worker_init_fn  # noqa: E402  docs/PREEMPTION.md
 else:
     def __getattr__(name):
         if name in _TORCH_NAMES:
@@ -64,10 +64,10 @@ else:
         raise AttributeError(f"module 'nonstop' has no attribute {name!r}")
 
 _TORCH_NAMES = ("Checkpointer", "load", "LoadedCheckpoint", "CheckpointHandle", "export",
-                "Preempted", "EXIT_PREEMPTED")
+                "Preempted", "EXIT_PREEMPTED", "worker_init_fn")
 
 __all__ = ["Checkpointer", "CheckpointHandle", "load", "export", "LoadedCheckpoint", "Preempted",
-           "EXIT_PREEMPTED",
+           "EXIT_PREEMPTED", "worker_init_fn",
            "build_info", "CheckpointError",
            "CheckpointIOError", "CheckpointMismatchError", "CheckpointNotFoundError",
            "CorruptCheckpointError", "IncompatibleCheckpointError"]

@@ -178,7 +178,7 @@ def checkpointer_step(ckpt, auto: AutoInterval, step: int) -> Optional[int]:
     checkpoints committed since. Returns the counter, or None."""
     if not auto.observe_step(ckpt._visible_stall_s):
         return None
-    counter = ckpt._save(step)
+    counter = ckpt._save(step)  # step() reports background errors after it
     auto.started(ckpt._visible_stall_s)
     stats = ckpt._live().stats()
     seen = auto.seen_counter

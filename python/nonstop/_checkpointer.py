@@ -13,6 +13,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,27 @@ from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoun
 FORMAT = "nonstop.torch/1"
 MODES = ("concurrent", "layerwise", "multistep")
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
+
+
+# Every Checkpointer alive in this process: a forked child marks them as
+# its parent's (os.register_at_fork below).
+_LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: the engine's threads were not copied, so the
+    parent's Checkpointers must never wait on them (the C++ side leaves
+    their engines alone), and the child gives the preemption signals their
+    previous meaning (a child that ignored SIGTERM would hang a pool's
+    terminate())."""
+    for ck in list(_LIVE):
+        watch = ck.__dict__.get("_preempt")
+        if watch is not None:
+            watch.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _core():
@@ -144,6 +166,8 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         drank, dworld = _world()
+        self._pid = os.getpid()
+        self._errors: list = []  # background errors taken, reported at the next call
         self.dir = os.fspath(dir)
         self.state = state
         self.every = every
@@ -214,6 +238,7 @@ class Checkpointer:
         # uploaded in the background, and restore() falls back to them; _remote.py, docs/TIERS.md
         self._remote = None if remote is None else _remote.Tier(
             self, remote, remote_options, _core, _read, LoadedCheckpoint)
+        _LIVE.add(self)
 
     # ---------------------------------------------------------------- saving
 
@@ -224,17 +249,22 @@ class Checkpointer:
         (nonstop.CheckpointHandle), or None when none was due. After a preemption notice it checkpoints
         `step` at once, waits until it is committed (on every rank), closes,
         and raises nonstop.Preempted (exit status 75 when uncaught)."""
+        if self._forked():
+            self._live()
         if self._preempt is not None:
             self._preempt.at_boundary(step)
         if self._auto is not None:
-            return self._watcher.track(_auto.checkpointer_step(self, self._auto, step), step)
-        if self._multistep is not None:  # every step drives the window
-            return self._multistep.step(step, (step + 1) % self.every == 0)
-        if self._layerwise is not None:  # seals the checkpoint its hooks began
-            return self._watcher.track(self._layerwise.step(step), step)
-        if (step + 1) % self.every == 0:
-            return self.save(step)
-        return None
+            got = self._watcher.track(_auto.checkpointer_step(self, self._auto, step), step)
+        elif self._multistep is not None:  # every step drives the window
+            got = self._multistep.step(step, (step + 1) % self.every == 0)
+        elif self._layerwise is not None:  # seals the checkpoint its hooks began
+            got = self._watcher.track(self._layerwise.step(step), step)
+        elif (step + 1) % self.every == 0:
+            got = self._watcher.track(self._save(step), step)
+        else:
+            got = None
+        self._report()  # background errors since the last call, once
+        return got
 
     def save(self, step: int) -> Optional[CheckpointHandle]:
         """Starts a checkpoint of the state as it is now, labelled `step`.
@@ -243,11 +273,17 @@ class Checkpointer:
         is committed, add_done_callback(fn) runs fn then. The next
         optimizer.step() waits until every tensor has been copied, and the
         engine writes and commits in the background. (mode="multistep":
-        None; its window's checkpoint is not known yet.)"""
-        return self._watcher.track(self._save(step), step)
+        None; its window's checkpoint is not known yet.)
+
+        An error of an earlier checkpoint (a failed write or keep= copy) is
+        raised here after this checkpoint has started, once."""
+        handle = self._watcher.track(self._save(step), step)
+        self._report()
+        return handle
 
     def _save(self, step: int) -> Optional[int]:
-        """save() without the handle: the engine's counter."""
+        """save() without the handle and without reporting the background
+        errors: the engine's counter."""
         if self._multistep is not None:  # the window begins; version step + parts - 1
             return self._multistep.start(step)
         t0 = time.perf_counter()
@@ -270,12 +306,13 @@ class Checkpointer:
         refs = self._refs(tensors)
         if refs != self._registered:
             if layouts is None:
-                engine.register(refs)
+                self._engine_call(engine.register, refs)
             else:
-                engine.register(refs, layouts=[layouts.get(r[0]) for r in refs])
+                self._engine_call(engine.register, refs,
+                                  layouts=[layouts.get(r[0]) for r in refs])
             self._registered = refs
             self._registers += 1
-        counter = engine.checkpoint(int(step), _state.dumps(meta))
+        counter = self._engine_call(engine.checkpoint, int(step), _state.dumps(meta))
         if self._dist is not None:
             self._dist.started(engine)
         if self._remote is not None:
@@ -284,6 +321,54 @@ class Checkpointer:
         self._saves += 1
         self._visible_stall_s += time.perf_counter() - t0
         return counter
+
+    def _engine_call(self, fn, *args, **kwargs):
+        """fn(*args): an engine call that first answers with an error queued
+        by an earlier checkpoint (and then does nothing). That error is
+        taken (reported later, once) and the call made again, so one failed
+        checkpoint never costs the next one. The same error twice is the
+        call's own: raised."""
+        taken: dict = {}
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except CheckpointError as e:
+                msg = str(e)
+                if msg in taken or len(taken) >= 1000:
+                    if msg in taken:
+                        self._errors.remove(taken[msg])
+                    raise
+                taken[msg] = e
+                self._errors.append(e)
+
+    def _report(self) -> None:
+        """Raises the background errors taken since the last report, once:
+        the first with its class, the others named in its line."""
+        if not self._errors:
+            return
+        errors, self._errors = self._errors, []
+        first = errors[0]
+        if len(errors) == 1:
+            raise first
+        more = "; ".join(str(e) for e in errors[1:])
+        raise type(first)(f"{first} (and {len(errors) - 1} more: {more})") from first
+
+    def _take(self, fn, *args) -> None:
+        """fn(*args) with a failure taken as a background error; then the
+        rest of the queue (nothing is in flight after a wait)."""
+        seen = set()
+        for _ in range(1000):
+            try:
+                fn(*args)
+                return
+            except CheckpointError as e:
+                if str(e) in seen:  # not a queued error: the call's own, reported once
+                    return
+                seen.add(str(e))
+                self._errors.append(e)
+
+    def _forked(self) -> bool:
+        return self.__dict__.get("_pid", os.getpid()) != os.getpid()
 
     def _refs(self, tensors: dict) -> list:
         """(name, dtype, shape, nbytes, ptr, device kind, index, stream,
@@ -336,9 +421,15 @@ class Checkpointer:
         return ptrs
 
     def _before_update(self, optimizer, args, kwargs):
-        if self._copy_pending and self._engine is not None:
+        # Never raises: an error of a checkpoint in flight must not skip the
+        # update. The wait has ended whatever it answers (the copies are done
+        # or failed); the error is reported at the next step()/save()/wait().
+        if self._copy_pending and self._engine is not None and not self._forked():
             t0 = time.perf_counter()
-            self._engine.wait_copied()
+            try:
+                self._engine.wait_copied()
+            except CheckpointError as e:
+                self._errors.append(e)
             self._copy_pending = False
             dt = time.perf_counter() - t0
             self._hook_stall_s += dt
@@ -349,16 +440,28 @@ class Checkpointer:
         copied out of its memory. Call it before changing checkpointed
         tensors by hand (outside optimizer.step())."""
         t0 = time.perf_counter()
-        self._live().wait_copied()
+        engine = self._live()
+        try:
+            engine.wait_copied()
+        except CheckpointError as e:
+            self._errors.append(e)
         self._copy_pending = False
         self._visible_stall_s += time.perf_counter() - t0
+        self._report()
 
     def wait(self) -> None:
-        """Waits until every checkpoint in flight is committed (or raises its error)."""
+        """Waits until every checkpoint in flight is committed. Then raises
+        the errors of failed checkpoints (and keep= copies) not reported
+        yet, once."""
         t0 = time.perf_counter()
-        self._live().wait_committed(0)
+        engine = self._live()
+        if self._multistep is not None:
+            engine.wait_committed(0)
+        else:
+            self._take(engine.wait_committed, 0)
         self._copy_pending = False
         self._visible_stall_s += time.perf_counter() - t0
+        self._report()
 
     def preempt(self, reason: str = "preempt()") -> None:
         """A preemption notice from your own watcher (e.g. a thread polling
@@ -393,7 +496,20 @@ class Checkpointer:
         return s
 
     def close(self) -> None:
-        """Waits for the checkpoints in flight, then stops the engine. Idempotent."""
+        """Waits for the checkpoints in flight, then stops the engine; raises
+        the background errors not reported yet, once. Idempotent. In a forked
+        child it only lets go of the parent's engine."""
+        if self._forked():
+            for h in self.__dict__.get("_hooks", []):
+                h.remove()
+            self._hooks = []
+            self._preempt = None
+            self._layerwise = None
+            self._dist = None
+            self._remote = None
+            self._engine = None  # the C++ side never closes a parent's engine in a child
+            self._errors = []
+            return
         if getattr(self, "_preempt", None) is not None:  # puts the signal handlers back
             self._preempt.close()
         if getattr(self, "_layerwise", None) is not None:
@@ -406,17 +522,24 @@ class Checkpointer:
         if self._engine is not None:
             engine, self._engine = self._engine, None
             try:
-                if self._dist is not None:  # a last agreement round with every rank
-                    try:
+                try:
+                    if self._dist is not None:  # a last agreement round with every rank
+                        try:
+                            engine.wait_committed(0)
+                        finally:
+                            self._dist.close()
+                    elif getattr(self, "_remote", None) is not None:
                         engine.wait_committed(0)
-                    finally:
-                        self._dist.close()
-                elif getattr(self, "_remote", None) is not None:
-                    engine.wait_committed(0)
+                except CheckpointError as e:
+                    self._errors.append(e)
             finally:
                 if getattr(self, "_remote", None) is not None:  # the newest one uploaded
                     self._remote.close()
-                engine.close()
+                try:
+                    engine.close()
+                except CheckpointError as e:
+                    self._errors.append(e)
+        self._report()
 
     def __enter__(self):
         return self
@@ -425,6 +548,11 @@ class Checkpointer:
         self.close()
 
     def _live(self):
+        if self._forked():
+            raise CheckpointError(
+                f"the checkpointer for {self.dir} belongs to process {self._pid}; this forked "
+                f"child (pid {os.getpid()}) cannot use it: create a new Checkpointer in the "
+                f"child")
         if self._engine is None:
             raise CheckpointError(f"the checkpointer for {self.dir} is closed")
         return self._engine

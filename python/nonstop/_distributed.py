@@ -457,12 +457,14 @@ class Distributed:
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
         comm = _Comm(self.group, self.world)
-        pick, err = None, None
+        pick, err, cls = None, None, IncompatibleCheckpointError
         try:
             pick = pick_archive(self.dir, self.world)
         except (CheckpointError, OSError) as e:
             err = str(e)
-        comm.check(err)
+            if isinstance(e, CheckpointError):
+                cls = type(e)
+        comm.check(err, cls)
         picks = comm.gather(pick)
         if picks[0] is None:
             seen = [(r, p) for r, p in enumerate(picks) if p is not None]
@@ -688,8 +690,8 @@ def _committed(reader) -> dict:
         if not c["committed"]:
             continue
         try:
-            meta = loads(c["meta_json"].decode("utf-8"))
-        except ValueError:
+            meta = loads(c["meta_json"])
+        except CheckpointError:  # malformed metadata: not a checkpoint to recover
             continue
         d = meta.get("dist", {}) if isinstance(meta, dict) else {}
         found.setdefault((int(c["step"]), int(d.get("lineage", 0))), (i, meta))
@@ -704,19 +706,58 @@ def _common(readers: list) -> tuple[list, list]:
     return sorted(common, reverse=True), per
 
 
+def _why_no_common(archive: str, old_world: int, world: int, readers: list,
+                   per: list) -> Optional[CheckpointError]:
+    """Why the old rank files of `archive` have no committed checkpoint in
+    common: a one-line error naming the first rank file that breaks it, or
+    None when none of them holds a committed checkpoint (nothing to lose)."""
+    if not any(per):
+        return None
+    head = (f"cannot reshard the checkpoint of world size {old_world} in {archive} to world "
+            f"size {world}")
+    names = [os.path.join(archive, f"rank-{r:05d}.nsck") for r in range(old_world)]
+    for r, found in enumerate(per):
+        if not found:
+            reasons = [c.get("reason") for c in readers[r].checkpoints if c.get("reason")]
+            why = f"damaged: {reasons[0]}" if reasons else "it holds none"
+            return CorruptCheckpointError(
+                f"{head}: {names[r]} holds no committed checkpoint ({why})")
+    common = set(per[0])
+    for r in range(1, old_world):
+        if not common & set(per[r]):
+            mine = {lin for _, lin in per[r]}
+            if not mine & {lin for _, lin in common}:
+                return IncompatibleCheckpointError(
+                    f"{head}: {names[r]} is from another job (no checkpoint of the same run as "
+                    f"{os.path.basename(names[0])}; its steps "
+                    f"{sorted({s for s, _ in per[r]})[-5:]})")
+            return CorruptCheckpointError(
+                f"{head}: {names[r]} holds committed steps {sorted({s for s, _ in per[r]})[-5:]}, "
+                f"none of them committed on every lower rank file (steps "
+                f"{sorted({s for s, _ in common})[-5:]})")
+        common &= set(per[r])
+    return None
+
+
 def pick_archive(dir: str, world: int) -> Optional[tuple]:
     """(old world, archive dir, newest common step) of the set-aside
     checkpoint with the newest step committed on all of its rank files;
-    None when there is none. Raises the first archive's error (a missing
-    old rank file, ...) when no archive can be used."""
+    None when no set-aside rank file holds a committed checkpoint. Raises
+    the first archive's error (a missing, damaged or foreign old rank file)
+    when no archive can be used: a committed checkpoint is never silently
+    replaced by a fresh start."""
     best, err = None, None
     for w, archive in archives(dir):
         try:
-            order, _ = _common(_open_old(archive, w, world))
+            readers = _open_old(archive, w, world)
+            order, per = _common(readers)
         except (CheckpointError, OSError) as e:
             err = err or e
             continue
-        if order and (best is None or order[0][0] > best[2]):
+        if not order:
+            err = err or _why_no_common(archive, w, world, readers, per)
+            continue
+        if best is None or order[0][0] > best[2]:
             best = (w, archive, order[0][0])
     if best is None and err is not None:
         raise err
@@ -930,7 +971,8 @@ def _torch_dtype(code: int):
 
 
 def _torch_dtype_by_name(name: str):
-    t = getattr(torch, name, None)
-    if not isinstance(t, torch.dtype):
+    from ._state import torch_dtype_by_name
+    t = torch_dtype_by_name(name)  # a fixed list, never a lookup in torch by name
+    if t is None:
         raise IncompatibleCheckpointError(f"unknown dtype {name!r} in a distributed checkpoint")
     return t

@@ -14,7 +14,10 @@ import numpy as np
 
 from . import _state
 from ._checkpointer import _core, check_directory
-from .errors import CheckpointMismatchError, CheckpointNotFoundError
+from .errors import CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError
+
+# The temporary file is always new: never an existing file, never a link.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
@@ -59,19 +62,46 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
         offset += spec["nbytes"]
     header["__metadata__"] = {"nonstop.step": str(info["step"]),
                               "nonstop.counter": str(info["counter"]),
-                              "nonstop.meta": info["meta_json"].decode("utf-8")}
+                              "nonstop.meta": info["meta_json"].decode("utf-8", "replace")}
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
-    tmp = os.fspath(out) + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for name, ti, spec, _ in entries:
-            buf = np.empty(spec["nbytes"], dtype=np.uint8)
-            if spec["nbytes"]:
-                reader.read_tensor(idx, ti, buf.ctypes.data, spec["nbytes"])
-            f.write(buf.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    out = os.fspath(out)
+    parent, name = os.path.split(os.path.abspath(out))
+    tmp_name = name + ".tmp"
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointIOError(f"cannot export to {out}: {parent}: {e.strerror}") from None
+    try:
+        try:
+            # A leftover OUT.tmp (a crash, or a planted link) is removed, never
+            # followed: unlink removes a link itself. O_EXCL|O_NOFOLLOW then
+            # refuses anything that appears there in between.
+            os.unlink(tmp_name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp_name, _CREATE, 0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(len(blob).to_bytes(8, "little"))
+                f.write(blob)
+                for _name, ti, spec, _ in entries:
+                    buf = np.empty(spec["nbytes"], dtype=np.uint8)
+                    if spec["nbytes"]:
+                        reader.read_tensor(idx, ti, buf.ctypes.data, spec["nbytes"])
+                    f.write(buf.tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp_name, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    except OSError as e:  # named by the file the user asked for, never OUT.tmp
+        raise CheckpointIOError(f"cannot export to {out}: {e.strerror or e}") from None
+    finally:
+        os.close(dfd)
     return {"step": info["step"], "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}

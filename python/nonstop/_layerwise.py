@@ -436,7 +436,7 @@ class Layerwise:
                     self._plan = None
                 ck._saves += 1
             elif (step + 1) % ck.every == 0:
-                counter = ck._save(step)
+                counter = ck._save(step)  # step() reports background errors
             self.next_step = step + 1
             self._decided = False
             self._queued = False  # (a backward that raised left it set)

@@ -408,10 +408,22 @@ class PreemptWatch:
                 if lw is not None and lw.counter is not None:
                     counter = lw.step(step)  # seals the layer-wise checkpoint of this step
                 else:
-                    counter = ckpt._save(step)
-                ckpt._live().wait_committed(counter)
+                    counter = ckpt._save(step)  # an older checkpoint's error is kept for later
+                older = None
+                try:
+                    ckpt._live().wait_committed(counter)
+                except CheckpointError as e:  # this one's error, or an older one's
+                    older = e
                 local = ckpt._live().latest()  # this rank's newest committed (not the agreed one)
                 committed = local is not None and local[1] == step
+                if older is not None and not committed:
+                    raise older
+                bg = list(getattr(ckpt, "_errors", []))
+                if older is not None:
+                    bg.append(older)
+                for e in bg:  # the emergency checkpoint committed; say what failed before
+                    os.write(2, f"nonstop: an earlier checkpoint failed: {e}\n".encode())
+                ckpt._errors = []
                 record = next((c for c in ckpt._live().stats().get("recent", [])
                                if c.get("counter") == counter), None)
             else:
@@ -434,7 +446,8 @@ class PreemptWatch:
         try:
             ckpt.close()  # with several ranks: a last agreement round (docs/DISTRIBUTED.md)
         except Exception as e:
-            error = error or e
+            if not committed:
+                error = error or e
         dist_side = getattr(ckpt, "_dist", None)
         if dist_side is not None:
             latest = dist_side.agreed_step()
@@ -471,6 +484,41 @@ class PreemptWatch:
         self.uninstall()
         self._wait_work()
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the previous handlers again (the child has no
+        step boundary at which a notice would be handled), and the parent's
+        collectives are not ours to wait for."""
+        self._work = None
+        self._group = None
+        try:
+            self.uninstall()
+        except (ValueError, OSError):  # not the main thread: nothing was installed here
+            self._previous = {}
+
+
+def worker_init_fn(worker_id=None) -> None:
+    """DataLoader(worker_init_fn=nonstop.worker_init_fn): the worker ignores
+    SIGTERM (and the other signals a live Checkpointer handles).
+
+    A scheduler that preempts a job signals its whole process group (Slurm,
+    `kill -TERM -PGID`); DataLoader workers killed by it make the training
+    process fail with "DataLoader worker ... is killed by signal" before the
+    next step boundary, so no emergency checkpoint is taken. Ignoring the
+    signal in the workers leaves them running until the training process has
+    checkpointed; its exit then shuts them down. Call it first in your own
+    worker_init_fn if you have one. See docs/PREEMPTION.md."""
+    sigs = {signal.SIGTERM}
+    try:
+        from ._checkpointer import _LIVE
+        for ck in list(_LIVE):
+            watch = ck.__dict__.get("_preempt")
+            if watch is not None:
+                sigs.update(watch.cfg["signals"])
+    except ImportError:
+        pass
+    for sig in sorted(sigs):
+        signal.signal(sig, signal.SIG_IGN)
+
 
 def install(ckpt, on_preempt) -> Optional[PreemptWatch]:
     cfg = parse(on_preempt)
@@ -478,4 +526,4 @@ def install(ckpt, on_preempt) -> Optional[PreemptWatch]:
 
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "PreemptWatch", "parse", "estimate_line",
-           "persist_bandwidth", "install"]
+           "persist_bandwidth", "install", "worker_init_fn"]

@@ -2,6 +2,8 @@
 // nonstop._core.Multistep. It owns its Engine (the schedule makes every engine
 // call itself) and takes tensors as plain numbers: this module never sees
 // torch. Every method that may block releases the GIL.
+#include <unistd.h>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -99,12 +101,17 @@ py::dict WindowDict(const MultistepWindowStats& w) {
 
 class PyMultistep {
  public:
-  PyMultistep(const EngineOptions& eo, const MultistepOptions& mo) {
+  PyMultistep(const EngineOptions& eo, const MultistepOptions& mo) : pid_(getpid()) {
     py::gil_scoped_release release;
     engine_ = Take(Engine::Open(eo));
     ms_ = Take(MultistepCheckpoint::Create(engine_.get(), mo));
   }
   ~PyMultistep() {
+    if (getpid() != pid_) {  // a forked child: the threads are the parent's; never wait on them
+      (void)ms_.release();
+      (void)engine_.release();
+      return;
+    }
     py::gil_scoped_release release;
     if (ms_) (void)ms_->Close();
     if (engine_) (void)engine_->Close();
@@ -231,6 +238,7 @@ class PyMultistep {
   }
 
  private:
+  pid_t pid_;
   MultistepCheckpoint& Get() {
     if (!ms_) throw StatusError(Status::FailedPrecondition("the checkpointer is closed"));
     return *ms_;

@@ -229,3 +229,33 @@ def test_optimizer_that_does_not_fit_leaves_the_model_untouched(tmp_path):
     one_line(e.value)
     same(snapshot(model2, opt2), before)
 
+
+
+# ------------------------------------------------------------------ export
+
+def test_export_never_follows_a_link_planted_at_its_temp_name(tmp_path):
+    import os
+    d = str(tmp_path / "ck")
+    write_good_then_hostile(d)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "model.safetensors"
+    os.symlink(victim, str(out) + ".tmp")
+    got = nonstop.export(d, str(out))
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(out) and not os.path.lexists(str(out) + ".tmp")
+    raw = out.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    assert header["__metadata__"]["nonstop.step"] == str(got["step"]) == "2"
+    assert "model/weight" in header
+
+
+def test_export_errors_name_the_file_asked_for(tmp_path):
+    d = str(tmp_path / "ck")
+    write_good_then_hostile(d)
+    out = tmp_path / "no-such-dir" / "model.safetensors"
+    with pytest.raises(CheckpointError) as e:
+        nonstop.export(d, str(out))
+    one_line(e.value)
+    assert str(out) in str(e.value) and ".tmp" not in str(e.value), str(e.value)

@@ -313,6 +313,8 @@ class Checkpointer:
             self._registered = refs
             self._registers += 1
         counter = self._engine_call(engine.checkpoint, int(step), _state.dumps(meta))
+        if hasattr(engine, "take_error"):  # earlier failures, reported after this one started
+            self._take(engine.take_error)
         if self._dist is not None:
             self._dist.started(engine)
         if self._remote is not None:

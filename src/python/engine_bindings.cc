@@ -219,6 +219,16 @@ class PyEngine {
     py::gil_scoped_release release;
     Check(Get().WaitCopied());
   }
+  // Raises the oldest queued background failure (and forgets it); returns
+  // None when there is none. Never blocks.
+  void TakeError() {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Get().TakeError();
+    }
+    Check(s);
+  }
   void WaitCommitted(uint64_t counter) {
     py::gil_scoped_release release;
     Check(Get().WaitCommitted(counter));
@@ -468,6 +478,7 @@ void InitEngine(py::module_& m) {
            "(global_shape, global_offset).")
       .def("checkpoint", &PyEngine::Checkpoint, py::arg("step"), py::arg("meta_json"))
       .def("wait_copied", &PyEngine::WaitCopied)
+      .def("take_error", &PyEngine::TakeError)
       .def("begin_checkpoint", &PyEngine::BeginCheckpoint, py::arg("step"))
       .def("copy_tensors", &PyEngine::CopyTensors, py::arg("counter"), py::arg("tensors"))
       .def("wait_tensors_copied", &PyEngine::WaitTensorsCopied, py::arg("tensors"))

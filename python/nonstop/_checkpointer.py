@@ -569,6 +569,7 @@ class Checkpointer:
         record) is checked before any object is changed; a newest checkpoint
         that is damaged or malformed is skipped with a warning."""
         self._live()
+        adopt = False
         remote = None if self._remote is None else self._remote.restore(step)
         if remote is not None:  # newer than every rank's local checkpoint
             loaded = remote
@@ -585,10 +586,16 @@ class Checkpointer:
         else:
             loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False,
                            prepare=self._prepare)
+            adopt = loaded is not None
         if loaded is None:
             return None
         plan = loaded.plan if loaded.plan is not None else self._prepare(loaded)
         self._apply(plan)
+        if (remote is not None or adopt) and hasattr(self._engine, "adopt_restored"):
+            # The restored checkpoint stays intact until a newer one commits,
+            # and a rollback is recorded before anything new is written
+            # (DESIGN.md invariant 9; Engine::AdoptRestored).
+            self._engine.adopt_restored(int(loaded.counter))
         self._registered = None
         if self._layerwise is not None:
             self._layerwise.restored(loaded.step)
@@ -744,7 +751,13 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
             f"{path} was written by a job of world size {geometry['world_size']}; this job "
             f"has world size {world_size}: use the same world size or a new directory")
     ckpts = reader.checkpoints
-    committed = [i for i, c in enumerate(ckpts) if c["committed"]]
+    # A rollback is final (DESIGN.md invariant 9): counters the job directory's
+    # lineage record abandoned are never chosen again.
+    jobdir = getattr(_core(), "JobDir", None)  # tests/python/fake_core.py has none
+    abandoned = [] if jobdir is None else [
+        (int(lo), int(hi)) for lo, hi in jobdir.open_for_read(path).lineage(rank)["abandoned"]]
+    committed = [i for i, c in enumerate(ckpts) if c["committed"] and not any(
+        lo <= c["counter"] <= hi for lo, hi in abandoned)]
     if step is not None:
         order = [i for i in committed if ckpts[i]["step"] == step]
         damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]

@@ -41,6 +41,13 @@ class StatusError : public std::exception {
 // Registers the StatusError translator; module.cc calls it before the Init*s.
 void RegisterStatusTranslator();
 
+// A committed checkpoint's record as a dict (engine_bindings.cc): counter,
+// step, slot, sizes, meta_json (bytes) and tensors (name, dtype, shape,
+// nbytes, global layout, data_offset); names that are not UTF-8 come out
+// with U+FFFD instead of raising. The one shape Engine.restore,
+// Reader.checkpoints and JobDir selections share.
+pybind11::dict InfoDict(const CheckpointInfo& info);
+
 inline void Check(const Status& s) {
   if (!s.ok()) throw StatusError(s);
 }

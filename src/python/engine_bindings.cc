@@ -94,6 +94,8 @@ bool IsUtf8(const std::string& s) {
   return true;
 }
 
+}  // namespace
+
 // A str from bytes that may not be UTF-8 (a damaged or hostile file's names
 // inside a message): invalid bytes become U+FFFD instead of an exception.
 py::str LossyStr(const std::string& s) {
@@ -131,6 +133,8 @@ py::dict InfoDict(const CheckpointInfo& info) {
   d["tensors"] = tensors;
   return d;
 }
+
+namespace {
 
 py::dict CheckpointStatsDict(const CheckpointStats& c) {
   py::dict d;

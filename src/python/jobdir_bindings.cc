@@ -18,35 +18,6 @@ namespace py = pybind11;
 namespace nonstop::py_bindings {
 namespace {
 
-// The same keys as Reader.checkpoints' dicts (engine_bindings.cc).
-py::dict CheckpointDict(const CheckpointInfo& info) {
-  py::dict d;
-  d["counter"] = info.counter;
-  d["step"] = info.step;
-  d["sequence"] = info.sequence;
-  d["slot"] = info.slot;
-  d["rank"] = info.rank;
-  d["world_size"] = info.world_size;
-  d["commit_unix_ns"] = info.commit_unix_ns;
-  d["data_offset"] = info.data_offset;
-  d["data_bytes"] = info.data_bytes;
-  d["meta_json"] = py::bytes(info.meta_json);
-  py::list tensors;
-  for (const auto& e : info.tensors) {
-    py::dict t;
-    t["name"] = e.spec.name;
-    t["dtype"] = static_cast<int>(e.spec.dtype);
-    t["shape"] = e.spec.shape;
-    t["nbytes"] = e.spec.nbytes;
-    t["global_shape"] = e.spec.global.global_shape;
-    t["global_offset"] = e.spec.global.global_offset;
-    t["data_offset"] = e.data_offset;
-    tensors.append(t);
-  }
-  d["tensors"] = tensors;
-  return d;
-}
-
 // One selected checkpoint with its file open for reading.
 class PySelected {
  public:
@@ -55,7 +26,7 @@ class PySelected {
       : jd_(std::move(jd)), sel_(std::move(sel)), skipped_(std::move(skipped)),
         fallback_(fallback) {}
 
-  py::dict Info() const { return CheckpointDict(sel_.info); }
+  py::dict Info() const { return InfoDict(sel_.info); }
   const std::string& where() const { return sel_.location.where; }
   bool keep() const { return sel_.location.keep; }
   const std::vector<std::string>& skipped() const { return skipped_; }

@@ -57,7 +57,7 @@ test-cpp: cbuild
 	cd build && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 test-py: build
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q --durations=30 tests/python
 
 test: build cbuild
 	$(MAKE) --no-print-directory test-cpp

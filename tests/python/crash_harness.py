@@ -20,28 +20,30 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "killable_train.py")
 TIMEOUT = 120  # seconds, per child
 
 
-def run(ckpt_dir, steps, every, final, *, options=None, pace=0.0, kill_after_steps=None,
-        kill_delay=0.0):
-    """Runs killable_train.py (`ckpt_dir` "-": no checkpointer). `options`
-    ({"mode": "layerwise", "copy": "host", ...}) become its --flags. With
-    `kill_after_steps`, SIGKILLs it `kill_delay` seconds after it reported
-    that many steps. Asserts how it ended; returns its JSON lines."""
-    args = [ckpt_dir, steps, every, final, pace]
-    for k, v in (options or {}).items():
-        args += [f"--{k.replace('_', '-')}", v]
-    p = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_delay=0.0,
+              stderr=False):
+    """Runs `cmd` (a child printing one JSON line per event) under a hard
+    timeout: a watchdog kills it, silent or not. Lines that are not
+    '{"event"...' JSON are ignored. With `kill_after_steps`, SIGKILLs it
+    `kill_delay` seconds after it reported that many "step" events. Asserts
+    how it ended (exit 0, or killed by us); returns its events."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE if stderr else None, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     expired = threading.Event()
 
     def expire():
         expired.set()
         p.kill()
 
-    watchdog = threading.Timer(TIMEOUT, expire)
+    watchdog = threading.Timer(timeout, expire)
     watchdog.start()
     events = []
+    err = ""
     try:
         for line in p.stdout:
+            if not line.startswith('{"event"'):
+                continue
             ev = json.loads(line)
             events.append(ev)
             done = sum(e["event"] == "step" for e in events)
@@ -50,19 +52,34 @@ def run(ckpt_dir, steps, every, final, *, options=None, pace=0.0, kill_after_ste
                     time.sleep(kill_delay)
                 p.send_signal(signal.SIGKILL)
                 break
-        rc = p.wait(timeout=TIMEOUT)
+        rc = p.wait(timeout=timeout)
+        if stderr:
+            err = p.stderr.read()
     finally:
         watchdog.cancel()
         if p.poll() is None:
             p.kill()
             p.wait()
     if expired.is_set():
-        raise TimeoutError(f"{args} ran past {TIMEOUT} s")
+        raise TimeoutError(f"{cmd} ran past {timeout} s")
     if kill_after_steps is None:
-        assert rc == 0, f"{args} exited with {rc}"
+        assert rc == 0, f"{cmd} exited with {rc}:\n{err[-3000:]}"
     else:
-        assert rc == -signal.SIGKILL, f"{args} exited with {rc} before the kill"
+        assert rc == -signal.SIGKILL, f"{cmd} exited with {rc} before the kill:\n{err[-3000:]}"
     return events
+
+
+def run(ckpt_dir, steps, every, final, *, options=None, pace=0.0, kill_after_steps=None,
+        kill_delay=0.0):
+    """Runs killable_train.py (`ckpt_dir` "-": no checkpointer). `options`
+    ({"mode": "layerwise", "copy": "host", ...}) become its --flags. With
+    `kill_after_steps`, SIGKILLs it `kill_delay` seconds after it reported
+    that many steps (see run_child)."""
+    args = [ckpt_dir, steps, every, final, pace]
+    for k, v in (options or {}).items():
+        args += [f"--{k.replace('_', '-')}", v]
+    return run_child([sys.executable, SCRIPT, *map(str, args)],
+                     kill_after_steps=kill_after_steps, kill_delay=kill_delay)
 
 
 def kill_then_resume(ckpt_dir, steps, every, final, kill_after_steps, *, kill_delay=0.0,

@@ -2,19 +2,17 @@
 after a random step and its restart through the integration; the final
 weights, optimizer state and data position must match bit for bit. Every
 child runs under a hard timeout (a watchdog kills it)."""
-import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
-import time
 
-from crash_harness import assert_same_final
+from crash_harness import assert_same_final, run_child
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "integration_jobs.py")
 TIMEOUT = 90  # seconds, per child
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 def run(kind, ckpt_dir, steps, every, final, *, pace=0.0, kill_after_steps=None):
@@ -22,43 +20,8 @@ def run(kind, ckpt_dir, steps, every, final, *, pace=0.0, kill_after_steps=None)
     that many steps. Returns its JSON lines."""
     cmd = [sys.executable, SCRIPT, kind, ckpt_dir, str(steps), str(every), final,
            "--pace", str(pace)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    expired = threading.Event()
-
-    def expire():
-        expired.set()
-        p.kill()
-
-    watchdog = threading.Timer(TIMEOUT, expire)
-    watchdog.start()
-    events = []
-    err = ""
-    try:
-        for line in p.stdout:
-            if not line.startswith('{"event"'):
-                continue
-            ev = json.loads(line)
-            events.append(ev)
-            done = sum(e["event"] == "step" for e in events)
-            if kill_after_steps is not None and ev["event"] == "step" and done == kill_after_steps:
-                p.send_signal(signal.SIGKILL)
-                break
-        rc = p.wait(timeout=TIMEOUT)
-        err = p.stderr.read()
-    finally:
-        watchdog.cancel()
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if expired.is_set():
-        raise TimeoutError(f"{cmd} ran past {TIMEOUT} s")
-    if kill_after_steps is None:
-        assert rc == 0, f"{cmd} exited with {rc}:\n{err[-3000:]}"
-    else:
-        assert rc == -signal.SIGKILL, f"{cmd} exited with {rc} before the kill:\n{err[-3000:]}"
-    return events
+    return run_child(cmd, env=OFFLINE, timeout=TIMEOUT, kill_after_steps=kill_after_steps,
+                     stderr=True)
 
 
 def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None):
@@ -66,11 +29,27 @@ def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None)
     (kill step, steps the restart ran)."""
     seed = random.randrange(1 << 30) if seed is None else seed
     kill_after = random.Random(seed).randint(every + 1, steps - 2)
+    # The uninterrupted reference runs beside the run that is killed (the
+    # children spend most of their time importing the framework).
     ref = str(tmp_path / "ref")
-    run(kind, "-", steps, every, ref)
-    ckpt = str(tmp_path / "ckpt")
-    first = run(kind, ckpt, steps, every, str(tmp_path / "killed"), pace=pace,
-                kill_after_steps=kill_after)
+    ref_error = []
+
+    def reference():
+        try:
+            run(kind, "-", steps, every, ref)
+        except BaseException as e:  # raised in the test's thread below
+            ref_error.append(e)
+
+    ref_thread = threading.Thread(target=reference)
+    ref_thread.start()
+    try:
+        ckpt = str(tmp_path / "ckpt")
+        first = run(kind, ckpt, steps, every, str(tmp_path / "killed"), pace=pace,
+                    kill_after_steps=kill_after)
+    finally:
+        ref_thread.join()
+    if ref_error:
+        raise ref_error[0]
     assert sum(e["event"] == "step" for e in first) == kill_after
     final = str(tmp_path / "resumed")
     second = run(kind, ckpt, steps, every, final)
@@ -100,7 +79,7 @@ def run_doc_example(doc, tmp_path, runs=1):
     path = os.path.join(str(tmp_path), "example.py")
     with open(path, "w") as f:
         f.write(code)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **OFFLINE}
     for _ in range(runs):
         r = subprocess.run([sys.executable, path], cwd=str(tmp_path), capture_output=True,
                            text=True, timeout=TIMEOUT, env=env)

@@ -42,6 +42,44 @@ class CopyEngine {
   virtual void FreeHost(void* p, size_t bytes) = 0;
   virtual std::string Describe() const = 0;
 
+  // --- What this engine can do. Callers ask these instead of testing the
+  // engine's type; each default is the host engine's answer. ---
+  //
+  // Whether AllocHost page-locks memory through a device driver
+  // (cudaHostAlloc): such staging is capped more tightly than plain memory.
+  virtual bool PinsHostMemory() const { return false; }
+  // Whether the engine can keep a second copy of a tensor in device memory
+  // (AllocDevice, SnapshotToDevice, DrainToHost: layer-wise copy="device").
+  virtual bool CanSnapshotOnDevice() const { return false; }
+
+  // --- Device-side snapshots (where CanSnapshotOnDevice). ---
+  //
+  // Device memory for a snapshot buffer on `device`; nullptr on failure and
+  // where CanSnapshotOnDevice is false.
+  virtual void* AllocDevice(int device, size_t bytes) {
+    (void)device;
+    (void)bytes;
+    return nullptr;
+  }
+  virtual void FreeDevice(int device, void* p) {
+    (void)device;
+    (void)p;
+  }
+  // Starts a device-to-device copy of `bytes` from `src` (on `src_device`)
+  // into `dst` (device memory on the same device), ordered after the work
+  // already enqueued on src_device.stream. The completion is ready when `src`
+  // may be overwritten. Where CanSnapshotOnDevice is false, a completion that
+  // is already done with Unavailable.
+  virtual std::unique_ptr<CopyCompletion> SnapshotToDevice(const void* src,
+                                                           const Device& src_device, void* dst,
+                                                           size_t bytes);
+  // Copies a snapshot buffer (device memory on `device`, written by
+  // SnapshotToDevice) to host memory `dst`, ordered after the earlier
+  // snapshots on that device. Unavailable (as above) where
+  // CanSnapshotOnDevice is false.
+  virtual std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int device, void* dst,
+                                                      size_t bytes);
+
   // --- Ordering a device stream after a copy, without blocking the host. ---
   //
   // Whether StreamWaitFor can order a stream of `stream_device` after copies
@@ -65,6 +103,10 @@ class CopyEngine {
     return Status::Unavailable(Describe() + " cannot order a device stream; Wait() instead");
   }
 };
+
+// A completion that is already done with `status` (for copies that fail
+// before they start, or that have nothing to do).
+std::unique_ptr<CopyCompletion> MakeDoneCopy(Status status);
 
 // memcpy on `threads` background threads.
 std::unique_ptr<CopyEngine> MakeHostCopyEngine(int threads);

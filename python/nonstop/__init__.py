@@ -24,6 +24,11 @@ try:
 except ImportError as e:  # a broken or partial build: say so on use, not on import
     _core = None
     _CORE_ERROR = str(e)
+else:
+    # The extension raises these classes (chosen by Status code); it imports
+    # no Python module itself, so the package hands them over here.
+    from .errors import BY_STATUS_CODE as _BY_STATUS_CODE  # noqa: E402
+    _core.register_errors(_BY_STATUS_CODE)
 
 
 def build_info() -> dict:

@@ -71,25 +71,15 @@ class CudaCopyEngine : public CopyEngine {
  public:
   // --- LightCheck-G: device-side snapshots (copy="device"). ---
   //
-  // Device memory for a snapshot buffer on `device` (cudaMalloc). Returns
-  // nullptr on failure. A caller that already has a device buffer (a torch
-  // tensor) may use that instead.
-  virtual void* AllocDevice(int device, size_t bytes) = 0;
-  virtual void FreeDevice(int device, void* p) = 0;
-  // Starts a device-to-device copy of `bytes` from `src` (on `src_device`)
-  // into `dst` (device memory on the same device), ordered after the work
-  // already enqueued on src_device.stream. The completion is ready when `src`
-  // may be overwritten; the next update can go ahead after that, long before
-  // the bytes reach the host. Then drain with DrainToHost.
-  virtual std::unique_ptr<CopyCompletion> SnapshotToDevice(const void* src,
-                                                           const Device& src_device, void* dst,
-                                                           size_t bytes) = 0;
-  // Copies a snapshot buffer (device memory on `device`, written by
-  // SnapshotToDevice) to host memory `dst`. It is ordered after the earlier
-  // snapshots on the same device through the copy stream alone, so it never
-  // waits on the training stream.
-  virtual std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int device, void* dst,
-                                                      size_t bytes) = 0;
+  // AllocDevice/FreeDevice (cudaMalloc/cudaFree), SnapshotToDevice and
+  // DrainToHost are CopyEngine's, which says what they do. A caller that
+  // already has a device buffer (a torch tensor) may use that instead of
+  // AllocDevice. DrainToHost is ordered after the earlier snapshots on the
+  // same device through the copy stream alone, so it never waits on the
+  // training stream.
+  bool CanSnapshotOnDevice() const override { return true; }
+  // AllocHost is cudaHostAlloc.
+  bool PinsHostMemory() const override { return true; }
 
   // --- LightCheck-D: direct copies into a mapped medium (copy="direct"). ---
   //

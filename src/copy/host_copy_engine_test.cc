@@ -41,6 +41,28 @@ TEST(HostCopyEngineTest, DeviceSourceFailsClearly) {
   EXPECT_EQ(b, 0u);
 }
 
+// The capability queries the engine asks instead of testing the type: the
+// host engine pins nothing through a driver, keeps nothing in device memory
+// and orders no device stream; its device-snapshot calls fail in one line.
+TEST(HostCopyEngineTest, CapabilitiesAreThoseOfAHostEngine) {
+  auto engine = MakeHostCopyEngine(1);
+  EXPECT_FALSE(engine->PinsHostMemory());
+  EXPECT_FALSE(engine->CanSnapshotOnDevice());
+  EXPECT_FALSE(engine->CanOrderStreams(Device{DeviceKind::kCuda, 0, 0}));
+  EXPECT_EQ(engine->AllocDevice(0, 64), nullptr);
+  uint64_t a = 1, b = 0;
+  auto snap = engine->SnapshotToDevice(&a, Device{DeviceKind::kCuda, 0, 0}, &b, sizeof a);
+  EXPECT_TRUE(snap->Ready());
+  Status st = snap->Wait();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("copy='device'"), std::string::npos) << st.ToString();
+  EXPECT_EQ(engine->DrainToHost(&a, 0, &b, sizeof a)->Wait().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(b, 0u);
+  auto done = MakeDoneCopy(Status::IOError("x"));
+  EXPECT_TRUE(done->Ready());
+  EXPECT_EQ(done->Wait().code(), StatusCode::kIOError);
+}
+
 TEST(HostCopyEngineTest, AllocHostIsAlignedAndWritable) {
   auto engine = MakeHostCopyEngine(1);
   bool pinned = true;

@@ -36,7 +36,6 @@
 #include <thread>
 #include <unordered_set>
 
-#include "copy/cuda_copy_engine.h"
 #include "engine/chunk_plan.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
@@ -98,14 +97,14 @@ struct Registration {
   std::unique_ptr<std::atomic<uint32_t>[]> snapshot_writes;
   mutable std::mutex snapshot_mu;  // with snapshot_cv: a count reaching 0 wakes the dispatcher
   mutable std::condition_variable snapshot_cv;
-  // kDevice with the CUDA engine: per CUDA tensor, its second buffer in device
-  // memory (nullptr otherwise); drained into device_snapshot.
-  CudaCopyEngine* cuda = nullptr;
+  // kDevice with a copy engine that CanSnapshotOnDevice: per device tensor,
+  // its second buffer in device memory (nullptr otherwise); drained into
+  // device_snapshot.
   std::vector<void*> device_buffers;
 
   ~Registration() {
     for (size_t i = 0; i < device_buffers.size(); ++i) {
-      if (device_buffers[i] != nullptr) cuda->FreeDevice(tensors[i].device.index, device_buffers[i]);
+      if (device_buffers[i] != nullptr) copy->FreeDevice(tensors[i].device.index, device_buffers[i]);
     }
     for (std::byte* p : snapshots) copy->FreeHost(p, snapshot_bytes);
     for (std::byte* p : small_buffers) copy->FreeHost(p, small_bytes);
@@ -359,7 +358,7 @@ Status EngineImpl::Init() {
   uint64_t staging = opts_.staging_bytes;
   if (staging == 0) {
     staging = DefaultStagingSize(0, chunk_bytes_, min_chunks, PhysicalMemoryBytes(),
-                                 dynamic_cast<CudaCopyEngine*>(copy_.get()) != nullptr)
+                                 copy_->PinsHostMemory())
                   .bytes;
   }
   NONSTOP_ASSIGN_OR_RETURN(staging_,
@@ -510,7 +509,7 @@ Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
 // outgrows the pool waits for the checkpoints in flight once; it never
 // shrinks. If the larger pool cannot be allocated the old one is kept.
 Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock) {
-  const bool pinned = dynamic_cast<CudaCopyEngine*>(copy_.get()) != nullptr;
+  const bool pinned = copy_->PinsHostMemory();
   const StagingSize want =
       DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned);
   if (want.capped && want.note != staging_note_) {
@@ -618,13 +617,11 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
     }
   }
   reg->snapshot_writes = std::make_unique<std::atomic<uint32_t>[]>(tensors.size());
-  reg->cuda = dynamic_cast<CudaCopyEngine*>(copy_.get());
   reg->device_buffers.assign(tensors.size(), nullptr);
-  if (opts_.layer_copy == LayerCopy::kDevice && reg->cuda != nullptr) {
+  if (opts_.layer_copy == LayerCopy::kDevice && copy_->CanSnapshotOnDevice()) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (tensors[i].device.kind != DeviceKind::kCuda || reg->lplan.is_small[i]) continue;
-      reg->device_buffers[i] = reg->cuda->AllocDevice(tensors[i].device.index,
-                                                      tensors[i].spec.nbytes);
+      reg->device_buffers[i] = copy_->AllocDevice(tensors[i].device.index, tensors[i].spec.nbytes);
       if (reg->device_buffers[i] == nullptr) {
         reg->tensors = std::move(tensors);  // so ~Registration frees what was allocated
         return Status::IOError("cannot allocate " + std::to_string(reg->tensors[i].spec.nbytes) +

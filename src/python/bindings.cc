@@ -11,15 +11,51 @@ namespace py = pybind11;
 
 namespace nonstop::py_bindings {
 
-void RegisterStatusTranslator() {
+namespace {
+
+// The Python class raised for each StatusCode, registered by the nonstop
+// package at import (RegisterErrorClasses). Strong references, kept for the
+// life of the process: the translator may run until the interpreter ends.
+// Written and read with the GIL held.
+constexpr int kNumStatusCodes = static_cast<int>(StatusCode::kInternal) + 1;
+PyObject* g_error_classes[kNumStatusCodes] = {};
+
+// Takes nonstop.errors.BY_STATUS_CODE ({code: class}). Every non-OK code must
+// map to an exception class; nothing is changed unless all of them do.
+void RegisterErrorClasses(const py::dict& by_code) {
+  PyObject* classes[kNumStatusCodes] = {};
+  for (int code = 1; code < kNumStatusCodes; ++code) {
+    py::object key = py::int_(code);
+    if (!by_code.contains(key)) {
+      throw py::value_error("register_errors: no class for status code " + std::to_string(code));
+    }
+    py::object cls = by_code[key];
+    if (!PyExceptionClass_Check(cls.ptr())) {
+      throw py::type_error("register_errors: the class for status code " +
+                           std::to_string(code) + " is not an exception class");
+    }
+    classes[code] = cls.ptr();
+  }
+  for (int code = 1; code < kNumStatusCodes; ++code) {
+    Py_INCREF(classes[code]);
+    Py_XDECREF(g_error_classes[code]);
+    g_error_classes[code] = classes[code];
+  }
+}
+
+}  // namespace
+
+void RegisterStatusTranslator(py::module_& m) {
+  m.def("register_errors", &RegisterErrorClasses, py::arg("by_status_code"),
+        "Sets the exception class raised for each nonstop Status code (the nonstop "
+        "package passes nonstop.errors.BY_STATUS_CODE at import).");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const StatusError& e) {
-      py::object classes = py::module_::import("nonstop.errors").attr("BY_STATUS_CODE");
-      py::object cls = classes.attr("get")(static_cast<int>(e.status().code()),
-                                           py::module_::import("builtins").attr("RuntimeError"));
-      PyErr_SetString(cls.ptr(), e.status().message().c_str());
+      const int code = static_cast<int>(e.status().code());
+      PyObject* cls = code > 0 && code < kNumStatusCodes ? g_error_classes[code] : nullptr;
+      PyErr_SetString(cls != nullptr ? cls : PyExc_RuntimeError, e.status().message().c_str());
     }
   });
 }

@@ -26,8 +26,8 @@ void InitRemote(pybind11::module_& m);     // remote_bindings.cc (copy_checkpoin
 void InitJobDir(pybind11::module_& m);     // jobdir_bindings.cc (the job directory)
 
 // Carries a non-OK Status to Python, also out of a GIL-released region: the
-// translator (RegisterStatusTranslator) raises the nonstop.errors class for
-// its code with its one-line message.
+// translator (RegisterStatusTranslator) raises the class registered for its
+// code (nonstop.errors) with its one-line message.
 class StatusError : public std::exception {
  public:
   explicit StatusError(Status s) : status_(std::move(s)) {}
@@ -38,8 +38,12 @@ class StatusError : public std::exception {
   Status status_;
 };
 
-// Registers the StatusError translator; module.cc calls it before the Init*s.
-void RegisterStatusTranslator();
+// Registers the StatusError translator and _core.register_errors; module.cc
+// calls it before the Init*s. The extension imports no Python module: the
+// nonstop package hands it nonstop.errors' classes at import
+// (register_errors(BY_STATUS_CODE)); until then a StatusError raises
+// RuntimeError with the same one-line message.
+void RegisterStatusTranslator(pybind11::module_& m);
 
 // A committed checkpoint's record as a dict (engine_bindings.cc): counter,
 // step, slot, sizes, meta_json (bytes) and tensors (name, dtype, shape,

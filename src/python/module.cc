@@ -10,7 +10,7 @@ namespace py = pybind11;
 PYBIND11_MODULE(_core, m) {
   m.doc() = "nonstop C++ engine bindings";
   m.def("built_with_cuda", &nonstop::BuiltWithCuda);
-  nonstop::py_bindings::RegisterStatusTranslator();
+  nonstop::py_bindings::RegisterStatusTranslator(m);
   nonstop::py_bindings::InitEngine(m);
   nonstop::py_bindings::InitOptim(m);
   nonstop::py_bindings::InitMultistep(m);

@@ -19,7 +19,6 @@
 #include <sstream>
 #include <utility>
 
-#include "copy/cuda_copy_engine.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
 #include "nonstop/simulate.h"
@@ -131,8 +130,7 @@ Result<CopyResult> MeasureCopy(const TuneOptions& o, const HostBuffer& state, ui
   out.describe = ce->Describe();
   // From GPU memory when the engine is the CUDA one: that is the copy a
   // training job's checkpoint makes.
-  auto* cuda = dynamic_cast<CudaCopyEngine*>(ce.get());
-  void* dev_src = cuda ? cuda->AllocDevice(0, volume) : nullptr;
+  void* dev_src = ce->CanSnapshotOnDevice() ? ce->AllocDevice(0, volume) : nullptr;
   Device dev;
   const void* src = state.data();
   if (dev_src != nullptr) {
@@ -146,7 +144,7 @@ Result<CopyResult> MeasureCopy(const TuneOptions& o, const HostBuffer& state, ui
   const size_t dst_bytes = kCopyWindow * max_chunk;
   auto* dst = static_cast<uint8_t*>(ce->AllocHost(dst_bytes, &pinned));
   if (dst == nullptr) {
-    if (dev_src) cuda->FreeDevice(0, dev_src);
+    if (dev_src) ce->FreeDevice(0, dev_src);
     return Status::IOError("cannot allocate " + Mib(dst_bytes) + " of staging memory to measure");
   }
   Status st;
@@ -165,7 +163,7 @@ Result<CopyResult> MeasureCopy(const TuneOptions& o, const HostBuffer& state, ui
     out.points.push_back({b, best});
   }
   ce->FreeHost(dst, dst_bytes);
-  if (dev_src) cuda->FreeDevice(0, dev_src);
+  if (dev_src) ce->FreeDevice(0, dev_src);
   NONSTOP_RETURN_IF_ERROR(st);
   return out;
 }

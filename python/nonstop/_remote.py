@@ -8,6 +8,9 @@ Layout and commit rule (class Layout: the one place that knows them):
     PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.json   rank R's manifest, written after its part
     PREFIX/step-NNNNNNNNNNNN/COMMITTED         written last, by rank 0, once every
                                                rank's manifest is there (same lineage)
+    PREFIX/step-NNNNNNNNNNNN/LEAD              world > 1: rank 0 will upload this step
+    PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.skip   world > 1: rank R no longer holds the step
+                                               rank 0 leads; rank 0 gives it up at once
 
 A reader trusts a step only when COMMITTED is there, and verifies end to
 end: the manifest's size and crc32 of every part while downloading, then
@@ -28,7 +31,8 @@ import zlib
 from datetime import timedelta
 from typing import Optional
 
-from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                     CorruptCheckpointError)
 
 FORMAT = "nonstop.remote/1"
 MAX_JSON_BYTES = 1 << 20          # manifests and markers are small: refuse more before reading
@@ -67,6 +71,14 @@ class Layout:
         upload the steps rank 0 leads, so every rank sends the same ones."""
         return f"{cls.step_dir(step)}/LEAD"
 
+    @classmethod
+    def skip(cls, step: int, rank: int) -> str:
+        """Rank R (> 0) cannot follow rank 0's LEAD of this step: its slot
+        ring has already reused the step's slot. Rank 0 then gives the step
+        up at once instead of waiting commit_timeout_s for a manifest that
+        cannot come, and leads a newer one."""
+        return f"{cls.step_dir(step)}/rank-{int(rank):05d}.skip"
+
     @staticmethod
     def committed(marker: dict, manifests: dict, world: int) -> bool:
         """The commit rule: a marker for `world` ranks and one manifest per
@@ -96,6 +108,11 @@ def _check_manifest(doc, what: str) -> dict:
 
 
 # ------------------------------------------------------------------ stores
+
+def _first_line(e: BaseException) -> str:
+    """obstore's messages run to many lines (a debug dump): the first says it."""
+    text = str(e).strip()
+    return text.splitlines()[0].strip() if text else type(e).__name__
 
 class _Throttle:
     """A file reader that keeps to `bps` bytes per second (the optional
@@ -162,42 +179,67 @@ class ObjectStore:
             self.store = obstore.store.from_url(url, **opts)
         self.url = url
 
+    def _io(self, what: str, fn, *args, **kw):
+        """Runs one obstore call. A missing object is FileNotFoundError; any
+        other failure (the server down, a dead connection past the client's
+        timeouts and retries, a refusal) is CheckpointIOError with one line."""
+        try:
+            return fn(*args, **kw)
+        except FileNotFoundError:
+            raise
+        except self._ob.exceptions.NotFoundError:
+            raise FileNotFoundError(f"{self.url}: {what}: not found") from None
+        except self._ob.exceptions.BaseError as e:
+            raise CheckpointIOError(f"{self.url}: {what}: {_first_line(e)}") from None
+
     def put_file(self, key: str, path: str, bps: Optional[float] = None, abort=None) -> None:
         with open(path, "rb") as f:
             src = _Throttle(f, bps, abort) if bps else f
-            self._ob.put(self.store, key, src, chunk_size=self.part_bytes,
-                         max_concurrency=self.concurrency)
+            self._io(f"uploading {key}", self._ob.put, self.store, key, src,
+                     chunk_size=self.part_bytes, max_concurrency=self.concurrency)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._ob.put(self.store, key, data)
+        self._io(f"writing {key}", self._ob.put, self.store, key, data)
 
     def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
         try:
-            meta = self._ob.head(self.store, key)
+            meta = self._io(f"reading {key}", self._ob.head, self.store, key)
         except FileNotFoundError:
             return None
         if meta["size"] > limit:
             raise CorruptCheckpointError(f"{self.url}/{key} is {meta['size']} bytes, "
                                          f"more than a nonstop document ({limit})")
         try:
-            return bytes(self._ob.get(self.store, key).bytes())
+            return bytes(self._io(f"reading {key}",
+                                  lambda: self._ob.get(self.store, key).bytes()))
         except FileNotFoundError:
             return None
 
     def get_chunks(self, key: str):
         """(size, iterator of buffers); FileNotFoundError when missing."""
-        res = self._ob.get(self.store, key)
-        return res.meta["size"], res.stream(min_chunk_size=self.part_bytes)
+        res = self._io(f"reading {key}", self._ob.get, self.store, key)
+        stream = res.stream(min_chunk_size=self.part_bytes)
+
+        def chunks():
+            it = iter(stream)
+            while True:
+                buf = self._io(f"reading {key}", next, it, None)
+                if buf is None:
+                    return
+                yield buf
+        return res.meta["size"], chunks()
 
     def list(self, prefix: str = "") -> list:
-        out = []
-        for batch in self._ob.list(self.store, prefix or None):
-            out.extend((m["path"], m["size"]) for m in batch)
-        return out
+        def run():
+            out = []
+            for batch in self._ob.list(self.store, prefix or None):
+                out.extend((m["path"], m["size"]) for m in batch)
+            return out
+        return self._io("listing", run)
 
     def delete(self, keys: list) -> None:
         if keys:
-            self._ob.delete(self.store, keys)
+            self._io("deleting", self._ob.delete, self.store, keys)
 
 
 class PathStore:
@@ -436,7 +478,9 @@ class Uploader:
         self.busy_step: Optional[int] = None
         self.stats = {"uploads": 0, "committed": 0, "retries": 0, "failures": 0,
                       "bytes": 0, "upload_s": 0.0, "last_GBps": 0.0, "skipped_existing": 0,
-                      "last_error": None, "deleted_steps": 0}
+                      "last_error": None, "deleted_steps": 0, "skipped_gone": 0,
+                      "given_up": 0}
+        self._skipped: set = set()  # steps this follower told rank 0 it cannot upload
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._wake = threading.Event()
@@ -469,7 +513,7 @@ class Uploader:
                     continue
                 except Exception as e:  # noqa: BLE001 -- retried with backoff
                     self.stats["retries"] += 1
-                    self.stats["last_error"] = f"step {t[1]}: {type(e).__name__}: {e}"
+                    self.stats["last_error"] = f"step {t[1]}: {type(e).__name__}: {_first_line(e)}"
                     if self._stop.is_set() and self._deadline_passed():
                         self.stats["failures"] += 1
                         return
@@ -508,12 +552,25 @@ class Uploader:
                 except (ValueError, AttributeError, TypeError):
                     continue
                 mine.setdefault(int(c["step"]), (int(c["counter"]), lin))
+        run = mine.get(t[1], (None, None))[1]  # this run's lineage: that of its agreed target
         for step in sorted(led, reverse=True):
+            if step in self._skipped:
+                continue
             lead = _load_json(self.store, Layout.lead(step)) or {}
             if step in mine and lead.get("lineage") == mine[step][1]:
                 return mine[step][0], step
-        # a LEAD of an abandoned run, or of a step this rank's slot no longer
-        # holds: not followed (rank 0 gives such a step up after commit_timeout_s)
+            if run is not None and lead.get("lineage") == run and step not in mine:
+                # Rank 0 leads a step of this run that this rank's slot ring
+                # has already reused (checkpoints come faster than uploads):
+                # say so, so that rank 0 gives it up now and leads a newer one.
+                self.store.put_bytes(Layout.skip(step, self.rank), json.dumps(
+                    {"format": FORMAT, "step": step, "rank": self.rank,
+                     "world_size": self.world, "lineage": run,
+                     "unix_s": time.time()}).encode())
+                self._skipped.add(step)
+                self.stats["skipped_gone"] += 1
+        # a LEAD of an abandoned run: not followed (rank 0 gives such a step
+        # up after commit_timeout_s)
         return None
 
     def _deadline_passed(self) -> bool:
@@ -585,11 +642,21 @@ class Uploader:
         the others did not come within commit_timeout_s."""
         t0 = time.monotonic()
         while True:
-            mans = {}
+            keys = {k for k, _ in self.store.list(Layout.step_dir(step))}
+            mans, gone = {}, []
             for r in range(self.world):
-                m = _load_json(self.store, Layout.manifest(step, r))
+                m = _load_json(self.store, Layout.manifest(step, r)) \
+                    if Layout.manifest(step, r) in keys else None
                 if m is not None and m.get("step") == step and m.get("lineage") == lineage:
                     mans[r] = m
+                elif r > 0 and Layout.skip(step, r) in keys:
+                    sk = _load_json(self.store, Layout.skip(step, r)) or {}
+                    if sk.get("step") == step and sk.get("lineage") == lineage:
+                        gone.append(r)
+            if gone:  # a rank no longer holds the step: it can never commit. Not
+                # an error (checkpoints came faster than uploads; the newest wins)
+                self.stats["given_up"] += 1
+                return
             marker = {"format": FORMAT, "step": step, "world_size": self.world,
                       "lineage": lineage, "counter": counter,
                       "ranks": {str(r): m["bytes"] for r, m in mans.items()},
@@ -773,8 +840,13 @@ class Tier:
         newest = max((s for s, _ in local), default=None)
         if step is not None and any(s == step for s, _ in local):
             return None
+        try:
+            cands = restore_candidates(self.store, newest, step)
+        except (CheckpointError, OSError) as e:
+            self._unlisted(e, newest is None or step is not None, newest)
+            return None
         errors = []
-        for s, _ in restore_candidates(self.store, newest, step):
+        for s, _ in cands:
             loaded, err = self._try(s)
             if loaded is not None:
                 self.restored_from = f"{self.store.url}/{Layout.step_dir(s)}"
@@ -785,6 +857,20 @@ class Tier:
             raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies: "
                                          f"{errors[0]}")
         return None
+
+    def _unlisted(self, e, nothing_local: bool, newest) -> None:
+        """The remote cannot be listed at restore (down, unreachable, refused:
+        obstore's timeouts and retries bound how long that takes). With a
+        local step to resume, a warning and the local path; with none, an
+        error rather than a silent start from scratch (a replaced node must
+        not restart the job at step 0 while the remote holds its state)."""
+        msg = f"the remote tier {self.store.url} cannot be listed ({_first_line(e)})"
+        if nothing_local:
+            raise CheckpointIOError(
+                f"{msg} and {self.ckpt.dir} holds no local checkpoint to restore instead; "
+                f"restore() again once the store is reachable (or drop remote=)") from None
+        warnings.warn(f"nonstop: {msg}; restoring the newest local checkpoint (step {newest})",
+                      stacklevel=4)
 
     def _restore_dist(self, step: Optional[int]):
         import torch.distributed as tdist
@@ -800,11 +886,13 @@ class Tier:
         if d.rank == 0:
             try:
                 box[0] = [(s, m["lineage"]) for s, m in committed_steps(self.store)]
-            except Exception as e:  # noqa: BLE001 -- the store is down: local only
-                warnings.warn(f"nonstop: remote {self.store.url} cannot be listed: {e}",
-                              stacklevel=3)
-                box[0] = []
+            except (CheckpointError, OSError) as e:  # the store is down: said on every rank
+                box[0] = _first_line(e)
         tdist.broadcast_object_list(box, src=0, group=d.group)
+        if isinstance(box[0], str):
+            self._unlisted(box[0], newest is None or (
+                step is not None and not any(s == step for s, _ in common)), newest)
+            return None
         if step is not None:
             if any(s == step for s, _ in common):
                 return None

@@ -38,7 +38,16 @@ def write(path, doc):
     os.replace(tmp, path)
 
 
+T0 = time.monotonic()
+
+
+def phase(what):
+    """A timestamped line in the rank's log (the test prints the logs on failure)."""
+    print(f"[{time.monotonic() - T0:6.1f} s] {what}", flush=True)
+
+
 def main():
+    phase("imported")
     p = argparse.ArgumentParser()
     p.add_argument("dir")
     p.add_argument("remote")
@@ -50,8 +59,10 @@ def main():
     p.add_argument("--blob", type=int, default=1 << 20)
     a = p.parse_args()
     torch.set_num_threads(1)
+    phase("torch set up")
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    phase("process group up")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -60,7 +71,9 @@ def main():
     state = {"model": ddp, "optim": opt, "blob": blob}
     ckpt = nonstop.Checkpointer(a.dir, state, every=a.every, remote=a.remote,
                                 remote_options=json.loads(a.options), dist_timeout_s=60)
+    phase("checkpointer made")
     start = ckpt.restore()
+    phase(f"restored {start}")
     first = 0 if start is None else start + 1
     prog = f"{a.out}.progress-{rank}.json"
     for step in range(first, a.steps):
@@ -77,7 +90,9 @@ def main():
         if a.step_s:
             time.sleep(a.step_s)
     restored_from = ckpt.stats()["remote"]["restored_from"]
+    phase("trained; closing")
     ckpt.close()
+    phase("closed")
     write(f"{a.out}.rank-{rank}.json", {
         "restored": start, "restored_from": restored_from,
         "params": digest(model.parameters()),

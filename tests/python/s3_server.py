@@ -93,6 +93,10 @@ class SeaweedS3:
                f"-volume.port.grpc={p['volume_grpc']}", f"-filer.port={p['filer']}",
                f"-filer.port.grpc={p['filer_grpc']}", f"-s3.port={p['s3']}",
                f"-s3.port.grpc={p['s3_grpc']}", f"-s3.port.iceberg={p['iceberg']}",
+               # the Lance listener's default is a fixed port (9101): a second
+               # server at the same time (another test, another checkout) died
+               # on it, "address already in use". 0 turns it off.
+               "-s3.port.lance=0",
                f"-metricsPort={p['metrics']}", f"-s3.config={cfg}", "-s3.autoCreateBucket",
                "-master.volumeSizeLimitMB=1024", "-volume.max=0"]
         if self.netns:

@@ -15,7 +15,7 @@ import nonstop
 import tiny
 from conftest import needs_engine
 from nonstop import _remote
-from nonstop.errors import CorruptCheckpointError
+from nonstop.errors import CheckpointIOError, CorruptCheckpointError
 from s3_server import SeaweedS3, s3_server  # noqa: F401 -- the fixture
 
 pytestmark = [needs_engine, pytest.mark.timeout(300)]
@@ -235,6 +235,40 @@ def test_server_stopped_during_upload_then_restarted(tmp_path, s3_server):  # no
     assert ck2.restore() == 1
     assert torch.equal(st2["blob"], want)
     ck2.close()
+
+
+def test_restart_with_the_store_down_is_bounded_and_says_so(tmp_path, s3_server):  # noqa: F811
+    """A restart never hangs on a dead store: with a local checkpoint it
+    warns and restores that; with none (a replaced node) it raises one line
+    instead of starting from scratch; nonstop.load of the URL raises too.
+    Each within obstore's retry bound (seconds), never a raw client error."""
+    srv = s3_server
+    url, opts = srv.url("job"), dict(srv.options, close_timeout_s=5.0)
+    d = str(tmp_path / "local")
+    ckpt, state, _ = _train(d, 6, url, opts)
+    ckpt.close()
+    srv.stop()
+    model, opt, sched = tiny.make(seed=3)
+    ck = nonstop.Checkpointer(d, {"model": model, "optim": opt, "sched": sched}, every=2,
+                              remote=url, remote_options=opts)
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match=r"cannot be listed .*restoring the newest local "
+                                         r"checkpoint \(step 5\)"):
+        assert ck.restore() == 5
+    assert time.monotonic() - t0 < 30
+    _same(_params(state), {k: v.detach() for k, v in model.state_dict().items()})
+    ck.close()
+    shutil.rmtree(d)
+    ck = nonstop.Checkpointer(d, dict(zip(("model", "optim", "sched"), tiny.make(seed=4))),
+                              every=2, remote=url, remote_options=opts)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointIOError, match="cannot be listed .*no local checkpoint") as e:
+        ck.restore()
+    assert time.monotonic() - t0 < 30 and "\n" not in str(e.value)
+    ck.close()
+    with pytest.raises(CheckpointIOError, match="listing") as e:
+        nonstop.load(url, remote_options=opts)
+    assert "\n" not in str(e.value)
 
 
 def test_load_reads_a_remote_url(tmp_path, remote):

@@ -10,7 +10,11 @@ is shared and noisy; compare the ratios:
    putting the same file with the same part size and concurrency; also
    boto3 and s3fs alone when installed (how the client was chosen);
 2. training stall: the visible stall per checkpoint and the step time with
-   the remote tier on and off;
+   the remote tier off, on, and on as it was in session 3 ("on_legacy":
+   the upload thread at normal CPU and I/O priority, `remote_options`
+   nice=0, and obstore reading the part through a Python file object, which
+   takes the GIL for every read: what a `bandwidth_bps` far above the link
+   still does);
 3. restore: from the remote (empty local directory) against from the local
    directory.
 
@@ -147,15 +151,20 @@ def main():
             store.delete([k for k, _ in store.list("bench")])
             print(f"round {r}: upload", res["upload"][-1], res["clients"][-len(clients):],
                   flush=True)
-            # 2. stall with the remote tier off and on
-            for on in (False, True):
-                d = os.path.join(root, f"stall-{r}-{on}")
+            # 2. stall with the remote tier off, on, and on as in session 3
+            # (the order rotates each round: none of them always runs first)
+            arms = ["off", "on", "on_legacy"]
+            arms = arms[r % 3:] + arms[:r % 3]
+            for arm in arms:
+                d = os.path.join(root, f"stall-{r}-{arm}")
+                o = None if arm == "off" else dict(opts) if arm == "on" else dict(
+                    opts, nice=0, bandwidth_bps=1e15)
                 got = train(d, state, a.steps, a.every, a.step_s,
-                            srv.url(f"stall-{r}") if on else None, opts if on else None)
-                got.update(round=r, remote=on)
+                            None if arm == "off" else srv.url(f"stall-{r}-{arm}"), o)
+                got.update(round=r, remote=arm != "off", arm=arm)
                 res["stall"].append(got)
                 shutil.rmtree(d)
-                print(f"round {r}: stall remote={on}", got, flush=True)
+                print(f"round {r}: stall {arm}", got, flush=True)
             # 3. restore from local vs from the remote (empty local directory)
             for src in ("local", "remote"):
                 d = d0 if src == "local" else os.path.join(root, f"empty-{r}")
@@ -183,10 +192,10 @@ def main():
         "state_bytes": size,
         "upload_MBps": {"nonstop": med(res["upload"], "MBps"),
                         **{k: med(res["clients"], "MBps", who=k) for k in clients}},
-        "stall_per_ckpt_s": {"off": med(res["stall"], "stall_per_ckpt_s", remote=False),
-                             "on": med(res["stall"], "stall_per_ckpt_s", remote=True)},
-        "step_s_mean": {"off": med(res["stall"], "step_s_mean", remote=False),
-                        "on": med(res["stall"], "step_s_mean", remote=True)},
+        "stall_per_ckpt_s": {arm: med(res["stall"], "stall_per_ckpt_s", arm=arm)
+                             for arm in ("off", "on", "on_legacy")},
+        "step_s_mean": {arm: med(res["stall"], "step_s_mean", arm=arm)
+                        for arm in ("off", "on", "on_legacy")},
         "restore_s": {"local": med(res["restore"], "s", **{"from": "local"}),
                       "remote": med(res["restore"], "s", **{"from": "remote"})},
     }
@@ -195,6 +204,10 @@ def main():
         / summary["upload_MBps"]["obstore"],
         "stall_on_vs_off": summary["stall_per_ckpt_s"]["on"] / summary["stall_per_ckpt_s"]["off"],
         "step_on_vs_off": summary["step_s_mean"]["on"] / summary["step_s_mean"]["off"],
+        "stall_legacy_vs_off": summary["stall_per_ckpt_s"]["on_legacy"]
+        / summary["stall_per_ckpt_s"]["off"],
+        "step_legacy_vs_off": summary["step_s_mean"]["on_legacy"] / summary["step_s_mean"]["off"],
+        "step_on_vs_legacy": summary["step_s_mean"]["on"] / summary["step_s_mean"]["on_legacy"],
         "restore_remote_vs_local": summary["restore_s"]["remote"] / summary["restore_s"]["local"],
     }
     res["summary"] = summary
@@ -202,10 +215,9 @@ def main():
     print(f"state {size / 1e9:.2f} GB, {a.rounds} interleaved rounds, medians")
     print(f"{'upload MB/s':<28}" + "  ".join(f"{k} {v:7.1f}"
                                              for k, v in summary["upload_MBps"].items()))
-    print(f"{'stall per checkpoint (s)':<28}off {summary['stall_per_ckpt_s']['off']:.3f}  "
-          f"on {summary['stall_per_ckpt_s']['on']:.3f}")
-    print(f"{'step time (s)':<28}off {summary['step_s_mean']['off']:.3f}  "
-          f"on {summary['step_s_mean']['on']:.3f}")
+    for key, label in (("stall_per_ckpt_s", "stall per checkpoint (s)"),
+                       ("step_s_mean", "step time (s)")):
+        print(f"{label:<28}" + "  ".join(f"{arm} {v:.3f}" for arm, v in summary[key].items()))
     print(f"{'restore (s)':<28}local {summary['restore_s']['local']:.2f}  "
           f"remote {summary['restore_s']['remote']:.2f}")
     print("ratios:", {k: round(v, 3) for k, v in summary["ratios"].items()})

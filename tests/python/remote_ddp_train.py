@@ -91,10 +91,12 @@ def main():
             time.sleep(a.step_s)
     restored_from = ckpt.stats()["remote"]["restored_from"]
     phase("trained; closing")
-    ckpt.close()
+    t0 = time.monotonic()
+    ckpt.close()  # waits for the newest upload
+    close_s = time.monotonic() - t0
     phase("closed")
     write(f"{a.out}.rank-{rank}.json", {
-        "restored": start, "restored_from": restored_from,
+        "restored": start, "restored_from": restored_from, "close_s": close_s,
         "params": digest(model.parameters()),
         "optim": digest(v for s in opt.state.values() for _, v in sorted(s.items())
                         if isinstance(v, torch.Tensor)),

@@ -1,0 +1,103 @@
+// The one restore path: reads a committed checkpoint straight into its
+// destination memory, once, in parallel, verifying every crc chunk exactly
+// once. Used by Checkpointer.restore(), nonstop.load, `nonstop export` /
+// `nonstop verify` and C++ callers (docs/ARCHITECTURE.md "Restore").
+//
+//   ReadCheckpointInto(file, info, dst)   one checkpoint of an open slot file
+//                                         (a job directory's, a keep copy, a
+//                                         memory-tier segment: any slot file)
+//   RestoreFromJobDir(jd, rank, ...)      selection through JobDir (lineage
+//                                         honoured), then ReadCheckpointInto,
+//                                         falling back to the next older
+//                                         checkpoint on a checksum failure
+//
+// How it reads: the data region is cut into pieces of whole crc chunks (about
+// RestoreOptions::piece_bytes each). A few threads take pieces in order and
+// pread them through the slot file's Medium (the Env seam). A piece that lies
+// inside one tensor is read straight into that tensor's memory and its chunks
+// are checked there; any other piece (small tensors packed together, tensor
+// boundaries, padding) is read once into the thread's buffer, checked, and its
+// tensors' bytes are copied out. So 10,000 small tensors cost one read and one
+// crc per chunk, not one per tensor.
+//
+// What the destination holds after a failure: the bytes of the pieces read so
+// far (and of a piece whose crc failed). A checksum failure is Corruption;
+// RestoreFromJobDir then reads the next older checkpoint into destinations its
+// prepare callback gives again (normally the same memory), so a failure leaves
+// the destinations holding a whole, verified older checkpoint, or an error
+// saying they were partly overwritten.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "nonstop/jobdir.h"
+#include "nonstop/status.h"
+#include "nonstop/store.h"
+
+namespace nonstop {
+
+struct RestoreOptions {
+  // Reader threads (>= 1). Four keep a device's queue busy with buffered
+  // pread and its readahead; more only help fast NVMe arrays.
+  int threads = 4;
+  // Bytes per read, rounded to whole crc chunks (at least one chunk).
+  uint64_t piece_bytes = 8ull << 20;
+  // Called on the calling thread about every progress_interval_s with (bytes
+  // done, bytes in total) while the workers read, and once at the end. May
+  // return false to cancel (the read then fails with Aborted).
+  std::function<bool(uint64_t done, uint64_t total)> progress;
+  double progress_interval_s = 0.1;
+};
+
+struct RestoreStats {
+  uint64_t data_bytes = 0;      // bytes of the data region read (and verified)
+  uint64_t tensor_bytes = 0;    // bytes written into destinations
+  uint64_t direct_bytes = 0;    // of those, read straight into the destination
+  uint64_t pieces = 0;
+  double seconds = 0;           // wall time of the read
+  int threads = 0;
+};
+
+// Reads every tensor of committed checkpoint `info` of `file` into dst[i]
+// (host memory of info.tensors[i].spec.nbytes bytes; nullptr: that tensor is
+// verified but not kept). dst.size() must equal info.tensors.size(), and the
+// destinations must not overlap. Every crc chunk of the data region is read
+// and verified exactly once. Corruption (naming the chunk, the tensor and the
+// checkpoint) on a checksum mismatch, IOError on a failed read; then the
+// destinations are partly written.
+Status ReadCheckpointInto(SlotFile& file, const CheckpointInfo& info,
+                          const std::vector<void*>& dst, const RestoreOptions& opts = {},
+                          RestoreStats* stats = nullptr);
+
+// Gives the destinations for a selected checkpoint after checking that it fits
+// (metadata, names, shapes, dtypes, RNG records): nothing may be written
+// before it returns. Corruption: this checkpoint is malformed, try the next
+// older one; any other error stops the restore.
+using RestorePrepare = std::function<Result<std::vector<void*>>(const Selected&)>;
+
+struct RestoreResult {
+  std::optional<Selected> chosen;     // empty: no checkpoint at all (a fresh start)
+  std::vector<std::string> skipped;   // newer checkpoints not restored, and why
+  bool fallback = false;              // chosen is not the newest usable one
+  int attempts = 0;                   // checkpoints read (> 1 after a failure mid-read)
+  RestoreStats stats;                 // of the read that succeeded
+  double seconds = 0;                 // selection + prepare + every read
+};
+
+// Selects rank `rank`'s newest committed, non-abandoned checkpoint (or
+// select.step's) through `jd`, asks `prepare` where its tensors go, and reads
+// it with ReadCheckpointInto. A checkpoint whose data fails its checksums (or
+// whose prepare says Corruption) is excluded and the next older one is
+// selected and read into the destinations prepare gives for it. When none is
+// left: Corruption, whose message says the destinations were partly
+// overwritten when any read had begun. select.verify_data is ignored (the read
+// verifies every chunk once).
+Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
+                                        const RestorePrepare& prepare,
+                                        const RestoreOptions& opts = {});
+
+}  // namespace nonstop

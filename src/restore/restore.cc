@@ -1,0 +1,350 @@
+// The one restore path (include/nonstop/restore.h).
+#include "nonstop/restore.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+namespace nonstop {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// A heap buffer aligned for any medium (O_DIRECT included).
+class Buffer {
+ public:
+  explicit Buffer(size_t n) : n_((n + kStoreAlign - 1) / kStoreAlign * kStoreAlign) {
+    if (posix_memalign(&p_, kStoreAlign, n_) != 0) p_ = nullptr;
+  }
+  ~Buffer() { std::free(p_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  uint8_t* data() { return static_cast<uint8_t*>(p_); }
+  bool ok() const { return p_ != nullptr; }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_;
+};
+
+// One read: whole crc chunks [first_chunk, end_chunk) = bytes [begin, end).
+struct Piece {
+  uint64_t first_chunk = 0, end_chunk = 0;
+  uint64_t begin = 0, end = 0;
+};
+
+std::string Describe(const CheckpointInfo& info) {
+  return "checkpoint #" + std::to_string(info.counter) + " (step " + std::to_string(info.step) + ")";
+}
+
+class Reading {
+ public:
+  Reading(SlotFile& file, const CheckpointInfo& info, const std::vector<void*>& dst,
+          const RestoreOptions& opts)
+      : file_(file), info_(info), dst_(dst), opts_(opts) {}
+
+  Status Check() {
+    const uint64_t cb = info_.crc_chunk_bytes;
+    if (dst_.size() != info_.tensors.size()) {
+      return Status::InvalidArgument("restore of " + Describe(info_) + " got " +
+                                     std::to_string(dst_.size()) + " destinations for " +
+                                     std::to_string(info_.tensors.size()) + " tensors");
+    }
+    if (cb == 0 || info_.chunk_crcs.size() != (info_.data_bytes + cb - 1) / cb) {
+      return Status::Corruption(Describe(info_) + " has no valid chunk checksums");
+    }
+    // The table parser checked these; a CheckpointInfo built by hand may not be.
+    for (const TensorEntry& te : info_.tensors) {
+      if (te.data_offset > info_.data_bytes || te.spec.nbytes > info_.data_bytes - te.data_offset) {
+        return Status::Corruption("tensor '" + te.spec.name + "' of " + Describe(info_) +
+                                  " lies outside its data region");
+      }
+    }
+    order_.resize(info_.tensors.size());
+    for (size_t i = 0; i < order_.size(); ++i) order_[i] = i;
+    std::sort(order_.begin(), order_.end(), [&](size_t a, size_t b) {
+      return info_.tensors[a].data_offset < info_.tensors[b].data_offset;
+    });
+    // Destinations are disjoint, and tensors in the file do not overlap
+    // (SlotLayout::Plan): a hostile table with overlapping tensors is refused,
+    // so no byte of a destination is written twice from different places.
+    uint64_t prev_end = 0;
+    for (size_t k = 0; k < order_.size(); ++k) {
+      const TensorEntry& te = info_.tensors[order_[k]];
+      if (te.spec.nbytes == 0) continue;
+      if (te.data_offset < prev_end) {
+        return Status::Corruption("tensors of " + Describe(info_) + " overlap in its data region ('" +
+                                  te.spec.name + "')");
+      }
+      prev_end = te.data_offset + te.spec.nbytes;
+    }
+    const uint64_t chunks = info_.chunk_crcs.size();
+    const uint64_t per = std::max<uint64_t>(1, opts_.piece_bytes / cb);
+    for (uint64_t c = 0; c < chunks; c += per) {
+      Piece p;
+      p.first_chunk = c;
+      p.end_chunk = std::min(chunks, c + per);
+      p.begin = c * cb;
+      p.end = std::min(info_.data_bytes, p.end_chunk * cb);
+      pieces_.push_back(p);
+    }
+    return Status::OK();
+  }
+
+  Status Run(RestoreStats* stats) {
+    const auto t0 = Clock::now();
+    const int threads = std::max(1, std::min<int>(opts_.threads, static_cast<int>(pieces_.size())));
+    const uint64_t buf_bytes =
+        std::min<uint64_t>(info_.data_bytes,
+                           std::max<uint64_t>(1, opts_.piece_bytes / info_.crc_chunk_bytes) *
+                               info_.crc_chunk_bytes);
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([this, buf_bytes] { Work(buf_bytes); });
+    }
+    // The calling thread reports progress (a Python callback needs it).
+    {
+      const int n = static_cast<int>(pool.size());
+      std::unique_lock<std::mutex> l(mu_);
+      while (finished_ < n) {
+        if (!opts_.progress) {
+          cv_.wait(l, [&] { return finished_ == n; });
+          break;
+        }
+        cv_.wait_for(l, std::chrono::duration<double>(opts_.progress_interval_s));
+        if (finished_ == n) break;
+        const uint64_t done = done_bytes_.load();
+        l.unlock();
+        const bool go_on = opts_.progress(done, info_.data_bytes);
+        l.lock();
+        if (!go_on && error_.ok()) {
+          error_ = Status::Aborted("restore of " + Describe(info_) + " cancelled");
+          stop_.store(true);
+        }
+      }
+    }
+    for (auto& th : pool) th.join();
+    if (error_.ok() && opts_.progress) opts_.progress(info_.data_bytes, info_.data_bytes);
+    if (stats != nullptr) {
+      stats->data_bytes = done_bytes_.load();
+      stats->tensor_bytes = tensor_bytes_.load();
+      stats->direct_bytes = direct_bytes_.load();
+      stats->pieces = pieces_.size();
+      stats->seconds = Since(t0);
+      stats->threads = threads;
+    }
+    return error_;
+  }
+
+ private:
+  void Fail(Status s) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (error_.ok()) error_ = std::move(s);
+    stop_.store(true);
+  }
+
+  // The single tensor holding all of [begin, end), or -1.
+  int Covering(uint64_t begin, uint64_t end) const {
+    // First tensor (by offset) whose start is > begin; the one before may cover.
+    auto it = std::upper_bound(order_.begin(), order_.end(), begin, [&](uint64_t v, size_t i) {
+      return v < info_.tensors[i].data_offset;
+    });
+    if (it == order_.begin()) return -1;
+    const size_t i = *(it - 1);
+    const TensorEntry& te = info_.tensors[i];
+    if (te.data_offset <= begin && te.data_offset + te.spec.nbytes >= end) return static_cast<int>(i);
+    return -1;
+  }
+
+  Status Verify(const Piece& p, const uint8_t* bytes) {
+    const uint64_t cb = info_.crc_chunk_bytes;
+    for (uint64_t c = p.first_chunk; c < p.end_chunk; ++c) {
+      const uint64_t b = c * cb, e = std::min(info_.data_bytes, b + cb);
+      if (Crc32c(bytes + (b - p.begin), e - b) != info_.chunk_crcs[c]) {
+        std::string which;
+        for (const TensorEntry& te : info_.tensors) {
+          if (te.data_offset < e && te.data_offset + te.spec.nbytes > b) {
+            which = " (tensor '" + te.spec.name + "')";
+            break;
+          }
+        }
+        return Status::Corruption("data chunk " + std::to_string(c) + which + " of " +
+                                  Describe(info_) + " has a checksum mismatch");
+      }
+    }
+    return Status::OK();
+  }
+
+  Status ReadPiece(const Piece& p, Buffer& buf) {
+    const uint64_t len = p.end - p.begin;
+    const int cover = Covering(p.begin, p.end);
+    if (cover >= 0 && dst_[cover] != nullptr &&
+        reinterpret_cast<uintptr_t>(static_cast<uint8_t*>(dst_[cover]) +
+                                    (p.begin - info_.tensors[cover].data_offset)) %
+                file_.medium().Alignment() ==
+            0) {
+      // Straight into the tensor, checked where it landed.
+      uint8_t* out = static_cast<uint8_t*>(dst_[cover]) + (p.begin - info_.tensors[cover].data_offset);
+      NONSTOP_RETURN_IF_ERROR(file_.medium().Read(info_.data_offset + p.begin, out, len));
+      NONSTOP_RETURN_IF_ERROR(Verify(p, out));
+      direct_bytes_ += len;
+      tensor_bytes_ += len;
+      return Status::OK();
+    }
+    NONSTOP_RETURN_IF_ERROR(file_.medium().Read(info_.data_offset + p.begin, buf.data(), len));
+    NONSTOP_RETURN_IF_ERROR(Verify(p, buf.data()));
+    // Scatter: every tensor overlapping the piece gets its part.
+    auto it = std::upper_bound(order_.begin(), order_.end(), p.begin, [&](uint64_t v, size_t i) {
+      return v < info_.tensors[i].data_offset;
+    });
+    if (it != order_.begin()) --it;
+    uint64_t copied = 0;
+    for (; it != order_.end(); ++it) {
+      const TensorEntry& te = info_.tensors[*it];
+      if (te.data_offset >= p.end) break;
+      const uint64_t lo = std::max(te.data_offset, p.begin);
+      const uint64_t hi = std::min(te.data_offset + te.spec.nbytes, p.end);
+      if (lo >= hi || dst_[*it] == nullptr) continue;
+      std::memcpy(static_cast<uint8_t*>(dst_[*it]) + (lo - te.data_offset), buf.data() + (lo - p.begin),
+                  hi - lo);
+      copied += hi - lo;
+    }
+    tensor_bytes_ += copied;
+    return Status::OK();
+  }
+
+  void Work(uint64_t buf_bytes) {
+    Buffer buf(buf_bytes);
+    if (!buf.ok()) Fail(Status::Internal("out of memory for a restore buffer"));
+    while (!stop_.load()) {
+      const size_t k = next_.fetch_add(1);
+      if (k >= pieces_.size()) break;
+      const Piece& p = pieces_[k];
+      Status s = ReadPiece(p, buf);
+      if (!s.ok()) {
+        Fail(std::move(s));
+        break;
+      }
+      done_bytes_ += p.end - p.begin;
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    ++finished_;
+    cv_.notify_all();
+  }
+
+  SlotFile& file_;
+  const CheckpointInfo& info_;
+  const std::vector<void*>& dst_;
+  const RestoreOptions& opts_;
+  std::vector<size_t> order_;  // tensor indices by data offset
+  std::vector<Piece> pieces_;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> done_bytes_{0}, tensor_bytes_{0}, direct_bytes_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int finished_ = 0;
+  Status error_;
+};
+
+}  // namespace
+
+Status ReadCheckpointInto(SlotFile& file, const CheckpointInfo& info, const std::vector<void*>& dst,
+                          const RestoreOptions& opts, RestoreStats* stats) {
+  Reading r(file, info, dst, opts);
+  NONSTOP_RETURN_IF_ERROR(r.Check());
+  if (info.data_bytes == 0) {
+    if (stats != nullptr) *stats = RestoreStats{};
+    return Status::OK();
+  }
+  return r.Run(stats);
+}
+
+Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
+                                        const RestorePrepare& prepare, const RestoreOptions& opts) {
+  const auto t0 = Clock::now();
+  select.verify_data = false;  // the read below verifies every chunk, once
+  RestoreResult out;
+  std::vector<std::string> failed;  // one line per checkpoint that failed while read
+  bool written = false;
+  int superseded_retries = 0;
+  const std::string overwritten =
+      "; the state was partly overwritten by this restore and holds no valid checkpoint";
+  for (;;) {
+    Result<Selection> got = jd.Select(rank, select);
+    if (!failed.empty() && (!got.ok() || !got->chosen)) {
+      // Every older checkpoint is gone too: say what happened to the state.
+      std::string msg = got.ok() ? "no checkpoint of rank " + std::to_string(rank) + " in " +
+                                       jd.path() + " can be restored"
+                                 : got.status().message();
+      if (msg.find(failed.back()) == std::string::npos) msg += "; " + failed.back();
+      if (written) msg += overwritten;
+      const bool damage = !got.ok() && got.status().code() != StatusCode::kNotFound &&
+                          got.status().code() != StatusCode::kCorruption;
+      return Status(damage ? got.status().code() : StatusCode::kCorruption, msg);
+    }
+    NONSTOP_RETURN_IF_ERROR(got.status());
+    Selection& sel = *got;
+    if (!sel.chosen) {
+      out.seconds = Since(t0);
+      return out;  // a fresh start
+    }
+    Selected& s = *sel.chosen;
+    const std::string where = jd.path() + "/" + s.location.where + ": " + Describe(s.info);
+    Result<std::vector<void*>> dst = prepare(s);
+    Status st = dst.ok() ? Status::OK() : dst.status();
+    if (st.ok()) {
+      ++out.attempts;
+      written = true;
+      st = ReadCheckpointInto(*s.file, s.info, *dst, opts, &out.stats);
+      if (!st.ok() && !jd.writable() && superseded_retries < 3) {
+        // A reader beside a live writer: the slot may have been reused
+        // while it was read. Then that is no damage: select again.
+        Result<bool> sup = jd.Superseded(s);
+        if (sup.ok() && *sup) {
+          ++superseded_retries;
+          continue;
+        }
+      }
+    }
+    if (st.ok()) {
+      out.skipped = std::move(failed);
+      for (auto& line : sel.skipped) {
+        // Lines for checkpoints excluded here are already in `failed`.
+        if (line.find(": failed while it was read") == std::string::npos) {
+          out.skipped.push_back(std::move(line));
+        }
+      }
+      out.fallback = sel.fallback;
+      out.chosen = std::move(s);
+      out.seconds = Since(t0);
+      return out;
+    }
+    if (st.code() != StatusCode::kCorruption) {
+      std::string msg = st.Annotate(where).message();
+      if (written) msg += overwritten;
+      return Status(st.code(), msg);
+    }
+    failed.push_back(where + ": " + st.message());
+    select.exclude.push_back(s.info.counter);
+    if (select.step) {
+      // One step asked for: no older one may stand in for it.
+      std::string msg = failed.back();
+      if (written) msg += overwritten;
+      return Status::Corruption(msg);
+    }
+  }
+}
+
+}  // namespace nonstop

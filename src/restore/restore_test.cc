@@ -1,0 +1,251 @@
+// The restore path: one read per chunk into the destinations, parallel
+// pieces, small tensors batched, fallback to an older checkpoint on a
+// checksum failure mid-read (into the same memory), and the error when no
+// checkpoint is left.
+#include "nonstop/restore.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "nonstop/jobdir.h"
+#include "nonstop/store.h"
+#include "store_test_util.h"
+
+namespace nonstop {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::MakeCheckpoint;
+using testing::TestCheckpoint;
+
+class RestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("nonstop-restore-" + std::to_string(getpid()) + "-" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  std::unique_ptr<SlotFile> NewSlotFile(JobDir& jd, uint64_t slot_bytes = testing::kTestSlotBytes) {
+    auto m = jd.CreateTempSlot(MediumKind::kBuffered);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    StoreGeometry g;
+    g.slots = 3;
+    g.slot_bytes = slot_bytes;
+    auto sf = SlotFile::Create(std::move(m).value(), g);
+    EXPECT_TRUE(sf.ok()) << sf.status().ToString();
+    EXPECT_TRUE(jd.PublishTempSlot().ok());
+    return std::move(sf).value();
+  }
+
+  static CheckpointInfo Commit(SlotFile& f, const TestCheckpoint& c, uint64_t counter) {
+    const uint32_t slot = static_cast<uint32_t>(counter % f.geometry().slots);
+    EXPECT_TRUE(f.WriteData(slot, 0, c.data.data(), c.data.size()).ok());
+    auto info = f.Commit(testing::MakeCommitRequest(c, slot, counter));
+    EXPECT_TRUE(info.ok()) << info.status().ToString();
+    return info.value();
+  }
+
+  // Flips one byte of tensor `t`'s data in the file.
+  static void FlipByte(SlotFile& f, const CheckpointInfo& info, size_t t) {
+    uint8_t b = 0;
+    const uint64_t at = info.data_offset + info.tensors[t].data_offset + info.tensors[t].spec.nbytes / 2;
+    ASSERT_TRUE(f.medium().Read(at, &b, 1).ok());
+    b ^= 0x40;
+    ASSERT_TRUE(f.medium().Write(at, &b, 1).ok());
+    ASSERT_TRUE(f.medium().Sync().ok());
+  }
+
+  fs::path root_;
+};
+
+// Destinations for every tensor of `info`, filled with a marker byte.
+struct Dest {
+  std::vector<std::vector<uint8_t>> bufs;
+  std::vector<void*> ptrs;
+  explicit Dest(const CheckpointInfo& info) {
+    for (const auto& te : info.tensors) bufs.emplace_back(te.spec.nbytes, 0xEE);
+    for (auto& b : bufs) ptrs.push_back(b.data());
+  }
+};
+
+bool Holds(const Dest& d, const TestCheckpoint& want) {
+  for (size_t i = 0; i < want.layout.tensors.size(); ++i) {
+    const TensorEntry& te = want.layout.tensors[i];
+    if (d.bufs[i].size() != te.spec.nbytes) return false;
+    if (te.spec.nbytes && std::memcmp(d.bufs[i].data(), want.data.data() + te.data_offset,
+                                      te.spec.nbytes) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST_F(RestoreTest, ReadsEveryTensorOnceWithAnyPieceSize) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  for (int64_t step : {3, 8, 21}) {
+    const TestCheckpoint c = MakeCheckpoint(step);
+    const CheckpointInfo info = Commit(*f, c, static_cast<uint64_t>(step));
+    for (uint64_t piece : {uint64_t{1}, uint64_t{16 << 10}, uint64_t{48 << 10}, uint64_t{8 << 20}}) {
+      for (int threads : {1, 3}) {
+        Dest d(info);
+        RestoreOptions o;
+        o.piece_bytes = piece;
+        o.threads = threads;
+        RestoreStats st;
+        ASSERT_TRUE(ReadCheckpointInto(*f, info, d.ptrs, o, &st).ok());
+        EXPECT_TRUE(Holds(d, c)) << "step " << step << " piece " << piece;
+        EXPECT_EQ(st.data_bytes, info.data_bytes);  // every chunk once, no more
+        uint64_t want = 0;
+        for (const auto& te : info.tensors) want += te.spec.nbytes;
+        EXPECT_EQ(st.tensor_bytes, want);
+      }
+    }
+  }
+}
+
+TEST_F(RestoreTest, ManySmallTensorsAreBatched) {
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 3000; ++i) {
+    TensorSpec s;
+    s.name = "block." + std::to_string(i) + ".ln.weight";
+    s.dtype = DType::kFloat32;
+    s.shape = {1 + i % 37};
+    s.nbytes = static_cast<uint64_t>(s.shape[0]) * 4;
+    specs.push_back(s);
+  }
+  TestCheckpoint c;
+  c.step = 5;
+  c.layout = SlotLayout::Plan(specs).value();
+  c.data.assign(c.layout.data_bytes, 0);
+  for (size_t i = 0; i < c.layout.tensors.size(); ++i) {
+    testing::FillTensor(5, i, c.data.data() + c.layout.tensors[i].data_offset,
+                        c.layout.tensors[i].spec.nbytes);
+  }
+  c.crcs = testing::ChunkCrcs(c.data, testing::kTestCrcChunk);
+  c.meta_json = "{}";
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd, c.layout.data_bytes + (1 << 20));
+  const CheckpointInfo info = Commit(*f, c, 1);
+  Dest d(info);
+  RestoreStats st;
+  ASSERT_TRUE(ReadCheckpointInto(*f, info, d.ptrs, {}, &st).ok());
+  EXPECT_TRUE(Holds(d, c));
+  EXPECT_EQ(st.pieces, 1u);  // 3000 tensors, one read
+}
+
+TEST_F(RestoreTest, RefusesBadDestinationsAndOverlappingTensors) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const TestCheckpoint c = MakeCheckpoint(4);
+  CheckpointInfo info = Commit(*f, c, 1);
+  std::vector<void*> too_few(info.tensors.size() + 1, nullptr);
+  EXPECT_EQ(ReadCheckpointInto(*f, info, too_few).code(), StatusCode::kInvalidArgument);
+  // A hand-made table whose two tensors share bytes, or one past the region.
+  CheckpointInfo bad = info;
+  bad.tensors.push_back(bad.tensors[0]);
+  bad.tensors.back().spec.name = "twin";
+  std::vector<void*> none(bad.tensors.size(), nullptr);
+  if (bad.tensors[0].spec.nbytes > 0) {
+    EXPECT_EQ(ReadCheckpointInto(*f, bad, none).code(), StatusCode::kCorruption);
+  }
+  bad = info;
+  bad.tensors[0].data_offset = bad.data_bytes;
+  bad.tensors[0].spec.nbytes = 8;
+  std::vector<void*> none2(bad.tensors.size(), nullptr);
+  EXPECT_EQ(ReadCheckpointInto(*f, bad, none2).code(), StatusCode::kCorruption);
+  // nullptr destinations: verified, nothing written.
+  std::vector<void*> skip(info.tensors.size(), nullptr);
+  RestoreStats st;
+  EXPECT_TRUE(ReadCheckpointInto(*f, info, skip, {}, &st).ok());
+  EXPECT_EQ(st.tensor_bytes, 0u);
+  EXPECT_EQ(st.data_bytes, info.data_bytes);
+}
+
+TEST_F(RestoreTest, ChecksumFailureMidReadFallsBackIntoTheSameMemory) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  // Same tensor set for both steps: the older one is read into the same buffers.
+  TestCheckpoint older = MakeCheckpoint(6);
+  TestCheckpoint newer = older;
+  newer.step = 7;
+  for (auto& b : newer.data) b = static_cast<uint8_t>(b ^ 0x5A);
+  newer.crcs = testing::ChunkCrcs(newer.data, testing::kTestCrcChunk);
+  Commit(*f, older, 1);
+  const CheckpointInfo ni = Commit(*f, newer, 2);
+  FlipByte(*f, ni, ni.tensors.size() - 1);  // the last tensor: earlier ones are written first
+
+  auto reader = JobDir::OpenForRead(root_.string()).value();
+  Dest d(ni);
+  std::vector<int64_t> prepared;
+  RestoreOptions o;
+  o.threads = 1;
+  o.piece_bytes = 1;  // chunk by chunk, in order: the newer one is partly written
+  auto r = RestoreFromJobDir(*reader, 0, {}, [&](const Selected& s) -> Result<std::vector<void*>> {
+    prepared.push_back(s.info.step);
+    return d.ptrs;
+  }, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->chosen.has_value());
+  EXPECT_EQ(r->chosen->info.step, 6);
+  EXPECT_EQ(r->attempts, 2);
+  EXPECT_EQ(prepared, (std::vector<int64_t>{7, 6}));
+  EXPECT_TRUE(Holds(d, older));
+  ASSERT_FALSE(r->skipped.empty());
+  EXPECT_NE(r->skipped[0].find("checksum mismatch"), std::string::npos) << r->skipped[0];
+
+  // Both damaged: the error says the destinations were partly overwritten.
+  const CheckpointInfo oi = r->chosen->info;
+  FlipByte(*f, oi, 0);
+  auto bad = RestoreFromJobDir(*reader, 0, {}, [&](const Selected&) -> Result<std::vector<void*>> {
+    return d.ptrs;
+  }, o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(bad.status().message().find("partly overwritten"), std::string::npos)
+      << bad.status().message();
+  EXPECT_EQ(bad.status().message().find('\n'), std::string::npos);
+}
+
+TEST_F(RestoreTest, PrepareCorruptionFallsBackAndOtherErrorsStop) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  Commit(*f, MakeCheckpoint(1), 1);
+  Commit(*f, MakeCheckpoint(2), 2);
+  auto reader = JobDir::OpenForRead(root_.string()).value();
+  std::vector<std::unique_ptr<Dest>> keep;
+  auto r = RestoreFromJobDir(*reader, 0, {}, [&](const Selected& s) -> Result<std::vector<void*>> {
+    if (s.info.step == 2) return Status::Corruption("metadata malformed");
+    keep.push_back(std::make_unique<Dest>(s.info));
+    return keep.back()->ptrs;
+  });
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->chosen->info.step, 1);
+  EXPECT_TRUE(Holds(*keep.back(), MakeCheckpoint(1)));
+  auto stop = RestoreFromJobDir(*reader, 0, {}, [&](const Selected&) -> Result<std::vector<void*>> {
+    return Status::FailedPrecondition("shape differs");
+  });
+  ASSERT_FALSE(stop.ok());
+  EXPECT_EQ(stop.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stop.status().message().find("overwritten"), std::string::npos);
+}
+
+TEST_F(RestoreTest, EmptyDirectoryIsAFreshStart) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto r = RestoreFromJobDir(*jd, 0, {}, [](const Selected&) -> Result<std::vector<void*>> {
+    return std::vector<void*>{};
+  });
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->chosen.has_value());
+}
+
+}  // namespace
+}  // namespace nonstop

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 import warnings
 import weakref
@@ -215,6 +216,7 @@ class Checkpointer:
         self._hook_stall_s = 0.0
         self._saves = 0
         self._registers = 0
+        self._restore_stats: dict = {}  # the last restore(): restore_s, restore_GBps, ...
         # Per-checkpoint handles (and on_commit) settled from the engine's
         # records by a watcher thread; _handle.py
         self._watcher = Watcher(lambda: self._live().stats(), on_commit,
@@ -489,6 +491,7 @@ class Checkpointer:
         s = self._live().stats()
         s.update(visible_stall_s=self._visible_stall_s, hook_stall_s=self._hook_stall_s,
                  saves=self._saves, registers=self._registers)
+        s.update(self._restore_stats)
         if self._auto is not None:
             s["auto"] = self._auto.state()
         if self._dist is not None:
@@ -569,6 +572,14 @@ class Checkpointer:
         record) is checked before any object is changed; a newest checkpoint
         that is damaged or malformed is skipped with a warning."""
         self._live()
+        t0 = time.perf_counter()
+        self._restore_stats = {}
+        try:
+            return self._restore(step)
+        finally:
+            self._restore_stats["restore_total_s"] = time.perf_counter() - t0
+
+    def _restore(self, step: Optional[int]) -> Optional[int]:
         adopt = False
         remote = None if self._remote is None else self._remote.restore(step)
         if remote is not None:  # newer than every rank's local checkpoint
@@ -584,8 +595,13 @@ class Checkpointer:
                                  must_exist=step is not None):
             return None
         else:
+            if self._copy_pending and hasattr(self._engine, "wait_copied"):
+                # The tensors are read into in place: no copy of them may be in flight.
+                self._take(self._engine.wait_copied)
+                self._copy_pending = False
             loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False,
-                           prepare=self._prepare)
+                           prepare=self._prepare, live=self._live_tensors(),
+                           stats=self._restore_stats)
             adopt = loaded is not None
         if loaded is None:
             return None
@@ -600,6 +616,17 @@ class Checkpointer:
         if self._layerwise is not None:
             self._layerwise.restored(loaded.step)
         return loaded.step
+
+    def _live_tensors(self) -> dict:
+        """The live state's tensors by checkpoint name (modules, optimizers,
+        other stateful objects and plain tensors): restore() reads straight
+        into those that match (_destinations)."""
+        current: dict = {}
+        for key, obj in self.state.items():
+            if _stateful(obj) or isinstance(obj, torch.Tensor):
+                _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
+                               current)
+        return current
 
     def _prepare(self, loaded) -> tuple:
         """Everything restore() will do to the live objects, checked and
@@ -738,12 +765,210 @@ class LoadedCheckpoint:
 
 
 def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
-          as_numpy: bool, prepare=None) -> Optional[LoadedCheckpoint]:
+          as_numpy: bool, prepare=None, live: Optional[dict] = None,
+          stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
     """Reads one checkpoint of `rank` in `path`: `step`, or the newest that
     verifies (warning about each newer damaged one). None when there is none
     and `step` is None. prepare(loaded), when given, checks a checkpoint
     before it is chosen (its result becomes loaded.plan): a
-    CorruptCheckpointError from it falls back to the next older one."""
+    CorruptCheckpointError from it falls back to the next older one.
+
+    One read through the C++ restore path (nonstop._core.restore,
+    include/nonstop/restore.h): selection through the job directory (lineage
+    honoured), every crc chunk read and verified once, in parallel, straight
+    into the tensors. `live` (name -> tensor): the live state's tensors;
+    where a checkpoint tensor's name, shape and dtype match a contiguous CPU
+    one, it is read straight into that tensor's memory, after prepare()
+    checked everything. A checksum failure mid-read falls back to the next
+    older checkpoint, read into the same tensors. `stats`, when given, is
+    filled with the restore's times and sizes."""
+    core = _core()
+    if not hasattr(core, "restore"):  # tests/python/fake_core.py: its Reader only
+        return _read_reader(path, rank, step, world_size, as_numpy, prepare)
+    state: dict = {"loaded": None, "began": False}
+    deferred_prepare = []
+
+    warned: list = []  # counters whose failure mid-read was warned about
+
+    def prep(info: dict) -> list:
+        where = os.path.join(path, info["where"])
+        prev = state["loaded"]
+        if prev is not None and prev.counter not in warned:  # the one before failed mid-read
+            warned.append(prev.counter)
+            warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
+                          f"is damaged; falling back to an older checkpoint", stacklevel=4)
+        if world_size is not None and info["world_size"] != world_size:
+            raise IncompatibleCheckpointError(
+                f"{path} was written by a job of world size {info['world_size']}; this job "
+                f"has world size {world_size}: use the same world size or a new directory")
+        try:
+            meta = _state.loads(info["meta_json"])
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{where}: step {info['step']}: {e}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise IncompatibleCheckpointError(
+                f"{where}: step {info['step']} was not written by nonstop's PyTorch "
+                f"front end (format "
+                f"{str(meta.get('format'))[:40] if isinstance(meta, dict) else None!r})")
+        # FSDP2 checkpoints become DTensors in prepare(), which may copy them
+        # to a device: that prepare runs after the read, into fresh tensors.
+        sharded = bool(meta.get("dtensor") or meta.get("dist"))
+        into = None if (sharded or as_numpy) else live
+        tensors, dests = _destinations(info["tensors"], as_numpy, into)
+        info = dict(info)
+        info.pop("meta_json")
+        loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
+        deferred_prepare.clear()
+        if prepare is not None:
+            if sharded:
+                deferred_prepare.append(True)
+            else:
+                loaded.plan = prepare(loaded)  # every check, before anything is written
+        state["loaded"] = loaded
+        state["began"] = True
+        return dests
+
+    exclude: list = []
+    bar = _Progress()
+    while True:
+        try:
+            got = core.restore(path, rank, prep, step=step, threads=_restore_threads(),
+                               progress=bar, exclude=exclude)
+        except CorruptCheckpointError as e:
+            if step is not None and "is damaged" not in str(e):
+                raise CorruptCheckpointError(
+                    f"checkpoint at step {step} in {path} is damaged: {e}") from None
+            raise
+        except CheckpointNotFoundError:
+            if step is None:
+                raise
+            have = ", ".join(str(c["step"]) for c in core.JobDir.open_for_read(path).list(rank)
+                             if c["state"] == "committed") or "none"
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at step {step} in {path} (committed steps: {have})"
+            ) from None
+        except CheckpointError as e:
+            if state["began"] and "partly overwritten" not in str(e):
+                raise type(e)(f"{e}; the state was partly overwritten by this restore") from None
+            raise
+        finally:
+            bar.close()
+        if got is None:
+            return None
+        loaded = state["loaded"]
+        if deferred_prepare:
+            try:
+                loaded.plan = prepare(loaded)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
+                exclude.append(int(loaded.counter))
+                continue
+        break
+    for line in got["skipped"]:
+        if any(f"checkpoint #{c} " in line for c in warned):
+            continue
+        warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
+                      stacklevel=3)
+    if stats is not None:
+        st = got["stats"]
+        stats.update(restore_s=got["restore_s"], restore_read_s=st["read_s"],
+                     restore_bytes=st["data_bytes"],
+                     restore_GBps=(st["data_bytes"] / got["restore_s"] / 1e9
+                                   if got["restore_s"] > 0 else 0.0),
+                     restore_direct_bytes=st["direct_bytes"], restore_attempts=got["attempts"],
+                     restore_step=int(got["step"]))
+    return loaded
+
+
+def _restore_threads() -> int:
+    """Reader threads: NONSTOP_RESTORE_THREADS, else 4."""
+    try:
+        return max(1, int(os.environ.get("NONSTOP_RESTORE_THREADS", "4")))
+    except ValueError:
+        return 4
+
+
+class _Progress:
+    """The restore's progress callback: a tqdm bar on a terminal (stderr),
+    shown only for restores of 256 MiB or more still running after the
+    first report (0.1 s), when tqdm is installed."""
+
+    MIN_BYTES = 256 << 20
+
+    def __init__(self):
+        self.bar = None
+        self.off = not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+
+    def __call__(self, done: int, total: int) -> bool:
+        if self.off or total < self.MIN_BYTES:
+            return True
+        if self.bar is None:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self.off = True
+                return True
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="nonstop restore",
+                            leave=False)
+        self.bar.update(done - self.bar.n)
+        return True
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
+    """(name -> tensor, [(data pointer, nbytes)] in table order) for a
+    checkpoint's tensors: the live tensor where one of the same name, shape
+    and dtype is a contiguous CPU tensor whose memory no other destination
+    shares (tied weights: the second gets its own), else a new one."""
+    tensors: dict = {}
+    dests = []
+    used: list = []  # (begin, end) of live memory already given out
+    for spec in specs:
+        name, code, shape, nbytes = spec["name"], spec["dtype"], spec["shape"], spec["nbytes"]
+        t = None if live is None else live.get(name)
+        if t is not None and nbytes and _fits_live(t, code, shape):
+            begin = t.data_ptr()
+            end = begin + nbytes
+            if any(b < end and begin < e for b, e in used):
+                t = None
+            else:
+                used.append((begin, end))
+        else:
+            t = None
+        if t is None:
+            t = _new_tensor(code, shape, nbytes, as_numpy)
+        tensors[name] = t
+        if not nbytes:
+            dests.append((0, 0))
+        else:
+            dests.append((t.ctypes.data if as_numpy else t.data_ptr(), nbytes))
+    return tensors, dests
+
+
+def _fits_live(t, code: int, shape: list) -> bool:
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and list(t.shape) == list(shape) and _state.torch_dtype_code(t.dtype) == code)
+
+
+def _new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):
+    if as_numpy:
+        import numpy as np
+        np_dtype = _state.NUMPY_DTYPES.get(code)
+        return np.empty(shape, dtype=np_dtype) if np_dtype is not None else np.empty(
+            nbytes, dtype=np.uint8)
+    return torch.empty(shape, dtype=_state.torch_dtype(code))
+
+
+def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional[int],
+                 as_numpy: bool, prepare=None) -> Optional[LoadedCheckpoint]:
+    """_read over a core that has only the Reader (tests/python/fake_core.py)."""
     reader = _core().Reader(path, rank=rank, verify_data=True)
     geometry = reader.geometry
     if world_size is not None and geometry["world_size"] != world_size:

@@ -16,4 +16,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitMultistep(m);
   nonstop::py_bindings::InitRemote(m);
   nonstop::py_bindings::InitJobDir(m);
+  nonstop::py_bindings::InitRestore(m);
 }

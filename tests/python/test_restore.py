@@ -1,0 +1,146 @@
+"""The C++ restore path (include/nonstop/restore.h) from Python: restore()
+reads straight into the live tensors, falls back to an older checkpoint on a
+checksum failure mid-read (into the same tensors), and says when no
+checkpoint is left that the state was partly overwritten; stats() reports
+the restore."""
+import pytest
+import torch
+from conftest import needs_engine
+
+import nonstop
+
+pytestmark = needs_engine
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(2048, 2048)       # 16 MiB: read straight into it
+        self.blocks = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(40))
+        self.head = torch.nn.Linear(64, 8)
+
+
+def make(seed):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def train_step(model, opt):
+    loss = sum(p.float().pow(2).sum() for p in model.parameters())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def save_two(d):
+    """Two checkpoints (steps 0 and 1) of the same state; returns each one's values."""
+    model, opt = make(0)
+    values = []
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=1) as ck:
+        for s in range(2):
+            train_step(model, opt)
+            ck.step(s)
+            ck.wait()
+            values.append({k: v.clone() for k, v in model.state_dict().items()})
+    return values
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def last_tensor_offset(loaded):
+    """File offset of a byte in the middle of the tensor stored last."""
+    t = max((t for t in loaded.info["tensors"] if t["nbytes"]), key=lambda t: t["data_offset"])
+    return loaded.info["data_offset"] + t["data_offset"] + t["nbytes"] // 2
+
+
+def test_restore_reads_into_the_live_tensors_and_reports_it(tmp_path):
+    d = str(tmp_path / "ck")
+    values = save_two(d)
+    model, opt = make(1)
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}) as ck:
+        assert ck.restore() == 1
+        st = ck.stats()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[1][k]), k
+        assert v.data_ptr() == ptrs[k], k  # the same memory, written in place
+    assert st["restore_step"] == 1 and st["restore_attempts"] == 1
+    assert st["restore_bytes"] >= 2048 * 2048 * 4 and st["restore_s"] > 0
+    assert st["restore_GBps"] > 0 and st["restore_total_s"] >= st["restore_s"]
+    # The 16 MiB weight went from the file into the model's own tensor.
+    assert st["restore_direct_bytes"] >= 8 << 20
+    # The optimizer state came back too, and the next step works.
+    assert len(opt.state) == len(list(model.parameters()))
+    train_step(model, opt)
+
+
+def test_checksum_failure_mid_read_falls_back_into_the_same_tensors(tmp_path, monkeypatch):
+    monkeypatch.setenv("NONSTOP_RESTORE_THREADS", "1")  # in file order: the newest is partly written
+    d = str(tmp_path / "ck")
+    values = save_two(d)
+    newest = nonstop.load(d)
+    assert newest.step == 1
+    flip(newest.path, last_tensor_offset(newest))
+    model, opt = make(2)
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}) as ck:
+        with pytest.warns(UserWarning, match="falling back"):
+            assert ck.restore() == 0
+        st = ck.stats()
+    assert st["restore_attempts"] == 2 and st["restore_step"] == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[0][k]), k
+        assert v.data_ptr() == ptrs[k], k
+
+
+def test_every_checkpoint_failing_mid_read_says_the_state_was_overwritten(tmp_path):
+    d = str(tmp_path / "ck")
+    save_two(d)
+    for step in (0, 1):
+        c = nonstop.load(d, step=step)
+        flip(c.path, last_tensor_offset(c))
+    model, opt = make(3)
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}) as ck:
+        with pytest.raises(nonstop.CorruptCheckpointError, match="partly overwritten") as e:
+            with pytest.warns(UserWarning):
+                ck.restore()
+    assert "\n" not in str(e.value)
+
+
+def test_tied_weights_get_one_destination_each(tmp_path):
+    d = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(100, 32)
+    head = torch.nn.Linear(32, 100, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    with nonstop.Checkpointer(d, {"model": model}, every=1) as ck:
+        ck.step(0)
+        ck.wait()
+    want = emb.weight.detach().clone()
+    torch.manual_seed(1)
+    emb2 = torch.nn.Embedding(100, 32)
+    head2 = torch.nn.Linear(32, 100, bias=False)
+    head2.weight = emb2.weight
+    model2 = torch.nn.Sequential(emb2, head2)
+    with nonstop.Checkpointer(d, {"model": model2}) as ck:
+        assert ck.restore() == 0
+    assert head2.weight is emb2.weight and torch.equal(emb2.weight, want)
+
+
+def test_load_without_a_model(tmp_path):
+    d = str(tmp_path / "ck")
+    values = save_two(d)
+    got = nonstop.load(d, step=0)
+    for k, v in values[0].items():
+        assert torch.equal(got.tensors[f"model/{k}"], v), k
+    arr = nonstop.load(d, as_numpy=True)
+    assert (arr.tensors["model/big.weight"] == values[1]["big.weight"].numpy()).all()

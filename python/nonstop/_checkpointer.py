@@ -577,6 +577,7 @@ class Checkpointer:
         try:
             return self._restore(step)
         finally:
+            self._flat = {}
             self._restore_stats["restore_total_s"] = time.perf_counter() - t0
 
     def _restore(self, step: Optional[int]) -> Optional[int]:
@@ -622,10 +623,14 @@ class Checkpointer:
         other stateful objects and plain tensors): restore() reads straight
         into those that match (_destinations)."""
         current: dict = {}
+        self._flat = {}  # per key, for _check_fits of this restore
         for key, obj in self.state.items():
             if _stateful(obj) or isinstance(obj, torch.Tensor):
+                flat: dict = {}
                 _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
-                               current)
+                               flat)
+                self._flat[key] = flat
+                current.update(flat)
         return current
 
     def _prepare(self, loaded) -> tuple:
@@ -717,8 +722,11 @@ class Checkpointer:
         a tensor the checkpoint lacks), before anything is changed."""
         if not (_stateful(obj) or isinstance(obj, torch.Tensor)):
             return
-        current: dict = {}
-        _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key, current)
+        current = self.__dict__.get("_flat", {}).get(key)
+        if current is None:
+            current = {}
+            _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
+                           current)
         for name, t in current.items():
             if name not in loaded.tensors:
                 if isinstance(obj, (torch.nn.Module, torch.Tensor)):
@@ -833,7 +841,7 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     while True:
         try:
             got = core.restore(path, rank, prep, step=step, threads=_restore_threads(),
-                               progress=bar, exclude=exclude)
+                               progress=None if bar.off else bar, exclude=exclude)
         except CorruptCheckpointError as e:
             if step is not None and "is damaged" not in str(e):
                 raise CorruptCheckpointError(
@@ -928,22 +936,26 @@ def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
     shares (tied weights: the second gets its own), else a new one."""
     tensors: dict = {}
     dests = []
-    used: list = []  # (begin, end) of live memory already given out
-    for spec in specs:
-        name, code, shape, nbytes = spec["name"], spec["dtype"], spec["shape"], spec["nbytes"]
-        t = None if live is None else live.get(name)
-        if t is not None and nbytes and _fits_live(t, code, shape):
-            begin = t.data_ptr()
-            end = begin + nbytes
-            if any(b < end and begin < e for b, e in used):
-                t = None
-            else:
-                used.append((begin, end))
-        else:
-            t = None
+    # Live tensors that fit, then those whose memory overlaps an earlier one's dropped.
+    fit: dict = {}
+    if live is not None:
+        ranges = []
+        for i, spec in enumerate(specs):
+            t = live.get(spec["name"])
+            if t is not None and spec["nbytes"] and _fits_live(t, spec["dtype"], spec["shape"]):
+                ranges.append((t.data_ptr(), t.data_ptr() + spec["nbytes"], i, t))
+        ranges.sort(key=lambda r: (r[0], r[2]))
+        reach = 0
+        for begin, end, i, t in ranges:
+            if begin >= reach:
+                fit[i] = t
+            reach = max(reach, end)
+    for i, spec in enumerate(specs):
+        code, shape, nbytes = spec["dtype"], spec["shape"], spec["nbytes"]
+        t = fit.get(i)
         if t is None:
             t = _new_tensor(code, shape, nbytes, as_numpy)
-        tensors[name] = t
+        tensors[spec["name"]] = t
         if not nbytes:
             dests.append((0, 0))
         else:

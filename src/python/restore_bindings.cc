@@ -110,7 +110,11 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   if (pending.error) throw std::move(*pending.error);
   RestoreResult res = Take(std::move(*r));
   if (!res.chosen) return py::none();
-  py::dict d = InfoDict(res.chosen->info);
+  // The tensors and metadata went to prepare(); the result says which one won.
+  py::dict d;
+  d["counter"] = res.chosen->info.counter;
+  d["step"] = res.chosen->info.step;
+  d["data_bytes"] = res.chosen->info.data_bytes;
   d["where"] = res.chosen->location.where;
   d["keep"] = res.chosen->location.keep;
   d["skipped"] = res.skipped;

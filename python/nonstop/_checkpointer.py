@@ -798,7 +798,15 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
 
     warned: list = []  # counters whose failure mid-read was warned about
 
-    def prep(info: dict) -> list:
+    def prep(info: dict):
+        """Where each tensor of `info` goes, after every check; a str (the
+        reason) when this checkpoint is malformed: the next older one is tried."""
+        try:
+            return prep_checked(info)
+        except CorruptCheckpointError as e:
+            return str(e)
+
+    def prep_checked(info: dict) -> list:
         where = os.path.join(path, info["where"])
         prev = state["loaded"]
         if prev is not None and prev.counter not in warned:  # the one before failed mid-read

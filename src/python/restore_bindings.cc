@@ -40,9 +40,9 @@ py::dict StatsDict(const RestoreStats& s) {
 //         progress=None, exclude=[]) -> dict or None (no checkpoint at all)
 //   exclude: counters the caller found unusable (skipped as damaged).
 //   prepare(info: dict) -> [(ptr, nbytes), ...] in info["tensors"] order
-//     (ptr 0: verify that tensor, keep nothing). Raising
-//     CorruptCheckpointError makes the restore try the next older
-//     checkpoint; any other exception stops it and is raised as it is.
+//     (ptr 0: verify that tensor, keep nothing), or a str: this checkpoint
+//     is malformed (the str says why), try the next older one. An exception
+//     stops the restore and is raised as it is.
 //   progress(done_bytes, total_bytes) -> falsy to cancel (None goes on).
 py::object Restore(const std::string& path, int rank, const py::function& prepare,
                    std::optional<int64_t> step, bool include_keep, int threads,
@@ -53,14 +53,15 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
     jd = Take(JobDir::OpenForRead(path));
   }
   PendingError pending;
-  py::object corrupt = py::module_::import("nonstop.errors").attr("CorruptCheckpointError");
   RestorePrepare prep = [&](const Selected& s) -> Result<std::vector<void*>> {
     py::gil_scoped_acquire gil;
     try {
       py::dict info = InfoDict(s.info);
       info["where"] = s.location.where;
       info["keep"] = s.location.keep;
-      py::list got = prepare(info);
+      py::object answer = prepare(info);
+      if (py::isinstance<py::str>(answer)) return Status::Corruption(answer.cast<std::string>());
+      py::list got = answer.cast<py::list>();
       if (got.size() != s.info.tensors.size()) {
         return Status::InvalidArgument("prepare gave " + std::to_string(got.size()) +
                                        " destinations for " +
@@ -79,7 +80,6 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
       }
       return dst;
     } catch (py::error_already_set& e) {
-      if (e.matches(corrupt)) return Status::Corruption(py::str(e.value()).cast<std::string>());
       pending.error = std::move(e);
       return Status::Aborted("restore stopped by its prepare callback");
     }

@@ -28,6 +28,7 @@
 #include "nonstop/store.h"
 #include "store/format.h"
 #include "tools/commands.h"
+#include "tools/remote_cli.h"
 #include "tools/store_json.h"
 
 namespace nonstop::cli {
@@ -600,27 +601,49 @@ std::function<void()> Guarded(const char* cmd, F run) {
 
 }  // namespace
 
+namespace {
+
+struct StoreArgs {
+  std::string dir;
+  bool json = false;
+  std::optional<int64_t> step;
+  std::string out;
+  std::string format = "safetensors";
+};
+
+// The arguments of `nonstop CMD URL ...` for python -m nonstop._remote_cli
+// (tools/remote_cli.h).
+std::vector<std::string> RemoteArgs(const std::string& cmd, const StoreArgs& a) {
+  std::vector<std::string> v = {cmd, a.dir};
+  if (a.step) v.insert(v.end(), {"--step", std::to_string(*a.step)});
+  if (cmd == "inspect" && a.json) v.emplace_back("--json");
+  if (cmd == "export") v.insert(v.end(), {"-o", a.out, "--format", a.format});
+  return v;
+}
+
+}  // namespace
+
 void AddStoreCommands(CLI::App& app) {
-  struct Args {
-    std::string dir;
-    bool json = false;
-    std::optional<int64_t> step;
-    std::string out;
-    std::string format = "safetensors";
-  };
+  using Args = StoreArgs;
   auto args = std::make_shared<Args>();
 
   CLI::App* inspect = app.add_subcommand(
       "inspect", "List every slot and checkpoint of a checkpoint directory, with tensor tables");
   inspect->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
   inspect->add_flag("--json", args->json, "print JSON instead of text");
-  inspect->callback(Guarded("inspect", [args] { RunInspect(args->dir, args->json); }));
+  inspect->callback(Guarded("inspect", [args] {
+    if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("inspect", *args));
+    RunInspect(args->dir, args->json);
+  }));
 
   CLI::App* verify = app.add_subcommand(
       "verify", "Check every checksum of the newest (or --step) checkpoint on every rank");
   verify->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
   verify->add_option("--step", args->step, "training step to verify (default: the newest)");
-  verify->callback(Guarded("verify", [args] { RunVerify(args->dir, args->step); }));
+  verify->callback(Guarded("verify", [args] {
+    if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("verify", *args));
+    RunVerify(args->dir, args->step);
+  }));
 
   CLI::App* exp = app.add_subcommand(
       "export", "Write one checkpoint as a safetensors file (single-rank directories)");
@@ -633,6 +656,7 @@ void AddStoreCommands(CLI::App& app) {
                   "nonstop._dcp)")
       ->check(CLI::IsMember({"safetensors", "dcp"}));
   exp->callback(Guarded("export", [args] {
+    if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("export", *args));
     if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out);
     RunExport(args->dir, args->step, args->out);
   }));

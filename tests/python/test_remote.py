@@ -3,6 +3,7 @@ and a plain path: upload after a local commit, restore on a node whose local
 directory is gone, and the faults: the server stopped during an upload, a
 deleted part, a flipped bit. Nothing is mocked."""
 import os
+import sys
 import shutil
 import threading
 import time
@@ -314,3 +315,71 @@ def test_uploads_never_block_local_checkpoints(tmp_path):
     assert time.monotonic() - t0 < 60
     store = _remote.open_store(url, opts)
     assert _remote.committed_steps(store) == []
+
+
+def _cli():
+    here = os.path.join(os.path.dirname(sys.executable), "nonstop")
+    return os.environ.get("NONSTOP_CLI") or (here if os.access(here, os.X_OK) else None) \
+        or shutil.which("nonstop")
+
+
+@pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")
+def test_cli_verify_inspect_export_a_remote_url(tmp_path, remote):
+    """`nonstop verify|inspect|export URL` (tools/remote_cli.h -> python -m
+    nonstop._remote_cli): the same output as on a local directory, the
+    download checked; a flipped bit is "damaged" (exit 1) for verify and a
+    fallback to the older step for export, never wrong bytes."""
+    import json
+    import subprocess
+    url, opts, _ = remote
+    d, store, _ = _two_remote_steps(tmp_path, url, opts)  # remote steps 7 and 3
+    cli_url = url if "://" in url else "file://" + url
+    env = dict(os.environ, NONSTOP_REMOTE_OPTIONS=json.dumps(opts), NONSTOP_PYTHON=sys.executable)
+
+    def run(*args):
+        p = subprocess.run([_cli(), *args], capture_output=True, text=True, env=env, timeout=120)
+        return p.returncode, p.stdout, p.stderr
+
+    rc, out, err = run("inspect", "--json", cli_url)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [(s["step"], s["committed"], s["ranks"]) for s in doc["steps"]] == \
+        [(7, True, [0]), (3, True, [0])]
+    rc, out, err = run("verify", cli_url)
+    assert rc == 0 and "OK: step 7 verified on 1 rank" in out, (out, err)
+    rc, out, err = run("verify", cli_url, "--step", "99")
+    assert rc == 2 and "no committed remote checkpoint at step 99" in err
+    # the export of the remote step is byte for byte the export of the same
+    # checkpoint read locally (its one-slot copy, fetched by the tier itself)
+    rc, out, err = run("export", cli_url, "-o", str(tmp_path / "r7.safetensors"))
+    assert rc == 0, err
+    ref = str(tmp_path / "ref7")
+    subprocess.run([_cli(), "export", _remote.fetch(store, 7, 0, ref), "-o",
+                    str(tmp_path / "l7.safetensors")], check=True, capture_output=True)
+    assert open(tmp_path / "r7.safetensors", "rb").read() == \
+        open(tmp_path / "l7.safetensors", "rb").read()
+    # damage step 7's part: first the download's check catches it, then (the
+    # manifest rewritten to match) the file's own chunk crc32c
+    probe = str(tmp_path / "probe")
+    info = nonstop._core.Reader(_remote.fetch(store, 7, 0, probe), rank=0).checkpoints[0]
+    key = _remote.Layout.part(7, 0)
+    _flip(store, key, info["data_offset"] + info["data_bytes"] // 2)
+    for where in ("download", "file"):
+        if where == "file":
+            import zlib
+            man = json.loads(store.get_bytes(_remote.Layout.manifest(7, 0), 1 << 20))
+            _, chunks = store.get_chunks(key)
+            blob = b"".join(bytes(c) for c in chunks)
+            p = man["part_bytes"]
+            man["part_crc32"] = [zlib.crc32(blob[i:i + p]) for i in range(0, len(blob), p)]
+            store.put_bytes(_remote.Layout.manifest(7, 0), json.dumps(man).encode())
+        rc, out, err = run("verify", cli_url)
+        assert rc == 1, (where, rc, out, err)
+        assert ("crc mismatch" in err) if where == "download" else \
+            ("checksum mismatch" in out + err), (where, out, err)
+        # export takes the newest step that is intact: step 3
+        out_file = str(tmp_path / f"r-{where}.safetensors")
+        rc, out, err = run("export", cli_url, "-o", out_file)
+        assert rc == 0 and "remote step 7" in err and "(step 3)" in out, (where, rc, out, err)
+        rc, out, err = run("export", cli_url, "--step", "7", "-o", out_file + ".7")
+        assert rc == 1 and not os.path.exists(out_file + ".7"), (where, rc, out, err)

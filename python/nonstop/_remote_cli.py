@@ -1,0 +1,226 @@
+"""`nonstop verify|inspect|export URL`: the command line on a remote tier
+(docs/TIERS.md, "The command line on a remote URL").
+
+The `nonstop` executable has no network code: given a URL (`s3://...`, any
+scheme but file://) it replaces itself with
+
+    PY -m nonstop._remote_cli {verify,inspect,export} URL [options]
+
+with NONSTOP_CLI set to its own path. This module lists the remote prefix
+through the same client and checks as the remote tier (_remote.py); verify
+and export download the chosen step's parts into a temporary directory
+through `_remote.fetch` (size and every part crc32 checked against the
+manifest while writing), then run the same `nonstop verify|export` on that
+directory, so every chunk crc32c is checked by the same code and the output
+is the same as for a local directory. The temporary directory is removed at
+the end. inspect lists the remote steps without downloading them.
+
+Client options (endpoint, credentials, region) come from the environment
+variable NONSTOP_REMOTE_OPTIONS, a JSON object with the keys of
+`remote_options` (kept out of argv, where other users could read them).
+
+Exit codes as the executable's: 0 ok, 1 damaged (a part or checkpoint fails
+its checks), 2 usage (no such step, store unreachable, bad options).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from . import _remote
+from .errors import CheckpointError, CorruptCheckpointError
+
+EXIT_DAMAGED, EXIT_USAGE = 1, 2
+
+
+class _Fail(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _options() -> dict:
+    raw = os.environ.get("NONSTOP_REMOTE_OPTIONS", "")
+    if not raw:
+        return {}
+    try:
+        opts = json.loads(raw)
+    except ValueError:
+        raise _Fail("NONSTOP_REMOTE_OPTIONS is not JSON", EXIT_USAGE) from None
+    if not isinstance(opts, dict):
+        raise _Fail("NONSTOP_REMOTE_OPTIONS must be a JSON object", EXIT_USAGE)
+    return opts
+
+
+def _steps(store) -> dict:
+    """{step: {"committed": bool, "objects": n, "bytes": total, "ranks": [R..]}}
+    of every step directory under the prefix."""
+    out: dict = {}
+    for key, size in store.list(""):
+        parts = key.split("/")
+        m = _remote.Layout.STEP.match(parts[0])
+        if not m or len(parts) != 2:
+            continue
+        s = out.setdefault(int(m.group(1)), {"committed": False, "objects": 0, "bytes": 0,
+                                             "ranks": []})
+        s["objects"] += 1
+        s["bytes"] += int(size)
+        if parts[1] == "COMMITTED":
+            s["committed"] = True
+        elif parts[1].startswith("rank-") and parts[1].endswith(".nsck"):
+            try:
+                s["ranks"].append(int(parts[1][5:-5]))
+            except ValueError:
+                pass
+    for s in out.values():
+        s["ranks"].sort()
+    return out
+
+
+def _choose(store, step) -> list:
+    """[(step, marker)] to try, newest first: `step` alone when given."""
+    steps = _remote.committed_steps(store)
+    if step is not None:
+        steps = [(s, m) for s, m in steps if s == step]
+    if not steps:
+        raise _Fail(f"no committed remote checkpoint{'' if step is None else f' at step {step}'} "
+                    f"in {store.url}", EXIT_USAGE)
+    return steps
+
+
+def _fetch_all(store, step: int, marker: dict, tmp: str) -> str:
+    world = marker["world_size"]
+    if not isinstance(world, int) or world < 1 or world > 1 << 16:
+        raise CorruptCheckpointError(f"{store.url} step {step}: COMMITTED names world size "
+                                     f"{world!r}")
+    d = None
+    for r in range(world):
+        d = _remote.fetch(store, step, r, tmp)
+    return d
+
+
+def _cli() -> str:
+    cli = os.environ.get("NONSTOP_CLI") or shutil.which("nonstop")
+    if not cli:
+        raise _Fail("cannot find the nonstop executable (set NONSTOP_CLI)", EXIT_USAGE)
+    return cli
+
+
+def _run(cmd: list) -> int:
+    sys.stdout.flush()
+    return subprocess.call(cmd)
+
+
+def verify(store, step) -> int:
+    """The newest committed step (or --step): every rank's part downloaded
+    and checked, then `nonstop verify` on them. No fallback: a damaged step
+    is reported as damaged."""
+    s, marker = _choose(store, step)[0]
+    tmp = tempfile.mkdtemp(prefix="nonstop-remote-")
+    try:
+        try:
+            d = _fetch_all(store, s, marker, tmp)
+        except CorruptCheckpointError as e:
+            raise _Fail(str(e), EXIT_DAMAGED) from None
+        print(f"{store.url}/{_remote.Layout.step_dir(s)}: committed, {marker['world_size']} "
+              f"rank(s) downloaded, every part crc32 matches its manifest", flush=True)
+        return _run([_cli(), "verify", d, "--step", str(s)])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export(store, step, out: str, fmt: str) -> int:
+    """The newest committed step that downloads intact (or --step), every
+    rank's part, exported as a local directory's (safetensors: one-rank
+    checkpoints; dcp: every rank reassembled)."""
+    errors = []
+    for s, marker in _choose(store, step):
+        tmp = tempfile.mkdtemp(prefix="nonstop-remote-")
+        try:
+            try:
+                d = _fetch_all(store, s, marker, tmp)
+            except CorruptCheckpointError as e:
+                errors.append(str(e))
+                print(f"nonstop export: remote step {s}: {e}; trying an older one",
+                      file=sys.stderr, flush=True)
+                continue
+            rc = _run([_cli(), "export", d, "--step", str(s), "-o", out, "--format", fmt])
+            if rc != EXIT_DAMAGED or step is not None:
+                return rc
+            # downloaded intact by its manifest but damaged inside (the
+            # file's own chunk crc32c): as `load` does, the next older step
+            errors.append(f"step {s} is damaged")
+            print(f"nonstop export: remote step {s} is damaged; trying an older one",
+                  file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise _Fail(f"no remote checkpoint in {store.url} downloads intact: {errors[0]}",
+                EXIT_DAMAGED)
+
+
+def inspect(store, as_json: bool) -> int:
+    """The remote steps: committed or not, ranks, objects and bytes (nothing
+    is downloaded but the small COMMITTED markers)."""
+    steps = _steps(store)
+    markers = dict(_remote.committed_steps(store))
+    rows = []
+    for s in sorted(steps, reverse=True):
+        info = steps[s]
+        m = markers.get(s)
+        rows.append({"step": s, "committed": m is not None,
+                     "world_size": m["world_size"] if m else None,
+                     "lineage": m["lineage"] if m else None,
+                     "counter": m.get("counter") if m else None,
+                     "ranks": info["ranks"], "objects": info["objects"], "bytes": info["bytes"]})
+    if as_json:
+        print(json.dumps({"url": store.url, "format": _remote.FORMAT, "steps": rows}, indent=1))
+        return 0
+    print(f"{store.url}: {len(rows)} step(s), {sum(r['committed'] for r in rows)} committed")
+    for r in rows:
+        state = (f"committed, world size {r['world_size']}, lineage {r['lineage']}"
+                 if r["committed"] else "not committed (never read; retention deletes it)")
+        print(f"  step {r['step']}: {state}; parts of rank(s) {r['ranks'] or 'none'}, "
+              f"{r['objects']} object(s), {r['bytes']} bytes")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="nonstop", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify")
+    v.add_argument("url")
+    v.add_argument("--step", type=int)
+    i = sub.add_parser("inspect")
+    i.add_argument("url")
+    i.add_argument("--json", action="store_true")
+    e = sub.add_parser("export")
+    e.add_argument("url")
+    e.add_argument("--step", type=int)
+    e.add_argument("-o", "--output", required=True)
+    e.add_argument("--format", default="safetensors", choices=("safetensors", "dcp"))
+    a = p.parse_args(argv)
+    try:
+        store = _remote.open_store(a.url, _options())
+        if a.cmd == "verify":
+            return verify(store, a.step)
+        if a.cmd == "export":
+            return export(store, a.step, a.output, a.format)
+        return inspect(store, a.json)
+    except _Fail as f:
+        print(f"nonstop {a.cmd}: {f}", file=sys.stderr)
+        return f.code
+    except CorruptCheckpointError as err:
+        print(f"nonstop {a.cmd}: {err}", file=sys.stderr)
+        return EXIT_DAMAGED
+    except (CheckpointError, OSError) as err:
+        print(f"nonstop {a.cmd}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+// A checkpoint URL where the command line expects a directory:
+// `nonstop verify|inspect|export s3://bucket/prefix` (any `scheme://`,
+// file:// included, as `remote=` of the Checkpointer takes). The executable
+// has no network code: it replaces itself with
+// `PY -m nonstop._remote_cli CMD URL ...` (python/nonstop/_remote_cli.py),
+// which downloads through the remote tier's own validated path and runs this
+// executable (NONSTOP_CLI) on the downloaded directory. PY is
+// $NONSTOP_PYTHON, else the `python` next to this executable (a virtual
+// environment's bin/), else python3. docs/TIERS.md.
+#pragma once
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace nonstop::cli {
+
+inline bool IsRemoteUrl(const std::string& s) {
+  const auto colon = s.find("://");
+  if (colon == std::string::npos || colon == 0) return false;
+  for (size_t i = 0; i < colon; ++i) {
+    const char c = s[i];
+    const bool ok = (c >= 'a' && c <= 'z') || (i > 0 && ((c >= '0' && c <= '9') || c == '+' ||
+                                                        c == '.' || c == '-'));
+    if (!ok) return false;
+  }
+  return true;
+}
+
+[[noreturn]] inline void RunRemote(std::vector<std::string> args) {
+  namespace fs = std::filesystem;
+  std::string python = "python3";
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (const char* env = std::getenv("NONSTOP_PYTHON"); env != nullptr && *env != '\0') {
+    python = env;
+  } else if (!ec && ::access((self.parent_path() / "python").c_str(), X_OK) == 0) {
+    python = (self.parent_path() / "python").string();
+  }
+  if (!ec) ::setenv("NONSTOP_CLI", self.c_str(), 1);
+  std::vector<std::string> argv = {python, "-m", "nonstop._remote_cli"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  ::execvp(cargv[0], cargv.data());
+  std::fprintf(stderr,
+               "nonstop %s: cannot run %s for a remote URL: %s (set NONSTOP_PYTHON to a python "
+               "with nonstop and obstore)\n",
+               args.empty() ? "" : args[0].c_str(), python.c_str(), std::strerror(errno));
+  std::exit(2);
+}
+
+}  // namespace nonstop::cli

@@ -19,7 +19,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CMAKE     := $(shell command -v cmake || echo .venv/bin/cmake)
 CMAKE_GEN := -G Ninja
 
-.PHONY: deps venv build cbuild test test-cpp test-py test-asan test-tsan test-fuzz test-gpu \
+.PHONY: deps venv build cbuild test test-cpp test-py test-asan test-tsan test-tsa test-fuzz test-gpu \
         demo bench clean format
 
 # Installs the Debian packages that are missing (quietly when all are there).
@@ -68,7 +68,18 @@ test-asan: deps
 	$(CMAKE) --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
-test-tsan: deps
+# clang's thread-safety analysis over every library (compile only): the
+# locking rules written as GUARDED_BY/REQUIRES/EXCLUDES are errors when broken.
+test-tsa: deps
+	CC=clang-14 CXX=clang++-14 $(CMAKE) -S . -B build-tsa $(CMAKE_GEN) -DNONSTOP_TSA=ON -DNONSTOP_BUILD_TESTS=OFF \
+	    -DNONSTOP_BUILD_TOOLS=OFF -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	$(CMAKE) --build build-tsa -j $(JOBS)
+	@if clang++-14 -std=c++20 -fsyntax-only -Wthread-safety -Werror -Isrc tests/tsa_unguarded.cc 2>/dev/null; then \
+	  echo "== test-tsa: tests/tsa_unguarded.cc compiled: the annotations check nothing"; exit 1; fi
+	@echo "== test-tsa: clang -Wthread-safety -Werror is clean (and rejects tests/tsa_unguarded.cc)"
+
+# Runs the (cheap) thread-safety build first: both check the concurrent parts.
+test-tsan: deps test-tsa
 	$(CMAKE) -S . -B build-tsan $(CMAKE_GEN) -DNONSTOP_SANITIZE=thread -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
 	$(CMAKE) --build build-tsan -j $(JOBS)
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L concurrency

@@ -20,6 +20,7 @@
 
 #include "copy/cuda_copy_engine.h"
 #include "nonstop/engine.h"
+#include "nonstop/env.h"
 
 namespace nonstop {
 namespace {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
 

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
 #include "store_test_util.h"

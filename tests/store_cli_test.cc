@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
 #include "store/format.h"

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "nonstop/engine.h"
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "tools/commands.h"
 

@@ -115,6 +115,13 @@ class Env {
 // The POSIX Env (process-wide, never destroyed).
 Env* DefaultEnv();
 
+// Opens the file at `path` as a Medium of the given kind through
+// DefaultEnv(): its parent directory, then the file relative to it
+// (O_NOFOLLOW; O_CREAT|O_EXCL with opts.create). kAuto tries the fast kinds
+// first and falls back; the reason for each fallback is in Describe().
+Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind kind,
+                                           const MediumOptions& opts);
+
 // Checks that `name` is one path component nonstop may use: non-empty, at
 // most 255 bytes, no '/', no NUL, not "." or "..".
 Status CheckEntryName(std::string_view name);

@@ -68,9 +68,7 @@ class Medium {
   virtual std::string Describe() const = 0;
 };
 
-// Opens `path` as the given kind. kAuto tries the fast kinds first and falls
-// back; the reason for each fallback is included in Describe().
-Result<std::unique_ptr<Medium>> OpenMedium(const std::string& path, MediumKind kind,
-                                           const MediumOptions& opts);
+// OpenMedium(path, kind, opts), which opens a file by path, goes through the
+// Env: it is declared in nonstop/env.h.
 
 }  // namespace nonstop

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "nonstop/crc32c.h"  // Crc32c (base), which store users have always had from here
 #include "nonstop/medium.h"
 #include "nonstop/status.h"
 #include "nonstop/types.h"
@@ -193,8 +194,5 @@ class SlotFile {
 // forever (EngineOptions::keep_every) and by tools. The caller must keep
 // `info`'s slot from being reused during the copy.
 Status CopyCheckpoint(SlotFile& src, const CheckpointInfo& info, std::unique_ptr<Medium> dest);
-
-// crc32c (Castagnoli), ISA-L when built with it, else SSE4.2, else software.
-uint32_t Crc32c(const void* data, size_t n, uint32_t seed = 0);
 
 }  // namespace nonstop

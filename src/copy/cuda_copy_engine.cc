@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "base/mutex.h"
+
 namespace nonstop {
 namespace {
 
@@ -113,7 +115,7 @@ class DeviceContext {
   // The caller has made device() current.
   cudaError_t TakeEvent(cudaEvent_t* out) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!free_events_.empty()) {
         *out = free_events_.back();
         free_events_.pop_back();
@@ -126,7 +128,7 @@ class DeviceContext {
   // stream waits already enqueued keep the state they captured.
   void ReturnEvent(cudaEvent_t e) {
     if (e == nullptr) return;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     free_events_.push_back(e);
   }
 
@@ -134,8 +136,8 @@ class DeviceContext {
   const int device_;
   const cudaStream_t stream_;
   const unsigned event_flags_;
-  std::mutex mu_;
-  std::vector<cudaEvent_t> free_events_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::vector<cudaEvent_t> free_events_ GUARDED_BY(mu_);
 };
 
 // A copy that is done already (or failed before it was enqueued).
@@ -212,7 +214,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
  public:
   CudaCopyEngineImpl(const CudaCopyOptions& options, std::unique_ptr<CopyEngine> host,
                      int devices)
-      : options_(options), host_(std::move(host)), contexts_(devices) {}
+      : options_(options), host_(std::move(host)), devices_(devices), contexts_(devices) {}
 
   ~CudaCopyEngineImpl() override {
     // Host memory still handed out is the caller's leak; release it so the
@@ -264,7 +266,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
     }
     if (p == nullptr) return nullptr;
     double seconds = SecondsSince(t0);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     host_blocks_[p] = block;
     if (block.kind == HostBlock::kPageable) {
       stats_.unpinned_fallbacks++;
@@ -280,7 +282,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
     if (p == nullptr) return;
     HostBlock block;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       auto it = host_blocks_.find(p);
       if (it == host_blocks_.end()) return;
       block = it->second;
@@ -290,7 +292,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
   }
 
   std::string Describe() const override {
-    std::string out = "cuda copy engine: " + std::to_string(contexts_.size()) + " device(s)";
+    std::string out = "cuda copy engine: " + std::to_string(devices_) + " device(s)";
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
       out += std::string(" (device 0: ") + prop.name + ")";
@@ -345,7 +347,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
               "cannot pin the medium's mapping (Linux pins shared file mappings on tmpfs and "
               "/dev/shm, not on most disk file systems); copies into it still work, unpinned");
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stats_.register_bytes += bytes;
     stats_.register_seconds += seconds;
     return Status::OK();
@@ -362,7 +364,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
 
   bool CanOrderStreams(const Device& stream_device) const override {
     return stream_device.kind == DeviceKind::kCuda && stream_device.index >= 0 &&
-           stream_device.index < static_cast<int>(contexts_.size());
+           stream_device.index < devices_;
   }
 
   Status StreamWaitFor(CopyCompletion* completion, const Device& stream_device) override {
@@ -397,7 +399,7 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
   }
 
   PinStats pin_stats() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return stats_;
   }
 
@@ -451,11 +453,11 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
   static constexpr uintptr_t kOwnStream = ~uintptr_t{0};
 
   Status Context(int device, std::shared_ptr<DeviceContext>* out) {
-    if (device < 0 || device >= static_cast<int>(contexts_.size())) {
+    if (device < 0 || device >= devices_) {
       return Status::InvalidArgument("CUDA device " + std::to_string(device) + " does not exist (" +
-                                     std::to_string(contexts_.size()) + " visible)");
+                                     std::to_string(devices_) + " visible)");
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (contexts_[device] == nullptr) {
       ScopedDevice guard(device);
       if (guard.error() != cudaSuccess) {
@@ -536,10 +538,11 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
   const CudaCopyOptions options_;
   const std::unique_ptr<CopyEngine> host_;
 
-  mutable std::mutex mu_;
-  std::vector<std::shared_ptr<DeviceContext>> contexts_;  // GUARDED_BY(mu_), size fixed
-  std::unordered_map<void*, HostBlock> host_blocks_;      // GUARDED_BY(mu_)
-  PinStats stats_;                                        // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  const int devices_;  // contexts_.size(), fixed
+  std::vector<std::shared_ptr<DeviceContext>> contexts_ GUARDED_BY(mu_);  // created on first use
+  std::unordered_map<void*, HostBlock> host_blocks_ GUARDED_BY(mu_);
+  PinStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace

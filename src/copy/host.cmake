@@ -1,5 +1,5 @@
-# Host copy engine sources (engine module).
-target_sources(nonstop_core PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/copy_engine.cc
+# Host copy engine sources.
+target_sources(nonstop_copy PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/copy_engine.cc
                                     ${CMAKE_CURRENT_SOURCE_DIR}/host_copy_engine.cc)
 nonstop_add_test(NAME host_copy_engine_test
                  SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/host_copy_engine_test.cc

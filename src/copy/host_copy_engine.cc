@@ -9,13 +9,12 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "base/mutex.h"
 #include "nonstop/copy_engine.h"
 
 namespace nonstop {
@@ -49,10 +48,10 @@ class HostCopyEngine final : public CopyEngine {
 
   ~HostCopyEngine() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     for (auto& t : threads_) t.join();
   }
 
@@ -68,10 +67,10 @@ class HostCopyEngine final : public CopyEngine {
       state->done.store(1, std::memory_order_release);
     } else {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         queue_.push_back(Task{src, dst, bytes, state});
       }
-      cv_.notify_one();
+      cv_.Signal();
     }
     return std::make_unique<HostCompletion>(std::move(state));
   }
@@ -112,8 +111,8 @@ class HostCopyEngine final : public CopyEngine {
     for (;;) {
       Task t;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        MutexLock lock(&mu_);
+        cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stop_ || !queue_.empty(); });
         // Drain the queue before stopping: a completion handed out must complete.
         if (queue_.empty()) return;
         t = std::move(queue_.front());
@@ -125,10 +124,10 @@ class HostCopyEngine final : public CopyEngine {
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> queue_;  // GUARDED_BY(mu_)
-  bool stop_ = false;       // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Task> queue_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;  // fixed after construction
 };
 

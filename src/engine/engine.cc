@@ -41,7 +41,7 @@
 #include "engine/layerwise_plan.h"
 #include "engine/slot_medium.h"
 #include "engine/slot_queue.h"
-#include "engine/task_pool.h"
+#include "base/task_pool.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
 #include "nonstop/env.h"

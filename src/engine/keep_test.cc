@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "nonstop/engine.h"
+#include "nonstop/env.h"
 #include "nonstop/store.h"
 
 namespace nonstop {

@@ -6,7 +6,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/task_pool.h"
+#include "base/task_pool.h"
 
 namespace nonstop {
 namespace {

@@ -7,6 +7,7 @@
 #include <random>
 #include <utility>
 
+#include "base/mutex.h"
 #include "media/medium_wrapper.h"
 #include "media/sticky_medium.h"
 
@@ -126,26 +127,26 @@ struct FaultEnv::State {
   };
 
   const FaultEnvOptions opts;
-  mutable std::mutex mu;
-  std::shared_ptr<DirNode> root;                // guarded by mu
-  uint64_t generation = 0;                      // guarded by mu; bumped by each crash
-  uint64_t calls = 0;                           // guarded by mu
-  uint64_t per_op[static_cast<int>(EnvOp::kCount)] = {};  // guarded by mu
-  uint64_t crashes = 0;                         // guarded by mu
-  uint64_t next_id = 1;                         // guarded by mu
-  std::vector<std::weak_ptr<FileNode>> files;   // guarded by mu; in id order
-  std::vector<std::weak_ptr<DirNode>> dirs;     // guarded by mu; in id order
-  std::vector<Rule> rules;                      // guarded by mu
-  std::optional<uint64_t> crash_at;             // guarded by mu; a value of `calls`
+  mutable Mutex mu;
+  std::shared_ptr<DirNode> root GUARDED_BY(mu);
+  uint64_t generation GUARDED_BY(mu) = 0;  // bumped by each crash
+  uint64_t calls GUARDED_BY(mu) = 0;
+  uint64_t per_op[static_cast<int>(EnvOp::kCount)] GUARDED_BY(mu) = {};
+  uint64_t crashes GUARDED_BY(mu) = 0;
+  uint64_t next_id GUARDED_BY(mu) = 1;
+  std::vector<std::weak_ptr<FileNode>> files GUARDED_BY(mu);  // in id order
+  std::vector<std::weak_ptr<DirNode>> dirs GUARDED_BY(mu);  // in id order
+  std::vector<Rule> rules GUARDED_BY(mu);
+  std::optional<uint64_t> crash_at GUARDED_BY(mu);  // a value of `calls`
   CrashMode crash_mode = CrashMode::kDropUnsynced;
   uint64_t crash_seed = 0;
-  std::map<uint64_t, LockRec> locks;            // guarded by mu; by FileNode id
-  uint64_t next_token = 1;                      // guarded by mu
+  std::map<uint64_t, LockRec> locks GUARDED_BY(mu);  // by FileNode id
+  uint64_t next_token GUARDED_BY(mu) = 1;
 
   // Counts a call of `op` made through a handle of `gen`, and applies a
   // scheduled crash or error. OK means proceed; *injected is set to the
   // errno of an injected error (also returned as the Status).
-  Status BeginLocked(EnvOp op, uint64_t gen, const std::string& what, int* injected = nullptr) {
+  Status BeginLocked(EnvOp op, uint64_t gen, const std::string& what, int* injected = nullptr) REQUIRES(mu) {
     if (gen != generation) {
       return Status::IOError(what + ": device crashed (simulated power loss; " +
                              "open the directory again to see what survived)");
@@ -168,7 +169,7 @@ struct FaultEnv::State {
     return Status::OK();
   }
 
-  void CrashLocked(CrashMode mode, uint64_t seed) {
+  void CrashLocked(CrashMode mode, uint64_t seed) REQUIRES(mu) {
     std::mt19937_64 rng(seed);
     std::vector<std::weak_ptr<DirNode>> live_dirs;
     for (auto& w : dirs) {
@@ -197,16 +198,16 @@ struct FaultEnv::State {
   }
 
   // A change to `d`, visible now and pending until SyncDir.
-  void AddOpLocked(DirNode& d, DirOp op) {
+  void AddOpLocked(DirNode& d, DirOp op) REQUIRES(mu) {
     Apply(d.visible, op);
     d.pending.push_back(std::move(op));
   }
-  void SyncLocked(DirNode& d) {
+  void SyncLocked(DirNode& d) REQUIRES(mu) {
     d.durable = d.visible;
     d.pending.clear();
   }
 
-  std::shared_ptr<FileNode> NewFileLocked(MediumKind kind) {
+  std::shared_ptr<FileNode> NewFileLocked(MediumKind kind) REQUIRES(mu) {
     auto f = std::make_shared<FileNode>();
     f->id = next_id++;
     FaultDiskOptions o;
@@ -217,7 +218,7 @@ struct FaultEnv::State {
     files.push_back(f);
     return f;
   }
-  std::shared_ptr<DirNode> NewDirLocked() {
+  std::shared_ptr<DirNode> NewDirLocked() REQUIRES(mu) {
     auto d = std::make_shared<DirNode>();
     d->id = next_id++;
     dirs.push_back(d);
@@ -281,7 +282,7 @@ class FaultEnvMedium final : public media::MediumWrapper {
 
  private:
   Status Begin(EnvOp op, const std::string& what, int* err = nullptr) {
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     return st_->BeginLocked(op, gen_, what, err);
   }
   static Status ReadOnly(const std::string& what) {
@@ -300,7 +301,7 @@ class FaultFileLock final : public FileLock {
   FaultFileLock(std::shared_ptr<State> st, uint64_t key, uint64_t token, uint64_t gen)
       : st_(std::move(st)), key_(key), token_(token), gen_(gen) {}
   ~FaultFileLock() override {
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     if (st_->generation != gen_) return;  // released by the crash
     auto it = st_->locks.find(key_);
     if (it != st_->locks.end() && it->second.token == token_) st_->locks.erase(it);
@@ -331,7 +332,7 @@ class FaultDirectory final : public Directory {
     }
     std::shared_ptr<FileNode> file;
     {
-      std::lock_guard<std::mutex> lock(st_->mu);
+      MutexLock lock(&st_->mu);
       NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kOpenFile, gen_, "open " + full));
       auto it = node_->visible.find(std::string(name));
       if (it == node_->visible.end()) {
@@ -355,7 +356,7 @@ class FaultDirectory final : public Directory {
     }
     std::shared_ptr<FileNode> file;
     {
-      std::lock_guard<std::mutex> lock(st_->mu);
+      MutexLock lock(&st_->mu);
       NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kCreateFile, gen_, "create " + full));
       if (node_->removed) return Status::NotFound("create " + full + ": directory was removed");
       auto it = node_->visible.find(std::string(name));
@@ -377,7 +378,7 @@ class FaultDirectory final : public Directory {
   Result<std::unique_ptr<Directory>> OpenDir(std::string_view name, bool create) override {
     const std::string full = Join(path_, name);
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(name).Annotate("open directory " + full));
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kOpenDir, gen_, "open directory " + full));
     auto it = node_->visible.find(std::string(name));
     std::shared_ptr<DirNode> d;
@@ -415,7 +416,7 @@ class FaultDirectory final : public Directory {
     const std::string what = "rename " + Join(path_, from) + " to " + Join(dst->path_, to);
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(from).Annotate(what));
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(to).Annotate(what));
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kRename, gen_, what));
     if (dst->gen_ != gen_) return Status::IOError(what + ": device crashed");
     auto src_it = node_->visible.find(from);
@@ -455,7 +456,7 @@ class FaultDirectory final : public Directory {
   Status Unlink(std::string_view name) override {
     const std::string full = Join(path_, name);
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(name).Annotate("remove " + full));
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kUnlink, gen_, "remove " + full));
     auto it = node_->visible.find(std::string(name));
     if (it == node_->visible.end()) return Status::NotFound("remove " + full + ": no such file or directory");
@@ -467,7 +468,7 @@ class FaultDirectory final : public Directory {
   Status RemoveDir(std::string_view name) override {
     const std::string full = Join(path_, name);
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(name).Annotate("remove directory " + full));
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kRemoveDir, gen_, "remove directory " + full));
     auto it = node_->visible.find(std::string(name));
     if (it == node_->visible.end()) {
@@ -481,14 +482,14 @@ class FaultDirectory final : public Directory {
   }
 
   Status SyncDir() override {
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kSyncDir, gen_, "fsync directory " + path_));
     st_->SyncLocked(*node_);
     return Status::OK();
   }
 
   Result<std::vector<DirEntry>> List() override {
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kList, gen_, "list " + path_));
     std::vector<DirEntry> out;
     for (const auto& [name, e] : node_->visible) out.push_back({name, e.type});
@@ -498,7 +499,7 @@ class FaultDirectory final : public Directory {
   Result<FileStat> Stat(std::string_view name) override {
     const std::string full = Join(path_, name);
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(name).Annotate("stat " + full));
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kStat, gen_, "stat " + full));
     auto it = node_->visible.find(std::string(name));
     if (it == node_->visible.end()) return Status::NotFound("stat " + full + ": no such file or directory");
@@ -513,7 +514,7 @@ class FaultDirectory final : public Directory {
                                          const std::string& holder) override {
     const std::string full = Join(path_, name);
     NONSTOP_RETURN_IF_ERROR(CheckEntryName(name).Annotate("lock " + full));
-    std::lock_guard<std::mutex> lock(st_->mu);
+    MutexLock lock(&st_->mu);
     NONSTOP_RETURN_IF_ERROR(st_->BeginLocked(EnvOp::kLock, gen_, "lock " + full));
     auto it = node_->visible.find(std::string(name));
     std::shared_ptr<FileNode> file;
@@ -622,7 +623,7 @@ FaultEnv::~FaultEnv() = default;
 Result<std::unique_ptr<Directory>> FaultEnv::OpenDirectory(const std::string& path,
                                                            bool create) {
   NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> parts, SplitPath(path));
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   NONSTOP_RETURN_IF_ERROR(
       st_->BeginLocked(EnvOp::kOpenDirectory, st_->generation, "open directory " + path));
   std::shared_ptr<DirNode> d = st_->root;
@@ -654,45 +655,45 @@ Result<std::unique_ptr<Directory>> FaultEnv::OpenDirectory(const std::string& pa
 }
 
 void FaultEnv::Crash(CrashMode mode, uint64_t seed) {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   st_->CrashLocked(mode, seed);
 }
 
 void FaultEnv::CrashOnCall(uint64_t nth_call, CrashMode mode, uint64_t seed) {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   st_->crash_at = st_->calls + nth_call;
   st_->crash_mode = mode;
   st_->crash_seed = seed;
 }
 
 void FaultEnv::InjectError(EnvOp op, uint64_t nth_call, int err) {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   st_->rules.push_back({op, st_->per_op[static_cast<int>(op)] + nth_call, false, err});
 }
 
 void FaultEnv::InjectErrorFrom(EnvOp op, uint64_t nth_call, int err) {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   st_->rules.push_back({op, st_->per_op[static_cast<int>(op)] + nth_call, true, err});
 }
 
 void FaultEnv::ClearFaults() {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   st_->rules.clear();
   st_->crash_at.reset();
 }
 
 uint64_t FaultEnv::calls() const {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   return st_->calls;
 }
 
 uint64_t FaultEnv::calls(EnvOp op) const {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   return st_->per_op[static_cast<int>(op)];
 }
 
 uint64_t FaultEnv::crashes() const {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   return st_->crashes;
 }
 
@@ -700,7 +701,7 @@ Status FaultEnv::PlantSymlink(const std::string& dir_path, const std::string& na
                               const std::string& target) {
   NONSTOP_RETURN_IF_ERROR(CheckEntryName(name));
   NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> parts, SplitPath(dir_path));
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   std::shared_ptr<DirNode> d = st_->root;
   for (const std::string& c : parts) {
     auto it = d->visible.find(c);
@@ -722,7 +723,7 @@ Status FaultEnv::PlantSymlink(const std::string& dir_path, const std::string& na
 }
 
 std::string FaultEnv::Dump() const {
-  std::lock_guard<std::mutex> lock(st_->mu);
+  MutexLock lock(&st_->mu);
   std::vector<std::string> lines;
   DumpDir(*st_->root, "", lines);
   std::string out;

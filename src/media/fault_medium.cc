@@ -73,7 +73,7 @@ std::shared_ptr<FaultDisk> FaultDisk::Create(FaultDiskOptions opts) {
 std::unique_ptr<Medium> FaultDisk::Open() {
   std::unique_ptr<Medium> m;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     m = std::make_unique<FaultMedium>(shared_from_this(), generation_);
   }
   if (!opts_.sticky_sync) return m;
@@ -81,7 +81,7 @@ std::unique_ptr<Medium> FaultDisk::Open() {
 }
 
 void FaultDisk::Crash(CrashMode mode, uint64_t seed) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   CrashLocked(mode, seed);
 }
 
@@ -120,7 +120,7 @@ void FaultDisk::CrashLocked(CrashMode mode, uint64_t seed) {
 }
 
 void FaultDisk::AddRule(Rule r) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   r.at_call += calls_[static_cast<int>(r.op)];
   rules_.push_back(r);
 }
@@ -140,7 +140,7 @@ void FaultDisk::InjectErrorFrom(FaultOp op, uint64_t nth_call, int err) {
 }
 
 void FaultDisk::ClearErrors() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   rules_.clear();
 }
 
@@ -174,7 +174,7 @@ Status FaultDisk::DoWrite(uint64_t generation, uint64_t offset, const void* buf,
   const std::string what = RangeText("write", offset, n);
   NONSTOP_RETURN_IF_ERROR(
       media::CheckAligned("write", "fault-injecting device", offset, buf, n, opts_.alignment));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(BeginCallLocked(FaultOp::kWrite, generation, what));
   const auto* p = static_cast<const uint8_t*>(buf);
   ApplyWrite(visible_, offset, p, n);
@@ -186,7 +186,7 @@ Status FaultDisk::DoWrite(uint64_t generation, uint64_t offset, const void* buf,
 Status FaultDisk::DoRead(uint64_t generation, uint64_t offset, void* buf, size_t n) {
   NONSTOP_RETURN_IF_ERROR(
       media::CheckAligned("read", "fault-injecting device", offset, buf, n, opts_.alignment));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(
       BeginCallLocked(FaultOp::kRead, generation, RangeText("read", offset, n)));
   NONSTOP_RETURN_IF_ERROR(
@@ -196,7 +196,7 @@ Status FaultDisk::DoRead(uint64_t generation, uint64_t offset, void* buf, size_t
 }
 
 Status FaultDisk::DoSync(uint64_t generation) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(BeginCallLocked(FaultOp::kSync, generation, "sync"));
   // Replaying the log costs what was written since the last sync, not the
   // size of the disk.
@@ -213,7 +213,7 @@ Status FaultDisk::DoSync(uint64_t generation) {
 }
 
 Status FaultDisk::DoResize(uint64_t generation, uint64_t size) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(
       BeginCallLocked(FaultOp::kResize, generation, "resize to " + std::to_string(size)));
   visible_.resize(size);
@@ -222,43 +222,43 @@ Status FaultDisk::DoResize(uint64_t generation, uint64_t size) {
 }
 
 uint64_t FaultDisk::DoSize(uint64_t generation) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // A crashed medium has no size it can vouch for; 0 makes every read fail.
   return generation == generation_ ? visible_.size() : 0;
 }
 
 std::vector<uint8_t> FaultDisk::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return visible_;
 }
 
 std::vector<uint8_t> FaultDisk::DurableSnapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return durable_;
 }
 
 uint64_t FaultDisk::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return visible_.size();
 }
 
 uint64_t FaultDisk::writes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return writes_;
 }
 
 uint64_t FaultDisk::syncs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return syncs_;
 }
 
 uint64_t FaultDisk::crashes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return crashes_;
 }
 
 size_t FaultDisk::unsynced_ops() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return log_.size();
 }
 

@@ -18,10 +18,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "base/mutex.h"
 #include "nonstop/medium.h"
 #include "nonstop/status.h"
 
@@ -125,8 +125,8 @@ class FaultDisk : public std::enable_shared_from_this<FaultDisk> {
   explicit FaultDisk(FaultDiskOptions opts) : opts_(opts) {}
 
   // Counts a call of `op` and applies any matching rule. OK means proceed.
-  Status BeginCallLocked(FaultOp op, uint64_t generation, const std::string& what);
-  void CrashLocked(CrashMode mode, uint64_t seed);
+  Status BeginCallLocked(FaultOp op, uint64_t generation, const std::string& what) REQUIRES(mu_);
+  void CrashLocked(CrashMode mode, uint64_t seed) REQUIRES(mu_);
   void AddRule(Rule r);
 
   // Called by FaultMedium, which passes the generation it was opened at.
@@ -137,16 +137,16 @@ class FaultDisk : public std::enable_shared_from_this<FaultDisk> {
   uint64_t DoSize(uint64_t generation) const;
 
   const FaultDiskOptions opts_;
-  mutable std::mutex mu_;
-  std::vector<uint8_t> visible_;   // guarded by mu_
-  std::vector<uint8_t> durable_;   // guarded by mu_
-  std::vector<LogEntry> log_;      // guarded by mu_; unsynced changes in issue order
-  uint64_t generation_ = 0;        // guarded by mu_; bumped by each crash
-  uint64_t calls_[4] = {};         // guarded by mu_; per FaultOp
-  std::vector<Rule> rules_;        // guarded by mu_
-  uint64_t writes_ = 0;            // guarded by mu_
-  uint64_t syncs_ = 0;             // guarded by mu_
-  uint64_t crashes_ = 0;           // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<uint8_t> visible_ GUARDED_BY(mu_);
+  std::vector<uint8_t> durable_ GUARDED_BY(mu_);
+  std::vector<LogEntry> log_ GUARDED_BY(mu_);  // unsynced changes in issue order
+  uint64_t generation_ GUARDED_BY(mu_) = 0;  // bumped by each crash
+  uint64_t calls_[4] GUARDED_BY(mu_) = {};  // per FaultOp
+  std::vector<Rule> rules_ GUARDED_BY(mu_);
+  uint64_t writes_ GUARDED_BY(mu_) = 0;
+  uint64_t syncs_ GUARDED_BY(mu_) = 0;
+  uint64_t crashes_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace nonstop

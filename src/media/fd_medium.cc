@@ -180,13 +180,13 @@ Status CheckReadRange(const std::string& path, uint64_t offset, size_t n, uint64
 
 void DirtyRange::Add(uint64_t offset, uint64_t n) {
   if (n == 0) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   begin_ = std::min(begin_, offset);
   end_ = std::max(end_, offset + n);
 }
 
 bool DirtyRange::Take(uint64_t* begin, uint64_t* end) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (begin_ >= end_) return false;
   *begin = begin_;
   *end = end_;

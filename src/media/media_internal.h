@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "base/mutex.h"
 #include "nonstop/medium.h"
 #include "nonstop/status.h"
 
@@ -78,9 +79,9 @@ class DirtyRange {
   bool Take(uint64_t* begin, uint64_t* end);
 
  private:
-  std::mutex mu_;
-  uint64_t begin_ = UINT64_MAX;  // guarded by mu_
-  uint64_t end_ = 0;             // guarded by mu_
+  Mutex mu_;
+  uint64_t begin_ GUARDED_BY(mu_) = UINT64_MAX;
+  uint64_t end_ GUARDED_BY(mu_) = 0;
 };
 
 // Constructors of the backends, each on a file the Env already opened (`fd`,

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 
 namespace nonstop {

@@ -22,6 +22,7 @@
 #include <string>
 #include <utility>
 
+#include "base/mutex.h"
 #include "media/medium_wrapper.h"
 
 namespace nonstop::media {
@@ -43,7 +44,7 @@ class StickySyncMedium final : public MediumWrapper {
     if (failed_.load(std::memory_order_acquire)) return Sticky();
     Status st = MediumWrapper::Sync();
     if (!st.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!failed_.load(std::memory_order_relaxed)) {
         reason_ = Reason(st.message());
         failed_.store(true, std::memory_order_release);
@@ -59,7 +60,7 @@ class StickySyncMedium final : public MediumWrapper {
     return colon == std::string::npos ? message : message.substr(colon + 2);
   }
   Status Sticky() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return Status::IOError("an earlier fsync of " + path_ + " failed (" + reason_ +
                            "); nothing written to it since it was opened is trusted any more: "
                            "reopen it");
@@ -67,8 +68,8 @@ class StickySyncMedium final : public MediumWrapper {
 
   const std::string path_;
   std::atomic<bool> failed_{false};
-  mutable std::mutex mu_;
-  std::string reason_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::string reason_ GUARDED_BY(mu_);
 };
 
 }  // namespace nonstop::media

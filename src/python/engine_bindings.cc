@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "nonstop/engine.h"
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"

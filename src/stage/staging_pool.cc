@@ -28,12 +28,15 @@ Result<std::unique_ptr<StagingPool>> StagingPool::Create(CopyEngine* copy, uint6
     return Status::IOError("cannot allocate " + std::to_string(pool->base_bytes_) +
                            " bytes of staging memory: lower staging_bytes");
   }
-  pool->chunk_ptrs_.reserve(n);
-  pool->free_.reserve(n);
-  for (uint64_t i = 0; i < n; ++i) {
-    pool->chunk_ptrs_.push_back(pool->base_ + i * chunk_bytes);
-    // Hand out low indices first: consecutive chunks tend to stay warm in TLB and cache.
-    pool->free_.push_back(static_cast<uint32_t>(n - 1 - i));
+  {
+    MutexLock lock(&pool->mu_);  // not shared yet; taken for the analysis
+    pool->chunk_ptrs_.reserve(n);
+    pool->free_.reserve(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      pool->chunk_ptrs_.push_back(pool->base_ + i * chunk_bytes);
+      // Hand out low indices first: consecutive chunks tend to stay warm in TLB and cache.
+      pool->free_.push_back(static_cast<uint32_t>(n - 1 - i));
+    }
   }
   return pool;
 }
@@ -44,7 +47,7 @@ StagingPool::~StagingPool() {
 }
 
 Result<StagingPool::Chunk> StagingPool::Acquire() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (shutdown_) return Status::Aborted("staging pool is shut down");
   if (waiters_.empty() && !free_.empty()) {
     const uint32_t i = free_.back();
@@ -56,55 +59,55 @@ Result<StagingPool::Chunk> StagingPool::Acquire() {
   const uint64_t ticket = next_ticket_++;
   waiters_.push_back(ticket);
   const auto t0 = std::chrono::steady_clock::now();
-  cv_.wait(lock, [&] { return shutdown_ || (waiters_.front() == ticket && !free_.empty()); });
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return shutdown_ || (waiters_.front() == ticket && !free_.empty()); });
   wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ++waits_;
   waiters_.erase(std::find(waiters_.begin(), waiters_.end(), ticket));
   if (shutdown_) {
-    cv_.notify_all();
+    cv_.SignalAll();
     return Status::Aborted("staging pool is shut down");
   }
   const uint32_t i = free_.back();
   free_.pop_back();
   high_water_ = std::max<uint32_t>(high_water_, chunks() - static_cast<uint32_t>(free_.size()));
   // The next waiter in line may be able to proceed too.
-  if (!free_.empty() && !waiters_.empty()) cv_.notify_all();
+  if (!free_.empty() && !waiters_.empty()) cv_.SignalAll();
   return Chunk{i, chunk_ptrs_[i]};
 }
 
 void StagingPool::Release(const Chunk& chunk) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     free_.push_back(chunk.index);
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void StagingPool::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     shutdown_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 uint32_t StagingPool::in_use() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return chunks() - static_cast<uint32_t>(free_.size());
 }
 
 uint32_t StagingPool::high_water() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return high_water_;
 }
 
 double StagingPool::wait_s_total() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return wait_s_;
 }
 
 uint64_t StagingPool::waits() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return waits_;
 }
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "base/mutex.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/status.h"
 
@@ -73,15 +74,15 @@ class StagingPool {
   bool pinned_ = false;
   std::vector<std::byte*> chunk_ptrs_;  // immutable after Create
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<uint32_t> free_;      // GUARDED_BY(mu_)
-  std::deque<uint64_t> waiters_;    // GUARDED_BY(mu_): tickets of blocked Acquire calls, FIFO
-  uint64_t next_ticket_ = 0;        // GUARDED_BY(mu_)
-  bool shutdown_ = false;           // GUARDED_BY(mu_)
-  uint32_t high_water_ = 0;         // GUARDED_BY(mu_)
-  double wait_s_ = 0;               // GUARDED_BY(mu_)
-  uint64_t waits_ = 0;              // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::vector<uint32_t> free_ GUARDED_BY(mu_);
+  std::deque<uint64_t> waiters_ GUARDED_BY(mu_);  // tickets of blocked Acquire calls, FIFO
+  uint64_t next_ticket_ GUARDED_BY(mu_) = 0;
+  bool shutdown_ GUARDED_BY(mu_) = false;
+  uint32_t high_water_ GUARDED_BY(mu_) = 0;
+  double wait_s_ GUARDED_BY(mu_) = 0;
+  uint64_t waits_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace nonstop

@@ -6,12 +6,12 @@
 // Thread safety: Submit may be called from any thread, including from a task.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "base/mutex.h"
 
 namespace nonstop {
 
@@ -21,34 +21,34 @@ class TaskPool {
     for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
   }
   // Runs every task already submitted, then joins the threads.
-  ~TaskPool() {
+  ~TaskPool() EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     for (auto& t : threads_) t.join();
   }
   TaskPool(const TaskPool&) = delete;
   TaskPool& operator=(const TaskPool&) = delete;
 
-  void Submit(std::function<void()> task) {
+  void Submit(std::function<void()> task) EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       queue_.push_back(std::move(task));
     }
-    cv_.notify_one();
+    cv_.Signal();
   }
 
   int threads() const { return static_cast<int>(threads_.size()); }
 
  private:
-  void Run() {
+  void Run() EXCLUDES(mu_) {
     for (;;) {
       std::function<void()> task;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        MutexLock lock(&mu_);
+        cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stop_ || !queue_.empty(); });
         if (queue_.empty()) return;
         task = std::move(queue_.front());
         queue_.pop_front();
@@ -57,10 +57,10 @@ class TaskPool {
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                        // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> queue_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;         // fixed after construction
 };
 

@@ -5,7 +5,7 @@
 #include <climits>
 #include <cstring>
 
-#include "nonstop/store.h"
+#include "nonstop/crc32c.h"
 
 #ifdef NONSTOP_HAVE_ISAL
 #include <isa-l/crc.h>

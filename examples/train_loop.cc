@@ -1,10 +1,19 @@
-// A C++ training loop that checkpoints and restores through nonstop::Engine.
-// No Python, no torch: a tiny linear model y = W x + b fitted by SGD with
-// momentum on synthetic data. It shows the whole path a C++ user takes:
+// A C++ training loop that checkpoints through nonstop::Engine and recovers
+// through nonstop::JobDir, the job directory's one owner. No Python, no
+// torch: a tiny linear model y = W x + b fitted by SGD with momentum on
+// synthetic data. It shows the whole path a C++ user takes:
 //
 //   Engine::Open -> Register(tensors) -> per step: WaitCopied() before the
 //   update, Checkpoint(step) after it -> Close; later, in a "new process":
-//   Engine::Open -> Register -> Restore() -> continue.
+//   Engine::Open (the writer: it holds the directory's lock) ->
+//   JobDir::OpenForRead -> Select() (the one recovery selection: newest
+//   committed checkpoint no rollback abandoned whose data verifies, with a
+//   line for each newer one skipped) -> read its tensors by name ->
+//   Register -> Engine::AdoptRestored(counter) (the engine keeps that
+//   checkpoint until a newer one commits, and records a rollback before
+//   writing when newer ones exist) -> continue.
+// (Engine::Restore() does the same selection and read in one call; a caller
+// that reads with its own code, as the Python front end does, uses JobDir.)
 //
 // It trains 40 steps without interruption (the reference), then 40 steps
 // again with a checkpoint every 5 steps, "crashes" after step 27 (drops the
@@ -14,6 +23,8 @@
 //
 //   usage: nonstop_example_train_loop [dir]   (default: a fresh temp dir)
 #include <nonstop/engine.h>
+#include <nonstop/jobdir.h>
+#include <nonstop/store.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -154,17 +165,46 @@ int main(int argc, char** argv) {
     // The "crash": the model is lost. (A real kill -9 is tested from Python.)
   }
 
-  // 3. A new process: fresh memory, restore, finish.
+  // 3. A new process: fresh memory, recover through the job directory, finish.
   Model model;
   {
-    auto engine = Open(dir);
+    auto engine = Open(dir);  // the writer first: nothing else writes from here on
+    auto jd = nonstop::JobDir::OpenForRead(dir);
+    CHECK_OK(jd.status());
+    auto sel = (*jd)->Select(/*rank=*/0);  // verifies every chunk crc of the chosen one
+    CHECK_OK(sel.status());
+    for (const std::string& line : sel->skipped) std::printf("skipped: %s\n", line.c_str());
+    int64_t start = 0;
+    if (sel->chosen) {  // empty: no checkpoint at all, a fresh start
+      nonstop::Selected& c = *sel->chosen;
+      std::vector<nonstop::TensorRef> want = Tensors(model);
+      for (size_t t = 0; t < c.info.tensors.size(); ++t) {
+        const nonstop::TensorSpec& spec = c.info.tensors[t].spec;
+        bool found = false;
+        for (const nonstop::TensorRef& r : want) {
+          if (r.spec.name != spec.name) continue;
+          if (r.spec.nbytes != spec.nbytes) {
+            std::fprintf(stderr, "tensor %s: %llu bytes stored, %llu expected\n",
+                         spec.name.c_str(), (unsigned long long)spec.nbytes,
+                         (unsigned long long)r.spec.nbytes);
+            return 1;
+          }
+          CHECK_OK(c.file->ReadTensor(c.info, static_cast<int>(t), const_cast<void*>(r.data),
+                                      /*verify=*/true));
+          found = true;
+        }
+        if (!found) {
+          std::fprintf(stderr, "checkpoint holds an unknown tensor %s\n", spec.name.c_str());
+          return 1;
+        }
+      }
+      start = c.info.step + 1;
+      std::printf("recovered %s: checkpoint %llu (step %lld, %zu tensors, meta %s)\n",
+                  c.location.where.c_str(), (unsigned long long)c.info.counter,
+                  (long long)c.info.step, c.info.tensors.size(), c.info.meta_json.c_str());
+    }
     CHECK_OK(engine->Register(Tensors(model)));
-    auto info = engine->Restore();
-    CHECK_OK(info.status());
-    int64_t start = info->step + 1;
-    std::printf("restored checkpoint %llu (step %lld, %zu tensors, meta %s)\n",
-                (unsigned long long)info->counter, (long long)info->step, info->tensors.size(),
-                info->meta_json.c_str());
+    if (sel->chosen) CHECK_OK(engine->AdoptRestored(sel->chosen->info.counter));
     for (int64_t s = start; s < kSteps; ++s) {
       CHECK_OK(engine->WaitCopied());
       TrainStep(model, s);

@@ -56,6 +56,7 @@ const char* LayerCopyName(LayerCopy c);
 bool ParseLayerCopy(std::string_view name, LayerCopy* out);
 
 class Env;
+struct AgreedRecord;
 
 struct EngineOptions {
   // The job directory, created if missing. The engine opens it once as its
@@ -164,8 +165,8 @@ class Engine {
   // until a newer checkpoint commits, and when newer checkpoints exist the
   // first new checkpoint durably records the rollback (JobDir lineage) before
   // anything is written, so a crash never resumes a step rolled back from.
-  // Waits for everything in flight. No-op in distributed mode (Pin keeps the
-  // agreed checkpoint there).
+  // Waits for everything in flight. In distributed mode the slot is kept by
+  // Pin (the caller pins `counter`); the rollback is recorded all the same.
   virtual Status AdoptRestored(uint64_t counter);
   virtual EngineStats Stats() = 0;
   // Returns (and forgets) the oldest queued background failure; OK when none.
@@ -200,6 +201,9 @@ class Engine {
   // Releases the candidate if it is `counter` (the peers moved past it); the
   // next commit becomes the candidate.
   virtual Status DropCandidate(uint64_t counter);
+  // Writes rank `rec.rank`'s agreed record (jobdir.h) durably through the
+  // engine's job directory (its writer). FailedPrecondition once closed.
+  virtual Status WriteAgreed(const AgreedRecord& rec);
 
   // ---- Layer-wise checkpoints (LightCheck; docs/LAYERWISE.md) ----
   //

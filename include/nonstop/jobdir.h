@@ -38,8 +38,9 @@
 //   JobDir.open_for_write(path, rank=0, world_size=1) / JobDir.open_for_read(path)
 //   jd.select(rank=0, step=None, verify_data=True) -> dict(step, counter, where,
 //       slot, skipped=[...]) or None when no checkpoint file exists
-//   jd.select_common(world_size, step=None, set_aside_world=None) -> dict(step,
-//       counters=[...], wheres=[...], skipped=[...]); raises when none is common
+//   jd.select_common(world_size, step=None, set_aside_world=None, verify_data=True,
+//       max_step=None) -> dict(step, ranks=[SelectedCheckpoint...], skipped=[...]);
+//       raises when none is common
 //   jd.list(rank=0) -> [dict(step, counter, where, state, reason)]
 //   jd.record_restore(rank, counter), jd.lineage(rank) -> dict, jd.next_counter(rank)
 //   jd.needs_set_aside(world_size), jd.set_aside(world_size) -> [W...],
@@ -100,6 +101,8 @@ struct ListedCheckpoint {
 
 struct SelectOptions {
   std::optional<int64_t> step;         // only this step (restore(step=s))
+  std::optional<int64_t> max_step;     // only steps at most this (a fallback below a step
+                                       // some rank could not use)
   bool verify_data = true;             // verify every data chunk crc of the chosen one
   bool include_keep = true;            // consider keep/ copies too
   std::vector<uint64_t> exclude;       // counters the caller found damaged while reading
@@ -129,11 +132,16 @@ struct CommonSelection {
 };
 
 struct LineageRecord {
-  // Closed ranges [lo, hi] of abandoned counters, sorted, disjoint.
+  // Closed ranges [lo, hi] of abandoned counters, sorted, disjoint: rolled
+  // back from by a restore, or noted by RecordNotDurable.
   std::vector<std::pair<uint64_t, uint64_t>> abandoned;
   uint64_t restored_counter = 0;       // counter of the last RecordRestore (0 = none)
   uint64_t abandoned_through = 0;      // highest abandoned counter (0 = none)
+  // Counters RecordNotDurable noted (sorted; the newest 1024, for reasons:
+  // each is also an abandoned range).
+  std::vector<uint64_t> not_durable;
   bool IsAbandoned(uint64_t counter) const;
+  bool NotDurable(uint64_t counter) const;
 };
 
 struct AgreedRecord {
@@ -202,6 +210,14 @@ class JobDir {
   // present in R's files is abandoned. Call before writing anything new.
   Status RecordRestore(int rank, uint64_t counter);
   Result<LineageRecord> ReadLineage(int rank);
+  // Durably notes that checkpoint `counter` of rank R must never be chosen:
+  // its commit failed after its record may have reached the slot file (a
+  // failed sync: the record can still be read back from the page cache, and
+  // a power cut may or may not keep it). It becomes an abandoned counter
+  // (every selection, the engine's open and Restore skip it), listed with
+  // the reason "never durable". The engine calls it after every failed
+  // commit, before any later checkpoint commits.
+  Status RecordNotDurable(int rank, uint64_t counter);
   // First counter a writer of rank R may use (above every record and every
   // abandoned counter).
   Result<uint64_t> NextCounter(int rank);
@@ -217,7 +233,8 @@ class JobDir {
   Status Keep(SlotFile& src, const CheckpointInfo& info);
 
   // ---- Set-aside for resharding (writer) ----
-  // Whether rank files of another world size than `world_size` are here.
+  // Whether readable rank files of another world size than `world_size` are
+  // here (the ones SetAside would move; unreadable ones are left alone).
   Result<bool> NeedsSetAside(int world_size);
   // Moves them (with their agreed and lineage records) into world-W/ by
   // rename + SyncDir; returns the W's moved. A file already set aside there

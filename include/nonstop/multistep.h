@@ -167,6 +167,12 @@ class MultistepCheckpoint {
   // its error).
   virtual Status Wait() = 0;
   virtual std::optional<CommittedCheckpoint> Latest() = 0;
+  // Engine::AdoptRestored through this class (the caller restored committed
+  // checkpoint `counter` with its own reader): it stays intact until a newer
+  // one commits, and a rollback is recorded in the job directory's lineage
+  // before anything new is written. Waits for the windows in flight;
+  // FailedPrecondition while a window is open (between Begin and SetOutputs).
+  virtual Status AdoptRestored(uint64_t counter) = 0;
   virtual MultistepStats Stats() = 0;
   // Waits for the background work and stops it. Idempotent. Does not close the engine.
   virtual Status Close() = 0;

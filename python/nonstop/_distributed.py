@@ -13,14 +13,23 @@ adds what a rank cannot decide alone:
   group (never the training group): each rank contributes its engine's
   *candidate* (the oldest committed checkpoint above the pinned one); when
   every rank holds the same step, each pins it (Engine::Pin: the slot is kept
-  until a newer step is agreed) and writes `agreed-rank-RRRRR.json` durably.
-  The training thread never waits for a round.
-* **Recovery.** Every rank lists the steps its own file holds committed;
-  the ranks pick the newest step present on all of them (with the same
-  lineage), each reads and verifies its own file, and the replicated tensors
-  are reassembled by an exact (uint8) all_reduce over the gloo group, so no
-  rank reads another's disk. A rank that fails to verify makes all of them
-  fall back to the next older common step.
+  until a newer step is agreed) and the engine writes its agreed record
+  durably through the job directory (Engine::WriteAgreed, JobDir). The
+  training thread never waits for a round.
+* **Recovery.** Every rank lists the steps its own file holds committed and
+  not abandoned by a rollback (JobDir.list: the C++ owner of the job
+  directory decides); the ranks pick the newest step present on all of them,
+  each selects and verifies its own checkpoint of that step (JobDir.select),
+  and the replicated tensors are reassembled by an exact (uint8) all_reduce
+  over the gloo group, so no rank reads another's disk. A rank that fails to
+  verify, or a step whose ranks' checkpoints are of different runs, makes
+  all of them fall back to the next older common step. The restored
+  checkpoint is pinned and adopted by the engine, which records the rollback
+  in the rank's lineage record before anything new is written.
+
+This module does no file I/O of the job directory's policy files: the agreed
+and lineage records, set-aside and the recovery selection are JobDir's (C++,
+through the Env seam). Python keeps the torch.distributed (gloo) calls.
 """
 from __future__ import annotations
 
@@ -28,7 +37,6 @@ import datetime
 import json
 import os
 import random
-import re
 import threading
 import time
 import warnings
@@ -41,9 +49,6 @@ from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoun
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
 REPLICATED = ("shard", "rank0")
-_RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
-_AGREED_FILE = re.compile(r"^agreed-rank-(\d{5})\.json$")
-_ARCHIVE = re.compile(r"^world-(\d+)$")
 # Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
 CONSOLIDATED = "nonstop_consolidated_zero"
 # Tensors smaller than this (in elements) are not cut: one rank writes each whole.
@@ -150,29 +155,24 @@ def _owner(name: str, world: int) -> int:
     return zlib.crc32(name.encode()) % world
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+def _open_read(dir: str):
+    """The job directory opened for reading (JobDir, no lock), or None when
+    it does not exist."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def agreed_path(dir: str, rank: int) -> str:
-    return os.path.join(dir, f"agreed-rank-{rank:05d}.json")
+        return _core().JobDir.open_for_read(dir)
+    except CheckpointNotFoundError:
+        return None
 
 
 def read_agreed(dir: str, rank: int) -> Optional[dict]:
+    """Rank `rank`'s agreed record (JobDir); None when missing or unreadable
+    (it only dates the agreed step: recovery never depends on it)."""
+    jd = _open_read(dir)
+    if jd is None:
+        return None
     try:
-        with open(agreed_path(dir, rank)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return jd.read_agreed(rank)
+    except CheckpointError:
         return None
 
 
@@ -206,13 +206,23 @@ class Distributed:
         # ranks take turns, so each file is moved once on a shared file system.
         # Each rank looks at one file first, so a same-size restart costs one
         # file header per rank and one all_gather.
-        flags = torch.tensor([1 if needs_set_aside(dir, rank, world) else 0])
+        err = None
+        try:
+            need = needs_set_aside(dir, world)
+        except CheckpointError as e:
+            need, err = False, str(e)
+        _Comm(self.group, world).check(err)
+        flags = torch.tensor([1 if need else 0])
         dist.all_reduce(flags, group=self.group)
         if int(flags.item()):
             for turn in range(world):
+                err = None
                 if turn == rank:
-                    set_aside(dir, world, quick=False)
-                dist.barrier(group=self.group)
+                    try:
+                        set_aside(dir, world, rank=rank, quick=False)
+                    except CheckpointError as e:
+                        err = str(e)
+                _Comm(self.group, world).check(err)
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
@@ -321,10 +331,14 @@ class Distributed:
         self.engine.pin(counter)
         self._record(counter, step)
 
-    def _record(self, counter: int, step: int) -> None:
+    def _record(self, counter: int, step: int, resharded_from=None) -> None:
+        """This rank's agreed record, written durably by the engine's job
+        directory (C++; the engine holds the writer lock)."""
         rec = {"step": step, "counter": counter, "lineage": self.lineage, "rank": self.rank,
                "world_size": self.world, "unix_s": time.time()}
-        _atomic_write(agreed_path(self.dir, self.rank), json.dumps(rec))
+        if resharded_from is not None:
+            rec["resharded_from"] = resharded_from
+        self.engine.write_agreed(rec)
         self.agreed = rec
 
     def agreed_step(self) -> Optional[int]:
@@ -358,47 +372,46 @@ class Distributed:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
         self.engine = engine
-        got = self.recover(lambda d, r: core().Reader(d, rank=r, verify_data=True), step,
-                           check_world)
+        got = self.recover(step, check_world)
         if got is None:
             return None
-        info, tensors, meta = got
+        info, tensors, meta, path = got
         info = dict(info)
         info.pop("meta_json", None)
-        return loaded_cls(info["step"], info["counter"], tensors, meta, info,
-                          os.path.join(self.dir, f"rank-{self.rank:05d}.nsck"))
+        return loaded_cls(info["step"], info["counter"], tensors, meta, info, path)
 
-    def recover(self, reader_factory, step: Optional[int], check_world) -> Optional[tuple]:
-        """(info, tensors, meta) of the agreed checkpoint of this rank; see load()."""
+    def recover(self, step: Optional[int], check_world) -> Optional[tuple]:
+        """(info, tensors, meta, path) of the agreed checkpoint of this rank;
+        see load(). The choices are JobDir's: which checkpoints of this rank
+        are committed and not abandoned (list), which one of a step verifies
+        (select); the ranks only agree on the step."""
         dist = torch.distributed
-        mine = []  # (step, lineage) committed in this rank's file
-        reader, geometry = None, None
-        path = os.path.join(self.dir, f"rank-{self.rank:05d}.nsck")
-        if os.path.exists(path):
-            reader = reader_factory(self.dir, self.rank)
-            geometry = reader.geometry
-        worlds = [None] * self.world
-        dist.all_gather_object(worlds, None if geometry is None else geometry["world_size"],
-                               group=self.group)
-        for w in worlds:
-            if w is not None and w != self.world:
-                raise IncompatibleCheckpointError(
-                    f"{self.dir} was written by a job of world size {w}; this job has world size "
-                    f"{self.world} and the old rank files were not set aside for resharding: "
-                    f"open the directory with nonstop.Checkpointer (it moves them to world-{w}/ "
-                    f"and restore() reshards), restart with world size {w}, or reshard through "
-                    f"DCP (nonstop export --format dcp)")
+        comm = _Comm(self.group, self.world)
+        jd, err, foreign, mine = None, None, False, []
+        try:
+            jd = _open_read(self.dir)
+            if jd is not None:
+                foreign = jd.needs_set_aside(self.world)
+                mine = sorted({int(c["step"]) for c in jd.list(self.rank)
+                               if c["state"] == "committed" and not c["keep"]}, reverse=True)
+        except CheckpointError as e:
+            err = str(e)
+        comm.check(err, CorruptCheckpointError)
+        if any(comm.gather(foreign)):
+            raise IncompatibleCheckpointError(
+                f"{self.dir} holds rank files written by a job of another world size; this job "
+                f"has world size {self.world} and the old rank files were not set aside for "
+                f"resharding: open the directory with nonstop.Checkpointer (it moves them to "
+                f"world-W/ and restore() reshards), restart with their world size, or reshard "
+                f"through DCP (nonstop export --format dcp)")
         check_world(self.dir)
-        metas = _committed(reader) if reader is not None else {}
-        mine.extend(metas)
-        every = [None] * self.world
-        dist.all_gather_object(every, sorted(set(mine), reverse=True), group=self.group)
+        every = comm.gather(mine)
         common = set(every[0])
         for s in every[1:]:
             common &= set(s)
         order = sorted(common, reverse=True)
         if step is not None:
-            order = [c for c in order if c[0] == step]
+            order = [c for c in order if c == step]
         if not order:
             # Nothing this world size committed on every rank: a set-aside
             # checkpoint of another world size, resharded.
@@ -408,39 +421,46 @@ class Distributed:
         if not any(every) and step is None:
             return None
         if not order:
-            have = sorted({s for s, _ in mine}, reverse=True)
             raise CheckpointNotFoundError(
                 f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
                 f"committed on every rank of {self.dir} (rank {self.rank} holds steps "
-                f"{have or 'none'})")
+                f"{mine or 'none'})")
         agreed = self.agreed["step"] if self.agreed else None
-        for n, key in enumerate(order):
-            idx, meta = metas[key]
-            info = reader.checkpoints[idx]
-            err = None
-            tensors = {}
+        from ._state import loads
+        for n, s in enumerate(order):
+            err, lineage, sel, meta, tensors = None, None, None, None, {}
             try:
+                # Chunk crcs are verified as the tensors are read below.
+                sel = jd.select(self.rank, step=s, verify_data=False, include_keep=False)
+                info = sel.info
+                meta = loads(info["meta_json"])
+                if not isinstance(meta, dict):
+                    raise CorruptCheckpointError(f"{sel.where}: step {s}: malformed metadata")
+                lineage = int(meta.get("dist", {}).get("lineage", 0))
                 for ti, spec in enumerate(info["tensors"]):
                     t = torch.empty(spec["shape"], dtype=_torch_dtype(spec["dtype"]))
                     if spec["nbytes"]:
-                        reader.read_tensor(idx, ti, t.data_ptr(), spec["nbytes"])
+                        sel.read_tensor(ti, t.data_ptr(), spec["nbytes"])
                     tensors[spec["name"]] = t
-            except (CorruptCheckpointError, OSError) as e:
+            except (CheckpointError, OSError) as e:
                 err = str(e)
-            oks = [None] * self.world
-            dist.all_gather_object(oks, err, group=self.group)
-            bad = [(r, e) for r, e in enumerate(oks) if e is not None]
+            got = comm.gather((err, lineage))
+            bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
+            if not bad and len({lin for _, lin in got}) > 1:
+                # Same step, different runs (a rank crashed before recording a
+                # rollback the others recorded): never mixed.
+                bad = [(r, f"step {s} is of run {lin}") for r, (_, lin) in enumerate(got)]
             if bad:
                 where = "; ".join(f"rank {r}: {e}" for r, e in bad)
                 if n + 1 == len(order):
                     raise CorruptCheckpointError(
                         f"no checkpoint every rank of {self.dir} can verify: {where}")
-                warnings.warn(f"nonstop: step {key[0]} fails on {where}; all ranks fall back to "
-                              f"step {order[n + 1][0]}", stacklevel=4)
+                warnings.warn(f"nonstop: step {s} fails on {where}; all ranks fall back to "
+                              f"step {order[n + 1]}", stacklevel=4)
                 continue
             full = self._assemble(tensors, info, meta)
-            if agreed is not None and key[0] < agreed:
-                warnings.warn(f"nonstop: rank {self.rank} restores step {key[0]}, older than the "
+            if agreed is not None and s < agreed:
+                warnings.warn(f"nonstop: rank {self.rank} restores step {s}, older than the "
                               f"agreed step {agreed}", stacklevel=4)
             counter = int(info["counter"])
             self.lineage = self._new_lineage()
@@ -448,11 +468,12 @@ class Distributed:
             cand = self.engine.candidate()
             if cand is not None and cand[0] != counter:
                 self.engine.drop_candidate(cand[0])
-            rec = {"step": key[0], "counter": counter, "lineage": self.lineage,
-                   "rank": self.rank, "world_size": self.world, "unix_s": time.time()}
-            _atomic_write(agreed_path(self.dir, self.rank), json.dumps(rec))
-            self.agreed = rec
-            return info, full, meta
+            # A rollback is final (DESIGN.md invariant 9): the engine records
+            # in this rank's lineage record, before it writes anything new,
+            # that the counters above this one are abandoned.
+            self.engine.adopt_restored(counter)
+            self._record(counter, s)
+            return info, full, meta, os.path.join(self.dir, sel.where)
         return None
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
@@ -482,12 +503,8 @@ class Distributed:
         cand = self.engine.candidate()
         if cand is not None:  # a newer checkpoint of this world size, not on every rank
             self.engine.drop_candidate(cand[0])
-        rec = {"step": key[0], "counter": -1, "lineage": self.lineage, "rank": self.rank,
-               "world_size": self.world, "resharded_from": [archive, old_world],
-               "unix_s": time.time()}
-        _atomic_write(agreed_path(self.dir, self.rank), json.dumps(rec))
-        self.agreed = rec
-        return info, tensors, meta
+        self._record(-1, key[0], (os.path.basename(archive), old_world))
+        return info, tensors, meta, os.path.join(self.dir, _core().JobDir.slot_name(self.rank))
 
     def _assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
         """Reassembles every replicated tensor from the ranks' pieces with an
@@ -540,104 +557,44 @@ def _core():
     return core()
 
 
-def _file_world(dir: str, rank: int) -> Optional[int]:
-    """World size in the geometry of `dir`/rank-RRRRR.nsck; None when it
-    cannot be read (damaged, being created)."""
-    try:
-        return int(_core().Reader(dir, rank=rank, verify_data=False).geometry["world_size"])
-    except Exception:  # noqa: BLE001 -- unreadable: not ours to move
-        return None
+def needs_set_aside(dir: str, world: int) -> bool:
+    """Whether `dir` holds readable rank files of another world size
+    (JobDir.needs_set_aside; no lock taken, nothing changed)."""
+    jd = _open_read(dir)
+    return jd is not None and jd.needs_set_aside(world)
 
 
-def _has_committed(dir: str, rank: int) -> bool:
-    try:
-        return any(c["committed"] for c in
-                   _core().Reader(dir, rank=rank, verify_data=False).checkpoints)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def needs_set_aside(dir: str, rank: int, world: int) -> bool:
-    """Whether `dir` seems to hold rank files of another world size: this
-    rank's own file, or else the lowest-numbered one, is of another size."""
-    if not os.path.isdir(dir):
-        return False
-    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, os.listdir(dir)) if m)
-    if not ranks:
-        return False
-    if ranks[-1] >= world:
-        return True
-    w = _file_world(dir, rank if rank in ranks else ranks[0])
-    return w is not None and w != world
-
-
-def set_aside(dir: str, world: int, quick: bool = True) -> list:
-    """Moves the rank files (and agreed records) that a job of another world
-    size wrote in `dir` into `dir`/world-W/, so this job's engines start
-    their own files. Returns the archive directories it moved files into.
-    With world_size > 1 the ranks take turns (Distributed.__init__), so on a
+def set_aside(dir: str, world: int, rank: int = 0, quick: bool = True) -> list:
+    """Moves the rank files (with their agreed and lineage records) that a job
+    of another world size wrote in `dir` into `dir`/world-W/, so this job's
+    engines start their own files (JobDir.set_aside: durable moves through
+    the Env, under rank `rank`'s writer lock, released before the engine
+    takes it). Returns the set-aside directories it moved files into. With
+    world_size > 1 the ranks take turns (Distributed.__init__), so on a
     shared file system one rank moves each file; on local disks each node's
-    first rank moves its copies. quick: return at once when the first file
-    looked at is of this world size (needs_set_aside)."""
-    if not os.path.isdir(dir) or (quick and not needs_set_aside(dir, 0, world)):
+    first rank moves its copies. quick: return at once when nothing needs
+    moving (needs_set_aside)."""
+    if quick and not needs_set_aside(dir, world):
         return []
-    moved = set()
-    for name in sorted(os.listdir(dir)):
-        m = _RANK_FILE.match(name)
-        if not m:
-            continue
-        w = _file_world(dir, int(m.group(1)))
-        if w is None or w == world:
-            continue
-        dest = os.path.join(dir, f"world-{w}")
-        os.makedirs(dest, exist_ok=True)
-        src, target = os.path.join(dir, name), os.path.join(dest, name)
-        if os.path.exists(target):
-            # An older set-aside of world size W: the file here supersedes it
-            # unless it holds no committed checkpoint (then it is kept aside).
-            if not _has_committed(dir, int(m.group(1))):
-                target += ".uncommitted"
-            else:
-                os.replace(target, target + ".prev")
-        try:
-            os.rename(src, target)
-        except FileNotFoundError:
-            continue
-        moved.add(dest)
-        rec = agreed_path(dir, int(m.group(1)))
-        try:
-            os.replace(rec, os.path.join(dest, os.path.basename(rec)))
-        except FileNotFoundError:
-            pass
-    for d in sorted(moved):
-        _fsync_dir(d)
+    jd = _core().JobDir.open_for_write(dir, rank=rank, world_size=world)
+    try:
+        moved = [os.path.join(dir, _core().JobDir.world_name(w)) for w in jd.set_aside(world)]
+    finally:
+        jd.close()
     if moved:
-        _fsync_dir(dir)
         warnings.warn(f"nonstop: {dir} holds a checkpoint of world size "
-                      f"{', '.join(os.path.basename(d)[6:] for d in sorted(moved))}; this job has "
+                      f"{', '.join(os.path.basename(d)[6:] for d in moved)}; this job has "
                       f"world size {world}: its rank files are moved to "
-                      f"{', '.join(sorted(moved))} and restore() reshards them", stacklevel=4)
-    return sorted(moved)
+                      f"{', '.join(moved)} and restore() reshards them", stacklevel=4)
+    return moved
 
 
 def archives(dir: str) -> list:
     """(old world size, directory) of the set-aside checkpoints in `dir`."""
-    if not os.path.isdir(dir):
+    jd = _open_read(dir)
+    if jd is None:
         return []
-    out = []
-    for name in sorted(os.listdir(dir)):
-        m = _ARCHIVE.match(name)
-        if m and os.path.isdir(os.path.join(dir, name)):
-            out.append((int(m.group(1)), os.path.join(dir, name)))
-    return out
+    return [(w, os.path.join(dir, _core().JobDir.world_name(w))) for w in jd.set_aside_worlds()]
 
 
 class _Comm:
@@ -947,18 +904,17 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     """Checkpointer.restore with world size 1 where set-aside checkpoints of
     another world size exist: this process's own file when it holds a
     (matching) committed checkpoint, else the newest set-aside one, resharded."""
-    own = os.path.join(dir, "rank-00000.nsck")
-    if os.path.exists(own):
-        try:
-            steps = [c["step"] for c in _core().Reader(dir, rank=0, verify_data=False).checkpoints
-                     if c["committed"]]
-        except Exception:  # noqa: BLE001 -- let the ordinary path report it
-            steps = [step]
-        if steps and (step is None or step in steps):
-            return read_own()
+    jd = _open_read(dir)
+    try:
+        listed = [] if jd is None else [c for c in jd.list(0) if not c["keep"]]
+    except CheckpointError:  # let the ordinary path report it
+        return read_own()
+    steps = [c["step"] for c in listed if c["state"] == "committed"]
+    if steps and (step is None or step in steps):
+        return read_own()
     best = pick_archive(dir, 1)
     if best is None:
-        return read_own() if os.path.exists(own) else None
+        return read_own() if listed else None
     old_world, archive, _ = best
     key, info, tensors, meta = reshard(archive, old_world, 0, 1, step, _Comm(), state)
     return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,

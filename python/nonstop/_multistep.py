@@ -129,7 +129,7 @@ def _torch_picks_foreach(params: list) -> bool:
 class MultistepMode:
     """Drives nonstop._core.Multistep for one Checkpointer. Stands in for the
     engine object of concurrent mode (wait_copied, wait_committed, latest,
-    stats, close)."""
+    adopt_restored, stats, close)."""
 
     def __init__(self, ckpt, core, engine_kwargs: dict, parts: int, overlap_gradients: bool):
         opts = [o for o in ckpt.state.values() if isinstance(o, torch.optim.Optimizer)]
@@ -360,6 +360,13 @@ class MultistepMode:
 
     def latest(self):
         return self.core.latest()
+
+    def adopt_restored(self, counter: int) -> None:
+        """Checkpointer.restore() restored `counter`: the engine keeps it
+        intact until a newer one commits and records a rollback in the job
+        directory's lineage before anything new is written
+        (Engine::AdoptRestored, through the Multistep's serialised engine)."""
+        self.core.adopt_restored(counter)
 
     def stats(self) -> dict:
         s = self.core.stats()

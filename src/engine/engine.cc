@@ -191,6 +191,7 @@ class EngineImpl final : public Engine {
   Status Pin(uint64_t counter) override;
   std::optional<CommittedCheckpoint> Candidate() override;
   Status DropCandidate(uint64_t counter) override;
+  Status WriteAgreed(const AgreedRecord& rec) override;
 
   Result<uint64_t> BeginCheckpoint(int64_t step) override;
   Status CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) override;
@@ -236,6 +237,9 @@ class EngineImpl final : public Engine {
   void AddStall(double s);    // REQUIRES(mu_)
   Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
   Status KeepCopy(SlotFile& file, const CheckpointInfo& info);  // committer thread only
+  // Committer thread: notes every counter in unnoted_ through
+  // JobDir::RecordNotDurable; the first error when one cannot be noted.
+  Status NoteNotDurable();
   // Committer thread: `failed`'s commit failed on a sync of its slot file.
   void AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm);
   // Wraps a slot file's medium (opened as `name` in the job directory).
@@ -250,6 +254,8 @@ class EngineImpl final : public Engine {
   // The job directory, opened as its writer for the engine's life (holds
   // the rank's lock); every file name and file operation goes through it.
   std::unique_ptr<JobDir> jd_;
+  // Held around WriteAgreed (agreement thread) and the jd_.reset() in Close().
+  std::mutex agreed_mu_;
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<StagingPool> staging_;
   std::unique_ptr<TaskPool> writers_;
@@ -305,6 +311,7 @@ class EngineImpl final : public Engine {
   // Counters whose commit failed on a failed fsync: their record may be
   // readable (page cache) without being durable. Restore never picks them.
   std::set<uint64_t> not_durable_;                   // GUARDED_BY(mu_)
+  std::vector<uint64_t> unnoted_;  // committer thread only: failed commits not yet noted
   // The counter the last Restore() rolled back to, until RecordRollback.
   std::optional<uint64_t> rollback_from_;            // GUARDED_BY(mu_)
   EngineStats stats_;                                // GUARDED_BY(mu_)
@@ -904,6 +911,12 @@ void EngineImpl::CommitLoop() {
       FinishJob(job, false, false, st);
       continue;
     }
+    // An earlier failed commit whose note could not be written: nothing
+    // newer commits before it is (a restart must never choose that one).
+    if (Status ns = NoteNotDurable(); !ns.ok()) {
+      FinishJob(job, false, false, ns);
+      continue;
+    }
     // Claim: only a counter above every claimed one may commit (PCcheck's CAS
     // rule, on all 64 bits). A late older checkpoint is superseded.
     uint64_t cur = claimed_.load(std::memory_order_acquire);
@@ -932,6 +945,16 @@ void EngineImpl::CommitLoop() {
       if (SlotMedium* sm = SlotOf(*job->file); sm != nullptr && sm->sync_failed()) {
         AfterFailedSync(job, *sm);
       }
+      // Its record may be in the file (readable from the page cache, and
+      // perhaps kept by a power cut): note durably, in the job directory's
+      // lineage record, that it is never to be chosen (FORMAT.md).
+      unnoted_.push_back(job->counter);
+      Status failed = info.status().Annotate("commit");
+      if (Status ns = NoteNotDurable(); !ns.ok()) {
+        failed = Status(failed.code(), failed.message() + "; and noting it as never durable " +
+                                           "failed (retried before the next commit): " +
+                                           ns.message());
+      }
       // Give the claim back so an older in-flight checkpoint may still commit.
       uint64_t expected = job->counter;
       uint64_t durable;
@@ -940,7 +963,7 @@ void EngineImpl::CommitLoop() {
         durable = committed_counter_;
       }
       claimed_.compare_exchange_strong(expected, durable, std::memory_order_acq_rel);
-      FinishJob(job, false, false, info.status().Annotate("commit"));
+      FinishJob(job, false, false, failed);
       continue;
     }
     if (opts_.keep_every > 0 && job->counter % opts_.keep_every == 0) {
@@ -954,6 +977,14 @@ void EngineImpl::CommitLoop() {
     }
     FinishJob(job, true, false, Status::OK());
   }
+}
+
+Status EngineImpl::NoteNotDurable() {
+  while (!unnoted_.empty()) {
+    NONSTOP_RETURN_IF_ERROR(jd_->RecordNotDurable(rank(), unnoted_.front()));
+    unnoted_.erase(unnoted_.begin());
+  }
+  return Status::OK();
 }
 
 Status EngineImpl::KeepCopy(SlotFile& file, const CheckpointInfo& info) {
@@ -1242,10 +1273,9 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
       // A rollback is final (DESIGN.md invariant 9): when newer records
       // exist (damaged, or an older step asked for), the next checkpoint
       // first records durably that their counters are abandoned
-      // (RecordRollback). Distributed mode records rollbacks by agreement
-      // (Pin) instead.
+      // (RecordRollback), in distributed mode too (there Pin keeps the slot).
       rollback_from_.reset();
-      if (!opts_.global_agreement && report.checkpoints.front().info.counter > c.info.counter) {
+      if (report.checkpoints.front().info.counter > c.info.counter) {
         rollback_from_ = c.info.counter;
       }
       ProtectRestored(file, c.info);
@@ -1267,7 +1297,6 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
 Status EngineImpl::AdoptRestored(uint64_t counter) {
   std::unique_lock<std::mutex> lock(mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
-  if (opts_.global_agreement) return Status::OK();
   if (open_ > 0) {
     return Status::FailedPrecondition("AdoptRestored while a layer-wise checkpoint is open: "
                                       "EndCheckpoint first");
@@ -1282,6 +1311,9 @@ Status EngineImpl::AdoptRestored(uint64_t counter) {
   uint64_t newest = 0;
   for (const ScannedCheckpoint& c : report.checkpoints) newest = std::max(newest, c.info.counter);
   if (newest > counter) rollback_from_ = counter;
+  // Distributed mode: ProtectRestored leaves the slot to Pin (the caller
+  // pins `counter`); the rollback above is recorded all the same, so a crash
+  // never resumes a rank's abandoned future (DESIGN.md invariant 9).
   for (const ScannedCheckpoint& c : report.checkpoints) {
     if (c.state == CheckpointState::kCommitted && c.info.counter == counter) {
       ProtectRestored(file, c.info);
@@ -1392,6 +1424,13 @@ Status EngineImpl::DropCandidate(uint64_t counter) {
   return Status::OK();
 }
 
+Status EngineImpl::WriteAgreed(const AgreedRecord& rec) {
+  // Not under mu_: the record's fsyncs never stall the training thread.
+  std::lock_guard<std::mutex> l(agreed_mu_);
+  if (!jd_) return Status::FailedPrecondition("the engine of " + opts_.dir + " is closed");
+  return jd_->WriteAgreed(rec);
+}
+
 Status EngineImpl::Close() {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return Status::OK();
@@ -1422,7 +1461,10 @@ Status EngineImpl::Close() {
   pinned_file_.reset();
   lock.unlock();
   staging_.reset();
-  jd_.reset();  // releases the writer lock
+  {
+    std::lock_guard<std::mutex> l(agreed_mu_);
+    jd_.reset();  // releases the writer lock
+  }
   return st;
 }
 
@@ -1503,6 +1545,9 @@ Status Engine::DropCandidate(uint64_t) {
 }
 
 Status Engine::AdoptRestored(uint64_t) { return Status::OK(); }
+Status Engine::WriteAgreed(const AgreedRecord&) {
+  return Status::FailedPrecondition("this engine keeps no agreed records");
+}
 
 // Engines that do not implement layer-wise checkpoints say so.
 Result<uint64_t> Engine::BeginCheckpoint(int64_t) {

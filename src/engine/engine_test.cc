@@ -18,6 +18,7 @@
 #include "media/fault_medium.h"
 #include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
+#include "nonstop/jobdir.h"
 #include "nonstop/store.h"
 
 namespace nonstop {
@@ -490,6 +491,83 @@ TEST_F(EngineTest, AFailedFsyncNeverLetsACheckpointWrittenBeforeItCommit) {
   EXPECT_EQ(t.data, want.data);
 }
 
+TEST_F(EngineTest, ACommitWhoseRecordSyncFailedIsNeverChosenAfterARestart) {
+  // Regression (issue 14): the commit record was written, its fsync failed and
+  // the engine reported the failure, but the record stayed readable (from the
+  // page cache: no power cut) and the next start resumed that checkpoint,
+  // whose bytes never reached the disk.
+  LinuxRig rig;
+  EngineOptions o = Options();
+  auto t = MakeTensor("t", 100000);
+  {
+    auto engine = std::move(OpenEngine(o, rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    t.Fill(1, 0);
+    ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+    ASSERT_TRUE(engine->WaitCommitted().ok());
+    rig.cache->Arm(2, 0);  // checkpoint 2: the data sync passes, the record's sync fails
+    t.Fill(2, 0);
+    auto c2 = engine->Checkpoint(2, "");
+    ASSERT_TRUE(c2.ok());
+    Status st = engine->WaitCommitted(*c2);
+    EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+    {
+      std::lock_guard<std::mutex> l(rig.cache->mu);
+      ASSERT_EQ(rig.cache->failed_syncs, 1);
+    }
+    EXPECT_EQ(engine->Latest()->step, 1);
+    ASSERT_TRUE(engine->Close().ok());
+  }
+  // The record of step 2 is still readable (the precondition of the defect).
+  {
+    auto sf = SlotFile::Open(std::make_unique<LinuxCachedMedium>(rig.cache));
+    ASSERT_TRUE(sf.ok()) << sf.status().ToString();
+    ScanOptions so;
+    so.verify_data = false;
+    auto rep = (*sf)->Scan(so);
+    ASSERT_TRUE(rep.ok());
+    bool seen = false;
+    for (const ScannedCheckpoint& c : rep->checkpoints) {
+      seen = seen || (c.info.step == 2 && c.state == CheckpointState::kCommitted);
+    }
+    ASSERT_TRUE(seen) << "the test no longer leaves step 2's record readable";
+  }
+  // A restart without a power cut never resumes step 2 ...
+  {
+    auto engine = std::move(OpenEngine(o, rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    ASSERT_TRUE(engine->Latest().has_value());
+    EXPECT_EQ(engine->Latest()->step, 1) << "resumed a checkpoint whose commit failed";
+    t.Fill(0, 0);
+    auto info = engine->Restore();
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    EXPECT_EQ(info->step, 1);
+    auto want = MakeTensor("t", 100000);
+    want.Fill(1, 0);
+    EXPECT_EQ(t.data, want.data);
+    // ... the job directory lists it as never durable ...
+    auto jd = JobDir::OpenForRead(o.dir);
+    ASSERT_TRUE(jd.ok());
+    auto lineage = (*jd)->ReadLineage(0);
+    ASSERT_TRUE(lineage.ok()) << lineage.status().ToString();
+    EXPECT_EQ(lineage->not_durable.size(), 1u);
+    // ... and the next checkpoint commits above it.
+    t.Fill(3, 0);
+    auto c3 = engine->Checkpoint(3, "");
+    ASSERT_TRUE(c3.ok());
+    ASSERT_TRUE(engine->WaitCommitted(*c3).ok());
+    EXPECT_EQ(engine->Latest()->step, 3);
+  }
+  // After a power cut too, only committed checkpoints come back.
+  rig.PowerCut();
+  auto engine = std::move(OpenEngine(o, rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  t.Fill(0, 0);
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, 3);
+}
+
 TEST_F(EngineTest, AQueuedFailureDoesNotCostTheNextCheckpoint) {
   // Regression (issue 14): Checkpoint() returned a queued failure and started
   // nothing, so one transient error cost two checkpoints.
@@ -577,6 +655,100 @@ TEST_F(EngineTest, AFallbackRestoreKeepsTheRestoredCheckpointUntilANewerCommits)
   auto want = MakeTensor("t", 100000);
   want.Fill(7, 0);
   EXPECT_EQ(t.data, want.data);
+}
+
+TEST_F(EngineTest, AdoptRestoredKeepsTheCallersCheckpointAndMakesTheRollbackFinal) {
+  // Engine::AdoptRestored: the caller (the Python front end) restored step 7
+  // with its own reader while 9 is newer. The engine must keep 7's slot and
+  // record the rollback before it writes anything: a kill during the first
+  // new commit then resumes 7, never 9 (DESIGN.md invariant 9).
+  FaultRig rig;
+  EngineOptions o = Options();
+  o.max_in_flight = 1;  // two slots: 7 and 9 are the only checkpoints held
+  auto t = MakeTensor("t", 100000);
+  uint64_t c7 = 0;
+  {
+    auto engine = std::move(OpenEngine(o, rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    for (int64_t step : {5, 7, 9}) {
+      t.Fill(step, 0);
+      auto c = engine->Checkpoint(step, "");
+      ASSERT_TRUE(c.ok());
+      if (step == 7) c7 = *c;
+      ASSERT_TRUE(engine->WaitCommitted().ok());
+    }
+    ASSERT_TRUE(engine->Close().ok());
+  }
+  {
+    auto engine = std::move(OpenEngine(o, rig.Media())).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    EXPECT_EQ(engine->Latest()->step, 9);
+    ASSERT_TRUE(engine->AdoptRestored(c7).ok());
+    EXPECT_EQ(engine->Latest()->step, 7);
+    // The first new checkpoint's data and table become durable, then the
+    // process dies before its commit record does.
+    rig.disk->CrashOnCall(FaultOp::kSync, 2, CrashMode::kDropUnsynced, 0);
+    t.Fill(10, 0);
+    ASSERT_TRUE(engine->Checkpoint(10, "").ok());
+    EXPECT_FALSE(engine->WaitCommitted().ok());
+  }
+  auto engine = std::move(OpenEngine(o, rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  ASSERT_TRUE(engine->Latest().has_value());
+  EXPECT_EQ(engine->Latest()->step, 7) << "resumed a step the caller rolled back from";
+  t.Fill(0, 0);
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << "the adopted checkpoint was overwritten: " << info.status().ToString();
+  EXPECT_EQ(info->step, 7);
+  auto want = MakeTensor("t", 100000);
+  want.Fill(7, 0);
+  EXPECT_EQ(t.data, want.data);
+}
+
+TEST_F(EngineTest, AdoptRestoredRecordsADistributedRollbackInTheLineage) {
+  // Distributed mode: Pin keeps the restored checkpoint's slot, and the
+  // rollback goes into the rank's lineage record like a single process's.
+  EngineOptions o = Options();
+  o.max_in_flight = 1;
+  o.global_agreement = true;
+  o.extra_slots = 1;
+  auto t = MakeTensor("t", 5000);
+  uint64_t c7 = 0, c9 = 0;
+  {
+    auto engine = Engine::Open(o);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    ASSERT_TRUE((*engine)->Register({t.Ref()}).ok());
+    for (int64_t step : {5, 7, 9}) {
+      t.Fill(step, 0);
+      auto c = (*engine)->Checkpoint(step, "");
+      ASSERT_TRUE(c.ok());
+      if (step == 7) c7 = *c;
+      if (step == 9) c9 = *c;
+      ASSERT_TRUE((*engine)->WaitCommitted().ok());
+      ASSERT_TRUE((*engine)->Pin(*c).ok());
+    }
+    ASSERT_TRUE((*engine)->Close().ok());
+  }
+  auto engine = Engine::Open(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_TRUE((*engine)->Register({t.Ref()}).ok());
+  ASSERT_TRUE((*engine)->Pin(c7).ok());
+  ASSERT_TRUE((*engine)->AdoptRestored(c7).ok());
+  t.Fill(10, 0);
+  auto c10 = (*engine)->Checkpoint(10, "");
+  ASSERT_TRUE(c10.ok());
+  ASSERT_TRUE((*engine)->WaitCommitted(*c10).ok());
+  auto jd = JobDir::OpenForRead(o.dir);
+  ASSERT_TRUE(jd.ok());
+  auto lineage = (*jd)->ReadLineage(0);
+  ASSERT_TRUE(lineage.ok()) << lineage.status().ToString();
+  EXPECT_EQ(lineage->restored_counter, c7);
+  EXPECT_TRUE(lineage->IsAbandoned(c9)) << "the rolled-back step 9 could be resumed";
+  EXPECT_FALSE(lineage->IsAbandoned(*c10));
+  auto sel = (*jd)->Select(0);
+  ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+  ASSERT_TRUE(sel->chosen.has_value());
+  EXPECT_EQ(sel->chosen->info.step, 10);
 }
 
 // A process killed inside a commit, after the checkpoint's data and table

@@ -512,6 +512,21 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     return engine_->Latest();
   }
 
+  Status AdoptRestored(uint64_t counter) override {
+    if (active_) {
+      return Status::FailedPrecondition(
+          "adopt_restored while a multistep window is open: restore before training");
+    }
+    {
+      // Every window already handed to the background thread is persisted
+      // (or failed) first, as Engine::AdoptRestored waits for its own work.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !job_pending_; });
+    }
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    return engine_->AdoptRestored(counter);
+  }
+
   MultistepStats Stats() override {
     MultistepStats s;
     std::lock_guard<std::mutex> lock(mu_);

@@ -19,6 +19,8 @@ using jobdir_internal::EncodeAgreed;
 using jobdir_internal::EncodeLineage;
 using jobdir_internal::kMaxAbandonedRanges;
 using jobdir_internal::kMaxRecordBytes;
+using jobdir_internal::kMaxNotDurable;
+using jobdir_internal::kNotDurableReason;
 
 namespace {
 
@@ -84,6 +86,10 @@ Status Usable(const CheckpointInfo& info, Source& src, const SelectOptions& opts
 }
 
 }  // namespace
+
+bool LineageRecord::NotDurable(uint64_t counter) const {
+  return std::binary_search(not_durable.begin(), not_durable.end(), counter);
+}
 
 bool LineageRecord::IsAbandoned(uint64_t counter) const {
   for (const auto& [lo, hi] : abandoned) {
@@ -458,13 +464,18 @@ Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix
       const CheckpointInfo& info = src.report.checkpoints[c.idx].info;
       const std::string what = src.loc.where + ": " + Describe(info.counter, info.step);
       if (lineage.IsAbandoned(info.counter)) {
-        passed.emplace_back(info.counter, what + ": abandoned (a restore of #" +
-                                              std::to_string(lineage.restored_counter) +
-                                              " rolled back past it; a rollback is final)");
+        passed.emplace_back(info.counter,
+                            what + ": " +
+                                (lineage.NotDurable(info.counter)
+                                     ? std::string(kNotDurableReason)
+                                     : "abandoned (a restore of #" +
+                                           std::to_string(lineage.restored_counter) +
+                                           " rolled back past it; a rollback is final)"));
         continue;
       }
       if (!newest_live) newest_live = info.counter;
       if (opts.step && info.step != *opts.step) continue;
+      if (opts.max_step && info.step > *opts.max_step) continue;
       if (std::find(opts.exclude.begin(), opts.exclude.end(), info.counter) != opts.exclude.end()) {
         passed.emplace_back(info.counter, what + ": failed while it was read");
         saw_damage = true;
@@ -588,7 +599,9 @@ Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::st
   for (const auto& [step, v] : ranks[0].steps) {
     bool all = true;
     for (int r = 1; r < world && all; ++r) all = ranks[r].steps.count(step) > 0;
-    if (all && (!opts.step || step == *opts.step)) common.push_back(step);
+    if (all && (!opts.step || step == *opts.step) && (!opts.max_step || step <= *opts.max_step)) {
+      common.push_back(step);
+    }
   }
   CommonSelection out;
   bool saw_damage = false;
@@ -699,7 +712,9 @@ Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
         l.reason = c.reason;
       } else if (lineage.IsAbandoned(c.info.counter)) {
         l.state = ListedCheckpoint::State::kAbandoned;
-        l.reason = "abandoned by a restore of #" + std::to_string(lineage.restored_counter);
+        l.reason = lineage.NotDurable(c.info.counter)
+                       ? std::string(kNotDurableReason)
+                       : "abandoned by a restore of #" + std::to_string(lineage.restored_counter);
       } else {
         l.state = ListedCheckpoint::State::kCommitted;
       }
@@ -713,6 +728,32 @@ Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
 
 // ---------------------------------------------------------------- lineage
 
+namespace {
+
+// Adds the abandoned range [lo, hi] to `rec`, merging it with its
+// neighbours. FailedPrecondition when the record would hold too many ranges.
+Status AddAbandoned(LineageRecord* rec, uint64_t lo, uint64_t hi, const std::string& where) {
+  rec->abandoned.emplace_back(lo, hi);
+  std::sort(rec->abandoned.begin(), rec->abandoned.end());
+  std::vector<std::pair<uint64_t, uint64_t>> merged;
+  for (const auto& r : rec->abandoned) {
+    if (!merged.empty() && r.first <= merged.back().second + 1) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  if (merged.size() > kMaxAbandonedRanges) {
+    return Status::FailedPrecondition(where + " holds " + std::to_string(kMaxAbandonedRanges) +
+                                      " abandoned ranges already: use a new directory");
+  }
+  rec->abandoned = std::move(merged);
+  rec->abandoned_through = rec->abandoned.back().second;
+  return Status::OK();
+}
+
+}  // namespace
+
 Status JobDir::RecordRestore(int rank, uint64_t counter) {
   NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("recording a restore", rank));
   if (counter == 0) return Status::InvalidArgument("RecordRestore: counter 0 is no checkpoint");
@@ -724,28 +765,36 @@ Status JobDir::RecordRestore(int rank, uint64_t counter) {
   }
   NONSTOP_ASSIGN_OR_RETURN(uint64_t newest, impl_->NewestCounter(rank));
   if (newest > counter) {
-    rec.abandoned.emplace_back(counter + 1, newest);
-    std::sort(rec.abandoned.begin(), rec.abandoned.end());
-    std::vector<std::pair<uint64_t, uint64_t>> merged;
-    for (const auto& r : rec.abandoned) {
-      if (!merged.empty() && r.first <= merged.back().second + 1) {
-        merged.back().second = std::max(merged.back().second, r.second);
-      } else {
-        merged.push_back(r);
-      }
-    }
-    if (merged.size() > kMaxAbandonedRanges) {
-      return Status::FailedPrecondition(impl_->Where(JobDirNames::Lineage(rank)) + " holds " +
-                                        std::to_string(kMaxAbandonedRanges) +
-                                        " rollbacks already: use a new directory");
-    }
-    rec.abandoned = std::move(merged);
-    rec.abandoned_through = rec.abandoned.back().second;
+    NONSTOP_RETURN_IF_ERROR(
+        AddAbandoned(&rec, counter + 1, newest, impl_->Where(JobDirNames::Lineage(rank))));
   }
   rec.restored_counter = counter;
   return WriteFileAtomic(*impl_->dir, JobDirNames::Lineage(rank), EncodeLineage(rec, rank))
       .Annotate("recording the restore of checkpoint #" + std::to_string(counter) + " in " +
                 impl_->path);
+}
+
+Status JobDir::RecordNotDurable(int rank, uint64_t counter) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("recording a failed commit", rank));
+  if (counter == 0) return Status::InvalidArgument("RecordNotDurable: counter 0 is no checkpoint");
+  std::lock_guard<std::mutex> l(impl_->mu);
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord rec, impl_->LineageIn(*impl_->dir, "", rank));
+  if (std::find(rec.not_durable.begin(), rec.not_durable.end(), counter) != rec.not_durable.end()) {
+    return Status::OK();
+  }
+  const std::string where = impl_->Where(JobDirNames::Lineage(rank));
+  NONSTOP_RETURN_IF_ERROR(AddAbandoned(&rec, counter, counter, where));
+  rec.not_durable.push_back(counter);
+  std::sort(rec.not_durable.begin(), rec.not_durable.end());
+  // Only the reason text needs the list: the abandoned range is what every
+  // selection skips, so the oldest notes may go.
+  if (rec.not_durable.size() > kMaxNotDurable) {
+    rec.not_durable.erase(rec.not_durable.begin(),
+                          rec.not_durable.end() - static_cast<ptrdiff_t>(kMaxNotDurable));
+  }
+  return WriteFileAtomic(*impl_->dir, JobDirNames::Lineage(rank), EncodeLineage(rec, rank))
+      .Annotate("recording in " + where + " that checkpoint #" + std::to_string(counter) +
+                " never became durable (its commit's sync failed)");
 }
 
 Result<LineageRecord> JobDir::ReadLineage(int rank) {
@@ -829,8 +878,9 @@ Result<bool> JobDir::NeedsSetAside(int world_size) {
   NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, impl_->dir->List());
   for (const DirEntry& e : entries) {
     std::optional<int> r = JobDirNames::ParseSlot(e.name);
+    // Only a readable file of another world size counts: an unreadable one
+    // (damaged, being created) is not ours to move (SetAside skips it too).
     if (!r || e.type != EntryType::kFile) continue;
-    if (*r >= world_size) return true;
     MediumOptions mo;
     mo.read_only = true;
     Result<std::unique_ptr<Medium>> m = impl_->dir->OpenFile(e.name, MediumKind::kBuffered, mo);

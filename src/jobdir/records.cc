@@ -184,39 +184,42 @@ class Parser {
     msg_ = "unterminated string";
     return false;
   }
-  bool Array(Json* v, int depth) {
-    v->type = Json::Type::kArray;
+  // The items of an array or object after its opening bracket: `item`
+  // parses one (for an object, its key and value), separated by ',' up to
+  // `close`. One loop for both, so their bounds and errors cannot diverge.
+  template <typename Item>
+  bool Items(char close, Item item) {
     ++i_;
     Ws();
-    if (i_ < s_.size() && s_[i_] == ']') {
+    if (i_ < s_.size() && s_[i_] == close) {
       ++i_;
       return true;
     }
     while (true) {
-      v->items.emplace_back();
-      if (!Value(&v->items.back(), depth + 1)) return false;
+      if (!item()) return false;
       Ws();
       if (i_ < s_.size() && s_[i_] == ',') {
         ++i_;
         continue;
       }
-      if (i_ < s_.size() && s_[i_] == ']') {
+      if (i_ < s_.size() && s_[i_] == close) {
         ++i_;
         return true;
       }
-      msg_ = "expected ',' or ']'";
+      msg_ = close == ']' ? "expected ',' or ']'" : "expected ',' or '}'";
       return false;
     }
   }
+  bool Array(Json* v, int depth) {
+    v->type = Json::Type::kArray;
+    return Items(']', [&] {
+      v->items.emplace_back();
+      return Value(&v->items.back(), depth + 1);
+    });
+  }
   bool Object(Json* v, int depth) {
     v->type = Json::Type::kObject;
-    ++i_;
-    Ws();
-    if (i_ < s_.size() && s_[i_] == '}') {
-      ++i_;
-      return true;
-    }
-    while (true) {
+    return Items('}', [&] {
       Ws();
       if (i_ >= s_.size() || s_[i_] != '"') {
         msg_ = "expected a key";
@@ -232,19 +235,8 @@ class Parser {
       ++i_;
       v->keys.push_back(std::move(key));
       v->items.emplace_back();
-      if (!Value(&v->items.back(), depth + 1)) return false;
-      Ws();
-      if (i_ < s_.size() && s_[i_] == ',') {
-        ++i_;
-        continue;
-      }
-      if (i_ < s_.size() && s_[i_] == '}') {
-        ++i_;
-        return true;
-      }
-      msg_ = "expected ',' or '}'";
-      return false;
-    }
+      return Value(&v->items.back(), depth + 1);
+    });
   }
 
   std::string_view s_;
@@ -329,7 +321,16 @@ std::string EncodeLineage(const LineageRecord& rec, int rank) {
     out += "[" + std::to_string(rec.abandoned[k].first) + ", " +
            std::to_string(rec.abandoned[k].second) + "]";
   }
-  out += "]}\n";
+  out += "]";
+  if (!rec.not_durable.empty()) {
+    out += ", \"not_durable\": [";
+    for (size_t k = 0; k < rec.not_durable.size(); ++k) {
+      if (k) out += ", ";
+      out += std::to_string(rec.not_durable[k]);
+    }
+    out += "]";
+  }
+  out += "}\n";
   return out;
 }
 
@@ -364,6 +365,22 @@ Result<LineageRecord> DecodeLineage(std::string_view text, const std::string& wh
     prev_hi = hi;
   }
   rec.abandoned_through = prev_hi;
+  const Json* nd = j.Get("not_durable");  // optional (older records have none)
+  if (nd != nullptr) {
+    if (nd->type != Json::Type::kArray || nd->items.size() > kMaxNotDurable) {
+      return bad("\"not_durable\" is not a list of at most " + std::to_string(kMaxNotDurable) +
+                 " counters");
+    }
+    uint64_t prev = 0;
+    for (const Json& c : nd->items) {
+      uint64_t v = 0;
+      if (!c.AsUint64(&v) || v <= prev || !rec.IsAbandoned(v)) {
+        return bad("\"not_durable\" must list ascending abandoned counters");
+      }
+      rec.not_durable.push_back(v);
+      prev = v;
+    }
+  }
   return rec;
 }
 

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "nonstop/engine.h"
+#include "nonstop/jobdir.h"
 #include "nonstop/optim.h"
 #include "nonstop/status.h"
 
@@ -52,6 +53,11 @@ void RegisterStatusTranslator(pybind11::module_& m);
 // with U+FFFD instead of raising. The one shape Engine.restore,
 // Reader.checkpoints and JobDir selections share.
 pybind11::dict InfoDict(const CheckpointInfo& info);
+
+// An agreed record (jobdir.h) from/to its dict (jobdir_bindings.cc): step,
+// counter, lineage, rank, world_size, unix_s, resharded_from=(dir, world).
+AgreedRecord AgreedFromDict(const pybind11::dict& d, int default_rank);
+pybind11::dict AgreedToDict(const AgreedRecord& r);
 
 inline void Check(const Status& s) {
   if (!s.ok()) throw StatusError(s);

@@ -291,6 +291,13 @@ class PyEngine {
     py::gil_scoped_release release;
     return CounterAndStep(Get().Candidate());
   }
+  // The agreed record of this rank, written durably through the engine's
+  // job directory (it holds the writer lock).
+  void WriteAgreed(const py::dict& d) {
+    AgreedRecord r = AgreedFromDict(d, -1);
+    py::gil_scoped_release release;
+    Check(Get().WriteAgreed(r));
+  }
   void DropCandidate(uint64_t counter) {
     py::gil_scoped_release release;
     Check(Get().DropCandidate(counter));
@@ -499,6 +506,7 @@ void InitEngine(py::module_& m) {
       .def("pin", &PyEngine::Pin, py::arg("counter"))
       .def("candidate", &PyEngine::Candidate)
       .def("drop_candidate", &PyEngine::DropCandidate, py::arg("counter"))
+      .def("write_agreed", &PyEngine::WriteAgreed, py::arg("record"))
       .def("abandon_older_than", &PyEngine::AbandonOlderThan,
            py::arg("counter") = std::numeric_limits<uint64_t>::max())
       .def("close", &PyEngine::Close)

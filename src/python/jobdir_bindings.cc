@@ -109,10 +109,12 @@ class PyJobDir {
   }
 
   py::dict SelectCommon(int world_size, std::optional<int64_t> step,
-                        std::optional<int> set_aside_world, bool verify_data) {
+                        std::optional<int> set_aside_world, bool verify_data,
+                        std::optional<int64_t> max_step) {
     JobDir& j = jd();
     SelectOptions o;
     o.step = step;
+    o.max_step = max_step;
     o.verify_data = verify_data;
     CommonSelection cs;
     {
@@ -189,18 +191,7 @@ class PyJobDir {
   }
 
   void WriteAgreed(const py::dict& d) {
-    AgreedRecord r;
-    r.step = d["step"].cast<int64_t>();
-    r.counter = DictGet<int64_t>(d, "counter", -1);
-    r.lineage = DictGet<uint64_t>(d, "lineage", 0);
-    r.rank = DictGet<int>(d, "rank", jd().rank());
-    r.world_size = DictGet<int>(d, "world_size", 1);
-    r.unix_s = DictGet<double>(d, "unix_s", 0.0);
-    if (d.contains("resharded_from") && !d["resharded_from"].is_none()) {
-      auto rf = d["resharded_from"].cast<std::pair<std::string, int>>();
-      r.resharded_from = rf.first;
-      r.resharded_from_world = rf.second;
-    }
+    AgreedRecord r = AgreedFromDict(d, jd().rank());
     py::gil_scoped_release release;
     Check(jd().WriteAgreed(r));
   }
@@ -211,17 +202,7 @@ class PyJobDir {
       r = Take(jd().ReadAgreed(rank));
     }
     if (!r) return std::nullopt;
-    py::dict d;
-    d["step"] = r->step;
-    d["counter"] = r->counter;
-    d["lineage"] = r->lineage;
-    d["rank"] = r->rank;
-    d["world_size"] = r->world_size;
-    d["unix_s"] = r->unix_s;
-    if (!r->resharded_from.empty()) {
-      d["resharded_from"] = py::make_tuple(r->resharded_from, r->resharded_from_world);
-    }
-    return d;
+    return AgreedToDict(*r);
   }
 
  private:
@@ -229,6 +210,36 @@ class PyJobDir {
 };
 
 }  // namespace
+
+AgreedRecord AgreedFromDict(const py::dict& d, int default_rank) {
+  AgreedRecord r;
+  r.step = d["step"].cast<int64_t>();
+  r.counter = DictGet<int64_t>(d, "counter", -1);
+  r.lineage = DictGet<uint64_t>(d, "lineage", 0);
+  r.rank = DictGet<int>(d, "rank", default_rank);
+  r.world_size = DictGet<int>(d, "world_size", 1);
+  r.unix_s = DictGet<double>(d, "unix_s", 0.0);
+  if (d.contains("resharded_from") && !d["resharded_from"].is_none()) {
+    auto rf = d["resharded_from"].cast<std::pair<std::string, int>>();
+    r.resharded_from = rf.first;
+    r.resharded_from_world = rf.second;
+  }
+  return r;
+}
+
+py::dict AgreedToDict(const AgreedRecord& r) {
+  py::dict d;
+  d["step"] = r.step;
+  d["counter"] = r.counter;
+  d["lineage"] = r.lineage;
+  d["rank"] = r.rank;
+  d["world_size"] = r.world_size;
+  d["unix_s"] = r.unix_s;
+  if (!r.resharded_from.empty()) {
+    d["resharded_from"] = py::make_tuple(r.resharded_from, r.resharded_from_world);
+  }
+  return d;
+}
 
 void InitJobDir(py::module_& m) {
   py::class_<PySelected>(m, "SelectedCheckpoint")
@@ -263,7 +274,7 @@ void InitJobDir(py::module_& m) {
            py::arg("verify_data") = true, py::arg("include_keep") = true)
       .def("select_common", &PyJobDir::SelectCommon, py::arg("world_size"),
            py::arg("step") = py::none(), py::arg("set_aside_world") = py::none(),
-           py::arg("verify_data") = true)
+           py::arg("verify_data") = true, py::arg("max_step") = py::none())
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
       .def("lineage", &PyJobDir::Lineage, py::arg("rank") = 0)

@@ -200,6 +200,11 @@ class PyMultistep {
     return CounterAndStep(Get().Latest());
   }
 
+  void AdoptRestored(uint64_t counter) {
+    py::gil_scoped_release release;
+    Check(Get().AdoptRestored(counter));
+  }
+
   py::dict Stats() {
     MultistepStats s;
     EngineStats e;
@@ -290,6 +295,7 @@ void InitMultistep(py::module_& m) {
       .def_property_readonly("version", &PyMultistep::version)
       .def("wait", &PyMultistep::Wait)
       .def("latest", &PyMultistep::Latest)
+      .def("adopt_restored", &PyMultistep::AdoptRestored, py::arg("counter"))
       .def("stats", &PyMultistep::Stats)
       .def("close", &PyMultistep::Close);
 }

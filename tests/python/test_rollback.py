@@ -76,3 +76,55 @@ def test_fallback_keeps_the_restored_checkpoint(tmp_path):
     with pytest.warns(UserWarning):
         assert ck.restore() == 8
     ck.close()
+
+
+multistep_core = pytest.mark.skipif(
+    nonstop._core is None or not hasattr(nonstop._core, "Multistep"),
+    reason="this build of nonstop._core has no Multistep")
+
+
+def _multistep_job(d):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt, nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=2,
+                                             mode="multistep", parts=2, max_in_flight=1,
+                                             medium="buffered")
+
+
+def _committed(d):
+    """(counter, step) of every committed, non-abandoned record of rank 0
+    (data not verified), oldest first."""
+    jd = nonstop._core.JobDir.open_for_read(d)
+    return sorted((c["counter"], c["step"]) for c in jd.list(0) if c["state"] == "committed")
+
+
+@multistep_core
+def test_multistep_fallback_keeps_the_restored_checkpoint(tmp_path):
+    # mode="multistep" adopts what restore() read (Engine::AdoptRestored
+    # through the Multistep), as concurrent mode does: after a fallback past
+    # a damaged newest checkpoint, the next checkpoint must not overwrite the
+    # restored one's slot.
+    d = str(tmp_path / "job")
+    model, opt, ck = _multistep_job(d)
+    _train(model, opt, ck, range(12))
+    ck.close()
+    held = _committed(d)
+    assert len(held) == 2, held  # max_in_flight 1: two slots
+    older, newest = held
+    _corrupt_newest_data(d)
+    model, opt, ck = _multistep_job(d)
+    with pytest.warns(UserWarning):
+        assert ck.restore() == older[1]
+    s = older[1] + 1
+    while max(_committed(d))[0] <= newest[0]:
+        _train(model, opt, ck, [s])  # until one new checkpoint commits
+        s += 1
+        assert s < older[1] + 20, _committed(d)
+    ck.close()
+    assert older in _committed(d), f"the restored checkpoint was overwritten: {_committed(d)}"
+    _corrupt_newest_data(d)  # the new checkpoint is damaged too
+    model, opt, ck = _multistep_job(d)
+    with pytest.warns(UserWarning):
+        assert ck.restore() == older[1]
+    ck.close()

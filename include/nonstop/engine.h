@@ -89,6 +89,17 @@ struct EngineOptions {
   // slow peer can catch up with it. Needs extra_slots >= 1.
   bool global_agreement = false;
   LayerCopy layer_copy = LayerCopy::kHost;  // copy strategy of layer-wise checkpoints
+  // The memory tier (docs/ARCHITECTURE.md, "Memory tier"): the newest
+  // committed checkpoint is also copied, in the background, into a segment
+  // in shared memory, which Restore() (and the Python restore()) read instead
+  // of the disk when it verifies and holds exactly the disk's newest
+  // checkpoint. "auto": only while the segment fits `memory_tier_fit` times
+  // into the segment directory's free space; "memory": always; "disk": off.
+  // Off in distributed mode (global_agreement). A failure there is reported
+  // once (stderr, EngineStats::memory_*) and never affects the disk.
+  std::string memory_tier = "auto";
+  std::string shm_dir;          // segment directory; "": $NONSTOP_SHM_DIR or /dev/shm/nonstop
+  double memory_tier_fit = 4.0;
 };
 
 // A tensor the engine checkpoints: where it lives now, and what it is.
@@ -120,12 +131,30 @@ struct EngineStats {
   int in_flight = 0;
   double stall_s_total = 0;          // all time blocked in engine calls
   double staging_wait_s_total = 0;   // part of the stall spent waiting for a free staging chunk
+  // Staging allocation (pre-faulted, pinned where possible) seen by the
+  // training thread: how many Register() calls waited for it (for the
+  // background allocation PrepareStaging started, or allocating themselves
+  // when none was started or it was too small), and the seconds they waited.
+  // Both stay 0 when PrepareStaging had time to finish.
+  uint64_t staging_alloc_waits = 0;
+  double staging_alloc_wait_s = 0;
+  // Bytes PrepareStaging allocated in the background (0 while it still runs).
+  uint64_t staging_prepared_bytes = 0;
   uint64_t staging_bytes = 0, chunk_bytes = 0;
   int writers = 0, max_in_flight = 0;
   std::string medium;                // Medium::Describe()
   std::string copy_engine;           // CopyEngine::Describe()
   std::string layer_copy;            // LayerCopyName(options.layer_copy)
   std::vector<CheckpointStats> recent;  // last 64 checkpoints, oldest first
+  // Memory tier (EngineOptions::memory_tier).
+  std::string memory_tier;           // "auto", "memory", "disk"
+  std::string memory_segment;        // the segment's path ("" when off)
+  uint64_t memory_mirrored = 0;      // checkpoints copied into the segment
+  uint64_t memory_counter = 0;       // the checkpoint the segment holds (0 = none)
+  uint64_t memory_failures = 0;
+  std::string memory_error;          // the last failure or reason it is off
+  bool restored_from_memory = false; // the last Restore() read the segment
+  double restore_s = 0;              // the last Restore()'s seconds
 };
 
 // What Latest() returns: the newest checkpoint committed by this engine or
@@ -139,6 +168,17 @@ class Engine {
  public:
   static Result<std::unique_ptr<Engine>> Open(const EngineOptions& opts);
   virtual ~Engine() = default;
+
+  // Starts allocating (and pre-faulting, pinning where possible) the default
+  // staging for a state of `state_bytes` on a background thread, so that the
+  // first Register() of that state does not allocate on the training thread:
+  // it takes the prepared pool, waiting only while the allocation is still
+  // running (EngineStats::staging_alloc_waits / staging_alloc_wait_s say how
+  // long). Returns at once. A no-op with a fixed EngineOptions::staging_bytes,
+  // when the pool is already as large, or while an earlier preparation runs.
+  // A failed background allocation is not an error: Register allocates (or
+  // keeps the smaller pool) as without it.
+  virtual Status PrepareStaging(uint64_t state_bytes);
 
   // Registers the tensors every later checkpoint saves, replacing any earlier
   // set. Waits for in-flight copies first. Names must be unique.

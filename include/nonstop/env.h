@@ -94,6 +94,12 @@ class Directory {
   // fstatat(AT_SYMLINK_NOFOLLOW). NotFound when missing.
   virtual Result<FileStat> Stat(std::string_view name) = 0;
 
+  // Bytes free for an unprivileged writer on this directory's file system
+  // (fstatvfs on POSIX). Unavailable where the Env cannot tell.
+  virtual Result<uint64_t> FreeBytes() {
+    return Status::Unavailable("free space of " + path() + " is unknown");
+  }
+
   // Takes an exclusive, non-blocking lock on file `name` (created when
   // missing; flock(LOCK_EX|LOCK_NB) on POSIX), then writes `holder` (one line,
   // e.g. "pid 1234 on host a7") into it. When another process holds it:

@@ -77,6 +77,9 @@ struct JobDirNames {
   static std::string KeepRoot();               // "keep"
   static std::string KeepStep(int64_t step);   // "step-000000000042"
   static std::string World(int world_size);    // "world-4"
+  // The memory tier's record of rank r's segment name (memory_tier.h):
+  // ".nonstop.memory-rank-00003"
+  static std::string MemoryRecord(int rank);
   // Parsers: the rank/step/world of a name, or nullopt when it is not one.
   static std::optional<int> ParseSlot(std::string_view name);
   static std::optional<int64_t> ParseKeepStep(std::string_view name);

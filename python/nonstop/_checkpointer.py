@@ -132,7 +132,8 @@ class Checkpointer:
                  max_overhead: Optional[float] = None, copy: str = "host",
                  clip_grad_norm: Optional[float] = None, replicated: str = "shard",
                  local=(), dist_timeout_s: float = 300.0, on_preempt=True,
-                 remote=None, remote_options: Optional[dict] = None, on_commit=None):
+                 remote=None, remote_options: Optional[dict] = None, on_commit=None,
+                 tier: str = "auto"):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -166,8 +167,12 @@ class Checkpointer:
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise CheckpointMismatchError(
                 f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        if tier not in ("auto", "memory", "disk"):
+            raise CheckpointMismatchError(
+                f'tier must be "auto", "memory" or "disk", got {tier!r}')
         drank, dworld = _world()
         self._pid = os.getpid()
+        self.tier = tier
         self._errors: list = []  # background errors taken, reported at the next call
         self.dir = os.fspath(dir)
         self.state = state
@@ -208,6 +213,9 @@ class Checkpointer:
         else:
             if mode == "layerwise":  # LightCheck: _layerwise.py, docs/LAYERWISE.md
                 engine_kwargs["layer_copy"] = copy
+            # The memory tier: the newest committed checkpoint also in shared
+            # memory for a fast restart on this node (docs/PYTHON.md, "tier").
+            engine_kwargs["memory_tier"] = tier
             self._engine = _core().Engine(self.dir, **engine_kwargs)
         self._registered: Optional[list] = None
         self._snapshots: dict[str, _Snapshot] = {}
@@ -225,6 +233,13 @@ class Checkpointer:
         # step: the torch optimizer inside (_unwrap.py).
         self._hooks = [obj.register_step_pre_hook(self._before_update)
                        for obj in _unwrap.optimizers(state.values())]
+        # No first-checkpoint spike: the engine allocates the state-sized
+        # staging in the background from now on, so the first save() does
+        # not (stats(): staging_alloc_waits / staging_alloc_wait_s).
+        if self._dist is None and hasattr(self._engine, "prepare_staging"):
+            nbytes = _state_bytes_estimate(state)
+            if nbytes:
+                self._engine.prepare_staging(nbytes)
         self._layerwise = None
         if mode == "layerwise":  # optimizer in backward, per-parameter copies
             from ._layerwise import Layerwise
@@ -600,9 +615,20 @@ class Checkpointer:
                 # The tensors are read into in place: no copy of them may be in flight.
                 self._take(self._engine.wait_copied)
                 self._copy_pending = False
-            loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False,
-                           prepare=self._prepare, live=self._live_tensors(),
-                           stats=self._restore_stats)
+            t0 = time.perf_counter()
+            loaded, why = None, "a step was asked for"
+            if step is None and self.tier != "disk" and self._multistep is None:
+                # The memory tier first: used only when its segment verifies
+                # and holds exactly the newest committed checkpoint on disk.
+                loaded, why = _read_memory(self.dir, self.rank, self.world_size, self._prepare)
+            if loaded is not None:
+                self._restore_stats.update(restored_from="memory",
+                                           restore_s=time.perf_counter() - t0)
+            else:
+                loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False,
+                               prepare=self._prepare, live=self._live_tensors(),
+                               stats=self._restore_stats)
+                self._restore_stats.update(restored_from="disk", memory_unused_because=why)
             adopt = loaded is not None
         if loaded is None:
             return None
@@ -740,6 +766,34 @@ class Checkpointer:
                     f"{_describe(got)}, the state has {_describe(t)}")
 
 
+def _state_bytes_estimate(state: dict) -> int:
+    """The bytes the first checkpoint of `state` will hold, as far as they
+    can be told before it: every tensor of the state as it is now, plus the
+    optimizer state a torch optimizer creates at its first step (Adam-style,
+    `betas` in its defaults: two tensors per parameter; `momentum`: one).
+    0 when the state cannot be walked now (the first save() reports that)."""
+    tensors: dict = {}
+    try:
+        for key, obj in state.items():
+            _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj,
+                           key, tensors, f"state[{key!r}]")
+    except Exception:  # an optimisation only: save() walks the state and raises
+        return 0
+    pad = 4096  # the slot layout aligns each large tensor to 4 KiB
+    nbytes = sum(t.numel() * t.element_size() + pad for t in tensors.values()
+                 if isinstance(t, torch.Tensor))
+    for opt in _unwrap.optimizers(state.values()):
+        if opt.state:
+            continue  # its state exists already and was counted
+        per_param = (2 if "betas" in opt.defaults else
+                     1 if opt.defaults.get("momentum", 0) else 0)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                # the moments, and a small `step` tensor (Adam)
+                nbytes += per_param * (p.numel() * p.element_size() + pad) + 64
+    return nbytes
+
+
 def _stateful(obj) -> bool:
     return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
         obj, (dict, torch.Tensor))
@@ -770,6 +824,23 @@ class LoadedCheckpoint:
     def __repr__(self):
         return (f"LoadedCheckpoint(step={self.step}, counter={self.counter}, "
                 f"tensors={len(self.tensors)}, path={self.path!r})")
+
+
+def _read_memory(path: str, rank: int, world_size: int, prepare):
+    """(the newest checkpoint read from the memory tier's segment, "") or
+    (None, why it was not used): no segment, not verified, not exactly the
+    disk's newest, or malformed (the caller reads the disk then)."""
+    open_segment = getattr(_core(), "open_memory_segment", None)
+    if open_segment is None:
+        return None, "this build has no memory tier"
+    reader, why = open_segment(path, rank)
+    if reader is None:
+        return None, why
+    try:
+        return _read_reader(path, rank, None, world_size, as_numpy=False, prepare=prepare,
+                            reader=reader), ""
+    except CorruptCheckpointError as e:
+        return None, str(e)
 
 
 def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
@@ -987,9 +1058,11 @@ def _new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):
 
 
 def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional[int],
-                 as_numpy: bool, prepare=None) -> Optional[LoadedCheckpoint]:
-    """_read over a core that has only the Reader (tests/python/fake_core.py)."""
-    reader = _core().Reader(path, rank=rank, verify_data=True)
+                 as_numpy: bool, prepare=None, reader=None) -> Optional[LoadedCheckpoint]:
+    """_read over a core that has only the Reader (tests/python/fake_core.py),
+    or over `reader`, the memory tier's segment (_read_memory)."""
+    if reader is None:
+        reader = _core().Reader(path, rank=rank, verify_data=True)
     geometry = reader.geometry
     if world_size is not None and geometry["world_size"] != world_size:
         raise IncompatibleCheckpointError(

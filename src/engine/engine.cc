@@ -39,6 +39,7 @@
 #include "engine/chunk_plan.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
+#include "engine/memory_tier.h"
 #include "engine/slot_medium.h"
 #include "engine/slot_queue.h"
 #include "base/task_pool.h"
@@ -176,6 +177,7 @@ class EngineImpl final : public Engine {
 
   Status Init();
 
+  Status PrepareStaging(uint64_t state_bytes) override;
   Status Register(std::vector<TensorRef> tensors) override;
   Result<uint64_t> Checkpoint(int64_t step, std::string meta_json) override;
   Status WaitCopied() override;
@@ -256,12 +258,30 @@ class EngineImpl final : public Engine {
   std::unique_ptr<JobDir> jd_;
   // Held around WriteAgreed (agreement thread) and the jd_.reset() in Close().
   std::mutex agreed_mu_;
+  // The memory tier's writer (never null after Init; off in "disk" mode).
+  std::unique_ptr<MemoryTierWriter> memory_;
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<StagingPool> staging_;
   std::unique_ptr<TaskPool> writers_;
   std::string medium_desc_;
   std::string staging_note_;  // GUARDED_BY(mu_): the last cap note printed
   double staging_wait_s_before_ = 0;  // GUARDED_BY(mu_): waits in pools GrowStaging replaced
+  // PrepareStaging: the pool a background thread allocates. prep_thread_ is
+  // started and joined by the training thread only (PrepareStaging,
+  // Register, Close); it touches nothing but *prep_ and copy_->AllocHost.
+  struct PreparedStaging {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;                        // GUARDED_BY(mu)
+    Result<std::unique_ptr<StagingPool>> pool{Status::Aborted("not allocated yet")};  // GUARDED_BY(mu)
+  };
+  std::shared_ptr<PreparedStaging> prep_;  // GUARDED_BY(mu_)
+  std::thread prep_thread_;
+  // Waits for the background allocation (if any) and returns its pool; the
+  // seconds waited go to *waited_s (0 when it was done already).
+  // Releases `lock` (mu_) while it waits; called with nothing in flight.
+  Result<std::unique_ptr<StagingPool>> TakePrepared(double* waited_s,
+                                                    std::unique_lock<std::mutex>& lock);
   uint64_t chunk_bytes_ = 0;
   uint32_t min_chunks_ = 1;
   int window_ = 2;  // chunks the dispatcher keeps copying ahead of the writers
@@ -352,6 +372,14 @@ Status EngineImpl::Init() {
   }
   NONSTOP_ASSIGN_OR_RETURN(jd_, JobDir::OpenForWrite(opts_.dir, rank(),
                                                      static_cast<int>(opts_.world_size), opts_.env));
+  MemoryTierMode tier = MemoryTierMode::kAuto;
+  if (!ParseMemoryTierMode(opts_.memory_tier, &tier)) {
+    return Status::InvalidArgument("memory_tier must be \"auto\", \"memory\" or \"disk\", got \"" +
+                                   opts_.memory_tier + "\"");
+  }
+  if (opts_.global_agreement) tier = MemoryTierMode::kDisk;
+  memory_ = MemoryTierWriter::Open(*jd_, opts_.env, rank(), tier, opts_.shm_dir,
+                                   opts_.memory_tier_fit);
 
   const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
   const int copy_threads = std::max(0, opts_.copy_threads);
@@ -525,7 +553,22 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex
   }
   if (want.bytes <= staging_->total_bytes()) return Status::OK();
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
-  auto grown = StagingPool::Create(copy_.get(), want.bytes, chunk_bytes_, min_chunks_);
+  // A pool PrepareStaging allocated in the background, when large enough;
+  // otherwise allocated here, on the training thread (counted either way).
+  double waited_s = 0;
+  const auto t0 = Clock::now();
+  Result<std::unique_ptr<StagingPool>> grown = TakePrepared(&waited_s, lock);
+  if (grown.ok() && grown.value()->total_bytes() < want.bytes) {
+    grown = Status::Aborted("prepared staging is smaller than the state");
+  }
+  if (!grown.ok()) {
+    grown = StagingPool::Create(copy_.get(), want.bytes, chunk_bytes_, min_chunks_);
+    waited_s = Seconds(t0, Clock::now());
+  }
+  if (waited_s > 0) {
+    stats_.staging_alloc_waits += 1;
+    stats_.staging_alloc_wait_s += waited_s;
+  }
   if (!grown.ok()) {
     std::fprintf(stderr, "nonstop: keeping %llu MiB of staging: %s\n",
                  static_cast<unsigned long long>(staging_->total_bytes() >> 20),
@@ -535,6 +578,53 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex
   staging_wait_s_before_ += staging_->wait_s_total();
   staging_ = std::move(grown).value();
   stats_.staging_bytes = staging_->total_bytes();
+  return Status::OK();
+}
+
+Result<std::unique_ptr<StagingPool>> EngineImpl::TakePrepared(double* waited_s,
+                                                              std::unique_lock<std::mutex>& lock) {
+  *waited_s = 0;
+  if (!prep_) return Status::NotFound("no staging prepared");
+  std::shared_ptr<PreparedStaging> prep = std::move(prep_);
+  prep_.reset();
+  Result<std::unique_ptr<StagingPool>> pool{Status::Aborted("not allocated")};
+  lock.unlock();  // Stats() and the background threads go on meanwhile
+  {
+    std::unique_lock<std::mutex> pl(prep->mu);
+    if (!prep->done) {
+      const auto t0 = Clock::now();
+      prep->cv.wait(pl, [&] { return prep->done; });
+      *waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
+    }
+    pool = std::move(prep->pool);
+  }
+  if (prep_thread_.joinable()) prep_thread_.join();  // done: returns at once
+  lock.lock();
+  if (pool.ok()) stats_.staging_prepared_bytes = pool.value()->total_bytes();
+  return pool;
+}
+
+Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (opts_.staging_bytes != 0 || prep_) return Status::OK();
+  const bool pinned = dynamic_cast<CudaCopyEngine*>(copy_.get()) != nullptr;
+  const uint64_t want =
+      DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned).bytes;
+  if (want <= staging_->total_bytes()) return Status::OK();
+  if (prep_thread_.joinable()) prep_thread_.join();  // an earlier one, already taken
+  auto prep = std::make_shared<PreparedStaging>();
+  prep_ = prep;
+  CopyEngine* copy = copy_.get();
+  const uint64_t chunk = chunk_bytes_;
+  const uint32_t min_chunks = min_chunks_;
+  prep_thread_ = std::thread([prep, copy, want, chunk, min_chunks] {
+    Result<std::unique_ptr<StagingPool>> pool = StagingPool::Create(copy, want, chunk, min_chunks);
+    std::lock_guard<std::mutex> pl(prep->mu);
+    prep->pool = std::move(pool);
+    prep->done = true;
+    prep->cv.notify_all();
+  });
   return Status::OK();
 }
 
@@ -975,6 +1065,9 @@ void EngineImpl::CommitLoop() {
         pending_errors_.emplace_back(job->counter, ks);
       }
     }
+    // The memory tier copies it in the background (its slot stays retained
+    // until the next commit; a reuse during the copy fails its crc check).
+    memory_->Submit(job->file, info.value());
     FinishJob(job, true, false, Status::OK());
   }
 }
@@ -1268,8 +1361,22 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
                         std::to_string(c.info.step) + ") was rolled back from by a restore");
       continue;
     }
-    Status st = ReadCheckpoint(file, c.info);
+    Status st = Status::Internal("not read");
+    bool from_memory = false;
+    if (!step && skipped.empty() && memory_->on()) {
+      // The memory tier: the segment, when it holds exactly this checkpoint.
+      Result<std::optional<MemorySegment>> seg =
+          OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &c.info, nullptr);
+      if (seg.ok() && seg.value().has_value()) {
+        std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
+        st = ReadCheckpoint(mf, seg.value()->info);
+        from_memory = st.ok();
+      }
+    }
+    if (!from_memory) st = ReadCheckpoint(file, c.info);
     if (st.ok()) {
+      stats_.restored_from_memory = from_memory;
+      stats_.restore_s = Seconds(t0, Clock::now());
       // A rollback is final (DESIGN.md invariant 9): when newer records
       // exist (damaged, or an older step asked for), the next checkpoint
       // first records durably that their counters are abandoned
@@ -1329,6 +1436,19 @@ EngineStats EngineImpl::Stats() {
   s.in_flight = in_flight_;
   s.medium = medium_desc_;
   s.staging_wait_s_total = staging_wait_s_before_ + (staging_ ? staging_->wait_s_total() : 0);
+  if (memory_) {
+    const MemoryTierStats m = memory_->stats();
+    s.memory_tier = m.mode;
+    s.memory_segment = m.segment;
+    s.memory_mirrored = m.mirrored;
+    s.memory_counter = m.mirrored_counter;
+    s.memory_failures = m.failures;
+    s.memory_error = m.last_error;
+  }
+  if (prep_) {  // allocated in the background, not taken by Register yet
+    std::lock_guard<std::mutex> pl(prep_->mu);
+    if (prep_->done && prep_->pool.ok()) s.staging_prepared_bytes = prep_->pool.value()->total_bytes();
+  }
   return s;
 }
 
@@ -1454,12 +1574,18 @@ Status EngineImpl::Close() {
   if (dispatcher_.joinable()) dispatcher_.join();
   if (committer_.joinable()) committer_.join();
   writers_.reset();
+  // A clean close: everything is on disk; the segment's memory goes back.
+  if (memory_) memory_->Close(/*remove_segment=*/true);
   lock.lock();
   reg_.reset();
   file_.reset();
   old_file_.reset();
   pinned_file_.reset();
+  std::shared_ptr<PreparedStaging> prep = std::move(prep_);
+  prep_.reset();
   lock.unlock();
+  if (prep_thread_.joinable()) prep_thread_.join();
+  prep.reset();  // frees a prepared pool nobody took
   staging_.reset();
   {
     std::lock_guard<std::mutex> l(agreed_mu_);
@@ -1548,6 +1674,7 @@ Status Engine::AdoptRestored(uint64_t) { return Status::OK(); }
 Status Engine::WriteAgreed(const AgreedRecord&) {
   return Status::FailedPrecondition("this engine keeps no agreed records");
 }
+Status Engine::PrepareStaging(uint64_t) { return Status::OK(); }
 
 // Engines that do not implement layer-wise checkpoints say so.
 Result<uint64_t> Engine::BeginCheckpoint(int64_t) {

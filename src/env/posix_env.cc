@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -251,6 +252,12 @@ class PosixDirectory final : public Directory {
     fs.mtime_unix_ns = static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull +
                        static_cast<uint64_t>(st.st_mtim.tv_nsec);
     return fs;
+  }
+
+  Result<uint64_t> FreeBytes() override {
+    struct statvfs sv;
+    if (::fstatvfs(fd_, &sv) != 0) return Status::FromErrno("statvfs " + path_, errno);
+    return static_cast<uint64_t>(sv.f_bavail) * static_cast<uint64_t>(sv.f_frsize);
   }
 
   Result<std::unique_ptr<FileLock>> Lock(std::string_view name_v,

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/memory_tier.h"
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
@@ -161,6 +162,9 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["in_flight"] = s.in_flight;
   d["stall_s_total"] = s.stall_s_total;
   d["staging_wait_s_total"] = s.staging_wait_s_total;
+  d["staging_alloc_waits"] = s.staging_alloc_waits;
+  d["staging_alloc_wait_s"] = s.staging_alloc_wait_s;
+  d["staging_prepared_bytes"] = s.staging_prepared_bytes;
   d["staging_bytes"] = s.staging_bytes;
   d["chunk_bytes"] = s.chunk_bytes;
   d["writers"] = s.writers;
@@ -168,6 +172,14 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["medium"] = s.medium;
   d["copy_engine"] = s.copy_engine;
   d["layer_copy"] = s.layer_copy;
+  d["memory_tier"] = s.memory_tier;
+  d["memory_segment"] = s.memory_segment;
+  d["memory_mirrored"] = s.memory_mirrored;
+  d["memory_counter"] = s.memory_counter;
+  d["memory_failures"] = s.memory_failures;
+  d["memory_error"] = LossyStr(s.memory_error);
+  d["restored_from_memory"] = s.restored_from_memory;
+  d["restore_s"] = s.restore_s;
   py::list recent;
   for (const auto& c : s.recent) recent.append(CheckpointStatsDict(c));
   d["recent"] = recent;
@@ -226,6 +238,10 @@ class PyEngine {
   }
   // Raises the oldest queued background failure (and forgets it); returns
   // None when there is none. Never blocks.
+  void PrepareStaging(uint64_t state_bytes) {
+    py::gil_scoped_release release;
+    Check(Get().PrepareStaging(state_bytes));
+  }
   void TakeError() {
     Status s;
     {
@@ -370,6 +386,10 @@ class PyReader {
     report_ = std::move(report).value();
   }
 
+  // A memory-tier segment (memory_tier.h), already opened and verified.
+  explicit PyReader(MemorySegment seg)
+      : path_(std::move(seg.path)), file_(std::move(seg.file)), report_(std::move(seg.report)) {}
+
   py::dict Geometry() const {
     const StoreGeometry& g = file_->geometry();
     py::dict d;
@@ -467,7 +487,8 @@ void InitEngine(py::module_& m) {
       py::init([](const std::string& dir, uint32_t rank, uint32_t world_size, int max_in_flight,
                   int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
                   const std::string& medium, uint32_t extra_slots, const std::string& layer_copy,
-                  bool global_agreement, uint64_t keep_every) {
+                  bool global_agreement, uint64_t keep_every, const std::string& memory_tier,
+                  const std::string& shm_dir) {
         LayerCopy copy = LayerCopy::kHost;
         if (!ParseLayerCopy(layer_copy, &copy)) {
           throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
@@ -479,10 +500,13 @@ void InitEngine(py::module_& m) {
         o.extra_slots = extra_slots;
         o.layer_copy = copy;
         o.global_agreement = global_agreement;
+        o.memory_tier = memory_tier;
+        o.shm_dir = shm_dir;
         return std::make_unique<PyEngine>(o);
       }),
       py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
-      py::arg("global_agreement") = false, py::arg("keep_every") = 0);
+      py::arg("global_agreement") = false, py::arg("keep_every") = 0,
+      py::arg("memory_tier") = "auto", py::arg("shm_dir") = "");
   engine
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "
@@ -491,6 +515,8 @@ void InitEngine(py::module_& m) {
       .def("checkpoint", &PyEngine::Checkpoint, py::arg("step"), py::arg("meta_json"))
       .def("wait_copied", &PyEngine::WaitCopied)
       .def("take_error", &PyEngine::TakeError)
+      .def("prepare_staging", &PyEngine::PrepareStaging, py::arg("state_bytes"),
+           "Allocates staging for a state of state_bytes in the background; returns at once.")
       .def("begin_checkpoint", &PyEngine::BeginCheckpoint, py::arg("step"))
       .def("copy_tensors", &PyEngine::CopyTensors, py::arg("counter"), py::arg("tensors"))
       .def("wait_tensors_copied", &PyEngine::WaitTensorsCopied, py::arg("tensors"))
@@ -511,6 +537,23 @@ void InitEngine(py::module_& m) {
            py::arg("counter") = std::numeric_limits<uint64_t>::max())
       .def("close", &PyEngine::Close)
       .def_property_readonly("closed", &PyEngine::closed);
+
+  m.def(
+      "open_memory_segment",
+      [](const std::string& dir, int rank, const std::string& shm_dir) -> py::tuple {
+        std::string why;
+        Result<std::optional<MemorySegment>> seg{Status::Internal("unset")};
+        {
+          py::gil_scoped_release release;
+          seg = OpenMemorySegment(dir, rank, shm_dir, nullptr, nullptr, &why);
+        }
+        if (!seg.ok()) return py::make_tuple(py::none(), LossyStr(seg.status().ToString()));
+        if (!seg.value().has_value()) return py::make_tuple(py::none(), LossyStr(why));
+        return py::make_tuple(py::cast(PyReader(std::move(*seg.value()))), "");
+      },
+      py::arg("dir"), py::arg("rank") = 0, py::arg("shm_dir") = "",
+      "The memory tier's segment of `rank` as a Reader, when it verifies and holds exactly the "
+      "newest committed checkpoint on disk: (reader, \"\"); else (None, why).");
 
   py::class_<PyReader>(m, "Reader")
       .def(py::init<const std::string&, int, bool>(), py::arg("dir"), py::arg("rank") = 0,

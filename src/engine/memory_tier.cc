@@ -1,0 +1,353 @@
+// The memory tier; memory_tier.h says what it keeps and when recovery uses it.
+#include "engine/memory_tier.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+namespace nonstop {
+namespace {
+
+constexpr uint64_t kMaxRecordBytes = 4096;
+constexpr char kRecordHead[] = "nonstop memory segment v1\n";
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string Rank5(int rank) {
+  char b[16];
+  std::snprintf(b, sizeof(b), "%05d", rank);
+  return b;
+}
+
+// "<16 lowercase hex>-rank-RRRRR.nsck" for this rank, exactly.
+bool ValidSegmentName(const std::string& name, int rank) {
+  const std::string tail = "-rank-" + Rank5(rank) + ".nsck";
+  if (name.size() != 16 + tail.size() || name.compare(16, std::string::npos, tail) != 0) {
+    return false;
+  }
+  for (size_t i = 0; i < 16; ++i) {
+    const char c = name[i];
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+std::string NewSegmentName(int rank) {
+  std::random_device rd;
+  const uint64_t id = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  char b[24];
+  std::snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(id));
+  return std::string(b) + "-rank-" + Rank5(rank) + ".nsck";
+}
+
+// The segment name recorded in the job directory; NotFound when there is no
+// record, Corruption when it is not one.
+Result<std::string> ReadRecord(Directory& jd, int rank) {
+  const std::string rec = JobDirNames::MemoryRecord(rank);
+  NONSTOP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(jd, rec, kMaxRecordBytes));
+  const std::string head = kRecordHead;
+  if (text.compare(0, head.size(), head) != 0 || text.back() != '\n') {
+    return Status::Corruption(jd.path() + "/" + rec + " is not a memory segment record");
+  }
+  std::string name = text.substr(head.size(), text.size() - head.size() - 1);
+  if (!ValidSegmentName(name, rank)) {
+    return Status::Corruption(jd.path() + "/" + rec + " names no valid segment");
+  }
+  return name;
+}
+
+bool SameCheckpoint(const CheckpointInfo& a, const CheckpointInfo& b, std::string* why) {
+  auto differ = [&](const char* what) {
+    *why = std::string("its ") + what + " differs from the disk's checkpoint";
+    return false;
+  };
+  if (a.counter != b.counter) {
+    *why = "it holds checkpoint " + std::to_string(a.counter) + ", the disk's newest is " +
+           std::to_string(b.counter);
+    return false;
+  }
+  if (a.step != b.step) return differ("step");
+  if (a.rank != b.rank || a.world_size != b.world_size) return differ("rank");
+  if (a.data_bytes != b.data_bytes) return differ("data size");
+  if (a.crc_chunk_bytes != b.crc_chunk_bytes || a.chunk_crcs != b.chunk_crcs) {
+    return differ("data (chunk checksums)");
+  }
+  if (a.meta_json != b.meta_json) return differ("metadata");
+  if (a.tensors.size() != b.tensors.size()) return differ("tensor table");
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    const TensorEntry &x = a.tensors[i], &y = b.tensors[i];
+    if (x.data_offset != y.data_offset || x.spec.name != y.spec.name ||
+        x.spec.dtype != y.spec.dtype || x.spec.shape != y.spec.shape ||
+        x.spec.nbytes != y.spec.nbytes) {
+      return differ("tensor table");
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool ParseMemoryTierMode(std::string_view name, MemoryTierMode* out) {
+  if (name == "auto") *out = MemoryTierMode::kAuto;
+  else if (name == "memory") *out = MemoryTierMode::kMemory;
+  else if (name == "disk") *out = MemoryTierMode::kDisk;
+  else return false;
+  return true;
+}
+
+const char* MemoryTierModeName(MemoryTierMode m) {
+  switch (m) {
+    case MemoryTierMode::kAuto: return "auto";
+    case MemoryTierMode::kMemory: return "memory";
+    case MemoryTierMode::kDisk: return "disk";
+  }
+  return "?";
+}
+
+std::string MemorySegmentDir(const std::string& configured) {
+  if (!configured.empty()) return configured;
+  const char* env = std::getenv("NONSTOP_SHM_DIR");
+  if (env != nullptr && env[0] != '\0') return env;
+  return "/dev/shm/nonstop";
+}
+
+std::unique_ptr<MemoryTierWriter> MemoryTierWriter::Open(JobDir& jd, Env* env, int rank,
+                                                         MemoryTierMode mode,
+                                                         const std::string& shm_dir,
+                                                         double fit_factor) {
+  std::unique_ptr<MemoryTierWriter> w(new MemoryTierWriter());
+  w->mode_ = mode;
+  w->fit_factor_ = fit_factor;
+  w->stats_.mode = MemoryTierModeName(mode);
+  if (mode == MemoryTierMode::kDisk) return w;
+  if (env == nullptr) env = DefaultEnv();
+  const std::string where = MemorySegmentDir(shm_dir);
+  auto off = [&](const Status& s) {
+    w->stats_.last_error = "memory tier off: " + s.ToString();
+    w->stats_.failures = 1;
+    if (mode == MemoryTierMode::kMemory) {
+      std::fprintf(stderr, "nonstop: %s; checkpoints go to disk only\n", w->stats_.last_error.c_str());
+    }
+    w->reported_ = true;
+    return std::move(w);
+  };
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(where, /*create=*/true);
+  if (!d.ok()) return off(d.status().Annotate("segment directory " + where));
+  Result<std::string> name = ReadRecord(jd.dir(), rank);
+  if (!name.ok()) {
+    if (name.status().code() != StatusCode::kNotFound && name.status().code() != StatusCode::kCorruption) {
+      return off(name.status());
+    }
+    // None yet (or a damaged one): a new private name, recorded durably
+    // before any segment is written under it.
+    name = NewSegmentName(rank);
+    Status ws = WriteFileAtomic(jd.dir(), JobDirNames::MemoryRecord(rank),
+                                std::string(kRecordHead) + name.value() + "\n");
+    if (!ws.ok()) return off(ws);
+  }
+  w->dir_ = std::move(d).value();
+  w->name_ = std::move(name).value();
+  w->stats_.segment = w->dir_->path() + "/" + w->name_;
+  w->thread_ = std::thread([p = w.get()] { p->Loop(); });
+  return w;
+}
+
+MemoryTierWriter::~MemoryTierWriter() { Close(false); }
+
+void MemoryTierWriter::Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info) {
+  if (!on()) return;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (stop_) return;
+    if (next_) ++stats_.skipped;  // superseded before its copy started
+    next_file_ = std::move(file);
+    next_ = info;
+  }
+  cv_.notify_all();
+}
+
+void MemoryTierWriter::Drain() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return stop_ || (!next_ && !busy_); });
+}
+
+void MemoryTierWriter::Close(bool remove_segment) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+    next_.reset();
+    next_file_.reset();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (remove_segment && dir_) {
+    (void)dir_->Unlink(name_);
+    (void)dir_->Unlink(name_ + ".tmp");
+  }
+}
+
+MemoryTierStats MemoryTierWriter::stats() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return stats_;
+}
+
+void MemoryTierWriter::Failed(const Status& s) {
+  ++stats_.failures;
+  stats_.last_error = s.ToString();
+  if (!reported_) {  // once until the tier works again
+    std::fprintf(stderr, "nonstop: memory tier: %s; checkpoints go on to disk\n",
+                 stats_.last_error.c_str());
+    reported_ = true;
+  }
+}
+
+void MemoryTierWriter::Loop() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    cv_.wait(l, [&] { return stop_ || next_.has_value(); });
+    if (stop_) break;
+    CheckpointInfo info = std::move(*next_);
+    std::shared_ptr<SlotFile> file = std::move(next_file_);
+    next_.reset();
+    busy_ = true;
+    l.unlock();
+    const auto t0 = std::chrono::steady_clock::now();
+    bool did_not_fit = false;
+    Status s = CopyOne(*file, info, &did_not_fit);
+    const double secs = Since(t0);
+    file.reset();
+    l.lock();
+    busy_ = false;
+    if (s.ok()) {
+      ++stats_.mirrored;
+      stats_.mirrored_counter = info.counter;
+      stats_.copy_s_total += secs;
+      reported_ = false;
+    } else if (did_not_fit) {
+      ++stats_.skipped;  // auto: does not fit; the stale segment is gone
+      stats_.mirrored_counter = 0;
+      stats_.last_error = s.ToString();
+    } else if (next_.has_value()) {
+      ++stats_.skipped;  // its slot was reused by a newer commit: copy that one
+    } else {
+      stats_.mirrored_counter = 0;
+      Failed(s);
+    }
+    cv_.notify_all();
+  }
+  cv_.notify_all();
+}
+
+Status MemoryTierWriter::CopyOne(SlotFile& file, const CheckpointInfo& info, bool* did_not_fit) {
+  *did_not_fit = false;
+  const std::string tmp = name_ + ".tmp";
+  Status us = dir_->Unlink(tmp);
+  if (!us.ok() && us.code() != StatusCode::kNotFound) return us;
+  SlotLayout layout;
+  layout.tensors = info.tensors;
+  layout.data_bytes = info.data_bytes;
+  const uint64_t need = 4 * kStoreAlign * (kRingRecords + 2) +
+                        StoreGeometry::SlotBytesFor(layout, info.meta_json.size() + kStoreAlign);
+  if (mode_ == MemoryTierMode::kAuto) {
+    Result<uint64_t> free_bytes = dir_->FreeBytes();
+    uint64_t have = free_bytes.ok() ? free_bytes.value() : 0;
+    Result<FileStat> old = dir_->Stat(name_);
+    if (old.ok()) have += old.value().size;  // replaced by the new one
+    if (!free_bytes.ok() || static_cast<double>(have) < fit_factor_ * static_cast<double>(need)) {
+      // A segment older than the disk is of no use: give its memory back.
+      (void)dir_->Unlink(name_);
+      *did_not_fit = true;
+      return Status::Unavailable(
+          "memory tier (auto): " + std::to_string(need >> 20) + " MiB segment does not fit " +
+          std::to_string(fit_factor_) + "x into " + std::to_string(have >> 20) + " MiB free in " +
+          dir_->path());
+    }
+  }
+  Result<std::unique_ptr<Medium>> m = dir_->CreateFile(tmp, MediumKind::kBuffered, MediumOptions{});
+  if (!m.ok()) return m.status();
+  Status s = CopyCheckpoint(file, info, std::move(m).value());
+  if (s.ok()) s = dir_->Rename(tmp, name_);
+  if (!s.ok()) {
+    (void)dir_->Unlink(tmp);
+    // The old segment is older than the disk now; it would never be chosen,
+    // so its memory goes back.
+    (void)dir_->Unlink(name_);
+    return s.Annotate("copying checkpoint " + std::to_string(info.counter) + " to " +
+                      dir_->path() + "/" + name_);
+  }
+  return Status::OK();
+}
+
+Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_dir, int rank,
+                                                       const std::string& shm_dir, Env* env,
+                                                       const CheckpointInfo* disk_newest,
+                                                       std::string* why_not) {
+  std::string ignored;
+  if (why_not == nullptr) why_not = &ignored;
+  if (env == nullptr) env = DefaultEnv();
+  auto no = [&](const std::string& why) -> Result<std::optional<MemorySegment>> {
+    *why_not = why;
+    return std::optional<MemorySegment>();
+  };
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<JobDir> jd, JobDir::OpenForRead(job_dir, env));
+  Result<std::string> name = ReadRecord(jd->dir(), rank);
+  if (!name.ok()) return no("no memory segment record: " + name.status().message());
+  std::optional<CheckpointInfo> newest;
+  if (disk_newest != nullptr) {
+    newest = *disk_newest;
+  } else {
+    SelectOptions so;
+    so.verify_data = false;
+    so.include_keep = false;
+    Result<Selection> sel = jd->Select(rank, so);
+    if (!sel.ok()) return no("disk: " + sel.status().message());
+    if (!sel.value().chosen) return no("no checkpoint on disk");
+    newest = sel.value().chosen->info;
+  }
+  const std::string where = MemorySegmentDir(shm_dir);
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(where, /*create=*/false);
+  if (!d.ok()) return no("segment directory: " + d.status().message());
+  const std::string path = where + "/" + name.value();
+  // Only a regular file no larger than the disk checkpoint's one-slot copy
+  // (plus its headers) is opened at all.
+  Result<FileStat> st = d.value()->Stat(name.value());
+  if (!st.ok()) return no(path + ": " + st.status().message());
+  if (st.value().type != EntryType::kFile) return no(path + " is not a regular file");
+  SlotLayout layout;
+  layout.tensors = newest->tensors;
+  layout.data_bytes = newest->data_bytes;
+  const uint64_t max_size = 4 * kStoreAlign * (kRingRecords + 2) +
+                            StoreGeometry::SlotBytesFor(layout, newest->meta_json.size() + kStoreAlign);
+  if (st.value().size > max_size) return no(path + " is larger than the checkpoint it should hold");
+  MediumOptions ro;
+  ro.read_only = true;
+  Result<std::unique_ptr<Medium>> m = d.value()->OpenFile(name.value(), MediumKind::kBuffered, ro);
+  if (!m.ok()) return no(path + ": " + m.status().message());
+  Result<std::unique_ptr<SlotFile>> f = SlotFile::Open(std::move(m).value());
+  if (!f.ok()) return no(path + ": " + f.status().message());
+  const StoreGeometry& g = f.value()->geometry();
+  if (g.slots != 1 || static_cast<int>(g.rank) != rank || g.world_size != newest->world_size) {
+    return no(path + " is not a segment of rank " + std::to_string(rank));
+  }
+  ScanOptions so;
+  so.verify_data = true;  // every chunk, at memory speed
+  Result<ScanReport> rep = f.value()->Scan(so);
+  if (!rep.ok()) return no(path + ": " + rep.status().message());
+  if (rep.value().newest_valid < 0) return no(path + " holds no valid checkpoint");
+  const CheckpointInfo& info =
+      rep.value().checkpoints[static_cast<size_t>(rep.value().newest_valid)].info;
+  std::string why;
+  if (!SameCheckpoint(info, *newest, &why)) return no(path + ": " + why);
+  MemorySegment seg;
+  seg.info = info;
+  seg.report = std::move(rep).value();
+  seg.file = std::move(f).value();
+  seg.path = path;
+  return std::optional<MemorySegment>(std::move(seg));
+}
+
+}  // namespace nonstop

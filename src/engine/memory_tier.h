@@ -1,0 +1,133 @@
+// The memory tier (issue #19; docs/ARCHITECTURE.md "Memory tier"): the
+// newest committed checkpoint of a rank is also kept in shared memory
+// (a tmpfs such as /dev/shm), so that a process that crashed and restarts on
+// the same node restores at memory speed.
+//
+// A segment is a one-slot slot file (same format, checksums and commit
+// record as the job directory's files; docs/FORMAT.md), so the same store
+// code reads it. It lives in the segment directory (NONSTOP_SHM_DIR, default
+// /dev/shm/nonstop) under a name private to one job directory and rank,
+// "<16 hex digits>-rank-00003.nsck". The name is recorded in the job
+// directory (JobDirNames::MemoryRecord), so a segment is found only through
+// the job directory it belongs to.
+//
+// Writing (MemoryTierWriter, one per engine): after each commit on disk, a
+// background thread copies the newest committed checkpoint from the slot
+// file into "<name>.tmp" (O_CREAT|O_EXCL|O_NOFOLLOW at the segment
+// directory's fd, every chunk's crc verified as it is read), commits it there
+// and renames it over the segment. A crash at any point leaves the previous
+// segment or the new one, never a torn one under the segment's name. The
+// disk checkpoint never depends on it: a failure here (a full tmpfs, no
+// segment directory) is reported once on stderr and in the stats, and
+// checkpoints go on to disk.
+//
+// Reading (OpenMemorySegment): the segment is used only when it verifies
+// (header, record, table and every data chunk crc) and holds exactly the
+// newest committed, non-abandoned checkpoint of the rank's slot file on disk
+// (same counter, step, tensor table, metadata and chunk crcs): it is never
+// older than the disk, and never another job's. Anything else (no record, no
+// segment, a foreign or garbage file, a stale one) is reported in `why_not`
+// and the caller reads the disk.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "nonstop/env.h"
+#include "nonstop/jobdir.h"
+#include "nonstop/status.h"
+#include "nonstop/store.h"
+
+namespace nonstop {
+
+enum class MemoryTierMode {
+  kAuto,    // on where the segment fits: free space >= fit_factor * segment size
+  kMemory,  // always (a failure is still only reported)
+  kDisk,    // off
+};
+bool ParseMemoryTierMode(std::string_view name, MemoryTierMode* out);
+const char* MemoryTierModeName(MemoryTierMode m);
+
+// The segment directory: `configured` when not empty, else $NONSTOP_SHM_DIR,
+// else /dev/shm/nonstop.
+std::string MemorySegmentDir(const std::string& configured);
+
+struct MemoryTierStats {
+  std::string mode;             // "auto", "memory", "disk"
+  std::string segment;          // full path of the segment ("" when off)
+  uint64_t mirrored = 0;        // checkpoints copied into the segment
+  uint64_t mirrored_counter = 0;  // counter the segment holds now (0 = none)
+  uint64_t skipped = 0;         // not copied: did not fit (auto) or superseded
+  uint64_t failures = 0;
+  double copy_s_total = 0;
+  std::string last_error;       // the last failure, one line
+};
+
+class MemoryTierWriter {
+ public:
+  // Prepares the tier for rank `rank` of the job directory `jd` (its writer):
+  // opens (creating) the segment directory and reads or writes the job
+  // directory's record of the segment name. Never fails the engine: on any
+  // error it returns a writer that is off and says why (stats().last_error).
+  static std::unique_ptr<MemoryTierWriter> Open(JobDir& jd, Env* env, int rank,
+                                                MemoryTierMode mode, const std::string& shm_dir,
+                                                double fit_factor);
+  ~MemoryTierWriter();
+
+  // Hands committed checkpoint `info` of `file` to the background copy
+  // (replacing one not yet started). Never blocks on the copy.
+  void Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info);
+  // Waits until everything submitted is copied or failed (tests, benches).
+  void Drain();
+  // Stops the thread; with remove_segment also removes the segment (a clean
+  // shutdown: the disk holds everything, and the memory goes back).
+  void Close(bool remove_segment);
+  MemoryTierStats stats() const;
+  bool on() const { return dir_ != nullptr; }
+
+ private:
+  MemoryTierWriter() = default;
+  void Loop();
+  Status CopyOne(SlotFile& file, const CheckpointInfo& info, bool* did_not_fit);
+  void Failed(const Status& s);  // REQUIRES(mu_)
+
+  MemoryTierMode mode_ = MemoryTierMode::kDisk;
+  double fit_factor_ = 4;
+  std::unique_ptr<Directory> dir_;  // the segment directory (null: off)
+  std::string name_;                // the segment's entry name
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<SlotFile> next_file_;        // GUARDED_BY(mu_)
+  std::optional<CheckpointInfo> next_;         // GUARDED_BY(mu_)
+  bool busy_ = false;                          // GUARDED_BY(mu_)
+  bool stop_ = false;                          // GUARDED_BY(mu_)
+  bool reported_ = false;                      // GUARDED_BY(mu_): a failure printed since the last success
+  MemoryTierStats stats_;                      // GUARDED_BY(mu_)
+  std::thread thread_;
+};
+
+// A memory segment chosen for recovery, open read-only.
+struct MemorySegment {
+  std::unique_ptr<SlotFile> file;
+  ScanReport report;     // one committed checkpoint, data verified
+  CheckpointInfo info;   // that checkpoint (as the segment holds it)
+  std::string path;      // for messages
+};
+
+// The segment of rank `rank` of job directory `job_dir`, when it may be used
+// for recovery instead of the disk (see the top of this file); nullopt with
+// the reason in *why_not otherwise. `disk_newest`: the newest committed,
+// non-abandoned checkpoint of the rank's slot file as the caller found it
+// (table read, data not verified); nullptr: found here.
+Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_dir, int rank,
+                                                       const std::string& shm_dir, Env* env,
+                                                       const CheckpointInfo* disk_newest,
+                                                       std::string* why_not);
+
+}  // namespace nonstop

@@ -1,0 +1,107 @@
+"""The memory tier from Python (issue #19): restore() reads the shared-memory
+segment only when it holds exactly the newest committed checkpoint on disk;
+a kill at any point, a stale segment or tier="disk" read the disk."""
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+import nonstop
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch, nonstop
+    model = torch.nn.Linear(256, 256)
+    ckpt = nonstop.Checkpointer(sys.argv[1], {"model": model}, every=1, tier="memory")
+    print("ready", flush=True)
+    step = 0
+    while True:
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+            model.bias.fill_(float(step))
+        ckpt.step(step)
+        step += 1
+        time.sleep(0.05)  # training between checkpoints
+""")
+
+
+def _model():
+    return torch.nn.Linear(256, 256)
+
+
+def _wait_memory(ckpt, deadline_s=30):
+    end = time.monotonic() + deadline_s
+    while ckpt.stats()["memory_counter"] != ckpt.stats()["committed"] and time.monotonic() < end:
+        time.sleep(0.005)
+    return ckpt.stats()
+
+
+def test_kill_at_random_points_restores_the_newest_committed(tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("NONSTOP_SHM_DIR", str(shm))
+    rng = random.Random(19)
+    sources = []
+    for round_ in range(2):
+        d = str(tmp_path / f"job{round_}")
+        p = subprocess.Popen([sys.executable, "-c", CHILD, d], stdout=subprocess.PIPE,
+                             env=dict(os.environ))
+        try:
+            assert p.stdout.readline().strip() == b"ready"
+            time.sleep(0.3 + rng.random() * 0.5)
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+        newest = nonstop.load(d).step  # the disk's newest committed checkpoint
+        model = _model()
+        with nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory") as ckpt:
+            assert ckpt.restore() == newest
+            s = ckpt.stats()
+            sources.append(s["restored_from"])
+            assert torch.all(model.weight == float(newest))
+            assert torch.all(model.bias == float(newest))
+    assert set(sources) <= {"memory", "disk"}
+    assert "memory" in sources, sources
+
+
+def test_stale_segment_and_tier_disk_read_the_disk(tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("NONSTOP_SHM_DIR", str(shm))
+    d = str(tmp_path / "job")
+    model = _model()
+    ckpt = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory")
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ckpt.save(1)
+    ckpt.wait()
+    seg = _wait_memory(ckpt)["memory_segment"]
+    assert seg.startswith(str(shm))
+    shutil.copy(seg, str(tmp_path / "aside"))  # the segment of step 1
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    ckpt.save(2)
+    ckpt.wait()
+    _wait_memory(ckpt)
+    ckpt.close()
+    assert not os.path.exists(seg)  # a clean close gives the memory back
+    shutil.copy(str(tmp_path / "aside"), seg)  # stale: older than the disk
+    model = _model()
+    with nonstop.Checkpointer(d, {"model": model}, every=1) as ckpt:
+        assert ckpt.restore() == 2
+        s = ckpt.stats()
+        assert s["restored_from"] == "disk"
+        assert "disk's newest" in s["memory_unused_because"], s["memory_unused_because"]
+        assert torch.all(model.weight == 2.0)
+    # tier="disk" writes no segment and never reads one.
+    d2 = str(tmp_path / "job2")
+    model = _model()
+    with nonstop.Checkpointer(d2, {"model": model}, every=1, tier="disk") as ckpt:
+        ckpt.save(0)
+        ckpt.wait()
+        assert ckpt.stats()["memory_segment"] == ""
+        assert ckpt.stats()["memory_tier"] == "disk"
+    assert not any(n.endswith(".nsck") for n in os.listdir(shm)) if shm.exists() else True

@@ -608,7 +608,7 @@ Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (opts_.staging_bytes != 0 || prep_) return Status::OK();
-  const bool pinned = dynamic_cast<CudaCopyEngine*>(copy_.get()) != nullptr;
+  const bool pinned = copy_->PinsHostMemory();
   const uint64_t want =
       DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned).bytes;
   if (want <= staging_->total_bytes()) return Status::OK();

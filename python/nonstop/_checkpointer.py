@@ -215,7 +215,8 @@ class Checkpointer:
                 engine_kwargs["layer_copy"] = copy
             # The memory tier: the newest committed checkpoint also in shared
             # memory for a fast restart on this node (docs/PYTHON.md, "tier").
-            engine_kwargs["memory_tier"] = tier
+            if tier != "auto":  # the engine's default
+                engine_kwargs["memory_tier"] = tier
             self._engine = _core().Engine(self.dir, **engine_kwargs)
         self._registered: Optional[list] = None
         self._snapshots: dict[str, _Snapshot] = {}

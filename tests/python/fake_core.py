@@ -15,6 +15,18 @@ from nonstop.errors import CheckpointMismatchError, CorruptCheckpointError
 DISK = {}  # dir -> list of committed checkpoints, oldest first
 
 
+def __getattr__(name):
+    """JobDir (the directory's layout, set-aside, agreed records) is the real
+    extension's: the fake engine writes nothing to disk, so the real JobDir
+    finds nothing to act on. Nothing else is taken from the extension (the
+    front end must see what this stand-in lacks, e.g. restore)."""
+    if name != "JobDir":
+        raise AttributeError(name)
+    import importlib
+    real = importlib.import_module("nonstop._core")
+    return getattr(real, name)
+
+
 class Engine:
     def __init__(self, dir, rank=0, world_size=1, max_in_flight=2, writers=0, staging_bytes=0,
                  chunk_bytes=0, copy_threads=1, medium="auto", extra_slots=0, keep_every=0):

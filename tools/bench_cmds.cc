@@ -456,11 +456,14 @@ void AddBenchCommands(CLI::App& app) {
   CLI::App* storage = bench->add_subcommand(
       "storage", "write one checkpoint of --size bytes and restore it: write/read GB/s");
   storage->add_option("--dir", sa->dir, "directory on the file system to measure")->required();
-  storage->add_option("--size", sa->size, "checkpoint bytes (default 1 GiB)");
+  storage->add_option("--size", sa->size, "checkpoint bytes, e.g. 64M or 1GiB (default 1 GiB)")
+      ->transform(CLI::AsSizeValue(false));
   storage->add_option("--medium", sa->medium, "auto, buffered, direct, uring, mmap, pmem");
   storage->add_option("--writers", sa->writers, "writer threads (0 = engine default)");
-  storage->add_option("--chunk", sa->chunk, "chunk bytes (0 = engine default)");
-  storage->add_option("--staging", sa->staging, "staging bound M in bytes (0 = engine default)");
+  storage->add_option("--chunk", sa->chunk, "chunk bytes, e.g. 64M or 1GiB (0 = engine default)")
+      ->transform(CLI::AsSizeValue(false));
+  storage->add_option("--staging", sa->staging, "staging bound M in bytes, e.g. 64M or 1GiB (0 = engine default)")
+      ->transform(CLI::AsSizeValue(false));
   storage->add_option("--repeat", sa->repeat, "runs; the median is reported (default 3)");
   storage->add_flag("--json", sa->json, "print one JSON object");
   storage->callback([sa] {
@@ -472,7 +475,8 @@ void AddBenchCommands(CLI::App& app) {
       "overhead", "synthetic training loop: none, sync, single, gpm, concurrent N=1..4");
   overhead->add_option("--dir", oa->dir, "directory for the checkpoints")->required();
   overhead->add_option("--step-ms", oa->step_ms, "device compute per step, ms (default 50)");
-  overhead->add_option("--state", oa->state, "state bytes (default 256 MiB)");
+  overhead->add_option("--state", oa->state, "state bytes, e.g. 64M or 1GiB (default 256 MiB)")
+      ->transform(CLI::AsSizeValue(false));
   overhead->add_option("--interval", oa->intervals, "checkpoint every k steps (default 1 2 5 10)")
       ->delimiter(',');
   overhead->add_option("--max-in-flight", oa->in_flight, "N values for concurrent (default 1,2,3,4)")
@@ -481,8 +485,10 @@ void AddBenchCommands(CLI::App& app) {
   overhead->add_option("--repeat", oa->repeat, "interleaved rounds (default 3)");
   overhead->add_option("--medium", oa->medium, "auto, buffered, direct, uring, mmap, pmem");
   overhead->add_option("--writers", oa->writers, "writer threads (0 = engine default)");
-  overhead->add_option("--staging", oa->staging, "staging bound M in bytes (0 = engine default)");
-  overhead->add_option("--chunk", oa->chunk, "chunk bytes b (0 = engine default)");
+  overhead->add_option("--staging", oa->staging, "staging bound M in bytes, e.g. 64M or 1GiB (0 = engine default)")
+      ->transform(CLI::AsSizeValue(false));
+  overhead->add_option("--chunk", oa->chunk, "chunk bytes b (0 = engine default)")
+      ->transform(CLI::AsSizeValue(false));
   overhead->add_option("--schemes", oa->schemes,
                        "schemes besides none (default sync,single,gpm,concurrent)")
       ->delimiter(',');

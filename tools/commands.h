@@ -6,6 +6,7 @@
 
 namespace nonstop::cli {
 void AddStoreCommands(CLI::App& app);  // inspect, verify, export
+void AddManageCommands(CLI::App& app);  // ls, rm (manage_cmds.cc)
 void AddBenchCommands(CLI::App& app);  // bench storage, bench overhead, ...
 void AddSimulateCommand(CLI::App& app);
 void AddTuneCommand(CLI::App& app);

@@ -10,9 +10,10 @@
 
 int main(int argc, char** argv) {
   try {
-    CLI::App app{"nonstop: checkpoint store tools (inspect, verify, export, bench, tune, simulate)"};
+    CLI::App app{"nonstop: checkpoint store tools (inspect, ls, rm, verify, export, bench, tune, simulate)"};
     app.require_subcommand(1);
     nonstop::cli::AddStoreCommands(app);
+    nonstop::cli::AddManageCommands(app);
     nonstop::cli::AddBenchCommands(app);
     nonstop::cli::AddSimulateCommand(app);
     nonstop::cli::AddTuneCommand(app);

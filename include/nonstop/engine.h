@@ -41,6 +41,8 @@
 
 namespace nonstop {
 
+struct RetentionPolicy;  // jobdir.h
+
 // How a layer-wise checkpoint (BeginCheckpoint/CopyTensors) moves a tensor's
 // bytes out of its memory; docs/LAYERWISE.md. The three strategies of LightCheck.
 enum class LayerCopy {
@@ -209,6 +211,15 @@ class Engine {
   // Pin (the caller pins `counter`); the rollback is recorded all the same.
   virtual Status AdoptRestored(uint64_t counter);
   virtual EngineStats Stats() = 0;
+  // Kept copies from now on (jobdir.h RetentionPolicy: max_to_keep, best-k by
+  // a metric of the checkpoint's metadata); policy.keep_every is replaced by
+  // EngineOptions::keep_every. The committer applies it right after each
+  // commit (JobDir::Retain); a failure is queued like a failed keep copy.
+  // InvalidArgument when it deletes copies and world_size > 1.
+  virtual Status SetRetention(const RetentionPolicy& policy);
+  // Deletes the kept copy of `step` (JobDir::DeleteKept), after waiting for
+  // everything in flight.
+  virtual Status DeleteKept(int64_t step);
   // Returns (and forgets) the oldest queued background failure; OK when none.
   // Never blocks.
   virtual Status TakeError();

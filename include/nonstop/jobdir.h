@@ -41,7 +41,10 @@
 //   jd.select_common(world_size, step=None, set_aside_world=None, verify_data=True,
 //       max_step=None) -> dict(step, ranks=[SelectedCheckpoint...], skipped=[...]);
 //       raises when none is common
-//   jd.list(rank=0) -> [dict(step, counter, where, state, reason)]
+//   jd.list(rank=0) -> [dict(step, counter, where, keep, state, reason,
+//       commit_unix_ns, data_bytes, metrics)]
+//   jd.kept(rank=0, metric="") -> [dict(step, counter, metric)]; jd.delete_kept(step)
+//   JobDir.open_for_maintenance(path)
 //   jd.record_restore(rank, counter), jd.lineage(rank) -> dict, jd.next_counter(rank)
 //   jd.needs_set_aside(world_size), jd.set_aside(world_size) -> [W...],
 //   jd.set_aside_worlds() -> [W...]
@@ -57,6 +60,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -100,6 +104,10 @@ struct ListedCheckpoint {
   CheckpointLocation location;
   enum class State { kCommitted, kDamaged, kAbandoned } state = State::kDamaged;
   std::string reason;  // why damaged/abandoned; empty when committed
+  uint64_t commit_unix_ns = 0;  // committed ones: when
+  uint64_t data_bytes = 0;      // committed ones: bytes of tensor data
+  std::vector<std::pair<std::string, double>> metrics;  // CheckpointMetrics of its metadata
+  bool rotated = false;  // damaged only because a newer checkpoint reused its slot (gone, not damage)
 };
 
 struct SelectOptions {
@@ -157,6 +165,51 @@ struct AgreedRecord {
   std::string resharded_from;          // set-aside dir ("world-2"), empty when not resharded
   int resharded_from_world = 0;
 };
+
+// ---- Retention of kept copies (keep/step-N/) ----
+// Which kept copies a writer makes after a commit, and which it deletes.
+// - Periodic copies: every keep_every-th checkpoint (counter % keep_every == 0).
+// - Best copies: a checkpoint whose metadata carries `best_metric` (a
+//   top-level "metrics" object of name -> number in its meta_json) is copied
+//   when it ranks among the best_k of the kept copies that carry the metric
+//   (lower is better unless best_higher; a tie keeps the newer).
+// After a copy is made, every kept copy that no rule holds is deleted:
+// held are the best_k copies by the metric, and the newest max_to_keep of the
+// others (periodic ones and those without the metric; all of them when
+// max_to_keep is 0). Never deleted: a copy at or above the slot file's newest
+// committed counter (it may be the newest committed checkpoint) and the copy
+// a restore is protecting (ProtectedCounter).
+struct RetentionPolicy {
+  uint64_t keep_every = 0;   // 0: no periodic copies
+  uint64_t max_to_keep = 0;  // 0: no limit on the copies not held as best
+  std::string best_metric;   // empty: no best-k rule
+  bool best_higher = false;  // "max": higher is better; "min" otherwise
+  uint64_t best_k = 0;       // 0: no best-k rule
+  bool MakesCopies() const { return keep_every > 0 || (best_k > 0 && !best_metric.empty()); }
+  bool Deletes() const { return max_to_keep > 0 || (best_k > 0 && !best_metric.empty()); }
+};
+
+// One committed kept copy, as the retention rules see it.
+struct KeptCopy {
+  int64_t step = 0;
+  uint64_t counter = 0;
+  std::optional<double> metric;  // the policy's metric, when the copy carries it
+};
+
+// The metrics of a checkpoint: the top-level "metrics" object of its
+// meta_json, name -> finite number (other values skipped). Bounded and never
+// recursive (hostile bytes); empty when absent or malformed.
+std::vector<std::pair<std::string, double>> CheckpointMetrics(std::string_view meta_json);
+std::optional<double> CheckpointMetric(std::string_view meta_json, std::string_view name);
+
+// Pure rules (above): whether a new committed checkpoint (counter, metric) is
+// copied, given the copies there are; and which steps of `copies` are
+// deleted, never one whose counter is in `keep_counters`. Ascending.
+bool WantsKeepCopy(uint64_t counter, std::optional<double> metric, const RetentionPolicy& policy,
+                   const std::vector<KeptCopy>& copies);
+std::vector<int64_t> RetentionVictims(const std::vector<KeptCopy>& copies,
+                                      const RetentionPolicy& policy,
+                                      const std::vector<uint64_t>& keep_counters);
 
 class JobDir {
  public:
@@ -234,6 +287,29 @@ class JobDir {
   // when that copy already holds `info.counter`. The caller keeps `info`'s
   // slot from being reused during the copy.
   Status Keep(SlotFile& src, const CheckpointInfo& info);
+
+  // ---- Retention and deletion of kept copies (writer) ----
+  // After `info` of `src` committed: makes its keep copy when `policy` wants
+  // one (Keep), then deletes the kept copies the policy no longer holds
+  // (DeleteKept). The caller keeps `info`'s slot from being reused meanwhile.
+  // With world_size > 1 only copies are made, nothing is deleted.
+  Status Retain(SlotFile& src, const CheckpointInfo& info, const RetentionPolicy& policy);
+  // The committed, non-abandoned kept copies of rank R, newest step first,
+  // with `metric` when given.
+  Result<std::vector<KeptCopy>> KeptCopies(int rank, const std::string& metric = "");
+  // Deletes keep/step-N/ with every rank's copy in it: renamed to a hidden
+  // temp name first (a reader sees the whole copy or none; a kill leaves the
+  // temp, which the next writer's open removes), then its files and itself,
+  // each step made durable. NotFound listing the kept steps when there is no
+  // such copy; FailedPrecondition when it may be the newest committed
+  // checkpoint or a restore protects it. A writer of world size > 1 must
+  // hold every rank's lock (OpenForMaintenance).
+  Status DeleteKept(int64_t step);
+  // Opens an existing job directory to change it while no job runs: takes
+  // every rank's lock (a running job: FailedPrecondition naming the holder)
+  // and tidies rank 0's leftovers like OpenForWrite. NotFound when missing.
+  static Result<std::unique_ptr<JobDir>> OpenForMaintenance(const std::string& path,
+                                                            Env* env = nullptr);
 
   // ---- Set-aside for resharding (writer) ----
   // Whether readable rank files of another world size than `world_size` are

@@ -38,6 +38,10 @@ def build_info() -> dict:
     return {"cuda": _core.built_with_cuda()}
 
 
+# Checkpoint management (no torch needed): nonstop.list(dir), nonstop.delete(dir, step).
+from ._manage import delete  # noqa: E402
+from ._manage import list_checkpoints as list  # noqa: E402,A001
+
 # The public API, imported eagerly so that IDEs and type checkers see it
 # (the package ships py.typed). Without torch only the errors and
 # build_info() are there (the command line needs no more); the other names
@@ -73,6 +77,6 @@ _TORCH_NAMES = ("Checkpointer", "load", "LoadedCheckpoint", "CheckpointHandle", 
 
 __all__ = ["Checkpointer", "CheckpointHandle", "load", "export", "LoadedCheckpoint", "Preempted",
            "EXIT_PREEMPTED", "worker_init_fn",
-           "build_info", "CheckpointError",
+           "build_info", "list", "delete", "CheckpointError",
            "CheckpointIOError", "CheckpointMismatchError", "CheckpointNotFoundError",
            "CorruptCheckpointError", "IncompatibleCheckpointError"]

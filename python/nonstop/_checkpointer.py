@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _distributed, _fsdp, _preempt, _remote, _rng, _state, _unwrap
+from . import (_auto, _config, _distributed, _fsdp, _manage, _preempt, _remote, _rng, _state,
+               _unwrap)
 from ._handle import CheckpointHandle, Watcher
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
@@ -133,7 +134,7 @@ class Checkpointer:
                  clip_grad_norm: Optional[float] = None, replicated: str = "shard",
                  local=(), dist_timeout_s: float = 300.0, on_preempt=True,
                  remote=None, remote_options: Optional[dict] = None, on_commit=None,
-                 tier: str = "auto"):
+                 tier: str = "auto", max_to_keep: Optional[int] = None, best=None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
@@ -164,6 +165,12 @@ class Checkpointer:
             raise CheckpointMismatchError("copy= and clip_grad_norm= apply to mode='layerwise' only")
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
+        # max_to_keep= and best=("loss", "min", k): which kept copies stay
+        # (JobDir retention in C++; _manage.py, docs/PYTHON.md "Managing checkpoints")
+        retention = _manage.check_retention(keep, max_to_keep, best)
+        if retention != (0, "", False, 0) and mode == "multistep":
+            raise CheckpointMismatchError(
+                "max_to_keep= and best= work with mode='concurrent' or 'layerwise' for now")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise CheckpointMismatchError(
                 f"max_in_flight must be a positive integer, got {max_in_flight!r}")
@@ -179,6 +186,9 @@ class Checkpointer:
         self.every = every
         self.mode = mode
         self.keep = keep
+        self.max_to_keep = max_to_keep
+        self.best = best
+        self._metrics: Optional[dict] = None  # metrics= of the save()/step() under way
         self.rng = rng
         self.rank = drank if rank is None else rank
         self.world_size = dworld if world_size is None else world_size
@@ -218,6 +228,12 @@ class Checkpointer:
             if tier != "auto":  # the engine's default
                 engine_kwargs["memory_tier"] = tier
             self._engine = _core().Engine(self.dir, **engine_kwargs)
+            if retention != (0, "", False, 0):
+                try:
+                    self._engine.set_retention(*retention)
+                except Exception:
+                    self._engine.close()
+                    raise
         self._registered: Optional[list] = None
         self._snapshots: dict[str, _Snapshot] = {}
         self._copy_pending = False
@@ -260,13 +276,22 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
 
-    def step(self, step: int) -> Optional[CheckpointHandle]:
+    def step(self, step: int, metrics: Optional[dict] = None) -> Optional[CheckpointHandle]:
         """Call after the update of `step` (counted from 0). Starts a
         checkpoint when `step + 1` is a multiple of `every` (or when the
         every="auto" controller says so); returns the checkpoint's handle
         (nonstop.CheckpointHandle), or None when none was due. After a preemption notice it checkpoints
         `step` at once, waits until it is committed (on every rank), closes,
-        and raises nonstop.Preempted (exit status 75 when uncaught)."""
+        and raises nonstop.Preempted (exit status 75 when uncaught).
+        metrics={"loss": 0.31}: stored with the checkpoint when one starts
+        (nonstop.list shows them; best= ranks kept copies by one)."""
+        self._metrics = _manage.check_metrics(metrics)
+        try:
+            return self._step(step)
+        finally:
+            self._metrics = None
+
+    def _step(self, step: int) -> Optional[CheckpointHandle]:
         if self._forked():
             self._live()
         if self._preempt is not None:
@@ -284,7 +309,7 @@ class Checkpointer:
         self._report()  # background errors since the last call, once
         return got
 
-    def save(self, step: int) -> Optional[CheckpointHandle]:
+    def save(self, step: int, metrics: Optional[dict] = None) -> Optional[CheckpointHandle]:
         """Starts a checkpoint of the state as it is now, labelled `step`.
         Returns at once (after small tensors not updated by the optimizer are
         copied) with the checkpoint's handle: handle.wait() blocks until it
@@ -294,8 +319,13 @@ class Checkpointer:
         None; its window's checkpoint is not known yet.)
 
         An error of an earlier checkpoint (a failed write or keep= copy) is
-        raised here after this checkpoint has started, once."""
-        handle = self._watcher.track(self._save(step), step)
+        raised here after this checkpoint has started, once.
+        metrics={"loss": 0.31}: stored with the checkpoint (see step())."""
+        self._metrics = _manage.check_metrics(metrics)
+        try:
+            handle = self._watcher.track(self._save(step), step)
+        finally:
+            self._metrics = None
         self._report()
         return handle
 
@@ -314,6 +344,8 @@ class Checkpointer:
                 "world_size": self.world_size, "state": tree}
         if self.rng:
             meta["rng"] = _rng.capture()
+        if self._metrics:
+            meta["metrics"] = self._metrics
         layouts = None
         if self._dist is not None:  # FSDP2 DTensors: each rank its local shard (_fsdp.py)
             self._base_ptr = {n: _fsdp.data_ptr(t) for n, t in tensors.items()}
@@ -577,6 +609,26 @@ class Checkpointer:
         if self._engine is None:
             raise CheckpointError(f"the checkpointer for {self.dir} is closed")
         return self._engine
+
+    # ------------------------------------------------------------ management
+
+    def list(self) -> list:
+        """Every checkpoint of this rank: the ring and the kept copies, newest
+        first (see nonstop.list)."""
+        self._live()
+        return _manage.list_checkpoints(self.dir, self.rank)
+
+    def delete(self, step: int) -> None:
+        """Deletes the kept copy of `step` (keep/step-N/) after the checkpoints
+        in flight finish. Never the newest committed checkpoint or the one a
+        restore protects; a step only in the ring is not deleted (the ring
+        reuses its slots itself). CheckpointNotFoundError lists the steps there are."""
+        engine = self._live()
+        if not hasattr(engine, "delete_kept"):
+            raise CheckpointMismatchError("delete() works with mode='concurrent' or 'layerwise'")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
+        _manage._delete_with(engine.delete_kept, self.dir, step)
 
     # ------------------------------------------------------------- restoring
 
@@ -930,11 +982,7 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
         except CheckpointNotFoundError:
             if step is None:
                 raise
-            have = ", ".join(str(c["step"]) for c in core.JobDir.open_for_read(path).list(rank)
-                             if c["state"] == "committed") or "none"
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at step {step} in {path} (committed steps: {have})"
-            ) from None
+            raise _manage.not_found(path, rank, step) from None  # ring and kept steps
         except CheckpointError as e:
             if state["began"] and "partly overwritten" not in str(e):
                 raise type(e)(f"{e}; the state was partly overwritten by this restore") from None

@@ -422,6 +422,8 @@ class Layerwise:
                     meta["dist"] = ck._dist.shard(tensors, ck.state)[2]
                 if ck.rng:
                     meta["rng"] = _rng.capture()
+                if getattr(ck, "_metrics", None):
+                    meta["metrics"] = ck._metrics
                 counter, self.counter = self.counter, None
                 # Every tensor not requested yet (the last batch too) is copied
                 # by the seal: wait for all of them before their next update.

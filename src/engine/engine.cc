@@ -189,6 +189,8 @@ class EngineImpl final : public Engine {
   Result<int> AbandonOlderThan(uint64_t counter) override;
   Status Close() override;
   Status TakeError() override;
+  Status SetRetention(const RetentionPolicy& policy) override;
+  Status DeleteKept(int64_t step) override;
 
   Status Pin(uint64_t counter) override;
   std::optional<CommittedCheckpoint> Candidate() override;
@@ -238,7 +240,6 @@ class EngineImpl final : public Engine {
   Status CheckOpen();         // REQUIRES(mu_)
   void AddStall(double s);    // REQUIRES(mu_)
   Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
-  Status KeepCopy(SlotFile& file, const CheckpointInfo& info);  // committer thread only
   // Committer thread: notes every counter in unnoted_ through
   // JobDir::RecordNotDurable; the first error when one cannot be noted.
   Status NoteNotDurable();
@@ -260,6 +261,7 @@ class EngineImpl final : public Engine {
   std::mutex agreed_mu_;
   // The memory tier's writer (never null after Init; off in "disk" mode).
   std::unique_ptr<MemoryTierWriter> memory_;
+  RetentionPolicy retention_;  // GUARDED_BY(mu_); keep_every from opts_
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<StagingPool> staging_;
   std::unique_ptr<TaskPool> writers_;
@@ -1056,10 +1058,19 @@ void EngineImpl::CommitLoop() {
       FinishJob(job, false, false, failed);
       continue;
     }
-    if (opts_.keep_every > 0 && job->counter % opts_.keep_every == 0) {
+    RetentionPolicy retention;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      retention = retention_;
+    }
+    retention.keep_every = opts_.keep_every;
+    if (retention.MakesCopies()) {
       // The checkpoint is committed whatever happens here; a failed copy is
-      // reported on the next call like any background error.
-      Status ks = KeepCopy(*job->file, info.value());
+      // reported on the next call like any background error. The copy
+      // (keep/step-N/rank-R.nsck: temp name, verified copy, sync, rename,
+      // SyncDir; redone at the next open after a kill) runs while this
+      // checkpoint is the newest and its slot cannot be reused.
+      Status ks = jd_->Retain(*job->file, info.value(), retention);
       if (!ks.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         pending_errors_.emplace_back(job->counter, ks);
@@ -1080,10 +1091,27 @@ Status EngineImpl::NoteNotDurable() {
   return Status::OK();
 }
 
-Status EngineImpl::KeepCopy(SlotFile& file, const CheckpointInfo& info) {
-  // keep/step-N/rank-R.nsck through the job directory: temp name (O_EXCL),
-  // verified copy, sync, rename, SyncDir; redone at the next open after a kill.
-  return jd_->Keep(file, info);
+Status EngineImpl::SetRetention(const RetentionPolicy& policy) {
+  if (policy.Deletes() && opts_.world_size > 1) {
+    return Status::InvalidArgument(
+        "max_to_keep and best-k delete kept copies, which works with world_size 1 only for now");
+  }
+  if (policy.best_k > 0 && policy.best_metric.empty()) {
+    return Status::InvalidArgument("best-k retention needs a metric name");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  retention_ = policy;
+  return Status::OK();
+}
+
+Status EngineImpl::DeleteKept(int64_t step) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    NONSTOP_RETURN_IF_ERROR(CheckOpen());
+    NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  }
+  return jd_->DeleteKept(step);
 }
 
 // On Linux a failed fsync drops the dirty pages it could not write and
@@ -1675,6 +1703,13 @@ Status Engine::WriteAgreed(const AgreedRecord&) {
   return Status::FailedPrecondition("this engine keeps no agreed records");
 }
 Status Engine::PrepareStaging(uint64_t) { return Status::OK(); }
+
+Status Engine::SetRetention(const RetentionPolicy&) {
+  return Status::Unavailable("this engine has no retention of kept copies");
+}
+Status Engine::DeleteKept(int64_t) {
+  return Status::Unavailable("this engine cannot delete kept copies");
+}
 
 // Engines that do not implement layer-wise checkpoints say so.
 Result<uint64_t> Engine::BeginCheckpoint(int64_t) {

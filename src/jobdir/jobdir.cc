@@ -107,6 +107,7 @@ struct JobDir::Impl {
   int rank = 0;
   int world = 1;
   std::mutex mu;  // serialises lineage, keep and set-aside changes
+  std::vector<std::unique_ptr<FileLock>> other_locks;  // OpenForMaintenance: every rank's
 
   std::string Where(const std::string& rel) const { return path + "/" + rel; }
 
@@ -230,6 +231,11 @@ struct JobDir::Impl {
                                          const SelectOptions& opts);
   Status KeepLocked(SlotFile& src, const CheckpointInfo& info);
   Status TidyLeftovers();
+  // Retention (the end of this file).
+  Result<std::vector<KeptCopy>> KeptCopiesLocked(int r, const std::string& metric);
+  Result<std::vector<uint64_t>> UndeletableCounters(int r, const std::vector<KeptCopy>& copies);
+  Status DeleteKeptLocked(int64_t step);
+  Status RemoveDeletingLeftovers(Directory& keep);
 };
 
 // ---------------------------------------------------------------- open
@@ -298,6 +304,7 @@ Status JobDir::Impl::TidyLeftovers() {
   Result<std::unique_ptr<Directory>> kd = dir->OpenDir(JobDirNames::KeepRoot(), false);
   if (!kd.ok()) return IsNotFound(kd.status()) ? Status::OK() : kd.status();
   Directory& keep = *kd.value();
+  NONSTOP_RETURN_IF_ERROR(RemoveDeletingLeftovers(keep));  // a kill during DeleteKept
   NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, keep.List());
   std::vector<int64_t> interrupted;  // steps whose copy for this rank is missing
   bool keep_changed = false;
@@ -710,6 +717,9 @@ Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
       if (c.state == CheckpointState::kDamaged) {
         l.state = ListedCheckpoint::State::kDamaged;
         l.reason = c.reason;
+        // SlotFile::Scan's words for a record whose slot a newer checkpoint took.
+        l.rotated = c.reason.rfind("slot ", 0) == 0 &&
+                    c.reason.find(" was reused by checkpoint #") != std::string::npos;
       } else if (lineage.IsAbandoned(c.info.counter)) {
         l.state = ListedCheckpoint::State::kAbandoned;
         l.reason = lineage.NotDurable(c.info.counter)
@@ -717,6 +727,11 @@ Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
                        : "abandoned by a restore of #" + std::to_string(lineage.restored_counter);
       } else {
         l.state = ListedCheckpoint::State::kCommitted;
+      }
+      if (c.state == CheckpointState::kCommitted) {
+        l.commit_unix_ns = c.info.commit_unix_ns;
+        l.data_bytes = c.info.data_bytes;
+        l.metrics = CheckpointMetrics(c.info.meta_json);
       }
       out.push_back(std::move(l));
     }
@@ -1036,6 +1051,221 @@ Result<std::optional<AgreedRecord>> JobDir::ReadAgreed(int rank) {
   }
   NONSTOP_ASSIGN_OR_RETURN(AgreedRecord rec, DecodeAgreed(text.value(), impl_->Where(name)));
   return std::optional<AgreedRecord>(std::move(rec));
+}
+
+// ---------------------------------------------------------------- retention
+// Kept copies: which are made and deleted (retention.cc holds the rules).
+
+namespace {
+
+// A kept copy being deleted is renamed to this prefix + its name first.
+constexpr std::string_view kDeletingPrefix = ".deleting-";
+
+// Removes subdirectory `name` of `parent` with the files in it (a kept copy
+// holds files only), then makes the removal durable.
+Status RemoveTree(Directory& parent, const std::string& name) {
+  Result<std::unique_ptr<Directory>> d = parent.OpenDir(name, false);
+  if (!d.ok()) return IsNotFound(d.status()) ? Status::OK() : d.status();
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> files, d.value()->List());
+  for (const DirEntry& f : files) {
+    if (f.type == EntryType::kDirectory) {
+      return Status::FailedPrecondition(d.value()->path() + "/" + f.name +
+                                        " is a directory: nonstop did not make it, and leaves it");
+    }
+    Status s = d.value()->Unlink(f.name);
+    if (!s.ok() && !IsNotFound(s)) return s;
+  }
+  d.value().reset();
+  Status s = parent.RemoveDir(name);
+  if (!s.ok() && !IsNotFound(s)) return s;
+  return parent.SyncDir();
+}
+
+std::string StepList(const std::vector<int64_t>& steps) {
+  if (steps.empty()) return "none";
+  std::string out;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (i == 20) return out + ", ... (" + std::to_string(steps.size()) + " in all)";
+    out += (i ? ", " : "") + std::to_string(steps[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+Status JobDir::Impl::RemoveDeletingLeftovers(Directory& keep) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, keep.List());
+  for (const DirEntry& e : entries) {
+    if (e.type != EntryType::kDirectory || e.name.rfind(kDeletingPrefix, 0) != 0) continue;
+    NONSTOP_RETURN_IF_ERROR(RemoveTree(keep, e.name).Annotate("removing " + Where(JobDirNames::KeepRoot() + "/" + e.name)));
+  }
+  return Status::OK();
+}
+
+Result<std::vector<KeptCopy>> JobDir::Impl::KeptCopiesLocked(int r, const std::string& metric) {
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, LineageIn(*dir, "", r));
+  std::vector<Source> sources;
+  std::vector<std::string> problems;
+  NONSTOP_RETURN_IF_ERROR(Sources(*dir, "", r, true, false, &sources, &problems));
+  std::vector<KeptCopy> out;
+  for (const Source& s : sources) {
+    if (!s.loc.keep) continue;
+    for (const ScannedCheckpoint& c : s.report.checkpoints) {
+      if (c.state != CheckpointState::kCommitted || lineage.IsAbandoned(c.info.counter)) continue;
+      KeptCopy k;
+      k.step = c.info.step;
+      k.counter = c.info.counter;
+      if (!metric.empty()) k.metric = CheckpointMetric(c.info.meta_json, metric);
+      out.push_back(std::move(k));
+      break;  // one checkpoint per kept copy
+    }
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const KeptCopy& a, const KeptCopy& b) { return a.step > b.step; });
+  return out;
+}
+
+// Counters of `copies` that may not be deleted: at or above the newest
+// committed counter of r's slot file (the copy may be the newest committed
+// checkpoint there is), and the one a restore protects.
+Result<std::vector<uint64_t>> JobDir::Impl::UndeletableCounters(int r,
+                                                                const std::vector<KeptCopy>& copies) {
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, LineageIn(*dir, "", r));
+  uint64_t ring_newest = 0, ring_above_restore = 0;
+  const uint64_t above = std::max(lineage.restored_counter, lineage.abandoned_through);
+  Result<Source> src = OpenSource(*dir, JobDirNames::Slot(r), CheckpointLocation{JobDirNames::Slot(r), false});
+  if (!src.ok() && !IsNotFound(src.status()) && !IsDamage(src.status())) return src.status();
+  if (src.ok()) {
+    for (const ScannedCheckpoint& c : src.value().report.checkpoints) {
+      if (c.state == CheckpointState::kCommitted && !lineage.IsAbandoned(c.info.counter)) {
+        ring_newest = std::max(ring_newest, c.info.counter);
+        if (c.info.counter > above) ring_above_restore = c.info.counter;
+      }
+    }
+  }
+  std::vector<uint64_t> out;
+  for (const KeptCopy& k : copies) {
+    // The restored one stays protected until a newer one of its lineage commits.
+    const bool restored = lineage.restored_counter != 0 && k.counter == lineage.restored_counter &&
+                          ring_above_restore == 0;
+    if (k.counter >= ring_newest || restored) out.push_back(k.counter);
+  }
+  return out;
+}
+
+Status JobDir::Impl::DeleteKeptLocked(int64_t step) {
+  const std::string name = JobDirNames::KeepStep(step);
+  const std::string rel = JobDirNames::KeepRoot() + "/" + name;
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<KeptCopy> copies, KeptCopiesLocked(rank, ""));
+  std::vector<int64_t> steps;
+  for (const KeptCopy& k : copies) steps.push_back(k.step);
+  std::sort(steps.begin(), steps.end());
+  Result<std::unique_ptr<Directory>> kd = dir->OpenDir(JobDirNames::KeepRoot(), false);
+  Result<FileStat> st = kd.ok() ? kd.value()->Stat(name) : Result<FileStat>(kd.status());
+  if (!st.ok() || st.value().type != EntryType::kDirectory) {
+    if (!st.ok() && !IsNotFound(st.status())) return st.status().Annotate(Where(rel));
+    return Status::NotFound("no kept copy of step " + std::to_string(step) + " in " + path +
+                            " (kept steps: " + StepList(steps) + ")");
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<uint64_t> undeletable, UndeletableCounters(rank, copies));
+  for (const KeptCopy& k : copies) {
+    if (k.step != step) continue;
+    if (std::find(undeletable.begin(), undeletable.end(), k.counter) != undeletable.end()) {
+      return Status::FailedPrecondition(
+          "the kept copy of step " + std::to_string(step) + " in " + path +
+          " is not deleted: it may be the newest committed checkpoint, or the one a restore "
+          "protects (nonstop never deletes those)");
+    }
+  }
+  Directory& keep = *kd.value();
+  const std::string doomed = std::string(kDeletingPrefix) + name;
+  NONSTOP_RETURN_IF_ERROR(RemoveTree(keep, doomed).Annotate("removing " + Where(JobDirNames::KeepRoot() + "/" + doomed)));
+  NONSTOP_RETURN_IF_ERROR(keep.Rename(name, doomed).Annotate("deleting " + Where(rel)));
+  NONSTOP_RETURN_IF_ERROR(keep.SyncDir().Annotate("deleting " + Where(rel)));
+  return RemoveTree(keep, doomed).Annotate("deleting " + Where(rel));
+}
+
+Result<std::vector<KeptCopy>> JobDir::KeptCopies(int rank, const std::string& metric) {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  return impl_->KeptCopiesLocked(rank, metric);
+}
+
+Status JobDir::DeleteKept(int64_t step) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("deleting a kept copy", impl_->rank));
+  if (impl_->world > 1 && impl_->other_locks.empty()) {
+    return Status::FailedPrecondition("deleting a kept copy of " + impl_->path +
+                                      " needs every rank's lock: use it while no job runs "
+                                      "(nonstop rm, nonstop.delete)");
+  }
+  std::lock_guard<std::mutex> l(impl_->mu);
+  return impl_->DeleteKeptLocked(step);
+}
+
+Status JobDir::Retain(SlotFile& src, const CheckpointInfo& info, const RetentionPolicy& policy) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("keeping a checkpoint", impl_->rank));
+  if (!policy.MakesCopies()) return Status::OK();
+  const bool best = policy.best_k > 0 && !policy.best_metric.empty();
+  const std::optional<double> metric =
+      best ? CheckpointMetric(info.meta_json, policy.best_metric) : std::nullopt;
+  const bool periodic = policy.keep_every > 0 && info.counter % policy.keep_every == 0;
+  if (!periodic && !metric) return Status::OK();  // nothing to copy: no scan
+  std::lock_guard<std::mutex> l(impl_->mu);
+  const int r = impl_->rank;
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<KeptCopy> copies,
+                           impl_->KeptCopiesLocked(r, best ? policy.best_metric : ""));
+  if (!WantsKeepCopy(info.counter, metric, policy, copies)) return Status::OK();
+  NONSTOP_RETURN_IF_ERROR(impl_->KeepLocked(src, info));
+  if (impl_->world > 1 || !policy.Deletes()) return Status::OK();
+  copies.erase(std::remove_if(copies.begin(), copies.end(),
+                              [&](const KeptCopy& k) { return k.step == info.step; }),
+               copies.end());
+  copies.push_back(KeptCopy{info.step, info.counter, metric});
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<uint64_t> undeletable, impl_->UndeletableCounters(r, copies));
+  for (int64_t victim : RetentionVictims(copies, policy, undeletable)) {
+    Status s = impl_->DeleteKeptLocked(victim);
+    if (!s.ok()) {
+      return s.Annotate("max_to_keep/best: deleting the kept copy of step " + std::to_string(victim));
+    }
+  }
+  return Status::OK();
+}
+
+Result<std::unique_ptr<JobDir>> JobDir::OpenForMaintenance(const std::string& path, Env* env) {
+  {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<JobDir> probe, OpenForRead(path, env));
+  }
+  // Every rank that has a slot file or a lock file: its lock too.
+  Env* e = env ? env : DefaultEnv();
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, e->OpenDirectory(path, false));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, d->List());
+  int world = 1;
+  for (const DirEntry& en : entries) {
+    if (std::optional<int> r = JobDirNames::ParseSlot(en.name)) world = std::max(world, *r + 1);
+    // ".nonstop.rank-RRRRR.lock": a rank whose file may be set aside or not made yet
+    const std::string_view n = en.name, pre = ".nonstop.rank-", suf = ".lock";
+    if (n.size() == pre.size() + 5 + suf.size() && n.substr(0, pre.size()) == pre &&
+        n.substr(pre.size() + 5) == suf) {
+      int r = 0;
+      bool digits = true;
+      for (char c : n.substr(pre.size(), 5)) {
+        digits = digits && c >= '0' && c <= '9';
+        r = r * 10 + (c - '0');
+      }
+      if (digits) world = std::max(world, r + 1);
+    }
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<JobDir> jd, OpenForWrite(path, 0, world, env));
+  for (int r = 1; r < world; ++r) {
+    Result<std::unique_ptr<FileLock>> lock = jd->impl_->dir->Lock(JobDirNames::Lock(r), HolderLine());
+    if (!lock.ok()) {
+      return lock.status().code() == StatusCode::kFailedPrecondition
+                 ? Status::FailedPrecondition("job directory " + path + " has another writer for rank " +
+                                              std::to_string(r) + ": " + lock.status().message())
+                 : lock.status().Annotate("cannot lock job directory " + path);
+    }
+    jd->impl_->other_locks.push_back(std::move(lock).value());
+  }
+  return jd;
 }
 
 }  // namespace nonstop

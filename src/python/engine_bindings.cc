@@ -26,6 +26,7 @@
 #include "nonstop/status.h"
 #include "nonstop/store.h"
 #include "nonstop/types.h"
+#include "nonstop/jobdir.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -294,6 +295,20 @@ class PyEngine {
     py::gil_scoped_release release;
     Check(Get().AdoptRestored(counter));
   }
+  void SetRetention(uint64_t max_to_keep, const std::string& best_metric, bool best_higher,
+                    uint64_t best_k) {
+    RetentionPolicy p;
+    p.max_to_keep = max_to_keep;
+    p.best_metric = best_metric;
+    p.best_higher = best_higher;
+    p.best_k = best_k;
+    py::gil_scoped_release release;
+    Check(Get().SetRetention(p));
+  }
+  void DeleteKept(int64_t step) {
+    py::gil_scoped_release release;
+    Check(Get().DeleteKept(step));
+  }
   int AbandonOlderThan(uint64_t counter) {
     py::gil_scoped_release release;
     return Take(Get().AbandonOlderThan(counter));
@@ -528,6 +543,9 @@ void InitEngine(py::module_& m) {
       .def("latest", &PyEngine::Latest)
       .def("restore", &PyEngine::Restore, py::arg("step") = py::none())
       .def("adopt_restored", &PyEngine::AdoptRestored, py::arg("counter"))
+      .def("set_retention", &PyEngine::SetRetention, py::arg("max_to_keep") = 0,
+           py::arg("best_metric") = "", py::arg("best_higher") = false, py::arg("best_k") = 0)
+      .def("delete_kept", &PyEngine::DeleteKept, py::arg("step"))
       .def("stats", &PyEngine::Stats)
       .def("pin", &PyEngine::Pin, py::arg("counter"))
       .def("candidate", &PyEngine::Candidate)

@@ -76,6 +76,30 @@ class PyJobDir {
     py::gil_scoped_release release;
     return PyJobDir(Take(JobDir::OpenForRead(path)));
   }
+  static PyJobDir OpenForMaintenance(const std::string& path) {
+    py::gil_scoped_release release;
+    return PyJobDir(Take(JobDir::OpenForMaintenance(path)));
+  }
+  py::list Kept(int rank, const std::string& metric) {
+    std::vector<KeptCopy> k;
+    {
+      py::gil_scoped_release release;
+      k = Take(jd().KeptCopies(rank, metric));
+    }
+    py::list out;
+    for (const auto& c : k) {
+      py::dict d;
+      d["step"] = c.step;
+      d["counter"] = c.counter;
+      d["metric"] = c.metric ? py::object(py::float_(*c.metric)) : py::object(py::none());
+      out.append(d);
+    }
+    return out;
+  }
+  void DeleteKept(int64_t step) {
+    py::gil_scoped_release release;
+    Check(jd().DeleteKept(step));
+  }
 
   JobDir& jd() const {
     if (!jd_) throw StatusError(Status::FailedPrecondition("the job directory is closed"));
@@ -147,6 +171,15 @@ class PyJobDir {
                    : c.state == ListedCheckpoint::State::kAbandoned ? "abandoned"
                                                                     : "damaged";
       d["reason"] = c.reason;
+      d["commit_unix_ns"] = c.commit_unix_ns;
+      d["data_bytes"] = c.data_bytes;
+      d["rotated"] = c.rotated;
+      py::dict metrics;
+      for (const auto& [k, v] : c.metrics) {
+        metrics[py::reinterpret_steal<py::str>(
+            PyUnicode_DecodeUTF8(k.data(), static_cast<Py_ssize_t>(k.size()), "replace"))] = v;
+      }
+      d["metrics"] = metrics;
       out.append(d);
     }
     return out;
@@ -258,6 +291,9 @@ void InitJobDir(py::module_& m) {
       .def_static("open_for_write", &PyJobDir::OpenForWrite, py::arg("path"), py::arg("rank") = 0,
                   py::arg("world_size") = 1)
       .def_static("open_for_read", &PyJobDir::OpenForRead, py::arg("path"))
+      .def_static("open_for_maintenance", &PyJobDir::OpenForMaintenance, py::arg("path"))
+      .def("kept", &PyJobDir::Kept, py::arg("rank") = 0, py::arg("metric") = "")
+      .def("delete_kept", &PyJobDir::DeleteKept, py::arg("step"))
       .def_static("slot_name", &JobDirNames::Slot, py::arg("rank"))
       .def_static("lock_name", &JobDirNames::Lock, py::arg("rank") = 0)
       .def_static("agreed_name", &JobDirNames::Agreed, py::arg("rank"))

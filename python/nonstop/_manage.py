@@ -1,0 +1,146 @@
+"""Checkpoint management: list, delete, metrics and the retention options
+(max_to_keep=, best=). The decisions (which kept copy is made or deleted,
+which may never be deleted) are C++ (JobDir, src/jobdir/retention.cc); this
+module checks arguments and shapes results."""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Optional
+
+from .errors import CheckpointMismatchError, CheckpointNotFoundError
+
+
+def _core():
+    import nonstop
+    if nonstop._core is None:
+        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
+    return nonstop._core
+
+
+def check_metrics(metrics) -> Optional[dict]:
+    """metrics= of save()/step(): a dict of name -> finite number (plain
+    floats are stored; a 0-d tensor or numpy scalar is converted)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise CheckpointMismatchError(
+            f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str) or not k:
+            raise CheckpointMismatchError(f"metrics: name {k!r} is not a non-empty string")
+        if hasattr(v, "item") and callable(v.item):
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise CheckpointMismatchError(f"metrics[{k!r}] must be a finite number, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
+def check_retention(keep, max_to_keep, best) -> tuple:
+    """(max_to_keep, metric, higher, k) for Engine.set_retention, after
+    checking max_to_keep= and best=("loss", "min", 3)."""
+    if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(
+            max_to_keep, bool) or max_to_keep < 1):
+        raise CheckpointMismatchError(
+            f"max_to_keep must be None or a positive integer, got {max_to_keep!r}")
+    metric, higher, k = "", False, 0
+    if best is not None:
+        if (not isinstance(best, (tuple, list)) or len(best) != 3 or not isinstance(best[0], str)
+                or not best[0] or best[1] not in ("min", "max") or not isinstance(best[2], int)
+                or isinstance(best[2], bool) or best[2] < 1):
+            raise CheckpointMismatchError(
+                f'best must be (metric name, "min" or "max", k >= 1), e.g. ("loss", "min", 3); '
+                f"got {best!r}")
+        metric, higher, k = best[0], best[1] == "max", best[2]
+    if max_to_keep is not None and keep is None:
+        raise CheckpointMismatchError(
+            "max_to_keep bounds the copies keep= makes: give keep=k as well")
+    return (max_to_keep or 0, metric, higher, k)
+
+
+_ROTATED = re.compile(r"^slot \d+ was reused by checkpoint #\d+")
+
+
+def rotated(reason: str) -> bool:
+    """Whether a damaged record's reason says its slot was reused by a newer
+    checkpoint (SlotFile::Scan's words; JobDir::List's `rotated`)."""
+    return bool(_ROTATED.match(reason or ""))
+
+
+def _row(c: dict) -> dict:
+    return {"step": int(c["step"]), "counter": int(c["counter"]),
+            "where": "keep" if c["keep"] else "ring", "path": c["where"],
+            "state": c["state"], "reason": c["reason"],
+            "time": c["commit_unix_ns"] / 1e9 if c["commit_unix_ns"] else None,
+            "bytes": int(c["data_bytes"]), "metrics": dict(c["metrics"])}
+
+
+def list_checkpoints(dir: str, rank: int = 0) -> list:
+    """Every checkpoint of `rank` in `dir`: the ring (the slot file) and the
+    kept copies (keep/), newest first; one dict each."""
+    path = os.fspath(dir)
+    jd = _core().JobDir.open_for_read(path)
+    try:
+        # A ring record whose slot a newer checkpoint reused is gone, not damaged.
+        return [_row(c) for c in jd.list(rank) if not c.get("rotated")]
+    finally:
+        jd.close()
+
+
+def steps_text(rows: list) -> str:
+    """'7, 8, 9 in the ring; 2, 4 kept' of the committed checkpoints."""
+    ring = sorted({r["step"] for r in rows if r["state"] == "committed" and r["where"] == "ring"})
+    kept = sorted({r["step"] for r in rows if r["state"] == "committed" and r["where"] == "keep"})
+    parts = []
+    if ring:
+        parts.append(", ".join(map(str, ring)) + " in the ring")
+    if kept:
+        parts.append(", ".join(map(str, kept)) + " kept")
+    return "; ".join(parts) or "none"
+
+
+def not_found(path: str, rank: int, step: int) -> CheckpointNotFoundError:
+    """The one-line error for a step that is not there, with the steps that are."""
+    try:
+        have = steps_text(list_checkpoints(path, rank))
+    except Exception as e:  # listing failed too: say so instead
+        have = f"cannot list them: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return CheckpointNotFoundError(
+        f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
+
+
+def kept_path(path: str, rank: int, step: int) -> Optional[str]:
+    """The job directory of the kept copy of `step` (DIR/keep/step-N) when it
+    holds rank `rank`'s file, else None."""
+    core = _core()
+    d = os.path.join(path, "keep", core.JobDir.keep_step_name(int(step)))
+    return d if os.path.isfile(os.path.join(d, core.JobDir.slot_name(rank))) else None
+
+
+def delete(dir: str, step: int) -> None:
+    """Deletes the kept copy of `step` in `dir` (keep/step-N/, every rank's
+    file) while no job writes to `dir`."""
+    path = os.fspath(dir)
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
+    jd = _core().JobDir.open_for_maintenance(path)
+    try:
+        _delete_with(jd.delete_kept, path, step)
+    finally:
+        jd.close()
+
+
+def _delete_with(fn, path: str, step: int) -> None:
+    try:
+        fn(int(step))
+    except CheckpointNotFoundError:
+        rows = list_checkpoints(path)
+        if any(r["step"] == step and r["where"] == "ring" for r in rows):
+            raise CheckpointNotFoundError(
+                f"step {step} of {path} is in the ring (the slot file), which nonstop reuses "
+                f"itself; only kept copies (keep/) are deleted (committed steps: "
+                f"{steps_text(rows)})") from None
+        raise

@@ -1,0 +1,178 @@
+// `nonstop ls` and `nonstop rm`: checkpoint management through the job
+// directory's owner (include/nonstop/jobdir.h). `ls` takes no lock and
+// changes nothing; `rm` takes every rank's lock (refused, naming the holder,
+// while a job writes to the directory) and deletes one kept copy
+// (JobDir::DeleteKept: renamed away first, so a reader sees it whole or not
+// at all). Every error is one line on stderr and a non-zero exit.
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "nonstop/jobdir.h"
+#include "store/format.h"
+#include "tools/commands.h"
+#include "tools/store_json.h"
+
+namespace nonstop::cli {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kExitNotFound = 1;
+constexpr int kExitRefused = 3;
+
+// One line: control characters (from a hostile name) shown as \xNN, nothing cut.
+std::string OneLine(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+[[noreturn]] void Fail(const std::string& cmd, const Status& s) {
+  std::cerr << "nonstop " << cmd << ": " << OneLine(s.message()) << "\n";
+  throw CLI::RuntimeError(s.code() == StatusCode::kNotFound || s.code() == StatusCode::kCorruption
+                              ? kExitNotFound
+                              : kExitRefused);
+}
+
+std::string Utc(uint64_t unix_ns) {
+  if (unix_ns == 0) return "-";
+  std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000ull);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string Bytes(uint64_t n) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, kUnits[u]);
+  return buf;
+}
+
+const char* StateName(ListedCheckpoint::State s) {
+  switch (s) {
+    case ListedCheckpoint::State::kCommitted: return "committed";
+    case ListedCheckpoint::State::kAbandoned: return "abandoned";
+    case ListedCheckpoint::State::kDamaged: return "damaged";
+  }
+  return "?";
+}
+
+void RunLs(const std::string& dir, int rank, bool as_json) {
+  Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForRead(dir);
+  if (!jd.ok()) Fail("ls", jd.status());
+  Result<std::vector<ListedCheckpoint>> list = jd.value()->List(rank);
+  if (!list.ok()) Fail("ls", list.status());
+  // A ring record whose slot a newer checkpoint reused is gone, not damaged.
+  std::erase_if(list.value(), [](const ListedCheckpoint& c) { return c.rotated; });
+  if (as_json) {
+    json out = json::array();
+    for (const ListedCheckpoint& c : list.value()) {
+      json m = json::object();
+      for (const auto& [k, v] : c.metrics) m[format::Printable(k)] = v;
+      out.push_back({{"step", c.step},
+                     {"counter", c.counter},
+                     {"where", c.location.keep ? "keep" : "ring"},
+                     {"path", format::Printable(c.location.where)},
+                     {"state", StateName(c.state)},
+                     {"reason", format::Printable(c.reason)},
+                     {"commit_unix_ns", c.commit_unix_ns},
+                     {"bytes", c.data_bytes},
+                     {"metrics", m}});
+    }
+    std::cout << DumpJson(out, 2) << "\n";
+    return;
+  }
+  if (list.value().empty()) {
+    std::cout << "no checkpoint of rank " << rank << " in " << dir << "\n";
+    return;
+  }
+  std::printf("%-10s %-5s %-10s %-21s %-10s %s\n", "step", "where", "state", "committed (UTC)",
+              "size", "metrics");
+  for (const ListedCheckpoint& c : list.value()) {
+    std::string metrics;
+    for (const auto& [k, v] : c.metrics) {
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "%.6g", v);
+      metrics += (metrics.empty() ? "" : " ") + format::Printable(k) + "=" + buf;
+    }
+    if (c.state != ListedCheckpoint::State::kCommitted) metrics = format::Printable(c.reason);
+    std::printf("%-10lld %-5s %-10s %-21s %-10s %s\n", static_cast<long long>(c.step),
+                c.location.keep ? "keep" : "ring", StateName(c.state), Utc(c.commit_unix_ns).c_str(),
+                c.state == ListedCheckpoint::State::kCommitted ? Bytes(c.data_bytes).c_str() : "-",
+                metrics.c_str());
+  }
+}
+
+void RunRm(const std::string& dir, int64_t step) {
+  Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForMaintenance(dir);
+  if (!jd.ok()) Fail("rm", jd.status());
+  Status s = jd.value()->DeleteKept(step);
+  if (!s.ok()) Fail("rm", s);
+  std::cout << "deleted the kept copy of step " << step << " in " << dir << "\n";
+}
+
+template <typename F>
+std::function<void()> Guarded(const char* cmd, F run) {
+  return [cmd, run] {
+    try {
+      run();
+    } catch (const CLI::Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      Fail(cmd, Status::Internal("out of memory"));
+    } catch (const std::exception& e) {
+      Fail(cmd, Status::Internal(std::string("internal error: ") + e.what()));
+    }
+  };
+}
+
+}  // namespace
+
+void AddManageCommands(CLI::App& app) {
+  struct Args {
+    std::string dir;
+    int rank = 0;
+    bool json = false;
+    int64_t step = 0;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* ls = app.add_subcommand(
+      "ls", "List the checkpoints of a directory: the ring and the kept copies (keep/), newest first");
+  ls->add_option("dir", args->dir, "checkpoint directory")->required();
+  ls->add_option("--rank", args->rank, "rank whose files to list (default 0)");
+  ls->add_flag("--json", args->json, "print JSON instead of a table");
+  ls->callback(Guarded("ls", [args] { RunLs(args->dir, args->rank, args->json); }));
+
+  CLI::App* rm = app.add_subcommand(
+      "rm", "Delete the kept copy of one step (keep/step-N/) while no job writes to the directory");
+  rm->add_option("dir", args->dir, "checkpoint directory")->required();
+  rm->add_option("step", args->step, "training step whose kept copy to delete")->required();
+  rm->callback(Guarded("rm", [args] { RunRm(args->dir, args->step); }));
+}
+
+}  // namespace nonstop::cli

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Optional
 
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
@@ -59,15 +58,6 @@ def check_retention(keep, max_to_keep, best) -> tuple:
         raise CheckpointMismatchError(
             "max_to_keep bounds the copies keep= makes: give keep=k as well")
     return (max_to_keep or 0, metric, higher, k)
-
-
-_ROTATED = re.compile(r"^slot \d+ was reused by checkpoint #\d+")
-
-
-def rotated(reason: str) -> bool:
-    """Whether a damaged record's reason says its slot was reused by a newer
-    checkpoint (SlotFile::Scan's words; JobDir::List's `rotated`)."""
-    return bool(_ROTATED.match(reason or ""))
 
 
 def _row(c: dict) -> dict:

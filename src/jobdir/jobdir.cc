@@ -72,6 +72,13 @@ uint64_t NewestRecord(const ScanReport& r) {
   return n;
 }
 
+// A record SlotFile::Scan calls damaged only because a newer checkpoint
+// reused its slot: that checkpoint rotated out of the ring (gone, not damage).
+bool IsRotated(const ScannedCheckpoint& c) {
+  return c.state == CheckpointState::kDamaged && c.reason.rfind("slot ", 0) == 0 &&
+         c.reason.find(" was reused by checkpoint #") != std::string::npos;
+}
+
 Status VerifyData(SlotFile& f, const CheckpointInfo& info) {
   return f.ReadData(info, 0, nullptr, info.data_bytes, /*verify=*/true);
 }
@@ -452,7 +459,7 @@ Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix
         sel.newest_counter = std::max(sel.newest_counter, c.info.counter);
         if (c.state == CheckpointState::kCommitted) {
           cands.push_back(Cand{c.info.counter, s, i});
-        } else if (!lineage.IsAbandoned(c.info.counter) &&
+        } else if (!lineage.IsAbandoned(c.info.counter) && !IsRotated(c) &&
                    (!opts.step || c.info.step == *opts.step)) {
           damaged.emplace_back(c.info.counter, sources[s].loc.where + ": " +
                                                    Describe(c.info.counter, c.info.step) + ": " +
@@ -717,9 +724,7 @@ Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
       if (c.state == CheckpointState::kDamaged) {
         l.state = ListedCheckpoint::State::kDamaged;
         l.reason = c.reason;
-        // SlotFile::Scan's words for a record whose slot a newer checkpoint took.
-        l.rotated = c.reason.rfind("slot ", 0) == 0 &&
-                    c.reason.find(" was reused by checkpoint #") != std::string::npos;
+        l.rotated = IsRotated(c);
       } else if (lineage.IsAbandoned(c.info.counter)) {
         l.state = ListedCheckpoint::State::kAbandoned;
         l.reason = lineage.NotDurable(c.info.counter)

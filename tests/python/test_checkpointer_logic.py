@@ -204,7 +204,7 @@ def test_restore_of_a_missing_step(core, tmp_path):
     d = saved_dir(tmp_path)
     with nonstop.Checkpointer(d, {"model": tiny.TinyNet(), "optim": {}}, every=1) as ck:
         with pytest.raises(nonstop.CheckpointNotFoundError,
-                           match=r"no committed checkpoint at step 7 .*committed steps: 1"):
+                           match=r"no committed checkpoint at step 7 .*committed steps: (0, )?1"):
             ck.restore(step=7)
 
 

@@ -17,6 +17,7 @@
 
 #include "nonstop/jobdir.h"
 #include "store/format.h"
+#include "tools/cli_format.h"
 #include "tools/commands.h"
 #include "tools/store_json.h"
 
@@ -48,29 +49,6 @@ std::string OneLine(const std::string& s) {
   throw CLI::RuntimeError(s.code() == StatusCode::kNotFound || s.code() == StatusCode::kCorruption
                               ? kExitNotFound
                               : kExitRefused);
-}
-
-std::string Utc(uint64_t unix_ns) {
-  if (unix_ns == 0) return "-";
-  std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000ull);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-std::string Bytes(uint64_t n) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, kUnits[u]);
-  return buf;
 }
 
 const char* StateName(ListedCheckpoint::State s) {
@@ -122,8 +100,8 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
     }
     if (c.state != ListedCheckpoint::State::kCommitted) metrics = format::Printable(c.reason);
     std::printf("%-10lld %-5s %-10s %-21s %-10s %s\n", static_cast<long long>(c.step),
-                c.location.keep ? "keep" : "ring", StateName(c.state), Utc(c.commit_unix_ns).c_str(),
-                c.state == ListedCheckpoint::State::kCommitted ? Bytes(c.data_bytes).c_str() : "-",
+                c.location.keep ? "keep" : "ring", StateName(c.state), UtcTime(c.commit_unix_ns).c_str(),
+                c.state == ListedCheckpoint::State::kCommitted ? HumanBytes(c.data_bytes).c_str() : "-",
                 metrics.c_str());
   }
 }

@@ -27,6 +27,7 @@
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
 #include "store/format.h"
+#include "tools/cli_format.h"
 #include "tools/commands.h"
 #include "tools/remote_cli.h"
 #include "tools/store_json.h"
@@ -44,32 +45,6 @@ constexpr int kExitUsage = 2;
 [[noreturn]] void Fail(const std::string& cmd, const std::string& message, int code) {
   std::cerr << "nonstop " << cmd << ": " << message << "\n";
   throw CLI::RuntimeError(code);
-}
-
-std::string HumanBytes(uint64_t n) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[32];
-  if (u == 0) {
-    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(n));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
-  }
-  return buf;
-}
-
-std::string UtcTime(uint64_t unix_ns) {
-  std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000ull);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
 }
 
 std::string ShapeText(const std::vector<int64_t>& shape) {

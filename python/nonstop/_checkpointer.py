@@ -896,6 +896,20 @@ def _read_memory(path: str, rank: int, world_size: int, prepare):
         return None, str(e)
 
 
+def _decode_meta(info: dict, where: str) -> dict:
+    """The checkpoint's metadata, decoded from fixed types only; one-line
+    CorruptCheckpointError / IncompatibleCheckpointError naming `where`."""
+    try:
+        meta = _state.loads(info["meta_json"])
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{where}: step {info['step']}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise IncompatibleCheckpointError(
+            f"{where}: step {info['step']} was not written by nonstop's PyTorch front end "
+            f"(format {str(meta.get('format'))[:40] if isinstance(meta, dict) else None!r})")
+    return meta
+
+
 def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
           as_numpy: bool, prepare=None, live: Optional[dict] = None,
           stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
@@ -941,15 +955,7 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
             raise IncompatibleCheckpointError(
                 f"{path} was written by a job of world size {info['world_size']}; this job "
                 f"has world size {world_size}: use the same world size or a new directory")
-        try:
-            meta = _state.loads(info["meta_json"])
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{where}: step {info['step']}: {e}") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise IncompatibleCheckpointError(
-                f"{where}: step {info['step']} was not written by nonstop's PyTorch "
-                f"front end (format "
-                f"{str(meta.get('format'))[:40] if isinstance(meta, dict) else None!r})")
+        meta = _decode_meta(info, where)
         # FSDP2 checkpoints become DTensors in prepare(), which may copy them
         # to a device: that prepare runs after the read, into fresh tensors.
         sharded = bool(meta.get("dtensor") or meta.get("dist"))
@@ -1151,15 +1157,7 @@ def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional
             tensors = {}
             for ti, spec in enumerate(info["tensors"]):
                 tensors[spec["name"]] = _read_tensor(reader, idx, ti, spec, as_numpy)
-            try:
-                meta = _state.loads(info["meta_json"])
-            except CorruptCheckpointError as e:
-                raise CorruptCheckpointError(f"{reader.path}: step {info['step']}: {e}") from None
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise IncompatibleCheckpointError(
-                    f"{reader.path}: step {info['step']} was not written by nonstop's PyTorch "
-                    f"front end (format "
-                    f"{str(meta.get('format'))[:40] if isinstance(meta, dict) else None!r})")
+            meta = _decode_meta(info, reader.path)
             info = dict(info)
             info.pop("meta_json")
             loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info,

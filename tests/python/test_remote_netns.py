@@ -1,14 +1,25 @@
 """Node loss across hosts: a 2-node DDP job (gloo), each node a network
 namespace made here (ip netns, veth pairs on a bridge, a private /24), each
-with its own local directory, and one SeaweedFS in the root namespace bound
-to the bridge address. Node B is killed and its local directory deleted; the
+with its own local directory, and one SeaweedFS on a third "storage host"
+namespace on the same bridge. Node B is killed and its local directory deleted; the
 job restarts and both ranks resume the same step from the remote tier, and
 the final state is bitwise equal to an uninterrupted run. B is lost twice
 in one job: during an upload (the step it was uploading is never chosen),
 then after one.
 
 Needs root (CI runs as root); otherwise skipped with a one-line reason. The
-namespaces, veths and bridge are removed at the end, also on failure."""
+namespaces, veths and bridge are removed at the end, also on failure.
+
+Why the store has a namespace of its own: in the clean-clone CI run of
+session 4 the server was bound to the bridge address in the root namespace,
+and the host's firewall dropped new connections arriving on the bridge
+(INPUT), so both ranks failed to list the store after 20 s of retries, while
+the ranks' own gloo traffic (namespace to namespace, bridged) flowed. Node to
+node and node to store now both cross the bridge only; the root namespace
+(this test) only opens connections outward, whose replies any stateful
+firewall lets in. Reproduced here with an nftables rule that drops new
+connections from the bridge on INPUT: the old layout failed exactly as in
+CI, this one passes."""
 import json
 import os
 import shutil
@@ -35,15 +46,18 @@ def _ip(*args, check=True):
 
 
 class Net:
-    """Two namespaces, each with a veth into a bridge in the root namespace."""
+    """Three namespaces (node A, node B, the storage host), each with a veth
+    into a bridge in the root namespace."""
 
     def __init__(self):
         tag = os.getpid() % 10000
         self.net = f"10.{200 + tag % 50}.{tag % 250}"
         self.br = f"nsb{tag}"
         self.ns = [f"nonstop-a-{tag}", f"nonstop-b-{tag}"]
+        self.store_ns = f"nonstop-s-{tag}"
         self.host = f"{self.net}.1"
         self.addr = [f"{self.net}.2", f"{self.net}.3"]
+        self.store_addr = f"{self.net}.4"
         self.ifname = "eth0"
         self.made: list = []
 
@@ -52,7 +66,8 @@ class Net:
         self.made.append(("link", self.br))
         _ip("addr", "add", f"{self.host}/24", "dev", self.br)
         _ip("link", "set", self.br, "up")
-        for i, ns in enumerate(self.ns):
+        for i, ns in enumerate(self.ns + [self.store_ns]):
+            addr = (self.addr + [self.store_addr])[i]
             _ip("netns", "add", ns)
             self.made.append(("netns", ns))
             outer = f"{self.br}v{i}"
@@ -60,7 +75,7 @@ class Net:
             self.made.append(("link", outer))
             _ip("link", "set", outer, "master", self.br)
             _ip("link", "set", outer, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", self.ifname)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", self.ifname)
             _ip("-n", ns, "link", "set", self.ifname, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
@@ -89,14 +104,28 @@ def net():
     finally:
         n.down()
         left = _ip("netns", "list").stdout
-        assert not any(ns in left for ns in n.ns), left
+        assert not any(ns in left for ns in n.ns + [n.store_ns]), left
+
+
+def _reachable_from_nodes(net, host: str, port: int) -> None:
+    """Each node's namespace opens a TCP connection to the store, so that a
+    network that cannot carry the test fails here, in one line, and not as
+    a rank's retry error 20 s later."""
+    probe = ("import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+             "timeout=5).close()")
+    for ns in net.ns:
+        r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe, host,
+                            str(port)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, \
+            f"{ns} cannot reach the store at {host}:{port}: {r.stderr.strip().splitlines()[-1:]}"
 
 
 @pytest.fixture
 def s3_on_bridge(net, tmp_path):
-    srv = SeaweedS3(tmp_path / "seaweedfs", host=net.host)
+    srv = SeaweedS3(tmp_path / "seaweedfs", host=net.store_addr, netns=net.store_ns)
     srv.start()
     try:
+        _reachable_from_nodes(net, net.store_addr, srv.ports["s3"])
         yield srv
     finally:
         srv.stop()

@@ -1,7 +1,7 @@
 // Layer-wise checkpoints (LightCheck): the EngineImpl methods behind
 // BeginCheckpoint / CopyTensors / WaitTensorsCopied / EndCheckpoint.
-// Included by engine.cc inside its anonymous namespace (EngineImpl is private
-// to that file); kept apart so the whole-model path stays readable.
+// A schedule of the one pipeline: the copies start tensor by tensor as the
+// caller asks, and training waits per tensor.
 //
 // A layer-wise job is a Job with `layerwise` set. Its bytes are the units of
 // the registration's LayerPlan; `remaining` counts units + 1 (the seal), so it
@@ -18,6 +18,13 @@
 //                    hands them to the writers (kDirect); small tensors into
 //                    the job's small buffer; MarkCopied.
 //   writers          write a unit, crc it into job->unit_crcs[u], ChunksDone.
+#include <algorithm>
+#include <cstring>
+#include <deque>
+
+#include "engine/engine_impl.h"
+
+namespace nonstop::engine_detail {
 
 // A completion waited on by several writer threads (a completion is for one
 // thread at a time).
@@ -34,11 +41,6 @@ class SharedCompletion {
   std::unique_ptr<CopyCompletion> c_;  // GUARDED_BY(mu_)
 };
 
-const char* ZeroPage() {
-  alignas(4096) static const char zeros[kStoreAlign] = {};
-  return zeros;
-}
-
 Result<std::shared_ptr<Job>> EngineImpl::OpenLayerJob(uint64_t counter) {
   auto it = live_.find(counter);
   if (it == live_.end() || !it->second->layerwise || !it->second->open) {
@@ -51,58 +53,8 @@ Result<std::shared_ptr<Job>> EngineImpl::OpenLayerJob(uint64_t counter) {
 Result<uint64_t> EngineImpl::BeginCheckpoint(int64_t step) {
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
-  NONSTOP_RETURN_IF_ERROR(CheckOpen());
-  // As Checkpoint(): an earlier failure stays queued (one error costs one).
-  if (!reg_ || !file_) return Status::FailedPrecondition("BeginCheckpoint before Register");
-  NONSTOP_RETURN_IF_ERROR(RecordRollback());
-  cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight || in_flight_ == open_; });
-  if (in_flight_ >= opts_.max_in_flight) {
-    return Status::FailedPrecondition(std::to_string(open_) +
-                                      " layer-wise checkpoints are open (max_in_flight " +
-                                      std::to_string(opts_.max_in_flight) +
-                                      "): EndCheckpoint one first");
-  }
-  const Registration& reg = *reg_;
-  if ((reg.snapshot_bytes > 0 && free_snapshots_.empty()) ||
-      (reg.small_bytes > 0 && free_small_.empty())) {
-    return Status::Internal("no free snapshot buffer below max_in_flight");
-  }
-  std::optional<uint32_t> slot = free_slots_->Pop();
-  if (!slot) return Status::Internal("no free slot with fewer than max_in_flight in flight");
-
-  auto job = std::make_shared<Job>();
-  job->counter = next_counter_++;
-  job->step = step;
-  job->slot = *slot;
-  job->reg = reg_;
-  job->file = file_;
-  job->t_start = t0;
-  job->layerwise = true;
-  job->open = true;
-  const size_t n = reg.tensors.size();
-  job->requested.assign(n, false);
-  job->src.resize(n);
-  job->src_device.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    job->src[i] = reg.tensors[i].data;
-    job->src_device[i] = reg.tensors[i].device;
-  }
-  job->unit_crcs.assign(reg.lplan.units.size(), 0);
-  job->remaining.store(reg.lplan.units.size() + 1);
-  job->tensor_left = std::make_unique<std::atomic<uint32_t>[]>(n);
-  if (reg.snapshot_bytes > 0) {
-    job->snapshot = free_snapshots_.back();
-    free_snapshots_.pop_back();
-  }
-  if (reg.small_bytes > 0) {
-    job->small_buffer = free_small_.back();
-    free_small_.pop_back();
-  }
-  ++in_flight_;
-  ++open_;
-  unfinished_.insert(job->counter);
-  live_[job->counter] = job;
-  ++stats_.started;
+  NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job,
+                           AdmitLocked(step, t0, /*layerwise=*/true, "BeginCheckpoint", lock));
   const double stall = Seconds(t0, Clock::now());
   job->stall_s += stall;
   AddStall(stall);
@@ -231,27 +183,6 @@ void EngineImpl::PublishFence(uint32_t tensor,
   cv_.notify_all();
 }
 
-Status EngineImpl::SnapshotNow(const std::shared_ptr<Job>& job, bool skip_requested) {
-  const Registration& reg = *job->reg;
-  if (job->snapshot < 0) return Status::OK();
-  std::byte* base = reg.snapshots[job->snapshot];
-  std::vector<std::unique_ptr<CopyCompletion>> done;
-  for (size_t i = 0; i < reg.tensors.size(); ++i) {
-    if (reg.snapshot_offset[i] < 0 || (skip_requested && job->requested[i])) continue;
-    std::byte* dst = base + reg.snapshot_offset[i];
-    done.push_back(
-        copy_->Copy(reg.tensors[i].data, reg.tensors[i].device, dst, reg.tensors[i].spec.nbytes));
-    job->src[i] = dst;
-    job->src_device[i] = Device{};
-  }
-  Status st;
-  for (auto& d : done) {
-    Status s = d->Wait();
-    if (st.ok() && !s.ok()) st = s;
-  }
-  return st;
-}
-
 void EngineImpl::SealLocked(const std::shared_ptr<Job>& job) {
   DispatchItem item{DispatchItem::kTensors, job, {}};
   for (uint32_t t = 0; t < job->requested.size(); ++t) {
@@ -358,18 +289,10 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
         staging_->Release(c.chunk);
         ChunksDone(job, 1);
       } else {
-        const uint32_t u = c.unit;
+        const LayerUnit& unit = lp.units[c.unit];
         const StagingPool::Chunk chunk = c.chunk;
-        writers_->Submit([this, job, u, chunk] {
-          const LayerUnit& unit = job->reg->lplan.units[u];
-          if (!job->failed.load(std::memory_order_acquire)) {
-            job->unit_crcs[u] = Crc32c(chunk.data, unit.bytes);
-            Status ws = job->file->WriteData(job->slot, unit.slot_offset, chunk.data, unit.bytes);
-            if (!ws.ok()) job->Fail(ws);
-          }
-          staging_->Release(chunk);
-          ChunksDone(job, 1);
-        });
+        SubmitWrite(job, UnitWrite{&job->unit_crcs[c.unit], unit.slot_offset, chunk.data, unit.bytes},
+                    [this, chunk] { staging_->Release(chunk); });
       }
     } else {
       ChunksDone(job, 1);
@@ -414,25 +337,15 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
       // tensor is copied when its last unit is written.
       job->tensor_left[t].store(static_cast<uint32_t>(units.size()));
       for (uint32_t u : units) {
-        writers_->Submit([this, job, u, src] {
-          const LayerUnit& unit = job->reg->lplan.units[u];
-          if (!job->failed.load(std::memory_order_acquire)) {
-            const std::byte* p = src + unit.tensor_offset;
-            const uint32_t pad = unit.bytes - unit.tensor_bytes;
-            uint32_t crc = Crc32c(p, unit.tensor_bytes);
-            if (pad > 0) crc = Crc32c(ZeroPage(), pad, crc);
-            job->unit_crcs[u] = crc;
-            Status ws = job->file->WriteData(job->slot, unit.slot_offset, p, unit.tensor_bytes);
-            if (ws.ok() && pad > 0) {
-              ws = job->file->WriteData(job->slot, unit.slot_offset + unit.tensor_bytes,
-                                        ZeroPage(), pad);
-            }
-            if (!ws.ok()) job->Fail(ws);
-          }
-          const uint32_t t = static_cast<uint32_t>(unit.tensor);
-          if (job->tensor_left[t].fetch_sub(1, std::memory_order_acq_rel) == 1) MarkCopied(t);
-          ChunksDone(job, 1);
-        });
+        const LayerUnit& unit = lp.units[u];
+        SubmitWrite(job,
+                    UnitWrite{&job->unit_crcs[u], unit.slot_offset, src + unit.tensor_offset,
+                              unit.tensor_bytes, unit.bytes - unit.tensor_bytes},
+                    [this, job, t] {
+                      if (job->tensor_left[t].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                        MarkCopied(t);
+                      }
+                    });
       }
       continue;
     }
@@ -467,24 +380,22 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
       }
       reg.snapshot_writes[t].store(static_cast<uint32_t>(units.size()), std::memory_order_release);
       for (uint32_t u : units) {
-        writers_->Submit([this, job, u, drain] {
+        const LayerUnit& unit = lp.units[u];
+        const UnitWrite w{&job->unit_crcs[u], unit.slot_offset, reg.device_snapshot + unit.slot_offset,
+                          unit.bytes};
+        auto release = [job, t] {
+          const Registration& r = *job->reg;
+          if (r.snapshot_writes[t].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            std::lock_guard<std::mutex> lock(r.snapshot_mu);  // no lost wake-up
+            r.snapshot_cv.notify_all();
+          }
+        };
+        writers_->Submit([this, job, w, drain, release] {
           if (drain) {
             Status ds = drain->Wait();  // every unit of the tensor waits on it
             if (!ds.ok()) job->Fail(ds.Annotate("copy='device' drain"));
           }
-          const Registration& r = *job->reg;
-          const LayerUnit& unit = r.lplan.units[u];
-          if (!job->failed.load(std::memory_order_acquire)) {
-            const std::byte* p = r.device_snapshot + unit.slot_offset;
-            job->unit_crcs[u] = Crc32c(p, unit.bytes);
-            Status ws = job->file->WriteData(job->slot, unit.slot_offset, p, unit.bytes);
-            if (!ws.ok()) job->Fail(ws);
-          }
-          if (r.snapshot_writes[unit.tensor].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-            std::lock_guard<std::mutex> lock(r.snapshot_mu);  // no lost wake-up
-            r.snapshot_cv.notify_all();
-          }
-          ChunksDone(job, 1);
+          WriteUnit(job, w, release);
         });
       }
       continue;
@@ -532,18 +443,14 @@ void EngineImpl::SealLayerJob(const std::shared_ptr<Job>& job) {
       ChunksDone(job, 1);
       continue;
     }
-    writers_->Submit([this, job, u] {
-      const Registration& r = *job->reg;
-      const LayerUnit& unit = r.lplan.units[u];
-      if (!job->failed.load(std::memory_order_acquire)) {
-        const std::byte* p = r.small_buffers[job->small_buffer] +
-                             (unit.slot_offset - r.lplan.small_begin);
-        job->unit_crcs[u] = Crc32c(p, unit.bytes);
-        Status ws = job->file->WriteData(job->slot, unit.slot_offset, p, unit.bytes);
-        if (!ws.ok()) job->Fail(ws);
-      }
-      ChunksDone(job, 1);
-    });
+    const LayerUnit& unit = lp.units[u];
+    SubmitWrite(job,
+                UnitWrite{&job->unit_crcs[u], unit.slot_offset,
+                          reg.small_buffers[job->small_buffer] + (unit.slot_offset - lp.small_begin),
+                          unit.bytes},
+                {});
   }
   ChunksDone(job, 1);
 }
+
+}  // namespace nonstop::engine_detail

@@ -1,0 +1,222 @@
+// Restore: reads a checkpoint into the registered tensors (from the memory
+// tier or the slot file, verified chunk by chunk) and protects it.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+
+#include "engine/engine_impl.h"
+
+namespace nonstop::engine_detail {
+
+// Reads one planned chunk into `dst` and checks its crc. Where the stored crc
+// chunks are the engine's chunks (the usual case) it reads straight from the
+// medium into staging; otherwise SlotFile::ReadData does the verified read.
+Status ReadChunk(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info,
+                 const PlannedChunk& pc, std::byte* dst) {
+  const uint64_t cb = info.crc_chunk_bytes;
+  const bool same = cb != 0 && pc.slot_offset % cb == 0 &&
+                    (pc.bytes == cb || pc.slot_offset + pc.bytes == info.data_bytes) &&
+                    info.chunk_crcs.size() == (info.data_bytes + cb - 1) / cb;
+  if (!same) return file->ReadData(info, pc.slot_offset, dst, pc.bytes, true);
+  NONSTOP_RETURN_IF_ERROR(file->medium().Read(info.data_offset + pc.slot_offset, dst, pc.bytes));
+  const uint64_t j = pc.slot_offset / cb;
+  if (Crc32c(dst, pc.bytes) != info.chunk_crcs[j]) {
+    return Status::Corruption("data chunk " + std::to_string(j) + " of checkpoint #" +
+                              std::to_string(info.counter) + " (step " +
+                              std::to_string(info.step) + ") has a checksum mismatch");
+  }
+  return Status::OK();
+}
+
+Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
+                                  const CheckpointInfo& info) {
+  const std::vector<TensorRef>& tensors = reg_->tensors;
+  // Map every registered tensor to the stored one, checking name, dtype, shape.
+  std::vector<int> stored_to_reg(info.tensors.size(), -1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& want = tensors[i].spec;
+    const int k = info.FindTensor(want.name);
+    if (k < 0) {
+      return Status::NotFound("tensor '" + want.name + "' is not in checkpoint " +
+                              std::to_string(info.counter) + " (step " +
+                              std::to_string(info.step) + ")");
+    }
+    const TensorSpec& have = info.tensors[k].spec;
+    if (have.dtype != want.dtype) {
+      return Status::InvalidArgument("tensor '" + want.name + "': checkpoint has dtype " +
+                                     std::string(DTypeName(have.dtype)) + ", registered " +
+                                     std::string(DTypeName(want.dtype)));
+    }
+    if (have.shape != want.shape || have.nbytes != want.nbytes) {
+      auto str = [](const std::vector<int64_t>& s) {
+        std::string r = "[";
+        for (size_t d = 0; d < s.size(); ++d) r += (d ? "," : "") + std::to_string(s[d]);
+        return r + "]";
+      };
+      return Status::InvalidArgument("tensor '" + want.name + "': checkpoint has shape " +
+                                     str(have.shape) + ", registered " + str(want.shape));
+    }
+    if (tensors[i].device.kind != DeviceKind::kHost) {
+      return Status::Unavailable("tensor '" + want.name +
+                                 "' is in device memory: restore it through a host tensor");
+    }
+    stored_to_reg[k] = static_cast<int>(i);
+  }
+  std::vector<bool> include(info.tensors.size());
+  for (size_t k = 0; k < include.size(); ++k) include[k] = stored_to_reg[k] >= 0;
+  const ChunkPlan plan = ChunkPlan::Build(info.tensors, info.data_bytes, chunk_bytes_, include);
+
+  // Chunks are read in parallel on the writer threads, each through a staging
+  // chunk (aligned for O_DIRECT), verified, then scattered to the tensors.
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = 0;  // GUARDED_BY(mu)
+  Status first;        // GUARDED_BY(mu)
+  for (const PlannedChunk& pc : plan.chunks) {
+    if (pc.pieces.empty()) continue;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      ++pending;
+    }
+    writers_->Submit([&, pc_ptr = &pc] {
+      Status st;
+      Result<StagingPool::Chunk> chunk = staging_->Acquire();
+      if (!chunk.ok()) {
+        st = chunk.status();
+      } else {
+        st = ReadChunk(file, info, *pc_ptr, chunk->data);
+        if (st.ok()) {
+          for (const ChunkPiece& p : pc_ptr->pieces) {
+            auto* dst = static_cast<std::byte*>(const_cast<void*>(
+                            tensors[stored_to_reg[p.tensor]].data)) + p.tensor_offset;
+            std::memcpy(dst, chunk->data + p.chunk_offset, p.bytes);
+          }
+        }
+        staging_->Release(*chunk);
+      }
+      std::lock_guard<std::mutex> l(mu);
+      if (first.ok() && !st.ok()) first = st;
+      if (--pending == 0) cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> l(mu);
+  cv.wait(l, [&] { return pending == 0; });
+  return first;
+}
+
+// The checkpoint a job restored from stays intact until a newer checkpoint
+// commits (DESIGN.md invariant 9): its slot becomes the retained one, and the
+// slots of the checkpoints newer than it (damaged, or rolled back from) are
+// free for the next checkpoints. Called with nothing in flight. Distributed
+// mode keeps the restored (agreed) checkpoint by Pin instead.
+void EngineImpl::ProtectRestored(const std::shared_ptr<SlotFile>& file,
+                                 const CheckpointInfo& info) {
+  if (opts_.global_agreement || file != file_ || pending_rename_) return;
+  if (retained_slot_ && *retained_slot_ == info.slot) return;
+  retained_slot_ = info.slot;
+  latest_ = CommittedCheckpoint{info.counter, info.step};
+  const uint32_t slots = file_->geometry().slots;
+  free_slots_ = std::make_unique<SlotQueue>(slots);
+  for (uint32_t s = 0; s < slots; ++s) {
+    if (s != info.slot) free_slots_->Push(s);
+  }
+}
+
+Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  NONSTOP_RETURN_IF_ERROR(TakePendingError());
+  if (!reg_) return Status::FailedPrecondition("Restore before Register");
+  if (open_ > 0) {
+    return Status::FailedPrecondition("Restore while a layer-wise checkpoint is open: "
+                                      "EndCheckpoint first");
+  }
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
+  if (!file) return Status::NotFound("no checkpoint in " + opts_.dir);
+  ScanOptions so;
+  so.verify_data = false;  // each chunk's crc is verified as it is read below
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd_->ReadLineage(rank()));
+  std::vector<std::string> skipped;
+  for (const ScannedCheckpoint& c : report.checkpoints) {
+    if (c.state != CheckpointState::kCommitted) continue;
+    if (step && c.info.step != *step) continue;
+    if (not_durable_.count(c.info.counter) != 0) continue;  // its commit's fsync failed
+    if (lineage.IsAbandoned(c.info.counter)) {
+      skipped.push_back("checkpoint " + std::to_string(c.info.counter) + " (step " +
+                        std::to_string(c.info.step) + ") was rolled back from by a restore");
+      continue;
+    }
+    Status st = Status::Internal("not read");
+    bool from_memory = false;
+    if (!step && skipped.empty() && memory_->on()) {
+      // The memory tier: the segment, when it holds exactly this checkpoint.
+      Result<std::optional<MemorySegment>> seg =
+          OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &c.info, nullptr);
+      if (seg.ok() && seg.value().has_value()) {
+        std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
+        st = ReadCheckpoint(mf, seg.value()->info);
+        from_memory = st.ok();
+      }
+    }
+    if (!from_memory) st = ReadCheckpoint(file, c.info);
+    if (st.ok()) {
+      stats_.restored_from_memory = from_memory;
+      stats_.restore_s = Seconds(t0, Clock::now());
+      // A rollback is final (DESIGN.md invariant 9): when newer records
+      // exist (damaged, or an older step asked for), the next checkpoint
+      // first records durably that their counters are abandoned
+      // (RecordRollback), in distributed mode too (there Pin keeps the slot).
+      rollback_from_.reset();
+      if (report.checkpoints.front().info.counter > c.info.counter) {
+        rollback_from_ = c.info.counter;
+      }
+      ProtectRestored(file, c.info);
+      AddStall(Seconds(t0, Clock::now()));
+      return c.info;
+    }
+    // Damaged bytes: fall back to an older checkpoint of the same step or,
+    // without a step, any older one. Mismatched tensors are the caller's error.
+    if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
+    skipped.push_back("checkpoint " + std::to_string(c.info.counter) + ": " + st.message());
+  }
+  std::string why = step ? "no valid checkpoint of step " + std::to_string(*step)
+                         : "no valid checkpoint";
+  why += " in " + file->medium().Describe();
+  for (const auto& s : skipped) why += "; " + s;
+  return Status::NotFound(why);
+}
+
+Status EngineImpl::AdoptRestored(uint64_t counter) {
+  std::unique_lock<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (open_ > 0) {
+    return Status::FailedPrecondition("AdoptRestored while a layer-wise checkpoint is open: "
+                                      "EndCheckpoint first");
+  }
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
+  rollback_from_.reset();
+  if (!file) return Status::OK();  // restored from elsewhere (a keep copy, a remote), no file yet
+  ScanOptions so;
+  so.verify_data = false;  // the caller verified what it read
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
+  uint64_t newest = 0;
+  for (const ScannedCheckpoint& c : report.checkpoints) newest = std::max(newest, c.info.counter);
+  if (newest > counter) rollback_from_ = counter;
+  // Distributed mode: ProtectRestored leaves the slot to Pin (the caller
+  // pins `counter`); the rollback above is recorded all the same, so a crash
+  // never resumes a rank's abandoned future (DESIGN.md invariant 9).
+  for (const ScannedCheckpoint& c : report.checkpoints) {
+    if (c.state == CheckpointState::kCommitted && c.info.counter == counter) {
+      ProtectRestored(file, c.info);
+      break;
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace nonstop::engine_detail

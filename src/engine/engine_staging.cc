@@ -1,0 +1,144 @@
+// The engine's staging pool: its default size, growing it to the registered
+// state, and the background allocation of PrepareStaging.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "engine/engine_impl.h"
+
+namespace nonstop::engine_detail {
+
+// Default staging (no staging_bytes): grows the pool to DefaultStagingSize
+// for the state about to be registered. The pool is replaced only with
+// nothing in flight (writers release chunks into staging_), so a state that
+// outgrows the pool waits for the checkpoints in flight once; it never
+// shrinks. If the larger pool cannot be allocated the old one is kept.
+Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock) {
+  const bool pinned = copy_->PinsHostMemory();
+  const StagingSize want =
+      DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned);
+  if (want.capped && want.note != staging_note_) {
+    std::fprintf(stderr, "nonstop: %s\n", want.note.c_str());
+    staging_note_ = want.note;
+  }
+  if (want.bytes <= staging_->total_bytes()) return Status::OK();
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  // A pool PrepareStaging allocated in the background, when large enough;
+  // otherwise allocated here, on the training thread (counted either way).
+  double waited_s = 0;
+  const auto t0 = Clock::now();
+  Result<std::unique_ptr<StagingPool>> grown = TakePrepared(&waited_s, lock);
+  if (grown.ok() && grown.value()->total_bytes() < want.bytes) {
+    grown = Status::Aborted("prepared staging is smaller than the state");
+  }
+  if (!grown.ok()) {
+    grown = StagingPool::Create(copy_.get(), want.bytes, chunk_bytes_, min_chunks_);
+    waited_s = Seconds(t0, Clock::now());
+  }
+  if (waited_s > 0) {
+    stats_.staging_alloc_waits += 1;
+    stats_.staging_alloc_wait_s += waited_s;
+  }
+  if (!grown.ok()) {
+    std::fprintf(stderr, "nonstop: keeping %llu MiB of staging: %s\n",
+                 static_cast<unsigned long long>(staging_->total_bytes() >> 20),
+                 grown.status().ToString().c_str());
+    return Status::OK();
+  }
+  staging_wait_s_before_ += staging_->wait_s_total();
+  staging_ = std::move(grown).value();
+  stats_.staging_bytes = staging_->total_bytes();
+  return Status::OK();
+}
+
+Result<std::unique_ptr<StagingPool>> EngineImpl::TakePrepared(double* waited_s,
+                                                              std::unique_lock<std::mutex>& lock) {
+  *waited_s = 0;
+  if (!prep_) return Status::NotFound("no staging prepared");
+  std::shared_ptr<PreparedStaging> prep = std::move(prep_);
+  prep_.reset();
+  Result<std::unique_ptr<StagingPool>> pool{Status::Aborted("not allocated")};
+  lock.unlock();  // Stats() and the background threads go on meanwhile
+  {
+    std::unique_lock<std::mutex> pl(prep->mu);
+    if (!prep->done) {
+      const auto t0 = Clock::now();
+      prep->cv.wait(pl, [&] { return prep->done; });
+      *waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
+    }
+    pool = std::move(prep->pool);
+  }
+  if (prep_thread_.joinable()) prep_thread_.join();  // done: returns at once
+  lock.lock();
+  if (pool.ok()) stats_.staging_prepared_bytes = pool.value()->total_bytes();
+  return pool;
+}
+
+Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (opts_.staging_bytes != 0 || prep_) return Status::OK();
+  const bool pinned = copy_->PinsHostMemory();
+  const uint64_t want =
+      DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned).bytes;
+  if (want <= staging_->total_bytes()) return Status::OK();
+  if (prep_thread_.joinable()) prep_thread_.join();  // an earlier one, already taken
+  auto prep = std::make_shared<PreparedStaging>();
+  prep_ = prep;
+  CopyEngine* copy = copy_.get();
+  const uint64_t chunk = chunk_bytes_;
+  const uint32_t min_chunks = min_chunks_;
+  prep_thread_ = std::thread([prep, copy, want, chunk, min_chunks] {
+    Result<std::unique_ptr<StagingPool>> pool = StagingPool::Create(copy, want, chunk, min_chunks);
+    std::lock_guard<std::mutex> pl(prep->mu);
+    prep->pool = std::move(pool);
+    prep->done = true;
+    prep->cv.notify_all();
+  });
+  return Status::OK();
+}
+
+}  // namespace nonstop::engine_detail
+
+namespace nonstop {
+
+uint64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
+StagingSize DefaultStagingSize(uint64_t state_bytes, uint64_t chunk_bytes, uint32_t min_chunks,
+                               uint64_t ram_bytes, bool pinned) {
+  const uint64_t b = std::max<uint64_t>(chunk_bytes, 1);
+  auto up = [b](uint64_t x) { return (x + b - 1) / b * b; };
+  const uint64_t floor_bytes = std::max<uint64_t>(uint64_t{min_chunks} * b, 1);
+  StagingSize r;
+  r.bytes = std::max({up(kStagingFloorBytes), up(state_bytes), floor_bytes});
+  uint64_t cap = ram_bytes > 0 ? ram_bytes / 4 : UINT64_MAX;
+  const char* why = "a quarter of physical memory";
+  if (pinned && cap > kPinnedStagingCapBytes) {
+    cap = kPinnedStagingCapBytes;
+    why = "the pinned-memory cap";
+  }
+  cap = std::max(cap / b * b, floor_bytes);
+  if (r.bytes > cap) {
+    r.capped = state_bytes > cap;
+    r.bytes = cap;
+  }
+  if (r.capped) {
+    char buf[320];
+    std::snprintf(buf, sizeof(buf),
+                  "staging capped at %.2f GiB (%s) for a %.2f GiB state: each checkpoint's copy "
+                  "waits for the medium to write the other %.2f GiB; set staging_bytes to "
+                  "override",
+                  static_cast<double>(r.bytes) / (1 << 30), why,
+                  static_cast<double>(state_bytes) / (1 << 30),
+                  static_cast<double>(state_bytes - r.bytes) / (1 << 30));
+    r.note = buf;
+  }
+  return r;
+}
+
+}  // namespace nonstop

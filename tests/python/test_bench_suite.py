@@ -44,16 +44,28 @@ def test_rounds_interleave_with_none_between_groups():
     assert by[("a", 1)]["steps_measured"] == 16 and by[("a", 1)]["ckpts_measured"] == 8
 
 
-def test_rounds_stop_before_a_run_predicted_to_overrun():
+def test_rounds_stop_before_a_run_predicted_to_overrun(monkeypatch):
+    # A virtual clock (each run takes exactly 0.1 s of it): with the real
+    # clock a loaded machine stretched a 0.1 s sleep enough to stop one run
+    # early, a failure of the machine, not of the rule.
+    import types
+    clock = [100.0]
+    monkeypatch.setattr(suite_rounds, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     log = []
     steps = {("none", 0): 1.0, ("a", 1): 2.0}
-    deadline = time.perf_counter() + 0.25
-    res = suite_rounds.run_rounds([[("a", 1)]], 5, fake_run(log, steps, sleep_s=0.1),
-                                  log=lambda m: None, deadline=deadline)
+    run = fake_run(log, steps)
+
+    def timed_run(kind, every):
+        clock[0] += 0.1
+        return run(kind, every)
+
+    deadline = clock[0] + 0.25
+    res = suite_rounds.run_rounds([[("a", 1)]], 5, timed_run, log=lambda m: None,
+                                  deadline=deadline)
     # Each run takes 0.1 s: two fit, a third would end past the deadline.
     assert len(log) == 2
     assert "time budget" in res["stopped"]
-    assert time.perf_counter() <= deadline + 0.05
+    assert clock[0] <= deadline
 
 
 def test_combine_rounds_takes_median_and_spread_of_per_round_ratios():

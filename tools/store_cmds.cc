@@ -2,6 +2,7 @@
 // a checkpoint directory (one rank-*.nsck slot file per rank, docs/FORMAT.md).
 // Every error is one line on stderr and a non-zero exit; a damaged file is
 // reported, never a reason to crash.
+#include <fnmatch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -393,7 +394,43 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
             << Plural(chunks, "data chunk checksum") << ", tables and commit records\n";
 }
 
-void RunExport(const std::string& dir, std::optional<int64_t> step, const std::string& out) {
+// (path, stored name) for each tensor of the metadata's state tree referred to
+// under a path other than its stored name: a tied weight's second name
+// ("model/lm_head.weight" -> "model/tok.weight"). Paths through plain
+// string-keyed objects and arrays only, as nonstop's Python front end forms
+// tensor names (python/nonstop/_state.py); tagged values ("__...") are skipped.
+void TreeAliases(const json& node, const std::string& path, int depth,
+                 std::vector<std::pair<std::string, std::string>>* out) {
+  if (depth > 200) return;
+  if (node.is_object()) {
+    auto ref = node.find("__tensor__");
+    if (node.size() == 1 && ref != node.end() && ref->is_string()) {
+      if (path != ref->get<std::string>()) out->emplace_back(path, ref->get<std::string>());
+      return;
+    }
+    for (const auto& [k, v] : node.items()) {
+      if (k.rfind("__", 0) == 0) return;
+    }
+    for (const auto& [k, v] : node.items()) {
+      TreeAliases(v, path.empty() ? k : path + "/" + k, depth + 1, out);
+    }
+  } else if (node.is_array()) {
+    for (size_t i = 0; i < node.size(); ++i) {
+      TreeAliases(node[i], path + "/" + std::to_string(i), depth + 1, out);
+    }
+  }
+}
+
+bool Included(const std::string& name, const std::vector<std::string>& include) {
+  if (include.empty()) return true;
+  for (const std::string& pattern : include) {
+    if (::fnmatch(pattern.c_str(), name.c_str(), 0) == 0) return true;
+  }
+  return false;
+}
+
+void RunExport(const std::string& dir, std::optional<int64_t> step, const std::string& out,
+               const std::vector<std::string>& include) {
   const std::vector<fs::path> paths = SlotFiles("export", dir);
   if (paths.size() != 1) {
     Fail("export", dir + " holds " + std::to_string(paths.size()) +
@@ -429,19 +466,42 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
   }
   const CheckpointInfo& info = t->info;
 
+  // The tensors written, by name: each stored tensor, then each tied
+  // weight's other names from the metadata's state tree (the bytes again, so
+  // that a strict load_state_dict finds every name); --include filters both.
+  std::vector<std::pair<std::string, const TensorEntry*>> entries;
+  std::map<std::string, const TensorEntry*> stored;
+  for (const TensorEntry& te : info.tensors) {
+    stored.emplace(te.spec.name, &te);
+    entries.emplace_back(te.spec.name, &te);
+  }
+  {
+    const json meta = json::parse(info.meta_json, nullptr, /*allow_exceptions=*/false);
+    std::vector<std::pair<std::string, std::string>> aliases;
+    if (meta.is_object() && meta.contains("state")) TreeAliases(meta["state"], "", 0, &aliases);
+    for (const auto& [path, ref] : aliases) {
+      auto it = stored.find(ref);
+      if (it != stored.end() && !stored.contains(path)) entries.emplace_back(path, it->second);
+    }
+  }
+  std::erase_if(entries, [&](const auto& e) { return !Included(e.first, include); });
+  if (entries.empty() && !include.empty()) {
+    Fail("export", name + ": no tensor of " + CkptName(info) + " matches --include", kExitUsage);
+  }
+
   json header = json::object();
   uint64_t offset = 0;
-  for (const TensorEntry& te : info.tensors) {
-    const TensorSpec& sp = te.spec;
-    if (sp.name == "__metadata__" || header.contains(sp.name)) {
+  for (const auto& [tname, te] : entries) {
+    const TensorSpec& sp = te->spec;
+    if (tname == "__metadata__" || header.contains(tname)) {
       Fail("export", name + ": " + CkptName(info) + " has a tensor name safetensors cannot hold: '" +
-           sp.name + "'", kExitUsage);
+           tname + "'", kExitUsage);
     }
     if (sp.dtype == DType::kComplex128) {
       Fail("export", "tensor '" + sp.name + "' is complex128, which safetensors cannot hold",
            kExitUsage);
     }
-    header[sp.name] = {{"dtype", std::string(DTypeSafetensorsName(sp.dtype))},
+    header[tname] = {{"dtype", std::string(DTypeSafetensorsName(sp.dtype))},
                        {"shape", sp.shape},
                        {"data_offsets", {offset, offset + sp.nbytes}}};
     offset += sp.nbytes;
@@ -509,11 +569,11 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
     put(blob.data(), blob.size());
     constexpr uint64_t kPiece = 16 << 20;
     std::vector<char> buf;
-    for (const TensorEntry& te : info.tensors) {
-      for (uint64_t done = 0; done < te.spec.nbytes;) {
-        const uint64_t n = std::min(kPiece, te.spec.nbytes - done);
+    for (const auto& [tname, te] : entries) {
+      for (uint64_t done = 0; done < te->spec.nbytes;) {
+        const uint64_t n = std::min(kPiece, te->spec.nbytes - done);
         buf.resize(n);
-        Status st = s.file->ReadData(info, te.data_offset + done, buf.data(), n, /*verify=*/true);
+        Status st = s.file->ReadData(info, te->data_offset + done, buf.data(), n, /*verify=*/true);
         if (!st.ok()) abandon(name + ": " + st.message(), kExitDamaged);
         put(buf.data(), n);
         done += n;
@@ -529,7 +589,7 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
   if (Status st = odir.SyncDir(); !st.ok()) {
     Fail("export", "syncing " + out_dir + ": " + st.message(), kExitUsage);
   }
-  std::cout << "exported " << CkptName(info) << ": " << Plural(info.tensors.size(), "tensor") << ", "
+  std::cout << "exported " << CkptName(info) << ": " << Plural(entries.size(), "tensor") << ", "
             << HumanBytes(offset) << " to " << out << "\n";
 }
 
@@ -584,6 +644,7 @@ struct StoreArgs {
   std::optional<int64_t> step;
   std::string out;
   std::string format = "safetensors";
+  std::vector<std::string> include;
 };
 
 // The arguments of `nonstop CMD URL ...` for python -m nonstop._remote_cli
@@ -630,10 +691,19 @@ void AddStoreCommands(CLI::App& app) {
                   "safetensors (one rank) or dcp (every rank, reassembled; runs python3 -m "
                   "nonstop._dcp)")
       ->check(CLI::IsMember({"safetensors", "dcp"}));
+  exp->add_option("--include", args->include,
+                  "export only tensors whose name matches this glob ('model/*', '*.weight'); "
+                  "repeatable: a tensor matching any is exported (safetensors only)");
   exp->callback(Guarded("export", [args] {
+    if (!args->include.empty() && (args->format == "dcp" || IsRemoteUrl(args->dir))) {
+      Fail("export", std::string("--include is for a local safetensors export; ") +
+                         (args->format == "dcp" ? "--format dcp exports every tensor"
+                                                : "not supported for a remote URL yet"),
+           kExitUsage);
+    }
     if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("export", *args));
     if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out);
-    RunExport(args->dir, args->step, args->out);
+    RunExport(args->dir, args->step, args->out, args->include);
   }));
 }
 

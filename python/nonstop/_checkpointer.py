@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import (_auto, _config, _distributed, _fsdp, _manage, _preempt, _remote, _rng, _state,
-               _unwrap)
+from . import (_auto, _config, _distributed, _fqn, _fsdp, _manage, _preempt, _remote, _rng,
+               _state, _unwrap)
 from ._handle import CheckpointHandle, Watcher
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
@@ -346,6 +346,9 @@ class Checkpointer:
             meta["rng"] = _rng.capture()
         if self._metrics:
             meta["metrics"] = self._metrics
+        names = _fqn.describe(self.state)  # get_state_dict's names, for export (_fqn.py)
+        if names:
+            meta["names"] = names
         layouts = None
         if self._dist is not None:  # FSDP2 DTensors: each rank its local shard (_fsdp.py)
             self._base_ptr = {n: _fsdp.data_ptr(t) for n, t in tensors.items()}

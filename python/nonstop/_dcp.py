@@ -9,9 +9,19 @@ newest step committed on every rank (the globally committed one) or `step`,
 reassembles each replicated tensor and each FSDP2 (DTensor) parameter or
 optimizer state from the ranks' pieces (TensorSpec.global) and writes one DCP
 checkpoint of full tensors with a single process; DCP loads them into any
-placement (e.g. a fully_shard model's DTensors) under any world size. Rank-local tensors
-(ZeRO-1 optimizer shards, state given as local=) have no global name: they
-are written as `rank-R/NAME`. The key `nonstop.step` holds the step.
+placement (e.g. a fully_shard model's DTensors) under any world size.
+
+The layout is the one torch.distributed.checkpoint.state_dict.get_state_dict
+gives, under the state's own keys: {"model": model_sd, "optim": optim_sd,
+"sched": {...}, ...}, a model by its own names (a DDP/compile wrapper's
+prefix removed; a tied weight under every name) and an optimizer's state
+and param_groups by parameter FQN (the names are recorded at save time,
+_fqn.py). Non-tensor state (param_groups, schedulers, plain values) is
+included. So a fresh model and optimizer load it with
+`sd = {"model": msd, "optim": osd}` from get_state_dict, `dcp.load(sd, ...)`
+and set_state_dict. Rank-local tensors (ZeRO-1 optimizer shards, state given
+as local=) have no global value: they are written under "rank-R" (layout()).
+The key `nonstop.step` holds the step.
 """
 from __future__ import annotations
 
@@ -48,9 +58,12 @@ def _key(meta: dict) -> tuple:
     return int(meta.get("step", -1)), int(meta.get("dist", {}).get("lineage", 0))
 
 
-def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
-    """(step, {name: full tensor}) of the newest checkpoint committed on
-    every rank of `path` (or of `step`)."""
+def gather(path: str, step: Optional[int] = None) -> tuple[int, list, list, set]:
+    """(step, [per rank: {name: tensor}], [per rank: metadata], names of the
+    global tensors) of the newest checkpoint committed on every rank of
+    `path` (or of `step`). A global tensor (replicated, or an FSDP2
+    parameter or optimizer state) is reassembled whole from the ranks'
+    pieces, and every rank's dict holds that one full tensor."""
     readers = _readers(path)
     per_rank = []
     for reader in readers:
@@ -70,40 +83,145 @@ def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
             f"no checkpoint {'at step ' + str(step) + ' ' if step is not None else ''}"
             f"committed on every rank of {path}")
     key = order[0]
-    out: dict = {}
     doc = per_rank[0][key][1].get("dist", {})
     shared = dict(doc.get("shared", {}))
     # FSDP2 Shard(0) DTensors: each rank wrote its rows with the same global
     # layout as a replicated share (_fsdp.py), so they reassemble the same way.
     for name, (shape, dtype, _) in doc.get("dtensor", {}).items():
         shared.setdefault(name, [shape, dtype])
-    for name, (shape, dtype) in shared.items():
-        out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
-    for r, (reader, found) in enumerate(zip(readers, per_rank)):
-        idx, _ = found[key]
-        info = reader.checkpoints[idx]
-        for ti, spec in enumerate(info["tensors"]):
+    whole = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+             for name, (shape, dtype) in shared.items()}
+    tensors, metas = [], []
+    for reader, found in zip(readers, per_rank):
+        idx, meta = found[key]
+        mine = dict(whole)
+        for ti, spec in enumerate(reader.checkpoints[idx]["tensors"]):
             t = torch.empty(spec["shape"], dtype=_state.torch_dtype(spec["dtype"]))
             if spec["nbytes"]:
                 reader.read_tensor(idx, ti, t.data_ptr(), spec["nbytes"])
             name = spec["name"]
             if name in shared:
-                flat = out[name].view(-1)
+                flat = whole[name].view(-1)
                 off = spec["global_offset"]
                 flat[off:off + t.numel()] = t.view(-1)
-            elif len(readers) > 1:
-                out[f"rank-{r}/{name}"] = t
             else:
-                out[name] = t
-    return key[0], out
+                mine[name] = t
+        tensors.append(mine)
+        metas.append(meta)
+    return key[0], tensors, metas, set(shared)
+
+
+def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
+    """(step, {name: full tensor}) of the newest checkpoint committed on
+    every rank of `path` (or of `step`), by nonstop's tensor names; a
+    rank-local tensor of a multi-rank job as `rank-R/NAME`."""
+    got, tensors, _, shared = gather(path, step)
+    out = {n: tensors[0][n] for n in shared}
+    for r, mine in enumerate(tensors):
+        for name, t in mine.items():
+            if name not in shared:
+                out[f"rank-{r}/{name}" if len(tensors) > 1 else name] = t
+    return got, out
+
+
+def _refs(tree) -> set:
+    """Names of the tensors a state tree refers to."""
+    out, stack = set(), [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("__tensor__", node.get("__ndarray__"))
+            if isinstance(ref, str) and len(node) == 1:
+                out.add(ref)
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+def _rename(key: str, value, names: dict):
+    """`value` (state `key`, rebuilt) under get_state_dict's names: a
+    module's keys without the wrapper prefix, an optimizer's state and
+    param_groups by parameter FQN."""
+    prefix = names.get("modules", {}).get(key)
+    if prefix is not None and isinstance(value, dict):
+        return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v
+                for k, v in value.items()}
+    opt = names.get("optimizers", {}).get(key)
+    if (opt is not None and isinstance(value, dict) and isinstance(value.get("state"), dict)
+            and isinstance(value.get("param_groups"), list)):
+        fqn = opt["params"]
+        ids = [i for g in value["param_groups"] for i in g.get("params", [])]
+        if sorted(ids) != list(range(len(fqn))):
+            return value  # not the optimizer the names were taken from
+        out = dict(value)
+        out["state"] = {fqn[i]: v for i, v in value["state"].items()}
+        out["param_groups"] = [{**g, "params": [fqn[i] for i in g["params"]]}
+                               for g in value["param_groups"]]
+        return out
+    return value
+
+
+def layout(tensors: list, metas: list, shared: set) -> dict:
+    """The state in get_state_dict's layout: {state key: value}, a module
+    by its own names (a tied weight under every name), an optimizer's state
+    and param_groups by parameter FQN, everything else (schedulers, plain
+    values) as saved. Rank-local tensors of a multi-rank job (ZeRO-1 shards,
+    local= state, FSDP2's BatchNorm buffers) go under "rank-R": a module's
+    local entries as {"rank-R": {key: {name: tensor}}}, any other value
+    holding one whole as {"rank-R": {key: value}}."""
+    world = len(metas)
+    names = metas[0].get("names", {})
+    out: dict = {}
+    for key, tree in metas[0].get("state", {}).items():
+        local = {n for n in _refs(tree) if n not in shared} if world > 1 else set()
+        if not local:
+            out[key] = _rename(key, _state.unflatten(tree, tensors[0]), names)
+            continue
+        if key in names.get("modules", {}) and isinstance(tree, dict):
+            # a state_dict: split entry by entry
+            glob = {k: v for k, v in tree.items() if not (_refs(v) & local)}
+            if glob:
+                out[key] = _rename(key, _state.unflatten(glob, tensors[0]), names)
+            for r in range(world):
+                theirs = metas[r].get("state", {}).get(key, {})
+                part = {k: v for k, v in theirs.items() if k not in glob}
+                if part:
+                    out.setdefault(f"rank-{r}", {})[key] = _rename(
+                        key, _state.unflatten(part, tensors[r]), names)
+            continue
+        for r in range(world):
+            theirs = metas[r].get("state", {}).get(key)
+            out.setdefault(f"rank-{r}", {})[key] = _rename(
+                key, _state.unflatten(theirs, tensors[r]), names)
+    return out
+
+
+def _count(state) -> tuple[int, int]:
+    """(tensors, bytes) of a state, each tensor object once."""
+    seen, nbytes, stack = set(), 0, [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if id(node) not in seen:
+                seen.add(id(node))
+                nbytes += node.numel() * node.element_size()
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return len(seen), nbytes
 
 
 def export_dcp(dir: str, out: str, step: Optional[int] = None) -> dict:
     """Writes the globally committed checkpoint (or `step`) of `dir` as a DCP
-    checkpoint directory `out`. Returns {'step', 'tensors', 'bytes', 'path'}."""
+    checkpoint directory `out`, in get_state_dict's layout (see layout()).
+    Returns {'step', 'tensors', 'bytes', 'path'}."""
     import torch.distributed.checkpoint as dcp
-    got_step, tensors = collect(os.fspath(dir), step)
-    state = dict(tensors)
+    got_step, tensors, metas, shared = gather(os.fspath(dir), step)
+    state = layout(tensors, metas, shared)
+    count, nbytes = _count(state)
     state["nonstop.step"] = torch.tensor(got_step, dtype=torch.int64)
     os.makedirs(out, exist_ok=True)
     import inspect
@@ -112,8 +230,7 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None) -> dict:
             torch.distributed.is_available() and torch.distributed.is_initialized()):
         kw["no_dist"] = True  # one process writes every tensor whole
     dcp.save(state, storage_writer=dcp.FileSystemWriter(out), **kw)
-    return {"step": got_step, "tensors": len(tensors),
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "path": out}
+    return {"step": got_step, "tensors": count, "bytes": nbytes, "path": out}
 
 
 def main(argv=None) -> int:

@@ -42,9 +42,19 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
             raise CheckpointNotFoundError(f"no committed checkpoint at step {step} in {path}")
         idx = found[0]
     info = ckpts[idx]
+    # Tied weights are stored once; the file holds them under every name
+    # (the bytes again), so that a strict load_state_dict finds each.
+    index = {spec["name"]: ti for ti, spec in enumerate(info["tensors"])}
+    named = [(spec["name"], ti) for ti, spec in enumerate(info["tensors"])]
+    try:
+        tree = _state.loads(info["meta_json"].decode("utf-8")).get("state", {})
+    except Exception:  # no readable tree: the tensors by their stored names only
+        tree = {}
+    named += [(path, index[ref]) for path, ref in aliases(tree)
+              if ref in index and path not in index]
     entries = []
-    for ti, spec in enumerate(info["tensors"]):
-        name = spec["name"]
+    for name, ti in named:
+        spec = info["tensors"][ti]
         if include is not None:
             if not name.startswith(include + "/"):
                 continue
@@ -105,3 +115,31 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
     finally:
         os.close(dfd)
     return {"step": info["step"], "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}
+
+
+def aliases(tree) -> list:
+    """(path, stored name) for each tensor of a state tree referred to
+    under a path other than its stored name: the second name of a tied
+    weight ('model/lm_head.weight' -> 'model/tok.weight'). Paths through
+    plain string-keyed dicts and lists only (as tensor names are formed)."""
+    out: list = []
+
+    def walk(node, path, depth):
+        if depth > _state.MAX_DEPTH:
+            return
+        if isinstance(node, dict):
+            ref = node.get("__tensor__")
+            if len(node) == 1 and isinstance(ref, str):
+                if path != ref:
+                    out.append((path, ref))
+                return
+            if any(not isinstance(k, str) or k.startswith("__") for k in node):
+                return  # a tagged value: no tensor names through it
+            for k, v in node.items():
+                walk(v, f"{path}/{k}" if path else k, depth + 1)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}", depth + 1)
+
+    walk(tree, "", 0)
+    return out

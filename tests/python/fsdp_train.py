@@ -127,12 +127,11 @@ def main():
     if a.load_dcp:  # a fresh sharded model, loaded from the DCP export
         import torch.distributed.checkpoint as dcp
         fresh = build(mesh)
-        # The parameters (the BatchNorm buffers are rank-local: rank-R/... in the export).
-        sd = {f"model/{k}": v for k, v in fresh.named_parameters()}
-        sd["nonstop.step"] = torch.tensor(-1)
+        # The parameters, in get_state_dict's layout (the BatchNorm buffers
+        # are rank-local: under "rank-R" in the export).
+        sd = {"model": dict(fresh.named_parameters()), "nonstop.step": torch.tensor(-1)}
         dcp.load(sd, checkpoint_id=a.load_dcp)
-        fresh.load_state_dict({k[len("model/"):]: v for k, v in sd.items()
-                               if k.startswith("model/")}, strict=False)
+        fresh.load_state_dict(sd["model"], strict=False)
         res["dcp"] = {"step": int(sd["nonstop.step"]), "params": digest(fresh.parameters()),
                       "kinds": sorted({type(q).__name__ for q in fresh.parameters()})}
     with open(f"{a.out}.rank-{rank}.json", "w") as f:

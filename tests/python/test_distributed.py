@@ -158,9 +158,11 @@ def check_shares_and_dcp(tmp_path, d, out):
     exp = str(tmp_path / "dcp")
     r = nonstop.export(d, exp, format="dcp")
     assert r["step"] == 11
+    # get_state_dict's layout: the DDP model by its own names ("module." removed)
     shared = a.meta["dist"]["shared"]
-    target = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
-              for name, (shape, dtype) in shared.items()}
+    target = {"model": {name[len("model/module."):]: torch.zeros(shape, dtype=getattr(torch, dt))
+                        for name, (shape, dt) in shared.items()
+                        if name.startswith("model/module.")}}
     target["nonstop.step"] = torch.tensor(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -168,9 +170,8 @@ def check_shares_and_dcp(tmp_path, d, out):
     assert int(target["nonstop.step"]) == 11
     import hashlib
     h = hashlib.sha256()
-    for k in ["model/module.0.weight", "model/module.0.bias", "model/module.3.weight",
-              "model/module.3.bias"]:
-        h.update(target[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for k in ["0.weight", "0.bias", "3.weight", "3.bias"]:
+        h.update(target["model"][k].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     assert h.hexdigest() == finals(out, 2)[0]["params"]
 
 

@@ -135,15 +135,36 @@ def check_layout_dcp_reshard(tmp_path, d, exp):
     assert a.tensors["model/1.running_mean"].shape == (67,)
     assert not torch.equal(a.tensors["model/1.running_mean"], b.tensors["model/1.running_mean"])
 
-    # DCP export: full tensors, loadable in one process.
+    # DCP export: full tensors, loadable in one process, in get_state_dict's
+    # layout ("model": {"0.weight"}, "optim": {"state": {"0.weight": {"exp_avg"}}}).
     import torch.distributed.checkpoint as dcp
-    target = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
-              for name, (shape, dtype, _) in doc.items()}
-    target["nonstop.step"] = torch.tensor(0)
+    fqn = a.meta["names"]["optimizers"]["optim"]["params"]
+
+    def path(name):
+        key, _, rest = name.partition("/")
+        if key == "optim":
+            _, i, k = rest.split("/")
+            return ("optim", "state", fqn[int(i)], k)
+        return (key, rest)
+
+    nested = {}
+    for name, (shape, dtype, _) in doc.items():
+        *up, leaf = path(name)
+        node = nested
+        for p in up:
+            node = node.setdefault(p, {})
+        node[leaf] = torch.zeros(shape, dtype=getattr(torch, dtype))
+    nested["nonstop.step"] = torch.tensor(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(target, checkpoint_id=exp)
-    assert int(target["nonstop.step"]) == 11
+        dcp.load(nested, checkpoint_id=exp)
+    assert int(nested["nonstop.step"]) == 11
+    target = {}
+    for name in doc:
+        node = nested
+        for p in path(name):
+            node = node[p]
+        target[name] = node
     for name in doc:
         rows_a = sa[name]["shape"][0]
         assert torch.equal(target[name][:rows_a], a.tensors[name]), name

@@ -1,0 +1,181 @@
+"""Interop (#16): the DCP export in get_state_dict's layout, loaded by DCP's
+own loader into a fresh model and optimizer with a strict set_state_dict;
+tied weights exported under every name (DCP and safetensors, Python and
+CLI); `nonstop export --include`."""
+import os
+import subprocess
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nonstop
+
+
+class TinyGPT(nn.Module):
+    """A small GPT: token and position embeddings, two pre-norm blocks,
+    lm_head tied to the token embedding."""
+
+    def __init__(self, vocab=48, dim=16, ctx=8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(ctx, dim)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True,
+                                       norm_first=True) for _ in range(2))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight  # tied, as in GPT-2
+
+    def forward(self, x):
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        for b in self.blocks:
+            h = b(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def _make(seed):
+    torch.manual_seed(seed)
+    m = TinyGPT()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    s = torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+    return m, o, s
+
+
+def _step(m, o, s, i):
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randint(0, 48, (4, 8), generator=g)
+    loss = nn.functional.cross_entropy(m(x).flatten(0, 1), x.roll(-1, 1).flatten())
+    o.zero_grad()
+    loss.backward()
+    o.step()
+    s.step()
+
+
+def _trained(tmp_path, wrap=None):
+    m, o, s = _make(0)
+    d = str(tmp_path / "ckpt")
+    ck = nonstop.Checkpointer(d, state={"model": wrap(m) if wrap else m, "optim": o,
+                                        "sched": s}, every=1000)
+    for i in range(3):
+        _step(m, o, s, i)
+    ck.save(3).wait()
+    ck.close()
+    return d, m, o, s
+
+
+def _flat(sd, prefix=""):
+    """DCP's key for each leaf tensor of a nested state dict."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("wrap", [None, torch.compile], ids=["plain", "compiled"])
+def test_dcp_export_is_get_state_dict_layout_and_loads_strictly(tmp_path, wrap):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    d, m, o, s = _trained(tmp_path, wrap)
+    exp = str(tmp_path / "dcp")
+    r = nonstop.export(d, exp, format="dcp")
+    assert r["step"] == 3
+
+    # The export's tensor keys are exactly get_state_dict's, tied weights included.
+    msd, osd = get_state_dict(m, o)
+    assert "lm_head.weight" in msd and "tok.weight" in msd
+    want = set(_flat({"model": msd, "optim": osd["state"]}, ""))
+    got = set(dcp.FileSystemReader(exp).read_metadata().state_dict_metadata)
+    got_tensors = {k for k in got if k.startswith(("model.", "optim.state."))}
+    assert got_tensors == {k.replace("optim.", "optim.state.", 1) if k.startswith("optim.")
+                           else k for k in want}, got_tensors ^ want
+
+    # A fresh model and optimizer (other weights, no optimizer state yet),
+    # loaded by DCP's own loader and a strict set_state_dict.
+    m2, o2, s2 = _make(1)
+    assert not torch.equal(m2.tok.weight, m.tok.weight)
+    msd2, osd2 = get_state_dict(m2, o2)
+    sd = {"model": msd2, "optim": osd2, "sched": s2.state_dict(),
+          "nonstop.step": torch.tensor(-1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=exp)
+    set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    s2.load_state_dict(sd["sched"])
+    assert int(sd["nonstop.step"]) == 3
+    m2.load_state_dict(sd["model"], strict=True)  # every name, lm_head.weight too
+    assert m2.lm_head.weight is m2.tok.weight  # still tied
+    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert o2.state_dict()["param_groups"] == o.state_dict()["param_groups"]
+    for i, st in o.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, o2.state_dict()["state"][i][k]), (i, k)
+    assert s2.state_dict() == s.state_dict()
+    # and training goes on bit-identically
+    for i in range(3, 5):
+        _step(m, o, s, i)
+        _step(m2, o2, s2, i)
+    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_safetensors_export_has_tied_weights_under_every_name(tmp_path):
+    from safetensors.torch import load_file
+    d, m, o, s = _trained(tmp_path)
+    out = str(tmp_path / "model.safetensors")
+    nonstop.export(d, out, include="model")
+    sd = load_file(out)
+    assert set(sd) == set(m.state_dict())
+    fresh, _, _ = _make(1)
+    fresh.load_state_dict(sd, strict=True)
+    assert torch.equal(fresh.lm_head.weight, m.lm_head.weight)
+
+
+def _cli():
+    """$NONSTOP_CLI, else `nonstop` on PATH, else the one next to this Python."""
+    import shutil
+    import sys
+    for c in (os.environ.get("NONSTOP_CLI", ""), shutil.which("nonstop") or "",
+              os.path.join(os.path.dirname(sys.executable), "nonstop")):
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+@pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")
+def test_cli_export_include_globs_and_tied_weights(tmp_path):
+    from safetensors.torch import load_file
+    d, m, o, s = _trained(tmp_path)
+
+    def run(*args):
+        return subprocess.run([_cli(), "export", d, *args], capture_output=True, text=True,
+                              timeout=120)
+
+    whole = str(tmp_path / "all.safetensors")
+    r = run("-o", whole)
+    assert r.returncode == 0, r.stderr
+    sd = load_file(whole)
+    # every tensor, the tied lm_head.weight under its own name too
+    assert {f"model/{k}" for k in m.state_dict()} <= set(sd)
+    assert torch.equal(sd["model/lm_head.weight"], m.lm_head.weight.detach())
+    assert any(k.startswith("optim/state/") for k in sd)
+
+    part = str(tmp_path / "part.safetensors")
+    r = run("-o", part, "--include", "model/blocks.0.*", "--include", "*lm_head*")
+    assert r.returncode == 0, r.stderr
+    got = load_file(part)
+    want = {f"model/{k}" for k in m.state_dict() if k.startswith("blocks.0.")}
+    assert set(got) == want | {"model/lm_head.weight"}
+    for k in got:
+        assert torch.equal(got[k], sd[k]), k
+    assert f": {len(got)} tensors," in r.stdout, r.stdout
+
+    r = run("-o", part, "--include", "nothing/*")
+    assert r.returncode == 2 and "matches --include" in r.stderr and r.stderr.count("\n") == 1
+    r = run("-o", str(tmp_path / "x"), "--format", "dcp", "--include", "model/*")
+    assert r.returncode == 2 and "--include" in r.stderr and r.stderr.count("\n") == 1

@@ -242,7 +242,75 @@ json InspectJson(const ScannedFile& s) {
   return f;
 }
 
-void PrintInspect(const ScannedFile& s) {
+// The summary of one checkpoint for `inspect`: tensors and bytes per state
+// key (the part of a name before its first '/'), tensors per dtype, and the
+// metadata's size per top-level entry (RNG records as sizes, never their
+// bytes; `--json` has everything).
+void PrintSummary(const CheckpointInfo& in) {
+  std::vector<std::string> order;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> by_state;
+  std::map<std::string, uint64_t> by_dtype;
+  for (const TensorEntry& te : in.tensors) {
+    const std::string key = te.spec.name.substr(0, te.spec.name.find('/'));
+    auto [it, added] = by_state.try_emplace(key, 0, 0);
+    if (added) order.push_back(key);
+    it->second.first += 1;
+    it->second.second += te.spec.nbytes;
+    by_dtype[std::string(DTypeName(te.spec.dtype))] += 1;
+  }
+  constexpr size_t kMaxItems = 12;  // a hostile file may name thousands of states
+  if (!order.empty()) {
+    std::cout << "    tensors by state:";
+    for (size_t i = 0; i < order.size() && i < kMaxItems; ++i) {
+      const auto& [n, b] = by_state[order[i]];
+      std::cout << (i ? ", " : " ") << DisplayText(order[i].substr(0, 64)) << " " << n << " ("
+                << HumanBytes(b) << ")";
+    }
+    if (order.size() > kMaxItems) std::cout << ", ... (" << order.size() << " in all)";
+    std::cout << "\n    dtypes:";
+    size_t i = 0;
+    for (const auto& [d, n] : by_dtype) std::cout << (i++ ? ", " : " ") << d << " " << n;
+    std::cout << "\n";
+  }
+  if (in.meta_json.empty()) return;
+  std::cout << "    meta: " << HumanBytes(in.meta_json.size());
+  const json meta = MetaJson(in.meta_json);  // bounded: size and depth
+  if (!meta.is_object()) {
+    std::cout << " (not a JSON object)\n";
+    return;
+  }
+  if (auto f = meta.find("format"); f != meta.end() && f->is_string()) {
+    std::cout << ", format " << DisplayText(f->get<std::string>().substr(0, 40));
+  }
+  size_t shown = 0;
+  for (const auto& [k, v] : meta.items()) {
+    if (k == "format" || k == "step" || k == "rank" || k == "world_size") continue;
+    if (shown++ >= kMaxItems) {
+      std::cout << ", ...";
+      break;
+    }
+    std::cout << (shown == 1 ? ": " : ", ") << DisplayText(k.substr(0, 64)) << " "
+              << HumanBytes(DumpJson(v).size());
+    if (k == "metrics" && DumpJson(v).size() <= 200) {
+      std::cout << " " << DisplayText(DumpJson(v));
+    } else if (k == "rng" && v.is_object()) {  // each generator's record, by size
+      std::cout << " (";
+      size_t j = 0;
+      for (const auto& [g, r] : v.items()) {
+        if (j == kMaxItems) {
+          std::cout << ", ...";
+          break;
+        }
+        std::cout << (j++ ? ", " : "") << DisplayText(g.substr(0, 32)) << " "
+                  << HumanBytes(DumpJson(r).size());
+      }
+      std::cout << ")";
+    }
+  }
+  std::cout << "\n";
+}
+
+void PrintInspect(const ScannedFile& s, bool full) {
   const std::string name = s.path.filename().string();
   if (s.file == nullptr || !s.error.empty()) {
     std::cout << name << ": unreadable: " << s.error << "\n";
@@ -286,7 +354,8 @@ void PrintInspect(const ScannedFile& s) {
               << HumanBytes(in.data_bytes) << " data, " << Plural(in.chunk_crcs.size(), "chunk")
               << " of "
               << HumanBytes(in.crc_chunk_bytes) << "\n";
-    if (!in.meta_json.empty()) std::cout << "    meta: " << DisplayText(in.meta_json) << "\n";
+    PrintSummary(in);
+    if (!full) continue;
     char line[96];
     std::snprintf(line, sizeof(line), "    %-10s %-20s %12s %12s  %s", "dtype", "shape", "offset",
                   "bytes", "name");
@@ -296,19 +365,19 @@ void PrintInspect(const ScannedFile& s) {
                     std::string(DTypeName(te.spec.dtype)).c_str(), ShapeText(te.spec.shape).c_str(),
                     static_cast<unsigned long long>(te.data_offset),
                     static_cast<unsigned long long>(te.spec.nbytes));
-      std::cout << line << te.spec.name << "\n";
+      std::cout << line << DisplayText(te.spec.name) << "\n";
     }
   }
 }
 
-void RunInspect(const std::string& dir, bool as_json) {
+void RunInspect(const std::string& dir, bool as_json, bool full) {
   json all = {{"dir", dir}, {"files", json::array()}};
   for (const fs::path& p : SlotFiles("inspect", dir)) {
     ScannedFile s = ScanFile(p, /*verify_all=*/true);
     if (as_json) {
       all["files"].push_back(InspectJson(s));
     } else {
-      PrintInspect(s);
+      PrintInspect(s, full);
     }
   }
   if (as_json) std::cout << DumpJson(all, 2) << "\n";
@@ -476,7 +545,7 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
     entries.emplace_back(te.spec.name, &te);
   }
   {
-    const json meta = json::parse(info.meta_json, nullptr, /*allow_exceptions=*/false);
+    const json meta = MetaJson(info.meta_json);  // bounded: size and depth
     std::vector<std::pair<std::string, std::string>> aliases;
     if (meta.is_object() && meta.contains("state")) TreeAliases(meta["state"], "", 0, &aliases);
     for (const auto& [path, ref] : aliases) {
@@ -641,6 +710,7 @@ namespace {
 struct StoreArgs {
   std::string dir;
   bool json = false;
+  bool full = false;
   std::optional<int64_t> step;
   std::string out;
   std::string format = "safetensors";
@@ -664,12 +734,13 @@ void AddStoreCommands(CLI::App& app) {
   auto args = std::make_shared<Args>();
 
   CLI::App* inspect = app.add_subcommand(
-      "inspect", "List every slot and checkpoint of a checkpoint directory, with tensor tables");
+      "inspect", "Summarise every slot and checkpoint of a checkpoint directory");
   inspect->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
-  inspect->add_flag("--json", args->json, "print JSON instead of text");
+  inspect->add_flag("--json", args->json, "print JSON instead of text (every detail)");
+  inspect->add_flag("--full", args->full, "also print each checkpoint's tensor table");
   inspect->callback(Guarded("inspect", [args] {
     if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("inspect", *args));
-    RunInspect(args->dir, args->json);
+    RunInspect(args->dir, args->json, args->full);
   }));
 
   CLI::App* verify = app.add_subcommand(

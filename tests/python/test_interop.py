@@ -179,3 +179,45 @@ def test_cli_export_include_globs_and_tied_weights(tmp_path):
     assert r.returncode == 2 and "matches --include" in r.stderr and r.stderr.count("\n") == 1
     r = run("-o", str(tmp_path / "x"), "--format", "dcp", "--include", "model/*")
     assert r.returncode == 2 and "--include" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")
+def test_cli_inspect_is_a_summary(tmp_path):
+    """A 0.66M-parameter model with RNG state: `inspect` prints a few KB
+    (it printed 127 KB: every tensor table, the RNG records in hex);
+    --full adds the tensor tables; --json keeps every detail."""
+    import json
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(800, 800), nn.Linear(800, 25))
+    assert sum(p.numel() for p in m.parameters()) == 660825
+    o = torch.optim.AdamW(m.parameters())
+    d = str(tmp_path / "ck")
+    ck = nonstop.Checkpointer(d, state={"model": m, "optim": o}, every=1)
+    for s in range(3):
+        m(torch.randn(2, 800)).sum().backward()
+        o.step()
+        ck.step(s, metrics={"loss": 0.5})
+    ck.close()
+
+    def run(*args):
+        r = subprocess.run([_cli(), "inspect", d, *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = run()
+    assert len(out) < 4096, len(out)
+    assert "tensors by state: model 4 (2.5 MiB), optim 12 (5.0 MiB)" in out, out
+    assert "dtypes: float32 16" in out
+    assert "rng " in out and "torch " in out and '"loss":0.5' in out
+    assert "committed (newest)" in out
+    # no RNG bytes, no tensor table
+    assert max(len(ln) for ln in out.splitlines()) < 200
+    assert "optim/state/0/exp_avg" not in out
+    full = run("--full")
+    assert "optim/state/0/exp_avg" in full and len(full) < 16384
+    assert max(len(ln) for ln in full.splitlines()) < 200
+    j = json.loads(run("--json"))
+    meta = j["files"][0]["checkpoints"][0]["meta"]
+    assert isinstance(meta["rng"]["torch"], str) and len(meta["rng"]["torch"]) > 1000
+    assert len(j["files"][0]["checkpoints"][0]["tensors"]) == 16

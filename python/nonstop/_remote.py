@@ -457,6 +457,72 @@ def read_fetched(path: str, rank: int, world_size: int, read):
     return read(path, rank, None, world_size, as_numpy=False)
 
 
+# -------------------------------------------------------------- retention
+
+def retention_plan(steps: dict, max_to_keep: int, keep: Optional[int],
+                   keep_max: Optional[int]) -> list:
+    """The steps to delete, oldest first. `steps`: {step: (committed,
+    counter or None)} of every step directory. Nothing is deleted before a
+    step is committed: the newest `max_to_keep` committed steps stay, with
+    keep=k also the committed steps whose counter is a multiple of k (the
+    newest `keep_max` of them when the Checkpointer has max_to_keep=), and
+    every uncommitted step newer than the newest committed one (an upload
+    under way). The rest go: older committed steps and abandoned uploads."""
+    committed = sorted((s for s, (c, _) in steps.items() if c), reverse=True)
+    if not committed:
+        return []
+    stay = set(committed[:max_to_keep])
+    if keep:
+        periodic = [s for s in committed
+                    if steps[s][1] is not None and steps[s][1] % keep == 0]
+        stay.update(periodic[:keep_max] if keep_max else periodic)
+    newest = committed[0]
+    return sorted(s for s, (c, _) in steps.items() if s not in stay and (c or s < newest))
+
+
+def delete_batches(step: int, keys: list) -> list:
+    """The objects of one step in the order they are deleted: the marker
+    (the step stops being committed for every reader that lists after it),
+    then the manifests and the LEAD/skip notes, then the parts. A deletion
+    cut short leaves an uncommitted step, which the next retention deletes."""
+    marker = Layout.marker(step)
+    first = [k for k in keys if k == marker]
+    docs = [k for k in keys if k != marker and not k.endswith(".nsck")]
+    parts = [k for k in keys if k.endswith(".nsck")]
+    return [b for b in (first, docs, parts) if b]
+
+
+def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int],
+           counters: Optional[dict] = None) -> int:
+    """Applies retention_plan to the remote (rank 0, after each commit);
+    returns how many steps it deleted. `counters` caches the markers'
+    counters between calls."""
+    counters = {} if counters is None else counters
+    by_step: dict = {}
+    for key, _ in store.list(""):
+        parts = key.split("/")
+        m = Layout.STEP.match(parts[0])
+        if m and len(parts) == 2:
+            by_step.setdefault(int(m.group(1)), []).append(key)
+    steps = {}
+    for s, keys in by_step.items():
+        committed = Layout.marker(s) in keys
+        if committed and keep and s not in counters:
+            try:
+                mk = _check_doc(_load_json(store, Layout.marker(s)), f"{store.url} step {s}")
+                c = mk.get("counter")
+                counters[s] = c if isinstance(c, int) and not isinstance(c, bool) else None
+            except CorruptCheckpointError:
+                counters[s] = None
+        steps[s] = (committed, counters.get(s))
+    doomed = retention_plan(steps, max_to_keep, keep, keep_max)
+    for s in doomed:
+        for batch in delete_batches(s, by_step[s]):
+            store.delete(batch)
+        counters.pop(s, None)
+    return len(doomed)
+
+
 # --------------------------------------------------------------- uploader
 
 def _lower_priority(nice: int) -> None:
@@ -488,11 +554,12 @@ class Uploader:
     committed one (one process) or the newest globally agreed one."""
 
     def __init__(self, store, dir: str, rank: int, world: int, target, core, keep=None,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, keep_max: Optional[int] = None):
         opts = options or {}
         self.store, self.dir, self.rank, self.world = store, dir, rank, world
         self.target, self.core = target, core
-        self.keep = keep
+        self.keep, self.keep_max = keep, keep_max
+        self._counters: dict = {}  # step -> counter of committed remote steps (retention)
         self.max_to_keep = int(opts.get("max_to_keep", 2))
         if self.max_to_keep < 1:
             raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
@@ -704,34 +771,8 @@ class Uploader:
             time.sleep(max(self.poll_s, 0.1))
 
     def _retain(self) -> None:
-        """Keeps the newest max_to_keep committed steps (and, with keep=k,
-        those whose counter is a multiple of k); deletes the rest, marker
-        first, and any uncommitted step older than the newest committed."""
-        objs = self.store.list("")
-        by_step: dict = {}
-        for key, _ in objs:
-            m = Layout.STEP.match(key.split("/")[0])
-            if m:
-                by_step.setdefault(int(m.group(1)), []).append(key)
-        committed = sorted((s for s, keys in by_step.items()
-                            if Layout.marker(s) in keys), reverse=True)
-        if not committed:
-            return
-        keep = set(committed[:self.max_to_keep])
-        if self.keep:
-            for s in committed[self.max_to_keep:]:
-                mk = _load_json(self.store, Layout.marker(s)) or {}
-                if isinstance(mk.get("counter"), int) and mk["counter"] % self.keep == 0:
-                    keep.add(s)
-        newest = committed[0]
-        for s, keys in by_step.items():
-            if s in keep or (s not in committed and s >= newest):
-                continue
-            mk = Layout.marker(s)
-            if mk in keys:
-                self.store.delete([mk])  # uncommitted first: never a marker without its parts
-            self.store.delete([k for k in keys if k != mk])
-            self.stats["deleted_steps"] += 1
+        self.stats["deleted_steps"] += retain(self.store, self.max_to_keep, self.keep,
+                                              self.keep_max, self._counters)
 
     def _drop_staged(self, keep_step: int) -> None:
         base = os.path.join(self.dir, LOCAL_DIR)
@@ -821,7 +862,8 @@ class Tier:
             self.engine = self.ckpt._engine
             self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
                                      self.ckpt.world_size, self._target, self.core,
-                                     keep=self.ckpt.keep, options=self.options)
+                                     keep=self.ckpt.keep, options=self.options,
+                                     keep_max=self.ckpt.max_to_keep)
         self.uploader.poke()
 
     def stats(self) -> dict:

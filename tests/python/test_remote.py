@@ -285,7 +285,7 @@ def test_load_reads_a_remote_url(tmp_path, remote):
         assert torch.equal(v, want[k]), k
 
 
-def test_retention_keeps_the_newest(tmp_path):
+def test_retention_keeps_the_newest(tmp_path):  # the default: max_to_keep from remote_options
     url = str(tmp_path / "shared")
     opts = {"max_to_keep": 1}
     ckpt, _, _ = _train(str(tmp_path / "local"), 12, url, opts, every=2)
@@ -383,3 +383,88 @@ def test_cli_verify_inspect_export_a_remote_url(tmp_path, remote):
         assert rc == 0 and "remote step 7" in err and "(step 3)" in out, (where, rc, out, err)
         rc, out, err = run("export", cli_url, "--step", "7", "-o", out_file + ".7")
         assert rc == 1 and not os.path.exists(out_file + ".7"), (where, rc, out, err)
+
+
+def _train_paced(dir, steps, url, opts, **kw):
+    """One checkpoint per step, each committed remotely before the next step
+    (so which steps reach the remote does not depend on timing)."""
+    model, opt, sched = tiny.make()
+    state = {"model": model, "optim": opt, "sched": sched}
+    ckpt = nonstop.Checkpointer(dir, state, every=1, remote=url, remote_options=opts, **kw)
+    store = _remote.open_store(url, opts)
+    counters = {}
+    for step in range(steps):
+        tiny.train_step(model, opt, sched, step)
+        ckpt.step(step)
+        ckpt.wait()
+        _wait_uploaded(store, step)
+        counters[step] = dict(_remote.committed_steps(store))[step]["counter"]
+    ckpt.close()
+    return store, counters
+
+
+def _step_dirs(store):
+    return sorted({k.split("/")[0] for k, _ in store.list("")})
+
+
+def test_retention_applies_keep_and_max_to_keep_remotely(tmp_path, remote):
+    """keep=3, max_to_keep=2 and remote max_to_keep=1: the remote holds the
+    newest step and the newest two steps whose counter is a multiple of 3,
+    nothing else (no object of a deleted step is left)."""
+    url, opts, _ = remote
+    opts = dict(opts, max_to_keep=1)
+    store, counters = _train_paced(str(tmp_path / "local"), 10, url, opts, keep=3, max_to_keep=2)
+    assert [counters[s] for s in range(10)] == list(range(1, 11))  # one checkpoint per step
+    periodic = [s for s in range(10) if counters[s] % 3 == 0]      # steps 2, 5, 8
+    want = sorted({9} | set(periodic[-2:]), reverse=True)
+    assert want == [9, 8, 5]
+    assert [s for s, _ in _remote.committed_steps(store)] == want
+    assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in sorted(want)]
+
+
+def test_retention_without_keep_keeps_the_newest_remote_steps(tmp_path, remote):
+    url, opts, _ = remote
+    store, _ = _train_paced(str(tmp_path / "local"), 6, url, dict(opts, max_to_keep=3))
+    assert [s for s, _ in _remote.committed_steps(store)] == [5, 4, 3]
+    assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in (3, 4, 5)]
+
+
+class _CutShort:
+    """The real store, whose deletions fail after the first (a rank killed,
+    or the store gone, in the middle of retention)."""
+
+    def __init__(self, store):
+        self.store, self.url, self.deletes = store, store.url, 0
+
+    def list(self, prefix=""):
+        return self.store.list(prefix)
+
+    def get_bytes(self, key, limit):
+        return self.store.get_bytes(key, limit)
+
+    def delete(self, keys):
+        self.deletes += 1
+        if self.deletes > 1:
+            raise CheckpointIOError("the store went away")
+        self.store.delete(keys)
+
+
+def test_retention_cut_short_leaves_no_half_committed_step(tmp_path, remote):
+    """Retention deletes the marker first: cut short after it, the step is
+    no longer committed for any reader (never a marker with missing parts),
+    and the next retention deletes what is left of it."""
+    url, opts, _ = remote
+    store, _ = _train_paced(str(tmp_path / "local"), 3, url, dict(opts, max_to_keep=10))
+    assert [s for s, _ in _remote.committed_steps(store)] == [2, 1, 0]
+    cut = _CutShort(store)
+    with pytest.raises(CheckpointIOError):
+        _remote.retain(cut, 2, None, None)
+    assert cut.deletes == 2
+    # step 0 lost its marker, and only its marker: uncommitted, never read
+    assert [s for s, _ in _remote.committed_steps(store)] == [2, 1]
+    assert any(k.startswith("step-000000000000/rank-") for k, _ in store.list(""))
+    with pytest.raises(nonstop.errors.CheckpointNotFoundError):
+        nonstop.load(url, step=0, remote_options=opts)
+    assert _remote.retain(store, 2, None, None) == 1
+    assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in (1, 2)]
+    assert nonstop.load(url, remote_options=opts).step == 2

@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import (_auto, _config, _distributed, _fqn, _fsdp, _manage, _preempt, _remote, _rng,
-               _state, _unwrap)
+from . import (_auto, _config, _distributed, _fqn, _fsdp, _manage, _preempt, _remote,
+               _replica, _rng, _state, _unwrap)
 from ._handle import CheckpointHandle, Watcher
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
@@ -352,7 +352,16 @@ class Checkpointer:
         layouts = None
         if self._dist is not None:  # FSDP2 DTensors: each rank its local shard (_fsdp.py)
             self._base_ptr = {n: _fsdp.data_ptr(t) for n, t in tensors.items()}
+            full = tensors
             tensors, layouts, meta["dist"] = _fsdp.shard(self._dist, tensors, self.state)
+            # Tensors treated as replicated must be equal on every rank: checked
+            # at the first checkpoint, before the agreement thread shares the
+            # group (_replica.py).
+            if not self.__dict__.get("_replica_checked"):
+                rank0, _ = _distributed.module_buffers(self.state, self._dist.local)
+                _replica.check(self._dist, full,
+                               sorted(n for n in meta["dist"]["shared"] if n not in rank0))
+                self._replica_checked = True
         elif _fsdp.has_dtensors(tensors):  # FSDP2 on a mesh of one rank: each shard is whole
             self._base_ptr = {n: _fsdp.data_ptr(t) for n, t in tensors.items()}
             tensors, meta["dtensor"] = _fsdp.localize(tensors)

@@ -1,0 +1,29 @@
+"""The Python examples in examples/ run as they are (#16: progress and
+checkpoint stats). Run in this process (its main(argv)), twice, to show
+the resume, without paying a Python and torch start per run."""
+import json
+import os
+import runpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_progress_example_logs_every_checkpoint_and_resumes(tmp_path, capsys):
+    main = runpy.run_path(os.path.join(ROOT, "examples", "progress_tensorboard.py"),
+                          run_name="example")["main"]
+    d, log = str(tmp_path / "ck"), str(tmp_path / "stats.jsonl")
+    args = ["--dir", d, "--every", "10", "--log", log]
+    main(args + ["--steps", "40"])
+    out = capsys.readouterr()
+    assert "trained steps 0..39; newest checkpoint: step 39" in out.out, out.out
+    assert "train" in out.err and "40/40" in out.err  # the tqdm bar
+    with open(log) as f:
+        rows = [json.loads(line) for line in f]
+    assert [x["step"] for x in rows] == [9, 19, 29, 39]
+    assert all(x["committed"] and not x["error"] and x["bytes"] > 0 for x in rows), rows
+    # Again with the same directory: it resumes after step 39.
+    main(args + ["--steps", "60"])
+    out = capsys.readouterr()
+    assert "trained steps 40..59; newest checkpoint: step 59" in out.out, out.out
+    with open(log) as f:
+        assert [json.loads(line)["step"] for line in f] == [9, 19, 29, 39, 49, 59]

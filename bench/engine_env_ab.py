@@ -8,19 +8,26 @@ writes every raw JSON result to --out.
 Usage:
   python3 bench/engine_env_ab.py --old OLD/nonstop --new build/tools/nonstop \
       --dir /tmp/ab --rounds 3 --out bench/engine_env_overhead.json
+  # one binary, the memory tier off ("old") against on ("new"):
+  python3 bench/engine_env_ab.py --old build/tools/nonstop --old-env NONSTOP_SHM_DIR=/proc/none \
+      --new build/tools/nonstop --dir /tmp/ab --rounds 3 --out bench/memtier_ab.json
 """
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 
 
-def run(binary, args, d):
+def run(binary, args, d, env_items=()):
     shutil.rmtree(d, ignore_errors=True)
     cmd = [binary, "bench", "overhead", "--dir", d, "--repeat", "1", "--json"] + args
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    env = dict(os.environ)
+    env.update(kv.split("=", 1) for kv in env_items)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600,
+                         env=env).stdout
     return json.loads(out)
 
 
@@ -31,6 +38,10 @@ def main():
     ap.add_argument("--dir", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--old-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment of the old arm only (e.g. NONSTOP_SHM_DIR=/proc/none: "
+                         "the same binary with the memory tier off)")
+    ap.add_argument("--new-env", nargs="*", default=[], metavar="KEY=VALUE")
     ap.add_argument("bench_args", nargs="*",
                     default=["--state", "134217728", "--interval", "1", "5", "--max-in-flight",
                              "2", "--schemes", "sync", "concurrent", "--steps", "30"])
@@ -38,7 +49,8 @@ def main():
     results = {"old": [], "new": []}
     for r in range(a.rounds):
         for which in ("old", "new"):
-            res = run(getattr(a, which), a.bench_args, f"{a.dir}/{which}")
+            res = run(getattr(a, which), a.bench_args, f"{a.dir}/{which}",
+                      getattr(a, which + "_env"))
             results[which].append(res)
             print(f"round {r + 1} {which}: done", file=sys.stderr)
 

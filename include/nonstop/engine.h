@@ -96,12 +96,20 @@ struct EngineOptions {
   // in shared memory, which Restore() (and the Python restore()) read instead
   // of the disk when it verifies and holds exactly the disk's newest
   // checkpoint. "auto": only while the segment fits `memory_tier_fit` times
-  // into the segment directory's free space; "memory": always; "disk": off.
-  // Off in distributed mode (global_agreement). A failure there is reported
-  // once (stderr, EngineStats::memory_*) and never affects the disk.
+  // into the segment directory's free space, and only a commit that arrives
+  // while no copy runs and while the copies have taken at most
+  // `memory_tier_share` of the time (others are skipped, never queued);
+  // "memory": every commit (one arriving during a copy is copied next);
+  // "disk": off. Off in distributed mode (global_agreement). A failure there
+  // is reported once (stderr, EngineStats::memory_*) and never affects the disk.
   std::string memory_tier = "auto";
   std::string shm_dir;          // segment directory; "": $NONSTOP_SHM_DIR or /dev/shm/nonstop
   double memory_tier_fit = 4.0;
+  double memory_tier_share = 0.1;  // "auto": the copies' most share of the wall time, (0, 1]
+  // A writer removes other jobs' leftover segments whose owner is dead and
+  // whose job directory is gone or names another segment, or that are older
+  // than this (a job that crashed and never restarted). Never a live job's.
+  double memory_tier_orphan_s = 3600;
 };
 
 // A tensor the engine checkpoints: where it lives now, and what it is.
@@ -152,6 +160,8 @@ struct EngineStats {
   std::string memory_tier;           // "auto", "memory", "disk"
   std::string memory_segment;        // the segment's path ("" when off)
   uint64_t memory_mirrored = 0;      // checkpoints copied into the segment
+  uint64_t memory_skipped = 0;       // commits not copied (memory_tier.h says when)
+  uint64_t memory_swept = 0;         // other jobs' leftover segments removed at open
   uint64_t memory_counter = 0;       // the checkpoint the segment holds (0 = none)
   uint64_t memory_failures = 0;
   std::string memory_error;          // the last failure or reason it is off

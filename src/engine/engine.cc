@@ -37,9 +37,14 @@ Status EngineImpl::Init() {
     return Status::InvalidArgument("memory_tier must be \"auto\", \"memory\" or \"disk\", got \"" +
                                    opts_.memory_tier + "\"");
   }
+  if (!(opts_.memory_tier_share > 0 && opts_.memory_tier_share <= 1)) {
+    return Status::InvalidArgument("memory_tier_share must be in (0, 1], got " +
+                                   std::to_string(opts_.memory_tier_share));
+  }
   if (opts_.global_agreement) tier = MemoryTierMode::kDisk;
   memory_ = MemoryTierWriter::Open(*jd_, opts_.env, rank(), tier, opts_.shm_dir,
-                                   opts_.memory_tier_fit);
+                                   opts_.memory_tier_fit, opts_.memory_tier_share,
+                                   opts_.memory_tier_orphan_s);
 
   const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
   const int copy_threads = std::max(0, opts_.copy_threads);

@@ -14,6 +14,8 @@ EngineStats EngineImpl::Stats() {
     s.memory_tier = m.mode;
     s.memory_segment = m.segment;
     s.memory_mirrored = m.mirrored;
+    s.memory_skipped = m.skipped;
+    s.memory_swept = m.swept;
     s.memory_counter = m.mirrored_counter;
     s.memory_failures = m.failures;
     s.memory_error = m.last_error;

@@ -1,10 +1,14 @@
 // The memory tier; memory_tier.h says what it keeps and when recovery uses it.
 #include "engine/memory_tier.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
+
+#include <unistd.h>
 
 namespace nonstop {
 namespace {
@@ -14,6 +18,10 @@ constexpr char kRecordHead[] = "nonstop memory segment v1\n";
 
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double NowS() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::string Rank5(int rank) {
@@ -33,6 +41,45 @@ bool ValidSegmentName(const std::string& name, int rank) {
     if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
   }
   return true;
+}
+
+// A segment name of any rank: its rank, or -1.
+int SegmentRank(const std::string& name) {
+  constexpr size_t kLen = 16 + 6 + 5 + 5;  // "<16 hex>-rank-RRRRR.nsck"
+  if (name.size() != kLen) return -1;
+  int rank = 0;
+  for (size_t i = 22; i < 27; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    rank = rank * 10 + (name[i] - '0');
+  }
+  return ValidSegmentName(name, rank) ? rank : -1;
+}
+
+// "<16 hex>-rank-RRRRR.lock" for segment `name`.
+std::string LockName(const std::string& name) { return name.substr(0, name.size() - 5) + ".lock"; }
+
+constexpr char kHolderHead[] = "nonstop memory tier: pid ";
+
+// The holder line of a writer's lock: pid, a nonce (to recognise its own
+// lock file by name afterwards) and its job directory's absolute path.
+std::string HolderLine(const std::string& job_dir) {
+  std::random_device rd;
+  char b[128];
+  std::snprintf(b, sizeof(b), "%s%ld nonce %08x%08x job ", kHolderHead, static_cast<long>(::getpid()),
+                rd(), rd());
+  std::string line = b + job_dir;
+  std::replace(line.begin(), line.end(), '\n', '?');  // one line
+  return line;
+}
+
+// The job directory of a holder line, or "".
+std::string HolderJobDir(const std::string& line) {
+  if (line.compare(0, sizeof(kHolderHead) - 1, kHolderHead) != 0) return "";
+  const size_t p = line.find(" job /");
+  if (p == std::string::npos) return "";
+  std::string dir = line.substr(p + 5);
+  while (!dir.empty() && dir.back() == '\n') dir.pop_back();
+  return dir;
 }
 
 std::string NewSegmentName(int rank) {
@@ -118,10 +165,12 @@ std::string MemorySegmentDir(const std::string& configured) {
 std::unique_ptr<MemoryTierWriter> MemoryTierWriter::Open(JobDir& jd, Env* env, int rank,
                                                          MemoryTierMode mode,
                                                          const std::string& shm_dir,
-                                                         double fit_factor) {
+                                                         double fit_factor, double share,
+                                                         double orphan_after_s) {
   std::unique_ptr<MemoryTierWriter> w(new MemoryTierWriter());
   w->mode_ = mode;
   w->fit_factor_ = fit_factor;
+  w->pacer_ = MirrorPacer(mode == MemoryTierMode::kAuto ? share : 1);
   w->stats_.mode = MemoryTierModeName(mode);
   if (mode == MemoryTierMode::kDisk) return w;
   if (env == nullptr) env = DefaultEnv();
@@ -149,6 +198,38 @@ std::unique_ptr<MemoryTierWriter> MemoryTierWriter::Open(JobDir& jd, Env* env, i
                                 std::string(kRecordHead) + name.value() + "\n");
     if (!ws.ok()) return off(ws);
   }
+  // Own the name: hold its lock file, and check that the file at the lock's
+  // name is the one locked (a sweeper may have removed it in between). When
+  // that fails (a sweeper holds it now), a fresh name.
+  std::error_code ec;
+  std::string job_abs = std::filesystem::absolute(jd.dir().path(), ec).lexically_normal().string();
+  if (ec) job_abs = jd.dir().path();
+  while (!job_abs.empty() && job_abs.size() > 1 && job_abs.back() == '/') job_abs.pop_back();
+  auto own = [&](const std::string& seg) -> Result<std::unique_ptr<FileLock>> {
+    const std::string line = HolderLine(job_abs);
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> lock, d.value()->Lock(LockName(seg), line));
+    Result<std::string> back = ReadSmallFile(*d.value(), LockName(seg), kMaxRecordBytes);
+    if (!back.ok() || back.value() != line + "\n") {
+      return Status::FailedPrecondition(d.value()->path() + "/" + LockName(seg) +
+                                        " was replaced while it was taken");
+    }
+    return lock;
+  };
+  Result<std::unique_ptr<FileLock>> lock = own(name.value());
+  if (!lock.ok()) {
+    name = NewSegmentName(rank);
+    Status ws = WriteFileAtomic(jd.dir(), JobDirNames::MemoryRecord(rank),
+                                std::string(kRecordHead) + name.value() + "\n");
+    if (!ws.ok()) return off(ws);
+    lock = own(name.value());
+    if (!lock.ok()) return off(lock.status());
+  }
+  w->lock_ = std::move(lock).value();
+  w->stats_.swept = SweepMemorySegments(
+      *d.value(), env, name.value(), orphan_after_s,
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count()));
   w->dir_ = std::move(d).value();
   w->name_ = std::move(name).value();
   w->stats_.segment = w->dir_->path() + "/" + w->name_;
@@ -163,7 +244,18 @@ void MemoryTierWriter::Submit(std::shared_ptr<SlotFile> file, const CheckpointIn
   {
     std::lock_guard<std::mutex> l(mu_);
     if (stop_) return;
-    if (next_) ++stats_.skipped;  // superseded before its copy started
+    if (mode_ == MemoryTierMode::kAuto) {
+      // Skip, never queue: while a copy runs, or until the copies' share of
+      // the time allows the next one (MirrorPacer).
+      if (!pacer_.Admit(NowS(), busy_ || next_.has_value())) {
+        ++stats_.skipped;
+        if (busy_) superseded_ = true;
+        return;
+      }
+    } else if (next_) {
+      ++stats_.skipped;  // superseded before its copy started
+    }
+    if (busy_) superseded_ = true;
     next_file_ = std::move(file);
     next_ = info;
   }
@@ -187,7 +279,9 @@ void MemoryTierWriter::Close(bool remove_segment) {
   if (remove_segment && dir_) {
     (void)dir_->Unlink(name_);
     (void)dir_->Unlink(name_ + ".tmp");
+    if (lock_) (void)dir_->Unlink(LockName(name_));  // still held: no one else has it
   }
+  lock_.reset();
 }
 
 MemoryTierStats MemoryTierWriter::stats() const {
@@ -214,14 +308,17 @@ void MemoryTierWriter::Loop() {
     std::shared_ptr<SlotFile> file = std::move(next_file_);
     next_.reset();
     busy_ = true;
+    superseded_ = false;
     l.unlock();
     const auto t0 = std::chrono::steady_clock::now();
+    const double start = NowS();
     bool did_not_fit = false;
     Status s = CopyOne(*file, info, &did_not_fit);
     const double secs = Since(t0);
     file.reset();
     l.lock();
     busy_ = false;
+    pacer_.Done(start, NowS());
     if (s.ok()) {
       ++stats_.mirrored;
       stats_.mirrored_counter = info.counter;
@@ -231,8 +328,11 @@ void MemoryTierWriter::Loop() {
       ++stats_.skipped;  // auto: does not fit; the stale segment is gone
       stats_.mirrored_counter = 0;
       stats_.last_error = s.ToString();
-    } else if (next_.has_value()) {
-      ++stats_.skipped;  // its slot was reused by a newer commit: copy that one
+    } else if (next_.has_value() || superseded_) {
+      // A newer commit came during the copy (its slot may have been reused:
+      // the copy's crc check fails then); the segment is stale either way.
+      ++stats_.skipped;
+      stats_.mirrored_counter = 0;
     } else {
       stats_.mirrored_counter = 0;
       Failed(s);
@@ -280,6 +380,74 @@ Status MemoryTierWriter::CopyOne(SlotFile& file, const CheckpointInfo& info, boo
                       dir_->path() + "/" + name_);
   }
   return Status::OK();
+}
+
+uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
+                             double orphan_after_s, uint64_t now_unix_ns) {
+  if (env == nullptr) env = DefaultEnv();
+  Result<std::vector<DirEntry>> entries = dir.List();
+  if (!entries.ok()) return 0;
+  // Every segment name that has a segment, temp or lock file here.
+  std::vector<std::string> names;
+  for (const DirEntry& e : entries.value()) {
+    std::string n = e.name;
+    if (n.size() > 5 && n.compare(n.size() - 5, 5, ".lock") == 0) {
+      n = n.substr(0, n.size() - 5) + ".nsck";
+    } else if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) {
+      n = n.substr(0, n.size() - 4);
+    }
+    if (n == keep || SegmentRank(n) < 0) continue;
+    if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+  }
+  uint64_t removed = 0;
+  for (const std::string& seg : names) {
+    const int rank = SegmentRank(seg);
+    const std::string lock_name = LockName(seg);
+    // The owner's line, read before taking the lock (taking it rewrites it).
+    Result<std::string> holder = ReadSmallFile(dir, lock_name, kMaxRecordBytes);
+    const std::string line = holder.ok() ? holder.value() : "";
+    Result<std::unique_ptr<FileLock>> lock =
+        dir.Lock(lock_name, line.empty() ? std::string(kHolderHead) + std::to_string(::getpid()) +
+                                               " sweeping"
+                                         : line);
+    if (!lock.ok()) continue;  // a live owner (or another sweeper): never touched
+    bool orphan = false;
+    const std::string job = HolderJobDir(line);
+    if (!job.empty()) {
+      Result<std::unique_ptr<Directory>> jd = env->OpenDirectory(job, /*create=*/false);
+      if (!jd.ok()) {
+        orphan = jd.status().code() == StatusCode::kNotFound;  // its job directory is gone
+      } else {
+        Result<std::string> named = ReadRecord(*jd.value(), rank);
+        // The job directory names another segment, or none: this one is never read again.
+        orphan = named.ok() ? named.value() != seg
+                            : named.status().code() == StatusCode::kNotFound ||
+                                  named.status().code() == StatusCode::kCorruption;
+      }
+    }
+    if (!orphan) {
+      // The owner is gone but its job may restart: kept until it is old.
+      uint64_t newest_ns = 0;
+      bool any = false;
+      for (const std::string& n : {seg, seg + ".tmp"}) {
+        Result<FileStat> st = dir.Stat(n);
+        if (!st.ok()) continue;
+        any = true;
+        newest_ns = std::max(newest_ns, st.value().mtime_unix_ns);
+      }
+      const double age_s =
+          now_unix_ns > newest_ns ? static_cast<double>(now_unix_ns - newest_ns) / 1e9 : 0;
+      orphan = !any || age_s >= orphan_after_s;
+    }
+    (void)dir.Unlink(seg + ".tmp");  // a copy its dead owner never finished
+    if (orphan) {
+      const bool had = dir.Stat(seg).ok();
+      (void)dir.Unlink(seg);
+      (void)dir.Unlink(lock_name);  // while holding it
+      if (had) ++removed;
+    }
+  }
+  return removed;
 }
 
 Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_dir, int rank,

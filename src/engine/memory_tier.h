@@ -11,7 +11,7 @@
 // directory (JobDirNames::MemoryRecord), so a segment is found only through
 // the job directory it belongs to.
 //
-// Writing (MemoryTierWriter, one per engine): after each commit on disk, a
+// Writing (MemoryTierWriter, one per engine): after a commit on disk, a
 // background thread copies the newest committed checkpoint from the slot
 // file into "<name>.tmp" (O_CREAT|O_EXCL|O_NOFOLLOW at the segment
 // directory's fd, every chunk's crc verified as it is read), commits it there
@@ -20,6 +20,32 @@
 // disk checkpoint never depends on it: a failure here (a full tmpfs, no
 // segment directory) is reported once on stderr and in the stats, and
 // checkpoints go on to disk.
+//
+// Which commits are copied (MirrorPacer): in "auto", a commit is copied only
+// when no copy is running (a commit arriving during a copy is skipped, never
+// queued) and only when the copies so far took at most `share` of the wall
+// time: after a copy of d seconds, the next commit is skipped until
+// d * (1/share - 1) seconds have passed since it ended. So the copy thread
+// is busy at most `share` of the time, whatever the checkpoint interval;
+// when checkpoints are further apart than d/share, every one is copied. In
+// "memory", every commit is offered: one that arrives during a copy waits
+// (replacing an older waiting one) and is copied next. Skipping never
+// weakens recovery: a segment that does not hold exactly the disk's newest
+// committed checkpoint is never read (below), so after a skipped commit the
+// disk is read until the next copy completes.
+//
+// Ownership and leftovers: a writer holds "<name>.lock" in the segment
+// directory (Directory::Lock: flock, released by the kernel when the process
+// dies) for its life; the lock file's holder line names its pid and its job
+// directory's absolute path. When a writer opens, it sweeps the segment
+// directory for leftovers of other jobs (SweepMemorySegments): a segment whose
+// lock it can take (so no live process owns it) is removed, with its temp and
+// lock files, when its job directory no longer exists, when that directory's
+// record names another segment (or none), or when it was last written more
+// than `orphan_after_s` ago (a job that crashed and never restarted; a job
+// that restarts sooner finds it). A segment whose owner lives is never
+// touched. A writer that cannot take its own lock (a sweeper holds it right
+// now) records a fresh name instead.
 //
 // Reading (OpenMemorySegment): the segment is used only when it verifies
 // (header, record, table and every data chunk crc) and holds exactly the
@@ -62,10 +88,39 @@ struct MemoryTierStats {
   std::string segment;          // full path of the segment ("" when off)
   uint64_t mirrored = 0;        // checkpoints copied into the segment
   uint64_t mirrored_counter = 0;  // counter the segment holds now (0 = none)
-  uint64_t skipped = 0;         // not copied: did not fit (auto) or superseded
+  uint64_t skipped = 0;         // commits not copied: a copy ran, the time share
+                                // was spent (auto), did not fit (auto), superseded
   uint64_t failures = 0;
   double copy_s_total = 0;
+  uint64_t swept = 0;           // other jobs' leftover segments removed at open
   std::string last_error;       // the last failure, one line
+};
+
+// Removes the leftover segments in segment directory `dir` (see the top of
+// this file) except `keep` (a segment name); returns how many it removed.
+// `now_unix_ns`: the wall clock. Errors on single entries are skipped.
+uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
+                             double orphan_after_s, uint64_t now_unix_ns);
+
+// The rule above for "auto", apart from the clock and threads (times in
+// seconds on any monotonic clock).
+class MirrorPacer {
+ public:
+  explicit MirrorPacer(double share) : share_(share > 0 && share <= 1 ? share : 1) {}
+  // Whether a commit arriving at `now` is copied, given whether a copy runs
+  // (or waits) now.
+  bool Admit(double now, bool copying) const { return !copying && now >= next_allowed_; }
+  // A copy ran from `start` to `end`.
+  void Done(double start, double end) {
+    const double d = end > start ? end - start : 0;
+    next_allowed_ = end + d * (1 / share_ - 1);
+  }
+  double next_allowed() const { return next_allowed_; }
+  double share() const { return share_; }
+
+ private:
+  double share_;
+  double next_allowed_ = -1e300;
 };
 
 class MemoryTierWriter {
@@ -74,13 +129,18 @@ class MemoryTierWriter {
   // opens (creating) the segment directory and reads or writes the job
   // directory's record of the segment name. Never fails the engine: on any
   // error it returns a writer that is off and says why (stats().last_error).
+  // `share`: the most of the wall time copies may take in "auto" (0 < share
+  // <= 1; see MirrorPacer). `orphan_after_s`: see SweepMemorySegments.
   static std::unique_ptr<MemoryTierWriter> Open(JobDir& jd, Env* env, int rank,
                                                 MemoryTierMode mode, const std::string& shm_dir,
-                                                double fit_factor);
+                                                double fit_factor, double share = 1,
+                                                double orphan_after_s = 3600);
   ~MemoryTierWriter();
 
-  // Hands committed checkpoint `info` of `file` to the background copy
-  // (replacing one not yet started). Never blocks on the copy.
+  // Offers committed checkpoint `info` of `file` to the background copy:
+  // "auto" copies it or skips it (MirrorPacer), "memory" copies it or, while
+  // a copy runs, keeps it as the next (replacing one not yet started). Never
+  // blocks on the copy.
   void Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info);
   // Waits until everything submitted is copied or failed (tests, benches).
   void Drain();
@@ -100,12 +160,15 @@ class MemoryTierWriter {
   double fit_factor_ = 4;
   std::unique_ptr<Directory> dir_;  // the segment directory (null: off)
   std::string name_;                // the segment's entry name
+  std::unique_ptr<FileLock> lock_;  // "<name_ stem>.lock", held for the writer's life
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::shared_ptr<SlotFile> next_file_;        // GUARDED_BY(mu_)
   std::optional<CheckpointInfo> next_;         // GUARDED_BY(mu_)
   bool busy_ = false;                          // GUARDED_BY(mu_)
+  bool superseded_ = false;                    // GUARDED_BY(mu_): a commit came during the copy
+  MirrorPacer pacer_{1};                       // GUARDED_BY(mu_)
   bool stop_ = false;                          // GUARDED_BY(mu_)
   bool reported_ = false;                      // GUARDED_BY(mu_): a failure printed since the last success
   MemoryTierStats stats_;                      // GUARDED_BY(mu_)

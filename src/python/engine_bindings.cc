@@ -176,6 +176,8 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["memory_tier"] = s.memory_tier;
   d["memory_segment"] = s.memory_segment;
   d["memory_mirrored"] = s.memory_mirrored;
+  d["memory_skipped"] = s.memory_skipped;
+  d["memory_swept"] = s.memory_swept;
   d["memory_counter"] = s.memory_counter;
   d["memory_failures"] = s.memory_failures;
   d["memory_error"] = LossyStr(s.memory_error);
@@ -503,7 +505,8 @@ void InitEngine(py::module_& m) {
                   int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
                   const std::string& medium, uint32_t extra_slots, const std::string& layer_copy,
                   bool global_agreement, uint64_t keep_every, const std::string& memory_tier,
-                  const std::string& shm_dir) {
+                  const std::string& shm_dir, double memory_tier_share,
+                  double memory_tier_orphan_s) {
         LayerCopy copy = LayerCopy::kHost;
         if (!ParseLayerCopy(layer_copy, &copy)) {
           throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
@@ -517,11 +520,14 @@ void InitEngine(py::module_& m) {
         o.global_agreement = global_agreement;
         o.memory_tier = memory_tier;
         o.shm_dir = shm_dir;
+        o.memory_tier_share = memory_tier_share;
+        o.memory_tier_orphan_s = memory_tier_orphan_s;
         return std::make_unique<PyEngine>(o);
       }),
       py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
       py::arg("global_agreement") = false, py::arg("keep_every") = 0,
-      py::arg("memory_tier") = "auto", py::arg("shm_dir") = "");
+      py::arg("memory_tier") = "auto", py::arg("shm_dir") = "",
+      py::arg("memory_tier_share") = 0.1, py::arg("memory_tier_orphan_s") = 3600.0);
   engine
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "

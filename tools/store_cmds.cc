@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -26,6 +27,7 @@
 
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
+#include "nonstop/restore.h"
 #include "nonstop/store.h"
 #include "store/format.h"
 #include "tools/cli_format.h"
@@ -636,17 +638,50 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
     for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(len >> (8 * i));
     put(le, 8);
     put(blob.data(), blob.size());
-    constexpr uint64_t kPiece = 16 << 20;
+    // The data through the one restore path (nonstop/restore.h): every crc
+    // chunk read and verified once, in parallel, a window of tensors (table
+    // order, about kWindow bytes) at a time so memory stays bounded.
+    constexpr uint64_t kWindow = 256ull << 20;
     std::vector<char> buf;
-    for (const auto& [tname, te] : entries) {
-      for (uint64_t done = 0; done < te->spec.nbytes;) {
-        const uint64_t n = std::min(kPiece, te->spec.nbytes - done);
-        buf.resize(n);
-        Status st = s.file->ReadData(info, te->data_offset + done, buf.data(), n, /*verify=*/true);
-        if (!st.ok()) abandon(name + ": " + st.message(), kExitDamaged);
-        put(buf.data(), n);
-        done += n;
+    // Windows of entries (in output order, about kWindow bytes of stored
+    // tensors each); a tied weight's second name copies the bytes read once.
+    for (size_t first = 0; first < entries.size();) {
+      size_t last = first;
+      uint64_t bytes = 0, lo = UINT64_MAX, hi = 0;
+      std::vector<void*> dst(info.tensors.size(), nullptr);
+      std::vector<uint64_t> at(info.tensors.size(), 0);  // offset of each kept tensor in buf
+      std::vector<size_t> kept;
+      std::vector<char> in_window(info.tensors.size(), 0);
+      while (last < entries.size()) {
+        const TensorEntry& te = *entries[last].second;
+        const size_t i = static_cast<size_t>(&te - info.tensors.data());
+        const bool fresh = te.spec.nbytes != 0 && !in_window[i];
+        if (fresh && !kept.empty() && bytes + te.spec.nbytes > kWindow) break;
+        if (fresh) {
+          in_window[i] = 1;
+          kept.push_back(i);
+          at[i] = bytes;
+          bytes += te.spec.nbytes;
+          lo = std::min(lo, te.data_offset);
+          hi = std::max(hi, te.data_offset + te.spec.nbytes);
+        }
+        ++last;
       }
+      if (bytes != 0) {
+        buf.resize(bytes);
+        for (size_t i : kept) dst[i] = buf.data() + at[i];
+        RestoreOptions ro;
+        ro.data_begin = lo;
+        ro.data_end = hi;
+        Status st = ReadCheckpointInto(*s.file, info, dst, ro);
+        if (!st.ok()) abandon(name + ": " + st.message(), kExitDamaged);
+      }
+      for (size_t k = first; k < last; ++k) {
+        const TensorEntry& te = *entries[k].second;
+        const size_t i = static_cast<size_t>(&te - info.tensors.data());
+        if (te.spec.nbytes != 0) put(buf.data() + at[i], te.spec.nbytes);
+      }
+      first = last;
     }
     if (Status st = f->Sync(); !st.ok()) abandon("syncing " + tmp + ": " + st.message(), kExitUsage);
     f.reset();

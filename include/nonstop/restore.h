@@ -51,6 +51,12 @@ struct RestoreOptions {
   // return false to cancel (the read then fails with Aborted).
   std::function<bool(uint64_t done, uint64_t total)> progress;
   double progress_interval_s = 0.1;
+  // Only the crc chunks overlapping bytes [data_begin, data_end) of the data
+  // region are read and verified (`nonstop export` reads a big checkpoint a
+  // window at a time). Every tensor with a destination must lie inside the
+  // range (InvalidArgument otherwise). The default is the whole region.
+  uint64_t data_begin = 0;
+  uint64_t data_end = UINT64_MAX;
 };
 
 struct RestoreStats {

@@ -685,7 +685,8 @@ class Checkpointer:
             if step is None and self.tier != "disk" and self._multistep is None:
                 # The memory tier first: used only when its segment verifies
                 # and holds exactly the newest committed checkpoint on disk.
-                loaded, why = _read_memory(self.dir, self.rank, self.world_size, self._prepare)
+                loaded, why = _read_memory(self.dir, self.rank, self.world_size, self._prepare,
+                                           live=self._live_tensors(), stats=self._restore_stats)
             if loaded is not None:
                 self._restore_stats.update(restored_from="memory",
                                            restore_s=time.perf_counter() - t0)
@@ -891,10 +892,13 @@ class LoadedCheckpoint:
                 f"tensors={len(self.tensors)}, path={self.path!r})")
 
 
-def _read_memory(path: str, rank: int, world_size: int, prepare):
+def _read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
+                 stats: Optional[dict] = None):
     """(the newest checkpoint read from the memory tier's segment, "") or
     (None, why it was not used): no segment, not verified, not exactly the
-    disk's newest, or malformed (the caller reads the disk then)."""
+    disk's newest, or malformed (the caller reads the disk then, into the
+    same tensors). Read through the C++ restore path straight into `live`'s
+    tensors where they fit (read_tensors)."""
     open_segment = getattr(_core(), "open_memory_segment", None)
     if open_segment is None:
         return None, "this build has no memory tier"
@@ -903,7 +907,7 @@ def _read_memory(path: str, rank: int, world_size: int, prepare):
         return None, why
     try:
         return _read_reader(path, rank, None, world_size, as_numpy=False, prepare=prepare,
-                            reader=reader), ""
+                            reader=reader, live=live, stats=stats), ""
     except CorruptCheckpointError as e:
         return None, str(e)
 
@@ -1124,10 +1128,42 @@ def _new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):
     return torch.empty(shape, dtype=_state.torch_dtype(code))
 
 
+def read_tensors(reader, idx: int, as_numpy: bool = False, live: Optional[dict] = None,
+                 stats: Optional[dict] = None) -> dict:
+    """Every tensor of checkpoint `idx` of an opened `_core.Reader` (a slot
+    file, a keep copy, an archive, a memory-tier segment), by name, read
+    through the C++ restore path (Reader.read_into: every crc chunk read and
+    verified once, in parallel, without the GIL) instead of tensor by tensor.
+    `live` (name -> tensor): where one of the same name, shape and dtype is a
+    contiguous CPU tensor, the data lands straight in it (check everything
+    before calling: the read overwrites it). `stats`, when given, gets the
+    read's sizes and time. The one helper for every Python reader."""
+    info = reader.checkpoints[idx]
+    tensors, dests = _destinations(info["tensors"], as_numpy, live)
+    _read_into(reader, idx, info, tensors, dests, stats)
+    return tensors
+
+
+def _read_into(reader, idx: int, info: dict, tensors: dict, dests: list,
+               stats: Optional[dict] = None) -> None:
+    if hasattr(reader, "read_into"):
+        got = reader.read_into(idx, dests, threads=_restore_threads())
+        if stats is not None:
+            stats.update(got)
+        return
+    # tests/python/fake_core.py's Reader has only read_tensor.
+    for ti, (spec, (ptr, nbytes)) in enumerate(zip(info["tensors"], dests)):
+        if nbytes:
+            reader.read_tensor(idx, ti, ptr, nbytes)
+
+
 def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional[int],
-                 as_numpy: bool, prepare=None, reader=None) -> Optional[LoadedCheckpoint]:
+                 as_numpy: bool, prepare=None, reader=None, live: Optional[dict] = None,
+                 stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
     """_read over a core that has only the Reader (tests/python/fake_core.py),
-    or over `reader`, the memory tier's segment (_read_memory)."""
+    or over `reader`, the memory tier's segment (_read_memory). With `live`,
+    prepare() checks a checkpoint before its data is read straight into the
+    live tensors (as _read does)."""
     if reader is None:
         reader = _core().Reader(path, rank=rank, verify_data=True)
     geometry = reader.geometry
@@ -1163,42 +1199,45 @@ def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional
                 raise CorruptCheckpointError(
                     f"no valid checkpoint in {path}: {ckpts[0]['reason'] or 'all damaged'}")
             return None
+    written = False
     for n, idx in enumerate(order):
         info = ckpts[idx]
         try:
-            tensors = {}
-            for ti, spec in enumerate(info["tensors"]):
-                tensors[spec["name"]] = _read_tensor(reader, idx, ti, spec, as_numpy)
             meta = _decode_meta(info, reader.path)
+            # FSDP2 checkpoints become DTensors in prepare(), which needs their
+            # data: those are read into fresh tensors first (as in _read).
+            sharded = bool(meta.get("dtensor") or meta.get("dist"))
+            into = None if (sharded or as_numpy or prepare is None) else live
+            tensors, dests = _destinations(info["tensors"], as_numpy, into)
             info = dict(info)
             info.pop("meta_json")
             loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info,
                                       reader.path)
-            if prepare is not None:
+            if prepare is not None and into is not None:
+                loaded.plan = prepare(loaded)  # every check, before anything is written
+            written = written or into is not None
+            t0 = time.perf_counter()
+            read_stats: dict = {}
+            _read_into(reader, idx, info, tensors, dests, read_stats)
+            if stats is not None and read_stats:
+                nbytes = read_stats["data_bytes"]
+                took = time.perf_counter() - t0
+                stats.update(restore_read_s=read_stats["read_s"], restore_bytes=nbytes,
+                             restore_direct_bytes=read_stats["direct_bytes"],
+                             restore_GBps=nbytes / took / 1e9 if took > 0 else 0.0,
+                             restore_step=int(info["step"]))
+            if prepare is not None and into is None:
                 loaded.plan = prepare(loaded)
         except CorruptCheckpointError as e:
             if step is not None or n + 1 == len(order):
+                if written:
+                    raise CorruptCheckpointError(
+                        f"{e}; the state was partly overwritten by this restore") from None
                 raise
             warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
             continue
         return loaded
     return None
-
-
-def _read_tensor(reader, idx: int, ti: int, spec: dict, as_numpy: bool):
-    code, shape, nbytes = spec["dtype"], spec["shape"], spec["nbytes"]
-    if as_numpy:
-        np_dtype = _state.NUMPY_DTYPES.get(code)
-        import numpy as np
-        buf = np.empty(shape, dtype=np_dtype) if np_dtype is not None else np.empty(
-            nbytes, dtype=np.uint8)
-        if nbytes:
-            reader.read_tensor(idx, ti, buf.ctypes.data, nbytes)
-        return buf
-    t = torch.empty(shape, dtype=_state.torch_dtype(code))
-    if nbytes:
-        reader.read_tensor(idx, ti, t.data_ptr(), nbytes)
-    return t
 
 
 def load(dir: str, step: Optional[int] = None, rank: int = 0,

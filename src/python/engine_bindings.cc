@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -23,6 +24,7 @@
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
+#include "nonstop/restore.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"
 #include "nonstop/types.h"
@@ -478,6 +480,56 @@ class PyReader {
     }
   }
 
+  // Reads every tensor of committed checkpoint `ckpt` through the one restore
+  // path (ReadCheckpointInto: every crc chunk read and verified once, in
+  // parallel, straight into the destinations), without the GIL. `dst`: one
+  // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
+  py::dict ReadInto(int ckpt, const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
+                    int threads) {
+    if (ckpt < 0 || ckpt >= static_cast<int>(report_.checkpoints.size())) {
+      throw StatusError(Status::InvalidArgument("no checkpoint #" + std::to_string(ckpt)));
+    }
+    const ScannedCheckpoint& sc = report_.checkpoints[ckpt];
+    if (sc.state != CheckpointState::kCommitted) {
+      throw StatusError(Status::InvalidArgument(path_ + ": checkpoint #" +
+                                                std::to_string(sc.info.counter) +
+                                                " is not committed"));
+    }
+    const CheckpointInfo& info = sc.info;
+    if (dst.size() != info.tensors.size()) {
+      throw StatusError(Status::InvalidArgument(
+          "read_into got " + std::to_string(dst.size()) + " destinations for " +
+          std::to_string(info.tensors.size()) + " tensors"));
+    }
+    std::vector<void*> ptrs(dst.size(), nullptr);
+    for (size_t i = 0; i < dst.size(); ++i) {
+      const TensorSpec& spec = info.tensors[i].spec;
+      if (dst[i].first != 0 && dst[i].second != spec.nbytes) {
+        throw StatusError(Status::InvalidArgument(
+            "tensor '" + spec.name + "' holds " + std::to_string(spec.nbytes) +
+            " bytes, its destination " + std::to_string(dst[i].second)));
+      }
+      ptrs[i] = reinterpret_cast<void*>(dst[i].first);
+    }
+    RestoreOptions opts;
+    opts.threads = std::max(1, threads);
+    RestoreStats st;
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = ReadCheckpointInto(*file_, info, ptrs, opts, &st);
+    }
+    if (!s.ok()) throw StatusError(s.Annotate(path_ + ": step " + std::to_string(info.step)));
+    py::dict d;
+    d["data_bytes"] = st.data_bytes;
+    d["tensor_bytes"] = st.tensor_bytes;
+    d["direct_bytes"] = st.direct_bytes;
+    d["pieces"] = st.pieces;
+    d["read_s"] = st.seconds;
+    d["threads"] = st.threads;
+    return d;
+  }
+
  private:
   static std::string BadName(const CheckpointInfo& info) {
     for (size_t i = 0; i < info.tensors.size(); ++i) {
@@ -588,7 +640,9 @@ void InitEngine(py::module_& m) {
       .def_property_readonly("newest_valid", &PyReader::NewestValid)
       .def_property_readonly("path", &PyReader::path)
       .def("read_tensor", &PyReader::ReadTensor, py::arg("checkpoint"), py::arg("tensor"),
-           py::arg("dst"), py::arg("nbytes"), py::arg("verify") = true);
+           py::arg("dst"), py::arg("nbytes"), py::arg("verify") = true)
+      .def("read_into", &PyReader::ReadInto, py::arg("checkpoint"), py::arg("dst"),
+           py::arg("threads") = 4);
 }
 
 }  // namespace nonstop::py_bindings

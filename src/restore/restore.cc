@@ -88,9 +88,25 @@ class Reading {
       }
       prev_end = te.data_offset + te.spec.nbytes;
     }
-    const uint64_t chunks = info_.chunk_crcs.size();
+    // A partial read (data_begin/data_end): every kept tensor lies inside it.
+    const uint64_t range_end = std::min(opts_.data_end, info_.data_bytes);
+    if (opts_.data_begin > range_end) {
+      return Status::InvalidArgument("restore of " + Describe(info_) + ": empty data range");
+    }
+    if (opts_.data_begin > 0 || range_end < info_.data_bytes) {
+      for (size_t i = 0; i < dst_.size(); ++i) {
+        const TensorEntry& te = info_.tensors[i];
+        if (dst_[i] != nullptr && te.spec.nbytes != 0 &&
+            (te.data_offset < opts_.data_begin || te.data_offset + te.spec.nbytes > range_end)) {
+          return Status::InvalidArgument("restore of " + Describe(info_) + ": tensor '" +
+                                         te.spec.name + "' lies outside the range read");
+        }
+      }
+    }
+    const uint64_t first = opts_.data_begin / cb;
+    const uint64_t chunks = std::min<uint64_t>(info_.chunk_crcs.size(), (range_end + cb - 1) / cb);
     const uint64_t per = std::max<uint64_t>(1, opts_.piece_bytes / cb);
-    for (uint64_t c = 0; c < chunks; c += per) {
+    for (uint64_t c = first; c < chunks; c += per) {
       Piece p;
       p.first_chunk = c;
       p.end_chunk = std::min(chunks, c + per);
@@ -108,6 +124,8 @@ class Reading {
         std::min<uint64_t>(info_.data_bytes,
                            std::max<uint64_t>(1, opts_.piece_bytes / info_.crc_chunk_bytes) *
                                info_.crc_chunk_bytes);
+    total_bytes_ = 0;
+    for (const Piece& p : pieces_) total_bytes_ += p.end - p.begin;
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (int t = 0; t < threads; ++t) {
@@ -126,7 +144,7 @@ class Reading {
         if (finished_ == n) break;
         const uint64_t done = done_bytes_.load();
         l.unlock();
-        const bool go_on = opts_.progress(done, info_.data_bytes);
+        const bool go_on = opts_.progress(done, total_bytes_);
         l.lock();
         if (!go_on && error_.ok()) {
           error_ = Status::Aborted("restore of " + Describe(info_) + " cancelled");
@@ -135,7 +153,7 @@ class Reading {
       }
     }
     for (auto& th : pool) th.join();
-    if (error_.ok() && opts_.progress) opts_.progress(info_.data_bytes, info_.data_bytes);
+    if (error_.ok() && opts_.progress) opts_.progress(total_bytes_, total_bytes_);
     if (stats != nullptr) {
       stats->data_bytes = done_bytes_.load();
       stats->tensor_bytes = tensor_bytes_.load();
@@ -249,6 +267,7 @@ class Reading {
   const RestoreOptions& opts_;
   std::vector<size_t> order_;  // tensor indices by data offset
   std::vector<Piece> pieces_;
+  uint64_t total_bytes_ = 0;  // of the pieces
   std::atomic<size_t> next_{0};
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> done_bytes_{0}, tensor_bytes_{0}, direct_bytes_{0};
@@ -264,7 +283,7 @@ Status ReadCheckpointInto(SlotFile& file, const CheckpointInfo& info, const std:
                           const RestoreOptions& opts, RestoreStats* stats) {
   Reading r(file, info, dst, opts);
   NONSTOP_RETURN_IF_ERROR(r.Check());
-  if (info.data_bytes == 0) {
+  if (info.data_bytes == 0 || opts.data_begin >= std::min(opts.data_end, info.data_bytes)) {
     if (stats != nullptr) *stats = RestoreStats{};
     return Status::OK();
   }

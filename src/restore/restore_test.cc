@@ -112,6 +112,36 @@ TEST_F(RestoreTest, ReadsEveryTensorOnceWithAnyPieceSize) {
   }
 }
 
+// A window of the data region (nonstop export's bounded reads): only its
+// chunks are read, the tensors inside it arrive whole, and a kept tensor
+// outside it is refused before anything is read.
+TEST_F(RestoreTest, ReadsOnlyTheRangeAskedFor) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const TestCheckpoint c = MakeCheckpoint(5);
+  const CheckpointInfo info = Commit(*f, c, 5);
+  ASSERT_GE(info.tensors.size(), 2u);
+  const TensorEntry& last = info.tensors.back();
+  RestoreOptions o;
+  o.piece_bytes = 1;
+  o.data_begin = last.data_offset;
+  o.data_end = last.data_offset + last.spec.nbytes;
+  Dest d(info);
+  for (size_t i = 0; i + 1 < info.tensors.size(); ++i) d.ptrs[i] = nullptr;
+  RestoreStats st;
+  ASSERT_TRUE(ReadCheckpointInto(*f, info, d.ptrs, o, &st).ok());
+  EXPECT_EQ(0, std::memcmp(d.bufs.back().data(), c.data.data() + last.data_offset,
+                           last.spec.nbytes));
+  EXPECT_LT(st.data_bytes, info.data_bytes);
+  const uint64_t cb = info.crc_chunk_bytes;
+  EXPECT_LE(st.data_bytes, (last.spec.nbytes / cb + 2) * cb);
+  // The first tensor kept, but outside the range: refused, nothing written.
+  Dest all(info);
+  Status s = ReadCheckpointInto(*f, info, all.ptrs, o);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_EQ(all.bufs[0], std::vector<uint8_t>(all.bufs[0].size(), 0xEE));
+}
+
 TEST_F(RestoreTest, ManySmallTensorsAreBatched) {
   std::vector<TensorSpec> specs;
   for (int i = 0; i < 3000; ++i) {

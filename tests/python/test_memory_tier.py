@@ -149,3 +149,35 @@ def test_stale_segment_and_tier_disk_read_the_disk(tmp_path, monkeypatch):
         assert ckpt.stats()["memory_segment"] == ""
         assert ckpt.stats()["memory_tier"] == "disk"
     assert not any(n.endswith(".nsck") for n in os.listdir(shm)) if shm.exists() else True
+
+
+def test_restore_from_memory_goes_through_the_cpp_restore_path(tmp_path, monkeypatch):
+    """restore() from the memory tier reads the segment with the C++ restore
+    path (ReadCheckpointInto, through Reader.read_into) into the live
+    tensors, and says how much it read; it was tensor by tensor before."""
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("NONSTOP_SHM_DIR", str(shm))
+    d = str(tmp_path / "job")
+    model = torch.nn.Sequential(*[torch.nn.LayerNorm(64) for _ in range(200)])
+    ckpt = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory")
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(float(i))
+    ckpt.save(3)
+    ckpt.wait()
+    seg = _wait_memory(ckpt)["memory_segment"]
+    shutil.copy(seg, str(tmp_path / "aside"))
+    ckpt.close()
+    shutil.copy(str(tmp_path / "aside"), seg)  # as a crashed process would leave it
+    model2 = torch.nn.Sequential(*[torch.nn.LayerNorm(64) for _ in range(200)])
+    ptrs = [p.data_ptr() for p in model2.parameters()]
+    with nonstop.Checkpointer(d, {"model": model2}, every=1, tier="memory") as ckpt:
+        assert ckpt.restore() == 3
+        s = ckpt.stats()
+        assert s["restored_from"] == "memory", s.get("memory_unused_because")
+        want = sum(p.numel() * p.element_size() for p in model2.parameters())
+        assert s["restore_bytes"] >= want  # one read of the segment's data region
+        assert s["restore_step"] == 3
+    assert [p.data_ptr() for p in model2.parameters()] == ptrs  # written in place
+    for i, p in enumerate(model2.parameters()):
+        assert torch.all(p == float(i))

@@ -787,6 +787,8 @@ class Checkpointer:
         for key, obj in list(self.state.items()):
             value = values[key]
             if _stateful(obj):
+                if self._restored_in_place(key, obj, value):
+                    continue  # load_state_dict would copy every tensor onto itself
                 try:
                     _distributed.load_state_dict_into(obj, value)
                 except CheckpointError:
@@ -807,6 +809,27 @@ class Checkpointer:
                 self.state[key] = value
         for setter in setters:
             setter()
+
+    def _restored_in_place(self, key: str, obj: Any, value: Any) -> bool:
+        """True when load_state_dict(value) would only copy each tensor onto
+        itself: `obj` is a plain nn.Module (torch's load_state_dict and
+        _load_from_state_dict on every submodule, no load hooks) whose state
+        dict has exactly value's keys, and each value is the live tensor of
+        that key, already read in place (_destinations). Its checks (missing
+        and unexpected keys, shapes) then hold by construction."""
+        if not isinstance(obj, torch.nn.Module) or not isinstance(value, dict):
+            return False
+        if type(obj).load_state_dict is not torch.nn.Module.load_state_dict:
+            return False
+        flat = self.__dict__.get("_flat", {}).get(key)
+        if not flat or len(flat) != len(value):
+            return False
+        base = torch.nn.Module._load_from_state_dict
+        for m in obj.modules():
+            if (type(m)._load_from_state_dict is not base or m._load_state_dict_pre_hooks
+                    or m._load_state_dict_post_hooks):
+                return False
+        return all(isinstance(k, str) and flat.get(f"{key}/{k}") is v for k, v in value.items())
 
     def _check_fits(self, key: str, obj: Any, loaded) -> None:
         """Raises a one-line error naming the first tensor whose shape or

@@ -144,3 +144,24 @@ def test_load_without_a_model(tmp_path):
         assert torch.equal(got.tensors[f"model/{k}"], v), k
     arr = nonstop.load(d, as_numpy=True)
     assert (arr.tensors["model/big.weight"] == values[1]["big.weight"].numpy()).all()
+
+
+def test_load_hooks_still_run_when_tensors_are_read_in_place(tmp_path):
+    """restore() skips load_state_dict only for plain modules whose every
+    tensor was read in place; a module with a load hook still gets it."""
+    import nonstop
+    d = str(tmp_path / "job")
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with nonstop.Checkpointer(d, {"model": ref}, every=1, tier="disk") as ck:
+        ck.save(4)
+        ck.wait()
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    hooked = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    calls = []
+    hooked[1].register_load_state_dict_post_hook(lambda m, keys: calls.append(m))
+    for model in (plain, hooked):
+        with nonstop.Checkpointer(d, {"model": model}, every=1, tier="disk") as ck:
+            assert ck.restore() == 4
+        for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+            assert torch.equal(a, b)
+    assert calls == [hooked[1]]

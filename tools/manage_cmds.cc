@@ -15,10 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "jobdir/remote_layout.h"
+#include "nonstop/env.h"
 #include "nonstop/jobdir.h"
 #include "store/format.h"
 #include "tools/cli_format.h"
 #include "tools/commands.h"
+#include "tools/remote_cli.h"
 #include "tools/store_json.h"
 
 namespace nonstop::cli {
@@ -144,7 +147,15 @@ void AddManageCommands(CLI::App& app) {
   ls->add_option("dir", args->dir, "checkpoint directory")->required();
   ls->add_option("--rank", args->rank, "rank whose files to list (default 0)");
   ls->add_flag("--json", args->json, "print JSON instead of a table");
-  ls->callback(Guarded("ls", [args] { RunLs(args->dir, args->rank, args->json); }));
+  ls->callback(Guarded("ls", [args] {
+    // a remote (a URL, or a directory used as one): python -m nonstop._remote_cli ls
+    if (IsRemoteUrl(args->dir) || remote::LooksLikeRemoteRoot(DefaultEnv(), args->dir)) {
+      std::vector<std::string> v = {"ls", args->dir, "--rank", std::to_string(args->rank)};
+      if (args->json) v.emplace_back("--json");
+      RunRemote(v);
+    }
+    RunLs(args->dir, args->rank, args->json);
+  }));
 
   CLI::App* rm = app.add_subcommand(
       "rm", "Delete the kept copy of one step (keep/step-N/) while no job writes to the directory");

@@ -68,10 +68,15 @@ def _row(c: dict) -> dict:
             "bytes": int(c["data_bytes"]), "metrics": dict(c["metrics"])}
 
 
-def list_checkpoints(dir: str, rank: int = 0) -> list:
+def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = None) -> list:
     """Every checkpoint of `rank` in `dir`: the ring (the slot file) and the
-    kept copies (keep/), newest first; one dict each."""
+    kept copies (keep/), newest first; one dict each. A remote (a URL, a
+    path with remote_options, or a directory used as a remote) lists its
+    step directories (where="remote"; _remote.list_steps)."""
     path = os.fspath(dir)
+    from . import _remote
+    if _remote.is_remote(path, remote_options):
+        return _remote.list_steps(path, remote_options, rank)
     jd = _core().JobDir.open_for_read(path)
     try:
         # A ring record whose slot a newer checkpoint reused is gone, not damaged.

@@ -2,7 +2,9 @@
 what obstore speaks) or a plain path (a shared file system), and fetched
 back by a node that lost its local directory. See docs/TIERS.md.
 
-Layout and commit rule (class Layout: the one place that knows them):
+Layout and commit rules (src/jobdir/remote_layout.h, the job directory's
+C++ owner; class Layout below only forwards to it through
+nonstop._core.remote_layout):
 
     PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.nsck   one-slot copy of rank R's checkpoint
     PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.json   rank R's manifest, written after its part
@@ -15,8 +17,9 @@ Layout and commit rule (class Layout: the one place that knows them):
 A reader trusts a step only when COMMITTED is there, and verifies end to
 end: the manifest's size and crc32 of every part while downloading, then
 every chunk crc32c of the .nsck file itself when reading it (nonstop's own
-store). The transfer is obstore's (Rust, GIL released, multipart, retries);
-nothing here speaks S3.
+store). Every name, document, the commit rule and retention are C++'s;
+this module only moves bytes. The transfer is obstore's (Rust, GIL
+released, multipart, retries); nothing here speaks S3.
 """
 from __future__ import annotations
 
@@ -36,76 +39,70 @@ from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError
                      CorruptCheckpointError)
 
 FORMAT = "nonstop.remote/1"
-MAX_JSON_BYTES = 1 << 20          # manifests and markers are small: refuse more before reading
+MAX_JSON_BYTES = 256 << 10        # remote_layout.h kMaxDocBytes: refused before reading
 PART_BYTES = 8 << 20              # crc unit and multipart chunk
 LOCAL_DIR = "remote"              # DIR/remote/step-N/rank-R.nsck: staged uploads, fetched parts
 
 
 # ------------------------------------------------------------------ layout
 
-class Layout:
-    """Names of the objects of a remote checkpoint and the commit rule. The
-    job directory's owner (include/nonstop/jobdir.h) is meant to take this
-    over; nothing else in this module builds a name."""
+def _rl():
+    """nonstop._core.remote_layout (src/jobdir/remote_layout.h)."""
+    import nonstop
+    if nonstop._core is None:
+        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
+    return nonstop._core.remote_layout
 
-    STEP = re.compile(r"^step-(\d{12})$")
+
+class Layout:
+    """The names of a remote checkpoint's objects, each from C++
+    (remote_layout.h): nothing in Python builds or parses a name."""
 
     @staticmethod
     def step_dir(step: int) -> str:
-        return f"step-{int(step):012d}"
+        return _rl().step_dir(int(step))
 
-    @classmethod
-    def part(cls, step: int, rank: int) -> str:
-        return f"{cls.step_dir(step)}/rank-{int(rank):05d}.nsck"
+    @staticmethod
+    def part(step: int, rank: int) -> str:
+        return _rl().part_key(int(step), int(rank))
 
-    @classmethod
-    def manifest(cls, step: int, rank: int) -> str:
-        return f"{cls.step_dir(step)}/rank-{int(rank):05d}.json"
+    @staticmethod
+    def manifest(step: int, rank: int) -> str:
+        return _rl().manifest_key(int(step), int(rank))
 
-    @classmethod
-    def marker(cls, step: int) -> str:
-        return f"{cls.step_dir(step)}/COMMITTED"
+    @staticmethod
+    def marker(step: int) -> str:
+        return _rl().marker_key(int(step))
 
-    @classmethod
-    def lead(cls, step: int) -> str:
+    @staticmethod
+    def lead(step: int) -> str:
         """Rank 0's intent to upload this step (world > 1): the other ranks
         upload the steps rank 0 leads, so every rank sends the same ones."""
-        return f"{cls.step_dir(step)}/LEAD"
+        return _rl().lead_key(int(step))
 
-    @classmethod
-    def skip(cls, step: int, rank: int) -> str:
+    @staticmethod
+    def skip(step: int, rank: int) -> str:
         """Rank R (> 0) cannot follow rank 0's LEAD of this step: its slot
         ring has already reused the step's slot. Rank 0 then gives the step
         up at once instead of waiting commit_timeout_s for a manifest that
         cannot come, and leads a newer one."""
-        return f"{cls.step_dir(step)}/rank-{int(rank):05d}.skip"
+        return _rl().skip_key(int(step), int(rank))
 
     @staticmethod
-    def committed(marker: dict, manifests: dict, world: int) -> bool:
-        """The commit rule: a marker for `world` ranks and one manifest per
-        rank, all of the marker's step and lineage."""
-        return (marker.get("world_size") == world and len(manifests) == world and all(
-            m.get("step") == marker.get("step") and m.get("lineage") == marker.get("lineage")
-            for m in manifests.values()))
+    def parse(key: str):
+        """(step, kind, rank) of "step-N/NAME", kind in part, manifest,
+        marker, lead, skip, other; None for any other key."""
+        return _rl().parse_key(key)
+
+    @staticmethod
+    def step_of_dir(name: str) -> Optional[int]:
+        """N of a directory named step-N (the local staging), else None."""
+        got = None if "/" in name else _rl().parse_key(name + "/COMMITTED")
+        return None if got is None else got[0]
 
 
-def _check_doc(doc, what: str) -> dict:
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{what} is not a nonstop remote document")
-    for key in ("step", "world_size", "lineage"):
-        if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool):
-            raise CorruptCheckpointError(f"{what}: field {key!r} is missing or not an integer")
-    return doc
-
-
-def _check_manifest(doc, what: str) -> dict:
-    _check_doc(doc, what)
-    size, part, crcs = doc.get("bytes"), doc.get("part_bytes"), doc.get("part_crc32")
-    if (not isinstance(size, int) or size < 0 or not isinstance(part, int) or part < 4096
-            or part > (1 << 30) or not isinstance(crcs, list)
-            or len(crcs) != -(-size // part) or not all(isinstance(c, int) for c in crcs)):
-        raise CorruptCheckpointError(f"{what}: sizes or part checksums are malformed")
-    return doc
+def _decode_doc(data: bytes, what: str) -> dict:
+    return _rl().decode_doc(data, what)
 
 
 # ------------------------------------------------------------------ stores
@@ -357,14 +354,10 @@ def open_store(url: str, options: Optional[dict]):
 
 # --------------------------------------------------------------- reading
 
-def _load_json(store, key: str) -> Optional[dict]:
+def _load_doc(store, key: str) -> Optional[dict]:
+    """A marker, LEAD or skip note, validated by C++; None when missing."""
     data = store.get_bytes(key, MAX_JSON_BYTES)
-    if data is None:
-        return None
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise CorruptCheckpointError(f"{store.url}/{key} is not JSON") from None
+    return None if data is None else _decode_doc(data, f"{store.url}/{key}")
 
 
 def committed_steps(store) -> list:
@@ -372,19 +365,17 @@ def committed_steps(store) -> list:
     (a marker that does not parse is skipped with a warning)."""
     steps = set()
     for key, _ in store.list(""):
-        parts = key.split("/")
-        if len(parts) == 2 and parts[1] == "COMMITTED":
-            m = Layout.STEP.match(parts[0])
-            if m:
-                steps.add(int(m.group(1)))
+        got = Layout.parse(key)
+        if got is not None and got[1] == "marker":
+            steps.add(got[0])
     out = []
     for step in sorted(steps, reverse=True):
         try:
-            marker = _check_doc(_load_json(store, Layout.marker(step)), f"{store.url} step {step}")
+            marker = _load_doc(store, Layout.marker(step))
         except CorruptCheckpointError as e:
             warnings.warn(f"nonstop: remote: {e}; skipped", stacklevel=2)
             continue
-        if marker.get("step") == step:
+        if marker is not None and marker["step"] == step:
             out.append((step, marker))
     return out
 
@@ -396,16 +387,14 @@ def fetch(store, step: int, rank: int, local_dir: str) -> str:
     Returns the one-slot job directory. Raises CorruptCheckpointError (a
     missing or damaged part, a manifest of another lineage) or OSError."""
     where = f"{store.url}/{Layout.step_dir(step)}"
-    marker = _load_json(store, Layout.marker(step))
+    marker = store.get_bytes(Layout.marker(step), MAX_JSON_BYTES)
     if marker is None:
         raise CorruptCheckpointError(f"{where} is not committed (no COMMITTED marker)")
-    _check_doc(marker, f"{where}/COMMITTED")
-    man = _load_json(store, Layout.manifest(step, rank))
+    man = store.get_bytes(Layout.manifest(step, rank), MAX_JSON_BYTES)
     if man is None:
         raise CorruptCheckpointError(f"{where}: rank {rank}'s manifest is missing")
-    _check_manifest(man, f"{where}/rank-{rank:05d}.json")
-    if man["step"] != step or man["lineage"] != marker["lineage"] or man.get("rank") != rank:
-        raise CorruptCheckpointError(f"{where}: rank {rank}'s manifest is of another checkpoint")
+    # C++ decodes both and checks that they are of this step, rank and lineage
+    man = _rl().check_fetch(marker, man, step, rank, where)
     dest_dir = os.path.join(local_dir, LOCAL_DIR, Layout.step_dir(step))
     os.makedirs(dest_dir, exist_ok=True)
     dest = os.path.join(dest_dir, f"rank-{rank:05d}.nsck")
@@ -459,65 +448,35 @@ def read_fetched(path: str, rank: int, world_size: int, read):
 
 # -------------------------------------------------------------- retention
 
-def retention_plan(steps: dict, max_to_keep: int, keep: Optional[int],
-                   keep_max: Optional[int]) -> list:
-    """The steps to delete, oldest first. `steps`: {step: (committed,
-    counter or None)} of every step directory. Nothing is deleted before a
-    step is committed: the newest `max_to_keep` committed steps stay, with
-    keep=k also the committed steps whose counter is a multiple of k (the
-    newest `keep_max` of them when the Checkpointer has max_to_keep=), and
-    every uncommitted step newer than the newest committed one (an upload
-    under way). The rest go: older committed steps and abandoned uploads."""
-    committed = sorted((s for s, (c, _) in steps.items() if c), reverse=True)
-    if not committed:
-        return []
-    stay = set(committed[:max_to_keep])
-    if keep:
-        periodic = [s for s in committed
-                    if steps[s][1] is not None and steps[s][1] % keep == 0]
-        stay.update(periodic[:keep_max] if keep_max else periodic)
-    newest = committed[0]
-    return sorted(s for s, (c, _) in steps.items() if s not in stay and (c or s < newest))
-
-
-def delete_batches(step: int, keys: list) -> list:
-    """The objects of one step in the order they are deleted: the marker
-    (the step stops being committed for every reader that lists after it),
-    then the manifests and the LEAD/skip notes, then the parts. A deletion
-    cut short leaves an uncommitted step, which the next retention deletes."""
-    marker = Layout.marker(step)
-    first = [k for k in keys if k == marker]
-    docs = [k for k in keys if k != marker and not k.endswith(".nsck")]
-    parts = [k for k in keys if k.endswith(".nsck")]
-    return [b for b in (first, docs, parts) if b]
-
-
 def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int],
            counters: Optional[dict] = None) -> int:
-    """Applies retention_plan to the remote (rank 0, after each commit);
-    returns how many steps it deleted. `counters` caches the markers'
-    counters between calls."""
+    """Retention of the remote (rank 0, after each commit; the rules are
+    remote_layout.h StepsToDelete and DeleteBatches: the newest max_to_keep
+    committed steps stay, with keep=k also the steps whose counter is a
+    multiple of k, the newest keep_max of them; nothing goes before a newer
+    step is committed; a step goes marker first, then its manifests and
+    notes, then its parts). Returns how many steps it deleted. `counters`
+    caches the markers' counters between calls."""
     counters = {} if counters is None else counters
     by_step: dict = {}
     for key, _ in store.list(""):
-        parts = key.split("/")
-        m = Layout.STEP.match(parts[0])
-        if m and len(parts) == 2:
-            by_step.setdefault(int(m.group(1)), []).append(key)
-    steps = {}
+        got = Layout.parse(key)
+        if got is not None:
+            by_step.setdefault(got[0], []).append(key)
+    steps = []
     for s, keys in by_step.items():
         committed = Layout.marker(s) in keys
         if committed and keep and s not in counters:
             try:
-                mk = _check_doc(_load_json(store, Layout.marker(s)), f"{store.url} step {s}")
-                c = mk.get("counter")
-                counters[s] = c if isinstance(c, int) and not isinstance(c, bool) else None
+                mk = _load_doc(store, Layout.marker(s))
+                counters[s] = None if mk is None else mk["counter"]
             except CorruptCheckpointError:
                 counters[s] = None
-        steps[s] = (committed, counters.get(s))
-    doomed = retention_plan(steps, max_to_keep, keep, keep_max)
+        steps.append((s, committed, counters.get(s)))
+    rl = _rl()
+    doomed = rl.steps_to_delete(steps, max_to_keep, keep or 0, keep_max or 0)
     for s in doomed:
-        for batch in delete_batches(s, by_step[s]):
+        for batch in rl.delete_batches(by_step[s]):
             store.delete(batch)
         counters.pop(s, None)
     return len(doomed)
@@ -632,10 +591,9 @@ class Uploader:
             return t
         led = set()
         for key, _ in self.store.list(""):
-            parts = key.split("/")
-            m = Layout.STEP.match(parts[0])
-            if m and len(parts) == 2 and parts[1] == "LEAD":
-                led.add(int(m.group(1)))
+            got = Layout.parse(key)
+            if got is not None and got[1] == "lead":
+                led.add(got[0])
         led = [x for x in led if x <= t[1] and (self.done_step is None or x > self.done_step)]
         if not led:
             return None
@@ -652,17 +610,18 @@ class Uploader:
         for step in sorted(led, reverse=True):
             if step in self._skipped:
                 continue
-            lead = _load_json(self.store, Layout.lead(step)) or {}
+            try:
+                lead = _load_doc(self.store, Layout.lead(step)) or {}
+            except CorruptCheckpointError:
+                continue
             if step in mine and lead.get("lineage") == mine[step][1]:
                 return mine[step][0], step
             if run is not None and lead.get("lineage") == run and step not in mine:
                 # Rank 0 leads a step of this run that this rank's slot ring
                 # has already reused (checkpoints come faster than uploads):
                 # say so, so that rank 0 gives it up now and leads a newer one.
-                self.store.put_bytes(Layout.skip(step, self.rank), json.dumps(
-                    {"format": FORMAT, "step": step, "rank": self.rank,
-                     "world_size": self.world, "lineage": run,
-                     "unix_s": time.time()}).encode())
+                self.store.put_bytes(Layout.skip(step, self.rank), _rl().encode_skip(
+                    step, self.world, run, self.rank, time.time()))
                 self._skipped.add(step)
                 self.stats["skipped_gone"] += 1
         # a LEAD of an abandoned run: not followed (rank 0 gives such a step
@@ -697,19 +656,21 @@ class Uploader:
         # checkpoint's own, as local recovery keys it.
         meta = json.loads(info["meta_json"].decode("utf-8"))
         lineage = int((meta.get("dist") or {}).get("lineage", 0))
-        marker = _load_json(self.store, Layout.marker(step))
-        if marker is not None and marker.get("lineage") == lineage:
+        try:
+            marker = _load_doc(self.store, Layout.marker(step))
+        except CorruptCheckpointError:
+            marker = None  # a damaged marker: uploaded again, the marker rewritten
+        if marker is not None and marker["lineage"] == lineage:
             self.stats["skipped_existing"] += 1  # already there (a restart of the same run)
             self.done_step = step
             self._drop_staged(keep_step=step)
             return
         if self.world > 1 and self.rank == 0:
-            self.store.put_bytes(Layout.lead(step), json.dumps(
-                {"format": FORMAT, "step": step, "lineage": lineage,
-                 "world_size": self.world, "unix_s": time.time()}).encode())
+            self.store.put_bytes(Layout.lead(step), _rl().encode_lead(
+                step, self.world, lineage, time.time()))
         t0 = time.perf_counter()
         size = os.path.getsize(staged)
-        part = self.store.part_bytes
+        part = _rl().checksum_unit(size, self.store.part_bytes)
         crcs = []
         with open(staged, "rb") as f:
             while True:
@@ -718,10 +679,8 @@ class Uploader:
                     break
                 crcs.append(zlib.crc32(buf))
         self.store.put_file(Layout.part(step, self.rank), staged, self.bps, self._abort)
-        man = {"format": FORMAT, "step": step, "counter": counter, "rank": self.rank,
-               "world_size": self.world, "lineage": lineage, "bytes": size,
-               "part_bytes": part, "part_crc32": crcs, "unix_s": time.time()}
-        self.store.put_bytes(Layout.manifest(step, self.rank), json.dumps(man).encode())
+        self.store.put_bytes(Layout.manifest(step, self.rank), _rl().encode_manifest(
+            step, counter, self.rank, self.world, lineage, size, part, crcs, time.time()))
         dt = time.perf_counter() - t0
         self.stats["uploads"] += 1
         self.stats["bytes"] += size
@@ -739,26 +698,35 @@ class Uploader:
         t0 = time.monotonic()
         while True:
             keys = {k for k, _ in self.store.list(Layout.step_dir(step))}
-            mans, gone = {}, []
+            rl = _rl()
+            mans, gone = {}, []  # rank -> manifest text of this step and lineage
             for r in range(self.world):
-                m = _load_json(self.store, Layout.manifest(step, r)) \
-                    if Layout.manifest(step, r) in keys else None
-                if m is not None and m.get("step") == step and m.get("lineage") == lineage:
-                    mans[r] = m
+                key = Layout.manifest(step, r)
+                text = self.store.get_bytes(key, MAX_JSON_BYTES) if key in keys else None
+                m = None
+                if text is not None:
+                    try:
+                        m = rl.decode_manifest(text, f"{self.store.url}/{key}")
+                    except CorruptCheckpointError:
+                        m = None  # not a manifest of ours: as if absent
+                if m is not None and m["step"] == step and m["lineage"] == lineage:
+                    mans[r] = text
                 elif r > 0 and Layout.skip(step, r) in keys:
-                    sk = _load_json(self.store, Layout.skip(step, r)) or {}
+                    try:
+                        sk = _load_doc(self.store, Layout.skip(step, r)) or {}
+                    except CorruptCheckpointError:
+                        sk = {}
                     if sk.get("step") == step and sk.get("lineage") == lineage:
                         gone.append(r)
             if gone:  # a rank no longer holds the step: it can never commit. Not
                 # an error (checkpoints came faster than uploads; the newest wins)
                 self.stats["given_up"] += 1
                 return
-            marker = {"format": FORMAT, "step": step, "world_size": self.world,
-                      "lineage": lineage, "counter": counter,
-                      "ranks": {str(r): m["bytes"] for r, m in mans.items()},
-                      "unix_s": time.time()}
-            if Layout.committed(marker, mans, self.world):
-                self.store.put_bytes(Layout.marker(step), json.dumps(marker).encode())
+            # the commit rule is C++'s: a marker only when every rank's manifest is there
+            marker = rl.commit_marker(step, self.world, lineage, counter,
+                                      [mans[r] for r in sorted(mans)], time.time())
+            if marker is not None:
+                self.store.put_bytes(Layout.marker(step), marker)
                 self.stats["committed"] += 1
                 self._retain()
                 return
@@ -777,8 +745,8 @@ class Uploader:
     def _drop_staged(self, keep_step: int) -> None:
         base = os.path.join(self.dir, LOCAL_DIR)
         for name in os.listdir(base):
-            m = Layout.STEP.match(name)
-            if m and int(m.group(1)) != keep_step:
+            s = Layout.step_of_dir(name)
+            if s is not None and s != keep_step:
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
     # -- control
@@ -996,6 +964,51 @@ class Tier:
             raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies on "
                                          f"every rank: {errors[0]}")
         return None
+
+
+def is_remote(path, options: Optional[dict] = None) -> bool:
+    """A URL (any scheme://), a path given with remote_options, or a plain
+    directory used as a remote (step-N directories, no slot file)."""
+    path = os.fspath(path)
+    return (options is not None or bool(re.match(r"^[a-z][a-z0-9+.-]*://", path))
+            or _rl().looks_like_remote_root(path))
+
+
+def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
+    """nonstop.list() of a remote: one row per step directory, newest first,
+    in the shape of a local listing (where="remote"; bytes: rank `rank`'s
+    part). A step without a marker is "uncommitted": an upload under way or
+    given up, never read. Nothing is downloaded but the markers."""
+    store = open_store(os.fspath(url), options or {})
+    steps: dict = {}
+    for key, size in store.list(""):
+        got = Layout.parse(key)
+        if got is None:
+            continue
+        s = steps.setdefault(got[0], {"bytes": 0, "marker": False})
+        if got[1] == "part" and got[2] == rank:
+            s["bytes"] = int(size)
+        elif got[1] == "marker":
+            s["marker"] = True
+    markers = dict(committed_steps(store))
+    rows = []
+    for step in sorted(steps, reverse=True):
+        m = markers.get(step)
+        if steps[step]["marker"] and m is None:
+            state, reason = "damaged", "its COMMITTED marker does not parse: never read"
+        elif m is None:
+            state, reason = "uncommitted", "no COMMITTED marker (an upload under way or given up)"
+        elif rank >= m["world_size"]:
+            state, reason = "committed", f"committed by {m['world_size']} rank(s): no rank {rank}"
+        else:
+            state, reason = "committed", ""
+        rows.append({"step": step, "counter": None if m is None else m["counter"],
+                     "where": "remote", "path": f"{store.url}/{Layout.part(step, rank)}",
+                     "state": state, "reason": reason,
+                     "time": None if m is None else m["unix_s"],
+                     "bytes": steps[step]["bytes"], "metrics": {},
+                     "world_size": None if m is None else m["world_size"]})
+    return rows
 
 
 def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read,

@@ -1,10 +1,10 @@
-"""`nonstop verify|inspect|export URL`: the command line on a remote tier
+"""`nonstop ls|verify|inspect|export URL`: the command line on a remote tier
 (docs/TIERS.md, "The command line on a remote URL").
 
 The `nonstop` executable has no network code: given a URL (`s3://...`, any
 scheme but file://) it replaces itself with
 
-    PY -m nonstop._remote_cli {verify,inspect,export} URL [options]
+    PY -m nonstop._remote_cli {ls,verify,inspect,export} URL [options]
 
 with NONSTOP_CLI set to its own path. This module lists the remote prefix
 through the same client and checks as the remote tier (_remote.py); verify
@@ -13,7 +13,9 @@ through `_remote.fetch` (size and every part crc32 checked against the
 manifest while writing), then run the same `nonstop verify|export` on that
 directory, so every chunk crc32c is checked by the same code and the output
 is the same as for a local directory. The temporary directory is removed at
-the end. inspect lists the remote steps without downloading them.
+the end. inspect and ls list the remote steps without downloading them (ls
+in the columns of a local `nonstop ls`; a plain directory used as a remote,
+step-N directories and no slot file, is listed this way too).
 
 Client options (endpoint, credentials, region) come from the environment
 variable NONSTOP_REMOTE_OPTIONS, a JSON object with the keys of
@@ -31,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from . import _remote
 from .errors import CheckpointError, CorruptCheckpointError
@@ -62,21 +65,17 @@ def _steps(store) -> dict:
     of every step directory under the prefix."""
     out: dict = {}
     for key, size in store.list(""):
-        parts = key.split("/")
-        m = _remote.Layout.STEP.match(parts[0])
-        if not m or len(parts) != 2:
+        got = _remote.Layout.parse(key)
+        if got is None:
             continue
-        s = out.setdefault(int(m.group(1)), {"committed": False, "objects": 0, "bytes": 0,
-                                             "ranks": []})
+        step, kind, rank = got
+        s = out.setdefault(step, {"committed": False, "objects": 0, "bytes": 0, "ranks": []})
         s["objects"] += 1
         s["bytes"] += int(size)
-        if parts[1] == "COMMITTED":
+        if kind == "marker":
             s["committed"] = True
-        elif parts[1].startswith("rank-") and parts[1].endswith(".nsck"):
-            try:
-                s["ranks"].append(int(parts[1][5:-5]))
-            except ValueError:
-                pass
+        elif kind == "part":
+            s["ranks"].append(rank)
     for s in out.values():
         s["ranks"].sort()
     return out
@@ -189,9 +188,42 @@ def inspect(store, as_json: bool) -> int:
     return 0
 
 
+def ls(url: str, options: dict, rank: int, as_json: bool) -> int:
+    """`nonstop ls URL`: one row per remote step, newest first."""
+    rows = _remote.list_steps(url, options, rank)
+    if as_json:
+        print(json.dumps([{k: r[k] for k in ("step", "counter", "where", "path", "state",
+                                              "reason", "time", "bytes", "metrics")}
+                          for r in rows], indent=2))
+        return 0
+    if not rows:
+        print(f"no checkpoint of rank {rank} in {url}")
+        return 0
+    print(f"{'step':<10} {'where':<6} {'state':<11} {'committed (UTC)':<21} {'size':<10} note")
+    for r in rows:
+        when = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"]))
+                if r["time"] is not None else "-")
+        size = _human(r["bytes"]) if r["state"] == "committed" and r["bytes"] else "-"
+        print(f"{r['step']:<10} {r['where']:<6} {r['state']:<11} {when:<21} {size:<10} "
+              f"{r['reason']}".rstrip())
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="nonstop", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    lp = sub.add_parser("ls")
+    lp.add_argument("url")
+    lp.add_argument("--rank", type=int, default=0)
+    lp.add_argument("--json", action="store_true")
     v = sub.add_parser("verify")
     v.add_argument("url")
     v.add_argument("--step", type=int)
@@ -205,6 +237,8 @@ def main(argv=None) -> int:
     e.add_argument("--format", default="safetensors", choices=("safetensors", "dcp"))
     a = p.parse_args(argv)
     try:
+        if a.cmd == "ls":
+            return ls(a.url, _options(), a.rank, a.json)
         store = _remote.open_store(a.url, _options())
         if a.cmd == "verify":
             return verify(store, a.step)

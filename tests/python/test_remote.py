@@ -2,7 +2,9 @@
 and a plain path: upload after a local commit, restore on a node whose local
 directory is gone, and the faults: the server stopped during an upload, a
 deleted part, a flipped bit. Nothing is mocked."""
+import json
 import os
+import subprocess
 import sys
 import shutil
 import threading
@@ -337,7 +339,7 @@ def test_cli_verify_inspect_export_a_remote_url(tmp_path, remote):
     env = dict(os.environ, NONSTOP_REMOTE_OPTIONS=json.dumps(opts), NONSTOP_PYTHON=sys.executable)
 
     def run(*args):
-        p = subprocess.run([_cli(), *args], capture_output=True, text=True, env=env, timeout=120)
+        p = subprocess.run([_cli(), *args], capture_output=True, text=True, env=env, timeout=300)
         return p.returncode, p.stdout, p.stderr
 
     rc, out, err = run("inspect", "--json", cli_url)
@@ -468,3 +470,62 @@ def test_retention_cut_short_leaves_no_half_committed_step(tmp_path, remote):
     assert _remote.retain(store, 2, None, None) == 1
     assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in (1, 2)]
     assert nonstop.load(url, remote_options=opts).step == 2
+
+
+def test_list_a_remote(tmp_path, remote):
+    """nonstop.list(URL) and `nonstop ls URL` (and a plain directory used
+    as a remote, recognised without options): the remote's steps, newest
+    first; an upload without a marker is listed as uncommitted."""
+    url, opts, _ = remote
+    store, counters = _train_paced(str(tmp_path / "local"), 3, url, dict(opts, max_to_keep=10))
+    # an upload under way: a part without its manifest or marker
+    store.put_bytes(_remote.Layout.part(5, 0), b"x" * 100)
+    rows = nonstop.list(url, remote_options=opts)
+    assert [(r["step"], r["state"], r["where"]) for r in rows] == [
+        (5, "uncommitted", "remote"), (2, "committed", "remote"), (1, "committed", "remote"),
+        (0, "committed", "remote")]
+    assert [r["counter"] for r in rows[1:]] == [counters[2], counters[1], counters[0]]
+    assert all(r["bytes"] > 0 and r["time"] is not None for r in rows[1:])
+    if not url.startswith("s3://"):
+        assert nonstop.list(url) == rows  # a plain path, no options: recognised as a remote
+    assert nonstop.list(str(tmp_path / "local"))[0]["where"] != "remote"
+    cli = _cli()
+    if cli is None:
+        return
+    env = dict(os.environ, NONSTOP_REMOTE_OPTIONS=json.dumps(opts))
+    p = subprocess.run([cli, "ls", url], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = [ln.split() for ln in p.stdout.splitlines()[1:]]
+    assert [(ln[0], ln[1], ln[2]) for ln in lines] == [
+        ("5", "remote", "uncommitted"), ("2", "remote", "committed"),
+        ("1", "remote", "committed"), ("0", "remote", "committed")]
+    p = subprocess.run([cli, "ls", url, "--json"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in json.loads(p.stdout)] == [5, 2, 1, 0]
+
+
+@pytest.mark.parametrize("damage", ["huge size", "short list", "other rank", "not json"])
+def test_hostile_remote_manifest_is_refused(tmp_path, damage):
+    """A manifest that lies (a size needing 2^50 checksums, a list one
+    short, another rank's, not JSON) is refused by C++ before anything is
+    downloaded or allocated: load() of that step is one CorruptCheckpointError,
+    restore falls back to the older step."""
+    url = str(tmp_path / "shared")
+    store, _ = _train_paced(str(tmp_path / "local"), 2, url, {"max_to_keep": 10})
+    key = _remote.Layout.manifest(1, 0)
+    man = json.loads(store.get_bytes(key, 1 << 20))
+    if damage == "huge size":
+        man["bytes"] = 1 << 62
+    elif damage == "short list":
+        man["part_crc32"] = man["part_crc32"][:-1]
+    elif damage == "other rank":
+        man["rank"] = 3
+    store.put_bytes(key, b"{not json" if damage == "not json" else json.dumps(man).encode())
+    with pytest.raises(CorruptCheckpointError) as e:
+        nonstop.load(url, step=1, remote_options={})
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "local" / "remote" / "step-000000000001"
+                              / "rank-00000.nsck.fetch")
+    with pytest.warns(UserWarning, match="remote step 1"):
+        assert nonstop.load(url, remote_options={}).step == 0

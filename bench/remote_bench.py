@@ -19,6 +19,18 @@ is shared and noisy; compare the ratios:
    directory.
 
 Prints a table and writes JSON.
+
+    python bench/remote_bench.py --mode stall [--gb 0.25] [--pairs 4] \
+        [--out bench/remote_stall_ab.json]
+
+The clean stall measurement alone: pairs of runs, remote off and on, in
+ABBA order (off-on, on-off, ...) against the same local SeaweedFS and the
+same state, so drift in the machine's load falls on both arms alike. Each
+pair gives a ratio (on / off) of the visible stall per checkpoint and of the
+step time; the summary is the median ratio with the range over pairs. An
+"on" run counts only if uploads ran while it trained (at least one upload
+finished before close()): otherwise it did not measure what it claims and
+the run is reported invalid.
 """
 import argparse
 import json
@@ -101,8 +113,79 @@ def available(kind):
         return False
 
 
+def stall_ab(a):
+    """--mode stall: ABBA pairs of remote off/on, ratios per pair."""
+    root = a.root or tempfile.mkdtemp(prefix="nonstop-remote-stall-")
+    srv = SeaweedS3(os.path.join(root, "seaweedfs"))
+    srv.start()
+    opts = dict(srv.options)
+    res = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "load_start": os.getloadavg()},
+           "args": vars(a), "runs": [], "pairs": []}
+    try:
+        state = make_state(a.gb)
+        train(os.path.join(root, "warm"), state, a.every, a.every, 0.0)  # warm caches
+        for p in range(a.pairs):
+            arms = ("off", "on") if p % 2 == 0 else ("on", "off")
+            got = {}
+            for arm in arms:
+                d = os.path.join(root, f"p{p}-{arm}")
+                g = train(d, state, a.steps, a.every, a.step_s,
+                          srv.url(f"p{p}") if arm == "on" else None,
+                          dict(opts) if arm == "on" else None)
+                g.update(pair=p, arm=arm, load=os.getloadavg()[0])
+                if arm == "on":
+                    g["valid"] = g["remote"].get("uploads", 0) >= 1
+                res["runs"].append(g)
+                got[arm] = g
+                shutil.rmtree(d, ignore_errors=True)
+                print(f"pair {p} {arm}: step {g['step_s_mean']:.3f} s, stall/ckpt "
+                      f"{g['stall_per_ckpt_s']:.3f} s, uploads {g['remote'].get('uploads', 0)}",
+                      flush=True)
+            res["pairs"].append({
+                "pair": p, "order": list(arms), "valid": got["on"]["valid"],
+                "stall_on_vs_off": got["on"]["stall_per_ckpt_s"]
+                / max(got["off"]["stall_per_ckpt_s"], 1e-9),
+                "step_on_vs_off": got["on"]["step_s_mean"] / got["off"]["step_s_mean"]})
+    finally:
+        srv.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    valid = [x for x in res["pairs"] if x["valid"]]
+    res["machine"]["load_end"] = os.getloadavg()
+
+    def rng(key):
+        v = [x[key] for x in valid]
+        return ({"median": statistics.median(v), "min": min(v), "max": max(v)} if v
+                else {"median": float("nan"), "min": float("nan"), "max": float("nan")})
+    res["summary"] = {"valid_pairs": len(valid), "pairs": a.pairs,
+                      "stall_on_vs_off": rng("stall_on_vs_off"),
+                      "step_on_vs_off": rng("step_on_vs_off"),
+                      "step_s_median": {arm: statistics.median(
+                          [r["step_s_mean"] for r in res["runs"] if r["arm"] == arm])
+                          for arm in ("off", "on")},
+                      "stall_per_ckpt_s_median": {arm: statistics.median(
+                          [r["stall_per_ckpt_s"] for r in res["runs"] if r["arm"] == arm])
+                          for arm in ("off", "on")}}
+    sm = res["summary"]
+    print()
+    print(f"{a.gb} GB state, {a.pairs} ABBA pairs ({sm['valid_pairs']} valid), "
+          f"every {a.every} steps of {a.step_s} s")
+    print(f"{'':<26}{'off':>10}{'on':>10}{'on/off median [min, max]':>34}")
+    for key, rk, label in (("step_s_median", "step_on_vs_off", "step time (s)"),
+                           ("stall_per_ckpt_s_median", "stall_on_vs_off", "stall per ckpt (s)")):
+        r = sm[rk]
+        print(f"{label:<26}{sm[key]['off']:>10.3f}{sm[key]['on']:>10.3f}"
+              f"{r['median']:>16.3f} [{r['min']:.3f}, {r['max']:.3f}]")
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", a.out)
+    return 0 if valid else 1
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("all", "stall"), default="all")
+    ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
@@ -112,6 +195,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "remote_bench_results.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.mode == "stall":
+        if a.out == os.path.join(HERE, "remote_bench_results.json"):
+            a.out = os.path.join(HERE, "remote_stall_ab.json")
+        sys.exit(stall_ab(a))
     root = a.root or tempfile.mkdtemp(prefix="nonstop-remote-bench-")
     srv = SeaweedS3(os.path.join(root, "seaweedfs"))
     srv.start()

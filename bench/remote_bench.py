@@ -80,7 +80,8 @@ def train(dir, state, steps, every, step_s, remote=None, options=None):
             "stall_per_ckpt_s": st["visible_stall_s"] / max(1, st["saves"]),
             "saves": st["saves"], "close_s": close_s,
             "remote": {k: v for k, v in (st.get("remote") or {}).items()
-                       if k in ("uploads", "bytes", "upload_s", "last_GBps", "retries")}}
+                       if k in ("uploads", "bytes", "upload_s", "last_GBps", "retries",
+                                "uploading_step")}}
 
 
 def client_put(kind, srv, path, key, part, conc):
@@ -134,8 +135,9 @@ def stall_ab(a):
                           srv.url(f"p{p}") if arm == "on" else None,
                           dict(opts) if arm == "on" else None)
                 g.update(pair=p, arm=arm, load=os.getloadavg()[0])
-                if arm == "on":
-                    g["valid"] = g["remote"].get("uploads", 0) >= 1
+                if arm == "on":  # the uploader worked while the job trained
+                    g["valid"] = (g["remote"].get("uploads", 0) >= 1
+                                  or g["remote"].get("uploading_step") is not None)
                 res["runs"].append(g)
                 got[arm] = g
                 shutil.rmtree(d, ignore_errors=True)

@@ -39,8 +39,10 @@
 //   jd.select(rank=0, step=None, verify_data=True) -> dict(step, counter, where,
 //       slot, skipped=[...]) or None when no checkpoint file exists
 //   jd.select_common(world_size, step=None, set_aside_world=None, verify_data=True,
-//       max_step=None) -> dict(step, ranks=[SelectedCheckpoint...], skipped=[...]);
+//       max_step=None) -> dict(step, run_id, ranks=[SelectedCheckpoint...], skipped=[...]);
 //       raises when none is common
+//   jd.select_reshard(world_size, step=None, max_step=None, verify_data=True)
+//       -> dict(old_world, dir, step, run_id, ranks, skipped) or None
 //   jd.list(rank=0) -> [dict(step, counter, where, keep, state, reason,
 //       commit_unix_ns, data_bytes, metrics)]
 //   jd.kept(rank=0, metric="") -> [dict(step, counter, metric)]; jd.delete_kept(step)
@@ -117,7 +119,6 @@ struct SelectOptions {
   bool verify_data = true;             // verify every data chunk crc of the chosen one
   bool include_keep = true;            // consider keep/ copies too
   std::vector<uint64_t> exclude;       // counters the caller found damaged while reading
-  MediumKind kind = MediumKind::kBuffered;  // how the chosen file is opened (read only)
 };
 
 // The checkpoint recovery chose, with its file open read-only for reading it.
@@ -135,12 +136,31 @@ struct Selection {
   uint64_t newest_counter = 0;         // newest counter present in the rank's files
 };
 
-// The newest step committed (and verified) on every rank file of a world.
+// The newest step committed (and verified) on every rank file of a world,
+// by checkpoints of one run.
 struct CommonSelection {
   int64_t step = 0;
+  uint64_t run_id = 0;                 // CheckpointRunId of every rank's checkpoint
   std::vector<Selected> ranks;         // index = rank
-  std::vector<std::string> skipped;
+  std::vector<std::string> skipped;    // newer (step, run)s not chosen, and why
 };
+
+// The checkpoint a job reshards from (SelectReshard): a common selection in
+// the set-aside directory of the old world size.
+struct ReshardSelection {
+  int old_world = 0;
+  std::string dir;                     // "world-2", relative to the job directory
+  CommonSelection common;              // ranks[r].location.where: "world-2/rank-0000r.nsck"
+};
+
+// The run a checkpoint belongs to: the unsigned integer "lineage" of the
+// top-level "dist" object of its metadata (the Python front end draws a new
+// one whenever a distributed job starts or restores, and every rank writes
+// the same one). 0 when the metadata has no such field (a job of one
+// process, or not written by nonstop's front end); nullopt when the field is
+// there but not an unsigned 64-bit integer (such a checkpoint is never part
+// of a common selection). Bounded, never recursive (hostile bytes).
+std::optional<uint64_t> CheckpointRunId(std::string_view meta_json);
 
 struct LineageRecord {
   // Closed ranges [lo, hi] of abandoned counters, sorted, disjoint: rolled
@@ -253,11 +273,33 @@ class JobDir {
   // selected (its file has committed a newer checkpoint). On a read error
   // that returns true, Select again instead of reporting damage.
   Result<bool> Superseded(Selected& sel);
-  // Newest step committed and verified on every rank 0..world_size-1 (in
-  // world-W/ when set_aside_world is given). NotFound naming the ranks when
-  // no step is common, or when a rank file is missing: never "nothing".
+  // Newest step committed, not abandoned and verified on every rank
+  // 0..world_size-1 (in world-W/ when set_aside_world is given) by
+  // checkpoints of one run (CheckpointRunId): checkpoints of one step from
+  // different runs are never mixed. A step (or run) that fails to verify on
+  // some rank is skipped (a line in `skipped`) and older ones are tried.
+  // Never "nothing"; when no step qualifies, one line naming the first rank
+  // file that breaks it:
+  //   NotFound            a rank file is missing, or no step is common (no damage seen);
+  //   FailedPrecondition  a rank file was written by another rank or world
+  //                       size, or none of its checkpoints is of a run of the
+  //                       lower ranks' ("... is from another job");
+  //   Corruption          a rank holds no committed checkpoint because of
+  //                       damage, or every common step fails to verify.
   Result<CommonSelection> SelectCommon(int world_size, const SelectOptions& opts = {},
                                        std::optional<int> set_aside_world = std::nullopt);
+  // The reshard choice of a job of world size `world_size`: of every
+  // set-aside world-W/ (SetAsideWorlds), the common selection (SelectCommon
+  // in world-W/ with W ranks) whose step is newest; on a tie the smaller W.
+  // A world that fails is passed over when another one has a common step.
+  // nullopt when no set-aside rank file holds any checkpoint record (nothing
+  // committed can be lost). Otherwise, when no world qualifies, the first
+  // world's error, beginning "cannot reshard the checkpoint of world size W
+  // in DIR/world-W to world size N: ", with SelectCommon's codes except that
+  // a missing old rank file is FailedPrecondition (every old rank file must
+  // be visible to every new rank). I/O errors are returned at once.
+  Result<std::optional<ReshardSelection>> SelectReshard(int world_size,
+                                                        const SelectOptions& opts = {});
   // Every checkpoint record of rank R (slot file, then keep copies), newest first.
   Result<std::vector<ListedCheckpoint>> List(int rank);
 

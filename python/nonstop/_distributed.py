@@ -477,28 +477,11 @@ class Distributed:
         return None
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
-        comm = _Comm(self.group, self.world)
-        pick, err, cls = None, None, IncompatibleCheckpointError
-        try:
-            pick = pick_archive(self.dir, self.world)
-        except (CheckpointError, OSError) as e:
-            err = str(e)
-            if isinstance(e, CheckpointError):
-                cls = type(e)
-        comm.check(err, cls)
-        picks = comm.gather(pick)
-        if picks[0] is None:
-            seen = [(r, p) for r, p in enumerate(picks) if p is not None]
-            if seen:
-                r, (w, archive, _) = seen[0]
-                raise IncompatibleCheckpointError(
-                    f"rank {r} finds a checkpoint of world size {w} in {archive} but rank 0 "
-                    f"does not: resharding to world size {self.world} needs every old rank file "
-                    f"visible to every rank (a shared file system, or copies)")
+        got = reshard(self.dir, self.rank, self.world, step, _Comm(self.group, self.world),
+                      self.state or {})
+        if got is None:
             return None
-        old_world, archive, _ = picks[0]
-        key, info, tensors, meta = reshard(archive, old_world, self.rank, self.world, step, comm,
-                                           self.state or {})
+        key, info, tensors, meta, old_world, archive = got
         self.lineage = self._new_lineage()
         cand = self.engine.candidate()
         if cand is not None:  # a newer checkpoint of this world size, not on every rank
@@ -618,107 +601,32 @@ class _Comm:
                       else "; ".join(f"rank {r}: {e}" for r, e in bad))
 
 
-def _open_old(archive: str, old_world: int, world: int) -> list:
-    """Readers of every old rank file of `archive`; a one-line error naming
-    both world sizes and the first missing or foreign file."""
-    readers = []
-    for r in range(old_world):
-        path = os.path.join(archive, f"rank-{r:05d}.nsck")
-        if not os.path.exists(path):
-            raise IncompatibleCheckpointError(
-                f"cannot reshard the checkpoint of world size {old_world} in {archive} to world "
-                f"size {world}: {path} is missing (every old rank file must be visible to every "
-                f"rank: use a shared file system or copy them there)")
-        reader = _core().Reader(archive, rank=r, verify_data=True)
-        w = int(reader.geometry["world_size"])
-        if w != old_world:
-            raise IncompatibleCheckpointError(
-                f"cannot reshard {archive} to world size {world}: {path} was written with world "
-                f"size {w}, not {old_world}")
-        readers.append(reader)
-    return readers
+class _OldRank:
+    """One old rank's checkpoint chosen by JobDir.select_reshard, read like a
+    Reader that holds one checkpoint (index 0); reads verify chunk crcs."""
+
+    def __init__(self, sel):
+        self.sel = sel
+        self.checkpoints = [sel.info]
+
+    def read_tensor(self, idx: int, ti: int, ptr: int, nbytes: int) -> None:
+        self.sel.read_tensor(ti, ptr, nbytes)
 
 
-def _committed(reader) -> dict:
-    """(step, lineage) -> (index, meta) of the committed checkpoints of one file."""
-    from ._state import loads
-    found = {}
-    for i, c in enumerate(reader.checkpoints):
-        if not c["committed"]:
-            continue
-        try:
-            meta = loads(c["meta_json"])
-        except CheckpointError:  # malformed metadata: not a checkpoint to recover
-            continue
-        d = meta.get("dist", {}) if isinstance(meta, dict) else {}
-        found.setdefault((int(c["step"]), int(d.get("lineage", 0))), (i, meta))
-    return found
-
-
-def _common(readers: list) -> tuple[list, list]:
-    per = [_committed(r) for r in readers]
-    common = set(per[0]) if per else set()
-    for f in per[1:]:
-        common &= set(f)
-    return sorted(common, reverse=True), per
-
-
-def _why_no_common(archive: str, old_world: int, world: int, readers: list,
-                   per: list) -> Optional[CheckpointError]:
-    """Why the old rank files of `archive` have no committed checkpoint in
-    common: a one-line error naming the first rank file that breaks it, or
-    None when none of them holds a committed checkpoint (nothing to lose)."""
-    if not any(per):
-        return None
-    head = (f"cannot reshard the checkpoint of world size {old_world} in {archive} to world "
-            f"size {world}")
-    names = [os.path.join(archive, f"rank-{r:05d}.nsck") for r in range(old_world)]
-    for r, found in enumerate(per):
-        if not found:
-            reasons = [c.get("reason") for c in readers[r].checkpoints if c.get("reason")]
-            why = f"damaged: {reasons[0]}" if reasons else "it holds none"
-            return CorruptCheckpointError(
-                f"{head}: {names[r]} holds no committed checkpoint ({why})")
-    common = set(per[0])
-    for r in range(1, old_world):
-        if not common & set(per[r]):
-            mine = {lin for _, lin in per[r]}
-            if not mine & {lin for _, lin in common}:
-                return IncompatibleCheckpointError(
-                    f"{head}: {names[r]} is from another job (no checkpoint of the same run as "
-                    f"{os.path.basename(names[0])}; its steps "
-                    f"{sorted({s for s, _ in per[r]})[-5:]})")
-            return CorruptCheckpointError(
-                f"{head}: {names[r]} holds committed steps {sorted({s for s, _ in per[r]})[-5:]}, "
-                f"none of them committed on every lower rank file (steps "
-                f"{sorted({s for s, _ in common})[-5:]})")
-        common &= set(per[r])
-    return None
-
-
-def pick_archive(dir: str, world: int) -> Optional[tuple]:
-    """(old world, archive dir, newest common step) of the set-aside
-    checkpoint with the newest step committed on all of its rank files;
-    None when no set-aside rank file holds a committed checkpoint. Raises
-    the first archive's error (a missing, damaged or foreign old rank file)
-    when no archive can be used: a committed checkpoint is never silently
+def pick_archive(dir: str, world: int, step: Optional[int] = None,
+                 max_step: Optional[int] = None) -> Optional[dict]:
+    """The reshard choice, made by the job directory's owner in C++
+    (JobDir.select_reshard): of the set-aside checkpoints, the newest step
+    committed, of one run and verified on every old rank file, as
+    dict(old_world, dir, step, run_id, ranks=[selected checkpoint per old
+    rank], skipped). None when no set-aside rank file holds any checkpoint
+    record. Raises a one-line error (a missing, damaged or foreign old rank
+    file) when none can be used: a committed checkpoint is never silently
     replaced by a fresh start."""
-    best, err = None, None
-    for w, archive in archives(dir):
-        try:
-            readers = _open_old(archive, w, world)
-            order, per = _common(readers)
-        except (CheckpointError, OSError) as e:
-            err = err or e
-            continue
-        if not order:
-            err = err or _why_no_common(archive, w, world, readers, per)
-            continue
-        if best is None or order[0][0] > best[2]:
-            best = (w, archive, order[0][0])
-    if best is None and err is not None:
-        raise err
-    return best
+    jd = _open_read(dir)
+    if jd is None:
+        return None
+    return jd.select_reshard(world, step=step, max_step=max_step)
 
 
 def _numel(shape) -> int:
@@ -763,35 +671,76 @@ def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
     return out
 
 
-def reshard(archive: str, old_world: int, rank: int, world: int, step: Optional[int],
-            comm: _Comm, state: dict) -> tuple[tuple, dict, dict, dict]:
-    """Rebuilds rank `rank`'s state (of a job of world size `world`) from the
-    old rank files in `archive`. Returns ((step, lineage), info, tensors, meta).
+_ERRORS = {"CheckpointError": CheckpointError, "CheckpointNotFoundError": CheckpointNotFoundError,
+           "CorruptCheckpointError": CorruptCheckpointError,
+           "IncompatibleCheckpointError": IncompatibleCheckpointError,
+           "CheckpointMismatchError": CheckpointMismatchError}
 
-    The step is the newest one committed on every old file (the old job's
-    globally committed step) that verifies everywhere; each rank reads what
-    it needs from every old file, so any rank failing makes all fall back."""
-    err, readers, order, per = None, [], [], []
-    try:
-        readers = _open_old(archive, old_world, world)
-        order, per = _common(readers)
-    except (CheckpointError, OSError) as e:
-        err = str(e)
-    comm.check(err)
-    if step is not None:
-        order = [k for k in order if k[0] == step]
-    if not order:
-        raise CheckpointNotFoundError(
-            f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
-            f"committed on every old rank file of {archive} (world size {old_world})")
-    src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
-    for n, key in enumerate(order):
-        metas = [p[key][1] for p in per]
-        doc = metas[0].get("dist", {})
+
+def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "_Comm",
+            state: dict) -> Optional[tuple]:
+    """Rebuilds rank `rank`'s state (of a job of world size `world`) from a
+    set-aside checkpoint of another world size in `dir`. Returns ((step,
+    run id), info, tensors, meta, old world, archive dir), or None when no
+    set-aside rank file holds any checkpoint (nothing to lose).
+
+    Which checkpoint is JobDir's choice (select_reshard, C++): the newest
+    step committed and verified on every old rank file by checkpoints of one
+    run. Each rank chooses on its own and the ranks agree on the choice; each
+    reads what it needs from every old file, so a rank failing to rebuild
+    makes all fall back together to an older choice (below the failed step).
+    When nothing older qualifies, every rank raises one line that says why
+    the newer ones failed; never None."""
+    max_step, failed = None, []
+    while True:
+        pick, err = None, None
+        try:
+            pick = pick_archive(dir, world, step, max_step)
+        except CheckpointError as e:
+            err = (type(e).__name__, str(e))
+        errs = comm.gather(err)
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad:
+            name, msg = bad[0][1]
+            if len(bad) > 1 and any(e != bad[0][1] for _, e in bad):
+                msg = "; ".join(f"rank {r}: {m}" for r, (_, m) in bad)
+            if failed:
+                msg = f"{'; '.join(failed)}; then: {msg}"
+            raise _ERRORS.get(name, CheckpointError)(msg)
+        keys = comm.gather(None if pick is None else
+                           (int(pick["old_world"]), int(pick["step"]), int(pick["run_id"])))
+        if all(k is None for k in keys):
+            if failed:  # cannot happen: an older step that is gone is an error above
+                raise CorruptCheckpointError("; ".join(failed))
+            return None
+        seen = [(r, k) for r, k in enumerate(keys) if k is not None]
+        if len(seen) < len(keys):
+            r, (w, _, _) = seen[0]
+            raise IncompatibleCheckpointError(
+                f"rank {r} finds a checkpoint of world size {w} in {dir} but rank "
+                f"{keys.index(None)} does not: resharding to world size {world} needs every old "
+                f"rank file visible to every rank (a shared file system, or copies)")
+        low = min(k[1] for k in keys)
+        if len(set(keys)) > 1:
+            # The ranks see different choices (their copies differ): all try
+            # again at or below the oldest one, then below it.
+            max_step = low if any(k[1] != low for k in keys) else low - 1
+            continue
+        old_world, s, run_id = keys[0]
+        archive = os.path.join(dir, pick["dir"])
+        readers = [_OldRank(sel) for sel in pick["ranks"]]
+        src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
         err, fatal, got = None, None, None
         try:
-            got = _rebuild(readers, [p[key][0] for p in per], metas, doc, src, archive,
-                           old_world, rank, world, key, state)
+            from ._state import loads
+            metas = []
+            for sel, reader in zip(pick["ranks"], readers):
+                meta = loads(reader.checkpoints[0]["meta_json"])
+                if not isinstance(meta, dict):
+                    raise CorruptCheckpointError(f"{sel.where}: step {s}: malformed metadata")
+                metas.append(meta)
+            got = _rebuild(readers, [0] * old_world, metas, metas[0].get("dist", {}), src,
+                           archive, old_world, rank, world, (s, run_id), state)
         except (CorruptCheckpointError, OSError) as e:
             err = str(e)
         except CheckpointError as e:  # not a damaged file: no older step helps
@@ -803,18 +752,16 @@ def reshard(archive: str, old_world: int, rank: int, world: int, step: Optional[
         bad = [(r, e) for r, (e, _) in enumerate(got_all) if e is not None]
         if bad:
             where = "; ".join(f"rank {r}: {e}" for r, e in bad)
-            if n + 1 == len(order):
-                raise CorruptCheckpointError(
-                    f"no checkpoint of {archive} every rank can verify: {where}")
-            warnings.warn(f"nonstop: resharding step {key[0]} fails on {where}; all ranks fall "
-                          f"back to step {order[n + 1][0]}", stacklevel=4)
+            failed.append(f"resharding step {s} of {archive} fails on {where}")
+            warnings.warn(f"nonstop: resharding step {s} of {archive} fails on {where}; all ranks "
+                          f"fall back to an older step", stacklevel=4)
+            max_step = s - 1
             continue
         tensors, meta = got
-        info = dict(readers[src].checkpoints[per[src][key][0]])
+        info = dict(readers[src].checkpoints[0])
         info.pop("meta_json", None)
         info["resharded_from"] = {"dir": archive, "world_size": old_world}
-        return key, info, tensors, meta
-    raise AssertionError("unreachable")
+        return (s, run_id), info, tensors, meta, old_world, archive
 
 
 def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world, key, state):
@@ -867,7 +814,8 @@ def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world,
     dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
     if dt:
         from . import _fsdp
-        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, _core()))
+        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, _core(),
+                                     sources=(readers, indices)))
     # A module saved under DDP restored without it (one process), or back.
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():
@@ -912,13 +860,12 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     steps = [c["step"] for c in listed if c["state"] == "committed"]
     if steps and (step is None or step in steps):
         return read_own()
-    best = pick_archive(dir, 1)
-    if best is None:
+    got = reshard(dir, 0, 1, step, _Comm(), state)
+    if got is None:
         return read_own() if listed else None
-    old_world, archive, _ = best
-    key, info, tensors, meta = reshard(archive, old_world, 0, 1, step, _Comm(), state)
+    key, info, tensors, meta, _, archive = got
     return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
-                      os.path.join(archive, "rank-00000.nsck"))
+                      os.path.join(archive, _core().JobDir.slot_name(0)))
 
 
 def _torch_dtype(code: int):

@@ -310,10 +310,15 @@ def read_ranges(readers: list, indices: list, wanted: dict) -> dict:
 
 
 def reshard(dir: str, step_key: tuple, doc: dict, rank: int, world: int,
-            core) -> dict:
+            core, sources=None) -> dict:
     """This rank's Shard(0) pieces (name -> tensor shaped for the new world
     size) of the DTensors in `doc`, read from every old rank file of `dir`
-    at checkpoint `step_key` = (step, lineage). Replicate() ones come whole."""
+    at checkpoint `step_key` = (step, lineage). Replicate() ones come whole.
+    sources: (readers, indices) of the old rank files' checkpoints already
+    chosen (the job directory's reshard choice); else `dir` is read here."""
+    if sources is not None:
+        readers, indices = sources
+        return _pieces(readers, list(indices), doc, rank, world)
     from ._dcp import _readers, _key
     from ._state import loads
     readers = _readers(dir)
@@ -328,6 +333,10 @@ def reshard(dir: str, step_key: tuple, doc: dict, rank: int, world: int,
             raise IncompatibleCheckpointError(
                 f"old rank {r} of {dir} holds no committed checkpoint at step {step_key[0]}")
         indices.append(found)
+    return _pieces(readers, indices, doc, rank, world)
+
+
+def _pieces(readers: list, indices: list, doc: dict, rank: int, world: int) -> dict:
     wanted = {}
     for name, (shape, dtype, kind) in doc.items():
         if kind == "R":

@@ -234,8 +234,12 @@ struct JobDir::Impl {
 
   Result<Selection> SelectIn(Directory& d, const std::string& prefix, int r,
                              const SelectOptions& opts);
-  Result<CommonSelection> SelectCommonIn(Directory& d, const std::string& prefix, int world,
-                                         const SelectOptions& opts);
+  // The common selection of `world` ranks in `d`; nullopt when none of its
+  // rank files holds a checkpoint record. Every error message begins with
+  // `head`; reshard: a missing rank file is FailedPrecondition.
+  Result<std::optional<CommonSelection>> SelectCommonIn(Directory& d, const std::string& prefix,
+                                                        int world, const SelectOptions& opts,
+                                                        const std::string& head, bool reshard);
   Status KeepLocked(SlotFile& src, const CheckpointInfo& info);
   Status TidyLeftovers();
   // Retention (the end of this file).
@@ -564,17 +568,22 @@ Result<bool> JobDir::Superseded(Selected& sel) {
   return NewestRecord(rep) > sel.newest_at_scan;
 }
 
-Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::string& prefix,
-                                                     int world, const SelectOptions& opts) {
-  const std::string where = Where(prefix.empty() ? "" : prefix.substr(0, prefix.size() - 1));
-  const std::string here = prefix.empty() ? path : where;
+Result<std::optional<CommonSelection>> JobDir::Impl::SelectCommonIn(
+    Directory& d, const std::string& prefix, int world, const SelectOptions& opts,
+    const std::string& head, bool reshard) {
+  // (step, run id): checkpoints of one step are common only within one run.
+  using Key = std::pair<int64_t, uint64_t>;
   struct PerRank {
     std::vector<Source> sources;
     LineageRecord lineage;
-    std::map<int64_t, std::vector<std::pair<size_t, size_t>>, std::greater<>> steps;  // step -> (src, idx), newest counter first
+    std::map<Key, std::vector<std::pair<size_t, size_t>>> keys;  // -> (src, idx), newest counter first
     std::vector<std::string> problems;
+    std::string damage;     // the first damaged (or unusable) record, when any
+    bool any_record = false;
   };
+  auto fail = [&](StatusCode code, const std::string& why) { return Status(code, head + ": " + why); };
   std::vector<PerRank> ranks(static_cast<size_t>(world));
+  bool any_record = false, saw_damage = false;
   for (int r = 0; r < world; ++r) {
     PerRank& pr = ranks[r];
     NONSTOP_ASSIGN_OR_RETURN(pr.lineage, LineageIn(d, prefix, r));
@@ -584,49 +593,132 @@ Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::st
       std::string why = Where(prefix + JobDirNames::Slot(r)) +
                         (pr.problems.empty() ? " is missing" : " cannot be read");
       for (const auto& p : pr.problems) why += ": " + p;
-      return Status::NotFound("no checkpoint committed on every rank of " + here + " (world size " +
-                              std::to_string(world) + "): " + why);
+      if (reshard && pr.problems.empty()) {
+        return fail(StatusCode::kFailedPrecondition,
+                    why + " (every old rank file must be visible to every rank: use a shared "
+                          "file system or copy them there)");
+      }
+      return fail(pr.problems.empty() ? StatusCode::kNotFound : StatusCode::kCorruption, why);
     }
     for (size_t s = 0; s < pr.sources.size(); ++s) {
       const Source& src = pr.sources[s];
       const StoreGeometry& g = src.file->geometry();
       if (static_cast<int>(g.world_size) != world || static_cast<int>(g.rank) != r) {
-        return Status::FailedPrecondition(
-            Where(src.loc.where) + " was written by rank " + std::to_string(g.rank) +
-            " of world size " + std::to_string(g.world_size) + ", not rank " + std::to_string(r) +
-            " of " + std::to_string(world));
+        return fail(StatusCode::kFailedPrecondition,
+                    Where(src.loc.where) + " was written by rank " + std::to_string(g.rank) +
+                        " of world size " + std::to_string(g.world_size) + ", not rank " +
+                        std::to_string(r) + " of " + std::to_string(world));
       }
+      pr.any_record = pr.any_record || !src.report.checkpoints.empty() || !src.report.skipped.empty();
       for (size_t i = 0; i < src.report.checkpoints.size(); ++i) {
         const ScannedCheckpoint& c = src.report.checkpoints[i];
-        if (c.state != CheckpointState::kCommitted || pr.lineage.IsAbandoned(c.info.counter)) continue;
-        pr.steps[c.info.step].emplace_back(s, i);
+        if (pr.lineage.IsAbandoned(c.info.counter) || IsRotated(c)) continue;
+        std::string bad;
+        std::optional<uint64_t> run;
+        if (c.state != CheckpointState::kCommitted) {
+          bad = c.reason;
+        } else if (!(run = CheckpointRunId(c.info.meta_json))) {
+          bad = "its metadata's run id (\"dist\".\"lineage\") is not an unsigned integer";
+        }
+        if (!bad.empty()) {
+          if (pr.damage.empty()) {
+            pr.damage = src.loc.where + ": " + Describe(c.info.counter, c.info.step) + ": " + bad;
+          }
+          continue;
+        }
+        pr.keys[Key{c.info.step, *run}].emplace_back(s, i);
       }
     }
-    for (auto& [step, v] : pr.steps) {
+    for (auto& [key, v] : pr.keys) {
       std::stable_sort(v.begin(), v.end(), [&](const auto& a, const auto& b) {
         return pr.sources[a.first].report.checkpoints[a.second].info.counter >
                pr.sources[b.first].report.checkpoints[b.second].info.counter;
       });
     }
+    any_record = any_record || pr.any_record || !pr.problems.empty();
+    saw_damage = saw_damage || !pr.damage.empty() || !pr.problems.empty();
   }
-  std::vector<int64_t> common;
-  for (const auto& [step, v] : ranks[0].steps) {
-    bool all = true;
-    for (int r = 1; r < world && all; ++r) all = ranks[r].steps.count(step) > 0;
-    if (all && (!opts.step || step == *opts.step) && (!opts.max_step || step <= *opts.max_step)) {
-      common.push_back(step);
+  if (!any_record) return std::optional<CommonSelection>();  // nothing was ever committed here
+
+  auto steps_of = [](const std::vector<Key>& keys) {
+    std::vector<int64_t> steps;
+    for (const Key& k : keys) steps.push_back(k.first);
+    std::sort(steps.begin(), steps.end());
+    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+    if (steps.size() > 5) steps.erase(steps.begin(), steps.end() - 5);
+    std::string out = "[";
+    for (size_t i = 0; i < steps.size(); ++i) out += (i ? ", " : "") + std::to_string(steps[i]);
+    return out + "]";
+  };
+  auto keys_of = [](const PerRank& pr) {
+    std::vector<Key> v;
+    for (const auto& [k, _] : pr.keys) v.push_back(k);
+    return v;
+  };
+  // The (step, run)s every rank holds, ignoring opts' step bounds; when there
+  // is none, the first rank that breaks it says why.
+  std::vector<Key> common = keys_of(ranks[0]);
+  for (int r = 0; r < world; ++r) {
+    const PerRank& pr = ranks[r];
+    const std::string name = Where(prefix + JobDirNames::Slot(r));
+    if (pr.keys.empty()) {
+      std::string why = name + " holds no committed checkpoint (";
+      if (!pr.damage.empty()) {
+        why += "damaged: " + pr.damage + ")";
+      } else if (!pr.problems.empty()) {
+        why += "unreadable: " + pr.problems.front() + ")";
+      } else {
+        why += "it holds none)";
+      }
+      const bool damaged = !pr.damage.empty() || !pr.problems.empty();
+      return fail(damaged ? StatusCode::kCorruption : StatusCode::kNotFound, why);
+    }
+    if (r == 0) continue;
+    std::vector<Key> both;
+    for (const Key& k : common) {
+      if (pr.keys.count(k)) both.push_back(k);
+    }
+    if (both.empty()) {
+      bool same_run = false;
+      for (const auto& [k, _] : pr.keys) {
+        for (const Key& c : common) same_run = same_run || c.second == k.second;
+      }
+      const std::vector<Key> mine = keys_of(pr);
+      if (!same_run) {
+        return fail(StatusCode::kFailedPrecondition,
+                    name + " is from another job (none of its checkpoints is of the run of " +
+                        JobDirNames::Slot(0) + "'s; its steps " + steps_of(mine) + ")");
+      }
+      return fail(saw_damage ? StatusCode::kCorruption : StatusCode::kNotFound,
+                  name + " holds committed steps " + steps_of(mine) +
+                      ", none of them of one run committed on every lower rank file (steps " +
+                      steps_of(common) + ")");
+    }
+    common = std::move(both);
+  }
+  // Newest step first; within a step, the run of rank 0's newest checkpoint first.
+  auto newest_of = [&](const Key& k) {
+    const auto& [s, i] = ranks[0].keys.at(k).front();
+    return ranks[0].sources[s].report.checkpoints[i].info.counter;
+  };
+  std::stable_sort(common.begin(), common.end(), [&](const Key& a, const Key& b) {
+    return a.first != b.first ? a.first > b.first : newest_of(a) > newest_of(b);
+  });
+  std::vector<Key> tried;
+  for (const Key& k : common) {
+    if ((!opts.step || k.first == *opts.step) && (!opts.max_step || k.first <= *opts.max_step)) {
+      tried.push_back(k);
     }
   }
   CommonSelection out;
-  bool saw_damage = false;
-  for (int64_t step : common) {
+  for (const Key& key : tried) {
     std::vector<std::pair<size_t, size_t>> picks(world);
     std::string why;
     for (int r = 0; r < world && why.empty(); ++r) {
       PerRank& pr = ranks[r];
       std::string reasons;
       bool ok = false;
-      for (const auto& [s, i] : pr.steps[step]) {
+      for (const auto& [s, i] : pr.keys[key]) {
         const CheckpointInfo& info = pr.sources[s].report.checkpoints[i].info;
         Status st = Usable(info, pr.sources[s], opts);
         if (st.ok()) {
@@ -640,11 +732,13 @@ Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::st
       if (!ok) why = "rank " + std::to_string(r) + ": " + reasons;
     }
     if (!why.empty()) {
-      saw_damage = true;
-      out.skipped.push_back("step " + std::to_string(step) + ": " + why);
+      out.skipped.push_back("step " + std::to_string(key.first) +
+                            (key.second ? " of run " + std::to_string(key.second) : "") + ": " +
+                            why);
       continue;
     }
-    out.step = step;
+    out.step = key.first;
+    out.run_id = key.second;
     for (int r = 0; r < world; ++r) {
       Source& src = ranks[r].sources[picks[r].first];
       Selected sel;
@@ -655,39 +749,24 @@ Result<CommonSelection> JobDir::Impl::SelectCommonIn(Directory& d, const std::st
       sel.file = std::move(src.file);
       out.ranks.push_back(std::move(sel));
     }
-    return out;
+    return std::optional<CommonSelection>(std::move(out));
   }
-  std::string why = "no " + (opts.step ? "checkpoint of step " + std::to_string(*opts.step)
-                                       : std::string("checkpoint")) +
-                    " committed on every rank of " + here + " (world size " +
-                    std::to_string(world) + ")";
+  if (!tried.empty()) {
+    std::string why = "no committed checkpoint verifies on every rank";
+    for (const auto& s : out.skipped) why += "; " + s;
+    return fail(StatusCode::kCorruption, why);
+  }
+  // Common steps exist, none within opts' bounds.
+  std::string why = std::string("no ") +
+                    (opts.step ? "checkpoint of step " + std::to_string(*opts.step)
+                               : "checkpoint at step " + std::to_string(*opts.max_step) +
+                                     " or older") +
+                    " is committed on every rank (steps " + steps_of(common) + " are)";
   for (int r = 0; r < world; ++r) {
-    std::string have;
-    int shown = 0;
-    for (const auto& [step, v] : ranks[r].steps) {
-      if (++shown > 4) {
-        have += ", ...";
-        break;
-      }
-      have += (have.empty() ? "" : ", ") + std::to_string(step);
-    }
-    why += "; rank " + std::to_string(r) + " holds " + (have.empty() ? "none" : "steps " + have);
-    for (const ScannedCheckpoint& c : ranks[r].sources.empty()
-                                          ? std::vector<ScannedCheckpoint>{}
-                                          : ranks[r].sources[0].report.checkpoints) {
-      if (c.state == CheckpointState::kDamaged) {
-        saw_damage = true;
-        why += " (" + Describe(c.info.counter, c.info.step) + ": " + c.reason + ")";
-        break;
-      }
-    }
-    for (const auto& p : ranks[r].problems) {
-      saw_damage = true;
-      why += " (" + p + ")";
-    }
+    if (!ranks[r].damage.empty()) why += "; rank " + std::to_string(r) + ": " + ranks[r].damage;
+    for (const auto& p : ranks[r].problems) why += "; rank " + std::to_string(r) + ": " + p;
   }
-  for (const auto& s : out.skipped) why += "; " + s;
-  return saw_damage ? Status::Corruption(why) : Status::NotFound(why);
+  return fail(saw_damage ? StatusCode::kCorruption : StatusCode::kNotFound, why);
 }
 
 Result<CommonSelection> JobDir::SelectCommon(int world_size, const SelectOptions& opts,
@@ -695,18 +774,72 @@ Result<CommonSelection> JobDir::SelectCommon(int world_size, const SelectOptions
   if (world_size < 1 || world_size > 99999) {
     return Status::InvalidArgument("SelectCommon: bad world size " + std::to_string(world_size));
   }
-  if (!set_aside_world) return impl_->SelectCommonIn(*impl_->dir, "", world_size, opts);
-  const std::string name = JobDirNames::World(*set_aside_world);
-  Result<std::unique_ptr<Directory>> d = impl_->dir->OpenDir(name, false);
-  if (!d.ok()) {
-    if (IsNotFound(d.status())) {
-      return Status::NotFound("no checkpoint of world size " + std::to_string(*set_aside_world) +
-                              " is set aside in " + impl_->path + " (" + impl_->Where(name) +
-                              " does not exist)");
+  Directory* d = impl_->dir.get();
+  std::unique_ptr<Directory> sub;
+  std::string prefix;
+  if (set_aside_world) {
+    const std::string name = JobDirNames::World(*set_aside_world);
+    Result<std::unique_ptr<Directory>> opened = impl_->dir->OpenDir(name, false);
+    if (!opened.ok()) {
+      if (IsNotFound(opened.status())) {
+        return Status::NotFound("no checkpoint of world size " + std::to_string(*set_aside_world) +
+                                " is set aside in " + impl_->path + " (" + impl_->Where(name) +
+                                " does not exist)");
+      }
+      return opened.status();
     }
-    return d.status();
+    sub = std::move(opened).value();
+    d = sub.get();
+    prefix = name + "/";
   }
-  return impl_->SelectCommonIn(*d.value(), name + "/", world_size, opts);
+  const std::string head = "no checkpoint committed on every rank of " +
+                           (prefix.empty() ? impl_->path : impl_->Where(prefix.substr(0, prefix.size() - 1))) +
+                           " (world size " + std::to_string(world_size) + ")";
+  NONSTOP_ASSIGN_OR_RETURN(std::optional<CommonSelection> cs,
+                           impl_->SelectCommonIn(*d, prefix, world_size, opts, head, false));
+  if (!cs) return Status::NotFound(head + ": no rank file holds a checkpoint");
+  return std::move(*cs);
+}
+
+Result<std::optional<ReshardSelection>> JobDir::SelectReshard(int world_size,
+                                                              const SelectOptions& opts) {
+  if (world_size < 1 || world_size > 99999) {
+    return Status::InvalidArgument("SelectReshard: bad world size " + std::to_string(world_size));
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<int> worlds, SetAsideWorlds());
+  std::optional<ReshardSelection> best;
+  std::optional<Status> first_error;
+  for (int w : worlds) {
+    const std::string name = JobDirNames::World(w);
+    Result<std::unique_ptr<Directory>> d = impl_->dir->OpenDir(name, false);
+    if (!d.ok()) {
+      if (IsNotFound(d.status())) continue;  // removed since it was listed
+      if (!IsDamage(d.status())) return d.status();
+      if (!first_error) first_error = d.status().Annotate(impl_->Where(name));
+      continue;
+    }
+    const std::string head = "cannot reshard the checkpoint of world size " + std::to_string(w) +
+                             " in " + impl_->Where(name) + " to world size " +
+                             std::to_string(world_size);
+    Result<std::optional<CommonSelection>> cs =
+        impl_->SelectCommonIn(*d.value(), name + "/", w, opts, head, true);
+    if (!cs.ok()) {
+      const StatusCode c = cs.status().code();
+      if (c != StatusCode::kCorruption && c != StatusCode::kFailedPrecondition &&
+          c != StatusCode::kNotFound) {
+        return cs.status();  // an I/O error is never taken for an unusable world
+      }
+      if (!first_error) first_error = cs.status();
+      continue;
+    }
+    if (!cs.value()) continue;  // nothing was ever committed there
+    if (!best || cs.value()->step > best->common.step) {
+      best = ReshardSelection{w, name, std::move(*cs.value())};
+    }
+  }
+  if (best) return best;
+  if (first_error) return *first_error;
+  return std::optional<ReshardSelection>();
 }
 
 Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {

@@ -289,6 +289,78 @@ bool Json::AsDouble(double* out) const {
   return end == text.c_str() + text.size() && std::isfinite(*out);
 }
 
+// Scans the top-level object of `text` without recursion and returns the
+// text of the value of `key` (empty when absent, or when `text` is not an
+// object this scan understands). Trailing white space is not part of the value.
+std::string_view TopLevelValue(std::string_view text, std::string_view key) {
+  size_t i = 0;
+  const size_t n = text.size();
+  auto ws = [&] {
+    while (i < n && (text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r')) ++i;
+  };
+  // Skips a string starting at text[i] == '"'; false when unterminated.
+  auto skip_string = [&]() -> bool {
+    for (++i; i < n; ++i) {
+      if (text[i] == '\\') {
+        ++i;
+      } else if (text[i] == '"') {
+        ++i;
+        return true;
+      }
+    }
+    return false;
+  };
+  ws();
+  if (i >= n || text[i] != '{') return {};
+  ++i;
+  while (true) {
+    ws();
+    if (i >= n || text[i] != '"') return {};
+    const size_t k0 = i + 1;
+    if (!skip_string()) return {};
+    const std::string_view k = text.substr(k0, i - 1 - k0);
+    ws();
+    if (i >= n || text[i] != ':') return {};
+    ++i;
+    ws();
+    const size_t v0 = i;
+    size_t depth = 0;
+    while (i < n) {
+      const char c = text[i];
+      if (c == '"') {
+        if (!skip_string()) return {};
+        if (depth == 0) break;
+        continue;
+      }
+      if (c == '{' || c == '[') {
+        ++depth;
+      } else if (c == '}' || c == ']') {
+        if (depth == 0) break;  // the end of the top-level object
+        if (--depth == 0) {
+          ++i;
+          break;
+        }
+      } else if (c == ',' && depth == 0) {
+        break;
+      }
+      ++i;
+    }
+    if (i > n) return {};
+    if (k == key) {
+      std::string_view v = text.substr(v0, i - v0);
+      while (!v.empty() && (v.back() == ' ' || v.back() == '\n' || v.back() == '\t' || v.back() == '\r')) {
+        v.remove_suffix(1);
+      }
+      return v;
+    }
+    ws();
+    if (i >= n) return {};
+    if (text[i] == '}') return {};
+    if (text[i] != ',') return {};
+    ++i;
+  }
+}
+
 Result<Json> ParseJson(std::string_view text, const std::string& what) {
   return Parser(text, what).Run();
 }
@@ -437,3 +509,19 @@ Result<AgreedRecord> DecodeAgreed(std::string_view text, const std::string& what
 }
 
 }  // namespace nonstop::jobdir_internal
+
+namespace nonstop {
+
+std::optional<uint64_t> CheckpointRunId(std::string_view meta_json) {
+  using jobdir_internal::TopLevelValue;
+  const std::string_view dist = TopLevelValue(meta_json, "dist");
+  if (dist.empty() || dist.front() != '{') return uint64_t{0};  // not a distributed checkpoint
+  const std::string_view v = TopLevelValue(dist, "lineage");
+  if (v.empty() || v == "null") return uint64_t{0};
+  uint64_t id = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), id);
+  if (ec != std::errc() || p != v.data() + v.size()) return std::nullopt;
+  return id;
+}
+
+}  // namespace nonstop

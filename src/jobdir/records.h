@@ -38,6 +38,10 @@ struct Json {
 
 // Parses `text` (at most kMaxRecordBytes). Corruption naming `what` on any error.
 Result<Json> ParseJson(std::string_view text, const std::string& what);
+// The text of the value of `key` in the top-level object of `text`, found by
+// a scan without recursion (hostile bytes); empty when absent or when `text`
+// is not an object the scan understands.
+std::string_view TopLevelValue(std::string_view text, std::string_view key);
 // A JSON string literal for `s` (quotes included).
 std::string JsonString(std::string_view s);
 

@@ -13,74 +13,9 @@ namespace {
 
 using jobdir_internal::Json;
 using jobdir_internal::ParseJson;
+using jobdir_internal::TopLevelValue;
 
 constexpr size_t kMaxMetrics = 256;
-
-// Scans the top-level object of `text` without recursion and returns the
-// text of the value of `key` (empty when absent, or when `text` is not an
-// object this scan understands).
-std::string_view TopLevelValue(std::string_view text, std::string_view key) {
-  size_t i = 0;
-  const size_t n = text.size();
-  auto ws = [&] {
-    while (i < n && (text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r')) ++i;
-  };
-  // Skips a string starting at text[i] == '"'; false when unterminated.
-  auto skip_string = [&]() -> bool {
-    for (++i; i < n; ++i) {
-      if (text[i] == '\\') {
-        ++i;
-      } else if (text[i] == '"') {
-        ++i;
-        return true;
-      }
-    }
-    return false;
-  };
-  ws();
-  if (i >= n || text[i] != '{') return {};
-  ++i;
-  while (true) {
-    ws();
-    if (i >= n || text[i] != '"') return {};
-    const size_t k0 = i + 1;
-    if (!skip_string()) return {};
-    const std::string_view k = text.substr(k0, i - 1 - k0);
-    ws();
-    if (i >= n || text[i] != ':') return {};
-    ++i;
-    ws();
-    const size_t v0 = i;
-    size_t depth = 0;
-    while (i < n) {
-      const char c = text[i];
-      if (c == '"') {
-        if (!skip_string()) return {};
-        if (depth == 0) break;
-        continue;
-      }
-      if (c == '{' || c == '[') {
-        ++depth;
-      } else if (c == '}' || c == ']') {
-        if (depth == 0) break;  // the end of the top-level object
-        if (--depth == 0) {
-          ++i;
-          break;
-        }
-      } else if (c == ',' && depth == 0) {
-        break;
-      }
-      ++i;
-    }
-    if (i > n) return {};
-    if (k == key) return text.substr(v0, i - v0);
-    ws();
-    if (i >= n) return {};
-    if (text[i] == '}') return {};
-    if (text[i] != ',') return {};
-    ++i;
-  }
-}
 
 bool Better(const KeptCopy& a, const KeptCopy& b, bool higher) {
   // a ranks before b: a better metric, or the same metric and newer.
@@ -97,10 +32,7 @@ bool Periodic(uint64_t counter, const RetentionPolicy& p) {
 
 std::vector<std::pair<std::string, double>> CheckpointMetrics(std::string_view meta_json) {
   std::vector<std::pair<std::string, double>> out;
-  std::string_view v = TopLevelValue(meta_json, "metrics");
-  while (!v.empty() && (v.back() == ' ' || v.back() == '\n' || v.back() == '\t' || v.back() == '\r')) {
-    v.remove_suffix(1);
-  }
+  const std::string_view v = TopLevelValue(meta_json, "metrics");
   if (v.empty() || v.front() != '{' || v.size() > jobdir_internal::kMaxRecordBytes) return out;
   Result<Json> j = ParseJson(v, "metrics");
   if (!j.ok() || j.value().type != Json::Type::kObject) return out;

@@ -145,12 +145,25 @@ class PyJobDir {
       py::gil_scoped_release release;
       cs = Take(j.SelectCommon(world_size, o, set_aside_world));
     }
-    py::dict d;
-    d["step"] = cs.step;
-    py::list ranks;
-    for (auto& s : cs.ranks) ranks.append(PySelected(jd_, std::move(s), {}, false));
-    d["ranks"] = ranks;
-    d["skipped"] = cs.skipped;
+    return CommonDict(std::move(cs));
+  }
+
+  std::optional<py::dict> SelectReshard(int world_size, std::optional<int64_t> step,
+                                        std::optional<int64_t> max_step, bool verify_data) {
+    JobDir& j = jd();
+    SelectOptions o;
+    o.step = step;
+    o.max_step = max_step;
+    o.verify_data = verify_data;
+    std::optional<ReshardSelection> rs;
+    {
+      py::gil_scoped_release release;
+      rs = Take(j.SelectReshard(world_size, o));
+    }
+    if (!rs) return std::nullopt;
+    py::dict d = CommonDict(std::move(rs->common));
+    d["old_world"] = rs->old_world;
+    d["dir"] = rs->dir;
     return d;
   }
 
@@ -239,6 +252,17 @@ class PyJobDir {
   }
 
  private:
+  py::dict CommonDict(CommonSelection cs) const {
+    py::dict d;
+    d["step"] = cs.step;
+    d["run_id"] = cs.run_id;
+    py::list ranks;
+    for (auto& s : cs.ranks) ranks.append(PySelected(jd_, std::move(s), {}, false));
+    d["ranks"] = ranks;
+    d["skipped"] = cs.skipped;
+    return d;
+  }
+
   std::shared_ptr<JobDir> jd_;
 };
 
@@ -311,6 +335,9 @@ void InitJobDir(py::module_& m) {
       .def("select_common", &PyJobDir::SelectCommon, py::arg("world_size"),
            py::arg("step") = py::none(), py::arg("set_aside_world") = py::none(),
            py::arg("verify_data") = true, py::arg("max_step") = py::none())
+      .def("select_reshard", &PyJobDir::SelectReshard, py::arg("world_size"),
+           py::arg("step") = py::none(), py::arg("max_step") = py::none(),
+           py::arg("verify_data") = true)
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
       .def("lineage", &PyJobDir::Lineage, py::arg("rank") = 0)

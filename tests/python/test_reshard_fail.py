@@ -93,3 +93,29 @@ def test_old_rank_file_damaged_newest_falls_back(tmp_path):
         step, t = restore_one(d)
     assert step == 3 and torch.equal(t, torch.full((4,), 3.0))
     assert os.path.isdir(os.path.join(d, "world-2"))
+
+
+def test_every_old_rank_file_damaged_raises_never_a_fresh_start(tmp_path):
+    d = str(tmp_path / "ck")
+    write_rank(d, 0, 11, [3, 5])
+    write_rank(d, 1, 11, [3, 5])
+    damage_all(d, 0)
+    damage_all(d, 1)
+    with pytest.warns(UserWarning, match="world size 2"):
+        with pytest.raises(CorruptCheckpointError) as e:
+            restore_one(d)
+    msg = str(e.value)
+    assert "\n" not in msg and "rank-0000" in msg and "no committed checkpoint" in msg, msg
+
+
+def test_old_rank_files_of_one_step_from_two_runs_are_never_mixed(tmp_path):
+    d = str(tmp_path / "ck")
+    write_rank(d, 0, 11, [3])
+    write_rank(d, 1, 11, [3])
+    # Both ranks wrote step 5, rank 1 in another run (it was restarted from
+    # elsewhere): step 5 is not one checkpoint; step 3 is.
+    write_rank(d, 0, 11, [5])  # an engine reopened on its file numbers after what is there
+    write_rank(d, 1, 22, [5])
+    with pytest.warns(UserWarning, match="world size 2"):
+        step, t = restore_one(d)
+    assert step == 3 and torch.equal(t, torch.full((4,), 3.0))

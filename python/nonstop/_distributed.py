@@ -532,7 +532,10 @@ class Distributed:
 # old rank holds which element range), ZeRO-1 optimizer state consolidated
 # from the old shards (zero_layout) and partitioned again by the new
 # ZeroRedundancyOptimizer. Every old rank file must be visible to every new
-# rank (a shared file system, or the files copied to each node).
+# rank (a shared file system, or the files copied to each node). Which
+# set-aside checkpoint is resharded is the job directory's choice (C++,
+# JobDir.select_reshard: newest step of one run verified on every old rank);
+# Python agrees on it over gloo and rebuilds the torch state.
 
 
 def _core():

@@ -590,11 +590,21 @@ class _Comm:
         self.group, self.world = group, world
 
     def gather(self, obj) -> list:
+        """Every rank's `obj` (JSON: None, bool, numbers, strings, lists;
+        tuples come back as lists). Bytes over two all_gathers, never pickle
+        (all_gather_object unpickles what the peers send)."""
         if self.group is None:
             return [obj]
-        got = [None] * self.world
-        torch.distributed.all_gather_object(got, obj, group=self.group)
-        return got
+        dist = torch.distributed
+        data = json.dumps(obj).encode("utf-8")
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        n = [int(t.item()) for t in sizes]
+        buf = torch.zeros(max(n), dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = [torch.zeros(max(n), dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(got, buf, group=self.group)
+        return [json.loads(bytes(g[:k].numpy()).decode("utf-8")) for g, k in zip(got, n)]
 
     def check(self, err: Optional[str], cls=IncompatibleCheckpointError) -> None:
         """Raises on every rank when any rank failed (so none hangs)."""
@@ -710,8 +720,9 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "_Comm",
             if failed:
                 msg = f"{'; '.join(failed)}; then: {msg}"
             raise _ERRORS.get(name, CheckpointError)(msg)
-        keys = comm.gather(None if pick is None else
-                           (int(pick["old_world"]), int(pick["step"]), int(pick["run_id"])))
+        keys = [None if k is None else tuple(k) for k in comm.gather(
+            None if pick is None else [int(pick["old_world"]), int(pick["step"]),
+                                       int(pick["run_id"])])]
         if all(k is None for k in keys):
             if failed:  # cannot happen: an older step that is gone is an error above
                 raise CorruptCheckpointError("; ".join(failed))

@@ -45,8 +45,8 @@ from typing import Optional
 
 import torch
 
-from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                     CorruptCheckpointError, IncompatibleCheckpointError)
+from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                     CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
 REPLICATED = ("shard", "rank0")
 # Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
@@ -687,7 +687,7 @@ def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
 _ERRORS = {"CheckpointError": CheckpointError, "CheckpointNotFoundError": CheckpointNotFoundError,
            "CorruptCheckpointError": CorruptCheckpointError,
            "IncompatibleCheckpointError": IncompatibleCheckpointError,
-           "CheckpointMismatchError": CheckpointMismatchError}
+           "CheckpointMismatchError": CheckpointMismatchError, "CheckpointIOError": CheckpointIOError}
 
 
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "_Comm",

@@ -35,6 +35,8 @@
 // On a function: it takes (releases) the listed locks, or `this`.
 #define ACQUIRE(...) NONSTOP_TSA_(acquire_capability(__VA_ARGS__))
 #define RELEASE(...) NONSTOP_TSA_(release_capability(__VA_ARGS__))
+#define ACQUIRE_SHARED(...) NONSTOP_TSA_(acquire_shared_capability(__VA_ARGS__))
+#define RELEASE_SHARED(...) NONSTOP_TSA_(release_shared_capability(__VA_ARGS__))
 #define TRY_ACQUIRE(...) NONSTOP_TSA_(try_acquire_capability(__VA_ARGS__))
 // On a function: it checks at run time that the lock is held.
 #define ASSERT_CAPABILITY(x) NONSTOP_TSA_(assert_capability(x))

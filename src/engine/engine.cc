@@ -12,6 +12,9 @@
 namespace nonstop::engine_detail {
 
 Status EngineImpl::Init() {
+  // No other thread runs yet; held so that the analysis sees every field
+  // guarded (the threads started at the end wait for it).
+  MutexLock lock(&mu_);
   if (opts_.dir.empty()) return Status::InvalidArgument("engine: empty checkpoint dir");
   if (opts_.max_in_flight < 1) {
     return Status::InvalidArgument("max_in_flight must be >= 1, got " +
@@ -143,7 +146,7 @@ Status EngineImpl::RecordRollback() {
 }
 
 Status EngineImpl::TakeError() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return TakePendingError();
 }
 
@@ -154,8 +157,8 @@ Status EngineImpl::CheckOpen() {
 
 void EngineImpl::AddStall(double s) { stats_.stall_s_total += s; }
 
-Status EngineImpl::WaitAllFinished(std::unique_lock<std::mutex>& lock) {
-  cv_.wait(lock, [&] { return in_flight_ == 0; });
+Status EngineImpl::WaitAllFinished() {
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ == 0; });
   return Status::OK();
 }
 
@@ -232,7 +235,7 @@ Status EngineImpl::PublishTemp(SlotFile& file) {
 }
 
 Status EngineImpl::Register(std::vector<TensorRef> tensors) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_RETURN_IF_ERROR(TakePendingError());
   std::vector<TensorSpec> specs;
@@ -251,7 +254,7 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   }
   // In-flight copies still read the old registration's memory and snapshots.
   const auto t0 = Clock::now();
-  cv_.wait(lock, [&] {
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
     return copied_through_ >= started_last_ && lw_copied_total_ >= lw_requested_total_;
   });
 
@@ -260,12 +263,12 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
                     file_->geometry().slots >= WantedSlots();
   if (!fits) {
     // Slot ids and the retained slot belong to one file: switch with nothing in flight.
-    NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+    NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
     const bool keep_old = file_ != nullptr && (latest_.has_value() || pending_rename_);
     NONSTOP_RETURN_IF_ERROR(SwitchFile(slot_bytes, keep_old));
     stats_.medium = medium_desc_;
   }
-  if (opts_.staging_bytes == 0) NONSTOP_RETURN_IF_ERROR(GrowStaging(layout.data_bytes, lock));
+  if (opts_.staging_bytes == 0) NONSTOP_RETURN_IF_ERROR(GrowStaging(layout.data_bytes));
   AddStall(Seconds(t0, Clock::now()));
 
   auto reg = std::make_shared<Registration>();
@@ -341,7 +344,7 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
 }
 
 Status EngineImpl::Close() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return Status::OK();
   // Open layer-wise checkpoints can never be sealed now: fail them quietly
   // (their slots go back; the newest committed checkpoint is untouched).
@@ -351,33 +354,33 @@ Status EngineImpl::Close() {
     job->Fail(Status::Aborted("engine closed before EndCheckpoint"));
     SealLocked(job);
   }
-  lock.unlock();
-  cv_.notify_all();
-  lock.lock();
-  cv_.wait(lock, [&] { return in_flight_ == 0; });
+  lock.Unlock();
+  cv_.SignalAll();
+  lock.Lock();
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ == 0; });
   closed_ = true;
   stopping_ = true;
   Status st = TakePendingError();
-  lock.unlock();
-  cv_.notify_all();
+  lock.Unlock();
+  cv_.SignalAll();
   if (dispatcher_.joinable()) dispatcher_.join();
   if (committer_.joinable()) committer_.join();
   writers_.reset();
   // A clean close: everything is on disk; the segment's memory goes back.
   if (memory_) memory_->Close(/*remove_segment=*/true);
-  lock.lock();
+  lock.Lock();
   reg_.reset();
   file_.reset();
   old_file_.reset();
   pinned_file_.reset();
   std::shared_ptr<PreparedStaging> prep = std::move(prep_);
   prep_.reset();
-  lock.unlock();
+  lock.Unlock();
   if (prep_thread_.joinable()) prep_thread_.join();
   prep.reset();  // frees a prepared pool nobody took
   staging_.reset();
   {
-    std::lock_guard<std::mutex> l(agreed_mu_);
+    MutexLock l(&agreed_mu_);
     jd_.reset();  // releases the writer lock
   }
   return st;

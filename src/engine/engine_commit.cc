@@ -11,8 +11,8 @@ void EngineImpl::CommitLoop() {
   for (;;) {
     std::shared_ptr<Job> job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return (stopping_ && in_flight_ == 0) || !commit_q_.empty(); });
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return (stopping_ && in_flight_ == 0) || !commit_q_.empty(); });
       if (commit_q_.empty()) return;
       job = commit_q_.front();
       commit_q_.pop_front();
@@ -70,7 +70,7 @@ void EngineImpl::CommitLoop() {
       uint64_t expected = job->counter;
       uint64_t durable;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         durable = committed_counter_;
       }
       claimed_.compare_exchange_strong(expected, durable, std::memory_order_acq_rel);
@@ -79,7 +79,7 @@ void EngineImpl::CommitLoop() {
     }
     RetentionPolicy retention;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       retention = retention_;
     }
     retention.keep_every = opts_.keep_every;
@@ -91,7 +91,7 @@ void EngineImpl::CommitLoop() {
       // checkpoint is the newest and its slot cannot be reused.
       Status ks = jd_->Retain(*job->file, info.value(), retention);
       if (!ks.ok()) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         pending_errors_.emplace_back(job->counter, ks);
       }
     }
@@ -121,7 +121,7 @@ Status EngineImpl::NoteNotDurable() {
 void EngineImpl::AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm) {
   const std::string path = sm.path();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     not_durable_.insert(failed->counter);
     for (auto& [c, job] : live_) {
       if (job == failed || job->file != failed->file) continue;
@@ -136,7 +136,7 @@ void EngineImpl::AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium&
 void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded,
                            Status st) {
   const double persist_s = Seconds(job->t_start, Clock::now());
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // The first commit into a resized file makes it the file: rename it over the
   // old one and sync the directory, so the old committed checkpoint is
   // replaced by a newer committed one in one atomic step.
@@ -193,8 +193,8 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   unfinished_.erase(job->counter);
   live_.erase(job->counter);
   --in_flight_;
-  lock.unlock();
-  cv_.notify_all();
+  lock.Unlock();
+  cv_.SignalAll();
 }
 
 Status EngineImpl::SetRetention(const RetentionPolicy& policy) {
@@ -205,7 +205,7 @@ Status EngineImpl::SetRetention(const RetentionPolicy& policy) {
   if (policy.best_k > 0 && policy.best_metric.empty()) {
     return Status::InvalidArgument("best-k retention needs a metric name");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   retention_ = policy;
   return Status::OK();
@@ -213,15 +213,15 @@ Status EngineImpl::SetRetention(const RetentionPolicy& policy) {
 
 Status EngineImpl::DeleteKept(int64_t step) {
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     NONSTOP_RETURN_IF_ERROR(CheckOpen());
-    NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+    NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   }
   return jd_->DeleteKept(step);
 }
 
 Status EngineImpl::Pin(uint64_t counter) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (!opts_.global_agreement) {
     return Status::FailedPrecondition("Pin needs EngineOptions::global_agreement");
@@ -277,12 +277,12 @@ Status EngineImpl::Pin(uint64_t counter) {
 }
 
 std::optional<CommittedCheckpoint> EngineImpl::Candidate() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return candidate_;
 }
 
 Status EngineImpl::DropCandidate(uint64_t counter) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (candidate_ && candidate_->counter == counter && retained_slot_) {
     free_slots_->Push(*retained_slot_);
@@ -294,7 +294,7 @@ Status EngineImpl::DropCandidate(uint64_t counter) {
 
 Status EngineImpl::WriteAgreed(const AgreedRecord& rec) {
   // Not under mu_: the record's fsyncs never stall the training thread.
-  std::lock_guard<std::mutex> l(agreed_mu_);
+  MutexLock l(&agreed_mu_);
   if (!jd_) return Status::FailedPrecondition("the engine of " + opts_.dir + " is closed");
   return jd_->WriteAgreed(rec);
 }

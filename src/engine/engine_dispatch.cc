@@ -9,8 +9,7 @@
 namespace nonstop::engine_detail {
 
 Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_point t0,
-                                                     bool layerwise, const char* what,
-                                                     std::unique_lock<std::mutex>& lock) {
+                                                     bool layerwise, const char* what) {
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   // An earlier checkpoint's failure stays queued for TakeError() and the
   // wait calls: this checkpoint starts anyway, so one failure costs one.
@@ -18,7 +17,7 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   NONSTOP_RETURN_IF_ERROR(RecordRollback());
   // The only place a checkpoint blocks on the pipeline: N already in flight
   // (unless they are all open layer-wise checkpoints, which cannot finish).
-  cv_.wait(lock, [&] { return in_flight_ < opts_.max_in_flight || in_flight_ == open_; });
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ < opts_.max_in_flight || in_flight_ == open_; });
   if (in_flight_ >= opts_.max_in_flight) {
     return Status::FailedPrecondition(std::to_string(open_) +
                                       " layer-wise checkpoints are open (max_in_flight " +
@@ -79,25 +78,25 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
 
 Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job,
-                           AdmitLocked(step, t0, /*layerwise=*/false, "Checkpoint", lock));
+                           AdmitLocked(step, t0, /*layerwise=*/false, "Checkpoint"));
   job->meta_json = std::move(meta_json);
-  lock.unlock();
+  lock.Unlock();
 
   // copy_at_checkpoint tensors: copied now, on the caller's time, into the
   // snapshot buffer; the background pipeline reads the snapshot instead.
   Status st = SnapshotNow(job, /*skip_requested=*/false);
   if (!st.ok()) job->Fail(st.Annotate("copy_at_checkpoint"));
 
-  lock.lock();
+  lock.Lock();
   started_last_ = job->counter;
   dispatch_q_.push_back(DispatchItem{DispatchItem::kWhole, job, {}});
   const double stall = Seconds(t0, Clock::now());
   job->stall_s += stall;
   AddStall(stall);
-  lock.unlock();
-  cv_.notify_all();
+  lock.Unlock();
+  cv_.SignalAll();
   return job->counter;
 }
 
@@ -127,11 +126,11 @@ Status EngineImpl::SnapshotNow(const std::shared_ptr<Job>& job, bool skip_reques
 
 Status EngineImpl::WaitCopied() {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (copied_through_ < started_last_ || lw_copied_total_ < lw_requested_total_) {
     std::shared_ptr<Job> newest = live_.count(started_last_) ? live_[started_last_] : nullptr;
-    cv_.wait(lock, [&] {
+    cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
       return copied_through_ >= started_last_ && lw_copied_total_ >= lw_requested_total_;
     });
     const double s = Seconds(t0, Clock::now());
@@ -143,14 +142,14 @@ Status EngineImpl::WaitCopied() {
 
 Status EngineImpl::WaitCommitted(uint64_t counter) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   std::shared_ptr<Job> job = live_.count(counter) ? live_[counter] : nullptr;
   if (counter == 0 ? open_ > 0 : (job && job->open)) {
     return Status::FailedPrecondition("WaitCommitted on an open layer-wise checkpoint: "
                                       "EndCheckpoint first");
   }
-  cv_.wait(lock, [&] {
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
     return counter == 0 ? unfinished_.empty() : unfinished_.count(counter) == 0;
   });
   const double s = Seconds(t0, Clock::now());
@@ -169,7 +168,7 @@ Status EngineImpl::WaitCommitted(uint64_t counter) {
 }
 
 std::optional<CommittedCheckpoint> EngineImpl::Latest() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return latest_;
 }
 
@@ -177,8 +176,8 @@ void EngineImpl::DispatchLoop() {
   for (;;) {
     DispatchItem item;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !dispatch_q_.empty(); });
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stopping_ || !dispatch_q_.empty(); });
       if (dispatch_q_.empty()) return;
       item = std::move(dispatch_q_.front());
       dispatch_q_.pop_front();
@@ -194,11 +193,11 @@ void EngineImpl::DispatchLoop() {
     }
     CopyJob(job);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (job->snapshot >= 0) free_snapshots_.push_back(job->snapshot);
       copied_through_ = job->counter;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 
@@ -252,20 +251,20 @@ void EngineImpl::CopyJob(const std::shared_ptr<Job>& job) {
   {
     // The writers may already have finished every chunk, so the committer
     // can be reading the job's stats in FinishJob right now.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     job->copy_s = Seconds(job->t_start, Clock::now());
   }
   if (issued < n) {
     ChunksDone(job, n - issued);
   } else if (n == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     commit_q_.push_back(job);
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 
 Result<int> EngineImpl::AbandonOlderThan(uint64_t counter) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   int n = 0;
   for (auto& [c, job] : live_) {
@@ -279,8 +278,8 @@ Result<int> EngineImpl::AbandonOlderThan(uint64_t counter) {
     job->Fail(Status::Aborted("abandoned for a newer checkpoint"));
     ++n;
   }
-  lock.unlock();
-  cv_.notify_all();
+  lock.Unlock();
+  cv_.SignalAll();
   return n;
 }
 

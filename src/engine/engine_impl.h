@@ -36,12 +36,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <set>
 #include <functional>
 #include <thread>
@@ -52,7 +50,9 @@
 #include "engine/memory_tier.h"
 #include "engine/slot_medium.h"
 #include "engine/slot_queue.h"
+#include "base/mutex.h"
 #include "base/task_pool.h"
+#include "base/thread_annotations.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
@@ -105,8 +105,8 @@ struct Registration {
   std::byte* device_snapshot = nullptr;
   uint64_t device_snapshot_bytes = 0;
   std::unique_ptr<std::atomic<uint32_t>[]> snapshot_writes;
-  mutable std::mutex snapshot_mu;  // with snapshot_cv: a count reaching 0 wakes the dispatcher
-  mutable std::condition_variable snapshot_cv;
+  mutable Mutex snapshot_mu;  // with snapshot_cv: a count reaching 0 wakes the dispatcher
+  mutable CondVar snapshot_cv;
   // kDevice with a copy engine that CanSnapshotOnDevice: per device tensor,
   // its second buffer in device memory (nullptr otherwise); drained into
   // device_snapshot.
@@ -142,8 +142,8 @@ struct Job {
   std::vector<uint32_t> crcs;
   std::atomic<uint64_t> remaining{0};
   std::atomic<bool> failed{false};
-  std::mutex error_mu;
-  Status error;  // GUARDED_BY(error_mu): the first failure
+  Mutex error_mu;
+  Status error GUARDED_BY(error_mu);  // the first failure
 
   // Layer-wise checkpoints only.
   bool layerwise = false;
@@ -159,12 +159,12 @@ struct Job {
   std::unique_ptr<std::atomic<uint32_t>[]> tensor_left;
 
   void Fail(const Status& s) {
-    std::lock_guard<std::mutex> lock(error_mu);
+    MutexLock lock(&error_mu);
     if (error.ok()) error = s;
     failed.store(true, std::memory_order_release);
   }
   Status TakeError() {
-    std::lock_guard<std::mutex> lock(error_mu);
+    MutexLock lock(&error_mu);
     return error;
   }
 };
@@ -251,30 +251,31 @@ class EngineImpl final : public Engine {
   void CommitLoop();
   void FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded, Status st);
   void RecordFinished(const Job& job, bool committed, bool superseded, const Status& st,
-                      double persist_s);  // REQUIRES(mu_)
+                      double persist_s) REQUIRES(mu_);
   // Layer-wise (layerwise_schedule.cc).
   void CopyLayerTensors(const std::shared_ptr<Job>& job, const std::vector<uint32_t>& tensors);
   void SealLayerJob(const std::shared_ptr<Job>& job);
   void MarkCopied(uint32_t tensor);
   void PublishFence(uint32_t tensor, std::vector<std::shared_ptr<CopyCompletion>> reads);
-  Result<std::shared_ptr<Job>> OpenLayerJob(uint64_t counter);  // REQUIRES(mu_)
-  // Requests the copies of `tensors` not requested yet and the seal. REQUIRES(mu_)
-  void SealLocked(const std::shared_ptr<Job>& job);
+  Result<std::shared_ptr<Job>> OpenLayerJob(uint64_t counter) REQUIRES(mu_);
+  // Requests the copies of `tensors` not requested yet and the seal.
+  void SealLocked(const std::shared_ptr<Job>& job) REQUIRES(mu_);
   Status SnapshotNow(const std::shared_ptr<Job>& job, bool skip_requested);
   Status WaitSnapshotFree(const Registration& reg, uint32_t t);
 
   // Checkpoint and BeginCheckpoint: waits for a place in flight, takes a slot
   // and the buffers a checkpoint holds, and makes the job live. `what` names
-  // the caller in errors. REQUIRES(mu_), held by `lock`.
+  // the caller in errors.
   Result<std::shared_ptr<Job>> AdmitLocked(int64_t step, Clock::time_point t0, bool layerwise,
-                                           const char* what, std::unique_lock<std::mutex>& lock);
-  Status TakePendingError();  // REQUIRES(mu_)
+                                           const char* what) REQUIRES(mu_);
+  Status TakePendingError() REQUIRES(mu_);
   // After a Restore() that rolled back (newer checkpoints exist): records the
-  // rollback durably through JobDir before anything new is written. REQUIRES(mu_)
-  Status RecordRollback();
-  Status CheckOpen();         // REQUIRES(mu_)
-  void AddStall(double s);    // REQUIRES(mu_)
-  Status WaitAllFinished(std::unique_lock<std::mutex>& lock);
+  // rollback durably through JobDir before anything new is written.
+  Status RecordRollback() REQUIRES(mu_);
+  Status CheckOpen() REQUIRES(mu_);
+  void AddStall(double s) REQUIRES(mu_);
+  // Waits (releasing mu_) until nothing is in flight.
+  Status WaitAllFinished() REQUIRES(mu_);
   // Committer thread: notes every counter in unnoted_ through
   // JobDir::RecordNotDurable; the first error when one cannot be noted.
   Status NoteNotDurable();
@@ -282,10 +283,12 @@ class EngineImpl final : public Engine {
   void AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm);
   // Wraps a slot file's medium (opened as `name` in the job directory).
   std::unique_ptr<Medium> Wrap(std::unique_ptr<Medium> m, const std::string& name);
-  Status SwitchFile(uint64_t slot_bytes, bool keep_old);
-  Status GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock);
-  Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
-  void ProtectRestored(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info);
+  Status SwitchFile(uint64_t slot_bytes, bool keep_old) REQUIRES(mu_);
+  Status GrowStaging(uint64_t state_bytes) REQUIRES(mu_);
+  Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info)
+      REQUIRES(mu_);
+  void ProtectRestored(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info)
+      REQUIRES(mu_);
 
   const EngineOptions opts_;
   const EngineMedia media_;
@@ -293,32 +296,31 @@ class EngineImpl final : public Engine {
   // the rank's lock); every file name and file operation goes through it.
   std::unique_ptr<JobDir> jd_;
   // Held around WriteAgreed (agreement thread) and the jd_.reset() in Close().
-  std::mutex agreed_mu_;
+  Mutex agreed_mu_;
   // The memory tier's writer (never null after Init; off in "disk" mode).
   std::unique_ptr<MemoryTierWriter> memory_;
-  RetentionPolicy retention_;  // GUARDED_BY(mu_); keep_every from opts_
+  RetentionPolicy retention_ GUARDED_BY(mu_);  // keep_every from opts_
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<StagingPool> staging_;
   std::unique_ptr<TaskPool> writers_;
-  std::string medium_desc_;
-  std::string staging_note_;  // GUARDED_BY(mu_): the last cap note printed
-  double staging_wait_s_before_ = 0;  // GUARDED_BY(mu_): waits in pools GrowStaging replaced
+  std::string medium_desc_ GUARDED_BY(mu_);
+  std::string staging_note_ GUARDED_BY(mu_);  // the last cap note printed
+  double staging_wait_s_before_ GUARDED_BY(mu_) = 0;  // waits in pools GrowStaging replaced
   // PrepareStaging: the pool a background thread allocates. prep_thread_ is
   // started and joined by the training thread only (PrepareStaging,
   // Register, Close); it touches nothing but *prep_ and copy_->AllocHost.
   struct PreparedStaging {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;                        // GUARDED_BY(mu)
-    Result<std::unique_ptr<StagingPool>> pool{Status::Aborted("not allocated yet")};  // GUARDED_BY(mu)
+    Mutex mu;
+    CondVar cv;
+    bool done GUARDED_BY(mu) = false;
+    Result<std::unique_ptr<StagingPool>> pool GUARDED_BY(mu){Status::Aborted("not allocated yet")};
   };
-  std::shared_ptr<PreparedStaging> prep_;  // GUARDED_BY(mu_)
+  std::shared_ptr<PreparedStaging> prep_ GUARDED_BY(mu_);
   std::thread prep_thread_;
   // Waits for the background allocation (if any) and returns its pool; the
   // seconds waited go to *waited_s (0 when it was done already).
   // Releases `lock` (mu_) while it waits; called with nothing in flight.
-  Result<std::unique_ptr<StagingPool>> TakePrepared(double* waited_s,
-                                                    std::unique_lock<std::mutex>& lock);
+  Result<std::unique_ptr<StagingPool>> TakePrepared(double* waited_s) REQUIRES(mu_);
   uint64_t chunk_bytes_ = 0;
   uint32_t min_chunks_ = 1;
   int window_ = 2;  // chunks the dispatcher keeps copying ahead of the writers
@@ -327,62 +329,62 @@ class EngineImpl final : public Engine {
   // pushed by the committer; replaced only by Register while nothing is in
   // flight. See slot_queue.h for why a pop after observing in_flight_ < N
   // always succeeds.
-  std::unique_ptr<SlotQueue> free_slots_;
+  std::unique_ptr<SlotQueue> free_slots_ GUARDED_BY(mu_);
 
   // The newest counter claimed for commit: written only by the committer (by
   // CAS, so a future multi-committer keeps the rule); an older checkpoint
   // that finishes after a newer one has claimed is superseded, never committed.
   std::atomic<uint64_t> claimed_{0};
 
-  std::mutex mu_;
-  std::condition_variable cv_;  // any change of the state below
-  bool closed_ = false;                              // GUARDED_BY(mu_)
-  bool stopping_ = false;                            // GUARDED_BY(mu_)
-  std::shared_ptr<Registration> reg_;                // GUARDED_BY(mu_)
-  std::shared_ptr<SlotFile> file_;                   // GUARDED_BY(mu_): where new checkpoints go
+  Mutex mu_;
+  CondVar cv_;  // any change of the state below
+  bool closed_ GUARDED_BY(mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::shared_ptr<Registration> reg_ GUARDED_BY(mu_);
+  std::shared_ptr<SlotFile> file_ GUARDED_BY(mu_);  // where new checkpoints go
   // Set while file_ is a fresh temp slot file that has no commit yet: the
   // committed checkpoints still live in old_file_ under the slot file's name.
-  std::shared_ptr<SlotFile> old_file_;               // GUARDED_BY(mu_)
-  bool pending_rename_ = false;                      // GUARDED_BY(mu_)
-  std::optional<uint32_t> retained_slot_;            // GUARDED_BY(mu_): newest committed, in file_
+  std::shared_ptr<SlotFile> old_file_ GUARDED_BY(mu_);
+  bool pending_rename_ GUARDED_BY(mu_) = false;
+  std::optional<uint32_t> retained_slot_ GUARDED_BY(mu_);  // newest committed, in file_
   // Distributed mode (global_agreement): retained_slot_ holds the candidate
   // (oldest committed above the pinned one) instead of the newest; the pinned
   // (last globally agreed) checkpoint's slot is held apart, in pinned_file_.
-  std::optional<CommittedCheckpoint> candidate_;     // GUARDED_BY(mu_)
-  std::optional<CommittedCheckpoint> pinned_;        // GUARDED_BY(mu_)
-  std::optional<uint32_t> pinned_slot_;              // GUARDED_BY(mu_)
-  std::shared_ptr<SlotFile> pinned_file_;            // GUARDED_BY(mu_)
-  std::vector<int> free_snapshots_;                  // GUARDED_BY(mu_)
-  uint64_t next_counter_ = 1;                        // GUARDED_BY(mu_)
-  uint64_t committed_counter_ = 0;                   // GUARDED_BY(mu_)
-  std::optional<CommittedCheckpoint> latest_;        // GUARDED_BY(mu_)
-  int in_flight_ = 0;                                // GUARDED_BY(mu_)
-  std::set<uint64_t> unfinished_;                    // GUARDED_BY(mu_)
-  uint64_t started_last_ = 0;                        // GUARDED_BY(mu_)
-  uint64_t copied_through_ = 0;                      // GUARDED_BY(mu_): dispatcher is FIFO
-  std::deque<DispatchItem> dispatch_q_;              // GUARDED_BY(mu_)
-  std::deque<std::shared_ptr<Job>> commit_q_;        // GUARDED_BY(mu_)
-  std::map<uint64_t, std::shared_ptr<Job>> live_;    // GUARDED_BY(mu_): started, unfinished
+  std::optional<CommittedCheckpoint> candidate_ GUARDED_BY(mu_);
+  std::optional<CommittedCheckpoint> pinned_ GUARDED_BY(mu_);
+  std::optional<uint32_t> pinned_slot_ GUARDED_BY(mu_);
+  std::shared_ptr<SlotFile> pinned_file_ GUARDED_BY(mu_);
+  std::vector<int> free_snapshots_ GUARDED_BY(mu_);
+  uint64_t next_counter_ GUARDED_BY(mu_) = 1;
+  uint64_t committed_counter_ GUARDED_BY(mu_) = 0;
+  std::optional<CommittedCheckpoint> latest_ GUARDED_BY(mu_);
+  int in_flight_ GUARDED_BY(mu_) = 0;
+  std::set<uint64_t> unfinished_ GUARDED_BY(mu_);
+  uint64_t started_last_ GUARDED_BY(mu_) = 0;
+  uint64_t copied_through_ GUARDED_BY(mu_) = 0;  // dispatcher is FIFO
+  std::deque<DispatchItem> dispatch_q_ GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Job>> commit_q_ GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<Job>> live_ GUARDED_BY(mu_);  // started, unfinished
   // Failures not yet handed to the caller, oldest first, with their counter.
-  std::deque<std::pair<uint64_t, Status>> pending_errors_;  // GUARDED_BY(mu_)
+  std::deque<std::pair<uint64_t, Status>> pending_errors_ GUARDED_BY(mu_);
   // Counters whose commit failed on a failed fsync: their record may be
   // readable (page cache) without being durable. Restore never picks them.
-  std::set<uint64_t> not_durable_;                   // GUARDED_BY(mu_)
+  std::set<uint64_t> not_durable_ GUARDED_BY(mu_);
   std::vector<uint64_t> unnoted_;  // committer thread only: failed commits not yet noted
   // The counter the last Restore() rolled back to, until RecordRollback.
-  std::optional<uint64_t> rollback_from_;            // GUARDED_BY(mu_)
-  EngineStats stats_;                                // GUARDED_BY(mu_)
+  std::optional<uint64_t> rollback_from_ GUARDED_BY(mu_);
+  EngineStats stats_ GUARDED_BY(mu_);
   // Layer-wise: per registered tensor, copies requested and copies done (the
   // dispatcher is FIFO, so done catches up with requested in order).
-  std::vector<uint64_t> lw_requested_, lw_copied_;   // GUARDED_BY(mu_)
-  uint64_t lw_requested_total_ = 0, lw_copied_total_ = 0;  // GUARDED_BY(mu_)
+  std::vector<uint64_t> lw_requested_ GUARDED_BY(mu_), lw_copied_ GUARDED_BY(mu_);
+  uint64_t lw_requested_total_ GUARDED_BY(mu_) = 0, lw_copied_total_ GUARDED_BY(mu_) = 0;
   // Device-side waits (WaitTensorsCopiedOnStream): per tensor, the copies the
   // dispatcher has taken up, the newest of them whose device reads are all
   // issued, and the completions of those reads.
-  std::vector<uint64_t> lw_dispatched_, lw_fenced_;  // GUARDED_BY(mu_)
-  std::vector<std::vector<std::shared_ptr<CopyCompletion>>> lw_fences_;  // GUARDED_BY(mu_)
-  int open_ = 0;                                     // GUARDED_BY(mu_): open layer-wise jobs
-  std::vector<int> free_small_;                      // GUARDED_BY(mu_)
+  std::vector<uint64_t> lw_dispatched_ GUARDED_BY(mu_), lw_fenced_ GUARDED_BY(mu_);
+  std::vector<std::vector<std::shared_ptr<CopyCompletion>>> lw_fences_ GUARDED_BY(mu_);
+  int open_ GUARDED_BY(mu_) = 0;  // open layer-wise jobs
+  std::vector<int> free_small_ GUARDED_BY(mu_);
 
   std::thread dispatcher_;
   std::thread committer_;

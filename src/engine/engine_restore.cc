@@ -1,9 +1,7 @@
 // Restore: reads a checkpoint into the registered tensors (from the memory
 // tier or the slot file, verified chunk by chunk) and protects it.
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 
 #include "engine/engine_impl.h"
 
@@ -69,15 +67,17 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
 
   // Chunks are read in parallel on the writer threads, each through a staging
   // chunk (aligned for O_DIRECT), verified, then scattered to the tensors.
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t pending = 0;  // GUARDED_BY(mu)
-  Status first;        // GUARDED_BY(mu)
+  struct Reads {
+    Mutex mu;
+    CondVar cv;
+    size_t pending GUARDED_BY(mu) = 0;
+    Status first GUARDED_BY(mu);
+  } r;
   for (const PlannedChunk& pc : plan.chunks) {
     if (pc.pieces.empty()) continue;
     {
-      std::lock_guard<std::mutex> l(mu);
-      ++pending;
+      MutexLock l(&r.mu);
+      ++r.pending;
     }
     writers_->Submit([&, pc_ptr = &pc] {
       Status st;
@@ -95,14 +95,14 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
         }
         staging_->Release(*chunk);
       }
-      std::lock_guard<std::mutex> l(mu);
-      if (first.ok() && !st.ok()) first = st;
-      if (--pending == 0) cv.notify_all();
+      MutexLock l(&r.mu);
+      if (r.first.ok() && !st.ok()) r.first = st;
+      if (--r.pending == 0) r.cv.SignalAll();
     });
   }
-  std::unique_lock<std::mutex> l(mu);
-  cv.wait(l, [&] { return pending == 0; });
-  return first;
+  MutexLock l(&r.mu);
+  r.cv.Wait(&r.mu, [&]() REQUIRES(r.mu) { return r.pending == 0; });
+  return r.first;
 }
 
 // The checkpoint a job restored from stays intact until a newer checkpoint
@@ -125,7 +125,7 @@ void EngineImpl::ProtectRestored(const std::shared_ptr<SlotFile>& file,
 
 Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_RETURN_IF_ERROR(TakePendingError());
   if (!reg_) return Status::FailedPrecondition("Restore before Register");
@@ -133,7 +133,7 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
     return Status::FailedPrecondition("Restore while a layer-wise checkpoint is open: "
                                       "EndCheckpoint first");
   }
-  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   if (!file) return Status::NotFound("no checkpoint in " + opts_.dir);
   ScanOptions so;
@@ -191,13 +191,13 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
 }
 
 Status EngineImpl::AdoptRestored(uint64_t counter) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (open_ > 0) {
     return Status::FailedPrecondition("AdoptRestored while a layer-wise checkpoint is open: "
                                       "EndCheckpoint first");
   }
-  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   rollback_from_.reset();
   if (!file) return Status::OK();  // restored from elsewhere (a keep copy, a remote), no file yet

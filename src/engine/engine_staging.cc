@@ -14,7 +14,7 @@ namespace nonstop::engine_detail {
 // nothing in flight (writers release chunks into staging_), so a state that
 // outgrows the pool waits for the checkpoints in flight once; it never
 // shrinks. If the larger pool cannot be allocated the old one is kept.
-Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex>& lock) {
+Status EngineImpl::GrowStaging(uint64_t state_bytes) {
   const bool pinned = copy_->PinsHostMemory();
   const StagingSize want =
       DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned);
@@ -23,12 +23,12 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex
     staging_note_ = want.note;
   }
   if (want.bytes <= staging_->total_bytes()) return Status::OK();
-  NONSTOP_RETURN_IF_ERROR(WaitAllFinished(lock));
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   // A pool PrepareStaging allocated in the background, when large enough;
   // otherwise allocated here, on the training thread (counted either way).
   double waited_s = 0;
   const auto t0 = Clock::now();
-  Result<std::unique_ptr<StagingPool>> grown = TakePrepared(&waited_s, lock);
+  Result<std::unique_ptr<StagingPool>> grown = TakePrepared(&waited_s);
   if (grown.ok() && grown.value()->total_bytes() < want.bytes) {
     grown = Status::Aborted("prepared staging is smaller than the state");
   }
@@ -52,31 +52,30 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes, std::unique_lock<std::mutex
   return Status::OK();
 }
 
-Result<std::unique_ptr<StagingPool>> EngineImpl::TakePrepared(double* waited_s,
-                                                              std::unique_lock<std::mutex>& lock) {
+Result<std::unique_ptr<StagingPool>> EngineImpl::TakePrepared(double* waited_s) {
   *waited_s = 0;
   if (!prep_) return Status::NotFound("no staging prepared");
   std::shared_ptr<PreparedStaging> prep = std::move(prep_);
   prep_.reset();
   Result<std::unique_ptr<StagingPool>> pool{Status::Aborted("not allocated")};
-  lock.unlock();  // Stats() and the background threads go on meanwhile
+  mu_.Unlock();  // Stats() and the background threads go on meanwhile
   {
-    std::unique_lock<std::mutex> pl(prep->mu);
+    MutexLock pl(&prep->mu);
     if (!prep->done) {
       const auto t0 = Clock::now();
-      prep->cv.wait(pl, [&] { return prep->done; });
+      prep->cv.Wait(&prep->mu, [&]() REQUIRES(prep->mu) { return prep->done; });
       *waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
     }
     pool = std::move(prep->pool);
   }
   if (prep_thread_.joinable()) prep_thread_.join();  // done: returns at once
-  lock.lock();
+  mu_.Lock();
   if (pool.ok()) stats_.staging_prepared_bytes = pool.value()->total_bytes();
   return pool;
 }
 
 Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (opts_.staging_bytes != 0 || prep_) return Status::OK();
   const bool pinned = copy_->PinsHostMemory();
@@ -91,10 +90,10 @@ Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
   const uint32_t min_chunks = min_chunks_;
   prep_thread_ = std::thread([prep, copy, want, chunk, min_chunks] {
     Result<std::unique_ptr<StagingPool>> pool = StagingPool::Create(copy, want, chunk, min_chunks);
-    std::lock_guard<std::mutex> pl(prep->mu);
+    MutexLock pl(&prep->mu);
     prep->pool = std::move(pool);
     prep->done = true;
-    prep->cv.notify_all();
+    prep->cv.SignalAll();
   });
   return Status::OK();
 }

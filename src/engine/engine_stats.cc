@@ -4,7 +4,7 @@
 namespace nonstop::engine_detail {
 
 EngineStats EngineImpl::Stats() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   EngineStats s = stats_;
   s.in_flight = in_flight_;
   s.medium = medium_desc_;
@@ -21,7 +21,7 @@ EngineStats EngineImpl::Stats() {
     s.memory_error = m.last_error;
   }
   if (prep_) {  // allocated in the background, not taken by Register yet
-    std::lock_guard<std::mutex> pl(prep_->mu);
+    MutexLock pl(&prep_->mu);
     if (prep_->done && prep_->pool.ok()) s.staging_prepared_bytes = prep_->pool.value()->total_bytes();
   }
   return s;

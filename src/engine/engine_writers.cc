@@ -41,10 +41,10 @@ void EngineImpl::SubmitWrite(const std::shared_ptr<Job>& job, UnitWrite w,
 void EngineImpl::ChunksDone(const std::shared_ptr<Job>& job, uint64_t n) {
   if (job->remaining.fetch_sub(n, std::memory_order_acq_rel) == n) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       commit_q_.push_back(job);
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 

@@ -32,13 +32,13 @@ class SharedCompletion {
  public:
   explicit SharedCompletion(std::unique_ptr<CopyCompletion> c) : c_(std::move(c)) {}
   Status Wait() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return c_->Wait();
   }
 
  private:
-  std::mutex mu_;
-  std::unique_ptr<CopyCompletion> c_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::unique_ptr<CopyCompletion> c_ GUARDED_BY(mu_);
 };
 
 Result<std::shared_ptr<Job>> EngineImpl::OpenLayerJob(uint64_t counter) {
@@ -52,9 +52,9 @@ Result<std::shared_ptr<Job>> EngineImpl::OpenLayerJob(uint64_t counter) {
 
 Result<uint64_t> EngineImpl::BeginCheckpoint(int64_t step) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job,
-                           AdmitLocked(step, t0, /*layerwise=*/true, "BeginCheckpoint", lock));
+                           AdmitLocked(step, t0, /*layerwise=*/true, "BeginCheckpoint"));
   const double stall = Seconds(t0, Clock::now());
   job->stall_s += stall;
   AddStall(stall);
@@ -62,7 +62,7 @@ Result<uint64_t> EngineImpl::BeginCheckpoint(int64_t step) {
 }
 
 Status EngineImpl::CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, OpenLayerJob(counter));
   DispatchItem item{DispatchItem::kTensors, job, {}};
@@ -81,14 +81,14 @@ Status EngineImpl::CopyTensors(uint64_t counter, const std::vector<uint32_t>& te
   }
   if (item.tensors.empty()) return Status::OK();
   dispatch_q_.push_back(std::move(item));
-  lock.unlock();
-  cv_.notify_all();
+  lock.Unlock();
+  cv_.SignalAll();
   return Status::OK();
 }
 
 Status EngineImpl::WaitTensorsCopied(const std::vector<uint32_t>& tensors) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   for (uint32_t t : tensors) {
     if (t >= lw_requested_.size()) {
@@ -96,14 +96,14 @@ Status EngineImpl::WaitTensorsCopied(const std::vector<uint32_t>& tensors) {
                                      std::to_string(lw_requested_.size()) + " registered");
     }
   }
-  auto all_copied = [&] {
+  auto all_copied = [&]() REQUIRES(mu_) {
     for (uint32_t t : tensors) {
       if (lw_copied_[t] < lw_requested_[t]) return false;
     }
     return true;
   };
   if (all_copied()) return Status::OK();
-  cv_.wait(lock, all_copied);
+  cv_.Wait(&mu_, all_copied);
   const double s = Seconds(t0, Clock::now());
   // Charged to the newest checkpoint in flight (the one whose copy was awaited
   // most likely); the total is exact either way.
@@ -123,7 +123,7 @@ Status EngineImpl::WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensor
     return WaitTensorsCopied(tensors);
   }
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   for (uint32_t t : tensors) {
     if (t >= lw_requested_.size()) {
@@ -131,26 +131,26 @@ Status EngineImpl::WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensor
                                      std::to_string(lw_requested_.size()) + " registered");
     }
   }
-  auto on_stream = [&](uint32_t t) {
+  auto on_stream = [&](uint32_t t) REQUIRES(mu_) {
     const Device& d = reg_->tensors[t].device;
     return d.kind == DeviceKind::kCuda && d.index == stream.index;
   };
   // A tensor is ready when its copies are done, or (on this device) when the
   // newest one is fenced and every older one is done (the dispatcher finishes
   // a tensor's copy before it takes up the next one, so this holds at once).
-  auto ready = [&](uint32_t t) {
+  auto ready = [&](uint32_t t) REQUIRES(mu_) {
     if (lw_copied_[t] >= lw_requested_[t]) return true;
     return on_stream(t) && lw_fenced_[t] >= lw_requested_[t] &&
            lw_copied_[t] + 1 >= lw_requested_[t];
   };
-  auto all_ready = [&] {
+  auto all_ready = [&]() REQUIRES(mu_) {
     for (uint32_t t : tensors) {
       if (!ready(t)) return false;
     }
     return true;
   };
   if (!all_ready()) {
-    cv_.wait(lock, all_ready);
+    cv_.Wait(&mu_, all_ready);
     const double s = Seconds(t0, Clock::now());
     if (!live_.empty()) live_.rbegin()->second->stall_s += s;
     AddStall(s);
@@ -160,7 +160,7 @@ Status EngineImpl::WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensor
     if (lw_copied_[t] >= lw_requested_[t]) continue;
     reads.insert(reads.end(), lw_fences_[t].begin(), lw_fences_[t].end());
   }
-  lock.unlock();
+  lock.Unlock();
   for (const auto& c : reads) {
     if (!copy_->StreamWaitFor(c.get(), stream).ok()) {
       // A read that cannot order the stream (it failed, or was not an event):
@@ -176,11 +176,11 @@ Status EngineImpl::WaitTensorsCopiedOnStream(const std::vector<uint32_t>& tensor
 void EngineImpl::PublishFence(uint32_t tensor,
                               std::vector<std::shared_ptr<CopyCompletion>> reads) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     lw_fenced_[tensor] = lw_dispatched_[tensor];
     lw_fences_[tensor] = std::move(reads);
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void EngineImpl::SealLocked(const std::shared_ptr<Job>& job) {
@@ -200,7 +200,7 @@ void EngineImpl::SealLocked(const std::shared_ptr<Job>& job) {
 
 Status EngineImpl::EndCheckpoint(uint64_t counter, int64_t step, std::string meta_json) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, OpenLayerJob(counter));
   job->step = step;
@@ -208,27 +208,27 @@ Status EngineImpl::EndCheckpoint(uint64_t counter, int64_t step, std::string met
   // copy_at_checkpoint tensors not requested yet are copied now, on the
   // caller's time; only this thread changes job->requested and job->src of
   // unrequested tensors, so the copies may run unlocked.
-  lock.unlock();
+  lock.Unlock();
   Status st = SnapshotNow(job, /*skip_requested=*/true);
   if (!st.ok()) job->Fail(st.Annotate("copy_at_checkpoint"));
-  lock.lock();
+  lock.Lock();
   SealLocked(job);
   const double stall = Seconds(t0, Clock::now());
   job->stall_s += stall;
   AddStall(stall);
   Status pending = TakePendingError();
-  lock.unlock();
-  cv_.notify_all();
+  lock.Unlock();
+  cv_.SignalAll();
   return pending;
 }
 
 void EngineImpl::MarkCopied(uint32_t tensor) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ++lw_copied_[tensor];
     ++lw_copied_total_;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 // Dispatcher (copy='device'): waits until the writes of the previous
@@ -238,9 +238,9 @@ void EngineImpl::MarkCopied(uint32_t tensor) {
 Status EngineImpl::WaitSnapshotFree(const Registration& reg, uint32_t t) {
   std::atomic<uint32_t>& busy = reg.snapshot_writes[t];
   if (busy.load(std::memory_order_acquire) == 0) return Status::OK();
-  std::unique_lock<std::mutex> lock(reg.snapshot_mu);
-  const bool free = reg.snapshot_cv.wait_for(
-      lock, std::chrono::seconds(kSnapshotWaitSeconds),
+  MutexLock lock(&reg.snapshot_mu);
+  const bool free = reg.snapshot_cv.WaitFor(
+      &reg.snapshot_mu, std::chrono::seconds(kSnapshotWaitSeconds),
       [&] { return busy.load(std::memory_order_acquire) == 0; });
   if (free) return Status::OK();
   return Status::IOError("copy='device': the previous checkpoint's " +
@@ -268,7 +268,7 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
   std::deque<InCopy> window;
   {
     // This item's copies, numbered per tensor (PublishFence).
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (uint32_t t : tensors) ++lw_dispatched_[t];
   }
   // Device reads that a stream can wait for are issued as far ahead as the
@@ -386,8 +386,8 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
         auto release = [job, t] {
           const Registration& r = *job->reg;
           if (r.snapshot_writes[t].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-            std::lock_guard<std::mutex> lock(r.snapshot_mu);  // no lost wake-up
-            r.snapshot_cv.notify_all();
+            MutexLock lock(&r.snapshot_mu);  // no lost wake-up
+            r.snapshot_cv.SignalAll();
           }
         };
         writers_->Submit([this, job, w, drain, release] {
@@ -435,7 +435,7 @@ void EngineImpl::SealLayerJob(const std::shared_ptr<Job>& job) {
   const Registration& reg = *job->reg;
   const LayerPlan& lp = reg.lplan;
   {
-    std::lock_guard<std::mutex> lock(mu_);  // FinishJob reads it under mu_
+    MutexLock lock(&mu_);  // FinishJob reads it under mu_
     job->copy_s = Seconds(job->t_start, Clock::now());
   }
   for (uint32_t u : lp.small_units) {

@@ -14,13 +14,13 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <utility>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "engine/multistep_internal.h"
 
 namespace nonstop {
@@ -96,22 +96,27 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // A set of copies waited on together (one part's state, one step's gradients).
 struct Batch {
-  std::mutex mu;
-  std::condition_variable cv;
-  int remaining = 0;   // GUARDED_BY(mu)
-  Status error;        // GUARDED_BY(mu): first error wins
+  Mutex mu;
+  CondVar cv;
+  int remaining GUARDED_BY(mu) = 0;
+  Status error GUARDED_BY(mu);  // first error wins
+  // Before the batch's copies are queued: how many there are.
+  void Expect(int n) {
+    MutexLock lock(&mu);
+    remaining = n;
+  }
   void Done(const Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (!s.ok() && error.ok()) error = s;
-    if (--remaining == 0) cv.notify_all();
+    if (--remaining == 0) cv.SignalAll();
   }
   Status Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return remaining == 0; });
+    MutexLock lock(&mu);
+    cv.Wait(&mu, [&]() REQUIRES(mu) { return remaining == 0; });
     return error;
   }
   bool Ready() {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     return remaining == 0;
   }
 };
@@ -133,10 +138,10 @@ class CopyDispatcher {
       : engine_(engine), window_(std::max(1, window)), thread_([this] { Run(); }) {}
   ~CopyDispatcher() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     thread_.join();
   }
 
@@ -144,11 +149,11 @@ class CopyDispatcher {
   void Enqueue(std::vector<CopyItem> items, bool high) {
     if (items.empty()) return;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       auto& q = high ? high_ : low_;
       for (auto& it : items) q.push_back(std::move(it));
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 
  private:
@@ -163,9 +168,9 @@ class CopyDispatcher {
       CopyItem next;
       bool have = false;
       {
-        std::unique_lock<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (in_flight.empty()) {
-          cv_.wait(lock, [&] { return stop_ || !high_.empty() || !low_.empty(); });
+          cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stop_ || !high_.empty() || !low_.empty(); });
           if (high_.empty() && low_.empty()) return;  // stop_, queues drained
         }
         if (static_cast<int>(in_flight.size()) < window_ && (!high_.empty() || !low_.empty())) {
@@ -194,10 +199,10 @@ class CopyDispatcher {
 
   CopyEngine* const engine_;
   const int window_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<CopyItem> high_, low_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<CopyItem> high_ GUARDED_BY(mu_), low_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -280,8 +285,8 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     // The previous window's buffers must have been read by the engine.
     const auto t0 = Clock::now();
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !job_pending_; });
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return !job_pending_; });
     }
     const double waited = Since(t0);
     NONSTOP_RETURN_IF_ERROR(TakeError());
@@ -302,7 +307,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     piece_has_momentum_.assign(K(), {});
     window_start_ = Clock::now();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       MultistepWindowStats ws;
       ws.begin_step = step;
       ws.version = version();
@@ -346,7 +351,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
           ", got step " + std::to_string(step) + " (one update per step)"));
     }
     if (skipped) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (auto* ws = WindowStats(window_index_)) ++ws->skipped_steps;
     }
     if (j < K()) {
@@ -495,20 +500,20 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
 
   Status Wait() override {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !job_pending_; });
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return !job_pending_; });
     }
     Status first = TakeError();
     Status s;
     {
-      std::lock_guard<std::mutex> lock(engine_mu_);
+      MutexLock lock(&engine_mu_);
       s = engine_->WaitCommitted(0);
     }
     return first.ok() ? s : first;
   }
 
   std::optional<CommittedCheckpoint> Latest() override {
-    std::lock_guard<std::mutex> lock(engine_mu_);
+    MutexLock lock(&engine_mu_);
     return engine_->Latest();
   }
 
@@ -520,16 +525,16 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     {
       // Every window already handed to the background thread is persisted
       // (or failed) first, as Engine::AdoptRestored waits for its own work.
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !job_pending_; });
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return !job_pending_; });
     }
-    std::lock_guard<std::mutex> lock(engine_mu_);
+    MutexLock lock(&engine_mu_);
     return engine_->AdoptRestored(counter);
   }
 
   MultistepStats Stats() override {
     MultistepStats s;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     s.windows = windows_;
     s.persisted = persisted_;
     s.failed = failed_;
@@ -550,10 +555,10 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     }
     (void)WaitBatches(&grad_pending_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     finisher_.join();
     dispatcher_.reset();
     Status s = TakeError();
@@ -684,7 +689,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
         momentum.push_back(t.momentum_buffer != nullptr);
       }
     }
-    batch->remaining = static_cast<int>(items.size());
+    batch->Expect(static_cast<int>(items.size()));
     AddBytes(bytes, 0);
     state_pending_.push_back(batch);
     batches_.push_back(batch);
@@ -718,7 +723,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
         items.push_back(std::move(it));
       }
     }
-    batch->remaining = static_cast<int>(items.size());
+    batch->Expect(static_cast<int>(items.size()));
     AddBytes(0, bytes);
     grad_pending_.push_back(batch);
     batches_.push_back(batch);
@@ -754,12 +759,12 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     }
     active_ = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (auto* ws = WindowStats(window_index_)) ws->window_s = Since(window_start_);
       job_ = std::move(job);
       job_pending_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 
   // Every reconstructed buffer as "<tensor name>/<role>".
@@ -786,14 +791,14 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     for (;;) {
       std::unique_ptr<WindowJob> job;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || job_ != nullptr; });
+        MutexLock lock(&mu_);
+        cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stop_ || job_ != nullptr; });
         if (job_ == nullptr) return;
         job = std::move(job_);
       }
       Status s = Finish(*job);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         auto* ws = WindowStats(job->window);
         if (s.ok()) {
           ++persisted_;
@@ -804,7 +809,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
         }
         job_pending_ = false;
       }
-      cv_.notify_all();
+      cv_.SignalAll();
     }
   }
 
@@ -824,7 +829,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     }
     uint64_t counter = 0;
     {
-      std::lock_guard<std::mutex> lock(engine_mu_);
+      MutexLock lock(&engine_mu_);
       if (!SameRefs(refs, registered_)) {
         NONSTOP_RETURN_IF_ERROR(engine_->Register(refs));
         registered_ = refs;
@@ -833,7 +838,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
       // The next window may overwrite the host buffers once they are read.
       NONSTOP_RETURN_IF_ERROR(engine_->WaitCopied());
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (auto* ws = WindowStats(job.window)) {
       ws->replay_s = replay_s;
       ws->counter = counter;
@@ -881,7 +886,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
                                            : static_cast<int>(std::thread::hardware_concurrency());
     threads = std::clamp<int>(threads, 1, static_cast<int>(work.size()));
     std::atomic<size_t> next{0};
-    std::mutex err_mu;
+    Mutex err_mu;
     Status first;
     auto run = [&] {
       std::vector<optim::StepRecord> steps;
@@ -924,7 +929,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
         ro.mkl_vms_sqrt = opts_.mkl_vms_sqrt;
         Status s = optim::Replay(job.config, steps, &st, ro);
         if (!s.ok()) {
-          std::lock_guard<std::mutex> lock(err_mu);
+          MutexLock lock(&err_mu);
           if (first.ok()) {
             first = Status(s.code(), "multistep replay of '" + tensors_[t].name + "': " +
                                          s.message());
@@ -944,27 +949,27 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     (void)WaitBatches(&state_pending_);
     (void)WaitBatches(&grad_pending_);
     active_ = false;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ++failed_;
     if (auto* ws = WindowStats(window_index_)) ws->error = s.ToString();
     return s;
   }
 
   Status TakeError() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (errors_.empty()) return Status::OK();
     Status s = errors_.front();
     errors_.pop_front();
     return s;
   }
 
-  MultistepWindowStats* WindowStats(uint64_t window) {  // REQUIRES(mu_)
+  MultistepWindowStats* WindowStats(uint64_t window) REQUIRES(mu_) {
     if (window < recent_base_ || window - recent_base_ >= recent_.size()) return nullptr;
     return &recent_[window - recent_base_];
   }
 
   void AddStall(double s, bool state) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stall_total_ += s;
     if (auto* ws = WindowStats(window_index_)) {
       ws->stall_s += s;
@@ -973,7 +978,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
   }
 
   void AddBytes(uint64_t state, uint64_t grad) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (auto* ws = WindowStats(window_index_)) {
       ws->state_bytes += state;
       ws->grad_bytes += grad;
@@ -1011,18 +1016,20 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
   uint64_t window_index_ = 0;
 
   // Shared with the finisher.
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::unique_ptr<WindowJob> job_;  // GUARDED_BY(mu_)
-  bool job_pending_ = false;        // GUARDED_BY(mu_): a job is queued or running
-  bool stop_ = false;               // GUARDED_BY(mu_)
-  std::deque<Status> errors_;       // GUARDED_BY(mu_)
-  std::vector<MultistepWindowStats> recent_;  // GUARDED_BY(mu_)
-  uint64_t recent_base_ = 0, windows_ = 0, persisted_ = 0, failed_ = 0;  // GUARDED_BY(mu_)
-  double stall_total_ = 0;  // GUARDED_BY(mu_) (written by the training thread)
+  Mutex mu_;
+  CondVar cv_;
+  std::unique_ptr<WindowJob> job_ GUARDED_BY(mu_);
+  bool job_pending_ GUARDED_BY(mu_) = false;  // a job is queued or running
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::deque<Status> errors_ GUARDED_BY(mu_);
+  std::vector<MultistepWindowStats> recent_ GUARDED_BY(mu_);
+  uint64_t recent_base_ GUARDED_BY(mu_) = 0, windows_ GUARDED_BY(mu_) = 0,
+                                            persisted_ GUARDED_BY(mu_) = 0,
+                                            failed_ GUARDED_BY(mu_) = 0;
+  double stall_total_ GUARDED_BY(mu_) = 0;  // written by the training thread
 
-  std::mutex engine_mu_;                 // serialises calls into engine_
-  std::vector<TensorRef> registered_;    // GUARDED_BY(engine_mu_)
+  Mutex engine_mu_;  // serialises calls into engine_
+  std::vector<TensorRef> registered_ GUARDED_BY(engine_mu_);
 
   std::thread finisher_;  // last: started after everything it uses
 };

@@ -21,7 +21,7 @@ SlotMedium::SlotMedium(std::unique_ptr<Medium> inner, std::string dir, std::stri
       reopen_(std::move(reopen)) {}
 
 std::string SlotMedium::path() const {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   return Join(dir_, name_);
 }
 
@@ -40,29 +40,29 @@ Status SlotMedium::Named(Status st) const {
 }
 
 Status SlotMedium::Sticky() const {
-  std::lock_guard<std::mutex> l(err_mu_);
+  MutexLock l(&err_mu_);
   return error_;
 }
 
 Status SlotMedium::Write(uint64_t offset, const void* buf, size_t n) {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   if (sync_failed()) return Sticky();
   return Named(inner_->Write(offset, buf, n));
 }
 
 Status SlotMedium::Read(uint64_t offset, void* buf, size_t n) {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   if (state_.load(std::memory_order_acquire) == kDead) return Sticky();
   return Named(inner_->Read(offset, buf, n));
 }
 
 Status SlotMedium::Sync() {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   if (sync_failed()) return Sticky();
   Status st = Named(inner_->Sync());
   if (!st.ok()) {
     failures_.fetch_add(1, std::memory_order_acq_rel);
-    std::lock_guard<std::mutex> el(err_mu_);
+    MutexLock el(&err_mu_);
     if (state_.load(std::memory_order_acquire) == kOk) {
       error_ = Status::IOError("an fsync of " + Join(dir_, name_) + " failed (" + st.message() +
                                "): nothing written to it before is trusted");
@@ -73,28 +73,28 @@ Status SlotMedium::Sync() {
 }
 
 Status SlotMedium::Resize(uint64_t size) {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   if (sync_failed()) return Sticky();
   return Named(inner_->Resize(size));
 }
 
 uint64_t SlotMedium::Size() const {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   return inner_->Size();
 }
 
 size_t SlotMedium::Alignment() const {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   return inner_->Alignment();
 }
 
 MediumKind SlotMedium::kind() const {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   return inner_->kind();
 }
 
 std::string SlotMedium::Describe() const {
-  std::shared_lock<std::shared_mutex> l(mu_);
+  ReaderLock l(&mu_);
   std::string d = inner_->Describe();
   const std::string now = Join(dir_, name_);
   if (now != opened_as_) {
@@ -107,7 +107,7 @@ std::string SlotMedium::Describe() const {
 }
 
 Status SlotMedium::Reopen() {
-  std::unique_lock<std::shared_mutex> l(mu_);
+  WriterLock l(&mu_);
   if (state_.load(std::memory_order_acquire) != kSyncFailed) {
     return state_.load() == kOk ? Status::OK() : Sticky();
   }
@@ -117,7 +117,7 @@ Status SlotMedium::Reopen() {
   if (fresh.ok() && (*fresh)->Alignment() != inner_->Alignment()) {
     fresh = Status::Internal("reopened with another alignment");
   }
-  std::lock_guard<std::mutex> el(err_mu_);
+  MutexLock el(&err_mu_);
   if (!fresh.ok()) {
     error_ = Status::IOError("cannot reopen " + Join(dir_, name_) + " after a failed fsync (" +
                              fresh.status().message() +
@@ -133,7 +133,7 @@ Status SlotMedium::Reopen() {
 }
 
 void SlotMedium::Renamed(std::string name) {
-  std::unique_lock<std::shared_mutex> l(mu_);
+  WriterLock l(&mu_);
   name_ = std::move(name);
 }
 

@@ -23,10 +23,10 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <shared_mutex>
 #include <string>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "nonstop/medium.h"
 #include "nonstop/status.h"
 
@@ -65,19 +65,20 @@ class SlotMedium final : public Medium {
 
  private:
   enum State { kOk = 0, kSyncFailed = 1, kDead = 2 };
-  Status Sticky() const;                 // REQUIRES(state_ != kOk)
-  Status Named(Status st) const;         // replaces the opened-as path by path()
+  Status Sticky() const EXCLUDES(err_mu_);  // when state_ != kOk
+  // Replaces the opened-as path by path().
+  Status Named(Status st) const REQUIRES_SHARED(mu_);
 
-  mutable std::shared_mutex mu_;
-  std::unique_ptr<Medium> inner_;        // GUARDED_BY(mu_) (exclusive to replace)
+  mutable SharedMutex mu_;
+  std::unique_ptr<Medium> inner_ GUARDED_BY(mu_);  // exclusive to replace
   const std::string dir_;
-  std::string name_;                     // GUARDED_BY(mu_)
-  std::string opened_as_;                // GUARDED_BY(mu_): the path inner_ was opened by
+  std::string name_ GUARDED_BY(mu_);
+  std::string opened_as_ GUARDED_BY(mu_);  // the path inner_ was opened by
   const Opener reopen_;
   std::atomic<int> state_{kOk};
   std::atomic<uint64_t> failures_{0};
-  mutable std::mutex err_mu_;
-  Status error_;                         // GUARDED_BY(err_mu_): why it is not kOk
+  mutable Mutex err_mu_;
+  Status error_ GUARDED_BY(err_mu_);  // why it is not kOk
 };
 
 }  // namespace nonstop

@@ -184,6 +184,10 @@ class Checkpointer:
         self.dir = os.fspath(dir)
         self.state = state
         self.every = every
+        # When a checkpoint is due, for every mode: the one rule, in C++
+        # (src/engine/schedule.h); every="auto" feeds it the clock (_auto.py).
+        self._schedule = (self._auto.schedule if self._auto is not None
+                          else _core().Schedule.every(every))
         self.mode = mode
         self.keep = keep
         self.max_to_keep = max_to_keep
@@ -299,15 +303,19 @@ class Checkpointer:
         if self._auto is not None:
             got = self._watcher.track(_auto.checkpointer_step(self, self._auto, step), step)
         elif self._multistep is not None:  # every step drives the window
-            got = self._multistep.step(step, (step + 1) % self.every == 0)
+            got = self._multistep.step(step, self._due_after(step))
         elif self._layerwise is not None:  # seals the checkpoint its hooks began
             got = self._watcher.track(self._layerwise.step(step), step)
-        elif (step + 1) % self.every == 0:
+        elif self._due_after(step):
             got = self._watcher.track(self._save(step), step)
         else:
             got = None
         self._report()  # background errors since the last call, once
         return got
+
+    def _due_after(self, step: int) -> bool:
+        """every=N: whether the checkpoint after the update of `step` is due."""
+        return self._schedule.due_after(int(step))
 
     def save(self, step: int, metrics: Optional[dict] = None) -> Optional[CheckpointHandle]:
         """Starts a checkpoint of the state as it is now, labelled `step`.

@@ -390,7 +390,7 @@ class Layerwise:
         is due (with the plan prepared by the previous ckpt.step(), or one
         made now)."""
         s = self.next_step
-        if (s + 1) % self.ckpt.every != 0 or not self._complete():
+        if not self.ckpt._due_after(s) or not self._complete():
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
         if (self._plan is None or self._plan[0] != self._signature()
                 or self.ckpt._registered is not self._plan[2]):
@@ -437,7 +437,7 @@ class Layerwise:
                                   stacklevel=3)
                     self._plan = None
                 ck._saves += 1
-            elif (step + 1) % ck.every == 0:
+            elif ck._due_after(step):
                 counter = ck._save(step)  # step() reports background errors
             self.next_step = step + 1
             self._decided = False
@@ -445,7 +445,7 @@ class Layerwise:
             # The next step is due: register and find the groups now, on the
             # training thread between steps, so that backward only opens the
             # checkpoint and requests copies.
-            if (step + 2) % ck.every == 0 and self._complete():
+            if ck._due_after(step + 1) and self._complete():
                 self._prepare(ck._engine, tensors)
             ck._visible_stall_s += time.perf_counter() - t0
             return counter

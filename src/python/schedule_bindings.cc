@@ -1,0 +1,49 @@
+// _core.Schedule: when a checkpoint is due (engine/schedule.h). Pure
+// arithmetic on the training thread: no GIL release, nothing blocks.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine/schedule.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace nonstop::py_bindings {
+
+void InitSchedule(py::module_& m) {
+  py::class_<Schedule>(m, "Schedule")
+      .def_static("every", [](int64_t n) { return Take(Schedule::Every(n)); }, py::arg("n"))
+      .def_static(
+          "auto",
+          [](double target, double alpha, int64_t warmup, int64_t min_interval,
+             int64_t max_interval) {
+            return Take(Schedule::Auto({target, alpha, warmup, min_interval, max_interval}));
+          },
+          py::arg("target") = 0.03, py::arg("alpha") = 0.3, py::arg("warmup") = 2,
+          py::arg("min_interval") = 1, py::arg("max_interval") = 100000)
+      .def_property_readonly("is_auto", &Schedule::is_auto)
+      .def_property_readonly("every_n", &Schedule::every)
+      .def("due_after", [](const Schedule& s, int64_t step) { return Take(s.DueAfter(step)); },
+           py::arg("step"))
+      .def("observe_step", &Schedule::ObserveStep, py::arg("stall_total_s"), py::arg("now_s"))
+      .def("started", &Schedule::Started, py::arg("stall_total_s"), py::arg("now_s"))
+      .def("observe_persist", &Schedule::ObservePersist, py::arg("persist_s"),
+           py::arg("max_in_flight"))
+      .def("state", [](const Schedule& s) {
+        const AutoScheduleState st = s.State();
+        py::dict d;
+        d["target"] = st.target;
+        d["interval"] = st.interval;
+        d["overhead"] = st.overhead;
+        d["step_s"] = st.step_s;
+        d["ckpt_stall_s"] = st.ckpt_stall_s;
+        d["persist_s"] = st.persist_s;
+        d["budget_s"] = st.budget_s;
+        d["checkpoints"] = st.checkpoints;
+        d["steps"] = st.steps;
+        d["last_interval"] = st.last_interval;
+        return d;
+      });
+}
+
+}  // namespace nonstop::py_bindings

@@ -912,11 +912,13 @@ class Tier:
                       stacklevel=4)
 
     def _restore_dist(self, step: Optional[int]):
-        import torch.distributed as tdist
+        # JSON over the gloo group (_Comm.gather), never all_gather_object or
+        # broadcast_object_list: those unpickle what the peers send.
+        from ._distributed import _Comm
         d = self.ckpt._dist
+        comm = _Comm(d.group, d.world)
         local = sorted(self._local_steps())
-        every = [None] * d.world
-        tdist.all_gather_object(every, local, group=d.group)
+        every = comm.gather(local)
         common = set(map(tuple, every[0]))
         for s in every[1:]:
             common &= set(map(tuple, s))
@@ -927,7 +929,7 @@ class Tier:
                 box[0] = [(s, m["lineage"]) for s, m in committed_steps(self.store)]
             except (CheckpointError, OSError) as e:  # the store is down: said on every rank
                 box[0] = _first_line(e)
-        tdist.broadcast_object_list(box, src=0, group=d.group)
+        box = comm.gather(box[0])[:1]  # rank 0's listing, on every rank
         if isinstance(box[0], str):
             self._unlisted(box[0], newest is None or (
                 step is not None and not any(s == step for s, _ in common)), newest)
@@ -941,8 +943,7 @@ class Tier:
         errors = []
         for s, lineage in cands:
             loaded, err = self._try(s)
-            errs = [None] * d.world
-            tdist.all_gather_object(errs, err, group=d.group)
+            errs = comm.gather(err)
             bad = [(r, e) for r, e in enumerate(errs) if e is not None]
             if bad:
                 where = "; ".join(f"rank {r}: {e}" for r, e in bad)

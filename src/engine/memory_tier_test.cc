@@ -444,17 +444,20 @@ fs::path LockOf(const fs::path& seg) {
 // older than memory_tier_orphan_s; a live job's segment is never touched.
 TEST_F(MemoryTierTest, LeftoversOfCrashedJobsAreSweptLiveOnesNever) {
   std::vector<float> w(100000);
+  // Crashed jobs: "gone" (directory deleted), "renamed" (its record now names
+  // another segment), "waiting" (directory intact: may restart). Forked
+  // before this process starts any thread of its own (TSan refuses threads
+  // in a child forked from a multi-threaded parent).
+  const fs::path gone = CrashWithSegment(Options("gone"));
+  const fs::path renamed = CrashWithSegment(Options("renamed"));
+  const fs::path waiting = CrashWithSegment(Options("waiting"));
+  const fs::path old = CrashWithSegment(Options("old"));  // intact too, left to age
   // A live job with a segment (its directory is deleted under it below).
   auto live = Engine::Open(Options("live")).value();
   ASSERT_TRUE(live->Register({Ref(w)}).ok());
   Run(*live, w, 1, 1);
   const fs::path live_seg = Segment(*live);
-  // Crashed jobs: "gone" (directory deleted), "renamed" (its record now names
-  // another segment), "waiting" (directory intact: may restart).
-  const fs::path gone = CrashWithSegment(Options("gone"));
-  const fs::path renamed = CrashWithSegment(Options("renamed"));
-  const fs::path waiting = CrashWithSegment(Options("waiting"));
-  for (const fs::path& p : {gone, renamed, waiting}) {
+  for (const fs::path& p : {gone, renamed, waiting, old}) {
     ASSERT_TRUE(fs::is_regular_file(p)) << p;
     ASSERT_TRUE(fs::is_regular_file(LockOf(p))) << p;
   }
@@ -478,13 +481,14 @@ TEST_F(MemoryTierTest, LeftoversOfCrashedJobsAreSweptLiveOnesNever) {
   EXPECT_FALSE(fs::exists(renamed));
   EXPECT_FALSE(fs::exists(LockOf(renamed)));
   EXPECT_TRUE(fs::is_regular_file(waiting));  // its job may restart
+  EXPECT_TRUE(fs::is_regular_file(old));
   EXPECT_TRUE(fs::is_regular_file(live_seg));  // alive
   // The crashed job restarts within the age limit: it reads its segment.
   EXPECT_TRUE(RestoreFresh("waiting", w, 3));  // (its clean close removes it)
   EXPECT_FALSE(fs::exists(waiting));
-  // Crashed again; a writer with an age limit of 0 removes it, still not the live one.
-  const fs::path waiting2 = CrashWithSegment(Options("waiting"));
-  ASSERT_TRUE(fs::is_regular_file(waiting2));
+  // A writer with an age limit of 0 removes the other crashed job's, still
+  // not the live one.
+  ASSERT_TRUE(fs::is_regular_file(old));
   {
     EngineOptions o = Options("next");
     o.memory_tier_orphan_s = 0;
@@ -492,8 +496,8 @@ TEST_F(MemoryTierTest, LeftoversOfCrashedJobsAreSweptLiveOnesNever) {
     EXPECT_EQ(e->Stats().memory_swept, 1u);
     ASSERT_TRUE(e->Close().ok());
   }
-  EXPECT_FALSE(fs::exists(waiting2));
-  EXPECT_FALSE(fs::exists(LockOf(waiting2)));
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_FALSE(fs::exists(LockOf(old)));
   EXPECT_TRUE(fs::is_regular_file(live_seg));
   EXPECT_TRUE(fs::is_regular_file(LockOf(live_seg)));
   EXPECT_TRUE(live->Close().ok());

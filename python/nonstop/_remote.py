@@ -848,7 +848,6 @@ class Tier:
 
     def _local_steps(self) -> dict:
         """(step, lineage) -> None of this rank's committed local checkpoints."""
-        from ._distributed import _committed
         path = os.path.join(self.ckpt.dir, f"rank-{self.ckpt.rank:05d}.nsck")
         if not os.path.exists(path):
             return {}
@@ -856,7 +855,18 @@ class Tier:
             reader = self.core().Reader(self.ckpt.dir, rank=self.ckpt.rank, verify_data=False)
         except Exception:  # noqa: BLE001 -- an unreadable file: the local path reports it
             return {}
-        return {k: None for k in _committed(reader)}
+        from ._state import loads
+        found = {}
+        for c in reader.checkpoints:
+            if not c["committed"]:
+                continue
+            try:
+                meta = loads(c["meta_json"])
+            except CheckpointError:  # malformed metadata: not a checkpoint to recover
+                continue
+            d = meta.get("dist", {}) if isinstance(meta, dict) else {}
+            found[(int(c["step"]), int(d.get("lineage", 0)))] = None
+        return found
 
     def _try(self, step: int):
         """(LoadedCheckpoint, None) or (None, one-line error) for remote step."""

@@ -54,3 +54,14 @@ def core(request, monkeypatch):
         if not real_engine_available():
             pytest.skip("the C++ Engine has not landed in this build yet")
         yield nonstop._core
+
+
+def nonstop_cli():
+    """The CLI to test: $NONSTOP_CLI, else `nonstop` on PATH, else the one
+    next to this Python; None when there is none."""
+    import shutil
+    for c in (os.environ.get("NONSTOP_CLI", ""), shutil.which("nonstop") or "",
+              os.path.join(os.path.dirname(sys.executable), "nonstop")):
+        if c and os.access(c, os.X_OK):
+            return c
+    return None

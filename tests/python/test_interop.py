@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import nonstop
+from conftest import nonstop_cli
 
 
 class TinyGPT(nn.Module):
@@ -136,15 +137,7 @@ def test_safetensors_export_has_tied_weights_under_every_name(tmp_path):
     assert torch.equal(fresh.lm_head.weight, m.lm_head.weight)
 
 
-def _cli():
-    """$NONSTOP_CLI, else `nonstop` on PATH, else the one next to this Python."""
-    import shutil
-    import sys
-    for c in (os.environ.get("NONSTOP_CLI", ""), shutil.which("nonstop") or "",
-              os.path.join(os.path.dirname(sys.executable), "nonstop")):
-        if c and os.access(c, os.X_OK):
-            return c
-    return None
+_cli = nonstop_cli
 
 
 @pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")

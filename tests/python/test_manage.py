@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import nonstop  # noqa: E402
 from nonstop.errors import CheckpointNotFoundError  # noqa: E402
+from conftest import nonstop_cli  # noqa: E402
 
 
 def _train(ck, model, opt, steps, losses=None, start=0):
@@ -187,14 +188,7 @@ def test_sigkill_during_deletion_leaves_whole_copies_or_none(tmp_path):
     assert torch.equal(nonstop.load(d).tensors["model/weight"], weights[39])
 
 
-def _cli():
-    """$NONSTOP_CLI, else `nonstop` on PATH, else the one next to this Python."""
-    import shutil
-    for c in (os.environ.get("NONSTOP_CLI", ""), shutil.which("nonstop") or "",
-              os.path.join(os.path.dirname(sys.executable), "nonstop")):
-        if c and os.access(c, os.X_OK):
-            return c
-    return None
+_cli = nonstop_cli
 
 
 @pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")

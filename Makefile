@@ -20,6 +20,7 @@ CMAKE     := $(shell command -v cmake || echo .venv/bin/cmake)
 CMAKE_GEN := -G Ninja
 
 .PHONY: deps venv build cbuild test test-cpp test-py test-asan test-tsan test-tsa test-fuzz test-gpu \
+        test-packaging \
         demo bench clean format
 
 # Installs the Debian packages that are missing (quietly when all are there).
@@ -58,6 +59,12 @@ test-cpp: cbuild
 
 test-py: build
 	$(PY) -m pytest -q --durations=30 tests/python
+
+# `pip install .` from a read-only source tree into a fresh venv, then a
+# checkpoint and restore with the installed package (compiles the engine
+# again: minutes, so not part of `make test`).
+test-packaging: build
+	NONSTOP_PACKAGING_TEST=1 $(PY) -m pytest -q tests/python/test_packaging.py
 
 test: build cbuild
 	$(MAKE) --no-print-directory test-cpp

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from . import _state
-from .errors import CheckpointNotFoundError, IncompatibleCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
 
@@ -140,6 +140,30 @@ def _refs(tree) -> set:
     return out
 
 
+def _checked_names(names) -> dict:
+    """The metadata's "names" (_fqn.describe) when well formed, else a
+    one-line CorruptCheckpointError: it comes from the file, so a crafted one
+    must not surface as a raw AttributeError/IndexError from the export."""
+    def bad(why: str):
+        return CorruptCheckpointError(f"checkpoint metadata 'names' is malformed: {why}")
+    if names is None:
+        return {}
+    if not isinstance(names, dict):
+        raise bad("not an object")
+    mods, opts = names.get("modules", {}), names.get("optimizers", {})
+    if not isinstance(mods, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mods.items()):
+        raise bad("'modules' is not a map of names to prefixes")
+    if not isinstance(opts, dict):
+        raise bad("'optimizers' is not an object")
+    for k, o in opts.items():
+        if (not isinstance(o, dict) or not isinstance(o.get("module"), str)
+                or not isinstance(o.get("params"), list)
+                or not all(isinstance(n, str) for n in o["params"])):
+            raise bad(f"optimizer {k!r} has no module name and list of parameter names")
+    return {"modules": mods, "optimizers": opts}
+
+
 def _rename(key: str, value, names: dict):
     """`value` (state `key`, rebuilt) under get_state_dict's names: a
     module's keys without the wrapper prefix, an optimizer's state and
@@ -152,8 +176,10 @@ def _rename(key: str, value, names: dict):
     if (opt is not None and isinstance(value, dict) and isinstance(value.get("state"), dict)
             and isinstance(value.get("param_groups"), list)):
         fqn = opt["params"]
-        ids = [i for g in value["param_groups"] for i in g.get("params", [])]
-        if sorted(ids) != list(range(len(fqn))):
+        ids = [i for g in value["param_groups"] if isinstance(g, dict)
+               for i in g.get("params", [])]
+        if (not all(isinstance(i, int) for i in ids) or sorted(ids) != list(range(len(fqn)))
+                or not all(isinstance(i, int) and 0 <= i < len(fqn) for i in value["state"])):
             return value  # not the optimizer the names were taken from
         out = dict(value)
         out["state"] = {fqn[i]: v for i, v in value["state"].items()}
@@ -172,7 +198,7 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
     local entries as {"rank-R": {key: {name: tensor}}}, any other value
     holding one whole as {"rank-R": {key: value}}."""
     world = len(metas)
-    names = metas[0].get("names", {})
+    names = _checked_names(metas[0].get("names"))
     out: dict = {}
     for key, tree in metas[0].get("state", {}).items():
         local = {n for n in _refs(tree) if n not in shared} if world > 1 else set()

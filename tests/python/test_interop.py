@@ -214,3 +214,26 @@ def test_cli_inspect_is_a_summary(tmp_path):
     meta = j["files"][0]["checkpoints"][0]["meta"]
     assert isinstance(meta["rng"]["torch"], str) and len(meta["rng"]["torch"]) > 1000
     assert len(j["files"][0]["checkpoints"][0]["tensors"]) == 16
+
+
+@pytest.mark.parametrize("names", [
+    [1, 2], {"modules": ["model"]}, {"modules": {"model": 3}}, {"optimizers": []},
+    {"optimizers": {"optim": {"module": "model"}}},
+    {"optimizers": {"optim": {"module": "model", "params": [0, 1]}}}])
+def test_malformed_names_in_the_metadata_are_one_line_errors(names):
+    """The metadata's "names" comes from the file: a crafted one gives a
+    one-line CorruptCheckpointError, not a raw AttributeError/IndexError
+    (before the check, [1, 2] raised AttributeError: 'list' ... 'get')."""
+    from nonstop import _dcp
+    from nonstop.errors import CorruptCheckpointError
+    meta = {"names": names, "state": {"x": 1}}
+    with pytest.raises(CorruptCheckpointError) as e:
+        _dcp.layout([{}], [meta], set())
+    assert "\n" not in str(e.value) and "'names' is malformed" in str(e.value)
+
+
+def test_optimizer_names_that_do_not_fit_the_state_leave_it_by_index():
+    from nonstop import _dcp
+    names = {"optimizers": {"o": {"module": "m", "params": ["a.weight"]}}}
+    value = {"state": {5: {"step": 1}}, "param_groups": [{"params": [0]}]}
+    assert _dcp._rename("o", value, names) is value  # state index 5 has no name

@@ -172,8 +172,10 @@ def worker(args) -> None:
             emit(event="restored", step=restored, restore_s=time.perf_counter() - t0,
                  since_start_s=time.perf_counter() - t_start)
     torch_path = os.path.join(args.out, "torchsave", "ckpt.pt")
+    baseline = None  # the baseline's due rule: the C++ Schedule, as nonstop's every=N
     if args.mode == "torchsave":
         os.makedirs(os.path.dirname(torch_path), exist_ok=True)
+        baseline = nonstop._core.Schedule.every(args.every)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         stall_before = ckpt.stats()["visible_stall_s"] if ckpt else 0.0
@@ -182,7 +184,7 @@ def worker(args) -> None:
         if ckpt is not None:
             saved = ckpt.step(step) is not None
             stall = ckpt.stats()["visible_stall_s"] - stall_before
-        elif args.mode == "torchsave" and (step + 1) % args.every == 0:
+        elif baseline is not None and baseline.due_after(step):
             ts = time.perf_counter()
             torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
                         "sched": sched.state_dict()}, torch_path)

@@ -24,6 +24,9 @@
 //             a part's state copy still waits behind earlier gradients.
 // The visible stall is the time the training thread spends in checkpoint
 // calls. Schemes run interleaved, `none` first and last in each round.
+// Host memory, per run: the process's resident set added by the run (VmRSS
+// at the end of the loop, before anything is closed, minus VmRSS before the
+// engine opened), the engine's staging pool and the multi-step host buffers.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -57,6 +60,16 @@ namespace fs = std::filesystem;
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// The process's resident set (VmRSS), bytes; 0 if unreadable.
+uint64_t RssBytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) << 10;
+  }
+  return 0;
 }
 
 // A device-to-host link of fixed bandwidth: copies run one at a time, each
@@ -231,6 +244,9 @@ struct RunResult {
   double replay_ms_mean = 0;
   double replay_GBps = 0;  // bytes the replay reads and writes / replay time
   int checkpoints = 0;
+  double rss_mib = 0;       // resident set added by the run
+  double staging_mib = 0;   // the engine's staging pool
+  double ms_host_mib = 0;   // multi-step host buffers (state, gradients, extras)
 };
 
 void Sleep(double ms) {
@@ -243,6 +259,7 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
   const int steps = scheme == "none" ? std::min(interval, 100) : interval * a.checkpoints;
   const fs::path dir = fs::path(a.dir) / scheme;
   fs::remove_all(dir);
+  const uint64_t rss0 = RssBytes();
   std::unique_ptr<nonstop::Engine> engine;
   std::unique_ptr<nonstop::MultistepCheckpoint> ms;
   std::unique_ptr<CopyEngine> link;
@@ -331,9 +348,12 @@ nonstop::Result<RunResult> RunLoop(const Args& a, const std::string& scheme, int
   }
   const double secs = Seconds(t0, Clock::now());
   RunResult r;
+  if (ms) NONSTOP_RETURN_IF_ERROR(ms->Wait());
+  r.rss_mib = (static_cast<double>(RssBytes()) - static_cast<double>(rss0)) / 1048576.0;
+  if (engine) r.staging_mib = engine->Stats().staging_bytes / 1048576.0;
   if (ms) {
-    NONSTOP_RETURN_IF_ERROR(ms->Wait());
     auto stats = ms->Stats();
+    r.ms_host_mib = stats.host_bytes / 1048576.0;
     double replay = 0, worst = 0, replay_bytes = 0;
     int n = 0;
     for (size_t i = 1; i < stats.recent.size(); ++i) {  // [0] is the warm-up
@@ -444,7 +464,8 @@ int main(int argc, char** argv) {
   // [interval][scheme] -> per round
   const size_t ni = a.intervals.size(), ns = schemes.size();
   std::vector<std::vector<std::vector<double>>> stall(ni, std::vector<std::vector<double>>(ns)),
-      worst = stall, rel = stall, sps = stall, replay = stall, replay_bw = stall;
+      worst = stall, rel = stall, sps = stall, replay = stall, replay_bw = stall, rss = stall,
+      staging = stall, ms_host = stall;
   std::vector<double> drift, none_sps;
   for (int round = 0; round < a.repeat; ++round) {
     auto first = RunLoop(a, "none", 100, st);
@@ -479,6 +500,9 @@ int main(int argc, char** argv) {
         rel[i][k].push_back(got[i][k].steps_per_s / base);
         replay[i][k].push_back(got[i][k].replay_ms_mean);
         replay_bw[i][k].push_back(got[i][k].replay_GBps);
+        rss[i][k].push_back(got[i][k].rss_mib);
+        staging[i][k].push_back(got[i][k].staging_mib);
+        ms_host[i][k].push_back(got[i][k].ms_host_mib);
       }
     }
   }
@@ -490,9 +514,9 @@ int main(int argc, char** argv) {
                 for (double d : drift) m = std::max(m, std::abs(d));
                 return m;
               }(), triad, a.mtbf_hours);
-  std::printf("%-9s %8s %14s %12s %10s %9s %10s %12s %10s %9s\n", "scheme", "interval",
-              "stall ms/ckpt", "vs async-o", "steps/s", "relative", "replay ms", "replay GB/s",
-              "N* steps", "K*T ms");
+  std::printf("%-9s %8s %14s %12s %10s %9s %10s %12s %10s %9s %9s %11s %9s\n", "scheme",
+              "interval", "stall ms/ckpt", "vs async-o", "steps/s", "relative", "replay ms",
+              "replay GB/s", "N* steps", "K*T ms", "RSS MiB", "staging MiB", "host MiB");
   std::ostringstream js;
   js << "{\"state_bytes\":" << st.StateBytes() << ",\"grad_bytes\":" << st.GradBytes()
      << ",\"grad_dtype\":\"" << a.grad_dtype << "\",\"link_gbps\":" << a.link_gbps
@@ -506,17 +530,21 @@ int main(int argc, char** argv) {
       const double s = Median(stall[i][k]);
       const double reduction = base > 0 ? 1 - s / base : 0;
       const double nstar = nonstop::YoungDalyIntervalSteps(s / 1e3, step_ms / 1e3, p);
-      std::printf("%-9s %8d %14.1f %11.0f%% %10.3f %9.3f %10.1f %12.1f %10.0f %9.0f\n",
+      std::printf("%-9s %8d %14.1f %11.0f%% %10.3f %9.3f %10.1f %12.1f %10.0f %9.0f %9.0f %11.0f "
+                  "%9.0f\n",
                   schemes[k].c_str(), a.intervals[i], s, 100 * reduction, Median(sps[i][k]),
                   Median(rel[i][k]), Median(replay[i][k]), Median(replay_bw[i][k]), nstar,
-                  a.parts * step_ms);
+                  a.parts * step_ms, Median(rss[i][k]), Median(staging[i][k]),
+                  Median(ms_host[i][k]));
       js << (first_row ? "" : ",") << "{\"scheme\":\"" << schemes[k]
          << "\",\"interval\":" << a.intervals[i] << ",\"stall_ms_mean\":" << s
          << ",\"stall_ms_max_window\":" << Median(worst[i][k])
          << ",\"reduction_vs_async_o\":" << reduction << ",\"steps_per_s\":" << Median(sps[i][k])
          << ",\"relative\":" << Median(rel[i][k]) << ",\"replay_ms\":" << Median(replay[i][k])
          << ",\"replay_GBps\":" << Median(replay_bw[i][k])
-         << ",\"young_daly_steps\":" << nstar << "}";
+         << ",\"young_daly_steps\":" << nstar << ",\"rss_mib\":" << Median(rss[i][k])
+         << ",\"staging_mib\":" << Median(staging[i][k])
+         << ",\"ms_host_mib\":" << Median(ms_host[i][k]) << "}";
       first_row = false;
     }
   }

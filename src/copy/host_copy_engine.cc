@@ -5,6 +5,7 @@
 // copies before the next one's. With threads == 0 copies run inline in
 // Copy() and the completion is ready on return (useful for tests and for
 // machines where a background thread would only steal the training core).
+#include <algorithm>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -91,8 +92,17 @@ class HostCopyEngine final : public CopyEngine {
 
   void FreeHost(void* p, size_t bytes) override {
     if (p == nullptr) return;
-    munlock(p, bytes);
-    munmap(p, bytes);
+    // In slices: munlock/munmap hold the process's mmap lock for the whole
+    // range, and every other thread's mmap, mlock and page fault waits behind
+    // it. Freeing the replaced 256 MiB staging pool in one call from a
+    // background thread delayed the training thread's 0.6 MB mlock by 63 ms.
+    constexpr size_t kSlice = size_t{8} << 20;  // a multiple of the page size
+    auto* base = static_cast<char*>(p);
+    for (size_t off = 0; off < bytes; off += kSlice) {
+      const size_t n = std::min(kSlice, bytes - off);
+      munlock(base + off, n);
+      munmap(base + off, n);
+    }
   }
 
   std::string Describe() const override {

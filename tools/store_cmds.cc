@@ -500,8 +500,41 @@ bool Included(const std::string& name, const std::vector<std::string>& include) 
   return false;
 }
 
+// The export's progress on stderr, drawn as python/nonstop/_progress.py draws
+// its tqdm bar: `progress` 1 always, 0 never, -1 (default) when stderr is a
+// terminal and the export is 256 MiB or more; NONSTOP_PROGRESS=1/0 decides
+// the default. One line, redrawn per window and cleared at the end.
+class ExportProgress {
+ public:
+  ExportProgress(int progress, uint64_t total) : total_(total) {
+    const char* env = std::getenv("NONSTOP_PROGRESS");
+    if (progress < 0 && env != nullptr &&
+        (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) {
+      progress = env[0] == '1' ? 1 : 0;
+    }
+    on_ = progress == 1 || (progress < 0 && ::isatty(2) && total >= (256ull << 20));
+  }
+  ~ExportProgress() {
+    if (on_ && drawn_) std::fprintf(stderr, "\r%*s\r", 72, "");
+  }
+  void Update(uint64_t done) {
+    if (!on_) return;
+    const double pct =
+        total_ ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 100.0;
+    std::fprintf(stderr, "\rnonstop export: %3.0f%% %s / %s", pct, HumanBytes(done).c_str(),
+                 HumanBytes(total_).c_str());
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+
+ private:
+  uint64_t total_;
+  bool on_ = false;
+  bool drawn_ = false;
+};
+
 void RunExport(const std::string& dir, std::optional<int64_t> step, const std::string& out,
-               const std::vector<std::string>& include) {
+               const std::vector<std::string>& include, int progress) {
   const std::vector<fs::path> paths = SlotFiles("export", dir);
   if (paths.size() != 1) {
     Fail("export", dir + " holds " + std::to_string(paths.size()) +
@@ -643,6 +676,8 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
     // order, about kWindow bytes) at a time so memory stays bounded.
     constexpr uint64_t kWindow = 256ull << 20;
     std::vector<char> buf;
+    ExportProgress bar(progress, offset);
+    uint64_t written = 0;
     // Windows of entries (in output order, about kWindow bytes of stored
     // tensors each); a tied weight's second name copies the bytes read once.
     for (size_t first = 0; first < entries.size();) {
@@ -680,7 +715,9 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
         const TensorEntry& te = *entries[k].second;
         const size_t i = static_cast<size_t>(&te - info.tensors.data());
         if (te.spec.nbytes != 0) put(buf.data() + at[i], te.spec.nbytes);
+        written += te.spec.nbytes;
       }
+      bar.Update(written);
       first = last;
     }
     if (Status st = f->Sync(); !st.ok()) abandon("syncing " + tmp + ": " + st.message(), kExitUsage);
@@ -701,7 +738,7 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
 // replaces this process with `python3 -m nonstop._dcp DIR OUT [--step N]`
 // ($NONSTOP_PYTHON picks the interpreter). docs/DISTRIBUTED.md.
 [[noreturn]] void RunExportDcp(const std::string& dir, std::optional<int64_t> step,
-                               const std::string& out) {
+                               const std::string& out, int progress) {
   const char* env = std::getenv("NONSTOP_PYTHON");
   const std::string python = env != nullptr && *env != '\0' ? env : "python3";
   std::vector<std::string> argv = {python, "-m", "nonstop._dcp", dir, out};
@@ -709,6 +746,7 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
     argv.push_back("--step");
     argv.push_back(std::to_string(*step));
   }
+  if (progress >= 0) argv.push_back(progress ? "--progress" : "--no-progress");
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
@@ -750,6 +788,8 @@ struct StoreArgs {
   std::string out;
   std::string format = "safetensors";
   std::vector<std::string> include;
+  bool progress = false;     // export --progress
+  bool no_progress = false;  // export --no-progress
 };
 
 // The arguments of `nonstop CMD URL ...` for python -m nonstop._remote_cli
@@ -800,6 +840,11 @@ void AddStoreCommands(CLI::App& app) {
   exp->add_option("--include", args->include,
                   "export only tensors whose name matches this glob ('model/*', '*.weight'); "
                   "repeatable: a tensor matching any is exported (safetensors only)");
+  CLI::Option* prog = exp->add_flag(
+      "--progress", args->progress,
+      "draw a progress bar on stderr (default: on a terminal, for 256 MiB or more)");
+  exp->add_flag("--no-progress", args->no_progress, "never draw the progress bar")
+      ->excludes(prog);
   exp->callback(Guarded("export", [args] {
     if (!args->include.empty() && (args->format == "dcp" || IsRemoteUrl(args->dir))) {
       Fail("export", std::string("--include is for a local safetensors export; ") +
@@ -808,8 +853,9 @@ void AddStoreCommands(CLI::App& app) {
            kExitUsage);
     }
     if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("export", *args));
-    if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out);
-    RunExport(args->dir, args->step, args->out, args->include);
+    const int progress = args->progress ? 1 : args->no_progress ? 0 : -1;
+    if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out, progress);
+    RunExport(args->dir, args->step, args->out, args->include, progress);
   }));
 }
 

@@ -334,7 +334,7 @@ class JobDir {
   // After `info` of `src` committed: makes its keep copy when `policy` wants
   // one (Keep), then deletes the kept copies the policy no longer holds
   // (DeleteKept). The caller keeps `info`'s slot from being reused meanwhile.
-  // With world_size > 1 only copies are made, nothing is deleted.
+  // With world_size > 1 each rank deletes its own file only (DeleteKeptShare).
   Status Retain(SlotFile& src, const CheckpointInfo& info, const RetentionPolicy& policy);
   // The committed, non-abandoned kept copies of rank R, newest step first,
   // with `metric` when given.
@@ -347,6 +347,10 @@ class JobDir {
   // checkpoint or a restore protects it. A writer of world size > 1 must
   // hold every rank's lock (OpenForMaintenance).
   Status DeleteKept(int64_t step);
+  // World size > 1, while the job runs: deletes this rank's file of
+  // keep/step-N/ (one unlink, made durable), and the directory once it holds
+  // no rank's file. The same NotFound/FailedPrecondition rules as DeleteKept.
+  Status DeleteKeptShare(int64_t step);
   // Opens an existing job directory to change it while no job runs: takes
   // every rank's lock (a running job: FailedPrecondition naming the holder)
   // and tidies rank 0's leftovers like OpenForWrite. NotFound when missing.

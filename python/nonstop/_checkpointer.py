@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 import warnings
 import weakref
@@ -19,8 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import (_auto, _config, _distributed, _fqn, _fsdp, _manage, _preempt, _remote,
-               _replica, _rng, _state, _unwrap)
+from . import (_auto, _config, _distributed, _fqn, _fsdp, _manage, _preempt, _progress,
+               _remote, _replica, _rng, _state, _unwrap)
 from ._handle import CheckpointHandle, Watcher
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
@@ -168,9 +167,10 @@ class Checkpointer:
         # max_to_keep= and best=("loss", "min", k): which kept copies stay
         # (JobDir retention in C++; _manage.py, docs/PYTHON.md "Managing checkpoints")
         retention = _manage.check_retention(keep, max_to_keep, best)
-        if retention != (0, "", False, 0) and mode == "multistep":
+        if best is not None and every == "auto" and (world_size or _world()[1]) > 1:
             raise CheckpointMismatchError(
-                "max_to_keep= and best= work with mode='concurrent' or 'layerwise' for now")
+                'best= with world_size > 1 needs every=N: every rank must checkpoint the same '
+                'steps (their metrics are agreed at each checkpoint)')
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise CheckpointMismatchError(
                 f"max_in_flight must be a positive integer, got {max_in_flight!r}")
@@ -215,8 +215,13 @@ class Checkpointer:
                 raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
                                               f"use mode='concurrent' with world_size > 1")
             self._dist = _distributed.Distributed(self.dir, self.rank, self.world_size,
-                                                  replicated, local, dist_timeout_s)
+                                                  replicated, local, dist_timeout_s,
+                                                  agree_metrics=best is not None)
             self._dist.state = state  # resharding looks at the live objects
+            if retention[0] or retention[3]:  # max_to_keep/best delete kept copies
+                # Every rank must hold the same kept steps before the engine
+                # opens (a kill between the ranks' deletions): collective.
+                self._dist.tidy_kept()
             engine_kwargs.update(extra_slots=1, global_agreement=True)
         self._multistep = None
         if mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md
@@ -224,6 +229,12 @@ class Checkpointer:
             self._multistep = MultistepMode(self, _core(), dict(dir=self.dir, **engine_kwargs),
                                             parts, overlap_gradients)
             self._engine = self._multistep
+            if retention != (0, "", False, 0):
+                try:
+                    self._multistep.core.set_retention(*retention)
+                except Exception:
+                    self._multistep.close()
+                    raise
         else:
             if mode == "layerwise":  # LightCheck: _layerwise.py, docs/LAYERWISE.md
                 engine_kwargs["layer_copy"] = copy
@@ -352,8 +363,9 @@ class Checkpointer:
                 "world_size": self.world_size, "state": tree}
         if self.rng:
             meta["rng"] = _rng.capture()
-        if self._metrics:
-            meta["metrics"] = self._metrics
+        metrics = self._checkpoint_metrics()
+        if metrics:
+            meta["metrics"] = metrics
         names = _fqn.describe(self.state)  # get_state_dict's names, for export (_fqn.py)
         if names:
             meta["names"] = names
@@ -393,6 +405,15 @@ class Checkpointer:
         self._saves += 1
         self._visible_stall_s += time.perf_counter() - t0
         return counter
+
+    def _checkpoint_metrics(self) -> Optional[dict]:
+        """metrics= of the checkpoint being started. With world_size > 1 and
+        best=: rank 0's on every rank (JSON over gloo; collective), so that
+        every rank ranks its kept copies by the same numbers and keeps and
+        deletes the same steps (JobDir::Retain)."""
+        if self._dist is not None and self.best is not None:
+            return self._dist.agree_metrics(self._metrics)
+        return self._metrics
 
     def _engine_call(self, fn, *args, **kwargs):
         """fn(*args): an engine call that first answers with an error queued
@@ -1022,7 +1043,7 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
         return dests
 
     exclude: list = []
-    bar = _Progress()
+    bar = _progress.Progress("nonstop restore")
     while True:
         try:
             got = core.restore(path, rank, prep, step=step, threads=_restore_threads(),
@@ -1077,37 +1098,6 @@ def _restore_threads() -> int:
         return max(1, int(os.environ.get("NONSTOP_RESTORE_THREADS", "4")))
     except ValueError:
         return 4
-
-
-class _Progress:
-    """The restore's progress callback: a tqdm bar on a terminal (stderr),
-    shown only for restores of 256 MiB or more still running after the
-    first report (0.1 s), when tqdm is installed."""
-
-    MIN_BYTES = 256 << 20
-
-    def __init__(self):
-        self.bar = None
-        self.off = not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
-
-    def __call__(self, done: int, total: int) -> bool:
-        if self.off or total < self.MIN_BYTES:
-            return True
-        if self.bar is None:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                self.off = True
-                return True
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="nonstop restore",
-                            leave=False)
-        self.bar.update(done - self.bar.n)
-        return True
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:

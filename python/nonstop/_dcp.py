@@ -19,8 +19,10 @@ and param_groups by parameter FQN (the names are recorded at save time,
 _fqn.py). Non-tensor state (param_groups, schedulers, plain values) is
 included. So a fresh model and optimizer load it with
 `sd = {"model": msd, "optim": osd}` from get_state_dict, `dcp.load(sd, ...)`
-and set_state_dict. Rank-local tensors (ZeRO-1 optimizer shards, state given
-as local=) have no global value: they are written under "rank-R" (layout()).
+and set_state_dict. A ZeroRedundancyOptimizer's shards are consolidated
+(global parameter order) and named by FQN the same way. Other rank-local
+tensors (state given as local=) have no global value: they are written
+under "rank-R" (layout()).
 The key `nonstop.step` holds the step.
 """
 from __future__ import annotations
@@ -58,12 +60,17 @@ def _key(meta: dict) -> tuple:
     return int(meta.get("step", -1)), int(meta.get("dist", {}).get("lineage", 0))
 
 
-def gather(path: str, step: Optional[int] = None) -> tuple[int, list, list, set]:
+def gather(path: str, step: Optional[int] = None,
+           progress=None) -> tuple[int, list, list, set]:
     """(step, [per rank: {name: tensor}], [per rank: metadata], names of the
     global tensors) of the newest checkpoint committed on every rank of
     `path` (or of `step`). A global tensor (replicated, or an FSDP2
     parameter or optimizer state) is reassembled whole from the ranks'
-    pieces, and every rank's dict holds that one full tensor."""
+    pieces, and every rank's dict holds that one full tensor. Each rank's
+    checkpoint is read through the one verified read path (read_tensors:
+    every crc chunk read and verified once); `progress(done, total)` is
+    told the bytes read after each rank."""
+    from ._checkpointer import read_tensors
     readers = _readers(path)
     per_rank = []
     for reader in readers:
@@ -92,20 +99,24 @@ def gather(path: str, step: Optional[int] = None) -> tuple[int, list, list, set]
     whole = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
              for name, (shape, dtype) in shared.items()}
     tensors, metas = [], []
+    total = sum(sum(spec["nbytes"] for spec in reader.checkpoints[found[key][0]]["tensors"])
+                for reader, found in zip(readers, per_rank))
+    done = 0
     for reader, found in zip(readers, per_rank):
         idx, meta = found[key]
         mine = dict(whole)
-        for ti, spec in enumerate(reader.checkpoints[idx]["tensors"]):
-            t = torch.empty(spec["shape"], dtype=_state.torch_dtype(spec["dtype"]))
-            if spec["nbytes"]:
-                reader.read_tensor(idx, ti, t.data_ptr(), spec["nbytes"])
-            name = spec["name"]
+        got = read_tensors(reader, idx)
+        for spec in reader.checkpoints[idx]["tensors"]:
+            name, t = spec["name"], got[spec["name"]]
+            done += spec["nbytes"]
             if name in shared:
                 flat = whole[name].view(-1)
                 off = spec["global_offset"]
                 flat[off:off + t.numel()] = t.view(-1)
             else:
                 mine[name] = t
+        if progress is not None:
+            progress(done, total)
         tensors.append(mine)
         metas.append(meta)
     return key[0], tensors, metas, set(shared)
@@ -193,14 +204,21 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
     """The state in get_state_dict's layout: {state key: value}, a module
     by its own names (a tied weight under every name), an optimizer's state
     and param_groups by parameter FQN, everything else (schedulers, plain
-    values) as saved. Rank-local tensors of a multi-rank job (ZeRO-1 shards,
-    local= state, FSDP2's BatchNorm buffers) go under "rank-R": a module's
+    values) as saved; a ZeroRedundancyOptimizer consolidated from its
+    shards. Other rank-local tensors of a multi-rank job (local= state,
+    FSDP2's BatchNorm buffers) go under "rank-R": a module's
     local entries as {"rank-R": {key: {name: tensor}}}, any other value
     holding one whole as {"rank-R": {key: value}}."""
     world = len(metas)
     names = _checked_names(metas[0].get("names"))
+    zero = metas[0].get("dist", {}).get("zero", {}) if world > 1 else {}
     out: dict = {}
     for key, tree in metas[0].get("state", {}).items():
+        if isinstance(zero, dict) and key in zero:
+            # A ZeroRedundancyOptimizer: each rank's shard, consolidated into
+            # its global parameter order, then named by FQN like any optimizer.
+            out[key] = _rename(key, _zero_consolidated(key, tensors, metas), names)
+            continue
         local = {n for n in _refs(tree) if n not in shared} if world > 1 else set()
         if not local:
             out[key] = _rename(key, _state.unflatten(tree, tensors[0]), names)
@@ -224,6 +242,24 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
     return out
 
 
+def _zero_consolidated(key: str, tensors: list, metas: list) -> dict:
+    """The consolidated state_dict (global parameter indices, as ZeRO's own
+    consolidate_state_dict gives) of the ZeroRedundancyOptimizer saved under
+    `key`, from every rank's shard (the resharding code's _consolidate). A
+    malformed record is a one-line CorruptCheckpointError."""
+    from ._distributed import CONSOLIDATED, _consolidate
+    scratch: dict = {}
+    try:
+        tree = _consolidate(key, metas, tensors, scratch)
+        value = _state.unflatten(tree, scratch)
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(
+            f"the ZeRO optimizer state {key!r} cannot be consolidated from the ranks' records "
+            f"({type(e).__name__}: {e})") from None
+    value.pop(CONSOLIDATED, None)
+    return value
+
+
 def _count(state) -> tuple[int, int]:
     """(tensors, bytes) of a state, each tensor object once."""
     seen, nbytes, stack = set(), 0, [state]
@@ -240,12 +276,20 @@ def _count(state) -> tuple[int, int]:
     return len(seen), nbytes
 
 
-def export_dcp(dir: str, out: str, step: Optional[int] = None) -> dict:
+def export_dcp(dir: str, out: str, step: Optional[int] = None,
+               progress: Optional[bool] = None) -> dict:
     """Writes the globally committed checkpoint (or `step`) of `dir` as a DCP
     checkpoint directory `out`, in get_state_dict's layout (see layout()).
+    progress: the bar of the read (_progress.py: None on a terminal for
+    256 MiB or more, True always, False never).
     Returns {'step', 'tensors', 'bytes', 'path'}."""
     import torch.distributed.checkpoint as dcp
-    got_step, tensors, metas, shared = gather(os.fspath(dir), step)
+    from . import _progress
+    bar = _progress.Progress("nonstop export", progress)
+    try:
+        got_step, tensors, metas, shared = gather(os.fspath(dir), step, progress=bar)
+    finally:
+        bar.close()
     state = layout(tensors, metas, shared)
     count, nbytes = _count(state)
     state["nonstop.step"] = torch.tensor(got_step, dtype=torch.int64)
@@ -266,9 +310,11 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, default=None)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: on a terminal, for big exports)")
     a = p.parse_args(argv)
     try:
-        r = export_dcp(a.dir, a.out, a.step)
+        r = export_dcp(a.dir, a.out, a.step, progress=a.progress)
     except Exception as e:  # one line, as the CLI does
         print(f"nonstop export: {e}", file=sys.stderr)
         return 1
@@ -281,14 +327,18 @@ if __name__ == "__main__":
 
 
 def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
-           include: Optional[str] = None, format: str = "safetensors") -> dict:
+           include: Optional[str] = None, format: str = "safetensors",
+           progress: Optional[bool] = None) -> dict:
     """nonstop.export: format="safetensors" (one rank's tensors in one file,
-    see _export.py) or format="dcp" (every rank, reassembled, as DCP)."""
+    see _export.py) or format="dcp" (every rank, reassembled, as DCP).
+    progress: a tqdm bar on stderr (None: when stderr is a terminal and the
+    export is 256 MiB or more; True: always; False: never)."""
     if format == "dcp":
         if include is not None or rank != 0:
             raise ValueError("format='dcp' exports every rank and tensor; drop include=/rank=")
-        return export_dcp(dir, out, step)
+        return export_dcp(dir, out, step, progress=progress)
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
     from ._export import export as export_safetensors
-    return export_safetensors(dir, out, step=step, rank=rank, include=include)
+    return export_safetensors(dir, out, step=step, rank=rank, include=include,
+                              progress=progress)

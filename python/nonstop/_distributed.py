@@ -180,7 +180,8 @@ class Distributed:
     """The distributed side of one Checkpointer on one rank."""
 
     def __init__(self, dir: str, rank: int, world: int, replicated: str = "shard",
-                 local=(), timeout_s: float = 300.0, agree_every_s: float = 0.05):
+                 local=(), timeout_s: float = 300.0, agree_every_s: float = 0.05,
+                 agree_metrics: bool = False):
         if replicated not in REPLICATED:
             raise CheckpointMismatchError(
                 f"replicated must be one of {', '.join(REPLICATED)}, got {replicated!r}")
@@ -202,6 +203,13 @@ class Distributed:
         self.group = dist.new_group(backend="gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self.timeout_s = timeout_s
+        # best= ranks kept copies by a metric: every rank must use rank 0's,
+        # exchanged at each checkpoint on a group of its own (the agreement
+        # thread owns self.group once training runs).
+        self.metrics_group = None
+        if agree_metrics:
+            self.metrics_group = dist.new_group(backend="gloo",
+                                                timeout=datetime.timedelta(seconds=timeout_s))
         # Rank files of another world size are set aside for resharding; the
         # ranks take turns, so each file is moved once on a shared file system.
         # Each rank looks at one file first, so a same-size restart costs one
@@ -277,6 +285,52 @@ class Distributed:
                "ddp": sorted(k for k, o in stateful_keys.items() if _is_ddp(o)),
                "zero": {k: zero_layout(o) for k, o in stateful_keys.items() if is_zero(o)}}
         return out, layouts, doc
+
+    def agree_metrics(self, metrics: Optional[dict]) -> Optional[dict]:
+        """Rank 0's metrics= (name -> float, or None) on every rank: JSON
+        over gloo, never pickle. Collective: every rank calls it for each
+        checkpoint it starts."""
+        got = _Comm(self.metrics_group, self.world).gather(metrics)[0]
+        return got if isinstance(got, dict) else None
+
+    def tidy_kept(self) -> list:
+        """max_to_keep/best with world_size > 1, before the engine opens: a
+        step kept on some ranks only (killed between the ranks' deletions, or
+        a checkpoint that committed on some ranks only) is never restored,
+        since recovery needs the step on every rank; each rank deletes its own
+        file of it (JobDir.delete_kept_share), so that every rank ranks the
+        same kept steps. A copy a restore protects, or the newest committed
+        checkpoint, stays. Collective; returns the steps deleted here."""
+        comm = _Comm(self.group, self.world)
+        jd, err, mine, gone = None, None, [], []
+        try:
+            probe = _open_read(self.dir)
+            if probe is not None:
+                probe.close()
+                # The writer's open first redoes this rank's interrupted copies.
+                jd = _core().JobDir.open_for_write(self.dir, self.rank, self.world)
+                mine = sorted({int(k["step"]) for k in jd.kept(self.rank)})
+        except CheckpointError as e:
+            err = str(e)
+        comm.check(err, CheckpointIOError)
+        every = comm.gather(mine)
+        common = set(every[0]).intersection(*map(set, every[1:]))
+        try:
+            for step in mine:
+                if step in common:
+                    continue
+                try:
+                    jd.delete_kept_share(step)
+                    gone.append(step)
+                except (CheckpointNotFoundError, IncompatibleCheckpointError):
+                    pass  # gone already, or protected (it stays)
+        except CheckpointError as e:
+            err = str(e)
+        finally:
+            if jd is not None:
+                jd.close()
+        comm.check(err, CheckpointIOError)
+        return gone
 
     def started(self, engine) -> None:
         """Called after each checkpoint is started: the first one starts the
@@ -392,8 +446,11 @@ class Distributed:
             jd = _open_read(self.dir)
             if jd is not None:
                 foreign = jd.needs_set_aside(self.world)
+                # step=: kept copies (keep/) too; a step counts only where
+                # every rank holds it (the intersection below).
                 mine = sorted({int(c["step"]) for c in jd.list(self.rank)
-                               if c["state"] == "committed" and not c["keep"]}, reverse=True)
+                               if c["state"] == "committed" and not c.get("rotated")
+                               and (step is not None or not c["keep"])}, reverse=True)
         except CheckpointError as e:
             err = str(e)
         comm.check(err, CorruptCheckpointError)
@@ -431,7 +488,8 @@ class Distributed:
             err, lineage, sel, meta, tensors = None, None, None, None, {}
             try:
                 # Chunk crcs are verified as the tensors are read below.
-                sel = jd.select(self.rank, step=s, verify_data=False, include_keep=False)
+                sel = jd.select(self.rank, step=s, verify_data=False,
+                                include_keep=step is not None)
                 info = sel.info
                 meta = loads(info["meta_json"])
                 if not isinstance(meta, dict):
@@ -464,7 +522,8 @@ class Distributed:
                               f"agreed step {agreed}", stacklevel=4)
             counter = int(info["counter"])
             self.lineage = self._new_lineage()
-            self.engine.pin(counter)
+            if not sel.where.startswith("keep/"):  # a kept copy holds no slot of the ring
+                self.engine.pin(counter)
             cand = self.engine.candidate()
             if cand is not None and cand[0] != counter:
                 self.engine.drop_candidate(cand[0])

@@ -1,8 +1,11 @@
 """nonstop.export: one checkpoint as a safetensors file.
 
-The C++ reader reads and verifies each tensor; this module only writes the
-safetensors header (JSON) and the bytes, one tensor at a time, so memory
-stays bounded by the largest tensor.
+The data is read through the one verified read path (Reader.read_into, the
+C++ restore: every crc chunk read and verified once, in parallel, without
+the GIL) a window of tensors (about WINDOW_BYTES) at a time, so memory stays
+bounded by the window or the largest tensor; this module writes the
+safetensors header (JSON) and the bytes. A progress bar (_progress.py) is
+shown for long exports.
 """
 from __future__ import annotations
 
@@ -12,22 +15,27 @@ from typing import Optional
 
 import numpy as np
 
-from . import _state
-from ._checkpointer import _core, check_directory
+from . import _progress, _state
+from ._checkpointer import _core, _restore_threads, check_directory
 from .errors import CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError
 
 # The temporary file is always new: never an existing file, never a link.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Bytes of stored tensors read per window (as `nonstop export` in C++ does).
+WINDOW_BYTES = 256 << 20
 
 
 def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
-           include: Optional[str] = None) -> dict:
+           include: Optional[str] = None, progress: Optional[bool] = None) -> dict:
     """Writes checkpoint `step` (newest valid when None) of `rank` in `dir`
     to the safetensors file `out`. Tensor names are kept ('model/fc.weight');
     with include='model', only tensors under 'model/' are written, with that
     prefix removed, so the file loads into the model directly. The
     checkpoint's step and JSON metadata go into the safetensors metadata.
+    progress: a tqdm bar on stderr (None: on a terminal, for 256 MiB or
+    more; True: always; False: never; _progress.py).
     Returns {'step', 'tensors', 'bytes', 'path'}."""
+    bar = _progress.Progress("nonstop export", progress)
     path = os.fspath(dir)
     check_directory(path, rank, None, must_exist=True)
     reader = _core().Reader(path, rank=rank, verify_data=True)
@@ -95,11 +103,13 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
             with os.fdopen(fd, "wb") as f:
                 f.write(len(blob).to_bytes(8, "little"))
                 f.write(blob)
-                for _name, ti, spec, _ in entries:
-                    buf = np.empty(spec["nbytes"], dtype=np.uint8)
-                    if spec["nbytes"]:
-                        reader.read_tensor(idx, ti, buf.ctypes.data, spec["nbytes"])
-                    f.write(buf.tobytes())
+                done = 0
+                for window, buf, at in _windows(reader, idx, info, entries):
+                    for _name, ti, spec, _ in window:
+                        if spec["nbytes"]:
+                            f.write(memoryview(buf)[at[ti]:at[ti] + spec["nbytes"]])
+                            done += spec["nbytes"]
+                    bar(done, offset)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -114,7 +124,47 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
         raise CheckpointIOError(f"cannot export to {out}: {e.strerror or e}") from None
     finally:
         os.close(dfd)
+        bar.close()
     return {"step": info["step"], "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}
+
+
+def _windows(reader, idx: int, info: dict, entries: list):
+    """Yields (entries of one window, its buffer, stored tensor index ->
+    offset in the buffer): consecutive entries whose distinct stored
+    tensors hold about WINDOW_BYTES (at least one), read in one
+    Reader.read_into over their byte range of the data region; a tied
+    weight's second name reuses the bytes read once."""
+    specs = info["tensors"]
+    first = 0
+    while first < len(entries):
+        last, nbytes, at = first, 0, {}
+        lo, hi = None, 0
+        while last < len(entries):
+            ti, spec = entries[last][1], entries[last][2]
+            fresh = spec["nbytes"] and ti not in at
+            if fresh and at and nbytes + spec["nbytes"] > WINDOW_BYTES:
+                break
+            if fresh:
+                at[ti] = nbytes
+                nbytes += spec["nbytes"]
+                off = int(spec.get("data_offset", 0))
+                lo = off if lo is None else min(lo, off)
+                hi = max(hi, off + spec["nbytes"])
+            last += 1
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if at:
+            base = buf.ctypes.data
+            dests = [(base + at[i], specs[i]["nbytes"]) if i in at else (0, 0)
+                     for i in range(len(specs))]
+            if hasattr(reader, "read_into"):
+                reader.read_into(idx, dests, threads=_restore_threads(), data_begin=lo,
+                                 data_end=hi)
+            else:  # tests/python/fake_core.py's Reader has only read_tensor
+                for i, (ptr, n) in enumerate(dests):
+                    if n:
+                        reader.read_tensor(idx, i, ptr, n)
+        yield entries[first:last], buf, at
+        first = last
 
 
 def aliases(tree) -> list:

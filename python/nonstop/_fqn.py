@@ -13,7 +13,9 @@ index); `describe` records, in the metadata's "names":
 
 where params[i] is the FQN of the optimizer's parameter index i. An
 optimizer is named only when every parameter of it belongs to one module of
-the state; ZeroRedundancyOptimizer (each rank saves its own shard) is not.
+the state. A ZeroRedundancyOptimizer is named by its global parameter order
+(its consolidated state_dict's indices): each rank saves its own shard, and
+the export consolidates the shards first (_dcp.layout).
 """
 from __future__ import annotations
 
@@ -46,8 +48,7 @@ def describe(state: dict) -> dict:
     optimizers: dict = {}
     for key, obj in state.items():
         opt = _unwrap.optimizer(obj)
-        if (not isinstance(opt, torch.optim.Optimizer)
-                or type(opt).__name__ == "ZeroRedundancyOptimizer"):
+        if not isinstance(opt, torch.optim.Optimizer):
             continue
         params = [p for g in opt.param_groups for p in g["params"]]
         for mkey, by_id in names.items():

@@ -61,7 +61,7 @@ from typing import Optional
 
 import torch
 
-from . import _distributed, _rng, _state
+from . import _distributed, _fqn, _rng, _state
 from .errors import CheckpointMismatchError
 
 
@@ -422,8 +422,12 @@ class Layerwise:
                     meta["dist"] = ck._dist.shard(tensors, ck.state)[2]
                 if ck.rng:
                     meta["rng"] = _rng.capture()
-                if getattr(ck, "_metrics", None):
-                    meta["metrics"] = ck._metrics
+                metrics = ck._checkpoint_metrics()  # agreed across ranks with best=
+                if metrics:
+                    meta["metrics"] = metrics
+                names = _fqn.describe(ck.state)  # get_state_dict's names (_fqn.py)
+                if names:
+                    meta["names"] = names
                 counter, self.counter = self.counter, None
                 # Every tensor not requested yet (the last batch too) is copied
                 # by the seal: wait for all of them before their next update.

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from . import _rng, _state
+from . import _fqn, _rng, _state
 from .errors import CheckpointMismatchError
 
 FORMAT = "nonstop.torch/1"
@@ -321,6 +321,11 @@ class MultistepMode:
                 "world_size": ck.world_size, "state": tree}
         if ck.rng:
             meta["rng"] = _rng.capture()
+        if getattr(ck, "_metrics", None):  # step(step, metrics=) of this version
+            meta["metrics"] = ck._metrics
+        names = _fqn.describe(ck.state)  # get_state_dict's names, for export (_fqn.py)
+        if names:
+            meta["names"] = names
         owned = {}
         roles = ("momentum_buffer",) if self.algorithm == "sgd" else _ROLES_ADAM
         for i, p in enumerate(self.params):

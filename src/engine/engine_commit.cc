@@ -198,10 +198,6 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
 }
 
 Status EngineImpl::SetRetention(const RetentionPolicy& policy) {
-  if (policy.Deletes() && opts_.world_size > 1) {
-    return Status::InvalidArgument(
-        "max_to_keep and best-k delete kept copies, which works with world_size 1 only for now");
-  }
   if (policy.best_k > 0 && policy.best_metric.empty()) {
     return Status::InvalidArgument("best-k retention needs a metric name");
   }

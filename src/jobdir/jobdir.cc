@@ -255,6 +255,7 @@ struct JobDir::Impl {
   Result<std::vector<uint64_t>> UndeletableCounters(int r, const std::vector<KeptCopy>& copies)
       REQUIRES(mu);
   Status DeleteKeptLocked(int64_t step) REQUIRES(mu);
+  Status DeleteKeptShareLocked(int64_t step) REQUIRES(mu);
   Status RemoveDeletingLeftovers(Directory& keep) REQUIRES(mu);
 };
 
@@ -1339,6 +1340,59 @@ Status JobDir::Impl::DeleteKeptLocked(int64_t step) {
   return RemoveTree(keep, doomed).Annotate("deleting " + Where(rel));
 }
 
+// World size > 1: this rank's file of keep/step-N/ only (one unlink, made
+// durable), then the step's directory once no rank's file is left in it. A
+// kill between two ranks' deletions leaves the step kept on some ranks only:
+// distributed recovery never uses it (it needs the step on every rank), and
+// the next start with max_to_keep/best deletes what is left (_distributed.py).
+Status JobDir::Impl::DeleteKeptShareLocked(int64_t step) {
+  const std::string name = JobDirNames::KeepStep(step);
+  const std::string rel = JobDirNames::KeepRoot() + "/" + name;
+  const std::string file = JobDirNames::Slot(rank);
+  const Status missing = Status::NotFound("no kept copy of step " + std::to_string(step) +
+                                          " for rank " + std::to_string(rank) + " in " + path);
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<KeptCopy> copies, KeptCopiesLocked(rank, ""));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<uint64_t> undeletable, UndeletableCounters(rank, copies));
+  for (const KeptCopy& k : copies) {
+    if (k.step == step &&
+        std::find(undeletable.begin(), undeletable.end(), k.counter) != undeletable.end()) {
+      return Status::FailedPrecondition(
+          "the kept copy of step " + std::to_string(step) + " in " + path +
+          " is not deleted: it may be the newest committed checkpoint, or the one a restore "
+          "protects (nonstop never deletes those)");
+    }
+  }
+  Result<std::unique_ptr<Directory>> kd = dir->OpenDir(JobDirNames::KeepRoot(), false);
+  if (!kd.ok()) return IsNotFound(kd.status()) ? missing : kd.status().Annotate(Where(rel));
+  Directory& keep = *kd.value();
+  {
+    Result<std::unique_ptr<Directory>> sd = keep.OpenDir(name, false);
+    if (!sd.ok()) return IsNotFound(sd.status()) ? missing : sd.status().Annotate(Where(rel));
+    Status s = sd.value()->Unlink(file);
+    if (!s.ok()) return IsNotFound(s) ? missing : s.Annotate("deleting " + Where(rel + "/" + file));
+    NONSTOP_RETURN_IF_ERROR(sd.value()->SyncDir().Annotate("deleting " + Where(rel + "/" + file)));
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> left, sd.value()->List());
+    if (!left.empty()) return Status::OK();  // another rank's copy is still there
+  }
+  Status rs = keep.RemoveDir(name);
+  if (!rs.ok() && !IsNotFound(rs)) {
+    // Not empty any more (another rank of a shared directory is writing its
+    // copy) is fine; any other failure is reported.
+    Result<std::unique_ptr<Directory>> again = keep.OpenDir(name, false);
+    Result<std::vector<DirEntry>> left =
+        again.ok() ? again.value()->List() : Result<std::vector<DirEntry>>(again.status());
+    if (left.ok() && !left.value().empty()) return Status::OK();
+    return rs.Annotate("deleting " + Where(rel));
+  }
+  return keep.SyncDir().Annotate("deleting " + Where(rel));
+}
+
+Status JobDir::DeleteKeptShare(int64_t step) {
+  NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("deleting a kept copy", impl_->rank));
+  MutexLock l(&impl_->mu);
+  return impl_->DeleteKeptShareLocked(step);
+}
+
 Result<std::vector<KeptCopy>> JobDir::KeptCopies(int rank, const std::string& metric) {
   MutexLock l(&impl_->mu);
   return impl_->KeptCopiesLocked(rank, metric);
@@ -1369,14 +1423,17 @@ Status JobDir::Retain(SlotFile& src, const CheckpointInfo& info, const Retention
                            impl_->KeptCopiesLocked(r, best ? policy.best_metric : ""));
   if (!WantsKeepCopy(info.counter, metric, policy, copies)) return Status::OK();
   NONSTOP_RETURN_IF_ERROR(impl_->KeepLocked(src, info));
-  if (impl_->world > 1 || !policy.Deletes()) return Status::OK();
+  if (!policy.Deletes()) return Status::OK();
   copies.erase(std::remove_if(copies.begin(), copies.end(),
                               [&](const KeptCopy& k) { return k.step == info.step; }),
                copies.end());
   copies.push_back(KeptCopy{info.step, info.counter, metric});
   NONSTOP_ASSIGN_OR_RETURN(std::vector<uint64_t> undeletable, impl_->UndeletableCounters(r, copies));
   for (int64_t victim : RetentionVictims(copies, policy, undeletable)) {
-    Status s = impl_->DeleteKeptLocked(victim);
+    // World size > 1: this rank's file only; every rank decides the same
+    // (the same commits, the same agreed metrics: _checkpointer.py).
+    Status s = impl_->world > 1 ? impl_->DeleteKeptShareLocked(victim)
+                                : impl_->DeleteKeptLocked(victim);
     if (!s.ok()) {
       return s.Annotate("max_to_keep/best: deleting the kept copy of step " + std::to_string(victim));
     }

@@ -104,18 +104,20 @@ class RetentionEnvTest : public ::testing::Test {
  protected:
   void SetUp() override { env_ = FaultEnv::Create(); }
 
-  std::unique_ptr<JobDir> Writer() {
-    auto jd = JobDir::OpenForWrite("/job", 0, 1, env_.get());
+  std::unique_ptr<JobDir> Writer(int rank = 0, int world = 1) {
+    auto jd = JobDir::OpenForWrite("/job", rank, world, env_.get());
     EXPECT_TRUE(jd.ok()) << jd.status().ToString();
     return jd.ok() ? std::move(jd).value() : nullptr;
   }
 
-  std::unique_ptr<SlotFile> NewSlotFile(JobDir& jd) {
+  std::unique_ptr<SlotFile> NewSlotFile(JobDir& jd, int world = 1) {
     auto m = jd.CreateTempSlot(MediumKind::kBuffered);
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     StoreGeometry g;
     g.slots = 3;
     g.slot_bytes = kTestSlotBytes;
+    g.rank = static_cast<uint32_t>(jd.rank());
+    g.world_size = static_cast<uint32_t>(world);
     auto sf = SlotFile::Create(std::move(m).value(), g);
     EXPECT_TRUE(sf.ok()) << sf.status().ToString();
     EXPECT_TRUE(jd.PublishTempSlot().ok());
@@ -136,8 +138,8 @@ class RetentionEnvTest : public ::testing::Test {
     return info.value();
   }
 
-  std::vector<int64_t> KeptSteps(JobDir& jd) {
-    auto k = jd.KeptCopies(0);
+  std::vector<int64_t> KeptSteps(JobDir& jd, int rank = 0) {
+    auto k = jd.KeptCopies(rank);
     EXPECT_TRUE(k.ok()) << k.status().ToString();
     std::vector<int64_t> out;
     for (const auto& c : k.value()) out.push_back(c.step);
@@ -228,6 +230,43 @@ TEST_F(RetentionEnvTest, TheCopyARestoreProtectsIsNeverDeleted) {
   Status s = jd->DeleteKept(10);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_NE(s.message().find("protects"), std::string::npos);
+}
+
+// World size 2 in one directory: each rank's Retain deletes its own file of
+// a kept step only, and the step's directory goes with the last rank's file.
+// A rank that has not deleted yet (killed in between) still holds its copy.
+TEST_F(RetentionEnvTest, WithTwoRanksEachDeletesItsOwnFileAndTheLastTheDirectory) {
+  auto jd0 = Writer(0, 2);
+  auto jd1 = Writer(1, 2);
+  ASSERT_TRUE(jd0 && jd1);
+  auto f0 = NewSlotFile(*jd0, 2);
+  auto f1 = NewSlotFile(*jd1, 2);
+  RetentionPolicy p;
+  p.keep_every = 1;
+  p.max_to_keep = 2;
+  for (uint64_t c = 1; c <= 3; ++c) {
+    CommitAndRetain(*jd0, *f0, c, 1.0, p);
+    CommitAndRetain(*jd1, *f1, c, 1.0, p);
+  }
+  EXPECT_EQ(KeptSteps(*jd0, 0), (std::vector<int64_t>{20, 30}));
+  EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{20, 30}));
+  EXPECT_EQ(env_->Dump().find("step-000000000010"), std::string::npos) << env_->Dump();
+  // Rank 0 retains step 40 (deleting its file of step 20); rank 1 not yet.
+  CommitAndRetain(*jd0, *f0, 4, 1.0, p);
+  EXPECT_EQ(KeptSteps(*jd0, 0), (std::vector<int64_t>{30, 40}));
+  EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{20, 30}));
+  EXPECT_NE(env_->Dump().find("step-000000000020"), std::string::npos) << env_->Dump();
+  // DeleteKeptShare (the next start's tidy-up): rank 1's file, then the directory.
+  EXPECT_EQ(jd0->DeleteKeptShare(20).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(jd1->DeleteKeptShare(20).ok());
+  EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{30}));
+  EXPECT_EQ(env_->Dump().find("step-000000000020"), std::string::npos) << env_->Dump();
+  // Never the newest committed checkpoint of the rank's ring.
+  EXPECT_EQ(jd0->DeleteKeptShare(40).code(), StatusCode::kFailedPrecondition);
+  // A reader cannot delete.
+  auto reader = JobDir::OpenForRead("/job", env_.get());
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader.value()->DeleteKeptShare(30).code(), StatusCode::kFailedPrecondition);
 }
 
 // A crash (power cut) before each call of a deletion, in both modes, then a

@@ -484,8 +484,10 @@ class PyReader {
   // path (ReadCheckpointInto: every crc chunk read and verified once, in
   // parallel, straight into the destinations), without the GIL. `dst`: one
   // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
+  // data_begin/data_end: only the crc chunks of that byte range of the data
+  // region (a window of a big checkpoint; every destination must lie inside).
   py::dict ReadInto(int ckpt, const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
-                    int threads) {
+                    int threads, uint64_t data_begin, uint64_t data_end) {
     if (ckpt < 0 || ckpt >= static_cast<int>(report_.checkpoints.size())) {
       throw StatusError(Status::InvalidArgument("no checkpoint #" + std::to_string(ckpt)));
     }
@@ -513,6 +515,8 @@ class PyReader {
     }
     RestoreOptions opts;
     opts.threads = std::max(1, threads);
+    opts.data_begin = data_begin;
+    opts.data_end = data_end;
     RestoreStats st;
     Status s;
     {
@@ -642,7 +646,8 @@ void InitEngine(py::module_& m) {
       .def("read_tensor", &PyReader::ReadTensor, py::arg("checkpoint"), py::arg("tensor"),
            py::arg("dst"), py::arg("nbytes"), py::arg("verify") = true)
       .def("read_into", &PyReader::ReadInto, py::arg("checkpoint"), py::arg("dst"),
-           py::arg("threads") = 4);
+           py::arg("threads") = 4, py::arg("data_begin") = 0,
+           py::arg("data_end") = std::numeric_limits<uint64_t>::max());
 }
 
 }  // namespace nonstop::py_bindings

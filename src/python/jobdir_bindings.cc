@@ -100,6 +100,10 @@ class PyJobDir {
     py::gil_scoped_release release;
     Check(jd().DeleteKept(step));
   }
+  void DeleteKeptShare(int64_t step) {
+    py::gil_scoped_release release;
+    Check(jd().DeleteKeptShare(step));
+  }
 
   JobDir& jd() const {
     if (!jd_) throw StatusError(Status::FailedPrecondition("the job directory is closed"));
@@ -318,6 +322,7 @@ void InitJobDir(py::module_& m) {
       .def_static("open_for_maintenance", &PyJobDir::OpenForMaintenance, py::arg("path"))
       .def("kept", &PyJobDir::Kept, py::arg("rank") = 0, py::arg("metric") = "")
       .def("delete_kept", &PyJobDir::DeleteKept, py::arg("step"))
+      .def("delete_kept_share", &PyJobDir::DeleteKeptShare, py::arg("step"))
       .def_static("slot_name", &JobDirNames::Slot, py::arg("rank"))
       .def_static("lock_name", &JobDirNames::Lock, py::arg("rank") = 0)
       .def_static("agreed_name", &JobDirNames::Agreed, py::arg("rank"))

@@ -17,6 +17,7 @@
 
 #include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
+#include "nonstop/jobdir.h"
 #include "nonstop/medium.h"
 #include "nonstop/multistep.h"
 #include "nonstop/optim.h"
@@ -204,6 +205,18 @@ class PyMultistep {
     py::gil_scoped_release release;
     Check(Get().AdoptRestored(counter));
   }
+  // max_to_keep/best on the engine this schedule owns (JobDir::Retain).
+  void SetRetention(uint64_t max_to_keep, const std::string& best_metric, bool best_higher,
+                    uint64_t best_k) {
+    Get();
+    RetentionPolicy p;
+    p.max_to_keep = max_to_keep;
+    p.best_metric = best_metric;
+    p.best_higher = best_higher;
+    p.best_k = best_k;
+    py::gil_scoped_release release;
+    Check(engine_->SetRetention(p));
+  }
 
   py::dict Stats() {
     MultistepStats s;
@@ -296,6 +309,8 @@ void InitMultistep(py::module_& m) {
       .def("wait", &PyMultistep::Wait)
       .def("latest", &PyMultistep::Latest)
       .def("adopt_restored", &PyMultistep::AdoptRestored, py::arg("counter"))
+      .def("set_retention", &PyMultistep::SetRetention, py::arg("max_to_keep") = 0,
+           py::arg("best_metric") = "", py::arg("best_higher") = false, py::arg("best_k") = 0)
       .def("stats", &PyMultistep::Stats)
       .def("close", &PyMultistep::Close);
 }

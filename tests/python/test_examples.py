@@ -5,6 +5,8 @@ import json
 import os
 import runpy
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -27,3 +29,27 @@ def test_progress_example_logs_every_checkpoint_and_resumes(tmp_path, capsys):
     assert "trained steps 40..59; newest checkpoint: step 59" in out.out, out.out
     with open(log) as f:
         assert [json.loads(line)["step"] for line in f] == [9, 19, 29, 39, 49, 59]
+
+
+def test_tensorboard_path_writes_the_committed_checkpoint_scalars(tmp_path, capsys):
+    """--tensorboard DIR: on_commit's stats of every committed checkpoint as
+    scalars, read back from the event file by TensorBoard's own reader.
+    (`make build` installs tensorboard, pinned.)"""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    main = runpy.run_path(os.path.join(ROOT, "examples", "progress_tensorboard.py"),
+                          run_name="example")["main"]
+    d, tb, log = str(tmp_path / "ck"), str(tmp_path / "tb"), str(tmp_path / "stats.jsonl")
+    main(["--dir", d, "--every", "10", "--steps", "30", "--tensorboard", tb, "--log", log])
+    capsys.readouterr()
+    with open(log) as f:
+        rows = {x["step"]: x for x in map(json.loads, f)}
+    acc = EventAccumulator(tb)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"checkpoint/bytes", "checkpoint/stall_s", "checkpoint/persist_s"} <= tags, tags
+    got = {e.step: e.value for e in acc.Scalars("checkpoint/bytes")}
+    assert sorted(got) == [9, 19, 29] == sorted(rows)
+    for step, value in got.items():  # float32 in the event file
+        assert value == pytest.approx(rows[step]["bytes"], rel=1e-6) and value > 0
+    assert [e.step for e in acc.Scalars("checkpoint/stall_s")] == [9, 19, 29]

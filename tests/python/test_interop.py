@@ -77,15 +77,13 @@ def _flat(sd, prefix=""):
     return out
 
 
-@pytest.mark.parametrize("wrap", [None, torch.compile], ids=["plain", "compiled"])
-def test_dcp_export_is_get_state_dict_layout_and_loads_strictly(tmp_path, wrap):
+def _assert_dcp_loads(exp, m, o, s):
+    """The DCP export `exp` of the state (m, o, s): its tensor keys are
+    exactly get_state_dict's (tied weights included), and a fresh model and
+    optimizer loaded by dcp.load plus a strict set_state_dict equal it and
+    train on bit-identically."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    d, m, o, s = _trained(tmp_path, wrap)
-    exp = str(tmp_path / "dcp")
-    r = nonstop.export(d, exp, format="dcp")
-    assert r["step"] == 3
-
     # The export's tensor keys are exactly get_state_dict's, tied weights included.
     msd, osd = get_state_dict(m, o)
     assert "lm_head.weight" in msd and "tok.weight" in msd
@@ -107,7 +105,6 @@ def test_dcp_export_is_get_state_dict_layout_and_loads_strictly(tmp_path, wrap):
         dcp.load(sd, checkpoint_id=exp)
     set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     s2.load_state_dict(sd["sched"])
-    assert int(sd["nonstop.step"]) == 3
     m2.load_state_dict(sd["model"], strict=True)  # every name, lm_head.weight too
     assert m2.lm_head.weight is m2.tok.weight  # still tied
     for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
@@ -123,6 +120,43 @@ def test_dcp_export_is_get_state_dict_layout_and_loads_strictly(tmp_path, wrap):
         _step(m2, o2, s2, i)
     for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("wrap", [None, torch.compile], ids=["plain", "compiled"])
+def test_dcp_export_is_get_state_dict_layout_and_loads_strictly(tmp_path, wrap):
+    d, m, o, s = _trained(tmp_path, wrap)
+    exp = str(tmp_path / "dcp")
+    r = nonstop.export(d, exp, format="dcp")
+    assert r["step"] == 3
+    _assert_dcp_loads(exp, m, o, s)
+
+
+@pytest.mark.parametrize("mode", ["multistep", "layerwise"])
+def test_dcp_export_of_multistep_and_layerwise_is_get_state_dict_layout(tmp_path, mode):
+    """The checkpoints of mode="multistep" (a window's reconstructed state)
+    and mode="layerwise" (sealed by step()) record the parameter names too:
+    the optimizer is exported by FQN, not by index."""
+    if mode == "multistep" and not hasattr(nonstop._core, "Multistep"):
+        pytest.skip("this build of nonstop._core has no Multistep")
+    m, o, s = _make(0)
+    d = str(tmp_path / "ckpt")
+    # every=2, 4 steps: layerwise checkpoints steps 1 and 3; multistep's window
+    # begun after step 1 is the checkpoint of step 2, persisted during step 3
+    # (the window begun after step 3 is still open at the end: dropped).
+    with nonstop.Checkpointer(d, state={"model": m, "optim": o, "sched": s}, every=2,
+                              mode=mode, **({"parts": 2} if mode == "multistep" else {})) as ck:
+        for i in range(4):
+            _step(m, o, s, i)
+            ck.step(i)
+        ck.wait()
+    exp = str(tmp_path / "dcp")
+    r = nonstop.export(d, exp, format="dcp")
+    assert r["step"] == (3 if mode == "layerwise" else 2), r
+    # The state of that step, by plain training (both modes are bitwise equal to it).
+    m_ref, o_ref, s_ref = _make(0)
+    for i in range(r["step"] + 1):
+        _step(m_ref, o_ref, s_ref, i)
+    _assert_dcp_loads(exp, m_ref, o_ref, s_ref)
 
 
 def test_safetensors_export_has_tied_weights_under_every_name(tmp_path):
@@ -237,3 +271,50 @@ def test_optimizer_names_that_do_not_fit_the_state_leave_it_by_index():
     names = {"optimizers": {"o": {"module": "m", "params": ["a.weight"]}}}
     value = {"state": {5: {"step": 1}}, "param_groups": [{"params": [0]}]}
     assert _dcp._rename("o", value, names) is value  # state index 5 has no name
+
+
+def test_dcp_export_of_a_zero_optimizer_is_consolidated_by_fqn(tmp_path):
+    """DDP + ZeroRedundancyOptimizer on 2 gloo ranks (each saves its own
+    shard): the DCP export consolidates the shards and names the state by
+    parameter FQN, so a fresh plain model and AdamW load it with dcp.load
+    and set_state_dict and equal ZeRO's own consolidated state_dict."""
+    import json
+    import sys
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from dist_launch import run_ranks
+    d, ref = str(tmp_path / "ck"), str(tmp_path / "ref.safetensors")
+    for rc, _, err in run_ranks(2, [os.path.join(here, "zero_export_train.py"), d, ref],
+                                timeout=240):
+        assert rc == 0, err[-3000:]
+    exp = str(tmp_path / "dcp")
+    assert nonstop.export(d, exp, format="dcp")["step"] == 2
+    torch.manual_seed(1)
+    m2 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1.0)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.5)
+    msd, osd = get_state_dict(m2, o2)
+    sd = {"model": msd, "optim": osd, "sched": s2.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=exp)
+    assert set(sd["optim"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    s2.load_state_dict(sd["sched"])
+    want = load_file(ref)
+    with open(ref + ".json") as f:
+        extra = json.load(f)
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, want[f"model/{k}"]), k
+    got = o2.state_dict()
+    assert len(got["state"]) == 4
+    for i, st in got["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, want[f"optim/{i}/{k}"]), (i, k)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in got["param_groups"]] == [
+        {k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items()}
+        for g in extra["groups"]]
+    assert s2.state_dict() == extra["sched"]

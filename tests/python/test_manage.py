@@ -133,7 +133,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
                           (dict(max_to_keep=2), "give keep=k"),
                           (dict(best=("loss", "low", 2)), "best must be"),
                           (dict(best=("loss", "min", 0)), "best must be"),
-                          (dict(best=("loss", "min", 2), mode="multistep"), "for now")]:
+                          (dict(best=("loss", "min", 2), every="auto", world_size=2),
+                           "needs every=N")]:
         with pytest.raises(nonstop.CheckpointMismatchError, match=match):
             nonstop.Checkpointer(d, state={"model": model}, **kwargs)
     with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False) as ck:
@@ -143,6 +144,40 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
             ck.save(0, metrics=[1.0])
         ck.save(1, metrics={"loss": torch.tensor(0.25)}).wait()
     assert nonstop.list(d)[0]["metrics"] == {"loss": 0.25}
+
+
+@pytest.mark.skipif(nonstop._core is None or not hasattr(nonstop._core, "Multistep"),
+                    reason="this build of nonstop._core has no Multistep")
+def test_multistep_keeps_by_the_metric_of_each_window_version(tmp_path):
+    """mode="multistep": a window begun at step s is the checkpoint of step
+    s + parts - 1, and its metrics are those of that step's step() call.
+    Every other step reports the lowest loss, so a wrong step's metrics
+    would keep other copies."""
+    losses = [0.0] * 17
+    losses[3], losses[6], losses[9], losses[12], losses[15] = 0.9, 0.2, 0.7, 0.1, 0.8
+    for name, kwargs, want in [("best", dict(best=("loss", "min", 2)), [6, 12]),
+                               ("newest", dict(keep=1, max_to_keep=2), [12, 15])]:
+        d = str(tmp_path / name)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        truth = {}
+        with nonstop.Checkpointer(d, state={"model": model, "opt": opt}, every=3, parts=2,
+                                  mode="multistep", rng=False, **kwargs) as ck:
+            for step in range(17):  # a window completes during the step after its version
+                model(torch.randn(4, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                truth[step] = model.weight.detach().clone()
+                ck.step(step, metrics={"loss": losses[step]})
+            ck.wait()
+        assert _kept(d) == want, name
+        kept = {r["step"]: r for r in nonstop.list(d) if r["where"] == "keep"}
+        assert {s: kept[s]["metrics"] for s in want} == {s: {"loss": losses[s]} for s in want}
+        model2 = torch.nn.Linear(16, 8)
+        with nonstop.Checkpointer(d, state={"model": model2}, every=1, rng=False) as ck:
+            assert ck.restore(step=want[0]) == want[0]
+        assert torch.equal(model2.weight, truth[want[0]]), name
 
 
 _DELETER = textwrap.dedent("""

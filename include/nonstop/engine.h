@@ -121,6 +121,19 @@ struct TensorRef {
   // this tensor before its next WaitCopied() point (e.g. BatchNorm buffers
   // changed by the next forward pass).
   bool copy_at_checkpoint = false;
+  // The memory is already this tensor's staging: host memory the caller
+  // fills itself (the multi-step schedule copies and replays its state
+  // there) and keeps unchanged from EndCheckpoint until WaitCopied()
+  // returns. A layer-wise checkpoint (BeginCheckpoint .. EndCheckpoint)
+  // writes it to the medium as it is, with no copy, whatever layer_copy
+  // says; WaitCopied() returns once every unit of it is written. A tensor of
+  // kLargeTensorBytes or more must start at a 4 KiB boundary, with zeros
+  // from its end to the next 4 KiB boundary (each write unit is then read
+  // straight from it, on O_DIRECT media too); smaller ones are packed into
+  // the small region as usual. Staged tensors need no staging: the pool is
+  // sized for the others, and a registration of staged tensors only keeps
+  // the smallest pool (EngineStats::staging_bytes).
+  bool staged = false;
 };
 
 struct CheckpointStats {

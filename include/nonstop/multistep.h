@@ -23,8 +23,12 @@
 //   * When part K is on the host (OnUpdateBegin of step N+K), a background
 //     thread replays the logged steps on each part with the CPU optimizer
 //     (nonstop/optim.h), bitwise as torch computes them, until every part is
-//     at version N+K-1, and persists the result through the Engine like any
-//     other checkpoint (Register host buffers + Checkpoint(N+K-1, meta)).
+//     at version N+K-1, and persists the result through the Engine. The host
+//     buffers the parts were copied into and replayed in are the
+//     checkpoint's staging: they are registered as staged
+//     (TensorRef::staged) and the Engine writes them to the medium as they
+//     are (BeginCheckpoint/EndCheckpoint(N+K-1, meta), its one write path and
+//     committer), so the state is copied once, device to host.
 //
 // The checkpoint is at version V = N+K-1, the version of the last part: it
 // needs the gradients of steps N+1..N+K-1 only, (K-1)/2 gradient copies of the
@@ -117,7 +121,7 @@ struct MultistepWindowStats {
 struct MultistepStats {
   uint64_t windows = 0, persisted = 0, failed = 0;
   double stall_s_total = 0;
-  uint64_t host_bytes = 0;  // state + gradient host buffers
+  uint64_t host_bytes = 0;  // state (the checkpoint's staging) + gradient + other host buffers
   std::string copy_engine;
   std::vector<MultistepWindowStats> recent;  // last 64 windows, oldest first
 };
@@ -132,7 +136,7 @@ class MultistepCheckpoint {
 
   // Starts a window after the update of step `step` (N). `tensors` are at
   // version N. Fails while a window is open. Waits (stall) until the previous
-  // window's host buffers have been persisted out of them.
+  // window's host buffers have been written to the medium.
   virtual Status Begin(int64_t step, const optim::OptimizerConfig& config,
                        std::vector<OptimizerTensor> tensors) = 0;
   // True from Begin until the last part is on the host.

@@ -240,9 +240,27 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   NONSTOP_RETURN_IF_ERROR(TakePendingError());
   std::vector<TensorSpec> specs;
   specs.reserve(tensors.size());
+  // Bytes that go through the staging pool (every tensor not staged).
+  uint64_t through_staging = 0;
+  bool all_staged = !tensors.empty();
   for (const TensorRef& t : tensors) {
     if (t.data == nullptr && t.spec.nbytes > 0) {
       return Status::InvalidArgument("tensor '" + t.spec.name + "' has no data pointer");
+    }
+    if (t.staged) {
+      if (t.device.kind != DeviceKind::kHost || t.copy_at_checkpoint) {
+        return Status::InvalidArgument("tensor '" + t.spec.name + "' is staged but " +
+                                       (t.copy_at_checkpoint ? "copy_at_checkpoint"
+                                                             : "not in host memory"));
+      }
+      if (t.spec.nbytes >= kLargeTensorBytes &&
+          reinterpret_cast<uintptr_t>(t.data) % kStoreAlign != 0) {
+        return Status::InvalidArgument("staged tensor '" + t.spec.name +
+                                       "' does not start at a 4 KiB boundary");
+      }
+    } else {
+      all_staged = false;
+      through_staging += (t.spec.nbytes + kStoreAlign - 1) / kStoreAlign * kStoreAlign;
     }
     specs.push_back(t.spec);
   }
@@ -268,7 +286,9 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
     NONSTOP_RETURN_IF_ERROR(SwitchFile(slot_bytes, keep_old));
     stats_.medium = medium_desc_;
   }
-  if (opts_.staging_bytes == 0) NONSTOP_RETURN_IF_ERROR(GrowStaging(layout.data_bytes));
+  if (opts_.staging_bytes == 0) {
+    NONSTOP_RETURN_IF_ERROR(all_staged ? ShrinkStaging() : GrowStaging(through_staging));
+  }
   AddStall(Seconds(t0, Clock::now()));
 
   auto reg = std::make_shared<Registration>();
@@ -309,7 +329,7 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
     reg->small_buffers.push_back(p);
     free_small_.push_back(i);
   }
-  if (opts_.layer_copy == LayerCopy::kDevice && reg->lplan.small_begin > 0) {
+  if (opts_.layer_copy == LayerCopy::kDevice && reg->lplan.small_begin > 0 && !all_staged) {
     bool pinned = false;
     reg->device_snapshot_bytes = reg->lplan.small_begin;
     reg->device_snapshot =

@@ -285,6 +285,9 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Medium> Wrap(std::unique_ptr<Medium> m, const std::string& name);
   Status SwitchFile(uint64_t slot_bytes, bool keep_old) REQUIRES(mu_);
   Status GrowStaging(uint64_t state_bytes) REQUIRES(mu_);
+  // A registration of staged tensors only: the pool goes down to its
+  // smallest (min_chunks_ chunks), with nothing in flight.
+  Status ShrinkStaging() REQUIRES(mu_);
   Status ReadCheckpoint(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info)
       REQUIRES(mu_);
   void ProtectRestored(const std::shared_ptr<SlotFile>& file, const CheckpointInfo& info)

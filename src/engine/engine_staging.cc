@@ -13,7 +13,9 @@ namespace nonstop::engine_detail {
 // for the state about to be registered. The pool is replaced only with
 // nothing in flight (writers release chunks into staging_), so a state that
 // outgrows the pool waits for the checkpoints in flight once; it never
-// shrinks. If the larger pool cannot be allocated the old one is kept.
+// shrinks (but see ShrinkStaging). If the larger pool cannot be allocated
+// the old one is kept. `state_bytes` counts only what goes through staging
+// (staged tensors do not: Register).
 Status EngineImpl::GrowStaging(uint64_t state_bytes) {
   const bool pinned = copy_->PinsHostMemory();
   const StagingSize want =
@@ -54,6 +56,22 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes) {
   // background (see retire_thread_).
   if (retire_thread_.joinable()) retire_thread_.join();
   retire_thread_ = std::thread([pool = std::move(old)]() mutable { pool.reset(); });
+  return Status::OK();
+}
+
+// Staged tensors (TensorRef::staged) are written from their own memory; a
+// registration of nothing else needs only the pool's smallest size (the
+// dispatcher and writers hold no chunk of it for these checkpoints).
+Status EngineImpl::ShrinkStaging() {
+  const uint64_t want = uint64_t{min_chunks_} * chunk_bytes_;
+  if (staging_->total_bytes() <= want) return Status::OK();
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
+  Result<std::unique_ptr<StagingPool>> small =
+      StagingPool::Create(copy_.get(), want, chunk_bytes_, min_chunks_);
+  if (!small.ok()) return Status::OK();  // keep the larger pool
+  staging_wait_s_before_ += staging_->wait_s_total();
+  staging_ = std::move(small).value();
+  stats_.staging_bytes = staging_->total_bytes();
   return Status::OK();
 }
 

@@ -15,8 +15,9 @@
 //                    lw_requested_ (all under mu_); copy_at_checkpoint
 //                    snapshots in EndCheckpoint before their copies are queued.
 //   dispatcher       copies units to staging (kHost), snapshots (kDevice) or
-//                    hands them to the writers (kDirect); small tensors into
-//                    the job's small buffer; MarkCopied.
+//                    hands them to the writers (kDirect, and every staged
+//                    tensor: TensorRef::staged); small tensors into the job's
+//                    small buffer; MarkCopied.
 //   writers          write a unit, crc it into job->unit_crcs[u], ChunksDone.
 #include <algorithm>
 #include <cstring>
@@ -325,8 +326,11 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
     // Host memory never reaches a CUDA-only call (docs/CUDA.md, "Layer-wise
     // copies of host tensors"); the route depends on where the bytes are now
     // (job->src: a copy_at_checkpoint tensor is read from its host snapshot).
-    const LayerRoute route = ChooseLayerRoute(opts_.layer_copy, dev.kind, aligned_medium,
-                                              reg.device_buffers[t] != nullptr);
+    // A staged tensor's memory is its staging: written from there as it is.
+    const bool staged = reg.tensors[t].staged;
+    const LayerRoute route = staged ? LayerRoute::kDirect
+                                    : ChooseLayerRoute(opts_.layer_copy, dev.kind, aligned_medium,
+                                                       reg.device_buffers[t] != nullptr);
     if (job->failed.load(std::memory_order_acquire)) {
       ChunksDone(job, units.size());
       MarkCopied(t);
@@ -334,13 +338,16 @@ void EngineImpl::CopyLayerTensors(const std::shared_ptr<Job>& job,
     }
     if (route == LayerRoute::kDirect) {
       // Straight from the tensor's memory into the medium on the writers; the
-      // tensor is copied when its last unit is written.
+      // tensor is copied when its last unit is written. Staged memory holds
+      // the unit's zero padding too (one aligned write); other memory ends
+      // at the tensor, and the padding is written from a zero page.
       job->tensor_left[t].store(static_cast<uint32_t>(units.size()));
       for (uint32_t u : units) {
         const LayerUnit& unit = lp.units[u];
+        const uint64_t from_memory = staged ? unit.bytes : unit.tensor_bytes;
         SubmitWrite(job,
                     UnitWrite{&job->unit_crcs[u], unit.slot_offset, src + unit.tensor_offset,
-                              unit.tensor_bytes, unit.bytes - unit.tensor_bytes},
+                              from_memory, unit.bytes - from_memory},
                     [this, job, t] {
                       if (job->tensor_left[t].fetch_sub(1, std::memory_order_acq_rel) == 1) {
                         MarkCopied(t);

@@ -43,10 +43,6 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-constexpr size_t kAlign = 64;
-
-size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
 // What the finisher needs to turn a closed window into a checkpoint.
 struct WindowJob {
   size_t stats_index = 0;  // into recent_ (by window number)
@@ -193,22 +189,8 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
                                               std::to_string(begin_step_ + j)));
     }
     if (!refreshed.empty()) {
-      if (refreshed.size() != tensors_.size()) {
-        return Abort(Status::InvalidArgument("multistep: refreshed tensor list has a different "
-                                             "length than Begin's"));
-      }
-      for (size_t t = 0; t < tensors_.size(); ++t) {
-        if (refreshed[t].numel != tensors_[t].numel) {
-          return Abort(Status::InvalidArgument("multistep: tensor '" + tensors_[t].name +
-                                               "' changed size during a window"));
-        }
-        auto& dst = tensors_[t];
-        dst.param = refreshed[t].param;
-        dst.exp_avg = refreshed[t].exp_avg;
-        dst.exp_avg_sq = refreshed[t].exp_avg_sq;
-        dst.max_exp_avg_sq = refreshed[t].max_exp_avg_sq;
-        dst.momentum_buffer = refreshed[t].momentum_buffer;
-      }
+      Status st = multistep_internal::Refresh(&tensors_, refreshed);
+      if (!st.ok()) return Abort(st);
     }
     const LoggedStep& e = grad_log_.step(j);
     if (!e.skipped) {
@@ -226,7 +208,6 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
           std::to_string(version()) + " while its window is open");
     }
     const auto t0 = Clock::now();
-    size_t extra_bytes = 0;
     for (const auto& o : outputs) {
       if (o.tensor >= static_cast<int>(tensors_.size())) {
         return Status::InvalidArgument("multistep: output '" + o.spec.name +
@@ -246,28 +227,10 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
                                          std::string(StateRoleName(o.role)) +
                                          " is not kept for this optimizer");
         }
-      } else {
-        extra_bytes += AlignUp(o.spec.nbytes);
       }
     }
     // Tensors the optimizer does not own are copied now, at version N+K-1.
-    if (extras_.size() < extra_bytes) extras_.resize(extra_bytes);
-    size_t off = 0;
-    for (auto& o : outputs) {
-      if (o.tensor >= 0) continue;
-      if (o.spec.nbytes > 0) {
-        uint8_t* dst = extras_.data() + off;
-        if (o.device.kind == DeviceKind::kHost) {
-          std::memcpy(dst, o.data, o.spec.nbytes);
-        } else {
-          Status s = copy_->Copy(o.data, o.device, dst, o.spec.nbytes)->Wait();
-          if (!s.ok()) return s;
-        }
-        o.data = dst;
-      }
-      o.device = Device{};
-      off += AlignUp(o.spec.nbytes);
-    }
+    NONSTOP_RETURN_IF_ERROR(multistep_internal::CopyOtherOutputs(copy_.get(), &extras_, &outputs));
     outputs_ = std::move(outputs);
     meta_ = std::move(meta_json);
     outputs_set_ = true;
@@ -341,6 +304,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     Status s = TakeError();
     state_.Free();
     grad_log_.Free();
+    extras_.Reset(nullptr, 0);
     return s;
   }
 
@@ -423,7 +387,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
       job->outputs = std::move(outputs_);
       job->meta = std::move(meta_);
     } else {
-      job->outputs = DefaultOutputs();
+      job->outputs = multistep_internal::DefaultOutputs(config_, tensors_);
       job->meta = "{}";
     }
     active_ = false;
@@ -434,26 +398,6 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
       job_pending_ = true;
     }
     cv_.SignalAll();
-  }
-
-  // Every reconstructed buffer as "<tensor name>/<role>".
-  std::vector<OutputTensor> DefaultOutputs() const {
-    std::vector<OutputTensor> out;
-    for (size_t t = 0; t < tensors_.size(); ++t) {
-      for (int r = 0; r < kNumRoles; ++r) {
-        const auto role = static_cast<StateRole>(r);
-        if (!UsesRole(role)) continue;
-        OutputTensor o;
-        o.spec.name = tensors_[t].name + "/" + std::string(StateRoleName(role));
-        o.spec.dtype = DType::kFloat32;
-        o.spec.shape = {static_cast<int64_t>(tensors_[t].numel)};
-        o.spec.nbytes = tensors_[t].numel * sizeof(float);
-        o.tensor = static_cast<int>(t);
-        o.role = role;
-        out.push_back(std::move(o));
-      }
-    }
-    return out;
   }
 
   void FinisherLoop() {
@@ -488,24 +432,38 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     const auto t0 = Clock::now();
     NONSTOP_RETURN_IF_ERROR(Replay(job));
     const double replay_s = Since(t0);
+    // The buffers are the checkpoint's staging: the Engine writes them to
+    // the medium as they are (TensorRef::staged), through its one write path
+    // and committer; nothing copies them again.
     std::vector<TensorRef> refs;
     refs.reserve(job.outputs.size());
     for (const auto& o : job.outputs) {
       TensorRef r;
       r.spec = o.spec;
       r.data = o.tensor >= 0 ? RoleBuffer(o.tensor, o.role) : o.data;
+      r.staged = true;
       refs.push_back(std::move(r));
     }
     uint64_t counter = 0;
     {
       MutexLock lock(&engine_mu_);
-      if (!SameRefs(refs, registered_)) {
+      if (!multistep_internal::SameRegistration(refs, registered_)) {
         NONSTOP_RETURN_IF_ERROR(engine_->Register(refs));
         registered_ = refs;
       }
-      NONSTOP_ASSIGN_OR_RETURN(counter, engine_->Checkpoint(job.version, std::move(job.meta)));
-      // The next window may overwrite the host buffers once they are read.
-      NONSTOP_RETURN_IF_ERROR(engine_->WaitCopied());
+      NONSTOP_ASSIGN_OR_RETURN(counter, engine_->BeginCheckpoint(job.version));
+      // EndCheckpoint queues every tensor's writes, then may return an
+      // earlier checkpoint's failure: the writes run either way, so the
+      // buffers are waited for either way. The next window may overwrite
+      // them once WaitCopied says every unit is written.
+      Status ended = engine_->EndCheckpoint(counter, job.version, std::move(job.meta));
+      Status written = engine_->WaitCopied();
+      if (!ended.ok() && !written.ok()) {
+        MutexLock lock(&mu_);  // each failure is reported once, none lost
+        errors_.push_back(written);
+      }
+      NONSTOP_RETURN_IF_ERROR(ended);
+      NONSTOP_RETURN_IF_ERROR(written);
     }
     MutexLock lock(&mu_);
     if (auto* ws = WindowStats(job.window)) {
@@ -513,18 +471,6 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
       ws->counter = counter;
     }
     return Status::OK();
-  }
-
-  static bool SameRefs(const std::vector<TensorRef>& a, const std::vector<TensorRef>& b) {
-    if (a.size() != b.size()) return false;
-    for (size_t i = 0; i < a.size(); ++i) {
-      if (a[i].data != b[i].data || a[i].spec.name != b[i].spec.name ||
-          a[i].spec.dtype != b[i].spec.dtype || a[i].spec.shape != b[i].spec.shape ||
-          a[i].spec.nbytes != b[i].spec.nbytes) {
-        return false;
-      }
-    }
-    return true;
   }
 
   // Brings every part to the window's version (multistep_replay.cc).
@@ -598,7 +544,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
   std::vector<Part> parts_;
   multistep_internal::StateBuffers state_;
   multistep_internal::GradientLog grad_log_;
-  std::vector<uint8_t> extras_;
+  multistep_internal::HostArena extras_;  // SetOutputs' copies (tensor < 0)
   std::vector<int64_t> applied_;  // per tensor: updates applied since Begin
   std::vector<std::vector<double>> piece_step_;
   std::vector<std::vector<uint8_t>> piece_has_momentum_;

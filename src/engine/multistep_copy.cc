@@ -31,7 +31,9 @@ namespace {
 
 constexpr size_t kAlign = 64;
 
-size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+// Staged buffers (multistep_internal.h): 4 KiB for one the slot layout puts
+// in the large region, else 64 bytes.
+size_t StagedAlign(size_t nbytes) { return nbytes >= kLargeTensorBytes ? kStoreAlign : kAlign; }
 
 }  // namespace
 
@@ -211,6 +213,18 @@ bool HostArena::Reset(CopyEngine* engine, size_t bytes) {
   return true;
 }
 
+size_t StagedOffset(size_t* end, size_t nbytes) {
+  const size_t a = StagedAlign(nbytes);
+  const size_t off = (*end + a - 1) / a * a;
+  *end = off + (nbytes + a - 1) / a * a;
+  return off;
+}
+
+void ZeroStagedTail(uint8_t* buffer, size_t nbytes) {
+  const size_t a = StagedAlign(nbytes);
+  std::memset(buffer + nbytes, 0, (nbytes + a - 1) / a * a - nbytes);
+}
+
 Status StateBuffers::Plan(CopyEngine* copy, const optim::OptimizerConfig& config,
                           const std::vector<OptimizerTensor>& tensors) {
   offset_.assign(tensors.size(), {});
@@ -221,14 +235,23 @@ Status StateBuffers::Plan(CopyEngine* copy, const optim::OptimizerConfig& config
         offset_[t][r] = kNone;
         continue;
       }
-      offset_[t][r] = bytes;
-      bytes += AlignUp(tensors[t].numel * sizeof(float));
+      offset_[t][r] = StagedOffset(&bytes, tensors[t].numel * sizeof(float));
     }
   }
   if (arena_.size() != bytes || arena_.data() == nullptr) {
     if (!arena_.Reset(copy, bytes) && bytes > 0) {
       return Status::Unavailable("multistep: cannot allocate " + std::to_string(bytes) +
                                  " bytes of host memory for the state");
+    }
+  }
+  // The engine writes whole 4 KiB units out of these buffers: the bytes
+  // after each tensor up to its extent's end are the slot's zero padding.
+  // Nothing else writes there (copies and replay stay inside the tensor).
+  for (size_t t = 0; t < tensors.size() && arena_.data() != nullptr; ++t) {
+    for (int r = 0; r < kNumRoles; ++r) {
+      if (offset_[t][r] != kNone) {
+        ZeroStagedTail(arena_.data() + offset_[t][r], tensors[t].numel * sizeof(float));
+      }
     }
   }
   return Status::OK();
@@ -238,6 +261,89 @@ float* StateBuffers::Role(int t, StateRole role) const {
   const size_t off = offset_[t][static_cast<int>(role)];
   if (off == kNone) return nullptr;
   return reinterpret_cast<float*>(arena_.data() + off);
+}
+
+// ---------------------------------------------------------------- outputs
+
+Status Refresh(std::vector<OptimizerTensor>* tensors, std::span<const OptimizerTensor> refreshed) {
+  if (refreshed.size() != tensors->size()) {
+    return Status::InvalidArgument("multistep: refreshed tensor list has a different length "
+                                   "than Begin's");
+  }
+  for (size_t t = 0; t < tensors->size(); ++t) {
+    auto& dst = (*tensors)[t];
+    if (refreshed[t].numel != dst.numel) {
+      return Status::InvalidArgument("multistep: tensor '" + dst.name +
+                                     "' changed size during a window");
+    }
+    dst.param = refreshed[t].param;
+    dst.exp_avg = refreshed[t].exp_avg;
+    dst.exp_avg_sq = refreshed[t].exp_avg_sq;
+    dst.max_exp_avg_sq = refreshed[t].max_exp_avg_sq;
+    dst.momentum_buffer = refreshed[t].momentum_buffer;
+  }
+  return Status::OK();
+}
+
+Status CopyOtherOutputs(CopyEngine* copy, HostArena* arena, std::vector<OutputTensor>* outputs) {
+  size_t bytes = 0;
+  for (const auto& o : *outputs) {
+    if (o.tensor < 0) (void)StagedOffset(&bytes, o.spec.nbytes);
+  }
+  // Grows only; the Engine writes these buffers as they are (staged).
+  if (arena->size() < bytes && !arena->Reset(copy, bytes)) {
+    return Status::Unavailable("multistep: cannot allocate " + std::to_string(bytes) +
+                               " bytes of host memory for the other tensors");
+  }
+  size_t end = 0;
+  for (auto& o : *outputs) {
+    if (o.tensor >= 0) continue;
+    const size_t off = StagedOffset(&end, o.spec.nbytes);
+    if (o.spec.nbytes > 0) {
+      uint8_t* dst = arena->data() + off;
+      ZeroStagedTail(dst, o.spec.nbytes);
+      if (o.device.kind == DeviceKind::kHost) {
+        std::memcpy(dst, o.data, o.spec.nbytes);
+      } else {
+        NONSTOP_RETURN_IF_ERROR(copy->Copy(o.data, o.device, dst, o.spec.nbytes)->Wait());
+      }
+      o.data = dst;
+    }
+    o.device = Device{};
+  }
+  return Status::OK();
+}
+
+std::vector<OutputTensor> DefaultOutputs(const optim::OptimizerConfig& config,
+                                         const std::vector<OptimizerTensor>& tensors) {
+  std::vector<OutputTensor> out;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (int r = 0; r < kNumRoles; ++r) {
+      const auto role = static_cast<StateRole>(r);
+      if (!UsesRole(config, role)) continue;
+      OutputTensor o;
+      o.spec.name = tensors[t].name + "/" + std::string(StateRoleName(role));
+      o.spec.dtype = DType::kFloat32;
+      o.spec.shape = {static_cast<int64_t>(tensors[t].numel)};
+      o.spec.nbytes = tensors[t].numel * sizeof(float);
+      o.tensor = static_cast<int>(t);
+      o.role = role;
+      out.push_back(std::move(o));
+    }
+  }
+  return out;
+}
+
+bool SameRegistration(const std::vector<TensorRef>& a, const std::vector<TensorRef>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].data != b[i].data || a[i].staged != b[i].staged || a[i].spec.name != b[i].spec.name ||
+        a[i].spec.dtype != b[i].spec.dtype || a[i].spec.shape != b[i].spec.shape ||
+        a[i].spec.nbytes != b[i].spec.nbytes) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace multistep_internal

@@ -28,6 +28,7 @@
 #include "nonstop/multistep.h"
 #include "nonstop/optim.h"
 #include "nonstop/status.h"
+#include "nonstop/store.h"
 
 namespace nonstop::multistep_internal {
 
@@ -135,8 +136,18 @@ class HostArena {
   size_t bytes_ = 0;
 };
 
+// Buffers the schedule hands to the Engine as staged (TensorRef::staged):
+// one of `nbytes` of kLargeTensorBytes or more starts at a 4 KiB boundary and
+// is followed by zeros to the next one; a smaller one is 64-byte aligned.
+// StagedOffset places one at the end (*end) of an arena and moves the end
+// past it; ZeroStagedTail zeroes the padding after its nbytes.
+size_t StagedOffset(size_t* end, size_t nbytes);
+void ZeroStagedTail(uint8_t* buffer, size_t nbytes);
+
 // The host buffers of a window's state: one per tensor and role the
-// optimizer keeps. The parts are copied into them and replayed there.
+// optimizer keeps. The parts are copied into them and replayed there, and
+// they are the checkpoint's staging: the Engine writes them to the medium
+// as they are (staged), so the state is copied once, device to host.
 class StateBuffers {
  public:
   // Lays out the buffers of `tensors`; reuses the memory when the size is unchanged.
@@ -152,6 +163,21 @@ class StateBuffers {
   HostArena arena_;
   std::vector<std::array<size_t, kNumRoles>> offset_;  // [tensor][role], kNone when unused
 };
+
+// OnUpdateEnd: the state pointers that appeared since Begin (`refreshed`,
+// same order and sizes) replace those of *tensors.
+Status Refresh(std::vector<OptimizerTensor>* tensors, std::span<const OptimizerTensor> refreshed);
+
+// SetOutputs: copies the outputs that are not reconstructed (tensor < 0)
+// into *arena, laid out as staged buffers, and points them there (host).
+Status CopyOtherOutputs(CopyEngine* copy, HostArena* arena, std::vector<OutputTensor>* outputs);
+
+// Every reconstructed buffer as "<tensor name>/<role>" (no SetOutputs call).
+std::vector<OutputTensor> DefaultOutputs(const optim::OptimizerConfig& config,
+                                         const std::vector<OptimizerTensor>& tensors);
+
+// Whether registering `a` would change nothing after registering `b`.
+bool SameRegistration(const std::vector<TensorRef>& a, const std::vector<TensorRef>& b);
 
 // One logged step of the window: what the optimizer saw.
 struct LoggedStep {

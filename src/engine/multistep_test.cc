@@ -7,12 +7,15 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "engine/engine_internal.h"
 #include "engine/multistep_internal.h"
 #include "nonstop/copy_engine.h"
 
@@ -51,6 +54,25 @@ TEST(PlanPartsTest, CoversEveryElementOnceInBlocksAndParts) {
     }
   }
 }
+
+// The host copy engine, counting the bytes copied through it.
+class CountingCopyEngine final : public CopyEngine {
+ public:
+  CountingCopyEngine(int threads, std::shared_ptr<std::atomic<uint64_t>> copied)
+      : inner_(MakeHostCopyEngine(threads)), copied_(std::move(copied)) {}
+  std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& d, void* dst,
+                                       size_t bytes) override {
+    copied_->fetch_add(bytes);
+    return inner_->Copy(src, d, dst, bytes);
+  }
+  void* AllocHost(size_t bytes, bool* pinned) override { return inner_->AllocHost(bytes, pinned); }
+  void FreeHost(void* p, size_t bytes) override { inner_->FreeHost(p, bytes); }
+  std::string Describe() const override { return "counting " + inner_->Describe(); }
+
+ private:
+  std::unique_ptr<CopyEngine> inner_;
+  std::shared_ptr<std::atomic<uint64_t>> copied_;
+};
 
 uint16_t ToBf16(float f) {
   uint32_t u;
@@ -169,6 +191,53 @@ struct Trainer {
   }
 };
 
+// Reads each checkpoint of `truth` back and compares it with the live state
+// at its version, bit for bit.
+void ExpectPersistedEqualsLive(const EngineOptions& eo, optim::Algorithm algo,
+                               const std::vector<std::pair<int64_t, Trainer>>& truth) {
+  for (const auto& [version, want] : truth) {
+    auto reader = Engine::Open(eo);
+    ASSERT_TRUE(reader.ok());
+    Trainer got = want;
+    std::vector<TensorRef> refs;
+    const bool adam = algo != optim::Algorithm::kSgd;
+    auto add = [&](size_t t, const char* role, std::vector<float>& buf) {
+      std::fill(buf.begin(), buf.end(), -1.f);
+      TensorRef r;
+      r.spec.name = "w" + std::to_string(t) + "/" + role;
+      r.spec.dtype = DType::kFloat32;
+      r.spec.shape = {static_cast<int64_t>(buf.size())};
+      r.spec.nbytes = buf.size() * 4;
+      r.data = buf.data();
+      refs.push_back(r);
+    };
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      add(t, "param", got.param[t]);
+      if (adam) {
+        add(t, "exp_avg", got.m[t]);
+        add(t, "exp_avg_sq", got.v[t]);
+      } else {
+        add(t, "momentum_buffer", got.mom[t]);
+      }
+    }
+    ASSERT_TRUE((*reader)->Register(refs).ok());
+    auto info = (*reader)->Restore(version);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      const size_t bytes = got.numels[t] * 4;
+      EXPECT_EQ(std::memcmp(got.param[t].data(), want.param[t].data(), bytes), 0)
+          << "param " << t << " version " << version;
+      if (adam) {
+        EXPECT_EQ(std::memcmp(got.m[t].data(), want.m[t].data(), bytes), 0) << "exp_avg " << t;
+        EXPECT_EQ(std::memcmp(got.v[t].data(), want.v[t].data(), bytes), 0) << "exp_avg_sq " << t;
+      } else {
+        EXPECT_EQ(std::memcmp(got.mom[t].data(), want.mom[t].data(), bytes), 0) << "momentum " << t;
+      }
+    }
+    ASSERT_TRUE((*reader)->Close().ok());
+  }
+}
+
 class MultistepTest : public ::testing::TestWithParam<std::tuple<optim::Algorithm, int, bool>> {
  protected:
   void SetUp() override {
@@ -219,47 +288,7 @@ TEST_P(MultistepTest, PersistedStateEqualsLiveStateAtItsVersion) {
   ASSERT_TRUE((*engine)->Close().ok());
 
   // Read both checkpoints back and compare with the live state at their versions.
-  for (const auto& [version, want] : truth) {
-    auto reader = Engine::Open(eo);
-    ASSERT_TRUE(reader.ok());
-    Trainer got = want;
-    std::vector<TensorRef> refs;
-    const bool adam = algo != optim::Algorithm::kSgd;
-    auto add = [&](size_t t, const char* role, std::vector<float>& buf) {
-      std::fill(buf.begin(), buf.end(), -1.f);
-      TensorRef r;
-      r.spec.name = "w" + std::to_string(t) + "/" + role;
-      r.spec.dtype = DType::kFloat32;
-      r.spec.shape = {static_cast<int64_t>(buf.size())};
-      r.spec.nbytes = buf.size() * 4;
-      r.data = buf.data();
-      refs.push_back(r);
-    };
-    for (size_t t = 0; t < got.numels.size(); ++t) {
-      add(t, "param", got.param[t]);
-      if (adam) {
-        add(t, "exp_avg", got.m[t]);
-        add(t, "exp_avg_sq", got.v[t]);
-      } else {
-        add(t, "momentum_buffer", got.mom[t]);
-      }
-    }
-    ASSERT_TRUE((*reader)->Register(refs).ok());
-    auto info = (*reader)->Restore(version);
-    ASSERT_TRUE(info.ok()) << info.status().ToString();
-    for (size_t t = 0; t < got.numels.size(); ++t) {
-      const size_t bytes = got.numels[t] * 4;
-      EXPECT_EQ(std::memcmp(got.param[t].data(), want.param[t].data(), bytes), 0)
-          << "param " << t << " version " << version;
-      if (adam) {
-        EXPECT_EQ(std::memcmp(got.m[t].data(), want.m[t].data(), bytes), 0) << "exp_avg " << t;
-        EXPECT_EQ(std::memcmp(got.v[t].data(), want.v[t].data(), bytes), 0) << "exp_avg_sq " << t;
-      } else {
-        EXPECT_EQ(std::memcmp(got.mom[t].data(), want.mom[t].data(), bytes), 0) << "momentum " << t;
-      }
-    }
-    ASSERT_TRUE((*reader)->Close().ok());
-  }
+  ExpectPersistedEqualsLive(eo, algo, truth);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -269,6 +298,60 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(optim::Algorithm::kAdam, 3, true),
                       std::make_tuple(optim::Algorithm::kSgd, 7, false),
                       std::make_tuple(optim::Algorithm::kSgd, 1, true)));
+
+// The state is copied once, device to host, into buffers that are the
+// checkpoint's staging: the Engine writes them as they are, its copy engine
+// moves none of their bytes (it used to copy all of them host to host), and
+// its staging pool is not sized for them. Tensors of 64 KiB and more, on
+// buffered and O_DIRECT media.
+TEST(MultistepStagingTest, TheStateIsCopiedOnceAndWrittenFromItsHostBuffers) {
+  for (MediumKind medium : {MediumKind::kBuffered, MediumKind::kDirect}) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("nonstop_multistep_staged_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    EngineOptions eo;
+    eo.dir = dir.string();
+    eo.medium = medium;
+    eo.chunk_bytes = 64 << 10;
+    eo.max_in_flight = 1;
+    eo.memory_tier = "disk";
+    auto copied = std::make_shared<std::atomic<uint64_t>>(0);
+    EngineMedia media;
+    media.copy = [copied](int threads) -> std::unique_ptr<CopyEngine> {
+      return std::make_unique<CountingCopyEngine>(threads, copied);
+    };
+    auto engine = OpenEngine(eo, media);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    MultistepOptions mo;
+    mo.parts = 3;
+    mo.block_bytes = 64 << 10;
+    mo.replay_threads = 2;
+    auto ms = MultistepCheckpoint::Create(engine->get(), mo);
+    ASSERT_TRUE(ms.ok());
+    Trainer tr(optim::Algorithm::kAdamW, {70000, 20000, 33001, 9, 17000});
+    uint64_t state_bytes = 0;
+    for (size_t n : tr.numels) state_bytes += 3 * 4 * n;
+    int64_t s = 0;
+    std::vector<std::pair<int64_t, Trainer>> truth;
+    for (int i = 0; i < 2; ++i, ++s) tr.Step(static_cast<int>(s), false, ms->get(), s);
+    ASSERT_TRUE((*ms)->Begin(s - 1, tr.config, tr.Tensors()).ok());
+    const int64_t version = (*ms)->version();
+    for (int j = 1; j <= mo.parts; ++j, ++s) {
+      tr.Step(static_cast<int>(s), false, ms->get(), s);
+      if (s == version) truth.emplace_back(version, tr);
+    }
+    ASSERT_TRUE((*ms)->Wait().ok());
+    EXPECT_EQ((*ms)->Stats().persisted, 1u);
+    EXPECT_EQ(copied->load(), 0u) << MediumKindName(medium)
+                                  << ": the engine copied the replayed state again";
+    EXPECT_LT((*engine)->Stats().staging_bytes, state_bytes) << MediumKindName(medium);
+    ASSERT_TRUE((*ms)->Close().ok());
+    ASSERT_TRUE((*engine)->Close().ok());
+    eo.medium = MediumKind::kBuffered;
+    ExpectPersistedEqualsLive(eo, tr.config.algorithm, truth);
+    fs::remove_all(dir);
+  }
+}
 
 TEST(MultistepErrorTest, AFailedCopyFailsTheWindowAndTheNextOneWorks) {
   const fs::path dir =

@@ -232,6 +232,7 @@ class PyMultistep {
     d["failed"] = s.failed;
     d["stall_s_total"] = s.stall_s_total;
     d["host_bytes"] = s.host_bytes;
+    d["staging_bytes"] = e.staging_bytes;  // the state is not in it: it is staged
     d["copy_engine"] = s.copy_engine;
     py::list recent;
     for (const auto& w : s.recent) recent.append(WindowDict(w));

@@ -320,10 +320,12 @@ class EngineImpl final : public Engine {
   };
   std::shared_ptr<PreparedStaging> prep_ GUARDED_BY(mu_);
   std::thread prep_thread_;
-  // Frees the pool GrowStaging replaced, off the training thread (unlocking
-  // and unmapping the 256 MiB default pool took ~40 ms inside the first
-  // save()). Started and joined by the training thread only (GrowStaging,
-  // Close); it touches nothing but the pool it owns and copy_->FreeHost.
+  // Frees the pool GrowStaging (or ShrinkStaging) replaced, off the training
+  // thread (unlocking and unmapping the 256 MiB default pool took ~40 ms
+  // inside the first save()). Started and joined by the thread that calls
+  // Register and Close (the training thread; a MultistepCheckpoint's
+  // finisher, serialised with it); it touches nothing but the pool it owns
+  // and copy_->FreeHost.
   std::thread retire_thread_;
   // Waits for the background allocation (if any) and returns its pool; the
   // seconds waited go to *waited_s (0 when it was done already).

@@ -70,8 +70,12 @@ Status EngineImpl::ShrinkStaging() {
       StagingPool::Create(copy_.get(), want, chunk_bytes_, min_chunks_);
   if (!small.ok()) return Status::OK();  // keep the larger pool
   staging_wait_s_before_ += staging_->wait_s_total();
+  std::unique_ptr<StagingPool> old = std::move(staging_);
   staging_ = std::move(small).value();
   stats_.staging_bytes = staging_->total_bytes();
+  // Nothing is in flight: free the old pool in the background (retire_thread_).
+  if (retire_thread_.joinable()) retire_thread_.join();
+  retire_thread_ = std::thread([pool = std::move(old)]() mutable { pool.reset(); });
   return Status::OK();
 }
 

@@ -5,9 +5,12 @@ by torch.save and by torch.distributed.checkpoint (DCP) into one directory,
 and fio lays out a file of the same size beside them. Then, in one
 interleaved run, each method restores into an existing model (what a job
 does after a restart), with a COLD page cache (fsync, then
-posix_fadvise(DONTNEED) on every file first) and with a WARM one:
+posix_fadvise(DONTNEED) on every file first) and with a WARM one (every
+file read once through the page cache first):
 
   nonstop     Checkpointer(dir, {"model": model}).restore(), open included
+              (close() is timed apart: close_s in the JSON)
+  nonstop-buffered  the same with buffered reads only (NONSTOP_RESTORE_DIRECT=0)
   fio         fio --rw=read --direct=1 --ioengine=libaio --iodepth=16 --bs=4M
               (the file system's O_DIRECT sequential read; no page cache)
   torch.load  torch.load(f, mmap=False, weights_only=True) + load_state_dict
@@ -27,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +91,15 @@ def drop_cache(paths: list) -> None:
                 os.close(fd)
 
 
+def warm_files(path: str) -> None:
+    """Reads every file under `path` once through the page cache (the warm
+    rows; nonstop's own cold reads use O_DIRECT and leave no copy there)."""
+    for f in files_under(path):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(8 << 20):
+                pass
+
+
 def fresh_model(cls, *args):
     torch.manual_seed(123)
     m = cls(*args)
@@ -96,16 +109,36 @@ def fresh_model(cls, *args):
     return m
 
 
-def run_nonstop(d, model):
-    t0 = time.perf_counter()
-    with nonstop.Checkpointer(d, {"model": model}, rng=False) as ck:
-        t1 = time.perf_counter()
-        step = ck.restore()
-        t2 = time.perf_counter()
-        st = ck.stats()
+def run_nonstop(d, model, direct=True):
+    """Checkpointer() + restore(): until the state is restored and training
+    can go on. close() (which waits for the background staging allocation
+    the restore started, then frees it) is timed apart, as close_s."""
+    old = os.environ.get("NONSTOP_RESTORE_DIRECT")
+    os.environ["NONSTOP_RESTORE_DIRECT"] = "1" if direct else "0"
+    try:
+        t0 = time.perf_counter()
+        ck = nonstop.Checkpointer(d, {"model": model}, rng=False)
+        try:
+            t1 = time.perf_counter()
+            step = ck.restore()
+            t2 = time.perf_counter()
+            st = ck.stats()
+        finally:
+            ck.close()
+        t3 = time.perf_counter()
+    finally:
+        if old is None:
+            os.environ.pop("NONSTOP_RESTORE_DIRECT", None)
+        else:
+            os.environ["NONSTOP_RESTORE_DIRECT"] = old
     assert step == 0, step
-    return {"s": time.perf_counter() - t0, "restore_s": t2 - t1, "open_s": t1 - t0,
-            "restore_GBps_stats": st.get("restore_GBps"), "read_s": st.get("restore_read_s")}
+    return {"s": t2 - t0, "restore_s": t2 - t1, "open_s": t1 - t0, "close_s": t3 - t2,
+            "restore_GBps_stats": st.get("restore_GBps"), "read_s": st.get("restore_read_s"),
+            "odirect_bytes": st.get("restore_odirect_bytes")}
+
+
+def run_nonstop_buffered(d, model):
+    return run_nonstop(d, model, direct=False)
 
 
 def run_torch(f, model):
@@ -135,6 +168,11 @@ def run_fio(f, nbytes):
             "fio_GBps": job["bw_bytes"] / GB}
 
 
+METHODS = ("nonstop", "fio", "torch.load", "dcp", "nonstop-buffered")
+RUN = {"nonstop": run_nonstop, "torch.load": run_torch, "dcp": run_dcp,
+       "nonstop-buffered": run_nonstop_buffered}
+
+
 def fingerprint(model) -> list:
     """Per tensor: float64 sum and the first and last elements (the reference
     model is dropped so that a 4 GB run needs one model in memory, not two)."""
@@ -152,6 +190,7 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
     os.makedirs(d)
     paths = {"nonstop": os.path.join(d, "nonstop"), "torch.load": os.path.join(d, "state.pt"),
              "dcp": os.path.join(d, "dcp"), "fio": os.path.join(d, "fio.dat")}
+    paths["nonstop-buffered"] = paths["nonstop"]  # the same files, buffered reads only
     torch.manual_seed(0)
     ref = Model(nbytes)
     size = state_bytes(ref)
@@ -164,7 +203,7 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
     subprocess.run(["fio", "--name=layout", f"--filename={paths['fio']}", "--rw=write",
                     "--bs=4M", "--direct=1", f"--size={size}", "--output-format=json"],
                    check=True, capture_output=True, timeout=600)
-    all_paths = list(paths.values())
+    all_paths = sorted(set(paths.values()))
     n_tensors = len(ref.state_dict())
     ref = fingerprint(ref)
     gc.collect()
@@ -172,15 +211,13 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
     runs = {m: {"cold": [], "warm": []} for m in paths}
     for _ in range(rounds):
         for cache in ("cold", "warm"):
-            for method in ("nonstop", "fio", "torch.load", "dcp"):
+            for method in METHODS:
                 if cache == "cold":
                     drop_cache(all_paths)
-                else:  # one read first so the file is in the page cache
-                    if method == "fio":
-                        run_fio(paths["fio"], size)
-                    else:
-                        {"nonstop": run_nonstop, "torch.load": run_torch,
-                         "dcp": run_dcp}[method](paths[method], model)
+                elif method == "fio":
+                    run_fio(paths["fio"], size)
+                else:  # every file read once, buffered: in the page cache
+                    warm_files(paths[method])
                 with torch.no_grad():
                     for p in model.parameters():
                         p.zero_()
@@ -188,8 +225,7 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
                 if method == "fio":
                     r = run_fio(paths["fio"], size)
                 else:
-                    r = {"nonstop": run_nonstop, "torch.load": run_torch,
-                         "dcp": run_dcp}[method](paths[method], model)
+                    r = RUN[method](paths[method], model)
                     assert same(model, ref), f"{method} restored other values"
                 r["GBps"] = size / r["s"] / GB
                 runs[method][cache].append(r)
@@ -206,6 +242,13 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
             "nonstop_over_fio": best["nonstop"] / best["fio"],
             "nonstop_over_torch_load": best["nonstop"] / best["torch.load"],
             "nonstop_over_dcp": best["nonstop"] / best["dcp"],
+            "odirect_over_buffered": best["nonstop"] / best["nonstop-buffered"],
+            # The same ratios round by round (each round runs every method
+            # back to back), median over the rounds: less exposed to drift.
+            "per_round_median": {
+                f"nonstop_over_{m}": statistics.median(
+                    a["GBps"] / b["GBps"] for a, b in zip(runs["nonstop"][cache], runs[m][cache]))
+                for m in METHODS if m != "nonstop"},
         }
     return out
 
@@ -227,12 +270,12 @@ def bench_small(root: str, count: int, rounds: int) -> dict:
             if cache == "cold":
                 drop_cache([d])
             else:
-                run_nonstop(d, model)
+                warm_files(d)
             r = run_nonstop(d, model)
             assert same(model, ref)
             res[cache].append(r)
             print(f"  {count} small tensors {cache:4s} restore() {r['restore_s']:.3f} s "
-                  f"(open+restore {r['s']:.3f} s)", flush=True)
+                  f"(open+restore {r['s']:.3f} s, close {r['close_s']:.3f} s)", flush=True)
     shutil.rmtree(d)
     return {"tensors": count, "elems": 64, "save_s": save_s, "runs": res,
             "cold_restore_s": min(r["restore_s"] for r in res["cold"]),
@@ -269,14 +312,16 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print()
-    print(f"{'state':>7} {'cache':5} {'nonstop':>9} {'fio':>9} {'torch.load':>10} {'dcp':>9} "
-          f"{'/fio':>6} {'/torch':>7} {'/dcp':>6}   (GB/s; ratios: nonstop over each)")
+    print(f"{'state':>7} {'cache':5} {'nonstop':>9} {'buffered':>9} {'fio':>9} {'torch.load':>10} "
+          f"{'dcp':>9} {'/fio':>6} {'/torch':>7} {'/dcp':>6}   (best GB/s; ratios: nonstop over "
+          f"each)")
     for name, r in results["sizes"].items():
         for cache in ("cold", "warm"):
             c = r[cache]
             g = c["GBps"]
-            print(f"{name:>7} {cache:5} {g['nonstop']:9.2f} {g['fio']:9.2f} {g['torch.load']:10.2f} "
-                  f"{g['dcp']:9.2f} {c['nonstop_over_fio']:6.2f} {c['nonstop_over_torch_load']:7.2f} "
+            print(f"{name:>7} {cache:5} {g['nonstop']:9.2f} {g['nonstop-buffered']:9.2f} "
+                  f"{g['fio']:9.2f} {g['torch.load']:10.2f} {g['dcp']:9.2f} "
+                  f"{c['nonstop_over_fio']:6.2f} {c['nonstop_over_torch_load']:7.2f} "
                   f"{c['nonstop_over_dcp']:6.2f}")
     s = results["small"]
     print(f"{s['tensors']} small tensors: restore() {s['cold_restore_s']:.3f} s cold, "

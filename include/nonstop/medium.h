@@ -66,6 +66,15 @@ class Medium {
   virtual MediumKind kind() const = 0;
   // One line for logs and `nonstop bench`: "io_uring+O_DIRECT (qd 16, align 512)".
   virtual std::string Describe() const = 0;
+  // How many bytes of [offset, offset + n) are in the page cache now (whole
+  // pages counted, capped at n), without reading or faulting anything in
+  // (the restore reads cached ranges buffered and the rest with O_DIRECT).
+  // Unavailable where the medium cannot tell.
+  virtual Result<uint64_t> CachedBytes(uint64_t offset, uint64_t n) {
+    (void)offset;
+    (void)n;
+    return Status::Unavailable("this medium cannot tell what is cached");
+  }
 };
 
 // OpenMedium(path, kind, opts), which opens a file by path, goes through the

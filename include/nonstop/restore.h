@@ -13,12 +13,16 @@
 //
 // How it reads: the data region is cut into pieces of whole crc chunks (about
 // RestoreOptions::piece_bytes each). A few threads take pieces in order and
-// pread them through the slot file's Medium (the Env seam). A piece that lies
-// inside one tensor is read straight into that tensor's memory and its chunks
-// are checked there; any other piece (small tensors packed together, tensor
-// boundaries, padding) is read once into the thread's buffer, checked, and its
-// tensors' bytes are copied out. So 10,000 small tensors cost one read and one
-// crc per chunk, not one per tensor.
+// pread them through the slot file's Medium (the Env seam): a piece in the
+// page cache buffered, any other with O_DIRECT through a second Medium on the
+// same file (RestoreOptions::direct), falling back to a buffered read where
+// that fails. A piece that lies inside one tensor (and fits the medium's
+// alignment) is read straight into that tensor's memory and its chunks are
+// checked there; any other piece (small tensors packed together, tensor
+// boundaries, padding, a destination O_DIRECT cannot address) is read once
+// into the thread's aligned buffer, checked, and its tensors' bytes are copied
+// out. So 10,000 small tensors cost one read and one crc per chunk, not one
+// per tensor.
 //
 // What the destination holds after a failure: the bytes of the pieces read so
 // far (and of a piece whose crc failed). A checksum failure is Corruption;
@@ -57,6 +61,19 @@ struct RestoreOptions {
   // range (InvalidArgument otherwise). The default is the whole region.
   uint64_t data_begin = 0;
   uint64_t data_end = UINT64_MAX;
+  // RestoreFromJobDir: also open the chosen file with O_DIRECT (through the
+  // job directory's Directory, read-only) and read through it every piece
+  // that is not in the page cache (Medium::CachedBytes): several reads in
+  // flight at the device's pace, without readahead's limits, and no second
+  // copy of the checkpoint left in the page cache. Buffered reads stay the
+  // fallback: for cached pieces, where O_DIRECT is refused (some FUSE and
+  // network file systems, tmpfs before Linux 6.6), and for a piece whose
+  // O_DIRECT read fails or does not verify (read again buffered before it
+  // counts as failed, so O_DIRECT can only make a restore faster).
+  bool direct = true;
+  // ReadCheckpointInto: that O_DIRECT medium on the same file (Alignment()
+  // a power of two, at most kStoreAlign), or null for buffered reads only.
+  Medium* direct_medium = nullptr;
 };
 
 struct RestoreStats {
@@ -64,6 +81,8 @@ struct RestoreStats {
   uint64_t tensor_bytes = 0;    // bytes written into destinations
   uint64_t direct_bytes = 0;    // of those, read straight into the destination
   uint64_t pieces = 0;
+  uint64_t odirect_bytes = 0;   // bytes of the data region read with O_DIRECT
+  uint64_t retried_pieces = 0;  // O_DIRECT reads that failed, read again buffered
   double seconds = 0;           // wall time of the read
   int threads = 0;
 };

@@ -200,8 +200,9 @@ class Checkpointer:
         # (_distributed.py; with world_size > 1 collectively, in Distributed).
         if self.world_size == 1:
             _distributed.set_aside(self.dir, 1)
-        check_directory(self.dir, self.rank, self.world_size if self.world_size == 1 else None,
-                        must_exist=False)
+        restart = check_directory(self.dir, self.rank,
+                                  self.world_size if self.world_size == 1 else None,
+                                  must_exist=False)
         engine_kwargs = dict(
             rank=self.rank, world_size=self.world_size, max_in_flight=max_in_flight,
             writers=writers or 0, staging_bytes=staging_bytes or 0, chunk_bytes=chunk_bytes or 0,
@@ -266,11 +267,17 @@ class Checkpointer:
         self._hooks = [obj.register_step_pre_hook(self._before_update)
                        for obj in _unwrap.optimizers(state.values())]
         # No first-checkpoint spike: the engine allocates the state-sized
-        # staging in the background from now on, so the first save() does
-        # not (stats(): staging_alloc_waits / staging_alloc_wait_s).
+        # staging in the background, so the first save() does not (stats():
+        # staging_alloc_waits / staging_alloc_wait_s). From now on; or, when
+        # this rank has a checkpoint to restore (a restart), from the end of
+        # restore() (or the first step()/save() without one), so that the
+        # allocation does not compete with the restore's read.
+        self._staging_deferred = 0
         if self._dist is None and hasattr(self._engine, "prepare_staging"):
             nbytes = _state_bytes_estimate(state)
-            if nbytes:
+            if nbytes and restart and mode == "concurrent":
+                self._staging_deferred = nbytes
+            elif nbytes:
                 self._engine.prepare_staging(nbytes)
         self._layerwise = None
         if mode == "layerwise":  # optimizer in backward, per-parameter copies
@@ -309,6 +316,7 @@ class Checkpointer:
     def _step(self, step: int) -> Optional[CheckpointHandle]:
         if self._forked():
             self._live()
+        self._begin_staging()
         if self._preempt is not None:
             self._preempt.at_boundary(step)
         if self._auto is not None:
@@ -341,12 +349,19 @@ class Checkpointer:
         raised here after this checkpoint has started, once.
         metrics={"loss": 0.31}: stored with the checkpoint (see step())."""
         self._metrics = _manage.check_metrics(metrics)
+        self._begin_staging()
         try:
             handle = self._watcher.track(self._save(step), step)
         finally:
             self._metrics = None
         self._report()
         return handle
+
+    def _begin_staging(self) -> None:
+        """Starts the staging allocation __init__ deferred for a restart."""
+        nbytes, self._staging_deferred = self.__dict__.get("_staging_deferred", 0), 0
+        if nbytes and not self._forked():
+            self._live().prepare_staging(nbytes)
 
     def _save(self, step: int) -> Optional[int]:
         """save() without the handle and without reporting the background
@@ -688,6 +703,7 @@ class Checkpointer:
         finally:
             self._flat = {}
             self._restore_stats["restore_total_s"] = time.perf_counter() - t0
+            self._begin_staging()  # deferred while the restore read (__init__)
 
     def _restore(self, step: Optional[int]) -> Optional[int]:
         adopt = False
@@ -1047,7 +1063,8 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     while True:
         try:
             got = core.restore(path, rank, prep, step=step, threads=_restore_threads(),
-                               progress=None if bar.off else bar, exclude=exclude)
+                               progress=None if bar.off else bar, exclude=exclude,
+                               direct=_restore_direct())
         except CorruptCheckpointError as e:
             if step is not None and "is damaged" not in str(e):
                 raise CorruptCheckpointError(
@@ -1087,7 +1104,9 @@ def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
                      restore_bytes=st["data_bytes"],
                      restore_GBps=(st["data_bytes"] / got["restore_s"] / 1e9
                                    if got["restore_s"] > 0 else 0.0),
-                     restore_direct_bytes=st["direct_bytes"], restore_attempts=got["attempts"],
+                     restore_direct_bytes=st["direct_bytes"],
+                     restore_odirect_bytes=st.get("odirect_bytes", 0),
+                     restore_attempts=got["attempts"],
                      restore_step=int(got["step"]))
     return loaded
 
@@ -1100,11 +1119,19 @@ def _restore_threads() -> int:
         return 4
 
 
+def _restore_direct() -> bool:
+    """Whether the restore reads what is not in the page cache with
+    O_DIRECT (RestoreOptions::direct): NONSTOP_RESTORE_DIRECT=0 turns it off
+    (buffered reads only), for comparison."""
+    return os.environ.get("NONSTOP_RESTORE_DIRECT", "1") != "0"
+
+
 def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
     """(name -> tensor, [(data pointer, nbytes)] in table order) for a
     checkpoint's tensors: the live tensor where one of the same name, shape
     and dtype is a contiguous CPU tensor whose memory no other destination
-    shares (tied weights: the second gets its own), else a new one."""
+    shares (tied weights: the second gets its own), else a new one. A spec
+    that is None gets no tensor (destination (0, 0): verified, not kept)."""
     tensors: dict = {}
     dests = []
     # Live tensors that fit, then those whose memory overlaps an earlier one's dropped.
@@ -1112,7 +1139,7 @@ def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
     if live is not None:
         ranges = []
         for i, spec in enumerate(specs):
-            t = live.get(spec["name"])
+            t = None if spec is None else live.get(spec["name"])
             if t is not None and spec["nbytes"] and _fits_live(t, spec["dtype"], spec["shape"]):
                 ranges.append((t.data_ptr(), t.data_ptr() + spec["nbytes"], i, t))
         ranges.sort(key=lambda r: (r[0], r[2]))
@@ -1122,6 +1149,9 @@ def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
                 fit[i] = t
             reach = max(reach, end)
     for i, spec in enumerate(specs):
+        if spec is None:  # not wanted: verified, not kept
+            dests.append((0, 0))
+            continue
         code, shape, nbytes = spec["dtype"], spec["shape"], spec["nbytes"]
         t = fit.get(i)
         if t is None:
@@ -1150,17 +1180,22 @@ def _new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):
 
 
 def read_tensors(reader, idx: int, as_numpy: bool = False, live: Optional[dict] = None,
-                 stats: Optional[dict] = None) -> dict:
+                 stats: Optional[dict] = None, names=None) -> dict:
     """Every tensor of checkpoint `idx` of an opened `_core.Reader` (a slot
-    file, a keep copy, an archive, a memory-tier segment), by name, read
-    through the C++ restore path (Reader.read_into: every crc chunk read and
-    verified once, in parallel, without the GIL) instead of tensor by tensor.
-    `live` (name -> tensor): where one of the same name, shape and dtype is a
-    contiguous CPU tensor, the data lands straight in it (check everything
-    before calling: the read overwrites it). `stats`, when given, gets the
+    file, a keep copy, an archive, a memory-tier segment, a JobDir
+    selection), by name, read through the C++ restore path
+    (Reader.read_into: every crc chunk read and verified once, in parallel,
+    without the GIL) instead of tensor by tensor. `live` (name -> tensor):
+    where one of the same name, shape and dtype is a contiguous CPU tensor,
+    the data lands straight in it (check everything before calling: the read
+    overwrites it). `names` (a predicate on a tensor's name): only those are
+    kept (the others are still verified). `stats`, when given, gets the
     read's sizes and time. The one helper for every Python reader."""
     info = reader.checkpoints[idx]
-    tensors, dests = _destinations(info["tensors"], as_numpy, live)
+    specs = info["tensors"]
+    if names is not None:
+        specs = [s if names(s["name"]) else None for s in specs]
+    tensors, dests = _destinations(specs, as_numpy, live)
     _read_into(reader, idx, info, tensors, dests, stats)
     return tensors
 

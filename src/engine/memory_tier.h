@@ -48,12 +48,15 @@
 // now) records a fresh name instead.
 //
 // Reading (OpenMemorySegment): the segment is used only when it verifies
-// (header, record, table and every data chunk crc) and holds exactly the
-// newest committed, non-abandoned checkpoint of the rank's slot file on disk
-// (same counter, step, tensor table, metadata and chunk crcs): it is never
-// older than the disk, and never another job's. Anything else (no record, no
-// segment, a foreign or garbage file, a stale one) is reported in `why_not`
-// and the caller reads the disk.
+// (header, record and table here; every data chunk crc as it is read) and
+// holds exactly the newest committed, non-abandoned checkpoint of the rank's
+// slot file on disk (same counter, step, tensor table, metadata and chunk
+// crcs): it is never older than the disk, and never another job's. Anything
+// else (no record, no segment, a foreign or garbage file, a stale one) is
+// reported in `why_not` and the caller reads the disk. The data is read and
+// checksummed once: OpenMemorySegment does not read it, and every reader of
+// a segment (ReadCheckpointInto, Engine::Restore) verifies each chunk as it
+// reads it and falls back to the disk on a mismatch.
 #pragma once
 
 #include <condition_variable>
@@ -178,7 +181,7 @@ class MemoryTierWriter {
 // A memory segment chosen for recovery, open read-only.
 struct MemorySegment {
   std::unique_ptr<SlotFile> file;
-  ScanReport report;     // one committed checkpoint, data verified
+  ScanReport report;     // one committed checkpoint (data not read yet: verify as you read)
   CheckpointInfo info;   // that checkpoint (as the segment holds it)
   std::string path;      // for messages
 };

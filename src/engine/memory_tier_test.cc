@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -19,7 +20,9 @@
 #include <thread>
 #include <vector>
 
+#include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
+#include "nonstop/env.h"
 #include "nonstop/jobdir.h"
 
 namespace nonstop {
@@ -153,6 +156,149 @@ TEST_F(MemoryTierTest, NewestCheckpointIsMirroredAndRestoredFromMemory) {
   // tier "disk" never reads it.
   PutBack(aside, seg);
   EXPECT_FALSE(RestoreFresh("job", w, 3, "disk"));
+}
+
+// An Env that counts the bytes read from segment files (".nsck" files
+// opened in the directory `counted`); everything else goes to DefaultEnv().
+class SegmentReadCounter final : public Env {
+ public:
+  explicit SegmentReadCounter(std::string counted) : counted_(std::move(counted)) {}
+  uint64_t bytes() const { return bytes_.load(); }
+  Result<std::unique_ptr<Directory>> OpenDirectory(const std::string& path, bool create) override {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d,
+                             DefaultEnv()->OpenDirectory(path, create));
+    return std::unique_ptr<Directory>(new Dir(this, std::move(d)));
+  }
+
+ private:
+  class Counted final : public media::MediumWrapper {
+   public:
+    Counted(std::unique_ptr<Medium> m, std::atomic<uint64_t>* n)
+        : MediumWrapper(std::move(m)), n_(n) {}
+    Status Read(uint64_t offset, void* buf, size_t n) override {
+      *n_ += n;
+      return inner().Read(offset, buf, n);
+    }
+
+   private:
+    std::atomic<uint64_t>* n_;
+  };
+  class Dir final : public Directory {
+   public:
+    Dir(SegmentReadCounter* env, std::unique_ptr<Directory> d) : env_(env), d_(std::move(d)) {}
+    const std::string& path() const override { return d_->path(); }
+    Result<std::unique_ptr<Medium>> OpenFile(std::string_view name, MediumKind kind,
+                                             const MediumOptions& opts) override {
+      NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, d_->OpenFile(name, kind, opts));
+      const bool segment = fs::path(d_->path()) == fs::path(env_->counted_) &&
+                           name.size() > 5 && name.substr(name.size() - 5) == ".nsck";
+      if (!segment) return m;
+      return std::unique_ptr<Medium>(new Counted(std::move(m), &env_->bytes_));
+    }
+    Result<std::unique_ptr<Medium>> CreateFile(std::string_view name, MediumKind kind,
+                                               const MediumOptions& opts) override {
+      return d_->CreateFile(name, kind, opts);
+    }
+    Result<std::unique_ptr<Directory>> OpenDir(std::string_view name, bool create) override {
+      NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, d_->OpenDir(name, create));
+      return std::unique_ptr<Directory>(new Dir(env_, std::move(d)));
+    }
+    Status Rename(std::string_view from, std::string_view to, Directory* to_dir) override {
+      Dir* other = dynamic_cast<Dir*>(to_dir);
+      return d_->Rename(from, to, other != nullptr ? other->d_.get() : to_dir);
+    }
+    Status Unlink(std::string_view name) override { return d_->Unlink(name); }
+    Status RemoveDir(std::string_view name) override { return d_->RemoveDir(name); }
+    Status SyncDir() override { return d_->SyncDir(); }
+    Result<std::vector<DirEntry>> List() override { return d_->List(); }
+    Result<FileStat> Stat(std::string_view name) override { return d_->Stat(name); }
+    Result<uint64_t> FreeBytes() override { return d_->FreeBytes(); }
+    Result<std::unique_ptr<FileLock>> Lock(std::string_view name,
+                                           const std::string& holder) override {
+      return d_->Lock(name, holder);
+    }
+
+   private:
+    SegmentReadCounter* env_;
+    std::unique_ptr<Directory> d_;
+  };
+
+  std::string counted_;
+  std::atomic<uint64_t> bytes_{0};
+};
+
+// A restart from the segment reads and checksums its data once: the open
+// checks the header, record and table (and that they are the disk's newest
+// checkpoint), the restore's read verifies every chunk. It was read twice
+// (a full verifying scan at open, then the read).
+TEST_F(MemoryTierTest, ARestartReadsTheSegmentsDataOnce) {
+  std::vector<float> w(1 << 20);  // 4 MiB of data, 64 KiB crc chunks
+  fs::path seg, aside;
+  {
+    auto e = Engine::Open(Options("job")).value();
+    ASSERT_TRUE(e->Register({Ref(w)}).ok());
+    Run(*e, w, 1, 2);
+    seg = Segment(*e);
+    aside = SaveAside(seg);
+    ASSERT_TRUE(e->Close().ok());
+  }
+  PutBack(aside, seg);
+  SegmentReadCounter env(shm_);
+  EngineOptions o = Options("job");
+  o.env = &env;
+  auto e = Engine::Open(o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  std::fill(w.begin(), w.end(), -1.f);
+  ASSERT_TRUE((*e)->Register({Ref(w)}).ok());
+  auto info = (*e)->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, 2);
+  EXPECT_TRUE((*e)->Stats().restored_from_memory);
+  std::vector<float> want(w.size());
+  Fill(want, 2);
+  EXPECT_TRUE(want == w);
+  const uint64_t data = w.size() * sizeof(float);
+  EXPECT_GE(env.bytes(), data);
+  EXPECT_LT(env.bytes(), data + data / 2) << "the segment's data was read more than once";
+  ASSERT_TRUE((*e)->Close().ok());
+}
+
+// A segment whose table is intact but one of whose data chunks is damaged
+// passes the open (which no longer reads the data); the restore's read finds
+// the mismatch and reads the disk into the same tensors.
+TEST_F(MemoryTierTest, ADamagedDataChunkInTheSegmentFallsBackToTheDisk) {
+  std::vector<float> w(1 << 18);
+  fs::path seg, aside;
+  {
+    auto e = Engine::Open(Options("job")).value();
+    ASSERT_TRUE(e->Register({Ref(w)}).ok());
+    Run(*e, w, 1, 4);
+    seg = Segment(*e);
+    aside = SaveAside(seg);
+    ASSERT_TRUE(e->Close().ok());
+  }
+  PutBack(aside, seg);
+  // Flip one byte inside the checkpoint's data (found by its value).
+  std::string bytes;
+  {
+    std::ifstream in(seg, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::vector<float> want(w.size());
+  Fill(want, 4);
+  const std::string needle(reinterpret_cast<const char*>(&want[1000]), 64);
+  const size_t at = bytes.find(needle);
+  ASSERT_NE(at, std::string::npos);
+  {
+    std::fstream f(seg, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(static_cast<std::streamoff>(at));
+    f.put(static_cast<char>(bytes[at] ^ 0x5a));
+  }
+  std::string why;
+  auto s = OpenMemorySegment((root_ / "job").string(), 0, shm_, nullptr, nullptr, &why);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE(s.value().has_value()) << why;  // the data is checked by the read
+  EXPECT_FALSE(RestoreFresh("job", w, 4));    // read from the disk, values checked there
 }
 
 TEST_F(MemoryTierTest, StaleSegmentIsNotUsed) {

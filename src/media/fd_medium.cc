@@ -4,12 +4,15 @@
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
+#include <vector>
 #include <utility>
 
 namespace nonstop::media {
@@ -216,6 +219,29 @@ Status FdMedium::Read(uint64_t offset, void* buf, size_t n) {
   NONSTOP_RETURN_IF_ERROR(CheckAligned("read", path_, offset, buf, n, alignment_));
   NONSTOP_RETURN_IF_ERROR(CheckReadRange(path_, offset, n, Size()));
   return ReadFull(fd_, path_, offset, buf, n);
+}
+
+Result<uint64_t> FdMedium::CachedBytes(uint64_t offset, uint64_t n) {
+  if (n == 0) return uint64_t{0};
+  const long page_l = ::sysconf(_SC_PAGESIZE);
+  const uint64_t page = page_l > 0 ? static_cast<uint64_t>(page_l) : 4096;
+  const uint64_t size = Size();
+  if (offset >= size) return uint64_t{0};
+  const uint64_t end = std::min(size, offset + n);
+  const uint64_t begin = offset / page * page;
+  const size_t len = static_cast<size_t>(end - begin);
+  // A mapping only to ask; nothing is faulted in (mincore reads page tables
+  // and the page cache, never the file).
+  void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(begin));
+  if (p == MAP_FAILED) return Status::FromErrno("mmap (to ask what is cached) " + path_, errno);
+  std::vector<unsigned char> vec((len + page - 1) / page);
+  const int rc = ::mincore(p, len, vec.data());
+  const int err = errno;
+  ::munmap(p, len);
+  if (rc != 0) return Status::FromErrno("mincore " + path_, err);
+  uint64_t pages = 0;
+  for (unsigned char v : vec) pages += v & 1;
+  return std::min<uint64_t>(n, pages * page);
 }
 
 Status FdMedium::Sync() {

@@ -40,6 +40,8 @@ class FdMedium : public MediumBase {
   Status Resize(uint64_t size) override;
   uint64_t Size() const override { return size_.load(std::memory_order_relaxed); }
   size_t Alignment() const override { return alignment_; }
+  // mincore(2) over a read-only shared mapping of the range.
+  Result<uint64_t> CachedBytes(uint64_t offset, uint64_t n) override;
   MediumKind kind() const override { return kind_; }
 
  protected:

@@ -29,6 +29,9 @@ class MediumWrapper : public Medium {
   size_t Alignment() const override { return inner_->Alignment(); }
   MediumKind kind() const override { return inner_->kind(); }
   std::string Describe() const override { return inner_->Describe(); }
+  Result<uint64_t> CachedBytes(uint64_t offset, uint64_t n) override {
+    return inner_->CachedBytes(offset, n);
+  }
 
  protected:
   Medium& inner() { return *inner_; }

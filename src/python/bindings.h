@@ -12,11 +12,13 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "nonstop/engine.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/optim.h"
 #include "nonstop/status.h"
+#include "nonstop/store.h"
 
 namespace nonstop::py_bindings {
 
@@ -54,6 +56,20 @@ void RegisterStatusTranslator(pybind11::module_& m);
 // with U+FFFD instead of raising. The one shape Engine.restore,
 // Reader.checkpoints and JobDir selections share.
 pybind11::dict InfoDict(const CheckpointInfo& info);
+
+// Reads every tensor of checkpoint `info` of `file` into `dst` (one (pointer,
+// nbytes) per tensor in table order; pointer 0: verified, not kept) through
+// the one restore path (ReadCheckpointInto) with the GIL released; a
+// destination whose nbytes differs from its tensor's is refused before any
+// read. Returns the read's stats as a dict (data_bytes, tensor_bytes,
+// direct_bytes, pieces, read_s, threads); errors name `where`
+// (restore_bindings.cc). Reader.read_into and JobDir selections' read_into.
+// data_begin/data_end: only that byte range of the data region
+// (RestoreOptions; every kept destination must lie inside it).
+pybind11::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
+                                    const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
+                                    int threads, const std::string& where,
+                                    uint64_t data_begin = 0, uint64_t data_end = UINT64_MAX);
 
 // An agreed record (jobdir.h) from/to its dict (jobdir_bindings.cc): step,
 // counter, lineage, rank, world_size, unix_s, resharded_from=(dir, world).

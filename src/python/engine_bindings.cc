@@ -497,41 +497,9 @@ class PyReader {
                                                 std::to_string(sc.info.counter) +
                                                 " is not committed"));
     }
-    const CheckpointInfo& info = sc.info;
-    if (dst.size() != info.tensors.size()) {
-      throw StatusError(Status::InvalidArgument(
-          "read_into got " + std::to_string(dst.size()) + " destinations for " +
-          std::to_string(info.tensors.size()) + " tensors"));
-    }
-    std::vector<void*> ptrs(dst.size(), nullptr);
-    for (size_t i = 0; i < dst.size(); ++i) {
-      const TensorSpec& spec = info.tensors[i].spec;
-      if (dst[i].first != 0 && dst[i].second != spec.nbytes) {
-        throw StatusError(Status::InvalidArgument(
-            "tensor '" + spec.name + "' holds " + std::to_string(spec.nbytes) +
-            " bytes, its destination " + std::to_string(dst[i].second)));
-      }
-      ptrs[i] = reinterpret_cast<void*>(dst[i].first);
-    }
-    RestoreOptions opts;
-    opts.threads = std::max(1, threads);
-    opts.data_begin = data_begin;
-    opts.data_end = data_end;
-    RestoreStats st;
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = ReadCheckpointInto(*file_, info, ptrs, opts, &st);
-    }
-    if (!s.ok()) throw StatusError(s.Annotate(path_ + ": step " + std::to_string(info.step)));
-    py::dict d;
-    d["data_bytes"] = st.data_bytes;
-    d["tensor_bytes"] = st.tensor_bytes;
-    d["direct_bytes"] = st.direct_bytes;
-    d["pieces"] = st.pieces;
-    d["read_s"] = st.seconds;
-    d["threads"] = st.threads;
-    return d;
+    return ReadIntoDestinations(*file_, sc.info, dst, threads,
+                                path_ + ": step " + std::to_string(sc.info.step), data_begin,
+                                data_end);
   }
 
  private:

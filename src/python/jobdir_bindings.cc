@@ -52,6 +52,15 @@ class PySelected {
     }
   }
 
+  // Every tensor through the one restore path (ReadCheckpointInto: each crc
+  // chunk read and verified once, in parallel), without the GIL. `dst`: one
+  // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
+  py::dict ReadInto(const std::vector<std::pair<uintptr_t, uint64_t>>& dst, int threads) {
+    return ReadIntoDestinations(*sel_.file, sel_.info, dst, threads,
+                                jd_->path() + "/" + sel_.location.where + ": step " +
+                                    std::to_string(sel_.info.step));
+  }
+
   bool Superseded() {
     py::gil_scoped_release release;
     return Take(jd_->Superseded(sel_));
@@ -313,6 +322,7 @@ void InitJobDir(py::module_& m) {
       .def_property_readonly("step", &PySelected::step)
       .def("read_tensor", &PySelected::ReadTensor, py::arg("tensor"), py::arg("dst"),
            py::arg("nbytes"), py::arg("verify") = true)
+      .def("read_into", &PySelected::ReadInto, py::arg("dst"), py::arg("threads") = 4)
       .def("superseded", &PySelected::Superseded);
 
   py::class_<PyJobDir>(m, "JobDir")

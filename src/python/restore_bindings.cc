@@ -4,6 +4,7 @@
 // live objects and says where each tensor goes) and `progress` callbacks.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -31,22 +32,64 @@ py::dict StatsDict(const RestoreStats& s) {
   d["tensor_bytes"] = s.tensor_bytes;
   d["direct_bytes"] = s.direct_bytes;
   d["pieces"] = s.pieces;
+  d["odirect_bytes"] = s.odirect_bytes;
+  d["retried_pieces"] = s.retried_pieces;
   d["read_s"] = s.seconds;
   d["threads"] = s.threads;
   return d;
 }
 
+}  // namespace
+
+py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
+                              const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
+                              int threads, const std::string& where, uint64_t data_begin,
+                              uint64_t data_end) {
+  if (dst.size() != info.tensors.size()) {
+    throw StatusError(Status::InvalidArgument("read_into got " + std::to_string(dst.size()) +
+                                              " destinations for " +
+                                              std::to_string(info.tensors.size()) + " tensors"));
+  }
+  std::vector<void*> ptrs(dst.size(), nullptr);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const TensorSpec& spec = info.tensors[i].spec;
+    if (dst[i].first != 0 && dst[i].second != spec.nbytes) {
+      throw StatusError(Status::InvalidArgument("tensor '" + spec.name + "' holds " +
+                                                std::to_string(spec.nbytes) +
+                                                " bytes, its destination " +
+                                                std::to_string(dst[i].second)));
+    }
+    ptrs[i] = reinterpret_cast<void*>(dst[i].first);
+  }
+  RestoreOptions opts;
+  opts.threads = std::max(1, threads);
+  opts.data_begin = data_begin;
+  opts.data_end = data_end;
+  RestoreStats st;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = ReadCheckpointInto(file, info, ptrs, opts, &st);
+  }
+  if (!s.ok()) throw StatusError(s.Annotate(where));
+  return StatsDict(st);
+}
+
+namespace {
+
 // restore(path, rank, prepare, step=None, include_keep=True, threads=4,
-//         progress=None, exclude=[]) -> dict or None (no checkpoint at all)
+//         progress=None, exclude=[], direct=True) -> dict or None (no checkpoint)
 //   exclude: counters the caller found unusable (skipped as damaged).
 //   prepare(info: dict) -> [(ptr, nbytes), ...] in info["tensors"] order
 //     (ptr 0: verify that tensor, keep nothing), or a str: this checkpoint
 //     is malformed (the str says why), try the next older one. An exception
 //     stops the restore and is raised as it is.
 //   progress(done_bytes, total_bytes) -> falsy to cancel (None goes on).
+//   direct: read what is not in the page cache with O_DIRECT (RestoreOptions).
 py::object Restore(const std::string& path, int rank, const py::function& prepare,
                    std::optional<int64_t> step, bool include_keep, int threads,
-                   const py::object& progress, const std::vector<uint64_t>& exclude) {
+                   const py::object& progress, const std::vector<uint64_t>& exclude,
+                   bool direct) {
   std::unique_ptr<JobDir> jd;
   {
     py::gil_scoped_release release;
@@ -86,6 +129,7 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   };
   RestoreOptions opts;
   opts.threads = threads;
+  opts.direct = direct;
   if (!progress.is_none()) {
     opts.progress = [&](uint64_t done, uint64_t total) -> bool {
       py::gil_scoped_acquire gil;
@@ -130,7 +174,8 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
 void InitRestore(py::module_& m) {
   m.def("restore", &Restore, py::arg("path"), py::arg("rank"), py::arg("prepare"),
         py::arg("step") = py::none(), py::arg("include_keep") = true, py::arg("threads") = 4,
-        py::arg("progress") = py::none(), py::arg("exclude") = std::vector<uint64_t>{});
+        py::arg("progress") = py::none(), py::arg("exclude") = std::vector<uint64_t>{},
+        py::arg("direct") = true);
 }
 
 }  // namespace nonstop::py_bindings

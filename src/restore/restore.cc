@@ -7,9 +7,12 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
+
+#include "nonstop/env.h"
 
 namespace nonstop {
 namespace {
@@ -159,6 +162,8 @@ class Reading {
       stats->tensor_bytes = tensor_bytes_.load();
       stats->direct_bytes = direct_bytes_.load();
       stats->pieces = pieces_.size();
+      stats->odirect_bytes = odirect_bytes_.load();
+      stats->retried_pieces = retried_pieces_.load();
       stats->seconds = Since(t0);
       stats->threads = threads;
     }
@@ -204,23 +209,54 @@ class Reading {
     return Status::OK();
   }
 
+  // Whether piece `p` is read with O_DIRECT: there is such a medium, the
+  // piece's offset suits it and its rounded-up length stays inside the file,
+  // and the page cache does not hold it already (a warm file reads faster
+  // buffered; a medium that cannot tell counts as cold).
+  bool UseDirect(const Piece& p) {
+    Medium* d = opts_.direct_medium;
+    if (d == nullptr) return false;
+    const uint64_t a = d->Alignment();
+    const uint64_t at = info_.data_offset + p.begin, len = p.end - p.begin;
+    if (a <= 1 || a > kStoreAlign || (a & (a - 1)) != 0 || at % a != 0) return false;
+    if (at + (len + a - 1) / a * a > d->Size()) return false;
+    Result<uint64_t> cached = file_.medium().CachedBytes(at, len);
+    return !(cached.ok() && cached.value() >= len);
+  }
+
   Status ReadPiece(const Piece& p, Buffer& buf) {
+    if (UseDirect(p)) {
+      if (ReadPieceVia(*opts_.direct_medium, p, buf).ok()) {
+        odirect_bytes_ += p.end - p.begin;
+        return Status::OK();
+      }
+      // Refused, failed or not verified: read again buffered, so that only
+      // the slot file's own bytes can fail the restore.
+      ++retried_pieces_;
+    }
+    return ReadPieceVia(file_.medium(), p, buf);
+  }
+
+  // Reads piece `p` through `m` (the slot file's medium or the O_DIRECT one)
+  // and verifies its chunks; counts it only when it succeeded.
+  Status ReadPieceVia(Medium& m, const Piece& p, Buffer& buf) {
     const uint64_t len = p.end - p.begin;
+    const uint64_t a = std::max<uint64_t>(1, m.Alignment());
+    const uint64_t rlen = (len + a - 1) / a * a;  // what the medium reads (its alignment)
     const int cover = Covering(p.begin, p.end);
-    if (cover >= 0 && dst_[cover] != nullptr &&
+    if (cover >= 0 && dst_[cover] != nullptr && rlen == len &&
         reinterpret_cast<uintptr_t>(static_cast<uint8_t*>(dst_[cover]) +
-                                    (p.begin - info_.tensors[cover].data_offset)) %
-                file_.medium().Alignment() ==
+                                    (p.begin - info_.tensors[cover].data_offset)) % a ==
             0) {
       // Straight into the tensor, checked where it landed.
       uint8_t* out = static_cast<uint8_t*>(dst_[cover]) + (p.begin - info_.tensors[cover].data_offset);
-      NONSTOP_RETURN_IF_ERROR(file_.medium().Read(info_.data_offset + p.begin, out, len));
+      NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, out, len));
       NONSTOP_RETURN_IF_ERROR(Verify(p, out));
       direct_bytes_ += len;
       tensor_bytes_ += len;
       return Status::OK();
     }
-    NONSTOP_RETURN_IF_ERROR(file_.medium().Read(info_.data_offset + p.begin, buf.data(), len));
+    NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, buf.data(), rlen));
     NONSTOP_RETURN_IF_ERROR(Verify(p, buf.data()));
     // Scatter: every tensor overlapping the piece gets its part.
     auto it = std::upper_bound(order_.begin(), order_.end(), p.begin, [&](uint64_t v, size_t i) {
@@ -271,11 +307,28 @@ class Reading {
   std::atomic<size_t> next_{0};
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> done_bytes_{0}, tensor_bytes_{0}, direct_bytes_{0};
+  std::atomic<uint64_t> odirect_bytes_{0}, retried_pieces_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   int finished_ = 0;
   Status error_;
 };
+
+// Opens `where` (a slot file's path relative to the job directory, as
+// CheckpointLocation names it) read-only with O_DIRECT, through the job
+// directory's Directory (O_NOFOLLOW at every component).
+Result<std::unique_ptr<Medium>> OpenDirect(JobDir& jd, const std::string& where) {
+  Directory* d = &jd.dir();
+  std::unique_ptr<Directory> sub;
+  size_t from = 0;
+  for (size_t slash; (slash = where.find('/', from)) != std::string::npos; from = slash + 1) {
+    NONSTOP_ASSIGN_OR_RETURN(sub, d->OpenDir(where.substr(from, slash - from), false));
+    d = sub.get();
+  }
+  MediumOptions mo;
+  mo.read_only = true;
+  return d->OpenFile(where.substr(from), MediumKind::kDirect, mo);
+}
 
 }  // namespace
 
@@ -326,7 +379,17 @@ Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions sele
     if (st.ok()) {
       ++out.attempts;
       written = true;
-      st = ReadCheckpointInto(*s.file, s.info, *dst, opts, &out.stats);
+      RestoreOptions o = opts;
+      std::unique_ptr<Medium> direct;
+      if (opts.direct && opts.direct_medium == nullptr) {
+        // The same file again, with O_DIRECT; where that is refused, buffered only.
+        Result<std::unique_ptr<Medium>> m = OpenDirect(jd, s.location.where);
+        if (m.ok()) {
+          direct = std::move(m).value();
+          o.direct_medium = direct.get();
+        }
+      }
+      st = ReadCheckpointInto(*s.file, s.info, *dst, o, &out.stats);
       if (!st.ok() && !jd.writable() && superseded_retries < 3) {
         // A reader beside a live writer: the slot may have been reused
         // while it was read. Then that is no damage: select again.

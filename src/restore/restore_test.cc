@@ -4,14 +4,18 @@
 // checkpoint is left.
 #include "nonstop/restore.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "nonstop/env.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/store.h"
 #include "store_test_util.h"
@@ -110,6 +114,79 @@ TEST_F(RestoreTest, ReadsEveryTensorOnceWithAnyPieceSize) {
       }
     }
   }
+}
+
+// Test helpers on the file by path (test code; nonstop's own file work goes
+// through the Env): whether the file system takes O_DIRECT, and dropping a
+// file's pages from the page cache so that a read of it is cold.
+bool DirectWorks(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+void DropCache(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::fdatasync(fd), 0);
+  EXPECT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  ::close(fd);
+}
+
+// A cold checkpoint is read with O_DIRECT (a second medium on the same file,
+// opened through the job directory), every chunk verified; an O_DIRECT read
+// that does not verify is read again buffered, so it never fails a restore
+// that the slot file's own bytes pass (here the O_DIRECT medium is a copy of
+// the file with one byte changed).
+TEST_F(RestoreTest, ColdPiecesAreReadWithODirectAndAFailedOneIsReadAgainBuffered) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const fs::path slot = root_ / JobDirNames::Slot(0);
+  if (!DirectWorks(slot)) GTEST_SKIP() << "the file system of " << root_ << " refuses O_DIRECT";
+  const TestCheckpoint c = MakeCheckpoint(5);
+  const CheckpointInfo info = Commit(*f, c, 5);
+  auto reader = JobDir::OpenForRead(root_.string()).value();
+  Dest d(info);
+  RestoreOptions o;
+  o.threads = 2;
+  o.piece_bytes = 16 << 10;
+  auto r = RestoreFromJobDir(*reader, 0, {}, [&](const Selected&) -> Result<std::vector<void*>> {
+    DropCache(slot);  // after the selection read the table, before the data is read
+    return d.ptrs;
+  }, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(Holds(d, c));
+  EXPECT_EQ(r->stats.data_bytes, info.data_bytes);
+  EXPECT_GT(r->stats.odirect_bytes, 0u);
+  EXPECT_EQ(r->stats.retried_pieces, 0u);
+
+  // The O_DIRECT medium is another file whose bytes differ in one tensor.
+  std::string bytes;
+  {
+    std::ifstream in(slot, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  bytes[info.data_offset + info.tensors[0].data_offset + info.tensors[0].spec.nbytes / 2] ^= 0x40;
+  {
+    std::ofstream out(root_ / "other", std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  auto dir = DefaultEnv()->OpenDirectory(root_.string(), false).value();
+  MediumOptions ro;
+  ro.read_only = true;
+  auto other = dir->OpenFile("other", MediumKind::kDirect, ro);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  DropCache(slot);
+  DropCache(root_ / "other");
+  Dest d2(info);
+  RestoreOptions o2 = o;
+  o2.direct_medium = other.value().get();
+  RestoreStats st;
+  ASSERT_TRUE(ReadCheckpointInto(*f, info, d2.ptrs, o2, &st).ok());
+  EXPECT_TRUE(Holds(d2, c));
+  EXPECT_GE(st.retried_pieces, 1u);
+  EXPECT_GT(st.odirect_bytes, 0u);
+  EXPECT_EQ(st.data_bytes, info.data_bytes);
 }
 
 // A window of the data region (nonstop export's bounded reads): only its

@@ -181,3 +181,37 @@ def test_restore_from_memory_goes_through_the_cpp_restore_path(tmp_path, monkeyp
     assert [p.data_ptr() for p in model2.parameters()] == ptrs  # written in place
     for i, p in enumerate(model2.parameters()):
         assert torch.all(p == float(i))
+
+
+def test_a_damaged_data_chunk_in_the_segment_falls_back_to_the_disk(tmp_path, monkeypatch):
+    """The segment's data is checksummed once, by the read (the open checks
+    its header, record and table only): a segment whose table is intact but
+    one of whose data bytes changed is found by that read, and restore()
+    reads the disk into the same tensors."""
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("NONSTOP_SHM_DIR", str(shm))
+    d = str(tmp_path / "job")
+    model = _model()
+    ckpt = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory")
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+        model.bias.fill_(3.0)
+    ckpt.save(3)
+    ckpt.wait()
+    seg = _wait_memory(ckpt)["memory_segment"]
+    data = bytearray(open(seg, "rb").read())
+    ckpt.close()
+    at = data.find(torch.full((16,), 3.0).numpy().tobytes())  # inside the weight's bytes
+    assert at > 0
+    data[at + 5] ^= 0x20
+    with open(seg, "wb") as f:  # as a crashed process would leave it, one byte changed
+        f.write(data)
+    model2 = _model()
+    ptr = model2.weight.data_ptr()
+    with nonstop.Checkpointer(d, {"model": model2}, every=1, tier="memory") as ckpt:
+        assert ckpt.restore() == 3
+        s = ckpt.stats()
+        assert s["restored_from"] == "disk"
+        assert "checksum mismatch" in s["memory_unused_because"], s["memory_unused_because"]
+    assert model2.weight.data_ptr() == ptr
+    assert torch.all(model2.weight == 3.0) and torch.all(model2.bias == 3.0)

@@ -495,11 +495,9 @@ class Distributed:
                 if not isinstance(meta, dict):
                     raise CorruptCheckpointError(f"{sel.where}: step {s}: malformed metadata")
                 lineage = int(meta.get("dist", {}).get("lineage", 0))
-                for ti, spec in enumerate(info["tensors"]):
-                    t = torch.empty(spec["shape"], dtype=_torch_dtype(spec["dtype"]))
-                    if spec["nbytes"]:
-                        sel.read_tensor(ti, t.data_ptr(), spec["nbytes"])
-                    tensors[spec["name"]] = t
+                # The one verified read path: every crc chunk read and checked once.
+                from ._checkpointer import read_tensors
+                tensors = read_tensors(_OldRank(sel), 0)
             except (CheckpointError, OSError) as e:
                 err = str(e)
             got = comm.gather((err, lineage))
@@ -674,7 +672,7 @@ class _Comm:
 
 
 class _OldRank:
-    """One old rank's checkpoint chosen by JobDir.select_reshard, read like a
+    """One checkpoint chosen by JobDir (select, select_reshard), read like a
     Reader that holds one checkpoint (index 0); reads verify chunk crcs."""
 
     def __init__(self, sel):
@@ -683,6 +681,9 @@ class _OldRank:
 
     def read_tensor(self, idx: int, ti: int, ptr: int, nbytes: int) -> None:
         self.sel.read_tensor(ti, ptr, nbytes)
+
+    def read_into(self, idx: int, dst: list, threads: int = 4) -> dict:
+        return self.sel.read_into(dst, threads=threads)
 
 
 def pick_archive(dir: str, world: int, step: Optional[int] = None,
@@ -709,17 +710,14 @@ def _numel(shape) -> int:
 
 
 def _read_all(reader, idx: int, names=None) -> dict:
-    """name -> tensor of checkpoint `idx` of one file (chunk crcs verified)."""
+    """name -> (tensor, spec) of checkpoint `idx` of one file, those whose
+    name `names` accepts: one read through the C++ restore path (every crc
+    chunk read and verified once; read_tensors)."""
+    from ._checkpointer import read_tensors
     info = reader.checkpoints[idx]
-    out = {}
-    for ti, spec in enumerate(info["tensors"]):
-        if names is not None and not names(spec["name"]):
-            continue
-        t = torch.empty(spec["shape"], dtype=_torch_dtype(spec["dtype"]))
-        if spec["nbytes"]:
-            reader.read_tensor(idx, ti, t.data_ptr(), spec["nbytes"])
-        out[spec["name"]] = (t, spec)
-    return out
+    got = read_tensors(reader, idx, names=names)
+    return {spec["name"]: (got[spec["name"]], spec) for spec in info["tensors"]
+            if spec["name"] in got}
 
 
 def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
@@ -939,11 +937,6 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     key, info, tensors, meta, _, archive = got
     return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
                       os.path.join(archive, _core().JobDir.slot_name(0)))
-
-
-def _torch_dtype(code: int):
-    from ._state import torch_dtype
-    return torch_dtype(code)
 
 
 def _torch_dtype_by_name(name: str):

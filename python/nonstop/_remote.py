@@ -46,12 +46,23 @@ LOCAL_DIR = "remote"              # DIR/remote/step-N/rank-R.nsck: staged upload
 
 # ------------------------------------------------------------------ layout
 
-def _rl():
-    """nonstop._core.remote_layout (src/jobdir/remote_layout.h)."""
+def _core():
     import nonstop
     if nonstop._core is None:
         raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
-    return nonstop._core.remote_layout
+    return nonstop._core
+
+
+def _rl():
+    """nonstop._core.remote_layout (src/jobdir/remote_layout.h)."""
+    return _core().remote_layout
+
+
+def _local_dir(job_dir: str, step: int):
+    """job_dir/remote/step-N as a _core.Directory (the Env seam: every file
+    in it is created O_EXCL|O_NOFOLLOW relative to it), made when missing."""
+    d = _core().Directory(job_dir, create=True)
+    return d.subdir(LOCAL_DIR, create=True).subdir(Layout.step_dir(step), create=True)
 
 
 class Layout:
@@ -255,38 +266,31 @@ class PathStore:
     def _p(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
-    def _commit(self, tmp: str, dest: str) -> None:
-        os.replace(tmp, dest)
-        fd = os.open(os.path.dirname(dest), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def _dir(self, key: str):
+        """(the _core.Directory holding `key`, made when missing; its last name)."""
+        names = key.split("/")
+        d = _core().Directory(self.root, create=True)
+        for name in names[:-1]:
+            d = d.subdir(name, create=True)
+        return d, names[-1]
 
     def put_file(self, key: str, path: str, bps: Optional[float] = None, abort=None) -> None:
-        dest = self._p(key)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = dest + ".tmp"
-        with open(path, "rb") as f, open(tmp, "wb") as out:
+        d, name = self._dir(key)
+        tmp = name + ".tmp"
+        d.unlink(tmp, missing_ok=True)  # a stale temp of a writer that died
+        # created O_EXCL|O_NOFOLLOW; commit: fsync, rename over name, directory fsync
+        with open(path, "rb") as f, d.create(tmp) as out:
             src = _Throttle(f, bps, abort) if bps else f
             while True:
                 buf = src.read(self.part_bytes)
                 if not buf:
                     break
                 out.write(buf)
-            out.flush()
-            os.fsync(out.fileno())
-        self._commit(tmp, dest)
+            out.commit(name)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        dest = self._p(key)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = dest + ".tmp"
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        self._commit(tmp, dest)
+        d, name = self._dir(key)
+        d.write_atomic(name, bytes(data))
 
     def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
         try:
@@ -396,8 +400,8 @@ def fetch(store, step: int, rank: int, local_dir: str) -> str:
     # C++ decodes both and checks that they are of this step, rank and lineage
     man = _rl().check_fetch(marker, man, step, rank, where)
     dest_dir = os.path.join(local_dir, LOCAL_DIR, Layout.step_dir(step))
-    os.makedirs(dest_dir, exist_ok=True)
-    dest = os.path.join(dest_dir, f"rank-{rank:05d}.nsck")
+    ddir = _local_dir(local_dir, step)
+    dest = f"rank-{rank:05d}.nsck"
     tmp = dest + ".fetch"
     try:
         size, chunks = store.get_chunks(Layout.part(step, rank))
@@ -408,8 +412,9 @@ def fetch(store, step: int, rank: int, local_dir: str) -> str:
                                      f"says {man['bytes']}")
     part, crcs = man["part_bytes"], man["part_crc32"]
     got, crc, idx, fill = 0, 0, 0, 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    try:
+    ddir.unlink(tmp, missing_ok=True)  # a stale temp of a fetch that died
+    # created O_EXCL|O_NOFOLLOW; removed again when anything below raises
+    with ddir.create(tmp) as out:
         for buf in chunks:
             mv = memoryview(buf)
             if got + len(mv) > size:
@@ -424,19 +429,13 @@ def fetch(store, step: int, rank: int, local_dir: str) -> str:
                             f"{where}: rank {rank}'s part {idx} (bytes {idx * part}..) crc "
                             f"mismatch: damaged in the store")
                     idx, crc, fill = idx + 1, 0, 0
-                os.write(fd, mv[:take])
+                out.write(mv[:take])
                 got += take
                 mv = mv[take:]
         if got != size or idx != len(crcs):
             raise CorruptCheckpointError(f"{where}: rank {rank}'s part ended at {got} of {size} "
                                          f"bytes")
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, dest)
+        out.commit(dest)  # fsync, rename over dest, directory fsync
     return dest_dir
 
 
@@ -634,23 +633,24 @@ class Uploader:
     def _upload(self, counter: int, step: int) -> None:
         self.busy_step = step
         sdir = os.path.join(self.dir, LOCAL_DIR, Layout.step_dir(step))
-        os.makedirs(sdir, exist_ok=True)
-        staged = os.path.join(sdir, f"rank-{self.rank:05d}.nsck")
+        sd = _local_dir(self.dir, step)
+        name = f"rank-{self.rank:05d}.nsck"
+        staged = os.path.join(sdir, name)
         info = None
-        if os.path.exists(staged):  # staged before a restart, or fetched: the same checkpoint?
+        if sd.stat(name) is not None:  # staged before a restart, or fetched: the same checkpoint?
             try:
                 info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
             except Exception:  # noqa: BLE001 -- unreadable: staged again
                 info = None
             if info is None or int(info["counter"]) != counter or not info["committed"]:
-                os.unlink(staged)
+                sd.unlink(name)
                 info = None
         if info is None:  # a one-slot copy, every chunk verified
-            tmp = staged + ".tmp"
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            self.core().copy_checkpoint(self.dir, self.rank, counter, tmp)
-            os.replace(tmp, staged)
+            tmp = name + ".tmp"
+            sd.unlink(tmp, missing_ok=True)
+            self.core().copy_checkpoint(self.dir, self.rank, counter, os.path.join(sdir, tmp))
+            sd.rename(tmp, name)
+            sd.sync()
             info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
         # The lineage (distributed: one run from one restored state) is the
         # checkpoint's own, as local recovery keys it.

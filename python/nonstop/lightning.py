@@ -89,20 +89,18 @@ def read_marker(path: str) -> Optional[dict]:
 
 
 def _write_atomically(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Through the Env seam (_core.Directory): a temp created O_EXCL|O_NOFOLLOW
+    relative to the directory fd, fsynced, renamed over `path` (a symlink
+    there is refused), the directory fsynced."""
+    import nonstop
+    path = os.path.abspath(path)
+    d = nonstop._core.Directory(os.path.dirname(path))
+    name = os.path.basename(path)
+    tmp = f".{name}.{os.getpid()}.tmp"
+    d.unlink(tmp, missing_ok=True)  # a stale temp of this pid's earlier life
+    with d.create(tmp) as out:
+        out.write(text.encode())
+        out.commit(name)
 
 
 class NonstopCheckpointIO(CheckpointIO):

@@ -28,7 +28,8 @@ void InitMultistep(pybind11::module_& m);  // multistep_bindings.cc (GoCkpt sche
 void InitRemote(pybind11::module_& m);     // remote_bindings.cc (copy_checkpoint)
 void InitJobDir(pybind11::module_& m);     // jobdir_bindings.cc (the job directory)
 void InitRestore(pybind11::module_& m);    // restore_bindings.cc (the one restore path)
-void InitSchedule(pybind11::module_& m);   // schedule_bindings.cc (when a checkpoint is due)
+void InitSchedule(pybind11::module_& m);
+void InitEnv(pybind11::module_& m);         // env_bindings.cc (the Env seam: Directory)   // schedule_bindings.cc (when a checkpoint is due)
 
 // Carries a non-OK Status to Python, also out of a GIL-released region: the
 // translator (RegisterStatusTranslator) raises the class registered for its

@@ -18,4 +18,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitJobDir(m);
   nonstop::py_bindings::InitRestore(m);
   nonstop::py_bindings::InitSchedule(m);
+  nonstop::py_bindings::InitEnv(m);
 }

@@ -1,0 +1,228 @@
+// nonstop._core.Directory: the Env seam (nonstop/env.h) for the Python side.
+// Every file and directory operation the Python modules make (staging,
+// fetching, the local-path remote, markers) goes through a Directory here,
+// so that files are created with O_CREAT|O_EXCL|O_NOFOLLOW relative to a
+// directory fd and symlinks are refused, never followed. Thin: no logic
+// beyond forwarding; the GIL is released around every call that does I/O.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "nonstop/env.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace nonstop::py_bindings {
+namespace {
+
+using GilRelease = py::gil_scoped_release;
+
+const char* TypeName(EntryType t) {
+  switch (t) {
+    case EntryType::kFile: return "file";
+    case EntryType::kDirectory: return "dir";
+    case EntryType::kSymlink: return "symlink";
+    case EntryType::kOther: break;
+  }
+  return "other";
+}
+
+// A new file being written: created exclusively, appended to, then either
+// committed (sync, close, rename over `dest`, SyncDir) or aborted (closed
+// and removed). Owns a reference to its Directory.
+class PyWriter {
+ public:
+  PyWriter(std::shared_ptr<Directory> dir, std::string name, std::unique_ptr<Medium> m)
+      : dir_(std::move(dir)), name_(std::move(name)), medium_(std::move(m)) {}
+
+  void Write(const py::buffer& b) {
+    py::buffer_info info = b.request();
+    const size_t n = static_cast<size_t>(info.size * info.itemsize);
+    Medium* m = Open();
+    Status s;
+    {
+      GilRelease g;
+      s = m->Write(offset_, info.ptr, n);
+    }
+    Check(s);
+    offset_ += n;
+  }
+
+  void Commit(const std::string& dest) {
+    Medium* m = Open();
+    Status s;
+    {
+      GilRelease g;
+      s = m->Sync();
+      if (s.ok()) {
+        medium_.reset();
+        s = dir_->Rename(name_, dest);
+      }
+      if (s.ok()) s = dir_->SyncDir();
+    }
+    if (!s.ok()) {
+      Abort();
+      throw StatusError(s);
+    }
+    medium_.reset();
+    done_ = true;
+  }
+
+  void Abort() {
+    if (done_) return;
+    done_ = true;
+    GilRelease g;
+    medium_.reset();
+    (void)dir_->Unlink(name_);  // best effort: a stale temp is removed by the next writer
+  }
+
+  uint64_t written() const { return offset_; }
+
+ private:
+  Medium* Open() {
+    if (done_ || !medium_) throw StatusError(Status::FailedPrecondition(
+        dir_->path() + "/" + name_ + " is already committed or aborted"));
+    return medium_.get();
+  }
+
+  std::shared_ptr<Directory> dir_;
+  std::string name_;
+  std::unique_ptr<Medium> medium_;
+  uint64_t offset_ = 0;
+  bool done_ = false;
+};
+
+std::shared_ptr<Directory> OpenDirectory(const std::string& path, bool create) {
+  Result<std::unique_ptr<Directory>> r = Status::Internal("unset");
+  {
+    GilRelease g;
+    r = DefaultEnv()->OpenDirectory(path, create);
+  }
+  return std::shared_ptr<Directory>(Take(std::move(r)));
+}
+
+}  // namespace
+
+void InitEnv(py::module_& m) {
+  py::class_<PyWriter>(m, "FileWriter",
+                       "A file created exclusively by Directory.create (O_EXCL|O_NOFOLLOW); "
+                       "commit(dest) syncs it, renames it over dest and syncs the directory; "
+                       "abort() removes it. As a context manager it aborts unless committed.")
+      .def("write", &PyWriter::Write, py::arg("data"))
+      .def("commit", &PyWriter::Commit, py::arg("dest"))
+      .def("abort", &PyWriter::Abort)
+      .def_property_readonly("written", &PyWriter::written)
+      .def("__enter__", [](PyWriter& w) -> PyWriter& { return w; },
+           py::return_value_policy::reference)
+      .def("__exit__", [](PyWriter& w, const py::args&) { w.Abort(); });
+
+  py::class_<Directory, std::shared_ptr<Directory>>(
+      m, "Directory",
+      "An open directory fd of the Env seam: every name is one path component, files are "
+      "created O_CREAT|O_EXCL|O_NOFOLLOW relative to it and symlinks are refused.")
+      .def(py::init(&OpenDirectory), py::arg("path"), py::arg("create") = false)
+      .def_property_readonly("path", &Directory::path)
+      .def(
+          "subdir",
+          [](Directory& d, const std::string& name, bool create) {
+            Result<std::unique_ptr<Directory>> r = Status::Internal("unset");
+            {
+              GilRelease g;
+              r = d.OpenDir(name, create);
+            }
+            return std::shared_ptr<Directory>(Take(std::move(r)));
+          },
+          py::arg("name"), py::arg("create") = false)
+      .def(
+          "write_atomic",
+          [](Directory& d, const std::string& name, const py::bytes& data) {
+            std::string_view content = data;
+            Status s;
+            {
+              GilRelease g;
+              s = WriteFileAtomic(d, name, content);
+            }
+            Check(s);
+          },
+          py::arg("name"), py::arg("data"))
+      .def(
+          "create",
+          [](const std::shared_ptr<Directory>& d, const std::string& name) {
+            Result<std::unique_ptr<Medium>> r = Status::Internal("unset");
+            {
+              GilRelease g;
+              r = d->CreateFile(name, MediumKind::kBuffered, MediumOptions{});
+            }
+            return std::make_unique<PyWriter>(d, name, Take(std::move(r)));
+          },
+          py::arg("name"))
+      .def(
+          "unlink",
+          [](Directory& d, const std::string& name, bool missing_ok) {
+            Status s;
+            {
+              GilRelease g;
+              s = d.Unlink(name);
+            }
+            if (missing_ok && s.code() == StatusCode::kNotFound) return false;
+            Check(s);
+            return true;
+          },
+          py::arg("name"), py::arg("missing_ok") = false)
+      .def(
+          "rename",
+          [](Directory& d, const std::string& from, const std::string& to, Directory* to_dir) {
+            Status s;
+            {
+              GilRelease g;
+              s = d.Rename(from, to, to_dir);
+            }
+            Check(s);
+          },
+          py::arg("src"), py::arg("dst"), py::arg("dst_dir") = nullptr)
+      .def(
+          "sync",
+          [](Directory& d) {
+            Status s;
+            {
+              GilRelease g;
+              s = d.SyncDir();
+            }
+            Check(s);
+          })
+      .def(
+          "list",
+          [](Directory& d) {
+            Result<std::vector<DirEntry>> r = Status::Internal("unset");
+            {
+              GilRelease g;
+              r = d.List();
+            }
+            std::vector<std::pair<std::string, std::string>> out;
+            for (const DirEntry& e : Take(std::move(r))) out.emplace_back(e.name, TypeName(e.type));
+            return out;
+          },
+          "[(name, 'file'|'dir'|'symlink'|'other')], sorted by name")
+      .def(
+          "stat",
+          [](Directory& d, const std::string& name) -> py::object {
+            Result<FileStat> r = Status::Internal("unset");
+            {
+              GilRelease g;
+              r = d.Stat(name);
+            }
+            if (!r.ok() && r.status().code() == StatusCode::kNotFound) return py::none();
+            FileStat st = Take(std::move(r));
+            return py::make_tuple(TypeName(st.type), st.size);
+          },
+          py::arg("name"), "(type, size) without following a symlink, or None when missing");
+}
+
+}  // namespace nonstop::py_bindings

@@ -62,26 +62,88 @@ def make_state(gb: float):
     return {"model": model, "optim": opt}
 
 
-def train(dir, state, steps, every, step_s, remote=None, options=None):
+_PROBE = r"""
+import sys, threading, time, json
+lat = []
+stop = threading.Event()
+def run():
+    while not stop.is_set():
+        t = time.perf_counter(); time.sleep(0.002); lat.append(time.perf_counter() - t - 0.002)
+th = threading.Thread(target=run); th.start()
+sys.stdin.readline(); stop.set(); th.join()
+print(json.dumps(lat))
+"""
+
+
+class Probes:
+    """Wake-up latency of a thread that sleeps 2 ms at a time: one thread in
+    this process (it needs the GIL to wake, so it waits for whatever thread
+    holds it, and for a core) and one in a separate process (no shared GIL:
+    it waits for a core only). The difference is the GIL's share."""
+
+    def __init__(self):
+        import subprocess
+        import threading
+        self.lat, self.stop = [], threading.Event()
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROBE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.th = threading.Thread(target=self._run, daemon=True)
+        self.th.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.002)
+            self.lat.append(time.perf_counter() - t - 0.002)
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.th.join()
+        out, _ = self.proc.communicate("\n", timeout=60)
+        other = json.loads(out)
+
+        def summ(v):
+            v = sorted(v) or [0.0]
+            return {"n": len(v), "mean_ms": 1e3 * statistics.mean(v),
+                    "p99_ms": 1e3 * v[int(0.99 * (len(v) - 1))]}
+        return {"in_process": summ(self.lat), "other_process": summ(other)}
+
+
+def train(dir, state, steps, every, step_s, remote=None, options=None, probe=False):
     ckpt = nonstop.Checkpointer(dir, state, every=every, remote=remote, remote_options=options)
-    times = []
+    probes = Probes() if probe else None
+    times, saves_s, opt_s = [], [], []
     for step in range(steps):
         t0 = time.perf_counter()
         time.sleep(step_s)              # the forward/backward of a real job
+        t1 = time.perf_counter()
         state["optim"].step()           # touches the whole state (waits for the copy)
+        t2 = time.perf_counter()
         ckpt.step(step)
-        times.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        opt_s.append(t2 - t1)
+        saves_s.append(t3 - t2)
     st = ckpt.stats()
+    probed = probes.finish() if probes else None
     ckpt.wait()
     t0 = time.perf_counter()
     ckpt.close()
     close_s = time.perf_counter() - t0
     return {"step_s_mean": statistics.mean(times[every:] or times),
             "stall_per_ckpt_s": st["visible_stall_s"] / max(1, st["saves"]),
-            "saves": st["saves"], "close_s": close_s,
+            # the stall split: waiting in the optimizer's pre-hook for the copy
+            # out of the live tensors, and inside save()/step()
+            "hook_stall_per_ckpt_s": st["hook_stall_s"] / max(1, st["saves"]),
+            "save_stall_per_ckpt_s": (st["visible_stall_s"] - st["hook_stall_s"])
+            / max(1, st["saves"]),
+            # the optimizer step itself without its wait (CPU work of the step)
+            "opt_compute_s_mean": statistics.mean(opt_s[every:] or opt_s)
+            - st["hook_stall_s"] / max(1, len(opt_s)),
+            "saves": st["saves"], "close_s": close_s, "probe": probed,
             "remote": {k: v for k, v in (st.get("remote") or {}).items()
                        if k in ("uploads", "bytes", "upload_s", "last_GBps", "retries",
-                                "uploading_step")}}
+                                "uploading_step", "stage_s", "crc_s", "put_s")}}
 
 
 def client_put(kind, srv, path, key, part, conc):
@@ -123,32 +185,52 @@ def stall_ab(a):
     res = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "load_start": os.getloadavg()},
            "args": vars(a), "runs": [], "pairs": []}
+    arms_all = a.arms.split(",")
     try:
         state = make_state(a.gb)
         train(os.path.join(root, "warm"), state, a.every, a.every, 0.0)  # warm caches
         for p in range(a.pairs):
-            arms = ("off", "on") if p % 2 == 0 else ("on", "off")
+            # ABBA for two arms; with more, the order rotates each pair
+            arms = (arms_all if p % 2 == 0 else arms_all[::-1]) if len(arms_all) == 2 else \
+                arms_all[p % len(arms_all):] + arms_all[:p % len(arms_all)]
             got = {}
             for arm in arms:
                 d = os.path.join(root, f"p{p}-{arm}")
-                g = train(d, state, a.steps, a.every, a.step_s,
-                          srv.url(f"p{p}") if arm == "on" else None,
-                          dict(opts) if arm == "on" else None)
+                if arm == "off":
+                    url, o = None, None
+                elif arm == "path":  # the tier to a local folder: no HTTP, no server
+                    url, o = os.path.join(root, f"shared-p{p}"), {}
+                else:
+                    url, o = srv.url(f"p{p}"), dict(opts)
+                if a.switch_interval:
+                    sys.setswitchinterval(a.switch_interval)
+                g = train(d, state, a.steps, a.every, a.step_s, url, o, probe=a.probe)
+                sys.setswitchinterval(0.005)
                 g.update(pair=p, arm=arm, load=os.getloadavg()[0])
-                if arm == "on":  # the uploader worked while the job trained
+                if arm != "off":  # the uploader worked while the job trained
                     g["valid"] = (g["remote"].get("uploads", 0) >= 1
                                   or g["remote"].get("uploading_step") is not None)
                 res["runs"].append(g)
                 got[arm] = g
                 shutil.rmtree(d, ignore_errors=True)
+                if arm == "path":
+                    shutil.rmtree(url, ignore_errors=True)
+                pr = g["probe"] or {}
                 print(f"pair {p} {arm}: step {g['step_s_mean']:.3f} s, stall/ckpt "
-                      f"{g['stall_per_ckpt_s']:.3f} s, uploads {g['remote'].get('uploads', 0)}",
-                      flush=True)
-            res["pairs"].append({
-                "pair": p, "order": list(arms), "valid": got["on"]["valid"],
-                "stall_on_vs_off": got["on"]["stall_per_ckpt_s"]
-                / max(got["off"]["stall_per_ckpt_s"], 1e-9),
-                "step_on_vs_off": got["on"]["step_s_mean"] / got["off"]["step_s_mean"]})
+                      f"{g['stall_per_ckpt_s']:.3f} s (hook {g['hook_stall_per_ckpt_s']:.3f}, "
+                      f"save {g['save_stall_per_ckpt_s']:.3f}), opt {g['opt_compute_s_mean']:.3f}"
+                      f" s, uploads {g['remote'].get('uploads', 0)}"
+                      + (f", wake in/out {pr['in_process']['mean_ms']:.2f}/"
+                         f"{pr['other_process']['mean_ms']:.2f} ms" if pr else ""), flush=True)
+            pair = {"pair": p, "order": list(arms),
+                    "valid": all(got[x]["valid"] for x in arms if x != "off")}
+            for x in arms:
+                if x == "off":
+                    continue
+                pair[f"stall_{x}_vs_off"] = got[x]["stall_per_ckpt_s"] / max(
+                    got["off"]["stall_per_ckpt_s"], 1e-9)
+                pair[f"step_{x}_vs_off"] = got[x]["step_s_mean"] / got["off"]["step_s_mean"]
+            res["pairs"].append(pair)
     finally:
         srv.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -159,25 +241,36 @@ def stall_ab(a):
         v = [x[key] for x in valid]
         return ({"median": statistics.median(v), "min": min(v), "max": max(v)} if v
                 else {"median": float("nan"), "min": float("nan"), "max": float("nan")})
-    res["summary"] = {"valid_pairs": len(valid), "pairs": a.pairs,
-                      "stall_on_vs_off": rng("stall_on_vs_off"),
-                      "step_on_vs_off": rng("step_on_vs_off"),
-                      "step_s_median": {arm: statistics.median(
-                          [r["step_s_mean"] for r in res["runs"] if r["arm"] == arm])
-                          for arm in ("off", "on")},
-                      "stall_per_ckpt_s_median": {arm: statistics.median(
-                          [r["stall_per_ckpt_s"] for r in res["runs"] if r["arm"] == arm])
-                          for arm in ("off", "on")}}
-    sm = res["summary"]
+
+    def med(arm, key):
+        return statistics.median([r[key] for r in res["runs"] if r["arm"] == arm])
+    keys = ("step_s_mean", "stall_per_ckpt_s", "hook_stall_per_ckpt_s", "save_stall_per_ckpt_s",
+            "opt_compute_s_mean")
+    sm = res["summary"] = {"valid_pairs": len(valid), "pairs": a.pairs,
+                           "median": {arm: {k: med(arm, k) for k in keys} for arm in arms_all}}
+    for x in arms_all:
+        if x != "off":
+            sm[f"stall_{x}_vs_off"] = rng(f"stall_{x}_vs_off")
+            sm[f"step_{x}_vs_off"] = rng(f"step_{x}_vs_off")
+    if a.probe:
+        sm["wake_ms_mean"] = {arm: {w: statistics.median(
+            [r["probe"][w]["mean_ms"] for r in res["runs"] if r["arm"] == arm])
+            for w in ("in_process", "other_process")} for arm in arms_all}
     print()
-    print(f"{a.gb} GB state, {a.pairs} ABBA pairs ({sm['valid_pairs']} valid), "
-          f"every {a.every} steps of {a.step_s} s")
-    print(f"{'':<26}{'off':>10}{'on':>10}{'on/off median [min, max]':>34}")
-    for key, rk, label in (("step_s_median", "step_on_vs_off", "step time (s)"),
-                           ("stall_per_ckpt_s_median", "stall_on_vs_off", "stall per ckpt (s)")):
-        r = sm[rk]
-        print(f"{label:<26}{sm[key]['off']:>10.3f}{sm[key]['on']:>10.3f}"
-              f"{r['median']:>16.3f} [{r['min']:.3f}, {r['max']:.3f}]")
+    print(f"{a.gb} GB state, {a.pairs} pairs ({sm['valid_pairs']} valid), every {a.every} "
+          f"steps of {a.step_s} s, arms {arms_all}")
+    print(f"{'median':<26}" + "".join(f"{arm:>10}" for arm in arms_all))
+    for k in keys:
+        print(f"{k:<26}" + "".join(f"{sm['median'][arm][k]:>10.3f}" for arm in arms_all))
+    if a.probe:
+        for w in ("in_process", "other_process"):
+            print(f"{'wake ' + w + ' (ms)':<26}" + "".join(
+                f"{sm['wake_ms_mean'][arm][w]:>10.2f}" for arm in arms_all))
+    for x in arms_all:
+        if x != "off":
+            for k in (f"step_{x}_vs_off", f"stall_{x}_vs_off"):
+                r = sm[k]
+                print(f"{k:<26}{r['median']:>10.3f} [{r['min']:.3f}, {r['max']:.3f}]")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", a.out)
@@ -194,6 +287,13 @@ def main():
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--step-s", type=float, default=0.5)
     ap.add_argument("--root", default=None)
+    ap.add_argument("--arms", default="off,on",
+                    help="stall mode: off, on (S3 to the local SeaweedFS), path (a local folder "
+                         "as the remote: no HTTP, no server process)")
+    ap.add_argument("--probe", action="store_true",
+                    help="stall mode: measure wake-up latency in and out of the process (GIL)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="stall mode: sys.setswitchinterval during the runs (default 5 ms)")
     ap.add_argument("--out", default=os.path.join(HERE, "remote_bench_results.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -222,13 +322,14 @@ def main():
         for r in range(a.rounds):
             # 1. nonstop's upload path (part + crcs + manifest) vs the clients alone
             t0 = time.perf_counter()
-            with open(staged, "rb") as f:
+            sd = nonstop._core.Directory(os.path.dirname(staged))
+            with sd.open(os.path.basename(staged)) as f:  # as the uploader reads it
                 while True:
                     buf = f.read(part)
                     if not buf:
                         break
                     zlib.crc32(buf)
-            store.put_file(f"bench/nonstop-{r}.nsck", staged)
+            store.put_file(f"bench/nonstop-{r}.nsck", sd, os.path.basename(staged))
             store.put_bytes(f"bench/nonstop-{r}.json", b"{}")
             dt = time.perf_counter() - t0
             res["upload"].append({"round": r, "who": "nonstop", "MBps": size / dt / 1e6})

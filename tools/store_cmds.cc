@@ -798,7 +798,10 @@ std::vector<std::string> RemoteArgs(const std::string& cmd, const StoreArgs& a) 
   std::vector<std::string> v = {cmd, a.dir};
   if (a.step) v.insert(v.end(), {"--step", std::to_string(*a.step)});
   if (cmd == "inspect" && a.json) v.emplace_back("--json");
-  if (cmd == "export") v.insert(v.end(), {"-o", a.out, "--format", a.format});
+  if (cmd == "export") {
+    v.insert(v.end(), {"-o", a.out, "--format", a.format});
+    for (const std::string& glob : a.include) v.insert(v.end(), {"--include", glob});
+  }
   return v;
 }
 
@@ -846,10 +849,8 @@ void AddStoreCommands(CLI::App& app) {
   exp->add_flag("--no-progress", args->no_progress, "never draw the progress bar")
       ->excludes(prog);
   exp->callback(Guarded("export", [args] {
-    if (!args->include.empty() && (args->format == "dcp" || IsRemoteUrl(args->dir))) {
-      Fail("export", std::string("--include is for a local safetensors export; ") +
-                         (args->format == "dcp" ? "--format dcp exports every tensor"
-                                                : "not supported for a remote URL yet"),
+    if (!args->include.empty() && args->format == "dcp") {
+      Fail("export", "--include is for a safetensors export; --format dcp exports every tensor",
            kExitUsage);
     }
     if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("export", *args));

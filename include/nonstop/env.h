@@ -139,4 +139,13 @@ Status WriteFileAtomic(Directory& dir, std::string_view name, std::string_view c
 // Reads a whole file of at most `max_bytes` (Corruption when larger).
 Result<std::string> ReadSmallFile(Directory& dir, std::string_view name, uint64_t max_bytes);
 
+// Removes `name` in `dir` and, when it is a directory, everything under it
+// (rm -r through the seam): each subdirectory is opened relative to its
+// parent's fd with O_NOFOLLOW, a symlink anywhere in the tree is removed as
+// a link and never followed, so nothing outside `dir/name` is touched.
+// NotFound when `name` is missing; a tree deeper than `max_depth` levels is
+// refused (FailedPrecondition) before anything below that depth is removed.
+// The removal is durable after dir.SyncDir().
+Status RemoveTree(Directory& dir, std::string_view name, int max_depth = 64);
+
 }  // namespace nonstop

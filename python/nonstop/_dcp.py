@@ -293,7 +293,10 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
     state = layout(tensors, metas, shared)
     count, nbytes = _count(state)
     state["nonstop.step"] = torch.tensor(got_step, dtype=torch.int64)
-    os.makedirs(out, exist_ok=True)
+    # The folder through the Env seam (made when missing, a symlink as its last
+    # component refused); the files in it are written by torch's FileSystemWriter.
+    from ._checkpointer import _core
+    _core().Directory(os.path.abspath(out), create=True)
     import inspect
     kw = {}
     if "no_dist" in inspect.signature(dcp.save).parameters and not (

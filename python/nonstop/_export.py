@@ -17,10 +17,9 @@ import numpy as np
 
 from . import _progress, _state
 from ._checkpointer import _core, _restore_threads, check_directory
-from .errors import CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import (CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
+                     IncompatibleCheckpointError)
 
-# The temporary file is always new: never an existing file, never a link.
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Bytes of stored tensors read per window (as `nonstop export` in C++ does).
 WINDOW_BYTES = 256 << 20
 
@@ -86,44 +85,35 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
     out = os.fspath(out)
     parent, name = os.path.split(os.path.abspath(out))
     tmp_name = name + ".tmp"
-    try:
-        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise CheckpointIOError(f"cannot export to {out}: {parent}: {e.strerror}") from None
-    try:
+    # Through the Env seam (_core.Directory): a leftover OUT.tmp (a crash, or
+    # a planted link) is removed, never followed (unlink removes a link
+    # itself); the temp is created O_EXCL|O_NOFOLLOW relative to the
+    # directory fd, fsynced, renamed over OUT (a link there is refused), and
+    # the directory fsynced. Any failure removes the temp. File errors are
+    # named by the file the user asked for, never OUT.tmp; a damaged source
+    # raises its own error.
+    def io(fn, *args):
         try:
-            # A leftover OUT.tmp (a crash, or a planted link) is removed, never
-            # followed: unlink removes a link itself. O_EXCL|O_NOFOLLOW then
-            # refuses anything that appears there in between.
-            os.unlink(tmp_name, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp_name, _CREATE, 0o644, dir_fd=dfd)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(len(blob).to_bytes(8, "little"))
-                f.write(blob)
-                done = 0
-                for window, buf, at in _windows(reader, idx, info, entries):
-                    for _name, ti, spec, _ in window:
-                        if spec["nbytes"]:
-                            f.write(memoryview(buf)[at[ti]:at[ti] + spec["nbytes"]])
-                            done += spec["nbytes"]
-                    bar(done, offset)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            os.fsync(dfd)
-        except BaseException:
-            try:
-                os.unlink(tmp_name, dir_fd=dfd)
-            except OSError:
-                pass
-            raise
-    except OSError as e:  # named by the file the user asked for, never OUT.tmp
-        raise CheckpointIOError(f"cannot export to {out}: {e.strerror or e}") from None
+            return fn(*args)
+        except (CheckpointIOError, CheckpointNotFoundError, IncompatibleCheckpointError) as e:
+            why = str(e).replace(os.path.join(parent, tmp_name), out).replace(tmp_name, name)
+            raise CheckpointIOError(f"cannot export to {out}: {why}") from None
+
+    try:
+        d = io(_core().Directory, parent)
+        io(d.unlink, tmp_name, True)
+        with io(d.create, tmp_name) as f:
+            io(f.write, len(blob).to_bytes(8, "little"))
+            io(f.write, blob)
+            done = 0
+            for window, buf, at in _windows(reader, idx, info, entries):
+                for _name, ti, spec, _ in window:
+                    if spec["nbytes"]:
+                        io(f.write, memoryview(buf)[at[ti]:at[ti] + spec["nbytes"]])
+                        done += spec["nbytes"]
+                bar(done, offset)
+            io(f.commit, name)
     finally:
-        os.close(dfd)
         bar.close()
     return {"step": info["step"], "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}
 

@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import threading
 import time
 import warnings
@@ -36,7 +35,7 @@ from datetime import timedelta
 from typing import Optional
 
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                     CorruptCheckpointError)
+                     CorruptCheckpointError, IncompatibleCheckpointError)
 
 FORMAT = "nonstop.remote/1"
 MAX_JSON_BYTES = 256 << 10        # remote_layout.h kMaxDocBytes: refused before reading
@@ -201,13 +200,16 @@ class ObjectStore:
         except self._ob.exceptions.BaseError as e:
             raise CheckpointIOError(f"{self.url}: {what}: {_first_line(e)}") from None
 
-    def put_file(self, key: str, path: str, bps: Optional[float] = None, abort=None) -> None:
-        if not bps:  # a Path: obstore reads the file in Rust, never taking the GIL
-            self._io(f"uploading {key}", self._ob.put, self.store, key, pathlib.Path(path),
-                     chunk_size=self.part_bytes, max_concurrency=self.concurrency)
-            return
-        with open(path, "rb") as f:  # throttled: each read goes through Python
-            self._io(f"uploading {key}", self._ob.put, self.store, key, _Throttle(f, bps, abort),
+    def put_file(self, key: str, src, name: str, bps: Optional[float] = None,
+                 abort=None) -> None:
+        """Uploads file `name` of the _core.Directory `src`. The file is opened
+        through the seam (O_NOFOLLOW relative to the directory fd): obstore
+        reads it through a FileReader whose reads fill the buffer with the
+        GIL released (it never opens a path itself, so a link planted at the
+        staged name is refused, never followed)."""
+        with src.open(name) as f:
+            self._io(f"uploading {key}", self._ob.put, self.store, key,
+                     _Throttle(f, bps, abort) if bps else f,
                      chunk_size=self.part_bytes, max_concurrency=self.concurrency)
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -256,7 +258,10 @@ class ObjectStore:
 
 class PathStore:
     """A directory (a shared file system) as the remote: each object a file,
-    written under a temp name, fsynced, renamed, directory fsynced."""
+    written under a temp name, fsynced, renamed, directory fsynced. Every
+    file and directory operation goes through the Env seam (_core.Directory,
+    relative to directory fds, O_NOFOLLOW): a symlink anywhere under the root
+    is refused or removed as a link, never followed."""
 
     def __init__(self, root: str, options: dict):
         self.root = os.path.abspath(root)
@@ -266,27 +271,29 @@ class PathStore:
     def _p(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
-    def _dir(self, key: str):
-        """(the _core.Directory holding `key`, made when missing; its last name)."""
+    def _dir(self, key: str, create: bool = True):
+        """(the _core.Directory holding `key`, its last name); with create,
+        the directories are made when missing, else FileNotFoundError."""
         names = key.split("/")
-        d = _core().Directory(self.root, create=True)
+        d = _core().Directory(self.root, create=create)
         for name in names[:-1]:
-            d = d.subdir(name, create=True)
+            d = d.subdir(name, create=create)
         return d, names[-1]
 
-    def put_file(self, key: str, path: str, bps: Optional[float] = None, abort=None) -> None:
-        d, name = self._dir(key)
-        tmp = name + ".tmp"
+    def put_file(self, key: str, src, name: str, bps: Optional[float] = None,
+                 abort=None) -> None:
+        d, dest = self._dir(key)
+        tmp = dest + ".tmp"
         d.unlink(tmp, missing_ok=True)  # a stale temp of a writer that died
-        # created O_EXCL|O_NOFOLLOW; commit: fsync, rename over name, directory fsync
-        with open(path, "rb") as f, d.create(tmp) as out:
-            src = _Throttle(f, bps, abort) if bps else f
+        # created O_EXCL|O_NOFOLLOW; commit: fsync, rename over dest, directory fsync
+        with src.open(name) as f, d.create(tmp) as out:
+            rd = _Throttle(f, bps, abort) if bps else f
             while True:
-                buf = src.read(self.part_bytes)
+                buf = rd.read(self.part_bytes)
                 if not buf:
                     break
                 out.write(buf)
-            out.commit(name)
+            out.commit(dest)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         d, name = self._dir(key)
@@ -294,18 +301,24 @@ class PathStore:
 
     def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
         try:
-            with open(self._p(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > limit:
-                    raise CorruptCheckpointError(f"{self._p(key)} is {size} bytes, more than "
-                                                 f"a nonstop document ({limit})")
-                return f.read(limit)
+            d, name = self._dir(key, create=False)
+            return d.read(name, limit)  # None when missing; larger than limit: refused
         except FileNotFoundError:
             return None
+        except CorruptCheckpointError:
+            raise CorruptCheckpointError(f"{self._p(key)} is more than a nonstop document "
+                                         f"({limit} bytes)") from None
+        except IncompatibleCheckpointError as e:  # a symlink (or not a file): never followed
+            raise CorruptCheckpointError(str(e)) from None
 
     def get_chunks(self, key: str):
-        f = open(self._p(key), "rb")
-        size = os.fstat(f.fileno()).st_size
+        """(size, iterator of buffers); FileNotFoundError when missing."""
+        try:
+            d, name = self._dir(key, create=False)
+            f = d.open(name)
+        except IncompatibleCheckpointError as e:  # a symlink (or not a file): never followed
+            raise CorruptCheckpointError(str(e)) from None
+        size = f.size
 
         def chunks():
             with f:
@@ -317,31 +330,49 @@ class PathStore:
         return size, chunks()
 
     def list(self, prefix: str = "") -> list:
-        base = self._p(prefix) if prefix else self.root
+        """(key, size) of every file under the root (or `prefix`), temps
+        excluded; directories are walked through the seam, symlinks skipped."""
+        try:
+            d = _core().Directory(self.root) if not prefix else self._dir(prefix + "/x", False)[0]
+        except FileNotFoundError:
+            return []
         out = []
-        for dirpath, _, files in os.walk(base):
-            for name in files:
-                if name.endswith(".tmp"):
-                    continue
-                full = os.path.join(dirpath, name)
-                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
-                try:
-                    out.append((rel, os.path.getsize(full)))
-                except OSError:
-                    pass
+
+        def walk(d, rel, depth):
+            if depth > 8:  # the layout nests two levels: deeper is not ours
+                return
+            for name, kind in d.list():
+                key = f"{rel}/{name}" if rel else name
+                if kind == "dir":
+                    try:
+                        walk(d.subdir(name), key, depth + 1)
+                    except FileNotFoundError:  # removed meanwhile
+                        pass
+                elif kind == "file" and not name.endswith(".tmp"):
+                    st = d.stat(name)
+                    if st is not None and st[0] == "file":
+                        out.append((key, st[1]))
+        walk(d, prefix.strip("/"), 0)
         return out
 
     def delete(self, keys: list) -> None:
+        dirs = {}
         for k in keys:
             try:
-                os.unlink(self._p(k))
-            except FileNotFoundError:
-                pass
-        for d in {os.path.dirname(self._p(k)) for k in keys}:
+                d, name = self._dir(k, create=False)
+            except (FileNotFoundError, IncompatibleCheckpointError):  # gone, or a link: not ours
+                continue
+            d.unlink(name, missing_ok=True)
+            d.sync()
+            dirs[k.rsplit("/", 1)[0] if "/" in k else ""] = True
+        for rel in dirs:  # a step directory left empty goes too
+            if not rel:
+                continue
             try:
-                os.rmdir(d)
-            except OSError:
-                pass
+                parent, name = self._dir(rel, create=False)
+                parent.remove_dir(name)
+            except (FileNotFoundError, CheckpointError):
+                pass  # not empty (or gone): left for a later round
 
 
 # Options of the tier itself (the rest go to the client).
@@ -439,6 +470,25 @@ def fetch(store, step: int, rank: int, local_dir: str) -> str:
     return dest_dir
 
 
+def temp_dir() -> str:
+    """A new private directory for fetched parts: tempfile.mkdtemp makes it
+    exclusively (a fresh random name, mode 0700); every file in it is then
+    written and removed through the seam (fetch, remove_temp_dir)."""
+    import tempfile
+    return tempfile.mkdtemp(prefix="nonstop-remote-")
+
+
+def remove_temp_dir(path: str) -> None:
+    """Removes a temp_dir() and everything in it through the seam (each
+    subdirectory opened O_NOFOLLOW relative to its parent; links removed,
+    never followed). Best effort: a failure leaves it in the temp folder."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        _core().Directory(parent).remove_tree(name)
+    except CheckpointError:
+        pass
+
+
 def read_fetched(path: str, rank: int, world_size: int, read):
     """Reads the fetched one-slot directory with nonstop's reader (every
     chunk crc32c verified); `read` is _checkpointer._read."""
@@ -532,7 +582,7 @@ class Uploader:
         self.stats = {"uploads": 0, "committed": 0, "retries": 0, "failures": 0,
                       "bytes": 0, "upload_s": 0.0, "last_GBps": 0.0, "skipped_existing": 0,
                       "last_error": None, "deleted_steps": 0, "skipped_gone": 0,
-                      "given_up": 0}
+                      "given_up": 0, "stage_s": 0.0, "crc_s": 0.0, "put_s": 0.0}
         self._skipped: set = set()  # steps this follower told rank 0 it cannot upload
         self._stop = threading.Event()
         self._abort = threading.Event()
@@ -635,9 +685,12 @@ class Uploader:
         sdir = os.path.join(self.dir, LOCAL_DIR, Layout.step_dir(step))
         sd = _local_dir(self.dir, step)
         name = f"rank-{self.rank:05d}.nsck"
-        staged = os.path.join(sdir, name)
         info = None
-        if sd.stat(name) is not None:  # staged before a restart, or fetched: the same checkpoint?
+        t_stage = time.perf_counter()
+        st = sd.stat(name)
+        if st is not None and st[0] != "file":  # a link (or anything else) planted there:
+            sd.remove_tree(name)                 # removed as itself, never followed
+        elif st is not None:  # staged before a restart, or fetched: the same checkpoint?
             try:
                 info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
             except Exception:  # noqa: BLE001 -- unreadable: staged again
@@ -645,13 +698,14 @@ class Uploader:
             if info is None or int(info["counter"]) != counter or not info["committed"]:
                 sd.unlink(name)
                 info = None
-        if info is None:  # a one-slot copy, every chunk verified
+        if info is None:  # a one-slot copy, every chunk verified, created O_EXCL|O_NOFOLLOW
             tmp = name + ".tmp"
             sd.unlink(tmp, missing_ok=True)
-            self.core().copy_checkpoint(self.dir, self.rank, counter, os.path.join(sdir, tmp))
+            self.core().copy_checkpoint(self.dir, self.rank, counter, tmp, dest_dir=sd)
             sd.rename(tmp, name)
             sd.sync()
             info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
+        self.stats["stage_s"] += time.perf_counter() - t_stage
         # The lineage (distributed: one run from one restored state) is the
         # checkpoint's own, as local recovery keys it.
         meta = json.loads(info["meta_json"].decode("utf-8"))
@@ -669,16 +723,19 @@ class Uploader:
             self.store.put_bytes(Layout.lead(step), _rl().encode_lead(
                 step, self.world, lineage, time.time()))
         t0 = time.perf_counter()
-        size = os.path.getsize(staged)
-        part = _rl().checksum_unit(size, self.store.part_bytes)
-        crcs = []
-        with open(staged, "rb") as f:
+        crcs, size = [], 0
+        with sd.open(name) as f:  # through the seam: a link there is refused
+            part = _rl().checksum_unit(f.size, self.store.part_bytes)
             while True:
-                buf = f.read(part)
+                buf = f.read(part)  # filled with the GIL released
                 if not buf:
                     break
-                crcs.append(zlib.crc32(buf))
-        self.store.put_file(Layout.part(step, self.rank), staged, self.bps, self._abort)
+                size += len(buf)
+                crcs.append(zlib.crc32(buf))  # zlib releases the GIL on large buffers
+        t1 = time.perf_counter()
+        self.stats["crc_s"] += t1 - t0
+        self.store.put_file(Layout.part(step, self.rank), sd, name, self.bps, self._abort)
+        self.stats["put_s"] += time.perf_counter() - t1
         self.store.put_bytes(Layout.manifest(step, self.rank), _rl().encode_manifest(
             step, counter, self.rank, self.world, lineage, size, part, crcs, time.time()))
         dt = time.perf_counter() - t0
@@ -743,11 +800,17 @@ class Uploader:
                                               self.keep_max, self._counters)
 
     def _drop_staged(self, keep_step: int) -> None:
-        base = os.path.join(self.dir, LOCAL_DIR)
-        for name in os.listdir(base):
+        """Removes the staged step directories but `keep_step`'s, through the
+        seam: each is opened O_NOFOLLOW relative to its parent, and a link
+        planted anywhere in them is removed as a link, never followed."""
+        base = _core().Directory(self.dir).subdir(LOCAL_DIR, create=True)
+        for name, _ in base.list():
             s = Layout.step_of_dir(name)
             if s is not None and s != keep_step:
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+                try:
+                    base.remove_tree(name)
+                except CheckpointError as e:  # left for the next round; said in stats
+                    self.stats["last_error"] = f"removing staged {name}: {e}"
 
     # -- control
 
@@ -1027,7 +1090,6 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
     """nonstop.load() of a remote URL (or, with remote_options, a remote
     path): the newest committed remote step that verifies (or `step`),
     fetched into a temporary directory and read from there."""
-    import tempfile
     store = open_store(url, options or {})
     steps = [s for s, _ in committed_steps(store) if step is None or s == step]
     if not steps:
@@ -1037,7 +1099,7 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
             f"in {store.url}")
     errors = []
     for s in steps:
-        tmp = tempfile.mkdtemp(prefix="nonstop-remote-")
+        tmp = temp_dir()
         try:
             d = fetch(store, s, rank, tmp)
             loaded = read(d, rank, None, None, as_numpy)
@@ -1048,5 +1110,5 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
             errors.append(str(e))
             warnings.warn(f"nonstop: remote step {s}: {e}; falling back", stacklevel=3)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_temp_dir(tmp)
     raise CorruptCheckpointError(f"no remote checkpoint in {store.url} verifies: {errors[0]}")

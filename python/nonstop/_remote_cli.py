@@ -32,7 +32,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 from . import _remote
@@ -120,7 +119,7 @@ def verify(store, step) -> int:
     and checked, then `nonstop verify` on them. No fallback: a damaged step
     is reported as damaged."""
     s, marker = _choose(store, step)[0]
-    tmp = tempfile.mkdtemp(prefix="nonstop-remote-")
+    tmp = _remote.temp_dir()
     try:
         try:
             d = _fetch_all(store, s, marker, tmp)
@@ -130,16 +129,16 @@ def verify(store, step) -> int:
               f"rank(s) downloaded, every part crc32 matches its manifest", flush=True)
         return _run([_cli(), "verify", d, "--step", str(s)])
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remote.remove_temp_dir(tmp)
 
 
-def export(store, step, out: str, fmt: str) -> int:
+def export(store, step, out: str, fmt: str, include=None) -> int:
     """The newest committed step that downloads intact (or --step), every
     rank's part, exported as a local directory's (safetensors: one-rank
     checkpoints; dcp: every rank reassembled)."""
     errors = []
     for s, marker in _choose(store, step):
-        tmp = tempfile.mkdtemp(prefix="nonstop-remote-")
+        tmp = _remote.temp_dir()
         try:
             try:
                 d = _fetch_all(store, s, marker, tmp)
@@ -148,7 +147,10 @@ def export(store, step, out: str, fmt: str) -> int:
                 print(f"nonstop export: remote step {s}: {e}; trying an older one",
                       file=sys.stderr, flush=True)
                 continue
-            rc = _run([_cli(), "export", d, "--step", str(s), "-o", out, "--format", fmt])
+            cmd = [_cli(), "export", d, "--step", str(s), "-o", out, "--format", fmt]
+            for glob in include or ():  # the same filter as a local export's
+                cmd += ["--include", glob]
+            rc = _run(cmd)
             if rc != EXIT_DAMAGED or step is not None:
                 return rc
             # downloaded intact by its manifest but damaged inside (the
@@ -157,7 +159,7 @@ def export(store, step, out: str, fmt: str) -> int:
             print(f"nonstop export: remote step {s} is damaged; trying an older one",
                   file=sys.stderr, flush=True)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remote.remove_temp_dir(tmp)
     raise _Fail(f"no remote checkpoint in {store.url} downloads intact: {errors[0]}",
                 EXIT_DAMAGED)
 
@@ -235,6 +237,8 @@ def main(argv=None) -> int:
     e.add_argument("--step", type=int)
     e.add_argument("-o", "--output", required=True)
     e.add_argument("--format", default="safetensors", choices=("safetensors", "dcp"))
+    e.add_argument("--include", action="append", default=None,
+                   help="export only tensors whose name matches this glob (repeatable)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "ls":
@@ -243,7 +247,10 @@ def main(argv=None) -> int:
         if a.cmd == "verify":
             return verify(store, a.step)
         if a.cmd == "export":
-            return export(store, a.step, a.output, a.format)
+            if a.include and a.format == "dcp":
+                raise _Fail("--include is for a safetensors export; --format dcp exports every "
+                            "tensor", EXIT_USAGE)
+            return export(store, a.step, a.output, a.format, a.include)
         return inspect(store, a.json)
     except _Fail as f:
         print(f"nonstop {a.cmd}: {f}", file=sys.stderr)

@@ -23,10 +23,10 @@ See docs/HF.md.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import random
-import shutil
 from typing import Optional
 
 import numpy as np
@@ -117,23 +117,43 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     ts = saved["trainer_state"]
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", f"checkpoint-{ts['global_step']}")
-    tmp = folder + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump(ts, f, indent=2, sort_keys=True)
-    from safetensors.torch import save_file
+    files = [("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode())]
+    from safetensors.torch import save as safetensors_bytes
     # Tied weights come back as one tensor under two names: safetensors wants
     # each name to own its memory (the Trainer loads with strict=False).
-    save_file({k: v.contiguous().clone() for k, v in saved["model"].items()
-               if isinstance(v, torch.Tensor)}, os.path.join(tmp, "model.safetensors"))
+    files.append(("model.safetensors", safetensors_bytes(
+        {k: v.contiguous().clone() for k, v in saved["model"].items()
+         if isinstance(v, torch.Tensor)})))
     rng = loaded.meta.get("rng")
-    if rng is not None:
-        torch.save(_hf_rng(rng), os.path.join(tmp, "rng_state.pth"))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    if rng is not None:  # written for the Trainer, which reads it with weights_only=True
+        buf = io.BytesIO()
+        torch.save(_hf_rng(rng), buf)
+        files.append(("rng_state.pth", buf.getvalue()))
+    _write_folder(folder, files)
     callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
     return folder
+
+
+def _write_folder(folder: str, files: list) -> None:
+    """Writes `folder` (replacing it) with [(name, bytes)] through the Env
+    seam (_core.Directory): FOLDER.tmp is made afresh (a leftover of a kill
+    removed first, its links removed, never followed), each file is created
+    O_EXCL|O_NOFOLLOW in it, fsynced and renamed into place, then the old
+    FOLDER is removed the same way and FOLDER.tmp renamed over it. A symlink
+    at FOLDER or FOLDER.tmp is removed as a link; nothing outside is touched."""
+    folder = os.path.abspath(folder)
+    parent = _checkpointer._core().Directory(os.path.dirname(folder), create=True)
+    name = os.path.basename(folder)
+    tmp = name + ".tmp"
+    parent.remove_tree(tmp)
+    d = parent.subdir(tmp, create=True)
+    for fname, data in files:
+        with d.create(fname + ".tmp") as w:
+            w.write(data)
+            w.commit(fname)
+    parent.remove_tree(name)
+    parent.rename(tmp, name)
+    parent.sync()
 
 
 def _hf_rng(saved: dict) -> dict:

@@ -288,6 +288,39 @@ TEST_F(PosixEnvTest, WriteFileAtomicReplacesContentAndLeavesNoTemp) {
   EXPECT_EQ(ReadSmallFile(*dir_, "empty", 10).value(), "");
 }
 
+TEST_F(PosixEnvTest, RemoveTreeRemovesLinksNeverWhatTheyName) {
+  // job/staged/{a, sub/{b, deep/c}, link-file -> precious, link-dir -> outside}
+  fs::create_directories(root_ / "job" / "staged" / "sub" / "deep");
+  WriteText(root_ / "job" / "staged" / "a", "a");
+  WriteText(root_ / "job" / "staged" / "sub" / "b", "b");
+  WriteText(root_ / "job" / "staged" / "sub" / "deep" / "c", "c");
+  fs::create_symlink(Precious(), root_ / "job" / "staged" / "link-file");
+  fs::create_directory_symlink(root_ / "outside", root_ / "job" / "staged" / "sub" / "link-dir");
+  WriteText(root_ / "job" / "other", "stays");
+  ASSERT_TRUE(RemoveTree(*dir_, "staged").ok());
+  EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "job" / "staged")));
+  EXPECT_EQ(ReadText(Precious()), "precious bytes");  // nothing outside touched
+  EXPECT_TRUE(fs::is_directory(root_ / "outside"));
+  EXPECT_EQ(ReadText(root_ / "job" / "other"), "stays");
+  EXPECT_EQ(RemoveTree(*dir_, "staged").code(), StatusCode::kNotFound);
+  // The name itself a link to a directory: the link goes, the directory stays.
+  fs::create_directory_symlink(root_ / "outside", root_ / "job" / "linked");
+  ASSERT_TRUE(RemoveTree(*dir_, "linked").ok());
+  EXPECT_EQ(ReadText(Precious()), "precious bytes");
+  // A plain file.
+  EXPECT_TRUE(RemoveTree(*dir_, "other").ok());
+  EXPECT_FALSE(fs::exists(root_ / "job" / "other"));
+  // Bounded depth: refused in one line, nothing below the bound removed.
+  fs::create_directories(root_ / "job" / "d1" / "d2" / "d3");
+  WriteText(root_ / "job" / "d1" / "d2" / "d3" / "f", "f");
+  const Status deep = RemoveTree(*dir_, "d1", 2);
+  EXPECT_EQ(deep.code(), StatusCode::kFailedPrecondition) << deep.ToString();
+  EXPECT_EQ(deep.message().find('\n'), std::string::npos);
+  EXPECT_TRUE(fs::exists(root_ / "job" / "d1" / "d2" / "d3" / "f"));
+  EXPECT_TRUE(RemoveTree(*dir_, "d1").ok());
+  EXPECT_FALSE(fs::exists(root_ / "job" / "d1"));
+}
+
 // Runs `fn` in a forked child that reports on `ready` and then waits to be
 // killed; alarm() bounds its life whatever the parent does.
 pid_t ForkHolder(const std::string& dir, const std::string& holder_line, int* ready_fd) {

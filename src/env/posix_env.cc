@@ -456,6 +456,26 @@ Status WriteFileAtomic(Directory& dir, std::string_view name, std::string_view c
   return dir.SyncDir();
 }
 
+Status RemoveTree(Directory& dir, std::string_view name, int max_depth) {
+  NONSTOP_ASSIGN_OR_RETURN(const FileStat st, dir.Stat(name));
+  // A file, a symlink (the link itself, never what it names) or anything else.
+  if (st.type != EntryType::kDirectory) return dir.Unlink(name);
+  if (max_depth <= 0) {
+    return Status::FailedPrecondition("remove " + Join(dir.path(), name) +
+                                      ": deeper than nonstop ever nests; removed nothing below");
+  }
+  {
+    // O_NOFOLLOW: a directory swapped for a link after the Stat is refused.
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> sub, dir.OpenDir(name, false));
+    NONSTOP_ASSIGN_OR_RETURN(const std::vector<DirEntry> entries, sub->List());
+    for (const DirEntry& e : entries) {
+      Status s = RemoveTree(*sub, e.name, max_depth - 1);
+      if (!s.ok() && s.code() != StatusCode::kNotFound) return s;
+    }
+  }
+  return dir.RemoveDir(name);
+}
+
 Result<std::string> ReadSmallFile(Directory& dir, std::string_view name, uint64_t max_bytes) {
   MediumOptions ro;
   ro.read_only = true;

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -99,6 +100,79 @@ class PyWriter {
   bool done_ = false;
 };
 
+// A file opened for reading through the seam (O_NOFOLLOW relative to the
+// directory fd): a sequential binary reader with the file-object methods
+// obstore and the crc pass need. Each read allocates the bytes object first
+// and fills it with the GIL released.
+class PyReadFile {
+ public:
+  PyReadFile(std::shared_ptr<Directory> dir, std::string name, std::unique_ptr<Medium> m)
+      : dir_(std::move(dir)), name_(std::move(name)), medium_(std::move(m)) {}
+
+  // The state is touched with the GIL held only; the read itself runs
+  // without it on a reference to the medium (a close meanwhile cannot free
+  // it) and into a range reserved before the GIL is dropped.
+  py::bytes Read(int64_t n) {
+    std::shared_ptr<Medium> m = Open();
+    const uint64_t size = m->Size();
+    const uint64_t at = pos_;
+    const uint64_t left = at < size ? size - at : 0;
+    const uint64_t take = n < 0 ? left : std::min<uint64_t>(left, static_cast<uint64_t>(n));
+    PyObject* obj = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(take));
+    if (obj == nullptr) throw py::error_already_set();
+    py::bytes out = py::reinterpret_steal<py::bytes>(obj);
+    pos_ = at + take;
+    if (take > 0) {
+      char* dst = PyBytes_AS_STRING(obj);
+      Status s;
+      {
+        GilRelease g;
+        s = m->Read(at, dst, take);
+      }
+      Check(s);
+    }
+    return out;
+  }
+
+  uint64_t Seek(int64_t offset, int whence) {
+    if (whence < 0 || whence > 2) {
+      throw StatusError(Status::InvalidArgument("seek in " + dir_->path() + "/" + name_ +
+                                                ": whence must be 0, 1 or 2"));
+    }
+    const int64_t base = whence == 0   ? 0
+                         : whence == 1 ? static_cast<int64_t>(pos_)
+                                       : static_cast<int64_t>(Open()->Size());
+    if (base + offset < 0) {
+      throw StatusError(Status::InvalidArgument("seek in " + dir_->path() + "/" + name_ +
+                                                ": before the start of the file"));
+    }
+    pos_ = static_cast<uint64_t>(base + offset);
+    return pos_;
+  }
+
+  uint64_t Tell() const { return pos_; }
+  uint64_t Size() { return Open()->Size(); }
+  void Close() {
+    std::shared_ptr<Medium> m = std::move(medium_);
+    GilRelease g;
+    m.reset();  // closed here unless a read still runs (then when it ends)
+  }
+
+ private:
+  std::shared_ptr<Medium> Open() {
+    if (!medium_) {
+      throw StatusError(
+          Status::FailedPrecondition(dir_->path() + "/" + name_ + " is already closed"));
+    }
+    return medium_;
+  }
+
+  std::shared_ptr<Directory> dir_;
+  std::string name_;
+  std::shared_ptr<Medium> medium_;
+  uint64_t pos_ = 0;
+};
+
 std::shared_ptr<Directory> OpenDirectory(const std::string& path, bool create) {
   Result<std::unique_ptr<Directory>> r = Status::Internal("unset");
   {
@@ -122,6 +196,20 @@ void InitEnv(py::module_& m) {
       .def("__enter__", [](PyWriter& w) -> PyWriter& { return w; },
            py::return_value_policy::reference)
       .def("__exit__", [](PyWriter& w, const py::args&) { w.Abort(); });
+
+  py::class_<PyReadFile>(m, "FileReader",
+                         "A file opened by Directory.open (O_NOFOLLOW relative to the directory "
+                         "fd): read(n=-1), seek, tell, size, close; reads release the GIL.")
+      .def("read", &PyReadFile::Read, py::arg("n") = -1)
+      .def("seek", &PyReadFile::Seek, py::arg("offset"), py::arg("whence") = 0)
+      .def("tell", &PyReadFile::Tell)
+      .def("close", &PyReadFile::Close)
+      .def("readable", [](PyReadFile&) { return true; })
+      .def("seekable", [](PyReadFile&) { return true; })
+      .def_property_readonly("size", &PyReadFile::Size)
+      .def("__enter__", [](PyReadFile& f) -> PyReadFile& { return f; },
+           py::return_value_policy::reference)
+      .def("__exit__", [](PyReadFile& f, const py::args&) { f.Close(); });
 
   py::class_<Directory, std::shared_ptr<Directory>>(
       m, "Directory",
@@ -163,6 +251,61 @@ void InitEnv(py::module_& m) {
             return std::make_unique<PyWriter>(d, name, Take(std::move(r)));
           },
           py::arg("name"))
+      .def(
+          "open",
+          [](const std::shared_ptr<Directory>& d, const std::string& name) {
+            MediumOptions ro;
+            ro.read_only = true;
+            Result<std::unique_ptr<Medium>> r = Status::Internal("unset");
+            {
+              GilRelease g;
+              r = d->OpenFile(name, MediumKind::kBuffered, ro);
+            }
+            return std::make_unique<PyReadFile>(d, name, Take(std::move(r)));
+          },
+          py::arg("name"), "Opens an existing regular file for reading (a symlink is refused).")
+      .def(
+          "read",
+          [](Directory& d, const std::string& name, uint64_t max_bytes) -> py::object {
+            Result<std::string> r = Status::Internal("unset");
+            {
+              GilRelease g;
+              r = ReadSmallFile(d, name, max_bytes);
+            }
+            if (!r.ok() && r.status().code() == StatusCode::kNotFound) return py::none();
+            return py::bytes(Take(std::move(r)));
+          },
+          py::arg("name"), py::arg("max_bytes"),
+          "The whole file (at most max_bytes, else CorruptCheckpointError), or None when "
+          "missing; a symlink is refused.")
+      .def(
+          "remove_tree",
+          [](Directory& d, const std::string& name, bool missing_ok) {
+            Status s;
+            {
+              GilRelease g;
+              s = RemoveTree(d, name);
+              if (s.ok()) s = d.SyncDir();
+            }
+            if (missing_ok && s.code() == StatusCode::kNotFound) return false;
+            Check(s);
+            return true;
+          },
+          py::arg("name"), py::arg("missing_ok") = true,
+          "Removes a file, a symlink (never what it names) or a directory and everything "
+          "under it, each subdirectory opened O_NOFOLLOW relative to its parent.")
+      .def(
+          "remove_dir",
+          [](Directory& d, const std::string& name) {
+            Status s;
+            {
+              GilRelease g;
+              s = d.RemoveDir(name);
+              if (s.ok()) s = d.SyncDir();
+            }
+            Check(s);
+          },
+          py::arg("name"), "Removes an empty subdirectory (an error when it is not empty).")
       .def(
           "unlink",
           [](Directory& d, const std::string& name, bool missing_ok) {

@@ -218,7 +218,8 @@ void InitRemoteLayout(py::module_& parent) {
 void InitRemote(py::module_& m) {
   m.def(
       "copy_checkpoint",
-      [](const std::string& dir, uint32_t rank, uint64_t counter, const std::string& dest) {
+      [](const std::string& dir, uint32_t rank, uint64_t counter, const std::string& dest,
+         Directory* dest_dir) {
         int64_t step = 0;
         uint64_t data_bytes = 0;
         {
@@ -241,10 +242,17 @@ void InitRemote(py::module_& m) {
             throw StatusError(Status::NotFound("no committed checkpoint with counter " +
                                                std::to_string(counter) + " in " + path));
           }
-          MediumOptions wo;
-          wo.create = true;
-          auto out = Take(OpenMedium(dest, MediumKind::kBuffered, wo));
-          Check(CopyCheckpoint(*src, *info, std::move(out)).Annotate("copying to " + dest));
+          std::unique_ptr<Medium> out;
+          std::string where = dest;
+          if (dest_dir != nullptr) {  // `dest` a name in dest_dir: O_EXCL|O_NOFOLLOW relative to it
+            where = dest_dir->path() + "/" + dest;
+            out = Take(dest_dir->CreateFile(dest, MediumKind::kBuffered, MediumOptions{}));
+          } else {
+            MediumOptions wo;
+            wo.create = true;
+            out = Take(OpenMedium(dest, MediumKind::kBuffered, wo));
+          }
+          Check(CopyCheckpoint(*src, *info, std::move(out)).Annotate("copying to " + where));
           step = info->step;
           data_bytes = info->data_bytes;
         }
@@ -255,8 +263,10 @@ void InitRemote(py::module_& m) {
         return d;
       },
       py::arg("dir"), py::arg("rank"), py::arg("counter"), py::arg("dest"),
+      py::arg("dest_dir") = nullptr,
       "Copies committed checkpoint `counter` of `dir`/rank-R.nsck into the new one-slot "
-      "file `dest`, verifying every chunk; returns {counter, step, data_bytes}.");
+      "file `dest` (a path, or with dest_dir a name created O_EXCL|O_NOFOLLOW in that "
+      "_core.Directory), verifying every chunk; returns {counter, step, data_bytes}.");
   InitRemoteLayout(m);
 }
 

@@ -6,7 +6,8 @@ import os
 import pytest
 
 import nonstop
-from nonstop.errors import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError
+from nonstop.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                            IncompatibleCheckpointError)
 
 core = nonstop._core
 
@@ -105,3 +106,58 @@ def test_lightning_marker_goes_through_the_seam(tmp_path):
     lightning._write_atomically(str(job / "n.ckpt"), '{"a": 1}')
     assert (job / "n.ckpt").read_text() == '{"a": 1}'
     assert sorted(os.listdir(job)) == ["m.ckpt", "n.ckpt"]
+
+
+def test_open_read_and_read_small_never_follow_links(tmp_path):
+    d = core.Directory(str(tmp_path / "job"), create=True)
+    d.write_atomic("part", bytes(range(256)) * 40)  # 10240 bytes
+    with d.open("part") as f:
+        assert f.size == 10240
+        assert f.read(10) == bytes(range(10))
+        assert f.tell() == 10
+        assert f.seek(-6, 2) == 10234 and f.read() == bytes(range(250, 256))
+        assert f.read(5) == b""  # at the end: empty, never an error
+        f.seek(256)
+        assert f.read(3) == bytes(range(3))
+    with pytest.raises(CheckpointError, match="already closed"):
+        f.read(1)
+    assert d.read("part", 10240) == bytes(range(256)) * 40
+    assert d.read("missing", 10) is None
+    with pytest.raises(CorruptCheckpointError):
+        d.read("part", 10239)  # larger than the caller's bound: refused before reading
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"precious bytes")
+    os.symlink(precious, tmp_path / "job" / "link")
+    with pytest.raises(IncompatibleCheckpointError, match="symlink"):
+        d.open("link")
+    with pytest.raises(IncompatibleCheckpointError, match="symlink"):
+        d.read("link", 100)
+    with pytest.raises(CheckpointNotFoundError):
+        d.open("missing")
+
+
+def test_remove_tree_removes_links_never_what_they_name(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"precious bytes")
+    job = tmp_path / "job"
+    (job / "staged" / "sub").mkdir(parents=True)
+    (job / "staged" / "a").write_bytes(b"a")
+    os.symlink(outside / "precious", job / "staged" / "file-link")
+    os.symlink(outside, job / "staged" / "sub" / "dir-link")
+    os.symlink(outside, job / "linked-step")
+    d = core.Directory(str(job))
+    assert d.remove_tree("staged") is True
+    assert d.remove_tree("linked-step") is True  # the link itself, not the folder it names
+    assert d.remove_tree("staged") is False  # missing_ok by default
+    with pytest.raises(CheckpointNotFoundError):
+        d.remove_tree("staged", missing_ok=False)
+    assert d.list() == []
+    assert sorted(os.listdir(outside)) == ["precious"]
+    assert (outside / "precious").read_bytes() == b"precious bytes"
+    d.subdir("empty", create=True)
+    d.subdir("full", create=True).write_atomic("x", b"x")
+    d.remove_dir("empty")
+    with pytest.raises(CheckpointError):
+        d.remove_dir("full")  # not empty: an error, nothing removed
+    assert d.list() == [("full", "dir")]

@@ -35,3 +35,44 @@ def test_docs_example_runs_and_resumes(tmp_path):
     run_doc_example("HF.md", tmp_path, runs=2)  # the second run resumes through the bridge
     assert nonstop.load(str(tmp_path / "runs/hf/nonstop")).step == 11
     assert (tmp_path / "runs/hf/nonstop-resume/checkpoint-12/trainer_state.json").exists()
+
+
+def test_bridge_folder_goes_through_the_seam_and_never_follows_links(tmp_path):
+    """resume_from writes its folder through _core.Directory: a link planted
+    at FOLDER.tmp (a folder elsewhere) or inside an old FOLDER is removed as
+    a link, never followed, and the folder holds exactly the bridge files.
+    (The old shutil.rmtree/os.makedirs path raised FileExistsError on the
+    link at FOLDER.tmp.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    import nonstop
+    from nonstop.hf import NonstopCallback, resume_from
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = str(tmp_path / "ck")
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt,
+                                  "trainer_state": {"global_step": 4, "epoch": 1.0}},
+                              every=1, on_preempt=False) as ck:
+        ck.save(3)
+        ck.wait()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"precious bytes")
+    folder = tmp_path / "bridge" / "checkpoint-4"
+    folder.mkdir(parents=True)
+    os.symlink(outside, str(folder) + ".tmp")
+    os.symlink(outside / "precious", folder / "model.safetensors")
+    os.symlink(outside, folder / "sub")
+    got = resume_from(NonstopCallback(d), folder=str(folder))
+    assert got == str(folder)
+    assert sorted(os.listdir(outside)) == ["precious"]
+    assert (outside / "precious").read_bytes() == b"precious bytes"
+    assert sorted(os.listdir(folder)) == ["model.safetensors", "rng_state.pth",
+                                          "trainer_state.json"]
+    assert not os.path.lexists(str(folder) + ".tmp")
+    with open(folder / "trainer_state.json") as f:
+        assert json.load(f)["global_step"] == 4
+    sd = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(sd["weight"], model.weight.detach())
+    assert (folder / "rng_state.pth").stat().st_size > 0  # the Trainer reads it itself

@@ -1,0 +1,141 @@
+"""The remote tier's file work goes through the Env seam (_core.Directory):
+a symlink planted in a staged step directory or in a path remote is removed
+as a link or refused, never followed; and `nonstop export URL --include`
+is forwarded to the same filter as a local export (SeaweedFS). Nothing is
+mocked."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import nonstop
+import tiny
+from conftest import needs_engine
+from nonstop import _remote
+from s3_server import s3_server  # noqa: F401 -- the fixture
+from test_remote import _cli, _params, _same, _train, _two_remote_steps
+
+pytestmark = [needs_engine, pytest.mark.timeout(300)]
+
+
+def _outside(tmp_path):
+    """A folder outside every directory nonstop is given, with a file in it."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "precious").write_bytes(b"precious bytes")
+    return out
+
+
+def _intact(out):
+    assert sorted(os.listdir(out)) == ["precious"]
+    assert (out / "precious").read_bytes() == b"precious bytes"
+
+
+def test_a_link_in_a_path_remote_is_never_followed(tmp_path):
+    """step 7's part replaced by a link to the very same bytes outside the
+    remote: a reader refuses it (falls back to step 3 with a warning), never
+    reads through it. The old PathStore opened it by path and restored
+    step 7 from outside the remote."""
+    url = str(tmp_path / "shared")
+    d, store, want3 = _two_remote_steps(tmp_path, url, {})
+    out = _outside(tmp_path)
+    part = os.path.join(url, *_remote.Layout.part(7, 0).split("/"))
+    shutil.move(part, out / "part")
+    os.symlink(out / "part", part)
+    model, opt, sched = tiny.make(seed=77)
+    state = {"model": model, "optim": opt, "sched": sched}
+    ck = nonstop.Checkpointer(d, state, every=4, remote=url, remote_options={})
+    with pytest.warns(UserWarning, match="remote step 7: .*symlink"):
+        assert ck.restore() == 3
+    _same(want3, _params(state))
+    ck.close()
+    assert os.path.islink(part)  # left as it is: neither followed nor overwritten
+    # a link planted as a whole step directory, and one beside the parts: a
+    # listing skips both, and retention never deletes through them
+    os.symlink(out, os.path.join(url, "step-000000000099"))
+    os.symlink(out / "precious", os.path.join(url, "step-000000000003", "rank-00001.nsck"))
+    assert [k for k, _ in store.list("") if "99" in k or "rank-00001" in k] == []
+    assert [s for s, _ in _remote.committed_steps(store)] == [7, 3]
+    store.delete([_remote.Layout.part(3, 1), "step-000000000099/precious"])
+    assert (out / "precious").read_bytes() == b"precious bytes"
+    assert sorted(os.listdir(out)) == ["part", "precious"]
+
+
+def test_links_planted_in_staged_steps_are_removed_never_followed(tmp_path):
+    """The uploader stages parts in job/remote/step-N/ and removes the older
+    steps' folders through the seam: a staged step folder that is a link,
+    and links inside one (to a file, to a folder), are removed as links;
+    what they point to is untouched. A link at the very name of the staged
+    part is removed too and the part staged again. (The old shutil.rmtree
+    left a linked step folder behind for good.)"""
+    url = str(tmp_path / "shared")
+    d = str(tmp_path / "local")
+    ck, state, _ = _train(d, 4, url, {}, every=4)  # step 3, committed locally and remotely
+    ck.close()
+    out = _outside(tmp_path)
+    staged = os.path.join(d, _remote.LOCAL_DIR)
+    part = os.path.join(staged, "step-000000000003", "rank-00000.nsck")
+    os.unlink(part)
+    os.symlink(out / "precious", part)  # at the staged part's own name
+    os.symlink(out, os.path.join(staged, "step-000000000001"))  # a step folder that is a link
+    inner = os.path.join(staged, "step-000000000002")
+    os.makedirs(os.path.join(inner, "sub"))
+    os.symlink(out / "precious", os.path.join(inner, "rank-00000.nsck"))
+    os.symlink(out, os.path.join(inner, "sub", "folder-link"))
+    counter = next(c["counter"] for c in nonstop._core.Reader(d, rank=0).checkpoints
+                   if c["committed"] and c["step"] == 3)
+    up = _remote.Uploader(_remote.open_store(url, {}), d, 0, 1, lambda: (counter, 3),
+                          lambda: nonstop._core)
+    up.close()  # uploads (here: finds step 3 committed remotely) before it returns
+    assert up.stats["skipped_existing"] == 1 and up.stats["last_error"] is None, up.stats
+    _intact(out)
+    assert sorted(os.listdir(staged)) == ["step-000000000003"]
+    assert not os.path.islink(part)  # staged again: a verified one-slot copy
+    info = nonstop._core.Reader(os.path.dirname(part), rank=0).checkpoints[0]
+    assert info["committed"] and info["step"] == 3 and info["counter"] == counter
+
+
+def test_remote_temp_dir_removal_never_follows_links(tmp_path):
+    tmp = _remote.temp_dir()
+    assert oct(os.stat(tmp).st_mode & 0o777) == oct(0o700)
+    out = _outside(tmp_path)
+    os.makedirs(os.path.join(tmp, "remote", "step-000000000001"))
+    os.symlink(out, os.path.join(tmp, "remote", "step-000000000001", "link"))
+    os.symlink(out / "precious", os.path.join(tmp, "file-link"))
+    _remote.remove_temp_dir(tmp)
+    assert not os.path.lexists(tmp)
+    _intact(out)
+
+
+@pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")
+def test_cli_export_include_on_a_remote_url(tmp_path, s3_server):  # noqa: F811
+    """`nonstop export s3://... --include GLOB` (repeatable) writes what the
+    same export of the local checkpoint writes; no match, or --format dcp,
+    is a one-line usage error (exit 2). It was refused for URLs before."""
+    from safetensors.torch import load_file
+    url, opts = s3_server.url("job"), s3_server.options
+    d, store, _ = _two_remote_steps(tmp_path, url, opts)  # remote steps 7 and 3
+    env = dict(os.environ, NONSTOP_REMOTE_OPTIONS=json.dumps(opts), NONSTOP_PYTHON=sys.executable)
+
+    def run(*args):
+        return subprocess.run([_cli(), *args], capture_output=True, text=True, env=env,
+                              timeout=300)
+
+    got = str(tmp_path / "r.safetensors")
+    r = run("export", url, "-o", got, "--include", "model/fc.*", "--include", "*head*")
+    assert r.returncode == 0, r.stderr
+    ref = str(tmp_path / "ref")
+    want = str(tmp_path / "l.safetensors")
+    subprocess.run([_cli(), "export", _remote.fetch(store, 7, 0, ref), "-o", want,
+                    "--include", "model/fc.*", "--include", "*head*"], check=True,
+                   capture_output=True, timeout=300)
+    assert open(got, "rb").read() == open(want, "rb").read()
+    assert set(load_file(got)) == {"model/fc.weight", "model/fc.bias", "model/head.weight"}
+    r = run("export", url, "-o", str(tmp_path / "n.safetensors"), "--include", "nothing/*")
+    assert r.returncode == 2 and "matches --include" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    r = run("export", url, "-o", str(tmp_path / "dcp"), "--format", "dcp", "--include", "m*")
+    assert r.returncode == 2 and "--include" in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -444,6 +444,9 @@ def fetch(store, step: int, rank: int, local_dir: str) -> str:
     part, crcs = man["part_bytes"], man["part_crc32"]
     got, crc, idx, fill = 0, 0, 0, 0
     ddir.unlink(tmp, missing_ok=True)  # a stale temp of a fetch that died
+    st = ddir.stat(dest)
+    if st is not None and st[0] != "file":  # a link (or folder) planted there: removed as
+        ddir.remove_tree(dest)              # itself, never followed; the rename needs the name
     # created O_EXCL|O_NOFOLLOW; removed again when anything below raises
     with ddir.create(tmp) as out:
         for buf in chunks:

@@ -159,14 +159,10 @@ def test_deleted_remote_part_falls_back(tmp_path, remote):
 
 
 def _flip(store, key, at):
-    tmp = "/tmp/nonstop-flip-" + str(os.getpid())
     size, chunks = store.get_chunks(key)
     data = bytearray(b"".join(bytes(c) for c in chunks))
     data[at] ^= 0x10
-    with open(tmp, "wb") as f:
-        f.write(data)
-    store.put_file(key, tmp)
-    os.unlink(tmp)
+    store.put_bytes(key, bytes(data))
     return size
 
 

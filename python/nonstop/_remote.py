@@ -559,6 +559,34 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+_RUNTIME_STARTED = False
+
+
+def _start_runtime_niced(nice: int) -> None:
+    """obstore runs its transfers on a runtime of worker threads made the
+    first time it is used in the process; they inherit that thread's CPU
+    priority. The first use is usually restore() on the training thread, so
+    the upload's HTTP work would run at training's priority. Used once here
+    first, from a thread at `nice` (a call on an in-memory store: no I/O,
+    milliseconds), the workers run at nice +`nice` for the process's life."""
+    global _RUNTIME_STARTED
+    if _RUNTIME_STARTED or nice <= 0:
+        return
+    _RUNTIME_STARTED = True
+
+    def start():
+        _lower_priority(nice)
+        try:
+            import obstore
+            import obstore.store
+            list(obstore.list(obstore.store.MemoryStore()))
+        except Exception:  # noqa: BLE001 -- best effort: the priority stays as it is
+            pass
+    t = threading.Thread(target=start, name="nonstop-obstore-start", daemon=True)
+    t.start()
+    t.join(10)
+
+
 class Uploader:
     """One rank's background uploads. `target()` returns the newest
     checkpoint to upload as (counter, step, lineage) or None: the newest
@@ -873,6 +901,8 @@ class Tier:
         self.ckpt, self.core, self.read, self.loaded_cls = ckpt, core, read, loaded_cls
         self.options = dict(options or {})
         self.store = open_store(url, self.options)
+        if isinstance(self.store, ObjectStore):  # before restore() uses obstore on this thread
+            _start_runtime_niced(int(self.options.get("nice", 10)))
         self.uploader: Optional[Uploader] = None
         self.engine = None
         self.restored_from: Optional[str] = None

@@ -139,3 +139,29 @@ def test_cli_export_include_on_a_remote_url(tmp_path, s3_server):  # noqa: F811
     assert r.stderr.count("\n") == 1, r.stderr
     r = run("export", url, "-o", str(tmp_path / "dcp"), "--format", "dcp", "--include", "m*")
     assert r.returncode == 2 and "--include" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_obstore_workers_run_at_the_upload_priority(tmp_path, s3_server):  # noqa: F811
+    """restore() uses obstore on the training thread first; obstore's worker
+    threads (its HTTP transfers) inherit the priority of the thread that
+    made them, so the tier makes them from a thread at nice +10 before that.
+    Checked in a fresh process (its first use of obstore), from /proc."""
+    code = (
+        "import glob, nonstop, tiny\n"
+        "m, o, s = tiny.make()\n"
+        f"ck = nonstop.Checkpointer({str(tmp_path / 'job')!r}, {{'model': m, 'optim': o}},\n"
+        f"    remote={s3_server.url('p')!r}, remote_options={s3_server.options!r})\n"
+        "ck.restore()\n"
+        "seen = {}\n"
+        "for t in glob.glob('/proc/self/task/*'):\n"
+        "    f = open(t + '/stat').read().rsplit(')', 1)[1].split()\n"
+        "    seen.setdefault(open(t + '/comm').read().strip(), set()).add(int(f[16]))\n"
+        "ck.close()\n"
+        "import json; print(json.dumps([sorted(seen.get('tokio-rt-worker', [])),\n"
+        "                               sorted(seen['python'])]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=240, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    workers, main = json.loads(r.stdout.strip().splitlines()[-1])
+    base = min(main)  # the training thread's
+    assert workers and all(w == min(19, base + 10) for w in workers), (workers, main)

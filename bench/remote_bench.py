@@ -111,6 +111,7 @@ class Probes:
 
 def train(dir, state, steps, every, step_s, remote=None, options=None, probe=False):
     ckpt = nonstop.Checkpointer(dir, state, every=every, remote=remote, remote_options=options)
+    ckpt.restore()                      # as every job starts (nothing to restore here)
     probes = Probes() if probe else None
     times, saves_s, opt_s = [], [], []
     for step in range(steps):

@@ -34,7 +34,7 @@ import torch
 from transformers import TrainerCallback
 
 from . import _checkpointer, _unwrap
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 __all__ = ["NonstopCallback", "resume_from"]
 
@@ -108,7 +108,12 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     d = callback.dir
     if not _checkpointer.check_directory(d, 0, None, must_exist=False):
         return None
-    loaded = _checkpointer.load(d, step=step)
+    try:
+        loaded = _checkpointer.load(d, step=step)
+    except CheckpointNotFoundError:
+        if step is not None:
+            raise
+        return None  # killed before its first commit: a fresh start, as restore() says
     saved = loaded.state
     for key in ("model", "optim", "trainer_state"):
         if key not in saved:

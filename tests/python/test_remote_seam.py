@@ -159,8 +159,11 @@ def test_obstore_workers_run_at_the_upload_priority(tmp_path, s3_server):  # noq
         "ck.close()\n"
         "import json; print(json.dumps([sorted(seen.get('tokio-rt-worker', [])),\n"
         "                               sorted(seen['python'])]))\n")
+    # `tiny` lives beside this file; the child finds it on PYTHONPATH
+    path = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)),
+                                       os.environ.get("PYTHONPATH")) if p)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=240, env=dict(os.environ))
+                       timeout=240, env=dict(os.environ, PYTHONPATH=path))
     assert r.returncode == 0, r.stderr
     workers, main = json.loads(r.stdout.strip().splitlines()[-1])
     base = min(main)  # the training thread's

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/counting_copy_engine.h"
 #include "engine/engine_internal.h"
 #include "engine/multistep_internal.h"
 #include "nonstop/copy_engine.h"
@@ -55,24 +56,6 @@ TEST(PlanPartsTest, CoversEveryElementOnceInBlocksAndParts) {
   }
 }
 
-// The host copy engine, counting the bytes copied through it.
-class CountingCopyEngine final : public CopyEngine {
- public:
-  CountingCopyEngine(int threads, std::shared_ptr<std::atomic<uint64_t>> copied)
-      : inner_(MakeHostCopyEngine(threads)), copied_(std::move(copied)) {}
-  std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& d, void* dst,
-                                       size_t bytes) override {
-    copied_->fetch_add(bytes);
-    return inner_->Copy(src, d, dst, bytes);
-  }
-  void* AllocHost(size_t bytes, bool* pinned) override { return inner_->AllocHost(bytes, pinned); }
-  void FreeHost(void* p, size_t bytes) override { inner_->FreeHost(p, bytes); }
-  std::string Describe() const override { return "counting " + inner_->Describe(); }
-
- private:
-  std::unique_ptr<CopyEngine> inner_;
-  std::shared_ptr<std::atomic<uint64_t>> copied_;
-};
 
 uint16_t ToBf16(float f) {
   uint32_t u;

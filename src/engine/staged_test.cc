@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/counting_copy_engine.h"
 #include "engine/engine_internal.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/engine.h"
@@ -22,24 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The host copy engine, counting the bytes the engine copies through it.
-class CountingCopyEngine final : public CopyEngine {
- public:
-  CountingCopyEngine(int threads, std::shared_ptr<std::atomic<uint64_t>> copied)
-      : inner_(MakeHostCopyEngine(threads)), copied_(std::move(copied)) {}
-  std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& d, void* dst,
-                                       size_t bytes) override {
-    copied_->fetch_add(bytes);
-    return inner_->Copy(src, d, dst, bytes);
-  }
-  void* AllocHost(size_t bytes, bool* pinned) override { return inner_->AllocHost(bytes, pinned); }
-  void FreeHost(void* p, size_t bytes) override { inner_->FreeHost(p, bytes); }
-  std::string Describe() const override { return "counting " + inner_->Describe(); }
-
- private:
-  std::unique_ptr<CopyEngine> inner_;
-  std::shared_ptr<std::atomic<uint64_t>> copied_;
-};
 
 // A host buffer laid out as staging: 4 KiB-aligned, zero to the next 4 KiB.
 struct StagedBuffer {

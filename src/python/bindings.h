@@ -119,6 +119,17 @@ Class& DefInitWithEngineOptions(Class& cls, Init&& init, const Extra&... extra) 
                  py::arg("copy_threads") = 1, py::arg("medium") = "auto", extra...);
 }
 
+// The retention that Engine.set_retention and Multistep.set_retention take.
+inline RetentionPolicy RetentionFromPy(uint64_t max_to_keep, const std::string& best_metric,
+                                       bool best_higher, uint64_t best_k) {
+  RetentionPolicy p;
+  p.max_to_keep = max_to_keep;
+  p.best_metric = best_metric;
+  p.best_higher = best_higher;
+  p.best_k = best_k;
+  return p;
+}
+
 // The hyperparameters of one torch param_group dict ('lr', 'betas', 'eps',
 // 'weight_decay', 'momentum', 'dampening', 'nesterov', 'maximize'); missing
 // or None keys keep StepHyperparameters' defaults, other keys are ignored.

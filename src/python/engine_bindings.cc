@@ -301,11 +301,7 @@ class PyEngine {
   }
   void SetRetention(uint64_t max_to_keep, const std::string& best_metric, bool best_higher,
                     uint64_t best_k) {
-    RetentionPolicy p;
-    p.max_to_keep = max_to_keep;
-    p.best_metric = best_metric;
-    p.best_higher = best_higher;
-    p.best_k = best_k;
+    RetentionPolicy p = RetentionFromPy(max_to_keep, best_metric, best_higher, best_k);
     py::gil_scoped_release release;
     Check(Get().SetRetention(p));
   }

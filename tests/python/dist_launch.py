@@ -1,6 +1,9 @@
 """Starts `world` ranks of a script on localhost (gloo) under a hard timeout,
 as torchrun would, and kills them all (their whole process groups) when one
-dies or the time is up. Used by test_distributed.py and bench/distributed_bench.py."""
+dies or the time is up. Used by test_distributed.py and bench/distributed_bench.py.
+
+The rank scripts (tests/python/*_train.py) begin with start_rank() and end
+with end_rank()."""
 import json
 import os
 import signal
@@ -8,6 +11,38 @@ import socket
 import subprocess
 import sys
 import time
+
+
+def start_rank(seed: int = 0) -> int:
+    """A rank script's start, as torchrun's environment gives it (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT): one intra-op thread, the gloo process
+    group with a 60 s timeout, torch's RNG seeded. Returns the rank."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(seed)
+    return dist.get_rank()
+
+
+def end_rank(code: int = 0) -> None:
+    """A rank script's end: destroys the process group, then leaves without
+    Python's interpreter finalization. torch's gloo worker threads can still
+    hold a finished collective's work (ZeroRedundancyOptimizer's
+    consolidate_state_dict broadcasts, DDP's allreduces) when the main thread
+    returns; the thread that drops it last needs the GIL to free its tensors,
+    is ended by the finalizing interpreter, and std::terminate aborts the
+    process ("terminate called without an active exception", exit -6), after
+    the script's work was all done. Everything the scripts write is closed
+    before this is called."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_port() -> int:

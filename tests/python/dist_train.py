@@ -25,6 +25,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nonstop  # noqa: E402
+from dist_launch import end_rank, start_rank  # noqa: E402
 
 
 def emit(**kw):
@@ -96,10 +97,7 @@ def main():
     # start of each forward, so at a checkpoint the ranks' buffers differ.
     p.add_argument("--model", choices=["mlp", "bn"], default="mlp")
     a = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    rank, world = start_rank(), dist.get_world_size()
     if a.model == "bn":
         model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1),
                               nn.Linear(64, 32))
@@ -175,7 +173,7 @@ def main():
     with open(f"{a.out}.rank-{rank}.json", "w") as f:
         json.dump(res, f)
     emit(event="done", rank=rank, agreed=agreed)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nonstop  # noqa: E402
+from dist_launch import end_rank  # noqa: E402
 
 
 def emit(**kw):
@@ -137,7 +138,7 @@ def main():
     with open(f"{a.out}.rank-{rank}.json", "w") as f:
         json.dump(res, f)
     emit(event="done", rank=rank, agreed=agreed)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

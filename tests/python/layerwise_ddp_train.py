@@ -23,6 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nonstop  # noqa: E402
+from dist_launch import end_rank, start_rank  # noqa: E402
 
 
 def emit(**kw):
@@ -98,10 +99,7 @@ def main():
     p.add_argument("--chunk-kb", type=int, default=4)
     p.add_argument("--staging-chunks", type=int, default=3)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    rank, world = start_rank(), dist.get_world_size()
     d = a.dim
     # Several buckets (small bucket_cap_mb), tensors above and below the
     # engine's 64 KiB "large" threshold and the 1024-element shard threshold,
@@ -176,7 +174,7 @@ def main():
     with open(f"{a.out}.rank-{rank}.json", "w") as f:
         json.dump(res, f)
     emit(event="done", rank=rank)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nonstop  # noqa: E402
+from dist_launch import end_rank  # noqa: E402
 
 
 def digest(tensors) -> str:
@@ -101,7 +102,7 @@ def main():
         "optim": digest(v for s in opt.state.values() for _, v in sorted(s.items())
                         if isinstance(v, torch.Tensor)),
         "blob": digest([blob])})
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

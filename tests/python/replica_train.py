@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import nonstop
+from dist_launch import end_rank
 from nonstop.errors import CheckpointMismatchError
 
 
@@ -54,7 +55,7 @@ def main():
     rank = dist.get_rank()
     for mode in ("mixed", "local"):
         run(os.path.join(sys.argv[1], mode), mode, rank)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ prints {"rank", "at_open": kept steps}, restores the newest step, trains
 steps 8..11 and prints {"rank", "at_close": kept steps}; then a third
 Checkpointer restores step 3 (a kept copy that left the ring) and prints
 {"rank", "restored", "w"}."""
-import datetime
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import nonstop
+from dist_launch import end_rank, start_rank
 
 LOSS = [0.9, 0.3, 0.8, 0.2, 0.7, 0.6, 0.5, 0.95, 0.85, 0.1, 0.75, 0.65]
 
@@ -58,10 +58,7 @@ def train(ck, model, opt, rank, steps):
 
 def main():
     d, phase = sys.argv[1], sys.argv[2]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    rank = start_rank()
     model = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optim": opt}
@@ -83,7 +80,7 @@ def main():
         got = again.restore(step=3)
         print(json.dumps({"rank": rank, "restored": got,
                           "w": model.module.weight.flatten().tolist()}), flush=True)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -4,25 +4,21 @@ with a scheduler, three steps, one checkpoint (step 2, waited); then ZeRO's
 own consolidated state_dict and the model's weights are written by rank 0 to
 REF (safetensors: tensors only, no pickle) with the non-tensor state in
 REF.json."""
-import datetime
 import json
 import sys
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import nonstop
+from dist_launch import end_rank, start_rank
 
 
 def main():
     d, ref = sys.argv[1], sys.argv[2]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    rank = start_rank()
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
@@ -49,7 +45,7 @@ def main():
         with open(ref + ".json", "w") as f:
             json.dump({"groups": groups, "sched": sched.state_dict()}, f)
     print(json.dumps({"rank": rank, "done": True}), flush=True)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,30 @@ def test_resume_from_an_empty_directory_is_a_fresh_start(tmp_path):
     assert resume_from(NonstopCallback(str(tmp_path / "none"))) is None
 
 
+def test_resume_from_a_job_killed_before_its_first_commit_is_a_fresh_start(tmp_path):
+    """The slot file exists (the first save registered the state) but holds
+    no committed checkpoint, as when the job was killed during its first
+    commit: resume_from() says fresh start (None), as restore() does, and a
+    step asked for is still not found. (The Trainer job of
+    test_hf_kill_and_resume_is_exact reached this state once under load.)"""
+    import torch
+
+    import nonstop
+    from nonstop.errors import CheckpointNotFoundError
+    from nonstop.hf import NonstopCallback, resume_from
+    d = str(tmp_path / "ck")
+    w = torch.ones(64)
+    ck = nonstop.Checkpointer(d, {"w": w}, every=1000)
+    ck._engine.register(ck._refs({"w": w}))  # the first save's registration, no commit
+    ck.close()
+    assert os.path.exists(os.path.join(d, nonstop._core.slot_file_name(0)))
+    with nonstop.Checkpointer(d, {"w": w}) as again:
+        assert again.restore() is None
+    assert resume_from(NonstopCallback(d)) is None
+    with pytest.raises(CheckpointNotFoundError):
+        resume_from(NonstopCallback(d), step=0)
+
+
 def test_docs_example_runs_and_resumes(tmp_path):
     import nonstop
     from integration_harness import run_doc_example

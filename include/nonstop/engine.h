@@ -100,7 +100,8 @@ struct EngineOptions {
   // while no copy runs and while the copies have taken at most
   // `memory_tier_share` of the time (others are skipped, never queued);
   // "memory": every commit (one arriving during a copy is copied next);
-  // "disk": off. Off in distributed mode (global_agreement). A failure there
+  // "disk": off. In distributed mode (global_agreement) every rank keeps its
+  // own segment; recovery uses them only when all hold the agreed step. A failure there
   // is reported once (stderr, EngineStats::memory_*) and never affects the disk.
   std::string memory_tier = "auto";
   std::string shm_dir;          // segment directory; "": $NONSTOP_SHM_DIR or /dev/shm/nonstop

@@ -219,12 +219,17 @@ class Checkpointer:
                                                   replicated, local, dist_timeout_s,
                                                   agree_metrics=best is not None)
             self._dist.state = state  # resharding looks at the live objects
+            self._dist.tier = tier  # recovery tries the ranks' memory segments (all or none)
             if retention[0] or retention[3]:  # max_to_keep/best delete kept copies
                 # Every rank must hold the same kept steps before the engine
                 # opens (a kill between the ranks' deletions): collective.
                 self._dist.tidy_kept()
             engine_kwargs.update(extra_slots=1, global_agreement=True)
         self._multistep = None
+        # The memory tier: the newest committed checkpoint also in shared
+        # memory for a fast restart on this node (docs/PYTHON.md, "tier").
+        if tier != "auto":  # the engine's default
+            engine_kwargs["memory_tier"] = tier
         if mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md
             from ._multistep import MultistepMode
             self._multistep = MultistepMode(self, _core(), dict(dir=self.dir, **engine_kwargs),
@@ -239,10 +244,6 @@ class Checkpointer:
         else:
             if mode == "layerwise":  # LightCheck: _layerwise.py, docs/LAYERWISE.md
                 engine_kwargs["layer_copy"] = copy
-            # The memory tier: the newest committed checkpoint also in shared
-            # memory for a fast restart on this node (docs/PYTHON.md, "tier").
-            if tier != "auto":  # the engine's default
-                engine_kwargs["memory_tier"] = tier
             self._engine = _core().Engine(self.dir, **engine_kwargs)
             if retention != (0, "", False, 0):
                 try:
@@ -712,7 +713,8 @@ class Checkpointer:
             loaded = remote
         elif self._dist is not None:  # collective: the ranks agree on the step
             loaded = self._dist.load(self._engine, step, _core, LoadedCheckpoint, lambda d: (
-                check_directory(d, self.rank, self.world_size, must_exist=False)))
+                check_directory(d, self.rank, self.world_size, must_exist=False)),
+                stats=self._restore_stats)
         elif self.world_size == 1 and _distributed.archives(self.dir):  # resharding to 1 process
             loaded = _distributed.restore_single(self.dir, step, lambda: _read(
                 self.dir, self.rank, step, 1, as_numpy=False, prepare=self._prepare),
@@ -727,7 +729,7 @@ class Checkpointer:
                 self._copy_pending = False
             t0 = time.perf_counter()
             loaded, why = None, "a step was asked for"
-            if step is None and self.tier != "disk" and self._multistep is None:
+            if step is None and self.tier != "disk":
                 # The memory tier first: used only when its segment verifies
                 # and holds exactly the newest committed checkpoint on disk.
                 loaded, why = _read_memory(self.dir, self.rank, self.world_size, self._prepare,

@@ -417,16 +417,19 @@ class Distributed:
 
     # ------------------------------------------------------------ recovery
 
-    def load(self, engine, step: Optional[int], core, loaded_cls, check_world):
+    def load(self, engine, step: Optional[int], core, loaded_cls, check_world,
+             stats: Optional[dict] = None):
         """Agrees with the peers on the checkpoint to restore, reads it and
         pins it. Returns a LoadedCheckpoint with complete tensors (the
         replicated ones reassembled), or None on a fresh start everywhere.
-        Collective: every rank must call it, before its first save()."""
+        Collective: every rank must call it, before its first save().
+        `stats` gets restored_from ("memory" or "disk"), memory_unused_because
+        and restore_s."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
         self.engine = engine
-        got = self.recover(step, check_world)
+        got = self.recover(step, check_world, stats)
         if got is None:
             return None
         info, tensors, meta, path = got
@@ -434,7 +437,8 @@ class Distributed:
         info.pop("meta_json", None)
         return loaded_cls(info["step"], info["counter"], tensors, meta, info, path)
 
-    def recover(self, step: Optional[int], check_world) -> Optional[tuple]:
+    def recover(self, step: Optional[int], check_world,
+                stats: Optional[dict] = None) -> Optional[tuple]:
         """(info, tensors, meta, path) of the agreed checkpoint of this rank;
         see load(). The choices are JobDir's: which checkpoints of this rank
         are committed and not abandoned (list), which one of a step verifies
@@ -483,8 +487,11 @@ class Distributed:
                 f"committed on every rank of {self.dir} (rank {self.rank} holds steps "
                 f"{mine or 'none'})")
         agreed = self.agreed["step"] if self.agreed else None
+        from ._checkpointer import read_tensors
         from ._state import loads
+        stats = {} if stats is None else stats
         for n, s in enumerate(order):
+            t0 = time.perf_counter()
             err, lineage, sel, meta, tensors = None, None, None, None, {}
             try:
                 # Chunk crcs are verified as the tensors are read below.
@@ -495,11 +502,19 @@ class Distributed:
                 if not isinstance(meta, dict):
                     raise CorruptCheckpointError(f"{sel.where}: step {s}: malformed metadata")
                 lineage = int(meta.get("dist", {}).get("lineage", 0))
-                # The one verified read path: every crc chunk read and checked once.
-                from ._checkpointer import read_tensors
-                tensors = read_tensors(_OldRank(sel), 0)
             except (CheckpointError, OSError) as e:
                 err = str(e)
+            source = "disk"
+            if n == 0 and step is None:  # every rank takes this branch, or none
+                source = self._read_memory(comm, s, err, stats)
+                if source == "memory":
+                    tensors = stats.pop("_memory_tensors")
+            if err is None and source == "disk":
+                try:
+                    # The one verified read path: every crc chunk read and checked once.
+                    tensors = read_tensors(_OldRank(sel), 0)
+                except (CheckpointError, OSError) as e:
+                    err = str(e)
             got = comm.gather((err, lineage))
             bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
             if not bad and len({lin for _, lin in got}) > 1:
@@ -515,6 +530,7 @@ class Distributed:
                               f"step {order[n + 1]}", stacklevel=4)
                 continue
             full = self._assemble(tensors, info, meta)
+            stats.update(restored_from=source, restore_s=time.perf_counter() - t0)
             if agreed is not None and s < agreed:
                 warnings.warn(f"nonstop: rank {self.rank} restores step {s}, older than the "
                               f"agreed step {agreed}", stacklevel=4)
@@ -532,6 +548,44 @@ class Distributed:
             self._record(counter, s)
             return info, full, meta, os.path.join(self.dir, sel.where)
         return None
+
+    def _read_memory(self, comm, s: int, err: Optional[str], stats: dict) -> str:
+        """The memory tier on a restart (memory_tier.h), decided by all ranks
+        together: "memory" when every rank's segment verified and held exactly
+        the checkpoint of step `s` (the newest step committed on every rank)
+        that the job directory selects, and every rank read it (each chunk's
+        crc checked as it is read); its tensors are then in
+        stats["_memory_tensors"]. Otherwise "disk" on every rank, with
+        stats["memory_unused_because"] naming each rank that could not, and
+        every rank reads its disk: the sources are never mixed. Collective."""
+        from ._checkpointer import _core as core, read_tensors
+        why, reader = "", None
+        if err is not None:
+            why = f"the disk's checkpoint of step {s}: {err}"
+        elif getattr(self, "tier", "auto") == "disk":
+            why = 'tier="disk"'
+        else:
+            open_segment = getattr(core(), "open_memory_segment", None)
+            if open_segment is None:
+                why = "this build has no memory tier"
+            else:
+                try:
+                    reader, why = open_segment(self.dir, self.rank, step=s)
+                except (CheckpointError, OSError) as e:
+                    reader, why = None, str(e)
+        whys = comm.gather(why)
+        if all(w == "" for w in whys):
+            try:
+                stats["_memory_tensors"] = read_tensors(reader, reader.newest_valid, stats=stats)
+            except (CheckpointError, OSError) as e:
+                why = f"{reader.path}: {e}"
+            whys = comm.gather(why)
+        unused = "; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w)
+        if unused:
+            stats.pop("_memory_tensors", None)
+            stats["memory_unused_because"] = unused
+            return "disk"
+        return "memory"
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
         got = reshard(self.dir, self.rank, self.world, step, _Comm(self.group, self.world),

@@ -160,7 +160,7 @@ class MultistepMode:
             _device(p)
         # Engine options the Multistep binding does not take yet must be unset.
         known = {"dir", "rank", "world_size", "max_in_flight", "writers", "staging_bytes",
-                 "chunk_bytes", "copy_threads", "medium", "keep_every"}
+                 "chunk_bytes", "copy_threads", "medium", "keep_every", "memory_tier"}
         for key in [k for k in engine_kwargs if k not in known]:
             if engine_kwargs.pop(key):
                 raise CheckpointMismatchError(f"mode='multistep' does not support {key} yet")

@@ -170,7 +170,8 @@ def worker(args) -> None:
         if restored is not None:
             start = restored + 1
             emit(event="restored", step=restored, restore_s=time.perf_counter() - t0,
-                 since_start_s=time.perf_counter() - t_start)
+                 since_start_s=time.perf_counter() - t_start,
+                 restored_from=ckpt.stats().get("restored_from", "disk"))
     torch_path = os.path.join(args.out, "torchsave", "ckpt.pt")
     baseline = None  # the baseline's due rule: the C++ Schedule, as nonstop's every=N
     if args.mode == "torchsave":
@@ -374,9 +375,13 @@ def main(argv=None) -> int:
         ("killed after step", f"{crashed.killed_after}"),
         ("resumed from checkpoint at step", f"{restored['step']}"),
         ("steps lost to the crash", f"{lost}"),
-        ("time to recover: restore()", f"{restored['restore_s']:.3f} s"),
+        ("time to recover: restore()",
+         f"{restored['restore_s']:.3f} s from {restored.get('restored_from', 'disk')}"),
+        # From the resumed process's spawn (interpreter, imports and model
+        # included) to the end of its first training step.
         ("time to recover: start to first step done",
          f"{first_resumed['t']:.2f} s" if first_resumed else "-"),
+        ("  of which start to model built", f"{resumed.event('ready')['t']:.2f} s"),
         ("final state vs reference", "IDENTICAL" if ok else "DIFFERENT"),
     ]
     w = max(len(r[0]) for r in rows)

@@ -44,7 +44,6 @@ Status EngineImpl::Init() {
     return Status::InvalidArgument("memory_tier_share must be in (0, 1], got " +
                                    std::to_string(opts_.memory_tier_share));
   }
-  if (opts_.global_agreement) tier = MemoryTierMode::kDisk;
   memory_ = MemoryTierWriter::Open(*jd_, opts_.env, rank(), tier, opts_.shm_dir,
                                    opts_.memory_tier_fit, opts_.memory_tier_share,
                                    opts_.memory_tier_orphan_s);

@@ -229,7 +229,8 @@ std::unique_ptr<MemoryTierWriter> MemoryTierWriter::Open(JobDir& jd, Env* env, i
       *d.value(), env, name.value(), orphan_after_s,
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
-                                .count()));
+                                .count()),
+      job_abs);
   w->dir_ = std::move(d).value();
   w->name_ = std::move(name).value();
   w->stats_.segment = w->dir_->path() + "/" + w->name_;
@@ -383,7 +384,8 @@ Status MemoryTierWriter::CopyOne(SlotFile& file, const CheckpointInfo& info, boo
 }
 
 uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
-                             double orphan_after_s, uint64_t now_unix_ns) {
+                             double orphan_after_s, uint64_t now_unix_ns,
+                             const std::string& own_job) {
   if (env == nullptr) env = DefaultEnv();
   Result<std::vector<DirEntry>> entries = dir.List();
   if (!entries.ok()) return 0;
@@ -406,6 +408,19 @@ uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
     // The owner's line, read before taking the lock (taking it rewrites it).
     Result<std::string> holder = ReadSmallFile(dir, lock_name, kMaxRecordBytes);
     const std::string line = holder.ok() ? holder.value() : "";
+    if (!own_job.empty() && HolderJobDir(line) == own_job) {
+      // Another rank's segment of this same job (a distributed job restarts
+      // all its ranks at once): that rank takes its lock when its engine
+      // opens, perhaps right now. Taking it here would make that rank
+      // record a fresh name and restart from the disk. Left to its rank
+      // while the job directory names it; a name it no longer names is
+      // swept as any other.
+      Result<std::unique_ptr<Directory>> jd = env->OpenDirectory(own_job, /*create=*/false);
+      if (jd.ok()) {
+        Result<std::string> named = ReadRecord(*jd.value(), rank);
+        if (named.ok() && named.value() == seg) continue;
+      }
+    }
     Result<std::unique_ptr<FileLock>> lock =
         dir.Lock(lock_name, line.empty() ? std::string(kHolderHead) + std::to_string(::getpid()) +
                                                " sweeping"
@@ -453,7 +468,8 @@ uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
 Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_dir, int rank,
                                                        const std::string& shm_dir, Env* env,
                                                        const CheckpointInfo* disk_newest,
-                                                       std::string* why_not) {
+                                                       std::string* why_not,
+                                                       std::optional<int64_t> step) {
   std::string ignored;
   if (why_not == nullptr) why_not = &ignored;
   if (env == nullptr) env = DefaultEnv();
@@ -471,9 +487,13 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
     SelectOptions so;
     so.verify_data = false;
     so.include_keep = false;
+    so.step = step;
     Result<Selection> sel = jd->Select(rank, so);
     if (!sel.ok()) return no("disk: " + sel.status().message());
     if (!sel.value().chosen) return no("no checkpoint on disk");
+    if (step && sel.value().chosen->info.step != *step) {
+      return no("no checkpoint of step " + std::to_string(*step) + " on disk");
+    }
     newest = sel.value().chosen->info;
   }
   const std::string where = MemorySegmentDir(shm_dir);

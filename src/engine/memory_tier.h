@@ -102,8 +102,12 @@ struct MemoryTierStats {
 // Removes the leftover segments in segment directory `dir` (see the top of
 // this file) except `keep` (a segment name); returns how many it removed.
 // `now_unix_ns`: the wall clock. Errors on single entries are skipped.
+// `own_job`: the sweeping writer's job directory (absolute): a segment of
+// another rank of that job which its record still names is left to that
+// rank, whose engine may be opening at the same moment.
 uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
-                             double orphan_after_s, uint64_t now_unix_ns);
+                             double orphan_after_s, uint64_t now_unix_ns,
+                             const std::string& own_job = "");
 
 // The rule above for "auto", apart from the clock and threads (times in
 // seconds on any monotonic clock).
@@ -190,10 +194,15 @@ struct MemorySegment {
 // for recovery instead of the disk (see the top of this file); nullopt with
 // the reason in *why_not otherwise. `disk_newest`: the newest committed,
 // non-abandoned checkpoint of the rank's slot file as the caller found it
-// (table read, data not verified); nullptr: found here.
-Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_dir, int rank,
-                                                       const std::string& shm_dir, Env* env,
-                                                       const CheckpointInfo* disk_newest,
-                                                       std::string* why_not);
+// (table read, data not verified); nullptr: found here. `step` (with
+// disk_newest == nullptr): the checkpoint the segment must hold is the one
+// the job directory selects for that step instead of the newest: the step
+// the ranks of a distributed job agreed to restore, which may be older than
+// this rank's newest (a peer had not committed it yet). The segment must
+// still hold exactly that checkpoint (same counter, table and crcs).
+Result<std::optional<MemorySegment>> OpenMemorySegment(
+    const std::string& job_dir, int rank, const std::string& shm_dir, Env* env,
+    const CheckpointInfo* disk_newest, std::string* why_not,
+    std::optional<int64_t> step = std::nullopt);
 
 }  // namespace nonstop

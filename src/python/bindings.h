@@ -57,6 +57,8 @@ void RegisterStatusTranslator(pybind11::module_& m);
 // with U+FFFD instead of raising. The one shape Engine.restore,
 // Reader.checkpoints and JobDir selections share.
 pybind11::dict InfoDict(const CheckpointInfo& info);
+// The memory tier's keys of an engine's stats (memory_tier, memory_counter, ...).
+void AddMemoryTierStats(pybind11::dict& d, const EngineStats& s);
 
 // Reads every tensor of checkpoint `info` of `file` into `dst` (one (pointer,
 // nbytes) per tensor in table order; pointer 0: verified, not kept) through

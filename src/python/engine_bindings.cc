@@ -139,6 +139,19 @@ py::dict InfoDict(const CheckpointInfo& info) {
   return d;
 }
 
+// The memory tier's part of the engine's stats (engine and Multistep).
+void AddMemoryTierStats(py::dict& d, const EngineStats& s) {
+  d["memory_tier"] = s.memory_tier;
+  d["memory_segment"] = s.memory_segment;
+  d["memory_mirrored"] = s.memory_mirrored;
+  d["memory_skipped"] = s.memory_skipped;
+  d["memory_swept"] = s.memory_swept;
+  d["memory_counter"] = s.memory_counter;
+  d["memory_failures"] = s.memory_failures;
+  d["memory_error"] = LossyStr(s.memory_error);
+  d["restored_from_memory"] = s.restored_from_memory;
+}
+
 namespace {
 
 py::dict CheckpointStatsDict(const CheckpointStats& c) {
@@ -175,15 +188,7 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["medium"] = s.medium;
   d["copy_engine"] = s.copy_engine;
   d["layer_copy"] = s.layer_copy;
-  d["memory_tier"] = s.memory_tier;
-  d["memory_segment"] = s.memory_segment;
-  d["memory_mirrored"] = s.memory_mirrored;
-  d["memory_skipped"] = s.memory_skipped;
-  d["memory_swept"] = s.memory_swept;
-  d["memory_counter"] = s.memory_counter;
-  d["memory_failures"] = s.memory_failures;
-  d["memory_error"] = LossyStr(s.memory_error);
-  d["restored_from_memory"] = s.restored_from_memory;
+  AddMemoryTierStats(d, s);
   d["restore_s"] = s.restore_s;
   py::list recent;
   for (const auto& c : s.recent) recent.append(CheckpointStatsDict(c));
@@ -584,20 +589,22 @@ void InitEngine(py::module_& m) {
 
   m.def(
       "open_memory_segment",
-      [](const std::string& dir, int rank, const std::string& shm_dir) -> py::tuple {
+      [](const std::string& dir, int rank, const std::string& shm_dir,
+         std::optional<int64_t> step) -> py::tuple {
         std::string why;
         Result<std::optional<MemorySegment>> seg{Status::Internal("unset")};
         {
           py::gil_scoped_release release;
-          seg = OpenMemorySegment(dir, rank, shm_dir, nullptr, nullptr, &why);
+          seg = OpenMemorySegment(dir, rank, shm_dir, nullptr, nullptr, &why, step);
         }
         if (!seg.ok()) return py::make_tuple(py::none(), LossyStr(seg.status().ToString()));
         if (!seg.value().has_value()) return py::make_tuple(py::none(), LossyStr(why));
         return py::make_tuple(py::cast(PyReader(std::move(*seg.value()))), "");
       },
-      py::arg("dir"), py::arg("rank") = 0, py::arg("shm_dir") = "",
+      py::arg("dir"), py::arg("rank") = 0, py::arg("shm_dir") = "", py::arg("step") = py::none(),
       "The memory tier's segment of `rank` as a Reader, when it verifies and holds exactly the "
-      "newest committed checkpoint on disk: (reader, \"\"); else (None, why).");
+      "newest committed checkpoint on disk (with step=: the one the job directory selects for "
+      "that step): (reader, \"\"); else (None, why).");
 
   py::class_<PyReader>(m, "Reader")
       .def(py::init<const std::string&, int, bool>(), py::arg("dir"), py::arg("rank") = 0,

@@ -230,6 +230,7 @@ class PyMultistep {
     d["host_bytes"] = s.host_bytes;
     d["staging_bytes"] = e.staging_bytes;  // the state is not in it: it is staged
     d["copy_engine"] = s.copy_engine;
+    AddMemoryTierStats(d, e);  // its engine's restart tier in memory
     py::list recent;
     for (const auto& w : s.recent) recent.append(WindowDict(w));
     d["recent"] = recent;
@@ -272,10 +273,11 @@ void InitMultistep(py::module_& m) {
                   int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
                   const std::string& medium, int parts, uint64_t block_bytes,
                   bool overlap_gradients, int replay_threads, uintptr_t mkl_vms_sqrt,
-                  uint64_t keep_every) {
+                  uint64_t keep_every, const std::string& memory_tier) {
         EngineOptions o =
             EngineOptionsFromPy(dir, rank, world_size, max_in_flight, writers, staging_bytes,
                                 chunk_bytes, copy_threads, medium, keep_every);
+        o.memory_tier = memory_tier;  // the restart tier in memory (memory_tier.h)
         MultistepOptions mo;
         mo.parts = parts;
         mo.block_bytes = block_bytes;
@@ -286,7 +288,7 @@ void InitMultistep(py::module_& m) {
       }),
       py::arg("parts") = 7, py::arg("block_bytes") = 4ull << 20,
       py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
-      py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0);
+      py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0, py::arg("memory_tier") = "auto");
   multistep
       .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
            py::arg("amsgrad"), py::arg("tensors"),

@@ -21,12 +21,13 @@ TIMEOUT = 120  # seconds, per child
 
 
 def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_delay=0.0,
-              stderr=False):
+              stderr=False, kills_itself=False):
     """Runs `cmd` (a child printing one JSON line per event) under a hard
     timeout: a watchdog kills it, silent or not. Lines that are not
     '{"event"...' JSON are ignored. With `kill_after_steps`, SIGKILLs it
     `kill_delay` seconds after it reported that many "step" events. Asserts
-    how it ended (exit 0, or killed by us); returns its events."""
+    how it ended (exit 0, or killed by us, or by itself with `kills_itself`);
+    returns its events."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE if stderr else None, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -62,7 +63,7 @@ def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_del
             p.wait()
     if expired.is_set():
         raise TimeoutError(f"{cmd} ran past {timeout} s")
-    if kill_after_steps is None:
+    if kill_after_steps is None and not kills_itself:
         assert rc == 0, f"{cmd} exited with {rc}:\n{err[-3000:]}"
     else:
         assert rc == -signal.SIGKILL, f"{cmd} exited with {rc} before the kill:\n{err[-3000:]}"
@@ -70,7 +71,7 @@ def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_del
 
 
 def run(ckpt_dir, steps, every, final, *, options=None, pace=0.0, kill_after_steps=None,
-        kill_delay=0.0):
+        kill_delay=0.0, env=None, kills_itself=False):
     """Runs killable_train.py (`ckpt_dir` "-": no checkpointer). `options`
     ({"mode": "layerwise", "copy": "host", ...}) become its --flags. With
     `kill_after_steps`, SIGKILLs it `kill_delay` seconds after it reported
@@ -78,8 +79,9 @@ def run(ckpt_dir, steps, every, final, *, options=None, pace=0.0, kill_after_ste
     args = [ckpt_dir, steps, every, final, pace]
     for k, v in (options or {}).items():
         args += [f"--{k.replace('_', '-')}", v]
-    return run_child([sys.executable, SCRIPT, *map(str, args)],
-                     kill_after_steps=kill_after_steps, kill_delay=kill_delay)
+    return run_child([sys.executable, SCRIPT, *map(str, args)], env=env,
+                     kill_after_steps=kill_after_steps, kill_delay=kill_delay,
+                     kills_itself=kills_itself)
 
 
 def kill_then_resume(ckpt_dir, steps, every, final, kill_after_steps, *, kill_delay=0.0,

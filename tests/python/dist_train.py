@@ -96,6 +96,11 @@ def main():
     # bn: a BatchNorm layer; DDP broadcasts rank 0's running statistics at the
     # start of each forward, so at a checkpoint the ranks' buffers differ.
     p.add_argument("--model", choices=["mlp", "bn"], default="mlp")
+    # The memory tier (test_memory_tier_modes.py): --tier for the
+    # Checkpointer; --settle-kill-at S: after step S every rank waits until
+    # its segment holds its newest commit, then all ranks SIGKILL themselves.
+    p.add_argument("--tier", default="auto")
+    p.add_argument("--settle-kill-at", type=int, default=-1)
     a = p.parse_args()
     rank, world = start_rank(), dist.get_world_size()
     if a.model == "bn":
@@ -120,12 +125,14 @@ def main():
                                         "train": train}, every=a.every, max_in_flight=2,
                                 medium="buffered", writers=1, replicated=a.replicated,
                                 staging_bytes=4 << 20, chunk_bytes=1 << 20,
-                                dist_timeout_s=60)
+                                dist_timeout_s=60, tier=a.tier)
     if rank == a.slow_rank:
         real = ckpt._dist.started
         ckpt._dist.started = lambda engine: real(SlowCommits(engine, a.slow_s))
     r = ckpt.restore()
-    emit(event="start", rank=rank, restored=r, params=digest(model.parameters()),
+    rs = ckpt.stats()
+    emit(event="start", rank=rank, restored=r, restored_from=rs.get("restored_from"),
+         memory_unused_because=rs.get("memory_unused_because"), params=digest(model.parameters()),
          optim=optim_by_param(opt), last_epoch=sched.last_epoch, samples=train["samples"],
          lr=[g["lr"] for g in opt.param_groups])
     start = 0 if r is None else r + 1
@@ -154,6 +161,12 @@ def main():
              dt=time.perf_counter() - t0)
         if s == a.kill_at and rank == a.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
+        if s == a.settle_kill_at:
+            from memwait import wait_mirrored
+            wait_mirrored(ckpt)
+            dist.barrier()  # every rank's segment holds its newest commit
+            emit(event="settled", rank=rank, step=s)
+            os.kill(os.getpid(), signal.SIGKILL)
         if a.step_s:
             time.sleep(a.step_s)
     st = ckpt.stats()

@@ -3,10 +3,13 @@ checkpoint every step or few, prints one JSON line per step. Run as
 
     python killable_train.py DIR STEPS EVERY FINAL_PATH [PACE_S]
         [--mode M] [--copy C] [--parts K] [--medium M] [--block-bytes B]
+        [--tier T] [--settle-after S]
 
 It restores from DIR when it holds a checkpoint, so the same command is
 both the first run and the restart; DIR "-" trains without a checkpointer
 (the uninterrupted reference). It sleeps PACE_S seconds after each step.
+--settle-after S: after step S it waits until the memory tier's segment
+holds its newest commit, then SIGKILLs itself (a restart must read memory).
 The options go to nonstop.Checkpointer (--block-bytes sets the multistep
 block size). At the end it writes the final model, optimizer and scheduler
 tensors (FINAL_PATH.safetensors) and the rest (FINAL_PATH.json)."""
@@ -36,6 +39,8 @@ def parse_args():
     ap.add_argument("--parts", type=int)
     ap.add_argument("--medium")
     ap.add_argument("--block-bytes", type=int)
+    ap.add_argument("--tier")
+    ap.add_argument("--settle-after", type=int, default=-1)
     return ap.parse_args()
 
 
@@ -46,7 +51,8 @@ def main():
         from nonstop import _multistep
         _multistep.BLOCK_BYTES = args.block_bytes
     options = {k: v for k, v in (("mode", args.mode), ("copy", args.copy),
-                                 ("parts", args.parts), ("medium", args.medium)) if v is not None}
+                                 ("parts", args.parts), ("medium", args.medium),
+                                 ("tier", args.tier)) if v is not None}
     model, opt, sched = tiny.make()
     train = {"tokens": 0}
     start = 0
@@ -56,13 +62,19 @@ def main():
                                                "train": train}, every=args.every, **options)
         r = ckpt.restore()
         start = 0 if r is None else r + 1
-        print(json.dumps({"event": "start", "restored": r}), flush=True)
+        print(json.dumps({"event": "start", "restored": r,
+                          "restored_from": ckpt.stats().get("restored_from")}), flush=True)
     for s in range(start, args.steps):
         loss = tiny.train_step(model, opt, sched, s)
         train["tokens"] += 32
         if ckpt is not None:
             ckpt.step(s)
         print(json.dumps({"event": "step", "step": s, "loss": loss}), flush=True)
+        if s == args.settle_after:
+            import signal
+            from memwait import wait_mirrored
+            wait_mirrored(ckpt)
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.pace:
             time.sleep(args.pace)
     if ckpt is not None:

@@ -13,6 +13,7 @@ import time
 import torch
 
 import nonstop
+from memwait import wait_mirrored
 
 CHILD = textwrap.dedent("""
     import signal, sys, time, torch, nonstop
@@ -68,11 +69,22 @@ def _model():
     return torch.nn.Linear(256, 256)
 
 
-def _wait_memory(ckpt, deadline_s=30):
-    end = time.monotonic() + deadline_s
-    while ckpt.stats()["memory_counter"] != ckpt.stats()["committed"] and time.monotonic() < end:
-        time.sleep(0.005)
-    return ckpt.stats()
+def _save_mirrored(ckpt, step):
+    """Saves `step` and waits until it is committed and in the segment;
+    returns the segment's path."""
+    ckpt.save(step)
+    return wait_mirrored(ckpt)["memory_segment"]
+
+
+def _job_with_segment(d, value, step):
+    """A Checkpointer (tier="memory") of a Linear filled with `value` whose
+    checkpoint of `step` is committed and in the segment: (ckpt, segment)."""
+    model = _model()
+    ckpt = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory")
+    with torch.no_grad():
+        model.weight.fill_(value)
+        model.bias.fill_(value)
+    return ckpt, model, _save_mirrored(ckpt, step)
 
 
 def test_kill_at_random_points_restores_the_newest_committed(tmp_path, monkeypatch):
@@ -116,20 +128,12 @@ def test_stale_segment_and_tier_disk_read_the_disk(tmp_path, monkeypatch):
     shm = tmp_path / "shm"
     monkeypatch.setenv("NONSTOP_SHM_DIR", str(shm))
     d = str(tmp_path / "job")
-    model = _model()
-    ckpt = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory")
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-    ckpt.save(1)
-    ckpt.wait()
-    seg = _wait_memory(ckpt)["memory_segment"]
+    ckpt, model, seg = _job_with_segment(d, 1.0, 1)
     assert seg.startswith(str(shm))
     shutil.copy(seg, str(tmp_path / "aside"))  # the segment of step 1
     with torch.no_grad():
         model.weight.fill_(2.0)
-    ckpt.save(2)
-    ckpt.wait()
-    _wait_memory(ckpt)
+    _save_mirrored(ckpt, 2)
     ckpt.close()
     assert not os.path.exists(seg)  # a clean close gives the memory back
     shutil.copy(str(tmp_path / "aside"), seg)  # stale: older than the disk
@@ -163,9 +167,7 @@ def test_restore_from_memory_goes_through_the_cpp_restore_path(tmp_path, monkeyp
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             p.fill_(float(i))
-    ckpt.save(3)
-    ckpt.wait()
-    seg = _wait_memory(ckpt)["memory_segment"]
+    seg = _save_mirrored(ckpt, 3)
     shutil.copy(seg, str(tmp_path / "aside"))
     ckpt.close()
     shutil.copy(str(tmp_path / "aside"), seg)  # as a crashed process would leave it
@@ -191,14 +193,7 @@ def test_a_damaged_data_chunk_in_the_segment_falls_back_to_the_disk(tmp_path, mo
     shm = tmp_path / "shm"
     monkeypatch.setenv("NONSTOP_SHM_DIR", str(shm))
     d = str(tmp_path / "job")
-    model = _model()
-    ckpt = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory")
-    with torch.no_grad():
-        model.weight.fill_(3.0)
-        model.bias.fill_(3.0)
-    ckpt.save(3)
-    ckpt.wait()
-    seg = _wait_memory(ckpt)["memory_segment"]
+    ckpt, _, seg = _job_with_segment(d, 3.0, 3)
     data = bytearray(open(seg, "rb").read())
     ckpt.close()
     at = data.find(torch.full((16,), 3.0).numpy().tobytes())  # inside the weight's bytes

@@ -164,6 +164,12 @@ struct EngineStats {
   double staging_alloc_wait_s = 0;
   // Bytes PrepareStaging allocated in the background (0 while it still runs).
   uint64_t staging_prepared_bytes = 0;
+  // The slot file PrepareStaging created in the background when the rank had
+  // none: its size once the first Register adopted it (0 when it did not:
+  // none was prepared, or it did not fit and Register created one), and the
+  // seconds Register waited for its creation to finish (0 when it had).
+  uint64_t slot_file_prepared_bytes = 0;
+  double slot_file_wait_s = 0;
   uint64_t staging_bytes = 0, chunk_bytes = 0;
   int writers = 0, max_in_flight = 0;
   std::string medium;                // Medium::Describe()
@@ -204,6 +210,11 @@ class Engine {
   // when the pool is already as large, or while an earlier preparation runs.
   // A failed background allocation is not an error: Register allocates (or
   // keeps the smaller pool) as without it.
+  // When the rank has no slot file yet, it also creates one in the
+  // background (empty, synced, published under the slot file's name), sized
+  // for `state_bytes`; the first Register adopts it when it fits, else
+  // replaces it as it creates one without it. A failure of that creation
+  // (an I/O error, a failed fsync) is returned by the first Register.
   virtual Status PrepareStaging(uint64_t state_bytes);
 
   // Registers the tensors every later checkpoint saves, replacing any earlier

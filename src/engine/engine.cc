@@ -169,26 +169,12 @@ Status EngineImpl::WaitAllFinished() {
 // committed checkpoint exists at every instant; without, nothing committed
 // is lost by renaming it over at once. Called with nothing in flight.
 Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> medium, OpenSlotMedium(true));
-  SlotMedium* sm = static_cast<SlotMedium*>(medium.get());
   StoreGeometry g;
   g.slots = WantedSlots();
   g.slot_bytes = slot_bytes;
   g.rank = opts_.rank;
   g.world_size = opts_.world_size;
-  Result<std::unique_ptr<SlotFile>> created = SlotFile::Create(std::move(medium), g);
-  if (created.ok() && !keep_old) {
-    if (Status rs = jd_->PublishTempSlot(); !rs.ok()) {
-      created = rs;
-    } else {
-      sm->Renamed(JobDirNames::Slot(rank()));
-    }
-  }
-  if (!created.ok()) {
-    (void)jd_->DiscardTempSlot();  // best effort: the next open removes it too
-    return created.status();
-  }
-  std::unique_ptr<SlotFile> sf = std::move(created).value();
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf, CreateSlotFile(g, /*publish=*/!keep_old, /*never_replace=*/false));
   medium_desc_ = sf->medium().Describe();
   free_slots_ = std::make_unique<SlotQueue>(g.slots);
   for (uint32_t s = 0; s < g.slots; ++s) free_slots_->Push(s);
@@ -202,6 +188,75 @@ Status EngineImpl::SwitchFile(uint64_t slot_bytes, bool keep_old) {
     pending_rename_ = false;
   }
   file_ = std::move(sf);
+  return Status::OK();
+}
+
+Result<std::unique_ptr<SlotFile>> EngineImpl::CreateSlotFile(const StoreGeometry& g, bool publish,
+                                                              bool never_replace) {
+  if (never_replace) {
+    // In the background (PrepareStaging): never over a slot file, even one
+    // that appeared after Init looked (the writer lock makes that a bug).
+    Result<FileStat> there = jd_->dir().Stat(JobDirNames::Slot(rank()));
+    if (there.ok()) {
+      return Status::FailedPrecondition(jd_->SlotPath(rank()) + " exists: not replaced");
+    }
+    if (there.status().code() != StatusCode::kNotFound) return there.status();
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> medium, OpenSlotMedium(true));
+  SlotMedium* sm = static_cast<SlotMedium*>(medium.get());
+  Result<std::unique_ptr<SlotFile>> created = SlotFile::Create(std::move(medium), g);
+  if (created.ok() && publish) {
+    if (Status rs = jd_->PublishTempSlot(); !rs.ok()) {
+      created = rs;
+    } else {
+      sm->Renamed(JobDirNames::Slot(rank()));
+    }
+  }
+  if (!created.ok()) {
+    (void)jd_->DiscardTempSlot();  // best effort: the next open removes it too
+  }
+  return created;
+}
+
+Status EngineImpl::AdoptPreparedFile(uint64_t slot_bytes, bool* adopted) {
+  *adopted = false;
+  std::shared_ptr<PreparedFile> fp = std::move(file_prep_);
+  file_prep_.reset();
+  if (!fp) return Status::OK();
+  Result<std::unique_ptr<SlotFile>> got{Status::Aborted("not created")};
+  double waited_s = 0;
+  mu_.Unlock();  // Stats() and the background threads go on meanwhile
+  {
+    MutexLock pl(&fp->mu);
+    if (!fp->done) {
+      const auto t0 = Clock::now();
+      fp->cv.Wait(&fp->mu, [&]() REQUIRES(fp->mu) { return fp->done; });
+      waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
+    }
+    got = std::move(fp->file);
+  }
+  if (file_prep_thread_.joinable()) file_prep_thread_.join();  // done: returns at once
+  mu_.Lock();
+  stats_.slot_file_wait_s += waited_s;
+  if (!got.ok()) {
+    return Status(got.status().code(),
+                  "creating the slot file in the background: " + got.status().message());
+  }
+  std::unique_ptr<SlotFile> sf = std::move(got).value();
+  const StoreGeometry& g = sf->geometry();
+  if (!PreparedSlotFits(g.slot_bytes, slot_bytes) || g.slots < WantedSlots()) {
+    return Status::OK();  // empty, at the slot file's name: SwitchFile replaces it
+  }
+  stats_.slot_file_prepared_bytes = sf->medium().Size();
+  medium_desc_ = sf->medium().Describe();
+  free_slots_ = std::make_unique<SlotQueue>(g.slots);
+  for (uint32_t s = 0; s < g.slots; ++s) free_slots_->Push(s);
+  retained_slot_.reset();
+  candidate_.reset();
+  old_file_.reset();
+  pending_rename_ = false;
+  file_ = std::move(sf);
+  *adopted = true;
   return Status::OK();
 }
 
@@ -281,8 +336,12 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   if (!fits) {
     // Slot ids and the retained slot belong to one file: switch with nothing in flight.
     NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
-    const bool keep_old = file_ != nullptr && (latest_.has_value() || pending_rename_);
-    NONSTOP_RETURN_IF_ERROR(SwitchFile(slot_bytes, keep_old));
+    bool adopted = false;  // the slot file PrepareStaging created, if it fits
+    NONSTOP_RETURN_IF_ERROR(AdoptPreparedFile(slot_bytes, &adopted));
+    if (!adopted) {
+      const bool keep_old = file_ != nullptr && (latest_.has_value() || pending_rename_);
+      NONSTOP_RETURN_IF_ERROR(SwitchFile(slot_bytes, keep_old));
+    }
     stats_.medium = medium_desc_;
   }
   if (opts_.staging_bytes == 0) {
@@ -394,8 +453,10 @@ Status EngineImpl::Close() {
   pinned_file_.reset();
   std::shared_ptr<PreparedStaging> prep = std::move(prep_);
   prep_.reset();
+  file_prep_.reset();  // a prepared slot file nobody took stays, empty
   lock.Unlock();
   if (prep_thread_.joinable()) prep_thread_.join();
+  if (file_prep_thread_.joinable()) file_prep_thread_.join();
   if (retire_thread_.joinable()) retire_thread_.join();
   prep.reset();  // frees a prepared pool nobody took
   staging_.reset();

@@ -284,6 +284,20 @@ class EngineImpl final : public Engine {
   // Wraps a slot file's medium (opened as `name` in the job directory).
   std::unique_ptr<Medium> Wrap(std::unique_ptr<Medium> m, const std::string& name);
   Status SwitchFile(uint64_t slot_bytes, bool keep_old) REQUIRES(mu_);
+  // A new, empty slot file of geometry g, laid out and synced under the temp
+  // name; with publish, renamed over the slot file's name and the directory
+  // synced; with never_replace, FailedPrecondition when a slot file exists.
+  // A failure removes the temp file. Runs on the training thread
+  // (SwitchFile) or on file_prep_thread_ (touches only jd_ and media_).
+  Result<std::unique_ptr<SlotFile>> CreateSlotFile(const StoreGeometry& g, bool publish,
+                                                   bool never_replace);
+  // The first Register: takes the slot file PrepareStaging created in the
+  // background (waiting while it is still being created). Sets *adopted when
+  // it fits `slot_bytes` (and is not much larger) and becomes file_; a file
+  // that does not fit stays at the slot file's name, empty, and the caller
+  // creates one as without it. Its creation's error is returned.
+  Status AdoptPreparedFile(uint64_t slot_bytes, bool* adopted) REQUIRES(mu_);
+  Status ReplaceStaging(std::unique_ptr<StagingPool> pool) REQUIRES(mu_);
   Status GrowStaging(uint64_t state_bytes) REQUIRES(mu_);
   // A registration of staged tensors only: the pool goes down to its
   // smallest (min_chunks_ chunks), with nothing in flight.
@@ -320,6 +334,19 @@ class EngineImpl final : public Engine {
   };
   std::shared_ptr<PreparedStaging> prep_ GUARDED_BY(mu_);
   std::thread prep_thread_;
+  // PrepareStaging also creates the slot file in the background when this
+  // rank has none yet (it was created inside the first Register: fallocate,
+  // fdatasync and a directory fsync, ~22 ms on the training thread). Sized
+  // from the state's estimate (PreparedSlotBytes); the first Register adopts
+  // it when it fits (AdoptPreparedFile). Same threading as prep_thread_.
+  struct PreparedFile {
+    Mutex mu;
+    CondVar cv;
+    bool done GUARDED_BY(mu) = false;
+    Result<std::unique_ptr<SlotFile>> file GUARDED_BY(mu){Status::Aborted("not created yet")};
+  };
+  std::shared_ptr<PreparedFile> file_prep_ GUARDED_BY(mu_);
+  std::thread file_prep_thread_;
   // Frees the pool GrowStaging (or ShrinkStaging) replaced, off the training
   // thread (unlocking and unmapping the 256 MiB default pool took ~40 ms
   // inside the first save()). Started and joined by the thread that calls

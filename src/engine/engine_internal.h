@@ -47,4 +47,15 @@ StagingSize DefaultStagingSize(uint64_t state_bytes, uint64_t chunk_bytes, uint3
 // Physical memory of this machine in bytes (0 if unknown).
 uint64_t PhysicalMemoryBytes();
 
+// The slot size PrepareStaging creates a slot file with before the first
+// Register, from the state's estimate (which counts each tensor's 4 KiB
+// alignment): the estimate plus room for the tensor table (1 MiB of
+// metadata, the entries, the chunk crcs; StoreGeometry::SlotBytesFor),
+// rounded up to 4 KiB. The first Register adopts the file when
+// PreparedSlotFits: its layout needs at most that, and not much less (at
+// most an eighth plus 8 MiB less: an estimate far above the real state would
+// waste disk in every slot; then it creates a slot file as without it).
+uint64_t PreparedSlotBytes(uint64_t state_bytes);
+bool PreparedSlotFits(uint64_t prepared_slot_bytes, uint64_t needed_slot_bytes);
+
 }  // namespace nonstop

@@ -48,15 +48,7 @@ Status EngineImpl::GrowStaging(uint64_t state_bytes) {
                  grown.status().ToString().c_str());
     return Status::OK();
   }
-  staging_wait_s_before_ += staging_->wait_s_total();
-  std::unique_ptr<StagingPool> old = std::move(staging_);
-  staging_ = std::move(grown).value();
-  stats_.staging_bytes = staging_->total_bytes();
-  // Nothing is in flight, so nothing refers to the old pool: free it in the
-  // background (see retire_thread_).
-  if (retire_thread_.joinable()) retire_thread_.join();
-  retire_thread_ = std::thread([pool = std::move(old)]() mutable { pool.reset(); });
-  return Status::OK();
+  return ReplaceStaging(std::move(grown).value());
 }
 
 // Staged tensors (TensorRef::staged) are written from their own memory; a
@@ -69,13 +61,19 @@ Status EngineImpl::ShrinkStaging() {
   Result<std::unique_ptr<StagingPool>> small =
       StagingPool::Create(copy_.get(), want, chunk_bytes_, min_chunks_);
   if (!small.ok()) return Status::OK();  // keep the larger pool
+  return ReplaceStaging(std::move(small).value());
+}
+
+// GrowStaging and ShrinkStaging: `pool` becomes the staging pool. Called
+// with nothing in flight, so nothing refers to the old pool: it is freed in
+// the background (see retire_thread_).
+Status EngineImpl::ReplaceStaging(std::unique_ptr<StagingPool> pool) {
   staging_wait_s_before_ += staging_->wait_s_total();
   std::unique_ptr<StagingPool> old = std::move(staging_);
-  staging_ = std::move(small).value();
+  staging_ = std::move(pool);
   stats_.staging_bytes = staging_->total_bytes();
-  // Nothing is in flight: free the old pool in the background (retire_thread_).
   if (retire_thread_.joinable()) retire_thread_.join();
-  retire_thread_ = std::thread([pool = std::move(old)]() mutable { pool.reset(); });
+  retire_thread_ = std::thread([old = std::move(old)]() mutable { old.reset(); });
   return Status::OK();
 }
 
@@ -104,6 +102,29 @@ Result<std::unique_ptr<StagingPool>> EngineImpl::TakePrepared(double* waited_s) 
 Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
   MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  // No slot file yet (Init found none, nothing registered): create one in
+  // the background too, published empty under the slot file's name (it holds
+  // no checkpoint, so a crash from here on recovers as with no file). Never
+  // while one exists: file_ is set by Init for an existing file, and the
+  // single-writer lock keeps others from creating one meanwhile
+  // (CreateSlotFile also refuses to publish over one).
+  if (!file_ && !file_prep_ && !file_prep_thread_.joinable() && state_bytes > 0 &&
+      state_bytes < (uint64_t{1} << 52)) {
+    auto fp = std::make_shared<PreparedFile>();
+    file_prep_ = fp;
+    StoreGeometry g;
+    g.slots = WantedSlots();
+    g.slot_bytes = PreparedSlotBytes(state_bytes);
+    g.rank = opts_.rank;
+    g.world_size = opts_.world_size;
+    file_prep_thread_ = std::thread([this, fp, g] {
+      Result<std::unique_ptr<SlotFile>> f = CreateSlotFile(g, /*publish=*/true, /*never_replace=*/true);
+      MutexLock pl(&fp->mu);
+      fp->file = std::move(f);
+      fp->done = true;
+      fp->cv.SignalAll();
+    });
+  }
   if (opts_.staging_bytes != 0 || prep_) return Status::OK();
   const bool pinned = copy_->PinsHostMemory();
   const uint64_t want =
@@ -128,6 +149,16 @@ Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
 }  // namespace nonstop::engine_detail
 
 namespace nonstop {
+
+uint64_t PreparedSlotBytes(uint64_t state_bytes) {
+  const uint64_t room = state_bytes / 128 + (uint64_t{4} << 20);
+  return (state_bytes + room + kStoreAlign - 1) / kStoreAlign * kStoreAlign;
+}
+
+bool PreparedSlotFits(uint64_t prepared_slot_bytes, uint64_t needed_slot_bytes) {
+  return prepared_slot_bytes >= needed_slot_bytes &&
+         prepared_slot_bytes - needed_slot_bytes <= needed_slot_bytes / 8 + (uint64_t{8} << 20);
+}
 
 uint64_t PhysicalMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);

@@ -181,6 +181,8 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["staging_alloc_waits"] = s.staging_alloc_waits;
   d["staging_alloc_wait_s"] = s.staging_alloc_wait_s;
   d["staging_prepared_bytes"] = s.staging_prepared_bytes;
+  d["slot_file_prepared_bytes"] = s.slot_file_prepared_bytes;
+  d["slot_file_wait_s"] = s.slot_file_wait_s;
   d["staging_bytes"] = s.staging_bytes;
   d["chunk_bytes"] = s.chunk_bytes;
   d["writers"] = s.writers;

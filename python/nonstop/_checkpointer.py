@@ -295,6 +295,9 @@ class Checkpointer:
         # uploaded in the background, and restore() falls back to them; _remote.py, docs/TIERS.md
         self._remote = None if remote is None else _remote.Tier(
             self, remote, remote_options, _core, _read, LoadedCheckpoint)
+        # The handles' thread starts now, not inside the first save() (no
+        # first-checkpoint spike; _handle.Watcher.start).
+        self._watcher.start()
         _LIVE.add(self)
 
     # ---------------------------------------------------------------- saving

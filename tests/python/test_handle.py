@@ -113,7 +113,9 @@ def test_failed_checkpoint_settles_its_handle_with_the_error_while_training_goes
     slot = os.path.join(d, "rank-00000.nsck")
     shutil.move(slot, str(tmp_path / "aside.nsck"))  # the engine keeps its open file
     os.makedirs(os.path.join(slot, "in-the-way"))
-    extra["buf"] = torch.zeros(1 << 16)  # a larger registration: a new slot file
+    # a larger registration: a new slot file (larger than the slot file the
+    # Checkpointer prepared from its estimate: that has 4 MiB of room)
+    extra["buf"] = torch.zeros(1 << 22)
     _train(model, opt)
     h = ckpt.step(1)
     err = h.exception(timeout=60)

@@ -1,7 +1,12 @@
 """No first-checkpoint spike (issue #19): the Checkpointer starts allocating
 the state-sized staging in the background when it is built, so the first
 save() takes the prepared pool instead of allocating on the training thread.
-Checked through the engine's counters (stats()), not wall-clock times."""
+Checked through the engine's counters (stats()), not wall-clock times.
+Also what else the first save() no longer does on the training thread: it
+starts no thread (the handles' thread starts in the constructor) and adopts
+the slot file the engine created in the background."""
+import os
+import threading
 import time
 
 import pytest
@@ -93,3 +98,59 @@ def test_explicit_staging_bytes_is_kept(tmp_path, staging_bytes):
         assert s["staging_prepared_bytes"] == 0 and s["staging_alloc_waits"] == 0
     finally:
         ckpt.close()
+
+
+# ---- the slot file created in the background, the handles' thread
+
+def _small_model_and_adam():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def _train_small(model, opt):
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_the_first_save_starts_no_thread_and_adopts_the_prepared_slot_file(tmp_path, monkeypatch):
+    d = str(tmp_path / "ck")
+    model, opt = _small_model_and_adam()
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=100, tier="disk") as ckpt:
+        _train_small(model, opt)  # Adam's moments appear: the estimate counted them
+        started = []
+        real_start = threading.Thread.start
+
+        def start(self):
+            started.append(self.name)
+            return real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        h = ckpt.save(0)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert started == [], started
+        assert h.wait(timeout=60)["committed"]
+        s = ckpt.stats()
+        # The slot file the engine created in the background was adopted.
+        assert s["slot_file_prepared_bytes"] == os.path.getsize(os.path.join(d, "rank-00000.nsck"))
+    assert not [t for t in threading.enumerate() if t.name == "nonstop-handles"]
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=100, tier="disk") as ckpt:
+        assert ckpt.restore() == 0
+
+
+def test_a_checkpointer_closed_before_any_save_leaves_no_checkpoint_and_no_thread(tmp_path):
+    d = str(tmp_path / "ck")
+    model, opt = _small_model_and_adam()
+    ckpt = nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=100, tier="disk")
+    assert [t for t in threading.enumerate() if t.name == "nonstop-handles"]
+    ckpt.close()
+    assert not [t for t in threading.enumerate() if t.name == "nonstop-handles"]
+    # The slot file created in the background is there, empty: the next
+    # job finds no checkpoint, restores nothing and saves.
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=100, tier="disk") as ckpt:
+        assert ckpt.restore() is None
+        _train_small(model, opt)
+        assert ckpt.save(3).wait(timeout=60)["committed"]
+        assert ckpt.latest() == 3

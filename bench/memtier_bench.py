@@ -147,13 +147,56 @@ def child_restore(a):
     eng.restore()
     t_engine = time.perf_counter() - t2
     es = eng.stats()
+    ceiling = {}
+    if a.scheme == "memory":
+        ceiling = read_ceiling(a.dir, tensors)
     ckpt.close()
     print(json.dumps(dict(step=step, open_s=t_open, restore_s=t_restore,
                           read_s=s.get("restore_read_s"), read_GBps=s.get("restore_GBps"),
                           restored_from=s.get("restored_from"),
                           why=s.get("memory_unused_because"), checksum=checksum,
-                          engine_restore_s=t_engine,
+                          engine_restore_s=t_engine, ceiling=ceiling,
                           engine_from_memory=es["restored_from_memory"])))
+
+
+def read_ceiling(d, tensors):
+    """What bounds a read of the segment on this machine, with the segment
+    still there (before close): the C++ read alone (Reader.read_into: pread +
+    crc32c of every chunk) into the same live tensors again (warm pages),
+    with 1 and 4 threads, and a plain memcpy of the same bytes (torch copy_
+    into warm tensors, one thread): the read cannot beat memcpy + crc."""
+    import torch
+    from nonstop import _checkpointer
+    core = _checkpointer._core()
+    reader, why = core.open_memory_segment(d, 0)
+    if reader is None:
+        return {"why": why}
+    idx = reader.newest_valid
+    info = reader.checkpoints[idx]
+    dst = []
+    for spec in info["tensors"]:
+        t = tensors.get(spec["name"])
+        ok = t is not None and t.is_contiguous() and t.numel() * t.element_size() == spec["nbytes"]
+        dst.append((t.data_ptr(), spec["nbytes"]) if ok else (0, 0))
+    nbytes = sum(n for _, n in dst)
+    out = {"bytes": nbytes}
+    for threads in (1, 4):
+        best = 1e9
+        for _ in range(2):
+            t0 = time.perf_counter()
+            reader.read_into(idx, dst, threads=threads)
+            best = min(best, time.perf_counter() - t0)
+        out[f"read_{threads}t_GBps"] = nbytes / best / 1e9
+    src = [t.detach() for t in tensors.values() if t.is_contiguous()]
+    copies = [t.clone() for t in src]
+    best = 1e9
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for c, t in zip(copies, src):
+            c.copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    out["memcpy_GBps"] = sum(t.numel() * t.element_size() for t in src) / best / 1e9
+    return out
 
 
 def run_child(args, phase, scheme, d, timeout=600):
@@ -217,7 +260,8 @@ def main():
                                  read_s=got["read_s"], read_GBps=got["read_GBps"],
                                  engine_restore_s=got["engine_restore_s"],
                                  engine_GBps=crashed["bytes"] / got["engine_restore_s"] / 1e9,
-                                 engine_from_memory=got["engine_from_memory"], correct=ok))
+                                 engine_from_memory=got["engine_from_memory"], correct=ok,
+                                 ceiling=got.get("ceiling", {})))
             subprocess.run(["rm", "-rf", d])
     print(f"{'phase':8} {'scheme':11} {'rnd':>3} {'GB':>5}  result")
     for x in rows:
@@ -231,6 +275,10 @@ def main():
                    f" | Engine.restore {x['engine_restore_s']:6.3f} s {x['engine_GBps']:6.2f} GB/s"
                    f" (memory: {x['engine_from_memory']}) correct={x['correct']}")
         print(f"{x['phase']:8} {x['scheme']:11} {x['round']:>3} {x['bytes']/1e9:5.2f}  {res}")
+        c = x.get("ceiling") or {}
+        if "memcpy_GBps" in c:
+            print(f"{'':33}segment read alone, warm: {c['read_1t_GBps']:5.2f} GB/s 1 thread, "
+                  f"{c['read_4t_GBps']:5.2f} GB/s 4 threads; memcpy {c['memcpy_GBps']:5.2f} GB/s")
     out = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                host=os.uname().nodename, cpus=os.cpu_count(), rows=rows)
     with open(a.out, "w") as f:

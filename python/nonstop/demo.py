@@ -382,6 +382,8 @@ def main(argv=None) -> int:
         ("time to recover: start to first step done",
          f"{first_resumed['t']:.2f} s" if first_resumed else "-"),
         ("  of which start to model built", f"{resumed.event('ready')['t']:.2f} s"),
+        ("  of which Checkpointer() + restore()",
+         f"{restored['t'] - resumed.event('ready')['t']:.2f} s"),
         ("final state vs reference", "IDENTICAL" if ok else "DIFFERENT"),
     ]
     w = max(len(r[0]) for r in rows)

@@ -744,5 +744,69 @@ TEST_F(MemoryTierTest, AutoSkipsCommitsBeyondItsShareAndRecoveryReadsTheDisk) {
   EXPECT_NE(e.status().message().find("memory_tier_share"), std::string::npos);
 }
 
+// Distributed recovery opens each rank's segment against the checkpoint of
+// the step the ranks agreed on, which may be older than this rank's newest
+// (a peer had not committed the newer one): exactly that checkpoint, never
+// another step's.
+TEST_F(MemoryTierTest, ASegmentIsOpenedForTheStepTheRanksAgreedOn) {
+  std::vector<float> w(100000);
+  fs::path seg, aside;
+  {
+    auto e = Engine::Open(Options("job")).value();
+    ASSERT_TRUE(e->Register({Ref(w)}).ok());
+    Run(*e, w, 1, 2);
+    seg = Segment(*e);
+    aside = SaveAside(seg);  // the segment of step 2
+    Run(*e, w, 3, 3);
+    ASSERT_TRUE(e->Close().ok());
+  }
+  PutBack(aside, seg);
+  const std::string job = (root_ / "job").string();
+  std::string why;
+  auto s = OpenMemorySegment(job, 0, shm_, nullptr, nullptr, &why);  // the disk's newest: 3
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_FALSE(s.value().has_value());
+  s = OpenMemorySegment(job, 0, shm_, nullptr, nullptr, &why, 3);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_FALSE(s.value().has_value());
+  s = OpenMemorySegment(job, 0, shm_, nullptr, nullptr, &why, 2);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_TRUE(s.value().has_value()) << why;
+  EXPECT_EQ(s.value()->info.step, 2);
+  s = OpenMemorySegment(job, 0, shm_, nullptr, nullptr, &why, 7);  // no such step on disk
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_FALSE(s.value().has_value());
+}
+
+// All ranks of a job restart at once: a writer's sweep never takes the lock
+// of another rank's segment of its own job that the job directory names
+// (that rank would record a fresh name and restart from the disk), even
+// with an age limit of 0, which removes any other job's dead segment.
+TEST_F(MemoryTierTest, ASweepLeavesAnotherRankOfItsOwnJobAlone) {
+  EngineOptions r1 = Options("job");
+  r1.rank = 1;
+  r1.world_size = 2;
+  const fs::path seg1 = CrashWithSegment(r1);  // forked before any thread here
+  ASSERT_TRUE(fs::is_regular_file(seg1));
+  EngineOptions r0 = Options("job");
+  r0.world_size = 2;
+  r0.memory_tier_orphan_s = 0;
+  auto e = Engine::Open(r0).value();
+  EXPECT_EQ(e->Stats().memory_swept, 0u);
+  EXPECT_TRUE(fs::is_regular_file(seg1));
+  EXPECT_TRUE(fs::is_regular_file(LockOf(seg1)));
+  ASSERT_TRUE(e->Close().ok());
+  // Rank 1 restarts and finds its segment (step 3) under the recorded name.
+  std::vector<float> w(100000);
+  auto e1 = Engine::Open(r1).value();
+  EXPECT_EQ(Segment(*e1), seg1);
+  ASSERT_TRUE(e1->Register({Ref(w)}).ok());
+  auto info = e1->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->step, 3);
+  EXPECT_TRUE(e1->Stats().restored_from_memory);
+  ASSERT_TRUE(e1->Close().ok());
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -131,6 +131,17 @@ Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
       DefaultStagingSize(state_bytes, chunk_bytes_, min_chunks_, PhysicalMemoryBytes(), pinned).bytes;
   if (want <= staging_->total_bytes()) return Status::OK();
   if (prep_thread_.joinable()) prep_thread_.join();  // an earlier one, already taken
+  // Nothing registered or in flight yet: until the first Register takes the
+  // prepared pool, the smallest one will do. The default pool (256 MiB) is
+  // freed now, in the background (retire_thread_), rather than during the
+  // first save(), where unlocking and unmapping it competed with the save
+  // for the CPU.
+  const uint64_t smallest = uint64_t{min_chunks_} * chunk_bytes_;
+  if (!reg_ && in_flight_ == 0 && open_ == 0 && staging_->total_bytes() > smallest) {
+    Result<std::unique_ptr<StagingPool>> small =
+        StagingPool::Create(copy_.get(), smallest, chunk_bytes_, min_chunks_);
+    if (small.ok()) NONSTOP_RETURN_IF_ERROR(ReplaceStaging(std::move(small).value()));
+  }
   auto prep = std::make_shared<PreparedStaging>();
   prep_ = prep;
   CopyEngine* copy = copy_.get();

@@ -137,7 +137,10 @@ TEST_F(StagingGrowthTest, PreparedStagingIsTakenWithoutWaiting) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EXPECT_GE((*e)->Stats().staging_prepared_bytes, big.size());
-  EXPECT_EQ((*e)->Stats().staging_bytes, 256 * kMiB);  // not swapped in before Register
+  // Not swapped in before Register; the default pool gave way to the
+  // smallest one (its 256 MiB freed in the background, not in the first save).
+  EXPECT_LT((*e)->Stats().staging_bytes, 256 * kMiB);
+  EXPECT_GE((*e)->Stats().staging_bytes, 4 * kMiB);
   ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
   EngineStats s = (*e)->Stats();
   EXPECT_GE(s.staging_bytes, big.size());

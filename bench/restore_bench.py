@@ -11,6 +11,8 @@ file read once through the page cache first):
   nonstop     Checkpointer(dir, {"model": model}).restore(), open included
               (close() is timed apart: close_s in the JSON)
   nonstop-buffered  the same with buffered reads only (NONSTOP_RESTORE_DIRECT=0)
+  nonstop-qd1 the same with one O_DIRECT read in flight per reader thread
+              (NONSTOP_RESTORE_QUEUE=4: the path before the io_uring queue)
   fio         fio --rw=read --direct=1 --ioengine=libaio --iodepth=16 --bs=4M
               (the file system's O_DIRECT sequential read; no page cache)
   torch.load  torch.load(f, mmap=False, weights_only=True) + load_state_dict
@@ -109,12 +111,15 @@ def fresh_model(cls, *args):
     return m
 
 
-def run_nonstop(d, model, direct=True):
+def run_nonstop(d, model, direct=True, queue=None):
     """Checkpointer() + restore(): until the state is restored and training
     can go on. close() (which waits for the background staging allocation
     the restore started, then frees it) is timed apart, as close_s."""
     old = os.environ.get("NONSTOP_RESTORE_DIRECT")
+    old_q = os.environ.pop("NONSTOP_RESTORE_QUEUE", None)
     os.environ["NONSTOP_RESTORE_DIRECT"] = "1" if direct else "0"
+    if queue is not None:
+        os.environ["NONSTOP_RESTORE_QUEUE"] = str(queue)
     try:
         t0 = time.perf_counter()
         ck = nonstop.Checkpointer(d, {"model": model}, rng=False)
@@ -131,6 +136,9 @@ def run_nonstop(d, model, direct=True):
             os.environ.pop("NONSTOP_RESTORE_DIRECT", None)
         else:
             os.environ["NONSTOP_RESTORE_DIRECT"] = old
+        os.environ.pop("NONSTOP_RESTORE_QUEUE", None)
+        if old_q is not None:
+            os.environ["NONSTOP_RESTORE_QUEUE"] = old_q
     assert step == 0, step
     return {"s": t2 - t0, "restore_s": t2 - t1, "open_s": t1 - t0, "close_s": t3 - t2,
             "restore_GBps_stats": st.get("restore_GBps"), "read_s": st.get("restore_read_s"),
@@ -139,6 +147,10 @@ def run_nonstop(d, model, direct=True):
 
 def run_nonstop_buffered(d, model):
     return run_nonstop(d, model, direct=False)
+
+
+def run_nonstop_qd1(d, model):
+    return run_nonstop(d, model, queue=4)  # 4 reader threads, one read each
 
 
 def run_torch(f, model):
@@ -168,9 +180,9 @@ def run_fio(f, nbytes):
             "fio_GBps": job["bw_bytes"] / GB}
 
 
-METHODS = ("nonstop", "fio", "torch.load", "dcp", "nonstop-buffered")
+METHODS = ("nonstop", "fio", "torch.load", "dcp", "nonstop-buffered", "nonstop-qd1")
 RUN = {"nonstop": run_nonstop, "torch.load": run_torch, "dcp": run_dcp,
-       "nonstop-buffered": run_nonstop_buffered}
+       "nonstop-buffered": run_nonstop_buffered, "nonstop-qd1": run_nonstop_qd1}
 
 
 def fingerprint(model) -> list:
@@ -191,6 +203,7 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
     paths = {"nonstop": os.path.join(d, "nonstop"), "torch.load": os.path.join(d, "state.pt"),
              "dcp": os.path.join(d, "dcp"), "fio": os.path.join(d, "fio.dat")}
     paths["nonstop-buffered"] = paths["nonstop"]  # the same files, buffered reads only
+    paths["nonstop-qd1"] = paths["nonstop"]
     torch.manual_seed(0)
     ref = Model(nbytes)
     size = state_bytes(ref)
@@ -243,6 +256,10 @@ def bench_size(root: str, gb: float, rounds: int) -> dict:
             "nonstop_over_torch_load": best["nonstop"] / best["torch.load"],
             "nonstop_over_dcp": best["nonstop"] / best["dcp"],
             "odirect_over_buffered": best["nonstop"] / best["nonstop-buffered"],
+            "nonstop_over_qd1": best["nonstop"] / best["nonstop-qd1"],
+            # restore() alone (the Checkpointer's open apart) over fio
+            "nonstop_restore_only_over_fio": max(size / r["restore_s"] / GB
+                                                 for r in runs["nonstop"][cache]) / best["fio"],
             # The same ratios round by round (each round runs every method
             # back to back), median over the rounds: less exposed to drift.
             "per_round_median": {
@@ -297,6 +314,7 @@ def main() -> None:
     base = args.dir or os.path.dirname(os.path.abspath(__file__))
     root = tempfile.mkdtemp(prefix=".restore_bench-", dir=base)
     results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+               "loadavg_start": os.getloadavg(),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "torch": torch.__version__,
                            "filesystem_dir": os.path.abspath(base)},
@@ -309,20 +327,24 @@ def main() -> None:
         results["small"] = bench_small(root, args.small, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    results["loadavg_end"] = os.getloadavg()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print()
-    print(f"{'state':>7} {'cache':5} {'nonstop':>9} {'buffered':>9} {'fio':>9} {'torch.load':>10} "
+    print(f"{'state':>7} {'cache':5} {'nonstop':>9} {'buffered':>9} {'qd1':>6} {'fio':>9} {'torch.load':>10} "
           f"{'dcp':>9} {'/fio':>6} {'/torch':>7} {'/dcp':>6}   (best GB/s; ratios: nonstop over "
           f"each)")
     for name, r in results["sizes"].items():
         for cache in ("cold", "warm"):
             c = r[cache]
             g = c["GBps"]
-            print(f"{name:>7} {cache:5} {g['nonstop']:9.2f} {g['nonstop-buffered']:9.2f} "
+            print(f"{name:>7} {cache:5} {g['nonstop']:9.2f} {g['nonstop-buffered']:9.2f} {g['nonstop-qd1']:6.2f} "
                   f"{g['fio']:9.2f} {g['torch.load']:10.2f} {g['dcp']:9.2f} "
                   f"{c['nonstop_over_fio']:6.2f} {c['nonstop_over_torch_load']:7.2f} "
                   f"{c['nonstop_over_dcp']:6.2f}")
+        print(f"{'':>7} cold per-round medians: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["cold"]["per_round_median"].items())
+              + f"; restore() alone / fio {r['cold']['nonstop_restore_only_over_fio']:.2f}")
     s = results["small"]
     print(f"{s['tensors']} small tensors: restore() {s['cold_restore_s']:.3f} s cold, "
           f"{s['warm_restore_s']:.3f} s warm (target <= 0.5 s)")

@@ -43,6 +43,34 @@ struct MediumOptions {
   // For kAuto: the kinds that did not work are reported in Medium::Describe().
 };
 
+// One finished read of a ReadQueue: the tag given to Submit, and how it went.
+struct ReadDone {
+  uint64_t tag = 0;
+  Status status;
+};
+
+// Reads of one medium kept in flight together (Medium::OpenReadQueue), so
+// that the device works on the next ones while the caller checks the last.
+// A queue is used by one thread at a time; its medium must outlive it.
+class ReadQueue {
+ public:
+  // Waits for every read still in flight (they write into the caller's
+  // buffers), so a buffer may be freed once its queue is gone.
+  virtual ~ReadQueue() = default;
+  // Starts reading `n` bytes at `offset` into `buf`, under the same rules as
+  // Medium::Read (alignment; past Size() is Corruption). At most depth()
+  // reads may be outstanding (submitted and not yet returned by Next). An
+  // error here means the read was not started (nothing to wait for).
+  virtual Status Submit(uint64_t offset, void* buf, size_t n, uint64_t tag) = 0;
+  // Waits for one outstanding read to finish, in any order: whole (a short
+  // transfer is continued inside) or failed, as `status`. FailedPrecondition
+  // when none is outstanding.
+  virtual Result<ReadDone> Next() = 0;
+  virtual unsigned depth() const = 0;
+  // Reads outstanding now.
+  virtual unsigned outstanding() const = 0;
+};
+
 class Medium {
  public:
   virtual ~Medium() = default;
@@ -75,6 +103,11 @@ class Medium {
     (void)n;
     return Status::Unavailable("this medium cannot tell what is cached");
   }
+  // A queue of up to `depth` (>= 1) reads in flight at once. The io_uring
+  // medium keeps them in the kernel together; every other medium (and any
+  // wrapper that changes reads, such as a fault-injecting one) gets the
+  // plain queue, which performs each read in Submit through this->Read.
+  virtual std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth);
 };
 
 // OpenMedium(path, kind, opts), which opens a file by path, goes through the

@@ -71,6 +71,11 @@ struct RestoreOptions {
   // O_DIRECT read fails or does not verify (read again buffered before it
   // counts as failed, so O_DIRECT can only make a restore faster).
   bool direct = true;
+  // O_DIRECT reads kept in flight at once, shared out among the threads
+  // (each thread keeps its share queued, through Medium::OpenReadQueue:
+  // io_uring where the direct medium is one, while it verifies and copies
+  // the pieces that have arrived). Each costs a piece-sized bounce buffer.
+  unsigned queue_depth = 16;
   // ReadCheckpointInto: that O_DIRECT medium on the same file (Alignment()
   // a power of two, at most kStoreAlign), or null for buffered reads only.
   Medium* direct_medium = nullptr;

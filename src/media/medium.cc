@@ -2,6 +2,7 @@
 // (OpenMedium, which opens a path through the Env, is in src/env.)
 #include <unistd.h>
 
+#include <deque>
 #include <string>
 #include <utility>
 
@@ -28,6 +29,42 @@ const char* MediumKindName(MediumKind k) {
       return "pmem";
   }
   return "unknown";
+}
+
+namespace {
+
+// The plain ReadQueue: each read is done in Submit, through the medium's own
+// Read (so a wrapper that injects faults or counts reads sees every one), and
+// Next hands the results back in order.
+class SyncReadQueue final : public ReadQueue {
+ public:
+  SyncReadQueue(Medium& m, unsigned depth) : m_(m), depth_(depth) {}
+  Status Submit(uint64_t offset, void* buf, size_t n, uint64_t tag) override {
+    if (done_.size() >= depth_) {
+      return Status::FailedPrecondition("read queue full (" + std::to_string(depth_) + ")");
+    }
+    done_.push_back(ReadDone{tag, m_.Read(offset, buf, n)});
+    return Status::OK();
+  }
+  Result<ReadDone> Next() override {
+    if (done_.empty()) return Status::FailedPrecondition("no read is outstanding");
+    ReadDone d = std::move(done_.front());
+    done_.pop_front();
+    return d;
+  }
+  unsigned depth() const override { return depth_; }
+  unsigned outstanding() const override { return static_cast<unsigned>(done_.size()); }
+
+ private:
+  Medium& m_;
+  const unsigned depth_;
+  std::deque<ReadDone> done_;
+};
+
+}  // namespace
+
+std::unique_ptr<ReadQueue> Medium::OpenReadQueue(unsigned depth) {
+  return std::make_unique<SyncReadQueue>(*this, depth < 1 ? 1 : depth);
 }
 
 bool ParseMediumKind(std::string_view name, MediumKind* out) {
@@ -120,6 +157,10 @@ class ReadOnlyMedium final : public media::MediumWrapper {
                   " bytes)");
   }
   Status Sync() override { return Status::OK(); }  // nothing was written
+  // Reads are the inner medium's, unchanged: its queue (io_uring's included).
+  std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth) override {
+    return inner().OpenReadQueue(depth);
+  }
   Status Resize(uint64_t size) override {
     return Refuse("resize " + path_ + " to " + std::to_string(size) + " bytes");
   }

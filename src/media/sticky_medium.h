@@ -40,6 +40,10 @@ class StickySyncMedium final : public MediumWrapper {
     if (failed_.load(std::memory_order_acquire)) return Sticky();
     return MediumWrapper::Resize(size);
   }
+  // Reads are the inner medium's, unchanged: its queue (io_uring's included).
+  std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth) override {
+    return inner().OpenReadQueue(depth);
+  }
   Status Sync() override {
     if (failed_.load(std::memory_order_acquire)) return Sticky();
     Status st = MediumWrapper::Sync();

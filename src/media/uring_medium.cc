@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "media/fd_medium.h"
 
@@ -83,6 +86,145 @@ ThreadRing* AcquireRing(int* err) {
   return tl_ring.get();
 }
 
+// A queue of O_DIRECT reads in flight together (Medium::OpenReadQueue), on a
+// ring of its own: one thread uses it at a time, and it reaps its own
+// completions only. Every read is submitted as soon as it is queued; a short
+// transfer is resubmitted for the rest inside Next, so a read comes back
+// whole or failed.
+class UringReadQueue final : public ReadQueue {
+ public:
+  UringReadQueue(Medium& m, std::string path, int fd, size_t alignment, unsigned depth)
+      : m_(m), path_(std::move(path)), fd_(fd), alignment_(alignment), depth_(depth),
+        slots_(depth) {
+    for (unsigned i = depth; i > 0; --i) free_.push_back(i - 1);
+  }
+  ~UringReadQueue() override {
+    if (!ready_) return;
+    // The reads in flight write into the caller's buffers: wait for each.
+    while (outstanding_ > 0) {
+      io_uring_cqe* cqe = nullptr;
+      const int w = io_uring_wait_cqe(&ring_, &cqe);
+      if (w == -EINTR) continue;
+      if (w < 0) break;
+      const uint64_t slot = io_uring_cqe_get_data64(cqe);
+      io_uring_cqe_seen(&ring_, cqe);
+      if (slot != kNop) --outstanding_;
+    }
+    io_uring_queue_exit(&ring_);
+  }
+  UringReadQueue(const UringReadQueue&) = delete;
+  UringReadQueue& operator=(const UringReadQueue&) = delete;
+
+  // 0 or a positive errno.
+  int Init() {
+    const int rc = io_uring_queue_init(std::max(2u, depth_), &ring_, 0);
+    if (rc < 0) return -rc;
+    ready_ = true;
+    return 0;
+  }
+
+  Status Submit(uint64_t offset, void* buf, size_t n, uint64_t tag) override {
+    if (free_.empty()) {
+      return Status::FailedPrecondition("io_uring read queue of " + path_ + " is full (" +
+                                        std::to_string(depth_) + ")");
+    }
+    NONSTOP_RETURN_IF_ERROR(CheckAligned("read", path_, offset, buf, n, alignment_));
+    NONSTOP_RETURN_IF_ERROR(CheckReadRange(path_, offset, n, m_.Size()));
+    if (n > kMaxRead) {
+      return Status::InvalidArgument("io_uring read of " + path_ + ": " + std::to_string(n) +
+                                     " bytes in one read (at most " + std::to_string(kMaxRead) +
+                                     ")");
+    }
+    const unsigned slot = free_.back();
+    slots_[slot] = Slot{offset, static_cast<char*>(buf), n, tag};
+    NONSTOP_RETURN_IF_ERROR(Start(slot));
+    free_.pop_back();
+    ++outstanding_;
+    return Status::OK();
+  }
+
+  Result<ReadDone> Next() override {
+    if (outstanding_ == 0) return Status::FailedPrecondition("no read is outstanding");
+    for (;;) {
+      io_uring_cqe* cqe = nullptr;
+      const int w = io_uring_wait_cqe(&ring_, &cqe);
+      if (w == -EINTR) continue;
+      if (w < 0) return Status::FromErrno("io_uring wait for a read of " + path_, -w);
+      const uint64_t data = io_uring_cqe_get_data64(cqe);
+      const int res = cqe->res;
+      io_uring_cqe_seen(&ring_, cqe);
+      if (data == kNop) continue;
+      const unsigned slot = static_cast<unsigned>(data);
+      Slot& s = slots_[slot];
+      Status st;
+      if (res == -EINTR || res == -EAGAIN) {
+        st = Start(slot);
+        if (st.ok()) continue;
+      } else if (res < 0) {
+        st = Status::FromErrno("io_uring read " + path_ + " at " + std::to_string(s.offset) +
+                                   " (+" + std::to_string(s.len) + " bytes)",
+                               -res);
+      } else if (res == 0) {
+        st = Status::Corruption("io_uring read " + path_ + " at " + std::to_string(s.offset) +
+                                ": end of file");
+      } else if (static_cast<size_t>(res) < s.len) {
+        // A short read: continue where it stopped.
+        s.offset += static_cast<uint64_t>(res);
+        s.p += res;
+        s.len -= static_cast<size_t>(res);
+        st = Start(slot);
+        if (st.ok()) continue;
+      }
+      free_.push_back(slot);
+      --outstanding_;
+      return ReadDone{s.tag, std::move(st)};
+    }
+  }
+
+  unsigned depth() const override { return depth_; }
+  unsigned outstanding() const override { return outstanding_; }
+
+ private:
+  static constexpr uint64_t kNop = UINT64_MAX;
+  static constexpr size_t kMaxRead = size_t{1} << 30;  // a read's length is 32 bits in the SQE
+  struct Slot {
+    uint64_t offset = 0;
+    char* p = nullptr;
+    size_t len = 0;
+    uint64_t tag = 0;
+  };
+
+  // Queues and submits the (rest of the) read of `slot`. If the kernel
+  // refuses the submission, the entry is turned into a no-op, so that it can
+  // never reach the kernel later pointing at the caller's buffer.
+  Status Start(unsigned slot) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // never null: entries >= depth, each submitted
+    if (sqe == nullptr) return Status::Internal("io_uring read queue of " + path_ + " has no entry");
+    const Slot& s = slots_[slot];
+    io_uring_prep_read(sqe, fd_, s.p, static_cast<unsigned>(s.len), s.offset);
+    io_uring_sqe_set_data64(sqe, slot);
+    for (;;) {
+      const int rc = io_uring_submit(&ring_);
+      if (rc >= 1) return Status::OK();
+      if (rc == -EINTR) continue;
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kNop);
+      return Status::FromErrno("io_uring_enter for a read of " + path_, rc < 0 ? -rc : EAGAIN);
+    }
+  }
+
+  Medium& m_;
+  const std::string path_;
+  const int fd_;
+  const size_t alignment_;
+  const unsigned depth_;
+  io_uring ring_{};
+  bool ready_ = false;
+  std::vector<Slot> slots_;
+  std::vector<unsigned> free_;
+  unsigned outstanding_ = 0;
+};
+
 class UringMedium final : public FdMedium {
  public:
   using FdMedium::FdMedium;
@@ -100,6 +242,13 @@ class UringMedium final : public FdMedium {
     NONSTOP_RETURN_IF_ERROR(CheckAligned("read", path_, offset, buf, n, alignment_));
     NONSTOP_RETURN_IF_ERROR(CheckReadRange(path_, offset, n, Size()));
     return Transfer(/*write=*/false, offset, static_cast<char*>(buf), n);
+  }
+
+  std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth) override {
+    auto q = std::make_unique<UringReadQueue>(*this, path_, fd_, alignment_,
+                                              std::max(1u, depth));
+    if (q->Init() != 0) return Medium::OpenReadQueue(depth);  // reads one at a time
+    return q;
   }
 
  protected:

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <utility>
@@ -130,6 +131,13 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   RestoreOptions opts;
   opts.threads = threads;
   opts.direct = direct;
+  // NONSTOP_RESTORE_QUEUE: O_DIRECT reads in flight (RestoreOptions::queue_depth),
+  // for comparisons; 1 per thread is the old one-read-per-thread path.
+  if (const char* q = std::getenv("NONSTOP_RESTORE_QUEUE")) {
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(q, &end, 10);
+    if (end != q && *end == '\0' && v >= 1 && v <= 1024) opts.queue_depth = static_cast<unsigned>(v);
+  }
   if (!progress.is_none()) {
     opts.progress = [&](uint64_t done, uint64_t total) -> bool {
       py::gil_scoped_acquire gil;

@@ -131,8 +131,15 @@ class Reading {
     for (const Piece& p : pieces_) total_bytes_ += p.end - p.begin;
     std::vector<std::thread> pool;
     pool.reserve(threads);
+    // The O_DIRECT reads in flight, shared out among the threads (each keeps
+    // its share queued while it checks and copies what has arrived).
+    const unsigned depth =
+        opts_.direct_medium == nullptr
+            ? 0
+            : std::max(1u, (std::max(1u, opts_.queue_depth) + static_cast<unsigned>(threads) - 1) /
+                               static_cast<unsigned>(threads));
     for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([this, buf_bytes] { Work(buf_bytes); });
+      pool.emplace_back([this, buf_bytes, depth] { Work(buf_bytes, depth); });
     }
     // The calling thread reports progress (a Python callback needs it).
     {
@@ -224,41 +231,27 @@ class Reading {
     return !(cached.ok() && cached.value() >= len);
   }
 
-  Status ReadPiece(const Piece& p, Buffer& buf) {
-    if (UseDirect(p)) {
-      if (ReadPieceVia(*opts_.direct_medium, p, buf).ok()) {
-        odirect_bytes_ += p.end - p.begin;
-        return Status::OK();
-      }
-      // Refused, failed or not verified: read again buffered, so that only
-      // the slot file's own bytes can fail the restore.
-      ++retried_pieces_;
-    }
-    return ReadPieceVia(file_.medium(), p, buf);
+  // Where an O_DIRECT read of piece `p` (`rlen` bytes, the medium's
+  // alignment `a`) may land straight in its tensor: the tensor's memory, or
+  // null (then it goes through a bounce buffer and is copied out).
+  uint8_t* StraightInto(const Piece& p, uint64_t rlen, uint64_t a) const {
+    const int cover = Covering(p.begin, p.end);
+    if (cover < 0 || dst_[cover] == nullptr || rlen != p.end - p.begin) return nullptr;
+    uint8_t* out = static_cast<uint8_t*>(dst_[cover]) + (p.begin - info_.tensors[cover].data_offset);
+    return reinterpret_cast<uintptr_t>(out) % a == 0 ? out : nullptr;
   }
 
-  // Reads piece `p` through `m` (the slot file's medium or the O_DIRECT one)
-  // and verifies its chunks; counts it only when it succeeded.
-  Status ReadPieceVia(Medium& m, const Piece& p, Buffer& buf) {
+  // Piece `p` has arrived at `at` (its tensor's memory when `in_tensor`,
+  // else a bounce buffer): verifies its chunks, then copies every
+  // overlapping tensor's part out of the buffer.
+  Status Finish(const Piece& p, const uint8_t* at, bool in_tensor) {
+    NONSTOP_RETURN_IF_ERROR(Verify(p, at));
     const uint64_t len = p.end - p.begin;
-    const uint64_t a = std::max<uint64_t>(1, m.Alignment());
-    const uint64_t rlen = (len + a - 1) / a * a;  // what the medium reads (its alignment)
-    const int cover = Covering(p.begin, p.end);
-    if (cover >= 0 && dst_[cover] != nullptr && rlen == len &&
-        reinterpret_cast<uintptr_t>(static_cast<uint8_t*>(dst_[cover]) +
-                                    (p.begin - info_.tensors[cover].data_offset)) % a ==
-            0) {
-      // Straight into the tensor, checked where it landed.
-      uint8_t* out = static_cast<uint8_t*>(dst_[cover]) + (p.begin - info_.tensors[cover].data_offset);
-      NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, out, len));
-      NONSTOP_RETURN_IF_ERROR(Verify(p, out));
+    if (in_tensor) {
       direct_bytes_ += len;
       tensor_bytes_ += len;
       return Status::OK();
     }
-    NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, buf.data(), rlen));
-    NONSTOP_RETURN_IF_ERROR(Verify(p, buf.data()));
-    // Scatter: every tensor overlapping the piece gets its part.
     auto it = std::upper_bound(order_.begin(), order_.end(), p.begin, [&](uint64_t v, size_t i) {
       return v < info_.tensors[i].data_offset;
     });
@@ -270,7 +263,7 @@ class Reading {
       const uint64_t lo = std::max(te.data_offset, p.begin);
       const uint64_t hi = std::min(te.data_offset + te.spec.nbytes, p.end);
       if (lo >= hi || dst_[*it] == nullptr) continue;
-      std::memcpy(static_cast<uint8_t*>(dst_[*it]) + (lo - te.data_offset), buf.data() + (lo - p.begin),
+      std::memcpy(static_cast<uint8_t*>(dst_[*it]) + (lo - te.data_offset), at + (lo - p.begin),
                   hi - lo);
       copied += hi - lo;
     }
@@ -278,23 +271,106 @@ class Reading {
     return Status::OK();
   }
 
-  void Work(uint64_t buf_bytes) {
-    Buffer buf(buf_bytes);
-    if (!buf.ok()) Fail(Status::Internal("out of memory for a restore buffer"));
-    while (!stop_.load()) {
-      const size_t k = next_.fetch_add(1);
-      if (k >= pieces_.size()) break;
-      const Piece& p = pieces_[k];
-      Status s = ReadPiece(p, buf);
-      if (!s.ok()) {
-        Fail(std::move(s));
-        break;
-      }
-      done_bytes_ += p.end - p.begin;
+  // Reads piece `p` through `m` in one call (buffered: the slot file's own
+  // medium) and verifies it; counts it only when it succeeded.
+  Status ReadPieceVia(Medium& m, const Piece& p, Buffer& buf) {
+    const uint64_t len = p.end - p.begin;
+    const uint64_t a = std::max<uint64_t>(1, m.Alignment());
+    const uint64_t rlen = (len + a - 1) / a * a;  // what the medium reads (its alignment)
+    if (uint8_t* out = StraightInto(p, rlen, a)) {
+      NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, out, len));
+      return Finish(p, out, true);
     }
+    NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, buf.data(), rlen));
+    return Finish(p, buf.data(), false);
+  }
+
+  // One reader thread (Pump, then the count of finished threads). Pieces are taken in file order from the shared
+  // counter. A cold piece (UseDirect) goes into this thread's O_DIRECT read
+  // queue, which keeps up to `depth` reads in flight while the thread
+  // verifies and copies the ones that have arrived; any other piece is read
+  // buffered at once. An O_DIRECT read that fails or does not verify is read
+  // again buffered before it can fail the restore.
+  void Work(uint64_t buf_bytes, unsigned depth) {
+    Status s = Pump(buf_bytes, depth);  // its queue, and every read in it, is gone after
+    if (!s.ok()) Fail(std::move(s));
     std::lock_guard<std::mutex> l(mu_);
     ++finished_;
     cv_.notify_all();
+  }
+
+  Status Pump(uint64_t buf_bytes, unsigned depth) {
+    Buffer scratch(buf_bytes);
+    if (!scratch.ok()) return Status::Internal("out of memory for a restore buffer");
+    // Declared before the queue, so freed after it: its destructor waits for
+    // the reads still in flight into them (and into tensors).
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<unsigned> free_bufs;
+    std::vector<size_t> flight_piece;  // by buffer: the piece its read is for
+    std::vector<uint8_t*> flight_at;   // and where it lands
+    std::unique_ptr<ReadQueue> q;
+    uint64_t a = 1;
+    if (depth > 0 && opts_.direct_medium != nullptr) {
+      q = opts_.direct_medium->OpenReadQueue(depth);
+      a = std::max<uint64_t>(1, opts_.direct_medium->Alignment());
+      for (unsigned i = 0; i < q->depth(); ++i) {
+        bufs.push_back(std::make_unique<Buffer>(buf_bytes));
+        if (!bufs.back()->ok()) return Status::Internal("out of memory for a restore buffer");
+        free_bufs.push_back(q->depth() - 1 - i);
+      }
+      flight_piece.resize(q->depth());
+      flight_at.resize(q->depth());
+    }
+    bool more = true;
+    for (;;) {
+      while (more && !stop_.load() && (q == nullptr || !free_bufs.empty())) {
+        const size_t k = next_.fetch_add(1);
+        if (k >= pieces_.size()) {
+          more = false;
+          break;
+        }
+        const Piece& p = pieces_[k];
+        const uint64_t len = p.end - p.begin;
+        if (q != nullptr && UseDirect(p)) {
+          const unsigned b = free_bufs.back();
+          const uint64_t rlen = (len + a - 1) / a * a;
+          uint8_t* at = StraightInto(p, rlen, a);
+          if (at == nullptr) at = bufs[b]->data();
+          if (q->Submit(info_.data_offset + p.begin, at, rlen, b).ok()) {
+            free_bufs.pop_back();
+            flight_piece[b] = k;
+            flight_at[b] = at;
+            continue;
+          }
+          ++retried_pieces_;  // not started: read buffered below
+        }
+        Status st = ReadPieceVia(file_.medium(), p, scratch);
+        if (!st.ok()) return st;
+        done_bytes_ += len;
+      }
+      if (q == nullptr || q->outstanding() == 0) {
+        if (!more || stop_.load()) break;
+        continue;
+      }
+      Result<ReadDone> got = q->Next();
+      if (!got.ok()) return got.status();
+      const unsigned b = static_cast<unsigned>(got->tag);
+      const Piece& p = pieces_[flight_piece[b]];
+      Status st = got->status;
+      if (st.ok()) st = Finish(p, flight_at[b], flight_at[b] != bufs[b]->data());
+      if (st.ok()) {
+        odirect_bytes_ += p.end - p.begin;
+      } else {
+        // Failed or not verified: read again buffered, so that only the
+        // slot file's own bytes can fail the restore.
+        ++retried_pieces_;
+        st = ReadPieceVia(file_.medium(), p, *bufs[b]);
+      }
+      free_bufs.push_back(b);
+      if (!st.ok()) return st;
+      done_bytes_ += p.end - p.begin;
+    }
+    return Status::OK();
   }
 
   SlotFile& file_;
@@ -327,6 +403,10 @@ Result<std::unique_ptr<Medium>> OpenDirect(JobDir& jd, const std::string& where)
   }
   MediumOptions mo;
   mo.read_only = true;
+  // io_uring keeps many reads in flight per thread; plain O_DIRECT where
+  // io_uring is refused (the queue then reads one piece at a time).
+  Result<std::unique_ptr<Medium>> m = d->OpenFile(where.substr(from), MediumKind::kUring, mo);
+  if (m.ok()) return m;
   return d->OpenFile(where.substr(from), MediumKind::kDirect, mo);
 }
 

@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <map>
 #include <fstream>
 #include <iterator>
 #include <filesystem>
@@ -187,6 +189,158 @@ TEST_F(RestoreTest, ColdPiecesAreReadWithODirectAndAFailedOneIsReadAgainBuffered
   EXPECT_GE(st.retried_pieces, 1u);
   EXPECT_GT(st.odirect_bytes, 0u);
   EXPECT_EQ(st.data_bytes, info.data_bytes);
+}
+
+// A medium that hands out its inner medium's read queue (the real io_uring
+// one) behind a tap: it records how many reads were in flight at once, and
+// can fail the result of the n-th read or damage its bytes once it arrived.
+class TapMedium final : public Medium {
+ public:
+  explicit TapMedium(Medium& in) : in_(in) {}
+  Status Write(uint64_t o, const void* b, size_t n) override { return in_.Write(o, b, n); }
+  Status Read(uint64_t o, void* b, size_t n) override { return in_.Read(o, b, n); }
+  Status Sync() override { return in_.Sync(); }
+  Status Resize(uint64_t n) override { return in_.Resize(n); }
+  uint64_t Size() const override { return in_.Size(); }
+  size_t Alignment() const override { return in_.Alignment(); }
+  MediumKind kind() const override { return in_.kind(); }
+  std::string Describe() const override { return "tap on " + in_.Describe(); }
+  std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth) override;
+
+  int fail_nth = -1, damage_nth = -1;  // 0-based over every read submitted
+  std::atomic<int> submitted{0};
+  std::atomic<unsigned> max_outstanding{0};
+
+ private:
+  Medium& in_;
+};
+
+class TapQueue final : public ReadQueue {
+ public:
+  TapQueue(std::unique_ptr<ReadQueue> in, TapMedium& m) : in_(std::move(in)), m_(m) {}
+  Status Submit(uint64_t offset, void* buf, size_t n, uint64_t tag) override {
+    NONSTOP_RETURN_IF_ERROR(in_->Submit(offset, buf, n, tag));
+    reads_[tag] = Read{m_.submitted++, static_cast<uint8_t*>(buf), n};
+    unsigned cur = m_.max_outstanding.load();
+    while (cur < in_->outstanding() && !m_.max_outstanding.compare_exchange_weak(cur, in_->outstanding())) {
+    }
+    return Status::OK();
+  }
+  Result<ReadDone> Next() override {
+    NONSTOP_ASSIGN_OR_RETURN(ReadDone d, in_->Next());
+    const Read r = reads_.at(d.tag);
+    if (d.status.ok() && r.nth == m_.fail_nth) d.status = Status::IOError("injected read error");
+    if (d.status.ok() && r.nth == m_.damage_nth) r.buf[r.n / 2] ^= 0x40;
+    return d;
+  }
+  unsigned depth() const override { return in_->depth(); }
+  unsigned outstanding() const override { return in_->outstanding(); }
+
+ private:
+  struct Read {
+    int nth;
+    uint8_t* buf;
+    size_t n;
+  };
+  std::unique_ptr<ReadQueue> in_;
+  TapMedium& m_;
+  std::map<uint64_t, Read> reads_;
+};
+
+std::unique_ptr<ReadQueue> TapMedium::OpenReadQueue(unsigned depth) {
+  return std::make_unique<TapQueue>(in_.OpenReadQueue(depth), *this);
+}
+
+// The deep queue: with a cold file, one thread keeps its whole share of
+// O_DIRECT reads (io_uring) in flight, the data arrives bit-exact, every
+// chunk once, including a last piece shorter than the others; a read that
+// fails and one whose bytes are damaged are each read again buffered.
+TEST_F(RestoreTest, ADeepQueueOfODirectReadsIsBitExactAndFailedReadsAreReadAgainBuffered) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const fs::path slot = root_ / JobDirNames::Slot(0);
+  if (!DirectWorks(slot)) GTEST_SKIP() << "the file system of " << root_ << " refuses O_DIRECT";
+  auto dir = DefaultEnv()->OpenDirectory(root_.string(), false).value();
+  MediumOptions ro;
+  ro.read_only = true;
+  auto uring = dir->OpenFile(JobDirNames::Slot(0), MediumKind::kUring, ro);
+  if (!uring.ok()) GTEST_SKIP() << "io_uring: " << uring.status().ToString();
+  bool short_last = false;
+  for (int64_t step : {4, 9, 14, 23}) {
+    const TestCheckpoint c = MakeCheckpoint(step);
+    const CheckpointInfo info = Commit(*f, c, static_cast<uint64_t>(step));
+    const uint64_t piece = 2 * testing::kTestCrcChunk;
+    short_last = short_last || info.data_bytes % piece != 0;
+    for (int faults = 0; faults < 2; ++faults) {
+      TapMedium tap(*uring.value());
+      if (faults) {
+        tap.fail_nth = 1;
+        tap.damage_nth = 3;
+      }
+      RestoreOptions o;
+      o.threads = 1;
+      o.piece_bytes = piece;
+      o.queue_depth = 4;
+      o.direct_medium = &tap;
+      DropCache(slot);
+      Dest d(info);
+      RestoreStats st;
+      Status s = ReadCheckpointInto(*f, info, d.ptrs, o, &st);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_TRUE(Holds(d, c)) << "step " << step << " faults " << faults;
+      EXPECT_EQ(st.data_bytes, info.data_bytes);
+      const uint64_t pieces = (info.data_bytes + piece - 1) / piece;
+      EXPECT_EQ(st.pieces, pieces);
+      // Every piece was cold: each went into the queue, up to 4 at once.
+      EXPECT_EQ(tap.submitted.load(), static_cast<int>(pieces)) << "step " << step;
+      EXPECT_EQ(tap.max_outstanding.load(), std::min<unsigned>(4, pieces)) << "step " << step;
+      // The 2nd read failed and the 4th was damaged (where there are so many).
+      auto len = [&](uint64_t k) { return k < pieces ? std::min(piece, info.data_bytes - k * piece) : 0; };
+      const uint64_t retried = faults ? (pieces > 1) + (pieces > 3) : 0;
+      const uint64_t retried_bytes = faults ? len(1) + len(3) : 0;
+      EXPECT_EQ(st.retried_pieces, retried) << "step " << step;
+      EXPECT_EQ(st.odirect_bytes, info.data_bytes - retried_bytes) << "step " << step;
+    }
+  }
+  EXPECT_TRUE(short_last) << "no checkpoint had a short last piece";
+}
+
+// A chunk damaged in the file itself fails its O_DIRECT read and its
+// buffered read again: the restore falls back to the older checkpoint, into
+// the same memory, as with buffered reads.
+TEST_F(RestoreTest, ADamagedChunkReadColdThroughTheQueueFallsBackToTheOlderCheckpoint) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const fs::path slot = root_ / JobDirNames::Slot(0);
+  if (!DirectWorks(slot)) GTEST_SKIP() << "the file system of " << root_ << " refuses O_DIRECT";
+  TestCheckpoint older = MakeCheckpoint(6);
+  TestCheckpoint newer = older;
+  newer.step = 7;
+  for (auto& b : newer.data) b = static_cast<uint8_t>(b ^ 0x5A);
+  newer.crcs = testing::ChunkCrcs(newer.data, testing::kTestCrcChunk);
+  Commit(*f, older, 1);
+  const CheckpointInfo ni = Commit(*f, newer, 2);
+  FlipByte(*f, ni, ni.tensors.size() - 1);
+  auto reader = JobDir::OpenForRead(root_.string()).value();
+  Dest d(ni);
+  std::vector<int64_t> prepared;
+  RestoreOptions o;
+  o.threads = 2;
+  o.piece_bytes = 1;
+  o.queue_depth = 8;
+  auto r = RestoreFromJobDir(*reader, 0, {}, [&](const Selected& s) -> Result<std::vector<void*>> {
+    prepared.push_back(s.info.step);
+    DropCache(slot);
+    return d.ptrs;
+  }, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->chosen.has_value());
+  EXPECT_EQ(r->chosen->info.step, 6);
+  EXPECT_EQ(prepared, (std::vector<int64_t>{7, 6}));
+  EXPECT_TRUE(Holds(d, older));
+  EXPECT_GT(r->stats.odirect_bytes, 0u);
+  ASSERT_FALSE(r->skipped.empty());
+  EXPECT_NE(r->skipped[0].find("checksum mismatch"), std::string::npos) << r->skipped[0];
 }
 
 // A window of the data region (nonstop export's bounded reads): only its

@@ -69,8 +69,12 @@ struct RestoreOptions {
   // fallback: for cached pieces, where O_DIRECT is refused (some FUSE and
   // network file systems, tmpfs before Linux 6.6), and for a piece whose
   // O_DIRECT read fails or does not verify (read again buffered before it
-  // counts as failed, so O_DIRECT can only make a restore faster).
-  bool direct = true;
+  // counts as failed). Off by default: on this project's test machine (2
+  // cores, a virtio disk; docs/BENCHMARKS.md "Restore") buffered reads
+  // restored a cold 1-2 GB checkpoint as fast or faster (per-round medians:
+  // the O_DIRECT queue 0.90-0.95x of buffered). NONSTOP_RESTORE_DIRECT=1
+  // turns it on from Python.
+  bool direct = false;
   // O_DIRECT reads kept in flight at once, shared out among the threads
   // (each thread keeps its share queued, through Medium::OpenReadQueue:
   // io_uring where the direct medium is one, while it verifies and copies

@@ -150,6 +150,7 @@ TEST_F(RestoreTest, ColdPiecesAreReadWithODirectAndAFailedOneIsReadAgainBuffered
   auto reader = JobDir::OpenForRead(root_.string()).value();
   Dest d(info);
   RestoreOptions o;
+  o.direct = true;
   o.threads = 2;
   o.piece_bytes = 16 << 10;
   auto r = RestoreFromJobDir(*reader, 0, {}, [&](const Selected&) -> Result<std::vector<void*>> {
@@ -325,6 +326,7 @@ TEST_F(RestoreTest, ADamagedChunkReadColdThroughTheQueueFallsBackToTheOlderCheck
   Dest d(ni);
   std::vector<int64_t> prepared;
   RestoreOptions o;
+  o.direct = true;
   o.threads = 2;
   o.piece_bytes = 1;
   o.queue_depth = 8;

@@ -10,10 +10,8 @@ file read once through the page cache first):
 
   nonstop     Checkpointer(dir, {"model": model}).restore(), open included
               (close() is timed apart: close_s in the JSON), with the O_DIRECT
-              queue of reads (NONSTOP_RESTORE_DIRECT=1; not the default since
-              cold19's run, bench/restore_bench_cold19.json)
-  nonstop-buffered  the same with buffered reads only (NONSTOP_RESTORE_DIRECT=0,
-              the default)
+              queue of reads (the default; NONSTOP_RESTORE_DIRECT=1)
+  nonstop-buffered  the same with buffered reads only (NONSTOP_RESTORE_DIRECT=0)
   nonstop-qd1 the same with one O_DIRECT read in flight per reader thread
               (NONSTOP_RESTORE_QUEUE=4: the path before the io_uring queue)
   fio         fio --rw=read --direct=1 --ioengine=libaio --iodepth=16 --bs=4M

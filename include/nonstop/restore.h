@@ -69,12 +69,12 @@ struct RestoreOptions {
   // fallback: for cached pieces, where O_DIRECT is refused (some FUSE and
   // network file systems, tmpfs before Linux 6.6), and for a piece whose
   // O_DIRECT read fails or does not verify (read again buffered before it
-  // counts as failed). Off by default: on this project's test machine (2
-  // cores, a virtio disk; docs/BENCHMARKS.md "Restore") buffered reads
-  // restored a cold 1-2 GB checkpoint as fast or faster (per-round medians:
-  // the O_DIRECT queue 0.90-0.95x of buffered). NONSTOP_RESTORE_DIRECT=1
-  // turns it on from Python.
-  bool direct = false;
+  // counts as failed). On by default: on the quiet test machine
+  // (docs/BENCHMARKS.md "Restore") the O_DIRECT queue restored a cold 1 GB
+  // checkpoint 1.19x and a cold 4 GB one 1.49x faster than buffered reads
+  // (per-round medians), where the page cache's readahead and eviction
+  // fall behind. NONSTOP_RESTORE_DIRECT=0 turns it off from Python.
+  bool direct = true;
   // O_DIRECT reads kept in flight at once, shared out among the threads
   // (each thread keeps its share queued, through Medium::OpenReadQueue:
   // io_uring where the direct medium is one, while it verifies and copies

@@ -1127,9 +1127,9 @@ def _restore_threads() -> int:
 def _restore_direct() -> bool:
     """Whether the restore reads what is not in the page cache with
     O_DIRECT through a queue of reads in flight (RestoreOptions::direct):
-    NONSTOP_RESTORE_DIRECT=1 turns it on. Off by default: buffered reads were
-    as fast or faster cold here (docs/BENCHMARKS.md "Restore")."""
-    return os.environ.get("NONSTOP_RESTORE_DIRECT", "0") == "1"
+    on by default (faster cold than buffered reads on the quiet machine,
+    docs/BENCHMARKS.md "Restore"); NONSTOP_RESTORE_DIRECT=0 turns it off."""
+    return os.environ.get("NONSTOP_RESTORE_DIRECT", "1") != "0"
 
 
 def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:

@@ -79,7 +79,7 @@ py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
 namespace {
 
 // restore(path, rank, prepare, step=None, include_keep=True, threads=4,
-//         progress=None, exclude=[], direct=False) -> dict or None (no checkpoint)
+//         progress=None, exclude=[], direct=True) -> dict or None (no checkpoint)
 //   exclude: counters the caller found unusable (skipped as damaged).
 //   prepare(info: dict) -> [(ptr, nbytes), ...] in info["tensors"] order
 //     (ptr 0: verify that tensor, keep nothing), or a str: this checkpoint
@@ -183,7 +183,7 @@ void InitRestore(py::module_& m) {
   m.def("restore", &Restore, py::arg("path"), py::arg("rank"), py::arg("prepare"),
         py::arg("step") = py::none(), py::arg("include_keep") = true, py::arg("threads") = 4,
         py::arg("progress") = py::none(), py::arg("exclude") = std::vector<uint64_t>{},
-        py::arg("direct") = false);
+        py::arg("direct") = true);
 }
 
 }  // namespace nonstop::py_bindings

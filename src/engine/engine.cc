@@ -223,20 +223,8 @@ Status EngineImpl::AdoptPreparedFile(uint64_t slot_bytes, bool* adopted) {
   std::shared_ptr<PreparedFile> fp = std::move(file_prep_);
   file_prep_.reset();
   if (!fp) return Status::OK();
-  Result<std::unique_ptr<SlotFile>> got{Status::Aborted("not created")};
   double waited_s = 0;
-  mu_.Unlock();  // Stats() and the background threads go on meanwhile
-  {
-    MutexLock pl(&fp->mu);
-    if (!fp->done) {
-      const auto t0 = Clock::now();
-      fp->cv.Wait(&fp->mu, [&]() REQUIRES(fp->mu) { return fp->done; });
-      waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
-    }
-    got = std::move(fp->file);
-  }
-  if (file_prep_thread_.joinable()) file_prep_thread_.join();  // done: returns at once
-  mu_.Lock();
+  Result<std::unique_ptr<SlotFile>> got = TakeBackground(*fp, file_prep_thread_, &waited_s);
   stats_.slot_file_wait_s += waited_s;
   if (!got.ok()) {
     return Status(got.status().code(),

@@ -323,15 +323,48 @@ class EngineImpl final : public Engine {
   std::string medium_desc_ GUARDED_BY(mu_);
   std::string staging_note_ GUARDED_BY(mu_);  // the last cap note printed
   double staging_wait_s_before_ GUARDED_BY(mu_) = 0;  // waits in pools GrowStaging replaced
-  // PrepareStaging: the pool a background thread allocates. prep_thread_ is
-  // started and joined by the training thread only (PrepareStaging,
-  // Register, Close); it touches nothing but *prep_ and copy_->AllocHost.
-  struct PreparedStaging {
+  // What PrepareStaging makes on a background thread: the thread Sets it
+  // once; the training thread takes it (TakeBackground), waiting while it is
+  // not done yet.
+  template <typename T>
+  struct Prepared {
     Mutex mu;
     CondVar cv;
     bool done GUARDED_BY(mu) = false;
-    Result<std::unique_ptr<StagingPool>> pool GUARDED_BY(mu){Status::Aborted("not allocated yet")};
+    Result<T> value GUARDED_BY(mu){Status::Aborted("not made yet")};
+    void Set(Result<T> v) EXCLUDES(mu) {
+      MutexLock l(&mu);
+      value = std::move(v);
+      done = true;
+      cv.SignalAll();
+    }
   };
+  // Takes *p, which `thread` makes: waits while it is not done (with mu_
+  // released, so Stats() and the background threads go on), then joins the
+  // thread (done: it returns at once). *waited_s: how long it waited, 0 when
+  // it was done already.
+  template <typename T>
+  Result<T> TakeBackground(Prepared<T>& p, std::thread& thread, double* waited_s) REQUIRES(mu_) {
+    *waited_s = 0;
+    Result<T> got{Status::Aborted("not made")};
+    mu_.Unlock();
+    {
+      MutexLock pl(&p.mu);
+      if (!p.done) {
+        const auto t0 = Clock::now();
+        p.cv.Wait(&p.mu, [&]() REQUIRES(p.mu) { return p.done; });
+        *waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
+      }
+      got = std::move(p.value);
+    }
+    if (thread.joinable()) thread.join();
+    mu_.Lock();
+    return got;
+  }
+  // PrepareStaging: the pool a background thread allocates. prep_thread_ is
+  // started and joined by the training thread only (PrepareStaging,
+  // Register, Close); it touches nothing but *prep_ and copy_->AllocHost.
+  using PreparedStaging = Prepared<std::unique_ptr<StagingPool>>;
   std::shared_ptr<PreparedStaging> prep_ GUARDED_BY(mu_);
   std::thread prep_thread_;
   // PrepareStaging also creates the slot file in the background when this
@@ -339,12 +372,7 @@ class EngineImpl final : public Engine {
   // fdatasync and a directory fsync, ~22 ms on the training thread). Sized
   // from the state's estimate (PreparedSlotBytes); the first Register adopts
   // it when it fits (AdoptPreparedFile). Same threading as prep_thread_.
-  struct PreparedFile {
-    Mutex mu;
-    CondVar cv;
-    bool done GUARDED_BY(mu) = false;
-    Result<std::unique_ptr<SlotFile>> file GUARDED_BY(mu){Status::Aborted("not created yet")};
-  };
+  using PreparedFile = Prepared<std::unique_ptr<SlotFile>>;
   std::shared_ptr<PreparedFile> file_prep_ GUARDED_BY(mu_);
   std::thread file_prep_thread_;
   // Frees the pool GrowStaging (or ShrinkStaging) replaced, off the training

@@ -82,19 +82,7 @@ Result<std::unique_ptr<StagingPool>> EngineImpl::TakePrepared(double* waited_s) 
   if (!prep_) return Status::NotFound("no staging prepared");
   std::shared_ptr<PreparedStaging> prep = std::move(prep_);
   prep_.reset();
-  Result<std::unique_ptr<StagingPool>> pool{Status::Aborted("not allocated")};
-  mu_.Unlock();  // Stats() and the background threads go on meanwhile
-  {
-    MutexLock pl(&prep->mu);
-    if (!prep->done) {
-      const auto t0 = Clock::now();
-      prep->cv.Wait(&prep->mu, [&]() REQUIRES(prep->mu) { return prep->done; });
-      *waited_s = std::max(Seconds(t0, Clock::now()), 1e-9);
-    }
-    pool = std::move(prep->pool);
-  }
-  if (prep_thread_.joinable()) prep_thread_.join();  // done: returns at once
-  mu_.Lock();
+  Result<std::unique_ptr<StagingPool>> pool = TakeBackground(*prep, prep_thread_, waited_s);
   if (pool.ok()) stats_.staging_prepared_bytes = pool.value()->total_bytes();
   return pool;
 }
@@ -118,11 +106,7 @@ Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
     g.rank = opts_.rank;
     g.world_size = opts_.world_size;
     file_prep_thread_ = std::thread([this, fp, g] {
-      Result<std::unique_ptr<SlotFile>> f = CreateSlotFile(g, /*publish=*/true, /*never_replace=*/true);
-      MutexLock pl(&fp->mu);
-      fp->file = std::move(f);
-      fp->done = true;
-      fp->cv.SignalAll();
+      fp->Set(CreateSlotFile(g, /*publish=*/true, /*never_replace=*/true));
     });
   }
   if (opts_.staging_bytes != 0 || prep_) return Status::OK();
@@ -148,11 +132,7 @@ Status EngineImpl::PrepareStaging(uint64_t state_bytes) {
   const uint64_t chunk = chunk_bytes_;
   const uint32_t min_chunks = min_chunks_;
   prep_thread_ = std::thread([prep, copy, want, chunk, min_chunks] {
-    Result<std::unique_ptr<StagingPool>> pool = StagingPool::Create(copy, want, chunk, min_chunks);
-    MutexLock pl(&prep->mu);
-    prep->pool = std::move(pool);
-    prep->done = true;
-    prep->cv.SignalAll();
+    prep->Set(StagingPool::Create(copy, want, chunk, min_chunks));
   });
   return Status::OK();
 }

@@ -22,7 +22,7 @@ EngineStats EngineImpl::Stats() {
   }
   if (prep_) {  // allocated in the background, not taken by Register yet
     MutexLock pl(&prep_->mu);
-    if (prep_->done && prep_->pool.ok()) s.staging_prepared_bytes = prep_->pool.value()->total_bytes();
+    if (prep_->done && prep_->value.ok()) s.staging_prepared_bytes = prep_->value.value()->total_bytes();
   }
   return s;
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/engine_internal.h"
+#include "engine/test_tensor_ref.h"
 #include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
 #include "nonstop/store.h"
@@ -51,16 +52,6 @@ class PreparedFileTest : public ::testing::Test {
   fs::path dir_;
 };
 
-TensorRef Ref(const std::string& name, std::vector<uint8_t>& data) {
-  TensorRef r;
-  r.spec.name = name;
-  r.spec.dtype = DType::kUInt8;
-  r.spec.shape = {static_cast<int64_t>(data.size())};
-  r.spec.nbytes = data.size();
-  r.data = data.data();
-  return r;
-}
-
 // The slot size the first Register needs for one tensor of n bytes.
 uint64_t NeededSlotBytes(uint64_t n) {
   TensorSpec s;
@@ -94,7 +85,7 @@ TEST_F(PreparedFileTest, TheFirstRegisterAdoptsTheSlotFileCreatedInTheBackground
     auto e = Engine::Open(Options());
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     ASSERT_TRUE((*e)->PrepareStaging(t.size() + 4096).ok());
-    ASSERT_TRUE((*e)->Register({Ref("t", t)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("t", t)}).ok());
     const uint64_t slots = Options().max_in_flight + 1;
     EXPECT_EQ(fs::file_size(Slot()), FileBytes(slots, prepared));
     EXPECT_NE(prepared, NeededSlotBytes(t.size()));  // not the size Register would pick
@@ -108,7 +99,7 @@ TEST_F(PreparedFileTest, TheFirstRegisterAdoptsTheSlotFileCreatedInTheBackground
   EXPECT_FALSE(fs::exists(Temp()));
   auto e = Engine::Open(Options());
   ASSERT_TRUE(e.ok()) << e.status().ToString();
-  ASSERT_TRUE((*e)->Register({Ref("t", t)}).ok());
+  ASSERT_TRUE((*e)->Register({ByteTensorRef("t", t)}).ok());
   const std::vector<uint8_t> want = t;
   std::fill(t.begin(), t.end(), 0);
   auto info = (*e)->Restore();
@@ -128,7 +119,7 @@ TEST_F(PreparedFileTest, ATooSmallOrFarTooLargePreparedFileIsReplaced) {
     auto e = Engine::Open(Options());
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     ASSERT_TRUE((*e)->PrepareStaging(estimate).ok());
-    ASSERT_TRUE((*e)->Register({Ref("t", t)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("t", t)}).ok());
     const uint64_t slots = Options().max_in_flight + 1;
     EXPECT_EQ(fs::file_size(Slot()), FileBytes(slots, NeededSlotBytes(t.size()))) << estimate;
     EXPECT_EQ((*e)->Stats().slot_file_prepared_bytes, 0u);
@@ -150,7 +141,7 @@ TEST_F(PreparedFileTest, AnExistingSlotFileIsNeverReplaced) {
   {
     auto e = Engine::Open(Options());
     ASSERT_TRUE(e.ok());
-    ASSERT_TRUE((*e)->Register({Ref("t", t)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("t", t)}).ok());
     auto c = (*e)->Checkpoint(4, "{}");
     ASSERT_TRUE(c.ok());
     ASSERT_TRUE((*e)->WaitCommitted(*c).ok());
@@ -227,7 +218,7 @@ TEST_F(PreparedFileTest, AKillDuringOrAfterTheBackgroundCreationRecoversWithNoCh
       auto e = OpenEngine(Options(), media);
       if (!e.ok()) ::_exit(2);
       if (!(*e)->PrepareStaging(t.size() + 4096).ok()) ::_exit(3);
-      if (!(*e)->Register({Ref("t", t)}).ok()) ::_exit(4);  // waits for the file
+      if (!(*e)->Register({ByteTensorRef("t", t)}).ok()) ::_exit(4);  // waits for the file
       if ((*e)->Stats().slot_file_prepared_bytes == 0) ::_exit(5);  // not adopted
       ::raise(SIGKILL);
     });
@@ -237,7 +228,7 @@ TEST_F(PreparedFileTest, AKillDuringOrAfterTheBackgroundCreationRecoversWithNoCh
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     EXPECT_FALSE((*e)->Latest().has_value());
     EXPECT_FALSE(fs::exists(Temp()));
-    ASSERT_TRUE((*e)->Register({Ref("t", t)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("t", t)}).ok());
     Fill(t, 11);
     auto c = (*e)->Checkpoint(6, "{}");
     ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -262,7 +253,7 @@ TEST_F(PreparedFileTest, AFailedBackgroundFsyncIsTheFirstRegistersError) {
   auto e = OpenEngine(Options(), media);
   ASSERT_TRUE(e.ok()) << e.status().ToString();
   ASSERT_TRUE((*e)->PrepareStaging(t.size() + 4096).ok());
-  Status s = (*e)->Register({Ref("t", t)});
+  Status s = (*e)->Register({ByteTensorRef("t", t)});
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.ToString().find("creating the slot file in the background"), std::string::npos)
       << s.ToString();
@@ -273,7 +264,7 @@ TEST_F(PreparedFileTest, AFailedBackgroundFsyncIsTheFirstRegistersError) {
   EXPECT_FALSE((*e)->Latest().has_value());
   EXPECT_FALSE(fs::exists(Slot()));
   EXPECT_FALSE(fs::exists(Temp()));
-  ASSERT_TRUE((*e)->Register({Ref("t", t)}).ok());
+  ASSERT_TRUE((*e)->Register({ByteTensorRef("t", t)}).ok());
   EXPECT_EQ((*e)->Stats().slot_file_prepared_bytes, 0u);
   auto c = (*e)->Checkpoint(2, "{}");
   ASSERT_TRUE(c.ok()) << c.status().ToString();

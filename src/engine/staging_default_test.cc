@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/engine_internal.h"
+#include "engine/test_tensor_ref.h"
 #include "nonstop/engine.h"
 
 namespace nonstop {
@@ -75,16 +76,6 @@ class StagingGrowthTest : public ::testing::Test {
   std::string dir_;
 };
 
-TensorRef Ref(const std::string& name, std::vector<uint8_t>& data) {
-  TensorRef r;
-  r.spec.name = name;
-  r.spec.dtype = DType::kUInt8;
-  r.spec.shape = {static_cast<int64_t>(data.size())};
-  r.spec.nbytes = data.size();
-  r.data = data.data();
-  return r;
-}
-
 TEST_F(StagingGrowthTest, PoolGrowsToTheRegisteredStateUnlessStagingBytesIsGiven) {
   std::vector<uint8_t> big(264 * kMiB, 7);  // above the 256 MiB floor
   {
@@ -94,7 +85,7 @@ TEST_F(StagingGrowthTest, PoolGrowsToTheRegisteredStateUnlessStagingBytesIsGiven
     auto e = Engine::Open(o);
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     EXPECT_EQ((*e)->Stats().staging_bytes, 256 * kMiB);
-    ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("big", big)}).ok());
     EXPECT_GE((*e)->Stats().staging_bytes, big.size());
     auto c = (*e)->Checkpoint(1, "{}");
     ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -111,7 +102,7 @@ TEST_F(StagingGrowthTest, PoolGrowsToTheRegisteredStateUnlessStagingBytesIsGiven
     o.staging_bytes = 32 * kMiB;  // explicit: kept
     auto e = Engine::Open(o);
     ASSERT_TRUE(e.ok()) << e.status().ToString();
-    ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("big", big)}).ok());
     EXPECT_EQ((*e)->Stats().staging_bytes, 32 * kMiB);
     ASSERT_TRUE((*e)->Close().ok());
   }
@@ -141,7 +132,7 @@ TEST_F(StagingGrowthTest, PreparedStagingIsTakenWithoutWaiting) {
   // smallest one (its 256 MiB freed in the background, not in the first save).
   EXPECT_LT((*e)->Stats().staging_bytes, 256 * kMiB);
   EXPECT_GE((*e)->Stats().staging_bytes, 4 * kMiB);
-  ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
+  ASSERT_TRUE((*e)->Register({ByteTensorRef("big", big)}).ok());
   EngineStats s = (*e)->Stats();
   EXPECT_GE(s.staging_bytes, big.size());
   EXPECT_EQ(s.staging_alloc_waits, 0u);
@@ -174,7 +165,7 @@ TEST_F(StagingGrowthTest, AllocationOnTheTrainingThreadIsCounted) {
     if (prepare) {
       ASSERT_TRUE((*e)->PrepareStaging(big.size()).ok());
     }
-    ASSERT_TRUE((*e)->Register({Ref("big", big)}).ok());
+    ASSERT_TRUE((*e)->Register({ByteTensorRef("big", big)}).ok());
     EngineStats s = (*e)->Stats();
     EXPECT_GE(s.staging_bytes, big.size());
     if (prepare) {

@@ -69,6 +69,21 @@ class RestoreTest : public ::testing::Test {
     ASSERT_TRUE(f.medium().Sync().ok());
   }
 
+  // Commits `older` (step 6) and then step 7, the same tensors with other
+  // bytes, and damages step 7's last tensor (written last: a chunk-by-chunk
+  // read has written the others into the destinations when it fails).
+  // Returns step 7's info.
+  static CheckpointInfo CommitOlderAndDamagedNewer(SlotFile& f, const TestCheckpoint& older) {
+    TestCheckpoint newer = older;
+    newer.step = 7;
+    for (auto& b : newer.data) b = static_cast<uint8_t>(b ^ 0x5A);
+    newer.crcs = testing::ChunkCrcs(newer.data, testing::kTestCrcChunk);
+    Commit(f, older, 1);
+    const CheckpointInfo ni = Commit(f, newer, 2);
+    FlipByte(f, ni, ni.tensors.size() - 1);
+    return ni;
+  }
+
   fs::path root_;
 };
 
@@ -314,14 +329,8 @@ TEST_F(RestoreTest, ADamagedChunkReadColdThroughTheQueueFallsBackToTheOlderCheck
   auto f = NewSlotFile(*jd);
   const fs::path slot = root_ / JobDirNames::Slot(0);
   if (!DirectWorks(slot)) GTEST_SKIP() << "the file system of " << root_ << " refuses O_DIRECT";
-  TestCheckpoint older = MakeCheckpoint(6);
-  TestCheckpoint newer = older;
-  newer.step = 7;
-  for (auto& b : newer.data) b = static_cast<uint8_t>(b ^ 0x5A);
-  newer.crcs = testing::ChunkCrcs(newer.data, testing::kTestCrcChunk);
-  Commit(*f, older, 1);
-  const CheckpointInfo ni = Commit(*f, newer, 2);
-  FlipByte(*f, ni, ni.tensors.size() - 1);
+  const TestCheckpoint older = MakeCheckpoint(6);
+  const CheckpointInfo ni = CommitOlderAndDamagedNewer(*f, older);
   auto reader = JobDir::OpenForRead(root_.string()).value();
   Dest d(ni);
   std::vector<int64_t> prepared;
@@ -437,14 +446,8 @@ TEST_F(RestoreTest, ChecksumFailureMidReadFallsBackIntoTheSameMemory) {
   auto jd = JobDir::OpenForWrite(root_.string()).value();
   auto f = NewSlotFile(*jd);
   // Same tensor set for both steps: the older one is read into the same buffers.
-  TestCheckpoint older = MakeCheckpoint(6);
-  TestCheckpoint newer = older;
-  newer.step = 7;
-  for (auto& b : newer.data) b = static_cast<uint8_t>(b ^ 0x5A);
-  newer.crcs = testing::ChunkCrcs(newer.data, testing::kTestCrcChunk);
-  Commit(*f, older, 1);
-  const CheckpointInfo ni = Commit(*f, newer, 2);
-  FlipByte(*f, ni, ni.tensors.size() - 1);  // the last tensor: earlier ones are written first
+  const TestCheckpoint older = MakeCheckpoint(6);
+  const CheckpointInfo ni = CommitOlderAndDamagedNewer(*f, older);
 
   auto reader = JobDir::OpenForRead(root_.string()).value();
   Dest d(ni);

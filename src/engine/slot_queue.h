@@ -64,8 +64,11 @@ class SlotQueue {
       } else if (diff < 0) {
         // The cell still holds the previous lap's value: either the queue is
         // full, or a consumer has claimed it and not yet released it. Only the
-        // first is a real failure; the second lasts a few instructions.
-        if (pos - head_.load(std::memory_order_acquire) >= cap_) return false;
+        // first is a real failure; the second lasts a few instructions. `pos`
+        // may be stale by now (this thread preempted here while peers pushed
+        // and popped past it): head beyond pos is not "full", just a retry.
+        const uint64_t head = head_.load(std::memory_order_acquire);
+        if (head <= pos && pos - head >= cap_) return false;
         std::this_thread::yield();
         pos = tail_.load(std::memory_order_relaxed);
       } else {

@@ -398,6 +398,23 @@ Status Recover(Env* env, FaultEnv* fenv, const Model& m, Tally& t, const std::st
       }
     }
   }
+  // The listing (the planner's Classify) never shows an abandoned checkpoint
+  // as committed: `nonstop ls` and the exports agree with the selection.
+  if (m.floor > 0 || m.pending_restore) {
+    Result<std::vector<ListedCheckpoint>> listed = jd->List(0);
+    if (!listed.ok()) {
+      if (listed.status().message().find("device crashed") != std::string::npos) {
+        return listed.status();
+      }
+      fail(t.corrupt, "List after recovery: " + listed.status().ToString());
+    } else {
+      for (const ListedCheckpoint& l : listed.value()) {
+        if (l.state == ListedCheckpoint::State::kCommitted && m.abandoned.count(l.counter)) {
+          fail(t.corrupt, "List shows abandoned #" + std::to_string(l.counter) + " committed");
+        }
+      }
+    }
+  }
   // The keep copies reported made (of the live lineage): the newest and the oldest.
   std::vector<std::pair<int64_t, uint64_t>> kept;
   for (const auto& [step, counter] : m.kept) {

@@ -70,6 +70,17 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
   if (!list.ok()) Fail("ls", list.status());
   // A ring record whose slot a newer checkpoint reused is gone, not damaged.
   std::erase_if(list.value(), [](const ListedCheckpoint& c) { return c.rotated; });
+  // A file that cannot be read (listed with counter 0) is damage: listed,
+  // then one line on stderr and exit 1, never "no checkpoint" and 0.
+  std::string unreadable;
+  for (const ListedCheckpoint& c : list.value()) {
+    if (c.state == ListedCheckpoint::State::kDamaged && c.counter == 0 && unreadable.empty()) {
+      unreadable = c.reason;
+    }
+  }
+  const auto done = [&] {
+    if (!unreadable.empty()) Fail("ls", Status::Corruption(unreadable));
+  };
   if (as_json) {
     json out = json::array();
     for (const ListedCheckpoint& c : list.value()) {
@@ -86,6 +97,7 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
                      {"metrics", m}});
     }
     std::cout << DumpJson(out, 2) << "\n";
+    done();
     return;
   }
   if (list.value().empty()) {
@@ -107,6 +119,7 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
                 c.state == ListedCheckpoint::State::kCommitted ? HumanBytes(c.data_bytes).c_str() : "-",
                 metrics.c_str());
   }
+  done();
 }
 
 void RunRm(const std::string& dir, int64_t step) {

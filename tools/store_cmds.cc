@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "nonstop/env.h"
+#include "nonstop/jobdir.h"
+#include "nonstop/plan.h"
 #include "nonstop/medium.h"
 #include "nonstop/restore.h"
 #include "nonstop/store.h"
@@ -96,8 +98,14 @@ const ScannedCheckpoint* ReusedBy(const ScanReport& r, const ScannedCheckpoint& 
   return by;
 }
 
-std::string StateText(const ScanReport& r, const ScannedCheckpoint& sc) {
-  if (sc.state == CheckpointState::kCommitted) return "committed";
+std::string StateText(const ScanReport& r, const ScannedCheckpoint& sc,
+                      const LineageRecord& lineage) {
+  if (sc.state == CheckpointState::kCommitted) {
+    PlanCandidate pc;
+    pc.counter = sc.info.counter;
+    const CandidateState st = Classify(pc, lineage);
+    return st.state == CandidateState::State::kAbandoned ? st.reason : "committed";
+  }
   if (const ScannedCheckpoint* by = ReusedBy(r, sc)) {
     return "overwritten: slot " + std::to_string(sc.info.slot) + " was reused by checkpoint #" +
            std::to_string(by->info.counter);
@@ -132,9 +140,53 @@ struct ScannedFile {
   std::unique_ptr<SlotFile> file;  // null when it could not be opened
   std::string error;               // why it could not be opened or scanned
   ScanReport report;
+  LineageRecord lineage;           // the job directory's rollback record of this rank
 };
 
-ScannedFile ScanFile(const fs::path& path, bool verify_all) {
+// The records of `s` as the planner's candidates (handle = index into the
+// report); damaged ones are those the scan found damaged.
+std::vector<PlanCandidate> Candidates(const ScannedFile& s) {
+  std::vector<PlanCandidate> out;
+  for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
+    const ScannedCheckpoint& sc = s.report.checkpoints[i];
+    out.push_back(PlanCandidate{Tier::kDisk, s.path.filename().string(), sc.info.step,
+                                sc.info.counter, sc.state == CheckpointState::kCommitted,
+                                sc.reason, ReusedBy(s.report, sc) != nullptr, i});
+  }
+  return out;
+}
+
+// Whether the lineage abandoned `counter` (a rollback is final).
+bool Abandoned(const ScannedFile& s, uint64_t counter) {
+  PlanCandidate pc;
+  pc.counter = counter;
+  return Classify(pc, s.lineage).state == CandidateState::State::kAbandoned;
+}
+
+// The planner's choice in `s` (of `step` when given): the record recovery
+// reads, or null; `skipped` gets why each newer one was not chosen.
+// verify: check the chosen one's data crcs (a scan that did not verify it).
+const ScannedCheckpoint* Planned(const ScannedFile& s, std::optional<int64_t> step,
+                                 std::vector<std::string>* skipped = nullptr,
+                                 bool verify = false) {
+  const std::vector<PlanCandidate> cands = Candidates(s);
+  PlanRequest req;
+  req.step = step;
+  req.verify = verify;
+  Result<Plan> plan = MakePlan(cands, s.lineage, req, [&](const PlanCandidate& c) {
+    const CheckpointInfo& info = s.report.checkpoints[c.handle].info;
+    return s.file->ReadData(info, 0, nullptr, info.data_bytes, /*verify=*/true);
+  });
+  if (!plan.ok()) {
+    if (skipped != nullptr) *skipped = {plan.status().message()};
+    return nullptr;
+  }
+  if (skipped != nullptr) *skipped = plan.value().skipped;
+  if (!plan.value().chosen()) return nullptr;
+  return &s.report.checkpoints[cands[*plan.value().chosen()].handle];
+}
+
+ScannedFile ScanFile(const fs::path& path, bool verify_all, bool verify_data = true) {
   ScannedFile s;
   s.path = path;
   MediumOptions read_only;
@@ -152,12 +204,22 @@ ScannedFile ScanFile(const fs::path& path, bool verify_all) {
   s.file = std::move(opened).value();
   ScanOptions opts;
   opts.verify_all = verify_all;
+  opts.verify_data = verify_data;
   auto scan = s.file->Scan(opts);
   if (!scan.ok()) {
     s.error = scan.status().message();
     return s;
   }
   s.report = std::move(scan).value();
+  Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForRead(path.parent_path().string());
+  Result<LineageRecord> lineage =
+      jd.ok() ? jd.value()->ReadLineage(static_cast<int>(s.file->geometry().rank))
+              : Result<LineageRecord>(jd.status());
+  if (!lineage.ok()) {
+    s.error = lineage.status().message();
+    return s;
+  }
+  s.lineage = std::move(lineage).value();
   return s;
 }
 
@@ -207,6 +269,7 @@ json InspectJson(const ScannedFile& s) {
   f["slot_bytes"] = g.slot_bytes;
   f["medium_bytes"] = s.file->medium().Size();
   json ckpts = json::array();
+  const ScannedCheckpoint* newest = Planned(s, std::nullopt);
   for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
     const ScannedCheckpoint& sc = s.report.checkpoints[i];
     const CheckpointInfo& in = sc.info;
@@ -214,16 +277,19 @@ json InspectJson(const ScannedFile& s) {
               {"step", in.step},
               {"slot", in.slot},
               {"sequence", in.sequence},
-              {"state", sc.state == CheckpointState::kCommitted ? "committed"
-                        : ReusedBy(s.report, sc)                  ? "overwritten"
-                                                                  : "damaged"},
-              {"newest_valid", static_cast<int>(i) == s.report.newest_valid},
+              {"state", sc.state == CheckpointState::kCommitted
+                            ? (Abandoned(s, in.counter) ? "abandoned" : "committed")
+                        : ReusedBy(s.report, sc) ? "overwritten"
+                                                 : "damaged"},
+              {"newest_valid", &sc == newest},
               {"data_bytes", in.data_bytes},
               {"table_bytes", in.table_bytes},
               {"commit_unix_ns", in.commit_unix_ns},
               {"crc_chunk_bytes", in.crc_chunk_bytes},
               {"chunks", in.chunk_crcs.size()}};
-    if (sc.state == CheckpointState::kDamaged) c["reason"] = StateText(s.report, sc);
+    if (sc.state == CheckpointState::kDamaged || Abandoned(s, in.counter)) {
+      c["reason"] = StateText(s.report, sc, s.lineage);
+    }
     c["meta"] = MetaJson(in.meta_json);
     c["tensors"] = TensorsJson(in);
     ckpts.push_back(std::move(c));
@@ -324,6 +390,7 @@ void PrintInspect(const ScannedFile& s, bool full) {
             << HumanBytes(s.file->medium().Size()) << "\n";
   for (const std::string& note : s.file->salvaged()) std::cout << "  salvaged: " << note << "\n";
   std::cout << "  checkpoints (newest first):\n";
+  const ScannedCheckpoint* newest = Planned(s, std::nullopt);
   if (s.report.checkpoints.empty()) std::cout << "    none committed yet\n";
   for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
     const ScannedCheckpoint& sc = s.report.checkpoints[i];
@@ -333,8 +400,8 @@ void PrintInspect(const ScannedFile& s, bool full) {
                   static_cast<unsigned long long>(in.counter), static_cast<long long>(in.step),
                   in.slot, HumanBytes(in.data_bytes + in.table_bytes).c_str(),
                   UtcTime(in.commit_unix_ns).c_str());
-    std::cout << line << "  " << StateText(s.report, sc)
-              << (static_cast<int>(i) == s.report.newest_valid ? " (newest)" : "") << "\n";
+    std::cout << line << "  " << StateText(s.report, sc, s.lineage)
+              << (&sc == newest ? " (newest)" : "") << "\n";
   }
   for (const std::string& sk : s.report.skipped) {
     if (sk.rfind("ring entry", 0) == 0) std::cout << "    " << sk << "\n";
@@ -389,10 +456,19 @@ void RunInspect(const std::string& dir, bool as_json, bool full) {
 // verify and export: pick one checkpoint per rank.
 
 // The checkpoint of `s` that verify/export look at: the newest record (or the
-// newest at `step`), committed or not. Null when there is none.
+// newest at `step`), committed or damaged, that no rollback abandoned. Null
+// when there is none.
 const ScannedCheckpoint* Target(const ScannedFile& s, std::optional<int64_t> step) {
   for (const ScannedCheckpoint& sc : s.report.checkpoints) {  // newest first
-    if (!step || sc.info.step == *step) return &sc;
+    if ((!step || sc.info.step == *step) && !Abandoned(s, sc.info.counter)) return &sc;
+  }
+  return nullptr;
+}
+
+// The newest record at `step` a rollback abandoned, or null.
+const ScannedCheckpoint* AbandonedAt(const ScannedFile& s, int64_t step) {
+  for (const ScannedCheckpoint& sc : s.report.checkpoints) {
+    if (sc.info.step == step && Abandoned(s, sc.info.counter)) return &sc;
   }
   return nullptr;
 }
@@ -411,10 +487,9 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
   // Without --step: the newest step any rank has; every rank must have it.
   if (!step) {
     for (const ScannedFile& s : files) {
-      if (s.file != nullptr && s.error.empty() && !s.report.checkpoints.empty()) {
-        step = std::max(step.value_or(s.report.checkpoints[0].info.step),
-                        s.report.checkpoints[0].info.step);
-      }
+      const ScannedCheckpoint* t =
+          s.file != nullptr && s.error.empty() ? Target(s, std::nullopt) : nullptr;
+      if (t != nullptr) step = std::max(step.value_or(t->info.step), t->info.step);
     }
   }
   uint64_t tensors = 0, bytes = 0, chunks = 0;
@@ -437,16 +512,20 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
     }
     const ScannedCheckpoint* t = Target(s, step);
     if (t == nullptr) {
+      if (const ScannedCheckpoint* a = AbandonedAt(s, *step)) {
+        Fail("verify", name + ": " + CkptName(a->info) + " is " +
+             StateText(s.report, *a, s.lineage) + "; load() refuses it too", kExitDamaged);
+      }
       Fail("verify", name + ": no checkpoint at step " + std::to_string(*step) +
            " (steps here: " + StepsText(s) + ")", kExitDamaged);
     }
     if (t->state != CheckpointState::kCommitted) {
       std::string fallback;
-      if (t == &s.report.checkpoints[0] && s.report.newest_valid >= 0) {
-        fallback = "; recovery would fall back to " +
-                   CkptName(s.report.checkpoints[s.report.newest_valid].info);
+      const ScannedCheckpoint* used = Planned(s, std::nullopt);
+      if (t == Target(s, std::nullopt) && used != nullptr) {
+        fallback = "; recovery would fall back to " + CkptName(used->info);
       }
-      Fail("verify", name + ": " + CkptName(t->info) + " is " + StateText(s.report, *t) + fallback,
+      Fail("verify", name + ": " + CkptName(t->info) + " is " + StateText(s.report, *t, s.lineage) + fallback,
            kExitDamaged);
     }
     tensors += t->info.tensors.size();
@@ -541,32 +620,28 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
          " ranks; export of multi-rank checkpoints is not supported yet (export needs one "
          "rank-*.nsck file)", kExitUsage);
   }
-  ScannedFile s = ScanFile(paths[0], /*verify_all=*/step.has_value());
+  // The planner verifies the one it chooses (and falls back past damage).
+  ScannedFile s = ScanFile(paths[0], /*verify_all=*/false, /*verify_data=*/false);
   const std::string name = (fs::path(dir) / s.path.filename()).string();
   if (s.file == nullptr || !s.error.empty()) Fail("export", name + ": " + s.error, kExitDamaged);
   for (const std::string& note : s.file->salvaged()) {
     std::cerr << "nonstop export: note: " << name << ": " << note << "\n";
   }
-  // Default: what recovery would load. With --step: the newest committed one at that step.
-  const ScannedCheckpoint* t = nullptr;
-  if (!step) {
-    if (s.report.newest_valid < 0) {
-      Fail("export", name + ": no committed checkpoint to export", kExitDamaged);
+  // What recovery would load (of --step when given): the planner's choice.
+  std::vector<std::string> skipped;
+  const ScannedCheckpoint* t = Planned(s, step, &skipped, /*verify=*/true);
+  if (t == nullptr) {
+    std::string why = name + ": no committed checkpoint " +
+                      (step ? "at step " + std::to_string(*step) + " " : std::string()) +
+                      "to export";
+    if (!skipped.empty()) {
+      why += " (";
+      for (size_t i = 0; i < skipped.size(); ++i) why += (i ? "; " : "") + skipped[i];
+      why += ")";
+    } else if (step) {
+      why += " (steps here: " + StepsText(s) + ")";
     }
-    t = &s.report.checkpoints[s.report.newest_valid];
-  } else {
-    for (const auto& sc : s.report.checkpoints) {
-      if (sc.info.step == *step && sc.state == CheckpointState::kCommitted) {
-        t = &sc;
-        break;
-      }
-    }
-    if (t == nullptr) {
-      const ScannedCheckpoint* any = Target(s, step);
-      Fail("export", name + ": no committed checkpoint at step " + std::to_string(*step) +
-           (any ? " (" + CkptName(any->info) + " is " + StateText(s.report, *any) + ")"
-                : " (steps here: " + StepsText(s) + ")"), kExitDamaged);
-    }
+    Fail("export", why, kExitDamaged);
   }
   const CheckpointInfo& info = t->info;
 

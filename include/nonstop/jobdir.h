@@ -68,6 +68,7 @@
 
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
+#include "nonstop/plan.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"
 
@@ -162,18 +163,7 @@ struct ReshardSelection {
 // of a common selection). Bounded, never recursive (hostile bytes).
 std::optional<uint64_t> CheckpointRunId(std::string_view meta_json);
 
-struct LineageRecord {
-  // Closed ranges [lo, hi] of abandoned counters, sorted, disjoint: rolled
-  // back from by a restore, or noted by RecordNotDurable.
-  std::vector<std::pair<uint64_t, uint64_t>> abandoned;
-  uint64_t restored_counter = 0;       // counter of the last RecordRestore (0 = none)
-  uint64_t abandoned_through = 0;      // highest abandoned counter (0 = none)
-  // Counters RecordNotDurable noted (sorted; the newest 1024, for reasons:
-  // each is also an abandoned range).
-  std::vector<uint64_t> not_durable;
-  bool IsAbandoned(uint64_t counter) const;
-  bool NotDurable(uint64_t counter) const;
-};
+// LineageRecord (the abandoned counters of a rank) is the planner's input: plan.h.
 
 struct AgreedRecord {
   int64_t step = 0;
@@ -262,7 +252,7 @@ class JobDir {
   Status PublishTempSlot();
   Status DiscardTempSlot();
 
-  // ---- Recovery selection (the only one) ----
+  // ---- Recovery selection (the job directory's candidates, planned by MakePlan) ----
   // Newest committed, non-abandoned checkpoint of rank R (its slot file and
   // keep copies) that verifies; else older ones, each skipped with a reason.
   // A Selection without `chosen` when R's files hold no checkpoint record at

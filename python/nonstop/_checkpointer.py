@@ -1237,10 +1237,14 @@ def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional
     # A rollback is final (DESIGN.md invariant 9): counters the job directory's
     # lineage record abandoned are never chosen again.
     jobdir = getattr(_core(), "JobDir", None)  # tests/python/fake_core.py has none
-    abandoned = [] if jobdir is None else [
-        (int(lo), int(hi)) for lo, hi in jobdir.open_for_read(path).lineage(rank)["abandoned"]]
-    committed = [i for i, c in enumerate(ckpts) if c["committed"] and not any(
-        lo <= c["counter"] <= hi for lo, hi in abandoned)]
+    if jobdir is not None:  # the planner orders them (nonstop/plan.h)
+        lineage = jobdir.open_for_read(path).lineage(rank)
+        cands = [{"step": int(c["step"]), "counter": int(c["counter"]),
+                  "committed": bool(c["committed"]), "damage": c["reason"] or ""} for c in ckpts]
+        committed = _core().plan(cands, lineage)["order"]
+    else:
+        committed = sorted((i for i, c in enumerate(ckpts) if c["committed"]),
+                           key=lambda i: -ckpts[i]["counter"])
     if step is not None:
         order = [i for i in committed if ckpts[i]["step"] == step]
         damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]

@@ -70,26 +70,25 @@ def gather(path: str, step: Optional[int] = None,
     checkpoint is read through the one verified read path (read_tensors:
     every crc chunk read and verified once); `progress(done, total)` is
     told the bytes read after each rank."""
-    from ._checkpointer import read_tensors
+    from ._checkpointer import _core, read_tensors
     readers = _readers(path)
+    # The planner chooses (through the job directory's common selection): the
+    # newest step every rank committed, of one run, that no rollback abandoned.
+    sel = _core().JobDir.open_for_read(path).select_common(len(readers), step=step)
     per_rank = []
-    for reader in readers:
-        found = {}
-        for i, c in enumerate(reader.checkpoints):
-            if not c["committed"]:
-                continue
-            meta = _state.loads(c["meta_json"].decode("utf-8"))
-            found.setdefault(_key(meta), (i, meta))
-        per_rank.append(found)
-    common = set(per_rank[0])
-    for f in per_rank[1:]:
-        common &= set(f)
-    order = sorted((k for k in common if step is None or k[0] == step), reverse=True)
-    if not order:
-        raise CheckpointNotFoundError(
-            f"no checkpoint {'at step ' + str(step) + ' ' if step is not None else ''}"
-            f"committed on every rank of {path}")
-    key = order[0]
+    for r, chosen in enumerate(sel["ranks"]):
+        where = os.path.dirname(chosen.where)
+        if where:  # a kept copy (keep/step-N/rank-R.nsck)
+            readers[r] = _core().Reader(os.path.join(path, where), rank=r, verify_data=False)
+        reader = readers[r]
+        idx = next((i for i, c in enumerate(reader.checkpoints)
+                    if c["committed"] and c["counter"] == chosen.counter), None)
+        if idx is None:
+            raise CorruptCheckpointError(
+                f"checkpoint step {sel['step']} of rank {r} in {path} changed while it was read")
+        meta = _state.loads(reader.checkpoints[idx]["meta_json"].decode("utf-8"))
+        per_rank.append({_key(meta): (idx, meta)})
+    key = next(iter(per_rank[0]))
     doc = per_rank[0][key][1].get("dist", {})
     shared = dict(doc.get("shared", {}))
     # FSDP2 Shard(0) DTensors: each rank wrote its rows with the same global

@@ -18,7 +18,7 @@ import numpy as np
 from . import _progress, _state
 from ._checkpointer import _core, _restore_threads, check_directory
 from .errors import (CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
-                     IncompatibleCheckpointError)
+                     CorruptCheckpointError, IncompatibleCheckpointError)
 
 # Bytes of stored tensors read per window (as `nonstop export` in C++ does).
 WINDOW_BYTES = 256 << 20
@@ -37,17 +37,19 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
     bar = _progress.Progress("nonstop export", progress)
     path = os.fspath(dir)
     check_directory(path, rank, None, must_exist=True)
-    reader = _core().Reader(path, rank=rank, verify_data=True)
+    # The planner chooses (the job directory's selection): what load() and
+    # restore() read; a step a rollback abandoned is refused as load() does.
+    chosen = _core().JobDir.open_for_read(path).select(rank, step=step)
+    if chosen is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
+    reader = _core().Reader(os.path.join(path, os.path.dirname(chosen.where)), rank=rank,
+                            verify_data=False)
     ckpts = reader.checkpoints
-    if step is None:
-        idx = reader.newest_valid
-        if idx < 0:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
-    else:
-        found = [i for i, c in enumerate(ckpts) if c["committed"] and c["step"] == step]
-        if not found:
-            raise CheckpointNotFoundError(f"no committed checkpoint at step {step} in {path}")
-        idx = found[0]
+    found = [i for i, c in enumerate(ckpts) if c["committed"] and c["counter"] == chosen.counter]
+    if not found:
+        raise CorruptCheckpointError(
+            f"checkpoint step {chosen.step} in {path} changed while it was exported")
+    idx = found[0]
     info = ckpts[idx]
     # Tied weights are stored once; the file holds them under every name
     # (the bytes again), so that a strict load_state_dict finds each.

@@ -745,11 +745,20 @@ class Uploader:
             marker = _load_doc(self.store, Layout.marker(step))
         except CorruptCheckpointError:
             marker = None  # a damaged marker: uploaded again, the marker rewritten
-        if marker is not None and marker["lineage"] == lineage:
+        # A checkpoint is its counter, not its step: after a rollback the
+        # step's old marker names the abandoned checkpoint (one process: the
+        # marker's counter is this rank's; distributed: the run's lineage).
+        same = marker is not None and marker["lineage"] == lineage and (
+            self.world > 1 or marker.get("counter") == counter)
+        if same:
             self.stats["skipped_existing"] += 1  # already there (a restart of the same run)
             self.done_step = step
             self._drop_staged(keep_step=step)
             return
+        if marker is not None and self.world == 1:
+            # The old checkpoint of this step: its marker goes first, so that
+            # the step is never committed over a mix of old and new objects.
+            self.store.delete([Layout.marker(step)])
         if self.world > 1 and self.rank == 0:
             self.store.put_bytes(Layout.lead(step), _rl().encode_lead(
                 step, self.world, lineage, time.time()))
@@ -878,14 +887,13 @@ class Uploader:
 
 # ------------------------------------------------------------- restoring
 
-def restore_candidates(store, local_newest: Optional[int], step: Optional[int]) -> list:
-    """Remote steps to try before the local directory: committed remote steps
-    newer than the newest local one (all of them at `step` if given and
-    not local)."""
-    steps = committed_steps(store)
-    if step is not None:
-        return [(s, m) for s, m in steps if s == step] if local_newest != step else []
-    return [(s, m) for s, m in steps if local_newest is None or s > local_newest]
+def remote_candidates(store, steps: Optional[list] = None) -> list:
+    """The planner's candidates of the remote's committed steps (each
+    identified by its marker's counter, not only its step); `steps`: the
+    committed_steps(store) already listed."""
+    steps = committed_steps(store) if steps is None else steps
+    return [{"tier": "remote", "where": f"{store.url}/{Layout.step_dir(s)}", "step": s,
+             "counter": int(m.get("counter") or 0)} for s, m in steps]
 
 
 # ------------------------------------------------------------------ tier
@@ -964,6 +972,22 @@ class Tier:
             found[(int(c["step"]), int(d.get("lineage", 0)))] = None
         return found
 
+    def _local_candidates(self):
+        """(the planner's candidates of this rank's job directory, its
+        lineage, the job directory) or ([], None, None) when there is none
+        or it cannot be read (the local path reports that)."""
+        try:
+            jd = self.core().JobDir.open_for_read(self.ckpt.dir)
+            rows, lineage = jd.list(self.ckpt.rank), jd.lineage(self.ckpt.rank)
+        except (CheckpointError, OSError):
+            return [], None, None
+        cands = [{"tier": "keep" if c["keep"] else "disk", "where": c["where"],
+                  "step": int(c["step"]), "counter": int(c["counter"]),
+                  "committed": c["state"] != "damaged", "damage": c["reason"],
+                  "overwritten": bool(c.get("rotated"))}
+                 for c in rows if c["counter"]]
+        return cands, lineage, jd
+
     def _try(self, step: int):
         """(LoadedCheckpoint, None) or (None, one-line error) for remote step."""
         try:
@@ -976,28 +1000,56 @@ class Tier:
             return None, str(e)
 
     def restore(self, step: Optional[int]):
-        """A LoadedCheckpoint from the remote when its newest usable step is
-        newer than every rank's local one (or `step` is only remote); None to
-        restore from the local directory."""
+        """A LoadedCheckpoint from the remote when the planner puts a remote
+        checkpoint first (newer by counter than every local one, the same
+        checkpoint where the local copy fails to verify, or `step` only
+        remote); None to restore from the local directory."""
         if self.ckpt._dist is not None:
             return self._restore_dist(step)
-        local = self._local_steps()
-        newest = max((s for s, _ in local), default=None)
-        if step is not None and any(s == step for s, _ in local):
+        local, lineage, jd = self._local_candidates()
+        plan = self.core().plan
+        live = plan(local, lineage)["order"]
+        newest = local[live[0]]["step"] if live else None
+        if step is not None and plan(local, lineage, step=step)["order"]:
             return None
         try:
-            cands = restore_candidates(self.store, newest, step)
+            cands = local + remote_candidates(self.store)
         except (CheckpointError, OSError) as e:
             self._unlisted(e, newest is None or step is not None, newest)
             return None
-        errors = []
-        for s, _ in cands:
-            loaded, err = self._try(s)
+        errors, verified_local = [], False
+        while True:
+            order = plan(cands, lineage, step=step)["order"]
+            if not order:
+                break
+            head = cands[order[0]]
+            if head["tier"] != "remote":
+                same = any(c["tier"] == "remote" and c["counter"] == head["counter"]
+                           for c in cands)
+                if not same or verified_local or jd is None:
+                    return None  # the local path reads (and verifies) it
+                # The remote holds the same checkpoint: the local copy must
+                # verify to be read first (a damaged local newest restores
+                # the remote copy, not an older local one).
+                verified_local = True
+                try:
+                    sel = jd.select(self.ckpt.rank, step=step)
+                except (CheckpointError, OSError):
+                    sel = None
+                good = None if sel is None else sel.counter
+                for c in cands:
+                    if c["tier"] != "remote" and c["committed"] and (
+                            good is None or c["counter"] > good):
+                        c.update(committed=False, damage="fails to verify")
+                continue
+            loaded, err = self._try(head["step"])
             if loaded is not None:
-                self.restored_from = f"{self.store.url}/{Layout.step_dir(s)}"
+                self.restored_from = f"{self.store.url}/{Layout.step_dir(head['step'])}"
                 return loaded
             errors.append(err)
-            warnings.warn(f"nonstop: remote step {s}: {err}; falling back", stacklevel=3)
+            head.update(committed=False, damage=err)
+            warnings.warn(f"nonstop: remote step {head['step']}: {err}; falling back",
+                          stacklevel=3)
         if errors and newest is None:
             raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies: "
                                          f"{errors[0]}")

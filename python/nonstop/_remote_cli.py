@@ -82,9 +82,13 @@ def _steps(store) -> dict:
 
 def _choose(store, step) -> list:
     """[(step, marker)] to try, newest first: `step` alone when given."""
-    steps = _remote.committed_steps(store)
-    if step is not None:
-        steps = [(s, m) for s, m in steps if s == step]
+    listed = _remote.committed_steps(store)
+    markers = dict(listed)
+    cands = _remote.remote_candidates(store, listed)
+    # The planner orders them: by counter (a checkpoint, not a step number).
+    order = _remote._core().plan(cands, None, step=step)["order"]
+    steps = [(cands[i]["step"], markers[cands[i]["step"]]) for i in order
+             if cands[i]["step"] in markers]
     if not steps:
         raise _Fail(f"no committed remote checkpoint{'' if step is None else f' at step {step}'} "
                     f"in {store.url}", EXIT_USAGE)

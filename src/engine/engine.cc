@@ -75,6 +75,26 @@ Status EngineImpl::Init() {
   Result<std::unique_ptr<Medium>> existing = OpenSlotMedium(false);
   if (!existing.ok() && existing.status().code() != StatusCode::kNotFound) return existing.status();
   if (existing.ok()) {
+    // A file cut shorter than its header says whose commit records went with
+    // its tail is damage, never a fresh start: refused before the repair
+    // below would restore its length and hide it.
+    existing.value().reset();
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> probe,
+                             jd_->OpenSlot(rank(), MediumKind::kBuffered, /*read_only=*/true));
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> pf, SlotFile::Open(std::move(probe)));
+    ScanOptions quick;
+    quick.verify_data = false;
+    NONSTOP_ASSIGN_OR_RETURN(ScanReport pr, pf->Scan(quick));
+    for (const std::string& note : pf->salvaged()) {
+      if (pr.checkpoints.empty() && note.rfind("slot file is truncated", 0) == 0) {
+        return Status::Corruption(jd_->SlotPath(rank()) + ": " + note.substr(0, note.find(';')) +
+                                  ": no commit record is left (damage, not a fresh start); move "
+                                  "the file aside to start afresh");
+      }
+    }
+    pf.reset();
+    existing = OpenSlotMedium(false);
+    if (!existing.ok()) return existing.status();
     // The writer repairs a damaged header copy or a truncated length (the
     // store salvages them; DESIGN.md invariant 10).
     NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> sf,
@@ -96,12 +116,16 @@ Status EngineImpl::Init() {
     // The newest committed checkpoint of the current lineage: one a restore
     // rolled back from is never resumed (DESIGN.md invariant 9).
     const CheckpointInfo* newest = nullptr;
-    for (const ScannedCheckpoint& c : report.checkpoints) {
-      if (c.state == CheckpointState::kCommitted && !lineage.IsAbandoned(c.info.counter)) {
-        newest = &c.info;
-        break;
-      }
+    std::vector<PlanCandidate> cands;
+    for (size_t i = 0; i < report.checkpoints.size(); ++i) {
+      const ScannedCheckpoint& c = report.checkpoints[i];
+      cands.push_back(PlanCandidate{Tier::kDisk, jd_->SlotPath(rank()), c.info.step, c.info.counter,
+                                    c.state == CheckpointState::kCommitted, c.reason, false, i});
     }
+    PlanRequest unverified;
+    unverified.verify = false;  // Restore verifies what it reads
+    NONSTOP_ASSIGN_OR_RETURN(Plan plan, MakePlan(cands, lineage, unverified));
+    if (plan.chosen()) newest = &report.checkpoints[cands[*plan.chosen()].handle].info;
     if (newest != nullptr) {
       const CheckpointInfo& info = *newest;
       retained_slot_ = info.slot;

@@ -140,53 +140,69 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   so.verify_data = false;  // each chunk's crc is verified as it is read below
   NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
   NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd_->ReadLineage(rank()));
-  std::vector<std::string> skipped;
-  for (const ScannedCheckpoint& c : report.checkpoints) {
-    if (c.state != CheckpointState::kCommitted) continue;
-    if (step && c.info.step != *step) continue;
-    if (not_durable_.count(c.info.counter) != 0) continue;  // its commit's fsync failed
-    if (lineage.IsAbandoned(c.info.counter)) {
-      skipped.push_back("checkpoint " + std::to_string(c.info.counter) + " (step " +
-                        std::to_string(c.info.step) + ") was rolled back from by a restore");
-      continue;
-    }
-    Status st = Status::Internal("not read");
-    bool from_memory = false;
-    if (!step && skipped.empty() && memory_->on()) {
-      // The memory tier: the segment, when it holds exactly this checkpoint.
-      Result<std::optional<MemorySegment>> seg =
-          OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &c.info, nullptr);
-      if (seg.ok() && seg.value().has_value()) {
-        std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
-        st = ReadCheckpoint(mf, seg.value()->info);
-        from_memory = st.ok();
-      }
-    }
-    if (!from_memory) st = ReadCheckpoint(file, c.info);
-    if (st.ok()) {
-      stats_.restored_from_memory = from_memory;
-      stats_.restore_s = Seconds(t0, Clock::now());
-      // A rollback is final (DESIGN.md invariant 9): when newer records
-      // exist (damaged, or an older step asked for), the next checkpoint
-      // first records durably that their counters are abandoned
-      // (RecordRollback), in distributed mode too (there Pin keeps the slot).
-      rollback_from_.reset();
-      if (report.checkpoints.front().info.counter > c.info.counter) {
-        rollback_from_ = c.info.counter;
-      }
-      ProtectRestored(file, c.info);
-      AddStall(Seconds(t0, Clock::now()));
-      return c.info;
-    }
-    // Damaged bytes: fall back to an older checkpoint of the same step or,
-    // without a step, any older one. Mismatched tensors are the caller's error.
-    if (st.code() != StatusCode::kCorruption && st.code() != StatusCode::kIOError) return st;
-    skipped.push_back("checkpoint " + std::to_string(c.info.counter) + ": " + st.message());
+  // A commit whose fsync failed this session is never chosen (noted durably
+  // by RecordNotDurable as well).
+  for (uint64_t c : not_durable_) {
+    lineage.abandoned.emplace_back(c, c);
+    lineage.not_durable.push_back(c);
+  }
+  std::sort(lineage.not_durable.begin(), lineage.not_durable.end());
+  std::vector<PlanCandidate> cands;
+  for (size_t i = 0; i < report.checkpoints.size(); ++i) {
+    const ScannedCheckpoint& c = report.checkpoints[i];
+    cands.push_back(PlanCandidate{Tier::kDisk, file->medium().Describe(), c.info.step,
+                                  c.info.counter, c.state == CheckpointState::kCommitted,
+                                  c.reason, false, i});
+  }
+  PlanRequest req;
+  req.step = step;
+  // The newest live checkpoint: only it may come from the memory tier.
+  PlanRequest newest_req;
+  newest_req.verify = false;
+  NONSTOP_ASSIGN_OR_RETURN(Plan newest_plan, MakePlan(cands, lineage, newest_req));
+  const std::optional<size_t> newest_live = newest_plan.chosen();
+  bool from_memory = false;
+  // Verifying a candidate is reading it into the registered tensors: the
+  // first that reads back with every crc intact is the one restored.
+  NONSTOP_ASSIGN_OR_RETURN(
+      Plan plan, MakePlan(cands, lineage, req, [&](const PlanCandidate& pc) -> Status {
+        const CheckpointInfo& info = report.checkpoints[pc.handle].info;
+        from_memory = false;
+        if (!step && newest_live && cands[*newest_live].counter == pc.counter && memory_->on()) {
+          // The memory tier: the segment, when it holds exactly this checkpoint.
+          Result<std::optional<MemorySegment>> seg =
+              OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &info, nullptr);
+          if (seg.ok() && seg.value().has_value()) {
+            std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
+            from_memory = ReadCheckpoint(mf, seg.value()->info).ok();
+            if (from_memory) return Status::OK();
+          }
+        }
+        Status st = ReadCheckpoint(file, info);
+        // Damaged bytes fall back to an older checkpoint (of the same step
+        // when one was asked for); mismatched tensors are the caller's error.
+        if (st.code() == StatusCode::kIOError) return Status::Corruption(st.message());
+        return st;
+      }));
+  if (plan.chosen()) {
+    const CheckpointInfo& info = report.checkpoints[cands[*plan.chosen()].handle].info;
+    stats_.restored_from_memory = from_memory;
+    stats_.restore_s = Seconds(t0, Clock::now());
+    // A rollback is final (DESIGN.md invariant 9): when newer records exist
+    // (damaged, or an older step asked for), their counters are abandoned,
+    // durably, before Restore returns (RecordRollback), in distributed mode
+    // too (there Pin keeps the slot).
+    rollback_from_.reset();
+    if (report.checkpoints.front().info.counter > info.counter) rollback_from_ = info.counter;
+    NONSTOP_RETURN_IF_ERROR(RecordRollback());
+    ProtectRestored(file, info);
+    AddStall(Seconds(t0, Clock::now()));
+    return info;
   }
   std::string why = step ? "no valid checkpoint of step " + std::to_string(*step)
                          : "no valid checkpoint";
   why += " in " + file->medium().Describe();
-  for (const auto& s : skipped) why += "; " + s;
+  for (const auto& s : plan.skipped) why += "; " + s;
   return Status::NotFound(why);
 }
 
@@ -207,6 +223,9 @@ Status EngineImpl::AdoptRestored(uint64_t counter) {
   uint64_t newest = 0;
   for (const ScannedCheckpoint& c : report.checkpoints) newest = std::max(newest, c.info.counter);
   if (newest > counter) rollback_from_ = counter;
+  // The rollback is durable before the restore returns: a crash before the
+  // next checkpoint never resumes the abandoned future.
+  NONSTOP_RETURN_IF_ERROR(RecordRollback());
   // Distributed mode: ProtectRestored leaves the slot to Pin (the caller
   // pins `counter`); the rollback above is recorded all the same, so a crash
   // never resumes a rank's abandoned future (DESIGN.md invariant 9).

@@ -529,9 +529,21 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
   so.verify_data = false;
   Result<ScanReport> rep = f.value()->Scan(so);
   if (!rep.ok()) return no(path + ": " + rep.status().message());
-  if (rep.value().newest_valid < 0) return no(path + " holds no valid checkpoint");
+  // The segment's records, planned as the memory tier's candidates (the
+  // data is verified by the read that restores from it).
+  std::vector<PlanCandidate> cands;
+  for (size_t i = 0; i < rep.value().checkpoints.size(); ++i) {
+    const ScannedCheckpoint& c = rep.value().checkpoints[i];
+    cands.push_back(PlanCandidate{Tier::kMemory, path, c.info.step, c.info.counter,
+                                  c.state == CheckpointState::kCommitted, c.reason, false, i});
+  }
+  PlanRequest unverified;
+  unverified.verify = false;
+  Result<Plan> plan = MakePlan(cands, LineageRecord{}, unverified);
+  if (!plan.ok()) return no(path + ": " + plan.status().message());
+  if (!plan.value().chosen()) return no(path + " holds no valid checkpoint");
   const CheckpointInfo& info =
-      rep.value().checkpoints[static_cast<size_t>(rep.value().newest_valid)].info;
+      rep.value().checkpoints[cands[*plan.value().chosen()].handle].info;
   std::string why;
   if (!SameCheckpoint(info, *newest, &why)) return no(path + ": " + why);
   MemorySegment seg;

@@ -21,7 +21,6 @@ using jobdir_internal::EncodeLineage;
 using jobdir_internal::kMaxAbandonedRanges;
 using jobdir_internal::kMaxRecordBytes;
 using jobdir_internal::kMaxNotDurable;
-using jobdir_internal::kNotDurableReason;
 
 namespace {
 
@@ -80,31 +79,20 @@ bool IsRotated(const ScannedCheckpoint& c) {
          c.reason.find(" was reused by checkpoint #") != std::string::npos;
 }
 
+// Whether the planner counts record `c` as a committed, live checkpoint
+// (committed and not abandoned by a rollback).
+bool Live(const ScannedCheckpoint& c, const LineageRecord& lineage) {
+  PlanCandidate pc;
+  pc.counter = c.info.counter;
+  pc.committed = c.state == CheckpointState::kCommitted;
+  return Classify(pc, lineage).state == CandidateState::State::kCommitted;
+}
+
 Status VerifyData(SlotFile& f, const CheckpointInfo& info) {
   return f.ReadData(info, 0, nullptr, info.data_bytes, /*verify=*/true);
 }
 
-// Whether `info` of `src` may be chosen: not excluded by the caller, and its
-// data verifies when asked.
-Status Usable(const CheckpointInfo& info, Source& src, const SelectOptions& opts) {
-  if (std::find(opts.exclude.begin(), opts.exclude.end(), info.counter) != opts.exclude.end()) {
-    return Status::Corruption("failed while it was read");
-  }
-  return opts.verify_data ? VerifyData(*src.file, info) : Status::OK();
-}
-
 }  // namespace
-
-bool LineageRecord::NotDurable(uint64_t counter) const {
-  return std::binary_search(not_durable.begin(), not_durable.end(), counter);
-}
-
-bool LineageRecord::IsAbandoned(uint64_t counter) const {
-  for (const auto& [lo, hi] : abandoned) {
-    if (counter >= lo && counter <= hi) return true;
-  }
-  return false;
-}
 
 struct JobDir::Impl {
   Env* env = nullptr;
@@ -172,6 +160,16 @@ struct JobDir::Impl {
                    bool keep) -> Status {
       Result<Source> s = OpenSource(in, name, CheckpointLocation{rel, keep});
       if (s.ok()) {
+        // A file cut shorter than its header says, whose commit records are
+        // gone with its tail, is damage: never "nothing was committed".
+        if (s.value().report.checkpoints.empty()) {
+          for (const std::string& note : s.value().file->salvaged()) {
+            if (note.rfind("slot file is truncated", 0) == 0) {
+              problems->push_back(Where(rel) + ": " + note.substr(0, note.find(';')) +
+                                  ": no commit record is left (damage, not a fresh start)");
+            }
+          }
+        }
         out->push_back(std::move(s).value());
       } else if (IsDamage(s.status())) {
         problems->push_back(s.status().message());
@@ -355,8 +353,7 @@ Status JobDir::Impl::TidyLeftovers() {
     bool redone = false;
     if (src.ok() && lineage.ok()) {
       for (const ScannedCheckpoint& c : src.value().report.checkpoints) {
-        if (c.state != CheckpointState::kCommitted || c.info.step != step ||
-            lineage.value().IsAbandoned(c.info.counter)) {
+        if (c.info.step != step || !Live(c, lineage.value())) {
           continue;
         }
         Status st = KeepLocked(*src.value().file, c.info);
@@ -451,6 +448,34 @@ Status JobDir::DiscardTempSlot() {
 
 // ---------------------------------------------------------------- selection
 
+namespace {
+
+// Every record of `sources` as a planner candidate; handle = index into `at`.
+std::vector<PlanCandidate> Candidates(const std::vector<Source>& sources,
+                                      std::vector<std::pair<size_t, size_t>>* at) {
+  std::vector<PlanCandidate> out;
+  for (size_t s = 0; s < sources.size(); ++s) {
+    const ScanReport& rep = sources[s].report;
+    for (size_t i = 0; i < rep.checkpoints.size(); ++i) {
+      const ScannedCheckpoint& c = rep.checkpoints[i];
+      PlanCandidate pc;
+      pc.tier = sources[s].loc.keep ? Tier::kKeep : Tier::kDisk;
+      pc.where = sources[s].loc.where;
+      pc.step = c.info.step;
+      pc.counter = c.info.counter;
+      pc.committed = c.state == CheckpointState::kCommitted;
+      pc.damage = c.reason;
+      pc.overwritten = IsRotated(c);
+      pc.handle = at->size();
+      at->emplace_back(s, i);
+      out.push_back(std::move(pc));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix, int r,
                                          const SelectOptions& opts) {
   for (int attempt = 0;; ++attempt) {
@@ -459,93 +484,46 @@ Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix
     std::vector<std::string> problems;
     NONSTOP_RETURN_IF_ERROR(Sources(d, prefix, r, opts.include_keep && prefix.empty(), false,
                                     &sources, &problems, opts.step));
-    struct Cand {
-      uint64_t counter;
-      size_t src;
-      size_t idx;
-    };
-    std::vector<Cand> cands;
-    std::vector<std::pair<uint64_t, std::string>> damaged;  // (counter, line)
-    Selection sel;
     bool any_record = false;
-    for (size_t s = 0; s < sources.size(); ++s) {
-      const ScanReport& rep = sources[s].report;
-      any_record = any_record || !rep.checkpoints.empty() || !rep.skipped.empty();
-      for (size_t i = 0; i < rep.checkpoints.size(); ++i) {
-        const ScannedCheckpoint& c = rep.checkpoints[i];
-        sel.newest_counter = std::max(sel.newest_counter, c.info.counter);
-        if (c.state == CheckpointState::kCommitted) {
-          cands.push_back(Cand{c.info.counter, s, i});
-        } else if (!lineage.IsAbandoned(c.info.counter) && !IsRotated(c) &&
-                   (!opts.step || c.info.step == *opts.step)) {
-          damaged.emplace_back(c.info.counter, sources[s].loc.where + ": " +
-                                                   Describe(c.info.counter, c.info.step) + ": " +
-                                                   c.reason);
+    for (const Source& src : sources) {
+      any_record = any_record || !src.report.checkpoints.empty() || !src.report.skipped.empty();
+    }
+    std::vector<std::pair<size_t, size_t>> at;
+    const std::vector<PlanCandidate> cands = Candidates(sources, &at);
+    PlanRequest req;
+    req.step = opts.step;
+    req.max_step = opts.max_step;
+    req.exclude = opts.exclude;
+    req.verify = opts.verify_data;
+    Result<Plan> planned = MakePlan(cands, lineage, req, [&](const PlanCandidate& c) -> Status {
+      Source& src = sources[at[c.handle].first];
+      const CheckpointInfo& info = src.report.checkpoints[at[c.handle].second].info;
+      Status st = VerifyData(*src.file, info);
+      if (st.ok()) return st;
+      if (!writable && !src.loc.keep && attempt < kReaderRetries) {
+        // A reader: a live writer may have committed a newer checkpoint
+        // and reused this slot while we verified it. Then look again.
+        ScanOptions so;
+        so.verify_data = false;
+        Result<ScanReport> again = src.file->Scan(so);
+        if (again.ok() && NewestRecord(again.value()) > src.newest_record) {
+          return Status::Aborted("superseded while verified");
         }
       }
+      if (st.code() == StatusCode::kCorruption) return st;
+      return st.Annotate(Where(src.loc.where));
+    });
+    if (!planned.ok()) {
+      if (planned.status().code() == StatusCode::kAborted) continue;
+      return planned.status();
     }
-    std::stable_sort(cands.begin(), cands.end(),
-                     [](const Cand& a, const Cand& b) { return a.counter > b.counter; });
-    std::vector<std::pair<uint64_t, std::string>> passed;  // newer ones not chosen
-    bool retry = false, saw_damage = !damaged.empty() || !problems.empty();
-    std::optional<uint64_t> newest_live;
-    const Cand* chosen = nullptr;
-    for (const Cand& c : cands) {
-      Source& src = sources[c.src];
-      const CheckpointInfo& info = src.report.checkpoints[c.idx].info;
-      const std::string what = src.loc.where + ": " + Describe(info.counter, info.step);
-      if (lineage.IsAbandoned(info.counter)) {
-        passed.emplace_back(info.counter,
-                            what + ": " +
-                                (lineage.NotDurable(info.counter)
-                                     ? std::string(kNotDurableReason)
-                                     : "abandoned (a restore of #" +
-                                           std::to_string(lineage.restored_counter) +
-                                           " rolled back past it; a rollback is final)"));
-        continue;
-      }
-      if (!newest_live) newest_live = info.counter;
-      if (opts.step && info.step != *opts.step) continue;
-      if (opts.max_step && info.step > *opts.max_step) continue;
-      if (std::find(opts.exclude.begin(), opts.exclude.end(), info.counter) != opts.exclude.end()) {
-        passed.emplace_back(info.counter, what + ": failed while it was read");
-        saw_damage = true;
-        continue;
-      }
-      if (opts.verify_data) {
-        Status st = VerifyData(*src.file, info);
-        if (!st.ok()) {
-          if (!writable && !src.loc.keep && attempt < kReaderRetries) {
-            // A reader: a live writer may have committed a newer checkpoint
-            // and reused this slot while we verified it. Then look again.
-            ScanOptions so;
-            so.verify_data = false;
-            Result<ScanReport> again = src.file->Scan(so);
-            if (again.ok() && NewestRecord(again.value()) > src.newest_record) {
-              retry = true;
-              break;
-            }
-          }
-          if (st.code() != StatusCode::kCorruption) return st.Annotate(Where(src.loc.where));
-          passed.emplace_back(info.counter, what + ": " + st.message());
-          saw_damage = true;
-          continue;
-        }
-      }
-      chosen = &c;
-      break;
-    }
-    if (retry) continue;
-    const uint64_t floor = chosen ? chosen->counter : 0;
-    std::vector<std::pair<uint64_t, std::string>> lines = passed;
-    for (auto& dmg : damaged) {
-      if (dmg.first > floor) lines.push_back(std::move(dmg));
-    }
-    std::stable_sort(lines.begin(), lines.end(),
-                     [](const auto& a, const auto& b) { return a.first > b.first; });
-    for (auto& l : lines) sel.skipped.push_back(std::move(l.second));
+    Plan& plan = planned.value();
+    Selection sel;
+    sel.newest_counter = plan.newest_counter;
+    sel.skipped = std::move(plan.skipped);
     for (auto& p : problems) sel.skipped.push_back(std::move(p));
-    if (chosen == nullptr) {
+    const bool saw_damage = plan.saw_damage || !problems.empty();
+    if (!plan.chosen()) {
       if (!any_record && problems.empty() && !opts.step) return sel;  // a fresh start
       std::string why = "no " + (opts.step ? "checkpoint of step " + std::to_string(*opts.step)
                                            : std::string("checkpoint")) +
@@ -556,13 +534,14 @@ Result<Selection> JobDir::Impl::SelectIn(Directory& d, const std::string& prefix
       for (const auto& s : sel.skipped) why += "; " + s;
       return saw_damage ? Status::Corruption(why) : Status::NotFound(why);
     }
-    Source& src = sources[chosen->src];
+    const auto [si, ci] = at[cands[*plan.chosen()].handle];
+    Source& src = sources[si];
     Selected out;
-    out.info = src.report.checkpoints[chosen->idx].info;
+    out.info = src.report.checkpoints[ci].info;
     out.location = src.loc;
     out.newest_at_scan = src.newest_record;
     out.file = std::move(src.file);
-    sel.fallback = newest_live && *newest_live != out.info.counter;
+    sel.fallback = plan.fallback;
     sel.chosen = std::move(out);
     return sel;
   }
@@ -625,11 +604,20 @@ Result<std::optional<CommonSelection>> JobDir::Impl::SelectCommonIn(
       pr.any_record = pr.any_record || !src.report.checkpoints.empty() || !src.report.skipped.empty();
       for (size_t i = 0; i < src.report.checkpoints.size(); ++i) {
         const ScannedCheckpoint& c = src.report.checkpoints[i];
-        if (pr.lineage.IsAbandoned(c.info.counter) || IsRotated(c)) continue;
+        PlanCandidate pc;
+        pc.counter = c.info.counter;
+        pc.committed = c.state == CheckpointState::kCommitted;
+        pc.damage = c.reason;
+        pc.overwritten = IsRotated(c);
+        const CandidateState cs = Classify(pc, pr.lineage);
+        if (cs.state == CandidateState::State::kAbandoned ||
+            cs.state == CandidateState::State::kOverwritten) {
+          continue;
+        }
         std::string bad;
         std::optional<uint64_t> run;
-        if (c.state != CheckpointState::kCommitted) {
-          bad = c.reason;
+        if (cs.state == CandidateState::State::kDamaged) {
+          bad = cs.reason;
         } else if (!(run = CheckpointRunId(c.info.meta_json))) {
           bad = "its metadata's run id (\"dist\".\"lineage\") is not an unsigned integer";
         }
@@ -729,20 +717,39 @@ Result<std::optional<CommonSelection>> JobDir::Impl::SelectCommonIn(
     std::string why;
     for (int r = 0; r < world && why.empty(); ++r) {
       PerRank& pr = ranks[r];
-      std::string reasons;
-      bool ok = false;
-      for (const auto& [s, i] : pr.keys[key]) {
-        const CheckpointInfo& info = pr.sources[s].report.checkpoints[i].info;
-        Status st = Usable(info, pr.sources[s], opts);
-        if (st.ok()) {
-          picks[r] = {s, i};
-          ok = true;
-          break;
-        }
-        if (st.code() != StatusCode::kCorruption) return st.Annotate(Where(pr.sources[s].loc.where));
-        reasons += (reasons.empty() ? "" : "; ") + pr.sources[s].loc.where + ": " + st.message();
+      // This rank's copies of the key (slot file, keep copies), planned:
+      // the newest that verifies.
+      const std::vector<std::pair<size_t, size_t>>& copies = pr.keys[key];
+      std::vector<PlanCandidate> cands;
+      for (size_t h = 0; h < copies.size(); ++h) {
+        const Source& src = pr.sources[copies[h].first];
+        const CheckpointInfo& info = src.report.checkpoints[copies[h].second].info;
+        PlanCandidate pc;
+        pc.tier = src.loc.keep ? Tier::kKeep : Tier::kDisk;
+        pc.where = src.loc.where;
+        pc.step = info.step;
+        pc.counter = info.counter;
+        pc.handle = h;
+        cands.push_back(std::move(pc));
       }
-      if (!ok) why = "rank " + std::to_string(r) + ": " + reasons;
+      PlanRequest req;
+      req.step = key.first;
+      req.exclude = opts.exclude;
+      req.verify = opts.verify_data;
+      NONSTOP_ASSIGN_OR_RETURN(
+          Plan plan, MakePlan(cands, pr.lineage, req, [&](const PlanCandidate& c) -> Status {
+            const auto& [s, i] = copies[c.handle];
+            Status st = VerifyData(*pr.sources[s].file, pr.sources[s].report.checkpoints[i].info);
+            if (st.ok() || st.code() == StatusCode::kCorruption) return st;
+            return st.Annotate(Where(pr.sources[s].loc.where));
+          }));
+      if (plan.chosen()) {
+        picks[r] = copies[cands[*plan.chosen()].handle];
+      } else {
+        std::string reasons;
+        for (const auto& l : plan.skipped) reasons += (reasons.empty() ? "" : "; ") + l;
+        why = "rank " + std::to_string(r) + ": " + reasons;
+      }
     }
     if (!why.empty()) {
       out.skipped.push_back("step " + std::to_string(key.first) +
@@ -861,31 +868,42 @@ Result<std::vector<ListedCheckpoint>> JobDir::List(int rank) {
   std::vector<std::string> problems;
   NONSTOP_RETURN_IF_ERROR(impl_->Sources(*impl_->dir, "", rank, true, false, &sources, &problems));
   std::vector<ListedCheckpoint> out;
-  for (const Source& s : sources) {
-    for (const ScannedCheckpoint& c : s.report.checkpoints) {
-      ListedCheckpoint l;
-      l.counter = c.info.counter;
-      l.step = c.info.step;
-      l.location = s.loc;
-      if (c.state == CheckpointState::kDamaged) {
+  std::vector<std::pair<size_t, size_t>> at;
+  const std::vector<PlanCandidate> cands = Candidates(sources, &at);
+  for (const PlanCandidate& pc : cands) {
+    const Source& s = sources[at[pc.handle].first];
+    const ScannedCheckpoint& c = s.report.checkpoints[at[pc.handle].second];
+    ListedCheckpoint l;
+    l.counter = c.info.counter;
+    l.step = c.info.step;
+    l.location = s.loc;
+    const CandidateState st = Classify(pc, lineage);
+    switch (st.state) {
+      case CandidateState::State::kCommitted: l.state = ListedCheckpoint::State::kCommitted; break;
+      case CandidateState::State::kAbandoned: l.state = ListedCheckpoint::State::kAbandoned; break;
+      case CandidateState::State::kDamaged:
+      case CandidateState::State::kOverwritten:
         l.state = ListedCheckpoint::State::kDamaged;
-        l.reason = c.reason;
-        l.rotated = IsRotated(c);
-      } else if (lineage.IsAbandoned(c.info.counter)) {
-        l.state = ListedCheckpoint::State::kAbandoned;
-        l.reason = lineage.NotDurable(c.info.counter)
-                       ? std::string(kNotDurableReason)
-                       : "abandoned by a restore of #" + std::to_string(lineage.restored_counter);
-      } else {
-        l.state = ListedCheckpoint::State::kCommitted;
-      }
-      if (c.state == CheckpointState::kCommitted) {
-        l.commit_unix_ns = c.info.commit_unix_ns;
-        l.data_bytes = c.info.data_bytes;
-        l.metrics = CheckpointMetrics(c.info.meta_json);
-      }
-      out.push_back(std::move(l));
+        l.rotated = st.state == CandidateState::State::kOverwritten;
+        break;
     }
+    l.reason = st.reason;
+    if (c.state == CheckpointState::kCommitted) {
+      l.commit_unix_ns = c.info.commit_unix_ns;
+      l.data_bytes = c.info.data_bytes;
+      l.metrics = CheckpointMetrics(c.info.meta_json);
+    }
+    out.push_back(std::move(l));
+  }
+  // A file that cannot be read (zeroed, a directory, cut short) is listed
+  // as damage, never hidden as "no checkpoint".
+  for (const std::string& p : problems) {
+    ListedCheckpoint l;
+    l.state = ListedCheckpoint::State::kDamaged;
+    l.step = -1;
+    l.location.where = JobDirNames::Slot(rank);
+    l.reason = p;
+    out.push_back(std::move(l));
   }
   std::stable_sort(out.begin(), out.end(),
                    [](const auto& a, const auto& b) { return a.counter > b.counter; });
@@ -925,7 +943,9 @@ Status JobDir::RecordRestore(int rank, uint64_t counter) {
   if (counter == 0) return Status::InvalidArgument("RecordRestore: counter 0 is no checkpoint");
   MutexLock l(&impl_->mu);
   NONSTOP_ASSIGN_OR_RETURN(LineageRecord rec, impl_->LineageIn(*impl_->dir, "", rank));
-  if (rec.IsAbandoned(counter)) {
+  PlanCandidate asked;
+  asked.counter = counter;
+  if (Classify(asked, rec).state == CandidateState::State::kAbandoned) {
     return Status::InvalidArgument("checkpoint #" + std::to_string(counter) + " of " +
                                    impl_->path + " was abandoned by an earlier restore");
   }
@@ -1134,7 +1154,10 @@ Result<std::vector<int>> JobDir::SetAside(int world_size) {
       so.verify_data = false;
       Result<ScanReport> rep = sf.value()->Scan(so);
       if (!rep.ok() && !IsDamage(rep.status())) return rep.status();
-      committed = rep.ok() && rep.value().newest_valid >= 0;
+      committed = rep.ok() && std::any_of(rep.value().checkpoints.begin(),
+                                            rep.value().checkpoints.end(), [](const auto& c) {
+                                              return c.state == CheckpointState::kCommitted;
+                                            });
     }
     auto& dest = dests[w];
     if (!dest) {
@@ -1266,7 +1289,7 @@ Result<std::vector<KeptCopy>> JobDir::Impl::KeptCopiesLocked(int r, const std::s
   for (const Source& s : sources) {
     if (!s.loc.keep) continue;
     for (const ScannedCheckpoint& c : s.report.checkpoints) {
-      if (c.state != CheckpointState::kCommitted || lineage.IsAbandoned(c.info.counter)) continue;
+      if (!Live(c, lineage)) continue;
       KeptCopy k;
       k.step = c.info.step;
       k.counter = c.info.counter;
@@ -1292,7 +1315,7 @@ Result<std::vector<uint64_t>> JobDir::Impl::UndeletableCounters(int r,
   if (!src.ok() && !IsNotFound(src.status()) && !IsDamage(src.status())) return src.status();
   if (src.ok()) {
     for (const ScannedCheckpoint& c : src.value().report.checkpoints) {
-      if (c.state == CheckpointState::kCommitted && !lineage.IsAbandoned(c.info.counter)) {
+      if (Live(c, lineage)) {
         ring_newest = std::max(ring_newest, c.info.counter);
         if (c.info.counter > above) ring_above_restore = c.info.counter;
       }

@@ -20,8 +20,6 @@ inline constexpr int kMaxJsonDepth = 8;
 inline constexpr size_t kMaxJsonElements = 20000;
 inline constexpr size_t kMaxAbandonedRanges = 8192;
 inline constexpr size_t kMaxNotDurable = 1024;
-inline constexpr const char* kNotDurableReason =
-    "its commit failed (a sync of its slot file failed): never durable, never chosen";
 
 struct Json {
   enum class Type { kNull, kBool, kNumber, kString, kArray, kObject } type = Type::kNull;

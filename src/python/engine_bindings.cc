@@ -24,6 +24,7 @@
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
+#include "nonstop/plan.h"
 #include "nonstop/restore.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"
@@ -406,6 +407,9 @@ class PyReader {
     Result<ScanReport> report = file_->Scan(sopts);
     if (!report.ok()) throw StatusError(report.status().Annotate(path_));
     report_ = std::move(report).value();
+    // The job directory's lineage: an abandoned counter is never the newest valid.
+    std::unique_ptr<JobDir> jd = Take(JobDir::OpenForRead(dir));
+    lineage_ = Take(jd->ReadLineage(rank));
   }
 
   // A memory-tier segment (memory_tier.h), already opened and verified.
@@ -446,16 +450,21 @@ class PyReader {
     }
     return out;
   }
+  // The checkpoint recovery would read (an index into Checkpoints(), -1 for
+  // none), as the planner orders them: lineage, damage, names.
   int NewestValid() const {
-    const int n = report_.newest_valid;
-    if (n < 0 || BadName(report_.checkpoints[n].info).empty()) return n;
-    int best = -1;
-    for (int i = 0; i < static_cast<int>(report_.checkpoints.size()); ++i) {
+    std::vector<PlanCandidate> cands;
+    for (size_t i = 0; i < report_.checkpoints.size(); ++i) {
       const auto& c = report_.checkpoints[i];
-      if (c.state != CheckpointState::kCommitted || !BadName(c.info).empty()) continue;
-      if (best < 0 || c.info.counter > report_.checkpoints[best].info.counter) best = i;
+      const std::string bad = BadName(c.info);
+      cands.push_back(PlanCandidate{Tier::kDisk, path_, c.info.step, c.info.counter,
+                                    c.state == CheckpointState::kCommitted && bad.empty(),
+                                    bad.empty() ? c.reason : bad, false, i});
     }
-    return best;
+    PlanRequest scanned;  // Scan verified what it was asked to
+    scanned.verify = false;
+    const Plan plan = Take(MakePlan(cands, lineage_, scanned));
+    return plan.chosen() ? static_cast<int>(cands[*plan.chosen()].handle) : -1;
   }
   const std::string& path() const { return path_; }
 
@@ -518,6 +527,7 @@ class PyReader {
   std::string path_;
   std::unique_ptr<SlotFile> file_;
   ScanReport report_;
+  LineageRecord lineage_;  // empty for a memory segment
 };
 
 }  // namespace

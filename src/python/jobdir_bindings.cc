@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "nonstop/jobdir.h"
+#include "nonstop/plan.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -225,6 +226,7 @@ class PyJobDir {
     d["restored"] = r.restored_counter;
     d["abandoned"] = r.abandoned;
     d["abandoned_through"] = r.abandoned_through;
+    d["not_durable"] = r.not_durable;
     return d;
   }
   uint64_t NextCounter(int rank) {
@@ -311,6 +313,56 @@ py::dict AgreedToDict(const AgreedRecord& r) {
   return d;
 }
 
+// nonstop._core.plan: the recovery planner (nonstop/plan.h) for what Python
+// lists (a remote tier's listing, the ranks' gathered lists). No verifier:
+// the caller verifies as it reads and asks again with `exclude`.
+py::dict PlanBinding(const py::list& candidates, const std::optional<py::dict>& lineage,
+                     std::optional<int64_t> step, std::optional<int64_t> max_step,
+                     const std::vector<uint64_t>& exclude) {
+  std::vector<PlanCandidate> cands;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const py::dict c = candidates[i].cast<py::dict>();
+    PlanCandidate pc;
+    const std::string tier = c.contains("tier") ? c["tier"].cast<std::string>() : "disk";
+    const std::optional<Tier> t = ParseTier(tier);
+    if (!t) throw StatusError(Status::InvalidArgument("plan: unknown tier '" + tier + "'"));
+    pc.tier = *t;
+    pc.where = c.contains("where") ? c["where"].cast<std::string>() : tier;
+    pc.step = c["step"].cast<int64_t>();
+    pc.counter = c["counter"].cast<uint64_t>();
+    pc.committed = c.contains("committed") ? c["committed"].cast<bool>() : true;
+    pc.damage = c.contains("damage") && !c["damage"].is_none() ? c["damage"].cast<std::string>() : "";
+    pc.overwritten = c.contains("overwritten") && c["overwritten"].cast<bool>();
+    pc.handle = i;
+    cands.push_back(std::move(pc));
+  }
+  LineageRecord l;
+  if (lineage) {
+    const py::dict& d = *lineage;
+    if (d.contains("abandoned")) {
+      l.abandoned = d["abandoned"].cast<std::vector<std::pair<uint64_t, uint64_t>>>();
+    }
+    if (d.contains("not_durable")) l.not_durable = d["not_durable"].cast<std::vector<uint64_t>>();
+    if (d.contains("restored")) l.restored_counter = d["restored"].cast<uint64_t>();
+  }
+  PlanRequest req;
+  req.step = step;
+  req.max_step = max_step;
+  req.exclude = exclude;
+  req.verify = false;
+  Plan plan;
+  {
+    py::gil_scoped_release release;
+    plan = Take(MakePlan(cands, l, req));
+  }
+  py::dict out;
+  out["order"] = plan.order;
+  out["skipped"] = plan.skipped;
+  out["fallback"] = plan.fallback;
+  out["saw_damage"] = plan.saw_damage;
+  return out;
+}
+
 void InitJobDir(py::module_& m) {
   py::class_<PySelected>(m, "SelectedCheckpoint")
       .def_property_readonly("info", &PySelected::Info)
@@ -363,6 +415,9 @@ void InitJobDir(py::module_& m) {
       .def("set_aside_worlds", &PyJobDir::SetAsideWorlds)
       .def("write_agreed", &PyJobDir::WriteAgreed, py::arg("record"))
       .def("read_agreed", &PyJobDir::ReadAgreed, py::arg("rank") = 0);
+  m.def("plan", &PlanBinding, py::arg("candidates"), py::arg("lineage") = py::none(),
+        py::arg("step") = py::none(), py::arg("max_step") = py::none(),
+        py::arg("exclude") = std::vector<uint64_t>{});
 }
 
 }  // namespace nonstop::py_bindings

@@ -1,0 +1,129 @@
+"""Issue 23: one answer to "which checkpoint?". Every reader (restore, load,
+export, the DCP export, `nonstop verify/inspect/ls`, nonstop.list) asks the
+one recovery planner, so they agree on a rolled-back lineage and on damage."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import nonstop  # noqa: E402
+from nonstop import _core  # noqa: E402
+from nonstop.errors import CheckpointNotFoundError, CorruptCheckpointError  # noqa: E402
+
+NONSTOP = os.environ.get("NONSTOP_CLI") or os.path.join(
+    os.path.dirname(__file__), "..", "..", "build", "tools", "nonstop")
+
+
+def _cli(*args):
+    if not os.path.exists(NONSTOP):
+        pytest.skip("the nonstop CLI is not built (make cbuild)")
+    return subprocess.run([NONSTOP, *args], capture_output=True, text=True, timeout=60)
+
+
+def _commit(ck, model, steps, value):
+    for s in steps:
+        with torch.no_grad():
+            model.weight.fill_(value(s))
+        ck.step(s)
+        ck.wait()
+
+
+def _rolled_back(d, new19=True):
+    """Commits 9, 19, 29 (weights = step), restores step 9 and, with new19,
+    commits a new step 19 whose weights are -19."""
+    model = torch.nn.Linear(4, 4)
+    with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False) as ck:
+        _commit(ck, model, [9, 19, 29], float)
+    model = torch.nn.Linear(4, 4)
+    with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False) as ck:
+        assert ck.restore(step=9) == 9
+        if new19:
+            _commit(ck, model, [19], lambda s: -float(s))
+
+
+def test_dcp_export_never_writes_an_abandoned_future(tmp_path):
+    # Case 1: load and the safetensors export give the new 19; so must DCP.
+    d = str(tmp_path / "ck")
+    _rolled_back(d)
+    assert nonstop.load(d).step == 19
+    from nonstop import _dcp
+    step, tensors, _, _ = _dcp.gather(d)
+    assert step == 19
+    assert torch.equal(tensors[0]["model/weight"], torch.full((4, 4), -19.0))
+
+
+def test_exports_verify_and_inspect_agree_with_load_after_a_rollback(tmp_path):
+    # Case 2 (and 7: the rollback is recorded by restore(step=9) itself).
+    d = str(tmp_path / "ck")
+    _rolled_back(d, new19=False)
+    assert nonstop.load(d).step == 9
+    out = str(tmp_path / "m.safetensors")
+    assert nonstop.export(d, out)["step"] == 9
+    with pytest.raises(CheckpointNotFoundError):
+        nonstop.load(d, step=29)
+    with pytest.raises(CheckpointNotFoundError):
+        nonstop.export(d, str(tmp_path / "m29.safetensors"), step=29)
+    from nonstop import _dcp
+    assert _dcp.gather(d)[0] == 9
+    r = _cli("verify", d)
+    assert r.returncode == 0 and "step 9 verified" in r.stdout, r.stdout + r.stderr
+    r = _cli("verify", d, "--step", "29")
+    assert r.returncode != 0 and "abandoned" in r.stderr, r.stdout + r.stderr
+    r = _cli("export", d, "-o", str(tmp_path / "c.safetensors"))
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+    got = load_file(str(tmp_path / "c.safetensors"))
+    assert torch.equal(got["model/weight"], torch.full((4, 4), 9.0))
+    r = _cli("export", d, "-o", str(tmp_path / "c29.safetensors"), "--step", "29")
+    assert r.returncode != 0 and "abandoned" in r.stderr, r.stdout + r.stderr
+    r = _cli("inspect", d)
+    line29 = next(ln for ln in r.stdout.splitlines() if "step 29" in ln and "#" in ln)
+    assert "abandoned" in line29, r.stdout
+    line9 = next(ln for ln in r.stdout.splitlines() if "step 9 " in ln and "#" in ln)
+    assert "(newest)" in line9, r.stdout
+
+
+def test_a_rollback_is_durable_before_restore_returns(tmp_path):
+    # Case 7: restore(step=9), then a crash before any new checkpoint.
+    d = str(tmp_path / "ck")
+    _rolled_back(d, new19=False)
+    assert _core.JobDir.open_for_read(d).lineage(0)["restored"] > 0
+    model = torch.nn.Linear(4, 4)
+    with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False) as ck:
+        assert ck.restore() == 9
+    assert torch.equal(model.weight, torch.full((4, 4), 9.0))
+
+
+def _three(d):
+    model = torch.nn.Linear(64, 64)
+    with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False) as ck:
+        _commit(ck, model, [1, 2, 3], float)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "directory"])
+def test_a_damaged_slot_file_is_never_no_checkpoint(tmp_path, damage):
+    # Cases 5 and 6: restore raises naming the damage; ls and list report it.
+    d = str(tmp_path / "ck")
+    _three(d)
+    slot = os.path.join(d, "rank-00000.nsck")
+    if damage == "truncated":
+        os.truncate(slot, 8192)
+    elif damage == "zeroed":
+        size = os.path.getsize(slot)
+        with open(slot, "r+b") as f:
+            f.write(b"\0" * size)
+    else:
+        os.remove(slot)
+        os.mkdir(slot)
+    listed = nonstop.list(d)
+    assert listed and all(c["state"] == "damaged" for c in listed), listed
+    r = _cli("ls", d)
+    assert r.returncode != 0 and "no checkpoint" not in r.stdout, r.stdout + r.stderr
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises((CorruptCheckpointError, nonstop.errors.CheckpointError)) as e:
+        with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False) as ck:
+            ck.restore()
+    if damage == "truncated":
+        assert "truncated" in str(e.value)

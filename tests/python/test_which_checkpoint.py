@@ -127,3 +127,59 @@ def test_a_damaged_slot_file_is_never_no_checkpoint(tmp_path, damage):
             ck.restore()
     if damage == "truncated":
         assert "truncated" in str(e.value)
+
+
+def _remote_job(d, url, steps, value, restore_step=None):
+    """Commits `steps` (weights value(step)) with the remote tier at `url`;
+    close() waits for the newest upload."""
+    model = torch.nn.Linear(4, 4)
+    with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False,
+                              remote=url) as ck:
+        if restore_step is not None:
+            assert ck.restore(step=restore_step) == restore_step
+        for s in steps:
+            with torch.no_grad():
+                model.weight.fill_(value(s))
+            ck.step(s)
+            ck.wait()
+    return model
+
+
+def _fresh_restore(d, url):
+    model = torch.nn.Linear(4, 4)
+    with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False, remote=url) as ck:
+        got = ck.restore()
+    return got, model
+
+
+def test_after_a_rollback_the_new_checkpoint_is_uploaded_and_a_new_node_gets_it(tmp_path):
+    # Case 3: the remote's old COMMITTED marker of step 19 is not the new 19.
+    from nonstop import _remote
+    d, url = str(tmp_path / "local"), str(tmp_path / "shared")
+    _remote_job(d, url, [9, 19, 29], float)
+    _remote_job(d, url, [19], lambda s: -float(s), restore_step=9)
+    new19 = max(c["counter"] for c in nonstop.list(d) if c["step"] == 19)
+    store = _remote.open_store(url, {})
+    markers = dict(_remote.committed_steps(store))
+    assert markers[19]["counter"] == new19, markers
+    import shutil
+    shutil.rmtree(d)  # the replaced node
+    got, model = _fresh_restore(d, url)
+    assert got == 19
+    assert torch.equal(model.weight, torch.full((4, 4), -19.0))
+
+
+def test_a_damaged_local_newest_restores_its_intact_remote_copy(tmp_path):
+    # Case 4: not an older local checkpoint.
+    d, url = str(tmp_path / "local"), str(tmp_path / "shared")
+    _remote_job(d, url, [14, 19], float)
+    info = next(c for c in _core.Reader(d, rank=0, verify_data=False).checkpoints
+                if c["step"] == 19)
+    with open(os.path.join(d, "rank-00000.nsck"), "r+b") as f:
+        f.seek(info["data_offset"] + 5)
+        b = f.read(1)
+        f.seek(info["data_offset"] + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    got, model = _fresh_restore(d, url)
+    assert got == 19
+    assert torch.equal(model.weight, torch.full((4, 4), 19.0))

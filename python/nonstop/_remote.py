@@ -99,6 +99,11 @@ class Layout:
         return _rl().skip_key(int(step), int(rank))
 
     @staticmethod
+    def job() -> str:
+        """The prefix's JOB document: the identity of the job that owns it."""
+        return _rl().job_key()
+
+    @staticmethod
     def parse(key: str):
         """(step, kind, rank) of "step-N/NAME", kind in part, manifest,
         marker, lead, skip, other; None for any other key."""
@@ -377,7 +382,7 @@ class PathStore:
 
 # Options of the tier itself (the rest go to the client).
 _TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
-                 "commit_timeout_s", "retry_max_s", "nice")
+                 "commit_timeout_s", "retry_max_s", "nice", "job", "adopt")
 
 
 def open_store(url: str, options: Optional[dict]):
@@ -393,6 +398,23 @@ def _load_doc(store, key: str) -> Optional[dict]:
     """A marker, LEAD or skip note, validated by C++; None when missing."""
     data = store.get_bytes(key, MAX_JSON_BYTES)
     return None if data is None else _decode_doc(data, f"{store.url}/{key}")
+
+
+def claim(store, job: str, adopt: bool) -> None:
+    """This job owns the prefix: a prefix without a JOB document is claimed;
+    one of another job is refused (IncompatibleCheckpointError) unless
+    `adopt` (remote_options={"adopt": True}), which takes it over."""
+    data = store.get_bytes(Layout.job(), MAX_JSON_BYTES)
+    if data is not None:
+        owner = _rl().decode_job(data, f"{store.url}/{Layout.job()}")
+        if owner == job:
+            return
+        if not adopt:
+            raise IncompatibleCheckpointError(
+                f"the remote {store.url} belongs to job {owner!r}, not to this job {job!r}: "
+                f"pass remote_options={{'adopt': True}} to take its checkpoints over, or "
+                f"remote_options={{'job': {owner!r}}} if this is that job")
+    store.put_bytes(Layout.job(), _rl().encode_job(job, time.time()))
 
 
 def committed_steps(store) -> list:
@@ -914,6 +936,16 @@ class Tier:
         self.uploader: Optional[Uploader] = None
         self.engine = None
         self.restored_from: Optional[str] = None
+        # The job's identity on the remote (its JOB document): remote_options'
+        # "job", else the local directory's absolute path (a replaced node
+        # runs the same job in the same directory).
+        self.job = str(self.options.get("job") or os.path.abspath(ckpt.dir))
+        self.claimed = False
+
+    def _claim(self) -> None:
+        if not self.claimed and self.ckpt.rank == 0:
+            claim(self.store, self.job, bool(self.options.get("adopt")))
+        self.claimed = True
 
     def _target(self):
         dist = self.ckpt._dist
@@ -931,6 +963,7 @@ class Tier:
     def started(self) -> None:
         """After each save(): the first starts the upload thread."""
         if self.uploader is None:
+            self._claim()
             self.engine = self.ckpt._engine
             self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
                                      self.ckpt.world_size, self._target, self.core,
@@ -1006,6 +1039,10 @@ class Tier:
         remote); None to restore from the local directory."""
         if self.ckpt._dist is not None:
             return self._restore_dist(step)
+        try:
+            self._claim()  # another job's prefix is refused before anything is read
+        except (OSError, CheckpointIOError):
+            pass  # the store is down: _unlisted below says so
         local, lineage, jd = self._local_candidates()
         plan = self.core().plan
         live = plan(local, lineage)["order"]

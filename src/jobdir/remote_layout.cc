@@ -97,6 +97,7 @@ std::string ManifestKey(int64_t step, uint32_t rank) {
 }
 std::string MarkerKey(int64_t step) { return StepDir(step) + "/COMMITTED"; }
 std::string LeadKey(int64_t step) { return StepDir(step) + "/LEAD"; }
+std::string JobKey() { return "JOB"; }
 std::string SkipKey(int64_t step, uint32_t rank) { return StepDir(step) + "/" + RankName(rank, ".skip"); }
 
 std::optional<Key> ParseKey(std::string_view key) {
@@ -239,6 +240,25 @@ std::string EncodeLead(const Doc& lead, double unix_s) {
 std::string EncodeSkip(const Doc& skip, double unix_s) {
   return DocHead(skip) + ", \"rank\": " + std::to_string(skip.rank.value_or(0)) +
          ", \"unix_s\": " + Seconds(unix_s) + "}";
+}
+
+std::string EncodeJob(const std::string& job, double unix_s) {
+  return std::string("{\"format\": ") + JsonString(kFormat) + ", \"kind\": \"job\", \"job\": " +
+         JsonString(job) + ", \"unix_s\": " + Seconds(unix_s) + "}";
+}
+
+Result<std::string> DecodeJob(std::string_view text, const std::string& what) {
+  NONSTOP_RETURN_IF_ERROR(CheckLength(text, what));
+  NONSTOP_ASSIGN_OR_RETURN(Json j, ParseJson(text, what));
+  const Json* f = j.Get("format");
+  const Json* k = j.Get("kind");
+  const Json* n = j.Get("job");
+  if (f == nullptr || f->type != Json::Type::kString || f->text != kFormat || k == nullptr ||
+      k->type != Json::Type::kString || k->text != "job" || n == nullptr ||
+      n->type != Json::Type::kString || n->text.size() > 4096) {
+    return Status::Corruption(what + ": not a nonstop JOB document");
+  }
+  return n->text;
 }
 
 bool Committed(const Doc& marker, const std::vector<Manifest>& manifests) {

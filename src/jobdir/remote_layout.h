@@ -11,6 +11,8 @@
 //                                              manifest of the step and lineage is there
 //   PREFIX/step-NNNNNNNNNNNN/LEAD              world > 1: rank 0 will upload this step
 //   PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.skip   world > 1: rank R no longer holds it
+//   PREFIX/JOB                                 the job that owns the prefix (its identity);
+//                                              another job refuses the prefix unless it adopts it
 //
 // A document is validated before anything sized by it is allocated: its
 // length first (kRemoteMaxDocBytes), then the bounded parser
@@ -44,6 +46,7 @@ std::string ManifestKey(int64_t step, uint32_t rank);
 std::string MarkerKey(int64_t step);
 std::string LeadKey(int64_t step);
 std::string SkipKey(int64_t step, uint32_t rank);
+std::string JobKey();  // "JOB"
 
 // What an object's key names. kOther: in a step directory, not one of ours
 // (a temp file of a shared file system, a stranger's object).
@@ -90,6 +93,11 @@ std::string EncodeManifest(const Manifest& m, double unix_s);
 std::string EncodeMarker(const Doc& marker, const std::vector<Manifest>& manifests, double unix_s);
 std::string EncodeLead(const Doc& lead, double unix_s);
 std::string EncodeSkip(const Doc& skip, double unix_s);
+
+// The JOB document: the identity of the job that owns the prefix (a name
+// of at most 4096 bytes). DecodeJob: Corruption naming `what` otherwise.
+std::string EncodeJob(const std::string& job, double unix_s);
+Result<std::string> DecodeJob(std::string_view text, const std::string& what);
 
 // The commit rule: one manifest per rank 0..world_size-1, each of the
 // marker's step and lineage and world size.

@@ -98,6 +98,17 @@ void InitRemoteLayout(py::module_& parent) {
   m.def("marker_key", &rl::MarkerKey, py::arg("step"));
   m.def("lead_key", &rl::LeadKey, py::arg("step"));
   m.def("skip_key", &rl::SkipKey, py::arg("step"), py::arg("rank"));
+  m.def("job_key", &rl::JobKey);
+  m.def("encode_job", [](const std::string& job, double unix_s) {
+    return py::bytes(rl::EncodeJob(job, unix_s));
+  }, py::arg("job"), py::arg("unix_s"));
+  m.def(
+      "decode_job",
+      [](const py::bytes& text, const std::string& what) {
+        return Take(rl::DecodeJob(View(text), what));
+      },
+      py::arg("text"), py::arg("what"),
+      "The job name of a JOB document; CorruptCheckpointError naming `what` otherwise.");
   m.def(
       "parse_key",
       [](const std::string& key) -> py::object {

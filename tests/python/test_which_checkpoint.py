@@ -183,3 +183,19 @@ def test_a_damaged_local_newest_restores_its_intact_remote_copy(tmp_path):
     got, model = _fresh_restore(d, url)
     assert got == 19
     assert torch.equal(model.weight, torch.full((4, 4), 19.0))
+
+
+def test_a_fresh_job_refuses_another_jobs_remote_prefix_unless_it_adopts_it(tmp_path):
+    # Case 8: the remote names its job (JOB); another job is refused.
+    from nonstop.errors import IncompatibleCheckpointError
+    url = str(tmp_path / "shared")
+    _remote_job(str(tmp_path / "job-a"), url, [5], float)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(IncompatibleCheckpointError, match=r"belongs to job .*job-a.*'adopt': True"):
+        with nonstop.Checkpointer(str(tmp_path / "job-b"), state={"model": model}, every=1,
+                                  rng=False, remote=url) as ck:
+            ck.restore()
+    with nonstop.Checkpointer(str(tmp_path / "job-b"), state={"model": model}, every=1,
+                              rng=False, remote=url, remote_options={"adopt": True}) as ck:
+        assert ck.restore() == 5
+    assert torch.equal(model.weight, torch.full((4, 4), 5.0))

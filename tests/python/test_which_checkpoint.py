@@ -58,6 +58,11 @@ def test_exports_verify_and_inspect_agree_with_load_after_a_rollback(tmp_path):
     # Case 2 (and 7: the rollback is recorded by restore(step=9) itself).
     d = str(tmp_path / "ck")
     _rolled_back(d, new19=False)
+    # As a kill while the first new checkpoint is in flight leaves it (on
+    # every version): the lineage record written, nothing newer committed.
+    w = _core.JobDir.open_for_write(d)
+    w.record_restore(0, next(c["counter"] for c in w.list(0) if c["step"] == 9))
+    w.close()
     assert nonstop.load(d).step == 9
     out = str(tmp_path / "m.safetensors")
     assert nonstop.export(d, out)["step"] == 9

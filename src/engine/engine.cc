@@ -78,10 +78,8 @@ Status EngineImpl::Init() {
     // A file cut shorter than its header says whose commit records went with
     // its tail is damage, never a fresh start: refused before the repair
     // below would restore its length and hide it.
-    existing.value().reset();
-    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> probe,
-                             jd_->OpenSlot(rank(), MediumKind::kBuffered, /*read_only=*/true));
-    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> pf, SlotFile::Open(std::move(probe)));
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> pf,
+                             SlotFile::Open(std::move(existing).value()));  // no repair
     ScanOptions quick;
     quick.verify_data = false;
     NONSTOP_ASSIGN_OR_RETURN(ScanReport pr, pf->Scan(quick));

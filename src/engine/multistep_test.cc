@@ -178,7 +178,10 @@ struct Trainer {
 // at its version, bit for bit.
 void ExpectPersistedEqualsLive(const EngineOptions& eo, optim::Algorithm algo,
                                const std::vector<std::pair<int64_t, Trainer>>& truth) {
-  for (const auto& [version, want] : truth) {
+  // Newest first: each Restore is a rollback, durable at once (issue 23),
+  // which abandons the versions above it.
+  for (auto it = truth.rbegin(); it != truth.rend(); ++it) {
+    const auto& [version, want] = *it;
     auto reader = Engine::Open(eo);
     ASSERT_TRUE(reader.ok());
     Trainer got = want;

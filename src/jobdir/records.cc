@@ -446,9 +446,10 @@ Result<LineageRecord> DecodeLineage(std::string_view text, const std::string& wh
     uint64_t prev = 0;
     for (const Json& c : nd->items) {
       uint64_t v = 0;
+      const bool parsed = c.AsUint64(&v);
       const bool in_range = std::any_of(rec.abandoned.begin(), rec.abandoned.end(),
                                         [&](const auto& r) { return v >= r.first && v <= r.second; });
-      if (!c.AsUint64(&v) || v <= prev || !in_range) {
+      if (!parsed || v <= prev || !in_range) {
         return bad("\"not_durable\" must list ascending abandoned counters");
       }
       rec.not_durable.push_back(v);

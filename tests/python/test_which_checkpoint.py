@@ -3,7 +3,6 @@ export, the DCP export, `nonstop verify/inspect/ls`, nonstop.list) asks the
 one recovery planner, so they agree on a rolled-back lineage and on damage."""
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -11,15 +10,13 @@ torch = pytest.importorskip("torch")
 import nonstop  # noqa: E402
 from nonstop import _core  # noqa: E402
 from nonstop.errors import CheckpointNotFoundError, CorruptCheckpointError  # noqa: E402
-
-NONSTOP = os.environ.get("NONSTOP_CLI") or os.path.join(
-    os.path.dirname(__file__), "..", "..", "build", "tools", "nonstop")
-
+from conftest import nonstop_cli  # noqa: E402
 
 def _cli(*args):
-    if not os.path.exists(NONSTOP):
-        pytest.skip("the nonstop CLI is not built (make cbuild)")
-    return subprocess.run([NONSTOP, *args], capture_output=True, text=True, timeout=60)
+    cli = nonstop_cli()
+    if cli is None:
+        pytest.skip("the nonstop CLI is not built")
+    return subprocess.run([cli, *args], capture_output=True, text=True, timeout=60)
 
 
 def _commit(ck, model, steps, value):

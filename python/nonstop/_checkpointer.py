@@ -1236,15 +1236,11 @@ def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional
     ckpts = reader.checkpoints
     # A rollback is final (DESIGN.md invariant 9): counters the job directory's
     # lineage record abandoned are never chosen again.
-    jobdir = getattr(_core(), "JobDir", None)  # tests/python/fake_core.py has none
-    if jobdir is not None:  # the planner orders them (nonstop/plan.h)
-        lineage = jobdir.open_for_read(path).lineage(rank)
-        cands = [{"step": int(c["step"]), "counter": int(c["counter"]),
-                  "committed": bool(c["committed"]), "damage": c["reason"] or ""} for c in ckpts]
-        committed = _core().plan(cands, lineage)["order"]
-    else:
-        committed = sorted((i for i, c in enumerate(ckpts) if c["committed"]),
-                           key=lambda i: -ckpts[i]["counter"])
+    # The planner orders them (nonstop/plan.h).
+    lineage = _core().JobDir.open_for_read(path).lineage(rank)
+    cands = [{"step": int(c["step"]), "counter": int(c["counter"]),
+              "committed": bool(c["committed"]), "damage": c["reason"] or ""} for c in ckpts]
+    committed = _core().plan(cands, lineage)["order"]
     if step is not None:
         order = [i for i in committed if ckpts[i]["step"] == step]
         damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]

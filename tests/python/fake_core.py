@@ -19,9 +19,10 @@ def __getattr__(name):
     """JobDir (the directory's layout, set-aside, agreed records) is the real
     extension's: the fake engine writes nothing to disk, so the real JobDir
     finds nothing to act on. Schedule (when a checkpoint is due) is pure
-    arithmetic, the real rule. Nothing else is taken from the extension (the
-    front end must see what this stand-in lacks, e.g. restore)."""
-    if name not in ("JobDir", "Schedule"):
+    arithmetic, the real rule, and plan (the recovery planner) is pure too.
+    Nothing else is taken from the extension (the front end must see what
+    this stand-in lacks, e.g. restore)."""
+    if name not in ("JobDir", "Schedule", "plan"):
         raise AttributeError(name)
     import importlib
     real = importlib.import_module("nonstop._core")

@@ -457,3 +457,33 @@ TEST(JobDirRecordsTest, BoundedParser) {
 
 }  // namespace
 }  // namespace nonstop
+
+namespace nonstop {
+namespace {
+
+// Issue 23, cases 5 and 6: a slot file cut shorter than its header says,
+// with its commit records gone, is damage for the selection and the
+// listing, never "nothing committed".
+TEST_F(JobDirTest, ATruncatedSlotFileWithNoRecordLeftIsDamageNotAFreshStart) {
+  {
+    auto jd = JobDir::OpenForWrite(Dir());
+    ASSERT_TRUE(jd.ok()) << jd.status().ToString();
+    auto sf = NewSlotFile(**jd);
+    for (uint64_t c = 1; c <= 3; ++c) Commit(*sf, c, static_cast<int64_t>(c) * 10);
+  }
+  fs::resize_file(root_ / "rank-00000.nsck", 8192);
+  auto jd = JobDir::OpenForRead(Dir());
+  ASSERT_TRUE(jd.ok());
+  auto sel = (*jd)->Select(0);
+  ASSERT_FALSE(sel.ok()) << "a truncated file was taken for a fresh start";
+  EXPECT_EQ(sel.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(sel.status().message().find("truncated"), std::string::npos) << sel.status().message();
+  auto listed = (*jd)->List(0);
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ(listed->front().state, ListedCheckpoint::State::kDamaged);
+  EXPECT_NE(listed->front().reason.find("no commit record is left"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace nonstop

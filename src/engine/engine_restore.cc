@@ -164,26 +164,27 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   bool from_memory = false;
   // Verifying a candidate is reading it into the registered tensors: the
   // first that reads back with every crc intact is the one restored.
-  NONSTOP_ASSIGN_OR_RETURN(
-      Plan plan, MakePlan(cands, lineage, req, [&](const PlanCandidate& pc) -> Status {
-        const CheckpointInfo& info = report.checkpoints[pc.handle].info;
-        from_memory = false;
-        if (!step && newest_live && cands[*newest_live].counter == pc.counter && memory_->on()) {
-          // The memory tier: the segment, when it holds exactly this checkpoint.
-          Result<std::optional<MemorySegment>> seg =
-              OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &info, nullptr);
-          if (seg.ok() && seg.value().has_value()) {
-            std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
-            from_memory = ReadCheckpoint(mf, seg.value()->info).ok();
-            if (from_memory) return Status::OK();
-          }
-        }
-        Status st = ReadCheckpoint(file, info);
-        // Damaged bytes fall back to an older checkpoint (of the same step
-        // when one was asked for); mismatched tensors are the caller's error.
-        if (st.code() == StatusCode::kIOError) return Status::Corruption(st.message());
-        return st;
-      }));
+  // (Called by MakePlan on this thread, with mu_ held.)
+  auto read = [&](const PlanCandidate& pc) REQUIRES(mu_) -> Status {
+    const CheckpointInfo& info = report.checkpoints[pc.handle].info;
+    from_memory = false;
+    if (!step && newest_live && cands[*newest_live].counter == pc.counter && memory_->on()) {
+      // The memory tier: the segment, when it holds exactly this checkpoint.
+      Result<std::optional<MemorySegment>> seg =
+          OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &info, nullptr);
+      if (seg.ok() && seg.value().has_value()) {
+        std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
+        from_memory = ReadCheckpoint(mf, seg.value()->info).ok();
+        if (from_memory) return Status::OK();
+      }
+    }
+    Status st = ReadCheckpoint(file, info);
+    // Damaged bytes fall back to an older checkpoint (of the same step
+    // when one was asked for); mismatched tensors are the caller's error.
+    if (st.code() == StatusCode::kIOError) return Status::Corruption(st.message());
+    return st;
+  };
+  NONSTOP_ASSIGN_OR_RETURN(Plan plan, MakePlan(cands, lineage, req, read));
   if (plan.chosen()) {
     const CheckpointInfo& info = report.checkpoints[cands[*plan.chosen()].handle].info;
     stats_.restored_from_memory = from_memory;

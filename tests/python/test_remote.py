@@ -290,7 +290,7 @@ def test_retention_keeps_the_newest(tmp_path):  # the default: max_to_keep from 
     ckpt.close()
     store = _remote.open_store(url, opts)
     assert [s for s, _ in _remote.committed_steps(store)] == [11]
-    dirs = sorted(os.listdir(url))
+    dirs = sorted(d for d in os.listdir(url) if d != _remote.Layout.job())
     assert dirs == ["step-000000000011"], dirs
     # local staging keeps at most the newest uploaded copy
     assert os.listdir(str(tmp_path / "local" / "remote")) == ["step-000000000011"]
@@ -402,7 +402,8 @@ def _train_paced(dir, steps, url, opts, **kw):
 
 
 def _step_dirs(store):
-    return sorted({k.split("/")[0] for k, _ in store.list("")})
+    # The prefix's JOB document (the job's identity) is no step's object.
+    return sorted({k.split("/")[0] for k, _ in store.list("") if k != _remote.Layout.job()})
 
 
 def test_retention_applies_keep_and_max_to_keep_remotely(tmp_path, remote):

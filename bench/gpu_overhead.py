@@ -205,7 +205,7 @@ def main() -> int:
         return max(args.min_steps, args.periods * every) // every * every
 
     runs = []
-    extra = {"refused": {}, "restore": None, "disk_GBps": args.disk_GBps or None}
+    extra = {"refused": {}, "crashed": {}, "restore": None, "disk_GBps": args.disk_GBps or None}
     schemes = list(args.schemes)
     if "nonstop-multistep" in schemes:
         why = multistep_refusal(tr, args.out)
@@ -232,12 +232,23 @@ def main() -> int:
             opts["clip_grad_norm"] = 1.0
             if kind.endswith("-device"):
                 opts["copy"] = "device"
+        if kind in extra["crashed"]:
+            return None
         tr.clip = not kind.startswith("nonstop-layerwise")
         try:
             r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
                         {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
                         nonstop_opts=opts, fsync=False, sync=tr.sync,
                         warmup=(args.warmup or max(3, every)) if kind != "none" else 3)
+        except Exception as e:  # noqa: BLE001 -- a peer's crash is a result, not the end
+            if kind == "none" or kind.startswith("nonstop"):
+                raise  # nonstop's own failures and the baseline end the run
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            print(f"  {kind}/{every}: crashed ({why}); recorded, its later runs skipped",
+                  flush=True)
+            extra["crashed"][kind] = {"interval": every, "error": why}
+            dump()
+            return None
         finally:
             tr.clip = True
         r.pop("next_step")
@@ -277,6 +288,9 @@ def main() -> int:
                           if "vs_disk_bound" in r))
     for k, why in extra["refused"].items():
         print(f"{k}: refused ({why})")
+    for k, c in extra["crashed"].items():
+        print(f"{k}: crashed at its first run of interval {c['interval']} ({c['error']}); "
+              "recorded, not measured")
     print("\nthru ovh: median wall time per step vs 'none'; stall ovh: time blocked in "
           "checkpoint calls per step / 'none' step time; spread: (max-min)/median over rounds; "
           "drain: wait for the last save after the window.")

@@ -233,7 +233,8 @@ def run_rounds(groups: list, rounds: int, run, *, log=print, deadline: float | N
                label=None) -> dict:
     """Runs rounds of `groups` (lists of (kind, every)) interleaved:
     none, group 1, none, group 2, ..., none, in every round. run(kind, every)
-    does one run and returns its dict. With `deadline` (a time.perf_counter()
+    does one run and returns its dict, or None when it did not run (a scheme
+    that crashed earlier, recorded by the caller). With `deadline` (a time.perf_counter()
     value) no run starts that is predicted (from earlier runs of the same
     scheme and interval, else of the same scheme, else any) to end after it.
     Prints each run with the progress and an ETA. Returns {"runs", "stopped"}."""
@@ -262,6 +263,10 @@ def run_rounds(groups: list, rounds: int, run, *, log=print, deadline: float | N
             log(f"  {stopped}")
             break
         r = run(kind, every)
+        if r is None:
+            log(f"  [{i + 1}/{len(order)}] round {rnd + 1}/{rounds} {kind} f={every}: not run "
+                "(crashed earlier, recorded)")
+            continue
         r["round"] = rnd
         runs.append(r)
         dt = time.perf_counter() - now

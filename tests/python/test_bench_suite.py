@@ -44,6 +44,21 @@ def test_rounds_interleave_with_none_between_groups():
     assert by[("a", 1)]["steps_measured"] == 16 and by[("a", 1)]["ckpts_measured"] == 8
 
 
+def test_a_run_that_returns_none_is_left_out_and_the_rounds_go_on():
+    # bench/gpu_overhead.py returns None for a peer scheme that crashed (DCP's
+    # process mode on torch 2.11): the rounds go on and summarize the rest.
+    log, msgs = [], []
+    steps = {("none", 0): 1.0, ("a", 1): 2.0, ("b", 1): 1.25}
+    run = fake_run(log, steps)
+    res = suite_rounds.run_rounds([[("a", 1), ("b", 1)]], 2,
+                                  lambda k, e: None if k == "a" else run(k, e), log=msgs.append)
+    assert log == [("none", 0), ("b", 1), ("none", 0)] * 2
+    assert [r["scheme"] for r in res["runs"]] == ["none", "b", "none"] * 2
+    assert sum("not run" in m for m in msgs) == 2
+    rows = suite_rounds.summarize(res["runs"])[0]
+    assert {r["scheme"] for r in rows} == {"none", "b"}
+
+
 def test_rounds_stop_before_a_run_predicted_to_overrun(monkeypatch):
     # A virtual clock (each run takes exactly 0.1 s of it): with the real
     # clock a loaded machine stretched a 0.1 s sleep enough to stop one run

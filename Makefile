@@ -19,7 +19,10 @@ APT_PKGS  := g++ cmake ninja-build pkg-config liburing-dev libisal-dev libpmem2-
              nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
              clang-14 libclang-rt-14-dev fio python3-venv
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-CMAKE     := $(shell command -v cmake || echo .venv/bin/cmake)
+# The venv's cmake once it exists (evaluated when used): the editable install
+# (scikit-build-core) configures build/ with it, and the same cmake keeps the
+# generated commands identical, so cbuild then relinks nothing.
+CMAKE      = $(shell [ -x .venv/bin/cmake ] && echo .venv/bin/cmake || command -v cmake || echo .venv/bin/cmake)
 CMAKE_GEN := -G Ninja
 
 .PHONY: deps venv build cbuild test test-cpp test-py test-asan test-tsan test-tsa test-fuzz test-gpu \
@@ -47,9 +50,15 @@ deps:
 	touch $@
 venv: deps .venv/.ready
 
-# Editable install: `import nonstop` and .venv/bin/nonstop.
+# Editable install: `import nonstop` and .venv/bin/nonstop. It builds in
+# build/, the tree of the C++ tests (cbuild), with the same build type, so
+# `make test` compiles every source once; PYBUILD_TESTS=ON (what `make test`
+# sets) builds the C++ tests in the same pass. Flipping it only adds or
+# drops the test targets: the libraries are not compiled again.
+PYBUILD_TESTS ?= OFF
 build: venv
-	$(PIP) install -c constraints.txt -q --no-build-isolation -Cbuild-dir="build-py/{wheel_tag}" -e .
+	$(PIP) install -c constraints.txt -q --no-build-isolation -Cbuild-dir=build \
+	    -Ccmake.build-type=RelWithDebInfo -Ccmake.define.NONSTOP_BUILD_TESTS=$(PYBUILD_TESTS) -e .
 	@$(PY) -c "import nonstop; print('nonstop', nonstop.__version__, 'ready:', nonstop.build_info())"
 
 # The C++ build with tests (separate from the Python extension's build dir).
@@ -69,6 +78,7 @@ test-py: build
 test-packaging: build
 	NONSTOP_PACKAGING_TEST=1 $(PY) -m pytest -q tests/python/test_packaging.py
 
+test: export PYBUILD_TESTS := ON
 test: build cbuild
 	$(MAKE) --no-print-directory test-cpp
 	$(MAKE) --no-print-directory test-py

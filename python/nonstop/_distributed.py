@@ -450,11 +450,7 @@ class Distributed:
             jd = _open_read(self.dir)
             if jd is not None:
                 foreign = jd.needs_set_aside(self.world)
-                # step=: kept copies (keep/) too; a step counts only where
-                # every rank holds it (the intersection below).
-                mine = sorted({int(c["step"]) for c in jd.list(self.rank)
-                               if c["state"] == "committed" and not c.get("rotated")
-                               and (step is not None or not c["keep"])}, reverse=True)
+                mine = planned_steps(jd, self.rank, step)
         except CheckpointError as e:
             err = str(e)
         comm.check(err, CorruptCheckpointError)
@@ -467,12 +463,9 @@ class Distributed:
                 f"through DCP (nonstop export --format dcp)")
         check_world(self.dir)
         every = comm.gather(mine)
-        common = set(every[0])
-        for s in every[1:]:
-            common &= set(s)
-        order = sorted(common, reverse=True)
-        if step is not None:
-            order = [c for c in order if c == step]
+        # The planner's order (rank 0's, the same on every rank), of the
+        # steps every rank holds.
+        order = [s for s in every[0] if all(s in e for e in every[1:])]
         if not order:
             # Nothing this world size committed on every rank: a set-aside
             # checkpoint of another world size, resharded.
@@ -647,6 +640,21 @@ class Distributed:
 # set-aside checkpoint is resharded is the job directory's choice (C++,
 # JobDir.select_reshard: newest step of one run verified on every old rank);
 # Python agrees on it over gloo and rebuilds the torch state.
+
+
+def planned_steps(jd, rank: int, step: Optional[int]) -> list:
+    """The steps of rank `rank`'s checkpoints in `jd` in the recovery
+    planner's order (newest counter of the lineage first; abandoned, damaged
+    and overwritten ones left out), each step once; with `step`, only it,
+    kept copies (keep/) included. The ranks gather these lists and agree on
+    the first step every rank holds."""
+    rows = [c for c in jd.list(rank) if c["counter"] and (step is not None or not c["keep"])]
+    cands = [{"tier": "keep" if c["keep"] else "disk", "where": c["where"],
+              "step": int(c["step"]), "counter": int(c["counter"]),
+              "committed": c["state"] != "damaged", "damage": c["reason"],
+              "overwritten": bool(c.get("rotated"))} for c in rows]
+    order = _core().plan(cands, jd.lineage(rank), step=step)["order"]
+    return list(dict.fromkeys(cands[i]["step"] for i in order))
 
 
 def _core():

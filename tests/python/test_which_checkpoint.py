@@ -201,3 +201,26 @@ def test_a_fresh_job_refuses_another_jobs_remote_prefix_unless_it_adopts_it(tmp_
                               rng=False, remote=url, remote_options={"adopt": True}) as ck:
         assert ck.restore() == 5
     assert torch.equal(model.weight, torch.full((4, 4), 5.0))
+
+
+def test_ranks_agree_on_the_lineages_newest_not_the_highest_step(tmp_path):
+    """Distributed restart after a rollback whose new checkpoint has a lower
+    step (the run counts anew from 5 after restore(step=9)): every rank
+    restores step 5, the newest checkpoint of the lineage, as the single
+    process does, not step 9 (the highest step still live)."""
+    import json
+    import sys
+    import torch
+    if not torch.distributed.is_available():
+        pytest.skip("torch built without torch.distributed")
+    here = os.path.dirname(__file__)
+    sys.path.insert(0, here)
+    from dist_launch import run_ranks
+    d = str(tmp_path / "job")
+    script = os.path.join(here, "rollback_dist_train.py")
+    for phase in ("write", "rollback", "restore"):
+        res = run_ranks(2, [script, d, phase], timeout=90)
+        for rank, (rc, _, err) in enumerate(res):
+            assert rc == 0, f"{phase}: rank {rank} exited {rc}: {err[-2000:]}"
+    got = [json.loads(out[-1]) if isinstance(out[-1], str) else out[-1] for _, out, _ in res]
+    assert [(g["restored"], g["weight"]) for g in got] == [(5, 5.0), (5, 5.0)], got

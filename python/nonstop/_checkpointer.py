@@ -375,9 +375,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         engine = self._live()
         tensors: dict[str, torch.Tensor] = {}
-        tree = {key: _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj,
-                                    key, tensors, f"state[{key!r}]")
-                for key, obj in self.state.items()}
+        tree = _state.flatten_state(self.state, tensors, _stateful, _distributed.state_dict_of)
         meta = {"format": FORMAT, "step": int(step), "rank": self.rank,
                 "world_size": self.world_size, "state": tree}
         if self.rng:
@@ -913,9 +911,7 @@ def _state_bytes_estimate(state: dict) -> int:
     0 when the state cannot be walked now (the first save() reports that)."""
     tensors: dict = {}
     try:
-        for key, obj in state.items():
-            _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj,
-                           key, tensors, f"state[{key!r}]")
+        _state.flatten_state(state, tensors, _stateful, _distributed.state_dict_of)
     except Exception:  # an optimisation only: save() walks the state and raises
         return 0
     pad = 4096  # the slot layout aligns each large tensor to 4 KiB

@@ -181,8 +181,7 @@ def restored(ckpt, loaded) -> None:
     from . import _distributed, _state
     from ._checkpointer import _stateful
     current: dict = {}
-    for key, obj in ckpt.state.items():
-        _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key, current)
+    _state.flatten_state(ckpt.state, current, _stateful, _distributed.state_dict_of)
     if meta.get("dtensor"):
         meta = dict(meta, dist=dict(meta.get("dist", {}), dtensor=meta["dtensor"]))
     wrap(loaded.tensors, meta, ckpt.state, current, ckpt.rank, ckpt.world_size)

@@ -349,9 +349,7 @@ class Layerwise:
         ck = self.ckpt
         if tensors is None:
             tensors = {}
-            for key, obj in ck.state.items():
-                _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
-                               tensors, f"state[{key!r}]")
+            _state.flatten_state(ck.state, tensors, _stateful, _distributed.state_dict_of)
         if (self._plan is not None and ck._registered is self._plan[2] and not ck._snapshots
                 and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
                 and self._plan[0] == self._signature()):
@@ -413,9 +411,8 @@ class Layerwise:
             if self.counter is not None:
                 from ._checkpointer import FORMAT
                 tensors = {}
-                tree = {key: _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj)
-                                            else obj, key, tensors, f"state[{key!r}]")
-                        for key, obj in ck.state.items()}
+                tree = _state.flatten_state(ck.state, tensors, _stateful,
+                                            _distributed.state_dict_of)
                 meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
                         "world_size": ck.world_size, "state": tree}
                 if ck._dist is not None:

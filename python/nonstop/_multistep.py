@@ -314,9 +314,7 @@ class MultistepMode:
         tensors point at the reconstructed buffers, the rest is copied now."""
         ck = self._ckpt
         tensors: dict = {}
-        tree = {key: _state.flatten(obj.state_dict() if _stateful(obj) else obj, key, tensors,
-                                    f"state[{key!r}]")
-                for key, obj in ck.state.items()}
+        tree = _state.flatten_state(ck.state, tensors, _stateful, lambda obj: obj.state_dict())
         meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
                 "world_size": ck.world_size, "state": tree}
         if ck.rng:

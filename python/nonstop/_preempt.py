@@ -315,9 +315,8 @@ class PreemptWatch:
         from ._checkpointer import _stateful
         tensors: dict = {}
         try:
-            for key, obj in self.ckpt.state.items():  # as save() walks it (ZeRO: local shard)
-                _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
-                               tensors)
+            # as save() walks it (ZeRO: local shard)
+            _state.flatten_state(self.ckpt.state, tensors, _stateful, _distributed.state_dict_of)
         except Exception:
             return 0
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()

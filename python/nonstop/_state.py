@@ -18,7 +18,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -82,15 +82,32 @@ class Flat:
     tree: Any = None
 
 
-def flatten(obj, prefix: str, out: dict, where: str = "state"):
+def flatten(obj, prefix: str, out: dict, where: str = "state", seen: Optional[dict] = None):
     """Returns the JSON-able form of `obj`, adding its tensors to `out`.
 
     Tensor names are the path of keys joined by '/', under `prefix`. The same
     tensor (same storage, offset, dtype and shape) seen twice, as tied
     weights are, is stored once and referenced twice.
+
+    seen: the tensors of `out` by memory, which flatten keeps up to date.
+    Calls that add to one `out` one key at a time pass one dict (empty at
+    first, with `out`) so that each call does not index `out` again: a
+    state of n top-level keys is walked in O(n), not O(n^2). None: built
+    from `out` here.
     """
-    seen = {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
+    if seen is None:
+        seen = {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
     return _flatten(obj, prefix, out, where, seen)
+
+
+def flatten_state(state: dict, out: dict, stateful, state_dict_of) -> dict:
+    """{key: flatten(state_dict_of(obj) if stateful(obj) else obj, key, out)}
+    for every top-level key of a Checkpointer's state, in one pass (one
+    `seen` index for all keys)."""
+    seen: dict = {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
+    return {key: flatten(state_dict_of(obj) if stateful(obj) else obj, key, out,
+                         f"state[{key!r}]", seen)
+            for key, obj in state.items()}
 
 
 def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):

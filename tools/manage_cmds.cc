@@ -5,6 +5,7 @@
 // (JobDir::DeleteKept: renamed away first, so a reader sees it whole or not
 // at all). Every error is one line on stderr and a non-zero exit.
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <ctime>
 #include <exception>
@@ -13,6 +14,7 @@
 #include <new>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "jobdir/remote_layout.h"
@@ -122,6 +124,24 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
   done();
 }
 
+// A training step as the command line gives it: a signed 64-bit decimal,
+// the whole argument, never clamped (CLI11 would saturate 99999999999999999999).
+int64_t ParseStep(const std::string& cmd, const std::string& text) {
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (ec == std::errc::result_out_of_range) {
+    std::cerr << "nonstop " << cmd << ": step " << OneLine(text)
+              << " is out of range (a step is a signed 64-bit integer)\n";
+    throw CLI::RuntimeError(2);
+  }
+  if (ec != std::errc() || p != end || text.empty()) {
+    std::cerr << "nonstop " << cmd << ": step must be an integer, got '" << OneLine(text) << "'\n";
+    throw CLI::RuntimeError(2);
+  }
+  return v;
+}
+
 void RunRm(const std::string& dir, int64_t step) {
   Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForMaintenance(dir);
   if (!jd.ok()) Fail("rm", jd.status());
@@ -152,7 +172,7 @@ void AddManageCommands(CLI::App& app) {
     std::string dir;
     int rank = 0;
     bool json = false;
-    int64_t step = 0;
+    std::string step;
   };
   auto args = std::make_shared<Args>();
   CLI::App* ls = app.add_subcommand(
@@ -174,7 +194,7 @@ void AddManageCommands(CLI::App& app) {
       "rm", "Delete the kept copy of one step (keep/step-N/) while no job writes to the directory");
   rm->add_option("dir", args->dir, "checkpoint directory")->required();
   rm->add_option("step", args->step, "training step whose kept copy to delete")->required();
-  rm->callback(Guarded("rm", [args] { RunRm(args->dir, args->step); }));
+  rm->callback(Guarded("rm", [args] { RunRm(args->dir, ParseStep("rm", args->step)); }));
 }
 
 }  // namespace nonstop::cli

@@ -684,8 +684,7 @@ class Checkpointer:
         engine = self._live()
         if not hasattr(engine, "delete_kept"):
             raise CheckpointMismatchError("delete() works with mode='concurrent' or 'layerwise'")
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
+        _manage.check_step(step)
         _manage._delete_with(engine.delete_kept, self.dir, step)
 
     # ------------------------------------------------------------- restoring

@@ -95,7 +95,7 @@ def gather(path: str, step: Optional[int] = None,
     # layout as a replicated share (_fsdp.py), so they reassemble the same way.
     for name, (shape, dtype, _) in doc.get("dtensor", {}).items():
         shared.setdefault(name, [shape, dtype])
-    whole = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+    whole = {name: torch.zeros(shape, dtype=_meta_dtype(dtype, name, path))
              for name, (shape, dtype) in shared.items()}
     tensors, metas = [], []
     total = sum(sum(spec["nbytes"] for spec in reader.checkpoints[found[key][0]]["tensors"])
@@ -344,3 +344,15 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
     from ._export import export as export_safetensors
     return export_safetensors(dir, out, step=step, rank=rank, include=include,
                               progress=progress)
+
+
+def _meta_dtype(name, tensor: str, path: str):
+    """The torch dtype a checkpoint's metadata names, from the fixed list
+    restore decodes with (_state.torch_dtype_by_name), never looked up in
+    torch by the name: anything else is a corrupt checkpoint."""
+    dt = _state.torch_dtype_by_name(name)
+    if dt is None:
+        raise CorruptCheckpointError(
+            f"{path}: the metadata of tensor {tensor!r} names dtype {str(name)[:40]!r}, which "
+            f"is not one nonstop writes")
+    return dt

@@ -115,12 +115,22 @@ def kept_path(path: str, rank: int, step: int) -> Optional[str]:
     return d if os.path.isfile(os.path.join(d, core.JobDir.slot_name(rank))) else None
 
 
+def check_step(step) -> int:
+    """`step` as a training step (a signed 64-bit integer, as the engine
+    stores it), else the one-line CheckpointMismatchError."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
+    if not -(1 << 63) <= step < (1 << 63):
+        raise CheckpointMismatchError(
+            f"step {step} is out of range: a step is a signed 64-bit integer")
+    return int(step)
+
+
 def delete(dir: str, step: int) -> None:
     """Deletes the kept copy of `step` in `dir` (keep/step-N/, every rank's
     file) while no job writes to `dir`."""
     path = os.fspath(dir)
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
+    check_step(step)
     jd = _core().JobDir.open_for_maintenance(path)
     try:
         _delete_with(jd.delete_kept, path, step)

@@ -47,6 +47,9 @@ Status EngineImpl::Init() {
   memory_ = MemoryTierWriter::Open(*jd_, opts_.env, rank(), tier, opts_.shm_dir,
                                    opts_.memory_tier_fit, opts_.memory_tier_share,
                                    opts_.memory_tier_orphan_s);
+  memory_->SetRelease([this](const std::shared_ptr<SlotFile>& file, uint32_t slot) {
+    MirrorDone(file, slot);
+  });
 
   const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
   const int copy_threads = std::max(0, opts_.copy_threads);

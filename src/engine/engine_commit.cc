@@ -95,11 +95,52 @@ void EngineImpl::CommitLoop() {
         pending_errors_.emplace_back(job->counter, ks);
       }
     }
-    // The memory tier copies it in the background (its slot stays retained
-    // until the next commit; a reuse during the copy fails its crc check).
-    memory_->Submit(job->file, info.value());
+    // The memory tier copies it in the background; its slot is held until
+    // the copy ends (ReleaseSlot defers a release that comes first).
+    {
+      MutexLock lock(&mu_);
+      ++mirror_holds_[{job->file.get(), job->slot}];
+    }
+    if (!memory_->Submit(job->file, info.value())) MirrorDone(job->file, job->slot);
     FinishJob(job, true, false, Status::OK());
   }
+}
+
+void EngineImpl::ReleaseSlot(const SlotFile* file, uint32_t slot) {
+  if (file != file_.get()) return;  // a replaced file's slots are not reused
+  if (mirror_holds_.count({file, slot}) != 0) {
+    mirror_deferred_.insert({file, slot});
+    return;
+  }
+  free_slots_->Push(slot);
+}
+
+void EngineImpl::MirrorDone(const std::shared_ptr<SlotFile>& file, uint32_t slot) {
+  MutexLock lock(&mu_);
+  const std::pair<const SlotFile*, uint32_t> key{file.get(), slot};
+  auto it = mirror_holds_.find(key);
+  if (it == mirror_holds_.end() || --it->second > 0) return;
+  mirror_holds_.erase(it);
+  if (mirror_deferred_.erase(key) != 0 && file == file_) free_slots_->Push(slot);
+  lock.Unlock();
+  cv_.SignalAll();
+}
+
+Status EngineImpl::RetireFile() {
+  if (!retire_file_ || !file_) return Status::OK();
+  // Slot ids belong to one file: switch with nothing in flight (the failed
+  // ones finish at once).
+  NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
+  const bool keep_old = latest_.has_value() || pending_rename_;
+  const std::string retired = SlotOf(*file_) ? SlotOf(*file_)->path() : jd_->SlotPath(rank());
+  Status s = SwitchFile(file_->geometry().slot_bytes, keep_old);
+  if (!s.ok()) {
+    return Status(s.code(), "a sync of " + retired + " failed, so checkpoints go into a fresh " +
+                                "slot file, which could not be created: " + s.message());
+  }
+  retire_file_ = false;
+  ++stats_.files_retired;
+  return Status::OK();
 }
 
 Status EngineImpl::NoteNotDurable() {
@@ -112,17 +153,21 @@ Status EngineImpl::NoteNotDurable() {
 
 // On Linux a failed fsync drops the dirty pages it could not write and
 // consumes the error: the next fsync of the file returns 0 though those
-// bytes never reached the disk. So every checkpoint in flight on this file
-// may have lost bytes whatever its own sync says later: fail them all (their
-// slots go back as they finish; the newest committed checkpoint was durable
-// before and is untouched), then reopen the file so that later checkpoints,
-// which rewrite their whole slot, can commit. If it cannot be reopened the
-// medium stays dead and every later checkpoint fails with one line saying so.
+// bytes never reached the disk, a new descriptor never hears of it, and the
+// page cache goes on showing them until it drops them. So every checkpoint in
+// flight on this file may have lost bytes whatever its own sync says later:
+// fail them all (their slots go back as they finish; the newest committed
+// checkpoint was durable before and is untouched), and retire the file:
+// no later checkpoint is written into it (retire_file_; RetireFile puts the
+// next one in a fresh file). It is reopened only so that it can still be
+// read (the newest committed checkpoint lives there until the fresh file's
+// first commit replaces it); if that fails, reads keep the old descriptor.
 void EngineImpl::AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm) {
   const std::string path = sm.path();
   {
     MutexLock lock(&mu_);
     not_durable_.insert(failed->counter);
+    if (failed->file == file_) retire_file_ = true;
     for (auto& [c, job] : live_) {
       if (job == failed || job->file != failed->file) continue;
       job->Fail(Status::IOError("its bytes were written before a failed fsync of " + path +
@@ -167,10 +212,10 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
         retained_slot_ = job->slot;
         candidate_ = CommittedCheckpoint{job->counter, job->step};
       } else {
-        free_slots_->Push(job->slot);
+        ReleaseSlot(job->file.get(), job->slot);
       }
     } else if (job->file == file_) {
-      if (retained_slot_) free_slots_->Push(*retained_slot_);
+      if (retained_slot_) ReleaseSlot(file_.get(), *retained_slot_);
       retained_slot_ = job->slot;
     }
     committed_counter_ = std::max(committed_counter_, job->counter);
@@ -229,7 +274,7 @@ Status EngineImpl::Pin(uint64_t counter) {
       pending_rename_ = false;
       old_file_.reset();
     }
-    if (pinned_slot_ && pinned_file_ == file_) free_slots_->Push(*pinned_slot_);
+    if (pinned_slot_ && pinned_file_ == file_) ReleaseSlot(file_.get(), *pinned_slot_);
     pinned_slot_ = retained_slot_;
     pinned_ = candidate_;
     pinned_file_ = file_;
@@ -281,7 +326,7 @@ Status EngineImpl::DropCandidate(uint64_t counter) {
   MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   if (candidate_ && candidate_->counter == counter && retained_slot_) {
-    free_slots_->Push(*retained_slot_);
+    ReleaseSlot(file_.get(), *retained_slot_);
     retained_slot_.reset();
     candidate_.reset();
   }

@@ -15,9 +15,15 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   // wait calls: this checkpoint starts anyway, so one failure costs one.
   if (!reg_ || !file_) return Status::FailedPrecondition(std::string(what) + " before Register");
   NONSTOP_RETURN_IF_ERROR(RecordRollback());
+  if (open_ == 0) NONSTOP_RETURN_IF_ERROR(RetireFile());  // after a failed sync of file_
   // The only place a checkpoint blocks on the pipeline: N already in flight
   // (unless they are all open layer-wise checkpoints, which cannot finish).
-  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ < opts_.max_in_flight || in_flight_ == open_; });
+  // A slot the memory tier still copies is not free yet (mirror_deferred_):
+  // then wait for it too, at most one copy's time.
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
+    if (in_flight_ >= opts_.max_in_flight) return in_flight_ == open_;
+    return mirror_deferred_.empty() || free_slots_->SizeApprox() > 0;
+  });
   if (in_flight_ >= opts_.max_in_flight) {
     return Status::FailedPrecondition(std::to_string(open_) +
                                       " layer-wise checkpoints are open (max_in_flight " +

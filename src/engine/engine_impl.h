@@ -250,6 +250,11 @@ class EngineImpl final : public Engine {
   void ChunksDone(const std::shared_ptr<Job>& job, uint64_t n);
   void CommitLoop();
   void FinishJob(const std::shared_ptr<Job>& job, bool committed, bool superseded, Status st);
+  // Gives slot `slot` of `file` back to the free queue (when `file` is
+  // file_), or defers that while the memory tier copies it.
+  void ReleaseSlot(const SlotFile* file, uint32_t slot) REQUIRES(mu_);
+  // The memory tier is done with (file, slot) (its release callback).
+  void MirrorDone(const std::shared_ptr<SlotFile>& file, uint32_t slot) EXCLUDES(mu_);
   void RecordFinished(const Job& job, bool committed, bool superseded, const Status& st,
                       double persist_s) REQUIRES(mu_);
   // Layer-wise (layerwise_schedule.cc).
@@ -281,6 +286,8 @@ class EngineImpl final : public Engine {
   Status NoteNotDurable();
   // Committer thread: `failed`'s commit failed on a sync of its slot file.
   void AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm);
+  // Replaces a retired file_ by a fresh one (see retire_file_).
+  Status RetireFile() REQUIRES(mu_);
   // Wraps a slot file's medium (opened as `name` in the job directory).
   std::unique_ptr<Medium> Wrap(std::unique_ptr<Medium> m, const std::string& name);
   Status SwitchFile(uint64_t slot_bytes, bool keep_old) REQUIRES(mu_);
@@ -411,6 +418,11 @@ class EngineImpl final : public Engine {
   // committed checkpoints still live in old_file_ under the slot file's name.
   std::shared_ptr<SlotFile> old_file_ GUARDED_BY(mu_);
   bool pending_rename_ GUARDED_BY(mu_) = false;
+  // A sync of file_ failed (AfterFailedSync): the file is retired. The next
+  // checkpoint first waits for the failed ones in flight, then goes into a
+  // fresh slot file (SwitchFile, keep_old), which its commit renames over
+  // the retired one (docs/FORMAT.md "After a failed fsync").
+  bool retire_file_ GUARDED_BY(mu_) = false;
   std::optional<uint32_t> retained_slot_ GUARDED_BY(mu_);  // newest committed, in file_
   // Distributed mode (global_agreement): retained_slot_ holds the candidate
   // (oldest committed above the pinned one) instead of the newest; the pinned
@@ -419,6 +431,13 @@ class EngineImpl final : public Engine {
   std::optional<CommittedCheckpoint> pinned_ GUARDED_BY(mu_);
   std::optional<uint32_t> pinned_slot_ GUARDED_BY(mu_);
   std::shared_ptr<SlotFile> pinned_file_ GUARDED_BY(mu_);
+  // The memory tier reads a committed checkpoint's slot while it copies it
+  // (MemoryTierWriter::Submit): such a slot is held here until the copy
+  // ends (MirrorDone), and a release that comes first (ReleaseSlot: a
+  // newer commit, Pin, DropCandidate) is deferred until then, so a newer
+  // checkpoint never writes into a slot the mirror reads.
+  std::map<std::pair<const SlotFile*, uint32_t>, int> mirror_holds_ GUARDED_BY(mu_);
+  std::set<std::pair<const SlotFile*, uint32_t>> mirror_deferred_ GUARDED_BY(mu_);
   std::vector<int> free_snapshots_ GUARDED_BY(mu_);
   uint64_t next_counter_ GUARDED_BY(mu_) = 1;
   uint64_t committed_counter_ GUARDED_BY(mu_) = 0;

@@ -240,27 +240,33 @@ std::unique_ptr<MemoryTierWriter> MemoryTierWriter::Open(JobDir& jd, Env* env, i
 
 MemoryTierWriter::~MemoryTierWriter() { Close(false); }
 
-void MemoryTierWriter::Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info) {
-  if (!on()) return;
+bool MemoryTierWriter::Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info) {
+  if (!on()) return false;
+  std::shared_ptr<SlotFile> replaced_file;
+  uint32_t replaced_slot = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (stop_) return;
+    if (stop_) return false;
     if (mode_ == MemoryTierMode::kAuto) {
       // Skip, never queue: while a copy runs, or until the copies' share of
       // the time allows the next one (MirrorPacer).
       if (!pacer_.Admit(NowS(), busy_ || next_.has_value())) {
         ++stats_.skipped;
         if (busy_) superseded_ = true;
-        return;
+        return false;
       }
     } else if (next_) {
       ++stats_.skipped;  // superseded before its copy started
+      replaced_file = std::move(next_file_);
+      replaced_slot = next_->slot;
     }
     if (busy_) superseded_ = true;
     next_file_ = std::move(file);
     next_ = info;
   }
   cv_.notify_all();
+  if (replaced_file && release_) release_(replaced_file, replaced_slot);
+  return true;
 }
 
 void MemoryTierWriter::Drain() {
@@ -269,14 +275,18 @@ void MemoryTierWriter::Drain() {
 }
 
 void MemoryTierWriter::Close(bool remove_segment) {
+  std::shared_ptr<SlotFile> dropped_file;
+  uint32_t dropped_slot = 0;
   {
     std::lock_guard<std::mutex> l(mu_);
     stop_ = true;
+    if (next_) dropped_slot = next_->slot;
+    dropped_file = std::move(next_file_);
     next_.reset();
-    next_file_.reset();
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (dropped_file && release_) release_(dropped_file, dropped_slot);
   if (remove_segment && dir_) {
     (void)dir_->Unlink(name_);
     (void)dir_->Unlink(name_ + ".tmp");
@@ -316,6 +326,8 @@ void MemoryTierWriter::Loop() {
     bool did_not_fit = false;
     Status s = CopyOne(*file, info, &did_not_fit);
     const double secs = Since(t0);
+    // Done reading the slot: the engine may reuse it now.
+    if (release_) release_(file, info.slot);
     file.reset();
     l.lock();
     busy_ = false;
@@ -330,8 +342,8 @@ void MemoryTierWriter::Loop() {
       stats_.mirrored_counter = 0;
       stats_.last_error = s.ToString();
     } else if (next_.has_value() || superseded_) {
-      // A newer commit came during the copy (its slot may have been reused:
-      // the copy's crc check fails then); the segment is stale either way.
+      // A newer commit came during the copy: the segment is stale either
+      // way. (Its slot was not reused during the copy: it was held.)
       ++stats_.skipped;
       stats_.mirrored_counter = 0;
     } else {

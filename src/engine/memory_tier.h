@@ -61,6 +61,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -148,7 +149,20 @@ class MemoryTierWriter {
   // "auto" copies it or skips it (MirrorPacer), "memory" copies it or, while
   // a copy runs, keeps it as the next (replacing one not yet started). Never
   // blocks on the copy.
-  void Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info);
+  //
+  // The copy reads the checkpoint's slot while it runs, so the slot must not
+  // be reused before it ends: Submit returns true when it took the
+  // checkpoint, and then the writer calls the release callback
+  // (SetRelease) with (file, info.slot) exactly once, when it is done with
+  // it: copied, failed, skipped, or replaced by a newer one before its copy
+  // began. The engine keeps the slot out of its free queue until then
+  // (EngineImpl::ReleaseSlot). false: it was not taken (off, stopped, or
+  // skipped at once), and no callback comes. The callback runs on the copy
+  // thread or inside Submit, never under the writer's lock.
+  bool Submit(std::shared_ptr<SlotFile> file, const CheckpointInfo& info);
+  using Release = std::function<void(const std::shared_ptr<SlotFile>& file, uint32_t slot)>;
+  // Set before the first Submit.
+  void SetRelease(Release release) { release_ = std::move(release); }
   // Waits until everything submitted is copied or failed (tests, benches).
   void Drain();
   // Stops the thread; with remove_segment also removes the segment (a clean
@@ -179,6 +193,7 @@ class MemoryTierWriter {
   bool stop_ = false;                          // GUARDED_BY(mu_)
   bool reported_ = false;                      // GUARDED_BY(mu_): a failure printed since the last success
   MemoryTierStats stats_;                      // GUARDED_BY(mu_)
+  Release release_;
   std::thread thread_;
 };
 

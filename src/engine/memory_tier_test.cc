@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/engine_internal.h"
 #include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
@@ -806,6 +807,59 @@ TEST_F(MemoryTierTest, ASweepLeavesAnotherRankOfItsOwnJobAlone) {
   EXPECT_EQ(info->step, 3);
   EXPECT_TRUE(e1->Stats().restored_from_memory);
   ASSERT_TRUE(e1->Close().ok());
+}
+
+// Each read of a slot file first waits `read_ms` (only the mirror's copy
+// reads it while the job runs), and each write returns `write_ms` after it
+// landed: a newer checkpoint's first write lands while the copy still reads,
+// and its commit comes well after the copy ended.
+class SlowMedium final : public media::MediumWrapper {
+ public:
+  SlowMedium(std::unique_ptr<Medium> inner, int read_ms, int write_ms)
+      : MediumWrapper(std::move(inner)), read_ms_(read_ms), write_ms_(write_ms) {}
+  Status Read(uint64_t offset, void* buf, size_t n) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(read_ms_));
+    return MediumWrapper::Read(offset, buf, n);
+  }
+  Status Write(uint64_t offset, const void* buf, size_t n) override {
+    Status s = MediumWrapper::Write(offset, buf, n);
+    std::this_thread::sleep_for(std::chrono::milliseconds(write_ms_));
+    return s;
+  }
+
+ private:
+  const int read_ms_, write_ms_;
+};
+
+// Issue 24: in a distributed job, with the agreed checkpoint pinned and a
+// candidate held, every newer committed slot went back to the free queue at
+// its commit, while the mirror was still copying it: the next checkpoint
+// took it and overwrote it during the copy ("Corruption: copying checkpoint
+// 7846 to ...: data chunk 0 (tensor ...)"). The slot is held until the copy
+// ends now: every copy succeeds.
+TEST_F(MemoryTierTest, TheMirrorNeverReadsASlotThatANewerCheckpointReuses) {
+  EngineOptions o = Options("dist");
+  o.global_agreement = true;
+  o.max_in_flight = 1;
+  EngineMedia media;
+  media.wrap = [](std::unique_ptr<Medium> m, const std::string&,
+                  bool) -> Result<std::unique_ptr<Medium>> {
+    return std::unique_ptr<Medium>(std::make_unique<SlowMedium>(std::move(m), 20, 40));
+  };
+  auto e = OpenEngine(o, media);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  std::vector<float> w(64 << 10);  // 256 KiB: 4 crc chunks of 64 KiB
+  ASSERT_TRUE((*e)->Register({Ref(w)}).ok());
+  Run(**e, w, 0, 0, /*wait_memory=*/false);
+  auto cand = (*e)->Candidate();
+  ASSERT_TRUE(cand.has_value());
+  ASSERT_TRUE((*e)->Pin(cand->counter).ok());  // the agreed one
+  Run(**e, w, 1, 1, /*wait_memory=*/false);     // the candidate
+  Run(**e, w, 2, 6);                            // each freed at its commit before
+  const EngineStats s = (*e)->Stats();
+  EXPECT_EQ(s.memory_failures, 0u) << s.memory_error;
+  EXPECT_EQ(s.committed, 7u);
+  ASSERT_TRUE((*e)->Close().ok());
 }
 
 }  // namespace

@@ -459,21 +459,34 @@ static Status CheckRecord(Medium& m, const format::FileHeader& h, const format::
   if (Crc32c(tbuf.data(), tbuf.size()) != r.table_crc) {
     // The slot was reused when its table now belongs to a later checkpoint of
     // this slot: one with a record here, or one newer than every record (a
-    // commit under way). Any other counter is a damaged table, not a reuse.
+    // commit under way). It was reused too when a newer record of the ring
+    // points into the same slot, whatever lies at this table's offset now (a
+    // newer checkpoint with another data size puts its data there), as
+    // `nonstop inspect` says. Anything else is a damaged table, not a reuse.
     auto peek = format::PeekTableHeader(tb);
-    bool reused = false;
+    uint64_t reused_by = 0;
     if (peek.ok() && peek->counter > r.counter && peek->uuid_hi == h.uuid_hi &&
         peek->uuid_lo == h.uuid_lo) {
       uint64_t newest = 0;
       for (const format::Record& o : ring) {
         newest = std::max(newest, o.counter);
-        if (o.counter == peek->counter && o.slot == r.slot) reused = true;
+        if (o.counter == peek->counter && o.slot == r.slot) reused_by = peek->counter;
       }
-      if (peek->counter > newest && peek->counter - newest <= h.slot_count) reused = true;
+      if (peek->counter > newest && peek->counter - newest <= h.slot_count) {
+        reused_by = peek->counter;
+      }
     }
-    if (reused) {
+    if (reused_by == 0) {
+      for (const format::Record& o : ring) {  // the oldest newer record in this slot
+        if (o.counter > r.counter && o.slot == r.slot && o.uuid_hi == h.uuid_hi &&
+            o.uuid_lo == h.uuid_lo && (reused_by == 0 || o.counter < reused_by)) {
+          reused_by = o.counter;
+        }
+      }
+    }
+    if (reused_by != 0) {
       return Status::Corruption("slot " + std::to_string(r.slot) + " was reused by checkpoint #" +
-                                std::to_string(peek->counter));
+                                std::to_string(reused_by));
     }
     return Status::Corruption("tensor table checksum mismatch");
   }

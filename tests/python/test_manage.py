@@ -264,3 +264,30 @@ def test_cli_ls_and_rm(tmp_path):
     assert r.returncode == 3 and "never deletes" in r.stderr, r.stderr
     r = run("ls", str(tmp_path / "missing"))
     assert r.returncode == 1 and "does not exist" in r.stderr
+
+
+def test_out_of_range_steps_are_one_line_errors(tmp_path):
+    """Issue 24: a step beyond 64 bits is a one-line nonstop error, never
+    pybind's TypeError (delete) or a silent clamp to 2^63-1 (nonstop rm)."""
+    d = str(tmp_path / "ck")
+    model, opt = _setup()
+    ck = nonstop.Checkpointer(d, state={"model": model}, every=1, keep=1, rng=False)
+    _train(ck, model, opt, 2)
+    for bad in (2 ** 70, -(2 ** 63) - 1, 2 ** 63):
+        with pytest.raises(nonstop.CheckpointMismatchError, match="out of range"):
+            ck.delete(bad)
+    ck.close()
+    for bad in (2 ** 70, 2 ** 63):
+        with pytest.raises(nonstop.CheckpointMismatchError, match="out of range") as e:
+            nonstop.delete(d, bad)
+        assert "\n" not in str(e.value)
+    assert _kept(d) == [0, 1]
+    if _cli() is None:
+        return
+    for arg, match in (("99999999999999999999", "out of range"),
+                       ("9223372036854775808", "out of range"),
+                       ("1x", "must be an integer")):
+        r = subprocess.run([_cli(), "rm", d, arg], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and match in r.stderr, (arg, r.returncode, r.stderr)
+        assert r.stderr.count("\n") == 1, r.stderr
+    assert _kept(d) == [0, 1]

@@ -98,3 +98,19 @@ def test_rng_states_round_trip():
     _rng.restore(state)
     b = (random.random(), np.random.rand(), torch.rand(3))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_flatten_state_indexes_tied_tensors_across_keys_once():
+    """Issue 24: one walk over many top-level keys (flatten_state) stores a
+    tensor shared between keys once, like per-key flatten calls did, and
+    the same names."""
+    shared = torch.arange(6.0)
+    state = {f"k{i}": {"w": torch.full((2,), float(i)), "tied": shared} for i in range(50)}
+    out: dict = {}
+    tree = _state.flatten_state(state, out, lambda o: False, lambda o: o)
+    old: dict = {}
+    old_tree = {k: _state.flatten(v, k, old, f"state[{k!r}]") for k, v in state.items()}
+    assert tree == old_tree and list(out) == list(old)
+    assert len(out) == 51 and all(tree[k]["tied"] == {"__tensor__": "k0/tied"} for k in state)
+    back = _state.unflatten(tree, out)
+    assert all(torch.equal(back[k]["w"], state[k]["w"]) for k in state)

@@ -20,7 +20,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POINTS = 20            # failure points per medium
-IMAGE_MB = 24          # the ext4 image (fully allocated in the tmpfs)
+IMAGE_MB = 64          # the ext4 image (fully allocated in the tmpfs): room for two slot files
 TMPFS_MB = IMAGE_MB + 4
 TIMEOUT_S = 150
 

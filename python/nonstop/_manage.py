@@ -103,8 +103,27 @@ def not_found(path: str, rank: int, step: int) -> CheckpointNotFoundError:
         have = steps_text(list_checkpoints(path, rank))
     except Exception as e:  # listing failed too: say so instead
         have = f"cannot list them: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    gone = _overwritten(path, rank, step)
+    if gone:  # as `nonstop inspect` says it: the ring reused its slot
+        return CheckpointNotFoundError(
+            f"checkpoint at step {step} in {path} was overwritten: {gone} (committed steps: "
+            f"{have})")
     return CheckpointNotFoundError(
         f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
+
+
+def _overwritten(path: str, rank: int, step: int) -> str:
+    """'slot S was reused by checkpoint #M' when `step` rotated out of the
+    ring (a newer checkpoint reused its slot), else ''."""
+    try:
+        jd = _core().JobDir.open_for_read(path)
+        try:
+            rows = [c for c in jd.list(rank) if c.get("rotated") and int(c["step"]) == step]
+        finally:
+            jd.close()
+    except Exception:  # only a better message: the caller's error stands
+        return ""
+    return str(rows[0]["reason"]) if rows else ""
 
 
 def kept_path(path: str, rank: int, step: int) -> Optional[str]:

@@ -291,3 +291,26 @@ def test_out_of_range_steps_are_one_line_errors(tmp_path):
         assert r.returncode == 2 and match in r.stderr, (arg, r.returncode, r.stderr)
         assert r.stderr.count("\n") == 1, r.stderr
     assert _kept(d) == [0, 1]
+
+
+def test_load_of_a_step_whose_slot_was_reused_says_overwritten(tmp_path):
+    """Issue 24: load(step=0) after the ring reused step 0's slot said "tensor
+    table checksum mismatch" (a later checkpoint with a larger data region
+    put its data where step 0's table was); inspect says "overwritten"."""
+    d = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.Adam(model.parameters())
+    with nonstop.Checkpointer(d, state={"model": model, "optim": opt}, every=1, rng=False,
+                              tier="disk") as ck:
+        ck.save(0).wait()  # before the first step: no Adam state, a smaller data region
+        for s in range(1, 6):
+            model(torch.randn(2, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(s).wait()
+    with pytest.raises(CheckpointNotFoundError, match="step 0 .* was overwritten: slot . was "
+                                                     "reused by checkpoint #") as e:
+        nonstop.load(d, step=0)
+    assert "\n" not in str(e.value) and "checksum" not in str(e.value)
+    assert nonstop.load(d, step=5).step == 5

@@ -259,3 +259,17 @@ def test_export_errors_name_the_file_asked_for(tmp_path):
         nonstop.export(d, str(out))
     one_line(e.value)
     assert str(out) in str(e.value) and ".tmp" not in str(e.value), str(e.value)
+
+
+def test_dcp_gather_decodes_dtypes_from_the_fixed_list():
+    """Issue 24: _dcp built tensors with getattr(torch, name) from the
+    checkpoint's metadata; a name outside the fixed list is a corrupt
+    checkpoint, never an attribute lookup in torch."""
+    import torch
+
+    from nonstop import _dcp
+    from nonstop.errors import CorruptCheckpointError
+    assert _dcp._meta_dtype("bfloat16", "w", "d") is torch.bfloat16
+    for bad in ("Tensor", "nn", "__class__", "save", 7, None):
+        with pytest.raises(CorruptCheckpointError, match="names dtype"):
+            _dcp._meta_dtype(bad, "w", "d")

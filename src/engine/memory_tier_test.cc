@@ -840,6 +840,7 @@ class SlowMedium final : public media::MediumWrapper {
 TEST_F(MemoryTierTest, TheMirrorNeverReadsASlotThatANewerCheckpointReuses) {
   EngineOptions o = Options("dist");
   o.global_agreement = true;
+  o.extra_slots = 1;    // the pinned one: 3 slots, so the freed one is taken next
   o.max_in_flight = 1;
   EngineMedia media;
   media.wrap = [](std::unique_ptr<Medium> m, const std::string&,

@@ -106,8 +106,8 @@ def not_found(path: str, rank: int, step: int) -> CheckpointNotFoundError:
     gone = _overwritten(path, rank, step)
     if gone:  # as `nonstop inspect` says it: the ring reused its slot
         return CheckpointNotFoundError(
-            f"checkpoint at step {step} in {path} was overwritten: {gone} (committed steps: "
-            f"{have})")
+            f"no committed checkpoint at step {step} in {path}: it was overwritten ({gone}; "
+            f"committed steps: {have})")
     return CheckpointNotFoundError(
         f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
 

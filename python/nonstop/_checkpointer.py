@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import (_auto, _config, _distributed, _fqn, _fsdp, _manage, _preempt, _progress,
+from . import (_auto, _config, _data, _distributed, _fqn, _fsdp, _manage, _preempt, _progress,
                _remote, _replica, _rng, _state, _unwrap)
 from ._handle import CheckpointHandle, Watcher
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
@@ -137,6 +137,8 @@ class Checkpointer:
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
+        # A data loader whose restored order would differ is refused (_data.py)
+        _data.check_state(state)
         # config=PATH (nonstop tune --out): explicit arguments override it,
         # it overrides the defaults (every=10, max_in_flight=2, ...).
         opts = _config.resolve(config, every=every, mode=mode, max_in_flight=max_in_flight,

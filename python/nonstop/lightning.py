@@ -43,7 +43,7 @@ except ImportError:  # the standalone package name
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
     from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
 
-from . import _checkpointer, _rng, _unwrap
+from . import _checkpointer, _data, _rng, _unwrap
 from .errors import CheckpointMismatchError
 
 MARKER_FORMAT = "nonstop.lightning/1"
@@ -228,6 +228,11 @@ class NonstopCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        # A loader whose restored order would differ is refused before the
+        # first step (_data.py, docs/EXACT_RESUME.md).
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        for i, loader in enumerate(getattr(combined, "flattened", None) or []):
+            _data.check_loader(loader, f"train dataloader {i}")
         self._last_global_step = trainer.global_step
         # The RNG states saved with the checkpoint Lightning restored from go
         # back now, after Lightning's own restore work and before the first

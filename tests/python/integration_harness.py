@@ -24,11 +24,15 @@ def run(kind, ckpt_dir, steps, every, final, *, pace=0.0, kill_after_steps=None)
                      stderr=True)
 
 
-def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None):
-    """The test: reference, kill at a random step, resume, compare. Returns
+def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None,
+                        kill_after=None, resume_at_least=None):
+    """The test: reference, kill at a random step (or after `kill_after`
+    steps), resume, compare. With `resume_at_least`, the restart must have
+    resumed at that step or later (from a checkpoint taken there). Returns
     (kill step, steps the restart ran)."""
     seed = random.randrange(1 << 30) if seed is None else seed
-    kill_after = random.Random(seed).randint(every + 1, steps - 2)
+    if kill_after is None:
+        kill_after = random.Random(seed).randint(every + 1, steps - 2)
     # The uninterrupted reference runs beside the run that is killed (the
     # children spend most of their time importing the framework).
     ref = str(tmp_path / "ref")
@@ -57,6 +61,8 @@ def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None)
     assert ran and ran[-1] == steps - 1, ran
     # it resumed from a checkpoint (not from scratch) whenever one was committed
     assert ran[0] <= kill_after, (seed, kill_after, ran)
+    if resume_at_least is not None:
+        assert ran[0] >= resume_at_least, (kill_after, ran)
     try:
         assert_same_final(ref, final)
     except AssertionError as e:
@@ -66,6 +72,13 @@ def kill_resume_compare(kind, tmp_path, steps=14, every=3, pace=0.05, seed=None)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# 10 optimizer steps per epoch (integration_jobs: 40 samples, batches of 4):
+# killed after step 17, the restart resumes from a checkpoint in epoch 2
+# (steps 10..19; every=3: step 14 or 17), mid-epoch, where a loader that
+# keeps only its position would replay epoch 1's order.
+EPOCH2 = dict(steps=24, every=3, kill_after=18, resume_at_least=12)
 
 
 def run_doc_example(doc, tmp_path, runs=1):

@@ -67,15 +67,22 @@ def loss_of(net, batch):
     return torch.nn.functional.mse_loss(net(x), y)
 
 
-def loader_of(cls):
-    # The sampler has its own generator: with shuffle=True, generator=g the
-    # loader also draws its base seed from g, which a resumed loader does
-    # not replay, so the next epoch's order would differ. And the loader has
-    # a generator: without one, iter(loader) draws its base seed from the
-    # global RNG, one draw more after a restart, and dropout shifts.
-    # (docs/EXACT_RESUME.md)
+def loader_of(cls, recipe=None):
+    """The loader recipe of docs/EXACT_RESUME.md: torchdata's stateful
+    RandomSampler with its own generator (a restored loader draws the same
+    permutation again, in any epoch), and a generator for the loader (without
+    one, iter(loader) draws its base seed from the global RNG, one draw more
+    after a restart, and dropout shifts). recipe="e778719" (or the
+    NONSTOP_TEST_LOADER environment variable) is the recipe documented at
+    e778719: torch's RandomSampler, whose restored loader keeps the position
+    but draws epoch 1's permutation again; nonstop refuses it now."""
     ds = dataset()
-    sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+    recipe = recipe or os.environ.get("NONSTOP_TEST_LOADER", "exact")
+    if recipe == "e778719":
+        sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+    else:
+        from torchdata.stateful_dataloader.sampler import RandomSampler
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(7))
     return cls(ds, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(8))
 
 

@@ -39,15 +39,15 @@ def test_prepared_objects_checkpoint_and_hook_the_real_optimizer(tmp_path):
     assert torch.equal(got["optim"]["state"][0]["exp_avg"], want["exp_avg"])
 
 
-def test_accelerate_kill_and_resume_is_exact(tmp_path):
-    from integration_harness import kill_resume_compare
-    kill_resume_compare("accelerate", tmp_path)
+def test_accelerate_killed_in_epoch_2_resumes_exactly(tmp_path):
+    from integration_harness import EPOCH2, kill_resume_compare
+    kill_resume_compare("accelerate", tmp_path, **EPOCH2)
 
 
-def test_plain_loop_with_stateful_dataloader_kill_and_resume_is_exact(tmp_path):
+def test_plain_loop_killed_in_epoch_2_resumes_exactly(tmp_path):
     pytest.importorskip("torchdata")
-    from integration_harness import kill_resume_compare
-    kill_resume_compare("plain", tmp_path)
+    from integration_harness import EPOCH2, kill_resume_compare
+    kill_resume_compare("plain", tmp_path, **EPOCH2)
 
 
 def test_docs_example_runs(tmp_path):

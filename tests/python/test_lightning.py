@@ -77,9 +77,9 @@ def test_zero_copy_and_marker_only_after_commit(tmp_path):
     assert got["global_step"] == 8 and trainer.global_step == 9
 
 
-def test_lightning_kill_and_resume_is_exact(tmp_path):
-    from integration_harness import kill_resume_compare
-    kill_resume_compare("lightning", tmp_path)
+def test_lightning_killed_in_epoch_2_resumes_exactly(tmp_path):
+    from integration_harness import EPOCH2, kill_resume_compare
+    kill_resume_compare("lightning", tmp_path, **EPOCH2)
 
 
 def test_docs_example_runs_and_resumes(tmp_path):

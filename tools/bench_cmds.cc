@@ -27,6 +27,7 @@
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "tools/commands.h"
+#include "tools/remote_cli.h"
 
 namespace nonstop::cli {
 namespace {
@@ -403,15 +404,7 @@ int RunOverhead(const OverheadArgs& a) {
 // environment's bin/), else python3; SUITE is $NONSTOP_SOURCE/bench/suite.py,
 // else ./bench/suite.py. docs/BENCHMARKS.md.
 [[noreturn]] void RunSuite(bool quick, const std::vector<std::string>& extra) {
-  std::string python = "python3";
-  if (const char* env = std::getenv("NONSTOP_PYTHON"); env != nullptr && *env != '\0') {
-    python = env;
-  } else {
-    std::error_code ec;
-    const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-    const fs::path sibling = self.parent_path() / "python";
-    if (!ec && ::access(sibling.c_str(), X_OK) == 0) python = sibling.string();
-  }
+  const std::string python = PackagePython();
   const char* src = std::getenv("NONSTOP_SOURCE");
   const fs::path suite =
       fs::path(src != nullptr && *src != '\0' ? src : ".") / "bench" / "suite.py";
@@ -425,10 +418,7 @@ int RunOverhead(const OverheadArgs& a) {
   std::vector<std::string> argv = {python, suite.string()};
   if (quick) argv.emplace_back("--quick");
   argv.insert(argv.end(), extra.begin(), extra.end());
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  ::execvp(cargv[0], cargv.data());
+  ExecArgv(argv);
   std::fprintf(stderr, "nonstop bench: cannot run %s: %s (set NONSTOP_PYTHON to a python with "
                "torch)\n", python.c_str(), std::strerror(errno));
   std::exit(2);

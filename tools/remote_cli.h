@@ -34,23 +34,41 @@ inline bool IsRemoteUrl(const std::string& s) {
   return true;
 }
 
-[[noreturn]] inline void RunRemote(std::vector<std::string> args) {
+// The interpreter of the package this executable belongs to, for every
+// command that runs Python (a remote URL, export --format dcp, a multi-rank
+// export, bench, simulate --plot): $NONSTOP_PYTHON, else the `python` next
+// to this executable (a virtual environment's bin/, where pip puts both),
+// else python3 from PATH.
+inline std::string PackagePython() {
   namespace fs = std::filesystem;
-  std::string python = "python3";
+  if (const char* env = std::getenv("NONSTOP_PYTHON"); env != nullptr && *env != '\0') {
+    return env;
+  }
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  if (const char* env = std::getenv("NONSTOP_PYTHON"); env != nullptr && *env != '\0') {
-    python = env;
-  } else if (!ec && ::access((self.parent_path() / "python").c_str(), X_OK) == 0) {
-    python = (self.parent_path() / "python").string();
+  if (!ec && ::access((self.parent_path() / "python").c_str(), X_OK) == 0) {
+    return (self.parent_path() / "python").string();
   }
-  if (!ec) ::setenv("NONSTOP_CLI", self.c_str(), 1);
-  std::vector<std::string> argv = {python, "-m", "nonstop._remote_cli"};
-  argv.insert(argv.end(), args.begin(), args.end());
+  return "python3";
+}
+
+// Replaces this process with `argv`; returns only when that failed (errno).
+inline void ExecArgv(std::vector<std::string> argv) {
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
   ::execvp(cargv[0], cargv.data());
+}
+
+[[noreturn]] inline void RunRemote(std::vector<std::string> args) {
+  namespace fs = std::filesystem;
+  const std::string python = PackagePython();
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) ::setenv("NONSTOP_CLI", self.c_str(), 1);
+  std::vector<std::string> argv = {python, "-m", "nonstop._remote_cli"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  ExecArgv(argv);
   std::fprintf(stderr,
                "nonstop %s: cannot run %s for a remote URL: %s (set NONSTOP_PYTHON to a python "
                "with nonstop and obstore)\n",

@@ -18,6 +18,7 @@
 
 #include "nonstop/simulate.h"
 #include "tools/commands.h"
+#include "tools/remote_cli.h"
 
 namespace nonstop::cli {
 namespace {
@@ -202,11 +203,21 @@ fig.tight_layout()
 fig.savefig(sys.argv[2], dpi=150)
 )PY";
 
+// A shell word: `s` in single quotes (a quote inside closed, escaped, reopened).
+std::string ShellQuoted(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
 void Plot(const json& doc, const std::string& out) {
-  if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") != 0) {
+  // The package's interpreter (tools/remote_cli.h), not whatever python3 is on PATH.
+  const std::string python = nonstop::cli::PackagePython();
+  if (std::system((ShellQuoted(python) + " -c 'import matplotlib' >/dev/null 2>&1").c_str()) !=
+      0) {
     const std::string data = out + ".json";
     std::ofstream(data) << doc.dump(1) << "\n";
-    Fail("--plot: matplotlib is not installed for python3 (pip install matplotlib); wrote the "
+    Fail("--plot: matplotlib is not installed for " + python + " (pip install matplotlib); wrote the "
          "data to " + data + ": plot it later with tools/plot_simulate.py " + data + " " + out);
   }
   char data[] = "/tmp/nonstop-simulate-XXXXXX";
@@ -216,7 +227,8 @@ void Plot(const json& doc, const std::string& out) {
   std::ofstream(data) << doc.dump() << "\n";
   std::string script_path = std::string(data) + ".py";
   std::ofstream(script_path) << kPlotScript;
-  const std::string cmd = "python3 '" + script_path + "' '" + data + "' '" + out + "'";
+  const std::string cmd = ShellQuoted(python) + " " + ShellQuoted(script_path) + " " +
+                          ShellQuoted(data) + " " + ShellQuoted(out);
   const int rc = std::system(cmd.c_str());
   std::remove(data);
   std::remove(script_path.c_str());

@@ -43,9 +43,12 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// Exit codes: 1 = the checkpoint is damaged / not found; 2 = bad usage or input.
+// Exit codes: 1 = the checkpoint is damaged / not found; 2 = bad usage or input;
+// 4 = verify --step N: step N's slot was reused by a newer checkpoint (overwritten
+// as the ring intends, not damage).
 constexpr int kExitDamaged = 1;
 constexpr int kExitUsage = 2;
+constexpr int kExitOverwritten = 4;
 
 [[noreturn]] void Fail(const std::string& cmd, const std::string& message, int code) {
   std::cerr << "nonstop " << cmd << ": " << message << "\n";
@@ -526,7 +529,7 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
         fallback = "; recovery would fall back to " + CkptName(used->info);
       }
       Fail("verify", name + ": " + CkptName(t->info) + " is " + StateText(s.report, *t, s.lineage) + fallback,
-           kExitDamaged);
+           ReusedBy(s.report, *t) != nullptr ? kExitOverwritten : kExitDamaged);
     }
     tensors += t->info.tensors.size();
     bytes += t->info.data_bytes;
@@ -612,16 +615,41 @@ class ExportProgress {
   bool drawn_ = false;
 };
 
-void RunExport(const std::string& dir, std::optional<int64_t> step, const std::string& out,
-               const std::vector<std::string>& include, int progress) {
-  const std::vector<fs::path> paths = SlotFiles("export", dir);
-  if (paths.size() != 1) {
-    Fail("export", dir + " holds " + std::to_string(paths.size()) +
-         " ranks; export of multi-rank checkpoints is not supported yet (export needs one "
-         "rank-*.nsck file)", kExitUsage);
+// A multi-rank job's directory is exported consolidated, by Python (the
+// reassembly of python/nonstop/_dcp.py): replaces this process with
+// `PY -m nonstop._export DIR -o OUT [...]` (tools/remote_cli.h's PackagePython).
+[[noreturn]] void RunExportConsolidated(const std::string& dir, std::optional<int64_t> step,
+                                        const std::string& out,
+                                        const std::vector<std::string>& include,
+                                        const std::string& strip, int progress) {
+  const std::string python = PackagePython();
+  std::vector<std::string> argv = {python, "-m", "nonstop._export", dir, "-o", out};
+  if (step) {
+    argv.push_back("--step");
+    argv.push_back(std::to_string(*step));
   }
+  for (const std::string& glob : include) {
+    argv.push_back("--include");
+    argv.push_back(glob);
+  }
+  if (!strip.empty()) argv.push_back("--strip=" + strip);
+  if (progress >= 0) argv.push_back(progress ? "--progress" : "--no-progress");
+  ExecArgv(argv);
+  Fail("export", "cannot run " + python + " to export a multi-rank directory: " +
+                     std::strerror(errno) + " (set NONSTOP_PYTHON to a python with nonstop and torch)",
+       kExitUsage);
+}
+
+void RunExport(const std::string& dir, std::optional<int64_t> step, const std::string& out,
+               const std::vector<std::string>& include, const std::string& strip,
+               int progress) {
+  const std::vector<fs::path> paths = SlotFiles("export", dir);
+  if (paths.size() != 1) RunExportConsolidated(dir, step, out, include, strip, progress);
   // The planner verifies the one it chooses (and falls back past damage).
   ScannedFile s = ScanFile(paths[0], /*verify_all=*/false, /*verify_data=*/false);
+  if (s.file != nullptr && s.error.empty() && s.file->geometry().world_size > 1) {
+    RunExportConsolidated(dir, step, out, include, strip, progress);  // refuses a lone rank
+  }
   const std::string name = (fs::path(dir) / s.path.filename()).string();
   if (s.file == nullptr || !s.error.empty()) Fail("export", name + ": " + s.error, kExitDamaged);
   for (const std::string& note : s.file->salvaged()) {
@@ -666,6 +694,11 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
   std::erase_if(entries, [&](const auto& e) { return !Included(e.first, include); });
   if (entries.empty() && !include.empty()) {
     Fail("export", name + ": no tensor of " + CkptName(info) + " matches --include", kExitUsage);
+  }
+  if (!strip.empty()) {  // --strip PREFIX: removed from the names that start with it
+    for (auto& e : entries) {
+      if (e.first.rfind(strip, 0) == 0) e.first = e.first.substr(strip.size());
+    }
   }
 
   json header = json::object();
@@ -810,22 +843,18 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
 }
 
 // `export --format dcp` is Python (torch.distributed.checkpoint writes it):
-// replaces this process with `python3 -m nonstop._dcp DIR OUT [--step N]`
-// ($NONSTOP_PYTHON picks the interpreter). docs/DISTRIBUTED.md.
+// replaces this process with `PY -m nonstop._dcp DIR OUT [--step N]` (PY:
+// tools/remote_cli.h's PackagePython). docs/DISTRIBUTED.md.
 [[noreturn]] void RunExportDcp(const std::string& dir, std::optional<int64_t> step,
                                const std::string& out, int progress) {
-  const char* env = std::getenv("NONSTOP_PYTHON");
-  const std::string python = env != nullptr && *env != '\0' ? env : "python3";
+  const std::string python = PackagePython();  // tools/remote_cli.h
   std::vector<std::string> argv = {python, "-m", "nonstop._dcp", dir, out};
   if (step) {
     argv.push_back("--step");
     argv.push_back(std::to_string(*step));
   }
   if (progress >= 0) argv.push_back(progress ? "--progress" : "--no-progress");
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  ::execvp(cargv[0], cargv.data());
+  ExecArgv(argv);
   Fail("export", "cannot run " + python + " for --format dcp: " + std::strerror(errno) +
                      " (set NONSTOP_PYTHON to a python with nonstop and torch)",
        kExitUsage);
@@ -863,6 +892,7 @@ struct StoreArgs {
   std::string out;
   std::string format = "safetensors";
   std::vector<std::string> include;
+  std::string strip;
   bool progress = false;     // export --progress
   bool no_progress = false;  // export --no-progress
 };
@@ -876,6 +906,7 @@ std::vector<std::string> RemoteArgs(const std::string& cmd, const StoreArgs& a) 
   if (cmd == "export") {
     v.insert(v.end(), {"-o", a.out, "--format", a.format});
     for (const std::string& glob : a.include) v.insert(v.end(), {"--include", glob});
+    if (!a.strip.empty()) v.push_back("--strip=" + a.strip);
   }
   return v;
 }
@@ -906,15 +937,18 @@ void AddStoreCommands(CLI::App& app) {
   }));
 
   CLI::App* exp = app.add_subcommand(
-      "export", "Write one checkpoint as a safetensors file (single-rank directories)");
+      "export", "Write one checkpoint as a safetensors file (a multi-rank job consolidated)");
   exp->add_option("dir", args->dir, "checkpoint directory (holds rank-*.nsck)")->required();
   exp->add_option("--step", args->step, "training step to export (default: the newest valid)");
   exp->add_option("-o,--output", args->out, "output .safetensors file (a directory for dcp)")
       ->required();
   exp->add_option("--format", args->format,
-                  "safetensors (one rank) or dcp (every rank, reassembled; runs python3 -m "
+                  "safetensors (one file) or dcp (every rank, reassembled; runs python -m "
                   "nonstop._dcp)")
       ->check(CLI::IsMember({"safetensors", "dcp"}));
+  exp->add_option("--strip", args->strip,
+                  "remove this prefix from the exported names that start with it ('model/': "
+                  "the file loads into the model)");
   exp->add_option("--include", args->include,
                   "export only tensors whose name matches this glob ('model/*', '*.weight'); "
                   "repeatable: a tensor matching any is exported (safetensors only)");
@@ -924,14 +958,14 @@ void AddStoreCommands(CLI::App& app) {
   exp->add_flag("--no-progress", args->no_progress, "never draw the progress bar")
       ->excludes(prog);
   exp->callback(Guarded("export", [args] {
-    if (!args->include.empty() && args->format == "dcp") {
-      Fail("export", "--include is for a safetensors export; --format dcp exports every tensor",
+    if ((!args->include.empty() || !args->strip.empty()) && args->format == "dcp") {
+      Fail("export", "--include/--strip are for a safetensors export; --format dcp exports every tensor",
            kExitUsage);
     }
     if (IsRemoteUrl(args->dir)) RunRemote(RemoteArgs("export", *args));
     const int progress = args->progress ? 1 : args->no_progress ? 0 : -1;
     if (args->format == "dcp") RunExportDcp(args->dir, args->step, args->out, progress);
-    RunExport(args->dir, args->step, args->out, args->include, progress);
+    RunExport(args->dir, args->step, args->out, args->include, args->strip, progress);
   }));
 }
 

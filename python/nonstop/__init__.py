@@ -12,8 +12,6 @@ See docs/PYTHON.md.
 
 __version__ = "0.1.0"
 
-from typing import Optional  # noqa: E402
-
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,  # noqa: E402
                      CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
@@ -55,18 +53,20 @@ except ImportError as e:
 if _TORCH_ERROR is None:
     from ._checkpointer import Checkpointer, LoadedCheckpoint, load  # noqa: E402
 
-    def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
-               include: Optional[str] = None, format: str = "safetensors",
-               progress: Optional[bool] = None) -> dict:
-        """Writes a checkpoint of `dir` to `out`: format="safetensors" (one
-        rank's tensors in one file; include= a glob of names) or format="dcp"
-        (every rank, reassembled, as a torch.distributed.checkpoint directory).
+    def export(dir: str, out: str, step: "int | None" = None, rank: "int | None" = None,
+               include=None, strip: "str | None" = None, format: str = "safetensors",
+               progress: "bool | None" = None) -> dict:
+        """Writes a checkpoint of `dir` to `out`, as `nonstop export` does:
+        format="safetensors" (one file; a multi-rank job consolidated;
+        include= a glob or list of globs over the names, kept as stored;
+        strip= a prefix removed from them) or format="dcp" (every rank,
+        reassembled, as a torch.distributed.checkpoint directory).
         progress: a tqdm bar on stderr (None: when stderr is a terminal and
         the export is 256 MiB or more; True: always; False: never).
         Returns {'step', 'tensors', 'bytes', 'path'}."""
         from ._dcp import export as _export  # torch.distributed.checkpoint: on first use
-        return _export(dir, out, step=step, rank=rank, include=include, format=format,
-                       progress=progress)
+        return _export(dir, out, step=step, rank=rank, include=include, strip=strip,
+                       format=format, progress=progress)
 
     from ._handle import CheckpointHandle  # noqa: E402
     from ._preempt import EXIT_PREEMPTED, Preempted, worker_init_fn  # noqa: E402  docs/PREEMPTION.md

@@ -328,21 +328,21 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
-           include: Optional[str] = None, format: str = "safetensors",
+def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] = None,
+           include=None, strip: Optional[str] = None, format: str = "safetensors",
            progress: Optional[bool] = None) -> dict:
-    """nonstop.export: format="safetensors" (one rank's tensors in one file,
-    see _export.py) or format="dcp" (every rank, reassembled, as DCP).
-    progress: a tqdm bar on stderr (None: when stderr is a terminal and the
-    export is 256 MiB or more; True: always; False: never)."""
+    """nonstop.export: format="safetensors" (one file; a multi-rank job
+    consolidated; see _export.py) or format="dcp" (every rank, reassembled,
+    as DCP). progress: a tqdm bar on stderr (None: when stderr is a terminal
+    and the export is 256 MiB or more; True: always; False: never)."""
     if format == "dcp":
-        if include is not None or rank != 0:
-            raise ValueError("format='dcp' exports every rank and tensor; drop include=/rank=")
+        if include is not None or strip is not None or rank is not None:
+            raise ValueError("format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
         return export_dcp(dir, out, step, progress=progress)
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
     from ._export import export as export_safetensors
-    return export_safetensors(dir, out, step=step, rank=rank, include=include,
+    return export_safetensors(dir, out, step=step, rank=rank, include=include, strip=strip,
                               progress=progress)
 
 

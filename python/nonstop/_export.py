@@ -9,8 +9,10 @@ shown for long exports.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import sys
 from typing import Optional
 
 import numpy as np
@@ -24,19 +26,37 @@ from .errors import (CheckpointIOError, CheckpointMismatchError, CheckpointNotFo
 WINDOW_BYTES = 256 << 20
 
 
-def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
-           include: Optional[str] = None, progress: Optional[bool] = None) -> dict:
-    """Writes checkpoint `step` (newest valid when None) of `rank` in `dir`
-    to the safetensors file `out`. Tensor names are kept ('model/fc.weight');
-    with include='model', only tensors under 'model/' are written, with that
-    prefix removed, so the file loads into the model directly. The
+def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] = None,
+           include=None, strip: Optional[str] = None, progress: Optional[bool] = None) -> dict:
+    """Writes checkpoint `step` (newest valid when None) of `dir` to the
+    safetensors file `out`, as `nonstop export DIR -o OUT` does. Tensor
+    names are kept ('model/fc.weight'). include: a glob or a list of globs
+    (fnmatch: '*' matches '/' too): only tensors whose name matches one are
+    written; none matching is a CheckpointMismatchError. strip: a prefix
+    removed from the names that start with it (strip='model/' with
+    include='model/*': the file loads into the model directly). The
     checkpoint's step and JSON metadata go into the safetensors metadata.
+    A directory of a multi-rank job is exported consolidated: each
+    replicated or sharded tensor whole, under its own name (a wrapper's
+    prefix removed), rank-local tensors under 'rank-R/' (_dcp.layout); rank=
+    is for a one-rank directory only.
     progress: a tqdm bar on stderr (None: on a terminal, for 256 MiB or
     more; True: always; False: never; _progress.py).
     Returns {'step', 'tensors', 'bytes', 'path'}."""
+    patterns = _patterns(include)
+    if strip is not None and not isinstance(strip, str):
+        raise CheckpointMismatchError(f"strip must be a string prefix, got {strip!r}")
     bar = _progress.Progress("nonstop export", progress)
     path = os.fspath(dir)
-    check_directory(path, rank, None, must_exist=True)
+    check_directory(path, rank or 0, None, must_exist=True)
+    world = _core().Reader(path, rank=rank or 0, verify_data=False).geometry["world_size"]
+    if world > 1:
+        if rank is not None:
+            raise CheckpointMismatchError(
+                f"{path} is a {world}-rank job: it is exported consolidated (every rank's "
+                f"pieces reassembled); drop rank=")
+        return _export_consolidated(path, out, step, patterns, strip, bar)
+    rank = 0 if rank is None else rank
     # The planner chooses (the job directory's selection): what load() and
     # restore() read; a step a rollback abandoned is refused as load() does.
     chosen = _core().JobDir.open_for_read(path).select(rank, step=step)
@@ -62,26 +82,101 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
     named += [(path, index[ref]) for path, ref in aliases(tree)
               if ref in index and path not in index]
     entries = []
-    for name, ti in named:
+    for name, ti in _selected(named, patterns, strip, f"step {info['step']} of {path}"):
         spec = info["tensors"][ti]
-        if include is not None:
-            if not name.startswith(include + "/"):
-                continue
-            name = name[len(include) + 1:]
-        st = _state.SAFETENSORS_DTYPES.get(spec["dtype"])
-        if st is None:
-            raise CheckpointMismatchError(
-                f"tensor {spec['name']!r} has dtype {_state.DTYPE_NAMES[spec['dtype']]}, "
-                f"which safetensors cannot hold")
-        entries.append((name, ti, spec, st))
+        entries.append((name, ti, spec, _safetensors_dtype(spec["name"], spec["dtype"])))
+
+    def pieces():
+        for window, buf, at in _windows(reader, idx, info, entries):
+            for _name, ti, spec, _ in window:
+                if spec["nbytes"]:
+                    yield memoryview(buf)[at[ti]:at[ti] + spec["nbytes"]]
+
+    meta = {"nonstop.step": str(info["step"]), "nonstop.counter": str(info["counter"]),
+            "nonstop.meta": info["meta_json"].decode("utf-8", "replace")}
+    return _write(out, [(name, st, spec["shape"], spec["nbytes"])
+                        for name, _, spec, st in entries], meta, pieces(), bar, info["step"])
+
+
+def _patterns(include) -> Optional[list]:
+    if include is None:
+        return None
+    pats = [include] if isinstance(include, str) else include
+    if not isinstance(pats, (list, tuple)) or not pats or not all(
+            isinstance(p, str) and p for p in pats):
+        raise CheckpointMismatchError(
+            f"include must be a glob or a list of globs ('model/*'), got {include!r}")
+    return list(pats)
+
+
+def _selected(named, patterns: Optional[list], strip: Optional[str], what: str) -> list:
+    """(name, item) of `named` whose name matches a pattern (all without
+    patterns), `strip` removed; none matching is refused, as the CLI does."""
+    out = [(n, x) for n, x in named
+           if patterns is None or any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if patterns is not None and not out:
+        raise CheckpointMismatchError(
+            f"no tensor of {what} matches include={patterns!r} (globs over the stored names, "
+            f"e.g. 'model/*'; `nonstop inspect` lists them)")
+    if strip:
+        out = [(n[len(strip):] if n.startswith(strip) else n, x) for n, x in out]
+    return out
+
+
+def _safetensors_dtype(name: str, code: int) -> str:
+    st = _state.SAFETENSORS_DTYPES.get(code)
+    if st is None:
+        raise CheckpointMismatchError(
+            f"tensor {name!r} has dtype {_state.DTYPE_NAMES[code]}, which safetensors cannot hold")
+    return st
+
+
+def _export_consolidated(path: str, out, step: Optional[int], patterns, strip, bar) -> dict:
+    """A multi-rank job's checkpoint committed on every rank, reassembled
+    (_dcp.gather/layout, as the DCP export) and written as safetensors."""
+    import torch
+
+    from . import _dcp
+    try:
+        got, tensors, metas, shared = _dcp.gather(path, step, progress=bar)
+    except BaseException:
+        bar.close()
+        raise
+    named: list = []
+
+    def walk(node, name, depth):
+        if depth > _state.MAX_DEPTH:
+            return
+        if isinstance(node, torch.Tensor):
+            named.append((name, node))
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{name}/{k}" if name else str(k), depth + 1)
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{name}/{i}", depth + 1)
+
+    walk(_dcp.layout(tensors, metas, shared), "", 0)
+    chosen = [(n, t.detach().contiguous()) for n, t in
+              _selected(named, patterns, strip, f"step {got} of {path}")]
+    entries = [(n, _safetensors_dtype(n, _state.torch_dtype_code(t.dtype)), list(t.shape),
+                t.numel() * t.element_size()) for n, t in chosen]
+    pieces = (t.reshape(-1).view(torch.uint8).numpy().data for _, t in chosen if t.numel())
+    meta = {"nonstop.step": str(got), "nonstop.world_size": str(len(metas))}
+    return _write(out, entries, meta, pieces, _progress.Progress("nonstop export", False), got)
+
+
+def _write(out, entries: list, meta: dict, pieces, bar, step: int) -> dict:
+    """The safetensors file `out`: the header of `entries` (name, dtype,
+    shape, nbytes) and `meta`, then the bytes `pieces` yields in order."""
     header, offset = {}, 0
-    for name, _, spec, st in entries:
-        header[name] = {"dtype": st, "shape": spec["shape"],
-                        "data_offsets": [offset, offset + spec["nbytes"]]}
-        offset += spec["nbytes"]
-    header["__metadata__"] = {"nonstop.step": str(info["step"]),
-                              "nonstop.counter": str(info["counter"]),
-                              "nonstop.meta": info["meta_json"].decode("utf-8", "replace")}
+    for name, st, shape, nbytes in entries:
+        if name in header or name == "__metadata__":
+            raise CheckpointMismatchError(f"two tensors would be written as {name!r} "
+                                          f"(strip= made their names collide?)")
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = meta
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
     out = os.fspath(out)
@@ -108,16 +203,14 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: int = 0,
             io(f.write, len(blob).to_bytes(8, "little"))
             io(f.write, blob)
             done = 0
-            for window, buf, at in _windows(reader, idx, info, entries):
-                for _name, ti, spec, _ in window:
-                    if spec["nbytes"]:
-                        io(f.write, memoryview(buf)[at[ti]:at[ti] + spec["nbytes"]])
-                        done += spec["nbytes"]
+            for piece in pieces:
+                io(f.write, piece)
+                done += len(piece)
                 bar(done, offset)
             io(f.commit, name)
     finally:
         bar.close()
-    return {"step": info["step"], "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}
+    return {"step": step, "tensors": len(entries), "bytes": offset, "path": os.fspath(out)}
 
 
 def _windows(reader, idx: int, info: dict, entries: list):
@@ -185,3 +278,33 @@ def aliases(tree) -> list:
 
     walk(tree, "", 0)
     return out
+
+
+def main(argv=None) -> int:
+    """`python -m nonstop._export DIR -o OUT`: what `nonstop export` runs
+    for a multi-rank directory (the consolidation is Python's)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m nonstop._export",
+                                description="export a nonstop checkpoint as safetensors")
+    p.add_argument("dir")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--include", action="append", default=None)
+    p.add_argument("--strip", default=None)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    a = p.parse_args(argv)
+    try:
+        r = export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
+                   progress=a.progress)
+    except CheckpointMismatchError as e:  # one line and the CLI's exit codes
+        print(f"nonstop export: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        print(f"nonstop export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported step {r['step']}: {r['tensors']} tensors, {r['bytes']} bytes to {r['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

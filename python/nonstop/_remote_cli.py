@@ -136,7 +136,7 @@ def verify(store, step) -> int:
         _remote.remove_temp_dir(tmp)
 
 
-def export(store, step, out: str, fmt: str, include=None) -> int:
+def export(store, step, out: str, fmt: str, include=None, strip=None) -> int:
     """The newest committed step that downloads intact (or --step), every
     rank's part, exported as a local directory's (safetensors: one-rank
     checkpoints; dcp: every rank reassembled)."""
@@ -154,6 +154,8 @@ def export(store, step, out: str, fmt: str, include=None) -> int:
             cmd = [_cli(), "export", d, "--step", str(s), "-o", out, "--format", fmt]
             for glob in include or ():  # the same filter as a local export's
                 cmd += ["--include", glob]
+            if strip:
+                cmd.append(f"--strip={strip}")
             rc = _run(cmd)
             if rc != EXIT_DAMAGED or step is not None:
                 return rc
@@ -243,6 +245,7 @@ def main(argv=None) -> int:
     e.add_argument("--format", default="safetensors", choices=("safetensors", "dcp"))
     e.add_argument("--include", action="append", default=None,
                    help="export only tensors whose name matches this glob (repeatable)")
+    e.add_argument("--strip", default=None, help="remove this prefix from the exported names")
     a = p.parse_args(argv)
     try:
         if a.cmd == "ls":
@@ -251,10 +254,10 @@ def main(argv=None) -> int:
         if a.cmd == "verify":
             return verify(store, a.step)
         if a.cmd == "export":
-            if a.include and a.format == "dcp":
-                raise _Fail("--include is for a safetensors export; --format dcp exports every "
-                            "tensor", EXIT_USAGE)
-            return export(store, a.step, a.output, a.format, a.include)
+            if (a.include or a.strip) and a.format == "dcp":
+                raise _Fail("--include/--strip are for a safetensors export; --format dcp "
+                            "exports every tensor", EXIT_USAGE)
+            return export(store, a.step, a.output, a.format, a.include, a.strip)
         return inspect(store, a.json)
     except _Fail as f:
         print(f"nonstop {a.cmd}: {f}", file=sys.stderr)

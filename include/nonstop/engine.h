@@ -75,6 +75,12 @@ struct EngineOptions {
   int max_in_flight = 2;        // N: checkpoints in flight at once; storage holds N+1+extra_slots
   int writers = 0;              // p: writer threads per checkpoint (0 = choose for this machine)
   uint64_t staging_bytes = 0;   // M: staging pool bound (0 = choose)
+  // With staging_bytes 0: open with the smallest pool (writers + copy window
+  // chunks) instead of the 256 MiB floor, for a caller that calls
+  // PrepareStaging right after Open (nonstop.Checkpointer in one process):
+  // the floor pool would be allocated and pre-faulted on the caller's thread
+  // (0.2-1.5 s) only to be replaced. Register grows it as usual.
+  bool small_initial_staging = false;
   uint64_t chunk_bytes = 0;     // b: staging chunk size, multiple of 4096 (0 = choose)
   int copy_threads = 1;         // host memcpy threads
   MediumKind medium = MediumKind::kAuto;

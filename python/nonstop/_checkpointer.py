@@ -228,6 +228,10 @@ class Checkpointer:
                 self._dist.tidy_kept()
             engine_kwargs.update(extra_slots=1, global_agreement=True)
         self._multistep = None
+        # The state-sized staging is prepared in the background (below), at
+        # once or, on a restart, from the end of restore().
+        nbytes = _state_bytes_estimate(state) if self._dist is None else 0
+        deferred = bool(nbytes and restart and mode == "concurrent")
         # The memory tier: the newest committed checkpoint also in shared
         # memory for a fast restart on this node (docs/PYTHON.md, "tier").
         if tier != "auto":  # the engine's default
@@ -246,6 +250,14 @@ class Checkpointer:
         else:
             if mode == "layerwise":  # LightCheck: _layerwise.py, docs/LAYERWISE.md
                 engine_kwargs["layer_copy"] = copy
+            if self._dist is None and not staging_bytes and nbytes and not deferred:
+                # prepare_staging follows at once (below): the engine opens
+                # with its smallest pool, not the 256 MiB floor pre-faulted
+                # on this thread only to be replaced (0.3-1.5 s here;
+                # bench/construct_bench.py). A restart keeps the floor: its
+                # preparation waits for restore(), and its first save() must
+                # not wait for it.
+                engine_kwargs["small_initial_staging"] = True
             self._engine = _core().Engine(self.dir, **engine_kwargs)
             if retention != (0, "", False, 0):
                 try:
@@ -277,8 +289,7 @@ class Checkpointer:
         # allocation does not compete with the restore's read.
         self._staging_deferred = 0
         if self._dist is None and hasattr(self._engine, "prepare_staging"):
-            nbytes = _state_bytes_estimate(state)
-            if nbytes and restart and mode == "concurrent":
+            if deferred:
                 self._staging_deferred = nbytes
             elif nbytes:
                 self._engine.prepare_staging(nbytes)
@@ -595,8 +606,15 @@ class Checkpointer:
     def stats(self) -> dict:
         """The engine's counters and per-checkpoint times (stall, copy and
         persist seconds, GB/s, in flight), plus the time the training thread
-        spent inside nonstop from Python (visible_stall_s)."""
-        s = self._live().stats()
+        spent inside nonstop from Python (visible_stall_s). After close():
+        the last stats, taken when everything in flight had finished."""
+        if self._engine is None and getattr(self, "_closed_stats", None) is not None \
+                and not self._forked():
+            return dict(self._closed_stats)
+        return self._stats_of(self._live())
+
+    def _stats_of(self, engine) -> dict:
+        s = engine.stats()
         s.update(visible_stall_s=self._visible_stall_s, hook_stall_s=self._hook_stall_s,
                  saves=self._saves, registers=self._registers)
         s.update(self._restore_stats)
@@ -641,13 +659,17 @@ class Checkpointer:
                             engine.wait_committed(0)
                         finally:
                             self._dist.close()
-                    elif getattr(self, "_remote", None) is not None:
+                    else:  # (stats() after close() counts every checkpoint)
                         engine.wait_committed(0)
                 except CheckpointError as e:
                     self._errors.append(e)
             finally:
                 if getattr(self, "_remote", None) is not None:  # the newest one uploaded
                     self._remote.close()
+                try:  # what stats() returns from now on
+                    self._closed_stats = self._stats_of(engine)
+                except Exception:  # noqa: BLE001 -- a failed engine: stats() says closed
+                    self._closed_stats = None
                 try:
                     engine.close()
                 except CheckpointError as e:
@@ -902,6 +924,31 @@ class Checkpointer:
                 raise CheckpointMismatchError(
                     f"tensor {name!r}: checkpoint step {loaded.step} has "
                     f"{_describe(got)}, the state has {_describe(t)}")
+
+
+def check_options(who: str, options: dict, own=("dir", "state", "every")) -> None:
+    """The Checkpointer keyword arguments an integration was given, checked
+    when the integration is made, not at its first checkpoint: an unknown
+    name (a typo) or one it sets itself, and the values checkable without a
+    state (keep=, max_to_keep=, best=, tier=). One-line errors."""
+    import difflib
+    import inspect
+    known = [n for n in inspect.signature(Checkpointer.__init__).parameters if n != "self"]
+    for k in options:
+        if k in own:
+            raise CheckpointMismatchError(f"{who} sets {k}= itself")
+        if k not in known:
+            near = difflib.get_close_matches(k, known, n=1)
+            raise CheckpointMismatchError(
+                f"{who}: unknown option {k}=" + (f" (did you mean {near[0]}=?)" if near else "")
+                + "; the options are nonstop.Checkpointer's (docs/PYTHON.md)")
+    _manage.check_retention(options.get("keep"), options.get("max_to_keep"), options.get("best"))
+    keep = options.get("keep")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
+    if options.get("tier", "auto") not in ("auto", "memory", "disk"):
+        raise CheckpointMismatchError(
+            f'tier must be "auto", "memory" or "disk", got {options["tier"]!r}')
 
 
 def _state_bytes_estimate(state: dict) -> int:

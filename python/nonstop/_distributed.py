@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import random
+import sys
 import threading
 import time
 import warnings
@@ -56,11 +57,12 @@ MIN_SHARD_NUMEL = 1024
 
 
 def is_zero(obj) -> bool:
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(obj, ZeroRedundancyOptimizer)
+    """True for a ZeroRedundancyOptimizer. Looked up in sys.modules, never
+    imported: importing torch.distributed.optim costs ~2 s (TorchScript),
+    and an object of that class exists only once its module is imported."""
+    mod = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    cls = getattr(mod, "ZeroRedundancyOptimizer", None)
+    return cls is not None and isinstance(obj, cls)
 
 
 def state_dict_of(obj):

@@ -48,6 +48,9 @@ class NonstopCallback(TrainerCallback):
     def __init__(self, dir: str, every: int = 10, on_commit=None, **checkpointer_kwargs):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
+        # a typo raises now, not at the first checkpoint
+        _checkpointer.check_options("NonstopCallback", checkpointer_kwargs,
+                                    own=("dir", "state", "every", "on_commit"))
         self.dir = os.fspath(dir)
         self.every = every
         self.on_commit = on_commit
@@ -55,10 +58,15 @@ class NonstopCallback(TrainerCallback):
         self.ckpt: Optional[_checkpointer.Checkpointer] = None
         self._trainer_state: dict = {}
         self._to_load = None  # what resume_from read, for on_train_begin
+        self._resume_folder: Optional[str] = None  # what resume_from wrote, removed once read
         self.last_handle = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
+        if self._resume_folder is not None:
+            # The Trainer has read the weights (before on_train_begin): the
+            # full copy resume_from wrote goes now, the rest once read.
+            _remove(self._resume_folder, "model.safetensors")
         if self._to_load is None:
             return
         saved, self._to_load = self._to_load, None
@@ -67,6 +75,13 @@ class NonstopCallback(TrainerCallback):
         _unwrap.optimizer(optimizer).load_state_dict(saved["optim"])
         if lr_scheduler is not None and "sched" in saved:
             _unwrap.scheduler(lr_scheduler).load_state_dict(saved["sched"])
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._resume_folder is not None:
+            # trainer_state.json and rng_state.pth have been read (the RNG
+            # states just before the first step): resume_from's folder goes.
+            folder, self._resume_folder = self._resume_folder, None
+            _remove(folder)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                     **kwargs):
@@ -136,7 +151,22 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
         files.append(("rng_state.pth", buf.getvalue()))
     _write_folder(folder, files)
     callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
+    callback._resume_folder = os.path.abspath(folder)
     return folder
+
+
+def _remove(folder: str, name: Optional[str] = None) -> None:
+    """Removes `folder` (or the file `name` in it) through the Env seam;
+    already gone is fine."""
+    parent, base = os.path.split(folder)
+    try:
+        d = _checkpointer._core().Directory(parent)
+        if name is None:
+            d.remove_tree(base)
+        else:
+            d.subdir(base).unlink(name, missing_ok=True)
+    except CheckpointNotFoundError:
+        pass
 
 
 def _write_folder(folder: str, files: list) -> None:

@@ -188,9 +188,9 @@ class NonstopCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=False)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
-        for k in ("every", "mode", "state", "dir"):
-            if k in checkpointer_kwargs:
-                raise CheckpointMismatchError(f"NonstopCheckpoint sets {k}= itself")
+        # a typo raises now, not at the first checkpoint
+        _checkpointer.check_options("NonstopCheckpoint", checkpointer_kwargs,
+                                    own=("every", "mode", "state", "dir", "on_commit"))
         self.every = every
         self.on_commit = on_commit
         self.checkpointer_kwargs = checkpointer_kwargs

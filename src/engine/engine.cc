@@ -61,7 +61,9 @@ Status EngineImpl::Init() {
   // Without staging_bytes the pool starts at the floor and grows to the
   // state's size at Register (DefaultStagingSize).
   uint64_t staging = opts_.staging_bytes;
-  if (staging == 0) {
+  if (staging == 0 && opts_.small_initial_staging) {
+    staging = uint64_t{min_chunks} * chunk_bytes_;  // PrepareStaging follows (EngineOptions)
+  } else if (staging == 0) {
     staging = DefaultStagingSize(0, chunk_bytes_, min_chunks, PhysicalMemoryBytes(),
                                  copy_->PinsHostMemory())
                   .bytes;

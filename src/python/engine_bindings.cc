@@ -544,7 +544,7 @@ void InitEngine(py::module_& m) {
                   const std::string& medium, uint32_t extra_slots, const std::string& layer_copy,
                   bool global_agreement, uint64_t keep_every, const std::string& memory_tier,
                   const std::string& shm_dir, double memory_tier_share,
-                  double memory_tier_orphan_s) {
+                  double memory_tier_orphan_s, bool small_initial_staging) {
         LayerCopy copy = LayerCopy::kHost;
         if (!ParseLayerCopy(layer_copy, &copy)) {
           throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
@@ -560,12 +560,14 @@ void InitEngine(py::module_& m) {
         o.shm_dir = shm_dir;
         o.memory_tier_share = memory_tier_share;
         o.memory_tier_orphan_s = memory_tier_orphan_s;
+        o.small_initial_staging = small_initial_staging;
         return std::make_unique<PyEngine>(o);
       }),
       py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
       py::arg("global_agreement") = false, py::arg("keep_every") = 0,
       py::arg("memory_tier") = "auto", py::arg("shm_dir") = "",
-      py::arg("memory_tier_share") = 0.1, py::arg("memory_tier_orphan_s") = 3600.0);
+      py::arg("memory_tier_share") = 0.1, py::arg("memory_tier_orphan_s") = 3600.0,
+      py::arg("small_initial_staging") = false);
   engine
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "

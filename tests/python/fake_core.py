@@ -31,7 +31,8 @@ def __getattr__(name):
 
 class Engine:
     def __init__(self, dir, rank=0, world_size=1, max_in_flight=2, writers=0, staging_bytes=0,
-                 chunk_bytes=0, copy_threads=1, medium="auto", extra_slots=0, keep_every=0):
+                 chunk_bytes=0, copy_threads=1, medium="auto", extra_slots=0, keep_every=0,
+                 small_initial_staging=False):
         if keep_every:
             raise NotImplementedError("the fake engine does not keep checkpoints (keep=)")
         self.dir, self.rank, self.world_size = dir, rank, world_size

@@ -15,13 +15,40 @@ pytestmark = needs_engine
 def test_hf_kill_and_resume_is_exact(tmp_path):
     from integration_harness import kill_resume_compare
     kill_after, ran = kill_resume_compare("hf", tmp_path)
-    # the restart resumed from the bridge folder of the step it began after
-    folder = tmp_path / "ckpt" / "nonstop-resume" / f"checkpoint-{ran[0]}"
+    # the restart resumed from a bridge folder, which is gone once the
+    # Trainer read it (no full copy of the model left behind per restart)
     if ran[0] > 0:
-        with open(folder / "trainer_state.json") as f:
-            assert json.load(f)["global_step"] == ran[0]
-        assert os.path.exists(folder / "model.safetensors")
-        assert not os.path.exists(folder / "optimizer.pt")  # loaded from nonstop in place
+        assert not (tmp_path / "ckpt" / "nonstop-resume" / f"checkpoint-{ran[0]}").exists()
+        assert not any((tmp_path / "ckpt" / "nonstop-resume").iterdir())
+
+
+def test_resume_from_writes_the_trainer_folder_and_the_callback_removes_it(tmp_path):
+    """What the Trainer reads from the bridge (trainer_state.json, the
+    weights, the RNG states; the optimizer comes from nonstop in place), and
+    its removal: the weights at on_train_begin (the Trainer has loaded them),
+    the folder at the first on_step_begin (the RNG states were read)."""
+    import torch
+
+    import nonstop
+    from nonstop.hf import NonstopCallback, resume_from
+    d = str(tmp_path / "nonstop")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt,
+                                  "trainer_state": {"global_step": 3}}, every=1) as ck:
+        ck.save(2).wait()
+    cb = NonstopCallback(d)
+    folder = resume_from(cb)
+    assert folder.endswith(os.path.join("nonstop-resume", "checkpoint-3"))
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == 3
+    assert {"model.safetensors", "rng_state.pth", "trainer_state.json"} <= set(os.listdir(folder))
+    assert not os.path.exists(os.path.join(folder, "optimizer.pt"))
+    cb.on_train_begin(None, None, None, model=model, optimizer=opt)
+    assert not os.path.exists(os.path.join(folder, "model.safetensors"))
+    assert os.path.exists(os.path.join(folder, "rng_state.pth"))
+    cb.on_step_begin(None, None, None)
+    assert not os.path.exists(folder)
 
 
 def test_resume_from_an_empty_directory_is_a_fresh_start(tmp_path):

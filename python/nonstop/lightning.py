@@ -47,7 +47,7 @@ from . import _checkpointer, _data, _rng, _unwrap
 from .errors import CheckpointMismatchError
 
 MARKER_FORMAT = "nonstop.lightning/1"
-__all__ = ["NonstopCheckpoint", "NonstopCheckpointIO", "MARKER_FORMAT"]
+__all__ = ["NonstopCheckpoint", "NonstopCheckpointIO", "MARKER_FORMAT", "load_weights"]
 
 
 class _LightningCheckpointer(_checkpointer.Checkpointer):
@@ -86,6 +86,39 @@ def read_marker(path: str) -> Optional[dict]:
     if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
         return None
     return marker
+
+
+def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = True,
+                 map_location=None):
+    """The weights of a NonstopCheckpoint's checkpoint, for evaluation:
+    `path` is its `last.ckpt` marker (the step it names) or the `nonstop/`
+    directory (the newest valid step). Returns the LightningModule's
+    state_dict; with `model`, loads it there (`strict`) and returns the
+    model. `Model.load_from_checkpoint("last.ckpt")` cannot read the marker
+    (torch.load of a JSON file: an UnpicklingError); this reads the
+    checkpoint nonstop wrote, without pickle. docs/LIGHTNING.md."""
+    path = os.fspath(path)
+    marker = read_marker(path)
+    if marker is not None:
+        d = marker["dir"]
+        if not os.path.isabs(d):
+            d = os.path.join(os.path.dirname(os.path.abspath(path)), d)
+        loaded = _checkpointer.load(d, step=int(marker["step"]))
+    elif os.path.isfile(path):
+        raise CheckpointMismatchError(
+            f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
+    else:
+        loaded = _checkpointer.load(path)
+    state = loaded.state.get("lightning")
+    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+        raise CheckpointMismatchError(f"{path}: step {loaded.step} holds no Lightning checkpoint")
+    weights = state["state_dict"]
+    if map_location is not None:
+        weights = _to(weights, map_location)
+    if model is None:
+        return weights
+    model.load_state_dict(weights, strict=strict)
+    return model
 
 
 def _write_atomically(path: str, text: str) -> None:

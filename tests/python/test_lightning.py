@@ -90,3 +90,29 @@ def test_docs_example_runs_and_resumes(tmp_path):
     m = read_marker(str(tmp_path / "runs/lightning/last.ckpt"))
     assert m["step"] == 19
     assert nonstop.load(str(tmp_path / "runs/lightning/nonstop")).step == 19
+
+
+def test_load_weights_for_evaluation(tmp_path):
+    """last.ckpt is a JSON marker, which Lightning's load_from_checkpoint
+    cannot read (torch.load); nonstop.lightning.load_weights gives the
+    weights of the step it names, into a fresh module, strictly."""
+    import pickle
+
+    import integration_jobs as jobs
+    from nonstop.lightning import NonstopCheckpoint, load_weights
+
+    trainer, module = _fit(tmp_path, 6, [NonstopCheckpoint(str(tmp_path / "ck"), every=3)])
+    marker = str(tmp_path / "ck" / "last.ckpt")
+    with pytest.raises((pickle.UnpicklingError, RuntimeError, EOFError)):
+        type(module).load_from_checkpoint(marker)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = jobs.Net()
+
+    fresh = load_weights(marker, Module())
+    for k, v in module.state_dict().items():  # step 5 (the last), committed at the end
+        assert torch.equal(fresh.state_dict()[k], v), k
+    sd = load_weights(str(tmp_path / "ck" / "nonstop"))
+    assert set(sd) == set(module.state_dict())

@@ -127,6 +127,38 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0].strip() if text else type(e).__name__
 
+# What a failed store call says, by kind (ObjectStore._io): one line each,
+# never the raw response, never the cloud metadata address the client
+# tried for credentials when none were given.
+_NO_BUCKET = ("bucket_missing", "the bucket does not exist (404 on the bucket): create it "
+              "(nonstop does not), or fix the bucket name in the URL")
+_DENIED = ("access_denied", "access denied (403): the credentials (remote_options key=/secret=, "
+           "or the environment's) were refused or lack permission on this bucket and prefix")
+_NO_CREDENTIALS = ("no_credentials", "no credentials: give remote_options key= and secret= "
+                   "(or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+
+
+def _classify(e: BaseException, exceptions) -> tuple:
+    """(kind, one line) of an obstore failure: bucket_missing, access_denied,
+    no_credentials, unreachable, or other."""
+    text = str(e)
+    if "169.254.169.254" in text or "/latest/api/token" in text or isinstance(
+            e, getattr(exceptions, "UnauthenticatedError", ())):
+        return _NO_CREDENTIALS
+    if isinstance(e, exceptions.PermissionDeniedError) or re.search(
+            r"\b403 Forbidden\b|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text):
+        return _DENIED
+    if re.search(r"\b404 Not Found\b|NoSuchBucket", text) and "list request" in text:
+        return _NO_BUCKET
+    if re.search(r"error sending request|connect|timed? ?out|dns error|Connection refused",
+                 text, re.I):
+        m = re.search(r"(https?://[^/\s]+)", text)
+        where = f" ({m.group(1)})" if m else ""
+        return ("unreachable", f"the store is unreachable{where}: no answer after the "
+                f"client's retries")
+    return ("other", _first_line(e))
+
+
 class _Throttle:
     """A file reader that keeps to `bps` bytes per second (the optional
     bandwidth limit of uploads)."""
@@ -203,7 +235,10 @@ class ObjectStore:
         except self._ob.exceptions.NotFoundError:
             raise FileNotFoundError(f"{self.url}: {what}: not found") from None
         except self._ob.exceptions.BaseError as e:
-            raise CheckpointIOError(f"{self.url}: {what}: {_first_line(e)}") from None
+            kind, why = _classify(e, self._ob.exceptions)
+            err = CheckpointIOError(f"{self.url}: {what}: {why}")
+            err.kind = kind  # Tier._unlisted: whether waiting can help
+            raise err from None
 
     def put_file(self, key: str, src, name: str, bps: Optional[float] = None,
                  abort=None) -> None:
@@ -1100,6 +1135,11 @@ class Tier:
         not restart the job at step 0 while the remote holds its state)."""
         msg = f"the remote tier {self.store.url} cannot be listed ({_first_line(e)})"
         if nothing_local:
+            if getattr(e, "kind", None) in ("bucket_missing", "access_denied", "no_credentials"):
+                # waiting will not help: say what to fix
+                raise CheckpointIOError(
+                    f"{msg}; {self.ckpt.dir} holds no local checkpoint to restore instead: "
+                    f"fix the remote (or drop remote=)") from None
             raise CheckpointIOError(
                 f"{msg} and {self.ckpt.dir} holds no local checkpoint to restore instead; "
                 f"restore() again once the store is reachable (or drop remote=)") from None

@@ -526,3 +526,43 @@ def test_hostile_remote_manifest_is_refused(tmp_path, damage):
                               / "rank-00000.nsck.fetch")
     with pytest.warns(UserWarning, match="remote step 1"):
         assert nonstop.load(url, remote_options={}).step == 0
+
+
+def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_messages(
+        tmp_path, s3_server):  # noqa: F811
+    """A first start that cannot list the remote (nothing local to fall
+    back to) is refused with one line that says which of the three it is,
+    against the real SeaweedFS server: the bucket missing (404), the
+    credentials refused (403), no server at the endpoint; and without
+    credentials, what to give, never the cloud metadata address the client
+    tried."""
+    fast = dict(s3_server.options, connect_timeout="1s", timeout="3s")
+
+    def refused(url, options):
+        d = tmp_path / f"job{len(list(tmp_path.iterdir()))}"
+        ck = nonstop.Checkpointer(str(d), {"w": torch.ones(4)}, every=1, remote=url,
+                                  remote_options=options)
+        try:
+            with pytest.raises(CheckpointIOError) as e:
+                ck.restore()
+        finally:
+            ck.close()
+        msg = str(e.value)
+        assert "\n" not in msg and "<?xml" not in msg, msg
+        return msg
+
+    missing = refused("s3://no-such-bucket/p", fast)
+    assert "the bucket does not exist (404" in missing and "fix the remote" in missing
+    denied = refused(s3_server.url("p"), dict(fast, secret="wrong"))
+    assert "access denied (403)" in denied and "fix the remote" in denied
+    down = refused(s3_server.url("p"), dict(fast, endpoint="http://127.0.0.1:1"))
+    assert "the store is unreachable (http://127.0.0.1:1)" in down
+    assert "once the store is reachable" in down
+    assert len({m.split(": listing: ")[1][:20] for m in (missing, denied, down)}) == 3
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
+    try:
+        none = refused("s3://some-bucket/p", {"connect_timeout": "1s", "timeout": "3s"})
+    finally:
+        os.environ.update(saved)
+    assert "no credentials: give remote_options key= and secret=" in none
+    assert "169.254" not in none

@@ -315,13 +315,8 @@ def main(argv=None) -> int:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: on a terminal, for big exports)")
     a = p.parse_args(argv)
-    try:
-        r = export_dcp(a.dir, a.out, a.step, progress=a.progress)
-    except Exception as e:  # one line, as the CLI does
-        print(f"nonstop export: {e}", file=sys.stderr)
-        return 1
-    print(f"step {r['step']}: {r['tensors']} tensors, {r['bytes']} bytes -> {r['path']}")
-    return 0
+    from ._export import cli_run
+    return cli_run(lambda: export_dcp(a.dir, a.out, a.step, progress=a.progress))
 
 
 if __name__ == "__main__":

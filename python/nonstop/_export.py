@@ -293,13 +293,20 @@ def main(argv=None) -> int:
     p.add_argument("--strip", default=None)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     a = p.parse_args(argv)
+    return cli_run(lambda: export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
+                                  progress=a.progress))
+
+
+def cli_run(call) -> int:
+    """An export for a `python -m` entry the CLI runs: its result in one
+    line, or its error in one line with the CLI's exit codes (2: the
+    arguments, 1: anything else)."""
     try:
-        r = export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
-                   progress=a.progress)
-    except CheckpointMismatchError as e:  # one line and the CLI's exit codes
+        r = call()
+    except CheckpointMismatchError as e:
         print(f"nonstop export: {e}", file=sys.stderr)
         return 2
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- one line, as the CLI does
         print(f"nonstop export: {e}", file=sys.stderr)
         return 1
     print(f"exported step {r['step']}: {r['tensors']} tensors, {r['bytes']} bytes to {r['path']}")

@@ -28,6 +28,7 @@ See docs/LIGHTNING.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from typing import Any, Optional
@@ -217,10 +218,20 @@ class NonstopCheckpoint(ModelCheckpoint):
     ModelCheckpoint writing into the same directory.
     """
 
-    def __init__(self, dirpath=None, every: int = 10, on_commit=None, **checkpointer_kwargs):
+    def __init__(self, dirpath=None, every: int = 10, on_commit=None,
+                 monitor: Optional[str] = None, mode: str = "min",
+                 save_top_k: Optional[int] = None, **checkpointer_kwargs):
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=False)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
+        # monitor=/mode=/save_top_k= as ModelCheckpoint's: nonstop's best=
+        # (the k best kept copies by that logged metric, JobDir retention).
+        if monitor is not None:
+            if "best" in checkpointer_kwargs:
+                raise CheckpointMismatchError("give monitor=/mode=/save_top_k= or best=, not both")
+            checkpointer_kwargs["best"] = (monitor, mode, 1 if save_top_k is None else save_top_k)
+        elif save_top_k is not None:
+            raise CheckpointMismatchError("save_top_k= needs monitor= (the metric it ranks by)")
         # a typo raises now, not at the first checkpoint
         _checkpointer.check_options("NonstopCheckpoint", checkpointer_kwargs,
                                     own=("every", "mode", "state", "dir", "on_commit"))
@@ -295,10 +306,21 @@ class NonstopCheckpoint(ModelCheckpoint):
                                                **kwargs)
         self._holder.clear()
         self._holder.update(checkpoint)
-        handle = self.ckpt.save(trainer.global_step - 1)
+        handle = self.ckpt.save(trainer.global_step - 1, metrics=self._metrics(trainer))
         handle.add_done_callback(self._committed)
         self.last_handle = handle
         return handle
+
+    def _metrics(self, trainer) -> Optional[dict]:
+        """The scalars logged so far (trainer.callback_metrics, what
+        self.log() gave), stored with the checkpoint: best= ranks by them."""
+        out = {}
+        for k, v in trainer.callback_metrics.items():
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                out[str(k)] = float(v)
+        return out or None
 
     def _committed(self, handle) -> None:
         if handle.exception() is not None:

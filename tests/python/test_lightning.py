@@ -116,3 +116,41 @@ def test_load_weights_for_evaluation(tmp_path):
         assert torch.equal(fresh.state_dict()[k], v), k
     sd = load_weights(str(tmp_path / "ck" / "nonstop"))
     assert set(sd) == set(module.state_dict())
+
+
+def test_monitor_and_save_top_k_keep_the_best_steps(tmp_path):
+    """monitor=/mode=/save_top_k= (ModelCheckpoint's) become best=: the
+    metric logged with self.log reaches each checkpoint, and the kept copies
+    are the k best by it."""
+    import nonstop
+    from nonstop.lightning import NonstopCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            # a score that is lowest at steps 3 and 5 (of 0..7)
+            self.log("score", float(abs(self.global_step - 4)))
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    ds = torch.utils.data.TensorDataset(torch.randn(16, 2))
+    loader = StatefulDataLoader(ds, batch_size=2, generator=torch.Generator().manual_seed(1))
+    cb = NonstopCheckpoint(str(tmp_path / "ck"), every=2, monitor="score", mode="min",
+                           save_top_k=2)
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb], default_root_dir=str(tmp_path))
+    trainer.fit(Module(), loader)
+    rows = nonstop.list(str(tmp_path / "ck" / "nonstop"))
+    assert all("score" in r["metrics"] for r in rows), rows
+    kept = sorted(r["step"] for r in rows if r["where"] == "keep")
+    # checkpoints of steps 1, 3, 5, 7 with scores 3, 1, 1, 3: the two best kept
+    assert kept == [3, 5], rows
+    with pytest.raises(nonstop.CheckpointMismatchError, match="save_top_k= needs monitor="):
+        NonstopCheckpoint(str(tmp_path), save_top_k=2)

@@ -226,6 +226,11 @@ class NonstopCheckpoint(ModelCheckpoint):
             raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
         # monitor=/mode=/save_top_k= as ModelCheckpoint's: nonstop's best=
         # (the k best kept copies by that logged metric, JobDir retention).
+        if mode not in ("min", "max"):
+            raise CheckpointMismatchError(
+                f"mode must be 'min' or 'max' (the monitored metric's direction, as "
+                f"ModelCheckpoint's), got {mode!r}; NonstopCheckpoint always checkpoints "
+                f"in the Checkpointer's concurrent mode")
         if monitor is not None:
             if "best" in checkpointer_kwargs:
                 raise CheckpointMismatchError("give monitor=/mode=/save_top_k= or best=, not both")

@@ -55,8 +55,10 @@ def test_lightning_options_are_checked_when_the_callback_is_made(tmp_path):
         NonstopCheckpoint(str(tmp_path), every=2, max_in_fligth=2)
     with pytest.raises(nonstop.CheckpointMismatchError, match="best must be"):
         NonstopCheckpoint(str(tmp_path), every=2, best=("loss", "lowest", 1))
-    with pytest.raises(nonstop.CheckpointMismatchError, match="sets mode= itself"):
+    with pytest.raises(nonstop.CheckpointMismatchError, match="mode must be 'min' or 'max'"):
         NonstopCheckpoint(str(tmp_path), every=2, mode="layerwise")
+    with pytest.raises(nonstop.CheckpointMismatchError, match="sets state= itself"):
+        NonstopCheckpoint(str(tmp_path), every=2, state={})
     NonstopCheckpoint(str(tmp_path), every=2, keep=3, max_in_flight=1)
 
 

@@ -108,6 +108,29 @@ TEST_F(StagingGrowthTest, PoolGrowsToTheRegisteredStateUnlessStagingBytesIsGiven
   }
 }
 
+// small_initial_staging (the Python Checkpointer in one process, which calls
+// PrepareStaging right after Open): Open allocates only the smallest pool,
+// not the 256 MiB floor; Register still grows it to the default size.
+TEST_F(StagingGrowthTest, SmallInitialStagingOpensWithTheSmallestPoolAndStillGrows) {
+  std::vector<uint8_t> small(1 * kMiB, 3);
+  EngineOptions o;
+  o.dir = dir_;
+  o.chunk_bytes = 4 * kMiB;
+  o.small_initial_staging = true;
+  auto e = Engine::Open(o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  const uint64_t opened = (*e)->Stats().staging_bytes;
+  EXPECT_LT(opened, 256 * kMiB);
+  EXPECT_GE(opened, 4 * kMiB);
+  EXPECT_EQ(opened % (4 * kMiB), 0u);
+  ASSERT_TRUE((*e)->Register({ByteTensorRef("small", small)}).ok());
+  EXPECT_EQ((*e)->Stats().staging_bytes, 256 * kMiB);  // the default for this state
+  auto c = (*e)->Checkpoint(1, "{}");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_TRUE((*e)->WaitCommitted(*c).ok());
+  ASSERT_TRUE((*e)->Close().ok());
+}
+
 // PrepareStaging (no first-checkpoint spike): a pool allocated in the
 // background before the first Register is taken by it without the training
 // thread waiting for any allocation.

@@ -148,8 +148,9 @@ def _classify(e: BaseException, exceptions) -> tuple:
     if isinstance(e, exceptions.PermissionDeniedError) or re.search(
             r"\b403 Forbidden\b|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text):
         return _DENIED
-    if re.search(r"\b404 Not Found\b|NoSuchBucket", text) and "list request" in text:
-        return _NO_BUCKET
+    if "NoSuchBucket" in text or (re.search(r"\b404 Not Found\b", text) and re.search(
+            r"list request|performing PUT|put request", text, re.I)):
+        return _NO_BUCKET  # a listing or a write answered 404: no bucket there
     if re.search(r"error sending request|connect|timed? ?out|dns error|Connection refused",
                  text, re.I):
         m = re.search(r"(https?://[^/\s]+)", text)

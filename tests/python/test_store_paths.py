@@ -93,7 +93,10 @@ def test_load_without_a_model_and_export(tmp_path):
     assert torch.equal(fresh.bn.running_var, model.bn.running_var)
     everything = load_file(nonstop.export(d, str(tmp_path / "all.safetensors"))["path"])
     assert "optim/state/0/exp_avg" in everything
-    assert stats["committed"] == 3 and stats["saves"] == 3 and stats["visible_stall_s"] > 0
+    # Under load a late older checkpoint is superseded by a newer one (the
+    # counter rule): every save ends committed or superseded, none failed.
+    assert stats["saves"] == 3 and stats["failed"] == 0 and stats["visible_stall_s"] > 0
+    assert stats["committed"] + stats["superseded"] == 3 and stats["committed"] >= 1
 
 
 def test_blocking_calls_release_the_gil(tmp_path):

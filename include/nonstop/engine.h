@@ -158,7 +158,6 @@ struct CheckpointStats {
 struct EngineStats {
   uint64_t started = 0, committed = 0, failed = 0, superseded = 0;
   uint64_t abandoned = 0;            // dropped by AbandonOlderThan (not failures)
-  uint64_t files_retired = 0;        // slot files replaced by a fresh one after a failed sync
   int in_flight = 0;
   double stall_s_total = 0;          // all time blocked in engine calls
   double staging_wait_s_total = 0;   // part of the stall spent waiting for a free staging chunk

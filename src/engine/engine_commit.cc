@@ -126,23 +126,6 @@ void EngineImpl::MirrorDone(const std::shared_ptr<SlotFile>& file, uint32_t slot
   cv_.SignalAll();
 }
 
-Status EngineImpl::RetireFile() {
-  if (!retire_file_ || !file_) return Status::OK();
-  // Slot ids belong to one file: switch with nothing in flight (the failed
-  // ones finish at once).
-  NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
-  const bool keep_old = latest_.has_value() || pending_rename_;
-  const std::string retired = SlotOf(*file_) ? SlotOf(*file_)->path() : jd_->SlotPath(rank());
-  Status s = SwitchFile(file_->geometry().slot_bytes, keep_old);
-  if (!s.ok()) {
-    return Status(s.code(), "a sync of " + retired + " failed, so checkpoints go into a fresh " +
-                                "slot file, which could not be created: " + s.message());
-  }
-  retire_file_ = false;
-  ++stats_.files_retired;
-  return Status::OK();
-}
-
 Status EngineImpl::NoteNotDurable() {
   while (!unnoted_.empty()) {
     NONSTOP_RETURN_IF_ERROR(jd_->RecordNotDurable(rank(), unnoted_.front()));
@@ -157,17 +140,16 @@ Status EngineImpl::NoteNotDurable() {
 // page cache goes on showing them until it drops them. So every checkpoint in
 // flight on this file may have lost bytes whatever its own sync says later:
 // fail them all (their slots go back as they finish; the newest committed
-// checkpoint was durable before and is untouched), and retire the file:
-// no later checkpoint is written into it (retire_file_; RetireFile puts the
-// next one in a fresh file). It is reopened only so that it can still be
-// read (the newest committed checkpoint lives there until the fresh file's
-// first commit replaces it); if that fails, reads keep the old descriptor.
+// checkpoint was durable before and is untouched), then reopen the file so
+// that later checkpoints, which rewrite every page they depend on (their
+// whole slot with its padding, the padded table, a whole record block), can
+// commit (docs/FORMAT.md "After a failed fsync"). If it cannot be reopened
+// the medium stays dead and every later checkpoint fails with one line.
 void EngineImpl::AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm) {
   const std::string path = sm.path();
   {
     MutexLock lock(&mu_);
     not_durable_.insert(failed->counter);
-    if (failed->file == file_) retire_file_ = true;
     for (auto& [c, job] : live_) {
       if (job == failed || job->file != failed->file) continue;
       job->Fail(Status::IOError("its bytes were written before a failed fsync of " + path +

@@ -15,7 +15,6 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   // wait calls: this checkpoint starts anyway, so one failure costs one.
   if (!reg_ || !file_) return Status::FailedPrecondition(std::string(what) + " before Register");
   NONSTOP_RETURN_IF_ERROR(RecordRollback());
-  if (open_ == 0) NONSTOP_RETURN_IF_ERROR(RetireFile());  // after a failed sync of file_
   // The only place a checkpoint blocks on the pipeline: N already in flight
   // (unless they are all open layer-wise checkpoints, which cannot finish).
   // A slot the memory tier still copies is not free yet (mirror_deferred_):

@@ -286,8 +286,6 @@ class EngineImpl final : public Engine {
   Status NoteNotDurable();
   // Committer thread: `failed`'s commit failed on a sync of its slot file.
   void AfterFailedSync(const std::shared_ptr<Job>& failed, SlotMedium& sm);
-  // Replaces a retired file_ by a fresh one (see retire_file_).
-  Status RetireFile() REQUIRES(mu_);
   // Wraps a slot file's medium (opened as `name` in the job directory).
   std::unique_ptr<Medium> Wrap(std::unique_ptr<Medium> m, const std::string& name);
   Status SwitchFile(uint64_t slot_bytes, bool keep_old) REQUIRES(mu_);
@@ -418,11 +416,6 @@ class EngineImpl final : public Engine {
   // committed checkpoints still live in old_file_ under the slot file's name.
   std::shared_ptr<SlotFile> old_file_ GUARDED_BY(mu_);
   bool pending_rename_ GUARDED_BY(mu_) = false;
-  // A sync of file_ failed (AfterFailedSync): the file is retired. The next
-  // checkpoint first waits for the failed ones in flight, then goes into a
-  // fresh slot file (SwitchFile, keep_old), which its commit renames over
-  // the retired one (docs/FORMAT.md "After a failed fsync").
-  bool retire_file_ GUARDED_BY(mu_) = false;
   std::optional<uint32_t> retained_slot_ GUARDED_BY(mu_);  // newest committed, in file_
   // Distributed mode (global_agreement): retained_slot_ holds the candidate
   // (oldest committed above the pinned one) instead of the newest; the pinned

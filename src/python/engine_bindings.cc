@@ -176,7 +176,6 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["failed"] = s.failed;
   d["superseded"] = s.superseded;
   d["abandoned"] = s.abandoned;
-  d["files_retired"] = s.files_retired;
   d["in_flight"] = s.in_flight;
   d["stall_s_total"] = s.stall_s_total;
   d["staging_wait_s_total"] = s.staging_wait_s_total;

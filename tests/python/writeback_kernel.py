@@ -269,7 +269,6 @@ def main() -> int:
         committed_now = ck.latest()
         kept = sorted(r["step"] for r in nonstop.list(ckdir)
                       if r["where"] == "keep" and r["state"] == "committed")
-        retired = ck.stats().get("files_retired")  # docs/FORMAT.md "After a failed fsync"
         ck.close()
         tt.append(time.perf_counter())
         power_cut(mount)
@@ -290,7 +289,7 @@ def main() -> int:
               f"kept {kept}, failed {errs}, after {oks}, problems {problems}",
               [round(b - a, 2) for a, b in zip(tt, tt[1:])], flush=True)
         report.append({"point": p, "kind": kind, "punched_bytes": sum(n for _, n in ranges),
-                       "failed": errs, "after": oks, "files_retired": retired,
+                       "failed": errs, "after": oks,
                        "latest": committed_now, "kept": kept, "problems": problems})
         latest = got
         step = (got if got is not None else -1) + 1

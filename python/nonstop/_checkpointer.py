@@ -133,10 +133,19 @@ class Checkpointer:
                  clip_grad_norm: Optional[float] = None, replicated: str = "shard",
                  local=(), dist_timeout_s: float = 300.0, on_preempt=True,
                  remote=None, remote_options: Optional[dict] = None, on_commit=None,
-                 tier: str = "auto", max_to_keep: Optional[int] = None, best=None):
+                 tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
+                 remote_every: Optional[int] = None):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise CheckpointMismatchError("state must be a dict with string keys, "
                                           "e.g. {'model': model, 'optim': optimizer}")
+        if remote_every is not None:  # remote_options "every" (docs/TIERS.md), checked
+            if remote is None:        # before the job directory is opened
+                raise CheckpointMismatchError("remote_every= needs remote=")
+            if remote_options is not None and not isinstance(remote_options, dict):
+                raise CheckpointMismatchError("remote_options must be a dict")
+            remote_options = {**(remote_options or {}), "every": remote_every}
+        if isinstance(remote_options, dict):
+            _remote.check_every(remote_options.get("every"), world_size or 1)
         # A data loader whose restored order would differ is refused (_data.py)
         _data.check_state(state)
         # config=PATH (nonstop tune --out): explicit arguments override it,
@@ -424,13 +433,15 @@ class Checkpointer:
                                   layouts=[layouts.get(r[0]) for r in refs])
             self._registered = refs
             self._registers += 1
+        if self._remote is not None:  # remote_every: the selected ones copied out of the ring
+            self._remote.before_save()
         counter = self._engine_call(engine.checkpoint, int(step), _state.dumps(meta))
         if hasattr(engine, "take_error"):  # earlier failures, reported after this one started
             self._take(engine.take_error)
         if self._dist is not None:
             self._dist.started(engine)
         if self._remote is not None:
-            self._remote.started()
+            self._remote.started(counter, step)
         self._copy_pending = True
         self._saves += 1
         self._visible_stall_s += time.perf_counter() - t0

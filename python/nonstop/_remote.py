@@ -418,7 +418,7 @@ class PathStore:
 
 # Options of the tier itself (the rest go to the client).
 _TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
-                 "commit_timeout_s", "retry_max_s", "nice", "job", "adopt")
+                 "commit_timeout_s", "retry_max_s", "nice", "job", "adopt", "every")
 
 
 def open_store(url: str, options: Optional[dict]):
@@ -651,8 +651,13 @@ class Uploader:
     committed one (one process) or the newest globally agreed one."""
 
     def __init__(self, store, dir: str, rank: int, world: int, target, core, keep=None,
-                 options: Optional[dict] = None, keep_max: Optional[int] = None):
+                 options: Optional[dict] = None, keep_max: Optional[int] = None,
+                 on_staged=None):
         opts = options or {}
+        # remote_every: target() hands in each selected checkpoint in order
+        # (not only the newest), and on_staged(counter) is told once its
+        # local copy is made (Tier.before_save waits for it)
+        self.queued, self.on_staged = on_staged is not None, on_staged
         self.store, self.dir, self.rank, self.world = store, dir, rank, world
         self.target, self.core = target, core
         self.keep, self.keep_max = keep, keep_max
@@ -691,7 +696,8 @@ class Uploader:
                 t = self.target()
             except Exception as e:  # noqa: BLE001 -- engine closed, reported
                 self.stats["last_error"] = f"target: {e}"
-            if t is not None and (self.done_step is None or t[1] > self.done_step):
+            if t is not None and (self.queued or self.done_step is None
+                                  or t[1] > self.done_step):
                 try:
                     t = self._pick(t)
                     if t is None:  # a follower with no step led yet
@@ -795,6 +801,8 @@ class Uploader:
             sd.sync()
             info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
         self.stats["stage_s"] += time.perf_counter() - t_stage
+        if self.on_staged is not None:  # its ring slot may be reused now
+            self.on_staged(counter)
         # The lineage (distributed: one run from one restored state) is the
         # checkpoint's own, as local recovery keys it.
         meta = json.loads(info["meta_json"].decode("utf-8"))
@@ -956,6 +964,21 @@ def remote_candidates(store, steps: Optional[list] = None) -> list:
 
 # ------------------------------------------------------------------ tier
 
+def check_every(every, world_size: int) -> Optional[int]:
+    """remote_every: None, or an int >= 1 (one process only)."""
+    if every is None:
+        return None
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise CheckpointMismatchError(
+            f"remote_every must be an int >= 1 (1: every checkpoint, n: every n-th), "
+            f"got {every!r}")
+    if world_size > 1:
+        raise CheckpointMismatchError(
+            "remote_every is for one process: with several ranks the newest checkpoint "
+            "every rank holds is uploaded (leave remote_every out)")
+    return every
+
+
 class Tier:
     """The remote tier of one Checkpointer (its `remote=` argument). The
     Checkpointer hands in what it owns (the engine, its reader), so this
@@ -977,6 +1000,14 @@ class Tier:
         # runs the same job in the same directory).
         self.job = str(self.options.get("job") or os.path.abspath(ckpt.dir))
         self.claimed = False
+        # remote_every=n (remote_options "every"): every n-th checkpoint (its
+        # counter a multiple of n) is uploaded, in order, none skipped for a
+        # newer one; the next save() waits until each is copied out of the
+        # ring (before_save). None: the newest committed one whenever the
+        # uploader is free (older ones are skipped).
+        self.every = check_every(self.options.get("every"), ckpt.world_size)
+        self._queue: list = []  # (counter, step) selected, not yet copied out of the ring
+        self._cv = threading.Condition()
 
     def _claim(self) -> None:
         if not self.claimed and self.ckpt.rank == 0:
@@ -988,6 +1019,11 @@ class Tier:
         engine = self.engine  # held here: close() clears the Checkpointer's first
         if engine is None or getattr(engine, "closed", False):
             return None
+        if self.every is not None:  # the oldest selected one, once committed
+            with self._cv:
+                head = self._queue[0] if self._queue else None
+            got = engine.latest() if head is not None else None
+            return head if got is not None and int(got[0]) >= head[0] else None
         if dist is not None:
             a = dist.agreed  # of this run only: an older record may name an abandoned future
             if a is None or a.get("lineage") != dist.lineage:
@@ -996,15 +1032,44 @@ class Tier:
         got = engine.latest()
         return None if got is None else (int(got[0]), int(got[1]))
 
-    def started(self) -> None:
-        """After each save(): the first starts the upload thread."""
+    def before_save(self) -> None:
+        """remote_every: before a checkpoint starts (and may reuse a ring
+        slot), every selected one is copied out of the ring. Bounded by
+        commit_timeout_s: one that never commits (a failed write) is given up."""
+        if self.every is None or self.uploader is None:
+            return
+        deadline = time.monotonic() + float(self.options.get("commit_timeout_s", 120.0))
+        with self._cv:
+            while self._queue and self.uploader._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    gone = self._queue.pop(0)
+                    self.uploader.stats["given_up"] += 1
+                    self.uploader.stats["last_error"] = (
+                        f"step {gone[1]}: not copied for upload within commit_timeout_s")
+                    continue
+                self._cv.wait(min(left, 0.5))
+
+    def _staged(self, counter: int) -> None:
+        with self._cv:
+            while self._queue and self._queue[0][0] <= counter:
+                self._queue.pop(0)
+            self._cv.notify_all()
+
+    def started(self, counter: Optional[int] = None, step: Optional[int] = None) -> None:
+        """After each save() (its engine counter and step): the first starts
+        the upload thread; with remote_every, a selected one is queued."""
+        if self.every is not None and counter is not None and counter % self.every == 0:
+            with self._cv:
+                self._queue.append((int(counter), int(step)))
         if self.uploader is None:
             self._claim()
             self.engine = self.ckpt._engine
             self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
                                      self.ckpt.world_size, self._target, self.core,
                                      keep=self.ckpt.keep, options=self.options,
-                                     keep_max=self.ckpt.max_to_keep)
+                                     keep_max=self.ckpt.max_to_keep,
+                                     on_staged=None if self.every is None else self._staged)
         self.uploader.poke()
 
     def stats(self) -> dict:

@@ -572,3 +572,38 @@ def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_
         os.environ.update(saved)
     assert "no credentials: give remote_options key= and secret=" in none
     assert "169.254" not in none
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_remote_every_uploads_each_selected_checkpoint(tmp_path, s3_server, n):
+    """remote_every=1: every committed checkpoint reaches the bucket (without
+    it the uploader takes the newest one whenever it is free, skipping the
+    rest); remote_every=3: every third (counters 3, 6, ...: steps 2, 5, ...)."""
+    url, opts = s3_server.url("every"), dict(s3_server.options, max_to_keep=100)
+    model, opt, sched = tiny.make()
+    state = {"model": model, "optim": opt, "sched": sched,
+             "blob": torch.zeros(1 << 20)}  # 4 MiB: uploads slower than steps
+    ckpt = nonstop.Checkpointer(str(tmp_path / "d"), state, every=1, remote=url,
+                                remote_options=opts, remote_every=n)
+    for step in range(9):
+        tiny.train_step(model, opt, sched, step)
+        state["blob"].add_(1.0)
+        ckpt.step(step)
+    ckpt.close()  # waits for the uploader
+    store = _remote.open_store(url, opts)
+    got = sorted(s for s, _ in _remote.committed_steps(store))
+    assert got == [s for s in range(9) if (s + 1) % n == 0]
+    # each one is that step's state
+    for s in got:
+        loaded = nonstop.load(url, step=s, remote_options=opts)
+        assert loaded.step == s and float(loaded.tensors["blob"][0]) == s + 1.0
+
+
+def test_remote_every_is_checked_at_construction(tmp_path):
+    state = {"w": torch.zeros(2)}
+    for bad in (0, -1, 1.5, True, "3"):
+        with pytest.raises(nonstop.errors.CheckpointMismatchError, match="remote_every"):
+            nonstop.Checkpointer(str(tmp_path / "d"), state, remote=str(tmp_path / "r"),
+                                 remote_every=bad)
+    with pytest.raises(nonstop.errors.CheckpointMismatchError, match="needs remote="):
+        nonstop.Checkpointer(str(tmp_path / "d"), state, remote_every=1)

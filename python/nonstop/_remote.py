@@ -131,7 +131,8 @@ def _first_line(e: BaseException) -> str:
 # never the raw response, never the cloud metadata address the client
 # tried for credentials when none were given.
 _NO_BUCKET = ("bucket_missing", "the bucket does not exist (404 on the bucket): create it "
-              "(nonstop does not), or fix the bucket name in the URL")
+              "(or pass remote_options={'create_bucket': True}), or fix the bucket name "
+              "in the URL")
 _DENIED = ("access_denied", "access denied (403): the credentials (remote_options key=/secret=, "
            "or the environment's) were refused or lack permission on this bucket and prefix")
 _NO_CREDENTIALS = ("no_credentials", "no credentials: give remote_options key= and secret= "
@@ -158,6 +159,15 @@ def _classify(e: BaseException, exceptions) -> tuple:
         return ("unreachable", f"the store is unreachable{where}: no answer after the "
                 f"client's retries")
     return ("other", _first_line(e))
+
+
+def _seconds(v) -> float:
+    """A client option's duration ('5s', '500ms', '2min', or a number) in seconds."""
+    m = re.match(r"^\s*([0-9.]+)\s*(ms|s|min|m)?\s*$", str(v))
+    if not m:
+        return 60.0
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "min": 60.0, "m": 60.0,
+                                None: 1.0}[m.group(2)]
 
 
 class _Throttle:
@@ -204,6 +214,12 @@ class ObjectStore:
             endpoint = opts.pop("endpoint", None) or opts.pop("endpoint_url", None) or (
                 opts.get("client_kwargs", {}) or {}).get("endpoint_url")
             opts.pop("client_kwargs", None)
+            # create_bucket (remote_options): what the CreateBucket request needs
+            self._s3 = {"bucket": bucket, "endpoint": endpoint, "key": opts.get("key"),
+                        "secret": opts.get("secret"), "token": opts.get("token"),
+                        "region": opts.get("region"),
+                        "timeout": _seconds(opts.get("connect_timeout", "5s")) +
+                        _seconds(opts.get("timeout", "60s"))}
             kw = {}
             for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"),
                              ("token", "session_token"), ("region", "region")):
@@ -222,8 +238,80 @@ class ObjectStore:
                                           "max_backoff": timedelta(seconds=2), "base": 2}},
                 **kw)
         else:
+            self._s3 = None
             self.store = obstore.store.from_url(url, **opts)
         self.url = url
+
+    def create_bucket(self) -> bool:
+        """remote_options={'create_bucket': True}: an S3 CreateBucket request
+        (path style, signed with AWS Signature V4; obstore has no call for
+        it). True when made, False when it was there already (owned by these
+        credentials); anything else is a one-line CheckpointIOError."""
+        import hashlib
+        import hmac
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+        from datetime import datetime, timezone
+        c = self._s3
+        if c is None:
+            raise CheckpointMismatchError(
+                f"remote_options create_bucket is for s3:// URLs, not {self.url!r}")
+        env = os.environ
+        key = c["key"] or env.get("AWS_ACCESS_KEY_ID")
+        secret = c["secret"] or env.get("AWS_SECRET_ACCESS_KEY")
+        token = c["token"] or (None if c["key"] else env.get("AWS_SESSION_TOKEN"))
+        region = c["region"] or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") \
+            or "us-east-1"
+        what = f"{self.url}: creating bucket {c['bucket']!r}"
+        if not key or not secret:
+            raise CheckpointIOError(f"{what}: {_NO_CREDENTIALS[1]}")
+        base = (c["endpoint"] or f"https://s3.{region}.amazonaws.com").rstrip("/")
+        url = f"{base}/{urllib.parse.quote(c['bucket'])}"
+        body = b"" if region == "us-east-1" else (
+            '<CreateBucketConfiguration xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<LocationConstraint>{region}</LocationConstraint>"
+            "</CreateBucketConfiguration>").encode()
+        amz = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        parts = urllib.parse.urlsplit(url)
+        digest = hashlib.sha256(body).hexdigest()
+        headers = {"host": parts.netloc, "x-amz-content-sha256": digest, "x-amz-date": amz}
+        if token:
+            headers["x-amz-security-token"] = token
+        signed = ";".join(sorted(headers))
+        canonical = "\n".join(["PUT", parts.path, "",
+                               "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
+                               signed, digest])
+        scope = f"{amz[:8]}/{region}/s3/aws4_request"
+        to_sign = "\n".join(["AWS4-HMAC-SHA256", amz, scope,
+                             hashlib.sha256(canonical.encode()).hexdigest()])
+        k = ("AWS4" + secret).encode()
+        for part in (amz[:8], region, "s3", "aws4_request"):
+            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+        sig = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={key}/{scope}, "
+                                    f"SignedHeaders={signed}, Signature={sig}")
+        req = urllib.request.Request(url, data=body, method="PUT",
+                                     headers={k: v for k, v in headers.items() if k != "host"})
+        try:
+            with urllib.request.urlopen(req, timeout=c["timeout"]) as r:
+                r.read()
+            return True
+        except urllib.error.HTTPError as e:
+            text = e.read(4096).decode("utf-8", "replace")
+            if e.code == 409 and "BucketAlreadyOwnedByYou" in text:
+                return False
+            if e.code == 409:
+                raise CheckpointIOError(f"{what}: the name is taken (409 BucketAlreadyExists): "
+                                        f"choose another bucket name") from None
+            if e.code == 403:
+                raise CheckpointIOError(f"{what}: {_DENIED[1]}") from None
+            m = re.search(r"<Code>([^<]{1,64})</Code>", text)
+            raise CheckpointIOError(f"{what}: HTTP {e.code}"
+                                    f"{' ' + m.group(1) if m else ''}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise CheckpointIOError(f"{what}: the store is unreachable ({base}): "
+                                    f"{_first_line(e)}") from None
 
     def _io(self, what: str, fn, *args, **kw):
         """Runs one obstore call. A missing object is FileNotFoundError; any
@@ -418,7 +506,8 @@ class PathStore:
 
 # Options of the tier itself (the rest go to the client).
 _TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
-                 "commit_timeout_s", "retry_max_s", "nice", "job", "adopt", "every")
+                 "commit_timeout_s", "retry_max_s", "nice", "job", "adopt", "every",
+                 "create_bucket")
 
 
 def open_store(url: str, options: Optional[dict]):
@@ -1006,10 +1095,17 @@ class Tier:
         # ring (before_save). None: the newest committed one whenever the
         # uploader is free (older ones are skipped).
         self.every = check_every(self.options.get("every"), ckpt.world_size)
+        if self.options.get("create_bucket") not in (None, False, True):
+            raise CheckpointMismatchError("remote_options create_bucket must be True or False")
+        if self.options.get("create_bucket") and getattr(self.store, "_s3", None) is None:
+            raise CheckpointMismatchError(
+                f"remote_options create_bucket is for s3:// URLs, not the path {url!r}")
         self._queue: list = []  # (counter, step) selected, not yet copied out of the ring
         self._cv = threading.Condition()
 
     def _claim(self) -> None:
+        if not self.claimed and self.ckpt.rank == 0 and self.options.get("create_bucket"):
+            self.store.create_bucket()  # before the JOB document is written
         if not self.claimed and self.ckpt.rank == 0:
             claim(self.store, self.job, bool(self.options.get("adopt")))
         self.claimed = True

@@ -54,7 +54,11 @@ def _free_ports(n: int, host: str) -> list[int]:
 
 class SeaweedS3:
     def __init__(self, root: Path, host: str = "127.0.0.1", bucket: str = "nonstop",
-                 netns: Optional[str] = None):
+                 netns: Optional[str] = None, auto_create_bucket: bool = True):
+        # auto_create_bucket=False: a store that does not make a missing
+        # bucket on a write (as AWS S3); its bucket is not made either: a
+        # test makes it (or not) itself
+        self.auto_create_bucket = auto_create_bucket
         self.root = Path(root)
         self.host = host
         self.bucket = bucket
@@ -97,8 +101,10 @@ class SeaweedS3:
                # server at the same time (another test, another checkout) died
                # on it, "address already in use". 0 turns it off.
                "-s3.port.lance=0",
-               f"-metricsPort={p['metrics']}", f"-s3.config={cfg}", "-s3.autoCreateBucket",
+               f"-metricsPort={p['metrics']}", f"-s3.config={cfg}",
                "-master.volumeSizeLimitMB=1024", "-volume.max=0"]
+        # (SeaweedFS's default is true: a write to a missing bucket makes it)
+        cmd.append(f"-s3.autoCreateBucket={'true' if self.auto_create_bucket else 'false'}")
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns] + cmd
         log = open(self.root / "weed.log", "ab")
@@ -134,6 +140,15 @@ class SeaweedS3:
             retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1),
                           "backoff": {"init_backoff": timedelta(seconds=0.1),
                                       "max_backoff": timedelta(seconds=0.1), "base": 2}})
+        if not self.auto_create_bucket:  # up once a listing is answered (404: no bucket)
+            try:
+                obstore.list(store).collect()
+            except obstore.exceptions.NotFoundError:
+                pass
+            except obstore.exceptions.BaseError as e:
+                if "NoSuchBucket" not in str(e):
+                    raise
+            return
         obstore.put(store, ".ready", b"1")
         obstore.delete(store, ".ready")
 

@@ -607,3 +607,42 @@ def test_remote_every_is_checked_at_construction(tmp_path):
                                  remote_every=bad)
     with pytest.raises(nonstop.errors.CheckpointMismatchError, match="needs remote="):
         nonstop.Checkpointer(str(tmp_path / "d"), state, remote_every=1)
+
+
+def test_create_bucket_on_request(tmp_path):
+    """Against a SeaweedFS that does not make buckets on a write (as AWS S3):
+    a missing bucket is refused with the one-line missing-bucket message,
+    unless remote_options={'create_bucket': True}, which makes it; then the
+    job uploads and restores from it. A second job with the option finds it
+    there."""
+    srv = SeaweedS3(tmp_path / "seaweedfs", bucket="made", auto_create_bucket=False)
+    srv.start()
+    try:
+        opts = dict(srv.options, connect_timeout="1s", timeout="5s")
+        ck = nonstop.Checkpointer(str(tmp_path / "a"), {"w": torch.ones(4)}, every=1,
+                                  remote=srv.url("job"), remote_options=opts)
+        try:
+            with pytest.raises(CheckpointIOError) as e:
+                ck.restore()
+        finally:
+            ck.close()
+        msg = str(e.value)
+        assert "the bucket does not exist (404" in msg and "{'create_bucket': True}" in msg, msg
+        assert "\n" not in msg
+        with pytest.raises(nonstop.errors.CheckpointMismatchError, match="create_bucket"):
+            nonstop.Checkpointer(str(tmp_path / "p"), {"w": torch.ones(4)},
+                                 remote=str(tmp_path / "shared"),
+                                 remote_options={"create_bucket": True})
+        made = dict(opts, create_bucket=True)
+        for d in ("b", "c"):  # c: the bucket is there already
+            state = {"w": torch.zeros(4)}
+            ck = nonstop.Checkpointer(str(tmp_path / d), state, every=1,
+                                      remote=srv.url(d), remote_options=made)
+            assert ck.restore() is None
+            state["w"].add_(3.0)
+            ck.step(0)
+            ck.close()
+            got = nonstop.load(srv.url(d), remote_options=opts)
+            assert got.step == 0 and torch.equal(got.tensors["w"], torch.full((4,), 3.0))
+    finally:
+        srv.stop()

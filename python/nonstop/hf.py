@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import random
 from typing import Optional
@@ -60,9 +61,16 @@ class NonstopCallback(TrainerCallback):
         self._to_load = None  # what resume_from read, for on_train_begin
         self._resume_folder: Optional[str] = None  # what resume_from wrote, removed once read
         self.last_handle = None
+        # what the TrainingArguments set (on_train_begin): best= from
+        # metric_for_best_model/greater_is_better, keep=/max_to_keep= from
+        # save_total_limit
+        self._from_args: dict = {}
+        self._after_eval: Optional[int] = None  # the step whose checkpoint waits for its metrics
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
+        if args is not None and self.ckpt is None:  # checked before the first step
+            self._from_args = _retention_of(args, self.checkpointer_kwargs)
         if self._resume_folder is not None:
             # The Trainer has read the weights (before on_train_begin): the
             # full copy resume_from wrote goes now, the rest once read.
@@ -85,8 +93,27 @@ class NonstopCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                     **kwargs):
+        best = self._from_args.get("best")
+        if best is not None and control.should_evaluate:
+            # metric_for_best_model: the checkpoint of an evaluated step is
+            # taken once the evaluation's metrics are known (on_evaluate;
+            # the Trainer's flow callback has set should_evaluate by now)
+            self._after_eval = state.global_step
+            return
         if state.global_step % self.every:
             return
+        self._save(args, state, model, optimizer, lr_scheduler, None)
+
+    def on_evaluate(self, args, state, control, metrics=None, model=None, optimizer=None,
+                    lr_scheduler=None, **kwargs):
+        if self._after_eval is None or self._after_eval != state.global_step:
+            return
+        self._after_eval = None
+        got = {str(k): float(v) for k, v in (metrics or {}).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        self._save(args, state, model, optimizer, lr_scheduler, got or None)
+
+    def _save(self, args, state, model, optimizer, lr_scheduler, metrics) -> None:
         if args.world_size > 1:
             raise CheckpointMismatchError("nonstop.hf supports one process for now; see docs/HF.md")
         self._trainer_state.clear()
@@ -94,6 +121,7 @@ class NonstopCallback(TrainerCallback):
         self._trainer_state.update(json.loads(json.dumps(dataclasses.asdict(state))))
         if self.ckpt is None:
             kwargs = dict(self.checkpointer_kwargs)
+            kwargs.update(self._from_args)
             kwargs.setdefault("on_preempt", False)
             st = {"model": _unwrap.module(model), "optim": optimizer,
                   "trainer_state": self._trainer_state}
@@ -101,7 +129,7 @@ class NonstopCallback(TrainerCallback):
                 st["sched"] = lr_scheduler
             self.ckpt = _checkpointer.Checkpointer(self.dir, st, every=self.every,
                                                    on_commit=self.on_commit, **kwargs)
-        self.last_handle = self.ckpt.save(state.global_step - 1)
+        self.last_handle = self.ckpt.save(state.global_step - 1, metrics=metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -111,6 +139,38 @@ class NonstopCallback(TrainerCallback):
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             ckpt.close()
+
+
+def _retention_of(args, given: dict) -> dict:
+    """The Checkpointer options the TrainingArguments ask for:
+    metric_for_best_model (the Trainer's key, "eval_" prefixed as it logs it)
+    and greater_is_better become best=(key, "max"|"min", 1): the best
+    evaluated checkpoint is kept (keep/step-N); save_total_limit=N becomes
+    keep=1, max_to_keep=N: the newest N checkpoints stay as kept copies (the
+    best one does not count, as in the Trainer). Given both ways: refused."""
+    out = {}
+    metric = getattr(args, "metric_for_best_model", None)
+    if metric:
+        if "best" in given:
+            raise CheckpointMismatchError(
+                "give TrainingArguments(metric_for_best_model=...) or NonstopCallback(best=...), "
+                "not both")
+        key = metric if metric.startswith("eval_") else f"eval_{metric}"
+        higher = getattr(args, "greater_is_better", None)
+        if higher is None:  # the Trainer's own default
+            higher = not metric.endswith("loss")
+        out["best"] = (key, "max" if higher else "min", 1)
+    limit = getattr(args, "save_total_limit", None)
+    if limit is not None:
+        if "keep" in given or "max_to_keep" in given:
+            raise CheckpointMismatchError(
+                "give TrainingArguments(save_total_limit=...) or NonstopCallback(keep=, "
+                "max_to_keep=), not both")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise CheckpointMismatchError(
+                f"save_total_limit must be a positive integer, got {limit!r}")
+        out["keep"], out["max_to_keep"] = 1, limit
+    return out
 
 
 def resume_from(callback: NonstopCallback, folder: Optional[str] = None,

@@ -131,3 +131,82 @@ def test_bridge_folder_goes_through_the_seam_and_never_follows_links(tmp_path):
     sd = load_file(str(folder / "model.safetensors"))
     assert torch.equal(sd["weight"], model.weight.detach())
     assert (folder / "rng_state.pth").stat().st_size > 0  # the Trainer reads it itself
+
+
+def _train_hf(tmp_path, callback, max_steps=8, **args_kw):
+    """A real Trainer on a small regression, evaluated every 2 steps."""
+    import torch
+    import transformers
+    from transformers import Trainer, TrainingArguments
+    transformers.logging.set_verbosity_error()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return {"loss": torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), y)}
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            g = torch.Generator().manual_seed(seed)
+            self.x = torch.randn(n, 4, generator=g)
+            self.y = self.x.sum(1) + 0.5 * torch.randn(n, generator=g)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "y": self.y[i]}
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps,
+                             per_device_train_batch_size=4, learning_rate=0.05,
+                             eval_strategy="steps", eval_steps=2, save_strategy="no",
+                             logging_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, remove_unused_columns=False, label_names=["y"],
+                             **args_kw)
+    trainer = Trainer(model=Model(), args=args, train_dataset=Data(64, 0),
+                      eval_dataset=Data(16, 1), callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def _kept(d):
+    import nonstop
+    return sorted((r["step"], r["metrics"].get("eval_loss")) for r in nonstop.list(d)
+                  if r["where"] == "keep" and r["state"] == "committed")
+
+
+@pytest.mark.parametrize("greater", [False, True])
+def test_metric_for_best_model_keeps_the_best_evaluated_checkpoint(tmp_path, greater):
+    """TrainingArguments(metric_for_best_model="loss", greater_is_better=...)
+    reach nonstop's best=("eval_loss", "min"|"max", 1): each evaluated step's
+    checkpoint carries the Trainer's eval metrics and the best one is kept
+    (greater_is_better=True keeps the worst loss: the direction is honoured,
+    not the newest)."""
+    from nonstop.hf import NonstopCallback
+    d = str(tmp_path / "nonstop")
+    trainer = _train_hf(tmp_path, NonstopCallback(d, every=100),
+                        metric_for_best_model="loss", greater_is_better=greater)
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 4
+    step, loss = (max if greater else min)(evals, key=lambda e: e[1])
+    assert _kept(d) == [(step - 1, pytest.approx(loss))]
+    import nonstop
+    best = nonstop.load(d, step=step - 1)  # the kept copy, as docs/HF.md says
+    assert best.step == step - 1 and "lin.weight" in best.state["model"]
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
+    """TrainingArguments(save_total_limit=2): the newest 2 checkpoints stay
+    as kept copies (keep=1, max_to_keep=2); given twice it is refused."""
+    from nonstop.errors import CheckpointMismatchError
+    from nonstop.hf import NonstopCallback
+    d = str(tmp_path / "nonstop")
+    _train_hf(tmp_path, NonstopCallback(d, every=1), max_steps=6, save_total_limit=2)
+    assert [s for s, _ in _kept(d)] == [4, 5]
+    with pytest.raises(CheckpointMismatchError, match="save_total_limit"):
+        _train_hf(tmp_path, NonstopCallback(str(tmp_path / "x"), every=1, keep=2,
+                                            max_to_keep=3), save_total_limit=2)

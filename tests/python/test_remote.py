@@ -528,6 +528,20 @@ def test_hostile_remote_manifest_is_refused(tmp_path, damage):
         assert nonstop.load(url, remote_options={}).step == 0
 
 
+def _restore_refused(d, url, options) -> str:
+    """The one line of restore()'s CheckpointIOError for a new job in `d`."""
+    ck = nonstop.Checkpointer(str(d), {"w": torch.ones(4)}, every=1, remote=url,
+                              remote_options=options)
+    try:
+        with pytest.raises(CheckpointIOError) as e:
+            ck.restore()
+    finally:
+        ck.close()
+    msg = str(e.value)
+    assert "\n" not in msg and "<?xml" not in msg, msg
+    return msg
+
+
 def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_messages(
         tmp_path, s3_server):  # noqa: F811
     """A first start that cannot list the remote (nothing local to fall
@@ -539,17 +553,7 @@ def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_
     fast = dict(s3_server.options, connect_timeout="1s", timeout="3s")
 
     def refused(url, options):
-        d = tmp_path / f"job{len(list(tmp_path.iterdir()))}"
-        ck = nonstop.Checkpointer(str(d), {"w": torch.ones(4)}, every=1, remote=url,
-                                  remote_options=options)
-        try:
-            with pytest.raises(CheckpointIOError) as e:
-                ck.restore()
-        finally:
-            ck.close()
-        msg = str(e.value)
-        assert "\n" not in msg and "<?xml" not in msg, msg
-        return msg
+        return _restore_refused(tmp_path / f"job{len(list(tmp_path.iterdir()))}", url, options)
 
     # A Checkpointer writes its prefix's JOB document first, and this server
     # makes a missing bucket on a write (-s3.autoCreateBucket): the listing
@@ -619,16 +623,8 @@ def test_create_bucket_on_request(tmp_path):
     srv.start()
     try:
         opts = dict(srv.options, connect_timeout="1s", timeout="5s")
-        ck = nonstop.Checkpointer(str(tmp_path / "a"), {"w": torch.ones(4)}, every=1,
-                                  remote=srv.url("job"), remote_options=opts)
-        try:
-            with pytest.raises(CheckpointIOError) as e:
-                ck.restore()
-        finally:
-            ck.close()
-        msg = str(e.value)
+        msg = _restore_refused(tmp_path / "a", srv.url("job"), opts)
         assert "the bucket does not exist (404" in msg and "{'create_bucket': True}" in msg, msg
-        assert "\n" not in msg
         with pytest.raises(nonstop.errors.CheckpointMismatchError, match="create_bucket"):
             nonstop.Checkpointer(str(tmp_path / "p"), {"w": torch.ones(4)},
                                  remote=str(tmp_path / "shared"),

@@ -1180,28 +1180,6 @@ class Tier:
 
     # -- restore
 
-    def _local_steps(self) -> dict:
-        """(step, lineage) -> None of this rank's committed local checkpoints."""
-        path = os.path.join(self.ckpt.dir, f"rank-{self.ckpt.rank:05d}.nsck")
-        if not os.path.exists(path):
-            return {}
-        try:
-            reader = self.core().Reader(self.ckpt.dir, rank=self.ckpt.rank, verify_data=False)
-        except Exception:  # noqa: BLE001 -- an unreadable file: the local path reports it
-            return {}
-        from ._state import loads
-        found = {}
-        for c in reader.checkpoints:
-            if not c["committed"]:
-                continue
-            try:
-                meta = loads(c["meta_json"])
-            except CheckpointError:  # malformed metadata: not a checkpoint to recover
-                continue
-            d = meta.get("dist", {}) if isinstance(meta, dict) else {}
-            found[(int(c["step"]), int(d.get("lineage", 0)))] = None
-        return found
-
     def _local_candidates(self):
         """(the planner's candidates of this rank's job directory, its
         lineage, the job directory) or ([], None, None) when there is none
@@ -1266,15 +1244,7 @@ class Tier:
                 # verify to be read first (a damaged local newest restores
                 # the remote copy, not an older local one).
                 verified_local = True
-                try:
-                    sel = jd.select(self.ckpt.rank, step=step)
-                except (CheckpointError, OSError):
-                    sel = None
-                good = None if sel is None else sel.counter
-                for c in cands:
-                    if c["tier"] != "remote" and c["committed"] and (
-                            good is None or c["counter"] > good):
-                        c.update(committed=False, damage="fails to verify")
+                self._refuse_unverified(cands, jd, step)
                 continue
             loaded, err = self._try(head["step"])
             if loaded is not None:
@@ -1308,37 +1278,68 @@ class Tier:
         warnings.warn(f"nonstop: {msg}; restoring the newest local checkpoint (step {newest})",
                       stacklevel=4)
 
+    def _planned(self, cands: list, lineage, jd, step: Optional[int]) -> list:
+        """This rank's plan of its local candidates and the remote listing,
+        as [step, source] in the planner's order, each step once; source
+        "remote" where the planner reads that step's remote copy first (newer
+        by counter, no live local copy, or a local copy that fails to
+        verify). The ranks gather these lists and agree on a step."""
+        plan = self.core().plan
+        verified = False
+        while True:
+            order = plan(cands, lineage, step=step)["order"]
+            head = cands[order[0]] if order else None
+            if (head is None or verified or jd is None or head["tier"] == "remote"
+                    or not any(c["tier"] == "remote" and c["counter"] == head["counter"]
+                               for c in cands)):
+                break
+            verified = True  # the remote holds it too: the local copy must verify
+            self._refuse_unverified(cands, jd, step)
+        out: dict = {}
+        for i in order:
+            out.setdefault(cands[i]["step"], "remote" if cands[i]["tier"] == "remote" else "local")
+        return [[s, src] for s, src in out.items()]
+
+    def _refuse_unverified(self, cands: list, jd, step: Optional[int]) -> None:
+        """Marks damaged the local candidates newer than the one of this
+        rank that verifies (JobDir.select: a damaged local newest restores
+        its remote copy, not an older local one)."""
+        try:
+            sel = jd.select(self.ckpt.rank, step=step)
+        except (CheckpointError, OSError):
+            sel = None
+        good = None if sel is None else sel.counter
+        for c in cands:
+            if c["tier"] != "remote" and c["committed"] and (
+                    good is None or c["counter"] > good):
+                c.update(committed=False, damage="fails to verify")
+
     def _restore_dist(self, step: Optional[int]):
         # JSON over the gloo group (_Comm.gather), never all_gather_object or
-        # broadcast_object_list: those unpickle what the peers send.
+        # broadcast_object_list: those unpickle what the peers send. Each
+        # rank plans its own candidates (the planner, C++); rank 0's order of
+        # the steps every rank holds is the agreed one, as _distributed.recover.
         from ._distributed import _Comm
         d = self.ckpt._dist
         comm = _Comm(d.group, d.world)
-        local = sorted(self._local_steps())
-        every = comm.gather(local)
-        common = set(map(tuple, every[0]))
-        for s in every[1:]:
-            common &= set(map(tuple, s))
-        newest = max((s for s, _ in common), default=None)
-        box = [None]
+        listing = None
         if d.rank == 0:
             try:
-                box[0] = [(s, m["lineage"]) for s, m in committed_steps(self.store)]
+                listing = remote_candidates(self.store)
             except (CheckpointError, OSError) as e:  # the store is down: said on every rank
-                box[0] = _first_line(e)
-        box = comm.gather(box[0])[:1]  # rank 0's listing, on every rank
-        if isinstance(box[0], str):
-            self._unlisted(box[0], newest is None or (
-                step is not None and not any(s == step for s, _ in common)), newest)
+                listing = _first_line(e)
+        listing = comm.gather(listing)[0]  # rank 0's listing, on every rank
+        local, lineage, jd = self._local_candidates()
+        if isinstance(listing, str):
+            every = comm.gather(self._planned(local, lineage, None, step))
+            common = _common_steps(every)
+            self._unlisted(listing, not common, common[0] if common else None)
             return None
-        if step is not None:
-            if any(s == step for s, _ in common):
-                return None
-            cands = [c for c in box[0] if c[0] == step]
-        else:
-            cands = [c for c in box[0] if newest is None or c[0] > newest]
+        every = comm.gather(self._planned(local + [dict(c) for c in listing], lineage, jd, step))
         errors = []
-        for s, lineage in cands:
+        for s in _common_steps(every):
+            if all(dict(map(tuple, e))[s] == "local" for e in every):
+                return None  # every rank's local copy: the local path reads it (recover)
             loaded, err = self._try(s)
             errs = comm.gather(err)
             bad = [(r, e) for r, e in enumerate(errs) if e is not None]
@@ -1358,11 +1359,17 @@ class Tier:
             self.restored_from = f"{self.store.url}/{Layout.step_dir(s)}"
             return self.loaded_cls(loaded.step, loaded.counter, full, loaded.meta, loaded.info,
                                    loaded.path)
-        if errors and newest is None and not any(every):
+        if errors and not any(src == "local" for e in every for _, src in e):
             raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies on "
                                          f"every rank: {errors[0]}")
         return None
 
+
+def _common_steps(every: list) -> list:
+    """The steps of rank 0's plan (every[0]) that every rank's plan holds,
+    in rank 0's order."""
+    held = [{s for s, _ in e} for e in every[1:]]
+    return [s for s, _ in every[0] if all(s in h for h in held)]
 
 def is_remote(path, options: Optional[dict] = None) -> bool:
     """A URL (any scheme://), a path given with remote_options, or a plain

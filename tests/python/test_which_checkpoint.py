@@ -224,3 +224,54 @@ def test_ranks_agree_on_the_lineages_newest_not_the_highest_step(tmp_path):
             assert rc == 0, f"{phase}: rank {rank} exited {rc}: {err[-2000:]}"
     got = [json.loads(out[-1]) if isinstance(out[-1], str) else out[-1] for _, out, _ in res]
     assert [(g["restored"], g["weight"]) for g in got] == [(5, 5.0), (5, 5.0)], got
+
+
+def _remote_ranks(tmp_path, phases, between=None):
+    """Runs remote_pick_dist_train.py's phases on 2 ranks (gloo) with the
+    remote tier at tmp_path/shared, each under a hard timeout; between(phase)
+    runs after each phase. Returns the last phase's lines, by rank."""
+    import json
+    import sys
+    if not torch.distributed.is_available():
+        pytest.skip("torch built without torch.distributed")
+    here = os.path.dirname(__file__)
+    sys.path.insert(0, here)
+    from dist_launch import run_ranks
+    d, url = str(tmp_path / "job"), str(tmp_path / "shared")
+    script = os.path.join(here, "remote_pick_dist_train.py")
+    for phase in phases:
+        res = run_ranks(2, [script, d, url, phase], timeout=90)
+        for rank, (rc, _, err) in enumerate(res):
+            assert rc == 0, f"{phase}: rank {rank} exited {rc}: {err[-2000:]}"
+        if between is not None:
+            between(phase, d)
+    return [out[-1] if isinstance(out[-1], dict) else json.loads(out[-1]) for _, out, _ in res]
+
+
+@pytest.mark.timeout(300)
+def test_ranks_never_restore_an_abandoned_future_from_the_remote(tmp_path):
+    """Distributed case 3: after restore(step=9) and a new step 19, the
+    remote still holds step 29 of the abandoned run; a restart restores the
+    new 19 (the planner drops 29 by its counter), not the remote's 29."""
+    got = _remote_ranks(tmp_path, ("write", "rollback", "restore"))
+    assert [(g["restored"], g["weight"]) for g in got] == [(13, -13.0), (13, -13.0)], got
+
+
+@pytest.mark.timeout(300)
+def test_ranks_restore_a_damaged_local_newests_intact_remote_copy(tmp_path):
+    """Distributed case 4: one bit flipped in rank 1's local step 29, its
+    remote copy intact: every rank restores 29 from the remote, not the
+    older local 19."""
+    def damage(phase, d):
+        if phase != "write":
+            return
+        info = next(c for c in _core.Reader(d, rank=1, verify_data=False).checkpoints
+                    if c["step"] == 29)
+        with open(os.path.join(d, "rank-00001.nsck"), "r+b") as f:
+            f.seek(info["data_offset"] + 5)
+            b = f.read(1)
+            f.seek(info["data_offset"] + 5)
+            f.write(bytes([b[0] ^ 0x10]))
+    got = _remote_ranks(tmp_path, ("write", "restore"), damage)
+    assert [(g["restored"], g["weight"]) for g in got] == [(29, 29.0), (29, 29.0)], got
+    assert all(g["from"].endswith("step-000000000029") for g in got), got

@@ -171,17 +171,21 @@ def test_after_a_rollback_the_new_checkpoint_is_uploaded_and_a_new_node_gets_it(
     assert torch.equal(model.weight, torch.full((4, 4), -19.0))
 
 
-def test_a_damaged_local_newest_restores_its_intact_remote_copy(tmp_path):
-    # Case 4: not an older local checkpoint.
-    d, url = str(tmp_path / "local"), str(tmp_path / "shared")
-    _remote_job(d, url, [14, 19], float)
-    info = next(c for c in _core.Reader(d, rank=0, verify_data=False).checkpoints
-                if c["step"] == 19)
-    with open(os.path.join(d, "rank-00000.nsck"), "r+b") as f:
+def _flip_bit(d, rank, step):
+    """One bit flipped in the data of rank `rank`'s local checkpoint of `step`."""
+    info = next(c for c in _core.Reader(d, rank=rank, verify_data=False).checkpoints
+                if c["step"] == step)
+    with open(os.path.join(d, _core.JobDir.slot_name(rank)), "r+b") as f:
         f.seek(info["data_offset"] + 5)
         b = f.read(1)
         f.seek(info["data_offset"] + 5)
         f.write(bytes([b[0] ^ 0x10]))
+
+def test_a_damaged_local_newest_restores_its_intact_remote_copy(tmp_path):
+    # Case 4: not an older local checkpoint.
+    d, url = str(tmp_path / "local"), str(tmp_path / "shared")
+    _remote_job(d, url, [14, 19], float)
+    _flip_bit(d, 0, 19)
     got, model = _fresh_restore(d, url)
     assert got == 19
     assert torch.equal(model.weight, torch.full((4, 4), 19.0))
@@ -263,15 +267,8 @@ def test_ranks_restore_a_damaged_local_newests_intact_remote_copy(tmp_path):
     remote copy intact: every rank restores 29 from the remote, not the
     older local 19."""
     def damage(phase, d):
-        if phase != "write":
-            return
-        info = next(c for c in _core.Reader(d, rank=1, verify_data=False).checkpoints
-                    if c["step"] == 29)
-        with open(os.path.join(d, "rank-00001.nsck"), "r+b") as f:
-            f.seek(info["data_offset"] + 5)
-            b = f.read(1)
-            f.seek(info["data_offset"] + 5)
-            f.write(bytes([b[0] ^ 0x10]))
+        if phase == "write":
+            _flip_bit(d, 1, 29)
     got = _remote_ranks(tmp_path, ("write", "restore"), damage)
     assert [(g["restored"], g["weight"]) for g in got] == [(29, 29.0), (29, 29.0)], got
     assert all(g["from"].endswith("step-000000000029") for g in got), got

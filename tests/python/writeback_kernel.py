@@ -14,6 +14,9 @@ Every checkpoint the checkpointer reported committed that should still be
 there (the newest one, and the keep= copies) must restore bit for bit.
 
     python writeback_kernel.py MOUNT BACKING FILLER MEDIUM POINTS OUT.json
+    python writeback_kernel.py reuse MOUNT BACKING FILLER MEDIUM ROUNDS OUT.json
+
+(the second: reuse_rounds, the first commit into slots whose writeback failed)
 
 Run by test_writeback_kernel.py as root under a hard timeout, which sets up
 and tears down the tmpfs, the loop device and the mount. NONSTOP_WB_SPARSE=1
@@ -24,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -212,9 +216,76 @@ def check_kept(ckdir: str, kept: list) -> list:
     return problems
 
 
+def reuse_rounds(mount: str, backing: str, filler: str, medium: str, rounds: int) -> list:
+    """The first checkpoint committed into slots whose writeback failed.
+
+    Each round starts a fresh job directory (a new slot file, its slots not
+    yet written), commits step 0, makes every other slot's blocks fail,
+    saves steps 1 and 2 (both fail: their pages stay cached, marked clean,
+    never written), gives the space back, saves step 3 into one of those
+    slots (it commits), and cuts the power: the restart must restore step 3
+    bit for bit. On e778719 every round restored an older step ("tensor
+    table checksum mismatch"): the page cache kept the failed pages with
+    their blocks mapped, the rewrite reached the disk, but ext4 never marked
+    the fallocated (unwritten) extent written, so it read back as zeros.
+    """
+    report = []
+    for r in range(rounds):
+        ckdir = os.path.join(mount, f"reuse-{r}")
+        live = state_for(0)
+        opts = dict(state=live, every=1, medium=medium, tier="disk", max_in_flight=2, **SMALL)
+        ck = nonstop.Checkpointer(ckdir, **opts)
+        ck.save(0)
+        ck.wait()
+        ranges = []
+        for kind in ("data", "table", "record"):
+            ranges += target_ranges(kind, ckdir, mount, 0)
+        punch(backing, ranges)
+        fill(filler)
+        outcomes = []
+        for step in (1, 2, 3):
+            if step == 3:
+                os.unlink(filler)  # the space comes back
+            for k, v in state_for(step).items():
+                live[k].copy_(v)
+            try:
+                h = ck.save(step)
+                e = h.exception(timeout=60)
+            except nonstop.CheckpointError as err:  # an earlier one's error
+                e = err
+            outcomes.append(None if e is None else str(e).splitlines()[0])
+            try:
+                ck.wait()
+            except nonstop.CheckpointError:
+                pass
+        latest = ck.latest()
+        ck.close()
+        power_cut(mount)
+        ck = nonstop.Checkpointer(ckdir, **opts)
+        got = ck.restore()
+        ck.close()
+        want = state_for(3)
+        problems = []
+        if got != latest:
+            problems.append(f"restore() gave step {got}, the newest committed was {latest}")
+        elif any(not torch.equal(live[k], want[k]) for k in want):
+            problems.append(f"step {latest} restored with different bytes")
+        print(f"reuse round {r}: outcomes {outcomes}, latest {latest}, restored {got}, "
+              f"problems {problems}", flush=True)
+        report.append({"round": r, "outcomes": outcomes, "latest": latest, "restored": got,
+                       "punched_bytes": sum(n for _, n in ranges), "problems": problems})
+        shutil.rmtree(ckdir)
+    return report
+
+
 def main() -> int:
     import time
     t0 = time.perf_counter()
+    if sys.argv[1] == "reuse":
+        mount, backing, filler, medium, rounds, out = sys.argv[2:8]
+        with open(out, "w") as f:
+            json.dump(reuse_rounds(mount, backing, filler, medium, int(rounds)), f, indent=1)
+        return 0
     mount, backing, filler, medium, points, out = sys.argv[1:7]
     points = int(points)
     ckdir = os.path.join(mount, "ck")

@@ -218,6 +218,23 @@ Result<std::unique_ptr<SlotFile>> SlotFile::Create(std::unique_ptr<Medium> mediu
   AlignedBuffer ring(uint64_t{kRingRecords} * format::kRecordBytes);  // zeroed: an empty ring
   if (!ring.ok()) return Status::Internal("out of memory creating the slot file");
   NONSTOP_RETURN_IF_ERROR(m.Write(h.ring_offset, ring.data(), ring.size()));
+  // Through the page cache the slots are written too (zeros), so that no
+  // extent of the file is left unwritten: on Linux (ext4) a page whose
+  // writeback into an unwritten extent failed stays cached with its block
+  // mapped, and a later checkpoint's rewrite of it reaches the disk while the
+  // extent stays unwritten and reads back as zeros, though every fsync
+  // returned 0 (FORMAT.md "After a failed fsync"). O_DIRECT writes do not
+  // keep such pages, and skip the cost.
+  if (m.kind() != MediumKind::kDirect && m.kind() != MediumKind::kUring) {
+    const uint64_t end = h.slots_offset + uint64_t{g.slots} * g.slot_bytes;
+    AlignedBuffer zeros(std::min<uint64_t>(end - h.slots_offset, uint64_t{1} << 20));
+    if (!zeros.ok()) return Status::Internal("out of memory creating the slot file");
+    for (uint64_t off = h.slots_offset; off < end;) {
+      const uint64_t n = std::min<uint64_t>(zeros.size(), end - off);
+      NONSTOP_RETURN_IF_ERROR(m.Write(off, zeros.data(), n).Annotate("writing the slots' zeros"));
+      off += n;
+    }
+  }
   std::vector<uint8_t> hb = format::EncodeHeader(h);
   AlignedBuffer hbuf(hb.size());
   std::memcpy(hbuf.data(), hb.data(), hb.size());

@@ -95,7 +95,13 @@ TEST(EngineStressTest, RandomConcurrencyFailuresAndCrashRecovery) {
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
     std::mt19937_64 rng(1234 + round);
-    auto disk = FaultDisk::Create();
+    // A failed sync as on Linux: its pages are clean but never durable, and
+    // one that fell in a never-written (fallocated) page leaves it stale
+    // (FaultDiskOptions::unwritten_extents, issue 24).
+    FaultDiskOptions fo;
+    fo.forget_failed_syncs = true;
+    fo.unwritten_extents = true;
+    auto disk = FaultDisk::Create(fo);
     State state;
     const int n_tensors = 1 + static_cast<int>(rng() % 5);
     for (int t = 0; t < n_tensors; ++t) state.tensors.emplace_back(1 + rng() % 20000);

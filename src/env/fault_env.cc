@@ -214,6 +214,7 @@ struct FaultEnv::State {
     o.alignment = opts.alignment;
     o.kind = kind == MediumKind::kAuto ? MediumKind::kBuffered : kind;
     o.forget_failed_syncs = true;
+    o.unwritten_extents = true;
     f->disk = FaultDisk::Create(o);
     files.push_back(f);
     return f;

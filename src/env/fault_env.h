@@ -6,8 +6,11 @@
 //   - File data: each file is a FaultDisk (src/media/fault_medium.h) created
 //     with forget_failed_syncs, so a failed Sync behaves as on Linux (the
 //     unsynced writes are lost at a crash but no longer dirty: the next Sync
-//     returns OK without making them durable). Media go through the same
-//     sticky-sync wrapper as POSIX media.
+//     returns OK without making them durable), and with unwritten_extents
+//     (a page whose failed writeback fell where no sync had written yet
+//     stays stale: a later synced rewrite of it is lost at a crash, as on
+//     ext4). Each file keeps its own disk through renames. Media go through
+//     the same sticky-sync wrapper as POSIX media.
 //   - Directory entries: create, rename, unlink, mkdir and rmdir change what a
 //     reader sees at once, but each directory keeps them as pending
 //     operations until SyncDir() of that directory makes them durable. A

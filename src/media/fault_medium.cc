@@ -38,6 +38,21 @@ void ApplyWrite(std::vector<uint8_t>& image, uint64_t offset, const uint8_t* p, 
   std::memcpy(image.data() + offset, p, n);
 }
 
+constexpr uint64_t kPage = 4096;
+
+// Calls f(page, lo, hi) for each 4096-byte page that [offset, offset + n)
+// touches, [lo, hi) being its bytes there.
+template <typename F>
+void ForPages(uint64_t offset, uint64_t n, F f) {
+  const uint64_t end = offset + n;
+  for (uint64_t lo = offset; lo < end;) {
+    const uint64_t page = lo / kPage;
+    const uint64_t hi = std::min(end, (page + 1) * kPage);
+    f(page, lo, hi);
+    lo = hi;
+  }
+}
+
 }  // namespace
 
 class FaultMedium final : public Medium {
@@ -114,6 +129,7 @@ void FaultDisk::CrashLocked(CrashMode mode, uint64_t seed) {
   }
   log_.clear();
   log_.shrink_to_fit();
+  stale_pages_.clear();  // the page cache is gone
   visible_ = durable_;
   ++generation_;
   ++crashes_;
@@ -163,6 +179,14 @@ Status FaultDisk::BeginCallLocked(FaultOp op, uint64_t generation, const std::st
     if (op == FaultOp::kSync && opts_.forget_failed_syncs) {
       // Linux: the failed writeback's pages are clean now; their data never
       // reaches the durable image, and the next sync has nothing to do.
+      if (opts_.unwritten_extents) {
+        for (const LogEntry& e : log_) {
+          if (e.is_resize) continue;
+          ForPages(e.offset, e.bytes.size(), [&](uint64_t page, uint64_t, uint64_t) {
+            if (written_pages_.count(page) == 0) stale_pages_.insert(page);
+          });
+        }
+      }
       log_.clear();
     }
     return Status::FromErrno("fault-injected " + what, r.err);
@@ -203,8 +227,23 @@ Status FaultDisk::DoSync(uint64_t generation) {
   for (const LogEntry& e : log_) {
     if (e.is_resize) {
       durable_.resize(e.offset);
-    } else {
+      if (opts_.unwritten_extents) {  // a shrink's cut pages are unwritten again
+        const uint64_t first_cut = (e.offset + kPage - 1) / kPage;
+        written_pages_.erase(written_pages_.lower_bound(first_cut), written_pages_.end());
+      }
+    } else if (!opts_.unwritten_extents) {
       ApplyWrite(durable_, e.offset, e.bytes.data(), e.bytes.size());
+    } else {
+      bool lost = false;
+      ForPages(e.offset, e.bytes.size(), [&](uint64_t page, uint64_t lo, uint64_t hi) {
+        if (stale_pages_.count(page) != 0) {
+          lost = true;  // on the disk, but the extent still reads as before
+          return;
+        }
+        ApplyWrite(durable_, lo, e.bytes.data() + (lo - e.offset), hi - lo);
+        written_pages_.insert(page);
+      });
+      if (lost) ++lost_writes_;
     }
   }
   log_.clear();
@@ -255,6 +294,11 @@ uint64_t FaultDisk::syncs() const {
 uint64_t FaultDisk::crashes() const {
   MutexLock lock(&mu_);
   return crashes_;
+}
+
+uint64_t FaultDisk::lost_writes() const {
+  MutexLock lock(&mu_);
+  return lost_writes_;
 }
 
 size_t FaultDisk::unsynced_ops() const {

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,16 @@ struct FaultDiskOptions {
   // writer must never trust a file after a failed fsync (media/sticky_medium.h).
   // Off: a failed Sync leaves the writes pending, and a retry makes them durable.
   bool forget_failed_syncs = false;
+  // With forget_failed_syncs, the extent map as ext4 (Linux 6.x) keeps it
+  // (issue 24; docs/FORMAT.md "After a failed fsync"): a page (4096 bytes)
+  // that no successful Sync has written yet is unwritten (a Resize's new
+  // bytes, fallocated, read as zeros). When a failed Sync drops a write into
+  // an unwritten page, the page goes stale: the kernel keeps it cached with
+  // its block mapped, and a later write of it, synced with OK, reaches the
+  // disk but never converts the extent, so it is lost at a crash (the page
+  // reads as before). A crash empties the cache: the page is plain unwritten
+  // again. Pages written once by a successful Sync behave as without it.
+  bool unwritten_extents = false;
   // Open() wraps each medium in the sticky-sync guard every Env-opened medium
   // has (media/sticky_medium.h): after a failed Sync, every later Write,
   // Resize and Sync on that medium fails. (The fault Env uses
@@ -102,6 +113,8 @@ class FaultDisk : public std::enable_shared_from_this<FaultDisk> {
   uint64_t crashes() const;
   // Writes (and resizes) logged since the last successful Sync.
   size_t unsynced_ops() const;
+  // unwritten_extents: synced writes that stale pages kept from the disk.
+  uint64_t lost_writes() const;
 
  private:
   friend class FaultMedium;
@@ -147,6 +160,11 @@ class FaultDisk : public std::enable_shared_from_this<FaultDisk> {
   uint64_t writes_ GUARDED_BY(mu_) = 0;
   uint64_t syncs_ GUARDED_BY(mu_) = 0;
   uint64_t crashes_ GUARDED_BY(mu_) = 0;
+  // unwritten_extents: pages (offset / 4096) written by a successful Sync,
+  // and pages gone stale (a failed Sync's write into an unwritten page).
+  std::set<uint64_t> written_pages_ GUARDED_BY(mu_);
+  std::set<uint64_t> stale_pages_ GUARDED_BY(mu_);
+  uint64_t lost_writes_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace nonstop

@@ -215,6 +215,62 @@ TEST(FaultDiskTest, FailedSyncMakesNothingDurable) {
   EXPECT_TRUE(disk->Snapshot().empty());
 }
 
+TEST(FaultDiskTest, UnwrittenExtentsLoseARewriteOfAPageWhoseWritebackFailed) {
+  // What ext4 did in issue 24: in a fallocated (unwritten) range, a page
+  // whose failed sync dropped it goes stale; its rewrite syncs with OK but is
+  // lost at a crash. Where a sync had written the page before, the rewrite
+  // is durable; a crash empties the cache and the page works again.
+  FaultDiskOptions o;
+  o.forget_failed_syncs = true;
+  o.unwritten_extents = true;
+  auto disk = FaultDisk::Create(o);
+  auto m = disk->Open();
+  ASSERT_TRUE(m->Resize(4 * 4096).ok());
+  auto zeros = Bytes(4096, 0);
+  ASSERT_TRUE(m->Write(0, zeros.data(), zeros.size()).ok());  // page 0 written
+  ASSERT_TRUE(m->Sync().ok());
+  auto a = Bytes(2 * 4096, 0xA1);
+  auto b = Bytes(2 * 4096, 0xB2);
+  ASSERT_TRUE(m->Write(0, a.data(), a.size()).ok());  // pages 0 (written) and 1 (unwritten)
+  disk->InjectError(FaultOp::kSync, 1, EIO);
+  EXPECT_EQ(m->Sync().code(), StatusCode::kIOError);
+  ASSERT_TRUE(m->Write(0, b.data(), b.size()).ok());
+  ASSERT_TRUE(m->Sync().ok());  // as on Linux: 0
+  EXPECT_EQ(disk->lost_writes(), 1u);
+  std::vector<uint8_t> got(2 * 4096);
+  ASSERT_TRUE(m->Read(0, got.data(), got.size()).ok());
+  EXPECT_EQ(got, b);  // the cache shows it
+  disk->Crash(CrashMode::kDropUnsynced, 1);
+  auto after = disk->Open();
+  ASSERT_TRUE(after->Read(0, got.data(), got.size()).ok());
+  EXPECT_EQ(std::vector<uint8_t>(got.begin(), got.begin() + 4096), Bytes(4096, 0xB2));
+  EXPECT_EQ(std::vector<uint8_t>(got.begin() + 4096, got.end()), Bytes(4096, 0))
+      << "the rewrite of the stale page survived the crash";
+  // After the crash the page is unwritten, not stale: a synced write holds.
+  ASSERT_TRUE(after->Write(4096, b.data(), 4096).ok());
+  ASSERT_TRUE(after->Sync().ok());
+  disk->Crash(CrashMode::kDropUnsynced, 2);
+  auto third = disk->Open();
+  ASSERT_TRUE(third->Read(0, got.data(), got.size()).ok());
+  EXPECT_EQ(got, b);
+
+  // Without the option a synced rewrite is durable either way.
+  FaultDiskOptions plain;
+  plain.forget_failed_syncs = true;
+  auto d2 = FaultDisk::Create(plain);
+  auto m2 = d2->Open();
+  ASSERT_TRUE(m2->Resize(2 * 4096).ok());
+  ASSERT_TRUE(m2->Write(0, a.data(), a.size()).ok());
+  d2->InjectError(FaultOp::kSync, 1, EIO);
+  EXPECT_FALSE(m2->Sync().ok());
+  ASSERT_TRUE(m2->Write(0, b.data(), b.size()).ok());
+  ASSERT_TRUE(m2->Sync().ok());
+  d2->Crash(CrashMode::kDropUnsynced, 1);
+  auto m3 = d2->Open();
+  ASSERT_TRUE(m3->Read(0, got.data(), got.size()).ok());
+  EXPECT_EQ(got, b);
+}
+
 TEST(FaultDiskTest, FailedResizeAndReadChangeNothing) {
   auto disk = FaultDisk::Create();
   auto m = disk->Open();

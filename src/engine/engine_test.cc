@@ -518,7 +518,11 @@ TEST_F(EngineTest, AFailedFsyncNeverLetsACheckpointWrittenBeforeItCommit) {
   ASSERT_TRUE(engine->Latest().has_value());
   EXPECT_EQ(engine->Latest()->step, 1);
 
-  // The file was reopened: the next checkpoint commits, and is durable.
+  // The file was reopened: the next checkpoint commits, and is durable. It
+  // reuses the slot of 2 or 3, whose pages were never written before
+  // (issue 24: on ext4 the failed pages stay stale, and without the slot
+  // file's zero-filled slots this commit's bytes were lost at the power cut
+  // below: 8 synced writes lost, the restart resumed step 1).
   t.Fill(4, 0);
   auto c4 = engine->Checkpoint(4, "");
   ASSERT_TRUE(c4.ok()) << c4.status().ToString();
@@ -526,6 +530,10 @@ TEST_F(EngineTest, AFailedFsyncNeverLetsACheckpointWrittenBeforeItCommit) {
   EXPECT_EQ(engine->Latest()->step, 4);
   const CommittedCheckpoint latest = *engine->Latest();
   engine.reset();
+  {
+    std::lock_guard<std::mutex> l(rig.cache->mu);
+    EXPECT_EQ(rig.cache->lost_writes, 0u) << "a synced write went into a stale page";
+  }
 
   // After a power cut every checkpoint reported committed reads back.
   rig.PowerCut();
@@ -538,61 +546,6 @@ TEST_F(EngineTest, AFailedFsyncNeverLetsACheckpointWrittenBeforeItCommit) {
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_EQ(info->step, latest.step);
   want.Fill(latest.step, 0);
-  EXPECT_EQ(t.data, want.data);
-}
-
-TEST_F(EngineTest, ACommitIntoASlotWhoseWritebackFailedSurvivesAPowerCut) {
-  // Regression (issue 24, found on ext4): two checkpoints in flight fail in a
-  // fresh slot file (their slots' pages never written before); the next one
-  // reuses one of their slots, its fsync returns 0 and it is reported
-  // committed, but the kernel never marked the slot's extent written: after
-  // a power cut its table read back as zeros ("tensor table checksum
-  // mismatch") and restore fell back to checkpoint 1. The slot file is
-  // written in full when it is created (FORMAT.md "After a failed fsync").
-  LinuxRig rig;
-  EngineOptions o = Options();
-  o.max_in_flight = 2;
-  auto t = MakeTensor("t", 100000);
-  auto want = MakeTensor("t", 100000);
-  auto engine = std::move(OpenEngine(o, rig.Media())).value();
-  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
-  t.Fill(1, 0);
-  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
-  ASSERT_TRUE(engine->WaitCommitted().ok());
-  rig.cache->Arm(1, 15);  // as above: 2's data sync fails with 3's pages dirty too
-  t.Fill(2, 0);
-  auto c2 = engine->Checkpoint(2, "");
-  ASSERT_TRUE(c2.ok());
-  ASSERT_TRUE(engine->WaitCopied().ok());
-  t.Fill(3, 0);
-  auto c3 = engine->Checkpoint(3, "");
-  ASSERT_TRUE(c3.ok());
-  EXPECT_FALSE(engine->WaitCommitted(*c2).ok());
-  EXPECT_FALSE(engine->WaitCommitted(*c3).ok());
-  EXPECT_EQ(engine->Latest()->step, 1);
-  t.Fill(4, 0);
-  auto c4 = engine->Checkpoint(4, "");
-  ASSERT_TRUE(c4.ok());
-  ASSERT_TRUE(engine->WaitCommitted(*c4).ok());
-  ASSERT_EQ(engine->Latest()->step, 4);
-  const CommittedCheckpoint latest = *engine->Latest();
-  ASSERT_TRUE(engine->Close().ok());
-  engine.reset();
-  {
-    std::lock_guard<std::mutex> l(rig.cache->mu);
-    EXPECT_EQ(rig.cache->failed_syncs, 1);
-    EXPECT_EQ(rig.cache->lost_writes, 0u) << "a synced write went into a stale page";
-  }
-  rig.PowerCut();
-  auto again = std::move(OpenEngine(o, rig.Media())).value();
-  ASSERT_TRUE(again->Register({t.Ref()}).ok());
-  ASSERT_TRUE(again->Latest().has_value());
-  EXPECT_EQ(again->Latest()->counter, latest.counter);
-  t.Fill(0, 0);
-  auto info = again->Restore();
-  ASSERT_TRUE(info.ok()) << info.status().ToString();
-  EXPECT_EQ(info->step, 4);
-  want.Fill(4, 0);
   EXPECT_EQ(t.data, want.data);
 }
 

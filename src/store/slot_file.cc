@@ -33,6 +33,27 @@ class AlignedBuffer {
   size_t n_;
 };
 
+// Through the page cache, writes zeros over [from, to) of a range just
+// allocated, so that no extent of the file is left unwritten: on Linux (ext4)
+// a page whose writeback into an unwritten extent failed stays cached with
+// its block mapped, and a later checkpoint's rewrite of it reaches the disk
+// while the extent stays unwritten and reads back as zeros, though every
+// fsync returned 0 (FORMAT.md "After a failed fsync"). O_DIRECT writes keep
+// no such page, and skip the cost.
+Status WriteExtents(Medium& m, uint64_t from, uint64_t to) {
+  if (m.kind() == MediumKind::kDirect || m.kind() == MediumKind::kUring || from >= to) {
+    return Status::OK();
+  }
+  AlignedBuffer zeros(std::min<uint64_t>(to - from, uint64_t{1} << 20));
+  if (!zeros.ok()) return Status::Internal("out of memory writing the slot file's zeros");
+  for (uint64_t off = from; off < to;) {
+    const uint64_t n = std::min<uint64_t>(zeros.size(), to - off);
+    NONSTOP_RETURN_IF_ERROR(m.Write(off, zeros.data(), n).Annotate("writing the slots' zeros"));
+    off += n;
+  }
+  return Status::OK();
+}
+
 uint64_t NowNs() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::system_clock::now().time_since_epoch())
@@ -213,28 +234,12 @@ Result<std::unique_ptr<SlotFile>> SlotFile::Create(std::unique_ptr<Medium> mediu
   h.slot_bytes = g.slot_bytes;
   h.created_unix_ns = NowNs();
   Medium& m = *f->medium_;
-  NONSTOP_RETURN_IF_ERROR(m.Resize(h.slots_offset + uint64_t{g.slots} * g.slot_bytes)
-                              .Annotate("preallocating the slot file"));
+  const uint64_t file_end = h.slots_offset + uint64_t{g.slots} * g.slot_bytes;
+  NONSTOP_RETURN_IF_ERROR(m.Resize(file_end).Annotate("preallocating the slot file"));
   AlignedBuffer ring(uint64_t{kRingRecords} * format::kRecordBytes);  // zeroed: an empty ring
   if (!ring.ok()) return Status::Internal("out of memory creating the slot file");
   NONSTOP_RETURN_IF_ERROR(m.Write(h.ring_offset, ring.data(), ring.size()));
-  // Through the page cache the slots are written too (zeros), so that no
-  // extent of the file is left unwritten: on Linux (ext4) a page whose
-  // writeback into an unwritten extent failed stays cached with its block
-  // mapped, and a later checkpoint's rewrite of it reaches the disk while the
-  // extent stays unwritten and reads back as zeros, though every fsync
-  // returned 0 (FORMAT.md "After a failed fsync"). O_DIRECT writes do not
-  // keep such pages, and skip the cost.
-  if (m.kind() != MediumKind::kDirect && m.kind() != MediumKind::kUring) {
-    const uint64_t end = h.slots_offset + uint64_t{g.slots} * g.slot_bytes;
-    AlignedBuffer zeros(std::min<uint64_t>(end - h.slots_offset, uint64_t{1} << 20));
-    if (!zeros.ok()) return Status::Internal("out of memory creating the slot file");
-    for (uint64_t off = h.slots_offset; off < end;) {
-      const uint64_t n = std::min<uint64_t>(zeros.size(), end - off);
-      NONSTOP_RETURN_IF_ERROR(m.Write(off, zeros.data(), n).Annotate("writing the slots' zeros"));
-      off += n;
-    }
-  }
+  NONSTOP_RETURN_IF_ERROR(WriteExtents(m, h.slots_offset, file_end));
   std::vector<uint8_t> hb = format::EncodeHeader(h);
   AlignedBuffer hbuf(hb.size());
   std::memcpy(hbuf.data(), hb.data(), hb.size());
@@ -312,6 +317,7 @@ Result<std::unique_ptr<SlotFile>> SlotFile::Open(std::unique_ptr<Medium> medium,
     // from the intact one restores the file exactly.
     if (truncated) {
       NONSTOP_RETURN_IF_ERROR(medium->Resize(end).Annotate("restoring the truncated slot file's length"));
+      NONSTOP_RETURN_IF_ERROR(WriteExtents(*medium, size, end));
     }
     std::vector<uint8_t> hb = format::EncodeHeader(h);
     AlignedBuffer good(hb.size());

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import _checkpointer, _unwrap
-from .errors import CheckpointMismatchError, CheckpointNotFoundError
+from . import _checkpointer, _distributed, _rng, _state, _unwrap
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
 __all__ = ["NonstopCallback", "resume_from"]
 
@@ -66,6 +66,10 @@ class NonstopCallback(TrainerCallback):
         # save_total_limit
         self._from_args: dict = {}
         self._after_eval: Optional[int] = None  # the step whose checkpoint waits for its metrics
+        self._model = None  # the Trainer's model (on_init_end), for resume_from under torchrun
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._model = model
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
@@ -78,6 +82,9 @@ class NonstopCallback(TrainerCallback):
         if self._to_load is None:
             return
         saved, self._to_load = self._to_load, None
+        if "restore_step" in saved:
+            self._restore_ranks(saved["restore_step"], model, optimizer, lr_scheduler)
+            return
         if optimizer is None:
             raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
         _unwrap.optimizer(optimizer).load_state_dict(saved["optim"])
@@ -113,22 +120,44 @@ class NonstopCallback(TrainerCallback):
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         self._save(args, state, model, optimizer, lr_scheduler, got or None)
 
+    def _open(self, model, optimizer, lr_scheduler) -> None:
+        """The Checkpointer of this run (one per rank under torchrun: with
+        torch.distributed initialised it is nonstop's distributed mode)."""
+        kwargs = dict(self.checkpointer_kwargs)
+        kwargs.update(self._from_args)
+        kwargs.setdefault("on_preempt", False)
+        st = {"model": _unwrap.module(model), "optim": optimizer,
+              "trainer_state": self._trainer_state}
+        if lr_scheduler is not None:
+            st["sched"] = lr_scheduler
+        self.ckpt = _checkpointer.Checkpointer(self.dir, st, every=self.every,
+                                               on_commit=self.on_commit, **kwargs)
+
+    def _restore_ranks(self, step: int, model, optimizer, lr_scheduler) -> None:
+        """Multi-process: every rank restores the agreed `step` in place
+        (collective; the replicated tensors reassembled from the ranks'
+        shares), before the first step. The RNG states are left as the
+        Trainer has them: it sets this rank's saved ones from
+        rng_state_R.pth just before the first step, as for its own
+        checkpoint."""
+        if optimizer is None:
+            raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
+        self._open(model, optimizer, lr_scheduler)
+        now = _rng.capture()
+        try:
+            got = self.ckpt.restore(step=step)
+        finally:
+            _rng.restore(now)
+        if got != step:
+            raise CheckpointMismatchError(f"{self.dir}: restored step {got}, the ranks agreed "
+                                          f"on step {step}")
+
     def _save(self, args, state, model, optimizer, lr_scheduler, metrics) -> None:
-        if args.world_size > 1:
-            raise CheckpointMismatchError("nonstop.hf supports one process for now; see docs/HF.md")
         self._trainer_state.clear()
         # as TrainerState.save_to_json writes it (through JSON: plain values only)
         self._trainer_state.update(json.loads(json.dumps(dataclasses.asdict(state))))
         if self.ckpt is None:
-            kwargs = dict(self.checkpointer_kwargs)
-            kwargs.update(self._from_args)
-            kwargs.setdefault("on_preempt", False)
-            st = {"model": _unwrap.module(model), "optim": optimizer,
-                  "trainer_state": self._trainer_state}
-            if lr_scheduler is not None:
-                st["sched"] = lr_scheduler
-            self.ckpt = _checkpointer.Checkpointer(self.dir, st, every=self.every,
-                                                   on_commit=self.on_commit, **kwargs)
+            self._open(model, optimizer, lr_scheduler)
         self.last_handle = self.ckpt.save(state.global_step - 1, metrics=metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -179,8 +208,14 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     `callback.dir` into a Trainer checkpoint folder and returns its path,
     for `trainer.train(resume_from_checkpoint=...)`; None when there is no
     checkpoint yet (a fresh start). `folder` defaults to
-    `<callback.dir>-resume/checkpoint-<global_step>` and is rewritten."""
+    `<callback.dir>-resume/checkpoint-<global_step>` (per rank under
+    torchrun: `<callback.dir>-resume/rank-R/checkpoint-<global_step>`) and
+    is rewritten. With torch.distributed initialised (the Trainer made under
+    torchrun or accelerate launch) it is collective: every rank calls it."""
     d = callback.dir
+    rank, world = _world()
+    if world > 1:
+        return _resume_ranks(callback, folder, step, rank, world)
     if not _checkpointer.check_directory(d, 0, None, must_exist=False):
         return None
     try:
@@ -211,6 +246,73 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
         files.append(("rng_state.pth", buf.getvalue()))
     _write_folder(folder, files)
     callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
+    callback._resume_folder = os.path.abspath(folder)
+    return folder
+
+
+def _world() -> tuple:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Optional[int],
+                  rank: int, world: int) -> Optional[str]:
+    """resume_from under torchrun: the ranks agree on the step (the
+    planner's order of rank 0, of the steps every rank committed, as
+    restore() does), each writes its own folder (trainer_state.json, its
+    rng_state_R.pth, and model.safetensors with the live model's weights:
+    the Trainer insists on loading a weights file, and only restore() can
+    reassemble the saved ones from the ranks' shares) and on_train_begin
+    restores the model, optimizer and scheduler of that step on every
+    rank."""
+    d = callback.dir
+    err, mine = None, []
+    try:
+        if _checkpointer.check_directory(d, rank, world, must_exist=False):
+            mine = _distributed.planned_steps(_checkpointer._core().JobDir.open_for_read(d),
+                                              rank, step)
+    except CheckpointError as e:
+        err = f"rank {rank}: {e}"
+    every: list = [None] * world
+    torch.distributed.all_gather_object(every, (err, mine))
+    errors = [e for e, _ in every if e is not None]
+    if errors:
+        raise CheckpointMismatchError("; ".join(errors))
+    steps = [m for _, m in every]
+    order = [s for s in steps[0] if all(s in m for m in steps[1:])]
+    if not order:
+        if step is None and not any(steps):
+            return None  # a fresh start on every rank
+        raise CheckpointNotFoundError(
+            f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
+            f"committed on every rank of {d} (rank {rank} holds steps {mine or 'none'})")
+    s = order[0]
+    sel = _checkpointer._core().JobDir.open_for_read(d).select(
+        rank, step=s, verify_data=False, include_keep=step is not None)
+    meta = _state.loads(sel.info["meta_json"])
+    ts = meta.get("state", {}).get("trainer_state")
+    if not isinstance(ts, dict) or "global_step" not in ts:
+        raise CheckpointMismatchError(f"{d} step {s} has no 'trainer_state': not written by "
+                                      f"nonstop.hf.NonstopCallback")
+    if folder is None:
+        folder = os.path.join(d.rstrip(os.sep) + "-resume", f"rank-{rank}",
+                              f"checkpoint-{ts['global_step']}")
+    from safetensors.torch import save as safetensors_bytes
+    if callback._model is None:
+        raise CheckpointMismatchError("resume_from under torchrun: pass the callback to the "
+                                      "Trainer (callbacks=[cb]) before calling resume_from(cb)")
+    files = [("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
+             ("model.safetensors", safetensors_bytes(
+                 {k: v.detach().contiguous().clone()
+                  for k, v in _unwrap.module(callback._model).state_dict().items()}))]
+    if meta.get("rng") is not None:
+        buf = io.BytesIO()
+        torch.save(_hf_rng(meta["rng"]), buf)
+        files.append((f"rng_state_{rank}.pth", buf.getvalue()))
+    _write_folder(folder, files)
+    callback._to_load = {"restore_step": s}
     callback._resume_folder = os.path.abspath(folder)
     return folder
 
@@ -253,7 +355,6 @@ def _write_folder(folder: str, files: list) -> None:
 
 def _hf_rng(saved: dict) -> dict:
     """nonstop's RNG record (_rng.capture) in the Trainer's rng_state.pth layout."""
-    from . import _rng
     # Put the saved states in place, read them back in the Trainer's layout,
     # then put the current ones back.
     now = _rng.capture()

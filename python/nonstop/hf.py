@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import _checkpointer, _distributed, _rng, _state, _unwrap
+from . import _checkpointer, _dcp, _distributed, _manage, _rng, _state, _unwrap
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
 __all__ = ["NonstopCallback", "resume_from"]
@@ -67,6 +67,7 @@ class NonstopCallback(TrainerCallback):
         self._from_args: dict = {}
         self._after_eval: Optional[int] = None  # the step whose checkpoint waits for its metrics
         self._model = None  # the Trainer's model (on_init_end), for resume_from under torchrun
+        self._load_best = False  # TrainingArguments(load_best_model_at_end=True)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._model = model
@@ -75,6 +76,12 @@ class NonstopCallback(TrainerCallback):
                        lr_scheduler=None, **kwargs):
         if args is not None and self.ckpt is None:  # checked before the first step
             self._from_args = _retention_of(args, self.checkpointer_kwargs)
+            self._load_best = bool(getattr(args, "load_best_model_at_end", False))
+            if self._load_best and str(getattr(args.save_strategy, "value", args.save_strategy)) \
+                    not in ("steps", "epoch"):
+                raise CheckpointMismatchError(
+                    "load_best_model_at_end with NonstopCallback: give save_strategy equal to "
+                    "eval_strategy ('steps' or 'epoch'); nonstop takes those saves")
         if self._resume_folder is not None:
             # The Trainer has read the weights (before on_train_begin): the
             # full copy resume_from wrote goes now, the rest once read.
@@ -100,6 +107,10 @@ class NonstopCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                     **kwargs):
+        if self._load_best:
+            # The Trainer asks for save_strategy == eval_strategy with
+            # load_best_model_at_end: nonstop's checkpoints are those saves.
+            control.should_save = False
         best = self._from_args.get("best")
         if best is not None and control.should_evaluate:
             # metric_for_best_model: the checkpoint of an evaluated step is
@@ -160,8 +171,40 @@ class NonstopCallback(TrainerCallback):
             self._open(model, optimizer, lr_scheduler)
         self.last_handle = self.ckpt.save(state.global_step - 1, metrics=metrics)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self._load_best:
+            control.should_save = False
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
         self.close()
+        if self._load_best and state.best_global_step and model is not None:
+            self._load_best_weights(state, model)
+
+    def _load_best_weights(self, state, model) -> None:
+        """load_best_model_at_end: the weights of the best evaluated step (the
+        Trainer's best_global_step, kept by best=) go into the model, as the
+        Trainer does with its own best checkpoint; under torchrun every rank
+        reads them reassembled from all rank files (one directory every rank
+        sees). state.best_model_checkpoint names the kept copy."""
+        step = state.best_global_step - 1
+        rank, world = _world()
+        if world > 1:
+            _, flat = _dcp.collect(self.dir, step)
+            sd = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
+        else:
+            sd = _checkpointer.load(self.dir, step=step).state["model"]
+        module = _unwrap.module(model)
+        got = module.load_state_dict(sd, strict=False)
+        live = module.state_dict()
+        loaded_at = {live[k].data_ptr() for k in sd if k in live}
+        missing = [k for k in got.missing_keys if live[k].data_ptr() not in loaded_at]
+        if got.unexpected_keys or missing:  # a tied weight is stored once
+            raise CheckpointMismatchError(
+                f"load_best_model_at_end: step {step} of {self.dir} does not fit the model "
+                f"(missing {missing[:3]}, unexpected {got.unexpected_keys[:3]})")
+        kept = [r["path"] for r in _manage.list_checkpoints(self.dir, rank)
+                if r["step"] == step and r["where"] == "keep"]
+        state.best_model_checkpoint = os.path.dirname(kept[0]) if kept else None
 
     def close(self) -> None:
         """Waits for the checkpoints in flight and stops the engine. Idempotent."""

@@ -204,7 +204,8 @@ class NonstopCallback(TrainerCallback):
                 f"(missing {missing[:3]}, unexpected {got.unexpected_keys[:3]})")
         kept = [r["path"] for r in _manage.list_checkpoints(self.dir, rank)
                 if r["step"] == step and r["where"] == "keep"]
-        state.best_model_checkpoint = os.path.dirname(kept[0]) if kept else None
+        state.best_model_checkpoint = (os.path.join(self.dir, os.path.dirname(kept[0]))
+                                       if kept else None)
 
     def close(self) -> None:
         """Waits for the checkpoints in flight and stops the engine. Idempotent."""

@@ -163,7 +163,8 @@ def _train_hf(tmp_path, callback, max_steps=8, **args_kw):
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps,
                              per_device_train_batch_size=4, learning_rate=0.05,
-                             eval_strategy="steps", eval_steps=2, save_strategy="no",
+                             eval_strategy="steps", eval_steps=2,
+                             save_strategy=args_kw.pop("save_strategy", "no"),
                              logging_strategy="no", report_to=[], use_cpu=True,
                              disable_tqdm=True, remove_unused_columns=False, label_names=["y"],
                              **args_kw)
@@ -210,3 +211,29 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="save_total_limit"):
         _train_hf(tmp_path, NonstopCallback(str(tmp_path / "x"), every=1, keep=2,
                                             max_to_keep=3), save_total_limit=2)
+
+
+def test_load_best_model_at_end_loads_the_best_nonstop_checkpoint(tmp_path):
+    """TrainingArguments(load_best_model_at_end=True) (the Trainer asks for
+    save_strategy == eval_strategy): the Trainer writes none of its own
+    checkpoints (nonstop takes those saves) and at the end the model holds
+    the weights of the best evaluated step (greater_is_better=True: the
+    worst loss, not the newest); state.best_model_checkpoint names the kept
+    copy. (On main the model kept the last step's weights.)"""
+    import torch
+
+    import nonstop
+    from nonstop.hf import NonstopCallback
+    d = str(tmp_path / "nonstop")
+    trainer = _train_hf(tmp_path, NonstopCallback(d, every=100), metric_for_best_model="loss",
+                        greater_is_better=True, load_best_model_at_end=True,
+                        save_strategy="steps", save_steps=2)
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    step = max(evals, key=lambda e: e[1])[0] - 1
+    assert step != 7  # the test means something only when the best is not the newest
+    best = nonstop.load(d, step=step).state["model"]
+    live = trainer.model.state_dict()
+    assert all(torch.equal(live[k], best[k]) for k in live)
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
+    assert os.path.isdir(trainer.state.best_model_checkpoint)
+    assert trainer.state.best_model_checkpoint.startswith(os.path.join(d, "keep"))

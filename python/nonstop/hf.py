@@ -17,6 +17,10 @@ RNG exactly as it would for its own checkpoint. The optimizer and scheduler
 states are not written there: the callback loads them in place from nonstop
 at on_train_begin. nonstop itself reads nothing through pickle; the
 Trainer reads rng_state.pth its own way (torch.load with weights_only=True).
+Under torchrun each rank checkpoints through nonstop's distributed mode;
+resume_from is collective there and on_train_begin restores the agreed step
+on every rank. load_best_model_at_end loads the best kept step's weights at
+on_train_end.
 
 See docs/HF.md.
 """
@@ -177,6 +181,9 @@ class NonstopCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self.close()
+        if self._resume_folder is not None:  # resumed at max_steps: no step began
+            folder, self._resume_folder = self._resume_folder, None
+            _remove(folder)
         if self._load_best and state.best_global_step and model is not None:
             self._load_best_weights(state, model)
 

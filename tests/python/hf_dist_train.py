@@ -16,7 +16,6 @@ the final weights, optimizer and scheduler state, the final RNG state, the
 global step and the eval losses the Trainer logged.
 """
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -31,19 +30,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_launch import end_rank  # noqa: E402
+from dist_train import digest, emit  # noqa: E402
 
 from nonstop.hf import NonstopCallback, resume_from  # noqa: E402
-
-
-def emit(**kw):
-    print(json.dumps(kw), flush=True)
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class Model(torch.nn.Module):

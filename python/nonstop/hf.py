@@ -79,6 +79,10 @@ class NonstopCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
         if args is not None and self.ckpt is None:  # checked before the first step
+            if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+                raise CheckpointMismatchError(
+                    "NonstopCallback supports DDP Trainer runs (torchrun), not FSDP or "
+                    "DeepSpeed yet; see docs/HF.md")
             self._from_args = _retention_of(args, self.checkpointer_kwargs)
             self._load_best = bool(getattr(args, "load_best_model_at_end", False))
             if self._load_best and str(getattr(args.save_strategy, "value", args.save_strategy)) \

@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
+import nonstop
 from conftest import needs_engine
+from nonstop import _dcp
 
 pytest.importorskip("transformers")
 HERE = os.path.dirname(__file__)
@@ -41,7 +43,6 @@ def final(out, rank):
 
 def kept(d):
     """{rank: sorted steps whose kept copy holds that rank's file}"""
-    import nonstop
     k = os.path.join(d, "keep")
     out = {}
     for rank in range(2):
@@ -83,8 +84,6 @@ def test_trainer_two_ranks_retention_and_load_best_model_at_end(tmp_path):
     rank's model holds the best step's weights (greater_is_better=True: the
     worst loss, step 1, not the newest: the direction is honoured)."""
     mode = "max"
-    import nonstop
-    from nonstop import _dcp
     d, out = str(tmp_path / "ckpt"), str(tmp_path / "run")
     ok(launch(d, out, 8, 1, "--eval-steps", "2", "--best", mode, "--save-total-limit", "2",
               "--load-best"))

@@ -16,24 +16,14 @@ from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError
                      CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
 
-try:
-    from . import _core  # noqa: E402
-    _CORE_ERROR = None
-except ImportError as e:  # a broken or partial build: say so on use, not on import
-    _core = None
-    _CORE_ERROR = str(e)
-else:
-    # The extension raises these classes (chosen by Status code); it imports
-    # no Python module itself, so the package hands them over here.
-    from .errors import BY_STATUS_CODE as _BY_STATUS_CODE  # noqa: E402
-    _core.register_errors(_BY_STATUS_CODE)
+from . import _ext  # noqa: E402
+from ._ext import ERROR as _CORE_ERROR  # noqa: E402
+from ._ext import _core  # noqa: E402,F401  nonstop._core: the extension, None when it did not load
 
 
 def build_info() -> dict:
     """What this build of the C++ engine contains."""
-    if _core is None:
-        raise ImportError(f"nonstop's C++ extension did not load: {_CORE_ERROR}")
-    return {"cuda": _core.built_with_cuda()}
+    return {"cuda": _ext.core().built_with_cuda()}
 
 
 # Checkpoint management (no torch needed): nonstop.list(dir), nonstop.delete(dir, step).
@@ -51,7 +41,9 @@ except ImportError as e:
     _TORCH_ERROR = str(e)
 
 if _TORCH_ERROR is None:
-    from ._checkpointer import Checkpointer, LoadedCheckpoint, load  # noqa: E402
+    from . import _export  # noqa: E402
+    from ._checkpointer import Checkpointer  # noqa: E402
+    from ._restore import LoadedCheckpoint, load  # noqa: E402
 
     def export(dir: str, out: str, step: "int | None" = None, rank: "int | None" = None,
                include=None, strip: "str | None" = None, format: str = "safetensors",
@@ -64,8 +56,7 @@ if _TORCH_ERROR is None:
         progress: a tqdm bar on stderr (None: when stderr is a terminal and
         the export is 256 MiB or more; True: always; False: never).
         Returns {'step', 'tensors', 'bytes', 'path'}."""
-        from ._dcp import export as _export  # torch.distributed.checkpoint: on first use
-        return _export(dir, out, step=step, rank=rank, include=include, strip=strip,
+        return _export.export_any(dir, out, step=step, rank=rank, include=include, strip=strip,
                        format=format, progress=progress)
 
     from ._handle import CheckpointHandle  # noqa: E402

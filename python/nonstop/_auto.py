@@ -29,12 +29,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from . import _ext
+
 
 def _schedule_class():
-    import nonstop
-    if nonstop._core is None:
-        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
-    return nonstop._core.Schedule
+    return _ext.core().Schedule
 
 
 class AutoInterval:

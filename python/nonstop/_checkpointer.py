@@ -9,8 +9,9 @@ committing and reading are done by the engine, with the GIL released.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
-import re
 import time
 import warnings
 import weakref
@@ -18,44 +19,19 @@ from typing import Any, Optional
 
 import torch
 
-from . import (_auto, _config, _data, _distributed, _fqn, _fsdp, _manage, _preempt, _progress,
-               _remote, _replica, _rng, _state, _unwrap)
+from . import (_auto, _config, _data, _distributed, _ext, _fqn, _fsdp, _layerwise, _manage,
+               _multistep, _objects, _preempt, _remote, _replica, _restore, _rng, _state, _unwrap)
+from ._objects import stateful
+from ._read import FORMAT, check_directory
+from ._restore import LoadedCheckpoint, load  # noqa: F401  nonstop.load, nonstop.LoadedCheckpoint
 from ._handle import CheckpointHandle, Watcher
-from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                     CorruptCheckpointError, IncompatibleCheckpointError)
+from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 
-FORMAT = "nonstop.torch/1"
 MODES = ("concurrent", "layerwise", "multistep")
-_RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
 
 
-# Every Checkpointer alive in this process: a forked child marks them as
-# its parent's (os.register_at_fork below).
-_LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
-    """In a forked child: the engine's threads were not copied, so the
-    parent's Checkpointers must never wait on them (the C++ side leaves
-    their engines alone), and the child gives the preemption signals their
-    previous meaning (a child that ignored SIGTERM would hang a pool's
-    terminate())."""
-    for ck in list(_LIVE):
-        watch = ck.__dict__.get("_preempt")
-        if watch is not None:
-            watch.after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _core():
-    """The C++ extension (looked up on each use, so tests may swap it)."""
-    import nonstop
-    if nonstop._core is None:
-        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
-    return nonstop._core
 
 
 def _world() -> tuple[int, int]:
@@ -63,46 +39,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def check_directory(path: str, rank: int, world_size: Optional[int], must_exist: bool) -> bool:
-    """Checks that `path` is a nonstop directory (or may become one).
-
-    Returns True when it holds this rank's slot file. Raises a one-line
-    error for a missing (when must_exist), foreign or other-world-size
-    directory.
-    """
-    if not os.path.exists(path):
-        if must_exist:
-            raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-        return False
-    if not os.path.isdir(path):
-        raise IncompatibleCheckpointError(f"{path} is a file, not a checkpoint directory")
-    names = sorted(os.listdir(path))
-    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, names) if m)
-    if not ranks:
-        # world-W/: rank files of another world size, set aside for resharding;
-        # rank-R.nsck.tmp: a slot file being created (a kill left it; the
-        # engine deletes it on open)
-        others = [n for n in names if not n.startswith(".")
-                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp|remote)$", n)]
-        if others:
-            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-            raise IncompatibleCheckpointError(
-                f"{path} is not a nonstop checkpoint directory (it holds {shown}); "
-                f"use an empty or new directory")
-        if must_exist:
-            raise CheckpointNotFoundError(f"no nonstop checkpoint in {path} (directory is empty)")
-        return False
-    if world_size is not None and ranks[-1] >= world_size:
-        raise IncompatibleCheckpointError(
-            f"{path} was written by a job of world size {ranks[-1] + 1} or more; this job has "
-            f"world size {world_size}: use the same world size or a new directory")
-    if rank not in ranks:
-        if must_exist:
-            raise CheckpointNotFoundError(f"no nonstop checkpoint for rank {rank} in {path}")
-        return False
-    return True
 
 
 class _Snapshot:
@@ -198,7 +134,7 @@ class Checkpointer:
         # When a checkpoint is due, for every mode: the one rule, in C++
         # (src/engine/schedule.h); every="auto" feeds it the clock (_auto.py).
         self._schedule = (self._auto.schedule if self._auto is not None
-                          else _core().Schedule.every(every))
+                          else _ext.core().Schedule.every(every))
         self.mode = mode
         self.keep = keep
         self.max_to_keep = max_to_keep
@@ -246,8 +182,7 @@ class Checkpointer:
         if tier != "auto":  # the engine's default
             engine_kwargs["memory_tier"] = tier
         if mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md
-            from ._multistep import MultistepMode
-            self._multistep = MultistepMode(self, _core(), dict(dir=self.dir, **engine_kwargs),
+            self._multistep = _multistep.MultistepMode(self, _ext.core(), dict(dir=self.dir, **engine_kwargs),
                                             parts, overlap_gradients)
             self._engine = self._multistep
             if retention != (0, "", False, 0):
@@ -267,7 +202,7 @@ class Checkpointer:
                 # preparation waits for restore(), and its first save() must
                 # not wait for it.
                 engine_kwargs["small_initial_staging"] = True
-            self._engine = _core().Engine(self.dir, **engine_kwargs)
+            self._engine = _ext.core().Engine(self.dir, **engine_kwargs)
             if retention != (0, "", False, 0):
                 try:
                     self._engine.set_retention(*retention)
@@ -304,9 +239,8 @@ class Checkpointer:
                 self._engine.prepare_staging(nbytes)
         self._layerwise = None
         if mode == "layerwise":  # optimizer in backward, per-parameter copies
-            from ._layerwise import Layerwise
             try:
-                self._layerwise = Layerwise(self, clip_grad_norm)
+                self._layerwise = _layerwise.Layerwise(self, clip_grad_norm)
             except Exception:
                 self.close()
                 raise
@@ -316,11 +250,10 @@ class Checkpointer:
         # remote="s3://bucket/prefix" or a path: committed checkpoints are also
         # uploaded in the background, and restore() falls back to them; _remote.py, docs/TIERS.md
         self._remote = None if remote is None else _remote.Tier(
-            self, remote, remote_options, _core, _read, LoadedCheckpoint)
+            self, remote, remote_options, _ext.core, _restore.read, LoadedCheckpoint)
         # The handles' thread starts now, not inside the first save() (no
         # first-checkpoint spike; _handle.Watcher.start).
         self._watcher.start()
-        _LIVE.add(self)
 
     # ---------------------------------------------------------------- saving
 
@@ -397,7 +330,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         engine = self._live()
         tensors: dict[str, torch.Tensor] = {}
-        tree = _state.flatten_state(self.state, tensors, _stateful, _distributed.state_dict_of)
+        tree = _objects.flatten_state(self.state, tensors)
         meta = {"format": FORMAT, "step": int(step), "rank": self.rank,
                 "world_size": self.world_size, "state": tree}
         if self.rng:
@@ -551,7 +484,7 @@ class Checkpointer:
                 for st in obj.state.values():
                     ptrs.update(_fsdp.data_ptr(v) for v in st.values()
                                 if isinstance(v, torch.Tensor))
-                ptrs.update(v.data_ptr() for v in _distributed.local_optimizer_tensors(obj))
+                ptrs.update(v.data_ptr() for v in _objects.local_optimizer_tensors(obj))
         return ptrs
 
     def _before_update(self, optimizer, args, kwargs):
@@ -720,7 +653,7 @@ class Checkpointer:
         if not hasattr(engine, "delete_kept"):
             raise CheckpointMismatchError("delete() works with mode='concurrent' or 'layerwise'")
         _manage.check_step(step)
-        _manage._delete_with(engine.delete_kept, self.dir, step)
+        _manage.delete_with(engine.delete_kept, self.dir, step)
 
     # ------------------------------------------------------------- restoring
 
@@ -747,11 +680,11 @@ class Checkpointer:
         if remote is not None:  # newer than every rank's local checkpoint
             loaded = remote
         elif self._dist is not None:  # collective: the ranks agree on the step
-            loaded = self._dist.load(self._engine, step, _core, LoadedCheckpoint, lambda d: (
+            loaded = self._dist.load(self._engine, step, _ext.core, LoadedCheckpoint, lambda d: (
                 check_directory(d, self.rank, self.world_size, must_exist=False)),
                 stats=self._restore_stats)
         elif self.world_size == 1 and _distributed.archives(self.dir):  # resharding to 1 process
-            loaded = _distributed.restore_single(self.dir, step, lambda: _read(
+            loaded = _distributed.restore_single(self.dir, step, lambda: _restore.read(
                 self.dir, self.rank, step, 1, as_numpy=False, prepare=self._prepare),
                 LoadedCheckpoint, self.state)
         elif not check_directory(self.dir, self.rank, self.world_size,
@@ -767,13 +700,13 @@ class Checkpointer:
             if step is None and self.tier != "disk":
                 # The memory tier first: used only when its segment verifies
                 # and holds exactly the newest committed checkpoint on disk.
-                loaded, why = _read_memory(self.dir, self.rank, self.world_size, self._prepare,
+                loaded, why = _restore.read_memory(self.dir, self.rank, self.world_size, self._prepare,
                                            live=self._live_tensors(), stats=self._restore_stats)
             if loaded is not None:
                 self._restore_stats.update(restored_from="memory",
                                            restore_s=time.perf_counter() - t0)
             else:
-                loaded = _read(self.dir, self.rank, step, self.world_size, as_numpy=False,
+                loaded = _restore.read(self.dir, self.rank, step, self.world_size, as_numpy=False,
                                prepare=self._prepare, live=self._live_tensors(),
                                stats=self._restore_stats)
                 self._restore_stats.update(restored_from="disk", memory_unused_because=why)
@@ -799,9 +732,9 @@ class Checkpointer:
         current: dict = {}
         self._flat = {}  # per key, for _check_fits of this restore
         for key, obj in self.state.items():
-            if _stateful(obj) or isinstance(obj, torch.Tensor):
+            if stateful(obj) or isinstance(obj, torch.Tensor):
                 flat: dict = {}
-                _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
+                _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key,
                                flat)
                 self._flat[key] = flat
                 current.update(flat)
@@ -847,11 +780,11 @@ class Checkpointer:
         """The checks load_state_dict would fail only halfway through."""
         if isinstance(obj, torch.Tensor) and not isinstance(value, torch.Tensor):
             raise CorruptCheckpointError(f"{where}: state {key!r} is not a tensor")
-        if _stateful(obj) and not isinstance(value, dict):
+        if stateful(obj) and not isinstance(value, dict):
             raise CorruptCheckpointError(
                 f"{where}: state {key!r} is a {type(value).__name__}, not a state dict")
-        if isinstance(obj, torch.optim.Optimizer) and not _distributed.is_zero(obj) and (
-                value.get(_distributed.CONSOLIDATED) is None):
+        if isinstance(obj, torch.optim.Optimizer) and not _objects.is_zero(obj) and (
+                value.get(_objects.CONSOLIDATED) is None):
             groups = value.get("param_groups")
             if not isinstance(groups, list) or not isinstance(value.get("state"), dict) or not all(
                     isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
@@ -868,11 +801,11 @@ class Checkpointer:
         values, setters = plan
         for key, obj in list(self.state.items()):
             value = values[key]
-            if _stateful(obj):
+            if stateful(obj):
                 if self._restored_in_place(key, obj, value):
                     continue  # load_state_dict would copy every tensor onto itself
                 try:
-                    _distributed.load_state_dict_into(obj, value)
+                    _objects.load_state_dict_into(obj, value)
                 except CheckpointError:
                     raise
                 except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
@@ -917,12 +850,12 @@ class Checkpointer:
         """Raises a one-line error naming the first tensor whose shape or
         dtype differs between the checkpoint and `obj` (and, for modules,
         a tensor the checkpoint lacks), before anything is changed."""
-        if not (_stateful(obj) or isinstance(obj, torch.Tensor)):
+        if not (stateful(obj) or isinstance(obj, torch.Tensor)):
             return
         current = self.__dict__.get("_flat", {}).get(key)
         if current is None:
             current = {}
-            _state.flatten(_distributed.state_dict_of(obj) if _stateful(obj) else obj, key,
+            _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key,
                            current)
         for name, t in current.items():
             if name not in loaded.tensors:
@@ -942,8 +875,6 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
     when the integration is made, not at its first checkpoint: an unknown
     name (a typo) or one it sets itself, and the values checkable without a
     state (keep=, max_to_keep=, best=, tier=). One-line errors."""
-    import difflib
-    import inspect
     known = [n for n in inspect.signature(Checkpointer.__init__).parameters if n != "self"]
     for k in options:
         if k in own:
@@ -970,7 +901,7 @@ def _state_bytes_estimate(state: dict) -> int:
     0 when the state cannot be walked now (the first save() reports that)."""
     tensors: dict = {}
     try:
-        _state.flatten_state(state, tensors, _stateful, _distributed.state_dict_of)
+        _objects.flatten_state(state, tensors)
     except Exception:  # an optimisation only: save() walks the state and raises
         return 0
     pad = 4096  # the slot layout aligns each large tensor to 4 KiB
@@ -988,386 +919,7 @@ def _state_bytes_estimate(state: dict) -> int:
     return nbytes
 
 
-def _stateful(obj) -> bool:
-    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
-        obj, (dict, torch.Tensor))
-
-
 def _describe(t) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
-class LoadedCheckpoint:
-    """What nonstop.load returns: one checkpoint, without a model."""
-
-    def __init__(self, step, counter, tensors, meta, info, path):
-        self.step = step            # training step
-        self.counter = counter      # global checkpoint counter
-        self.tensors = tensors      # name -> tensor (numpy arrays without torch)
-        self.meta = meta            # the JSON document: state tree, rng, ...
-        self.info = info            # the store's record: slot, commit time, sizes, ...
-        self.path = path
-        self.plan = None            # restore()'s checked plan (Checkpointer._prepare)
-
-    @property
-    def state(self) -> dict:
-        """The saved state, rebuilt: {'model': {...}, 'optim': {...}, ...}."""
-        as_numpy = not any(isinstance(t, torch.Tensor) for t in self.tensors.values())
-        return _state.unflatten(self.meta.get("state", {}), self.tensors, as_numpy)
-
-    def __repr__(self):
-        return (f"LoadedCheckpoint(step={self.step}, counter={self.counter}, "
-                f"tensors={len(self.tensors)}, path={self.path!r})")
-
-
-def _read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
-                 stats: Optional[dict] = None):
-    """(the newest checkpoint read from the memory tier's segment, "") or
-    (None, why it was not used): no segment, not verified, not exactly the
-    disk's newest, or malformed (the caller reads the disk then, into the
-    same tensors). Read through the C++ restore path straight into `live`'s
-    tensors where they fit (read_tensors)."""
-    open_segment = getattr(_core(), "open_memory_segment", None)
-    if open_segment is None:
-        return None, "this build has no memory tier"
-    reader, why = open_segment(path, rank)
-    if reader is None:
-        return None, why
-    try:
-        return _read_reader(path, rank, None, world_size, as_numpy=False, prepare=prepare,
-                            reader=reader, live=live, stats=stats), ""
-    except CorruptCheckpointError as e:
-        return None, str(e)
-
-
-def _decode_meta(info: dict, where: str) -> dict:
-    """The checkpoint's metadata, decoded from fixed types only; one-line
-    CorruptCheckpointError / IncompatibleCheckpointError naming `where`."""
-    try:
-        meta = _state.loads(info["meta_json"])
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{where}: step {info['step']}: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise IncompatibleCheckpointError(
-            f"{where}: step {info['step']} was not written by nonstop's PyTorch front end "
-            f"(format {str(meta.get('format'))[:40] if isinstance(meta, dict) else None!r})")
-    return meta
-
-
-def _read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
-          as_numpy: bool, prepare=None, live: Optional[dict] = None,
-          stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
-    """Reads one checkpoint of `rank` in `path`: `step`, or the newest that
-    verifies (warning about each newer damaged one). None when there is none
-    and `step` is None. prepare(loaded), when given, checks a checkpoint
-    before it is chosen (its result becomes loaded.plan): a
-    CorruptCheckpointError from it falls back to the next older one.
-
-    One read through the C++ restore path (nonstop._core.restore,
-    include/nonstop/restore.h): selection through the job directory (lineage
-    honoured), every crc chunk read and verified once, in parallel, straight
-    into the tensors. `live` (name -> tensor): the live state's tensors;
-    where a checkpoint tensor's name, shape and dtype match a contiguous CPU
-    one, it is read straight into that tensor's memory, after prepare()
-    checked everything. A checksum failure mid-read falls back to the next
-    older checkpoint, read into the same tensors. `stats`, when given, is
-    filled with the restore's times and sizes."""
-    core = _core()
-    if not hasattr(core, "restore"):  # tests/python/fake_core.py: its Reader only
-        return _read_reader(path, rank, step, world_size, as_numpy, prepare)
-    state: dict = {"loaded": None, "began": False}
-    deferred_prepare = []
-
-    warned: list = []  # counters whose failure mid-read was warned about
-
-    def prep(info: dict):
-        """Where each tensor of `info` goes, after every check; a str (the
-        reason) when this checkpoint is malformed: the next older one is tried."""
-        try:
-            return prep_checked(info)
-        except CorruptCheckpointError as e:
-            return str(e)
-
-    def prep_checked(info: dict) -> list:
-        where = os.path.join(path, info["where"])
-        prev = state["loaded"]
-        if prev is not None and prev.counter not in warned:  # the one before failed mid-read
-            warned.append(prev.counter)
-            warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
-                          f"is damaged; falling back to an older checkpoint", stacklevel=4)
-        if world_size is not None and info["world_size"] != world_size:
-            raise IncompatibleCheckpointError(
-                f"{path} was written by a job of world size {info['world_size']}; this job "
-                f"has world size {world_size}: use the same world size or a new directory")
-        meta = _decode_meta(info, where)
-        # FSDP2 checkpoints become DTensors in prepare(), which may copy them
-        # to a device: that prepare runs after the read, into fresh tensors.
-        sharded = bool(meta.get("dtensor") or meta.get("dist"))
-        into = None if (sharded or as_numpy) else live
-        tensors, dests = _destinations(info["tensors"], as_numpy, into)
-        info = dict(info)
-        info.pop("meta_json")
-        loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
-        deferred_prepare.clear()
-        if prepare is not None:
-            if sharded:
-                deferred_prepare.append(True)
-            else:
-                loaded.plan = prepare(loaded)  # every check, before anything is written
-        state["loaded"] = loaded
-        state["began"] = True
-        return dests
-
-    exclude: list = []
-    bar = _progress.Progress("nonstop restore")
-    while True:
-        try:
-            got = core.restore(path, rank, prep, step=step, threads=_restore_threads(),
-                               progress=None if bar.off else bar, exclude=exclude,
-                               direct=_restore_direct())
-        except CorruptCheckpointError as e:
-            if step is not None and "is damaged" not in str(e):
-                raise CorruptCheckpointError(
-                    f"checkpoint at step {step} in {path} is damaged: {e}") from None
-            raise
-        except CheckpointNotFoundError:
-            if step is None:
-                raise
-            raise _manage.not_found(path, rank, step) from None  # ring and kept steps
-        except CheckpointError as e:
-            if state["began"] and "partly overwritten" not in str(e):
-                raise type(e)(f"{e}; the state was partly overwritten by this restore") from None
-            raise
-        finally:
-            bar.close()
-        if got is None:
-            return None
-        loaded = state["loaded"]
-        if deferred_prepare:
-            try:
-                loaded.plan = prepare(loaded)
-            except CorruptCheckpointError as e:
-                if step is not None:
-                    raise
-                warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
-                exclude.append(int(loaded.counter))
-                continue
-        break
-    for line in got["skipped"]:
-        if any(f"checkpoint #{c} " in line for c in warned):
-            continue
-        warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
-                      stacklevel=3)
-    if stats is not None:
-        st = got["stats"]
-        stats.update(restore_s=got["restore_s"], restore_read_s=st["read_s"],
-                     restore_bytes=st["data_bytes"],
-                     restore_GBps=(st["data_bytes"] / got["restore_s"] / 1e9
-                                   if got["restore_s"] > 0 else 0.0),
-                     restore_direct_bytes=st["direct_bytes"],
-                     restore_odirect_bytes=st.get("odirect_bytes", 0),
-                     restore_attempts=got["attempts"],
-                     restore_step=int(got["step"]))
-    return loaded
-
-
-def _restore_threads() -> int:
-    """Reader threads: NONSTOP_RESTORE_THREADS, else 4."""
-    try:
-        return max(1, int(os.environ.get("NONSTOP_RESTORE_THREADS", "4")))
-    except ValueError:
-        return 4
-
-
-def _restore_direct() -> bool:
-    """Whether the restore reads what is not in the page cache with
-    O_DIRECT through a queue of reads in flight (RestoreOptions::direct):
-    on by default (faster cold than buffered reads on the quiet machine,
-    docs/BENCHMARKS.md "Restore"); NONSTOP_RESTORE_DIRECT=0 turns it off."""
-    return os.environ.get("NONSTOP_RESTORE_DIRECT", "1") != "0"
-
-
-def _destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
-    """(name -> tensor, [(data pointer, nbytes)] in table order) for a
-    checkpoint's tensors: the live tensor where one of the same name, shape
-    and dtype is a contiguous CPU tensor whose memory no other destination
-    shares (tied weights: the second gets its own), else a new one. A spec
-    that is None gets no tensor (destination (0, 0): verified, not kept)."""
-    tensors: dict = {}
-    dests = []
-    # Live tensors that fit, then those whose memory overlaps an earlier one's dropped.
-    fit: dict = {}
-    if live is not None:
-        ranges = []
-        for i, spec in enumerate(specs):
-            t = None if spec is None else live.get(spec["name"])
-            if t is not None and spec["nbytes"] and _fits_live(t, spec["dtype"], spec["shape"]):
-                ranges.append((t.data_ptr(), t.data_ptr() + spec["nbytes"], i, t))
-        ranges.sort(key=lambda r: (r[0], r[2]))
-        reach = 0
-        for begin, end, i, t in ranges:
-            if begin >= reach:
-                fit[i] = t
-            reach = max(reach, end)
-    for i, spec in enumerate(specs):
-        if spec is None:  # not wanted: verified, not kept
-            dests.append((0, 0))
-            continue
-        code, shape, nbytes = spec["dtype"], spec["shape"], spec["nbytes"]
-        t = fit.get(i)
-        if t is None:
-            t = _new_tensor(code, shape, nbytes, as_numpy)
-        tensors[spec["name"]] = t
-        if not nbytes:
-            dests.append((0, 0))
-        else:
-            dests.append((t.ctypes.data if as_numpy else t.data_ptr(), nbytes))
-    return tensors, dests
-
-
-def _fits_live(t, code: int, shape: list) -> bool:
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and list(t.shape) == list(shape) and _state.torch_dtype_code(t.dtype) == code)
-
-
-def _new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):
-    if as_numpy:
-        import numpy as np
-        np_dtype = _state.NUMPY_DTYPES.get(code)
-        return np.empty(shape, dtype=np_dtype) if np_dtype is not None else np.empty(
-            nbytes, dtype=np.uint8)
-    return torch.empty(shape, dtype=_state.torch_dtype(code))
-
-
-def read_tensors(reader, idx: int, as_numpy: bool = False, live: Optional[dict] = None,
-                 stats: Optional[dict] = None, names=None) -> dict:
-    """Every tensor of checkpoint `idx` of an opened `_core.Reader` (a slot
-    file, a keep copy, an archive, a memory-tier segment, a JobDir
-    selection), by name, read through the C++ restore path
-    (Reader.read_into: every crc chunk read and verified once, in parallel,
-    without the GIL) instead of tensor by tensor. `live` (name -> tensor):
-    where one of the same name, shape and dtype is a contiguous CPU tensor,
-    the data lands straight in it (check everything before calling: the read
-    overwrites it). `names` (a predicate on a tensor's name): only those are
-    kept (the others are still verified). `stats`, when given, gets the
-    read's sizes and time. The one helper for every Python reader."""
-    info = reader.checkpoints[idx]
-    specs = info["tensors"]
-    if names is not None:
-        specs = [s if names(s["name"]) else None for s in specs]
-    tensors, dests = _destinations(specs, as_numpy, live)
-    _read_into(reader, idx, info, tensors, dests, stats)
-    return tensors
-
-
-def _read_into(reader, idx: int, info: dict, tensors: dict, dests: list,
-               stats: Optional[dict] = None) -> None:
-    if hasattr(reader, "read_into"):
-        got = reader.read_into(idx, dests, threads=_restore_threads())
-        if stats is not None:
-            stats.update(got)
-        return
-    # tests/python/fake_core.py's Reader has only read_tensor.
-    for ti, (spec, (ptr, nbytes)) in enumerate(zip(info["tensors"], dests)):
-        if nbytes:
-            reader.read_tensor(idx, ti, ptr, nbytes)
-
-
-def _read_reader(path: str, rank: int, step: Optional[int], world_size: Optional[int],
-                 as_numpy: bool, prepare=None, reader=None, live: Optional[dict] = None,
-                 stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
-    """_read over a core that has only the Reader (tests/python/fake_core.py),
-    or over `reader`, the memory tier's segment (_read_memory). With `live`,
-    prepare() checks a checkpoint before its data is read straight into the
-    live tensors (as _read does)."""
-    if reader is None:
-        reader = _core().Reader(path, rank=rank, verify_data=True)
-    geometry = reader.geometry
-    if world_size is not None and geometry["world_size"] != world_size:
-        raise IncompatibleCheckpointError(
-            f"{path} was written by a job of world size {geometry['world_size']}; this job "
-            f"has world size {world_size}: use the same world size or a new directory")
-    ckpts = reader.checkpoints
-    # A rollback is final (DESIGN.md invariant 9): counters the job directory's
-    # lineage record abandoned are never chosen again.
-    # The planner orders them (nonstop/plan.h).
-    lineage = _core().JobDir.open_for_read(path).lineage(rank)
-    cands = [{"step": int(c["step"]), "counter": int(c["counter"]),
-              "committed": bool(c["committed"]), "damage": c["reason"] or ""} for c in ckpts]
-    committed = _core().plan(cands, lineage)["order"]
-    if step is not None:
-        order = [i for i in committed if ckpts[i]["step"] == step]
-        damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]
-        if not order and damaged:
-            raise CorruptCheckpointError(
-                f"checkpoint at step {step} in {path} is damaged: {damaged[0]['reason']}")
-        if not order:
-            have = ", ".join(str(ckpts[i]["step"]) for i in committed) or "none"
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
-    else:
-        order = committed
-        for line in reader.skipped:
-            warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
-                          stacklevel=3)
-        if not order:
-            if ckpts:
-                raise CorruptCheckpointError(
-                    f"no valid checkpoint in {path}: {ckpts[0]['reason'] or 'all damaged'}")
-            return None
-    written = False
-    for n, idx in enumerate(order):
-        info = ckpts[idx]
-        try:
-            meta = _decode_meta(info, reader.path)
-            # FSDP2 checkpoints become DTensors in prepare(), which needs their
-            # data: those are read into fresh tensors first (as in _read).
-            sharded = bool(meta.get("dtensor") or meta.get("dist"))
-            into = None if (sharded or as_numpy or prepare is None) else live
-            tensors, dests = _destinations(info["tensors"], as_numpy, into)
-            info = dict(info)
-            info.pop("meta_json")
-            loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info,
-                                      reader.path)
-            if prepare is not None and into is not None:
-                loaded.plan = prepare(loaded)  # every check, before anything is written
-            written = written or into is not None
-            t0 = time.perf_counter()
-            read_stats: dict = {}
-            _read_into(reader, idx, info, tensors, dests, read_stats)
-            if stats is not None and read_stats:
-                nbytes = read_stats["data_bytes"]
-                took = time.perf_counter() - t0
-                stats.update(restore_read_s=read_stats["read_s"], restore_bytes=nbytes,
-                             restore_direct_bytes=read_stats["direct_bytes"],
-                             restore_GBps=nbytes / took / 1e9 if took > 0 else 0.0,
-                             restore_step=int(info["step"]))
-            if prepare is not None and into is None:
-                loaded.plan = prepare(loaded)
-        except CorruptCheckpointError as e:
-            if step is not None or n + 1 == len(order):
-                if written:
-                    raise CorruptCheckpointError(
-                        f"{e}; the state was partly overwritten by this restore") from None
-                raise
-            warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
-            continue
-        return loaded
-    return None
-
-
-def load(dir: str, step: Optional[int] = None, rank: int = 0,
-         as_numpy: bool = False, remote_options: Optional[dict] = None) -> LoadedCheckpoint:
-    """Reads a checkpoint for inspection, without a model: its tensors by
-    name and its metadata. The newest valid one unless `step` is given.
-    A URL ("s3://bucket/prefix"), or any path with remote_options, is read
-    as a remote tier (docs/TIERS.md)."""
-    path = os.fspath(dir)
-    if remote_options is not None or re.match(r"^[a-z][a-z0-9+.-]*://", path):
-        return _remote.load(path, step, rank, remote_options, _read, as_numpy)
-    check_directory(path, rank, None, must_exist=True)
-    loaded = _read(path, rank, step, None, as_numpy)
-    if loaded is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
-    return loaded

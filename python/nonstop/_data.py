@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from .errors import CheckpointMismatchError
 
+import torch.utils.data
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
 FIX_SAMPLER = ("sampler=torchdata.stateful_dataloader.sampler.RandomSampler(dataset, "
                "generator=torch.Generator().manual_seed(SEED))")
 FIX_GENERATOR = "generator=torch.Generator().manual_seed(SEED2)"
@@ -43,10 +46,6 @@ def _samplers(loader, depth: int = 0):
 
 
 def _is_loader(obj) -> bool:
-    try:
-        import torch.utils.data
-    except ImportError:
-        return False
     base = getattr(obj, "base_dataloader", obj)  # Accelerate's DataLoaderShard
     return (isinstance(base, torch.utils.data.DataLoader)
             and callable(getattr(obj, "state_dict", None))
@@ -55,7 +54,6 @@ def _is_loader(obj) -> bool:
 
 def _positional_only(sampler) -> bool:
     """A random sampler whose state a loader can keep only as a position."""
-    from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
     if not isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)):
         return False
     return not (callable(getattr(sampler, "state_dict", None))

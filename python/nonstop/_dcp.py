@@ -27,38 +27,22 @@ The key `nonstop.step` holds the step.
 """
 from __future__ import annotations
 
+import argparse
+import inspect
 import os
-import re
 import sys
 from typing import Optional
 
 import torch
 
+from . import _ext, _read
 from . import _state
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
-
-_RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
-
-
-def _readers(path: str):
-    from ._checkpointer import _core
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, os.listdir(path)) if m)
-    if not ranks:
-        raise CheckpointNotFoundError(f"no nonstop checkpoint in {path}")
-    readers = [_core().Reader(path, rank=r, verify_data=True) for r in ranks]
-    world = readers[0].geometry["world_size"]
-    if ranks != list(range(world)):
-        raise IncompatibleCheckpointError(
-            f"{path} holds rank files {ranks} of a job of world size {world}: every rank file "
-            f"is needed (copy the ranks' local directories together)")
-    return readers
-
-
-def _key(meta: dict) -> tuple:
-    return int(meta.get("step", -1)), int(meta.get("dist", {}).get("lineage", 0))
-
+from .errors import CorruptCheckpointError
+from ._distributed import consolidate
+from ._objects import CONSOLIDATED
+from ._read import read_tensors
+from . import _progress
+from ._cli import cli_run
 
 def gather(path: str, step: Optional[int] = None,
            progress=None) -> tuple[int, list, list, set]:
@@ -70,16 +54,15 @@ def gather(path: str, step: Optional[int] = None,
     checkpoint is read through the one verified read path (read_tensors:
     every crc chunk read and verified once); `progress(done, total)` is
     told the bytes read after each rank."""
-    from ._checkpointer import _core, read_tensors
-    readers = _readers(path)
+    readers = _read.readers(path)
     # The planner chooses (through the job directory's common selection): the
     # newest step every rank committed, of one run, that no rollback abandoned.
-    sel = _core().JobDir.open_for_read(path).select_common(len(readers), step=step)
+    sel = _ext.core().JobDir.open_for_read(path).select_common(len(readers), step=step)
     per_rank = []
     for r, chosen in enumerate(sel["ranks"]):
         where = os.path.dirname(chosen.where)
         if where:  # a kept copy (keep/step-N/rank-R.nsck)
-            readers[r] = _core().Reader(os.path.join(path, where), rank=r, verify_data=False)
+            readers[r] = _ext.core().Reader(os.path.join(path, where), rank=r, verify_data=False)
         reader = readers[r]
         idx = next((i for i, c in enumerate(reader.checkpoints)
                     if c["committed"] and c["counter"] == chosen.counter), None)
@@ -87,7 +70,7 @@ def gather(path: str, step: Optional[int] = None,
             raise CorruptCheckpointError(
                 f"checkpoint step {sel['step']} of rank {r} in {path} changed while it was read")
         meta = _state.loads(reader.checkpoints[idx]["meta_json"].decode("utf-8"))
-        per_rank.append({_key(meta): (idx, meta)})
+        per_rank.append({_read.step_key(meta): (idx, meta)})
     key = next(iter(per_rank[0]))
     doc = per_rank[0][key][1].get("dist", {})
     shared = dict(doc.get("shared", {}))
@@ -246,10 +229,9 @@ def _zero_consolidated(key: str, tensors: list, metas: list) -> dict:
     consolidate_state_dict gives) of the ZeroRedundancyOptimizer saved under
     `key`, from every rank's shard (the resharding code's _consolidate). A
     malformed record is a one-line CorruptCheckpointError."""
-    from ._distributed import CONSOLIDATED, _consolidate
     scratch: dict = {}
     try:
-        tree = _consolidate(key, metas, tensors, scratch)
+        tree = consolidate(key, metas, tensors, scratch)
         value = _state.unflatten(tree, scratch)
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
@@ -283,7 +265,6 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
     256 MiB or more, True always, False never).
     Returns {'step', 'tensors', 'bytes', 'path'}."""
     import torch.distributed.checkpoint as dcp
-    from . import _progress
     bar = _progress.Progress("nonstop export", progress)
     try:
         got_step, tensors, metas, shared = gather(os.fspath(dir), step, progress=bar)
@@ -294,9 +275,7 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
     state["nonstop.step"] = torch.tensor(got_step, dtype=torch.int64)
     # The folder through the Env seam (made when missing, a symlink as its last
     # component refused); the files in it are written by torch's FileSystemWriter.
-    from ._checkpointer import _core
-    _core().Directory(os.path.abspath(out), create=True)
-    import inspect
+    _ext.core().Directory(os.path.abspath(out), create=True)
     kw = {}
     if "no_dist" in inspect.signature(dcp.save).parameters and not (
             torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -306,7 +285,6 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
 
 
 def main(argv=None) -> int:
-    import argparse
     p = argparse.ArgumentParser(prog="python -m nonstop._dcp",
                                 description="export a nonstop checkpoint as a DCP checkpoint")
     p.add_argument("dir")
@@ -315,30 +293,11 @@ def main(argv=None) -> int:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: on a terminal, for big exports)")
     a = p.parse_args(argv)
-    from ._export import cli_run
     return cli_run(lambda: export_dcp(a.dir, a.out, a.step, progress=a.progress))
 
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] = None,
-           include=None, strip: Optional[str] = None, format: str = "safetensors",
-           progress: Optional[bool] = None) -> dict:
-    """nonstop.export: format="safetensors" (one file; a multi-rank job
-    consolidated; see _export.py) or format="dcp" (every rank, reassembled,
-    as DCP). progress: a tqdm bar on stderr (None: when stderr is a terminal
-    and the export is 256 MiB or more; True: always; False: never)."""
-    if format == "dcp":
-        if include is not None or strip is not None or rank is not None:
-            raise ValueError("format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
-        return export_dcp(dir, out, step, progress=progress)
-    if format != "safetensors":
-        raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
-    from ._export import export as export_safetensors
-    return export_safetensors(dir, out, step=step, rank=rank, include=include, strip=strip,
-                              progress=progress)
 
 
 def _meta_dtype(name, tensor: str, path: str):

@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import random
-import sys
 import threading
 import time
 import warnings
@@ -46,68 +45,18 @@ from typing import Optional
 
 import torch
 
+from . import _ext, _fsdp, _state
+from ._objects import CONSOLIDATED, is_zero
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                      CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
+from ._read import read_tensors
+from ._state import loads, torch_dtype_by_name
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPLICATED = ("shard", "rank0")
 # Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
-CONSOLIDATED = "nonstop_consolidated_zero"
 # Tensors smaller than this (in elements) are not cut: one rank writes each whole.
 MIN_SHARD_NUMEL = 1024
-
-
-def is_zero(obj) -> bool:
-    """True for a ZeroRedundancyOptimizer. Looked up in sys.modules, never
-    imported: importing torch.distributed.optim costs ~2 s (TorchScript),
-    and an object of that class exists only once its module is imported."""
-    mod = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    cls = getattr(mod, "ZeroRedundancyOptimizer", None)
-    return cls is not None and isinstance(obj, cls)
-
-
-def state_dict_of(obj):
-    """The state a rank saves for `obj`: a ZeroRedundancyOptimizer saves its
-    own shard (its local optimizer), never the consolidated state."""
-    if is_zero(obj):
-        sd = obj.optim.state_dict()
-        # ZeRO copies its own param_groups into the local optimizer only at
-        # the next step: a scheduler's newest lr is in ZeRO's groups.
-        for local, mine in zip(sd["param_groups"], obj.param_groups):
-            local.update({k: v for k, v in mine.items() if k != "params"})
-        return sd
-    return obj.state_dict()
-
-
-def load_state_dict_into(obj, value) -> None:
-    if isinstance(value, dict) and value.get(CONSOLIDATED) is not None:
-        # A resharded ZeroRedundancyOptimizer's whole state (global indices):
-        # a new ZeRO partitions it over its ranks; a plain optimizer (one
-        # process) takes it as is.
-        obj.load_state_dict({k: v for k, v in value.items() if k != CONSOLIDATED})
-        if is_zero(obj):
-            # ZeRO's load leaves copies (or None) of every parameter's state in
-            # its own `state`; the live state is its local optimizer's, and a
-            # ZeRO never loaded holds none there.
-            obj.state.clear()
-        return
-    if is_zero(obj):
-        obj.optim.load_state_dict(value)
-        # ZeRO copies its own param_groups into the local optimizer at each
-        # step: give them the restored hyperparameters (lr, betas, ...).
-        for mine, local in zip(obj.param_groups, obj.optim.param_groups):
-            for k, v in local.items():
-                if k != "params":
-                    mine[k] = v
-        return
-    obj.load_state_dict(value)
-
-
-def local_optimizer_tensors(obj) -> list:
-    """Tensors only `obj.step()` changes, beyond obj.param_groups/obj.state."""
-    if not is_zero(obj):
-        return []
-    return [v for st in obj.optim.state.values() for v in st.values()
-            if isinstance(v, torch.Tensor)]
 
 
 def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
@@ -119,10 +68,6 @@ def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
     own batch) and rank 0's are the ones every rank will use next: rank 0
     writes them whole and every rank restores them. With
     broadcast_buffers=False each rank keeps its own buffers: rank-local."""
-    try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:
-        DDP = ()
     rank0, own = set(), set()
     for key, obj in stateful_keys.items():
         if key in local or not isinstance(obj, torch.nn.Module):
@@ -136,10 +81,6 @@ def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
 
 
 def _is_ddp(obj) -> bool:
-    try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:
-        return False
     return isinstance(obj, DDP)
 
 
@@ -161,7 +102,7 @@ def _open_read(dir: str):
     """The job directory opened for reading (JobDir, no lock), or None when
     it does not exist."""
     try:
-        return _core().JobDir.open_for_read(dir)
+        return _ext.core().JobDir.open_for_read(dir)
     except CheckpointNotFoundError:
         return None
 
@@ -221,7 +162,7 @@ class Distributed:
             need = needs_set_aside(dir, world)
         except CheckpointError as e:
             need, err = False, str(e)
-        _Comm(self.group, world).check(err)
+        Comm(self.group, world).check(err)
         flags = torch.tensor([1 if need else 0])
         dist.all_reduce(flags, group=self.group)
         if int(flags.item()):
@@ -232,7 +173,7 @@ class Distributed:
                         set_aside(dir, world, rank=rank, quick=False)
                     except CheckpointError as e:
                         err = str(e)
-                _Comm(self.group, world).check(err)
+                Comm(self.group, world).check(err)
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
@@ -292,7 +233,7 @@ class Distributed:
         """Rank 0's metrics= (name -> float, or None) on every rank: JSON
         over gloo, never pickle. Collective: every rank calls it for each
         checkpoint it starts."""
-        got = _Comm(self.metrics_group, self.world).gather(metrics)[0]
+        got = Comm(self.metrics_group, self.world).gather(metrics)[0]
         return got if isinstance(got, dict) else None
 
     def tidy_kept(self) -> list:
@@ -303,14 +244,14 @@ class Distributed:
         file of it (JobDir.delete_kept_share), so that every rank ranks the
         same kept steps. A copy a restore protects, or the newest committed
         checkpoint, stays. Collective; returns the steps deleted here."""
-        comm = _Comm(self.group, self.world)
+        comm = Comm(self.group, self.world)
         jd, err, mine, gone = None, None, [], []
         try:
             probe = _open_read(self.dir)
             if probe is not None:
                 probe.close()
                 # The writer's open first redoes this rank's interrupted copies.
-                jd = _core().JobDir.open_for_write(self.dir, self.rank, self.world)
+                jd = _ext.core().JobDir.open_for_write(self.dir, self.rank, self.world)
                 mine = sorted({int(k["step"]) for k in jd.kept(self.rank)})
         except CheckpointError as e:
             err = str(e)
@@ -446,7 +387,7 @@ class Distributed:
         are committed and not abandoned (list), which one of a step verifies
         (select); the ranks only agree on the step."""
         dist = torch.distributed
-        comm = _Comm(self.group, self.world)
+        comm = Comm(self.group, self.world)
         jd, err, foreign, mine = None, None, False, []
         try:
             jd = _open_read(self.dir)
@@ -482,8 +423,6 @@ class Distributed:
                 f"committed on every rank of {self.dir} (rank {self.rank} holds steps "
                 f"{mine or 'none'})")
         agreed = self.agreed["step"] if self.agreed else None
-        from ._checkpointer import read_tensors
-        from ._state import loads
         stats = {} if stats is None else stats
         for n, s in enumerate(order):
             t0 = time.perf_counter()
@@ -553,7 +492,7 @@ class Distributed:
         stats["_memory_tensors"]. Otherwise "disk" on every rank, with
         stats["memory_unused_because"] naming each rank that could not, and
         every rank reads its disk: the sources are never mixed. Collective."""
-        from ._checkpointer import _core as core, read_tensors
+        core = _ext.core()
         why, reader = "", None
         if err is not None:
             why = f"the disk's checkpoint of step {s}: {err}"
@@ -583,7 +522,7 @@ class Distributed:
         return "memory"
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
-        got = reshard(self.dir, self.rank, self.world, step, _Comm(self.group, self.world),
+        got = reshard(self.dir, self.rank, self.world, step, Comm(self.group, self.world),
                       self.state or {})
         if got is None:
             return None
@@ -593,7 +532,7 @@ class Distributed:
         if cand is not None:  # a newer checkpoint of this world size, not on every rank
             self.engine.drop_candidate(cand[0])
         self._record(-1, key[0], (os.path.basename(archive), old_world))
-        return info, tensors, meta, os.path.join(self.dir, _core().JobDir.slot_name(self.rank))
+        return info, tensors, meta, os.path.join(self.dir, _ext.core().JobDir.slot_name(self.rank))
 
     def _assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
         """Reassembles every replicated tensor from the ranks' pieces with an
@@ -655,13 +594,10 @@ def planned_steps(jd, rank: int, step: Optional[int]) -> list:
               "step": int(c["step"]), "counter": int(c["counter"]),
               "committed": c["state"] != "damaged", "damage": c["reason"],
               "overwritten": bool(c.get("rotated"))} for c in rows]
-    order = _core().plan(cands, jd.lineage(rank), step=step)["order"]
+    order = _ext.core().plan(cands, jd.lineage(rank), step=step)["order"]
     return list(dict.fromkeys(cands[i]["step"] for i in order))
 
 
-def _core():
-    from ._checkpointer import _core as core
-    return core()
 
 
 def needs_set_aside(dir: str, world: int) -> bool:
@@ -683,9 +619,9 @@ def set_aside(dir: str, world: int, rank: int = 0, quick: bool = True) -> list:
     moving (needs_set_aside)."""
     if quick and not needs_set_aside(dir, world):
         return []
-    jd = _core().JobDir.open_for_write(dir, rank=rank, world_size=world)
+    jd = _ext.core().JobDir.open_for_write(dir, rank=rank, world_size=world)
     try:
-        moved = [os.path.join(dir, _core().JobDir.world_name(w)) for w in jd.set_aside(world)]
+        moved = [os.path.join(dir, _ext.core().JobDir.world_name(w)) for w in jd.set_aside(world)]
     finally:
         jd.close()
     if moved:
@@ -701,10 +637,10 @@ def archives(dir: str) -> list:
     jd = _open_read(dir)
     if jd is None:
         return []
-    return [(w, os.path.join(dir, _core().JobDir.world_name(w))) for w in jd.set_aside_worlds()]
+    return [(w, os.path.join(dir, _ext.core().JobDir.world_name(w))) for w in jd.set_aside_worlds()]
 
 
-class _Comm:
+class Comm:
     """The few collectives resharding needs; world 1 without a process group."""
 
     def __init__(self, group=None, world: int = 1):
@@ -777,7 +713,6 @@ def _read_all(reader, idx: int, names=None) -> dict:
     """name -> (tensor, spec) of checkpoint `idx` of one file, those whose
     name `names` accepts: one read through the C++ restore path (every crc
     chunk read and verified once; read_tensors)."""
-    from ._checkpointer import read_tensors
     info = reader.checkpoints[idx]
     got = read_tensors(reader, idx, names=names)
     return {spec["name"]: (got[spec["name"]], spec) for spec in info["tensors"]
@@ -811,7 +746,7 @@ _ERRORS = {"CheckpointError": CheckpointError, "CheckpointNotFoundError": Checkp
            "CheckpointMismatchError": CheckpointMismatchError, "CheckpointIOError": CheckpointIOError}
 
 
-def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "_Comm",
+def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
             state: dict) -> Optional[tuple]:
     """Rebuilds rank `rank`'s state (of a job of world size `world`) from a
     set-aside checkpoint of another world size in `dir`. Returns ((step,
@@ -867,7 +802,6 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "_Comm",
         src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
         err, fatal, got = None, None, None
         try:
-            from ._state import loads
             metas = []
             for sel, reader in zip(pick["ranks"], readers):
                 meta = loads(reader.checkpoints[0]["meta_json"])
@@ -944,12 +878,11 @@ def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world,
     meta = json.loads(json.dumps(metas[src]))  # a copy: its state tree is rewritten below
     meta["state"] = dict(meta.get("state", {}))
     for zk in sorted(zero_keys):
-        meta["state"][zk] = _consolidate(zk, metas, zero_parts, tensors)
+        meta["state"][zk] = consolidate(zk, metas, zero_parts, tensors)
     # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.
     dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
     if dt:
-        from . import _fsdp
-        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, _core(),
+        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, _ext.core(),
                                      sources=(readers, indices)))
     # A module saved under DDP restored without it (one process), or back.
     saved_ddp = set(doc.get("ddp", []))
@@ -960,11 +893,10 @@ def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world,
     return tensors, meta
 
 
-def _consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
+def consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
     """The consolidated state_dict (global parameter indices) of the
     ZeroRedundancyOptimizer saved under `key`, from every old rank's shard.
     Its tensors are added to `tensors` under `key`#zero/...; returns its tree."""
-    from . import _state
     state, groups = {}, None
     for meta, parts in zip(metas, zero_parts):
         layout = meta["dist"]["zero"][key]
@@ -995,16 +927,15 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     steps = [c["step"] for c in listed if c["state"] == "committed"]
     if steps and (step is None or step in steps):
         return read_own()
-    got = reshard(dir, 0, 1, step, _Comm(), state)
+    got = reshard(dir, 0, 1, step, Comm(), state)
     if got is None:
         return read_own() if listed else None
     key, info, tensors, meta, _, archive = got
     return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
-                      os.path.join(archive, _core().JobDir.slot_name(0)))
+                      os.path.join(archive, _ext.core().JobDir.slot_name(0)))
 
 
 def _torch_dtype_by_name(name: str):
-    from ._state import torch_dtype_by_name
     t = torch_dtype_by_name(name)  # a fixed list, never a lookup in torch by name
     if t is None:
         raise IncompatibleCheckpointError(f"unknown dtype {name!r} in a distributed checkpoint")

@@ -9,6 +9,7 @@ shown for long exports.
 """
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import os
@@ -17,10 +18,12 @@ from typing import Optional
 
 import numpy as np
 
-from . import _progress, _state
-from ._checkpointer import _core, _restore_threads, check_directory
+from . import _dcp, _ext, _progress, _state
+from ._cli import cli_run
+from ._read import check_directory, restore_threads
 from .errors import (CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
+import torch
 
 # Bytes of stored tensors read per window (as `nonstop export` in C++ does).
 WINDOW_BYTES = 256 << 20
@@ -49,7 +52,7 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
     bar = _progress.Progress("nonstop export", progress)
     path = os.fspath(dir)
     check_directory(path, rank or 0, None, must_exist=True)
-    world = _core().Reader(path, rank=rank or 0, verify_data=False).geometry["world_size"]
+    world = _ext.core().Reader(path, rank=rank or 0, verify_data=False).geometry["world_size"]
     if world > 1:
         if rank is not None:
             raise CheckpointMismatchError(
@@ -59,10 +62,10 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
     rank = 0 if rank is None else rank
     # The planner chooses (the job directory's selection): what load() and
     # restore() read; a step a rollback abandoned is refused as load() does.
-    chosen = _core().JobDir.open_for_read(path).select(rank, step=step)
+    chosen = _ext.core().JobDir.open_for_read(path).select(rank, step=step)
     if chosen is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
-    reader = _core().Reader(os.path.join(path, os.path.dirname(chosen.where)), rank=rank,
+    reader = _ext.core().Reader(os.path.join(path, os.path.dirname(chosen.where)), rank=rank,
                             verify_data=False)
     ckpts = reader.checkpoints
     found = [i for i, c in enumerate(ckpts) if c["committed"] and c["counter"] == chosen.counter]
@@ -134,9 +137,7 @@ def _safetensors_dtype(name: str, code: int) -> str:
 def _export_consolidated(path: str, out, step: Optional[int], patterns, strip, bar) -> dict:
     """A multi-rank job's checkpoint committed on every rank, reassembled
     (_dcp.gather/layout, as the DCP export) and written as safetensors."""
-    import torch
 
-    from . import _dcp
     try:
         got, tensors, metas, shared = _dcp.gather(path, step, progress=bar)
     except BaseException:
@@ -197,7 +198,7 @@ def _write(out, entries: list, meta: dict, pieces, bar, step: int) -> dict:
             raise CheckpointIOError(f"cannot export to {out}: {why}") from None
 
     try:
-        d = io(_core().Directory, parent)
+        d = io(_ext.core().Directory, parent)
         io(d.unlink, tmp_name, True)
         with io(d.create, tmp_name) as f:
             io(f.write, len(blob).to_bytes(8, "little"))
@@ -242,7 +243,7 @@ def _windows(reader, idx: int, info: dict, entries: list):
             dests = [(base + at[i], specs[i]["nbytes"]) if i in at else (0, 0)
                      for i in range(len(specs))]
             if hasattr(reader, "read_into"):
-                reader.read_into(idx, dests, threads=_restore_threads(), data_begin=lo,
+                reader.read_into(idx, dests, threads=restore_threads(), data_begin=lo,
                                  data_end=hi)
             else:  # tests/python/fake_core.py's Reader has only read_tensor
                 for i, (ptr, n) in enumerate(dests):
@@ -280,10 +281,26 @@ def aliases(tree) -> list:
     return out
 
 
+def export_any(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] = None,
+           include=None, strip: Optional[str] = None, format: str = "safetensors",
+           progress: Optional[bool] = None) -> dict:
+    """nonstop.export: format="safetensors" (one file; a multi-rank job
+    consolidated; export()) or format="dcp" (every rank, reassembled,
+    as DCP). progress: a tqdm bar on stderr (None: when stderr is a terminal
+    and the export is 256 MiB or more; True: always; False: never)."""
+    if format == "dcp":
+        if include is not None or strip is not None or rank is not None:
+            raise ValueError("format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
+        return _dcp.export_dcp(dir, out, step, progress=progress)
+    if format != "safetensors":
+        raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
+    return export(dir, out, step=step, rank=rank, include=include, strip=strip,
+                              progress=progress)
+
+
 def main(argv=None) -> int:
     """`python -m nonstop._export DIR -o OUT`: what `nonstop export` runs
     for a multi-rank directory (the consolidation is Python's)."""
-    import argparse
     p = argparse.ArgumentParser(prog="python -m nonstop._export",
                                 description="export a nonstop checkpoint as safetensors")
     p.add_argument("dir")
@@ -295,22 +312,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     return cli_run(lambda: export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
                                   progress=a.progress))
-
-
-def cli_run(call) -> int:
-    """An export for a `python -m` entry the CLI runs: its result in one
-    line, or its error in one line with the CLI's exit codes (2: the
-    arguments, 1: anything else)."""
-    try:
-        r = call()
-    except CheckpointMismatchError as e:
-        print(f"nonstop export: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 -- one line, as the CLI does
-        print(f"nonstop export: {e}", file=sys.stderr)
-        return 1
-    print(f"exported step {r['step']}: {r['tensors']} tensors, {r['bytes']} bytes to {r['path']}")
-    return 0
 
 
 if __name__ == "__main__":

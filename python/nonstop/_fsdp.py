@@ -36,6 +36,10 @@ from typing import Optional
 import torch
 
 from .errors import CheckpointMismatchError, IncompatibleCheckpointError
+from . import _objects
+from . import _read
+from ._read import RANK_FILE, read_tensors
+from ._state import loads, torch_dtype
 
 
 def _dtensor_cls():
@@ -178,10 +182,8 @@ def restored(ckpt, loaded) -> None:
     meta = loaded.meta
     if not (meta.get("dtensor") or meta.get("dist", {}).get("dtensor")):
         return
-    from . import _distributed, _state
-    from ._checkpointer import _stateful
     current: dict = {}
-    _state.flatten_state(ckpt.state, current, _stateful, _distributed.state_dict_of)
+    _objects.flatten_state(ckpt.state, current)
     if meta.get("dtensor"):
         meta = dict(meta, dist=dict(meta.get("dist", {}), dtensor=meta["dtensor"]))
     wrap(loaded.tensors, meta, ckpt.state, current, ckpt.rank, ckpt.world_size)
@@ -278,12 +280,10 @@ def read_ranges(readers: list, indices: list, wanted: dict) -> dict:
     and piece size) that overlap the range are read, chunk crcs verified,
     and copied in. Returns name -> 1-D tensor of end - begin elements.
     Raises when some element of a range is held by no old rank."""
-    from ._state import torch_dtype
     out, filled = {}, {}
     for name, (shape, dtype, begin, end) in wanted.items():
         out[name] = torch.empty(end - begin, dtype=getattr(torch, dtype))
         filled[name] = 0
-    from ._checkpointer import read_tensors
     for reader, idx in zip(readers, indices):
         info = reader.checkpoints[idx]
         take = {}  # name -> (lo, hi, g0, begin) of the pieces this file holds
@@ -325,14 +325,12 @@ def reshard(dir: str, step_key: tuple, doc: dict, rank: int, world: int,
     if sources is not None:
         readers, indices = sources
         return _pieces(readers, list(indices), doc, rank, world)
-    from ._dcp import _readers, _key
-    from ._state import loads
-    readers = _readers(dir)
+    readers = _read.readers(dir)
     indices = []
     for r, reader in enumerate(readers):
         found = None
         for i, c in enumerate(reader.checkpoints):
-            if c["committed"] and _key(loads(c["meta_json"].decode("utf-8"))) == tuple(step_key):
+            if c["committed"] and _read.step_key(loads(c["meta_json"].decode("utf-8"))) == tuple(step_key):
                 found = i
                 break
         if found is None:
@@ -364,8 +362,7 @@ def _pieces(readers: list, indices: list, doc: dict, rank: int, world: int) -> d
 
 def old_world(dir: str) -> Optional[int]:
     """The world size the rank files in `dir` were written with, or None."""
-    from ._dcp import _RANK_FILE
     if not os.path.isdir(dir):
         return None
-    ranks = sorted(int(m.group(1)) for m in map(_RANK_FILE.match, os.listdir(dir)) if m)
+    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, os.listdir(dir)) if m)
     return ranks[-1] + 1 if ranks else None

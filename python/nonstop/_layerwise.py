@@ -61,8 +61,11 @@ from typing import Optional
 
 import torch
 
-from . import _distributed, _fqn, _rng, _state
+from . import _fqn, _rng, _state
 from .errors import CheckpointMismatchError
+from torch.nn.parallel import DistributedDataParallel
+from . import _objects
+from ._read import FORMAT
 
 
 def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.Optimizer:
@@ -76,10 +79,6 @@ def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.O
 
 
 def _ddp_class():
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:  # torch built without distributed
-        return None
     return DistributedDataParallel
 
 
@@ -130,7 +129,7 @@ class Layerwise:
         DDP = _ddp_class()
         ddps = [o for o in ckpt.state.values() if DDP is not None and isinstance(o, DDP)]
         for o in ckpt.state.values():
-            if _distributed.is_zero(o):
+            if _objects.is_zero(o):
                 raise CheckpointMismatchError(
                     "mode='layerwise' updates one parameter at a time, which "
                     "ZeroRedundancyOptimizer cannot do: use mode='concurrent'")
@@ -349,7 +348,7 @@ class Layerwise:
         ck = self.ckpt
         if tensors is None:
             tensors = {}
-            _state.flatten_state(ck.state, tensors, _stateful, _distributed.state_dict_of)
+            _objects.flatten_state(ck.state, tensors)
         if (self._plan is not None and ck._registered is self._plan[2] and not ck._snapshots
                 and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
                 and self._plan[0] == self._signature()):
@@ -409,10 +408,8 @@ class Layerwise:
             tensors = None
             t0 = time.perf_counter()
             if self.counter is not None:
-                from ._checkpointer import FORMAT
                 tensors = {}
-                tree = _state.flatten_state(ck.state, tensors, _stateful,
-                                            _distributed.state_dict_of)
+                tree = _objects.flatten_state(ck.state, tensors)
                 meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
                         "world_size": ck.world_size, "state": tree}
                 if ck._dist is not None:
@@ -464,8 +461,3 @@ class Layerwise:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _stateful(obj) -> bool:
-    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
-        obj, (dict, torch.Tensor))

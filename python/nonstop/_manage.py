@@ -8,14 +8,10 @@ import math
 import os
 from typing import Optional
 
+from . import _ext, _remote
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 
-def _core():
-    import nonstop
-    if nonstop._core is None:
-        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
-    return nonstop._core
 
 
 def check_metrics(metrics) -> Optional[dict]:
@@ -74,10 +70,9 @@ def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = N
     path with remote_options, or a directory used as a remote) lists its
     step directories (where="remote"; _remote.list_steps)."""
     path = os.fspath(dir)
-    from . import _remote
     if _remote.is_remote(path, remote_options):
         return _remote.list_steps(path, remote_options, rank)
-    jd = _core().JobDir.open_for_read(path)
+    jd = _ext.core().JobDir.open_for_read(path)
     try:
         # A ring record whose slot a newer checkpoint reused is gone, not damaged.
         return [_row(c) for c in jd.list(rank) if not c.get("rotated")]
@@ -116,7 +111,7 @@ def _overwritten(path: str, rank: int, step: int) -> str:
     """'slot S was reused by checkpoint #M' when `step` rotated out of the
     ring (a newer checkpoint reused its slot), else ''."""
     try:
-        jd = _core().JobDir.open_for_read(path)
+        jd = _ext.core().JobDir.open_for_read(path)
         try:
             rows = [c for c in jd.list(rank) if c.get("rotated") and int(c["step"]) == step]
         finally:
@@ -129,7 +124,7 @@ def _overwritten(path: str, rank: int, step: int) -> str:
 def kept_path(path: str, rank: int, step: int) -> Optional[str]:
     """The job directory of the kept copy of `step` (DIR/keep/step-N) when it
     holds rank `rank`'s file, else None."""
-    core = _core()
+    core = _ext.core()
     d = os.path.join(path, "keep", core.JobDir.keep_step_name(int(step)))
     return d if os.path.isfile(os.path.join(d, core.JobDir.slot_name(rank))) else None
 
@@ -150,14 +145,14 @@ def delete(dir: str, step: int) -> None:
     file) while no job writes to `dir`."""
     path = os.fspath(dir)
     check_step(step)
-    jd = _core().JobDir.open_for_maintenance(path)
+    jd = _ext.core().JobDir.open_for_maintenance(path)
     try:
-        _delete_with(jd.delete_kept, path, step)
+        delete_with(jd.delete_kept, path, step)
     finally:
         jd.close()
 
 
-def _delete_with(fn, path: str, step: int) -> None:
+def delete_with(fn, path: str, step: int) -> None:
     try:
         fn(int(step))
     except CheckpointNotFoundError:

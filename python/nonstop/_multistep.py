@@ -33,8 +33,15 @@ from typing import Optional
 
 import torch
 
+try:  # torch's own rule for foreach=None (a private function of torch)
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+except ImportError:
+    _default_to_fused_or_foreach = None
+
+from . import _ext
 from . import _fqn, _rng, _state
 from .errors import CheckpointMismatchError
+from ._objects import stateful
 
 FORMAT = "nonstop.torch/1"
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
@@ -45,9 +52,8 @@ _ROLES_ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 def _mkl_vms_sqrt() -> int:
     """torch's own fp32 sqrt (MKL vmsSqrt) for bitwise Adam replay; 0 if absent."""
-    from . import _checkpointer
     lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    return _checkpointer._core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
+    return _ext.core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
 
 
 def algorithm_of(opt) -> str:
@@ -119,9 +125,7 @@ def _torch_picks_foreach(params: list) -> bool:
     """Whether torch runs the foreach kernel for an optimizer group built
     with foreach=None over `params` (torch's own rule: only for tensors on
     devices with foreach kernels, never for CPU tensors)."""
-    try:
-        from torch.optim.optimizer import _default_to_fused_or_foreach
-    except ImportError:  # another torch: decide by device, as torch 2.x does
+    if _default_to_fused_or_foreach is None:  # another torch: decide by device, as torch 2.x does
         return any(p.device.type != "cpu" for p in params)
     return bool(_default_to_fused_or_foreach(list(params), False, False)[1])
 
@@ -314,7 +318,7 @@ class MultistepMode:
         tensors point at the reconstructed buffers, the rest is copied now."""
         ck = self._ckpt
         tensors: dict = {}
-        tree = _state.flatten_state(ck.state, tensors, _stateful, lambda obj: obj.state_dict())
+        tree = _state.flatten_state(ck.state, tensors, stateful, lambda obj: obj.state_dict())
         meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
                 "world_size": ck.world_size, "state": tree}
         if ck.rng:
@@ -388,8 +392,3 @@ class MultistepMode:
             self._orig_zero_grad = None
         self._held.clear()
         self.core.close()
-
-
-def _stateful(obj) -> bool:
-    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
-        obj, (dict, torch.Tensor))

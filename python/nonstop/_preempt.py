@@ -39,9 +39,14 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
+from . import _objects
 from .errors import CheckpointError, CheckpointMismatchError
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
@@ -192,6 +197,23 @@ def estimate_line(*, reason: str, rank: int, notice_step: Optional[int], state_b
     return head + est + tail, expected
 
 
+# Every PreemptWatch alive in this process (worker_init_fn, a forked child).
+_WATCHES: "weakref.WeakSet[PreemptWatch]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child the preemption signals get their previous meaning
+    back (a child that ignored SIGTERM would hang a pool's terminate()); the
+    parent's Checkpointers never wait on engine threads the fork did not
+    copy (the C++ side leaves their engines alone)."""
+    for watch in list(_WATCHES):
+        watch.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class PreemptWatch:
     """One Checkpointer's notice handling: the signal handlers, the flag, the
     cross-rank agreement and the emergency checkpoint. See the module doc."""
@@ -199,6 +221,7 @@ class PreemptWatch:
     def __init__(self, ckpt, cfg: dict):
         self.ckpt = ckpt
         self.cfg = cfg
+        _WATCHES.add(self)
         self._lock = threading.Lock()
         self.notice_t: Optional[float] = None     # monotonic time of the first notice
         self.reason: Optional[str] = None
@@ -310,13 +333,10 @@ class PreemptWatch:
     def _guess_bytes(self) -> int:
         """The state's tensor bytes before the first checkpoint registered
         them (once per process, at the first boundary)."""
-        import torch
-        from . import _distributed, _state
-        from ._checkpointer import _stateful
         tensors: dict = {}
         try:
             # as save() walks it (ZeRO: local shard)
-            _state.flatten_state(self.ckpt.state, tensors, _stateful, _distributed.state_dict_of)
+            _objects.flatten_state(self.ckpt.state, tensors)
         except Exception:
             return 0
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()
@@ -326,8 +346,6 @@ class PreemptWatch:
     # ------------------------------------------------- at each step boundary
 
     def _setup_group(self) -> None:
-        import torch
-        import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             warnings.warn(f"nonstop: world_size {self.ckpt.world_size} without an initialised "
                           f"torch.distributed: a notice is handled by the rank that gets it "
@@ -348,7 +366,6 @@ class PreemptWatch:
         """Multi-rank: the flag agreed at this boundary (the MAX all-reduce
         started at the previous one) and starts the next. Returns (flag,
         lowest rank that had it)."""
-        import torch.distributed as dist
         got = 0
         if self._work is not None:
             self._work.wait()
@@ -470,7 +487,6 @@ class PreemptWatch:
 
     def _all_committed(self, committed: bool) -> bool:
         """Every rank's verdict (MIN) once all have tried; blocking."""
-        import torch.distributed as dist
         self._wait_work()
         self._flag.fill_(1 if committed else 0)
         try:
@@ -507,14 +523,8 @@ def worker_init_fn(worker_id=None) -> None:
     checkpointed; its exit then shuts them down. Call it first in your own
     worker_init_fn if you have one. See docs/PREEMPTION.md."""
     sigs = {signal.SIGTERM}
-    try:
-        from ._checkpointer import _LIVE
-        for ck in list(_LIVE):
-            watch = ck.__dict__.get("_preempt")
-            if watch is not None:
-                sigs.update(watch.cfg["signals"])
-    except ImportError:
-        pass
+    for watch in list(_WATCHES):
+        sigs.update(watch.cfg["signals"])
     for sig in sorted(sigs):
         signal.signal(sig, signal.SIG_IGN)
 

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Optional
 
+from .errors import CheckpointMismatchError
+
 
 class Progress:
     """A byte counter that draws a bar once `total` is known; callable as
@@ -22,7 +24,6 @@ class Progress:
 
     def __init__(self, desc: str, show: Optional[bool] = None):
         if show is not None and not isinstance(show, bool):
-            from .errors import CheckpointMismatchError
             raise CheckpointMismatchError(f"progress must be None, True or False, got {show!r}")
         env = os.environ.get("NONSTOP_PROGRESS", "")
         if show is None and env in ("0", "1"):

@@ -23,18 +23,26 @@ released, multipart, retries); nothing here speaks S3.
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import hmac
 import json
 import os
-import pathlib
+import platform
 import re
+import tempfile
 import threading
 import time
 import warnings
+import urllib.error
+import urllib.parse
+import urllib.request
 import zlib
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Optional
 
-from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+from . import _ext
+from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
 
 FORMAT = "nonstop.remote/1"
@@ -45,22 +53,17 @@ LOCAL_DIR = "remote"              # DIR/remote/step-N/rank-R.nsck: staged upload
 
 # ------------------------------------------------------------------ layout
 
-def _core():
-    import nonstop
-    if nonstop._core is None:
-        raise ImportError(f"nonstop's C++ extension did not load: {nonstop._CORE_ERROR}")
-    return nonstop._core
 
 
 def _rl():
     """nonstop._core.remote_layout (src/jobdir/remote_layout.h)."""
-    return _core().remote_layout
+    return _ext.core().remote_layout
 
 
 def _local_dir(job_dir: str, step: int):
     """job_dir/remote/step-N as a _core.Directory (the Env seam: every file
     in it is created O_EXCL|O_NOFOLLOW relative to it), made when missing."""
-    d = _core().Directory(job_dir, create=True)
+    d = _ext.core().Directory(job_dir, create=True)
     return d.subdir(LOCAL_DIR, create=True).subdir(Layout.step_dir(step), create=True)
 
 
@@ -247,12 +250,6 @@ class ObjectStore:
         (path style, signed with AWS Signature V4; obstore has no call for
         it). True when made, False when it was there already (owned by these
         credentials); anything else is a one-line CheckpointIOError."""
-        import hashlib
-        import hmac
-        import urllib.error
-        import urllib.parse
-        import urllib.request
-        from datetime import datetime, timezone
         c = self._s3
         if c is None:
             raise CheckpointMismatchError(
@@ -404,7 +401,7 @@ class PathStore:
         """(the _core.Directory holding `key`, its last name); with create,
         the directories are made when missing, else FileNotFoundError."""
         names = key.split("/")
-        d = _core().Directory(self.root, create=create)
+        d = _ext.core().Directory(self.root, create=create)
         for name in names[:-1]:
             d = d.subdir(name, create=create)
         return d, names[-1]
@@ -462,7 +459,7 @@ class PathStore:
         """(key, size) of every file under the root (or `prefix`), temps
         excluded; directories are walked through the seam, symlinks skipped."""
         try:
-            d = _core().Directory(self.root) if not prefix else self._dir(prefix + "/x", False)[0]
+            d = _ext.core().Directory(self.root) if not prefix else self._dir(prefix + "/x", False)[0]
         except FileNotFoundError:
             return []
         out = []
@@ -624,7 +621,6 @@ def temp_dir() -> str:
     """A new private directory for fetched parts: tempfile.mkdtemp makes it
     exclusively (a fresh random name, mode 0700); every file in it is then
     written and removed through the seam (fetch, remove_temp_dir)."""
-    import tempfile
     return tempfile.mkdtemp(prefix="nonstop-remote-")
 
 
@@ -634,7 +630,7 @@ def remove_temp_dir(path: str) -> None:
     never followed). Best effort: a failure leaves it in the temp folder."""
     parent, name = os.path.split(os.path.abspath(path))
     try:
-        _core().Directory(parent).remove_tree(name)
+        _ext.core().Directory(parent).remove_tree(name)
     except CheckpointError:
         pass
 
@@ -697,8 +693,6 @@ def _lower_priority(nice: int) -> None:
     except OSError:
         pass
     try:
-        import ctypes
-        import platform
         nr = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
         if nr is not None:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, BE class, level 7)
             ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
@@ -998,7 +992,7 @@ class Uploader:
         """Removes the staged step directories but `keep_step`'s, through the
         seam: each is opened O_NOFOLLOW relative to its parent, and a link
         planted anywhere in them is removed as a link, never followed."""
-        base = _core().Directory(self.dir).subdir(LOCAL_DIR, create=True)
+        base = _ext.core().Directory(self.dir).subdir(LOCAL_DIR, create=True)
         for name, _ in base.list():
             s = Layout.step_of_dir(name)
             if s is not None and s != keep_step:
@@ -1319,9 +1313,8 @@ class Tier:
         # broadcast_object_list: those unpickle what the peers send. Each
         # rank plans its own candidates (the planner, C++); rank 0's order of
         # the steps every rank holds is the agreed one, as _distributed.recover.
-        from ._distributed import _Comm
         d = self.ckpt._dist
-        comm = _Comm(d.group, d.world)
+        comm = d.comm()
         listing = None
         if d.rank == 0:
             try:
@@ -1424,7 +1417,6 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
     store = open_store(url, options or {})
     steps = [s for s, _ in committed_steps(store) if step is None or s == step]
     if not steps:
-        from .errors import CheckpointNotFoundError
         raise CheckpointNotFoundError(
             f"no committed remote checkpoint{'' if step is None else ' at step ' + str(step)} "
             f"in {store.url}")

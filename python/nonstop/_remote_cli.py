@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 
+from . import _ext
 from . import _remote
 from .errors import CheckpointError, CorruptCheckpointError
 
@@ -86,7 +87,7 @@ def _choose(store, step) -> list:
     markers = dict(listed)
     cands = _remote.remote_candidates(store, listed)
     # The planner orders them: by counter (a checkpoint, not a step number).
-    order = _remote._core().plan(cands, None, step=step)["order"]
+    order = _ext.core().plan(cands, None, step=step)["order"]
     steps = [(cands[i]["step"], markers[cands[i]["step"]]) for i in order
              if cands[i]["step"] in markers]
     if not steps:

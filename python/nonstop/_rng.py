@@ -10,6 +10,8 @@ import random
 
 import numpy as np
 
+from .errors import CorruptCheckpointError
+
 try:
     import torch
 except ImportError:
@@ -33,7 +35,6 @@ def prepare(state) -> list:
     generator: each part is loaded into a scratch generator of its kind.
     Returns the setters that restore() runs; raises a one-line
     CorruptCheckpointError naming the bad part."""
-    from .errors import CorruptCheckpointError
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"RNG record is a {type(state).__name__}, not a dict")
     setters = []

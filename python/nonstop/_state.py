@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .errors import CorruptCheckpointError
+
 try:
     import torch
 except ImportError:  # nonstop.load and export work without torch
@@ -66,7 +68,6 @@ def torch_dtype(code: int):
     name = DTYPE_NAMES.get(code) if isinstance(code, int) else None
     dt = torch_dtype_by_name(name)
     if dt is None:
-        from .errors import CorruptCheckpointError
         raise CorruptCheckpointError(f"unknown tensor dtype code {code!r}")
     return dt
 
@@ -227,7 +228,6 @@ def unflatten(tree, tensors: dict, as_numpy: bool = False):
     try:
         return _unflatten(tree, tensors, as_numpy, "state", 0)
     except _Bad as e:
-        from .errors import CorruptCheckpointError
         raise CorruptCheckpointError(f"malformed checkpoint metadata: {e}") from None
 
 
@@ -309,7 +309,6 @@ def dumps(tree) -> str:
 def loads(text):
     """Parses a metadata document (str or UTF-8 bytes), bounded in size and
     depth. Raises CorruptCheckpointError (one line) on anything else."""
-    from .errors import CorruptCheckpointError
     if isinstance(text, (bytes, bytearray)):
         if len(text) > MAX_META_BYTES:
             raise CorruptCheckpointError(f"metadata of {len(text)} bytes is larger than "

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,10 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import nonstop
+
+from . import _state
 
 # ------------------------------------------------------------------ the model
 
@@ -146,7 +151,6 @@ def dump_final(path: str, state: dict) -> None:
     """Every tensor of `state` (safetensors) and the rest (JSON): no pickle."""
     from safetensors.torch import save_file
 
-    from . import _state
     tensors: dict = {}
     tree = {k: _state.flatten(v.state_dict(), k, tensors) for k, v in state.items()}
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, path + ".safetensors")
@@ -157,7 +161,6 @@ def dump_final(path: str, state: dict) -> None:
 def worker(args) -> None:
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
-    import nonstop
     cfg, model, opt, sched = make_training(args.size, args.steps, args.seed)
     emit(event="ready", params=n_params(model), since_start_s=time.perf_counter() - t_start)
     ckpt, start = None, 0
@@ -325,7 +328,6 @@ def main(argv=None) -> int:
         return 0
     if args.steps < 4 * args.every:
         p.error("--steps must be at least 4 * --every (the kill comes after several checkpoints)")
-    import shutil
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)
     rng = random.Random(args.kill_seed)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import _checkpointer, _dcp, _distributed, _manage, _rng, _state, _unwrap
+from . import _checkpointer, _dcp, _distributed, _ext, _manage, _rng, _state, _unwrap
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
 __all__ = ["NonstopCallback", "resume_from"]
@@ -326,7 +326,7 @@ def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Option
     err, mine = None, []
     try:
         if _checkpointer.check_directory(d, rank, world, must_exist=False):
-            mine = _distributed.planned_steps(_checkpointer._core().JobDir.open_for_read(d),
+            mine = _distributed.planned_steps(_ext.core().JobDir.open_for_read(d),
                                               rank, step)
     except CheckpointError as e:
         err = f"rank {rank}: {e}"
@@ -344,7 +344,7 @@ def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Option
             f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
             f"committed on every rank of {d} (rank {rank} holds steps {mine or 'none'})")
     s = order[0]
-    sel = _checkpointer._core().JobDir.open_for_read(d).select(
+    sel = _ext.core().JobDir.open_for_read(d).select(
         rank, step=s, verify_data=False, include_keep=step is not None)
     meta = _state.loads(sel.info["meta_json"])
     ts = meta.get("state", {}).get("trainer_state")
@@ -377,7 +377,7 @@ def _remove(folder: str, name: Optional[str] = None) -> None:
     already gone is fine."""
     parent, base = os.path.split(folder)
     try:
-        d = _checkpointer._core().Directory(parent)
+        d = _ext.core().Directory(parent)
         if name is None:
             d.remove_tree(base)
         else:
@@ -394,7 +394,7 @@ def _write_folder(folder: str, files: list) -> None:
     FOLDER is removed the same way and FOLDER.tmp renamed over it. A symlink
     at FOLDER or FOLDER.tmp is removed as a link; nothing outside is touched."""
     folder = os.path.abspath(folder)
-    parent = _checkpointer._core().Directory(os.path.dirname(folder), create=True)
+    parent = _ext.core().Directory(os.path.dirname(folder), create=True)
     name = os.path.basename(folder)
     tmp = name + ".tmp"
     parent.remove_tree(tmp)

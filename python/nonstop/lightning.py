@@ -44,7 +44,7 @@ except ImportError:  # the standalone package name
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
     from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
 
-from . import _checkpointer, _data, _rng, _unwrap
+from . import _checkpointer, _data, _ext, _rng, _unwrap
 from .errors import CheckpointMismatchError
 
 MARKER_FORMAT = "nonstop.lightning/1"
@@ -126,9 +126,8 @@ def _write_atomically(path: str, text: str) -> None:
     """Through the Env seam (_core.Directory): a temp created O_EXCL|O_NOFOLLOW
     relative to the directory fd, fsynced, renamed over `path` (a symlink
     there is refused), the directory fsynced."""
-    import nonstop
     path = os.path.abspath(path)
-    d = nonstop._core.Directory(os.path.dirname(path))
+    d = _ext.core().Directory(os.path.dirname(path))
     name = os.path.basename(path)
     tmp = f".{name}.{os.getpid()}.tmp"
     d.unlink(tmp, missing_ok=True)  # a stale temp of this pid's earlier life

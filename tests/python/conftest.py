@@ -25,13 +25,33 @@ def real_engine_available() -> bool:
 
 
 @pytest.fixture
-def fake_core(monkeypatch):
-    import fake_core as fc
+def spy_engine(monkeypatch):
+    """The real engine, subclassed: each instance records its keyword
+    arguments (`kwargs`) and its calls (`calls`); a test may wrap a method
+    (`before_wait_copied`). Yields the subclass."""
     import nonstop
-    fc.DISK.clear()
-    monkeypatch.setattr(nonstop, "_core", fc)
-    yield fc
-    fc.DISK.clear()
+    if not real_engine_available():
+        pytest.skip("the C++ Engine has not landed in this build yet")
+    real = nonstop._core.Engine
+
+    class Spy(real):
+        instances: list = []
+        before_wait_copied = None
+
+        def __init__(self, dir, **kw):
+            super().__init__(dir, **kw)
+            self.kwargs = dict(kw)
+            self.calls = []
+            Spy.instances.append(self)
+
+        def wait_copied(self):
+            self.calls.append("wait_copied")
+            if Spy.before_wait_copied is not None:
+                Spy.before_wait_copied()
+            return super().wait_copied()
+
+    monkeypatch.setattr(nonstop._core, "Engine", Spy)
+    yield Spy
 
 
 needs_engine = pytest.mark.skipif(
@@ -39,21 +59,13 @@ needs_engine = pytest.mark.skipif(
     reason="the C++ Engine (include/nonstop/engine.h) has not landed in this build yet")
 
 
-@pytest.fixture(params=["fake", "real"])
-def core(request, monkeypatch):
-    """Runs a test against fake_core (the laziest legal engine) and against
-    the real C++ engine."""
+@pytest.fixture
+def core():
+    """The real C++ engine (nonstop._core)."""
     import nonstop
-    if request.param == "fake":
-        import fake_core as fc
-        fc.DISK.clear()
-        monkeypatch.setattr(nonstop, "_core", fc)
-        yield fc
-        fc.DISK.clear()
-    else:
-        if not real_engine_available():
-            pytest.skip("the C++ Engine has not landed in this build yet")
-        yield nonstop._core
+    if not real_engine_available():
+        pytest.skip("the C++ Engine has not landed in this build yet")
+    yield nonstop._core
 
 
 def nonstop_cli():

@@ -1,5 +1,4 @@
-"""The front end's logic, against fake_core's in-memory engine, which copies
-tensors as late as the engine contract allows."""
+"""The front end's logic, against the real engine."""
 import os
 import warnings
 
@@ -63,13 +62,13 @@ def test_buffers_changed_by_forward_are_saved_at_their_step_value(core, tmp_path
         assert torch.equal(got[k], v), k
 
 
-def test_optimizer_step_waits_for_the_copy(fake_core, tmp_path):
+def test_optimizer_step_waits_for_the_copy(spy_engine, tmp_path):
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path), {"model": model, "optim": opt}, every=1) as ck:
         tiny.train_step(model, opt, sched, 0)
         ck.step(0)
         w0 = model.fc.weight.detach().clone()
-        engine = ck._engine
+        engine = spy_engine.instances[-1]
         n = engine.calls.count("wait_copied")
         tiny.train_step(model, opt, sched, 1)  # its pre-hook waits
         assert engine.calls.count("wait_copied") == n + 1
@@ -208,9 +207,14 @@ def test_restore_of_a_missing_step(core, tmp_path):
             ck.restore(step=7)
 
 
-def test_damaged_newest_warns_and_falls_back(fake_core, tmp_path):
+def test_damaged_newest_warns_and_falls_back(core, tmp_path):
     d = saved_dir(tmp_path)
-    fake_core.DISK[d][-1]["damaged"] = True
+    info = next(c for c in core.Reader(d, rank=0, verify_data=False).checkpoints if c["step"] == 1)
+    with open(os.path.join(d, core.JobDir.slot_name(0)), "r+b") as f:  # one bit of step 1's data
+        f.seek(info["data_offset"] + 5)
+        b = f.read(1)
+        f.seek(info["data_offset"] + 5)
+        f.write(bytes([b[0] ^ 0x10]))
     model = tiny.TinyNet()
     with nonstop.Checkpointer(d, {"model": model}, every=1) as ck:
         with pytest.warns(UserWarning, match="damaged; falling back"):

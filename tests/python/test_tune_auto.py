@@ -152,7 +152,7 @@ class _Clock:
         return self.t
 
 
-def test_checkpointer_every_auto_follows_an_injected_stall(fake_core, tmp_path, monkeypatch):
+def test_checkpointer_every_auto_follows_an_injected_stall(spy_engine, tmp_path, monkeypatch):
     """A slower medium, injected as a longer wait for the copy before the
     next update: the interval grows, and shrinks again when it recovers."""
     import nonstop
@@ -161,13 +161,11 @@ def test_checkpointer_every_auto_follows_an_injected_stall(fake_core, tmp_path, 
     clock = _Clock()
     monkeypatch.setattr(cp, "time", clock)  # the Checkpointer's stall counter
     delay = {"s": 0.003}
-    real_wait = fake_core.Engine.wait_copied
 
-    def slow_wait(self):
+    def slow_wait():
         clock.t += delay["s"]
-        real_wait(self)
 
-    monkeypatch.setattr(fake_core.Engine, "wait_copied", slow_wait)
+    monkeypatch.setattr(spy_engine, "before_wait_copied", slow_wait)
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt},
                               every="auto", max_overhead=0.1) as ck:
@@ -206,7 +204,7 @@ def test_checkpointer_every_auto_with_the_engine(core, tmp_path):
         assert ck2.restore() == marks[-1]
 
 
-def test_every_auto_rejects_other_modes_and_bad_targets(fake_core, tmp_path):
+def test_every_auto_rejects_other_modes_and_bad_targets(core, tmp_path):
     import nonstop
     import tiny
     from nonstop.errors import CheckpointMismatchError

@@ -143,19 +143,16 @@ def test_config_missing_or_not_json(tmp_path):
         _config.load(str(p))
 
 
-def test_checkpointer_takes_the_config_and_explicit_arguments_win(fake_core, tmp_path,
-                                                                  monkeypatch):
+def test_checkpointer_takes_the_config_and_explicit_arguments_win(spy_engine, tmp_path):
     import nonstop
     import tiny
     seen = {}
-    real_init = fake_core.Engine.__init__
 
-    def spy(self, dir, **kw):
-        seen.clear()
-        seen.update(kw)
-        real_init(self, dir, **kw)
+    class Seen:  # the keyword arguments of the newest engine
+        def __getitem__(self, k):
+            return spy_engine.instances[-1].kwargs[k]
 
-    monkeypatch.setattr(fake_core.Engine, "__init__", spy)
+    seen = Seen()
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"format": "nonstop.config/1", "every": 7, "max_in_flight": 3,
                              "writers": 2, "chunk_bytes": 1 << 20, "staging_bytes": 8 << 20,

@@ -1,0 +1,274 @@
+"""The restore path: reading one checkpoint of a rank, the newest valid one
+or a given step, from the memory tier's segment or the job directory,
+through the C++ restore path (nonstop.load, Checkpointer.restore); a URL
+through the remote tier. What comes back is a LoadedCheckpoint."""
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from . import _ext, _manage, _progress, _remote, _state
+from ._read import (check_directory, decode_meta, destinations, read_into, restore_direct,
+                    restore_threads)
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompatibleCheckpointError)
+
+
+class LoadedCheckpoint:
+    """What nonstop.load returns: one checkpoint, without a model."""
+
+    def __init__(self, step, counter, tensors, meta, info, path):
+        self.step = step            # training step
+        self.counter = counter      # global checkpoint counter
+        self.tensors = tensors      # name -> tensor (numpy arrays without torch)
+        self.meta = meta            # the JSON document: state tree, rng, ...
+        self.info = info            # the store's record: slot, commit time, sizes, ...
+        self.path = path
+        self.plan = None            # restore()'s checked plan (Checkpointer._prepare)
+
+    @property
+    def state(self) -> dict:
+        """The saved state, rebuilt: {'model': {...}, 'optim': {...}, ...}."""
+        as_numpy = not any(isinstance(t, torch.Tensor) for t in self.tensors.values())
+        return _state.unflatten(self.meta.get("state", {}), self.tensors, as_numpy)
+
+    def __repr__(self):
+        return (f"LoadedCheckpoint(step={self.step}, counter={self.counter}, "
+                f"tensors={len(self.tensors)}, path={self.path!r})")
+
+
+def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
+                 stats: Optional[dict] = None):
+    """(the newest checkpoint read from the memory tier's segment, "") or
+    (None, why it was not used): no segment, not verified, not exactly the
+    disk's newest, or malformed (the caller reads the disk then, into the
+    same tensors). Read through the C++ restore path straight into `live`'s
+    tensors where they fit (read_tensors)."""
+    open_segment = getattr(_ext.core(), "open_memory_segment", None)
+    if open_segment is None:
+        return None, "this build has no memory tier"
+    reader, why = open_segment(path, rank)
+    if reader is None:
+        return None, why
+    try:
+        return read_reader(reader, path, rank, None, world_size, as_numpy=False, prepare=prepare,
+                           live=live, stats=stats), ""
+    except CorruptCheckpointError as e:
+        return None, str(e)
+
+
+def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
+          as_numpy: bool, prepare=None, live: Optional[dict] = None,
+          stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
+    """Reads one checkpoint of `rank` in `path`: `step`, or the newest that
+    verifies (warning about each newer damaged one). None when there is none
+    and `step` is None. prepare(loaded), when given, checks a checkpoint
+    before it is chosen (its result becomes loaded.plan): a
+    CorruptCheckpointError from it falls back to the next older one.
+
+    One read through the C++ restore path (nonstop._core.restore,
+    include/nonstop/restore.h): selection through the job directory (lineage
+    honoured), every crc chunk read and verified once, in parallel, straight
+    into the tensors. `live` (name -> tensor): the live state's tensors;
+    where a checkpoint tensor's name, shape and dtype match a contiguous CPU
+    one, it is read straight into that tensor's memory, after prepare()
+    checked everything. A checksum failure mid-read falls back to the next
+    older checkpoint, read into the same tensors. `stats`, when given, is
+    filled with the restore's times and sizes."""
+    core = _ext.core()
+    state: dict = {"loaded": None, "began": False}
+    deferred_prepare = []
+
+    warned: list = []  # counters whose failure mid-read was warned about
+
+    def prep(info: dict):
+        """Where each tensor of `info` goes, after every check; a str (the
+        reason) when this checkpoint is malformed: the next older one is tried."""
+        try:
+            return prep_checked(info)
+        except CorruptCheckpointError as e:
+            return str(e)
+
+    def prep_checked(info: dict) -> list:
+        where = os.path.join(path, info["where"])
+        prev = state["loaded"]
+        if prev is not None and prev.counter not in warned:  # the one before failed mid-read
+            warned.append(prev.counter)
+            warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
+                          f"is damaged; falling back to an older checkpoint", stacklevel=4)
+        if world_size is not None and info["world_size"] != world_size:
+            raise IncompatibleCheckpointError(
+                f"{path} was written by a job of world size {info['world_size']}; this job "
+                f"has world size {world_size}: use the same world size or a new directory")
+        meta = decode_meta(info, where)
+        # FSDP2 checkpoints become DTensors in prepare(), which may copy them
+        # to a device: that prepare runs after the read, into fresh tensors.
+        sharded = bool(meta.get("dtensor") or meta.get("dist"))
+        into = None if (sharded or as_numpy) else live
+        tensors, dests = destinations(info["tensors"], as_numpy, into)
+        info = dict(info)
+        info.pop("meta_json")
+        loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
+        deferred_prepare.clear()
+        if prepare is not None:
+            if sharded:
+                deferred_prepare.append(True)
+            else:
+                loaded.plan = prepare(loaded)  # every check, before anything is written
+        state["loaded"] = loaded
+        state["began"] = True
+        return dests
+
+    exclude: list = []
+    bar = _progress.Progress("nonstop restore")
+    while True:
+        try:
+            got = core.restore(path, rank, prep, step=step, threads=restore_threads(),
+                               progress=None if bar.off else bar, exclude=exclude,
+                               direct=restore_direct())
+        except CorruptCheckpointError as e:
+            if step is not None and "is damaged" not in str(e):
+                raise CorruptCheckpointError(
+                    f"checkpoint at step {step} in {path} is damaged: {e}") from None
+            raise
+        except CheckpointNotFoundError:
+            if step is None:
+                raise
+            raise _manage.not_found(path, rank, step) from None  # ring and kept steps
+        except CheckpointError as e:
+            if state["began"] and "partly overwritten" not in str(e):
+                raise type(e)(f"{e}; the state was partly overwritten by this restore") from None
+            raise
+        finally:
+            bar.close()
+        if got is None:
+            return None
+        loaded = state["loaded"]
+        if deferred_prepare:
+            try:
+                loaded.plan = prepare(loaded)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
+                exclude.append(int(loaded.counter))
+                continue
+        break
+    for line in got["skipped"]:
+        if any(f"checkpoint #{c} " in line for c in warned):
+            continue
+        warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
+                      stacklevel=3)
+    if stats is not None:
+        st = got["stats"]
+        stats.update(restore_s=got["restore_s"], restore_read_s=st["read_s"],
+                     restore_bytes=st["data_bytes"],
+                     restore_GBps=(st["data_bytes"] / got["restore_s"] / 1e9
+                                   if got["restore_s"] > 0 else 0.0),
+                     restore_direct_bytes=st["direct_bytes"],
+                     restore_odirect_bytes=st.get("odirect_bytes", 0),
+                     restore_attempts=got["attempts"],
+                     restore_step=int(got["step"]))
+    return loaded
+
+
+def read_reader(reader, path: str, rank: int, step: Optional[int], world_size: Optional[int],
+                as_numpy: bool, prepare=None, live: Optional[dict] = None,
+                 stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
+    """_read over a core that has only the Reader (tests/python/fake_core.py),
+    or over `reader`, the memory tier's segment (read_memory). With `live`,
+    prepare() checks a checkpoint before its data is read straight into the
+    live tensors (as _read does)."""
+    geometry = reader.geometry
+    if world_size is not None and geometry["world_size"] != world_size:
+        raise IncompatibleCheckpointError(
+            f"{path} was written by a job of world size {geometry['world_size']}; this job "
+            f"has world size {world_size}: use the same world size or a new directory")
+    ckpts = reader.checkpoints
+    # A rollback is final (DESIGN.md invariant 9): counters the job directory's
+    # lineage record abandoned are never chosen again.
+    # The planner orders them (nonstop/plan.h).
+    lineage = _ext.core().JobDir.open_for_read(path).lineage(rank)
+    cands = [{"step": int(c["step"]), "counter": int(c["counter"]),
+              "committed": bool(c["committed"]), "damage": c["reason"] or ""} for c in ckpts]
+    committed = _ext.core().plan(cands, lineage)["order"]
+    if step is not None:
+        order = [i for i in committed if ckpts[i]["step"] == step]
+        damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]
+        if not order and damaged:
+            raise CorruptCheckpointError(
+                f"checkpoint at step {step} in {path} is damaged: {damaged[0]['reason']}")
+        if not order:
+            have = ", ".join(str(ckpts[i]["step"]) for i in committed) or "none"
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
+    else:
+        order = committed
+        for line in reader.skipped:
+            warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
+                          stacklevel=3)
+        if not order:
+            if ckpts:
+                raise CorruptCheckpointError(
+                    f"no valid checkpoint in {path}: {ckpts[0]['reason'] or 'all damaged'}")
+            return None
+    written = False
+    for n, idx in enumerate(order):
+        info = ckpts[idx]
+        try:
+            meta = decode_meta(info, reader.path)
+            # FSDP2 checkpoints become DTensors in prepare(), which needs their
+            # data: those are read into fresh tensors first (as in _read).
+            sharded = bool(meta.get("dtensor") or meta.get("dist"))
+            into = None if (sharded or as_numpy or prepare is None) else live
+            tensors, dests = destinations(info["tensors"], as_numpy, into)
+            info = dict(info)
+            info.pop("meta_json")
+            loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info,
+                                      reader.path)
+            if prepare is not None and into is not None:
+                loaded.plan = prepare(loaded)  # every check, before anything is written
+            written = written or into is not None
+            t0 = time.perf_counter()
+            read_stats: dict = {}
+            read_into(reader, idx, dests, read_stats)
+            if stats is not None and read_stats:
+                nbytes = read_stats["data_bytes"]
+                took = time.perf_counter() - t0
+                stats.update(restore_read_s=read_stats["read_s"], restore_bytes=nbytes,
+                             restore_direct_bytes=read_stats["direct_bytes"],
+                             restore_GBps=nbytes / took / 1e9 if took > 0 else 0.0,
+                             restore_step=int(info["step"]))
+            if prepare is not None and into is None:
+                loaded.plan = prepare(loaded)
+        except CorruptCheckpointError as e:
+            if step is not None or n + 1 == len(order):
+                if written:
+                    raise CorruptCheckpointError(
+                        f"{e}; the state was partly overwritten by this restore") from None
+                raise
+            warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
+            continue
+        return loaded
+    return None
+
+
+def load(dir: str, step: Optional[int] = None, rank: int = 0,
+         as_numpy: bool = False, remote_options: Optional[dict] = None) -> LoadedCheckpoint:
+    """Reads a checkpoint for inspection, without a model: its tensors by
+    name and its metadata. The newest valid one unless `step` is given.
+    A URL ("s3://bucket/prefix"), or any path with remote_options, is read
+    as a remote tier (docs/TIERS.md)."""
+    path = os.fspath(dir)
+    if remote_options is not None or re.match(r"^[a-z][a-z0-9+.-]*://", path):
+        return _remote.load(path, step, rank, remote_options, read, as_numpy)
+    check_directory(path, rank, None, must_exist=True)
+    loaded = read(path, rank, step, None, as_numpy)
+    if loaded is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
+    return loaded

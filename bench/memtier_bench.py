@@ -96,7 +96,7 @@ def child_crash(a):
     fake_step(model, opt)
     ckpt.save(0)
     ckpt.wait()
-    newest = ckpt._engine.latest()[0]
+    newest = ckpt.session.engine.latest()[0]
     end = time.monotonic() + 120
     while ckpt.stats()["memory_counter"] != newest and time.monotonic() < end:
         time.sleep(0.01)  # polls a condition, bounded
@@ -135,12 +135,12 @@ def child_restore(a):
     s = ckpt.stats()
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     # The engine's C++ Restore() into the registered tensors.
-    eng = ckpt._engine
+    eng = ckpt.session.engine
     from nonstop import _state
     tensors = {}
     for key, obj in ckpt.state.items():
         _state.flatten(obj.state_dict(), key, tensors, key)
-    eng.register(ckpt._refs(tensors))
+    eng.register(ckpt.session.refs(tensors, nonstop._session.optimizer_owned(ckpt.state)))
     if a.scheme == "disk-cold":
         drop_cache(a.dir)
     t2 = time.perf_counter()

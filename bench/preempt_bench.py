@@ -66,7 +66,7 @@ def one_run(d: str, nbytes: int, scenario: str, step_s: float, medium: str) -> d
         ckpt.save(s)
         ckpt.wait()
     if scenario == "busy-keep":
-        ckpt._engine = _NoAbandon(ckpt._engine)
+        ckpt.session.engine = _NoAbandon(ckpt.session.engine)
     s = 2
     time.sleep(step_s)
     if scenario.startswith("busy"):

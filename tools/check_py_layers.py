@@ -15,8 +15,8 @@ those inside functions and classes too. A violation is:
   - a module missing from python/LAYERS, or one named there that is gone;
   - a private name of another package module used from outside it:
     `from .m import _name` of a function or variable, `m._name`, or
-    `obj._name` where _name is a private attribute set on `self` by a class
-    of another module and by no class of this one (the owner's own methods
+    `obj._name` where _name is a private attribute set on `self`, or a
+    private method, of a class of another module and of no class of this one (the owner's own methods
     are the only ones to touch it).
 The C++ extension (`_core`) is the bottom, imported by `_ext` only.
 tools/check_layers.py does the same for the #includes of src/.
@@ -41,11 +41,6 @@ OPTIONAL = {
     "tqdm": "export progress bars only, when installed",
     "matplotlib": "the demo's plot only",
 }
-# Modules that still read or change a Checkpointer's private attributes
-# (issue #23: one object owning the engine and its counters, the modes as
-# drivers behind one protocol, is not done yet). A module not named here is
-# refused; remove a name once its module uses a public interface.
-PRIVATE_DEBT = {"_auto", "_layerwise", "_multistep", "_preempt", "_remote"}
 # Parts of torch imported on first use: each costs over a second to import
 # (torch 2.13 CPU: 1.2 s, 1.1 s) and only DTensor state or a DCP export uses it.
 LAZY_TORCH = {
@@ -131,6 +126,12 @@ def _self_private(tree):
                             and e.value.id == "self" and _private(e.attr)):
                         out.add(e.attr)
     return out
+
+
+def _private_methods(tree):
+    """Private methods of the classes of a module."""
+    return {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(f.name)}
 
 
 def _private(name):
@@ -238,7 +239,7 @@ def check(root):
     allowed = closure(layers) if layers is not None else None
     graph = {}
     in_function = 0
-    privs = {m: _self_private(t) for m, (t, _) in mods.items()}
+    privs = {m: _self_private(t) | _private_methods(t) for m, (t, _) in mods.items()}
     tops = {m: _top_private(t) for m, (t, _) in mods.items()}
     rel = lambda m: f"python/{PKG}/{'__init__' if m == PKG else m}.py"  # noqa: E731
 
@@ -279,10 +280,10 @@ def check(root):
                 continue
             if isinstance(v, ast.Name) and v.id in mods and v.id != m and n.attr in tops[v.id]:
                 errors.append(f"{rel(m)}:{n.lineno}: {v.id}.{n.attr}: a private name of another module")
-            elif n.attr in others and m not in PRIVATE_DEBT:
+            elif n.attr in others:
                 owner = sorted(k for k, p in privs.items() if n.attr in p and k != m)
-                errors.append(f"{rel(m)}:{n.lineno}: .{n.attr}: a private attribute of "
-                              f"{', '.join(owner)}'s objects")
+                errors.append(f"{rel(m)}:{n.lineno}: .{n.attr}: a private attribute or method "
+                              f"of {', '.join(owner)}'s objects")
     if layers is not None:
         for m in sorted(mods):
             if m not in layers:
@@ -336,7 +337,10 @@ def self_test():
         "a module missing from LAYERS":
             ({P + "_extra.py": "\n"}, "_extra is missing"),
         "a private attribute of another module's object":
-            ({P + "_high.py": "def f(low):\n    return low._x\n"}, "a private attribute of _low"),
+            ({P + "_high.py": "def f(low):\n    return low._x\n"}, "a private attribute or method of _low"),
+        "a private method of another module's object":
+            ({P + "_low.py": "class Low:\n    def _m(self):\n        pass\n",
+              P + "_high.py": "def f(low):\n    return low._m()\n"}, "private attribute or method of _low"),
         "a private function of another module":
             ({P + "_low.py": "def _helper():\n    pass\n",
               P + "_high.py": "from ._low import _helper\n"}, "a private name of another module"),

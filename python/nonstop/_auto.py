@@ -87,11 +87,11 @@ def checkpointer_step(ckpt, auto: AutoInterval, step: int) -> Optional[int]:
     """Checkpointer.step() with every="auto": asks the controller, starts a
     checkpoint when it is due, and feeds back the persist times of the
     checkpoints committed since. Returns the counter, or None."""
-    if not auto.observe_step(ckpt._visible_stall_s):
+    if not auto.observe_step(ckpt.session.visible_stall_s):
         return None
-    counter = ckpt._save(step)  # step() reports background errors after it
-    auto.started(ckpt._visible_stall_s)
-    stats = ckpt._live().stats()
+    counter = ckpt.session.save(step)  # step() reports background errors after it
+    auto.started(ckpt.session.visible_stall_s)
+    stats = ckpt.session.live().stats()
     seen = auto.seen_counter
     for r in stats.get("recent", ()):
         if r.get("committed") and r.get("counter", 0) > seen:

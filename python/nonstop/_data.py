@@ -24,10 +24,10 @@ Only types are looked at: nothing is iterated, nothing is imported.
 """
 from __future__ import annotations
 
-from .errors import CheckpointMismatchError
-
 import torch.utils.data
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+from .errors import CheckpointMismatchError
 
 FIX_SAMPLER = ("sampler=torchdata.stateful_dataloader.sampler.RandomSampler(dataset, "
                "generator=torch.Generator().manual_seed(SEED))")

@@ -35,14 +35,12 @@ from typing import Optional
 
 import torch
 
-from . import _ext, _read
-from . import _state
-from .errors import CorruptCheckpointError
+from . import _ext, _progress, _read, _state
+from ._cli import cli_run
 from ._distributed import consolidate
 from ._objects import CONSOLIDATED
 from ._read import read_tensors
-from . import _progress
-from ._cli import cli_run
+from .errors import CorruptCheckpointError
 
 def gather(path: str, step: Optional[int] = None,
            progress=None) -> tuple[int, list, list, set]:

@@ -44,14 +44,14 @@ import zlib
 from typing import Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import _ext, _fsdp, _state
 from ._objects import CONSOLIDATED, is_zero
-from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                     CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 from ._read import read_tensors
 from ._state import loads, torch_dtype_by_name
-from torch.nn.parallel import DistributedDataParallel as DDP
+from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                     CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
 REPLICATED = ("shard", "rank0")
 # Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
@@ -177,7 +177,7 @@ class Distributed:
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
-        self.lineage = self._new_lineage()
+        self.lineage = self.new_lineage()
         self.engine = None
         self.state: Optional[dict] = None  # the Checkpointer's state (resharding)
         self.agreed: Optional[dict] = read_agreed(dir, rank)
@@ -186,7 +186,7 @@ class Distributed:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def _new_lineage(self) -> int:
+    def new_lineage(self) -> int:
         t = torch.tensor([random.SystemRandom().getrandbits(62) if self.rank == 0 else 0],
                          dtype=torch.int64)
         torch.distributed.broadcast(t, src=0, group=self.group)
@@ -463,13 +463,13 @@ class Distributed:
                 warnings.warn(f"nonstop: step {s} fails on {where}; all ranks fall back to "
                               f"step {order[n + 1]}", stacklevel=4)
                 continue
-            full = self._assemble(tensors, info, meta)
+            full = self.assemble(tensors, info, meta)
             stats.update(restored_from=source, restore_s=time.perf_counter() - t0)
             if agreed is not None and s < agreed:
                 warnings.warn(f"nonstop: rank {self.rank} restores step {s}, older than the "
                               f"agreed step {agreed}", stacklevel=4)
             counter = int(info["counter"])
-            self.lineage = self._new_lineage()
+            self.lineage = self.new_lineage()
             if not sel.where.startswith("keep/"):  # a kept copy holds no slot of the ring
                 self.engine.pin(counter)
             cand = self.engine.candidate()
@@ -527,14 +527,14 @@ class Distributed:
         if got is None:
             return None
         key, info, tensors, meta, old_world, archive = got
-        self.lineage = self._new_lineage()
+        self.lineage = self.new_lineage()
         cand = self.engine.candidate()
         if cand is not None:  # a newer checkpoint of this world size, not on every rank
             self.engine.drop_candidate(cand[0])
         self._record(-1, key[0], (os.path.basename(archive), old_world))
         return info, tensors, meta, os.path.join(self.dir, _ext.core().JobDir.slot_name(self.rank))
 
-    def _assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
+    def assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
         """Reassembles every replicated tensor from the ranks' pieces with an
         all_reduce(SUM) of uint8 bytes: each byte has exactly one nonzero
         contributor, so the sum is exact."""

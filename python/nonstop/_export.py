@@ -17,13 +17,13 @@ import sys
 from typing import Optional
 
 import numpy as np
+import torch
 
 from . import _dcp, _ext, _progress, _state
 from ._cli import cli_run
 from ._read import check_directory, restore_threads
 from .errors import (CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompatibleCheckpointError)
-import torch
 
 # Bytes of stored tensors read per window (as `nonstop export` in C++ does).
 WINDOW_BYTES = 256 << 20
@@ -290,7 +290,8 @@ def export_any(dir: str, out: str, step: Optional[int] = None, rank: Optional[in
     and the export is 256 MiB or more; True: always; False: never)."""
     if format == "dcp":
         if include is not None or strip is not None or rank is not None:
-            raise ValueError("format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
+            raise ValueError(
+                "format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
         return _dcp.export_dcp(dir, out, step, progress=progress)
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")

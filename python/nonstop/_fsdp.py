@@ -35,11 +35,10 @@ from typing import Optional
 
 import torch
 
-from .errors import CheckpointMismatchError, IncompatibleCheckpointError
-from . import _objects
-from . import _read
+from . import _objects, _read
 from ._read import RANK_FILE, read_tensors
 from ._state import loads, torch_dtype
+from .errors import CheckpointMismatchError, IncompatibleCheckpointError
 
 
 def _dtensor_cls():
@@ -330,7 +329,8 @@ def reshard(dir: str, step_key: tuple, doc: dict, rank: int, world: int,
     for r, reader in enumerate(readers):
         found = None
         for i, c in enumerate(reader.checkpoints):
-            if c["committed"] and _read.step_key(loads(c["meta_json"].decode("utf-8"))) == tuple(step_key):
+            meta = loads(c["meta_json"].decode("utf-8")) if c["committed"] else None
+            if meta is not None and _read.step_key(meta) == tuple(step_key):
                 found = i
                 break
         if found is None:

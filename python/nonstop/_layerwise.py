@@ -60,12 +60,11 @@ import warnings
 from typing import Optional
 
 import torch
-
-from . import _fqn, _rng, _state
-from .errors import CheckpointMismatchError
 from torch.nn.parallel import DistributedDataParallel
-from . import _objects
+
+from . import _fqn, _objects, _rng, _session, _state
 from ._read import FORMAT
+from .errors import CheckpointMismatchError
 
 
 def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.Optimizer:
@@ -199,8 +198,8 @@ class Layerwise:
             with self._lock:
                 if not self._decided:  # before the first all-reduce: no callback runs yet
                     self._decided = True
-                    if self.ckpt._engine is not None:
-                        self._maybe_begin(self.ckpt._engine)
+                    if self.ckpt.session.engine is not None:
+                        self._maybe_begin(self.ckpt.session.engine)
                 if not self._queued:
                     self._queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -254,15 +253,15 @@ class Layerwise:
         its copy when a checkpoint is open. `grads`: param -> the reduced
         gradient to use (DDP), else p.grad."""
         ck = self.ckpt
-        engine = ck._engine
+        engine = ck.session.engine
         if engine is not None:
             t0 = time.perf_counter()
             if not self._decided:
                 self._decided = True
                 self._maybe_begin(engine)
-            if ck._copy_pending:  # a whole-model checkpoint is still copying
+            if ck.session.copy_pending:  # a whole-model checkpoint is still copying
                 engine.wait_copied()
-                ck._copy_pending = False
+                ck.session.copy_pending = False
             if any(p in self._batched for p in params):  # updated twice in one step
                 self._flush()
             wait = [p for p in params if p in self._pending]
@@ -270,8 +269,8 @@ class Layerwise:
                 self._wait_copies(engine, wait)
                 self._pending.difference_update(wait)
             dt = time.perf_counter() - t0
-            ck._hook_stall_s += dt
-            ck._visible_stall_s += dt
+            ck.session.hook_stall_s += dt
+            ck.session.visible_stall_s += dt
         for p in params:
             opt, gi, sub = self._subs[p]
             sg = sub.param_groups[0]
@@ -319,11 +318,11 @@ class Layerwise:
         if not self._batch:
             return
         t0 = time.perf_counter()
-        self.ckpt._engine.copy_tensors(self.counter,
+        self.ckpt.session.engine.copy_tensors(self.counter,
                                        [i for p in self._batch for i in self._groups[p]])
         self._pending.update(self._batch)
         self._batch, self._batched, self._batch_bytes = [], set(), 0
-        self.ckpt._visible_stall_s += time.perf_counter() - t0
+        self.ckpt.session.visible_stall_s += time.perf_counter() - t0
 
     # --------------------------------------------------------- checkpoints
 
@@ -349,54 +348,55 @@ class Layerwise:
         if tensors is None:
             tensors = {}
             _objects.flatten_state(ck.state, tensors)
-        if (self._plan is not None and ck._registered is self._plan[2] and not ck._snapshots
+        if (self._plan is not None and ck.session.registered is self._plan[2]
+                and not ck.session.snapshots
                 and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
                 and self._plan[0] == self._signature()):
             return  # nothing moved (the usual case): the registration and the groups hold
         refs, layouts, pieces = self._refs(tensors)
-        if refs != ck._registered:
+        if refs != ck.session.registered:
             if layouts is None:
                 engine.register(refs)
             else:
                 engine.register(refs, layouts=[layouts.get(r[0]) for r in refs])
-            ck._registered = refs
-            ck._registers += 1
+            ck.session.registered = refs
+            ck.session.registers += 1
         self._keep = pieces  # registered by pointer: keep them alive
-        self._ptrs = dict(ck._base_ptr)
+        self._ptrs = dict(ck.session.base_ptr)
         index: dict = {}
         for i, r in enumerate(refs):
-            index.setdefault(ck._base_ptr.get(r[0], r[4]), []).append(i)
+            index.setdefault(ck.session.base_ptr.get(r[0], r[4]), []).append(i)
         groups = {}
         for p, (opt, _, _) in self._subs.items():
             ts = [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
             groups[p] = [i for t in ts for i in index.get(t.data_ptr(), ())]
-        self._plan = (self._signature(), groups, ck._registered)
+        self._plan = (self._signature(), groups, ck.session.registered)
 
     def _refs(self, tensors: dict) -> tuple:
         """(engine refs, layouts or None, the tensors registered) for the
         flattened state: with world_size > 1 this rank's shares."""
         ck = self.ckpt
         layouts = None
-        ck._base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
-        if ck._dist is not None:
-            tensors, layouts, _ = ck._dist.shard(tensors, ck.state)
-        return ck._refs(tensors), layouts, tensors
+        ck.session.base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
+        if ck.session.dist is not None:
+            tensors, layouts, _ = ck.session.dist.shard(tensors, ck.state)
+        return ck.session.refs(tensors, _session.optimizer_owned(ck.state)), layouts, tensors
 
     def _maybe_begin(self, engine) -> None:
         """At the first update of a step: opens the step's checkpoint when it
         is due (with the plan prepared by the previous ckpt.step(), or one
         made now)."""
         s = self.next_step
-        if not self.ckpt._due_after(s) or not self._complete():
+        if not self.ckpt.session.due_after(s) or not self._complete():
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
         if (self._plan is None or self._plan[0] != self._signature()
-                or self.ckpt._registered is not self._plan[2]):
+                or self.ckpt.session.registered is not self._plan[2]):
             self._plan = None
             self._prepare(engine)
         self._groups = self._plan[1]
         self.counter = engine.begin_checkpoint(int(s))
-        if self.ckpt._dist is not None:
-            self.ckpt._dist.started(engine)  # the first one starts the agreement thread
+        if self.ckpt.session.dist is not None:
+            self.ckpt.session.dist.started(engine)  # the first one starts the agreement thread
 
     def step(self, step: int) -> Optional[int]:
         """ckpt.step(step) in layerwise mode: seals the open checkpoint, or
@@ -412,11 +412,11 @@ class Layerwise:
                 tree = _objects.flatten_state(ck.state, tensors)
                 meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
                         "world_size": ck.world_size, "state": tree}
-                if ck._dist is not None:
-                    meta["dist"] = ck._dist.shard(tensors, ck.state)[2]
+                if ck.session.dist is not None:
+                    meta["dist"] = ck.session.dist.shard(tensors, ck.state)[2]
                 if ck.rng:
                     meta["rng"] = _rng.capture()
-                metrics = ck._checkpoint_metrics()  # agreed across ranks with best=
+                metrics = ck.session.agreed_metrics()  # agreed across ranks with best=
                 if metrics:
                     meta["metrics"] = metrics
                 names = _fqn.describe(ck.state)  # get_state_dict's names (_fqn.py)
@@ -428,24 +428,24 @@ class Layerwise:
                 self._pending = set(self._groups)
                 self._batch, self._batched, self._batch_bytes = [], set(), 0
                 changed = {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs
-                ck._engine.end_checkpoint(counter, int(step), _state.dumps(meta))
+                ck.session.engine.end_checkpoint(counter, int(step), _state.dumps(meta))
                 if changed:
                     warnings.warn("nonstop: the state's tensors changed during step "
                                   f"{step}; its layer-wise checkpoint may not restore",
                                   stacklevel=3)
                     self._plan = None
-                ck._saves += 1
-            elif ck._due_after(step):
-                counter = ck._save(step)  # step() reports background errors
+                ck.session.saves += 1
+            elif ck.session.due_after(step):
+                counter = ck.session.save(step)  # step() reports background errors
             self.next_step = step + 1
             self._decided = False
             self._queued = False  # (a backward that raised left it set)
             # The next step is due: register and find the groups now, on the
             # training thread between steps, so that backward only opens the
             # checkpoint and requests copies.
-            if ck._due_after(step + 1) and self._complete():
-                self._prepare(ck._engine, tensors)
-            ck._visible_stall_s += time.perf_counter() - t0
+            if ck.session.due_after(step + 1) and self._complete():
+                self._prepare(ck.session.engine, tensors)
+            ck.session.visible_stall_s += time.perf_counter() - t0
             return counter
 
     def restored(self, step: Optional[int]) -> None:

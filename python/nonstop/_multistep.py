@@ -38,10 +38,9 @@ try:  # torch's own rule for foreach=None (a private function of torch)
 except ImportError:
     _default_to_fused_or_foreach = None
 
-from . import _ext
-from . import _fqn, _rng, _state
-from .errors import CheckpointMismatchError
+from . import _ext, _fqn, _rng, _state
 from ._objects import stateful
+from .errors import CheckpointMismatchError
 
 FORMAT = "nonstop.torch/1"
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
@@ -199,7 +198,7 @@ class MultistepMode:
         try:
             return fn(*args)
         finally:
-            self._ckpt._visible_stall_s += time.perf_counter() - t0
+            self._ckpt.session.visible_stall_s += time.perf_counter() - t0
 
     def _step_now(self) -> int:
         return 0 if self._last_step is None else self._last_step + 1
@@ -269,7 +268,7 @@ class MultistepMode:
         if self.core.active and not self._outputs_set and self.core.version == step:
             self._set_outputs(step)
         self._release_copied()
-        self._ckpt._visible_stall_s += time.perf_counter() - t0
+        self._ckpt.session.visible_stall_s += time.perf_counter() - t0
         return started
 
     def start(self, step: int) -> None:
@@ -281,7 +280,7 @@ class MultistepMode:
             self._begin(step)
             if self.core.version == step:
                 self._set_outputs(step)
-        self._ckpt._visible_stall_s += time.perf_counter() - t0
+        self._ckpt.session.visible_stall_s += time.perf_counter() - t0
 
     def _tensors(self) -> list:
         self._check_state()
@@ -311,7 +310,7 @@ class MultistepMode:
     def _begin(self, step: int) -> None:
         self._outputs_set = False
         self.core.begin(step, self.algorithm, self.amsgrad, self._tensors())
-        self._ckpt._saves += 1
+        self._ckpt.session.saves += 1
 
     def _set_outputs(self, step: int) -> None:
         """Everything of the checkpoint at version `step`: optimizer-owned
@@ -324,7 +323,7 @@ class MultistepMode:
         if ck.rng:
             meta["rng"] = _rng.capture()
         if getattr(ck, "_metrics", None):  # step(step, metrics=) of this version
-            meta["metrics"] = ck._metrics
+            meta["metrics"] = ck.session.metrics
         names = _fqn.describe(ck.state)  # get_state_dict's names, for export (_fqn.py)
         if names:
             meta["names"] = names

@@ -310,7 +310,7 @@ class PreemptWatch:
 
     def _announce(self) -> None:
         try:
-            engine = self.ckpt._engine
+            engine = self.ckpt.session.engine
             stats = engine.stats() if engine is not None else {}
             latest = engine.latest() if engine is not None else None
         except Exception:  # a notice must never fail on a statistics read
@@ -327,7 +327,7 @@ class PreemptWatch:
             pass
 
     def state_bytes(self) -> int:
-        reg = self.ckpt._registered
+        reg = self.ckpt.session.registered
         return sum(r[3] for r in reg) if reg else self._bytes_guess
 
     def _guess_bytes(self) -> int:
@@ -384,7 +384,7 @@ class PreemptWatch:
             dt = (now - self._last_t) / (step - self._last_step)
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
         self._last_step, self._last_t = step, now
-        if not self._bytes_guess and not self.ckpt._registered:
+        if not self._bytes_guess and not self.ckpt.session.registered:
             self._bytes_guess = self._guess_bytes()
         local = self.notice_t is not None
         if self._group is not None:
@@ -416,21 +416,23 @@ class PreemptWatch:
         record = None
         t_start = time.monotonic()
         try:
-            engine = ckpt._live()
-            if ckpt._multistep is None:
+            engine = ckpt.session.live()
+            if ckpt.mode != "multistep":
                 if hasattr(engine, "abandon_older_than"):
                     engine.abandon_older_than()  # everything in flight is older than what comes
                 lw = getattr(ckpt, "_layerwise", None)
                 if lw is not None and lw.counter is not None:
                     counter = lw.step(step)  # seals the layer-wise checkpoint of this step
                 else:
-                    counter = ckpt._save(step)  # an older checkpoint's error is kept for later
+                    # an older checkpoint's error is kept for later
+                    counter = ckpt.session.save(step)
                 older = None
                 try:
-                    ckpt._live().wait_committed(counter)
+                    ckpt.session.live().wait_committed(counter)
                 except CheckpointError as e:  # this one's error, or an older one's
                     older = e
-                local = ckpt._live().latest()  # this rank's newest committed (not the agreed one)
+                # this rank's newest committed (not the agreed one)
+                local = ckpt.session.live().latest()
                 committed = local is not None and local[1] == step
                 if older is not None and not committed:
                     raise older
@@ -439,8 +441,8 @@ class PreemptWatch:
                     bg.append(older)
                 for e in bg:  # the emergency checkpoint committed; say what failed before
                     os.write(2, f"nonstop: an earlier checkpoint failed: {e}\n".encode())
-                ckpt._errors = []
-                record = next((c for c in ckpt._live().stats().get("recent", [])
+                ckpt.session.errors = []
+                record = next((c for c in ckpt.session.live().stats().get("recent", [])
                                if c.get("counter") == counter), None)
             else:
                 # multistep: a window cannot be cut short; keep what is in flight.

@@ -42,8 +42,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Optional
 
 from . import _ext
-from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
-                     CorruptCheckpointError, IncompatibleCheckpointError)
+from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                     CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
 FORMAT = "nonstop.remote/1"
 MAX_JSON_BYTES = 256 << 10        # remote_layout.h kMaxDocBytes: refused before reading
@@ -1105,7 +1105,7 @@ class Tier:
         self.claimed = True
 
     def _target(self):
-        dist = self.ckpt._dist
+        dist = self.ckpt.session.dist
         engine = self.engine  # held here: close() clears the Checkpointer's first
         if engine is None or getattr(engine, "closed", False):
             return None
@@ -1154,7 +1154,7 @@ class Tier:
                 self._queue.append((int(counter), int(step)))
         if self.uploader is None:
             self._claim()
-            self.engine = self.ckpt._engine
+            self.engine = self.ckpt.session.engine
             self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
                                      self.ckpt.world_size, self._target, self.core,
                                      keep=self.ckpt.keep, options=self.options,
@@ -1206,7 +1206,7 @@ class Tier:
         checkpoint first (newer by counter than every local one, the same
         checkpoint where the local copy fails to verify, or `step` only
         remote); None to restore from the local directory."""
-        if self.ckpt._dist is not None:
+        if self.ckpt.session.dist is not None:
             return self._restore_dist(step)
         try:
             self._claim()  # another job's prefix is refused before anything is read
@@ -1313,7 +1313,7 @@ class Tier:
         # broadcast_object_list: those unpickle what the peers send. Each
         # rank plans its own candidates (the planner, C++); rank 0's order of
         # the steps every rank holds is the agreed one, as _distributed.recover.
-        d = self.ckpt._dist
+        d = self.ckpt.session.dist
         comm = d.comm()
         listing = None
         if d.rank == 0:
@@ -1342,10 +1342,10 @@ class Tier:
                 warnings.warn(f"nonstop: remote step {s} fails on {where}; falling back",
                               stacklevel=3)
                 continue
-            full = d._assemble(loaded.tensors, loaded.info, loaded.meta)
-            engine = self.ckpt._engine
+            full = d.assemble(loaded.tensors, loaded.info, loaded.meta)
+            engine = self.ckpt.session.engine
             d.engine = engine
-            d.lineage = d._new_lineage()
+            d.lineage = d.new_lineage()
             cand = engine.candidate()
             if cand is not None:
                 engine.drop_candidate(cand[0])

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import _ext, _manage, _progress, _remote, _state
+from . import _distributed, _ext, _manage, _progress, _remote, _state
 from ._read import (check_directory, decode_meta, destinations, read_into, restore_direct,
                     restore_threads)
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -272,3 +272,44 @@ def load(dir: str, step: Optional[int] = None, rank: int = 0,
     if loaded is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
     return loaded
+
+
+def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int], session,
+            applier, remote, stats: dict):
+    """Checkpointer.restore's choice of where to read: (the checkpoint read
+    and checked by applier.prepare, or None for a fresh start; whether the
+    engine adopts it). The remote tier when it holds a newer one than every
+    rank; with world_size > 1 the ranks' agreed step; resharding to one
+    process; else the memory tier when its segment verifies and holds the
+    disk's newest, else the job directory. `stats` gets the restore's times."""
+    if remote is not None:
+        loaded = remote.restore(step)
+        if loaded is not None:  # newer than every rank's local checkpoint
+            return loaded, True
+    if session.dist is not None:  # collective: the ranks agree on the step
+        return session.dist.load(session.engine, step, _ext.core, LoadedCheckpoint, lambda d: (
+            check_directory(d, rank, world_size, must_exist=False)), stats=stats), False
+    if world_size == 1 and _distributed.archives(dir):  # resharding to 1 process
+        return _distributed.restore_single(dir, step, lambda: read(
+            dir, rank, step, 1, as_numpy=False, prepare=applier.prepare),
+            LoadedCheckpoint, applier.state), False
+    if not check_directory(dir, rank, world_size, must_exist=step is not None):
+        return None, False
+    if session.copy_pending and hasattr(session.engine, "wait_copied"):
+        # The tensors are read into in place: no copy of them may be in flight.
+        session.take(session.engine.wait_copied)
+        session.copy_pending = False
+    t0 = time.perf_counter()
+    loaded, why = None, "a step was asked for"
+    if step is None and tier != "disk":
+        # The memory tier first: used only when its segment verifies and
+        # holds exactly the newest committed checkpoint on disk.
+        loaded, why = read_memory(dir, rank, world_size, applier.prepare,
+                                  live=applier.live_tensors(), stats=stats)
+    if loaded is not None:
+        stats.update(restored_from="memory", restore_s=time.perf_counter() - t0)
+    else:
+        loaded = read(dir, rank, step, world_size, as_numpy=False, prepare=applier.prepare,
+                      live=applier.live_tensors(), stats=stats)
+        stats.update(restored_from="disk", memory_unused_because=why)
+    return loaded, loaded is not None

@@ -127,8 +127,8 @@ def main():
                                 staging_bytes=4 << 20, chunk_bytes=1 << 20,
                                 dist_timeout_s=60, tier=a.tier)
     if rank == a.slow_rank:
-        real = ckpt._dist.started
-        ckpt._dist.started = lambda engine: real(SlowCommits(engine, a.slow_s))
+        real = ckpt.session.dist.started
+        ckpt.session.dist.started = lambda engine: real(SlowCommits(engine, a.slow_s))
     r = ckpt.restore()
     rs = ckpt.stats()
     emit(event="start", rank=rank, restored=r, restored_from=rs.get("restored_from"),
@@ -157,7 +157,7 @@ def main():
         if ckpt.stats()["saves"] > 1:  # the first save creates the slot file
             stalls.append(ckpt.stats()["visible_stall_s"] - before)
         emit(event="step", rank=rank, step=s, loss=loss.item(), agreed=ckpt.latest(),
-             rounds=ckpt._dist.rounds, t=time.time(),
+             rounds=ckpt.session.dist.rounds, t=time.time(),
              dt=time.perf_counter() - t0)
         if s == a.kill_at and rank == a.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
@@ -171,7 +171,7 @@ def main():
             time.sleep(a.step_s)
     st = ckpt.stats()
     ckpt.close()
-    agreed = ckpt._dist.agreed_step()
+    agreed = ckpt.session.dist.agreed_step()
     local = opt.optim.state_dict() if a.kind == "zero" else opt.state_dict()
     opt_tensors = [v for _, stt in sorted(local["state"].items()) for _, v in sorted(stt.items())
                    if isinstance(v, torch.Tensor)]

@@ -112,12 +112,12 @@ def main():
         emit(event="step", rank=rank, step=s, loss=loss.item())
         if s == a.kill_at and rank == a.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
-    if ckpt._dist is None:  # one rank
+    if ckpt.session.dist is None:  # one rank
         ckpt.wait()
         agreed = ckpt.latest()
     ckpt.close()
-    if ckpt._dist is not None:
-        agreed = ckpt._dist.agreed_step()
+    if ckpt.session.dist is not None:
+        agreed = ckpt.session.dist.agreed_step()
     opt_tensors = optim_tensors(opt)
     res = {"rank": rank, "restored": r, "params": digest(model.parameters()),
            "buffers": digest(model.buffers()), "optim": digest(opt_tensors), "samples": train["samples"], "agreed": agreed,

@@ -170,7 +170,7 @@ def main():
            "steps_run": a.steps - start, "checked": checked,
            "failed": None if st is None else st["failed"],
            "committed": None if st is None else st["committed"],
-           "agreed": None if ckpt is None else ckpt._dist.agreed_step()}
+           "agreed": None if ckpt is None else ckpt.session.dist.agreed_step()}
     with open(f"{a.out}.rank-{rank}.json", "w") as f:
         json.dump(res, f)
     emit(event="done", rank=rank)

@@ -9,7 +9,7 @@ def wait_mirrored(ckpt, deadline_s: float = 60.0) -> dict:
     tier to have copied the newest one; returns ckpt.stats(). Raises
     TimeoutError (with the tier's last error) after `deadline_s`."""
     ckpt.wait()
-    engine = ckpt._live()
+    engine = ckpt.session.live()
     end = time.monotonic() + deadline_s
     while True:
         s = ckpt.stats()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import nonstop
+from nonstop import _session
 from conftest import needs_engine
 
 accelerate = pytest.importorskip("accelerate")
@@ -30,7 +31,7 @@ def test_prepared_objects_checkpoint_and_hook_the_real_optimizer(tmp_path):
     h.wait(timeout=60)
     # the pre-hook is on the optimizer that steps, and its state is zero-copy
     assert len(opt.optimizer._optimizer_step_pre_hooks) == 1
-    owned = ckpt._optimizer_owned()
+    owned = _session.optimizer_owned(ckpt.state)
     assert all(p.data_ptr() in owned for p in model.parameters())
     want = {k: v.clone() for k, v in opt.optimizer.state[model.weight].items()}
     ckpt.close()

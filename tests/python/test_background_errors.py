@@ -47,7 +47,7 @@ def wait_finished(ckpt, step, timeout=60):
     its error is queued before the training thread calls the engine again."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(c["step"] == step and c["committed"] for c in ckpt._engine.stats()["recent"]):
+        if any(c["step"] == step and c["committed"] for c in ckpt.session.engine.stats()["recent"]):
             return
         time.sleep(0.01)
     raise AssertionError(f"checkpoint of step {step} did not commit")

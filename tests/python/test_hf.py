@@ -70,7 +70,7 @@ def test_resume_from_a_job_killed_before_its_first_commit_is_a_fresh_start(tmp_p
     d = str(tmp_path / "ck")
     w = torch.ones(64)
     ck = nonstop.Checkpointer(d, {"w": w}, every=1000)
-    ck._engine.register(ck._refs({"w": w}))  # the first save's registration, no commit
+    ck.session.engine.register(ck.session.refs({"w": w}, set()))  # the first save's registration, no commit
     ck.close()
     assert os.path.exists(os.path.join(d, nonstop._core.slot_file_name(0)))
     with nonstop.Checkpointer(d, {"w": w}) as again:

@@ -83,7 +83,7 @@ def write_good_then_hostile(d, mutate_meta=None, names=None):
             mutate_meta(meta)
         engine = ck._live()
         if names is not None:
-            refs = [(names(r[0]),) + tuple(r[1:]) for r in ck._registered]
+            refs = [(names(r[0]),) + tuple(r[1:]) for r in ck.session.registered]
             engine.register(refs)
         engine.checkpoint(2, json.dumps(meta))
         ck.wait()

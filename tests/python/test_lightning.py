@@ -53,7 +53,7 @@ def test_zero_copy_and_marker_only_after_commit(tmp_path):
                 assert got.step == m["step"]
                 seen_markers.append(m["step"])
             if cb.ckpt is not None:
-                registered.update(refs=cb.ckpt._registered, registers=cb.ckpt._registers)
+                registered.update(refs=cb.ckpt.session.registered, registers=cb.ckpt.session.registers)
 
     committed = []
     cb = NonstopCheckpoint(str(tmp_path / "ck"), every=2, on_commit=committed.append)

@@ -12,14 +12,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import nonstop  # noqa: E402
-from nonstop import _checkpointer  # noqa: E402
+from nonstop import _checkpointer, _ext  # noqa: E402
 from nonstop.errors import CorruptCheckpointError, IncompatibleCheckpointError  # noqa: E402
 
 
 def write_rank(d, rank, lineage, steps):
     """Rank `rank` of a 2-rank job: checkpoints of `steps`, each holding
     t = [step] * 4, this rank's half of it."""
-    engine = _checkpointer._core().Engine(d, rank=rank, world_size=2, max_in_flight=1)
+    engine = _ext.core().Engine(d, rank=rank, world_size=2, max_in_flight=1)
     half = torch.zeros(2)
     engine.register([("t", 7, [2], 8, half.data_ptr(), 0, 0, 0, False)], layouts=[([4], 2 * rank)])
     for s in steps:
@@ -35,7 +35,7 @@ def write_rank(d, rank, lineage, steps):
 
 def damage_all(d, rank):
     """Flips a data byte of every checkpoint of `rank`'s file."""
-    reader = _checkpointer._core().Reader(d, rank=rank, verify_data=False)
+    reader = _ext.core().Reader(d, rank=rank, verify_data=False)
     with open(reader.path, "r+b") as f:
         for c in reader.checkpoints:
             f.seek(c["data_offset"])

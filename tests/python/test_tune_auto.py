@@ -157,9 +157,11 @@ def test_checkpointer_every_auto_follows_an_injected_stall(spy_engine, tmp_path,
     next update: the interval grows, and shrinks again when it recovers."""
     import nonstop
     import nonstop._checkpointer as cp
+    import nonstop._session as ses
     import tiny
     clock = _Clock()
-    monkeypatch.setattr(cp, "time", clock)  # the Checkpointer's stall counter
+    monkeypatch.setattr(cp, "time", clock)  # the Checkpointer's stall counter (save())
+    monkeypatch.setattr(ses, "time", clock)  # and its Session's (the waits)
     delay = {"s": 0.003}
 
     def slow_wait():

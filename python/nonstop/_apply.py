@@ -1,0 +1,173 @@
+"""Restoring into the live objects: what restore() will do to the state,
+checked and decoded before anything changes (prepare), then done (apply).
+restore() reads straight into the live tensors that fit (live_tensors)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from . import _fsdp, _objects, _rng, _state
+from ._objects import stateful
+from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+
+
+class StateApplier:
+    """A Checkpointer's state (a dict of objects and values) as a restore
+    target: `rank`/`world_size` place FSDP2 shards, `rng` restores the RNG."""
+
+    def __init__(self, state: dict, dir: str, rank: int, world_size: int, rng: bool):
+        self.state, self.dir, self.rank, self.world_size, self.rng = state, dir, rank, world_size, rng
+        self._flat: dict = {}  # per key: the live tensors of the restore under way
+
+    def done(self) -> None:
+        self._flat = {}
+
+    def live_tensors(self) -> dict:
+        """The live state's tensors by checkpoint name (modules, optimizers,
+        other stateful objects and plain tensors): restore() reads straight
+        into those that match (_read.destinations)."""
+        current: dict = {}
+        self._flat = {}  # per key, for _check_fits of this restore
+        for key, obj in self.state.items():
+            if stateful(obj) or isinstance(obj, torch.Tensor):
+                flat: dict = {}
+                _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key,
+                               flat)
+                self._flat[key] = flat
+                current.update(flat)
+        return current
+
+    def prepare(self, loaded) -> tuple:
+        """Everything restore() will do to the live objects, checked and
+        decoded, with nothing changed yet: (values by key, RNG setters).
+        Raises CorruptCheckpointError where the checkpoint is malformed (the
+        caller falls back to an older one) and CheckpointMismatchError where
+        it does not fit the live state."""
+        _fsdp.restored(self, loaded)  # FSDP2: the saved shards become DTensors again
+        meta = loaded.meta
+        where = f"checkpoint step {loaded.step} in {self.dir}"
+        saved = meta.get("state")
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"{where}: its metadata holds no state tree")
+        missing = [k for k in self.state if k not in saved]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{where} has no state {missing[0]!r} "
+                f"(it has {', '.join(map(str, saved)) or 'nothing'})")
+        try:
+            values = {key: _state.unflatten(saved[key], loaded.tensors) for key in self.state}
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+        for key, obj in self.state.items():
+            self._check_fits(key, obj, loaded)
+            self._check_value(key, obj, values[key], where)
+        setters = []
+        if self.rng and "rng" in meta:
+            try:
+                setters = _rng.prepare(meta["rng"])
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{where}: {e}") from None
+        extra = [k for k in saved if k not in self.state]
+        if extra:
+            warnings.warn(f"nonstop: checkpoint step {loaded.step} also holds state "
+                          f"{', '.join(map(repr, extra))}, not restored", stacklevel=4)
+        return values, setters
+
+    def _check_value(self, key: str, obj: Any, value: Any, where: str) -> None:
+        """The checks load_state_dict would fail only halfway through."""
+        if isinstance(obj, torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise CorruptCheckpointError(f"{where}: state {key!r} is not a tensor")
+        if stateful(obj) and not isinstance(value, dict):
+            raise CorruptCheckpointError(
+                f"{where}: state {key!r} is a {type(value).__name__}, not a state dict")
+        if isinstance(obj, torch.optim.Optimizer) and not _objects.is_zero(obj) and (
+                value.get(_objects.CONSOLIDATED) is None):
+            groups = value.get("param_groups")
+            if not isinstance(groups, list) or not isinstance(value.get("state"), dict) or not all(
+                    isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+                raise CorruptCheckpointError(
+                    f"{where}: state {key!r} is not an optimizer state dict")
+            have = [len(g["params"]) for g in obj.param_groups]
+            got = [len(g["params"]) for g in groups]
+            if have != got:
+                raise CheckpointMismatchError(
+                    f"{where}: optimizer {key!r} has parameter groups of sizes {got}, the "
+                    f"live optimizer {have}")
+
+    def apply(self, plan: tuple) -> None:
+        values, setters = plan
+        for key, obj in list(self.state.items()):
+            value = values[key]
+            if stateful(obj):
+                if self._restored_in_place(key, obj, value):
+                    continue  # load_state_dict would copy every tensor onto itself
+                try:
+                    _objects.load_state_dict_into(obj, value)
+                except CheckpointError:
+                    raise
+                except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise CheckpointMismatchError(
+                        f"state {key!r}: load_state_dict failed: {first}") from e
+            elif isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(value)
+            elif isinstance(obj, dict) and isinstance(value, dict):
+                obj.clear()
+                obj.update(value)
+            elif isinstance(obj, list) and isinstance(value, list):
+                obj[:] = value
+            else:
+                self.state[key] = value
+        for setter in setters:
+            setter()
+
+    def _restored_in_place(self, key: str, obj: Any, value: Any) -> bool:
+        """True when load_state_dict(value) would only copy each tensor onto
+        itself: `obj` is a plain nn.Module (torch's load_state_dict and
+        _load_from_state_dict on every submodule, no load hooks) whose state
+        dict has exactly value's keys, and each value is the live tensor of
+        that key, already read in place (_read.destinations). Its checks (missing
+        and unexpected keys, shapes) then hold by construction."""
+        if not isinstance(obj, torch.nn.Module) or not isinstance(value, dict):
+            return False
+        if type(obj).load_state_dict is not torch.nn.Module.load_state_dict:
+            return False
+        flat = self._flat.get(key)
+        if not flat or len(flat) != len(value):
+            return False
+        base = torch.nn.Module._load_from_state_dict
+        for m in obj.modules():
+            if (type(m)._load_from_state_dict is not base or m._load_state_dict_pre_hooks
+                    or m._load_state_dict_post_hooks):
+                return False
+        return all(isinstance(k, str) and flat.get(f"{key}/{k}") is v for k, v in value.items())
+
+    def _check_fits(self, key: str, obj: Any, loaded) -> None:
+        """Raises a one-line error naming the first tensor whose shape or
+        dtype differs between the checkpoint and `obj` (and, for modules,
+        a tensor the checkpoint lacks), before anything is changed."""
+        if not (stateful(obj) or isinstance(obj, torch.Tensor)):
+            return
+        current = self._flat.get(key)
+        if current is None:
+            current = {}
+            _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key,
+                           current)
+        for name, t in current.items():
+            if name not in loaded.tensors:
+                if isinstance(obj, (torch.nn.Module, torch.Tensor)):
+                    raise CheckpointMismatchError(
+                        f"tensor {name!r} is not in checkpoint step {loaded.step} in {self.dir}")
+                continue
+            got = loaded.tensors[name]
+            if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+                raise CheckpointMismatchError(
+                    f"tensor {name!r}: checkpoint step {loaded.step} has "
+                    f"{_describe(got)}, the state has {_describe(t)}")
+
+
+def _describe(t) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"

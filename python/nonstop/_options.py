@@ -1,0 +1,165 @@
+"""The Checkpointer's keyword arguments, checked and grouped into a few
+typed objects (every keyword of nonstop.Checkpointer is still accepted; see
+docs/PYTHON.md). resolve() applies config=PATH (nonstop tune --out):
+explicit arguments override it, it overrides the defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import _auto, _config, _data, _manage, _remote
+from .errors import CheckpointMismatchError
+
+MODES = ("concurrent", "layerwise", "multistep")
+TIERS = ("auto", "memory", "disk")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine copies and writes (its constructor's arguments)."""
+    max_in_flight: int = 2
+    writers: int = 0
+    staging_bytes: int = 0
+    chunk_bytes: int = 0
+    copy_threads: int = 1
+    medium: str = "auto"
+    tier: str = "auto"          # the memory tier: "auto", "memory", "disk"
+
+
+@dataclass(frozen=True)
+class ModeOptions:
+    """When a checkpoint is due and how it is taken."""
+    mode: str = "concurrent"
+    every: Any = 10             # an int, or "auto" (auto: the controller)
+    auto: Optional[_auto.AutoInterval] = None
+    parts: int = 7              # multistep
+    overlap_gradients: bool = True
+    copy: str = "host"          # layerwise
+    clip_grad_norm: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which copies stay: keep= every n-th kept, max_to_keep=, best=."""
+    keep: Optional[int] = None
+    max_to_keep: Optional[int] = None
+    best: Any = None
+    rules: tuple = (0, "", False, 0)   # _manage.check_retention: JobDir's arguments
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    """world_size > 1 (docs/DISTRIBUTED.md)."""
+    rank: int = 0
+    world_size: int = 1
+    replicated: str = "shard"
+    local: tuple = ()
+    dist_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Options:
+    engine: EngineOptions
+    mode: ModeOptions
+    retention: Retention
+    dist: DistOptions
+    remote: Any = None                 # a URL or path, or None
+    remote_options: Optional[dict] = None
+    rng: bool = True
+    on_preempt: Any = True
+    on_commit: Any = None
+
+
+def world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def check_keep(keep) -> None:
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
+
+
+def check_tier(tier) -> None:
+    if tier not in TIERS:
+        raise CheckpointMismatchError(f'tier must be "auto", "memory" or "disk", got {tier!r}')
+
+
+def resolve(state: dict, every=None, mode: Optional[str] = None,
+            max_in_flight: Optional[int] = None, writers: Optional[int] = None,
+            staging_bytes: Optional[int] = None, chunk_bytes: Optional[int] = None,
+            medium: Optional[str] = None, keep: Optional[int] = None, rng: bool = True,
+            copy_threads: Optional[int] = None, rank: Optional[int] = None,
+            world_size: Optional[int] = None, parts: int = 7,
+            overlap_gradients: bool = True, config: Optional[str] = None,
+            max_overhead: Optional[float] = None, copy: str = "host",
+            clip_grad_norm: Optional[float] = None, replicated: str = "shard",
+            local=(), dist_timeout_s: float = 300.0, on_preempt=True,
+            remote=None, remote_options: Optional[dict] = None, on_commit=None,
+            tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
+            remote_every: Optional[int] = None) -> Options:
+    """Every keyword of nonstop.Checkpointer, checked (one-line
+    CheckpointMismatchError), before the job directory is opened."""
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointMismatchError("state must be a dict with string keys, "
+                                      "e.g. {'model': model, 'optim': optimizer}")
+    if remote_every is not None:  # remote_options "every" (docs/TIERS.md)
+        if remote is None:
+            raise CheckpointMismatchError("remote_every= needs remote=")
+        if remote_options is not None and not isinstance(remote_options, dict):
+            raise CheckpointMismatchError("remote_options must be a dict")
+        remote_options = {**(remote_options or {}), "every": remote_every}
+    if isinstance(remote_options, dict):
+        _remote.check_every(remote_options.get("every"), world_size or 1)
+    # A data loader whose restored order would differ is refused (_data.py)
+    _data.check_state(state)
+    opts = _config.resolve(config, every=every, mode=mode, max_in_flight=max_in_flight,
+                           writers=writers, staging_bytes=staging_bytes,
+                           chunk_bytes=chunk_bytes, medium=medium, copy_threads=copy_threads,
+                           max_overhead=max_overhead)
+    every, mode = opts["every"], opts["mode"]
+    # every="auto": the interval adapts to keep the visible stall near
+    # max_overhead (default 3 %) of wall time; see _auto.py, docs/TUNE.md.
+    auto = None
+    if every == "auto":
+        if mode != "concurrent":
+            raise CheckpointMismatchError('every="auto" works with mode="concurrent" only')
+        auto = _auto.AutoInterval(target=opts["max_overhead"])
+    if mode not in MODES:
+        raise CheckpointMismatchError(
+            f"mode {mode!r} is not available in this version; use one of {', '.join(MODES)}")
+    if auto is None and (not isinstance(every, int) or every < 1):
+        raise CheckpointMismatchError(f'every must be a positive integer or "auto", got {every!r}')
+    if mode != "layerwise" and (copy != "host" or clip_grad_norm is not None):
+        raise CheckpointMismatchError("copy= and clip_grad_norm= apply to mode='layerwise' only")
+    check_keep(keep)
+    # max_to_keep= and best=("loss", "min", k): which kept copies stay
+    # (JobDir retention in C++; _manage.py, docs/PYTHON.md "Managing checkpoints")
+    rules = _manage.check_retention(keep, max_to_keep, best)
+    drank, dworld = world()
+    rank = drank if rank is None else rank
+    world_size = dworld if world_size is None else world_size
+    if best is not None and every == "auto" and world_size > 1:
+        raise CheckpointMismatchError(
+            'best= with world_size > 1 needs every=N: every rank must checkpoint the same '
+            'steps (their metrics are agreed at each checkpoint)')
+    max_in_flight = opts["max_in_flight"]
+    if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise CheckpointMismatchError(
+            f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+    check_tier(tier)
+    if world_size > 1 and mode == "multistep":
+        raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
+                                      f"use mode='concurrent' with world_size > 1")
+    return Options(
+        engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
+                             opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier),
+        mode=ModeOptions(mode, every, auto, parts, overlap_gradients, copy, clip_grad_norm),
+        retention=Retention(keep, max_to_keep, best, rules),
+        dist=DistOptions(rank, world_size, replicated, local, dist_timeout_s),
+        remote=remote, remote_options=remote_options, rng=rng, on_preempt=on_preempt,
+        on_commit=on_commit)

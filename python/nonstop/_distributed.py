@@ -338,6 +338,10 @@ class Distributed:
         self.engine.write_agreed(rec)
         self.agreed = rec
 
+    def comm(self) -> "Comm":
+        """The few collectives (JSON over the gloo group, never pickle)."""
+        return Comm(self.group, self.world)
+
     def agreed_step(self) -> Optional[int]:
         a = self.agreed
         return None if a is None or a.get("lineage") != self.lineage else a["step"]
@@ -492,14 +496,13 @@ class Distributed:
         stats["_memory_tensors"]. Otherwise "disk" on every rank, with
         stats["memory_unused_because"] naming each rank that could not, and
         every rank reads its disk: the sources are never mixed. Collective."""
-        core = _ext.core()
         why, reader = "", None
         if err is not None:
             why = f"the disk's checkpoint of step {s}: {err}"
         elif getattr(self, "tier", "auto") == "disk":
             why = 'tier="disk"'
         else:
-            open_segment = getattr(core(), "open_memory_segment", None)
+            open_segment = getattr(_ext.core(), "open_memory_segment", None)
             if open_segment is None:
                 why = "this build has no memory tier"
             else:

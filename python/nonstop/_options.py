@@ -89,21 +89,13 @@ def check_tier(tier) -> None:
         raise CheckpointMismatchError(f'tier must be "auto", "memory" or "disk", got {tier!r}')
 
 
-def resolve(state: dict, every=None, mode: Optional[str] = None,
-            max_in_flight: Optional[int] = None, writers: Optional[int] = None,
-            staging_bytes: Optional[int] = None, chunk_bytes: Optional[int] = None,
-            medium: Optional[str] = None, keep: Optional[int] = None, rng: bool = True,
-            copy_threads: Optional[int] = None, rank: Optional[int] = None,
-            world_size: Optional[int] = None, parts: int = 7,
-            overlap_gradients: bool = True, config: Optional[str] = None,
-            max_overhead: Optional[float] = None, copy: str = "host",
-            clip_grad_norm: Optional[float] = None, replicated: str = "shard",
-            local=(), dist_timeout_s: float = 300.0, on_preempt=True,
-            remote=None, remote_options: Optional[dict] = None, on_commit=None,
-            tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
-            remote_every: Optional[int] = None) -> Options:
-    """Every keyword of nonstop.Checkpointer, checked (one-line
-    CheckpointMismatchError), before the job directory is opened."""
+def resolve(state: dict, **kw) -> Options:
+    """Every keyword of nonstop.Checkpointer (`kw`: all of them, as its
+    signature has them), checked (one-line CheckpointMismatchError), before
+    the job directory is opened."""
+    remote, remote_options, remote_every = kw["remote"], kw["remote_options"], kw["remote_every"]
+    keep, max_to_keep, best, tier = kw["keep"], kw["max_to_keep"], kw["best"], kw["tier"]
+    copy, clip_grad_norm = kw["copy"], kw["clip_grad_norm"]
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointMismatchError("state must be a dict with string keys, "
                                       "e.g. {'model': model, 'optim': optimizer}")
@@ -114,13 +106,10 @@ def resolve(state: dict, every=None, mode: Optional[str] = None,
             raise CheckpointMismatchError("remote_options must be a dict")
         remote_options = {**(remote_options or {}), "every": remote_every}
     if isinstance(remote_options, dict):
-        _remote.check_every(remote_options.get("every"), world_size or 1)
+        _remote.check_every(remote_options.get("every"), kw["world_size"] or 1)
     # A data loader whose restored order would differ is refused (_data.py)
     _data.check_state(state)
-    opts = _config.resolve(config, every=every, mode=mode, max_in_flight=max_in_flight,
-                           writers=writers, staging_bytes=staging_bytes,
-                           chunk_bytes=chunk_bytes, medium=medium, copy_threads=copy_threads,
-                           max_overhead=max_overhead)
+    opts = _config.resolve(kw["config"], **{k: kw[k] for k in _config.DEFAULTS})
     every, mode = opts["every"], opts["mode"]
     # every="auto": the interval adapts to keep the visible stall near
     # max_overhead (default 3 %) of wall time; see _auto.py, docs/TUNE.md.
@@ -141,8 +130,8 @@ def resolve(state: dict, every=None, mode: Optional[str] = None,
     # (JobDir retention in C++; _manage.py, docs/PYTHON.md "Managing checkpoints")
     rules = _manage.check_retention(keep, max_to_keep, best)
     drank, dworld = world()
-    rank = drank if rank is None else rank
-    world_size = dworld if world_size is None else world_size
+    rank = drank if kw["rank"] is None else kw["rank"]
+    world_size = dworld if kw["world_size"] is None else kw["world_size"]
     if best is not None and every == "auto" and world_size > 1:
         raise CheckpointMismatchError(
             'best= with world_size > 1 needs every=N: every rank must checkpoint the same '
@@ -158,8 +147,9 @@ def resolve(state: dict, every=None, mode: Optional[str] = None,
     return Options(
         engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
                              opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier),
-        mode=ModeOptions(mode, every, auto, parts, overlap_gradients, copy, clip_grad_norm),
+        mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], copy,
+                         clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),
-        dist=DistOptions(rank, world_size, replicated, local, dist_timeout_s),
-        remote=remote, remote_options=remote_options, rng=rng, on_preempt=on_preempt,
-        on_commit=on_commit)
+        dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"]),
+        remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
+        on_commit=kw["on_commit"])

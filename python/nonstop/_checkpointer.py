@@ -86,7 +86,7 @@ class Checkpointer:
                                 None if dist is None else dist.agreed_step)
         # Wrapped optimizers (Accelerate's, Lightning's) are hooked where they
         # step: the torch optimizer inside (_unwrap.py).
-        self._hooks = [obj.register_step_pre_hook(self.session.before_update)
+        self._hooks = [obj.register_step_pre_hook(self._before_update)
                        for obj in _unwrap.optimizers(state.values())]
         # No first-checkpoint spike: the engine allocates the state-sized
         # staging in the background (now, or after a restart's restore()).
@@ -184,7 +184,7 @@ class Checkpointer:
         meta = _meta(self.state, tensors, step, self.rank, self.world_size, self.rng,
                      self._checkpoint_metrics())
         tensors, layouts = _shard(ses, self.state, tensors, meta)
-        ses.register(ses.refs(tensors, _session.optimizer_owned(self.state)), layouts)
+        ses.register(ses.refs(tensors, self._optimizer_owned()), layouts)
         if self._remote is not None:  # remote_every: the selected ones copied out of the ring
             self._remote.before_save()
         counter = ses.checkpoint(step, meta)
@@ -192,6 +192,12 @@ class Checkpointer:
             self._remote.started(counter, step)
         ses.visible_stall_s += time.perf_counter() - t0
         return counter
+
+    def _optimizer_owned(self) -> set:  # a subclass adds its own optimizers' (lightning.py)
+        return _session.optimizer_owned(self.state)
+
+    def _before_update(self, optimizer, args, kwargs):  # the optimizers' step pre-hook
+        self.session.before_update()
 
     def _checkpoint_metrics(self) -> Optional[dict]:
         """metrics= of the checkpoint being started. With world_size > 1 and
@@ -259,16 +265,9 @@ class Checkpointer:
         if self.session.engine is not None:
             if getattr(self, "_watcher", None) is not None:
                 self._watcher.close()  # settles the handles of what finishes now
-            self._closed_stats = self.session.shut(self._last_stats)
+            self._closed_stats = self.session.shut(lambda engine: _closing(
+                engine, self.session, self._restore_stats, self._auto, self._remote))
         self.session.report()
-
-    def _last_stats(self, engine) -> Optional[dict]:
-        if getattr(self, "_remote", None) is not None:  # the newest one uploaded
-            self._remote.close()
-        try:  # what stats() returns from now on
-            return _stats(engine, self.session, self._restore_stats, self._auto, self._remote)
-        except Exception:  # noqa: BLE001 -- a failed engine: stats() says closed
-            return None
 
     def __enter__(self):
         return self
@@ -396,6 +395,17 @@ def _stats(engine, ses, restore_stats: dict, auto, remote) -> dict:
     if remote is not None:
         s["remote"] = remote.stats()
     return s
+
+
+def _closing(engine, ses, restore_stats: dict, auto, remote) -> Optional[dict]:
+    """At close(), once everything in flight finished: the newest checkpoint
+    uploaded, and what stats() returns from now on."""
+    if remote is not None:
+        remote.close()
+    try:
+        return _stats(engine, ses, restore_stats, auto, remote)
+    except Exception:  # noqa: BLE001 -- a failed engine: stats() says closed
+        return None
 
 
 def _engine_kwargs(o, dist) -> dict:

@@ -322,7 +322,7 @@ class MultistepMode:
                 "world_size": ck.world_size, "state": tree}
         if ck.rng:
             meta["rng"] = _rng.capture()
-        if getattr(ck, "_metrics", None):  # step(step, metrics=) of this version
+        if ck.session.metrics:  # step(step, metrics=) of this version
             meta["metrics"] = ck.session.metrics
         names = _fqn.describe(ck.state)  # get_state_dict's names, for export (_fqn.py)
         if names:

@@ -267,6 +267,12 @@ def test_reshard_refuses_a_missing_rank_file(tmp_path):
             src = torch.full((nbytes // 4,), 2.0)
             ctypes.memmove(ptr, src.data_ptr(), nbytes)
 
+        def read_into(self, idx, dests, threads=4):  # as the real Reader: every destination
+            for ptr, nbytes in dests:
+                if nbytes:
+                    self.read_tensor(idx, 0, ptr, nbytes)
+            return {}
+
     got = _fsdp.read_ranges([Reader(0, 5), Reader(5, 5)], [0, 0], {"w": ([10], "float32", 3, 8)})
     assert torch.equal(got["w"], torch.full((5,), 2.0))
     with pytest.raises(IncompatibleCheckpointError, match="hold 2 of elements 3..8"):

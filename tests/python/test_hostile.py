@@ -81,7 +81,7 @@ def write_good_then_hostile(d, mutate_meta=None, names=None):
         meta["step"] = 2
         if mutate_meta is not None:
             mutate_meta(meta)
-        engine = ck._live()
+        engine = ck.session.live()
         if names is not None:
             refs = [(names(r[0]),) + tuple(r[1:]) for r in ck.session.registered]
             engine.register(refs)

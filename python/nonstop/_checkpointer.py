@@ -455,12 +455,8 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
                 f"{who}: unknown option {k}=" + (f" (did you mean {near[0]}=?)" if near else "")
                 + "; the options are nonstop.Checkpointer's (docs/PYTHON.md)")
     _manage.check_retention(options.get("keep"), options.get("max_to_keep"), options.get("best"))
-    keep = options.get("keep")
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-        raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
-    if options.get("tier", "auto") not in ("auto", "memory", "disk"):
-        raise CheckpointMismatchError(
-            f'tier must be "auto", "memory" or "disk", got {options["tier"]!r}')
+    _options.check_keep(options.get("keep"))
+    _options.check_tier(options.get("tier", "auto"))
 
 
 def _state_bytes_estimate(state: dict) -> int:

@@ -121,14 +121,6 @@ def _overwritten(path: str, rank: int, step: int) -> str:
     return str(rows[0]["reason"]) if rows else ""
 
 
-def kept_path(path: str, rank: int, step: int) -> Optional[str]:
-    """The job directory of the kept copy of `step` (DIR/keep/step-N) when it
-    holds rank `rank`'s file, else None."""
-    core = _ext.core()
-    d = os.path.join(path, "keep", core.JobDir.keep_step_name(int(step)))
-    return d if os.path.isfile(os.path.join(d, core.JobDir.slot_name(rank))) else None
-
-
 def check_step(step) -> int:
     """`step` as a training step (a signed 64-bit integer, as the engine
     stores it), else the one-line CheckpointMismatchError."""

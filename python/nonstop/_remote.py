@@ -635,12 +635,6 @@ def remove_temp_dir(path: str) -> None:
         pass
 
 
-def read_fetched(path: str, rank: int, world_size: int, read):
-    """Reads the fetched one-slot directory with nonstop's reader (every
-    chunk crc32c verified); `read` is _checkpointer._read."""
-    return read(path, rank, None, world_size, as_numpy=False)
-
-
 # -------------------------------------------------------------- retention
 
 def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int],

@@ -17,8 +17,7 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -74,13 +73,6 @@ def torch_dtype(code: int):
 
 def is_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
-
-
-@dataclass
-class Flat:
-    """One state tree, split: the tensors by name, and the JSON-able tree."""
-    tensors: dict = field(default_factory=dict)  # name -> torch.Tensor, in order
-    tree: Any = None
 
 
 def flatten(obj, prefix: str, out: dict, where: str = "state", seen: Optional[dict] = None):

@@ -72,9 +72,15 @@ class NonstopCallback(TrainerCallback):
         self._after_eval: Optional[int] = None  # the step whose checkpoint waits for its metrics
         self._model = None  # the Trainer's model (on_init_end), for resume_from under torchrun
         self._load_best = False  # TrainingArguments(load_best_model_at_end=True)
+        # (folder, global_step, step) of the checkpoint-<global_step> folder
+        # on_init_end prepared in output_dir for resume_from_checkpoint=True
+        self._auto: Optional[tuple] = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._model = model
+        out = getattr(args, "output_dir", None)
+        if out:
+            self._auto = _prepare_auto(self, os.fspath(out), model)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
@@ -90,6 +96,19 @@ class NonstopCallback(TrainerCallback):
                 raise CheckpointMismatchError(
                     "load_best_model_at_end with NonstopCallback: give save_strategy equal to "
                     "eval_strategy ('steps' or 'epoch'); nonstop takes those saves")
+        if self._auto is not None:
+            folder, global_step, step = self._auto
+            if (state is not None and state.global_step == global_step
+                    and self._resume_folder is None and self._to_load is None):
+                # train(resume_from_checkpoint=True) took the folder: the
+                # Trainer has set the TrainerState (the data position) and
+                # reads rng_state*.pth before the first step; model,
+                # optimizer and scheduler come from nonstop now. The folder
+                # goes after the first step (every rank has read it then).
+                self._to_load = {"restore_step": step}
+            else:  # a fresh start, resume_from(cb) or a Trainer checkpoint: unused
+                self._auto = None
+                _remove_auto(folder)
         if self._resume_folder is not None:
             # The Trainer has read the weights (before on_train_begin): the
             # full copy resume_from wrote goes now, the rest once read.
@@ -98,7 +117,7 @@ class NonstopCallback(TrainerCallback):
             return
         saved, self._to_load = self._to_load, None
         if "restore_step" in saved:
-            self._restore_ranks(saved["restore_step"], model, optimizer, lr_scheduler)
+            self._restore_step(saved["restore_step"], model, optimizer, lr_scheduler)
             return
         if optimizer is None:
             raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
@@ -115,6 +134,9 @@ class NonstopCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                     **kwargs):
+        if self._auto is not None:  # every rank has read it (the step's gradients were reduced)
+            folder, self._auto = self._auto[0], None
+            _remove_auto(folder)
         if self._load_best:
             # The Trainer asks for save_strategy == eval_strategy with
             # load_best_model_at_end: nonstop's checkpoints are those saves.
@@ -152,10 +174,10 @@ class NonstopCallback(TrainerCallback):
         self.ckpt = _checkpointer.Checkpointer(self.dir, st, every=self.every,
                                                on_commit=self.on_commit, **kwargs)
 
-    def _restore_ranks(self, step: int, model, optimizer, lr_scheduler) -> None:
-        """Multi-process: every rank restores the agreed `step` in place
-        (collective; the replicated tensors reassembled from the ranks'
-        shares), before the first step. The RNG states are left as the
+    def _restore_step(self, step: int, model, optimizer, lr_scheduler) -> None:
+        """Restores `step` in place before the first step (under torchrun
+        every rank the agreed step, collective; the replicated tensors
+        reassembled from the ranks' shares). The RNG states are left as the
         Trainer has them: it sets this rank's saved ones from
         rng_state_R.pth just before the first step, as for its own
         checkpoint."""
@@ -185,6 +207,11 @@ class NonstopCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self.close()
+        if self._auto is not None:  # resumed at max_steps: no step ran
+            folder, self._auto = self._auto[0], None
+            if _world()[1] > 1:
+                torch.distributed.barrier()
+            _remove_auto(folder)
         if self._resume_folder is not None:  # resumed at max_steps: no step began
             folder, self._resume_folder = self._resume_folder, None
             _remove(folder)
@@ -312,26 +339,23 @@ def _world() -> tuple:
     return 0, 1
 
 
-def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Optional[int],
-                  rank: int, world: int) -> Optional[str]:
-    """resume_from under torchrun: the ranks agree on the step (the
-    planner's order of rank 0, of the steps every rank committed, as
-    restore() does), each writes its own folder (trainer_state.json, its
-    rng_state_R.pth, and model.safetensors with the live model's weights:
-    the Trainer insists on loading a weights file, and only restore() can
-    reassemble the saved ones from the ranks' shares) and on_train_begin
-    restores the model, optimizer and scheduler of that step on every
-    rank."""
-    d = callback.dir
+def _agreed(d: str, step: Optional[int], rank: int, world: int):
+    """The step to resume from in `d` (the planner's order of rank 0, of the
+    steps every rank committed, as restore() does; collective when world >
+    1), with its TrainerState dict and metadata: (step, trainer_state,
+    meta), or None on a fresh start (no checkpoint on any rank)."""
     err, mine = None, []
     try:
-        if _checkpointer.check_directory(d, rank, world, must_exist=False):
+        if _checkpointer.check_directory(d, rank, world if world > 1 else None,
+                                        must_exist=False):
             mine = _distributed.planned_steps(_ext.core().JobDir.open_for_read(d),
                                               rank, step)
     except CheckpointError as e:
         err = f"rank {rank}: {e}"
-    every: list = [None] * world
-    torch.distributed.all_gather_object(every, (err, mine))
+    every: list = [(err, mine)]
+    if world > 1:
+        every = [None] * world
+        torch.distributed.all_gather_object(every, (err, mine))
     errors = [e for e, _ in every if e is not None]
     if errors:
         raise CheckpointMismatchError("; ".join(errors))
@@ -351,6 +375,24 @@ def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Option
     if not isinstance(ts, dict) or "global_step" not in ts:
         raise CheckpointMismatchError(f"{d} step {s} has no 'trainer_state': not written by "
                                       f"nonstop.hf.NonstopCallback")
+    return s, ts, meta
+
+
+def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Optional[int],
+                  rank: int, world: int) -> Optional[str]:
+    """resume_from under torchrun: the ranks agree on the step (the
+    planner's order of rank 0, of the steps every rank committed, as
+    restore() does), each writes its own folder (trainer_state.json, its
+    rng_state_R.pth, and model.safetensors with the live model's weights:
+    the Trainer insists on loading a weights file, and only restore() can
+    reassemble the saved ones from the ranks' shares) and on_train_begin
+    restores the model, optimizer and scheduler of that step on every
+    rank."""
+    d = callback.dir
+    got = _agreed(d, step, rank, world)
+    if got is None:
+        return None  # a fresh start on every rank
+    s, ts, meta = got
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", f"rank-{rank}",
                               f"checkpoint-{ts['global_step']}")
@@ -370,6 +412,70 @@ def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Option
     callback._to_load = {"restore_step": s}
     callback._resume_folder = os.path.abspath(folder)
     return folder
+
+
+_AUTO_MARK = "nonstop-resume.json"  # names a checkpoint-N folder nonstop wrote in output_dir
+
+
+def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]:
+    """on_init_end: makes `trainer.train(resume_from_checkpoint=True)` resume
+    from nonstop. The Trainer looks for the newest `checkpoint-N` folder in
+    output_dir before any callback of train() runs, so the folder is
+    prepared now, at Trainer construction: `<out>/checkpoint-<global_step>`
+    of nonstop's newest committed checkpoint (the step every rank agrees on
+    under torchrun, collective) with trainer_state.json, rng_state*.pth, the
+    live weights as model.safetensors (the Trainer insists on a weights
+    file; on_train_begin restores the saved model, optimizer and scheduler
+    in place) and a marker file. A folder of that name the Trainer wrote
+    itself is left alone (the Trainer resumes from its own checkpoint of the
+    same step); a newer Trainer checkpoint-M wins the Trainer's lookup. Marked
+    folders of earlier runs are removed. Returns (folder, global_step, step)
+    or None."""
+    rank, world = _world()
+    if rank == 0 and os.path.isdir(out):
+        for name in os.listdir(out):  # leftovers of a run killed before its first step
+            if name.startswith("checkpoint-") and os.path.isfile(
+                    os.path.join(out, name, _AUTO_MARK)):
+                _remove_auto(os.path.join(out, name))
+    got = _agreed(callback.dir, None, rank, world)
+    if got is None:
+        return None
+    step, ts, meta = got
+    folder = os.path.abspath(os.path.join(out, f"checkpoint-{ts['global_step']}"))
+    theirs = [os.path.exists(folder)]  # the Trainer's own checkpoint of that step
+    if world > 1:
+        torch.distributed.broadcast_object_list(theirs, src=0)
+    if theirs[0]:
+        return None
+    if rank == 0:
+        from safetensors.torch import save as safetensors_bytes
+        _write_folder(folder, [
+            (_AUTO_MARK, json.dumps({"dir": os.path.abspath(callback.dir),
+                                     "step": step}).encode()),
+            ("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
+            ("model.safetensors", safetensors_bytes(
+                {k: v.detach().contiguous().clone()
+                 for k, v in _unwrap.module(model).state_dict().items()}))])
+    if meta.get("rng") is not None:
+        if world > 1:
+            torch.distributed.barrier()  # the folder exists
+        buf = io.BytesIO()
+        torch.save(_hf_rng(meta["rng"]), buf)
+        name = f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"
+        d = _ext.core().Directory(folder)
+        with d.create(name + ".tmp") as w:
+            w.write(buf.getvalue())
+            w.commit(name)
+        d.sync()
+    if world > 1:
+        torch.distributed.barrier()  # every rank's file is there
+    return folder, int(ts["global_step"]), step
+
+
+def _remove_auto(folder: str) -> None:
+    """Removes a folder _prepare_auto wrote (rank 0; the others leave it)."""
+    if _world()[0] == 0:
+        _remove(folder)
 
 
 def _remove(folder: str, name: Optional[str] = None) -> None:

@@ -133,8 +133,10 @@ def test_bridge_folder_goes_through_the_seam_and_never_follows_links(tmp_path):
     assert (folder / "rng_state.pth").stat().st_size > 0  # the Trainer reads it itself
 
 
-def _train_hf(tmp_path, callback, max_steps=8, **args_kw):
-    """A real Trainer on a small regression, evaluated every 2 steps."""
+def _train_hf(tmp_path, callback, max_steps=8, resume=None, stop_at=None, **args_kw):
+    """A real Trainer on a small regression, evaluated every 2 steps;
+    `stop_at`: the run stops after that step (as a killed job would, the
+    schedule still planned for max_steps)."""
     import torch
     import transformers
     from transformers import Trainer, TrainingArguments
@@ -168,9 +170,14 @@ def _train_hf(tmp_path, callback, max_steps=8, **args_kw):
                              logging_strategy="no", report_to=[], use_cpu=True,
                              disable_tqdm=True, remove_unused_columns=False, label_names=["y"],
                              **args_kw)
+    class Stop(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_training_stop = True
+
     trainer = Trainer(model=Model(), args=args, train_dataset=Data(64, 0),
-                      eval_dataset=Data(16, 1), callbacks=[callback])
-    trainer.train()
+                      eval_dataset=Data(16, 1), callbacks=[callback, Stop()])
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
@@ -237,3 +244,72 @@ def test_load_best_model_at_end_loads_the_best_nonstop_checkpoint(tmp_path):
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
     assert os.path.isdir(trainer.state.best_model_checkpoint)
     assert trainer.state.best_model_checkpoint.startswith(os.path.join(d, "keep"))
+
+
+def _same_run(a, b):
+    import torch
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    oa, ob = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+    assert a.state.global_step == b.state.global_step
+
+
+def test_resume_from_checkpoint_true_finds_the_newest_nonstop_checkpoint(tmp_path):
+    """trainer.train(resume_from_checkpoint=True) with only nonstop
+    checkpoints: the callback prepared output_dir/checkpoint-<global_step> at
+    Trainer construction, the Trainer's own lookup finds it, and the resumed
+    run equals an uninterrupted one bitwise (weights, optimizer state); the
+    folder is gone afterwards. (On main: ValueError, no valid checkpoint.)"""
+    from nonstop.hf import NonstopCallback
+    whole = _train_hf(tmp_path / "whole", NonstopCallback(str(tmp_path / "whole" / "ck")))
+    d = str(tmp_path / "ck")
+    _train_hf(tmp_path, NonstopCallback(d, every=1), stop_at=5)
+    out = tmp_path / "out"
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]
+    resumed = _train_hf(tmp_path, NonstopCallback(d, every=1), resume=True)
+    assert resumed.state.log_history[-1]["step"] == 8
+    _same_run(whole, resumed)
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]
+
+
+def test_prepared_folder_unused_is_removed_and_a_newer_trainer_checkpoint_wins(tmp_path):
+    """The folder prepared at construction goes at on_train_begin when the
+    run starts fresh (train() without resume), and a newer checkpoint-N the
+    Trainer saved itself wins its lookup (nonstop's folder is unused and
+    removed; the Trainer's own folder stays); one of the same step is left
+    alone (the Trainer resumes from its own); a prepared folder left by a
+    killed run goes at the next construction."""
+    from nonstop.hf import NonstopCallback
+    d = str(tmp_path / "ck")
+    _train_hf(tmp_path, NonstopCallback(d, every=2), stop_at=3)  # nonstop: global step 2
+    out = tmp_path / "out"
+    fresh = _train_hf(tmp_path, NonstopCallback(str(tmp_path / "ck2"), every=100), stop_at=4,
+                      save_strategy="steps", save_steps=4, seed=1)  # the Trainer's checkpoint-4
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4"]
+    cb = NonstopCallback(d, every=2)
+    resumed = _train_hf(tmp_path, cb, resume=True)
+    assert resumed.state.global_step == 8
+    # it resumed from the Trainer's checkpoint-4 (its history is the seed-1
+    # run's), nonstop's checkpoint-2 is gone
+    at4 = [h["eval_loss"] for h in fresh.state.log_history
+           if h.get("step") == 4 and "eval_loss" in h]
+    assert at4 == [h["eval_loss"] for h in resumed.state.log_history
+                   if h.get("step") == 4 and "eval_loss" in h]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4"]
+    # a Trainer folder of nonstop's own step is left as it is
+    import shutil
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "checkpoint-8").mkdir()
+    (out / "checkpoint-8" / "trainer_state.json").write_text("{}")
+    cb = NonstopCallback(d, every=2)  # nonstop's newest: global step 8
+    cb.on_init_end(resumed.args, None, None, model=resumed.model)
+    assert cb._auto is None
+    assert os.listdir(out / "checkpoint-8") == ["trainer_state.json"]
+    # a folder prepared by a run killed before its first step goes at the next construction
+    shutil.rmtree(out / "checkpoint-8")
+    cb.on_init_end(resumed.args, None, None, model=resumed.model)
+    assert (out / "checkpoint-8" / "nonstop-resume.json").exists()
+    NonstopCallback(str(tmp_path / "ck3")).on_init_end(resumed.args, None, None,
+                                                        model=resumed.model)
+    assert not (out / "checkpoint-8").exists()

@@ -83,6 +83,8 @@ def main():
     p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--best", choices=["min", "max"], default=None)
     p.add_argument("--load-best", action="store_true")
+    p.add_argument("--auto", action="store_true",
+                   help="train(resume_from_checkpoint=True), not resume_from(cb)")
     a = p.parse_args()
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -108,7 +110,7 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=Data(64, 0),
                       eval_dataset=Data(16, 1) if a.eval_steps else None,
                       callbacks=[cb, Probe(a.kill_at)])
-    trainer.train(resume_from_checkpoint=resume_from(cb))
+    trainer.train(resume_from_checkpoint=True if a.auto else resume_from(cb))
     rank = args.process_index
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") \
         else trainer.optimizer

@@ -52,18 +52,30 @@ def kept(d):
     return out
 
 
-def test_trainer_two_ranks_sigkill_resumes_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 12 steps without a kill (launched once for the module)."""
+    t = tmp_path_factory.mktemp("ref")
+    ok(launch(str(t / "ref-ckpt"), str(t / "ref"), 12, 2))
+    return str(t / "ref")
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["resume_from", "resume_true"])
+def test_trainer_two_ranks_sigkill_resumes_bitwise(tmp_path, auto, uninterrupted):
     """Rank 1 SIGKILLs itself at the end of step 8 (its checkpoint in
     flight; torchrun's launcher then kills rank 0); the restart resumes
     both ranks from one agreed step and ends bit-identical to an
     uninterrupted run: weights, optimizer, scheduler, RNG, global step.
-    (On main: refused, 'nonstop.hf supports one process for now'.)"""
-    ref = str(tmp_path / "ref")
-    ok(launch(str(tmp_path / "ref-ckpt"), ref, 12, 2))
+    The restart passes resume_from(cb), or resume_from_checkpoint=True (the
+    folder the callbacks prepared in output_dir at Trainer construction:
+    rank 0's trainer_state.json, each rank's rng_state_R.pth; gone after).
+    (On main: refused, 'nonstop.hf supports one process for now'; True:
+    ValueError, no valid checkpoint.)"""
+    ref = uninterrupted
     d, out = str(tmp_path / "ckpt"), str(tmp_path / "run")
     killed = launch(d, out, 12, 2, "--kill-at", "8")
     assert killed[1][0] == -9, killed[1][2][-3000:]
-    resumed = ok(launch(d, out, 12, 2))
+    resumed = ok(launch(d, out, 12, 2, *(["--auto"] if auto else [])))
     starts = [next(l["global_step"] for l in lines if l["event"] == "start")
               for _, lines, _ in resumed]
     assert starts[0] == starts[1] and starts[0] in (6, 8, 10), starts  # after steps 5/7/9
@@ -72,6 +84,9 @@ def test_trainer_two_ranks_sigkill_resumes_bitwise(tmp_path):
         for k in ("params", "optim", "sched", "rng", "global_step", "weights"):
             assert a[k] == b[k], (rank, k)
     assert final(out, 0)["params"] == final(out, 1)["params"]
+    if auto:  # the prepared folder is gone once the ranks read it
+        assert not [n for n in os.listdir(d + "-out") if n.startswith("checkpoint-")]
+        return
     # each rank's bridge folder is gone once the Trainer read it
     assert not any(os.listdir(os.path.join(d + "-resume", f"rank-{r}")) for r in range(2))
 

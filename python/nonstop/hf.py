@@ -20,7 +20,9 @@ Trainer reads rng_state.pth its own way (torch.load with weights_only=True).
 Under torchrun each rank checkpoints through nonstop's distributed mode;
 resume_from is collective there and on_train_begin restores the agreed step
 on every rank. load_best_model_at_end loads the best kept step's weights at
-on_train_end.
+on_train_end. `trainer.train(resume_from_checkpoint=True)` works too: at
+Trainer construction (on_init_end) the callback prepares
+output_dir/checkpoint-<global_step> for the Trainer's own lookup.
 
 See docs/HF.md.
 """

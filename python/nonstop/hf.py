@@ -81,7 +81,7 @@ class NonstopCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._model = model
         out = getattr(args, "output_dir", None)
-        if out:
+        if out and model is not None:  # (model_init: no model yet, nothing prepared)
             self._auto = _prepare_auto(self, os.fspath(out), model)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,

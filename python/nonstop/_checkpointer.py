@@ -263,6 +263,11 @@ class Checkpointer:
         if getattr(self, "_layerwise", None) is not None:
             self._layerwise.close()
         if self.session.engine is not None:
+            if self.session.dist is not None:
+                # A last agreement round with every rank first: the newest
+                # checkpoint every rank committed is agreed then, so its
+                # handle settles as committed (not as unknown) below.
+                self.session.settle()
             if getattr(self, "_watcher", None) is not None:
                 self._watcher.close()  # settles the handles of what finishes now
             self._closed_stats = self.session.shut(lambda engine: _closing(

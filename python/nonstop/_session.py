@@ -48,6 +48,7 @@ class Session:
         self.saves = 0
         self.registers = 0
         self.replica_checked = False    # world_size > 1: replicated tensors compared once
+        self.settled = False            # settle() ran (close)
 
     def forked(self) -> bool:
         return self.pid != os.getpid()
@@ -204,24 +205,32 @@ class Session:
         return dict(visible_stall_s=self.visible_stall_s, hook_stall_s=self.hook_stall_s,
                     saves=self.saves, registers=self.registers)
 
+    def settle(self) -> None:
+        """Waits for everything in flight; with several ranks a last agreement
+        round with every rank, then the agreement stops. Once; errors are
+        taken for report()."""
+        if self.engine is None or self.settled:
+            return
+        self.settled = True
+        try:
+            if self.dist is not None:
+                try:
+                    self.engine.wait_committed(0)
+                finally:
+                    self.dist.close()
+            else:  # (stats() after close() counts every checkpoint)
+                self.engine.wait_committed(0)
+        except CheckpointError as e:
+            self.errors.append(e)
+
     def shut(self, before_close) -> Optional[object]:
-        """Waits for everything in flight (a last agreement round with every
-        rank), runs before_close(engine), closes the engine. Returns what
+        """settle(), runs before_close(engine), closes the engine. Returns what
         before_close returned; errors are taken for report()."""
-        engine, self.engine = self.engine, None
         got = None
         try:
-            try:
-                if self.dist is not None:
-                    try:
-                        engine.wait_committed(0)
-                    finally:
-                        self.dist.close()
-                else:  # (stats() after close() counts every checkpoint)
-                    engine.wait_committed(0)
-            except CheckpointError as e:
-                self.errors.append(e)
+            self.settle()
         finally:
+            engine, self.engine = self.engine, None
             got = before_close(engine)
             try:
                 engine.close()

@@ -27,10 +27,12 @@ See docs/LIGHTNING.md.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
 import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -38,14 +40,21 @@ import torch
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy,
+                                              SingleDeviceStrategy)
 except ImportError:  # the standalone package name
     import pytorch_lightning as pl  # type: ignore[no-redef]
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+    from lightning_fabric.utilities.distributed import (  # type: ignore[no-redef]
+        DistributedSamplerWrapper)
     from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
+    from pytorch_lightning.strategies import (DDPStrategy,  # type: ignore[no-redef]
+                                              DeepSpeedStrategy, SingleDeviceStrategy)
 
 from . import _checkpointer, _data, _ext, _rng, _unwrap
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 MARKER_FORMAT = "nonstop.lightning/1"
 __all__ = ["NonstopCheckpoint", "NonstopCheckpointIO", "MARKER_FORMAT", "load_weights"]
@@ -58,8 +67,16 @@ class _LightningCheckpointer(_checkpointer.Checkpointer):
 
     def __init__(self, dir: str, holder: dict, optimizers: list, **kwargs):
         super().__init__(dir, {"lightning": holder}, **kwargs)
-        self._optimizers = _unwrap.optimizers(optimizers)
-        self._hooks += [o.register_step_pre_hook(self._before_update) for o in self._optimizers]
+        self._optimizers: list = []
+        self.attach(optimizers)
+
+    def attach(self, optimizers: list) -> None:
+        """Hooks the optimizers not hooked yet: under DDP the Checkpointer
+        is made when Lightning restores, before its optimizers exist."""
+        new = [o for o in _unwrap.optimizers(optimizers)
+               if all(o is not old for old in self._optimizers)]
+        self._optimizers += new
+        self._hooks += [o.register_step_pre_hook(self._before_update) for o in new]
 
     def _optimizer_owned(self) -> set:
         ptrs = super()._optimizer_owned()
@@ -148,6 +165,9 @@ class NonstopCheckpointIO(CheckpointIO):
         self.wrapped = wrapped
         self.loaded_rng: Optional[dict] = None
         self.loaded_step: Optional[int] = None
+        self.loaded_loops: Optional[dict] = None  # the fit loop's state (_reiterate)
+        # Under DDP the NonstopCheckpoint that installed it restores (collectively)
+        self.callback: Optional["NonstopCheckpoint"] = None
 
     def _inner(self) -> CheckpointIO:
         if self.wrapped is None:
@@ -167,12 +187,22 @@ class NonstopCheckpointIO(CheckpointIO):
         d = marker["dir"]
         if not os.path.isabs(d):
             d = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), d)
+        if self.callback is not None and _checkpointer._world()[1] > 1:
+            # Every rank restores its own file of the step all ranks agree on
+            # (the replicated tensors reassembled from the ranks' shares).
+            state, self.loaded_step = self.callback._restore_distributed(d)
+            self.loaded_rng = _rng.capture()  # as restored; put back in on_train_start
+            self.loaded_loops = _fit_loop_state(state)
+            if map_location is not None:
+                state = _to(state, map_location)
+            return state
         loaded = _checkpointer.load(d, step=int(marker["step"]))
         state = loaded.state.get("lightning")
         if not isinstance(state, dict):
             raise CheckpointMismatchError(f"{d} step {loaded.step} holds no Lightning checkpoint")
         self.loaded_rng = loaded.meta.get("rng")
         self.loaded_step = loaded.step
+        self.loaded_loops = _fit_loop_state(state)
         if map_location is not None:
             state = _to(state, map_location)
         return state
@@ -183,6 +213,43 @@ class NonstopCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         if self.wrapped is not None:
             self.wrapped.teardown()
+
+
+def _fit_loop_state(checkpoint: dict) -> Optional[dict]:
+    loops = checkpoint.get("loops")
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    return fit if isinstance(fit, dict) else None
+
+
+def _reiterate(trainer, fit_state: dict) -> None:
+    """A resumed loader whose sampler orders by epoch (set_epoch: the
+    DistributedSampler Lightning gives each rank under DDP) gets the
+    restored epoch before its iterator is made. Lightning makes the
+    restored loader's iterator (setup_data: load_state_dict, then iter())
+    before it calls set_epoch (on_advance_start), so the sampler skips
+    into epoch 0's order: wrong in every epoch >= 2. Here, before the first
+    batch is fetched: set_epoch(restored epoch), the loader's state again,
+    a new iterator (the one made before is dropped unread, prefetch included)."""
+    loop = trainer.fit_loop
+    combined = getattr(loop, "_combined_loader", None)
+    fetcher = getattr(loop, "_data_fetcher", None)
+    states = (fit_state.get("state_dict") or {}).get("combined_loader")
+    try:
+        epoch = int(fit_state["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if combined is None or fetcher is None or not isinstance(states, list):
+        return
+    again = False
+    for dl, st in zip(combined.flattened, states):
+        by_epoch = [s for s in _data._samplers(dl) if callable(getattr(s, "set_epoch", None))]
+        if by_epoch and isinstance(st, dict) and callable(getattr(dl, "load_state_dict", None)):
+            for s in by_epoch:
+                s.set_epoch(epoch)
+            dl.load_state_dict(st)
+            again = True
+    if again:
+        iter(fetcher)
 
 
 def _to(tree, device):
@@ -197,17 +264,60 @@ def _to(tree, device):
     return tree
 
 
+def _check_wrapped(loader, where: str) -> None:
+    """Under DDP Lightning gives a loader whose sampler is torch's
+    RandomSampler or SequentialSampler a DistributedSampler (its order a
+    function of seed and epoch: exact after a restore), and wraps any other
+    sampler in a DistributedSamplerWrapper, which draws the inner sampler
+    anew each epoch; no loader saves that inner sampler's state (a
+    torchdata RandomSampler's generator; StatefulDataLoader(shuffle=True)
+    makes one), so a restored job would see another order from epoch 2 on.
+    Refused, with the fix."""
+    for s in _data._samplers(loader):
+        if isinstance(s, DistributedSamplerWrapper):
+            break
+    else:
+        return
+    inner = getattr(getattr(s, "dataset", None), "_sampler", None)
+    if isinstance(inner, torch.utils.data.SequentialSampler):
+        return
+    raise CheckpointMismatchError(
+        f"{where}: under DDP Lightning wraps its {type(inner).__name__} in a "
+        f"DistributedSamplerWrapper, whose state no loader saves (a checkpoint in epoch >= 2 "
+        f"would resume with another order); give the loader "
+        f"sampler=torch.utils.data.RandomSampler(dataset) (Lightning then uses a "
+        f"DistributedSampler, whose order is a function of seed and epoch: exact) "
+        f"(docs/LIGHTNING.md)")
+
+
+def _positive_int(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise CheckpointMismatchError(f"{name} must be a positive integer, got {v!r}")
+
+
 class NonstopCheckpoint(ModelCheckpoint):
-    """Checkpoints every `every` optimizer steps with nonstop; makes
+    """Checkpoints every `every` optimizer steps (or every few epochs, or
+    every so much training time) with nonstop; makes
     `trainer.fit(..., ckpt_path="last")` resume from the newest committed
     checkpoint, mid-epoch data position included (with a
-    torchdata StatefulDataLoader), bit for bit.
+    torchdata StatefulDataLoader), bit for bit. One process or Lightning's
+    DDP strategy (each rank writes its share; docs/LIGHTNING.md).
 
     dirpath: where the `nonstop/` directory and the `last.ckpt` marker go
         (default: Lightning's checkpoint directory).
-    every: optimizer steps between checkpoints (micro-batches of gradient
+    every (or Lightning's name, every_n_train_steps): optimizer steps
+        between checkpoints (default 10; micro-batches of gradient
         accumulation are not steps: a checkpoint is only taken right after
         an optimizer step).
+    every_n_epochs: a checkpoint at the end of every n-th training epoch.
+    train_time_interval: a datetime.timedelta; a checkpoint after the first
+        optimizer step at least that long after the previous checkpoint (or
+        the start of training). Under DDP rank 0's clock decides for every
+        rank. every / every_n_epochs / train_time_interval: one of them, as
+        in Lightning's ModelCheckpoint.
+    monitor, mode ("min"/"max"), save_top_k: the k best checkpoints by the
+        logged metric `monitor` are kept (nonstop's best=); under DDP rank
+        0's value of the metric ranks them on every rank.
     on_commit: called with each checkpoint's stats once it committed or failed.
     Other keyword arguments go to nonstop.Checkpointer (max_in_flight=,
     writers=, staging_bytes=, keep=, medium=, ...).
@@ -217,12 +327,38 @@ class NonstopCheckpoint(ModelCheckpoint):
     ModelCheckpoint writing into the same directory.
     """
 
-    def __init__(self, dirpath=None, every: int = 10, on_commit=None,
+    def __init__(self, dirpath=None, every: Optional[int] = None, on_commit=None,
                  monitor: Optional[str] = None, mode: str = "min",
-                 save_top_k: Optional[int] = None, **checkpointer_kwargs):
+                 save_top_k: Optional[int] = None, every_n_train_steps: Optional[int] = None,
+                 every_n_epochs: Optional[int] = None,
+                 train_time_interval: Optional[datetime.timedelta] = None,
+                 **checkpointer_kwargs):
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=False)
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
+        if every is not None and every_n_train_steps is not None:
+            raise CheckpointMismatchError(
+                "give every= or every_n_train_steps= (the same option), not both")
+        if every_n_train_steps is not None:
+            every = every_n_train_steps
+        # Lightning's ModelCheckpoint: the three cadences are mutually exclusive
+        given = [f"{n}={v!r}" for n, v in (("every", every), ("every_n_epochs", every_n_epochs),
+                                           ("train_time_interval", train_time_interval))
+                 if v is not None]
+        if len(given) > 1:
+            raise CheckpointMismatchError(
+                f"every= (every_n_train_steps=), every_n_epochs= and train_time_interval= are "
+                f"mutually exclusive, as in ModelCheckpoint; got {', '.join(given)}")
+        if every is not None:
+            _positive_int("every", every)
+        if every_n_epochs is not None:
+            _positive_int("every_n_epochs", every_n_epochs)
+        if train_time_interval is not None and (
+                not isinstance(train_time_interval, datetime.timedelta)
+                or train_time_interval.total_seconds() <= 0):
+            raise CheckpointMismatchError(
+                f"train_time_interval must be a positive datetime.timedelta, got "
+                f"{train_time_interval!r}")
+        if not given:
+            every = 10
         # monitor=/mode=/save_top_k= as ModelCheckpoint's: nonstop's best=
         # (the k best kept copies by that logged metric, JobDir retention).
         if mode not in ("min", "max"):
@@ -240,15 +376,24 @@ class NonstopCheckpoint(ModelCheckpoint):
         _checkpointer.check_options("NonstopCheckpoint", checkpointer_kwargs,
                                     own=("every", "mode", "state", "dir", "on_commit"))
         self.every = every
+        # (ModelCheckpoint's every_n_epochs is a read-only property of its own)
+        self.epochs = every_n_epochs
+        self.interval = train_time_interval
         self.on_commit = on_commit
         self.checkpointer_kwargs = checkpointer_kwargs
         self.ckpt: Optional[_LightningCheckpointer] = None
         self.io: Optional[NonstopCheckpointIO] = None
         self._holder: dict = {}
         self._last_global_step: Optional[int] = None
+        self._saved_global_step: Optional[int] = None
+        self._last_time: Optional[float] = None
         self._marker_lock = threading.Lock()
         self._marker_step = -1
+        self._writes_marker = True
         self.last_handle = None
+
+    # The clock of train_time_interval (seconds; tests replace it).
+    _clock = staticmethod(time.monotonic)
 
     @property
     def nonstop_dir(self) -> str:
@@ -260,19 +405,56 @@ class NonstopCheckpoint(ModelCheckpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(nonstop_every=self.every)
+        return self._generate_state_key(nonstop_every=self.every,
+                                        nonstop_every_n_epochs=self.epochs,
+                                        nonstop_train_time_interval=self.interval)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if trainer.world_size > 1:
+        strategy = trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
+                strategy, (SingleDeviceStrategy, DDPStrategy)):
+            # FSDPStrategy saves and loads its checkpoints itself (state dicts
+            # gathered or sharded through DCP, not through CheckpointIO), and
+            # Lightning refuses it on CPU; DeepSpeed likewise.
             raise CheckpointMismatchError(
-                "nonstop.lightning supports one process for now; see docs/LIGHTNING.md")
+                f"NonstopCheckpoint works with one process or strategy='ddp', not "
+                f"{type(strategy).__name__} (it loads and saves checkpoints itself, not "
+                f"through CheckpointIO); see docs/LIGHTNING.md")
+        self._writes_marker = trainer.is_global_zero
         # Installed before Lightning restores from ckpt_path (setup hooks run first).
-        io = trainer.strategy.checkpoint_io
+        io = strategy.checkpoint_io
         if not isinstance(io, NonstopCheckpointIO):
             io = NonstopCheckpointIO(io)
-            trainer.strategy.checkpoint_io = io
+            strategy.checkpoint_io = io
+        io.callback = self
         self.io = io
+
+    def _open(self, optimizers: list) -> _LightningCheckpointer:
+        """The Checkpointer (made at the first save, or at a DDP restore)."""
+        if self.ckpt is None:
+            kwargs = dict(self.checkpointer_kwargs)
+            kwargs.setdefault("on_preempt", False)  # Lightning has its own signal handling
+            self.ckpt = _LightningCheckpointer(self.nonstop_dir, self._holder, optimizers,
+                                               every=self.every or 1, on_commit=self.on_commit,
+                                               **kwargs)
+        else:
+            self.ckpt.attach(optimizers)
+        return self.ckpt
+
+    def _restore_distributed(self, d: str) -> tuple:
+        """With world_size > 1 (collective, every rank): restores the
+        newest step that every rank holds committed (nonstop's distributed
+        recovery; the same step on every rank). Returns (Lightning's
+        checkpoint dict, step)."""
+        if os.path.abspath(d) != os.path.abspath(self.nonstop_dir):
+            raise CheckpointMismatchError(
+                f"the marker names {d}, this NonstopCheckpoint writes {self.nonstop_dir}")
+        step = self._open([]).restore()
+        if step is None:
+            raise CheckpointNotFoundError(f"{d}: no checkpoint committed on every rank")
+        self._marker_step = max(self._marker_step, step)
+        return dict(self._holder), step
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -280,8 +462,13 @@ class NonstopCheckpoint(ModelCheckpoint):
         # first step (_data.py, docs/EXACT_RESUME.md).
         combined = getattr(trainer.fit_loop, "_combined_loader", None)
         for i, loader in enumerate(getattr(combined, "flattened", None) or []):
+            _check_wrapped(loader, f"train dataloader {i}")
             _data.check_loader(loader, f"train dataloader {i}")
         self._last_global_step = trainer.global_step
+        self._last_time = self._clock()
+        if self.io is not None and self.io.loaded_loops is not None:
+            _reiterate(trainer, self.io.loaded_loops)
+            self.io.loaded_loops = None
         # The RNG states saved with the checkpoint Lightning restored from go
         # back now, after Lightning's own restore work and before the first
         # step (Lightning does not save them).
@@ -295,29 +482,52 @@ class NonstopCheckpoint(ModelCheckpoint):
         if gs == self._last_global_step:
             return  # no optimizer step on this batch (gradient accumulation)
         self._last_global_step = gs
-        if gs % self.every == 0:
+        if self.every is not None and gs % self.every == 0:
+            self.save(trainer)
+        elif self.interval is not None and self._time_is_up(trainer):
+            self.save(trainer)
+
+    def _time_is_up(self, trainer) -> bool:
+        """train_time_interval: whether the interval has passed since the
+        last checkpoint (or the start). With world_size > 1 rank 0's answer,
+        broadcast (a tensor, on the training group): every rank must take the
+        same checkpoints (each one is collective)."""
+        now = self._clock()
+        due = now - self._last_time >= self.interval.total_seconds()
+        if trainer.world_size > 1:
+            flag = torch.tensor([1 if due else 0], dtype=torch.int32,
+                                device=trainer.strategy.root_device)
+            torch.distributed.broadcast(flag, src=0)
+            due = bool(flag.item())
+        if due:
+            self._last_time = now
+        return due
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self.epochs is not None and (trainer.current_epoch + 1) % self.epochs == 0:
             self.save(trainer)
 
     def save(self, trainer):
         """Starts a checkpoint of the current state (after optimizer step
-        `trainer.global_step`); returns its nonstop.CheckpointHandle."""
+        `trainer.global_step`); returns its nonstop.CheckpointHandle (None
+        when this step was checkpointed already). Under DDP every rank must
+        call it at the same step."""
+        if trainer.global_step == 0 or trainer.global_step == self._saved_global_step:
+            return None
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if self.ckpt is None:
-            kwargs = dict(self.checkpointer_kwargs)
-            kwargs.setdefault("on_preempt", False)  # Lightning has its own signal handling
-            self.ckpt = _LightningCheckpointer(self.nonstop_dir, self._holder, trainer.optimizers,
-                                               every=self.every, on_commit=self.on_commit,
-                                               **kwargs)
+        ckpt = self._open(trainer.optimizers)
         self._holder.clear()
         self._holder.update(checkpoint)
-        handle = self.ckpt.save(trainer.global_step - 1, metrics=self._metrics(trainer))
+        self._saved_global_step = trainer.global_step
+        handle = ckpt.save(trainer.global_step - 1, metrics=self._metrics(trainer))
         handle.add_done_callback(self._committed)
         self.last_handle = handle
         return handle
 
     def _metrics(self, trainer) -> Optional[dict]:
         """The scalars logged so far (trainer.callback_metrics, what
-        self.log() gave), stored with the checkpoint: best= ranks by them."""
+        self.log() gave), stored with the checkpoint: best= ranks by them
+        (under DDP by rank 0's, which the Checkpointer gives every rank)."""
         out = {}
         for k, v in trainer.callback_metrics.items():
             if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -327,7 +537,9 @@ class NonstopCheckpoint(ModelCheckpoint):
         return out or None
 
     def _committed(self, handle) -> None:
-        if handle.exception() is not None:
+        # Under DDP a handle is done once every rank committed the step (the
+        # global agreement); global rank 0 writes the marker.
+        if handle.exception() is not None or not self._writes_marker:
             return
         with self._marker_lock:
             if handle.step <= self._marker_step:
@@ -337,11 +549,8 @@ class NonstopCheckpoint(ModelCheckpoint):
                 {"format": MARKER_FORMAT, "dir": "nonstop", "step": handle.step,
                  "global_step": handle.step + 1}))
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pass  # checkpoints are taken by optimizer step only
-
     def on_validation_end(self, trainer, pl_module) -> None:
-        pass
+        pass  # checkpoints are taken after optimizer steps and at epoch ends only
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.close()  # what is in flight still commits (and gets its marker)

@@ -222,30 +222,34 @@ def _fit_loop_state(checkpoint: dict) -> Optional[dict]:
 
 
 def _reiterate(trainer, fit_state: dict) -> None:
-    """A resumed loader whose sampler orders by epoch (set_epoch: the
-    DistributedSampler Lightning gives each rank under DDP) gets the
-    restored epoch before its iterator is made. Lightning makes the
-    restored loader's iterator (setup_data: load_state_dict, then iter())
-    before it calls set_epoch (on_advance_start), so the sampler skips
-    into epoch 0's order: wrong in every epoch >= 2. Here, before the first
-    batch is fetched: set_epoch(restored epoch), the loader's state again,
-    a new iterator (the one made before is dropped unread, prefetch included)."""
+    """Puts the restored loaders where the uninterrupted run's would be.
+    Lightning makes a restored loader's iterator in setup_data
+    (load_state_dict, then iter()) before it calls set_epoch
+    (on_advance_start), and, resumed after an epoch's last batch, it goes
+    on to the next epoch with that exhausted iterator (an epoch without a
+    batch). Here, before the first batch is fetched:
+    - resumed after an epoch's last batch: set_epoch(the new epoch) and a
+      fresh iterator (the restored one drew its epoch's order, so a
+      torchdata sampler's generator is where the next epoch starts);
+    - resumed mid-epoch with a sampler that orders by epoch (set_epoch: the
+      DistributedSampler Lightning gives each rank under DDP):
+      set_epoch(restored epoch), the loader's state again, a new iterator.
+    The iterator made before is dropped unread (its prefetch included)."""
     loop = trainer.fit_loop
     combined = getattr(loop, "_combined_loader", None)
     fetcher = getattr(loop, "_data_fetcher", None)
     states = (fit_state.get("state_dict") or {}).get("combined_loader")
-    try:
-        epoch = int(fit_state["epoch_progress"]["current"]["processed"])
-    except (KeyError, TypeError, ValueError):
-        return
     if combined is None or fetcher is None or not isinstance(states, list):
         return
-    again = False
+    epoch = loop.epoch_progress.current.processed  # after Lightning's restart bookkeeping
+    last = bool((fit_state.get("epoch_loop.batch_progress") or {}).get("is_last_batch"))
+    again = last
     for dl, st in zip(combined.flattened, states):
         by_epoch = [s for s in _data._samplers(dl) if callable(getattr(s, "set_epoch", None))]
-        if by_epoch and isinstance(st, dict) and callable(getattr(dl, "load_state_dict", None)):
-            for s in by_epoch:
-                s.set_epoch(epoch)
+        for s in by_epoch:
+            s.set_epoch(epoch)
+        if (not last and by_epoch and isinstance(st, dict)
+                and callable(getattr(dl, "load_state_dict", None))):
             dl.load_state_dict(st)
             again = True
     if again:
@@ -309,7 +313,8 @@ class NonstopCheckpoint(ModelCheckpoint):
         between checkpoints (default 10; micro-batches of gradient
         accumulation are not steps: a checkpoint is only taken right after
         an optimizer step).
-    every_n_epochs: a checkpoint at the end of every n-th training epoch.
+    every_n_epochs: a checkpoint after the last optimizer step of every n-th
+        training epoch.
     train_time_interval: a datetime.timedelta; a checkpoint after the first
         optimizer step at least that long after the previous checkpoint (or
         the start of training). Under DDP rank 0's clock decides for every
@@ -484,6 +489,14 @@ class NonstopCheckpoint(ModelCheckpoint):
         self._last_global_step = gs
         if self.every is not None and gs % self.every == 0:
             self.save(trainer)
+        elif self.epochs is not None and (trainer.current_epoch + 1) % self.epochs == 0 and (
+                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+            # every_n_epochs: after the epoch's last optimizer step, not in
+            # on_train_epoch_end: a loader saved after its epoch ended
+            # resumes with the same epoch's order again (a torchdata sampler
+            # keeps its generator as of the epoch's start), while one saved
+            # at its last batch resumes exactly.
+            self.save(trainer)
         elif self.interval is not None and self._time_is_up(trainer):
             self.save(trainer)
 
@@ -504,8 +517,7 @@ class NonstopCheckpoint(ModelCheckpoint):
         return due
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if self.epochs is not None and (trainer.current_epoch + 1) % self.epochs == 0:
-            self.save(trainer)
+        pass  # every_n_epochs saves after the epoch's last step (on_train_batch_end)
 
     def save(self, trainer):
         """Starts a checkpoint of the current state (after optimizer step

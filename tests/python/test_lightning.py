@@ -154,3 +154,158 @@ def test_monitor_and_save_top_k_keep_the_best_steps(tmp_path):
     assert kept == [3, 5], rows
     with pytest.raises(nonstop.CheckpointMismatchError, match="save_top_k= needs monitor="):
         NonstopCheckpoint(str(tmp_path), save_top_k=2)
+
+
+# ---------------------------------------------------------------- cadence
+
+def _tiny_fit(tmp_path, callbacks, max_epochs=-1, max_steps=-1, loader=None, seed=0):
+    """A small job (8 samples, batch 2: 4 steps per epoch) with dropout and
+    a shuffling loader that resumes exactly; returns (trainer, module)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Dropout(0.3),
+                                           torch.nn.Linear(8, 1))
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch[1].tolist())
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(5)
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 2, generator=g), torch.arange(8))
+    if loader is None:
+        loader = StatefulDataLoader(
+            ds, batch_size=2, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(1)),
+            generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(seed)
+    module = Module()
+    trainer = L.Trainer(max_epochs=max_epochs, max_steps=max_steps, accelerator="cpu", devices=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks, default_root_dir=str(tmp_path))
+    trainer.fit(module, loader, ckpt_path="last")
+    return trainer, module
+
+
+def test_every_n_epochs_checkpoints_epoch_ends_and_resumes_from_one(tmp_path):
+    """every_n_epochs=2 (ModelCheckpoint's): a checkpoint at the end of
+    epochs 2 and 4 only; a run stopped after epoch 3 resumes from the end
+    of epoch 2 and ends bit-identical to an uninterrupted one."""
+    import nonstop
+    from nonstop.lightning import NonstopCheckpoint
+
+    committed = []
+    ref, ref_module = _tiny_fit(tmp_path / "ref", [NonstopCheckpoint(
+        str(tmp_path / "ref-ck"), every_n_epochs=2, on_commit=committed.append)], max_epochs=4)
+    assert [s["step"] for s in committed] == [7, 15] and all(s["committed"] for s in committed)
+    got = nonstop.load(str(tmp_path / "ref-ck" / "nonstop"), step=7).state["lightning"]
+    assert got["epoch"] == 1 and got["global_step"] == 8
+
+    d = str(tmp_path / "ck")
+    _tiny_fit(tmp_path / "a", [NonstopCheckpoint(d, every_n_epochs=2)], max_epochs=3)
+    cb = NonstopCheckpoint(d, every_n_epochs=2)
+    trainer, module = _tiny_fit(tmp_path / "b", [cb], max_epochs=4, seed=1)  # other init
+    assert cb.io.loaded_step == 7 and trainer.global_step == 16  # resumed at the end of epoch 2
+    assert module.seen == ref_module.seen[8:]  # epochs 3 and 4, in the same order
+    for k, v in ref_module.state_dict().items():
+        assert torch.equal(module.state_dict()[k], v), k
+    assert torch.equal(trainer.optimizers[0].state_dict()["state"][0]["exp_avg"],
+                       ref.optimizers[0].state_dict()["state"][0]["exp_avg"])
+
+
+def test_train_time_interval_checkpoints_by_the_clock(tmp_path):
+    """train_time_interval (a timedelta, ModelCheckpoint's semantics): the
+    first optimizer step at least that long after the previous checkpoint
+    (or the start). The clock is injected: one second per look."""
+    import datetime
+
+    from nonstop.lightning import NonstopCheckpoint
+
+    ticks = []
+
+    def clock():
+        ticks.append(None)
+        return float(len(ticks))
+
+    committed = []
+    cb = NonstopCheckpoint(str(tmp_path / "ck"), on_commit=committed.append,
+                           train_time_interval=datetime.timedelta(seconds=2.5))
+    cb._clock = clock
+    _tiny_fit(tmp_path, [cb], max_steps=9)
+    # on_train_start reads 1; the step s reads s + 2: due at 4, 7, 10
+    assert [s["step"] for s in committed] == [2, 5, 8]
+
+
+def test_cadence_options_are_checked_when_made(tmp_path):
+    import datetime
+
+    import nonstop
+    from nonstop.lightning import NonstopCheckpoint
+    hour = datetime.timedelta(hours=1)
+    for kwargs, msg in [
+        (dict(every=5, every_n_epochs=1), "mutually exclusive"),
+        (dict(every_n_train_steps=5, train_time_interval=hour), "mutually exclusive"),
+        (dict(every_n_epochs=1, train_time_interval=hour), "mutually exclusive"),
+        (dict(every=5, every_n_train_steps=5), "not both"),
+        (dict(every_n_epochs=0), "every_n_epochs must be a positive integer"),
+        (dict(train_time_interval=60), "positive datetime.timedelta"),
+        (dict(train_time_interval=datetime.timedelta(0)), "positive datetime.timedelta"),
+    ]:
+        with pytest.raises(nonstop.CheckpointMismatchError, match=msg):
+            NonstopCheckpoint(str(tmp_path), **kwargs)
+    assert NonstopCheckpoint(str(tmp_path), every_n_train_steps=4).every == 4
+    assert NonstopCheckpoint(str(tmp_path)).every == 10
+    assert NonstopCheckpoint(str(tmp_path), train_time_interval=hour).every is None
+
+
+def test_other_strategies_and_wrapped_samplers_are_refused(tmp_path):
+    """Lightning's FSDPStrategy refuses a CPU accelerator itself; on GPUs it
+    loads and saves checkpoints without CheckpointIO, so NonstopCheckpoint
+    refuses it (here a subclass, which Lightning lets run on CPU). A
+    DistributedSamplerWrapper (what Lightning makes of a sampler other than
+    torch's under DDP) draws its inner sampler anew each epoch, a state no
+    loader saves: refused before the first step."""
+    import nonstop
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
+
+    from nonstop.lightning import NonstopCheckpoint
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        L.Trainer(strategy="fsdp", accelerator="cpu", devices=2)
+
+    class FSDPOnCPU(FSDPStrategy):
+        pass
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    trainer = L.Trainer(strategy=FSDPOnCPU(), accelerator="cpu", devices=1, max_steps=2,
+                        logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path),
+                        callbacks=[NonstopCheckpoint(str(tmp_path / "ck"), every=1)])
+    with pytest.raises(nonstop.CheckpointMismatchError, match="not FSDPOnCPU"):
+        trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=2))
+
+    wrapped = DistributedSamplerWrapper(RandomSampler(ds, generator=torch.Generator().manual_seed(1)),
+                                        num_replicas=2, rank=0)
+    loader = StatefulDataLoader(ds, batch_size=2, sampler=wrapped,
+                                generator=torch.Generator().manual_seed(2))
+    with pytest.raises(nonstop.CheckpointMismatchError, match="DistributedSamplerWrapper"):
+        _tiny_fit(tmp_path / "w", [NonstopCheckpoint(str(tmp_path / "ck2"), every=1)],
+                  max_steps=2, loader=loader)

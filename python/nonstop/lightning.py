@@ -109,8 +109,8 @@ def read_marker(path: str) -> Optional[dict]:
 def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = True,
                  map_location=None):
     """The weights of a NonstopCheckpoint's checkpoint, for evaluation:
-    `path` is its `last.ckpt` marker (the step it names) or the `nonstop/`
-    directory (the newest valid step). Returns the LightningModule's
+    `path` is its `last.ckpt` marker or the `nonstop/` directory: the newest
+    valid step (at or after the one the marker names). Returns the LightningModule's
     state_dict; with `model`, loads it there (`strict`) and returns the
     model. `Model.load_from_checkpoint("last.ckpt")` cannot read the marker
     (torch.load of a JSON file: an UnpicklingError); this reads the
@@ -121,7 +121,7 @@ def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = T
         d = marker["dir"]
         if not os.path.isabs(d):
             d = os.path.join(os.path.dirname(os.path.abspath(path)), d)
-        loaded = _checkpointer.load(d, step=int(marker["step"]))
+        loaded = _checkpointer.load(d)  # the newest valid, at or after the marker's step
     elif os.path.isfile(path):
         raise CheckpointMismatchError(
             f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
@@ -196,7 +196,10 @@ class NonstopCheckpointIO(CheckpointIO):
             if map_location is not None:
                 state = _to(state, map_location)
             return state
-        loaded = _checkpointer.load(d, step=int(marker["step"]))
+        # The newest valid checkpoint (at or after the marker's step): the
+        # marker is written by a handle callback, a little after its commit,
+        # and by then the ring may have reused the slot of the step it names.
+        loaded = _checkpointer.load(d)
         state = loaded.state.get("lightning")
         if not isinstance(state, dict):
             raise CheckpointMismatchError(f"{d} step {loaded.step} holds no Lightning checkpoint")

@@ -45,6 +45,15 @@ def end_rank(code: int = 0) -> None:
     os._exit(code)
 
 
+def finish_rank(out: str, rank: int, result: dict) -> None:
+    """A rank script's last lines: its result to OUT.rank-R.json, a "done"
+    event line, then end_rank()."""
+    with open(f"{out}.rank-{rank}.json", "w") as f:
+        json.dump(result, f)
+    print(json.dumps({"event": "done", "rank": rank}), flush=True)
+    end_rank()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

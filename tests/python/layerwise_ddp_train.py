@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nonstop  # noqa: E402
-from dist_launch import end_rank, start_rank  # noqa: E402
+from dist_launch import finish_rank, start_rank  # noqa: E402
 
 
 def emit(**kw):
@@ -171,10 +171,7 @@ def main():
            "failed": None if st is None else st["failed"],
            "committed": None if st is None else st["committed"],
            "agreed": None if ckpt is None else ckpt.session.dist.agreed_step()}
-    with open(f"{a.out}.rank-{rank}.json", "w") as f:
-        json.dump(res, f)
-    emit(event="done", rank=rank)
-    end_rank()
+    finish_rank(a.out, rank, res)
 
 
 if __name__ == "__main__":

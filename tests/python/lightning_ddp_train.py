@@ -19,8 +19,6 @@ same steps shows that rank 0's decision is broadcast.
 """
 import argparse
 import datetime
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -30,22 +28,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning as L  # noqa: E402
-from dist_launch import end_rank  # noqa: E402
+from dist_launch import finish_rank  # noqa: E402
+from dist_train import digest, emit  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import RandomSampler  # noqa: E402
 
 from nonstop.lightning import NonstopCheckpoint  # noqa: E402
-
-
-def emit(**kw):
-    print(json.dumps(kw), flush=True)
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class Model(L.LightningModule):
@@ -162,10 +150,7 @@ def main():
     res = {"rank": rank, "restored": cb_restored(cb), "params": digest(model.parameters()),
            "optim": digest(opt_tensors), "rng": digest([torch.get_rng_state()]),
            "seen_tail": model.seen[-12:], "global_step": trainer.global_step}
-    with open(f"{a.out}.rank-{rank}.json", "w") as f:
-        json.dump(res, f)
-    emit(event="done", rank=rank)
-    end_rank()
+    finish_rank(a.out, rank, res)
 
 
 if __name__ == "__main__":

@@ -269,7 +269,9 @@ def test_cadence_options_are_checked_when_made(tmp_path):
 def test_other_strategies_and_wrapped_samplers_are_refused(tmp_path):
     """Lightning's FSDPStrategy refuses a CPU accelerator itself; on GPUs it
     loads and saves checkpoints without CheckpointIO, so NonstopCheckpoint
-    refuses it (here a subclass, which Lightning lets run on CPU). A
+    refuses it in setup: here a subclass, which passes Lightning's
+    accelerator check and is refused before torch's FSDP would stop it
+    (on main it stopped there: "FSDP needs a non-CPU accelerator device"). A
     DistributedSamplerWrapper (what Lightning makes of a sampler other than
     torch's under DDP) draws its inner sampler anew each epoch, a state no
     loader saves: refused before the first step."""

@@ -181,6 +181,10 @@ class NonstopCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict:
         marker = read_marker(os.fspath(path))
+        cb = self.callback
+        if (marker is None and cb is not None and _checkpointer._world()[1] > 1 and
+                os.path.dirname(os.path.abspath(os.fspath(path))) == os.path.abspath(cb.nonstop_dir)):
+            marker = {"dir": cb.nonstop_dir}  # no marker yet (_find_last_checkpoints)
         if marker is None:
             return self._inner().load_checkpoint(path, map_location=map_location,
                                                  weights_only=weights_only)
@@ -438,6 +442,20 @@ class NonstopCheckpoint(ModelCheckpoint):
         io.callback = self
         self.io = io
 
+    def _find_last_checkpoints(self, trainer) -> set:
+        """Lightning's ckpt_path="last": `last.ckpt`; under DDP, when there is
+        none yet, rank 0's file in `nonstop/` (global rank 0 writes the
+        marker once a step is agreed, a little after every rank committed
+        it: a kill in between must not lose that checkpoint; Lightning
+        takes only a path that exists, and NonstopCheckpointIO restores
+        from the directory of that file). Every rank looks at the same
+        file, so every rank restores (the restore is collective) or none."""
+        found = super()._find_last_checkpoints(trainer)
+        if (not found and trainer.num_devices * trainer.num_nodes > 1
+                and _checkpointer.check_directory(self.nonstop_dir, 0, None, must_exist=False)):
+            found = {os.path.normpath(os.path.join(self.nonstop_dir, "rank-00000.nsck"))}
+        return found
+
     def _open(self, optimizers: list) -> _LightningCheckpointer:
         """The Checkpointer (made at the first save, or at a DDP restore)."""
         if self.ckpt is None:
@@ -460,7 +478,9 @@ class NonstopCheckpoint(ModelCheckpoint):
                 f"the marker names {d}, this NonstopCheckpoint writes {self.nonstop_dir}")
         step = self._open([]).restore()
         if step is None:
-            raise CheckpointNotFoundError(f"{d}: no checkpoint committed on every rank")
+            raise CheckpointNotFoundError(
+                f"{d}: no step that every rank committed (a kill during the first "
+                f"checkpoint); remove the directory to start afresh")
         self._marker_step = max(self._marker_step, step)
         return dict(self._holder), step
 

@@ -4,15 +4,15 @@ dist_launch.run_ranks (LOCAL_RANK, RANK, WORLD_SIZE, MASTER_ADDR/PORT set:
 Lightning then creates no processes itself, as under torchrun):
 
     python lightning_ddp_train.py DIR STEPS OUT [--every N | --every-n-epochs E |
-        --interval-s X] [--monitor] [--kill-at S --kill-after-agreed A]
+        --interval-s X] [--monitor] [--kill-at S]
 
 40 samples, batch 4, 2 ranks: Lightning's DistributedSampler gives each rank
 5 steps per epoch. It resumes with ckpt_path="last", so the same command is
 the first run and the restart. It prints one JSON line per event and writes
 OUT.rank-R.json (digests of the final weights, optimizer state, RNG, data).
---kill-at S: after optimizer step S (counted from 0) this rank waits until
-step A is agreed by every rank, then SIGKILLs itself (the checkpoint of S
-may be in flight). --interval-s with --fake-clock: the clock of
+--kill-at S: after optimizer step S (counted from 0) every rank waits until
+its checkpoints are committed, meets the others (a barrier), and SIGKILLs
+itself. --interval-s with --fake-clock: the clock of
 train_time_interval is the step count (rank 0) or 0 (other ranks): only
 rank 0's clock can say the interval passed, so every rank checkpointing the
 same steps shows that rank 0's decision is broadcast.
@@ -73,12 +73,11 @@ class Probe(L.Callback):
              idx=batch[2].tolist(),
              saved=h.step if h is not None and self.cb._saved_global_step == s + 1 else None)
         if s == self.a.kill_at:
-            deadline = time.monotonic() + 30
-            while (self.cb.ckpt.latest() or -1) < self.a.kill_after_agreed:
-                if time.monotonic() > deadline:
-                    emit(event="never agreed", rank=trainer.global_rank)
-                    break
-                time.sleep(0.01)
+            # Every rank's checkpoints so far committed (on its own disk),
+            # then the kill: the restart must pick the newest step that
+            # every rank holds, whether or not its agreement round ran.
+            self.cb.ckpt.wait()
+            torch.distributed.barrier()
             emit(event="kill", rank=trainer.global_rank, step=s, agreed=self.cb.ckpt.latest())
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -99,7 +98,6 @@ def main():
     p.add_argument("--monitor", action="store_true")
     p.add_argument("--loader", choices=["shuffle", "torchdata"], default="shuffle")
     p.add_argument("--kill-at", type=int, default=-1)
-    p.add_argument("--kill-after-agreed", type=int, default=-1)
     a = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])

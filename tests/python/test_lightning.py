@@ -350,13 +350,16 @@ needs_dist = pytest.mark.skipif(not torch.distributed.is_available(),
 @needs_dist
 def test_ddp_killed_in_epoch_3_resumes_bitwise_and_top_k_is_rank_0s(tmp_path):
     """Lightning's DDP strategy, 2 CPU processes (gloo), 5 steps per epoch,
-    a checkpoint every 3 steps (after steps 2, 5, 8, 11, 14). Both ranks
-    SIGKILL themselves after step 12 (epoch 3) once step 8 is agreed, the
-    checkpoint of step 11 possibly in flight; the restart resumes both ranks
-    from one step (8 or 11) and ends bit-identical to an uninterrupted run:
-    weights, AdamW state, each rank's RNG and data order. The uninterrupted
-    run also keeps its save_top_k=2 best checkpoints by a metric that ranks
-    the other way on rank 1 (not synced): every rank keeps rank 0's best."""
+    a checkpoint every 3 steps (after steps 2, 5, 8, 11, 14). After step 12
+    (epoch 3) both ranks wait for their checkpoints to commit, meet, and
+    SIGKILL themselves (the first to die takes the other with it, as under
+    torchrun); the restart resumes both ranks from step 11, the newest
+    that every rank committed (whether or not its agreement round ran),
+    and ends bit-identical to an uninterrupted run: weights, AdamW state,
+    each rank's RNG and data order (a DistributedSampler in epoch 3). The
+    uninterrupted run also keeps its save_top_k=2 best checkpoints by a
+    metric that ranks the other way on rank 1 (not synced): every rank
+    keeps rank 0's best."""
     import nonstop
     ref = tmp_path / "ref"
     res = _ddp(tmp_path / "ref-ck", 15, ref, "--every", "3", "--monitor")
@@ -371,13 +374,19 @@ def test_ddp_killed_in_epoch_3_resumes_bitwise_and_top_k_is_rank_0s(tmp_path):
     assert read_marker(str(tmp_path / "ref-ck" / "last.ckpt"))["step"] == 14
 
     d, out = tmp_path / "ck", tmp_path / "run"
-    killed = _ddp(d, 15, out, "--every", "3", "--kill-at", "12", "--kill-after-agreed", "8")
+    killed = _ddp(d, 15, out, "--every", "3", "--kill-at", "12")
     assert [rc for rc, _, _ in killed] == [-9, -9], [e[-2000:] for _, _, e in killed]
-    assert all(k and k[0]["agreed"] >= 8 for k in _events(killed, "kill")), killed
+    assert any(_events(killed, "kill")), killed  # (the first to die takes the other)
+    # Rank 0 writes last.ckpt once a step is agreed, a little after every
+    # rank committed it; a kill in between left none (it did, now and then,
+    # here): the restart must find the checkpoints without it.
+    if os.path.exists(d / "last.ckpt"):
+        os.unlink(d / "last.ckpt")
     resumed = _ddp(d, 15, out, "--every", "3")
     _ok(resumed)
+    # the newest step both ranks committed, agreed or not: 11 (epoch 3)
     restored = [s[0]["restored"] for s in _events(resumed, "start")]
-    assert restored[0] == restored[1] and restored[0] in (8, 11), restored
+    assert restored == [11, 11], restored
     assert all(s[0]["epoch"] >= 1 for s in _events(resumed, "start"))  # epoch 2 or 3 (from 1)
     for rank in (0, 1):
         a, b = _final(ref, rank), _final(out, rank)

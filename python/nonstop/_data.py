@@ -34,7 +34,7 @@ FIX_SAMPLER = ("sampler=torchdata.stateful_dataloader.sampler.RandomSampler(data
 FIX_GENERATOR = "generator=torch.Generator().manual_seed(SEED2)"
 
 
-def _samplers(loader, depth: int = 0):
+def samplers(loader, depth: int = 0):
     """The samplers and batch samplers under `loader`, outermost first."""
     if depth > 4:
         return
@@ -42,7 +42,7 @@ def _samplers(loader, depth: int = 0):
         s = getattr(loader, attr, None)
         if s is not None and s is not loader:
             yield s
-            yield from _samplers(s, depth + 1)
+            yield from samplers(s, depth + 1)
 
 
 def _is_loader(obj) -> bool:
@@ -67,7 +67,7 @@ def check_loader(loader, where: str) -> None:
         return
     name = type(getattr(loader, "base_dataloader", loader)).__name__
     gen = getattr(loader, "generator", None)
-    for s in _samplers(loader):
+    for s in samplers(loader):
         if _positional_only(s):
             raise CheckpointMismatchError(
                 f"{where}: {name} restores the position of a {type(s).__module__}."

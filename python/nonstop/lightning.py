@@ -53,7 +53,7 @@ except ImportError:  # the standalone package name
     from pytorch_lightning.strategies import (DDPStrategy,  # type: ignore[no-redef]
                                               DeepSpeedStrategy, SingleDeviceStrategy)
 
-from . import _checkpointer, _data, _ext, _rng, _unwrap
+from . import _checkpointer, _data, _ext, _options, _rng, _unwrap
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 MARKER_FORMAT = "nonstop.lightning/1"
@@ -182,7 +182,7 @@ class NonstopCheckpointIO(CheckpointIO):
                         weights_only: Optional[bool] = None) -> dict:
         marker = read_marker(os.fspath(path))
         cb = self.callback
-        if (marker is None and cb is not None and _checkpointer._world()[1] > 1 and
+        if (marker is None and cb is not None and _options.world()[1] > 1 and
                 os.path.dirname(os.path.abspath(os.fspath(path))) == os.path.abspath(cb.nonstop_dir)):
             marker = {"dir": cb.nonstop_dir}  # no marker yet (_find_last_checkpoints)
         if marker is None:
@@ -191,7 +191,7 @@ class NonstopCheckpointIO(CheckpointIO):
         d = marker["dir"]
         if not os.path.isabs(d):
             d = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), d)
-        if self.callback is not None and _checkpointer._world()[1] > 1:
+        if self.callback is not None and _options.world()[1] > 1:
             # Every rank restores its own file of the step all ranks agree on
             # (the replicated tensors reassembled from the ranks' shares).
             state, self.loaded_step = self.callback._restore_distributed(d)
@@ -252,7 +252,7 @@ def _reiterate(trainer, fit_state: dict) -> None:
     last = bool((fit_state.get("epoch_loop.batch_progress") or {}).get("is_last_batch"))
     again = last
     for dl, st in zip(combined.flattened, states):
-        by_epoch = [s for s in _data._samplers(dl) if callable(getattr(s, "set_epoch", None))]
+        by_epoch = [s for s in _data.samplers(dl) if callable(getattr(s, "set_epoch", None))]
         for s in by_epoch:
             s.set_epoch(epoch)
         if (not last and by_epoch and isinstance(st, dict)
@@ -284,7 +284,7 @@ def _check_wrapped(loader, where: str) -> None:
     torchdata RandomSampler's generator; StatefulDataLoader(shuffle=True)
     makes one), so a restored job would see another order from epoch 2 on.
     Refused, with the fix."""
-    for s in _data._samplers(loader):
+    for s in _data.samplers(loader):
         if isinstance(s, DistributedSamplerWrapper):
             break
     else:

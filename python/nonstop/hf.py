@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import _checkpointer, _dcp, _distributed, _ext, _manage, _rng, _state, _unwrap
+from . import (_checkpointer, _dcp, _distributed, _ext, _manage, _options, _rng, _state,
+               _unwrap)
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
 __all__ = ["NonstopCallback", "resume_from"]
@@ -211,7 +212,7 @@ class NonstopCallback(TrainerCallback):
         self.close()
         if self._auto is not None:  # resumed at max_steps: no step ran
             folder, self._auto = self._auto[0], None
-            if _world()[1] > 1:
+            if _options.world()[1] > 1:
                 torch.distributed.barrier()
             _remove_auto(folder)
         if self._resume_folder is not None:  # resumed at max_steps: no step began
@@ -227,7 +228,7 @@ class NonstopCallback(TrainerCallback):
         reads them reassembled from all rank files (one directory every rank
         sees). state.best_model_checkpoint names the kept copy."""
         step = state.best_global_step - 1
-        rank, world = _world()
+        rank, world = _options.world()
         if world > 1:
             _, flat = _dcp.collect(self.dir, step)
             sd = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
@@ -297,7 +298,7 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     is rewritten. With torch.distributed initialised (the Trainer made under
     torchrun or accelerate launch) it is collective: every rank calls it."""
     d = callback.dir
-    rank, world = _world()
+    rank, world = _options.world()
     if world > 1:
         return _resume_ranks(callback, folder, step, rank, world)
     if not _checkpointer.check_directory(d, 0, None, must_exist=False):
@@ -332,13 +333,6 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
     callback._resume_folder = os.path.abspath(folder)
     return folder
-
-
-def _world() -> tuple:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _agreed(d: str, step: Optional[int], rank: int, world: int):
@@ -433,7 +427,7 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
     same step); a newer Trainer checkpoint-M wins the Trainer's lookup. Marked
     folders of earlier runs are removed. Returns (folder, global_step, step)
     or None."""
-    rank, world = _world()
+    rank, world = _options.world()
     if rank == 0 and os.path.isdir(out):
         for name in os.listdir(out):  # leftovers of a run killed before its first step
             if name.startswith("checkpoint-") and os.path.isfile(
@@ -476,7 +470,7 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
 
 def _remove_auto(folder: str) -> None:
     """Removes a folder _prepare_auto wrote (rank 0; the others leave it)."""
-    if _world()[0] == 0:
+    if _options.world()[0] == 0:
         _remove(folder)
 
 

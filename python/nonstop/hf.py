@@ -326,9 +326,7 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
          if isinstance(v, torch.Tensor)})))
     rng = loaded.meta.get("rng")
     if rng is not None:  # written for the Trainer, which reads it with weights_only=True
-        buf = io.BytesIO()
-        torch.save(_hf_rng(rng), buf)
-        files.append(("rng_state.pth", buf.getvalue()))
+        files.append(("rng_state.pth", _rng_file(rng)))
     _write_folder(folder, files)
     callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
     callback._resume_folder = os.path.abspath(folder)
@@ -348,10 +346,7 @@ def _agreed(d: str, step: Optional[int], rank: int, world: int):
                                               rank, step)
     except CheckpointError as e:
         err = f"rank {rank}: {e}"
-    every: list = [(err, mine)]
-    if world > 1:
-        every = [None] * world
-        torch.distributed.all_gather_object(every, (err, mine))
+    every = _comm(world).gather([err, mine])  # JSON over tensors, never pickle
     errors = [e for e, _ in every if e is not None]
     if errors:
         raise CheckpointMismatchError("; ".join(errors))
@@ -401,9 +396,7 @@ def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Option
                  {k: v.detach().contiguous().clone()
                   for k, v in _unwrap.module(callback._model).state_dict().items()}))]
     if meta.get("rng") is not None:
-        buf = io.BytesIO()
-        torch.save(_hf_rng(meta["rng"]), buf)
-        files.append((f"rng_state_{rank}.pth", buf.getvalue()))
+        files.append((f"rng_state_{rank}.pth", _rng_file(meta["rng"])))
     _write_folder(folder, files)
     callback._to_load = {"restore_step": s}
     callback._resume_folder = os.path.abspath(folder)
@@ -438,10 +431,8 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
         return None
     step, ts, meta = got
     folder = os.path.abspath(os.path.join(out, f"checkpoint-{ts['global_step']}"))
-    theirs = [os.path.exists(folder)]  # the Trainer's own checkpoint of that step
-    if world > 1:
-        torch.distributed.broadcast_object_list(theirs, src=0)
-    if theirs[0]:
+    # The Trainer's own checkpoint of that step (rank 0's view, on every rank)
+    if _comm(world).gather(os.path.exists(folder))[0]:
         return None
     if rank == 0:
         from safetensors.torch import save as safetensors_bytes
@@ -455,12 +446,10 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
     if meta.get("rng") is not None:
         if world > 1:
             torch.distributed.barrier()  # the folder exists
-        buf = io.BytesIO()
-        torch.save(_hf_rng(meta["rng"]), buf)
         name = f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"
         d = _ext.core().Directory(folder)
         with d.create(name + ".tmp") as w:
-            w.write(buf.getvalue())
+            w.write(_rng_file(meta["rng"]))
             w.commit(name)
         d.sync()
     if world > 1:
@@ -508,6 +497,19 @@ def _write_folder(folder: str, files: list) -> None:
     parent.remove_tree(name)
     parent.rename(tmp, name)
     parent.sync()
+
+
+def _comm(world: int) -> _distributed.Comm:
+    """The default process group's JSON collectives (world 1: none)."""
+    return _distributed.Comm(torch.distributed.group.WORLD if world > 1 else None, world)
+
+
+def _rng_file(saved: dict) -> bytes:
+    """The bytes of the Trainer's rng_state.pth (it reads them with
+    weights_only=True); written through the seam by the caller."""
+    buf = io.BytesIO()
+    torch.save(_hf_rng(saved), buf)
+    return buf.getvalue()
 
 
 def _hf_rng(saved: dict) -> dict:

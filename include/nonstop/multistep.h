@@ -57,12 +57,28 @@
 
 namespace nonstop {
 
+// Where a closed window's parts are brought to one version
+// (docs/MULTISTEP.md, "Replay at restore").
+enum class MultistepReplay : uint8_t {
+  // The CPU kernels (nonstop/optim.h), bitwise torch's single-tensor CPU
+  // path, in the background: the checkpoint is the state at N+K-1.
+  kHost,
+  // No replay here: every part is written at the version it was copied at,
+  // with the gradient log (tensors "multistep_replay/g<j>/<t>") and the
+  // replay plan (key "multistep_plan" added to the metadata: which elements
+  // of which tensor take which logged step, in order, and each step's
+  // hyperparameters and step counts). Whoever restores it applies the plan
+  // with the training optimizer itself, on the device it restores to.
+  kRestore,
+};
+
 struct MultistepOptions {
   int parts = 7;                          // K (GoCkpt's optimum)
   uint64_t block_bytes = 4ull << 20;      // parameter bytes per block (multiple of 4)
   bool overlap_gradients = true;          // GoCkpt-O
   int copy_window = 2;                    // copies handed to the copy engine at once
-  int replay_threads = 0;                 // 0 = hardware concurrency
+  int replay_threads = 0;                 // 0 = hardware concurrency (kHost)
+  MultistepReplay replay = MultistepReplay::kHost;
   optim::MklVmsSqrtFn mkl_vms_sqrt = nullptr;  // see nonstop/optim.h (torch's sqrt)
 };
 

@@ -53,6 +53,9 @@ struct WindowJob {
   std::vector<LoggedStep> log;                  // index j-1 for step N+j, j = 1..K-1
   std::vector<std::vector<double>> piece_step;  // [part][piece order] Adam step at copy
   std::vector<std::vector<uint8_t>> piece_has_momentum;
+  int64_t begin = 0;                            // N
+  std::vector<double> begin_step;               // per tensor at Begin (kRestore's plan)
+  std::vector<uint8_t> begin_state;
   std::vector<OutputTensor> outputs;
   std::string meta;
 };
@@ -94,6 +97,14 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
 
     config_ = config;
     tensors_ = std::move(tensors);
+    begin_step_count_.clear();
+    begin_state_.clear();
+    for (const auto& t : tensors_) {
+      begin_step_count_.push_back(t.step);
+      begin_state_.push_back(config_.algorithm == optim::Algorithm::kSgd
+                                 ? t.momentum_buffer != nullptr
+                                 : t.exp_avg != nullptr);
+    }
     NONSTOP_RETURN_IF_ERROR(Plan());
     begin_step_ = step;
     pos_ = 1;
@@ -383,6 +394,9 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     job->log = grad_log_.TakeLog();
     job->piece_step = std::move(piece_step_);
     job->piece_has_momentum = std::move(piece_has_momentum_);
+    job->begin = begin_step_;
+    job->begin_step = begin_step_count_;
+    job->begin_state = begin_state_;
     if (outputs_set_) {
       job->outputs = std::move(outputs_);
       job->meta = std::move(meta_);
@@ -430,7 +444,17 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
   Status Finish(WindowJob& job) {
     for (auto& b : job.batches) NONSTOP_RETURN_IF_ERROR(b->Wait());
     const auto t0 = Clock::now();
-    NONSTOP_RETURN_IF_ERROR(Replay(job));
+    if (opts_.replay == MultistepReplay::kHost) {
+      NONSTOP_RETURN_IF_ERROR(Replay(job));
+    } else {
+      // The parts stay at their versions; the gradient log and the plan go
+      // with them, and the restorer replays (docs/MULTISTEP.md).
+      std::vector<OutputTensor> gradients;
+      const std::string plan = multistep_internal::RestorePlan(
+          ReplayInputOf(job), &grad_log_, job.begin, job.begin_step, job.begin_state, &gradients);
+      job.meta = multistep_internal::AddToMeta(job.meta, "multistep_plan", plan);
+      for (auto& g : gradients) job.outputs.push_back(std::move(g));
+    }
     const double replay_s = Since(t0);
     // The buffers are the checkpoint's staging: the Engine writes them to
     // the medium as they are (TensorRef::staged), through its one write path
@@ -475,6 +499,10 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
 
   // Brings every part to the window's version (multistep_replay.cc).
   Status Replay(const WindowJob& job) {
+    return multistep_internal::ReplayWindow(ReplayInputOf(job), state_);
+  }
+
+  multistep_internal::ReplayInput ReplayInputOf(const WindowJob& job) {
     multistep_internal::ReplayInput in;
     in.config = &job.config;
     in.tensors = &tensors_;
@@ -485,7 +513,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     in.piece_has_momentum = &job.piece_has_momentum;
     in.threads = opts_.replay_threads;
     in.mkl_vms_sqrt = opts_.mkl_vms_sqrt;
-    return multistep_internal::ReplayWindow(in, state_);
+    return in;
   }
 
   // Ends the open window after an error: its copies finish, nothing is persisted.
@@ -546,6 +574,8 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
   multistep_internal::GradientLog grad_log_;
   multistep_internal::HostArena extras_;  // SetOutputs' copies (tensor < 0)
   std::vector<int64_t> applied_;  // per tensor: updates applied since Begin
+  std::vector<double> begin_step_count_;  // per tensor: Adam's step count at Begin
+  std::vector<uint8_t> begin_state_;      // per tensor: its optimizer state existed at Begin
   std::vector<std::vector<double>> piece_step_;
   std::vector<std::vector<uint8_t>> piece_has_momentum_;
   std::vector<std::shared_ptr<Batch>> batches_, state_pending_, grad_pending_;

@@ -8,19 +8,12 @@
 
 namespace nonstop::multistep_internal {
 
-namespace {
-
-constexpr size_t kAlign = 64;
-
-size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-}  // namespace
-
 Status GradientLog::Plan(CopyEngine* copy, const std::vector<OptimizerTensor>& tensors,
                          const std::vector<Part>& parts) {
   const int k = static_cast<int>(parts.size());
   // Step j (1..K-1) holds the prefix of parts 1..j, at most 4 bytes per
-  // element (low-precision gradients use part of it).
+  // element (low-precision gradients use part of it). Laid out as staged
+  // buffers: with MultistepReplay::kRestore the Engine writes them as they are.
   offset_.assign(k, std::vector<size_t>(tensors.size(), 0));
   covered_.assign(k, std::vector<size_t>(tensors.size(), 0));
   size_t bytes = 0;
@@ -29,9 +22,8 @@ Status GradientLog::Plan(CopyEngine* copy, const std::vector<OptimizerTensor>& t
     size_t begin = 0;
     for (size_t t = 0; t < tensors.size(); ++t) {
       const size_t covered = prefix > begin ? std::min(tensors[t].numel, prefix - begin) : 0;
-      offset_[j][t] = bytes;
+      offset_[j][t] = StagedOffset(&bytes, covered * sizeof(float));
       covered_[j][t] = covered;
-      bytes += AlignUp(covered * sizeof(float));
       begin += tensors[t].numel;
     }
   }

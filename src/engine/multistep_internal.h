@@ -6,7 +6,8 @@
 //   multistep_gradlog.cc  the gradient log: what each step of a window fed
 //                         the optimizer, and its gradients on the host
 //   multistep_replay.cc   the CPU replay that brings every part to the
-//                         window's version
+//                         window's version, or (MultistepReplay::kRestore)
+//                         the plan a restorer applies with torch's optimizer
 //   multistep.cc          the orchestration: Begin, the hooks, the finisher
 //                         thread, persisting through the Engine
 // PlanParts is also used by multistep_test.
@@ -214,6 +215,9 @@ class GradientLog {
   std::vector<LoggedStep> TakeLog() { return std::move(log_); }
   // Step j's gradient of tensor t on the host (its dtype in the log).
   const uint8_t* Gradient(int j, int t) const { return arena_.data() + offset_[j][t]; }
+  uint8_t* MutableGradient(int j, int t) { return arena_.data() + offset_[j][t]; }
+  // Elements of tensor t whose step-j gradient is logged (those in parts 1..j).
+  size_t Covered(int j, int t) const { return covered_[j][t]; }
   size_t bytes() const { return arena_.size(); }
   void Free() { arena_.Reset(nullptr, 0); }
 
@@ -242,5 +246,24 @@ struct ReplayInput {
 // Brings every part in `state` to the window's version (part p was copied at
 // version N+p and gets steps N+p+1..N+K-1), in slices spread over threads.
 Status ReplayWindow(const ReplayInput& in, const StateBuffers& state);
+
+// MultistepReplay::kRestore: what the restorer needs to do ReplayWindow's
+// job itself. Per logged step j (1..K-1) in order: skipped or not, each
+// group's hyperparameters, and per tensor with a logged gradient the prefix
+// of its elements (parts 1..j) that takes the step, the gradient's output
+// name, the step count torch holds before it (Adam: `begin_step` + the updates
+// applied since Begin) and whether its optimizer state existed then. Appends
+// the gradient log's buffers to *gradients (staged; their padding zeroed) and
+// returns the plan as a JSON object. `begin_step`/`begin_state`: per tensor at
+// Begin, Adam's step count and whether its state (exp_avg or momentum_buffer)
+// existed.
+std::string RestorePlan(const ReplayInput& in, GradientLog* log, int64_t begin,
+                        const std::vector<double>& begin_step,
+                        const std::vector<uint8_t>& begin_state,
+                        std::vector<OutputTensor>* gradients);
+
+// `meta` (a JSON object) with "key": value_json added as its first member.
+std::string AddToMeta(const std::string& meta, const std::string& key,
+                      const std::string& value_json);
 
 }  // namespace nonstop::multistep_internal

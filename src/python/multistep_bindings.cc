@@ -49,7 +49,8 @@ DType DTypeFromCode(int code, const std::string& what) {
 using PyOptimizerTensor = std::tuple<std::string, size_t, int, int, int, uintptr_t, uintptr_t,
                                      uintptr_t, uintptr_t, uintptr_t, double>;
 
-std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in) {
+std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in,
+                                       uintptr_t stream = 0) {
   std::vector<OptimizerTensor> out;
   out.reserve(in.size());
   for (const auto& [name, numel, group, kind, index, p, m, v, vmax, mom, step] : in) {
@@ -57,7 +58,7 @@ std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in)
     t.name = name;
     t.numel = numel;
     t.group = group;
-    t.device = MakeDevice(kind, index, 0);
+    t.device = MakeDevice(kind, index, stream);
     t.param = reinterpret_cast<const float*>(p);
     t.exp_avg = reinterpret_cast<const float*>(m);
     t.exp_avg_sq = reinterpret_cast<const float*>(v);
@@ -118,8 +119,9 @@ class PyMultistep {
     if (engine_) (void)engine_->Close();
   }
 
+  // stream: the CUDA stream the optimizer updates on (copies are ordered after it).
   void Begin(int64_t step, const std::string& algorithm, bool amsgrad,
-             const std::vector<PyOptimizerTensor>& tensors) {
+             const std::vector<PyOptimizerTensor>& tensors, uintptr_t stream) {
     optim::OptimizerConfig c;
     if (algorithm == "adamw") {
       c.algorithm = optim::Algorithm::kAdamW;
@@ -132,7 +134,8 @@ class PyMultistep {
                                                 "'; use adamw, adam or sgd"));
     }
     c.amsgrad = amsgrad;
-    auto t = ToTensors(tensors);
+    auto t = ToTensors(tensors, stream);
+    stream_ = stream;
     py::gil_scoped_release release;
     Check(Get().Begin(step, c, std::move(t)));
   }
@@ -162,7 +165,7 @@ class PyMultistep {
 
   void OnUpdateEnd(int64_t step, const std::optional<std::vector<PyOptimizerTensor>>& refreshed) {
     std::vector<OptimizerTensor> r;
-    if (refreshed) r = ToTensors(*refreshed);
+    if (refreshed) r = ToTensors(*refreshed, stream_);
     py::gil_scoped_release release;
     Check(Get().OnUpdateEnd(step, r));
   }
@@ -255,6 +258,7 @@ class PyMultistep {
 
  private:
   pid_t pid_;
+  uintptr_t stream_ = 0;  // Begin's
   MultistepCheckpoint& Get() {
     if (!ms_) throw StatusError(Status::FailedPrecondition("the checkpointer is closed"));
     return *ms_;
@@ -273,7 +277,8 @@ void InitMultistep(py::module_& m) {
                   int writers, uint64_t staging_bytes, uint64_t chunk_bytes, int copy_threads,
                   const std::string& medium, int parts, uint64_t block_bytes,
                   bool overlap_gradients, int replay_threads, uintptr_t mkl_vms_sqrt,
-                  uint64_t keep_every, const std::string& memory_tier) {
+                  uint64_t keep_every, const std::string& memory_tier,
+                  const std::string& replay) {
         EngineOptions o =
             EngineOptionsFromPy(dir, rank, world_size, max_in_flight, writers, staging_bytes,
                                 chunk_bytes, copy_threads, medium, keep_every);
@@ -284,14 +289,23 @@ void InitMultistep(py::module_& m) {
         mo.overlap_gradients = overlap_gradients;
         mo.replay_threads = replay_threads;
         mo.mkl_vms_sqrt = reinterpret_cast<optim::MklVmsSqrtFn>(mkl_vms_sqrt);
+        if (replay == "host") {
+          mo.replay = MultistepReplay::kHost;
+        } else if (replay == "restore") {
+          mo.replay = MultistepReplay::kRestore;
+        } else {
+          throw StatusError(Status::InvalidArgument("multistep: replay must be 'host' or "
+                                                    "'restore', got '" + replay + "'"));
+        }
         return std::make_unique<PyMultistep>(o, mo);
       }),
       py::arg("parts") = 7, py::arg("block_bytes") = 4ull << 20,
       py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
-      py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0, py::arg("memory_tier") = "auto");
+      py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0, py::arg("memory_tier") = "auto",
+      py::arg("replay") = "host");
   multistep
       .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
-           py::arg("amsgrad"), py::arg("tensors"),
+           py::arg("amsgrad"), py::arg("tensors"), py::arg("stream") = 0,
            "tensors: (name, numel, group, device kind, device index, param, exp_avg, "
            "exp_avg_sq, max_exp_avg_sq, momentum_buffer, step) per parameter; pointers 0 "
            "when absent.")

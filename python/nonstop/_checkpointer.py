@@ -48,7 +48,7 @@ class Checkpointer:
                  local=(), dist_timeout_s: float = 300.0, on_preempt=True,
                  remote=None, remote_options: Optional[dict] = None, on_commit=None,
                  tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
-                 remote_every: Optional[int] = None):
+                 remote_every: Optional[int] = None, replay: str = "auto"):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -73,7 +73,7 @@ class Checkpointer:
         if self.mode == "multistep":  # GoCkpt: _multistep.py, docs/MULTISTEP.md
             self._multistep = _multistep.MultistepMode(
                 self, _ext.core(), dict(dir=self.dir, **_engine_kwargs(o, dist)), o.mode.parts,
-                o.mode.overlap_gradients)
+                o.mode.overlap_gradients, o.mode.replay)
         # The engine opens with its smallest pool when prepare_staging follows at
         # once (bench/construct_bench.py); a restart keeps the floor.
         small = dist is None and not o.engine.staging_bytes and bool(nbytes) and not deferred
@@ -318,7 +318,17 @@ class Checkpointer:
             if loaded is None:
                 return None
             plan = loaded.plan if loaded.plan is not None else self._applier.prepare(loaded)
+            replay = "multistep_plan" in loaded.meta  # parts at their versions (_multistep.py)
+            if replay:
+                where = f"checkpoint step {loaded.step} in {self.dir}"
+                if self._multistep is None:
+                    raise CheckpointMismatchError(
+                        f"{where} was written by mode='multistep' with replay='torch' and is "
+                        f"replayed at restore: restore it with mode='multistep'")
+                _multistep.replay_check(self._multistep.opt, loaded.meta, loaded.tensors, where)
             self._applier.apply(plan)
+            if replay:
+                self._multistep.replay_restored(loaded.meta, loaded.tensors)
             if adopt and hasattr(self.session.engine, "adopt_restored"):
                 # The restored checkpoint stays intact until a newer one commits, and a
                 # rollback is recorded before anything new is written (Engine::AdoptRestored).

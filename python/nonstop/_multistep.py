@@ -22,14 +22,26 @@ this module only finds the tensors and drives the paper's hooks:
 A checkpoint due after step N (every `every` steps, as in concurrent mode)
 is copied during steps N+1..N+K and is the state at version N+K-1: its
 tensors the optimizer owns (parameters and their optimizer states) are
-reconstructed on the CPU; everything else (buffers, schedulers, RNG, plain
-data, Adam's step counters) is captured at the end of step N+K-1.
+brought to that version by a replay of the logged gradients; everything
+else (buffers, schedulers, RNG, plain data, Adam's step counters) is
+captured at the end of step N+K-1.
+
+Two replays (replay=, docs/MULTISTEP.md "Replay"):
+
+* "host": src/optim's CPU kernels in the background (bitwise torch's
+  single-tensor CPU path): the checkpoint on disk is the plain state.
+* "torch": at restore, with the training optimizer itself on the device it
+  restores to (GPU training, foreach/fused kernels). The checkpoint holds the
+  parts at their versions, the gradient log and C++'s replay plan
+  ("multistep_plan"); restore() applies the plan (replay_restored).
 """
 from __future__ import annotations
 
 import os
 import time
 from typing import Optional
+
+REPLAYS = ("auto", "host", "torch")
 
 import torch
 
@@ -40,7 +52,7 @@ except ImportError:
 
 from . import _ext, _fqn, _rng, _state
 from ._objects import stateful
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, CorruptCheckpointError
 
 FORMAT = "nonstop.torch/1"
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
@@ -105,19 +117,71 @@ def _group_hyper(g: dict) -> dict:
     return h
 
 
-def _device(t: torch.Tensor, what: str = "a parameter"):
-    """The engine's (kind, index) of a tensor the replay reads: CPU only.
+def _device(t: torch.Tensor, what: str = "a parameter", cuda: bool = False):
+    """The engine's (kind, index) of a tensor the schedule copies.
 
-    The replay applies the CPU's single-tensor kernels (x86/MKL arithmetic,
-    src/optim) to the state; for tensors a GPU updates, the CUDA kernels'
-    results differ in the last bits (and with foreach=None torch picks the
-    foreach kernel there), so the checkpoint would not be the state training
-    reached. Refused rather than tolerated (docs/MULTISTEP.md, "CUDA")."""
+    replay="host" applies the CPU's single-tensor kernels (x86/MKL
+    arithmetic, src/optim) to the state; for tensors a GPU updates, the CUDA
+    kernels' results differ in the last bits, so it takes CPU tensors only.
+    replay="torch" (`cuda`) replays with torch's own optimizer on the device
+    at restore and takes CUDA tensors too (docs/MULTISTEP.md, "Replay")."""
+    if t.device.type == "cuda" and cuda:
+        return 1, t.device.index or 0
     if t.device.type != "cpu":
+        if cuda:
+            raise CheckpointMismatchError(
+                f"mode='multistep' copies CPU and CUDA tensors, but {what} is on {t.device}: "
+                f"use mode='concurrent'")
         raise CheckpointMismatchError(
-            f"mode='multistep' replays the optimizer on the CPU and needs CPU tensors, but "
-            f"{what} is on {t.device}: use mode='concurrent' or mode='layerwise' for GPU training")
+            f"mode='multistep' with replay='host' replays the optimizer on the CPU and needs CPU "
+            f"tensors, but {what} is on {t.device}: use replay='torch' (or 'auto') for GPU "
+            f"training")
     return 0, 0
+
+
+# Hyperparameters the plan sets per step (as torch's param_groups name them).
+_HYPER = ("lr", "weight_decay", "maximize", "betas", "eps", "momentum", "dampening", "nesterov")
+
+
+def torch_replay_check(opt) -> str:
+    """replay="torch": 'adamw', 'adam' or 'sgd' where a replay through the
+    training optimizer itself reproduces training bit for bit; a one-line
+    error where it cannot (docs/MULTISTEP.md, "What the replay assumes")."""
+    name = type(opt).__name__
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        raise CheckpointMismatchError(
+            f"mode='multistep' replays torch.optim.AdamW, Adam and SGD (elementwise, no "
+            f"coupling between parameters); the optimizer {name} is not supported: use "
+            f"mode='concurrent'")
+    for i, g in enumerate(opt.param_groups):
+        if g.get("differentiable"):
+            raise CheckpointMismatchError(
+                f"mode='multistep': {name} param_groups[{i}] has differentiable=True; the "
+                f"replay runs under no_grad: construct it with differentiable=False")
+        for key in _HYPER:
+            v = g.get(key)
+            if isinstance(v, torch.Tensor) or (isinstance(v, tuple) and any(
+                    isinstance(x, torch.Tensor) for x in v)):
+                raise CheckpointMismatchError(
+                    f"mode='multistep': {name} param_groups[{i}] holds {key} as a tensor; the "
+                    f"replay logs hyperparameters as numbers: use a float")
+    return "sgd" if type(opt) is torch.optim.SGD else (
+        "adamw" if type(opt) is torch.optim.AdamW or opt.param_groups[0].get(
+            "decoupled_weight_decay") else "adam")
+
+
+def _device_name(dev: torch.device) -> str:
+    """What the replay's arithmetic depends on besides torch: the GPU model,
+    or the CPU kernels' instruction set."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu/{torch.backends.cpu.get_cpu_capability()}"
+
+
+def _flags(opt) -> list:
+    return [{k: g.get(k) for k in ("foreach", "fused", "capturable", "amsgrad",
+                                   "decoupled_weight_decay") if k in g}
+            for g in opt.param_groups]
 
 
 def _torch_picks_foreach(params: list) -> bool:
@@ -129,12 +193,66 @@ def _torch_picks_foreach(params: list) -> bool:
     return bool(_default_to_fused_or_foreach(list(params), False, False)[1])
 
 
+def _choose_replay(opt, replay: str) -> str:
+    """replay="auto": "host" where its CPU kernels match training (CPU
+    tensors, the single-tensor path of AdamW/Adam/SGD), else "torch"."""
+    if replay != "auto":
+        return replay
+    try:
+        for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+            _device(p, f"parameter {i} of the optimizer")
+        algorithm_of(opt)
+    except CheckpointMismatchError:
+        return "torch"
+    return "host"
+
+
+def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
+    """Before restore() changes anything: a checkpoint whose parts are at
+    their own versions ("multistep_plan") can be brought to its version only
+    by the optimizer that trained it, in the same arithmetic: same class and
+    flags, same torch, same device type and model. One line otherwise."""
+    rec = meta.get("multistep")
+    plan = meta.get("multistep_plan")
+    if not isinstance(rec, dict) or not isinstance(plan, dict):
+        raise CorruptCheckpointError(f"{where}: its multistep replay record is malformed")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    dev = params[0].device if params else torch.device("cpu")
+    now = {"torch": torch.__version__, "device": dev.type, "device_name": _device_name(dev),
+           "optimizer": type(opt).__name__, "groups": _flags(opt)}
+    for key, what in (("torch", "torch"), ("device", "device type"),
+                      ("device_name", "device"), ("optimizer", "optimizer"),
+                      ("groups", "optimizer flags")):
+        if rec.get(key) != now[key]:
+            raise CheckpointMismatchError(
+                f"{where} is replayed at restore with the training optimizer's own arithmetic; "
+                f"it was saved with {what} {rec.get(key)!r}, this run has {now[key]!r}: restore "
+                f"it where it was trained")
+    steps = plan.get("steps")
+    if not isinstance(steps, list):
+        raise CorruptCheckpointError(f"{where}: its multistep plan has no steps")
+    for s in steps:
+        if not isinstance(s, dict) or len(s.get("groups", ())) not in (0, len(opt.param_groups)):
+            raise CorruptCheckpointError(f"{where}: its multistep plan does not fit the optimizer")
+        for u in s.get("updates", ()):
+            t, n = u.get("tensor"), u.get("elements")
+            if not (isinstance(t, int) and 0 <= t < len(params) and isinstance(n, int)
+                    and 0 < n <= params[t].numel()):
+                raise CorruptCheckpointError(
+                    f"{where}: its multistep plan names elements the optimizer does not have")
+            g = tensors.get(u.get("gradient"))
+            if not isinstance(g, torch.Tensor) or g.numel() != n:
+                raise CorruptCheckpointError(
+                    f"{where}: its multistep gradient log lacks {u.get('gradient')!r}")
+
+
 class MultistepMode:
     """Drives nonstop._core.Multistep for one Checkpointer. Stands in for the
     engine object of concurrent mode (wait_copied, wait_committed, latest,
     adopt_restored, stats, close)."""
 
-    def __init__(self, ckpt, core, engine_kwargs: dict, parts: int, overlap_gradients: bool):
+    def __init__(self, ckpt, core, engine_kwargs: dict, parts: int, overlap_gradients: bool,
+                 replay: str = "auto"):
         opts = [o for o in ckpt.state.values() if isinstance(o, torch.optim.Optimizer)]
         if len(opts) != 1:
             raise CheckpointMismatchError(
@@ -142,13 +260,26 @@ class MultistepMode:
                 f"{len(opts)}")
         if not isinstance(parts, int) or not 1 <= parts <= 64:
             raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {parts!r}")
+        if replay not in REPLAYS:
+            raise CheckpointMismatchError(
+                f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
         self._ckpt = ckpt
         self.opt = opts[0]
+        self.replay = _choose_replay(self.opt, replay)
+        self._cuda = self.replay == "torch"
         # Device first: a GPU run gets the one line that says what to use.
+        devices = set()
         for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"]):
-            _device(p, f"parameter {i} of the optimizer")
+            _device(p, f"parameter {i} of the optimizer", self._cuda)
+            devices.add(p.device)
+        if len(devices) > 1:
+            raise CheckpointMismatchError(
+                f"mode='multistep' needs every parameter of the optimizer on one device, found "
+                f"{', '.join(sorted(map(str, devices)))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
         self._check_state()
-        self.algorithm = algorithm_of(self.opt)
+        self.algorithm = (torch_replay_check(self.opt) if self._cuda
+                          else algorithm_of(self.opt))
         self.amsgrad = bool(self.opt.param_groups[0].get("amsgrad", False))
         self.parts = parts
         self.overlap = bool(overlap_gradients)
@@ -160,7 +291,7 @@ class MultistepMode:
                     f"mode='multistep' needs contiguous float32 master parameters; parameter {i} "
                     f"of the optimizer is {str(p.dtype).replace('torch.', '')}"
                     f"{'' if p.is_contiguous() else ' (not contiguous)'}")
-            _device(p)
+            _device(p, cuda=self._cuda)
         # Engine options the Multistep binding does not take yet must be unset.
         known = {"dir", "rank", "world_size", "max_in_flight", "writers", "staging_bytes",
                  "chunk_bytes", "copy_threads", "medium", "keep_every", "memory_tier"}
@@ -168,8 +299,10 @@ class MultistepMode:
             if engine_kwargs.pop(key):
                 raise CheckpointMismatchError(f"mode='multistep' does not support {key} yet")
         self.core = core.Multistep(parts=parts, overlap_gradients=self.overlap,
-                                   block_bytes=BLOCK_BYTES,
+                                   block_bytes=BLOCK_BYTES, replay=(
+                                       "restore" if self._cuda else "host"),
                                    mkl_vms_sqrt=_mkl_vms_sqrt(), **engine_kwargs)
+        self._replaying = False                 # restore's replay: the hooks stand aside
         self._last_step: Optional[int] = None  # the last step ckpt.step() saw
         self._updates = 0                       # optimizer.step() calls since then
         self._due = False                       # a checkpoint waits for the window to close
@@ -184,12 +317,26 @@ class MultistepMode:
             self.opt.zero_grad = self._zero_grad  # instance attribute; removed by close()
 
     def _check_state(self) -> None:
-        """Every optimizer state tensor is on the CPU (state created or
-        loaded after the constructor is checked at each window's start)."""
+        """Every optimizer state tensor is on the CPU (replay="host"), or
+        beside its parameter (state created or loaded after the constructor
+        is checked at each window's start). Adam's step counter may stay on
+        the CPU (torch's default)."""
         for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"]):
             for key, v in self.opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    _device(v, f"optimizer state {key!r} of parameter {i}")
+                if not isinstance(v, torch.Tensor):
+                    continue
+                what = f"optimizer state {key!r} of parameter {i}"
+                _device(v, what, self._cuda)
+                if self._cuda and key != "step" and v.device != p.device:
+                    raise CheckpointMismatchError(
+                        f"mode='multistep': {what} is on {v.device}, its parameter on "
+                        f"{p.device}")
+
+    def _stream(self) -> int:
+        """The CUDA stream the optimizer updates on: the copies wait for it."""
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     # ---------------------------------------------------------------- hooks
 
@@ -204,6 +351,14 @@ class MultistepMode:
         return 0 if self._last_step is None else self._last_step + 1
 
     def _pre(self, optimizer, args, kwargs):
+        if self._replaying:
+            return
+        if self._cuda and (getattr(optimizer, "grad_scale", None) is not None
+                           or "grad_scaler" in kwargs):
+            raise CheckpointMismatchError(
+                "mode='multistep': GradScaler hands this fused optimizer scaled gradients and "
+                "unscales inside its kernel; the log needs them unscaled: call "
+                "scaler.unscale_(optimizer) before scaler.step(optimizer)")
         self._updates += 1
         if self._updates > 1 and self.core.active:
             raise CheckpointMismatchError(
@@ -223,7 +378,8 @@ class MultistepMode:
                 raise CheckpointMismatchError("mode='multistep' needs dense contiguous gradients")
             grads.append((g.data_ptr(), code(g.dtype)))
             held.append(g)
-        kind, index, stream = 0, 0, 0  # CPU tensors only (_device)
+        kind, index = (1, self.device.index or 0) if self.device.type == "cuda" else (0, 0)
+        stream = self._stream()
         groups = [_group_hyper(g) for g in self.opt.param_groups]
         self._timed(self.core.on_update_begin, self._step_now(), groups, False, grads, kind, index,
                     stream)
@@ -231,7 +387,7 @@ class MultistepMode:
             self._held.append(held)
 
     def _post(self, optimizer, args, kwargs):
-        if self.core.active:
+        if self.core.active and not self._replaying:
             refreshed = self._tensors() if self._fresh else None
             self._timed(self.core.on_update_end, self._step_now(), refreshed)
 
@@ -287,7 +443,7 @@ class MultistepMode:
         out, fresh = [], False
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
-            kind, index = _device(p)
+            kind, index = _device(p, cuda=self._cuda)
 
             def ptr(key):
                 v = st.get(key)
@@ -301,7 +457,7 @@ class MultistepMode:
                         ptr("max_exp_avg_sq") if self.amsgrad else 0, 0)
                 fresh |= ptrs[0] == 0
                 s = st.get("step")
-                step = float(s) if s is not None else 0.0
+                step = float(s) if s is not None else 0.0  # (a CUDA counter: synchronises)
             out.append((f"param{i}", p.numel(), self._group_of[i], kind, index, p.data_ptr(),
                         *ptrs, step))
         self._fresh = fresh
@@ -309,7 +465,7 @@ class MultistepMode:
 
     def _begin(self, step: int) -> None:
         self._outputs_set = False
-        self.core.begin(step, self.algorithm, self.amsgrad, self._tensors())
+        self.core.begin(step, self.algorithm, self.amsgrad, self._tensors(), self._stream())
         self._ckpt.session.saves += 1
 
     def _set_outputs(self, step: int) -> None:
@@ -324,6 +480,11 @@ class MultistepMode:
             meta["rng"] = _rng.capture()
         if ck.session.metrics:  # step(step, metrics=) of this version
             meta["metrics"] = ck.session.metrics
+        if self._cuda:  # what restore's replay must find again (replay_check)
+            meta["multistep"] = {"replay": "torch", "torch": torch.__version__,
+                                 "device": self.device.type,
+                                 "device_name": _device_name(self.device),
+                                 "optimizer": type(self.opt).__name__, "groups": _flags(self.opt)}
         names = _fqn.describe(ck.state)  # get_state_dict's names, for export (_fqn.py)
         if names:
             meta["names"] = names
@@ -349,12 +510,85 @@ class MultistepMode:
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
-            kind, index = _device(t, f"tensor {name!r} of the state")
-            stream = 0
+            kind, index = _device(t, f"tensor {name!r} of the state", self._cuda)
+            stream = self._stream() if kind == 1 else 0
             outputs.append((name, code(t.dtype), list(t.shape), nbytes, -1, "param",
                             t.data_ptr() if nbytes else 0, kind, index, stream))
         self.core.set_outputs(outputs, _state.dumps(meta))
         self._outputs_set = True
+
+    # ---------------------------------------------------------- restoring
+
+    def replay_restored(self, meta: dict, tensors: dict) -> None:
+        """restore() loaded a checkpoint whose parts are at their own versions
+        (replay="torch"; checked by replay_check first): applies C++'s plan
+        (multistep_replay.cc, RestorePlan) with the training optimizer itself,
+        on the device the state was restored to.
+
+        Step N+j of the plan updates, per tensor, the prefix of its elements
+        that is one step behind (parts 1..j). torch updates whole tensors, so
+        the tensor gets the logged gradient on that prefix (zeros elsewhere),
+        its counter the count torch held then, and everything after the prefix
+        (parameter and every state) is put back after the step: the elements
+        beyond are already at a later version. The optimizer's own step() runs
+        with its class, flags and foreach/fused grouping; only the
+        hyperparameters are set to the step's logged values, and put back."""
+        plan = meta["multistep_plan"]
+        opt = self.opt
+        params = [p for g in opt.param_groups for p in g["params"]]
+        sgd = type(opt) is torch.optim.SGD
+        roles = ("momentum_buffer",) if sgd else _ROLES_ADAM
+        groups = [{k: g[k] for k in _HYPER if k in g} for g in opt.param_groups]
+        grads = [p.grad for p in params]
+        final = {id(p): opt.state[p]["step"].clone() for p in params
+                 if isinstance(opt.state.get(p, {}).get("step"), torch.Tensor)}
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                for step in plan["steps"]:
+                    if step["skipped"] or not step["updates"]:
+                        continue
+                    self._replay_step(opt, params, roles, step, tensors)
+        finally:
+            self._replaying = False
+            for g, h in zip(opt.param_groups, groups):
+                g.update(h)
+            for p, g in zip(params, grads):
+                p.grad = g
+            for p in params:
+                st = opt.state.get(p, {})
+                if id(p) in final:
+                    st["step"].copy_(final[id(p)])
+
+    def _replay_step(self, opt, params, roles, step: dict, tensors: dict) -> None:
+        for g, h in zip(opt.param_groups, step["groups"]):
+            for k, v in h.items():
+                if k in g:
+                    g[k] = tuple(v) if k == "betas" else v
+        for p in params:
+            p.grad = None
+        after = []  # (tensor, elements kept, their values), put back after the step
+        fresh = []  # SGD: (param, buffer) whose momentum did not exist yet
+        for u in step["updates"]:
+            p, n = params[u["tensor"]], u["elements"]
+            logged = tensors[u["gradient"]]
+            grad = torch.zeros(p.shape, dtype=logged.dtype, device=p.device)
+            grad.view(-1)[:n].copy_(logged.reshape(-1))
+            p.grad = grad
+            st = opt.state[p]
+            for t in [p] + [st[r] for r in roles if isinstance(st.get(r), torch.Tensor)]:
+                if n < t.numel():
+                    after.append((t, n, t.view(-1)[n:].clone()))
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"].fill_(u["count"])
+            if u["fresh"] and isinstance(st.get("momentum_buffer"), torch.Tensor):
+                fresh.append((p, n, st.pop("momentum_buffer")))
+        opt.step()
+        for t, n, kept in after:
+            t.view(-1)[n:].copy_(kept)
+        for p, n, buf in fresh:  # torch made a new buffer (a clone of the gradient)
+            buf.view(-1)[:n].copy_(opt.state[p]["momentum_buffer"].view(-1)[:n])
+            opt.state[p]["momentum_buffer"] = buf
 
     # ------------------------------------------------- the engine's interface
 

@@ -36,6 +36,7 @@ class ModeOptions:
     auto: Optional[_auto.AutoInterval] = None
     parts: int = 7              # multistep
     overlap_gradients: bool = True
+    replay: str = "auto"        # multistep: "auto", "host", "torch" (_multistep.REPLAYS)
     copy: str = "host"          # layerwise
     clip_grad_norm: Optional[float] = None
 
@@ -125,6 +126,8 @@ def resolve(state: dict, **kw) -> Options:
         raise CheckpointMismatchError(f'every must be a positive integer or "auto", got {every!r}')
     if mode != "layerwise" and (copy != "host" or clip_grad_norm is not None):
         raise CheckpointMismatchError("copy= and clip_grad_norm= apply to mode='layerwise' only")
+    if mode != "multistep" and kw["replay"] != "auto":
+        raise CheckpointMismatchError("replay= applies to mode='multistep' only")
     check_keep(keep)
     # max_to_keep= and best=("loss", "min", k): which kept copies stay
     # (JobDir retention in C++; _manage.py, docs/PYTHON.md "Managing checkpoints")
@@ -147,8 +150,8 @@ def resolve(state: dict, **kw) -> Options:
     return Options(
         engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
                              opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier),
-        mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], copy,
-                         clip_grad_norm),
+        mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
+                         copy, clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"]),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],

@@ -40,7 +40,7 @@ from ._cli import cli_run
 from ._distributed import consolidate
 from ._objects import CONSOLIDATED
 from ._read import read_tensors
-from .errors import CorruptCheckpointError
+from .errors import CheckpointMismatchError, CorruptCheckpointError
 
 def gather(path: str, step: Optional[int] = None,
            progress=None) -> tuple[int, list, list, set]:
@@ -68,6 +68,11 @@ def gather(path: str, step: Optional[int] = None,
             raise CorruptCheckpointError(
                 f"checkpoint step {sel['step']} of rank {r} in {path} changed while it was read")
         meta = _state.loads(reader.checkpoints[idx]["meta_json"].decode("utf-8"))
+        if "multistep_plan" in meta:  # parts at their own versions (_multistep.py)
+            raise CheckpointMismatchError(
+                f"checkpoint step {sel['step']} in {path} was written by mode='multistep' with "
+                f"replay='torch': its optimizer's tensors reach that step only when restore() "
+                f"replays them; restore it and save with mode='concurrent' to export")
         per_rank.append({_read.step_key(meta): (idx, meta)})
     key = next(iter(per_rank[0]))
     doc = per_rank[0][key][1].get("dist", {})

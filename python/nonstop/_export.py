@@ -79,9 +79,15 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
     index = {spec["name"]: ti for ti, spec in enumerate(info["tensors"])}
     named = [(spec["name"], ti) for ti, spec in enumerate(info["tensors"])]
     try:
-        tree = _state.loads(info["meta_json"].decode("utf-8")).get("state", {})
+        doc = _state.loads(info["meta_json"].decode("utf-8"))
+        tree = doc.get("state", {})
     except Exception:  # no readable tree: the tensors by their stored names only
-        tree = {}
+        doc, tree = {}, {}
+    if isinstance(doc, dict) and "multistep_plan" in doc:  # parts at their own versions
+        raise CheckpointMismatchError(
+            f"step {info['step']} of {path} was written by mode='multistep' with replay='torch': "
+            f"its optimizer's tensors reach that step only when restore() replays them; restore "
+            f"it and save with mode='concurrent' to export")
     named += [(path, index[ref]) for path, ref in aliases(tree)
               if ref in index and path not in index]
     entries = []

@@ -3,7 +3,7 @@ checkpoint every step or few, prints one JSON line per step. Run as
 
     python killable_train.py DIR STEPS EVERY FINAL_PATH [PACE_S]
         [--mode M] [--copy C] [--parts K] [--medium M] [--block-bytes B]
-        [--tier T] [--settle-after S]
+        [--tier T] [--settle-after S] [--replay R] [--foreach 0|1]
 
 It restores from DIR when it holds a checkpoint, so the same command is
 both the first run and the restart; DIR "-" trains without a checkpointer
@@ -41,6 +41,8 @@ def parse_args():
     ap.add_argument("--block-bytes", type=int)
     ap.add_argument("--tier")
     ap.add_argument("--settle-after", type=int, default=-1)
+    ap.add_argument("--replay")  # multistep
+    ap.add_argument("--foreach", type=int)  # the optimizer's foreach= (also without a checkpointer)
     return ap.parse_args()
 
 
@@ -52,8 +54,11 @@ def main():
         _multistep.BLOCK_BYTES = args.block_bytes
     options = {k: v for k, v in (("mode", args.mode), ("copy", args.copy),
                                  ("parts", args.parts), ("medium", args.medium),
-                                 ("tier", args.tier)) if v is not None}
+                                 ("tier", args.tier), ("replay", args.replay)) if v is not None}
     model, opt, sched = tiny.make()
+    if args.foreach is not None:
+        for g in opt.param_groups:
+            g["foreach"] = bool(args.foreach)
     train = {"tokens": 0}
     start = 0
     ckpt = None

@@ -20,6 +20,9 @@ class StateApplier:
     def __init__(self, state: dict, dir: str, rank: int, world_size: int, rng: bool):
         self.state, self.dir, self.rank, self.world_size, self.rng = state, dir, rank, world_size, rng
         self._flat: dict = {}  # per key: the live tensors of the restore under way
+        # mode="multistep" (_multistep.replay_check): whether a checkpoint whose
+        # parts restore() replays ("multistep_plan") can be replayed here
+        self.replay_check = None
 
     def done(self) -> None:
         self._flat = {}
@@ -63,6 +66,12 @@ class StateApplier:
         for key, obj in self.state.items():
             self._check_fits(key, obj, loaded)
             self._check_value(key, obj, values[key], where)
+        if "multistep_plan" in meta:  # its parts are at their own versions
+            if self.replay_check is None:
+                raise CheckpointMismatchError(
+                    f"{where} was written by mode='multistep' with replay='torch' and is "
+                    f"replayed at restore: restore it with mode='multistep'")
+            self.replay_check(meta, loaded.tensors, where)
         setters = []
         if self.rng and "rng" in meta:
             try:

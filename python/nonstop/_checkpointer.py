@@ -80,6 +80,8 @@ class Checkpointer:
         self.session.engine = _open_engine(o, self.dir, dist, self._multistep, small)
         self._restore_stats: dict = {}  # the last restore(): restore_s, restore_GBps, ...
         self._applier = StateApplier(state, self.dir, self.rank, self.world_size, self.rng)
+        if self._multistep is not None:  # replay="torch" checkpoints: checked before reading
+            self._applier.replay_check = self._multistep.replay_check
         # Per-checkpoint handles (and on_commit) settled from the engine's
         # records by a watcher thread; _handle.py
         self._watcher = Watcher(lambda: self.session.live().stats(), o.on_commit,
@@ -318,16 +320,8 @@ class Checkpointer:
             if loaded is None:
                 return None
             plan = loaded.plan if loaded.plan is not None else self._applier.prepare(loaded)
-            replay = "multistep_plan" in loaded.meta  # parts at their versions (_multistep.py)
-            if replay:
-                where = f"checkpoint step {loaded.step} in {self.dir}"
-                if self._multistep is None:
-                    raise CheckpointMismatchError(
-                        f"{where} was written by mode='multistep' with replay='torch' and is "
-                        f"replayed at restore: restore it with mode='multistep'")
-                _multistep.replay_check(self._multistep.opt, loaded.meta, loaded.tensors, where)
             self._applier.apply(plan)
-            if replay:
+            if "multistep_plan" in loaded.meta:  # parts at their versions (_multistep.py)
                 self._multistep.replay_restored(loaded.meta, loaded.tensors)
             if adopt and hasattr(self.session.engine, "adopt_restored"):
                 # The restored checkpoint stays intact until a newer one commits, and a

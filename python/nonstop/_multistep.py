@@ -353,12 +353,15 @@ class MultistepMode:
     def _pre(self, optimizer, args, kwargs):
         if self._replaying:
             return
-        if self._cuda and (getattr(optimizer, "grad_scale", None) is not None
+        if self._cuda and (getattr(optimizer, "found_inf", None) is not None
+                           or getattr(optimizer, "grad_scale", None) is not None
                            or "grad_scaler" in kwargs):
+            # GradScaler steps a fused optimizer itself: the kernel unscales
+            # and skips overflow steps inside, after this hook logged them.
             raise CheckpointMismatchError(
-                "mode='multistep': GradScaler hands this fused optimizer scaled gradients and "
-                "unscales inside its kernel; the log needs them unscaled: call "
-                "scaler.unscale_(optimizer) before scaler.step(optimizer)")
+                "mode='multistep': GradScaler steps this fused optimizer itself (it unscales "
+                "and skips overflow steps inside the kernel, out of the log's sight): use "
+                "fused=False with GradScaler")
         self._updates += 1
         if self._updates > 1 and self.core.active:
             raise CheckpointMismatchError(
@@ -369,6 +372,7 @@ class MultistepMode:
             return
         grads, held = [], []
         code = _state.torch_dtype_code
+        clone = self._cuda and self.overlap
         for p in self.params:
             g = p.grad
             if g is None:
@@ -376,6 +380,12 @@ class MultistepMode:
                 continue
             if g.is_sparse or not g.is_contiguous():
                 raise CheckpointMismatchError("mode='multistep' needs dense contiguous gradients")
+            if clone:
+                # torch's foreach kernels may change gradients in place during
+                # the update (SGD nesterov: _foreach_add_(grads, bufs)); the
+                # overlapped copy reads a snapshot taken before it (on CUDA a
+                # device-to-device copy on the optimizer's stream).
+                g = g.detach().clone()
             grads.append((g.data_ptr(), code(g.dtype)))
             held.append(g)
         kind, index = (1, self.device.index or 0) if self.device.type == "cuda" else (0, 0)
@@ -518,6 +528,10 @@ class MultistepMode:
         self._outputs_set = True
 
     # ---------------------------------------------------------- restoring
+
+    def replay_check(self, meta: dict, tensors: dict, where: str) -> None:
+        """StateApplier.prepare, before restore() changes anything."""
+        replay_check(self.opt, meta, tensors, where)
 
     def replay_restored(self, meta: dict, tensors: dict) -> None:
         """restore() loaded a checkpoint whose parts are at their own versions

@@ -197,34 +197,36 @@ def test_unsupported_optimizer_is_named(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     with pytest.raises(nonstop.CheckpointMismatchError, match="foreach"):
         nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt},
-                             mode="multistep")
+                             mode="multistep", replay="host")
     with pytest.raises(nonstop.CheckpointMismatchError, match="exactly one"):
         nonstop.Checkpointer(str(tmp_path / "c"), {"model": model}, mode="multistep")
 
 
-# ---- tensors off the CPU: refused (docs/MULTISTEP.md, "CUDA") -----------------
+# ---- replay="host": tensors off the CPU are refused (docs/MULTISTEP.md, "Replay");
+# replay="torch" takes CUDA tensors (test_multistep_torch_replay.py, tests/gpu) -----
 
 def _one_line_refusal(excinfo, where):
     msg = str(excinfo.value)
     assert "\n" not in msg
-    assert where in msg and "mode='concurrent' or mode='layerwise'" in msg, msg
+    assert where in msg and "use replay='torch'" in msg, msg
 
 
 @needs_engine
 @multistep_core
 def test_parameters_off_the_cpu_are_refused(tmp_path):
     # `meta` is a real non-CPU device here; CUDA takes the same branch (the
-    # guard is "not on the CPU"), and the replay would be wrong for both.
+    # guard is "not on the CPU"): the CPU kernels' replay would be wrong.
     model = Net().to("meta")
     for foreach in (None, False):
         opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
         with pytest.raises(nonstop.CheckpointMismatchError) as e:
             nonstop.Checkpointer(str(tmp_path / f"a{foreach}"), {"model": model, "optim": opt},
-                                 mode="multistep")
+                                 mode="multistep", replay="host")
         _one_line_refusal(e, "parameter 0 of the optimizer is on meta")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(nonstop.CheckpointMismatchError) as e:
-        nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt}, mode="multistep")
+        nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt}, mode="multistep",
+                             replay="host")
     _one_line_refusal(e, "on meta")
 
 
@@ -239,12 +241,13 @@ def test_optimizer_state_off_the_cpu_is_refused(tmp_path, small_blocks):
     opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(p.shape, device="meta"),
                     "exp_avg_sq": torch.zeros(p.shape)}
     with pytest.raises(nonstop.CheckpointMismatchError) as e:
-        nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt}, mode="multistep")
+        nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt}, mode="multistep",
+                             replay="host")
     _one_line_refusal(e, "optimizer state 'exp_avg' of parameter 0 is on meta")
     # State moved after the constructor is checked when a window begins.
     opt.state.clear()
     ck = nonstop.Checkpointer(str(tmp_path / "b"), {"model": model, "optim": opt},
-                              mode="multistep", every=2, parts=2)
+                              mode="multistep", every=2, parts=2, replay="host")
     try:
         x = torch.randn(8, 13)
         model(x).sum().backward()

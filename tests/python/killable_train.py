@@ -3,7 +3,7 @@ checkpoint every step or few, prints one JSON line per step. Run as
 
     python killable_train.py DIR STEPS EVERY FINAL_PATH [PACE_S]
         [--mode M] [--copy C] [--parts K] [--medium M] [--block-bytes B]
-        [--tier T] [--settle-after S] [--replay R] [--foreach 0|1]
+        [--tier T] [--settle-after S] [--replay R] [--foreach 0|1] [--dim D]
 
 It restores from DIR when it holds a checkpoint, so the same command is
 both the first run and the restart; DIR "-" trains without a checkpointer
@@ -43,6 +43,7 @@ def parse_args():
     ap.add_argument("--settle-after", type=int, default=-1)
     ap.add_argument("--replay")  # multistep
     ap.add_argument("--foreach", type=int)  # the optimizer's foreach= (also without a checkpointer)
+    ap.add_argument("--dim", type=int, default=16)  # the model's width (tiny.make)
     return ap.parse_args()
 
 
@@ -55,7 +56,7 @@ def main():
     options = {k: v for k, v in (("mode", args.mode), ("copy", args.copy),
                                  ("parts", args.parts), ("medium", args.medium),
                                  ("tier", args.tier), ("replay", args.replay)) if v is not None}
-    model, opt, sched = tiny.make()
+    model, opt, sched = tiny.make(dim=args.dim)
     if args.foreach is not None:
         for g in opt.param_groups:
             g["foreach"] = bool(args.foreach)

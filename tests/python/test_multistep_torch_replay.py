@@ -266,13 +266,15 @@ def test_fused_with_grad_scaler_is_refused(tmp_path, small_blocks):
 
 # ---- kill -9 mid-window and resume ---------------------------------------------
 
-KILL_STEPS, KILL_EVERY = 24, 5
+# dim 64: ~6.5K parameters, 7 blocks of 4 KiB, so parts 1 and 2 hold data
+# and are replayed (the default dim fits in one block: only part 3 would).
+KILL_STEPS, KILL_EVERY, KILL_DIM = 24, 5, 64
 
 
 @pytest.fixture(scope="module")
 def foreach_reference(tmp_path_factory):
     final = str(tmp_path_factory.mktemp("ref_foreach") / "final")
-    ch.run("-", KILL_STEPS, 1, final, options={"foreach": 1})
+    ch.run("-", KILL_STEPS, 1, final, options={"foreach": 1, "dim": KILL_DIM})
     return final
 
 
@@ -286,6 +288,7 @@ def test_kill_mid_window_and_resume_is_bitwise(foreach_reference, tmp_path, kill
     d, final = str(tmp_path / "ck"), str(tmp_path / "final")
     got = ch.kill_then_resume(d, KILL_STEPS, KILL_EVERY, final, kill_after, pace=0.03,
                               options={"mode": "multistep", "parts": 3, "medium": "buffered",
-                                       "block_bytes": 4096, "replay": "torch", "foreach": 1})
+                                       "block_bytes": 4096, "replay": "torch", "foreach": 1,
+                                       "dim": KILL_DIM})
     assert got is not None and (got - 6) % KILL_EVERY == 0 and got < kill_after, got
     ch.assert_same_final(foreach_reference, final)

@@ -20,9 +20,9 @@ class TinyNet(nn.Module):
         return self.head(h)
 
 
-def make(seed=0, lr=1e-2):
+def make(seed=0, lr=1e-2, dim=16):
     torch.manual_seed(seed)
-    model = TinyNet()
+    model = TinyNet(dim=dim)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     return model, opt, sched

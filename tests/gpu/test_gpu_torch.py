@@ -18,14 +18,21 @@ machine's python3 when torch sees a CUDA device.
    update waits for its copy on the GPU stream (an event), not on the host;
    every committed checkpoint holds, bit for bit, each tensor's value at its
    step (references cloned on the stream at that step).
-4. mode="multistep" with CUDA parameters is refused with a one-line error
-   that names mode="concurrent" / "layerwise".
+4. mode="multistep" on CUDA (replay="torch", docs/MULTISTEP.md "Replay"):
+   a. the same GPT run as 2., checkpointed by multistep (K = 4, 1 MiB blocks
+      so parts split tensors), SIGKILLed twice (once inside a window) and
+      resumed: final state and losses bitwise equal to the uninterrupted run;
+   b. in one process, AdamW (foreach default, fused, foreach=False) and SGD
+      nesterov (foreach), K = 2 and 4: restore() of each window's checkpoint
+      into fresh objects (the parts replayed with the training optimizer on
+      the GPU) equals the live state at its version bit for bit;
+   c. replay="host" with CUDA parameters is refused with one line.
 
     PYTHONPATH=<dir holding nonstop with _core> python3 tests/gpu/test_gpu_torch.py
     ... --device cpu     # the same harness on CPU (to check it without a GPU)
 
 Exit 0 = passed or skipped (a line says SKIP and why), 1 = failed.
-Hard timeouts: each training process 180 s, the whole file 420 s.
+Hard timeouts: each training process 180 s, the whole file 540 s.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import time
 
 STEPS, EVERY = 40, 4
 KILL_AFTER = (13, 27)  # SIGKILL once a step >= this is reported and a checkpoint exists
-PROC_TIMEOUT_S, TOTAL_TIMEOUT_S = 180, 420
+PROC_TIMEOUT_S, TOTAL_TIMEOUT_S = 180, 540
 CFG = dict(vocab=4096, dim=256, layers=4, heads=8, seq=64, batch=8)
 CPU_CFG = dict(vocab=256, dim=64, layers=2, heads=4, seq=32, batch=4)  # --device cpu
 
@@ -63,6 +70,9 @@ def _deterministic(torch, device: str) -> None:
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
             torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+MS_PARTS, MS_BLOCK_BYTES = 4, 1 << 20  # multistep: K, and blocks small enough to split tensors
 
 
 def worker(args) -> int:
@@ -89,8 +99,13 @@ def worker(args) -> int:
     ckpt, start = None, 0
     if args.ckpt_dir:
         import nonstop
+        extra = {}
+        if args.mode == "multistep":
+            from nonstop import _multistep
+            _multistep.BLOCK_BYTES = MS_BLOCK_BYTES
+            extra = {"parts": MS_PARTS, "replay": "torch"}
         ckpt = nonstop.Checkpointer(args.ckpt_dir, {"model": model, "optim": opt, "sched": sched},
-                                    every=EVERY, mode="concurrent")
+                                    every=EVERY, mode=args.mode, **extra)
         restored = ckpt.restore()
         start = 0 if restored is None else restored + 1
         print(json.dumps({"event": "start", "restored": restored,
@@ -163,14 +178,14 @@ def _to_cpu(x):
 # ------------------------------------------------------------------ the parent
 
 def run_worker(args, tmp: str, name: str, ckpt_dir: str | None, kill_after: int | None,
-               step_sleep: float) -> dict:
+               step_sleep: float, mode: str = "concurrent") -> dict:
     """Runs one training process; SIGKILLs it once it reports a step >=
     kill_after with a committed checkpoint. Returns what it reported."""
     final = os.path.join(tmp, f"final-{name}")  # .safetensors + .json
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device,
            "--final", final, "--step-sleep", str(step_sleep)]
     if ckpt_dir:
-        cmd += ["--ckpt-dir", ckpt_dir]
+        cmd += ["--ckpt-dir", ckpt_dir, "--mode", mode]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
@@ -250,8 +265,8 @@ def check_streams(torch) -> None:
     print("PASS stream handles")
 
 
-def resume_test(args, torch) -> bool:
-    tmp = tempfile.mkdtemp(prefix="nonstop-gpu-resume-")
+def resume_test(args, torch, mode: str = "concurrent") -> bool:
+    tmp = tempfile.mkdtemp(prefix=f"nonstop-gpu-resume-{mode}-")
     try:
         ckpt_dir = os.path.join(tmp, "ckpt")
         ref = run_worker(args, tmp, "reference", None, None, 0.0)
@@ -259,7 +274,7 @@ def resume_test(args, torch) -> bool:
               f"{ref['wall_s']:.1f} s")
         runs = []
         for i, kill_after in enumerate(KILL_AFTER + (None,)):
-            r = run_worker(args, tmp, f"part{i}", ckpt_dir, kill_after, args.step_sleep)
+            r = run_worker(args, tmp, f"part{i}", ckpt_dir, kill_after, args.step_sleep, mode)
             runs.append(r)
             start = r["start"] or {}
             print(f"part {i}: restored step {start.get('restored')}, ran steps "
@@ -297,7 +312,7 @@ def resume_test(args, torch) -> bool:
         else:
             n = sum(t.numel() for t in a["model"].values())
             rngs = "CPU+CUDA" if args.device == "cuda" else "CPU"
-            print(f"PASS GPU training resume: killed after steps {KILL_AFTER[0]}+ and "
+            print(f"PASS GPU training resume ({mode}): killed after steps {KILL_AFTER[0]}+ and "
                   f"{KILL_AFTER[1]}+, restored {restored[1:]}; final weights ({n} values), AdamW "
                   f"state, schedule, {rngs} RNG and {len(b['losses'])} losses after the last "
                   f"restore are bitwise equal to the uninterrupted run")
@@ -380,23 +395,104 @@ def layerwise_test(args, torch) -> bool:
     return ok
 
 
-def multistep_refused(args, torch) -> bool:
+MS_CASES = (  # (name, optimizer factory)
+    ("adamw-foreach-default", lambda torch, ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.1)),
+    ("adamw-fused", lambda torch, ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.1, fused=True)),
+    ("adamw-single", lambda torch, ps: torch.optim.AdamW(ps, lr=2e-3, foreach=False)),
+    ("sgd-nesterov-foreach", lambda torch, ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9,
+                                                                nesterov=True, foreach=True)),
+)
+
+
+def multistep_exact(args, torch) -> bool:
+    """4b: every window's checkpoint, restored (replayed on the device), is
+    the live state at its version bit for bit."""
+    import nonstop
+    from nonstop import _multistep
+    _multistep.BLOCK_BYTES = 64 << 10  # 16 Ki elements: tensors straddle parts
+    dev = torch.device(args.device)
+    ok = True
+    for name, make_opt in MS_CASES:
+        for parts in (2, 4):
+            tmp = tempfile.mkdtemp(prefix="nonstop-gpu-multistep-")
+            try:
+                def build():
+                    torch.manual_seed(7)
+                    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(),
+                                                torch.nn.Linear(512, 256), torch.nn.GELU(),
+                                                torch.nn.Linear(256, 8)).to(dev)
+                    opt = make_opt(torch, list(model.parameters()))
+                    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 6))
+                    return model, opt, sched
+
+                def live(model, opt):
+                    out = {f"m/{k}": v.detach().cpu().clone() for k, v in
+                           model.state_dict().items()}
+                    for i, st in opt.state_dict()["state"].items():
+                        out.update({f"o/{i}/{k}": v.detach().cpu().clone()
+                                    for k, v in st.items() if torch.is_tensor(v)})
+                    return out
+                model, opt, sched = build()
+                ck = nonstop.Checkpointer(tmp, {"model": model, "optim": opt, "sched": sched},
+                                          every=5, mode="multistep", parts=parts, replay="torch",
+                                          keep=1)  # every window's checkpoint stays
+                g = torch.Generator(device=dev).manual_seed(3)
+                x = torch.randn(64, 64, device=dev, generator=g)
+                y = torch.randn(64, 8, device=dev, generator=g)
+                truth = {}
+                for s in range(16):
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(model(x + 0.01 * s), y).backward()
+                    opt.step()
+                    sched.step()
+                    ck.step(s)
+                    truth[s] = live(model, opt)
+                ck.wait()
+                versions = [w["version"] for w in ck.stats()["recent"]
+                            if w["counter"] and not w["error"]]
+                ck.close()
+                bad = []
+                for v in reversed(versions):  # restoring one abandons those after it
+                    model, opt, sched = build()
+                    ck = nonstop.Checkpointer(tmp, {"model": model, "optim": opt, "sched": sched},
+                                              every=5, mode="multistep", parts=parts,
+                                              replay="torch")
+                    try:
+                        got = ck.restore(v)
+                    finally:
+                        ck.close()
+                    bad += [f"{v}:{k}" for k in compare(torch, live(model, opt), truth[v])]
+                if not versions or bad:
+                    ok = False
+                    print(f"FAIL multistep {name} K={parts} on {args.device}: versions {versions}, "
+                          f"restored {got}, differs at {bad[:5]}")
+                else:
+                    print(f"PASS multistep {name} K={parts} on {args.device}: versions "
+                          f"{versions} restored and replayed bit for bit")
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return ok
+
+
+def multistep_host_refused(args, torch) -> bool:
+    """4c: the CPU kernels' replay cannot reproduce CUDA arithmetic."""
     import nonstop
     model = torch.nn.Linear(8, 8).to(args.device)
     opt = torch.optim.AdamW(model.parameters())
     tmp = tempfile.mkdtemp(prefix="nonstop-gpu-multistep-")
     try:
-        nonstop.Checkpointer(tmp, {"model": model, "optim": opt}, mode="multistep").close()
+        nonstop.Checkpointer(tmp, {"model": model, "optim": opt}, mode="multistep",
+                             replay="host").close()
     except nonstop.CheckpointMismatchError as e:
         msg = str(e)
-        if "\n" not in msg and "mode='concurrent' or mode='layerwise'" in msg:
-            print(f"PASS multistep with {args.device} parameters refused: {msg}")
+        if "\n" not in msg and "use replay='torch'" in msg:
+            print(f"PASS multistep replay='host' with {args.device} parameters refused: {msg}")
             return True
         print(f"FAIL multistep refusal is not the one line expected: {msg!r}")
         return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"FAIL multistep with {args.device} parameters was accepted")
+    print(f"FAIL multistep replay='host' with {args.device} parameters was accepted")
     return False
 
 
@@ -407,6 +503,7 @@ def main() -> int:
     p.add_argument("--ckpt-dir")
     p.add_argument("--final")
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--mode", default="concurrent", choices=["concurrent", "multistep"])
     p.add_argument("--only", choices=["resume", "layerwise", "multistep"])
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -437,8 +534,11 @@ def main() -> int:
         ok = True
     if args.only in (None, "layerwise"):
         ok = layerwise_test(args, torch) and ok
-    if args.device == "cuda" and args.only in (None, "multistep"):
-        ok = multistep_refused(args, torch) and ok
+    if args.only in (None, "multistep"):
+        ok = multistep_exact(args, torch) and ok
+        ok = resume_test(args, torch, "multistep") and ok
+        if args.device == "cuda":
+            ok = multistep_host_refused(args, torch) and ok
     return 0 if ok else 1
 
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -337,6 +338,178 @@ TEST(MultistepStagingTest, TheStateIsCopiedOnceAndWrittenFromItsHostBuffers) {
     ExpectPersistedEqualsLive(eo, tr.config.algorithm, truth);
     fs::remove_all(dir);
   }
+}
+
+// MultistepReplay::kRestore: nothing is replayed here; the checkpoint holds
+// each part at the version it was copied at, the gradient log and the plan
+// ("multistep_plan"). Applying the plan as the Python restorer does (per step
+// in order, each listed tensor's prefix of `elements`, its logged gradient,
+// the step count `count`, momentum absent when `fresh`) with the reference
+// kernels must give the live state at the version bit for bit: the plan says
+// everything the restorer needs. Also: without the replay the state differs.
+TEST(MultistepRestorePlanTest, ThePlanReplayedGivesTheLiveStateAtItsVersion) {
+  for (optim::Algorithm algo : {optim::Algorithm::kAdamW, optim::Algorithm::kSgd}) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("nonstop_multistep_plan_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    EngineOptions eo;
+    eo.dir = dir.string();
+    eo.medium = MediumKind::kBuffered;
+    eo.chunk_bytes = 64 << 10;
+    auto engine = Engine::Open(eo);
+    ASSERT_TRUE(engine.ok());
+    MultistepOptions mo;
+    mo.parts = 4;
+    mo.block_bytes = 4096;
+    mo.replay = MultistepReplay::kRestore;
+    auto ms = MultistepCheckpoint::Create(engine->get(), mo);
+    ASSERT_TRUE(ms.ok());
+    Trainer tr(algo, {3000, 1500, 777, 9, 4100});
+    int64_t s = 0;
+    // Step 0 skipped: the state is fresh when the window begins after step 0.
+    tr.Step(0, true, ms->get(), s++);
+    ASSERT_TRUE((*ms)->Begin(0, tr.config, tr.Tensors()).ok());
+    const int64_t version = (*ms)->version();
+    Trainer truth = tr;
+    for (int j = 1; j <= mo.parts; ++j, ++s) {
+      tr.Step(static_cast<int>(s), /*skipped=*/j == 2, ms->get(), s);
+      if (s == version) truth = tr;
+    }
+    ASSERT_TRUE((*ms)->Wait().ok());
+    ASSERT_TRUE((*ms)->Close().ok());
+    ASSERT_TRUE((*engine)->Close().ok());
+
+    // The state as written, and the plan.
+    const bool adam = algo != optim::Algorithm::kSgd;
+    Trainer got = truth;
+    std::vector<TensorRef> refs;
+    auto add = [&](const std::string& name, DType dtype, void* data, size_t n) {
+      TensorRef r;
+      r.spec.name = name;
+      r.spec.dtype = dtype;
+      r.spec.shape = {static_cast<int64_t>(n)};
+      r.spec.nbytes = n * DTypeSize(dtype);
+      r.data = data;
+      refs.push_back(r);
+    };
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      const std::string w = "w" + std::to_string(t) + "/";
+      add(w + "param", DType::kFloat32, got.param[t].data(), got.numels[t]);
+      add(w + (adam ? "exp_avg" : "momentum_buffer"), DType::kFloat32,
+          adam ? got.m[t].data() : got.mom[t].data(), got.numels[t]);
+      if (adam) add(w + "exp_avg_sq", DType::kFloat32, got.v[t].data(), got.numels[t]);
+    }
+    auto reader = Engine::Open(eo);
+    ASSERT_TRUE(reader.ok());
+    ASSERT_TRUE((*reader)->Register(refs).ok());
+    auto info = (*reader)->Restore(version);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    const std::string meta = info->meta_json;
+    ASSERT_TRUE((*reader)->Close().ok());  // one engine per job directory at a time
+    ASSERT_NE(meta.find("\"multistep_plan\":{\"parts\":4,\"begin\":0,\"version\":3"),
+              std::string::npos) << meta;
+    bool differs = false;
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      differs |= std::memcmp(got.param[t].data(), truth.param[t].data(), got.numels[t] * 4) != 0;
+    }
+    EXPECT_TRUE(differs) << "the parts were replayed before they were written";
+
+    // Apply the plan: steps in order, each a list of updates.
+    struct Update {
+      int tensor;
+      size_t elements;
+      std::string gradient;
+      double count;
+      bool fresh;
+    };
+    const std::regex step_re(R"re(\{"step":(\d+),"skipped":(true|false),)re");
+    const std::regex update_re(
+        R"re(\{"tensor":(\d+),"elements":(\d+),"gradient":"([^"]+)","count":([0-9.e+-]+),)re"
+        R"re("fresh":(true|false)\})re");
+    std::vector<std::pair<int64_t, std::vector<Update>>> plan;
+    size_t at = meta.find("\"steps\":[");
+    ASSERT_NE(at, std::string::npos);
+    std::smatch m;
+    std::string rest = meta.substr(at);
+    std::vector<std::string> gradient_names;
+    int skipped_steps = 0;
+    while (std::regex_search(rest, m, step_re)) {
+      const int64_t step = std::stoll(m[1]);
+      const bool skipped = m[2] == "true";
+      skipped_steps += skipped;
+      rest = m.suffix();
+      const size_t end = rest.find("]}");
+      std::string updates = rest.substr(0, end);
+      std::vector<Update> ups;
+      std::smatch u;
+      while (std::regex_search(updates, u, update_re)) {
+        ups.push_back({std::stoi(u[1]), std::stoul(u[2]), u[3], std::stod(u[4]), u[5] == "true"});
+        gradient_names.push_back(u[3]);
+        updates = u.suffix();
+      }
+      EXPECT_TRUE(!skipped || ups.empty());
+      plan.emplace_back(step, std::move(ups));
+      rest = rest.substr(end);
+    }
+    ASSERT_EQ(plan.size(), 3u);  // steps 1..K-1
+    EXPECT_EQ(skipped_steps, 1);
+    ASSERT_FALSE(gradient_names.empty());
+    // The logged gradients (bf16 for tensor 1), read by their names.
+    std::vector<std::vector<uint8_t>> grads(gradient_names.size());
+    std::vector<TensorRef> grefs;
+    refs.swap(grefs);
+    size_t gi = 0;
+    for (const auto& [step, ups] : plan) {
+      for (const auto& up : ups) {
+        const DType d = up.tensor == 1 ? DType::kBFloat16 : DType::kFloat32;
+        grads[gi].resize(up.elements * DTypeSize(d));
+        add(up.gradient, d, grads[gi].data(), up.elements);
+        ++gi;
+      }
+    }
+    auto greader = Engine::Open(eo);
+    ASSERT_TRUE(greader.ok());
+    ASSERT_TRUE((*greader)->Register(refs).ok());
+    ASSERT_TRUE((*greader)->Restore(version).ok());
+    gi = 0;
+    for (const auto& [step, ups] : plan) {
+      const auto groups = Trainer(algo, {}).Groups(static_cast<int>(step));
+      for (const auto& up : ups) {
+        const int t = up.tensor;
+        optim::StepRecord rec;
+        rec.hyper = groups[t % 2];
+        rec.grad = {grads[gi++].data(), t == 1 ? DType::kBFloat16 : DType::kFloat32};
+        optim::PartState st;
+        st.numel = up.elements;  // the prefix one step behind
+        st.param = got.param[t].data();
+        st.exp_avg = got.m[t].data();
+        st.exp_avg_sq = got.v[t].data();
+        st.momentum_buffer = got.mom[t].data();
+        st.step = up.count;
+        st.has_momentum_buffer = !up.fresh;
+        ASSERT_TRUE(optim::Replay(tr.config, {&rec, 1}, &st).ok());
+      }
+    }
+    for (size_t t = 0; t < got.numels.size(); ++t) {
+      const size_t bytes = got.numels[t] * 4;
+      EXPECT_EQ(std::memcmp(got.param[t].data(), truth.param[t].data(), bytes), 0) << "param " << t;
+      if (adam) {
+        EXPECT_EQ(std::memcmp(got.m[t].data(), truth.m[t].data(), bytes), 0) << "exp_avg " << t;
+        EXPECT_EQ(std::memcmp(got.v[t].data(), truth.v[t].data(), bytes), 0) << "exp_avg_sq " << t;
+      } else {
+        EXPECT_EQ(std::memcmp(got.mom[t].data(), truth.mom[t].data(), bytes), 0) << "momentum " << t;
+      }
+    }
+    ASSERT_TRUE((*greader)->Close().ok());
+    fs::remove_all(dir);
+  }
+}
+
+TEST(MultistepRestorePlanTest, AddToMetaPutsTheMemberFirst) {
+  using multistep_internal::AddToMeta;
+  EXPECT_EQ(AddToMeta("{}", "k", "[1]"), "{\"k\":[1]}");
+  EXPECT_EQ(AddToMeta(" { } ", "k", "2"), " {\"k\":2 } ");
+  EXPECT_EQ(AddToMeta("{\"a\":1}", "k", "{}"), "{\"k\":{},\"a\":1}");
 }
 
 TEST(MultistepErrorTest, AFailedCopyFailsTheWindowAndTheNextOneWorks) {

@@ -11,8 +11,9 @@ and AdamW moments, on the GPU), same run. Prints a table, writes JSON.
     ... --restore                          # also: restore into CUDA tensors vs DCP load
     ... --device cpu --size tiny           # a check of this script, not a measurement
 
-mode="multistep" refuses CUDA parameters (docs/MULTISTEP.md); the run
-records the refusal in the JSON ("refused") instead of a row.
+mode="multistep" runs on CUDA with replay="torch" (docs/MULTISTEP.md,
+"Replay"); if it refuses the model, the run records the refusal in the JSON
+("refused") instead of a row.
 
 (`make test-gpu` builds nonstop._core and assembles build-gpu/pkg.)
 

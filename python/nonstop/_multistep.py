@@ -577,8 +577,13 @@ class MultistepMode:
     def _replay_step(self, opt, params, roles, step: dict, tensors: dict) -> None:
         for g, h in zip(opt.param_groups, step["groups"]):
             for k, v in h.items():
-                if k in g:
-                    g[k] = tuple(v) if k == "betas" else v
+                if k not in g:
+                    continue
+                if k == "betas":  # JSON writes 0.0 as 0: the types torch saw in training
+                    v = tuple(type(o)(x) for o, x in zip(g[k], v))
+                elif isinstance(g[k], float) and not isinstance(v, bool):
+                    v = float(v)
+                g[k] = v
         for p in params:
             p.grad = None
         after = []  # (tensor, elements kept, their values), put back after the step

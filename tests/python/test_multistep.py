@@ -276,12 +276,16 @@ def test_torch_picks_no_foreach_kernel_for_cpu_tensors():
 
 # ---- kill -9 and resume ------------------------------------------------------
 
-KILL_STEPS, KILL_EVERY = 26, 5
+# dim 64: ~6.5K parameters, 7 blocks of 4 KiB, so parts 1..3 hold data and
+# are replayed (tiny.make's default width fits in one block: only part 4 would).
+KILL_STEPS, KILL_EVERY, KILL_DIM = 26, 5, 64
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return ch.reference(tmp_path_factory, KILL_STEPS)
+    final = str(tmp_path_factory.mktemp("ref_dim64") / "final")
+    ch.run("-", KILL_STEPS, 1, final, options={"dim": KILL_DIM})
+    return final
 
 
 @needs_engine
@@ -291,7 +295,8 @@ def test_kill_and_resume_is_bitwise_identical(reference, tmp_path, kill_after):
     d, final = str(tmp_path / "ck"), str(tmp_path / "final")
     restored = ch.kill_then_resume(d, KILL_STEPS, KILL_EVERY, final, kill_after, pace=0.03,
                                    options={"mode": "multistep", "parts": 4,
-                                            "medium": "buffered", "block_bytes": 4096})
+                                            "medium": "buffered", "block_bytes": 4096,
+                                            "dim": KILL_DIM})
     # Checkpoints due after steps 4, 9, 14, ... land at versions 7, 12, 17, ...
     assert restored is None or (restored - 7) % KILL_EVERY == 0
     assert restored is None or restored < kill_after

@@ -15,10 +15,7 @@ from conftest import needs_engine
 import crash_harness as ch
 import nonstop
 from crash_harness import bits
-
-multistep_core = pytest.mark.skipif(
-    nonstop._core is None or not hasattr(nonstop._core, "Multistep"),
-    reason="this build of nonstop._core has no Multistep")
+from test_multistep import multistep_core, state_of
 
 
 class Net(torch.nn.Module):
@@ -63,15 +60,6 @@ def make(name, foreach):
     # A warm-up schedule: every replayed step has its own learning rate.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 12))
     return model, opt, sched
-
-
-def state_of(model, opt):
-    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for pid, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                out[f"optim/state/{pid}/{k}"] = v.detach().clone()
-    return out
 
 
 def checkpointer(d, model, opt, sched, parts, **kw):

@@ -41,8 +41,6 @@ import os
 import time
 from typing import Optional
 
-REPLAYS = ("auto", "host", "torch")
-
 import torch
 
 try:  # torch's own rule for foreach=None (a private function of torch)
@@ -55,6 +53,7 @@ from ._objects import stateful
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 
 FORMAT = "nonstop.torch/1"
+REPLAYS = ("auto", "host", "torch")
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
 # out of a small model.
 BLOCK_BYTES = 4 << 20
@@ -146,7 +145,7 @@ _HYPER = ("lr", "weight_decay", "maximize", "betas", "eps", "momentum", "dampeni
 def torch_replay_check(opt) -> str:
     """replay="torch": 'adamw', 'adam' or 'sgd' where a replay through the
     training optimizer itself reproduces training bit for bit; a one-line
-    error where it cannot (docs/MULTISTEP.md, "What the replay assumes")."""
+    error where it cannot (docs/MULTISTEP.md, "Why it is exact")."""
     name = type(opt).__name__
     if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
         raise CheckpointMismatchError(
@@ -210,8 +209,10 @@ def _choose_replay(opt, replay: str) -> str:
 def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
     """Before restore() changes anything: a checkpoint whose parts are at
     their own versions ("multistep_plan") can be brought to its version only
-    by the optimizer that trained it, in the same arithmetic: same class and
-    flags, same torch, same device type and model. One line otherwise."""
+    by the optimizer class that trained it, in the same arithmetic: same
+    torch, same device type and model. One line otherwise. (The flags,
+    foreach/fused/capturable, need no check: load_state_dict sets each group's
+    to the saved ones before the replay runs.)"""
     rec = meta.get("multistep")
     plan = meta.get("multistep_plan")
     if not isinstance(rec, dict) or not isinstance(plan, dict):
@@ -219,10 +220,9 @@ def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     dev = params[0].device if params else torch.device("cpu")
     now = {"torch": torch.__version__, "device": dev.type, "device_name": _device_name(dev),
-           "optimizer": type(opt).__name__, "groups": _flags(opt)}
+           "optimizer": type(opt).__name__}
     for key, what in (("torch", "torch"), ("device", "device type"),
-                      ("device_name", "device"), ("optimizer", "optimizer"),
-                      ("groups", "optimizer flags")):
+                      ("device_name", "device"), ("optimizer", "optimizer")):
         if rec.get(key) != now[key]:
             raise CheckpointMismatchError(
                 f"{where} is replayed at restore with the training optimizer's own arithmetic; "
@@ -474,6 +474,8 @@ class MultistepMode:
         return out
 
     def _begin(self, step: int) -> None:
+        if not self._cuda:  # flags loaded since (load_state_dict) may have left the host's path
+            algorithm_of(self.opt)
         self._outputs_set = False
         self.core.begin(step, self.algorithm, self.amsgrad, self._tensors(), self._stream())
         self._ckpt.session.saves += 1

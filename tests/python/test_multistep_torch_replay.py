@@ -146,6 +146,18 @@ def test_auto_picks_the_replay(tmp_path):
         checkpointer(str(tmp_path / "c"), model, opt, sched, 2, replay="host")
     with pytest.raises(nonstop.CheckpointMismatchError, match="replay= applies"):
         nonstop.Checkpointer(str(tmp_path / "d"), {"model": model}, replay="torch")
+    # A flag that leaves the host's path later (as load_state_dict sets the
+    # saved ones) is refused when the next window begins.
+    model, opt, sched = make("adamw", None)
+    ck = checkpointer(str(tmp_path / "e"), model, opt, sched, 2)
+    try:
+        opt.param_groups[0]["foreach"] = True
+        model(torch.randn(4, 13), 0).sum().backward()
+        opt.step()
+        with pytest.raises(nonstop.CheckpointMismatchError, match="foreach=True"):
+            ck.step(EVERY - 1)  # due: the window begins
+    finally:
+        ck.close()
 
 
 # ---- refusals: where the replay's assumptions cannot hold ---------------------
@@ -178,10 +190,9 @@ def test_a_different_torch_device_or_optimizer_at_restore_is_refused(tmp_path, s
             ck.close()
         assert differing(state_of(model, opt), before) == []  # nothing changed
 
-    refused(False, "optimizer flags", "restore it where it was trained")
     with monkeypatch.context() as m:
         m.setattr(torch, "__version__", "2.0.0+other")
-        refused(True, "torch '2.13", "'2.0.0+other'")
+        refused(True, "torch '2.13", "'2.0.0+other'", "restore it where it was trained")
     with monkeypatch.context() as m:
         m.setattr(_multistep, "_device_name", lambda dev: "cpu/OTHER")
         refused(True, "device", "cpu/OTHER")
@@ -204,6 +215,25 @@ def test_a_different_torch_device_or_optimizer_at_restore_is_refused(tmp_path, s
     with pytest.raises(nonstop.CheckpointMismatchError) as e:
         nonstop.export(d, str(tmp_path / "out.safetensors"))
     one_line(e, "replay='torch'")
+
+
+@needs_engine
+@multistep_core
+def test_the_flags_are_the_checkpoints(tmp_path, small_blocks):
+    # load_state_dict gives each group the saved foreach/fused flags before
+    # the replay runs: an optimizer built with other flags replays (and goes
+    # on training) with the ones training used.
+    d, parts = str(tmp_path / "ck"), 3
+    version = EVERY - 1 + parts - 1
+    truth = train(d, "sgd_nesterov", True, parts, steps=version + 2)
+    model, opt, sched = make("sgd_nesterov", False)
+    ck = checkpointer(d, model, opt, sched, parts, replay="torch")
+    try:
+        assert ck.restore() == version
+    finally:
+        ck.close()
+    assert opt.param_groups[0]["foreach"] is True
+    assert differing(state_of(model, opt), truth[version]) == []
 
 
 @needs_engine

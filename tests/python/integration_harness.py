@@ -80,21 +80,3 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # keeps only its position would replay epoch 1's order.
 EPOCH2 = dict(steps=24, every=3, kill_after=18, resume_at_least=12)
 
-
-def run_doc_example(doc, tmp_path, runs=1):
-    """Extracts the first ```python block of docs/`doc` and runs it (in
-    `tmp_path`, under a hard timeout) `runs` times: the copy-paste example
-    must work as written."""
-    with open(os.path.join(ROOT, "docs", doc)) as f:
-        text = f.read()
-    start = text.index("```python\n") + len("```python\n")
-    code = text[start:text.index("```", start)]
-    path = os.path.join(str(tmp_path), "example.py")
-    with open(path, "w") as f:
-        f.write(code)
-    env = {**os.environ, **OFFLINE}
-    for _ in range(runs):
-        r = subprocess.run([sys.executable, path], cwd=str(tmp_path), capture_output=True,
-                           text=True, timeout=TIMEOUT, env=env)
-        assert r.returncode == 0, f"docs/{doc} example failed:\n{r.stderr[-3000:]}"
-    return r

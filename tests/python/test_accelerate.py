@@ -50,8 +50,3 @@ def test_plain_loop_killed_in_epoch_2_resumes_exactly(tmp_path):
     from integration_harness import EPOCH2, kill_resume_compare
     kill_resume_compare("plain", tmp_path, **EPOCH2)
 
-
-def test_docs_example_runs(tmp_path):
-    from integration_harness import run_doc_example
-    run_doc_example("ACCELERATE.md", tmp_path)
-    assert nonstop.load(str(tmp_path / "runs/accelerate")).step == 19

@@ -32,7 +32,9 @@ import textwrap
 
 import pytest
 
+import nonstop
 from conftest import needs_engine
+from nonstop.lightning import read_marker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["LIGHTNING.md", "HF.md", "ACCELERATE.md", "EXACT_RESUME.md"]
@@ -98,6 +100,31 @@ def run(cmd, cwd, doc, what):
     assert r.returncode == 0, f"docs/{doc} {what} exited {r.returncode}:\n{r.stderr[-3000:]}"
 
 
+def lightning_resumed_at_the_end(d):
+    m = read_marker(str(d / "runs/lightning/last.ckpt"))
+    assert m["step"] == 19
+    assert nonstop.load(str(d / "runs/lightning/nonstop")).step == 19
+
+
+def hf_resumed_through_the_bridge(d):
+    assert nonstop.load(str(d / "runs/hf/nonstop")).step == 11
+    # the second run resumed through the bridge folder, whose full copy of the
+    # weights is gone once the Trainer loaded it (the folder too, once its
+    # first step began)
+    assert not (d / "runs/hf/nonstop-resume/checkpoint-12/model.safetensors").exists()
+    assert (d / "runs/hf/nonstop-resume").is_dir()
+
+
+def accelerate_ran_to_the_end(d):
+    assert nonstop.load(str(d / "runs/accelerate")).step == 19
+
+
+# What each doc's two runs must have left behind (the end of training, and
+# the resume path the doc describes), beyond exiting 0.
+AFTER = {"LIGHTNING.md": lightning_resumed_at_the_end, "HF.md": hf_resumed_through_the_bridge,
+         "ACCELERATE.md": accelerate_ran_to_the_end}
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_doc_blocks_run_as_written(doc, tmp_path):
     script, launched = plan(doc)
@@ -106,6 +133,8 @@ def test_doc_blocks_run_as_written(doc, tmp_path):
         path.write_text(script)
         for n in (1, 2):  # the second run resumes from the first one's checkpoints
             run([sys.executable, str(path)], str(tmp_path), doc, f"blocks (run {n})")
+        if doc in AFTER:
+            AFTER[doc](tmp_path)
     for k, (nproc, code) in enumerate(launched):
         d = tmp_path / f"torchrun-{k}"
         d.mkdir()

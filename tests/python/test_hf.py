@@ -80,17 +80,6 @@ def test_resume_from_a_job_killed_before_its_first_commit_is_a_fresh_start(tmp_p
         resume_from(NonstopCallback(d), step=0)
 
 
-def test_docs_example_runs_and_resumes(tmp_path):
-    import nonstop
-    from integration_harness import run_doc_example
-    run_doc_example("HF.md", tmp_path, runs=2)  # the second run resumes through the bridge
-    assert nonstop.load(str(tmp_path / "runs/hf/nonstop")).step == 11
-    # the second run resumed through the bridge folder, whose full copy of the
-    # weights is gone once the Trainer loaded it (the folder too, once its
-    # first step began)
-    assert not (tmp_path / "runs/hf/nonstop-resume/checkpoint-12/model.safetensors").exists()
-    assert (tmp_path / "runs/hf/nonstop-resume").is_dir()
-
 
 def test_bridge_folder_goes_through_the_seam_and_never_follows_links(tmp_path):
     """resume_from writes its folder through _core.Directory: a link planted

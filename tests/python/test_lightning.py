@@ -84,15 +84,6 @@ def test_lightning_killed_in_epoch_2_resumes_exactly(tmp_path):
     kill_resume_compare("lightning", tmp_path, **EPOCH2)
 
 
-def test_docs_example_runs_and_resumes(tmp_path):
-    import nonstop
-    from integration_harness import run_doc_example
-    from nonstop.lightning import read_marker
-    run_doc_example("LIGHTNING.md", tmp_path, runs=2)  # the second run resumes at the end
-    m = read_marker(str(tmp_path / "runs/lightning/last.ckpt"))
-    assert m["step"] == 19
-    assert nonstop.load(str(tmp_path / "runs/lightning/nonstop")).step == 19
-
 
 def test_load_weights_for_evaluation(tmp_path):
     """last.ckpt is a JSON marker, which Lightning's load_from_checkpoint

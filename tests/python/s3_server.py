@@ -9,6 +9,7 @@ Nothing is mocked: the checkpointer talks HTTP to this process.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -170,11 +171,43 @@ class SeaweedS3:
         self.stop()
 
 
+_prefixes = itertools.count()
+
+
 @pytest.fixture
 def s3_server(tmp_path):
+    """A server of the test's own: for a test that stops or restarts it."""
     srv = SeaweedS3(tmp_path / "seaweedfs")
     srv.start()
     try:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def _one_s3_server(tmp_path_factory):
+    srv = SeaweedS3(tmp_path_factory.mktemp("seaweedfs-shared"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+class SharedS3:
+    """One server for the whole session (a start costs about 8 s), seen
+    through a prefix no other test uses: for tests that never stop it."""
+
+    def __init__(self, srv: SeaweedS3, prefix: str):
+        self.srv, self.prefix = srv, prefix
+        self.options = srv.options
+        self.endpoint = srv.endpoint
+
+    def url(self, prefix: str) -> str:
+        return self.srv.url(f"{self.prefix}/{prefix}")
+
+
+@pytest.fixture
+def shared_s3(_one_s3_server):
+    yield SharedS3(_one_s3_server, f"t{next(_prefixes)}")

@@ -19,7 +19,7 @@ import tiny
 from conftest import needs_engine
 from nonstop import _remote
 from nonstop.errors import CheckpointIOError, CorruptCheckpointError
-from s3_server import SeaweedS3, s3_server  # noqa: F401 -- the fixture
+from s3_server import SeaweedS3, _one_s3_server, s3_server, shared_s3  # noqa: F401 -- the fixtures
 
 pytestmark = [needs_engine, pytest.mark.timeout(300)]
 
@@ -67,15 +67,10 @@ def _wait_uploaded(store, step, timeout=120):
 
 @pytest.fixture(params=["s3", "path"])
 def remote(request, tmp_path):
-    if request.param == "s3":
-        srv = SeaweedS3(tmp_path / "seaweedfs")
-        srv.start()
-        try:
-            yield _remote_url("s3", srv, tmp_path) + (srv,)
-        finally:
-            srv.stop()
-    else:
-        yield _remote_url("path", None, tmp_path) + (None,)
+    if request.param == "s3":  # the session's server, under a prefix of this test's own
+        srv = request.getfixturevalue("shared_s3")
+        return _remote_url("s3", srv, tmp_path) + (srv,)
+    return _remote_url("path", None, tmp_path) + (None,)
 
 
 def test_upload_then_restore_after_local_dir_is_lost(tmp_path, remote):

@@ -15,7 +15,7 @@ import nonstop
 import tiny
 from conftest import needs_engine
 from nonstop import _remote
-from s3_server import s3_server  # noqa: F401 -- the fixture
+from s3_server import _one_s3_server, shared_s3  # noqa: F401 -- the fixtures
 from test_remote import _cli, _params, _same, _train, _two_remote_steps
 
 pytestmark = [needs_engine, pytest.mark.timeout(300)]
@@ -111,12 +111,12 @@ def test_remote_temp_dir_removal_never_follows_links(tmp_path):
 
 
 @pytest.mark.skipif(_cli() is None, reason="the nonstop CLI is not built")
-def test_cli_export_include_on_a_remote_url(tmp_path, s3_server):  # noqa: F811
+def test_cli_export_include_on_a_remote_url(tmp_path, shared_s3):  # noqa: F811
     """`nonstop export s3://... --include GLOB` (repeatable) writes what the
     same export of the local checkpoint writes; no match, or --format dcp,
     is a one-line usage error (exit 2). It was refused for URLs before."""
     from safetensors.torch import load_file
-    url, opts = s3_server.url("job"), s3_server.options
+    url, opts = shared_s3.url("job"), shared_s3.options
     d, store, _ = _two_remote_steps(tmp_path, url, opts)  # remote steps 7 and 3
     env = dict(os.environ, NONSTOP_REMOTE_OPTIONS=json.dumps(opts), NONSTOP_PYTHON=sys.executable)
 
@@ -141,7 +141,7 @@ def test_cli_export_include_on_a_remote_url(tmp_path, s3_server):  # noqa: F811
     assert r.returncode == 2 and "--include" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-def test_obstore_workers_run_at_the_upload_priority(tmp_path, s3_server):  # noqa: F811
+def test_obstore_workers_run_at_the_upload_priority(tmp_path, shared_s3):  # noqa: F811
     """restore() uses obstore on the training thread first; obstore's worker
     threads (its HTTP transfers) inherit the priority of the thread that
     made them, so the tier makes them from a thread at nice +10 before that.
@@ -150,7 +150,7 @@ def test_obstore_workers_run_at_the_upload_priority(tmp_path, s3_server):  # noq
         "import glob, nonstop, tiny\n"
         "m, o, s = tiny.make()\n"
         f"ck = nonstop.Checkpointer({str(tmp_path / 'job')!r}, {{'model': m, 'optim': o}},\n"
-        f"    remote={s3_server.url('p')!r}, remote_options={s3_server.options!r})\n"
+        f"    remote={shared_s3.url('p')!r}, remote_options={shared_s3.options!r})\n"
         "ck.restore()\n"
         "seen = {}\n"
         "for t in glob.glob('/proc/self/task/*'):\n"

@@ -80,6 +80,22 @@ class CopyEngine {
   virtual std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int device, void* dst,
                                                       size_t bytes);
 
+  // --- Host-to-device copies (restore into device tensors). ---
+  //
+  // Whether CopyToDevice can copy into memory on `dst_device` (the CUDA
+  // engine: CUDA devices; the host engine: never).
+  virtual bool CanCopyToDevice(const Device& dst_device) const {
+    (void)dst_device;
+    return false;
+  }
+  // Starts copying `bytes` from host memory `src` (pinned staging, for a DMA)
+  // into `dst` on `dst_device`, ordered after the work already enqueued on
+  // dst_device.stream. `src` must stay unchanged until the completion is
+  // ready. A completion already done with Unavailable where CanCopyToDevice
+  // is false.
+  virtual std::unique_ptr<CopyCompletion> CopyToDevice(const void* src, void* dst,
+                                                       const Device& dst_device, size_t bytes);
+
   // --- Ordering a device stream after a copy, without blocking the host. ---
   //
   // Whether StreamWaitFor can order a stream of `stream_device` after copies

@@ -193,6 +193,14 @@ struct EngineStats {
   std::string memory_error;          // the last failure or reason it is off
   bool restored_from_memory = false; // the last Restore() read the segment
   double restore_s = 0;              // the last Restore()'s seconds
+  // The last Restore()'s reads (every attempt): seconds reading and verifying
+  // chunks, summed over the reader threads; bytes copied into device tensors
+  // (host-to-device, through pinned staging); and seconds the readers and the
+  // final drain waited for those copies (summed; near 0 when the copies hid
+  // behind the reads, near the copy time when they did not).
+  double restore_read_s = 0;
+  double restore_h2d_wait_s = 0;
+  uint64_t restore_h2d_bytes = 0;
 };
 
 // What Latest() returns: the newest checkpoint committed by this engine or

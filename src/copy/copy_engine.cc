@@ -33,4 +33,10 @@ std::unique_ptr<CopyCompletion> CopyEngine::DrainToHost(const void* /*src*/, int
       Status::Unavailable(Describe() + " keeps no snapshots in device memory (copy='device')"));
 }
 
+std::unique_ptr<CopyCompletion> CopyEngine::CopyToDevice(const void* /*src*/, void* /*dst*/,
+                                                         const Device& /*dst_device*/,
+                                                         size_t /*bytes*/) {
+  return MakeDoneCopy(Status::Unavailable(Describe() + " cannot copy into device memory"));
+}
+
 }  // namespace nonstop

@@ -329,6 +329,23 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
     return Enqueue(src, src_device, dst, bytes, cudaMemcpyDeviceToDevice, "device snapshot");
   }
 
+  bool CanCopyToDevice(const Device& dst_device) const override {
+    return dst_device.kind == DeviceKind::kCuda && dst_device.index >= 0 &&
+           dst_device.index < devices_;
+  }
+
+  // Restore: pinned staging -> a device tensor, on the copy stream, after the
+  // work already on the tensor's stream (Enqueue's `src_device` is the
+  // device and stream the copy is ordered on).
+  std::unique_ptr<CopyCompletion> CopyToDevice(const void* src, void* dst,
+                                               const Device& dst_device, size_t bytes) override {
+    if (dst_device.kind != DeviceKind::kCuda) {
+      if (bytes > 0) std::memcpy(dst, src, bytes);
+      return std::make_unique<FinishedCompletion>(Status::OK());
+    }
+    return Enqueue(src, dst_device, dst, bytes, cudaMemcpyHostToDevice, "copy to device");
+  }
+
   std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int device, void* dst,
                                               size_t bytes) override {
     Device on_copy_stream{DeviceKind::kCuda, device, kOwnStream};

@@ -2,6 +2,7 @@
 // tier or the slot file, verified chunk by chunk) and protects it.
 #include <algorithm>
 #include <cstring>
+#include <deque>
 
 #include "engine/engine_impl.h"
 
@@ -32,6 +33,7 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
   const std::vector<TensorRef>& tensors = reg_->tensors;
   // Map every registered tensor to the stored one, checking name, dtype, shape.
   std::vector<int> stored_to_reg(info.tensors.size(), -1);
+  bool to_device = false;  // some tensor is in device memory: the H2D pipeline below
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& want = tensors[i].spec;
     const int k = info.FindTensor(want.name);
@@ -56,8 +58,12 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
                                      str(have.shape) + ", registered " + str(want.shape));
     }
     if (tensors[i].device.kind != DeviceKind::kHost) {
-      return Status::Unavailable("tensor '" + want.name +
-                                 "' is in device memory: restore it through a host tensor");
+      if (!copy_->CanCopyToDevice(tensors[i].device)) {
+        return Status::Unavailable("tensor '" + want.name + "' is in device memory and " +
+                                   copy_->Describe() + " cannot copy into it: restore it " +
+                                   "through a host tensor");
+      }
+      to_device = true;
     }
     stored_to_reg[k] = static_cast<int>(i);
   }
@@ -66,13 +72,58 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
   const ChunkPlan plan = ChunkPlan::Build(info.tensors, info.data_bytes, chunk_bytes_, include);
 
   // Chunks are read in parallel on the writer threads, each through a staging
-  // chunk (aligned for O_DIRECT), verified, then scattered to the tensors.
+  // chunk (aligned for O_DIRECT; pinned where a GPU is present), verified,
+  // then scattered to the tensors: memcpy into host tensors, and for device
+  // tensors an asynchronous host-to-device copy (CopyToDevice) issued only
+  // after the chunk's crc verified. A chunk with copies in flight is not
+  // released to the pool at once: it waits in `in_flight` (FIFO, at most
+  // `depth` chunks) while the next chunks are read, and goes back to the pool
+  // only after its copies completed, so reads and H2D copies overlap and a
+  // buffer is never overwritten under a copy. Every copy is waited for before
+  // this returns, success or not.
+  struct InFlight {
+    StagingPool::Chunk chunk;
+    std::vector<std::unique_ptr<CopyCompletion>> copies;
+  };
   struct Reads {
     Mutex mu;
     CondVar cv;
     size_t pending GUARDED_BY(mu) = 0;
     Status first GUARDED_BY(mu);
+    std::deque<InFlight> in_flight GUARDED_BY(mu);
+    double read_s GUARDED_BY(mu) = 0;      // reading + verifying, summed over threads
+    double h2d_wait_s GUARDED_BY(mu) = 0;  // blocked on H2D copies, summed over threads
+    uint64_t h2d_bytes GUARDED_BY(mu) = 0;
   } r;
+  // Chunks that may wait for their copies: the pool keeps one per writer free
+  // for reading (each worker holds at most one while it reads).
+  const uint32_t writers = static_cast<uint32_t>(std::max(1, stats_.writers));
+  const uint32_t pool = staging_->chunks();
+  const size_t depth = pool > writers ? std::min<uint32_t>(pool - writers, 2 * writers) : 0;
+  // Waits for the copies of the oldest in-flight chunks until at most `keep`
+  // remain, releasing each chunk after its copies.
+  auto retire = [&](size_t keep) {
+    for (;;) {
+      InFlight f;
+      {
+        MutexLock l(&r.mu);
+        if (r.in_flight.size() <= keep) return;
+        f = std::move(r.in_flight.front());
+        r.in_flight.pop_front();
+      }
+      const auto w0 = Clock::now();
+      Status st;
+      for (auto& c : f.copies) {
+        Status cs = c->Wait();
+        if (st.ok() && !cs.ok()) st = cs;
+      }
+      const double waited = Seconds(w0, Clock::now());
+      staging_->Release(f.chunk);
+      MutexLock l(&r.mu);
+      r.h2d_wait_s += waited;
+      if (r.first.ok() && !st.ok()) r.first = st;
+    }
+  };
   for (const PlannedChunk& pc : plan.chunks) {
     if (pc.pieces.empty()) continue;
     {
@@ -81,27 +132,53 @@ Status EngineImpl::ReadCheckpoint(const std::shared_ptr<SlotFile>& file,
     }
     writers_->Submit([&, pc_ptr = &pc] {
       Status st;
+      double read_s = 0;
+      uint64_t h2d = 0;
       Result<StagingPool::Chunk> chunk = staging_->Acquire();
       if (!chunk.ok()) {
         st = chunk.status();
       } else {
+        InFlight f{*chunk, {}};
+        const auto r0 = Clock::now();
         st = ReadChunk(file, info, *pc_ptr, chunk->data);
+        read_s = Seconds(r0, Clock::now());
         if (st.ok()) {
           for (const ChunkPiece& p : pc_ptr->pieces) {
-            auto* dst = static_cast<std::byte*>(const_cast<void*>(
-                            tensors[stored_to_reg[p.tensor]].data)) + p.tensor_offset;
-            std::memcpy(dst, chunk->data + p.chunk_offset, p.bytes);
+            const TensorRef& t = tensors[stored_to_reg[p.tensor]];
+            auto* dst = static_cast<std::byte*>(const_cast<void*>(t.data)) + p.tensor_offset;
+            if (t.device.kind == DeviceKind::kHost) {
+              std::memcpy(dst, chunk->data + p.chunk_offset, p.bytes);
+            } else {
+              f.copies.push_back(
+                  copy_->CopyToDevice(chunk->data + p.chunk_offset, dst, t.device, p.bytes));
+              h2d += p.bytes;
+            }
           }
         }
-        staging_->Release(*chunk);
+        if (f.copies.empty()) {
+          staging_->Release(*chunk);
+        } else {
+          MutexLock l(&r.mu);
+          r.in_flight.push_back(std::move(f));
+        }
       }
+      if (to_device) retire(depth);
       MutexLock l(&r.mu);
+      r.read_s += read_s;
+      r.h2d_bytes += h2d;
       if (r.first.ok() && !st.ok()) r.first = st;
       if (--r.pending == 0) r.cv.SignalAll();
     });
   }
+  {
+    MutexLock l(&r.mu);
+    r.cv.Wait(&r.mu, [&]() REQUIRES(r.mu) { return r.pending == 0; });
+  }
+  retire(0);  // every copy done before the tensors are reported restored (or reread)
   MutexLock l(&r.mu);
-  r.cv.Wait(&r.mu, [&]() REQUIRES(r.mu) { return r.pending == 0; });
+  stats_.restore_read_s += r.read_s;
+  stats_.restore_h2d_wait_s += r.h2d_wait_s;
+  stats_.restore_h2d_bytes += r.h2d_bytes;
   return r.first;
 }
 
@@ -136,6 +213,8 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   if (!file) return Status::NotFound("no checkpoint in " + opts_.dir);
+  stats_.restore_read_s = stats_.restore_h2d_wait_s = 0;
+  stats_.restore_h2d_bytes = 0;
   ScanOptions so;
   so.verify_data = false;  // each chunk's crc is verified as it is read below
   NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));

@@ -193,6 +193,9 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["layer_copy"] = s.layer_copy;
   AddMemoryTierStats(d, s);
   d["restore_s"] = s.restore_s;
+  d["restore_read_s"] = s.restore_read_s;
+  d["restore_h2d_wait_s"] = s.restore_h2d_wait_s;
+  d["restore_h2d_bytes"] = s.restore_h2d_bytes;
   py::list recent;
   for (const auto& c : s.recent) recent.append(CheckpointStatsDict(c));
   d["recent"] = recent;

@@ -320,7 +320,9 @@ class Checkpointer:
             if loaded is None:
                 return None
             plan = loaded.plan if loaded.plan is not None else self._applier.prepare(loaded)
-            self._applier.apply(plan)
+            t_apply = time.perf_counter()
+            self._applier.apply(plan)  # into CUDA tensors: load_state_dict's H2D copies
+            self._restore_stats["restore_apply_s"] = time.perf_counter() - t_apply
             if "multistep_plan" in loaded.meta:  # parts at their versions (_multistep.py)
                 self._multistep.replay_restored(loaded.meta, loaded.tensors)
             if adopt and hasattr(self.session.engine, "adopt_restored"):

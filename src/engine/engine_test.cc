@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/damage_step.h"
 #include "engine/engine_internal.h"
 #include "media/fault_medium.h"
 #include "media/medium_wrapper.h"
@@ -651,25 +652,6 @@ TEST_F(EngineTest, AQueuedFailureDoesNotCostTheNextCheckpoint) {
 }
 
 // ---- the restored checkpoint is protected (DESIGN.md invariant 9) ----------
-
-// Overwrites the first 4 KiB of the data of step `step`'s checkpoint on the
-// disk, durably (a bad sector under the newest checkpoint).
-void DamageStep(FaultDisk& disk, int64_t step) {
-  auto sf = SlotFile::Open(disk.Open());
-  ASSERT_TRUE(sf.ok()) << sf.status().ToString();
-  ScanOptions so;
-  so.verify_data = false;
-  auto rep = (*sf)->Scan(so);
-  ASSERT_TRUE(rep.ok());
-  for (const ScannedCheckpoint& c : rep->checkpoints) {
-    if (c.state != CheckpointState::kCommitted || c.info.step != step) continue;
-    std::vector<uint8_t> junk(4096, 0xA5);
-    ASSERT_TRUE((*sf)->medium().Write(c.info.data_offset, junk.data(), junk.size()).ok());
-    ASSERT_TRUE((*sf)->medium().Sync().ok());
-    return;
-  }
-  FAIL() << "no committed checkpoint of step " << step;
-}
 
 TEST_F(EngineTest, AFallbackRestoreKeepsTheRestoredCheckpointUntilANewerCommits) {
   // Regression (issue 14, defect 4): newest step 9 damaged, restore() falls

@@ -20,7 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/damage_step.h"
 #include "engine/engine_internal.h"
+#include "engine/test_tensor_ref.h"
 #include "media/fault_medium.h"
 #include "media/medium_wrapper.h"
 #include "nonstop/copy_engine.h"
@@ -179,12 +181,7 @@ struct DeviceTensor {
     }
   }
   TensorRef Ref(DeviceKind kind) {
-    TensorRef r;
-    r.spec.name = name;
-    r.spec.dtype = DType::kUInt8;
-    r.spec.shape = {static_cast<int64_t>(data.size())};
-    r.spec.nbytes = data.size();
-    r.data = data.data();
+    TensorRef r = ByteTensorRef(name, data);
     r.device = Device{kind, 0, 0};
     return r;
   }
@@ -223,6 +220,13 @@ class RestoreDeviceTest : public ::testing::Test {
     }
     ASSERT_TRUE(engine->Close().ok());
   }
+  // An engine (2 writers) with every tensor of `dev` registered on the device.
+  void OpenOnDevice(Rig& rig, std::vector<DeviceTensor>& dev, std::unique_ptr<Engine>* engine) {
+    *engine = std::move(OpenEngine(Options(2), rig.Media())).value();
+    std::vector<TensorRef> refs;
+    for (auto& t : dev) refs.push_back(t.Ref(DeviceKind::kCuda));
+    ASSERT_TRUE((*engine)->Register(refs).ok());
+  }
   fs::path dir_;
 };
 
@@ -232,26 +236,6 @@ std::vector<DeviceTensor> Tensors() {
   return {DeviceTensor{"w", std::vector<uint8_t>(1000003)},
           DeviceTensor{"m", std::vector<uint8_t>(200000)},
           DeviceTensor{"b", std::vector<uint8_t>(100)}};
-}
-
-// Overwrites 4 KiB in the middle of step `step`'s data: chunks before it
-// verify (and are copied to the device) before the restore meets it.
-void DamageMiddle(FaultDisk& disk, int64_t step) {
-  auto sf = SlotFile::Open(disk.Open());
-  ASSERT_TRUE(sf.ok()) << sf.status().ToString();
-  ScanOptions so;
-  so.verify_data = false;
-  auto rep = (*sf)->Scan(so);
-  ASSERT_TRUE(rep.ok());
-  for (const ScannedCheckpoint& c : rep->checkpoints) {
-    if (c.state != CheckpointState::kCommitted || c.info.step != step) continue;
-    std::vector<uint8_t> junk(4096, 0xA5);
-    const uint64_t at = c.info.data_offset + (c.info.data_bytes / 2) / 4096 * 4096;
-    ASSERT_TRUE((*sf)->medium().Write(at, junk.data(), junk.size()).ok());
-    ASSERT_TRUE((*sf)->medium().Sync().ok());
-    return;
-  }
-  FAIL() << "no committed checkpoint of step " << step;
 }
 
 void ExpectAllCopiesWaited(Observed& seen) {
@@ -325,15 +309,13 @@ TEST_F(RestoreDeviceTest, AChecksumMismatchMidRestoreFallsBackWithEveryCopyDone)
   Rig rig;
   std::vector<DeviceTensor> src = Tensors();
   Write(rig, src, {7, 9});
-  DamageMiddle(*rig.disk, 9);
+  DamageStep(*rig.disk, 9, 0.5);  // chunks before it go to the device first
   std::vector<DeviceTensor> expect = Tensors();
   for (auto& t : expect) t.Fill(7);
 
   std::vector<DeviceTensor> dev = Tensors();
-  auto engine = std::move(OpenEngine(Options(2), rig.Media())).value();
-  std::vector<TensorRef> refs;
-  for (auto& t : dev) refs.push_back(t.Ref(DeviceKind::kCuda));
-  ASSERT_TRUE(engine->Register(refs).ok());
+  std::unique_ptr<Engine> engine;
+  ASSERT_NO_FATAL_FAILURE(OpenOnDevice(rig, dev, &engine));
   auto info = engine->Restore();
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_EQ(info->step, 7) << "the damaged step 9 must not be restored";
@@ -348,12 +330,10 @@ TEST_F(RestoreDeviceTest, AChecksumMismatchWithNothingOlderIsNotReportedRestored
   Rig rig;
   std::vector<DeviceTensor> src = Tensors();
   Write(rig, src, {9});
-  DamageMiddle(*rig.disk, 9);
+  DamageStep(*rig.disk, 9, 0.5);  // chunks before it go to the device first
   std::vector<DeviceTensor> dev = Tensors();
-  auto engine = std::move(OpenEngine(Options(2), rig.Media())).value();
-  std::vector<TensorRef> refs;
-  for (auto& t : dev) refs.push_back(t.Ref(DeviceKind::kCuda));
-  ASSERT_TRUE(engine->Register(refs).ok());
+  std::unique_ptr<Engine> engine;
+  ASSERT_NO_FATAL_FAILURE(OpenOnDevice(rig, dev, &engine));
   auto info = engine->Restore();
   ASSERT_FALSE(info.ok()) << "a damaged checkpoint was reported restored";
   EXPECT_NE(info.status().message().find("no valid checkpoint"), std::string::npos)

@@ -93,6 +93,43 @@ GPU_TEST(CopyToHostIsByteExact) {
   }
 }
 
+// Restore's direction: pinned host memory into a device tensor at an odd
+// offset, byte-exact, ordered after the work already on the tensor's stream
+// (a memset there must not land over the restored bytes).
+GPU_TEST(CopyToDeviceIsByteExactAndOrderedAfterTheStream) {
+  auto engine = NewEngine();
+  GPU_CHECK(engine != nullptr);
+  GPU_CHECK(engine->CanCopyToDevice(Device{DeviceKind::kCuda, 0, 0}));
+  GPU_CHECK(!engine->CanCopyToDevice(Device{DeviceKind::kHost, 0, 0}));
+  cudaStream_t s;
+  GPU_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  constexpr size_t kBusy = size_t{512} << 20;
+  DeviceBuffer a(kBusy), b(kBusy);
+  GPU_CHECK(a.p && b.p);
+  for (size_t bytes : {size_t{1}, size_t{(1 << 20) + 3}, size_t{64} << 20}) {
+    auto want = Pattern(bytes, static_cast<uint32_t>(bytes) + 7);
+    DeviceBuffer dev(bytes + 64);
+    GPU_CHECK(dev.p != nullptr);
+    auto* ddst = static_cast<uint8_t*>(dev.p) + 1;
+    bool pinned = false;
+    auto* host = static_cast<uint8_t*>(engine->AllocHost(bytes, &pinned));
+    GPU_CHECK(host != nullptr && pinned);
+    std::memcpy(host, want.data(), bytes);
+    Busy(s, a, b, 4);
+    GPU_CHECK_CUDA(cudaMemsetAsync(ddst, 0xEE, bytes, s));  // earlier work on the tensor
+    auto done = engine->CopyToDevice(host, ddst, Device{DeviceKind::kCuda, 0,
+                                                        reinterpret_cast<uintptr_t>(s)}, bytes);
+    GPU_CHECK_OK(done->Wait());
+    GPU_CHECK(done->Ready());
+    std::vector<uint8_t> got(bytes);
+    GPU_CHECK_CUDA(cudaStreamSynchronize(s));
+    GPU_CHECK_CUDA(cudaMemcpy(got.data(), ddst, bytes, cudaMemcpyDeviceToHost));
+    GPU_CHECK_MSG(got == want, "CopyToDevice bytes differ (" + std::to_string(bytes) + " B)");
+    engine->FreeHost(host, bytes);
+  }
+  cudaStreamDestroy(s);
+}
+
 // The copy must see what the caller's stream wrote last, and the call must
 // neither wait for that stream nor make it wait.
 void CheckOrderedAfter(cudaStream_t caller) {

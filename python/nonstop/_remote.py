@@ -515,6 +515,14 @@ def open_store(url: str, options: Optional[dict]):
 
 
 # --------------------------------------------------------------- reading
+# Everything but the bytes is C++'s (tier/remote_tier.h): which steps are
+# committed, what a fetch verifies, retention, the job's claim. The store
+# is handed to it as its transport.
+
+def _tier(store):
+    """The C++ remote tier over `store` (its transport)."""
+    return _ext.core().RemoteTier(store)
+
 
 def _load_doc(store, key: str) -> Optional[dict]:
     """A marker, LEAD or skip note, validated by C++; None when missing."""
@@ -526,95 +534,25 @@ def claim(store, job: str, adopt: bool) -> None:
     """This job owns the prefix: a prefix without a JOB document is claimed;
     one of another job is refused (IncompatibleCheckpointError) unless
     `adopt` (remote_options={"adopt": True}), which takes it over."""
-    data = store.get_bytes(Layout.job(), MAX_JSON_BYTES)
-    if data is not None:
-        owner = _rl().decode_job(data, f"{store.url}/{Layout.job()}")
-        if owner == job:
-            return
-        if not adopt:
-            raise IncompatibleCheckpointError(
-                f"the remote {store.url} belongs to job {owner!r}, not to this job {job!r}: "
-                f"pass remote_options={{'adopt': True}} to take its checkpoints over, or "
-                f"remote_options={{'job': {owner!r}}} if this is that job")
-    store.put_bytes(Layout.job(), _rl().encode_job(job, time.time()))
+    _tier(store).claim(job, bool(adopt), time.time())
 
 
-def committed_steps(store) -> list:
+def committed_steps(store, tier=None) -> list:
     """[(step, marker)] of the steps with a COMMITTED marker, newest first
     (a marker that does not parse is skipped with a warning)."""
-    steps = set()
-    for key, _ in store.list(""):
-        got = Layout.parse(key)
-        if got is not None and got[1] == "marker":
-            steps.add(got[0])
-    out = []
-    for step in sorted(steps, reverse=True):
-        try:
-            marker = _load_doc(store, Layout.marker(step))
-        except CorruptCheckpointError as e:
-            warnings.warn(f"nonstop: remote: {e}; skipped", stacklevel=2)
-            continue
-        if marker is not None and marker["step"] == step:
-            out.append((step, marker))
-    return out
+    steps, damaged = (tier or _tier(store)).committed_steps()
+    for e in damaged:
+        warnings.warn(f"nonstop: remote: {e}; skipped", stacklevel=2)
+    return steps
 
 
 def fetch(store, step: int, rank: int, local_dir: str) -> str:
     """Downloads rank `rank`'s part of committed remote step `step` into
-    local_dir/remote/step-N/rank-R.nsck (verifying the size and every part's
-    crc32 against the manifest while writing, then fsync and rename).
+    local_dir/remote/step-N/rank-R.nsck (C++ verifies the size and every
+    part's crc32 against the manifest while writing, then fsync and rename).
     Returns the one-slot job directory. Raises CorruptCheckpointError (a
     missing or damaged part, a manifest of another lineage) or OSError."""
-    where = f"{store.url}/{Layout.step_dir(step)}"
-    marker = store.get_bytes(Layout.marker(step), MAX_JSON_BYTES)
-    if marker is None:
-        raise CorruptCheckpointError(f"{where} is not committed (no COMMITTED marker)")
-    man = store.get_bytes(Layout.manifest(step, rank), MAX_JSON_BYTES)
-    if man is None:
-        raise CorruptCheckpointError(f"{where}: rank {rank}'s manifest is missing")
-    # C++ decodes both and checks that they are of this step, rank and lineage
-    man = _rl().check_fetch(marker, man, step, rank, where)
-    dest_dir = os.path.join(local_dir, LOCAL_DIR, Layout.step_dir(step))
-    ddir = _local_dir(local_dir, step)
-    dest = f"rank-{rank:05d}.nsck"
-    tmp = dest + ".fetch"
-    try:
-        size, chunks = store.get_chunks(Layout.part(step, rank))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: rank {rank}'s part is missing") from None
-    if size != man["bytes"]:
-        raise CorruptCheckpointError(f"{where}: rank {rank}'s part is {size} bytes, the manifest "
-                                     f"says {man['bytes']}")
-    part, crcs = man["part_bytes"], man["part_crc32"]
-    got, crc, idx, fill = 0, 0, 0, 0
-    ddir.unlink(tmp, missing_ok=True)  # a stale temp of a fetch that died
-    st = ddir.stat(dest)
-    if st is not None and st[0] != "file":  # a link (or folder) planted there: removed as
-        ddir.remove_tree(dest)              # itself, never followed; the rename needs the name
-    # created O_EXCL|O_NOFOLLOW; removed again when anything below raises
-    with ddir.create(tmp) as out:
-        for buf in chunks:
-            mv = memoryview(buf)
-            if got + len(mv) > size:
-                raise CorruptCheckpointError(f"{where}: rank {rank}'s part is longer than stated")
-            while len(mv):
-                take = min(len(mv), part - fill)
-                crc = zlib.crc32(mv[:take], crc)
-                fill += take
-                if fill == part or got + take == size:
-                    if crc != crcs[idx]:
-                        raise CorruptCheckpointError(
-                            f"{where}: rank {rank}'s part {idx} (bytes {idx * part}..) crc "
-                            f"mismatch: damaged in the store")
-                    idx, crc, fill = idx + 1, 0, 0
-                out.write(mv[:take])
-                got += take
-                mv = mv[take:]
-        if got != size or idx != len(crcs):
-            raise CorruptCheckpointError(f"{where}: rank {rank}'s part ended at {got} of {size} "
-                                         f"bytes")
-        out.commit(dest)  # fsync, rename over dest, directory fsync
-    return dest_dir
+    return _tier(store).fetch(int(step), int(rank), os.fspath(local_dir))
 
 
 def temp_dir() -> str:
@@ -638,37 +576,15 @@ def remove_temp_dir(path: str) -> None:
 # -------------------------------------------------------------- retention
 
 def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int],
-           counters: Optional[dict] = None) -> int:
+           tier=None) -> int:
     """Retention of the remote (rank 0, after each commit; the rules are
     remote_layout.h StepsToDelete and DeleteBatches: the newest max_to_keep
     committed steps stay, with keep=k also the steps whose counter is a
     multiple of k, the newest keep_max of them; nothing goes before a newer
     step is committed; a step goes marker first, then its manifests and
-    notes, then its parts). Returns how many steps it deleted. `counters`
-    caches the markers' counters between calls."""
-    counters = {} if counters is None else counters
-    by_step: dict = {}
-    for key, _ in store.list(""):
-        got = Layout.parse(key)
-        if got is not None:
-            by_step.setdefault(got[0], []).append(key)
-    steps = []
-    for s, keys in by_step.items():
-        committed = Layout.marker(s) in keys
-        if committed and keep and s not in counters:
-            try:
-                mk = _load_doc(store, Layout.marker(s))
-                counters[s] = None if mk is None else mk["counter"]
-            except CorruptCheckpointError:
-                counters[s] = None
-        steps.append((s, committed, counters.get(s)))
-    rl = _rl()
-    doomed = rl.steps_to_delete(steps, max_to_keep, keep or 0, keep_max or 0)
-    for s in doomed:
-        for batch in rl.delete_batches(by_step[s]):
-            store.delete(batch)
-        counters.pop(s, None)
-    return len(doomed)
+    notes, then its parts). Returns how many steps it deleted. `tier`: the
+    uploader's RemoteTier (it caches the markers' counters between calls)."""
+    return (tier or _tier(store)).retain(int(max_to_keep), int(keep or 0), int(keep_max or 0))
 
 
 # --------------------------------------------------------------- uploader
@@ -738,7 +654,7 @@ class Uploader:
         self.store, self.dir, self.rank, self.world = store, dir, rank, world
         self.target, self.core = target, core
         self.keep, self.keep_max = keep, keep_max
-        self._counters: dict = {}  # step -> counter of committed remote steps (retention)
+        self._tier = _tier(store)  # C++: retention keeps the markers' counters between rounds
         self.max_to_keep = int(opts.get("max_to_keep", 2))
         if self.max_to_keep < 1:
             raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
@@ -980,7 +896,7 @@ class Uploader:
 
     def _retain(self) -> None:
         self.stats["deleted_steps"] += retain(self.store, self.max_to_keep, self.keep,
-                                              self.keep_max, self._counters)
+                                              self.keep_max, self._tier)
 
     def _drop_staged(self, keep_step: int) -> None:
         """Removes the staged step directories but `keep_step`'s, through the
@@ -1372,33 +1288,25 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
     part). A step without a marker is "uncommitted": an upload under way or
     given up, never read. Nothing is downloaded but the markers."""
     store = open_store(os.fspath(url), options or {})
-    steps: dict = {}
-    for key, size in store.list(""):
-        got = Layout.parse(key)
-        if got is None:
-            continue
-        s = steps.setdefault(got[0], {"bytes": 0, "marker": False})
-        if got[1] == "part" and got[2] == rank:
-            s["bytes"] = int(size)
-        elif got[1] == "marker":
-            s["marker"] = True
-    markers = dict(committed_steps(store))
+    tier = _tier(store)
     rows = []
-    for step in sorted(steps, reverse=True):
-        m = markers.get(step)
-        if steps[step]["marker"] and m is None:
-            state, reason = "damaged", "its COMMITTED marker does not parse: never read"
-        elif m is None:
-            state, reason = "uncommitted", "no COMMITTED marker (an upload under way or given up)"
+    for h in tier.list(rank):
+        step, m, state = h["step"], h["marker"], h["state"]
+        if h["reason"]:
+            warnings.warn(f"nonstop: remote: {h['reason']}; skipped", stacklevel=2)
+        if state == "damaged":
+            reason = "its COMMITTED marker does not parse: never read"
+        elif state == "uncommitted":
+            reason = "no COMMITTED marker (an upload under way or given up)"
         elif rank >= m["world_size"]:
-            state, reason = "committed", f"committed by {m['world_size']} rank(s): no rank {rank}"
+            reason = f"committed by {m['world_size']} rank(s): no rank {rank}"
         else:
-            state, reason = "committed", ""
+            reason = ""
         rows.append({"step": step, "counter": None if m is None else m["counter"],
                      "where": "remote", "path": f"{store.url}/{Layout.part(step, rank)}",
                      "state": state, "reason": reason,
                      "time": None if m is None else m["unix_s"],
-                     "bytes": steps[step]["bytes"], "metrics": {},
+                     "bytes": h["bytes"], "metrics": {},
                      "world_size": None if m is None else m["world_size"]})
     return rows
 

@@ -60,6 +60,22 @@ void RegisterStatusTranslator(py::module_& m) {
   });
 }
 
+StatusCode StatusCodeOfException(PyObject* exc) {
+  // the specific classes before kAborted..kInternal (nonstop.errors: all
+  // three are CheckpointError, the base of the others)
+  constexpr StatusCode kOrder[] = {StatusCode::kNotFound, StatusCode::kCorruption,
+                                   StatusCode::kFailedPrecondition, StatusCode::kInvalidArgument,
+                                   StatusCode::kIOError};
+  for (StatusCode c : kOrder) {
+    PyObject* cls = g_error_classes[static_cast<int>(c)];
+    if (cls != nullptr && PyObject_IsInstance(exc, cls) == 1) return c;
+  }
+  if (PyObject_IsInstance(exc, PyExc_FileNotFoundError) == 1) return StatusCode::kNotFound;
+  if (PyObject_IsInstance(exc, PyExc_OSError) == 1) return StatusCode::kIOError;
+  PyErr_Clear();
+  return StatusCode::kInternal;
+}
+
 EngineOptions EngineOptionsFromPy(const std::string& dir, uint32_t rank, uint32_t world_size,
                                   int max_in_flight, int writers, uint64_t staging_bytes,
                                   uint64_t chunk_bytes, int copy_threads,

@@ -79,6 +79,13 @@ pybind11::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
 AgreedRecord AgreedFromDict(const pybind11::dict& d, int default_rank);
 pybind11::dict AgreedToDict(const AgreedRecord& r);
 
+// The StatusCode of a Python exception (an instance), by the classes
+// nonstop.errors registered (most specific first), then the builtins:
+// FileNotFoundError -> kNotFound, other OSError -> kIOError, anything else
+// kInternal. With the GIL held. A Python transport's failures (remote_
+// bindings.cc) reach the C++ tier as these codes.
+StatusCode StatusCodeOfException(PyObject* exc);
+
 inline void Check(const Status& s) {
   if (!s.ok()) throw StatusError(s);
 }

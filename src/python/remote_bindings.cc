@@ -8,16 +8,30 @@
 //
 // nonstop._core.remote_layout: the layout and commit rules of a remote
 // checkpoint (jobdir/remote_layout.h) for the transfer in _remote.py.
+//
+// nonstop._core.RemoteTier(transport): the remote tier (tier/remote_tier.h)
+// over a Python transport (_remote.ObjectStore or PathStore: put_file,
+// put_bytes, get_bytes, get_chunks, list, delete), as the distributed
+// agreement takes a Comm. The C++ tier runs with the GIL released; the
+// adapter (PyTransport) takes the GIL only around each call of a transport
+// method, never while it waits. A transport's exception reaches C++ as a
+// Status of its class; when that Status comes back out unchanged, the
+// original exception is raised again (its type, message and attributes,
+// e.g. CheckpointIOError.kind).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
+#include <thread>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "nonstop/env.h"
@@ -26,6 +40,8 @@
 #include "nonstop/store.h"
 #include "jobdir/remote_layout.h"
 #include "python/bindings.h"
+#include "tier/remote_tier.h"
+#include "tier/transport.h"
 
 namespace py = pybind11;
 
@@ -224,6 +240,262 @@ void InitRemoteLayout(py::module_& parent) {
         "The keys of one step in deletion order: [marker], [manifests, notes], [parts, rest].");
 }
 
+// The Python transport as a tier::Transport. Every method takes the GIL for
+// the Python call alone and drops it again before C++ goes on (a streamed
+// read's buffers are checked and written with the GIL released).
+class PyTransport final : public tier::Transport {
+ public:
+  explicit PyTransport(py::object store)
+      : store_(std::move(store)),
+        url_(py::str(store_.attr("url")).cast<std::string>()),
+        part_(py::getattr(store_, "part_bytes", py::int_(8 << 20)).cast<uint64_t>()) {}
+
+  std::string url() const override { return url_; }
+  uint64_t part_bytes() const override { return part_; }
+
+  Status PutFile(const std::string& key, const std::string& dir, const std::string& name,
+                 double bps) override {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d,
+                             DefaultEnv()->OpenDirectory(dir, false));
+    py::gil_scoped_acquire g;
+    try {
+      py::object src = py::cast(std::shared_ptr<Directory>(std::move(d)));
+      store_.attr("put_file")(key, src, name, bps > 0 ? py::cast(bps) : py::none(), abort_);
+      return Status::OK();
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+  }
+  Status PutBytes(const std::string& key, std::string_view data) override {
+    py::gil_scoped_acquire g;
+    try {
+      store_.attr("put_bytes")(key, py::bytes(data.data(), data.size()));
+      return Status::OK();
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+  }
+  Result<std::string> GetBytes(const std::string& key, uint64_t limit) override {
+    py::gil_scoped_acquire g;
+    try {
+      py::object got = store_.attr("get_bytes")(key, limit);
+      if (got.is_none()) return Status::NotFound(url_ + "/" + key + ": not found");
+      return std::string(View(py::bytes(got)));
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+  }
+  Status GetChunks(const std::string& key, const std::function<Status(uint64_t)>& on_size,
+                   const std::function<Status(std::string_view)>& on_chunk) override {
+    py::gil_scoped_acquire g;
+    py::object it;
+    uint64_t size = 0;
+    try {
+      py::tuple got = store_.attr("get_chunks")(key);
+      size = got[0].cast<uint64_t>();
+      it = py::iter(got[1]);
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+    Status s;
+    {
+      py::gil_scoped_release r;
+      s = on_size(size);
+    }
+    while (s.ok()) {
+      py::object buf;
+      try {
+        PyObject* next = PyIter_Next(it.ptr());
+        if (next == nullptr) {
+          if (PyErr_Occurred() != nullptr) throw py::error_already_set();
+          break;
+        }
+        buf = py::reinterpret_steal<py::object>(next);
+      } catch (py::error_already_set& e) {
+        return Failed(e);
+      }
+      Py_buffer view;
+      if (PyObject_GetBuffer(buf.ptr(), &view, PyBUF_SIMPLE) != 0) {
+        py::error_already_set e;
+        return Failed(e);
+      }
+      {
+        py::gil_scoped_release r;  // buf and view stay referenced: nothing frees them
+        s = on_chunk(std::string_view(static_cast<const char*>(view.buf),
+                                      static_cast<size_t>(view.len)));
+      }
+      PyBuffer_Release(&view);
+    }
+    return s;
+  }
+  Result<std::vector<tier::StoredObject>> List(const std::string& prefix) override {
+    py::gil_scoped_acquire g;
+    try {
+      std::vector<tier::StoredObject> out;
+      for (py::handle row : store_.attr("list")(prefix)) {
+        py::tuple t = py::reinterpret_borrow<py::tuple>(row);
+        out.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>()});
+      }
+      return out;
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+  }
+  Status Delete(const std::vector<std::string>& keys) override {
+    py::gil_scoped_acquire g;
+    try {
+      store_.attr("delete")(keys);
+      return Status::OK();
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+  }
+
+  // With the GIL held. Forgets this thread's last failure (before a call).
+  void Forget() { errors_.erase(std::this_thread::get_id()); }
+  // With the GIL held. Raises `s`: the transport's own exception when `s`
+  // is the Status its failure on this thread became, else the class of its code.
+  [[noreturn]] void Raise(const Status& s) {
+    auto it = errors_.find(std::this_thread::get_id());
+    if (it != errors_.end() && it->second.first == s.message()) {
+      py::object exc = std::move(it->second.second);
+      errors_.erase(it);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      throw py::error_already_set();
+    }
+    throw StatusError(s);
+  }
+  // The event a throttled upload polls to stop (Uploader.close past its deadline).
+  void set_abort(py::object abort) { abort_ = std::move(abort); }
+
+ private:
+  // With the GIL held: the Status of a transport's exception, the
+  // exception kept for Raise.
+  Status Failed(py::error_already_set& e) {
+    e.restore();
+    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != nullptr) PyException_SetTraceback(value, tb);
+    py::object exc = py::reinterpret_steal<py::object>(value);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    const StatusCode code = StatusCodeOfException(exc.ptr());
+    std::string text = py::str(exc).cast<std::string>();
+    if (text.empty()) text = py::str(py::type::handle_of(exc).attr("__name__")).cast<std::string>();
+    errors_[std::this_thread::get_id()] = {text, exc};
+    return Status(code, text);
+  }
+
+  py::object store_;
+  const std::string url_;
+  const uint64_t part_;
+  py::object abort_ = py::none();
+  // Touched with the GIL held only.
+  std::map<std::thread::id, std::pair<std::string, py::object>> errors_;
+};
+
+// nonstop._core.RemoteTier: a PyTransport and the tier over it.
+class PyRemoteTier {
+ public:
+  explicit PyRemoteTier(py::object store)
+      : transport_(std::make_unique<PyTransport>(std::move(store))),
+        tier_(std::make_unique<tier::RemoteTier>(transport_.get(), DefaultEnv())) {}
+
+  // Runs `fn` on the tier with the GIL released; raises its error.
+  template <typename Fn>
+  auto Run(Fn&& fn) {
+    transport_->Forget();
+    decltype(fn(*tier_)) got = Status::Internal("unset");
+    {
+      py::gil_scoped_release r;
+      got = fn(*tier_);
+    }
+    if constexpr (std::is_same_v<decltype(got), Status>) {
+      if (!got.ok()) transport_->Raise(got);
+    } else {
+      if (!got.ok()) transport_->Raise(got.status());
+      return std::move(got).value();
+    }
+  }
+
+  PyTransport& transport() { return *transport_; }
+  tier::RemoteTier& tier() { return *tier_; }
+
+ private:
+  std::unique_ptr<PyTransport> transport_;
+  std::unique_ptr<tier::RemoteTier> tier_;
+};
+
+const char* StateName(tier::StepState s) {
+  switch (s) {
+    case tier::StepState::kCommitted: return "committed";
+    case tier::StepState::kUncommitted: return "uncommitted";
+    case tier::StepState::kDamaged: return "damaged";
+  }
+  return "damaged";
+}
+
+void InitRemoteTier(py::module_& m) {
+  py::class_<PyRemoteTier>(m, "RemoteTier",
+                           "The remote tier (tier/remote_tier.h) over a Python transport.")
+      .def(py::init<py::object>(), py::arg("transport"))
+      .def_property_readonly("url", [](PyRemoteTier& t) { return t.transport().url(); })
+      .def(
+          "list",
+          [](PyRemoteTier& t, uint32_t rank) {
+            auto held = t.Run([&](tier::RemoteTier& r) { return r.List(rank); });
+            py::list out;
+            for (const tier::HeldStep& s : held) {
+              py::dict d;
+              d["step"] = s.step;
+              d["state"] = StateName(s.state);
+              d["reason"] = s.reason;
+              d["marker"] = s.marker ? py::object(DocDict(*s.marker)) : py::none();
+              d["bytes"] = s.bytes;
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("rank") = 0,
+          "Every step directory, newest first: {step, state (committed, uncommitted, damaged), "
+          "reason, marker (dict or None), bytes (rank `rank`'s part)}.")
+      .def(
+          "committed_steps",
+          [](PyRemoteTier& t) {
+            std::vector<std::string> damaged;
+            auto steps = t.Run([&](tier::RemoteTier& r) { return r.CommittedSteps(&damaged); });
+            py::list out;
+            for (const auto& [step, doc] : steps) out.append(py::make_tuple(step, DocDict(doc)));
+            return py::make_tuple(out, damaged);
+          },
+          "([(step, marker)] newest first, [one line per marker that does not parse]).")
+      .def(
+          "fetch",
+          [](PyRemoteTier& t, int64_t step, uint32_t rank, const std::string& local_dir) {
+            return t.Run([&](tier::RemoteTier& r) { return r.Fetch(step, rank, local_dir); });
+          },
+          py::arg("step"), py::arg("rank"), py::arg("local_dir"),
+          "Rank `rank`'s part of committed `step`, verified (size, every unit's crc32), into "
+          "local_dir/remote/step-N/rank-R.nsck; returns that directory.")
+      .def(
+          "retain",
+          [](PyRemoteTier& t, uint32_t max_to_keep, uint64_t keep_every, uint32_t keep_max) {
+            return t.Run([&](tier::RemoteTier& r) {
+              return r.Retain({max_to_keep, keep_every, keep_max});
+            });
+          },
+          py::arg("max_to_keep"), py::arg("keep_every") = 0, py::arg("keep_max") = 0,
+          "Deletes the steps retention does not keep (marker first); how many went.")
+      .def(
+          "claim",
+          [](PyRemoteTier& t, const std::string& job, bool adopt, double unix_s) {
+            t.Run([&](tier::RemoteTier& r) { return r.Claim(job, adopt, unix_s); });
+          },
+          py::arg("job"), py::arg("adopt"), py::arg("unix_s"),
+          "This job owns the prefix (its JOB document); another job's is refused unless adopt.");
+}
+
 }  // namespace
 
 void InitRemote(py::module_& m) {
@@ -279,6 +551,7 @@ void InitRemote(py::module_& m) {
       "file `dest` (a path, or with dest_dir a name created O_EXCL|O_NOFOLLOW in that "
       "_core.Directory), verifying every chunk; returns {counter, step, data_bytes}.");
   InitRemoteLayout(m);
+  InitRemoteTier(m);
 }
 
 }  // namespace nonstop::py_bindings

@@ -1,0 +1,307 @@
+#include "tier/remote_tier.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nonstop/medium.h"
+
+namespace nonstop::tier {
+
+namespace rl = nonstop::remote;
+
+namespace {
+
+// A name as Python's repr() writes a str (the JOB refusal quotes both names
+// the way the Python front end's messages do).
+std::string Quoted(const std::string& s) {
+  const bool has_single = s.find('\'') != std::string::npos;
+  const char q = has_single && s.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, q);
+  for (unsigned char c : s) {
+    if (c == '\\' || c == static_cast<unsigned char>(q)) {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20 || c == 0x7f) {
+      char buf[5];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += q;
+  return out;
+}
+
+// What a fetch writes: the temp file of a one-slot copy being downloaded,
+// removed again unless committed.
+class FetchFile {
+ public:
+  FetchFile(Directory* dir, std::string name) : dir_(dir), name_(std::move(name)) {}
+  ~FetchFile() {
+    if (!done_) {
+      medium_.reset();
+      if (created_) (void)dir_->Unlink(name_);  // best effort: the next fetch removes it
+    }
+  }
+  Status Create() {
+    NONSTOP_ASSIGN_OR_RETURN(medium_, dir_->CreateFile(name_, MediumKind::kBuffered,
+                                                       MediumOptions{}));
+    created_ = true;
+    return Status::OK();
+  }
+  Status Append(std::string_view b) {
+    NONSTOP_RETURN_IF_ERROR(medium_->Write(offset_, b.data(), b.size()));
+    offset_ += b.size();
+    return Status::OK();
+  }
+  // fsync, rename over `dest`, directory fsync.
+  Status Commit(const std::string& dest) {
+    NONSTOP_RETURN_IF_ERROR(medium_->Sync());
+    medium_.reset();
+    NONSTOP_RETURN_IF_ERROR(dir_->Rename(name_, dest));
+    done_ = true;
+    return dir_->SyncDir();
+  }
+
+ private:
+  Directory* dir_;
+  std::string name_;
+  std::unique_ptr<Medium> medium_;
+  uint64_t offset_ = 0;
+  bool created_ = false;
+  bool done_ = false;
+};
+
+std::string PartName(uint32_t rank) {
+  const std::string key = rl::PartKey(0, rank);
+  return key.substr(key.find('/') + 1);  // rank-RRRRR.nsck
+}
+
+}  // namespace
+
+std::string LocalStepDir(const std::string& local_dir, int64_t step) {
+  std::string out = local_dir;
+  if (out.empty() || out.back() != '/') out += '/';
+  return out + kLocalDir + "/" + rl::StepDir(step);
+}
+
+Result<std::optional<rl::Doc>> RemoteTier::LoadDoc(const std::string& key) {
+  Result<std::string> got = t_->GetBytes(key, rl::kMaxDocBytes);
+  if (!got.ok()) {
+    if (got.status().code() == StatusCode::kNotFound) return std::optional<rl::Doc>();
+    return got.status();
+  }
+  NONSTOP_ASSIGN_OR_RETURN(rl::Doc doc, rl::DecodeDoc(got.value(), t_->url() + "/" + key));
+  return std::optional<rl::Doc>(std::move(doc));
+}
+
+Result<std::vector<HeldStep>> RemoteTier::List(uint32_t rank) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<StoredObject> objects, t_->List(""));
+  std::map<int64_t, HeldStep> steps;
+  std::set<int64_t> marked;
+  for (const StoredObject& o : objects) {
+    std::optional<rl::Key> k = rl::ParseKey(o.key);
+    if (!k) continue;
+    HeldStep& s = steps[k->step];
+    s.step = k->step;
+    if (k->kind == rl::Key::Kind::kPart && k->rank == rank) s.bytes = o.size;
+    if (k->kind == rl::Key::Kind::kMarker) marked.insert(k->step);
+  }
+  std::vector<HeldStep> out;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    HeldStep s = it->second;
+    if (marked.count(s.step) != 0) {
+      Result<std::optional<rl::Doc>> doc = LoadDoc(rl::MarkerKey(s.step));
+      if (!doc.ok() && doc.status().code() != StatusCode::kCorruption) return doc.status();
+      if (!doc.ok()) {
+        s.state = StepState::kDamaged;
+        s.reason = doc.status().message();
+      } else if (!doc.value() || doc.value()->step != s.step) {
+        s.state = StepState::kDamaged;  // gone since the listing, or another step's
+      } else {
+        s.state = StepState::kCommitted;
+        s.marker = *doc.value();
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+Result<std::vector<std::pair<int64_t, rl::Doc>>> RemoteTier::CommittedSteps(
+    std::vector<std::string>* damaged) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<HeldStep> held, List(0));
+  std::vector<std::pair<int64_t, rl::Doc>> out;
+  for (HeldStep& s : held) {
+    if (s.state == StepState::kCommitted) {
+      out.emplace_back(s.step, std::move(*s.marker));
+    } else if (s.state == StepState::kDamaged && !s.reason.empty() && damaged != nullptr) {
+      damaged->push_back(s.reason);
+    }
+  }
+  return out;
+}
+
+Result<std::string> RemoteTier::Fetch(int64_t step, uint32_t rank, const std::string& local_dir) {
+  const std::string where = t_->url() + "/" + rl::StepDir(step);
+  const std::string who = "rank " + std::to_string(rank) + "'s";
+  Result<std::string> marker = t_->GetBytes(rl::MarkerKey(step), rl::kMaxDocBytes);
+  if (!marker.ok() && marker.status().code() == StatusCode::kNotFound) {
+    return Status::Corruption(where + " is not committed (no COMMITTED marker)");
+  }
+  if (!marker.ok()) return marker.status();
+  const std::string man_key = rl::ManifestKey(step, rank);
+  Result<std::string> man_text = t_->GetBytes(man_key, rl::kMaxDocBytes);
+  if (!man_text.ok() && man_text.status().code() == StatusCode::kNotFound) {
+    return Status::Corruption(where + ": " + who + " manifest is missing");
+  }
+  if (!man_text.ok()) return man_text.status();
+  // both decoded, and of this step, rank and lineage
+  NONSTOP_ASSIGN_OR_RETURN(rl::Doc doc, rl::DecodeDoc(marker.value(), where + "/COMMITTED"));
+  NONSTOP_ASSIGN_OR_RETURN(
+      rl::Manifest man,
+      rl::DecodeManifest(man_text.value(), where + "/" + man_key.substr(man_key.find('/') + 1)));
+  NONSTOP_RETURN_IF_ERROR(rl::CheckFetch(doc, man, step, rank, where));
+
+  // local_dir/remote/step-N: every file in it created O_EXCL|O_NOFOLLOW relative to it
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> job, env_->OpenDirectory(local_dir, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, job->OpenDir(kLocalDir, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> dir, base->OpenDir(rl::StepDir(step), true));
+  const std::string dest = PartName(rank);
+  const std::string tmp = dest + ".fetch";
+
+  std::unique_ptr<FetchFile> out;
+  const uint64_t unit = man.part_bytes;
+  const std::vector<uint32_t>& crcs = man.part_crc32;
+  uint64_t size = 0, got = 0, fill = 0;
+  size_t idx = 0;
+  uLong crc = crc32_z(0L, Z_NULL, 0);
+  auto on_size = [&](uint64_t n) -> Status {
+    size = n;
+    if (size != man.bytes) {
+      return Status::Corruption(where + ": " + who + " part is " + std::to_string(size) +
+                                " bytes, the manifest says " + std::to_string(man.bytes));
+    }
+    Status gone = dir->Unlink(tmp);  // a stale temp of a fetch that died
+    if (!gone.ok() && gone.code() != StatusCode::kNotFound) return gone;
+    Result<FileStat> st = dir->Stat(dest);
+    if (st.ok() && st.value().type != EntryType::kFile) {
+      // a link (or folder) planted there: removed as itself, never followed
+      NONSTOP_RETURN_IF_ERROR(RemoveTree(*dir, dest));
+    } else if (!st.ok() && st.status().code() != StatusCode::kNotFound) {
+      return st.status();
+    }
+    out = std::make_unique<FetchFile>(dir.get(), tmp);
+    return out->Create();
+  };
+  auto on_chunk = [&](std::string_view b) -> Status {
+    if (got + b.size() > size) {
+      return Status::Corruption(where + ": " + who + " part is longer than stated");
+    }
+    while (!b.empty()) {
+      const uint64_t take = std::min<uint64_t>(b.size(), unit - fill);
+      crc = crc32_z(crc, reinterpret_cast<const Bytef*>(b.data()), take);
+      fill += take;
+      if (fill == unit || got + take == size) {
+        if (idx >= crcs.size() || crc != crcs[idx]) {
+          return Status::Corruption(where + ": " + who + " part " + std::to_string(idx) +
+                                    " (bytes " + std::to_string(idx * unit) +
+                                    "..) crc mismatch: damaged in the store");
+        }
+        ++idx;
+        crc = crc32_z(0L, Z_NULL, 0);
+        fill = 0;
+      }
+      NONSTOP_RETURN_IF_ERROR(out->Append(b.substr(0, take)));
+      got += take;
+      b.remove_prefix(take);
+    }
+    return Status::OK();
+  };
+  Status s = t_->GetChunks(rl::PartKey(step, rank), on_size, on_chunk);
+  if (s.code() == StatusCode::kNotFound && out == nullptr) {
+    return Status::Corruption(where + ": " + who + " part is missing");
+  }
+  NONSTOP_RETURN_IF_ERROR(s);
+  if (out == nullptr || got != size || idx != crcs.size()) {
+    return Status::Corruption(where + ": " + who + " part ended at " + std::to_string(got) +
+                              " of " + std::to_string(size) + " bytes");
+  }
+  NONSTOP_RETURN_IF_ERROR(out->Commit(dest));
+  return LocalStepDir(local_dir, step);
+}
+
+Result<int> RemoteTier::Retain(const rl::Retention& r) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<StoredObject> objects, t_->List(""));
+  std::map<int64_t, std::vector<std::string>> by_step;
+  for (const StoredObject& o : objects) {
+    std::optional<rl::Key> k = rl::ParseKey(o.key);
+    if (k) by_step[k->step].push_back(o.key);
+  }
+  std::vector<rl::StepState> steps;
+  for (const auto& [step, keys] : by_step) {
+    const std::string mk = rl::MarkerKey(step);
+    const bool committed = std::find(keys.begin(), keys.end(), mk) != keys.end();
+    std::optional<uint64_t> counter;
+    bool cached = false;
+    {
+      MutexLock l(&mu_);
+      auto it = counters_.find(step);
+      if (it != counters_.end()) {
+        counter = it->second;
+        cached = true;
+      }
+    }
+    if (committed && r.keep_every != 0 && !cached) {
+      Result<std::optional<rl::Doc>> doc = LoadDoc(mk);
+      if (!doc.ok() && doc.status().code() != StatusCode::kCorruption) return doc.status();
+      if (doc.ok() && doc.value()) counter = doc.value()->counter;
+      MutexLock l(&mu_);
+      counters_[step] = counter;
+    }
+    steps.push_back({step, committed, counter});
+  }
+  const std::vector<int64_t> doomed = rl::StepsToDelete(steps, r);
+  for (int64_t step : doomed) {
+    for (const std::vector<std::string>& batch : rl::DeleteBatches(by_step[step])) {
+      if (!batch.empty()) NONSTOP_RETURN_IF_ERROR(t_->Delete(batch));
+    }
+    MutexLock l(&mu_);
+    counters_.erase(step);
+  }
+  return static_cast<int>(doomed.size());
+}
+
+Status RemoteTier::Claim(const std::string& job, bool adopt, double unix_s) {
+  const std::string key = rl::JobKey();
+  Result<std::string> data = t_->GetBytes(key, rl::kMaxDocBytes);
+  if (!data.ok() && data.status().code() != StatusCode::kNotFound) return data.status();
+  if (data.ok()) {
+    NONSTOP_ASSIGN_OR_RETURN(std::string owner, rl::DecodeJob(data.value(), t_->url() + "/" + key));
+    if (owner == job) return Status::OK();
+    if (!adopt) {
+      return Status::FailedPrecondition(
+          "the remote " + t_->url() + " belongs to job " + Quoted(owner) + ", not to this job " +
+          Quoted(job) + ": pass remote_options={'adopt': True} to take its checkpoints over, " +
+          "or remote_options={'job': " + Quoted(owner) + "} if this is that job");
+    }
+  }
+  return t_->PutBytes(key, rl::EncodeJob(job, unix_s));
+}
+
+}  // namespace nonstop::tier

@@ -1,0 +1,68 @@
+// The remote tier (docs/TIERS.md): committed checkpoints copied to an
+// object store, or a plain directory used as one, under the layout and
+// commit rules of jobdir/remote_layout.h, and fetched back by a node that
+// lost its local directory. Everything but the bytes is decided here: which
+// steps are committed, what a fetch verifies (the manifest's size and the
+// crc32 of every unit while writing), which steps retention deletes and in
+// what order, whose job the prefix is. The bytes go through a Transport.
+//
+// Thread safety: one RemoteTier may be used from several threads (the
+// counters cache of Retain is guarded); its Transport must allow that too.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
+#include "jobdir/remote_layout.h"
+#include "nonstop/env.h"
+#include "nonstop/status.h"
+#include "tier/tier.h"
+#include "tier/transport.h"
+
+namespace nonstop::tier {
+
+// Local staging and fetch directory under a job directory:
+// DIR/remote/step-N/rank-R.nsck.
+inline constexpr const char* kLocalDir = "remote";
+
+class RemoteTier final : public Tier {
+ public:
+  // Neither is owned; both outlive the tier.
+  RemoteTier(Transport* transport, Env* env) : t_(transport), env_(env) {}
+
+  std::string where() const override { return t_->url(); }
+  Result<std::vector<HeldStep>> List(uint32_t rank) override;
+  Result<std::string> Fetch(int64_t step, uint32_t rank, const std::string& local_dir) override;
+  Result<int> Retain(const remote::Retention& r) override;
+
+  // The committed steps, newest first, with their markers; `damaged`
+  // (optional) receives one line per marker that does not parse (skipped).
+  Result<std::vector<std::pair<int64_t, remote::Doc>>> CommittedSteps(
+      std::vector<std::string>* damaged = nullptr);
+
+  // This job owns the prefix: one without a JOB document is claimed; one
+  // of another job is FailedPrecondition unless `adopt`, which takes it.
+  Status Claim(const std::string& job, bool adopt, double unix_s);
+
+ private:
+  // A marker, LEAD or skip note: nullopt when missing; Corruption when it
+  // does not parse.
+  Result<std::optional<remote::Doc>> LoadDoc(const std::string& key);
+
+  Transport* const t_;
+  Env* const env_;
+  Mutex mu_;
+  std::map<int64_t, std::optional<uint64_t>> counters_ GUARDED_BY(mu_);  // Retain's cache
+};
+
+// The path of the one-slot job directory a fetch of `step` writes under
+// `local_dir` (local_dir/remote/step-N).
+std::string LocalStepDir(const std::string& local_dir, int64_t step);
+
+}  // namespace nonstop::tier

@@ -1,0 +1,242 @@
+// The remote tier (tier/remote_tier.h) over an in-memory Transport and the
+// fault-injecting Env: a fetch verifies the size and every unit's crc32
+// and leaves nothing behind when the store or the disk fails; damaged
+// markers are skipped; retention deletes marker first and finishes a
+// deletion cut short; the JOB document refuses another job's prefix.
+#include "tier/remote_tier.h"
+
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "env/fault_env.h"
+#include "tier/memory_transport.h"
+
+namespace nonstop::tier {
+namespace {
+
+namespace rl = nonstop::remote;
+
+uint32_t Crc(std::string_view b) {
+  return static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(b.data()), b.size()));
+}
+
+class RemoteTierTest : public ::testing::Test {
+ protected:
+  RemoteTierTest() : env_(FaultEnv::Create()), store_(env_.get()), tier_(&store_, env_.get()) {}
+
+  // A committed step as an uploader leaves it: part, manifest, marker.
+  std::string Commit(int64_t step, uint64_t counter, int64_t lineage = 0, size_t bytes = 10000,
+                     uint32_t world = 1) {
+    std::string part(bytes, '\0');
+    for (size_t i = 0; i < bytes; ++i) part[i] = static_cast<char>((i * 31 + step) & 0xff);
+    std::vector<rl::Manifest> mans;
+    for (uint32_t r = 0; r < world; ++r) {
+      rl::Manifest m;
+      m.step = step;
+      m.counter = counter;
+      m.rank = r;
+      m.world_size = world;
+      m.lineage = lineage;
+      m.bytes = bytes;
+      m.part_bytes = 4096;
+      for (size_t at = 0; at < bytes; at += 4096) {
+        m.part_crc32.push_back(Crc(std::string_view(part).substr(at, 4096)));
+      }
+      store_.objects[rl::PartKey(step, r)] = part;
+      store_.objects[rl::ManifestKey(step, r)] = rl::EncodeManifest(m, 1.0);
+      mans.push_back(m);
+    }
+    rl::Doc d;
+    d.step = step;
+    d.world_size = world;
+    d.lineage = lineage;
+    d.counter = counter;
+    store_.objects[rl::MarkerKey(step)] = rl::EncodeMarker(d, mans, 1.0);
+    return part;
+  }
+
+  std::string ReadLocal(const std::string& dir, const std::string& name) {
+    auto d = env_->OpenDirectory(dir, false);
+    EXPECT_TRUE(d.ok()) << d.status().message();
+    MediumOptions ro;
+    ro.read_only = true;
+    auto m = d.value()->OpenFile(name, MediumKind::kBuffered, ro);
+    EXPECT_TRUE(m.ok()) << m.status().message();
+    std::string out(m.value()->Size(), '\0');
+    EXPECT_TRUE(m.value()->Read(0, out.data(), out.size()).ok());
+    return out;
+  }
+
+  // The names in the fetch directory of step `step`.
+  std::vector<std::string> Fetched(int64_t step) {
+    std::vector<std::string> out;
+    auto d = env_->OpenDirectory("/job/remote/" + rl::StepDir(step), false);
+    if (!d.ok()) return out;
+    Result<std::vector<DirEntry>> list = d.value()->List();
+    if (!list.ok()) return out;
+    for (const DirEntry& e : list.value()) out.push_back(e.name);
+    return out;
+  }
+
+  std::shared_ptr<FaultEnv> env_;
+  MemoryTransport store_;
+  RemoteTier tier_;
+};
+
+TEST_F(RemoteTierTest, FetchVerifiesAndWritesTheOneSlotCopy) {
+  const std::string part = Commit(7, 3);
+  Result<std::string> got = tier_.Fetch(7, 0, "/job");
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_EQ(got.value(), "/job/remote/step-000000000007");
+  EXPECT_EQ(ReadLocal(got.value(), "rank-00000.nsck"), part);
+  EXPECT_EQ(Fetched(7), std::vector<std::string>{"rank-00000.nsck"});
+  // a second fetch replaces the first copy
+  ASSERT_TRUE(tier_.Fetch(7, 0, "/job").ok());
+  EXPECT_EQ(Fetched(7), std::vector<std::string>{"rank-00000.nsck"});
+}
+
+TEST_F(RemoteTierTest, FetchRefusesAPartWithABadChecksumAndLeavesNothing) {
+  Commit(7, 3);
+  store_.objects[rl::PartKey(7, 0)][5000] ^= 1;  // one bit in the second unit
+  Result<std::string> got = tier_.Fetch(7, 0, "/job");
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(got.status().message(),
+            "mem://bucket/job/step-000000000007: rank 0's part 1 (bytes 4096..) crc mismatch: "
+            "damaged in the store");
+  EXPECT_TRUE(Fetched(7).empty());  // the temp file is gone, no copy named as fetched
+}
+
+TEST_F(RemoteTierTest, FetchRefusesWhatIsNotCommittedOrDoesNotMatch) {
+  Commit(7, 3);
+  store_.objects.erase(rl::MarkerKey(7));
+  Result<std::string> got = tier_.Fetch(7, 0, "/job");
+  EXPECT_EQ(got.status().message(),
+            "mem://bucket/job/step-000000000007 is not committed (no COMMITTED marker)");
+  Commit(8, 4);
+  store_.objects[rl::PartKey(8, 0)].resize(9000);  // cut short in the store
+  got = tier_.Fetch(8, 0, "/job");
+  EXPECT_EQ(got.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(got.status().message(), "mem://bucket/job/step-000000000008: rank 0's part is 9000 "
+                                    "bytes, the manifest says 10000");
+  Commit(9, 5);
+  store_.objects.erase(rl::PartKey(9, 0));
+  EXPECT_EQ(tier_.Fetch(9, 0, "/job").status().message(),
+            "mem://bucket/job/step-000000000009: rank 0's part is missing");
+  Commit(10, 6);
+  store_.objects.erase(rl::ManifestKey(10, 0));
+  EXPECT_EQ(tier_.Fetch(10, 0, "/job").status().message(),
+            "mem://bucket/job/step-000000000010: rank 0's manifest is missing");
+  Commit(11, 7, /*lineage=*/1);
+  Commit(12, 8, /*lineage=*/2);
+  store_.objects[rl::MarkerKey(11)] = store_.objects[rl::MarkerKey(12)];  // another step's
+  EXPECT_EQ(tier_.Fetch(11, 0, "/job").status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(tier_.Fetch(12, 1, "/job").status().code(), StatusCode::kCorruption);  // no rank 1
+}
+
+TEST_F(RemoteTierTest, AStoreOrDiskFailingMidFetchLeavesNoFile) {
+  Commit(7, 3);
+  store_.fail_chunk_from = 1;  // the connection goes after the first unit
+  Result<std::string> got = tier_.Fetch(7, 0, "/job");
+  EXPECT_EQ(got.status().code(), StatusCode::kIOError);
+  EXPECT_TRUE(Fetched(7).empty());
+  store_.fail_chunk_from = -1;
+  env_->InjectError(EnvOp::kSync, 1, 5);  // EIO on the copy's fsync
+  got = tier_.Fetch(7, 0, "/job");
+  EXPECT_EQ(got.status().code(), StatusCode::kIOError) << got.status().message();
+  EXPECT_TRUE(Fetched(7).empty());  // never renamed into place
+  env_->ClearFaults();
+  EXPECT_TRUE(tier_.Fetch(7, 0, "/job").ok());
+}
+
+TEST_F(RemoteTierTest, FetchRemovesALinkPlantedAtTheCopysNameNeverFollowingIt) {
+  Commit(7, 3);
+  ASSERT_TRUE(env_->OpenDirectory("/job/remote/step-000000000007", true).ok());
+  ASSERT_TRUE(env_->OpenDirectory("/outside", true).ok());
+  ASSERT_TRUE(env_->PlantSymlink("/job/remote/step-000000000007", "rank-00000.nsck",
+                                 "/outside/precious").ok());
+  ASSERT_TRUE(tier_.Fetch(7, 0, "/job").ok());
+  EXPECT_NE(env_->Dump().find("f job/remote/step-000000000007/rank-00000.nsck 10000"),
+            std::string::npos)
+      << env_->Dump();
+}
+
+TEST_F(RemoteTierTest, ListAndCommittedStepsSkipDamagedMarkers) {
+  Commit(3, 1);
+  Commit(5, 2);
+  Commit(9, 3);
+  store_.objects[rl::MarkerKey(5)] = "{not json";
+  store_.objects.erase(rl::MarkerKey(9));  // an upload under way
+  std::vector<std::string> damaged;
+  auto steps = tier_.CommittedSteps(&damaged);
+  ASSERT_TRUE(steps.ok());
+  ASSERT_EQ(steps.value().size(), 1u);
+  EXPECT_EQ(steps.value()[0].first, 3);
+  EXPECT_EQ(steps.value()[0].second.counter, 1u);
+  ASSERT_EQ(damaged.size(), 1u);
+  EXPECT_NE(damaged[0].find("step-000000000005/COMMITTED"), std::string::npos) << damaged[0];
+  auto held = tier_.List(0);
+  ASSERT_TRUE(held.ok());
+  ASSERT_EQ(held.value().size(), 3u);
+  EXPECT_EQ(held.value()[0].step, 9);
+  EXPECT_EQ(held.value()[0].state, StepState::kUncommitted);
+  EXPECT_EQ(held.value()[1].state, StepState::kDamaged);
+  EXPECT_EQ(held.value()[2].state, StepState::kCommitted);
+  EXPECT_EQ(held.value()[2].bytes, 10000u);
+  store_.fail_list_from = 0;
+  EXPECT_EQ(tier_.CommittedSteps().status().code(), StatusCode::kIOError);
+}
+
+TEST_F(RemoteTierTest, RetentionDeletesMarkerFirstAndFinishesACutShortDeletion) {
+  for (int s = 0; s < 4; ++s) Commit(s, s + 1);
+  store_.objects["step-000000000005/rank-00000.nsck"] = "an upload under way";
+  store_.fail_delete_from = 1;  // the marker goes, then the store goes away
+  Result<int> got = tier_.Retain({2, 0, 0});
+  EXPECT_EQ(got.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(store_.objects.count(rl::MarkerKey(0)), 0u);
+  EXPECT_EQ(store_.objects.count(rl::PartKey(0, 0)), 1u);  // uncommitted now, never read
+  auto steps = tier_.CommittedSteps();
+  ASSERT_EQ(steps.value().size(), 3u);
+  store_.fail_delete_from = -1;
+  got = tier_.Retain({2, 0, 0});
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_EQ(got.value(), 2);  // step 1, and what was left of step 0
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : store_.objects) keys.push_back(k.substr(0, 17));
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  EXPECT_EQ(keys, (std::vector<std::string>{"step-000000000002", "step-000000000003",
+                                            "step-000000000005"}));
+  // keep=k: a multiple of k stays (the marker's counter, read once)
+  Commit(6, 10);
+  Commit(7, 11);
+  Commit(8, 12);
+  got = tier_.Retain({1, 5, 0});
+  ASSERT_TRUE(got.ok());
+  auto left = tier_.CommittedSteps();
+  std::vector<int64_t> kept;
+  for (const auto& [s, d] : left.value()) kept.push_back(s);
+  EXPECT_EQ(kept, (std::vector<int64_t>{8, 6}));  // newest, and counter 10
+}
+
+TEST_F(RemoteTierTest, ClaimRefusesAnotherJobsPrefixUnlessAdopted) {
+  ASSERT_TRUE(tier_.Claim("job-a", false, 1.0).ok());
+  EXPECT_TRUE(tier_.Claim("job-a", false, 2.0).ok());
+  Status s = tier_.Claim("job-b", false, 3.0);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(),
+            "the remote mem://bucket/job belongs to job 'job-a', not to this job 'job-b': pass "
+            "remote_options={'adopt': True} to take its checkpoints over, or "
+            "remote_options={'job': 'job-a'} if this is that job");
+  ASSERT_TRUE(tier_.Claim("job-b", true, 4.0).ok());
+  EXPECT_EQ(tier_.Claim("job-a", false, 5.0).code(), StatusCode::kFailedPrecondition);
+  store_.objects[rl::JobKey()] = "garbage";
+  EXPECT_EQ(tier_.Claim("job-b", false, 6.0).code(), StatusCode::kCorruption);
+}
+
+}  // namespace
+}  // namespace nonstop::tier

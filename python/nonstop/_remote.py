@@ -37,7 +37,6 @@ import warnings
 import urllib.error
 import urllib.parse
 import urllib.request
-import zlib
 from datetime import datetime, timedelta, timezone
 from typing import Optional
 
@@ -673,6 +672,7 @@ class Uploader:
         self._skipped: set = set()  # steps this follower told rank 0 it cannot upload
         self._stop = threading.Event()
         self._abort = threading.Event()
+        self._tier.set_abort(self._abort)  # a throttled put_file stops when it is set
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"nonstop-remote-{rank}",
                                         daemon=True)
@@ -800,99 +800,33 @@ class Uploader:
         # checkpoint's own, as local recovery keys it.
         meta = json.loads(info["meta_json"].decode("utf-8"))
         lineage = int((meta.get("dist") or {}).get("lineage", 0))
-        try:
-            marker = _load_doc(self.store, Layout.marker(step))
-        except CorruptCheckpointError:
-            marker = None  # a damaged marker: uploaded again, the marker rewritten
-        # A checkpoint is its counter, not its step: after a rollback the
-        # step's old marker names the abandoned checkpoint (one process: the
-        # marker's counter is this rank's; distributed: the run's lineage).
-        same = marker is not None and marker["lineage"] == lineage and (
-            self.world > 1 or marker.get("counter") == counter)
-        if same:
+        # The upload and rank 0's commit are C++'s (RemoteTier::Publish): the
+        # step's marker of another checkpoint (an abandoned future) goes
+        # first, LEAD, checksums, part, manifest, then COMMITTED once every
+        # rank's manifest is there; the GIL is released while it runs.
+        rep = self._tier.publish(step, counter, lineage, self.rank, self.world, sdir, name,
+                                 self.bps, self.commit_timeout_s, self.poll_s)
+        out = rep["outcome"]
+        if out == "skipped_existing":
             self.stats["skipped_existing"] += 1  # already there (a restart of the same run)
-            self.done_step = step
-            self._drop_staged(keep_step=step)
-            return
-        if marker is not None and self.world == 1:
-            # The old checkpoint of this step: its marker goes first, so that
-            # the step is never committed over a mix of old and new objects.
-            self.store.delete([Layout.marker(step)])
-        if self.world > 1 and self.rank == 0:
-            self.store.put_bytes(Layout.lead(step), _rl().encode_lead(
-                step, self.world, lineage, time.time()))
-        t0 = time.perf_counter()
-        crcs, size = [], 0
-        with sd.open(name) as f:  # through the seam: a link there is refused
-            part = _rl().checksum_unit(f.size, self.store.part_bytes)
-            while True:
-                buf = f.read(part)  # filled with the GIL released
-                if not buf:
-                    break
-                size += len(buf)
-                crcs.append(zlib.crc32(buf))  # zlib releases the GIL on large buffers
-        t1 = time.perf_counter()
-        self.stats["crc_s"] += t1 - t0
-        self.store.put_file(Layout.part(step, self.rank), sd, name, self.bps, self._abort)
-        self.stats["put_s"] += time.perf_counter() - t1
-        self.store.put_bytes(Layout.manifest(step, self.rank), _rl().encode_manifest(
-            step, counter, self.rank, self.world, lineage, size, part, crcs, time.time()))
-        dt = time.perf_counter() - t0
-        self.stats["uploads"] += 1
-        self.stats["bytes"] += size
-        self.stats["upload_s"] += dt
-        self.stats["last_GBps"] = size / dt / 1e9 if dt > 0 else 0.0
-        if self.rank == 0:
-            self._commit(step, counter, lineage)
+        else:
+            self.stats["uploads"] += 1
+            self.stats["bytes"] += rep["bytes"]
+            self.stats["upload_s"] += rep["upload_s"]
+            self.stats["crc_s"] += rep["crc_s"]
+            self.stats["put_s"] += rep["put_s"]
+            dt = rep["upload_s"]
+            self.stats["last_GBps"] = rep["bytes"] / dt / 1e9 if dt > 0 else 0.0
+        if out == "committed":
+            self.stats["committed"] += 1
+            self._retain()
+        elif out == "given_up":  # a rank no longer holds the step: not an error
+            self.stats["given_up"] += 1
+        elif out == "not_committed":
+            self.stats["failures"] += 1
+            self.stats["last_error"] = rep["error"]
         self.done_step = step
         self._drop_staged(keep_step=step)
-
-    def _commit(self, step: int, counter: int, lineage: int) -> None:
-        """Rank 0: COMMITTED once every rank's manifest of this step and
-        lineage is there. Gives the step up when a newer target appears and
-        the others did not come within commit_timeout_s."""
-        t0 = time.monotonic()
-        while True:
-            keys = {k for k, _ in self.store.list(Layout.step_dir(step))}
-            rl = _rl()
-            mans, gone = {}, []  # rank -> manifest text of this step and lineage
-            for r in range(self.world):
-                key = Layout.manifest(step, r)
-                text = self.store.get_bytes(key, MAX_JSON_BYTES) if key in keys else None
-                m = None
-                if text is not None:
-                    try:
-                        m = rl.decode_manifest(text, f"{self.store.url}/{key}")
-                    except CorruptCheckpointError:
-                        m = None  # not a manifest of ours: as if absent
-                if m is not None and m["step"] == step and m["lineage"] == lineage:
-                    mans[r] = text
-                elif r > 0 and Layout.skip(step, r) in keys:
-                    try:
-                        sk = _load_doc(self.store, Layout.skip(step, r)) or {}
-                    except CorruptCheckpointError:
-                        sk = {}
-                    if sk.get("step") == step and sk.get("lineage") == lineage:
-                        gone.append(r)
-            if gone:  # a rank no longer holds the step: it can never commit. Not
-                # an error (checkpoints came faster than uploads; the newest wins)
-                self.stats["given_up"] += 1
-                return
-            # the commit rule is C++'s: a marker only when every rank's manifest is there
-            marker = rl.commit_marker(step, self.world, lineage, counter,
-                                      [mans[r] for r in sorted(mans)], time.time())
-            if marker is not None:
-                self.store.put_bytes(Layout.marker(step), marker)
-                self.stats["committed"] += 1
-                self._retain()
-                return
-            if time.monotonic() - t0 > self.commit_timeout_s or (
-                    self._stop.is_set() and self._deadline_passed()):
-                self.stats["failures"] += 1
-                self.stats["last_error"] = (f"step {step}: only ranks {sorted(mans)} of "
-                                            f"{self.world} uploaded; not committed")
-                return
-            time.sleep(max(self.poll_s, 0.1))
 
     def _retain(self) -> None:
         self.stats["deleted_steps"] += retain(self.store, self.max_to_keep, self.keep,
@@ -926,6 +860,7 @@ class Uploader:
         close_timeout_s), then stops the thread."""
         self._stop_time = time.monotonic()
         self._close_deadline = self._stop_time + (self.close_timeout_s if wait else 0.0)
+        self._tier.stop(self.close_timeout_s if wait else 0.0)  # a commit wait ends by then
         self._stop.set()
         self._wake.set()
         self._thread.join(self.close_timeout_s if wait else 0.0)

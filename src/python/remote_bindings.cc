@@ -427,6 +427,18 @@ class PyRemoteTier {
   std::unique_ptr<tier::RemoteTier> tier_;
 };
 
+const char* OutcomeName(tier::PublishReport::Outcome o) {
+  using O = tier::PublishReport::Outcome;
+  switch (o) {
+    case O::kUploaded: return "uploaded";
+    case O::kCommitted: return "committed";
+    case O::kSkippedExisting: return "skipped_existing";
+    case O::kGivenUp: return "given_up";
+    case O::kNotCommitted: return "not_committed";
+  }
+  return "uploaded";
+}
+
 const char* StateName(tier::StepState s) {
   switch (s) {
     case tier::StepState::kCommitted: return "committed";
@@ -487,6 +499,40 @@ void InitRemoteTier(py::module_& m) {
           },
           py::arg("max_to_keep"), py::arg("keep_every") = 0, py::arg("keep_max") = 0,
           "Deletes the steps retention does not keep (marker first); how many went.")
+      .def(
+          "publish",
+          [](PyRemoteTier& t, int64_t step, uint64_t counter, int64_t lineage, uint32_t rank,
+             uint32_t world, const std::string& dir, const std::string& name,
+             std::optional<double> bps, double commit_timeout_s, double poll_s) {
+            tier::PublishRequest req{step, counter, lineage, rank, world, dir, name};
+            tier::PublishOptions o;
+            o.bps = bps.value_or(0.0);
+            o.commit_timeout_s = commit_timeout_s;
+            o.poll_s = poll_s;
+            tier::PublishReport rep =
+                t.Run([&](tier::RemoteTier& r) { return r.Publish(req, o); });
+            py::dict d;
+            d["outcome"] = OutcomeName(rep.outcome);
+            d["bytes"] = rep.bytes;
+            d["crc_s"] = rep.crc_s;
+            d["put_s"] = rep.put_s;
+            d["upload_s"] = rep.upload_s;
+            d["error"] = rep.error.empty() ? py::object(py::none()) : py::cast(rep.error);
+            return d;
+          },
+          py::arg("step"), py::arg("counter"), py::arg("lineage"), py::arg("rank"),
+          py::arg("world_size"), py::arg("dir"), py::arg("name"), py::arg("bps") = py::none(),
+          py::arg("commit_timeout_s") = 120.0, py::arg("poll_s") = 0.05,
+          "Uploads the staged one-slot copy dir/name of `step` (checksums, part, manifest) "
+          "and, on rank 0, commits it (RemoteTier::Publish); returns {outcome (uploaded, "
+          "committed, skipped_existing, given_up, not_committed), bytes, crc_s, put_s, "
+          "upload_s, error}.")
+      .def(
+          "stop", [](PyRemoteTier& t, double wait_s) { t.tier().Stop(wait_s); },
+          py::arg("wait_s"), "A commit wait ends wait_s seconds from now at the latest.")
+      .def(
+          "set_abort", [](PyRemoteTier& t, py::object ev) { t.transport().set_abort(ev); },
+          py::arg("event"), "The event a throttled upload polls to stop (put_file's abort).")
       .def(
           "claim",
           [](PyRemoteTier& t, const std::string& job, bool adopt, double unix_s) {

@@ -3,7 +3,9 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <thread>
 #include <map>
 #include <memory>
 #include <set>
@@ -86,6 +88,12 @@ class FetchFile {
   bool created_ = false;
   bool done_ = false;
 };
+
+// Seconds since the epoch, for the documents' informational unix_s.
+double WallNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 std::string PartName(uint32_t rank) {
   const std::string key = rl::PartKey(0, rank);
@@ -302,6 +310,150 @@ Status RemoteTier::Claim(const std::string& job, bool adopt, double unix_s) {
     }
   }
   return t_->PutBytes(key, rl::EncodeJob(job, unix_s));
+}
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string RankList(const std::map<uint32_t, rl::Manifest>& mans) {
+  std::string out = "[";
+  for (const auto& [r, m] : mans) out += (out.size() > 1 ? ", " : "") + std::to_string(r);
+  return out + "]";
+}
+
+}  // namespace
+
+void RemoteTier::Stop(double wait_s) {
+  const auto at = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::duration<double>(std::max(0.0, wait_s)));
+  stop_ns_.store(at.time_since_epoch().count());
+}
+
+bool RemoteTier::StopPassed() const {
+  return std::chrono::steady_clock::now().time_since_epoch().count() > stop_ns_.load();
+}
+
+Result<PublishReport> RemoteTier::Publish(const PublishRequest& req, const PublishOptions& o) {
+  PublishReport rep;
+  const int64_t step = req.step;
+  // A checkpoint is its counter, not its step: after a rollback the step's
+  // old marker names the abandoned checkpoint (one process: the marker's
+  // counter is this rank's; distributed: the run's lineage).
+  Result<std::optional<rl::Doc>> marker = LoadDoc(rl::MarkerKey(step));
+  if (!marker.ok() && marker.status().code() != StatusCode::kCorruption) return marker.status();
+  // a damaged marker: uploaded again, the marker rewritten
+  std::optional<rl::Doc> old = marker.ok() ? marker.value() : std::nullopt;
+  if (old && old->lineage == req.lineage && (req.world_size > 1 || old->counter == req.counter)) {
+    rep.outcome = PublishReport::Outcome::kSkippedExisting;
+    return rep;
+  }
+  if (old && req.world_size == 1) NONSTOP_RETURN_IF_ERROR(t_->Delete({rl::MarkerKey(step)}));
+  if (req.world_size > 1 && req.rank == 0) {
+    rl::Doc lead;
+    lead.step = step;
+    lead.world_size = req.world_size;
+    lead.lineage = req.lineage;
+    NONSTOP_RETURN_IF_ERROR(t_->PutBytes(rl::LeadKey(step), rl::EncodeLead(lead, WallNow())));
+  }
+
+  // the checksums of the staged copy, read through the seam (a link there is refused)
+  const double t0 = Now();
+  rl::Manifest man;
+  man.step = step;
+  man.counter = req.counter;
+  man.rank = req.rank;
+  man.world_size = req.world_size;
+  man.lineage = req.lineage;
+  {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> dir, env_->OpenDirectory(req.dir, false));
+    MediumOptions ro;
+    ro.read_only = true;
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> f,
+                             dir->OpenFile(req.name, MediumKind::kBuffered, ro));
+    man.bytes = f->Size();
+    man.part_bytes = rl::ChecksumUnit(man.bytes, t_->part_bytes());
+    std::string buf(std::min<uint64_t>(man.part_bytes, std::max<uint64_t>(man.bytes, 1)), '\0');
+    for (uint64_t at = 0; at < man.bytes; at += man.part_bytes) {
+      const uint64_t n = std::min<uint64_t>(man.part_bytes, man.bytes - at);
+      NONSTOP_RETURN_IF_ERROR(f->Read(at, buf.data(), n));
+      man.part_crc32.push_back(static_cast<uint32_t>(
+          crc32_z(crc32_z(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(buf.data()), n)));
+    }
+  }
+  const double t1 = Now();
+  rep.crc_s = t1 - t0;
+  NONSTOP_RETURN_IF_ERROR(t_->PutFile(rl::PartKey(step, req.rank), req.dir, req.name, o.bps));
+  rep.put_s = Now() - t1;
+  std::string text = rl::EncodeManifest(man, WallNow());
+  NONSTOP_RETURN_IF_ERROR(rl::DecodeManifest(text, "the manifest being written").status());
+  NONSTOP_RETURN_IF_ERROR(t_->PutBytes(rl::ManifestKey(step, req.rank), text));
+  rep.upload_s = Now() - t0;
+  rep.bytes = man.bytes;
+  if (req.rank != 0) return rep;
+
+  // Rank 0: COMMITTED once every rank's manifest of this step and lineage is there.
+  rl::Doc commit;
+  commit.step = step;
+  commit.world_size = req.world_size;
+  commit.lineage = req.lineage;
+  commit.counter = req.counter;
+  const double start = Now();
+  while (true) {
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<StoredObject> listed, t_->List(rl::StepDir(step)));
+    std::set<std::string> keys;
+    for (const StoredObject& ob : listed) keys.insert(ob.key);
+    std::map<uint32_t, rl::Manifest> mans;
+    bool gone = false;
+    for (uint32_t r = 0; r < req.world_size; ++r) {
+      const std::string key = rl::ManifestKey(step, r);
+      std::optional<rl::Manifest> m;
+      if (keys.count(key) != 0) {
+        Result<std::string> got = t_->GetBytes(key, rl::kMaxDocBytes);
+        if (!got.ok() && got.status().code() != StatusCode::kNotFound &&
+            got.status().code() != StatusCode::kCorruption) {
+          return got.status();
+        }
+        if (got.ok()) {
+          Result<rl::Manifest> d = rl::DecodeManifest(got.value(), t_->url() + "/" + key);
+          if (d.ok()) m = std::move(d).value();  // not a manifest of ours: as if absent
+        }
+      }
+      if (m && m->step == step && m->lineage == req.lineage) {
+        mans[r] = std::move(*m);
+      } else if (r > 0 && keys.count(rl::SkipKey(step, r)) != 0) {
+        Result<std::optional<rl::Doc>> sk = LoadDoc(rl::SkipKey(step, r));
+        if (!sk.ok() && sk.status().code() != StatusCode::kCorruption) return sk.status();
+        if (sk.ok() && sk.value() && sk.value()->step == step &&
+            sk.value()->lineage == req.lineage) {
+          gone = true;
+        }
+      }
+    }
+    if (gone) {  // a rank no longer holds the step: it can never commit
+      rep.outcome = PublishReport::Outcome::kGivenUp;
+      return rep;
+    }
+    std::vector<rl::Manifest> all;
+    for (auto& [r, m] : mans) all.push_back(m);
+    if (rl::Committed(commit, all)) {
+      NONSTOP_RETURN_IF_ERROR(
+          t_->PutBytes(rl::MarkerKey(step), rl::EncodeMarker(commit, all, WallNow())));
+      rep.outcome = PublishReport::Outcome::kCommitted;
+      return rep;
+    }
+    if (Now() - start > o.commit_timeout_s || StopPassed()) {
+      rep.outcome = PublishReport::Outcome::kNotCommitted;
+      rep.error = "step " + std::to_string(step) + ": only ranks " + RankList(mans) + " of " +
+                  std::to_string(req.world_size) + " uploaded; not committed";
+      return rep;
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(o.poll_s, 0.1)));
+  }
 }
 
 }  // namespace nonstop::tier

@@ -10,6 +10,7 @@
 // counters cache of Retain is guarded); its Transport must allow that too.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -40,6 +41,24 @@ class RemoteTier final : public Tier {
   Result<std::vector<HeldStep>> List(uint32_t rank) override;
   Result<std::string> Fetch(int64_t step, uint32_t rank, const std::string& local_dir) override;
   Result<int> Retain(const remote::Retention& r) override;
+  // The upload of one staged one-slot copy (req.dir/req.name) and, on rank
+  // 0, the commit:
+  //  - a step already committed by this checkpoint (its marker's lineage,
+  //    and with one process its counter) is not uploaded again;
+  //  - a marker of another checkpoint of the step (an abandoned future after
+  //    a rollback) is deleted first, so that the step is never committed
+  //    over a mix of old and new objects;
+  //  - world > 1: rank 0 writes LEAD before its part (the others follow it);
+  //  - the part's crc32 per unit (remote_layout.h ChecksumUnit), the part,
+  //    then its manifest; rank 0 then waits for every rank's manifest of the
+  //    step and lineage and writes COMMITTED, gives the step up when a rank
+  //    left a skip note, and stops waiting after commit_timeout_s or once
+  //    Stop's deadline has passed.
+  Result<PublishReport> Publish(const PublishRequest& req, const PublishOptions& o) override;
+
+  // From now on, a commit wait ends `wait_s` seconds from now at the latest
+  // (the uploader closing). Any thread.
+  void Stop(double wait_s);
 
   // The committed steps, newest first, with their markers; `damaged`
   // (optional) receives one line per marker that does not parse (skipped).
@@ -55,10 +74,14 @@ class RemoteTier final : public Tier {
   // does not parse.
   Result<std::optional<remote::Doc>> LoadDoc(const std::string& key);
 
+  bool StopPassed() const;
+
   Transport* const t_;
   Env* const env_;
   Mutex mu_;
   std::map<int64_t, std::optional<uint64_t>> counters_ GUARDED_BY(mu_);  // Retain's cache
+  // Stop's deadline (steady clock, ns since its epoch); INT64_MAX: none.
+  std::atomic<int64_t> stop_ns_{INT64_MAX};
 };
 
 // The path of the one-slot job directory a fetch of `step` writes under

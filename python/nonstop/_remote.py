@@ -59,13 +59,6 @@ def _rl():
     return _ext.core().remote_layout
 
 
-def _local_dir(job_dir: str, step: int):
-    """job_dir/remote/step-N as a _core.Directory (the Env seam: every file
-    in it is created O_EXCL|O_NOFOLLOW relative to it), made when missing."""
-    d = _ext.core().Directory(job_dir, create=True)
-    return d.subdir(LOCAL_DIR, create=True).subdir(Layout.step_dir(step), create=True)
-
-
 class Layout:
     """The names of a remote checkpoint's objects, each from C++
     (remote_layout.h): nothing in Python builds or parses a name."""
@@ -110,12 +103,6 @@ class Layout:
         """(step, kind, rank) of "step-N/NAME", kind in part, manifest,
         marker, lead, skip, other; None for any other key."""
         return _rl().parse_key(key)
-
-    @staticmethod
-    def step_of_dir(name: str) -> Optional[int]:
-        """N of a directory named step-N (the local staging), else None."""
-        got = None if "/" in name else _rl().parse_key(name + "/COMMITTED")
-        return None if got is None else got[0]
 
 
 def _decode_doc(data: bytes, what: str) -> dict:
@@ -770,42 +757,22 @@ class Uploader:
 
     def _upload(self, counter: int, step: int) -> None:
         self.busy_step = step
-        sdir = os.path.join(self.dir, LOCAL_DIR, Layout.step_dir(step))
-        sd = _local_dir(self.dir, step)
-        name = f"rank-{self.rank:05d}.nsck"
-        info = None
+        # The staged one-slot copy (C++, tier/staging.h: every chunk verified;
+        # a copy of this counter staged before a restart is kept) and the
+        # checkpoint's own lineage (distributed: one run from one restored
+        # state), as local recovery keys it.
         t_stage = time.perf_counter()
-        st = sd.stat(name)
-        if st is not None and st[0] != "file":  # a link (or anything else) planted there:
-            sd.remove_tree(name)                 # removed as itself, never followed
-        elif st is not None:  # staged before a restart, or fetched: the same checkpoint?
-            try:
-                info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
-            except Exception:  # noqa: BLE001 -- unreadable: staged again
-                info = None
-            if info is None or int(info["counter"]) != counter or not info["committed"]:
-                sd.unlink(name)
-                info = None
-        if info is None:  # a one-slot copy, every chunk verified, created O_EXCL|O_NOFOLLOW
-            tmp = name + ".tmp"
-            sd.unlink(tmp, missing_ok=True)
-            self.core().copy_checkpoint(self.dir, self.rank, counter, tmp, dest_dir=sd)
-            sd.rename(tmp, name)
-            sd.sync()
-            info = self.core().Reader(sdir, rank=self.rank, verify_data=False).checkpoints[0]
+        staged = self.core().RemoteTier.stage(self.dir, self.rank, counter, step)
         self.stats["stage_s"] += time.perf_counter() - t_stage
         if self.on_staged is not None:  # its ring slot may be reused now
             self.on_staged(counter)
-        # The lineage (distributed: one run from one restored state) is the
-        # checkpoint's own, as local recovery keys it.
-        meta = json.loads(info["meta_json"].decode("utf-8"))
-        lineage = int((meta.get("dist") or {}).get("lineage", 0))
+        lineage = staged["lineage"]
         # The upload and rank 0's commit are C++'s (RemoteTier::Publish): the
         # step's marker of another checkpoint (an abandoned future) goes
         # first, LEAD, checksums, part, manifest, then COMMITTED once every
         # rank's manifest is there; the GIL is released while it runs.
-        rep = self._tier.publish(step, counter, lineage, self.rank, self.world, sdir, name,
-                                 self.bps, self.commit_timeout_s, self.poll_s)
+        rep = self._tier.publish(step, counter, lineage, self.rank, self.world, staged["dir"],
+                                 staged["name"], self.bps, self.commit_timeout_s, self.poll_s)
         out = rep["outcome"]
         if out == "skipped_existing":
             self.stats["skipped_existing"] += 1  # already there (a restart of the same run)
@@ -833,17 +800,11 @@ class Uploader:
                                               self.keep_max, self._tier)
 
     def _drop_staged(self, keep_step: int) -> None:
-        """Removes the staged step directories but `keep_step`'s, through the
-        seam: each is opened O_NOFOLLOW relative to its parent, and a link
-        planted anywhere in them is removed as a link, never followed."""
-        base = _ext.core().Directory(self.dir).subdir(LOCAL_DIR, create=True)
-        for name, _ in base.list():
-            s = Layout.step_of_dir(name)
-            if s is not None and s != keep_step:
-                try:
-                    base.remove_tree(name)
-                except CheckpointError as e:  # left for the next round; said in stats
-                    self.stats["last_error"] = f"removing staged {name}: {e}"
+        """Removes the staged step directories but `keep_step`'s (C++, through
+        the seam: a link planted anywhere in them is removed as a link, never
+        followed); one that cannot go is left for the next round."""
+        for err in self.core().RemoteTier.drop_staged(self.dir, keep_step):
+            self.stats["last_error"] = err
 
     # -- control
 

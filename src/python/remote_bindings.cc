@@ -1,11 +1,3 @@
-// nonstop._core.copy_checkpoint: the staging copy of the remote tier's
-// uploader (python/nonstop/_remote.py): a committed checkpoint of a rank's slot
-// file copied into a new one-slot file (the same bytes, counter, step,
-// tensors, metadata and checksums; store.h CopyCheckpoint), verifying every
-// chunk crc on the way. The copy is what gets uploaded and what a replaced
-// node fetches back. A slot reused while it is being copied fails the crc
-// check: the copy is then an error, never a mix of two checkpoints.
-//
 // nonstop._core.remote_layout: the names of a remote checkpoint's objects
 // (jobdir/remote_layout.h) and the LEAD/skip notes the Python uploader's
 // follower pick still reads and writes.
@@ -42,6 +34,7 @@
 #include "jobdir/remote_layout.h"
 #include "python/bindings.h"
 #include "tier/remote_tier.h"
+#include "tier/staging.h"
 #include "tier/transport.h"
 
 namespace py = pybind11;
@@ -426,6 +419,34 @@ void InitRemoteTier(py::module_& m) {
           "and, on rank 0, commits it (RemoteTier::Publish); returns {outcome (uploaded, "
           "committed, skipped_existing, given_up, not_committed), bytes, crc_s, put_s, "
           "upload_s, error}.")
+      .def_static(
+          "stage",
+          [](const std::string& job_dir, uint32_t rank, uint64_t counter, int64_t step) {
+            Result<tier::StagedCopy> got = Status::Internal("unset");
+            {
+              py::gil_scoped_release r;
+              got = tier::StageCopy(DefaultEnv(), job_dir, rank, counter, step);
+            }
+            tier::StagedCopy c = Take(std::move(got));
+            py::dict d;
+            d["dir"] = c.dir;
+            d["name"] = c.name;
+            d["step"] = c.step;
+            d["counter"] = c.counter;
+            d["lineage"] = c.lineage;
+            return d;
+          },
+          py::arg("job_dir"), py::arg("rank"), py::arg("counter"), py::arg("step"),
+          "The staged one-slot copy of committed checkpoint `counter` (tier/staging.h): "
+          "{dir, name, step, counter, lineage}.")
+      .def_static(
+          "drop_staged",
+          [](const std::string& job_dir, int64_t keep_step) {
+            py::gil_scoped_release r;
+            return tier::DropStaged(DefaultEnv(), job_dir, keep_step);
+          },
+          py::arg("job_dir"), py::arg("keep_step"),
+          "Removes the staged step folders but keep_step's; one line per folder left.")
       .def(
           "stop", [](PyRemoteTier& t, double wait_s) { t.tier().Stop(wait_s); },
           py::arg("wait_s"), "A commit wait ends wait_s seconds from now at the latest.")
@@ -444,57 +465,6 @@ void InitRemoteTier(py::module_& m) {
 }  // namespace
 
 void InitRemote(py::module_& m) {
-  m.def(
-      "copy_checkpoint",
-      [](const std::string& dir, uint32_t rank, uint64_t counter, const std::string& dest,
-         Directory* dest_dir) {
-        int64_t step = 0;
-        uint64_t data_bytes = 0;
-        {
-          py::gil_scoped_release release;
-          const std::string path = (std::filesystem::path(dir) / SlotFileName(rank)).string();
-          MediumOptions ro;
-          ro.read_only = true;
-          auto src = Take(SlotFile::Open(Take(OpenMedium(path, MediumKind::kBuffered, ro))));
-          ScanOptions so;
-          so.verify_data = false;  // CopyCheckpoint verifies every chunk it copies
-          ScanReport report = Take(src->Scan(so));
-          const CheckpointInfo* info = nullptr;
-          for (const auto& c : report.checkpoints) {
-            if (c.state == CheckpointState::kCommitted && c.info.counter == counter) {
-              info = &c.info;
-              break;
-            }
-          }
-          if (info == nullptr) {
-            throw StatusError(Status::NotFound("no committed checkpoint with counter " +
-                                               std::to_string(counter) + " in " + path));
-          }
-          std::unique_ptr<Medium> out;
-          std::string where = dest;
-          if (dest_dir != nullptr) {  // `dest` a name in dest_dir: O_EXCL|O_NOFOLLOW relative to it
-            where = dest_dir->path() + "/" + dest;
-            out = Take(dest_dir->CreateFile(dest, MediumKind::kBuffered, MediumOptions{}));
-          } else {
-            MediumOptions wo;
-            wo.create = true;
-            out = Take(OpenMedium(dest, MediumKind::kBuffered, wo));
-          }
-          Check(CopyCheckpoint(*src, *info, std::move(out)).Annotate("copying to " + where));
-          step = info->step;
-          data_bytes = info->data_bytes;
-        }
-        py::dict d;
-        d["counter"] = counter;
-        d["step"] = step;
-        d["data_bytes"] = data_bytes;
-        return d;
-      },
-      py::arg("dir"), py::arg("rank"), py::arg("counter"), py::arg("dest"),
-      py::arg("dest_dir") = nullptr,
-      "Copies committed checkpoint `counter` of `dir`/rank-R.nsck into the new one-slot "
-      "file `dest` (a path, or with dest_dir a name created O_EXCL|O_NOFOLLOW in that "
-      "_core.Directory), verifying every chunk; returns {counter, step, data_bytes}.");
   InitRemoteLayout(m);
   InitRemoteTier(m);
 }

@@ -448,6 +448,23 @@ void InitRemoteTier(py::module_& m) {
           py::arg("job_dir"), py::arg("keep_step"),
           "Removes the staged step folders but keep_step's; one line per folder left.")
       .def(
+          "follow",
+          [](PyRemoteTier& t, const std::string& job_dir, uint32_t rank, uint32_t world,
+             int64_t target_step, std::optional<int64_t> done_step) -> py::object {
+            auto got = t.Run([&](tier::RemoteTier& r) {
+              return r.Follow(job_dir, rank, world, target_step, done_step);
+            });
+            if (!got) return py::none();
+            return py::make_tuple(got->first, got->second);
+          },
+          py::arg("job_dir"), py::arg("rank"), py::arg("world_size"), py::arg("target_step"),
+          py::arg("done_step") = py::none(),
+          "A follower's pick (RemoteTier::Follow): (counter, step) of the newest step rank 0 "
+          "leads that this rank holds in its run, or None; writes the skip note of a step its "
+          "ring no longer holds.")
+      .def_property_readonly("skipped_gone",
+                             [](PyRemoteTier& t) { return t.tier().skipped_gone(); })
+      .def(
           "stop", [](PyRemoteTier& t, double wait_s) { t.tier().Stop(wait_s); },
           py::arg("wait_s"), "A commit wait ends wait_s seconds from now at the latest.")
       .def(

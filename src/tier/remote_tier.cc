@@ -13,7 +13,9 @@
 #include <utility>
 #include <vector>
 
+#include "nonstop/jobdir.h"
 #include "nonstop/medium.h"
+#include "nonstop/store.h"
 
 namespace nonstop::tier {
 
@@ -336,6 +338,78 @@ void RemoteTier::Stop(double wait_s) {
 
 bool RemoteTier::StopPassed() const {
   return std::chrono::steady_clock::now().time_since_epoch().count() > stop_ns_.load();
+}
+
+Result<std::optional<std::pair<uint64_t, int64_t>>> RemoteTier::Follow(
+    const std::string& job_dir, uint32_t rank, uint32_t world, int64_t target_step,
+    std::optional<int64_t> done_step) {
+  using Pick = std::optional<std::pair<uint64_t, int64_t>>;
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<StoredObject> objects, t_->List(""));
+  std::set<int64_t> led;
+  for (const StoredObject& o : objects) {
+    std::optional<rl::Key> k = rl::ParseKey(o.key);
+    if (k && k->kind == rl::Key::Kind::kLead && k->step <= target_step &&
+        (!done_step || k->step > *done_step)) {
+      led.insert(k->step);
+    }
+  }
+  if (led.empty()) return Pick();
+  // step -> (counter, lineage) of this rank's committed checkpoints, the
+  // newest counter of a step
+  std::map<int64_t, std::pair<uint64_t, int64_t>> mine;
+  {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> job, env_->OpenDirectory(job_dir, false));
+    MediumOptions ro;
+    ro.read_only = true;
+    NONSTOP_ASSIGN_OR_RETURN(
+        std::unique_ptr<Medium> m,
+        job->OpenFile(SlotFileName(static_cast<int>(rank)), MediumKind::kBuffered, ro));
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> f, SlotFile::Open(std::move(m)));
+    ScanOptions so;
+    so.verify_data = false;
+    NONSTOP_ASSIGN_OR_RETURN(ScanReport report, f->Scan(so));
+    for (const auto& c : report.checkpoints) {  // newest counter first
+      if (c.state != CheckpointState::kCommitted) continue;
+      std::optional<uint64_t> run = CheckpointRunId(c.info.meta_json);
+      if (!run) continue;
+      mine.emplace(c.info.step, std::make_pair(c.info.counter, static_cast<int64_t>(*run)));
+    }
+  }
+  // this run's lineage: that of its agreed target
+  auto own = mine.find(target_step);
+  const bool has_run = own != mine.end();
+  const int64_t run = has_run ? own->second.second : 0;
+  for (auto it = led.rbegin(); it != led.rend(); ++it) {
+    const int64_t step = *it;
+    {
+      MutexLock l(&mu_);
+      if (skipped_.count(step) != 0) continue;
+    }
+    Result<std::optional<rl::Doc>> lead = LoadDoc(rl::LeadKey(step));
+    if (!lead.ok() && lead.status().code() != StatusCode::kCorruption) return lead.status();
+    if (!lead.ok()) continue;
+    const bool has_lead = lead.value().has_value();
+    const int64_t lineage = has_lead ? lead.value()->lineage : 0;
+    auto held = mine.find(step);
+    if (has_lead && held != mine.end() && lineage == held->second.second) {
+      return Pick(std::make_pair(held->second.first, step));
+    }
+    if (has_lead && has_run && lineage == run && held == mine.end()) {
+      // Rank 0 leads a step of this run that this rank's slot ring has
+      // already reused (checkpoints come faster than uploads): say so, so
+      // that rank 0 gives it up now and leads a newer one.
+      rl::Doc skip;
+      skip.step = step;
+      skip.world_size = world;
+      skip.lineage = run;
+      skip.rank = rank;
+      NONSTOP_RETURN_IF_ERROR(t_->PutBytes(rl::SkipKey(step, rank), rl::EncodeSkip(skip, WallNow())));
+      MutexLock l(&mu_);
+      skipped_.insert(step);
+      skipped_gone_.fetch_add(1);
+    }
+  }
+  return Pick();  // a LEAD of an abandoned run: not followed (rank 0 gives it up in time)
 }
 
 Result<PublishReport> RemoteTier::Publish(const PublishRequest& req, const PublishOptions& o) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,6 +57,20 @@ class RemoteTier final : public Tier {
   //    Stop's deadline has passed.
   Result<PublishReport> Publish(const PublishRequest& req, const PublishOptions& o) override;
 
+  // A follower's pick (world > 1, rank > 0): the newest step rank 0 leads
+  // (LEAD) that is newer than `done_step`, not newer than `target_step`, and
+  // that this rank's slot file in `job_dir` holds committed with the LEAD's
+  // lineage: (counter, step); nullopt while there is none. A step rank 0
+  // leads in this run (the lineage of this rank's own target) that the slot
+  // ring has already reused gets this rank's skip note, once, so that rank
+  // 0 gives it up at once; a LEAD of an abandoned run is never followed.
+  Result<std::optional<std::pair<uint64_t, int64_t>>> Follow(const std::string& job_dir,
+                                                              uint32_t rank, uint32_t world,
+                                                              int64_t target_step,
+                                                              std::optional<int64_t> done_step);
+  // Skip notes written by Follow so far.
+  uint64_t skipped_gone() const { return skipped_gone_.load(); }
+
   // From now on, a commit wait ends `wait_s` seconds from now at the latest
   // (the uploader closing). Any thread.
   void Stop(double wait_s);
@@ -80,6 +95,8 @@ class RemoteTier final : public Tier {
   Env* const env_;
   Mutex mu_;
   std::map<int64_t, std::optional<uint64_t>> counters_ GUARDED_BY(mu_);  // Retain's cache
+  std::set<int64_t> skipped_ GUARDED_BY(mu_);  // steps Follow wrote a skip note for
+  std::atomic<uint64_t> skipped_gone_{0};
   // Stop's deadline (steady clock, ns since its epoch); INT64_MAX: none.
   std::atomic<int64_t> stop_ns_{INT64_MAX};
 };

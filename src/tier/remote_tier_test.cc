@@ -16,6 +16,8 @@
 
 #include "env/fault_env.h"
 #include "tier/memory_transport.h"
+#include "nonstop/store.h"
+#include "store_test_util.h"
 
 namespace nonstop::tier {
 namespace {
@@ -348,6 +350,60 @@ TEST_F(RemoteTierTest, RankZeroWaitsForEveryRankGivesUpOnASkipNoteAndStops) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(tier_.Publish(r6, {}).value().outcome, Outcome::kNotCommitted);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+// rank 1's slot file in /job: step 2 (counter 1) and step 4 (counter 2),
+// both of run 5.
+void FollowerSlotFile(FaultEnv* env) {
+  using namespace nonstop::testing;  // NOLINT: the store tests' helpers
+  auto job = env->OpenDirectory("/job", true).value();
+  auto m = job->CreateFile(SlotFileName(1), MediumKind::kBuffered, MediumOptions{}).value();
+  StoreGeometry g;
+  g.slots = 2;
+  g.slot_bytes = kTestSlotBytes;
+  g.rank = 1;
+  g.world_size = 2;
+  auto f = SlotFile::Create(std::move(m), g).value();
+  for (int i = 0; i < 2; ++i) {
+    TestCheckpoint c = MakeCheckpoint(2 + 2 * i);
+    c.meta_json = "{\"dist\": {\"lineage\": 5}}";
+    ASSERT_TRUE(WriteAndCommit(*f, c, i, i + 1).ok());
+  }
+}
+
+void Lead(MemoryTransport& store, int64_t step, int64_t lineage) {
+  rl::Doc d;
+  d.step = step;
+  d.world_size = 2;
+  d.lineage = lineage;
+  store.objects[rl::LeadKey(step)] = rl::EncodeLead(d, 1.0);
+}
+
+TEST_F(RemoteTierTest, AFollowerUploadsWhatRankZeroLeadsAndSaysWhatItNoLongerHolds) {
+  FollowerSlotFile(env_.get());
+  using Pick = std::optional<std::pair<uint64_t, int64_t>>;
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 4, std::nullopt).value(), Pick());  // nothing led
+  Lead(store_, 4, 9);  // a LEAD of an abandoned run: never followed, no note
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 4, std::nullopt).value(), Pick());
+  EXPECT_EQ(tier_.skipped_gone(), 0u);
+  Lead(store_, 4, 5);
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 4, std::nullopt).value(), Pick(std::make_pair(2u, 4)));
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 4, 4).value(), Pick());  // uploaded already
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 2, std::nullopt).value(), Pick());  // newer than target
+  // rank 0 leads step 3 of this run, which this rank's ring no longer holds
+  Lead(store_, 3, 5);
+  store_.objects.erase(rl::LeadKey(4));
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 4, std::nullopt).value(), Pick());
+  ASSERT_EQ(store_.objects.count(rl::SkipKey(3, 1)), 1u);
+  auto note = rl::DecodeDoc(store_.objects[rl::SkipKey(3, 1)], "skip").value();
+  EXPECT_EQ(note.lineage, 5);
+  EXPECT_EQ(note.rank, 1u);
+  EXPECT_EQ(tier_.skipped_gone(), 1u);
+  EXPECT_EQ(tier_.Follow("/job", 1, 2, 4, std::nullopt).value(), Pick());
+  EXPECT_EQ(tier_.skipped_gone(), 1u);  // said once
+  // and rank 0, waiting for step 3, gives it up at once
+  PublishRequest r0 = Stage(env_.get(), 3, 7, 5, 0, 2, nullptr);
+  EXPECT_EQ(tier_.Publish(r0, {}).value().outcome, Outcome::kGivenUp);
 }
 
 }  // namespace

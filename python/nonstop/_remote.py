@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import hmac
-import json
 import os
 import platform
 import re
@@ -45,7 +44,6 @@ from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError
                      CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
 FORMAT = "nonstop.remote/1"
-MAX_JSON_BYTES = 256 << 10        # remote_layout.h kMaxDocBytes: refused before reading
 PART_BYTES = 8 << 20              # crc unit and multipart chunk
 LOCAL_DIR = "remote"              # DIR/remote/step-N/rank-R.nsck: staged uploads, fetched parts
 
@@ -103,10 +101,6 @@ class Layout:
         """(step, kind, rank) of "step-N/NAME", kind in part, manifest,
         marker, lead, skip, other; None for any other key."""
         return _rl().parse_key(key)
-
-
-def _decode_doc(data: bytes, what: str) -> dict:
-    return _rl().decode_doc(data, what)
 
 
 # ------------------------------------------------------------------ stores
@@ -510,12 +504,6 @@ def _tier(store):
     return _ext.core().RemoteTier(store)
 
 
-def _load_doc(store, key: str) -> Optional[dict]:
-    """A marker, LEAD or skip note, validated by C++; None when missing."""
-    data = store.get_bytes(key, MAX_JSON_BYTES)
-    return None if data is None else _decode_doc(data, f"{store.url}/{key}")
-
-
 def claim(store, job: str, adopt: bool) -> None:
     """This job owns the prefix: a prefix without a JOB document is claimed;
     one of another job is refused (IncompatibleCheckpointError) unless
@@ -656,7 +644,6 @@ class Uploader:
                       "bytes": 0, "upload_s": 0.0, "last_GBps": 0.0, "skipped_existing": 0,
                       "last_error": None, "deleted_steps": 0, "skipped_gone": 0,
                       "given_up": 0, "stage_s": 0.0, "crc_s": 0.0, "put_s": 0.0}
-        self._skipped: set = set()  # steps this follower told rank 0 it cannot upload
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._tier.set_abort(self._abort)  # a throttled put_file stops when it is set
@@ -708,49 +695,15 @@ class Uploader:
 
     def _pick(self, t):
         """(counter, step) to upload now. Rank 0 (and one process) leads: the
-        newest target. Rank R > 0 follows: the newest step rank 0 leads that
-        is newer than its last upload and not newer than its own target (its
-        counter looked up in its slot file); None while there is none."""
+        newest target. Rank R > 0 follows (C++, RemoteTier::Follow): the
+        newest step rank 0 leads that is newer than its last upload, not
+        newer than its own target and of its own run; None while there is
+        none (a step of its run that its ring has reused gets a skip note)."""
         if self.world == 1 or self.rank == 0:
             return t
-        led = set()
-        for key, _ in self.store.list(""):
-            got = Layout.parse(key)
-            if got is not None and got[1] == "lead":
-                led.add(got[0])
-        led = [x for x in led if x <= t[1] and (self.done_step is None or x > self.done_step)]
-        if not led:
-            return None
-        mine = {}  # step -> (counter, lineage) of this rank's committed checkpoints
-        for c in self.core().Reader(self.dir, rank=self.rank, verify_data=False).checkpoints:
-            if c["committed"]:
-                try:
-                    meta = json.loads(c["meta_json"].decode("utf-8"))
-                    lin = int((meta.get("dist") or {}).get("lineage", 0))
-                except (ValueError, AttributeError, TypeError):
-                    continue
-                mine.setdefault(int(c["step"]), (int(c["counter"]), lin))
-        run = mine.get(t[1], (None, None))[1]  # this run's lineage: that of its agreed target
-        for step in sorted(led, reverse=True):
-            if step in self._skipped:
-                continue
-            try:
-                lead = _load_doc(self.store, Layout.lead(step)) or {}
-            except CorruptCheckpointError:
-                continue
-            if step in mine and lead.get("lineage") == mine[step][1]:
-                return mine[step][0], step
-            if run is not None and lead.get("lineage") == run and step not in mine:
-                # Rank 0 leads a step of this run that this rank's slot ring
-                # has already reused (checkpoints come faster than uploads):
-                # say so, so that rank 0 gives it up now and leads a newer one.
-                self.store.put_bytes(Layout.skip(step, self.rank), _rl().encode_skip(
-                    step, self.world, run, self.rank, time.time()))
-                self._skipped.add(step)
-                self.stats["skipped_gone"] += 1
-        # a LEAD of an abandoned run: not followed (rank 0 gives such a step
-        # up after commit_timeout_s)
-        return None
+        got = self._tier.follow(self.dir, self.rank, self.world, t[1], self.done_step)
+        self.stats["skipped_gone"] = self._tier.skipped_gone
+        return got
 
     def _deadline_passed(self) -> bool:
         return time.monotonic() > self._close_deadline

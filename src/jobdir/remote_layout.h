@@ -1,9 +1,9 @@
 // The layout and commit rules of a remote checkpoint (the remote tier,
 // docs/TIERS.md): the names of its objects, its small JSON documents
 // (manifest, COMMITTED marker, LEAD and skip notes) and their validation,
-// the commit rule, and retention. Pure functions: no I/O. The transfer
-// itself (python/nonstop/_remote.py, obstore) asks these for every name and
-// decision, through the bindings of src/python/remote_bindings.cc.
+// the commit rule, and retention. Pure functions: no I/O. The remote tier
+// (tier/remote_tier.h) asks these for every name and decision; the bytes
+// move through the transport Python hands it (python/nonstop/_remote.py).
 //
 //   PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.nsck   one-slot copy of rank R's checkpoint
 //   PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.json   rank R's manifest, written after its part

@@ -1,6 +1,5 @@
 // nonstop._core.remote_layout: the names of a remote checkpoint's objects
-// (jobdir/remote_layout.h) and the LEAD/skip notes the Python uploader's
-// follower pick still reads and writes.
+// (jobdir/remote_layout.h), for listings and tests.
 //
 // nonstop._core.RemoteTier(transport): the remote tier (tier/remote_tier.h)
 // over a Python transport (_remote.ObjectStore or PathStore: put_file,
@@ -63,14 +62,6 @@ std::string_view View(const py::bytes& b) {
   return {p, static_cast<size_t>(n)};
 }
 
-rl::Doc MakeDoc(int64_t step, uint32_t world, int64_t lineage) {
-  rl::Doc d;
-  d.step = step;
-  d.world_size = world;
-  d.lineage = lineage;
-  return d;
-}
-
 const char* KindName(rl::Key::Kind k) {
   switch (k) {
     case rl::Key::Kind::kPart: return "part";
@@ -105,23 +96,6 @@ void InitRemoteLayout(py::module_& parent) {
       },
       py::arg("key"), "(step, kind, rank) of step-N/NAME, kind one of part, manifest, marker, "
       "lead, skip, other; None for any other key.");
-  m.def(
-      "decode_doc",
-      [](const py::bytes& text, const std::string& what) {
-        return DocDict(Take(rl::DecodeDoc(View(text), what)));
-      },
-      py::arg("text"), py::arg("what"),
-      "A COMMITTED marker, LEAD or skip note as {step, world_size, lineage, counter, rank}; "
-      "CorruptCheckpointError naming `what` when it is not one.");
-  m.def(
-      "encode_skip",
-      [](int64_t step, uint32_t world, int64_t lineage, uint32_t rank, double unix_s) {
-        rl::Doc d = MakeDoc(step, world, lineage);
-        d.rank = rank;
-        return py::bytes(rl::EncodeSkip(d, unix_s));
-      },
-      py::arg("step"), py::arg("world_size"), py::arg("lineage"), py::arg("rank"),
-      py::arg("unix_s"));
   m.def(
       "looks_like_remote_root",
       [](const std::string& path) {

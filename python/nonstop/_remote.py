@@ -17,9 +17,14 @@ nonstop._core.remote_layout):
 A reader trusts a step only when COMMITTED is there, and verifies end to
 end: the manifest's size and crc32 of every part while downloading, then
 every chunk crc32c of the .nsck file itself when reading it (nonstop's own
-store). Every name, document, the commit rule and retention are C++'s;
-this module only moves bytes. The transfer is obstore's (Rust, GIL
-released, multipart, retries); nothing here speaks S3.
+store). Every name, document, the commit rule and retention are C++'s,
+and so is the tier itself (src/tier/remote_tier.h, nonstop._core.RemoteTier:
+listing, fetch and its checks, an upload and its commit, a follower's pick,
+retention, the JOB claim; src/tier/staging.h: the staging copy). This
+module keeps the transports it hands to C++ (ObjectStore, PathStore: put,
+get, list, delete), the upload thread's loop and the restore order across
+tiers. The transfer is obstore's (Rust, GIL released, multipart, retries);
+nothing here speaks S3.
 """
 from __future__ import annotations
 

@@ -65,6 +65,12 @@ class CopyEngine {
     (void)device;
     (void)p;
   }
+  // Free memory on `device` now (cudaMemGetInfo), for sizing snapshot
+  // buffers; 0 where it is unknown or CanSnapshotOnDevice is false.
+  virtual uint64_t DeviceFreeBytes(int device) {
+    (void)device;
+    return 0;
+  }
   // Starts a device-to-device copy of `bytes` from `src` (on `src_device`)
   // into `dst` (device memory on the same device), ordered after the work
   // already enqueued on src_device.stream. The completion is ready when `src`

@@ -117,6 +117,14 @@ struct EngineOptions {
   // whose job directory is gone or names another segment, or that are older
   // than this (a job that crashed and never restarted). Never a live job's.
   double memory_tier_orphan_s = 3600;
+  // Device snapshots of Checkpoint() (docs/CUDA.md, "Device snapshots"):
+  // with a copy engine that CanSnapshotOnDevice, up to this many bytes of
+  // device memory per device hold a second copy of the registered device
+  // tensors. A checkpoint copies them device-to-device first, WaitCopied()
+  // returns once that copy (and the tensors sent straight to the host) is
+  // done, and the snapshot drains to host staging in the background. -1:
+  // a quarter of the device's free memory at Register(); 0: off.
+  int64_t device_snapshot_bytes = -1;
 };
 
 // A tensor the engine checkpoints: where it lives now, and what it is.
@@ -153,6 +161,13 @@ struct CheckpointStats {
   double write_GBps = 0;   // bytes / persist_s
   bool committed = false;
   std::string error;       // empty unless it failed
+  // Device snapshots (EngineOptions::device_snapshot_bytes): bytes of device
+  // tensors copied device-to-device first and drained afterwards, bytes of
+  // device tensors copied straight to the host before WaitCopied() returned,
+  // and the seconds from WaitCopied()'s release to the last drained byte.
+  uint64_t snapshot_bytes = 0;
+  uint64_t direct_bytes = 0;
+  double drain_s = 0;
 };
 
 struct EngineStats {
@@ -201,6 +216,17 @@ struct EngineStats {
   double restore_read_s = 0;
   double restore_h2d_wait_s = 0;
   uint64_t restore_h2d_bytes = 0;
+  // Device snapshots (EngineOptions::device_snapshot_bytes): the device
+  // memory held for them, totals over finished checkpoints (as in
+  // CheckpointStats), checkpoints that copied straight because the previous
+  // snapshot was still draining, and one line on what Register() decided
+  // ("" when no tensor is in device memory).
+  uint64_t device_snapshot_capacity = 0;
+  uint64_t snapshot_bytes_total = 0;
+  uint64_t direct_bytes_total = 0;
+  double drain_s_total = 0;
+  uint64_t snapshot_busy = 0;
+  std::string device_snapshot_note;
 };
 
 // What Latest() returns: the newest checkpoint committed by this engine or

@@ -320,6 +320,17 @@ class CudaCopyEngineImpl : public CudaCopyEngine {
     cudaFree(p);
   }
 
+  uint64_t DeviceFreeBytes(int device) override {
+    ScopedDevice guard(device);
+    if (guard.error() != cudaSuccess) return 0;
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return free_b;
+  }
+
   std::unique_ptr<CopyCompletion> SnapshotToDevice(const void* src, const Device& src_device,
                                                    void* dst, size_t bytes) override {
     if (src_device.kind != DeviceKind::kCuda) {

@@ -432,6 +432,7 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   lw_fenced_.assign(tensors.size(), 0);
   lw_fences_.assign(tensors.size(), {});
   reg->tensors = std::move(tensors);
+  AllocDeviceSnapshots(*reg);
   reg_ = std::move(reg);
   return Status::OK();
 }

@@ -87,12 +87,24 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job,
                            AdmitLocked(step, t0, /*layerwise=*/false, "Checkpoint"));
   job->meta_json = std::move(meta_json);
+  // Device snapshots: the set is free once the previous holder's drain is
+  // complete; until then this checkpoint copies straight to the host.
+  uint64_t wanted = 0;
+  if (job->reg->dsnap_capacity > 0) {
+    wanted = SnapshotBytesWanted(job->reg->device_bytes, job->reg->dsnap_capacity, dsnap_rates_);
+    if (wanted > 0 && dsnap_busy_) {
+      ++stats_.snapshot_busy;
+      wanted = 0;
+    }
+    if (wanted > 0) dsnap_busy_ = true;
+  }
   lock.Unlock();
 
   // copy_at_checkpoint tensors: copied now, on the caller's time, into the
   // snapshot buffer; the background pipeline reads the snapshot instead.
   Status st = SnapshotNow(job, /*skip_requested=*/false);
   if (!st.ok()) job->Fail(st.Annotate("copy_at_checkpoint"));
+  StartDeviceSnapshot(*job, wanted);
 
   lock.Lock();
   started_last_ = job->counter;
@@ -100,9 +112,134 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   const double stall = Seconds(t0, Clock::now());
   job->stall_s += stall;
   AddStall(stall);
+  if (job->reg->device_bytes > 0) ckpt_returned_ = Clock::now();
   lock.Unlock();
   cv_.SignalAll();
   return job->counter;
+}
+
+// Register: the device snapshot buffers within the budget, one allocation
+// per device; the buffered tensors are taken highest slot offset first (the
+// direct copies then read the front of the slot). Never fails: without
+// buffers every checkpoint copies straight to the host, and
+// device_snapshot_note says why.
+void EngineImpl::AllocDeviceSnapshots(Registration& reg) {
+  const size_t n = reg.tensors.size();
+  reg.dsnap_buffer.assign(n, nullptr);
+  std::map<int, std::vector<uint32_t>> eligible;  // per device, highest offset first
+  for (size_t i = 0; i < n; ++i) {
+    const TensorRef& t = reg.tensors[i];
+    if (t.device.kind != DeviceKind::kCuda || t.staged) continue;
+    if (reg.snapshot_offset[i] < 0) reg.device_bytes += t.spec.nbytes;
+    if (t.copy_at_checkpoint || t.spec.nbytes == 0) continue;
+    eligible[t.device.index].push_back(static_cast<uint32_t>(i));
+  }
+  stats_.device_snapshot_capacity = 0;
+  std::string& note = stats_.device_snapshot_note;
+  note.clear();
+  if (reg.device_bytes == 0) return;
+  const std::string state = std::to_string(reg.device_bytes) + " bytes of device tensors";
+  if (opts_.device_snapshot_bytes == 0) {
+    note = "off (device_snapshot_bytes=0): " + state + " copied straight to the host";
+    return;
+  }
+  if (!copy_->CanSnapshotOnDevice()) {
+    note = "off: " + copy_->Describe() + " keeps no snapshots in device memory";
+    return;
+  }
+  if (opts_.layer_copy == LayerCopy::kDevice) {
+    note = "off: layer_copy='device' holds its own device copies";
+    return;
+  }
+  constexpr uint64_t kAlign = 256;
+  std::vector<std::pair<int, void*>> allocs;
+  std::vector<void*> buffer(n, nullptr);
+  uint64_t capacity = 0;
+  std::string refused;
+  for (auto& [device, list] : eligible) {
+    std::sort(list.begin(), list.end(), [&](uint32_t a, uint32_t b) {
+      return reg.layout.tensors[a].data_offset > reg.layout.tensors[b].data_offset;
+    });
+    const uint64_t budget = opts_.device_snapshot_bytes > 0
+                                ? static_cast<uint64_t>(opts_.device_snapshot_bytes)
+                                : copy_->DeviceFreeBytes(device) / 4;
+    std::vector<std::pair<uint32_t, uint64_t>> taken;  // tensor, offset in the allocation
+    uint64_t used = 0;
+    for (uint32_t i : list) {  // first fit along the order
+      const uint64_t need = (reg.tensors[i].spec.nbytes + kAlign - 1) / kAlign * kAlign;
+      if (used + need > budget) continue;
+      taken.emplace_back(i, used);
+      used += need;
+    }
+    if (used == 0) continue;
+    auto* base = static_cast<std::byte*>(copy_->AllocDevice(device, used));
+    if (base == nullptr) {
+      refused = "cannot allocate " + std::to_string(used) + " bytes on device " +
+                std::to_string(device);
+      continue;
+    }
+    allocs.emplace_back(device, base);
+    for (auto& [i, off] : taken) {
+      buffer[i] = base + off;
+      capacity += reg.tensors[i].spec.nbytes;
+    }
+  }
+  reg.dsnap_allocs = std::move(allocs);
+  reg.dsnap_buffer = std::move(buffer);
+  for (auto& [device, list] : eligible) {
+    for (uint32_t i : list) {
+      if (reg.dsnap_buffer[i] != nullptr) reg.dsnap_order.push_back(i);
+    }
+  }
+  reg.dsnap_capacity = capacity;
+  stats_.device_snapshot_capacity = capacity;
+  const std::string budget =
+      opts_.device_snapshot_bytes > 0
+          ? "device_snapshot_bytes " + std::to_string(opts_.device_snapshot_bytes)
+          : "a quarter of free device memory";
+  if (capacity == 0) {
+    note = "off: " + (refused.empty() ? "no device tensor fits " + budget : refused) + "; " +
+           state + " copied straight to the host";
+  } else if (capacity < reg.device_bytes) {
+    note = "partial: " + std::to_string(capacity) + " of " + state + " fit " + budget +
+           (refused.empty() ? "" : " (" + refused + ")") + "; the rest is copied straight";
+  } else {
+    note = "on: all " + state + " fit " + budget;
+  }
+}
+
+// Checkpoint(): starts the device-to-device copies of the buffered tensors,
+// in dsnap_order, until `wanted` bytes; the job's pieces of them are drained
+// from the buffers. Training may overwrite a tensor once its copy is done
+// (the dispatcher waits for them before it releases the job).
+void EngineImpl::StartDeviceSnapshot(Job& job, uint64_t wanted) {
+  const Registration& reg = *job.reg;
+  if (reg.device_bytes == 0) return;
+  job.drain.assign(reg.tensors.size(), false);
+  job.dsnap = wanted > 0;
+  job.t_d2d = Clock::now();
+  uint64_t taken = 0;
+  for (uint32_t i : reg.dsnap_order) {
+    if (taken >= wanted) break;
+    const TensorRef& t = reg.tensors[i];
+    job.d2d.push_back(copy_->SnapshotToDevice(t.data, t.device, reg.dsnap_buffer[i], t.spec.nbytes));
+    job.src[i] = reg.dsnap_buffer[i];
+    job.drain[i] = true;
+    taken += t.spec.nbytes;
+  }
+  job.snapshot_bytes = taken;
+  job.direct_bytes = reg.device_bytes - taken;
+}
+
+// The dispatcher: training may overwrite the job's sources from now on.
+void EngineImpl::ReleaseJob(Job& job) {
+  {
+    MutexLock lock(&mu_);
+    if (released_through_ >= job.counter) return;
+    released_through_ = job.counter;
+    job.release_s = Seconds(job.t_start, Clock::now());
+  }
+  cv_.SignalAll();
 }
 
 // The training thread: copies the copy_at_checkpoint tensors (those not
@@ -133,10 +270,15 @@ Status EngineImpl::WaitCopied() {
   const auto t0 = Clock::now();
   MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
-  if (copied_through_ < started_last_ || lw_copied_total_ < lw_requested_total_) {
+  if (ckpt_returned_) {  // the window the direct copies overlap (device_snapshot.h)
+    const double w = Seconds(*ckpt_returned_, t0);
+    dsnap_rates_.window_s = dsnap_rates_.window_s < 0 ? w : 0.7 * dsnap_rates_.window_s + 0.3 * w;
+    ckpt_returned_.reset();
+  }
+  if (released_through_ < started_last_ || lw_copied_total_ < lw_requested_total_) {
     std::shared_ptr<Job> newest = live_.count(started_last_) ? live_[started_last_] : nullptr;
     cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
-      return copied_through_ >= started_last_ && lw_copied_total_ >= lw_requested_total_;
+      return released_through_ >= started_last_ && lw_copied_total_ >= lw_requested_total_;
     });
     const double s = Seconds(t0, Clock::now());
     if (newest) newest->stall_s += s;
@@ -200,7 +342,10 @@ void EngineImpl::DispatchLoop() {
     {
       MutexLock lock(&mu_);
       if (job->snapshot >= 0) free_snapshots_.push_back(job->snapshot);
+      // Every drain of the snapshot set is complete: the next job may take it.
+      if (job->dsnap) dsnap_busy_ = false;
       copied_through_ = job->counter;
+      released_through_ = std::max(released_through_, job->counter);
     }
     cv_.SignalAll();
   }
@@ -234,6 +379,42 @@ void EngineImpl::CopyJob(const std::shared_ptr<Job>& job) {
     }
     window.pop_front();
   };
+  // Chunk order: with a device snapshot, first the chunks that read the
+  // sources themselves (the direct copies), then those drained from the
+  // snapshot only; the job is released in between. Any order is fine for
+  // the writers and the committer (each chunk has its offset and crc).
+  std::vector<uint32_t> order;
+  uint32_t first_group = n;  // chunks before the release
+  auto t_pickup = Clock::now();
+  if (job->dsnap) {
+    bool pending = false;
+    for (auto& d : job->d2d) pending = pending || !d->Ready();
+    Status st;
+    for (auto& d : job->d2d) {
+      Status s = d->Wait();
+      if (st.ok() && !s.ok()) st = s;
+    }
+    if (!st.ok()) job->Fail(st.Annotate("device snapshot"));
+    const double d2d_s = Seconds(job->t_d2d, Clock::now());
+    if (pending && d2d_s > 0 && st.ok()) {  // observed the copies finish: a fair sample
+      MutexLock lock(&mu_);
+      dsnap_rates_.d2d_Bps =
+          RateEwma(dsnap_rates_.d2d_Bps, static_cast<double>(job->snapshot_bytes) / d2d_s);
+    }
+    t_pickup = Clock::now();  // the copies to the host start after the snapshot
+    for (uint32_t j = 0; j < n; ++j) {
+      bool direct = false;
+      for (const ChunkPiece& p : plan.chunks[j].pieces) direct = direct || !job->drain[p.tensor];
+      if (direct) order.push_back(j);
+    }
+    first_group = static_cast<uint32_t>(order.size());
+    for (uint32_t j = 0; j < n; ++j) {
+      bool direct = false;
+      for (const ChunkPiece& p : plan.chunks[j].pieces) direct = direct || !job->drain[p.tensor];
+      if (!direct) order.push_back(j);
+    }
+    if (first_group == 0) ReleaseJob(*job);
+  }
   uint32_t issued = 0;
   for (; issued < n && !job->failed.load(std::memory_order_acquire); ++issued) {
     Result<StagingPool::Chunk> chunk = staging_->Acquire();
@@ -241,15 +422,25 @@ void EngineImpl::CopyJob(const std::shared_ptr<Job>& job) {
       job->Fail(chunk.status());
       break;
     }
-    const PlannedChunk& pc = plan.chunks[issued];
-    InCopy c{issued, *chunk, {}};
+    const uint32_t j = order.empty() ? issued : order[issued];
+    const PlannedChunk& pc = plan.chunks[j];
+    InCopy c{j, *chunk, {}};
     for (const ChunkSpan& g : pc.gaps) std::memset(c.chunk.data + g.offset, 0, g.bytes);
     for (const ChunkPiece& p : pc.pieces) {
       const auto* src = static_cast<const std::byte*>(job->src[p.tensor]) + p.tensor_offset;
-      c.done.push_back(copy_->Copy(src, job->src_device[p.tensor], c.chunk.data + p.chunk_offset,
-                                   p.bytes));
+      std::byte* dst = c.chunk.data + p.chunk_offset;
+      const Device& dev = job->src_device[p.tensor];
+      c.done.push_back(job->dsnap && job->drain[p.tensor]
+                           ? copy_->DrainToHost(src, dev.index, dst, p.bytes)
+                           : copy_->Copy(src, dev, dst, p.bytes));
     }
     window.push_back(std::move(c));
+    if (issued + 1 == first_group && job->dsnap) {
+      // The direct copies: all done before training may go on.
+      while (!window.empty()) finish_front();
+      ReleaseJob(*job);
+      continue;
+    }
     while (window.size() > static_cast<size_t>(window_)) finish_front();
   }
   while (!window.empty()) finish_front();
@@ -257,7 +448,16 @@ void EngineImpl::CopyJob(const std::shared_ptr<Job>& job) {
     // The writers may already have finished every chunk, so the committer
     // can be reading the job's stats in FinishJob right now.
     MutexLock lock(&mu_);
-    job->copy_s = Seconds(job->t_start, Clock::now());
+    const auto now = Clock::now();
+    job->copy_s = Seconds(job->t_start, now);
+    const uint64_t moved = job->snapshot_bytes + job->direct_bytes;
+    const double s = Seconds(t_pickup, now);
+    if (moved > 0 && s > 0 && issued == n && !job->failed.load(std::memory_order_acquire)) {
+      // Device bytes to the host over the copy time: a lower bound of the
+      // bandwidth (the copies may have waited for staging), so the plan errs
+      // towards snapshotting more.
+      dsnap_rates_.d2h_Bps = RateEwma(dsnap_rates_.d2h_Bps, static_cast<double>(moved) / s);
+    }
   }
   if (issued < n) {
     ChunksDone(job, n - issued);

@@ -45,6 +45,7 @@
 #include <thread>
 
 #include "engine/chunk_plan.h"
+#include "engine/device_snapshot.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
 #include "engine/memory_tier.h"
@@ -112,7 +113,20 @@ struct Registration {
   // device_snapshot.
   std::vector<void*> device_buffers;
 
+  // Device snapshots of whole checkpoints (EngineOptions::device_snapshot_bytes;
+  // engine_dispatch.cc): per tensor, its buffer in device memory (nullptr: its
+  // bytes always go straight to the host), the buffered tensors in the order
+  // a checkpoint takes them (highest slot offset first), and per device the
+  // one allocation they live in. One set: a checkpoint holds all of it from
+  // Checkpoint() until its drain is complete (Engine::dsnap_busy_).
+  std::vector<void*> dsnap_buffer;
+  std::vector<uint32_t> dsnap_order;
+  std::vector<std::pair<int, void*>> dsnap_allocs;
+  uint64_t dsnap_capacity = 0;  // bytes of tensors with a buffer
+  uint64_t device_bytes = 0;    // bytes of device tensors the chunks copy
+
   ~Registration() {
+    for (auto& [device, p] : dsnap_allocs) copy->FreeDevice(device, p);
     for (size_t i = 0; i < device_buffers.size(); ++i) {
       if (device_buffers[i] != nullptr) copy->FreeDevice(tensors[i].device.index, device_buffers[i]);
     }
@@ -136,6 +150,18 @@ struct Job {
   Clock::time_point t_start;
   double stall_s = 0;  // GUARDED_BY(Engine::mu_) after Checkpoint() returns
   double copy_s = 0;   // GUARDED_BY(engine mu_): dispatcher writes, FinishJob reads
+
+  // Device snapshot (concurrent checkpoints): whether the job holds the
+  // registration's snapshot set, per tensor whether its pieces are drained
+  // from its snapshot buffer (src is that buffer), the device-to-device
+  // copies Checkpoint() started at t_d2d, and the bytes of each kind. Set
+  // before the job is queued; read by the dispatcher.
+  bool dsnap = false;
+  std::vector<bool> drain;
+  std::vector<std::unique_ptr<CopyCompletion>> d2d;
+  Clock::time_point t_d2d;
+  uint64_t snapshot_bytes = 0, direct_bytes = 0;
+  double release_s = 0;  // GUARDED_BY(engine mu_): start -> WaitCopied may return
 
   // Each crc is written by the one writer task of its chunk; the committer
   // reads them after `remaining` reached 0 (acq_rel on the decrement).
@@ -266,6 +292,11 @@ class EngineImpl final : public Engine {
   // Requests the copies of `tensors` not requested yet and the seal.
   void SealLocked(const std::shared_ptr<Job>& job) REQUIRES(mu_);
   Status SnapshotNow(const std::shared_ptr<Job>& job, bool skip_requested);
+  // Device snapshots (engine_dispatch.cc): Register's buffers, Checkpoint's
+  // device-to-device copies, the dispatcher's release of a job.
+  void AllocDeviceSnapshots(Registration& reg) REQUIRES(mu_);
+  void StartDeviceSnapshot(Job& job, uint64_t wanted);
+  void ReleaseJob(Job& job) EXCLUDES(mu_);
   Status WaitSnapshotFree(const Registration& reg, uint32_t t);
 
   // Checkpoint and BeginCheckpoint: waits for a place in flight, takes a slot
@@ -439,6 +470,12 @@ class EngineImpl final : public Engine {
   std::set<uint64_t> unfinished_ GUARDED_BY(mu_);
   uint64_t started_last_ GUARDED_BY(mu_) = 0;
   uint64_t copied_through_ GUARDED_BY(mu_) = 0;  // dispatcher is FIFO
+  // Whole checkpoints whose sources training may overwrite (WaitCopied): all
+  // copied, or (device snapshots) snapshotted and the rest copied. FIFO too.
+  uint64_t released_through_ GUARDED_BY(mu_) = 0;
+  bool dsnap_busy_ GUARDED_BY(mu_) = false;  // a job holds reg_'s snapshot set
+  SnapshotRates dsnap_rates_ GUARDED_BY(mu_);  // the plan's measurements
+  std::optional<Clock::time_point> ckpt_returned_ GUARDED_BY(mu_);  // for window_s
   std::deque<DispatchItem> dispatch_q_ GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Job>> commit_q_ GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Job>> live_ GUARDED_BY(mu_);  // started, unfinished

@@ -42,6 +42,12 @@ void EngineImpl::RecordFinished(const Job& job, bool committed, bool superseded,
   if (superseded) cs.error = "superseded by a newer checkpoint";
   if (!st.ok()) cs.error = st.ToString();
   if (!committed && job.dropped) cs.error = "abandoned for a newer checkpoint";
+  cs.snapshot_bytes = job.snapshot_bytes;
+  cs.direct_bytes = job.direct_bytes;
+  if (job.dsnap && job.release_s > 0) cs.drain_s = std::max(0.0, job.copy_s - job.release_s);
+  stats_.snapshot_bytes_total += cs.snapshot_bytes;
+  stats_.direct_bytes_total += cs.direct_bytes;
+  stats_.drain_s_total += cs.drain_s;
   stats_.recent.push_back(std::move(cs));
   if (stats_.recent.size() > 64) stats_.recent.erase(stats_.recent.begin());
 }

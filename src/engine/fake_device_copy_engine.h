@@ -1,0 +1,190 @@
+// Tests only: a copy engine whose "device" memory is host memory, for the
+// device snapshot tests of whole checkpoints. Tensors registered with
+// Device{kCuda, ...} are read as host memory. Copies from the device
+// (Copy of a device source, DrainToHost) and device-to-device copies
+// (SnapshotToDevice) run in submission order on one thread, the "copy
+// stream", each taking at least bytes / bandwidth; copies of host sources
+// run inline. It records what a real device would not show: a snapshot
+// written over a buffer whose previous contents were not all handed to a
+// drain yet (`overwrites`).
+#ifndef NONSTOP_ENGINE_FAKE_DEVICE_COPY_ENGINE_H_
+#define NONSTOP_ENGINE_FAKE_DEVICE_COPY_ENGINE_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "nonstop/copy_engine.h"
+
+namespace nonstop {
+
+struct FakeDeviceLog {
+  std::atomic<uint64_t> snapshot_bytes{0}, drain_bytes{0}, direct_bytes{0};
+  std::atomic<int> drain_calls{0};
+  std::atomic<int> overwrites{0};
+  std::atomic<int> fail_drain_at{-1};  // the drain call (0-based) that fails
+  std::atomic<uint64_t> device_allocated{0};
+};
+
+class FakeDeviceCopyEngine final : public CopyEngine {
+ public:
+  FakeDeviceCopyEngine(double d2h_Bps, double d2d_Bps, uint64_t free_bytes,
+                       std::shared_ptr<FakeDeviceLog> log)
+      : d2h_(d2h_Bps), d2d_(d2d_Bps), free_(free_bytes), log_(std::move(log)),
+        worker_([this] { Run(); }) {}
+  ~FakeDeviceCopyEngine() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& dev, void* dst,
+                                       size_t bytes) override {
+    if (dev.kind == DeviceKind::kHost) {
+      if (bytes > 0) std::memcpy(dst, src, bytes);
+      return MakeDoneCopy(Status::OK());
+    }
+    log_->direct_bytes += bytes;
+    return Enqueue(src, dst, bytes, d2h_, Status::OK());
+  }
+  void* AllocHost(size_t bytes, bool* pinned) override {
+    if (pinned != nullptr) *pinned = false;
+    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    if (p != nullptr) std::memset(p, 0, bytes);
+    return p;
+  }
+  void FreeHost(void* p, size_t) override { std::free(p); }
+  std::string Describe() const override { return "fake device copy engine (host memory)"; }
+  bool CanSnapshotOnDevice() const override { return true; }
+  uint64_t DeviceFreeBytes(int) override { return free_; }
+  void* AllocDevice(int, size_t bytes) override {
+    log_->device_allocated += bytes;
+    return std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  }
+  void FreeDevice(int, void* p) override { std::free(p); }
+  std::unique_ptr<CopyCompletion> SnapshotToDevice(const void* src, const Device& dev, void* dst,
+                                                   size_t bytes) override {
+    if (dev.kind != DeviceKind::kCuda) {
+      return MakeDoneCopy(Status::InvalidArgument("SnapshotToDevice of host memory"));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t& left = undrained_[static_cast<const std::byte*>(dst)];
+      if (left > 0) ++log_->overwrites;
+      left = bytes;
+    }
+    log_->snapshot_bytes += bytes;
+    return Enqueue(src, dst, bytes, d2d_, Status::OK());
+  }
+  std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int, void* dst,
+                                              size_t bytes) override {
+    const auto* s = static_cast<const std::byte*>(src);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = undrained_.upper_bound(s);
+      if (it != undrained_.begin()) {
+        --it;
+        it->second -= std::min<uint64_t>(it->second, bytes);
+      }
+    }
+    log_->drain_bytes += bytes;
+    const int call = log_->drain_calls++;
+    Status st = call == log_->fail_drain_at.load() ? Status::IOError("injected drain failure")
+                                                   : Status::OK();
+    return Enqueue(src, dst, bytes, d2h_, st);
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;  // guarded by mu
+    Status status;      // written before done
+  };
+  class Completion final : public CopyCompletion {
+   public:
+    explicit Completion(std::shared_ptr<State> s) : s_(std::move(s)) {}
+    Status Wait() override {
+      std::unique_lock<std::mutex> lock(s_->mu);
+      s_->cv.wait(lock, [&] { return s_->done; });
+      return s_->status;
+    }
+    bool Ready() override {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      return s_->done;
+    }
+
+   private:
+    std::shared_ptr<State> s_;
+  };
+  struct Task {
+    const void* src;
+    void* dst;
+    size_t bytes;
+    double Bps;
+    Status status;
+    std::shared_ptr<State> state;
+  };
+  std::unique_ptr<CopyCompletion> Enqueue(const void* src, void* dst, size_t bytes, double Bps,
+                                          Status status) {
+    auto state = std::make_shared<State>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(Task{src, dst, bytes, Bps, std::move(status), state});
+    }
+    cv_.notify_all();
+    return std::make_unique<Completion>(std::move(state));
+  }
+  void Run() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      if (t.status.ok() && t.bytes > 0) std::memcpy(t.dst, t.src, t.bytes);
+      std::this_thread::sleep_until(
+          t0 + std::chrono::duration<double>(static_cast<double>(t.bytes) / t.Bps));
+      {
+        std::lock_guard<std::mutex> lock(t.state->mu);
+        t.state->status = t.status;
+        t.state->done = true;
+      }
+      t.state->cv.notify_all();
+    }
+  }
+
+  const double d2h_, d2d_;
+  const uint64_t free_;
+  std::shared_ptr<FakeDeviceLog> log_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;  // guarded by mu_
+  bool stop_ = false;       // guarded by mu_
+  // Per snapshot buffer: bytes written by its last snapshot and not yet
+  // handed to a drain (guarded by mu_).
+  std::map<const std::byte*, uint64_t> undrained_;
+  std::thread worker_;
+};
+
+}  // namespace nonstop
+
+#endif  // NONSTOP_ENGINE_FAKE_DEVICE_COPY_ENGINE_H_

@@ -48,7 +48,8 @@ class Checkpointer:
                  local=(), dist_timeout_s: float = 300.0, on_preempt=True,
                  remote=None, remote_options: Optional[dict] = None, on_commit=None,
                  tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
-                 remote_every: Optional[int] = None, replay: str = "auto"):
+                 remote_every: Optional[int] = None, replay: str = "auto",
+                 device_snapshot_bytes: Optional[int] = None):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -428,6 +429,12 @@ def _engine_kwargs(o, dist) -> dict:
         kw.update(extra_slots=1, global_agreement=True)
     if e.tier != "auto":  # the memory tier (docs/PYTHON.md, "tier"); auto: the engine's default
         kw["memory_tier"] = e.tier
+    # Device snapshots (docs/CUDA.md): whole checkpoints of the concurrent
+    # mode only; the other modes never take them, so they hold no device memory.
+    if o.mode.mode != "concurrent":
+        kw["device_snapshot_bytes"] = 0
+    elif e.device_snapshot_bytes is not None:
+        kw["device_snapshot_bytes"] = e.device_snapshot_bytes
     return kw
 
 

@@ -26,6 +26,9 @@ class EngineOptions:
     copy_threads: int = 1
     medium: str = "auto"
     tier: str = "auto"          # the memory tier: "auto", "memory", "disk"
+    # concurrent mode: device memory for device snapshots (docs/CUDA.md);
+    # None: the engine's default (a quarter of free device memory), 0: off
+    device_snapshot_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,16 @@ def world() -> tuple[int, int]:
 def check_keep(keep) -> None:
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
+
+
+def check_device_snapshot_bytes(n, mode: str) -> None:
+    if n is None:
+        return
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise CheckpointMismatchError(
+            f"device_snapshot_bytes must be None or a non-negative integer, got {n!r}")
+    if n > 0 and mode != "concurrent":
+        raise CheckpointMismatchError("device_snapshot_bytes= applies to mode='concurrent' only")
 
 
 def check_tier(tier) -> None:
@@ -144,12 +157,14 @@ def resolve(state: dict, **kw) -> Options:
         raise CheckpointMismatchError(
             f"max_in_flight must be a positive integer, got {max_in_flight!r}")
     check_tier(tier)
+    check_device_snapshot_bytes(kw["device_snapshot_bytes"], mode)
     if world_size > 1 and mode == "multistep":
         raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
                                       f"use mode='concurrent' with world_size > 1")
     return Options(
         engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
-                             opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier),
+                             opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier,
+                             kw["device_snapshot_bytes"]),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
                          copy, clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),

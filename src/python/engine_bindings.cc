@@ -166,6 +166,9 @@ py::dict CheckpointStatsDict(const CheckpointStats& c) {
   d["write_GBps"] = c.write_GBps;
   d["committed"] = c.committed;
   d["error"] = c.error;
+  d["snapshot_bytes"] = c.snapshot_bytes;
+  d["direct_bytes"] = c.direct_bytes;
+  d["drain_s"] = c.drain_s;
   return d;
 }
 
@@ -196,6 +199,12 @@ py::dict EngineStatsDict(const EngineStats& s) {
   d["restore_read_s"] = s.restore_read_s;
   d["restore_h2d_wait_s"] = s.restore_h2d_wait_s;
   d["restore_h2d_bytes"] = s.restore_h2d_bytes;
+  d["device_snapshot_capacity"] = s.device_snapshot_capacity;
+  d["snapshot_bytes_total"] = s.snapshot_bytes_total;
+  d["direct_bytes_total"] = s.direct_bytes_total;
+  d["drain_s_total"] = s.drain_s_total;
+  d["snapshot_busy"] = s.snapshot_busy;
+  d["device_snapshot_note"] = s.device_snapshot_note;
   py::list recent;
   for (const auto& c : s.recent) recent.append(CheckpointStatsDict(c));
   d["recent"] = recent;
@@ -546,7 +555,8 @@ void InitEngine(py::module_& m) {
                   const std::string& medium, uint32_t extra_slots, const std::string& layer_copy,
                   bool global_agreement, uint64_t keep_every, const std::string& memory_tier,
                   const std::string& shm_dir, double memory_tier_share,
-                  double memory_tier_orphan_s, bool small_initial_staging) {
+                  double memory_tier_orphan_s, bool small_initial_staging,
+                  int64_t device_snapshot_bytes) {
         LayerCopy copy = LayerCopy::kHost;
         if (!ParseLayerCopy(layer_copy, &copy)) {
           throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
@@ -563,13 +573,14 @@ void InitEngine(py::module_& m) {
         o.memory_tier_share = memory_tier_share;
         o.memory_tier_orphan_s = memory_tier_orphan_s;
         o.small_initial_staging = small_initial_staging;
+        o.device_snapshot_bytes = device_snapshot_bytes;
         return std::make_unique<PyEngine>(o);
       }),
       py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
       py::arg("global_agreement") = false, py::arg("keep_every") = 0,
       py::arg("memory_tier") = "auto", py::arg("shm_dir") = "",
       py::arg("memory_tier_share") = 0.1, py::arg("memory_tier_orphan_s") = 3600.0,
-      py::arg("small_initial_staging") = false);
+      py::arg("small_initial_staging") = false, py::arg("device_snapshot_bytes") = -1);
   engine
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "

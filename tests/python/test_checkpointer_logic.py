@@ -236,3 +236,27 @@ def test_bad_arguments(core, tmp_path):
     ck.close()
     with pytest.raises(nonstop.CheckpointError, match="is closed"):
         ck.save(1)
+
+
+def test_device_snapshot_bytes_keyword_and_stats(core, tmp_path):
+    # The keyword is checked before anything opens; CPU tensors take no
+    # device snapshot, and the stats say so (docs/CUDA.md, "Device snapshots").
+    for bad in (-1, 1.5, True, "4GB"):
+        with pytest.raises(nonstop.CheckpointMismatchError, match="device_snapshot_bytes must be"):
+            nonstop.Checkpointer(str(tmp_path / "a"), {}, device_snapshot_bytes=bad)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="mode='concurrent' only"):
+        nonstop.Checkpointer(str(tmp_path / "a"), {}, mode="layerwise", device_snapshot_bytes=1)
+    model, opt, sched = tiny.make()
+    for budget in (None, 0, 1 << 30):
+        d = str(tmp_path / f"ck{budget}")
+        with nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=1,
+                                  device_snapshot_bytes=budget) as ck:
+            run(ck, model, opt, sched, range(2))
+            ck.wait()
+            s = ck.stats()
+            assert s["device_snapshot_capacity"] == 0
+            assert s["device_snapshot_note"] == ""   # no tensor in device memory
+            assert s["snapshot_bytes_total"] == 0 and s["direct_bytes_total"] == 0
+            assert s["snapshot_busy"] == 0 and s["drain_s_total"] == 0
+            last = s["recent"][-1]
+            assert (last["snapshot_bytes"], last["direct_bytes"], last["drain_s"]) == (0, 0, 0)

@@ -72,10 +72,13 @@ CONFIGS = {
     # 1.38B parameters, 16.5 GB.
     "1.4b": dict(vocab=32768, dim=2048, layers=26, heads=16),
 }
-ALL_SCHEMES = ["nonstop", "nonstop-layerwise", "nonstop-layerwise-device", "nonstop-multistep",
+ALL_SCHEMES = ["nonstop", "nonstop-direct", "nonstop-layerwise", "nonstop-layerwise-device", "nonstop-multistep",
                "torch.save", "dcp", "dcp-process"]
 # Layer-wise with copy="device" (suite_rounds knows the mode of each nonstop kind).
 suite_rounds.NONSTOP_MODES.setdefault("nonstop-layerwise-device", "layerwise")
+# The concurrent mode without device snapshots (device_snapshot_bytes=0): the
+# stall is the whole device-to-host copy; "nonstop" takes the snapshot (docs/CUDA.md).
+suite_rounds.NONSTOP_MODES.setdefault("nonstop-direct", "concurrent")
 
 
 class Training:
@@ -229,6 +232,8 @@ def main() -> int:
         opts = {"staging_bytes": staging_full} if kind == "nonstop-fullstaging" else {}
         if kind.startswith("nonstop") and args.max_in_flight:
             opts["max_in_flight"] = args.max_in_flight
+        if kind == "nonstop-direct":
+            opts["device_snapshot_bytes"] = 0
         if kind.startswith("nonstop-layerwise"):
             opts["clip_grad_norm"] = 1.0
             if kind.endswith("-device"):
@@ -263,7 +268,11 @@ def main() -> int:
                 f"{r['stall_per_ckpt_s'] * 1e3:8.1f} ms/ckpt ({r['saves']} saves)  drain "
                 f"{r['drain_s']:.2f} s" + (f"  persist {r['persist_s']:.2f} s" if "persist_s" in r
                                            else "")
-                + (f", {r['write_GBps']:.2f} GB/s" if "write_GBps" in r else ""))
+                + (f", {r['write_GBps']:.2f} GB/s" if "write_GBps" in r else "")
+                + (f"  snapshot {r['snapshot_bytes'] / 1e9:.2f} GB + direct "
+                   f"{r['direct_bytes'] / 1e9:.2f} GB, drain {r['snapshot_drain_s']:.2f} s"
+                   if "snapshot_bytes" in r else "")
+                + (f"  [{r['device_snapshot_note']}]" if r.get("device_snapshot_note") else ""))
 
     res = run_rounds([[(k, e) for k in schemes] for e in args.intervals], args.repeats, one,
                      label=label, deadline=(t_start + args.time_budget if args.time_budget

@@ -15,7 +15,10 @@
 #           Run by `small` and `big` themselves when not yet done in this call,
 #           so the disk-bound limit is measured in the same call.
 #   small   bench/gpu_overhead.py, the 111M GPT (125m), all schemes interleaved
-#           (nonstop concurrent, layerwise host/device, multistep (refused on
+#           (nonstop concurrent with its device snapshot ("nonstop": the
+#           default device_snapshot_bytes, a quarter of free GPU memory) and
+#           without it ("nonstop-direct": device_snapshot_bytes=0, the stall
+#           is the whole device-to-host copy), layerwise host/device, multistep (refused on
 #           CUDA: recorded), torch.save, DCP async_save thread and process mode
 #           with pinned staging) at every 1, 10, 50 steps, the disk-bound
 #           limit, restore into CUDA tensors vs DCP load.
@@ -145,6 +148,19 @@ phase_bench() {  # $1: small | big
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_overhead_$size.log"
   local r=${PIPESTATUS[0]}
   echo "== bench $size: exit $r"
+  # The device snapshot of the concurrent rows (issue 25): what each run
+  # snapshotted and sent straight, the drain, and Register's one-line note.
+  [ -z "${DRY_RUN:-}" ] && [ -e "$OUT/gpu_overhead_$size.json" ] && $PY - "$OUT/gpu_overhead_$size.json" <<'PYEOF' | tee "$OUT/device_snapshot_$size.txt"
+import json, sys
+j = json.load(open(sys.argv[1]))
+for r in j.get("runs", []):
+    if r["scheme"].startswith(("nonstop/", "nonstop-direct/")):
+        print(f"{r['scheme']:<20} stall/ckpt {r['stall_per_ckpt_s'] * 1e3:8.1f} ms  snapshot "
+              f"{r.get('snapshot_bytes', 0) / 1e9:6.2f} GB  direct {r.get('direct_bytes', 0) / 1e9:6.2f} GB"
+              f"  drain {r.get('snapshot_drain_s', 0):6.3f} s  busy {r.get('snapshot_busy', 0)}"
+              f"  capacity {r.get('device_snapshot_capacity', 0) / 1e9:.2f} GB"
+              f"  [{r.get('device_snapshot_note', '')}]")
+PYEOF
   [ $r -ne 0 ] && rc=$r
   rm -rf "$BENCH_DIR"
 }

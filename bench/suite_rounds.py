@@ -157,6 +157,18 @@ class Saver:
                            copy_s=statistics.median(r.get("copy_s", 0.0) for r in rec),
                            write_GBps=statistics.median(r.get("write_GBps", 0.0) for r in rec),
                            ckpt_bytes=rec[-1].get("bytes", 0))
+                # Device snapshots (concurrent mode on a GPU; docs/CUDA.md):
+                # per checkpoint, bytes snapshotted on the device and drained
+                # later, bytes copied straight to the host, drain seconds.
+                if "snapshot_bytes" in rec[-1]:
+                    out.update(
+                        snapshot_bytes=statistics.median(r["snapshot_bytes"] for r in rec),
+                        direct_bytes=statistics.median(r["direct_bytes"] for r in rec),
+                        snapshot_drain_s=statistics.median(r["drain_s"] for r in rec))
+            if "device_snapshot_note" in st:
+                out.update(device_snapshot_capacity=st["device_snapshot_capacity"],
+                           device_snapshot_note=st["device_snapshot_note"],
+                           snapshot_busy=st["snapshot_busy"])
             out.update(medium=st.get("medium", ""), max_in_flight=st.get("max_in_flight", 1),
                        copy_engine=st.get("copy_engine", ""),
                        hook_stall_s=st.get("hook_stall_s", 0.0))

@@ -27,6 +27,11 @@ machine's python3 when torch sees a CUDA device.
       into fresh objects (the parts replayed with the training optimizer on
       the GPU) equals the live state at its version bit for bit;
    c. replay="host" with CUDA parameters is refused with one line.
+5. Device snapshots of concurrent checkpoints (device_snapshot_bytes: the
+   default, a third of the state, 0), one and two in flight: every
+   committed checkpoint holds, bit for bit, each tensor's value at its
+   step although the next step updates the tensors while the snapshot
+   drains; on CUDA the stats say what was snapshotted and sent straight.
 
     PYTHONPATH=<dir holding nonstop with _core> python3 tests/gpu/test_gpu_torch.py
     ... --device cpu     # the same harness on CPU (to check it without a GPU)
@@ -332,64 +337,112 @@ def _flat(torch, model, opt) -> dict:
     return out
 
 
+def _train_and_check(torch, dev: str, tmp: str, model, opt, what: str, **ck_kwargs):
+    """Twelve AdamW steps of `model` with a checkpoint every 2 (Checkpointer
+    keywords `ck_kwargs`); each committed checkpoint must hold, bit for bit,
+    every tensor's value at its step (references cloned on the stream).
+    Returns (ok, checkpoints checked, stats, wall seconds)."""
+    import nonstop
+    refs = {}
+    t0 = time.perf_counter()
+    with nonstop.Checkpointer(tmp, {"model": model, "optim": opt}, every=2, rng=False,
+                              **ck_kwargs) as ck:
+        for s in range(12):
+            x = torch.randn(64, 1024, device=dev)
+            loss = model(x).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if (s + 1) % 2 == 0:
+                refs[s] = _flat(torch, model, opt)
+            ck.step(s)
+        ck.wait()
+        stats = ck.stats()
+    wall = time.perf_counter() - t0
+    ok, checked = True, 0
+    for c in nonstop._core.Reader(tmp).checkpoints:
+        if not c["committed"] or c["step"] not in refs:
+            continue
+        loaded = nonstop.load(tmp, step=c["step"])
+        for name, t in refs[c["step"]].items():
+            got = loaded.tensors[name].reshape(-1).view(torch.uint8)
+            if not torch.equal(got, t.cpu().reshape(-1).view(torch.uint8)):
+                print(f"FAIL {what}: {name} of the checkpoint of step {c['step']} is not its "
+                      "step value")
+                ok = False
+                break
+        checked += 1
+    if checked == 0 or stats.get("failed"):
+        print(f"FAIL {what}: {checked} checkpoints checked, {stats.get('failed')} failed")
+        ok = False
+    return ok, checked, stats, wall
+
+
+def _mlp(torch, dev: str):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(1024, 1024) for _ in range(6)]
+    model = torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.Tanh())]).to(dev)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def layerwise_test(args, torch) -> bool:
     """Layer-wise checkpoints of CUDA tensors: every committed checkpoint
     holds each tensor's value at its step. The copies are made to lag (a
     small staging pool on a real file, several in flight), so an update that
     did not wait for its copy on the stream would show."""
-    import nonstop
     ok = True
     dev = args.device
     for copy in ("host", "device"):
         tmp = tempfile.mkdtemp(prefix=f"nonstop-gpu-layerwise-{copy}-")
         try:
-            torch.manual_seed(0)
-            layers = [torch.nn.Linear(1024, 1024) for _ in range(6)]
-            model = torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.Tanh())]).to(dev)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            refs = {}
-            t0 = time.perf_counter()
-            with nonstop.Checkpointer(tmp, {"model": model, "optim": opt}, every=2,
-                                      mode="layerwise", copy=copy, max_in_flight=2,
-                                      chunk_bytes=1 << 20, staging_bytes=8 << 20, writers=2,
-                                      rng=False) as ck:
-                for s in range(12):
-                    x = torch.randn(64, 1024, device=dev)
-                    loss = model(x).square().mean()
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    if (s + 1) % 2 == 0:
-                        refs[s] = _flat(torch, model, opt)
-                    ck.step(s)
-                ck.wait()
-                stats = ck.stats()
-            wall = time.perf_counter() - t0
-            checked = 0
-            for c in nonstop._core.Reader(tmp).checkpoints:
-                if not c["committed"] or c["step"] not in refs:
-                    continue
-                loaded = nonstop.load(tmp, step=c["step"])
-                for name, t in refs[c["step"]].items():
-                    got = loaded.tensors[name].reshape(-1).view(torch.uint8)
-                    if not torch.equal(got, t.cpu().reshape(-1).view(torch.uint8)):
-                        print(f"FAIL layerwise copy={copy}: {name} of the checkpoint of step "
-                              f"{c['step']} is not its step value")
-                        ok = False
-                        break
-                checked += 1
+            model, opt = _mlp(torch, dev)
+            good, checked, stats, wall = _train_and_check(
+                torch, dev, tmp, model, opt, f"layerwise copy={copy}", mode="layerwise",
+                copy=copy, max_in_flight=2, chunk_bytes=1 << 20, staging_bytes=8 << 20, writers=2)
+            ok = good and ok
             engine = str(stats.get("copy_engine", ""))
             if dev == "cuda" and "cuda" not in engine.lower():
                 print(f"FAIL layerwise copy={copy}: copy engine is {engine!r}")
                 ok = False
-            if checked == 0 or stats.get("failed"):
-                print(f"FAIL layerwise copy={copy}: {checked} checkpoints checked, "
-                      f"{stats.get('failed')} failed")
-                ok = False
-            elif ok:
+            elif good:
                 print(f"PASS layerwise on {dev}, copy={copy}: {checked} checkpoints hold their "
                       f"step values bit for bit ({wall:.1f} s, visible stall "
                       f"{stats.get('visible_stall_s', float('nan')):.3f} s)")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ok
+
+
+def device_snapshot_test(args, torch) -> bool:
+    """Concurrent checkpoints with device snapshots (docs/CUDA.md): each
+    committed checkpoint holds its step's values, for a budget that holds
+    everything, a third of the state, and none; with two in flight too."""
+    ok = True
+    dev = args.device
+    model, opt = _mlp(torch, dev)
+    state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
+    for budget, in_flight in ((None, 1), (None, 2), (state_bytes // 3, 1), (0, 1)):
+        tmp = tempfile.mkdtemp(prefix="nonstop-gpu-dsnap-")
+        what = f"device snapshot device_snapshot_bytes={budget} max_in_flight={in_flight}"
+        try:
+            good, checked, stats, wall = _train_and_check(
+                torch, dev, tmp, model, opt, what, max_in_flight=in_flight,
+                device_snapshot_bytes=budget, chunk_bytes=1 << 20)
+            ok = good and ok
+            note = stats.get("device_snapshot_note", "")
+            snap, direct = stats.get("snapshot_bytes_total", 0), stats.get("direct_bytes_total", 0)
+            if dev == "cuda":
+                want = {None: "on", 0: "off"}.get(budget, "partial")
+                if not note.startswith(want) or (want != "off") != (snap > 0) or \
+                        (want != "on" and direct == 0):
+                    print(f"FAIL {what}: note {note!r}, snapshot {snap} B, direct {direct} B")
+                    ok = good = False
+            if good:
+                print(f"PASS {what} on {dev}: {checked} checkpoints hold their step values bit "
+                      f"for bit ({wall:.1f} s, visible stall "
+                      f"{stats.get('visible_stall_s', float('nan')):.3f} s, snapshot {snap} B, "
+                      f"direct {direct} B, drain {stats.get('drain_s_total', 0):.3f} s, busy "
+                      f"{stats.get('snapshot_busy', 0)}; {note or 'no device tensors'})")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return ok
@@ -504,7 +557,7 @@ def main() -> int:
     p.add_argument("--final")
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--mode", default="concurrent", choices=["concurrent", "multistep"])
-    p.add_argument("--only", choices=["resume", "layerwise", "multistep"])
+    p.add_argument("--only", choices=["resume", "layerwise", "multistep", "devsnap"])
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.worker:
@@ -539,6 +592,8 @@ def main() -> int:
         ok = resume_test(args, torch, "multistep") and ok
         if args.device == "cuda":
             ok = multistep_host_refused(args, torch) and ok
+    if args.only in (None, "devsnap"):
+        ok = device_snapshot_test(args, torch) and ok
     return 0 if ok else 1
 
 

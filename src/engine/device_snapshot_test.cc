@@ -19,6 +19,7 @@
 #include "engine/device_snapshot.h"
 #include "engine/engine_internal.h"
 #include "engine/fake_device_copy_engine.h"
+#include "engine/test_tensor_ref.h"
 #include "nonstop/engine.h"
 
 namespace nonstop {
@@ -56,12 +57,7 @@ struct State {
     return v;
   }
   static TensorRef Ref(const std::string& name, std::vector<uint8_t>& v, bool device) {
-    TensorRef r;
-    r.spec.name = name;
-    r.spec.dtype = DType::kUInt8;
-    r.spec.shape = {static_cast<int64_t>(v.size())};
-    r.spec.nbytes = v.size();
-    r.data = v.data();
+    TensorRef r = ByteTensorRef(name, v);
     if (device) r.device = Device{DeviceKind::kCuda, 0, 0};
     return r;
   }
@@ -128,6 +124,33 @@ class DeviceSnapshotTest : public ::testing::Test {
     EXPECT_TRUE(got.b == want.b) << "tensor b differs from step " << step;
     EXPECT_TRUE(got.step == want.step) << "tensor step differs from step " << step;
   }
+  struct OneRun {
+    double waited = 0;  // seconds WaitCopied() blocked
+    CheckpointStats c;  // the checkpoint's
+    EngineStats st;
+  };
+  // One engine with `budget`: checks what Register() holds (`capacity`,
+  // the note's start), takes one checkpoint of `step` (training overwrites
+  // the tensors at once), closes, and checks what a restore reads.
+  OneRun RunOne(int64_t budget, int step, uint64_t capacity, const std::string& note) {
+    OneRun r;
+    State s;
+    auto e = Open(Options(budget));
+    if (e == nullptr) return r;
+    EXPECT_TRUE(e->Register(s.Refs(true)).ok());
+    EXPECT_EQ(e->Stats().device_snapshot_capacity, capacity);
+    EXPECT_EQ(e->Stats().device_snapshot_note.rfind(note, 0), 0u) << e->Stats().device_snapshot_note;
+    r.waited = CheckpointThenOverwrite(*e, s, step);
+    EXPECT_TRUE(e->WaitCommitted().ok());
+    r.st = e->Stats();
+    EXPECT_EQ(r.st.recent.size(), 1u);
+    if (!r.st.recent.empty()) r.c = r.st.recent[0];
+    EXPECT_TRUE(e->Close().ok());
+    State got;
+    RestoreInto(got, step);
+    ExpectFilled(got, step);
+    return r;
+  }
   fs::path dir_;
   std::shared_ptr<FakeDeviceLog> log_;
 };
@@ -135,94 +158,43 @@ class DeviceSnapshotTest : public ::testing::Test {
 const double kAllDirectS = 4.0 * kMiB / kD2H;  // 168 ms
 
 TEST_F(DeviceSnapshotTest, StallIsTheDeviceCopyNotTheCopyToTheHost) {
-  State s;
-  auto e = Open(Options(-1));  // a quarter of the 1 GiB free: everything fits
-  ASSERT_NE(e, nullptr);
-  ASSERT_TRUE(e->Register(s.Refs(true)).ok());
-  EXPECT_EQ(e->Stats().device_snapshot_capacity, 4 * kMiB);
-  EXPECT_EQ(e->Stats().device_snapshot_note.rfind("on: all", 0), 0u)
-      << e->Stats().device_snapshot_note;
-  const double waited = CheckpointThenOverwrite(*e, s, 1);
-  ASSERT_TRUE(e->WaitCommitted().ok());
-  const EngineStats st = e->Stats();
-  ASSERT_EQ(st.recent.size(), 1u);
-  const CheckpointStats& c = st.recent[0];
-  EXPECT_TRUE(c.committed);
-  EXPECT_EQ(c.snapshot_bytes, 4 * kMiB);
-  EXPECT_EQ(c.direct_bytes, 0u);
+  // A quarter of the 1 GiB free: everything fits.
+  const OneRun r = RunOne(-1, 1, 4 * kMiB, "on: all");
+  EXPECT_TRUE(r.c.committed);
+  EXPECT_EQ(r.c.snapshot_bytes, 4 * kMiB);
+  EXPECT_EQ(r.c.direct_bytes, 0u);
   // The wait is the 4 ms snapshot; the 168 ms drain ran after it returned.
-  EXPECT_LT(waited, kAllDirectS / 2);
-  EXPECT_GE(c.drain_s, kAllDirectS * 0.9);
-  EXPECT_EQ(st.snapshot_bytes_total, 4 * kMiB);
+  EXPECT_LT(r.waited, kAllDirectS / 2);
+  EXPECT_GE(r.c.drain_s, kAllDirectS * 0.9);
+  EXPECT_EQ(r.st.snapshot_bytes_total, 4 * kMiB);
   EXPECT_EQ(log_->drain_bytes.load(), 4 * kMiB);
   EXPECT_EQ(log_->direct_bytes.load(), 0u);
-  ASSERT_TRUE(e->Close().ok());
-  State got;
-  RestoreInto(got, 1);
-  ExpectFilled(got, 1);
 }
 
 TEST_F(DeviceSnapshotTest, OffTheStallIsTheWholeCopyToTheHost) {
-  State s;
-  auto e = Open(Options(0));
-  ASSERT_NE(e, nullptr);
-  ASSERT_TRUE(e->Register(s.Refs(true)).ok());
-  EXPECT_EQ(e->Stats().device_snapshot_capacity, 0u);
-  EXPECT_EQ(e->Stats().device_snapshot_note.rfind("off (device_snapshot_bytes=0)", 0), 0u);
-  const double waited = CheckpointThenOverwrite(*e, s, 2);
-  ASSERT_TRUE(e->WaitCommitted().ok());
-  const CheckpointStats c = e->Stats().recent.at(0);
-  EXPECT_EQ(c.snapshot_bytes, 0u);
-  EXPECT_EQ(c.direct_bytes, 4 * kMiB);
-  EXPECT_GE(waited, kAllDirectS * 0.9);
+  const OneRun r = RunOne(0, 2, 0, "off (device_snapshot_bytes=0)");
+  EXPECT_EQ(r.c.snapshot_bytes, 0u);
+  EXPECT_EQ(r.c.direct_bytes, 4 * kMiB);
+  EXPECT_GE(r.waited, kAllDirectS * 0.9);
   EXPECT_EQ(log_->device_allocated.load(), 0u);
-  ASSERT_TRUE(e->Close().ok());
-  State got;
-  RestoreInto(got, 2);
-  ExpectFilled(got, 2);
 }
 
 TEST_F(DeviceSnapshotTest, PartOfTheStateFitsTheRestGoesStraight) {
-  State s;
-  auto e = Open(Options(static_cast<int64_t>(2 * kMiB + 4096)));  // one tensor fits
-  ASSERT_NE(e, nullptr);
-  ASSERT_TRUE(e->Register(s.Refs(true)).ok());
-  EXPECT_EQ(e->Stats().device_snapshot_capacity, 2 * kMiB);
-  EXPECT_EQ(e->Stats().device_snapshot_note.rfind("partial:", 0), 0u)
-      << e->Stats().device_snapshot_note;
-  const double waited = CheckpointThenOverwrite(*e, s, 3);
-  ASSERT_TRUE(e->WaitCommitted().ok());
-  const CheckpointStats c = e->Stats().recent.at(0);
-  EXPECT_EQ(c.snapshot_bytes, 2 * kMiB);
-  EXPECT_EQ(c.direct_bytes, 2 * kMiB);
+  const OneRun r = RunOne(static_cast<int64_t>(2 * kMiB + 4096), 3, 2 * kMiB, "partial:");
+  EXPECT_EQ(r.c.snapshot_bytes, 2 * kMiB);
+  EXPECT_EQ(r.c.direct_bytes, 2 * kMiB);
   // The direct half (84 ms) is waited for, the drained half is not.
-  EXPECT_GE(waited, kAllDirectS / 2 * 0.9);
-  EXPECT_LT(waited, kAllDirectS * 0.9);
+  EXPECT_GE(r.waited, kAllDirectS / 2 * 0.9);
+  EXPECT_LT(r.waited, kAllDirectS * 0.9);
   EXPECT_EQ(log_->direct_bytes.load(), 2 * kMiB);
   EXPECT_EQ(log_->drain_bytes.load(), 2 * kMiB);
-  ASSERT_TRUE(e->Close().ok());
-  State got;
-  RestoreInto(got, 3);
-  ExpectFilled(got, 3);
 }
 
 TEST_F(DeviceSnapshotTest, NothingFitsEverythingGoesStraight) {
-  State s;
-  auto e = Open(Options(static_cast<int64_t>(kMiB)));  // below one tensor
-  ASSERT_NE(e, nullptr);
-  ASSERT_TRUE(e->Register(s.Refs(true)).ok());
-  EXPECT_EQ(e->Stats().device_snapshot_capacity, 0u);
-  EXPECT_EQ(e->Stats().device_snapshot_note.rfind("off: no device tensor fits", 0), 0u)
-      << e->Stats().device_snapshot_note;
-  const double waited = CheckpointThenOverwrite(*e, s, 4);
-  ASSERT_TRUE(e->WaitCommitted().ok());
-  EXPECT_EQ(e->Stats().recent.at(0).direct_bytes, 4 * kMiB);
-  EXPECT_GE(waited, kAllDirectS * 0.9);
+  const OneRun r = RunOne(static_cast<int64_t>(kMiB), 4, 0, "off: no device tensor fits");
+  EXPECT_EQ(r.c.direct_bytes, 4 * kMiB);
+  EXPECT_GE(r.waited, kAllDirectS * 0.9);
   EXPECT_EQ(log_->device_allocated.load(), 0u);
-  ASSERT_TRUE(e->Close().ok());
-  State got;
-  RestoreInto(got, 4);
-  ExpectFilled(got, 4);
 }
 
 TEST_F(DeviceSnapshotTest, ABufferIsNotWrittenAgainBeforeItIsDrained) {

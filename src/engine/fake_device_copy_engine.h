@@ -12,12 +12,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,6 +22,7 @@
 #include <thread>
 #include <utility>
 
+#include "engine/fake_copy_queue.h"
 #include "nonstop/copy_engine.h"
 
 namespace nonstop {
@@ -41,16 +39,7 @@ class FakeDeviceCopyEngine final : public CopyEngine {
  public:
   FakeDeviceCopyEngine(double d2h_Bps, double d2d_Bps, uint64_t free_bytes,
                        std::shared_ptr<FakeDeviceLog> log)
-      : d2h_(d2h_Bps), d2d_(d2d_Bps), free_(free_bytes), log_(std::move(log)),
-        worker_([this] { Run(); }) {}
-  ~FakeDeviceCopyEngine() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
+      : d2h_(d2h_Bps), d2d_(d2d_Bps), free_(free_bytes), log_(std::move(log)) {}
 
   std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& dev, void* dst,
                                        size_t bytes) override {
@@ -109,80 +98,22 @@ class FakeDeviceCopyEngine final : public CopyEngine {
   }
 
  private:
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;  // guarded by mu
-    Status status;      // written before done
-  };
-  class Completion final : public CopyCompletion {
-   public:
-    explicit Completion(std::shared_ptr<State> s) : s_(std::move(s)) {}
-    Status Wait() override {
-      std::unique_lock<std::mutex> lock(s_->mu);
-      s_->cv.wait(lock, [&] { return s_->done; });
-      return s_->status;
-    }
-    bool Ready() override {
-      std::lock_guard<std::mutex> lock(s_->mu);
-      return s_->done;
-    }
-
-   private:
-    std::shared_ptr<State> s_;
-  };
-  struct Task {
-    const void* src;
-    void* dst;
-    size_t bytes;
-    double Bps;
-    Status status;
-    std::shared_ptr<State> state;
-  };
+  // On the copy stream: at least bytes / Bps per copy.
   std::unique_ptr<CopyCompletion> Enqueue(const void* src, void* dst, size_t bytes, double Bps,
                                           Status status) {
-    auto state = std::make_shared<State>();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(Task{src, dst, bytes, Bps, std::move(status), state});
-    }
-    cv_.notify_all();
-    return std::make_unique<Completion>(std::move(state));
-  }
-  void Run() {
-    for (;;) {
-      Task t;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        t = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      if (t.status.ok() && t.bytes > 0) std::memcpy(t.dst, t.src, t.bytes);
-      std::this_thread::sleep_until(
-          t0 + std::chrono::duration<double>(static_cast<double>(t.bytes) / t.Bps));
-      {
-        std::lock_guard<std::mutex> lock(t.state->mu);
-        t.state->status = t.status;
-        t.state->done = true;
-      }
-      t.state->cv.notify_all();
-    }
+    const auto take = std::chrono::duration<double>(static_cast<double>(bytes) / Bps);
+    return queue_.Enqueue(FakeCopyQueue::Task{
+        src, dst, bytes, std::move(status), [take] { std::this_thread::sleep_for(take); }});
   }
 
   const double d2h_, d2d_;
   const uint64_t free_;
   std::shared_ptr<FakeDeviceLog> log_;
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> queue_;  // guarded by mu_
-  bool stop_ = false;       // guarded by mu_
   // Per snapshot buffer: bytes written by its last snapshot and not yet
   // handed to a drain (guarded by mu_).
   std::map<const std::byte*, uint64_t> undrained_;
-  std::thread worker_;
+  FakeCopyQueue queue_;  // last: its thread stops first
 };
 
 }  // namespace nonstop

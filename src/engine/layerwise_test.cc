@@ -24,6 +24,7 @@
 
 #include "copy/cuda_copy_engine.h"
 #include "engine/engine_internal.h"
+#include "engine/fake_copy_queue.h"
 #include "engine/layerwise_plan.h"
 #include "media/fault_medium.h"
 #include "nonstop/engine.h"
@@ -229,16 +230,12 @@ struct FakeCudaCounters {
 
 class FakeCudaCopyEngine final : public CudaCopyEngine {
  public:
+  // DMA starts late: the training thread must not touch the source before
+  // the completion says so.
   explicit FakeCudaCopyEngine(std::shared_ptr<FakeCudaCounters> counters)
-      : counters_(std::move(counters)), worker_([this] { Run(); }) {}
-  ~FakeCudaCopyEngine() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
+      : counters_(std::move(counters)), queue_([rng = std::mt19937_64(5)]() mutable {
+          if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400));
+        }) {}
 
   std::unique_ptr<CopyCompletion> Copy(const void* src, const Device& dev, void* dst,
                                        size_t bytes) override {
@@ -286,13 +283,13 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
   // The stream's later work waits for the copy on the stream's thread; the
   // caller does not wait.
   Status StreamWaitFor(CopyCompletion* c, const Device& dev) override {
-    auto* completion = dynamic_cast<Completion*>(c);
+    auto* completion = dynamic_cast<FakeCopyQueue::Completion*>(c);
     if (dev.kind != DeviceKind::kCuda || dev.stream == 0 || completion == nullptr) {
       counters_->Violation("StreamWaitFor without a device stream or a completion of this engine");
       return Status::InvalidArgument("fake StreamWaitFor");
     }
     ++counters_->stream_waits;
-    std::shared_ptr<State> state = completion->state();
+    std::shared_ptr<FakeCopyQueue::State> state = completion->state();
     FakeStream::From(dev.stream)->Enqueue([state] {
       std::unique_lock<std::mutex> lock(state->mu);
       state->cv.wait(lock, [&] { return state->done; });
@@ -303,37 +300,6 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
   PinStats pin_stats() const override { return {}; }
 
  private:
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    Status status;
-  };
-  class Completion final : public CopyCompletion {
-   public:
-    explicit Completion(std::shared_ptr<State> s) : s_(std::move(s)) {}
-    Status Wait() override {
-      std::unique_lock<std::mutex> lock(s_->mu);
-      s_->cv.wait(lock, [&] { return s_->done; });
-      return s_->status;
-    }
-    bool Ready() override {
-      std::lock_guard<std::mutex> lock(s_->mu);
-      return s_->done;
-    }
-    const std::shared_ptr<State>& state() const { return s_; }
-
-   private:
-    std::shared_ptr<State> s_;
-  };
-  struct Task {
-    const void* src;
-    void* dst;
-    size_t bytes;
-    std::shared_ptr<State> state;
-    FakeStream* after = nullptr;  // the copy starts once this stream reached `position`
-    uint64_t position = 0;
-  };
   // A copy from device memory is ordered after the work already enqueued on
   // the caller's stream, like the CUDA engine's event.
   static std::pair<FakeStream*, uint64_t> After(const Device& dev) {
@@ -345,50 +311,15 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
   std::unique_ptr<CopyCompletion> Async(const void* src, void* dst, size_t bytes,
                                         Status status = Status::OK(),
                                         std::pair<FakeStream*, uint64_t> after = {nullptr, 0}) {
-    auto state = std::make_shared<State>();
-    state->status = std::move(status);
-    if (src == nullptr || bytes == 0) {
-      state->done = true;
-    } else {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(Task{src, dst, bytes, state, after.first, after.second});
-      }
-      cv_.notify_all();
+    FakeCopyQueue::Task t{src, dst, bytes, std::move(status), {}};
+    if (after.first != nullptr) {
+      t.before = [stream = after.first, pos = after.second] { stream->WaitExecuted(pos); };
     }
-    return std::make_unique<Completion>(std::move(state));
-  }
-
-  void Run() {
-    std::mt19937_64 rng(5);
-    for (;;) {
-      Task t;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        t = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      // DMA starts late: the training thread must not touch the source
-      // before the completion says so.
-      if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400));
-      if (t.after != nullptr) t.after->WaitExecuted(t.position);
-      std::memcpy(t.dst, t.src, t.bytes);
-      {
-        std::lock_guard<std::mutex> lock(t.state->mu);
-        t.state->done = true;
-      }
-      t.state->cv.notify_all();
-    }
+    return queue_.Enqueue(std::move(t));
   }
 
   std::shared_ptr<FakeCudaCounters> counters_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> queue_;  // GUARDED_BY(mu_)
-  bool stop_ = false;       // GUARDED_BY(mu_)
-  std::thread worker_;
+  FakeCopyQueue queue_;
 };
 
 // Aborts the test binary with what it was doing when a case runs past its

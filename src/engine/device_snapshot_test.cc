@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/device_snapshot.h"
@@ -262,6 +263,35 @@ TEST_F(DeviceSnapshotTest, AFailedDrainFailsOnlyItsCheckpoint) {
   State got;
   RestoreInto(got, 22);
   ExpectFilled(got, 22);
+}
+
+TEST_F(DeviceSnapshotTest, WhatReachesTheHostBeforeTheNextUpdateGoesStraight) {
+  // The next step's forward and backward take 400 ms (between Checkpoint()
+  // and WaitCopied()): the 168 ms copy to the host fits in it. Once the
+  // engine has measured that (the first checkpoints snapshot all they can),
+  // it snapshots nothing and still waits for nothing.
+  State s;
+  auto e = Open(Options(-1));
+  ASSERT_NE(e, nullptr);
+  ASSERT_TRUE(e->Register(s.Refs(true)).ok());
+  for (int step = 30; step < 34; ++step) {
+    s.Fill(step);
+    ASSERT_TRUE(e->Checkpoint(step, "{}").ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));  // forward, backward
+    ASSERT_TRUE(e->WaitCopied().ok());
+    s.Fill(step + 100);
+    ASSERT_TRUE(e->WaitCommitted().ok());
+  }
+  const EngineStats st = e->Stats();
+  ASSERT_EQ(st.recent.size(), 4u);
+  EXPECT_EQ(st.recent[0].snapshot_bytes, 4 * kMiB);  // nothing measured yet
+  EXPECT_EQ(st.recent[3].snapshot_bytes, 0u);
+  EXPECT_EQ(st.recent[3].direct_bytes, 4 * kMiB);
+  EXPECT_LT(st.recent[3].stall_s, kAllDirectS / 2);
+  ASSERT_TRUE(e->Close().ok());
+  State got;
+  RestoreInto(got, 33);
+  ExpectFilled(got, 33);
 }
 
 TEST(DeviceSnapshotPlan, SnapshotsWhatCannotReachTheHostInTheWindow) {

@@ -4,7 +4,7 @@
 // dispatcher -> staging -> writers -> committer; each stage has its file:
 //   engine.cc            Init, Register, slot files, Close
 //   engine_staging.cc    the staging pool's size and background allocation
-//   engine_dispatch.cc   Checkpoint, the waits, the dispatcher
+//   engine_dispatch.cc   Checkpoint, the waits, the dispatcher, device snapshots
 //   engine_writers.cc    the one write path of every unit of bytes
 //   engine_commit.cc     the committer, retention, the distributed pin
 //   engine_restore.cc    Restore, AdoptRestored

@@ -125,6 +125,18 @@ struct EngineOptions {
   // done, and the snapshot drains to host staging in the background. -1:
   // a quarter of the device's free memory at Register(); 0: off.
   int64_t device_snapshot_bytes = -1;
+  // The tiered cadence (docs/ARCHITECTURE.md "Tiered cadence"): which
+  // checkpoints reach the disk. 1: every one (each commits on disk; the
+  // memory tier mirrors it as above). N > 1: each checkpoint commits into
+  // the memory tier's segment (tmpfs: survives a process crash, not the
+  // loss of the node), and every N-th memory commit is persisted to the
+  // disk by a background thread; 0 ("auto"): the newest memory commit
+  // whenever the disk is free. A commit arriving while the disk is busy
+  // waits, replacing an older waiting one (intermediate ones are skipped).
+  // Needs the memory tier on (else every checkpoint goes to disk, and
+  // EngineStats::disk_every says 1) and no global_agreement. Close()
+  // persists the newest one.
+  int disk_every = 1;
 };
 
 // A tensor the engine checkpoints: where it lives now, and what it is.
@@ -160,6 +172,10 @@ struct CheckpointStats {
   double persist_s = 0;    // start -> committed
   double write_GBps = 0;   // bytes / persist_s
   bool committed = false;
+  // Where it is committed: "disk" (the slot file) or "memory" (the memory
+  // tier's segment only: survives a process crash, not a node loss; it
+  // becomes "memory+disk" once persisted).
+  std::string tiers;
   std::string error;       // empty unless it failed
   // Device snapshots (EngineOptions::device_snapshot_bytes): bytes of device
   // tensors copied device-to-device first and drained afterwards, bytes of
@@ -206,6 +222,15 @@ struct EngineStats {
   uint64_t memory_counter = 0;       // the checkpoint the segment holds (0 = none)
   uint64_t memory_failures = 0;
   std::string memory_error;          // the last failure or reason it is off
+  // The tiered cadence (EngineOptions::disk_every): the value in effect,
+  // the memory commits persisted to disk, the newest counter on disk (0 =
+  // none) and in memory-only commits, the persist failures and seconds.
+  int disk_every = 1;
+  uint64_t persisted = 0;
+  uint64_t persisted_counter = 0;
+  uint64_t persist_failures = 0;
+  double persist_s_total = 0;
+  std::string persist_error;
   bool restored_from_memory = false; // the last Restore() read the segment
   double restore_s = 0;              // the last Restore()'s seconds
   // The last Restore()'s reads (every attempt): seconds reading and verifying
@@ -234,6 +259,9 @@ struct EngineStats {
 struct CommittedCheckpoint {
   uint64_t counter = 0;
   int64_t step = 0;
+  // Whether it is on disk (false: committed to the memory tier only, by the
+  // tiered cadence; a node loss loses it).
+  bool on_disk = true;
 };
 
 class Engine {

@@ -296,7 +296,9 @@ class JobDir {
   // ---- Lineage (writer) ----
   // Durably records that rank R restored `counter`: every counter above it
   // present in R's files is abandoned. Call before writing anything new.
-  Status RecordRestore(int rank, uint64_t counter);
+  // `newest_elsewhere`: the newest counter another tier holds (the memory
+  // tier's segment of the tiered cadence), abandoned with the slot file's.
+  Status RecordRestore(int rank, uint64_t counter, uint64_t newest_elsewhere = 0);
   Result<LineageRecord> ReadLineage(int rank);
   // Durably notes that checkpoint `counter` of rank R must never be chosen:
   // its commit failed after its record may have reached the slot file (a

@@ -50,6 +50,20 @@ Status EngineImpl::Init() {
   memory_->SetRelease([this](const std::shared_ptr<SlotFile>& file, uint32_t slot) {
     MirrorDone(file, slot);
   });
+  if (opts_.disk_every < 0) {
+    return Status::InvalidArgument("disk_every must be >= 0 (0: whenever the disk is free), got " +
+                                   std::to_string(opts_.disk_every));
+  }
+  if (opts_.disk_every != 1 && opts_.global_agreement) {
+    return Status::InvalidArgument("disk_every != 1 (the tiered cadence) is not supported with "
+                                   "global_agreement (a distributed job): use disk_every=1");
+  }
+  // The tiered cadence needs the memory tier: without it every checkpoint
+  // goes to disk (EngineStats::disk_every says 1).
+  tiered_ = opts_.disk_every != 1 && memory_->on();
+  // Checkpoints are numbered above every record of the segment too: one
+  // committed only to memory by an earlier process is never renumbered.
+  next_counter_ = std::max(next_counter_, SegmentNewestCounter() + 1);
 
   const int writers = opts_.writers > 0 ? opts_.writers : kDefaultWriters;
   const int copy_threads = std::max(0, opts_.copy_threads);
@@ -75,7 +89,8 @@ Status EngineImpl::Init() {
   // JobDir::OpenForWrite removed a temp file left by a crash during a slot
   // resize: it holds no committed checkpoint the final file lacks (the rename
   // is the commit point).
-  NONSTOP_ASSIGN_OR_RETURN(next_counter_, jd_->NextCounter(rank()));
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t next_on_disk, jd_->NextCounter(rank()));
+  next_counter_ = std::max(next_counter_, next_on_disk);
   NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd_->ReadLineage(rank()));
   Result<std::unique_ptr<Medium>> existing = OpenSlotMedium(false);
   if (!existing.ok() && existing.status().code() != StatusCode::kNotFound) return existing.status();
@@ -137,6 +152,7 @@ Status EngineImpl::Init() {
       committed_counter_ = info.counter;
     }
     claimed_.store(committed_counter_);
+    disk_counter_ = committed_counter_;
     for (uint32_t s = 0; s < g.slots; ++s) {
       if (!retained_slot_ || *retained_slot_ != s) free_slots_->Push(s);
     }
@@ -150,8 +166,11 @@ Status EngineImpl::Init() {
   stats_.max_in_flight = opts_.max_in_flight;
   stats_.copy_engine = copy_->Describe();
   stats_.layer_copy = LayerCopyName(opts_.layer_copy);
+  stats_.disk_every = tiered_ ? opts_.disk_every : 1;
+  stats_.persisted_counter = disk_counter_;
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   committer_ = std::thread([this] { CommitLoop(); });
+  if (tiered_) persister_ = std::thread([this] { PersistLoop(); });
   return Status::OK();
 }
 
@@ -164,7 +183,8 @@ Status EngineImpl::TakePendingError() {
 
 Status EngineImpl::RecordRollback() {
   if (!rollback_from_) return Status::OK();
-  NONSTOP_RETURN_IF_ERROR(jd_->RecordRestore(rank(), *rollback_from_));
+  // Counters above it in the memory tier's segment are abandoned too.
+  NONSTOP_RETURN_IF_ERROR(jd_->RecordRestore(rank(), *rollback_from_, SegmentNewestCounter()));
   NONSTOP_ASSIGN_OR_RETURN(uint64_t next, jd_->NextCounter(rank()));
   next_counter_ = std::max(next_counter_, next);
   rollback_from_.reset();
@@ -185,6 +205,11 @@ void EngineImpl::AddStall(double s) { stats_.stall_s_total += s; }
 
 Status EngineImpl::WaitAllFinished() {
   cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ == 0; });
+  // The tiered cadence: a persist not begun is dropped (the memory tier
+  // keeps its checkpoint; the next commit is offered again), one running
+  // ends first (it reads a slot and writes file_).
+  persist_next_.reset();
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return !persist_busy_; });
   return Status::OK();
 }
 
@@ -434,7 +459,7 @@ Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   reg->tensors = std::move(tensors);
   AllocDeviceSnapshots(*reg);
   reg_ = std::move(reg);
-  return Status::OK();
+  return PrepareMemFile();
 }
 
 Status EngineImpl::Close() {
@@ -452,21 +477,43 @@ Status EngineImpl::Close() {
   cv_.SignalAll();
   lock.Lock();
   cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ == 0; });
+  // The tiered cadence: the newest memory checkpoint reaches the disk
+  // before a clean close (the segment goes back below only when it has).
+  if (tiered_ && mem_newest_ && mem_newest_->info.counter > disk_counter_) {
+    persist_next_ = mem_newest_;
+    lock.Unlock();
+    cv_.SignalAll();
+    lock.Lock();
+    cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return !persist_next_ && !persist_busy_; });
+  }
+  const bool all_on_disk = !mem_newest_ || mem_newest_->info.counter <= disk_counter_;
+  // The segment goes back only when nothing in it is newer than the disk
+  // (a record a rollback abandoned keeps it until it is swept).
+  const bool remove_segment = all_on_disk && (!tiered_ || SegmentNewestCounter() <= disk_counter_);
+  persist_stop_ = true;
   closed_ = true;
   stopping_ = true;
   Status st = TakePendingError();
+  if (st.ok() && !all_on_disk) {
+    st = Status::IOError("the newest checkpoint (#" + std::to_string(mem_newest_->info.counter) +
+                         ") could not be persisted to disk; it stays in the memory tier's "
+                         "segment: " + stats_.persist_error);
+  }
   lock.Unlock();
   cv_.SignalAll();
   if (dispatcher_.joinable()) dispatcher_.join();
   if (committer_.joinable()) committer_.join();
+  if (persister_.joinable()) persister_.join();
   writers_.reset();
   // A clean close: everything is on disk; the segment's memory goes back.
-  if (memory_) memory_->Close(/*remove_segment=*/true);
+  if (memory_) memory_->Close(remove_segment);
   lock.Lock();
   reg_.reset();
   file_.reset();
   old_file_.reset();
   pinned_file_.reset();
+  mem_file_.reset();
+  mem_newest_.reset();
   std::shared_ptr<PreparedStaging> prep = std::move(prep_);
   prep_.reset();
   file_prep_.reset();  // a prepared slot file nobody took stays, empty

@@ -95,6 +95,11 @@ void EngineImpl::CommitLoop() {
         pending_errors_.emplace_back(job->counter, ks);
       }
     }
+    job->info = info.value();
+    if (job->to_memory) {  // the tiered cadence: FinishJob publishes it and offers it to the disk
+      FinishJob(job, true, false, Status::OK());
+      continue;
+    }
     // The memory tier copies it in the background; its slot is held until
     // the copy ends (ReleaseSlot defers a release that comes first).
     {
@@ -168,6 +173,17 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
   // old one and sync the directory, so the old committed checkpoint is
   // replaced by a newer committed one in one atomic step.
   // In distributed mode the old file holds the pinned checkpoint: Pin renames.
+  // The tiered cadence's file likewise becomes the segment at its first
+  // commit; until that rename the commit is not reported.
+  if (committed && job->to_memory && mem_pending_rename_ && job->file == mem_file_) {
+    Status rs = memory_->PublishTierFile();
+    if (!rs.ok()) {
+      st = rs.Annotate("publishing the memory tier's segment");
+      committed = false;
+    } else {
+      mem_pending_rename_ = false;
+    }
+  }
   if (committed && pending_rename_ && job->file == file_ && !opts_.global_agreement) {
     Status rs = PublishTemp(*file_);
     if (!rs.ok()) {
@@ -200,10 +216,29 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
       if (retained_slot_) ReleaseSlot(file_.get(), *retained_slot_);
       retained_slot_ = job->slot;
     }
+    if (job->to_memory) {
+      if (job->file == mem_file_) {
+        if (mem_retained_) MemRelease(*mem_retained_);
+        mem_retained_ = job->slot;
+      }
+      // Offered to the disk: every disk_every-th (0: each), and always
+      // while an older offer still waits (the disk takes the newest).
+      PersistItem item{job->file, *job->info};
+      ++mem_commits_;
+      if (opts_.disk_every <= 1 || mem_commits_ % static_cast<uint64_t>(opts_.disk_every) == 0 ||
+          persist_next_) {
+        persist_next_ = item;
+      }
+      mem_newest_ = std::move(item);
+    } else if (job->file == file_) {
+      disk_counter_ = std::max(disk_counter_, job->counter);
+      stats_.persisted_counter = disk_counter_;
+    }
     committed_counter_ = std::max(committed_counter_, job->counter);
     latest_ = CommittedCheckpoint{job->counter, job->step};
     ++stats_.committed;
   } else {
+    if (job->to_memory && job->file == mem_file_) mem_free_->Push(job->slot);
     if (job->file == file_) free_slots_->Push(job->slot);
     if (superseded) {
       ++stats_.superseded;

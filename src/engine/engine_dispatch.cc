@@ -19,8 +19,12 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   // (unless they are all open layer-wise checkpoints, which cannot finish).
   // A slot the memory tier still copies is not free yet (mirror_deferred_):
   // then wait for it too, at most one copy's time.
+  // The tiered cadence: the checkpoint commits into the memory tier's file,
+  // whose slots never wait for the disk (engine_impl.h).
+  const bool to_memory = tiered_ && mem_file_ != nullptr;
   cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
     if (in_flight_ >= opts_.max_in_flight) return in_flight_ == open_;
+    if (to_memory) return mem_free_->SizeApprox() > 0;
     return mirror_deferred_.empty() || free_slots_->SizeApprox() > 0;
   });
   if (in_flight_ >= opts_.max_in_flight) {
@@ -37,7 +41,7 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
       (layerwise && reg.small_bytes > 0 && free_small_.empty())) {
     return Status::Internal("no free snapshot buffer below max_in_flight");
   }
-  std::optional<uint32_t> slot = free_slots_->Pop();
+  std::optional<uint32_t> slot = to_memory ? mem_free_->Pop() : free_slots_->Pop();
   if (!slot) return Status::Internal("no free slot with fewer than max_in_flight in flight");
 
   auto job = std::make_shared<Job>();
@@ -45,7 +49,8 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   job->step = step;
   job->slot = *slot;
   job->reg = reg_;
-  job->file = file_;
+  job->file = to_memory ? mem_file_ : file_;
+  job->to_memory = to_memory;
   job->t_start = t0;
   const size_t n = reg.tensors.size();
   job->src.resize(n);
@@ -316,7 +321,10 @@ Status EngineImpl::WaitCommitted(uint64_t counter) {
 
 std::optional<CommittedCheckpoint> EngineImpl::Latest() {
   MutexLock lock(&mu_);
-  return latest_;
+  if (!latest_) return latest_;
+  CommittedCheckpoint c = *latest_;
+  c.on_disk = c.counter <= disk_counter_;
+  return c;
 }
 
 void EngineImpl::DispatchLoop() {

@@ -166,6 +166,10 @@ struct Job {
   // Each crc is written by the one writer task of its chunk; the committer
   // reads them after `remaining` reached 0 (acq_rel on the decrement).
   std::vector<uint32_t> crcs;
+  // Set by the committer once committed (the tiered cadence offers it to
+  // the disk from FinishJob).
+  std::optional<CheckpointInfo> info;
+  bool to_memory = false;  // the tiered cadence: it commits into the memory tier's file
   std::atomic<uint64_t> remaining{0};
   std::atomic<bool> failed{false};
   Mutex error_mu;
@@ -499,6 +503,45 @@ class EngineImpl final : public Engine {
   std::vector<std::vector<std::shared_ptr<CopyCompletion>>> lw_fences_ GUARDED_BY(mu_);
   int open_ GUARDED_BY(mu_) = 0;  // open layer-wise jobs
   std::vector<int> free_small_ GUARDED_BY(mu_);
+
+  // The tiered cadence (EngineOptions::disk_every != 1 with the memory tier
+  // on; docs/ARCHITECTURE.md "Tiered cadence"): checkpoints commit into
+  // mem_file_, a slot file in the memory tier's segment directory with its
+  // own slots (mem_free_; mem_retained_ holds the newest committed one), and
+  // the persister thread copies the newest offered one (persist_next_) into
+  // a free slot of file_ and commits it there with the same counter. The
+  // slot it reads is held (persist_hold_): a release that comes meanwhile
+  // is deferred (persist_deferred_). mem_file_ has WantedSlots() + 1 slots,
+  // so with fewer than max_in_flight in flight a slot is free whatever the
+  // disk does: training never waits for the disk.
+  struct PersistItem {
+    std::shared_ptr<SlotFile> file;
+    CheckpointInfo info;
+  };
+  bool tiered_ GUARDED_BY(mu_) = false;
+  std::shared_ptr<SlotFile> mem_file_ GUARDED_BY(mu_);
+  bool mem_pending_rename_ GUARDED_BY(mu_) = false;  // mem_file_ is "<segment>.tmp" until its first commit
+  std::unique_ptr<SlotQueue> mem_free_ GUARDED_BY(mu_);
+  std::optional<uint32_t> mem_retained_ GUARDED_BY(mu_);
+  std::optional<PersistItem> mem_newest_ GUARDED_BY(mu_);   // the newest memory commit
+  std::optional<PersistItem> persist_next_ GUARDED_BY(mu_);
+  bool persist_busy_ GUARDED_BY(mu_) = false;
+  std::optional<std::pair<const SlotFile*, uint32_t>> persist_hold_ GUARDED_BY(mu_);
+  bool persist_deferred_ GUARDED_BY(mu_) = false;
+  bool persist_stop_ GUARDED_BY(mu_) = false;
+  bool persist_reported_ GUARDED_BY(mu_) = false;  // a failure printed since the last success
+  uint64_t mem_commits_ GUARDED_BY(mu_) = 0;
+  uint64_t disk_counter_ GUARDED_BY(mu_) = 0;  // newest counter committed on disk
+  std::thread persister_;
+  // Register: (re)creates mem_file_ for file_'s slot size (nothing in flight).
+  Status PrepareMemFile() REQUIRES(mu_);
+  void PersistLoop();
+  // Copies item's checkpoint into a free slot of file_ and commits it.
+  Status PersistOne(const PersistItem& item) EXCLUDES(mu_);
+  // Gives slot `slot` of mem_file_ back (deferred while the persister reads it).
+  void MemRelease(uint32_t slot) REQUIRES(mu_);
+  // The newest counter of any record in this rank's segment (0: none).
+  uint64_t SegmentNewestCounter();
 
   std::thread dispatcher_;
   std::thread committer_;

@@ -212,12 +212,14 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   }
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
-  if (!file) return Status::NotFound("no checkpoint in " + opts_.dir);
   stats_.restore_read_s = stats_.restore_h2d_wait_s = 0;
   stats_.restore_h2d_bytes = 0;
-  ScanOptions so;
-  so.verify_data = false;  // each chunk's crc is verified as it is read below
-  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
+  ScanReport report;  // none on disk yet: the memory tier may still hold one
+  if (file) {
+    ScanOptions so;
+    so.verify_data = false;  // each chunk's crc is verified as it is read below
+    NONSTOP_ASSIGN_OR_RETURN(report, file->Scan(so));
+  }
   NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd_->ReadLineage(rank()));
   // A commit whose fsync failed this session is never chosen (noted durably
   // by RecordNotDurable as well).
@@ -235,29 +237,42 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   }
   PlanRequest req;
   req.step = step;
-  // The newest live checkpoint: only it may come from the memory tier.
-  PlanRequest newest_req;
-  newest_req.verify = false;
-  NONSTOP_ASSIGN_OR_RETURN(Plan newest_plan, MakePlan(cands, lineage, newest_req));
-  const std::optional<size_t> newest_live = newest_plan.chosen();
-  bool from_memory = false;
+  // The memory tier's segment, when the plan over it, the disk and the
+  // lineage puts it first (OpenMemorySegment): its records are candidates
+  // too, newest first at one counter; a record at a counter the disk also
+  // holds only when it is that same checkpoint (the one checked there).
+  std::shared_ptr<SlotFile> mem;
+  std::vector<const CheckpointInfo*> mem_infos;
+  ScanReport mem_report;
+  {
+    std::string why;
+    Result<std::optional<MemorySegment>> seg =
+        OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, nullptr, &why, step);
+    if (seg.ok() && seg.value().has_value()) {
+      mem = std::move(seg.value()->file);
+      mem_report = std::move(seg.value()->report);
+      const uint64_t same = seg.value()->info.counter;
+      for (const ScannedCheckpoint& c : mem_report.checkpoints) {
+        bool on_disk = false;
+        for (const ScannedCheckpoint& d : report.checkpoints) on_disk |= d.info.counter == c.info.counter;
+        if (on_disk && c.info.counter != same) continue;
+        cands.push_back(PlanCandidate{Tier::kMemory, seg.value()->path, c.info.step,
+                                      c.info.counter, c.state == CheckpointState::kCommitted,
+                                      c.reason, false, report.checkpoints.size() + mem_infos.size()});
+        mem_infos.push_back(&c.info);
+      }
+    }
+  }
+  auto info_of = [&](size_t handle) -> const CheckpointInfo& {
+    return handle < report.checkpoints.size() ? report.checkpoints[handle].info
+                                              : *mem_infos[handle - report.checkpoints.size()];
+  };
   // Verifying a candidate is reading it into the registered tensors: the
   // first that reads back with every crc intact is the one restored.
   // (Called by MakePlan on this thread, with mu_ held.)
   auto read = [&](const PlanCandidate& pc) REQUIRES(mu_) -> Status {
-    const CheckpointInfo& info = report.checkpoints[pc.handle].info;
-    from_memory = false;
-    if (!step && newest_live && cands[*newest_live].counter == pc.counter && memory_->on()) {
-      // The memory tier: the segment, when it holds exactly this checkpoint.
-      Result<std::optional<MemorySegment>> seg =
-          OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, &info, nullptr);
-      if (seg.ok() && seg.value().has_value()) {
-        std::shared_ptr<SlotFile> mf = std::move(seg.value()->file);
-        from_memory = ReadCheckpoint(mf, seg.value()->info).ok();
-        if (from_memory) return Status::OK();
-      }
-    }
-    Status st = ReadCheckpoint(file, info);
+    const CheckpointInfo& info = info_of(pc.handle);
+    Status st = ReadCheckpoint(pc.tier == Tier::kMemory ? mem : file, info);
     // Damaged bytes fall back to an older checkpoint (of the same step
     // when one was asked for); mismatched tensors are the caller's error.
     if (st.code() == StatusCode::kIOError) return Status::Corruption(st.message());
@@ -265,7 +280,9 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   };
   NONSTOP_ASSIGN_OR_RETURN(Plan plan, MakePlan(cands, lineage, req, read));
   if (plan.chosen()) {
-    const CheckpointInfo& info = report.checkpoints[cands[*plan.chosen()].handle].info;
+    const PlanCandidate& chosen = cands[*plan.chosen()];
+    const CheckpointInfo& info = info_of(chosen.handle);
+    const bool from_memory = chosen.tier == Tier::kMemory;
     stats_.restored_from_memory = from_memory;
     stats_.restore_s = Seconds(t0, Clock::now());
     // A rollback is final (DESIGN.md invariant 9): when newer records exist
@@ -273,15 +290,36 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
     // durably, before Restore returns (RecordRollback), in distributed mode
     // too (there Pin keeps the slot).
     rollback_from_.reset();
-    if (report.checkpoints.front().info.counter > info.counter) rollback_from_ = info.counter;
+    if (plan.newest_counter > info.counter || SegmentNewestCounter() > info.counter) {
+      rollback_from_ = info.counter;
+    }
     NONSTOP_RETURN_IF_ERROR(RecordRollback());
-    ProtectRestored(file, info);
+    if (from_memory) {
+      latest_ = CommittedCheckpoint{info.counter, info.step};
+      // The live tiered file is the segment: its slot stays until a newer commit.
+      if (mem_file_ && !mem_pending_rename_ && info.slot < mem_file_->geometry().slots) {
+        mem_retained_ = info.slot;
+        mem_free_ = std::make_unique<SlotQueue>(mem_file_->geometry().slots);
+        for (uint32_t s = 0; s < mem_file_->geometry().slots; ++s) {
+          if (s != info.slot) mem_free_->Push(s);
+        }
+      }
+      mem_newest_ = PersistItem{mem, info};
+    } else {
+      ProtectRestored(file, info);
+      if (mem_file_ && !mem_pending_rename_) {  // newer memory records are abandoned
+        mem_retained_.reset();
+        mem_free_ = std::make_unique<SlotQueue>(mem_file_->geometry().slots);
+        for (uint32_t s = 0; s < mem_file_->geometry().slots; ++s) mem_free_->Push(s);
+      }
+      if (mem_newest_ && mem_newest_->info.counter > info.counter) mem_newest_.reset();
+    }
     AddStall(Seconds(t0, Clock::now()));
     return info;
   }
   std::string why = step ? "no valid checkpoint of step " + std::to_string(*step)
                          : "no valid checkpoint";
-  why += " in " + file->medium().Describe();
+  why += " in " + (file ? file->medium().Describe() : opts_.dir);
   for (const auto& s : plan.skipped) why += "; " + s;
   return Status::NotFound(why);
 }
@@ -296,11 +334,13 @@ Status EngineImpl::AdoptRestored(uint64_t counter) {
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   rollback_from_.reset();
-  if (!file) return Status::OK();  // restored from elsewhere (a keep copy, a remote), no file yet
-  ScanOptions so;
-  so.verify_data = false;  // the caller verified what it read
-  NONSTOP_ASSIGN_OR_RETURN(ScanReport report, file->Scan(so));
-  uint64_t newest = 0;
+  ScanReport report;  // no file yet: restored from elsewhere (a keep copy, a remote, the memory tier)
+  if (file) {
+    ScanOptions so;
+    so.verify_data = false;  // the caller verified what it read
+    NONSTOP_ASSIGN_OR_RETURN(report, file->Scan(so));
+  }
+  uint64_t newest = SegmentNewestCounter();  // the memory tier's records count too
   for (const ScannedCheckpoint& c : report.checkpoints) newest = std::max(newest, c.info.counter);
   if (newest > counter) rollback_from_ = counter;
   // The rollback is durable before the restore returns: a crash before the
@@ -309,11 +349,26 @@ Status EngineImpl::AdoptRestored(uint64_t counter) {
   // Distributed mode: ProtectRestored leaves the slot to Pin (the caller
   // pins `counter`); the rollback above is recorded all the same, so a crash
   // never resumes a rank's abandoned future (DESIGN.md invariant 9).
+  bool on_disk = false;
   for (const ScannedCheckpoint& c : report.checkpoints) {
     if (c.state == CheckpointState::kCommitted && c.info.counter == counter) {
       ProtectRestored(file, c.info);
+      on_disk = true;
       break;
     }
+  }
+  if (!on_disk) {
+    // Restored from the memory tier (the tiered cadence): it is the newest
+    // memory checkpoint, persisted by Close() if nothing newer comes.
+    Result<std::optional<MemorySegment>> seg =
+        OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, nullptr, nullptr);
+    if (seg.ok() && seg.value().has_value() && seg.value()->info.counter == counter) {
+      mem_newest_ = PersistItem{std::shared_ptr<SlotFile>(std::move(seg.value()->file)),
+                                seg.value()->info};
+      latest_ = CommittedCheckpoint{counter, seg.value()->info.step};
+    }
+  } else if (mem_newest_ && mem_newest_->info.counter > counter) {
+    mem_newest_.reset();
   }
   return Status::OK();
 }

@@ -39,6 +39,7 @@ void EngineImpl::RecordFinished(const Job& job, bool committed, bool superseded,
   cs.persist_s = persist_s;
   cs.write_GBps = persist_s > 0 ? static_cast<double>(cs.bytes) / persist_s / 1e9 : 0;
   cs.committed = committed;
+  if (committed) cs.tiers = job.to_memory ? "memory" : "disk";
   if (superseded) cs.error = "superseded by a newer checkpoint";
   if (!st.ok()) cs.error = st.ToString();
   if (!committed && job.dropped) cs.error = "abandoned for a newer checkpoint";

@@ -395,6 +395,36 @@ Status MemoryTierWriter::CopyOne(SlotFile& file, const CheckpointInfo& info, boo
   return Status::OK();
 }
 
+Result<std::shared_ptr<SlotFile>> MemoryTierWriter::CreateTierFile(const StoreGeometry& g) {
+  if (!on()) return Status::FailedPrecondition("the memory tier is off");
+  const std::string tmp = name_ + ".tmp";
+  Status us = dir_->Unlink(tmp);
+  if (!us.ok() && us.code() != StatusCode::kNotFound) return us;
+  const uint64_t need = 4 * kStoreAlign * (kRingRecords + 2) + uint64_t{g.slots} * g.slot_bytes;
+  if (mode_ == MemoryTierMode::kAuto) {
+    Result<uint64_t> free_bytes = dir_->FreeBytes();
+    const uint64_t have = free_bytes.ok() ? free_bytes.value() : 0;
+    if (static_cast<double>(have) < 1.1 * static_cast<double>(need)) {
+      return Status::Unavailable("memory tier (auto): the " + std::to_string(need >> 20) +
+                                 " MiB segment does not fit into " + std::to_string(have >> 20) +
+                                 " MiB free in " + dir_->path());
+    }
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m,
+                           dir_->CreateFile(tmp, MediumKind::kBuffered, MediumOptions{}));
+  Result<std::unique_ptr<SlotFile>> f = SlotFile::Create(std::move(m), g);
+  if (!f.ok()) {
+    (void)dir_->Unlink(tmp);
+    return f.status().Annotate("creating the segment " + dir_->path() + "/" + tmp);
+  }
+  return std::shared_ptr<SlotFile>(std::move(f).value());
+}
+
+Status MemoryTierWriter::PublishTierFile() {
+  if (!on()) return Status::FailedPrecondition("the memory tier is off");
+  return dir_->Rename(name_ + ".tmp", name_);
+}
+
 uint64_t SweepMemorySegments(Directory& dir, Env* env, const std::string& keep,
                              double orphan_after_s, uint64_t now_unix_ns,
                              const std::string& own_job) {
@@ -492,37 +522,50 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<JobDir> jd, JobDir::OpenForRead(job_dir, env));
   Result<std::string> name = ReadRecord(jd->dir(), rank);
   if (!name.ok()) return no("no memory segment record: " + name.status().message());
-  std::optional<CheckpointInfo> newest;
-  if (disk_newest != nullptr) {
-    newest = *disk_newest;
-  } else {
-    SelectOptions so;
-    so.verify_data = false;
-    so.include_keep = false;
-    so.step = step;
-    Result<Selection> sel = jd->Select(rank, so);
-    if (!sel.ok()) return no("disk: " + sel.status().message());
-    if (!sel.value().chosen) return no("no checkpoint on disk");
-    if (step && sel.value().chosen->info.step != *step) {
-      return no("no checkpoint of step " + std::to_string(*step) + " on disk");
+  // What the disk holds: the caller's checkpoint (disk_newest: the segment
+  // must hold exactly it), or every record of the rank's slot file, planned
+  // below with the segment's records and the lineage.
+  std::unique_ptr<SlotFile> disk;
+  ScanReport disk_report;
+  if (disk_newest == nullptr) {
+    Result<std::unique_ptr<Medium>> dm = jd->OpenSlot(rank, MediumKind::kBuffered, true);
+    if (dm.ok()) {
+      Result<std::unique_ptr<SlotFile>> df = SlotFile::Open(std::move(dm).value());
+      if (!df.ok()) return no("disk: " + df.status().message());
+      ScanOptions so;
+      so.verify_data = false;
+      Result<ScanReport> dr = df.value()->Scan(so);
+      if (!dr.ok()) return no("disk: " + dr.status().message());
+      disk_report = std::move(dr).value();
+      disk = std::move(df).value();
+    } else if (dm.status().code() != StatusCode::kNotFound) {
+      return no("disk: " + dm.status().message());
     }
-    newest = sel.value().chosen->info;
   }
   const std::string where = MemorySegmentDir(shm_dir);
   Result<std::unique_ptr<Directory>> d = env->OpenDirectory(where, /*create=*/false);
   if (!d.ok()) return no("segment directory: " + d.status().message());
   const std::string path = where + "/" + name.value();
-  // Only a regular file no larger than the disk checkpoint's one-slot copy
-  // (plus its headers) is opened at all.
+  // Only a regular file no larger than the rank's slot file plus one slot
+  // (the tiered cadence's segment has one slot more than the disk file;
+  // the mirror's holds one) is opened at all.
   Result<FileStat> st = d.value()->Stat(name.value());
   if (!st.ok()) return no(path + ": " + st.status().message());
   if (st.value().type != EntryType::kFile) return no(path + " is not a regular file");
-  SlotLayout layout;
-  layout.tensors = newest->tensors;
-  layout.data_bytes = newest->data_bytes;
-  const uint64_t max_size = 4 * kStoreAlign * (kRingRecords + 2) +
-                            StoreGeometry::SlotBytesFor(layout, newest->meta_json.size() + kStoreAlign);
-  if (st.value().size > max_size) return no(path + " is larger than the checkpoint it should hold");
+  uint64_t max_size = 0;
+  if (disk_newest != nullptr) {
+    SlotLayout layout;
+    layout.tensors = disk_newest->tensors;
+    layout.data_bytes = disk_newest->data_bytes;
+    max_size = 4 * kStoreAlign * (kRingRecords + 2) +
+               StoreGeometry::SlotBytesFor(layout, disk_newest->meta_json.size() + kStoreAlign);
+  } else if (disk) {
+    const StoreGeometry& dg = disk->geometry();
+    max_size = 4 * kStoreAlign * (kRingRecords + 2) + (uint64_t{dg.slots} + 1) * dg.slot_bytes;
+  }
+  if (max_size != 0 && st.value().size > max_size) {
+    return no(path + " is larger than the checkpoints it should hold");
+  }
   MediumOptions ro;
   ro.read_only = true;
   Result<std::unique_ptr<Medium>> m = d.value()->OpenFile(name.value(), MediumKind::kBuffered, ro);
@@ -530,7 +573,10 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
   Result<std::unique_ptr<SlotFile>> f = SlotFile::Open(std::move(m).value());
   if (!f.ok()) return no(path + ": " + f.status().message());
   const StoreGeometry& g = f.value()->geometry();
-  if (g.slots != 1 || static_cast<int>(g.rank) != rank || g.world_size != newest->world_size) {
+  const uint32_t world = disk_newest != nullptr ? disk_newest->world_size
+                         : disk                 ? disk->geometry().world_size
+                                                : g.world_size;
+  if (static_cast<int>(g.rank) != rank || g.world_size != world) {
     return no(path + " is not a segment of rank " + std::to_string(rank));
   }
   ScanOptions so;
@@ -541,29 +587,96 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
   so.verify_data = false;
   Result<ScanReport> rep = f.value()->Scan(so);
   if (!rep.ok()) return no(path + ": " + rep.status().message());
-  // The segment's records, planned as the memory tier's candidates (the
-  // data is verified by the read that restores from it).
+  // The candidates: the segment's records (the memory tier) and, without
+  // disk_newest, the slot file's; planned with the lineage, so a segment
+  // record a rollback abandoned, or one older than the disk's newest, is
+  // never the answer.
   std::vector<PlanCandidate> cands;
-  for (size_t i = 0; i < rep.value().checkpoints.size(); ++i) {
-    const ScannedCheckpoint& c = rep.value().checkpoints[i];
+  std::vector<const CheckpointInfo*> infos;
+  for (const ScannedCheckpoint& c : rep.value().checkpoints) {
     cands.push_back(PlanCandidate{Tier::kMemory, path, c.info.step, c.info.counter,
-                                  c.state == CheckpointState::kCommitted, c.reason, false, i});
+                                  c.state == CheckpointState::kCommitted, c.reason, false,
+                                  infos.size()});
+    infos.push_back(&c.info);
   }
-  PlanRequest unverified;
-  unverified.verify = false;
-  Result<Plan> plan = MakePlan(cands, LineageRecord{}, unverified);
+  for (const ScannedCheckpoint& c : disk_report.checkpoints) {
+    cands.push_back(PlanCandidate{Tier::kDisk, jd->SlotPath(rank), c.info.step, c.info.counter,
+                                  c.state == CheckpointState::kCommitted, c.reason, false,
+                                  infos.size()});
+    infos.push_back(&c.info);
+  }
+  LineageRecord lineage;
+  if (disk_newest == nullptr) {
+    NONSTOP_ASSIGN_OR_RETURN(lineage, jd->ReadLineage(rank));
+  }
+  PlanRequest req;
+  req.verify = false;
+  if (disk_newest == nullptr) req.step = step;
+  Result<Plan> plan = MakePlan(cands, lineage, req);
   if (!plan.ok()) return no(path + ": " + plan.status().message());
+  if (disk_newest == nullptr) {
+    // Find the first memory candidate in the plan's order (a disk one
+    // before it: the disk holds a newer checkpoint).
+    if (!plan.value().chosen()) {
+      std::string why = path + " holds no checkpoint to restore";
+      for (const std::string& s : plan.value().skipped) why += "; " + s;
+      return no(why);
+    }
+    const PlanCandidate& first = cands[*plan.value().chosen()];
+    if (first.tier != Tier::kMemory) {
+      return no(path + ": the disk's " + DescribeCheckpoint(first.counter, first.step) +
+                " is newer than what the segment holds");
+    }
+    const CheckpointInfo& info = *infos[first.handle];
+    // The same counter on disk must be the same checkpoint (a segment of
+    // another lineage never is).
+    for (const PlanCandidate& c : cands) {
+      if (c.tier != Tier::kDisk || c.counter != info.counter || !c.committed) continue;
+      std::string why;
+      if (!SameCheckpoint(info, *infos[c.handle], &why)) return no(path + ": " + why);
+    }
+    MemorySegment seg;
+    seg.info = info;
+    seg.report = std::move(rep).value();
+    seg.file = std::move(f).value();
+    seg.path = path;
+    return std::optional<MemorySegment>(std::move(seg));
+  }
   if (!plan.value().chosen()) return no(path + " holds no valid checkpoint");
-  const CheckpointInfo& info =
-      rep.value().checkpoints[cands[*plan.value().chosen()].handle].info;
+  const CheckpointInfo& info = *infos[cands[*plan.value().chosen()].handle];
   std::string why;
-  if (!SameCheckpoint(info, *newest, &why)) return no(path + ": " + why);
+  if (!SameCheckpoint(info, *disk_newest, &why)) return no(path + ": " + why);
   MemorySegment seg;
   seg.info = info;
   seg.report = std::move(rep).value();
   seg.file = std::move(f).value();
   seg.path = path;
   return std::optional<MemorySegment>(std::move(seg));
+}
+
+uint64_t MemorySegmentNewestCounter(const std::string& job_dir, int rank,
+                                    const std::string& shm_dir, Env* env) {
+  if (env == nullptr) env = DefaultEnv();
+  Result<std::unique_ptr<Directory>> jd = env->OpenDirectory(job_dir, /*create=*/false);
+  if (!jd.ok()) return 0;
+  Result<std::string> name = ReadRecord(*jd.value(), rank);
+  if (!name.ok()) return 0;
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(MemorySegmentDir(shm_dir), false);
+  if (!d.ok()) return 0;
+  MediumOptions ro;
+  ro.read_only = true;
+  Result<std::unique_ptr<Medium>> m = d.value()->OpenFile(name.value(), MediumKind::kBuffered, ro);
+  if (!m.ok()) return 0;
+  Result<std::unique_ptr<SlotFile>> f = SlotFile::Open(std::move(m).value());
+  if (!f.ok()) return 0;
+  ScanOptions so;
+  so.verify_data = false;
+  Result<ScanReport> rep = f.value()->Scan(so);
+  uint64_t newest = f.value()->newest_committed_counter();
+  if (rep.ok()) {
+    for (const ScannedCheckpoint& c : rep.value().checkpoints) newest = std::max(newest, c.info.counter);
+  }
+  return newest;
 }
 
 }  // namespace nonstop

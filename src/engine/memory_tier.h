@@ -171,6 +171,18 @@ class MemoryTierWriter {
   MemoryTierStats stats() const;
   bool on() const { return dir_ != nullptr; }
 
+  // The tiered cadence (EngineOptions::disk_every != 1; docs/ARCHITECTURE.md
+  // "Tiered cadence"): the engine commits checkpoints into the segment
+  // itself, a slot file of geometry `g` (slots alternate; its commit
+  // record is the commit), and the disk persists them later. A new one is
+  // made under "<name>.tmp" (the segment under <name> still holds the
+  // newest memory checkpoint of before) and renamed over the segment by
+  // PublishTierFile after its first commit, so a committed checkpoint
+  // exists under the segment's name at every instant. "auto": only when it
+  // fits into the free space (with a tenth to spare).
+  Result<std::shared_ptr<SlotFile>> CreateTierFile(const StoreGeometry& g);
+  Status PublishTierFile();
+
  private:
   MemoryTierWriter() = default;
   void Loop();
@@ -219,5 +231,12 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(
     const std::string& job_dir, int rank, const std::string& shm_dir, Env* env,
     const CheckpointInfo* disk_newest, std::string* why_not,
     std::optional<int64_t> step = std::nullopt);
+
+// The newest counter of any record (committed or not) in the segment that
+// job directory `job_dir` names for rank `rank`; 0 when there is none or it
+// cannot be read. Not a choice: the engine numbers its checkpoints above it
+// and abandons it on a rollback (a restore of an older checkpoint).
+uint64_t MemorySegmentNewestCounter(const std::string& job_dir, int rank,
+                                    const std::string& shm_dir, Env* env);
 
 }  // namespace nonstop

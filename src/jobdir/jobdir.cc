@@ -938,7 +938,7 @@ Status AddAbandoned(LineageRecord* rec, uint64_t lo, uint64_t hi, const std::str
 
 }  // namespace
 
-Status JobDir::RecordRestore(int rank, uint64_t counter) {
+Status JobDir::RecordRestore(int rank, uint64_t counter, uint64_t newest_elsewhere) {
   NONSTOP_RETURN_IF_ERROR(impl_->CheckWriter("recording a restore", rank));
   if (counter == 0) return Status::InvalidArgument("RecordRestore: counter 0 is no checkpoint");
   MutexLock l(&impl_->mu);
@@ -950,6 +950,7 @@ Status JobDir::RecordRestore(int rank, uint64_t counter) {
                                    impl_->path + " was abandoned by an earlier restore");
   }
   NONSTOP_ASSIGN_OR_RETURN(uint64_t newest, impl_->NewestCounter(rank));
+  newest = std::max(newest, newest_elsewhere);
   if (newest > counter) {
     NONSTOP_RETURN_IF_ERROR(
         AddAbandoned(&rec, counter + 1, newest, impl_->Where(JobDirNames::Lineage(rank))));

@@ -49,7 +49,7 @@ class Checkpointer:
                  remote=None, remote_options: Optional[dict] = None, on_commit=None,
                  tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
                  remote_every: Optional[int] = None, replay: str = "auto",
-                 device_snapshot_bytes: Optional[int] = None):
+                 device_snapshot_bytes: Optional[int] = None, disk_every=1):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -435,6 +435,8 @@ def _engine_kwargs(o, dist) -> dict:
         kw["device_snapshot_bytes"] = 0
     elif e.device_snapshot_bytes is not None:
         kw["device_snapshot_bytes"] = e.device_snapshot_bytes
+    if e.disk_every != 1:  # the tiered cadence (docs/PYTHON.md, "disk_every")
+        kw["disk_every"] = e.disk_every
     return kw
 
 

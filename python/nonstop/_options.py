@@ -29,6 +29,7 @@ class EngineOptions:
     # concurrent mode: device memory for device snapshots (docs/CUDA.md);
     # None: the engine's default (a quarter of free device memory), 0: off
     device_snapshot_bytes: Optional[int] = None
+    disk_every: int = 1         # the tiered cadence: 1 every checkpoint on disk, N every N-th, 0 auto
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,21 @@ def check_tier(tier) -> None:
         raise CheckpointMismatchError(f'tier must be "auto", "memory" or "disk", got {tier!r}')
 
 
+def check_disk_every(disk_every, tier: str, mode: str, world_size: int) -> int:
+    """disk_every= (the tiered cadence, docs/PYTHON.md): 1, an int N > 1,
+    or "auto" (0); anything but 1 needs the memory tier and one process."""
+    if disk_every == "auto":
+        disk_every = 0
+    if not isinstance(disk_every, int) or isinstance(disk_every, bool) or disk_every < 0:
+        raise CheckpointMismatchError(
+            f'disk_every must be a positive integer or "auto", got {disk_every!r}')
+    if disk_every != 1 and (tier == "disk" or mode == "multistep" or world_size > 1):
+        raise CheckpointMismatchError(
+            "disk_every != 1 needs the memory tier (tier='auto' or 'memory'), "
+            "mode='concurrent' or 'layerwise', and world_size 1")
+    return disk_every
+
+
 def resolve(state: dict, **kw) -> Options:
     """Every keyword of nonstop.Checkpointer (`kw`: all of them, as its
     signature has them), checked (one-line CheckpointMismatchError), before
@@ -165,6 +181,7 @@ def resolve(state: dict, **kw) -> Options:
         engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
                              opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier,
                              kw["device_snapshot_bytes"]),
+                             check_disk_every(kw["disk_every"], tier, mode, world_size)),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
                          copy, clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),

@@ -479,7 +479,9 @@ Status EngineImpl::Close() {
   cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return in_flight_ == 0; });
   // The tiered cadence: the newest memory checkpoint reaches the disk
   // before a clean close (the segment goes back below only when it has).
-  if (tiered_ && mem_newest_ && mem_newest_->info.counter > disk_counter_) {
+  const bool persist_last = tiered_ && file_ && persister_.joinable() && mem_newest_ &&
+                            mem_newest_->info.counter > disk_counter_;
+  if (persist_last) {
     persist_next_ = mem_newest_;
     lock.Unlock();
     cv_.SignalAll();
@@ -494,7 +496,7 @@ Status EngineImpl::Close() {
   closed_ = true;
   stopping_ = true;
   Status st = TakePendingError();
-  if (st.ok() && !all_on_disk) {
+  if (st.ok() && persist_last && !all_on_disk) {
     st = Status::IOError("the newest checkpoint (#" + std::to_string(mem_newest_->info.counter) +
                          ") could not be persisted to disk; it stays in the memory tier's "
                          "segment: " + stats_.persist_error);

@@ -244,7 +244,9 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
   std::shared_ptr<SlotFile> mem;
   std::vector<const CheckpointInfo*> mem_infos;
   ScanReport mem_report;
-  {
+  // Not in "disk" mode (the tier is off): a checkpoint only the segment
+  // holds is abandoned then (the rollback below counts it).
+  if (memory_->on()) {
     std::string why;
     Result<std::optional<MemorySegment>> seg =
         OpenMemorySegment(opts_.dir, rank(), opts_.shm_dir, opts_.env, nullptr, &why, step);

@@ -624,8 +624,13 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
     }
     const PlanCandidate& first = cands[*plan.value().chosen()];
     if (first.tier != Tier::kMemory) {
-      return no(path + ": the disk's " + DescribeCheckpoint(first.counter, first.step) +
-                " is newer than what the segment holds");
+      uint64_t held = 0;
+      for (const PlanCandidate& c : cands) {
+        if (c.tier == Tier::kMemory && c.committed) held = std::max(held, c.counter);
+      }
+      return no(path + ": it holds checkpoint " + std::to_string(held) + ", the disk's newest is " +
+                std::to_string(first.counter) + " (" + DescribeCheckpoint(first.counter, first.step) +
+                ", newer)");
     }
     const CheckpointInfo& info = *infos[first.handle];
     // The same counter on disk must be the same checkpoint (a segment of

@@ -177,10 +177,11 @@ struct FaultEnv::State {
       if (!d) continue;
       size_t keep = 0;
       if (mode == CrashMode::kTornUnsynced) keep = rng() % (d->pending.size() + 1);
+      if (mode == CrashMode::kProcess) keep = d->pending.size();  // the kernel has them all
       for (size_t i = 0; i < keep; ++i) Apply(d->durable, d->pending[i]);
       d->pending.clear();
       d->visible = d->durable;
-      d->removed = false;
+      if (mode != CrashMode::kProcess) d->removed = false;
       live_dirs.push_back(w);
     }
     dirs = std::move(live_dirs);

@@ -101,7 +101,9 @@ void FaultDisk::Crash(CrashMode mode, uint64_t seed) {
 }
 
 void FaultDisk::CrashLocked(CrashMode mode, uint64_t seed) {
-  if (mode == CrashMode::kTornUnsynced) {
+  if (mode == CrashMode::kProcess) {
+    durable_ = visible_;
+  } else if (mode == CrashMode::kTornUnsynced) {
     std::mt19937_64 rng(seed);
     for (const LogEntry& e : log_) {
       if (e.is_resize) {

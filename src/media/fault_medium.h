@@ -36,6 +36,9 @@ enum class CrashMode {
   // partly written. Writes are replayed in issue order, so of two overlapping
   // kept writes the later one wins. Unsynced Resizes are kept or lost at random.
   kTornUnsynced,
+  // The process dies, the machine does not: every write (synced or not) is
+  // kept, as the kernel's page cache and a tmpfs keep them.
+  kProcess,
 };
 
 // The calls that InjectError and CrashOnCall count.

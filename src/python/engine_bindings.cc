@@ -151,6 +151,13 @@ void AddMemoryTierStats(py::dict& d, const EngineStats& s) {
   d["memory_failures"] = s.memory_failures;
   d["memory_error"] = LossyStr(s.memory_error);
   d["restored_from_memory"] = s.restored_from_memory;
+  // The tiered cadence (EngineOptions::disk_every).
+  d["disk_every"] = s.disk_every;
+  d["persisted"] = s.persisted;
+  d["persisted_counter"] = s.persisted_counter;
+  d["persist_failures"] = s.persist_failures;
+  d["persist_s_total"] = s.persist_s_total;
+  d["persist_error"] = LossyStr(s.persist_error);
 }
 
 namespace {
@@ -165,6 +172,7 @@ py::dict CheckpointStatsDict(const CheckpointStats& c) {
   d["persist_s"] = c.persist_s;
   d["write_GBps"] = c.write_GBps;
   d["committed"] = c.committed;
+  d["tiers"] = c.tiers;  // "disk", "memory" (memory only: lost with the node), "memory+disk"
   d["error"] = c.error;
   d["snapshot_bytes"] = c.snapshot_bytes;
   d["direct_bytes"] = c.direct_bytes;
@@ -355,11 +363,27 @@ class PyEngine {
   }
   py::dict Stats() {
     EngineStats s;
+    std::optional<CommittedCheckpoint> latest;
     {
       py::gil_scoped_release release;
       s = Get().Stats();
+      latest = Get().Latest();
     }
-    return EngineStatsDict(s);
+    py::dict d = EngineStatsDict(s);
+    // The newest committed checkpoint and the tiers that hold it: "disk"
+    // (with the memory tier's copy or not), or "memory" only (the tiered
+    // cadence, not persisted yet: a node loss loses it).
+    if (latest) {
+      py::dict l;
+      l["counter"] = latest->counter;
+      l["step"] = latest->step;
+      l["on_disk"] = latest->on_disk;
+      l["tiers"] = latest->on_disk ? "disk" : "memory";
+      d["latest"] = l;
+    } else {
+      d["latest"] = py::none();
+    }
+    return d;
   }
   void Close() {
     if (!engine_) return;
@@ -556,7 +580,7 @@ void InitEngine(py::module_& m) {
                   bool global_agreement, uint64_t keep_every, const std::string& memory_tier,
                   const std::string& shm_dir, double memory_tier_share,
                   double memory_tier_orphan_s, bool small_initial_staging,
-                  int64_t device_snapshot_bytes) {
+                  int64_t device_snapshot_bytes, int disk_every) {
         LayerCopy copy = LayerCopy::kHost;
         if (!ParseLayerCopy(layer_copy, &copy)) {
           throw StatusError(Status::InvalidArgument("unknown copy '" + layer_copy +
@@ -574,13 +598,15 @@ void InitEngine(py::module_& m) {
         o.memory_tier_orphan_s = memory_tier_orphan_s;
         o.small_initial_staging = small_initial_staging;
         o.device_snapshot_bytes = device_snapshot_bytes;
+        o.disk_every = disk_every;
         return std::make_unique<PyEngine>(o);
       }),
       py::arg("extra_slots") = 0, py::arg("layer_copy") = "host",
       py::arg("global_agreement") = false, py::arg("keep_every") = 0,
       py::arg("memory_tier") = "auto", py::arg("shm_dir") = "",
       py::arg("memory_tier_share") = 0.1, py::arg("memory_tier_orphan_s") = 3600.0,
-      py::arg("small_initial_staging") = false, py::arg("device_snapshot_bytes") = -1);
+      py::arg("small_initial_staging") = false, py::arg("device_snapshot_bytes") = -1,
+      py::arg("disk_every") = 1);
   engine
       .def("register", &PyEngine::Register, py::arg("tensors"), py::arg("layouts") = py::none(),
            "Registers tensors: a list of (name, dtype code, shape, nbytes, data_ptr, device "

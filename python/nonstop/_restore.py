@@ -45,9 +45,10 @@ class LoadedCheckpoint:
 def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
                  stats: Optional[dict] = None):
     """(the newest checkpoint read from the memory tier's segment, "") or
-    (None, why it was not used): no segment, not verified, not exactly the
-    disk's newest, or malformed (the caller reads the disk then, into the
-    same tensors). Read through the C++ restore path straight into `live`'s
+    (None, why it was not used): no segment, not verified, not the planner's
+    first choice over the segment, the disk and the lineage (older than the
+    disk's newest, abandoned, another job's), or malformed (the caller reads
+    the disk then, into the same tensors). Read through the C++ restore path straight into `live`'s
     tensors where they fit (read_tensors)."""
     open_segment = getattr(_ext.core(), "open_memory_segment", None)
     if open_segment is None:
@@ -302,8 +303,9 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
     t0 = time.perf_counter()
     loaded, why = None, "a step was asked for"
     if step is None and tier != "disk":
-        # The memory tier first: used only when its segment verifies and
-        # holds exactly the newest committed checkpoint on disk.
+        # The memory tier first: used only when its segment verifies and the
+        # planner puts its checkpoint first (the disk's newest, or a newer
+        # one only memory holds: the tiered cadence, disk_every=).
         loaded, why = read_memory(dir, rank, world_size, applier.prepare,
                                   live=applier.live_tensors(), stats=stats)
     if loaded is not None:

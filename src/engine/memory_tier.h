@@ -47,13 +47,21 @@
 // touched. A writer that cannot take its own lock (a sweeper holds it right
 // now) records a fresh name instead.
 //
+// The tiered cadence (EngineOptions::disk_every != 1; engine_tiered.cc):
+// instead of mirrored copies, the engine commits its checkpoints into the
+// segment itself, a multi-slot slot file (CreateTierFile, PublishTierFile),
+// and persists them to disk later, so the segment may hold a checkpoint
+// newer than the disk's.
+//
 // Reading (OpenMemorySegment): the segment is used only when it verifies
 // (header, record and table here; every data chunk crc as it is read) and
-// holds exactly the newest committed, non-abandoned checkpoint of the rank's
-// slot file on disk (same counter, step, tensor table, metadata and chunk
-// crcs): it is never older than the disk, and never another job's. Anything
-// else (no record, no segment, a foreign or garbage file, a stale one) is
-// reported in `why_not` and the caller reads the disk. The data is read and
+// the recovery planner (MakePlan), given its records, the slot file's and
+// the lineage, puts one of its records first: the newest live checkpoint,
+// never one a rollback abandoned, never older than the disk's newest; where
+// the disk holds the same counter, only when it is exactly that checkpoint
+// (same step, tensor table, metadata and chunk crcs): never another job's.
+// Anything else (no record, no segment, a foreign or garbage file, a stale
+// one) is reported in `why_not` and the caller reads the disk. The data is read and
 // checksummed once: OpenMemorySegment does not read it, and every reader of
 // a segment (ReadCheckpointInto, Engine::Restore) verifies each chunk as it
 // reads it and falls back to the disk on a mismatch.
@@ -219,9 +227,10 @@ struct MemorySegment {
 
 // The segment of rank `rank` of job directory `job_dir`, when it may be used
 // for recovery instead of the disk (see the top of this file); nullopt with
-// the reason in *why_not otherwise. `disk_newest`: the newest committed,
-// non-abandoned checkpoint of the rank's slot file as the caller found it
-// (table read, data not verified); nullptr: found here. `step` (with
+// the reason in *why_not otherwise. `disk_newest`: the segment must hold
+// exactly this checkpoint (the caller's choice; table read, data not
+// verified); nullptr: planned here with the slot file's records and the
+// lineage (a segment newer than the disk is then the answer). `step` (with
 // disk_newest == nullptr): the checkpoint the segment must hold is the one
 // the job directory selects for that step instead of the newest: the step
 // the ranks of a distributed job agreed to restore, which may be older than

@@ -17,6 +17,7 @@
 #include <system_error>
 #include <vector>
 
+#include "engine/memory_tier.h"
 #include "jobdir/remote_layout.h"
 #include "nonstop/env.h"
 #include "nonstop/jobdir.h"
@@ -72,6 +73,34 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
   if (!list.ok()) Fail("ls", list.status());
   // A ring record whose slot a newer checkpoint reused is gone, not damaged.
   std::erase_if(list.value(), [](const ListedCheckpoint& c) { return c.rotated; });
+  // The tiered cadence (disk_every): the newest checkpoint, when only the
+  // memory tier's segment holds it (a restart on this node restores it; a
+  // lost node loses it), listed first with where "memory".
+  size_t in_memory = 0;
+  {
+    std::string why;
+    Result<std::optional<MemorySegment>> seg =
+        OpenMemorySegment(dir, rank, "", nullptr, nullptr, &why);
+    if (seg.ok() && seg.value().has_value()) {
+      const CheckpointInfo& info = seg.value()->info;
+      const bool on_disk = std::any_of(list.value().begin(), list.value().end(),
+                                       [&](const ListedCheckpoint& c) { return c.counter == info.counter; });
+      if (!on_disk) {
+        ListedCheckpoint m;
+        m.counter = info.counter;
+        m.step = info.step;
+        m.location.where = seg.value()->path;
+        m.state = ListedCheckpoint::State::kCommitted;
+        m.commit_unix_ns = info.commit_unix_ns;
+        m.data_bytes = info.data_bytes;
+        list.value().insert(list.value().begin(), std::move(m));
+        in_memory = 1;
+      }
+    }
+  }
+  const auto where = [&](size_t i) -> const char* {
+    return i < in_memory ? "memory" : list.value()[i].location.keep ? "keep" : "ring";
+  };
   // A file that cannot be read (listed with counter 0) is damage: listed,
   // then one line on stderr and exit 1, never "no checkpoint" and 0.
   std::string unreadable;
@@ -85,12 +114,13 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
   };
   if (as_json) {
     json out = json::array();
-    for (const ListedCheckpoint& c : list.value()) {
+    for (size_t i = 0; i < list.value().size(); ++i) {
+      const ListedCheckpoint& c = list.value()[i];
       json m = json::object();
       for (const auto& [k, v] : c.metrics) m[format::Printable(k)] = v;
       out.push_back({{"step", c.step},
                      {"counter", c.counter},
-                     {"where", c.location.keep ? "keep" : "ring"},
+                     {"where", where(i)},
                      {"path", format::Printable(c.location.where)},
                      {"state", StateName(c.state)},
                      {"reason", format::Printable(c.reason)},
@@ -106,9 +136,10 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
     std::cout << "no checkpoint of rank " << rank << " in " << dir << "\n";
     return;
   }
-  std::printf("%-10s %-5s %-10s %-21s %-10s %s\n", "step", "where", "state", "committed (UTC)",
+  std::printf("%-10s %-6s %-10s %-21s %-10s %s\n", "step", "where", "state", "committed (UTC)",
               "size", "metrics");
-  for (const ListedCheckpoint& c : list.value()) {
+  for (size_t i = 0; i < list.value().size(); ++i) {
+    const ListedCheckpoint& c = list.value()[i];
     std::string metrics;
     for (const auto& [k, v] : c.metrics) {
       char buf[64];
@@ -116,8 +147,9 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
       metrics += (metrics.empty() ? "" : " ") + format::Printable(k) + "=" + buf;
     }
     if (c.state != ListedCheckpoint::State::kCommitted) metrics = format::Printable(c.reason);
-    std::printf("%-10lld %-5s %-10s %-21s %-10s %s\n", static_cast<long long>(c.step),
-                c.location.keep ? "keep" : "ring", StateName(c.state), UtcTime(c.commit_unix_ns).c_str(),
+    if (i < in_memory) metrics = "memory only: survives a process crash, not a node loss";
+    std::printf("%-10lld %-6s %-10s %-21s %-10s %s\n", static_cast<long long>(c.step),
+                where(i), StateName(c.state), UtcTime(c.commit_unix_ns).c_str(),
                 c.state == ListedCheckpoint::State::kCommitted ? HumanBytes(c.data_bytes).c_str() : "-",
                 metrics.c_str());
   }

@@ -77,7 +77,12 @@ void EngineImpl::PersistLoop() {
     if (!persist_next_) return;  // stopping, nothing left to persist
     PersistItem item = std::move(*persist_next_);
     persist_next_.reset();
-    if (item.info.counter <= disk_counter_) continue;  // on disk already
+    if (item.info.counter <= disk_counter_) {  // on disk already (Close offers the newest again)
+      lock.Unlock();
+      cv_.SignalAll();  // a waiter for persist_next_ to be taken (Close)
+      lock.Lock();
+      continue;
+    }
     persist_busy_ = true;
     persist_hold_ = {item.file.get(), item.info.slot};
     lock.Unlock();

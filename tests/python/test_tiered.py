@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import nonstop
+from conftest import nonstop_cli
 from nonstop.errors import CheckpointMismatchError
 
 CHILD = textwrap.dedent("""
@@ -82,6 +83,13 @@ def test_sigkill_restores_the_newest_memory_step_bitwise(tmp_path, monkeypatch):
     d = str(tmp_path / "job")
     _killed_job(d)
     assert nonstop.load(d).step == 6  # the disk's newest: step 7 was never reported there
+    cli = nonstop_cli()
+    if cli is not None:  # `nonstop ls` names the memory-only one as such
+        r = subprocess.run([cli, "ls", d, "--json"], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ))
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert [(x["step"], x["where"]) for x in rows[:2]] == [(7, "memory"), (6, "ring")]
     step, source, model = _restore(d)
     assert (step, source) == (7, "memory")
     assert torch.equal(model.weight, _weights(7))

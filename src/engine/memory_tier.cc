@@ -609,6 +609,15 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
   if (disk_newest == nullptr) {
     NONSTOP_ASSIGN_OR_RETURN(lineage, jd->ReadLineage(rank));
   }
+  // The segment, holding `info` (one of its records), as the answer.
+  auto use = [&](const CheckpointInfo& info) -> Result<std::optional<MemorySegment>> {
+    MemorySegment seg;
+    seg.info = info;
+    seg.report = std::move(rep).value();
+    seg.file = std::move(f).value();
+    seg.path = path;
+    return std::optional<MemorySegment>(std::move(seg));
+  };
   PlanRequest req;
   req.verify = false;
   if (disk_newest == nullptr) req.step = step;
@@ -640,23 +649,13 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(const std::string& job_di
       std::string why;
       if (!SameCheckpoint(info, *infos[c.handle], &why)) return no(path + ": " + why);
     }
-    MemorySegment seg;
-    seg.info = info;
-    seg.report = std::move(rep).value();
-    seg.file = std::move(f).value();
-    seg.path = path;
-    return std::optional<MemorySegment>(std::move(seg));
+    return use(info);
   }
   if (!plan.value().chosen()) return no(path + " holds no valid checkpoint");
   const CheckpointInfo& info = *infos[cands[*plan.value().chosen()].handle];
   std::string why;
   if (!SameCheckpoint(info, *disk_newest, &why)) return no(path + ": " + why);
-  MemorySegment seg;
-  seg.info = info;
-  seg.report = std::move(rep).value();
-  seg.file = std::move(f).value();
-  seg.path = path;
-  return std::optional<MemorySegment>(std::move(seg));
+  return use(info);
 }
 
 uint64_t MemorySegmentNewestCounter(const std::string& job_dir, int rank,

@@ -130,22 +130,27 @@ Restored RestoreFresh(Env* env, int disk_every, std::optional<int64_t> step = st
   return r;
 }
 
+// Steps 1..7 with disk_every=3, each committed, steps 3 and 6 persisted.
+void SevenSteps(Engine& e, State& s) {
+  for (int step = 1; step <= 7; ++step) {
+    s.Fill(step);
+    auto c = e.Checkpoint(step, "{}");
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE(e.WaitCommitted(*c).ok());
+    ASSERT_TRUE(e.WaitCopied().ok());
+    if (step % 3 == 0) {
+      ASSERT_TRUE(WaitPersisted(e, *c)) << e.Stats().persist_error;
+    }
+  }
+}
+
 TEST(TieredTest, DiskEveryNCommitsToMemoryAndPersistsEveryNth) {
   auto env = FaultEnv::Create();
   State s;
   {
     auto e = Engine::Open(Options(env.get(), 3)).value();
     ASSERT_TRUE(e->Register(s.Refs()).ok());
-    for (int step = 1; step <= 7; ++step) {
-      s.Fill(step);
-      auto c = e->Checkpoint(step, "{}");
-      ASSERT_TRUE(c.ok()) << c.status().ToString();
-      ASSERT_TRUE(e->WaitCommitted(*c).ok());
-      ASSERT_TRUE(e->WaitCopied().ok());
-      if (step % 3 == 0) {
-        ASSERT_TRUE(WaitPersisted(*e, *c)) << e->Stats().persist_error;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(SevenSteps(*e, s));
     EngineStats st = e->Stats();
     EXPECT_EQ(st.disk_every, 3);
     EXPECT_EQ(st.committed, 7u);
@@ -177,16 +182,7 @@ TEST(TieredTest, ANodeLossRestoresTheNewestDiskCheckpoint) {
   {
     auto e = Engine::Open(Options(env.get(), 3)).value();
     ASSERT_TRUE(e->Register(s.Refs()).ok());
-    for (int step = 1; step <= 7; ++step) {
-      s.Fill(step);
-      auto c = e->Checkpoint(step, "{}");
-      ASSERT_TRUE(c.ok());
-      ASSERT_TRUE(e->WaitCommitted(*c).ok());
-      ASSERT_TRUE(e->WaitCopied().ok());
-      if (step % 3 == 0) {
-        ASSERT_TRUE(WaitPersisted(*e, *c));
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(SevenSteps(*e, s));
     LoseNode(*env);
   }
   Restored r = RestoreFresh(env.get(), 3);
@@ -223,16 +219,7 @@ TEST(TieredTest, ARollbackAbandonsNewerMemoryOnlyCheckpoints) {
   {
     auto e = Engine::Open(Options(env.get(), 3)).value();
     ASSERT_TRUE(e->Register(s.Refs()).ok());
-    for (int step = 1; step <= 7; ++step) {
-      s.Fill(step);
-      auto c = e->Checkpoint(step, "{}");
-      ASSERT_TRUE(c.ok());
-      ASSERT_TRUE(e->WaitCommitted(*c).ok());
-      ASSERT_TRUE(e->WaitCopied().ok());
-      if (step % 3 == 0) {
-        ASSERT_TRUE(WaitPersisted(*e, *c));
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(SevenSteps(*e, s));
     auto back = e->Restore(3);  // from disk; 4..7 (7 in memory only) are abandoned
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(back->step, 3);

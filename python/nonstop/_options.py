@@ -180,7 +180,7 @@ def resolve(state: dict, **kw) -> Options:
     return Options(
         engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
                              opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier,
-                             kw["device_snapshot_bytes"]),
+                             kw["device_snapshot_bytes"],
                              check_disk_every(kw["disk_every"], tier, mode, world_size)),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
                          copy, clip_grad_norm),

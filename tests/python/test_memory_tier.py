@@ -29,6 +29,9 @@ CHILD = textwrap.dedent("""
             model.bias.fill_(float(step))
         ckpt.step(step)
         step += 1
+        if not settle and step == 1:  # the kill lands after a commit, never before any
+            ckpt.wait()
+            print("committed", flush=True)
         if settle and step >= 3:
             # Once the segment holds the newest commit, say so and wait to be
             # killed. "auto" may skip a commit (a copy running, its time
@@ -98,6 +101,7 @@ def test_kill_at_random_points_restores_the_newest_committed(tmp_path, monkeypat
         p = _spawn(d, tier, settle=False)
         try:
             assert p.stdout.readline().strip() == b"ready"
+            assert p.stdout.readline().strip() == b"committed"  # the child's alarm bounds this
             time.sleep(0.3 + rng.random() * 0.5)
         finally:
             p.send_signal(signal.SIGKILL)

@@ -195,4 +195,12 @@ class SlotFile {
 // `info`'s slot from being reused during the copy.
 Status CopyCheckpoint(SlotFile& src, const CheckpointInfo& info, std::unique_ptr<Medium> dest);
 
+// Copies committed checkpoint `info` of `src` into slot `slot` of `dest` (a
+// free slot of a file with room for it), verifying every chunk as it is
+// read, and commits it there: the record CopyCheckpoint and the tiered
+// persister (a memory checkpoint to the disk) both write. The caller keeps
+// both slots from being reused during the copy.
+Result<CheckpointInfo> CopyCheckpointToSlot(SlotFile& src, const CheckpointInfo& info,
+                                            SlotFile& dest, uint32_t slot);
+
 }  // namespace nonstop

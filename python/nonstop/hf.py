@@ -163,16 +163,9 @@ class NonstopCallback(TrainerCallback):
         got = {str(k): float(v) for k, v in (metrics or {}).items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         self._save(args, state, model, optimizer, lr_scheduler, got or None)
-        # best= keeps the best evaluated checkpoint: this one must commit, so
-        # it is waited for here (evaluations are rare, and slower than a
-        # commit). Left in flight, a newer checkpoint that finished writing
-        # first would supersede it (the engine's ordered publish), its metrics
-        # with it, and the best step would be lost. A failed commit is not
-        # raised: training goes on, as for any checkpoint. (One process only:
-        # under torchrun a commit waits for the ranks' agreement, which the
-        # next checkpoint brings; there it is left in flight as before.)
-        if self.ckpt.world_size == 1:
-            self.last_handle.exception()
+        # A checkpoint carrying best='s metric is never superseded by a newer
+        # one that finishes writing first: the engine holds the newer one's
+        # commit until it is committed (ENGINE.md, "Ordered publish").
 
     def _open(self, model, optimizer, lr_scheduler) -> None:
         """The Checkpointer of this run (one per rank under torchrun: with

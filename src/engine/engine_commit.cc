@@ -28,6 +28,16 @@ void EngineImpl::CommitLoop() {
       FinishJob(job, false, false, ns);
       continue;
     }
+    // An older checkpoint a retention rule keeps is still being written: a
+    // claim now would supersede it (and its best= metrics or its kept copy
+    // with it), so this one waits until that one is finished.
+    {
+      MutexLock lock(&mu_);
+      if (!must_commit_.empty() && *must_commit_.begin() < job->counter) {
+        deferred_.push_back(job);
+        continue;
+      }
+    }
     // Claim: only a counter above every claimed one may commit (PCcheck's CAS
     // rule, on all 64 bits). A late older checkpoint is superseded.
     uint64_t cur = claimed_.load(std::memory_order_acquire);
@@ -109,6 +119,14 @@ void EngineImpl::CommitLoop() {
     if (!memory_->Submit(job->file, info.value())) MirrorDone(job->file, job->slot);
     FinishJob(job, true, false, Status::OK());
   }
+}
+
+void EngineImpl::MarkMustCommit(Job& job) {
+  const bool kept_every = opts_.keep_every > 0 && job.counter % opts_.keep_every == 0;
+  const bool best = retention_.best_k > 0 && !retention_.best_metric.empty() &&
+                    CheckpointMetric(job.meta_json, retention_.best_metric).has_value();
+  job.must_commit = kept_every || best;
+  if (job.must_commit) must_commit_.insert(job.counter);
 }
 
 void EngineImpl::ReleaseSlot(const SlotFile* file, uint32_t slot) {
@@ -252,6 +270,16 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
     }
   }
   RecordFinished(*job, committed, superseded, st, persist_s);
+  if (job->must_commit && must_commit_.erase(job->counter) != 0 && !deferred_.empty()) {
+    // The jobs it held back go first, oldest first (the loop defers again
+    // those an older kept checkpoint still holds).
+    std::sort(deferred_.begin(), deferred_.end(),
+              [](const std::shared_ptr<Job>& a, const std::shared_ptr<Job>& b) {
+                return a->counter < b->counter;
+              });
+    commit_q_.insert(commit_q_.begin(), deferred_.begin(), deferred_.end());
+    deferred_.clear();
+  }
   unfinished_.erase(job->counter);
   live_.erase(job->counter);
   --in_flight_;

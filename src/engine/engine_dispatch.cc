@@ -92,6 +92,7 @@ Result<uint64_t> EngineImpl::Checkpoint(int64_t step, std::string meta_json) {
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job,
                            AdmitLocked(step, t0, /*layerwise=*/false, "Checkpoint"));
   job->meta_json = std::move(meta_json);
+  MarkMustCommit(*job);
   // Device snapshots: the set is free once the previous holder's drain is
   // complete; until then this checkpoint copies straight to the host.
   uint64_t wanted = 0;

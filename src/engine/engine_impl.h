@@ -170,6 +170,10 @@ struct Job {
   // the disk from FinishJob).
   std::optional<CheckpointInfo> info;
   bool to_memory = false;  // the tiered cadence: it commits into the memory tier's file
+  // A checkpoint a retention rule keeps (keep_every's counter, or carrying
+  // the best= metric): it is never superseded; a newer one that finishes
+  // first waits for it in deferred_ (MarkMustCommit). GUARDED_BY(Engine::mu_).
+  bool must_commit = false;
   std::atomic<uint64_t> remaining{0};
   std::atomic<bool> failed{false};
   Mutex error_mu;
@@ -293,6 +297,9 @@ class EngineImpl final : public Engine {
   void MarkCopied(uint32_t tensor);
   void PublishFence(uint32_t tensor, std::vector<std::shared_ptr<CopyCompletion>> reads);
   Result<std::shared_ptr<Job>> OpenLayerJob(uint64_t counter) REQUIRES(mu_);
+  // Sets job.must_commit from its counter and meta_json (retention rules)
+  // once its metadata is known.
+  void MarkMustCommit(Job& job) REQUIRES(mu_);
   // Requests the copies of `tensors` not requested yet and the seal.
   void SealLocked(const std::shared_ptr<Job>& job) REQUIRES(mu_);
   Status SnapshotNow(const std::shared_ptr<Job>& job, bool skip_requested);
@@ -482,6 +489,11 @@ class EngineImpl final : public Engine {
   std::optional<Clock::time_point> ckpt_returned_ GUARDED_BY(mu_);  // for window_s
   std::deque<DispatchItem> dispatch_q_ GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Job>> commit_q_ GUARDED_BY(mu_);
+  // Unfinished checkpoints that must commit (Job::must_commit), and the newer
+  // ones that finished writing first: they go back to commit_q_, oldest
+  // first, when one of those finishes (committed or failed).
+  std::set<uint64_t> must_commit_ GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Job>> deferred_ GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Job>> live_ GUARDED_BY(mu_);  // started, unfinished
   // Failures not yet handed to the caller, oldest first, with their counter.
   std::deque<std::pair<uint64_t, Status>> pending_errors_ GUARDED_BY(mu_);

@@ -1073,6 +1073,105 @@ TEST_F(EngineTest, AbandonOlderThanLetsAnUrgentCheckpointGoFirst) {
   EXPECT_EQ(engine->AbandonOlderThan(std::numeric_limits<uint64_t>::max()).value(), 0);
 }
 
+// Holds the first write that starts with `hold`'s float until Open(), and
+// counts the writes that start with one of `count`'s floats.
+struct WriteGate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false, held = false;
+  float hold = 0;
+  std::set<float> count;
+  std::atomic<int> counted{0};
+  void Open() {
+    std::lock_guard<std::mutex> l(mu);
+    open = true;
+    cv.notify_all();
+  }
+};
+
+class GateMedium final : public media::MediumWrapper {
+ public:
+  GateMedium(std::unique_ptr<Medium> inner, std::shared_ptr<WriteGate> gate)
+      : MediumWrapper(std::move(inner)), gate_(std::move(gate)) {}
+  Status Write(uint64_t offset, const void* buf, size_t n) override {
+    float first = 0;
+    if (n >= sizeof first) std::memcpy(&first, buf, sizeof first);
+    {
+      std::unique_lock<std::mutex> l(gate_->mu);
+      if (n >= sizeof first && first == gate_->hold && !gate_->held) {
+        gate_->held = true;
+        gate_->cv.wait(l, [&] { return gate_->open; });
+      }
+    }
+    Status st = inner().Write(offset, buf, n);
+    if (n >= sizeof first && gate_->count.count(first) != 0) gate_->counted.fetch_add(1);
+    return st;
+  }
+  std::string Describe() const override { return "gated " + inner().Describe(); }
+
+ private:
+  std::shared_ptr<WriteGate> gate_;
+};
+
+// best= (and keep_every): the checkpoint carrying the metric must commit even
+// when a newer one finishes writing first (PCcheck's claim would supersede
+// it, and its metric with it: Trainer's best step was lost so in CI).
+TEST_F(EngineTest, ACheckpointCarryingTheBestMetricIsNeverSuperseded) {
+  constexpr int kChunks = 8;  // 64 KiB chunks
+  auto t = MakeTensor("t", kChunks * 16384);
+  auto gate = std::make_shared<WriteGate>();
+  t.Fill(1, 0);
+  gate->hold = t.data[0];  // step 1's first chunk waits for the gate
+  t.Fill(2, 0);
+  for (int j = 0; j < kChunks; ++j) gate->count.insert(t.data[static_cast<size_t>(j) * 16384]);
+  FaultRig rig;
+  EngineMedia media = rig.Media();
+  auto wrap = media.wrap;
+  media.wrap = [wrap, gate](std::unique_ptr<Medium> opened, const std::string& name,
+                            bool created) -> Result<std::unique_ptr<Medium>> {
+    auto m = wrap(std::move(opened), name, created);
+    if (!m.ok()) return m.status();
+    return std::unique_ptr<Medium>(std::make_unique<GateMedium>(std::move(*m), gate));
+  };
+  auto engine = std::move(OpenEngine(Options(), media)).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  RetentionPolicy policy;
+  policy.best_metric = "loss";
+  policy.best_k = 1;
+  ASSERT_TRUE(engine->SetRetention(policy).ok());
+  t.Fill(1, 0);
+  ASSERT_TRUE(engine->Checkpoint(1, R"({"metrics": {"loss": 0.5}})").ok());
+  ASSERT_TRUE(engine->WaitCopied().ok());
+  t.Fill(2, 0);
+  ASSERT_TRUE(engine->Checkpoint(2, "").ok());
+  // Step 2 is all written while step 1's first chunk is held.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (gate->counted.load() < kChunks && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_EQ(gate->counted.load(), kChunks);
+  // Without the rule step 2 claims and commits within milliseconds here.
+  bool newer_committed_first = false;
+  for (int i = 0; i < 300 && !newer_committed_first; ++i) {
+    auto latest = engine->Latest();
+    newer_committed_first = latest.has_value() && latest->step == 2;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  gate->Open();
+  ASSERT_TRUE(engine->WaitCommitted().ok());
+  EXPECT_FALSE(newer_committed_first) << "step 2 committed while step 1 (best=) was in flight";
+  EngineStats s = engine->Stats();
+  EXPECT_EQ(s.superseded, 0u);
+  EXPECT_EQ(s.committed, 2u);
+  EXPECT_EQ(engine->Latest()->step, 2);
+  // Step 1, the best, was copied to keep/ when it committed.
+  bool kept = false;
+  for (const auto& e : fs::directory_iterator(dir_ / JobDirNames::KeepRoot())) {
+    kept = kept || e.path().filename().string().find("step-000000000001") != std::string::npos;
+  }
+  EXPECT_TRUE(kept);
+}
+
 TEST_F(EngineTest, PinnedAndCandidateSlotsSurviveNewerCommits) {
   // Distributed mode: the pinned (agreed) checkpoint and the candidate (the
   // oldest committed above it) are never overwritten, however many newer

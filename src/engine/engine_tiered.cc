@@ -12,22 +12,6 @@
 
 namespace nonstop::engine_detail {
 
-namespace {
-
-// A heap buffer aligned for O_DIRECT slot files.
-struct Aligned {
-  explicit Aligned(size_t n) : n(n) {
-    if (posix_memalign(&p, kStoreAlign, n) != 0) p = nullptr;
-  }
-  ~Aligned() { std::free(p); }
-  Aligned(const Aligned&) = delete;
-  Aligned& operator=(const Aligned&) = delete;
-  void* p = nullptr;
-  size_t n;
-};
-
-}  // namespace
-
 uint64_t EngineImpl::SegmentNewestCounter() {
   return MemorySegmentNewestCounter(opts_.dir, rank(), opts_.shm_dir, opts_.env);
 }
@@ -131,46 +115,8 @@ Status EngineImpl::PersistOne(const PersistItem& item) {
     MutexLock lock(&mu_);
     if (disk == file_) free_slots_->Push(slot);
   };
-  if (info.crc_chunk_bytes == 0) {
-    give_back();
-    return Status::InvalidArgument("checkpoint has no chunk size");
-  }
-  SlotLayout layout;
-  layout.tensors = info.tensors;
-  layout.data_bytes = info.data_bytes;
-  // Whole crc chunks at a time: every chunk is verified as it is read, so
-  // nothing damaged in memory reaches the disk.
-  const uint64_t piece = std::max<uint64_t>(info.crc_chunk_bytes, 8 << 20) /
-                         info.crc_chunk_bytes * info.crc_chunk_bytes;
-  Aligned buf(static_cast<size_t>((std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)) +
-                                   kStoreAlign - 1) / kStoreAlign * kStoreAlign));
-  if (buf.p == nullptr) {
-    give_back();
-    return Status::Internal("out of memory persisting a checkpoint");
-  }
-  Status st;
-  for (uint64_t off = 0; st.ok() && off < info.data_bytes; off += buf.n) {
-    const uint64_t len = std::min<uint64_t>(buf.n, info.data_bytes - off);
-    st = item.file->ReadData(info, off, buf.p, len, /*verify=*/true);
-    if (st.ok()) {
-      const uint64_t padded = (len + kStoreAlign - 1) / kStoreAlign * kStoreAlign;
-      if (padded > len) std::memset(static_cast<std::byte*>(buf.p) + len, 0, padded - len);
-      st = disk->WriteData(slot, off, buf.p, padded);
-    }
-  }
-  Result<CheckpointInfo> committed{Status::Internal("not committed")};
-  if (st.ok()) {
-    CommitRequest req;
-    req.slot = slot;
-    req.counter = info.counter;
-    req.step = info.step;
-    req.layout = &layout;
-    req.crc_chunk_bytes = info.crc_chunk_bytes;
-    req.chunk_crcs = info.chunk_crcs;
-    req.meta_json = info.meta_json;
-    committed = disk->Commit(req);
-    st = committed.status();
-  }
+  Result<CheckpointInfo> committed = CopyCheckpointToSlot(*item.file, info, *disk, slot);
+  Status st = committed.status();
   if (!st.ok()) {
     // A failed sync poisons what was written before it: the medium is
     // reopened for the next persist (engine_commit.cc, AfterFailedSync),

@@ -206,6 +206,7 @@ Status EngineImpl::EndCheckpoint(uint64_t counter, int64_t step, std::string met
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, OpenLayerJob(counter));
   job->step = step;
   job->meta_json = std::move(meta_json);
+  MarkMustCommit(*job);
   // copy_at_checkpoint tensors not requested yet are copied now, on the
   // caller's time; only this thread changes job->requested and job->src of
   // unrequested tensors, so the copies may run unlocked.

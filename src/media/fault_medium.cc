@@ -40,17 +40,22 @@ void ApplyWrite(std::vector<uint8_t>& image, uint64_t offset, const uint8_t* p, 
 
 constexpr uint64_t kPage = 4096;
 
-// Calls f(page, lo, hi) for each 4096-byte page that [offset, offset + n)
-// touches, [lo, hi) being its bytes there.
-template <typename F>
-void ForPages(uint64_t offset, uint64_t n, F f) {
+struct PageSpan {
+  uint64_t page, lo, hi;  // [lo, hi): the bytes of [offset, offset + n) in page
+};
+
+// The 4096-byte pages that [offset, offset + n) touches. (A list, not a
+// callback: a lambda is analysed for locks on its own, without mu_.)
+std::vector<PageSpan> PagesOf(uint64_t offset, uint64_t n) {
+  std::vector<PageSpan> spans;
   const uint64_t end = offset + n;
   for (uint64_t lo = offset; lo < end;) {
     const uint64_t page = lo / kPage;
     const uint64_t hi = std::min(end, (page + 1) * kPage);
-    f(page, lo, hi);
+    spans.push_back({page, lo, hi});
     lo = hi;
   }
+  return spans;
 }
 
 }  // namespace
@@ -184,9 +189,9 @@ Status FaultDisk::BeginCallLocked(FaultOp op, uint64_t generation, const std::st
       if (opts_.unwritten_extents) {
         for (const LogEntry& e : log_) {
           if (e.is_resize) continue;
-          ForPages(e.offset, e.bytes.size(), [&](uint64_t page, uint64_t, uint64_t) {
-            if (written_pages_.count(page) == 0) stale_pages_.insert(page);
-          });
+          for (const PageSpan& sp : PagesOf(e.offset, e.bytes.size())) {
+            if (written_pages_.count(sp.page) == 0) stale_pages_.insert(sp.page);
+          }
         }
       }
       log_.clear();
@@ -237,14 +242,14 @@ Status FaultDisk::DoSync(uint64_t generation) {
       ApplyWrite(durable_, e.offset, e.bytes.data(), e.bytes.size());
     } else {
       bool lost = false;
-      ForPages(e.offset, e.bytes.size(), [&](uint64_t page, uint64_t lo, uint64_t hi) {
-        if (stale_pages_.count(page) != 0) {
+      for (const PageSpan& sp : PagesOf(e.offset, e.bytes.size())) {
+        if (stale_pages_.count(sp.page) != 0) {
           lost = true;  // on the disk, but the extent still reads as before
-          return;
+          continue;
         }
-        ApplyWrite(durable_, lo, e.bytes.data() + (lo - e.offset), hi - lo);
-        written_pages_.insert(page);
-      });
+        ApplyWrite(durable_, sp.lo, e.bytes.data() + (sp.lo - e.offset), sp.hi - sp.lo);
+        written_pages_.insert(sp.page);
+      }
       if (lost) ++lost_writes_;
     }
   }

@@ -620,6 +620,35 @@ Status SlotFile::ReadTensor(const CheckpointInfo& info, int index, void* dst, bo
   return ReadData(info, te.data_offset, dst, te.spec.nbytes, verify);
 }
 
+Result<CheckpointInfo> CopyCheckpointToSlot(SlotFile& src, const CheckpointInfo& info,
+                                            SlotFile& dest, uint32_t slot) {
+  if (info.crc_chunk_bytes == 0) return Status::InvalidArgument("checkpoint has no chunk size");
+  SlotLayout layout;
+  layout.tensors = info.tensors;
+  layout.data_bytes = info.data_bytes;
+  // Whole crc chunks at a time, so every chunk is verified as it is read.
+  const uint64_t piece = std::max<uint64_t>(info.crc_chunk_bytes, 8 << 20) / info.crc_chunk_bytes *
+                         info.crc_chunk_bytes;
+  AlignedBuffer buf(std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)));
+  if (!buf.ok()) return Status::Internal("out of memory copying a checkpoint");
+  for (uint64_t off = 0; off < info.data_bytes; off += buf.size()) {
+    const uint64_t len = std::min<uint64_t>(buf.size(), info.data_bytes - off);
+    NONSTOP_RETURN_IF_ERROR(src.ReadData(info, off, buf.data(), len, /*verify=*/true));
+    const uint64_t padded = AlignUp(len, kStoreAlign);
+    std::memset(buf.data() + len, 0, padded - len);  // the last piece's tail
+    NONSTOP_RETURN_IF_ERROR(dest.WriteData(slot, off, buf.data(), padded));
+  }
+  CommitRequest req;
+  req.slot = slot;
+  req.counter = info.counter;
+  req.step = info.step;
+  req.layout = &layout;
+  req.crc_chunk_bytes = info.crc_chunk_bytes;
+  req.chunk_crcs = info.chunk_crcs;
+  req.meta_json = info.meta_json;
+  return dest.Commit(req);
+}
+
 Status CopyCheckpoint(SlotFile& src, const CheckpointInfo& info, std::unique_ptr<Medium> dest) {
   if (info.crc_chunk_bytes == 0) return Status::InvalidArgument("checkpoint has no chunk size");
   SlotLayout layout;
@@ -631,25 +660,7 @@ Status CopyCheckpoint(SlotFile& src, const CheckpointInfo& info, std::unique_ptr
   g.world_size = info.world_size;
   g.slot_bytes = StoreGeometry::SlotBytesFor(layout, AlignUp(info.meta_json.size() + 1, kStoreAlign));
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> out, SlotFile::Create(std::move(dest), g));
-  // Whole crc chunks at a time, so every chunk is verified as it is read.
-  const uint64_t piece = std::max<uint64_t>(info.crc_chunk_bytes, 4 << 20) / info.crc_chunk_bytes *
-                         info.crc_chunk_bytes;
-  AlignedBuffer buf(std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)));
-  if (!buf.ok()) return Status::Internal("out of memory copying a checkpoint");
-  for (uint64_t off = 0; off < info.data_bytes; off += buf.size()) {
-    const uint64_t len = std::min<uint64_t>(buf.size(), info.data_bytes - off);
-    NONSTOP_RETURN_IF_ERROR(src.ReadData(info, off, buf.data(), len, /*verify=*/true));
-    NONSTOP_RETURN_IF_ERROR(out->WriteData(0, off, buf.data(), AlignUp(len, kStoreAlign)));
-  }
-  CommitRequest req;
-  req.slot = 0;
-  req.counter = info.counter;
-  req.step = info.step;
-  req.layout = &layout;
-  req.crc_chunk_bytes = info.crc_chunk_bytes;
-  req.chunk_crcs = info.chunk_crcs;
-  req.meta_json = info.meta_json;
-  return out->Commit(req).status();
+  return CopyCheckpointToSlot(src, info, *out, 0).status();
 }
 
 }  // namespace nonstop

@@ -627,7 +627,7 @@ Result<CheckpointInfo> CopyCheckpointToSlot(SlotFile& src, const CheckpointInfo&
   layout.tensors = info.tensors;
   layout.data_bytes = info.data_bytes;
   // Whole crc chunks at a time, so every chunk is verified as it is read.
-  const uint64_t piece = std::max<uint64_t>(info.crc_chunk_bytes, 8 << 20) / info.crc_chunk_bytes *
+  const uint64_t piece = std::max<uint64_t>(info.crc_chunk_bytes, 4 << 20) / info.crc_chunk_bytes *
                          info.crc_chunk_bytes;
   AlignedBuffer buf(std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)));
   if (!buf.ok()) return Status::Internal("out of memory copying a checkpoint");

@@ -19,4 +19,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitRestore(m);
   nonstop::py_bindings::InitSchedule(m);
   nonstop::py_bindings::InitEnv(m);
+  nonstop::py_bindings::InitPeer(m);
 }

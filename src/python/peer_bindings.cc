@@ -1,0 +1,196 @@
+// The peer tier (tier/peer.h) for Python: PeerServer, PeerReplicator and the
+// client calls. Thin: every blocking call runs with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "python/bindings.h"
+#include "tier/peer.h"
+
+namespace nonstop::py_bindings {
+namespace {
+
+namespace py = pybind11;
+
+py::list HeldList(const std::vector<peer::HeldReplica>& held) {
+  py::list out;
+  for (const peer::HeldReplica& h : held) {
+    py::dict d;
+    d["source_rank"] = h.source_rank;
+    d["world_size"] = h.world_size;
+    d["step"] = h.step;
+    d["counter"] = h.counter;
+    d["bytes"] = h.bytes;
+    out.append(d);
+  }
+  return out;
+}
+
+const char* OutcomeName(peer::PushOutcome o) {
+  switch (o) {
+    case peer::PushOutcome::kStored: return "stored";
+    case peer::PushOutcome::kAlreadyHeld: return "already_held";
+    case peer::PushOutcome::kSkippedBudget: return "skipped_budget";
+  }
+  return "stored";
+}
+
+// Runs `fn` with the GIL released and returns its value (raises its error).
+template <typename Fn>
+auto Released(Fn&& fn) {
+  decltype(fn()) r = Status::Internal("unset");
+  {
+    py::gil_scoped_release release;
+    r = fn();
+  }
+  return Take(std::move(r));
+}
+
+}  // namespace
+
+void InitPeer(py::module_& m) {
+  py::class_<peer::PeerServer>(m, "PeerServer",
+                               "The peer tier's server (tier/peer.h): holds partners' replicas "
+                               "in the memory directory and serves lists and fetches.")
+      .def(py::init([](const std::string& job, const std::string& bind_host, uint16_t port,
+                       const std::string& dir, uint64_t budget_bytes, double io_timeout_s) {
+             peer::PeerServerOptions o;
+             o.job = job;
+             o.bind_host = bind_host;
+             o.port = port;
+             o.dir = dir;
+             o.budget_bytes = budget_bytes;
+             o.io_timeout_s = io_timeout_s;
+             return Released([&] { return peer::PeerServer::Start(o); });
+           }),
+           py::arg("job"), py::arg("bind_host") = "0.0.0.0", py::arg("port") = 0,
+           py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("io_timeout_s") = 30.0)
+      .def_property_readonly("port", &peer::PeerServer::port)
+      .def_property_readonly("endpoint", &peer::PeerServer::endpoint)
+      .def(
+          "list",
+          [](peer::PeerServer& s) { return HeldList(Released([&] { return s.List(); })); },
+          "The complete replicas of this job held here: [{source_rank, world_size, step, "
+          "counter, bytes}].")
+      .def(
+          "stats",
+          [](peer::PeerServer& s) {
+            peer::PeerServerStats st = s.stats();
+            py::dict d;
+            d["replicas_received"] = st.replicas_received;
+            d["bytes_received"] = st.bytes_received;
+            d["replica_skipped_budget"] = st.replica_skipped_budget;
+            d["replica_skipped_older"] = st.replica_skipped_older;
+            d["push_failures"] = st.push_failures;
+            d["refused_frames"] = st.refused_frames;
+            d["fetches_served"] = st.fetches_served;
+            d["bytes_served"] = st.bytes_served;
+            d["held"] = st.held;
+            d["held_bytes"] = st.held_bytes;
+            d["last_error"] = st.last_error;
+            return d;
+          })
+      .def(
+          "close",
+          [](peer::PeerServer& s) {
+            py::gil_scoped_release r;
+            s.Close();
+          },
+          "Stops listening and ends every connection; the replicas stay.");
+
+  py::class_<peer::Replicator>(m, "PeerReplicator",
+                               "Sends this rank's newest committed memory checkpoint (its "
+                               "segment) to its partners in the background (tier/peer.h).")
+      .def(py::init([](const std::string& job, uint32_t rank, const std::string& segment,
+                       const std::vector<std::string>& partners, double poll_s, double retry_s,
+                       double connect_timeout_s, double io_timeout_s) {
+             peer::ReplicatorOptions o;
+             o.job = job;
+             o.rank = rank;
+             o.segment = segment;
+             o.partners = partners;
+             o.poll_s = poll_s;
+             o.retry_s = retry_s;
+             o.push.connect_timeout_s = connect_timeout_s;
+             o.push.io_timeout_s = io_timeout_s;
+             return Released([&] { return peer::Replicator::Start(o); });
+           }),
+           py::arg("job"), py::arg("rank"), py::arg("segment"), py::arg("partners"),
+           py::arg("poll_s") = 0.2, py::arg("retry_s") = 1.0, py::arg("connect_timeout_s") = 5.0,
+           py::arg("io_timeout_s") = 30.0)
+      .def("notify", &peer::Replicator::Notify, "A checkpoint may have been committed: look now.")
+      .def(
+          "drain",
+          [](peer::Replicator& r, double timeout_s) {
+            py::gil_scoped_release rel;
+            return r.Drain(timeout_s);
+          },
+          py::arg("timeout_s"),
+          "Waits until the segment's newest committed checkpoint went to every partner (or "
+          "failed); False when timeout_s passed first.")
+      .def(
+          "stats",
+          [](peer::Replicator& r) {
+            peer::ReplicatorStats st = r.stats();
+            py::dict d;
+            d["replicated"] = st.replicated;
+            d["bytes"] = st.bytes;
+            d["failures"] = st.failures;
+            d["skipped"] = st.skipped;
+            d["skipped_budget"] = st.skipped_budget;
+            d["last_step"] = st.last_step < 0 ? py::object(py::none()) : py::cast(st.last_step);
+            d["last_counter"] = st.last_counter;
+            d["send_s_total"] = st.send_s_total;
+            d["last_error"] = st.last_error;
+            return d;
+          })
+      .def(
+          "close",
+          [](peer::Replicator& r) {
+            py::gil_scoped_release rel;
+            r.Close();
+          },
+          "Stops the thread (a push in progress is cut).");
+
+  m.def(
+      "peer_list",
+      [](const std::string& endpoint, const std::string& job, double timeout_s) {
+        return HeldList(Released([&] { return peer::ListReplicas(endpoint, job, timeout_s); }));
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("timeout_s") = 10.0,
+      "What the peer server at endpoint holds of job: [{source_rank, world_size, step, counter, "
+      "bytes}].");
+  m.def(
+      "peer_fetch",
+      [](const std::string& endpoint, const std::string& job, uint32_t source_rank,
+         const std::string& local_dir, std::optional<int64_t> step, double timeout_s) {
+        return Released([&] {
+          return peer::FetchReplica(endpoint, job, source_rank, step, local_dir, nullptr,
+                                    timeout_s);
+        });
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("source_rank"), py::arg("local_dir"),
+      py::arg("step") = py::none(), py::arg("timeout_s") = 60.0,
+      "source_rank's replica (of step, or the newest) fetched and verified into the one-slot "
+      "job directory local_dir/peer/step-N (rank-RRRRR.nsck); returns that directory.");
+  m.def(
+      "peer_push",
+      [](const std::string& endpoint, const std::string& job, const std::string& slot_path,
+         double connect_timeout_s, double io_timeout_s) {
+        peer::PushOptions o;
+        o.connect_timeout_s = connect_timeout_s;
+        o.io_timeout_s = io_timeout_s;
+        return OutcomeName(
+            Released([&] { return peer::PushNewest(endpoint, job, slot_path, o); }));
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("slot_path"),
+      py::arg("connect_timeout_s") = 5.0, py::arg("io_timeout_s") = 30.0,
+      "Pushes the newest committed checkpoint of the slot file at slot_path now; returns "
+      "'stored', 'already_held' or 'skipped_budget'.");
+  m.def("peer_step_dir", &peer::PeerStepDir, py::arg("local_dir"), py::arg("step"));
+  m.def("peer_replica_name", &peer::ReplicaName, py::arg("job"), py::arg("source_rank"));
+  m.def("peer_memory_dir", &peer::PeerMemoryDir, py::arg("configured") = "");
+  m.def("choose_partners", &peer::ChoosePartners, py::arg("hosts"), py::arg("replicas"),
+        "partners[r]: the ranks that hold rank r's replicas (never on r's host).");
+}
+
+}  // namespace nonstop::py_bindings

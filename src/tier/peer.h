@@ -1,0 +1,216 @@
+// The peer tier (issue #27; docs/TIERS.md "Peer tier"): each rank's newest
+// committed memory checkpoint is copied, in the background, into the host
+// memory of a partner rank on another host, so that a job that loses a node
+// restarts from a neighbour's memory instead of the object store.
+//
+// Three parts, over the engine's own small TCP protocol (peer_wire.h;
+// docs/FORMAT.md "Peer wire format"):
+//   - PeerServer (one per rank): listens, receives partners' checkpoints and
+//     keeps the newest complete one per source rank as a *replica*, a
+//     one-slot slot file in the host's memory directory, beside the rank's
+//     own segment; serves lists and fetches of what it holds.
+//   - Replicator (one per rank): a background thread that sends the newest
+//     committed checkpoint of this rank's memory segment to its partners,
+//     newest-wins.
+//   - ListReplicas / FetchReplica: what a partner holds; a replica fetched
+//     back into a local one-slot job directory, every checksum verified.
+// ChoosePartners picks who holds whose replica (never the same host).
+//
+// Replica files (in the memory directory; docs/FORMAT.md):
+//   "<job key>-replica-rank-RRRRR.nsck"      a complete, verified replica of
+//                                            source rank RRRRR (one-slot slot
+//                                            file, committed record inside)
+//   "<job key>-replica-rank-RRRRR.nsck.tmp"  one being received: never listed
+// where <job key> is JobKey(job), 16 lowercase hex digits. A replica becomes
+// visible only by the rename of its complete, verified temp file over the
+// name, so a kill at any point leaves the previous replica or the new one.
+//
+// Thread safety: every public method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "nonstop/env.h"
+#include "nonstop/status.h"
+#include "nonstop/store.h"
+
+namespace nonstop::peer {
+
+// The most bytes of a job name.
+inline constexpr size_t kMaxJobBytes = 256;
+
+// "host:port" ("[v6 addr]:port" too); InvalidArgument otherwise.
+struct Endpoint {
+  std::string host;
+  uint16_t port = 0;
+  std::string ToString() const;
+};
+Result<Endpoint> ParseEndpoint(const std::string& text);
+
+// 16 lowercase hex digits naming `job` in file names (a hash of it).
+std::string JobKey(const std::string& job);
+// "<JobKey(job)>-replica-rank-RRRRR.nsck".
+std::string ReplicaName(const std::string& job, uint32_t source_rank);
+// The memory directory: `configured` when not empty, else $NONSTOP_SHM_DIR,
+// else /dev/shm/nonstop (the memory tier's rule, engine/memory_tier.h).
+std::string PeerMemoryDir(const std::string& configured);
+
+// One replica a server holds.
+struct HeldReplica {
+  uint32_t source_rank = 0;
+  uint32_t world_size = 0;
+  int64_t step = 0;
+  uint64_t counter = 0;
+  uint64_t bytes = 0;  // the replica file's size
+};
+
+struct PeerServerOptions {
+  std::string job;                  // the job's name, the same on every rank (required)
+  std::string bind_host = "0.0.0.0";
+  uint16_t port = 0;                // 0: an ephemeral port (port() says which)
+  std::string dir;                  // the memory directory (PeerMemoryDir)
+  uint64_t budget_bytes = 0;        // replicas of this job here at most (0: no budget)
+  double io_timeout_s = 30;         // every blocking send/receive
+  int max_connections = 32;         // more at once are closed at accept
+  Env* env = nullptr;               // nullptr: DefaultEnv()
+};
+
+struct PeerServerStats {
+  uint64_t replicas_received = 0;       // replicas stored complete and verified
+  uint64_t bytes_received = 0;          // their data bytes
+  uint64_t replica_skipped_budget = 0;  // pushes refused: over budget_bytes
+  uint64_t replica_skipped_older = 0;   // pushes refused: not newer than the one held
+  uint64_t push_failures = 0;           // pushes that ended without a replica (cut, damage, I/O)
+  uint64_t refused_frames = 0;          // hostile or malformed frames (connection closed)
+  uint64_t fetches_served = 0;
+  uint64_t bytes_served = 0;
+  uint64_t held = 0;                    // replicas held now
+  uint64_t held_bytes = 0;              // their file bytes
+  std::string last_error;               // one line
+};
+
+class PeerServer {
+ public:
+  // Opens (creating) the memory directory, removes this job's temp files
+  // older than a minute (transfers that died), and listens.
+  static Result<std::unique_ptr<PeerServer>> Start(const PeerServerOptions& o);
+  ~PeerServer();
+  uint16_t port() const;
+  // "bind_host:port" ("0.0.0.0" as given: the caller says which address
+  // its partners reach it at).
+  std::string endpoint() const;
+  // The complete replicas of this job in the directory, by source rank.
+  Result<std::vector<HeldReplica>> List();
+  PeerServerStats stats() const;
+  // Stops listening and ends every connection (a transfer in progress
+  // leaves only its temp file). The replicas stay. Idempotent.
+  void Close();
+
+ private:
+  PeerServer() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct PushOptions {
+  double connect_timeout_s = 5;
+  double io_timeout_s = 30;
+};
+
+// What one push did.
+enum class PushOutcome {
+  kStored,         // the partner holds it now
+  kAlreadyHeld,    // the partner holds this checkpoint or a newer one
+  kSkippedBudget,  // refused: over the partner's budget
+};
+
+// Sends committed checkpoint `info` of `file` (every chunk verified as read)
+// to the server at `endpoint`. Errors: IOError (unreachable, cut, timeout),
+// Corruption (the source's data), the server's refusal otherwise.
+Result<PushOutcome> PushCheckpoint(const std::string& endpoint, const std::string& job,
+                                   SlotFile& file, const CheckpointInfo& info,
+                                   const PushOptions& o = {});
+
+// The newest committed checkpoint of the slot file at `slot_path` (a memory
+// segment, a one-slot copy or a rank's slot file; opened read-only through
+// `env`) pushed as PushCheckpoint does; `pushed` (optional) receives it.
+// NotFound when the file holds no committed checkpoint.
+Result<PushOutcome> PushNewest(const std::string& endpoint, const std::string& job,
+                               const std::string& slot_path, const PushOptions& o = {},
+                               Env* env = nullptr, CheckpointInfo* pushed = nullptr);
+
+struct ReplicatorOptions {
+  std::string job;                    // as the servers' job
+  uint32_t rank = 0;                  // this rank
+  std::string segment;                // this rank's memory segment (Engine stats memory_segment)
+  std::vector<std::string> partners;  // endpoints that hold this rank's replicas
+  double poll_s = 0.2;                // how often the segment is looked at without Notify
+  double retry_s = 1;                 // after a failed push, the next try at the earliest
+  PushOptions push;
+  Env* env = nullptr;
+};
+
+struct ReplicatorStats {
+  uint64_t replicated = 0;      // pushes stored (per partner)
+  uint64_t bytes = 0;           // their data bytes
+  uint64_t failures = 0;        // pushes that failed (retried with the newest later)
+  uint64_t skipped = 0;         // checkpoints never sent: a newer one came first
+  uint64_t skipped_budget = 0;  // pushes a partner refused for its budget
+  int64_t last_step = -1;       // newest step every partner holds (-1: none)
+  uint64_t last_counter = 0;
+  double send_s_total = 0;
+  std::string last_error;       // one line
+};
+
+class Replicator {
+ public:
+  static Result<std::unique_ptr<Replicator>> Start(const ReplicatorOptions& o);
+  ~Replicator();
+  // A checkpoint may have been committed to the segment: look now.
+  void Notify();
+  // Waits until the segment's newest committed checkpoint has been pushed
+  // to every partner (or refused or failed) and nothing is in flight; false
+  // when `timeout_s` passed first.
+  bool Drain(double timeout_s);
+  ReplicatorStats stats() const;
+  // Stops the thread (a push in progress is cut). Idempotent.
+  void Close();
+
+ private:
+  Replicator() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// What the server at `endpoint` holds of job `job`. IOError when it cannot
+// be reached.
+Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
+                                              double timeout_s = 10);
+
+// Where FetchReplica writes: local_dir/peer/step-N (holding rank-RRRRR.nsck).
+std::string PeerStepDir(const std::string& local_dir, int64_t step);
+
+// Source rank `source_rank`'s replica held at `endpoint` (of `step`, or the
+// newest), every chunk verified as it arrives, written to a one-slot job
+// directory local_dir/peer/step-N/rank-RRRRR.nsck (temp name, committed
+// record, fsync, rename last); returns that directory. NotFound: the server
+// holds none (of that step); Corruption: the replica is damaged; IOError:
+// unreachable, cut or timed out. Any of them: fall back to another source.
+Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
+                                 uint32_t source_rank, std::optional<int64_t> step,
+                                 const std::string& local_dir, Env* env = nullptr,
+                                 double timeout_s = 60);
+
+// Partners: out[r] = the ranks that hold rank r's replicas, given each
+// rank's host (any string naming its failure domain). Deterministic, never
+// r's own host, at most `replicas` (fewer when fewer other hosts exist:
+// none in a one-host world), spread so that each rank holds about as many
+// replicas as it sends.
+std::vector<std::vector<uint32_t>> ChoosePartners(const std::vector<std::string>& hosts,
+                                                  int replicas);
+
+}  // namespace nonstop::peer

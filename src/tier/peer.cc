@@ -1,60 +1,1149 @@
-// The peer tier (peer.h): stubs of the first commit; the implementation follows.
+// The peer tier (peer.h): replicas of partners' newest memory checkpoints,
+// over the engine's own TCP protocol (peer_wire.h).
 #include "tier/peer.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <list>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
+#include "store/format.h"
+#include "tier/peer_wire.h"
 
 namespace nonstop::peer {
 namespace {
-Status NotYet() { return Status::Unavailable("the peer tier is not implemented yet"); }
+
+namespace w = wire;
+
+constexpr char kReplicaMid[] = "-replica-rank-";
+constexpr char kTmpSuffix[] = ".tmp";
+constexpr double kStaleTmpS = 60;
+
+// Outcomes in a REPLY to a PUSH.
+enum : uint32_t { kGo = 1, kStoredReply = 2, kHeldReply = 3, kBudgetReply = 4 };
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+uint64_t NowUnixNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// The file a one-slot copy of checkpoint `t` takes: header, ring and one slot
+// (an upper bound, as the memory tier counts it).
+uint64_t ReplicaFileBytes(const format::Table& t) {
+  SlotLayout layout;
+  layout.tensors = t.tensors;
+  layout.data_bytes = t.data_bytes;
+  return 4 * kStoreAlign * (kRingRecords + 2) +
+         StoreGeometry::SlotBytesFor(layout, format::AlignUp(t.meta_json.size() + 1, kStoreAlign));
+}
+
+format::Table TableOf(const CheckpointInfo& info) {
+  format::Table t;
+  t.counter = info.counter;
+  t.step = info.step;
+  t.rank = info.rank;
+  t.world_size = info.world_size;
+  t.crc_chunk_bytes = info.crc_chunk_bytes;
+  t.data_bytes = info.data_bytes;
+  t.tensors = info.tensors;
+  t.chunk_crcs = info.chunk_crcs;
+  t.meta_json = info.meta_json;
+  return t;
+}
+
+std::string_view View(const std::vector<uint8_t>& v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size()};
+}
+
+Result<format::Table> ParseWireTable(std::string_view bytes, const std::string& from) {
+  Result<format::Table> t = format::ParseTable(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  if (!t.ok()) return t.status().Annotate("peer " + from + ": tensor table");
+  return t;
+}
+
+// Writes one checkpoint, arriving in order, into a one-slot slot file under
+// a temp name, checking every crc chunk against the table as it completes;
+// Finish commits it and renames it over the final name. Destroyed before
+// Finish, it removes the temp file.
+class ReplicaWriter {
+ public:
+  static Result<std::unique_ptr<ReplicaWriter>> Begin(Directory* dir, const std::string& tmp,
+                                                      const format::Table& t) {
+    std::unique_ptr<ReplicaWriter> w(new ReplicaWriter(dir, tmp, t));
+    Status gone = dir->Unlink(tmp);  // a temp of a transfer that died
+    if (!gone.ok() && gone.code() != StatusCode::kNotFound) return gone;
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m,
+                             dir->CreateFile(tmp, MediumKind::kBuffered, MediumOptions{}));
+    w->created_ = true;
+    w->layout_.tensors = t.tensors;
+    w->layout_.data_bytes = t.data_bytes;
+    StoreGeometry g;
+    g.slots = 1;
+    g.rank = t.rank;
+    g.world_size = t.world_size;
+    g.slot_bytes =
+        StoreGeometry::SlotBytesFor(w->layout_, format::AlignUp(t.meta_json.size() + 1, kStoreAlign));
+    NONSTOP_ASSIGN_OR_RETURN(w->file_, SlotFile::Create(std::move(m), g));
+    return w;
+  }
+
+  ~ReplicaWriter() {
+    if (!done_ && created_) {
+      file_.reset();
+      (void)dir_->Unlink(tmp_);  // best effort: the next transfer removes it
+    }
+  }
+
+  Status Append(std::string_view b, const std::string& from) {
+    if (b.size() > t_.data_bytes - got_) {
+      return Status::Corruption("peer " + from + ": more data than the table's " +
+                                std::to_string(t_.data_bytes) + " bytes");
+    }
+    const uint64_t cb = t_.crc_chunk_bytes;
+    for (size_t p = 0; p < b.size();) {
+      const uint64_t in_chunk = got_ % cb;
+      const uint64_t take = std::min<uint64_t>(b.size() - p, cb - in_chunk);
+      crc_ = Crc32c(b.data() + p, take, crc_);
+      got_ += take;
+      p += take;
+      if (got_ % cb == 0 || got_ == t_.data_bytes) {
+        const uint64_t idx = (got_ - 1) / cb;
+        if (crc_ != t_.chunk_crcs[idx]) {
+          return Status::Corruption("peer " + from + ": data chunk " + std::to_string(idx) +
+                                    " of checkpoint #" + std::to_string(t_.counter) + " (step " +
+                                    std::to_string(t_.step) + ") has a checksum mismatch");
+        }
+        crc_ = 0;
+      }
+    }
+    NONSTOP_RETURN_IF_ERROR(file_->WriteData(0, got_ - b.size(), b.data(), b.size()));
+    return Status::OK();
+  }
+
+  Status Finish(const std::string& final_name, const std::string& from) {
+    if (got_ != t_.data_bytes) {
+      return Status::Corruption("peer " + from + ": the data ended at " + std::to_string(got_) +
+                                " of " + std::to_string(t_.data_bytes) + " bytes");
+    }
+    CommitRequest req;
+    req.slot = 0;
+    req.counter = t_.counter;
+    req.step = t_.step;
+    req.layout = &layout_;
+    req.crc_chunk_bytes = t_.crc_chunk_bytes;
+    req.chunk_crcs = t_.chunk_crcs;
+    req.meta_json = t_.meta_json;
+    NONSTOP_RETURN_IF_ERROR(file_->Commit(req).status());  // data, table, record: durable
+    file_.reset();
+    NONSTOP_RETURN_IF_ERROR(dir_->Rename(tmp_, final_name));
+    done_ = true;
+    return dir_->SyncDir();
+  }
+
+  uint64_t data_bytes() const { return got_; }
+
+ private:
+  ReplicaWriter(Directory* dir, std::string tmp, const format::Table& t)
+      : dir_(dir), tmp_(std::move(tmp)), t_(t) {}
+  Directory* dir_;
+  std::string tmp_;
+  format::Table t_;
+  SlotLayout layout_;
+  std::unique_ptr<SlotFile> file_;
+  bool created_ = false, done_ = false;
+  uint64_t got_ = 0;
+  uint32_t crc_ = 0;
+};
+
+// Streams the data region of `info` of `file` as DATA frames (every chunk
+// verified as read), then END. A read failure is sent as a REPLY carrying
+// it (the receiver stops there) and returned.
+Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64_t* sent) {
+  const uint64_t cb = info.crc_chunk_bytes;
+  const uint64_t piece = cb == 0 ? w::kDataPiece : std::max<uint64_t>(1, w::kDataPiece / cb) * cb;
+  std::string buf(std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)), '\0');
+  for (uint64_t off = 0; off < info.data_bytes;) {
+    const uint64_t len = std::min<uint64_t>({buf.size(), info.data_bytes - off, w::kMaxDataFrame});
+    Status r = file.ReadData(info, off, buf.data(), len, /*verify=*/true);
+    if (!r.ok()) {
+      (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(r, 0));
+      return r;
+    }
+    NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kData, std::string_view(buf.data(), len)));
+    off += len;
+    *sent += len;
+  }
+  return w::SendFrame(s, w::Type::kEnd, {});
+}
+
+// The REPLY expected next on `s`.
+Status ReadReply(w::Socket& s, uint32_t* outcome) {
+  w::Frame f;
+  NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
+  if (f.type != static_cast<uint16_t>(w::Type::kReply)) {
+    return Status::Corruption("peer " + s.peer() + ": expected a reply, got frame type " +
+                              std::to_string(f.type));
+  }
+  return w::DecodeReply(f.payload, outcome, s.peer());
+}
+
+Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> OpenNewest(Directory& dir,
+                                                                        const std::string& name) {
+  MediumOptions ro;
+  ro.read_only = true;
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> m, dir.OpenFile(name, MediumKind::kBuffered, ro));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<SlotFile> f, SlotFile::Open(std::move(m)));
+  ScanOptions so;
+  so.verify_data = false;  // every chunk is verified as it is read
+  NONSTOP_ASSIGN_OR_RETURN(ScanReport rep, f->Scan(so));
+  if (rep.newest_valid < 0) {
+    std::string why = dir.path() + "/" + name + " holds no committed checkpoint";
+    for (const std::string& s : rep.skipped) why += "; " + s;
+    return Status::NotFound(why);
+  }
+  CheckpointInfo info = rep.checkpoints[rep.newest_valid].info;
+  return std::make_pair(std::move(f), std::move(info));
+}
+
+// Source rank of replica name `name` of job key `key`, or -1 (temp files,
+// other jobs' and other files: -1).
+int ReplicaRank(const std::string& name, const std::string& key) {
+  const std::string head = key + kReplicaMid;
+  if (name.size() != head.size() + 5 + 5 || name.compare(0, head.size(), head) != 0 ||
+      name.compare(name.size() - 5, 5, ".nsck") != 0) {
+    return -1;
+  }
+  int r = 0;
+  for (size_t i = head.size(); i < head.size() + 5; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    r = r * 10 + (name[i] - '0');
+  }
+  return r;
+}
+
 }  // namespace
 
-std::string Endpoint::ToString() const { return host + ":" + std::to_string(port); }
-Result<Endpoint> ParseEndpoint(const std::string&) { return NotYet(); }
-std::string JobKey(const std::string&) { return "0000000000000000"; }
+std::string Endpoint::ToString() const {
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
+  return host + ":" + std::to_string(port);
+}
+
+Result<Endpoint> ParseEndpoint(const std::string& text) {
+  const auto bad = [&] {
+    return Status::InvalidArgument("peer endpoint '" + text + "' is not host:port");
+  };
+  Endpoint ep;
+  std::string port;
+  if (!text.empty() && text[0] == '[') {
+    const size_t close = text.find(']');
+    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') return bad();
+    ep.host = text.substr(1, close - 1);
+    port = text.substr(close + 2);
+  } else {
+    const size_t colon = text.rfind(':');
+    if (colon == std::string::npos || text.find(':') != colon) return bad();
+    ep.host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+  }
+  if (ep.host.empty() || port.empty() || port.size() > 5) return bad();
+  unsigned long v = 0;
+  for (char c : port) {
+    if (c < '0' || c > '9') return bad();
+    v = v * 10 + static_cast<unsigned long>(c - '0');
+  }
+  if (v == 0 || v > 65535) return bad();
+  ep.port = static_cast<uint16_t>(v);
+  return ep;
+}
+
+std::string JobKey(const std::string& job) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  for (unsigned char c : job) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char b[17];
+  std::snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(h));
+  return b;
+}
+
 std::string ReplicaName(const std::string& job, uint32_t source_rank) {
   char b[32];
-  std::snprintf(b, sizeof(b), "-replica-rank-%05u.nsck", source_rank);
+  std::snprintf(b, sizeof(b), "%s%05u.nsck", kReplicaMid, source_rank);
   return JobKey(job) + b;
 }
-std::string PeerMemoryDir(const std::string& configured) { return configured; }
 
-struct PeerServer::Impl {};
-Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions&) { return NotYet(); }
-PeerServer::~PeerServer() = default;
-uint16_t PeerServer::port() const { return 0; }
-std::string PeerServer::endpoint() const { return ""; }
-Result<std::vector<HeldReplica>> PeerServer::List() { return NotYet(); }
-PeerServerStats PeerServer::stats() const { return {}; }
-void PeerServer::Close() {}
-
-Result<PushOutcome> PushCheckpoint(const std::string&, const std::string&, SlotFile&,
-                                   const CheckpointInfo&, const PushOptions&) {
-  return NotYet();
+std::string PeerMemoryDir(const std::string& configured) {
+  if (!configured.empty()) return configured;
+  const char* env = std::getenv("NONSTOP_SHM_DIR");
+  if (env != nullptr && env[0] != '\0') return env;
+  return "/dev/shm/nonstop";
 }
 
-Result<PushOutcome> PushNewest(const std::string&, const std::string&, const std::string&,
-                               const PushOptions&, Env*, CheckpointInfo*) {
-  return NotYet();
-}
-
-struct Replicator::Impl {};
-Result<std::unique_ptr<Replicator>> Replicator::Start(const ReplicatorOptions&) { return NotYet(); }
-Replicator::~Replicator() = default;
-void Replicator::Notify() {}
-bool Replicator::Drain(double) { return true; }
-ReplicatorStats Replicator::stats() const { return {}; }
-void Replicator::Close() {}
-
-Result<std::vector<HeldReplica>> ListReplicas(const std::string&, const std::string&, double) {
-  return NotYet();
-}
 std::string PeerStepDir(const std::string& local_dir, int64_t step) {
   return local_dir + "/peer/step-" + std::to_string(step);
 }
-Result<std::string> FetchReplica(const std::string&, const std::string&, uint32_t,
-                                 std::optional<int64_t>, const std::string&, Env*, double) {
-  return NotYet();
+
+// ---------------------------------------------------------------- server
+
+struct PeerServer::Impl {
+  PeerServerOptions o;
+  Env* env = nullptr;
+  std::string key;  // JobKey(o.job)
+  std::unique_ptr<Directory> dir;
+  w::Socket listener;
+  uint16_t port = 0;
+  int wake[2] = {-1, -1};  // a byte here ends the accept loop
+  std::thread acceptor;
+
+  struct Conn {
+    w::Socket sock;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+
+  mutable Mutex mu;
+  bool stop GUARDED_BY(mu) = false;
+  std::list<std::unique_ptr<Conn>> conns GUARDED_BY(mu);
+  std::set<uint32_t> busy GUARDED_BY(mu);  // source ranks being received
+  uint64_t reserved GUARDED_BY(mu) = 0;    // file bytes of the transfers in progress
+  PeerServerStats stats GUARDED_BY(mu);
+
+  void Error(const Status& s) EXCLUDES(mu) {
+    MutexLock l(&mu);
+    stats.last_error = s.ToString();
+  }
+  bool Stopping() const EXCLUDES(mu) {
+    MutexLock l(&mu);
+    return stop;
+  }
+
+  void AcceptLoop();
+  void Serve(Conn* c);
+  // One request; false: close the connection.
+  bool Handle(w::Socket& s, w::Frame& f);
+  bool HandlePush(w::Socket& s, std::string_view payload);
+  bool HandleFetch(w::Socket& s, std::string_view payload);
+  Result<std::vector<HeldReplica>> List();
+  // This job's replica files here (complete and not), bytes; the temp files
+  // of transfers in progress are counted by `reserved` instead.
+  uint64_t UsedBytes() EXCLUDES(mu);
+  void SweepStaleTemps();
+};
+
+Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions& o) {
+  if (o.job.empty() || o.job.size() > kMaxJobBytes) {
+    return Status::InvalidArgument("peer server: job name must have 1 to " +
+                                   std::to_string(kMaxJobBytes) + " bytes");
+  }
+  std::unique_ptr<PeerServer> s(new PeerServer());
+  s->impl_ = std::make_unique<Impl>();
+  Impl& m = *s->impl_;
+  m.o = o;
+  m.env = o.env != nullptr ? o.env : DefaultEnv();
+  m.key = JobKey(o.job);
+  const std::string where = PeerMemoryDir(o.dir);
+  NONSTOP_ASSIGN_OR_RETURN(m.dir, m.env->OpenDirectory(where, /*create=*/true));
+  m.SweepStaleTemps();
+  NONSTOP_ASSIGN_OR_RETURN(m.listener, w::Listen(o.bind_host, o.port, &m.port));
+  if (::pipe2(m.wake, O_CLOEXEC) != 0) return Status::FromErrno("peer server: pipe", errno);
+  m.acceptor = std::thread([p = &m] { p->AcceptLoop(); });
+  return s;
 }
-std::vector<std::vector<uint32_t>> ChoosePartners(const std::vector<std::string>& hosts, int) {
-  return std::vector<std::vector<uint32_t>>(hosts.size());
+
+PeerServer::~PeerServer() { Close(); }
+
+uint16_t PeerServer::port() const { return impl_->port; }
+
+std::string PeerServer::endpoint() const {
+  return Endpoint{impl_->o.bind_host, impl_->port}.ToString();
+}
+
+Result<std::vector<HeldReplica>> PeerServer::List() { return impl_->List(); }
+
+PeerServerStats PeerServer::stats() const {
+  PeerServerStats st;
+  {
+    MutexLock l(&impl_->mu);
+    st = impl_->stats;
+  }
+  Result<std::vector<HeldReplica>> held = impl_->List();
+  if (held.ok()) {
+    st.held = held.value().size();
+    st.held_bytes = 0;
+    for (const HeldReplica& h : held.value()) st.held_bytes += h.bytes;
+  }
+  return st;
+}
+
+void PeerServer::Close() {
+  Impl& m = *impl_;
+  std::list<std::unique_ptr<Impl::Conn>> conns;
+  {
+    MutexLock l(&m.mu);
+    if (m.stop) return;
+    m.stop = true;
+    for (auto& c : m.conns) c->sock.Shutdown();
+    conns.swap(m.conns);
+  }
+  if (m.wake[1] >= 0) {
+    const char b = 1;
+    (void)!::write(m.wake[1], &b, 1);
+  }
+  if (m.acceptor.joinable()) m.acceptor.join();
+  {
+    // Connections the acceptor added before it saw the stop.
+    MutexLock l(&m.mu);
+    for (auto& c : m.conns) c->sock.Shutdown();
+    conns.splice(conns.end(), m.conns);
+  }
+  for (auto& c : conns) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+  m.listener.Close();
+  for (int& fd : m.wake) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+}
+
+void PeerServer::Impl::SweepStaleTemps() {
+  Result<std::vector<DirEntry>> entries = dir->List();
+  if (!entries.ok()) return;
+  const uint64_t now = NowUnixNs();
+  for (const DirEntry& e : entries.value()) {
+    const std::string& n = e.name;
+    if (n.size() <= 4 || n.compare(n.size() - 4, 4, kTmpSuffix) != 0) continue;
+    if (ReplicaRank(n.substr(0, n.size() - 4), key) < 0) continue;
+    Result<FileStat> st = dir->Stat(n);
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;
+    const uint64_t t = st.value().mtime_unix_ns;
+    if (now > t && static_cast<double>(now - t) / 1e9 >= kStaleTmpS) (void)dir->Unlink(n);
+  }
+}
+
+uint64_t PeerServer::Impl::UsedBytes() {
+  std::set<uint32_t> in_progress;
+  uint64_t used = 0;
+  {
+    MutexLock l(&mu);
+    in_progress = busy;
+    used = reserved;
+  }
+  Result<std::vector<DirEntry>> entries = dir->List();
+  if (!entries.ok()) return used;
+  for (const DirEntry& e : entries.value()) {
+    std::string n = e.name;
+    const bool tmp = n.size() > 4 && n.compare(n.size() - 4, 4, kTmpSuffix) == 0;
+    if (tmp) n = n.substr(0, n.size() - 4);
+    const int r = ReplicaRank(n, key);
+    if (r < 0 || (tmp && in_progress.count(static_cast<uint32_t>(r)) != 0)) continue;
+    Result<FileStat> st = dir->Stat(e.name);
+    if (st.ok() && st.value().type == EntryType::kFile) used += st.value().size;
+  }
+  return used;
+}
+
+Result<std::vector<HeldReplica>> PeerServer::Impl::List() {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, dir->List());
+  std::vector<HeldReplica> out;
+  for (const DirEntry& e : entries) {
+    const int r = ReplicaRank(e.name, key);
+    if (r < 0) continue;
+    Result<FileStat> st = dir->Stat(e.name);
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;
+    auto got = OpenNewest(*dir, e.name);
+    if (!got.ok()) continue;  // not a complete replica: never listed
+    const CheckpointInfo& info = got.value().second;
+    if (info.rank != static_cast<uint32_t>(r)) continue;
+    out.push_back(HeldReplica{static_cast<uint32_t>(r), info.world_size, info.step, info.counter,
+                              st.value().size});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const HeldReplica& a, const HeldReplica& b) { return a.source_rank < b.source_rank; });
+  return out;
+}
+
+void PeerServer::Impl::AcceptLoop() {
+  for (;;) {
+    pollfd pfd[2] = {{listener.fd(), POLLIN, 0}, {wake[0], POLLIN, 0}};
+    const int rc = ::poll(pfd, 2, 1000);
+    if (Stopping()) return;
+    {
+      // Reap finished connections.
+      MutexLock l(&mu);
+      for (auto it = conns.begin(); it != conns.end();) {
+        if ((*it)->done.load()) {
+          if ((*it)->thread.joinable()) (*it)->thread.join();
+          it = conns.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (rc <= 0 || (pfd[0].revents & POLLIN) == 0) continue;
+    sockaddr_storage sa{};
+    socklen_t len = sizeof(sa);
+    const int fd = ::accept4(listener.fd(), reinterpret_cast<sockaddr*>(&sa), &len, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    char host[INET6_ADDRSTRLEN] = "?";
+    uint16_t port = 0;
+    if (sa.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&sa);
+      ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+      port = ntohs(a->sin_port);
+    } else if (sa.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&sa);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+      port = ntohs(a->sin6_port);
+    }
+    auto c = std::make_unique<Conn>();
+    c->sock = w::Socket(fd, Endpoint{host, port}.ToString());
+    const int one = 1;
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (!c->sock.SetTimeout(o.io_timeout_s).ok()) continue;
+    MutexLock l(&mu);
+    if (stop || static_cast<int>(conns.size()) >= o.max_connections) continue;  // closed
+    Conn* p = c.get();
+    conns.push_back(std::move(c));
+    p->thread = std::thread([this, p] { Serve(p); });
+  }
+}
+
+void PeerServer::Impl::Serve(Conn* c) {
+  w::Frame f;
+  for (;;) {
+    // Idle between requests: wait for the next without a timeout, but see a stop.
+    while (!c->sock.WaitReadable(0.5)) {
+      if (Stopping()) break;
+    }
+    if (Stopping()) break;
+    Status s = w::RecvFrame(c->sock, &f);
+    if (!s.ok()) {
+      if (s.code() == StatusCode::kCorruption) {
+        MutexLock l(&mu);
+        ++stats.refused_frames;
+        stats.last_error = s.ToString();
+      }
+      break;  // a cut, a timeout or a hostile frame: the connection ends
+    }
+    if (!Handle(c->sock, f)) break;
+  }
+  c->sock.Shutdown();
+  c->done.store(true);
+}
+
+bool PeerServer::Impl::Handle(w::Socket& s, w::Frame& f) {
+  const auto refuse = [&](const std::string& why) {
+    Status st = Status::Corruption("peer " + s.peer() + ": " + why);
+    {
+      MutexLock l(&mu);
+      ++stats.refused_frames;
+      stats.last_error = st.ToString();
+    }
+    (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(st, 0));
+    return false;
+  };
+  switch (static_cast<w::Type>(f.type)) {
+    case w::Type::kPush: return HandlePush(s, f.payload);
+    case w::Type::kFetch: return HandleFetch(s, f.payload);
+    case w::Type::kList: {
+      w::In in(f.payload);
+      const std::string job = in.Str16(kMaxJobBytes);
+      if (!in.done()) return refuse("malformed LIST");
+      if (job != o.job) {
+        (void)w::SendFrame(s, w::Type::kReply,
+                           w::EncodeReply(Status::FailedPrecondition(
+                                              "this server holds replicas of another job"),
+                                          0));
+        return true;
+      }
+      Result<std::vector<HeldReplica>> held = List();
+      if (!held.ok()) {
+        (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(held.status(), 0));
+        return true;
+      }
+      w::Out out;
+      const size_t n = std::min<size_t>(held.value().size(), w::kMaxListed);
+      out.U32(static_cast<uint32_t>(n));
+      for (size_t i = 0; i < n; ++i) {
+        const HeldReplica& h = held.value()[i];
+        out.U32(h.source_rank).U32(h.world_size).I64(h.step).U64(h.counter).U64(h.bytes);
+      }
+      return w::SendFrame(s, w::Type::kListing, out.str()).ok();
+    }
+    default:
+      return refuse("unexpected frame type " + std::to_string(f.type) + " for a request");
+  }
+}
+
+bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
+  const std::string from = s.peer();
+  w::In in(payload);
+  const std::string job = in.Str16(kMaxJobBytes);
+  const std::string_view table_bytes = in.Rest();
+  const auto reply = [&](const Status& st, uint32_t outcome) {
+    return w::SendFrame(s, w::Type::kReply, w::EncodeReply(st, outcome)).ok();
+  };
+  const auto failed = [&](const Status& st) {
+    {
+      MutexLock l(&mu);
+      ++stats.push_failures;
+      stats.last_error = st.ToString();
+    }
+    return reply(st, 0);
+  };
+  if (!in.ok()) return failed(Status::Corruption("peer " + from + ": malformed PUSH")) && false;
+  if (job != o.job) {
+    return failed(Status::FailedPrecondition("peer " + from + " pushes job '" + job.substr(0, 64) +
+                                             "', this server holds '" + o.job.substr(0, 64) + "'"));
+  }
+  Result<format::Table> parsed = ParseWireTable(table_bytes, from);
+  if (!parsed.ok()) return failed(parsed.status());
+  const format::Table& t = parsed.value();
+  const uint32_t src = t.rank;
+  const std::string name = ReplicaName(o.job, src);
+  const uint64_t need = ReplicaFileBytes(t);
+
+  // The one held now: the same checkpoint is not sent again.
+  {
+    auto held = OpenNewest(*dir, name);
+    if (held.ok() && held.value().second.counter == t.counter && held.value().second.step == t.step &&
+        held.value().second.chunk_crcs == t.chunk_crcs) {
+      return reply(Status::OK(), kHeldReply);
+    }
+  }
+  // Budget: this job's replicas here, the transfers in progress and this one.
+  const uint64_t used = UsedBytes();
+  Result<uint64_t> free_bytes = dir->FreeBytes();
+  std::string over;
+  if (o.budget_bytes > 0 && used + need > o.budget_bytes) {
+    over = "replica of rank " + std::to_string(src) + " (" + std::to_string(need >> 20) +
+           " MiB) does not fit the peer budget of " + std::to_string(o.budget_bytes >> 20) +
+           " MiB (" + std::to_string(used >> 20) + " MiB held)";
+  } else if (free_bytes.ok() && need > free_bytes.value()) {
+    over = "replica of rank " + std::to_string(src) + " (" + std::to_string(need >> 20) +
+           " MiB) does not fit into " + std::to_string(free_bytes.value() >> 20) + " MiB free in " +
+           dir->path();
+  }
+  {
+    MutexLock l(&mu);
+    if (over.empty() && busy.count(src) != 0) {
+      ++stats.push_failures;
+      stats.last_error = "a push of rank " + std::to_string(src) + " is already in progress";
+      return reply(Status::Aborted(stats.last_error), 0);
+    }
+    if (!over.empty()) {
+      ++stats.replica_skipped_budget;
+      stats.last_error = over;
+    } else {
+      busy.insert(src);
+      reserved += need;
+    }
+  }
+  if (!over.empty()) return reply(Status::OK(), kBudgetReply);
+  const auto release = [&] {
+    MutexLock l(&mu);
+    busy.erase(src);
+    reserved -= need;
+  };
+
+  Result<std::unique_ptr<ReplicaWriter>> wr = ReplicaWriter::Begin(dir.get(), name + kTmpSuffix, t);
+  if (!wr.ok()) {
+    release();
+    return failed(wr.status().Annotate("peer replica " + dir->path() + "/" + name));
+  }
+  bool keep = reply(Status::OK(), kGo);
+  Status st = keep ? Status::OK() : Status::IOError("peer " + from + ": reply failed");
+  w::Frame f;
+  bool ended = false;
+  while (keep && st.ok() && !ended) {
+    st = w::RecvFrame(s, &f);
+    if (!st.ok()) break;
+    if (f.type == static_cast<uint16_t>(w::Type::kData)) {
+      st = wr.value()->Append(f.payload, from);
+    } else if (f.type == static_cast<uint16_t>(w::Type::kEnd)) {
+      st = wr.value()->Finish(name, from);
+      ended = true;
+    } else if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
+      uint32_t unused;
+      st = w::DecodeReply(f.payload, &unused, from);  // the sender's own read failed
+      if (st.ok()) st = Status::Corruption("peer " + from + ": a reply inside a push");
+    } else {
+      st = Status::Corruption("peer " + from + ": frame type " + std::to_string(f.type) +
+                              " inside a push");
+    }
+  }
+  const uint64_t bytes = wr.value()->data_bytes();
+  wr.value().reset();  // an unfinished temp file goes now
+  release();
+  if (!st.ok()) {
+    {
+      MutexLock l(&mu);
+      ++stats.push_failures;
+      if (st.code() == StatusCode::kCorruption) ++stats.refused_frames;
+      stats.last_error = st.ToString();
+    }
+    // The stream is out of step now: say why and close.
+    (void)reply(st, 0);
+    return false;
+  }
+  {
+    MutexLock l(&mu);
+    ++stats.replicas_received;
+    stats.bytes_received += bytes;
+  }
+  return reply(Status::OK(), kStoredReply);
+}
+
+bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload) {
+  const std::string from = s.peer();
+  w::In in(payload);
+  const std::string job = in.Str16(kMaxJobBytes);
+  const uint32_t src = in.U32();
+  const uint8_t has_step = in.U8();
+  const int64_t step = in.I64();
+  const auto reply = [&](const Status& st) {
+    if (!st.ok()) Error(st);
+    return w::SendFrame(s, w::Type::kReply, w::EncodeReply(st, 0)).ok();
+  };
+  if (!in.done() || has_step > 1) {
+    {
+      MutexLock l(&mu);
+      ++stats.refused_frames;
+    }
+    (void)reply(Status::Corruption("peer " + from + ": malformed FETCH"));
+    return false;
+  }
+  if (job != o.job) {
+    return reply(Status::FailedPrecondition("this server holds replicas of another job"));
+  }
+  const std::string name = ReplicaName(o.job, src);
+  auto got = OpenNewest(*dir, name);
+  if (!got.ok()) {
+    const StatusCode c = got.status().code();
+    return reply(c == StatusCode::kNotFound
+                     ? Status::NotFound("no replica of rank " + std::to_string(src) + " at " +
+                                        dir->path())
+                     : got.status().Annotate("replica of rank " + std::to_string(src)));
+  }
+  SlotFile& file = *got.value().first;
+  const CheckpointInfo& info = got.value().second;
+  if (info.rank != src) {
+    return reply(Status::Corruption(dir->path() + "/" + name + " holds rank " +
+                                    std::to_string(info.rank)));
+  }
+  if (has_step != 0 && info.step != step) {
+    return reply(Status::NotFound("the replica of rank " + std::to_string(src) + " holds step " +
+                                  std::to_string(info.step) + ", not " + std::to_string(step)));
+  }
+  const std::vector<uint8_t> table = format::EncodeTable(TableOf(info));
+  if (!w::SendFrame(s, w::Type::kTable, View(table)).ok()) return false;
+  uint64_t sent = 0;
+  Status st = SendData(s, file, info, &sent);
+  if (!st.ok()) {
+    Error(st);
+    return false;
+  }
+  MutexLock l(&mu);
+  ++stats.fetches_served;
+  stats.bytes_served += sent;
+  return true;
+}
+
+// ---------------------------------------------------------------- client
+
+namespace {
+
+Status SendPush(w::Socket& s, const std::string& job, SlotFile& file, const CheckpointInfo& info,
+                PushOutcome* outcome) {
+  w::Out head;
+  head.Str16(job);
+  const std::vector<uint8_t> table = format::EncodeTable(TableOf(info));
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kPush, head.str(), View(table)));
+  uint32_t o = 0;
+  NONSTOP_RETURN_IF_ERROR(ReadReply(s, &o));
+  if (o == kHeldReply) {
+    *outcome = PushOutcome::kAlreadyHeld;
+    return Status::OK();
+  }
+  if (o == kBudgetReply) {
+    *outcome = PushOutcome::kSkippedBudget;
+    return Status::OK();
+  }
+  if (o != kGo) return Status::Corruption("peer " + s.peer() + ": unexpected reply to a push");
+  uint64_t sent = 0;
+  Status st = SendData(s, file, info, &sent);
+  if (!st.ok()) {
+    // The server may have said why it stopped reading (a damaged chunk it saw).
+    if (st.code() == StatusCode::kIOError && s.WaitReadable(0.2)) {
+      Status why = ReadReply(s, &o);
+      if (!why.ok()) return why;
+    }
+    return st;
+  }
+  NONSTOP_RETURN_IF_ERROR(ReadReply(s, &o));
+  if (o != kStoredReply) return Status::Corruption("peer " + s.peer() + ": unexpected reply to a push");
+  *outcome = PushOutcome::kStored;
+  return Status::OK();
+}
+
+Status CheckJob(const std::string& job) {
+  if (job.empty() || job.size() > kMaxJobBytes) {
+    return Status::InvalidArgument("peer tier: job name must have 1 to " +
+                                   std::to_string(kMaxJobBytes) + " bytes");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<PushOutcome> PushCheckpoint(const std::string& endpoint, const std::string& job,
+                                   SlotFile& file, const CheckpointInfo& info, const PushOptions& o) {
+  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, o.connect_timeout_s, o.io_timeout_s));
+  PushOutcome out = PushOutcome::kStored;
+  NONSTOP_RETURN_IF_ERROR(SendPush(s, job, file, info, &out));
+  return out;
+}
+
+namespace {
+
+// Opens the slot file at `path` read-only: its newest committed checkpoint.
+Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> OpenNewestAt(const std::string& path,
+                                                                          Env* env) {
+  const size_t slash = path.rfind('/');
+  const std::string dir_path = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, env->OpenDirectory(dir_path, false));
+  return OpenNewest(*d, name);
+}
+
+}  // namespace
+
+Result<PushOutcome> PushNewest(const std::string& endpoint, const std::string& job,
+                               const std::string& slot_path, const PushOptions& o, Env* env,
+                               CheckpointInfo* pushed) {
+  if (env == nullptr) env = DefaultEnv();
+  NONSTOP_ASSIGN_OR_RETURN(auto got, OpenNewestAt(slot_path, env));
+  if (pushed != nullptr) *pushed = got.second;
+  return PushCheckpoint(endpoint, job, *got.first, got.second, o);
+}
+
+Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
+                                              double timeout_s) {
+  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, timeout_s, timeout_s));
+  w::Out req;
+  req.Str16(job);
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kList, req.str()));
+  w::Frame f;
+  NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
+  if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
+    uint32_t unused;
+    NONSTOP_RETURN_IF_ERROR(w::DecodeReply(f.payload, &unused, endpoint));
+    return Status::Corruption("peer " + endpoint + ": an OK reply to a list");
+  }
+  if (f.type != static_cast<uint16_t>(w::Type::kListing)) {
+    return Status::Corruption("peer " + endpoint + ": unexpected answer to a list");
+  }
+  w::In in(f.payload);
+  const uint32_t n = in.U32();
+  if (!in.ok() || n > w::kMaxListed || f.payload.size() != 4 + uint64_t{n} * 32) {
+    return Status::Corruption("peer " + endpoint + ": malformed list");
+  }
+  std::vector<HeldReplica> out(n);
+  for (HeldReplica& h : out) {
+    h.source_rank = in.U32();
+    h.world_size = in.U32();
+    h.step = in.I64();
+    h.counter = in.U64();
+    h.bytes = in.U64();
+  }
+  return out;
+}
+
+Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
+                                 uint32_t source_rank, std::optional<int64_t> step,
+                                 const std::string& local_dir, Env* env, double timeout_s) {
+  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
+  if (env == nullptr) env = DefaultEnv();
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, std::min(timeout_s, 10.0), timeout_s));
+  w::Out req;
+  req.Str16(job).U32(source_rank).U8(step ? 1 : 0).I64(step.value_or(0));
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kFetch, req.str()));
+  w::Frame f;
+  NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
+  if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
+    uint32_t unused;
+    NONSTOP_RETURN_IF_ERROR(w::DecodeReply(f.payload, &unused, endpoint));
+    return Status::Corruption("peer " + endpoint + ": an OK reply to a fetch");
+  }
+  if (f.type != static_cast<uint16_t>(w::Type::kTable)) {
+    return Status::Corruption("peer " + endpoint + ": unexpected answer to a fetch");
+  }
+  NONSTOP_ASSIGN_OR_RETURN(format::Table t, ParseWireTable(f.payload, endpoint));
+  if (t.rank != source_rank || (step && t.step != *step)) {
+    return Status::Corruption("peer " + endpoint + " sent rank " + std::to_string(t.rank) +
+                              " step " + std::to_string(t.step) + " for rank " +
+                              std::to_string(source_rank));
+  }
+  // local_dir/peer/step-N: every file created O_EXCL|O_NOFOLLOW relative to it.
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(local_dir, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> peer_dir, base->OpenDir("peer", true));
+  const std::string step_name = "step-" + std::to_string(t.step);
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> dir, peer_dir->OpenDir(step_name, true));
+  const std::string dest = SlotFileName(static_cast<int>(source_rank));
+  Result<FileStat> st = dir->Stat(dest);
+  if (st.ok() && st.value().type != EntryType::kFile) {
+    NONSTOP_RETURN_IF_ERROR(RemoveTree(*dir, dest));  // a link or folder planted there
+  } else if (!st.ok() && st.status().code() != StatusCode::kNotFound) {
+    return st.status();
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaWriter> wr,
+                           ReplicaWriter::Begin(dir.get(), dest + ".fetch", t));
+  for (;;) {
+    NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
+    if (f.type == static_cast<uint16_t>(w::Type::kData)) {
+      NONSTOP_RETURN_IF_ERROR(wr->Append(f.payload, endpoint));
+    } else if (f.type == static_cast<uint16_t>(w::Type::kEnd)) {
+      NONSTOP_RETURN_IF_ERROR(wr->Finish(dest, endpoint));
+      return PeerStepDir(local_dir, t.step);
+    } else if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
+      uint32_t unused;
+      NONSTOP_RETURN_IF_ERROR(w::DecodeReply(f.payload, &unused, endpoint));
+      return Status::Corruption("peer " + endpoint + ": an OK reply inside a fetch");
+    } else {
+      return Status::Corruption("peer " + endpoint + ": frame type " + std::to_string(f.type) +
+                                " inside a fetch");
+    }
+  }
+}
+
+// ---------------------------------------------------------------- replicator
+
+struct Replicator::Impl {
+  ReplicatorOptions o;
+  Env* env = nullptr;
+  std::thread thread;
+
+  struct Partner {
+    std::string endpoint;
+    w::Socket sock;              // the connection, kept between pushes (loop thread)
+    uint64_t held_counter = 0;   // the checkpoint it holds (or refused for its budget)
+    std::chrono::steady_clock::time_point retry_at{};
+  };
+  std::vector<Partner> partners;  // loop thread only, but for Close's Shutdown (under mu)
+
+  mutable Mutex mu;
+  CondVar cv;
+  bool stop GUARDED_BY(mu) = false;
+  uint64_t requested GUARDED_BY(mu) = 0;  // rounds asked for (Notify, Drain)
+  uint64_t completed GUARDED_BY(mu) = 0;  // the newest round finished
+  ReplicatorStats stats GUARDED_BY(mu);
+  uint64_t seen_unsent GUARDED_BY(mu) = 0;  // a counter seen and not yet on every partner
+
+  void Loop();
+  void Round();
+};
+
+Result<std::unique_ptr<Replicator>> Replicator::Start(const ReplicatorOptions& o) {
+  NONSTOP_RETURN_IF_ERROR(CheckJob(o.job));
+  for (const std::string& p : o.partners) NONSTOP_RETURN_IF_ERROR(ParseEndpoint(p).status());
+  if (o.segment.empty()) return Status::InvalidArgument("peer replicator: no memory segment");
+  std::unique_ptr<Replicator> r(new Replicator());
+  r->impl_ = std::make_unique<Impl>();
+  Impl& m = *r->impl_;
+  m.o = o;
+  m.env = o.env != nullptr ? o.env : DefaultEnv();
+  for (const std::string& p : o.partners) m.partners.push_back(Impl::Partner{p, {}, 0, {}});
+  m.thread = std::thread([p = &m] { p->Loop(); });
+  return r;
+}
+
+Replicator::~Replicator() { Close(); }
+
+void Replicator::Notify() {
+  MutexLock l(&impl_->mu);
+  ++impl_->requested;
+  impl_->cv.SignalAll();
+}
+
+bool Replicator::Drain(double timeout_s) {
+  Impl& m = *impl_;
+  MutexLock l(&m.mu);
+  const uint64_t want = ++m.requested;
+  m.cv.SignalAll();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, timeout_s) * 1e6));
+  while (m.completed < want && !m.stop) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    (void)m.cv.WaitFor(&m.mu, deadline - now);
+  }
+  return m.completed >= want;
+}
+
+ReplicatorStats Replicator::stats() const {
+  MutexLock l(&impl_->mu);
+  return impl_->stats;
+}
+
+void Replicator::Close() {
+  Impl& m = *impl_;
+  {
+    MutexLock l(&m.mu);
+    if (m.stop) return;
+    m.stop = true;
+    for (Impl::Partner& p : m.partners) p.sock.Shutdown();  // cut a push in progress
+    m.cv.SignalAll();
+  }
+  if (m.thread.joinable()) m.thread.join();
+}
+
+void Replicator::Impl::Loop() {
+  MutexLock l(&mu);
+  for (;;) {
+    if (stop) break;
+    if (completed >= requested) {
+      (void)cv.WaitFor(&mu, std::chrono::microseconds(static_cast<int64_t>(o.poll_s * 1e6)));
+      if (stop) break;
+    }
+    const uint64_t round = requested;
+    l.Unlock();
+    Round();
+    l.Lock();
+    completed = std::max(completed, round);
+    cv.SignalAll();
+  }
+  completed = requested;
+  cv.SignalAll();
+}
+
+void Replicator::Impl::Round() {
+  if (partners.empty()) return;
+  auto got = OpenNewestAt(o.segment, env);
+  if (!got.ok()) return;  // no segment (yet) or nothing committed in it: nothing to send
+  SlotFile& file = *got.value().first;
+  const CheckpointInfo& info = got.value().second;
+  {
+    MutexLock l(&mu);
+    if (seen_unsent != 0 && seen_unsent != info.counter) ++stats.skipped;  // superseded unsent
+    seen_unsent = info.counter;
+  }
+  bool all = true;
+  for (Partner& p : partners) {
+    if (p.held_counter == info.counter) continue;
+    if (std::chrono::steady_clock::now() < p.retry_at) {
+      all = false;
+      continue;
+    }
+    {
+      MutexLock l(&mu);
+      if (stop) return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    PushOutcome out = PushOutcome::kStored;
+    Status s;
+    // A kept connection the server closed meanwhile fails at once: one new try.
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const bool reused = p.sock.valid();
+      if (!reused) {
+        Result<w::Socket> c = w::Connect(p.endpoint, o.push.connect_timeout_s, o.push.io_timeout_s);
+        if (!c.ok()) {
+          s = c.status();
+          break;
+        }
+        MutexLock l(&mu);
+        if (stop) return;
+        p.sock = std::move(c).value();
+      }
+      s = SendPush(p.sock, o.job, file, info, &out);
+      if (s.ok()) break;
+      {
+        MutexLock l(&mu);
+        p.sock.Close();
+      }
+      if (!reused || s.code() != StatusCode::kIOError) break;
+    }
+    const double secs = Since(t0);
+    MutexLock l(&mu);
+    if (!s.ok()) {
+      all = false;
+      ++stats.failures;
+      stats.last_error = s.ToString();
+      p.retry_at = std::chrono::steady_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(o.retry_s * 1e6));
+      continue;
+    }
+    p.held_counter = info.counter;
+    if (out == PushOutcome::kStored) {
+      ++stats.replicated;
+      stats.bytes += info.data_bytes;
+      stats.send_s_total += secs;
+    } else if (out == PushOutcome::kSkippedBudget) {
+      ++stats.skipped_budget;
+      all = false;
+    }
+  }
+  if (all) {
+    MutexLock l(&mu);
+    stats.last_step = info.step;
+    stats.last_counter = info.counter;
+    seen_unsent = 0;
+  }
+}
+
+// ---------------------------------------------------------------- partners
+
+std::vector<std::vector<uint32_t>> ChoosePartners(const std::vector<std::string>& hosts,
+                                                  int replicas) {
+  std::vector<std::vector<uint32_t>> out(hosts.size());
+  // Hosts in order of their first rank; each host's ranks in rank order.
+  std::vector<std::string> order;
+  std::map<std::string, size_t> index;
+  std::vector<std::vector<uint32_t>> ranks_of;
+  std::vector<size_t> host_of(hosts.size()), local(hosts.size());
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    auto [it, added] = index.emplace(hosts[r], order.size());
+    if (added) {
+      order.push_back(hosts[r]);
+      ranks_of.emplace_back();
+    }
+    host_of[r] = it->second;
+    local[r] = ranks_of[it->second].size();
+    ranks_of[it->second].push_back(static_cast<uint32_t>(r));
+  }
+  const size_t h = order.size();
+  const size_t k_max = replicas <= 0 ? 0 : std::min<size_t>(static_cast<size_t>(replicas), h - 1);
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    for (size_t k = 1; k <= k_max; ++k) {
+      const std::vector<uint32_t>& g = ranks_of[(host_of[r] + k) % h];
+      out[r].push_back(g[local[r] % g.size()]);
+    }
+  }
+  return out;
 }
 
 }  // namespace nonstop::peer

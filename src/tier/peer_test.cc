@@ -1,0 +1,597 @@
+// The peer tier (tier/peer.h) over loopback TCP, with the files of every side
+// on fault-injecting Envs (src/env/fault_env.h): push then fetch bit for bit,
+// newest-wins, the budget, partner choice, a damaged replica, hostile frames,
+// a transfer cut after every k bytes and a crash at every file call of the
+// server's store -- none of which may leave a replica that lists as complete,
+// and the previous complete replica stays fetchable.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <cstring>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "env/fault_env.h"
+#include "store/format.h"
+#include "tier/peer.h"
+#include "tier/peer_wire.h"
+
+namespace nonstop::peer {
+namespace {
+
+constexpr char kJob[] = "job-a";
+constexpr uint32_t kChunk = 64 << 10;
+
+TensorSpec Spec(std::string name, DType dt, std::vector<int64_t> shape) {
+  TensorSpec s;
+  s.name = std::move(name);
+  s.dtype = dt;
+  s.shape = std::move(shape);
+  s.nbytes = NumElements(s.shape) * DTypeSize(dt);
+  return s;
+}
+
+SlotLayout Layout() {
+  return SlotLayout::Plan({Spec("w", DType::kFloat32, {64, 1024}), Spec("b", DType::kFloat32, {10}),
+                           Spec("step", DType::kInt64, {})})
+      .value();
+}
+
+std::vector<uint8_t> Data(const SlotLayout& layout, int64_t step) {
+  std::vector<uint8_t> d(layout.data_bytes, 0);
+  std::mt19937_64 rng(static_cast<uint64_t>(step) * 7919 + 1);
+  for (auto& b : d) b = static_cast<uint8_t>(rng());
+  return d;
+}
+
+std::vector<uint32_t> Crcs(const std::vector<uint8_t>& d) {
+  std::vector<uint32_t> out;
+  for (size_t o = 0; o < d.size(); o += kChunk) {
+    out.push_back(Crc32c(d.data() + o, std::min<size_t>(kChunk, d.size() - o)));
+  }
+  return out;
+}
+
+// Writes a one-slot file `name` in `dir` of `env` holding checkpoint
+// (counter, step) of rank `rank`, under a temp name renamed over it (as the
+// memory tier replaces its segment).
+void WriteSegment(Env* env, const std::string& dir, const std::string& name, uint32_t rank,
+                  uint64_t counter, int64_t step) {
+  auto d = env->OpenDirectory(dir, true).value();
+  const SlotLayout layout = Layout();
+  StoreGeometry g;
+  g.slots = 1;
+  g.rank = rank;
+  g.world_size = 4;
+  g.slot_bytes = StoreGeometry::SlotBytesFor(layout, 4096);
+  (void)d->Unlink(name + ".w");
+  auto f = SlotFile::Create(d->CreateFile(name + ".w", MediumKind::kBuffered, {}).value(), g).value();
+  const auto data = Data(layout, step);
+  ASSERT_TRUE(f->WriteData(0, 0, data.data(), data.size()).ok());
+  CommitRequest req;
+  req.slot = 0;
+  req.counter = counter;
+  req.step = step;
+  req.layout = &layout;
+  req.crc_chunk_bytes = kChunk;
+  req.chunk_crcs = Crcs(data);
+  req.meta_json = "{\"step\":" + std::to_string(step) + "}";
+  ASSERT_TRUE(f->Commit(req).ok());
+  f.reset();
+  ASSERT_TRUE(d->Rename(name + ".w", name).ok());
+}
+
+// The data, step and metadata of the newest committed checkpoint of file
+// `path` (verified); step -1 when there is none.
+struct Read {
+  int64_t step = -1;
+  uint64_t counter = 0;
+  std::vector<uint8_t> data;
+  std::string meta;
+};
+Read ReadBack(Env* env, const std::string& dir, const std::string& name) {
+  Read r;
+  auto d = env->OpenDirectory(dir, false);
+  if (!d.ok()) return r;
+  MediumOptions ro;
+  ro.read_only = true;
+  auto m = d.value()->OpenFile(name, MediumKind::kBuffered, ro);
+  if (!m.ok()) return r;
+  auto f = SlotFile::Open(std::move(m).value());
+  if (!f.ok()) return r;
+  auto rep = f.value()->Scan();
+  if (!rep.ok() || rep.value().newest_valid < 0) return r;
+  const CheckpointInfo& info = rep.value().checkpoints[rep.value().newest_valid].info;
+  r.data.resize(info.data_bytes);
+  if (!f.value()->ReadData(info, 0, r.data.data(), r.data.size()).ok()) return r;
+  r.step = info.step;
+  r.counter = info.counter;
+  r.meta = info.meta_json;
+  return r;
+}
+
+struct Server {
+  std::shared_ptr<FaultEnv> env = FaultEnv::Create();
+  std::unique_ptr<PeerServer> s;
+  explicit Server(uint64_t budget = 0, std::shared_ptr<FaultEnv> e = nullptr) {
+    if (e) env = std::move(e);
+    Start(budget);
+  }
+  void Start(uint64_t budget = 0) {
+    PeerServerOptions o;
+    o.job = kJob;
+    o.bind_host = "127.0.0.1";
+    o.dir = "/shm";
+    o.budget_bytes = budget;
+    o.io_timeout_s = 5;
+    o.env = env.get();
+    auto r = PeerServer::Start(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    s = std::move(r).value();
+  }
+  std::string ep() const { return s->endpoint(); }
+};
+
+// A source: segments of rank `rank` on their own Env.
+struct Source {
+  std::shared_ptr<FaultEnv> env = FaultEnv::Create();
+  uint32_t rank;
+  explicit Source(uint32_t r = 1) : rank(r) {}
+  std::string path() const { return "/seg/s.nsck"; }
+  void Commit(uint64_t counter, int64_t step) {
+    WriteSegment(env.get(), "/seg", "s.nsck", rank, counter, step);
+  }
+  Result<PushOutcome> Push(const std::string& ep, double io_timeout_s = 5) {
+    PushOptions o;
+    o.io_timeout_s = io_timeout_s;
+    return PushNewest(ep, kJob, path(), o, env.get());
+  }
+};
+
+// Fetches `rank`'s replica from `ep` into a fresh Env; the data read back.
+Read FetchBack(const std::string& ep, uint32_t rank, std::optional<int64_t> step, Status* st) {
+  auto env = FaultEnv::Create();
+  Result<std::string> dir = FetchReplica(ep, kJob, rank, step, "/local", env.get(), 10);
+  *st = dir.status();
+  if (!dir.ok()) return {};
+  return ReadBack(env.get(), dir.value(), SlotFileName(static_cast<int>(rank)));
+}
+
+TEST(PeerTest, PushThenFetchIsBitwise) {
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  auto out = src.Push(srv.ep());
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out.value(), PushOutcome::kStored);
+  auto held = ListReplicas(srv.ep(), kJob);
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  ASSERT_EQ(held.value().size(), 1u);
+  EXPECT_EQ(held.value()[0].source_rank, 1u);
+  EXPECT_EQ(held.value()[0].step, 30);
+  EXPECT_EQ(held.value()[0].counter, 3u);
+  EXPECT_EQ(held.value()[0].world_size, 4u);
+  // The replica file is in the memory directory under its name.
+  EXPECT_EQ(ReadBack(srv.env.get(), "/shm", ReplicaName(kJob, 1)).step, 30);
+  Status st;
+  Read r = FetchBack(srv.ep(), 1, std::nullopt, &st);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(r.step, 30);
+  EXPECT_EQ(r.counter, 3u);
+  EXPECT_EQ(r.meta, "{\"step\":30}");
+  EXPECT_EQ(r.data, Data(Layout(), 30));
+  // The same checkpoint again is not sent again.
+  out = src.Push(srv.ep());
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out.value(), PushOutcome::kAlreadyHeld);
+  PeerServerStats ss = srv.s->stats();
+  EXPECT_EQ(ss.replicas_received, 1u);
+  EXPECT_EQ(ss.fetches_served, 1u);
+  EXPECT_EQ(ss.held, 1u);
+  // Another job, an unknown rank, a step it does not hold.
+  EXPECT_EQ(ListReplicas(srv.ep(), "job-b").status().code(), StatusCode::kFailedPrecondition);
+  FetchBack(srv.ep(), 2, std::nullopt, &st);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  FetchBack(srv.ep(), 1, 20, &st);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+}
+
+TEST(PeerTest, TheNewestReplaces) {
+  Server srv;
+  Source src(2);
+  src.Commit(3, 30);
+  ASSERT_TRUE(src.Push(srv.ep()).ok());
+  src.Commit(4, 40);
+  ASSERT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+  auto held = ListReplicas(srv.ep(), kJob).value();
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].step, 40);
+  Status st;
+  EXPECT_EQ(FetchBack(srv.ep(), 2, 40, &st).data, Data(Layout(), 40));
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  FetchBack(srv.ep(), 2, 30, &st);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound);
+}
+
+TEST(PeerTest, TheReplicatorSendsTheNewestOnly) {
+  Server srv;
+  Source src(1);
+  ReplicatorOptions o;
+  o.job = kJob;
+  o.rank = 1;
+  o.segment = src.path();
+  o.partners = {srv.ep()};
+  o.poll_s = 0.01;
+  o.env = src.env.get();
+  auto rep = Replicator::Start(o).value();
+  ASSERT_TRUE(rep->Drain(10));  // no segment yet: nothing to send, not an error
+  EXPECT_EQ(rep->stats().replicated, 0u);
+  EXPECT_EQ(rep->stats().last_step, -1);
+  src.Commit(1, 10);
+  rep->Notify();
+  ASSERT_TRUE(rep->Drain(10));
+  EXPECT_EQ(rep->stats().last_step, 10);
+  // Three commits while it is not looking: only the newest goes.
+  src.Commit(2, 20);
+  src.Commit(3, 30);
+  src.Commit(4, 40);
+  ASSERT_TRUE(rep->Drain(10));
+  ReplicatorStats st = rep->stats();
+  EXPECT_EQ(st.last_step, 40);
+  EXPECT_EQ(st.last_counter, 4u);
+  EXPECT_LE(st.replicated, 4u);
+  EXPECT_GE(st.replicated, 2u);
+  EXPECT_EQ(st.failures, 0u) << st.last_error;
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob).value().at(0).step, 40);
+  rep->Close();
+  // A partner that is gone: a failure counted, retried later, Drain returns.
+  srv.s->Close();
+  src.Commit(5, 50);
+  o.retry_s = 0.01;
+  o.push.connect_timeout_s = 1;
+  rep = Replicator::Start(o).value();
+  ASSERT_TRUE(rep->Drain(10));
+  EXPECT_GE(rep->stats().failures, 1u);
+  EXPECT_EQ(rep->stats().last_step, -1);
+  EXPECT_FALSE(rep->stats().last_error.empty());
+}
+
+TEST(PeerTest, AReplicaOverTheBudgetIsSkipped) {
+  Source a(1), b(2);
+  a.Commit(1, 10);
+  b.Commit(1, 10);
+  {
+    Server tiny(64 << 10);  // smaller than one replica
+    EXPECT_EQ(a.Push(tiny.ep()).value(), PushOutcome::kSkippedBudget);
+    EXPECT_EQ(tiny.s->stats().replica_skipped_budget, 1u);
+    EXPECT_TRUE(ListReplicas(tiny.ep(), kJob).value().empty());
+  }
+  // Room for one replica: the second source's is skipped, the first stays.
+  Server srv(400 << 10);
+  EXPECT_EQ(a.Push(srv.ep()).value(), PushOutcome::kStored);
+  EXPECT_EQ(b.Push(srv.ep()).value(), PushOutcome::kSkippedBudget);
+  auto held = ListReplicas(srv.ep(), kJob).value();
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].source_rank, 1u);
+  EXPECT_EQ(srv.s->stats().replica_skipped_budget, 1u);
+  EXPECT_NE(srv.s->stats().last_error.find("budget"), std::string::npos);
+}
+
+TEST(PeerTest, PartnersAreOnOtherHostsAndSpread) {
+  // One host: nobody has a partner.
+  for (const auto& v : ChoosePartners({"a", "a", "a"}, 1)) EXPECT_TRUE(v.empty());
+  EXPECT_TRUE(ChoosePartners({}, 1).empty());
+  const std::vector<std::vector<std::string>> worlds = {
+      {"a", "a", "b", "b"},
+      {"a", "b", "a", "b", "c", "c"},
+      {"h0", "h0", "h0", "h0", "h1", "h1", "h1", "h1", "h2", "h2", "h2", "h2"},
+      {"a", "b", "b", "b", "c"},
+      {"x", "y"}};
+  for (const auto& hosts : worlds) {
+    std::set<std::string> distinct(hosts.begin(), hosts.end());
+    for (int replicas : {0, 1, 2, 3}) {
+      auto p = ChoosePartners(hosts, replicas);
+      EXPECT_EQ(p, ChoosePartners(hosts, replicas));  // deterministic
+      ASSERT_EQ(p.size(), hosts.size());
+      std::vector<int> holds(hosts.size(), 0);
+      for (size_t r = 0; r < hosts.size(); ++r) {
+        const size_t want = std::min<size_t>(replicas, distinct.size() - 1);
+        EXPECT_EQ(p[r].size(), want);
+        std::set<std::string> used;
+        for (uint32_t q : p[r]) {
+          ASSERT_LT(q, hosts.size());
+          EXPECT_NE(hosts[q], hosts[r]) << "rank " << r << " partnered on its own host";
+          EXPECT_TRUE(used.insert(hosts[q]).second) << "two replicas on one host";
+          ++holds[q];
+        }
+      }
+      // Hosts of equal size: every rank holds exactly as many as it sends.
+      std::map<std::string, int> size;
+      for (const auto& h : hosts) ++size[h];
+      bool equal = true;
+      for (const auto& [h, n] : size) equal = equal && n == size.begin()->second;
+      if (equal) {
+        for (size_t q = 0; q < hosts.size(); ++q) {
+          EXPECT_EQ(holds[q], static_cast<int>(std::min<size_t>(replicas, distinct.size() - 1)));
+        }
+      }
+    }
+  }
+  // 4 ranks on 2 hosts: each rank's partner is the same local rank on the other host.
+  EXPECT_EQ(ChoosePartners({"a", "a", "b", "b"}, 1),
+            (std::vector<std::vector<uint32_t>>{{2}, {3}, {0}, {1}}));
+}
+
+// Flips one byte of the replica file at `offset` from its end of data.
+void FlipReplicaByte(FaultEnv* env, const std::string& name, uint64_t data_byte) {
+  auto d = env->OpenDirectory("/shm", false).value();
+  auto m = d->OpenFile(name, MediumKind::kBuffered, {}).value();
+  auto f = SlotFile::Open(d->OpenFile(name, MediumKind::kBuffered, {.create = false, .read_only = true}).value())
+               .value();
+  const uint64_t off = f->SlotOffset(0) + data_byte;
+  uint8_t b = 0;
+  ASSERT_TRUE(m->Read(off, &b, 1).ok());
+  b ^= 0x10;
+  ASSERT_TRUE(m->Write(off, &b, 1).ok());
+  ASSERT_TRUE(m->Sync().ok());
+}
+
+TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  ASSERT_TRUE(src.Push(srv.ep()).ok());
+  FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 1), 200000);
+  auto env = FaultEnv::Create();
+  Result<std::string> dir = FetchReplica(srv.ep(), kJob, 1, std::nullopt, "/local", env.get(), 10);
+  ASSERT_FALSE(dir.ok());
+  EXPECT_EQ(dir.status().code(), StatusCode::kCorruption) << dir.status().ToString();
+  EXPECT_NE(dir.status().message().find("checksum mismatch"), std::string::npos)
+      << dir.status().ToString();
+  // Nothing under the name a restore would read.
+  EXPECT_EQ(ReadBack(env.get(), PeerStepDir("/local", 30), SlotFileName(1)).step, -1);
+  EXPECT_EQ(env->Dump().find("rank-00001.nsck\n"), std::string::npos) << env->Dump();
+}
+
+// Raw bytes to the server; whether it closed the connection afterwards.
+bool SendsAndIsClosed(const std::string& ep, const std::string& bytes) {
+  auto s = wire::Connect(ep, 5, 5);
+  EXPECT_TRUE(s.ok());
+  if (!s.ok()) return false;
+  (void)s.value().SendAll(bytes.data(), bytes.size());
+  char c;
+  Status r = s.value().RecvAll(&c, 1);
+  return !r.ok() && r.message().find("timed out") == std::string::npos;
+}
+
+std::string Header(uint32_t magic, uint16_t version, uint16_t type, uint64_t len) {
+  std::string h(wire::kHeaderBytes, '\0');
+  std::memcpy(h.data(), &magic, 4);
+  std::memcpy(h.data() + 4, &version, 2);
+  std::memcpy(h.data() + 6, &type, 2);
+  std::memcpy(h.data() + 8, &len, 8);
+  const uint32_t pcrc = 0, hcrc = Crc32c(h.data(), 20);
+  std::memcpy(h.data() + 16, &pcrc, 4);
+  std::memcpy(h.data() + 20, &hcrc, 4);
+  return h;
+}
+
+TEST(PeerTest, HostileFramesAreRefusedBeforeAllocating) {
+  // The frame reader alone: a header claiming a terabyte is refused at once
+  // (it neither allocates nor waits for the bytes).
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  wire::Socket a(sv[0], "a"), b(sv[1], "b");
+  ASSERT_TRUE(b.SetTimeout(5).ok());
+  const std::string huge = Header(wire::kMagic, wire::kVersion, 2, 1ull << 40);
+  ASSERT_TRUE(a.SendAll(huge.data(), huge.size()).ok());
+  wire::Frame f;
+  Status st = wire::RecvFrame(b, &f);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("over its limit"), std::string::npos) << st.ToString();
+  EXPECT_LT(f.payload.capacity(), 1u << 20);
+
+  Server srv;
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(0x12345678, wire::kVersion, 1, 10)));
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, 99, 1, 10)));
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 77, 10)));
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 1, 1ull << 40)));
+  std::string bad_crc = Header(wire::kMagic, wire::kVersion, 4, 0);
+  bad_crc[21] ^= 1;
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), bad_crc));
+  // A push whose table is garbage (its frame checksum right).
+  {
+    auto s = wire::Connect(srv.ep(), 5, 5).value();
+    wire::Out o;
+    o.Str16(kJob).Bytes(std::string(300, '\x7f'));
+    ASSERT_TRUE(wire::SendFrame(s, wire::Type::kPush, o.str()).ok());
+    ASSERT_TRUE(wire::RecvFrame(s, &f).ok());
+    uint32_t outcome = 0;
+    EXPECT_EQ(wire::DecodeReply(f.payload, &outcome, "srv").code(), StatusCode::kCorruption);
+  }
+  EXPECT_GE(srv.s->stats().refused_frames, 5u);
+  // And it still serves.
+  Source src(1);
+  src.Commit(1, 10);
+  EXPECT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+}
+
+// A proxy that forwards one connection to `to`, cutting it after `cut`
+// bytes from the client.
+class CuttingProxy {
+ public:
+  CuttingProxy(const std::string& to, uint64_t cut) : to_(to), cut_(cut) {
+    uint16_t port = 0;
+    listener_ = wire::Listen("127.0.0.1", 0, &port).value();
+    ep_ = "127.0.0.1:" + std::to_string(port);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~CuttingProxy() {
+    listener_.Shutdown();
+    thread_.join();
+  }
+  const std::string& ep() const { return ep_; }
+
+ private:
+  void Run() {
+    const int fd = ::accept(listener_.fd(), nullptr, nullptr);
+    if (fd < 0) return;
+    wire::Socket client(fd, "client");
+    (void)client.SetTimeout(5);
+    auto server = wire::Connect(to_, 5, 5);
+    if (!server.ok()) return;
+    std::thread back([&] {  // server -> client, as is
+      char buf[65536];
+      for (;;) {
+        const ssize_t n = ::recv(server.value().fd(), buf, sizeof(buf), 0);
+        if (n <= 0 || !client.SendAll(buf, static_cast<size_t>(n)).ok()) break;
+      }
+      client.Shutdown();
+    });
+    char buf[65536];
+    uint64_t sent = 0;
+    while (sent < cut_) {
+      const ssize_t n = ::recv(client.fd(), buf, std::min<uint64_t>(sizeof(buf), cut_ - sent), 0);
+      if (n <= 0 || !server.value().SendAll(buf, static_cast<size_t>(n)).ok()) break;
+      sent += static_cast<uint64_t>(n);
+    }
+    ::shutdown(server.value().fd(), SHUT_WR);  // the server sees the end; its answer still comes back
+    back.join();
+  }
+  std::string to_;
+  uint64_t cut_;
+  wire::Socket listener_;
+  std::string ep_;
+  std::thread thread_;
+};
+
+TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  ASSERT_TRUE(src.Push(srv.ep()).ok());
+  src.Commit(4, 40);
+  // The bytes of the push of step 40: the PUSH frame (job, table), one DATA
+  // frame per piece, END. Cut at and around every frame boundary, and spread.
+  const SlotLayout layout = Layout();
+  uint64_t table_bytes = 0;
+  {
+    auto d = src.env->OpenDirectory("/seg", false).value();
+    MediumOptions ro;
+    ro.read_only = true;
+    auto f = SlotFile::Open(d->OpenFile("s.nsck", MediumKind::kBuffered, ro).value()).value();
+    auto rep = f->Scan().value();
+    const CheckpointInfo& info = rep.checkpoints[rep.newest_valid].info;
+    format::Table t;
+    t.counter = info.counter;
+    t.step = info.step;
+    t.rank = info.rank;
+    t.world_size = info.world_size;
+    t.crc_chunk_bytes = info.crc_chunk_bytes;
+    t.data_bytes = info.data_bytes;
+    t.tensors = info.tensors;
+    t.chunk_crcs = info.chunk_crcs;
+    t.meta_json = info.meta_json;
+    table_bytes = format::EncodeTable(t).size();
+  }
+  const uint64_t push_end = wire::kHeaderBytes + 2 + std::strlen(kJob) + table_bytes;
+  std::vector<uint64_t> bounds = {0, push_end};
+  for (uint64_t off = 0; off < layout.data_bytes; off += wire::kDataPiece) {
+    bounds.push_back(bounds.back() + wire::kHeaderBytes +
+                     std::min<uint64_t>(wire::kDataPiece, layout.data_bytes - off));
+  }
+  const uint64_t total = bounds.back() + wire::kHeaderBytes;  // END
+  std::vector<uint64_t> cuts;
+  for (uint64_t b : bounds) {
+    for (int64_t d : {-1, 0, 1, 23, 24, 25}) {
+      if (static_cast<int64_t>(b) + d >= 0) cuts.push_back(b + d);
+    }
+  }
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 16; ++i) cuts.push_back(rng() % total);
+  cuts.push_back(total - 1);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  cuts.erase(std::remove_if(cuts.begin(), cuts.end(), [&](uint64_t k) { return k >= total; }),
+             cuts.end());
+  cuts.push_back(total);  // the whole push: stored
+  int stored = 0;
+  for (uint64_t k : cuts) {
+    SCOPED_TRACE("cut after " + std::to_string(k) + " bytes");
+    {
+      CuttingProxy proxy(srv.ep(), k);
+      auto out = src.Push(proxy.ep(), 5);
+      if (out.ok()) {
+        EXPECT_EQ(k, total) << "a push cut short was reported stored";
+        ++stored;
+        break;
+      }
+    }
+    auto held = ListReplicas(srv.ep(), kJob);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    ASSERT_EQ(held.value().size(), 1u);
+    EXPECT_EQ(held.value()[0].step, 30);
+    Status st;
+    EXPECT_EQ(FetchBack(srv.ep(), 1, std::nullopt, &st).data, Data(layout, 30));
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  }
+  EXPECT_EQ(stored, 1) << "the uncut push did not get through";
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob).value().at(0).step, 40);
+  EXPECT_EQ(srv.s->stats().replicas_received, 2u);
+}
+
+TEST(PeerTest, ACrashAtEveryFileCallOfTheStoreKeepsACompleteReplica) {
+  Source src(1);
+  // Count the server's file calls for the second push.
+  uint64_t calls = 0;
+  {
+    Server srv;
+    src.Commit(3, 30);
+    ASSERT_TRUE(src.Push(srv.ep()).ok());
+    src.Commit(4, 40);
+    const uint64_t before = srv.env->calls();
+    ASSERT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+    calls = srv.env->calls() - before;
+  }
+  ASSERT_GT(calls, 5u);
+  int newer = 0;
+  for (uint64_t n = 1; n <= calls + 1; ++n) {
+    for (CrashMode mode : {CrashMode::kTornUnsynced, CrashMode::kDropUnsynced}) {
+      SCOPED_TRACE("crash at call " + std::to_string(n) + " mode " + std::to_string(static_cast<int>(mode)));
+      auto env = FaultEnv::Create();
+      {
+        Server srv(0, env);
+        src.Commit(3, 30);
+        ASSERT_TRUE(src.Push(srv.ep()).ok());
+        src.Commit(4, 40);
+        env->CrashOnCall(n, mode, n);
+        (void)src.Push(srv.ep());
+        srv.s->Close();
+        if (env->crashes() == 0) env->Crash(mode, n);  // after a push that finished
+      }
+      env->ClearFaults();
+      Server again(0, env);  // a restarted holder over what the crash kept
+      auto held = ListReplicas(again.ep(), kJob);
+      ASSERT_TRUE(held.ok()) << held.status().ToString();
+      ASSERT_EQ(held.value().size(), 1u) << env->Dump();
+      const int64_t step = held.value()[0].step;
+      ASSERT_TRUE(step == 30 || step == 40) << step;
+      newer += step == 40;
+      Status st;
+      EXPECT_EQ(FetchBack(again.ep(), 1, std::nullopt, &st).data, Data(Layout(), step));
+      EXPECT_TRUE(st.ok()) << st.ToString();
+    }
+  }
+  EXPECT_GE(newer, 1);  // the crash after the last call keeps the new one
+}
+
+}  // namespace
+}  // namespace nonstop::peer

@@ -1,0 +1,96 @@
+"""The peer tier's core from Python (issue #27; docs/TIERS.md "The peer
+tier"): a real Checkpointer's memory segment replicated by the C++
+replicator to a peer server over loopback TCP, listed, fetched back and read
+bit for bit; a damaged replica and a missing one are the error classes a
+restart falls back on. The multi-host wiring is test_peer_tier.py's."""
+import os
+
+import pytest
+import torch
+
+import nonstop
+from nonstop import _core
+from nonstop.errors import (CheckpointIOError, CheckpointMismatchError,
+                            CheckpointNotFoundError, CorruptCheckpointError)
+
+JOB = "job-peer-core"
+
+
+def _checkpointer(tmp_path, model, monkeypatch):
+    monkeypatch.setenv("NONSTOP_SHM_DIR", str(tmp_path / "shm-own"))
+    return nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1,
+                                tier="memory")
+
+
+def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    ck = _checkpointer(tmp_path, model, monkeypatch)
+    srv = _core.PeerServer(JOB, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
+                           io_timeout_s=10.0)
+    ep = f"127.0.0.1:{srv.port}"
+    assert srv.endpoint == ep
+    rep = None
+    try:
+        for step in range(3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            ck.step(step)
+        ck.wait()
+        seg = ck.stats()["memory_segment"]
+        assert seg
+        rep = _core.PeerReplicator(JOB, 0, seg, [ep], poll_s=0.05)
+        deadline = 0
+        while rep.stats()["last_step"] != 2 and deadline < 100:  # the segment copy may lag
+            rep.drain(5.0)
+            deadline += 1
+        st = rep.stats()
+        assert st["last_step"] == 2, st
+        assert st["replicated"] >= 1 and st["failures"] == 0, st
+        held = srv.list()
+        assert [(h["source_rank"], h["step"]) for h in held] == [(0, 2)]
+        assert _core.peer_list(ep, JOB) == held
+        assert os.path.exists(tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0))
+
+        d = _core.peer_fetch(ep, JOB, 0, str(tmp_path / "local"))
+        assert d == _core.peer_step_dir(str(tmp_path / "local"), 2)
+        got = nonstop.load(d)
+        assert torch.equal(got.tensors["model.weight"], model.weight.detach())
+        assert torch.equal(got.tensors["model.bias"], model.bias.detach())
+        assert srv.stats()["fetches_served"] == 1
+
+        # Missing: another rank, another step, another job.
+        with pytest.raises(CheckpointNotFoundError):
+            _core.peer_fetch(ep, JOB, 5, str(tmp_path / "local"))
+        with pytest.raises(CheckpointNotFoundError):
+            _core.peer_fetch(ep, JOB, 0, str(tmp_path / "local"), step=1)
+        with pytest.raises(nonstop.errors.IncompatibleCheckpointError):
+            _core.peer_list(ep, "another-job")
+
+        # A flipped byte in the held replica: refused at fetch, nothing written.
+        path = tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0)
+        blob = bytearray(path.read_bytes())
+        at = blob.find(model.weight.detach().numpy().tobytes()[:256])
+        assert at > 0
+        blob[at + 7] ^= 0xFF
+        path.write_bytes(bytes(blob))
+        with pytest.raises(CorruptCheckpointError):
+            _core.peer_fetch(ep, JOB, 0, str(tmp_path / "other"))
+        assert not os.path.exists(tmp_path / "other" / "peer" / "step-2" / "rank-00000.nsck")
+    finally:
+        if rep is not None:
+            rep.close()
+        srv.close()
+        ck.close()
+    # Closed: unreachable is an I/O error, fast.
+    with pytest.raises(CheckpointIOError):
+        _core.peer_list(ep, JOB, timeout_s=2.0)
+
+
+def test_arguments_and_partners():
+    with pytest.raises(CheckpointMismatchError):
+        _core.peer_list("no-port", JOB)
+    with pytest.raises(CheckpointMismatchError):
+        _core.PeerServer("")
+    assert _core.choose_partners(["a", "a", "b", "b"], 1) == [[2], [3], [0], [1]]
+    assert _core.choose_partners(["a", "a"], 1) == [[], []]

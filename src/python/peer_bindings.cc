@@ -79,7 +79,7 @@ void InitPeer(py::module_& m) {
             d["replicas_received"] = st.replicas_received;
             d["bytes_received"] = st.bytes_received;
             d["replica_skipped_budget"] = st.replica_skipped_budget;
-            d["replica_skipped_older"] = st.replica_skipped_older;
+            d["replicas_already_held"] = st.replicas_already_held;
             d["push_failures"] = st.push_failures;
             d["refused_frames"] = st.refused_frames;
             d["fetches_served"] = st.fetches_served;

@@ -631,6 +631,10 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
     auto held = OpenNewest(*dir, name);
     if (held.ok() && held.value().second.counter == t.counter && held.value().second.step == t.step &&
         held.value().second.chunk_crcs == t.chunk_crcs) {
+      {
+        MutexLock l(&mu);
+        ++stats.replicas_already_held;
+      }
       return reply(Status::OK(), kHeldReply);
     }
   }

@@ -83,7 +83,7 @@ struct PeerServerStats {
   uint64_t replicas_received = 0;       // replicas stored complete and verified
   uint64_t bytes_received = 0;          // their data bytes
   uint64_t replica_skipped_budget = 0;  // pushes refused: over budget_bytes
-  uint64_t replica_skipped_older = 0;   // pushes refused: not newer than the one held
+  uint64_t replicas_already_held = 0;  // pushes of the checkpoint already held (not sent again)
   uint64_t push_failures = 0;           // pushes that ended without a replica (cut, damage, I/O)
   uint64_t refused_frames = 0;          // hostile or malformed frames (connection closed)
   uint64_t fetches_served = 0;

@@ -290,18 +290,6 @@ Out& Out::Str16(std::string_view v) {
   return Bytes(v.substr(0, 0xffff));
 }
 
-template <typename T>
-T In::Get() {
-  T v{};
-  if (!ok_ || s_.size() - pos_ < sizeof(T)) {
-    ok_ = false;
-    return v;
-  }
-  std::memcpy(&v, s_.data() + pos_, sizeof(T));
-  pos_ += sizeof(T);
-  return v;
-}
-
 std::string In::Str16(size_t max) {
   const uint16_t n = U16();
   if (!ok_ || n > max || s_.size() - pos_ < n) {

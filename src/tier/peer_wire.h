@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
@@ -128,7 +129,16 @@ class In {
 
  private:
   template <typename T>
-  T Get();
+  T Get() {
+    T v{};
+    if (!ok_ || s_.size() - pos_ < sizeof(T)) {
+      ok_ = false;
+      return v;
+    }
+    std::memcpy(&v, s_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
   std::string_view s_;
   size_t pos_ = 0;
   bool ok_ = true;

@@ -55,8 +55,8 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         d = _core.peer_fetch(ep, JOB, 0, str(tmp_path / "local"))
         assert d == _core.peer_step_dir(str(tmp_path / "local"), 2)
         got = nonstop.load(d)
-        assert torch.equal(got.tensors["model.weight"], model.weight.detach())
-        assert torch.equal(got.tensors["model.bias"], model.bias.detach())
+        assert torch.equal(got.tensors["model/weight"], model.weight.detach())
+        assert torch.equal(got.tensors["model/bias"], model.bias.detach())
         assert srv.stats()["fetches_served"] == 1
 
         # Missing: another rank, another step, another job.

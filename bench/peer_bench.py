@@ -1,0 +1,139 @@
+"""Issue #27: throughput of the peer tier's push and fetch over a link,
+against a raw TCP copy of the same bytes over the same link (the
+iperf-style probe), in one run.
+
+A Checkpointer (tier="memory") commits a state of --gb GB; its memory
+segment is the source. Each round, interleaved:
+  raw    a Python socket sends the same number of bytes to a receiver
+         thread that discards them (sendall of 4 MiB buffers / recv_into):
+         the link's bandwidth as a plain copy sees it;
+  push   _core.peer_push: the segment read (every chunk crc checked), framed,
+         sent, checked again and written by the server into its memory
+         directory (temp, commit, rename);
+  fetch  _core.peer_fetch: the replica streamed back and written (checked)
+         into a local one-slot job directory.
+The directories are tmpfs (/dev/shm) unless --dir says otherwise. Target
+(issue #27): a peer restart (fetch) at >= 0.8x the link's bandwidth.
+
+On one machine the "link" is loopback, so sender and receiver share its
+CPUs: this measures the protocol's and the checksums' cost against a copy,
+not a network. Across hosts, run the server on the other host's address.
+
+Usage: python bench/peer_bench.py [--gb 1] [--rounds 3] [--out bench/peer_bench.json]
+Prints a table and writes JSON.
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+
+def raw_copy(nbytes, host="127.0.0.1"):
+    """Seconds to send nbytes through a fresh TCP connection to a discarding receiver."""
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    got = [0]
+
+    def sink():
+        c, _ = srv.accept()
+        buf = bytearray(4 << 20)
+        view = memoryview(buf)
+        while True:
+            n = c.recv_into(view)
+            if n == 0:
+                break
+            got[0] += n
+        c.close()
+
+    t = threading.Thread(target=sink)
+    t.start()
+    payload = bytes(4 << 20)
+    s = socket.create_connection((host, port))
+    t0 = time.perf_counter()
+    left = nbytes
+    while left > 0:
+        n = min(left, len(payload))
+        s.sendall(payload[:n] if n < len(payload) else payload)
+        left -= n
+    s.shutdown(socket.SHUT_WR)
+    t.join()
+    secs = time.perf_counter() - t0
+    s.close()
+    srv.close()
+    assert got[0] == nbytes
+    return secs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "peer_bench.json"))
+    a = ap.parse_args()
+
+    import torch
+    import nonstop
+    from nonstop import _core
+
+    root = tempfile.mkdtemp(prefix="peer-bench-", dir=a.dir)
+    os.environ["NONSTOP_SHM_DIR"] = os.path.join(root, "own")
+    try:
+        n = int(a.gb * 1e9 / 4)
+        state = {"w": torch.randn(n // 4096, 4096)}
+        ck = nonstop.Checkpointer(os.path.join(root, "job"), state, every=1, tier="memory")
+        ck.step(1)
+        ck.wait()
+        deadline = time.time() + 120
+        while ck.stats()["memory_counter"] != ck.stats()["committed"] and time.time() < deadline:
+            time.sleep(0.05)
+        seg = ck.stats()["memory_segment"]
+        nbytes = state["w"].numel() * 4
+        srv = _core.PeerServer("bench", bind_host="127.0.0.1", dir=os.path.join(root, "peer"))
+        ep = f"127.0.0.1:{srv.port}"
+        rows = {"raw": [], "push": [], "fetch": []}
+        for r in range(a.rounds):
+            rows["raw"].append(raw_copy(nbytes))
+            # A fresh replica each round: remove the held one so the push is not "already held".
+            p = os.path.join(root, "peer", _core.peer_replica_name("bench", 0))
+            if os.path.exists(p):
+                os.unlink(p)
+            t0 = time.perf_counter()
+            out = _core.peer_push(ep, "bench", seg)
+            rows["push"].append(time.perf_counter() - t0)
+            assert out == "stored", out
+            local = os.path.join(root, f"local-{r}")
+            t0 = time.perf_counter()
+            _core.peer_fetch(ep, "bench", 0, local)
+            rows["fetch"].append(time.perf_counter() - t0)
+            shutil.rmtree(local)
+        srv.close()
+        ck.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9
+    result = {"bytes": nbytes, "rounds": a.rounds, "dir": a.dir, "cpus": os.cpu_count(),
+              "seconds": rows, "median_GBps": {}, "vs_raw": {},
+              "command": "python " + " ".join(sys.argv)}
+    print(f"{'what':<8}{'median s':>10}{'GB/s':>8}{'x raw':>8}")
+    for k, v in rows.items():
+        gbps = nbytes / statistics.median(v) / 1e9
+        result["median_GBps"][k] = round(gbps, 3)
+        result["vs_raw"][k] = round(gbps / raw_gbps, 3)
+        print(f"{k:<8}{statistics.median(v):>10.3f}{gbps:>8.2f}{gbps / raw_gbps:>8.2f}")
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

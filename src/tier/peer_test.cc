@@ -275,7 +275,7 @@ TEST(PeerTest, AReplicaOverTheBudgetIsSkipped) {
     EXPECT_TRUE(ListReplicas(tiny.ep(), kJob).value().empty());
   }
   // Room for one replica: the second source's is skipped, the first stays.
-  Server srv(400 << 10);
+  Server srv(800 << 10);
   EXPECT_EQ(a.Push(srv.ep()).value(), PushOutcome::kStored);
   EXPECT_EQ(b.Push(srv.ep()).value(), PushOutcome::kSkippedBudget);
   auto held = ListReplicas(srv.ep(), kJob).value();

@@ -85,11 +85,12 @@ def main():
     from nonstop import _core
 
     root = tempfile.mkdtemp(prefix="peer-bench-", dir=a.dir)
+    disk = tempfile.mkdtemp(prefix="peer-bench-job-")  # the job directory: on disk, not tmpfs
     os.environ["NONSTOP_SHM_DIR"] = os.path.join(root, "own")
     try:
         n = int(a.gb * 1e9 / 4)
         state = {"w": torch.randn(n // 4096, 4096)}
-        ck = nonstop.Checkpointer(os.path.join(root, "job"), state, every=1, tier="memory")
+        ck = nonstop.Checkpointer(os.path.join(disk, "job"), state, every=1, tier="memory")
         ck.step(1)
         ck.wait()
         deadline = time.time() + 120
@@ -119,6 +120,7 @@ def main():
         ck.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
 
     raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9
     result = {"bytes": nbytes, "rounds": a.rounds, "dir": a.dir, "cpus": os.cpu_count(),

@@ -82,6 +82,47 @@ Result<format::Table> ParseWireTable(std::string_view bytes, const std::string& 
   return t;
 }
 
+// Checks a data region arriving in order against its chunk crc32c values.
+class ChunkChecker {
+ public:
+  ChunkChecker(uint64_t data_bytes, uint32_t chunk_bytes, const std::vector<uint32_t>& crcs,
+               uint64_t counter, int64_t step)
+      : data_bytes_(data_bytes), cb_(chunk_bytes), crcs_(crcs), counter_(counter), step_(step) {}
+  // The next `n` bytes; Corruption naming the chunk whose crc does not match.
+  Status Next(const char* p, size_t n, const std::string& where) {
+    if (n > data_bytes_ - got_) {
+      return Status::Corruption(where + ": more data than the table's " +
+                                std::to_string(data_bytes_) + " bytes");
+    }
+    for (size_t i = 0; i < n;) {
+      const uint64_t take = std::min<uint64_t>(n - i, cb_ - got_ % cb_);
+      crc_ = Crc32c(p + i, take, crc_);
+      got_ += take;
+      i += take;
+      if (got_ % cb_ == 0 || got_ == data_bytes_) {
+        const uint64_t idx = (got_ - 1) / cb_;
+        if (idx >= crcs_.size() || crc_ != crcs_[idx]) {
+          return Status::Corruption(where + ": data chunk " + std::to_string(idx) +
+                                    " of checkpoint #" + std::to_string(counter_) + " (step " +
+                                    std::to_string(step_) + ") has a checksum mismatch");
+        }
+        crc_ = 0;
+      }
+    }
+    return Status::OK();
+  }
+  uint64_t got() const { return got_; }
+
+ private:
+  uint64_t data_bytes_;
+  uint64_t cb_;
+  const std::vector<uint32_t>& crcs_;
+  uint64_t counter_;
+  int64_t step_;
+  uint64_t got_ = 0;
+  uint32_t crc_ = 0;
+};
+
 // Writes one checkpoint, arriving in order, into a one-slot slot file under
 // a temp name, checking every crc chunk against the table as it completes;
 // Finish commits it and renames it over the final name. Destroyed before
@@ -116,34 +157,14 @@ class ReplicaWriter {
   }
 
   Status Append(std::string_view b, const std::string& from) {
-    if (b.size() > t_.data_bytes - got_) {
-      return Status::Corruption("peer " + from + ": more data than the table's " +
-                                std::to_string(t_.data_bytes) + " bytes");
-    }
-    const uint64_t cb = t_.crc_chunk_bytes;
-    for (size_t p = 0; p < b.size();) {
-      const uint64_t in_chunk = got_ % cb;
-      const uint64_t take = std::min<uint64_t>(b.size() - p, cb - in_chunk);
-      crc_ = Crc32c(b.data() + p, take, crc_);
-      got_ += take;
-      p += take;
-      if (got_ % cb == 0 || got_ == t_.data_bytes) {
-        const uint64_t idx = (got_ - 1) / cb;
-        if (crc_ != t_.chunk_crcs[idx]) {
-          return Status::Corruption("peer " + from + ": data chunk " + std::to_string(idx) +
-                                    " of checkpoint #" + std::to_string(t_.counter) + " (step " +
-                                    std::to_string(t_.step) + ") has a checksum mismatch");
-        }
-        crc_ = 0;
-      }
-    }
-    NONSTOP_RETURN_IF_ERROR(file_->WriteData(0, got_ - b.size(), b.data(), b.size()));
-    return Status::OK();
+    const uint64_t at = check_.got();
+    NONSTOP_RETURN_IF_ERROR(check_.Next(b.data(), b.size(), "peer " + from));
+    return file_->WriteData(0, at, b.data(), b.size());
   }
 
   Status Finish(const std::string& final_name, const std::string& from) {
-    if (got_ != t_.data_bytes) {
-      return Status::Corruption("peer " + from + ": the data ended at " + std::to_string(got_) +
+    if (check_.got() != t_.data_bytes) {
+      return Status::Corruption("peer " + from + ": the data ended at " + std::to_string(check_.got()) +
                                 " of " + std::to_string(t_.data_bytes) + " bytes");
     }
     CommitRequest req;
@@ -161,19 +182,19 @@ class ReplicaWriter {
     return dir_->SyncDir();
   }
 
-  uint64_t data_bytes() const { return got_; }
+  uint64_t data_bytes() const { return check_.got(); }
 
  private:
   ReplicaWriter(Directory* dir, std::string tmp, const format::Table& t)
-      : dir_(dir), tmp_(std::move(tmp)), t_(t) {}
+      : dir_(dir), tmp_(std::move(tmp)), t_(t),
+        check_(t_.data_bytes, t_.crc_chunk_bytes, t_.chunk_crcs, t_.counter, t_.step) {}
   Directory* dir_;
   std::string tmp_;
   format::Table t_;
   SlotLayout layout_;
   std::unique_ptr<SlotFile> file_;
+  ChunkChecker check_;
   bool created_ = false, done_ = false;
-  uint64_t got_ = 0;
-  uint32_t crc_ = 0;
 };
 
 // Streams the data region of `info` of `file` as DATA frames (every chunk
@@ -181,15 +202,25 @@ class ReplicaWriter {
 // it (the receiver stops there) and returned.
 Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64_t* sent) {
   const uint64_t cb = info.crc_chunk_bytes;
-  const uint64_t piece = cb == 0 ? w::kDataPiece : std::max<uint64_t>(1, w::kDataPiece / cb) * cb;
+  const auto fail = [&](const Status& r) {
+    (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(r, 0));
+    return r;
+  };
+  if (cb == 0 || info.chunk_crcs.size() != (info.data_bytes + cb - 1) / cb) {
+    return fail(Status::Corruption("checkpoint #" + std::to_string(info.counter) +
+                                   " has no valid chunk checksums"));
+  }
+  // Whole chunks per frame where they fit; read straight from the medium
+  // into one buffer, each chunk checked once as it passes.
+  const uint64_t piece = cb <= w::kDataPiece ? w::kDataPiece / cb * cb : w::kDataPiece;
   std::string buf(std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)), '\0');
+  ChunkChecker check(info.data_bytes, info.crc_chunk_bytes, info.chunk_crcs, info.counter, info.step);
+  const std::string where = file.medium().Describe();
   for (uint64_t off = 0; off < info.data_bytes;) {
-    const uint64_t len = std::min<uint64_t>({buf.size(), info.data_bytes - off, w::kMaxDataFrame});
-    Status r = file.ReadData(info, off, buf.data(), len, /*verify=*/true);
-    if (!r.ok()) {
-      (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(r, 0));
-      return r;
-    }
+    const uint64_t len = std::min<uint64_t>(buf.size(), info.data_bytes - off);
+    Status r = file.medium().Read(info.data_offset + off, buf.data(), len);
+    if (r.ok()) r = check.Next(buf.data(), len, where);
+    if (!r.ok()) return fail(r);
     NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kData, std::string_view(buf.data(), len)));
     off += len;
     *sent += len;

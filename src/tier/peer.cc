@@ -57,20 +57,6 @@ uint64_t ReplicaFileBytes(const format::Table& t) {
          StoreGeometry::SlotBytesFor(layout, format::AlignUp(t.meta_json.size() + 1, kStoreAlign));
 }
 
-format::Table TableOf(const CheckpointInfo& info) {
-  format::Table t;
-  t.counter = info.counter;
-  t.step = info.step;
-  t.rank = info.rank;
-  t.world_size = info.world_size;
-  t.crc_chunk_bytes = info.crc_chunk_bytes;
-  t.data_bytes = info.data_bytes;
-  t.tensors = info.tensors;
-  t.chunk_crcs = info.chunk_crcs;
-  t.meta_json = info.meta_json;
-  return t;
-}
-
 std::string_view View(const std::vector<uint8_t>& v) {
   return {reinterpret_cast<const char*>(v.data()), v.size()};
 }
@@ -793,7 +779,7 @@ bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload) {
     return reply(Status::NotFound("the replica of rank " + std::to_string(src) + " holds step " +
                                   std::to_string(info.step) + ", not " + std::to_string(step)));
   }
-  const std::vector<uint8_t> table = format::EncodeTable(TableOf(info));
+  const std::vector<uint8_t> table = w::EncodeCheckpointTable(info);
   if (!w::SendFrame(s, w::Type::kTable, View(table)).ok()) return false;
   uint64_t sent = 0;
   Status st = SendData(s, file, info, &sent);
@@ -815,7 +801,7 @@ Status SendPush(w::Socket& s, const std::string& job, SlotFile& file, const Chec
                 PushOutcome* outcome) {
   w::Out head;
   head.Str16(job);
-  const std::vector<uint8_t> table = format::EncodeTable(TableOf(info));
+  const std::vector<uint8_t> table = w::EncodeCheckpointTable(info);
   NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kPush, head.str(), View(table)));
   uint32_t o = 0;
   NONSTOP_RETURN_IF_ERROR(ReadReply(s, &o));

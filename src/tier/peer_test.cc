@@ -490,17 +490,7 @@ TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
     auto f = SlotFile::Open(d->OpenFile("s.nsck", MediumKind::kBuffered, ro).value()).value();
     auto rep = f->Scan().value();
     const CheckpointInfo& info = rep.checkpoints[rep.newest_valid].info;
-    format::Table t;
-    t.counter = info.counter;
-    t.step = info.step;
-    t.rank = info.rank;
-    t.world_size = info.world_size;
-    t.crc_chunk_bytes = info.crc_chunk_bytes;
-    t.data_bytes = info.data_bytes;
-    t.tensors = info.tensors;
-    t.chunk_crcs = info.chunk_crcs;
-    t.meta_json = info.meta_json;
-    table_bytes = format::EncodeTable(t).size();
+    table_bytes = wire::EncodeCheckpointTable(info).size();
   }
   const uint64_t push_end = wire::kHeaderBytes + 2 + std::strlen(kJob) + table_bytes;
   std::vector<uint64_t> bounds = {0, push_end};

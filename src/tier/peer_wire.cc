@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "nonstop/crc32c.h"
+#include "store/format.h"
 
 namespace nonstop::peer::wire {
 
@@ -299,6 +300,20 @@ std::string In::Str16(size_t max) {
   std::string v(s_.substr(pos_, n));
   pos_ += n;
   return v;
+}
+
+std::vector<uint8_t> EncodeCheckpointTable(const CheckpointInfo& info) {
+  format::Table t;
+  t.counter = info.counter;
+  t.step = info.step;
+  t.rank = info.rank;
+  t.world_size = info.world_size;
+  t.crc_chunk_bytes = info.crc_chunk_bytes;
+  t.data_bytes = info.data_bytes;
+  t.tensors = info.tensors;
+  t.chunk_crcs = info.chunk_crcs;
+  t.meta_json = info.meta_json;
+  return format::EncodeTable(t);
 }
 
 std::string EncodeReply(const Status& s, uint32_t outcome) {

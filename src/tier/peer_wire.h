@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "nonstop/status.h"
 #include "tier/peer.h"
@@ -143,6 +144,10 @@ class In {
   size_t pos_ = 0;
   bool ok_ = true;
 };
+
+// The tensor table of `info` as PUSH and TABLE frames carry it (the slot
+// file's own table encoding, store/format.h).
+std::vector<uint8_t> EncodeCheckpointTable(const CheckpointInfo& info);
 
 // A REPLY payload: `s` (OK or an error) and, when OK, an outcome.
 std::string EncodeReply(const Status& s, uint32_t outcome);

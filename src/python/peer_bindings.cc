@@ -74,7 +74,11 @@ void InitPeer(py::module_& m) {
       .def(
           "stats",
           [](peer::PeerServer& s) {
-            peer::PeerServerStats st = s.stats();
+            peer::PeerServerStats st;
+            {
+              py::gil_scoped_release r;  // lists the replicas: file reads
+              st = s.stats();
+            }
             py::dict d;
             d["replicas_received"] = st.replicas_received;
             d["bytes_received"] = st.bytes_received;

@@ -642,6 +642,14 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   const uint32_t src = t.rank;
   const std::string name = ReplicaName(o.job, src);
   const uint64_t need = ReplicaFileBytes(t);
+  {
+    // A link or folder planted at the name: removed as itself, never followed.
+    Result<FileStat> cur = dir->Stat(name);
+    if (cur.ok() && cur.value().type != EntryType::kFile) {
+      Status rm = RemoveTree(*dir, name);
+      if (!rm.ok()) return failed(rm.Annotate("peer replica " + dir->path() + "/" + name));
+    }
+  }
 
   // The one held now: the same checkpoint is not sent again.
   {

@@ -361,6 +361,32 @@ TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
   EXPECT_EQ(env->Dump().find("rank-00001.nsck\n"), std::string::npos) << env->Dump();
 }
 
+TEST(PeerTest, ALinkOrAFolderAtTheReplicaNameIsNeverFollowed) {
+  Server srv;
+  ASSERT_TRUE(srv.env->OpenDirectory("/etc", true).ok());
+  ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 1), "/etc/passwd").ok());
+  ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 2) + ".tmp", "/etc/shadow").ok());
+  auto listed = ListReplicas(srv.ep(), kJob);
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_TRUE(listed.value().empty());
+  Status st;
+  FetchBack(srv.ep(), 1, std::nullopt, &st);
+  EXPECT_FALSE(st.ok());
+  // Pushes replace the links themselves; nothing is written through them.
+  Source a(1), b(2);
+  a.Commit(1, 10);
+  b.Commit(1, 10);
+  auto pa = a.Push(srv.ep());
+  ASSERT_TRUE(pa.ok()) << pa.status().ToString();
+  auto pb = b.Push(srv.ep());
+  ASSERT_TRUE(pb.ok()) << pb.status().ToString();
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob).value().size(), 2u);
+  EXPECT_EQ(FetchBack(srv.ep(), 1, std::nullopt, &st).data, Data(Layout(), 10));
+  const std::string dump = srv.env->Dump();
+  EXPECT_EQ(dump.find("f etc/passwd"), std::string::npos) << dump;
+  EXPECT_EQ(dump.find("f etc/shadow"), std::string::npos) << dump;
+}
+
 // Raw bytes to the server; whether it closed the connection afterwards.
 bool SendsAndIsClosed(const std::string& ep, const std::string& bytes) {
   auto s = wire::Connect(ep, 5, 5);

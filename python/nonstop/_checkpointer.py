@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 
 from . import (_auto, _distributed, _ext, _fqn, _fsdp, _layerwise, _manage, _multistep,
-               _objects, _options, _preempt, _remote, _replica, _restore, _rng, _session,
-               _unwrap)
+               _objects, _options, _peer, _preempt, _remote, _replica, _restore, _rng,
+               _session, _unwrap)
 from ._apply import StateApplier
 from ._handle import CheckpointHandle, Watcher
 from ._options import MODES  # noqa: F401  (nonstop._checkpointer.MODES)
@@ -49,7 +49,8 @@ class Checkpointer:
                  remote=None, remote_options: Optional[dict] = None, on_commit=None,
                  tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
                  remote_every: Optional[int] = None, replay: str = "auto",
-                 device_snapshot_bytes: Optional[int] = None, disk_every=1):
+                 device_snapshot_bytes: Optional[int] = None, disk_every=1,
+                 replicas: Optional[int] = None):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -79,6 +80,12 @@ class Checkpointer:
         # once (bench/construct_bench.py); a restart keeps the floor.
         small = dist is None and not o.engine.staging_bytes and bool(nbytes) and not deferred
         self.session.engine = _open_engine(o, self.dir, dist, self._multistep, small)
+        if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)
+            try:
+                dist.peers = _peer.Peers(dist, o.dist.replicas, self.session.engine)
+            except Exception:
+                self.session.engine.close()
+                raise
         self._restore_stats: dict = {}  # the last restore(): restore_s, restore_GBps, ...
         self._applier = StateApplier(state, self.dir, self.rank, self.world_size, self.rng)
         if self._multistep is not None:  # replay="torch" checkpoints: checked before reading

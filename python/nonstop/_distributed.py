@@ -179,6 +179,7 @@ class Distributed:
         # steps, other lineage) are never mixed with new ones.
         self.lineage = self.new_lineage()
         self.engine = None
+        self.peers = None  # the peer tier (_peer.Peers), started once the engine is open
         self.state: Optional[dict] = None  # the Checkpointer's state (resharding)
         self.agreed: Optional[dict] = read_agreed(dir, rank)
         self.rounds = 0
@@ -353,14 +354,35 @@ class Distributed:
         if self._thread is not None:
             self._thread.join(self.timeout_s + 10)
             self._thread = None
+        if self.peers is not None:
+            self.peers.close()
         if self.error is not None:
             e, self.error = self.error, None
             warnings.warn(f"nonstop: rank {self.rank}: global agreement stopped: {e}",
                           stacklevel=3)
 
     def stats(self) -> dict:
-        return {"agreed_step": self.agreed_step(), "rounds": self.rounds,
-                "lineage": self.lineage, "agreement_error": repr(self.error) if self.error else None}
+        s = {"agreed_step": self.agreed_step(), "rounds": self.rounds,
+             "lineage": self.lineage, "agreement_error": repr(self.error) if self.error else None}
+        if self.peers is not None:
+            s.update(self.peers.stats())
+        return s
+
+    def prefetch_peer(self) -> None:
+        """restore() without a step, before any collective read: where this
+        rank's own job directory lacks the newest replica a partner holds of
+        its checkpoint (a replaced host), fetches it, verified (_peer.py).
+        Not collective."""
+        if self.peers is None or not self.peers.replicas and not self.peers.held:
+            return
+        own = []
+        try:
+            jd = _open_read(self.dir)
+            if jd is not None:
+                own = planned_steps(jd, self.rank, None)
+        except CheckpointError:
+            pass  # the collective restore reports it
+        self.peers.prefetch(self.dir, own)
 
     # ------------------------------------------------------------ recovery
 
@@ -401,6 +423,14 @@ class Distributed:
         except CheckpointError as e:
             err = str(e)
         comm.check(err, CorruptCheckpointError)
+        # A replica a partner held, fetched and verified (prefetch_peer): its
+        # step counts as this rank's own.
+        pf = self.peers.prefetched if self.peers is not None else None
+        if pf is not None and (step is not None and step != pf["step"] or pf["step"] in mine):
+            pf = None
+        if pf is not None:
+            at = next((i for i, m in enumerate(mine) if m < pf["step"]), len(mine))
+            mine = mine[:at] + [pf["step"]] + mine[at:]
         if any(comm.gather(foreign)):
             raise IncompatibleCheckpointError(
                 f"{self.dir} holds rank files written by a job of another world size; this job "
@@ -431,10 +461,12 @@ class Distributed:
         for n, s in enumerate(order):
             t0 = time.perf_counter()
             err, lineage, sel, meta, tensors = None, None, None, None, {}
+            peer = pf is not None and s == pf["step"]
+            where = pf["dir"] if peer else self.dir
             try:
                 # Chunk crcs are verified as the tensors are read below.
-                sel = jd.select(self.rank, step=s, verify_data=False,
-                                include_keep=step is not None)
+                sel = (_open_read(where) if peer else jd).select(
+                    self.rank, step=s, verify_data=False, include_keep=step is not None)
                 info = sel.info
                 meta = loads(info["meta_json"])
                 if not isinstance(meta, dict):
@@ -442,23 +474,23 @@ class Distributed:
                 lineage = int(meta.get("dist", {}).get("lineage", 0))
             except (CheckpointError, OSError) as e:
                 err = str(e)
-            source = "disk"
+            source = "peer" if peer else "disk"
             if n == 0 and step is None:  # every rank takes this branch, or none
-                source = self._read_memory(comm, s, err, stats)
+                source = self._read_memory(comm, s, err, stats, peer)
                 if source == "memory":
                     tensors = stats.pop("_memory_tensors")
-            if err is None and source == "disk":
+            if err is None and source in ("disk", "peer"):
                 try:
                     # The one verified read path: every crc chunk read and checked once.
                     tensors = read_tensors(_OldRank(sel), 0)
                 except (CheckpointError, OSError) as e:
                     err = str(e)
-            got = comm.gather((err, lineage))
-            bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
-            if not bad and len({lin for _, lin in got}) > 1:
+            got = comm.gather((err, lineage, source))
+            bad = [(r, e) for r, (e, _, _) in enumerate(got) if e is not None]
+            if not bad and len({lin for _, lin, _ in got}) > 1:
                 # Same step, different runs (a rank crashed before recording a
                 # rollback the others recorded): never mixed.
-                bad = [(r, f"step {s} is of run {lin}") for r, (_, lin) in enumerate(got)]
+                bad = [(r, f"step {s} is of run {lin}") for r, (_, lin, _) in enumerate(got)]
             if bad:
                 where = "; ".join(f"rank {r}: {e}" for r, e in bad)
                 if n + 1 == len(order):
@@ -468,13 +500,14 @@ class Distributed:
                               f"step {order[n + 1]}", stacklevel=4)
                 continue
             full = self.assemble(tensors, info, meta)
-            stats.update(restored_from=source, restore_s=time.perf_counter() - t0)
+            stats.update(restored_from=source, restore_s=time.perf_counter() - t0,
+                         restored_from_per_rank=[src for _, _, src in got])
             if agreed is not None and s < agreed:
                 warnings.warn(f"nonstop: rank {self.rank} restores step {s}, older than the "
                               f"agreed step {agreed}", stacklevel=4)
             counter = int(info["counter"])
             self.lineage = self.new_lineage()
-            if not sel.where.startswith("keep/"):  # a kept copy holds no slot of the ring
+            if not peer and not sel.where.startswith("keep/"):  # no slot of the ring holds it
                 self.engine.pin(counter)
             cand = self.engine.candidate()
             if cand is not None and cand[0] != counter:
@@ -484,10 +517,11 @@ class Distributed:
             # that the counters above this one are abandoned.
             self.engine.adopt_restored(counter)
             self._record(counter, s)
-            return info, full, meta, os.path.join(self.dir, sel.where)
+            return info, full, meta, os.path.join(where, sel.where)
         return None
 
-    def _read_memory(self, comm, s: int, err: Optional[str], stats: dict) -> str:
+    def _read_memory(self, comm, s: int, err: Optional[str], stats: dict,
+                     peer: bool = False) -> str:
         """The memory tier on a restart (memory_tier.h), decided by all ranks
         together: "memory" when every rank's segment verified and held exactly
         the checkpoint of step `s` (the newest step committed on every rank)
@@ -495,9 +529,13 @@ class Distributed:
         crc checked as it is read); its tensors are then in
         stats["_memory_tensors"]. Otherwise "disk" on every rank, with
         stats["memory_unused_because"] naming each rank that could not, and
-        every rank reads its disk: the sources are never mixed. Collective."""
+        every rank reads its disk: the sources are never mixed. A rank that
+        restores a partner's replica (`peer`: its own tiers lost the step)
+        takes no part in the choice and returns "peer". Collective."""
         why, reader = "", None
-        if err is not None:
+        if peer:
+            why = None
+        elif err is not None:
             why = f"the disk's checkpoint of step {s}: {err}"
         elif getattr(self, "tier", "auto") == "disk":
             why = 'tier="disk"'
@@ -511,18 +549,21 @@ class Distributed:
                 except (CheckpointError, OSError) as e:
                     reader, why = None, str(e)
         whys = comm.gather(why)
-        if all(w == "" for w in whys):
-            try:
-                stats["_memory_tensors"] = read_tensors(reader, reader.newest_valid, stats=stats)
-            except (CheckpointError, OSError) as e:
-                why = f"{reader.path}: {e}"
+        if all(w in ("", None) for w in whys) and "" in whys:
+            if why == "":
+                try:
+                    stats["_memory_tensors"] = read_tensors(reader, reader.newest_valid,
+                                                            stats=stats)
+                except (CheckpointError, OSError) as e:
+                    why = f"{reader.path}: {e}"
             whys = comm.gather(why)
         unused = "; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w)
-        if unused:
+        if unused or "" not in whys:
             stats.pop("_memory_tensors", None)
-            stats["memory_unused_because"] = unused
-            return "disk"
-        return "memory"
+            if unused:
+                stats["memory_unused_because"] = unused
+            return "peer" if peer else "disk"
+        return "peer" if peer else "memory"
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
         got = reshard(self.dir, self.rank, self.world, step, Comm(self.group, self.world),

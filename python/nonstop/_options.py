@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _data, _manage, _remote
+from . import _auto, _config, _data, _manage, _peer, _remote
 from .errors import CheckpointMismatchError
 
 MODES = ("concurrent", "layerwise", "multistep")
@@ -62,6 +62,7 @@ class DistOptions:
     replicated: str = "shard"
     local: tuple = ()
     dist_timeout_s: float = 300.0
+    replicas: Optional[int] = None  # the peer tier: None = 1 where another host exists
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ def resolve(state: dict, **kw) -> Options:
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
                          copy, clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),
-        dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"]),
+        dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
+                         _peer.check_replicas(kw["replicas"])),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
         on_commit=kw["on_commit"])

@@ -283,6 +283,10 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
     rank; with world_size > 1 the ranks' agreed step; resharding to one
     process; else the memory tier when its segment verifies and holds the
     disk's newest, else the job directory. `stats` gets the restore's times."""
+    if session.dist is not None and step is None:
+        # A replaced host: the newest replica a partner holds of this rank's
+        # checkpoint, fetched and verified first (the peer tier, _peer.py).
+        session.dist.prefetch_peer()
     if remote is not None:
         loaded = remote.restore(step)
         if loaded is not None:  # newer than every rank's local checkpoint

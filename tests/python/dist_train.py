@@ -101,6 +101,12 @@ def main():
     # its segment holds its newest commit, then all ranks SIGKILL themselves.
     p.add_argument("--tier", default="auto")
     p.add_argument("--settle-kill-at", type=int, default=-1)
+    # The peer tier (test_peer_tier.py): --replicas for the Checkpointer (the
+    # settle then also waits until the partners hold the newest commit);
+    # --remote PATH: a remote tier on a shared path (the settle waits until
+    # it holds the newest commit too).
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--remote", default=None)
     a = p.parse_args()
     rank, world = start_rank(), dist.get_world_size()
     if a.model == "bn":
@@ -125,13 +131,17 @@ def main():
                                         "train": train}, every=a.every, max_in_flight=2,
                                 medium="buffered", writers=1, replicated=a.replicated,
                                 staging_bytes=4 << 20, chunk_bytes=1 << 20,
-                                dist_timeout_s=60, tier=a.tier)
+                                dist_timeout_s=60, tier=a.tier, replicas=a.replicas,
+                                remote=a.remote)
     if rank == a.slow_rank:
         real = ckpt.session.dist.started
         ckpt.session.dist.started = lambda engine: real(SlowCommits(engine, a.slow_s))
     r = ckpt.restore()
     rs = ckpt.stats()
     emit(event="start", rank=rank, restored=r, restored_from=rs.get("restored_from"),
+         restored_from_per_rank=rs.get("restored_from_per_rank"),
+         peer={k: v for k, v in rs.items() if k.startswith("peer_")},
+         remote_restored_from=(rs.get("remote") or {}).get("restored_from"),
          memory_unused_because=rs.get("memory_unused_because"), params=digest(model.parameters()),
          optim=optim_by_param(opt), last_epoch=sched.last_epoch, samples=train["samples"],
          lr=[g["lr"] for g in opt.param_groups])
@@ -164,6 +174,22 @@ def main():
         if s == a.settle_kill_at:
             from memwait import wait_mirrored
             wait_mirrored(ckpt)
+            peers = ckpt.session.dist.peers
+            if peers is not None and peers.replicator is not None:
+                newest = ckpt.session.live().latest()[1]
+                end = time.monotonic() + 60
+                while ckpt.stats().get("peer_last_step") != newest:
+                    assert time.monotonic() < end, ckpt.stats()
+                    peers.drain(5.0)
+                    time.sleep(0.01)
+            if a.remote:
+                from nonstop import _remote
+                newest = ckpt.session.live().latest()[1]
+                end = time.monotonic() + 60
+                while not any(s == newest for s, _ in _remote.committed_steps(
+                        _remote.open_store(a.remote, {}))):
+                    assert time.monotonic() < end, ckpt.stats().get("remote")
+                    time.sleep(0.05)
             dist.barrier()  # every rank's segment holds its newest commit
             emit(event="settled", rank=rank, step=s)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,8 +1,8 @@
 """Node loss across hosts: a 2-node DDP job (gloo), each node a network
-namespace made here (ip netns, veth pairs on a bridge, a private /24), each
-with its own local directory, and one SeaweedFS on a third "storage host"
-namespace on the same bridge. Node B is killed and its local directory deleted; the
-job restarts and both ranks resume the same step from the remote tier, and
+namespace made here (tests/python/netns_hosts.py: ip netns, veth pairs on a
+bridge, a private /24), each with its own local and memory directories, and
+one SeaweedFS on a third "storage host" namespace on the same bridge. Node
+B is killed and its local and memory directories wiped; the job restarts and both ranks resume the same step from the remote tier, and
 the final state is bitwise equal to an uninterrupted run. B is lost twice
 in one job: during an upload (the step it was uploading is never chosen),
 then after one.
@@ -22,14 +22,13 @@ connections from the bridge on INPUT: the old layout failed exactly as in
 CI, this one passes."""
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
+import netns_hosts
 from conftest import needs_engine
 from nonstop import _remote
 from s3_server import SeaweedS3
@@ -40,84 +39,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "remote_ddp_train.py")
 
 
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20,
-                          check=check)
-
-
-class Net:
-    """Three namespaces (node A, node B, the storage host), each with a veth
-    into a bridge in the root namespace."""
-
-    def __init__(self):
-        tag = os.getpid() % 10000
-        self.net = f"10.{200 + tag % 50}.{tag % 250}"
-        self.br = f"nsb{tag}"
-        self.ns = [f"nonstop-a-{tag}", f"nonstop-b-{tag}"]
-        self.store_ns = f"nonstop-s-{tag}"
-        self.host = f"{self.net}.1"
-        self.addr = [f"{self.net}.2", f"{self.net}.3"]
-        self.store_addr = f"{self.net}.4"
-        self.ifname = "eth0"
-        self.made: list = []
-
-    def up(self) -> None:
-        _ip("link", "add", self.br, "type", "bridge")
-        self.made.append(("link", self.br))
-        _ip("addr", "add", f"{self.host}/24", "dev", self.br)
-        _ip("link", "set", self.br, "up")
-        for i, ns in enumerate(self.ns + [self.store_ns]):
-            addr = (self.addr + [self.store_addr])[i]
-            _ip("netns", "add", ns)
-            self.made.append(("netns", ns))
-            outer = f"{self.br}v{i}"
-            _ip("link", "add", outer, "type", "veth", "peer", "name", self.ifname, "netns", ns)
-            self.made.append(("link", outer))
-            _ip("link", "set", outer, "master", self.br)
-            _ip("link", "set", outer, "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", self.ifname)
-            _ip("-n", ns, "link", "set", self.ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-
-    def down(self) -> None:
-        for kind, name in reversed(self.made):
-            if kind == "netns":
-                _ip("netns", "del", name, check=False)
-            else:
-                _ip("link", "del", name, check=False)
-        self.made.clear()
-
-
 @pytest.fixture
-def net():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
-    n = Net()
-    try:
-        n.up()
-    except (subprocess.CalledProcessError, FileNotFoundError, OSError) as e:
-        n.down()
-        msg = getattr(e, "stderr", "") or str(e)
-        pytest.skip(f"cannot make network namespaces here: {msg.strip().splitlines()[-1]}")
-    try:
-        yield n
-    finally:
-        n.down()
-        left = _ip("netns", "list").stdout
-        assert not any(ns in left for ns in n.ns + [n.store_ns]), left
-
-
-def _reachable_from_nodes(net, host: str, port: int) -> None:
-    """Each node's namespace opens a TCP connection to the store, so that a
-    network that cannot carry the test fails here, in one line, and not as
-    a rank's retry error 20 s later."""
-    probe = ("import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
-             "timeout=5).close()")
-    for ns in net.ns:
-        r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe, host,
-                            str(port)], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, \
-            f"{ns} cannot reach the store at {host}:{port}: {r.stderr.strip().splitlines()[-1:]}"
+def net(tmp_path):
+    """Node A and node B (hosts 0 and 1) and the storage host."""
+    with netns_hosts.hosts(2, tmp_path / "hosts", store=True) as hs:
+        yield hs
 
 
 @pytest.fixture
@@ -125,7 +51,7 @@ def s3_on_bridge(net, tmp_path):
     srv = SeaweedS3(tmp_path / "seaweedfs", host=net.store_addr, netns=net.store_ns)
     srv.start()
     try:
-        _reachable_from_nodes(net, net.store_addr, srv.ports["s3"])
+        net.reachable(net.store_addr, srv.ports["s3"])
         yield srv
     finally:
         srv.stop()
@@ -140,19 +66,10 @@ def _log(what: str) -> None:
 
 
 def _launch(net, port, dirs, url, opts, steps, every, out, step_s, blob):
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=net.addr[0],
-                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=net.ifname,
-                   PYTHONUNBUFFERED="1")
-        log = open(f"{out}.log-{rank}", "ab")
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", net.ns[rank], sys.executable, TRAIN, dirs[rank], url,
-             json.dumps(opts), str(steps), str(every), out, "--step-s", str(step_s),
-             "--blob", str(blob)], env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True))
-        log.close()
-    return procs
+    return netns_hosts.start_ranks(
+        net, [0, 1], lambda rank: [TRAIN, dirs[rank], url, json.dumps(opts), str(steps),
+                                   str(every), out, "--step-s", str(step_s), "--blob", str(blob)],
+        f"{out}.log", port=port)
 
 
 def _kill(procs):
@@ -164,16 +81,7 @@ def _kill(procs):
 
 
 def _wait(procs, out, timeout):
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if rc != 0:
-                logs = "".join(open(f"{out}.log-{r}", errors="replace").read()[-3000:]
-                               for r in range(2))
-                raise AssertionError(f"a rank exited with {rc}:\n{logs}")
-    finally:
-        _kill(procs)
+    netns_hosts.wait_ranks(procs, timeout, f"{out}.log")
 
 
 def _progress(out, rank):
@@ -192,18 +100,12 @@ def _result(out, rank):
 STEPS, EVERY, BLOB = 60, 5, 1 << 21   # the blob: 8 MiB of state, 4 MiB per rank
 
 
-def _port():
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+_port = netns_hosts.free_port
 
 
 def _reference(net, tmp_path, s3):
     out = str(tmp_path / "ref")
-    dirs = [str(tmp_path / "ref-a"), str(tmp_path / "ref-b")]
+    dirs = [os.path.join(h.disk, "ref") for h in net]
     _log("reference: launch")
     procs = _launch(net, _port(), dirs, s3.url("ref"), s3.options, STEPS, EVERY, out, 0.0, BLOB)
     _wait(procs, out, 240)
@@ -218,12 +120,12 @@ def _reference(net, tmp_path, s3):
 CLOSE_S = 30
 
 
-def _lose_node_b(procs, store, out, dirs, when, after_step):
+def _lose_node_b(net, procs, store, out, when, after_step):
     """Trains until the moment `when` ("during_upload": node B is uploading
     a step newer than every committed one; "after_upload": a step newer than
-    `after_step` is committed and B has trained 3 steps past it), then kills
-    node B and deletes its local directory (a replaced node has an empty
-    disk); node A's process fails on its peer. Returns (the committed remote
+    `after_step` is committed and B has trained 3 steps past it), then loses
+    node B (its process SIGKILLed, its disk and memory directories wiped: a
+    replaced node starts empty); node A's process fails on its peer. Returns (the committed remote
     steps, the step B was uploading or None)."""
     busy = None
     try:
@@ -243,15 +145,13 @@ def _lose_node_b(procs, store, out, dirs, when, after_step):
         else:
             raise AssertionError(f"{when}: never reached the point to kill node B")
         _log(f"{when}: kill node B (uploading {busy}, committed {steps})")
-        os.killpg(procs[1].pid, signal.SIGKILL)  # node B is lost
-        procs[1].wait(timeout=30)
+        net[1].lose()
         time.sleep(0.5)
     finally:
         _kill(procs)
     committed = [s for s, _ in _remote.committed_steps(store)]
     assert committed and committed[0] > after_step
     assert busy not in committed  # B's part never arrived: that step is never chosen
-    shutil.rmtree(dirs[1])
     for r in range(2):
         if os.path.exists(f"{out}.progress-{r}.json"):
             os.unlink(f"{out}.progress-{r}.json")
@@ -277,11 +177,11 @@ def test_node_b_lost_during_then_after_upload_resumes_bitwise(net, s3_on_bridge,
     opts = dict(s3.options, retry_max_s=1.0, bandwidth_bps=2e6)  # 4 MiB part: ~2 s an upload
     store = _remote.open_store(url, s3.options)
     out = str(tmp_path / "run")
-    dirs = [str(tmp_path / "node-a"), str(tmp_path / "node-b")]
+    dirs = [os.path.join(h.disk, "job") for h in net]
 
     _log("run 1: launch")
     procs = _launch(net, _port(), dirs, url, opts, STEPS, EVERY, out, 0.15, BLOB)
-    committed, _ = _lose_node_b(procs, store, out, dirs, "during_upload", -1)
+    committed, _ = _lose_node_b(net, procs, store, out, "during_upload", -1)
 
     _log("run 2 (node B replaced): launch")
     procs = _launch(net, _port(), dirs, url, opts, STEPS, EVERY, out, 0.15, BLOB)
@@ -292,7 +192,7 @@ def test_node_b_lost_during_then_after_upload_resumes_bitwise(net, s3_on_bridge,
             "run 2 never trained a step"
         time.sleep(0.05)
     assert [_progress(out, r)["restored"] for r in range(2)] == [first, first]
-    committed, _ = _lose_node_b(procs, store, out, dirs, "after_upload", first)
+    committed, _ = _lose_node_b(net, procs, store, out, "after_upload", first)
 
     _log("run 3 (node B replaced again): launch")
     procs = _launch(net, _port(), dirs, url, opts, STEPS, EVERY, out, 0.0, BLOB)

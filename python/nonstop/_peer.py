@@ -1,0 +1,185 @@
+"""The peer tier in Python (docs/TIERS.md "Peer tier"): what the ranks must
+decide together, on the Checkpointer's own gloo group. The tier itself is
+C++ (src/tier/peer*: the server that holds partners' replicas in this host's
+memory directory, the replicator that streams this rank's newest committed
+memory checkpoint to its partners, the verified fetch, the partner choice);
+Python never touches the bytes.
+
+At construction (collective, before restore() and before the agreement
+thread owns the group) each rank starts its PeerServer, and the ranks
+exchange (host id, server endpoint, what each server holds); the core picks
+each rank's partners on other hosts (choose_partners) and each rank starts
+a replicator to them. At restore() a rank whose own tiers lack the newest
+replica of its checkpoint fetches it (every chunk's checksum verified) into
+its job directory's peer/step-N/, and the collective restore
+(_distributed.recover) reads it there like its own disk copy.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+from . import _ext
+from .errors import CheckpointError, CheckpointMismatchError
+
+
+def check_replicas(replicas) -> Optional[int]:
+    """replicas=: None (1 where another host exists) or an int >= 0."""
+    if replicas is None:
+        return None
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        raise CheckpointMismatchError(
+            f"replicas must be None or a non-negative integer, got {replicas!r}")
+    return replicas
+
+
+def local_address() -> str:
+    """This process's address on the job's network: $NONSTOP_PEER_ADDR, else
+    the source address of a route to MASTER_ADDR (the interface the process
+    group uses; no packet is sent), else the host name's address."""
+    addr = os.environ.get("NONSTOP_PEER_ADDR")
+    if addr:
+        return addr
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500") or 29500)))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def host_id(addr: str) -> str:
+    """The failure domain of this rank: $NONSTOP_HOST_ID (a rack, a VM), else
+    the host name and the address (network namespaces share a host name)."""
+    return os.environ.get("NONSTOP_HOST_ID") or f"{socket.gethostname()}@{addr}"
+
+
+class Peers:
+    """The peer tier of one rank: its server, its replicator, the job's
+    endpoints and the replicas the servers held at construction."""
+
+    def __init__(self, dist, replicas: Optional[int], engine):
+        core = _ext.core()
+        self.rank, self.world = dist.rank, dist.world
+        self.server = self.replicator = None
+        self.partners: list = []
+        self.held: dict = {}  # source rank -> [(step, counter, holder rank)], newest first
+        self.note = ""
+        self.prefetched: Optional[dict] = None  # {step, counter, dir, holder} or None
+        self.unused_because = ""
+        comm = dist.comm()
+        want = 1 if replicas is None else replicas
+        ok = want > 0 and hasattr(core, "PeerServer")
+        segment = ""
+        if ok:
+            segment = engine.stats().get("memory_segment", "") if hasattr(engine, "stats") else ""
+        # Every rank must take the same branch: decided together.
+        flags = comm.gather([bool(ok), bool(segment)])
+        if not all(f[0] for f in flags):
+            self.replicas = 0
+            self.note = ("replicas=0" if want == 0 else "this build has no peer tier"
+                         if not hasattr(core, "PeerServer") else "replicas=0 on some rank")
+            return
+        if not all(f[1] for f in flags):
+            self.replicas = 0
+            self.note = 'no memory segment to replicate (tier="disk")'
+            return
+        self.job = comm.gather(os.path.abspath(dist.dir) if self.rank == 0 else None)[0]
+        addr = local_address()
+        err, held = "", []
+        try:
+            self.server = core.PeerServer(self.job, bind_host=addr, port=0)
+            held = [h for h in self.server.list() if int(h.get("world_size", 0)) == self.world]
+        except CheckpointError as e:
+            err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
+        errs = [e for e in comm.gather(err) if e]
+        if errs:  # the job runs on without the tier, and says why
+            self.close()
+            self.replicas, self.note = 0, errs[0]
+            return
+        self.endpoint = f"{addr}:{self.server.port}"
+        every = comm.gather([host_id(addr), self.endpoint, held])
+        self.hosts = [e[0] for e in every]
+        self.endpoints = [e[1] for e in every]
+        for holder, (_, _, hs) in enumerate(every):
+            for h in hs:
+                self.held.setdefault(int(h["source_rank"]), []).append(
+                    (int(h["step"]), int(h["counter"]), holder))
+        for v in self.held.values():
+            v.sort(reverse=True)
+        partners = core.choose_partners(self.hosts, want)
+        self.partners = list(partners[self.rank])
+        if not any(partners):
+            self.replicas = 0
+            self.note = "every rank is on one host: no partner in another failure domain"
+            return
+        self.replicas = want
+        if self.partners:
+            self.replicator = core.PeerReplicator(self.job, self.rank, segment,
+                                                  [self.endpoints[p] for p in self.partners])
+
+    # ------------------------------------------------------------ restart
+
+    def prefetch(self, dir: str, own_steps: list) -> None:
+        """Before the collective restore: fetches (verified) the newest
+        replica of this rank's checkpoint that a partner's server held at
+        construction, when this rank's own tiers hold no checkpoint of that
+        step (`own_steps`). Not collective; a failure is remembered
+        (unused_because) and the restore goes on without it."""
+        self.prefetched, self.unused_because = None, ""
+        mine = self.held.get(self.rank, [])
+        if not mine:
+            return
+        step, counter, holder = mine[0]
+        if step in own_steps:
+            return
+        try:
+            d = _ext.core().peer_fetch(self.endpoints[holder], self.job, self.rank, dir,
+                                       step=step)
+            self.prefetched = {"step": step, "counter": counter, "dir": d, "holder": holder}
+        except (CheckpointError, OSError) as e:
+            self.unused_because = (f"the replica of rank {self.rank} step {step} on rank "
+                                   f"{holder} ({self.endpoints[holder]}): {e}")
+
+    # ------------------------------------------------------------- stats
+
+    def drain(self, timeout_s: float) -> bool:
+        """Whether this rank's newest committed memory checkpoint reached its
+        partners within `timeout_s` (True without a replicator)."""
+        return True if self.replicator is None else bool(self.replicator.drain(timeout_s))
+
+    def stats(self) -> dict:
+        s = {"peer_replicas": self.replicas, "peer_partners": list(self.partners),
+             "peer_note": self.note}
+        if self.replicator is not None:
+            r = self.replicator.stats()
+            s.update(peer_replicated=r.get("replicated", 0), peer_bytes=r.get("bytes", 0),
+                     peer_failures=r.get("failures", 0), peer_skipped=r.get("skipped", 0),
+                     peer_skipped_budget=r.get("skipped_budget", 0),
+                     peer_last_step=r.get("last_step"), peer_error=r.get("last_error", ""))
+        if self.server is not None:
+            v = self.server.stats()
+            s.update(peer_held=v.get("held", 0), peer_held_bytes=v.get("held_bytes", 0),
+                     peer_received=v.get("replicas_received", 0),
+                     peer_served=v.get("fetches_served", 0))
+        if self.unused_because:
+            s["peer_unused_because"] = self.unused_because
+        return s
+
+    def close(self) -> None:
+        """Stops the replicator and the server; the replicas this host holds
+        stay in its memory directory for a restart."""
+        for x in (self.replicator, self.server):
+            if x is not None:
+                try:
+                    x.close()
+                except CheckpointError:
+                    pass
+        self.replicator = self.server = None

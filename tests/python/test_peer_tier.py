@@ -1,0 +1,147 @@
+"""The peer tier (issue #27) across hosts: 4 ranks on 2 hosts (network
+namespaces, tests/python/netns_hosts.py; ranks 0, 1 on host 0, ranks 2, 3
+on host 1), a tiny DDP job with replicas=1 (each rank's partner on the
+other host). Every rank waits until its memory segment holds its newest
+commit and its partner's server holds the replica of it, then all ranks
+SIGKILL themselves (a node loss takes the job down); host 1 is lost (its
+disk and memory directories wiped) and a replacement host 1 starts empty.
+
+- The replacement's ranks restore from their partners' memory (verified
+  replicas), the survivors from their own memory segments: every rank the
+  same step, and the run ends bitwise equal to an uninterrupted one.
+- With the replicas on host 0 corrupted (a byte flipped), the fetch fails
+  its checksum, the restart falls back to the remote tier (a shared path
+  here) on every rank and says so, and the result is bitwise equal too.
+
+Needs root for the namespaces (skipped with one line otherwise). Every rank
+runs under a hard timeout (netns_hosts.wait_ranks)."""
+import glob
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import netns_hosts
+from conftest import needs_engine
+import nonstop
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "dist_train.py")
+PLACE = [0, 0, 1, 1]             # rank -> host
+STEPS, EVERY, SETTLE = 12, 3, 8  # checkpoints after steps 2, 5, 8, 11; all killed after 8's
+TIMEOUT = 120
+
+pytestmark = [needs_engine, pytest.mark.timeout(400),
+              pytest.mark.skipif(not torch.distributed.is_available(),
+                                 reason="no torch.distributed"),
+              pytest.mark.skipif(nonstop._core is None or not hasattr(nonstop._core, "PeerServer"),
+                                 reason="this build of nonstop._core has no peer tier")]
+
+
+@pytest.fixture
+def hs(tmp_path):
+    with netns_hosts.hosts(2, tmp_path / "hosts") as h:
+        yield h
+
+
+def _start(hs, job, out, *extra):
+    env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    return netns_hosts.start_ranks(
+        hs, PLACE, lambda r: [TRAIN, os.path.join(hs[PLACE[r]].disk, job), str(STEPS),
+                              str(EVERY), "ddp", out, "--tier", "memory", "--grad-sync",
+                              "ddp-fixed", "--replicas", "1", *extra],
+        f"{out}.log", env=env)
+
+
+def _run(hs, job, out, *extra):
+    netns_hosts.wait_ranks(_start(hs, job, out, *extra), TIMEOUT, f"{out}.log")
+
+
+def _killed_once_settled(hs, job, out, *extra):
+    """Runs until every rank's newest commit (step SETTLE) is in its memory
+    segment and its partner's replica (and the remote, when given), then
+    every rank SIGKILLs itself."""
+    procs = _start(hs, job, out, "--settle-kill-at", str(SETTLE), *extra)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        for rank, p in enumerate(procs):
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == -9, f"rank {rank} exited {rc}: " \
+                f"{netns_hosts.read_log(f'{out}.log-{rank}')[-3000:]}"
+    finally:
+        hs.kill_all()
+    assert len(_events(out, "settled")) == len(PLACE)
+
+
+def _events(out, kind):
+    got = []
+    for r in range(len(PLACE)):
+        for line in netns_hosts.read_log(f"{out}.log-{r}").splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and e.get("event") == kind:
+                got.append(e)
+    return sorted(got, key=lambda e: e["rank"])
+
+
+def _finals(out):
+    got = []
+    for r in range(len(PLACE)):
+        with open(f"{out}.rank-{r}.json") as f:
+            g = json.load(f)
+        got.append([g[k] for k in ("params", "buffers", "optim", "rng", "samples", "lr")])
+    return got
+
+
+def _replicas(host, ranks):
+    return sorted(p for r in ranks
+                  for p in glob.glob(os.path.join(host.shm, f"*-replica-rank-{r:05d}.nsck")))
+
+
+def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
+    ref = str(tmp_path / "ref")
+    _run(hs, "ref", ref)
+    want = _finals(ref)
+    assert all(e["peer"]["peer_replicas"] == 1 for e in _events(ref, "start")), \
+        _events(ref, "start")
+
+    # Host 1 is lost once every replica holds step SETTLE; the replacement
+    # restores ranks 2, 3 from host 0's replicas.
+    out = str(tmp_path / "peer")
+    _killed_once_settled(hs, "job", out)
+    assert len(_replicas(hs[0], [2, 3])) == 2, os.listdir(hs[0].shm)
+    hs[1].lose()
+    assert os.listdir(hs[1].disk) == [] and os.listdir(hs[1].shm) == []
+    out2 = str(tmp_path / "peer-resumed")
+    _run(hs, "job", out2)
+    starts = _events(out2, "start")
+    assert [s["restored"] for s in starts] == [SETTLE] * 4, starts
+    assert [s["restored_from"] for s in starts] == ["memory", "memory", "peer", "peer"], starts
+    assert all(s["restored_from_per_rank"] == ["memory", "memory", "peer", "peer"]
+               for s in starts), starts
+    assert _finals(out2) == want
+
+    # The same loss with host 0's replicas damaged: the fetch fails its
+    # checksum, and every rank falls back to the remote tier's copy.
+    shared = str(tmp_path / "shared")
+    out = str(tmp_path / "bad")
+    _killed_once_settled(hs, "job2", out, "--remote", shared)
+    for path in _replicas(hs[0], [2, 3]):
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 4096 - 100)  # inside the last data chunk
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+    hs[1].lose()
+    out2 = str(tmp_path / "bad-resumed")
+    _run(hs, "job2", out2, "--remote", shared)
+    starts = _events(out2, "start")
+    assert [s["restored"] for s in starts] == [SETTLE] * 4, starts
+    for s in starts[2:]:
+        assert "peer_unused_because" in s["peer"], s
+        assert s["remote_restored_from"].endswith(f"step-{SETTLE:012d}"), s
+    assert _finals(out2) == want

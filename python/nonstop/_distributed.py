@@ -465,8 +465,11 @@ class Distributed:
             where = pf["dir"] if peer else self.dir
             try:
                 # Chunk crcs are verified as the tensors are read below.
-                sel = (_open_read(where) if peer else jd).select(
-                    self.rank, step=s, verify_data=False, include_keep=step is not None)
+                src = _open_read(where) if peer else jd
+                if src is None:
+                    raise CheckpointNotFoundError(f"{where} is gone")
+                sel = src.select(self.rank, step=s, verify_data=False,
+                                 include_keep=step is not None)
                 info = sel.info
                 meta = loads(info["meta_json"])
                 if not isinstance(meta, dict):

@@ -76,54 +76,54 @@ class Peers:
         self.unused_because = ""
         comm = dist.comm()
         want = 1 if replicas is None else replicas
-        ok = want > 0 and hasattr(core, "PeerServer")
-        segment = ""
-        if ok:
-            segment = engine.stats().get("memory_segment", "") if hasattr(engine, "stats") else ""
-        # Every rank must take the same branch: decided together.
-        flags = comm.gather([bool(ok), bool(segment)])
-        if not all(f[0] for f in flags):
-            self.replicas = 0
-            self.note = ("replicas=0" if want == 0 else "this build has no peer tier"
-                         if not hasattr(core, "PeerServer") else "replicas=0 on some rank")
+        have = hasattr(core, "PeerServer")
+        segment = engine.stats().get("memory_segment", "") if want and have else ""
+        addr = local_address()
+        # Every rank must take the same branch: decided together, in one gather.
+        every = comm.gather([host_id(addr), bool(want and have), bool(segment),
+                             os.path.abspath(dist.dir)])
+        self.hosts = [e[0] for e in every]
+        self.replicas = 0
+        if not all(e[1] for e in every):
+            self.note = ("this build has no peer tier" if not have else
+                         "replicas=0" if want == 0 else "replicas=0 on another rank")
             return
-        if not all(f[1] for f in flags):
-            self.replicas = 0
+        if not all(e[2] for e in every):
             self.note = 'no memory segment to replicate (tier="disk")'
             return
-        self.job = comm.gather(os.path.abspath(dist.dir) if self.rank == 0 else None)[0]
-        addr = local_address()
+        partners = core.choose_partners(self.hosts, want)
+        if not any(partners):
+            self.note = "every rank is on one host: no partner in another failure domain"
+            return
+        self.job = every[0][3]  # rank 0's job directory names the job on every rank
         err, held = "", []
         try:
             self.server = core.PeerServer(self.job, bind_host=addr, port=0)
             held = [h for h in self.server.list() if int(h.get("world_size", 0)) == self.world]
         except CheckpointError as e:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
-        errs = [e for e in comm.gather(err) if e]
+        got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held])
+        errs = [g[0] for g in got if g[0]]
         if errs:  # the job runs on without the tier, and says why
             self.close()
-            self.replicas, self.note = 0, errs[0]
+            self.note = errs[0]
             return
-        self.endpoint = f"{addr}:{self.server.port}"
-        every = comm.gather([host_id(addr), self.endpoint, held])
-        self.hosts = [e[0] for e in every]
-        self.endpoints = [e[1] for e in every]
-        for holder, (_, _, hs) in enumerate(every):
+        self.endpoints = [g[1] for g in got]
+        self.endpoint = self.endpoints[self.rank]
+        for holder, (_, _, hs) in enumerate(got):
             for h in hs:
                 self.held.setdefault(int(h["source_rank"]), []).append(
                     (int(h["step"]), int(h["counter"]), holder))
         for v in self.held.values():
             v.sort(reverse=True)
-        partners = core.choose_partners(self.hosts, want)
-        self.partners = list(partners[self.rank])
-        if not any(partners):
-            self.replicas = 0
-            self.note = "every rank is on one host: no partner in another failure domain"
-            return
         self.replicas = want
+        self.partners = list(partners[self.rank])
         if self.partners:
-            self.replicator = core.PeerReplicator(self.job, self.rank, segment,
-                                                  [self.endpoints[p] for p in self.partners])
+            try:
+                self.replicator = core.PeerReplicator(
+                    self.job, self.rank, segment, [self.endpoints[p] for p in self.partners])
+            except CheckpointError as e:  # this rank's copies are not replicated: said
+                self.note = f"the replicator cannot start: {e}"
 
     # ------------------------------------------------------------ restart
 

@@ -952,6 +952,13 @@ class Tier:
                   "committed": c["state"] != "damaged", "damage": c["reason"],
                   "overwritten": bool(c.get("rotated"))}
                  for c in rows if c["counter"]]
+        # A partner's replica fetched for this rank (the peer tier, _peer.py)
+        # is local too: read by the collective restore, before the remote.
+        pf = getattr(getattr(self.ckpt.session.dist, "peers", None), "prefetched", None)
+        if pf is not None:
+            cands.append({"tier": "memory", "where": "peer", "step": pf["step"],
+                          "counter": pf["counter"], "committed": True, "damage": "",
+                          "overwritten": False})
         return cands, lineage, jd
 
     def _try(self, step: int):
@@ -1068,7 +1075,7 @@ class Tier:
             sel = None
         good = None if sel is None else sel.counter
         for c in cands:
-            if c["tier"] != "remote" and c["committed"] and (
+            if c["tier"] not in ("remote", "memory") and c["committed"] and (
                     good is None or c["counter"] > good):
                 c.update(committed=False, damage="fails to verify")
 

@@ -290,6 +290,9 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
     if remote is not None:
         loaded = remote.restore(step)
         if loaded is not None:  # newer than every rank's local checkpoint
+            stats["restored_from"] = "remote"
+            if session.dist is not None:  # every rank reads the remote copy
+                stats["restored_from_per_rank"] = ["remote"] * world_size
             return loaded, True
     if session.dist is not None:  # collective: the ranks agree on the step
         return session.dist.load(session.engine, step, _ext.core, LoadedCheckpoint, lambda d: (

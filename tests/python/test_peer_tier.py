@@ -141,7 +141,18 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     _run(hs, "job2", out2, "--remote", shared)
     starts = _events(out2, "start")
     assert [s["restored"] for s in starts] == [SETTLE] * 4, starts
+    assert all(s["restored_from_per_rank"] == ["remote"] * 4 for s in starts), starts
     for s in starts[2:]:
-        assert "peer_unused_because" in s["peer"], s
+        assert "checksum" in s["peer"]["peer_unused_because"], s
         assert s["remote_restored_from"].endswith(f"step-{SETTLE:012d}"), s
     assert _finals(out2) == want
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", True])
+def test_a_bad_replicas_value_is_one_line(tmp_path, bad):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="replicas must be None or a "
+                       "non-negative integer") as e:
+        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, replicas=bad)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "job")  # refused before the directory is made

@@ -59,7 +59,7 @@ def check_directory(path: str, rank: int, world_size: Optional[int], must_exist:
         # rank-R.nsck.tmp: a slot file being created (a kill left it; the
         # engine deletes it on open)
         others = [n for n in names if not n.startswith(".")
-                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp|remote)$", n)]
+                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp|remote|peer)$", n)]
         if others:
             shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
             raise IncompatibleCheckpointError(

@@ -15,7 +15,6 @@ disk and memory directories wiped) and a replacement host 1 starts empty.
 
 Needs root for the namespaces (skipped with one line otherwise). Every rank
 runs under a hard timeout (netns_hosts.wait_ranks)."""
-import glob
 import json
 import os
 import time
@@ -97,9 +96,12 @@ def _finals(out):
     return got
 
 
-def _replicas(host, ranks):
-    return sorted(p for r in ranks
-                  for p in glob.glob(os.path.join(host.shm, f"*-replica-rank-{r:05d}.nsck")))
+def _replicas(hs, job, ranks):
+    """The replica files host 0 holds of `ranks` of `job` (its job is named by
+    rank 0's job directory)."""
+    job = os.path.abspath(os.path.join(hs[0].disk, job))
+    return [p for p in (os.path.join(hs[0].shm, nonstop._core.peer_replica_name(job, r))
+                        for r in ranks) if os.path.exists(p)]
 
 
 def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
@@ -113,7 +115,7 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     # restores ranks 2, 3 from host 0's replicas.
     out = str(tmp_path / "peer")
     _killed_once_settled(hs, "job", out)
-    assert len(_replicas(hs[0], [2, 3])) == 2, os.listdir(hs[0].shm)
+    assert len(_replicas(hs, "job", [2, 3])) == 2, os.listdir(hs[0].shm)
     hs[1].lose()
     assert os.listdir(hs[1].disk) == [] and os.listdir(hs[1].shm) == []
     out2 = str(tmp_path / "peer-resumed")
@@ -130,7 +132,7 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     shared = str(tmp_path / "shared")
     out = str(tmp_path / "bad")
     _killed_once_settled(hs, "job2", out, "--remote", shared)
-    for path in _replicas(hs[0], [2, 3]):
+    for path in _replicas(hs, "job2", [2, 3]):
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) - 4096 - 100)  # inside the last data chunk
             b = f.read(1)

@@ -188,7 +188,9 @@ def main():
                 end = time.monotonic() + 60
                 while not any(s == newest for s, _ in _remote.committed_steps(
                         _remote.open_store(a.remote, {}))):
-                    assert time.monotonic() < end, ckpt.stats().get("remote")
+                    st = ckpt.stats()
+                    assert time.monotonic() < end, (st.get("remote"), st["agreed_step"],
+                                                    st["rounds"], st["agreement_error"])
                     time.sleep(0.05)
             dist.barrier()  # every rank's segment holds its newest commit
             emit(event="settled", rank=rank, step=s)

@@ -17,6 +17,7 @@ Needs root for the namespaces (skipped with one line otherwise). Every rank
 runs under a hard timeout (netns_hosts.wait_ranks)."""
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -104,6 +105,22 @@ def _replicas(hs, job, ranks):
                         for r in ranks) if os.path.exists(p)]
 
 
+def _flip_a_data_byte(path, rank, scratch):
+    """Changes one byte inside the largest tensor's data of the replica at
+    `path` (its header, table and commit record intact: it still lists as
+    complete, and only the fetch's chunk checksums can find it)."""
+    os.makedirs(scratch)
+    shutil.copyfile(path, scratch / f"rank-{rank:05d}.nsck")  # read where the Reader looks
+    info = nonstop._core.Reader(str(scratch), rank, verify_data=False).checkpoints[0]
+    t = max(info["tensors"], key=lambda t: t["nbytes"])
+    at = info["data_offset"] + t["data_offset"] + t["nbytes"] // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x20]))
+
+
 def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     ref = str(tmp_path / "ref")
     _run(hs, "ref", ref)
@@ -132,12 +149,10 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     shared = str(tmp_path / "shared")
     out = str(tmp_path / "bad")
     _killed_once_settled(hs, "job2", out, "--remote", shared)
-    for path in _replicas(hs, "job2", [2, 3]):
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 4096 - 100)  # inside the last data chunk
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0xFF]))
+    damaged = _replicas(hs, "job2", [2, 3])
+    assert len(damaged) == 2, os.listdir(hs[0].shm)
+    for rank, path in zip([2, 3], damaged):
+        _flip_a_data_byte(path, rank, tmp_path / f"look-{rank}")
     hs[1].lose()
     out2 = str(tmp_path / "bad-resumed")
     _run(hs, "job2", out2, "--remote", shared)

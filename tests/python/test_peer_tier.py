@@ -121,6 +121,21 @@ def _flip_a_data_byte(path, rank, scratch):
         f.write(bytes([b[0] ^ 0x20]))
 
 
+def _snapshot(hs, shared, to):
+    """Copies what survives the loss of host 1 (host 0's disk and memory
+    directories, the remote tier's shared path) to `to`."""
+    for name, src in (("disk", hs[0].disk), ("shm", hs[0].shm), ("shared", shared)):
+        shutil.copytree(src, os.path.join(to, name), symlinks=True)
+
+
+def _back_to(hs, shared, snap):
+    """Host 0 and the remote as they were at the loss; host 1 lost again."""
+    hs[1].lose()
+    for name, dst in (("disk", hs[0].disk), ("shm", hs[0].shm), ("shared", shared)):
+        shutil.rmtree(dst)
+        shutil.copytree(os.path.join(snap, name), dst, symlinks=True)
+
+
 def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     ref = str(tmp_path / "ref")
     _run(hs, "ref", ref)
@@ -128,41 +143,42 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     assert all(e["peer"]["peer_replicas"] == 1 for e in _events(ref, "start")), \
         _events(ref, "start")
 
-    # Host 1 is lost once every replica holds step SETTLE; the replacement
-    # restores ranks 2, 3 from host 0's replicas.
-    out = str(tmp_path / "peer")
-    _killed_once_settled(hs, "job", out)
+    # Host 1 is lost once every replica (and the remote tier, a shared path
+    # here) holds step SETTLE; the replacement restores ranks 2, 3 from host
+    # 0's replicas, not from the remote.
+    shared = str(tmp_path / "shared")
+    _killed_once_settled(hs, "job", str(tmp_path / "run"), "--remote", shared)
     assert len(_replicas(hs, "job", [2, 3])) == 2, os.listdir(hs[0].shm)
     hs[1].lose()
     assert os.listdir(hs[1].disk) == [] and os.listdir(hs[1].shm) == []
-    out2 = str(tmp_path / "peer-resumed")
-    _run(hs, "job", out2)
-    starts = _events(out2, "start")
+    snap = str(tmp_path / "at-the-loss")
+    _snapshot(hs, shared, snap)
+    out = str(tmp_path / "peer-resumed")
+    _run(hs, "job", out, "--remote", shared)
+    starts = _events(out, "start")
     assert [s["restored"] for s in starts] == [SETTLE] * 4, starts
     assert [s["restored_from"] for s in starts] == ["memory", "memory", "peer", "peer"], starts
     assert all(s["restored_from_per_rank"] == ["memory", "memory", "peer", "peer"]
                for s in starts), starts
-    assert _finals(out2) == want
+    assert _finals(out) == want
 
-    # The same loss with host 0's replicas damaged: the fetch fails its
-    # checksum, and every rank falls back to the remote tier's copy.
-    shared = str(tmp_path / "shared")
-    out = str(tmp_path / "bad")
-    _killed_once_settled(hs, "job2", out, "--remote", shared)
-    damaged = _replicas(hs, "job2", [2, 3])
+    # The same loss with host 0's replicas damaged (one byte of tensor
+    # data): the fetch fails its checksum, says so, and every rank falls
+    # back to the remote tier's copy of the same step.
+    _back_to(hs, shared, snap)
+    damaged = _replicas(hs, "job", [2, 3])
     assert len(damaged) == 2, os.listdir(hs[0].shm)
     for rank, path in zip([2, 3], damaged):
         _flip_a_data_byte(path, rank, tmp_path / f"look-{rank}")
-    hs[1].lose()
-    out2 = str(tmp_path / "bad-resumed")
-    _run(hs, "job2", out2, "--remote", shared)
-    starts = _events(out2, "start")
+    out = str(tmp_path / "bad-resumed")
+    _run(hs, "job", out, "--remote", shared)
+    starts = _events(out, "start")
     assert [s["restored"] for s in starts] == [SETTLE] * 4, starts
     assert all(s["restored_from_per_rank"] == ["remote"] * 4 for s in starts), starts
     for s in starts[2:]:
         assert "checksum" in s["peer"]["peer_unused_because"], s
         assert s["remote_restored_from"].endswith(f"step-{SETTLE:012d}"), s
-    assert _finals(out2) == want
+    assert _finals(out) == want
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "1", True])

@@ -216,6 +216,13 @@ def wait_ranks(procs: list, timeout: float, log: str, tail: int = 3000) -> None:
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 failed = f"rank {rank} did not finish in {timeout} s"
+                # Where each rank stands (a rank script that registers
+                # faulthandler on SIGUSR1 prints its threads' stacks).
+                for q in procs:
+                    if q.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(q.pid, signal.SIGUSR1)
+                time.sleep(1.0)
                 break
             if rc != 0:
                 failed = f"rank {rank} exited with {rc}"

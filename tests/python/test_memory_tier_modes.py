@@ -76,6 +76,9 @@ def test_two_ranks_killed_restart_from_memory_or_all_from_disk(tmp_path):
     starts = _start(resumed)
     assert [s["restored"] for s in starts] == [SETTLE, SETTLE]
     assert [s["restored_from"] for s in starts] == ["memory", "memory"], starts
+    # replicas= by default: both ranks on one host, so no partner (the peer tier says why)
+    assert all(s["peer"]["peer_replicas"] == 0 and "one host" in s["peer"]["peer_note"]
+               for s in starts), starts
     assert _finals(out) == want
 
     # Rank 1's segment is gone: both ranks read their disk, the same step.

@@ -70,8 +70,11 @@ def main():
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     blob = torch.zeros(a.blob)  # replicated state, written as two halves
     state = {"model": ddp, "optim": opt, "blob": blob}
+    # replicas=0: this job tests the remote tier; with the peer tier node A's
+    # replica of node B would be restored instead (test_peer_tier.py).
     ckpt = nonstop.Checkpointer(a.dir, state, every=a.every, remote=a.remote,
-                                remote_options=json.loads(a.options), dist_timeout_s=60)
+                                remote_options=json.loads(a.options), dist_timeout_s=60,
+                                replicas=0)
     phase("checkpointer made")
     start = ckpt.restore()
     phase(f"restored {start}")

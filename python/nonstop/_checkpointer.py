@@ -117,8 +117,8 @@ class Checkpointer:
         self._preempt = _preempt.install(self, o.on_preempt)
         # remote=: committed checkpoints also uploaded; _remote.py, docs/TIERS.md
         if o.remote is not None:
-            self._remote = _remote.Tier(self, o.remote, o.remote_options, _ext.core,
-                                        _restore.read, LoadedCheckpoint)
+            self._remote = self.session.remote = _remote.Tier(
+                self, o.remote, o.remote_options, _ext.core, _restore.read, LoadedCheckpoint)
         self._watcher.start()  # now, not inside the first save() (_handle.Watcher.start)
 
     # ---------------------------------------------------------------- saving
@@ -195,11 +195,7 @@ class Checkpointer:
                      self._checkpoint_metrics())
         tensors, layouts = _shard(ses, self.state, tensors, meta)
         ses.register(ses.refs(tensors, self._optimizer_owned()), layouts)
-        if self._remote is not None:  # remote_every: the selected ones copied out of the ring
-            self._remote.before_save()
-        counter = ses.checkpoint(step, meta)
-        if self._remote is not None:
-            self._remote.started(counter, step)
+        counter = ses.checkpoint(step, meta)  # and the remote tier's hooks (ses.remote)
         ses.visible_stall_s += time.perf_counter() - t0
         return counter
 
@@ -325,22 +321,9 @@ class Checkpointer:
             loaded, adopt = _restore.restore(self.dir, self.rank, self.world_size, self.tier, step,
                                              self.session, self._applier, self._remote,
                                              self._restore_stats)
-            if loaded is None:
-                return None
-            plan = loaded.plan if loaded.plan is not None else self._applier.prepare(loaded)
-            t_apply = time.perf_counter()
-            self._applier.apply(plan)  # into CUDA tensors: load_state_dict's H2D copies
-            self._restore_stats["restore_apply_s"] = time.perf_counter() - t_apply
-            if "multistep_plan" in loaded.meta:  # parts at their versions (_multistep.py)
-                self._multistep.replay_restored(loaded.meta, loaded.tensors)
-            if adopt and hasattr(self.session.engine, "adopt_restored"):
-                # The restored checkpoint stays intact until a newer one commits, and a
-                # rollback is recorded before anything new is written (Engine::AdoptRestored).
-                self.session.engine.adopt_restored(int(loaded.counter))
-            self.session.registered = None
-            if self._layerwise is not None:
-                self._layerwise.restored(loaded.step)
-            return loaded.step
+            return None if loaded is None else _restore.install(
+                loaded, adopt, self.session, self._applier, self._restore_stats,
+                self._multistep, self._layerwise)
         finally:
             self._applier.done()
             self._restore_stats["restore_total_s"] = time.perf_counter() - t0

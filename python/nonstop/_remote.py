@@ -20,24 +20,23 @@ every chunk crc32c of the .nsck file itself when reading it (nonstop's own
 store). Every name, document, the commit rule and retention are C++'s,
 and so is the tier itself (src/tier/remote_tier.h, nonstop._core.RemoteTier:
 listing, fetch and its checks, an upload and its commit, a follower's pick,
-retention, the JOB claim; src/tier/staging.h: the staging copy). This
-module keeps the transports it hands to C++ (ObjectStore, PathStore: put,
-get, list, delete), the upload thread's loop and the restore order across
-tiers. The transfer is obstore's (Rust, GIL released, multipart, retries);
+retention, the JOB claim; src/tier/staging.h: the staging copy;
+src/tier/uploader.h: the upload thread). This module keeps the transports
+it hands to C++ (ObjectStore, PathStore: put, get, list, delete) and the
+restore order across tiers. The transfer is obstore's (Rust, GIL released, multipart, retries);
 nothing here speaks S3.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import hmac
 import os
-import platform
 import re
 import tempfile
 import threading
 import time
 import warnings
+import weakref
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -160,11 +159,11 @@ def _seconds(v) -> float:
 
 class _Throttle:
     """A file reader that keeps to `bps` bytes per second (the optional
-    bandwidth limit of uploads)."""
+    bandwidth limit of uploads); it stops once `abort` is set."""
 
-    def __init__(self, f, bps: float, abort: Optional[threading.Event] = None):
+    def __init__(self, f, bps: float, abort: threading.Event):
         self.f, self.bps, self.t0, self.n = f, float(bps), time.monotonic(), 0
-        self.abort = abort or threading.Event()
+        self.abort = abort
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
@@ -181,10 +180,25 @@ class _Throttle:
         return self.f.tell()
 
 
-class ObjectStore:
+class _Store:
+    """What both transports share: abort() (C++'s uploader closing past its
+    deadline) stops a throttled upload, and every later one."""
+
+    def __init__(self):
+        self._aborted = threading.Event()
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    def _reader(self, f, bps: Optional[float]):
+        return _Throttle(f, bps, self._aborted) if bps else f
+
+
+class ObjectStore(_Store):
     """An S3 (or GCS/Azure) prefix through obstore."""
 
     def __init__(self, url: str, options: dict):
+        super().__init__()
         try:
             import obstore
             import obstore.store
@@ -311,8 +325,7 @@ class ObjectStore:
             err.kind = kind  # Tier._unlisted: whether waiting can help
             raise err from None
 
-    def put_file(self, key: str, src, name: str, bps: Optional[float] = None,
-                 abort=None) -> None:
+    def put_file(self, key: str, src, name: str, bps: Optional[float] = None) -> None:
         """Uploads file `name` of the _core.Directory `src`. The file is opened
         through the seam (O_NOFOLLOW relative to the directory fd): obstore
         reads it through a FileReader whose reads fill the buffer with the
@@ -320,7 +333,7 @@ class ObjectStore:
         staged name is refused, never followed)."""
         with src.open(name) as f:
             self._io(f"uploading {key}", self._ob.put, self.store, key,
-                     _Throttle(f, bps, abort) if bps else f,
+                     self._reader(f, bps),
                      chunk_size=self.part_bytes, max_concurrency=self.concurrency)
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -367,7 +380,7 @@ class ObjectStore:
             self._io("deleting", self._ob.delete, self.store, keys)
 
 
-class PathStore:
+class PathStore(_Store):
     """A directory (a shared file system) as the remote: each object a file,
     written under a temp name, fsynced, renamed, directory fsynced. Every
     file and directory operation goes through the Env seam (_core.Directory,
@@ -375,6 +388,7 @@ class PathStore:
     is refused or removed as a link, never followed."""
 
     def __init__(self, root: str, options: dict):
+        super().__init__()
         self.root = os.path.abspath(root)
         self.part_bytes = int((options or {}).get("part_bytes", PART_BYTES))
         self.url = self.root
@@ -391,14 +405,13 @@ class PathStore:
             d = d.subdir(name, create=create)
         return d, names[-1]
 
-    def put_file(self, key: str, src, name: str, bps: Optional[float] = None,
-                 abort=None) -> None:
+    def put_file(self, key: str, src, name: str, bps: Optional[float] = None) -> None:
         d, dest = self._dir(key)
         tmp = dest + ".tmp"
         d.unlink(tmp, missing_ok=True)  # a stale temp of a writer that died
         # created O_EXCL|O_NOFOLLOW; commit: fsync, rename over dest, directory fsync
         with src.open(name) as f, d.create(tmp) as out:
-            rd = _Throttle(f, bps, abort) if bps else f
+            rd = self._reader(f, bps)
             while True:
                 buf = rd.read(self.part_bytes)
                 if not buf:
@@ -568,27 +581,6 @@ def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int]
 
 # --------------------------------------------------------------- uploader
 
-def _lower_priority(nice: int) -> None:
-    """Lowers the calling thread's CPU priority by `nice` and puts its I/O in
-    the lowest best-effort class (Linux: both are per thread). The staging
-    copy, the crc pass and the upload then yield the cores and the disk to
-    the training thread and the engine's writers. Threads the client starts
-    from here inherit it. Best effort: anything refused is left as it is."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass
-    try:
-        nr = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
-        if nr is not None:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, BE class, level 7)
-            ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
-    except (OSError, AttributeError):
-        pass
-
-
 _RUNTIME_STARTED = False
 
 
@@ -605,7 +597,7 @@ def _start_runtime_niced(nice: int) -> None:
     _RUNTIME_STARTED = True
 
     def start():
-        _lower_priority(nice)
+        _ext.core().lower_thread_priority(nice)
         try:
             import obstore
             import obstore.store
@@ -618,184 +610,51 @@ def _start_runtime_niced(nice: int) -> None:
 
 
 class Uploader:
-    """One rank's background uploads. `target()` returns the newest
-    checkpoint to upload as (counter, step, lineage) or None: the newest
-    committed one (one process) or the newest globally agreed one."""
+    """One rank's background uploads: the C++ thread (tier/uploader.h,
+    _core.RemoteUploader) over the store. `target()` returns the newest
+    checkpoint to upload as (counter, step) or None: the newest committed
+    one (one process) or the newest globally agreed one; C++ calls it (with
+    the GIL for that call alone) and decides everything else: which one goes
+    next (every=n: each selected one in order), the backoff, retention, the
+    close timeout, the counters, the thread's priority."""
 
-    def __init__(self, store, dir: str, rank: int, world: int, target, core, keep=None,
+    def __init__(self, store, dir: str, rank: int, world: int, target, core=None, keep=None,
                  options: Optional[dict] = None, keep_max: Optional[int] = None,
-                 on_staged=None):
-        opts = options or {}
-        # remote_every: target() hands in each selected checkpoint in order
-        # (not only the newest), and on_staged(counter) is told once its
-        # local copy is made (Tier.before_save waits for it)
-        self.queued, self.on_staged = on_staged is not None, on_staged
-        self.store, self.dir, self.rank, self.world = store, dir, rank, world
-        self.target, self.core = target, core
-        self.keep, self.keep_max = keep, keep_max
-        self._tier = _tier(store)  # C++: retention keeps the markers' counters between rounds
-        self.max_to_keep = int(opts.get("max_to_keep", 2))
-        if self.max_to_keep < 1:
+                 every: Optional[int] = None):
+        o = options or {}
+        if int(o.get("max_to_keep", 2)) < 1:
             raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
-        self.bps = opts.get("bandwidth_bps")
-        self.poll_s = float(opts.get("poll_s", 0.05))
-        self.commit_timeout_s = float(opts.get("commit_timeout_s", 120.0))
-        self.retry_max_s = float(opts.get("retry_max_s", 10.0))
-        self.close_timeout_s = float(opts.get("close_timeout_s", 600.0))
-        self.nice = int(opts.get("nice", 10))
-        self.done_step: Optional[int] = None  # newest step uploaded (rank 0: and committed)
-        self.busy_step: Optional[int] = None
-        self.stats = {"uploads": 0, "committed": 0, "retries": 0, "failures": 0,
-                      "bytes": 0, "upload_s": 0.0, "last_GBps": 0.0, "skipped_existing": 0,
-                      "last_error": None, "deleted_steps": 0, "skipped_gone": 0,
-                      "given_up": 0, "stage_s": 0.0, "crc_s": 0.0, "put_s": 0.0}
-        self._stop = threading.Event()
-        self._abort = threading.Event()
-        self._tier.set_abort(self._abort)  # a throttled put_file stops when it is set
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"nonstop-remote-{rank}",
-                                        daemon=True)
-        self._thread.start()
+        self.store = store
+        self.up = _ext.core().RemoteUploader(
+            _tier(store), target, dir, rank, world, every=every or 0,
+            max_to_keep=int(o.get("max_to_keep", 2)), keep_every=int(keep or 0),
+            keep_max=int(keep_max or 0), bps=o.get("bandwidth_bps"),
+            poll_s=float(o.get("poll_s", 0.05)),
+            commit_timeout_s=float(o.get("commit_timeout_s", 120.0)),
+            retry_max_s=float(o.get("retry_max_s", 10.0)),
+            close_timeout_s=float(o.get("close_timeout_s", 600.0)), nice=int(o.get("nice", 10)))
+        # at exit (or when dropped unclosed) the thread stops before the interpreter does
+        self._exit = weakref.finalize(self, self.up.close, False)
+        self.rank, self.final = rank, None
 
-    # -- the loop
-
-    def _loop(self) -> None:
-        _lower_priority(self.nice)
-        backoff = 0.2
-        while True:
-            t = None
-            try:
-                t = self.target()
-            except Exception as e:  # noqa: BLE001 -- engine closed, reported
-                self.stats["last_error"] = f"target: {e}"
-            if t is not None and (self.queued or self.done_step is None
-                                  or t[1] > self.done_step):
-                try:
-                    t = self._pick(t)
-                    if t is None:  # a follower with no step led yet
-                        if self._stop.is_set() and time.monotonic() > min(
-                                self._close_deadline, self._stop_time + self.commit_timeout_s):
-                            return
-                        self._stop.wait(max(self.poll_s, 0.2)) if not self._stop.is_set() \
-                            else time.sleep(max(self.poll_s, 0.2))
-                        continue
-                    self._upload(*t)
-                    backoff = 0.2
-                    continue
-                except Exception as e:  # noqa: BLE001 -- retried with backoff
-                    self.stats["retries"] += 1
-                    self.stats["last_error"] = f"step {t[1]}: {type(e).__name__}: {_first_line(e)}"
-                    if self._stop.is_set() and self._deadline_passed():
-                        self.stats["failures"] += 1
-                        return
-                    self._stop.wait(backoff) if not self._stop.is_set() else time.sleep(backoff)
-                    backoff = min(backoff * 2, self.retry_max_s)
-                    continue
-                finally:
-                    self.busy_step = None
-            if self._stop.is_set():
-                return
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
-
-    def _pick(self, t):
-        """(counter, step) to upload now. Rank 0 (and one process) leads: the
-        newest target. Rank R > 0 follows (C++, RemoteTier::Follow): the
-        newest step rank 0 leads that is newer than its last upload, not
-        newer than its own target and of its own run; None while there is
-        none (a step of its run that its ring has reused gets a skip note)."""
-        if self.world == 1 or self.rank == 0:
-            return t
-        got = self._tier.follow(self.dir, self.rank, self.world, t[1], self.done_step)
-        self.stats["skipped_gone"] = self._tier.skipped_gone
-        return got
-
-    def _deadline_passed(self) -> bool:
-        return time.monotonic() > self._close_deadline
-
-    def _upload(self, counter: int, step: int) -> None:
-        self.busy_step = step
-        # The staged one-slot copy (C++, tier/staging.h: every chunk verified;
-        # a copy of this counter staged before a restart is kept) and the
-        # checkpoint's own lineage (distributed: one run from one restored
-        # state), as local recovery keys it.
-        t_stage = time.perf_counter()
-        staged = self.core().RemoteTier.stage(self.dir, self.rank, counter, step)
-        self.stats["stage_s"] += time.perf_counter() - t_stage
-        if self.on_staged is not None:  # its ring slot may be reused now
-            self.on_staged(counter)
-        lineage = staged["lineage"]
-        # The upload and rank 0's commit are C++'s (RemoteTier::Publish): the
-        # step's marker of another checkpoint (an abandoned future) goes
-        # first, LEAD, checksums, part, manifest, then COMMITTED once every
-        # rank's manifest is there; the GIL is released while it runs.
-        rep = self._tier.publish(step, counter, lineage, self.rank, self.world, staged["dir"],
-                                 staged["name"], self.bps, self.commit_timeout_s, self.poll_s)
-        out = rep["outcome"]
-        if out == "skipped_existing":
-            self.stats["skipped_existing"] += 1  # already there (a restart of the same run)
-        else:
-            self.stats["uploads"] += 1
-            self.stats["bytes"] += rep["bytes"]
-            self.stats["upload_s"] += rep["upload_s"]
-            self.stats["crc_s"] += rep["crc_s"]
-            self.stats["put_s"] += rep["put_s"]
-            dt = rep["upload_s"]
-            self.stats["last_GBps"] = rep["bytes"] / dt / 1e9 if dt > 0 else 0.0
-        if out == "committed":
-            self.stats["committed"] += 1
-            self._retain()
-        elif out == "given_up":  # a rank no longer holds the step: not an error
-            self.stats["given_up"] += 1
-        elif out == "not_committed":
-            self.stats["failures"] += 1
-            self.stats["last_error"] = rep["error"]
-        self.done_step = step
-        self._drop_staged(keep_step=step)
-
-    def _retain(self) -> None:
-        self.stats["deleted_steps"] += retain(self.store, self.max_to_keep, self.keep,
-                                              self.keep_max, self._tier)
-
-    def _drop_staged(self, keep_step: int) -> None:
-        """Removes the staged step directories but `keep_step`'s (C++, through
-        the seam: a link planted anywhere in them is removed as a link, never
-        followed); one that cannot go is left for the next round."""
-        for err in self.core().RemoteTier.drop_staged(self.dir, keep_step):
-            self.stats["last_error"] = err
-
-    # -- control
-
-    def poke(self) -> None:
-        self._wake.set()
+    @property
+    def stats(self) -> dict:
+        return self.final if self.final is not None else self.up.stats()
 
     def snapshot(self) -> dict:
         s = dict(self.stats)
-        s.update(url=self.store.url, uploaded_step=self.done_step, uploading_step=self.busy_step)
+        s.update(url=self.store.url)
         return s
 
     def close(self, wait: bool = True) -> None:
         """Uploads the newest checkpoint still to upload (wait=True, within
-        close_timeout_s), then stops the thread."""
-        self._stop_time = time.monotonic()
-        self._close_deadline = self._stop_time + (self.close_timeout_s if wait else 0.0)
-        self._tier.stop(self.close_timeout_s if wait else 0.0)  # a commit wait ends by then
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(self.close_timeout_s if wait else 0.0)
-        if self._thread.is_alive():  # past the deadline: a throttled transfer stops now
-            self._abort.set()
-            self._thread.join(10)
-            if self._thread.is_alive():
-                warnings.warn(f"nonstop: rank {self.rank}: a remote transfer is still running "
-                              f"after close_timeout_s; left to finish in the background",
-                              stacklevel=3)
-        err = self.stats["last_error"]
-        if wait and self.stats["failures"] and err:
-            warnings.warn(f"nonstop: rank {self.rank}: remote upload: {err}", stacklevel=3)
-
-    _close_deadline = float("inf")
-    _stop_time = float("inf")
+        close_timeout_s), then stops the thread; a failure is a warning."""
+        if self.final is not None:
+            return
+        err = self.up.close(wait)
+        self.final = self.up.stats()
+        if err is not None:
+            warnings.warn(f"nonstop: {err}", stacklevel=3)
 
 
 # ------------------------------------------------------------- restoring
@@ -858,8 +717,6 @@ class Tier:
         if self.options.get("create_bucket") and getattr(self.store, "_s3", None) is None:
             raise CheckpointMismatchError(
                 f"remote_options create_bucket is for s3:// URLs, not the path {url!r}")
-        self._queue: list = []  # (counter, step) selected, not yet copied out of the ring
-        self._cv = threading.Condition()
 
     def _claim(self) -> None:
         if not self.claimed and self.ckpt.rank == 0 and self.options.get("create_bucket"):
@@ -869,17 +726,15 @@ class Tier:
         self.claimed = True
 
     def _target(self):
+        """The newest checkpoint to upload (the uploader's `newest`): the
+        engine's newest committed one, or the ranks' newest agreed one of
+        this run (an older record may name an abandoned future)."""
         dist = self.ckpt.session.dist
         engine = self.engine  # held here: close() clears the Checkpointer's first
         if engine is None or getattr(engine, "closed", False):
             return None
-        if self.every is not None:  # the oldest selected one, once committed
-            with self._cv:
-                head = self._queue[0] if self._queue else None
-            got = engine.latest() if head is not None else None
-            return head if got is not None and int(got[0]) >= head[0] else None
         if dist is not None:
-            a = dist.agreed  # of this run only: an older record may name an abandoned future
+            a = dist.agreed
             if a is None or a.get("lineage") != dist.lineage:
                 return None
             return int(a["counter"]), int(a["step"])
@@ -888,43 +743,23 @@ class Tier:
 
     def before_save(self) -> None:
         """remote_every: before a checkpoint starts (and may reuse a ring
-        slot), every selected one is copied out of the ring. Bounded by
-        commit_timeout_s: one that never commits (a failed write) is given up."""
-        if self.every is None or self.uploader is None:
-            return
-        deadline = time.monotonic() + float(self.options.get("commit_timeout_s", 120.0))
-        with self._cv:
-            while self._queue and self.uploader._thread.is_alive():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    gone = self._queue.pop(0)
-                    self.uploader.stats["given_up"] += 1
-                    self.uploader.stats["last_error"] = (
-                        f"step {gone[1]}: not copied for upload within commit_timeout_s")
-                    continue
-                self._cv.wait(min(left, 0.5))
-
-    def _staged(self, counter: int) -> None:
-        with self._cv:
-            while self._queue and self._queue[0][0] <= counter:
-                self._queue.pop(0)
-            self._cv.notify_all()
+        slot), every selected one is copied out of the ring (C++; bounded by
+        commit_timeout_s: one that never commits is given up)."""
+        if self.uploader is not None:
+            self.uploader.up.before_save()
 
     def started(self, counter: Optional[int] = None, step: Optional[int] = None) -> None:
         """After each save() (its engine counter and step): the first starts
         the upload thread; with remote_every, a selected one is queued."""
-        if self.every is not None and counter is not None and counter % self.every == 0:
-            with self._cv:
-                self._queue.append((int(counter), int(step)))
         if self.uploader is None:
             self._claim()
             self.engine = self.ckpt.session.engine
             self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
-                                     self.ckpt.world_size, self._target, self.core,
+                                     self.ckpt.world_size, self._target,
                                      keep=self.ckpt.keep, options=self.options,
-                                     keep_max=self.ckpt.max_to_keep,
-                                     on_staged=None if self.every is None else self._staged)
-        self.uploader.poke()
+                                     keep_max=self.ckpt.max_to_keep, every=self.every)
+        if counter is not None:
+            self.uploader.up.started(int(counter), int(step))
 
     def stats(self) -> dict:
         s = self.uploader.snapshot() if self.uploader is not None else {

@@ -322,3 +322,24 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
                       live=applier.live_tensors(), stats=stats)
         stats.update(restored_from="disk", memory_unused_because=why)
     return loaded, loaded is not None
+
+
+def install(loaded, adopt: bool, session, applier, stats: dict, multistep, layerwise) -> int:
+    """Checkpointer.restore's second half: the checked checkpoint `loaded`
+    applied to the live objects (`stats` gets restore_apply_s), a multistep
+    window's parts replayed to their versions, the engine told (`adopt`: the
+    restored checkpoint stays intact until a newer one commits, and a
+    rollback is recorded before anything new is written;
+    Engine::AdoptRestored), the layer-wise mode told. Returns its step."""
+    plan = loaded.plan if loaded.plan is not None else applier.prepare(loaded)
+    t_apply = time.perf_counter()
+    applier.apply(plan)  # into CUDA tensors: load_state_dict's H2D copies
+    stats["restore_apply_s"] = time.perf_counter() - t_apply
+    if "multistep_plan" in loaded.meta:  # parts at their versions (_multistep.py)
+        multistep.replay_restored(loaded.meta, loaded.tensors)
+    if adopt and hasattr(session.engine, "adopt_restored"):
+        session.engine.adopt_restored(int(loaded.counter))
+    session.registered = None
+    if layerwise is not None:
+        layerwise.restored(loaded.step)
+    return loaded.step

@@ -49,6 +49,7 @@ class Session:
         self.registers = 0
         self.replica_checked = False    # world_size > 1: replicated tensors compared once
         self.settled = False            # settle() ran (close)
+        self.remote = None              # the remote tier (_remote.Tier): told of each checkpoint
 
     def forked(self) -> bool:
         return self.pid != os.getpid()
@@ -159,6 +160,8 @@ class Session:
     def checkpoint(self, step: int, meta: dict) -> int:
         """Starts the checkpoint of the registered tensors; the engine's counter."""
         engine = self.live()
+        if self.remote is not None:  # remote_every: the selected ones copied out of the ring
+            self.remote.before_save()
         counter = self.call(engine.checkpoint, int(step), _state.dumps(meta))
         if hasattr(engine, "take_error"):  # earlier failures, reported after this one started
             self.take(engine.take_error)
@@ -166,6 +169,8 @@ class Session:
             self.dist.started(engine)
         self.copy_pending = True
         self.saves += 1
+        if self.remote is not None:  # the first starts the upload thread
+            self.remote.started(counter, step)
         return counter
 
     def before_update(self, *hook_args) -> None:
@@ -241,7 +246,7 @@ class Session:
     def let_go(self) -> None:
         """In a forked child: the parent's engine is never closed here (the
         C++ side leaves it alone)."""
-        self.engine, self.dist, self.errors = None, None, []
+        self.engine, self.dist, self.errors, self.remote = None, None, [], None
 
 
 def optimizer_owned(state: dict) -> set:

@@ -12,6 +12,7 @@
 // e.g. CheckpointIOError.kind).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -35,6 +36,7 @@
 #include "tier/remote_tier.h"
 #include "tier/staging.h"
 #include "tier/transport.h"
+#include "tier/uploader.h"
 
 namespace py = pybind11;
 
@@ -106,6 +108,16 @@ void InitRemoteLayout(py::module_& parent) {
       "True for a directory used as a remote (a step-N directory, no slot file).");
 }
 
+// Whether the interpreter is shutting down: a C++ thread must not take the
+// GIL then.
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // The Python transport as a tier::Transport. Every method takes the GIL for
 // the Python call alone and drops it again before C++ goes on (a streamed
 // read's buffers are checked and written with the GIL released).
@@ -126,7 +138,7 @@ class PyTransport final : public tier::Transport {
     py::gil_scoped_acquire g;
     try {
       py::object src = py::cast(std::shared_ptr<Directory>(std::move(d)));
-      store_.attr("put_file")(key, src, name, bps > 0 ? py::cast(bps) : py::none(), abort_);
+      store_.attr("put_file")(key, src, name, bps > 0 ? py::cast(bps) : py::none());
       return Status::OK();
     } catch (py::error_already_set& e) {
       return Failed(e);
@@ -231,8 +243,15 @@ class PyTransport final : public tier::Transport {
     }
     throw StatusError(s);
   }
-  // The event a throttled upload polls to stop (Uploader.close past its deadline).
-  void set_abort(py::object abort) { abort_ = std::move(abort); }
+  // A throttled upload stops: the transport's abort() (its reads poll it).
+  void Abort() override {
+    if (Finalizing()) return;
+    py::gil_scoped_acquire g;
+    try {
+      if (py::hasattr(store_, "abort")) store_.attr("abort")();
+    } catch (py::error_already_set&) {  // best effort: the transfer then ends by itself
+    }
+  }
 
  private:
   // With the GIL held: the Status of a transport's exception, the
@@ -256,7 +275,6 @@ class PyTransport final : public tier::Transport {
   py::object store_;
   const std::string url_;
   const uint64_t part_;
-  py::object abort_ = py::none();
   // Touched with the GIL held only.
   std::map<std::thread::id, std::pair<std::string, py::object>> errors_;
 };
@@ -293,6 +311,114 @@ class PyRemoteTier {
   std::unique_ptr<tier::RemoteTier> tier_;
 };
 
+// nonstop._core.RemoteUploader: the upload thread (tier/uploader.h) over a
+// RemoteTier. `newest` is a Python callable returning (counter, step) or
+// None, called with the GIL taken for that call alone (as a transport
+// method). Everything else runs in C++ without the GIL.
+class PyUploader {
+ public:
+  PyUploader(py::object tier, py::object newest, tier::UploaderOptions o)
+      : pid_(getpid()), held_(std::make_unique<Held>(Held{tier, std::move(newest)})) {
+    PyRemoteTier& t = tier.cast<PyRemoteTier&>();
+    py::object* fn = &held_->newest;  // lives as long as the uploader (see Close)
+    tier::RemoteUploader::Newest newest_fn = [fn]() -> Result<std::optional<tier::UploadTarget>> {
+      if (Finalizing()) return Status::Aborted("the interpreter is shutting down");
+      py::gil_scoped_acquire g;
+      try {
+        py::object got = (*fn)();
+        if (got.is_none()) return std::optional<tier::UploadTarget>();
+        const auto p = got.cast<std::pair<uint64_t, int64_t>>();
+        return std::optional<tier::UploadTarget>(tier::UploadTarget{p.first, p.second});
+      } catch (py::error_already_set& e) {
+        return Status(StatusCodeOfException(e.value().ptr()), py::str(e.value()).cast<std::string>());
+      } catch (py::cast_error& e) {
+        return Status::InvalidArgument(std::string("newest(): ") + e.what());
+      }
+    };
+    Result<std::unique_ptr<tier::RemoteUploader>> u = Status::Internal("unset");
+    {
+      py::gil_scoped_release r;
+      u = tier::RemoteUploader::Start(&t.tier(), DefaultEnv(), std::move(o), std::move(newest_fn));
+    }
+    uploader_ = Take(std::move(u));
+  }
+  // Stops the thread now; one still in a transfer past the abort keeps the
+  // uploader, its tier and `newest` alive for good (it uses them).
+  ~PyUploader() {
+    if (!uploader_) return;
+    if (getpid() != pid_) {  // a forked child: the thread was not copied, its locks may be held
+      (void)uploader_.release();
+      (void)held_.release();
+      return;
+    }
+    py::gil_scoped_release r;  // its thread may be waiting for the GIL
+    (void)uploader_->Close(false);
+    if (uploader_->Running()) {
+      (void)uploader_.release();
+      (void)held_.release();
+      return;
+    }
+    uploader_.reset();
+  }
+
+  void Started(uint64_t counter, int64_t step) { Get().Started(counter, step); }
+  void BeforeSave() {
+    tier::RemoteUploader& u = Get();
+    py::gil_scoped_release r;
+    u.BeforeSave();
+  }
+  py::dict Stats() {
+    tier::UploaderStats s = Get().Stats();
+    py::dict d;
+    d["uploads"] = s.uploads;
+    d["committed"] = s.committed;
+    d["retries"] = s.retries;
+    d["failures"] = s.failures;
+    d["bytes"] = s.bytes;
+    d["upload_s"] = s.upload_s;
+    d["last_GBps"] = s.last_GBps;
+    d["skipped_existing"] = s.skipped_existing;
+    d["last_error"] = s.last_error.empty() ? py::object(py::none()) : py::cast(s.last_error);
+    d["deleted_steps"] = s.deleted_steps;
+    d["skipped_gone"] = s.skipped_gone;
+    d["given_up"] = s.given_up;
+    d["stage_s"] = s.stage_s;
+    d["crc_s"] = s.crc_s;
+    d["put_s"] = s.put_s;
+    d["uploaded_step"] = s.uploaded_step ? py::cast(*s.uploaded_step) : py::none();
+    d["uploading_step"] = s.uploading_step ? py::cast(*s.uploading_step) : py::none();
+    return d;
+  }
+  // None, or the one line to warn about.
+  std::optional<std::string> Close(bool wait) {
+    if (getpid() != pid_) return std::nullopt;  // a forked child: the parent's thread
+    tier::RemoteUploader& u = Get();
+    Status s;
+    {
+      py::gil_scoped_release r;
+      s = u.Close(wait);
+    }
+    if (s.ok()) return std::nullopt;
+    return s.message();
+  }
+
+ private:
+  struct Held {
+    py::object tier;    // the PyRemoteTier the thread uses
+    py::object newest;
+  };
+  tier::RemoteUploader& Get() {
+    if (!uploader_ || getpid() != pid_) {
+      throw StatusError(Status::FailedPrecondition("the uploader belongs to process " +
+                                                   std::to_string(pid_)));
+    }
+    return *uploader_;
+  }
+  const pid_t pid_;
+  std::unique_ptr<Held> held_;
+  std::unique_ptr<tier::RemoteUploader> uploader_;  // declared last: goes first
+};
+
 const char* OutcomeName(tier::PublishReport::Outcome o) {
   using O = tier::PublishReport::Outcome;
   switch (o) {
@@ -312,6 +438,49 @@ const char* StateName(tier::StepState s) {
     case tier::StepState::kDamaged: return "damaged";
   }
   return "damaged";
+}
+
+void InitRemoteUploader(py::module_& m) {
+  m.def("lower_thread_priority", &tier::LowerThreadPriority, py::arg("nice"),
+        "Lowers the calling thread's CPU priority by nice and its I/O to the lowest "
+        "best-effort level (best effort).");
+  py::class_<PyUploader>(m, "RemoteUploader",
+                         "One rank's upload thread (tier/uploader.h) over a RemoteTier.")
+      .def(py::init([](py::object tier, py::object newest, const std::string& job_dir,
+                       uint32_t rank, uint32_t world_size, uint64_t every, uint32_t max_to_keep,
+                       uint64_t keep_every, uint32_t keep_max, std::optional<double> bps,
+                       double poll_s, double commit_timeout_s, double retry_max_s,
+                       double close_timeout_s, int nice) {
+             tier::UploaderOptions o;
+             o.job_dir = job_dir;
+             o.rank = rank;
+             o.world_size = world_size;
+             o.every = every;
+             o.retention = {max_to_keep, keep_every, keep_max};
+             o.bps = bps.value_or(0.0);
+             o.poll_s = poll_s;
+             o.commit_timeout_s = commit_timeout_s;
+             o.retry_max_s = retry_max_s;
+             o.close_timeout_s = close_timeout_s;
+             o.nice = nice;
+             return std::make_unique<PyUploader>(std::move(tier), std::move(newest), o);
+           }),
+           py::arg("tier"), py::arg("newest"), py::arg("job_dir"), py::arg("rank") = 0,
+           py::arg("world_size") = 1, py::arg("every") = 0, py::arg("max_to_keep") = 2,
+           py::arg("keep_every") = 0, py::arg("keep_max") = 0, py::arg("bps") = py::none(),
+           py::arg("poll_s") = 0.05, py::arg("commit_timeout_s") = 120.0,
+           py::arg("retry_max_s") = 10.0, py::arg("close_timeout_s") = 600.0,
+           py::arg("nice") = 10,
+           "Starts the thread. newest(): (counter, step) of the newest checkpoint to upload "
+           "(committed, or agreed by every rank), or None.")
+      .def("started", &PyUploader::Started, py::arg("counter"), py::arg("step"),
+           "After each checkpoint started: with every=n a selected one is queued.")
+      .def("before_save", &PyUploader::BeforeSave,
+           "every=n: waits until each queued checkpoint is copied out of the slot ring.")
+      .def("stats", &PyUploader::Stats, "The counters (stats()['remote']).")
+      .def("close", &PyUploader::Close, py::arg("wait") = true,
+           "Stops the thread (wait: after the newest upload, within close_timeout_s); None or "
+           "the one line to warn about.");
 }
 
 void InitRemoteTier(py::module_& m) {
@@ -442,9 +611,6 @@ void InitRemoteTier(py::module_& m) {
           "stop", [](PyRemoteTier& t, double wait_s) { t.tier().Stop(wait_s); },
           py::arg("wait_s"), "A commit wait ends wait_s seconds from now at the latest.")
       .def(
-          "set_abort", [](PyRemoteTier& t, py::object ev) { t.transport().set_abort(ev); },
-          py::arg("event"), "The event a throttled upload polls to stop (put_file's abort).")
-      .def(
           "claim",
           [](PyRemoteTier& t, const std::string& job, bool adopt, double unix_s) {
             t.Run([&](tier::RemoteTier& r) { return r.Claim(job, adopt, unix_s); });
@@ -458,6 +624,7 @@ void InitRemoteTier(py::module_& m) {
 void InitRemote(py::module_& m) {
   InitRemoteLayout(m);
   InitRemoteTier(m);
+  InitRemoteUploader(m);
 }
 
 }  // namespace nonstop::py_bindings

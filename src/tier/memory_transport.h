@@ -29,6 +29,7 @@ class MemoryTransport final : public Transport {
   Status PutFile(const std::string& key, const std::string& dir, const std::string& name,
                  double /*bps*/) override {
     NONSTOP_RETURN_IF_ERROR(Fail(&puts_, fail_put_from));
+    NONSTOP_RETURN_IF_ERROR(Held());
     NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, env_->OpenDirectory(dir, false));
     MediumOptions ro;
     ro.read_only = true;
@@ -83,11 +84,48 @@ class MemoryTransport final : public Transport {
     }
     return out;
   }
+  void Abort() override {
+    MutexLock l(&mu_);
+    aborted_ = true;
+    cv_.SignalAll();
+  }
   Status Delete(const std::vector<std::string>& keys) override {
     NONSTOP_RETURN_IF_ERROR(Fail(&deletes_, fail_delete_from));
     MutexLock l(&mu_);
     for (const std::string& k : keys) objects.erase(k);
     return Status::OK();
+  }
+
+  // For tests with an uploader thread running (guarded): the next `n` puts
+  // fail, then they succeed again.
+  void FailNextPuts(int n) {
+    MutexLock l(&mu_);
+    fail_next_puts_ = n;
+  }
+  // hold=true: each PutFile waits until Release (or Abort, which fails it;
+  // ignore_abort: it waits for Release alone, a transfer that cannot stop).
+  void HoldPuts(bool ignore_abort = false) {
+    MutexLock l(&mu_);
+    hold_ = true;
+    ignore_abort_ = ignore_abort;
+  }
+  void Release() {
+    MutexLock l(&mu_);
+    hold_ = false;
+    cv_.SignalAll();
+  }
+  // How many PutFile calls wait in HoldPuts now.
+  int held() const {
+    MutexLock l(&mu_);
+    return held_;
+  }
+  bool Has(const std::string& key) const {
+    MutexLock l(&mu_);
+    return objects.count(key) > 0;
+  }
+  uint64_t puts() const {
+    MutexLock l(&mu_);
+    return static_cast<uint64_t>(puts_);
   }
 
   // Test access (single-threaded tests read and change it directly).
@@ -102,12 +140,30 @@ class MemoryTransport final : public Transport {
     MutexLock l(&mu_);
     const int n = (*count)++;
     if (from >= 0 && n >= from) return Status::IOError(url() + ": the store went away");
+    if (count == &puts_ && fail_next_puts_ > 0) {
+      --fail_next_puts_;
+      return Status::IOError(url() + ": the store went away\n(and a second line)");
+    }
+    return Status::OK();
+  }
+  Status Held() {
+    MutexLock l(&mu_);
+    ++held_;
+    cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return !hold_ || (aborted_ && !ignore_abort_); });
+    --held_;
+    if (hold_) return Status::Aborted(url() + ": upload aborted (close_timeout_s passed)");
     return Status::OK();
   }
 
   Env* env_;
   uint64_t part_;
-  Mutex mu_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  int fail_next_puts_ GUARDED_BY(mu_) = 0;
+  bool hold_ GUARDED_BY(mu_) = false;
+  bool ignore_abort_ GUARDED_BY(mu_) = false;
+  bool aborted_ GUARDED_BY(mu_) = false;
+  int held_ GUARDED_BY(mu_) = 0;
   int puts_ GUARDED_BY(mu_) = 0;
   int deletes_ GUARDED_BY(mu_) = 0;
   int lists_ GUARDED_BY(mu_) = 0;

@@ -74,6 +74,8 @@ class RemoteTier final : public Tier {
   // From now on, a commit wait ends `wait_s` seconds from now at the latest
   // (the uploader closing). Any thread.
   void Stop(double wait_s);
+  // A transfer under way stops as soon as it can (Transport::Abort). Any thread.
+  void Abort() { t_->Abort(); }
 
   // The committed steps, newest first, with their markers; `damaged`
   // (optional) receives one line per marker that does not parse (skipped).

@@ -48,6 +48,9 @@ class Transport {
   virtual Result<std::vector<StoredObject>> List(const std::string& prefix) = 0;
   // Deletes the keys that exist (a missing one is not an error).
   virtual Status Delete(const std::vector<std::string>& keys) = 0;
+  // Any thread: a transfer under way (a throttled PutFile) stops as soon as
+  // it can and fails; later ones too (the uploader closing past its deadline).
+  virtual void Abort() {}
 };
 
 }  // namespace nonstop::tier

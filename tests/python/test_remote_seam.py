@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -168,3 +170,47 @@ def test_obstore_workers_run_at_the_upload_priority(tmp_path, shared_s3):  # noq
     workers, main = json.loads(r.stdout.strip().splitlines()[-1])
     base = min(main)  # the training thread's
     assert workers and all(w == min(19, base + 10) for w in workers), (workers, main)
+
+
+def test_remote_every_retries_a_failed_upload_and_never_skips_it(tmp_path):
+    """remote_every=1 on a path remote whose first step cannot be written
+    (a file sits where its step folder goes): the upload of step 0 fails and
+    is retried with backoff until the folder can be made; meanwhile the next
+    save() waits for it (training slows to the upload's pace), and every
+    step reaches the remote, step 0 included. The Python loop dropped a
+    selected checkpoint whose upload failed once it was staged, and went on
+    with the next one: step 0 never reached the remote."""
+    url, d = str(tmp_path / "shared"), str(tmp_path / "local")
+    os.makedirs(url)
+    blocker = os.path.join(url, _remote.Layout.step_dir(0))
+    with open(blocker, "wb") as f:
+        f.write(b"in the way")
+    model, opt, sched = tiny.make()
+    state = {"model": model, "optim": opt, "sched": sched}
+    ck = nonstop.Checkpointer(d, state, every=1, remote=url, remote_every=1,
+                              remote_options={"max_to_keep": 10, "retry_max_s": 0.2})
+    seen = []
+
+    def unblock():  # once step 0 failed
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = ck.stats()["remote"]
+            if s["retries"] >= 1:
+                seen.append(s["last_error"])
+                break
+            time.sleep(0.02)
+        os.unlink(blocker)
+    t = threading.Thread(target=unblock)
+    t.start()
+    try:
+        for step in range(3):
+            tiny.train_step(model, opt, sched, step)
+            ck.step(step)
+    finally:
+        t.join()
+        ck.close()
+    assert seen and seen[0].startswith("step 0: "), seen
+    s = ck.stats()["remote"]
+    steps = sorted(st for st, _ in _remote.committed_steps(_remote.open_store(url, {})))
+    assert steps == [0, 1, 2], s
+    assert s["committed"] == 3 and s["failures"] == 0 and s["given_up"] == 0, s

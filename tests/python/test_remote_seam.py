@@ -191,15 +191,17 @@ def test_remote_every_retries_a_failed_upload_and_never_skips_it(tmp_path):
                               remote_options={"max_to_keep": 10, "retry_max_s": 0.2})
     seen = []
 
-    def unblock():  # once step 0 failed
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            s = ck.stats()["remote"]
-            if s["retries"] >= 1:
-                seen.append(s["last_error"])
-                break
-            time.sleep(0.02)
-        os.unlink(blocker)
+    def unblock():  # once step 0 failed (before the first save: no counters yet)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                s = ck.stats()["remote"]
+                if s.get("retries", 0) >= 1:
+                    seen.append(s["last_error"])
+                    break
+                time.sleep(0.02)
+        finally:
+            os.unlink(blocker)
     t = threading.Thread(target=unblock)
     t.start()
     try:

@@ -26,7 +26,7 @@ CMAKE      = $(shell [ -x .venv/bin/cmake ] && echo .venv/bin/cmake || command -
 CMAKE_GEN := -G Ninja
 
 .PHONY: deps venv build cbuild test test-cpp test-py test-asan test-tsan test-tsa test-fuzz test-gpu \
-        test-packaging \
+        test-gpu-configure cuda test-packaging \
         demo bench clean format
 
 # Installs the Debian packages that are missing (quietly when all are there).
@@ -129,9 +129,7 @@ GPU_CTEST_ARGS ?=
 GPU_GEN   := $(if $(shell command -v ninja),-G Ninja,)
 GPU_PY_ARGS = $(shell python3 -c "import sys, pybind11; print('-DNONSTOP_BUILD_PYTHON=ON', \
     '-DPython_EXECUTABLE=' + sys.executable, '-Dpybind11_DIR=' + pybind11.get_cmake_dir())" 2>/dev/null)
-test-gpu:
-	$(CMAKE) -S . -B $(GPU_BUILD) $(GPU_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
-	    -DCMAKE_BUILD_TYPE=RelWithDebInfo $(GPU_PY_ARGS) $(GPU_CMAKE_ARGS)
+test-gpu: test-gpu-configure
 	$(CMAKE) --build $(GPU_BUILD) -j $(JOBS)
 	cd $(GPU_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600 $(GPU_CTEST_ARGS)
 	rm -rf $(GPU_BUILD)/pkg && mkdir -p $(GPU_BUILD)/pkg/nonstop && cp python/nonstop/*.py $(GPU_BUILD)/pkg/nonstop/
@@ -140,6 +138,21 @@ test-gpu:
 	@if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
 	  PYTHONPATH=$(GPU_BUILD)/pkg python3 tests/gpu/test_gpu_torch.py; \
 	else echo "== test-gpu: no CUDA torch for python3: tests/gpu/test_gpu_torch.py skipped"; fi
+
+# Only the configure step of test-gpu (bench/gpu_run.sh then builds the
+# targets it needs).
+test-gpu-configure:
+	$(CMAKE) -S . -B $(GPU_BUILD) $(GPU_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo $(GPU_PY_ARGS) $(GPU_CMAKE_ARGS)
+
+# The CUDA build on a machine without a GPU (the CUDA 13 toolkit compiles):
+# the copy engine, the GPU tests and nonstop._core with -Werror, in
+# build-cuda (CUDA_TARGETS= to build others; empty builds everything).
+CUDA_TARGETS ?= nonstop_copy cuda_copy_engine_gpu_test cuda_fallback_gpu_test cuda_copy_bench cuda_select_test
+cuda:
+	$(CMAKE) -S . -B build-cuda $(CMAKE_GEN) -DNONSTOP_CUDA=ON -DNONSTOP_BUILD_TESTS=ON \
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	$(CMAKE) --build build-cuda -j $(JOBS) $(if $(CUDA_TARGETS),--target $(CUDA_TARGETS))
 
 demo: build
 	$(PY) -m nonstop.demo

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -72,13 +73,17 @@ CONFIGS = {
     # 1.38B parameters, 16.5 GB.
     "1.4b": dict(vocab=32768, dim=2048, layers=26, heads=16),
 }
-ALL_SCHEMES = ["nonstop", "nonstop-direct", "nonstop-layerwise", "nonstop-layerwise-device", "nonstop-multistep",
-               "torch.save", "dcp", "dcp-process"]
+ALL_SCHEMES = ["nonstop", "nonstop-tiered", "nonstop-direct", "nonstop-layerwise",
+               "nonstop-layerwise-device", "nonstop-multistep", "torch.save", "dcp", "dcp-process"]
 # Layer-wise with copy="device" (suite_rounds knows the mode of each nonstop kind).
 suite_rounds.NONSTOP_MODES.setdefault("nonstop-layerwise-device", "layerwise")
 # The concurrent mode without device snapshots (device_snapshot_bytes=0): the
 # stall is the whole device-to-host copy; "nonstop" takes the snapshot (docs/CUDA.md).
 suite_rounds.NONSTOP_MODES.setdefault("nonstop-direct", "concurrent")
+# The tiered cadence (disk_every="auto", docs/PYTHON.md): every checkpoint
+# commits to the memory tier, the disk persists the newest at its own pace;
+# with the default device snapshot. Issue 25's overhead targets are its rows.
+suite_rounds.NONSTOP_MODES.setdefault("nonstop-tiered", "concurrent")
 
 
 class Training:
@@ -130,6 +135,10 @@ def print_table(rows: list) -> None:
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
+        if "error" in r:  # crashed or refused: the row says so
+            print(f"{r['scheme']:<22} {'crashed' if r.get('crashed') else 'refused'}: "
+                  f"{r['error'][:120]}")
+            continue
         extra = (f" {r['copy_s']:7.3f} {r['persist_s']:9.3f} {r['write_GBps']:6.2f}"
                  if "copy_s" in r else "")
         print(f"{r['scheme']:<22} {r['step_s'] * 1e3:8.1f} {r['spread'] * 100:6.1f}% "
@@ -158,6 +167,12 @@ def main() -> int:
     p.add_argument("--measure-disk", metavar="DIR",
                    help="only measure O_DIRECT write bandwidth in DIR (where fio is missing)")
     p.add_argument("--intervals", nargs="+", type=int, default=[1, 10, 50])
+    p.add_argument("--runs", nargs="+", default=None, metavar="SCHEME/EVERY",
+                   help="exactly these runs (e.g. nonstop-tiered/10 dcp/10) instead of every "
+                        "--schemes at every --intervals; grouped by interval in this order")
+    p.add_argument("--run-timeout", type=float, default=300,
+                   help="a run of a scheme that takes longer is recorded as crashed "
+                        "(a hung peer must not eat the device call); 0: none")
     p.add_argument("--steps", type=int, default=8, help="measured steps at interval 1")
     p.add_argument("--periods", type=int, default=3,
                    help="measured saves at intervals > 1 (window = periods * interval, "
@@ -177,6 +192,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script, not a measurement")
     args = p.parse_args()
+    plan = run_plan(args.runs, args.schemes, args.intervals)
     if args.measure_disk:
         return measure_disk(args.measure_disk, args.json)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -187,8 +203,13 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = bool(args.tf32)
     warnings.filterwarnings("ignore", message=r".*(overwrit|torch\.distributed is disabled)")
     os.makedirs(args.out, exist_ok=True)
-    if "dcp-process" in args.schemes:
-        dcp_process_setup(args.device)
+    schemes = list(dict.fromkeys(k for g in plan for k, _ in g))
+    extra = {"refused": {}, "crashed": {}, "restore": None, "disk_GBps": args.disk_GBps or None}
+    if "dcp-process" in schemes:
+        try:
+            dcp_process_setup(args.device)
+        except Exception as e:  # noqa: BLE001 -- recorded as its rows; the run goes on
+            extra["crashed"]["dcp-process"] = {"interval": 0, "error": one_line(e)}
     tr = Training(args.size, args.batch, args.seq, args.device)
     dev_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     params = sum(p.numel() for p in {id(p): p for p in tr.model.parameters()}.values())
@@ -209,15 +230,14 @@ def main() -> int:
         return max(args.min_steps, args.periods * every) // every * every
 
     runs = []
-    extra = {"refused": {}, "crashed": {}, "restore": None, "disk_GBps": args.disk_GBps or None}
-    schemes = list(args.schemes)
+    full_plan = plan
     if "nonstop-multistep" in schemes:
         why = multistep_refusal(tr, args.out)
         if why is not None:
             print(f"nonstop-multistep: refused on {args.device} ({why}); recorded, not run",
                   flush=True)
             extra["refused"]["nonstop-multistep"] = why
-            schemes.remove("nonstop-multistep")
+            plan = [[(k, e) for k, e in g if k != "nonstop-multistep"] for g in plan]
 
     def dump(rows=None):
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
@@ -234,6 +254,8 @@ def main() -> int:
             opts["max_in_flight"] = args.max_in_flight
         if kind == "nonstop-direct":
             opts["device_snapshot_bytes"] = 0
+        if kind == "nonstop-tiered":
+            opts["disk_every"] = "auto"
         if kind.startswith("nonstop-layerwise"):
             opts["clip_grad_norm"] = 1.0
             if kind.endswith("-device"):
@@ -242,14 +264,17 @@ def main() -> int:
             return None
         tr.clip = not kind.startswith("nonstop-layerwise")
         try:
-            r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
-                        {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
-                        nonstop_opts=opts, fsync=False, sync=tr.sync,
-                        warmup=(args.warmup or max(3, every)) if kind != "none" else 3)
-        except Exception as e:  # noqa: BLE001 -- a peer's crash is a result, not the end
-            if kind == "none" or kind.startswith("nonstop"):
-                raise  # nonstop's own failures and the baseline end the run
-            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            with run_timeout(args.run_timeout if kind != "none" else 0, f"{kind}/{every}"):
+                r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
+                            {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
+                            nonstop_opts=opts, fsync=False, sync=tr.sync,
+                            warmup=(args.warmup or max(3, every)) if kind != "none" else 3)
+        except Exception as e:  # noqa: BLE001 -- a scheme's crash is a result, not the end
+            if kind == "none":
+                raise  # without the baseline nothing can be measured
+            # Any scheme, nonstop's too: its row says it crashed and why, and
+            # the rounds go on (issue 25: a DCP crash once lost every row after it).
+            why = one_line(e)
             print(f"  {kind}/{every}: crashed ({why}); recorded, its later runs skipped",
                   flush=True)
             extra["crashed"][kind] = {"interval": every, "error": why}
@@ -274,12 +299,21 @@ def main() -> int:
                    if "snapshot_bytes" in r else "")
                 + (f"  [{r['device_snapshot_note']}]" if r.get("device_snapshot_note") else ""))
 
-    res = run_rounds([[(k, e) for k in schemes] for e in args.intervals], args.repeats, one,
+    res = run_rounds(plan, args.repeats, one,
                      label=label, deadline=(t_start + args.time_budget if args.time_budget
                                             else None))
     if res["stopped"]:
         print(f"  --time-budget {args.time_budget:.0f} s: {res['stopped']}")
     rows = summarize(runs)[0]
+    # A scheme that crashed (or was refused) is a row too, with its error,
+    # at every interval of the plan it did not run.
+    done = {(r["scheme"], r["interval"]) for r in rows}
+    for g in full_plan:
+        for k, e in g:
+            why = extra["crashed"].get(k, {}).get("error") or extra["refused"].get(k)
+            if why and (f"{k}/{e}", e) not in done:
+                rows.append({"scheme": f"{k}/{e}", "interval": e, "error": why,
+                             "crashed": k in extra["crashed"]})
     print(f"\n{args.size} ({params / 1e6:.1f}M params, {state / 1e9:.2f} GB state; 'none' drift "
           f"between its runs: {rows[0]['none_drift'] * 100:.1f}%)")
     if args.disk_GBps:
@@ -288,7 +322,7 @@ def main() -> int:
         limit = max(state / (args.disk_GBps * 1e9), rows[0]["step_s"])
         extra["disk_bound_step_s"] = limit
         for r in rows:
-            if r.get("interval") == 1:
+            if r.get("interval") == 1 and "step_s" in r:
                 r["vs_disk_bound"] = r["step_s"] / limit
     print_table(rows)
     if args.disk_GBps:
@@ -310,6 +344,51 @@ def main() -> int:
         dump(rows)
     print(f"wrote {args.json}")
     return 0
+
+
+def run_plan(runs, schemes, intervals) -> list:
+    """The rounds' groups: [[(scheme, every), ...] per interval]. --runs
+    "scheme/every ..." gives them exactly (grouped by interval, in order of
+    first appearance); else every scheme at every interval."""
+    if not runs:
+        return [[(k, e) for k in schemes] for e in intervals]
+    groups: dict = {}
+    for item in runs:
+        kind, _, every = item.rpartition("/")
+        if kind not in ALL_SCHEMES + ["nonstop-fullstaging"] or not every.isdigit() or \
+                int(every) < 1:
+            raise SystemExit(f"--runs {item!r}: want SCHEME/EVERY, SCHEME one of "
+                             f"{', '.join(ALL_SCHEMES)}")
+        groups.setdefault(int(every), []).append((kind, int(every)))
+    return list(groups.values())
+
+
+def one_line(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
+
+
+class run_timeout:
+    """A run that takes longer than `seconds` raises TimeoutError in the
+    main thread (SIGALRM; a Python-level wait such as a DCP future's is
+    interrupted), so a hung scheme becomes a crashed row."""
+
+    def __init__(self, seconds: float, what: str):
+        self.seconds, self.what = int(seconds), what
+
+    def _fire(self, *_):
+        raise TimeoutError(f"{self.what} ran past --run-timeout {self.seconds} s")
+
+    def __enter__(self):
+        if self.seconds > 0:
+            self.prev = signal.signal(signal.SIGALRM, self._fire)
+            signal.alarm(self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.seconds > 0:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, self.prev)
+        return False
 
 
 def measure_disk(d: str, json_path: str, gib: int = 8, threads: int = 4) -> int:
@@ -428,7 +507,8 @@ def restore_bench(tr, root: str, repeats: int, device: str) -> dict:
     out = {"bytes": nbytes, "nonstop_s": [], "nonstop_open_s": [], "dcp_s": [], "cold": [],
            # nonstop's split (Checkpointer.stats()): the read and verify, then
            # load_state_dict's copies into the live tensors, and where it read
-           "nonstop_read_s": [], "nonstop_apply_s": [], "nonstop_from": []}
+           "nonstop_read_s": [], "nonstop_apply_s": [], "nonstop_from": [],
+           "nonstop_h2d_wait_s": [], "nonstop_h2d_bytes": []}
     for _ in range(repeats):
         for kind in ("nonstop", "dcp"):
             cold = drop_caches()
@@ -448,6 +528,8 @@ def restore_bench(tr, root: str, repeats: int, device: str) -> dict:
                     out["nonstop_read_s"].append(st.get("restore_read_s"))
                     out["nonstop_apply_s"].append(st.get("restore_apply_s"))
                     out["nonstop_from"].append(st.get("restored_from"))
+                    out["nonstop_h2d_wait_s"].append(st.get("restore_h2d_wait_s"))
+                    out["nonstop_h2d_bytes"].append(st.get("restore_h2d_bytes"))
             else:
                 sd = suite_rounds._state_dicts(state)
                 with warnings.catch_warnings():
@@ -466,8 +548,49 @@ def restore_bench(tr, root: str, repeats: int, device: str) -> dict:
     out["nonstop_vs_dcp"] = statistics.median(out["dcp_s"]) / statistics.median(out["nonstop_s"])
     print(f"restore: nonstop {out['nonstop_vs_dcp']:.2f}x DCP load (target >= 1.2x cold); "
           f"nonstop read {out['nonstop_read_s']} s, load_state_dict {out['nonstop_apply_s']} s, "
-          f"from {out['nonstop_from']}", flush=True)
+          f"H2D wait {out['nonstop_h2d_wait_s']} s, from {out['nonstop_from']}", flush=True)
     shutil.rmtree(d, ignore_errors=True)
+    out["memory"] = memory_restore(tr, root, repeats, device)
+    return out
+
+
+def memory_restore(tr, root: str, repeats: int, device: str) -> dict:
+    """Restore from the memory tier into the live tensors: a checkpoint
+    committed only to the memory tier's segment (disk_every: the disk gets
+    it at close), restored by the same Checkpointer `repeats` times.
+    GB/s = state bytes / restore() wall time; `from` must say "memory"."""
+    import shutil
+    import statistics
+    d = os.path.join(root, "restore-memory")
+    shutil.rmtree(d, ignore_errors=True)
+    nbytes = tr.state_bytes()
+    out = {"bytes": nbytes, "s": [], "from": [], "read_s": [], "h2d_wait_s": [], "error": None}
+    try:
+        with nonstop.Checkpointer(d, {"model": tr.model, "optim": tr.opt}, every=1 << 30,
+                                  rng=False, max_in_flight=1, disk_every=1 << 20,
+                                  tier="memory") as ck:
+            ck.save(tr.step_no)
+            ck.wait()
+            for _ in range(repeats):
+                tr.sync()
+                t0 = time.perf_counter()
+                ck.restore()
+                tr.sync()
+                out["s"].append(time.perf_counter() - t0)
+                st = ck.stats()
+                out["from"].append(st.get("restored_from"))
+                out["read_s"].append(st.get("restore_read_s"))
+                out["h2d_wait_s"].append(st.get("restore_h2d_wait_s"))
+    except Exception as e:  # noqa: BLE001 -- recorded; the rest of the results stand
+        out["error"] = one_line(e)
+        print(f"restore from the memory tier: failed ({out['error']})", flush=True)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    if out["s"]:
+        out["GBps"] = nbytes / statistics.median(out["s"]) / 1e9
+        print(f"restore from the memory tier into {device} tensors: "
+              f"{statistics.median(out['s']):.3f} s, {out['GBps']:.2f} GB/s (median of "
+              f"{len(out['s'])}; from {out['from']}; target >= 10 GB/s)", flush=True)
     return out
 
 

@@ -79,6 +79,16 @@ class Saver:
     def stall_total(self) -> float:
         return self.ckpt.stats()["visible_stall_s"] if self.ckpt is not None else 0.0
 
+    def abandon(self) -> None:
+        """After a failure mid-run: lets go of what the scheme holds (its
+        engine, pinned staging, threads) without raising again."""
+        if self.ckpt is not None:
+            try:
+                self.ckpt.close()
+            except Exception:  # noqa: BLE001 -- the failure itself is what the caller reports
+                pass
+            self.ckpt = None
+
     def poll(self) -> None:
         """Notes when an asynchronous save has become durable."""
         if self.pending is not None and self.pending[1].done():
@@ -169,6 +179,9 @@ class Saver:
                 out.update(device_snapshot_capacity=st["device_snapshot_capacity"],
                            device_snapshot_note=st["device_snapshot_note"],
                            snapshot_busy=st["snapshot_busy"])
+            if st.get("disk_every", 1) != 1:  # the tiered cadence: what reached the disk
+                out.update(disk_every=st["disk_every"], persisted=st.get("persisted", 0),
+                           persist_failures=st.get("persist_failures", 0))
             out.update(medium=st.get("medium", ""), max_in_flight=st.get("max_in_flight", 1),
                        copy_engine=st.get("copy_engine", ""),
                        hook_stall_s=st.get("hook_stall_s", 0.0))
@@ -196,6 +209,15 @@ def run_one(kind: str, every: int, steps: int, step_fn, state: dict, root: str, 
     sync = sync or (lambda: None)
     t_run = time.perf_counter()
     saver = Saver(kind, state, root, max(every, 1), nonstop_opts, fsync)
+    try:
+        return _run(saver, kind, every, steps, step_fn, root, first_step, warmup, sync, t_run)
+    except BaseException:
+        saver.abandon()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _run(saver, kind, every, steps, step_fn, root, first_step, warmup, sync, t_run) -> dict:
     s = first_step
     if s == 0:  # the warm-up checkpoint follows a step (later runs: the previous run's)
         step_fn(s)

@@ -24,6 +24,17 @@
 // out. So 10,000 small tensors cost one read and one crc per chunk, not one
 // per tensor.
 //
+// Device destinations (restore into CUDA tensors): RestoreOptions::dst_devices
+// says which destinations live in device memory, and RestoreOptions::copy is
+// the CopyEngine that copies into them. A piece holding bytes of such a
+// destination is read into one of the thread's staging buffers (the copy
+// engine's AllocHost: pinned where a GPU is present, so a copy is one DMA),
+// verified, and only then handed to CopyEngine::CopyToDevice, which returns
+// at once; the thread reads its next pieces into its other buffers while
+// those copies run, and reads into a buffer again only after its copies
+// completed. Every copy is waited for before the read returns, success or
+// not, so a failed restore leaves no copy in flight.
+//
 // What the destination holds after a failure: the bytes of the pieces read so
 // far (and of a piece whose crc failed). A checksum failure is Corruption;
 // RestoreFromJobDir then reads the next older checkpoint into destinations its
@@ -38,9 +49,11 @@
 #include <string>
 #include <vector>
 
+#include "nonstop/copy_engine.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"
+#include "nonstop/types.h"
 
 namespace nonstop {
 
@@ -83,6 +96,16 @@ struct RestoreOptions {
   // ReadCheckpointInto: that O_DIRECT medium on the same file (Alignment()
   // a power of two, at most kStoreAlign), or null for buffered reads only.
   Medium* direct_medium = nullptr;
+  // ReadCheckpointInto: where each destination lives, in dst order (empty:
+  // all in host memory). A destination on a device (kind != kHost) is written
+  // only by `copy`->CopyToDevice (see "Device destinations" above), which
+  // must CanCopyToDevice it (InvalidArgument otherwise). RestoreFromJobDir
+  // takes them from its prepare callback (RestoreDestinations).
+  std::vector<Device> dst_devices;
+  CopyEngine* copy = nullptr;
+  // Staging buffers per reader thread for pieces with device bytes (at least
+  // 2: one is read into while the copies out of the others run).
+  unsigned device_buffers = 3;
 };
 
 struct RestoreStats {
@@ -94,6 +117,8 @@ struct RestoreStats {
   uint64_t retried_pieces = 0;  // O_DIRECT reads that failed, read again buffered
   double seconds = 0;           // wall time of the read
   int threads = 0;
+  uint64_t h2d_bytes = 0;       // bytes copied into device destinations
+  double h2d_wait_s = 0;        // time the threads waited for those copies (summed)
 };
 
 // Reads every tensor of committed checkpoint `info` of `file` into dst[i]
@@ -112,6 +137,14 @@ Status ReadCheckpointInto(SlotFile& file, const CheckpointInfo& info,
 // before it returns. Corruption: this checkpoint is malformed, try the next
 // older one; any other error stops the restore.
 using RestorePrepare = std::function<Result<std::vector<void*>>(const Selected&)>;
+
+// The same, for destinations some of which may live on a device: where each
+// one lives (empty: all host memory), in table order, as dst_devices.
+struct RestoreDestinations {
+  std::vector<void*> ptrs;
+  std::vector<Device> devices;
+};
+using RestorePrepareDevices = std::function<Result<RestoreDestinations>(const Selected&)>;
 
 struct RestoreResult {
   std::optional<Selected> chosen;     // empty: no checkpoint at all (a fresh start)
@@ -132,6 +165,10 @@ struct RestoreResult {
 // verifies every chunk once).
 Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
                                         const RestorePrepare& prepare,
+                                        const RestoreOptions& opts = {});
+// With device destinations (opts.copy copies into them).
+Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
+                                        const RestorePrepareDevices& prepare,
                                         const RestoreOptions& opts = {});
 
 }  // namespace nonstop

@@ -62,17 +62,19 @@ pybind11::dict InfoDict(const CheckpointInfo& info);
 void AddMemoryTierStats(pybind11::dict& d, const EngineStats& s);
 
 // Reads every tensor of checkpoint `info` of `file` into `dst` (one (pointer,
-// nbytes) per tensor in table order; pointer 0: verified, not kept) through
+// nbytes) per tensor in table order; pointer 0: verified, not kept;
+// (pointer, nbytes, device, stream): in CUDA memory, through the copy
+// engine's pinned buffers, RestoreOptions::dst_devices) through
 // the one restore path (ReadCheckpointInto) with the GIL released; a
 // destination whose nbytes differs from its tensor's is refused before any
 // read. Returns the read's stats as a dict (data_bytes, tensor_bytes,
-// direct_bytes, pieces, read_s, threads); errors name `where`
+// direct_bytes, pieces, read_s, threads, h2d_bytes, h2d_wait_s); errors name `where`
 // (restore_bindings.cc). Reader.read_into and JobDir selections' read_into.
 // data_begin/data_end: only that byte range of the data region
 // (RestoreOptions; every kept destination must lie inside it).
 pybind11::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
-                                    const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
-                                    int threads, const std::string& where,
+                                    const pybind11::sequence& dst, int threads,
+                                    const std::string& where,
                                     uint64_t data_begin = 0, uint64_t data_end = UINT64_MAX);
 
 // An agreed record (jobdir.h) from/to its dict (jobdir_bindings.cc): step,

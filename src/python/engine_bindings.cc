@@ -534,7 +534,7 @@ class PyReader {
   // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
   // data_begin/data_end: only the crc chunks of that byte range of the data
   // region (a window of a big checkpoint; every destination must lie inside).
-  py::dict ReadInto(int ckpt, const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
+  py::dict ReadInto(int ckpt, const py::sequence& dst,
                     int threads, uint64_t data_begin, uint64_t data_end) {
     if (ckpt < 0 || ckpt >= static_cast<int>(report_.checkpoints.size())) {
       throw StatusError(Status::InvalidArgument("no checkpoint #" + std::to_string(ckpt)));

@@ -56,7 +56,7 @@ class PySelected {
   // Every tensor through the one restore path (ReadCheckpointInto: each crc
   // chunk read and verified once, in parallel), without the GIL. `dst`: one
   // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
-  py::dict ReadInto(const std::vector<std::pair<uintptr_t, uint64_t>>& dst, int threads) {
+  py::dict ReadInto(const py::sequence& dst, int threads) {
     return ReadIntoDestinations(*sel_.file, sel_.info, dst, threads,
                                 jd_->path() + "/" + sel_.location.where + ": step " +
                                     std::to_string(sel_.info.step));

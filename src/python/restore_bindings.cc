@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "nonstop/copy_engine.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/restore.h"
 #include "python/bindings.h"
@@ -37,40 +38,82 @@ py::dict StatsDict(const RestoreStats& s) {
   d["retried_pieces"] = s.retried_pieces;
   d["read_s"] = s.seconds;
   d["threads"] = s.threads;
+  d["h2d_bytes"] = s.h2d_bytes;
+  d["h2d_wait_s"] = s.h2d_wait_s;
   return d;
+}
+
+// Destinations from Python, in table order: (pointer, nbytes) in host
+// memory, or (pointer, nbytes, device index, stream) in CUDA memory of that
+// device, copied there after the work enqueued on that stream (pointer 0:
+// verify only). Checked against the table's sizes.
+Result<RestoreDestinations> ParseDestinations(const py::sequence& got, const CheckpointInfo& info,
+                                              bool* any_device) {
+  if (got.size() != info.tensors.size()) {
+    return Status::InvalidArgument("got " + std::to_string(got.size()) + " destinations for " +
+                                   std::to_string(info.tensors.size()) + " tensors");
+  }
+  RestoreDestinations out;
+  out.ptrs.assign(got.size(), nullptr);
+  for (size_t i = 0; i < got.size(); ++i) {
+    const py::sequence d = got[i].cast<py::sequence>();
+    if (d.size() != 2 && d.size() != 4) {
+      return Status::InvalidArgument("a destination is (pointer, nbytes) or (pointer, nbytes, "
+                                     "device, stream)");
+    }
+    const uintptr_t ptr = d[0].cast<uintptr_t>();
+    const uint64_t nbytes = d[1].cast<uint64_t>();
+    const TensorSpec& spec = info.tensors[i].spec;
+    if (ptr != 0 && nbytes != spec.nbytes) {
+      return Status::InvalidArgument("tensor '" + spec.name + "' holds " +
+                                     std::to_string(spec.nbytes) + " bytes, its destination " +
+                                     std::to_string(nbytes));
+    }
+    out.ptrs[i] = reinterpret_cast<void*>(ptr);
+    if (d.size() == 4 && ptr != 0) {
+      if (out.devices.empty()) out.devices.resize(got.size());
+      out.devices[i] = Device{DeviceKind::kCuda, d[2].cast<int>(), d[3].cast<uintptr_t>()};
+      *any_device = true;
+    }
+  }
+  return out;
+}
+
+// The copy engine for device destinations (made once per restore call that
+// has some): the CUDA engine, or an error saying why there is none.
+Status DeviceCopyEngine(int threads, std::unique_ptr<CopyEngine>* engine) {
+  if (*engine) return Status::OK();
+  std::string note;
+  std::unique_ptr<CopyEngine> e = MakeBestCopyEngine(std::max(1, threads), &note);
+  if (!e->CanCopyToDevice(Device{DeviceKind::kCuda, 0, 0})) {
+    return Status::Unavailable("a destination is in CUDA memory and " + e->Describe() +
+                               " cannot copy into it" + (note.empty() ? "" : " (" + note + ")"));
+  }
+  *engine = std::move(e);
+  return Status::OK();
 }
 
 }  // namespace
 
-py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
-                              const std::vector<std::pair<uintptr_t, uint64_t>>& dst,
+py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info, const py::sequence& dst,
                               int threads, const std::string& where, uint64_t data_begin,
                               uint64_t data_end) {
-  if (dst.size() != info.tensors.size()) {
-    throw StatusError(Status::InvalidArgument("read_into got " + std::to_string(dst.size()) +
-                                              " destinations for " +
-                                              std::to_string(info.tensors.size()) + " tensors"));
-  }
-  std::vector<void*> ptrs(dst.size(), nullptr);
-  for (size_t i = 0; i < dst.size(); ++i) {
-    const TensorSpec& spec = info.tensors[i].spec;
-    if (dst[i].first != 0 && dst[i].second != spec.nbytes) {
-      throw StatusError(Status::InvalidArgument("tensor '" + spec.name + "' holds " +
-                                                std::to_string(spec.nbytes) +
-                                                " bytes, its destination " +
-                                                std::to_string(dst[i].second)));
-    }
-    ptrs[i] = reinterpret_cast<void*>(dst[i].first);
-  }
+  bool any_device = false;
+  Result<RestoreDestinations> d = ParseDestinations(dst, info, &any_device);
+  if (!d.ok()) throw StatusError(Status(d.status().code(), "read_into " + d.status().message()));
   RestoreOptions opts;
   opts.threads = std::max(1, threads);
   opts.data_begin = data_begin;
   opts.data_end = data_end;
+  opts.dst_devices = d->devices;
   RestoreStats st;
   Status s;
   {
     py::gil_scoped_release release;
-    s = ReadCheckpointInto(file, info, ptrs, opts, &st);
+    std::unique_ptr<CopyEngine> copy;
+    if (any_device) s = DeviceCopyEngine(opts.threads, &copy);
+    opts.copy = copy.get();
+    if (s.ok()) s = ReadCheckpointInto(file, info, d->ptrs, opts, &st);
   }
   if (!s.ok()) throw StatusError(s.Annotate(where));
   return StatsDict(st);
@@ -82,7 +125,8 @@ namespace {
 //         progress=None, exclude=[], direct=True) -> dict or None (no checkpoint)
 //   exclude: counters the caller found unusable (skipped as damaged).
 //   prepare(info: dict) -> [(ptr, nbytes), ...] in info["tensors"] order
-//     (ptr 0: verify that tensor, keep nothing), or a str: this checkpoint
+//     (ptr 0: verify that tensor, keep nothing; (ptr, nbytes, device, stream):
+//     in CUDA memory, copied there through pinned buffers), or a str: this checkpoint
 //     is malformed (the str says why), try the next older one. An exception
 //     stops the restore and is raised as it is.
 //   progress(done_bytes, total_bytes) -> falsy to cancel (None goes on).
@@ -97,38 +141,35 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
     jd = Take(JobDir::OpenForRead(path));
   }
   PendingError pending;
-  RestorePrepare prep = [&](const Selected& s) -> Result<std::vector<void*>> {
-    py::gil_scoped_acquire gil;
-    try {
-      py::dict info = InfoDict(s.info);
-      info["where"] = s.location.where;
-      info["keep"] = s.location.keep;
-      py::object answer = prepare(info);
-      if (py::isinstance<py::str>(answer)) return Status::Corruption(answer.cast<std::string>());
-      py::list got = answer.cast<py::list>();
-      if (got.size() != s.info.tensors.size()) {
-        return Status::InvalidArgument("prepare gave " + std::to_string(got.size()) +
-                                       " destinations for " +
-                                       std::to_string(s.info.tensors.size()) + " tensors");
-      }
-      std::vector<void*> dst(got.size(), nullptr);
-      for (size_t i = 0; i < got.size(); ++i) {
-        auto [ptr, nbytes] = got[i].cast<std::pair<uintptr_t, uint64_t>>();
-        const TensorSpec& spec = s.info.tensors[i].spec;
-        if (ptr != 0 && nbytes != spec.nbytes) {
-          return Status::InvalidArgument("tensor '" + spec.name + "' holds " +
-                                         std::to_string(spec.nbytes) + " bytes, its destination " +
-                                         std::to_string(nbytes));
-        }
-        dst[i] = reinterpret_cast<void*>(ptr);
-      }
-      return dst;
-    } catch (py::error_already_set& e) {
-      pending.error = std::move(e);
-      return Status::Aborted("restore stopped by its prepare callback");
-    }
-  };
+  // The copy engine for CUDA destinations, made at the first checkpoint that has some.
+  std::unique_ptr<CopyEngine> copy;
   RestoreOptions opts;
+  RestorePrepareDevices prep = [&](const Selected& s) -> Result<RestoreDestinations> {
+    bool any_device = false;
+    std::optional<Result<RestoreDestinations>> dst;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        py::dict info = InfoDict(s.info);
+        info["where"] = s.location.where;
+        info["keep"] = s.location.keep;
+        py::object answer = prepare(info);
+        if (py::isinstance<py::str>(answer)) return Status::Corruption(answer.cast<std::string>());
+        dst.emplace(ParseDestinations(answer.cast<py::sequence>(), s.info, &any_device));
+        if (!dst->ok()) {
+          return Status(dst->status().code(), "prepare " + dst->status().message());
+        }
+      } catch (py::error_already_set& e) {
+        pending.error = std::move(e);
+        return Status::Aborted("restore stopped by its prepare callback");
+      }
+    }
+    if (any_device) {
+      NONSTOP_RETURN_IF_ERROR(DeviceCopyEngine(opts.threads, &copy));
+      opts.copy = copy.get();
+    }
+    return std::move(*dst);
+  };
   opts.threads = threads;
   opts.direct = direct;
   // NONSTOP_RESTORE_QUEUE: O_DIRECT reads in flight (RestoreOptions::queue_depth),

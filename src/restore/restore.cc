@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -23,13 +24,31 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// A heap buffer aligned for any medium (O_DIRECT included).
+// A buffer aligned for any medium (O_DIRECT included): from the heap, or,
+// with a copy engine (device destinations), its staging memory (AllocHost:
+// pinned where a GPU is present, page-aligned).
 class Buffer {
  public:
-  explicit Buffer(size_t n) : n_((n + kStoreAlign - 1) / kStoreAlign * kStoreAlign) {
-    if (posix_memalign(&p_, kStoreAlign, n_) != 0) p_ = nullptr;
+  explicit Buffer(size_t n, CopyEngine* host = nullptr)
+      : n_((n + kStoreAlign - 1) / kStoreAlign * kStoreAlign), host_(host) {
+    if (host_ != nullptr) {
+      bool pinned = false;
+      p_ = host_->AllocHost(n_, &pinned);
+      if (p_ != nullptr && reinterpret_cast<uintptr_t>(p_) % kStoreAlign != 0) {
+        host_->FreeHost(p_, n_);
+        p_ = nullptr;
+      }
+    } else if (posix_memalign(&p_, kStoreAlign, n_) != 0) {
+      p_ = nullptr;
+    }
   }
-  ~Buffer() { std::free(p_); }
+  ~Buffer() {
+    if (host_ != nullptr) {
+      if (p_ != nullptr) host_->FreeHost(p_, n_);
+    } else {
+      std::free(p_);
+    }
+  }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   uint8_t* data() { return static_cast<uint8_t*>(p_); }
@@ -38,6 +57,26 @@ class Buffer {
  private:
   void* p_ = nullptr;
   size_t n_;
+  CopyEngine* host_;
+};
+
+// A staging buffer and the device copies still reading out of it. It is
+// read into again only after those completed; the destructor waits for
+// them (a failed restore leaves no copy in flight), then frees the buffer.
+struct Staged {
+  std::unique_ptr<Buffer> buf;
+  std::vector<std::unique_ptr<CopyCompletion>> copies;
+  Staged() = default;
+  Staged(Staged&&) = default;
+  Staged& operator=(Staged&&) = delete;
+  ~Staged() {
+    for (auto& c : copies) {
+      if (c) {
+        Status s = c->Wait();
+        (void)s;
+      }
+    }
+  }
 };
 
 // One read: whole crc chunks [first_chunk, end_chunk) = bytes [begin, end).
@@ -62,6 +101,24 @@ class Reading {
       return Status::InvalidArgument("restore of " + Describe(info_) + " got " +
                                      std::to_string(dst_.size()) + " destinations for " +
                                      std::to_string(info_.tensors.size()) + " tensors");
+    }
+    // Device destinations: each one the copy engine can copy into.
+    const std::vector<Device>& devs = opts_.dst_devices;
+    if (!devs.empty() && devs.size() != dst_.size()) {
+      return Status::InvalidArgument("restore of " + Describe(info_) + " got " +
+                                     std::to_string(devs.size()) + " destination devices for " +
+                                     std::to_string(dst_.size()) + " destinations");
+    }
+    for (size_t i = 0; i < devs.size(); ++i) {
+      if (dst_[i] == nullptr || devs[i].kind == DeviceKind::kHost) continue;
+      if (opts_.copy == nullptr || !opts_.copy->CanCopyToDevice(devs[i])) {
+        return Status::InvalidArgument(
+            "restore of " + Describe(info_) + ": tensor '" + info_.tensors[i].spec.name +
+            "' goes to device memory, and " +
+            (opts_.copy == nullptr ? std::string("no copy engine was given")
+                                   : opts_.copy->Describe() + " cannot copy into it"));
+      }
+      on_device_ = true;
     }
     if (cb == 0 || info_.chunk_crcs.size() != (info_.data_bytes + cb - 1) / cb) {
       return Status::Corruption(Describe(info_) + " has no valid chunk checksums");
@@ -173,6 +230,8 @@ class Reading {
       stats->retried_pieces = retried_pieces_.load();
       stats->seconds = Since(t0);
       stats->threads = threads;
+      stats->h2d_bytes = h2d_bytes_.load();
+      stats->h2d_wait_s = static_cast<double>(h2d_wait_ns_.load()) / 1e9;
     }
     return error_;
   }
@@ -231,20 +290,44 @@ class Reading {
     return !(cached.ok() && cached.value() >= len);
   }
 
+  bool OnDevice(size_t i) const {
+    return !opts_.dst_devices.empty() && opts_.dst_devices[i].kind != DeviceKind::kHost;
+  }
+
   // Where an O_DIRECT read of piece `p` (`rlen` bytes, the medium's
   // alignment `a`) may land straight in its tensor: the tensor's memory, or
-  // null (then it goes through a bounce buffer and is copied out).
+  // null (then it goes through a bounce buffer and is copied out; always for
+  // a tensor in device memory).
   uint8_t* StraightInto(const Piece& p, uint64_t rlen, uint64_t a) const {
     const int cover = Covering(p.begin, p.end);
-    if (cover < 0 || dst_[cover] == nullptr || rlen != p.end - p.begin) return nullptr;
+    if (cover < 0 || dst_[cover] == nullptr || OnDevice(cover) || rlen != p.end - p.begin) {
+      return nullptr;
+    }
     uint8_t* out = static_cast<uint8_t*>(dst_[cover]) + (p.begin - info_.tensors[cover].data_offset);
     return reinterpret_cast<uintptr_t>(out) % a == 0 ? out : nullptr;
   }
 
+  // Waits for the device copies out of a staging buffer (before it is read
+  // into again, or at the end).
+  Status WaitCopies(Staged& s) {
+    if (s.copies.empty()) return Status::OK();
+    const auto w0 = Clock::now();
+    Status st;
+    for (auto& c : s.copies) {
+      Status cs = c->Wait();
+      if (st.ok() && !cs.ok()) st = cs.Annotate("copying " + Describe(info_) + " to the device");
+    }
+    s.copies.clear();
+    h2d_wait_ns_ += static_cast<uint64_t>(Since(w0) * 1e9);
+    return st;
+  }
+
   // Piece `p` has arrived at `at` (its tensor's memory when `in_tensor`,
   // else a bounce buffer): verifies its chunks, then copies every
-  // overlapping tensor's part out of the buffer.
-  Status Finish(const Piece& p, const uint8_t* at, bool in_tensor) {
+  // overlapping tensor's part out of the buffer: memcpy into host memory,
+  // CopyToDevice into device memory (its completion kept in `staged`, whose
+  // buffer `at` is, until it is waited for).
+  Status Finish(const Piece& p, const uint8_t* at, bool in_tensor, Staged* staged) {
     NONSTOP_RETURN_IF_ERROR(Verify(p, at));
     const uint64_t len = p.end - p.begin;
     if (in_tensor) {
@@ -263,8 +346,15 @@ class Reading {
       const uint64_t lo = std::max(te.data_offset, p.begin);
       const uint64_t hi = std::min(te.data_offset + te.spec.nbytes, p.end);
       if (lo >= hi || dst_[*it] == nullptr) continue;
-      std::memcpy(static_cast<uint8_t*>(dst_[*it]) + (lo - te.data_offset), at + (lo - p.begin),
-                  hi - lo);
+      uint8_t* to = static_cast<uint8_t*>(dst_[*it]) + (lo - te.data_offset);
+      if (OnDevice(*it)) {
+        if (staged == nullptr) return Status::Internal("a device copy out of an unstaged buffer");
+        staged->copies.push_back(
+            opts_.copy->CopyToDevice(at + (lo - p.begin), to, opts_.dst_devices[*it], hi - lo));
+        h2d_bytes_ += hi - lo;
+      } else {
+        std::memcpy(to, at + (lo - p.begin), hi - lo);
+      }
       copied += hi - lo;
     }
     tensor_bytes_ += copied;
@@ -272,17 +362,19 @@ class Reading {
   }
 
   // Reads piece `p` through `m` in one call (buffered: the slot file's own
-  // medium) and verifies it; counts it only when it succeeded.
-  Status ReadPieceVia(Medium& m, const Piece& p, Buffer& buf) {
+  // medium) and verifies it; counts it only when it succeeded. `s`'s buffer
+  // is the bounce buffer; its earlier copies are waited for first.
+  Status ReadPieceVia(Medium& m, const Piece& p, Staged& s) {
     const uint64_t len = p.end - p.begin;
     const uint64_t a = std::max<uint64_t>(1, m.Alignment());
     const uint64_t rlen = (len + a - 1) / a * a;  // what the medium reads (its alignment)
     if (uint8_t* out = StraightInto(p, rlen, a)) {
       NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, out, len));
-      return Finish(p, out, true);
+      return Finish(p, out, true, nullptr);
     }
-    NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, buf.data(), rlen));
-    return Finish(p, buf.data(), false);
+    NONSTOP_RETURN_IF_ERROR(WaitCopies(s));
+    NONSTOP_RETURN_IF_ERROR(m.Read(info_.data_offset + p.begin, s.buf->data(), rlen));
+    return Finish(p, s.buf->data(), false, &s);
   }
 
   // One reader thread (Pump, then the count of finished threads). Pieces are taken in file order from the shared
@@ -300,12 +392,22 @@ class Reading {
   }
 
   Status Pump(uint64_t buf_bytes, unsigned depth) {
-    Buffer scratch(buf_bytes);
-    if (!scratch.ok()) return Status::Internal("out of memory for a restore buffer");
+    // With device destinations every buffer is the copy engine's staging
+    // memory, and the buffered reads rotate over `ring` buffers, so that the
+    // copies out of one run while the next are read.
+    CopyEngine* host = on_device_ ? opts_.copy : nullptr;
+    const unsigned ring = on_device_ ? std::max(2u, opts_.device_buffers) : 1;
     // Declared before the queue, so freed after it: its destructor waits for
-    // the reads still in flight into them (and into tensors).
-    std::vector<std::unique_ptr<Buffer>> bufs;
-    std::vector<unsigned> free_bufs;
+    // the reads still in flight into them (and into tensors); each Staged
+    // waits for its device copies before its buffer is freed.
+    std::vector<Staged> scratch(ring);
+    for (Staged& s : scratch) {
+      s.buf = std::make_unique<Buffer>(buf_bytes, host);
+      if (!s.buf->ok()) return Status::Internal("out of memory for a restore buffer");
+    }
+    unsigned next_scratch = 0;
+    std::vector<Staged> bufs;
+    std::deque<unsigned> free_bufs;  // oldest first: its copies are the likeliest done
     std::vector<size_t> flight_piece;  // by buffer: the piece its read is for
     std::vector<uint8_t*> flight_at;   // and where it lands
     std::unique_ptr<ReadQueue> q;
@@ -313,10 +415,11 @@ class Reading {
     if (depth > 0 && opts_.direct_medium != nullptr) {
       q = opts_.direct_medium->OpenReadQueue(depth);
       a = std::max<uint64_t>(1, opts_.direct_medium->Alignment());
+      bufs.resize(q->depth());
       for (unsigned i = 0; i < q->depth(); ++i) {
-        bufs.push_back(std::make_unique<Buffer>(buf_bytes));
-        if (!bufs.back()->ok()) return Status::Internal("out of memory for a restore buffer");
-        free_bufs.push_back(q->depth() - 1 - i);
+        bufs[i].buf = std::make_unique<Buffer>(buf_bytes, host);
+        if (!bufs[i].buf->ok()) return Status::Internal("out of memory for a restore buffer");
+        free_bufs.push_back(i);
       }
       flight_piece.resize(q->depth());
       flight_at.resize(q->depth());
@@ -332,19 +435,22 @@ class Reading {
         const Piece& p = pieces_[k];
         const uint64_t len = p.end - p.begin;
         if (q != nullptr && UseDirect(p)) {
-          const unsigned b = free_bufs.back();
+          const unsigned b = free_bufs.front();
+          NONSTOP_RETURN_IF_ERROR(WaitCopies(bufs[b]));  // read into again only after
           const uint64_t rlen = (len + a - 1) / a * a;
           uint8_t* at = StraightInto(p, rlen, a);
-          if (at == nullptr) at = bufs[b]->data();
+          if (at == nullptr) at = bufs[b].buf->data();
           if (q->Submit(info_.data_offset + p.begin, at, rlen, b).ok()) {
-            free_bufs.pop_back();
+            free_bufs.pop_front();
             flight_piece[b] = k;
             flight_at[b] = at;
             continue;
           }
           ++retried_pieces_;  // not started: read buffered below
         }
-        Status st = ReadPieceVia(file_.medium(), p, scratch);
+        Staged& s = scratch[next_scratch];
+        next_scratch = (next_scratch + 1) % ring;
+        Status st = ReadPieceVia(file_.medium(), p, s);
         if (!st.ok()) return st;
         done_bytes_ += len;
       }
@@ -357,19 +463,23 @@ class Reading {
       const unsigned b = static_cast<unsigned>(got->tag);
       const Piece& p = pieces_[flight_piece[b]];
       Status st = got->status;
-      if (st.ok()) st = Finish(p, flight_at[b], flight_at[b] != bufs[b]->data());
+      const bool in_tensor = flight_at[b] != bufs[b].buf->data();
+      if (st.ok()) st = Finish(p, flight_at[b], in_tensor, in_tensor ? nullptr : &bufs[b]);
       if (st.ok()) {
         odirect_bytes_ += p.end - p.begin;
       } else {
         // Failed or not verified: read again buffered, so that only the
         // slot file's own bytes can fail the restore.
         ++retried_pieces_;
-        st = ReadPieceVia(file_.medium(), p, *bufs[b]);
+        st = ReadPieceVia(file_.medium(), p, bufs[b]);
       }
       free_bufs.push_back(b);
       if (!st.ok()) return st;
       done_bytes_ += p.end - p.begin;
     }
+    // Every device copy done (and its error seen) before the read counts as done.
+    for (Staged& s : scratch) NONSTOP_RETURN_IF_ERROR(WaitCopies(s));
+    for (Staged& s : bufs) NONSTOP_RETURN_IF_ERROR(WaitCopies(s));
     return Status::OK();
   }
 
@@ -384,6 +494,8 @@ class Reading {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> done_bytes_{0}, tensor_bytes_{0}, direct_bytes_{0};
   std::atomic<uint64_t> odirect_bytes_{0}, retried_pieces_{0};
+  std::atomic<uint64_t> h2d_bytes_{0}, h2d_wait_ns_{0};
+  bool on_device_ = false;  // some destination is in device memory (Check)
   std::mutex mu_;
   std::condition_variable cv_;
   int finished_ = 0;
@@ -425,6 +537,19 @@ Status ReadCheckpointInto(SlotFile& file, const CheckpointInfo& info, const std:
 
 Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
                                         const RestorePrepare& prepare, const RestoreOptions& opts) {
+  return RestoreFromJobDir(
+      jd, rank, std::move(select),
+      RestorePrepareDevices([&](const Selected& s) -> Result<RestoreDestinations> {
+        Result<std::vector<void*>> got = prepare(s);
+        if (!got.ok()) return got.status();
+        return RestoreDestinations{std::move(got).value(), {}};
+      }),
+      opts);
+}
+
+Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
+                                        const RestorePrepareDevices& prepare,
+                                        const RestoreOptions& opts) {
   const auto t0 = Clock::now();
   select.verify_data = false;  // the read below verifies every chunk, once
   RestoreResult out;
@@ -454,12 +579,13 @@ Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions sele
     }
     Selected& s = *sel.chosen;
     const std::string where = jd.path() + "/" + s.location.where + ": " + Describe(s.info);
-    Result<std::vector<void*>> dst = prepare(s);
+    Result<RestoreDestinations> dst = prepare(s);
     Status st = dst.ok() ? Status::OK() : dst.status();
     if (st.ok()) {
       ++out.attempts;
       written = true;
       RestoreOptions o = opts;
+      o.dst_devices = dst->devices;
       std::unique_ptr<Medium> direct;
       if (opts.direct && opts.direct_medium == nullptr) {
         // The same file again, with O_DIRECT; where that is refused, buffered only.
@@ -469,7 +595,7 @@ Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions sele
           o.direct_medium = direct.get();
         }
       }
-      st = ReadCheckpointInto(*s.file, s.info, *dst, o, &out.stats);
+      st = ReadCheckpointInto(*s.file, s.info, dst->ptrs, o, &out.stats);
       if (!st.ok() && !jd.writable() && superseded_retries < 3) {
         // A reader beside a live writer: the slot may have been reused
         // while it was read. Then that is no damage: select again.

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <fstream>
@@ -511,6 +512,229 @@ TEST_F(RestoreTest, EmptyDirectoryIsAFreshStart) {
   });
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_FALSE(r->chosen.has_value());
+}
+
+// A copy engine whose "device" is host memory and whose host-to-device
+// copies are lazy, like a DMA that has not run yet: a copy moves its bytes
+// only when it is waited for. A staging buffer read into again before its
+// copies completed therefore shows (its bytes changed since the copy was
+// issued: `changed_under_copy`, and the destination gets the new bytes).
+class LazyDeviceEngine : public CopyEngine {
+ public:
+  class Lazy : public CopyCompletion {
+   public:
+    Lazy(LazyDeviceEngine* e, const void* src, void* dst, size_t n)
+        : e_(e), src_(src), dst_(dst), n_(n),
+          at_issue_(static_cast<const uint8_t*>(src), static_cast<const uint8_t*>(src) + n) {}
+    ~Lazy() override {
+      if (!done_) e_->never_waited++;
+    }
+    Status Wait() override {
+      if (!done_) {
+        if (std::memcmp(src_, at_issue_.data(), n_) != 0) e_->changed_under_copy++;
+        std::memcpy(dst_, src_, n_);
+        done_ = true;
+        e_->outstanding--;
+      }
+      return e_->fail ? Status::IOError("lazy fake: the copy failed") : Status::OK();
+    }
+    bool Ready() override { return done_; }
+
+   private:
+    LazyDeviceEngine* e_;
+    const void* src_;
+    void* dst_;
+    size_t n_;
+    std::vector<uint8_t> at_issue_;
+    bool done_ = false;
+  };
+
+  std::unique_ptr<CopyCompletion> Copy(const void*, const Device&, void*, size_t) override {
+    return MakeDoneCopy(Status::Unavailable("not used by the restore"));
+  }
+  void* AllocHost(size_t bytes, bool* pinned) override {
+    if (pinned != nullptr) *pinned = true;
+    staging_allocs++;
+    return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  }
+  void FreeHost(void* p, size_t) override { std::free(p); }
+  std::string Describe() const override { return "lazy fake device engine"; }
+  bool CanCopyToDevice(const Device& d) const override { return d.kind == DeviceKind::kCuda; }
+  std::unique_ptr<CopyCompletion> CopyToDevice(const void* src, void* dst, const Device& d,
+                                               size_t bytes) override {
+    EXPECT_EQ(d.kind, DeviceKind::kCuda);
+    const int now = ++outstanding;
+    for (int m = max_outstanding.load(); now > m && !max_outstanding.compare_exchange_weak(m, now);) {
+    }
+    copies++;
+    return std::make_unique<Lazy>(this, src, dst, bytes);
+  }
+
+  std::atomic<int> outstanding{0}, max_outstanding{0}, changed_under_copy{0}, never_waited{0};
+  std::atomic<int> copies{0}, staging_allocs{0};
+  std::atomic<bool> fail{false};
+};
+
+// Every other tensor of `info` on the "device" (its destination written only
+// by CopyToDevice); the bytes expected there.
+std::vector<Device> EveryOtherOnDevice(const CheckpointInfo& info, uint64_t* device_bytes) {
+  std::vector<Device> devs(info.tensors.size());
+  *device_bytes = 0;
+  for (size_t i = 0; i < devs.size(); i += 2) {
+    devs[i] = Device{DeviceKind::kCuda, 0, 0};
+    *device_bytes += info.tensors[i].spec.nbytes;
+  }
+  return devs;
+}
+
+// Two 160 KiB tensors: ten 16 KiB crc chunks each, so a piece of one chunk
+// lies inside one tensor and carries one copy.
+TestCheckpoint TwoBigTensors(int64_t step) {
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 2; ++i) {
+    TensorSpec s;
+    s.name = "layer" + std::to_string(i) + ".weight";
+    s.dtype = DType::kFloat32;
+    s.shape = {40960};
+    s.nbytes = 40960 * 4;
+    specs.push_back(s);
+  }
+  TestCheckpoint c;
+  c.step = step;
+  c.layout = SlotLayout::Plan(specs).value();
+  c.data.assign(c.layout.data_bytes, 0);
+  for (size_t i = 0; i < c.layout.tensors.size(); ++i) {
+    testing::FillTensor(step, i, c.data.data() + c.layout.tensors[i].data_offset,
+                        c.layout.tensors[i].spec.nbytes);
+  }
+  c.crcs = testing::ChunkCrcs(c.data, testing::kTestCrcChunk);
+  c.meta_json = "{}";
+  return c;
+}
+
+// Restore into device memory (docs/CUDA.md "Restore into CUDA tensors"):
+// pieces with device bytes go through the copy engine's staging buffers,
+// are verified, then copied; a buffer is read into again only after its
+// copies completed; reads overlap earlier pieces' copies; every copy is
+// waited for before the read returns; host tensors beside them as before.
+TEST_F(RestoreTest, DeviceDestinationsGoThroughStagingCopiesOverlappingTheReads) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const TestCheckpoint c = MakeCheckpoint(8);
+  const CheckpointInfo info = Commit(*f, c, 8);
+  for (uint64_t piece : {uint64_t{16 << 10}, uint64_t{48 << 10}, uint64_t{8 << 20}}) {
+    for (int threads : {1, 3}) {
+      LazyDeviceEngine e;
+      Dest d(info);
+      RestoreOptions o;
+      o.piece_bytes = piece;
+      o.threads = threads;
+      uint64_t device_bytes = 0;
+      o.dst_devices = EveryOtherOnDevice(info, &device_bytes);
+      o.copy = &e;
+      RestoreStats st;
+      ASSERT_TRUE(ReadCheckpointInto(*f, info, d.ptrs, o, &st).ok());
+      const std::string at = "piece " + std::to_string(piece) + " threads " + std::to_string(threads);
+      EXPECT_TRUE(Holds(d, c)) << at;
+      EXPECT_EQ(st.h2d_bytes, device_bytes) << at;
+      EXPECT_EQ(e.outstanding.load(), 0) << at << ": a copy was still in flight at the return";
+      EXPECT_EQ(e.never_waited.load(), 0) << at;
+      EXPECT_EQ(e.changed_under_copy.load(), 0) << at << ": a buffer was read into under a copy";
+      EXPECT_GT(e.staging_allocs.load(), 0) << at << ": device pieces staged in the engine's memory";
+    }
+  }
+  // One chunk per piece, one thread, every byte on the device, one copy per
+  // piece: a copy is issued while the earlier pieces' copies have not
+  // completed (the reads overlap the copies), and yet no buffer is read into
+  // under a copy.
+  const TestCheckpoint big = TwoBigTensors(9);
+  const CheckpointInfo bi = Commit(*f, big, 9);
+  LazyDeviceEngine e;
+  Dest d(bi);
+  RestoreOptions o;
+  o.piece_bytes = 16 << 10;
+  o.threads = 1;
+  o.dst_devices.assign(bi.tensors.size(), Device{DeviceKind::kCuda, 0, 0});
+  o.copy = &e;
+  RestoreStats st;
+  ASSERT_TRUE(ReadCheckpointInto(*f, bi, d.ptrs, o, &st).ok());
+  EXPECT_TRUE(Holds(d, big));
+  EXPECT_EQ(e.copies.load(), 20);
+  EXPECT_GE(e.max_outstanding.load(), 2) << "each piece's copies were waited before the next read";
+  EXPECT_EQ(e.changed_under_copy.load(), 0);
+  EXPECT_EQ(st.h2d_bytes, 2u * 40960 * 4);
+}
+
+// A device destination the engine cannot copy into is refused before any
+// read; a failed copy fails the read, with no copy left in flight.
+TEST_F(RestoreTest, DeviceDestinationsRefusedWithoutAnEngineAndFailedCopiesFail) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const TestCheckpoint c = MakeCheckpoint(5);
+  const CheckpointInfo info = Commit(*f, c, 5);
+  uint64_t device_bytes = 0;
+  RestoreOptions o;
+  o.dst_devices = EveryOtherOnDevice(info, &device_bytes);
+  Dest d(info);
+  Status s = ReadCheckpointInto(*f, info, d.ptrs, o);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_EQ(d.bufs[1], std::vector<uint8_t>(d.bufs[1].size(), 0xEE));
+  // Small pieces (a failed copy seen when its buffer is reused) and one
+  // piece for the whole checkpoint (seen only by the final wait).
+  for (uint64_t piece : {uint64_t{16 << 10}, uint64_t{8 << 20}}) {
+    LazyDeviceEngine e;
+    e.fail = true;
+    o.copy = &e;
+    o.piece_bytes = piece;
+    s = ReadCheckpointInto(*f, info, d.ptrs, o);
+    EXPECT_EQ(s.code(), StatusCode::kIOError) << "piece " << piece << ": " << s.ToString();
+    EXPECT_EQ(e.outstanding.load(), 0);
+    EXPECT_EQ(e.never_waited.load(), 0);
+  }
+}
+
+// RestoreFromJobDir with device destinations from prepare: the newest
+// checkpoint fails its checksum mid-read (some of its bytes already copied to
+// the device), the older one is read into the same memory; O_DIRECT reads
+// (the queue's buffers) where the file system allows them.
+TEST_F(RestoreTest, DeviceDestinationsFallBackToTheOlderCheckpoint) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const fs::path slot = root_ / JobDirNames::Slot(0);
+  const TestCheckpoint older = MakeCheckpoint(6);
+  const CheckpointInfo ni = CommitOlderAndDamagedNewer(*f, older);
+  auto reader = JobDir::OpenForRead(root_.string()).value();
+  for (bool direct : {false, true}) {
+    if (direct && !DirectWorks(slot)) continue;
+    LazyDeviceEngine e;
+    Dest d(ni);
+    RestoreOptions o;
+    o.direct = direct;
+    o.threads = 2;
+    o.piece_bytes = 16 << 10;
+    o.copy = &e;
+    std::vector<int64_t> prepared;
+    auto r = RestoreFromJobDir(*reader, 0, {},
+                               RestorePrepareDevices([&](const Selected& s)
+                                                         -> Result<RestoreDestinations> {
+                                 prepared.push_back(s.info.step);
+                                 if (direct) DropCache(slot);
+                                 uint64_t n = 0;
+                                 return RestoreDestinations{d.ptrs, EveryOtherOnDevice(s.info, &n)};
+                               }),
+                               o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_TRUE(r->chosen.has_value());
+    EXPECT_EQ(r->chosen->info.step, 6);
+    EXPECT_EQ(prepared, (std::vector<int64_t>{7, 6}));
+    EXPECT_TRUE(Holds(d, older)) << "direct " << direct;
+    EXPECT_GT(r->stats.h2d_bytes, 0u);
+    EXPECT_EQ(e.outstanding.load(), 0);
+    EXPECT_EQ(e.changed_under_copy.load(), 0);
+    if (direct) {
+      EXPECT_GT(r->stats.odirect_bytes, 0u);
+    }
+  }
 }
 
 }  // namespace

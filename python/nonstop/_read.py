@@ -114,9 +114,14 @@ def restore_direct() -> bool:
 def destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
     """(name -> tensor, [(data pointer, nbytes)] in table order) for a
     checkpoint's tensors: the live tensor where one of the same name, shape
-    and dtype is a contiguous CPU tensor whose memory no other destination
+    and dtype is a contiguous tensor whose memory no other destination
     shares (tied weights: the second gets its own), else a new one. A spec
-    that is None gets no tensor (destination (0, 0): verified, not kept)."""
+    that is None gets no tensor (destination (0, 0): verified, not kept).
+    A live CUDA tensor (in a build with CUDA) is a destination too:
+    (pointer, nbytes, device index, current stream), which the C++ restore
+    path fills through pinned buffers and host-to-device copies
+    (RestoreOptions::dst_devices, docs/CUDA.md "Restore into CUDA tensors")
+    instead of a host tensor copied by load_state_dict afterwards."""
     tensors: dict = {}
     dests = []
     # Live tensors that fit, then those whose memory overlaps an earlier one's dropped.
@@ -144,15 +149,26 @@ def destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
         tensors[spec["name"]] = t
         if not nbytes:
             dests.append((0, 0))
+        elif not as_numpy and t.device.type == "cuda":
+            dests.append((t.data_ptr(), nbytes, t.device.index,
+                          torch.cuda.current_stream(t.device).cuda_stream))
         else:
             dests.append((t.ctypes.data if as_numpy else t.data_ptr(), nbytes))
     return tensors, dests
 
 
 def _fits_live(t, code: int, shape: list) -> bool:
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and _restorable_device(t)
             and t.is_contiguous() and not t.is_conj() and not t.is_neg()
             and list(t.shape) == list(shape) and _state.torch_dtype_code(t.dtype) == code)
+
+
+def _restorable_device(t) -> bool:
+    """Whether the C++ restore path can write `t`'s memory: a CPU tensor, or a
+    CUDA tensor when this build has the CUDA copy engine."""
+    if t.device.type == "cpu":
+        return True
+    return t.device.type == "cuda" and _ext.core().built_with_cuda()
 
 
 def new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):

@@ -76,7 +76,7 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     include/nonstop/restore.h): selection through the job directory (lineage
     honoured), every crc chunk read and verified once, in parallel, straight
     into the tensors. `live` (name -> tensor): the live state's tensors;
-    where a checkpoint tensor's name, shape and dtype match a contiguous CPU
+    where a checkpoint tensor's name, shape and dtype match a contiguous CPU (or CUDA)
     one, it is read straight into that tensor's memory, after prepare()
     checked everything. A checksum failure mid-read falls back to the next
     older checkpoint, read into the same tensors. `stats`, when given, is
@@ -173,6 +173,8 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
                                    if got["restore_s"] > 0 else 0.0),
                      restore_direct_bytes=st["direct_bytes"],
                      restore_odirect_bytes=st.get("odirect_bytes", 0),
+                     restore_h2d_bytes=st.get("h2d_bytes", 0),
+                     restore_h2d_wait_s=st.get("h2d_wait_s", 0.0),
                      restore_attempts=got["attempts"],
                      restore_step=int(got["step"]))
     return loaded
@@ -243,6 +245,8 @@ def read_reader(reader, path: str, rank: int, step: Optional[int], world_size: O
                 took = time.perf_counter() - t0
                 stats.update(restore_read_s=read_stats["read_s"], restore_bytes=nbytes,
                              restore_direct_bytes=read_stats["direct_bytes"],
+                             restore_h2d_bytes=read_stats.get("h2d_bytes", 0),
+                             restore_h2d_wait_s=read_stats.get("h2d_wait_s", 0.0),
                              restore_GBps=nbytes / took / 1e9 if took > 0 else 0.0,
                              restore_step=int(info["step"]))
             if prepare is not None and into is None:

@@ -82,6 +82,8 @@ def test_restore_reads_into_the_live_tensors_and_reports_it(tmp_path, monkeypatc
     assert 0 <= st["restore_apply_s"] <= st["restore_total_s"] - st["restore_s"]
     # The 16 MiB weight went from the file into the model's own tensor.
     assert st["restore_direct_bytes"] >= 8 << 20
+    # Host tensors: nothing went through host-to-device copies.
+    assert st["restore_h2d_bytes"] == 0 and st["restore_h2d_wait_s"] == 0
     # The optimizer state came back too, and the next step works.
     assert len(opt.state) == len(list(model.parameters()))
     train_step(model, opt)
@@ -170,3 +172,25 @@ def test_load_hooks_still_run_when_tensors_are_read_in_place(tmp_path):
         for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
             assert torch.equal(a, b)
     assert calls == [hooked[1]]
+
+
+def test_a_cuda_destination_without_a_usable_device_is_refused_before_any_read(tmp_path):
+    # (pointer, nbytes, device, stream): a destination in CUDA memory, written
+    # only through the CUDA copy engine (docs/CUDA.md "Restore into CUDA
+    # tensors"). Here no device is usable: one line saying so, and the
+    # destinations are untouched (the refusal comes before the read).
+    d = str(tmp_path / "ck")
+    save_two(d)
+    r = nonstop._core.Reader(d, rank=0, verify_data=False)
+    idx = next(i for i, c in enumerate(r.checkpoints) if c["committed"])
+    specs = r.checkpoints[idx]["tensors"]
+    bufs = [torch.full((max(1, s["nbytes"]),), 7, dtype=torch.uint8) for s in specs]
+    dests = [(b.data_ptr(), s["nbytes"], 0, 0) for b, s in zip(bufs, specs)]
+    with pytest.raises(nonstop.CheckpointError) as e:
+        r.read_into(idx, dests)
+    msg = str(e.value)
+    assert "\n" not in msg and "CUDA memory" in msg and "cannot copy into it" in msg, msg
+    assert all(bool((b == 7).all()) for b in bufs)
+    # A malformed destination is refused too.
+    with pytest.raises(nonstop.CheckpointError, match="pointer, nbytes"):
+        r.read_into(idx, [(0, 0, 0)] * len(specs))

@@ -140,3 +140,91 @@ def test_nonstop_bench_without_subcommand_runs_the_suite(tmp_path):
                           "--repeat", "1", "--bogus"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
+
+
+def test_a_scheme_that_fails_mid_run_releases_its_checkpointer(tmp_path):
+    # bench/gpu_overhead.py records any scheme's crash as a row and goes on;
+    # run_one must let go of the scheme's engine (pinned staging, threads)
+    # when its run raises, and leave no checkpoint directory behind.
+    import torch
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    def step(s):
+        calls.append(s)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        opt.zero_grad()
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+    closed = []
+    real = suite_rounds.Saver.abandon
+
+    def abandon(self):
+        closed.append(self.ckpt is not None)
+        real(self)
+        assert self.ckpt is None
+    suite_rounds.Saver.abandon = abandon
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            suite_rounds.run_one("nonstop", 2, 4, step, {"model": model, "optim": opt},
+                                 str(tmp_path), 0, warmup=3)
+    finally:
+        suite_rounds.Saver.abandon = real
+    assert closed == [True]
+    assert not os.path.exists(tmp_path / "nonstop" / "2")
+
+
+def test_gpu_targets_name_every_target_with_its_figure_and_status(tmp_path):
+    # bench/gpu_targets.py over gpu_run.sh's $OUT: made-up results (not
+    # measurements) that pass some targets, fail others, and miss the rest.
+    import json
+    import gpu_targets
+
+    def bench(rows, restore=None):
+        return {"rows": rows, "restore": restore, "refused": {}, "crashed": {}}
+
+    def row(scheme, ovh, stall_ms=5.0):
+        return {"scheme": scheme, "step_s": 0.1 * (1 + ovh), "throughput_overhead": ovh,
+                "stall_per_ckpt_s": stall_ms / 1e3, "runs": 1, "ckpts_measured": 2,
+                "none_drift": 0.01}
+    small = bench([row("none", 0.0), row("nonstop-tiered/10", 0.004), row("nonstop-tiered/1", 0.2),
+                   row("dcp/10", 1.5),
+                   {"scheme": "dcp-process/10", "interval": 10, "crashed": True,
+                    "error": "KeyError: <class 'type'>"}],
+                  {"nonstop_vs_dcp": 1.3, "nonstop_GBps": 2.6, "dcp_GBps": 2.0,
+                   "cold": [True, True], "memory": {"GBps": 12.0, "from": ["memory"]}})
+    big = bench([row("none", 0.0), row("nonstop-tiered/10", 0.009, 12.0),
+                 row("nonstop-direct/50", 0.02, 440.0), row("nonstop-multistep/50", 0.01, 60.0)])
+    (tmp_path / "gpu_overhead_125m.json").write_text(json.dumps(small))
+    (tmp_path / "gpu_overhead_1.4b.json").write_text(json.dumps(big))
+    (tmp_path / "test-gpu.log").write_text(
+        "100% tests passed, 0 tests failed out of 7\n"
+        "PASS GPU training resume (multistep): killed ...\n== tests/gpu/test_gpu_torch.py: exit 0\n")
+    res = {r["id"]: r for r in gpu_targets.evaluate(str(tmp_path), "125m", "1.4b", 500.0)}
+    got = {k: r["status"] for k, r in res.items()}
+    assert got == {"tests": "PASS", "big-10": "PASS", "big-10-stall": "PASS", "big-50": "MISSING",
+                   "small-10": "PASS", "small-1": "FAIL", "big-multistep": "PASS",
+                   "restore-125m": "PASS", "restore-memory-125m": "PASS", "dcp-rows": "PASS",
+                   "dcp-process-rows": "PASS", "wall": "PASS"}, got
+    assert res["big-multistep"]["figure"] == "0.136x"
+    assert "crashed: KeyError" in res["dcp-process-rows"]["figure"]
+    assert res["small-1"]["figure"] == "+20.00 %"
+    # A failing torch test, and no results at all: FAIL, then MISSING everywhere else.
+    (tmp_path / "test-gpu.log").write_text("FAIL layerwise copy=host: ...\n== x: exit 1\n")
+    for f in ("gpu_overhead_125m.json", "gpu_overhead_1.4b.json"):
+        os.unlink(tmp_path / f)
+    res = gpu_targets.evaluate(str(tmp_path), "125m", "1.4b", None)
+    assert res[0]["status"] == "FAIL" and "FAIL layerwise" in res[0]["note"]
+    assert all(r["status"] == "MISSING" for r in res[1:]), res
+
+
+def test_gpu_overhead_run_plan():
+    import gpu_overhead
+    assert gpu_overhead.run_plan(["nonstop-tiered/10", "dcp/10", "nonstop-tiered/1"], [], []) == [
+        [("nonstop-tiered", 10), ("dcp", 10)], [("nonstop-tiered", 1)]]
+    assert gpu_overhead.run_plan(None, ["a", "b"], [1, 5]) == [[("a", 1), ("b", 1)],
+                                                                [("a", 5), ("b", 5)]]
+    with pytest.raises(SystemExit):
+        gpu_overhead.run_plan(["nonsense/10"], [], [])

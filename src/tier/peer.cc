@@ -22,6 +22,7 @@
 
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
+#include "nonstop/plan.h"
 #include "store/format.h"
 #include "tier/peer_wire.h"
 
@@ -234,12 +235,26 @@ Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> OpenNewest(Director
   ScanOptions so;
   so.verify_data = false;  // every chunk is verified as it is read
   NONSTOP_ASSIGN_OR_RETURN(ScanReport rep, f->Scan(so));
-  if (rep.newest_valid < 0) {
+  // The one chooser (src/plan) picks among the file's records. It is given
+  // no lineage (the replicator and the server do not read the job
+  // directory): after a rollback the segment's abandoned newest may be sent
+  // until the next commit replaces it; the restart's collective choice
+  // decides with the surviving ranks' lineage (docs/TIERS.md).
+  std::vector<PlanCandidate> cands;
+  for (size_t i = 0; i < rep.checkpoints.size(); ++i) {
+    const ScannedCheckpoint& c = rep.checkpoints[i];
+    cands.push_back(PlanCandidate{Tier::kMemory, name, c.info.step, c.info.counter,
+                                  c.state == CheckpointState::kCommitted, c.reason, false, i});
+  }
+  PlanRequest req;
+  req.verify = false;  // every chunk is verified as it is read
+  NONSTOP_ASSIGN_OR_RETURN(Plan plan, MakePlan(cands, LineageRecord{}, req));
+  if (!plan.chosen()) {
     std::string why = dir.path() + "/" + name + " holds no committed checkpoint";
     for (const std::string& s : rep.skipped) why += "; " + s;
     return Status::NotFound(why);
   }
-  CheckpointInfo info = rep.checkpoints[rep.newest_valid].info;
+  CheckpointInfo info = rep.checkpoints[cands[*plan.chosen()].handle].info;
   return std::make_pair(std::move(f), std::move(info));
 }
 

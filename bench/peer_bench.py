@@ -98,7 +98,12 @@ def main():
             time.sleep(0.05)
         seg = ck.stats()["memory_segment"]
         nbytes = state["w"].numel() * 4
-        srv = _core.PeerServer("bench", bind_host="127.0.0.1", dir=os.path.join(root, "peer"))
+        secret = os.urandom(32)
+        # Old cores (before the handshake, wire version 1) take no secret.
+        authed = "secret" in (_core.PeerServer.__init__.__doc__ or "")
+        key = (secret,) if authed else ()
+        srv = _core.PeerServer("bench", *key, bind_host="127.0.0.1",
+                               dir=os.path.join(root, "peer"))
         ep = f"127.0.0.1:{srv.port}"
         rows = {"raw": [], "push": [], "fetch": []}
         for r in range(a.rounds):
@@ -108,12 +113,12 @@ def main():
             if os.path.exists(p):
                 os.unlink(p)
             t0 = time.perf_counter()
-            out = _core.peer_push(ep, "bench", seg)
+            out = _core.peer_push(ep, "bench", *key, seg)
             rows["push"].append(time.perf_counter() - t0)
             assert out == "stored", out
             local = os.path.join(root, f"local-{r}")
             t0 = time.perf_counter()
-            _core.peer_fetch(ep, "bench", 0, local)
+            _core.peer_fetch(ep, "bench", *key, 0, local)
             rows["fetch"].append(time.perf_counter() - t0)
             shutil.rmtree(local)
         srv.close()
@@ -124,6 +129,7 @@ def main():
 
     raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9
     result = {"bytes": nbytes, "rounds": a.rounds, "dir": a.dir, "cpus": os.cpu_count(),
+              "wire": "v2 (handshake, HMAC-SHA256 per frame)" if authed else "v1 (no auth)",
               "seconds": rows, "median_GBps": {}, "vs_raw": {},
               "command": "python " + " ".join(sys.argv)}
     print(f"{'what':<8}{'median s':>10}{'GB/s':>8}{'x raw':>8}")

@@ -50,7 +50,7 @@ class Checkpointer:
                  tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
                  remote_every: Optional[int] = None, replay: str = "auto",
                  device_snapshot_bytes: Optional[int] = None, disk_every=1,
-                 replicas: Optional[int] = None):
+                 replicas: Optional[int] = None, peer_budget_bytes: Optional[int] = None):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -82,7 +82,8 @@ class Checkpointer:
         self.session.engine = _open_engine(o, self.dir, dist, self._multistep, small)
         if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)
             try:
-                dist.peers = _peer.Peers(dist, o.dist.replicas, self.session.engine)
+                dist.peers = _peer.Peers(dist, o.dist.replicas, self.session.engine,
+                                         o.dist.peer_budget_bytes)
             except Exception:
                 self.session.engine.close()
                 raise

@@ -63,6 +63,7 @@ class DistOptions:
     local: tuple = ()
     dist_timeout_s: float = 300.0
     replicas: Optional[int] = None  # the peer tier: None = 1 where another host exists
+    peer_budget_bytes: Optional[int] = None  # None: a share of the memory dir's free space
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def resolve(state: dict, **kw) -> Options:
                          copy, clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
-                         _peer.check_replicas(kw["replicas"])),
+                         _peer.check_replicas(kw["replicas"]),
+                         _peer.check_budget(kw["peer_budget_bytes"])),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
         on_commit=kw["on_commit"])

@@ -6,7 +6,10 @@ memory checkpoint to its partners, the verified fetch, the partner choice);
 Python never touches the bytes.
 
 At construction (collective, before restore() and before the agreement
-thread owns the group) each rank starts its PeerServer, and the ranks
+thread owns the group) rank 0 makes the job's peer secret (32 random bytes;
+every connection proves it both ways, docs/TIERS.md "Trust") and sends it
+in the first exchange, or every rank takes $NONSTOP_PEER_SECRET (hex);
+each rank starts its PeerServer, and the ranks
 exchange (host id, server endpoint, what each server holds); the core picks
 each rank's partners on other hosts (choose_partners) and each rank starts
 a replicator to them. At restore() a rank whose own tiers lack the newest
@@ -16,6 +19,7 @@ its job directory's peer/step-N/, and the collective restore
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from typing import Optional
@@ -32,6 +36,55 @@ def check_replicas(replicas) -> Optional[int]:
         raise CheckpointMismatchError(
             f"replicas must be None or a non-negative integer, got {replicas!r}")
     return replicas
+
+
+SECRET_ENV = "NONSTOP_PEER_SECRET"
+
+
+def check_budget(budget) -> Optional[int]:
+    """peer_budget_bytes=: None (the default share of the memory directory's
+    free space) or an int >= 0 (0: no budget)."""
+    if budget is None:
+        return None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise CheckpointMismatchError(
+            f"peer_budget_bytes must be None or a non-negative integer, got {budget!r}")
+    return budget
+
+
+def env_secret() -> Optional[bytes]:
+    """$NONSTOP_PEER_SECRET as bytes (hex, 16 to 64 bytes), or None when unset."""
+    v = os.environ.get(SECRET_ENV, "").strip()
+    if not v:
+        return None
+    try:
+        b = bytes.fromhex(v)
+    except ValueError:
+        b = b""
+    if not 16 <= len(b) <= 64:
+        raise CheckpointMismatchError(
+            f"${SECRET_ENV} must be 16 to 64 bytes written in hex (32 to 128 hex digits)")
+    return b
+
+
+def fingerprint(secret: bytes) -> str:
+    """Names a secret without telling it: every rank's must match."""
+    return hashlib.sha256(b"nonstop peer secret fingerprint\0" + secret).hexdigest()
+
+
+def agree_secret(every: list, mine: Optional[bytes]) -> bytes:
+    """The job's peer secret from the first exchange: every rank's
+    $NONSTOP_PEER_SECRET (the same on all), else the 32 bytes rank 0 made."""
+    prints = [e[4] for e in every]
+    if all(prints):
+        if len(set(prints)) != 1:
+            raise CheckpointMismatchError(f"${SECRET_ENV} differs between ranks")
+        return mine
+    if any(prints):
+        raise CheckpointMismatchError(
+            f"${SECRET_ENV} is set on ranks {[r for r, p in enumerate(prints) if p]} only: "
+            "set it on every rank or on none")
+    return bytes.fromhex(every[0][5])
 
 
 def local_address() -> str:
@@ -65,7 +118,7 @@ class Peers:
     """The peer tier of one rank: its server, its replicator, the job's
     endpoints and the replicas the servers held at construction."""
 
-    def __init__(self, dist, replicas: Optional[int], engine):
+    def __init__(self, dist, replicas: Optional[int], engine, budget_bytes: Optional[int] = None):
         core = _ext.core()
         self.rank, self.world = dist.rank, dist.world
         self.server = self.replicator = None
@@ -79,9 +132,12 @@ class Peers:
         have = hasattr(core, "PeerServer")
         segment = engine.stats().get("memory_segment", "") if want and have else ""
         addr = local_address()
-        # Every rank must take the same branch: decided together, in one gather.
+        mine = env_secret()
+        made = os.urandom(32).hex() if dist.rank == 0 and mine is None else ""
+        # Every rank must take the same branch: decided together, in one gather
+        # (which also carries rank 0's secret: the group's own links).
         every = comm.gather([host_id(addr), bool(want and have), bool(segment),
-                             os.path.abspath(dist.dir)])
+                             os.path.abspath(dist.dir), fingerprint(mine) if mine else "", made])
         self.hosts = [e[0] for e in every]
         self.replicas = 0
         if not all(e[1] for e in every):
@@ -96,9 +152,16 @@ class Peers:
             self.note = "every rank is on one host: no partner in another failure domain"
             return
         self.job = every[0][3]  # rank 0's job directory names the job on every rank
+        secret = agree_secret(every, mine)
         err, held = "", []
         try:
-            self.server = core.PeerServer(self.job, bind_host=addr, port=0)
+            # The budget: peer_budget_bytes, else a share of the memory
+            # directory's free space split among this host's ranks (C++).
+            share = sum(1 for h in self.hosts if h == self.hosts[self.rank])
+            self.server = core.PeerServer(
+                self.job, secret, bind_host=addr, port=0,
+                budget_bytes=budget_bytes or 0,
+                budget_share=0 if budget_bytes is not None else share)
             held = [h for h in self.server.list() if int(h.get("world_size", 0)) == self.world]
         except CheckpointError as e:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
@@ -109,6 +172,7 @@ class Peers:
             self.note = errs[0]
             return
         self.endpoints = [g[1] for g in got]
+        self._secret = secret
         self.endpoint = self.endpoints[self.rank]
         for holder, (_, _, hs) in enumerate(got):
             for h in hs:
@@ -121,7 +185,8 @@ class Peers:
         if self.partners:
             try:
                 self.replicator = core.PeerReplicator(
-                    self.job, self.rank, segment, [self.endpoints[p] for p in self.partners])
+                    self.job, secret, self.rank, segment,
+                    [self.endpoints[p] for p in self.partners])
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 
@@ -141,8 +206,8 @@ class Peers:
         if step in own_steps:
             return
         try:
-            d = _ext.core().peer_fetch(self.endpoints[holder], self.job, self.rank, dir,
-                                       step=step)
+            d = _ext.core().peer_fetch(self.endpoints[holder], self.job, self._secret,
+                                       self.rank, dir, step=step)
             self.prefetched = {"step": step, "counter": counter, "dir": d, "holder": holder}
         except (CheckpointError, OSError) as e:
             self.unused_because = (f"the replica of rank {self.rank} step {step} on rank "
@@ -168,7 +233,9 @@ class Peers:
             v = self.server.stats()
             s.update(peer_held=v.get("held", 0), peer_held_bytes=v.get("held_bytes", 0),
                      peer_received=v.get("replicas_received", 0),
-                     peer_served=v.get("fetches_served", 0))
+                     peer_served=v.get("fetches_served", 0),
+                     peer_auth_failures=v.get("auth_failures", 0),
+                     peer_budget_bytes=v.get("budget_bytes", 0))
         if self.unused_because:
             s["peer_unused_because"] = self.unused_because
         return s

@@ -51,19 +51,23 @@ void InitPeer(py::module_& m) {
   py::class_<peer::PeerServer>(m, "PeerServer",
                                "The peer tier's server (tier/peer.h): holds partners' replicas "
                                "in the memory directory and serves lists and fetches.")
-      .def(py::init([](const std::string& job, const std::string& bind_host, uint16_t port,
-                       const std::string& dir, uint64_t budget_bytes, double io_timeout_s) {
+      .def(py::init([](const std::string& job, const py::bytes& secret,
+                       const std::string& bind_host, uint16_t port, const std::string& dir,
+                       uint64_t budget_bytes, uint32_t budget_share, double io_timeout_s) {
              peer::PeerServerOptions o;
              o.job = job;
+             o.secret = secret;
              o.bind_host = bind_host;
              o.port = port;
              o.dir = dir;
              o.budget_bytes = budget_bytes;
+             o.budget_share = budget_share;
              o.io_timeout_s = io_timeout_s;
              return Released([&] { return peer::PeerServer::Start(o); });
            }),
-           py::arg("job"), py::arg("bind_host") = "0.0.0.0", py::arg("port") = 0,
-           py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("io_timeout_s") = 30.0)
+           py::arg("job"), py::arg("secret"), py::arg("bind_host") = "0.0.0.0", py::arg("port") = 0,
+           py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("budget_share") = 0,
+           py::arg("io_timeout_s") = 30.0)
       .def_property_readonly("port", &peer::PeerServer::port)
       .def_property_readonly("endpoint", &peer::PeerServer::endpoint)
       .def(
@@ -86,10 +90,12 @@ void InitPeer(py::module_& m) {
             d["replicas_already_held"] = st.replicas_already_held;
             d["push_failures"] = st.push_failures;
             d["refused_frames"] = st.refused_frames;
+            d["auth_failures"] = st.auth_failures;
             d["fetches_served"] = st.fetches_served;
             d["bytes_served"] = st.bytes_served;
             d["held"] = st.held;
             d["held_bytes"] = st.held_bytes;
+            d["budget_bytes"] = st.budget_bytes;
             d["last_error"] = st.last_error;
             return d;
           })
@@ -104,11 +110,13 @@ void InitPeer(py::module_& m) {
   py::class_<peer::Replicator>(m, "PeerReplicator",
                                "Sends this rank's newest committed memory checkpoint (its "
                                "segment) to its partners in the background (tier/peer.h).")
-      .def(py::init([](const std::string& job, uint32_t rank, const std::string& segment,
-                       const std::vector<std::string>& partners, double poll_s, double retry_s,
-                       double connect_timeout_s, double io_timeout_s) {
+      .def(py::init([](const std::string& job, const py::bytes& secret, uint32_t rank,
+                       const std::string& segment, const std::vector<std::string>& partners,
+                       double poll_s, double retry_s, double connect_timeout_s,
+                       double io_timeout_s) {
              peer::ReplicatorOptions o;
              o.job = job;
+             o.secret = secret;
              o.rank = rank;
              o.segment = segment;
              o.partners = partners;
@@ -118,7 +126,8 @@ void InitPeer(py::module_& m) {
              o.push.io_timeout_s = io_timeout_s;
              return Released([&] { return peer::Replicator::Start(o); });
            }),
-           py::arg("job"), py::arg("rank"), py::arg("segment"), py::arg("partners"),
+           py::arg("job"), py::arg("secret"), py::arg("rank"), py::arg("segment"),
+           py::arg("partners"),
            py::arg("poll_s") = 0.2, py::arg("retry_s") = 1.0, py::arg("connect_timeout_s") = 5.0,
            py::arg("io_timeout_s") = 30.0)
       .def("notify", &peer::Replicator::Notify, "A checkpoint may have been committed: look now.")
@@ -157,36 +166,43 @@ void InitPeer(py::module_& m) {
 
   m.def(
       "peer_list",
-      [](const std::string& endpoint, const std::string& job, double timeout_s) {
-        return HeldList(Released([&] { return peer::ListReplicas(endpoint, job, timeout_s); }));
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         double timeout_s) {
+        const std::string key = secret;
+        return HeldList(
+            Released([&] { return peer::ListReplicas(endpoint, job, key, timeout_s); }));
       },
-      py::arg("endpoint"), py::arg("job"), py::arg("timeout_s") = 10.0,
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("timeout_s") = 10.0,
       "What the peer server at endpoint holds of job: [{source_rank, world_size, step, counter, "
       "bytes}].");
   m.def(
       "peer_fetch",
-      [](const std::string& endpoint, const std::string& job, uint32_t source_rank,
-         const std::string& local_dir, std::optional<int64_t> step, double timeout_s) {
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         uint32_t source_rank, const std::string& local_dir, std::optional<int64_t> step,
+         double timeout_s) {
+        const std::string key = secret;
         return Released([&] {
-          return peer::FetchReplica(endpoint, job, source_rank, step, local_dir, nullptr,
+          return peer::FetchReplica(endpoint, job, key, source_rank, step, local_dir, nullptr,
                                     timeout_s);
         });
       },
-      py::arg("endpoint"), py::arg("job"), py::arg("source_rank"), py::arg("local_dir"),
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("source_rank"),
+      py::arg("local_dir"),
       py::arg("step") = py::none(), py::arg("timeout_s") = 60.0,
       "source_rank's replica (of step, or the newest) fetched and verified into the one-slot "
       "job directory local_dir/peer/step-N (rank-RRRRR.nsck); returns that directory.");
   m.def(
       "peer_push",
-      [](const std::string& endpoint, const std::string& job, const std::string& slot_path,
-         double connect_timeout_s, double io_timeout_s) {
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         const std::string& slot_path, double connect_timeout_s, double io_timeout_s) {
         peer::PushOptions o;
         o.connect_timeout_s = connect_timeout_s;
         o.io_timeout_s = io_timeout_s;
+        const std::string key = secret;
         return OutcomeName(
-            Released([&] { return peer::PushNewest(endpoint, job, slot_path, o); }));
+            Released([&] { return peer::PushNewest(endpoint, job, key, slot_path, o); }));
       },
-      py::arg("endpoint"), py::arg("job"), py::arg("slot_path"),
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("slot_path"),
       py::arg("connect_timeout_s") = 5.0, py::arg("io_timeout_s") = 30.0,
       "Pushes the newest committed checkpoint of the slot file at slot_path now; returns "
       "'stored', 'already_held' or 'skipped_budget'.");

@@ -389,6 +389,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions& o
     return Status::InvalidArgument("peer server: job name must have 1 to " +
                                    std::to_string(kMaxJobBytes) + " bytes");
   }
+  NONSTOP_RETURN_IF_ERROR(w::CheckSecret(o.secret));
   std::unique_ptr<PeerServer> s(new PeerServer());
   s->impl_ = std::make_unique<Impl>();
   Impl& m = *s->impl_;
@@ -397,6 +398,14 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions& o
   m.key = JobKey(o.job);
   const std::string where = PeerMemoryDir(o.dir);
   NONSTOP_ASSIGN_OR_RETURN(m.dir, m.env->OpenDirectory(where, /*create=*/true));
+  if (m.o.budget_bytes == 0 && m.o.budget_share > 0) {
+    Result<uint64_t> free_bytes = m.dir->FreeBytes();
+    if (free_bytes.ok()) {
+      m.o.budget_bytes = std::max<uint64_t>(
+          1, static_cast<uint64_t>(static_cast<double>(free_bytes.value()) *
+                                   kDefaultBudgetFraction / m.o.budget_share));
+    }
+  }
   m.SweepStaleTemps();
   NONSTOP_ASSIGN_OR_RETURN(m.listener, w::Listen(o.bind_host, o.port, &m.port));
   if (::pipe2(m.wake, O_CLOEXEC) != 0) return Status::FromErrno("peer server: pipe", errno);
@@ -420,6 +429,7 @@ PeerServerStats PeerServer::stats() const {
     MutexLock l(&impl_->mu);
     st = impl_->stats;
   }
+  st.budget_bytes = impl_->o.budget_bytes;
   Result<std::vector<HeldReplica>> held = impl_->List();
   if (held.ok()) {
     st.held = held.value().size();
@@ -565,6 +575,22 @@ void PeerServer::Impl::AcceptLoop() {
 
 void PeerServer::Impl::Serve(Conn* c) {
   w::Frame f;
+  // The handshake first, in a short time: until it completes, only its tiny
+  // frames are read (peer_wire.h), so nothing big is allocated for a stranger.
+  Status hs = c->sock.SetTimeout(std::min(o.io_timeout_s, w::kHandshakeTimeoutS));
+  if (hs.ok()) hs = w::ServerHandshake(c->sock, o.job, o.secret);
+  if (hs.ok()) hs = c->sock.SetTimeout(o.io_timeout_s);
+  if (!hs.ok()) {
+    if (hs.code() != StatusCode::kIOError) {
+      MutexLock l(&mu);
+      ++stats.auth_failures;
+      if (hs.code() == StatusCode::kCorruption) ++stats.refused_frames;
+      stats.last_error = hs.ToString();
+    }
+    c->sock.Shutdown();
+    c->done.store(true);
+    return;
+  }
   for (;;) {
     // Idle between requests: wait for the next without a timeout, but see a stop.
     while (!c->sock.WaitReadable(0.5)) {
@@ -581,6 +607,10 @@ void PeerServer::Impl::Serve(Conn* c) {
       break;  // a cut, a timeout or a hostile frame: the connection ends
     }
     if (!Handle(c->sock, f)) break;
+  }
+  if (c->sock.session() != nullptr && c->sock.session()->mac_failed) {
+    MutexLock l(&mu);
+    ++stats.auth_failures;
   }
   c->sock.Shutdown();
   c->done.store(true);
@@ -861,12 +891,24 @@ Status CheckJob(const std::string& job) {
   return Status::OK();
 }
 
+// A connection to the server at `endpoint` that completed the handshake
+// (peer_wire.h): every frame on it carries a MAC.
+Result<w::Socket> Dial(const std::string& endpoint, const std::string& job,
+                       const std::string& secret, double connect_timeout_s, double io_timeout_s) {
+  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
+  NONSTOP_RETURN_IF_ERROR(w::CheckSecret(secret));
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, connect_timeout_s, io_timeout_s));
+  NONSTOP_RETURN_IF_ERROR(w::ClientHandshake(s, job, secret));
+  return s;
+}
+
 }  // namespace
 
 Result<PushOutcome> PushCheckpoint(const std::string& endpoint, const std::string& job,
-                                   SlotFile& file, const CheckpointInfo& info, const PushOptions& o) {
-  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
-  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, o.connect_timeout_s, o.io_timeout_s));
+                                   const std::string& secret, SlotFile& file,
+                                   const CheckpointInfo& info, const PushOptions& o) {
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
+                           Dial(endpoint, job, secret, o.connect_timeout_s, o.io_timeout_s));
   PushOutcome out = PushOutcome::kStored;
   NONSTOP_RETURN_IF_ERROR(SendPush(s, job, file, info, &out));
   return out;
@@ -887,18 +929,17 @@ Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> OpenNewestAt(const 
 }  // namespace
 
 Result<PushOutcome> PushNewest(const std::string& endpoint, const std::string& job,
-                               const std::string& slot_path, const PushOptions& o, Env* env,
-                               CheckpointInfo* pushed) {
+                               const std::string& secret, const std::string& slot_path,
+                               const PushOptions& o, Env* env, CheckpointInfo* pushed) {
   if (env == nullptr) env = DefaultEnv();
   NONSTOP_ASSIGN_OR_RETURN(auto got, OpenNewestAt(slot_path, env));
   if (pushed != nullptr) *pushed = got.second;
-  return PushCheckpoint(endpoint, job, *got.first, got.second, o);
+  return PushCheckpoint(endpoint, job, secret, *got.first, got.second, o);
 }
 
 Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
-                                              double timeout_s) {
-  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
-  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, timeout_s, timeout_s));
+                                              const std::string& secret, double timeout_s) {
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, Dial(endpoint, job, secret, timeout_s, timeout_s));
   w::Out req;
   req.Str16(job);
   NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kList, req.str()));
@@ -929,11 +970,12 @@ Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const
 }
 
 Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
-                                 uint32_t source_rank, std::optional<int64_t> step,
-                                 const std::string& local_dir, Env* env, double timeout_s) {
-  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
+                                 const std::string& secret, uint32_t source_rank,
+                                 std::optional<int64_t> step, const std::string& local_dir,
+                                 Env* env, double timeout_s) {
   if (env == nullptr) env = DefaultEnv();
-  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, std::min(timeout_s, 10.0), timeout_s));
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
+                           Dial(endpoint, job, secret, std::min(timeout_s, 10.0), timeout_s));
   w::Out req;
   req.Str16(job).U32(source_rank).U8(step ? 1 : 0).I64(step.value_or(0));
   NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kFetch, req.str()));
@@ -1014,6 +1056,7 @@ struct Replicator::Impl {
 
 Result<std::unique_ptr<Replicator>> Replicator::Start(const ReplicatorOptions& o) {
   NONSTOP_RETURN_IF_ERROR(CheckJob(o.job));
+  NONSTOP_RETURN_IF_ERROR(w::CheckSecret(o.secret));
   for (const std::string& p : o.partners) NONSTOP_RETURN_IF_ERROR(ParseEndpoint(p).status());
   if (o.segment.empty()) return Status::InvalidArgument("peer replicator: no memory segment");
   std::unique_ptr<Replicator> r(new Replicator());
@@ -1114,7 +1157,8 @@ void Replicator::Impl::Round() {
     for (int attempt = 0; attempt < 2; ++attempt) {
       const bool reused = p.sock.valid();
       if (!reused) {
-        Result<w::Socket> c = w::Connect(p.endpoint, o.push.connect_timeout_s, o.push.io_timeout_s);
+        Result<w::Socket> c =
+            Dial(p.endpoint, o.job, o.secret, o.push.connect_timeout_s, o.push.io_timeout_s);
         if (!c.ok()) {
           s = c.status();
           break;

@@ -16,6 +16,11 @@
 //     back into a local one-slot job directory, every checksum verified.
 // ChoosePartners picks who holds whose replica (never the same host).
 //
+// Trust (docs/TIERS.md "Trust"): every connection proves the job's peer
+// secret both ways (a challenge-response, peer_wire.h) before anything else
+// is accepted, and every frame after it carries a MAC; a server and a client
+// without the same secret exchange nothing but the handshake.
+//
 // Replica files (in the memory directory; docs/FORMAT.md):
 //   "<job key>-replica-rank-RRRRR.nsck"      a complete, verified replica of
 //                                            source rank RRRRR (one-slot slot
@@ -42,6 +47,10 @@ namespace nonstop::peer {
 
 // The most bytes of a job name.
 inline constexpr size_t kMaxJobBytes = 256;
+// The job's peer secret: random bytes every rank of one incarnation shares
+// (Python: rank 0 makes 32 at construction, docs/TIERS.md "Trust").
+inline constexpr size_t kMinSecretBytes = 16;
+inline constexpr size_t kMaxSecretBytes = 64;
 
 // "host:port" ("[v6 addr]:port" too); InvalidArgument otherwise.
 struct Endpoint {
@@ -68,12 +77,22 @@ struct HeldReplica {
   uint64_t bytes = 0;  // the replica file's size
 };
 
+// The default budget's part of the memory directory's free space (the rest
+// is left to the ranks' own memory segments; docs/TIERS.md "Peer tier").
+inline constexpr double kDefaultBudgetFraction = 0.5;
+
 struct PeerServerOptions {
   std::string job;                  // the job's name, the same on every rank (required)
+  std::string secret;               // the job's peer secret (required, kMinSecretBytes..kMaxSecretBytes)
   std::string bind_host = "0.0.0.0";
   uint16_t port = 0;                // 0: an ephemeral port (port() says which)
   std::string dir;                  // the memory directory (PeerMemoryDir)
-  uint64_t budget_bytes = 0;        // replicas of this job here at most (0: no budget)
+  uint64_t budget_bytes = 0;        // replicas of this job here at most (0: see budget_share)
+  // With budget_bytes 0: a share > 0 makes the budget kDefaultBudgetFraction
+  // of the memory directory's free bytes at Start, divided by budget_share
+  // (the servers of this job on this host, which share that directory);
+  // 0: no budget (the free-space check of each push still applies).
+  uint32_t budget_share = 0;
   double io_timeout_s = 30;         // every blocking send/receive
   int max_connections = 32;         // more at once are closed at accept
   Env* env = nullptr;               // nullptr: DefaultEnv()
@@ -86,10 +105,14 @@ struct PeerServerStats {
   uint64_t replicas_already_held = 0;  // pushes of the checkpoint already held (not sent again)
   uint64_t push_failures = 0;           // pushes that ended without a replica (cut, damage, I/O)
   uint64_t refused_frames = 0;          // hostile or malformed frames (connection closed)
+  uint64_t auth_failures = 0;           // connections refused at the handshake (wrong secret or
+                                        // job, a frame that is not the handshake's, a MAC that
+                                        // does not hold): closed, nothing big allocated
   uint64_t fetches_served = 0;
   uint64_t bytes_served = 0;
   uint64_t held = 0;                    // replicas held now
   uint64_t held_bytes = 0;              // their file bytes
+  uint64_t budget_bytes = 0;            // the budget in force (0: none)
   std::string last_error;               // one line
 };
 
@@ -129,22 +152,26 @@ enum class PushOutcome {
 };
 
 // Sends committed checkpoint `info` of `file` (every chunk verified as read)
-// to the server at `endpoint`. Errors: IOError (unreachable, cut, timeout),
-// Corruption (the source's data), the server's refusal otherwise.
+// to the server at `endpoint`, after the handshake over `secret`. Errors:
+// IOError (unreachable, cut, timeout), Corruption (the source's data),
+// FailedPrecondition (the server does not prove the secret, or refuses
+// ours), the server's refusal otherwise.
 Result<PushOutcome> PushCheckpoint(const std::string& endpoint, const std::string& job,
-                                   SlotFile& file, const CheckpointInfo& info,
-                                   const PushOptions& o = {});
+                                   const std::string& secret, SlotFile& file,
+                                   const CheckpointInfo& info, const PushOptions& o = {});
 
 // The newest committed checkpoint of the slot file at `slot_path` (a memory
 // segment, a one-slot copy or a rank's slot file; opened read-only through
 // `env`) pushed as PushCheckpoint does; `pushed` (optional) receives it.
 // NotFound when the file holds no committed checkpoint.
 Result<PushOutcome> PushNewest(const std::string& endpoint, const std::string& job,
-                               const std::string& slot_path, const PushOptions& o = {},
+                               const std::string& secret, const std::string& slot_path,
+                               const PushOptions& o = {},
                                Env* env = nullptr, CheckpointInfo* pushed = nullptr);
 
 struct ReplicatorOptions {
   std::string job;                    // as the servers' job
+  std::string secret;                 // as the servers' secret
   uint32_t rank = 0;                  // this rank
   std::string segment;                // this rank's memory segment (Engine stats memory_segment)
   std::vector<std::string> partners;  // endpoints that hold this rank's replicas
@@ -187,9 +214,9 @@ class Replicator {
 };
 
 // What the server at `endpoint` holds of job `job`. IOError when it cannot
-// be reached.
+// be reached; FailedPrecondition when it does not share `secret`.
 Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
-                                              double timeout_s = 10);
+                                              const std::string& secret, double timeout_s = 10);
 
 // Where FetchReplica writes: local_dir/peer/step-N (holding rank-RRRRR.nsck).
 std::string PeerStepDir(const std::string& local_dir, int64_t step);
@@ -199,9 +226,10 @@ std::string PeerStepDir(const std::string& local_dir, int64_t step);
 // directory local_dir/peer/step-N/rank-RRRRR.nsck (temp name, committed
 // record, fsync, rename last); returns that directory. NotFound: the server
 // holds none (of that step); Corruption: the replica is damaged; IOError:
-// unreachable, cut or timed out. Any of them: fall back to another source.
+// unreachable, cut or timed out; FailedPrecondition: the server does not
+// prove `secret`. Any of them: fall back to another source.
 Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
-                                 uint32_t source_rank, std::optional<int64_t> step,
+                                 const std::string& secret, uint32_t source_rank, std::optional<int64_t> step,
                                  const std::string& local_dir, Env* env = nullptr,
                                  double timeout_s = 60);
 

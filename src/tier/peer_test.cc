@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <map>
 #include <cstring>
 #include <random>
@@ -28,6 +30,7 @@ namespace nonstop::peer {
 namespace {
 
 constexpr char kJob[] = "job-a";
+const std::string kSecret = "0123456789abcdef0123456789abcdef";  // 32 bytes
 constexpr uint32_t kChunk = 64 << 10;
 
 TensorSpec Spec(std::string name, DType dt, std::vector<int64_t> shape) {
@@ -121,17 +124,22 @@ Read ReadBack(Env* env, const std::string& dir, const std::string& name) {
 struct Server {
   std::shared_ptr<FaultEnv> env = FaultEnv::Create();
   std::unique_ptr<PeerServer> s;
-  explicit Server(uint64_t budget = 0, std::shared_ptr<FaultEnv> e = nullptr) {
+  std::string secret = kSecret;
+  double io_timeout_s = 5;
+  explicit Server(uint64_t budget = 0, std::shared_ptr<FaultEnv> e = nullptr,
+                  std::string key = kSecret, double io_timeout = 5)
+      : secret(std::move(key)), io_timeout_s(io_timeout) {
     if (e) env = std::move(e);
     Start(budget);
   }
   void Start(uint64_t budget = 0) {
     PeerServerOptions o;
     o.job = kJob;
+    o.secret = secret;
     o.bind_host = "127.0.0.1";
     o.dir = "/shm";
     o.budget_bytes = budget;
-    o.io_timeout_s = 5;
+    o.io_timeout_s = io_timeout_s;
     o.env = env.get();
     auto r = PeerServer::Start(o);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -144,6 +152,7 @@ struct Server {
 struct Source {
   std::shared_ptr<FaultEnv> env = FaultEnv::Create();
   uint32_t rank;
+  std::string secret = kSecret;
   explicit Source(uint32_t r = 1) : rank(r) {}
   std::string path() const { return "/seg/s.nsck"; }
   void Commit(uint64_t counter, int64_t step) {
@@ -152,14 +161,14 @@ struct Source {
   Result<PushOutcome> Push(const std::string& ep, double io_timeout_s = 5) {
     PushOptions o;
     o.io_timeout_s = io_timeout_s;
-    return PushNewest(ep, kJob, path(), o, env.get());
+    return PushNewest(ep, kJob, secret, path(), o, env.get());
   }
 };
 
 // Fetches `rank`'s replica from `ep` into a fresh Env; the data read back.
 Read FetchBack(const std::string& ep, uint32_t rank, std::optional<int64_t> step, Status* st) {
   auto env = FaultEnv::Create();
-  Result<std::string> dir = FetchReplica(ep, kJob, rank, step, "/local", env.get(), 10);
+  Result<std::string> dir = FetchReplica(ep, kJob, kSecret, rank, step, "/local", env.get(), 10);
   *st = dir.status();
   if (!dir.ok()) return {};
   return ReadBack(env.get(), dir.value(), SlotFileName(static_cast<int>(rank)));
@@ -172,7 +181,7 @@ TEST(PeerTest, PushThenFetchIsBitwise) {
   auto out = src.Push(srv.ep());
   ASSERT_TRUE(out.ok()) << out.status().ToString();
   EXPECT_EQ(out.value(), PushOutcome::kStored);
-  auto held = ListReplicas(srv.ep(), kJob);
+  auto held = ListReplicas(srv.ep(), kJob, kSecret);
   ASSERT_TRUE(held.ok()) << held.status().ToString();
   ASSERT_EQ(held.value().size(), 1u);
   EXPECT_EQ(held.value()[0].source_rank, 1u);
@@ -197,7 +206,7 @@ TEST(PeerTest, PushThenFetchIsBitwise) {
   EXPECT_EQ(ss.fetches_served, 1u);
   EXPECT_EQ(ss.held, 1u);
   // Another job, an unknown rank, a step it does not hold.
-  EXPECT_EQ(ListReplicas(srv.ep(), "job-b").status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ListReplicas(srv.ep(), "job-b", kSecret).status().code(), StatusCode::kFailedPrecondition);
   FetchBack(srv.ep(), 2, std::nullopt, &st);
   EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
   FetchBack(srv.ep(), 1, 20, &st);
@@ -211,7 +220,7 @@ TEST(PeerTest, TheNewestReplaces) {
   ASSERT_TRUE(src.Push(srv.ep()).ok());
   src.Commit(4, 40);
   ASSERT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
-  auto held = ListReplicas(srv.ep(), kJob).value();
+  auto held = ListReplicas(srv.ep(), kJob, kSecret).value();
   ASSERT_EQ(held.size(), 1u);
   EXPECT_EQ(held[0].step, 40);
   Status st;
@@ -226,6 +235,7 @@ TEST(PeerTest, TheReplicatorSendsTheNewestOnly) {
   Source src(1);
   ReplicatorOptions o;
   o.job = kJob;
+  o.secret = kSecret;
   o.rank = 1;
   o.segment = src.path();
   o.partners = {srv.ep()};
@@ -250,7 +260,7 @@ TEST(PeerTest, TheReplicatorSendsTheNewestOnly) {
   EXPECT_LE(st.replicated, 4u);
   EXPECT_GE(st.replicated, 2u);
   EXPECT_EQ(st.failures, 0u) << st.last_error;
-  EXPECT_EQ(ListReplicas(srv.ep(), kJob).value().at(0).step, 40);
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().at(0).step, 40);
   rep->Close();
   // A partner that is gone: a failure counted, retried later, Drain returns.
   srv.s->Close();
@@ -272,13 +282,13 @@ TEST(PeerTest, AReplicaOverTheBudgetIsSkipped) {
     Server tiny(64 << 10);  // smaller than one replica
     EXPECT_EQ(a.Push(tiny.ep()).value(), PushOutcome::kSkippedBudget);
     EXPECT_EQ(tiny.s->stats().replica_skipped_budget, 1u);
-    EXPECT_TRUE(ListReplicas(tiny.ep(), kJob).value().empty());
+    EXPECT_TRUE(ListReplicas(tiny.ep(), kJob, kSecret).value().empty());
   }
   // Room for one replica: the second source's is skipped, the first stays.
   Server srv(800 << 10);
   EXPECT_EQ(a.Push(srv.ep()).value(), PushOutcome::kStored);
   EXPECT_EQ(b.Push(srv.ep()).value(), PushOutcome::kSkippedBudget);
-  auto held = ListReplicas(srv.ep(), kJob).value();
+  auto held = ListReplicas(srv.ep(), kJob, kSecret).value();
   ASSERT_EQ(held.size(), 1u);
   EXPECT_EQ(held[0].source_rank, 1u);
   EXPECT_EQ(srv.s->stats().replica_skipped_budget, 1u);
@@ -351,7 +361,7 @@ TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
   ASSERT_TRUE(src.Push(srv.ep()).ok());
   FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 1), 200000);
   auto env = FaultEnv::Create();
-  Result<std::string> dir = FetchReplica(srv.ep(), kJob, 1, std::nullopt, "/local", env.get(), 10);
+  Result<std::string> dir = FetchReplica(srv.ep(), kJob, kSecret, 1, std::nullopt, "/local", env.get(), 10);
   ASSERT_FALSE(dir.ok());
   EXPECT_EQ(dir.status().code(), StatusCode::kCorruption) << dir.status().ToString();
   EXPECT_NE(dir.status().message().find("checksum mismatch"), std::string::npos)
@@ -366,7 +376,7 @@ TEST(PeerTest, ALinkOrAFolderAtTheReplicaNameIsNeverFollowed) {
   ASSERT_TRUE(srv.env->OpenDirectory("/etc", true).ok());
   ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 1), "/etc/passwd").ok());
   ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 2) + ".tmp", "/etc/shadow").ok());
-  auto listed = ListReplicas(srv.ep(), kJob);
+  auto listed = ListReplicas(srv.ep(), kJob, kSecret);
   ASSERT_TRUE(listed.ok()) << listed.status().ToString();
   EXPECT_TRUE(listed.value().empty());
   Status st;
@@ -380,7 +390,7 @@ TEST(PeerTest, ALinkOrAFolderAtTheReplicaNameIsNeverFollowed) {
   ASSERT_TRUE(pa.ok()) << pa.status().ToString();
   auto pb = b.Push(srv.ep());
   ASSERT_TRUE(pb.ok()) << pb.status().ToString();
-  EXPECT_EQ(ListReplicas(srv.ep(), kJob).value().size(), 2u);
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().size(), 2u);
   EXPECT_EQ(FetchBack(srv.ep(), 1, std::nullopt, &st).data, Data(Layout(), 10));
   const std::string dump = srv.env->Dump();
   EXPECT_EQ(dump.find("f etc/passwd"), std::string::npos) << dump;
@@ -417,25 +427,38 @@ TEST(PeerTest, HostileFramesAreRefusedBeforeAllocating) {
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
   wire::Socket a(sv[0], "a"), b(sv[1], "b");
   ASSERT_TRUE(b.SetTimeout(5).ok());
-  const std::string huge = Header(wire::kMagic, wire::kVersion, 2, 1ull << 40);
-  ASSERT_TRUE(a.SendAll(huge.data(), huge.size()).ok());
   wire::Frame f;
-  Status st = wire::RecvFrame(b, &f);
-  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
-  EXPECT_NE(st.message().find("over its limit"), std::string::npos) << st.ToString();
-  EXPECT_LT(f.payload.capacity(), 1u << 20);
+  // Before the handshake: a PUSH of 90 MiB (within the limit after it), a
+  // HELLO of a megabyte and a DATA frame of a terabyte.
+  for (const auto& [type, len] : std::vector<std::pair<uint16_t, uint64_t>>{
+           {1, 90ull << 20}, {9, 1ull << 20}, {2, 1ull << 40}}) {
+    const std::string h = Header(wire::kMagic, wire::kVersion, type, len);
+    ASSERT_TRUE(a.SendAll(h.data(), h.size()).ok());
+    Status st = wire::RecvFrame(b, &f);
+    EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+    EXPECT_NE(st.message().find("handshake"), std::string::npos) << st.ToString();
+    EXPECT_LT(f.payload.capacity(), 1u << 20);
+  }
 
-  Server srv;
-  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(0x12345678, wire::kVersion, 1, 10)));
-  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, 99, 1, 10)));
+  // A server whose connections may idle for a minute, but which must close
+  // a stranger's at its first header: a client that waits 5 s sees the close.
+  Server srv(0, nullptr, kSecret, 60);
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(0x12345678, wire::kVersion, 9, 10)));
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, 1, 9, 10)));  // the old version
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 77, 10)));
-  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 1, 1ull << 40)));
-  std::string bad_crc = Header(wire::kMagic, wire::kVersion, 4, 0);
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 1, 90ull << 20)));
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 2, 1ull << 40)));
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 9, 1ull << 20)));
+  std::string bad_crc = Header(wire::kMagic, wire::kVersion, 9, 0);
   bad_crc[21] ^= 1;
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), bad_crc));
-  // A push whose table is garbage (its frame checksum right).
+  EXPECT_GE(srv.s->stats().refused_frames, 7u);
+  EXPECT_GE(srv.s->stats().auth_failures, 7u);
+  // After the handshake: a push whose table is garbage (its frame checksum
+  // and MAC right) is answered with the damage.
   {
     auto s = wire::Connect(srv.ep(), 5, 5).value();
+    ASSERT_TRUE(wire::ClientHandshake(s, kJob, kSecret).ok());
     wire::Out o;
     o.Str16(kJob).Bytes(std::string(300, '\x7f'));
     ASSERT_TRUE(wire::SendFrame(s, wire::Type::kPush, o.str()).ok());
@@ -443,7 +466,6 @@ TEST(PeerTest, HostileFramesAreRefusedBeforeAllocating) {
     uint32_t outcome = 0;
     EXPECT_EQ(wire::DecodeReply(f.payload, &outcome, "srv").code(), StatusCode::kCorruption);
   }
-  EXPECT_GE(srv.s->stats().refused_frames, 5u);
   // And it still serves.
   Source src(1);
   src.Commit(1, 10);
@@ -499,6 +521,239 @@ class CuttingProxy {
   std::thread thread_;
 };
 
+// A proxy that forwards one connection to `to`, the server's bytes as they
+// are and the client's frame by frame through `rewrite(index, frame bytes)`,
+// which returns what is sent on instead (the client's first two frames are
+// the handshake's, without MAC; every later one has its 32-byte MAC).
+class FrameProxy {
+ public:
+  using Rewrite = std::function<std::string(int, const std::string&)>;
+  FrameProxy(const std::string& to, Rewrite rewrite) : to_(to), rewrite_(std::move(rewrite)) {
+    uint16_t port = 0;
+    listener_ = wire::Listen("127.0.0.1", 0, &port).value();
+    ep_ = "127.0.0.1:" + std::to_string(port);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~FrameProxy() {
+    listener_.Shutdown();
+    thread_.join();
+  }
+  const std::string& ep() const { return ep_; }
+
+ private:
+  void Run() {
+    const int fd = ::accept(listener_.fd(), nullptr, nullptr);
+    if (fd < 0) return;
+    wire::Socket client(fd, "client");
+    (void)client.SetTimeout(5);
+    auto server = wire::Connect(to_, 5, 5);
+    if (!server.ok()) return;
+    std::thread back([&] {
+      char buf[65536];
+      for (;;) {
+        const ssize_t n = ::recv(server.value().fd(), buf, sizeof(buf), 0);
+        if (n <= 0 || !client.SendAll(buf, static_cast<size_t>(n)).ok()) break;
+      }
+      client.Shutdown();
+    });
+    for (int i = 0;; ++i) {
+      std::string frame(wire::kHeaderBytes, '\0');
+      if (!client.RecvAll(frame.data(), frame.size()).ok()) break;
+      uint64_t len = 0;
+      std::memcpy(&len, frame.data() + 8, 8);
+      const uint64_t rest = len + (i >= 2 ? wire::kMacBytes : 0);
+      if (rest > (64u << 20)) break;
+      frame.resize(wire::kHeaderBytes + rest);
+      if (!client.RecvAll(frame.data() + wire::kHeaderBytes, rest).ok()) break;
+      const std::string out = rewrite_(i, frame);
+      if (!server.value().SendAll(out.data(), out.size()).ok()) break;
+    }
+    ::shutdown(server.value().fd(), SHUT_WR);
+    back.join();
+  }
+  std::string to_;
+  Rewrite rewrite_;
+  wire::Socket listener_;
+  std::string ep_;
+  std::thread thread_;
+};
+
+// Waits (up to 10 s) until the server's stats satisfy `ok`.
+bool WaitStats(PeerServer& s, const std::function<bool(const PeerServerStats&)>& ok) {
+  for (int i = 0; i < 1000; ++i) {
+    if (ok(s.stats())) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+TEST(PeerAuthTest, OnlyTheJobsSecretGetsIn) {
+  const std::string other = "another secret, also 32 bytes..!";
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  ASSERT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+  // A client without the secret: push, list and fetch refused at the handshake.
+  Source stranger(1);
+  stranger.secret = other;
+  stranger.Commit(9, 90);
+  auto pushed = stranger.Push(srv.ep());
+  ASSERT_FALSE(pushed.ok());
+  EXPECT_EQ(pushed.status().code(), StatusCode::kFailedPrecondition) << pushed.status().ToString();
+  EXPECT_NE(pushed.status().message().find("authentication"), std::string::npos);
+  auto listed = ListReplicas(srv.ep(), kJob, other);
+  EXPECT_EQ(listed.status().code(), StatusCode::kFailedPrecondition) << listed.status().ToString();
+  auto env = FaultEnv::Create();
+  auto fetched = FetchReplica(srv.ep(), kJob, other, 1, std::nullopt, "/local", env.get(), 10);
+  EXPECT_EQ(fetched.status().code(), StatusCode::kFailedPrecondition) << fetched.status().ToString();
+  EXPECT_EQ(env->Dump().find("nsck"), std::string::npos) << env->Dump();
+  EXPECT_TRUE(WaitStats(*srv.s, [](const PeerServerStats& st) { return st.auth_failures == 3; }))
+      << srv.s->stats().auth_failures;
+  PeerServerStats st = srv.s->stats();
+  EXPECT_EQ(st.replicas_received, 1u);
+  EXPECT_EQ(st.fetches_served, 0u);
+  // With the secret: bit for bit, the stranger's push never landed.
+  Status fst;
+  Read r = FetchBack(srv.ep(), 1, std::nullopt, &fst);
+  ASSERT_TRUE(fst.ok()) << fst.ToString();
+  EXPECT_EQ(r.step, 30);
+  EXPECT_EQ(r.data, Data(Layout(), 30));
+
+  // The other way: a server without the job's secret holding its own
+  // "replica" of rank 1 cannot make a client take it, nor take a push.
+  Server fake(0, nullptr, other);
+  ASSERT_EQ(stranger.Push(fake.ep()).value(), PushOutcome::kStored);
+  auto env2 = FaultEnv::Create();
+  fetched = FetchReplica(fake.ep(), kJob, kSecret, 1, std::nullopt, "/local", env2.get(), 10);
+  ASSERT_FALSE(fetched.ok());
+  EXPECT_EQ(fetched.status().code(), StatusCode::kFailedPrecondition) << fetched.status().ToString();
+  EXPECT_NE(fetched.status().message().find("does not prove"), std::string::npos)
+      << fetched.status().ToString();
+  EXPECT_EQ(env2->Dump().find("nsck"), std::string::npos) << env2->Dump();
+  EXPECT_EQ(ListReplicas(fake.ep(), kJob, kSecret).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(src.Push(fake.ep()).ok());
+  EXPECT_EQ(fake.s->stats().replicas_received, 1u);
+
+  // Secrets of the wrong size are refused before anything is sent.
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, "short").status().code(), StatusCode::kInvalidArgument);
+  PeerServerOptions o;
+  o.job = kJob;
+  o.secret = "";
+  EXPECT_EQ(PeerServer::Start(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PeerAuthTest, AFrameFromAnotherConnectionOrAgainIsRefused) {
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  ASSERT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+  // Connection 1's LIST request (frame 2: the first after the handshake), recorded.
+  std::string recorded;
+  {
+    FrameProxy p(srv.ep(), [&](int i, const std::string& fr) {
+      if (i == 2) recorded = fr;
+      return fr;
+    });
+    auto held = ListReplicas(p.ep(), kJob, kSecret);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    EXPECT_EQ(held.value().size(), 1u);
+  }
+  ASSERT_FALSE(recorded.empty());
+  // Played into connection 2 in place of its own: the MAC is of another
+  // session's key.
+  {
+    FrameProxy p(srv.ep(), [&](int i, const std::string& fr) { return i == 2 ? recorded : fr; });
+    EXPECT_FALSE(ListReplicas(p.ep(), kJob, kSecret).ok());
+  }
+  EXPECT_TRUE(WaitStats(*srv.s, [](const PeerServerStats& st) { return st.auth_failures == 1; }));
+  // Played twice on its own connection: the second has an old sequence number.
+  {
+    FrameProxy p(srv.ep(), [&](int i, const std::string& fr) { return i == 2 ? fr + fr : fr; });
+    EXPECT_TRUE(ListReplicas(p.ep(), kJob, kSecret).ok());  // the first is answered
+  }
+  EXPECT_TRUE(WaitStats(*srv.s, [](const PeerServerStats& st) { return st.auth_failures == 2; }))
+      << srv.s->stats().auth_failures;
+  EXPECT_NE(srv.s->stats().last_error.find("MAC"), std::string::npos) << srv.s->stats().last_error;
+}
+
+// The 32 bits at `at` that, XORed into a buffer of `len` bytes together with
+// a flip of byte `flip`, leave its crc32c as it was (crc32c is affine over
+// XOR: finding them is solving 32 linear equations over GF(2)).
+uint32_t CrcFixup(size_t len, size_t flip, size_t at) {
+  std::string zero(len, '\0');
+  const uint32_t c0 = Crc32c(zero.data(), len);
+  const auto m = [&](const std::string& v) { return Crc32c(v.data(), len) ^ c0; };
+  std::string e = zero;
+  e[flip] = '\xff';
+  const uint32_t target = m(e);
+  uint32_t val[32] = {}, mask[32] = {};
+  bool have[32] = {};
+  for (int k = 0; k < 32; ++k) {
+    std::string v = zero;
+    v[at + k / 8] = static_cast<char>(1 << (k % 8));
+    uint32_t x = m(v), mk = 1u << k;
+    for (int bit = 31; bit >= 0 && x != 0; --bit) {
+      if (!((x >> bit) & 1)) continue;
+      if (!have[bit]) {
+        have[bit] = true;
+        val[bit] = x;
+        mask[bit] = mk;
+        break;
+      }
+      x ^= val[bit];
+      mk ^= mask[bit];
+    }
+  }
+  uint32_t t = target, sol = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    if (!((t >> bit) & 1)) continue;
+    EXPECT_TRUE(have[bit]);
+    t ^= val[bit];
+    sol ^= mask[bit];
+  }
+  return sol;
+}
+
+TEST(PeerAuthTest, TamperedDataWithItsChecksumsFixedIsRefused) {
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  ASSERT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+  src.Commit(4, 40);
+  const uint32_t fix = CrcFixup(kChunk, 100, 200);
+  bool tampered = false;
+  // Frame 3 of a push is its first DATA frame: a byte of its first chunk
+  // changed, 4 more so that the chunk's crc32c (the table's) still holds,
+  // then the frame's payload and header crc fixed up. Only the MAC differs.
+  FrameProxy p(srv.ep(), [&](int i, const std::string& fr) {
+    if (i != 3) return fr;
+    std::string t = fr;
+    char* chunk = t.data() + wire::kHeaderBytes;
+    const uint32_t before = Crc32c(chunk, kChunk);
+    chunk[100] = static_cast<char>(chunk[100] ^ 0xff);
+    for (int k = 0; k < 4; ++k) chunk[200 + k] = static_cast<char>(chunk[200 + k] ^ (fix >> (8 * k)));
+    EXPECT_EQ(Crc32c(chunk, kChunk), before) << "the forged chunk must keep its crc32c";
+    uint64_t len = 0;
+    std::memcpy(&len, t.data() + 8, 8);
+    const uint32_t pcrc = Crc32c(t.data() + wire::kHeaderBytes, len);
+    std::memcpy(t.data() + 16, &pcrc, 4);
+    const uint32_t hcrc = Crc32c(t.data(), 20);
+    std::memcpy(t.data() + 20, &hcrc, 4);
+    tampered = true;
+    return t;
+  });
+  auto out = src.Push(p.ep());
+  ASSERT_TRUE(tampered);
+  EXPECT_FALSE(out.ok());
+  EXPECT_TRUE(WaitStats(*srv.s, [](const PeerServerStats& st) { return st.auth_failures == 1; }));
+  // The replica held is still the previous one, whole.
+  Status st;
+  Read r = FetchBack(srv.ep(), 1, std::nullopt, &st);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(r.step, 30);
+  EXPECT_EQ(r.data, Data(Layout(), 30));
+}
+
 TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
   Server srv;
   Source src(1);
@@ -518,13 +773,16 @@ TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
     const CheckpointInfo& info = rep.checkpoints[rep.newest_valid].info;
     table_bytes = wire::EncodeCheckpointTable(info).size();
   }
-  const uint64_t push_end = wire::kHeaderBytes + 2 + std::strlen(kJob) + table_bytes;
-  std::vector<uint64_t> bounds = {0, push_end};
+  // The client's handshake frames (HELLO, AUTH), then MACs on every frame.
+  const uint64_t hello = wire::kHeaderBytes + 2 + std::strlen(kJob) + wire::kNonceBytes;
+  const uint64_t auth = hello + wire::kHeaderBytes + wire::kMacBytes;
+  const uint64_t push_end = auth + wire::kHeaderBytes + 2 + std::strlen(kJob) + table_bytes + wire::kMacBytes;
+  std::vector<uint64_t> bounds = {0, hello, auth, push_end};
   for (uint64_t off = 0; off < layout.data_bytes; off += wire::kDataPiece) {
     bounds.push_back(bounds.back() + wire::kHeaderBytes +
-                     std::min<uint64_t>(wire::kDataPiece, layout.data_bytes - off));
+                     std::min<uint64_t>(wire::kDataPiece, layout.data_bytes - off) + wire::kMacBytes);
   }
-  const uint64_t total = bounds.back() + wire::kHeaderBytes;  // END
+  const uint64_t total = bounds.back() + wire::kHeaderBytes + wire::kMacBytes;  // END
   std::vector<uint64_t> cuts;
   for (uint64_t b : bounds) {
     for (int64_t d : {-1, 0, 1, 23, 24, 25}) {
@@ -551,7 +809,7 @@ TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
         break;
       }
     }
-    auto held = ListReplicas(srv.ep(), kJob);
+    auto held = ListReplicas(srv.ep(), kJob, kSecret);
     ASSERT_TRUE(held.ok()) << held.status().ToString();
     ASSERT_EQ(held.value().size(), 1u);
     EXPECT_EQ(held.value()[0].step, 30);
@@ -560,7 +818,7 @@ TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
     EXPECT_TRUE(st.ok()) << st.ToString();
   }
   EXPECT_EQ(stored, 1) << "the uncut push did not get through";
-  EXPECT_EQ(ListReplicas(srv.ep(), kJob).value().at(0).step, 40);
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().at(0).step, 40);
   EXPECT_EQ(srv.s->stats().replicas_received, 2u);
 }
 
@@ -595,7 +853,7 @@ TEST(PeerTest, ACrashAtEveryFileCallOfTheStoreKeepsACompleteReplica) {
       }
       env->ClearFaults();
       Server again(0, env);  // a restarted holder over what the crash kept
-      auto held = ListReplicas(again.ep(), kJob);
+      auto held = ListReplicas(again.ep(), kJob, kSecret);
       ASSERT_TRUE(held.ok()) << held.status().ToString();
       ASSERT_EQ(held.value().size(), 1u) << env->Dump();
       const int64_t step = held.value()[0].step;

@@ -23,18 +23,25 @@ namespace nonstop::peer::wire {
 
 static_assert(std::endian::native == std::endian::little, "the peer wire is little endian");
 
-uint64_t MaxPayload(uint16_t t) {
+int64_t FrameLimit(uint16_t t, bool authenticated) {
+  constexpr int64_t kNo = -1;
+  const auto after = [&](uint64_t limit) { return authenticated ? static_cast<int64_t>(limit) : kNo; };
+  const auto before = [&](uint64_t limit) { return authenticated ? kNo : static_cast<int64_t>(limit); };
   switch (static_cast<Type>(t)) {
-    case Type::kPush: return 2 + kMaxJobBytes + kMaxTableFrame;
-    case Type::kTable: return kMaxTableFrame;
-    case Type::kData: return kMaxDataFrame;
-    case Type::kEnd: return 0;
+    case Type::kPush: return after(2 + kMaxJobBytes + kMaxTableFrame);
+    case Type::kTable: return after(kMaxTableFrame);
+    case Type::kData: return after(kMaxDataFrame);
+    case Type::kEnd: return after(0);
     case Type::kList:
-    case Type::kFetch:
-    case Type::kReply: return kMaxSmallFrame;
-    case Type::kListing: return 4 + kMaxListed * 32;
+    case Type::kFetch: return after(kMaxSmallFrame);
+    case Type::kReply: return authenticated ? static_cast<int64_t>(kMaxSmallFrame) : kMaxPreAuthFrame;
+    case Type::kListing: return after(4 + kMaxListed * 32);
+    case Type::kHello: return before(2 + kMaxJobBytes + kNonceBytes);
+    case Type::kChallenge: return before(kNonceBytes + kMacBytes);
+    case Type::kAuth: return before(kMacBytes);
+    case Type::kReady: return before(0);
   }
-  return 0;
+  return kNo;
 }
 
 namespace {
@@ -222,25 +229,51 @@ Result<Socket> Listen(const std::string& host, uint16_t port, uint16_t* bound) {
   return last;
 }
 
-Status SendFrame(Socket& s, Type type, std::string_view a, std::string_view b) {
-  const uint64_t len = a.size() + b.size();
-  if (len > MaxPayload(static_cast<uint16_t>(type))) {
-    return Status::InvalidArgument("peer frame of " + std::to_string(len) + " bytes is over its limit");
-  }
-  uint8_t h[kHeaderBytes];
+namespace {
+
+void EncodeHeader(uint8_t h[kHeaderBytes], uint16_t type, uint64_t len, uint32_t pcrc) {
   const uint32_t magic = kMagic;
-  const uint16_t version = kVersion, t = static_cast<uint16_t>(type);
-  const uint32_t pcrc = Crc32c(b.data(), b.size(), Crc32c(a.data(), a.size()));
+  const uint16_t version = kVersion;
   std::memcpy(h, &magic, 4);
   std::memcpy(h + 4, &version, 2);
-  std::memcpy(h + 6, &t, 2);
+  std::memcpy(h + 6, &type, 2);
   std::memcpy(h + 8, &len, 8);
   std::memcpy(h + 16, &pcrc, 4);
   const uint32_t hcrc = Crc32c(h, 20);
   std::memcpy(h + 20, &hcrc, 4);
+}
+
+// The MAC of frame number `seq` of one direction: over the sequence number,
+// the header and the payload.
+crypto::Digest FrameMac(const crypto::HmacSha256& key, uint64_t seq, const uint8_t* h,
+                        std::string_view a, std::string_view b) {
+  crypto::HmacSha256::Run r = key.Begin();
+  r.Update(&seq, 8);
+  r.Update(h, kHeaderBytes);
+  r.Update(a);
+  r.Update(b);
+  return r.Final();
+}
+
+}  // namespace
+
+Status SendFrame(Socket& s, Type type, std::string_view a, std::string_view b) {
+  const uint64_t len = a.size() + b.size();
+  const uint16_t t = static_cast<uint16_t>(type);
+  const int64_t limit = FrameLimit(t, s.authenticated());
+  if (limit < 0 || len > static_cast<uint64_t>(limit)) {
+    return Status::InvalidArgument("peer frame of type " + std::to_string(t) + " and " +
+                                   std::to_string(len) + " bytes is over its limit");
+  }
+  uint8_t h[kHeaderBytes];
+  EncodeHeader(h, t, len, Crc32c(b.data(), b.size(), Crc32c(a.data(), a.size())));
   NONSTOP_RETURN_IF_ERROR(s.SendAll(h, sizeof(h)));
   if (!a.empty()) NONSTOP_RETURN_IF_ERROR(s.SendAll(a.data(), a.size()));
   if (!b.empty()) NONSTOP_RETURN_IF_ERROR(s.SendAll(b.data(), b.size()));
+  if (Session* ss = s.session()) {
+    const crypto::Digest mac = FrameMac(ss->send_key, ss->send_seq++, h, a, b);
+    NONSTOP_RETURN_IF_ERROR(s.SendAll(mac.data(), mac.size()));
+  }
   return Status::OK();
 }
 
@@ -263,21 +296,157 @@ Status RecvFrame(Socket& s, Frame* f) {
                               ", this build speaks " + std::to_string(kVersion));
   }
   if (Crc32c(h, 20) != hcrc) return Status::Corruption(from + "frame header checksum mismatch");
-  const uint64_t max = MaxPayload(type);
-  if (max == 0 && type != static_cast<uint16_t>(Type::kEnd)) {
-    return Status::Corruption(from + "unknown frame type " + std::to_string(type));
+  const int64_t max = FrameLimit(type, s.authenticated());
+  if (max < 0) {
+    return Status::Corruption(from + "frame type " + std::to_string(type) +
+                              (s.authenticated() ? " after" : " before") + " the handshake");
   }
-  if (len > max) {
+  if (len > static_cast<uint64_t>(max)) {
     return Status::Corruption(from + "frame of type " + std::to_string(type) + " claims " +
                               std::to_string(len) + " bytes, over its limit of " +
-                              std::to_string(max));
+                              std::to_string(max) +
+                              (s.authenticated() ? "" : " before the handshake"));
   }
   f->type = type;
   f->payload.resize(len);
   if (len > 0) NONSTOP_RETURN_IF_ERROR(s.RecvAll(f->payload.data(), len));
+  if (Session* ss = s.session()) {
+    uint8_t got[kMacBytes];
+    NONSTOP_RETURN_IF_ERROR(s.RecvAll(got, sizeof(got)));
+    const crypto::Digest want = FrameMac(ss->recv_key, ss->recv_seq++, h, f->payload, {});
+    if (!crypto::ConstantTimeEqual(got, want.data(), kMacBytes)) {
+      ss->mac_failed = true;
+      return Status::Corruption(from + "frame MAC mismatch (forged, replayed, reordered or "
+                                "damaged in transit)");
+    }
+  }
   if (Crc32c(f->payload.data(), f->payload.size()) != pcrc) {
     return Status::Corruption(from + "frame payload checksum mismatch");
   }
+  return Status::OK();
+}
+
+namespace {
+
+std::string_view AsView(const crypto::Digest& d) {
+  return {reinterpret_cast<const char*>(d.data()), d.size()};
+}
+
+// What a proof or a session key is the MAC of: a label (which proof, which
+// direction), the protocol version, the job and both nonces.
+crypto::Digest Derive(const crypto::HmacSha256& secret, std::string_view label,
+                      const std::string& job, std::string_view nc, std::string_view ns) {
+  Out o;
+  o.Str16("nonstop-peer").Str16(label).U16(kVersion).Str16(job).Bytes(nc).Bytes(ns);
+  return secret.Mac(o.str());
+}
+
+
+std::unique_ptr<Session> MakeSession(const crypto::HmacSha256& secret, const std::string& job,
+                                     std::string_view nc, std::string_view ns, bool client) {
+  const crypto::Digest c2s = Derive(secret, "key client to server", job, nc, ns);
+  const crypto::Digest s2c = Derive(secret, "key server to client", job, nc, ns);
+  auto ss = std::make_unique<Session>();
+  ss->send_key = crypto::HmacSha256(AsView(client ? c2s : s2c));
+  ss->recv_key = crypto::HmacSha256(AsView(client ? s2c : c2s));
+  return ss;
+}
+
+// A REPLY received where a handshake frame was expected: the refusal it carries.
+Status Refusal(const Frame& f, const std::string& from) {
+  uint32_t unused = 0;
+  Status st = DecodeReply(f.payload, &unused, from);
+  if (st.ok()) return Status::Corruption("peer " + from + ": an OK reply in the handshake");
+  return st;
+}
+
+}  // namespace
+
+Status CheckSecret(const std::string& secret) {
+  if (secret.size() < kMinSecretBytes || secret.size() > kMaxSecretBytes) {
+    return Status::InvalidArgument("peer tier: the job's peer secret must have " +
+                                   std::to_string(kMinSecretBytes) + " to " +
+                                   std::to_string(kMaxSecretBytes) + " bytes, got " +
+                                   std::to_string(secret.size()));
+  }
+  return Status::OK();
+}
+
+Status ClientHandshake(Socket& s, const std::string& job, const std::string& secret) {
+  NONSTOP_RETURN_IF_ERROR(CheckSecret(secret));
+  if (s.authenticated()) return Status::OK();
+  const crypto::HmacSha256 key(secret);
+  std::string nc(kNonceBytes, '\0');
+  if (!crypto::RandomBytes(nc.data(), nc.size())) return Status::FromErrno("peer nonce", errno);
+  Out hello;
+  hello.Str16(job).Bytes(nc);
+  NONSTOP_RETURN_IF_ERROR(SendFrame(s, Type::kHello, hello.str()));
+  Frame f;
+  NONSTOP_RETURN_IF_ERROR(RecvFrame(s, &f));
+  if (f.type == static_cast<uint16_t>(Type::kReply)) return Refusal(f, s.peer());
+  if (f.type != static_cast<uint16_t>(Type::kChallenge) || f.payload.size() != kNonceBytes + kMacBytes) {
+    return Status::Corruption("peer " + s.peer() + ": expected a handshake challenge, got frame type " +
+                              std::to_string(f.type));
+  }
+  const std::string ns = f.payload.substr(0, kNonceBytes);
+  const crypto::Digest server_proof = Derive(key, "server proof", job, nc, ns);
+  if (!crypto::ConstantTimeEqual(reinterpret_cast<const uint8_t*>(f.payload.data()) + kNonceBytes,
+                                 server_proof.data(), kMacBytes)) {
+    return Status::FailedPrecondition("peer " + s.peer() +
+                                      " failed authentication: it does not prove this job's peer "
+                                      "secret (another job's or an impostor's server)");
+  }
+  const crypto::Digest client_proof = Derive(key, "client proof", job, nc, ns);
+  NONSTOP_RETURN_IF_ERROR(SendFrame(s, Type::kAuth, AsView(client_proof)));
+  NONSTOP_RETURN_IF_ERROR(RecvFrame(s, &f));
+  if (f.type == static_cast<uint16_t>(Type::kReply)) return Refusal(f, s.peer());
+  if (f.type != static_cast<uint16_t>(Type::kReady)) {
+    return Status::Corruption("peer " + s.peer() + ": expected the end of the handshake, got frame type " +
+                              std::to_string(f.type));
+  }
+  s.SetSession(MakeSession(key, job, nc, ns, /*client=*/true));
+  return Status::OK();
+}
+
+Status ServerHandshake(Socket& s, const std::string& job, const std::string& secret) {
+  NONSTOP_RETURN_IF_ERROR(CheckSecret(secret));
+  const auto refuse = [&](const Status& st) {
+    (void)SendFrame(s, Type::kReply, EncodeReply(st, 0));
+    return st;
+  };
+  Frame f;
+  NONSTOP_RETURN_IF_ERROR(RecvFrame(s, &f));
+  if (f.type != static_cast<uint16_t>(Type::kHello)) {
+    return refuse(Status::Corruption("peer " + s.peer() + ": frame type " + std::to_string(f.type) +
+                                     " before the handshake"));
+  }
+  In in(f.payload);
+  const std::string their_job = in.Str16(kMaxJobBytes);
+  const std::string_view rest = in.Rest();
+  if (!in.ok() || rest.size() != kNonceBytes) {
+    return refuse(Status::Corruption("peer " + s.peer() + ": malformed HELLO"));
+  }
+  if (their_job != job) {
+    return refuse(Status::FailedPrecondition("peer " + s.peer() + " asks for job '" +
+                                             their_job.substr(0, 64) +
+                                             "': this server holds replicas of another job"));
+  }
+  const std::string nc(rest);
+  const crypto::HmacSha256 key(secret);
+  std::string ns(kNonceBytes, '\0');
+  if (!crypto::RandomBytes(ns.data(), ns.size())) return refuse(Status::FromErrno("peer nonce", errno));
+  const crypto::Digest server_proof = Derive(key, "server proof", job, nc, ns);
+  NONSTOP_RETURN_IF_ERROR(SendFrame(s, Type::kChallenge, ns, AsView(server_proof)));
+  NONSTOP_RETURN_IF_ERROR(RecvFrame(s, &f));
+  const crypto::Digest client_proof = Derive(key, "client proof", job, nc, ns);
+  if (f.type != static_cast<uint16_t>(Type::kAuth) || f.payload.size() != kMacBytes ||
+      !crypto::ConstantTimeEqual(reinterpret_cast<const uint8_t*>(f.payload.data()),
+                                 client_proof.data(), kMacBytes)) {
+    return refuse(Status::FailedPrecondition(
+        "peer " + s.peer() + " failed authentication: it does not prove this job's peer secret"));
+  }
+  NONSTOP_RETURN_IF_ERROR(SendFrame(s, Type::kReady, {}));
+  s.SetSession(MakeSession(key, job, nc, ns, /*client=*/false));
   return Status::OK();
 }
 

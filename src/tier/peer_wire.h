@@ -1,16 +1,26 @@
 // The peer tier's wire (docs/FORMAT.md "Peer wire format"): TCP sockets with
 // timeouts on every blocking call, and frames whose header is checked (magic,
-// version, type, a length bounded per type, the header's own crc32c) before a
-// byte of payload is allocated or read; the payload's crc32c is checked
-// before it is used. Little endian throughout.
+// version, type, a length bounded per type and per connection state, the
+// header's own crc32c) before a byte of payload is allocated or read; the
+// payload's crc32c is checked before it is used. Little endian throughout.
 //
-//   frame   = header(24) payload(length)
+//   frame   = header(24) payload(length) [mac(32): after the handshake]
 //   header  = magic u32 "NSPW" | version u16 | type u16 | length u64 |
 //             payload crc32c u32 | header crc32c u32 (of the 20 bytes before)
+//
+// Every connection starts with a mutual challenge-response (ClientHandshake /
+// ServerHandshake) over the job's peer secret: both sides send a random
+// nonce and prove the secret with HMAC-SHA256 over both nonces, the
+// direction, the job and the protocol version. Before it completes only the
+// handshake's tiny frames are accepted (kMaxPreAuthFrame); afterwards every
+// frame carries HMAC-SHA256(session key of its direction, sequence number |
+// header | payload), so a frame can be neither forged, nor replayed, nor
+// moved to another connection or direction (docs/TIERS.md "Trust").
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <cstring>
 #include <span>
 #include <string>
@@ -19,31 +29,55 @@
 
 #include "nonstop/status.h"
 #include "tier/peer.h"
+#include "tier/sha256.h"
 
 namespace nonstop::peer::wire {
 
 inline constexpr uint32_t kMagic = 0x5750534E;  // "NSPW"
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;  // 2: the handshake and the per-frame MAC
 inline constexpr size_t kHeaderBytes = 24;
+inline constexpr size_t kMacBytes = crypto::kSha256Bytes;
+inline constexpr size_t kNonceBytes = 32;
 inline constexpr uint64_t kMaxDataFrame = 16ull << 20;
 inline constexpr uint64_t kDataPiece = 4ull << 20;  // what a sender puts in one DATA frame
 inline constexpr uint64_t kMaxSmallFrame = 64ull << 10;
 inline constexpr uint64_t kMaxListed = 1 << 16;
 // A tensor table: its metadata (at most 64 MiB) plus the entries and crcs.
 inline constexpr uint64_t kMaxTableFrame = (64ull << 20) + (32ull << 20);
+// The most payload bytes of any frame before the handshake completed.
+inline constexpr uint64_t kMaxPreAuthFrame = 4096 + 8;
+// How long a server gives a new connection to complete the handshake.
+inline constexpr double kHandshakeTimeoutS = 10;
 
+// The frame types. A new type: a value here and its row in FrameLimit
+// (peer_wire.cc), both states.
 enum class Type : uint16_t {
   kPush = 1,     // c->s: job, tensor table; a reply, then DATA..., END, a reply
   kData = 2,     // either way: the next bytes of the data region
   kEnd = 3,      // either way: the data region is complete
   kList = 4,     // c->s: job; answered by LISTING
   kFetch = 5,    // c->s: job, source rank, step (or newest); TABLE, DATA..., END
-  kReply = 6,    // s->c: status code, outcome, one-line message
+  kReply = 6,    // s->c: status code, outcome, one-line message (also before auth: a refusal)
   kListing = 7,  // s->c: the replicas held
   kTable = 8,    // s->c: the tensor table of the replica fetched
+  // The handshake (before auth, no MAC):
+  kHello = 9,       // c->s: job, client nonce
+  kChallenge = 10,  // s->c: server nonce, server proof
+  kAuth = 11,       // c->s: client proof
+  kReady = 12,      // s->c: empty; the client's proof holds: MACs from the next frame on
 };
-// The most payload bytes of a frame of type `t` (0: no such type).
-uint64_t MaxPayload(uint16_t t);
+// The most payload bytes of a frame of type `t` on a connection that has
+// (`authenticated`) or has not completed the handshake; -1: no such type in
+// that state (the frame is refused).
+int64_t FrameLimit(uint16_t t, bool authenticated);
+
+// The keys of one authenticated connection, per direction, and the
+// sequence numbers of the next frame each way.
+struct Session {
+  crypto::HmacSha256 send_key, recv_key;
+  uint64_t send_seq = 0, recv_seq = 0;
+  bool mac_failed = false;  // a received frame's MAC did not hold (the connection is done)
+};
 
 // A connected TCP socket (owned). Every send and receive has the timeout
 // given at connect/accept; a timeout or a closed peer is an IOError.
@@ -51,13 +85,18 @@ class Socket {
  public:
   Socket() = default;
   explicit Socket(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
-  Socket(Socket&& o) noexcept : fd_(o.fd_.exchange(-1)), peer_(std::move(o.peer_)) {}
+  Socket(Socket&& o) noexcept
+      : fd_(o.fd_.exchange(-1)), peer_(std::move(o.peer_)), session_(std::move(o.session_)) {}
   Socket& operator=(Socket&& o) noexcept;
   Socket(const Socket&) = delete;
   Socket& operator=(const Socket&) = delete;
   ~Socket() { Close(); }
 
   bool valid() const { return fd_.load() >= 0; }
+  // Whether the handshake completed: frames carry MACs.
+  bool authenticated() const { return session_ != nullptr; }
+  Session* session() { return session_.get(); }
+  void SetSession(std::unique_ptr<Session> s) { session_ = std::move(s); }
   int fd() const { return fd_.load(); }
   const std::string& peer() const { return peer_; }
   Status SetTimeout(double seconds);
@@ -72,6 +111,7 @@ class Socket {
  private:
   std::atomic<int> fd_{-1};
   std::string peer_;
+  std::unique_ptr<Session> session_;  // set by the handshake
 };
 
 // A connection to `endpoint` within connect_timeout_s, with io_timeout_s on
@@ -86,13 +126,30 @@ struct Frame {
   std::string payload;
 };
 
-// Sends one frame whose payload is `a` then `b` (either may be empty).
+// Sends one frame whose payload is `a` then `b` (either may be empty); on an
+// authenticated socket with its MAC.
 Status SendFrame(Socket& s, Type type, std::string_view a, std::string_view b = {});
 // Receives one frame into *f (its payload buffer reused). Corruption for a
-// header that is not one (magic, version, type, length over MaxPayload,
-// header crc) -- before the payload is read -- and for a payload crc
-// mismatch; IOError for a cut or a timeout.
+// header that is not one (magic, version, a type or a length over
+// FrameLimit for the socket's state, header crc) -- before the payload is
+// read or allocated --, for a MAC that does not hold (authenticated
+// sockets) and for a payload crc mismatch; IOError for a cut or a timeout.
 Status RecvFrame(Socket& s, Frame* f);
+
+// InvalidArgument unless `secret` has kMinSecretBytes..kMaxSecretBytes bytes.
+Status CheckSecret(const std::string& secret);
+
+// The handshake, client side: HELLO, CHALLENGE (the server's proof checked),
+// AUTH, READY. Afterwards every frame on `s` carries a MAC. `secret`: the
+// job's peer secret (kMinSecretBytes..kMaxSecretBytes). FailedPrecondition
+// when the server does not prove the secret or refuses this side's proof or
+// job (its REPLY's status otherwise); IOError for a cut or a timeout.
+Status ClientHandshake(Socket& s, const std::string& job, const std::string& secret);
+// The server side: HELLO (the job must be `job`), CHALLENGE, AUTH (checked),
+// READY; a refusal is answered with a REPLY saying why and returned (the
+// caller closes the connection). Frames before it completes are at most
+// kMaxPreAuthFrame bytes.
+Status ServerHandshake(Socket& s, const std::string& job, const std::string& secret);
 
 // Payload encoding.
 class Out {

@@ -2,18 +2,20 @@
 tier"): a real Checkpointer's memory segment replicated by the C++
 replicator to a peer server over loopback TCP, listed, fetched back and read
 bit for bit; a damaged replica and a missing one are the error classes a
-restart falls back on. The multi-host wiring is test_peer_tier.py's."""
+restart falls back on; a client or server without the job's secret gets
+nothing; the default budget. The multi-host wiring is test_peer_tier.py's."""
 import os
 
 import pytest
 import torch
 
 import nonstop
-from nonstop import _core
+from nonstop import _core, _peer
 from nonstop.errors import (CheckpointIOError, CheckpointMismatchError,
                             CheckpointNotFoundError, CorruptCheckpointError)
 
 JOB = "job-peer-core"
+SECRET = os.urandom(32)
 
 
 def _checkpointer(tmp_path, model, monkeypatch):
@@ -26,7 +28,7 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     ck = _checkpointer(tmp_path, model, monkeypatch)
-    srv = _core.PeerServer(JOB, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
+    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
                            io_timeout_s=10.0)
     ep = f"127.0.0.1:{srv.port}"
     assert srv.endpoint == ep
@@ -39,7 +41,7 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         ck.wait()
         seg = ck.stats()["memory_segment"]
         assert seg
-        rep = _core.PeerReplicator(JOB, 0, seg, [ep], poll_s=0.05)
+        rep = _core.PeerReplicator(JOB, SECRET, 0, seg, [ep], poll_s=0.05)
         deadline = 0
         while rep.stats()["last_step"] != 2 and deadline < 100:  # the segment copy may lag
             rep.drain(5.0)
@@ -49,10 +51,10 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         assert st["replicated"] >= 1 and st["failures"] == 0, st
         held = srv.list()
         assert [(h["source_rank"], h["step"]) for h in held] == [(0, 2)]
-        assert _core.peer_list(ep, JOB) == held
+        assert _core.peer_list(ep, JOB, SECRET) == held
         assert os.path.exists(tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0))
 
-        d = _core.peer_fetch(ep, JOB, 0, str(tmp_path / "local"))
+        d = _core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "local"))
         assert d == _core.peer_step_dir(str(tmp_path / "local"), 2)
         got = nonstop.load(d)
         assert torch.equal(got.tensors["model/weight"], model.weight.detach())
@@ -61,11 +63,21 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
 
         # Missing: another rank, another step, another job.
         with pytest.raises(CheckpointNotFoundError):
-            _core.peer_fetch(ep, JOB, 5, str(tmp_path / "local"))
+            _core.peer_fetch(ep, JOB, SECRET, 5, str(tmp_path / "local"))
         with pytest.raises(CheckpointNotFoundError):
-            _core.peer_fetch(ep, JOB, 0, str(tmp_path / "local"), step=1)
+            _core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "local"), step=1)
         with pytest.raises(nonstop.errors.IncompatibleCheckpointError):
-            _core.peer_list(ep, "another-job")
+            _core.peer_list(ep, "another-job", SECRET)
+        # Without the job's secret: nothing listed, fetched or pushed.
+        other = os.urandom(32)
+        with pytest.raises(nonstop.errors.IncompatibleCheckpointError, match="authentication"):
+            _core.peer_list(ep, JOB, other)
+        with pytest.raises(nonstop.errors.IncompatibleCheckpointError, match="authentication"):
+            _core.peer_fetch(ep, JOB, other, 0, str(tmp_path / "stranger"))
+        with pytest.raises(nonstop.errors.IncompatibleCheckpointError, match="authentication"):
+            _core.peer_push(ep, JOB, other, seg)
+        assert not os.path.exists(tmp_path / "stranger" / "peer")
+        assert srv.stats()["auth_failures"] == 3
 
         # A flipped byte in the held replica: refused at fetch, nothing written.
         path = tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0)
@@ -75,7 +87,7 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         blob[at + 7] ^= 0xFF
         path.write_bytes(bytes(blob))
         with pytest.raises(CorruptCheckpointError):
-            _core.peer_fetch(ep, JOB, 0, str(tmp_path / "other"))
+            _core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "other"))
         assert not os.path.exists(tmp_path / "other" / "peer" / "step-2" / "rank-00000.nsck")
     finally:
         if rep is not None:
@@ -84,13 +96,66 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         ck.close()
     # Closed: unreachable is an I/O error, fast.
     with pytest.raises(CheckpointIOError):
-        _core.peer_list(ep, JOB, timeout_s=2.0)
+        _core.peer_list(ep, JOB, SECRET, timeout_s=2.0)
 
 
 def test_arguments_and_partners():
     with pytest.raises(CheckpointMismatchError):
-        _core.peer_list("no-port", JOB)
+        _core.peer_list("no-port", JOB, SECRET)
     with pytest.raises(CheckpointMismatchError):
-        _core.PeerServer("")
+        _core.PeerServer("", SECRET)
+    with pytest.raises(CheckpointMismatchError):  # a secret of 8 bytes
+        _core.PeerServer(JOB, b"12345678")
+    with pytest.raises(TypeError):  # bytes only
+        _core.PeerServer(JOB, "a str is not a secret, bytes are")
     assert _core.choose_partners(["a", "a", "b", "b"], 1) == [[2], [3], [0], [1]]
     assert _core.choose_partners(["a", "a"], 1) == [[], []]
+
+
+def test_default_budget_is_a_share_of_free_space(tmp_path):
+    d = tmp_path / "shm-peer"
+    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(d), budget_share=4)
+    try:
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize
+        got = srv.stats()["budget_bytes"]
+        assert 0.8 * free / 8 < got < 1.2 * free / 8, (got, free)
+    finally:
+        srv.close()
+    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(d), budget_bytes=1 << 20)
+    try:
+        assert srv.stats()["budget_bytes"] == 1 << 20
+    finally:
+        srv.close()
+    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(d))
+    try:
+        assert srv.stats()["budget_bytes"] == 0  # none
+    finally:
+        srv.close()
+
+
+def test_the_secret_is_agreed(monkeypatch):
+    monkeypatch.delenv(_peer.SECRET_ENV, raising=False)
+    assert _peer.env_secret() is None
+    made = os.urandom(32)
+    # Nobody set it: rank 0's 32 bytes.
+    every = [["h", True, True, "/j", "", made.hex()], ["h2", True, True, "/j", "", ""]]
+    assert _peer.agree_secret(every, None) == made
+    monkeypatch.setenv(_peer.SECRET_ENV, "ab" * 32)
+    mine = _peer.env_secret()
+    assert mine == b"\xab" * 32
+    fp = _peer.fingerprint(mine)
+    assert mine.hex() not in fp
+    assert _peer.agree_secret([["h", 1, 1, "/j", fp, ""], ["h2", 1, 1, "/j", fp, ""]], mine) == mine
+    with pytest.raises(CheckpointMismatchError, match="differs"):
+        _peer.agree_secret([["h", 1, 1, "/j", fp, ""],
+                            ["h2", 1, 1, "/j", _peer.fingerprint(b"x" * 32), ""]], mine)
+    with pytest.raises(CheckpointMismatchError, match="only"):
+        _peer.agree_secret([["h", 1, 1, "/j", fp, ""], ["h2", 1, 1, "/j", "", ""]], mine)
+    for bad in ("zz" * 32, "ab" * 8):
+        monkeypatch.setenv(_peer.SECRET_ENV, bad)
+        with pytest.raises(CheckpointMismatchError):
+            _peer.env_secret()
+    with pytest.raises(CheckpointMismatchError):
+        _peer.check_budget(-1)
+    assert _peer.check_budget(None) is None and _peer.check_budget(0) == 0

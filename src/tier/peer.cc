@@ -581,12 +581,15 @@ void PeerServer::Impl::Serve(Conn* c) {
   if (hs.ok()) hs = w::ServerHandshake(c->sock, o.job, o.secret);
   if (hs.ok()) hs = c->sock.SetTimeout(o.io_timeout_s);
   if (!hs.ok()) {
-    if (hs.code() != StatusCode::kIOError) {
-      MutexLock l(&mu);
+    // A stranger's client also leaves on its own, when this side's proof
+    // does not hold for it: every handshake that does not complete counts.
+    MutexLock l(&mu);
+    if (!stop) {
       ++stats.auth_failures;
       if (hs.code() == StatusCode::kCorruption) ++stats.refused_frames;
       stats.last_error = hs.ToString();
     }
+    l.Unlock();
     c->sock.Shutdown();
     c->done.store(true);
     return;

@@ -105,9 +105,10 @@ struct PeerServerStats {
   uint64_t replicas_already_held = 0;  // pushes of the checkpoint already held (not sent again)
   uint64_t push_failures = 0;           // pushes that ended without a replica (cut, damage, I/O)
   uint64_t refused_frames = 0;          // hostile or malformed frames (connection closed)
-  uint64_t auth_failures = 0;           // connections refused at the handshake (wrong secret or
-                                        // job, a frame that is not the handshake's, a MAC that
-                                        // does not hold): closed, nothing big allocated
+  uint64_t auth_failures = 0;           // connections that did not complete the handshake
+                                        // (wrong secret or job, the client left on the server's
+                                        // proof, a frame not the handshake's) or whose frame MAC
+                                        // did not hold: closed, nothing big allocated
   uint64_t fetches_served = 0;
   uint64_t bytes_served = 0;
   uint64_t held = 0;                    // replicas held now

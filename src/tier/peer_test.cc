@@ -642,6 +642,34 @@ TEST(PeerAuthTest, OnlyTheJobsSecretGetsIn) {
   EXPECT_EQ(PeerServer::Start(o).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(PeerAuthTest, AClientAnswersNoServerThatDoesNotProveTheSecret) {
+  // An impostor that answers HELLO with a challenge it cannot prove (and
+  // would then say READY to anything): the client must leave before it sends
+  // its own proof or a request.
+  uint16_t port = 0;
+  wire::Socket listener = wire::Listen("127.0.0.1", 0, &port).value();
+  int frames_after_challenge = -1;
+  std::thread impostor([&] {
+    const int fd = ::accept(listener.fd(), nullptr, nullptr);
+    if (fd < 0) return;
+    wire::Socket c(fd, "client");
+    (void)c.SetTimeout(5);
+    wire::Frame f;
+    if (!wire::RecvFrame(c, &f).ok() || f.type != static_cast<uint16_t>(wire::Type::kHello)) return;
+    ASSERT_TRUE(wire::SendFrame(c, wire::Type::kChallenge, std::string(64, '\x5a')).ok());
+    frames_after_challenge = 0;
+    while (wire::RecvFrame(c, &f).ok()) ++frames_after_challenge;
+  });
+  auto env = FaultEnv::Create();
+  auto fetched = FetchReplica("127.0.0.1:" + std::to_string(port), kJob, kSecret, 1, std::nullopt,
+                              "/local", env.get(), 10);
+  impostor.join();
+  EXPECT_EQ(fetched.status().code(), StatusCode::kFailedPrecondition) << fetched.status().ToString();
+  EXPECT_NE(fetched.status().message().find("does not prove"), std::string::npos);
+  EXPECT_EQ(frames_after_challenge, 0) << "the client answered an unproven challenge";
+  EXPECT_EQ(env->Dump().find("nsck"), std::string::npos) << env->Dump();
+}
+
 TEST(PeerAuthTest, AFrameFromAnotherConnectionOrAgainIsRefused) {
   Server srv;
   Source src(1);

@@ -82,6 +82,7 @@ Socket& Socket::operator=(Socket&& o) noexcept {
     Close();
     fd_.store(o.fd_.exchange(-1));
     peer_ = std::move(o.peer_);
+    session_ = std::move(o.session_);
   }
   return *this;
 }
@@ -437,7 +438,12 @@ Status ServerHandshake(Socket& s, const std::string& job, const std::string& sec
   if (!crypto::RandomBytes(ns.data(), ns.size())) return refuse(Status::FromErrno("peer nonce", errno));
   const crypto::Digest server_proof = Derive(key, "server proof", job, nc, ns);
   NONSTOP_RETURN_IF_ERROR(SendFrame(s, Type::kChallenge, ns, AsView(server_proof)));
-  NONSTOP_RETURN_IF_ERROR(RecvFrame(s, &f));
+  Status got = RecvFrame(s, &f);
+  if (got.code() == StatusCode::kIOError) {
+    return got.Annotate("after this server's challenge (a client without this job's peer secret "
+                        "leaves there)");
+  }
+  NONSTOP_RETURN_IF_ERROR(got);
   const crypto::Digest client_proof = Derive(key, "client proof", job, nc, ns);
   if (f.type != static_cast<uint16_t>(Type::kAuth) || f.payload.size() != kMacBytes ||
       !crypto::ConstantTimeEqual(reinterpret_cast<const uint8_t*>(f.payload.data()),

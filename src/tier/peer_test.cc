@@ -634,6 +634,28 @@ TEST(PeerAuthTest, OnlyTheJobsSecretGetsIn) {
   EXPECT_FALSE(src.Push(fake.ep()).ok());
   EXPECT_EQ(fake.s->stats().replicas_received, 1u);
 
+  // A client that answers the challenge with a proof it cannot make: the
+  // server refuses it and serves nothing on that connection.
+  {
+    auto c = wire::Connect(srv.ep(), 5, 5).value();
+    wire::Out hello;
+    hello.Str16(kJob).Bytes(std::string(wire::kNonceBytes, '\x01'));
+    ASSERT_TRUE(wire::SendFrame(c, wire::Type::kHello, hello.str()).ok());
+    wire::Frame f;
+    ASSERT_TRUE(wire::RecvFrame(c, &f).ok());
+    ASSERT_EQ(f.type, static_cast<uint16_t>(wire::Type::kChallenge));
+    ASSERT_TRUE(wire::SendFrame(c, wire::Type::kAuth, std::string(wire::kMacBytes, '\x02')).ok());
+    ASSERT_TRUE(wire::RecvFrame(c, &f).ok());
+    ASSERT_EQ(f.type, static_cast<uint16_t>(wire::Type::kReply)) << "READY to a wrong proof";
+    uint32_t unused = 0;
+    Status refused = wire::DecodeReply(f.payload, &unused, "srv");
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+    EXPECT_NE(refused.message().find("authentication"), std::string::npos) << refused.ToString();
+    EXPECT_FALSE(wire::RecvFrame(c, &f).ok());  // closed
+  }
+  EXPECT_TRUE(WaitStats(*srv.s, [](const PeerServerStats& st) { return st.auth_failures == 4; }))
+      << srv.s->stats().auth_failures;
+
   // Secrets of the wrong size are refused before anything is sent.
   EXPECT_EQ(ListReplicas(srv.ep(), kJob, "short").status().code(), StatusCode::kInvalidArgument);
   PeerServerOptions o;

@@ -1,0 +1,279 @@
+"""Issue #27: time to restart one rank after a node loss, from the peer
+tier against the object store and the survivors' disk, with the link's
+own bandwidth measured in the same run; and the training stall with
+replication on against off.
+
+    sudo .venv/bin/python bench/peer_restart_bench.py [--gb 1] [--gb 4] [--rounds 3]
+        [--stall-pairs 3] [--out bench/peer_restart_bench.json]
+
+Needs root (network namespaces, as tests/python/test_peer_tier.py).
+
+Hosts (tests/python/netns_hosts.py): host 0 is the survivor, host 1 the
+replacement of the lost host, a third namespace holds the S3 server
+(SeaweedFS, tests/python/s3_server.py); all on one bridge, each behind its
+own veth, so every path below crosses the same kind of link (veth, bridge,
+veth). Each host has its own disk directory and its own memory directory
+(tmpfs, /dev/shm).
+
+Set up per size (not timed): on the survivor a memory-tier Checkpointer
+commits a state of --gb GB (one float32 tensor) and uploads it to the
+remote tier; two peer servers on the survivor hold its replica (pushed
+over the peer wire): one in the host's memory directory (the peer tier),
+one in a disk directory (see "survivors' disk"). The replacement host then
+restores that rank's checkpoint, per round, each way once, in an order
+that rotates every round (interleaved, so the noise of this shared
+2-core box falls on all of them):
+
+  link     the iperf-style probe: raw TCP from the survivor to the
+           replacement (sendall of 4 MiB buffers, recv_into, discarded),
+           default socket options: what the link carries as a plain copy
+  peer     _core.peer_fetch from the survivor's memory into the
+           replacement's job directory (on disk: where a restart fetches
+           it, _peer.Peers.prefetch), every chunk's crc checked, fsync and
+           rename; then nonstop.load of it (the state as tensors)
+  peer_shm the same fetch into the replacement's memory directory instead
+           of its disk (how much of the fetch is the local disk)
+  s3       _remote.fetch of the step from the object store (SeaweedFS in its
+           own namespace) into the job directory, every part's crc
+           checked; then nonstop.load
+  disk     the survivors' disk: a nonstop job keeps no copy of one rank's
+           checkpoint on another host's disk (a rank's disk copies die with
+           its host); the nearest real thing is the same replica held on
+           the survivor's disk instead of its memory, served over the same
+           link, so this is a peer fetch from a disk directory (read from
+           the page cache here: the file was just written and this shared
+           box's caches are not dropped, so it is a lower bound of a cold
+           disk's time)
+
+The peer tier's target: the peer fetch at >= 0.8x the link's bandwidth.
+
+Stall (--stall-pairs, 0: skip): a 2-rank job, one rank per host (gloo
+across the veths), a --stall-mb MB state per rank, tier="memory",
+every=--stall-every, a sleep of --stall-step-s per step for the
+forward/backward and an in-place update of the whole state; run with
+replicas=0 and replicas=1 in ABBA order (pairs), each run a fresh job.
+Each pair gives on/off ratios of the mean step time (warm-up excluded)
+and of the visible stall per checkpoint; the summary is their median.
+
+Prints a table and writes JSON.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+import netns_hosts  # noqa: E402
+from s3_server import SeaweedS3  # noqa: E402
+
+WORKER = os.path.join(HERE, "peer_restart_worker.py")
+
+
+class Worker:
+    """A long-lived peer_restart_worker.py serve in a host's namespace."""
+
+    def __init__(self, host, log):
+        e = dict(os.environ, NONSTOP_SHM_DIR=host.shm, BENCH_ADDR=host.addr, PYTHONUNBUFFERED="1",
+                 OMP_NUM_THREADS="1")
+        self.log = open(log, "ab")
+        self.p = subprocess.Popen(["ip", "netns", "exec", host.ns, sys.executable, WORKER, "serve"],
+                                  env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self.log, text=True, start_new_session=True)
+        assert json.loads(self.p.stdout.readline()).get("ready"), "worker did not start"
+
+    def __call__(self, cmd, **kw):
+        self.p.stdin.write(json.dumps(dict(kw, cmd=cmd)) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.p.poll()}); see {self.log.name}")
+        out = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(f"{cmd}: {out['error']}")
+        return out
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self("quit")
+                self.p.wait(timeout=30)
+            except Exception:  # noqa: BLE001 -- killed below
+                pass
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, 9)
+            self.p.wait(timeout=30)
+        self.log.close()
+
+
+def restart_rounds(a, hs, s3, surv, repl, gb, root, res):
+    nbytes = int(gb * 1e9)
+    job = f"/bench/job-{gb}"
+    url = s3.url(f"peer-restart-{gb}")
+    t0 = time.perf_counter()
+    seeded = surv("seed", bytes=nbytes, url=url, options=s3.options, job=job,
+                  disk=hs[0].disk, shm=hs[0].shm)
+    print(f"{gb} GB: seeded in {time.perf_counter() - t0:.1f} s (commit + upload)", flush=True)
+    nbytes = seeded["bytes"]
+    a0 = hs[0].addr
+    ways = {
+        "link": lambda: repl("probe", addr=a0, port=seeded["raw_port"], bytes=nbytes),
+        "peer": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
+                             dest=os.path.join(hs[1].disk, "job")),
+        "peer_shm": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
+                                 dest=os.path.join(hs[1].shm, "job")),
+        "s3": lambda: repl("s3", url=url, options=s3.options, step=1,
+                           dest=os.path.join(hs[1].disk, "job")),
+        "disk": lambda: repl("peer", endpoint=seeded["disk_ep"], job=job,
+                             dest=os.path.join(hs[1].disk, "job")),
+    }
+    names = list(ways)
+    rows = {k: [] for k in names}
+    try:
+        for r in range(a.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for k in order:
+                got = ways[k]()
+                if k == "link":
+                    got = {"fetch_s": got["s"], "load_s": 0.0}
+                else:
+                    assert got["loaded_bytes"] == nbytes, got
+                rows[k].append(got)
+                print(f"  round {r} {k:<9} fetch {got['fetch_s']:.2f} s  load {got['load_s']:.2f} s",
+                      flush=True)
+    finally:
+        surv("drop")
+    link = statistics.median(x["fetch_s"] for x in rows["link"])
+    out = {"bytes": nbytes, "rounds": rows, "summary": {}}
+    for k in names:
+        f = statistics.median(x["fetch_s"] for x in rows[k])
+        t = statistics.median(x["fetch_s"] + x["load_s"] for x in rows[k])
+        out["summary"][k] = {"fetch_s": round(f, 3), "restored_s": round(t, 3),
+                             "fetch_GBps": round(nbytes / f / 1e9, 3),
+                             "fetch_vs_link": round(link / f, 3)}
+    res["sizes"][str(gb)] = out
+
+
+def stall_pairs(a, hs, root, res):
+    runs = []
+    for pair in range(a.stall_pairs):
+        arms = [0, 1] if pair % 2 == 0 else [1, 0]
+        got = {}
+        for reps in arms:
+            log = os.path.join(root, f"stall-{pair}-{reps}.log")
+            job = f"stall-{pair}-{reps}"
+            procs = netns_hosts.start_ranks(
+                hs, [0, 1], lambda r: [WORKER, "train", "--dir", os.path.join(hs[r].disk, job),
+                                       "--mb", str(a.stall_mb), "--every", str(a.stall_every),
+                                       "--steps", str(a.stall_steps), "--step-s",
+                                       str(a.stall_step_s), "--replicas", str(reps)], log)
+            netns_hosts.wait_ranks(procs, 600, log)
+            ranks = []
+            for r in range(2):
+                for line in netns_hosts.read_log(f"{log}-{r}").splitlines():
+                    if line.startswith("{") and '"step_s_mean"' in line:
+                        ranks.append(json.loads(line))
+            assert len(ranks) == 2, f"stall run {pair}/{reps}: see {log}-*"
+            if reps:
+                assert all(x["peer_replicated"] > 0 for x in ranks), ranks
+            for h in hs:
+                shutil.rmtree(os.path.join(h.disk, job), ignore_errors=True)
+                for n in os.listdir(h.shm):
+                    p = os.path.join(h.shm, n)
+                    (shutil.rmtree if os.path.isdir(p) else os.unlink)(p)
+            got[reps] = {"step_s_mean": statistics.mean(x["step_s_mean"] for x in ranks),
+                         "stall_per_ckpt_s": statistics.mean(x["stall_per_ckpt_s"] for x in ranks),
+                         "peer_replicated": sum(x["peer_replicated"] for x in ranks),
+                         "ranks": ranks}
+            print(f"  stall pair {pair} replicas={reps}: step {got[reps]['step_s_mean'] * 1e3:.1f} ms,"
+                  f" stall/ckpt {got[reps]['stall_per_ckpt_s'] * 1e3:.1f} ms,"
+                  f" replicated {got[reps]['peer_replicated']}", flush=True)
+        runs.append({"pair": pair, "off": got[0], "on": got[1],
+                     "step_ratio": got[1]["step_s_mean"] / got[0]["step_s_mean"],
+                     "stall_ratio": (got[1]["stall_per_ckpt_s"] / got[0]["stall_per_ckpt_s"]
+                                     if got[0]["stall_per_ckpt_s"] > 0 else None)})
+    steps = [x["step_ratio"] for x in runs]
+    stalls = [x["stall_ratio"] for x in runs if x["stall_ratio"] is not None]
+    res["stall"] = {"mb": a.stall_mb, "every": a.stall_every, "steps": a.stall_steps,
+                    "step_s": a.stall_step_s, "pairs": runs,
+                    "step_ratio_median": statistics.median(steps),
+                    "step_ratio_range": [min(steps), max(steps)],
+                    "stall_ratio_median": statistics.median(stalls) if stalls else None,
+                    "stall_ratio_range": [min(stalls), max(stalls)] if stalls else None}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, action="append",
+                    help="per-rank state in GB (repeat for several; default 1)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stall-pairs", type=int, default=3)
+    ap.add_argument("--stall-mb", type=float, default=64)
+    ap.add_argument("--stall-every", type=int, default=1)
+    ap.add_argument("--stall-steps", type=int, default=30)
+    ap.add_argument("--stall-step-s", type=float, default=0.1)
+    ap.add_argument("--out", default=os.path.join(HERE, "peer_restart_bench.json"))
+    a = ap.parse_args()
+    a.gb = a.gb or [1.0]
+    if os.geteuid() != 0:
+        sys.exit("peer_restart_bench: network namespaces need root")
+
+    root = tempfile.mkdtemp(prefix="peer-restart-", dir="/var/tmp")
+    shm = tempfile.mkdtemp(prefix="peer-restart-", dir="/dev/shm")
+    res = {"command": "python " + " ".join(sys.argv), "cpus": os.cpu_count(),
+           "machine": platform.machine(), "sizes": {}, "stall": None,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    hs = netns_hosts.Hosts(2, root, store=True)
+    workers, s3 = [], None
+    try:
+        hs.up()
+        for h in hs:
+            h.shm = os.path.join(shm, f"host{h.index}")
+            os.makedirs(h.shm)
+        s3 = SeaweedS3(os.path.join(root, "s3"), host=hs.store_addr, netns=hs.store_ns)
+        s3.start()
+        if a.rounds > 0:
+            surv = Worker(hs[0], os.path.join(root, "survivor.log"))
+            workers.append(surv)
+            repl = Worker(hs[1], os.path.join(root, "replacement.log"))
+            workers.append(repl)
+            for gb in a.gb:
+                restart_rounds(a, hs, s3, surv, repl, gb, root, res)
+            for w in workers:
+                w.close()
+            workers.clear()
+        if a.stall_pairs > 0:
+            stall_pairs(a, hs, root, res)
+    finally:
+        for w in workers:
+            w.close()
+        if s3 is not None:
+            s3.stop()
+        hs.down()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+    print(f"\n{'GB':>5} {'way':<9}{'fetch s':>9}{'restored s':>12}{'GB/s':>8}{'x link':>8}")
+    for gb, out in res["sizes"].items():
+        for k, v in out["summary"].items():
+            print(f"{gb:>5} {k:<9}{v['fetch_s']:>9.2f}{v['restored_s']:>12.2f}"
+                  f"{v['fetch_GBps']:>8.2f}{v['fetch_vs_link']:>8.2f}")
+    if res["stall"]:
+        s = res["stall"]
+        print(f"stall, replicas=1 vs 0 ({s['mb']} MB/rank, every={s['every']}): step time "
+              f"x{s['step_ratio_median']:.3f} (range {s['step_ratio_range'][0]:.3f}-"
+              f"{s['step_ratio_range'][1]:.3f}), visible stall per checkpoint "
+              f"x{s['stall_ratio_median'] or float('nan'):.3f}")
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""One process of bench/peer_restart_bench.py, started inside a host (a
+network namespace, tests/python/netns_hosts.py). Not a tool of its own.
+
+    python peer_restart_worker.py serve   JSON commands on stdin, one JSON answer a line
+    python peer_restart_worker.py train   one rank of the stall job (RANK, WORLD_SIZE,
+                                          MASTER_ADDR, MASTER_PORT set); flags below
+
+`serve` commands ({"cmd": ..., ...}):
+  seed    (survivor host) a state of `bytes`, committed once by a memory-tier
+          Checkpointer that uploads it to the remote tier (`url`, `options`);
+          then two peer servers on this host's address hold its replica:
+          one in the memory directory (tmpfs), one in a disk directory; and
+          a raw TCP source for the link probe. Answers their endpoints.
+  drop    (survivor) closes the servers and removes what seed made.
+  probe   (replacement) receives `bytes` from the raw source: seconds.
+  peer    (replacement) _core.peer_fetch of the replica at `endpoint` into
+          `dest` (a one-slot job directory, verified), then nonstop.load of
+          it: fetch and load seconds.
+  s3      (replacement) _remote.fetch of step `step` rank 0 from `url` into
+          `dest`, then nonstop.load: fetch and load seconds.
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+import nonstop
+from nonstop import _core, _remote
+
+PIECE = 4 << 20
+
+
+def say(**kw):
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+class RawSource:
+    """The iperf-style probe's sender: each connection says how many bytes
+    it wants (20 decimal digits) and gets that many zeros in 4 MiB sendall
+    calls (plain sockets, default buffers), then the connection closes."""
+
+    def __init__(self, host):
+        self.srv = socket.socket()
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.srv.bind((host, 0))
+        self.srv.listen(4)
+        self.port = self.srv.getsockname()[1]
+        self.buf = memoryview(bytes(PIECE))
+        self.th = threading.Thread(target=self.run, daemon=True)
+        self.th.start()
+
+    def run(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            with c:
+                head = b""
+                while len(head) < 20:
+                    got = c.recv(20 - len(head))
+                    if not got:
+                        break
+                    head += got
+                left = int(head or b"0")
+                while left > 0:
+                    n = min(left, PIECE)
+                    c.sendall(self.buf[:n])
+                    left -= n
+
+    def close(self):
+        self.srv.close()
+
+
+def probe(addr, port, nbytes):
+    buf = bytearray(PIECE)
+    view = memoryview(buf)
+    s = socket.create_connection((addr, port))
+    t0 = time.perf_counter()
+    s.sendall(b"%020d" % nbytes)
+    got = 0
+    while got < nbytes:
+        n = s.recv_into(view)
+        if n == 0:
+            break
+        got += n
+    secs = time.perf_counter() - t0
+    s.close()
+    assert got == nbytes, (got, nbytes)
+    return secs
+
+
+def load_all(d):
+    """Reads the one-slot checkpoint in `d` (rank 0) into new tensors: the
+    state a restart holds."""
+    loaded = nonstop.load(d)
+    n = 0
+    for v in loaded.tensors.values():
+        n += v.numel() * v.element_size()
+    return n
+
+
+class Survivor:
+    def __init__(self, addr):
+        self.addr = addr
+        self.ck = self.servers = self.raw = None
+        self.made = []
+
+    def seed(self, bytes, url, options, job, disk, shm):
+        n = bytes // 4
+        state = {"w": torch.randn(n // 4096, 4096)}
+        seed_dir = os.path.join(disk, "seed")
+        t0 = time.perf_counter()
+        ck = nonstop.Checkpointer(seed_dir, state, every=1, tier="memory", remote=url,
+                                  remote_options=options)
+        ck.step(1)
+        ck.wait()
+        seg = ck.stats()["memory_segment"]
+        ck.close()  # waits for the upload
+        upload_s = time.perf_counter() - t0
+        del state
+        mem_dir, disk_dir = os.path.join(shm, "peer"), os.path.join(disk, "peer-disk")
+        self.servers = [_core.PeerServer(job, bind_host=self.addr, dir=d) for d in (mem_dir, disk_dir)]
+        eps = [f"{self.addr}:{s.port}" for s in self.servers]
+        for ep in eps:
+            out = _core.peer_push(ep, job, seg)
+            assert out == "stored", out
+        os.unlink(seg)  # only the replicas stay in this host's memory
+        shutil.rmtree(seed_dir, ignore_errors=True)
+        self.raw = RawSource(self.addr)
+        self.made = [mem_dir, disk_dir]
+        return {"mem_ep": eps[0], "disk_ep": eps[1], "raw_port": self.raw.port,
+                "bytes": (n // 4096) * 4096 * 4, "seed_s": upload_s}
+
+    def drop(self):
+        for s in self.servers or []:
+            s.close()
+        if self.raw is not None:
+            self.raw.close()
+        for d in self.made:
+            shutil.rmtree(d, ignore_errors=True)
+        self.servers = self.raw = None
+        return {}
+
+
+def serve():
+    surv = Survivor(os.environ.get("BENCH_ADDR", "127.0.0.1"))
+    say(ready=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req.pop("cmd")
+        try:
+            if cmd == "seed":
+                say(**surv.seed(**req))
+            elif cmd == "drop":
+                say(**surv.drop())
+            elif cmd == "probe":
+                say(s=probe(req["addr"], req["port"], req["bytes"]))
+            elif cmd in ("peer", "s3"):
+                shutil.rmtree(req["dest"], ignore_errors=True)
+                os.makedirs(req["dest"])
+                t0 = time.perf_counter()
+                if cmd == "peer":
+                    d = _core.peer_fetch(req["endpoint"], req["job"], 0, req["dest"])
+                else:
+                    store = _remote.open_store(req["url"], req["options"])
+                    d = _remote.fetch(store, req["step"], 0, req["dest"])
+                t1 = time.perf_counter()
+                got = load_all(d)
+                t2 = time.perf_counter()
+                shutil.rmtree(req["dest"], ignore_errors=True)
+                say(fetch_s=t1 - t0, load_s=t2 - t1, loaded_bytes=got)
+            elif cmd == "quit":
+                say()
+                return
+            else:
+                say(error=f"unknown command {cmd}")
+        except Exception as e:  # noqa: BLE001 -- reported to the driver, which stops
+            say(error=f"{type(e).__name__}: {e}")
+
+
+def train(a):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    state = {"w": torch.randn(int(a.mb * 2**20 / 4 / 4096), 4096)}
+    ck = nonstop.Checkpointer(a.dir, state, every=a.every, tier="memory", replicas=a.replicas)
+    ck.restore()
+    times = []
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        time.sleep(a.step_s)                # the forward/backward of a real job
+        state["w"].mul_(0.999)              # the optimizer: touches the whole state
+        ck.step(step)
+        times.append(time.perf_counter() - t0)
+    st = ck.stats()
+    warm = min(len(times) - 1, 2 * a.every)
+    ck.wait()
+    drained = True
+    peers = getattr(getattr(ck.session, "dist", None), "peers", None)
+    if peers is not None:
+        drained = peers.drain(60)
+    out = {"rank": rank, "replicas": a.replicas, "step_s_mean": sum(times[warm:]) / len(times[warm:]),
+           "stall_per_ckpt_s": st.get("visible_stall_s", 0.0) / max(1, st.get("saves", 1)),
+           "saves": st.get("saves"), "peer_replicated": st.get("peer_replicated", 0),
+           "peer_bytes": st.get("peer_bytes", 0), "peer_note": st.get("peer_note", ""),
+           "drained": drained}
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    say(**out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["serve", "train"])
+    ap.add_argument("--dir")
+    ap.add_argument("--mb", type=float, default=64)
+    ap.add_argument("--every", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--step-s", type=float, default=0.1)
+    ap.add_argument("--replicas", type=int, default=0)
+    a = ap.parse_args()
+    serve() if a.mode == "serve" else train(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,45 @@ __attribute__((target("sse4.2"))) uint32_t RawSse42(const uint8_t* p, size_t n, 
 }
 #endif
 
+// a * b modulo the polynomial, both as reflected 32-bit polynomials.
+uint32_t MultModP(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31;
+  uint32_t p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return p;
+}
+
+// x^(2^k) modulo the polynomial, k = 0..31.
+const std::array<uint32_t, 32>& X2nTable() {
+  static const std::array<uint32_t, 32> table = [] {
+    std::array<uint32_t, 32> t{};
+    uint32_t p = 1u << 30;  // x^1
+    t[0] = p;
+    for (int n = 1; n < 32; ++n) t[n] = p = MultModP(p, p);
+    return t;
+  }();
+  return table;
+}
+
+// x^(n * 2^k) modulo the polynomial.
+uint32_t X2nModP(uint64_t n, unsigned k) {
+  const auto& table = X2nTable();
+  uint32_t p = 1u << 31;  // x^0
+  while (n) {
+    if (n & 1) p = MultModP(table[k & 31], p);
+    n >>= 1;
+    ++k;
+  }
+  return p;
+}
+
 }  // namespace
 
 uint32_t Crc32c(const void* data, size_t n, uint32_t seed) {
@@ -73,6 +112,11 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t seed) {
 #endif
   return ~RawSoftware(p, n, raw);
 #endif
+}
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  if (crc_a == 0) return crc_b;  // 0 times x^(8 len_b) is 0
+  return MultModP(X2nModP(len_b, 3), crc_a) ^ crc_b;
 }
 
 }  // namespace nonstop

@@ -1,60 +1,14 @@
 #include "engine/layerwise_plan.h"
 
 #include <algorithm>
-#include <array>
 #include <numeric>
 
 namespace nonstop {
 namespace {
 
-constexpr uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli polynomial
-
-// a * b modulo the polynomial, both as reflected 32-bit polynomials.
-uint32_t MultModP(uint32_t a, uint32_t b) {
-  uint32_t m = 1u << 31;
-  uint32_t p = 0;
-  for (;;) {
-    if (a & m) {
-      p ^= b;
-      if ((a & (m - 1)) == 0) break;
-    }
-    m >>= 1;
-    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
-  }
-  return p;
-}
-
-// x^(2^k) modulo the polynomial, k = 0..31.
-const std::array<uint32_t, 32>& X2nTable() {
-  static const std::array<uint32_t, 32> table = [] {
-    std::array<uint32_t, 32> t{};
-    uint32_t p = 1u << 30;  // x^1
-    t[0] = p;
-    for (int n = 1; n < 32; ++n) t[n] = p = MultModP(p, p);
-    return t;
-  }();
-  return table;
-}
-
-// x^(n * 2^k) modulo the polynomial.
-uint32_t X2nModP(uint64_t n, unsigned k) {
-  const auto& table = X2nTable();
-  uint32_t p = 1u << 31;  // x^0
-  while (n) {
-    if (n & 1) p = MultModP(table[k & 31], p);
-    n >>= 1;
-    ++k;
-  }
-  return p;
-}
-
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 }  // namespace
-
-uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-  return MultModP(X2nModP(len_b, 3), crc_a) ^ crc_b;
-}
 
 LayerPlan LayerPlan::Build(const SlotLayout& layout, uint64_t chunk_bytes) {
   LayerPlan plan;

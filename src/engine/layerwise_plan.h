@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "nonstop/crc32c.h"  // Crc32cCombine
 #include "nonstop/engine.h"
 #include "nonstop/store.h"
 #include "nonstop/types.h"
@@ -79,9 +80,5 @@ enum class LayerRoute {
 LayerRoute ChooseLayerRoute(LayerCopy requested, DeviceKind source, bool aligned_medium,
                             bool has_device_buffer);
 const char* LayerRouteName(LayerRoute route);
-
-// crc32c(A || B) from crc32c(A), crc32c(B) and the length of B (zlib's
-// crc32_combine for the Castagnoli polynomial).
-uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 }  // namespace nonstop

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cerrno>
 #include <cstdio>
@@ -76,14 +77,23 @@ class ChunkChecker {
                uint64_t counter, int64_t step)
       : data_bytes_(data_bytes), cb_(chunk_bytes), crcs_(crcs), counter_(counter), step_(step) {}
   // The next `n` bytes; Corruption naming the chunk whose crc does not match.
-  Status Next(const char* p, size_t n, const std::string& where) {
+  // With `crc_of_n`, also the crc32c of the n bytes (combined from the
+  // pieces' crcs: the bytes are read once for both).
+  Status Next(const char* p, size_t n, const std::string& where, uint32_t* crc_of_n = nullptr) {
     if (n > data_bytes_ - got_) {
       return Status::Corruption(where + ": more data than the table's " +
                                 std::to_string(data_bytes_) + " bytes");
     }
+    uint32_t all = 0;
     for (size_t i = 0; i < n;) {
       const uint64_t take = std::min<uint64_t>(n - i, cb_ - got_ % cb_);
-      crc_ = Crc32c(p + i, take, crc_);
+      if (crc_of_n != nullptr) {
+        const uint32_t piece = Crc32c(p + i, take);
+        crc_ = Crc32cCombine(crc_, piece, take);
+        all = Crc32cCombine(all, piece, take);
+      } else {
+        crc_ = Crc32c(p + i, take, crc_);
+      }
       got_ += take;
       i += take;
       if (got_ % cb_ == 0 || got_ == data_bytes_) {
@@ -96,6 +106,7 @@ class ChunkChecker {
         crc_ = 0;
       }
     }
+    if (crc_of_n != nullptr) *crc_of_n = all;
     return Status::OK();
   }
   uint64_t got() const { return got_; }
@@ -143,9 +154,13 @@ class ReplicaWriter {
     }
   }
 
-  Status Append(std::string_view b, const std::string& from) {
+  // The next bytes of a DATA frame whose payload crc32c is `frame_crc`
+  // (RecvFrame's data_crc: checked here, combined from the chunk crcs).
+  Status Append(std::string_view b, const std::string& from, uint32_t frame_crc) {
     const uint64_t at = check_.got();
-    NONSTOP_RETURN_IF_ERROR(check_.Next(b.data(), b.size(), "peer " + from));
+    uint32_t crc = 0;
+    NONSTOP_RETURN_IF_ERROR(check_.Next(b.data(), b.size(), "peer " + from, &crc));
+    if (crc != frame_crc) return Status::Corruption("peer " + from + ": frame payload checksum mismatch");
     return file_->WriteData(0, at, b.data(), b.size());
   }
 
@@ -184,6 +199,102 @@ class ReplicaWriter {
   bool created_ = false, done_ = false;
 };
 
+// Two stages at once over two buffers, in order: `produce` fills one on a
+// helper thread while `consume` uses the other on this one (the next frame
+// received while the last is checked and written; the next piece read and
+// checked while the last is sent). produce sets *more = false with the
+// last buffer. The first error ends both: consume's (then `cancel` unblocks
+// a produce waiting on the socket), else produce's after every buffer it
+// filled before was consumed.
+template <typename Buf, typename Produce, typename Consume, typename Cancel>
+Status TwoStage(std::array<Buf, 2>& bufs, Produce produce, Consume consume, Cancel cancel) {
+  Mutex mu;
+  CondVar cv;
+  bool full[2] = {false, false};
+  bool produced_all = false, stop = false;
+  Status produce_err;
+  std::thread helper([&] {
+    for (int i = 0;; i ^= 1) {
+      {
+        MutexLock l(&mu);
+        while (full[i] && !stop) cv.Wait(&mu);
+        if (stop) return;
+      }
+      bool more = true;
+      Status st = produce(bufs[i], &more);
+      MutexLock l(&mu);
+      if (!st.ok()) {
+        produce_err = st;
+      } else {
+        full[i] = true;
+      }
+      if (!st.ok() || !more) produced_all = true;
+      cv.SignalAll();
+      if (produced_all) return;
+    }
+  });
+  Status consume_err;
+  for (int i = 0;; i ^= 1) {
+    {
+      MutexLock l(&mu);
+      while (!full[i] && !produced_all) cv.Wait(&mu);
+      if (!full[i]) break;
+    }
+    Status st = consume(bufs[i]);
+    MutexLock l(&mu);
+    full[i] = false;
+    if (!st.ok()) {
+      consume_err = st;
+      stop = true;
+    }
+    cv.SignalAll();
+    if (stop) break;
+  }
+  if (!consume_err.ok()) cancel();
+  helper.join();
+  return consume_err.ok() ? produce_err : consume_err;
+}
+
+// A DATA frame (or the frame that ends the data) received and its payload crc.
+struct InFrame {
+  w::Frame f;
+  uint32_t crc = 0;
+};
+
+// Receives a data region: DATA frames, each given to `writer` (checked and
+// written) while the next is received, up to END. `what` names the
+// transfer in errors ("a push", "a fetch"). A REPLY in the stream is the
+// sender's error; any other frame is Corruption.
+Status ReceiveData(w::Socket& s, ReplicaWriter& writer, const std::string& from, const char* what) {
+  std::array<InFrame, 2> bufs;
+  bool ended = false;
+  Status st = TwoStage(
+      bufs,
+      [&](InFrame& b, bool* more) {
+        Status r = w::RecvFrame(s, &b.f, &b.crc);
+        if (r.ok() && b.f.type != static_cast<uint16_t>(w::Type::kData)) *more = false;
+        return r;
+      },
+      [&](InFrame& b) {
+        if (b.f.type == static_cast<uint16_t>(w::Type::kData)) return writer.Append(b.f.payload, from, b.crc);
+        if (b.f.type == static_cast<uint16_t>(w::Type::kEnd)) {
+          ended = true;
+          return Status::OK();
+        }
+        if (b.f.type == static_cast<uint16_t>(w::Type::kReply)) {
+          uint32_t unused;
+          Status r = w::DecodeReply(b.f.payload, &unused, from);  // the sender's own read failed
+          return r.ok() ? Status::Corruption("peer " + from + ": a reply inside " + what) : r;
+        }
+        return Status::Corruption("peer " + from + ": frame type " + std::to_string(b.f.type) +
+                                  " inside " + what);
+      },
+      // A receive blocked on the socket returns; a reply can still be sent.
+      [&] { (void)::shutdown(s.fd(), SHUT_RD); });
+  if (st.ok() && !ended) st = Status::Corruption("peer " + from + ": " + what + " ended without END");
+  return st;
+}
+
 // Streams the data region of `info` of `file` as DATA frames (every chunk
 // verified as read), then END. A read failure is sent as a REPLY carrying
 // it (the receiver stops there) and returned.
@@ -198,20 +309,42 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
                                    " has no valid chunk checksums"));
   }
   // Whole chunks per frame where they fit; read straight from the medium
-  // into one buffer, each chunk checked once as it passes.
+  // into a buffer, each chunk checked once as it passes (its crcs combined
+  // into the frame's), while the piece before is sent.
   const uint64_t piece = cb <= w::kDataPiece ? w::kDataPiece / cb * cb : w::kDataPiece;
-  std::string buf(std::min<uint64_t>(piece, std::max<uint64_t>(info.data_bytes, 1)), '\0');
+  if (info.data_bytes == 0) return w::SendFrame(s, w::Type::kEnd, {});
+  struct Piece {
+    std::string buf;
+    uint64_t len = 0;
+    uint32_t crc = 0;
+  };
+  std::array<Piece, 2> bufs;
+  for (Piece& p : bufs) p.buf.resize(std::min<uint64_t>(piece, info.data_bytes));
   ChunkChecker check(info.data_bytes, info.crc_chunk_bytes, info.chunk_crcs, info.counter, info.step);
   const std::string where = file.medium().Describe();
-  for (uint64_t off = 0; off < info.data_bytes;) {
-    const uint64_t len = std::min<uint64_t>(buf.size(), info.data_bytes - off);
-    Status r = file.medium().Read(info.data_offset + off, buf.data(), len);
-    if (r.ok()) r = check.Next(buf.data(), len, where);
-    if (!r.ok()) return fail(r);
-    NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kData, std::string_view(buf.data(), len)));
-    off += len;
-    *sent += len;
-  }
+  uint64_t off = 0;
+  bool read_failed = false;
+  Status st = TwoStage(
+      bufs,
+      [&](Piece& p, bool* more) {
+        p.len = std::min<uint64_t>(p.buf.size(), info.data_bytes - off);
+        Status r = file.medium().Read(info.data_offset + off, p.buf.data(), p.len);
+        if (r.ok()) r = check.Next(p.buf.data(), p.len, where, &p.crc);
+        if (!r.ok()) {
+          read_failed = true;
+          return r;
+        }
+        off += p.len;
+        *more = off < info.data_bytes;
+        return Status::OK();
+      },
+      [&](Piece& p) {
+        NONSTOP_RETURN_IF_ERROR(w::SendDataFrame(s, std::string_view(p.buf.data(), p.len), p.crc));
+        *sent += p.len;
+        return Status::OK();
+      },
+      [] {});
+  if (!st.ok()) return read_failed ? fail(st) : st;
   return w::SendFrame(s, w::Type::kEnd, {});
 }
 
@@ -753,25 +886,8 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   }
   bool keep = reply(Status::OK(), kGo);
   Status st = keep ? Status::OK() : Status::IOError("peer " + from + ": reply failed");
-  w::Frame f;
-  bool ended = false;
-  while (keep && st.ok() && !ended) {
-    st = w::RecvFrame(s, &f);
-    if (!st.ok()) break;
-    if (f.type == static_cast<uint16_t>(w::Type::kData)) {
-      st = wr.value()->Append(f.payload, from);
-    } else if (f.type == static_cast<uint16_t>(w::Type::kEnd)) {
-      st = wr.value()->Finish(name, from);
-      ended = true;
-    } else if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
-      uint32_t unused;
-      st = w::DecodeReply(f.payload, &unused, from);  // the sender's own read failed
-      if (st.ok()) st = Status::Corruption("peer " + from + ": a reply inside a push");
-    } else {
-      st = Status::Corruption("peer " + from + ": frame type " + std::to_string(f.type) +
-                              " inside a push");
-    }
-  }
+  if (keep) st = ReceiveData(s, *wr.value(), from, "a push");
+  if (st.ok()) st = wr.value()->Finish(name, from);
   const uint64_t bytes = wr.value()->data_bytes();
   wr.value().reset();  // an unfinished temp file goes now
   release();
@@ -1012,22 +1128,9 @@ Result<std::string> FetchReplica(const std::string& endpoint, const std::string&
   }
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaWriter> wr,
                            ReplicaWriter::Begin(dir.get(), dest + ".fetch", t));
-  for (;;) {
-    NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
-    if (f.type == static_cast<uint16_t>(w::Type::kData)) {
-      NONSTOP_RETURN_IF_ERROR(wr->Append(f.payload, endpoint));
-    } else if (f.type == static_cast<uint16_t>(w::Type::kEnd)) {
-      NONSTOP_RETURN_IF_ERROR(wr->Finish(dest, endpoint));
-      return PeerStepDir(local_dir, t.step);
-    } else if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
-      uint32_t unused;
-      NONSTOP_RETURN_IF_ERROR(w::DecodeReply(f.payload, &unused, endpoint));
-      return Status::Corruption("peer " + endpoint + ": an OK reply inside a fetch");
-    } else {
-      return Status::Corruption("peer " + endpoint + ": frame type " + std::to_string(f.type) +
-                                " inside a fetch");
-    }
-  }
+  NONSTOP_RETURN_IF_ERROR(ReceiveData(s, *wr, endpoint, "a fetch"));
+  NONSTOP_RETURN_IF_ERROR(wr->Finish(dest, endpoint));
+  return PeerStepDir(local_dir, t.step);
 }
 
 // ---------------------------------------------------------------- replicator

@@ -100,7 +100,8 @@ class Socket {
   int fd() const { return fd_.load(); }
   const std::string& peer() const { return peer_; }
   Status SetTimeout(double seconds);
-  Status SendAll(const void* p, size_t n);
+  // flags: MSG_MORE for a part that more follows at once (a frame header).
+  Status SendAll(const void* p, size_t n, int flags = 0);
   Status RecvAll(void* p, size_t n);
   // Waits up to `seconds` for bytes (or the peer's close) to read: false when none came.
   bool WaitReadable(double seconds);
@@ -129,12 +130,20 @@ struct Frame {
 // Sends one frame whose payload is `a` then `b` (either may be empty); on an
 // authenticated socket with its MAC.
 Status SendFrame(Socket& s, Type type, std::string_view a, std::string_view b = {});
+// Sends one DATA frame whose payload's crc32c the caller already has (the
+// Crc32cCombine of the chunk crcs it checked while reading it), so the
+// payload is not read once more for the header.
+Status SendDataFrame(Socket& s, std::string_view payload, uint32_t payload_crc);
 // Receives one frame into *f (its payload buffer reused). Corruption for a
 // header that is not one (magic, version, a type or a length over
 // FrameLimit for the socket's state, header crc) -- before the payload is
 // read or allocated --, for a MAC that does not hold (authenticated
 // sockets) and for a payload crc mismatch; IOError for a cut or a timeout.
-Status RecvFrame(Socket& s, Frame* f);
+// With `data_crc`, a DATA frame's payload crc is not checked here but
+// returned in *data_crc: the caller checks the frame's chunks anyway and
+// must compare the Crc32cCombine of what it computed with it (every other
+// type is checked here as without it; the MAC is always checked here).
+Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc = nullptr);
 
 // InvalidArgument unless `secret` has kMinSecretBytes..kMaxSecretBytes bytes.
 Status CheckSecret(const std::string& secret);

@@ -206,12 +206,29 @@ class Peers:
         if step in own_steps:
             return
         try:
+            mem, name = self._fetch_dir()
+            self._drop_fetched()
             d = _ext.core().peer_fetch(self.endpoints[holder], self.job, self._secret,
-                                       self.rank, dir, step=step)
+                                       self.rank, os.path.join(mem, name), step=step)
             self.prefetched = {"step": step, "counter": counter, "dir": d, "holder": holder}
         except (CheckpointError, OSError) as e:
             self.unused_because = (f"the replica of rank {self.rank} step {step} on rank "
                                    f"{holder} ({self.endpoints[holder]}): {e}")
+
+    def _fetch_dir(self) -> tuple:
+        """(this host's memory directory, the name of this rank's fetched
+        replica's one-slot job directory in it)."""
+        core = _ext.core()
+        key = core.peer_replica_name(self.job, self.rank).split("-replica-")[0]
+        return core.peer_memory_dir(""), f"{key}-fetched-rank-{self.rank:05d}"
+
+    def _drop_fetched(self) -> None:
+        """Removes this rank's fetched replica (through the seam; best effort)."""
+        mem, name = self._fetch_dir()
+        try:
+            _ext.core().Directory(mem).remove_tree(name, missing_ok=True)
+        except (CheckpointError, OSError):
+            pass
 
     # ------------------------------------------------------------- stats
 
@@ -242,7 +259,8 @@ class Peers:
 
     def close(self) -> None:
         """Stops the replicator and the server; the replicas this host holds
-        stay in its memory directory for a restart."""
+        stay in its memory directory for a restart, a replica fetched for
+        this rank's restore goes."""
         for x in (self.replicator, self.server):
             if x is not None:
                 try:
@@ -250,3 +268,6 @@ class Peers:
                 except CheckpointError:
                     pass
         self.replicator = self.server = None
+        if self.prefetched is not None:
+            self._drop_fetched()
+            self.prefetched = None

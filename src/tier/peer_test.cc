@@ -472,6 +472,67 @@ TEST(PeerTest, HostileFramesAreRefusedBeforeAllocating) {
   EXPECT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
 }
 
+TEST(PeerTest, ADataFrameWhosePayloadCrcIsWrongIsRefusedThoughItsChunksCheck) {
+  // DATA frames' payload crc is checked as the Crc32cCombine of the chunk
+  // crcs (the payload is read once): a frame whose header says another crc
+  // is refused even when every chunk in it matches the table.
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  const SlotLayout layout = Layout();
+  const std::vector<uint8_t> data = Data(layout, 30);
+  CheckpointInfo info;
+  {
+    auto d = src.env->OpenDirectory("/seg", false).value();
+    MediumOptions ro;
+    ro.read_only = true;
+    auto f = SlotFile::Open(d->OpenFile("s.nsck", MediumKind::kBuffered, ro).value()).value();
+    auto rep = f->Scan().value();
+    info = rep.checkpoints[rep.newest_valid].info;
+  }
+  ASSERT_GT(data.size(), 2 * kChunk);
+  for (bool wrong : {true, false}) {
+    SCOPED_TRACE(wrong ? "wrong frame crc" : "right frame crc");
+    auto s = wire::Connect(srv.ep(), 5, 5).value();
+    wire::Out head;
+    head.Str16(kJob);
+    const std::vector<uint8_t> table = wire::EncodeCheckpointTable(info);
+    ASSERT_TRUE(wire::SendFrame(s, wire::Type::kPush, head.str(),
+                                std::string_view(reinterpret_cast<const char*>(table.data()),
+                                                 table.size()))
+                    .ok());
+    wire::Frame f;
+    uint32_t outcome = 0;
+    ASSERT_TRUE(wire::RecvFrame(s, &f).ok());
+    ASSERT_TRUE(wire::DecodeReply(f.payload, &outcome, "srv").ok());
+    ASSERT_EQ(outcome, 1u);  // go
+    // Two frames of whole chunks; the second one's header crc off by one bit.
+    const char* p = reinterpret_cast<const char*>(data.data());
+    const std::string_view first(p, 2 * kChunk), second(p + 2 * kChunk, data.size() - 2 * kChunk);
+    ASSERT_TRUE(wire::SendDataFrame(s, first, Crc32c(first.data(), first.size())).ok());
+    const uint32_t crc2 = Crc32c(second.data(), second.size()) ^ (wrong ? 1u : 0u);
+    Status sent = wire::SendDataFrame(s, second, crc2);
+    if (sent.ok()) sent = wire::SendFrame(s, wire::Type::kEnd, {});
+    ASSERT_TRUE(wire::RecvFrame(s, &f).ok());
+    Status st = wire::DecodeReply(f.payload, &outcome, "srv");
+    auto held = ListReplicas(srv.ep(), kJob);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    if (wrong) {
+      EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+      EXPECT_NE(st.message().find("frame payload checksum mismatch"), std::string::npos)
+          << st.ToString();
+      EXPECT_TRUE(held.value().empty());
+    } else {
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      EXPECT_EQ(outcome, 2u);  // stored
+      ASSERT_EQ(held.value().size(), 1u);
+      Status fst;
+      EXPECT_EQ(FetchBack(srv.ep(), 1, 30, &fst).data, data);
+      EXPECT_TRUE(fst.ok()) << fst.ToString();
+    }
+  }
+}
+
 // A proxy that forwards one connection to `to`, cutting it after `cut`
 // bytes from the client.
 class CuttingProxy {

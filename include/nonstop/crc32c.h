@@ -10,9 +10,4 @@ namespace nonstop {
 // CRC-32C and compose: Crc32c(b, nb, Crc32c(a, na)) == Crc32c(a || b).
 uint32_t Crc32c(const void* data, size_t n, uint32_t seed = 0);
 
-// crc32c(A || B) from crc32c(A), crc32c(B) and the length of B (zlib's
-// crc32_combine for the Castagnoli polynomial): a region's crc from its
-// pieces' crcs without reading it again.
-uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
-
 }  // namespace nonstop

@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstring>
 
+#include "base/crc32c_combine.h"
 #include "nonstop/crc32c.h"
 
 #ifdef NONSTOP_HAVE_ISAL

@@ -24,7 +24,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "nonstop/crc32c.h"  // Crc32cCombine
+#include "base/crc32c_combine.h"
 #include "nonstop/engine.h"
 #include "nonstop/store.h"
 #include "nonstop/types.h"

@@ -21,6 +21,7 @@
 #include <set>
 #include <thread>
 
+#include "base/crc32c_combine.h"
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "nonstop/plan.h"

@@ -28,22 +28,23 @@ that rotates every round (interleaved, so the noise of this shared
            replacement (sendall of 4 MiB buffers, recv_into, discarded),
            default socket options: what the link carries as a plain copy
   peer     _core.peer_fetch from the survivor's memory into the
-           replacement's job directory (on disk: where a restart fetches
-           it, _peer.Peers.prefetch), every chunk's crc checked, fsync and
-           rename; then nonstop.load of it (the state as tensors)
-  peer_shm the same fetch into the replacement's memory directory instead
-           of its disk (how much of the fetch is the local disk)
+           replacement's memory directory (tmpfs: where a restart fetches
+           it, _peer.Peers.prefetch), every chunk's crc checked, then
+           renamed; then nonstop.load of it (the state as tensors)
+  peer_to_disk  the same fetch into the replacement's job directory on
+           disk (where a restart fetched it before: fsync at the disk's
+           write speed)
   s3       _remote.fetch of the step from the object store (SeaweedFS in its
-           own namespace) into the job directory, every part's crc
-           checked; then nonstop.load
+           own namespace) into the job directory (disk, as the remote
+           tier's restore does), every part's crc checked; then nonstop.load
   disk     the survivors' disk: a nonstop job keeps no copy of one rank's
            checkpoint on another host's disk (a rank's disk copies die with
            its host); the nearest real thing is the same replica held on
            the survivor's disk instead of its memory, served over the same
-           link, so this is a peer fetch from a disk directory (read from
-           the page cache here: the file was just written and this shared
-           box's caches are not dropped, so it is a lower bound of a cold
-           disk's time)
+           link into the replacement's memory directory, so this is a peer
+           fetch from a disk directory (read from the page cache here: the
+           file was just written and this shared box's caches are not
+           dropped, so it is a lower bound of a cold disk's time)
 
 The peer tier's target: the peer fetch at >= 0.8x the link's bandwidth.
 
@@ -125,13 +126,13 @@ def restart_rounds(a, hs, s3, surv, repl, gb, root, res):
     ways = {
         "link": lambda: repl("probe", addr=a0, port=seeded["raw_port"], bytes=nbytes),
         "peer": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
-                             dest=os.path.join(hs[1].disk, "job")),
-        "peer_shm": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
-                                 dest=os.path.join(hs[1].shm, "job")),
+                             dest=os.path.join(hs[1].shm, "fetched")),
+        "peer_to_disk": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
+                                     dest=os.path.join(hs[1].disk, "job")),
         "s3": lambda: repl("s3", url=url, options=s3.options, step=1,
                            dest=os.path.join(hs[1].disk, "job")),
         "disk": lambda: repl("peer", endpoint=seeded["disk_ep"], job=job,
-                             dest=os.path.join(hs[1].disk, "job")),
+                             dest=os.path.join(hs[1].shm, "fetched")),
     }
     names = list(ways)
     rows = {k: [] for k in names}
@@ -145,7 +146,7 @@ def restart_rounds(a, hs, s3, surv, repl, gb, root, res):
                 else:
                     assert got["loaded_bytes"] == nbytes, got
                 rows[k].append(got)
-                print(f"  round {r} {k:<9} fetch {got['fetch_s']:.2f} s  load {got['load_s']:.2f} s",
+                print(f"  round {r} {k:<12} fetch {got['fetch_s']:.2f} s  load {got['load_s']:.2f} s",
                       flush=True)
     finally:
         surv("drop")
@@ -259,10 +260,10 @@ def main():
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 
-    print(f"\n{'GB':>5} {'way':<9}{'fetch s':>9}{'restored s':>12}{'GB/s':>8}{'x link':>8}")
+    print(f"\n{'GB':>5} {'way':<13}{'fetch s':>9}{'restored s':>12}{'GB/s':>8}{'x link':>8}")
     for gb, out in res["sizes"].items():
         for k, v in out["summary"].items():
-            print(f"{gb:>5} {k:<9}{v['fetch_s']:>9.2f}{v['restored_s']:>12.2f}"
+            print(f"{gb:>5} {k:<13}{v['fetch_s']:>9.2f}{v['restored_s']:>12.2f}"
                   f"{v['fetch_GBps']:>8.2f}{v['fetch_vs_link']:>8.2f}")
     if res["stall"]:
         s = res["stall"]

@@ -122,17 +122,21 @@ class Survivor:
                                   remote_options=options)
         ck.step(1)
         ck.wait()
+        deadline = time.time() + 300
+        while ck.stats()["memory_counter"] != ck.stats()["committed"] and time.time() < deadline:
+            time.sleep(0.05)
         seg = ck.stats()["memory_segment"]
-        ck.close()  # waits for the upload
-        upload_s = time.perf_counter() - t0
-        del state
         mem_dir, disk_dir = os.path.join(shm, "peer"), os.path.join(disk, "peer-disk")
         self.servers = [_core.PeerServer(job, bind_host=self.addr, dir=d) for d in (mem_dir, disk_dir)]
         eps = [f"{self.addr}:{s.port}" for s in self.servers]
         for ep in eps:
             out = _core.peer_push(ep, job, seg)
             assert out == "stored", out
-        os.unlink(seg)  # only the replicas stay in this host's memory
+        ck.close()  # waits for the upload; the segment goes with it
+        upload_s = time.perf_counter() - t0
+        del state
+        if os.path.exists(seg):
+            os.unlink(seg)  # only the replicas stay in this host's memory
         shutil.rmtree(seed_dir, ignore_errors=True)
         self.raw = RawSource(self.addr)
         self.made = [mem_dir, disk_dir]
@@ -192,7 +196,9 @@ def train(a):
     rank = dist.get_rank()
     torch.manual_seed(rank)
     state = {"w": torch.randn(int(a.mb * 2**20 / 4 / 4096), 4096)}
-    ck = nonstop.Checkpointer(a.dir, state, every=a.every, tier="memory", replicas=a.replicas)
+    # Each rank its own state (a sharded model): rank-local, all of it checkpointed per rank.
+    ck = nonstop.Checkpointer(a.dir, state, every=a.every, tier="memory", replicas=a.replicas,
+                              local=["w"])
     ck.restore()
     times = []
     for step in range(a.steps):

@@ -253,6 +253,8 @@ class Peers:
                      peer_served=v.get("fetches_served", 0),
                      peer_auth_failures=v.get("auth_failures", 0),
                      peer_budget_bytes=v.get("budget_bytes", 0))
+        if self.prefetched is not None:
+            s["peer_fetched_dir"] = self.prefetched["dir"]
         if self.unused_because:
             s["peer_unused_because"] = self.unused_because
         return s

@@ -166,6 +166,14 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     assert all(s["restored_from_per_rank"] == ["memory", "memory", "peer", "peer"]
                for s in starts), starts
     assert _finals(out) == want
+    # The replicas were fetched into host 1's memory directory, not its job
+    # directories' disk, and removed there when the run closed.
+    jobdir = os.path.join(hs[1].disk, "job")
+    fetched = [s["peer"].get("peer_fetched_dir", "") for s in starts]
+    assert [f.startswith(hs[1].shm + os.sep) for f in fetched] == [False, False, True, True], \
+        fetched
+    assert not os.path.exists(os.path.join(jobdir, "peer")), os.listdir(jobdir)
+    assert not [n for n in os.listdir(hs[1].shm) if "-fetched-rank-" in n], os.listdir(hs[1].shm)
 
     # The same loss with host 0's replicas damaged (one byte of tensor
     # data): the fetch fails its checksum, says so, and every rank falls

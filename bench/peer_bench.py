@@ -19,12 +19,22 @@ On one machine the "link" is loopback, so sender and receiver share its
 CPUs: this measures the protocol's and the checksums' cost against a copy,
 not a network. Across hosts, run the server on the other host's address.
 
+Besides wall seconds, each row records the CPU seconds the process spent
+in it (getrusage: the server's and the client's threads are both in this
+process), which a loaded machine disturbs far less than wall time: on 2
+shared cores at load 15 the wall time says more about the other tenants.
+
+The same script runs against another build of nonstop by running it with
+that build's interpreter, e.g. main's, for a before/after:
+    (cd /work/main && .venv/bin/python /path/to/bench/peer_bench.py --out x.json)
+
 Usage: python bench/peer_bench.py [--gb 1] [--rounds 3] [--out bench/peer_bench.json]
 Prints a table and writes JSON.
 """
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -72,6 +82,11 @@ def raw_copy(nbytes, host="127.0.0.1"):
     return secs
 
 
+def cpu_s():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.0)
@@ -106,20 +121,25 @@ def main():
                                dir=os.path.join(root, "peer"))
         ep = f"127.0.0.1:{srv.port}"
         rows = {"raw": [], "push": [], "fetch": []}
+        cpu = {"raw": [], "push": [], "fetch": []}
         for r in range(a.rounds):
+            c0 = cpu_s()
             rows["raw"].append(raw_copy(nbytes))
+            cpu["raw"].append(cpu_s() - c0)
             # A fresh replica each round: remove the held one so the push is not "already held".
             p = os.path.join(root, "peer", _core.peer_replica_name("bench", 0))
             if os.path.exists(p):
                 os.unlink(p)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_s()
             out = _core.peer_push(ep, "bench", *key, seg)
             rows["push"].append(time.perf_counter() - t0)
+            cpu["push"].append(cpu_s() - c0)
             assert out == "stored", out
             local = os.path.join(root, f"local-{r}")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_s()
             _core.peer_fetch(ep, "bench", *key, 0, local)
             rows["fetch"].append(time.perf_counter() - t0)
+            cpu["fetch"].append(cpu_s() - c0)
             shutil.rmtree(local)
         srv.close()
         ck.close()
@@ -130,14 +150,17 @@ def main():
     raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9
     result = {"bytes": nbytes, "rounds": a.rounds, "dir": a.dir, "cpus": os.cpu_count(),
               "wire": "v2 (handshake, HMAC-SHA256 per frame)" if authed else "v1 (no auth)",
-              "seconds": rows, "median_GBps": {}, "vs_raw": {},
-              "command": "python " + " ".join(sys.argv)}
-    print(f"{'what':<8}{'median s':>10}{'GB/s':>8}{'x raw':>8}")
+              "nonstop": os.path.dirname(nonstop.__file__), "load_avg": os.getloadavg(),
+              "seconds": rows, "cpu_seconds": cpu, "median_GBps": {}, "vs_raw": {},
+              "median_cpu_s_per_GB": {}, "command": "python " + " ".join(sys.argv)}
+    print(f"{'what':<8}{'median s':>10}{'GB/s':>8}{'x raw':>8}{'CPU s/GB':>10}")
     for k, v in rows.items():
         gbps = nbytes / statistics.median(v) / 1e9
         result["median_GBps"][k] = round(gbps, 3)
         result["vs_raw"][k] = round(gbps / raw_gbps, 3)
-        print(f"{k:<8}{statistics.median(v):>10.3f}{gbps:>8.2f}{gbps / raw_gbps:>8.2f}")
+        cpg = statistics.median(cpu[k]) / (nbytes / 1e9)
+        result["median_cpu_s_per_GB"][k] = round(cpg, 3)
+        print(f"{k:<8}{statistics.median(v):>10.3f}{gbps:>8.2f}{gbps / raw_gbps:>8.2f}{cpg:>10.2f}")
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", a.out)

@@ -75,6 +75,7 @@ import netns_hosts  # noqa: E402
 from s3_server import SeaweedS3  # noqa: E402
 
 WORKER = os.path.join(HERE, "peer_restart_worker.py")
+SECRET = os.urandom(32).hex()  # the survivor's servers and the replacement's fetches share it
 
 
 class Worker:
@@ -82,7 +83,7 @@ class Worker:
 
     def __init__(self, host, log):
         e = dict(os.environ, NONSTOP_SHM_DIR=host.shm, BENCH_ADDR=host.addr, PYTHONUNBUFFERED="1",
-                 OMP_NUM_THREADS="1")
+                 OMP_NUM_THREADS="1", NONSTOP_PEER_SECRET=SECRET)
         self.log = open(log, "ab")
         self.p = subprocess.Popen(["ip", "netns", "exec", host.ns, sys.executable, WORKER, "serve"],
                                   env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -34,6 +34,9 @@ import nonstop
 from nonstop import _core, _remote
 
 PIECE = 4 << 20
+# The job's peer secret (both workers take it from the driver's environment,
+# as ranks take $NONSTOP_PEER_SECRET).
+SECRET = bytes.fromhex(os.environ.get("NONSTOP_PEER_SECRET", "00" * 32))
 
 
 def say(**kw):
@@ -127,10 +130,11 @@ class Survivor:
             time.sleep(0.05)
         seg = ck.stats()["memory_segment"]
         mem_dir, disk_dir = os.path.join(shm, "peer"), os.path.join(disk, "peer-disk")
-        self.servers = [_core.PeerServer(job, bind_host=self.addr, dir=d) for d in (mem_dir, disk_dir)]
+        self.servers = [_core.PeerServer(job, SECRET, bind_host=self.addr, dir=d)
+                        for d in (mem_dir, disk_dir)]
         eps = [f"{self.addr}:{s.port}" for s in self.servers]
         for ep in eps:
-            out = _core.peer_push(ep, job, seg)
+            out = _core.peer_push(ep, job, SECRET, seg)
             assert out == "stored", out
         ck.close()  # waits for the upload; the segment goes with it
         upload_s = time.perf_counter() - t0
@@ -172,7 +176,7 @@ def serve():
                 os.makedirs(req["dest"])
                 t0 = time.perf_counter()
                 if cmd == "peer":
-                    d = _core.peer_fetch(req["endpoint"], req["job"], 0, req["dest"])
+                    d = _core.peer_fetch(req["endpoint"], req["job"], SECRET, 0, req["dest"])
                 else:
                     store = _remote.open_store(req["url"], req["options"])
                     d = _remote.fetch(store, req["step"], 0, req["dest"])

@@ -14,8 +14,11 @@ exchange (host id, server endpoint, what each server holds); the core picks
 each rank's partners on other hosts (choose_partners) and each rank starts
 a replicator to them. At restore() a rank whose own tiers lack the newest
 replica of its checkpoint fetches it (every chunk's checksum verified) into
-its job directory's peer/step-N/, and the collective restore
-(_distributed.recover) reads it there like its own disk copy.
+this host's memory directory (tmpfs, beside the replicas it holds:
+"<job key>-fetched-rank-RRRRR/peer/step-N/", not the job directory's disk,
+whose write would bound the fetch), and the collective restore
+(_distributed.recover) reads it there like its own disk copy; it is removed
+at the next restart's fetch and at close().
 """
 from __future__ import annotations
 

@@ -494,6 +494,7 @@ TEST(PeerTest, ADataFrameWhosePayloadCrcIsWrongIsRefusedThoughItsChunksCheck) {
   for (bool wrong : {true, false}) {
     SCOPED_TRACE(wrong ? "wrong frame crc" : "right frame crc");
     auto s = wire::Connect(srv.ep(), 5, 5).value();
+    ASSERT_TRUE(wire::ClientHandshake(s, kJob, kSecret).ok());
     wire::Out head;
     head.Str16(kJob);
     const std::vector<uint8_t> table = wire::EncodeCheckpointTable(info);
@@ -515,7 +516,7 @@ TEST(PeerTest, ADataFrameWhosePayloadCrcIsWrongIsRefusedThoughItsChunksCheck) {
     if (sent.ok()) sent = wire::SendFrame(s, wire::Type::kEnd, {});
     ASSERT_TRUE(wire::RecvFrame(s, &f).ok());
     Status st = wire::DecodeReply(f.payload, &outcome, "srv");
-    auto held = ListReplicas(srv.ep(), kJob);
+    auto held = ListReplicas(srv.ep(), kJob, kSecret);
     ASSERT_TRUE(held.ok()) << held.status().ToString();
     if (wrong) {
       EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();

@@ -19,6 +19,15 @@ this host's memory directory (tmpfs, beside the replicas it holds:
 whose write would bound the fetch), and the collective restore
 (_distributed.recover) reads it there like its own disk copy; it is removed
 at the next restart's fetch and at close().
+
+Resharding from memory (a restart whose world size differs from the
+checkpoint's): each server also serves, read-only, the memory segments its
+host's job directory records (the old ranks' own checkpoints), and the
+construction's gather says which server holds which old rank's checkpoint
+(its segment or a replica). Before the set-aside checkpoint is resharded,
+each rank fetches (verified) every old rank's file its job directory lacks
+into JOBDIR/world-W/ (gather_old_shards); the existing reshard
+(_distributed.reshard, JobDir.select_reshard in C++) then chooses and reads.
 """
 from __future__ import annotations
 
@@ -130,6 +139,12 @@ class Peers:
         self.note = ""
         self.prefetched: Optional[dict] = None  # {step, counter, dir, holder} or None
         self.unused_because = ""
+        # Checkpoints of another world size the servers held at construction
+        # (replicas and own segments): [(holder rank, {source_rank,
+        # world_size, step, counter, bytes, own})].
+        self.other: list = []
+        self.reshard_from: dict = {}  # old rank -> where its file came from
+        self.reshard_missing = ""
         comm = dist.comm()
         want = 1 if replicas is None else replicas
         have = hasattr(core, "PeerServer")
@@ -156,19 +171,25 @@ class Peers:
             return
         self.job = every[0][3]  # rank 0's job directory names the job on every rank
         secret = agree_secret(every, mine)
-        err, held = "", []
+        err, held, other = "", [], []
         try:
             # The budget: peer_budget_bytes, else a share of the memory
             # directory's free space split among this host's ranks (C++).
             share = sum(1 for h in self.hosts if h == self.hosts[self.rank])
+            # This host's own segments of the job (any world size), served read-only.
+            segs = [name for _, name in core.memory_segments(os.path.abspath(dist.dir))]
             self.server = core.PeerServer(
                 self.job, secret, bind_host=addr, port=0,
                 budget_bytes=budget_bytes or 0,
-                budget_share=0 if budget_bytes is not None else share)
-            held = [h for h in self.server.list() if int(h.get("world_size", 0)) == self.world]
+                budget_share=0 if budget_bytes is not None else share, segments=segs)
+            listed = self.server.list()
+            held = [h for h in listed if int(h.get("world_size", 0)) == self.world]
+            other = [dict(h, own=False) for h in listed if int(h.get("world_size", 0)) != self.world]
+            other += [dict(h, own=True) for h in self.server.list_own()
+                      if int(h.get("world_size", 0)) != self.world]
         except CheckpointError as e:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
-        got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held])
+        got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held, other])
         errs = [g[0] for g in got if g[0]]
         if errs:  # the job runs on without the tier, and says why
             self.close()
@@ -177,8 +198,9 @@ class Peers:
         self.endpoints = [g[1] for g in got]
         self._secret = secret
         self.endpoint = self.endpoints[self.rank]
-        for holder, (_, _, hs) in enumerate(got):
-            for h in hs:
+        for holder, g in enumerate(got):
+            self.other += [(holder, h) for h in g[3]]
+            for h in g[2]:
                 self.held.setdefault(int(h["source_rank"]), []).append(
                     (int(h["step"]), int(h["counter"]), holder))
         for v in self.held.values():
@@ -233,6 +255,61 @@ class Peers:
         except (CheckpointError, OSError):
             pass
 
+    def gather_old_shards(self, dir: str) -> None:
+        """Before resharding a set-aside checkpoint of another world size W:
+        every old rank's file that `dir`/world-W/ lacks (this host never
+        held it: a lost or new host) is fetched, verified, from a server
+        that held that old rank's checkpoint at construction (its own
+        segment or a replica) into `dir`/world-W/rank-RRRRR.nsck, so that the
+        existing reshard (JobDir.select_reshard) finds every old rank. Of
+        the steps every missing old rank is held at, the recovery planner
+        (C++, core.plan) orders each old rank's copies; the first that
+        fetches and verifies is kept. Not collective: every rank has the
+        same map (gathered at construction). What cannot be fetched is
+        named in reshard_missing (the reshard then reads what the disk
+        holds, and fails in one line when an old rank is on neither)."""
+        core = _ext.core()
+        self.reshard_from, missing = {}, []
+        for w in sorted({int(h["world_size"]) for _, h in self.other}):
+            sub = core.JobDir.world_name(w)
+            need = []
+            for r in range(w):
+                if os.path.isfile(os.path.join(dir, sub, core.JobDir.slot_name(r))):
+                    self.reshard_from[f"{w}/{r}"] = "disk"
+                else:
+                    need.append(r)
+            rows = {r: [(holder, h) for holder, h in self.other
+                        if int(h["world_size"]) == w and int(h["source_rank"]) == r]
+                    for r in need}
+            steps = None
+            for r in need:
+                held = {int(h["step"]) for _, h in rows[r]}
+                steps = held if steps is None else steps & held
+            for r in need:
+                cands = [(holder, h) for holder, h in rows[r] if int(h["step"]) in (steps or ())]
+                order = core.plan([{"tier": "memory", "where": self.endpoints[holder],
+                                    "step": int(h["step"]), "counter": int(h["counter"])}
+                                   for holder, h in cands])["order"] if cands else []
+                errs = []
+                for i in order:
+                    holder, h = cands[i]
+                    kind = "segment" if h["own"] else "replica"
+                    try:
+                        core.peer_fetch_into(self.endpoints[holder], self.job, self._secret,
+                                             r, dir, sub,
+                                             step=int(h["step"]), own=bool(h["own"]))
+                    except (CheckpointError, OSError) as e:
+                        errs.append(f"its {kind} on rank {holder} ({self.endpoints[holder]}): {e}")
+                        continue
+                    self.reshard_from[f"{w}/{r}"] = (
+                        f"peer {kind} on rank {holder} ({self.endpoints[holder]}) step {h['step']}")
+                    break
+                else:
+                    missing.append(f"old rank {r} of world size {w}: " +
+                                   ("; ".join(errs) if errs else "on no surviving peer"
+                                    if not rows[r] else "no step held for every old rank"))
+        self.reshard_missing = "; ".join(missing)
+
     # ------------------------------------------------------------- stats
 
     def drain(self, timeout_s: float) -> bool:
@@ -260,6 +337,9 @@ class Peers:
             s["peer_fetched_dir"] = self.prefetched["dir"]
         if self.unused_because:
             s["peer_unused_because"] = self.unused_because
+        if self.reshard_from or self.reshard_missing:
+            s["peer_reshard_from"] = dict(self.reshard_from)
+            s["peer_reshard_missing"] = self.reshard_missing
         return s
 
     def close(self) -> None:

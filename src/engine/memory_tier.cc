@@ -683,4 +683,37 @@ uint64_t MemorySegmentNewestCounter(const std::string& job_dir, int rank,
   return newest;
 }
 
+std::vector<std::pair<int, std::string>> RecordedMemorySegments(const std::string& job_dir,
+                                                                const std::string& shm_dir,
+                                                                Env* env) {
+  if (env == nullptr) env = DefaultEnv();
+  std::vector<std::pair<int, std::string>> out;
+  Result<std::unique_ptr<Directory>> jd = env->OpenDirectory(job_dir, /*create=*/false);
+  if (!jd.ok()) return out;
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(MemorySegmentDir(shm_dir), false);
+  if (!d.ok()) return out;
+  Result<std::vector<DirEntry>> entries = jd.value()->List();
+  if (!entries.ok()) return out;
+  for (const DirEntry& e : entries.value()) {
+    // JobDirNames::MemoryRecord(rank): the prefix of rank 0's name, 5 digits.
+    const std::string head = JobDirNames::MemoryRecord(0);
+    const size_t pre = head.size() - 5;
+    if (e.name.size() != head.size() || e.name.compare(0, pre, head, 0, pre) != 0) continue;
+    int rank = 0;
+    bool digits = true;
+    for (size_t i = pre; i < e.name.size(); ++i) {
+      if (e.name[i] < '0' || e.name[i] > '9') digits = false;
+      rank = rank * 10 + (e.name[i] - '0');
+    }
+    if (!digits) continue;
+    Result<std::string> name = ReadRecord(*jd.value(), rank);
+    if (!name.ok()) continue;
+    Result<FileStat> st = d.value()->Stat(name.value());
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;
+    out.emplace_back(rank, name.value());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 }  // namespace nonstop

@@ -75,6 +75,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "nonstop/env.h"
 #include "nonstop/jobdir.h"
@@ -247,5 +249,14 @@ Result<std::optional<MemorySegment>> OpenMemorySegment(
 // and abandons it on a rollback (a restore of an older checkpoint).
 uint64_t MemorySegmentNewestCounter(const std::string& job_dir, int rank,
                                     const std::string& shm_dir, Env* env);
+
+// The segments (entry names in the segment directory, by rank) that job
+// directory `job_dir`'s memory records name and that exist there as files,
+// whatever world size wrote them: what this host's peer server may serve of
+// its own memory (tier/peer.h; a restart of another world size reads the old
+// ranks' segments). Damaged records and missing segments are left out.
+std::vector<std::pair<int, std::string>> RecordedMemorySegments(const std::string& job_dir,
+                                                                const std::string& shm_dir,
+                                                                Env* env);
 
 }  // namespace nonstop

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "python/bindings.h"
+#include "engine/memory_tier.h"
 #include "tier/peer.h"
 
 namespace nonstop::py_bindings {
@@ -53,8 +54,10 @@ void InitPeer(py::module_& m) {
                                "in the memory directory and serves lists and fetches.")
       .def(py::init([](const std::string& job, const py::bytes& secret,
                        const std::string& bind_host, uint16_t port, const std::string& dir,
-                       uint64_t budget_bytes, uint32_t budget_share, double io_timeout_s) {
+                       uint64_t budget_bytes, uint32_t budget_share, double io_timeout_s,
+                       const std::vector<std::string>& segments) {
              peer::PeerServerOptions o;
+             o.segments = segments;
              o.job = job;
              o.secret = secret;
              o.bind_host = bind_host;
@@ -67,7 +70,7 @@ void InitPeer(py::module_& m) {
            }),
            py::arg("job"), py::arg("secret"), py::arg("bind_host") = "0.0.0.0", py::arg("port") = 0,
            py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("budget_share") = 0,
-           py::arg("io_timeout_s") = 30.0)
+           py::arg("io_timeout_s") = 30.0, py::arg("segments") = std::vector<std::string>{})
       .def_property_readonly("port", &peer::PeerServer::port)
       .def_property_readonly("endpoint", &peer::PeerServer::endpoint)
       .def(
@@ -75,6 +78,11 @@ void InitPeer(py::module_& m) {
           [](peer::PeerServer& s) { return HeldList(Released([&] { return s.List(); })); },
           "The complete replicas of this job held here: [{source_rank, world_size, step, "
           "counter, bytes}].")
+      .def(
+          "list_own",
+          [](peer::PeerServer& s) { return HeldList(Released([&] { return s.ListOwn(); })); },
+          "The newest committed checkpoint of each own segment served (segments=): "
+          "[{source_rank, world_size, step, counter, bytes}].")
       .def(
           "stats",
           [](peer::PeerServer& s) {
@@ -191,6 +199,48 @@ void InitPeer(py::module_& m) {
       py::arg("step") = py::none(), py::arg("timeout_s") = 60.0,
       "source_rank's replica (of step, or the newest) fetched and verified into the one-slot "
       "job directory local_dir/peer/step-N (rank-RRRRR.nsck); returns that directory.");
+  m.def(
+      "peer_list_own",
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         double timeout_s) {
+        const std::string key = secret;
+        return HeldList(
+            Released([&] { return peer::ListOwnSegments(endpoint, job, key, timeout_s); }));
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("timeout_s") = 10.0,
+      "What the peer server at endpoint serves of its host's own memory segments of job: "
+      "[{source_rank, world_size, step, counter, bytes}].");
+  m.def(
+      "peer_fetch_into",
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         uint32_t source_rank, const std::string& local_dir, const std::string& sub,
+         std::optional<int64_t> step, bool own, double timeout_s) {
+        const std::string key = secret;
+        return Released([&] {
+          return peer::FetchInto(endpoint, job, key, source_rank, step, own, local_dir, sub,
+                                 nullptr, timeout_s);
+        });
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("source_rank"),
+      py::arg("local_dir"),
+      py::arg("sub"), py::arg("step") = py::none(), py::arg("own") = false,
+      py::arg("timeout_s") = 60.0,
+      "source_rank's checkpoint (of step, or the newest) as the server at endpoint holds it "
+      "(its replica, or with own=True its host's own segment), fetched and verified into the "
+      "one-slot file local_dir/sub/rank-RRRRR.nsck; returns its path.");
+  m.def(
+      "memory_segments",
+      [](const std::string& job_dir, const std::string& shm_dir) {
+        std::vector<std::pair<int, std::string>> got;
+        {
+          py::gil_scoped_release r;
+          got = RecordedMemorySegments(job_dir, shm_dir, nullptr);
+        }
+        return got;
+      },
+      py::arg("job_dir"), py::arg("shm_dir") = "",
+      "[(rank, segment name)]: the memory segments job_dir's records name that exist in the "
+      "segment directory (any world size).");
   m.def(
       "peer_push",
       [](const std::string& endpoint, const std::string& job, const py::bytes& secret,

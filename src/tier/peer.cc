@@ -510,8 +510,10 @@ struct PeerServer::Impl {
   // One request; false: close the connection.
   bool Handle(w::Socket& s, w::Frame& f);
   bool HandlePush(w::Socket& s, std::string_view payload);
-  bool HandleFetch(w::Socket& s, std::string_view payload);
+  bool HandleFetch(w::Socket& s, std::string_view payload, bool own);
+  bool HandleList(w::Socket& s, std::string_view payload, bool own);
   Result<std::vector<HeldReplica>> List();
+  Result<std::vector<HeldReplica>> ListOwn();
   // This job's replica files here (complete and not), bytes; the temp files
   // of transfers in progress are counted by `reserved` instead.
   uint64_t UsedBytes() EXCLUDES(mu);
@@ -524,6 +526,13 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions& o
                                    std::to_string(kMaxJobBytes) + " bytes");
   }
   NONSTOP_RETURN_IF_ERROR(w::CheckSecret(o.secret));
+  for (const std::string& seg : o.segments) {
+    if (seg.empty() || seg == "." || seg == ".." || seg.find('/') != std::string::npos ||
+        seg.size() > 255) {
+      return Status::InvalidArgument("peer server: own segment '" + seg.substr(0, 64) +
+                                     "' is not an entry name of the memory directory");
+    }
+  }
   std::unique_ptr<PeerServer> s(new PeerServer());
   s->impl_ = std::make_unique<Impl>();
   Impl& m = *s->impl_;
@@ -556,6 +565,8 @@ std::string PeerServer::endpoint() const {
 }
 
 Result<std::vector<HeldReplica>> PeerServer::List() { return impl_->List(); }
+
+Result<std::vector<HeldReplica>> PeerServer::ListOwn() { return impl_->ListOwn(); }
 
 PeerServerStats PeerServer::stats() const {
   PeerServerStats st;
@@ -655,6 +666,23 @@ Result<std::vector<HeldReplica>> PeerServer::Impl::List() {
     if (info.rank != static_cast<uint32_t>(r)) continue;
     out.push_back(HeldReplica{static_cast<uint32_t>(r), info.world_size, info.step, info.counter,
                               st.value().size});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const HeldReplica& a, const HeldReplica& b) { return a.source_rank < b.source_rank; });
+  return out;
+}
+
+Result<std::vector<HeldReplica>> PeerServer::Impl::ListOwn() {
+  std::vector<HeldReplica> out;
+  std::set<std::string> seen;
+  for (const std::string& name : o.segments) {
+    if (!seen.insert(name).second) continue;
+    Result<FileStat> st = dir->Stat(name);
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;  // gone, or not a file
+    auto got = OpenNewest(*dir, name);
+    if (!got.ok()) continue;  // holds no committed checkpoint: never listed
+    const CheckpointInfo& info = got.value().second;
+    out.push_back(HeldReplica{info.rank, info.world_size, info.step, info.counter, st.value().size});
   }
   std::sort(out.begin(), out.end(),
             [](const HeldReplica& a, const HeldReplica& b) { return a.source_rank < b.source_rank; });
@@ -766,35 +794,46 @@ bool PeerServer::Impl::Handle(w::Socket& s, w::Frame& f) {
   };
   switch (static_cast<w::Type>(f.type)) {
     case w::Type::kPush: return HandlePush(s, f.payload);
-    case w::Type::kFetch: return HandleFetch(s, f.payload);
-    case w::Type::kList: {
+    case w::Type::kFetch: return HandleFetch(s, f.payload, false);
+    case w::Type::kFetchOwn: return HandleFetch(s, f.payload, true);
+    case w::Type::kList:
+    case w::Type::kListOwn: {
       w::In in(f.payload);
-      const std::string job = in.Str16(kMaxJobBytes);
-      if (!in.done()) return refuse("malformed LIST");
-      if (job != o.job) {
-        (void)w::SendFrame(s, w::Type::kReply,
-                           w::EncodeReply(Status::FailedPrecondition(
-                                              "this server holds replicas of another job"),
-                                          0));
-        return true;
+      (void)in.Str16(kMaxJobBytes);
+      if (!in.done()) {
+        return refuse(f.type == static_cast<uint16_t>(w::Type::kList) ? "malformed LIST"
+                                                                      : "malformed LIST_OWN");
       }
-      Result<std::vector<HeldReplica>> held = List();
-      if (!held.ok()) {
-        (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(held.status(), 0));
-        return true;
-      }
-      w::Out out;
-      const size_t n = std::min<size_t>(held.value().size(), w::kMaxListed);
-      out.U32(static_cast<uint32_t>(n));
-      for (size_t i = 0; i < n; ++i) {
-        const HeldReplica& h = held.value()[i];
-        out.U32(h.source_rank).U32(h.world_size).I64(h.step).U64(h.counter).U64(h.bytes);
-      }
-      return w::SendFrame(s, w::Type::kListing, out.str()).ok();
+      return HandleList(s, f.payload, f.type == static_cast<uint16_t>(w::Type::kListOwn));
     }
     default:
       return refuse("unexpected frame type " + std::to_string(f.type) + " for a request");
   }
+}
+
+bool PeerServer::Impl::HandleList(w::Socket& s, std::string_view payload, bool own) {
+  w::In in(payload);
+  const std::string job = in.Str16(kMaxJobBytes);
+  if (job != o.job) {
+    (void)w::SendFrame(s, w::Type::kReply,
+                       w::EncodeReply(Status::FailedPrecondition(
+                                          "this server holds replicas of another job"),
+                                      0));
+    return true;
+  }
+  Result<std::vector<HeldReplica>> held = own ? ListOwn() : List();
+  if (!held.ok()) {
+    (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(held.status(), 0));
+    return true;
+  }
+  w::Out out;
+  const size_t n = std::min<size_t>(held.value().size(), w::kMaxListed);
+  out.U32(static_cast<uint32_t>(n));
+  for (size_t i = 0; i < n; ++i) {
+    const HeldReplica& h = held.value()[i];
+    out.U32(h.source_rank).U32(h.world_size).I64(h.step).U64(h.counter).U64(h.bytes);
+  }
+  return w::SendFrame(s, w::Type::kListing, out.str()).ok();
 }
 
 bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
@@ -911,7 +950,7 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   return reply(Status::OK(), kStoredReply);
 }
 
-bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload) {
+bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload, bool own) {
   const std::string from = s.peer();
   w::In in(payload);
   const std::string job = in.Str16(kMaxJobBytes);
@@ -927,20 +966,38 @@ bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload) {
       MutexLock l(&mu);
       ++stats.refused_frames;
     }
-    (void)reply(Status::Corruption("peer " + from + ": malformed FETCH"));
+    (void)reply(Status::Corruption("peer " + from + (own ? ": malformed FETCH_OWN" : ": malformed FETCH")));
     return false;
   }
   if (job != o.job) {
     return reply(Status::FailedPrecondition("this server holds replicas of another job"));
   }
-  const std::string name = ReplicaName(o.job, src);
-  auto got = OpenNewest(*dir, name);
+  const char* what = own ? "own segment" : "replica";
+  std::string name = ReplicaName(o.job, src);
+  Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> got =
+      Status::NotFound("no " + std::string(what) + " of rank " + std::to_string(src) + " at " +
+                       dir->path());
+  if (own) {
+    // The segment served that holds rank `src` (only the names it was given,
+    // regular files, never followed).
+    for (const std::string& seg : o.segments) {
+      Result<FileStat> st = dir->Stat(seg);
+      if (!st.ok() || st.value().type != EntryType::kFile) continue;
+      auto g = OpenNewest(*dir, seg);
+      if (!g.ok() || g.value().second.rank != src) continue;
+      name = seg;
+      got = std::move(g);
+      break;
+    }
+  } else {
+    got = OpenNewest(*dir, name);
+  }
   if (!got.ok()) {
     const StatusCode c = got.status().code();
     return reply(c == StatusCode::kNotFound
-                     ? Status::NotFound("no replica of rank " + std::to_string(src) + " at " +
-                                        dir->path())
-                     : got.status().Annotate("replica of rank " + std::to_string(src)));
+                     ? Status::NotFound("no " + std::string(what) + " of rank " + std::to_string(src) +
+                                        " at " + dir->path())
+                     : got.status().Annotate(std::string(what) + " of rank " + std::to_string(src)));
   }
   SlotFile& file = *got.value().first;
   const CheckpointInfo& info = got.value().second;
@@ -949,8 +1006,9 @@ bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload) {
                                     std::to_string(info.rank)));
   }
   if (has_step != 0 && info.step != step) {
-    return reply(Status::NotFound("the replica of rank " + std::to_string(src) + " holds step " +
-                                  std::to_string(info.step) + ", not " + std::to_string(step)));
+    return reply(Status::NotFound("the " + std::string(what) + " of rank " + std::to_string(src) +
+                                  " holds step " + std::to_string(info.step) + ", not " +
+                                  std::to_string(step)));
   }
   const std::vector<uint8_t> table = w::EncodeCheckpointTable(info);
   if (!w::SendFrame(s, w::Type::kTable, View(table)).ok()) return false;
@@ -1057,12 +1115,14 @@ Result<PushOutcome> PushNewest(const std::string& endpoint, const std::string& j
   return PushCheckpoint(endpoint, job, secret, *got.first, got.second, o);
 }
 
-Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
-                                              const std::string& secret, double timeout_s) {
+namespace {
+
+Result<std::vector<HeldReplica>> ListAt(const std::string& endpoint, const std::string& job,
+                                        const std::string& secret, double timeout_s, bool own) {
   NONSTOP_ASSIGN_OR_RETURN(w::Socket s, Dial(endpoint, job, secret, timeout_s, timeout_s));
   w::Out req;
   req.Str16(job);
-  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kList, req.str()));
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, own ? w::Type::kListOwn : w::Type::kList, req.str()));
   w::Frame f;
   NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
   if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
@@ -1089,16 +1149,26 @@ Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const
   return out;
 }
 
-Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
-                                 const std::string& secret, uint32_t source_rank,
-                                 std::optional<int64_t> step, const std::string& local_dir,
-                                 Env* env, double timeout_s) {
+// A fetch (own: of the server's own segment) written to
+// local_dir/sub1[/sub2]/rank-RRRRR.nsck; sub2 "": none, "*": "step-N" of the
+// checkpoint sent. Returns the directory it is in.
+Result<std::string> FetchTo(const std::string& endpoint, const std::string& job,
+                            const std::string& secret, uint32_t source_rank,
+                            std::optional<int64_t> step, bool own, const std::string& local_dir,
+                            const std::string& sub1, const std::string& sub2, Env* env,
+                            double timeout_s) {
   if (env == nullptr) env = DefaultEnv();
+  for (const std::string& sub : {sub1, sub2}) {
+    if (sub == "." || sub == ".." || sub.find('/') != std::string::npos) {
+      return Status::InvalidArgument("peer fetch: '" + sub + "' is not a directory entry name");
+    }
+  }
+  if (sub1.empty()) return Status::InvalidArgument("peer fetch: no directory to fetch into");
   NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
                            Dial(endpoint, job, secret, std::min(timeout_s, 10.0), timeout_s));
   w::Out req;
   req.Str16(job).U32(source_rank).U8(step ? 1 : 0).I64(step.value_or(0));
-  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, w::Type::kFetch, req.str()));
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, own ? w::Type::kFetchOwn : w::Type::kFetch, req.str()));
   w::Frame f;
   NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
   if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
@@ -1115,11 +1185,15 @@ Result<std::string> FetchReplica(const std::string& endpoint, const std::string&
                               " step " + std::to_string(t.step) + " for rank " +
                               std::to_string(source_rank));
   }
-  // local_dir/peer/step-N: every file created O_EXCL|O_NOFOLLOW relative to it.
+  // local_dir/sub1[/sub2]: every file created O_EXCL|O_NOFOLLOW relative to it.
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(local_dir, true));
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> peer_dir, base->OpenDir("peer", true));
-  const std::string step_name = "step-" + std::to_string(t.step);
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> dir, peer_dir->OpenDir(step_name, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> dir, base->OpenDir(sub1, true));
+  std::string where = local_dir + "/" + sub1;
+  if (!sub2.empty()) {
+    const std::string name2 = sub2 == "*" ? "step-" + std::to_string(t.step) : sub2;
+    NONSTOP_ASSIGN_OR_RETURN(dir, dir->OpenDir(name2, true));
+    where += "/" + name2;
+  }
   const std::string dest = SlotFileName(static_cast<int>(source_rank));
   Result<FileStat> st = dir->Stat(dest);
   if (st.ok() && st.value().type != EntryType::kFile) {
@@ -1131,7 +1205,37 @@ Result<std::string> FetchReplica(const std::string& endpoint, const std::string&
                            ReplicaWriter::Begin(dir.get(), dest + ".fetch", t));
   NONSTOP_RETURN_IF_ERROR(ReceiveData(s, *wr, endpoint, "a fetch"));
   NONSTOP_RETURN_IF_ERROR(wr->Finish(dest, endpoint));
-  return PeerStepDir(local_dir, t.step);
+  return where;
+}
+
+}  // namespace
+
+Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
+                                              const std::string& secret, double timeout_s) {
+  return ListAt(endpoint, job, secret, timeout_s, false);
+}
+
+Result<std::vector<HeldReplica>> ListOwnSegments(const std::string& endpoint,
+                                                 const std::string& job,
+                                                 const std::string& secret, double timeout_s) {
+  return ListAt(endpoint, job, secret, timeout_s, true);
+}
+
+Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
+                                 const std::string& secret, uint32_t source_rank,
+                                 std::optional<int64_t> step, const std::string& local_dir,
+                                 Env* env, double timeout_s) {
+  return FetchTo(endpoint, job, secret, source_rank, step, false, local_dir, "peer", "*", env,
+                 timeout_s);
+}
+
+Result<std::string> FetchInto(const std::string& endpoint, const std::string& job,
+                              const std::string& secret, uint32_t source_rank,
+                              std::optional<int64_t> step, bool own, const std::string& local_dir,
+                              const std::string& sub, Env* env, double timeout_s) {
+  NONSTOP_ASSIGN_OR_RETURN(std::string d, FetchTo(endpoint, job, secret, source_rank, step, own,
+                                                  local_dir, sub, "", env, timeout_s));
+  return d + "/" + SlotFileName(static_cast<int>(source_rank));
 }
 
 // ---------------------------------------------------------------- replicator

@@ -96,6 +96,12 @@ struct PeerServerOptions {
   double io_timeout_s = 30;         // every blocking send/receive
   int max_connections = 32;         // more at once are closed at accept
   Env* env = nullptr;               // nullptr: DefaultEnv()
+  // This host's own memory segments of the job (entry names in `dir`, as
+  // the job directory's memory records name them), served read-only by
+  // LIST_OWN and FETCH_OWN (each chunk verified as it is sent), so that a
+  // restart of another world size gathers an old rank's shard from
+  // whichever surviving host holds it (its segment or a replica).
+  std::vector<std::string> segments;
 };
 
 struct PeerServerStats {
@@ -109,7 +115,7 @@ struct PeerServerStats {
                                         // (wrong secret or job, the client left on the server's
                                         // proof, a frame not the handshake's) or whose frame MAC
                                         // did not hold: closed, nothing big allocated
-  uint64_t fetches_served = 0;
+  uint64_t fetches_served = 0;         // replicas and own segments
   uint64_t bytes_served = 0;
   uint64_t held = 0;                    // replicas held now
   uint64_t held_bytes = 0;              // their file bytes
@@ -129,6 +135,10 @@ class PeerServer {
   std::string endpoint() const;
   // The complete replicas of this job in the directory, by source rank.
   Result<std::vector<HeldReplica>> List();
+  // The newest committed checkpoint of each own segment served
+  // (PeerServerOptions::segments), by source rank; a segment that is gone
+  // or holds none is left out.
+  Result<std::vector<HeldReplica>> ListOwn();
   PeerServerStats stats() const;
   // Stops listening and ends every connection (a transfer in progress
   // leaves only its temp file). The replicas stay. Idempotent.
@@ -233,6 +243,25 @@ Result<std::string> FetchReplica(const std::string& endpoint, const std::string&
                                  const std::string& secret, uint32_t source_rank, std::optional<int64_t> step,
                                  const std::string& local_dir, Env* env = nullptr,
                                  double timeout_s = 60);
+
+// What the server at `endpoint` serves of its host's own memory segments of
+// job `job` (PeerServerOptions::segments): one entry per segment's newest
+// committed checkpoint. IOError when it cannot be reached; FailedPrecondition
+// when it does not share `secret`.
+Result<std::vector<HeldReplica>> ListOwnSegments(const std::string& endpoint,
+                                                 const std::string& job,
+                                                 const std::string& secret, double timeout_s = 10);
+
+// Source rank `source_rank`'s checkpoint (of `step`, or the newest) as the
+// server at `endpoint` holds it -- its replica, or with `own` its host's own
+// segment -- every chunk verified as it arrives, written as a one-slot slot
+// file local_dir/sub/rank-RRRRR.nsck (sub created when missing; temp name,
+// committed record, fsync, rename last; an existing file there replaced).
+// Returns the file's path. Errors as FetchReplica's.
+Result<std::string> FetchInto(const std::string& endpoint, const std::string& job,
+                              const std::string& secret, uint32_t source_rank,
+                              std::optional<int64_t> step, bool own, const std::string& local_dir,
+                              const std::string& sub, Env* env = nullptr, double timeout_s = 60);
 
 // Partners: out[r] = the ranks that hold rank r's replicas, given each
 // rank's host (any string naming its failure domain). Deterministic, never

@@ -126,14 +126,18 @@ struct Server {
   std::unique_ptr<PeerServer> s;
   std::string secret = kSecret;
   double io_timeout_s = 5;
+  std::vector<std::string> segments;  // own segments served
   explicit Server(uint64_t budget = 0, std::shared_ptr<FaultEnv> e = nullptr,
-                  std::string key = kSecret, double io_timeout = 5)
+                  std::string key = kSecret, double io_timeout = 5,
+                  std::vector<std::string> segs = {})
       : secret(std::move(key)), io_timeout_s(io_timeout) {
     if (e) env = std::move(e);
+    segments = std::move(segs);
     Start(budget);
   }
   void Start(uint64_t budget = 0) {
     PeerServerOptions o;
+    o.segments = segments;
     o.job = kJob;
     o.secret = secret;
     o.bind_host = "127.0.0.1";
@@ -532,6 +536,149 @@ TEST(PeerTest, ADataFrameWhosePayloadCrcIsWrongIsRefusedThoughItsChunksCheck) {
       EXPECT_TRUE(fst.ok()) << fst.ToString();
     }
   }
+}
+
+// ---- own segments (a restart of another world size gathers old ranks' shards)
+
+constexpr char kSeg0[] = "00000000000000aa-rank-00000.nsck";
+constexpr char kSeg1[] = "00000000000000bb-rank-00001.nsck";
+
+TEST(PeerTest, OwnSegmentsAreListedAndFetchedBitwiseApartFromReplicas) {
+  Server srv(0, nullptr, kSecret, 5, {kSeg0, kSeg1});
+  WriteSegment(srv.env.get(), "/shm", kSeg0, 0, 4, 40);
+  WriteSegment(srv.env.get(), "/shm", kSeg1, 1, 5, 50);
+  // A segment of this directory the server was not given: never served.
+  WriteSegment(srv.env.get(), "/shm", "00000000000000cc-rank-00002.nsck", 2, 6, 60);
+  Source rep(3);
+  rep.Commit(7, 70);
+  ASSERT_TRUE(rep.Push(srv.ep()).ok());
+  auto own = ListOwnSegments(srv.ep(), kJob, kSecret);
+  ASSERT_TRUE(own.ok()) << own.status().ToString();
+  ASSERT_EQ(own.value().size(), 2u);
+  EXPECT_EQ(own.value()[0].source_rank, 0u);
+  EXPECT_EQ(own.value()[0].step, 40);
+  EXPECT_EQ(own.value()[1].source_rank, 1u);
+  EXPECT_EQ(own.value()[1].counter, 5u);
+  EXPECT_EQ(own.value()[1].world_size, 4u);
+  auto held = ListReplicas(srv.ep(), kJob, kSecret);
+  ASSERT_TRUE(held.ok());
+  ASSERT_EQ(held.value().size(), 1u);  // the replica only
+  EXPECT_EQ(held.value()[0].source_rank, 3u);
+
+  auto env = FaultEnv::Create();
+  ASSERT_TRUE(env->OpenDirectory("/job", true).ok());
+  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 1, 50, true, "/job", "world-4", env.get(), 10);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got.value(), "/job/world-4/rank-00001.nsck");
+  Read r = ReadBack(env.get(), "/job/world-4", "rank-00001.nsck");
+  EXPECT_EQ(r.step, 50);
+  EXPECT_EQ(r.counter, 5u);
+  EXPECT_EQ(r.data, Data(Layout(), 50));
+  // A replica into the same layout; fetched again, the file is replaced.
+  got = FetchInto(srv.ep(), kJob, kSecret, 3, std::nullopt, false, "/job", "world-4", env.get(), 10);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(ReadBack(env.get(), "/job/world-4", "rank-00003.nsck").data, Data(Layout(), 70));
+  ASSERT_TRUE(FetchInto(srv.ep(), kJob, kSecret, 0, std::nullopt, true, "/job", "world-4", env.get(), 10).ok());
+  EXPECT_EQ(ReadBack(env.get(), "/job/world-4", "rank-00000.nsck").step, 40);
+  // Not served: a rank of no given segment, a replica asked as own (and the
+  // other way round), a step the segment does not hold.
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 2, std::nullopt, true, "/job", "w", env.get(), 10).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 3, std::nullopt, true, "/job", "w", env.get(), 10).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 1, std::nullopt, false, "/job", "w", env.get(), 10).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 1, 40, true, "/job", "w", env.get(), 10).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(ListOwnSegments(srv.ep(), "job-b", kSecret).status().code(), StatusCode::kFailedPrecondition);
+  // The segments are served read-only: unchanged.
+  EXPECT_EQ(ReadBack(srv.env.get(), "/shm", kSeg1).data, Data(Layout(), 50));
+  EXPECT_EQ(srv.s->stats().fetches_served, 3u);
+}
+
+TEST(PeerTest, ADamagedOwnSegmentIsRefusedAsItIsSent) {
+  Server srv(0, nullptr, kSecret, 5, {kSeg1});
+  WriteSegment(srv.env.get(), "/shm", kSeg1, 1, 5, 50);
+  FlipReplicaByte(srv.env.get(), kSeg1, 200000);
+  EXPECT_EQ(ListOwnSegments(srv.ep(), kJob, kSecret).value().size(), 1u);  // the data is not read to list
+  auto env = FaultEnv::Create();
+  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 1, std::nullopt, true, "/job", "world-4",
+                                      env.get(), 10);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kCorruption) << got.status().ToString();
+  EXPECT_NE(got.status().message().find("checksum mismatch"), std::string::npos)
+      << got.status().ToString();
+  EXPECT_EQ(env->Dump().find("rank-00001.nsck\n"), std::string::npos) << env->Dump();
+}
+
+TEST(PeerTest, HostileOwnSegmentRequestsAreRefused) {
+  // Names that are not entries of the memory directory: refused at start.
+  for (const std::string bad : {"", ".", "..", "../x.nsck", "a/b.nsck"}) {
+    PeerServerOptions o;
+    o.job = kJob;
+    o.bind_host = "127.0.0.1";
+    o.dir = "/shm";
+    o.segments = {bad};
+    auto env = FaultEnv::Create();
+    o.env = env.get();
+    EXPECT_EQ(PeerServer::Start(o).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  Server srv(0, nullptr, kSecret, 5, {kSeg0, kSeg1});
+  // A link planted at a segment's name is neither listed nor followed.
+  ASSERT_TRUE(srv.env->OpenDirectory("/etc", true).ok());
+  WriteSegment(srv.env.get(), "/etc", "secret.nsck", 0, 1, 10);
+  ASSERT_TRUE(srv.env->PlantSymlink("/shm", kSeg0, "/etc/secret.nsck").ok());
+  WriteSegment(srv.env.get(), "/shm", kSeg1, 1, 5, 50);
+  auto own = ListOwnSegments(srv.ep(), kJob, kSecret);
+  ASSERT_TRUE(own.ok()) << own.status().ToString();
+  ASSERT_EQ(own.value().size(), 1u);
+  EXPECT_EQ(own.value()[0].source_rank, 1u);
+  auto env = FaultEnv::Create();
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 0, std::nullopt, true, "/job", "world-4", env.get(), 10)
+                .status()
+                .code(),
+            StatusCode::kNotFound);
+  // Malformed requests (a step flag of 2, trailing bytes, a short payload):
+  // refused and the connection closed.
+  const auto refused = [&](wire::Type t, const std::string& payload) {
+    auto s = wire::Connect(srv.ep(), 5, 5).value();
+    if (!wire::ClientHandshake(s, kJob, kSecret).ok()) return false;
+    if (!wire::SendFrame(s, t, payload).ok()) return false;
+    wire::Frame f;
+    if (!wire::RecvFrame(s, &f).ok() || f.type != static_cast<uint16_t>(wire::Type::kReply)) {
+      return false;
+    }
+    uint32_t outcome = 0;
+    if (wire::DecodeReply(f.payload, &outcome, "srv").code() != StatusCode::kCorruption) return false;
+    char c;
+    return !s.RecvAll(&c, 1).ok();  // closed
+  };
+  const uint64_t before = srv.s->stats().refused_frames;
+  {
+    wire::Out o;
+    o.Str16(kJob).U32(1).U8(2).I64(50);
+    EXPECT_TRUE(refused(wire::Type::kFetchOwn, o.str()));
+  }
+  {
+    wire::Out o;
+    o.Str16(kJob).U32(1).U8(0).I64(0).U8(9);
+    EXPECT_TRUE(refused(wire::Type::kFetchOwn, o.str()));
+  }
+  EXPECT_TRUE(refused(wire::Type::kFetchOwn, std::string("\x05\x00ab", 4)));
+  {
+    wire::Out o;
+    o.Str16(kJob).U32(7);
+    EXPECT_TRUE(refused(wire::Type::kListOwn, o.str()));
+  }
+  EXPECT_TRUE(refused(wire::Type::kListOwn, std::string("\xff\xff", 2)));  // a job longer than the payload
+  EXPECT_GE(srv.s->stats().refused_frames, before + 5);
+  // A header over the small-frame limit for LIST_OWN: closed before its payload.
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion,
+                                                static_cast<uint16_t>(wire::Type::kFetchOwn), 1ull << 30)));
+  // And it still serves.
+  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 1, 50, true, "/job", "world-4", env.get(), 10);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(ReadBack(env.get(), "/job/world-4", "rank-00001.nsck").data, Data(Layout(), 50));
 }
 
 // A proxy that forwards one connection to `to`, cutting it after `cut`

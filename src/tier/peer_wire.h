@@ -65,6 +65,10 @@ enum class Type : uint16_t {
   kChallenge = 10,  // s->c: server nonce, server proof
   kAuth = 11,       // c->s: client proof
   kReady = 12,      // s->c: empty; the client's proof holds: MACs from the next frame on
+  // The server's host's own memory segments (reshard from peers' memory),
+  // read-only; authenticated like every request. Numbered apart.
+  kListOwn = 32,   // c->s: job; answered by LISTING (of the segments served)
+  kFetchOwn = 33,  // c->s: job, source rank, step (or newest); TABLE, DATA..., END
 };
 // The most payload bytes of a frame of type `t` on a connection that has
 // (`authenticated`) or has not completed the handshake; -1: no such type in

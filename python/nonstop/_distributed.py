@@ -569,11 +569,16 @@ class Distributed:
         return "peer" if peer else "memory"
 
     def _reshard(self, step: Optional[int]) -> Optional[tuple]:
+        # Every rank has the same map of what the peers held (gathered at
+        # construction), so every rank takes this branch or none.
         peers = self.peers if self.peers is not None and self.peers.other else None
+        missing = ""
         if peers is not None:
             # Reshard from memory: the old ranks' files this host lacks,
             # fetched (verified) from the surviving servers into world-W/.
             peers.gather_old_shards(self.dir)
+            missing = "; ".join(f"rank {r}: {m}" for r, m in enumerate(
+                Comm(self.group, self.world).gather(peers.reshard_missing)) if m)
             if peers.reshard_missing:
                 warnings.warn(f"nonstop: resharding from peers' memory: "
                               f"{peers.reshard_missing}; the reshard reads the disk for them",
@@ -582,10 +587,9 @@ class Distributed:
             got = reshard(self.dir, self.rank, self.world, step, Comm(self.group, self.world),
                           self.state or {})
         except CheckpointError as e:
-            if peers is None or not peers.reshard_missing:
+            if not missing:
                 raise
-            raise type(e)(f"{e}; not on any surviving peer either: "
-                          f"{peers.reshard_missing}") from None
+            raise type(e)(f"{e}; not on any surviving peer either: {missing}") from None
         if got is None:
             return None
         key, info, tensors, meta, old_world, archive = got

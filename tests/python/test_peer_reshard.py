@@ -195,5 +195,6 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
         last = [ln.split("]: ", 1)[-1] for ln in log.splitlines()
                 if ln.split("]: ", 1)[-1].startswith("nonstop.errors.")]
         assert last, log[-3000:]
-        assert "old rank 2 of world size 4" in last[-1] and "checksum mismatch" in last[-1], \
+        assert all(f"rank {n}: old rank 2 of world size 4" in last[-1] for n in (0, 1)) \
+            and "checksum mismatch" in last[-1], \
             last[-1]

@@ -809,6 +809,32 @@ TEST_F(MemoryTierTest, ASweepLeavesAnotherRankOfItsOwnJobAlone) {
   ASSERT_TRUE(e1->Close().ok());
 }
 
+// What a peer server serves of its host's own memory (tier/peer.h): every
+// segment the job directory's records name that exists, whatever rank or
+// world size; a record that names none or is garbage, and a removed
+// segment, are left out.
+TEST_F(MemoryTierTest, RecordedSegmentsAreEveryRanksExistingSegment) {
+  EngineOptions r0 = Options("job"), r1 = Options("job"), r3 = Options("job");
+  r0.world_size = r1.world_size = r3.world_size = 4;
+  r1.rank = 1;
+  r3.rank = 3;
+  const fs::path seg0 = CrashWithSegment(r0);  // forked before any thread here
+  const fs::path seg1 = CrashWithSegment(r1);
+  const fs::path seg3 = CrashWithSegment(r3);
+  const std::string job = (root_ / "job").string();
+  using Got = std::vector<std::pair<int, std::string>>;
+  EXPECT_EQ(RecordedMemorySegments(job, shm_, nullptr),
+            (Got{{0, seg0.filename().string()}, {1, seg1.filename().string()},
+                 {3, seg3.filename().string()}}));
+  fs::remove(seg1);
+  {
+    std::ofstream bad(root_ / "job" / JobDirNames::MemoryRecord(3), std::ios::trunc);
+    bad << "not a record\n";
+  }
+  EXPECT_EQ(RecordedMemorySegments(job, shm_, nullptr), (Got{{0, seg0.filename().string()}}));
+  EXPECT_TRUE(RecordedMemorySegments((root_ / "none").string(), shm_, nullptr).empty());
+}
+
 // Each read of a slot file first waits `read_ms` (only the mirror's copy
 // reads it while the job runs), and each write returns `write_ms` after it
 // landed: a newer checkpoint's first write lands while the copy still reads,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
 from typing import Optional
 
 from . import _ext
@@ -145,6 +146,7 @@ class Peers:
         self.other: list = []
         self.reshard_from: dict = {}  # old rank -> where its file came from
         self.reshard_missing = ""
+        self.reshard_bytes, self.reshard_s = 0, 0.0  # fetched for the reshard, and how long
         comm = dist.comm()
         want = 1 if replicas is None else replicas
         have = hasattr(core, "PeerServer")
@@ -269,7 +271,8 @@ class Peers:
         named in reshard_missing (the reshard then reads what the disk
         holds, and fails in one line when an old rank is on neither)."""
         core = _ext.core()
-        self.reshard_from, missing = {}, []
+        t0 = time.perf_counter()
+        self.reshard_from, missing, self.reshard_bytes = {}, [], 0
         for w in sorted({int(h["world_size"]) for _, h in self.other}):
             sub = core.JobDir.world_name(w)
             need = []
@@ -303,12 +306,14 @@ class Peers:
                         continue
                     self.reshard_from[f"{w}/{r}"] = (
                         f"peer {kind} on rank {holder} ({self.endpoints[holder]}) step {h['step']}")
+                    self.reshard_bytes += int(h["bytes"])
                     break
                 else:
                     missing.append(f"old rank {r} of world size {w}: " +
                                    ("; ".join(errs) if errs else "on no surviving peer"
                                     if not rows[r] else "no step held for every old rank"))
         self.reshard_missing = "; ".join(missing)
+        self.reshard_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------- stats
 
@@ -340,6 +345,8 @@ class Peers:
         if self.reshard_from or self.reshard_missing:
             s["peer_reshard_from"] = dict(self.reshard_from)
             s["peer_reshard_missing"] = self.reshard_missing
+            s["peer_reshard_bytes"] = self.reshard_bytes
+            s["peer_reshard_s"] = self.reshard_s
         return s
 
     def close(self) -> None:

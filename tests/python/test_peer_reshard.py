@@ -159,6 +159,10 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
     assert [src[1][f"4/{r}"].split(" on ")[0] for r in range(4)] == \
         ["peer segment", "peer segment", "peer replica", "peer replica"], src
     assert all(f"step {SETTLE}" in v for v in src[1].values()), src
+    assert starts[1]["peer"]["peer_reshard_bytes"] > starts[0]["peer"]["peer_reshard_bytes"] > 0
+    print("reshard from peers' memory: " + ", ".join(
+        f"rank {s['rank']}: {s['peer']['peer_reshard_bytes']} bytes in "
+        f"{s['peer']['peer_reshard_s']:.3f} s" for s in starts))
 
     # The reference: the same world-2 job resharded by the disk path from a
     # full directory (both ranks on host 0, no segments, no peers).

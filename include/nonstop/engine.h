@@ -42,6 +42,7 @@
 namespace nonstop {
 
 struct RetentionPolicy;  // jobdir.h
+struct AgreeOffer;       // plan.h
 
 // How a layer-wise checkpoint (BeginCheckpoint/CopyTensors) moves a tensor's
 // bytes out of its memory; docs/LAYERWISE.md. The three strategies of LightCheck.
@@ -355,6 +356,15 @@ class Engine {
   // Releases the candidate if it is `counter` (the peers moved past it); the
   // next commit becomes the candidate.
   virtual Status DropCandidate(uint64_t counter);
+  // This rank's report for a round of the agreement (plan.h AgreeOffer,
+  // decided by DecideAgreement): its candidate (step and counter), the
+  // newest step it committed and the newest it started.
+  virtual AgreeOffer Offer();
+  // DecideAgreement's kAim: from now on the candidate is the oldest
+  // checkpoint committed at step >= `step`: a candidate of a lower step is
+  // dropped now, later commits below `step` are not kept (their slots go
+  // back). Pin forgets the aim. Returns whether a candidate was dropped.
+  virtual Result<bool> Aim(int64_t step);
   // Writes rank `rec.rank`'s agreed record (jobdir.h) durably through the
   // engine's job directory (its writer). FailedPrecondition once closed.
   virtual Status WriteAgreed(const AgreedRecord& rec);

@@ -109,4 +109,39 @@ Result<Plan> MakePlan(const std::vector<PlanCandidate>& candidates, const Lineag
 // "checkpoint #7 (step 70)", the name every plan line uses.
 std::string DescribeCheckpoint(uint64_t counter, int64_t step);
 
+// ---- The distributed agreement (docs/DISTRIBUTED.md "Global agreement") ----
+//
+// Which step the ranks agree on is a choice of checkpoint, so it is made
+// here, on data alone. In each round every rank reports an AgreeOffer (its
+// engine's Engine::Offer) and every rank decides the same thing from the
+// same list.
+struct AgreeOffer {
+  int64_t candidate = -1;  // step of the candidate it holds (-1: none)
+  int64_t committed = -1;  // newest step it committed (-1: none)
+  int64_t started = -1;    // newest step it started (-1: none)
+  uint64_t counter = 0;    // the candidate's counter on this rank (not compared)
+};
+
+struct AgreeDecision {
+  enum class Kind {
+    kWait,  // no rank holds a candidate yet
+    kPin,   // every rank holds `step`: pin it
+    kAim,   // every rank keeps, as its candidate, the first checkpoint it
+            // commits at or above `step` (Engine::Aim), dropping a lower one
+  };
+  Kind kind = Kind::kWait;
+  int64_t step = -1;
+};
+
+// kPin when every rank's candidate is the same step. Otherwise the newest
+// candidate M is aimed at when every rank can still keep it (it holds M, or
+// has committed nothing at or above M yet: its commit of M is still to
+// come). Otherwise a rank went past M without keeping it (released while it
+// held an older candidate, or skipped) and M can never be agreed: aim at the
+// step after the newest any rank started, which no rank has committed, so
+// every rank keeps the same step next. A rank never drops a candidate for
+// another step it cannot have (that let the ranks leapfrog each other
+// forever when checkpoints come faster than rounds).
+AgreeDecision DecideAgreement(const std::vector<AgreeOffer>& ranks);
+
 }  // namespace nonstop

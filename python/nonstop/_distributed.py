@@ -183,6 +183,15 @@ class Distributed:
         self.state: Optional[dict] = None  # the Checkpointer's state (resharding)
         self.agreed: Optional[dict] = read_agreed(dir, rank)
         self.rounds = 0
+        # Progress of the agreement (stats()): pins, candidates dropped, the
+        # longest run of drops without a pin between, the longest time
+        # between two pins (from the first round).
+        self.agreements = 0
+        self.candidate_drops = 0
+        self.drops_in_row = 0
+        self.max_drops_in_row = 0
+        self.max_agree_gap_s = 0.0
+        self._last_agree_t: Optional[float] = None
         self.error: Optional[BaseException] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -300,6 +309,8 @@ class Distributed:
                 got = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
                 dist.all_gather(got, mine, group=self.group)
                 self.rounds += 1
+                if self._last_agree_t is None:
+                    self._last_agree_t = time.monotonic()
                 steps = [int(g[0]) for g in got]
                 agreed_step = -1 if self.agreed is None else self.agreed["step"]
                 if step >= 0 and all(s == step for s in steps):
@@ -309,6 +320,7 @@ class Distributed:
                     # A peer holds a newer candidate: it never kept ours
                     # (superseded there), so ours can never be agreed.
                     self.engine.drop_candidate(cand[0])
+                    self._dropped()
                 if all(int(g[1]) for g in got):
                     # Closing: nothing is in flight and nothing more will be
                     # written, so the newest checkpoint every rank committed
@@ -328,6 +340,20 @@ class Distributed:
     def _pin(self, counter: int, step: int) -> None:
         self.engine.pin(counter)
         self._record(counter, step)
+        self.agreements += 1
+        self.drops_in_row = 0
+        self._gap()
+
+    def _dropped(self) -> None:
+        self.candidate_drops += 1
+        self.drops_in_row += 1
+        self.max_drops_in_row = max(self.max_drops_in_row, self.drops_in_row)
+
+    def _gap(self) -> None:
+        now = time.monotonic()
+        if self._last_agree_t is not None:
+            self.max_agree_gap_s = max(self.max_agree_gap_s, now - self._last_agree_t)
+        self._last_agree_t = now
 
     def _record(self, counter: int, step: int, resharded_from=None) -> None:
         """This rank's agreed record, written durably by the engine's job
@@ -362,7 +388,13 @@ class Distributed:
                           stacklevel=3)
 
     def stats(self) -> dict:
+        if self._last_agree_t is not None and self._thread is not None:
+            # The gap still open counts too (no agreement since).
+            self.max_agree_gap_s = max(self.max_agree_gap_s,
+                                       time.monotonic() - self._last_agree_t)
         s = {"agreed_step": self.agreed_step(), "rounds": self.rounds,
+             "agreements": self.agreements, "candidate_drops": self.candidate_drops,
+             "max_drops_in_row": self.max_drops_in_row, "max_agree_gap_s": self.max_agree_gap_s,
              "lineage": self.lineage, "agreement_error": repr(self.error) if self.error else None}
         if self.peers is not None:
             s.update(self.peers.stats())

@@ -571,6 +571,10 @@ std::optional<CommittedCheckpoint> Engine::Candidate() { return std::nullopt; }
 Status Engine::DropCandidate(uint64_t) {
   return Status::Unavailable("this engine cannot pin checkpoints");
 }
+AgreeOffer Engine::Offer() { return AgreeOffer{}; }
+Result<bool> Engine::Aim(int64_t) {
+  return Status::Unavailable("this engine cannot pin checkpoints");
+}
 
 Status Engine::AdoptRestored(uint64_t) { return Status::OK(); }
 Status Engine::WriteAgreed(const AgreedRecord&) {

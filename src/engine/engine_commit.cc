@@ -224,7 +224,7 @@ void EngineImpl::FinishJob(const std::shared_ptr<Job>& job, bool committed, bool
     if (job->file == file_ && opts_.global_agreement) {
       // Keep the oldest committed above the pinned one: the slow peers will
       // commit it next, so it can be agreed on; later ones are not kept.
-      if (!retained_slot_) {
+      if (!retained_slot_ && job->step >= aim_) {
         retained_slot_ = job->slot;
         candidate_ = CommittedCheckpoint{job->counter, job->step};
       } else {
@@ -313,6 +313,7 @@ Status EngineImpl::Pin(uint64_t counter) {
     return Status::FailedPrecondition("Pin needs EngineOptions::global_agreement");
   }
   if (pinned_ && pinned_->counter == counter) return Status::OK();
+  aim_ = INT64_MIN;
   if (candidate_ && candidate_->counter == counter && retained_slot_) {
     if (pending_rename_) {  // the first pin in a resized file makes it the file
       NONSTOP_RETURN_IF_ERROR(PublishTemp(*file_));
@@ -376,6 +377,34 @@ Status EngineImpl::DropCandidate(uint64_t counter) {
     candidate_.reset();
   }
   return Status::OK();
+}
+
+AgreeOffer EngineImpl::Offer() {
+  MutexLock lock(&mu_);
+  AgreeOffer o;
+  if (candidate_ && retained_slot_) {
+    o.candidate = candidate_->step;
+    o.counter = candidate_->counter;
+  }
+  if (latest_) o.committed = latest_->step;
+  o.started = std::max(o.committed, started_step_.value_or(-1));
+  return o;
+}
+
+Result<bool> EngineImpl::Aim(int64_t step) {
+  MutexLock lock(&mu_);
+  NONSTOP_RETURN_IF_ERROR(CheckOpen());
+  if (!opts_.global_agreement) {
+    return Status::FailedPrecondition("Aim needs EngineOptions::global_agreement");
+  }
+  aim_ = step;
+  if (candidate_ && retained_slot_ && candidate_->step < step) {
+    ReleaseSlot(file_.get(), *retained_slot_);
+    retained_slot_.reset();
+    candidate_.reset();
+    return true;
+  }
+  return false;
 }
 
 Status EngineImpl::WriteAgreed(const AgreedRecord& rec) {

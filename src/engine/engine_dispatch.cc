@@ -47,6 +47,7 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   auto job = std::make_shared<Job>();
   job->counter = next_counter_++;
   job->step = step;
+  started_step_ = step;
   job->slot = *slot;
   job->reg = reg_;
   job->file = to_memory ? mem_file_ : file_;

@@ -58,6 +58,7 @@
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
 #include "nonstop/jobdir.h"
+#include "nonstop/plan.h"
 #include "stage/staging_pool.h"
 
 namespace nonstop::engine_detail {
@@ -250,6 +251,8 @@ class EngineImpl final : public Engine {
   Status Pin(uint64_t counter) override;
   std::optional<CommittedCheckpoint> Candidate() override;
   Status DropCandidate(uint64_t counter) override;
+  AgreeOffer Offer() override;
+  Result<bool> Aim(int64_t step) override;
   Status WriteAgreed(const AgreedRecord& rec) override;
 
   Result<uint64_t> BeginCheckpoint(int64_t step) override;
@@ -463,6 +466,9 @@ class EngineImpl final : public Engine {
   // (oldest committed above the pinned one) instead of the newest; the pinned
   // (last globally agreed) checkpoint's slot is held apart, in pinned_file_.
   std::optional<CommittedCheckpoint> candidate_ GUARDED_BY(mu_);
+  // The agreement's aim (Aim): commits below it are not kept as candidate.
+  int64_t aim_ GUARDED_BY(mu_) = INT64_MIN;
+  std::optional<int64_t> started_step_ GUARDED_BY(mu_);  // the newest Checkpoint's step
   std::optional<CommittedCheckpoint> pinned_ GUARDED_BY(mu_);
   std::optional<uint32_t> pinned_slot_ GUARDED_BY(mu_);
   std::shared_ptr<SlotFile> pinned_file_ GUARDED_BY(mu_);

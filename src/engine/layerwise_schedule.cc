@@ -205,6 +205,7 @@ Status EngineImpl::EndCheckpoint(uint64_t counter, int64_t step, std::string met
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
   NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, OpenLayerJob(counter));
   job->step = step;
+  started_step_ = step;
   job->meta_json = std::move(meta_json);
   MarkMustCommit(*job);
   // copy_at_checkpoint tensors not requested yet are copied now, on the

@@ -121,4 +121,29 @@ Result<Plan> MakePlan(const std::vector<PlanCandidate>& candidates, const Lineag
   return plan;
 }
 
+AgreeDecision DecideAgreement(const std::vector<AgreeOffer>& ranks) {
+  AgreeDecision d;
+  if (ranks.empty()) return d;
+  int64_t newest = -1, started = -1;
+  bool same = true;
+  for (const AgreeOffer& r : ranks) {
+    newest = std::max(newest, r.candidate);
+    started = std::max({started, r.started, r.committed, r.candidate});
+    same = same && r.candidate == ranks.front().candidate;
+  }
+  if (newest < 0) return d;  // nobody holds a candidate yet
+  if (same) {
+    d.kind = AgreeDecision::Kind::kPin;
+    d.step = newest;
+    return d;
+  }
+  bool reachable = true;
+  for (const AgreeOffer& r : ranks) {
+    if (r.candidate != newest && r.committed >= newest) reachable = false;
+  }
+  d.kind = AgreeDecision::Kind::kAim;
+  d.step = reachable ? newest : started + 1;
+  return d;
+}
+
 }  // namespace nonstop

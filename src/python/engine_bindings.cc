@@ -361,6 +361,22 @@ class PyEngine {
     py::gil_scoped_release release;
     Check(Get().DropCandidate(counter));
   }
+  // (candidate counter or None, candidate step, newest committed step,
+  // newest started step), -1 for none: this rank's offer of a round.
+  std::tuple<std::optional<uint64_t>, int64_t, int64_t, int64_t> Offer() {
+    nonstop::AgreeOffer o;
+    {
+      py::gil_scoped_release release;
+      o = Get().Offer();
+    }
+    std::optional<uint64_t> counter;
+    if (o.candidate >= 0) counter = o.counter;
+    return {counter, o.candidate, o.committed, o.started};
+  }
+  bool Aim(int64_t step) {
+    py::gil_scoped_release release;
+    return Take(Get().Aim(step));
+  }
   py::dict Stats() {
     EngineStats s;
     std::optional<CommittedCheckpoint> latest;
@@ -635,6 +651,8 @@ void InitEngine(py::module_& m) {
       .def("pin", &PyEngine::Pin, py::arg("counter"))
       .def("candidate", &PyEngine::Candidate)
       .def("drop_candidate", &PyEngine::DropCandidate, py::arg("counter"))
+      .def("agree_offer", &PyEngine::Offer)
+      .def("aim", &PyEngine::Aim, py::arg("step"))
       .def("write_agreed", &PyEngine::WriteAgreed, py::arg("record"))
       .def("abandon_older_than", &PyEngine::AbandonOlderThan,
            py::arg("counter") = std::numeric_limits<uint64_t>::max())

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -415,6 +416,24 @@ void InitJobDir(py::module_& m) {
       .def("set_aside_worlds", &PyJobDir::SetAsideWorlds)
       .def("write_agreed", &PyJobDir::WriteAgreed, py::arg("record"))
       .def("read_agreed", &PyJobDir::ReadAgreed, py::arg("rank") = 0);
+  // The agreement's rule (plan.h DecideAgreement): each rank's offer as
+  // (candidate step, newest committed step, newest started step), -1 for
+  // none; returns ("wait" | "pin" | "aim", step).
+  m.def("decide_agreement", [](const std::vector<std::tuple<int64_t, int64_t, int64_t>>& offers) {
+    std::vector<AgreeOffer> in;
+    for (const auto& [cand, committed, started] : offers) {
+      AgreeOffer o;
+      o.candidate = cand;
+      o.committed = committed;
+      o.started = started;
+      in.push_back(o);
+    }
+    const AgreeDecision d = DecideAgreement(in);
+    const char* kind = d.kind == AgreeDecision::Kind::kPin   ? "pin"
+                       : d.kind == AgreeDecision::Kind::kAim ? "aim"
+                                                             : "wait";
+    return std::make_pair(std::string(kind), d.step);
+  }, py::arg("offers"));
   m.def("plan", &PlanBinding, py::arg("candidates"), py::arg("lineage") = py::none(),
         py::arg("step") = py::none(), py::arg("max_step") = py::none(),
         py::arg("exclude") = std::vector<uint64_t>{});

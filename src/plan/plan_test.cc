@@ -1,9 +1,12 @@
 // The recovery planner on data alone: order, lineage, steps, verification
-// and the reasons of every newer candidate it passes over.
+// and the reasons of every newer candidate it passes over; the distributed
+// agreement's rule (DecideAgreement).
 #include "nonstop/plan.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -112,6 +115,92 @@ TEST(PlanTest, StepsExcludedCountersAndTheVerifiersErrors) {
   // Aborted: plan again.
   p = MakePlan(c, {}, {}, [](const PlanCandidate&) { return Status::Aborted("reused"); });
   EXPECT_EQ(p.status().code(), StatusCode::kAborted);
+}
+
+AgreeOffer O(int64_t candidate, int64_t committed, int64_t started) {
+  AgreeOffer o;
+  o.candidate = candidate;
+  o.committed = committed;
+  o.started = started;
+  return o;
+}
+
+TEST(AgreeTest, PinsTheStepEveryRankHoldsAndWaitsWhileNoneHoldsOne) {
+  AgreeDecision d = DecideAgreement({O(7, 9, 10), O(7, 7, 9), O(7, 8, 8)});
+  EXPECT_EQ(d.kind, AgreeDecision::Kind::kPin);
+  EXPECT_EQ(d.step, 7);
+  d = DecideAgreement({O(-1, 5, 6), O(-1, -1, 6)});
+  EXPECT_EQ(d.kind, AgreeDecision::Kind::kWait);
+  EXPECT_EQ(DecideAgreement({}).kind, AgreeDecision::Kind::kWait);
+}
+
+TEST(AgreeTest, AimsAtTheNewestCandidateWhileEveryRankCanStillKeepIt) {
+  // Rank 1 holds an older step, rank 2 nothing yet: neither committed 8.
+  AgreeDecision d = DecideAgreement({O(8, 9, 10), O(6, 7, 9), O(-1, 5, 8)});
+  EXPECT_EQ(d.kind, AgreeDecision::Kind::kAim);
+  EXPECT_EQ(d.step, 8);
+}
+
+TEST(AgreeTest, AimsPastEveryStartedStepWhenARankWentPastTheNewestCandidate) {
+  // Rank 1 committed 8 while it held 6 (8's slot went back): 8 can never be
+  // agreed, and dropping 6 for "the next commit" leapfrogs. Aim past every
+  // step any rank started, so that every rank keeps the same next one.
+  AgreeDecision d = DecideAgreement({O(8, 9, 10), O(6, 8, 11), O(-1, 5, 8)});
+  EXPECT_EQ(d.kind, AgreeDecision::Kind::kAim);
+  EXPECT_EQ(d.step, 12);
+  // A rank without a candidate that committed past it (it released it
+  // before a pin): the same.
+  d = DecideAgreement({O(8, 8, 9), O(-1, 8, 9)});
+  EXPECT_EQ(d.kind, AgreeDecision::Kind::kAim);
+  EXPECT_EQ(d.step, 10);
+}
+
+// Four ranks commit a checkpoint at every step, each in its own phase, and
+// apply each round's decision at its own delay after the round's snapshot,
+// so commits land between a round's snapshot and its decision (the race
+// that made ranks drop a step their peers still held and then leapfrog).
+// Each rank keeps a candidate as the engine does (the oldest commit at or
+// above the aim; Engine::Aim). The ranks must agree again and again.
+TEST(AgreeTest, RanksOutOfPhaseKeepAgreeingWhileCheckpointsComeFasterThanRounds) {
+  struct Rank {
+    int64_t phase, delay;
+    int64_t candidate = -1, committed = -1, aim = INT64_MIN, next = 0;
+  };
+  std::vector<Rank> ranks = {{0, 1}, {3, 4}, {6, 2}, {9, 7}};
+  const int64_t step_t = 10, round_t = 17;  // time units: a step, a round
+  auto commit_until = [&](Rank& r, int64_t t) {
+    while (r.phase + (r.next + 1) * step_t <= t) {  // step `next` commits at phase + (next+1)*10
+      if (r.candidate < 0 && r.next >= r.aim) r.candidate = r.next;
+      r.committed = r.next++;
+    }
+  };
+  int pins = 0, rounds_since_pin = 0, worst = 0;
+  for (int64_t t = round_t; t < 400 * round_t; t += round_t) {
+    std::vector<AgreeOffer> offers;
+    for (Rank& r : ranks) {
+      commit_until(r, t);
+      offers.push_back(O(r.candidate, r.committed, r.next));  // `next` is in flight
+    }
+    const AgreeDecision d = DecideAgreement(offers);
+    for (Rank& r : ranks) {
+      commit_until(r, t + r.delay);
+      if (d.kind == AgreeDecision::Kind::kPin) {
+        r.candidate = -1;
+        r.aim = INT64_MIN;
+      } else if (d.kind == AgreeDecision::Kind::kAim) {
+        r.aim = d.step;
+        if (r.candidate < d.step) r.candidate = -1;
+      }
+    }
+    if (d.kind == AgreeDecision::Kind::kPin) {
+      ++pins;
+      rounds_since_pin = 0;
+    } else {
+      worst = std::max(worst, ++rounds_since_pin);
+    }
+  }
+  EXPECT_GE(pins, 100);
+  EXPECT_LE(worst, 4);
 }
 
 }  // namespace

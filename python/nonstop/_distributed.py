@@ -378,7 +378,13 @@ class Distributed:
         round (so a checkpoint every rank committed before close is agreed)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.timeout_s + 10)
+            # Bounded: every round's all_gather ends within the group's timeout.
+            wait_s = self.timeout_s + 10
+            self._thread.join(wait_s)
+            if self._thread.is_alive() and self.error is None:
+                self.error = CheckpointError(
+                    f"the agreement thread did not stop within {wait_s:.0f} s (dist_timeout_s "
+                    f"+ 10); left behind")
             self._thread = None
         if self.peers is not None:
             self.peers.close()

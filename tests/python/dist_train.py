@@ -47,6 +47,14 @@ class SlowCommits:
         first = self.seen.setdefault(c[0], time.monotonic())
         return c if time.monotonic() - first >= self.delay else None
 
+    def agree_offer(self):
+        # A candidate not visible yet is a commit still to come: neither
+        # it nor anything newer is reported committed.
+        counter, step, committed, started = self.engine.agree_offer()
+        if counter is not None and self.candidate() is None:
+            return None, -1, min(committed, step - 1), started
+        return counter, step, committed, started
+
     def __getattr__(self, name):
         return getattr(self.engine, name)
 

@@ -45,6 +45,7 @@ def main():
     ckpt = nonstop.Checkpointer(a.dir, {"model": net, "optim": opt}, every=1, max_in_flight=2,
                                 medium="buffered", writers=1, staging_bytes=4 << 20,
                                 chunk_bytes=1 << 20, dist_timeout_s=60, tier="disk",
+                                local=() if a.sync == "ddp" else ("model", "optim"),
                                 remote=a.remote,
                                 remote_options={"close_timeout_s": 30, "commit_timeout_s": 30}
                                 if a.remote else None)

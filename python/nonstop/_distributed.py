@@ -298,37 +298,41 @@ class Distributed:
 
     def _loop(self) -> None:
         dist = torch.distributed
+        decide = _ext.core().decide_agreement
         try:
             while True:
-                cand = self.engine.candidate()
-                step = -1 if cand is None else int(cand[1])
+                # This rank's offer (Engine::Offer): its candidate, the newest
+                # step it committed and the newest it started.
+                counter, step, committed, started = self.engine.agree_offer()
                 stopping = 1 if self._stop.is_set() else 0
                 newest = self.engine.latest() if stopping else None
-                mine = torch.tensor([step, stopping, -1 if newest is None else int(newest[1])],
-                                    dtype=torch.int64)
-                got = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+                mine = torch.tensor([step, committed, started, stopping,
+                                     -1 if newest is None else int(newest[1])], dtype=torch.int64)
+                got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
                 dist.all_gather(got, mine, group=self.group)
                 self.rounds += 1
                 if self._last_agree_t is None:
                     self._last_agree_t = time.monotonic()
-                steps = [int(g[0]) for g in got]
-                agreed_step = -1 if self.agreed is None else self.agreed["step"]
-                if step >= 0 and all(s == step for s in steps):
+                # Which step: C++ (plan.h DecideAgreement), the same answer on
+                # every rank from the same offers.
+                kind, target = decide([(int(g[0]), int(g[1]), int(g[2])) for g in got])
+                if kind == "pin":
+                    agreed_step = -1 if self.agreed is None else self.agreed["step"]
                     if step > agreed_step or self.agreed.get("lineage") != self.lineage:
-                        self._pin(cand[0], step)
-                elif cand is not None and max(steps) > step:
-                    # A peer holds a newer candidate: it never kept ours
-                    # (superseded there), so ours can never be agreed.
-                    self.engine.drop_candidate(cand[0])
+                        self._pin(counter, step)
+                    elif self.engine.aim(step + 1):  # agreed already: keep a newer one
+                        self._dropped()
+                elif kind == "aim" and self.engine.aim(target):
                     self._dropped()
-                if all(int(g[1]) for g in got):
+                if all(int(g[3]) for g in got):
                     # Closing: nothing is in flight and nothing more will be
                     # written, so the newest checkpoint every rank committed
                     # stays intact even where its slot was not kept: agree on it.
-                    last = [int(g[2]) for g in got]
+                    last = [int(g[4]) for g in got]
                     if newest is not None and all(x == last[0] for x in last) and (
                             last[0] > (self.agreed_step() if self.agreed_step() is not None
                                        else -1)):
+                        cand = self.engine.candidate()
                         if cand is not None and cand[0] == newest[0]:
                             self.engine.pin(newest[0])
                         self._record(int(newest[0]), last[0])

@@ -130,7 +130,7 @@ def test_agreement_keeps_up_with_a_checkpoint_every_step_on_out_of_phase_ranks(t
         assert f["agreement_error"] is None, f
         assert f["committed"] >= AGREE_STEPS - 1, f
         assert f["agreements"] >= AGREE_STEPS // 15, f
-        assert f["max_drops_in_row"] <= 3, f
+        assert f["max_drops_in_row"] <= 8, f
         assert f["agreed"] == AGREE_STEPS - 1, f
 
 

@@ -22,6 +22,7 @@
 #include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
 #include "nonstop/jobdir.h"
+#include "nonstop/plan.h"
 #include "nonstop/store.h"
 
 namespace nonstop {
@@ -1178,6 +1179,53 @@ TEST_F(EngineTest, ACheckpointCarryingTheBestMetricIsNeverSuperseded) {
     kept = kept || e.path().filename().string().find("step-000000000001") != std::string::npos;
   }
   EXPECT_TRUE(kept);
+}
+
+TEST_F(EngineTest, AimKeepsTheFirstCommitAtOrAboveItsStep) {
+  // The agreement's aim (DecideAgreement kAim): a lower candidate is
+  // dropped, commits below the aim are not kept, the first at or above it
+  // is, and Offer reports the candidate, the newest committed and started.
+  EngineOptions o = Options();
+  o.max_in_flight = 1;
+  o.extra_slots = 1;
+  o.global_agreement = true;
+  auto t = MakeTensor("x", 40000);
+  auto engine = std::move(Engine::Open(o)).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  auto save = [&](int64_t step) {
+    t.Fill(step, 0);
+    auto c = engine->Checkpoint(step, "");
+    EXPECT_TRUE(c.ok());
+    EXPECT_TRUE(engine->WaitCommitted(*c).ok());
+    return *c;
+  };
+  const uint64_t c1 = save(1);
+  save(2);
+  AgreeOffer off = engine->Offer();
+  EXPECT_EQ(off.candidate, 1);
+  EXPECT_EQ(off.counter, c1);
+  EXPECT_EQ(off.committed, 2);
+  EXPECT_EQ(off.started, 2);
+  EXPECT_FALSE(engine->Aim(1).value());  // at the aim: kept
+  EXPECT_TRUE(engine->Aim(4).value());   // below it: dropped
+  EXPECT_FALSE(engine->Candidate().has_value());
+  save(3);  // below the aim: not kept
+  EXPECT_FALSE(engine->Candidate().has_value());
+  EXPECT_EQ(engine->Offer().candidate, -1);
+  const uint64_t c4 = save(4);
+  save(5);
+  ASSERT_TRUE(engine->Candidate().has_value());
+  EXPECT_EQ(engine->Candidate()->counter, c4);
+  off = engine->Offer();
+  EXPECT_EQ(off.candidate, 4);
+  EXPECT_EQ(off.committed, 5);
+  EXPECT_EQ(off.started, 5);
+  EXPECT_FALSE(engine->Aim(4).value());
+  ASSERT_TRUE(engine->Pin(c4).ok());  // forgets the aim: a lower step is kept again
+  const uint64_t c3 = save(3);
+  ASSERT_TRUE(engine->Candidate().has_value());
+  EXPECT_EQ(engine->Candidate()->counter, c3);
+  ASSERT_TRUE(engine->Close().ok());
 }
 
 TEST_F(EngineTest, PinnedAndCandidateSlotsSurviveNewerCommits) {

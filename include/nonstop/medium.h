@@ -108,6 +108,10 @@ class Medium {
   // wrapper that changes reads, such as a fault-injecting one) gets the
   // plain queue, which performs each read in Submit through this->Read.
   virtual std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth);
+  // Whether the file lives in memory (tmpfs, ramfs: /dev/shm): no writeback,
+  // so no unwritten extent can go stale, and a page reads as zeros until it
+  // is written. The slot file then skips writing zeros over its slots.
+  virtual bool InMemory() const { return false; }
 };
 
 // OpenMedium(path, kind, opts), which opens a file by path, goes through the

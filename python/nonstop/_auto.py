@@ -99,3 +99,49 @@ def checkpointer_step(ckpt, auto: AutoInterval, step: int) -> Optional[int]:
             seen = r["counter"]
     auto.seen_counter = seen
     return counter
+
+
+class AutoMode:
+    """mode="auto": which of layer-wise and concurrent checkpoints runs,
+    from what each costs this job. The rule (a probe that alternates the
+    modes, a margin in concurrent's favour, then hysteresis) is C++
+    (src/engine/mode_choice.h, `_core.ModeChooser`); this class measures
+    the windows it is fed: from one checkpoint's step (exclusive) to the
+    next's (inclusive), the wall time, the steps, and the training thread's
+    visible stall (the Checkpointer's counter). The Checkpointer switches
+    its hooks when the answer changes (Checkpointer._switch_mode)."""
+
+    def __init__(self, rounds: int = 2, settle: int = 1, margin: float = 0.05,
+                 patience: int = 3, clock: Callable[[], float] = time.perf_counter):
+        self.chooser = _ext.core().ModeChooser(int(rounds), int(settle), float(margin),
+                                               int(patience))
+        self._clock = clock
+        self.unavailable: Optional[str] = None  # why layer-wise cannot run (then concurrent)
+        self.restart(0.0)
+
+    @property
+    def active(self) -> str:
+        return "concurrent" if self.unavailable else self.chooser.active
+
+    def restart(self, stall_total_s: float) -> None:
+        """A new window starts now (construction, restore())."""
+        self._t0, self._stall0, self._steps = self._clock(), stall_total_s, 0
+
+    def stepped(self) -> None:
+        self._steps += 1
+
+    def window_end(self, stall_total_s: float) -> str:
+        """Right after a checkpoint's step: feeds the window that ends here
+        and starts the next. Returns the mode for the next window."""
+        now = self._clock()
+        if self.unavailable is None:
+            self.chooser.observe(self._steps, now - self._t0, stall_total_s - self._stall0, 1)
+        self._t0, self._stall0, self._steps = now, stall_total_s, 0
+        return self.active
+
+    def state(self) -> dict:
+        s = self.chooser.state()
+        if self.unavailable:
+            s.update(active="concurrent", decided=True,
+                     reason=f"layerwise cannot run here ({self.unavailable}): concurrent")
+        return s

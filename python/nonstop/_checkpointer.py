@@ -68,7 +68,7 @@ class Checkpointer:
         # The state-sized staging is prepared in the background (below), at
         # once or, on a restart, from the end of restore().
         nbytes = _state_bytes_estimate(state) if dist is None else 0
-        deferred = bool(nbytes and restart and self.mode == "concurrent")
+        deferred = bool(nbytes and restart and self.mode in ("concurrent", "auto"))
         self.session = _session.Session(self.dir, None, dist, self._save, self._due_after,
                                         self._checkpoint_metrics)
         self._multistep = None
@@ -107,13 +107,25 @@ class Checkpointer:
                 self._staging_deferred = nbytes
             elif nbytes:
                 self.session.engine.prepare_staging(nbytes)
-        self._layerwise = self._preempt = self._remote = None
+        self._layerwise = self._preempt = self._remote = self._mode_auto = None
+        self._clip = o.mode.clip_grad_norm
         if self.mode == "layerwise":  # LightCheck: _layerwise.py, docs/LAYERWISE.md
             try:
                 self._layerwise = _layerwise.Layerwise(self, o.mode.clip_grad_norm)
             except Exception:
                 self.close()
                 raise
+        elif self.mode == "auto":  # layer-wise or concurrent from measurement (_auto.AutoMode)
+            self._mode_auto = _auto.AutoMode()
+            if any(isinstance(v, torch.nn.parallel.DistributedDataParallel)
+                   for v in state.values()):
+                # layer-wise's DDP communication hook could not be removed again
+                self._mode_auto.unavailable = "a DDP model in state"
+            else:
+                try:  # can layer-wise run on this state at all? (its checks, its hooks)
+                    _layerwise.Layerwise(self, self._clip).close()
+                except CheckpointMismatchError as e:
+                    self._mode_auto.unavailable = str(e)
         # Preemption notices (SIGTERM by default): _preempt.py, docs/PREEMPTION.md
         self._preempt = _preempt.install(self, o.on_preempt)
         # remote=: committed checkpoints also uploaded; _remote.py, docs/TIERS.md
@@ -148,6 +160,11 @@ class Checkpointer:
                 got = self._watcher.track(self._layerwise.step(step), step)
             else:
                 got = self._watcher.track(self._save(step), step) if self._due_after(step) else None
+            if self._mode_auto is not None:
+                self._mode_auto.stepped()
+                if self._due_after(step):  # a window ends with its checkpoint
+                    self._switch_mode(self._mode_auto.window_end(self.session.visible_stall_s),
+                                      step)
         finally:
             self.session.metrics = None
         self.session.report()  # background errors since the last call, once
@@ -199,6 +216,23 @@ class Checkpointer:
         counter = ses.checkpoint(step, meta)  # and the remote tier's hooks (ses.remote)
         ses.visible_stall_s += time.perf_counter() - t0
         return counter
+
+    def _switch_mode(self, mode: str, step: int) -> None:
+        """mode="auto": the hooks of `mode` from the next step on, right
+        after step `step`'s checkpoint was started (concurrent) or sealed
+        (layer-wise). Nothing in flight is cut short: to layer-wise, the
+        first hook waits for the whole-model copy in flight
+        (session.copy_pending); to concurrent, the next optimizer.step()
+        waits for every copy in flight, the sealed layer-wise checkpoint's
+        too (copy_pending set). The arithmetic is the same either way (the
+        optimizer's own, per tensor on CPU: docs/LAYERWISE.md)."""
+        if mode == "layerwise" and self._layerwise is None:
+            self._layerwise = _layerwise.Layerwise(self, self._clip)
+            self._layerwise.restored(step)  # the next backward is step + 1's
+        elif mode == "concurrent" and self._layerwise is not None:
+            self._layerwise.close()
+            self._layerwise = None
+            self.session.copy_pending = True
 
     def _optimizer_owned(self) -> set:  # a subclass adds its own optimizers' (lightning.py)
         return _session.optimizer_owned(self.state)
@@ -252,7 +286,7 @@ class Checkpointer:
                 and not self.session.forked():
             return dict(self._closed_stats)
         return _stats(self.session.live(), self.session, self._restore_stats, self._auto,
-                      self._remote)
+                      self._remote, self._mode_auto)
 
     def close(self) -> None:
         """Waits for the checkpoints in flight, then stops the engine; raises
@@ -278,7 +312,8 @@ class Checkpointer:
             if getattr(self, "_watcher", None) is not None:
                 self._watcher.close()  # settles the handles of what finishes now
             self._closed_stats = self.session.shut(lambda engine: _closing(
-                engine, self.session, self._restore_stats, self._auto, self._remote))
+                engine, self.session, self._restore_stats, self._auto, self._remote,
+                self.__dict__.get("_mode_auto")))
         self.session.report()
 
     def __enter__(self):
@@ -328,6 +363,8 @@ class Checkpointer:
         finally:
             self._applier.done()
             self._restore_stats["restore_total_s"] = time.perf_counter() - t0
+            if self._mode_auto is not None:  # the restore is no window's cost
+                self._mode_auto.restart(self.session.visible_stall_s)
             self._begin_staging()  # deferred while the restore read (__init__)
 
 
@@ -385,14 +422,17 @@ def _shard(ses, state: dict, tensors: dict, meta: dict) -> tuple:
     return tensors, layouts
 
 
-def _stats(engine, ses, restore_stats: dict, auto, remote) -> dict:
+def _stats(engine, ses, restore_stats: dict, auto, remote, mode_auto=None) -> dict:
     """stats(): the engine's, the session's counters, the last restore's,
-    every="auto"'s, the distributed agreement's and the remote tier's."""
+    every="auto"'s, mode="auto"'s, the distributed agreement's and the
+    remote tier's."""
     s = engine.stats()
     s.update(ses.counters())
     s.update(restore_stats)
     if auto is not None:
         s["auto"] = auto.state()
+    if mode_auto is not None:  # which mode runs, and the figures it was chosen from
+        s["mode_auto"] = mode_auto.state()
     if ses.dist is not None:
         s.update(ses.dist.stats())
     if remote is not None:
@@ -400,13 +440,13 @@ def _stats(engine, ses, restore_stats: dict, auto, remote) -> dict:
     return s
 
 
-def _closing(engine, ses, restore_stats: dict, auto, remote) -> Optional[dict]:
+def _closing(engine, ses, restore_stats: dict, auto, remote, mode_auto=None) -> Optional[dict]:
     """At close(), once everything in flight finished: the newest checkpoint
     uploaded, and what stats() returns from now on."""
     if remote is not None:
         remote.close()
     try:
-        return _stats(engine, ses, restore_stats, auto, remote)
+        return _stats(engine, ses, restore_stats, auto, remote, mode_auto)
     except Exception:  # noqa: BLE001 -- a failed engine: stats() says closed
         return None
 
@@ -422,7 +462,7 @@ def _engine_kwargs(o, dist) -> dict:
         kw["memory_tier"] = e.tier
     # Device snapshots (docs/CUDA.md): whole checkpoints of the concurrent
     # mode only; the other modes never take them, so they hold no device memory.
-    if o.mode.mode != "concurrent":
+    if o.mode.mode not in ("concurrent", "auto"):
         kw["device_snapshot_bytes"] = 0
     elif e.device_snapshot_bytes is not None:
         kw["device_snapshot_bytes"] = e.device_snapshot_bytes
@@ -437,7 +477,7 @@ def _open_engine(o, dir: str, dist, multistep, small_initial_staging: bool):
         engine, core = multistep, multistep.core
     else:
         kw = _engine_kwargs(o, dist)
-        if o.mode.mode == "layerwise":
+        if o.mode.mode in ("layerwise", "auto"):
             kw["layer_copy"] = o.mode.copy
         if small_initial_staging:
             kw["small_initial_staging"] = True

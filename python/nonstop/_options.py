@@ -12,7 +12,8 @@ import torch
 from . import _auto, _config, _data, _manage, _peer, _remote
 from .errors import CheckpointMismatchError
 
-MODES = ("concurrent", "layerwise", "multistep")
+# "auto": layer-wise or concurrent, whichever this job measures cheaper (_auto.AutoMode)
+MODES = ("concurrent", "layerwise", "multistep", "auto")
 TIERS = ("auto", "memory", "disk")
 
 
@@ -97,8 +98,9 @@ def check_device_snapshot_bytes(n, mode: str) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CheckpointMismatchError(
             f"device_snapshot_bytes must be None or a non-negative integer, got {n!r}")
-    if n > 0 and mode != "concurrent":
-        raise CheckpointMismatchError("device_snapshot_bytes= applies to mode='concurrent' only")
+    if n > 0 and mode not in ("concurrent", "auto"):
+        raise CheckpointMismatchError(
+            "device_snapshot_bytes= applies to mode='concurrent' (or 'auto') only")
 
 
 def check_tier(tier) -> None:
@@ -117,7 +119,7 @@ def check_disk_every(disk_every, tier: str, mode: str, world_size: int) -> int:
     if disk_every != 1 and (tier == "disk" or mode == "multistep" or world_size > 1):
         raise CheckpointMismatchError(
             "disk_every != 1 needs the memory tier (tier='auto' or 'memory'), "
-            "mode='concurrent' or 'layerwise', and world_size 1")
+            "mode='concurrent', 'layerwise' or 'auto', and world_size 1")
     return disk_every
 
 
@@ -148,15 +150,18 @@ def resolve(state: dict, **kw) -> Options:
     auto = None
     if every == "auto":
         if mode != "concurrent":
-            raise CheckpointMismatchError('every="auto" works with mode="concurrent" only')
+            raise CheckpointMismatchError('every="auto" works with mode="concurrent" only '
+                                          '(mode="auto" compares the modes over fixed windows: '
+                                          'every=N)')
         auto = _auto.AutoInterval(target=opts["max_overhead"])
     if mode not in MODES:
         raise CheckpointMismatchError(
             f"mode {mode!r} is not available in this version; use one of {', '.join(MODES)}")
     if auto is None and (not isinstance(every, int) or every < 1):
         raise CheckpointMismatchError(f'every must be a positive integer or "auto", got {every!r}')
-    if mode != "layerwise" and (copy != "host" or clip_grad_norm is not None):
-        raise CheckpointMismatchError("copy= and clip_grad_norm= apply to mode='layerwise' only")
+    if mode not in ("layerwise", "auto") and (copy != "host" or clip_grad_norm is not None):
+        raise CheckpointMismatchError(
+            "copy= and clip_grad_norm= apply to mode='layerwise' (or 'auto') only")
     if mode != "multistep" and kw["replay"] != "auto":
         raise CheckpointMismatchError("replay= applies to mode='multistep' only")
     check_keep(keep)
@@ -176,6 +181,11 @@ def resolve(state: dict, **kw) -> Options:
             f"max_in_flight must be a positive integer, got {max_in_flight!r}")
     check_tier(tier)
     check_device_snapshot_bytes(kw["device_snapshot_bytes"], mode)
+    if world_size > 1 and mode == "auto":
+        # Under DDP layer-wise installs a communication hook, which DDP cannot
+        # remove again; each rank would also measure (and pick) on its own.
+        raise CheckpointMismatchError("mode='auto' is single-process only for now; with "
+                                      "world_size > 1 choose mode='concurrent' or 'layerwise'")
     if world_size > 1 and mode == "multistep":
         raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
                                       f"use mode='concurrent' with world_size > 1")

@@ -5,7 +5,9 @@
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -40,6 +42,12 @@ Status SetDirect(int fd, const std::string& path, bool direct) {
   return Status::FromErrno(std::string("fcntl F_SETFL ") + (direct ? "+" : "-") + "O_DIRECT " +
                                path,
                            err);
+}
+
+bool OnMemoryFileSystem(int fd) {
+  struct statfs sf;
+  if (::fstatfs(fd, &sf) != 0) return false;
+  return sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC;
 }
 
 Result<uint64_t> FileSize(int fd, const std::string& path) {
@@ -204,6 +212,7 @@ FdMedium::FdMedium(MediumKind kind, std::string path, FdFile file)
       fd_(file.fd),
       alignment_(file.alignment),
       alignment_source_(std::move(file.alignment_source)),
+      in_memory_(OnMemoryFileSystem(file.fd)),
       size_(file.size) {}
 
 FdMedium::~FdMedium() { ::close(fd_); }

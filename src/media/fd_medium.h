@@ -43,6 +43,7 @@ class FdMedium : public MediumBase {
   // mincore(2) over a read-only shared mapping of the range.
   Result<uint64_t> CachedBytes(uint64_t offset, uint64_t n) override;
   MediumKind kind() const override { return kind_; }
+  bool InMemory() const override { return in_memory_; }
 
  protected:
   std::string Name() const override;
@@ -53,6 +54,7 @@ class FdMedium : public MediumBase {
   const int fd_;
   const size_t alignment_;
   const std::string alignment_source_;
+  const bool in_memory_;  // tmpfs/ramfs (fstatfs at open)
   // The file size as this medium knows it: set by Resize, raised by writes
   // that extend the file. Read() checks against it.
   std::atomic<uint64_t> size_;

@@ -23,7 +23,8 @@ namespace {
 class MappedMedium : public MediumBase {
  public:
   MappedMedium(MediumKind kind, std::string path, int fd, bool read_only = false)
-      : kind_(kind), path_(std::move(path)), fd_(fd), read_only_(read_only) {}
+      : kind_(kind), path_(std::move(path)), fd_(fd), read_only_(read_only),
+        in_memory_(fd >= 0 && OnMemoryFileSystem(fd)) {}
   ~MappedMedium() override {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -74,6 +75,7 @@ class MappedMedium : public MediumBase {
 
   uint64_t Size() const override { return size_; }
   size_t Alignment() const override { return 1; }
+  bool InMemory() const override { return in_memory_; }
   MediumKind kind() const override { return kind_; }
 
   // Gives `fd` back to the caller (a failed open: the caller closes it).
@@ -107,6 +109,7 @@ class MappedMedium : public MediumBase {
   const std::string path_;
   int fd_;  // -1 after Disown()
   const bool read_only_;  // mapped PROT_READ (OpenMedium refuses writes before they get here)
+  const bool in_memory_;  // tmpfs/ramfs (fstatfs at open)
   // Set by Map/Unmap, which run only in Open and Resize (never concurrently
   // with other calls, per the Medium contract).
   char* base_ = nullptr;

@@ -38,6 +38,9 @@ class MediumBase : public Medium {
 // some FUSE and network file systems).
 Status SetDirect(int fd, const std::string& path, bool direct);
 Result<uint64_t> FileSize(int fd, const std::string& path);
+// Whether the open file `fd` is on tmpfs or ramfs (fstatfs; false when it
+// cannot tell): Medium::InMemory.
+bool OnMemoryFileSystem(int fd);
 
 // pwrite/pread loops that retry EINTR and partial transfers. A read that hits
 // end of file is Corruption (the Medium contract forbids silent short reads).

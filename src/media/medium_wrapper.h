@@ -32,6 +32,7 @@ class MediumWrapper : public Medium {
   Result<uint64_t> CachedBytes(uint64_t offset, uint64_t n) override {
     return inner_->CachedBytes(offset, n);
   }
+  bool InMemory() const override { return inner_->InMemory(); }
   // OpenReadQueue is deliberately not forwarded: a wrapper that changes Read
   // (fault injection) must see queued reads too, so it gets the plain queue
   // over its own Read. Wrappers that leave reads alone forward it themselves.

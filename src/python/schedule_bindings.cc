@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "engine/mode_choice.h"
 #include "engine/schedule.h"
 #include "python/bindings.h"
 
@@ -42,6 +43,43 @@ void InitSchedule(py::module_& m) {
         d["checkpoints"] = st.checkpoints;
         d["steps"] = st.steps;
         d["last_interval"] = st.last_interval;
+        return d;
+      });
+
+  // mode="auto": layer-wise or concurrent from measured windows (engine/mode_choice.h).
+  py::class_<ModeChooser>(m, "ModeChooser")
+      .def(py::init([](int64_t rounds, int64_t settle, double margin, int64_t patience,
+                       double alpha) {
+             return Take(ModeChooser::Make({rounds, settle, margin, patience, alpha}));
+           }),
+           py::arg("rounds") = 2, py::arg("settle") = 1, py::arg("margin") = 0.05,
+           py::arg("patience") = 3, py::arg("alpha") = 0.3)
+      .def_property_readonly("active",
+                             [](const ModeChooser& c) { return CkptModeName(c.active()); })
+      .def_property_readonly("decided", &ModeChooser::decided)
+      .def(
+          "observe",
+          [](ModeChooser& c, int64_t steps, double wall_s, double stall_s, int64_t checkpoints) {
+            return std::string(CkptModeName(c.Observe({steps, wall_s, stall_s, checkpoints})));
+          },
+          py::arg("steps"), py::arg("wall_s"), py::arg("stall_s"), py::arg("checkpoints"))
+      .def("state", [](const ModeChooser& c) {
+        const ModeChoiceState st = c.State();
+        py::dict d;
+        d["active"] = CkptModeName(st.active);
+        d["decided"] = st.decided;
+        d["windows"] = st.windows;
+        d["switches"] = st.switches;
+        d["reason"] = st.reason;
+        for (CkptMode m : {CkptMode::kConcurrent, CkptMode::kLayerwise}) {
+          const ModeFigures& f = st.modes[static_cast<int>(m)];
+          py::dict fd;
+          fd["windows"] = f.windows;
+          fd["step_s"] = f.step_s;
+          fd["stall_per_checkpoint_s"] = f.stall_per_ckpt_s;
+          fd["busy_step_s"] = f.busy_step_s;
+          d[CkptModeName(m)] = fd;
+        }
         return d;
       });
 }

@@ -74,7 +74,8 @@ CONFIGS = {
     "1.4b": dict(vocab=32768, dim=2048, layers=26, heads=16),
 }
 ALL_SCHEMES = ["nonstop", "nonstop-tiered", "nonstop-direct", "nonstop-layerwise",
-               "nonstop-layerwise-device", "nonstop-multistep", "torch.save", "dcp", "dcp-process"]
+               "nonstop-layerwise-device", "nonstop-multistep", "nonstop-auto", "torch.save", "dcp",
+               "dcp-process"]
 # Layer-wise with copy="device" (suite_rounds knows the mode of each nonstop kind).
 suite_rounds.NONSTOP_MODES.setdefault("nonstop-layerwise-device", "layerwise")
 # The concurrent mode without device snapshots (device_snapshot_bytes=0): the
@@ -84,6 +85,12 @@ suite_rounds.NONSTOP_MODES.setdefault("nonstop-direct", "concurrent")
 # commits to the memory tier, the disk persists the newest at its own pace;
 # with the default device snapshot. Issue 25's overhead targets are its rows.
 suite_rounds.NONSTOP_MODES.setdefault("nonstop-tiered", "concurrent")
+# mode="auto" (docs/LAYERWISE.md): layer-wise or concurrent, whichever this
+# job measures cheaper; tiered like nonstop-tiered, so the two rows differ
+# only in the mode. Its warm-up covers the probe (9 checkpoints), so the
+# measured window runs the chosen mode; the row records the choice and why.
+suite_rounds.NONSTOP_MODES.setdefault("nonstop-auto", "auto")
+AUTO_PROBE_CHECKPOINTS = 9
 
 
 class Training:
@@ -254,21 +261,24 @@ def main() -> int:
             opts["max_in_flight"] = args.max_in_flight
         if kind == "nonstop-direct":
             opts["device_snapshot_bytes"] = 0
-        if kind == "nonstop-tiered":
+        if kind in ("nonstop-tiered", "nonstop-auto"):
             opts["disk_every"] = "auto"
-        if kind.startswith("nonstop-layerwise"):
+        if kind.startswith("nonstop-layerwise") or kind == "nonstop-auto":
             opts["clip_grad_norm"] = 1.0
             if kind.endswith("-device"):
                 opts["copy"] = "device"
         if kind in extra["crashed"]:
             return None
-        tr.clip = not kind.startswith("nonstop-layerwise")
+        tr.clip = not (kind.startswith("nonstop-layerwise") or kind == "nonstop-auto")
+        warmup = (args.warmup or max(3, every)) if kind != "none" else 3
+        if kind == "nonstop-auto":
+            warmup = max(warmup, AUTO_PROBE_CHECKPOINTS * every)
         try:
             with run_timeout(args.run_timeout if kind != "none" else 0, f"{kind}/{every}"):
                 r = run_one(kind, every, window(kind, every), lambda s: tr.step(),
                             {"model": tr.model, "optim": tr.opt}, args.out, tr.step_no,
                             nonstop_opts=opts, fsync=False, sync=tr.sync,
-                            warmup=(args.warmup or max(3, every)) if kind != "none" else 3)
+                            warmup=warmup)
         except Exception as e:  # noqa: BLE001 -- a scheme's crash is a result, not the end
             if kind == "none":
                 raise  # without the baseline nothing can be measured
@@ -297,7 +307,9 @@ def main() -> int:
                 + (f"  snapshot {r['snapshot_bytes'] / 1e9:.2f} GB + direct "
                    f"{r['direct_bytes'] / 1e9:.2f} GB, drain {r['snapshot_drain_s']:.2f} s"
                    if "snapshot_bytes" in r else "")
-                + (f"  [{r['device_snapshot_note']}]" if r.get("device_snapshot_note") else ""))
+                + (f"  [{r['device_snapshot_note']}]" if r.get("device_snapshot_note") else "")
+                + (f"  auto: {r['mode_auto']['active']} ({r['mode_auto']['reason']})"
+                   if r.get("mode_auto") else ""))
 
     res = run_rounds(plan, args.repeats, one,
                      label=label, deadline=(t_start + args.time_budget if args.time_budget

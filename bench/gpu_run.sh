@@ -22,6 +22,8 @@
 #           is CPU code: CI runs it. FULL_TEST=1: all of `make test-gpu`.
 #   small   bench/gpu_overhead.py, the 111M GPT: none, nonstop-tiered (the
 #           tiered cadence, disk_every="auto", device snapshot) at 1 and 10,
+#           nonstop-auto at 10 (mode="auto", tiered: the mode it measured
+#           cheaper, its figures in the row and in device_snapshot_$SMALL.txt),
 #           DCP async_save thread and process mode at 10; then restore into
 #           CUDA tensors vs DCP load (cold) and from the memory tier.
 #   big     the 1.38B GPT (16.5 GB of state, max_in_flight 1): nonstop-tiered
@@ -67,7 +69,7 @@ BENCH_DIR=${BENCH_DIR:-/tmp/nonstop-gpu-bench}
 PY=${PYTHON:-python3}
 PKG=build-gpu/pkg
 SMALL=125m BIG=1.4b
-SMALL_RUNS=${SMALL_RUNS:-"nonstop-tiered/10 dcp/10 dcp-process/10 nonstop-tiered/1"}
+SMALL_RUNS=${SMALL_RUNS:-"nonstop-tiered/10 nonstop-auto/10 dcp/10 dcp-process/10 nonstop-tiered/1"}
 BIG_RUNS=${BIG_RUNS:-"nonstop-tiered/10 nonstop-direct/50 nonstop-multistep/50 nonstop-tiered/50"}
 if [ -n "$CPU" ]; then
   PY=${PYTHON:-$PWD/.venv/bin/python}
@@ -233,6 +235,10 @@ for r in j.get("runs", []):
               f"  capacity {r.get('device_snapshot_capacity', 0) / 1e9:.2f} GB"
               f"  disk_every {r.get('disk_every', 1)} persisted {r.get('persisted', '-')}"
               f"  [{r.get('device_snapshot_note', '')}]")
+    if r.get("mode_auto"):
+        m = r["mode_auto"]
+        print(f"{r['scheme']:<20} mode='auto' ran {m['active']} (decided {m['decided']}, "
+              f"{m['switches']} switches): {m['reason']}")
 PYEOF
   [ $r -ne 0 ] && rc=$r
   rm -rf "$BENCH_DIR"

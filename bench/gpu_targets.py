@@ -77,6 +77,23 @@ def stall(bench, scheme: str, limit_s: float, tid: str, what: str) -> dict:
                  f"{r.get('ckpts_measured', 0)} checkpoints")
 
 
+def auto_mode(bench, tid: str, what: str) -> dict:
+    """mode="auto" at every 10 against the concurrent row it can pick
+    (both tiered): its step time no more than 1 % above."""
+    if bench is None:
+        return check(tid, what, None, None, "phase not run")
+    a, c = row(bench, "nonstop-auto/10"), row(bench, "nonstop-tiered/10")
+    if a is None or c is None:
+        return check(tid, what, None, None, "no nonstop-auto/10 or nonstop-tiered/10 row")
+    if "error" in a:
+        return check(tid, what, a["error"], False, "nonstop-auto crashed")
+    ratio = a["step_s"] / c["step_s"]
+    runs = [r for r in bench.get("runs") or [] if r.get("scheme") == "nonstop-auto/10"]
+    m = (runs[-1].get("mode_auto") or {}) if runs else {}
+    note = f"ran {m.get('active', '?')}: {m.get('reason', 'no figures')}"
+    return check(tid, what, f"{(ratio - 1) * 100:+.2f} %", ratio <= 1.01, note)
+
+
 def tests(log_path: str) -> list:
     what = "tests/gpu passes, multistep on CUDA resumes bitwise after SIGKILL"
     try:
@@ -111,6 +128,8 @@ def evaluate(out: str, small_name: str, big_name: str, wall_s) -> list:
                         "111M, every 10: throughput overhead <= 1 %"))
     res.append(overhead(small, "nonstop-tiered/1", 0.10, "small-1",
                         "111M, every step: throughput overhead <= 10 %"))
+    res.append(auto_mode(small, "small-auto-10", "111M, every 10: mode='auto' step time "
+                         "<= 1.01x concurrent's (it picks the faster mode)"))
     # Multistep (GoCkpt) without a device snapshot vs the concurrent mode's
     # stall when the whole device-to-host copy is visible (nonstop-direct).
     what = "multistep on 1.38B: stall <= 0.2x the concurrent host-copy stall"

@@ -182,6 +182,8 @@ class Saver:
             if st.get("disk_every", 1) != 1:  # the tiered cadence: what reached the disk
                 out.update(disk_every=st["disk_every"], persisted=st.get("persisted", 0),
                            persist_failures=st.get("persist_failures", 0))
+            if "mode_auto" in st:  # mode="auto": the mode it runs and the figures why
+                out["mode_auto"] = st["mode_auto"]
             out.update(medium=st.get("medium", ""), max_in_flight=st.get("max_in_flight", 1),
                        copy_engine=st.get("copy_engine", ""),
                        hook_stall_s=st.get("hook_stall_s", 0.0))

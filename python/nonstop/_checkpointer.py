@@ -239,6 +239,13 @@ class Checkpointer:
 
     def _before_update(self, optimizer, args, kwargs):  # the optimizers' step pre-hook
         self.session.before_update()
+        if self._clip is not None and self._mode_auto is not None and self._layerwise is None:
+            # mode="auto" in its concurrent stretches: clip_grad_norm= clips
+            # here, as layer-wise's step pre-hook does (same tensors, same order)
+            params = [p for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_norm_(params, self._clip)
 
     def _checkpoint_metrics(self) -> Optional[dict]:
         """metrics= of the checkpoint being started. With world_size > 1 and

@@ -190,6 +190,7 @@ def test_gpu_targets_name_every_target_with_its_figure_and_status(tmp_path):
                 "stall_per_ckpt_s": stall_ms / 1e3, "runs": 1, "ckpts_measured": 2,
                 "none_drift": 0.01}
     small = bench([row("none", 0.0), row("nonstop-tiered/10", 0.004), row("nonstop-tiered/1", 0.2),
+                   row("nonstop-auto/10", 0.006),
                    row("dcp/10", 1.5),
                    {"scheme": "dcp-process/10", "interval": 10, "crashed": True,
                     "error": "KeyError: <class 'type'>"}],
@@ -205,7 +206,8 @@ def test_gpu_targets_name_every_target_with_its_figure_and_status(tmp_path):
     res = {r["id"]: r for r in gpu_targets.evaluate(str(tmp_path), "125m", "1.4b", 500.0)}
     got = {k: r["status"] for k, r in res.items()}
     assert got == {"tests": "PASS", "big-10": "PASS", "big-10-stall": "PASS", "big-50": "MISSING",
-                   "small-10": "PASS", "small-1": "FAIL", "big-multistep": "PASS",
+                   "small-10": "PASS", "small-1": "FAIL", "small-auto-10": "PASS",
+                   "big-multistep": "PASS",
                    "restore-125m": "PASS", "restore-memory-125m": "PASS", "dcp-rows": "PASS",
                    "dcp-process-rows": "PASS", "wall": "PASS"}, got
     assert res["big-multistep"]["figure"] == "0.136x"

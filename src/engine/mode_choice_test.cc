@@ -10,6 +10,7 @@ namespace {
 // A job whose windows cost `c` (concurrent) and `l` (layer-wise) seconds per
 // step, 10 steps a window, one checkpoint each; stall = a tenth of the wall.
 struct Job {
+  Job(double c_s, double l_s) : c(c_s), l(l_s) {}
   double c, l;
   std::vector<CkptMode> seen;  // the mode of each window fed
   CkptMode Run(ModeChooser* m, int windows) {

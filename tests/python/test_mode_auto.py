@@ -42,7 +42,7 @@ class PerParamAdamW(torch.optim.AdamW):
     """AdamW whose update costs the same per parameter in both modes (a
     slow optimizer): layer-wise overlaps its copies with it, concurrent
     cannot (its copy starts after the last update)."""
-    DELAY = 0.02
+    DELAY = 0.03
 
     def step(self, closure=None):
         n = sum(p.grad is not None for g in self.param_groups for p in g["params"])
@@ -78,9 +78,9 @@ def train(model, opt, steps, ck=None, refs=None, seed=0):
             ck.step(s)
 
 
-def run_auto(tmp_path, opt_cls, steps=12, **kw):
+def run_auto(tmp_path, opt_cls, steps=12, dim=512, **kw):
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(dim)
     opt = opt_cls(model.parameters(), lr=1e-3, foreach=False)
     with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt}, every=1,
                               mode="auto", rng=False, **kw) as ck:
@@ -90,9 +90,9 @@ def run_auto(tmp_path, opt_cls, steps=12, **kw):
     return model, opt, stats
 
 
-def plain(opt_cls, steps=12):
+def plain(opt_cls, steps=12, dim=512):
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(dim)
     opt = opt_cls(model.parameters(), lr=1e-3, foreach=False)
     train(model, opt, steps)
     return model, opt
@@ -131,14 +131,16 @@ def test_auto_picks_layerwise_when_concurrent_waits_for_its_copy(tmp_path):
     # out by one writer): concurrent's next update waits for the whole
     # model's copy; layer-wise's per-parameter copies overlap the slow
     # updates of the other parameters.
-    model, opt, stats = run_auto(tmp_path, PerParamAdamW, steps=10, staging_bytes=1 << 20,
+    # 4 x 4 MiB weights + AdamW moments: 48 MiB a checkpoint.
+    model, opt, stats = run_auto(tmp_path, PerParamAdamW, steps=10, dim=1024,
+                                 staging_bytes=1 << 20,
                                  chunk_bytes=256 << 10, writers=1, medium="buffered")
     m = stats["mode_auto"]
     assert m["decided"], m
     assert m["active"] == "layerwise", m["reason"]
     assert m["concurrent"]["stall_per_checkpoint_s"] > m["layerwise"]["stall_per_checkpoint_s"], m
     assert stats["failed"] == 0
-    assert_bitwise((model, opt), plain(PerParamAdamW, steps=10))
+    assert_bitwise((model, opt), plain(PerParamAdamW, steps=10, dim=1024))
 
 
 @needs_engine

@@ -71,7 +71,9 @@ uint64_t CreateAndCount(const std::string& root, MediumKind kind, bool* in_memor
   if (f.ok()) {
     auto scan = (*f)->Scan();
     EXPECT_TRUE(scan.ok());
-    if (scan.ok()) EXPECT_TRUE(scan->checkpoints.empty());
+    if (scan.ok()) {
+      EXPECT_TRUE(scan->checkpoints.empty());
+    }
   }
   f = Status::Internal("closed");
   fs::remove_all(dir);

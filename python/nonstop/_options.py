@@ -100,7 +100,7 @@ def check_device_snapshot_bytes(n, mode: str) -> None:
             f"device_snapshot_bytes must be None or a non-negative integer, got {n!r}")
     if n > 0 and mode not in ("concurrent", "auto"):
         raise CheckpointMismatchError(
-            "device_snapshot_bytes= applies to mode='concurrent' (or 'auto') only")
+            "device_snapshot_bytes= applies to mode='auto' or mode='concurrent' only")
 
 
 def check_tier(tier) -> None:

@@ -17,7 +17,7 @@
 #include <system_error>
 #include <vector>
 
-#include "engine/memory_tier.h"
+#include "engine/job_view.h"
 #include "jobdir/remote_layout.h"
 #include "nonstop/env.h"
 #include "nonstop/jobdir.h"
@@ -57,101 +57,79 @@ std::string OneLine(const std::string& s) {
                               : kExitRefused);
 }
 
-const char* StateName(ListedCheckpoint::State s) {
-  switch (s) {
-    case ListedCheckpoint::State::kCommitted: return "committed";
-    case ListedCheckpoint::State::kAbandoned: return "abandoned";
-    case ListedCheckpoint::State::kDamaged: return "damaged";
-  }
-  return "?";
-}
-
+// `nonstop ls DIR`: the job view (engine/job_view.h) of one rank: every
+// checkpoint with the tiers that hold it (disk, memory; remote and peer as
+// the job manifest recorded them), newest first.
 void RunLs(const std::string& dir, int rank, bool as_json) {
-  Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForRead(dir);
-  if (!jd.ok()) Fail("ls", jd.status());
-  Result<std::vector<ListedCheckpoint>> list = jd.value()->List(rank);
-  if (!list.ok()) Fail("ls", list.status());
-  // A ring record whose slot a newer checkpoint reused is gone, not damaged.
-  std::erase_if(list.value(), [](const ListedCheckpoint& c) { return c.rotated; });
-  // The tiered cadence (disk_every): the newest checkpoint, when only the
-  // memory tier's segment holds it (a restart on this node restores it; a
-  // lost node loses it), listed first with where "memory".
-  size_t in_memory = 0;
-  {
-    std::string why;
-    Result<std::optional<MemorySegment>> seg =
-        OpenMemorySegment(dir, rank, "", nullptr, nullptr, &why);
-    if (seg.ok() && seg.value().has_value()) {
-      const CheckpointInfo& info = seg.value()->info;
-      const bool on_disk = std::any_of(list.value().begin(), list.value().end(),
-                                       [&](const ListedCheckpoint& c) { return c.counter == info.counter; });
-      if (!on_disk) {
-        ListedCheckpoint m;
-        m.counter = info.counter;
-        m.step = info.step;
-        m.location.where = seg.value()->path;
-        m.state = ListedCheckpoint::State::kCommitted;
-        m.commit_unix_ns = info.commit_unix_ns;
-        m.data_bytes = info.data_bytes;
-        list.value().insert(list.value().begin(), std::move(m));
-        in_memory = 1;
-      }
-    }
-  }
-  const auto where = [&](size_t i) -> const char* {
-    return i < in_memory ? "memory" : list.value()[i].location.keep ? "keep" : "ring";
-  };
-  // A file that cannot be read (listed with counter 0) is damage: listed,
-  // then one line on stderr and exit 1, never "no checkpoint" and 0.
+  Result<JobView> view = ViewJob(dir, rank);
+  if (!view.ok()) Fail("ls", view.status());
+  const std::vector<ViewRow>& rows = view.value().rows;
+  // A file that cannot be read (the slot file, the manifest) is damage:
+  // listed, then one line on stderr and exit 1, never "no checkpoint" and 0.
   std::string unreadable;
-  for (const ListedCheckpoint& c : list.value()) {
-    if (c.state == ListedCheckpoint::State::kDamaged && c.counter == 0 && unreadable.empty()) {
-      unreadable = c.reason;
-    }
+  for (const ViewRow& r : rows) {
+    if (r.unreadable && unreadable.empty()) unreadable = r.reason;
+  }
+  for (const std::string& n : view.value().notes) {
+    std::cerr << "nonstop ls: " << OneLine(n) << "\n";
   }
   const auto done = [&] {
     if (!unreadable.empty()) Fail("ls", Status::Corruption(unreadable));
   };
   if (as_json) {
     json out = json::array();
-    for (size_t i = 0; i < list.value().size(); ++i) {
-      const ListedCheckpoint& c = list.value()[i];
+    for (const ViewRow& r : rows) {
       json m = json::object();
-      for (const auto& [k, v] : c.metrics) m[format::Printable(k)] = v;
-      out.push_back({{"step", c.step},
-                     {"counter", c.counter},
-                     {"where", where(i)},
-                     {"path", format::Printable(c.location.where)},
-                     {"state", StateName(c.state)},
-                     {"reason", format::Printable(c.reason)},
-                     {"commit_unix_ns", c.commit_unix_ns},
-                     {"bytes", c.data_bytes},
-                     {"metrics", m}});
+      for (const auto& [k, v] : r.metrics) m[format::Printable(k)] = v;
+      json tiers = json::array();
+      for (const ViewHolder& h : r.tiers) {
+        tiers.push_back({{"tier", h.tier}, {"where", format::Printable(h.where)},
+                         {"recorded", h.recorded}});
+      }
+      out.push_back({{"step", r.step},
+                     {"counter", r.counter},
+                     {"where", r.where},
+                     {"path", format::Printable(r.path)},
+                     {"state", r.state},
+                     {"reason", format::Printable(r.reason)},
+                     {"commit_unix_ns", r.commit_unix_ns},
+                     {"bytes", r.bytes},
+                     {"metrics", m},
+                     {"tiers", tiers},
+                     {"job", format::Printable(view.value().job)}});
     }
     std::cout << DumpJson(out, 2) << "\n";
     done();
     return;
   }
-  if (list.value().empty()) {
+  if (rows.empty()) {
     std::cout << "no checkpoint of rank " << rank << " in " << dir << "\n";
     return;
   }
-  std::printf("%-10s %-6s %-10s %-21s %-10s %s\n", "step", "where", "state", "committed (UTC)",
-              "size", "metrics");
-  for (size_t i = 0; i < list.value().size(); ++i) {
-    const ListedCheckpoint& c = list.value()[i];
+  if (!view.value().job.empty()) {
+    std::cout << "job " << format::Printable(view.value().job) << "\n";
+  }
+  std::printf("%-10s %-6s %-10s %-21s %-10s %-24s %s\n", "step", "where", "state",
+              "committed (UTC)", "size", "tiers", "metrics");
+  for (const ViewRow& r : rows) {
     std::string metrics;
-    for (const auto& [k, v] : c.metrics) {
+    for (const auto& [k, v] : r.metrics) {
       char buf[64];
       std::snprintf(buf, sizeof(buf), "%.6g", v);
       metrics += (metrics.empty() ? "" : " ") + format::Printable(k) + "=" + buf;
     }
-    if (c.state != ListedCheckpoint::State::kCommitted) metrics = format::Printable(c.reason);
-    if (i < in_memory) metrics = "memory only: survives a process crash, not a node loss";
-    std::printf("%-10lld %-6s %-10s %-21s %-10s %s\n", static_cast<long long>(c.step),
-                where(i), StateName(c.state), UtcTime(c.commit_unix_ns).c_str(),
-                c.state == ListedCheckpoint::State::kCommitted ? HumanBytes(c.data_bytes).c_str() : "-",
-                metrics.c_str());
+    std::string tiers = TierList(r);
+    for (const ViewHolder& h : r.tiers) {
+      if (h.tier == "peer") tiers += " peer@" + format::Printable(h.where);
+    }
+    if (r.state != "committed") metrics = format::Printable(r.reason);
+    if (r.state == "committed" && TierList(r) == "memory") {
+      metrics = "memory only: survives a process crash, not a node loss";
+    }
+    std::printf("%-10lld %-6s %-10s %-21s %-10s %-24s %s\n", static_cast<long long>(r.step),
+                r.where.c_str(), r.state.c_str(), UtcTime(r.commit_unix_ns).c_str(),
+                r.state == "committed" && r.bytes ? HumanBytes(r.bytes).c_str() : "-",
+                tiers.empty() ? "-" : tiers.c_str(), metrics.c_str());
   }
   done();
 }
@@ -208,7 +186,8 @@ void AddManageCommands(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* ls = app.add_subcommand(
-      "ls", "List the checkpoints of a directory: the ring and the kept copies (keep/), newest first");
+      "ls", "List the checkpoints of a directory, newest first: the ring, the kept copies (keep/), "
+            "the memory segment, and what the remote and peer tiers hold (the job manifest)");
   ls->add_option("dir", args->dir, "checkpoint directory")->required();
   ls->add_option("--rank", args->rank, "rank whose files to list (default 0)");
   ls->add_flag("--json", args->json, "print JSON instead of a table");

@@ -11,6 +11,8 @@
 //   rank-RRRRR.nsck.tmp                a slot file being created or resized
 //   lineage-rank-RRRRR.json            rank R's lineage record (abandoned counters)
 //   agreed-rank-RRRRR.json             rank R's last globally agreed checkpoint
+//   manifest-rank-RRRRR.json           rank R's job manifest: what the remote and peer
+//                                      tiers noted they hold (jobdir/manifest.h)
 //   keep/step-NNNNNNNNNNNN/rank-RRRRR.nsck   a kept copy (one-slot file)
 //   world-W/                           rank files of a job of world size W, set aside
 //
@@ -81,6 +83,7 @@ struct JobDirNames {
   static std::string Lock(int rank);           // ".nonstop.lock" (rank 0), ".nonstop.rank-00003.lock"
   static std::string Lineage(int rank);        // "lineage-rank-00003.json"
   static std::string Agreed(int rank);         // "agreed-rank-00003.json"
+  static std::string Manifest(int rank);       // "manifest-rank-00003.json" (jobdir/manifest.h)
   static std::string KeepRoot();               // "keep"
   static std::string KeepStep(int64_t step);   // "step-000000000042"
   static std::string World(int world_size);    // "world-4"

@@ -56,28 +56,28 @@ def check_retention(keep, max_to_keep, best) -> tuple:
     return (max_to_keep or 0, metric, higher, k)
 
 
-def _row(c: dict) -> dict:
+def _row(c: dict, job: str) -> dict:
     return {"step": int(c["step"]), "counter": int(c["counter"]),
-            "where": "keep" if c["keep"] else "ring", "path": c["where"],
+            "where": c["where"], "path": c["path"],
             "state": c["state"], "reason": c["reason"],
             "time": c["commit_unix_ns"] / 1e9 if c["commit_unix_ns"] else None,
-            "bytes": int(c["data_bytes"]), "metrics": dict(c["metrics"])}
+            "bytes": int(c["bytes"]), "metrics": dict(c["metrics"]),
+            "tiers": [dict(t) for t in c["tiers"]], "job": job}
 
 
 def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = None) -> list:
-    """Every checkpoint of `rank` in `dir`: the ring (the slot file) and the
-    kept copies (keep/), newest first; one dict each. A remote (a URL, a
+    """Every checkpoint of `rank` in `dir`, newest first, one dict each, as
+    `nonstop ls` lists them (the job view, engine/job_view.h): the ring (the
+    slot file), the kept copies (keep/), the memory segment, and the steps
+    the job manifest records on the remote and partners (the peer tier);
+    "tiers" names every tier that holds the checkpoint. A remote (a URL, a
     path with remote_options, or a directory used as a remote) lists its
-    step directories (where="remote"; _remote.list_steps)."""
+    step directories in the same rows (where="remote"; _remote.list_steps)."""
     path = os.fspath(dir)
     if _remote.is_remote(path, remote_options):
         return _remote.list_steps(path, remote_options, rank)
-    jd = _ext.core().JobDir.open_for_read(path)
-    try:
-        # A ring record whose slot a newer checkpoint reused is gone, not damaged.
-        return [_row(c) for c in jd.list(rank) if not c.get("rotated")]
-    finally:
-        jd.close()
+    view = _ext.core().job_view(path, rank)
+    return [_row(c, view["job"]) for c in view["rows"]]
 
 
 def steps_text(rows: list) -> str:

@@ -213,7 +213,7 @@ class Peers:
             try:
                 self.replicator = core.PeerReplicator(
                     self.job, secret, self.rank, segment,
-                    [self.endpoints[p] for p in self.partners])
+                    [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3])
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 

@@ -620,7 +620,7 @@ class Uploader:
 
     def __init__(self, store, dir: str, rank: int, world: int, target, core=None, keep=None,
                  options: Optional[dict] = None, keep_max: Optional[int] = None,
-                 every: Optional[int] = None):
+                 every: Optional[int] = None, job: str = ""):
         o = options or {}
         if int(o.get("max_to_keep", 2)) < 1:
             raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
@@ -632,7 +632,8 @@ class Uploader:
             poll_s=float(o.get("poll_s", 0.05)),
             commit_timeout_s=float(o.get("commit_timeout_s", 120.0)),
             retry_max_s=float(o.get("retry_max_s", 10.0)),
-            close_timeout_s=float(o.get("close_timeout_s", 600.0)), nice=int(o.get("nice", 10)))
+            close_timeout_s=float(o.get("close_timeout_s", 600.0)), nice=int(o.get("nice", 10)),
+            job=job)
         # at exit (or when dropped unclosed) the thread stops before the interpreter does
         self._exit = weakref.finalize(self, self.up.close, False)
         self.rank, self.final = rank, None
@@ -757,7 +758,8 @@ class Tier:
             self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
                                      self.ckpt.world_size, self._target,
                                      keep=self.ckpt.keep, options=self.options,
-                                     keep_max=self.ckpt.max_to_keep, every=self.every)
+                                     keep_max=self.ckpt.max_to_keep, every=self.every,
+                                     job=self.job)
         if counter is not None:
             self.uploader.up.started(int(counter), int(step))
 
@@ -1003,6 +1005,10 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
                      "state": state, "reason": reason,
                      "time": None if m is None else m["unix_s"],
                      "bytes": h["bytes"], "metrics": {},
+                     # the tiers holding it (one format with a local listing, _manage)
+                     "tiers": ([{"tier": "remote", "where": store.url, "recorded": False}]
+                               if state == "committed" and not reason else []),
+                     "job": "",
                      "world_size": None if m is None else m["world_size"]})
     return rows
 

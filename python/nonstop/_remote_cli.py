@@ -201,20 +201,25 @@ def ls(url: str, options: dict, rank: int, as_json: bool) -> int:
     """`nonstop ls URL`: one row per remote step, newest first."""
     rows = _remote.list_steps(url, options, rank)
     if as_json:
-        print(json.dumps([{k: r[k] for k in ("step", "counter", "where", "path", "state",
-                                              "reason", "time", "bytes", "metrics")}
+        # the columns of a local `nonstop ls --json` (tools/manage_cmds.cc), and "time"
+        print(json.dumps([dict({k: r[k] for k in ("step", "counter", "where", "path", "state",
+                                                  "reason", "time", "bytes", "metrics",
+                                                  "tiers", "job")},
+                               commit_unix_ns=int(r["time"] * 1e9) if r["time"] else 0)
                           for r in rows], indent=2))
         return 0
     if not rows:
         print(f"no checkpoint of rank {rank} in {url}")
         return 0
-    print(f"{'step':<10} {'where':<6} {'state':<11} {'committed (UTC)':<21} {'size':<10} note")
+    print(f"{'step':<10} {'where':<6} {'state':<11} {'committed (UTC)':<21} {'size':<10} "
+          f"{'tiers':<24} note")
     for r in rows:
         when = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"]))
                 if r["time"] is not None else "-")
         size = _human(r["bytes"]) if r["state"] == "committed" and r["bytes"] else "-"
+        tiers = "+".join(t["tier"] for t in r["tiers"]) or "-"
         print(f"{r['step']:<10} {r['where']:<6} {r['state']:<11} {when:<21} {size:<10} "
-              f"{r['reason']}".rstrip())
+              f"{tiers:<24} {r['reason']}".rstrip())
     return 0
 
 

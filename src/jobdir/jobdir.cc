@@ -407,7 +407,8 @@ Result<std::vector<std::string>> JobDir::ForeignEntries() {
     const bool dir = e.type == EntryType::kDirectory;
     if (file && (ranked(n, "rank-", ".nsck") || ranked(n, "rank-", ".nsck.tmp") ||
                  ranked(n, "lineage-rank-", ".json") || ranked(n, "lineage-rank-", ".json.tmp") ||
-                 ranked(n, "agreed-rank-", ".json") || ranked(n, "agreed-rank-", ".json.tmp"))) {
+                 ranked(n, "agreed-rank-", ".json") || ranked(n, "agreed-rank-", ".json.tmp") ||
+                 ranked(n, "manifest-rank-", ".json") || ranked(n, "manifest-rank-", ".json.tmp"))) {
       continue;
     }
     if (dir && (n == JobDirNames::KeepRoot() || JobDirNames::ParseWorld(n))) continue;

@@ -33,6 +33,7 @@ std::string JobDirNames::Lock(int rank) {
 }
 std::string JobDirNames::Lineage(int rank) { return "lineage-rank-" + Rank5(rank) + ".json"; }
 std::string JobDirNames::Agreed(int rank) { return "agreed-rank-" + Rank5(rank) + ".json"; }
+std::string JobDirNames::Manifest(int rank) { return "manifest-rank-" + Rank5(rank) + ".json"; }
 std::string JobDirNames::MemoryRecord(int rank) { return ".nonstop.memory-rank-" + Rank5(rank); }
 std::string JobDirNames::KeepRoot() { return "keep"; }
 std::string JobDirNames::KeepStep(int64_t step) {

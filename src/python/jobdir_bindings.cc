@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/job_view.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "python/bindings.h"
@@ -364,7 +365,52 @@ py::dict PlanBinding(const py::list& candidates, const std::optional<py::dict>& 
   return out;
 }
 
+// The job view (engine/job_view.h) as nonstop.list() returns it.
+py::dict JobViewDict(const std::string& dir, int rank, const std::string& shm_dir) {
+  Result<JobView> r = Status::Internal("unset");
+  {
+    py::gil_scoped_release release;
+    r = ViewJob(dir, rank, nullptr, shm_dir);
+  }
+  const JobView v = Take(std::move(r));
+  py::list rows;
+  for (const ViewRow& row : v.rows) {
+    py::dict d;
+    d["step"] = row.step;
+    d["counter"] = row.counter;
+    d["where"] = row.where;
+    d["path"] = row.path;
+    d["state"] = row.state;
+    d["reason"] = row.reason;
+    d["commit_unix_ns"] = row.commit_unix_ns;
+    d["bytes"] = row.bytes;
+    py::dict metrics;
+    for (const auto& [k, x] : row.metrics) metrics[py::str(k)] = x;
+    d["metrics"] = metrics;
+    py::list tiers;
+    for (const ViewHolder& h : row.tiers) {
+      py::dict t;
+      t["tier"] = h.tier;
+      t["where"] = h.where;
+      t["recorded"] = h.recorded;
+      tiers.append(t);
+    }
+    d["tiers"] = tiers;
+    d["unreadable"] = row.unreadable;
+    rows.append(d);
+  }
+  py::dict out;
+  out["job"] = v.job;
+  out["rows"] = rows;
+  out["notes"] = v.notes;
+  return out;
+}
+
 void InitJobDir(py::module_& m) {
+  m.def("job_view", &JobViewDict, py::arg("dir"), py::arg("rank") = 0, py::arg("shm_dir") = "",
+        "The job view of rank `rank` (engine/job_view.h): {job, rows: [{step, counter, where, "
+        "path, state, reason, commit_unix_ns, bytes, metrics, tiers: [{tier, where, recorded}], "
+        "unreadable}], notes}.");
   py::class_<PySelected>(m, "SelectedCheckpoint")
       .def_property_readonly("info", &PySelected::Info)
       .def_property_readonly("where", &PySelected::where)

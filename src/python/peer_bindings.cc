@@ -121,8 +121,9 @@ void InitPeer(py::module_& m) {
       .def(py::init([](const std::string& job, const py::bytes& secret, uint32_t rank,
                        const std::string& segment, const std::vector<std::string>& partners,
                        double poll_s, double retry_s, double connect_timeout_s,
-                       double io_timeout_s) {
+                       double io_timeout_s, const std::string& job_dir) {
              peer::ReplicatorOptions o;
+             o.job_dir = job_dir;
              o.job = job;
              o.secret = secret;
              o.rank = rank;
@@ -137,7 +138,7 @@ void InitPeer(py::module_& m) {
            py::arg("job"), py::arg("secret"), py::arg("rank"), py::arg("segment"),
            py::arg("partners"),
            py::arg("poll_s") = 0.2, py::arg("retry_s") = 1.0, py::arg("connect_timeout_s") = 5.0,
-           py::arg("io_timeout_s") = 30.0)
+           py::arg("io_timeout_s") = 30.0, py::arg("job_dir") = "")
       .def("notify", &peer::Replicator::Notify, "A checkpoint may have been committed: look now.")
       .def(
           "drain",

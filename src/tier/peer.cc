@@ -24,6 +24,7 @@
 #include "base/crc32c_combine.h"
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
+#include "jobdir/manifest.h"
 #include "nonstop/plan.h"
 #include "store/format.h"
 #include "tier/peer_wire.h"
@@ -1351,6 +1352,7 @@ void Replicator::Impl::Round() {
     seen_unsent = info.counter;
   }
   bool all = true;
+  std::vector<std::string> noted;  // partners that hold it now: noted in the job manifest below
   for (Partner& p : partners) {
     if (p.held_counter == info.counter) continue;
     if (std::chrono::steady_clock::now() < p.retry_at) {
@@ -1397,6 +1399,7 @@ void Replicator::Impl::Round() {
       continue;
     }
     p.held_counter = info.counter;
+    if (out != PushOutcome::kSkippedBudget) noted.push_back(p.endpoint);
     if (out == PushOutcome::kStored) {
       ++stats.replicated;
       stats.bytes += info.data_bytes;
@@ -1404,6 +1407,21 @@ void Replicator::Impl::Round() {
     } else if (out == PushOutcome::kSkippedBudget) {
       ++stats.skipped_budget;
       all = false;
+    }
+  }
+  // The job manifest (jobdir/manifest.h), off the training thread: which
+  // checkpoint each partner holds now.
+  for (const std::string& ep : noted) {
+    if (o.job_dir.empty()) break;
+    ManifestHolder h;
+    h.tier = "peer";
+    h.where = ep;
+    h.unix_s = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    h.held.push_back(ManifestHeld{info.step, info.counter});
+    Status ns = NoteHeld(o.env, o.job_dir, static_cast<int>(o.rank), "", std::move(h));
+    if (!ns.ok()) {
+      MutexLock l(&mu);
+      stats.last_error = "noting the replica in the job manifest: " + ns.message();
     }
   }
   if (all) {

@@ -190,6 +190,10 @@ struct ReplicatorOptions {
   double retry_s = 1;                 // after a failed push, the next try at the earliest
   PushOptions push;
   Env* env = nullptr;
+  // This rank's job directory: after each push a partner holds, its
+  // endpoint and the checkpoint are noted in the job manifest
+  // (jobdir/manifest.h). Empty: none.
+  std::string job_dir;
 };
 
 struct ReplicatorStats {

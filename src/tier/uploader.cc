@@ -9,6 +9,7 @@
 #include <chrono>
 #include <utility>
 
+#include "jobdir/manifest.h"
 #include "tier/staging.h"
 
 namespace nonstop::tier {
@@ -252,6 +253,7 @@ Status RemoteUploader::Upload(const UploadTarget& t) {
     MutexLock l(&mu_);
     stats_.deleted_steps += static_cast<uint64_t>(deleted);
   }
+  if (rep.outcome != O::kNotCommitted && rep.outcome != O::kGivenUp) NoteManifest();
   std::vector<std::string> left = DropStaged(env_, o_.job_dir, t.step);
   MutexLock l(&mu_);
   stats_.uploaded_step = t.step;
@@ -311,6 +313,33 @@ void RemoteUploader::Loop() {
   MutexLock l(&mu_);
   done_ = true;
   cv_.SignalAll();
+}
+
+void RemoteUploader::NoteManifest() {
+  if (!o_.note_manifest || o_.job_dir.empty()) return;
+  ManifestHolder h;
+  h.tier = "remote";
+  h.where = tier_->where();
+  h.unix_s = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  Status st;
+  Result<std::vector<HeldStep>> list = tier_->List(o_.rank);
+  if (list.ok()) {
+    for (const HeldStep& s : list.value()) {
+      // Committed, with this rank's part and its counter: durable for this rank.
+      if (s.state != StepState::kCommitted || !s.marker || !s.marker->counter || s.bytes == 0) continue;
+      if (o_.rank >= s.marker->world_size) continue;
+      h.held.push_back(ManifestHeld{s.step, *s.marker->counter});
+    }
+    st = NoteHeld(env_, o_.job_dir, static_cast<int>(o_.rank), o_.job, std::move(h));
+  } else {
+    st = list.status();
+  }
+  MutexLock l(&mu_);
+  if (st.ok()) {
+    ++stats_.manifest_notes;
+  } else {
+    stats_.manifest_error = "noting the remote's steps in the job manifest: " + st.message();
+  }
 }
 
 }  // namespace nonstop::tier

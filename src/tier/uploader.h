@@ -47,12 +47,20 @@ struct UploaderOptions {
   double close_timeout_s = 600;   // Close(wait=true): how long the last upload may take
   double abort_grace_s = 10;      // Close: how long an aborted transfer is waited for
   int nice = 10;                  // the thread's CPU nice increment (and idle-class I/O); 0: none
+  // The job manifest (jobdir/manifest.h): after each publish the thread
+  // notes in job_dir's manifest which committed steps the remote holds of
+  // this rank (a listing after retention), off the commit path. `job`: the
+  // job's identity (the prefix's JOB name). note_manifest=false: none.
+  bool note_manifest = true;
+  std::string job;
 };
 
 // The counters (stats()["remote"]).
 struct UploaderStats {
   uint64_t uploads = 0, committed = 0, retries = 0, failures = 0, bytes = 0;
   uint64_t skipped_existing = 0, deleted_steps = 0, skipped_gone = 0, given_up = 0;
+  uint64_t manifest_notes = 0;          // notes written into the job manifest
+  std::string manifest_error;           // the last failed note (one line); empty: none
   double upload_s = 0, last_GBps = 0, stage_s = 0, crc_s = 0, put_s = 0;
   std::string last_error;               // empty: none
   std::optional<int64_t> uploaded_step;  // newest step uploaded (rank 0: and committed)
@@ -105,6 +113,8 @@ class RemoteUploader {
   // Rank > 0: the step rank 0 leads to upload for target `t` (nullopt: none yet).
   Result<std::optional<UploadTarget>> Pick(const UploadTarget& t) EXCLUDES(mu_);
   Status Upload(const UploadTarget& t) EXCLUDES(mu_);
+  // Notes in the job manifest the committed steps the remote holds of this rank.
+  void NoteManifest() EXCLUDES(mu_);
   // Sleeps `s` seconds or until Close is called (stopping: the full `s`).
   void Pause(double s) EXCLUDES(mu_);
   bool DeadlinePassed(double extra_s) const REQUIRES(mu_);

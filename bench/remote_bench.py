@@ -201,6 +201,8 @@ def stall_ab(a):
                     url, o = None, None
                 elif arm == "path":  # the tier to a local folder: no HTTP, no server
                     url, o = os.path.join(root, f"shared-p{p}"), {}
+                elif arm == "nomanifest":  # "on" without the job manifest's notes
+                    url, o = srv.url(f"p{p}"), dict(opts, note_manifest=False)
                 else:
                     url, o = srv.url(f"p{p}"), dict(opts)
                 if a.switch_interval:
@@ -290,7 +292,8 @@ def main():
     ap.add_argument("--root", default=None)
     ap.add_argument("--arms", default="off,on",
                     help="stall mode: off, on (S3 to the local SeaweedFS), path (a local folder "
-                         "as the remote: no HTTP, no server process)")
+                         "as the remote: no HTTP, no server process), nomanifest (on, without "
+                         "the uploader's job manifest notes)")
     ap.add_argument("--probe", action="store_true",
                     help="stall mode: measure wake-up latency in and out of the process (GIL)")
     ap.add_argument("--switch-interval", type=float, default=0.0,

@@ -502,7 +502,7 @@ class PathStore(_Store):
 # Options of the tier itself (the rest go to the client).
 _TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
                  "commit_timeout_s", "retry_max_s", "nice", "job", "adopt", "every",
-                 "create_bucket")
+                 "create_bucket", "note_manifest")
 
 
 def open_store(url: str, options: Optional[dict]):
@@ -633,7 +633,7 @@ class Uploader:
             commit_timeout_s=float(o.get("commit_timeout_s", 120.0)),
             retry_max_s=float(o.get("retry_max_s", 10.0)),
             close_timeout_s=float(o.get("close_timeout_s", 600.0)), nice=int(o.get("nice", 10)),
-            job=job)
+            job=job, note_manifest=bool(o.get("note_manifest", True)))
         # at exit (or when dropped unclosed) the thread stops before the interpreter does
         self._exit = weakref.finalize(self, self.up.close, False)
         self.rank, self.final = rank, None

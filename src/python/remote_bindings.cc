@@ -452,9 +452,11 @@ void InitRemoteUploader(py::module_& m) {
                        uint32_t rank, uint32_t world_size, uint64_t every, uint32_t max_to_keep,
                        uint64_t keep_every, uint32_t keep_max, std::optional<double> bps,
                        double poll_s, double commit_timeout_s, double retry_max_s,
-                       double close_timeout_s, int nice, const std::string& job) {
+                       double close_timeout_s, int nice, const std::string& job,
+                       bool note_manifest) {
              tier::UploaderOptions o;
              o.job = job;
+             o.note_manifest = note_manifest;
              o.job_dir = job_dir;
              o.rank = rank;
              o.world_size = world_size;
@@ -473,7 +475,7 @@ void InitRemoteUploader(py::module_& m) {
            py::arg("keep_every") = 0, py::arg("keep_max") = 0, py::arg("bps") = py::none(),
            py::arg("poll_s") = 0.05, py::arg("commit_timeout_s") = 120.0,
            py::arg("retry_max_s") = 10.0, py::arg("close_timeout_s") = 600.0,
-           py::arg("nice") = 10, py::arg("job") = "",
+           py::arg("nice") = 10, py::arg("job") = "", py::arg("note_manifest") = true,
            "Starts the thread. newest(): (counter, step) of the newest checkpoint to upload "
            "(committed, or agreed by every rank), or None.")
       .def("started", &PyUploader::Started, py::arg("counter"), py::arg("step"),

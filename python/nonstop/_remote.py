@@ -988,6 +988,13 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
     store = open_store(os.fspath(url), options or {})
     tier = _tier(store)
     rows = []
+    job = ""  # the prefix's identity (its JOB document), as a local listing's "job"
+    text = store.get_bytes(Layout.job(), _rl().MAX_DOC_BYTES)
+    if text is not None:
+        try:
+            job = _rl().decode_job(text.decode("utf-8", "replace"), f"{store.url}/{Layout.job()}")
+        except CheckpointError as e:
+            warnings.warn(f"nonstop: remote: {e}", stacklevel=2)
     for h in tier.list(rank):
         step, m, state = h["step"], h["marker"], h["state"]
         if h["reason"]:
@@ -1008,7 +1015,7 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
                      # the tiers holding it (one format with a local listing, _manage)
                      "tiers": ([{"tier": "remote", "where": store.url, "recorded": False}]
                                if state == "committed" and not reason else []),
-                     "job": "",
+                     "job": job,
                      "world_size": None if m is None else m["world_size"]})
     return rows
 

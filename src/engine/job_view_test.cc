@@ -179,11 +179,12 @@ TEST(JobView, EveryTierOfEachStepAndTheRollbackWithoutANetwork) {
       "40/#5/ring/committed/disk+peer peer@10.0.0.2:7000",
       "30/#4/ring/committed/disk+remote remote@s3://bucket/job-a",
       "30/#3/ring/abandoned/",          // rolled back from: never committed again, on no tier
-      "20/#2/remote/committed/remote+peer remote@s3://bucket/job-a peer@10.0.0.2:7000",
-      "10/#1/remote/committed/remote remote@s3://bucket/job-a",
+      "20/#2/remote/committed/remote remote@s3://bucket/job-a",
+      "10/#1/ring/committed/disk+remote remote@s3://bucket/job-a",
   };
-  // #2's ring slot was reused by #5, #1's by #4: the remote (and for #2 the
-  // partner, as last recorded before its newer push) still hold them.
+  // #2's ring slot was reused by #5: the remote still holds it (a row of its
+  // own); #1's record is still in the ring (its data not verified by a
+  // listing). The partner holds only its newest push (#5).
   EXPECT_EQ(Canon(v.value()), want) << Join(Canon(v.value()));
   for (const ViewRow& r : v.value().rows) {
     for (const ViewHolder& h : r.tiers) EXPECT_EQ(h.recorded, h.tier == "remote" || h.tier == "peer");
@@ -246,7 +247,10 @@ TEST(JobView, CrashAtEveryCallOfCommitsRollbackAndManifestNotes) {
     total = w.env->calls() - base;
   }
   ASSERT_GT(total, 30u);
-  uint64_t points = 0, exact_before = 0, exact_after = 0;
+  uint64_t points = 0, exact_before = 0, exact_after = 0, cut_commit = 0;
+  // The counter each operation commits (0: not a commit).
+  const std::vector<uint64_t> commit_counter = {1, 0, 2, 0, 3, 0, 0, 0, 4, 0, 5, 0};
+  ASSERT_EQ(commit_counter.size(), n_ops);
   for (uint64_t n = 1; n <= total; ++n) {
     for (CrashMode mode : {CrashMode::kDropUnsynced, CrashMode::kTornUnsynced}) {
       Workflow w(FaultEnv::Create());
@@ -268,10 +272,20 @@ TEST(JobView, CrashAtEveryCallOfCommitsRollbackAndManifestNotes) {
       // a committed checkpoint, and gone from the comparison.
       std::erase_if(got, [](const std::string& s) { return s.find("/damaged/") != std::string::npos &&
                                                             s.find("/manifest/") == std::string::npos; });
+      // A commit cut after its data went into a reused slot: the slot's old
+      // checkpoint is gone from the disk (a ring does that), the new one is
+      // not committed: the truth after it without the new checkpoint.
+      std::vector<std::string> after_but_new = truth[done + 1];
+      if (commit_counter[done] != 0) {
+        const std::string tag = "/#" + std::to_string(commit_counter[done]) + "/";
+        std::erase_if(after_but_new, [&](const std::string& r) { return r.find(tag) != std::string::npos; });
+      }
       if (got == truth[done]) {
         ++exact_before;
       } else if (got == truth[done + 1]) {
         ++exact_after;
+      } else if (commit_counter[done] != 0 && got == after_but_new) {
+        ++cut_commit;
       } else {
         ADD_FAILURE() << "call " << n << " (mode " << static_cast<int>(mode) << "), cut in op "
                       << done << ": the view\n"
@@ -287,10 +301,12 @@ TEST(JobView, CrashAtEveryCallOfCommitsRollbackAndManifestNotes) {
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("job view crash points: %llu (%llu calls x 2 modes): %llu as before the cut op, "
-              "%llu as after; %.2f s\n",
+              "%llu as after, %llu a cut commit whose reused slot lost its old checkpoint; "
+              "%.2f s\n",
               static_cast<unsigned long long>(points), static_cast<unsigned long long>(total),
               static_cast<unsigned long long>(exact_before),
-              static_cast<unsigned long long>(exact_after), secs);
+              static_cast<unsigned long long>(exact_after),
+              static_cast<unsigned long long>(cut_commit), secs);
 }
 
 }  // namespace

@@ -90,6 +90,11 @@ void InitRemoteLayout(py::module_& parent) {
   m.def("skip_key", &rl::SkipKey, py::arg("step"), py::arg("rank"));
   m.def("job_key", &rl::JobKey);
   m.def(
+      "decode_job",
+      [](const std::string& text, const std::string& what) { return Take(rl::DecodeJob(text, what)); },
+      py::arg("text"), py::arg("what"),
+      "The job name of a JOB document (its identity); CorruptCheckpointError otherwise.");
+  m.def(
       "parse_key",
       [](const std::string& key) -> py::object {
         std::optional<rl::Key> k = rl::ParseKey(key);

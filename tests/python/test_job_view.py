@@ -102,6 +102,7 @@ def test_ls_and_list_show_disk_memory_remote_and_peer(tmp_path, monkeypatch, sha
             assert set(rj[0]) >= KEYS
         remote_rows = nonstop.list(url, remote_options=opts)
         assert set(remote_rows[0]) >= KEYS
+        assert {r["job"] for r in remote_rows} == {"the-job"}  # the prefix's JOB document
         assert [(r["step"], r["counter"]) for r in remote_rows] == [
             (r["step"], r["counter"]) for r in rows if "remote" in _tiers(r)]
 

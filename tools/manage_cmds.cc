@@ -83,20 +83,20 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
       for (const auto& [k, v] : r.metrics) m[format::Printable(k)] = v;
       json tiers = json::array();
       for (const ViewHolder& h : r.tiers) {
-        tiers.push_back({{"tier", h.tier}, {"where", format::Printable(h.where)},
-                         {"recorded", h.recorded}});
+        tiers.push_back({{"tier", h.tier}, {"where", h.where}, {"recorded", h.recorded}});
       }
       out.push_back({{"step", r.step},
                      {"counter", r.counter},
                      {"where", r.where},
-                     {"path", format::Printable(r.path)},
+                     // whole (JSON escapes what it must): nonstop.list's values
+                     {"path", r.path},
                      {"state", r.state},
-                     {"reason", format::Printable(r.reason)},
+                     {"reason", r.reason},
                      {"commit_unix_ns", r.commit_unix_ns},
                      {"bytes", r.bytes},
                      {"metrics", m},
                      {"tiers", tiers},
-                     {"job", format::Printable(view.value().job)}});
+                     {"job", view.value().job}});
     }
     std::cout << DumpJson(out, 2) << "\n";
     done();
@@ -120,7 +120,7 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
     }
     std::string tiers = TierList(r);
     for (const ViewHolder& h : r.tiers) {
-      if (h.tier == "peer") tiers += " peer@" + format::Printable(h.where);
+      if (h.tier == "peer") tiers += " peer@" + OneLine(h.where);
     }
     if (r.state != "committed") metrics = format::Printable(r.reason);
     if (r.state == "committed" && TierList(r) == "memory") {

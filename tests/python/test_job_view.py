@@ -81,8 +81,10 @@ def test_ls_and_list_show_disk_memory_remote_and_peer(tmp_path, monkeypatch, sha
                                timeout=60)
             assert r.returncode == 0, r.stderr
             js = json.loads(r.stdout)
-            assert [{k: x[k] for k in KEYS} for x in js] == [{k: x[k] for k in KEYS}
-                                                             for x in rows]
+            assert len(js) == len(rows)
+            for x, y in zip(js, rows):
+                for k in KEYS:
+                    assert x[k] == y[k], (k, x[k], y[k])
             r = subprocess.run([cli, "ls", d], capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
             lines = r.stdout.splitlines()

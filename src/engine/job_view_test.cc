@@ -87,6 +87,12 @@ TEST(JobManifest, RoundTripsAndRefusesHostileBytesInOneLine) {
   std::string flipped = text;
   flipped[20] ^= 0x01;
   refused(flipped, "a flipped bit");
+  // Still valid JSON with valid fields: only the crc finds it.
+  std::string lied = text;
+  const size_t at = lied.find("[20, 2]");
+  ASSERT_NE(at, std::string::npos);
+  lied[at + 5] = '7';
+  refused(lied, "another counter");
   refused(text.substr(0, text.size() / 2), "cut short");
   refused("", "empty");
   refused(std::string(kMaxManifestBytes + 1, ' '), "too large");

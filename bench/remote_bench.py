@@ -202,7 +202,7 @@ def stall_ab(a):
                 elif arm == "path":  # the tier to a local folder: no HTTP, no server
                     url, o = os.path.join(root, f"shared-p{p}"), {}
                 elif arm == "nomanifest":  # "on" without the job manifest's notes
-                    url, o = srv.url(f"p{p}"), dict(opts, note_manifest=False)
+                    url, o = srv.url(f"p{p}-nm"), dict(opts, note_manifest=False)
                 else:
                     url, o = srv.url(f"p{p}"), dict(opts)
                 if a.switch_interval:

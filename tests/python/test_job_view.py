@@ -19,6 +19,7 @@ from nonstop import _core, _remote
 from s3_server import _one_s3_server, shared_s3  # noqa: F401 -- the fixtures
 
 JOB = "job-view"
+SECRET = os.urandom(32)
 KEYS = {"step", "counter", "where", "path", "state", "reason", "bytes", "metrics", "tiers", "job"}
 
 
@@ -44,7 +45,7 @@ def test_ls_and_list_show_disk_memory_remote_and_peer(tmp_path, monkeypatch, sha
     model = torch.nn.Linear(32, 16)
     ck = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory", remote=url,
                               remote_options=dict(opts, job="the-job"))
-    srv = _core.PeerServer(JOB, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
+    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
                            io_timeout_s=10.0)
     ep = f"127.0.0.1:{srv.port}"
     store = _remote.open_store(url, opts)
@@ -57,7 +58,7 @@ def test_ls_and_list_show_disk_memory_remote_and_peer(tmp_path, monkeypatch, sha
             ck.wait()
             _wait(lambda: any(s == step for s, _ in _remote.committed_steps(store)),
                   f"step {step} committed remotely")
-        rep = _core.PeerReplicator(JOB, 0, ck.stats()["memory_segment"], [ep], poll_s=0.05,
+        rep = _core.PeerReplicator(JOB, SECRET, 0, ck.stats()["memory_segment"], [ep], poll_s=0.05,
                                    job_dir=d)
         want = {"disk", "memory", "remote", "peer"}
         rows = _wait(lambda: (lambda r: r if set(_tiers(r[0])) == want else None)(nonstop.list(d)),

@@ -227,6 +227,26 @@ TEST(JobView, ADamagedManifestIsADamagedRowAndTheDiskStillShows) {
   EXPECT_NE(v.value().notes[0].find("step 99"), std::string::npos) << v.value().notes[0];
 }
 
+TEST(JobView, ASetAsideRankFileTakesItsManifestAlong) {
+  Workflow w(FaultEnv::Create());
+  auto ops = w.Ops();
+  for (size_t i = 0; i < 4; ++i) ASSERT_TRUE(ops[i]().ok());
+  w.file.reset();
+  auto moved = w.jd->SetAside(2);  // a restart with world size 2: world 1's files go to world-1/
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  ASSERT_EQ(moved.value(), std::vector<int>{1});
+  auto top = w.env->OpenDirectory("/job", false);
+  ASSERT_TRUE(top.ok());
+  auto here = ReadJobManifest(*top.value(), 0);
+  ASSERT_TRUE(here.ok());
+  EXPECT_FALSE(here.value().has_value()) << "a manifest of world 1's counters left for world 2";
+  auto there = w.env->OpenDirectory("/job/world-1", false);
+  ASSERT_TRUE(there.ok());
+  auto m = ReadJobManifest(*there.value(), 0);
+  ASSERT_TRUE(m.ok() && m.value().has_value());
+  EXPECT_EQ(m.value()->holders.size(), 2u);
+}
+
 TEST(JobView, CrashAtEveryCallOfCommitsRollbackAndManifestNotes) {
   const auto t0 = std::chrono::steady_clock::now();
   // The truth after k operations: the view of a run of the first k, no crash.

@@ -1186,7 +1186,9 @@ Result<std::vector<int>> JobDir::SetAside(int world_size) {
     // top directory is harmless: NextCounter numbers new checkpoints above it).
     NONSTOP_RETURN_IF_ERROR(
         MoveDurably(top, e.name, *dest, target).Annotate("setting " + impl_->Where(e.name) + " aside"));
-    for (const std::string& rec : {JobDirNames::Agreed(*r), JobDirNames::Lineage(*r)}) {
+    // The job manifest goes along: its counters are the set-aside file's.
+    for (const std::string& rec :
+         {JobDirNames::Agreed(*r), JobDirNames::Lineage(*r), JobDirNames::Manifest(*r)}) {
       Result<std::string> text = ReadSmallFile(top, rec, kMaxRecordBytes);
       if (!text.ok()) {
         if (IsNotFound(text.status())) continue;

@@ -469,6 +469,14 @@ class EngineImpl final : public Engine {
   // The agreement's aim (Aim): commits below it are not kept as candidate.
   int64_t aim_ GUARDED_BY(mu_) = INT64_MIN;
   std::optional<int64_t> started_step_ GUARDED_BY(mu_);  // the newest Checkpoint's step
+  // A restore sends training back to the restored step: the agreement's aim
+  // and the newest started step from before it are forgotten, or every new
+  // commit below them would stay out of the candidate (no agreement until the
+  // steps caught up again).
+  void ForgetAgreementProgress() REQUIRES(mu_) {
+    aim_ = INT64_MIN;
+    started_step_.reset();
+  }
   std::optional<CommittedCheckpoint> pinned_ GUARDED_BY(mu_);
   std::optional<uint32_t> pinned_slot_ GUARDED_BY(mu_);
   std::shared_ptr<SlotFile> pinned_file_ GUARDED_BY(mu_);

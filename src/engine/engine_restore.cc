@@ -211,6 +211,7 @@ Result<CheckpointInfo> EngineImpl::Restore(std::optional<int64_t> step) {
                                       "EndCheckpoint first");
   }
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
+  ForgetAgreementProgress();
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   stats_.restore_read_s = stats_.restore_h2d_wait_s = 0;
   stats_.restore_h2d_bytes = 0;
@@ -334,6 +335,7 @@ Status EngineImpl::AdoptRestored(uint64_t counter) {
                                       "EndCheckpoint first");
   }
   NONSTOP_RETURN_IF_ERROR(WaitAllFinished());
+  ForgetAgreementProgress();
   std::shared_ptr<SlotFile> file = pending_rename_ ? old_file_ : file_;
   rollback_from_.reset();
   ScanReport report;  // no file yet: restored from elsewhere (a keep copy, a remote, the memory tier)

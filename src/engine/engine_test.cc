@@ -1181,6 +1181,43 @@ TEST_F(EngineTest, ACheckpointCarryingTheBestMetricIsNeverSuperseded) {
   EXPECT_TRUE(kept);
 }
 
+TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
+  // An aim set before a rollback (restore of an older step) must not keep
+  // the new, lower steps out of the candidate: the agreement would stall
+  // until training caught up with the old steps.
+  EngineOptions o = Options();
+  o.max_in_flight = 1;
+  o.extra_slots = 1;
+  o.global_agreement = true;
+  auto t = MakeTensor("x", 40000);
+  auto engine = std::move(Engine::Open(o)).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  auto save = [&](int64_t step) {
+    t.Fill(step, 0);
+    auto c = engine->Checkpoint(step, "");
+    EXPECT_TRUE(c.ok());
+    EXPECT_TRUE(engine->WaitCommitted(*c).ok());
+    return *c;
+  };
+  const uint64_t c1 = save(1);
+  ASSERT_TRUE(engine->Pin(c1).ok());
+  save(2);
+  save(3);
+  EXPECT_TRUE(engine->Aim(10).value());  // the peers are far ahead: candidate 2 dropped
+  save(4);
+  EXPECT_FALSE(engine->Candidate().has_value());
+  auto restored = engine->Restore(1);  // the job rolls back to step 1
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  EXPECT_EQ(restored->step, 1);
+  save(2);
+  ASSERT_TRUE(engine->Candidate().has_value());
+  EXPECT_EQ(engine->Candidate()->step, 2);
+  AgreeOffer off = engine->Offer();
+  EXPECT_EQ(off.candidate, 2);
+  EXPECT_EQ(off.started, 2);
+  ASSERT_TRUE(engine->Close().ok());
+}
+
 TEST_F(EngineTest, AimKeepsTheFirstCommitAtOrAboveItsStep) {
   // The agreement's aim (DecideAgreement kAim): a lower candidate is
   // dropped, commits below the aim are not kept, the first at or above it

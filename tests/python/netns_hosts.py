@@ -20,6 +20,7 @@ the end, also on failure (`hosts()` asserts they are gone)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -245,3 +246,29 @@ def read_log(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def events(out: str, kind: str, n: int) -> list:
+    """The JSON event lines of kind `kind` that ranks 0..n-1 logged to
+    OUT.log-RANK (replica_train.py's events), by rank."""
+    got = []
+    for r in range(n):
+        for line in read_log(f"{out}.log-{r}").splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and e.get("event") == kind:
+                got.append(e)
+    return sorted(got, key=lambda e: e["rank"])
+
+
+def finals(out: str, n: int) -> list:
+    """Each rank's final state digests (OUT.rank-RANK.json), for a bitwise
+    comparison of two runs."""
+    got = []
+    for r in range(n):
+        with open(f"{out}.rank-{r}.json") as f:
+            g = json.load(f)
+        got.append([g[k] for k in ("params", "buffers", "optim", "rng", "samples", "lr")])
+    return got

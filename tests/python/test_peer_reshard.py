@@ -18,7 +18,6 @@ replacement host 1 that holds nothing.
 
 Needs root for the namespaces (skipped with one line otherwise). Every rank
 runs under a hard timeout."""
-import json
 import os
 import shutil
 import subprocess
@@ -59,28 +58,6 @@ def _argv(dir_of, out, *extra):
 
 def _env(**kw):
     return dict({"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}, **kw)
-
-
-def _events(out, kind, n):
-    got = []
-    for r in range(n):
-        for line in netns_hosts.read_log(f"{out}.log-{r}").splitlines():
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(e, dict) and e.get("event") == kind:
-                got.append(e)
-    return sorted(got, key=lambda e: e["rank"])
-
-
-def _finals(out, n):
-    got = []
-    for r in range(n):
-        with open(f"{out}.rank-{r}.json") as f:
-            g = json.load(f)
-        got.append([g[k] for k in ("params", "buffers", "optim", "rng", "samples", "lr")])
-    return got
 
 
 def _full_copy(hs, to):
@@ -129,7 +106,7 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
                 f"{netns_hosts.read_log(f'{run}.log-{rank}')[-3000:]}"
     finally:
         hs.kill_all()
-    assert len(_events(run, "settled", 4)) == 4
+    assert len(netns_hosts.events(run, "settled", 4)) == 4
     full = str(tmp_path / "full")
     _full_copy(hs, full)
 
@@ -148,7 +125,7 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
     netns_hosts.wait_ranks(netns_hosts.start_ranks(
         hs, NEW, _argv(lambda r: job(NEW[r]), out, "--replicas", "1"), f"{out}.log", env=env),
         TIMEOUT, f"{out}.log")
-    starts = _events(out, "start", 2)
+    starts = netns_hosts.events(out, "start", 2)
     assert [s["restored"] for s in starts] == [SETTLE, SETTLE], starts
     src = [s["peer"].get("peer_reshard_from", {}) for s in starts]
     assert all(s["peer"].get("peer_reshard_missing") == "" for s in starts), starts
@@ -170,8 +147,8 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
     netns_hosts.wait_ranks(netns_hosts.start_ranks(
         hs, [0, 0], _argv(lambda r: full, ref, "--replicas", "0"), f"{ref}.log",
         env=_env(NONSTOP_SHM_DIR=str(tmp_path / "ref-shm"))), TIMEOUT, f"{ref}.log")
-    assert [s["restored"] for s in _events(ref, "start", 2)] == [SETTLE, SETTLE]
-    assert _finals(out, 2) == _finals(ref, 2)
+    assert [s["restored"] for s in netns_hosts.events(ref, "start", 2)] == [SETTLE, SETTLE]
+    assert netns_hosts.finals(out, 2) == netns_hosts.finals(ref, 2)
 
     # Again from the loss, with host 0's replica of old rank 2 damaged: no
     # surviving server holds a good copy of it; every rank says so in one line.

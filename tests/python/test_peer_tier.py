@@ -17,7 +17,6 @@ disk and memory directories wiped) and a replacement host 1 starts empty.
 
 Needs root for the namespaces (skipped with one line otherwise). Every rank
 runs under a hard timeout (netns_hosts.wait_ranks)."""
-import json
 import os
 import shutil
 import time
@@ -75,29 +74,7 @@ def _killed_once_settled(hs, job, out, *extra):
                 f"{netns_hosts.read_log(f'{out}.log-{rank}')[-3000:]}"
     finally:
         hs.kill_all()
-    assert len(_events(out, "settled")) == len(PLACE)
-
-
-def _events(out, kind):
-    got = []
-    for r in range(len(PLACE)):
-        for line in netns_hosts.read_log(f"{out}.log-{r}").splitlines():
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(e, dict) and e.get("event") == kind:
-                got.append(e)
-    return sorted(got, key=lambda e: e["rank"])
-
-
-def _finals(out):
-    got = []
-    for r in range(len(PLACE)):
-        with open(f"{out}.rank-{r}.json") as f:
-            g = json.load(f)
-        got.append([g[k] for k in ("params", "buffers", "optim", "rng", "samples", "lr")])
-    return got
+    assert len(netns_hosts.events(out, "settled", len(PLACE))) == len(PLACE)
 
 
 def _replicas(hs, job, ranks):
@@ -142,9 +119,9 @@ def _back_to(hs, shared, snap):
 def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     ref = str(tmp_path / "ref")
     _run(hs, "ref", ref)
-    want = _finals(ref)
-    assert all(e["peer"]["peer_replicas"] == 1 for e in _events(ref, "start")), \
-        _events(ref, "start")
+    want = netns_hosts.finals(ref, len(PLACE))
+    ref_starts = netns_hosts.events(ref, "start", len(PLACE))
+    assert all(e["peer"]["peer_replicas"] == 1 for e in ref_starts), ref_starts
 
     # Host 1 is lost once every replica holds step SETTLE (and the remote
     # tier, a shared path here, some committed step); the replacement
@@ -160,12 +137,12 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     _snapshot(hs, shared, snap)
     out = str(tmp_path / "peer-resumed")
     _run(hs, "job", out)
-    starts = _events(out, "start")
+    starts = netns_hosts.events(out, "start", len(PLACE))
     assert [s["restored"] for s in starts] == [SETTLE] * 4, starts
     assert [s["restored_from"] for s in starts] == ["memory", "memory", "peer", "peer"], starts
     assert all(s["restored_from_per_rank"] == ["memory", "memory", "peer", "peer"]
                for s in starts), starts
-    assert _finals(out) == want
+    assert netns_hosts.finals(out, len(PLACE)) == want
     # The replicas were fetched into host 1's memory directory, not its job
     # directories' disk, and removed there when the run closed.
     jobdir = os.path.join(hs[1].disk, "job")
@@ -187,14 +164,14 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     # (close() waits at most 10 s for the last upload: what is checked here is
     # the restore; the remote tier's own tests wait for its uploads.)
     _run(hs, "job", out, "--remote", shared, "--remote-close-s", "10")
-    starts = _events(out, "start")
+    starts = netns_hosts.events(out, "start", len(PLACE))
     step = starts[0]["restored"]
     assert step in remote_steps and [s["restored"] for s in starts] == [step] * 4, starts
     assert all(s["restored_from_per_rank"] == ["remote"] * 4 for s in starts), starts
     for s in starts[2:]:
         assert "checksum" in s["peer"]["peer_unused_because"], s
         assert s["remote_restored_from"].endswith(f"step-{step:012d}"), s
-    assert _finals(out) == want  # resumed from an older step, trained to the same end
+    assert netns_hosts.finals(out, len(PLACE)) == want  # resumed from an older step, trained to the same end
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "1", True])

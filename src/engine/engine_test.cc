@@ -1181,24 +1181,35 @@ TEST_F(EngineTest, ACheckpointCarryingTheBestMetricIsNeverSuperseded) {
   EXPECT_TRUE(kept);
 }
 
-TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
-  // An aim set before a rollback (restore of an older step) must not keep
-  // the new, lower steps out of the candidate: the agreement would stall
-  // until training caught up with the old steps.
-  EngineOptions o = Options();
-  o.max_in_flight = 1;
-  o.extra_slots = 1;
-  o.global_agreement = true;
-  auto t = MakeTensor("x", 40000);
-  auto engine = std::move(Engine::Open(o)).value();
-  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
-  auto save = [&](int64_t step) {
+// One tensor in an engine of the distributed agreement (one slot spare, one
+// checkpoint in flight); Save checkpoints a step and waits for its commit.
+struct AgreeRig {
+  explicit AgreeRig(EngineOptions o) : t(MakeTensor("x", 40000)) {
+    o.max_in_flight = 1;
+    o.extra_slots = 1;
+    o.global_agreement = true;
+    auto e = Engine::Open(o);
+    if (e.ok() && e.value()->Register({t.Ref()}).ok()) engine = std::move(e).value();
+  }
+  uint64_t Save(int64_t step) {
     t.Fill(step, 0);
     auto c = engine->Checkpoint(step, "");
     EXPECT_TRUE(c.ok());
     EXPECT_TRUE(engine->WaitCommitted(*c).ok());
     return *c;
-  };
+  }
+  HostTensor t;
+  std::unique_ptr<Engine> engine;
+};
+
+TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
+  // An aim set before a rollback (restore of an older step) must not keep
+  // the new, lower steps out of the candidate: the agreement would stall
+  // until training caught up with the old steps.
+  AgreeRig rig(Options());
+  ASSERT_TRUE(rig.engine != nullptr);
+  Engine* engine = rig.engine.get();
+  auto save = [&](int64_t step) { return rig.Save(step); };
   const uint64_t c1 = save(1);
   ASSERT_TRUE(engine->Pin(c1).ok());
   save(2);
@@ -1222,20 +1233,10 @@ TEST_F(EngineTest, AimKeepsTheFirstCommitAtOrAboveItsStep) {
   // The agreement's aim (DecideAgreement kAim): a lower candidate is
   // dropped, commits below the aim are not kept, the first at or above it
   // is, and Offer reports the candidate, the newest committed and started.
-  EngineOptions o = Options();
-  o.max_in_flight = 1;
-  o.extra_slots = 1;
-  o.global_agreement = true;
-  auto t = MakeTensor("x", 40000);
-  auto engine = std::move(Engine::Open(o)).value();
-  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
-  auto save = [&](int64_t step) {
-    t.Fill(step, 0);
-    auto c = engine->Checkpoint(step, "");
-    EXPECT_TRUE(c.ok());
-    EXPECT_TRUE(engine->WaitCommitted(*c).ok());
-    return *c;
-  };
+  AgreeRig rig(Options());
+  ASSERT_TRUE(rig.engine != nullptr);
+  Engine* engine = rig.engine.get();
+  auto save = [&](int64_t step) { return rig.Save(step); };
   const uint64_t c1 = save(1);
   save(2);
   AgreeOffer off = engine->Offer();

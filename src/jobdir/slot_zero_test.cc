@@ -13,6 +13,7 @@
 #include <string>
 #include <utility>
 
+#include "media/medium_wrapper.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/store.h"
@@ -23,25 +24,16 @@ namespace {
 namespace fs = std::filesystem;
 
 // Forwards to the medium the Env opened, counting the bytes written.
-class CountingMedium final : public Medium {
+class CountingMedium final : public media::MediumWrapper {
  public:
   CountingMedium(std::unique_ptr<Medium> inner, std::shared_ptr<std::atomic<uint64_t>> written)
-      : inner_(std::move(inner)), written_(std::move(written)) {}
+      : MediumWrapper(std::move(inner)), written_(std::move(written)) {}
   Status Write(uint64_t offset, const void* buf, size_t n) override {
     *written_ += n;
-    return inner_->Write(offset, buf, n);
+    return MediumWrapper::Write(offset, buf, n);
   }
-  Status Read(uint64_t offset, void* buf, size_t n) override { return inner_->Read(offset, buf, n); }
-  Status Sync() override { return inner_->Sync(); }
-  Status Resize(uint64_t size) override { return inner_->Resize(size); }
-  uint64_t Size() const override { return inner_->Size(); }
-  size_t Alignment() const override { return inner_->Alignment(); }
-  MediumKind kind() const override { return inner_->kind(); }
-  std::string Describe() const override { return inner_->Describe(); }
-  bool InMemory() const override { return inner_->InMemory(); }
 
  private:
-  std::unique_ptr<Medium> inner_;
   std::shared_ptr<std::atomic<uint64_t>> written_;
 };
 

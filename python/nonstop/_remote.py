@@ -1,30 +1,20 @@
-"""The remote tier: committed checkpoints copied to an object store (S3 and
-what obstore speaks) or a plain path (a shared file system), and fetched
-back by a node that lost its local directory. See docs/TIERS.md.
+"""The remote tier's Python side: the transports and torch adaptation only.
+Committed checkpoints are copied to an object store (S3 and what obstore
+speaks) or a plain path (a shared file system), and fetched back by a node
+that lost its local directory. See docs/TIERS.md.
 
-Layout and commit rules (src/jobdir/remote_layout.h, the job directory's
-C++ owner; class Layout below only forwards to it through
-nonstop._core.remote_layout):
-
-    PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.nsck   one-slot copy of rank R's checkpoint
-    PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.json   rank R's manifest, written after its part
-    PREFIX/step-NNNNNNNNNNNN/COMMITTED         written last, by rank 0, once every
-                                               rank's manifest is there (same lineage)
-    PREFIX/step-NNNNNNNNNNNN/LEAD              world > 1: rank 0 will upload this step
-    PREFIX/step-NNNNNNNNNNNN/rank-RRRRR.skip   world > 1: rank R no longer holds the step
-                                               rank 0 leads; rank 0 gives it up at once
-
-A reader trusts a step only when COMMITTED is there, and verifies end to
-end: the manifest's size and crc32 of every part while downloading, then
-every chunk crc32c of the .nsck file itself when reading it (nonstop's own
-store). Every name, document, the commit rule and retention are C++'s,
-and so is the tier itself (src/tier/remote_tier.h, nonstop._core.RemoteTier:
-listing, fetch and its checks, an upload and its commit, a follower's pick,
-retention, the JOB claim; src/tier/staging.h: the staging copy;
-src/tier/uploader.h: the upload thread). This module keeps the transports
-it hands to C++ (ObjectStore, PathStore: put, get, list, delete) and the
-restore order across tiers. The transfer is obstore's (Rust, GIL released, multipart, retries);
-nothing here speaks S3.
+Everything that names, decides, orders, filters or verifies is C++'s:
+src/jobdir/remote_layout.h (every object's name and document, the commit
+rule, retention; nonstop._core.remote_layout), src/tier/remote_tier.h
+(nonstop._core.RemoteTier: listing, fetch and its checks, an upload and
+its commit, a follower's pick, retention, the JOB claim), src/tier/
+uploader.h (the upload thread), src/tier/remote_restore.h (a restore's
+plan across the local and the remote tier, verified, and the ranks'
+agreement on a step), each with the GIL released. This module hands C++ a
+transport (ObjectStore over obstore, PathStore over the Env seam: put,
+get, list, delete, throttling), as the distributed code hands it a Comm,
+and reads into torch what the plan names. Nothing here speaks S3 but the
+CreateBucket request obstore has no call for.
 """
 from __future__ import annotations
 
@@ -47,64 +37,12 @@ from . import _ext
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                      CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
-FORMAT = "nonstop.remote/1"
-PART_BYTES = 8 << 20              # crc unit and multipart chunk
-LOCAL_DIR = "remote"              # DIR/remote/step-N/rank-R.nsck: staged uploads, fetched parts
-
-
-# ------------------------------------------------------------------ layout
-
+PART_BYTES = 8 << 20              # the transports' preferred crc unit and multipart chunk
 
 
 def _rl():
     """nonstop._core.remote_layout (src/jobdir/remote_layout.h)."""
     return _ext.core().remote_layout
-
-
-class Layout:
-    """The names of a remote checkpoint's objects, each from C++
-    (remote_layout.h): nothing in Python builds or parses a name."""
-
-    @staticmethod
-    def step_dir(step: int) -> str:
-        return _rl().step_dir(int(step))
-
-    @staticmethod
-    def part(step: int, rank: int) -> str:
-        return _rl().part_key(int(step), int(rank))
-
-    @staticmethod
-    def manifest(step: int, rank: int) -> str:
-        return _rl().manifest_key(int(step), int(rank))
-
-    @staticmethod
-    def marker(step: int) -> str:
-        return _rl().marker_key(int(step))
-
-    @staticmethod
-    def lead(step: int) -> str:
-        """Rank 0's intent to upload this step (world > 1): the other ranks
-        upload the steps rank 0 leads, so every rank sends the same ones."""
-        return _rl().lead_key(int(step))
-
-    @staticmethod
-    def skip(step: int, rank: int) -> str:
-        """Rank R (> 0) cannot follow rank 0's LEAD of this step: its slot
-        ring has already reused the step's slot. Rank 0 then gives the step
-        up at once instead of waiting commit_timeout_s for a manifest that
-        cannot come, and leads a newer one."""
-        return _rl().skip_key(int(step), int(rank))
-
-    @staticmethod
-    def job() -> str:
-        """The prefix's JOB document: the identity of the job that owns it."""
-        return _rl().job_key()
-
-    @staticmethod
-    def parse(key: str):
-        """(step, kind, rank) of "step-N/NAME", kind in part, manifest,
-        marker, lead, skip, other; None for any other key."""
-        return _rl().parse_key(key)
 
 
 # ------------------------------------------------------------------ stores
@@ -660,13 +598,11 @@ class Uploader:
 
 # ------------------------------------------------------------- restoring
 
-def remote_candidates(store, steps: Optional[list] = None) -> list:
-    """The planner's candidates of the remote's committed steps (each
-    identified by its marker's counter, not only its step); `steps`: the
-    committed_steps(store) already listed."""
-    steps = committed_steps(store) if steps is None else steps
-    return [{"tier": "remote", "where": f"{store.url}/{Layout.step_dir(s)}", "step": s,
-             "counter": int(m.get("counter") or 0)} for s, m in steps]
+def _listing(tier) -> list:
+    """The remote's committed steps as a restore plan takes them: [[step,
+    counter]] (the COMMITTED marker's counter), newest first; JSON, so that
+    rank 0 can hand its listing to the other ranks."""
+    return [[s, int(m.get("counter") or 0)] for s, m in committed_steps(None, tier)]
 
 
 # ------------------------------------------------------------------ tier
@@ -775,28 +711,19 @@ class Tier:
 
     # -- restore
 
-    def _local_candidates(self):
-        """(the planner's candidates of this rank's job directory, its
-        lineage, the job directory) or ([], None, None) when there is none
-        or it cannot be read (the local path reports that)."""
-        try:
-            jd = self.core().JobDir.open_for_read(self.ckpt.dir)
-            rows, lineage = jd.list(self.ckpt.rank), jd.lineage(self.ckpt.rank)
-        except (CheckpointError, OSError):
-            return [], None, None
-        cands = [{"tier": "keep" if c["keep"] else "disk", "where": c["where"],
-                  "step": int(c["step"]), "counter": int(c["counter"]),
-                  "committed": c["state"] != "damaged", "damage": c["reason"],
-                  "overwritten": bool(c.get("rotated"))}
-                 for c in rows if c["counter"]]
-        # A partner's replica fetched for this rank (the peer tier, _peer.py)
-        # is local too: read by the collective restore, before the remote.
-        pf = getattr(getattr(self.ckpt.session.dist, "peers", None), "prefetched", None)
-        if pf is not None:
-            cands.append({"tier": "memory", "where": "peer", "step": pf["step"],
-                          "counter": pf["counter"], "committed": True, "damage": "",
-                          "overwritten": False})
-        return cands, lineage, jd
+    def _plan(self, listing, step: Optional[int], exclude=()) -> dict:
+        """This rank's restore plan (C++, tier/remote_restore.h): its job
+        directory's candidates and lineage, the peer tier's replica fetched
+        for it, and the remote's committed `listing` ([[step, counter]];
+        None: not listed), ordered by the planner; a local newest that the
+        remote holds too is verified first."""
+        peers = getattr(self.ckpt.session.dist, "peers", None)
+        pf = peers.prefetched if peers is not None else None
+        extra = [] if pf is None else [{"step": pf["step"], "counter": pf["counter"],
+                                        "where": "peer"}]
+        return self.core().plan_remote_restore(self.ckpt.dir, self.ckpt.rank, listing, step=step,
+                                               extra=extra, exclude=list(exclude),
+                                               where=self.store.url)
 
     def _try(self, step: int):
         """(LoadedCheckpoint, None) or (None, one-line error) for remote step."""
@@ -810,7 +737,7 @@ class Tier:
             return None, str(e)
 
     def restore(self, step: Optional[int]):
-        """A LoadedCheckpoint from the remote when the planner puts a remote
+        """A LoadedCheckpoint from the remote when the plan puts a remote
         checkpoint first (newer by counter than every local one, the same
         checkpoint where the local copy fails to verify, or `step` only
         remote); None to restore from the local directory."""
@@ -820,42 +747,30 @@ class Tier:
             self._claim()  # another job's prefix is refused before anything is read
         except (OSError, CheckpointIOError):
             pass  # the store is down: _unlisted below says so
-        local, lineage, jd = self._local_candidates()
-        plan = self.core().plan
-        live = plan(local, lineage)["order"]
-        newest = local[live[0]]["step"] if live else None
-        if step is not None and plan(local, lineage, step=step)["order"]:
+        local = self._plan(None, step)
+        newest = local["local_newest"]
+        if step is not None and local["local_has_step"]:
             return None
         try:
-            cands = local + remote_candidates(self.store)
+            listing = _listing(_tier(self.store))
         except (CheckpointError, OSError) as e:
             self._unlisted(e, newest is None or step is not None, newest)
             return None
-        errors, verified_local = [], False
+        errors, failed = [], []
         while True:
-            order = plan(cands, lineage, step=step)["order"]
+            order = self._plan(listing, step, failed)["order"]
             if not order:
                 break
-            head = cands[order[0]]
-            if head["tier"] != "remote":
-                same = any(c["tier"] == "remote" and c["counter"] == head["counter"]
-                           for c in cands)
-                if not same or verified_local or jd is None:
-                    return None  # the local path reads (and verifies) it
-                # The remote holds the same checkpoint: the local copy must
-                # verify to be read first (a damaged local newest restores
-                # the remote copy, not an older local one).
-                verified_local = True
-                self._refuse_unverified(cands, jd, step)
-                continue
-            loaded, err = self._try(head["step"])
+            s, counter, source = order[0]
+            if source != "remote":
+                return None  # the local path reads (and verifies) it
+            loaded, err = self._try(s)
             if loaded is not None:
-                self.restored_from = f"{self.store.url}/{Layout.step_dir(head['step'])}"
+                self.restored_from = f"{self.store.url}/{_rl().step_dir(s)}"
                 return loaded
             errors.append(err)
-            head.update(committed=False, damage=err)
-            warnings.warn(f"nonstop: remote step {head['step']}: {err}; falling back",
-                          stacklevel=3)
+            failed.append(counter)
+            warnings.warn(f"nonstop: remote step {s}: {err}; falling back", stacklevel=3)
         if errors and newest is None:
             raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies: "
                                          f"{errors[0]}")
@@ -880,66 +795,29 @@ class Tier:
         warnings.warn(f"nonstop: {msg}; restoring the newest local checkpoint (step {newest})",
                       stacklevel=4)
 
-    def _planned(self, cands: list, lineage, jd, step: Optional[int]) -> list:
-        """This rank's plan of its local candidates and the remote listing,
-        as [step, source] in the planner's order, each step once; source
-        "remote" where the planner reads that step's remote copy first (newer
-        by counter, no live local copy, or a local copy that fails to
-        verify). The ranks gather these lists and agree on a step."""
-        plan = self.core().plan
-        verified = False
-        while True:
-            order = plan(cands, lineage, step=step)["order"]
-            head = cands[order[0]] if order else None
-            if (head is None or verified or jd is None or head["tier"] == "remote"
-                    or not any(c["tier"] == "remote" and c["counter"] == head["counter"]
-                               for c in cands)):
-                break
-            verified = True  # the remote holds it too: the local copy must verify
-            self._refuse_unverified(cands, jd, step)
-        out: dict = {}
-        for i in order:
-            out.setdefault(cands[i]["step"], "remote" if cands[i]["tier"] == "remote" else "local")
-        return [[s, src] for s, src in out.items()]
-
-    def _refuse_unverified(self, cands: list, jd, step: Optional[int]) -> None:
-        """Marks damaged the local candidates newer than the one of this
-        rank that verifies (JobDir.select: a damaged local newest restores
-        its remote copy, not an older local one)."""
-        try:
-            sel = jd.select(self.ckpt.rank, step=step)
-        except (CheckpointError, OSError):
-            sel = None
-        good = None if sel is None else sel.counter
-        for c in cands:
-            if c["tier"] not in ("remote", "memory") and c["committed"] and (
-                    good is None or c["counter"] > good):
-                c.update(committed=False, damage="fails to verify")
-
     def _restore_dist(self, step: Optional[int]):
         # JSON over the gloo group (_Comm.gather), never all_gather_object or
-        # broadcast_object_list: those unpickle what the peers send. Each
-        # rank plans its own candidates (the planner, C++); rank 0's order of
-        # the steps every rank holds is the agreed one, as _distributed.recover.
+        # broadcast_object_list: those unpickle what the peers send. Rank 0
+        # lists the remote; each rank plans (C++) and the ranks gather the
+        # plans; C++ agrees on the steps (common_restore_steps), rank 0's order.
         d = self.ckpt.session.dist
         comm = d.comm()
         listing = None
         if d.rank == 0:
             try:
-                listing = remote_candidates(self.store)
+                listing = _listing(_tier(self.store))
             except (CheckpointError, OSError) as e:  # the store is down: said on every rank
                 listing = _first_line(e)
         listing = comm.gather(listing)[0]  # rank 0's listing, on every rank
-        local, lineage, jd = self._local_candidates()
+        agree = self.core().common_restore_steps
         if isinstance(listing, str):
-            every = comm.gather(self._planned(local, lineage, None, step))
-            common = _common_steps(every)
-            self._unlisted(listing, not common, common[0] if common else None)
+            common = agree(comm.gather(self._plan(None, step)["order"]))
+            self._unlisted(listing, not common, common[0][0] if common else None)
             return None
-        every = comm.gather(self._planned(local + [dict(c) for c in listing], lineage, jd, step))
+        every = comm.gather(self._plan(listing, step)["order"])
         errors = []
-        for s in _common_steps(every):
-            if all(dict(map(tuple, e))[s] == "local" for e in every):
+        for s, all_local in agree(every):
+            if all_local:
                 return None  # every rank's local copy: the local path reads it (recover)
             loaded, err = self._try(s)
             errs = comm.gather(err)
@@ -957,20 +835,14 @@ class Tier:
             cand = engine.candidate()
             if cand is not None:
                 engine.drop_candidate(cand[0])
-            self.restored_from = f"{self.store.url}/{Layout.step_dir(s)}"
+            self.restored_from = f"{self.store.url}/{_rl().step_dir(s)}"
             return self.loaded_cls(loaded.step, loaded.counter, full, loaded.meta, loaded.info,
                                    loaded.path)
-        if errors and not any(src == "local" for e in every for _, src in e):
+        if errors and not any(row[2] == "local" for e in every for row in e):
             raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies on "
                                          f"every rank: {errors[0]}")
         return None
 
-
-def _common_steps(every: list) -> list:
-    """The steps of rank 0's plan (every[0]) that every rank's plan holds,
-    in rank 0's order."""
-    held = [{s for s, _ in e} for e in every[1:]]
-    return [s for s, _ in every[0] if all(s in h for h in held)]
 
 def is_remote(path, options: Optional[dict] = None) -> bool:
     """A URL (any scheme://), a path given with remote_options, or a plain
@@ -989,12 +861,10 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
     tier = _tier(store)
     rows = []
     job = ""  # the prefix's identity (its JOB document), as a local listing's "job"
-    text = store.get_bytes(Layout.job(), _rl().MAX_DOC_BYTES)
-    if text is not None:
-        try:
-            job = _rl().decode_job(text.decode("utf-8", "replace"), f"{store.url}/{Layout.job()}")
-        except CheckpointError as e:
-            warnings.warn(f"nonstop: remote: {e}", stacklevel=2)
+    try:
+        job = tier.job() or ""
+    except CorruptCheckpointError as e:
+        warnings.warn(f"nonstop: remote: {e}", stacklevel=2)
     for h in tier.list(rank):
         step, m, state = h["step"], h["marker"], h["state"]
         if h["reason"]:
@@ -1008,7 +878,7 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
         else:
             reason = ""
         rows.append({"step": step, "counter": None if m is None else m["counter"],
-                     "where": "remote", "path": f"{store.url}/{Layout.part(step, rank)}",
+                     "where": "remote", "path": f"{store.url}/{_rl().part_key(step, rank)}",
                      "state": state, "reason": reason,
                      "time": None if m is None else m["unix_s"],
                      "bytes": h["bytes"], "metrics": {},
@@ -1026,7 +896,9 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
     path): the newest committed remote step that verifies (or `step`),
     fetched into a temporary directory and read from there."""
     store = open_store(url, options or {})
-    steps = [s for s, _ in committed_steps(store) if step is None or s == step]
+    # the planner's order of the committed steps (by counter: a checkpoint, not a step number)
+    steps = [s for s, _, _ in _ext.core().plan_remote_restore(
+        "", rank, _listing(_tier(store)), step=step)["order"]]
     if not steps:
         raise CheckpointNotFoundError(
             f"no committed remote checkpoint{'' if step is None else ' at step ' + str(step)} "
@@ -1038,7 +910,7 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
             d = fetch(store, s, rank, tmp)
             loaded = read(d, rank, None, None, as_numpy)
             if loaded is not None:
-                loaded.path = f"{store.url}/{Layout.part(s, rank)}"
+                loaded.path = f"{store.url}/{_rl().part_key(s, rank)}"
                 return loaded
         except (CheckpointError, OSError) as e:
             errors.append(str(e))

@@ -7,10 +7,11 @@ scheme but file://) it replaces itself with
     PY -m nonstop._remote_cli {ls,verify,inspect,export} URL [options]
 
 with NONSTOP_CLI set to its own path. This module lists the remote prefix
-through the same client and checks as the remote tier (_remote.py); verify
-and export download the chosen step's parts into a temporary directory
-through `_remote.fetch` (size and every part crc32 checked against the
-manifest while writing), then run the same `nonstop verify|export` on that
+through the same transport and C++ tier as the remote tier (_remote.py,
+nonstop._core.RemoteTier); the step is chosen by the planner
+(plan_remote_restore); verify and export download the chosen step's parts
+into a temporary directory through RemoteTier.fetch_all (size and every
+part crc32 checked against the manifest while writing), then run the same `nonstop verify|export` on that
 directory, so every chunk crc32c is checked by the same code and the output
 is the same as for a local directory. The temporary directory is removed at
 the end. inspect and ls list the remote steps without downloading them (ls
@@ -33,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 from . import _ext
 from . import _remote
@@ -60,51 +62,18 @@ def _options() -> dict:
     return opts
 
 
-def _steps(store) -> dict:
-    """{step: {"committed": bool, "objects": n, "bytes": total, "ranks": [R..]}}
-    of every step directory under the prefix."""
-    out: dict = {}
-    for key, size in store.list(""):
-        got = _remote.Layout.parse(key)
-        if got is None:
-            continue
-        step, kind, rank = got
-        s = out.setdefault(step, {"committed": False, "objects": 0, "bytes": 0, "ranks": []})
-        s["objects"] += 1
-        s["bytes"] += int(size)
-        if kind == "marker":
-            s["committed"] = True
-        elif kind == "part":
-            s["ranks"].append(rank)
-    for s in out.values():
-        s["ranks"].sort()
-    return out
-
-
 def _choose(store, step) -> list:
-    """[(step, marker)] to try, newest first: `step` alone when given."""
-    listed = _remote.committed_steps(store)
-    markers = dict(listed)
-    cands = _remote.remote_candidates(store, listed)
-    # The planner orders them: by counter (a checkpoint, not a step number).
-    order = _ext.core().plan(cands, None, step=step)["order"]
-    steps = [(cands[i]["step"], markers[cands[i]["step"]]) for i in order
-             if cands[i]["step"] in markers]
-    if not steps:
+    """[(step, marker)] to try, in the planner's order (by counter: a
+    checkpoint, not a step number; C++ tier/remote_restore.h): `step` alone
+    when given."""
+    tier = _ext.core().RemoteTier(store)
+    markers = dict(_remote.committed_steps(store, tier))
+    listing = [[s, int(m.get("counter") or 0)] for s, m in markers.items()]
+    order = _ext.core().plan_remote_restore("", 0, listing, step=step)["order"]
+    if not order:
         raise _Fail(f"no committed remote checkpoint{'' if step is None else f' at step {step}'} "
                     f"in {store.url}", EXIT_USAGE)
-    return steps
-
-
-def _fetch_all(store, step: int, marker: dict, tmp: str) -> str:
-    world = marker["world_size"]
-    if not isinstance(world, int) or world < 1 or world > 1 << 16:
-        raise CorruptCheckpointError(f"{store.url} step {step}: COMMITTED names world size "
-                                     f"{world!r}")
-    d = None
-    for r in range(world):
-        d = _remote.fetch(store, step, r, tmp)
-    return d
+    return [(s, markers[s]) for s, _, _ in order]
 
 
 def _cli() -> str:
@@ -127,10 +96,10 @@ def verify(store, step) -> int:
     tmp = _remote.temp_dir()
     try:
         try:
-            d = _fetch_all(store, s, marker, tmp)
+            d = _ext.core().RemoteTier(store).fetch_all(s, tmp)
         except CorruptCheckpointError as e:
             raise _Fail(str(e), EXIT_DAMAGED) from None
-        print(f"{store.url}/{_remote.Layout.step_dir(s)}: committed, {marker['world_size']} "
+        print(f"{store.url}/{_ext.core().remote_layout.step_dir(s)}: committed, {marker['world_size']} "
               f"rank(s) downloaded, every part crc32 matches its manifest", flush=True)
         return _run([_cli(), "verify", d, "--step", str(s)])
     finally:
@@ -142,11 +111,11 @@ def export(store, step, out: str, fmt: str, include=None, strip=None) -> int:
     rank's part, exported as a local directory's (safetensors: one-rank
     checkpoints; dcp: every rank reassembled)."""
     errors = []
-    for s, marker in _choose(store, step):
+    for s, _ in _choose(store, step):
         tmp = _remote.temp_dir()
         try:
             try:
-                d = _fetch_all(store, s, marker, tmp)
+                d = _ext.core().RemoteTier(store).fetch_all(s, tmp)
             except CorruptCheckpointError as e:
                 errors.append(str(e))
                 print(f"nonstop export: remote step {s}: {e}; trying an older one",
@@ -174,19 +143,18 @@ def export(store, step, out: str, fmt: str, include=None, strip=None) -> int:
 def inspect(store, as_json: bool) -> int:
     """The remote steps: committed or not, ranks, objects and bytes (nothing
     is downloaded but the small COMMITTED markers)."""
-    steps = _steps(store)
-    markers = dict(_remote.committed_steps(store))
     rows = []
-    for s in sorted(steps, reverse=True):
-        info = steps[s]
-        m = markers.get(s)
-        rows.append({"step": s, "committed": m is not None,
+    for h in _ext.core().RemoteTier(store).list(0):
+        m = h["marker"]
+        if h["reason"]:
+            warnings.warn(f"nonstop: remote: {h['reason']}; skipped", stacklevel=2)
+        rows.append({"step": h["step"], "committed": m is not None,
                      "world_size": m["world_size"] if m else None,
                      "lineage": m["lineage"] if m else None,
-                     "counter": m.get("counter") if m else None,
-                     "ranks": info["ranks"], "objects": info["objects"], "bytes": info["bytes"]})
+                     "counter": m["counter"] if m else None,
+                     "ranks": h["ranks"], "objects": h["objects"], "bytes": h["total_bytes"]})
     if as_json:
-        print(json.dumps({"url": store.url, "format": _remote.FORMAT, "steps": rows}, indent=1))
+        print(json.dumps({"url": store.url, "format": _ext.core().remote_layout.FORMAT, "steps": rows}, indent=1))
         return 0
     print(f"{store.url}: {len(rows)} step(s), {sum(r['committed'] for r in rows)} committed")
     for r in rows:

@@ -29,10 +29,12 @@
 
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
+#include "nonstop/plan.h"
 #include "nonstop/status.h"
 #include "nonstop/store.h"
 #include "jobdir/remote_layout.h"
 #include "python/bindings.h"
+#include "tier/remote_restore.h"
 #include "tier/remote_tier.h"
 #include "tier/staging.h"
 #include "tier/transport.h"
@@ -82,6 +84,7 @@ void InitRemoteLayout(py::module_& parent) {
   m.attr("FORMAT") = rl::kFormat;
   m.attr("MAX_DOC_BYTES") = rl::kMaxDocBytes;
   m.attr("MAX_WORLD") = rl::kMaxWorld;
+  m.attr("LOCAL_DIR") = tier::kLocalDir;  // DIR/remote/step-N: staged uploads, fetched parts
   m.def("step_dir", &rl::StepDir, py::arg("step"));
   m.def("part_key", &rl::PartKey, py::arg("step"), py::arg("rank"));
   m.def("manifest_key", &rl::ManifestKey, py::arg("step"), py::arg("rank"));
@@ -510,13 +513,17 @@ void InitRemoteTier(py::module_& m) {
               d["reason"] = s.reason;
               d["marker"] = s.marker ? py::object(DocDict(*s.marker)) : py::none();
               d["bytes"] = s.bytes;
+              d["objects"] = s.objects;
+              d["total_bytes"] = s.total_bytes;
+              d["ranks"] = s.ranks;
               out.append(d);
             }
             return out;
           },
           py::arg("rank") = 0,
           "Every step directory, newest first: {step, state (committed, uncommitted, damaged), "
-          "reason, marker (dict or None), bytes (rank `rank`'s part)}.")
+          "reason, marker (dict or None), bytes (rank `rank`'s part), objects, total_bytes (every "
+          "object of the step), ranks (whose part is there)}.")
       .def(
           "committed_steps",
           [](PyRemoteTier& t) {
@@ -535,6 +542,21 @@ void InitRemoteTier(py::module_& m) {
           py::arg("step"), py::arg("rank"), py::arg("local_dir"),
           "Rank `rank`'s part of committed `step`, verified (size, every unit's crc32), into "
           "local_dir/remote/step-N/rank-R.nsck; returns that directory.")
+      .def(
+          "fetch_all",
+          [](PyRemoteTier& t, int64_t step, const std::string& local_dir) {
+            return t.Run([&](tier::RemoteTier& r) { return r.FetchAll(step, local_dir); });
+          },
+          py::arg("step"), py::arg("local_dir"),
+          "Every rank's part of committed `step`, each verified as fetch does, into "
+          "local_dir/remote/step-N; returns that directory.")
+      .def(
+          "job",
+          [](PyRemoteTier& t) {
+            return t.Run([&](tier::RemoteTier& r) { return r.Job(); });
+          },
+          "The job that owns the prefix (its JOB document), or None; CorruptCheckpointError "
+          "when it does not parse.")
       .def(
           "retain",
           [](PyRemoteTier& t, uint32_t max_to_keep, uint64_t keep_every, uint32_t keep_max) {
@@ -629,10 +651,99 @@ void InitRemoteTier(py::module_& m) {
           "This job owns the prefix (its JOB document); another job's is refused unless adopt.");
 }
 
+// A restore plan's order as [[step, counter, "remote" | "local"], ...]
+// (plain lists: the ranks gather them as JSON).
+py::list SourcesList(const std::vector<tier::RestoreSource>& order) {
+  py::list out;
+  for (const tier::RestoreSource& s : order) {
+    py::list row;
+    row.append(s.step);
+    row.append(s.counter);
+    row.append(s.remote ? "remote" : "local");
+    out.append(row);
+  }
+  return out;
+}
+
+std::vector<tier::RestoreSource> SourcesOf(const py::handle& rows) {
+  std::vector<tier::RestoreSource> out;
+  for (py::handle row : rows) {
+    py::sequence r = py::reinterpret_borrow<py::sequence>(row);
+    out.push_back({r[0].cast<int64_t>(), r[1].cast<uint64_t>(),
+                   r[2].cast<std::string>() == "remote"});
+  }
+  return out;
+}
+
+void InitRemoteRestore(py::module_& m) {
+  m.def(
+      "plan_remote_restore",
+      [](const std::string& job_dir, uint32_t rank, std::optional<py::list> remote,
+         std::optional<int64_t> step, const py::list& extra, const std::vector<uint64_t>& exclude,
+         const std::string& where) {
+        tier::RestorePlanRequest req;
+        req.job_dir = job_dir;
+        req.rank = rank;
+        req.step = step;
+        req.exclude = exclude;
+        req.remote_where = where;
+        if (remote) {
+          req.remote.emplace();
+          for (py::handle row : *remote) {
+            py::sequence r = py::reinterpret_borrow<py::sequence>(row);
+            req.remote->emplace_back(r[0].cast<int64_t>(), r[1].cast<uint64_t>());
+          }
+        }
+        for (py::handle row : extra) {  // {step, counter, where}: a local copy of the memory tier
+          py::dict d = py::reinterpret_borrow<py::dict>(row);
+          PlanCandidate c;
+          c.tier = Tier::kMemory;
+          c.step = d["step"].cast<int64_t>();
+          c.counter = d["counter"].cast<uint64_t>();
+          c.where = d.contains("where") ? d["where"].cast<std::string>() : "memory";
+          req.extra_local.push_back(std::move(c));
+        }
+        Result<tier::RestorePlan> got = Status::Internal("unset");
+        {
+          py::gil_scoped_release r;
+          got = tier::PlanRemoteRestore(DefaultEnv(), req);
+        }
+        tier::RestorePlan plan = Take(std::move(got));
+        py::dict d;
+        d["order"] = SourcesList(plan.order);
+        d["local_newest"] = plan.local_newest ? py::cast(*plan.local_newest) : py::none();
+        d["local_has_step"] = plan.local_has_step;
+        return d;
+      },
+      py::arg("job_dir"), py::arg("rank"), py::arg("remote"), py::arg("step") = py::none(),
+      py::arg("extra") = py::list(), py::arg("exclude") = std::vector<uint64_t>{},
+      py::arg("where") = "",
+      "The restore plan of a rank with a remote tier (tier/remote_restore.h): job_dir's "
+      "candidates (\"\": none), `extra` local ones ({step, counter, where}: the memory tier), "
+      "the remote's committed [(step, counter)] (None: not listed); returns {order: [[step, "
+      "counter, 'remote' | 'local']] in the planner's order, each step once, local_newest, "
+      "local_has_step}.");
+  m.def(
+      "common_restore_steps",
+      [](const py::list& every) {
+        std::vector<std::vector<tier::RestoreSource>> in;
+        for (py::handle e : every) in.push_back(SourcesOf(e));
+        py::list out;
+        for (const tier::AgreedStep& s : tier::CommonRestoreSteps(in)) {
+          out.append(py::make_tuple(s.step, s.all_local));
+        }
+        return out;
+      },
+      py::arg("every"),
+      "The distributed remote restore's agreement: of every rank's plan order (rank 0 first), "
+      "rank 0's steps that every rank holds, as [(step, every rank reads it locally)].");
+}
+
 }  // namespace
 
 void InitRemote(py::module_& m) {
   InitRemoteLayout(m);
+  InitRemoteRestore(m);
   InitRemoteTier(m);
   InitRemoteUploader(m);
 }

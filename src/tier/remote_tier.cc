@@ -130,11 +130,15 @@ Result<std::vector<HeldStep>> RemoteTier::List(uint32_t rank) {
     HeldStep& s = steps[k->step];
     s.step = k->step;
     if (k->kind == rl::Key::Kind::kPart && k->rank == rank) s.bytes = o.size;
+    if (k->kind == rl::Key::Kind::kPart) s.ranks.push_back(k->rank);
+    s.objects += 1;
+    s.total_bytes += o.size;
     if (k->kind == rl::Key::Kind::kMarker) marked.insert(k->step);
   }
   std::vector<HeldStep> out;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     HeldStep s = it->second;
+    std::sort(s.ranks.begin(), s.ranks.end());
     if (marked.count(s.step) != 0) {
       Result<std::optional<rl::Doc>> doc = LoadDoc(rl::MarkerKey(s.step));
       if (!doc.ok() && doc.status().code() != StatusCode::kCorruption) return doc.status();
@@ -312,6 +316,28 @@ Status RemoteTier::Claim(const std::string& job, bool adopt, double unix_s) {
     }
   }
   return t_->PutBytes(key, rl::EncodeJob(job, unix_s));
+}
+
+Result<std::optional<std::string>> RemoteTier::Job() {
+  const std::string key = rl::JobKey();
+  Result<std::string> data = t_->GetBytes(key, rl::kMaxDocBytes);
+  if (!data.ok() && data.status().code() == StatusCode::kNotFound) return std::nullopt;
+  if (!data.ok()) return data.status();
+  NONSTOP_ASSIGN_OR_RETURN(std::string owner, rl::DecodeJob(data.value(), t_->url() + "/" + key));
+  return std::optional<std::string>(std::move(owner));
+}
+
+Result<std::string> RemoteTier::FetchAll(int64_t step, const std::string& local_dir) {
+  NONSTOP_ASSIGN_OR_RETURN(std::optional<rl::Doc> marker, LoadDoc(rl::MarkerKey(step)));
+  if (!marker) {
+    return Status::Corruption(t_->url() + "/" + rl::StepDir(step) +
+                              " is not committed (no COMMITTED marker)");
+  }
+  std::string dir;
+  for (uint32_t r = 0; r < marker->world_size; ++r) {
+    NONSTOP_ASSIGN_OR_RETURN(dir, Fetch(step, r, local_dir));
+  }
+  return dir;
 }
 
 namespace {

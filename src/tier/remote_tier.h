@@ -85,6 +85,15 @@ class RemoteTier final : public Tier {
   // This job owns the prefix: one without a JOB document is claimed; one
   // of another job is FailedPrecondition unless `adopt`, which takes it.
   Status Claim(const std::string& job, bool adopt, double unix_s);
+  // The job that owns the prefix (its JOB document): nullopt when there is
+  // none; Corruption when it does not parse.
+  Result<std::optional<std::string>> Job();
+
+  // Every rank's part of committed `step` (the ranks of its marker's
+  // world), each fetched as Fetch does, into local_dir/remote/step-N;
+  // returns that directory. Corruption for a step not committed or a part
+  // missing or damaged.
+  Result<std::string> FetchAll(int64_t step, const std::string& local_dir);
 
  private:
   // A marker, LEAD or skip note: nullopt when missing; Corruption when it

@@ -29,6 +29,9 @@ struct HeldStep {
   std::string reason;                // kDamaged: why (the decoder's line; empty when it vanished)
   std::optional<remote::Doc> marker;  // kCommitted: its commit record
   uint64_t bytes = 0;                // the asked rank's copy, 0 when it has none
+  uint64_t objects = 0;              // every object of the step (parts, documents, others)
+  uint64_t total_bytes = 0;          // their size
+  std::vector<uint32_t> ranks;       // the ranks whose copy (part) is there, ascending
 };
 
 // One committed checkpoint to publish: rank `rank`'s copy of `step`

@@ -17,7 +17,7 @@ import torch
 import nonstop
 import tiny
 from conftest import needs_engine
-from nonstop import _remote
+from nonstop import _ext, _remote
 from nonstop.errors import CheckpointIOError, CorruptCheckpointError
 from s3_server import SeaweedS3, _one_s3_server, s3_server, shared_s3  # noqa: F401 -- the fixtures
 
@@ -145,7 +145,7 @@ def _fresh(d, url, opts):
 def test_deleted_remote_part_falls_back(tmp_path, remote):
     url, opts, _ = remote
     d, store, want3 = _two_remote_steps(tmp_path, url, opts)
-    store.delete([_remote.Layout.part(7, 0)])
+    store.delete([_ext.core().remote_layout.part_key(7, 0)])
     ck, state = _fresh(d, url, opts)
     with pytest.warns(UserWarning, match="remote step 7: .*part is missing"):
         assert ck.restore() == 3
@@ -165,7 +165,7 @@ def _flip(store, key, at):
 def test_flipped_bit_in_remote_part_falls_back(tmp_path, remote, where):
     url, opts, _ = remote
     d, store, want3 = _two_remote_steps(tmp_path, url, opts)
-    key = _remote.Layout.part(7, 0)
+    key = _ext.core().remote_layout.part_key(7, 0)
     probe = str(tmp_path / "probe")
     info = nonstop._core.Reader(_remote.fetch(store, 7, 0, probe), rank=0).checkpoints[0]
     shutil.rmtree(probe)
@@ -175,19 +175,19 @@ def test_flipped_bit_in_remote_part_falls_back(tmp_path, remote, where):
         # checksums pass, and nonstop's own chunk crc32c must catch it
         import json
         import zlib
-        man = json.loads(store.get_bytes(_remote.Layout.manifest(7, 0), 1 << 20))
+        man = json.loads(store.get_bytes(_ext.core().remote_layout.manifest_key(7, 0), 1 << 20))
         _, chunks = store.get_chunks(key)
         blob = b"".join(bytes(c) for c in chunks)
         p = man["part_bytes"]
         man["part_crc32"] = [zlib.crc32(blob[i:i + p]) for i in range(0, len(blob), p)]
-        store.put_bytes(_remote.Layout.manifest(7, 0), json.dumps(man).encode())
+        store.put_bytes(_ext.core().remote_layout.manifest_key(7, 0), json.dumps(man).encode())
     ck, state = _fresh(d, url, opts)
     with pytest.warns(UserWarning, match="remote step 7"):
         assert ck.restore() == 3
     _same(want3, _params(state))
     ck.close()
     # with no older remote step left: a clear error, never wrong data
-    store.delete([_remote.Layout.marker(3)])
+    store.delete([_ext.core().remote_layout.marker_key(3)])
     shutil.rmtree(d)
     ck, state = _fresh(d, url, opts)
     with warnings.catch_warnings():
@@ -285,7 +285,7 @@ def test_retention_keeps_the_newest(tmp_path):  # the default: max_to_keep from 
     ckpt.close()
     store = _remote.open_store(url, opts)
     assert [s for s, _ in _remote.committed_steps(store)] == [11]
-    dirs = sorted(d for d in os.listdir(url) if d != _remote.Layout.job())
+    dirs = sorted(d for d in os.listdir(url) if d != _ext.core().remote_layout.job_key())
     assert dirs == ["step-000000000011"], dirs
     # local staging keeps at most the newest uploaded copy
     assert os.listdir(str(tmp_path / "local" / "remote")) == ["step-000000000011"]
@@ -355,17 +355,17 @@ def test_cli_verify_inspect_export_a_remote_url(tmp_path, remote):
     # manifest rewritten to match) the file's own chunk crc32c
     probe = str(tmp_path / "probe")
     info = nonstop._core.Reader(_remote.fetch(store, 7, 0, probe), rank=0).checkpoints[0]
-    key = _remote.Layout.part(7, 0)
+    key = _ext.core().remote_layout.part_key(7, 0)
     _flip(store, key, info["data_offset"] + info["data_bytes"] // 2)
     for where in ("download", "file"):
         if where == "file":
             import zlib
-            man = json.loads(store.get_bytes(_remote.Layout.manifest(7, 0), 1 << 20))
+            man = json.loads(store.get_bytes(_ext.core().remote_layout.manifest_key(7, 0), 1 << 20))
             _, chunks = store.get_chunks(key)
             blob = b"".join(bytes(c) for c in chunks)
             p = man["part_bytes"]
             man["part_crc32"] = [zlib.crc32(blob[i:i + p]) for i in range(0, len(blob), p)]
-            store.put_bytes(_remote.Layout.manifest(7, 0), json.dumps(man).encode())
+            store.put_bytes(_ext.core().remote_layout.manifest_key(7, 0), json.dumps(man).encode())
         rc, out, err = run("verify", cli_url)
         assert rc == 1, (where, rc, out, err)
         assert ("crc mismatch" in err) if where == "download" else \
@@ -398,7 +398,8 @@ def _train_paced(dir, steps, url, opts, **kw):
 
 def _step_dirs(store):
     # The prefix's JOB document (the job's identity) is no step's object.
-    return sorted({k.split("/")[0] for k, _ in store.list("") if k != _remote.Layout.job()})
+    job = _ext.core().remote_layout.job_key()
+    return sorted({k.split("/")[0] for k, _ in store.list("") if k != job})
 
 
 def test_retention_applies_keep_and_max_to_keep_remotely(tmp_path, remote):
@@ -413,14 +414,14 @@ def test_retention_applies_keep_and_max_to_keep_remotely(tmp_path, remote):
     want = sorted({9} | set(periodic[-2:]), reverse=True)
     assert want == [9, 8, 5]
     assert [s for s, _ in _remote.committed_steps(store)] == want
-    assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in sorted(want)]
+    assert _step_dirs(store) == [_ext.core().remote_layout.step_dir(s) for s in sorted(want)]
 
 
 def test_retention_without_keep_keeps_the_newest_remote_steps(tmp_path, remote):
     url, opts, _ = remote
     store, _ = _train_paced(str(tmp_path / "local"), 6, url, dict(opts, max_to_keep=3))
     assert [s for s, _ in _remote.committed_steps(store)] == [5, 4, 3]
-    assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in (3, 4, 5)]
+    assert _step_dirs(store) == [_ext.core().remote_layout.step_dir(s) for s in (3, 4, 5)]
 
 
 class _CutShort:
@@ -460,7 +461,7 @@ def test_retention_cut_short_leaves_no_half_committed_step(tmp_path, remote):
     with pytest.raises(nonstop.errors.CheckpointNotFoundError):
         nonstop.load(url, step=0, remote_options=opts)
     assert _remote.retain(store, 2, None, None) == 1
-    assert _step_dirs(store) == [_remote.Layout.step_dir(s) for s in (1, 2)]
+    assert _step_dirs(store) == [_ext.core().remote_layout.step_dir(s) for s in (1, 2)]
     assert nonstop.load(url, remote_options=opts).step == 2
 
 
@@ -471,7 +472,7 @@ def test_list_a_remote(tmp_path, remote):
     url, opts, _ = remote
     store, counters = _train_paced(str(tmp_path / "local"), 3, url, dict(opts, max_to_keep=10))
     # an upload under way: a part without its manifest or marker
-    store.put_bytes(_remote.Layout.part(5, 0), b"x" * 100)
+    store.put_bytes(_ext.core().remote_layout.part_key(5, 0), b"x" * 100)
     rows = nonstop.list(url, remote_options=opts)
     assert [(r["step"], r["state"], r["where"]) for r in rows] == [
         (5, "uncommitted", "remote"), (2, "committed", "remote"), (1, "committed", "remote"),
@@ -505,7 +506,7 @@ def test_hostile_remote_manifest_is_refused(tmp_path, damage):
     restore falls back to the older step."""
     url = str(tmp_path / "shared")
     store, _ = _train_paced(str(tmp_path / "local"), 2, url, {"max_to_keep": 10})
-    key = _remote.Layout.manifest(1, 0)
+    key = _ext.core().remote_layout.manifest_key(1, 0)
     man = json.loads(store.get_bytes(key, 1 << 20))
     if damage == "huge size":
         man["bytes"] = 1 << 62

@@ -30,7 +30,7 @@ import pytest
 
 import netns_hosts
 from conftest import needs_engine
-from nonstop import _remote
+from nonstop import _ext, _remote
 from s3_server import SeaweedS3
 
 pytestmark = [needs_engine, pytest.mark.timeout(480)]
@@ -200,7 +200,7 @@ def test_node_b_lost_during_then_after_upload_resumes_bitwise(net, s3_on_bridge,
     _log("run 3: done")
     got = [_result(out, r) for r in range(2)]
     assert got[0]["restored"] == got[1]["restored"] == committed[0]
-    assert got[1]["restored_from"].endswith(_remote.Layout.step_dir(committed[0]))
+    assert got[1]["restored_from"].endswith(_ext.core().remote_layout.step_dir(committed[0]))
     assert max(r["close_s"] for r in got) < CLOSE_S, got
     for r in range(2):
         assert got[r]["params"] == ref[r]["params"]

@@ -16,7 +16,7 @@ import pytest
 import nonstop
 import tiny
 from conftest import needs_engine
-from nonstop import _remote
+from nonstop import _ext, _remote
 from s3_server import _one_s3_server, shared_s3  # noqa: F401 -- the fixtures
 from test_remote import _cli, _params, _same, _train, _two_remote_steps
 
@@ -44,7 +44,7 @@ def test_a_link_in_a_path_remote_is_never_followed(tmp_path):
     url = str(tmp_path / "shared")
     d, store, want3 = _two_remote_steps(tmp_path, url, {})
     out = _outside(tmp_path)
-    part = os.path.join(url, *_remote.Layout.part(7, 0).split("/"))
+    part = os.path.join(url, *_ext.core().remote_layout.part_key(7, 0).split("/"))
     shutil.move(part, out / "part")
     os.symlink(out / "part", part)
     model, opt, sched = tiny.make(seed=77)
@@ -61,7 +61,7 @@ def test_a_link_in_a_path_remote_is_never_followed(tmp_path):
     os.symlink(out / "precious", os.path.join(url, "step-000000000003", "rank-00001.nsck"))
     assert [k for k, _ in store.list("") if "99" in k or "rank-00001" in k] == []
     assert [s for s, _ in _remote.committed_steps(store)] == [7, 3]
-    store.delete([_remote.Layout.part(3, 1), "step-000000000099/precious"])
+    store.delete([_ext.core().remote_layout.part_key(3, 1), "step-000000000099/precious"])
     assert (out / "precious").read_bytes() == b"precious bytes"
     assert sorted(os.listdir(out)) == ["part", "precious"]
 
@@ -78,7 +78,7 @@ def test_links_planted_in_staged_steps_are_removed_never_followed(tmp_path):
     ck, state, _ = _train(d, 4, url, {}, every=4)  # step 3, committed locally and remotely
     ck.close()
     out = _outside(tmp_path)
-    staged = os.path.join(d, _remote.LOCAL_DIR)
+    staged = os.path.join(d, _ext.core().remote_layout.LOCAL_DIR)
     part = os.path.join(staged, "step-000000000003", "rank-00000.nsck")
     os.unlink(part)
     os.symlink(out / "precious", part)  # at the staged part's own name
@@ -182,7 +182,7 @@ def test_remote_every_retries_a_failed_upload_and_never_skips_it(tmp_path):
     with the next one: step 0 never reached the remote."""
     url, d = str(tmp_path / "shared"), str(tmp_path / "local")
     os.makedirs(url)
-    blocker = os.path.join(url, _remote.Layout.step_dir(0))
+    blocker = os.path.join(url, _ext.core().remote_layout.step_dir(0))
     with open(blocker, "wb") as f:
         f.write(b"in the way")
     model, opt, sched = tiny.make()

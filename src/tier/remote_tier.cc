@@ -321,7 +321,9 @@ Status RemoteTier::Claim(const std::string& job, bool adopt, double unix_s) {
 Result<std::optional<std::string>> RemoteTier::Job() {
   const std::string key = rl::JobKey();
   Result<std::string> data = t_->GetBytes(key, rl::kMaxDocBytes);
-  if (!data.ok() && data.status().code() == StatusCode::kNotFound) return std::nullopt;
+  if (!data.ok() && data.status().code() == StatusCode::kNotFound) {
+    return std::optional<std::string>();
+  }
   if (!data.ok()) return data.status();
   NONSTOP_ASSIGN_OR_RETURN(std::string owner, rl::DecodeJob(data.value(), t_->url() + "/" + key));
   return std::optional<std::string>(std::move(owner));

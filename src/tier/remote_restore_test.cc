@@ -1,0 +1,181 @@
+// The restore plan of a rank with a remote tier (tier/remote_restore.h) over
+// a real job directory (POSIX Env): the remote's newer checkpoint comes
+// first, a local newest the remote also holds is verified and, damaged,
+// gives way to its remote copy (not to an older local one); the lineage
+// refuses an abandoned future the remote still holds; a failed remote copy
+// is excluded; and the ranks agree on rank 0's order of the steps all hold.
+#include "tier/remote_restore.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "nonstop/jobdir.h"
+#include "nonstop/store.h"
+#include "store_test_util.h"
+
+namespace nonstop::tier {
+namespace {
+
+namespace fs = std::filesystem;
+
+class RemoteRestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("nonstop-remote-restore-" + std::to_string(getpid()) + "-" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    auto jd = JobDir::OpenForWrite(root_.string(), 0, 1);
+    ASSERT_TRUE(jd.ok()) << jd.status().ToString();
+    jd_ = std::move(jd).value();
+    auto m = jd_->CreateTempSlot(MediumKind::kBuffered);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    StoreGeometry g;
+    g.slots = 4;
+    g.slot_bytes = testing::kTestSlotBytes;
+    auto sf = SlotFile::Create(std::move(m).value(), g);
+    ASSERT_TRUE(sf.ok()) << sf.status().ToString();
+    ASSERT_TRUE(jd_->PublishTempSlot().ok());
+    sf_ = std::move(sf).value();
+  }
+  void TearDown() override {
+    sf_.reset();
+    jd_.reset();
+    fs::remove_all(root_);
+  }
+
+  CheckpointInfo Commit(uint64_t counter, int64_t step) {
+    auto c = testing::MakeCheckpoint(step);
+    const auto slot = static_cast<uint32_t>(counter % sf_->geometry().slots);
+    EXPECT_TRUE(sf_->WriteData(slot, 0, c.data.data(), c.data.size()).ok());
+    auto info = sf_->Commit(testing::MakeCommitRequest(c, slot, counter));
+    EXPECT_TRUE(info.ok()) << info.status().ToString();
+    return info.value();
+  }
+  void Damage(const CheckpointInfo& info) {
+    std::vector<uint8_t> junk(4096, 0xA5);
+    ASSERT_TRUE(sf_->medium().Write(info.data_offset, junk.data(), junk.size()).ok());
+    ASSERT_TRUE(sf_->medium().Sync().ok());
+  }
+
+  RestorePlan Plan(std::optional<std::vector<std::pair<int64_t, uint64_t>>> remote,
+                   std::optional<int64_t> step = std::nullopt,
+                   std::vector<uint64_t> exclude = {}) {
+    RestorePlanRequest r;
+    r.job_dir = root_.string();
+    r.step = step;
+    r.remote = std::move(remote);
+    r.remote_where = "s3://b/job";
+    r.exclude = std::move(exclude);
+    auto p = PlanRemoteRestore(DefaultEnv(), r);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return p.ok() ? p.value() : RestorePlan{};
+  }
+
+  fs::path root_;
+  std::unique_ptr<JobDir> jd_;
+  std::unique_ptr<SlotFile> sf_;
+};
+
+// "step:source" of each entry, for one-line comparisons.
+std::vector<std::string> Names(const std::vector<RestoreSource>& order) {
+  std::vector<std::string> out;
+  for (const RestoreSource& s : order) {
+    out.push_back(std::to_string(s.step) + (s.remote ? ":remote" : ":local"));
+  }
+  return out;
+}
+using V = std::vector<std::string>;
+
+TEST_F(RemoteRestoreTest, TheNewestCheckpointWinsWhicheverTierHoldsIt) {
+  Commit(1, 10);
+  Commit(2, 20);
+  RestorePlan p = Plan(std::vector<std::pair<int64_t, uint64_t>>{{30, 3}, {20, 2}});
+  EXPECT_EQ(Names(p.order), (V{"30:remote", "20:local", "10:local"}));
+  EXPECT_EQ(p.order[0].counter, 3u);
+  EXPECT_EQ(p.local_newest, 20);
+  // the remote's copy failed while read: the next one
+  EXPECT_EQ(Names(Plan(std::vector<std::pair<int64_t, uint64_t>>{{30, 3}, {20, 2}}, std::nullopt,
+                       {3})
+                      .order),
+            (V{"20:local", "10:local"}));
+  // not listed (the store is down): the local plan
+  p = Plan(std::nullopt);
+  EXPECT_EQ(Names(p.order), (V{"20:local", "10:local"}));
+  // a step asked for that only the remote holds
+  p = Plan(std::vector<std::pair<int64_t, uint64_t>>{{30, 3}}, 30);
+  EXPECT_FALSE(p.local_has_step);
+  EXPECT_EQ(Names(p.order), (V{"30:remote"}));
+  EXPECT_TRUE(Plan(std::nullopt, 10).local_has_step);
+}
+
+TEST_F(RemoteRestoreTest, ADamagedLocalNewestGivesWayToItsRemoteCopyNotToAnOlderLocalOne) {
+  Commit(1, 10);
+  Commit(2, 20);
+  const CheckpointInfo newest = Commit(3, 30);
+  const std::vector<std::pair<int64_t, uint64_t>> remote{{30, 3}};
+  EXPECT_EQ(Names(Plan(remote).order), (V{"30:local", "20:local", "10:local"}));  // it verifies
+  Damage(newest);
+  EXPECT_EQ(Names(Plan(remote).order), (V{"30:remote", "20:local", "10:local"}));
+  // without the remote's copy the local path reads (and falls back) itself
+  EXPECT_EQ(Names(Plan(std::vector<std::pair<int64_t, uint64_t>>{}).order),
+            (V{"30:local", "20:local", "10:local"}));
+}
+
+TEST_F(RemoteRestoreTest, TheLineageRefusesAnAbandonedFutureTheRemoteStillHolds) {
+  Commit(1, 10);
+  Commit(2, 20);
+  Commit(3, 30);
+  ASSERT_TRUE(jd_->RecordRestore(0, 1).ok());  // restore(step=10): 20 and 30 abandoned
+  RestorePlan p = Plan(std::vector<std::pair<int64_t, uint64_t>>{{30, 3}, {20, 2}});
+  EXPECT_EQ(Names(p.order), (V{"10:local"}));
+  EXPECT_EQ(p.local_newest, 10);
+  // the new checkpoint after the rollback, uploaded: it wins
+  p = Plan(std::vector<std::pair<int64_t, uint64_t>>{{30, 3}, {20, 4}});
+  EXPECT_EQ(Names(p.order), (V{"20:remote", "10:local"}));
+}
+
+TEST_F(RemoteRestoreTest, NoJobDirectoryPlansTheRemoteByCounter) {
+  RestorePlanRequest r;
+  r.remote = std::vector<std::pair<int64_t, uint64_t>>{{30, 3}, {20, 5}, {10, 1}};
+  auto p = PlanRemoteRestore(DefaultEnv(), r);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(Names(p.value().order), (V{"20:remote", "30:remote", "10:remote"}));
+  EXPECT_FALSE(p.value().local_newest.has_value());
+  // a local copy handed in (the memory tier: a partner's replica) is local
+  PlanCandidate peer;
+  peer.tier = nonstop::Tier::kMemory;
+  peer.step = 20;
+  peer.counter = 5;
+  r.extra_local.push_back(peer);
+  p = PlanRemoteRestore(DefaultEnv(), r);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(Names(p.value().order), (V{"20:local", "30:remote", "10:remote"}));
+  EXPECT_EQ(p.value().local_newest, 20);
+}
+
+TEST(CommonRestoreStepsTest, RankZerosOrderOfTheStepsEveryRankHolds) {
+  const std::vector<RestoreSource> r0{{30, 3, true}, {20, 2, false}, {10, 1, false}};
+  const std::vector<RestoreSource> r1{{20, 2, false}, {10, 1, false}};
+  const std::vector<RestoreSource> r2{{30, 3, true}, {20, 2, true}, {10, 1, false}};
+  auto got = CommonRestoreSteps({r0, r1});
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].step, 20);
+  EXPECT_TRUE(got[0].all_local);
+  got = CommonRestoreSteps({r0, r2});
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0].step, 30);
+  EXPECT_FALSE(got[0].all_local);
+  EXPECT_EQ(got[1].step, 20);
+  EXPECT_FALSE(got[1].all_local);  // rank 2 reads it from the remote
+  EXPECT_TRUE(got[2].all_local);
+  EXPECT_TRUE(CommonRestoreSteps({}).empty());
+  EXPECT_TRUE(CommonRestoreSteps({r0, {}}).empty());
+}
+
+}  // namespace
+}  // namespace nonstop::tier

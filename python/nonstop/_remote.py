@@ -182,6 +182,11 @@ class ObjectStore(_Store):
             self.store = obstore.store.from_url(url, **opts)
         self.url = url
 
+    @property
+    def s3(self) -> bool:
+        """An s3:// URL (a bucket remote_options create_bucket can create)."""
+        return self._s3 is not None
+
     def create_bucket(self) -> bool:
         """remote_options={'create_bucket': True}: an S3 CreateBucket request
         (path style, signed with AWS Signature V4; obstore has no call for
@@ -651,7 +656,7 @@ class Tier:
         self.every = check_every(self.options.get("every"), ckpt.world_size)
         if self.options.get("create_bucket") not in (None, False, True):
             raise CheckpointMismatchError("remote_options create_bucket must be True or False")
-        if self.options.get("create_bucket") and getattr(self.store, "_s3", None) is None:
+        if self.options.get("create_bucket") and not getattr(self.store, "s3", False):
             raise CheckpointMismatchError(
                 f"remote_options create_bucket is for s3:// URLs, not the path {url!r}")
 
@@ -869,14 +874,7 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
         step, m, state = h["step"], h["marker"], h["state"]
         if h["reason"]:
             warnings.warn(f"nonstop: remote: {h['reason']}; skipped", stacklevel=2)
-        if state == "damaged":
-            reason = "its COMMITTED marker does not parse: never read"
-        elif state == "uncommitted":
-            reason = "no COMMITTED marker (an upload under way or given up)"
-        elif rank >= m["world_size"]:
-            reason = f"committed by {m['world_size']} rank(s): no rank {rank}"
-        else:
-            reason = ""
+        reason = h["note"]  # C++ (RemoteTier::List): why rank `rank` cannot read it
         rows.append({"step": step, "counter": None if m is None else m["counter"],
                      "where": "remote", "path": f"{store.url}/{_rl().part_key(step, rank)}",
                      "state": state, "reason": reason,

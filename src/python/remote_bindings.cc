@@ -516,6 +516,7 @@ void InitRemoteTier(py::module_& m) {
               d["objects"] = s.objects;
               d["total_bytes"] = s.total_bytes;
               d["ranks"] = s.ranks;
+              d["note"] = s.note;
               out.append(d);
             }
             return out;
@@ -523,7 +524,8 @@ void InitRemoteTier(py::module_& m) {
           py::arg("rank") = 0,
           "Every step directory, newest first: {step, state (committed, uncommitted, damaged), "
           "reason, marker (dict or None), bytes (rank `rank`'s part), objects, total_bytes (every "
-          "object of the step), ranks (whose part is there)}.")
+          "object of the step), ranks (whose part is there), note (why rank `rank` cannot read it, "
+          "empty when it can)}.")
       .def(
           "committed_steps",
           [](PyRemoteTier& t) {

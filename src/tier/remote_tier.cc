@@ -152,6 +152,14 @@ Result<std::vector<HeldStep>> RemoteTier::List(uint32_t rank) {
         s.marker = *doc.value();
       }
     }
+    if (s.state == StepState::kDamaged) {
+      s.note = "its COMMITTED marker does not parse: never read";
+    } else if (s.state == StepState::kUncommitted) {
+      s.note = "no COMMITTED marker (an upload under way or given up)";
+    } else if (rank >= s.marker->world_size) {
+      s.note = "committed by " + std::to_string(s.marker->world_size) +
+               " rank(s): no rank " + std::to_string(rank);
+    }
     out.push_back(std::move(s));
   }
   return out;

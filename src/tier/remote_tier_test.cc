@@ -191,8 +191,35 @@ TEST_F(RemoteTierTest, ListAndCommittedStepsSkipDamagedMarkers) {
   EXPECT_EQ(held.value()[1].state, StepState::kDamaged);
   EXPECT_EQ(held.value()[2].state, StepState::kCommitted);
   EXPECT_EQ(held.value()[2].bytes, 10000u);
+  // every object of a step, the ranks whose part is there, and why the
+  // asked rank cannot read a step
+  EXPECT_EQ(held.value()[2].objects, 3u);  // part, manifest, marker
+  EXPECT_EQ(held.value()[2].total_bytes, 10000u + store_.objects[rl::ManifestKey(3, 0)].size() +
+                                             store_.objects[rl::MarkerKey(3)].size());
+  EXPECT_EQ(held.value()[2].ranks, std::vector<uint32_t>{0});
+  EXPECT_EQ(held.value()[2].note, "");
+  EXPECT_NE(held.value()[0].note.find("no COMMITTED marker"), std::string::npos);
+  EXPECT_NE(held.value()[1].note.find("does not parse"), std::string::npos);
+  auto of_rank1 = tier_.List(1);
+  ASSERT_TRUE(of_rank1.ok());
+  EXPECT_EQ(of_rank1.value()[2].note, "committed by 1 rank(s): no rank 1");
+  EXPECT_EQ(of_rank1.value()[2].bytes, 0u);
   store_.fail_list_from = 0;
   EXPECT_EQ(tier_.CommittedSteps().status().code(), StatusCode::kIOError);
+}
+
+TEST_F(RemoteTierTest, FetchAllFetchesEveryRankOfTheCommitsWorld) {
+  Commit(7, 3, /*lineage=*/4, 10000, /*world=*/3);
+  auto dir = tier_.FetchAll(7, "/job");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  EXPECT_EQ(dir.value(), LocalStepDir("/job", 7));
+  std::vector<std::string> got = Fetched(7);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<std::string>{"rank-00000.nsck", "rank-00001.nsck",
+                                           "rank-00002.nsck"}));
+  store_.objects.erase(rl::PartKey(7, 2));  // one rank's part gone: the step fails
+  EXPECT_EQ(tier_.FetchAll(7, "/job2").status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(tier_.FetchAll(8, "/job2").status().code(), StatusCode::kCorruption);  // no marker
 }
 
 TEST_F(RemoteTierTest, RetentionDeletesMarkerFirstAndFinishesACutShortDeletion) {
@@ -239,6 +266,11 @@ TEST_F(RemoteTierTest, ClaimRefusesAnotherJobsPrefixUnlessAdopted) {
   EXPECT_EQ(tier_.Claim("job-a", false, 5.0).code(), StatusCode::kFailedPrecondition);
   store_.objects[rl::JobKey()] = "garbage";
   EXPECT_EQ(tier_.Claim("job-b", false, 6.0).code(), StatusCode::kCorruption);
+  EXPECT_EQ(tier_.Job().status().code(), StatusCode::kCorruption);
+  store_.objects.erase(rl::JobKey());
+  EXPECT_EQ(tier_.Job().value(), std::nullopt);
+  ASSERT_TRUE(tier_.Claim("job-c", false, 7.0).ok());
+  EXPECT_EQ(tier_.Job().value(), std::optional<std::string>("job-c"));
 }
 
 // A staged one-slot copy of `bytes` bytes (the uploader's staging), in the

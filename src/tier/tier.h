@@ -32,6 +32,9 @@ struct HeldStep {
   uint64_t objects = 0;              // every object of the step (parts, documents, others)
   uint64_t total_bytes = 0;          // their size
   std::vector<uint32_t> ranks;       // the ranks whose copy (part) is there, ascending
+  // Why the asked rank cannot read this step (a listing's "reason"); empty
+  // when it can: committed, and the rank within the commit's world.
+  std::string note;
 };
 
 // One committed checkpoint to publish: rank `rank`'s copy of `step`

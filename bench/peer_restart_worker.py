@@ -194,23 +194,41 @@ def serve():
             say(error=f"{type(e).__name__}: {e}")
 
 
+def run_delay_s():
+    """This thread's time spent runnable but waiting for a CPU
+    (/proc/thread-self/schedstat, field 2: the run queue's delay)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def train(a):
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
+    if a.peer_nice is not None:
+        # Bench only: the peer threads' nice (the C++ default is 10; 0 is
+        # what ran before replication yielded the CPU).
+        core = _core
+        for name in ("PeerReplicator", "PeerServer"):
+            orig = getattr(core, name)
+            setattr(core, name, lambda *x, _o=orig, **k: _o(*x, nice=a.peer_nice, **k))
     state = {"w": torch.randn(int(a.mb * 2**20 / 4 / 4096), 4096)}
     # Each rank its own state (a sharded model): rank-local, all of it checkpointed per rank.
     ck = nonstop.Checkpointer(a.dir, state, every=a.every, tier="memory", replicas=a.replicas,
-                              local=["w"])
+                              local=["w"], peer_every=a.peer_every)
     ck.restore()
-    times = []
+    times, waits = [], []
     for step in range(a.steps):
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), run_delay_s()
         time.sleep(a.step_s)                # the forward/backward of a real job
         state["w"].mul_(0.999)              # the optimizer: touches the whole state
         ck.step(step)
         times.append(time.perf_counter() - t0)
+        waits.append(run_delay_s() - w0)
     st = ck.stats()
     warm = min(len(times) - 1, 2 * a.every)
     ck.wait()
@@ -219,6 +237,10 @@ def train(a):
     if peers is not None:
         drained = peers.drain(60)
     out = {"rank": rank, "replicas": a.replicas, "step_s_mean": sum(times[warm:]) / len(times[warm:]),
+           "runq_wait_s_mean": sum(waits[warm:]) / len(waits[warm:]),
+           "peer_nice": a.peer_nice, "peer_every": a.peer_every,
+           "peer_skipped": st.get("peer_skipped", 0),
+           "peer_skipped_cadence": st.get("peer_skipped_cadence", 0),
            "stall_per_ckpt_s": st.get("visible_stall_s", 0.0) / max(1, st.get("saves", 1)),
            "saves": st.get("saves"), "peer_replicated": st.get("peer_replicated", 0),
            "peer_bytes": st.get("peer_bytes", 0), "peer_note": st.get("peer_note", ""),
@@ -238,6 +260,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--replicas", type=int, default=0)
+    ap.add_argument("--peer-nice", type=int, default=None)
+    ap.add_argument("--peer-every", type=int, default=1)
     a = ap.parse_args()
     serve() if a.mode == "serve" else train(a)
 

@@ -50,7 +50,8 @@ class Checkpointer:
                  tier: str = "auto", max_to_keep: Optional[int] = None, best=None,
                  remote_every: Optional[int] = None, replay: str = "auto",
                  device_snapshot_bytes: Optional[int] = None, disk_every=1,
-                 replicas: Optional[int] = None, peer_budget_bytes: Optional[int] = None):
+                 replicas: Optional[int] = None, peer_budget_bytes: Optional[int] = None,
+                 peer_every: int = 1):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -83,7 +84,7 @@ class Checkpointer:
         if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)
             try:
                 dist.peers = _peer.Peers(dist, o.dist.replicas, self.session.engine,
-                                         o.dist.peer_budget_bytes)
+                                         o.dist.peer_budget_bytes, o.dist.peer_every)
             except Exception:
                 self.session.engine.close()
                 raise

@@ -51,6 +51,16 @@ def check_replicas(replicas) -> Optional[int]:
     return replicas
 
 
+def check_every(every) -> int:
+    """peer_every=: an int >= 1 (1: the newest memory checkpoint whenever the
+    replicator is free; n: a partner takes one only n checkpoints after the
+    one it holds)."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise CheckpointMismatchError(
+            f"peer_every must be an int >= 1 (1: every checkpoint, n: every n-th), got {every!r}")
+    return every
+
+
 SECRET_ENV = "NONSTOP_PEER_SECRET"
 
 
@@ -131,9 +141,11 @@ class Peers:
     """The peer tier of one rank: its server, its replicator, the job's
     endpoints and the replicas the servers held at construction."""
 
-    def __init__(self, dist, replicas: Optional[int], engine, budget_bytes: Optional[int] = None):
+    def __init__(self, dist, replicas: Optional[int], engine, budget_bytes: Optional[int] = None,
+                 peer_every: int = 1):
         core = _ext.core()
         self.rank, self.world = dist.rank, dist.world
+        self.every = peer_every  # the peer cadence (ReplicatorOptions::every)
         self.server = self.replicator = None
         self.partners: list = []
         self.held: dict = {}  # source rank -> [(step, counter, holder rank)], newest first
@@ -213,7 +225,8 @@ class Peers:
             try:
                 self.replicator = core.PeerReplicator(
                     self.job, secret, self.rank, segment,
-                    [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3])
+                    [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3],
+                    every=self.every)
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 
@@ -329,6 +342,7 @@ class Peers:
             r = self.replicator.stats()
             s.update(peer_replicated=r.get("replicated", 0), peer_bytes=r.get("bytes", 0),
                      peer_failures=r.get("failures", 0), peer_skipped=r.get("skipped", 0),
+                     peer_skipped_cadence=r.get("skipped_cadence", 0),
                      peer_skipped_budget=r.get("skipped_budget", 0),
                      peer_last_step=r.get("last_step"), peer_error=r.get("last_error", ""))
         if self.server is not None:
@@ -337,6 +351,7 @@ class Peers:
                      peer_received=v.get("replicas_received", 0),
                      peer_served=v.get("fetches_served", 0),
                      peer_auth_failures=v.get("auth_failures", 0),
+                     peer_handshake_timeouts=v.get("handshake_timeouts", 0),
                      peer_budget_bytes=v.get("budget_bytes", 0))
         if self.prefetched is not None:
             s["peer_fetched_dir"] = self.prefetched["dir"]

@@ -55,7 +55,8 @@ void InitPeer(py::module_& m) {
       .def(py::init([](const std::string& job, const py::bytes& secret,
                        const std::string& bind_host, uint16_t port, const std::string& dir,
                        uint64_t budget_bytes, uint32_t budget_share, double io_timeout_s,
-                       const std::vector<std::string>& segments) {
+                       const std::vector<std::string>& segments, double handshake_timeout_s,
+                       int max_pending_handshakes, int nice) {
              peer::PeerServerOptions o;
              o.segments = segments;
              o.job = job;
@@ -66,11 +67,16 @@ void InitPeer(py::module_& m) {
              o.budget_bytes = budget_bytes;
              o.budget_share = budget_share;
              o.io_timeout_s = io_timeout_s;
+             o.handshake_timeout_s = handshake_timeout_s;
+             o.max_pending_handshakes = max_pending_handshakes;
+             o.nice = nice;
              return Released([&] { return peer::PeerServer::Start(o); });
            }),
            py::arg("job"), py::arg("secret"), py::arg("bind_host") = "0.0.0.0", py::arg("port") = 0,
            py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("budget_share") = 0,
-           py::arg("io_timeout_s") = 30.0, py::arg("segments") = std::vector<std::string>{})
+           py::arg("io_timeout_s") = 30.0, py::arg("segments") = std::vector<std::string>{},
+           py::arg("handshake_timeout_s") = 0.0, py::arg("max_pending_handshakes") = 8,
+           py::arg("nice") = 10)
       .def_property_readonly("port", &peer::PeerServer::port)
       .def_property_readonly("endpoint", &peer::PeerServer::endpoint)
       .def(
@@ -99,6 +105,8 @@ void InitPeer(py::module_& m) {
             d["push_failures"] = st.push_failures;
             d["refused_frames"] = st.refused_frames;
             d["auth_failures"] = st.auth_failures;
+            d["handshake_timeouts"] = st.handshake_timeouts;
+            d["handshakes_refused"] = st.handshakes_refused;
             d["fetches_served"] = st.fetches_served;
             d["bytes_served"] = st.bytes_served;
             d["held"] = st.held;
@@ -121,7 +129,8 @@ void InitPeer(py::module_& m) {
       .def(py::init([](const std::string& job, const py::bytes& secret, uint32_t rank,
                        const std::string& segment, const std::vector<std::string>& partners,
                        double poll_s, double retry_s, double connect_timeout_s,
-                       double io_timeout_s, const std::string& job_dir) {
+                       double io_timeout_s, const std::string& job_dir, int nice,
+                       uint32_t every) {
              peer::ReplicatorOptions o;
              o.job_dir = job_dir;
              o.job = job;
@@ -133,12 +142,15 @@ void InitPeer(py::module_& m) {
              o.retry_s = retry_s;
              o.push.connect_timeout_s = connect_timeout_s;
              o.push.io_timeout_s = io_timeout_s;
+             o.nice = nice;
+             o.every = every;
              return Released([&] { return peer::Replicator::Start(o); });
            }),
            py::arg("job"), py::arg("secret"), py::arg("rank"), py::arg("segment"),
            py::arg("partners"),
            py::arg("poll_s") = 0.2, py::arg("retry_s") = 1.0, py::arg("connect_timeout_s") = 5.0,
-           py::arg("io_timeout_s") = 30.0, py::arg("job_dir") = "")
+           py::arg("io_timeout_s") = 30.0, py::arg("job_dir") = "", py::arg("nice") = 10,
+           py::arg("every") = 1)
       .def("notify", &peer::Replicator::Notify, "A checkpoint may have been committed: look now.")
       .def(
           "drain",
@@ -158,6 +170,7 @@ void InitPeer(py::module_& m) {
             d["bytes"] = st.bytes;
             d["failures"] = st.failures;
             d["skipped"] = st.skipped;
+            d["skipped_cadence"] = st.skipped_cadence;
             d["skipped_budget"] = st.skipped_budget;
             d["last_step"] = st.last_step < 0 ? py::object(py::none()) : py::cast(st.last_step);
             d["last_counter"] = st.last_counter;

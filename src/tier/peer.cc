@@ -28,6 +28,7 @@
 #include "nonstop/plan.h"
 #include "store/format.h"
 #include "tier/peer_wire.h"
+#include "tier/uploader.h"
 
 namespace nonstop::peer {
 namespace {
@@ -43,6 +44,16 @@ enum : uint32_t { kGo = 1, kStoredReply = 2, kHeldReply = 3, kBudgetReply = 4 };
 
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t NsAfter(double seconds) {
+  return SteadyNs() + static_cast<int64_t>(std::max(0.0, seconds) * 1e9);
 }
 
 uint64_t NowUnixNs() {
@@ -488,6 +499,11 @@ struct PeerServer::Impl {
     w::Socket sock;
     std::thread thread;
     std::atomic<bool> done{false};
+    // In its handshake (pending) until it completes or fails; the acceptor
+    // shuts the socket down at `deadline_ns` (steady clock) while pending.
+    std::atomic<bool> pending{true};
+    std::atomic<int64_t> deadline_ns{0};
+    std::atomic<bool> timed_out{false};
   };
 
   mutable Mutex mu;
@@ -507,6 +523,11 @@ struct PeerServer::Impl {
   }
 
   void AcceptLoop();
+  // Ends the handshakes past their deadline; the poll timeout (ms) until the next one.
+  int EnforceDeadlines() EXCLUDES(mu);
+  double HandshakeTimeoutS() const {
+    return o.handshake_timeout_s > 0 ? o.handshake_timeout_s : o.io_timeout_s;
+  }
   void Serve(Conn* c);
   // One request; false: close the connection.
   bool Handle(w::Socket& s, w::Frame& f);
@@ -690,11 +711,30 @@ Result<std::vector<HeldReplica>> PeerServer::Impl::ListOwn() {
   return out;
 }
 
+int PeerServer::Impl::EnforceDeadlines() {
+  const int64_t now = SteadyNs();
+  int64_t next = now + 1'000'000'000;
+  MutexLock l(&mu);
+  for (auto& c : conns) {
+    if (!c->pending.load()) continue;
+    const int64_t d = c->deadline_ns.load();
+    if (d == 0) continue;
+    if (d <= now) {
+      if (!c->timed_out.exchange(true)) c->sock.Shutdown();  // its thread counts it
+    } else {
+      next = std::min(next, d);
+    }
+  }
+  return static_cast<int>(std::max<int64_t>(1, (next - now + 999'999) / 1'000'000));
+}
+
 void PeerServer::Impl::AcceptLoop() {
+  int wait_ms = 1000;
   for (;;) {
     pollfd pfd[2] = {{listener.fd(), POLLIN, 0}, {wake[0], POLLIN, 0}};
-    const int rc = ::poll(pfd, 2, 1000);
+    const int rc = ::poll(pfd, 2, wait_ms);
     if (Stopping()) return;
+    wait_ms = EnforceDeadlines();
     {
       // Reap finished connections.
       MutexLock l(&mu);
@@ -728,8 +768,19 @@ void PeerServer::Impl::AcceptLoop() {
     const int one = 1;
     (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     if (!c->sock.SetTimeout(o.io_timeout_s).ok()) continue;
+    // The first byte of its HELLO within io_timeout_s (Serve moves the
+    // deadline to handshake_timeout_s after it when it comes).
+    c->deadline_ns.store(NsAfter(o.io_timeout_s));
     MutexLock l(&mu);
     if (stop || static_cast<int>(conns.size()) >= o.max_connections) continue;  // closed
+    int pending = 0;
+    for (const auto& x : conns) pending += x->pending.load() ? 1 : 0;
+    if (pending >= std::max(1, o.max_pending_handshakes)) {
+      ++stats.handshakes_refused;
+      stats.last_error = "peer " + c->sock.peer() + ": closed at accept, " +
+                         std::to_string(pending) + " connections are in their handshake";
+      continue;  // closed
+    }
     Conn* p = c.get();
     conns.push_back(std::move(c));
     p->thread = std::thread([this, p] { Serve(p); });
@@ -738,19 +789,43 @@ void PeerServer::Impl::AcceptLoop() {
 
 void PeerServer::Impl::Serve(Conn* c) {
   w::Frame f;
-  // The handshake first, in a short time: until it completes, only its tiny
-  // frames are read (peer_wire.h), so nothing big is allocated for a stranger.
-  Status hs = c->sock.SetTimeout(std::min(o.io_timeout_s, w::kHandshakeTimeoutS));
+  // The handshake first, bounded in total (PeerServerOptions): until it
+  // completes, only its tiny frames are read (peer_wire.h), so nothing big is
+  // allocated for a stranger. Its clock starts at the HELLO's first byte, so
+  // a client that a loaded host descheduled between connect and send is
+  // still served; the acceptor ends a handshake past its deadline.
+  Status hs;
+  for (;;) {
+    if (c->sock.WaitReadable(0.5)) break;  // a byte, the peer's close, or the deadline's shutdown
+    if (Stopping()) {
+      hs = Status::Aborted("peer server: stopping");
+      break;
+    }
+  }
+  if (hs.ok() && !c->timed_out.load()) c->deadline_ns.store(NsAfter(HandshakeTimeoutS()));
+  if (hs.ok()) hs = c->sock.SetTimeout(HandshakeTimeoutS());
   if (hs.ok()) hs = w::ServerHandshake(c->sock, o.job, o.secret);
+  c->pending.store(false);
+  if (hs.ok() && c->timed_out.load()) {
+    hs = Status::IOError("peer " + c->sock.peer() + ": the handshake completed past its deadline");
+  }
   if (hs.ok()) hs = c->sock.SetTimeout(o.io_timeout_s);
   if (!hs.ok()) {
     // A stranger's client also leaves on its own, when this side's proof
-    // does not hold for it: every handshake that does not complete counts.
+    // does not hold for it: every handshake that does not complete counts,
+    // as an auth failure, or as a timeout when it ran out of time.
     MutexLock l(&mu);
     if (!stop) {
-      ++stats.auth_failures;
-      if (hs.code() == StatusCode::kCorruption) ++stats.refused_frames;
-      stats.last_error = hs.ToString();
+      if (c->timed_out.load()) {
+        ++stats.handshake_timeouts;
+        stats.last_error = "peer " + c->sock.peer() + ": the handshake did not complete in time (" +
+                           std::to_string(o.io_timeout_s) + " s to the first byte, then " +
+                           std::to_string(HandshakeTimeoutS()) + " s)";
+      } else {
+        ++stats.auth_failures;
+        if (hs.code() == StatusCode::kCorruption) ++stats.refused_frames;
+        stats.last_error = hs.ToString();
+      }
     }
     l.Unlock();
     c->sock.Shutdown();
@@ -914,6 +989,13 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
     }
   }
   if (!over.empty()) return reply(Status::OK(), kBudgetReply);
+  // Writing a replica yields the CPU to this host's training: this
+  // connection's thread (and the receive helper it starts) from now on.
+  thread_local bool niced = false;
+  if (!niced) {
+    tier::LowerThreadPriority(o.nice);
+    niced = true;
+  }
   const auto release = [&] {
     MutexLock l(&mu);
     busy.erase(src);
@@ -1070,15 +1152,32 @@ Status CheckJob(const std::string& job) {
   return Status::OK();
 }
 
+// How long a client waits before its one new try of a handshake the server
+// cut (peer.h PeerServerOptions: a deadline, or too many handshakes at once).
+constexpr double kHandshakeRetryS = 1;
+
 // A connection to the server at `endpoint` that completed the handshake
-// (peer_wire.h): every frame on it carries a MAC.
+// (peer_wire.h): every frame on it carries a MAC. With `retry`, a handshake
+// cut or timed out on a connection that was made (the server's bounds under
+// load: its deadline, its cap on handshakes at once) is tried once more on
+// a new connection: the lists and fetches of a restart, whose fallback (the
+// disk, the object store) costs far more. A server that cannot be reached
+// is not tried again (the fallback is the faster way then), a refusal or a
+// proof that does not hold never is, and a push is not (the replicator
+// tries again with the newest checkpoint after ReplicatorOptions::retry_s).
 Result<w::Socket> Dial(const std::string& endpoint, const std::string& job,
-                       const std::string& secret, double connect_timeout_s, double io_timeout_s) {
+                       const std::string& secret, double connect_timeout_s, double io_timeout_s,
+                       bool retry = false) {
   NONSTOP_RETURN_IF_ERROR(CheckJob(job));
   NONSTOP_RETURN_IF_ERROR(w::CheckSecret(secret));
-  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, connect_timeout_s, io_timeout_s));
-  NONSTOP_RETURN_IF_ERROR(w::ClientHandshake(s, job, secret));
-  return s;
+  for (int attempt = 0;; ++attempt) {
+    NONSTOP_ASSIGN_OR_RETURN(w::Socket s, w::Connect(endpoint, connect_timeout_s, io_timeout_s));
+    Status hs = w::ClientHandshake(s, job, secret);
+    if (hs.ok()) return s;
+    if (!retry || attempt > 0 || hs.code() != StatusCode::kIOError) return hs;
+    s.Close();
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(kHandshakeRetryS * 1e6)));
+  }
 }
 
 }  // namespace
@@ -1120,7 +1219,8 @@ namespace {
 
 Result<std::vector<HeldReplica>> ListAt(const std::string& endpoint, const std::string& job,
                                         const std::string& secret, double timeout_s, bool own) {
-  NONSTOP_ASSIGN_OR_RETURN(w::Socket s, Dial(endpoint, job, secret, timeout_s, timeout_s));
+  NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
+                           Dial(endpoint, job, secret, timeout_s, timeout_s, /*retry=*/true));
   w::Out req;
   req.Str16(job);
   NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, own ? w::Type::kListOwn : w::Type::kList, req.str()));
@@ -1166,7 +1266,8 @@ Result<std::string> FetchTo(const std::string& endpoint, const std::string& job,
   }
   if (sub1.empty()) return Status::InvalidArgument("peer fetch: no directory to fetch into");
   NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
-                           Dial(endpoint, job, secret, std::min(timeout_s, 10.0), timeout_s));
+                           Dial(endpoint, job, secret, std::min(timeout_s, 10.0), timeout_s,
+                                /*retry=*/true));
   w::Out req;
   req.Str16(job).U32(source_rank).U8(step ? 1 : 0).I64(step.value_or(0));
   NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, own ? w::Type::kFetchOwn : w::Type::kFetch, req.str()));
@@ -1261,6 +1362,7 @@ struct Replicator::Impl {
   uint64_t completed GUARDED_BY(mu) = 0;  // the newest round finished
   ReplicatorStats stats GUARDED_BY(mu);
   uint64_t seen_unsent GUARDED_BY(mu) = 0;  // a counter seen and not yet on every partner
+  uint64_t seen_cadence = 0;                // loop thread: the last counter the cadence skipped
 
   void Loop();
   void Round();
@@ -1322,6 +1424,9 @@ void Replicator::Close() {
 }
 
 void Replicator::Impl::Loop() {
+  // Replication yields the CPU to training (ReplicatorOptions::nice); the
+  // push's helper threads inherit it.
+  tier::LowerThreadPriority(o.nice);
   MutexLock l(&mu);
   for (;;) {
     if (stop) break;
@@ -1346,6 +1451,22 @@ void Replicator::Impl::Round() {
   if (!got.ok()) return;  // no segment (yet) or nothing committed in it: nothing to send
   SlotFile& file = *got.value().first;
   const CheckpointInfo& info = got.value().second;
+  // The cadence (ReplicatorOptions::every): a partner takes a checkpoint
+  // only `every` counters after the one it holds.
+  const auto due = [&](const Partner& p) {
+    return p.held_counter == 0 || info.counter < p.held_counter ||
+           info.counter >= p.held_counter + std::max<uint32_t>(1, o.every);
+  };
+  if (std::none_of(partners.begin(), partners.end(), due)) {
+    const bool held_by_all = std::all_of(partners.begin(), partners.end(),
+                                         [&](const Partner& p) { return p.held_counter == info.counter; });
+    if (!held_by_all && seen_cadence != info.counter) {
+      seen_cadence = info.counter;
+      MutexLock l(&mu);
+      ++stats.skipped_cadence;
+    }
+    return;
+  }
   {
     MutexLock l(&mu);
     if (seen_unsent != 0 && seen_unsent != info.counter) ++stats.skipped;  // superseded unsent
@@ -1355,6 +1476,10 @@ void Replicator::Impl::Round() {
   std::vector<std::string> noted;  // partners that hold it now: noted in the job manifest below
   for (Partner& p : partners) {
     if (p.held_counter == info.counter) continue;
+    if (!due(p)) {
+      all = false;
+      continue;
+    }
     if (std::chrono::steady_clock::now() < p.retry_at) {
       all = false;
       continue;

@@ -95,6 +95,22 @@ struct PeerServerOptions {
   uint32_t budget_share = 0;
   double io_timeout_s = 30;         // every blocking send/receive
   int max_connections = 32;         // more at once are closed at accept
+  // The handshake (docs/TIERS.md "Trust"), bounded without failing a client
+  // that a loaded host makes slow: a new connection has io_timeout_s to send
+  // the first byte of its HELLO; from that byte on, the whole handshake
+  // (HELLO complete, the proof back) must be done within
+  // handshake_timeout_s (0: io_timeout_s) in total, however slowly its bytes
+  // trickle in. At most max_pending_handshakes connections are in their
+  // handshake at once; more are closed at accept (handshakes_refused). So a
+  // stranger holds a connection for at most io_timeout_s +
+  // handshake_timeout_s, and never more than that many at once.
+  double handshake_timeout_s = 0;
+  int max_pending_handshakes = 8;
+  // The CPU nice increment (and idle-class I/O) of a connection's thread
+  // once it receives a push (tier::LowerThreadPriority): the partner's
+  // training threads win the CPU over writing a replica. 0: none. Fetches
+  // (a restart) are served at the caller's priority.
+  int nice = 10;
   Env* env = nullptr;               // nullptr: DefaultEnv()
   // This host's own memory segments of the job (entry names in `dir`, as
   // the job directory's memory records name them), served read-only by
@@ -115,6 +131,11 @@ struct PeerServerStats {
                                         // (wrong secret or job, the client left on the server's
                                         // proof, a frame not the handshake's) or whose frame MAC
                                         // did not hold: closed, nothing big allocated
+  uint64_t handshake_timeouts = 0;      // connections dropped for not completing the handshake in
+                                        // time (no HELLO within io_timeout_s, or not done within
+                                        // handshake_timeout_s of its first byte): not counted above
+  uint64_t handshakes_refused = 0;      // connections closed at accept: max_pending_handshakes
+                                        // were in their handshake
   uint64_t fetches_served = 0;         // replicas and own segments
   uint64_t bytes_served = 0;
   uint64_t held = 0;                    // replicas held now
@@ -188,6 +209,16 @@ struct ReplicatorOptions {
   std::vector<std::string> partners;  // endpoints that hold this rank's replicas
   double poll_s = 0.2;                // how often the segment is looked at without Notify
   double retry_s = 1;                 // after a failed push, the next try at the earliest
+  // The replicator thread's CPU nice increment (and idle-class I/O;
+  // tier::LowerThreadPriority), so that training threads win the CPU over
+  // replication: a push only takes what training leaves. 0: none.
+  int nice = 10;
+  // The peer cadence: a checkpoint is pushed only when its counter is at
+  // least `every` above the last one every partner holds (the first always);
+  // the newest one at that moment, the ones between skipped. 1: every
+  // checkpoint the replicator sees (newest-wins: one committed during a push
+  // is sent next, the ones it superseded never).
+  uint32_t every = 1;
   PushOptions push;
   Env* env = nullptr;
   // This rank's job directory: after each push a partner holds, its
@@ -201,6 +232,7 @@ struct ReplicatorStats {
   uint64_t bytes = 0;           // their data bytes
   uint64_t failures = 0;        // pushes that failed (retried with the newest later)
   uint64_t skipped = 0;         // checkpoints never sent: a newer one came first
+  uint64_t skipped_cadence = 0; // checkpoints seen and not sent: within `every` of the last sent
   uint64_t skipped_budget = 0;  // pushes a partner refused for its budget
   int64_t last_step = -1;       // newest step every partner holds (-1: none)
   uint64_t last_counter = 0;

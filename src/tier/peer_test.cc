@@ -6,12 +6,15 @@
 // and the previous complete replica stays fetchable.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -276,6 +279,97 @@ TEST(PeerTest, TheReplicatorSendsTheNewestOnly) {
   EXPECT_GE(rep->stats().failures, 1u);
   EXPECT_EQ(rep->stats().last_step, -1);
   EXPECT_FALSE(rep->stats().last_error.empty());
+}
+
+// The nice values of this process's threads (/proc/self/task through the Env).
+std::multiset<int> ThreadNices() {
+  std::multiset<int> out;
+  auto dir = DefaultEnv()->OpenDirectory("/proc/self/task", false);
+  if (!dir.ok()) return out;
+  auto entries = dir.value()->List();
+  if (!entries.ok()) return out;
+  for (const DirEntry& e : entries.value()) {
+    errno = 0;
+    const int n = ::getpriority(PRIO_PROCESS, static_cast<id_t>(std::atoi(e.name.c_str())));
+    if (errno == 0) out.insert(n);
+  }
+  return out;
+}
+
+TEST(PeerTest, ReplicationRunsAtALowerCpuPriority) {
+  // The replicator's thread and the server's thread that receives a push
+  // yield the CPU to training (peer.h: ReplicatorOptions::nice,
+  // PeerServerOptions::nice); a fetch is served at the caller's priority.
+  errno = 0;
+  const int base = ::getpriority(PRIO_PROCESS, 0);  // this process's (a test run under nice)
+  if (errno != 0 || base > 10) GTEST_SKIP() << "running at nice " << base;
+  const int rep_nice = base + 5, srv_nice = base + 7;
+  const std::multiset<int> before = ThreadNices();
+  ASSERT_FALSE(before.empty());
+  ASSERT_EQ(before.count(rep_nice) + before.count(srv_nice), 0u);
+  auto env = FaultEnv::Create();
+  PeerServerOptions so;
+  so.job = kJob;
+  so.secret = kSecret;
+  so.bind_host = "127.0.0.1";
+  so.dir = "/shm";
+  so.env = env.get();
+  so.nice = 7;
+  auto srv = PeerServer::Start(so).value();
+  Source src(1);
+  src.Commit(1, 10);
+  ReplicatorOptions o;
+  o.job = kJob;
+  o.secret = kSecret;
+  o.rank = 1;
+  o.segment = src.path();
+  o.partners = {srv->endpoint()};
+  o.poll_s = 0.01;
+  o.env = src.env.get();
+  o.nice = 5;
+  auto rep = Replicator::Start(o).value();
+  ASSERT_TRUE(rep->Drain(10));
+  ASSERT_EQ(rep->stats().last_step, 10) << rep->stats().last_error;
+  // Both threads live on (the replicator keeps its connection).
+  const std::multiset<int> during = ThreadNices();
+  EXPECT_EQ(during.count(rep_nice), 1u) << "the replicator's thread";
+  EXPECT_EQ(during.count(srv_nice), 1u) << "the server's thread that received the push";
+  // A fetch's connection is not lowered.
+  Status st;
+  EXPECT_EQ(FetchBack(srv->endpoint(), 1, std::nullopt, &st).step, 10);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(ThreadNices().count(srv_nice), 1u);
+}
+
+TEST(PeerTest, TheReplicatorSkipsCheckpointsWithinItsCadence) {
+  Server srv;
+  Source src(1);
+  ReplicatorOptions o;
+  o.job = kJob;
+  o.secret = kSecret;
+  o.rank = 1;
+  o.segment = src.path();
+  o.partners = {srv.ep()};
+  o.poll_s = 0.01;
+  o.env = src.env.get();
+  o.every = 3;
+  auto rep = Replicator::Start(o).value();
+  const auto commit = [&](uint64_t counter) {
+    src.Commit(counter, static_cast<int64_t>(counter) * 10);
+    ASSERT_TRUE(rep->Drain(10));
+  };
+  commit(1);  // the first: sent
+  EXPECT_EQ(rep->stats().last_step, 10);
+  commit(2);
+  commit(3);  // within 3 of the one held: not sent
+  EXPECT_EQ(rep->stats().last_step, 10);
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().at(0).step, 10);
+  commit(4);  // 3 after it: sent
+  ReplicatorStats st = rep->stats();
+  EXPECT_EQ(st.last_step, 40);
+  EXPECT_EQ(st.replicated, 2u);
+  EXPECT_EQ(st.skipped_cadence, 2u);
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().at(0).step, 40);
 }
 
 TEST(PeerTest, AReplicaOverTheBudgetIsSkipped) {
@@ -1011,6 +1105,128 @@ TEST(PeerAuthTest, TamperedDataWithItsChecksumsFixedIsRefused) {
   ASSERT_TRUE(st.ok()) << st.ToString();
   EXPECT_EQ(r.step, 30);
   EXPECT_EQ(r.data, Data(Layout(), 30));
+}
+
+// A server with the handshake's bounds given (peer.h PeerServerOptions).
+std::unique_ptr<PeerServer> BoundedServer(double io_timeout_s, double handshake_timeout_s,
+                                          int max_pending, Env* env) {
+  PeerServerOptions o;
+  o.job = kJob;
+  o.secret = kSecret;
+  o.bind_host = "127.0.0.1";
+  o.dir = "/shm";
+  o.io_timeout_s = io_timeout_s;
+  o.handshake_timeout_s = handshake_timeout_s;
+  o.max_pending_handshakes = max_pending;
+  o.env = env;
+  auto r = PeerServer::Start(o);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(r).value() : nullptr;
+}
+
+// Whether the server ended connection `s` (its close seen within `wait_s`).
+bool ClosedByServer(wire::Socket& s, double wait_s) {
+  if (!s.WaitReadable(wait_s)) return false;
+  char c;
+  return ::recv(s.fd(), &c, 1, MSG_DONTWAIT) <= 0;
+}
+
+TEST(PeerAuthTest, AClientWhoseHelloComesLateIsServed) {
+  // The handshake's clock starts at the HELLO's first byte: a client that a
+  // loaded host kept from sending for longer than the whole handshake may
+  // take (handshake_timeout_s) is served all the same, within io_timeout_s.
+  auto env = FaultEnv::Create();
+  auto srv = BoundedServer(/*io_timeout_s=*/10, /*handshake_timeout_s=*/2, 8, env.get());
+  ASSERT_NE(srv, nullptr);
+  auto c = wire::Connect(srv->endpoint(), 5, 5).value();
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  Status hs = wire::ClientHandshake(c, kJob, kSecret);
+  ASSERT_TRUE(hs.ok()) << hs.ToString();
+  wire::Out req;
+  req.Str16(kJob);
+  ASSERT_TRUE(wire::SendFrame(c, wire::Type::kList, req.str()).ok());
+  wire::Frame f;
+  ASSERT_TRUE(wire::RecvFrame(c, &f).ok());
+  EXPECT_EQ(f.type, static_cast<uint16_t>(wire::Type::kListing));
+  PeerServerStats st = srv->stats();
+  EXPECT_EQ(st.auth_failures, 0u) << st.last_error;
+  EXPECT_EQ(st.handshake_timeouts, 0u) << st.last_error;
+}
+
+TEST(PeerAuthTest, AHandshakeThatNeverCompletesIsDroppedAndCounted) {
+  auto env = FaultEnv::Create();
+  auto srv = BoundedServer(/*io_timeout_s=*/2, /*handshake_timeout_s=*/1, 8, env.get());
+  ASSERT_NE(srv, nullptr);
+  std::string hello_frame;
+  {
+    wire::Out hello;
+    hello.Str16(kJob).Bytes(std::string(wire::kNonceBytes, '\x01'));
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    wire::Socket a(sv[0], "a"), b(sv[1], "b");
+    ASSERT_TRUE(wire::SendFrame(a, wire::Type::kHello, hello.str()).ok());
+    hello_frame.resize(wire::kHeaderBytes + hello.str().size());
+    ASSERT_TRUE(b.RecvAll(hello_frame.data(), hello_frame.size()).ok());
+  }
+  // 1. Its bytes trickle in, each well within every single receive's
+  // timeout: the whole handshake's deadline ends it before the HELLO is
+  // complete.
+  {
+    auto c = wire::Connect(srv->endpoint(), 5, 5).value();
+    size_t sent = 0;
+    bool closed = false;
+    for (; sent < hello_frame.size() && !closed; ++sent) {
+      if (!c.SendAll(hello_frame.data() + sent, 1).ok()) break;
+      closed = ClosedByServer(c, 0.25);
+    }
+    EXPECT_LT(sent, hello_frame.size()) << "the server waited for the whole trickled HELLO";
+    EXPECT_TRUE(closed || ClosedByServer(c, 5));
+  }
+  // 2. The HELLO, then never the proof.
+  {
+    auto c = wire::Connect(srv->endpoint(), 5, 5).value();
+    ASSERT_TRUE(c.SendAll(hello_frame.data(), hello_frame.size()).ok());
+    wire::Frame f;
+    ASSERT_TRUE(wire::RecvFrame(c, &f).ok());
+    EXPECT_EQ(f.type, static_cast<uint16_t>(wire::Type::kChallenge));
+    EXPECT_TRUE(ClosedByServer(c, 10));
+  }
+  // 3. Connected, never a byte: dropped after io_timeout_s.
+  {
+    auto c = wire::Connect(srv->endpoint(), 5, 5).value();
+    EXPECT_TRUE(ClosedByServer(c, 10));
+  }
+  EXPECT_TRUE(WaitStats(*srv, [](const PeerServerStats& st) { return st.handshake_timeouts == 3; }))
+      << srv->stats().handshake_timeouts << " " << srv->stats().last_error;
+  EXPECT_EQ(srv->stats().auth_failures, 0u) << srv->stats().last_error;
+  // The server still serves a client that completes its handshake.
+  EXPECT_TRUE(ListReplicas(srv->endpoint(), kJob, kSecret).ok());
+}
+
+TEST(PeerAuthTest, HandshakesAtOnceAreBoundedAndAListTriesOnceMore) {
+  auto env = FaultEnv::Create();
+  auto srv = BoundedServer(/*io_timeout_s=*/30, /*handshake_timeout_s=*/30, 2, env.get());
+  ASSERT_NE(srv, nullptr);
+  // Two connections that say nothing hold both handshake places.
+  std::vector<wire::Socket> idle;
+  for (int i = 0; i < 2; ++i) idle.push_back(wire::Connect(srv->endpoint(), 5, 5).value());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // accepted
+  // A third is closed at accept, and counted.
+  auto third = wire::Connect(srv->endpoint(), 5, 5).value();
+  EXPECT_TRUE(ClosedByServer(third, 10));
+  EXPECT_TRUE(WaitStats(*srv, [](const PeerServerStats& st) { return st.handshakes_refused == 1; }))
+      << srv->stats().handshakes_refused;
+  // A list refused at accept tries once more: one idle connection goes
+  // meanwhile, and the second try gets in.
+  std::thread leave([&] {
+    (void)WaitStats(*srv, [](const PeerServerStats& st) { return st.handshakes_refused == 2; });
+    idle[0].Close();
+  });
+  auto held = ListReplicas(srv->endpoint(), kJob, kSecret);
+  leave.join();
+  EXPECT_TRUE(held.ok()) << held.status().ToString();
+  EXPECT_EQ(srv->stats().handshakes_refused, 2u);
+  EXPECT_EQ(srv->stats().handshake_timeouts, 0u);
 }
 
 TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {

@@ -46,8 +46,6 @@ inline constexpr uint64_t kMaxListed = 1 << 16;
 inline constexpr uint64_t kMaxTableFrame = (64ull << 20) + (32ull << 20);
 // The most payload bytes of any frame before the handshake completed.
 inline constexpr uint64_t kMaxPreAuthFrame = 4096 + 8;
-// How long a server gives a new connection to complete the handshake.
-inline constexpr double kHandshakeTimeoutS = 10;
 
 // The frame types. A new type: a value here and its row in FrameLimit
 // (peer_wire.cc), both states.

@@ -183,7 +183,7 @@ def stall_pairs(a, hs, root, res):
                         ranks.append(json.loads(line))
             assert len(ranks) == 2, f"stall run {pair}/{reps}: see {log}-*"
             if reps:
-                assert all(x["peer_replicated"] > 0 for x in ranks), ranks
+                assert all(x["peer_replicated_drained"] > 0 for x in ranks), ranks
             for h in hs:
                 shutil.rmtree(os.path.join(h.disk, job), ignore_errors=True)
                 for n in os.listdir(h.shm):

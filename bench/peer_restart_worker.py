@@ -205,6 +205,8 @@ def run_delay_s():
 
 
 def train(a):
+    if a.cpu is not None:  # this "host"'s own core (peer_stall_bench.py --pin); threads inherit it
+        os.sched_setaffinity(0, {a.cpu})
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -236,6 +238,7 @@ def train(a):
     peers = getattr(getattr(ck.session, "dist", None), "peers", None)
     if peers is not None:
         drained = peers.drain(60)
+    after = ck.stats()
     out = {"rank": rank, "replicas": a.replicas, "step_s_mean": sum(times[warm:]) / len(times[warm:]),
            "runq_wait_s_mean": sum(waits[warm:]) / len(waits[warm:]),
            "peer_nice": a.peer_nice, "peer_every": a.peer_every,
@@ -244,6 +247,9 @@ def train(a):
            "stall_per_ckpt_s": st.get("visible_stall_s", 0.0) / max(1, st.get("saves", 1)),
            "saves": st.get("saves"), "peer_replicated": st.get("peer_replicated", 0),
            "peer_bytes": st.get("peer_bytes", 0), "peer_note": st.get("peer_note", ""),
+           # during training (above) and once drained after it (below)
+           "peer_last_step": st.get("peer_last_step"), "last_step": a.steps - 1,
+           "peer_replicated_drained": after.get("peer_replicated", 0),
            "drained": drained}
     ck.close()
     dist.barrier()
@@ -262,6 +268,7 @@ def main():
     ap.add_argument("--replicas", type=int, default=0)
     ap.add_argument("--peer-nice", type=int, default=None)
     ap.add_argument("--peer-every", type=int, default=1)
+    ap.add_argument("--cpu", type=int, default=None)
     a = ap.parse_args()
     serve() if a.mode == "serve" else train(a)
 

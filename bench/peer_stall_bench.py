@@ -1,13 +1,17 @@
 """Issue #27: the training stall of the peer tier, replication on against
 off, and what it is made of.
 
-    sudo .venv/bin/python bench/peer_stall_bench.py [--rounds 4] [--arms off,on,nice0,every4]
+    sudo .venv/bin/python bench/peer_stall_bench.py [--rounds 4] [--arms off,on,nice0,every4] [--pin]
         [--mb 64] [--every 1] [--steps 20] [--step-s 0.1] [--out bench/peer_stall_bench.json]
 
 Needs root (network namespaces, as tests/python/test_peer_tier.py).
 
 A 2-rank job, one rank per host (two network namespaces on one bridge,
-tests/python/netns_hosts.py; gloo across the veths), each rank its own
+tests/python/netns_hosts.py; gloo across the veths; with --pin each
+host's process on its own core, CPU 0 and CPU 1, as two hosts have their
+own CPUs: without it rank 0's replicator competes with rank 1's training
+for the same cores, and each rank is a session of its own, an autogroup
+of the scheduler, inside which alone a thread's nice counts), each rank its own
 --mb MB state, tier="memory", every=--every, per step a sleep of --step-s
 (the forward/backward) and an in-place update of the whole state, then
 ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
@@ -64,7 +68,7 @@ def run_arm(a, hs, root, rnd, arm) -> dict:
         hs, [0, 1], lambda r: [WORKER, "train", "--dir", os.path.join(hs[r].disk, job),
                                "--mb", str(a.mb), "--every", str(a.every),
                                "--steps", str(a.steps), "--step-s", str(a.step_s)]
-        + arm_flags(arm), log)
+        + arm_flags(arm) + (["--cpu", str(r % os.cpu_count())] if a.pin else []), log)
     netns_hosts.wait_ranks(procs, 600, log)
     ranks = []
     for r in range(2):
@@ -73,7 +77,7 @@ def run_arm(a, hs, root, rnd, arm) -> dict:
                 ranks.append(json.loads(line))
     assert len(ranks) == 2, f"stall run {rnd}/{arm}: see {log}-*"
     if arm != "off":
-        assert all(x["peer_replicated"] > 0 for x in ranks), ranks
+        assert all(x["peer_replicated_drained"] > 0 for x in ranks), ranks
     for h in hs:
         shutil.rmtree(os.path.join(h.disk, job), ignore_errors=True)
         for n in os.listdir(h.shm):
@@ -83,6 +87,7 @@ def run_arm(a, hs, root, rnd, arm) -> dict:
             "stall_per_ckpt_s": statistics.mean(x["stall_per_ckpt_s"] for x in ranks),
             "runq_wait_s_mean": statistics.mean(x["runq_wait_s_mean"] for x in ranks),
             "peer_replicated": sum(x["peer_replicated"] for x in ranks),
+            "peer_replicated_drained": sum(x["peer_replicated_drained"] for x in ranks),
             "ranks": ranks}
 
 
@@ -94,6 +99,8 @@ def main():
     ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-s", type=float, default=0.1)
+    ap.add_argument("--pin", action="store_true",
+                    help="each host's rank on its own core (CPU r): hosts that do not share CPUs")
     ap.add_argument("--out", default=os.path.join(HERE, "peer_stall_bench.json"))
     a = ap.parse_args()
     arms = a.arms.split(",")
@@ -107,7 +114,7 @@ def main():
     shm = tempfile.mkdtemp(prefix="peer-stall-", dir="/dev/shm")
     res = {"command": "python " + " ".join(sys.argv), "cpus": os.cpu_count(),
            "machine": platform.machine(), "mb": a.mb, "every": a.every, "steps": a.steps,
-           "step_s": a.step_s, "arms": arms, "rounds": [],
+           "step_s": a.step_s, "arms": arms, "pin": a.pin, "rounds": [],
            "loadavg_start": os.getloadavg()[0],
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     hs = netns_hosts.Hosts(2, root)
@@ -125,7 +132,7 @@ def main():
                 print(f"  round {rnd} {arm:<7} step {g['step_s_mean'] * 1e3:7.1f} ms"
                       f"  stall/ckpt {g['stall_per_ckpt_s'] * 1e3:7.1f} ms"
                       f"  run-queue wait/step {g['runq_wait_s_mean'] * 1e3:6.1f} ms"
-                      f"  replicated {g['peer_replicated']}", flush=True)
+                      f"  replicated {g['peer_replicated']} ({g['peer_replicated_drained']} drained)", flush=True)
             off = got["off"]
             ratios = {arm: {"step": got[arm]["step_s_mean"] / off["step_s_mean"],
                             "stall": (got[arm]["stall_per_ckpt_s"] / off["stall_per_ckpt_s"]

@@ -83,6 +83,7 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
                 break
             time.sleep(0.01)
         assert srv.stats()["auth_failures"] == 4  # the other job's list, then these 3
+        assert srv.stats()["handshake_timeouts"] == 0  # every client above finished in time
 
         # A flipped byte in the held replica: refused at fetch, nothing written.
         path = tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0)

@@ -182,3 +182,15 @@ def test_a_bad_replicas_value_is_one_line(tmp_path, bad):
         nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, replicas=bad)
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "job")  # refused before the directory is made
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_a_bad_peer_every_value_is_one_line(tmp_path, bad):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="peer_every must be an int >= 1") as e:
+        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_every=bad)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "job")  # refused before the directory is made
+    ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": model}, every=1, peer_every=3)
+    assert ck.options.dist.peer_every == 3
+    ck.close()

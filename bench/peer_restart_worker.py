@@ -211,17 +211,11 @@ def train(a):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    if a.peer_nice is not None:
-        # Bench only: the peer threads' nice (the C++ default is 10; 0 is
-        # what ran before replication yielded the CPU).
-        core = _core
-        for name in ("PeerReplicator", "PeerServer"):
-            orig = getattr(core, name)
-            setattr(core, name, lambda *x, _o=orig, **k: _o(*x, nice=a.peer_nice, **k))
     state = {"w": torch.randn(int(a.mb * 2**20 / 4 / 4096), 4096)}
     # Each rank its own state (a sharded model): rank-local, all of it checkpointed per rank.
     ck = nonstop.Checkpointer(a.dir, state, every=a.every, tier="memory", replicas=a.replicas,
-                              local=["w"], peer_every=a.peer_every)
+                              local=["w"], peer_every=a.peer_every,
+                              **({} if a.peer_nice is None else {"peer_nice": a.peer_nice}))
     ck.restore()
     times, waits = [], []
     for step in range(a.steps):

@@ -18,8 +18,8 @@ ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
 
   off     replicas=0
   on      replicas=1 (the peer threads at their default nice, 10)
-  nice0   replicas=1 with the peer threads at nice 0: what ran before
-          replication yielded the CPU (set through the bindings' nice=)
+  nice0   replicas=1, peer_nice=0: the peer threads at training's
+          priority, what ran before replication yielded the CPU
   everyN  replicas=1, peer_every=N (a partner takes a checkpoint only N
           after the one it holds)
 

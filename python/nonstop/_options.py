@@ -66,6 +66,7 @@ class DistOptions:
     replicas: Optional[int] = None  # the peer tier: None = 1 where another host exists
     peer_budget_bytes: Optional[int] = None  # None: a share of the memory dir's free space
     peer_every: int = 1  # the peer cadence: a replica every n-th memory checkpoint at most
+    peer_nice: int = 10  # the peer threads' CPU nice increment (0: training's priority)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def resolve(state: dict, **kw) -> Options:
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
                          _peer.check_replicas(kw["replicas"]),
                          _peer.check_budget(kw["peer_budget_bytes"]),
-                         _peer.check_every(kw["peer_every"])),
+                         _peer.check_every(kw["peer_every"]),
+                         _peer.check_nice(kw["peer_nice"])),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
         on_commit=kw["on_commit"])

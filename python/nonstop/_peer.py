@@ -61,6 +61,14 @@ def check_every(every) -> int:
     return every
 
 
+def check_nice(nice) -> int:
+    """peer_nice=: an int 0..19, how much lower the peer threads' CPU
+    priority is than the training's (0: the same)."""
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+        raise CheckpointMismatchError(f"peer_nice must be an int from 0 to 19, got {nice!r}")
+    return nice
+
+
 SECRET_ENV = "NONSTOP_PEER_SECRET"
 
 
@@ -142,10 +150,11 @@ class Peers:
     endpoints and the replicas the servers held at construction."""
 
     def __init__(self, dist, replicas: Optional[int], engine, budget_bytes: Optional[int] = None,
-                 peer_every: int = 1):
+                 peer_every: int = 1, peer_nice: int = 10):
         core = _ext.core()
         self.rank, self.world = dist.rank, dist.world
         self.every = peer_every  # the peer cadence (ReplicatorOptions::every)
+        self.nice = peer_nice  # the replicator's and the push receivers' nice
         self.server = self.replicator = None
         self.partners: list = []
         self.held: dict = {}  # source rank -> [(step, counter, holder rank)], newest first
@@ -195,7 +204,8 @@ class Peers:
             self.server = core.PeerServer(
                 self.job, secret, bind_host=addr, port=0,
                 budget_bytes=budget_bytes or 0,
-                budget_share=0 if budget_bytes is not None else share, segments=segs)
+                budget_share=0 if budget_bytes is not None else share, segments=segs,
+                nice=self.nice)
             listed = self.server.list()
             held = [h for h in listed if int(h.get("world_size", 0)) == self.world]
             other = [dict(h, own=False) for h in listed if int(h.get("world_size", 0)) != self.world]
@@ -226,7 +236,7 @@ class Peers:
                 self.replicator = core.PeerReplicator(
                     self.job, secret, self.rank, segment,
                     [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3],
-                    every=self.every)
+                    every=self.every, nice=self.nice)
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 

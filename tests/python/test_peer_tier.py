@@ -194,3 +194,12 @@ def test_a_bad_peer_every_value_is_one_line(tmp_path, bad):
     ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": model}, every=1, peer_every=3)
     assert ck.options.dist.peer_every == 3
     ck.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.0, "5", True])
+def test_a_bad_peer_nice_value_is_one_line(tmp_path, bad):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="peer_nice must be an int from 0 to 19") as e:
+        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_nice=bad)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "job")

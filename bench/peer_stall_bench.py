@@ -18,7 +18,7 @@ ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
 
   off     replicas=0
   on      replicas=1 (the peer threads at their default nice, 10)
-  nice0   replicas=1, peer_nice=0: the peer threads at training's
+  niceN   replicas=1, peer_nice=N; nice0: the peer threads at training's
           priority, what ran before replication yielded the CPU
   everyN  replicas=1, peer_every=N (a partner takes a checkpoint only N
           after the one it holds)
@@ -54,8 +54,8 @@ def arm_flags(arm: str) -> list:
         return ["--replicas", "0"]
     if arm == "on":
         return ["--replicas", "1"]
-    if arm == "nice0":
-        return ["--replicas", "1", "--peer-nice", "0"]
+    if arm.startswith("nice") and arm[4:].isdigit():
+        return ["--replicas", "1", "--peer-nice", arm[4:]]
     if arm.startswith("every") and arm[5:].isdigit():
         return ["--replicas", "1", "--peer-every", arm[5:]]
     raise SystemExit(f"unknown arm {arm!r}")

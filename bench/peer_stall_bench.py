@@ -1,7 +1,7 @@
 """Issue #27: the training stall of the peer tier, replication on against
 off, and what it is made of.
 
-    sudo .venv/bin/python bench/peer_stall_bench.py [--rounds 4] [--arms off,on,nice0,every4] [--pin]
+    sudo .venv/bin/python bench/peer_stall_bench.py [--rounds 4] [--arms off,on,nice0,every4] [--pin] [--one-session]
         [--mb 64] [--every 1] [--steps 20] [--step-s 0.1] [--out bench/peer_stall_bench.json]
 
 Needs root (network namespaces, as tests/python/test_peer_tier.py).
@@ -11,7 +11,8 @@ tests/python/netns_hosts.py; gloo across the veths; with --pin each
 host's process on its own core, CPU 0 and CPU 1, as two hosts have their
 own CPUs: without it rank 0's replicator competes with rank 1's training
 for the same cores, and each rank is a session of its own, an autogroup
-of the scheduler, inside which alone a thread's nice counts), each rank its own
+of the scheduler, inside which alone a thread's nice counts; --one-session
+puts both ranks in this process's session, one autogroup), each rank its own
 --mb MB state, tier="memory", every=--every, per step a sleep of --step-s
 (the forward/backward) and an in-place update of the whole state, then
 ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
@@ -38,6 +39,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,14 +63,32 @@ def arm_flags(arm: str) -> list:
     raise SystemExit(f"unknown arm {arm!r}")
 
 
+def start_one_session(hs, argv, log) -> list:
+    """netns_hosts.start_ranks, but every rank in this process's session
+    (its own process group only): one scheduler autogroup for both ranks."""
+    port = netns_hosts.free_port()
+    procs = []
+    for rank in range(2):
+        e = dict(os.environ, NONSTOP_SHM_DIR=hs[rank].shm, GLOO_SOCKET_IFNAME=netns_hosts.IFNAME,
+                 PYTHONUNBUFFERED="1", RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2",
+                 MASTER_ADDR=hs[0].addr, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        with open(f"{log}-{rank}", "ab") as f:
+            p = subprocess.Popen(["ip", "netns", "exec", hs[rank].ns, sys.executable, *argv(rank)],
+                                 env=e, stdout=f, stderr=subprocess.STDOUT, process_group=0)
+        hs[rank].procs.append(p)
+        procs.append(p)
+    return procs
+
+
 def run_arm(a, hs, root, rnd, arm) -> dict:
     log = os.path.join(root, f"stall-{rnd}-{arm}.log")
     job = f"stall-{rnd}-{arm}"
-    procs = netns_hosts.start_ranks(
-        hs, [0, 1], lambda r: [WORKER, "train", "--dir", os.path.join(hs[r].disk, job),
-                               "--mb", str(a.mb), "--every", str(a.every),
-                               "--steps", str(a.steps), "--step-s", str(a.step_s)]
-        + arm_flags(arm) + (["--cpu", str(r % os.cpu_count())] if a.pin else []), log)
+    argv = (lambda r: [WORKER, "train", "--dir", os.path.join(hs[r].disk, job),
+                       "--mb", str(a.mb), "--every", str(a.every),
+                       "--steps", str(a.steps), "--step-s", str(a.step_s)]
+            + arm_flags(arm) + (["--cpu", str(r % os.cpu_count())] if a.pin else []))
+    procs = (start_one_session(hs, argv, log) if a.one_session
+             else netns_hosts.start_ranks(hs, [0, 1], argv, log))
     netns_hosts.wait_ranks(procs, 600, log)
     ranks = []
     for r in range(2):
@@ -101,6 +121,8 @@ def main():
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--pin", action="store_true",
                     help="each host's rank on its own core (CPU r): hosts that do not share CPUs")
+    ap.add_argument("--one-session", action="store_true",
+                    help="both ranks in this process's session: one scheduler autogroup")
     ap.add_argument("--out", default=os.path.join(HERE, "peer_stall_bench.json"))
     a = ap.parse_args()
     arms = a.arms.split(",")
@@ -114,7 +136,8 @@ def main():
     shm = tempfile.mkdtemp(prefix="peer-stall-", dir="/dev/shm")
     res = {"command": "python " + " ".join(sys.argv), "cpus": os.cpu_count(),
            "machine": platform.machine(), "mb": a.mb, "every": a.every, "steps": a.steps,
-           "step_s": a.step_s, "arms": arms, "pin": a.pin, "rounds": [],
+           "step_s": a.step_s, "arms": arms, "pin": a.pin, "one_session": a.one_session,
+           "rounds": [],
            "loadavg_start": os.getloadavg()[0],
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     hs = netns_hosts.Hosts(2, root)

@@ -247,7 +247,8 @@ class Replicator {
   // A checkpoint may have been committed to the segment: look now.
   void Notify();
   // Waits until the segment's newest committed checkpoint has been pushed
-  // to every partner (or refused or failed) and nothing is in flight; false
+  // to every partner (or refused, failed, or left out by the cadence
+  // `every`) and nothing is in flight; false
   // when `timeout_s` passed first.
   bool Drain(double timeout_s);
   ReplicatorStats stats() const;

@@ -330,6 +330,7 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
     std::string buf;
     uint64_t len = 0;
     uint32_t crc = 0;
+    crypto::Block hash{};  // the frame tag's per-byte part (w::DataFrameHash)
   };
   std::array<Piece, 2> bufs;
   for (Piece& p : bufs) p.buf.resize(std::min<uint64_t>(piece, info.data_bytes));
@@ -347,12 +348,13 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
           read_failed = true;
           return r;
         }
+        p.hash = w::DataFrameHash(s, std::string_view(p.buf.data(), p.len), p.crc);
         off += p.len;
         *more = off < info.data_bytes;
         return Status::OK();
       },
       [&](Piece& p) {
-        NONSTOP_RETURN_IF_ERROR(w::SendDataFrame(s, std::string_view(p.buf.data(), p.len), p.crc));
+        NONSTOP_RETURN_IF_ERROR(w::SendDataFrame(s, std::string_view(p.buf.data(), p.len), p.crc, &p.hash));
         *sent += p.len;
         return Status::OK();
       },

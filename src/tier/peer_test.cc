@@ -542,7 +542,8 @@ TEST(PeerTest, HostileFramesAreRefusedBeforeAllocating) {
   // a stranger's at its first header: a client that waits 5 s sees the close.
   Server srv(0, nullptr, kSecret, 60);
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(0x12345678, wire::kVersion, 9, 10)));
-  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, 1, 9, 10)));  // the old version
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, 1, 9, 10)));  // the old versions
+  EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, 2, 9, 10)));
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 77, 10)));
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 1, 90ull << 20)));
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion, 2, 1ull << 40)));
@@ -550,8 +551,8 @@ TEST(PeerTest, HostileFramesAreRefusedBeforeAllocating) {
   std::string bad_crc = Header(wire::kMagic, wire::kVersion, 9, 0);
   bad_crc[21] ^= 1;
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), bad_crc));
-  EXPECT_GE(srv.s->stats().refused_frames, 7u);
-  EXPECT_GE(srv.s->stats().auth_failures, 7u);
+  EXPECT_GE(srv.s->stats().refused_frames, 8u);
+  EXPECT_GE(srv.s->stats().auth_failures, 8u);
   // After the handshake: a push whose table is garbage (its frame checksum
   // and MAC right) is answered with the damage.
   {
@@ -827,7 +828,8 @@ class CuttingProxy {
 // A proxy that forwards one connection to `to`, the server's bytes as they
 // are and the client's frame by frame through `rewrite(index, frame bytes)`,
 // which returns what is sent on instead (the client's first two frames are
-// the handshake's, without MAC; every later one has its 32-byte MAC).
+// the handshake's, without MAC; every later one has its MAC, or its tag:
+// wire::TagBytes).
 class FrameProxy {
  public:
   using Rewrite = std::function<std::string(int, const std::string&)>;
@@ -863,8 +865,10 @@ class FrameProxy {
       std::string frame(wire::kHeaderBytes, '\0');
       if (!client.RecvAll(frame.data(), frame.size()).ok()) break;
       uint64_t len = 0;
+      uint16_t type = 0;
       std::memcpy(&len, frame.data() + 8, 8);
-      const uint64_t rest = len + (i >= 2 ? wire::kMacBytes : 0);
+      std::memcpy(&type, frame.data() + 6, 2);
+      const uint64_t rest = len + (i >= 2 ? wire::TagBytes(type) : 0);
       if (rest > (64u << 20)) break;
       frame.resize(wire::kHeaderBytes + rest);
       if (!client.RecvAll(frame.data() + wire::kHeaderBytes, rest).ok()) break;
@@ -1229,6 +1233,71 @@ TEST(PeerAuthTest, HandshakesAtOnceAreBoundedAndAListTriesOnceMore) {
   EXPECT_EQ(srv->stats().handshake_timeouts, 0u);
 }
 
+TEST(PeerAuthTest, ADataFrameReplayedMovedOrWithItsTagChangedIsRefused) {
+  // DATA frames carry the 16-byte Carter-Wegman tag (GHASH XOR a pad per
+  // sequence number): the tag binds the frame to its connection, direction
+  // and place in the stream as the HMAC of the other frames does.
+  Server srv;
+  Source src(1);
+  src.Commit(3, 30);
+  std::string recorded;  // the DATA frame of a push of step 30, with its tag
+  {
+    FrameProxy p(srv.ep(), [&](int i, const std::string& fr) {
+      if (i == 3) recorded = fr;
+      return fr;
+    });
+    ASSERT_EQ(src.Push(p.ep()).value(), PushOutcome::kStored);
+  }
+  uint16_t type = 0;
+  ASSERT_GT(recorded.size(), wire::kHeaderBytes);
+  std::memcpy(&type, recorded.data() + 6, 2);
+  ASSERT_EQ(type, static_cast<uint16_t>(wire::Type::kData));
+  ASSERT_EQ(recorded.size(), wire::kHeaderBytes + Layout().data_bytes + wire::kDataTagBytes);
+  src.Commit(4, 30);  // the same bytes again, a new checkpoint
+  const std::vector<std::function<std::string(const std::string&)>> attacks = {
+      // Played into another connection, in the same place (frame 3): the
+      // same bytes, crcs and header, but another session's hash key and pad.
+      [&](const std::string&) { return recorded; },
+      // Played twice on its own connection: the second has the next pad.
+      [&](const std::string& fr) { return fr + fr; },
+      // One bit of the tag flipped.
+      [&](const std::string& fr) {
+        std::string t = fr;
+        t.back() = static_cast<char>(t.back() ^ 0x10);
+        return t;
+      },
+      // One bit of the payload flipped, with the frame's payload and header
+      // crcs fixed up (the chunk's crc in the table no longer holds, but the
+      // tag is checked first).
+      [&](const std::string& fr) {
+        std::string t = fr;
+        t[wire::kHeaderBytes + 5] = static_cast<char>(t[wire::kHeaderBytes + 5] ^ 1);
+        const uint32_t pcrc = Crc32c(t.data() + wire::kHeaderBytes, Layout().data_bytes);
+        std::memcpy(t.data() + 16, &pcrc, 4);
+        const uint32_t hcrc = Crc32c(t.data(), 20);
+        std::memcpy(t.data() + 20, &hcrc, 4);
+        return t;
+      },
+  };
+  uint64_t failures = 0;
+  for (size_t k = 0; k < attacks.size(); ++k) {
+    SCOPED_TRACE("attack " + std::to_string(k));
+    FrameProxy p(srv.ep(), [&](int i, const std::string& fr) { return i == 3 ? attacks[k](fr) : fr; });
+    EXPECT_FALSE(src.Push(p.ep()).ok());
+    ++failures;
+    EXPECT_TRUE(WaitStats(*srv.s, [&](const PeerServerStats& st) { return st.auth_failures == failures; }))
+        << srv.s->stats().auth_failures;
+    EXPECT_NE(srv.s->stats().last_error.find("MAC mismatch"), std::string::npos)
+        << srv.s->stats().last_error;
+  }
+  // The replica held is still the first push's, whole; a clean push lands.
+  Status st;
+  Read r = FetchBack(srv.ep(), 1, std::nullopt, &st);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(r.data, Data(Layout(), 30));
+  EXPECT_EQ(src.Push(srv.ep()).value(), PushOutcome::kStored);
+}
+
 TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
   Server srv;
   Source src(1);
@@ -1255,7 +1324,7 @@ TEST(PeerTest, ATransferCutAnywhereNeverListsAsComplete) {
   std::vector<uint64_t> bounds = {0, hello, auth, push_end};
   for (uint64_t off = 0; off < layout.data_bytes; off += wire::kDataPiece) {
     bounds.push_back(bounds.back() + wire::kHeaderBytes +
-                     std::min<uint64_t>(wire::kDataPiece, layout.data_bytes - off) + wire::kMacBytes);
+                     std::min<uint64_t>(wire::kDataPiece, layout.data_bytes - off) + wire::kDataTagBytes);
   }
   const uint64_t total = bounds.back() + wire::kHeaderBytes + wire::kMacBytes;  // END
   std::vector<uint64_t> cuts;

@@ -258,12 +258,33 @@ crypto::Digest FrameMac(const crypto::HmacSha256& key, uint64_t seq, const uint8
   return r.Final();
 }
 
+// The tag of DATA frame number `seq` of one direction (Carter-Wegman):
+// GHASH_H(header, payload) XOR the first 16 bytes of HMAC(session key,
+// "pad" | seq). The pad is a fresh pseudo-random value per frame (seq never
+// repeats within a direction); the hash key H is a secret of the session
+// and direction (MakeSession). docs/TIERS.md "Trust" has the bound.
+crypto::Block DataTag(const crypto::HmacSha256& key, uint64_t seq, const crypto::Block& hash) {
+  crypto::HmacSha256::Run r = key.Begin();
+  r.Update("pad", 3);
+  r.Update(&seq, 8);
+  const crypto::Digest pad = r.Final();
+  crypto::Block tag = hash;
+  for (size_t i = 0; i < tag.size(); ++i) tag[i] ^= pad[i];
+  return tag;
+}
+
+crypto::Block HashData(const crypto::Ghash& hash, const uint8_t* h, std::string_view payload) {
+  return hash.Hash(std::string_view(reinterpret_cast<const char*>(h), kHeaderBytes), payload);
+}
+
 }  // namespace
 
 namespace {
 
-// One frame, its payload crc32c given.
-Status SendFrameCrc(Socket& s, Type type, std::string_view a, std::string_view b, uint32_t pcrc) {
+// One frame, its payload crc32c given; a DATA frame's hash too when the
+// caller computed it ahead (DataFrameHash).
+Status SendFrameCrc(Socket& s, Type type, std::string_view a, std::string_view b, uint32_t pcrc,
+                    const crypto::Block* data_hash = nullptr) {
   const uint64_t len = a.size() + b.size();
   const uint16_t t = static_cast<uint16_t>(type);
   const int64_t limit = FrameLimit(t, s.authenticated());
@@ -281,7 +302,13 @@ Status SendFrameCrc(Socket& s, Type type, std::string_view a, std::string_view b
     NONSTOP_RETURN_IF_ERROR(s.SendAll(a.data(), a.size(), !b.empty() || ss ? MSG_MORE : 0));
   }
   if (!b.empty()) NONSTOP_RETURN_IF_ERROR(s.SendAll(b.data(), b.size(), ss ? MSG_MORE : 0));
-  if (ss != nullptr) {
+  if (ss != nullptr && type == Type::kData) {
+    const std::string joined = b.empty() ? std::string() : std::string(a) + std::string(b);
+    const crypto::Block hash =
+        data_hash != nullptr ? *data_hash : HashData(ss->send_hash, h, b.empty() ? a : joined);
+    const crypto::Block tag = DataTag(ss->send_key, ss->send_seq++, hash);
+    NONSTOP_RETURN_IF_ERROR(s.SendAll(tag.data(), tag.size()));
+  } else if (ss != nullptr) {
     const crypto::Digest mac = FrameMac(ss->send_key, ss->send_seq++, h, a, b);
     NONSTOP_RETURN_IF_ERROR(s.SendAll(mac.data(), mac.size()));
   }
@@ -294,8 +321,17 @@ Status SendFrame(Socket& s, Type type, std::string_view a, std::string_view b) {
   return SendFrameCrc(s, type, a, b, Crc32c(b.data(), b.size(), Crc32c(a.data(), a.size())));
 }
 
-Status SendDataFrame(Socket& s, std::string_view payload, uint32_t payload_crc) {
-  return SendFrameCrc(s, Type::kData, payload, {}, payload_crc);
+Status SendDataFrame(Socket& s, std::string_view payload, uint32_t payload_crc,
+                     const crypto::Block* hash) {
+  return SendFrameCrc(s, Type::kData, payload, {}, payload_crc, hash);
+}
+
+crypto::Block DataFrameHash(Socket& s, std::string_view payload, uint32_t payload_crc) {
+  const Session* ss = s.session();
+  if (ss == nullptr) return {};
+  uint8_t h[kHeaderBytes];
+  EncodeHeader(h, static_cast<uint16_t>(Type::kData), payload.size(), payload_crc);
+  return HashData(ss->send_hash, h, payload);
 }
 
 Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc) {
@@ -333,9 +369,18 @@ Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc) {
   if (len > 0) NONSTOP_RETURN_IF_ERROR(s.RecvAll(f->payload.data(), len));
   if (Session* ss = s.session()) {
     uint8_t got[kMacBytes];
-    NONSTOP_RETURN_IF_ERROR(s.RecvAll(got, sizeof(got)));
-    const crypto::Digest want = FrameMac(ss->recv_key, ss->recv_seq++, h, f->payload, {});
-    if (!crypto::ConstantTimeEqual(got, want.data(), kMacBytes)) {
+    const size_t n = TagBytes(type);
+    NONSTOP_RETURN_IF_ERROR(s.RecvAll(got, n));
+    const uint64_t seq = ss->recv_seq++;
+    bool held;
+    if (type == static_cast<uint16_t>(Type::kData)) {
+      const crypto::Block want = DataTag(ss->recv_key, seq, HashData(ss->recv_hash, h, f->payload));
+      held = crypto::ConstantTimeEqual(got, want.data(), n);
+    } else {
+      const crypto::Digest want = FrameMac(ss->recv_key, seq, h, f->payload, {});
+      held = crypto::ConstantTimeEqual(got, want.data(), n);
+    }
+    if (!held) {
       ss->mac_failed = true;
       return Status::Corruption(from + "frame MAC mismatch (forged, replayed, reordered or "
                                 "damaged in transit)");
@@ -374,6 +419,11 @@ std::unique_ptr<Session> MakeSession(const crypto::HmacSha256& secret, const std
   auto ss = std::make_unique<Session>();
   ss->send_key = crypto::HmacSha256(AsView(client ? c2s : s2c));
   ss->recv_key = crypto::HmacSha256(AsView(client ? s2c : c2s));
+  // The DATA hash key of a direction: the first 16 bytes of its session
+  // key's MAC of a label. The HMAC inputs of one key stay apart by length:
+  // this label 22 bytes, a pad's 11, a frame MAC's at least 32.
+  ss->send_hash = crypto::Ghash(ss->send_key.Mac("nonstop-peer data hash").data());
+  ss->recv_hash = crypto::Ghash(ss->recv_key.Mac("nonstop-peer data hash").data());
   return ss;
 }
 

@@ -14,8 +14,11 @@
 // direction, the job and the protocol version. Before it completes only the
 // handshake's tiny frames are accepted (kMaxPreAuthFrame); afterwards every
 // frame carries HMAC-SHA256(session key of its direction, sequence number |
-// header | payload), so a frame can be neither forged, nor replayed, nor
-// moved to another connection or direction (docs/TIERS.md "Trust").
+// header | payload) -- DATA frames (the bulk bytes) a 16-byte Carter-Wegman
+// tag instead: GHASH over (header, payload) under a hash key of the session
+// and direction, XOR a one-time pad HMAC(session key, "pad" | sequence
+// number) --, so a frame can be neither forged, nor replayed, nor moved to
+// another connection or direction (docs/TIERS.md "Trust").
 #pragma once
 
 #include <atomic>
@@ -28,15 +31,18 @@
 #include <vector>
 
 #include "nonstop/status.h"
+#include "tier/ghash.h"
 #include "tier/peer.h"
 #include "tier/sha256.h"
 
 namespace nonstop::peer::wire {
 
 inline constexpr uint32_t kMagic = 0x5750534E;  // "NSPW"
-inline constexpr uint16_t kVersion = 2;  // 2: the handshake and the per-frame MAC
+// 2: the handshake and the per-frame MAC; 3: DATA frames' Carter-Wegman tag.
+inline constexpr uint16_t kVersion = 3;
 inline constexpr size_t kHeaderBytes = 24;
-inline constexpr size_t kMacBytes = crypto::kSha256Bytes;
+inline constexpr size_t kMacBytes = crypto::kSha256Bytes;  // HMAC-SHA256: every frame but DATA
+inline constexpr size_t kDataTagBytes = crypto::kGhashBytes;  // DATA frames' tag
 inline constexpr size_t kNonceBytes = 32;
 inline constexpr uint64_t kMaxDataFrame = 16ull << 20;
 inline constexpr uint64_t kDataPiece = 4ull << 20;  // what a sender puts in one DATA frame
@@ -77,9 +83,17 @@ int64_t FrameLimit(uint16_t t, bool authenticated);
 // sequence numbers of the next frame each way.
 struct Session {
   crypto::HmacSha256 send_key, recv_key;
+  // DATA frames' hash, keyed per direction from the session key (never sent).
+  crypto::Ghash send_hash, recv_hash;
   uint64_t send_seq = 0, recv_seq = 0;
   bool mac_failed = false;  // a received frame's MAC did not hold (the connection is done)
 };
+
+// The bytes of the MAC or tag that follow a frame of type `t` after the
+// handshake.
+inline size_t TagBytes(uint16_t t) {
+  return t == static_cast<uint16_t>(Type::kData) ? kDataTagBytes : kMacBytes;
+}
 
 // A connected TCP socket (owned). Every send and receive has the timeout
 // given at connect/accept; a timeout or a closed peer is an IOError.
@@ -135,7 +149,14 @@ Status SendFrame(Socket& s, Type type, std::string_view a, std::string_view b = 
 // Sends one DATA frame whose payload's crc32c the caller already has (the
 // Crc32cCombine of the chunk crcs it checked while reading it), so the
 // payload is not read once more for the header.
-Status SendDataFrame(Socket& s, std::string_view payload, uint32_t payload_crc);
+// `hash`: DataFrameHash of the same payload and crc on this socket, computed
+// ahead (off the sending thread), or null to compute it here.
+Status SendDataFrame(Socket& s, std::string_view payload, uint32_t payload_crc,
+                     const crypto::Block* hash = nullptr);
+// The GHASH part of the tag of a DATA frame of `payload` and `payload_crc`
+// on `s` (zero before the handshake): the per-byte part, which needs no
+// sequence number. Safe beside a send on another thread.
+crypto::Block DataFrameHash(Socket& s, std::string_view payload, uint32_t payload_crc);
 // Receives one frame into *f (its payload buffer reused). Corruption for a
 // header that is not one (magic, version, a type or a length over
 // FrameLimit for the socket's state, header crc) -- before the payload is

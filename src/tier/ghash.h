@@ -1,0 +1,72 @@
+// GHASH (NIST SP 800-38D section 6.4): the polynomial universal hash over
+// GF(2^128) of GCM, for the peer wire's MAC of DATA frames (peer_wire.h;
+// docs/TIERS.md "Trust"). Written from the spec's math; no external crypto
+// library. On x86-64 processors with PCLMULQDQ the multiplications run on
+// it, several blocks per reduction (the powers H^1..H^kAggregate are
+// precomputed), chosen once at run time; else in portable C++ (the spec's
+// Algorithm 1). Both give the same values (ghash_test).
+//
+// A hash alone is no MAC: the peer wire adds a one-time pad per frame
+// (Carter-Wegman). See peer_wire.cc FrameTag.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace nonstop::crypto {
+
+inline constexpr size_t kGhashBytes = 16;
+using Block = std::array<uint8_t, kGhashBytes>;
+
+// An element of GF(2^128) as the spec writes a block: bit 0 (the
+// coefficient of x^0) is the most significant bit of byte 0. Held as two
+// big-endian 64-bit halves: hi = bytes 0..7, lo = bytes 8..15, so the
+// coefficient of x^i is bit 127 - i of the 128-bit number hi:lo.
+struct Gf128 {
+  uint64_t hi = 0, lo = 0;
+  static Gf128 Load(const uint8_t p[kGhashBytes]);
+  void Store(uint8_t p[kGhashBytes]) const;
+  bool operator==(const Gf128&) const = default;
+};
+
+class Ghash {
+ public:
+  static constexpr int kAggregate = 8;  // blocks per reduction on the hardware path
+
+  // H: the hash key (16 bytes). A zero key hashes everything to zero: the
+  // caller derives it from a secret (a zero key has probability 2^-128).
+  explicit Ghash(const uint8_t key[kGhashBytes]);
+  Ghash() : Ghash(Block{}.data()) {}
+
+  // GHASH_H(X) of SP 800-38D for `blocks` whole 16-byte blocks, continuing
+  // from *y (the running value Y; zero to start).
+  void Blocks(Gf128* y, const uint8_t* p, size_t blocks) const;
+  // The GCM-shaped hash of a pair (A, C) (SP 800-38D 7.1 step 5): GHASH of A
+  // zero-padded to whole blocks, C likewise, then [len(A)]64 || [len(C)]64
+  // (bit lengths).
+  Block Hash(std::string_view a, std::string_view c) const;
+
+  bool hardware() const { return hw_; }
+  const Gf128* powers() const { return pow_; }  // H^1..H^kAggregate
+
+ private:
+  Gf128 pow_[kAggregate];  // H^1 .. H^kAggregate
+  bool hw_ = false;
+};
+
+// The GF(2^128) product (the spec's X • Y), portable.
+Gf128 GfMul(const Gf128& x, const Gf128& y);
+
+namespace detail {
+// The block loop, portable / with PCLMULQDQ (false: not available here).
+// pow: H^1..H^kAggregate. For tests.
+void GhashPortable(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks);
+bool GhashHardware(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks);
+bool GhashHardwareAvailable();
+// Forces the portable path for Ghash objects made afterwards (tests, bench).
+void GhashForcePortable(bool on);
+}  // namespace detail
+
+}  // namespace nonstop::crypto

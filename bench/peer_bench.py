@@ -82,6 +82,10 @@ def raw_copy(nbytes, host="127.0.0.1"):
     return secs
 
 
+WIRES = {1: "v1 (no auth)", 2: "v2 (handshake, HMAC-SHA256 per frame)",
+         3: "v3 (handshake; DATA frames: GHASH on PCLMULQDQ XOR a per-frame HMAC pad, others HMAC-SHA256)"}
+
+
 def cpu_s():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -149,7 +153,7 @@ def main():
 
     raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9
     result = {"bytes": nbytes, "rounds": a.rounds, "dir": a.dir, "cpus": os.cpu_count(),
-              "wire": "v2 (handshake, HMAC-SHA256 per frame)" if authed else "v1 (no auth)",
+              "wire": WIRES.get(getattr(_core, "PEER_WIRE_VERSION", 2 if authed else 1)),
               "nonstop": os.path.dirname(nonstop.__file__), "load_avg": os.getloadavg(),
               "seconds": rows, "cpu_seconds": cpu, "median_GBps": {}, "vs_raw": {},
               "median_cpu_s_per_GB": {}, "command": "python " + " ".join(sys.argv)}

@@ -6,6 +6,7 @@
 #include "python/bindings.h"
 #include "engine/memory_tier.h"
 #include "tier/peer.h"
+#include "tier/peer_wire.h"
 
 namespace nonstop::py_bindings {
 namespace {
@@ -49,6 +50,7 @@ auto Released(Fn&& fn) {
 }  // namespace
 
 void InitPeer(py::module_& m) {
+  m.attr("PEER_WIRE_VERSION") = peer::wire::kVersion;  // docs/FORMAT.md "Peer wire format"
   py::class_<peer::PeerServer>(m, "PeerServer",
                                "The peer tier's server (tier/peer.h): holds partners' replicas "
                                "in the memory directory and serves lists and fetches.")

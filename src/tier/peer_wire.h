@@ -4,7 +4,7 @@
 // header's own crc32c) before a byte of payload is allocated or read; the
 // payload's crc32c is checked before it is used. Little endian throughout.
 //
-//   frame   = header(24) payload(length) [mac(32): after the handshake]
+//   frame   = header(24) payload(length) [mac(32), DATA: tag(16): after the handshake]
 //   header  = magic u32 "NSPW" | version u16 | type u16 | length u64 |
 //             payload crc32c u32 | header crc32c u32 (of the 20 bytes before)
 //

@@ -6,7 +6,7 @@
 // x^i. Read big endian, a block is the 128-bit number B whose bit 127 - i
 // is the coefficient of x^i: B is the polynomial with its bits reversed.
 //
-// The hardware path: a carry-less multiplication of two such reversed
+// The hardware paths: a carry-less multiplication of two such reversed
 // numbers a, b (PCLMULQDQ: 64 x 64 -> 127 bits, four of them for 128 x 128)
 // gives the 255-bit product whose bit 254 - k is the coefficient c_k of x^k
 // in C = A * B. Shifted left by one it is a 256-bit number V = V1:V0 (128
@@ -27,6 +27,7 @@
 // unrolled: Y' = (Y ^ X1) H^k ^ X2 H^(k-1) ^ ... ^ Xk H).
 #include "tier/ghash.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -51,7 +52,7 @@ void StoreBe64(uint8_t* p, uint64_t v) {
   }
 }
 
-std::atomic<bool> force_portable{false};
+std::atomic<GhashImpl> limit{GhashImpl::kVpclmul};
 
 #if defined(__x86_64__)
 bool DetectPclmul() {
@@ -61,7 +62,22 @@ bool DetectPclmul() {
   return pclmul && ssse3;
 }
 
+// VPCLMULQDQ on 256-bit registers needs AVX2 and the OS saving them (XCR0).
+bool DetectVpclmul() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+  const bool osxsave = (c >> 27) & 1, avx = (c >> 28) & 1;
+  if (!osxsave || !avx) return false;
+  unsigned xlo = 0, xhi = 0;
+  __asm__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  if ((xlo & 6) != 6) return false;  // SSE and AVX state
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+  const bool avx2 = (b >> 5) & 1, vpclmul = (c >> 10) & 1;
+  return avx2 && vpclmul && DetectPclmul();
+}
+
 #define NONSTOP_CLMUL __attribute__((target("pclmul,ssse3")))
+#define NONSTOP_VCLMUL __attribute__((target("vpclmulqdq,avx2,pclmul,ssse3")))
 
 // The block at p, read big endian into one register (hi:lo).
 NONSTOP_CLMUL inline __m128i LoadBlock(const uint8_t* p) {
@@ -137,15 +153,63 @@ NONSTOP_CLMUL void BlocksClmul(const Gf128 pow[Ghash::kAggregate], Gf128* y, con
   }
   *y = FromReg(acc);
 }
+
+// The two 128-bit lanes of v added.
+NONSTOP_VCLMUL inline __m128i Fold(__m256i v) {
+  return _mm_xor_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
+// The same with two blocks per instruction: blocks 2j and 2j+1 of a group
+// of 8 in the low and high 128-bit lanes of register j, against H^(8-2j)
+// and H^(7-2j); the lanes' sums are added before the one reduction.
+NONSTOP_VCLMUL void BlocksVclmul(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p,
+                                 size_t blocks) {
+  constexpr int k = Ghash::kAggregate;
+  static_assert(k == 8, "four pairs of blocks per group");
+  __m256i h[k / 2];
+  for (int j = 0; j < k / 2; ++j) {
+    h[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(ToReg(pow[k - 1 - 2 * j])),
+                                   ToReg(pow[k - 2 - 2 * j]), 1);
+  }
+  const __m256i reverse = _mm256_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                          0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m128i acc = ToReg(*y);
+  for (; blocks >= static_cast<size_t>(k); blocks -= k, p += k * kGhashBytes) {
+    __m256i lo = _mm256_setzero_si256(), mid = lo, hi = lo;
+    for (int j = 0; j < k / 2; ++j) {
+      __m256i x = _mm256_shuffle_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * j * kGhashBytes)), reverse);
+      if (j == 0) x = _mm256_xor_si256(x, _mm256_castsi128_si256(acc));  // the low lane: block 0
+      lo = _mm256_xor_si256(lo, _mm256_clmulepi64_epi128(x, h[j], 0x00));
+      hi = _mm256_xor_si256(hi, _mm256_clmulepi64_epi128(x, h[j], 0x11));
+      mid = _mm256_xor_si256(mid, _mm256_xor_si256(_mm256_clmulepi64_epi128(x, h[j], 0x01),
+                                                   _mm256_clmulepi64_epi128(x, h[j], 0x10)));
+    }
+    acc = Reduce(Wide{Fold(lo), Fold(mid), Fold(hi)});
+  }
+  *y = FromReg(acc);
+  if (blocks > 0) BlocksClmul(pow, y, p, blocks);
+}
 #endif
 
-bool HardwareHere() {
+GhashImpl BestHere() {
 #if defined(__x86_64__)
-  static const bool have = DetectPclmul();
-  return have;
+  static const GhashImpl best = DetectVpclmul() ? GhashImpl::kVpclmul
+                                : DetectPclmul() ? GhashImpl::kPclmul
+                                                 : GhashImpl::kPortable;
+  return best;
 #else
-  return false;
+  return GhashImpl::kPortable;
 #endif
+}
+
+void BlocksPortable(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks) {
+  Gf128 acc = *y;
+  for (size_t i = 0; i < blocks; ++i, p += kGhashBytes) {
+    const Gf128 x = Gf128::Load(p);
+    acc = GfMul(Gf128{acc.hi ^ x.hi, acc.lo ^ x.lo}, pow[0]);
+  }
+  *y = acc;
 }
 
 }  // namespace
@@ -176,42 +240,36 @@ Gf128 GfMul(const Gf128& x, const Gf128& y) {
 
 namespace detail {
 
-void GhashPortable(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks) {
-  Gf128 acc = *y;
-  for (size_t i = 0; i < blocks; ++i, p += kGhashBytes) {
-    const Gf128 x = Gf128::Load(p);
-    acc = GfMul(Gf128{acc.hi ^ x.hi, acc.lo ^ x.lo}, pow[0]);
-  }
-  *y = acc;
-}
-
-bool GhashHardware(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks) {
+bool GhashBlocks(GhashImpl impl, const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p,
+                 size_t blocks) {
+  if (impl > BestHere()) return false;
+  switch (impl) {
+    case GhashImpl::kPortable: BlocksPortable(pow, y, p, blocks); return true;
 #if defined(__x86_64__)
-  if (!HardwareHere()) return false;
-  BlocksClmul(pow, y, p, blocks);
-  return true;
+    case GhashImpl::kPclmul: BlocksClmul(pow, y, p, blocks); return true;
+    case GhashImpl::kVpclmul: BlocksVclmul(pow, y, p, blocks); return true;
 #else
-  (void)pow, (void)y, (void)p, (void)blocks;
-  return false;
+    default: return false;
 #endif
+  }
+  return false;
 }
 
-bool GhashHardwareAvailable() { return HardwareHere(); }
+GhashImpl GhashBest() { return BestHere(); }
 
-void GhashForcePortable(bool on) { force_portable.store(on); }
+void GhashLimit(GhashImpl most) { limit.store(most); }
 
 }  // namespace detail
 
 Ghash::Ghash(const uint8_t key[kGhashBytes]) {
   pow_[0] = Gf128::Load(key);
   for (int i = 1; i < kAggregate; ++i) pow_[i] = GfMul(pow_[i - 1], pow_[0]);
-  hw_ = HardwareHere() && !force_portable.load();
+  impl_ = std::min(BestHere(), limit.load());
 }
 
 void Ghash::Blocks(Gf128* y, const uint8_t* p, size_t blocks) const {
   if (blocks == 0) return;
-  if (hw_ && detail::GhashHardware(pow_, y, p, blocks)) return;
-  detail::GhashPortable(pow_, y, p, blocks);
+  (void)detail::GhashBlocks(impl_, pow_, y, p, blocks);
 }
 
 Block Ghash::Hash(std::string_view a, std::string_view c) const {

@@ -1,10 +1,11 @@
 // GHASH (NIST SP 800-38D section 6.4): the polynomial universal hash over
 // GF(2^128) of GCM, for the peer wire's MAC of DATA frames (peer_wire.h;
 // docs/TIERS.md "Trust"). Written from the spec's math; no external crypto
-// library. On x86-64 processors with PCLMULQDQ the multiplications run on
-// it, several blocks per reduction (the powers H^1..H^kAggregate are
-// precomputed), chosen once at run time; else in portable C++ (the spec's
-// Algorithm 1). Both give the same values (ghash_test).
+// library. On x86-64 processors with VPCLMULQDQ (AVX2: two blocks per
+// instruction) or PCLMULQDQ the multiplications run on them, several blocks
+// per reduction (the powers H^1..H^kAggregate are precomputed), chosen once
+// at run time; else in portable C++ (the spec's Algorithm 1). All give the
+// same values (ghash_test).
 //
 // A hash alone is no MAC: the peer wire adds a one-time pad per frame
 // (Carter-Wegman). See peer_wire.cc FrameTag.
@@ -31,6 +32,9 @@ struct Gf128 {
   bool operator==(const Gf128&) const = default;
 };
 
+// The implementations of the block loop, slowest first.
+enum class GhashImpl { kPortable, kPclmul, kVpclmul };
+
 class Ghash {
  public:
   static constexpr int kAggregate = 8;  // blocks per reduction on the hardware path
@@ -48,25 +52,27 @@ class Ghash {
   // (bit lengths).
   Block Hash(std::string_view a, std::string_view c) const;
 
-  bool hardware() const { return hw_; }
+  GhashImpl impl() const { return impl_; }
   const Gf128* powers() const { return pow_; }  // H^1..H^kAggregate
 
  private:
   Gf128 pow_[kAggregate];  // H^1 .. H^kAggregate
-  bool hw_ = false;
+  GhashImpl impl_ = GhashImpl::kPortable;
 };
 
 // The GF(2^128) product (the spec's X • Y), portable.
 Gf128 GfMul(const Gf128& x, const Gf128& y);
 
 namespace detail {
-// The block loop, portable / with PCLMULQDQ (false: not available here).
-// pow: H^1..H^kAggregate. For tests.
-void GhashPortable(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks);
-bool GhashHardware(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks);
-bool GhashHardwareAvailable();
-// Forces the portable path for Ghash objects made afterwards (tests, bench).
-void GhashForcePortable(bool on);
+// The block loop with `impl` (false: not available on this CPU). pow:
+// H^1..H^kAggregate. For tests.
+bool GhashBlocks(GhashImpl impl, const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p,
+                 size_t blocks);
+// The fastest implementation this CPU has.
+GhashImpl GhashBest();
+// Caps the implementation of Ghash objects made afterwards at `most`
+// (tests; kVpclmul: no cap).
+void GhashLimit(GhashImpl most);
 }  // namespace detail
 
 }  // namespace nonstop::crypto

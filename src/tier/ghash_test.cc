@@ -1,8 +1,9 @@
 // GHASH (tier/ghash.h) against the GHASH values published with the GCM test
 // cases (McGrew & Viega, "The Galois/Counter Mode of Operation", test cases
 // 2, 3, 4 and 18; the values SP 800-38D's GHASH gives for their H, A, C),
-// the field's laws, and the PCLMULQDQ path against the portable one on
-// random inputs of every length 0..300 bytes and on big ones.
+// the field's laws, and the PCLMULQDQ and VPCLMULQDQ paths against the
+// portable one on random inputs of every length 0..300 bytes and on big
+// ones.
 #include "tier/ghash.h"
 
 #include <gtest/gtest.h>
@@ -62,19 +63,24 @@ const Vector kVectors[] = {
      "d5ffcf6fc5ac4d69722187421a7f170b"},
 };
 
+const GhashImpl kImpls[] = {GhashImpl::kPortable, GhashImpl::kPclmul, GhashImpl::kVpclmul};
+const char* Name(GhashImpl i) {
+  return i == GhashImpl::kPortable ? "portable" : i == GhashImpl::kPclmul ? "pclmulqdq" : "vpclmulqdq";
+}
+
 TEST(GhashTest, PublishedGcmVectors) {
-  for (bool portable : {true, false}) {
-    if (!portable && !detail::GhashHardwareAvailable()) continue;
-    detail::GhashForcePortable(portable);
+  for (GhashImpl impl : kImpls) {
+    if (impl > detail::GhashBest()) continue;
+    detail::GhashLimit(impl);
     for (const Vector& v : kVectors) {
-      SCOPED_TRACE(std::string(v.name) + (portable ? " portable" : " pclmulqdq"));
+      SCOPED_TRACE(std::string(v.name) + " " + Name(impl));
       const std::string h = Unhex(v.h);
       const Ghash g(reinterpret_cast<const uint8_t*>(h.data()));
-      EXPECT_EQ(g.hardware(), !portable);
+      EXPECT_EQ(g.impl(), impl);
       EXPECT_EQ(Hex(g.Hash(Unhex(v.a), Unhex(v.c))), v.ghash);
     }
   }
-  detail::GhashForcePortable(false);
+  detail::GhashLimit(GhashImpl::kVpclmul);
   // Nothing hashed: Y stays zero whatever H.
   const std::string h = Unhex(kVectors[0].h);
   EXPECT_EQ(Hex(Ghash(reinterpret_cast<const uint8_t*>(h.data())).Hash("", "")),
@@ -110,45 +116,48 @@ TEST(GhashTest, TheFieldsLaws) {
 }
 
 TEST(GhashTest, HardwareAndPortableAgree) {
-  if (!detail::GhashHardwareAvailable()) GTEST_SKIP() << "no PCLMULQDQ on this CPU";
+  if (detail::GhashBest() == GhashImpl::kPortable) GTEST_SKIP() << "no PCLMULQDQ on this CPU";
   std::mt19937_64 rng(11);
   std::string data(3 << 20, '\0');
   for (char& c : data) c = static_cast<char>(rng());
   const auto* p = reinterpret_cast<const uint8_t*>(data.data());
-  for (int trial = 0; trial < 8; ++trial) {
-    uint8_t key[kGhashBytes];
-    for (uint8_t& k : key) k = static_cast<uint8_t>(rng());
-    if (trial == 0) std::fill(key, key + kGhashBytes, 0xff);
-    detail::GhashForcePortable(true);
-    const Ghash slow(key);
-    detail::GhashForcePortable(false);
-    const Ghash fast(key);
-    ASSERT_FALSE(slow.hardware());
-    ASSERT_TRUE(fast.hardware());
-    // Every length 0..300 bytes (every count of whole blocks around the
-    // aggregation width, every partial tail), the header part too.
-    for (size_t n = 0; n <= 300; ++n) {
-      const size_t off = rng() % 4096, alen = rng() % 40;
-      const std::string_view a(data.data() + off, alen), c(data.data() + off + alen, n);
-      ASSERT_EQ(Hex(slow.Hash(a, c)), Hex(fast.Hash(a, c))) << "length " << n << " header " << alen;
+  const auto make = [](const uint8_t* key, GhashImpl impl) {
+    detail::GhashLimit(impl);
+    Ghash g(key);
+    detail::GhashLimit(GhashImpl::kVpclmul);
+    EXPECT_EQ(g.impl(), impl);
+    return g;
+  };
+  for (GhashImpl impl : {GhashImpl::kPclmul, GhashImpl::kVpclmul}) {
+    if (impl > detail::GhashBest()) continue;
+    SCOPED_TRACE(Name(impl));
+    for (int trial = 0; trial < 8; ++trial) {
+      uint8_t key[kGhashBytes];
+      for (uint8_t& k : key) k = static_cast<uint8_t>(rng());
+      if (trial == 0) std::fill(key, key + kGhashBytes, 0xff);
+      const Ghash slow = make(key, GhashImpl::kPortable), fast = make(key, impl);
+      // Every length 0..300 bytes (every count of whole blocks around the
+      // aggregation width, every partial tail), the header part too.
+      for (size_t n = 0; n <= 300; ++n) {
+        const size_t off = rng() % 4096, alen = rng() % 40;
+        const std::string_view a(data.data() + off, alen), c(data.data() + off + alen, n);
+        ASSERT_EQ(Hex(slow.Hash(a, c)), Hex(fast.Hash(a, c))) << "length " << n << " header " << alen;
+      }
+      // The block loop itself from a random running value.
+      for (size_t blocks : {1, 7, 8, 9, 15, 16, 17, 100}) {
+        Gf128 y0{rng(), rng()}, y1 = y0;
+        ASSERT_TRUE(detail::GhashBlocks(GhashImpl::kPortable, slow.powers(), &y0, p, blocks));
+        ASSERT_TRUE(detail::GhashBlocks(impl, slow.powers(), &y1, p, blocks));
+        ASSERT_EQ(y0, y1) << blocks << " blocks";
+      }
     }
-    // The block loop itself from a random running value.
-    for (size_t blocks : {1, 7, 8, 9, 15, 16, 17, 100}) {
-      Gf128 y0{rng(), rng()}, y1 = y0;
-      detail::GhashPortable(slow.powers(), &y0, p, blocks);
-      ASSERT_TRUE(detail::GhashHardware(slow.powers(), &y1, p, blocks));
-      ASSERT_EQ(y0, y1) << blocks << " blocks";
+    // Big ones: a frame-sized and an odd-sized input.
+    const uint8_t key[kGhashBytes] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    const Ghash slow = make(key, GhashImpl::kPortable), fast = make(key, impl);
+    for (size_t n : {size_t{1} << 20, (size_t{3} << 20) - 24 - 5}) {
+      const std::string_view a(data.data(), 24), c(data.data() + 24, n);
+      EXPECT_EQ(Hex(slow.Hash(a, c)), Hex(fast.Hash(a, c))) << n;
     }
-  }
-  // Big ones: a frame-sized and an odd-sized input.
-  const uint8_t key[kGhashBytes] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-  detail::GhashForcePortable(true);
-  const Ghash slow(key);
-  detail::GhashForcePortable(false);
-  const Ghash fast(key);
-  for (size_t n : {size_t{1} << 20, (size_t{3} << 20) - 24 - 5}) {
-    const std::string_view a(data.data(), 24), c(data.data() + 24, n);
-    EXPECT_EQ(Hex(slow.Hash(a, c)), Hex(fast.Hash(a, c))) << n;
   }
 }
 

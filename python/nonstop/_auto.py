@@ -32,10 +32,6 @@ from typing import Callable, Optional
 from . import _ext
 
 
-def _schedule_class():
-    return _ext.core().Schedule
-
-
 class AutoInterval:
     """Decides after each training step whether a checkpoint is due.
 
@@ -49,7 +45,7 @@ class AutoInterval:
                  min_interval: int = 1, max_interval: int = 100_000,
                  clock: Callable[[], float] = time.perf_counter):
         # Bad settings raise CheckpointMismatchError (a ValueError) from C++.
-        self.schedule = _schedule_class().auto(float(target), float(alpha), int(warmup),
+        self.schedule = _ext.core().Schedule.auto(float(target), float(alpha), int(warmup),
                                                int(min_interval), int(max_interval))
         self._clock = clock
         self.seen_counter = 0     # newest committed checkpoint fed to observe_persist
@@ -83,24 +79,6 @@ class AutoInterval:
         return self.schedule.state()
 
 
-def checkpointer_step(ckpt, auto: AutoInterval, step: int) -> Optional[int]:
-    """Checkpointer.step() with every="auto": asks the controller, starts a
-    checkpoint when it is due, and feeds back the persist times of the
-    checkpoints committed since. Returns the counter, or None."""
-    if not auto.observe_step(ckpt.session.visible_stall_s):
-        return None
-    counter = ckpt.session.save(step)  # step() reports background errors after it
-    auto.started(ckpt.session.visible_stall_s)
-    stats = ckpt.session.live().stats()
-    seen = auto.seen_counter
-    for r in stats.get("recent", ()):
-        if r.get("committed") and r.get("counter", 0) > seen:
-            auto.observe_persist(r.get("persist_s", 0.0), stats.get("max_in_flight", 1))
-            seen = r["counter"]
-    auto.seen_counter = seen
-    return counter
-
-
 class AutoMode:
     """mode="auto": which of layer-wise and concurrent checkpoints runs,
     from what each costs this job. The rule (a probe that alternates the
@@ -109,7 +87,7 @@ class AutoMode:
     the windows it is fed: from one checkpoint's step (exclusive) to the
     next's (inclusive), the wall time, the steps, and the training thread's
     visible stall (the Checkpointer's counter). The Checkpointer switches
-    its hooks when the answer changes (Checkpointer._switch_mode)."""
+    its hooks when the answer changes (_layerwise.Switching)."""
 
     def __init__(self, rounds: int = 2, settle: int = 1, margin: float = 0.05,
                  patience: int = 3, clock: Callable[[], float] = time.perf_counter):

@@ -62,8 +62,7 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _fqn, _objects, _rng, _session, _state
-from ._read import FORMAT
+from . import _auto, _objects, _periodic, _state
 from .errors import CheckpointMismatchError
 
 
@@ -77,17 +76,13 @@ def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.O
     return cls([p], **kwargs)
 
 
-def _ddp_class():
-    return DistributedDataParallel
-
-
 def _ddp_params(ddp) -> list:
     """The parameters DDP reduces (in its buckets)."""
     ignore = getattr(ddp, "parameters_to_ignore", set())
     return [p for n, p in ddp.module.named_parameters() if n not in ignore and p.requires_grad]
 
 
-class Layerwise:
+class Layerwise(_periodic.Periodic):
     """Drives one Checkpointer's engine layer by layer. A parameter and its
     optimizer state form one group; consecutive updated groups are handed
     to the engine together once they hold GROUP_BYTES (about a layer), and
@@ -96,12 +91,14 @@ class Layerwise:
     thread) per bias vector."""
 
     GROUP_BYTES = 4 << 20
+    defer_staging = False
 
-    def __init__(self, ckpt, clip_grad_norm: Optional[float] = None):
+    def __init__(self, session, o):
+        super().__init__(session)
+        clip_grad_norm = o.mode.clip_grad_norm
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise CheckpointMismatchError(
                 f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
-        self.ckpt = ckpt
         self.clip = clip_grad_norm
         self.next_step = 0           # the step the next backward belongs to
         self.counter: Optional[int] = None  # open layer-wise checkpoint
@@ -125,14 +122,13 @@ class Layerwise:
         # group is looked up at each update: load_state_dict replaces the dicts.
         self._subs: dict = {}
         self._hooks = []
-        DDP = _ddp_class()
-        ddps = [o for o in ckpt.state.values() if DDP is not None and isinstance(o, DDP)]
-        for o in ckpt.state.values():
-            if _objects.is_zero(o):
+        ddps = [d for d in session.state.values() if isinstance(d, DistributedDataParallel)]
+        for obj in session.state.values():
+            if _objects.is_zero(obj):
                 raise CheckpointMismatchError(
                     "mode='layerwise' updates one parameter at a time, which "
                     "ZeroRedundancyOptimizer cannot do: use mode='concurrent'")
-        if ckpt.world_size > 1 and not ddps:
+        if session.world_size > 1 and not ddps:
             # Without DDP the gradient a hook sees is this rank's alone.
             raise CheckpointMismatchError(
                 "mode='layerwise' with world_size > 1 needs the model wrapped in "
@@ -149,7 +145,7 @@ class Layerwise:
         for d in ddps:
             for p in _ddp_params(d):
                 by_ddp.setdefault(p, d)
-        for opt in ckpt.state.values():
+        for opt in session.state.values():
             if not isinstance(opt, torch.optim.Optimizer):
                 continue
             for gi, group in enumerate(opt.param_groups):
@@ -198,8 +194,8 @@ class Layerwise:
             with self._lock:
                 if not self._decided:  # before the first all-reduce: no callback runs yet
                     self._decided = True
-                    if self.ckpt.session.engine is not None:
-                        self._maybe_begin(self.ckpt.session.engine)
+                    if self.session.engine is not None:
+                        self._maybe_begin(self.session.engine)
                 if not self._queued:
                     self._queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -252,16 +248,16 @@ class Layerwise:
         checkpoints in flight first, then runs each one's update and batches
         its copy when a checkpoint is open. `grads`: param -> the reduced
         gradient to use (DDP), else p.grad."""
-        ck = self.ckpt
-        engine = ck.session.engine
+        ses = self.session
+        engine = ses.engine
         if engine is not None:
             t0 = time.perf_counter()
             if not self._decided:
                 self._decided = True
                 self._maybe_begin(engine)
-            if ck.session.copy_pending:  # a whole-model checkpoint is still copying
+            if ses.copy_pending:  # a whole-model checkpoint is still copying
                 engine.wait_copied()
-                ck.session.copy_pending = False
+                ses.copy_pending = False
             if any(p in self._batched for p in params):  # updated twice in one step
                 self._flush()
             wait = [p for p in params if p in self._pending]
@@ -269,8 +265,8 @@ class Layerwise:
                 self._wait_copies(engine, wait)
                 self._pending.difference_update(wait)
             dt = time.perf_counter() - t0
-            ck.session.hook_stall_s += dt
-            ck.session.visible_stall_s += dt
+            ses.hook_stall_s += dt
+            ses.visible_stall_s += dt
         for p in params:
             opt, gi, sub = self._subs[p]
             sg = sub.param_groups[0]
@@ -318,11 +314,11 @@ class Layerwise:
         if not self._batch:
             return
         t0 = time.perf_counter()
-        self.ckpt.session.engine.copy_tensors(self.counter,
-                                       [i for p in self._batch for i in self._groups[p]])
+        self.session.engine.copy_tensors(self.counter,
+                                         [i for p in self._batch for i in self._groups[p]])
         self._pending.update(self._batch)
         self._batch, self._batched, self._batch_bytes = [], set(), 0
-        self.ckpt.session.visible_stall_s += time.perf_counter() - t0
+        self.session.visible_stall_s += time.perf_counter() - t0
 
     # --------------------------------------------------------- checkpoints
 
@@ -340,115 +336,100 @@ class Layerwise:
         """Whether every optimized parameter has its optimizer state."""
         return all(opt.state.get(p) for p, (opt, _, _) in self._subs.items())
 
-    def _prepare(self, engine, tensors: Optional[dict] = None) -> None:
+    def _prepare(self, tensors: Optional[dict] = None) -> None:
         """Registers the state's tensors (this rank's pieces of them) unless
         they are registered already, and finds each parameter's engine
         tensors. `tensors`: the flattened state, when the caller has it."""
-        ck = self.ckpt
+        ses = self.session
         if tensors is None:
             tensors = {}
-            _objects.flatten_state(ck.state, tensors)
-        if (self._plan is not None and ck.session.registered is self._plan[2]
-                and not ck.session.snapshots
+            _objects.flatten_state(ses.state, tensors)
+        if (self._plan is not None and ses.registered is self._plan[2] and not ses.snapshots
                 and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
                 and self._plan[0] == self._signature()):
             return  # nothing moved (the usual case): the registration and the groups hold
-        refs, layouts, pieces = self._refs(tensors)
-        if refs != ck.session.registered:
-            if layouts is None:
-                engine.register(refs)
-            else:
-                engine.register(refs, layouts=[layouts.get(r[0]) for r in refs])
-            ck.session.registered = refs
-            ck.session.registers += 1
-        self._keep = pieces  # registered by pointer: keep them alive
-        self._ptrs = dict(ck.session.base_ptr)
+        # With world_size > 1 this rank's shares are registered.
+        ses.base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
+        layouts = None
+        if ses.dist is not None:
+            tensors, layouts, _ = ses.dist.shard(tensors, ses.state)
+        refs = ses.refs(tensors, ses.owned())
+        ses.register(refs, layouts)
+        self._keep = tensors  # registered by pointer: keep them alive
+        self._ptrs = dict(ses.base_ptr)
         index: dict = {}
         for i, r in enumerate(refs):
-            index.setdefault(ck.session.base_ptr.get(r[0], r[4]), []).append(i)
+            index.setdefault(ses.base_ptr.get(r[0], r[4]), []).append(i)
         groups = {}
         for p, (opt, _, _) in self._subs.items():
             ts = [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
             groups[p] = [i for t in ts for i in index.get(t.data_ptr(), ())]
-        self._plan = (self._signature(), groups, ck.session.registered)
-
-    def _refs(self, tensors: dict) -> tuple:
-        """(engine refs, layouts or None, the tensors registered) for the
-        flattened state: with world_size > 1 this rank's shares."""
-        ck = self.ckpt
-        layouts = None
-        ck.session.base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
-        if ck.session.dist is not None:
-            tensors, layouts, _ = ck.session.dist.shard(tensors, ck.state)
-        return ck.session.refs(tensors, _session.optimizer_owned(ck.state)), layouts, tensors
+        self._plan = (self._signature(), groups, ses.registered)
 
     def _maybe_begin(self, engine) -> None:
         """At the first update of a step: opens the step's checkpoint when it
         is due (with the plan prepared by the previous ckpt.step(), or one
         made now)."""
-        s = self.next_step
-        if not self.ckpt.session.due_after(s) or not self._complete():
+        s, ses = self.next_step, self.session
+        if not ses.due_after(s) or not self._complete():
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
         if (self._plan is None or self._plan[0] != self._signature()
-                or self.ckpt.session.registered is not self._plan[2]):
+                or ses.registered is not self._plan[2]):
             self._plan = None
-            self._prepare(engine)
+            self._prepare()
         self._groups = self._plan[1]
         self.counter = engine.begin_checkpoint(int(s))
-        if self.ckpt.session.dist is not None:
-            self.ckpt.session.dist.started(engine)  # the first one starts the agreement thread
+        if ses.dist is not None:
+            ses.dist.started(engine)  # the first one starts the agreement thread
 
     def step(self, step: int) -> Optional[int]:
         """ckpt.step(step) in layerwise mode: seals the open checkpoint, or
         starts a whole-model one when due and none is open; then prepares
         the checkpoint of the next step when it is due."""
-        ck = self.ckpt
+        ses = self.session
         with self._lock:
             counter = None
             tensors = None
             t0 = time.perf_counter()
             if self.counter is not None:
                 tensors = {}
-                tree = _objects.flatten_state(ck.state, tensors)
-                meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
-                        "world_size": ck.world_size, "state": tree}
-                if ck.session.dist is not None:
-                    meta["dist"] = ck.session.dist.shard(tensors, ck.state)[2]
-                if ck.rng:
-                    meta["rng"] = _rng.capture()
-                metrics = ck.session.agreed_metrics()  # agreed across ranks with best=
-                if metrics:
-                    meta["metrics"] = metrics
-                names = _fqn.describe(ck.state)  # get_state_dict's names (_fqn.py)
-                if names:
-                    meta["names"] = names
+                meta = ses.meta(step, tensors)  # metrics agreed across ranks with best=
+                if ses.dist is not None:
+                    meta["dist"] = ses.dist.shard(tensors, ses.state)[2]
                 counter, self.counter = self.counter, None
                 # Every tensor not requested yet (the last batch too) is copied
                 # by the seal: wait for all of them before their next update.
                 self._pending = set(self._groups)
                 self._batch, self._batched, self._batch_bytes = [], set(), 0
                 changed = {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs
-                ck.session.engine.end_checkpoint(counter, int(step), _state.dumps(meta))
+                ses.engine.end_checkpoint(counter, int(step), _state.dumps(meta))
                 if changed:
                     warnings.warn("nonstop: the state's tensors changed during step "
                                   f"{step}; its layer-wise checkpoint may not restore",
                                   stacklevel=3)
                     self._plan = None
-                ck.session.saves += 1
-            elif ck.session.due_after(step):
-                counter = ck.session.save(step)  # step() reports background errors
+                ses.saves += 1
+            elif ses.due_after(step):
+                counter = self.save(step)  # whole-state; step() reports background errors
             self.next_step = step + 1
             self._decided = False
             self._queued = False  # (a backward that raised left it set)
             # The next step is due: register and find the groups now, on the
             # training thread between steps, so that backward only opens the
             # checkpoint and requests copies.
-            if ck.session.due_after(step + 1) and self._complete():
-                self._prepare(ck.session.engine, tensors)
-            ck.session.visible_stall_s += time.perf_counter() - t0
+            if ses.due_after(step + 1) and self._complete():
+                self._prepare(tensors)
+            ses.visible_stall_s += time.perf_counter() - t0
             return counter
 
-    def restored(self, step: Optional[int]) -> None:
+    def seal(self, step: int) -> Optional[int]:
+        return self.step(step) if self.counter is not None else self.save(step)
+
+    def restored(self, loaded) -> None:
+        self.reset(loaded.step)
+
+    def reset(self, step: Optional[int]) -> None:
+        """The next backward is step + 1's (0's: None)."""
         with self._lock:
             self.next_step = 0 if step is None else step + 1
             self._decided = False
@@ -457,7 +438,70 @@ class Layerwise:
             self._groups = {}
             self._plan = None
 
-    def close(self) -> None:
+    def detach(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class Switching(_periodic.Periodic):
+    """mode="auto": layer-wise or concurrent, whichever this job measures
+    cheaper (_auto.AutoMode), switched right after a checkpoint was started
+    or sealed. Nothing in flight is cut short: to layer-wise, the first hook
+    waits for the whole-model copy in flight (copy_pending); to concurrent,
+    the next optimizer.step() waits for every copy in flight (copy_pending
+    set). The arithmetic is the optimizer's own either way (docs/LAYERWISE.md)."""
+
+    def __init__(self, session, o):
+        super().__init__(session)
+        self.o, self.clip = o, o.mode.clip_grad_norm
+        self.layerwise: Optional[Layerwise] = None
+        self.chooser = _auto.AutoMode()
+        if any(isinstance(v, DistributedDataParallel) for v in session.state.values()):
+            # layer-wise's DDP communication hook could not be removed again
+            self.chooser.unavailable = "a DDP model in state"
+        else:
+            try:  # can layer-wise run on this state at all? (its checks, its hooks)
+                Layerwise(session, o).detach()
+            except CheckpointMismatchError as e:
+                self.chooser.unavailable = str(e)
+
+    def step(self, step: int) -> Optional[int]:
+        got = (self.layerwise or super()).step(step)
+        self.chooser.stepped()
+        if self.session.due_after(step):  # a window ends with its checkpoint
+            mode = self.chooser.window_end(self.session.visible_stall_s)
+            if mode == "layerwise" and self.layerwise is None:
+                self.layerwise = Layerwise(self.session, self.o)
+                self.layerwise.reset(step)  # the next backward is step + 1's
+            elif mode == "concurrent" and self.layerwise is not None:
+                self.layerwise.detach()
+                self.layerwise = None
+                self.session.copy_pending = True
+        return got
+
+    def seal(self, step: int) -> Optional[int]:
+        return (self.layerwise or super()).seal(step)
+
+    def before_update(self, optimizer) -> None:
+        if self.clip is not None and self.layerwise is None:
+            # concurrent stretches: clip_grad_norm= clips here, as layer-wise's
+            # step pre-hook does (same tensors, same order)
+            params = [p for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+    def restored(self, loaded) -> None:
+        if self.layerwise is not None:
+            self.layerwise.restored(loaded)
+
+    def restart(self) -> None:  # the restore is no window's cost
+        self.chooser.restart(self.session.visible_stall_s)
+
+    def stats(self, s: dict) -> None:  # which mode runs, and the figures it was chosen from
+        s["mode_auto"] = self.chooser.state()
+
+    def detach(self) -> None:
+        if self.layerwise is not None:
+            self.layerwise.detach()

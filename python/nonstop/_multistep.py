@@ -37,6 +37,7 @@ Two replays (replay=, docs/MULTISTEP.md "Replay"):
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Optional
@@ -48,11 +49,10 @@ try:  # torch's own rule for foreach=None (a private function of torch)
 except ImportError:
     _default_to_fused_or_foreach = None
 
-from . import _ext, _fqn, _rng, _state
-from ._objects import stateful
+from . import _ext, _state
+from ._session import Driver
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 
-FORMAT = "nonstop.torch/1"
 REPLAYS = ("auto", "host", "torch")
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
 # out of a small model.
@@ -68,14 +68,8 @@ def _mkl_vms_sqrt() -> int:
 
 def algorithm_of(opt) -> str:
     """'adamw', 'adam' or 'sgd'; a one-line error for anything else."""
-    name = type(opt).__name__
-    if type(opt) is torch.optim.AdamW:
-        algo = "adamw"
-    elif type(opt) is torch.optim.Adam:
-        algo = "adamw" if opt.param_groups[0].get("decoupled_weight_decay") else "adam"
-    elif type(opt) is torch.optim.SGD:
-        algo = "sgd"
-    else:
+    name, algo = type(opt).__name__, _algorithm(opt)
+    if algo is None:
         raise CheckpointMismatchError(
             f"mode='multistep' replays torch.optim.AdamW, Adam and SGD on the CPU; the optimizer "
             f"{name} is not supported: use mode='concurrent'")
@@ -146,8 +140,8 @@ def torch_replay_check(opt) -> str:
     """replay="torch": 'adamw', 'adam' or 'sgd' where a replay through the
     training optimizer itself reproduces training bit for bit; a one-line
     error where it cannot (docs/MULTISTEP.md, "Why it is exact")."""
-    name = type(opt).__name__
-    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+    name, algo = type(opt).__name__, _algorithm(opt)
+    if algo is None:
         raise CheckpointMismatchError(
             f"mode='multistep' replays torch.optim.AdamW, Adam and SGD (elementwise, no "
             f"coupling between parameters); the optimizer {name} is not supported: use "
@@ -164,9 +158,17 @@ def torch_replay_check(opt) -> str:
                 raise CheckpointMismatchError(
                     f"mode='multistep': {name} param_groups[{i}] holds {key} as a tensor; the "
                     f"replay logs hyperparameters as numbers: use a float")
-    return "sgd" if type(opt) is torch.optim.SGD else (
-        "adamw" if type(opt) is torch.optim.AdamW or opt.param_groups[0].get(
-            "decoupled_weight_decay") else "adam")
+    return algo
+
+
+def _algorithm(opt) -> Optional[str]:
+    """'adamw' (AdamW, or Adam with decoupled_weight_decay), 'adam', 'sgd', or None."""
+    if type(opt) is torch.optim.SGD:
+        return "sgd"
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
+        return None
+    adamw = type(opt) is torch.optim.AdamW or opt.param_groups[0].get("decoupled_weight_decay")
+    return "adamw" if adamw else "adam"
 
 
 def _device_name(dev: torch.device) -> str:
@@ -246,14 +248,17 @@ def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
                     f"{where}: its multistep gradient log lacks {u.get('gradient')!r}")
 
 
-class MultistepMode:
+class MultistepMode(Driver):
     """Drives nonstop._core.Multistep for one Checkpointer. Stands in for the
-    engine object of concurrent mode (wait_copied, wait_committed, latest,
-    adopt_restored, stats, close)."""
+    engine object of concurrent mode too (wait_copied, wait_committed,
+    latest, adopt_restored, stats, close: its hooks are removed there)."""
 
-    def __init__(self, ckpt, core, engine_kwargs: dict, parts: int, overlap_gradients: bool,
-                 replay: str = "auto"):
-        opts = [o for o in ckpt.state.values() if isinstance(o, torch.optim.Optimizer)]
+    handles = False  # step() returns the step a window began at; save() None
+
+    def __init__(self, session, o):
+        super().__init__(session)
+        parts, overlap_gradients, replay = o.mode.parts, o.mode.overlap_gradients, o.mode.replay
+        opts = [x for x in session.state.values() if isinstance(x, torch.optim.Optimizer)]
         if len(opts) != 1:
             raise CheckpointMismatchError(
                 f"mode='multistep' needs exactly one torch.optim optimizer in state, found "
@@ -263,8 +268,9 @@ class MultistepMode:
         if replay not in REPLAYS:
             raise CheckpointMismatchError(
                 f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
-        self._ckpt = ckpt
         self.opt = opts[0]
+        # StateApplier.prepare, before restore() changes anything
+        self.replay_check = functools.partial(replay_check, self.opt)
         self.replay = _choose_replay(self.opt, replay)
         self._cuda = self.replay == "torch"
         # Device first: a GPU run gets the one line that says what to use.
@@ -292,16 +298,21 @@ class MultistepMode:
                     f"of the optimizer is {str(p.dtype).replace('torch.', '')}"
                     f"{'' if p.is_contiguous() else ' (not contiguous)'}")
             _device(p, cuda=self._cuda)
+
+    def open_engine(self, kw: dict):
+        """The Multistep core (self.core); this object stands in for its engine."""
+        kw = dict(kw, dir=self.session.dir)
+        kw.pop("small_initial_staging", None)  # (the window's staging is its own)
         # Engine options the Multistep binding does not take yet must be unset.
         known = {"dir", "rank", "world_size", "max_in_flight", "writers", "staging_bytes",
                  "chunk_bytes", "copy_threads", "medium", "keep_every", "memory_tier"}
-        for key in [k for k in engine_kwargs if k not in known]:
-            if engine_kwargs.pop(key):
+        for key in [k for k in kw if k not in known]:
+            if kw.pop(key):
                 raise CheckpointMismatchError(f"mode='multistep' does not support {key} yet")
-        self.core = core.Multistep(parts=parts, overlap_gradients=self.overlap,
-                                   block_bytes=BLOCK_BYTES, replay=(
-                                       "restore" if self._cuda else "host"),
-                                   mkl_vms_sqrt=_mkl_vms_sqrt(), **engine_kwargs)
+        self.core = _ext.core().Multistep(parts=self.parts, overlap_gradients=self.overlap,
+                                          block_bytes=BLOCK_BYTES, replay=(
+                                              "restore" if self._cuda else "host"),
+                                          mkl_vms_sqrt=_mkl_vms_sqrt(), **kw)
         self._replaying = False                 # restore's replay: the hooks stand aside
         self._last_step: Optional[int] = None  # the last step ckpt.step() saw
         self._updates = 0                       # optimizer.step() calls since then
@@ -315,6 +326,7 @@ class MultistepMode:
         if self.overlap:
             self._orig_zero_grad = self.opt.zero_grad
             self.opt.zero_grad = self._zero_grad  # instance attribute; removed by close()
+        return self
 
     def _check_state(self) -> None:
         """Every optimizer state tensor is on the CPU (replay="host"), or
@@ -345,7 +357,7 @@ class MultistepMode:
         try:
             return fn(*args)
         finally:
-            self._ckpt.session.visible_stall_s += time.perf_counter() - t0
+            self.session.visible_stall_s += time.perf_counter() - t0
 
     def _step_now(self) -> int:
         return 0 if self._last_step is None else self._last_step + 1
@@ -416,9 +428,10 @@ class MultistepMode:
 
     # --------------------------------------------------------------- per step
 
-    def step(self, step: int, due: bool) -> Optional[int]:
-        """ckpt.step(step): after the update of `step` (or its skip)."""
-        t0 = time.perf_counter()
+    def step(self, step: int) -> Optional[int]:
+        """ckpt.step(step): after the update of `step` (or its skip); every
+        step drives the window."""
+        t0, due = time.perf_counter(), self.session.due_after(step)
         self._last_step = step
         if self._updates == 0 and self.core.active:
             # No optimizer.step() this step: GradScaler skipped it.
@@ -434,11 +447,12 @@ class MultistepMode:
         if self.core.active and not self._outputs_set and self.core.version == step:
             self._set_outputs(step)
         self._release_copied()
-        self._ckpt.session.visible_stall_s += time.perf_counter() - t0
+        self.session.visible_stall_s += time.perf_counter() - t0
         return started
 
-    def start(self, step: int) -> None:
-        """ckpt.save(step): begins a window now (or when the open one closes)."""
+    def save(self, step: int) -> None:
+        """ckpt.save(step): begins a window now (or when the open one closes);
+        the checkpoint is of version step + parts - 1."""
         t0 = time.perf_counter()
         if self.core.active:
             self._due = True
@@ -446,7 +460,7 @@ class MultistepMode:
             self._begin(step)
             if self.core.version == step:
                 self._set_outputs(step)
-        self._ckpt.session.visible_stall_s += time.perf_counter() - t0
+        self.session.visible_stall_s += time.perf_counter() - t0
 
     def _tensors(self) -> list:
         self._check_state()
@@ -478,28 +492,18 @@ class MultistepMode:
             algorithm_of(self.opt)
         self._outputs_set = False
         self.core.begin(step, self.algorithm, self.amsgrad, self._tensors(), self._stream())
-        self._ckpt.session.saves += 1
+        self.session.saves += 1
 
     def _set_outputs(self, step: int) -> None:
         """Everything of the checkpoint at version `step`: optimizer-owned
         tensors point at the reconstructed buffers, the rest is copied now."""
-        ck = self._ckpt
         tensors: dict = {}
-        tree = _state.flatten_state(ck.state, tensors, stateful, lambda obj: obj.state_dict())
-        meta = {"format": FORMAT, "step": int(step), "rank": ck.rank,
-                "world_size": ck.world_size, "state": tree}
-        if ck.rng:
-            meta["rng"] = _rng.capture()
-        if ck.session.metrics:  # step(step, metrics=) of this version
-            meta["metrics"] = ck.session.metrics
+        meta = self.session.meta(step, tensors)  # metrics=: step(step, metrics=) of this version
         if self._cuda:  # what restore's replay must find again (replay_check)
             meta["multistep"] = {"replay": "torch", "torch": torch.__version__,
                                  "device": self.device.type,
                                  "device_name": _device_name(self.device),
                                  "optimizer": type(self.opt).__name__, "groups": _flags(self.opt)}
-        names = _fqn.describe(ck.state)  # get_state_dict's names, for export (_fqn.py)
-        if names:
-            meta["names"] = names
         owned = {}
         roles = ("momentum_buffer",) if self.algorithm == "sgd" else _ROLES_ADAM
         for i, p in enumerate(self.params):
@@ -531,9 +535,15 @@ class MultistepMode:
 
     # ---------------------------------------------------------- restoring
 
-    def replay_check(self, meta: dict, tensors: dict, where: str) -> None:
-        """StateApplier.prepare, before restore() changes anything."""
-        replay_check(self.opt, meta, tensors, where)
+    def emergency(self, step: int) -> None:
+        return None  # a window cannot be cut short: what is in flight is kept
+
+    def wait(self) -> None:
+        self.session.wait(committed=True, take=False)
+
+    def restored(self, loaded) -> None:
+        if "multistep_plan" in loaded.meta:  # parts at their versions
+            self.replay_restored(loaded.meta, loaded.tensors)
 
     def replay_restored(self, meta: dict, tensors: dict) -> None:
         """restore() loaded a checkpoint whose parts are at their own versions

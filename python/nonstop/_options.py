@@ -206,3 +206,28 @@ def resolve(state: dict, **kw) -> Options:
                          _peer.check_nice(kw["peer_nice"])),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
         on_commit=kw["on_commit"])
+
+
+def engine_kwargs(o: Options, distributed: bool, small_initial_staging: bool = False) -> dict:
+    """The engine's constructor arguments (the multistep window's too)."""
+    e = o.engine
+    kw = dict(rank=o.dist.rank, world_size=o.dist.world_size, max_in_flight=e.max_in_flight,
+              writers=e.writers, staging_bytes=e.staging_bytes, chunk_bytes=e.chunk_bytes,
+              copy_threads=e.copy_threads, medium=e.medium, keep_every=o.retention.keep or 0)
+    if distributed:  # rank shares, global agreement on a gloo group, a pinned slot
+        kw.update(extra_slots=1, global_agreement=True)
+    if e.tier != "auto":  # the memory tier (docs/PYTHON.md, "tier"); auto: the engine's default
+        kw["memory_tier"] = e.tier
+    # Device snapshots (docs/CUDA.md): whole checkpoints of the concurrent
+    # mode only; the other modes never take them, so they hold no device memory.
+    if o.mode.mode not in ("concurrent", "auto"):
+        kw["device_snapshot_bytes"] = 0
+    elif e.device_snapshot_bytes is not None:
+        kw["device_snapshot_bytes"] = e.device_snapshot_bytes
+    if e.disk_every != 1:  # the tiered cadence (docs/PYTHON.md, "disk_every")
+        kw["disk_every"] = e.disk_every
+    if o.mode.mode in ("layerwise", "auto"):
+        kw["layer_copy"] = o.mode.copy
+    if small_initial_staging:
+        kw["small_initial_staging"] = True
+    return kw

@@ -416,16 +416,8 @@ class PreemptWatch:
         record = None
         t_start = time.monotonic()
         try:
-            engine = ckpt.session.live()
-            if ckpt.mode != "multistep":
-                if hasattr(engine, "abandon_older_than"):
-                    engine.abandon_older_than()  # everything in flight is older than what comes
-                lw = getattr(ckpt, "_layerwise", None)
-                if lw is not None and lw.counter is not None:
-                    counter = lw.step(step)  # seals the layer-wise checkpoint of this step
-                else:
-                    # an older checkpoint's error is kept for later
-                    counter = ckpt.session.save(step)
+            counter = ckpt.driver.emergency(step)  # None: the mode cannot cut a window short
+            if counter is not None:
                 older = None
                 try:
                     ckpt.session.live().wait_committed(counter)
@@ -436,11 +428,8 @@ class PreemptWatch:
                 committed = local is not None and local[1] == step
                 if older is not None and not committed:
                     raise older
-                bg = list(getattr(ckpt, "_errors", []))
-                if older is not None:
-                    bg.append(older)
-                for e in bg:  # the emergency checkpoint committed; say what failed before
-                    os.write(2, f"nonstop: an earlier checkpoint failed: {e}\n".encode())
+                if older is not None:  # the emergency checkpoint committed; say what failed before
+                    os.write(2, f"nonstop: an earlier checkpoint failed: {older}\n".encode())
                 ckpt.session.errors = []
                 record = next((c for c in ckpt.session.live().stats().get("recent", [])
                                if c.get("counter") == counter), None)
@@ -466,9 +455,6 @@ class PreemptWatch:
         except Exception as e:
             if not committed:
                 error = error or e
-        dist_side = getattr(ckpt, "_dist", None)
-        if dist_side is not None:
-            latest = dist_side.agreed_step()
         notice_to_safe = done_t - (self.notice_t or t_start)
         if error is not None:
             os.write(2, f"nonstop: emergency checkpoint of step {step} failed: {error}; the "

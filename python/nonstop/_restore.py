@@ -280,13 +280,15 @@ def load(dir: str, step: Optional[int] = None, rank: int = 0,
 
 
 def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int], session,
-            applier, remote, stats: dict):
+            applier):
     """Checkpointer.restore's choice of where to read: (the checkpoint read
     and checked by applier.prepare, or None for a fresh start; whether the
     engine adopts it). The remote tier when it holds a newer one than every
     rank; with world_size > 1 the ranks' agreed step; resharding to one
     process; else the memory tier when its segment verifies and holds the
-    disk's newest, else the job directory. `stats` gets the restore's times."""
+    disk's newest, else the job directory. session.restore_stats gets the
+    restore's times."""
+    remote, stats = session.remote, session.restore_stats
     if session.dist is not None and step is None:
         # A replaced host: the newest replica a partner holds of this rank's
         # checkpoint, fetched and verified first (the peer tier, _peer.py).
@@ -328,22 +330,20 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
     return loaded, loaded is not None
 
 
-def install(loaded, adopt: bool, session, applier, stats: dict, multistep, layerwise) -> int:
+def install(loaded, adopt: bool, session, applier, driver) -> int:
     """Checkpointer.restore's second half: the checked checkpoint `loaded`
-    applied to the live objects (`stats` gets restore_apply_s), a multistep
-    window's parts replayed to their versions, the engine told (`adopt`: the
-    restored checkpoint stays intact until a newer one commits, and a
+    applied to the live objects (session.restore_stats gets
+    restore_apply_s), the mode told (a multistep window's parts replayed to
+    their versions, the layer-wise hooks reset), the engine told (`adopt`:
+    the restored checkpoint stays intact until a newer one commits, and a
     rollback is recorded before anything new is written;
-    Engine::AdoptRestored), the layer-wise mode told. Returns its step."""
+    Engine::AdoptRestored). Returns its step."""
     plan = loaded.plan if loaded.plan is not None else applier.prepare(loaded)
     t_apply = time.perf_counter()
     applier.apply(plan)  # into CUDA tensors: load_state_dict's H2D copies
-    stats["restore_apply_s"] = time.perf_counter() - t_apply
-    if "multistep_plan" in loaded.meta:  # parts at their versions (_multistep.py)
-        multistep.replay_restored(loaded.meta, loaded.tensors)
+    session.restore_stats["restore_apply_s"] = time.perf_counter() - t_apply
+    driver.restored(loaded)
     if adopt and hasattr(session.engine, "adopt_restored"):
         session.engine.adopt_restored(int(loaded.counter))
     session.registered = None
-    if layerwise is not None:
-        layerwise.restored(loaded.step)
     return loaded.step

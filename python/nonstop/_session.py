@@ -1,9 +1,10 @@
 """The one object that owns a Checkpointer's engine and its counters: the
 engine (or the multistep window driving one), the distributed agreement,
 the background errors taken and not reported yet, the registered tensors
-and the stall counters. The modes (_layerwise, _multistep), the preemption
-handling and the remote tier use it; none of them touches a Checkpointer's
-own attributes."""
+and the stall counters; and the protocol of a mode (Driver), which the
+modes implement (_periodic, _layerwise, _multistep). The modes, the
+preemption handling and the remote tier use the Session; none of them
+touches a Checkpointer's own attributes."""
 from __future__ import annotations
 
 import os
@@ -12,35 +13,35 @@ from typing import Optional
 
 import torch
 
-from . import _fsdp, _objects, _state, _unwrap
+from . import _ext, _fqn, _fsdp, _objects, _rng, _state, _unwrap
+from ._read import FORMAT
 from .errors import CheckpointError, CheckpointMismatchError
 
 
-class Snapshot:
-    """A contiguous copy of a non-contiguous tensor, registered in its place."""
-
-    def __init__(self, t: torch.Tensor):
-        self.buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 class Session:
-    """What the drivers (the modes, every="auto", the preemption handling,
-    the remote tier) use of a Checkpointer: its engine and counters, and
-    the Checkpointer's own steps handed in as callables (`save(step)`: starts
-    a checkpoint, the engine's counter; `due_after(step)`: the schedule;
-    `agreed_metrics()`: the metrics= of the checkpoint being started)."""
+    """What the drivers (the modes, the preemption handling, the remote
+    tier) use of a Checkpointer: the state, its engine and counters, the
+    schedule, and the checkpoint document."""
 
-    def __init__(self, dir: str, engine, dist=None, save=None, due_after=None,
-                 agreed_metrics=None):
-        self.save, self.due_after, self.agreed_metrics = save, due_after, agreed_metrics
-        self.dir = dir
-        self.engine = engine            # None once closed
+    def __init__(self, dir: str, state: dict, o, dist=None):
+        self.dir, self.state, self.rng = dir, state, o.rng
+        self.rank, self.world_size = o.dist.rank, o.dist.world_size
+        self.best = o.retention.best
+        # When a checkpoint is due, for every mode: the one rule, in C++
+        # (src/engine/schedule.h); every="auto" feeds it the clock (_auto.py).
+        self.schedule = (o.mode.auto.schedule if o.mode.auto is not None
+                         else _ext.core().Schedule.every(o.mode.every))
+        self.engine = None              # set once opened; None once closed
         self.dist = dist                # _distributed.Distributed with world_size > 1
+        self.optimizers: list = []      # hooked optimizers (Checkpointer.attach)
+        self.staging_deferred = 0       # bytes of staging to prepare after restore()
+        self.restore_stats: dict = {}   # the last restore(): restore_s, restore_GBps, ...
+        self.closed_stats: Optional[dict] = None  # stats() after close()
         self.pid = os.getpid()
         self.errors: list = []          # background errors taken, reported at the next call
         self.metrics: Optional[dict] = None   # metrics= of the save()/step() under way
         self.registered: Optional[list] = None
-        self.snapshots: dict = {}
+        self.snapshots: dict = {}       # name -> a contiguous copy of a non-contiguous tensor
         self.base_ptr: dict = {}        # FSDP2: each name's DTensor's data pointer
         self.copy_pending = False
         self.visible_stall_s = 0.0
@@ -53,6 +54,53 @@ class Session:
 
     def forked(self) -> bool:
         return self.pid != os.getpid()
+
+    def due_after(self, step: int) -> bool:
+        """Whether the checkpoint after the update of `step` is due."""
+        return self.schedule.due_after(int(step))
+
+    def agreed_metrics(self) -> Optional[dict]:
+        """metrics= of the checkpoint being started. With world_size > 1 and
+        best=: rank 0's on every rank (JSON over gloo; collective), so that
+        every rank ranks its kept copies by the same numbers (JobDir::Retain)."""
+        if self.dist is not None and self.best is not None:
+            return self.dist.agree_metrics(self.metrics)
+        return self.metrics
+
+    def meta(self, step: int, tensors: dict) -> dict:
+        """A checkpoint's JSON document; the state's tensors added to `tensors`."""
+        meta = {"format": FORMAT, "step": int(step), "rank": self.rank,
+                "world_size": self.world_size,
+                "state": _objects.flatten_state(self.state, tensors)}
+        if self.rng:
+            meta["rng"] = _rng.capture()
+        metrics = self.agreed_metrics()
+        if metrics:
+            meta["metrics"] = metrics
+        names = _fqn.describe(self.state)  # get_state_dict's names, for export (_fqn.py)
+        if names:
+            meta["names"] = names
+        return meta
+
+    def owned(self) -> set:
+        """optimizer_owned() of the state and of the hooked optimizers."""
+        return optimizer_owned(self.state, self.optimizers)
+
+    def stage(self, nbytes: int, deferred: bool) -> None:
+        """No first-checkpoint spike: the engine allocates the state-sized
+        staging in the background, now or (`deferred`: a restart) once
+        restore() has read."""
+        if self.dist is None and hasattr(self.engine, "prepare_staging"):
+            if deferred:
+                self.staging_deferred = nbytes
+            elif nbytes:
+                self.engine.prepare_staging(nbytes)
+
+    def begin_staging(self) -> None:
+        """Starts the staging allocation stage() deferred."""
+        nbytes, self.staging_deferred = self.staging_deferred, 0
+        if nbytes and not self.forked():
+            self.live().prepare_staging(nbytes)
 
     def live(self):
         """The engine; CheckpointError in a forked child or once closed."""
@@ -120,15 +168,16 @@ class Session:
         for name, t in tensors.items():
             copy_now = self.base_ptr.get(name, t.data_ptr()) not in in_optimizer
             if not t.is_contiguous():
-                snap = self.snapshots.get(name)
-                if snap is None or snap.buffer.shape != t.shape or snap.buffer.dtype != t.dtype:
-                    snap = self.snapshots[name] = Snapshot(t)
+                snap = self.snapshots.get(name)  # a contiguous copy, registered in its place
+                if snap is None or snap.shape != t.shape or snap.dtype != t.dtype:
+                    snap = self.snapshots[name] = torch.empty(t.shape, dtype=t.dtype,
+                                                              device=t.device)
                 if self.copy_pending:
                     self.engine.wait_copied()
                     self.copy_pending = False
                 with torch.no_grad():
-                    snap.buffer.copy_(t)
-                t, copy_now = snap.buffer, False
+                    snap.copy_(t)
+                t, copy_now = snap, False
                 snapshots_used.add(name)
             if t.device.type == "cuda":
                 dev_kind, dev_index = 1, t.device.index or 0
@@ -218,30 +267,46 @@ class Session:
             return
         self.settled = True
         try:
-            if self.dist is not None:
-                try:
-                    self.engine.wait_committed(0)
-                finally:
-                    self.dist.close()
-            else:  # (stats() after close() counts every checkpoint)
+            try:  # (stats() after close() counts every checkpoint)
                 self.engine.wait_committed(0)
+            finally:
+                if self.dist is not None:
+                    self.dist.close()
         except CheckpointError as e:
             self.errors.append(e)
 
-    def shut(self, before_close) -> Optional[object]:
-        """settle(), runs before_close(engine), closes the engine. Returns what
-        before_close returned; errors are taken for report()."""
-        got = None
+    def stats(self, driver, engine=None) -> dict:
+        """stats(): the engine's, the session's counters, the last restore's,
+        the mode's (driver.stats), the distributed agreement's and the
+        remote tier's."""
+        s = (engine or self.live()).stats()
+        s.update(self.counters())
+        s.update(self.restore_stats)
+        driver.stats(s)
+        if self.dist is not None:
+            s.update(self.dist.stats())
+        if self.remote is not None:
+            s["remote"] = self.remote.stats()
+        return s
+
+    def shut(self, driver) -> None:
+        """settle(); the newest checkpoint uploaded (remote tier); the stats
+        stats() returns from now on (closed_stats); closes the engine.
+        Errors are taken for report()."""
         try:
             self.settle()
         finally:
             engine, self.engine = self.engine, None
-            got = before_close(engine)
+            if self.remote is not None:
+                self.remote.close()
+            try:
+                self.closed_stats = self.stats(driver, engine)
+            except Exception:  # noqa: BLE001 -- a failed engine: stats() says closed
+                self.closed_stats = None
             try:
                 engine.close()
             except CheckpointError as e:
                 self.errors.append(e)
-        return got
 
     def let_go(self) -> None:
         """In a forked child: the parent's engine is never closed here (the
@@ -249,13 +314,13 @@ class Session:
         self.engine, self.dist, self.errors, self.remote = None, None, [], None
 
 
-def optimizer_owned(state: dict) -> set:
+def optimizer_owned(state: dict, more=()) -> set:
     """Data pointers of tensors that only optimizer.step() changes: the
-    parameters and state of the optimizers in `state` (their step pre-hook
-    waits for the copy). Everything else is copied inside save(), because
-    forward passes or user code may change it sooner."""
+    parameters and state of the optimizers in `state` and `more` (their
+    step pre-hook waits for the copy). Everything else is copied inside
+    save(), because forward passes or user code may change it sooner."""
     ptrs = set()
-    for obj in _unwrap.optimizers(state.values()):
+    for obj in [*_unwrap.optimizers(state.values()), *more]:
         if isinstance(obj, torch.optim.Optimizer):
             for group in obj.param_groups:
                 ptrs.update(_fsdp.data_ptr(p) for p in group["params"])
@@ -263,3 +328,56 @@ def optimizer_owned(state: dict) -> set:
                 ptrs.update(_fsdp.data_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
             ptrs.update(v.data_ptr() for v in _objects.local_optimizer_tensors(obj))
     return ptrs
+
+
+class Driver:
+    """What a Checkpointer asks of its mode: _periodic.Periodic ("concurrent"),
+    _layerwise.Layerwise, _layerwise.Switching ("auto"), _multistep.MultistepMode.
+    The Checkpointer holds one and never asks which mode it is; a mode's
+    hooks are installed when it is made and removed by detach()."""
+
+    handles = True         # step() returns engine counters (the Checkpointer's handles)
+    defer_staging = False  # on a restart, whole-state staging waits for restore()
+    replay_check = None    # (meta, tensors, where): checked before a restore changes anything
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    def open_engine(self, kw: dict):  # the engine this mode drives (_options.engine_kwargs)
+        return _ext.core().Engine(self.session.dir, **kw)
+
+    def step(self, step: int) -> Optional[int]:  # Checkpointer.step: a counter or None
+        return self.save(step) if self.session.due_after(step) else None
+
+    def save(self, step: int) -> Optional[int]:  # Checkpointer.save: a counter
+        raise NotImplementedError
+
+    def seal(self, step: int) -> Optional[int]:  # `step`'s checkpoint now (the open one sealed)
+        return self.save(step)
+
+    def emergency(self, step: int) -> Optional[int]:
+        """A preemption: everything in flight abandoned (it is older), then
+        `step`'s checkpoint; its counter, or None when this mode cannot cut
+        what is in flight short (the caller waits for it)."""
+        engine = self.session.live()
+        if hasattr(engine, "abandon_older_than"):
+            engine.abandon_older_than()
+        return self.seal(step)
+
+    def before_update(self, optimizer) -> None:  # step pre-hook, after the copy was waited for
+        pass
+
+    def wait(self) -> None:  # Checkpointer.wait()
+        self.session.wait(committed=True)
+
+    def restored(self, loaded) -> None:  # restore() applied `loaded` to the live objects
+        pass
+
+    def restart(self) -> None:  # restore() ended (applied, a fresh start, or failed)
+        pass
+
+    def stats(self, s: dict) -> None:  # this mode's figures, added to stats()
+        pass
+
+    def detach(self) -> None:  # close(): removes this mode's hooks
+        pass

@@ -53,39 +53,11 @@ except ImportError:  # the standalone package name
     from pytorch_lightning.strategies import (DDPStrategy,  # type: ignore[no-redef]
                                               DeepSpeedStrategy, SingleDeviceStrategy)
 
-from . import _checkpointer, _data, _ext, _options, _rng, _unwrap
+from . import _checkpointer, _data, _ext, _options, _rng
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 MARKER_FORMAT = "nonstop.lightning/1"
 __all__ = ["NonstopCheckpoint", "NonstopCheckpointIO", "MARKER_FORMAT", "load_weights"]
-
-
-class _LightningCheckpointer(_checkpointer.Checkpointer):
-    """A Checkpointer of Lightning's checkpoint dict, whose tensors are the
-    live module's and optimizers' own: those of the optimizers are left in
-    place until their next step (zero-copy), like a plain Checkpointer's."""
-
-    def __init__(self, dir: str, holder: dict, optimizers: list, **kwargs):
-        super().__init__(dir, {"lightning": holder}, **kwargs)
-        self._optimizers: list = []
-        self.attach(optimizers)
-
-    def attach(self, optimizers: list) -> None:
-        """Hooks the optimizers not hooked yet: under DDP the Checkpointer
-        is made when Lightning restores, before its optimizers exist."""
-        new = [o for o in _unwrap.optimizers(optimizers)
-               if all(o is not old for old in self._optimizers)]
-        self._optimizers += new
-        self._hooks += [o.register_step_pre_hook(self._before_update) for o in new]
-
-    def _optimizer_owned(self) -> set:
-        ptrs = super()._optimizer_owned()
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                ptrs.update(p.data_ptr() for p in group["params"])
-            for st in opt.state.values():
-                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-        return ptrs
 
 
 def read_marker(path: str) -> Optional[dict]:
@@ -393,7 +365,7 @@ class NonstopCheckpoint(ModelCheckpoint):
         self.interval = train_time_interval
         self.on_commit = on_commit
         self.checkpointer_kwargs = checkpointer_kwargs
-        self.ckpt: Optional[_LightningCheckpointer] = None
+        self.ckpt: Optional[_checkpointer.Checkpointer] = None
         self.io: Optional[NonstopCheckpointIO] = None
         self._holder: dict = {}
         self._last_global_step: Optional[int] = None
@@ -456,16 +428,19 @@ class NonstopCheckpoint(ModelCheckpoint):
             found = {os.path.normpath(os.path.join(self.nonstop_dir, "rank-00000.nsck"))}
         return found
 
-    def _open(self, optimizers: list) -> _LightningCheckpointer:
-        """The Checkpointer (made at the first save, or at a DDP restore)."""
+    def _open(self, optimizers: list) -> _checkpointer.Checkpointer:
+        """The Checkpointer of Lightning's checkpoint dict (made at the first
+        save, or at a DDP restore), whose tensors are the live module's and
+        optimizers' own: the optimizers' are left in place until their next
+        step (zero-copy). Under DDP it is made before the optimizers exist:
+        they are attached (hooked) later."""
         if self.ckpt is None:
             kwargs = dict(self.checkpointer_kwargs)
             kwargs.setdefault("on_preempt", False)  # Lightning has its own signal handling
-            self.ckpt = _LightningCheckpointer(self.nonstop_dir, self._holder, optimizers,
-                                               every=self.every or 1, on_commit=self.on_commit,
-                                               **kwargs)
-        else:
-            self.ckpt.attach(optimizers)
+            self.ckpt = _checkpointer.Checkpointer(
+                self.nonstop_dir, {"lightning": self._holder}, every=self.every or 1,
+                on_commit=self.on_commit, **kwargs)
+        self.ckpt.attach(optimizers)
         return self.ckpt
 
     def _restore_distributed(self, d: str) -> tuple:

@@ -136,11 +136,11 @@ def test_the_replay_is_what_makes_it_exact(tmp_path, small_blocks, monkeypatch):
 def test_auto_picks_the_replay(tmp_path):
     model, opt, sched = make("adamw", None)
     ck = checkpointer(str(tmp_path / "a"), model, opt, sched, 2)
-    assert ck._multistep.replay == "host"  # CPU, single-tensor: src/optim's kernels
+    assert ck.driver.replay == "host"  # CPU, single-tensor: src/optim's kernels
     ck.close()
     model, opt, sched = make("adamw", True)
     ck = checkpointer(str(tmp_path / "b"), model, opt, sched, 2)
-    assert ck._multistep.replay == "torch"
+    assert ck.driver.replay == "torch"
     ck.close()
     with pytest.raises(nonstop.CheckpointMismatchError, match="foreach"):
         checkpointer(str(tmp_path / "c"), model, opt, sched, 2, replay="host")
@@ -267,7 +267,7 @@ def test_fused_with_grad_scaler_is_refused(tmp_path, small_blocks):
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     ck = nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt}, every=1,
                               mode="multistep", parts=2)
-    assert ck._multistep.replay == "torch"
+    assert ck.driver.replay == "torch"
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(8, 13)
     try:

@@ -171,7 +171,7 @@ def test_checkpointer_every_auto_follows_an_injected_stall(spy_engine, tmp_path,
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt},
                               every="auto", max_overhead=0.1) as ck:
-        ck._auto._clock = clock.perf_counter
+        ck.driver.interval._clock = clock.perf_counter
         # 10 ms steps, q = 10 % of wall time (stall included): 3 ms of stall
         # per checkpoint -> 3 / (10 f + 3) <= 0.1 at f = 3; 30 ms -> f = 27.
         m1 = _auto_phase(ck, model, opt, sched, 60, 0, sleep_s=0.010, clock=clock)

@@ -62,7 +62,7 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _auto, _objects, _periodic, _state
+from . import _ext, _objects, _periodic, _state
 from .errors import CheckpointMismatchError
 
 
@@ -446,35 +446,46 @@ class Layerwise(_periodic.Periodic):
 
 class Switching(_periodic.Periodic):
     """mode="auto": layer-wise or concurrent, whichever this job measures
-    cheaper (_auto.AutoMode), switched right after a checkpoint was started
-    or sealed. Nothing in flight is cut short: to layer-wise, the first hook
-    waits for the whole-model copy in flight (copy_pending); to concurrent,
-    the next optimizer.step() waits for every copy in flight (copy_pending
-    set). The arithmetic is the optimizer's own either way (docs/LAYERWISE.md)."""
+    cheaper, switched right after a checkpoint was started or sealed. The
+    rule (a probe that alternates the modes, a margin in concurrent's
+    favour, then hysteresis) is C++ (src/engine/mode_choice.h,
+    `_core.ModeChooser`); this class measures the windows it is fed: from
+    one checkpoint's step (exclusive) to the next's (inclusive), the wall
+    time, the steps and the visible stall. Nothing in flight is cut short:
+    to layer-wise, the first hook waits for the whole-model copy in flight
+    (copy_pending); to concurrent, the next optimizer.step() waits for every
+    copy in flight (copy_pending set). The arithmetic is the optimizer's
+    own either way (docs/LAYERWISE.md)."""
 
-    def __init__(self, session, o):
+    def __init__(self, session, o, clock=time.perf_counter):
         super().__init__(session)
-        self.o, self.clip = o, o.mode.clip_grad_norm
+        self.o, self.clip, self.clock = o, o.mode.clip_grad_norm, clock
         self.layerwise: Optional[Layerwise] = None
-        self.chooser = _auto.AutoMode()
+        self.chooser = _ext.core().ModeChooser(rounds=2, settle=1, margin=0.05, patience=3)
+        self.unavailable: Optional[str] = None  # why layer-wise cannot run (then concurrent)
         if any(isinstance(v, DistributedDataParallel) for v in session.state.values()):
             # layer-wise's DDP communication hook could not be removed again
-            self.chooser.unavailable = "a DDP model in state"
+            self.unavailable = "a DDP model in state"
         else:
             try:  # can layer-wise run on this state at all? (its checks, its hooks)
                 Layerwise(session, o).detach()
             except CheckpointMismatchError as e:
-                self.chooser.unavailable = str(e)
+                self.unavailable = str(e)
+        self.restart()
 
     def step(self, step: int) -> Optional[int]:
         got = (self.layerwise or super()).step(step)
-        self.chooser.stepped()
+        self.steps += 1
         if self.session.due_after(step):  # a window ends with its checkpoint
-            mode = self.chooser.window_end(self.session.visible_stall_s)
-            if mode == "layerwise" and self.layerwise is None:
-                self.layerwise = Layerwise(self.session, self.o)
-                self.layerwise.reset(step)  # the next backward is step + 1's
-            elif mode == "concurrent" and self.layerwise is not None:
+            now, stall = self.clock(), self.session.visible_stall_s
+            if self.unavailable is None:
+                self.chooser.observe(self.steps, now - self.t0, stall - self.stall0, 1)
+            self.t0, self.stall0, self.steps = now, stall, 0
+            if self.unavailable is None and self.chooser.active == "layerwise":
+                if self.layerwise is None:
+                    self.layerwise = Layerwise(self.session, self.o)
+                    self.layerwise.reset(step)  # the next backward is step + 1's
+            elif self.layerwise is not None:  # to concurrent
                 self.layerwise.detach()
                 self.layerwise = None
                 self.session.copy_pending = True
@@ -496,11 +507,14 @@ class Switching(_periodic.Periodic):
         if self.layerwise is not None:
             self.layerwise.restored(loaded)
 
-    def restart(self) -> None:  # the restore is no window's cost
-        self.chooser.restart(self.session.visible_stall_s)
+    def restart(self) -> None:  # a new window starts now (construction, restore())
+        self.t0, self.stall0, self.steps = self.clock(), self.session.visible_stall_s, 0
 
     def stats(self, s: dict) -> None:  # which mode runs, and the figures it was chosen from
-        s["mode_auto"] = self.chooser.state()
+        s["mode_auto"] = st = self.chooser.state()
+        if self.unavailable:
+            st.update(active="concurrent", decided=True,
+                      reason=f"layerwise cannot run here ({self.unavailable}): concurrent")
 
     def detach(self) -> None:
         if self.layerwise is not None:

@@ -211,12 +211,13 @@ class Checkpointer:
         child it only lets go of the parent's engine."""
         for h in self._hooks:
             h.remove()
-        self._hooks, ses, preempt, self._preempt = [], self.session, self._preempt, None
+        self._hooks, ses = [], self.session
         if ses.forked():
+            self._preempt = None
             ses.let_go()
             return
-        if preempt is not None:  # puts the signal handlers back
-            preempt.close()
+        if self._preempt is not None:  # puts the signal handlers back
+            self._preempt.close()
         if "driver" in self.__dict__:
             self.driver.detach()
         if ses.engine is not None:

@@ -510,7 +510,7 @@ class Switching(_periodic.Periodic):
     def restart(self) -> None:  # a new window starts now (construction, restore())
         self.t0, self.stall0, self.steps = self.clock(), self.session.visible_stall_s, 0
 
-    def stats(self, s: dict) -> None:  # which mode runs, and the figures it was chosen from
+    def add_stats(self, s: dict) -> None:  # which mode runs, and the figures it was chosen from
         s["mode_auto"] = st = self.chooser.state()
         if self.unavailable:
             st.update(active="concurrent", decided=True,

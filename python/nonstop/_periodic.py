@@ -50,7 +50,7 @@ class Periodic(Driver):
         ses.visible_stall_s += time.perf_counter() - t0
         return counter
 
-    def stats(self, s: dict) -> None:
+    def add_stats(self, s: dict) -> None:
         if self.interval is not None:
             s["auto"] = self.interval.state()
 

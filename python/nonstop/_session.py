@@ -277,12 +277,12 @@ class Session:
 
     def stats(self, driver, engine=None) -> dict:
         """stats(): the engine's, the session's counters, the last restore's,
-        the mode's (driver.stats), the distributed agreement's and the
+        the mode's (driver.add_stats), the distributed agreement's and the
         remote tier's."""
         s = (engine or self.live()).stats()
         s.update(self.counters())
         s.update(self.restore_stats)
-        driver.stats(s)
+        driver.add_stats(s)
         if self.dist is not None:
             s.update(self.dist.stats())
         if self.remote is not None:
@@ -376,7 +376,7 @@ class Driver:
     def restart(self) -> None:  # restore() ended (applied, a fresh start, or failed)
         pass
 
-    def stats(self, s: dict) -> None:  # this mode's figures, added to stats()
+    def add_stats(self, s: dict) -> None:  # this mode's figures, added to stats()
         pass
 
     def detach(self) -> None:  # close(): removes this mode's hooks

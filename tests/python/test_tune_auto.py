@@ -156,11 +156,11 @@ def test_checkpointer_every_auto_follows_an_injected_stall(spy_engine, tmp_path,
     """A slower medium, injected as a longer wait for the copy before the
     next update: the interval grows, and shrinks again when it recovers."""
     import nonstop
-    import nonstop._checkpointer as cp
+    import nonstop._periodic as periodic
     import nonstop._session as ses
     import tiny
     clock = _Clock()
-    monkeypatch.setattr(cp, "time", clock)  # the Checkpointer's stall counter (save())
+    monkeypatch.setattr(periodic, "time", clock)  # the whole-state save's stall counter
     monkeypatch.setattr(ses, "time", clock)  # and its Session's (the waits)
     delay = {"s": 0.003}
 

@@ -123,6 +123,17 @@ struct SelectOptions {
   bool verify_data = true;             // verify every data chunk crc of the chosen one
   bool include_keep = true;            // consider keep/ copies too
   std::vector<uint64_t> exclude;       // counters the caller found damaged while reading
+  // SelectReshard only: more copies of old ranks' files outside the job
+  // directory (the peer tier's: a replica or memory segment in this host's
+  // memory directory, a copy fetched from another host or the object store
+  // into it), each an absolute path of a slot file of rank `rank` of world
+  // size `world`; a world named only here is considered too.
+  struct ExtraFile {
+    int world = 0;
+    int rank = 0;
+    std::string path;
+  };
+  std::vector<ExtraFile> extra;
 };
 
 // The checkpoint recovery chose, with its file open read-only for reading it.
@@ -291,6 +302,7 @@ class JobDir {
   // in DIR/world-W to world size N: ", with SelectCommon's codes except that
   // a missing old rank file is FailedPrecondition (every old rank file must
   // be visible to every new rank). I/O errors are returned at once.
+  // opts.extra adds copies of old rank files from outside the job directory.
   Result<std::optional<ReshardSelection>> SelectReshard(int world_size,
                                                         const SelectOptions& opts = {});
   // Every checkpoint record of rank R (slot file, then keep copies), newest first.

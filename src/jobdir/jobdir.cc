@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <ctime>
 #include <map>
+#include <set>
 
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
@@ -110,7 +111,11 @@ struct JobDir::Impl {
   // returned, read-only after.
   std::vector<std::unique_ptr<FileLock>> other_locks;
 
-  std::string Where(const std::string& rel) const { return path + "/" + rel; }
+  // A location relative to the job directory (an absolute one, a copy
+  // outside it: SelectOptions::extra, as it is).
+  std::string Where(const std::string& rel) const {
+    return !rel.empty() && rel[0] == '/' ? rel : path + "/" + rel;
+  }
 
   Status CheckWriter(const char* op, int for_rank) const {
     if (!writable) {
@@ -241,7 +246,8 @@ struct JobDir::Impl {
   // The common selection of `world` ranks in `d`; nullopt when none of its
   // rank files holds a checkpoint record. Every error message begins with
   // `head`; reshard: a missing rank file is FailedPrecondition.
-  Result<std::optional<CommonSelection>> SelectCommonIn(Directory& d, const std::string& prefix,
+  // d: nullptr when only opts.extra holds the world's files (reshard).
+  Result<std::optional<CommonSelection>> SelectCommonIn(Directory* d, const std::string& prefix,
                                                         int world, const SelectOptions& opts,
                                                         const std::string& head, bool reshard);
   Status KeepLocked(SlotFile& src, const CheckpointInfo& info) REQUIRES(mu);
@@ -562,7 +568,7 @@ Result<bool> JobDir::Superseded(Selected& sel) {
 }
 
 Result<std::optional<CommonSelection>> JobDir::Impl::SelectCommonIn(
-    Directory& d, const std::string& prefix, int world, const SelectOptions& opts,
+    Directory* d, const std::string& prefix, int world, const SelectOptions& opts,
     const std::string& head, bool reshard) {
   // (step, run id): checkpoints of one step are common only within one run.
   using Key = std::pair<int64_t, uint64_t>;
@@ -579,9 +585,36 @@ Result<std::optional<CommonSelection>> JobDir::Impl::SelectCommonIn(
   bool any_record = false, saw_damage = false;
   for (int r = 0; r < world; ++r) {
     PerRank& pr = ranks[r];
-    NONSTOP_ASSIGN_OR_RETURN(pr.lineage, LineageIn(d, prefix, r));
-    NONSTOP_RETURN_IF_ERROR(Sources(d, prefix, r, opts.include_keep && prefix.empty(), false,
-                                    &pr.sources, &pr.problems));
+    if (d != nullptr) {
+      NONSTOP_ASSIGN_OR_RETURN(pr.lineage, LineageIn(*d, prefix, r));
+      NONSTOP_RETURN_IF_ERROR(Sources(*d, prefix, r, opts.include_keep && prefix.empty(), false,
+                                      &pr.sources, &pr.problems));
+    }
+    if (reshard) {
+      // Copies of this old rank's file outside the job directory, by
+      // absolute path (opened through the Env, never followed).
+      for (const SelectOptions::ExtraFile& e : opts.extra) {
+        if (e.world != world || e.rank != r) continue;
+        const size_t cut = e.path.rfind('/');
+        if (e.path.empty() || e.path[0] != '/' || cut == std::string::npos ||
+            cut + 1 == e.path.size()) {
+          return Status::InvalidArgument("SelectReshard: extra file '" + e.path +
+                                         "' is not an absolute path of a file");
+        }
+        Result<std::unique_ptr<Directory>> in =
+            env->OpenDirectory(cut == 0 ? "/" : e.path.substr(0, cut), false);
+        Result<Source> src = in.ok() ? OpenSource(*in.value(), e.path.substr(cut + 1),
+                                                  CheckpointLocation{e.path, false})
+                                     : Result<Source>(in.status());
+        if (src.ok()) {
+          pr.sources.push_back(std::move(src).value());
+        } else if (IsDamage(src.status()) || IsNotFound(src.status())) {
+          pr.problems.push_back(src.status().Annotate(e.path).message());
+        } else {
+          return src.status().Annotate(e.path);
+        }
+      }
+    }
     if (pr.sources.empty()) {
       std::string why = Where(prefix + JobDirNames::Slot(r)) +
                         (pr.problems.empty() ? " is missing" : " cannot be read");
@@ -817,7 +850,7 @@ Result<CommonSelection> JobDir::SelectCommon(int world_size, const SelectOptions
                            (prefix.empty() ? impl_->path : impl_->Where(prefix.substr(0, prefix.size() - 1))) +
                            " (world size " + std::to_string(world_size) + ")";
   NONSTOP_ASSIGN_OR_RETURN(std::optional<CommonSelection> cs,
-                           impl_->SelectCommonIn(*d, prefix, world_size, opts, head, false));
+                           impl_->SelectCommonIn(d, prefix, world_size, opts, head, false));
   if (!cs) return Status::NotFound(head + ": no rank file holds a checkpoint");
   return std::move(*cs);
 }
@@ -828,12 +861,27 @@ Result<std::optional<ReshardSelection>> JobDir::SelectReshard(int world_size,
     return Status::InvalidArgument("SelectReshard: bad world size " + std::to_string(world_size));
   }
   NONSTOP_ASSIGN_OR_RETURN(std::vector<int> worlds, SetAsideWorlds());
+  std::set<int> only_extra;
+  for (const SelectOptions::ExtraFile& e : opts.extra) {
+    if (e.world < 1 || e.world > 99999 || e.rank < 0 || e.rank >= e.world) {
+      return Status::InvalidArgument("SelectReshard: extra file of rank " +
+                                     std::to_string(e.rank) + " of world size " +
+                                     std::to_string(e.world));
+    }
+    if (std::find(worlds.begin(), worlds.end(), e.world) == worlds.end()) {
+      only_extra.insert(e.world);
+    }
+  }
+  worlds.insert(worlds.end(), only_extra.begin(), only_extra.end());
+  std::sort(worlds.begin(), worlds.end());
   std::optional<ReshardSelection> best;
   std::optional<Status> first_error;
   for (int w : worlds) {
     const std::string name = JobDirNames::World(w);
     Result<std::unique_ptr<Directory>> d = impl_->dir->OpenDir(name, false);
-    if (!d.ok()) {
+    if (!d.ok() && IsNotFound(d.status()) && only_extra.count(w) != 0) {
+      d = std::unique_ptr<Directory>();  // this world's files are all outside the job directory
+    } else if (!d.ok()) {
       if (IsNotFound(d.status())) continue;  // removed since it was listed
       if (!IsDamage(d.status())) return d.status();
       if (!first_error) first_error = d.status().Annotate(impl_->Where(name));
@@ -843,7 +891,7 @@ Result<std::optional<ReshardSelection>> JobDir::SelectReshard(int world_size,
                              " in " + impl_->Where(name) + " to world size " +
                              std::to_string(world_size);
     Result<std::optional<CommonSelection>> cs =
-        impl_->SelectCommonIn(*d.value(), name + "/", w, opts, head, true);
+        impl_->SelectCommonIn(d.value().get(), name + "/", w, opts, head, true);
     if (!cs.ok()) {
       const StatusCode c = cs.status().code();
       if (c != StatusCode::kCorruption && c != StatusCode::kFailedPrecondition &&

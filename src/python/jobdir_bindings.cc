@@ -165,12 +165,14 @@ class PyJobDir {
   }
 
   std::optional<py::dict> SelectReshard(int world_size, std::optional<int64_t> step,
-                                        std::optional<int64_t> max_step, bool verify_data) {
+                                        std::optional<int64_t> max_step, bool verify_data,
+                                        const std::vector<std::tuple<int, int, std::string>>& extra) {
     JobDir& j = jd();
     SelectOptions o;
     o.step = step;
     o.max_step = max_step;
     o.verify_data = verify_data;
+    for (const auto& [w, r, path] : extra) o.extra.push_back(SelectOptions::ExtraFile{w, r, path});
     std::optional<ReshardSelection> rs;
     {
       py::gil_scoped_release release;
@@ -451,7 +453,10 @@ void InitJobDir(py::module_& m) {
            py::arg("verify_data") = true, py::arg("max_step") = py::none())
       .def("select_reshard", &PyJobDir::SelectReshard, py::arg("world_size"),
            py::arg("step") = py::none(), py::arg("max_step") = py::none(),
-           py::arg("verify_data") = true)
+           py::arg("verify_data") = true,
+           py::arg("extra") = std::vector<std::tuple<int, int, std::string>>{},
+           "extra: [(old world, old rank, absolute path)]: more copies of old rank files "
+           "outside the job directory (the peer tier's, docs/DISTRIBUTED.md).")
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
       .def("lineage", &PyJobDir::Lineage, py::arg("rank") = 0)

@@ -245,6 +245,39 @@ void InitPeer(py::module_& m) {
       "(its replica, or with own=True its host's own segment), fetched and verified into the "
       "one-slot file local_dir/sub/rank-RRRRR.nsck; returns its path.");
   m.def(
+      "peer_list_local",
+      [](const std::string& job, bool own, const std::vector<std::string>& segments,
+         const std::string& dir) {
+        std::vector<peer::LocalCopy> got =
+            Released([&] { return peer::ListLocal(job, own, segments, dir); });
+        py::list out;
+        for (const peer::LocalCopy& c : got) {
+          py::list one = HeldList({c.held});
+          py::dict d = one[0].cast<py::dict>();
+          d["path"] = c.path;
+          out.append(d);
+        }
+        return out;
+      },
+      py::arg("job"), py::arg("own"), py::arg("segments") = std::vector<std::string>{},
+      py::arg("dir") = "",
+      "This host's replicas of job (own=False) or the newest checkpoint of each of its own "
+      "segments (own=True), read from the memory directory without a server: [{source_rank, "
+      "world_size, step, counter, bytes, path}].");
+  m.def(
+      "peer_verify_local",
+      [](const std::string& path, uint32_t source_rank, int64_t step) {
+        Status st;
+        {
+          py::gil_scoped_release r;
+          st = peer::VerifyLocal(path, source_rank, step);
+        }
+        Check(st);
+      },
+      py::arg("path"), py::arg("source_rank"), py::arg("step"),
+      "Raises unless the newest checkpoint of the slot file at path is source_rank's of step "
+      "and every chunk of its data verifies.");
+  m.def(
       "memory_segments",
       [](const std::string& job_dir, const std::string& shm_dir) {
         std::vector<std::pair<int, std::string>> got;

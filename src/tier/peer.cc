@@ -422,6 +422,65 @@ int ReplicaRank(const std::string& name, const std::string& key) {
   return r;
 }
 
+// The complete replicas of job key `key` in `dir`, by source rank (names
+// in `names` when given).
+Result<std::vector<HeldReplica>> ListReplicasIn(Directory& dir, const std::string& key,
+                                                std::vector<std::string>* names = nullptr) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, dir.List());
+  std::vector<std::pair<HeldReplica, std::string>> out;
+  for (const DirEntry& e : entries) {
+    const int r = ReplicaRank(e.name, key);
+    if (r < 0) continue;
+    Result<FileStat> st = dir.Stat(e.name);
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;
+    auto got = OpenNewest(dir, e.name);
+    if (!got.ok()) continue;  // not a complete replica: never listed
+    const CheckpointInfo& info = got.value().second;
+    if (info.rank != static_cast<uint32_t>(r)) continue;
+    out.emplace_back(HeldReplica{static_cast<uint32_t>(r), info.world_size, info.step,
+                                 info.counter, st.value().size},
+                     e.name);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.first.source_rank < b.first.source_rank;
+  });
+  std::vector<HeldReplica> held;
+  for (auto& [h, n] : out) {
+    held.push_back(h);
+    if (names != nullptr) names->push_back(std::move(n));
+  }
+  return held;
+}
+
+// The newest committed checkpoint of each of `segments` in `dir` (gone,
+// not a file or holding none: left out), by source rank (names in `names`
+// when given).
+Result<std::vector<HeldReplica>> ListSegmentsIn(Directory& dir,
+                                                const std::vector<std::string>& segments,
+                                                std::vector<std::string>* names = nullptr) {
+  std::vector<std::pair<HeldReplica, std::string>> out;
+  std::set<std::string> seen;
+  for (const std::string& name : segments) {
+    if (!seen.insert(name).second) continue;
+    Result<FileStat> st = dir.Stat(name);
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;  // gone, or not a file
+    auto got = OpenNewest(dir, name);
+    if (!got.ok()) continue;  // holds no committed checkpoint: never listed
+    const CheckpointInfo& info = got.value().second;
+    out.emplace_back(
+        HeldReplica{info.rank, info.world_size, info.step, info.counter, st.value().size}, name);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.first.source_rank < b.first.source_rank;
+  });
+  std::vector<HeldReplica> held;
+  for (auto& [h, n] : out) {
+    held.push_back(h);
+    if (names != nullptr) names->push_back(std::move(n));
+  }
+  return held;
+}
+
 }  // namespace
 
 std::string Endpoint::ToString() const {
@@ -676,41 +735,10 @@ uint64_t PeerServer::Impl::UsedBytes() {
   return used;
 }
 
-Result<std::vector<HeldReplica>> PeerServer::Impl::List() {
-  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, dir->List());
-  std::vector<HeldReplica> out;
-  for (const DirEntry& e : entries) {
-    const int r = ReplicaRank(e.name, key);
-    if (r < 0) continue;
-    Result<FileStat> st = dir->Stat(e.name);
-    if (!st.ok() || st.value().type != EntryType::kFile) continue;
-    auto got = OpenNewest(*dir, e.name);
-    if (!got.ok()) continue;  // not a complete replica: never listed
-    const CheckpointInfo& info = got.value().second;
-    if (info.rank != static_cast<uint32_t>(r)) continue;
-    out.push_back(HeldReplica{static_cast<uint32_t>(r), info.world_size, info.step, info.counter,
-                              st.value().size});
-  }
-  std::sort(out.begin(), out.end(),
-            [](const HeldReplica& a, const HeldReplica& b) { return a.source_rank < b.source_rank; });
-  return out;
-}
+Result<std::vector<HeldReplica>> PeerServer::Impl::List() { return ListReplicasIn(*dir, key); }
 
 Result<std::vector<HeldReplica>> PeerServer::Impl::ListOwn() {
-  std::vector<HeldReplica> out;
-  std::set<std::string> seen;
-  for (const std::string& name : o.segments) {
-    if (!seen.insert(name).second) continue;
-    Result<FileStat> st = dir->Stat(name);
-    if (!st.ok() || st.value().type != EntryType::kFile) continue;  // gone, or not a file
-    auto got = OpenNewest(*dir, name);
-    if (!got.ok()) continue;  // holds no committed checkpoint: never listed
-    const CheckpointInfo& info = got.value().second;
-    out.push_back(HeldReplica{info.rank, info.world_size, info.step, info.counter, st.value().size});
-  }
-  std::sort(out.begin(), out.end(),
-            [](const HeldReplica& a, const HeldReplica& b) { return a.source_rank < b.source_rank; });
-  return out;
+  return ListSegmentsIn(*dir, o.segments);
 }
 
 int PeerServer::Impl::EnforceDeadlines() {
@@ -1588,6 +1616,53 @@ std::vector<std::vector<uint32_t>> ChoosePartners(const std::vector<std::string>
     }
   }
   return out;
+}
+
+// ---------------------------------------------------------------- this host's copies
+
+Result<std::vector<LocalCopy>> ListLocal(const std::string& job, bool own,
+                                         const std::vector<std::string>& segments,
+                                         const std::string& dir, Env* env) {
+  if (env == nullptr) env = DefaultEnv();
+  for (const std::string& seg : segments) {
+    if (seg.empty() || seg == "." || seg == ".." || seg.find('/') != std::string::npos) {
+      return Status::InvalidArgument("peer: own segment '" + seg.substr(0, 64) +
+                                     "' is not an entry name of the memory directory");
+    }
+  }
+  const std::string where = PeerMemoryDir(dir);
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(where, false);
+  if (!d.ok() && d.status().code() == StatusCode::kNotFound) return std::vector<LocalCopy>{};
+  NONSTOP_RETURN_IF_ERROR(d.status());
+  std::vector<std::string> names;
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<HeldReplica> held,
+                           own ? ListSegmentsIn(*d.value(), segments, &names)
+                               : ListReplicasIn(*d.value(), JobKey(job), &names));
+  std::vector<LocalCopy> out;
+  for (size_t i = 0; i < held.size(); ++i) {
+    out.push_back(LocalCopy{held[i], where + "/" + names[i]});
+  }
+  return out;
+}
+
+Status VerifyLocal(const std::string& path, uint32_t source_rank, int64_t step, Env* env) {
+  if (env == nullptr) env = DefaultEnv();
+  const size_t cut = path.rfind('/');
+  if (path.empty() || path[0] != '/' || cut == std::string::npos || cut + 1 == path.size()) {
+    return Status::InvalidArgument("peer: '" + path + "' is not an absolute path of a file");
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d,
+                           env->OpenDirectory(cut == 0 ? "/" : path.substr(0, cut), false));
+  auto got = OpenNewest(*d, path.substr(cut + 1));
+  NONSTOP_RETURN_IF_ERROR(got.status());
+  const CheckpointInfo& info = got.value().second;
+  if (info.rank != source_rank || info.step != step) {
+    return Status::NotFound(path + " holds rank " + std::to_string(info.rank) + " step " +
+                            std::to_string(info.step) + ", not rank " +
+                            std::to_string(source_rank) + " step " + std::to_string(step));
+  }
+  Status st = got.value().first->ReadData(info, 0, nullptr, info.data_bytes, /*verify=*/true);
+  return st.ok() ? st : st.Annotate(path);
 }
 
 }  // namespace nonstop::peer

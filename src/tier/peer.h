@@ -300,6 +300,27 @@ Result<std::string> FetchInto(const std::string& endpoint, const std::string& jo
                               std::optional<int64_t> step, bool own, const std::string& local_dir,
                               const std::string& sub, Env* env = nullptr, double timeout_s = 60);
 
+// This host's copies, read without a server (a restart of another world size
+// whose ranks all sit on one host starts no server, and a rank reads its own
+// host's memory directory directly; docs/TIERS.md "Peer tier").
+struct LocalCopy {
+  HeldReplica held;
+  std::string path;  // absolute: the replica or segment in the memory directory
+};
+// The complete replicas of job `job` (own false) or the newest committed
+// checkpoint of each of `segments` (own true: entry names, as
+// PeerServerOptions::segments) in the memory directory PeerMemoryDir(dir),
+// by source rank; none when that directory does not exist.
+Result<std::vector<LocalCopy>> ListLocal(const std::string& job, bool own,
+                                         const std::vector<std::string>& segments,
+                                         const std::string& dir = "", Env* env = nullptr);
+// Whether the newest committed checkpoint of the slot file at `path`
+// (absolute, opened read-only, never followed) is of rank `source_rank` and
+// step `step` and every chunk of its data verifies: OK, or NotFound (another
+// checkpoint, gone), Corruption (the chunk named), IOError.
+Status VerifyLocal(const std::string& path, uint32_t source_rank, int64_t step,
+                   Env* env = nullptr);
+
 // Partners: out[r] = the ranks that hold rank r's replicas, given each
 // rank's host (any string naming its failure domain). Deterministic, never
 // r's own host, at most `replicas` (fewer when fewer other hosts exist:

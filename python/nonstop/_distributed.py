@@ -429,18 +429,19 @@ class Distributed:
     # ------------------------------------------------------------ recovery
 
     def load(self, engine, step: Optional[int], core, loaded_cls, check_world,
-             stats: Optional[dict] = None):
+             stats: Optional[dict] = None, remote=None):
         """Agrees with the peers on the checkpoint to restore, reads it and
         pins it. Returns a LoadedCheckpoint with complete tensors (the
         replicated ones reassembled), or None on a fresh start everywhere.
         Collective: every rank must call it, before its first save().
         `stats` gets restored_from ("memory" or "disk"), memory_unused_because
-        and restore_s."""
+        and restore_s. `remote` (the job's _remote.Tier, or None): where a
+        reshard from peers' memory finds an old rank on no peer (_peer.py)."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
         self.engine = engine
-        got = self.recover(step, check_world, stats)
+        got = self.recover(step, check_world, stats, remote)
         if got is None:
             return None
         info, tensors, meta, path = got
@@ -449,7 +450,7 @@ class Distributed:
         return loaded_cls(info["step"], info["counter"], tensors, meta, info, path)
 
     def recover(self, step: Optional[int], check_world,
-                stats: Optional[dict] = None) -> Optional[tuple]:
+                stats: Optional[dict] = None, remote=None) -> Optional[tuple]:
         """(info, tensors, meta, path) of the agreed checkpoint of this rank;
         see load(). The choices are JobDir's: which checkpoints of this rank
         are committed and not abandoned (list), which one of a step verifies
@@ -488,7 +489,7 @@ class Distributed:
         if not order:
             # Nothing this world size committed on every rank: a set-aside
             # checkpoint of another world size, resharded.
-            got = self._reshard(step)
+            got = self._reshard(step, remote)
             if got is not None:
                 return got
         if not any(every) and step is None:
@@ -610,15 +611,18 @@ class Distributed:
             return "peer" if peer else "disk"
         return "peer" if peer else "memory"
 
-    def _reshard(self, step: Optional[int]) -> Optional[tuple]:
-        # Every rank has the same map of what the peers held (gathered at
-        # construction), so every rank takes this branch or none.
-        peers = self.peers if self.peers is not None and self.peers.other else None
-        missing = ""
+    def _reshard(self, step: Optional[int], remote=None) -> Optional[tuple]:
+        # Whether any rank's server or host held a checkpoint of another world
+        # size was gathered at construction, so every rank takes this branch
+        # or none.
+        peers = self.peers if self.peers is not None and self.peers.reshard_any else None
+        missing, extra = "", []
         if peers is not None:
-            # Reshard from memory: the old ranks' files this host lacks,
-            # fetched (verified) from the surviving servers into world-W/.
-            peers.gather_old_shards(self.dir)
+            # Reshard from memory: for each old rank's file this host lacks,
+            # a verified copy in this host's memory directory, fetched from
+            # another host's server or from the remote tier (_peer.py).
+            peers.gather_old_shards(self.dir, remote)
+            extra = list(peers.reshard_files)
             missing = "; ".join(f"rank {r}: {m}" for r, m in enumerate(
                 Comm(self.group, self.world).gather(peers.reshard_missing)) if m)
             if peers.reshard_missing:
@@ -627,11 +631,15 @@ class Distributed:
                               stacklevel=5)
         try:
             got = reshard(self.dir, self.rank, self.world, step, Comm(self.group, self.world),
-                          self.state or {})
+                          self.state or {}, extra=extra)
         except CheckpointError as e:
             if not missing:
                 raise
             raise type(e)(f"{e}; not on any surviving peer either: {missing}") from None
+        finally:
+            if peers is not None:
+                peers.drop_reshard()  # read (or failed): the copies go
+                peers.reshard_files = []
         if got is None:
             return None
         key, info, tensors, meta, old_world, archive = got
@@ -795,7 +803,7 @@ class _OldRank:
 
 
 def pick_archive(dir: str, world: int, step: Optional[int] = None,
-                 max_step: Optional[int] = None) -> Optional[dict]:
+                 max_step: Optional[int] = None, extra=()) -> Optional[dict]:
     """The reshard choice, made by the job directory's owner in C++
     (JobDir.select_reshard): of the set-aside checkpoints, the newest step
     committed, of one run and verified on every old rank file, as
@@ -803,11 +811,12 @@ def pick_archive(dir: str, world: int, step: Optional[int] = None,
     rank], skipped). None when no set-aside rank file holds any checkpoint
     record. Raises a one-line error (a missing, damaged or foreign old rank
     file) when none can be used: a committed checkpoint is never silently
-    replaced by a fresh start."""
+    replaced by a fresh start. `extra`: [(old world, old rank, path)], more
+    copies of old rank files outside `dir` (the peer tier's, _peer.py)."""
     jd = _open_read(dir)
     if jd is None:
         return None
-    return jd.select_reshard(world, step=step, max_step=max_step)
+    return jd.select_reshard(world, step=step, max_step=max_step, extra=list(extra))
 
 
 def _numel(shape) -> int:
@@ -855,7 +864,7 @@ _ERRORS = {"CheckpointError": CheckpointError, "CheckpointNotFoundError": Checkp
 
 
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
-            state: dict) -> Optional[tuple]:
+            state: dict, extra=()) -> Optional[tuple]:
     """Rebuilds rank `rank`'s state (of a job of world size `world`) from a
     set-aside checkpoint of another world size in `dir`. Returns ((step,
     run id), info, tensors, meta, old world, archive dir), or None when no
@@ -872,7 +881,7 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
     while True:
         pick, err = None, None
         try:
-            pick = pick_archive(dir, world, step, max_step)
+            pick = pick_archive(dir, world, step, max_step, extra)
         except CheckpointError as e:
             err = (type(e).__name__, str(e))
         errs = comm.gather(err)

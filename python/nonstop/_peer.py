@@ -37,7 +37,7 @@ import socket
 import time
 from typing import Optional
 
-from . import _ext
+from . import _ext, _remote
 from .errors import CheckpointError, CheckpointMismatchError
 
 
@@ -165,6 +165,12 @@ class Peers:
         # (replicas and own segments): [(holder rank, {source_rank,
         # world_size, step, counter, bytes, own})].
         self.other: list = []
+        # The same of this host's memory directory, read without a server
+        # (also where every rank sits on one host and no server starts):
+        # [{source_rank, world_size, step, counter, bytes, path, own}].
+        self.local: list = []
+        self.reshard_any = False  # any rank's server or host holds another world's checkpoint
+        self.reshard_files: list = []  # [(old world, old rank, path)] for JobDir.select_reshard
         self.reshard_from: dict = {}  # old rank -> where its file came from
         self.reshard_missing = ""
         self.reshard_bytes, self.reshard_s = 0, 0.0  # fetched for the reshard, and how long
@@ -189,18 +195,25 @@ class Peers:
             self.note = 'no memory segment to replicate (tier="disk")'
             return
         partners = core.choose_partners(self.hosts, want)
+        self.job = every[0][3]  # rank 0's job directory names the job on every rank
+        # This host's own segments of the job (any world size): served
+        # read-only, and read directly for a reshard on this host.
+        try:
+            segs = [name for _, name in core.memory_segments(os.path.abspath(dist.dir))]
+        except (CheckpointError, OSError):
+            segs = []
+        self.local = self._list_local(segs)
         if not any(partners):
             self.note = "every rank is on one host: no partner in another failure domain"
+            # No server: a reshard still reads this host's memory directory.
+            self.reshard_any = any(comm.gather(bool(self.local)))
             return
-        self.job = every[0][3]  # rank 0's job directory names the job on every rank
         secret = agree_secret(every, mine)
         err, held, other = "", [], []
         try:
             # The budget: peer_budget_bytes, else a share of the memory
             # directory's free space split among this host's ranks (C++).
             share = sum(1 for h in self.hosts if h == self.hosts[self.rank])
-            # This host's own segments of the job (any world size), served read-only.
-            segs = [name for _, name in core.memory_segments(os.path.abspath(dist.dir))]
             self.server = core.PeerServer(
                 self.job, secret, bind_host=addr, port=0,
                 budget_bytes=budget_bytes or 0,
@@ -213,7 +226,9 @@ class Peers:
                       if int(h.get("world_size", 0)) != self.world]
         except CheckpointError as e:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
-        got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held, other])
+        got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held, other,
+                           bool(self.local)])
+        self.reshard_any = any(g[4] for g in got)
         errs = [g[0] for g in got if g[0]]
         if errs:  # the job runs on without the tier, and says why
             self.close()
@@ -280,23 +295,78 @@ class Peers:
         except (CheckpointError, OSError):
             pass
 
-    def gather_old_shards(self, dir: str) -> None:
+    def _list_local(self, segs: list) -> list:
+        """This host's replicas and own segments of the job of another world
+        size, read from the memory directory (no server); [] when it cannot
+        be read (a reshard then reads the peers and the disk)."""
+        core = _ext.core()
+        if not hasattr(core, "peer_list_local"):
+            return []
+        try:
+            got = [dict(h, own=False) for h in core.peer_list_local(self.job, False)]
+            got += [dict(h, own=True) for h in core.peer_list_local(self.job, True, segs)]
+        except (CheckpointError, OSError):
+            return []
+        return [h for h in got if int(h["world_size"]) != self.world]
+
+    def _reshard_dir(self) -> tuple:
+        """(this host's memory directory, the name of this rank's directory of
+        copies fetched for a reshard in it)."""
+        core = _ext.core()
+        key = core.peer_replica_name(self.job, self.rank).split("-replica-")[0]
+        return core.peer_memory_dir(""), f"{key}-reshard-rank-{self.rank:05d}"
+
+    def drop_reshard(self) -> None:
+        """Removes the copies fetched for a reshard (through the seam; best
+        effort): once the reshard has read them, at the next one, at close()."""
+        mem, name = self._reshard_dir()
+        try:
+            _ext.core().Directory(mem).remove_tree(name, missing_ok=True)
+        except (CheckpointError, OSError):
+            pass
+
+    def gather_old_shards(self, dir: str, remote=None) -> None:
         """Before resharding a set-aside checkpoint of another world size W:
-        every old rank's file that `dir`/world-W/ lacks (this host never
-        held it: a lost or new host) is fetched, verified, from a server
-        that held that old rank's checkpoint at construction (its own
-        segment or a replica) into `dir`/world-W/rank-RRRRR.nsck, so that the
-        existing reshard (JobDir.select_reshard) finds every old rank. Of
-        the steps every missing old rank is held at, the recovery planner
-        (C++, core.plan) orders each old rank's copies; the first that
-        fetches and verifies is kept. Not collective: every rank has the
-        same map (gathered at construction). What cannot be fetched is
-        named in reshard_missing (the reshard then reads what the disk
-        holds, and fails in one line when an old rank is on neither)."""
+        for every old rank whose file `dir`/world-W/ lacks (this host never
+        held it: a lost or new host), a copy that verifies, from (in the
+        recovery planner's order, C++ core.plan: newest counter first, at
+        one counter memory before the object store)
+          - this host's memory directory, read in place (`own`: its own
+            segment of that old rank, or the replica it holds),
+          - the server of another host that held it at construction (its
+            own segment or a replica), fetched, verified, into this host's
+            memory directory (tmpfs: `<job key>-reshard-rank-RRRRR/world-W/`),
+          - the job's remote tier (`remote`, a _remote.Tier) where it holds
+            a committed step of world size W: that old rank's part, fetched
+            into the same directory (_remote.fetch: size and part crcs
+            checked; the reshard verifies every chunk as it reads).
+        Only steps every missing old rank has a copy of are tried. The
+        copies are named in reshard_files for JobDir.select_reshard (the
+        reshard's one choice, C++), and removed once read (drop_reshard).
+        Not collective. What cannot be found is named in reshard_missing
+        (the reshard then reads what the disk holds, and fails in one line
+        when an old rank is on neither)."""
         core = _ext.core()
         t0 = time.perf_counter()
-        self.reshard_from, missing, self.reshard_bytes = {}, [], 0
-        for w in sorted({int(h["world_size"]) for _, h in self.other}):
+        self.reshard_from, missing, self.reshard_bytes, self.reshard_files = {}, [], 0, []
+        self.drop_reshard()  # a restart before this one may have left its copies
+        mem, name = self._reshard_dir()
+        into = os.path.join(mem, name)
+        mine = self.hosts[self.rank]
+        # This host's own memory directory is read in place; a server on
+        # this host lists the same files.
+        rows_all = [("local", h) for h in self.local] + [
+            (holder, h) for holder, h in self.other if self.hosts[holder] != mine]
+        worlds = {int(h["world_size"]) for _, h in rows_all}
+        remote_steps, remote_err = {}, ""
+        if remote is not None and worlds:
+            try:
+                for st, m in _remote.committed_steps(remote.store):
+                    remote_steps.setdefault(int(m.get("world_size", 0)), []).append(
+                        (int(st), int(m.get("counter") or 0)))
+            except (CheckpointError, OSError) as e:
+                remote_err = f"the remote tier {remote.store.url} cannot be listed: {e}"
+        for w in sorted(worlds):
             sub = core.JobDir.world_name(w)
             need = []
             for r in range(w):
@@ -304,37 +374,67 @@ class Peers:
                     self.reshard_from[f"{w}/{r}"] = "disk"
                 else:
                     need.append(r)
-            rows = {r: [(holder, h) for holder, h in self.other
+            rows = {r: [(where, h) for where, h in rows_all
                         if int(h["world_size"]) == w and int(h["source_rank"]) == r]
                     for r in need}
             steps = None
             for r in need:
-                held = {int(h["step"]) for _, h in rows[r]}
+                held = {int(h["step"]) for _, h in rows[r]} | {st for st, _ in remote_steps.get(w, [])}
                 steps = held if steps is None else steps & held
             for r in need:
-                cands = [(holder, h) for holder, h in rows[r] if int(h["step"]) in (steps or ())]
-                order = core.plan([{"tier": "memory", "where": self.endpoints[holder],
-                                    "step": int(h["step"]), "counter": int(h["counter"])}
-                                   for holder, h in cands])["order"] if cands else []
+                cands = [(where, h) for where, h in rows[r] if int(h["step"]) in (steps or ())]
+                # The remote part of a step is that old rank's checkpoint of
+                # it: its counter is the memory copies' where they hold the
+                # step (the marker's otherwise), so at one counter memory
+                # comes first.
+                at = {int(h["step"]): int(h["counter"]) for _, h in cands}
+                cands += [("remote", {"step": st, "counter": at.get(st, c), "own": False,
+                                      "bytes": 0})
+                          for st, c in remote_steps.get(w, []) if st in (steps or ())]
+                order = core.plan([
+                    {"tier": "remote" if where == "remote" else "memory",
+                     "where": ("remote" if where == "remote" else "local" if where == "local"
+                               else self.endpoints[where]),
+                     "step": int(h["step"]), "counter": int(h["counter"])}
+                    for where, h in cands])["order"] if cands else []
                 errs = []
                 for i in order:
-                    holder, h = cands[i]
+                    where, h = cands[i]
+                    step = int(h["step"])
                     kind = "segment" if h["own"] else "replica"
                     try:
-                        core.peer_fetch_into(self.endpoints[holder], self.job, self._secret,
-                                             r, dir, sub,
-                                             step=int(h["step"]), own=bool(h["own"]))
+                        if where == "local":
+                            desc = f"its {kind} in this host's memory ({h['path']})"
+                            core.peer_verify_local(h["path"], r, step)
+                            path, src = h["path"], f"own memory {kind} ({h['path']})"
+                        elif where == "remote":
+                            desc = f"the remote tier ({remote.store.url})"
+                            d = _remote.fetch(remote.store, step, r, into)
+                            path = os.path.join(d, core.JobDir.slot_name(r))
+                            src = f"remote ({remote.store.url})"
+                        else:
+                            ep = self.endpoints[where]
+                            desc = f"its {kind} on rank {where} ({ep})"
+                            path = core.peer_fetch_into(ep, self.job, self._secret, r, into, sub,
+                                                        step=step, own=bool(h["own"]))
+                            src = f"peer {kind} on rank {where} ({ep})"
                     except (CheckpointError, OSError) as e:
-                        errs.append(f"its {kind} on rank {holder} ({self.endpoints[holder]}): {e}")
+                        errs.append(f"{desc}: {e}")
                         continue
-                    self.reshard_from[f"{w}/{r}"] = (
-                        f"peer {kind} on rank {holder} ({self.endpoints[holder]}) step {h['step']}")
-                    self.reshard_bytes += int(h["bytes"])
+                    self.reshard_files.append((w, r, path))
+                    self.reshard_from[f"{w}/{r}"] = f"{src} step {step}"
+                    if where != "local":
+                        try:
+                            self.reshard_bytes += os.stat(path).st_size
+                        except OSError:
+                            pass
                     break
                 else:
-                    missing.append(f"old rank {r} of world size {w}: " +
-                                   ("; ".join(errs) if errs else "on no surviving peer"
-                                    if not rows[r] else "no step held for every old rank"))
+                    why = ("; ".join(errs) if errs else "on no surviving peer"
+                           if not rows[r] else "no step held for every old rank")
+                    if remote_err and not errs:
+                        why += f"; {remote_err}"
+                    missing.append(f"old rank {r} of world size {w}: {why}")
         self.reshard_missing = "; ".join(missing)
         self.reshard_s = time.perf_counter() - t0
 
@@ -388,3 +488,6 @@ class Peers:
         if self.prefetched is not None:
             self._drop_fetched()
             self.prefetched = None
+        if self.reshard_files:
+            self.drop_reshard()
+            self.reshard_files = []

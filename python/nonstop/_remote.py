@@ -603,11 +603,14 @@ class Uploader:
 
 # ------------------------------------------------------------- restoring
 
-def _listing(tier) -> list:
+def _listing(tier, world: Optional[int] = None) -> list:
     """The remote's committed steps as a restore plan takes them: [[step,
     counter]] (the COMMITTED marker's counter), newest first; JSON, so that
-    rank 0 can hand its listing to the other ranks."""
-    return [[s, int(m.get("counter") or 0)] for s, m in committed_steps(None, tier)]
+    rank 0 can hand its listing to the other ranks. `world`: only steps of
+    that world size (another one's parts are resharded, not restored:
+    _peer.py)."""
+    return [[s, int(m.get("counter") or 0)] for s, m in committed_steps(None, tier)
+            if world is None or int(m.get("world_size") or 1) == world]
 
 
 # ------------------------------------------------------------------ tier
@@ -810,7 +813,7 @@ class Tier:
         listing = None
         if d.rank == 0:
             try:
-                listing = _listing(_tier(self.store))
+                listing = _listing(_tier(self.store), world=d.world)
             except (CheckpointError, OSError) as e:  # the store is down: said on every rank
                 listing = _first_line(e)
         listing = comm.gather(listing)[0]  # rank 0's listing, on every rank

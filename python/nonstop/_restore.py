@@ -302,7 +302,8 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
             return loaded, True
     if session.dist is not None:  # collective: the ranks agree on the step
         return session.dist.load(session.engine, step, _ext.core, LoadedCheckpoint, lambda d: (
-            check_directory(d, rank, world_size, must_exist=False)), stats=stats), False
+            check_directory(d, rank, world_size, must_exist=False)), stats=stats,
+            remote=remote), False
     if world_size == 1 and _distributed.archives(dir):  # resharding to 1 process
         return _distributed.restore_single(dir, step, lambda: read(
             dir, rank, step, 1, as_numpy=False, prepare=applier.prepare),

@@ -171,6 +171,7 @@ class Peers:
         self.local: list = []
         self.reshard_any = False  # any rank's server or host holds another world's checkpoint
         self.reshard_files: list = []  # [(old world, old rank, path)] for JobDir.select_reshard
+        self.reshard_dir = ""  # where the copies fetched for the reshard were written
         self.reshard_from: dict = {}  # old rank -> where its file came from
         self.reshard_missing = ""
         self.reshard_bytes, self.reshard_s = 0, 0.0  # fetched for the reshard, and how long
@@ -309,7 +310,7 @@ class Peers:
             return []
         return [h for h in got if int(h["world_size"]) != self.world]
 
-    def _reshard_dir(self) -> tuple:
+    def _reshard_place(self) -> tuple:
         """(this host's memory directory, the name of this rank's directory of
         copies fetched for a reshard in it)."""
         core = _ext.core()
@@ -319,7 +320,7 @@ class Peers:
     def drop_reshard(self) -> None:
         """Removes the copies fetched for a reshard (through the seam; best
         effort): once the reshard has read them, at the next one, at close()."""
-        mem, name = self._reshard_dir()
+        mem, name = self._reshard_place()
         try:
             _ext.core().Directory(mem).remove_tree(name, missing_ok=True)
         except (CheckpointError, OSError):
@@ -349,8 +350,9 @@ class Peers:
         core = _ext.core()
         t0 = time.perf_counter()
         self.reshard_from, missing, self.reshard_bytes, self.reshard_files = {}, [], 0, []
+        self.reshard_dir = ""
         self.drop_reshard()  # a restart before this one may have left its copies
-        mem, name = self._reshard_dir()
+        mem, name = self._reshard_place()
         into = os.path.join(mem, name)
         mine = self.hosts[self.rank]
         # This host's own memory directory is read in place; a server on
@@ -374,33 +376,53 @@ class Peers:
                     self.reshard_from[f"{w}/{r}"] = "disk"
                 else:
                     need.append(r)
-            rows = {r: [(where, h) for where, h in rows_all
-                        if int(h["world_size"]) == w and int(h["source_rank"]) == r]
-                    for r in need}
-            steps = None
+            if need:
+                missing += self._gather_world(w, sub, need, rows_all, remote,
+                                              remote_steps.get(w, []), remote_err, into)
+        self.reshard_missing = "; ".join(missing)
+        self.reshard_s = time.perf_counter() - t0
+
+    def _gather_world(self, w: int, sub: str, need: list, rows_all: list, remote,
+                      remote_steps: list, remote_err: str, into: str) -> list:
+        """gather_old_shards for the old ranks `need` of world size `w`: the
+        steps every one of them has a copy of, in the planner's order; at
+        each, every old rank's copies of it in the planner's order, the first
+        that verifies kept; done at the first step that every old rank got.
+        Returns the lines of reshard_missing."""
+        core = _ext.core()
+        rows = {r: [(where, h) for where, h in rows_all
+                    if int(h["world_size"]) == w and int(h["source_rank"]) == r] for r in need}
+        steps = None
+        for r in need:
+            held = {int(h["step"]) for _, h in rows[r]} | {st for st, _ in remote_steps}
+            steps = held if steps is None else steps & held
+        cands = {}
+        for r in need:
+            cands[r] = [(where, h) for where, h in rows[r] if int(h["step"]) in steps]
+            # The remote part of a step is that old rank's checkpoint of it:
+            # its counter is the memory copies' where they hold the step (the
+            # marker's otherwise), so at one counter memory comes first.
+            at = {int(h["step"]): int(h["counter"]) for _, h in cands[r]}
+            cands[r] += [("remote", {"step": st, "counter": at.get(st, c), "own": False})
+                         for st, c in remote_steps if st in steps]
+
+        def planned(cs: list) -> list:
+            return core.plan([
+                {"tier": "remote" if where == "remote" else "memory",
+                 "where": where if isinstance(where, str) else self.endpoints[where],
+                 "step": int(h["step"]), "counter": int(h["counter"])}
+                for where, h in cs])["order"] if cs else []
+
+        every = [c for r in need for c in cands[r]]
+        step_order = list(dict.fromkeys(int(every[i][1]["step"]) for i in planned(every)))
+        got, errs = {}, {r: [] for r in need}
+        for step in step_order:
             for r in need:
-                held = {int(h["step"]) for _, h in rows[r]} | {st for st, _ in remote_steps.get(w, [])}
-                steps = held if steps is None else steps & held
-            for r in need:
-                cands = [(where, h) for where, h in rows[r] if int(h["step"]) in (steps or ())]
-                # The remote part of a step is that old rank's checkpoint of
-                # it: its counter is the memory copies' where they hold the
-                # step (the marker's otherwise), so at one counter memory
-                # comes first.
-                at = {int(h["step"]): int(h["counter"]) for _, h in cands}
-                cands += [("remote", {"step": st, "counter": at.get(st, c), "own": False,
-                                      "bytes": 0})
-                          for st, c in remote_steps.get(w, []) if st in (steps or ())]
-                order = core.plan([
-                    {"tier": "remote" if where == "remote" else "memory",
-                     "where": ("remote" if where == "remote" else "local" if where == "local"
-                               else self.endpoints[where]),
-                     "step": int(h["step"]), "counter": int(h["counter"])}
-                    for where, h in cands])["order"] if cands else []
-                errs = []
-                for i in order:
-                    where, h = cands[i]
-                    step = int(h["step"])
+                if got.get(r) == step:
+                    continue
+                mine = [c for c in cands[r] if int(c[1]["step"]) == step]
+                for i in planned(mine):
+                    where, h = mine[i]
                     kind = "segment" if h["own"] else "replica"
                     try:
                         if where == "local":
@@ -408,7 +430,7 @@ class Peers:
                             core.peer_verify_local(h["path"], r, step)
                             path, src = h["path"], f"own memory {kind} ({h['path']})"
                         elif where == "remote":
-                            desc = f"the remote tier ({remote.store.url})"
+                            desc = f"the remote tier ({remote.store.url}) step {step}"
                             d = _remote.fetch(remote.store, step, r, into)
                             path = os.path.join(d, core.JobDir.slot_name(r))
                             src = f"remote ({remote.store.url})"
@@ -419,24 +441,32 @@ class Peers:
                                                         step=step, own=bool(h["own"]))
                             src = f"peer {kind} on rank {where} ({ep})"
                     except (CheckpointError, OSError) as e:
-                        errs.append(f"{desc}: {e}")
+                        errs[r].append(f"{desc}: {e}")
                         continue
                     self.reshard_files.append((w, r, path))
                     self.reshard_from[f"{w}/{r}"] = f"{src} step {step}"
                     if where != "local":
+                        self.reshard_dir = into
                         try:
                             self.reshard_bytes += os.stat(path).st_size
                         except OSError:
                             pass
+                    got[r] = step
                     break
-                else:
-                    why = ("; ".join(errs) if errs else "on no surviving peer"
-                           if not rows[r] else "no step held for every old rank")
-                    if remote_err and not errs:
-                        why += f"; {remote_err}"
-                    missing.append(f"old rank {r} of world size {w}: {why}")
-        self.reshard_missing = "; ".join(missing)
-        self.reshard_s = time.perf_counter() - t0
+            if all(got.get(r) == step for r in need):
+                return []
+        out = []
+        for r in need:
+            if r in got:
+                why = (f"no step of which every missing old rank has a copy (this one's is of "
+                       f"step {got[r]})")
+            else:
+                why = ("; ".join(errs[r]) if errs[r] else "on no surviving peer"
+                       if not rows[r] else "no step held for every old rank")
+                if remote_err and not errs[r]:
+                    why += f"; {remote_err}"
+            out.append(f"old rank {r} of world size {w}: {why}")
+        return out
 
     # ------------------------------------------------------------- stats
 
@@ -472,6 +502,7 @@ class Peers:
             s["peer_reshard_missing"] = self.reshard_missing
             s["peer_reshard_bytes"] = self.reshard_bytes
             s["peer_reshard_s"] = self.reshard_s
+            s["peer_reshard_dir"] = self.reshard_dir
         return s
 
     def close(self) -> None:

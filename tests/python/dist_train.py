@@ -114,9 +114,11 @@ def main():
     # The peer tier (test_peer_tier.py): --replicas for the Checkpointer (the
     # settle then also waits until the partners hold the newest commit);
     # --remote PATH: a remote tier on a shared path (the settle waits until
-    # it holds a committed step too).
+    # it holds a committed step too; with --settle-remote-step, that step:
+    # test_peer_reshard.py).
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--remote", default=None)
+    p.add_argument("--settle-remote-step", action="store_true")
     p.add_argument("--remote-close-s", type=float, default=600.0)
     a = p.parse_args()
     rank, world = start_rank(), dist.get_world_size()
@@ -199,7 +201,8 @@ def main():
             if a.remote:  # the remote tier holds a committed step (uploads follow the agreement)
                 from nonstop import _remote
                 end = time.monotonic() + 60
-                while not _remote.committed_steps(_remote.open_store(a.remote, {})):
+                while not [st for st, _ in _remote.committed_steps(_remote.open_store(a.remote, {}))
+                           if st == s or not a.settle_remote_step]:
                     st = ckpt.stats()
                     assert time.monotonic() < end, (st.get("remote"), st["agreed_step"],
                                                     st["rounds"], st["agreement_error"])

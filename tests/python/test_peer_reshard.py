@@ -1,20 +1,25 @@
 """Resharding from peers' memory (issue #27) across hosts: 4 ranks on 2 hosts
 (network namespaces, tests/python/netns_hosts.py; ranks 0, 1 on host 0,
-ranks 2, 3 on host 1) train a tiny DDP job with replicas=1 until every
-memory segment and every partner's replica holds step SETTLE, then all
-SIGKILL themselves; host 1 is lost (its disk and memory wiped). The job
-restarts with world size 2: new rank 0 on host 0, new rank 1 on a
-replacement host 1 that holds nothing.
+ranks 2, 3 on host 1) train a tiny DDP job with replicas=1 and a remote
+tier (a shared path) until every memory segment, every partner's replica
+and the remote hold step SETTLE, then all SIGKILL themselves; host 1 is
+lost (its disk and memory wiped). Each restart below starts from that loss
+(host 0's disk and memory, and the remote, as they were) and is compared
+bitwise with the same world-2 job resharded by the existing disk path from
+a full directory (all four old rank files).
 
-- Each new rank gathers the old ranks' files its job directory lacks from
-  the surviving server on host 0: old ranks 0, 1 from host 0's own memory
-  segments (new rank 1), old ranks 2, 3 from host 0's replicas of them
-  (both), and the existing reshard runs: every rank restores step SETTLE,
-  and the run ends bitwise equal to the same world-2 job resharded by the
-  existing disk path from a full directory (all four old rank files).
-- With host 0's replica of old rank 2 damaged (a byte of tensor data), its
-  fetch fails its checksum, no other server holds it, and the restart
-  raises one line on every rank that says so.
+- World 2, new rank 1 on a replacement host that holds nothing: new rank 0
+  reads old ranks 0, 1 from its disk and 2, 3 in place from host 0's
+  memory directory (the replicas it holds); new rank 1 fetches old ranks
+  0, 1 from host 0's segments and 2, 3 from its replicas into its own
+  memory directory (tmpfs), gone once read; its job directory gets no
+  copy of them.
+- World 2 with both ranks on host 0 (no peer server starts: one host): the
+  old ranks 2, 3 are read from host 0's replicas in place.
+- Host 0's replica of old rank 2 damaged (a byte of tensor data): the
+  restart with the remote tier takes old rank 2's part from the object
+  store (every rank), and says so; without the remote tier no surviving
+  copy of it is good and every rank raises one line that says so.
 
 Needs root for the namespaces (skipped with one line otherwise). Every rank
 runs under a hard timeout."""
@@ -90,14 +95,54 @@ def _flip_a_data_byte(path, rank, scratch):
         f.write(bytes([b[0] ^ 0x20]))
 
 
+def _restart(hs, name, placement, tmp_path, snap, *extra, ok=True, before=None):
+    """Host 0, its memory directory and the remote as at the loss, host 1
+    lost again (then `before()`); world len(placement) started and waited
+    for (ok=False: every rank must fail)."""
+    hs[1].lose()
+    for sub, dst in (("disk", hs[0].disk), ("shm", hs[0].shm), ("remote", str(tmp_path / "remote"))):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(os.path.join(snap, sub), dst, symlinks=True)
+    if before is not None:
+        before()
+    out = str(tmp_path / name)
+    job = lambda h: os.path.join(hs[h].disk, "job")  # noqa: E731
+    procs = netns_hosts.start_ranks(hs, placement, _argv(lambda r: job(placement[r]), out,
+                                                         "--replicas", "1", *extra),
+                                    f"{out}.log", env=_env())
+    if ok:
+        netns_hosts.wait_ranks(procs, TIMEOUT, f"{out}.log")
+        return out
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+            assert rc not in (0, None), f"rank {rank}: {rc}"
+    finally:
+        hs.kill_all()
+    return out
+
+
+def _sources(starts):
+    """Per new rank: the first word of where each old rank's file came from
+    (disk, own, peer, remote) and the kind."""
+    return [[s["peer"]["peer_reshard_from"][f"4/{r}"].split(" (")[0].split(" on ")[0]
+             for r in range(4)] for s in starts]
+
+
 def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path):
     job = lambda h: os.path.join(hs[h].disk, "job")  # noqa: E731
     env = _env()
-    # The world of 4 runs until every segment and replica holds step SETTLE.
+    remote = str(tmp_path / "remote")
+    # The world of 4 runs until every segment, replica and the remote hold step SETTLE.
     run = str(tmp_path / "run")
     procs = netns_hosts.start_ranks(
-        hs, OLD, _argv(lambda r: job(OLD[r]), run, "--replicas", "1",
-                       "--settle-kill-at", str(SETTLE)), f"{run}.log", env=env)
+        hs, OLD, _argv(lambda r: job(OLD[r]), run, "--replicas", "1", "--remote", remote,
+                       "--settle-remote-step", "--settle-kill-at", str(SETTLE)),
+        f"{run}.log", env=env)
     deadline = time.monotonic() + TIMEOUT
     try:
         for rank, p in enumerate(procs):
@@ -110,36 +155,15 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
     full = str(tmp_path / "full")
     _full_copy(hs, full)
 
-    # Host 1 is lost; what survives on host 0 is kept to start again from.
+    # Host 1 is lost; what survives on host 0 (and the remote) is kept to start again from.
     hs[1].lose()
     snap = str(tmp_path / "at-the-loss")
-    for name, src in (("disk", hs[0].disk), ("shm", hs[0].shm)):
+    for name, src in (("disk", hs[0].disk), ("shm", hs[0].shm), ("remote", remote)):
         shutil.copytree(src, os.path.join(snap, name), symlinks=True)
     job_key = os.path.abspath(job(0))
     replicas = [os.path.join(hs[0].shm, nonstop._core.peer_replica_name(job_key, r))
                 for r in (2, 3)]
     assert all(os.path.exists(p) for p in replicas), os.listdir(hs[0].shm)
-
-    # The world of 2 reshards from host 0's memory.
-    out = str(tmp_path / "peer")
-    netns_hosts.wait_ranks(netns_hosts.start_ranks(
-        hs, NEW, _argv(lambda r: job(NEW[r]), out, "--replicas", "1"), f"{out}.log", env=env),
-        TIMEOUT, f"{out}.log")
-    starts = netns_hosts.events(out, "start", 2)
-    assert [s["restored"] for s in starts] == [SETTLE, SETTLE], starts
-    src = [s["peer"].get("peer_reshard_from", {}) for s in starts]
-    assert all(s["peer"].get("peer_reshard_missing") == "" for s in starts), starts
-    # New rank 0 (host 0) read old ranks 0, 1 from its own disk, 2, 3 from the replicas.
-    assert [src[0][f"4/{r}"].split(" on ")[0] for r in range(4)] == \
-        ["disk", "disk", "peer replica", "peer replica"], src
-    # New rank 1 (the replacement host) fetched all four: 0, 1 from host 0's segments.
-    assert [src[1][f"4/{r}"].split(" on ")[0] for r in range(4)] == \
-        ["peer segment", "peer segment", "peer replica", "peer replica"], src
-    assert all(f"step {SETTLE}" in v for v in src[1].values()), src
-    assert starts[1]["peer"]["peer_reshard_bytes"] > starts[0]["peer"]["peer_reshard_bytes"] > 0
-    print("reshard from peers' memory: " + ", ".join(
-        f"rank {s['rank']}: {s['peer']['peer_reshard_bytes']} bytes in "
-        f"{s['peer']['peer_reshard_s']:.3f} s" for s in starts))
 
     # The reference: the same world-2 job resharded by the disk path from a
     # full directory (both ranks on host 0, no segments, no peers).
@@ -148,28 +172,54 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
         hs, [0, 0], _argv(lambda r: full, ref, "--replicas", "0"), f"{ref}.log",
         env=_env(NONSTOP_SHM_DIR=str(tmp_path / "ref-shm"))), TIMEOUT, f"{ref}.log")
     assert [s["restored"] for s in netns_hosts.events(ref, "start", 2)] == [SETTLE, SETTLE]
+
+    # The world of 2 reshards from host 0's memory; new rank 1 on the replacement host.
+    out = _restart(hs, "peer", NEW, tmp_path, snap)
+    starts = netns_hosts.events(out, "start", 2)
+    assert [s["restored"] for s in starts] == [SETTLE, SETTLE], starts
+    assert all(s["peer"].get("peer_reshard_missing") == "" for s in starts), starts
+    assert _sources(starts) == [["disk", "disk", "own memory replica", "own memory replica"],
+                                ["peer segment", "peer segment", "peer replica", "peer replica"]], \
+        starts
+    src = [s["peer"]["peer_reshard_from"] for s in starts]
+    assert all(f"step {SETTLE}" in v for v in src[1].values()), src
+    # New rank 0 read host 0's replicas in place (nothing fetched); new rank 1
+    # fetched into its host's memory directory, removed once read, and its
+    # job directory holds no copy of an old rank.
+    assert starts[0]["peer"]["peer_reshard_bytes"] == 0 and starts[0]["peer"]["peer_reshard_dir"] == ""
+    assert starts[1]["peer"]["peer_reshard_bytes"] > 0
+    fetched = starts[1]["peer"]["peer_reshard_dir"]
+    assert os.path.dirname(fetched) == hs[1].shm and not os.path.exists(fetched), fetched
+    assert not os.path.exists(os.path.join(job(1), "world-4")), os.listdir(job(1))
+    print("reshard from peers' memory: " + ", ".join(
+        f"rank {s['rank']}: {s['peer']['peer_reshard_bytes']} bytes in "
+        f"{s['peer']['peer_reshard_s']:.3f} s" for s in starts))
     assert netns_hosts.finals(out, 2) == netns_hosts.finals(ref, 2)
 
-    # Again from the loss, with host 0's replica of old rank 2 damaged: no
-    # surviving server holds a good copy of it; every rank says so in one line.
-    hs[1].lose()
-    for name, dst in (("disk", hs[0].disk), ("shm", hs[0].shm)):
-        shutil.rmtree(dst)
-        shutil.copytree(os.path.join(snap, name), dst, symlinks=True)
-    _flip_a_data_byte(replicas[0], 2, str(tmp_path / "look"))
-    bad = str(tmp_path / "bad")
-    procs = netns_hosts.start_ranks(
-        hs, NEW, _argv(lambda r: job(NEW[r]), bad, "--replicas", "1"), f"{bad}.log", env=env)
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        for rank, p in enumerate(procs):
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = None
-            assert rc not in (0, None), f"rank {rank}: {rc}"
-    finally:
-        hs.kill_all()
+    # Every new rank on host 0: no peer server starts (one host), and the old
+    # ranks 2, 3 are read from host 0's memory directory.
+    one = _restart(hs, "one-host", [0, 0], tmp_path, snap)
+    starts = netns_hosts.events(one, "start", 2)
+    assert [s["restored"] for s in starts] == [SETTLE, SETTLE], starts
+    assert all("one host" in s["peer"]["peer_note"] for s in starts), starts
+    assert _sources(starts) == [["disk", "disk", "own memory replica", "own memory replica"]] * 2, \
+        starts
+    assert netns_hosts.finals(one, 2) == netns_hosts.finals(ref, 2)
+
+    # Host 0's replica of old rank 2 damaged: no surviving peer holds a good
+    # copy; the remote tier does, and every rank takes old rank 2 from it.
+    damage = lambda: _flip_a_data_byte(replicas[0], 2, str(tmp_path / f"look{time.time_ns()}"))  # noqa: E731
+    rem = _restart(hs, "remote", NEW, tmp_path, snap, "--remote", remote, before=damage)
+    starts = netns_hosts.events(rem, "start", 2)
+    assert [s["restored"] for s in starts] == [SETTLE, SETTLE], starts
+    assert all(s["peer"].get("peer_reshard_missing") == "" for s in starts), starts
+    assert _sources(starts) == [["disk", "disk", "remote", "own memory replica"],
+                                ["peer segment", "peer segment", "remote", "peer replica"]], starts
+    assert netns_hosts.finals(rem, 2) == netns_hosts.finals(ref, 2)
+
+    # The same without the remote tier: every rank says in one line that no
+    # surviving copy of old rank 2 is good.
+    bad = _restart(hs, "bad", NEW, tmp_path, snap, before=damage, ok=False)
     for r in range(2):
         log = netns_hosts.read_log(f"{bad}.log-{r}")
         # (torch prefixes a rank's traceback lines with "[rankN]: ")

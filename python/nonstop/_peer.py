@@ -24,10 +24,15 @@ Resharding from memory (a restart whose world size differs from the
 checkpoint's): each server also serves, read-only, the memory segments its
 host's job directory records (the old ranks' own checkpoints), and the
 construction's gather says which server holds which old rank's checkpoint
-(its segment or a replica). Before the set-aside checkpoint is resharded,
-each rank fetches (verified) every old rank's file its job directory lacks
-into JOBDIR/world-W/ (gather_old_shards); the existing reshard
-(_distributed.reshard, JobDir.select_reshard in C++) then chooses and reads.
+(its segment or a replica); each rank also lists its own host's memory
+directory directly (no server needed: also when every rank is on one
+host). Before the set-aside checkpoint is resharded, each rank finds a
+copy of every old rank's file its job directory lacks (gather_old_shards):
+this host's memory directory read in place, else a server's copy fetched
+(verified) into this host's memory directory (tmpfs), else the remote
+tier's part; the existing reshard (_distributed.reshard, JobDir.select_
+reshard in C++, given those copies as `extra`) then chooses and reads, and
+the fetched copies are removed.
 """
 from __future__ import annotations
 

@@ -269,6 +269,58 @@ TEST_F(CommonSelectTest, ReshardOfAnOldRankFileOfAnotherJob) {
       << rs.status().message();
 }
 
+// Copies of old rank files outside the job directory (SelectOptions::extra,
+// the peer tier's): a missing old rank is taken from one; a world held only
+// outside is considered; a damaged copy, a missing one and a path that is
+// not absolute are named.
+TEST_F(CommonSelectTest, ReshardWithCopiesOutsideTheJobDirectory) {
+  auto infos = WriteJob(2, {{{1, 3, 11}, {2, 5, 11}}, {{1, 3, 11}, {2, 5, 11}}});
+  SetAsideForOneProcess();
+  const fs::path out = root_.string() + "-outside";
+  fs::remove_all(out);
+  fs::create_directories(out / "w");
+  fs::rename(root_ / "world-2" / "rank-00001.nsck", out / "w" / "copy-of-1.nsck");
+  auto jd = JobDir::OpenForRead(Dir()).value();
+  auto rs = jd->SelectReshard(1);
+  EXPECT_EQ(rs.status().code(), StatusCode::kFailedPrecondition) << rs.status().ToString();
+  SelectOptions o;
+  o.extra.push_back({2, 1, (out / "w" / "copy-of-1.nsck").string()});
+  rs = jd->SelectReshard(1, o);
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  ASSERT_TRUE(rs.value().has_value());
+  EXPECT_EQ(rs.value()->old_world, 2);
+  EXPECT_EQ(rs.value()->common.step, 5);
+  EXPECT_EQ(rs.value()->common.ranks[1].location.where, (out / "w" / "copy-of-1.nsck").string());
+  // Every old rank outside (a replacement host: no world-2/ in its job
+  // directory at all).
+  fs::rename(root_ / "world-2" / "rank-00000.nsck", out / "w" / "copy-of-0.nsck");
+  fs::remove_all(root_ / "world-2");
+  o.extra.push_back({2, 0, (out / "w" / "copy-of-0.nsck").string()});
+  rs = jd->SelectReshard(1, o);
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  ASSERT_TRUE(rs.value().has_value());
+  EXPECT_EQ(rs.value()->common.step, 5);
+  // The outside copy's newest damaged: its older step, like a file inside.
+  Damage(fs::relative(out / "w" / "copy-of-1.nsck", root_).string(), infos[1][1]);
+  rs = jd->SelectReshard(1, o);
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  EXPECT_EQ(rs.value()->common.step, 3);
+  // A copy that is gone: named, not taken for "nothing committed".
+  SelectOptions gone;
+  gone.extra.push_back({2, 0, (out / "w" / "copy-of-0.nsck").string()});
+  gone.extra.push_back({2, 1, (out / "w" / "none.nsck").string()});
+  rs = jd->SelectReshard(1, gone);
+  ASSERT_FALSE(rs.ok());
+  EXPECT_NE(rs.status().message().find("none.nsck"), std::string::npos) << rs.status().message();
+  // Hostile entries: refused in one line before anything is opened.
+  SelectOptions bad;
+  bad.extra.push_back({2, 0, "relative/rank.nsck"});
+  EXPECT_EQ(jd->SelectReshard(1, bad).status().code(), StatusCode::kInvalidArgument);
+  bad.extra = {{2, 2, (out / "w" / "copy-of-0.nsck").string()}};
+  EXPECT_EQ(jd->SelectReshard(1, bad).status().code(), StatusCode::kInvalidArgument);
+  fs::remove_all(out);
+}
+
 // Rank files of several world sizes: the newest common step of any set-aside
 // world; one of another world size inside world-W/ is named.
 TEST_F(CommonSelectTest, ReshardAcrossMixedWorldSizes) {

@@ -706,6 +706,46 @@ TEST(PeerTest, ADamagedOwnSegmentIsRefusedAsItIsSent) {
   EXPECT_EQ(env->Dump().find("rank-00001.nsck\n"), std::string::npos) << env->Dump();
 }
 
+// This host's copies read without a server (a reshard with every rank on
+// one host): the replicas and the given segments listed with their paths,
+// each verified in place; a damaged one, another step and a missing
+// directory said so.
+TEST(PeerTest, ThisHostsCopiesAreListedAndVerifiedWithoutAServer) {
+  Server srv;  // only to store a replica the ordinary way
+  Source rep(3);
+  rep.Commit(7, 70);
+  ASSERT_TRUE(rep.Push(srv.ep()).ok());
+  srv.s->Close();
+  Env* env = srv.env.get();
+  WriteSegment(env, "/shm", kSeg1, 1, 5, 50);
+  WriteSegment(env, "/shm", "00000000000000cc-rank-00002.nsck", 2, 6, 60);  // not given
+  auto reps = ListLocal(kJob, false, {}, "/shm", env);
+  ASSERT_TRUE(reps.ok()) << reps.status().ToString();
+  ASSERT_EQ(reps.value().size(), 1u);
+  EXPECT_EQ(reps.value()[0].held.source_rank, 3u);
+  EXPECT_EQ(reps.value()[0].held.step, 70);
+  EXPECT_EQ(reps.value()[0].path, "/shm/" + ReplicaName(kJob, 3));
+  auto own = ListLocal(kJob, true, {kSeg1}, "/shm", env);
+  ASSERT_TRUE(own.ok()) << own.status().ToString();
+  ASSERT_EQ(own.value().size(), 1u);
+  EXPECT_EQ(own.value()[0].held.source_rank, 1u);
+  EXPECT_EQ(own.value()[0].held.world_size, 4u);
+  EXPECT_EQ(own.value()[0].path, std::string("/shm/") + kSeg1);
+  EXPECT_TRUE(VerifyLocal(reps.value()[0].path, 3, 70, env).ok());
+  EXPECT_TRUE(VerifyLocal(own.value()[0].path, 1, 50, env).ok());
+  EXPECT_EQ(VerifyLocal(own.value()[0].path, 1, 40, env).code(), StatusCode::kNotFound);
+  EXPECT_EQ(VerifyLocal(own.value()[0].path, 2, 50, env).code(), StatusCode::kNotFound);
+  EXPECT_EQ(VerifyLocal("shm/x", 1, 50, env).code(), StatusCode::kInvalidArgument);
+  FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 3), 200000);
+  Status st = VerifyLocal(reps.value()[0].path, 3, 70, env);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find(reps.value()[0].path), std::string::npos) << st.ToString();
+  // No memory directory: nothing held. A hostile segment name: refused.
+  EXPECT_TRUE(ListLocal(kJob, false, {}, "/none", env).value().empty());
+  EXPECT_EQ(ListLocal(kJob, true, {"../x"}, "/shm", env).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(PeerTest, HostileOwnSegmentRequestsAreRefused) {
   // Names that are not entries of the memory directory: refused at start.
   for (const std::string bad : {"", ".", "..", "../x.nsck", "a/b.nsck"}) {

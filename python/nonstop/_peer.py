@@ -234,7 +234,7 @@ class Peers:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
         got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held, other,
                            bool(self.local)])
-        self.reshard_any = any(g[4] for g in got)
+        self.reshard_any = any(g[3] or g[4] for g in got)
         errs = [g[0] for g in got if g[0]]
         if errs:  # the job runs on without the tier, and says why
             self.close()

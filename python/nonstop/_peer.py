@@ -461,7 +461,10 @@ class Peers:
             if all(got.get(r) == step for r in need):
                 return []
         out = []
-        for r in need:
+        # The old ranks with no copy at all are why; only when every one got
+        # a copy (of different steps) are those named.
+        lacking = [r for r in need if r not in got]
+        for r in lacking or need:
             if r in got:
                 why = (f"no step of which every missing old rank has a copy (this one's is of "
                        f"step {got[r]})")

@@ -1229,6 +1229,31 @@ TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
   ASSERT_TRUE(engine->Close().ok());
 }
 
+TEST_F(EngineTest, AnAdoptedRestoreForgetsTheAgreementsAim) {
+  // The same rollback, restored by the caller's own reader (a keep copy, a
+  // remote, the memory tier) and handed over with AdoptRestored: the aim
+  // and the newest started step from before it are forgotten there too.
+  AgreeRig rig(Options());
+  ASSERT_TRUE(rig.engine != nullptr);
+  Engine* engine = rig.engine.get();
+  auto save = [&](int64_t step) { return rig.Save(step); };
+  const uint64_t c1 = save(1);
+  ASSERT_TRUE(engine->Pin(c1).ok());
+  save(2);
+  save(3);
+  EXPECT_TRUE(engine->Aim(10).value());  // the peers are far ahead: candidate 2 dropped
+  save(4);
+  EXPECT_FALSE(engine->Candidate().has_value());
+  ASSERT_TRUE(engine->AdoptRestored(c1).ok());  // the job rolls back to step 1
+  save(2);
+  ASSERT_TRUE(engine->Candidate().has_value()) << "the aim from before the rollback kept step 2 out";
+  EXPECT_EQ(engine->Candidate()->step, 2);
+  AgreeOffer off = engine->Offer();
+  EXPECT_EQ(off.candidate, 2);
+  EXPECT_EQ(off.started, 2);
+  ASSERT_TRUE(engine->Close().ok());
+}
+
 TEST_F(EngineTest, AimKeepsTheFirstCommitAtOrAboveItsStep) {
   // The agreement's aim (DecideAgreement kAim): a lower candidate is
   // dropped, commits below the aim are not kept, the first at or above it

@@ -16,6 +16,7 @@ import torch
 import nonstop
 from conftest import nonstop_cli
 from nonstop import _core, _remote
+from peer_loopback import loopback_server, memory_checkpointer
 from s3_server import _one_s3_server, shared_s3  # noqa: F401 -- the fixtures
 
 JOB = "job-view"
@@ -38,16 +39,13 @@ def _tiers(row):
 
 
 def test_ls_and_list_show_disk_memory_remote_and_peer(tmp_path, monkeypatch, shared_s3):
-    monkeypatch.setenv("NONSTOP_SHM_DIR", str(tmp_path / "shm-own"))
     d = str(tmp_path / "job")
     url, opts = shared_s3.url("job"), dict(shared_s3.options, max_to_keep=2)
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 16)
-    ck = nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory", remote=url,
-                              remote_options=dict(opts, job="the-job"))
-    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
-                           io_timeout_s=10.0)
-    ep = f"127.0.0.1:{srv.port}"
+    ck = memory_checkpointer(tmp_path, {"model": model}, monkeypatch, remote=url,
+                             remote_options=dict(opts, job="the-job"))
+    srv, ep = loopback_server(tmp_path, JOB, SECRET)
     store = _remote.open_store(url, opts)
     rep = None
     try:

@@ -14,24 +14,17 @@ import nonstop
 from nonstop import _core, _peer
 from nonstop.errors import (CheckpointIOError, CheckpointMismatchError,
                             CheckpointNotFoundError, CorruptCheckpointError)
+from peer_loopback import loopback_server, memory_checkpointer
 
 JOB = "job-peer-core"
 SECRET = os.urandom(32)
 
 
-def _checkpointer(tmp_path, model, monkeypatch):
-    monkeypatch.setenv("NONSTOP_SHM_DIR", str(tmp_path / "shm-own"))
-    return nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1,
-                                tier="memory")
-
-
 def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
-    ck = _checkpointer(tmp_path, model, monkeypatch)
-    srv = _core.PeerServer(JOB, SECRET, bind_host="127.0.0.1", dir=str(tmp_path / "shm-peer"),
-                           io_timeout_s=10.0)
-    ep = f"127.0.0.1:{srv.port}"
+    ck = memory_checkpointer(tmp_path, {"model": model}, monkeypatch)
+    srv, ep = loopback_server(tmp_path, JOB, SECRET)
     assert srv.endpoint == ep
     rep = None
     try:

@@ -5,9 +5,13 @@ the cheaper; the rule is C++ (src/engine/mode_choice.h, mode_choice_test).
 
 * a job where layer-wise is measurably worse (an optimizer that pays per
   call, as per-tensor updates pay per kernel launch on a GPU): auto keeps
-  concurrent (the other direction, and the margin and hysteresis, are
-  mode_choice_test's: on this loaded machine no CPU job made concurrent
-  reliably more than the 5 % margin slower);
+  concurrent;
+* a job where layer-wise is measurably cheaper (an optimizer whose cost
+  grows with the square of the parameters updated together: a made-up
+  profile, since on this loaded machine no real CPU job made concurrent
+  reliably more than the 5 % margin slower): auto switches to layer-wise
+  for real and stays, and the run is bitwise right (the margin and the
+  hysteresis are mode_choice_test's);
 * switching at checkpoint boundaries never breaks a checkpoint: every
   checkpoint of a run that switched holds its step's values, the run ends
   bitwise equal to one without a checkpointer, and a SIGKILL after the
@@ -113,6 +117,46 @@ def test_auto_keeps_concurrent_when_layerwise_pays_per_parameter(tmp_path):
     # three switches in the probe (C -> L -> C -> L) and back: the same arithmetic
     assert m["switches"] == 4
     assert_bitwise((model, opt), plain(PerCallAdamW))
+
+
+class WorkingSetSGD(torch.optim.SGD):
+    """SGD whose step() costs DELAY x k^2 for the k parameters it updates
+    together (asleep: a cost that grows faster than the work, as an update
+    whose working set of all parameters at once outgrows a cache; a made-up
+    cost profile, as PerCallAdamW's is the other way round). Concurrent
+    updates the 4 parameters in one call (16 x DELAY a step), layer-wise one
+    at a time in backward (4 x DELAY)."""
+    DELAY = 0.02
+
+    def step(self, closure=None):
+        k = sum(p.grad is not None for g in self.param_groups for p in g["params"])
+        time.sleep(self.DELAY * k * k)
+        return super().step(closure)
+
+
+@needs_engine
+def test_auto_picks_layerwise_when_it_is_cheaper_and_stays_bitwise(tmp_path):
+    # the other direction of the test above, for real: the chooser measures
+    # windows of this job, picks layer-wise, the Checkpointer switches its
+    # hooks and checkpoints layer-wise from then on; the run ends bitwise
+    # equal to one without nonstop, and the newest (layer-wise) checkpoint
+    # holds the final state. Fed equal windows instead (the measurement
+    # ignored), the chooser keeps concurrent and this test fails.
+    model, opt, stats = run_auto(tmp_path, WorkingSetSGD)
+    m = stats["mode_auto"]
+    assert m["decided"], m
+    assert m["active"] == "layerwise", m["reason"]
+    assert m["reason"].startswith("probe: layerwise -"), m["reason"]
+    # 16 x DELAY against 4 x DELAY of updates a step: 0.24 s apart
+    assert m["concurrent"]["step_s"] > m["layerwise"]["step_s"] + 0.1, m
+    assert m["concurrent"]["windows"] == 2 and m["layerwise"]["windows"] >= 2, m
+    assert m["switches"] == 3, m  # C -> L -> C -> L, and it stays
+    assert stats["failed"] == 0 and stats["committed"] >= 8, stats
+    assert_bitwise((model, opt), plain(WorkingSetSGD))
+    got = nonstop.load(str(tmp_path / "ck"))
+    assert got.step == 11
+    for k, v in model.state_dict().items():
+        assert torch.equal(got.tensors[f"model/{k}"].view(torch.uint8), v.view(torch.uint8)), k
 
 
 @needs_engine

@@ -77,3 +77,19 @@ def nonstop_cli():
         if c and os.access(c, os.X_OK):
             return c
     return None
+
+
+# pytest-xdist (`-n 2 --dist loadgroup`): tests that share a machine-wide
+# resource run on one worker, one after the other. Network namespaces: the
+# hosts' subnets and bridge names come from the pid (netns_hosts.Hosts), and
+# two bridges on one /24 would break both tests. Loop devices and mounts: the
+# writeback test takes a loop device and mounts file systems.
+XDIST_GROUPS = {"test_peer_tier.py": "netns", "test_peer_reshard.py": "netns",
+                "test_remote_netns.py": "netns", "test_writeback_kernel.py": "mounts"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = XDIST_GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -103,7 +103,8 @@ class SeaweedS3:
                # on it, "address already in use". 0 turns it off.
                "-s3.port.lance=0",
                f"-metricsPort={p['metrics']}", f"-s3.config={cfg}",
-               "-master.volumeSizeLimitMB=1024", "-volume.max=0"]
+               "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+               "-master.electionTimeout=1s"]
         # (SeaweedFS's default is true: a write to a missing bucket makes it)
         cmd.append(f"-s3.autoCreateBucket={'true' if self.auto_create_bucket else 'false'}")
         if self.netns:

@@ -539,14 +539,14 @@ def _restore_refused(d, url, options) -> str:
 
 
 def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_messages(
-        tmp_path, s3_server):  # noqa: F811
+        tmp_path, shared_s3):  # noqa: F811
     """A first start that cannot list the remote (nothing local to fall
     back to) is refused with one line that says which of the three it is,
     against the real SeaweedFS server: the bucket missing (404), the
     credentials refused (403), no server at the endpoint; and without
     credentials, what to give, never the cloud metadata address the client
     tried."""
-    fast = dict(s3_server.options, connect_timeout="1s", timeout="3s")
+    fast = dict(shared_s3.options, connect_timeout="1s", timeout="3s")
 
     def refused(url, options):
         return _restore_refused(tmp_path / f"job{len(list(tmp_path.iterdir()))}", url, options)
@@ -559,9 +559,9 @@ def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_
     missing = "x: listing: " + str(e.value).split(": listing: ")[1]
     assert "the bucket does not exist (404" in missing and "<?xml" not in missing, missing
     assert getattr(e.value, "kind", None) == "bucket_missing"
-    denied = refused(s3_server.url("p"), dict(fast, secret="wrong"))
+    denied = refused(shared_s3.url("p"), dict(fast, secret="wrong"))
     assert "access denied (403)" in denied and "fix the remote" in denied
-    down = refused(s3_server.url("p"), dict(fast, endpoint="http://127.0.0.1:1"))
+    down = refused(shared_s3.url("p"), dict(fast, endpoint="http://127.0.0.1:1"))
     assert "the store is unreachable (http://127.0.0.1:1)" in down
     assert "once the store is reachable" in down
     assert len({m.split(": listing: ")[1][:20] for m in (missing, denied, down)}) == 3
@@ -575,11 +575,11 @@ def test_a_missing_bucket_denied_credentials_and_an_unreachable_store_are_three_
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_remote_every_uploads_each_selected_checkpoint(tmp_path, s3_server, n):
+def test_remote_every_uploads_each_selected_checkpoint(tmp_path, shared_s3, n):  # noqa: F811
     """remote_every=1: every committed checkpoint reaches the bucket (without
     it the uploader takes the newest one whenever it is free, skipping the
     rest); remote_every=3: every third (counters 3, 6, ...: steps 2, 5, ...)."""
-    url, opts = s3_server.url("every"), dict(s3_server.options, max_to_keep=100)
+    url, opts = shared_s3.url("every"), dict(shared_s3.options, max_to_keep=100)
     model, opt, sched = tiny.make()
     state = {"model": model, "optim": opt, "sched": sched,
              "blob": torch.zeros(1 << 20)}  # 4 MiB: uploads slower than steps

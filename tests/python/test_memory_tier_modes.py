@@ -7,6 +7,7 @@ crash_harness.run_child); the kills happen at a point the children report,
 never by chance."""
 import glob
 import os
+import shutil
 import sys
 
 import pytest
@@ -71,6 +72,11 @@ def test_two_ranks_killed_restart_from_memory_or_all_from_disk(tmp_path):
     # Both segments hold step 8, the newest step committed on every rank.
     d, out, shm = _killed_once_settled(tmp_path, "mem")
     assert len(glob.glob(os.path.join(shm, "*-rank-0000[01].nsck"))) == 2
+    # What the kill left (disk and memory), for the second case: one killed
+    # job serves both restarts.
+    snap = tmp_path / "at-the-kill"
+    for name, src in (("disk", d), ("shm", shm)):
+        shutil.copytree(src, snap / name, symlinks=True)
     resumed = _launch(d, out, shm)
     _ok(resumed)
     starts = _start(resumed)
@@ -81,8 +87,12 @@ def test_two_ranks_killed_restart_from_memory_or_all_from_disk(tmp_path):
                for s in starts), starts
     assert _finals(out) == want
 
-    # Rank 1's segment is gone: both ranks read their disk, the same step.
-    d, out, shm = _killed_once_settled(tmp_path, "gone")
+    # The same kill, then rank 1's segment is gone: both ranks read their
+    # disk, the same step.
+    for name, dst in (("disk", d), ("shm", shm)):
+        shutil.rmtree(dst)
+        shutil.copytree(snap / name, dst, symlinks=True)
+    out = str(tmp_path / "gone-run")
     (seg,) = glob.glob(os.path.join(shm, "*-rank-00001.nsck"))
     os.unlink(seg)
     resumed = _launch(d, out, shm)

@@ -36,10 +36,13 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         seg = ck.stats()["memory_segment"]
         assert seg
         rep = _core.PeerReplicator(JOB, SECRET, 0, seg, [ep], poll_s=0.05)
-        deadline = 0
-        while rep.stats()["last_step"] != 2 and deadline < 100:  # the segment copy may lag
+        # The segment copy may lag, and drain() returns at once while the
+        # segment holds nothing newer to push: wait on the clock, not on a
+        # count of drains (a loaded box ran 100 of them in no time).
+        deadline = time.monotonic() + 60
+        while rep.stats()["last_step"] != 2 and time.monotonic() < deadline:
             rep.drain(5.0)
-            deadline += 1
+            time.sleep(0.05)
         st = rep.stats()
         assert st["last_step"] == 2, st
         assert st["replicated"] >= 1 and st["failures"] == 0, st

@@ -21,9 +21,15 @@ Result<std::shared_ptr<Job>> EngineImpl::AdmitLocked(int64_t step, Clock::time_p
   // then wait for it too, at most one copy's time.
   // The tiered cadence: the checkpoint commits into the memory tier's file,
   // whose slots never wait for the disk (engine_impl.h).
+  // A snapshot (small) buffer goes back once the dispatcher has copied it
+  // to staging, which can be after the writers committed its checkpoint
+  // (in_flight_ dropped first): wait for it too, at most the moment the
+  // dispatcher needs to take mu_ (TieredTest.BackToBack...).
   const bool to_memory = tiered_ && mem_file_ != nullptr;
   cv_.Wait(&mu_, [&]() REQUIRES(mu_) {
     if (in_flight_ >= opts_.max_in_flight) return in_flight_ == open_;
+    if (reg_ && reg_->snapshot_bytes > 0 && free_snapshots_.empty()) return false;
+    if (layerwise && reg_ && reg_->small_bytes > 0 && free_small_.empty()) return false;
     if (to_memory) return mem_free_->SizeApprox() > 0;
     return mirror_deferred_.empty() || free_slots_->SizeApprox() > 0;
   });

@@ -43,7 +43,7 @@ deps:
 	@command -v python3 >/dev/null || { echo "python3 is required"; exit 1; }
 	@[ -x $(PY) ] || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -c constraints.txt -q "torch==2.13.0" numpy pytest pytest-timeout hypothesis safetensors matplotlib tqdm \
+	$(PIP) install -c constraints.txt -q "torch==2.13.0" numpy pytest pytest-timeout pytest-xdist==3.8.0 hypothesis safetensors matplotlib tqdm \
 	    scikit-build-core pybind11 ninja cmake
 	$(PIP) install -c constraints.txt -q $(INTEGRATIONS) $(LOGGING)
 	$(PIP) install -c constraints.txt -q $(REMOTE)
@@ -69,8 +69,13 @@ cbuild: deps
 test-cpp: cbuild
 	cd build && ctest --output-on-failure -j $(JOBS) --timeout 600
 
+# Two pytest workers (pytest-xdist): most cases wait on child processes
+# (torch imports, gloo, kills), so two at a time fill two cores; the cases
+# that share a machine-wide resource (network namespaces, loop devices) run
+# on one worker in turn (conftest.py XDIST_GROUPS). PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
 test-py: build
-	$(PY) -m pytest -q --durations=30 tests/python
+	$(PY) -m pytest -q --durations=30 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) tests/python
 
 # `pip install .` from a read-only source tree into a fresh venv, then a
 # checkpoint and restore with the installed package (compiles the engine

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import nonstop  # noqa: E402
-from nonstop import _checkpointer, _ext  # noqa: E402
+from nonstop import _ext, _read  # noqa: E402
 from nonstop.errors import CorruptCheckpointError, IncompatibleCheckpointError  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def write_rank(d, rank, lineage, steps):
     engine.register([("t", 7, [2], 8, half.data_ptr(), 0, 0, 0, False)], layouts=[([4], 2 * rank)])
     for s in steps:
         half.fill_(float(s))
-        meta = {"format": _checkpointer.FORMAT, "step": s, "rank": rank, "world_size": 2,
+        meta = {"format": _read.FORMAT, "step": s, "rank": rank, "world_size": 2,
                 "state": {"t": {"__tensor__": "t"}},
                 "dist": {"world_size": 2, "lineage": lineage, "replicated": "shard",
                          "shared": {"t": [[4], "float32"]}, "local": [], "own": [], "ddp": [],

@@ -72,8 +72,8 @@ test-cpp: cbuild
 # PYTEST_WORKERS=2: two pytest workers (pytest-xdist, --dist loadgroup; the
 # cases that share a machine-wide resource, network namespaces and loop
 # devices, run on one worker in turn: conftest.py XDIST_GROUPS). 28 min
-# instead of 32 for `make test` here, but two cases that pass serially
-# failed on timing there (docs/TESTING.md), so serial (0) stays the default.
+# instead of 32 for `make test` here; serial (0) stays the default until a
+# whole run with two workers has passed (docs/TESTING.md).
 PYTEST_WORKERS ?= 0
 test-py: build
 	$(PY) -m pytest -q --durations=30 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) tests/python

@@ -53,6 +53,19 @@ def wait_finished(ckpt, step, timeout=60):
     raise AssertionError(f"checkpoint of step {step} did not commit")
 
 
+def step_reporting(ckpt, step):
+    """ckpt.step(step), which starts the checkpoint whose keep copy fails.
+    On a loaded box that copy can fail before step() returns, and step()
+    then reports it (its check of the engine's errors comes after the
+    checkpoint started): the error, checked to be that copy's, or None."""
+    try:
+        ckpt.step(step)
+    except CheckpointError as e:
+        assert keep_name(step) in str(e), e
+        return e
+    return None
+
+
 def plant(d, *steps):
     """A file where the keep folder of each step must go: that copy fails."""
     (d / "keep").mkdir(exist_ok=True)
@@ -125,11 +138,12 @@ def test_a_failed_keep_copy_is_reported_by_wait_and_close(tmp_path):
     update(model, opt, 0)
     ckpt.step(0)
     update(model, opt, 1)
-    ckpt.step(1)
+    early = step_reporting(ckpt, 1)
     wait_finished(ckpt, 1)
     update(model, opt, 2)  # its pre-hook meets the error: it must not raise it
-    with pytest.raises(CheckpointError, match=keep_name(1)):
-        ckpt.wait()
+    if early is None:
+        with pytest.raises(CheckpointError, match=keep_name(1)):
+            ckpt.wait()
     ckpt.wait()  # reported once
     ckpt.close()
 
@@ -140,11 +154,12 @@ def test_a_failed_keep_copy_is_reported_by_wait_and_close(tmp_path):
     update(model, opt, 0)
     ckpt.step(0)
     update(model, opt, 1)
-    ckpt.step(1)
+    early = step_reporting(ckpt, 1)
     wait_finished(ckpt, 1)
     update(model, opt, 2)
-    with pytest.raises(CheckpointError, match=keep_name(1)):
-        ckpt.close()
+    if early is None:
+        with pytest.raises(CheckpointError, match=keep_name(1)):
+            ckpt.close()
     ckpt.close()  # idempotent, and the error is not repeated
 
 

@@ -126,6 +126,10 @@ def saved_dir(tmp_path):
     with nonstop.Checkpointer(str(tmp_path), {"model": model, "optim": opt}, every=1) as ck:
         tiny.train_step(model, opt, sched, 0)
         ck.step(0)
+        # Committed before the next starts: otherwise step 1's checkpoint
+        # may claim first and supersede step 0's (PCcheck's rule), leaving one
+        # checkpoint where the fallback tests need two (seen under pytest -n 2).
+        ck.wait()
         tiny.train_step(model, opt, sched, 1)
         ck.step(1)
     return str(tmp_path)

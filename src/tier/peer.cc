@@ -422,6 +422,20 @@ int ReplicaRank(const std::string& name, const std::string& key) {
   return r;
 }
 
+// What a listing found, by source rank; the names into `names` when given.
+std::vector<HeldReplica> BySourceRank(std::vector<std::pair<HeldReplica, std::string>> out,
+                                      std::vector<std::string>* names) {
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.first.source_rank < b.first.source_rank;
+  });
+  std::vector<HeldReplica> held;
+  for (auto& [h, n] : out) {
+    held.push_back(h);
+    if (names != nullptr) names->push_back(std::move(n));
+  }
+  return held;
+}
+
 // The complete replicas of job key `key` in `dir`, by source rank (names
 // in `names` when given).
 Result<std::vector<HeldReplica>> ListReplicasIn(Directory& dir, const std::string& key,
@@ -441,15 +455,7 @@ Result<std::vector<HeldReplica>> ListReplicasIn(Directory& dir, const std::strin
                                  info.counter, st.value().size},
                      e.name);
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a.first.source_rank < b.first.source_rank;
-  });
-  std::vector<HeldReplica> held;
-  for (auto& [h, n] : out) {
-    held.push_back(h);
-    if (names != nullptr) names->push_back(std::move(n));
-  }
-  return held;
+  return BySourceRank(std::move(out), names);
 }
 
 // The newest committed checkpoint of each of `segments` in `dir` (gone,
@@ -470,15 +476,7 @@ Result<std::vector<HeldReplica>> ListSegmentsIn(Directory& dir,
     out.emplace_back(
         HeldReplica{info.rank, info.world_size, info.step, info.counter, st.value().size}, name);
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a.first.source_rank < b.first.source_rank;
-  });
-  std::vector<HeldReplica> held;
-  for (auto& [h, n] : out) {
-    held.push_back(h);
-    if (names != nullptr) names->push_back(std::move(n));
-  }
-  return held;
+  return BySourceRank(std::move(out), names);
 }
 
 }  // namespace

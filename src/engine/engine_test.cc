@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <mutex>
 #include <set>
@@ -1202,26 +1203,22 @@ struct AgreeRig {
   std::unique_ptr<Engine> engine;
 };
 
-TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
-  // An aim set before a rollback (restore of an older step) must not keep
-  // the new, lower steps out of the candidate: the agreement would stall
-  // until training caught up with the old steps.
-  AgreeRig rig(Options());
+// Pins step 1, aims at 10 (the peers far ahead: candidate 2 dropped),
+// rolls back to step 1 with `roll_back`, saves step 2 again: it must become
+// the candidate, the aim and the newest started step from before forgotten.
+void RollBackPastAnAim(AgreeRig& rig, const std::function<void(Engine&, uint64_t)>& roll_back) {
   ASSERT_TRUE(rig.engine != nullptr);
   Engine* engine = rig.engine.get();
-  auto save = [&](int64_t step) { return rig.Save(step); };
-  const uint64_t c1 = save(1);
+  const uint64_t c1 = rig.Save(1);
   ASSERT_TRUE(engine->Pin(c1).ok());
-  save(2);
-  save(3);
-  EXPECT_TRUE(engine->Aim(10).value());  // the peers are far ahead: candidate 2 dropped
-  save(4);
+  rig.Save(2);
+  rig.Save(3);
+  EXPECT_TRUE(engine->Aim(10).value());
+  rig.Save(4);
   EXPECT_FALSE(engine->Candidate().has_value());
-  auto restored = engine->Restore(1);  // the job rolls back to step 1
-  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
-  EXPECT_EQ(restored->step, 1);
-  save(2);
-  ASSERT_TRUE(engine->Candidate().has_value());
+  roll_back(*engine, c1);
+  rig.Save(2);
+  ASSERT_TRUE(engine->Candidate().has_value()) << "the aim from before the rollback kept step 2 out";
   EXPECT_EQ(engine->Candidate()->step, 2);
   AgreeOffer off = engine->Offer();
   EXPECT_EQ(off.candidate, 2);
@@ -1229,29 +1226,23 @@ TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
   ASSERT_TRUE(engine->Close().ok());
 }
 
+TEST_F(EngineTest, ARestoreForgetsTheAgreementsAim) {
+  // An aim set before a rollback (restore of an older step) must not keep
+  // the new, lower steps out of the candidate: the agreement would stall
+  // until training caught up with the old steps.
+  AgreeRig rig(Options());
+  RollBackPastAnAim(rig, [](Engine& e, uint64_t) {
+    auto restored = e.Restore(1);
+    ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+    EXPECT_EQ(restored->step, 1);
+  });
+}
+
 TEST_F(EngineTest, AnAdoptedRestoreForgetsTheAgreementsAim) {
   // The same rollback, restored by the caller's own reader (a keep copy, a
-  // remote, the memory tier) and handed over with AdoptRestored: the aim
-  // and the newest started step from before it are forgotten there too.
+  // remote, the memory tier) and handed over with AdoptRestored.
   AgreeRig rig(Options());
-  ASSERT_TRUE(rig.engine != nullptr);
-  Engine* engine = rig.engine.get();
-  auto save = [&](int64_t step) { return rig.Save(step); };
-  const uint64_t c1 = save(1);
-  ASSERT_TRUE(engine->Pin(c1).ok());
-  save(2);
-  save(3);
-  EXPECT_TRUE(engine->Aim(10).value());  // the peers are far ahead: candidate 2 dropped
-  save(4);
-  EXPECT_FALSE(engine->Candidate().has_value());
-  ASSERT_TRUE(engine->AdoptRestored(c1).ok());  // the job rolls back to step 1
-  save(2);
-  ASSERT_TRUE(engine->Candidate().has_value()) << "the aim from before the rollback kept step 2 out";
-  EXPECT_EQ(engine->Candidate()->step, 2);
-  AgreeOffer off = engine->Offer();
-  EXPECT_EQ(off.candidate, 2);
-  EXPECT_EQ(off.started, 2);
-  ASSERT_TRUE(engine->Close().ok());
+  RollBackPastAnAim(rig, [](Engine& e, uint64_t c1) { ASSERT_TRUE(e.AdoptRestored(c1).ok()); });
 }
 
 TEST_F(EngineTest, AimKeepsTheFirstCommitAtOrAboveItsStep) {

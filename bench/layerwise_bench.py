@@ -158,16 +158,19 @@ def torch_run(args, kind: str, every: int, train, d: str, first: int) -> dict:
     if kind != "none":
         shutil.rmtree(d, ignore_errors=True)
         lw = dict(mode="layerwise", copy=args.copy) if kind.startswith("layerwise") else {}
-        import nonstop._layerwise as current
-        cls = current.Layerwise
+        # The Checkpointer picks its mode's driver from _checkpointer._DRIVERS:
+        # layerwise_prev swaps the layer-wise one there (a _layerwise.py from
+        # before the drivers, without the Driver protocol, fails loudly).
+        import nonstop._checkpointer as current
+        cls = current._DRIVERS["layerwise"]
         if kind == "layerwise_prev":
-            current.Layerwise = _PREV
+            current._DRIVERS["layerwise"] = _PREV
         try:
             ck = nonstop.Checkpointer(d, {"model": model, "optim": opt}, every=every,
                                       max_in_flight=args.max_in_flight, medium=args.medium,
                                       writers=args.writers, rng=False, **lw)
         finally:
-            current.Layerwise = cls
+            current._DRIVERS["layerwise"] = cls
     # Warm-up: caches, and the first checkpoint (registration, slot file) at
     # checkpoint step -1, so that every measured run starts alike; measured
     # steps are numbered 0.. so each interval checkpoints steps/every times.

@@ -27,6 +27,13 @@ py::list HeldList(const std::vector<peer::HeldReplica>& held) {
   return out;
 }
 
+peer::Source SourceOf(const std::string& name) {
+  if (name == "replica") return peer::Source::kReplica;
+  if (name == "segment") return peer::Source::kSegment;
+  if (name == "disk") return peer::Source::kDisk;
+  throw py::value_error("peer source must be 'replica', 'segment' or 'disk', got '" + name + "'");
+}
+
 const char* OutcomeName(peer::PushOutcome o) {
   switch (o) {
     case peer::PushOutcome::kStored: return "stored";
@@ -58,9 +65,10 @@ void InitPeer(py::module_& m) {
                        const std::string& bind_host, uint16_t port, const std::string& dir,
                        uint64_t budget_bytes, uint32_t budget_share, double io_timeout_s,
                        const std::vector<std::string>& segments, double handshake_timeout_s,
-                       int max_pending_handshakes, int nice) {
+                       int max_pending_handshakes, int nice, const std::string& job_dir) {
              peer::PeerServerOptions o;
              o.segments = segments;
+             o.job_dir = job_dir;
              o.job = job;
              o.secret = secret;
              o.bind_host = bind_host;
@@ -78,7 +86,7 @@ void InitPeer(py::module_& m) {
            py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("budget_share") = 0,
            py::arg("io_timeout_s") = 30.0, py::arg("segments") = std::vector<std::string>{},
            py::arg("handshake_timeout_s") = 0.0, py::arg("max_pending_handshakes") = 8,
-           py::arg("nice") = 10)
+           py::arg("nice") = 10, py::arg("job_dir") = "")
       .def_property_readonly("port", &peer::PeerServer::port)
       .def_property_readonly("endpoint", &peer::PeerServer::endpoint)
       .def(
@@ -91,6 +99,11 @@ void InitPeer(py::module_& m) {
           [](peer::PeerServer& s) { return HeldList(Released([&] { return s.ListOwn(); })); },
           "The newest committed checkpoint of each own segment served (segments=): "
           "[{source_rank, world_size, step, counter, bytes}].")
+      .def(
+          "list_disk",
+          [](peer::PeerServer& s) { return HeldList(Released([&] { return s.ListDisk(); })); },
+          "The newest committed checkpoint of each rank file of the job directory served "
+          "(job_dir=): [{source_rank, world_size, step, counter, bytes}].")
       .def(
           "stats",
           [](peer::PeerServer& s) {
@@ -202,18 +215,18 @@ void InitPeer(py::module_& m) {
   m.def(
       "peer_fetch",
       [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
-         uint32_t source_rank, const std::string& local_dir, std::optional<int64_t> step,
-         double timeout_s) {
+         uint32_t source_rank, uint32_t world_size, const std::string& local_dir,
+         std::optional<int64_t> step, double timeout_s) {
         const std::string key = secret;
         return Released([&] {
-          return peer::FetchReplica(endpoint, job, key, source_rank, step, local_dir, nullptr,
-                                    timeout_s);
+          return peer::FetchReplica(endpoint, job, key, world_size, source_rank, step, local_dir,
+                                    nullptr, timeout_s);
         });
       },
       py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("source_rank"),
-      py::arg("local_dir"),
+      py::arg("world_size"), py::arg("local_dir"),
       py::arg("step") = py::none(), py::arg("timeout_s") = 60.0,
-      "source_rank's replica (of step, or the newest) fetched and verified into the one-slot "
+      "source_rank's replica of world_size (of step, or the newest) fetched and verified into the one-slot "
       "job directory local_dir/peer/step-N (rank-RRRRR.nsck); returns that directory.");
   m.def(
       "peer_list_own",
@@ -229,21 +242,60 @@ void InitPeer(py::module_& m) {
   m.def(
       "peer_fetch_into",
       [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
-         uint32_t source_rank, const std::string& local_dir, const std::string& sub,
-         std::optional<int64_t> step, bool own, double timeout_s) {
+         uint32_t source_rank, uint32_t world_size, const std::string& local_dir,
+         const std::string& sub, std::optional<int64_t> step, const std::string& source,
+         double timeout_s) {
         const std::string key = secret;
+        const peer::Source from = SourceOf(source);
         return Released([&] {
-          return peer::FetchInto(endpoint, job, key, source_rank, step, own, local_dir, sub,
-                                 nullptr, timeout_s);
+          return peer::FetchInto(endpoint, job, key, world_size, source_rank, step, from,
+                                 local_dir, sub, nullptr, timeout_s);
         });
       },
       py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("source_rank"),
-      py::arg("local_dir"),
-      py::arg("sub"), py::arg("step") = py::none(), py::arg("own") = false,
-      py::arg("timeout_s") = 60.0,
-      "source_rank's checkpoint (of step, or the newest) as the server at endpoint holds it "
-      "(its replica, or with own=True its host's own segment), fetched and verified into the "
-      "one-slot file local_dir/sub/rank-RRRRR.nsck; returns its path.");
+      py::arg("world_size"), py::arg("local_dir"), py::arg("sub"), py::arg("step") = py::none(),
+      py::arg("source") = "replica", py::arg("timeout_s") = 60.0,
+      "source_rank's checkpoint of world_size (of step, or the newest) as the server at "
+      "endpoint holds it (source: 'replica', its host's own 'segment' or its host's job "
+      "directory's rank file 'disk'), fetched and verified into the one-slot file "
+      "local_dir/sub/rank-RRRRR.nsck; returns its path.");
+  m.def(
+      "peer_list_disk",
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         double timeout_s) {
+        const std::string key = secret;
+        return HeldList(
+            Released([&] { return peer::ListDiskFiles(endpoint, job, key, timeout_s); }));
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("timeout_s") = 10.0,
+      "What the peer server at endpoint serves of its host's job directory's rank files: "
+      "[{source_rank, world_size, step, counter, bytes}].");
+  m.def(
+      "peer_fetch_once_per_host",
+      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
+         uint32_t source_rank, uint32_t world_size, int64_t step, uint64_t counter,
+         const std::string& source, const std::string& mem_dir, const std::string& fallback_dir,
+         const std::string& holder, double timeout_s, double wait_s) {
+        const std::string key = secret;
+        const peer::Source from = SourceOf(source);
+        peer::SharedCopy c = Released([&] {
+          return peer::FetchOncePerHost(endpoint, job, key, world_size, source_rank, step, counter,
+                                        from, mem_dir, fallback_dir, holder, nullptr, timeout_s,
+                                        wait_s);
+        });
+        py::dict d;
+        d["path"] = c.path;
+        d["fetched"] = c.fetched;
+        d["by"] = c.by;
+        return d;
+      },
+      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("source_rank"),
+      py::arg("world_size"), py::arg("step"), py::arg("counter"), py::arg("source"),
+      py::arg("mem_dir"), py::arg("fallback_dir"), py::arg("holder"),
+      py::arg("timeout_s") = 60.0, py::arg("wait_s") = 120.0,
+      "peer_fetch_into's checkpoint of (world_size, source_rank, step, counter) fetched once "
+      "per host into mem_dir (tier/peer.h FetchOncePerHost): {path, fetched (by this call), "
+      "by (who fetched it)}.");
   m.def(
       "peer_list_local",
       [](const std::string& job, bool own, const std::vector<std::string>& segments,
@@ -306,7 +358,10 @@ void InitPeer(py::module_& m) {
       "Pushes the newest committed checkpoint of the slot file at slot_path now; returns "
       "'stored', 'already_held' or 'skipped_budget'.");
   m.def("peer_step_dir", &peer::PeerStepDir, py::arg("local_dir"), py::arg("step"));
-  m.def("peer_replica_name", &peer::ReplicaName, py::arg("job"), py::arg("source_rank"));
+  m.def("peer_replica_name", &peer::ReplicaName, py::arg("job"), py::arg("world_size"),
+        py::arg("source_rank"));
+  m.def("peer_job_key", &peer::JobKey, py::arg("job"));
+  m.def("peer_shared_reshard_dir", &peer::SharedReshardDir, py::arg("job"));
   m.def("peer_memory_dir", &peer::PeerMemoryDir, py::arg("configured") = "");
   m.def("choose_partners", &peer::ChoosePartners, py::arg("hosts"), py::arg("replicas"),
         "partners[r]: the ranks that hold rank r's replicas (never on r's host).");

@@ -20,11 +20,13 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "base/crc32c_combine.h"
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "jobdir/manifest.h"
+#include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "store/format.h"
 #include "tier/peer_wire.h"
@@ -35,7 +37,10 @@ namespace {
 
 namespace w = wire;
 
-constexpr char kReplicaMid[] = "-replica-rank-";
+constexpr char kReplicaMid[] = "-replica-world-";
+constexpr char kRankMid[] = "-rank-";
+// The name of builds before wire version 4 (no world size): refused.
+constexpr char kLegacyMid[] = "-replica-rank-";
 constexpr char kTmpSuffix[] = ".tmp";
 constexpr double kStaleTmpS = 60;
 
@@ -406,27 +411,54 @@ Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> OpenNewest(Director
   return std::make_pair(std::move(f), std::move(info));
 }
 
-// Source rank of replica name `name` of job key `key`, or -1 (temp files,
-// other jobs' and other files: -1).
-int ReplicaRank(const std::string& name, const std::string& key) {
-  const std::string head = key + kReplicaMid;
-  if (name.size() != head.size() + 5 + 5 || name.compare(0, head.size(), head) != 0 ||
-      name.compare(name.size() - 5, 5, ".nsck") != 0) {
-    return -1;
+// Five decimal digits of `name` at `at` into `v`; false otherwise.
+bool Digits5(const std::string& name, size_t at, uint32_t* v) {
+  if (name.size() < at + 5) return false;
+  uint32_t r = 0;
+  for (size_t i = at; i < at + 5; ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+    r = r * 10 + static_cast<uint32_t>(name[i] - '0');
   }
-  int r = 0;
-  for (size_t i = head.size(); i < head.size() + 5; ++i) {
-    if (name[i] < '0' || name[i] > '9') return -1;
-    r = r * 10 + (name[i] - '0');
-  }
-  return r;
+  *v = r;
+  return true;
 }
+
+// Whether `name` is a replica name of job key `key` (the world size and
+// source rank it says into `world`, `rank`); temp files, other jobs' and
+// other files: false.
+bool ParseReplica(const std::string& name, const std::string& key, uint32_t* world,
+                  uint32_t* rank) {
+  const std::string head = key + kReplicaMid;
+  const size_t mid = head.size() + 5;
+  const size_t size = mid + sizeof(kRankMid) - 1 + 5 + 5;
+  return name.size() == size && name.compare(0, head.size(), head) == 0 &&
+         Digits5(name, head.size(), world) &&
+         name.compare(mid, sizeof(kRankMid) - 1, kRankMid) == 0 &&
+         Digits5(name, mid + sizeof(kRankMid) - 1, rank) &&
+         name.compare(name.size() - 5, 5, ".nsck") == 0;
+}
+
+// Whether `name` is a replica of job key `key` named without its world size
+// (a build before wire version 4), or its temp file.
+bool LegacyReplica(std::string name, const std::string& key) {
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, kTmpSuffix) == 0) {
+    name.resize(name.size() - 4);
+  }
+  const std::string head = key + kLegacyMid;
+  uint32_t r = 0;
+  return name.size() == head.size() + 5 + 5 && name.compare(0, head.size(), head) == 0 &&
+         Digits5(name, head.size(), &r) && name.compare(name.size() - 5, 5, ".nsck") == 0;
+}
+
+// A (world size, source rank) as one key.
+uint64_t WorldRank(uint32_t world, uint32_t rank) { return (uint64_t{world} << 32) | rank; }
 
 // What a listing found, by source rank; the names into `names` when given.
 std::vector<HeldReplica> BySourceRank(std::vector<std::pair<HeldReplica, std::string>> out,
                                       std::vector<std::string>* names) {
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a.first.source_rank < b.first.source_rank;
+    return std::pair(a.first.source_rank, a.first.world_size) <
+           std::pair(b.first.source_rank, b.first.world_size);
   });
   std::vector<HeldReplica> held;
   for (auto& [h, n] : out) {
@@ -443,17 +475,15 @@ Result<std::vector<HeldReplica>> ListReplicasIn(Directory& dir, const std::strin
   NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, dir.List());
   std::vector<std::pair<HeldReplica, std::string>> out;
   for (const DirEntry& e : entries) {
-    const int r = ReplicaRank(e.name, key);
-    if (r < 0) continue;
+    uint32_t world = 0, r = 0;
+    if (!ParseReplica(e.name, key, &world, &r)) continue;
     Result<FileStat> st = dir.Stat(e.name);
     if (!st.ok() || st.value().type != EntryType::kFile) continue;
     auto got = OpenNewest(dir, e.name);
     if (!got.ok()) continue;  // not a complete replica: never listed
     const CheckpointInfo& info = got.value().second;
-    if (info.rank != static_cast<uint32_t>(r)) continue;
-    out.emplace_back(HeldReplica{static_cast<uint32_t>(r), info.world_size, info.step,
-                                 info.counter, st.value().size},
-                     e.name);
+    if (info.rank != r || info.world_size != world) continue;  // not what its name says
+    out.emplace_back(HeldReplica{r, world, info.step, info.counter, st.value().size}, e.name);
   }
   return BySourceRank(std::move(out), names);
 }
@@ -477,6 +507,62 @@ Result<std::vector<HeldReplica>> ListSegmentsIn(Directory& dir,
         HeldReplica{info.rank, info.world_size, info.step, info.counter, st.value().size}, name);
   }
   return BySourceRank(std::move(out), names);
+}
+
+// A rank file of a job directory served (PeerServerOptions::job_dir).
+struct DiskFile {
+  HeldReplica held;
+  std::string sub;   // "" (the job directory) or "world-W"
+  std::string name;  // "rank-RRRRR.nsck"
+};
+
+// The rank files of `d` (sub: its name in the job directory, for the
+// result) whose newest committed checkpoint is of the rank their name says
+// (and, in world-W, of world size W): regular files only, never followed.
+void RankFilesIn(Directory& d, const std::string& sub, std::optional<int> world,
+                 std::vector<DiskFile>* out) {
+  Result<std::vector<DirEntry>> entries = d.List();
+  if (!entries.ok()) return;
+  for (const DirEntry& e : entries.value()) {
+    const std::optional<int> r = JobDirNames::ParseSlot(e.name);
+    if (!r) continue;
+    Result<FileStat> st = d.Stat(e.name);
+    if (!st.ok() || st.value().type != EntryType::kFile) continue;
+    auto got = OpenNewest(d, e.name);
+    if (!got.ok()) continue;  // holds no committed checkpoint: never listed
+    const CheckpointInfo& info = got.value().second;
+    if (info.rank != static_cast<uint32_t>(*r) ||
+        (world && info.world_size != static_cast<uint32_t>(*world))) {
+      continue;
+    }
+    out->push_back(DiskFile{HeldReplica{info.rank, info.world_size, info.step, info.counter,
+                                        st.value().size},
+                            sub, e.name});
+  }
+}
+
+// The rank files of the job directory at `job_dir`: its own and those of
+// each set-aside world-W (a link there refused), by world size then rank.
+Result<std::vector<DiskFile>> ListJobDirFiles(Env* env, const std::string& job_dir) {
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(job_dir, false);
+  if (!d.ok() && d.status().code() == StatusCode::kNotFound) return std::vector<DiskFile>{};
+  NONSTOP_RETURN_IF_ERROR(d.status());
+  std::vector<DiskFile> out;
+  RankFilesIn(*d.value(), "", std::nullopt, &out);
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, d.value()->List());
+  for (const DirEntry& e : entries) {
+    const std::optional<int> w = JobDirNames::ParseWorld(e.name);
+    if (!w) continue;
+    Result<FileStat> st = d.value()->Stat(e.name);
+    if (!st.ok() || st.value().type != EntryType::kDirectory) continue;  // a link: refused
+    Result<std::unique_ptr<Directory>> sub = d.value()->OpenDir(e.name, false);
+    if (sub.ok()) RankFilesIn(*sub.value(), e.name, w, &out);
+  }
+  std::sort(out.begin(), out.end(), [](const DiskFile& a, const DiskFile& b) {
+    return std::tuple(a.held.world_size, a.held.source_rank, a.sub) <
+           std::tuple(b.held.world_size, b.held.source_rank, b.sub);
+  });
+  return out;
 }
 
 }  // namespace
@@ -525,11 +611,13 @@ std::string JobKey(const std::string& job) {
   return b;
 }
 
-std::string ReplicaName(const std::string& job, uint32_t source_rank) {
-  char b[32];
-  std::snprintf(b, sizeof(b), "%s%05u.nsck", kReplicaMid, source_rank);
+std::string ReplicaName(const std::string& job, uint32_t world_size, uint32_t source_rank) {
+  char b[64];
+  std::snprintf(b, sizeof(b), "%s%05u%s%05u.nsck", kReplicaMid, world_size, kRankMid, source_rank);
   return JobKey(job) + b;
 }
+
+std::string SharedReshardDir(const std::string& job) { return JobKey(job) + "-reshard-host"; }
 
 std::string PeerMemoryDir(const std::string& configured) {
   if (!configured.empty()) return configured;
@@ -568,7 +656,7 @@ struct PeerServer::Impl {
   mutable Mutex mu;
   bool stop GUARDED_BY(mu) = false;
   std::list<std::unique_ptr<Conn>> conns GUARDED_BY(mu);
-  std::set<uint32_t> busy GUARDED_BY(mu);  // source ranks being received
+  std::set<uint64_t> busy GUARDED_BY(mu);  // WorldRank of the replicas being received
   uint64_t reserved GUARDED_BY(mu) = 0;    // file bytes of the transfers in progress
   PeerServerStats stats GUARDED_BY(mu);
 
@@ -591,10 +679,11 @@ struct PeerServer::Impl {
   // One request; false: close the connection.
   bool Handle(w::Socket& s, w::Frame& f);
   bool HandlePush(w::Socket& s, std::string_view payload);
-  bool HandleFetch(w::Socket& s, std::string_view payload, bool own);
-  bool HandleList(w::Socket& s, std::string_view payload, bool own);
+  bool HandleFetch(w::Socket& s, std::string_view payload, Source source);
+  bool HandleList(w::Socket& s, std::string_view payload, Source source);
   Result<std::vector<HeldReplica>> List();
   Result<std::vector<HeldReplica>> ListOwn();
+  Result<std::vector<HeldReplica>> ListDisk();
   // This job's replica files here (complete and not), bytes; the temp files
   // of transfers in progress are counted by `reserved` instead.
   uint64_t UsedBytes() EXCLUDES(mu);
@@ -649,6 +738,8 @@ Result<std::vector<HeldReplica>> PeerServer::List() { return impl_->List(); }
 
 Result<std::vector<HeldReplica>> PeerServer::ListOwn() { return impl_->ListOwn(); }
 
+Result<std::vector<HeldReplica>> PeerServer::ListDisk() { return impl_->ListDisk(); }
+
 PeerServerStats PeerServer::stats() const {
   PeerServerStats st;
   {
@@ -700,19 +791,36 @@ void PeerServer::Impl::SweepStaleTemps() {
   Result<std::vector<DirEntry>> entries = dir->List();
   if (!entries.ok()) return;
   const uint64_t now = NowUnixNs();
+  uint64_t legacy = 0;
   for (const DirEntry& e : entries.value()) {
     const std::string& n = e.name;
+    if (LegacyReplica(n, key)) {
+      // A replica named without its world size (a build before wire
+      // version 4): which world it belongs to only its header says, and the
+      // name let rank r of one world overwrite rank r of another. Refused:
+      // removed (it is neither listed nor served), and said.
+      if (dir->Unlink(n).ok()) ++legacy;
+      continue;
+    }
     if (n.size() <= 4 || n.compare(n.size() - 4, 4, kTmpSuffix) != 0) continue;
-    if (ReplicaRank(n.substr(0, n.size() - 4), key) < 0) continue;
+    uint32_t world = 0, r = 0;
+    if (!ParseReplica(n.substr(0, n.size() - 4), key, &world, &r)) continue;
     Result<FileStat> st = dir->Stat(n);
     if (!st.ok() || st.value().type != EntryType::kFile) continue;
     const uint64_t t = st.value().mtime_unix_ns;
     if (now > t && static_cast<double>(now - t) / 1e9 >= kStaleTmpS) (void)dir->Unlink(n);
   }
+  if (legacy > 0) {
+    MutexLock l(&mu);
+    stats.last_error = "peer server: removed " + std::to_string(legacy) + " replica file(s) of " +
+                       "this job in " + dir->path() + " named without a world size (an older " +
+                       "build's: a replica is named by its world size and rank since wire " +
+                       "version 4)";
+  }
 }
 
 uint64_t PeerServer::Impl::UsedBytes() {
-  std::set<uint32_t> in_progress;
+  std::set<uint64_t> in_progress;
   uint64_t used = 0;
   {
     MutexLock l(&mu);
@@ -725,8 +833,10 @@ uint64_t PeerServer::Impl::UsedBytes() {
     std::string n = e.name;
     const bool tmp = n.size() > 4 && n.compare(n.size() - 4, 4, kTmpSuffix) == 0;
     if (tmp) n = n.substr(0, n.size() - 4);
-    const int r = ReplicaRank(n, key);
-    if (r < 0 || (tmp && in_progress.count(static_cast<uint32_t>(r)) != 0)) continue;
+    uint32_t world = 0, r = 0;
+    if (!ParseReplica(n, key, &world, &r) || (tmp && in_progress.count(WorldRank(world, r)) != 0)) {
+      continue;
+    }
     Result<FileStat> st = dir->Stat(e.name);
     if (st.ok() && st.value().type == EntryType::kFile) used += st.value().size;
   }
@@ -737,6 +847,14 @@ Result<std::vector<HeldReplica>> PeerServer::Impl::List() { return ListReplicasI
 
 Result<std::vector<HeldReplica>> PeerServer::Impl::ListOwn() {
   return ListSegmentsIn(*dir, o.segments);
+}
+
+Result<std::vector<HeldReplica>> PeerServer::Impl::ListDisk() {
+  if (o.job_dir.empty()) return std::vector<HeldReplica>{};
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DiskFile> files, ListJobDirFiles(env, o.job_dir));
+  std::vector<HeldReplica> out;
+  for (DiskFile& f : files) out.push_back(f.held);
+  return out;
 }
 
 int PeerServer::Impl::EnforceDeadlines() {
@@ -898,24 +1016,30 @@ bool PeerServer::Impl::Handle(w::Socket& s, w::Frame& f) {
   };
   switch (static_cast<w::Type>(f.type)) {
     case w::Type::kPush: return HandlePush(s, f.payload);
-    case w::Type::kFetch: return HandleFetch(s, f.payload, false);
-    case w::Type::kFetchOwn: return HandleFetch(s, f.payload, true);
+    case w::Type::kFetch: return HandleFetch(s, f.payload, Source::kReplica);
+    case w::Type::kFetchOwn: return HandleFetch(s, f.payload, Source::kSegment);
+    case w::Type::kFetchDisk: return HandleFetch(s, f.payload, Source::kDisk);
     case w::Type::kList:
-    case w::Type::kListOwn: {
+    case w::Type::kListOwn:
+    case w::Type::kListDisk: {
+      const Source src = f.type == static_cast<uint16_t>(w::Type::kList)      ? Source::kReplica
+                         : f.type == static_cast<uint16_t>(w::Type::kListOwn) ? Source::kSegment
+                                                                              : Source::kDisk;
       w::In in(f.payload);
       (void)in.Str16(kMaxJobBytes);
       if (!in.done()) {
-        return refuse(f.type == static_cast<uint16_t>(w::Type::kList) ? "malformed LIST"
-                                                                      : "malformed LIST_OWN");
+        return refuse(src == Source::kReplica   ? "malformed LIST"
+                      : src == Source::kSegment ? "malformed LIST_OWN"
+                                                : "malformed LIST_DISK");
       }
-      return HandleList(s, f.payload, f.type == static_cast<uint16_t>(w::Type::kListOwn));
+      return HandleList(s, f.payload, src);
     }
     default:
       return refuse("unexpected frame type " + std::to_string(f.type) + " for a request");
   }
 }
 
-bool PeerServer::Impl::HandleList(w::Socket& s, std::string_view payload, bool own) {
+bool PeerServer::Impl::HandleList(w::Socket& s, std::string_view payload, Source source) {
   w::In in(payload);
   const std::string job = in.Str16(kMaxJobBytes);
   if (job != o.job) {
@@ -925,7 +1049,9 @@ bool PeerServer::Impl::HandleList(w::Socket& s, std::string_view payload, bool o
                                       0));
     return true;
   }
-  Result<std::vector<HeldReplica>> held = own ? ListOwn() : List();
+  Result<std::vector<HeldReplica>> held = source == Source::kReplica   ? List()
+                                          : source == Source::kSegment ? ListOwn()
+                                                                       : ListDisk();
   if (!held.ok()) {
     (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(held.status(), 0));
     return true;
@@ -965,7 +1091,8 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   if (!parsed.ok()) return failed(parsed.status());
   const format::Table& t = parsed.value();
   const uint32_t src = t.rank;
-  const std::string name = ReplicaName(o.job, src);
+  const uint64_t slot = WorldRank(t.world_size, src);
+  const std::string name = ReplicaName(o.job, t.world_size, src);
   const uint64_t need = ReplicaFileBytes(t);
   {
     // A link or folder planted at the name: removed as itself, never followed.
@@ -1003,16 +1130,17 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   }
   {
     MutexLock l(&mu);
-    if (over.empty() && busy.count(src) != 0) {
+    if (over.empty() && busy.count(slot) != 0) {
       ++stats.push_failures;
-      stats.last_error = "a push of rank " + std::to_string(src) + " is already in progress";
+      stats.last_error = "a push of rank " + std::to_string(src) + " of world size " +
+                         std::to_string(t.world_size) + " is already in progress";
       return reply(Status::Aborted(stats.last_error), 0);
     }
     if (!over.empty()) {
       ++stats.replica_skipped_budget;
       stats.last_error = over;
     } else {
-      busy.insert(src);
+      busy.insert(slot);
       reserved += need;
     }
   }
@@ -1026,7 +1154,7 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   }
   const auto release = [&] {
     MutexLock l(&mu);
-    busy.erase(src);
+    busy.erase(slot);
     reserved -= need;
   };
 
@@ -1061,10 +1189,11 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   return reply(Status::OK(), kStoredReply);
 }
 
-bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload, bool own) {
+bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload, Source source) {
   const std::string from = s.peer();
   w::In in(payload);
   const std::string job = in.Str16(kMaxJobBytes);
+  const uint32_t world = in.U32();
   const uint32_t src = in.U32();
   const uint8_t has_step = in.U8();
   const int64_t step = in.I64();
@@ -1072,54 +1201,90 @@ bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload, bool 
     if (!st.ok()) Error(st);
     return w::SendFrame(s, w::Type::kReply, w::EncodeReply(st, 0)).ok();
   };
-  if (!in.done() || has_step > 1) {
+  const char* what = source == Source::kReplica   ? "replica"
+                     : source == Source::kSegment ? "own segment"
+                                                  : "rank file";
+  if (!in.done() || has_step > 1 || world == 0 || src >= world) {
     {
       MutexLock l(&mu);
       ++stats.refused_frames;
     }
-    (void)reply(Status::Corruption("peer " + from + (own ? ": malformed FETCH_OWN" : ": malformed FETCH")));
+    (void)reply(Status::Corruption("peer " + from + ": malformed " +
+                                   (source == Source::kReplica   ? "FETCH"
+                                    : source == Source::kSegment ? "FETCH_OWN"
+                                                                 : "FETCH_DISK")));
     return false;
   }
   if (job != o.job) {
     return reply(Status::FailedPrecondition("this server holds replicas of another job"));
   }
-  const char* what = own ? "own segment" : "replica";
-  std::string name = ReplicaName(o.job, src);
+  const std::string of = std::string(what) + " of rank " + std::to_string(src) +
+                         " of world size " + std::to_string(world);
+  std::string name = ReplicaName(o.job, world, src);
+  std::string where = dir->path();
   Result<std::pair<std::unique_ptr<SlotFile>, CheckpointInfo>> got =
-      Status::NotFound("no " + std::string(what) + " of rank " + std::to_string(src) + " at " +
-                       dir->path());
-  if (own) {
-    // The segment served that holds rank `src` (only the names it was given,
-    // regular files, never followed).
+      Status::NotFound("no " + of + " at " + where);
+  if (source == Source::kSegment) {
+    // The segment served that holds rank `src` of `world` (only the names it
+    // was given, regular files, never followed).
     for (const std::string& seg : o.segments) {
       Result<FileStat> st = dir->Stat(seg);
       if (!st.ok() || st.value().type != EntryType::kFile) continue;
       auto g = OpenNewest(*dir, seg);
-      if (!g.ok() || g.value().second.rank != src) continue;
+      if (!g.ok() || g.value().second.rank != src || g.value().second.world_size != world) continue;
       name = seg;
       got = std::move(g);
       break;
+    }
+  } else if (source == Source::kDisk) {
+    // The job directory's rank file of rank `src` of `world`: its own
+    // "rank-RRRRR.nsck" or the set-aside "world-W/rank-RRRRR.nsck", names
+    // built here from the numbers (nothing else of the job directory, and
+    // nothing outside it, is ever opened), regular files, never followed.
+    where = o.job_dir;
+    Result<std::unique_ptr<Directory>> jd =
+        o.job_dir.empty() ? Result<std::unique_ptr<Directory>>(Status::NotFound("no job directory"))
+                          : env->OpenDirectory(o.job_dir, false);
+    if (jd.ok()) {
+      name = JobDirNames::Slot(static_cast<int>(src));
+      for (const std::string& sub : {std::string(), JobDirNames::World(static_cast<int>(world))}) {
+        std::unique_ptr<Directory> d;
+        if (!sub.empty()) {
+          Result<FileStat> st = jd.value()->Stat(sub);
+          if (!st.ok() || st.value().type != EntryType::kDirectory) continue;
+          Result<std::unique_ptr<Directory>> sd = jd.value()->OpenDir(sub, false);
+          if (!sd.ok()) continue;
+          d = std::move(sd).value();
+        }
+        Directory& in_dir = sub.empty() ? *jd.value() : *d;
+        Result<FileStat> st = in_dir.Stat(name);
+        if (!st.ok() || st.value().type != EntryType::kFile) continue;
+        auto g = OpenNewest(in_dir, name);
+        if (!g.ok() || g.value().second.rank != src || g.value().second.world_size != world) continue;
+        if (has_step != 0 && g.value().second.step != step) continue;
+        if (!sub.empty()) name = sub + "/" + name;
+        got = std::move(g);
+        break;
+      }
     }
   } else {
     got = OpenNewest(*dir, name);
   }
   if (!got.ok()) {
     const StatusCode c = got.status().code();
-    return reply(c == StatusCode::kNotFound
-                     ? Status::NotFound("no " + std::string(what) + " of rank " + std::to_string(src) +
-                                        " at " + dir->path())
-                     : got.status().Annotate(std::string(what) + " of rank " + std::to_string(src)));
+    return reply(c == StatusCode::kNotFound ? Status::NotFound("no " + of + " at " + where)
+                                            : got.status().Annotate(of));
   }
   SlotFile& file = *got.value().first;
   const CheckpointInfo& info = got.value().second;
-  if (info.rank != src) {
-    return reply(Status::Corruption(dir->path() + "/" + name + " holds rank " +
-                                    std::to_string(info.rank)));
+  if (info.rank != src || info.world_size != world) {
+    return reply(Status::Corruption(where + "/" + name + " holds rank " +
+                                    std::to_string(info.rank) + " of world size " +
+                                    std::to_string(info.world_size)));
   }
   if (has_step != 0 && info.step != step) {
-    return reply(Status::NotFound("the " + std::string(what) + " of rank " + std::to_string(src) +
-                                  " holds step " + std::to_string(info.step) + ", not " +
-                                  std::to_string(step)));
+    return reply(Status::NotFound("the " + of + " holds step " + std::to_string(info.step) +
+                                  ", not " + std::to_string(step)));
   }
   const std::vector<uint8_t> table = w::EncodeCheckpointTable(info);
   if (!w::SendFrame(s, w::Type::kTable, View(table)).ok()) return false;
@@ -1246,12 +1411,17 @@ Result<PushOutcome> PushNewest(const std::string& endpoint, const std::string& j
 namespace {
 
 Result<std::vector<HeldReplica>> ListAt(const std::string& endpoint, const std::string& job,
-                                        const std::string& secret, double timeout_s, bool own) {
+                                        const std::string& secret, double timeout_s,
+                                        Source source) {
   NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
                            Dial(endpoint, job, secret, timeout_s, timeout_s, /*retry=*/true));
   w::Out req;
   req.Str16(job);
-  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, own ? w::Type::kListOwn : w::Type::kList, req.str()));
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s,
+                                       source == Source::kReplica   ? w::Type::kList
+                                       : source == Source::kSegment ? w::Type::kListOwn
+                                                                    : w::Type::kListDisk,
+                                       req.str()));
   w::Frame f;
   NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
   if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
@@ -1278,12 +1448,12 @@ Result<std::vector<HeldReplica>> ListAt(const std::string& endpoint, const std::
   return out;
 }
 
-// A fetch (own: of the server's own segment) written to
-// local_dir/sub1[/sub2]/rank-RRRRR.nsck; sub2 "": none, "*": "step-N" of the
-// checkpoint sent. Returns the directory it is in.
+// A fetch (of `source`) written to local_dir/sub1[/sub2]/rank-RRRRR.nsck;
+// sub2 "": none, "*": "step-N" of the checkpoint sent. Returns the
+// directory it is in.
 Result<std::string> FetchTo(const std::string& endpoint, const std::string& job,
-                            const std::string& secret, uint32_t source_rank,
-                            std::optional<int64_t> step, bool own, const std::string& local_dir,
+                            const std::string& secret, uint32_t world_size, uint32_t source_rank,
+                            std::optional<int64_t> step, Source source, const std::string& local_dir,
                             const std::string& sub1, const std::string& sub2, Env* env,
                             double timeout_s) {
   if (env == nullptr) env = DefaultEnv();
@@ -1293,12 +1463,20 @@ Result<std::string> FetchTo(const std::string& endpoint, const std::string& job,
     }
   }
   if (sub1.empty()) return Status::InvalidArgument("peer fetch: no directory to fetch into");
+  if (world_size == 0 || source_rank >= world_size) {
+    return Status::InvalidArgument("peer fetch: rank " + std::to_string(source_rank) +
+                                   " of world size " + std::to_string(world_size));
+  }
   NONSTOP_ASSIGN_OR_RETURN(w::Socket s,
                            Dial(endpoint, job, secret, std::min(timeout_s, 10.0), timeout_s,
                                 /*retry=*/true));
   w::Out req;
-  req.Str16(job).U32(source_rank).U8(step ? 1 : 0).I64(step.value_or(0));
-  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s, own ? w::Type::kFetchOwn : w::Type::kFetch, req.str()));
+  req.Str16(job).U32(world_size).U32(source_rank).U8(step ? 1 : 0).I64(step.value_or(0));
+  NONSTOP_RETURN_IF_ERROR(w::SendFrame(s,
+                                       source == Source::kReplica   ? w::Type::kFetch
+                                       : source == Source::kSegment ? w::Type::kFetchOwn
+                                                                    : w::Type::kFetchDisk,
+                                       req.str()));
   w::Frame f;
   NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f));
   if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
@@ -1310,10 +1488,11 @@ Result<std::string> FetchTo(const std::string& endpoint, const std::string& job,
     return Status::Corruption("peer " + endpoint + ": unexpected answer to a fetch");
   }
   NONSTOP_ASSIGN_OR_RETURN(format::Table t, ParseWireTable(f.payload, endpoint));
-  if (t.rank != source_rank || (step && t.step != *step)) {
+  if (t.rank != source_rank || t.world_size != world_size || (step && t.step != *step)) {
     return Status::Corruption("peer " + endpoint + " sent rank " + std::to_string(t.rank) +
-                              " step " + std::to_string(t.step) + " for rank " +
-                              std::to_string(source_rank));
+                              " of world size " + std::to_string(t.world_size) + " step " +
+                              std::to_string(t.step) + " for rank " + std::to_string(source_rank) +
+                              " of world size " + std::to_string(world_size));
   }
   // local_dir/sub1[/sub2]: every file created O_EXCL|O_NOFOLLOW relative to it.
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(local_dir, true));
@@ -1342,30 +1521,110 @@ Result<std::string> FetchTo(const std::string& endpoint, const std::string& job,
 
 Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const std::string& job,
                                               const std::string& secret, double timeout_s) {
-  return ListAt(endpoint, job, secret, timeout_s, false);
+  return ListAt(endpoint, job, secret, timeout_s, Source::kReplica);
 }
 
 Result<std::vector<HeldReplica>> ListOwnSegments(const std::string& endpoint,
                                                  const std::string& job,
                                                  const std::string& secret, double timeout_s) {
-  return ListAt(endpoint, job, secret, timeout_s, true);
+  return ListAt(endpoint, job, secret, timeout_s, Source::kSegment);
+}
+
+Result<std::vector<HeldReplica>> ListDiskFiles(const std::string& endpoint, const std::string& job,
+                                               const std::string& secret, double timeout_s) {
+  return ListAt(endpoint, job, secret, timeout_s, Source::kDisk);
 }
 
 Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
-                                 const std::string& secret, uint32_t source_rank,
-                                 std::optional<int64_t> step, const std::string& local_dir,
-                                 Env* env, double timeout_s) {
-  return FetchTo(endpoint, job, secret, source_rank, step, false, local_dir, "peer", "*", env,
-                 timeout_s);
+                                 const std::string& secret, uint32_t world_size,
+                                 uint32_t source_rank, std::optional<int64_t> step,
+                                 const std::string& local_dir, Env* env, double timeout_s) {
+  return FetchTo(endpoint, job, secret, world_size, source_rank, step, Source::kReplica, local_dir,
+                 "peer", "*", env, timeout_s);
 }
 
 Result<std::string> FetchInto(const std::string& endpoint, const std::string& job,
-                              const std::string& secret, uint32_t source_rank,
-                              std::optional<int64_t> step, bool own, const std::string& local_dir,
-                              const std::string& sub, Env* env, double timeout_s) {
-  NONSTOP_ASSIGN_OR_RETURN(std::string d, FetchTo(endpoint, job, secret, source_rank, step, own,
-                                                  local_dir, sub, "", env, timeout_s));
+                              const std::string& secret, uint32_t world_size,
+                              uint32_t source_rank, std::optional<int64_t> step, Source source,
+                              const std::string& local_dir, const std::string& sub, Env* env,
+                              double timeout_s) {
+  NONSTOP_ASSIGN_OR_RETURN(std::string d, FetchTo(endpoint, job, secret, world_size, source_rank,
+                                                  step, source, local_dir, sub, "", env, timeout_s));
   return d + "/" + SlotFileName(static_cast<int>(source_rank));
+}
+
+namespace {
+
+// Whether `dir`/`name` is a complete copy of exactly this checkpoint.
+bool IsCopyOf(Directory& dir, const std::string& name, uint32_t world_size, uint32_t source_rank,
+              int64_t step, uint64_t counter) {
+  Result<FileStat> st = dir.Stat(name);
+  if (!st.ok() || st.value().type != EntryType::kFile) return false;
+  auto got = OpenNewest(dir, name);
+  if (!got.ok()) return false;
+  const CheckpointInfo& i = got.value().second;
+  return i.world_size == world_size && i.rank == source_rank && i.step == step &&
+         i.counter == counter;
+}
+
+}  // namespace
+
+Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::string& job,
+                                    const std::string& secret, uint32_t world_size,
+                                    uint32_t source_rank, int64_t step, uint64_t counter,
+                                    Source source, const std::string& mem_dir,
+                                    const std::string& fallback_dir, const std::string& holder,
+                                    Env* env, double timeout_s, double wait_s) {
+  if (env == nullptr) env = DefaultEnv();
+  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
+  const std::string shared = SharedReshardDir(job);
+  const std::string sub = "w" + std::to_string(world_size) + "-s" + std::to_string(step) + "-c" +
+                          std::to_string(counter);
+  const std::string name = SlotFileName(static_cast<int>(source_rank));
+  const std::string lock = "rank-" + name.substr(5, 5) + ".lock";
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(mem_dir, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> top, base->OpenDir(shared, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, top->OpenDir(sub, true));
+  const std::string path = mem_dir + "/" + shared + "/" + sub + "/" + name;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string by;  // the lock file's holder line, as the last refusal named it
+  while (true) {
+    if (IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
+      return SharedCopy{path, false, by.empty() ? "another rank of this host" : by};
+    }
+    Result<std::unique_ptr<FileLock>> l = d->Lock(lock, holder);
+    if (l.ok()) {
+      // Another rank may have finished between the look and the lock.
+      if (IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
+        return SharedCopy{path, false, by.empty() ? "another rank of this host" : by};
+      }
+      NONSTOP_ASSIGN_OR_RETURN(std::string got,
+                               FetchInto(endpoint, job, secret, world_size, source_rank, step,
+                                         source, mem_dir + "/" + shared, sub, env, timeout_s));
+      if (!IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
+        (void)d->Unlink(name);
+        return Status::NotFound("peer " + endpoint + ": rank " + std::to_string(source_rank) +
+                                " of world size " + std::to_string(world_size) + " step " +
+                                std::to_string(step) + " is not of counter " +
+                                std::to_string(counter) + " there");
+      }
+      return SharedCopy{got, true, holder};
+    }
+    // Held: another rank of this host fetches it (its line names it).
+    // Anything else (a link planted at the lock's name): fetched alone.
+    const std::string& msg = l.status().message();
+    const size_t at = msg.find(" is locked by ");
+    if (l.status().code() != StatusCode::kFailedPrecondition || at == std::string::npos) break;
+    by = msg.substr(at + 14, msg.find(": another nonstop", at) - (at + 14));
+    if (Since(t0) >= wait_s) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Waited long enough (or no lock to take): fetched into this rank's own
+  // directory instead.
+  NONSTOP_ASSIGN_OR_RETURN(std::string got,
+                           FetchInto(endpoint, job, secret, world_size, source_rank, step, source,
+                                     fallback_dir, sub, env, timeout_s));
+  return SharedCopy{got, true, holder};
 }
 
 // ---------------------------------------------------------------- replicator

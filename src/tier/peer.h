@@ -22,13 +22,20 @@
 // without the same secret exchange nothing but the handshake.
 //
 // Replica files (in the memory directory; docs/FORMAT.md):
-//   "<job key>-replica-rank-RRRRR.nsck"      a complete, verified replica of
-//                                            source rank RRRRR (one-slot slot
-//                                            file, committed record inside)
-//   "<job key>-replica-rank-RRRRR.nsck.tmp"  one being received: never listed
+//   "<job key>-replica-world-WWWWW-rank-RRRRR.nsck"      a complete, verified
+//        replica of source rank RRRRR of a world of WWWWW ranks (one-slot
+//        slot file, committed record inside; its header says the same)
+//   "<job key>-replica-world-WWWWW-rank-RRRRR.nsck.tmp"  one being received:
+//        never listed
 // where <job key> is JobKey(job), 16 lowercase hex digits. A replica becomes
 // visible only by the rename of its complete, verified temp file over the
 // name, so a kill at any point leaves the previous replica or the new one.
+// Rank r of world 4 and rank r of world 2 are two replicas: a restart with
+// another world size never takes one for the other, and a push of the new
+// world never overwrites the old world's replica a reshard reads. Names
+// without the world ("<job key>-replica-rank-RRRRR.nsck", builds before wire
+// version 4) are refused: never listed nor served, removed at Start (a
+// PeerServerStats::last_error line says how many).
 //
 // Thread safety: every public method may be called from any thread.
 #pragma once
@@ -62,8 +69,8 @@ Result<Endpoint> ParseEndpoint(const std::string& text);
 
 // 16 lowercase hex digits naming `job` in file names (a hash of it).
 std::string JobKey(const std::string& job);
-// "<JobKey(job)>-replica-rank-RRRRR.nsck".
-std::string ReplicaName(const std::string& job, uint32_t source_rank);
+// "<JobKey(job)>-replica-world-WWWWW-rank-RRRRR.nsck".
+std::string ReplicaName(const std::string& job, uint32_t world_size, uint32_t source_rank);
 // The memory directory: `configured` when not empty, else $NONSTOP_SHM_DIR,
 // else /dev/shm/nonstop (the memory tier's rule, engine/memory_tier.h).
 std::string PeerMemoryDir(const std::string& configured);
@@ -118,7 +125,19 @@ struct PeerServerOptions {
   // restart of another world size gathers an old rank's shard from
   // whichever surviving host holds it (its segment or a replica).
   std::vector<std::string> segments;
+  // This host's job directory (absolute; "": none): its rank files
+  // ("rank-RRRRR.nsck" and the set-aside "world-W/rank-RRRRR.nsck"), served
+  // read-only by LIST_DISK and FETCH_DISK (each chunk verified as it is
+  // sent), so that a new rank on a replacement host reshards after a
+  // graceful close removed the segments. Only those names, built by the
+  // server from the numbers asked for, are ever opened, relative to this
+  // directory, never following a link: nothing outside it is served.
+  std::string job_dir;
 };
+
+// What a server serves of a source rank: the replica it holds, its host's
+// own memory segment, or its host's job directory's rank file.
+enum class Source : uint8_t { kReplica = 0, kSegment = 1, kDisk = 2 };
 
 struct PeerServerStats {
   uint64_t replicas_received = 0;       // replicas stored complete and verified
@@ -160,6 +179,10 @@ class PeerServer {
   // (PeerServerOptions::segments), by source rank; a segment that is gone
   // or holds none is left out.
   Result<std::vector<HeldReplica>> ListOwn();
+  // The newest committed checkpoint of each rank file of the job directory
+  // served (PeerServerOptions::job_dir), by world size then source rank;
+  // none without one.
+  Result<std::vector<HeldReplica>> ListDisk();
   PeerServerStats stats() const;
   // Stops listening and ends every connection (a transfer in progress
   // leaves only its temp file). The replicas stay. Idempotent.
@@ -269,15 +292,16 @@ Result<std::vector<HeldReplica>> ListReplicas(const std::string& endpoint, const
 // Where FetchReplica writes: local_dir/peer/step-N (holding rank-RRRRR.nsck).
 std::string PeerStepDir(const std::string& local_dir, int64_t step);
 
-// Source rank `source_rank`'s replica held at `endpoint` (of `step`, or the
-// newest), every chunk verified as it arrives, written to a one-slot job
+// Source rank `source_rank` of world size `world_size`: its replica held at
+// `endpoint` (of `step`, or the newest), every chunk verified as it arrives, written to a one-slot job
 // directory local_dir/peer/step-N/rank-RRRRR.nsck (temp name, committed
 // record, fsync, rename last); returns that directory. NotFound: the server
 // holds none (of that step); Corruption: the replica is damaged; IOError:
 // unreachable, cut or timed out; FailedPrecondition: the server does not
 // prove `secret`. Any of them: fall back to another source.
 Result<std::string> FetchReplica(const std::string& endpoint, const std::string& job,
-                                 const std::string& secret, uint32_t source_rank, std::optional<int64_t> step,
+                                 const std::string& secret, uint32_t world_size,
+                                 uint32_t source_rank, std::optional<int64_t> step,
                                  const std::string& local_dir, Env* env = nullptr,
                                  double timeout_s = 60);
 
@@ -289,16 +313,52 @@ Result<std::vector<HeldReplica>> ListOwnSegments(const std::string& endpoint,
                                                  const std::string& job,
                                                  const std::string& secret, double timeout_s = 10);
 
-// Source rank `source_rank`'s checkpoint (of `step`, or the newest) as the
-// server at `endpoint` holds it -- its replica, or with `own` its host's own
-// segment -- every chunk verified as it arrives, written as a one-slot slot
-// file local_dir/sub/rank-RRRRR.nsck (sub created when missing; temp name,
+// What the server at `endpoint` serves of its host's job directory
+// (PeerServerOptions::job_dir): one entry per rank file's newest committed
+// checkpoint. Errors as ListOwnSegments'.
+Result<std::vector<HeldReplica>> ListDiskFiles(const std::string& endpoint, const std::string& job,
+                                               const std::string& secret, double timeout_s = 10);
+
+// Source rank `source_rank` of world size `world_size`: its checkpoint (of
+// `step`, or the newest) as the server at `endpoint` holds it (`source`: its
+// replica, its host's own segment or its host's job directory's rank file),
+// every chunk verified as it arrives, written as a one-slot slot file
+// local_dir/sub/rank-RRRRR.nsck (sub created when missing; temp name,
 // committed record, fsync, rename last; an existing file there replaced).
 // Returns the file's path. Errors as FetchReplica's.
 Result<std::string> FetchInto(const std::string& endpoint, const std::string& job,
-                              const std::string& secret, uint32_t source_rank,
-                              std::optional<int64_t> step, bool own, const std::string& local_dir,
-                              const std::string& sub, Env* env = nullptr, double timeout_s = 60);
+                              const std::string& secret, uint32_t world_size,
+                              uint32_t source_rank, std::optional<int64_t> step, Source source,
+                              const std::string& local_dir, const std::string& sub,
+                              Env* env = nullptr, double timeout_s = 60);
+
+// One fetch per host (a reshard whose new ranks on one host need the same
+// old rank's checkpoint): FetchInto's checkpoint of (world_size,
+// source_rank, step, counter) written once into this host's memory directory
+// `mem_dir` at "<job key>-reshard-host/w<W>-s<step>-c<counter>/rank-RRRRR.nsck",
+// whichever rank of the host comes first. That rank holds the lock file
+// "rank-RRRRR.lock" beside it (Directory::Lock: released when it dies) while
+// it fetches; the others wait for the renamed complete copy and use it. When
+// the fetcher fails or dies (the lock free, no copy), the next one fetches;
+// past `wait_s` of waiting (or with no lock to take) a rank fetches into its
+// own `fallback_dir` (fallback_dir/w<W>-s<step>-c<counter>/) instead.
+// `holder` (one line, e.g. "rank 3 pid 77") names the caller in the lock
+// file.
+struct SharedCopy {
+  std::string path;     // the copy (rank-RRRRR.nsck)
+  bool fetched = false; // this call fetched it (false: another rank's copy)
+  std::string by;       // who fetched it: `holder`, or the lock file's line
+};
+Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::string& job,
+                                    const std::string& secret, uint32_t world_size,
+                                    uint32_t source_rank, int64_t step, uint64_t counter,
+                                    Source source, const std::string& mem_dir,
+                                    const std::string& fallback_dir, const std::string& holder,
+                                    Env* env = nullptr, double timeout_s = 60,
+                                    double wait_s = 120);
+// "<job key>-reshard-host": FetchOncePerHost's directory in the memory
+// directory (removed once the reshard read it).
+std::string SharedReshardDir(const std::string& job);
 
 // This host's copies, read without a server (a restart of another world size
 // whose ranks all sit on one host starts no server, and a rank reads its own

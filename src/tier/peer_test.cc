@@ -23,6 +23,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "env/fault_env.h"
 #include "store/format.h"
@@ -31,6 +32,11 @@
 
 namespace nonstop::peer {
 namespace {
+
+// What a fetch asks for (the test's own Source below is a pushing rank).
+constexpr nonstop::peer::Source kFromReplica = nonstop::peer::Source::kReplica;
+constexpr nonstop::peer::Source kFromSegment = nonstop::peer::Source::kSegment;
+constexpr nonstop::peer::Source kFromDisk = nonstop::peer::Source::kDisk;
 
 constexpr char kJob[] = "job-a";
 const std::string kSecret = "0123456789abcdef0123456789abcdef";  // 32 bytes
@@ -70,13 +76,13 @@ std::vector<uint32_t> Crcs(const std::vector<uint8_t>& d) {
 // (counter, step) of rank `rank`, under a temp name renamed over it (as the
 // memory tier replaces its segment).
 void WriteSegment(Env* env, const std::string& dir, const std::string& name, uint32_t rank,
-                  uint64_t counter, int64_t step) {
+                  uint64_t counter, int64_t step, uint32_t world = 4) {
   auto d = env->OpenDirectory(dir, true).value();
   const SlotLayout layout = Layout();
   StoreGeometry g;
   g.slots = 1;
   g.rank = rank;
-  g.world_size = 4;
+  g.world_size = world;
   g.slot_bytes = StoreGeometry::SlotBytesFor(layout, 4096);
   (void)d->Unlink(name + ".w");
   auto f = SlotFile::Create(d->CreateFile(name + ".w", MediumKind::kBuffered, {}).value(), g).value();
@@ -130,17 +136,20 @@ struct Server {
   std::string secret = kSecret;
   double io_timeout_s = 5;
   std::vector<std::string> segments;  // own segments served
+  std::string job_dir;                // the job directory served ("": none)
   explicit Server(uint64_t budget = 0, std::shared_ptr<FaultEnv> e = nullptr,
                   std::string key = kSecret, double io_timeout = 5,
-                  std::vector<std::string> segs = {})
+                  std::vector<std::string> segs = {}, std::string jobd = "")
       : secret(std::move(key)), io_timeout_s(io_timeout) {
     if (e) env = std::move(e);
     segments = std::move(segs);
+    job_dir = std::move(jobd);
     Start(budget);
   }
   void Start(uint64_t budget = 0) {
     PeerServerOptions o;
     o.segments = segments;
+    o.job_dir = job_dir;
     o.job = kJob;
     o.secret = secret;
     o.bind_host = "127.0.0.1";
@@ -160,10 +169,11 @@ struct Source {
   std::shared_ptr<FaultEnv> env = FaultEnv::Create();
   uint32_t rank;
   std::string secret = kSecret;
-  explicit Source(uint32_t r = 1) : rank(r) {}
+  uint32_t world = 4;
+  explicit Source(uint32_t r = 1, uint32_t w = 4) : rank(r), world(w) {}
   std::string path() const { return "/seg/s.nsck"; }
   void Commit(uint64_t counter, int64_t step) {
-    WriteSegment(env.get(), "/seg", "s.nsck", rank, counter, step);
+    WriteSegment(env.get(), "/seg", "s.nsck", rank, counter, step, world);
   }
   Result<PushOutcome> Push(const std::string& ep, double io_timeout_s = 5) {
     PushOptions o;
@@ -175,7 +185,7 @@ struct Source {
 // Fetches `rank`'s replica from `ep` into a fresh Env; the data read back.
 Read FetchBack(const std::string& ep, uint32_t rank, std::optional<int64_t> step, Status* st) {
   auto env = FaultEnv::Create();
-  Result<std::string> dir = FetchReplica(ep, kJob, kSecret, rank, step, "/local", env.get(), 10);
+  Result<std::string> dir = FetchReplica(ep, kJob, kSecret, 4, rank, step, "/local", env.get(), 10);
   *st = dir.status();
   if (!dir.ok()) return {};
   return ReadBack(env.get(), dir.value(), SlotFileName(static_cast<int>(rank)));
@@ -196,7 +206,7 @@ TEST(PeerTest, PushThenFetchIsBitwise) {
   EXPECT_EQ(held.value()[0].counter, 3u);
   EXPECT_EQ(held.value()[0].world_size, 4u);
   // The replica file is in the memory directory under its name.
-  EXPECT_EQ(ReadBack(srv.env.get(), "/shm", ReplicaName(kJob, 1)).step, 30);
+  EXPECT_EQ(ReadBack(srv.env.get(), "/shm", ReplicaName(kJob, 4, 1)).step, 30);
   Status st;
   Read r = FetchBack(srv.ep(), 1, std::nullopt, &st);
   ASSERT_TRUE(st.ok()) << st.ToString();
@@ -439,8 +449,9 @@ TEST(PeerTest, PartnersAreOnOtherHostsAndSpread) {
 }
 
 // Flips one byte of the replica file at `offset` from its end of data.
-void FlipReplicaByte(FaultEnv* env, const std::string& name, uint64_t data_byte) {
-  auto d = env->OpenDirectory("/shm", false).value();
+void FlipReplicaByte(FaultEnv* env, const std::string& name, uint64_t data_byte,
+                     const std::string& dir = "/shm") {
+  auto d = env->OpenDirectory(dir, false).value();
   auto m = d->OpenFile(name, MediumKind::kBuffered, {}).value();
   auto f = SlotFile::Open(d->OpenFile(name, MediumKind::kBuffered, {.create = false, .read_only = true}).value())
                .value();
@@ -457,9 +468,9 @@ TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
   Source src(1);
   src.Commit(3, 30);
   ASSERT_TRUE(src.Push(srv.ep()).ok());
-  FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 1), 200000);
+  FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 4, 1), 200000);
   auto env = FaultEnv::Create();
-  Result<std::string> dir = FetchReplica(srv.ep(), kJob, kSecret, 1, std::nullopt, "/local", env.get(), 10);
+  Result<std::string> dir = FetchReplica(srv.ep(), kJob, kSecret, 4, 1, std::nullopt, "/local", env.get(), 10);
   ASSERT_FALSE(dir.ok());
   EXPECT_EQ(dir.status().code(), StatusCode::kCorruption) << dir.status().ToString();
   EXPECT_NE(dir.status().message().find("checksum mismatch"), std::string::npos)
@@ -472,8 +483,8 @@ TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
 TEST(PeerTest, ALinkOrAFolderAtTheReplicaNameIsNeverFollowed) {
   Server srv;
   ASSERT_TRUE(srv.env->OpenDirectory("/etc", true).ok());
-  ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 1), "/etc/passwd").ok());
-  ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 2) + ".tmp", "/etc/shadow").ok());
+  ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 4, 1), "/etc/passwd").ok());
+  ASSERT_TRUE(srv.env->PlantSymlink("/shm", ReplicaName(kJob, 4, 2) + ".tmp", "/etc/shadow").ok());
   auto listed = ListReplicas(srv.ep(), kJob, kSecret);
   ASSERT_TRUE(listed.ok()) << listed.status().ToString();
   EXPECT_TRUE(listed.value().empty());
@@ -662,7 +673,7 @@ TEST(PeerTest, OwnSegmentsAreListedAndFetchedBitwiseApartFromReplicas) {
 
   auto env = FaultEnv::Create();
   ASSERT_TRUE(env->OpenDirectory("/job", true).ok());
-  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 1, 50, true, "/job", "world-4", env.get(), 10);
+  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 4, 1, 50, kFromSegment, "/job", "world-4", env.get(), 10);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_EQ(got.value(), "/job/world-4/rank-00001.nsck");
   Read r = ReadBack(env.get(), "/job/world-4", "rank-00001.nsck");
@@ -670,20 +681,20 @@ TEST(PeerTest, OwnSegmentsAreListedAndFetchedBitwiseApartFromReplicas) {
   EXPECT_EQ(r.counter, 5u);
   EXPECT_EQ(r.data, Data(Layout(), 50));
   // A replica into the same layout; fetched again, the file is replaced.
-  got = FetchInto(srv.ep(), kJob, kSecret, 3, std::nullopt, false, "/job", "world-4", env.get(), 10);
+  got = FetchInto(srv.ep(), kJob, kSecret, 4, 3, std::nullopt, kFromReplica, "/job", "world-4", env.get(), 10);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_EQ(ReadBack(env.get(), "/job/world-4", "rank-00003.nsck").data, Data(Layout(), 70));
-  ASSERT_TRUE(FetchInto(srv.ep(), kJob, kSecret, 0, std::nullopt, true, "/job", "world-4", env.get(), 10).ok());
+  ASSERT_TRUE(FetchInto(srv.ep(), kJob, kSecret, 4, 0, std::nullopt, kFromSegment, "/job", "world-4", env.get(), 10).ok());
   EXPECT_EQ(ReadBack(env.get(), "/job/world-4", "rank-00000.nsck").step, 40);
   // Not served: a rank of no given segment, a replica asked as own (and the
   // other way round), a step the segment does not hold.
-  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 2, std::nullopt, true, "/job", "w", env.get(), 10).status().code(),
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 4, 2, std::nullopt, kFromSegment, "/job", "w", env.get(), 10).status().code(),
             StatusCode::kNotFound);
-  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 3, std::nullopt, true, "/job", "w", env.get(), 10).status().code(),
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 4, 3, std::nullopt, kFromSegment, "/job", "w", env.get(), 10).status().code(),
             StatusCode::kNotFound);
-  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 1, std::nullopt, false, "/job", "w", env.get(), 10).status().code(),
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 4, 1, std::nullopt, kFromReplica, "/job", "w", env.get(), 10).status().code(),
             StatusCode::kNotFound);
-  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 1, 40, true, "/job", "w", env.get(), 10).status().code(),
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 4, 1, 40, kFromSegment, "/job", "w", env.get(), 10).status().code(),
             StatusCode::kNotFound);
   EXPECT_EQ(ListOwnSegments(srv.ep(), "job-b", kSecret).status().code(), StatusCode::kFailedPrecondition);
   // The segments are served read-only: unchanged.
@@ -697,13 +708,218 @@ TEST(PeerTest, ADamagedOwnSegmentIsRefusedAsItIsSent) {
   FlipReplicaByte(srv.env.get(), kSeg1, 200000);
   EXPECT_EQ(ListOwnSegments(srv.ep(), kJob, kSecret).value().size(), 1u);  // the data is not read to list
   auto env = FaultEnv::Create();
-  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 1, std::nullopt, true, "/job", "world-4",
+  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 4, 1, std::nullopt, kFromSegment, "/job", "world-4",
                                       env.get(), 10);
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), StatusCode::kCorruption) << got.status().ToString();
   EXPECT_NE(got.status().message().find("checksum mismatch"), std::string::npos)
       << got.status().ToString();
   EXPECT_EQ(env->Dump().find("rank-00001.nsck\n"), std::string::npos) << env->Dump();
+}
+
+// ---- replica names carry the world size
+
+// Rank 1 of world 4 and rank 1 of world 2 on one holder: two replicas,
+// both listed, each fetched for its own world (a restart with another world
+// size never takes one for the other; the new world's push does not
+// overwrite the old world's replica).
+TEST(PeerTest, ReplicasOfOneRankOfTwoWorldSizesAreKeptApart) {
+  Server srv;
+  Source four(1, 4), two(1, 2);
+  four.Commit(3, 30);
+  two.Commit(5, 50);
+  ASSERT_EQ(four.Push(srv.ep()).value(), PushOutcome::kStored);
+  ASSERT_EQ(two.Push(srv.ep()).value(), PushOutcome::kStored);
+  auto held = ListReplicas(srv.ep(), kJob, kSecret);
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  ASSERT_EQ(held.value().size(), 2u);
+  EXPECT_EQ(held.value()[0].source_rank, 1u);
+  EXPECT_EQ(held.value()[0].world_size, 2u);
+  EXPECT_EQ(held.value()[0].step, 50);
+  EXPECT_EQ(held.value()[1].source_rank, 1u);
+  EXPECT_EQ(held.value()[1].world_size, 4u);
+  EXPECT_EQ(held.value()[1].step, 30);
+  EXPECT_EQ(ReplicaName(kJob, 4, 1), JobKey(kJob) + "-replica-world-00004-rank-00001.nsck");
+  EXPECT_EQ(ReadBack(srv.env.get(), "/shm", ReplicaName(kJob, 4, 1)).step, 30);
+  EXPECT_EQ(ReadBack(srv.env.get(), "/shm", ReplicaName(kJob, 2, 1)).step, 50);
+  for (const auto& [world, step] : {std::pair<uint32_t, int64_t>{4, 30}, {2, 50}}) {
+    auto env = FaultEnv::Create();
+    Result<std::string> dir =
+        FetchReplica(srv.ep(), kJob, kSecret, world, 1, std::nullopt, "/local", env.get(), 10);
+    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+    Read r = ReadBack(env.get(), dir.value(), "rank-00001.nsck");
+    EXPECT_EQ(r.step, step);
+    EXPECT_EQ(r.data, Data(Layout(), step));
+  }
+  // A step of the other world's replica is not this one's; a world that
+  // holds none of it: NotFound.
+  auto env = FaultEnv::Create();
+  EXPECT_EQ(FetchReplica(srv.ep(), kJob, kSecret, 4, 1, 50, "/local", env.get(), 10).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(FetchReplica(srv.ep(), kJob, kSecret, 8, 1, std::nullopt, "/local", env.get(), 10)
+                .status()
+                .code(),
+            StatusCode::kNotFound);
+  // A file whose header says another world than its name: never listed.
+  WriteSegment(srv.env.get(), "/shm", ReplicaName(kJob, 8, 2), 2, 9, 90, 4);
+  EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().size(), 2u);
+}
+
+// A replica named without its world size (a build before wire version 4):
+// refused, removed at Start, said in one line.
+TEST(PeerTest, AReplicaNamedWithoutItsWorldSizeIsRemovedAtStart) {
+  auto env = FaultEnv::Create();
+  const std::string legacy = JobKey(kJob) + "-replica-rank-00001.nsck";
+  WriteSegment(env.get(), "/shm", legacy, 1, 3, 30);
+  WriteSegment(env.get(), "/shm", "0123456789abcdef-replica-rank-00001.nsck", 1, 3, 30);  // another job's
+  Server srv(0, env);
+  EXPECT_TRUE(ListReplicas(srv.ep(), kJob, kSecret).value().empty());
+  EXPECT_EQ(env->Dump().find(legacy), std::string::npos) << env->Dump();
+  EXPECT_NE(env->Dump().find("0123456789abcdef-replica-rank-00001.nsck"), std::string::npos);
+  const std::string why = srv.s->stats().last_error;
+  EXPECT_NE(why.find("removed 1 replica file(s)"), std::string::npos) << why;
+  EXPECT_NE(why.find("without a world size"), std::string::npos) << why;
+}
+
+// ---- the job directory's rank files (reshard after a graceful close)
+
+TEST(PeerTest, JobDirectoryRankFilesAreServedReadOnlyAndNothingElse) {
+  auto env = FaultEnv::Create();
+  // The job directory: this world's rank 1 (world 4), a set-aside world of
+  // 2's rank 0; a link to another directory named as a world, a link named
+  // as a rank file, a rank file of a rank its name does not say.
+  WriteSegment(env.get(), "/jobd", "rank-00001.nsck", 1, 5, 50, 4);
+  WriteSegment(env.get(), "/jobd/world-2", "rank-00000.nsck", 0, 7, 70, 2);
+  WriteSegment(env.get(), "/elsewhere", "rank-00003.nsck", 3, 9, 90, 8);
+  ASSERT_TRUE(env->PlantSymlink("/jobd", "world-8", "/elsewhere").ok());
+  ASSERT_TRUE(env->PlantSymlink("/jobd", "rank-00002.nsck", "/elsewhere/rank-00003.nsck").ok());
+  WriteSegment(env.get(), "/jobd", "rank-00000.nsck", 3, 1, 10, 4);
+  Server srv(0, env, kSecret, 5, {}, "/jobd");
+  auto disk = ListDiskFiles(srv.ep(), kJob, kSecret);
+  ASSERT_TRUE(disk.ok()) << disk.status().ToString();
+  ASSERT_EQ(disk.value().size(), 2u);
+  EXPECT_EQ(disk.value()[0].world_size, 2u);
+  EXPECT_EQ(disk.value()[0].source_rank, 0u);
+  EXPECT_EQ(disk.value()[0].step, 70);
+  EXPECT_EQ(disk.value()[1].world_size, 4u);
+  EXPECT_EQ(disk.value()[1].source_rank, 1u);
+  EXPECT_EQ(disk.value()[1].counter, 5u);
+  EXPECT_TRUE(ListReplicas(srv.ep(), kJob, kSecret).value().empty());  // a third kind
+  EXPECT_TRUE(ListOwnSegments(srv.ep(), kJob, kSecret).value().empty());
+
+  auto local = FaultEnv::Create();
+  for (const auto& [world, rank, step] :
+       {std::tuple<uint32_t, uint32_t, int64_t>{4, 1, 50}, {2, 0, 70}}) {
+    Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, world, rank, step, kFromDisk,
+                                        "/new", "world-" + std::to_string(world), local.get(), 10);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    Read r = ReadBack(local.get(), "/new/world-" + std::to_string(world),
+                      SlotFileName(static_cast<int>(rank)));
+    EXPECT_EQ(r.step, step);
+    EXPECT_EQ(r.data, Data(Layout(), step));
+  }
+  // Never served: behind a link (world-8, rank-00002), a rank file of
+  // another rank, a replica or segment asked as a rank file, another step.
+  for (const auto& [world, rank, step] : std::vector<std::tuple<uint32_t, uint32_t, int64_t>>{
+           {8, 3, 90}, {4, 2, 90}, {4, 0, 10}, {4, 3, 10}, {4, 1, 40}}) {
+    EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, world, rank, step, kFromDisk, "/new", "x",
+                        local.get(), 10)
+                  .status()
+                  .code(),
+              StatusCode::kNotFound)
+        << world << "/" << rank;
+  }
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 4, 1, std::nullopt, kFromReplica, "/new", "x",
+                      local.get(), 10)
+                .status()
+                .code(),
+            StatusCode::kNotFound);
+  // Read-only: the rank files are as they were.
+  EXPECT_EQ(ReadBack(env.get(), "/jobd", "rank-00001.nsck").data, Data(Layout(), 50));
+  EXPECT_EQ(srv.s->stats().fetches_served, 2u);
+  // A damaged chunk is refused as it is sent.
+  FlipReplicaByte(env.get(), "rank-00001.nsck", 200000, "/jobd");
+  Result<std::string> bad = FetchInto(srv.ep(), kJob, kSecret, 4, 1, std::nullopt, kFromDisk,
+                                      "/new", "bad", local.get(), 10);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption) << bad.status().ToString();
+  // A server without a job directory serves none.
+  Server none;
+  EXPECT_TRUE(ListDiskFiles(none.ep(), kJob, kSecret).value().empty());
+}
+
+// ---- one fetch per host
+
+// Two ranks of one host ask for the same old rank's checkpoint at once: one
+// fetches, the other takes its copy; the server served one fetch.
+TEST(PeerTest, TwoRanksOfOneHostFetchOneCopy) {
+  Server srv;
+  Source src(2);
+  src.Commit(6, 60);
+  ASSERT_TRUE(src.Push(srv.ep()).ok());
+  auto host = FaultEnv::Create();  // the host's memory directory, shared by both ranks
+  Result<SharedCopy> got[2] = {Status::Internal("unset"), Status::Internal("unset")};
+  std::thread t[2];
+  for (int i = 0; i < 2; ++i) {
+    t[i] = std::thread([&, i] {
+      got[i] = FetchOncePerHost(srv.ep(), kJob, kSecret, 4, 2, 60, 6, kFromReplica, "/mem",
+                                "/mem/own-" + std::to_string(i), "rank " + std::to_string(i),
+                                host.get(), 10, 30);
+    });
+  }
+  for (auto& x : t) x.join();
+  ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+  ASSERT_TRUE(got[1].ok()) << got[1].status().ToString();
+  EXPECT_EQ(got[0].value().path, got[1].value().path);
+  EXPECT_EQ(got[0].value().path,
+            "/mem/" + SharedReshardDir(kJob) + "/w4-s60-c6/rank-00002.nsck");
+  EXPECT_NE(got[0].value().fetched, got[1].value().fetched);
+  const int fetcher = got[0].value().fetched ? 0 : 1;
+  EXPECT_EQ(got[1 - fetcher].value().by, "rank " + std::to_string(fetcher));
+  EXPECT_EQ(srv.s->stats().fetches_served, 1u);
+  EXPECT_EQ(ReadBack(host.get(), "/mem/" + SharedReshardDir(kJob) + "/w4-s60-c6",
+                     "rank-00002.nsck")
+                .data,
+            Data(Layout(), 60));
+  // A third rank later: the copy is there, nothing fetched.
+  auto third = FetchOncePerHost(srv.ep(), kJob, kSecret, 4, 2, 60, 6, kFromReplica, "/mem",
+                                "/mem/own-2", "rank 2", host.get(), 10, 30);
+  ASSERT_TRUE(third.ok());
+  EXPECT_FALSE(third.value().fetched);
+  EXPECT_EQ(srv.s->stats().fetches_served, 1u);
+}
+
+// A fetcher that holds the lock and never finishes (a stalled or hung
+// rank): the others wait `wait_s`, then fetch into their own directory. A
+// fetcher that let go without a copy (it failed or died): the next fetches.
+TEST(PeerTest, AFetcherThatNeverFinishesIsNotWaitedForForever) {
+  Server srv;
+  Source src(2);
+  src.Commit(6, 60);
+  ASSERT_TRUE(src.Push(srv.ep()).ok());
+  auto host = FaultEnv::Create();
+  auto shared = host->OpenDirectory("/mem/" + SharedReshardDir(kJob) + "/w4-s60-c6", true);
+  ASSERT_TRUE(shared.ok());
+  {
+    auto lock = shared.value()->Lock("rank-00002.lock", "rank 7 pid 1");
+    ASSERT_TRUE(lock.ok()) << lock.status().ToString();
+    auto got = FetchOncePerHost(srv.ep(), kJob, kSecret, 4, 2, 60, 6, kFromReplica, "/mem",
+                                "/mem/own-1", "rank 1", host.get(), 10, 0.3);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(got.value().fetched);
+    EXPECT_EQ(got.value().path, "/mem/own-1/w4-s60-c6/rank-00002.nsck");
+    EXPECT_EQ(ReadBack(host.get(), "/mem/own-1/w4-s60-c6", "rank-00002.nsck").step, 60);
+  }
+  // The lock let go, no copy: this rank fetches into the shared place.
+  auto got = FetchOncePerHost(srv.ep(), kJob, kSecret, 4, 2, 60, 6, kFromReplica, "/mem",
+                              "/mem/own-3", "rank 3", host.get(), 10, 0.3);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(got.value().fetched);
+  EXPECT_EQ(got.value().path, "/mem/" + SharedReshardDir(kJob) + "/w4-s60-c6/rank-00002.nsck");
+  // Another counter of the same step is another checkpoint: not taken for it.
+  auto other = FetchOncePerHost(srv.ep(), kJob, kSecret, 4, 2, 60, 7, kFromReplica, "/mem",
+                                "/mem/own-3", "rank 3", host.get(), 10, 0.3);
+  EXPECT_EQ(other.status().code(), StatusCode::kNotFound) << other.status().ToString();
 }
 
 // This host's copies read without a server (a reshard with every rank on
@@ -724,7 +940,7 @@ TEST(PeerTest, ThisHostsCopiesAreListedAndVerifiedWithoutAServer) {
   ASSERT_EQ(reps.value().size(), 1u);
   EXPECT_EQ(reps.value()[0].held.source_rank, 3u);
   EXPECT_EQ(reps.value()[0].held.step, 70);
-  EXPECT_EQ(reps.value()[0].path, "/shm/" + ReplicaName(kJob, 3));
+  EXPECT_EQ(reps.value()[0].path, "/shm/" + ReplicaName(kJob, 4, 3));
   auto own = ListLocal(kJob, true, {kSeg1}, "/shm", env);
   ASSERT_TRUE(own.ok()) << own.status().ToString();
   ASSERT_EQ(own.value().size(), 1u);
@@ -736,7 +952,7 @@ TEST(PeerTest, ThisHostsCopiesAreListedAndVerifiedWithoutAServer) {
   EXPECT_EQ(VerifyLocal(own.value()[0].path, 1, 40, env).code(), StatusCode::kNotFound);
   EXPECT_EQ(VerifyLocal(own.value()[0].path, 2, 50, env).code(), StatusCode::kNotFound);
   EXPECT_EQ(VerifyLocal("shm/x", 1, 50, env).code(), StatusCode::kInvalidArgument);
-  FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 3), 200000);
+  FlipReplicaByte(srv.env.get(), ReplicaName(kJob, 4, 3), 200000);
   Status st = VerifyLocal(reps.value()[0].path, 3, 70, env);
   EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
   EXPECT_NE(st.message().find(reps.value()[0].path), std::string::npos) << st.ToString();
@@ -769,7 +985,7 @@ TEST(PeerTest, HostileOwnSegmentRequestsAreRefused) {
   ASSERT_EQ(own.value().size(), 1u);
   EXPECT_EQ(own.value()[0].source_rank, 1u);
   auto env = FaultEnv::Create();
-  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 0, std::nullopt, true, "/job", "world-4", env.get(), 10)
+  EXPECT_EQ(FetchInto(srv.ep(), kJob, kSecret, 4, 0, std::nullopt, kFromSegment, "/job", "world-4", env.get(), 10)
                 .status()
                 .code(),
             StatusCode::kNotFound);
@@ -791,12 +1007,12 @@ TEST(PeerTest, HostileOwnSegmentRequestsAreRefused) {
   const uint64_t before = srv.s->stats().refused_frames;
   {
     wire::Out o;
-    o.Str16(kJob).U32(1).U8(2).I64(50);
+    o.Str16(kJob).U32(4).U32(1).U8(2).I64(50);
     EXPECT_TRUE(refused(wire::Type::kFetchOwn, o.str()));
   }
   {
     wire::Out o;
-    o.Str16(kJob).U32(1).U8(0).I64(0).U8(9);
+    o.Str16(kJob).U32(4).U32(1).U8(0).I64(0).U8(9);
     EXPECT_TRUE(refused(wire::Type::kFetchOwn, o.str()));
   }
   EXPECT_TRUE(refused(wire::Type::kFetchOwn, std::string("\x05\x00ab", 4)));
@@ -811,7 +1027,7 @@ TEST(PeerTest, HostileOwnSegmentRequestsAreRefused) {
   EXPECT_TRUE(SendsAndIsClosed(srv.ep(), Header(wire::kMagic, wire::kVersion,
                                                 static_cast<uint16_t>(wire::Type::kFetchOwn), 1ull << 30)));
   // And it still serves.
-  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 1, 50, true, "/job", "world-4", env.get(), 10);
+  Result<std::string> got = FetchInto(srv.ep(), kJob, kSecret, 4, 1, 50, kFromSegment, "/job", "world-4", env.get(), 10);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_EQ(ReadBack(env.get(), "/job/world-4", "rank-00001.nsck").data, Data(Layout(), 50));
 }
@@ -951,7 +1167,7 @@ TEST(PeerAuthTest, OnlyTheJobsSecretGetsIn) {
   auto listed = ListReplicas(srv.ep(), kJob, other);
   EXPECT_EQ(listed.status().code(), StatusCode::kFailedPrecondition) << listed.status().ToString();
   auto env = FaultEnv::Create();
-  auto fetched = FetchReplica(srv.ep(), kJob, other, 1, std::nullopt, "/local", env.get(), 10);
+  auto fetched = FetchReplica(srv.ep(), kJob, other, 4, 1, std::nullopt, "/local", env.get(), 10);
   EXPECT_EQ(fetched.status().code(), StatusCode::kFailedPrecondition) << fetched.status().ToString();
   EXPECT_EQ(env->Dump().find("nsck"), std::string::npos) << env->Dump();
   EXPECT_TRUE(WaitStats(*srv.s, [](const PeerServerStats& st) { return st.auth_failures == 3; }))
@@ -971,7 +1187,7 @@ TEST(PeerAuthTest, OnlyTheJobsSecretGetsIn) {
   Server fake(0, nullptr, other);
   ASSERT_EQ(stranger.Push(fake.ep()).value(), PushOutcome::kStored);
   auto env2 = FaultEnv::Create();
-  fetched = FetchReplica(fake.ep(), kJob, kSecret, 1, std::nullopt, "/local", env2.get(), 10);
+  fetched = FetchReplica(fake.ep(), kJob, kSecret, 4, 1, std::nullopt, "/local", env2.get(), 10);
   ASSERT_FALSE(fetched.ok());
   EXPECT_EQ(fetched.status().code(), StatusCode::kFailedPrecondition) << fetched.status().ToString();
   EXPECT_NE(fetched.status().message().find("does not prove"), std::string::npos)
@@ -1030,7 +1246,7 @@ TEST(PeerAuthTest, AClientAnswersNoServerThatDoesNotProveTheSecret) {
     while (wire::RecvFrame(c, &f).ok()) ++frames_after_challenge;
   });
   auto env = FaultEnv::Create();
-  auto fetched = FetchReplica("127.0.0.1:" + std::to_string(port), kJob, kSecret, 1, std::nullopt,
+  auto fetched = FetchReplica("127.0.0.1:" + std::to_string(port), kJob, kSecret, 4, 1, std::nullopt,
                               "/local", env.get(), 10);
   impostor.join();
   EXPECT_EQ(fetched.status().code(), StatusCode::kFailedPrecondition) << fetched.status().ToString();

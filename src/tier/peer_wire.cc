@@ -35,7 +35,9 @@ int64_t FrameLimit(uint16_t t, bool authenticated) {
     case Type::kList:
     case Type::kFetch:
     case Type::kListOwn:
-    case Type::kFetchOwn: return after(kMaxSmallFrame);
+    case Type::kFetchOwn:
+    case Type::kListDisk:
+    case Type::kFetchDisk: return after(kMaxSmallFrame);
     case Type::kReply: return authenticated ? static_cast<int64_t>(kMaxSmallFrame) : kMaxPreAuthFrame;
     case Type::kListing: return after(4 + kMaxListed * 32);
     case Type::kHello: return before(2 + kMaxJobBytes + kNonceBytes);

@@ -38,8 +38,9 @@
 namespace nonstop::peer::wire {
 
 inline constexpr uint32_t kMagic = 0x5750534E;  // "NSPW"
-// 2: the handshake and the per-frame MAC; 3: DATA frames' Carter-Wegman tag.
-inline constexpr uint16_t kVersion = 3;
+// 2: the handshake and the per-frame MAC; 3: DATA frames' Carter-Wegman tag;
+// 4: FETCH and FETCH_OWN carry the world size, LIST_DISK and FETCH_DISK.
+inline constexpr uint16_t kVersion = 4;
 inline constexpr size_t kHeaderBytes = 24;
 inline constexpr size_t kMacBytes = crypto::kSha256Bytes;  // HMAC-SHA256: every frame but DATA
 inline constexpr size_t kDataTagBytes = crypto::kGhashBytes;  // DATA frames' tag
@@ -60,7 +61,7 @@ enum class Type : uint16_t {
   kData = 2,     // either way: the next bytes of the data region
   kEnd = 3,      // either way: the data region is complete
   kList = 4,     // c->s: job; answered by LISTING
-  kFetch = 5,    // c->s: job, source rank, step (or newest); TABLE, DATA..., END
+  kFetch = 5,    // c->s: job, world size, source rank, step (or newest); TABLE, DATA..., END
   kReply = 6,    // s->c: status code, outcome, one-line message (also before auth: a refusal)
   kListing = 7,  // s->c: the replicas held
   kTable = 8,    // s->c: the tensor table of the replica fetched
@@ -72,7 +73,11 @@ enum class Type : uint16_t {
   // The server's host's own memory segments (reshard from peers' memory),
   // read-only; authenticated like every request. Numbered apart.
   kListOwn = 32,   // c->s: job; answered by LISTING (of the segments served)
-  kFetchOwn = 33,  // c->s: job, source rank, step (or newest); TABLE, DATA..., END
+  kFetchOwn = 33,  // c->s: job, world size, source rank, step (or newest); TABLE, DATA..., END
+  // The server's host's job directory's rank files (reshard after a
+  // graceful close), read-only, likewise.
+  kListDisk = 34,   // c->s: job; answered by LISTING (of the rank files served)
+  kFetchDisk = 35,  // c->s: job, world size, source rank, step (or newest); TABLE, DATA..., END
 };
 // The most payload bytes of a frame of type `t` on a connection that has
 // (`authenticated`) or has not completed the handshake; -1: no such type in

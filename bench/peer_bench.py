@@ -131,7 +131,7 @@ def main():
             rows["raw"].append(raw_copy(nbytes))
             cpu["raw"].append(cpu_s() - c0)
             # A fresh replica each round: remove the held one so the push is not "already held".
-            p = os.path.join(root, "peer", _core.peer_replica_name("bench", 0))
+            p = os.path.join(root, "peer", _core.peer_replica_name("bench", 1, 0))
             if os.path.exists(p):
                 os.unlink(p)
             t0, c0 = time.perf_counter(), cpu_s()
@@ -141,7 +141,7 @@ def main():
             assert out == "stored", out
             local = os.path.join(root, f"local-{r}")
             t0, c0 = time.perf_counter(), cpu_s()
-            _core.peer_fetch(ep, "bench", *key, 0, local)
+            _core.peer_fetch(ep, "bench", *key, 0, 1, local)
             rows["fetch"].append(time.perf_counter() - t0)
             cpu["fetch"].append(cpu_s() - c0)
             shutil.rmtree(local)

@@ -176,7 +176,7 @@ def serve():
                 os.makedirs(req["dest"])
                 t0 = time.perf_counter()
                 if cmd == "peer":
-                    d = _core.peer_fetch(req["endpoint"], req["job"], SECRET, 0, req["dest"])
+                    d = _core.peer_fetch(req["endpoint"], req["job"], SECRET, 0, 1, req["dest"])
                 else:
                     store = _remote.open_store(req["url"], req["options"])
                     d = _remote.fetch(store, req["step"], 0, req["dest"])

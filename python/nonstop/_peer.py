@@ -22,14 +22,17 @@ at the next restart's fetch and at close().
 
 Resharding from memory (a restart whose world size differs from the
 checkpoint's): each server also serves, read-only, the memory segments its
-host's job directory records (the old ranks' own checkpoints), and the
-construction's gather says which server holds which old rank's checkpoint
-(its segment or a replica); each rank also lists its own host's memory
-directory directly (no server needed: also when every rank is on one
-host). Before the set-aside checkpoint is resharded, each rank finds a
-copy of every old rank's file its job directory lacks (gather_old_shards):
-this host's memory directory read in place, else a server's copy fetched
-(verified) into this host's memory directory (tmpfs), else the remote
+host's job directory records (the old ranks' own checkpoints) and that job
+directory's rank files (after a graceful close removed the segments), and
+the construction's gather says which server holds which old rank's
+checkpoint (a replica, its segment or its rank file: the three kinds); each
+rank also lists its own host's memory directory directly (no server needed:
+also when every rank is on one host). Before the set-aside checkpoint is
+resharded, each rank finds a copy of every old rank's file its job
+directory lacks (gather_old_shards): this host's memory directory read in
+place, else a server's copy fetched (verified) into this host's memory
+directory (tmpfs) once per host (the first rank of the host to ask fetches,
+the others take its copy: core.peer_fetch_once_per_host), else the remote
 tier's part; the existing reshard (_distributed.reshard, JobDir.select_
 reshard in C++, given those copies as `extra`) then chooses and reads, and
 the fetched copies are removed.
@@ -75,6 +78,10 @@ def check_nice(nice) -> int:
 
 
 SECRET_ENV = "NONSTOP_PEER_SECRET"
+
+# What a server serves of an old rank (core.peer_fetch_into's `source`), as
+# the stats name it.
+KINDS = {"replica": "replica", "segment": "segment", "disk": "rank file"}
 
 
 def check_budget(budget) -> Optional[int]:
@@ -167,12 +174,12 @@ class Peers:
         self.prefetched: Optional[dict] = None  # {step, counter, dir, holder} or None
         self.unused_because = ""
         # Checkpoints of another world size the servers held at construction
-        # (replicas and own segments): [(holder rank, {source_rank,
-        # world_size, step, counter, bytes, own})].
+        # (replicas, own segments, rank files): [(holder rank, {source_rank,
+        # world_size, step, counter, bytes, kind})], kind one of KINDS.
         self.other: list = []
         # The same of this host's memory directory, read without a server
         # (also where every rank sits on one host and no server starts):
-        # [{source_rank, world_size, step, counter, bytes, path, own}].
+        # [{source_rank, world_size, step, counter, bytes, path, kind}].
         self.local: list = []
         self.reshard_any = False  # any rank's server or host holds another world's checkpoint
         self.reshard_files: list = []  # [(old world, old rank, path)] for JobDir.select_reshard
@@ -180,6 +187,7 @@ class Peers:
         self.reshard_from: dict = {}  # old rank -> where its file came from
         self.reshard_missing = ""
         self.reshard_bytes, self.reshard_s = 0, 0.0  # fetched for the reshard, and how long
+        self.reshard_shared = 0  # copies another rank of this host fetched (one fetch per host)
         comm = dist.comm()
         want = 1 if replicas is None else replicas
         have = hasattr(core, "PeerServer")
@@ -224,12 +232,14 @@ class Peers:
                 self.job, secret, bind_host=addr, port=0,
                 budget_bytes=budget_bytes or 0,
                 budget_share=0 if budget_bytes is not None else share, segments=segs,
-                nice=self.nice)
+                nice=self.nice, job_dir=os.path.abspath(dist.dir))
             listed = self.server.list()
             held = [h for h in listed if int(h.get("world_size", 0)) == self.world]
-            other = [dict(h, own=False) for h in listed if int(h.get("world_size", 0)) != self.world]
-            other += [dict(h, own=True) for h in self.server.list_own()
-                      if int(h.get("world_size", 0)) != self.world]
+            other = [dict(h, kind="replica") for h in listed
+                     if int(h.get("world_size", 0)) != self.world]
+            other += [dict(h, kind=kind) for kind, got in (("segment", self.server.list_own()),
+                                                           ("disk", self.server.list_disk()))
+                      for h in got if int(h.get("world_size", 0)) != self.world]
         except CheckpointError as e:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
         got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held, other,
@@ -280,7 +290,7 @@ class Peers:
             mem, name = self._fetch_dir()
             self._drop_fetched()
             d = _ext.core().peer_fetch(self.endpoints[holder], self.job, self._secret,
-                                       self.rank, os.path.join(mem, name), step=step)
+                                       self.rank, self.world, os.path.join(mem, name), step=step)
             self.prefetched = {"step": step, "counter": counter, "dir": d, "holder": holder}
         except (CheckpointError, OSError) as e:
             self.unused_because = (f"the replica of rank {self.rank} step {step} on rank "
@@ -290,8 +300,7 @@ class Peers:
         """(this host's memory directory, the name of this rank's fetched
         replica's one-slot job directory in it)."""
         core = _ext.core()
-        key = core.peer_replica_name(self.job, self.rank).split("-replica-")[0]
-        return core.peer_memory_dir(""), f"{key}-fetched-rank-{self.rank:05d}"
+        return core.peer_memory_dir(""), f"{core.peer_job_key(self.job)}-fetched-rank-{self.rank:05d}"
 
     def _drop_fetched(self) -> None:
         """Removes this rank's fetched replica (through the seam; best effort)."""
@@ -309,8 +318,8 @@ class Peers:
         if not hasattr(core, "peer_list_local"):
             return []
         try:
-            got = [dict(h, own=False) for h in core.peer_list_local(self.job, False)]
-            got += [dict(h, own=True) for h in core.peer_list_local(self.job, True, segs)]
+            got = [dict(h, kind="replica") for h in core.peer_list_local(self.job, False)]
+            got += [dict(h, kind="segment") for h in core.peer_list_local(self.job, True, segs)]
         except (CheckpointError, OSError):
             return []
         return [h for h in got if int(h["world_size"]) != self.world]
@@ -319,17 +328,21 @@ class Peers:
         """(this host's memory directory, the name of this rank's directory of
         copies fetched for a reshard in it)."""
         core = _ext.core()
-        key = core.peer_replica_name(self.job, self.rank).split("-replica-")[0]
-        return core.peer_memory_dir(""), f"{key}-reshard-rank-{self.rank:05d}"
+        return core.peer_memory_dir(""), f"{core.peer_job_key(self.job)}-reshard-rank-{self.rank:05d}"
 
-    def drop_reshard(self) -> None:
+    def drop_reshard(self, shared: bool = True) -> None:
         """Removes the copies fetched for a reshard (through the seam; best
-        effort): once the reshard has read them, at the next one, at close()."""
+        effort): once the reshard has read them, at the next one, at close().
+        With `shared`, also this host's copies fetched once per host: only
+        once every rank has read them (after the reshard's collective; at the
+        start of the next one another rank of this host may be fetching)."""
+        core = _ext.core()
         mem, name = self._reshard_place()
-        try:
-            _ext.core().Directory(mem).remove_tree(name, missing_ok=True)
-        except (CheckpointError, OSError):
-            pass
+        for n in (name, core.peer_shared_reshard_dir(self.job)) if shared else (name,):
+            try:
+                core.Directory(mem).remove_tree(n, missing_ok=True)
+            except (CheckpointError, OSError):
+                pass
 
     def gather_old_shards(self, dir: str, remote=None) -> None:
         """Before resharding a set-aside checkpoint of another world size W:
@@ -337,11 +350,13 @@ class Peers:
         held it: a lost or new host), a copy that verifies, from (in the
         recovery planner's order, C++ core.plan: newest counter first, at
         one counter memory before the object store)
-          - this host's memory directory, read in place (`own`: its own
-            segment of that old rank, or the replica it holds),
-          - the server of another host that held it at construction (its
-            own segment or a replica), fetched, verified, into this host's
-            memory directory (tmpfs: `<job key>-reshard-rank-RRRRR/world-W/`),
+          - this host's memory directory, read in place (its own segment of
+            that old rank, or the replica it holds),
+          - the server of another host that held it at construction (a
+            replica, its own segment or its job directory's rank file),
+            fetched, verified, into this host's memory directory once per
+            host (tmpfs: `<job key>-reshard-host/wW-sS-cC/`; the first rank
+            of this host fetches, the others take its copy),
           - the job's remote tier (`remote`, a _remote.Tier) where it holds
             a committed step of world size W: that old rank's part, fetched
             into the same directory (_remote.fetch: size and part crcs
@@ -355,8 +370,8 @@ class Peers:
         core = _ext.core()
         t0 = time.perf_counter()
         self.reshard_from, missing, self.reshard_bytes, self.reshard_files = {}, [], 0, []
-        self.reshard_dir = ""
-        self.drop_reshard()  # a restart before this one may have left its copies
+        self.reshard_dir, self.reshard_shared = "", 0
+        self.drop_reshard(shared=False)  # a restart before this one may have left its copies
         mem, name = self._reshard_place()
         into = os.path.join(mem, name)
         mine = self.hosts[self.rank]
@@ -408,12 +423,13 @@ class Peers:
             # its counter is the memory copies' where they hold the step (the
             # marker's otherwise), so at one counter memory comes first.
             at = {int(h["step"]): int(h["counter"]) for _, h in cands[r]}
-            cands[r] += [("remote", {"step": st, "counter": at.get(st, c), "own": False})
+            cands[r] += [("remote", {"step": st, "counter": at.get(st, c), "kind": "remote"})
                          for st, c in remote_steps if st in steps]
 
         def planned(cs: list) -> list:
             return core.plan([
-                {"tier": "remote" if where == "remote" else "memory",
+                {"tier": "remote" if where == "remote" else
+                 "disk" if h.get("kind") == "disk" else "memory",
                  "where": where if isinstance(where, str) else self.endpoints[where],
                  "step": int(h["step"]), "counter": int(h["counter"])}
                 for where, h in cs])["order"] if cs else []
@@ -428,7 +444,8 @@ class Peers:
                 mine = [c for c in cands[r] if int(c[1]["step"]) == step]
                 for i in planned(mine):
                     where, h = mine[i]
-                    kind = "segment" if h["own"] else "replica"
+                    kind = KINDS.get(h.get("kind", ""), "replica")
+                    fetched = where != "local"
                     try:
                         if where == "local":
                             desc = f"its {kind} in this host's memory ({h['path']})"
@@ -442,16 +459,23 @@ class Peers:
                         else:
                             ep = self.endpoints[where]
                             desc = f"its {kind} on rank {where} ({ep})"
-                            path = core.peer_fetch_into(ep, self.job, self._secret, r, into, sub,
-                                                        step=step, own=bool(h["own"]))
+                            got_copy = core.peer_fetch_once_per_host(
+                                ep, self.job, self._secret, r, w, step, int(h["counter"]),
+                                h["kind"], core.peer_memory_dir(""), into,
+                                f"rank {self.rank} pid {os.getpid()}")
+                            path, fetched = got_copy["path"], bool(got_copy["fetched"])
                             src = f"peer {kind} on rank {where} ({ep})"
+                            if not fetched:  # another rank of this host fetched it
+                                src += f" fetched by {got_copy['by']}"
+                                self.reshard_shared += 1
                     except (CheckpointError, OSError) as e:
                         errs[r].append(f"{desc}: {e}")
                         continue
                     self.reshard_files.append((w, r, path))
                     self.reshard_from[f"{w}/{r}"] = f"{src} step {step}"
                     if where != "local":
-                        self.reshard_dir = into
+                        self.reshard_dir = os.path.dirname(os.path.dirname(path))
+                    if fetched:
                         try:
                             self.reshard_bytes += os.stat(path).st_size
                         except OSError:
@@ -509,6 +533,7 @@ class Peers:
             s["peer_reshard_from"] = dict(self.reshard_from)
             s["peer_reshard_missing"] = self.reshard_missing
             s["peer_reshard_bytes"] = self.reshard_bytes
+            s["peer_reshard_shared"] = self.reshard_shared
             s["peer_reshard_s"] = self.reshard_s
             s["peer_reshard_dir"] = self.reshard_dir
         return s

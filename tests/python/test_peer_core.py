@@ -49,9 +49,9 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         held = srv.list()
         assert [(h["source_rank"], h["step"]) for h in held] == [(0, 2)]
         assert _core.peer_list(ep, JOB, SECRET) == held
-        assert os.path.exists(tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0))
+        assert os.path.exists(tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 1, 0))
 
-        d = _core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "local"))
+        d = _core.peer_fetch(ep, JOB, SECRET, 0, 1, str(tmp_path / "local"))
         assert d == _core.peer_step_dir(str(tmp_path / "local"), 2)
         got = nonstop.load(d)
         assert torch.equal(got.tensors["model/weight"], model.weight.detach())
@@ -60,9 +60,9 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
 
         # Missing: another rank, another step, another job.
         with pytest.raises(CheckpointNotFoundError):
-            _core.peer_fetch(ep, JOB, SECRET, 5, str(tmp_path / "local"))
+            _core.peer_fetch(ep, JOB, SECRET, 5, 8, str(tmp_path / "local"))
         with pytest.raises(CheckpointNotFoundError):
-            _core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "local"), step=1)
+            _core.peer_fetch(ep, JOB, SECRET, 0, 1, str(tmp_path / "local"), step=1)
         with pytest.raises(nonstop.errors.IncompatibleCheckpointError):
             _core.peer_list(ep, "another-job", SECRET)
         # Without the job's secret: nothing listed, fetched or pushed.
@@ -70,7 +70,7 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         with pytest.raises(nonstop.errors.IncompatibleCheckpointError, match="authentication"):
             _core.peer_list(ep, JOB, other)
         with pytest.raises(nonstop.errors.IncompatibleCheckpointError, match="authentication"):
-            _core.peer_fetch(ep, JOB, other, 0, str(tmp_path / "stranger"))
+            _core.peer_fetch(ep, JOB, other, 0, 1, str(tmp_path / "stranger"))
         with pytest.raises(nonstop.errors.IncompatibleCheckpointError, match="authentication"):
             _core.peer_push(ep, JOB, other, seg)
         assert not os.path.exists(tmp_path / "stranger" / "peer")
@@ -82,14 +82,14 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         assert srv.stats()["handshake_timeouts"] == 0  # every client above finished in time
 
         # A flipped byte in the held replica: refused at fetch, nothing written.
-        path = tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 0)
+        path = tmp_path / "shm-peer" / _core.peer_replica_name(JOB, 1, 0)
         blob = bytearray(path.read_bytes())
         at = blob.find(model.weight.detach().numpy().tobytes()[:256])
         assert at > 0
         blob[at + 7] ^= 0xFF
         path.write_bytes(bytes(blob))
         with pytest.raises(CorruptCheckpointError):
-            _core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "other"))
+            _core.peer_fetch(ep, JOB, SECRET, 0, 1, str(tmp_path / "other"))
         assert not os.path.exists(tmp_path / "other" / "peer" / "step-2" / "rank-00000.nsck")
     finally:
         if rep is not None:

@@ -161,7 +161,7 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
     for name, src in (("disk", hs[0].disk), ("shm", hs[0].shm), ("remote", remote)):
         shutil.copytree(src, os.path.join(snap, name), symlinks=True)
     job_key = os.path.abspath(job(0))
-    replicas = [os.path.join(hs[0].shm, nonstop._core.peer_replica_name(job_key, r))
+    replicas = [os.path.join(hs[0].shm, nonstop._core.peer_replica_name(job_key, 4, r))
                 for r in (2, 3)]
     assert all(os.path.exists(p) for p in replicas), os.listdir(hs[0].shm)
 

@@ -81,7 +81,7 @@ def _replicas(hs, job, ranks):
     """The replica files host 0 holds of `ranks` of `job` (its job is named by
     rank 0's job directory)."""
     job = os.path.abspath(os.path.join(hs[0].disk, job))
-    return [p for p in (os.path.join(hs[0].shm, nonstop._core.peer_replica_name(job, r))
+    return [p for p in (os.path.join(hs[0].shm, nonstop._core.peer_replica_name(job, 4, r))
                         for r in ranks) if os.path.exists(p)]
 
 

@@ -16,6 +16,13 @@ a full directory (all four old rank files).
   copy of them.
 - World 2 with both ranks on host 0 (no peer server starts: one host): the
   old ranks 2, 3 are read from host 0's replicas in place.
+- After a graceful close (the state a clean close() leaves: each memory
+  segment removed, MemoryTierWriter::Close(remove_segment), the disk
+  holding its newest checkpoint, the partners' replicas kept), world 3
+  with new ranks 1, 2 both on the replacement host: old ranks 0, 1 come
+  from host 0's job directory rank files (served read-only by its peer
+  servers), 2, 3 from its replicas, each fetched once for the host (one
+  rank fetches, the other takes its copy, and the stats say who).
 - Host 0's replica of old rank 2 damaged (a byte of tensor data): the
   restart with the remote tier takes old rank 2's part from the object
   store (every rank), and says so; without the remote tier no surviving
@@ -195,6 +202,35 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
         f"rank {s['rank']}: {s['peer']['peer_reshard_bytes']} bytes in "
         f"{s['peer']['peer_reshard_s']:.3f} s" for s in starts))
     assert netns_hosts.finals(out, 2) == netns_hosts.finals(ref, 2)
+
+    # A graceful close removed host 0's segments; world 3 with two new ranks on
+    # the replacement host, compared with world 3 resharded from the full
+    # directory.
+    def closed():
+        for _, name in nonstop._core.memory_segments(job(0), hs[0].shm):
+            for n in (name, name + ".tmp", name[:-len(".nsck")] + ".lock"):
+                if os.path.lexists(os.path.join(hs[0].shm, n)):
+                    os.unlink(os.path.join(hs[0].shm, n))
+        assert not nonstop._core.memory_segments(job(0), hs[0].shm)
+    ref3 = str(tmp_path / "ref3")
+    netns_hosts.wait_ranks(netns_hosts.start_ranks(
+        hs, [0, 0, 0], _argv(lambda r: full, ref3, "--replicas", "0"), f"{ref3}.log",
+        env=_env(NONSTOP_SHM_DIR=str(tmp_path / "ref3-shm"))), TIMEOUT, f"{ref3}.log")
+    grace = _restart(hs, "graceful", [0, 1, 1], tmp_path, snap, before=closed)
+    starts = netns_hosts.events(grace, "start", 3)
+    assert [s["restored"] for s in starts] == [SETTLE] * 3, starts
+    assert all(s["peer"].get("peer_reshard_missing") == "" for s in starts), starts
+    assert _sources(starts) == [["disk", "disk", "own memory replica", "own memory replica"]] + \
+        [["peer rank file", "peer rank file", "peer replica", "peer replica"]] * 2, starts
+    # One fetch per host: each old rank's copy fetched by one of new ranks 1,
+    # 2 and taken by the other, which says who fetched it.
+    src = [s["peer"]["peer_reshard_from"] for s in starts[1:]]
+    for r in range(4):
+        by = [" fetched by rank " in v[f"4/{r}"] for v in src]
+        assert sorted(by) == [False, True], src
+    assert sum(s["peer"]["peer_reshard_shared"] for s in starts[1:]) == 4, starts
+    assert starts[0]["peer"]["peer_reshard_shared"] == 0
+    assert netns_hosts.finals(grace, 3) == netns_hosts.finals(ref3, 3)
 
     # Every new rank on host 0: no peer server starts (one host), and the old
     # ranks 2, 3 are read from host 0's memory directory.

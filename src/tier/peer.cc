@@ -1567,6 +1567,20 @@ bool IsCopyOf(Directory& dir, const std::string& name, uint32_t world_size, uint
          i.counter == counter;
 }
 
+// The holder line of lock file `lock` in `dir` (who took it last: the rank
+// that fetched the copy beside it), or "another rank of this host".
+std::string LockHolder(Directory& dir, const std::string& lock) {
+  const std::string unknown = "another rank of this host";
+  MediumOptions ro;
+  ro.read_only = true;
+  Result<std::unique_ptr<Medium>> m = dir.OpenFile(lock, MediumKind::kBuffered, ro);
+  if (!m.ok()) return unknown;
+  std::string line(std::min<uint64_t>(m.value()->Size(), 256), '\0');
+  if (line.empty() || !m.value()->Read(0, line.data(), line.size()).ok()) return unknown;
+  line.resize(std::min(line.find('\n'), line.size()));
+  return line.empty() ? unknown : line;
+}
+
 }  // namespace
 
 Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::string& job,
@@ -1590,7 +1604,7 @@ Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::stri
   std::string by;  // the lock file's holder line, as the last refusal named it
   while (true) {
     if (IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
-      return SharedCopy{path, false, by.empty() ? "another rank of this host" : by};
+      return SharedCopy{path, false, by.empty() ? LockHolder(*d, lock) : by};
     }
     Result<std::unique_ptr<FileLock>> l = d->Lock(lock, holder);
     if (l.ok()) {

@@ -886,6 +886,7 @@ TEST(PeerTest, TwoRanksOfOneHostFetchOneCopy) {
                                 "/mem/own-2", "rank 2", host.get(), 10, 30);
   ASSERT_TRUE(third.ok());
   EXPECT_FALSE(third.value().fetched);
+  EXPECT_EQ(third.value().by, "rank " + std::to_string(fetcher));  // the lock file's line
   EXPECT_EQ(srv.s->stats().fetches_served, 1u);
 }
 

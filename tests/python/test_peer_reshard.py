@@ -161,6 +161,8 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
     assert len(netns_hosts.events(run, "settled", 4)) == 4
     full = str(tmp_path / "full")
     _full_copy(hs, full)
+    full3 = str(tmp_path / "full3")  # the world-3 reference's (each reference writes its own)
+    shutil.copytree(full, full3)
 
     # Host 1 is lost; what survives on host 0 (and the remote) is kept to start again from.
     hs[1].lose()
@@ -214,9 +216,10 @@ def test_restart_with_another_world_size_reshards_from_peers_memory(hs, tmp_path
         assert not nonstop._core.memory_segments(job(0), hs[0].shm)
     ref3 = str(tmp_path / "ref3")
     netns_hosts.wait_ranks(netns_hosts.start_ranks(
-        hs, [0, 0, 0], _argv(lambda r: full, ref3, "--replicas", "0"), f"{ref3}.log",
+        hs, [0, 0, 0], _argv(lambda r: full3, ref3, "--replicas", "0"), f"{ref3}.log",
         env=_env(NONSTOP_SHM_DIR=str(tmp_path / "ref3-shm"))), TIMEOUT, f"{ref3}.log")
     grace = _restart(hs, "graceful", [0, 1, 1], tmp_path, snap, before=closed)
+    assert [s["restored"] for s in netns_hosts.events(ref3, "start", 3)] == [SETTLE] * 3
     starts = netns_hosts.events(grace, "start", 3)
     assert [s["restored"] for s in starts] == [SETTLE] * 3, starts
     assert all(s["peer"].get("peer_reshard_missing") == "" for s in starts), starts

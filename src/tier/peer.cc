@@ -450,6 +450,9 @@ bool LegacyReplica(std::string name, const std::string& key) {
          Digits5(name, head.size(), &r) && name.compare(name.size() - 5, 5, ".nsck") == 0;
 }
 
+// The largest world size a replica name spells (five digits).
+constexpr uint32_t kMaxNamedWorld = 99999;
+
 // A (world size, source rank) as one key.
 uint64_t WorldRank(uint32_t world, uint32_t rank) { return (uint64_t{world} << 32) | rank; }
 
@@ -1091,6 +1094,10 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
   if (!parsed.ok()) return failed(parsed.status());
   const format::Table& t = parsed.value();
   const uint32_t src = t.rank;
+  if (t.world_size == 0 || t.world_size > kMaxNamedWorld || src >= t.world_size) {
+    return failed(Status::Corruption("peer " + from + " pushes rank " + std::to_string(src) +
+                                     " of world size " + std::to_string(t.world_size)));
+  }
   const uint64_t slot = WorldRank(t.world_size, src);
   const std::string name = ReplicaName(o.job, t.world_size, src);
   const uint64_t need = ReplicaFileBytes(t);

@@ -6,9 +6,10 @@
 // Three parts, over the engine's own small TCP protocol (peer_wire.h;
 // docs/FORMAT.md "Peer wire format"):
 //   - PeerServer (one per rank): listens, receives partners' checkpoints and
-//     keeps the newest complete one per source rank as a *replica*, a
-//     one-slot slot file in the host's memory directory, beside the rank's
-//     own segment; serves lists and fetches of what it holds.
+//     keeps the newest complete one per source rank and world size as a
+//     *replica*, a one-slot slot file in the host's memory directory, beside
+//     the rank's own segment; serves lists and fetches of what it holds, and
+//     read-only its host's own segments and job-directory rank files.
 //   - Replicator (one per rank): a background thread that sends the newest
 //     committed checkpoint of this rank's memory segment to its partners,
 //     newest-wins.

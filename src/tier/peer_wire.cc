@@ -8,6 +8,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <bit>
@@ -113,6 +114,37 @@ Status Socket::SendAll(const void* p, size_t n, int flags) {
     }
     c += w;
     n -= static_cast<size_t>(w);
+  }
+  return Status::OK();
+}
+
+Status Socket::SendAllV(::iovec* iov, int n) {
+  while (n > 0 && iov[0].iov_len == 0) {
+    ++iov;
+    --n;
+  }
+  while (n > 0) {
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(n);
+    const ssize_t w = ::sendmsg(fd(), &m, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        return Status::IOError("peer " + peer_ + ": send timed out");
+      }
+      return Status::FromErrno("peer " + peer_ + ": send", errno);
+    }
+    size_t left = static_cast<size_t>(w);
+    while (n > 0 && left >= iov[0].iov_len) {
+      left -= iov[0].iov_len;
+      ++iov;
+      --n;
+    }
+    if (n > 0) {
+      iov[0].iov_base = static_cast<char*>(iov[0].iov_base) + left;
+      iov[0].iov_len -= left;
+    }
   }
   return Status::OK();
 }
@@ -297,24 +329,28 @@ Status SendFrameCrc(Socket& s, Type type, std::string_view a, std::string_view b
   uint8_t h[kHeaderBytes];
   EncodeHeader(h, t, len, pcrc);
   Session* ss = s.session();
-  // Every part but the last with MSG_MORE: the header and the MAC leave
-  // with the payload (TCP_NODELAY would send each alone).
-  NONSTOP_RETURN_IF_ERROR(s.SendAll(h, sizeof(h), len > 0 || ss ? MSG_MORE : 0));
-  if (!a.empty()) {
-    NONSTOP_RETURN_IF_ERROR(s.SendAll(a.data(), a.size(), !b.empty() || ss ? MSG_MORE : 0));
-  }
-  if (!b.empty()) NONSTOP_RETURN_IF_ERROR(s.SendAll(b.data(), b.size(), ss ? MSG_MORE : 0));
+  // The MAC or tag first (it needs only the bytes at hand), then the whole
+  // frame with one sendmsg from where its parts lie: the payload is not
+  // copied into a frame buffer, and header, payload and tag leave together
+  // (TCP_NODELAY would send separate sends alone).
+  crypto::Digest mac{};
+  size_t mac_len = 0;
   if (ss != nullptr && type == Type::kData) {
     const std::string joined = b.empty() ? std::string() : std::string(a) + std::string(b);
     const crypto::Block hash =
         data_hash != nullptr ? *data_hash : HashData(ss->send_hash, h, b.empty() ? a : joined);
     const crypto::Block tag = DataTag(ss->send_key, ss->send_seq++, hash);
-    NONSTOP_RETURN_IF_ERROR(s.SendAll(tag.data(), tag.size()));
+    std::memcpy(mac.data(), tag.data(), tag.size());
+    mac_len = tag.size();
   } else if (ss != nullptr) {
-    const crypto::Digest mac = FrameMac(ss->send_key, ss->send_seq++, h, a, b);
-    NONSTOP_RETURN_IF_ERROR(s.SendAll(mac.data(), mac.size()));
+    mac = FrameMac(ss->send_key, ss->send_seq++, h, a, b);
+    mac_len = mac.size();
   }
-  return Status::OK();
+  ::iovec iov[4] = {{h, sizeof(h)},
+                  {const_cast<char*>(a.data()), a.size()},
+                  {const_cast<char*>(b.data()), b.size()},
+                  {mac.data(), mac_len}};
+  return s.SendAllV(iov, 4);
 }
 
 }  // namespace

@@ -21,6 +21,8 @@
 // another connection or direction (docs/TIERS.md "Trust").
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -46,7 +48,11 @@ inline constexpr size_t kMacBytes = crypto::kSha256Bytes;  // HMAC-SHA256: every
 inline constexpr size_t kDataTagBytes = crypto::kGhashBytes;  // DATA frames' tag
 inline constexpr size_t kNonceBytes = 32;
 inline constexpr uint64_t kMaxDataFrame = 16ull << 20;
-inline constexpr uint64_t kDataPiece = 4ull << 20;  // what a sender puts in one DATA frame
+// What a sender puts in one DATA frame: small enough that the sender's
+// read, checksum passes and send of a piece, and the receiver's checks and
+// write of a frame, overlap finely across the two stages of each side
+// (docs/BENCHMARKS.md "Peer tier: receiving into the destination's mapping").
+inline constexpr uint64_t kDataPiece = 256ull << 10;
 inline constexpr uint64_t kMaxSmallFrame = 64ull << 10;
 inline constexpr uint64_t kMaxListed = 1 << 16;
 // A tensor table: its metadata (at most 64 MiB) plus the entries and crcs.
@@ -123,6 +129,9 @@ class Socket {
   Status SetTimeout(double seconds);
   // flags: MSG_MORE for a part that more follows at once (a frame header).
   Status SendAll(const void* p, size_t n, int flags = 0);
+  // Sends the `n` parts in order with sendmsg (one call for all of them
+  // where the socket takes them at once); `iov` is consumed.
+  Status SendAllV(::iovec* iov, int n);
   Status RecvAll(void* p, size_t n);
   // Waits up to `seconds` for bytes (or the peer's close) to read: false when none came.
   bool WaitReadable(double seconds);

@@ -33,6 +33,7 @@ through the Env seam). Python keeps the torch.distributed (gloo) calls.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -195,6 +196,9 @@ class Distributed:
         self.error: Optional[BaseException] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # Interpreter exit with this rank never closed (_at_exit).
+        self._exiting = threading.Event()
+        self._parked = threading.Event()
 
     def new_lineage(self) -> int:
         t = torch.tensor([random.SystemRandom().getrandbits(62) if self.rank == 0 else 0],
@@ -293,6 +297,7 @@ class Distributed:
             self._thread = threading.Thread(target=self._loop, name="nonstop-agree",
                                             daemon=True)
             self._thread.start()
+            atexit.register(self._at_exit)
 
     # ---------------------------------------------------------- agreement
 
@@ -309,7 +314,7 @@ class Distributed:
                 mine = torch.tensor([step, committed, started, stopping,
                                      -1 if newest is None else int(newest[1])], dtype=torch.int64)
                 got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
-                dist.all_gather(got, mine, group=self.group)
+                self._gather(got, mine)
                 self.rounds += 1
                 if self._last_agree_t is None:
                     self._last_agree_t = time.monotonic()
@@ -338,8 +343,49 @@ class Distributed:
                         self._record(int(newest[0]), last[0])
                     return
                 self._stop.wait(self.agree_every_s)
+                if self._exiting.is_set():
+                    self._park()
         except BaseException as e:  # surfaces in stats() and close()
             self.error = e
+
+    def _gather(self, got: list, mine) -> None:
+        """all_gather of the offers, polled rather than waited for inside
+        torch: a daemon thread that returns from a call which released the
+        GIL (torch's Work.wait) after the interpreter began to finalize is
+        ended by it from within a destructor, and std::terminate aborts the
+        process (\"terminate called without an active exception\"). Polled,
+        the thread waits in Python (a sleep it is ended in quietly), and
+        parks when the process exits (_at_exit)."""
+        work = torch.distributed.all_gather(got, mine, group=self.group, async_op=True)
+        delay = 0.0005
+        while not work.is_completed():
+            if self._exiting.wait(delay):
+                self._park()
+            delay = min(delay * 2, 0.01)
+        work.wait()  # the collective's error, if any
+
+    def _park(self) -> None:
+        """Stops the thread for good at interpreter exit, inside the round:
+        it never returns, so the round's tensors (a collective gloo may still
+        hold) are never freed by gloo's thread, which would need the GIL of
+        a finalized interpreter."""
+        self._parked.set()
+        threading.Event().wait()
+
+    def _at_exit(self) -> None:
+        """atexit, for a rank never closed (an exception left the training
+        loop): before the interpreter finalizes, the agreement thread parks
+        (it leaves its collective unfinished; no last round, which would wait
+        for the other ranks) and touches neither the engine nor torch again.
+        Bounded: a round's calls into the engine are short."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._exiting.set()
+        deadline = time.monotonic() + 10.0
+        while thread.is_alive() and not self._parked.wait(0.01):
+            if time.monotonic() > deadline:
+                break
 
     def _pin(self, counter: int, step: int) -> None:
         self.engine.pin(counter)
@@ -381,6 +427,7 @@ class Distributed:
         """Stops the agreement thread once every rank is closing, after a last
         round (so a checkpoint every rank committed before close is agreed)."""
         self._stop.set()
+        atexit.unregister(self._at_exit)
         if self._thread is not None:
             # Bounded: every round's all_gather ends within the group's timeout.
             wait_s = self.timeout_s + 10

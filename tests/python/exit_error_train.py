@@ -2,7 +2,7 @@
 no close(), no end_rank(); the exception leaves the script and the
 interpreter exits as it does for a user's job (test_exit_after_error.py).
 
-    python exit_error_train.py DIR --tier memory|disk [--remote URL]
+    python exit_error_train.py DIR --tier memory|disk [--remote URL|file]
         [--replicas N] [--fail-at STEP] [--linger-s S]
 
 The error is real: a regular file planted where the engine makes the keep
@@ -14,6 +14,7 @@ each rank a host of its own (NONSTOP_HOST_ID), peers on loopback.
 Launched by dist_launch.run_ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
 import argparse
 import atexit
+import json
 import os
 import sys
 import time
@@ -44,8 +45,9 @@ def main():
         os.environ.update(NONSTOP_HOST_ID=f"host-{rank}", NONSTOP_PEER_ADDR="127.0.0.1")
     state = {"w": torch.randn(64, 256)}
     kw = {}
-    if a.remote:
-        kw.update(remote=a.remote, remote_options={"poll_s": 0.01})
+    if a.remote:  # "file": a file:// store in DIR/remote
+        url = "file://" + os.path.join(a.dir, "remote") if a.remote == "file" else a.remote
+        kw.update(remote=url, remote_options={"poll_s": 0.01})
     # keep=FAIL_AT+1: the steps kept are FAIL_AT, 2*FAIL_AT+1, ...
     ck = nonstop.Checkpointer(os.path.join(a.dir, "ck"), state, every=1, tier=a.tier,
                               replicas=a.replicas, local=["w"], keep=a.fail_at + 1,
@@ -56,7 +58,10 @@ def main():
         with open(os.path.join(a.dir, "ck", "keep", f"step-{a.fail_at:012d}"), "w") as f:
             f.write("in the way")
     torch.distributed.barrier()
-    print('{"event": "training"}', flush=True)
+    st = ck.stats()
+    print(json.dumps({"event": "training", "peer_replicas": st.get("peer_replicas", 0),
+                      "peer_note": st.get("peer_note", ""), "tier": st.get("tier"),
+                      "remote": sorted(k for k in st if k.startswith("remote"))[:3]}), flush=True)
     for step in range(a.steps):
         state["w"].mul_(0.999)
         ck.step(step)  # raises the failed keep copy's error; nothing catches it

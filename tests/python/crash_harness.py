@@ -1,8 +1,9 @@
 """The crash tests' harness: run killable_train.py (a tiny training job that
 restores from its checkpoint directory and writes its final state), SIGKILL
 it after a chosen step, run it again to the end, and compare its final state
-bit for bit with an uninterrupted run's. Every child runs under a hard
-timeout: a watchdog kills it, silent or not."""
+bit for bit with an uninterrupted run's. Every child runs under a
+watchdog that kills it when it is stuck (silent and blocked, spinning, or
+past a hard cap), never merely slow on a loaded machine."""
 import json
 import os
 import signal
@@ -17,13 +18,78 @@ from safetensors.torch import load_file
 from nonstop import _state
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "killable_train.py")
-TIMEOUT = 120  # seconds, per child
+TIMEOUT = 120  # seconds, per child: see Watchdog
+# A child silent for `timeout` s that used less than this share of a core
+# meanwhile is blocked: hung. A runnable child gets more however loaded the
+# machine (at load 40 on 2 cores, 5 %); a blocked one ~0 (idle threads that
+# poll: under 0.2 %).
+HUNG_CPU_SHARE = 0.01
+
+
+def cpu_s(pid: int):
+    """The CPU time (user + system, all threads) process `pid` used, in
+    seconds; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Watchdog:
+    """Kills child `p` when it is stuck, measured so that a loaded machine
+    does not look like a hang: silent (no line on stdout) for `timeout` s of
+    wall time while using under HUNG_CPU_SHARE of a core (blocked: a hang,
+    caught in `timeout` s at any load), or silent for `timeout` s of its own
+    CPU time (spinning), or alive past `cap` s in all (4 x `timeout`). A child
+    that imports a framework for 45 s of wall time on a busy box (lightning
+    under pytest -n 2: 7 s of CPU) is working, not hung. `seen()` on each
+    line; `reason` says why it killed, None if it did not."""
+
+    def __init__(self, p: subprocess.Popen, timeout: float, cap=None):
+        self.p, self.timeout = p, timeout
+        self.cap = 4 * timeout if cap is None else cap
+        self.reason = None
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self.seen()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def seen(self) -> None:
+        with self._lock:
+            self._t0, self._cpu0 = time.monotonic(), cpu_s(self.p.pid) or 0.0
+
+    def _run(self) -> None:
+        while not self._done.wait(0.5):
+            cpu = cpu_s(self.p.pid)
+            if cpu is None or self.p.poll() is not None:
+                return
+            now = time.monotonic()
+            with self._lock:
+                silent, used = now - self._t0, cpu - self._cpu0
+            if silent > self.timeout and used < HUNG_CPU_SHARE * silent:
+                self.reason = f"silent for {silent:.0f} s using {used:.2f} s of CPU: hung"
+            elif used > self.timeout:
+                self.reason = f"silent for {used:.0f} s of its own CPU time: spinning"
+            elif now - self._start > self.cap:
+                self.reason = f"still running after {self.cap:.0f} s"
+            if self.reason is not None:
+                self.p.kill()
+                return
+
+    def cancel(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_delay=0.0,
-              stderr=False, kills_itself=False):
-    """Runs `cmd` (a child printing one JSON line per event) under a hard
-    timeout: a watchdog kills it, silent or not. Lines that are not
+              stderr=False, kills_itself=False, cap=None):
+    """Runs `cmd` (a child printing one JSON line per event) under a
+    watchdog that kills it when stuck (Watchdog: silent and blocked for
+    `timeout` s, or spinning, or past `cap`: 4 x `timeout`). Lines that are not
     '{"event"...' JSON are ignored. With `kill_after_steps`, SIGKILLs it
     `kill_delay` seconds after it reported that many "step" events. Asserts
     how it ended (exit 0, or killed by us, or by itself with `kills_itself`);
@@ -31,18 +97,12 @@ def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_del
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE if stderr else None, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    expired = threading.Event()
-
-    def expire():
-        expired.set()
-        p.kill()
-
-    watchdog = threading.Timer(timeout, expire)
-    watchdog.start()
+    watchdog = Watchdog(p, timeout, cap)
     events = []
     err = ""
     try:
         for line in p.stdout:
+            watchdog.seen()
             if not line.startswith('{"event"'):
                 continue
             ev = json.loads(line)
@@ -53,7 +113,7 @@ def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_del
                     time.sleep(kill_delay)
                 p.send_signal(signal.SIGKILL)
                 break
-        rc = p.wait(timeout=timeout)
+        rc = p.wait()  # the watchdog ends a child that does not exit
         if stderr:
             err = p.stderr.read()
     finally:
@@ -61,8 +121,8 @@ def run_child(cmd, *, env=None, timeout=TIMEOUT, kill_after_steps=None, kill_del
         if p.poll() is None:
             p.kill()
             p.wait()
-    if expired.is_set():
-        raise TimeoutError(f"{cmd} ran past {timeout} s")
+    if watchdog.reason is not None:
+        raise TimeoutError(f"{cmd}: {watchdog.reason} (after {len(events)} events)")
     if kill_after_steps is None and not kills_itself:
         assert rc == 0, f"{cmd} exited with {rc}:\n{err[-3000:]}"
     else:

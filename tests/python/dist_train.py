@@ -186,6 +186,14 @@ def main():
              rounds=ckpt.session.dist.rounds, t=time.time(),
              dt=time.perf_counter() - t0)
         if s == a.kill_at and rank == a.kill_rank:
+            # The restart must find a checkpoint every rank committed: a
+            # loaded box can start this step's checkpoint before any earlier
+            # one committed (max_in_flight=2; they were all in flight, and a
+            # restart from step 0 failed test_distributed under pytest -n 2).
+            # Almost always one is agreed already, and nothing waits.
+            end = time.monotonic() + 60
+            while ckpt.latest() is None and time.monotonic() < end:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
         if s == a.settle_kill_at:
             from memwait import wait_mirrored

@@ -353,7 +353,7 @@ class Distributed:
         torch: a daemon thread that returns from a call which released the
         GIL (torch's Work.wait) after the interpreter began to finalize is
         ended by it from within a destructor, and std::terminate aborts the
-        process (\"terminate called without an active exception\"). Polled,
+        process ("terminate called without an active exception"). Polled,
         the thread waits in Python (a sleep it is ended in quietly), and
         parks when the process exits (_at_exit)."""
         work = torch.distributed.all_gather(got, mine, group=self.group, async_op=True)

@@ -15,26 +15,11 @@ import time
 import torch
 from safetensors.torch import load_file
 
+from dist_launch import HUNG_CPU_SHARE, cpu_s
 from nonstop import _state
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "killable_train.py")
 TIMEOUT = 120  # seconds, per child: see Watchdog
-# A child silent for `timeout` s that used less than this share of a core
-# meanwhile is blocked: hung. A runnable child gets more however loaded the
-# machine (at load 40 on 2 cores, 5 %); a blocked one ~0 (idle threads that
-# poll: under 0.2 %).
-HUNG_CPU_SHARE = 0.01
-
-
-def cpu_s(pid: int):
-    """The CPU time (user + system, all threads) process `pid` used, in
-    seconds; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class Watchdog:

@@ -60,11 +60,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, argv: list, timeout: float = 60.0, env=None) -> list:
+# Processes silent (crash_harness.Watchdog) or running (run_ranks) for a
+# window while using less than this share of a core are blocked: hung. A
+# runnable one gets more however loaded the machine (at load 40 on 2 cores,
+# 5 %); a blocked one ~0 (idle threads that poll: under 0.2 %).
+HUNG_CPU_SHARE = 0.01
+
+
+def cpu_s(pid: int):
+    """The CPU time (user + system, all threads) process `pid` used, in
+    seconds; None once it is gone (or reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_ranks(world: int, argv: list, timeout: float = 60.0, env=None, cap=None) -> list:
     """Runs `python argv...` as ranks 0..world-1. Returns, per rank,
     (returncode, [parsed JSON lines], stderr). A rank killed by a signal has
     a negative returncode; when one rank dies the others are killed (-9) too,
-    as torchrun does."""
+    as torchrun does. The ranks are killed as hung when, over `timeout` s,
+    they used under HUNG_CPU_SHARE of a core (a hang is caught in `timeout`
+    s at any load; a job slow only because the machine is loaded goes on),
+    and in any case past `cap` s (4 x `timeout`): TimeoutError."""
+    cap = 4 * timeout if cap is None else cap
     port = free_port()
     procs = []
     for rank in range(world):
@@ -74,13 +96,30 @@ def run_ranks(world: int, argv: list, timeout: float = 60.0, env=None) -> list:
                  GLOO_SOCKET_IFNAME="lo")
         procs.append(subprocess.Popen([sys.executable] + argv, env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    used = {p.pid: 0.0 for p in procs}  # the last CPU time read of each rank
+    history = [(start, 0.0)]  # (time, the ranks' CPU time together)
+    expired = None
     try:
         while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                break
             if any(p.returncode is not None and p.returncode < 0 for p in procs):
                 break  # one rank was killed: torchrun stops the others
+            now = time.monotonic()
+            for p in procs:
+                c = cpu_s(p.pid) if p.returncode is None else None
+                if c is not None:
+                    used[p.pid] = c
+            history.append((now, sum(used.values())))
+            while len(history) > 2 and history[1][0] <= now - timeout:
+                history.pop(0)
+            t0, c0 = history[0]
+            if now - t0 >= timeout and history[-1][1] - c0 < HUNG_CPU_SHARE * (now - t0):
+                expired = (f"ranks hung: {history[-1][1] - c0:.2f} s of CPU in the last "
+                           f"{now - t0:.0f} s")
+                break
+            if now - start > cap:
+                expired = f"ranks did not finish in {cap:.0f} s"
+                break
             time.sleep(0.05)
     finally:
         for p in procs:
@@ -99,7 +138,6 @@ def run_ranks(world: int, argv: list, timeout: float = 60.0, env=None) -> list:
             except ValueError:
                 pass
         out.append((p.returncode, lines, stderr))
-    if time.monotonic() > deadline:
-        raise TimeoutError(f"ranks did not finish in {timeout} s: " +
-                           " | ".join(e[-400:] for _, _, e in out))
+    if expired is not None:
+        raise TimeoutError(expired + ": " + " | ".join(e[-400:] for _, _, e in out))
     return out

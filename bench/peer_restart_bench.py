@@ -72,9 +72,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 import netns_hosts  # noqa: E402
+import peer_stall_job  # noqa: E402
 from s3_server import SeaweedS3  # noqa: E402
 
-WORKER = os.path.join(HERE, "peer_restart_worker.py")
+WORKER = peer_stall_job.WORKER
 SECRET = os.urandom(32).hex()  # the survivor's servers and the replacement's fetches share it
 
 
@@ -168,27 +169,12 @@ def stall_pairs(a, hs, root, res):
         arms = [0, 1] if pair % 2 == 0 else [1, 0]
         got = {}
         for reps in arms:
-            log = os.path.join(root, f"stall-{pair}-{reps}.log")
             job = f"stall-{pair}-{reps}"
-            procs = netns_hosts.start_ranks(
-                hs, [0, 1], lambda r: [WORKER, "train", "--dir", os.path.join(hs[r].disk, job),
-                                       "--mb", str(a.stall_mb), "--every", str(a.stall_every),
-                                       "--steps", str(a.stall_steps), "--step-s",
-                                       str(a.stall_step_s), "--replicas", str(reps)], log)
-            netns_hosts.wait_ranks(procs, 600, log)
-            ranks = []
-            for r in range(2):
-                for line in netns_hosts.read_log(f"{log}-{r}").splitlines():
-                    if line.startswith("{") and '"step_s_mean"' in line:
-                        ranks.append(json.loads(line))
-            assert len(ranks) == 2, f"stall run {pair}/{reps}: see {log}-*"
-            if reps:
-                assert all(x["peer_replicated_drained"] > 0 for x in ranks), ranks
-            for h in hs:
-                shutil.rmtree(os.path.join(h.disk, job), ignore_errors=True)
-                for n in os.listdir(h.shm):
-                    p = os.path.join(h.shm, n)
-                    (shutil.rmtree if os.path.isdir(p) else os.unlink)(p)
+            ranks = peer_stall_job.run_job(
+                hs, job, os.path.join(root, f"{job}.log"),
+                peer_stall_job.train_argv(hs, job, a.stall_mb, a.stall_every, a.stall_steps,
+                                          a.stall_step_s, lambda r: ["--replicas", str(reps)]),
+                replicating=bool(reps))
             got[reps] = {"step_s_mean": statistics.mean(x["step_s_mean"] for x in ranks),
                          "stall_per_ckpt_s": statistics.mean(x["stall_per_ckpt_s"] for x in ranks),
                          "peer_replicated": sum(x["peer_replicated"] for x in ranks),
@@ -272,9 +258,7 @@ def main():
               f"x{s['step_ratio_median']:.3f} (range {s['step_ratio_range'][0]:.3f}-"
               f"{s['step_ratio_range'][1]:.3f}), visible stall per checkpoint "
               f"x{s['stall_ratio_median'] or float('nan'):.3f}")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", a.out)
+    peer_stall_job.write_json(a.out, res)
 
 
 if __name__ == "__main__":

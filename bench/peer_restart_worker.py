@@ -215,16 +215,19 @@ def train(a):
     # Each rank its own state (a sharded model): rank-local, all of it checkpointed per rank.
     ck = nonstop.Checkpointer(a.dir, state, every=a.every, tier="memory", replicas=a.replicas,
                               local=["w"], peer_every=a.peer_every,
-                              **({} if a.peer_nice is None else {"peer_nice": a.peer_nice}))
+                              **({} if a.peer_nice is None else
+                                 {"peer_nice": a.peer_nice if a.peer_nice == "idle" else int(a.peer_nice)}),
+                              **({} if a.peer_bps is None else {"peer_bps": a.peer_bps}))
     ck.restore()
-    times, waits = [], []
+    times, waits, cpus = [], [], []
     for step in range(a.steps):
-        t0, w0 = time.perf_counter(), run_delay_s()
+        t0, w0, c0 = time.perf_counter(), run_delay_s(), time.process_time()
         time.sleep(a.step_s)                # the forward/backward of a real job
         state["w"].mul_(0.999)              # the optimizer: touches the whole state
         ck.step(step)
         times.append(time.perf_counter() - t0)
         waits.append(run_delay_s() - w0)
+        cpus.append(time.process_time() - c0)  # every thread of this rank: training, engine, peer
     st = ck.stats()
     warm = min(len(times) - 1, 2 * a.every)
     ck.wait()
@@ -235,7 +238,9 @@ def train(a):
     after = ck.stats()
     out = {"rank": rank, "replicas": a.replicas, "step_s_mean": sum(times[warm:]) / len(times[warm:]),
            "runq_wait_s_mean": sum(waits[warm:]) / len(waits[warm:]),
-           "peer_nice": a.peer_nice, "peer_every": a.peer_every,
+           "cpu_s_per_step": sum(cpus[warm:]) / len(cpus[warm:]),
+           "peer_nice": a.peer_nice, "peer_every": a.peer_every, "peer_bps": a.peer_bps,
+           "peer_lag_s": st.get("peer_lag_s"), "peer_lag_s_max": st.get("peer_lag_s_max"),
            "peer_skipped": st.get("peer_skipped", 0),
            "peer_skipped_cadence": st.get("peer_skipped_cadence", 0),
            "stall_per_ckpt_s": st.get("visible_stall_s", 0.0) / max(1, st.get("saves", 1)),
@@ -244,6 +249,7 @@ def train(a):
            # during training (above) and once drained after it (below)
            "peer_last_step": st.get("peer_last_step"), "last_step": a.steps - 1,
            "peer_replicated_drained": after.get("peer_replicated", 0),
+           "peer_lag_s_max_drained": after.get("peer_lag_s_max"),
            "drained": drained}
     ck.close()
     dist.barrier()
@@ -260,7 +266,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--replicas", type=int, default=0)
-    ap.add_argument("--peer-nice", type=int, default=None)
+    ap.add_argument("--peer-nice", default=None, help='0..19 or "idle"')
+    ap.add_argument("--peer-bps", type=int, default=None)
     ap.add_argument("--peer-every", type=int, default=1)
     ap.add_argument("--cpu", type=int, default=None)
     a = ap.parse_args()

@@ -23,6 +23,9 @@ ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
           priority, what ran before replication yielded the CPU
   everyN  replicas=1, peer_every=N (a partner takes a checkpoint only N
           after the one it holds)
+  idle    replicas=1, peer_nice="idle" (the peer threads in SCHED_IDLE)
+  bpsN    replicas=1, peer_bps=N MB/s (the kernel's TCP pacing of a push)
+  unpaced replicas=1, peer_bps=0
 
 The arms run in a rotating order every round (interleaved: the noise of
 this shared 2-core box falls on all of them). Per run: the mean step time
@@ -34,7 +37,6 @@ arm's ratio to "off" in the same round; the summary is their median.
 Prints a table and writes JSON.
 """
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -47,8 +49,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 import netns_hosts  # noqa: E402
-
-WORKER = os.path.join(HERE, "peer_restart_worker.py")
+import peer_stall_job  # noqa: E402
 
 
 def arm_flags(arm: str) -> list:
@@ -60,6 +61,12 @@ def arm_flags(arm: str) -> list:
         return ["--replicas", "1", "--peer-nice", arm[4:]]
     if arm.startswith("every") and arm[5:].isdigit():
         return ["--replicas", "1", "--peer-every", arm[5:]]
+    if arm == "idle":
+        return ["--replicas", "1", "--peer-nice", "idle"]
+    if arm.startswith("bps") and arm[3:].isdigit():
+        return ["--replicas", "1", "--peer-bps", str(int(arm[3:]) * 10**6)]
+    if arm.startswith("unpaced"):  # the pace off (peer_bps=0), whatever the default
+        return ["--replicas", "1", "--peer-bps", "0"]
     raise SystemExit(f"unknown arm {arm!r}")
 
 
@@ -80,34 +87,44 @@ def start_one_session(hs, argv, log) -> list:
     return procs
 
 
+def kernel_times() -> dict:
+    """System-wide seconds of softirq and system time (/proc/stat, all CPUs)
+    and the counts of network softirqs (/proc/softirqs NET_TX, NET_RX)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        cpu = f.readline().split()
+    out = {"softirq_s": int(cpu[7]) / hz, "system_s": int(cpu[3]) / hz}
+    with open("/proc/softirqs") as f:
+        for line in f:
+            k, *v = line.split()
+            if k in ("NET_TX:", "NET_RX:"):
+                out[k[:-1].lower()] = sum(int(x) for x in v)
+    return out
+
+
 def run_arm(a, hs, root, rnd, arm) -> dict:
-    log = os.path.join(root, f"stall-{rnd}-{arm}.log")
     job = f"stall-{rnd}-{arm}"
-    argv = (lambda r: [WORKER, "train", "--dir", os.path.join(hs[r].disk, job),
-                       "--mb", str(a.mb), "--every", str(a.every),
-                       "--steps", str(a.steps), "--step-s", str(a.step_s)]
-            + arm_flags(arm) + (["--cpu", str(r % os.cpu_count())] if a.pin else []))
-    procs = (start_one_session(hs, argv, log) if a.one_session
-             else netns_hosts.start_ranks(hs, [0, 1], argv, log))
-    netns_hosts.wait_ranks(procs, 600, log)
-    ranks = []
-    for r in range(2):
-        for line in netns_hosts.read_log(f"{log}-{r}").splitlines():
-            if line.startswith("{") and '"step_s_mean"' in line:
-                ranks.append(json.loads(line))
-    assert len(ranks) == 2, f"stall run {rnd}/{arm}: see {log}-*"
-    if arm != "off":
-        assert all(x["peer_replicated_drained"] > 0 for x in ranks), ranks
-    for h in hs:
-        shutil.rmtree(os.path.join(h.disk, job), ignore_errors=True)
-        for n in os.listdir(h.shm):
-            p = os.path.join(h.shm, n)
-            (shutil.rmtree if os.path.isdir(p) else os.unlink)(p)
+    argv = peer_stall_job.train_argv(
+        hs, job, a.mb, a.every, a.steps, a.step_s,
+        lambda r: arm_flags(arm) + (["--cpu", str(r % os.cpu_count())] if a.pin else []))
+    k0 = kernel_times()
+    ranks = peer_stall_job.run_job(hs, job, os.path.join(root, f"{job}.log"), argv,
+                                   replicating=arm != "off",
+                                   start=start_one_session if a.one_session else None)
+    k1 = kernel_times()
     return {"step_s_mean": statistics.mean(x["step_s_mean"] for x in ranks),
             "stall_per_ckpt_s": statistics.mean(x["stall_per_ckpt_s"] for x in ranks),
             "runq_wait_s_mean": statistics.mean(x["runq_wait_s_mean"] for x in ranks),
+            "cpu_s_per_step": statistics.mean(x.get("cpu_s_per_step", 0.0) for x in ranks),
             "peer_replicated": sum(x["peer_replicated"] for x in ranks),
             "peer_replicated_drained": sum(x["peer_replicated_drained"] for x in ranks),
+            # the oldest a checkpoint was when it reached its partner, during
+            # the steps (None: none did) and with the drain after them
+            "peer_lag_s_max": max((x.get("peer_lag_s_max") for x in ranks
+                                   if x.get("peer_lag_s_max") is not None), default=None),
+            "peer_lag_s_max_drained": max((x.get("peer_lag_s_max_drained") or 0.0) for x in ranks),
+            # the whole machine, the job's start to its end (other load included)
+            "kernel": {k: k1[k] - k0[k] for k in k0},
             "ranks": ranks}
 
 
@@ -155,6 +172,8 @@ def main():
                 print(f"  round {rnd} {arm:<7} step {g['step_s_mean'] * 1e3:7.1f} ms"
                       f"  stall/ckpt {g['stall_per_ckpt_s'] * 1e3:7.1f} ms"
                       f"  run-queue wait/step {g['runq_wait_s_mean'] * 1e3:6.1f} ms"
+                      f"  CPU/step {g['cpu_s_per_step'] * 1e3:6.1f} ms"
+                      f"  softirq {g['kernel']['softirq_s']:5.2f} s sys {g['kernel']['system_s']:5.2f} s"
                       f"  replicated {g['peer_replicated']} ({g['peer_replicated_drained']} drained)", flush=True)
             off = got["off"]
             ratios = {arm: {"step": got[arm]["step_s_mean"] / off["step_s_mean"],
@@ -173,7 +192,11 @@ def main():
         s = {"step_s_median": statistics.median(x["step_s_mean"] for x in rows),
              "stall_per_ckpt_s_median": statistics.median(x["stall_per_ckpt_s"] for x in rows),
              "runq_wait_s_median": statistics.median(x["runq_wait_s_mean"] for x in rows),
-             "replicated_median": statistics.median(x["peer_replicated"] for x in rows)}
+             "replicated_median": statistics.median(x["peer_replicated"] for x in rows),
+             "cpu_s_per_step_median": statistics.median(x["cpu_s_per_step"] for x in rows),
+             "softirq_s_median": statistics.median(x["kernel"]["softirq_s"] for x in rows),
+             "lag_s_max": max((x["peer_lag_s_max"] for x in rows
+                               if x.get("peer_lag_s_max") is not None), default=None)}
         if arm != "off":
             st = [r["ratios"][arm]["step"] for r in res["rounds"]]
             sl = [r["ratios"][arm]["stall"] for r in res["rounds"]
@@ -184,17 +207,17 @@ def main():
         summary[arm] = s
     res["summary"] = summary
     print(f"\n{'arm':<8}{'step ms':>9}{'x off':>7}{'range':>13}{'stall/ckpt ms':>15}{'x off':>7}"
-          f"{'runq ms':>9}{'replicated':>11}")
+          f"{'runq ms':>9}{'CPU ms':>8}{'softirq s':>10}{'replicated':>11}{'lag max s':>10}")
     for arm, s in summary.items():
         rs = (f"{s['step_ratio_median']:>7.3f}{s['step_ratio_range'][0]:>6.2f}-"
               f"{s['step_ratio_range'][1]:<6.2f}" if arm != "off" else f"{'':>7}{'':>13}")
         sr = f"{s['stall_ratio_median']:>7.3f}" if arm != "off" and s["stall_ratio_median"] else f"{'':>7}"
         print(f"{arm:<8}{s['step_s_median'] * 1e3:>9.1f}{rs}{s['stall_per_ckpt_s_median'] * 1e3:>15.1f}"
-              f"{sr}{s['runq_wait_s_median'] * 1e3:>9.1f}{s['replicated_median']:>11}")
+              f"{sr}{s['runq_wait_s_median'] * 1e3:>9.1f}{s['cpu_s_per_step_median'] * 1e3:>8.1f}"
+              f"{s['softirq_s_median']:>10.2f}{s['replicated_median']:>11}"
+              f"{s['lag_s_max'] if s['lag_s_max'] is not None else float('nan'):>10.1f}")
     print(f"load average {res['loadavg_start']:.1f} -> {res['loadavg_end']:.1f}")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", a.out)
+    peer_stall_job.write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class Checkpointer:
                  remote_every: Optional[int] = None, replay: str = "auto",
                  device_snapshot_bytes: Optional[int] = None, disk_every=1,
                  replicas: Optional[int] = None, peer_budget_bytes: Optional[int] = None,
-                 peer_every: int = 1, peer_nice: int = 10):
+                 peer_every: int = 1, peer_nice=10, peer_bps: Optional[int] = None):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)
@@ -84,7 +84,7 @@ class Checkpointer:
             if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)
                 dist.peers = _peer.Peers(dist, o.dist.replicas, ses.engine,
                                          o.dist.peer_budget_bytes, o.dist.peer_every,
-                                         o.dist.peer_nice)
+                                         o.dist.peer_nice, o.dist.peer_bps)
         except Exception:
             self.close()
             raise

@@ -67,6 +67,7 @@ class DistOptions:
     peer_budget_bytes: Optional[int] = None  # None: a share of the memory dir's free space
     peer_every: int = 1  # the peer cadence: a replica every n-th memory checkpoint at most
     peer_nice: int = 10  # the peer threads' CPU nice increment (0: training's priority)
+    peer_bps: Optional[int] = None  # a push's pace, bytes/s (0: unpaced; None: spread over 10 s+)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def resolve(state: dict, **kw) -> Options:
                          _peer.check_replicas(kw["replicas"]),
                          _peer.check_budget(kw["peer_budget_bytes"]),
                          _peer.check_every(kw["peer_every"]),
-                         _peer.check_nice(kw["peer_nice"])),
+                         _peer.check_nice(kw["peer_nice"]), _peer.check_bps(kw["peer_bps"])),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
         on_commit=kw["on_commit"])
 

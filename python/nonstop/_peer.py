@@ -69,12 +69,36 @@ def check_every(every) -> int:
     return every
 
 
+IDLE_NICE = 20  # peer_nice="idle": the SCHED_IDLE class (tier::kIdleNice)
+
+
 def check_nice(nice) -> int:
     """peer_nice=: an int 0..19, how much lower the peer threads' CPU
-    priority is than the training's (0: the same)."""
+    priority is than the training's (0: the same), or "idle": the SCHED_IDLE
+    class (they run only on a core nothing else wants)."""
+    if nice == "idle":
+        return IDLE_NICE
     if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
-        raise CheckpointMismatchError(f"peer_nice must be an int from 0 to 19, got {nice!r}")
+        raise CheckpointMismatchError(
+            f'peer_nice must be an int from 0 to 19 or "idle", got {nice!r}')
     return nice
+
+
+MIN_BPS = 10**6
+SPREAD_S = 10.0  # peer_bps=None: a push spread over this at least (ReplicatorOptions::spread_s)
+
+
+def check_bps(bps) -> Optional[int]:
+    """peer_bps=: the pace of a push, data bytes a second to each partner
+    (an int >= 1 MB/s), 0: unpaced, None: each push spread over the time
+    between commits, 10 s at least (docs/TIERS.md "Priority and cadence")."""
+    if bps is None:
+        return None
+    if not isinstance(bps, int) or isinstance(bps, bool) or not (bps == 0 or bps >= MIN_BPS):
+        raise CheckpointMismatchError(
+            f"peer_bps must be None, 0 (unpaced) or an int >= {MIN_BPS} (bytes a second), "
+            f"got {bps!r}")
+    return bps
 
 
 SECRET_ENV = "NONSTOP_PEER_SECRET"
@@ -162,11 +186,12 @@ class Peers:
     endpoints and the replicas the servers held at construction."""
 
     def __init__(self, dist, replicas: Optional[int], engine, budget_bytes: Optional[int] = None,
-                 peer_every: int = 1, peer_nice: int = 10):
+                 peer_every: int = 1, peer_nice: int = 10, peer_bps: Optional[int] = None):
         core = _ext.core()
         self.rank, self.world = dist.rank, dist.world
         self.every = peer_every  # the peer cadence (ReplicatorOptions::every)
         self.nice = peer_nice  # the replicator's and the push receivers' nice
+        self.bps = peer_bps  # the pace of a push (ReplicatorOptions::bps; None: spread_s)
         self.server = self.replicator = None
         self.partners: list = []
         self.held: dict = {}  # source rank -> [(step, counter, holder rank)], newest first
@@ -267,7 +292,8 @@ class Peers:
                 self.replicator = core.PeerReplicator(
                     self.job, secret, self.rank, segment,
                     [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3],
-                    every=self.every, nice=self.nice)
+                    every=self.every, nice=self.nice, bps=self.bps or 0,
+                    spread_s=SPREAD_S if self.bps is None else 0.0)
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 
@@ -516,7 +542,8 @@ class Peers:
                      peer_failures=r.get("failures", 0), peer_skipped=r.get("skipped", 0),
                      peer_skipped_cadence=r.get("skipped_cadence", 0),
                      peer_skipped_budget=r.get("skipped_budget", 0),
-                     peer_last_step=r.get("last_step"), peer_error=r.get("last_error", ""))
+                     peer_last_step=r.get("last_step"), peer_error=r.get("last_error", ""),
+                     peer_lag_s=r.get("lag_s_last"), peer_lag_s_max=r.get("lag_s_max"))
         if self.server is not None:
             v = self.server.stats()
             s.update(peer_held=v.get("held", 0), peer_held_bytes=v.get("held_bytes", 0),

@@ -7,6 +7,7 @@
 #include "engine/memory_tier.h"
 #include "tier/peer.h"
 #include "tier/peer_wire.h"
+#include "tier/uploader.h"
 
 namespace nonstop::py_bindings {
 namespace {
@@ -58,6 +59,7 @@ auto Released(Fn&& fn) {
 
 void InitPeer(py::module_& m) {
   m.attr("PEER_WIRE_VERSION") = peer::wire::kVersion;  // docs/FORMAT.md "Peer wire format"
+  m.attr("PEER_IDLE_NICE") = tier::kIdleNice;  // nice= that means SCHED_IDLE (peer_nice="idle")
   py::class_<peer::PeerServer>(m, "PeerServer",
                                "The peer tier's server (tier/peer.h): holds partners' replicas "
                                "in the memory directory and serves lists and fetches.")
@@ -145,7 +147,7 @@ void InitPeer(py::module_& m) {
                        const std::string& segment, const std::vector<std::string>& partners,
                        double poll_s, double retry_s, double connect_timeout_s,
                        double io_timeout_s, const std::string& job_dir, int nice,
-                       uint32_t every) {
+                       uint32_t every, uint64_t bps, double spread_s) {
              peer::ReplicatorOptions o;
              o.job_dir = job_dir;
              o.job = job;
@@ -159,13 +161,15 @@ void InitPeer(py::module_& m) {
              o.push.io_timeout_s = io_timeout_s;
              o.nice = nice;
              o.every = every;
+             o.bps = bps;
+             o.spread_s = spread_s;
              return Released([&] { return peer::Replicator::Start(o); });
            }),
            py::arg("job"), py::arg("secret"), py::arg("rank"), py::arg("segment"),
            py::arg("partners"),
            py::arg("poll_s") = 0.2, py::arg("retry_s") = 1.0, py::arg("connect_timeout_s") = 5.0,
            py::arg("io_timeout_s") = 30.0, py::arg("job_dir") = "", py::arg("nice") = 10,
-           py::arg("every") = 1)
+           py::arg("every") = 1, py::arg("bps") = 0, py::arg("spread_s") = 10.0)
       .def("notify", &peer::Replicator::Notify, "A checkpoint may have been committed: look now.")
       .def(
           "drain",
@@ -190,6 +194,8 @@ void InitPeer(py::module_& m) {
             d["last_step"] = st.last_step < 0 ? py::object(py::none()) : py::cast(st.last_step);
             d["last_counter"] = st.last_counter;
             d["send_s_total"] = st.send_s_total;
+            d["lag_s_last"] = st.lag_s_last < 0 ? py::object(py::none()) : py::cast(st.lag_s_last);
+            d["lag_s_max"] = st.lag_s_max < 0 ? py::object(py::none()) : py::cast(st.lag_s_max);
             d["last_error"] = st.last_error;
             return d;
           })

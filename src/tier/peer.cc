@@ -1650,6 +1650,18 @@ Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::stri
 
 // ---------------------------------------------------------------- replicator
 
+namespace {
+
+// The kernel's TCP pacing on `s` (ReplicatorOptions::bps): at most `bps`
+// bytes a second leave it (0: no limit), its sender blocked while they
+// wait. Best effort.
+void SetPacing(w::Socket& s, uint64_t bps) {
+  const uint64_t v = bps == 0 ? ~uint64_t{0} : bps;
+  (void)setsockopt(s.fd(), SOL_SOCKET, SO_MAX_PACING_RATE, &v, sizeof(v));
+}
+
+}  // namespace
+
 struct Replicator::Impl {
   ReplicatorOptions o;
   Env* env = nullptr;
@@ -1660,6 +1672,7 @@ struct Replicator::Impl {
     w::Socket sock;              // the connection, kept between pushes (loop thread)
     uint64_t held_counter = 0;   // the checkpoint it holds (or refused for its budget)
     std::chrono::steady_clock::time_point retry_at{};
+    uint64_t paced = 0;          // the pace set on sock (0: none)
   };
   std::vector<Partner> partners;  // loop thread only, but for Close's Shutdown (under mu)
 
@@ -1671,9 +1684,14 @@ struct Replicator::Impl {
   ReplicatorStats stats GUARDED_BY(mu);
   uint64_t seen_unsent GUARDED_BY(mu) = 0;  // a counter seen and not yet on every partner
   uint64_t seen_cadence = 0;                // loop thread: the last counter the cadence skipped
+  // Loop thread: the newest checkpoint seen and its commit time, and the
+  // interval between commits they give (ReplicatorOptions::spread_s).
+  uint64_t pace_counter = 0, pace_commit_ns = 0;
+  double commit_interval_s = 0;
 
   void Loop();
   void Round();
+  uint64_t Pace(const CheckpointInfo& info);
 };
 
 Result<std::unique_ptr<Replicator>> Replicator::Start(const ReplicatorOptions& o) {
@@ -1686,7 +1704,7 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(const ReplicatorOptions& o
   Impl& m = *r->impl_;
   m.o = o;
   m.env = o.env != nullptr ? o.env : DefaultEnv();
-  for (const std::string& p : o.partners) m.partners.push_back(Impl::Partner{p, {}, 0, {}});
+  for (const std::string& p : o.partners) m.partners.push_back(Impl::Partner{p, {}, 0, {}, 0});
   m.thread = std::thread([p = &m] { p->Loop(); });
   return r;
 }
@@ -1753,12 +1771,29 @@ void Replicator::Impl::Loop() {
   cv.SignalAll();
 }
 
+uint64_t Replicator::Impl::Pace(const CheckpointInfo& info) {
+  if (info.counter > pace_counter) {
+    if (pace_counter != 0 && info.commit_unix_ns > pace_commit_ns) {
+      commit_interval_s = static_cast<double>(info.commit_unix_ns - pace_commit_ns) / 1e9 /
+                          static_cast<double>(info.counter - pace_counter);
+    }
+    pace_counter = info.counter;
+    pace_commit_ns = info.commit_unix_ns;
+  }
+  if (o.bps > 0) return o.bps;
+  if (o.spread_s <= 0) return 0;
+  const double over = std::max(o.spread_s, commit_interval_s * std::max<uint32_t>(1, o.every));
+  return std::max(o.spread_min_bps,
+                  static_cast<uint64_t>(static_cast<double>(info.data_bytes) / over));
+}
+
 void Replicator::Impl::Round() {
   if (partners.empty()) return;
   auto got = OpenNewestAt(o.segment, env);
   if (!got.ok()) return;  // no segment (yet) or nothing committed in it: nothing to send
   SlotFile& file = *got.value().first;
   const CheckpointInfo& info = got.value().second;
+  const uint64_t pace = Pace(info);
   // The cadence (ReplicatorOptions::every): a partner takes a checkpoint
   // only `every` counters after the one it holds.
   const auto due = [&](const Partner& p) {
@@ -1812,6 +1847,11 @@ void Replicator::Impl::Round() {
         MutexLock l(&mu);
         if (stop) return;
         p.sock = std::move(c).value();
+        p.paced = 0;
+      }
+      if (pace != p.paced) {
+        SetPacing(p.sock, pace);
+        p.paced = pace;
       }
       s = SendPush(p.sock, o.job, file, info, &out);
       if (s.ok()) break;
@@ -1858,9 +1898,14 @@ void Replicator::Impl::Round() {
     }
   }
   if (all) {
+    const double now_s =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    const double lag = std::max(0.0, now_s - static_cast<double>(info.commit_unix_ns) / 1e9);
     MutexLock l(&mu);
     stats.last_step = info.step;
     stats.last_counter = info.counter;
+    stats.lag_s_last = lag;
+    stats.lag_s_max = std::max(stats.lag_s_max, lag);
     seen_unsent = 0;
   }
 }

@@ -235,8 +235,26 @@ struct ReplicatorOptions {
   double retry_s = 1;                 // after a failed push, the next try at the earliest
   // The replicator thread's CPU nice increment (and idle-class I/O;
   // tier::LowerThreadPriority), so that training threads win the CPU over
-  // replication: a push only takes what training leaves. 0: none.
+  // replication: a push only takes what training leaves. 0: none;
+  // tier::kIdleNice: the SCHED_IDLE class.
   int nice = 10;
+  // The pace of a push: at most `bps` data bytes a second on each
+  // partner's connection (the kernel's TCP pacing, SO_MAX_PACING_RATE), so
+  // that the work a push makes, also what runs outside the thread's
+  // priority (the network stack's softirq on both ends of a veth or NIC),
+  // is spread out: its share of the CPU is at most bps times the CPU time a
+  // byte costs. A checkpoint of B bytes then reaches a partner B / bps after
+  // it is taken up at the earliest (stats lag_s_*). 0: see spread_s.
+  uint64_t bps = 0;
+  // Without `bps`: each push is spread over max(spread_s, the interval
+  // between this rank's commits times `every`) -- the pace B / that time --
+  // so replication takes a bounded share of the CPU however often
+  // checkpoints come, and a partner holds a checkpoint at most about two
+  // such times old (one waiting for the push before it, one sending).
+  // Never slower than spread_min_bps (small states: no lag worth the
+  // name). 0 (with bps 0): unpaced.
+  double spread_s = 10;
+  uint64_t spread_min_bps = 4 << 20;
   // The peer cadence: a checkpoint is pushed only when its counter is at
   // least `every` above the last one every partner holds (the first always);
   // the newest one at that moment, the ones between skipped. 1: every
@@ -261,6 +279,11 @@ struct ReplicatorStats {
   int64_t last_step = -1;       // newest step every partner holds (-1: none)
   uint64_t last_counter = 0;
   double send_s_total = 0;
+  // The age of a checkpoint (seconds since its commit, commit_unix_ns) when
+  // its push to every partner ended: the newest (last) and the most (max)
+  // over the pushes stored. -1: none yet.
+  double lag_s_last = -1;
+  double lag_s_max = -1;
   std::string last_error;       // one line
 };
 

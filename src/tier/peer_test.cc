@@ -6,6 +6,7 @@
 // and the previous complete replica stays fetchable.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -29,6 +30,7 @@
 #include "store/format.h"
 #include "tier/peer.h"
 #include "tier/peer_wire.h"
+#include "tier/uploader.h"
 
 namespace nonstop::peer {
 namespace {
@@ -262,6 +264,7 @@ TEST(PeerTest, TheReplicatorSendsTheNewestOnly) {
   ASSERT_TRUE(rep->Drain(10));  // no segment yet: nothing to send, not an error
   EXPECT_EQ(rep->stats().replicated, 0u);
   EXPECT_EQ(rep->stats().last_step, -1);
+  EXPECT_EQ(rep->stats().lag_s_last, -1);  // no push yet: no age
   src.Commit(1, 10);
   rep->Notify();
   ASSERT_TRUE(rep->Drain(10));
@@ -349,6 +352,110 @@ TEST(PeerTest, ReplicationRunsAtALowerCpuPriority) {
   EXPECT_EQ(FetchBack(srv->endpoint(), 1, std::nullopt, &st).step, 10);
   EXPECT_TRUE(st.ok()) << st.ToString();
   EXPECT_EQ(ThreadNices().count(srv_nice), 1u);
+}
+
+// How many of this process's threads are in the SCHED_IDLE class.
+int IdleThreads() {
+  int out = 0;
+  auto dir = DefaultEnv()->OpenDirectory("/proc/self/task", false);
+  if (!dir.ok()) return out;
+  auto entries = dir.value()->List();
+  if (!entries.ok()) return out;
+  for (const DirEntry& e : entries.value()) {
+    if (::sched_getscheduler(static_cast<pid_t>(std::atoi(e.name.c_str()))) == SCHED_IDLE) ++out;
+  }
+  return out;
+}
+
+TEST(PeerTest, IdleNicePutsTheReplicationThreadsInSchedIdle) {
+  // nice tier::kIdleNice (Python peer_nice="idle"): the replicator's thread
+  // and the server's thread that receives its push run in SCHED_IDLE.
+  ASSERT_EQ(IdleThreads(), 0);
+  auto env = FaultEnv::Create();
+  PeerServerOptions so;
+  so.job = kJob;
+  so.secret = kSecret;
+  so.bind_host = "127.0.0.1";
+  so.dir = "/shm";
+  so.env = env.get();
+  so.nice = tier::kIdleNice;
+  auto srv = PeerServer::Start(so).value();
+  Source src(1);
+  src.Commit(1, 10);
+  ReplicatorOptions o;
+  o.job = kJob;
+  o.secret = kSecret;
+  o.rank = 1;
+  o.segment = src.path();
+  o.partners = {srv->endpoint()};
+  o.poll_s = 0.01;
+  o.env = src.env.get();
+  o.nice = tier::kIdleNice;
+  auto rep = Replicator::Start(o).value();
+  ASSERT_TRUE(rep->Drain(10));
+  ASSERT_EQ(rep->stats().last_step, 10) << rep->stats().last_error;
+  EXPECT_EQ(IdleThreads(), 2) << "the replicator's thread and the server's receiving thread";
+  Status st;
+  EXPECT_EQ(FetchBack(srv->endpoint(), 1, std::nullopt, &st).data, Data(Layout(), 10));
+  EXPECT_TRUE(st.ok()) << st.ToString();
+}
+
+TEST(PeerTest, APacedPushCompletesBitwiseAtItsPaceAndSaysItsAge) {
+  // ReplicatorOptions::bps: the kernel's TCP pacing of the push's
+  // connection. The replica is the same bytes, it arrives no sooner than
+  // its bytes at that pace allow, and the stats say how old the checkpoint
+  // was when its partner held it.
+  Server srv;
+  Source src(1);
+  src.Commit(1, 10);
+  const uint64_t data_bytes = Data(Layout(), 10).size();
+  ReplicatorOptions o;
+  o.job = kJob;
+  o.secret = kSecret;
+  o.rank = 1;
+  o.segment = src.path();
+  o.partners = {srv.ep()};
+  o.poll_s = 0.01;
+  o.env = src.env.get();
+  o.bps = data_bytes;  // one second for the data
+  const auto t0 = std::chrono::steady_clock::now();
+  auto rep = Replicator::Start(o).value();
+  ASSERT_TRUE(rep->Drain(30));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ReplicatorStats st = rep->stats();
+  ASSERT_EQ(st.last_step, 10) << st.last_error;
+  EXPECT_EQ(st.replicated, 1u);
+  EXPECT_EQ(st.bytes, data_bytes);
+  // Paced: at least most of the second its bytes take at bps (the kernel
+  // lets a first burst go at once).
+  EXPECT_GE(secs, 0.6);
+  EXPECT_GE(st.lag_s_last, 0.6);
+  EXPECT_EQ(st.lag_s_max, st.lag_s_last);
+  Status fs;
+  EXPECT_EQ(FetchBack(srv.ep(), 1, std::nullopt, &fs).data, Data(Layout(), 10));
+  EXPECT_TRUE(fs.ok()) << fs.ToString();
+  // The next one on the same (paced) connection: the same bytes again.
+  src.Commit(2, 20);
+  rep->Notify();
+  ASSERT_TRUE(rep->Drain(30));
+  st = rep->stats();
+  EXPECT_EQ(st.last_step, 20) << st.last_error;
+  EXPECT_GE(st.lag_s_last, 0.6);
+  EXPECT_GE(st.lag_s_max, st.lag_s_last);
+  EXPECT_EQ(FetchBack(srv.ep(), 1, std::nullopt, &fs).data, Data(Layout(), 20));
+  rep->Close();
+  // Without bps: the push spread over spread_s (no commit interval known
+  // yet), never slower than spread_min_bps.
+  o.bps = 0;
+  o.spread_s = 1;
+  o.spread_min_bps = data_bytes / 4;
+  src.Commit(3, 30);
+  const auto t1 = std::chrono::steady_clock::now();
+  rep = Replicator::Start(o).value();
+  ASSERT_TRUE(rep->Drain(30));
+  EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 0.6);
+  EXPECT_EQ(rep->stats().last_step, 30) << rep->stats().last_error;
+  EXPECT_EQ(FetchBack(srv.ep(), 1, std::nullopt, &fs).data, Data(Layout(), 30));
 }
 
 TEST(PeerTest, TheReplicatorSkipsCheckpointsWithinItsCadence) {

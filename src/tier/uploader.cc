@@ -1,5 +1,7 @@
 #include "tier/uploader.h"
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -45,6 +47,11 @@ void LowerThreadPriority(int nice) {
   errno = 0;
   const int now = getpriority(PRIO_PROCESS, tid);
   if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, std::min(19, now + nice));
+  if (nice >= kIdleNice) {
+    sched_param sp{};
+    sp.sched_priority = 0;
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+  }
 #ifdef SYS_ioprio_set
   // ioprio_set(IOPRIO_WHO_PROCESS, tid, best-effort class, its lowest level 7)
   (void)syscall(SYS_ioprio_set, 1, static_cast<int>(tid), (2 << 13) | 7);

@@ -140,7 +140,10 @@ class RemoteUploader {
 
 // Lowers the calling thread's CPU priority by `nice` (at most to 19) and
 // puts its I/O in the lowest best-effort level (Linux: both per thread).
-// Best effort: what is refused stays as it is.
+// `nice` kIdleNice (or more) also puts the thread in the SCHED_IDLE class
+// (it runs only on a core nothing else of normal class wants; threads it
+// starts inherit that). Best effort: what is refused stays as it is.
+inline constexpr int kIdleNice = 20;
 void LowerThreadPriority(int nice);
 
 }  // namespace nonstop::tier

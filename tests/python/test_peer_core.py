@@ -101,6 +101,44 @@ def test_replicate_list_fetch_bitwise(tmp_path, monkeypatch):
         _core.peer_list(ep, JOB, SECRET, timeout_s=2.0)
 
 
+def test_a_paced_push_keeps_the_bytes_and_says_its_age(tmp_path, monkeypatch):
+    # bps= (peer_bps): the push's connection paced by the kernel; the replica
+    # is the same bytes, it takes about its bytes / bps, and the stats say how
+    # old the checkpoint was when its partner held it (peer_lag_s).
+    torch.manual_seed(1)
+    model = torch.nn.Linear(256, 256)  # 257 KiB of data
+    ck = memory_checkpointer(tmp_path, {"model": model}, monkeypatch)
+    srv, ep = loopback_server(tmp_path, JOB, SECRET)
+    rep = None
+    try:
+        ck.step(0)
+        ck.wait()
+        seg = ck.stats()["memory_segment"]
+        deadline = time.monotonic() + 60  # the segment copy may lag the commit: on the clock
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        t0 = time.monotonic()
+        rep = _core.PeerReplicator(JOB, SECRET, 0, seg, [ep], poll_s=0.05, bps=nbytes)
+        while rep.stats()["last_step"] != 0 and time.monotonic() < deadline:
+            rep.drain(5.0)
+            time.sleep(0.05)
+        secs = time.monotonic() - t0
+        st = rep.stats()
+        assert st["last_step"] == 0 and st["failures"] == 0, st
+        assert st["bytes"] >= nbytes
+        assert secs >= 0.6, secs  # paced: most of the second its bytes take at bps
+        assert st["lag_s_last"] >= 0.6 and st["lag_s_max"] == st["lag_s_last"], st
+        got = nonstop.load(_core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "local")))
+        assert torch.equal(got.tensors["model/weight"], model.weight.detach())
+        assert torch.equal(got.tensors["model/bias"], model.bias.detach())
+    finally:
+        if rep is not None:
+            rep.close()
+        srv.close()
+        ck.close()
+    with pytest.raises(TypeError):  # bytes a second: an int >= 0 (Python's check is _peer.check_bps)
+        _core.PeerReplicator(JOB, SECRET, 0, seg, [ep], bps=-1)
+
+
 def test_arguments_and_partners():
     with pytest.raises(CheckpointMismatchError):
         _core.peer_list("no-port", JOB, SECRET)

@@ -196,10 +196,32 @@ def test_a_bad_peer_every_value_is_one_line(tmp_path, bad):
     ck.close()
 
 
-@pytest.mark.parametrize("bad", [-1, 20, 2.0, "5", True])
+@pytest.mark.parametrize("bad", [-1, 20, 2.0, "5", "IDLE", True])
 def test_a_bad_peer_nice_value_is_one_line(tmp_path, bad):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(nonstop.CheckpointMismatchError, match="peer_nice must be an int from 0 to 19") as e:
         nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_nice=bad)
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "job")
+
+
+def test_peer_nice_idle_is_the_sched_idle_class(tmp_path):
+    ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": torch.nn.Linear(2, 2)}, every=1,
+                              peer_nice="idle")
+    assert ck.options.dist.peer_nice == nonstop._core.PEER_IDLE_NICE == 20
+    ck.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1000000", True, 999_999])
+def test_a_bad_peer_bps_value_is_one_line(tmp_path, bad):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(nonstop.CheckpointMismatchError, match="peer_bps must be None, 0") as e:
+        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_bps=bad)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "job")
+    ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": model}, every=1, peer_bps=10**8)
+    assert ck.options.dist.peer_bps == 10**8
+    ck.close()
+    ck = nonstop.Checkpointer(str(tmp_path / "ok0"), {"model": model}, every=1)
+    assert ck.options.dist.peer_bps is None  # the default: spread over the commit interval
+    ck.close()

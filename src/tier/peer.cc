@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <list>
 #include <map>
 #include <set>
@@ -316,7 +317,10 @@ Status ReceiveData(w::Socket& s, ReplicaWriter& writer, const std::string& from,
 // Streams the data region of `info` of `file` as DATA frames (every chunk
 // verified as read), then END. A read failure is sent as a REPLY carrying
 // it (the receiver stops there) and returned.
-Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64_t* sent) {
+// `after` (optional) runs after each DATA frame is sent with its bytes: a
+// push's pace (Replicator: ReplicatorOptions::bps); its error ends the send.
+Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64_t* sent,
+                const std::function<Status(uint64_t)>& after = nullptr) {
   const uint64_t cb = info.crc_chunk_bytes;
   const auto fail = [&](const Status& r) {
     (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(r, 0));
@@ -361,7 +365,7 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
       [&](Piece& p) {
         NONSTOP_RETURN_IF_ERROR(w::SendDataFrame(s, std::string_view(p.buf.data(), p.len), p.crc, &p.hash));
         *sent += p.len;
-        return Status::OK();
+        return after ? after(p.len) : Status::OK();
       },
       [] {});
   if (!st.ok()) return read_failed ? fail(st) : st;
@@ -1312,7 +1316,7 @@ bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload, Sourc
 namespace {
 
 Status SendPush(w::Socket& s, const std::string& job, SlotFile& file, const CheckpointInfo& info,
-                PushOutcome* outcome) {
+                PushOutcome* outcome, const std::function<Status(uint64_t)>& after = nullptr) {
   w::Out head;
   head.Str16(job);
   const std::vector<uint8_t> table = w::EncodeCheckpointTable(info);
@@ -1329,7 +1333,7 @@ Status SendPush(w::Socket& s, const std::string& job, SlotFile& file, const Chec
   }
   if (o != kGo) return Status::Corruption("peer " + s.peer() + ": unexpected reply to a push");
   uint64_t sent = 0;
-  Status st = SendData(s, file, info, &sent);
+  Status st = SendData(s, file, info, &sent, after);
   if (!st.ok()) {
     // The server may have said why it stopped reading (a damaged chunk it saw).
     if (st.code() == StatusCode::kIOError && s.WaitReadable(0.2)) {
@@ -1652,14 +1656,6 @@ Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::stri
 
 namespace {
 
-// The kernel's TCP pacing on `s` (ReplicatorOptions::bps): at most `bps`
-// bytes a second leave it (0: no limit), its sender blocked while they
-// wait. Best effort.
-void SetPacing(w::Socket& s, uint64_t bps) {
-  const uint64_t v = bps == 0 ? ~uint64_t{0} : bps;
-  (void)setsockopt(s.fd(), SOL_SOCKET, SO_MAX_PACING_RATE, &v, sizeof(v));
-}
-
 }  // namespace
 
 struct Replicator::Impl {
@@ -1672,7 +1668,6 @@ struct Replicator::Impl {
     w::Socket sock;              // the connection, kept between pushes (loop thread)
     uint64_t held_counter = 0;   // the checkpoint it holds (or refused for its budget)
     std::chrono::steady_clock::time_point retry_at{};
-    uint64_t paced = 0;          // the pace set on sock (0: none)
   };
   std::vector<Partner> partners;  // loop thread only, but for Close's Shutdown (under mu)
 
@@ -1704,7 +1699,7 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(const ReplicatorOptions& o
   Impl& m = *r->impl_;
   m.o = o;
   m.env = o.env != nullptr ? o.env : DefaultEnv();
-  for (const std::string& p : o.partners) m.partners.push_back(Impl::Partner{p, {}, 0, {}, 0});
+  for (const std::string& p : o.partners) m.partners.push_back(Impl::Partner{p, {}, 0, {}});
   m.thread = std::thread([p = &m] { p->Loop(); });
   return r;
 }
@@ -1847,13 +1842,24 @@ void Replicator::Impl::Round() {
         MutexLock l(&mu);
         if (stop) return;
         p.sock = std::move(c).value();
-        p.paced = 0;
       }
-      if (pace != p.paced) {
-        SetPacing(p.sock, pace);
-        p.paced = pace;
-      }
-      s = SendPush(p.sock, o.job, file, info, &out);
+      // The pace (ReplicatorOptions::bps): whole frames at the link's
+      // speed, then a wait until their bytes at `pace` have taken their time
+      // (cut short by Close).
+      const auto start = std::chrono::steady_clock::now();
+      uint64_t paced_bytes = 0;
+      const auto after = [&](uint64_t n) -> Status {
+        paced_bytes += n;
+        const auto due = start + std::chrono::microseconds(static_cast<int64_t>(
+                                     static_cast<double>(paced_bytes) / static_cast<double>(pace) * 1e6));
+        MutexLock l(&mu);
+        while (!stop && std::chrono::steady_clock::now() < due) {
+          (void)cv.WaitFor(&mu, due - std::chrono::steady_clock::now());
+        }
+        return stop ? Status::IOError("peer replicator: closed") : Status::OK();
+      };
+      s = SendPush(p.sock, o.job, file, info, &out,
+                   pace > 0 ? std::function<Status(uint64_t)>(after) : nullptr);
       if (s.ok()) break;
       {
         MutexLock l(&mu);

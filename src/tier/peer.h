@@ -238,13 +238,15 @@ struct ReplicatorOptions {
   // replication: a push only takes what training leaves. 0: none;
   // tier::kIdleNice: the SCHED_IDLE class.
   int nice = 10;
-  // The pace of a push: at most `bps` data bytes a second on each
-  // partner's connection (the kernel's TCP pacing, SO_MAX_PACING_RATE), so
-  // that the work a push makes, also what runs outside the thread's
-  // priority (the network stack's softirq on both ends of a veth or NIC),
-  // is spread out: its share of the CPU is at most bps times the CPU time a
-  // byte costs. A checkpoint of B bytes then reaches a partner B / bps after
-  // it is taken up at the earliest (stats lag_s_*). 0: see spread_s.
+  // The pace of a push: at most `bps` data bytes a second to each partner
+  // (whole DATA frames at the link's speed, then a wait until their bytes at
+  // `bps` took their time; the kernel's own TCP pacing would cut the stream
+  // into many small packets, each one more softirq), so that the work a
+  // push makes, also what runs outside the thread's priority (the network
+  // stack's softirq on both ends of a veth or NIC), is spread out: its share
+  // of the CPU is at most bps times the CPU time a byte costs. A checkpoint
+  // of B bytes then reaches a partner about B / bps after it is taken up
+  // at the earliest (stats lag_s_*). 0: see spread_s.
   uint64_t bps = 0;
   // Without `bps`: each push is spread over max(spread_s, the interval
   // between this rank's commits times `every`) -- the pace B / that time --

@@ -18,20 +18,25 @@ puts both ranks in this process's session, one autogroup), each rank its own
 ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
 
   off     replicas=0
-  on      replicas=1 (the peer threads at their default nice, 10)
+  on      replicas=1 as shipped: the peer threads at nice 10, each push
+          paced (peer_bps=None: spread over the commit interval, 10 s at least)
   niceN   replicas=1, peer_nice=N; nice0: the peer threads at training's
           priority, what ran before replication yielded the CPU
   everyN  replicas=1, peer_every=N (a partner takes a checkpoint only N
           after the one it holds)
-  idle    replicas=1, peer_nice="idle" (the peer threads in SCHED_IDLE)
-  bpsN    replicas=1, peer_bps=N MB/s (the kernel's TCP pacing of a push)
-  unpaced replicas=1, peer_bps=0
+  idle    replicas=1, peer_nice="idle" (the peer threads in SCHED_IDLE), paced as on
+  bpsN    replicas=1, peer_bps=N MB/s (a push's frames paced to N MB/s)
+  unpaced replicas=1, peer_bps=0 (what "on" was before the pace)
 
 The arms run in a rotating order every round (interleaved: the noise of
 this shared 2-core box falls on all of them). Per run: the mean step time
 and the visible stall per checkpoint (warm-up excluded), and the training
 thread's run-queue wait per step (/proc/thread-self/schedstat: time it was
-runnable but had no CPU), the replicas sent and skipped. Per round each
+runnable but had no CPU), the CPU time of each rank's process per step
+(every thread), the machine's softirq and system time over the run
+(/proc/stat: other load included), the replicas stored during the steps
+and after the drain, and the oldest a checkpoint was when its partner
+held it (peer_lag_s_max: during the steps, and with the drain). Per round each
 arm's ratio to "off" in the same round; the summary is their median.
 
 Prints a table and writes JSON.
@@ -196,7 +201,8 @@ def main():
              "cpu_s_per_step_median": statistics.median(x["cpu_s_per_step"] for x in rows),
              "softirq_s_median": statistics.median(x["kernel"]["softirq_s"] for x in rows),
              "lag_s_max": max((x["peer_lag_s_max"] for x in rows
-                               if x.get("peer_lag_s_max") is not None), default=None)}
+                               if x.get("peer_lag_s_max") is not None), default=None),
+             "lag_s_max_drained": max((x["peer_lag_s_max_drained"] for x in rows), default=0.0)}
         if arm != "off":
             st = [r["ratios"][arm]["step"] for r in res["rounds"]]
             sl = [r["ratios"][arm]["stall"] for r in res["rounds"]
@@ -207,7 +213,8 @@ def main():
         summary[arm] = s
     res["summary"] = summary
     print(f"\n{'arm':<8}{'step ms':>9}{'x off':>7}{'range':>13}{'stall/ckpt ms':>15}{'x off':>7}"
-          f"{'runq ms':>9}{'CPU ms':>8}{'softirq s':>10}{'replicated':>11}{'lag max s':>10}")
+          f"{'runq ms':>9}{'CPU ms':>8}{'softirq s':>10}{'replicated':>11}{'lag max s':>10}"
+          f"{'drained':>8}")
     for arm, s in summary.items():
         rs = (f"{s['step_ratio_median']:>7.3f}{s['step_ratio_range'][0]:>6.2f}-"
               f"{s['step_ratio_range'][1]:<6.2f}" if arm != "off" else f"{'':>7}{'':>13}")
@@ -215,7 +222,8 @@ def main():
         print(f"{arm:<8}{s['step_s_median'] * 1e3:>9.1f}{rs}{s['stall_per_ckpt_s_median'] * 1e3:>15.1f}"
               f"{sr}{s['runq_wait_s_median'] * 1e3:>9.1f}{s['cpu_s_per_step_median'] * 1e3:>8.1f}"
               f"{s['softirq_s_median']:>10.2f}{s['replicated_median']:>11}"
-              f"{s['lag_s_max'] if s['lag_s_max'] is not None else float('nan'):>10.1f}")
+              f"{s['lag_s_max'] if s['lag_s_max'] is not None else float('nan'):>10.1f}"
+              f"{s['lag_s_max_drained']:>8.1f}")
     print(f"load average {res['loadavg_start']:.1f} -> {res['loadavg_end']:.1f}")
     peer_stall_job.write_json(a.out, res)
 

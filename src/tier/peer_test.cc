@@ -309,6 +309,45 @@ std::multiset<int> ThreadNices() {
   return out;
 }
 
+// A server whose receiving threads run at `srv_nice` and a replicator at
+// `rep_nice` that pushed checkpoint 1 (step 10) to it; both threads live on
+// (the replicator keeps its connection).
+struct NicedPush {
+  std::shared_ptr<FaultEnv> env = FaultEnv::Create();
+  std::unique_ptr<PeerServer> srv;
+  Source src{1};
+  std::unique_ptr<Replicator> rep;
+  void Start(int srv_nice, int rep_nice) {
+    PeerServerOptions so;
+    so.job = kJob;
+    so.secret = kSecret;
+    so.bind_host = "127.0.0.1";
+    so.dir = "/shm";
+    so.env = env.get();
+    so.nice = srv_nice;
+    srv = PeerServer::Start(so).value();
+    src.Commit(1, 10);
+    ReplicatorOptions o;
+    o.job = kJob;
+    o.secret = kSecret;
+    o.rank = 1;
+    o.segment = src.path();
+    o.partners = {srv->endpoint()};
+    o.poll_s = 0.01;
+    o.env = src.env.get();
+    o.nice = rep_nice;
+    rep = Replicator::Start(o).value();
+    ASSERT_TRUE(rep->Drain(10));
+    ASSERT_EQ(rep->stats().last_step, 10) << rep->stats().last_error;
+  }
+  // A fetch of the replica: the pushed bytes.
+  void FetchesBitwise() {
+    Status st;
+    EXPECT_EQ(FetchBack(srv->endpoint(), 1, std::nullopt, &st).data, Data(Layout(), 10));
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  }
+};
+
 TEST(PeerTest, ReplicationRunsAtALowerCpuPriority) {
   // The replicator's thread and the server's thread that receives a push
   // yield the CPU to training (peer.h: ReplicatorOptions::nice,
@@ -320,37 +359,13 @@ TEST(PeerTest, ReplicationRunsAtALowerCpuPriority) {
   const std::multiset<int> before = ThreadNices();
   ASSERT_FALSE(before.empty());
   ASSERT_EQ(before.count(rep_nice) + before.count(srv_nice), 0u);
-  auto env = FaultEnv::Create();
-  PeerServerOptions so;
-  so.job = kJob;
-  so.secret = kSecret;
-  so.bind_host = "127.0.0.1";
-  so.dir = "/shm";
-  so.env = env.get();
-  so.nice = 7;
-  auto srv = PeerServer::Start(so).value();
-  Source src(1);
-  src.Commit(1, 10);
-  ReplicatorOptions o;
-  o.job = kJob;
-  o.secret = kSecret;
-  o.rank = 1;
-  o.segment = src.path();
-  o.partners = {srv->endpoint()};
-  o.poll_s = 0.01;
-  o.env = src.env.get();
-  o.nice = 5;
-  auto rep = Replicator::Start(o).value();
-  ASSERT_TRUE(rep->Drain(10));
-  ASSERT_EQ(rep->stats().last_step, 10) << rep->stats().last_error;
-  // Both threads live on (the replicator keeps its connection).
+  NicedPush n;
+  ASSERT_NO_FATAL_FAILURE(n.Start(7, 5));
   const std::multiset<int> during = ThreadNices();
   EXPECT_EQ(during.count(rep_nice), 1u) << "the replicator's thread";
   EXPECT_EQ(during.count(srv_nice), 1u) << "the server's thread that received the push";
   // A fetch's connection is not lowered.
-  Status st;
-  EXPECT_EQ(FetchBack(srv->endpoint(), 1, std::nullopt, &st).step, 10);
-  EXPECT_TRUE(st.ok()) << st.ToString();
+  n.FetchesBitwise();
   EXPECT_EQ(ThreadNices().count(srv_nice), 1u);
 }
 
@@ -371,33 +386,10 @@ TEST(PeerTest, IdleNicePutsTheReplicationThreadsInSchedIdle) {
   // nice tier::kIdleNice (Python peer_nice="idle"): the replicator's thread
   // and the server's thread that receives its push run in SCHED_IDLE.
   ASSERT_EQ(IdleThreads(), 0);
-  auto env = FaultEnv::Create();
-  PeerServerOptions so;
-  so.job = kJob;
-  so.secret = kSecret;
-  so.bind_host = "127.0.0.1";
-  so.dir = "/shm";
-  so.env = env.get();
-  so.nice = tier::kIdleNice;
-  auto srv = PeerServer::Start(so).value();
-  Source src(1);
-  src.Commit(1, 10);
-  ReplicatorOptions o;
-  o.job = kJob;
-  o.secret = kSecret;
-  o.rank = 1;
-  o.segment = src.path();
-  o.partners = {srv->endpoint()};
-  o.poll_s = 0.01;
-  o.env = src.env.get();
-  o.nice = tier::kIdleNice;
-  auto rep = Replicator::Start(o).value();
-  ASSERT_TRUE(rep->Drain(10));
-  ASSERT_EQ(rep->stats().last_step, 10) << rep->stats().last_error;
+  NicedPush n;
+  ASSERT_NO_FATAL_FAILURE(n.Start(tier::kIdleNice, tier::kIdleNice));
   EXPECT_EQ(IdleThreads(), 2) << "the replicator's thread and the server's receiving thread";
-  Status st;
-  EXPECT_EQ(FetchBack(srv->endpoint(), 1, std::nullopt, &st).data, Data(Layout(), 10));
-  EXPECT_TRUE(st.ok()) << st.ToString();
+  n.FetchesBitwise();
 }
 
 TEST(PeerTest, APacedPushCompletesBitwiseAtItsPaceAndSaysItsAge) {

@@ -184,44 +184,29 @@ def test_a_bad_replicas_value_is_one_line(tmp_path, bad):
     assert not os.path.exists(tmp_path / "job")  # refused before the directory is made
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
-def test_a_bad_peer_every_value_is_one_line(tmp_path, bad):
+BAD_PEER = ([("peer_every", v, "peer_every must be an int >= 1") for v in (0, -1, 1.5, "2", True)]
+            + [("peer_nice", v, "peer_nice must be an int from 0 to 19")
+               for v in (-1, 20, 2.0, "5", "IDLE", True)]
+            + [("peer_bps", v, "peer_bps must be None, 0") for v in (-1, 1.5, "1000000", True, 999_999)])
+
+
+@pytest.mark.parametrize("key,bad,says", BAD_PEER)
+def test_a_bad_peer_value_is_one_line(tmp_path, key, bad, says):
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(nonstop.CheckpointMismatchError, match="peer_every must be an int >= 1") as e:
-        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_every=bad)
+    with pytest.raises(nonstop.CheckpointMismatchError, match=says) as e:
+        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, **{key: bad})
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "job")  # refused before the directory is made
-    ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": model}, every=1, peer_every=3)
-    assert ck.options.dist.peer_every == 3
-    ck.close()
 
 
-@pytest.mark.parametrize("bad", [-1, 20, 2.0, "5", "IDLE", True])
-def test_a_bad_peer_nice_value_is_one_line(tmp_path, bad):
+def test_peer_values_taken(tmp_path):
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(nonstop.CheckpointMismatchError, match="peer_nice must be an int from 0 to 19") as e:
-        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_nice=bad)
-    assert "\n" not in str(e.value)
-    assert not os.path.exists(tmp_path / "job")
-
-
-def test_peer_nice_idle_is_the_sched_idle_class(tmp_path):
-    ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": torch.nn.Linear(2, 2)}, every=1,
-                              peer_nice="idle")
-    assert ck.options.dist.peer_nice == nonstop._core.PEER_IDLE_NICE == 20
-    ck.close()
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, "1000000", True, 999_999])
-def test_a_bad_peer_bps_value_is_one_line(tmp_path, bad):
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(nonstop.CheckpointMismatchError, match="peer_bps must be None, 0") as e:
-        nonstop.Checkpointer(str(tmp_path / "job"), {"model": model}, every=1, peer_bps=bad)
-    assert "\n" not in str(e.value)
-    assert not os.path.exists(tmp_path / "job")
-    ck = nonstop.Checkpointer(str(tmp_path / "ok"), {"model": model}, every=1, peer_bps=10**8)
-    assert ck.options.dist.peer_bps == 10**8
-    ck.close()
-    ck = nonstop.Checkpointer(str(tmp_path / "ok0"), {"model": model}, every=1)
-    assert ck.options.dist.peer_bps is None  # the default: spread over the commit interval
-    ck.close()
+    for i, (kw, want) in enumerate([
+            ({"peer_every": 3}, {"peer_every": 3}),
+            ({"peer_nice": "idle"}, {"peer_nice": nonstop._core.PEER_IDLE_NICE}),  # SCHED_IDLE
+            ({"peer_bps": 10**8}, {"peer_bps": 10**8}),
+            ({}, {"peer_bps": None, "peer_nice": 10})]):  # the pace spread over the commit interval
+        ck = nonstop.Checkpointer(str(tmp_path / f"ok{i}"), {"model": model}, every=1, **kw)
+        assert {k: getattr(ck.options.dist, k) for k in want} == want
+        ck.close()
+    assert nonstop._core.PEER_IDLE_NICE == 20

@@ -217,7 +217,8 @@ def train(a):
                               local=["w"], peer_every=a.peer_every,
                               **({} if a.peer_nice is None else
                                  {"peer_nice": a.peer_nice if a.peer_nice == "idle" else int(a.peer_nice)}),
-                              **({} if a.peer_bps is None else {"peer_bps": a.peer_bps}))
+                              **({} if a.peer_bps is None else
+                                 {"peer_bps": a.peer_bps if a.peer_bps == "spread" else int(a.peer_bps)}))
     ck.restore()
     times, waits, cpus = [], [], []
     for step in range(a.steps):
@@ -267,7 +268,7 @@ def main():
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--replicas", type=int, default=0)
     ap.add_argument("--peer-nice", default=None, help='0..19 or "idle"')
-    ap.add_argument("--peer-bps", type=int, default=None)
+    ap.add_argument("--peer-bps", default=None, help='bytes a second or "spread"')
     ap.add_argument("--peer-every", type=int, default=1)
     ap.add_argument("--cpu", type=int, default=None)
     a = ap.parse_args()

@@ -18,15 +18,16 @@ puts both ranks in this process's session, one autogroup), each rank its own
 ck.step() (bench/peer_restart_worker.py train). Arms, each run a fresh job:
 
   off     replicas=0
-  on      replicas=1 as shipped: the peer threads at nice 10, each push
-          paced (peer_bps=None: spread over the commit interval, 10 s at least)
+  on      replicas=1 as shipped: the peer threads at nice 10, unpaced
   niceN   replicas=1, peer_nice=N; nice0: the peer threads at training's
           priority, what ran before replication yielded the CPU
   everyN  replicas=1, peer_every=N (a partner takes a checkpoint only N
           after the one it holds)
-  idle    replicas=1, peer_nice="idle" (the peer threads in SCHED_IDLE), paced as on
+  idle    replicas=1, peer_nice="idle" (the peer threads in SCHED_IDLE)
   bpsN    replicas=1, peer_bps=N MB/s (a push's frames paced to N MB/s)
-  unpaced replicas=1, peer_bps=0 (what "on" was before the pace)
+  unpaced replicas=1, peer_bps=0 (the default today)
+  spread  replicas=1, peer_bps="spread" (each push spread over the commit
+          interval, 10 s at least)
 
 The arms run in a rotating order every round (interleaved: the noise of
 this shared 2-core box falls on all of them). Per run: the mean step time
@@ -70,8 +71,10 @@ def arm_flags(arm: str) -> list:
         return ["--replicas", "1", "--peer-nice", "idle"]
     if arm.startswith("bps") and arm[3:].isdigit():
         return ["--replicas", "1", "--peer-bps", str(int(arm[3:]) * 10**6)]
-    if arm.startswith("unpaced"):  # the pace off (peer_bps=0), whatever the default
+    if arm == "unpaced":  # the pace off (peer_bps=0), whatever the default
         return ["--replicas", "1", "--peer-bps", "0"]
+    if arm == "spread":
+        return ["--replicas", "1", "--peer-bps", "spread"]
     raise SystemExit(f"unknown arm {arm!r}")
 
 

@@ -51,7 +51,7 @@ class Checkpointer:
                  remote_every: Optional[int] = None, replay: str = "auto",
                  device_snapshot_bytes: Optional[int] = None, disk_every=1,
                  replicas: Optional[int] = None, peer_budget_bytes: Optional[int] = None,
-                 peer_every: int = 1, peer_nice=10, peer_bps: Optional[int] = None):
+                 peer_every: int = 1, peer_nice=10, peer_bps=0):
         kw = dict(locals())
         del kw["self"], kw["dir"]
         o = self.options = _options.resolve(**kw)

@@ -67,7 +67,7 @@ class DistOptions:
     peer_budget_bytes: Optional[int] = None  # None: a share of the memory dir's free space
     peer_every: int = 1  # the peer cadence: a replica every n-th memory checkpoint at most
     peer_nice: int = 10  # the peer threads' CPU nice increment (0: training's priority)
-    peer_bps: Optional[int] = None  # a push's pace, bytes/s (0: unpaced; None: spread over 10 s+)
+    peer_bps: Any = 0  # a push's pace, bytes/s (0: unpaced; "spread": over the commit interval)
 
 
 @dataclass(frozen=True)

@@ -85,18 +85,19 @@ def check_nice(nice) -> int:
 
 
 MIN_BPS = 10**6
-SPREAD_S = 10.0  # peer_bps=None: a push spread over this at least (ReplicatorOptions::spread_s)
+SPREAD_S = 10.0  # peer_bps="spread": a push spread over this at least (ReplicatorOptions::spread_s)
 
 
-def check_bps(bps) -> Optional[int]:
+def check_bps(bps):
     """peer_bps=: the pace of a push, data bytes a second to each partner
-    (an int >= 1 MB/s), 0: unpaced, None: each push spread over the time
-    between commits, 10 s at least (docs/TIERS.md "Priority and cadence")."""
-    if bps is None:
-        return None
+    (an int >= 1 MB/s), 0 (default): unpaced, "spread": each push spread
+    over the time between commits, 10 s at least (docs/TIERS.md "Priority
+    and cadence")."""
+    if bps == "spread":
+        return bps
     if not isinstance(bps, int) or isinstance(bps, bool) or not (bps == 0 or bps >= MIN_BPS):
         raise CheckpointMismatchError(
-            f"peer_bps must be None, 0 (unpaced) or an int >= {MIN_BPS} (bytes a second), "
+            f'peer_bps must be 0 (unpaced), "spread" or an int >= {MIN_BPS} (bytes a second), '
             f"got {bps!r}")
     return bps
 
@@ -186,12 +187,12 @@ class Peers:
     endpoints and the replicas the servers held at construction."""
 
     def __init__(self, dist, replicas: Optional[int], engine, budget_bytes: Optional[int] = None,
-                 peer_every: int = 1, peer_nice: int = 10, peer_bps: Optional[int] = None):
+                 peer_every: int = 1, peer_nice: int = 10, peer_bps=0):
         core = _ext.core()
         self.rank, self.world = dist.rank, dist.world
         self.every = peer_every  # the peer cadence (ReplicatorOptions::every)
         self.nice = peer_nice  # the replicator's and the push receivers' nice
-        self.bps = peer_bps  # the pace of a push (ReplicatorOptions::bps; None: spread_s)
+        self.bps = peer_bps  # the pace of a push (ReplicatorOptions::bps; "spread": spread_s)
         self.server = self.replicator = None
         self.partners: list = []
         self.held: dict = {}  # source rank -> [(step, counter, holder rank)], newest first
@@ -292,8 +293,9 @@ class Peers:
                 self.replicator = core.PeerReplicator(
                     self.job, secret, self.rank, segment,
                     [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3],
-                    every=self.every, nice=self.nice, bps=self.bps or 0,
-                    spread_s=SPREAD_S if self.bps is None else 0.0)
+                    every=self.every, nice=self.nice,
+                    bps=0 if self.bps == "spread" else self.bps,
+                    spread_s=SPREAD_S if self.bps == "spread" else 0.0)
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 

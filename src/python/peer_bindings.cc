@@ -169,7 +169,7 @@ void InitPeer(py::module_& m) {
            py::arg("partners"),
            py::arg("poll_s") = 0.2, py::arg("retry_s") = 1.0, py::arg("connect_timeout_s") = 5.0,
            py::arg("io_timeout_s") = 30.0, py::arg("job_dir") = "", py::arg("nice") = 10,
-           py::arg("every") = 1, py::arg("bps") = 0, py::arg("spread_s") = 10.0)
+           py::arg("every") = 1, py::arg("bps") = 0, py::arg("spread_s") = 0.0)
       .def("notify", &peer::Replicator::Notify, "A checkpoint may have been committed: look now.")
       .def(
           "drain",

@@ -254,8 +254,8 @@ struct ReplicatorOptions {
   // checkpoints come, and a partner holds a checkpoint at most about two
   // such times old (one waiting for the push before it, one sending).
   // Never slower than spread_min_bps (small states: no lag worth the
-  // name). 0 (with bps 0): unpaced.
-  double spread_s = 10;
+  // name). 0 (with bps 0): unpaced, the default.
+  double spread_s = 0;
   uint64_t spread_min_bps = 4 << 20;
   // The peer cadence: a checkpoint is pushed only when its counter is at
   // least `every` above the last one every partner holds (the first always);

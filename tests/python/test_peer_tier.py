@@ -187,7 +187,7 @@ def test_a_bad_replicas_value_is_one_line(tmp_path, bad):
 BAD_PEER = ([("peer_every", v, "peer_every must be an int >= 1") for v in (0, -1, 1.5, "2", True)]
             + [("peer_nice", v, "peer_nice must be an int from 0 to 19")
                for v in (-1, 20, 2.0, "5", "IDLE", True)]
-            + [("peer_bps", v, "peer_bps must be None, 0") for v in (-1, 1.5, "1000000", True, 999_999)])
+            + [("peer_bps", v, "peer_bps must be 0") for v in (-1, 1.5, "1000000", True, 999_999, None)])
 
 
 @pytest.mark.parametrize("key,bad,says", BAD_PEER)
@@ -205,7 +205,8 @@ def test_peer_values_taken(tmp_path):
             ({"peer_every": 3}, {"peer_every": 3}),
             ({"peer_nice": "idle"}, {"peer_nice": nonstop._core.PEER_IDLE_NICE}),  # SCHED_IDLE
             ({"peer_bps": 10**8}, {"peer_bps": 10**8}),
-            ({}, {"peer_bps": None, "peer_nice": 10})]):  # the pace spread over the commit interval
+            ({"peer_bps": "spread"}, {"peer_bps": "spread"}),  # over the commit interval
+            ({}, {"peer_bps": 0, "peer_nice": 10})]):  # the defaults: unpaced, nice 10
         ck = nonstop.Checkpointer(str(tmp_path / f"ok{i}"), {"model": model}, every=1, **kw)
         assert {k: getattr(ck.options.dist, k) for k in want} == want
         ck.close()

@@ -1654,10 +1654,6 @@ Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::stri
 
 // ---------------------------------------------------------------- replicator
 
-namespace {
-
-}  // namespace
-
 struct Replicator::Impl {
   ReplicatorOptions o;
   Env* env = nullptr;
@@ -1850,11 +1846,11 @@ void Replicator::Impl::Round() {
       uint64_t paced_bytes = 0;
       const auto after = [&](uint64_t n) -> Status {
         paced_bytes += n;
-        const auto due = start + std::chrono::microseconds(static_cast<int64_t>(
-                                     static_cast<double>(paced_bytes) / static_cast<double>(pace) * 1e6));
+        const auto until = start + std::chrono::microseconds(static_cast<int64_t>(
+                                       static_cast<double>(paced_bytes) / static_cast<double>(pace) * 1e6));
         MutexLock l(&mu);
-        while (!stop && std::chrono::steady_clock::now() < due) {
-          (void)cv.WaitFor(&mu, due - std::chrono::steady_clock::now());
+        while (!stop && std::chrono::steady_clock::now() < until) {
+          (void)cv.WaitFor(&mu, until - std::chrono::steady_clock::now());
         }
         return stop ? Status::IOError("peer replicator: closed") : Status::OK();
       };

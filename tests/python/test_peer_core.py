@@ -127,7 +127,7 @@ def test_a_paced_push_keeps_the_bytes_and_says_its_age(tmp_path, monkeypatch):
         assert st["bytes"] >= nbytes
         assert secs >= 0.6, secs  # paced: most of the second its bytes take at bps
         assert st["lag_s_last"] >= 0.6 and st["lag_s_max"] == st["lag_s_last"], st
-        got = nonstop.load(_core.peer_fetch(ep, JOB, SECRET, 0, str(tmp_path / "local")))
+        got = nonstop.load(_core.peer_fetch(ep, JOB, SECRET, 0, 1, str(tmp_path / "local")))
         assert torch.equal(got.tensors["model/weight"], model.weight.detach())
         assert torch.equal(got.tensors["model/bias"], model.bias.detach())
     finally:

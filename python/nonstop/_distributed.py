@@ -49,12 +49,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import _ext, _fsdp, _state
 from ._objects import CONSOLIDATED, is_zero
-from ._read import read_tensors
+from ._read import destinations, read_into, read_tensors
 from ._state import loads, torch_dtype_by_name
-from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+from .errors import (BY_STATUS_CODE, CheckpointError, CheckpointIOError, CheckpointMismatchError,
                      CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
 REPLICATED = ("shard", "rank0")
+_CODE = {cls: code for code, cls in BY_STATUS_CODE.items()}  # CheckpointError: 8
 # Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
 # Tensors smaller than this (in elements) are not cut: one rank writes each whole.
 MIN_SHARD_NUMEL = 1024
@@ -183,16 +184,8 @@ class Distributed:
         self.peers = None  # the peer tier (_peer.Peers), started once the engine is open
         self.state: Optional[dict] = None  # the Checkpointer's state (resharding)
         self.agreed: Optional[dict] = read_agreed(dir, rank)
-        self.rounds = 0
-        # Progress of the agreement (stats()): pins, candidates dropped, the
-        # longest run of drops without a pin between, the longest time
-        # between two pins (from the first round).
-        self.agreements = 0
-        self.candidate_drops = 0
-        self.drops_in_row = 0
-        self.max_drops_in_row = 0
-        self.max_agree_gap_s = 0.0
-        self._last_agree_t: Optional[float] = None
+        # The rounds' decisions and progress (stats()), in C++.
+        self._rounds = _ext.core().AgreementRounds()
         self.error: Optional[BaseException] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -271,7 +264,7 @@ class Distributed:
             err = str(e)
         comm.check(err, CheckpointIOError)
         every = comm.gather(mine)
-        common = set(every[0]).intersection(*map(set, every[1:]))
+        common = set(_ext.core().dist_common_steps(every))
         try:
             for step in mine:
                 if step in common:
@@ -302,8 +295,10 @@ class Distributed:
     # ---------------------------------------------------------- agreement
 
     def _loop(self) -> None:
-        dist = torch.distributed
-        decide = _ext.core().decide_agreement
+        """The agreement's rounds: each rank's offer gathered, the deciding
+        and the counting in C++ (dist.h AgreementRounds; plan.h DecideAgreement),
+        the same answer on every rank from the same offers."""
+        rounds = self._rounds
         try:
             while True:
                 # This rank's offer (Engine::Offer): its candidate, the newest
@@ -315,32 +310,20 @@ class Distributed:
                                      -1 if newest is None else int(newest[1])], dtype=torch.int64)
                 got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
                 self._gather(got, mine)
-                self.rounds += 1
-                if self._last_agree_t is None:
-                    self._last_agree_t = time.monotonic()
-                # Which step: C++ (plan.h DecideAgreement), the same answer on
-                # every rank from the same offers.
-                kind, target = decide([(int(g[0]), int(g[1]), int(g[2])) for g in got])
+                kind, aim, close, close_step = rounds.on_round(
+                    [g.tolist() for g in got], self.agreed_step(), time.monotonic())
                 if kind == "pin":
-                    agreed_step = -1 if self.agreed is None else self.agreed["step"]
-                    if step > agreed_step or self.agreed.get("lineage") != self.lineage:
-                        self._pin(counter, step)
-                    elif self.engine.aim(step + 1):  # agreed already: keep a newer one
-                        self._dropped()
-                elif kind == "aim" and self.engine.aim(target):
-                    self._dropped()
-                if all(int(g[3]) for g in got):
-                    # Closing: nothing is in flight and nothing more will be
-                    # written, so the newest checkpoint every rank committed
-                    # stays intact even where its slot was not kept: agree on it.
-                    last = [int(g[4]) for g in got]
-                    if newest is not None and all(x == last[0] for x in last) and (
-                            last[0] > (self.agreed_step() if self.agreed_step() is not None
-                                       else -1)):
+                    self.engine.pin(counter)
+                    self._record(counter, step)
+                    rounds.pinned(time.monotonic())
+                elif kind == "aim" and self.engine.aim(aim):
+                    rounds.dropped()
+                if close:  # every rank is closing: record the newest all committed
+                    if close_step >= 0:
                         cand = self.engine.candidate()
                         if cand is not None and cand[0] == newest[0]:
                             self.engine.pin(newest[0])
-                        self._record(int(newest[0]), last[0])
+                        self._record(int(newest[0]), close_step)
                     return
                 self._stop.wait(self.agree_every_s)
                 if self._exiting.is_set():
@@ -387,24 +370,6 @@ class Distributed:
             if time.monotonic() > deadline:
                 break
 
-    def _pin(self, counter: int, step: int) -> None:
-        self.engine.pin(counter)
-        self._record(counter, step)
-        self.agreements += 1
-        self.drops_in_row = 0
-        self._gap()
-
-    def _dropped(self) -> None:
-        self.candidate_drops += 1
-        self.drops_in_row += 1
-        self.max_drops_in_row = max(self.max_drops_in_row, self.drops_in_row)
-
-    def _gap(self) -> None:
-        now = time.monotonic()
-        if self._last_agree_t is not None:
-            self.max_agree_gap_s = max(self.max_agree_gap_s, now - self._last_agree_t)
-        self._last_agree_t = now
-
     def _record(self, counter: int, step: int, resharded_from=None) -> None:
         """This rank's agreed record, written durably by the engine's job
         directory (C++; the engine holds the writer lock)."""
@@ -444,14 +409,16 @@ class Distributed:
             warnings.warn(f"nonstop: rank {self.rank}: global agreement stopped: {e}",
                           stacklevel=3)
 
+    @property
+    def rounds(self) -> int:
+        return self._rounds.rounds
+
     def stats(self) -> dict:
-        if self._last_agree_t is not None and self._thread is not None:
-            # The gap still open counts too (no agreement since).
-            self.max_agree_gap_s = max(self.max_agree_gap_s,
-                                       time.monotonic() - self._last_agree_t)
-        s = {"agreed_step": self.agreed_step(), "rounds": self.rounds,
-             "agreements": self.agreements, "candidate_drops": self.candidate_drops,
-             "max_drops_in_row": self.max_drops_in_row, "max_agree_gap_s": self.max_agree_gap_s,
+        r = self._rounds
+        s = {"agreed_step": self.agreed_step(), "rounds": r.rounds, "agreements": r.agreements,
+             "candidate_drops": r.candidate_drops, "max_drops_in_row": r.max_drops_in_row,
+             # The gap still open counts too (no agreement since) while the thread runs.
+             "max_agree_gap_s": r.max_gap(time.monotonic() if self._thread is not None else None),
              "lineage": self.lineage, "agreement_error": repr(self.error) if self.error else None}
         if self.peers is not None:
             s.update(self.peers.stats())
@@ -468,7 +435,7 @@ class Distributed:
         try:
             jd = _open_read(self.dir)
             if jd is not None:
-                own = planned_steps(jd, self.rank, None)
+                own = jd.planned_steps(self.rank)
         except CheckpointError:
             pass  # the collective restore reports it
         self.peers.prefetch(self.dir, own)
@@ -502,14 +469,13 @@ class Distributed:
         see load(). The choices are JobDir's: which checkpoints of this rank
         are committed and not abandoned (list), which one of a step verifies
         (select); the ranks only agree on the step."""
-        dist = torch.distributed
-        comm = Comm(self.group, self.world)
+        core, comm = _ext.core(), self.comm()
         jd, err, foreign, mine = None, None, False, []
         try:
             jd = _open_read(self.dir)
             if jd is not None:
                 foreign = jd.needs_set_aside(self.world)
-                mine = planned_steps(jd, self.rank, step)
+                mine = jd.planned_steps(self.rank, step)
         except CheckpointError as e:
             err = str(e)
         comm.check(err, CorruptCheckpointError)
@@ -521,36 +487,23 @@ class Distributed:
         if pf is not None:
             at = next((i for i, m in enumerate(mine) if m < pf["step"]), len(mine))
             mine = mine[:at] + [pf["step"]] + mine[at:]
-        if any(comm.gather(foreign)):
-            raise IncompatibleCheckpointError(
-                f"{self.dir} holds rank files written by a job of another world size; this job "
-                f"has world size {self.world} and the old rank files were not set aside for "
-                f"resharding: open the directory with nonstop.Checkpointer (it moves them to "
-                f"world-W/ and restore() reshards), restart with their world size, or reshard "
-                f"through DCP (nonstop export --format dcp)")
+        core.dist_check_foreign(self.dir, self.world, comm.gather(foreign))
         check_world(self.dir)
         every = comm.gather(mine)
-        # The planner's order (rank 0's, the same on every rank), of the
-        # steps every rank holds.
-        order = [s for s in every[0] if all(s in e for e in every[1:])]
+        # The planner's order (rank 0's), of the steps every rank holds.
+        order = core.dist_common_steps(every)
         if not order:
             # Nothing this world size committed on every rank: a set-aside
-            # checkpoint of another world size, resharded.
+            # checkpoint of another world size, resharded; or a fresh start.
             got = self._reshard(step, remote)
-            if got is not None:
-                return got
-        if not any(every) and step is None:
-            return None
-        if not order:
-            raise CheckpointNotFoundError(
-                f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
-                f"committed on every rank of {self.dir} (rank {self.rank} holds steps "
-                f"{mine or 'none'})")
+            if got is None:
+                core.dist_no_common_step(self.dir, self.rank, step, every)
+            return got
         agreed = self.agreed["step"] if self.agreed else None
         stats = {} if stats is None else stats
         for n, s in enumerate(order):
             t0 = time.perf_counter()
-            err, lineage, sel, meta, tensors = None, None, None, None, {}
+            err, run, sel, meta, tensors = None, 0, None, None, {}
             peer = pf is not None and s == pf["step"]
             where = pf["dir"] if peer else self.dir
             try:
@@ -561,10 +514,8 @@ class Distributed:
                 sel = src.select(self.rank, step=s, verify_data=False,
                                  include_keep=step is not None)
                 info = sel.info
-                meta = loads(info["meta_json"])
-                if not isinstance(meta, dict):
-                    raise CorruptCheckpointError(f"{sel.where}: step {s}: malformed metadata")
-                lineage = int(meta.get("dist", {}).get("lineage", 0))
+                meta = _meta(sel, s)
+                run = int(meta.get("dist", {}).get("lineage", 0))
             except (CheckpointError, OSError) as e:
                 err = str(e)
             source = "peer" if peer else "disk"
@@ -578,19 +529,12 @@ class Distributed:
                     tensors = read_tensors(_OldRank(sel), 0)
                 except (CheckpointError, OSError) as e:
                     err = str(e)
-            got = comm.gather((err, lineage, source))
-            bad = [(r, e) for r, (e, _, _) in enumerate(got) if e is not None]
-            if not bad and len({lin for _, lin, _ in got}) > 1:
-                # Same step, different runs (a rank crashed before recording a
-                # rollback the others recorded): never mixed.
-                bad = [(r, f"step {s} is of run {lin}") for r, (_, lin, _) in enumerate(got)]
-            if bad:
-                where = "; ".join(f"rank {r}: {e}" for r, e in bad)
-                if n + 1 == len(order):
-                    raise CorruptCheckpointError(
-                        f"no checkpoint every rank of {self.dir} can verify: {where}")
-                warnings.warn(f"nonstop: step {s} fails on {where}; all ranks fall back to "
-                              f"step {order[n + 1]}", stacklevel=4)
+            got = comm.gather([err, run, source])
+            # Restore it, or all fall back to the next step (a rank failed, or
+            # the ranks' checkpoints are of different runs), or none left: C++.
+            warning = core.dist_recover_step(self.dir, order, n, [(e, r) for e, r, _ in got])
+            if warning:
+                warnings.warn(warning, stacklevel=4)
                 continue
             full = self.assemble(tensors, info, meta)
             stats.update(restored_from=source, restore_s=time.perf_counter() - t0,
@@ -641,8 +585,9 @@ class Distributed:
                     reader, why = open_segment(self.dir, self.rank, step=s)
                 except (CheckpointError, OSError) as e:
                     reader, why = None, str(e)
+        decide = _ext.core().dist_memory
         whys = comm.gather(why)
-        if all(w in ("", None) for w in whys) and "" in whys:
+        if decide(whys)[0]:  # every rank's segment holds the step: read it
             if why == "":
                 try:
                     stats["_memory_tensors"] = read_tensors(reader, reader.newest_valid,
@@ -650,13 +595,12 @@ class Distributed:
                 except (CheckpointError, OSError) as e:
                     why = f"{reader.path}: {e}"
             whys = comm.gather(why)
-        unused = "; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w)
-        if unused or "" not in whys:
+        use, unused = decide(whys)
+        if unused:
+            stats["memory_unused_because"] = unused
+        if not use:
             stats.pop("_memory_tensors", None)
-            if unused:
-                stats["memory_unused_because"] = unused
-            return "peer" if peer else "disk"
-        return "peer" if peer else "memory"
+        return "peer" if peer else "memory" if use else "disk"
 
     def _reshard(self, step: Optional[int], remote=None) -> Optional[tuple]:
         # Whether any rank's server or host held a checkpoint of another world
@@ -698,36 +642,24 @@ class Distributed:
         return info, tensors, meta, os.path.join(self.dir, _ext.core().JobDir.slot_name(self.rank))
 
     def assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
-        """Reassembles every replicated tensor from the ranks' pieces with an
-        all_reduce(SUM) of uint8 bytes: each byte has exactly one nonzero
-        contributor, so the sum is exact."""
+        """Reassembles every replicated tensor from the ranks' pieces (placed
+        by C++, dist_lay_out_shared) with an all_reduce(SUM) of uint8 bytes:
+        each byte has exactly one nonzero contributor, so the sum is exact."""
         shared = meta.get("dist", {}).get("shared", {})
-        specs = {s["name"]: s for s in info["tensors"]}
-        names = sorted(shared)
-        sizes = []
-        for name in names:
-            shape, dtype = shared[name]
-            numel = 1
-            for d in shape:
-                numel *= d
-            sizes.append(numel * _torch_dtype_by_name(dtype).itemsize)
-        flat = torch.zeros(sum(sizes), dtype=torch.uint8)
-        off = 0
-        for name, size in zip(names, sizes):
-            if name in tensors:
-                piece = tensors[name].reshape(-1)
-                g_off = specs[name]["global_offset"] * piece.element_size()
-                raw = piece.view(torch.uint8) if piece.numel() else piece
-                flat[off + g_off:off + g_off + raw.numel()] = raw
-            off += size
-        if flat.numel():
+        pieces = [(self.rank, i, s["name"], int(s["global_offset"]), int(s["nbytes"]))
+                  for i, s in enumerate(info["tensors"]) if s["name"] in shared]
+        layout, total, copies = _ext.core().dist_lay_out_shared(
+            [(n, s, d) for n, (s, d) in shared.items()], pieces, False, self.dir, info["step"])
+        flat = torch.zeros(total, dtype=torch.uint8)
+        for (_, _, name, _, _), (_, _, off, n) in zip(pieces, copies):
+            if n and name in tensors:
+                flat[off:off + n] = tensors[name].reshape(-1).view(torch.uint8)
+        if total:
             torch.distributed.all_reduce(flat, group=self.group)
         out = {k: v for k, v in tensors.items() if k not in shared}
-        off = 0
-        for name, size in zip(names, sizes):
+        for name, off, n in layout:
             shape, dtype = shared[name]
-            out[name] = flat[off:off + size].clone().view(_torch_dtype_by_name(dtype)).reshape(shape)
-            off += size
+            out[name] = flat[off:off + n].clone().view(_torch_dtype_by_name(dtype)).reshape(shape)
         return out
 
 
@@ -744,23 +676,6 @@ class Distributed:
 # set-aside checkpoint is resharded is the job directory's choice (C++,
 # JobDir.select_reshard: newest step of one run verified on every old rank);
 # Python agrees on it over gloo and rebuilds the torch state.
-
-
-def planned_steps(jd, rank: int, step: Optional[int]) -> list:
-    """The steps of rank `rank`'s checkpoints in `jd` in the recovery
-    planner's order (newest counter of the lineage first; abandoned, damaged
-    and overwritten ones left out), each step once; with `step`, only it,
-    kept copies (keep/) included. The ranks gather these lists and agree on
-    the first step every rank holds."""
-    rows = [c for c in jd.list(rank) if c["counter"] and (step is not None or not c["keep"])]
-    cands = [{"tier": "keep" if c["keep"] else "disk", "where": c["where"],
-              "step": int(c["step"]), "counter": int(c["counter"]),
-              "committed": c["state"] != "damaged", "damage": c["reason"],
-              "overwritten": bool(c.get("rotated"))} for c in rows]
-    order = _ext.core().plan(cands, jd.lineage(rank), step=step)["order"]
-    return list(dict.fromkeys(cands[i]["step"] for i in order))
-
-
 
 
 def needs_set_aside(dir: str, world: int) -> bool:
@@ -827,11 +742,10 @@ class Comm:
         return [json.loads(bytes(g[:k].numpy()).decode("utf-8")) for g, k in zip(got, n)]
 
     def check(self, err: Optional[str], cls=IncompatibleCheckpointError) -> None:
-        """Raises on every rank when any rank failed (so none hangs)."""
-        bad = [(r, e) for r, e in enumerate(self.gather(err)) if e is not None]
-        if bad:
-            raise cls(bad[0][1] if len(bad) == 1 or all(e == bad[0][1] for _, e in bad)
-                      else "; ".join(f"rank {r}: {e}" for r, e in bad))
+        """Raises `cls` on every rank when any rank failed (so none hangs):
+        one line (C++ dist_join_errors)."""
+        _ext.core().dist_join_errors([None if e is None else [_CODE[cls], e]
+                                      for e in self.gather(err)])
 
 
 class _OldRank:
@@ -866,21 +780,17 @@ def pick_archive(dir: str, world: int, step: Optional[int] = None,
     return jd.select_reshard(world, step=step, max_step=max_step, extra=list(extra))
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+def _meta(sel, step: int) -> dict:
+    """The metadata of a selected checkpoint (a dict, or a one-line error)."""
+    meta = loads(sel.info["meta_json"])
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{sel.where}: step {step}: malformed metadata")
+    return meta
 
 
-def _read_all(reader, idx: int, names=None) -> dict:
-    """name -> (tensor, spec) of checkpoint `idx` of one file, those whose
-    name `names` accepts: one read through the C++ restore path (every crc
-    chunk read and verified once; read_tensors)."""
-    info = reader.checkpoints[idx]
-    got = read_tensors(reader, idx, names=names)
-    return {spec["name"]: (got[spec["name"]], spec) for spec in info["tensors"]
-            if spec["name"] in got}
+def _error(e: CheckpointError) -> list:
+    """[Status code, message] of a nonstop error, gathered for C++ to join."""
+    return [next((_CODE[c] for c in type(e).__mro__ if c in _CODE), 8), str(e)]
 
 
 def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
@@ -904,91 +814,42 @@ def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
     return out
 
 
-_ERRORS = {"CheckpointError": CheckpointError, "CheckpointNotFoundError": CheckpointNotFoundError,
-           "CorruptCheckpointError": CorruptCheckpointError,
-           "IncompatibleCheckpointError": IncompatibleCheckpointError,
-           "CheckpointMismatchError": CheckpointMismatchError, "CheckpointIOError": CheckpointIOError}
-
-
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
             state: dict, extra=()) -> Optional[tuple]:
     """Rebuilds rank `rank`'s state (of a job of world size `world`) from a
     set-aside checkpoint of another world size in `dir`. Returns ((step,
     run id), info, tensors, meta, old world, archive dir), or None when no
-    set-aside rank file holds any checkpoint (nothing to lose).
-
-    Which checkpoint is JobDir's choice (select_reshard, C++): the newest
-    step committed and verified on every old rank file by checkpoints of one
-    run. Each rank chooses on its own and the ranks agree on the choice; each
-    reads what it needs from every old file, so a rank failing to rebuild
-    makes all fall back together to an older choice (below the failed step).
-    When nothing older qualifies, every rank raises one line that says why
-    the newer ones failed; never None."""
-    max_step, failed = None, []
+    set-aside rank file holds any checkpoint (nothing to lose). Each rank
+    chooses (JobDir.select_reshard) and rebuilds; the ranks gather their
+    choices and outcomes and C++ decides (ReshardAgreement, dist.h): proceed,
+    all try again below a step, or one error line naming the ranks."""
+    agree = _ext.core().ReshardAgreement(dir, world)
     while True:
         pick, err = None, None
         try:
-            pick = pick_archive(dir, world, step, max_step, extra)
+            pick = pick_archive(dir, world, step, agree.max_step, extra)
         except CheckpointError as e:
-            err = (type(e).__name__, str(e))
-        errs = comm.gather(err)
-        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
-        if bad:
-            name, msg = bad[0][1]
-            if len(bad) > 1 and any(e != bad[0][1] for _, e in bad):
-                msg = "; ".join(f"rank {r}: {m}" for r, (_, m) in bad)
-            if failed:
-                msg = f"{'; '.join(failed)}; then: {msg}"
-            raise _ERRORS.get(name, CheckpointError)(msg)
-        keys = [None if k is None else tuple(k) for k in comm.gather(
-            None if pick is None else [int(pick["old_world"]), int(pick["step"]),
-                                       int(pick["run_id"])])]
-        if all(k is None for k in keys):
-            if failed:  # cannot happen: an older step that is gone is an error above
-                raise CorruptCheckpointError("; ".join(failed))
-            return None
-        seen = [(r, k) for r, k in enumerate(keys) if k is not None]
-        if len(seen) < len(keys):
-            r, (w, _, _) = seen[0]
-            raise IncompatibleCheckpointError(
-                f"rank {r} finds a checkpoint of world size {w} in {dir} but rank "
-                f"{keys.index(None)} does not: resharding to world size {world} needs every old "
-                f"rank file visible to every rank (a shared file system, or copies)")
-        low = min(k[1] for k in keys)
-        if len(set(keys)) > 1:
-            # The ranks see different choices (their copies differ): all try
-            # again at or below the oldest one, then below it.
-            max_step = low if any(k[1] != low for k in keys) else low - 1
+            err = _error(e)
+        key = None if pick is None else [int(pick[k]) for k in ("old_world", "step", "run_id")]
+        nxt = agree.on_picks(comm.gather([err, key]))
+        if nxt != "proceed":
+            if nxt == "none":
+                return None
             continue
-        old_world, s, run_id = keys[0]
+        old_world, s, run_id = agree.key
         archive = os.path.join(dir, pick["dir"])
         readers = [_OldRank(sel) for sel in pick["ranks"]]
         src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
         err, fatal, got = None, None, None
         try:
-            metas = []
-            for sel, reader in zip(pick["ranks"], readers):
-                meta = loads(reader.checkpoints[0]["meta_json"])
-                if not isinstance(meta, dict):
-                    raise CorruptCheckpointError(f"{sel.where}: step {s}: malformed metadata")
-                metas.append(meta)
-            got = _rebuild(readers, [0] * old_world, metas, metas[0].get("dist", {}), src,
-                           archive, old_world, rank, world, (s, run_id), state)
+            metas = [_meta(sel, s) for sel in pick["ranks"]]
+            got = _rebuild(readers, metas, src, archive, old_world, rank, world, (s, run_id), state)
         except (CorruptCheckpointError, OSError) as e:
             err = str(e)
         except CheckpointError as e:  # not a damaged file: no older step helps
             fatal = str(e)
-        got_all = comm.gather([err, fatal])
-        fatals = [f for _, f in got_all if f is not None]
-        if fatals:
-            raise IncompatibleCheckpointError(fatals[0])
-        bad = [(r, e) for r, (e, _) in enumerate(got_all) if e is not None]
-        if bad:
-            where = "; ".join(f"rank {r}: {e}" for r, e in bad)
-            failed.append(f"resharding step {s} of {archive} fails on {where}")
-            warnings.warn(f"nonstop: resharding step {s} of {archive} fails on {where}; all ranks "
-                          f"fall back to an older step", stacklevel=4)
-            max_step = s - 1
+        if agree.on_rebuilt(comm.gather([err, fatal]), archive) == "retry":
+            warnings.warn(agree.warning, stacklevel=4)
             continue
         tensors, meta = got
         info = dict(readers[src].checkpoints[0])
@@ -997,48 +858,34 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
         return (s, run_id), info, tensors, meta, old_world, archive
 
 
-def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world, key, state):
-    """(tensors, meta) of one step of the old files, for new rank `rank`."""
-    if old_world != world and doc.get("local"):
-        raise IncompatibleCheckpointError(
-            f"cannot reshard {archive} (world size {old_world}) to world size {world}: state "
-            f"{doc['local'][0]!r} is rank-local (local=...), a partition only its own rank knows")
+def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
+    """(tensors, meta) of one step of the old files, for new rank `rank`:
+    each old file read once (crcs verified), its pieces of the replicated
+    tensors straight into one buffer where C++ placed them (dist_lay_out_shared)."""
+    core, doc = _ext.core(), metas[0].get("dist", {})
     zero_keys = set(doc.get("zero", {}))
-    stale = [k for k, o in state.items() if is_zero(o) and k not in zero_keys]
-    if stale and old_world != world:
-        raise IncompatibleCheckpointError(
-            f"cannot reshard the ZeroRedundancyOptimizer state {stale[0]!r} of {archive}: it was "
-            f"written without the layout resharding needs (an older nonstop)")
+    core.dist_check_reshardable(archive, old_world, world, list(doc.get("local", [])),
+                                sorted(zero_keys), [k for k, o in state.items() if is_zero(o)])
     shared = dict(doc.get("shared", {}))
-    # Replicated tensors: every old rank's pieces, placed by global offset.
-    flat = {name: torch.zeros(_numel(shape) * _torch_dtype_by_name(dtype).itemsize,
-                              dtype=torch.uint8) for name, (shape, dtype) in shared.items()}
-    filled = dict.fromkeys(shared, 0)
-    zero_parts = []  # per old rank: name -> tensor under a ZeRO key
-    mine = {}
-    for r, (reader, idx) in enumerate(zip(readers, indices)):
-        got = _read_all(reader, idx, lambda nm: nm in shared or nm.split("/", 1)[0] in zero_keys
-                        or r == src)
-        zparts = {}
-        for name, (t, spec) in got.items():
-            if name in shared:
-                raw = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-                off = int(spec.get("global_offset", 0)) * t.element_size()
-                flat[name][off:off + raw.numel()] = raw
-                filled[name] += raw.numel()
-            elif name.split("/", 1)[0] in zero_keys:
-                zparts[name] = t
-            else:
-                mine[name] = t  # old rank `src`'s own tensors
-        zero_parts.append(zparts)
-    for name, size in filled.items():
-        if size != flat[name].numel():
-            raise CorruptCheckpointError(
-                f"tensor {name!r}: the old rank files of {archive} hold {size} of its "
-                f"{flat[name].numel()} bytes at step {key[0]}")
-    tensors = dict(mine)
-    for name, (shape, dtype) in shared.items():
-        tensors[name] = flat[name].view(_torch_dtype_by_name(dtype)).reshape(shape)
+    specs = [r.checkpoints[0]["tensors"] for r in readers]
+    layout, total, copies = core.dist_lay_out_shared(
+        [(n, s, d) for n, (s, d) in shared.items()],
+        [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
+         for r, table in enumerate(specs) for i, sp in enumerate(table)], True, archive, key[0])
+    flat = torch.empty(total, dtype=torch.uint8)
+    into = {(r, i): (flat.data_ptr() + off, n) for r, i, off, n in copies}
+    zero_parts, tensors = [], {}
+    for r, reader in enumerate(readers):
+        want = [None if sp["name"] in shared or not (
+            r == src or sp["name"].split("/", 1)[0] in zero_keys) else sp for sp in specs[r]]
+        got, dests = destinations(want, False, None)
+        read_into(reader, 0, [into.get((r, i), d) for i, d in enumerate(dests)])
+        zero_parts.append({n: t for n, t in got.items() if n.split("/", 1)[0] in zero_keys})
+        if r == src:  # old rank `src`'s own tensors
+            tensors.update({n: t for n, t in got.items() if n not in zero_parts[-1]})
+    for name, off, n in layout:  # every layout offset is aligned for any dtype
+        shape, dtype = shared[name]
+        tensors[name] = flat[off:off + n].view(_torch_dtype_by_name(dtype)).reshape(shape)
     meta = json.loads(json.dumps(metas[src]))  # a copy: its state tree is rewritten below
     meta["state"] = dict(meta.get("state", {}))
     for zk in sorted(zero_keys):
@@ -1046,8 +893,8 @@ def _rebuild(readers, indices, metas, doc, src, archive, old_world, rank, world,
     # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.
     dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
     if dt:
-        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, _ext.core(),
-                                     sources=(readers, indices)))
+        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, core,
+                                     sources=(readers, [0] * old_world)))
     # A module saved under DDP restored without it (one process), or back.
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():

@@ -185,6 +185,12 @@ class PyJobDir {
     return d;
   }
 
+  std::vector<int64_t> PlannedSteps(int rank, std::optional<int64_t> step) {
+    JobDir& j = jd();
+    py::gil_scoped_release release;
+    return Take(j.PlannedSteps(rank, step));
+  }
+
   py::list List(int rank) {
     std::vector<ListedCheckpoint> l;
     {
@@ -458,6 +464,8 @@ void InitJobDir(py::module_& m) {
            "extra: [(old world, old rank, absolute path)]: more copies of old rank files "
            "outside the job directory (the peer tier's, docs/DISTRIBUTED.md).")
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
+      .def("planned_steps", &PyJobDir::PlannedSteps, py::arg("rank") = 0,
+           py::arg("step") = py::none())
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
       .def("lineage", &PyJobDir::Lineage, py::arg("rank") = 0)
       .def("next_counter", &PyJobDir::NextCounter, py::arg("rank") = 0)

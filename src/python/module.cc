@@ -20,4 +20,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitSchedule(m);
   nonstop::py_bindings::InitEnv(m);
   nonstop::py_bindings::InitPeer(m);
+  nonstop::py_bindings::InitDist(m);
 }

@@ -1,0 +1,225 @@
+// The decisions of a distributed restart (docs/DISTRIBUTED.md): recovery's
+// agreement on a step and its fallbacks, the reshard's agreement and its
+// retries, the memory tier's all-or-none choice, and the byte arithmetic of
+// the replicated tensors (which old rank's piece lands where). Pure: every
+// function is given, as data, what each rank found (gathered by the Python
+// front end over its gloo group: JSON, never pickle) and returns the same
+// answer on every rank. None of them chooses a checkpoint: the steps each
+// rank offers come from the recovery planner (plan.h MakePlan, through
+// JobDir); these only intersect them and decide what the ranks do together.
+// Every error and warning line is made here, once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "nonstop/plan.h"
+#include "nonstop/status.h"
+
+namespace nonstop::dist {
+
+// One rank's failure, gathered: its Status code and one-line message.
+struct RankError {
+  StatusCode code = StatusCode::kInternal;
+  std::string message;
+};
+
+// The ranks' failures (index = rank; nullopt: it succeeded) as one Status:
+// OK when none failed; else the first failing rank's code with its message
+// when one rank failed or all said the same, otherwise "rank R: m; rank S: n".
+Status JoinErrors(const std::vector<std::optional<RankError>>& every);
+
+// ---- The agreement thread's rounds (Distributed._loop) ----
+
+// One rank's part of a round, gathered: its engine's offer, whether it is
+// closing, and (closing) the newest step it committed (-1: none).
+struct RoundOffer {
+  AgreeOffer offer;
+  bool stopping = false;
+  int64_t newest = -1;
+};
+
+// What a rank does after each round, and the progress of the agreement
+// (Distributed.stats()). Times are the caller's monotonic seconds.
+class AgreementRounds {
+ public:
+  struct Step {
+    enum class Kind { kWait, kPin, kAim } kind = Kind::kWait;
+    int64_t aim = -1;  // kAim: Engine::Aim(aim); Dropped() when it drops a candidate
+    bool close = false;  // every rank is closing: this was the last round
+    // close: the newest step every rank committed, newer than the agreed
+    // one: pin it (when it is still the candidate) and record it; else -1.
+    int64_t close_step = -1;
+  };
+  // `agreed`: this rank's agreed step of its current lineage (nullopt: none).
+  // kPin: pin this rank's candidate (step every[rank].offer.candidate) and
+  // record it, then Pinned(). A candidate already agreed is not pinned again:
+  // every rank aims past it instead.
+  Step OnRound(const std::vector<RoundOffer>& every, std::optional<int64_t> agreed, double now_s);
+  void Pinned(double now_s);
+  void Dropped();
+
+  int64_t rounds = 0;
+  int64_t agreements = 0;
+  int64_t candidate_drops = 0;
+  int64_t max_drops_in_row = 0;
+  // The longest time between two pins (from the first round); with `now_s`,
+  // the gap still open counts too (and is kept).
+  double MaxGap(std::optional<double> now_s);
+
+ private:
+  int64_t drops_in_row_ = 0;
+  double max_gap_s_ = 0;
+  std::optional<double> last_t_;
+};
+
+// ---- Recovery (Distributed.recover) ----
+
+// The steps every rank holds, in rank 0's order (each rank's list is its
+// planner order: newest of its lineage first).
+std::vector<int64_t> CommonSteps(const std::vector<std::vector<int64_t>>& every);
+
+// The ranks found no common step and no set-aside checkpoint to reshard:
+// OK (a fresh start) when no rank holds any step and none was asked for;
+// else NotFound naming `rank`'s own steps.
+Status NoCommonStep(const std::string& dir, int rank, std::optional<int64_t> step,
+                    const std::vector<std::vector<int64_t>>& every);
+
+// Some rank's job directory holds rank files of another world size that were
+// not set aside: FailedPrecondition saying what to do; OK otherwise.
+Status CheckForeign(const std::string& dir, int world, const std::vector<bool>& every);
+
+// What one rank found when it selected and read step order[n].
+struct StepRead {
+  std::optional<std::string> error;  // why it could not select or read it
+  uint64_t run_id = 0;               // the checkpoint's run (CheckpointRunId)
+};
+
+// Whether the ranks restore order[n] together. OK with an empty warning: yes.
+// OK with a warning: every rank falls back to order[n + 1] (some rank failed,
+// or the ranks' checkpoints of the step are of different runs: never mixed).
+// Corruption when order[n] was the last common step.
+Result<std::string> DecideRecoverStep(const std::string& dir, const std::vector<int64_t>& order,
+                                      size_t n, const std::vector<StepRead>& every);
+
+// The memory tier on a restart, all or none. `whys[r]`: "" when rank r's
+// segment holds the step and reads (or read) cleanly, nullopt when rank r
+// takes no part (it restores a partner's replica), else why not.
+struct MemoryChoice {
+  bool use = false;    // every taking part said "" and at least one takes part
+  std::string unused;  // "rank R: why; ..." of those that cannot
+};
+MemoryChoice DecideMemory(const std::vector<std::optional<std::string>>& whys);
+
+// ---- Resharding (_distributed.reshard) ----
+
+// The checkpoint a rank's JobDir::SelectReshard chose.
+struct ReshardKey {
+  int old_world = 0;
+  int64_t step = 0;
+  uint64_t run_id = 0;
+  bool operator==(const ReshardKey&) const = default;
+};
+
+// The ranks' agreement on the reshard: each rank chooses on its own (with
+// max_step()), the ranks gather their choices (OnPicks), each rebuilds its
+// state from the agreed one, and they gather the outcomes (OnRebuilt). A rank
+// whose copies differ, or that fails to rebuild, makes every rank try again
+// below; nothing older qualifying is one error line naming why the newer
+// ones failed.
+class ReshardAgreement {
+ public:
+  enum class Next { kNone, kRetry, kProceed, kDone };
+  struct Pick {
+    std::optional<RankError> error;
+    std::optional<ReshardKey> key;  // nullopt: no set-aside checkpoint at all
+  };
+  struct Rebuilt {
+    std::optional<std::string> error;  // damaged bytes: an older step may do
+    std::optional<std::string> fatal;  // not damage: no older step helps
+  };
+
+  ReshardAgreement(std::string dir, int world) : dir_(std::move(dir)), world_(world) {}
+  std::optional<int64_t> max_step() const { return max_step_; }
+  // kNone: no rank sees a set-aside checkpoint (nothing to lose);
+  // kRetry: the ranks chose differently, choose again (max_step() lowered);
+  // kProceed: every rank chose key(). Errors: a rank failed to choose, or
+  // only some ranks see the old files.
+  Result<Next> OnPicks(const std::vector<Pick>& every);
+  // kDone, or kRetry with warning() set (every rank falls back below the
+  // step). FailedPrecondition when a rank's failure was not damage.
+  // `archive`: the agreed set-aside directory, for the lines.
+  Result<Next> OnRebuilt(const std::vector<Rebuilt>& every, const std::string& archive);
+  const ReshardKey& key() const { return key_; }
+  const std::string& warning() const { return warning_; }
+
+ private:
+  std::string dir_;
+  int world_;
+  std::optional<int64_t> max_step_;
+  std::vector<std::string> failed_;
+  ReshardKey key_;
+  std::string warning_;
+};
+
+// The message of a reshard that cannot keep state: a rank-local state key
+// (local=...), or a ZeroRedundancyOptimizer key saved without its layout.
+// `zero_keys`: the saved ZeRO layouts; `live_zero`: the live state's ZeRO
+// keys. OK when the worlds are equal.
+Status CheckReshardable(const std::string& archive, int old_world, int world,
+                        const std::vector<std::string>& local,
+                        const std::vector<std::string>& zero_keys,
+                        const std::vector<std::string>& live_zero);
+
+// ---- The replicated tensors' bytes ----
+
+// A replicated tensor as the "shared" table of meta["dist"] records it.
+struct SharedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;  // DTypeName spelling ("float32", ...)
+};
+
+// A piece of a replicated tensor that some rank's checkpoint holds.
+struct Piece {
+  int rank = 0;
+  size_t handle = 0;          // the caller's index (its tensor table), returned untouched
+  std::string name;
+  uint64_t global_offset = 0;  // in elements
+  uint64_t nbytes = 0;
+};
+
+// Where one piece's bytes go in the flat buffer of every shared tensor.
+struct PieceCopy {
+  int rank = 0;
+  size_t handle = 0;
+  uint64_t offset = 0;  // in bytes, into the flat buffer
+  uint64_t nbytes = 0;
+};
+
+// The flat buffer: every shared tensor by name order, each at `offset` (a
+// multiple of 64 bytes, so a view of the buffer at it fits any dtype).
+struct SharedLayout {
+  struct Tensor {
+    std::string name;
+    uint64_t offset = 0;
+    uint64_t nbytes = 0;
+  };
+  std::vector<Tensor> tensors;
+  uint64_t total = 0;
+  std::vector<PieceCopy> copies;  // the pieces, in the order given
+};
+
+// The layout and each piece's place. Pieces of names not shared are left
+// out. Refused with one line: an unknown dtype (FailedPrecondition); a
+// negative dimension or a size past 2^62 bytes, a piece outside its tensor,
+// not of whole elements or overlapping another, and, with `complete`, a
+// tensor whose pieces do not cover all of its bytes (every old rank file's
+// pieces gathered) (Corruption, naming the tensor, `where` and `step`).
+Result<SharedLayout> LayOutShared(const std::vector<SharedTensor>& shared,
+                                  const std::vector<Piece>& pieces, bool complete,
+                                  const std::string& where, int64_t step);
+
+}  // namespace nonstop::dist

@@ -1,0 +1,353 @@
+// The decisions of a distributed restart (include/nonstop/dist.h): pure, on
+// the data the ranks gathered.
+#include "nonstop/dist.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "nonstop/types.h"
+
+namespace nonstop::dist {
+namespace {
+
+// "rank 0: a; rank 2: b" of the ranks that have a line.
+std::string PerRank(const std::vector<std::optional<std::string>>& lines) {
+  std::string out;
+  for (size_t r = 0; r < lines.size(); ++r) {
+    if (!lines[r]) continue;
+    if (!out.empty()) out += "; ";
+    out += "rank " + std::to_string(r) + ": " + *lines[r];
+  }
+  return out;
+}
+
+// Python's repr of a plain name: 'name'.
+std::string Quoted(const std::string& s) { return "'" + s + "'"; }
+
+std::string StepList(const std::vector<int64_t>& steps) {
+  if (steps.empty()) return "none";
+  std::string out = "[";
+  for (size_t i = 0; i < steps.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(steps[i]);
+  }
+  return out + "]";
+}
+
+}  // namespace
+
+Status JoinErrors(const std::vector<std::optional<RankError>>& every) {
+  const RankError* first = nullptr;
+  bool same = true;
+  std::vector<std::optional<std::string>> lines(every.size());
+  for (size_t r = 0; r < every.size(); ++r) {
+    if (!every[r]) continue;
+    if (!first) first = &*every[r];
+    same = same && every[r]->message == first->message;
+    lines[r] = every[r]->message;
+  }
+  if (!first) return Status::OK();
+  return Status(first->code, same ? first->message : PerRank(lines));
+}
+
+AgreementRounds::Step AgreementRounds::OnRound(const std::vector<RoundOffer>& every,
+                                               std::optional<int64_t> agreed, double now_s) {
+  ++rounds;
+  if (!last_t_) last_t_ = now_s;
+  Step out;
+  std::vector<AgreeOffer> offers;
+  bool closing = !every.empty();
+  for (const RoundOffer& r : every) {
+    offers.push_back(r.offer);
+    closing = closing && r.stopping;
+  }
+  const AgreeDecision d = DecideAgreement(offers);
+  if (d.kind == AgreeDecision::Kind::kPin) {
+    if (!agreed || d.step > *agreed) {
+      out.kind = Step::Kind::kPin;
+      agreed = d.step;
+    } else {  // agreed already: keep a newer one
+      out.kind = Step::Kind::kAim;
+      out.aim = d.step + 1;
+    }
+  } else if (d.kind == AgreeDecision::Kind::kAim) {
+    out.kind = Step::Kind::kAim;
+    out.aim = d.step;
+  }
+  if (closing) {
+    // Nothing is in flight and nothing more will be written, so the newest
+    // checkpoint every rank committed stays intact even where its slot was
+    // not kept: agree on it.
+    out.close = true;
+    const int64_t last = every.front().newest;
+    bool same = true;
+    for (const RoundOffer& r : every) same = same && r.newest == last;
+    if (same && last >= 0 && last > agreed.value_or(-1)) out.close_step = last;
+  }
+  return out;
+}
+
+void AgreementRounds::Pinned(double now_s) {
+  ++agreements;
+  drops_in_row_ = 0;
+  if (last_t_) max_gap_s_ = std::max(max_gap_s_, now_s - *last_t_);
+  last_t_ = now_s;
+}
+
+void AgreementRounds::Dropped() {
+  ++candidate_drops;
+  max_drops_in_row = std::max(max_drops_in_row, ++drops_in_row_);
+}
+
+double AgreementRounds::MaxGap(std::optional<double> now_s) {
+  if (now_s && last_t_) max_gap_s_ = std::max(max_gap_s_, *now_s - *last_t_);
+  return max_gap_s_;
+}
+
+std::vector<int64_t> CommonSteps(const std::vector<std::vector<int64_t>>& every) {
+  std::vector<int64_t> out;
+  if (every.empty()) return out;
+  std::vector<std::set<int64_t>> held;
+  for (size_t r = 1; r < every.size(); ++r) held.emplace_back(every[r].begin(), every[r].end());
+  std::set<int64_t> seen;
+  for (int64_t s : every[0]) {
+    if (!seen.insert(s).second) continue;
+    if (std::all_of(held.begin(), held.end(), [&](const auto& h) { return h.count(s) > 0; })) {
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+Status NoCommonStep(const std::string& dir, int rank, std::optional<int64_t> step,
+                    const std::vector<std::vector<int64_t>>& every) {
+  const bool any = std::any_of(every.begin(), every.end(), [](const auto& e) { return !e.empty(); });
+  if (!any && !step) return Status::OK();
+  const std::vector<int64_t> none;
+  const auto& mine = rank >= 0 && static_cast<size_t>(rank) < every.size() ? every[rank] : none;
+  return Status::NotFound(
+      "no " + (step ? "checkpoint at step " + std::to_string(*step) : std::string("checkpoint")) +
+      " committed on every rank of " + dir + " (rank " + std::to_string(rank) + " holds steps " +
+      StepList(mine) + ")");
+}
+
+Status CheckForeign(const std::string& dir, int world, const std::vector<bool>& every) {
+  if (std::none_of(every.begin(), every.end(), [](bool b) { return b; })) return Status::OK();
+  return Status::FailedPrecondition(
+      dir + " holds rank files written by a job of another world size; this job has world size " +
+      std::to_string(world) +
+      " and the old rank files were not set aside for resharding: open the directory with "
+      "nonstop.Checkpointer (it moves them to world-W/ and restore() reshards), restart with "
+      "their world size, or reshard through DCP (nonstop export --format dcp)");
+}
+
+Result<std::string> DecideRecoverStep(const std::string& dir, const std::vector<int64_t>& order,
+                                      size_t n, const std::vector<StepRead>& every) {
+  if (n >= order.size()) return Status::Internal("DecideRecoverStep: no step #" + std::to_string(n));
+  const int64_t s = order[n];
+  std::vector<std::optional<std::string>> bad(every.size());
+  bool any = false;
+  for (size_t r = 0; r < every.size(); ++r) {
+    if (every[r].error) bad[r] = every[r].error, any = true;
+  }
+  if (!any) {
+    bool mixed = false;
+    for (const StepRead& e : every) mixed = mixed || e.run_id != every.front().run_id;
+    if (!mixed) return std::string();
+    // Same step, different runs (a rank crashed before recording a rollback
+    // the others recorded): never mixed.
+    for (size_t r = 0; r < every.size(); ++r) {
+      bad[r] = "step " + std::to_string(s) + " is of run " + std::to_string(every[r].run_id);
+    }
+  }
+  const std::string where = PerRank(bad);
+  if (n + 1 == order.size()) {
+    return Status::Corruption("no checkpoint every rank of " + dir + " can verify: " + where);
+  }
+  return "nonstop: step " + std::to_string(s) + " fails on " + where +
+         "; all ranks fall back to step " + std::to_string(order[n + 1]);
+}
+
+MemoryChoice DecideMemory(const std::vector<std::optional<std::string>>& whys) {
+  MemoryChoice c;
+  bool taking_part = false;
+  std::vector<std::optional<std::string>> lines(whys.size());
+  for (size_t r = 0; r < whys.size(); ++r) {
+    if (!whys[r]) continue;
+    if (whys[r]->empty()) {
+      taking_part = true;
+    } else {
+      lines[r] = whys[r];
+    }
+  }
+  c.unused = PerRank(lines);
+  c.use = taking_part && c.unused.empty();
+  return c;
+}
+
+Result<ReshardAgreement::Next> ReshardAgreement::OnPicks(const std::vector<Pick>& every) {
+  std::vector<std::optional<RankError>> errs;
+  for (const Pick& p : every) errs.push_back(p.error);
+  Status st = JoinErrors(errs);
+  if (!st.ok()) {
+    if (failed_.empty()) return st;
+    std::string then;
+    for (const auto& f : failed_) then += (then.empty() ? "" : "; ") + f;
+    return Status(st.code(), then + "; then: " + st.message());
+  }
+  const Pick* seen = nullptr;
+  std::optional<size_t> blind;
+  for (size_t r = 0; r < every.size(); ++r) {
+    if (every[r].key && !seen) seen = &every[r];
+    if (!every[r].key && !blind) blind = r;
+  }
+  if (!seen) {
+    if (failed_.empty()) return Next::kNone;
+    // Cannot happen: an older step that is gone is an error above.
+    std::string all;
+    for (const auto& f : failed_) all += (all.empty() ? "" : "; ") + f;
+    return Status::Corruption(all);
+  }
+  if (blind) {
+    return Status::FailedPrecondition(
+        "rank " + std::to_string(seen - every.data()) + " finds a checkpoint of world size " +
+        std::to_string(seen->key->old_world) + " in " + dir_ + " but rank " +
+        std::to_string(*blind) + " does not: resharding to world size " + std::to_string(world_) +
+        " needs every old rank file visible to every rank (a shared file system, or copies)");
+  }
+  int64_t low = seen->key->step;
+  bool same = true, steps_differ = false;
+  for (const Pick& p : every) {
+    low = std::min(low, p.key->step);
+    same = same && *p.key == *seen->key;
+  }
+  if (!same) {
+    // The ranks see different choices (their copies differ): all try again
+    // at or below the oldest one, then below it.
+    for (const Pick& p : every) steps_differ = steps_differ || p.key->step != low;
+    max_step_ = steps_differ ? low : low - 1;
+    return Next::kRetry;
+  }
+  key_ = *seen->key;
+  return Next::kProceed;
+}
+
+Result<ReshardAgreement::Next> ReshardAgreement::OnRebuilt(const std::vector<Rebuilt>& every,
+                                                           const std::string& archive) {
+  warning_.clear();
+  std::vector<std::optional<std::string>> bad(every.size());
+  bool any = false;
+  for (size_t r = 0; r < every.size(); ++r) {
+    if (every[r].fatal) return Status::FailedPrecondition(*every[r].fatal);
+    if (every[r].error) bad[r] = every[r].error, any = true;
+  }
+  if (!any) return Next::kDone;
+  const std::string line = "resharding step " + std::to_string(key_.step) + " of " + archive +
+                           " fails on " + PerRank(bad);
+  failed_.push_back(line);
+  warning_ = "nonstop: " + line + "; all ranks fall back to an older step";
+  max_step_ = key_.step - 1;
+  return Next::kRetry;
+}
+
+Status CheckReshardable(const std::string& archive, int old_world, int world,
+                        const std::vector<std::string>& local,
+                        const std::vector<std::string>& zero_keys,
+                        const std::vector<std::string>& live_zero) {
+  if (old_world == world) return Status::OK();
+  if (!local.empty()) {
+    return Status::FailedPrecondition(
+        "cannot reshard " + archive + " (world size " + std::to_string(old_world) +
+        ") to world size " + std::to_string(world) + ": state " + Quoted(local.front()) +
+        " is rank-local (local=...), a partition only its own rank knows");
+  }
+  for (const std::string& k : live_zero) {
+    if (std::find(zero_keys.begin(), zero_keys.end(), k) != zero_keys.end()) continue;
+    return Status::FailedPrecondition(
+        "cannot reshard the ZeroRedundancyOptimizer state " + Quoted(k) + " of " + archive +
+        ": it was written without the layout resharding needs (an older nonstop)");
+  }
+  return Status::OK();
+}
+
+Result<SharedLayout> LayOutShared(const std::vector<SharedTensor>& shared,
+                                  const std::vector<Piece>& pieces, bool complete,
+                                  const std::string& where, int64_t step) {
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
+  constexpr uint64_t kAlign = 64;  // every tensor's offset: a view of any dtype fits
+  const std::string at = " at step " + std::to_string(step);
+  struct Info {
+    size_t index;
+    uint64_t itemsize;
+  };
+  std::vector<const SharedTensor*> sorted;
+  for (const SharedTensor& t : shared) sorted.push_back(&t);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const SharedTensor* a, const SharedTensor* b) { return a->name < b->name; });
+  SharedLayout out;
+  std::map<std::string, Info> by_name;
+  for (const SharedTensor* t : sorted) {
+    DType dt;
+    if (!ParseDType(t->dtype, &dt)) {
+      return Status::FailedPrecondition("unknown dtype " + Quoted(t->dtype) +
+                                        " in a distributed checkpoint");
+    }
+    uint64_t n = DTypeSize(dt);
+    for (int64_t d : t->shape) {
+      if (d < 0 || (d > 0 && n > kMaxBytes / static_cast<uint64_t>(d))) {
+        return Status::Corruption("tensor " + Quoted(t->name) + ": shape out of range in " +
+                                  where + at);
+      }
+      n *= static_cast<uint64_t>(d);
+    }
+    if (out.total > kMaxBytes - n || !by_name.emplace(t->name, Info{out.tensors.size(),
+                                                                     DTypeSize(dt)}).second) {
+      return Status::Corruption("tensor " + Quoted(t->name) + ": size out of range in " + where +
+                                at);
+    }
+    out.total = (out.total + kAlign - 1) / kAlign * kAlign;
+    out.tensors.push_back({t->name, out.total, n});
+    out.total += n;
+  }
+  // Per tensor: its pieces' byte ranges, to check they neither overlap nor leave a gap.
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges(out.tensors.size());
+  for (const Piece& p : pieces) {
+    auto it = by_name.find(p.name);
+    if (it == by_name.end()) continue;
+    const SharedLayout::Tensor& t = out.tensors[it->second.index];
+    const uint64_t item = it->second.itemsize;
+    if (p.nbytes % item != 0 || p.global_offset > t.nbytes / item ||
+        p.nbytes > t.nbytes - p.global_offset * item) {
+      return Status::Corruption("tensor " + Quoted(p.name) + ": rank " + std::to_string(p.rank) +
+                                "'s piece (" + std::to_string(p.nbytes) + " bytes at element " +
+                                std::to_string(p.global_offset) + ") lies outside its " +
+                                std::to_string(t.nbytes) + " bytes in " + where + at);
+    }
+    const uint64_t off = p.global_offset * item;
+    if (p.nbytes) ranges[it->second.index].emplace_back(off, off + p.nbytes);
+    out.copies.push_back({p.rank, p.handle, t.offset + off, p.nbytes});
+  }
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    auto& rs = ranges[i];
+    std::sort(rs.begin(), rs.end());
+    uint64_t held = 0, reach = 0;
+    for (const auto& [b, e] : rs) {
+      if (b < reach) {
+        return Status::Corruption("tensor " + Quoted(out.tensors[i].name) +
+                                  ": pieces of the rank files of " + where + " overlap" + at);
+      }
+      held += e - b;
+      reach = e;
+    }
+    if (complete && held != out.tensors[i].nbytes) {
+      return Status::Corruption("tensor " + Quoted(out.tensors[i].name) +
+                                ": the old rank files of " + where + " hold " +
+                                std::to_string(held) + " of its " +
+                                std::to_string(out.tensors[i].nbytes) + " bytes" + at);
+    }
+  }
+  return out;
+}
+
+}  // namespace nonstop::dist

@@ -1,0 +1,252 @@
+// The distributed restart's decisions (nonstop/dist.h) on gathered data
+// alone: the common steps, the recover fallbacks, the memory tier's
+// all-or-none choice, the reshard agreement's retries and its one error
+// line, and the byte layout of the replicated tensors.
+#include "nonstop/dist.h"
+
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace nonstop::dist {
+namespace {
+
+TEST(DistTest, JoinErrorsOneLineOrPerRank) {
+  EXPECT_TRUE(JoinErrors({std::nullopt, std::nullopt}).ok());
+  Status one = JoinErrors({std::nullopt, RankError{StatusCode::kCorruption, "bad"}});
+  EXPECT_EQ(one.code(), StatusCode::kCorruption);
+  EXPECT_EQ(one.message(), "bad");
+  Status same = JoinErrors({RankError{StatusCode::kNotFound, "x"},
+                            RankError{StatusCode::kCorruption, "x"}});
+  EXPECT_EQ(same.code(), StatusCode::kNotFound);
+  EXPECT_EQ(same.message(), "x");
+  Status two = JoinErrors({RankError{StatusCode::kIOError, "a"}, std::nullopt,
+                           RankError{StatusCode::kCorruption, "b"}});
+  EXPECT_EQ(two.code(), StatusCode::kIOError);
+  EXPECT_EQ(two.message(), "rank 0: a; rank 2: b");
+}
+
+RoundOffer R(int64_t cand, int64_t committed, bool stopping = false, int64_t newest = -1) {
+  RoundOffer r;
+  r.offer.candidate = cand;
+  r.offer.committed = committed;
+  r.offer.started = committed;
+  r.stopping = stopping;
+  r.newest = newest;
+  return r;
+}
+
+TEST(DistTest, AgreementRoundsPinOnceAimPastAnAgreedStepAndCount) {
+  using K = AgreementRounds::Step::Kind;
+  AgreementRounds a;
+  auto s = a.OnRound({R(-1, -1), R(-1, -1)}, std::nullopt, 1.0);
+  EXPECT_EQ(s.kind, K::kWait);
+  s = a.OnRound({R(10, 10), R(10, 10)}, std::nullopt, 2.0);
+  EXPECT_EQ(s.kind, K::kPin);
+  a.Pinned(3.0);
+  // Agreed already (this lineage): keep a newer one instead of pinning again.
+  s = a.OnRound({R(10, 10), R(10, 10)}, 10, 4.0);
+  EXPECT_EQ(s.kind, K::kAim);
+  EXPECT_EQ(s.aim, 11);
+  a.Dropped();
+  a.Dropped();
+  s = a.OnRound({R(20, 20), R(10, 20)}, 10, 5.0);  // rank 1 went past 20: aim after 20
+  EXPECT_EQ(s.kind, K::kAim);
+  EXPECT_EQ(s.aim, 21);
+  a.Pinned(9.0);
+  EXPECT_EQ(a.rounds, 4);
+  EXPECT_EQ(a.agreements, 2);
+  EXPECT_EQ(a.candidate_drops, 2);
+  EXPECT_EQ(a.max_drops_in_row, 2);
+  EXPECT_DOUBLE_EQ(a.MaxGap(std::nullopt), 6.0);   // 3.0 -> 9.0
+  EXPECT_DOUBLE_EQ(a.MaxGap(20.0), 11.0);          // the gap still open
+}
+
+TEST(DistTest, AgreementRoundsCloseOnTheNewestEveryRankCommitted) {
+  AgreementRounds a;
+  auto s = a.OnRound({R(-1, 30, true, 30), R(-1, 30, false, -1)}, 20, 1.0);
+  EXPECT_FALSE(s.close);  // rank 1 is not closing yet
+  s = a.OnRound({R(-1, 30, true, 30), R(-1, 30, true, 30)}, 20, 2.0);
+  EXPECT_TRUE(s.close);
+  EXPECT_EQ(s.close_step, 30);
+  s = a.OnRound({R(-1, 30, true, 30), R(-1, 30, true, 20)}, 10, 3.0);
+  EXPECT_TRUE(s.close);
+  EXPECT_EQ(s.close_step, -1);  // the ranks' newest differ
+  // Pinned in this very round: nothing newer to record.
+  s = a.OnRound({R(30, 30, true, 30), R(30, 30, true, 30)}, 20, 4.0);
+  EXPECT_EQ(s.kind, AgreementRounds::Step::Kind::kPin);
+  EXPECT_EQ(s.close_step, -1);
+}
+
+TEST(DistTest, CommonStepsInRankZerosOrder) {
+  EXPECT_EQ(CommonSteps({{30, 20, 10}, {10, 20}, {20, 10, 40}}), (std::vector<int64_t>{20, 10}));
+  // Rank 0's order wins even when another rank lists the steps otherwise.
+  EXPECT_EQ(CommonSteps({{9, 29}, {29, 9}}), (std::vector<int64_t>{9, 29}));
+  EXPECT_TRUE(CommonSteps({{5}, {}}).empty());
+  EXPECT_TRUE(CommonSteps({}).empty());
+  EXPECT_EQ(CommonSteps({{7, 7, 3}}), (std::vector<int64_t>{7, 3}));
+}
+
+TEST(DistTest, NoCommonStepIsAFreshStartOnlyWhenNothingIsThere) {
+  EXPECT_TRUE(NoCommonStep("/j", 0, std::nullopt, {{}, {}}).ok());
+  Status s = NoCommonStep("/j", 1, std::nullopt, {{}, {9, 8}});
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.message(), "no checkpoint committed on every rank of /j (rank 1 holds steps [9, 8])");
+  s = NoCommonStep("/j", 0, 5, {{}, {}});
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.message(),
+            "no checkpoint at step 5 committed on every rank of /j (rank 0 holds steps none)");
+}
+
+TEST(DistTest, CheckForeignRefusesWhenAnyRankSeesOldFiles) {
+  EXPECT_TRUE(CheckForeign("/j", 2, {false, false}).ok());
+  Status s = CheckForeign("/j", 2, {false, true});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("/j holds rank files written by a job of another world size; this "
+                             "job has world size 2"),
+            std::string::npos);
+}
+
+TEST(DistTest, DecideRecoverStepFallsBackTogetherAndNeverMixesRuns) {
+  const std::vector<int64_t> order{20, 10};
+  auto ok = DecideRecoverStep("/j", order, 0, {{std::nullopt, 7}, {std::nullopt, 7}});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(*ok, "");
+  auto fail = DecideRecoverStep("/j", order, 0, {{std::nullopt, 7}, {"crc mismatch", 0}});
+  ASSERT_TRUE(fail.ok());
+  EXPECT_EQ(*fail, "nonstop: step 20 fails on rank 1: crc mismatch; all ranks fall back to step 10");
+  auto runs = DecideRecoverStep("/j", order, 0, {{std::nullopt, 7}, {std::nullopt, 8}});
+  ASSERT_TRUE(runs.ok());
+  EXPECT_EQ(*runs, "nonstop: step 20 fails on rank 0: step 20 is of run 7; rank 1: step 20 is of "
+                   "run 8; all ranks fall back to step 10");
+  auto last = DecideRecoverStep("/j", order, 1, {{"gone", 0}, {std::nullopt, 7}});
+  ASSERT_FALSE(last.ok());
+  EXPECT_EQ(last.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(last.status().message(), "no checkpoint every rank of /j can verify: rank 0: gone");
+}
+
+TEST(DistTest, DecideMemoryIsAllOrNone) {
+  EXPECT_TRUE(DecideMemory({"", ""}).use);
+  EXPECT_TRUE(DecideMemory({"", std::nullopt}).use);  // a peer-replica rank takes no part
+  EXPECT_FALSE(DecideMemory({std::nullopt, std::nullopt}).use);
+  MemoryChoice c = DecideMemory({"", "no segment"});
+  EXPECT_FALSE(c.use);
+  EXPECT_EQ(c.unused, "rank 1: no segment");
+}
+
+ReshardAgreement::Pick P(int w, int64_t step, uint64_t run) {
+  return {std::nullopt, ReshardKey{w, step, run}};
+}
+
+TEST(DistTest, ReshardAgreementRetriesBelowDifferentChoices) {
+  ReshardAgreement a("/j", 3);
+  // Different steps: again at or below the oldest.
+  auto n = a.OnPicks({P(2, 20, 1), P(2, 10, 1), P(2, 20, 1)});
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, ReshardAgreement::Next::kRetry);
+  EXPECT_EQ(a.max_step(), 10);
+  // Same step, different runs: below it.
+  n = a.OnPicks({P(2, 10, 1), P(2, 10, 2), P(2, 10, 1)});
+  EXPECT_EQ(*n, ReshardAgreement::Next::kRetry);
+  EXPECT_EQ(a.max_step(), 9);
+  n = a.OnPicks({P(2, 8, 1), P(2, 8, 1), P(2, 8, 1)});
+  EXPECT_EQ(*n, ReshardAgreement::Next::kProceed);
+  EXPECT_EQ(a.key(), (ReshardKey{2, 8, 1}));
+  n = a.OnPicks({{std::nullopt, std::nullopt}, {std::nullopt, std::nullopt}});
+  EXPECT_EQ(*n, ReshardAgreement::Next::kNone);
+}
+
+TEST(DistTest, ReshardAgreementErrorsNameRanksAndWhatFailedBefore) {
+  ReshardAgreement a("/j", 2);
+  auto n = a.OnPicks({P(4, 8, 1), {std::nullopt, std::nullopt}});
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(n.status().message(),
+            "rank 0 finds a checkpoint of world size 4 in /j but rank 1 does not: resharding to "
+            "world size 2 needs every old rank file visible to every rank (a shared file "
+            "system, or copies)");
+  ASSERT_EQ(*a.OnPicks({P(4, 8, 1), P(4, 8, 1)}), ReshardAgreement::Next::kProceed);
+  auto r = a.OnRebuilt({{std::nullopt, std::nullopt}, {"bad crc", std::nullopt}}, "/j/world-4");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, ReshardAgreement::Next::kRetry);
+  EXPECT_EQ(a.max_step(), 7);
+  EXPECT_EQ(a.warning(), "nonstop: resharding step 8 of /j/world-4 fails on rank 1: bad crc; all "
+                         "ranks fall back to an older step");
+  n = a.OnPicks({{RankError{StatusCode::kNotFound, "nothing older"}, std::nullopt},
+                 {RankError{StatusCode::kNotFound, "nothing older"}, std::nullopt}});
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(n.status().message(),
+            "resharding step 8 of /j/world-4 fails on rank 1: bad crc; then: nothing older");
+  // A failure that is not damage ends it at once.
+  ASSERT_EQ(*a.OnPicks({P(4, 6, 1), P(4, 6, 1)}), ReshardAgreement::Next::kProceed);
+  r = a.OnRebuilt({{std::nullopt, "rank-local"}, {"bad", std::nullopt}}, "/j/world-4");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.status().message(), "rank-local");
+  EXPECT_EQ(*a.OnRebuilt({{std::nullopt, std::nullopt}}, "/j/world-4"),
+            ReshardAgreement::Next::kDone);
+}
+
+TEST(DistTest, CheckReshardableRefusesRankLocalAndLayoutlessZero) {
+  EXPECT_TRUE(CheckReshardable("/a", 2, 2, {"opt"}, {}, {"z"}).ok());
+  Status s = CheckReshardable("/a", 2, 3, {"opt"}, {}, {});
+  EXPECT_EQ(s.message(), "cannot reshard /a (world size 2) to world size 3: state 'opt' is "
+                         "rank-local (local=...), a partition only its own rank knows");
+  EXPECT_TRUE(CheckReshardable("/a", 2, 3, {}, {"z"}, {"z"}).ok());
+  s = CheckReshardable("/a", 2, 3, {}, {"z"}, {"z", "y"});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "cannot reshard the ZeroRedundancyOptimizer state 'y' of /a: it was "
+                         "written without the layout resharding needs (an older nonstop)");
+}
+
+TEST(DistTest, LayOutSharedPlacesEveryPieceByGlobalOffset) {
+  // b: 10 float32 cut in 4+4+2 elements over three ranks; a: 3 int64 whole on rank 1.
+  std::vector<SharedTensor> shared{{"b", {2, 5}, "float32"}, {"a", {3}, "int64"}};
+  std::vector<Piece> pieces{{0, 0, "b", 0, 16}, {1, 4, "b", 4, 16}, {2, 1, "b", 8, 8},
+                            {1, 2, "a", 0, 24}, {2, 9, "own", 0, 4}};
+  auto got = LayOutShared(shared, pieces, true, "/j/world-3", 8);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  ASSERT_EQ(got->tensors.size(), 2u);
+  EXPECT_EQ(got->tensors[0].name, "a");  // by name
+  EXPECT_EQ(got->tensors[0].offset, 0u);
+  EXPECT_EQ(got->tensors[0].nbytes, 24u);
+  EXPECT_EQ(got->tensors[1].offset, 64u);  // aligned to 64 bytes
+  EXPECT_EQ(got->tensors[1].nbytes, 40u);
+  EXPECT_EQ(got->total, 104u);
+  ASSERT_EQ(got->copies.size(), 4u);  // "own" is not shared
+  EXPECT_EQ(got->copies[1].rank, 1);
+  EXPECT_EQ(got->copies[1].handle, 4u);
+  EXPECT_EQ(got->copies[1].offset, 64u + 16u);
+  EXPECT_EQ(got->copies[2].offset, 64u + 32u);
+  EXPECT_EQ(got->copies[3].offset, 0u);
+  // One rank's pieces only (the all_reduce of a restart): no coverage asked.
+  EXPECT_TRUE(LayOutShared(shared, {pieces[1]}, false, "/j", 8).ok());
+}
+
+TEST(DistTest, LayOutSharedRefusesGapsOverlapsAndPiecesOutside) {
+  std::vector<SharedTensor> shared{{"b", {10}, "float32"}};
+  auto gap = LayOutShared(shared, {{0, 0, "b", 0, 16}, {2, 1, "b", 8, 8}}, true, "/w", 8);
+  ASSERT_FALSE(gap.ok());
+  EXPECT_EQ(gap.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(gap.status().message(),
+            "tensor 'b': the old rank files of /w hold 24 of its 40 bytes at step 8");
+  auto over = LayOutShared(shared, {{0, 0, "b", 0, 24}, {1, 1, "b", 4, 24}}, true, "/w", 8);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("overlap"), std::string::npos);
+  auto outside = LayOutShared(shared, {{0, 0, "b", 8, 12}}, false, "/w", 8);
+  ASSERT_FALSE(outside.ok());
+  EXPECT_NE(outside.status().message().find("lies outside its 40 bytes"), std::string::npos);
+  auto partial = LayOutShared(shared, {{0, 0, "b", 0, 6}}, false, "/w", 8);
+  EXPECT_FALSE(partial.ok());  // not whole elements
+  auto dtype = LayOutShared({{"c", {2}, "float128"}}, {}, true, "/w", 8);
+  ASSERT_FALSE(dtype.ok());
+  EXPECT_EQ(dtype.status().message(), "unknown dtype 'float128' in a distributed checkpoint");
+  auto huge = LayOutShared({{"h", {1LL << 40, 1LL << 40}, "float32"}}, {}, true, "/w", 8);
+  EXPECT_FALSE(huge.ok());
+}
+
+}  // namespace
+}  // namespace nonstop::dist

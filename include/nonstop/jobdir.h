@@ -307,12 +307,6 @@ class JobDir {
                                                         const SelectOptions& opts = {});
   // Every checkpoint record of rank R (slot file, then keep copies), newest first.
   Result<std::vector<ListedCheckpoint>> List(int rank);
-  // The steps of rank R's checkpoints in the recovery planner's order (MakePlan
-  // over List and the lineage: newest counter of the lineage first; abandoned,
-  // damaged and overwritten ones left out), each step once; with `step`, only
-  // it, keep copies included. The ranks of a distributed restart gather these
-  // and restore the first step every rank holds (dist.h CommonSteps).
-  Result<std::vector<int64_t>> PlannedSteps(int rank, std::optional<int64_t> step = std::nullopt);
 
   // ---- Lineage (writer) ----
   // Durably records that rank R restored `counter`: every counter above it

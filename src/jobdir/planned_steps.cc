@@ -1,15 +1,16 @@
-// JobDir::PlannedSteps (include/nonstop/jobdir.h): the recovery planner's
-// order of one rank's checkpoints, as steps, for the ranks' agreement.
+// PlannedSteps (planned_steps.h): the recovery planner's order of one rank's
+// checkpoints, as steps, for the ranks' agreement.
+#include "jobdir/planned_steps.h"
+
 #include <algorithm>
 
-#include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 
 namespace nonstop {
 
-Result<std::vector<int64_t>> JobDir::PlannedSteps(int rank, std::optional<int64_t> step) {
-  NONSTOP_ASSIGN_OR_RETURN(std::vector<ListedCheckpoint> listed, List(rank));
-  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, ReadLineage(rank));
+Result<std::vector<int64_t>> PlannedSteps(JobDir& jd, int rank, std::optional<int64_t> step) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<ListedCheckpoint> listed, jd.List(rank));
+  NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd.ReadLineage(rank));
   std::vector<PlanCandidate> cands;
   for (const ListedCheckpoint& c : listed) {
     if (c.counter == 0 || (!step && c.location.keep)) continue;

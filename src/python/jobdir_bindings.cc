@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/job_view.h"
+#include "jobdir/planned_steps.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "python/bindings.h"
@@ -188,7 +189,7 @@ class PyJobDir {
   std::vector<int64_t> PlannedSteps(int rank, std::optional<int64_t> step) {
     JobDir& j = jd();
     py::gil_scoped_release release;
-    return Take(j.PlannedSteps(rank, step));
+    return Take(nonstop::PlannedSteps(j, rank, step));
   }
 
   py::list List(int rank) {

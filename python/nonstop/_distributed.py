@@ -1,35 +1,13 @@
 """Distributed checkpoints over torch.distributed (docs/DISTRIBUTED.md).
 
-One engine per rank writes `rank-RRRRR.nsck` in the job directory. This module
-adds what a rank cannot decide alone:
-
-* **What each rank writes.** Replicated tensors (DDP parameters, buffers and
-  optimizer state) are cut into `world` disjoint flat element ranges; rank r
-  registers its range (a view, no copy) with its place in the global tensor
-  (TensorSpec.global). `replicated="rank0"`: rank 0 writes them whole. State
-  named in `local=` (ZeRO-1 optimizer shards are always local; pipeline or
-  manual partitions) is written whole by its own rank.
-* **Global agreement.** A background thread runs rounds on a dedicated gloo
-  group (never the training group): each rank contributes its engine's
-  *candidate* (the oldest committed checkpoint above the pinned one); when
-  every rank holds the same step, each pins it (Engine::Pin: the slot is kept
-  until a newer step is agreed) and the engine writes its agreed record
-  durably through the job directory (Engine::WriteAgreed, JobDir). The
-  training thread never waits for a round.
-* **Recovery.** Every rank lists the steps its own file holds committed and
-  not abandoned by a rollback (JobDir.list: the C++ owner of the job
-  directory decides); the ranks pick the newest step present on all of them,
-  each selects and verifies its own checkpoint of that step (JobDir.select),
-  and the replicated tensors are reassembled by an exact (uint8) all_reduce
-  over the gloo group, so no rank reads another's disk. A rank that fails to
-  verify, or a step whose ranks' checkpoints are of different runs, makes
-  all of them fall back to the next older common step. The restored
-  checkpoint is pinned and adopted by the engine, which records the rollback
-  in the rank's lineage record before anything new is written.
-
-This module does no file I/O of the job directory's policy files: the agreed
-and lineage records, set-aside and the recovery selection are JobDir's (C++,
-through the Env seam). Python keeps the torch.distributed (gloo) calls.
+One engine per rank writes `rank-RRRRR.nsck`. This module is the torch side
+of what the ranks decide together: which piece of each replicated tensor a
+rank writes (shard), the agreement thread's rounds, recovery, resharding
+from set-aside files of another world size. Every decision (the agreed step,
+the common step and its fallbacks, the memory tier's all-or-none, the
+reshard's agreement, where each piece's bytes go) is C++'s (nonstop/dist.h,
+plan.h, JobDir): Python gathers what each rank found over a dedicated gloo
+group (JSON, never pickle), hands the lists to C++, and moves the tensors.
 """
 from __future__ import annotations
 

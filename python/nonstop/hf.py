@@ -345,8 +345,7 @@ def _agreed(d: str, step: Optional[int], rank: int, world: int):
     try:
         if _checkpointer.check_directory(d, rank, world if world > 1 else None,
                                         must_exist=False):
-            mine = _distributed.planned_steps(_ext.core().JobDir.open_for_read(d),
-                                              rank, step)
+            mine = _ext.core().JobDir.open_for_read(d).planned_steps(rank, step)
     except CheckpointError as e:
         err = f"rank {rank}: {e}"
     every = _comm(world).gather([err, mine])  # JSON over tensors, never pickle

@@ -14,6 +14,7 @@
 
 #include "nonstop/env.h"
 #include "nonstop/jobdir.h"
+#include "jobdir/planned_steps.h"
 #include "nonstop/store.h"
 #include "store_test_util.h"
 
@@ -103,6 +104,23 @@ class CommonSelectTest : public ::testing::Test {
 
   fs::path root_;
 };
+
+// What a rank offers a distributed restart (PlannedSteps): its steps in the
+// planner's order, each once, a rolled-back future left out.
+TEST_F(CommonSelectTest, PlannedStepsFollowThePlannerAndLeaveAbandonedOnesOut) {
+  WriteJob(1, {{{1, 10, 7}, {2, 20, 7}, {3, 20, 7}, {4, 30, 7}}});
+  {
+    auto jd = JobDir::OpenForRead(Dir()).value();
+    auto all = PlannedSteps(*jd, 0);
+    ASSERT_TRUE(all.ok()) << all.status().ToString();
+    EXPECT_EQ(all.value(), (std::vector<int64_t>{30, 20, 10}));
+  }
+  ASSERT_TRUE(JobDir::OpenForWrite(Dir(), 0, 1).value()->RecordRestore(0, 3).ok());
+  auto jd = JobDir::OpenForRead(Dir()).value();
+  EXPECT_EQ(PlannedSteps(*jd, 0).value(), (std::vector<int64_t>{20, 10}));
+  EXPECT_TRUE(PlannedSteps(*jd, 0, 30).value().empty());
+  EXPECT_EQ(PlannedSteps(*jd, 0, 10).value(), (std::vector<int64_t>{10}));
+}
 
 // Ranks that hold the same steps from different runs (rank 1 was restarted
 // from elsewhere and trained on): a step is common only within one run.

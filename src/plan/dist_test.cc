@@ -167,7 +167,7 @@ TEST(DistTest, ReshardAgreementErrorsNameRanksAndWhatFailedBefore) {
             "rank 0 finds a checkpoint of world size 4 in /j but rank 1 does not: resharding to "
             "world size 2 needs every old rank file visible to every rank (a shared file "
             "system, or copies)");
-  ASSERT_EQ(*a.OnPicks({P(4, 8, 1), P(4, 8, 1)}), ReshardAgreement::Next::kProceed);
+  ASSERT_EQ(a.OnPicks({P(4, 8, 1), P(4, 8, 1)}).value(), ReshardAgreement::Next::kProceed);
   auto r = a.OnRebuilt({{std::nullopt, std::nullopt}, {"bad crc", std::nullopt}}, "/j/world-4");
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(*r, ReshardAgreement::Next::kRetry);
@@ -181,12 +181,12 @@ TEST(DistTest, ReshardAgreementErrorsNameRanksAndWhatFailedBefore) {
   EXPECT_EQ(n.status().message(),
             "resharding step 8 of /j/world-4 fails on rank 1: bad crc; then: nothing older");
   // A failure that is not damage ends it at once.
-  ASSERT_EQ(*a.OnPicks({P(4, 6, 1), P(4, 6, 1)}), ReshardAgreement::Next::kProceed);
+  ASSERT_EQ(a.OnPicks({P(4, 6, 1), P(4, 6, 1)}).value(), ReshardAgreement::Next::kProceed);
   r = a.OnRebuilt({{std::nullopt, "rank-local"}, {"bad", std::nullopt}}, "/j/world-4");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(r.status().message(), "rank-local");
-  EXPECT_EQ(*a.OnRebuilt({{std::nullopt, std::nullopt}}, "/j/world-4"),
+  EXPECT_EQ(a.OnRebuilt({{std::nullopt, std::nullopt}}, "/j/world-4").value(),
             ReshardAgreement::Next::kDone);
 }
 

@@ -29,7 +29,6 @@ void InitRemote(pybind11::module_& m);     // remote_bindings.cc (copy_checkpoin
 void InitJobDir(pybind11::module_& m);     // jobdir_bindings.cc (the job directory)
 void InitRestore(pybind11::module_& m);    // restore_bindings.cc (the one restore path)
 void InitSchedule(pybind11::module_& m);
-void InitDist(pybind11::module_& m);        // dist_bindings.cc (a distributed restart's decisions)
 void InitPeer(pybind11::module_& m);        // peer_bindings.cc (the peer tier, tier/peer.h)
 void InitEnv(pybind11::module_& m);         // env_bindings.cc (the Env seam: Directory)   // schedule_bindings.cc (when a checkpoint is due)
 

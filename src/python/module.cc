@@ -7,6 +7,10 @@
 
 namespace py = pybind11;
 
+namespace nonstop::py_bindings {
+void InitDist(py::module_& m);  // dist_bindings.cc (a distributed restart's decisions, dist.h)
+}  // namespace nonstop::py_bindings
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "nonstop C++ engine bindings";
   m.def("built_with_cuda", &nonstop::BuiltWithCuda);

@@ -80,45 +80,10 @@ def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = N
     return [_row(c, view["job"]) for c in view["rows"]]
 
 
-def steps_text(rows: list) -> str:
-    """'7, 8, 9 in the ring; 2, 4 kept' of the committed checkpoints."""
-    ring = sorted({r["step"] for r in rows if r["state"] == "committed" and r["where"] == "ring"})
-    kept = sorted({r["step"] for r in rows if r["state"] == "committed" and r["where"] == "keep"})
-    parts = []
-    if ring:
-        parts.append(", ".join(map(str, ring)) + " in the ring")
-    if kept:
-        parts.append(", ".join(map(str, kept)) + " kept")
-    return "; ".join(parts) or "none"
-
-
 def not_found(path: str, rank: int, step: int) -> CheckpointNotFoundError:
-    """The one-line error for a step that is not there, with the steps that are."""
-    try:
-        have = steps_text(list_checkpoints(path, rank))
-    except Exception as e:  # listing failed too: say so instead
-        have = f"cannot list them: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    gone = _overwritten(path, rank, step)
-    if gone:  # as `nonstop inspect` says it: the ring reused its slot
-        return CheckpointNotFoundError(
-            f"no committed checkpoint at step {step} in {path}: it was overwritten ({gone}; "
-            f"committed steps: {have})")
-    return CheckpointNotFoundError(
-        f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
-
-
-def _overwritten(path: str, rank: int, step: int) -> str:
-    """'slot S was reused by checkpoint #M' when `step` rotated out of the
-    ring (a newer checkpoint reused its slot), else ''."""
-    try:
-        jd = _ext.core().JobDir.open_for_read(path)
-        try:
-            rows = [c for c in jd.list(rank) if c.get("rotated") and int(c["step"]) == step]
-        finally:
-            jd.close()
-    except Exception:  # only a better message: the caller's error stands
-        return ""
-    return str(rows[0]["reason"]) if rows else ""
+    """The one-line error for a step that is not there, with the steps that
+    are (C++ engine/job_view.h StepNotFound)."""
+    return CheckpointNotFoundError(_ext.core().step_not_found(path, rank, step))
 
 
 def check_step(step) -> int:
@@ -145,13 +110,9 @@ def delete(dir: str, step: int) -> None:
 
 
 def delete_with(fn, path: str, step: int) -> None:
+    """fn(step) (a kept copy's deletion); a step in the ring is said to be
+    there, not kept (C++ engine/job_view.h NotKept)."""
     try:
         fn(int(step))
-    except CheckpointNotFoundError:
-        rows = list_checkpoints(path)
-        if any(r["step"] == step and r["where"] == "ring" for r in rows):
-            raise CheckpointNotFoundError(
-                f"step {step} of {path} is in the ring (the slot file), which nonstop reuses "
-                f"itself; only kept copies (keep/) are deleted (committed steps: "
-                f"{steps_text(rows)})") from None
-        raise
+    except CheckpointNotFoundError as e:
+        raise CheckpointNotFoundError(_ext.core().not_kept(path, int(step), str(e))) from None

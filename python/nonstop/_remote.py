@@ -1,25 +1,21 @@
-"""The remote tier's Python side: the transports and torch adaptation only.
-Committed checkpoints are copied to an object store (S3 and what obstore
-speaks) or a plain path (a shared file system), and fetched back by a node
-that lost its local directory. See docs/TIERS.md.
+"""The remote tier's Python side: the obstore transport and torch adaptation
+only. Committed checkpoints are copied to an object store (S3 and what
+obstore speaks) or a plain path (a shared file system), and fetched back by
+a node that lost its local directory. See docs/TIERS.md.
 
-Everything that names, decides, orders, filters or verifies is C++'s:
-src/jobdir/remote_layout.h (every object's name and document, the commit
-rule, retention; nonstop._core.remote_layout), src/tier/remote_tier.h
-(nonstop._core.RemoteTier: listing, fetch and its checks, an upload and
-its commit, a follower's pick, retention, the JOB claim), src/tier/
-uploader.h (the upload thread), src/tier/remote_restore.h (a restore's
-plan across the local and the remote tier, verified, and the ranks'
-agreement on a step), each with the GIL released. This module hands C++ a
-transport (ObjectStore over obstore, PathStore over the Env seam: put,
-get, list, delete, throttling), as the distributed code hands it a Comm,
-and reads into torch what the plan names. Nothing here speaks S3 but the
-CreateBucket request obstore has no call for.
+Everything else is C++'s, with the GIL released: src/jobdir/remote_layout.h
+(names, documents, the commit rule, retention), src/tier/remote_tier.h
+(nonstop._core.RemoteTier: listing and its rows, fetch and its checks,
+upload and commit, a follower's pick, the JOB claim), uploader.h (the upload
+thread), path_transport.h (a plain path as the remote: _core.PathStore, no
+Python per byte), remote_restore.h (the restore loop: plan, fetch, verify,
+fall back, the warnings and errors; the ranks' agreement), s3_request.h (a
+store failure's kind and line, the signed CreateBucket). This module hands
+C++ the ObjectStore transport (put, get, list, delete over obstore), as the
+distributed code hands it a Comm, and reads into torch what C++ fetched.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import re
 import tempfile
@@ -28,14 +24,13 @@ import time
 import warnings
 import weakref
 import urllib.error
-import urllib.parse
 import urllib.request
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Optional
 
 from . import _ext
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                     CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
+                     CorruptCheckpointError)
 
 PART_BYTES = 8 << 20              # the transports' preferred crc unit and multipart chunk
 
@@ -51,49 +46,6 @@ def _first_line(e: BaseException) -> str:
     """obstore's messages run to many lines (a debug dump): the first says it."""
     text = str(e).strip()
     return text.splitlines()[0].strip() if text else type(e).__name__
-
-# What a failed store call says, by kind (ObjectStore._io): one line each,
-# never the raw response, never the cloud metadata address the client
-# tried for credentials when none were given.
-_NO_BUCKET = ("bucket_missing", "the bucket does not exist (404 on the bucket): create it "
-              "(or pass remote_options={'create_bucket': True}), or fix the bucket name "
-              "in the URL")
-_DENIED = ("access_denied", "access denied (403): the credentials (remote_options key=/secret=, "
-           "or the environment's) were refused or lack permission on this bucket and prefix")
-_NO_CREDENTIALS = ("no_credentials", "no credentials: give remote_options key= and secret= "
-                   "(or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
-
-
-def _classify(e: BaseException, exceptions) -> tuple:
-    """(kind, one line) of an obstore failure: bucket_missing, access_denied,
-    no_credentials, unreachable, or other."""
-    text = str(e)
-    if "169.254.169.254" in text or "/latest/api/token" in text or isinstance(
-            e, getattr(exceptions, "UnauthenticatedError", ())):
-        return _NO_CREDENTIALS
-    if isinstance(e, exceptions.PermissionDeniedError) or re.search(
-            r"\b403 Forbidden\b|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text):
-        return _DENIED
-    if "NoSuchBucket" in text or (re.search(r"\b404 Not Found\b", text) and re.search(
-            r"list request|performing PUT|put request", text, re.I)):
-        return _NO_BUCKET  # a listing or a write answered 404: no bucket there
-    if re.search(r"error sending request|connect|timed? ?out|dns error|Connection refused",
-                 text, re.I):
-        m = re.search(r"(https?://[^/\s]+)", text)
-        where = f" ({m.group(1)})" if m else ""
-        return ("unreachable", f"the store is unreachable{where}: no answer after the "
-                f"client's retries")
-    return ("other", _first_line(e))
-
-
-def _seconds(v) -> float:
-    """A client option's duration ('5s', '500ms', '2min', or a number) in seconds."""
-    m = re.match(r"^\s*([0-9.]+)\s*(ms|s|min|m)?\s*$", str(v))
-    if not m:
-        return 60.0
-    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "min": 60.0, "m": 60.0,
-                                None: 1.0}[m.group(2)]
-
 
 class _Throttle:
     """A file reader that keeps to `bps` bytes per second (the optional
@@ -118,25 +70,12 @@ class _Throttle:
         return self.f.tell()
 
 
-class _Store:
-    """What both transports share: abort() (C++'s uploader closing past its
-    deadline) stops a throttled upload, and every later one."""
-
-    def __init__(self):
-        self._aborted = threading.Event()
-
-    def abort(self) -> None:
-        self._aborted.set()
-
-    def _reader(self, f, bps: Optional[float]):
-        return _Throttle(f, bps, self._aborted) if bps else f
-
-
-class ObjectStore(_Store):
-    """An S3 (or GCS/Azure) prefix through obstore."""
+class ObjectStore:
+    """An S3 (or GCS/Azure) prefix through obstore. abort() (C++'s uploader
+    closing past its deadline) stops a throttled upload, and every later one."""
 
     def __init__(self, url: str, options: dict):
-        super().__init__()
+        self._aborted = threading.Event()
         try:
             import obstore
             import obstore.store
@@ -158,8 +97,8 @@ class ObjectStore(_Store):
             self._s3 = {"bucket": bucket, "endpoint": endpoint, "key": opts.get("key"),
                         "secret": opts.get("secret"), "token": opts.get("token"),
                         "region": opts.get("region"),
-                        "timeout": _seconds(opts.get("connect_timeout", "5s")) +
-                        _seconds(opts.get("timeout", "60s"))}
+                        "timeout": _ext.core().duration_s(str(opts.get("connect_timeout", "5s")))
+                        + _ext.core().duration_s(str(opts.get("timeout", "60s")))}
             kw = {}
             for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"),
                              ("token", "session_token"), ("region", "region")):
@@ -182,6 +121,9 @@ class ObjectStore(_Store):
             self.store = obstore.store.from_url(url, **opts)
         self.url = url
 
+    def abort(self) -> None:
+        self._aborted.set()
+
     @property
     def s3(self) -> bool:
         """An s3:// URL (a bucket remote_options create_bucket can create)."""
@@ -189,67 +131,28 @@ class ObjectStore(_Store):
 
     def create_bucket(self) -> bool:
         """remote_options={'create_bucket': True}: an S3 CreateBucket request
-        (path style, signed with AWS Signature V4; obstore has no call for
-        it). True when made, False when it was there already (owned by these
+        (signed in C++, tier/s3_request.h; obstore has no call for it). True
+        when made, False when it was there already (owned by these
         credentials); anything else is a one-line CheckpointIOError."""
-        c = self._s3
+        c, env = self._s3, os.environ
         if c is None:
             raise CheckpointMismatchError(
                 f"remote_options create_bucket is for s3:// URLs, not {self.url!r}")
-        env = os.environ
-        key = c["key"] or env.get("AWS_ACCESS_KEY_ID")
-        secret = c["secret"] or env.get("AWS_SECRET_ACCESS_KEY")
-        token = c["token"] or (None if c["key"] else env.get("AWS_SESSION_TOKEN"))
-        region = c["region"] or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") \
-            or "us-east-1"
-        what = f"{self.url}: creating bucket {c['bucket']!r}"
-        if not key or not secret:
-            raise CheckpointIOError(f"{what}: {_NO_CREDENTIALS[1]}")
-        base = (c["endpoint"] or f"https://s3.{region}.amazonaws.com").rstrip("/")
-        url = f"{base}/{urllib.parse.quote(c['bucket'])}"
-        body = b"" if region == "us-east-1" else (
-            '<CreateBucketConfiguration xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
-            f"<LocationConstraint>{region}</LocationConstraint>"
-            "</CreateBucketConfiguration>").encode()
-        amz = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        parts = urllib.parse.urlsplit(url)
-        digest = hashlib.sha256(body).hexdigest()
-        headers = {"host": parts.netloc, "x-amz-content-sha256": digest, "x-amz-date": amz}
-        if token:
-            headers["x-amz-security-token"] = token
-        signed = ";".join(sorted(headers))
-        canonical = "\n".join(["PUT", parts.path, "",
-                               "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
-                               signed, digest])
-        scope = f"{amz[:8]}/{region}/s3/aws4_request"
-        to_sign = "\n".join(["AWS4-HMAC-SHA256", amz, scope,
-                             hashlib.sha256(canonical.encode()).hexdigest()])
-        k = ("AWS4" + secret).encode()
-        for part in (amz[:8], region, "s3", "aws4_request"):
-            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
-        sig = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
-        headers["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={key}/{scope}, "
-                                    f"SignedHeaders={signed}, Signature={sig}")
-        req = urllib.request.Request(url, data=body, method="PUT",
-                                     headers={k: v for k, v in headers.items() if k != "host"})
+        r = _ext.core().s3_create_bucket(
+            self.url, c["endpoint"] or "", c["bucket"], c["region"] or env.get("AWS_REGION")
+            or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            c["key"] or env.get("AWS_ACCESS_KEY_ID") or "",
+            c["secret"] or env.get("AWS_SECRET_ACCESS_KEY") or "",
+            c["token"] or ("" if c["key"] else env.get("AWS_SESSION_TOKEN", "")))
+        req = urllib.request.Request(r["url"], data=r["body"], method="PUT", headers=r["headers"])
         try:
-            with urllib.request.urlopen(req, timeout=c["timeout"]) as r:
-                r.read()
+            with urllib.request.urlopen(req, timeout=c["timeout"]) as got:
+                got.read()
             return True
         except urllib.error.HTTPError as e:
-            text = e.read(4096).decode("utf-8", "replace")
-            if e.code == 409 and "BucketAlreadyOwnedByYou" in text:
-                return False
-            if e.code == 409:
-                raise CheckpointIOError(f"{what}: the name is taken (409 BucketAlreadyExists): "
-                                        f"choose another bucket name") from None
-            if e.code == 403:
-                raise CheckpointIOError(f"{what}: {_DENIED[1]}") from None
-            m = re.search(r"<Code>([^<]{1,64})</Code>", text)
-            raise CheckpointIOError(f"{what}: HTTP {e.code}"
-                                    f"{' ' + m.group(1) if m else ''}") from None
+            return _ext.core().s3_create_bucket_answer(r["what"], e.code, e.read(4096))
         except (urllib.error.URLError, OSError) as e:
-            raise CheckpointIOError(f"{what}: the store is unreachable ({base}): "
+            raise CheckpointIOError(f"{r['what']}: the store is unreachable ({r['base']}): "
                                     f"{_first_line(e)}") from None
 
     def _io(self, what: str, fn, *args, **kw):
@@ -263,9 +166,12 @@ class ObjectStore(_Store):
         except self._ob.exceptions.NotFoundError:
             raise FileNotFoundError(f"{self.url}: {what}: not found") from None
         except self._ob.exceptions.BaseError as e:
-            kind, why = _classify(e, self._ob.exceptions)
+            ex = self._ob.exceptions  # the kind and line: C++ (tier/s3_request.h)
+            kind, why = _ext.core().store_failure(
+                str(e).strip() or type(e).__name__, isinstance(e, ex.PermissionDeniedError),
+                isinstance(e, getattr(ex, "UnauthenticatedError", ())))
             err = CheckpointIOError(f"{self.url}: {what}: {why}")
-            err.kind = kind  # Tier._unlisted: whether waiting can help
+            err.kind = kind  # RemoteTier WaitingHelps: whether waiting can help
             raise err from None
 
     def put_file(self, key: str, src, name: str, bps: Optional[float] = None) -> None:
@@ -276,7 +182,7 @@ class ObjectStore(_Store):
         staged name is refused, never followed)."""
         with src.open(name) as f:
             self._io(f"uploading {key}", self._ob.put, self.store, key,
-                     self._reader(f, bps),
+                     _Throttle(f, bps, self._aborted) if bps else f,
                      chunk_size=self.part_bytes, max_concurrency=self.concurrency)
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -323,125 +229,6 @@ class ObjectStore(_Store):
             self._io("deleting", self._ob.delete, self.store, keys)
 
 
-class PathStore(_Store):
-    """A directory (a shared file system) as the remote: each object a file,
-    written under a temp name, fsynced, renamed, directory fsynced. Every
-    file and directory operation goes through the Env seam (_core.Directory,
-    relative to directory fds, O_NOFOLLOW): a symlink anywhere under the root
-    is refused or removed as a link, never followed."""
-
-    def __init__(self, root: str, options: dict):
-        super().__init__()
-        self.root = os.path.abspath(root)
-        self.part_bytes = int((options or {}).get("part_bytes", PART_BYTES))
-        self.url = self.root
-
-    def _p(self, key: str) -> str:
-        return os.path.join(self.root, *key.split("/"))
-
-    def _dir(self, key: str, create: bool = True):
-        """(the _core.Directory holding `key`, its last name); with create,
-        the directories are made when missing, else FileNotFoundError."""
-        names = key.split("/")
-        d = _ext.core().Directory(self.root, create=create)
-        for name in names[:-1]:
-            d = d.subdir(name, create=create)
-        return d, names[-1]
-
-    def put_file(self, key: str, src, name: str, bps: Optional[float] = None) -> None:
-        d, dest = self._dir(key)
-        tmp = dest + ".tmp"
-        d.unlink(tmp, missing_ok=True)  # a stale temp of a writer that died
-        # created O_EXCL|O_NOFOLLOW; commit: fsync, rename over dest, directory fsync
-        with src.open(name) as f, d.create(tmp) as out:
-            rd = self._reader(f, bps)
-            while True:
-                buf = rd.read(self.part_bytes)
-                if not buf:
-                    break
-                out.write(buf)
-            out.commit(dest)
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        d, name = self._dir(key)
-        d.write_atomic(name, bytes(data))
-
-    def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
-        try:
-            d, name = self._dir(key, create=False)
-            return d.read(name, limit)  # None when missing; larger than limit: refused
-        except FileNotFoundError:
-            return None
-        except CorruptCheckpointError:
-            raise CorruptCheckpointError(f"{self._p(key)} is more than a nonstop document "
-                                         f"({limit} bytes)") from None
-        except IncompatibleCheckpointError as e:  # a symlink (or not a file): never followed
-            raise CorruptCheckpointError(str(e)) from None
-
-    def get_chunks(self, key: str):
-        """(size, iterator of buffers); FileNotFoundError when missing."""
-        try:
-            d, name = self._dir(key, create=False)
-            f = d.open(name)
-        except IncompatibleCheckpointError as e:  # a symlink (or not a file): never followed
-            raise CorruptCheckpointError(str(e)) from None
-        size = f.size
-
-        def chunks():
-            with f:
-                while True:
-                    buf = f.read(self.part_bytes)
-                    if not buf:
-                        return
-                    yield buf
-        return size, chunks()
-
-    def list(self, prefix: str = "") -> list:
-        """(key, size) of every file under the root (or `prefix`), temps
-        excluded; directories are walked through the seam, symlinks skipped."""
-        try:
-            d = _ext.core().Directory(self.root) if not prefix else self._dir(prefix + "/x", False)[0]
-        except FileNotFoundError:
-            return []
-        out = []
-
-        def walk(d, rel, depth):
-            if depth > 8:  # the layout nests two levels: deeper is not ours
-                return
-            for name, kind in d.list():
-                key = f"{rel}/{name}" if rel else name
-                if kind == "dir":
-                    try:
-                        walk(d.subdir(name), key, depth + 1)
-                    except FileNotFoundError:  # removed meanwhile
-                        pass
-                elif kind == "file" and not name.endswith(".tmp"):
-                    st = d.stat(name)
-                    if st is not None and st[0] == "file":
-                        out.append((key, st[1]))
-        walk(d, prefix.strip("/"), 0)
-        return out
-
-    def delete(self, keys: list) -> None:
-        dirs = {}
-        for k in keys:
-            try:
-                d, name = self._dir(k, create=False)
-            except (FileNotFoundError, IncompatibleCheckpointError):  # gone, or a link: not ours
-                continue
-            d.unlink(name, missing_ok=True)
-            d.sync()
-            dirs[k.rsplit("/", 1)[0] if "/" in k else ""] = True
-        for rel in dirs:  # a step directory left empty goes too
-            if not rel:
-                continue
-            try:
-                parent, name = self._dir(rel, create=False)
-                parent.remove_dir(name)
-            except (FileNotFoundError, CheckpointError):
-                pass  # not empty (or gone): left for a later round
-
-
 # Options of the tier itself (the rest go to the client).
 _TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
                  "commit_timeout_s", "retry_max_s", "nice", "job", "adopt", "every",
@@ -449,10 +236,14 @@ _TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
 
 
 def open_store(url: str, options: Optional[dict]):
+    """The transport of `url`: an ObjectStore, or for file:// and a plain
+    path the C++ PathStore (tier/path_transport.h: through the Env seam,
+    relative to directory fds, links refused; no Python runs per byte)."""
     url = os.fspath(url)
     if re.match(r"^[a-z][a-z0-9+.-]*://", url) and not url.startswith("file://"):
         return ObjectStore(url, options or {})
-    return PathStore(url[len("file://"):] if url.startswith("file://") else url, options or {})
+    return _ext.core().PathStore(url[len("file://"):] if url.startswith("file://") else url,
+                                 int((options or {}).get("part_bytes", PART_BYTES)))
 
 
 # --------------------------------------------------------------- reading
@@ -719,89 +510,40 @@ class Tier:
 
     # -- restore
 
-    def _plan(self, listing, step: Optional[int], exclude=()) -> dict:
-        """This rank's restore plan (C++, tier/remote_restore.h): its job
-        directory's candidates and lineage, the peer tier's replica fetched
-        for it, and the remote's committed `listing` ([[step, counter]];
-        None: not listed), ordered by the planner; a local newest that the
-        remote holds too is verified first."""
+    def _extra(self) -> list:
+        """The peer tier's replica fetched for this rank: a local candidate."""
         peers = getattr(self.ckpt.session.dist, "peers", None)
         pf = peers.prefetched if peers is not None else None
-        extra = [] if pf is None else [{"step": pf["step"], "counter": pf["counter"],
-                                        "where": "peer"}]
-        return self.core().plan_remote_restore(self.ckpt.dir, self.ckpt.rank, listing, step=step,
-                                               extra=extra, exclude=list(exclude),
-                                               where=self.store.url)
+        return [] if pf is None else [{"step": pf["step"], "counter": pf["counter"],
+                                       "where": "peer"}]
 
-    def _try(self, step: int):
-        """(LoadedCheckpoint, None) or (None, one-line error) for remote step."""
-        try:
-            d = fetch(self.store, step, self.ckpt.rank, self.ckpt.dir)
-            loaded = self.read(d, self.ckpt.rank, None, self.ckpt.world_size, as_numpy=False)
-            if loaded is None or loaded.step != step:
-                raise CorruptCheckpointError(f"{d} holds no committed checkpoint of step {step}")
-            return loaded, None
-        except (CheckpointError, OSError) as e:
-            return None, str(e)
+    def _plan(self, listing, step: Optional[int]) -> dict:
+        """This rank's restore plan (C++, tier/remote_restore.h): its job
+        directory's candidates and lineage, the peer tier's replica, and the
+        remote's committed `listing` ([[step, counter]]; None: not listed)."""
+        return self.core().plan_remote_restore(self.ckpt.dir, self.ckpt.rank, listing, step=step,
+                                               extra=self._extra(), where=self.store.url)
 
     def restore(self, step: Optional[int]):
         """A LoadedCheckpoint from the remote when the plan puts a remote
         checkpoint first (newer by counter than every local one, the same
         checkpoint where the local copy fails to verify, or `step` only
-        remote); None to restore from the local directory."""
+        remote); None to restore from the local directory. The loop (plan,
+        fetch, verify, fall back with a warning, the errors) is C++'s
+        (RestoreFromRemote); Python reads into torch what it fetched."""
         if self.ckpt.session.dist is not None:
             return self._restore_dist(step)
         try:
             self._claim()  # another job's prefix is refused before anything is read
         except (OSError, CheckpointIOError):
-            pass  # the store is down: _unlisted below says so
-        local = self._plan(None, step)
-        newest = local["local_newest"]
-        if step is not None and local["local_has_step"]:
-            return None
-        try:
-            listing = _listing(_tier(self.store))
-        except (CheckpointError, OSError) as e:
-            self._unlisted(e, newest is None or step is not None, newest)
-            return None
-        errors, failed = [], []
-        while True:
-            order = self._plan(listing, step, failed)["order"]
-            if not order:
-                break
-            s, counter, source = order[0]
-            if source != "remote":
-                return None  # the local path reads (and verifies) it
-            loaded, err = self._try(s)
-            if loaded is not None:
-                self.restored_from = f"{self.store.url}/{_rl().step_dir(s)}"
-                return loaded
-            errors.append(err)
-            failed.append(counter)
-            warnings.warn(f"nonstop: remote step {s}: {err}; falling back", stacklevel=3)
-        if errors and newest is None:
-            raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies: "
-                                         f"{errors[0]}")
-        return None
-
-    def _unlisted(self, e, nothing_local: bool, newest) -> None:
-        """The remote cannot be listed at restore (down, unreachable, refused:
-        obstore's timeouts and retries bound how long that takes). With a
-        local step to resume, a warning and the local path; with none, an
-        error rather than a silent start from scratch (a replaced node must
-        not restart the job at step 0 while the remote holds its state)."""
-        msg = f"the remote tier {self.store.url} cannot be listed ({_first_line(e)})"
-        if nothing_local:
-            if getattr(e, "kind", None) in ("bucket_missing", "access_denied", "no_credentials"):
-                # waiting will not help: say what to fix
-                raise CheckpointIOError(
-                    f"{msg}; {self.ckpt.dir} holds no local checkpoint to restore instead: "
-                    f"fix the remote (or drop remote=)") from None
-            raise CheckpointIOError(
-                f"{msg} and {self.ckpt.dir} holds no local checkpoint to restore instead; "
-                f"restore() again once the store is reachable (or drop remote=)") from None
-        warnings.warn(f"nonstop: {msg}; restoring the newest local checkpoint (step {newest})",
-                      stacklevel=4)
+            pass  # the store is down: the restore says so
+        c = self.ckpt
+        loaded = self.core().restore_remote(
+            _tier(self.store), c.dir, c.rank, step, self._extra(), c.dir,
+            lambda d: self.read(d, c.rank, None, c.world_size, as_numpy=False))
+        if loaded is not None:
+            self.restored_from = f"{self.store.url}/{_rl().step_dir(loaded.step)}"
+        return loaded
 
     def _restore_dist(self, step: Optional[int]):
         # JSON over the gloo group (_Comm.gather), never all_gather_object or
@@ -817,24 +559,28 @@ class Tier:
             except (CheckpointError, OSError) as e:  # the store is down: said on every rank
                 listing = _first_line(e)
         listing = comm.gather(listing)[0]  # rank 0's listing, on every rank
-        agree = self.core().common_restore_steps
         if isinstance(listing, str):
-            common = agree(comm.gather(self._plan(None, step)["order"]))
-            self._unlisted(listing, not common, common[0][0] if common else None)
+            common = self.core().common_restore_steps(comm.gather(self._plan(None, step)["order"]))
+            self.core().remote_unlisted(self.store.url, listing, self.ckpt.dir,
+                                        common[0][0] if common else None, False)
             return None
-        every = comm.gather(self._plan(listing, step)["order"])
-        errors = []
-        for s, all_local in agree(every):
-            if all_local:
-                return None  # every rank's local copy: the local path reads it (recover)
-            loaded, err = self._try(s)
+        plans, tried = comm.gather(self._plan(listing, step)["order"]), []
+        while True:  # C++ says what to try next, the warnings and the error
+            s = self.core().dist_remote_next(self.store.url, plans, tried)
+            if s is None:
+                return None  # the local path reads it (recover)
+            loaded, err = None, None
+            try:
+                got = fetch(self.store, s, self.ckpt.rank, self.ckpt.dir)
+                loaded = self.read(got, self.ckpt.rank, None, self.ckpt.world_size,
+                                   as_numpy=False)
+                if loaded is None or loaded.step != s:
+                    err = f"{got} holds no committed checkpoint of step {s}"
+            except (CheckpointError, OSError) as e:
+                err = str(e)
             errs = comm.gather(err)
-            bad = [(r, e) for r, e in enumerate(errs) if e is not None]
-            if bad:
-                where = "; ".join(f"rank {r}: {e}" for r, e in bad)
-                errors.append(where)
-                warnings.warn(f"nonstop: remote step {s} fails on {where}; falling back",
-                              stacklevel=3)
+            if any(e is not None for e in errs):
+                tried.append([s, errs])
                 continue
             full = d.assemble(loaded.tensors, loaded.info, loaded.meta)
             engine = self.ckpt.session.engine
@@ -846,10 +592,6 @@ class Tier:
             self.restored_from = f"{self.store.url}/{_rl().step_dir(s)}"
             return self.loaded_cls(loaded.step, loaded.counter, full, loaded.meta, loaded.info,
                                    loaded.path)
-        if errors and not any(row[2] == "local" for e in every for row in e):
-            raise CorruptCheckpointError(f"no remote checkpoint in {self.store.url} verifies on "
-                                         f"every rank: {errors[0]}")
-        return None
 
 
 def is_remote(path, options: Optional[dict] = None) -> bool:
@@ -864,58 +606,24 @@ def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
     """nonstop.list() of a remote: one row per step directory, newest first,
     in the shape of a local listing (where="remote"; bytes: rank `rank`'s
     part). A step without a marker is "uncommitted": an upload under way or
-    given up, never read. Nothing is downloaded but the markers."""
-    store = open_store(os.fspath(url), options or {})
-    tier = _tier(store)
-    rows = []
-    job = ""  # the prefix's identity (its JOB document), as a local listing's "job"
-    try:
-        job = tier.job() or ""
-    except CorruptCheckpointError as e:
-        warnings.warn(f"nonstop: remote: {e}", stacklevel=2)
-    for h in tier.list(rank):
-        step, m, state = h["step"], h["marker"], h["state"]
-        if h["reason"]:
-            warnings.warn(f"nonstop: remote: {h['reason']}; skipped", stacklevel=2)
-        reason = h["note"]  # C++ (RemoteTier::List): why rank `rank` cannot read it
-        rows.append({"step": step, "counter": None if m is None else m["counter"],
-                     "where": "remote", "path": f"{store.url}/{_rl().part_key(step, rank)}",
-                     "state": state, "reason": reason,
-                     "time": None if m is None else m["unix_s"],
-                     "bytes": h["bytes"], "metrics": {},
-                     # the tiers holding it (one format with a local listing, _manage)
-                     "tiers": ([{"tier": "remote", "where": store.url, "recorded": False}]
-                               if state == "committed" and not reason else []),
-                     "job": job,
-                     "world_size": None if m is None else m["world_size"]})
-    return rows
+    given up, never read. Nothing is downloaded but the markers. The rows
+    are C++'s (RemoteTier.rows)."""
+    return _tier(open_store(os.fspath(url), options or {})).rows(rank)
 
 
 def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read,
          as_numpy: bool):
     """nonstop.load() of a remote URL (or, with remote_options, a remote
     path): the newest committed remote step that verifies (or `step`),
-    fetched into a temporary directory and read from there."""
+    fetched into a temporary directory and read from there (the loop and
+    its warnings and errors: C++ RestoreFromRemote)."""
     store = open_store(url, options or {})
-    # the planner's order of the committed steps (by counter: a checkpoint, not a step number)
-    steps = [s for s, _, _ in _ext.core().plan_remote_restore(
-        "", rank, _listing(_tier(store)), step=step)["order"]]
-    if not steps:
-        raise CheckpointNotFoundError(
-            f"no committed remote checkpoint{'' if step is None else ' at step ' + str(step)} "
-            f"in {store.url}")
-    errors = []
-    for s in steps:
-        tmp = temp_dir()
-        try:
-            d = fetch(store, s, rank, tmp)
-            loaded = read(d, rank, None, None, as_numpy)
-            if loaded is not None:
-                loaded.path = f"{store.url}/{_rl().part_key(s, rank)}"
-                return loaded
-        except (CheckpointError, OSError) as e:
-            errors.append(str(e))
-            warnings.warn(f"nonstop: remote step {s}: {e}; falling back", stacklevel=3)
-        finally:
-            remove_temp_dir(tmp)
-    raise CorruptCheckpointError(f"no remote checkpoint in {store.url} verifies: {errors[0]}")
+    tmp = temp_dir()
+    try:
+        loaded = _ext.core().restore_remote(_tier(store), "", rank, step, [], tmp,
+                                            lambda d: read(d, rank, None, None, as_numpy),
+                                            load=True)
+    finally:
+        remove_temp_dir(tmp)
+    loaded.path = f"{store.url}/{_rl().part_key(loaded.step, rank)}"
+    return loaded

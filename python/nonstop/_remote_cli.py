@@ -9,7 +9,7 @@ scheme but file://) it replaces itself with
 with NONSTOP_CLI set to its own path. This module lists the remote prefix
 through the same transport and C++ tier as the remote tier (_remote.py,
 nonstop._core.RemoteTier); the step is chosen by the planner
-(plan_remote_restore); verify and export download the chosen step's parts
+(RemoteTier.candidates: C++ RemoteCandidates); verify and export download the chosen step's parts
 into a temporary directory through RemoteTier.fetch_all (size and every
 part crc32 checked against the manifest while writing), then run the same `nonstop verify|export` on that
 directory, so every chunk crc32c is checked by the same code and the output
@@ -33,8 +33,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import warnings
 
 from . import _ext
 from . import _remote
@@ -62,20 +60,6 @@ def _options() -> dict:
     return opts
 
 
-def _choose(store, step) -> list:
-    """[(step, marker)] to try, in the planner's order (by counter: a
-    checkpoint, not a step number; C++ tier/remote_restore.h): `step` alone
-    when given."""
-    tier = _ext.core().RemoteTier(store)
-    markers = dict(_remote.committed_steps(store, tier))
-    listing = [[s, int(m.get("counter") or 0)] for s, m in markers.items()]
-    order = _ext.core().plan_remote_restore("", 0, listing, step=step)["order"]
-    if not order:
-        raise _Fail(f"no committed remote checkpoint{'' if step is None else f' at step {step}'} "
-                    f"in {store.url}", EXIT_USAGE)
-    return [(s, markers[s]) for s, _, _ in order]
-
-
 def _cli() -> str:
     cli = os.environ.get("NONSTOP_CLI") or shutil.which("nonstop")
     if not cli:
@@ -92,13 +76,10 @@ def verify(store, step) -> int:
     """The newest committed step (or --step): every rank's part downloaded
     and checked, then `nonstop verify` on them. No fallback: a damaged step
     is reported as damaged."""
-    s, marker = _choose(store, step)[0]
+    s, marker = _ext.core().RemoteTier(store).candidates(step)[0]  # the planner's (C++)
     tmp = _remote.temp_dir()
     try:
-        try:
-            d = _ext.core().RemoteTier(store).fetch_all(s, tmp)
-        except CorruptCheckpointError as e:
-            raise _Fail(str(e), EXIT_DAMAGED) from None
+        d = _ext.core().RemoteTier(store).fetch_all(s, tmp)  # damaged: main says so, exit 1
         print(f"{store.url}/{_ext.core().remote_layout.step_dir(s)}: committed, {marker['world_size']} "
               f"rank(s) downloaded, every part crc32 matches its manifest", flush=True)
         return _run([_cli(), "verify", d, "--step", str(s)])
@@ -111,7 +92,7 @@ def export(store, step, out: str, fmt: str, include=None, strip=None) -> int:
     rank's part, exported as a local directory's (safetensors: one-rank
     checkpoints; dcp: every rank reassembled)."""
     errors = []
-    for s, _ in _choose(store, step):
+    for s, _ in _ext.core().RemoteTier(store).candidates(step):  # the planner's order (C++)
         tmp = _remote.temp_dir()
         try:
             try:
@@ -142,26 +123,13 @@ def export(store, step, out: str, fmt: str, include=None, strip=None) -> int:
 
 def inspect(store, as_json: bool) -> int:
     """The remote steps: committed or not, ranks, objects and bytes (nothing
-    is downloaded but the small COMMITTED markers)."""
-    rows = []
-    for h in _ext.core().RemoteTier(store).list(0):
-        m = h["marker"]
-        if h["reason"]:
-            warnings.warn(f"nonstop: remote: {h['reason']}; skipped", stacklevel=2)
-        rows.append({"step": h["step"], "committed": m is not None,
-                     "world_size": m["world_size"] if m else None,
-                     "lineage": m["lineage"] if m else None,
-                     "counter": m["counter"] if m else None,
-                     "ranks": h["ranks"], "objects": h["objects"], "bytes": h["total_bytes"]})
+    is downloaded but the small COMMITTED markers; rows and text: C++)."""
+    rows, text = _ext.core().RemoteTier(store).inspect()
     if as_json:
-        print(json.dumps({"url": store.url, "format": _ext.core().remote_layout.FORMAT, "steps": rows}, indent=1))
-        return 0
-    print(f"{store.url}: {len(rows)} step(s), {sum(r['committed'] for r in rows)} committed")
-    for r in rows:
-        state = (f"committed, world size {r['world_size']}, lineage {r['lineage']}"
-                 if r["committed"] else "not committed (never read; retention deletes it)")
-        print(f"  step {r['step']}: {state}; parts of rank(s) {r['ranks'] or 'none'}, "
-              f"{r['objects']} object(s), {r['bytes']} bytes")
+        print(json.dumps({"url": store.url, "format": _ext.core().remote_layout.FORMAT,
+                          "steps": rows}, indent=1))
+    else:
+        print(text, end="")
     return 0
 
 
@@ -176,27 +144,8 @@ def ls(url: str, options: dict, rank: int, as_json: bool) -> int:
                                commit_unix_ns=int(r["time"] * 1e9) if r["time"] else 0)
                           for r in rows], indent=2))
         return 0
-    if not rows:
-        print(f"no checkpoint of rank {rank} in {url}")
-        return 0
-    print(f"{'step':<10} {'where':<6} {'state':<11} {'committed (UTC)':<21} {'size':<10} "
-          f"{'tiers':<24} note")
-    for r in rows:
-        when = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"]))
-                if r["time"] is not None else "-")
-        size = _human(r["bytes"]) if r["state"] == "committed" and r["bytes"] else "-"
-        tiers = "+".join(t["tier"] for t in r["tiers"]) or "-"
-        print(f"{r['step']:<10} {r['where']:<6} {r['state']:<11} {when:<21} {size:<10} "
-              f"{tiers:<24} {r['reason']}".rstrip())
+    print(_ext.core().remote_ls_text(rows, rank, url), end="")  # C++: a local ls's columns
     return 0
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def main(argv=None) -> int:

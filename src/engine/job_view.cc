@@ -181,4 +181,69 @@ Result<JobView> ViewJob(const std::string& dir, int rank, Env* env, const std::s
   return view;
 }
 
+namespace {
+
+// "7, 8, 9 in the ring; 2, 4 kept" of the committed checkpoints; "none".
+std::string StepsText(const std::vector<ViewRow>& rows) {
+  std::string out;
+  for (const char* where : {"ring", "keep"}) {
+    std::vector<int64_t> steps;
+    for (const ViewRow& r : rows) {
+      if (r.state == "committed" && r.where == where) steps.push_back(r.step);
+    }
+    std::sort(steps.begin(), steps.end());
+    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+    if (steps.empty()) continue;
+    std::string part;
+    for (int64_t s : steps) part += (part.empty() ? "" : ", ") + std::to_string(s);
+    out += (out.empty() ? "" : "; ") + part + (where == std::string("ring") ? " in the ring" : " kept");
+  }
+  return out.empty() ? "none" : out;
+}
+
+std::string Have(const std::string& dir, int rank, Env* env, std::vector<ViewRow>* rows) {
+  Result<JobView> v = ViewJob(dir, rank, env);
+  if (!v.ok()) {  // listing failed too: say so instead
+    const std::string& m = v.status().message();
+    return "cannot list them: " + m.substr(0, m.find('\n'));
+  }
+  if (rows != nullptr) *rows = v.value().rows;
+  return StepsText(v.value().rows);
+}
+
+}  // namespace
+
+Status StepNotFound(const std::string& dir, int rank, int64_t step, Env* env) {
+  const std::string have = Have(dir, rank, env, nullptr);
+  std::string gone;  // as `nonstop inspect` says it: the ring reused its slot
+  if (Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForRead(dir, env); jd.ok()) {
+    if (Result<std::vector<ListedCheckpoint>> rows = jd.value()->List(rank); rows.ok()) {
+      for (const ListedCheckpoint& c : rows.value()) {
+        if (c.rotated && c.step == step && gone.empty()) gone = c.reason;
+      }
+    }
+  }
+  const std::string head =
+      "no committed checkpoint at step " + std::to_string(step) + " in " + dir;
+  if (!gone.empty()) {
+    return Status::NotFound(head + ": it was overwritten (" + gone + "; committed steps: " + have +
+                            ")");
+  }
+  return Status::NotFound(head + " (committed steps: " + have + ")");
+}
+
+Status NotKept(const std::string& dir, int64_t step, const Status& original, Env* env) {
+  if (original.code() != StatusCode::kNotFound) return original;
+  std::vector<ViewRow> rows;
+  const std::string have = Have(dir, 0, env, &rows);
+  for (const ViewRow& r : rows) {
+    if (r.step == step && r.where == "ring") {
+      return Status::NotFound("step " + std::to_string(step) + " of " + dir +
+                              " is in the ring (the slot file), which nonstop reuses itself; only "
+                              "kept copies (keep/) are deleted (committed steps: " + have + ")");
+    }
+  }
+  return original;
+}
+
 }  // namespace nonstop

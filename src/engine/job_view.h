@@ -64,4 +64,13 @@ Result<JobView> ViewJob(const std::string& dir, int rank, Env* env = nullptr,
 // "disk+memory+remote+peer": the tier names of a row, in that order, each once.
 std::string TierList(const ViewRow& row);
 
+// The NotFound of `step` asked of rank `rank` in `dir` (restore(step=)):
+// one line with the committed steps there are ("7, 8, 9 in the ring; 2, 4
+// kept"), and that it was overwritten when the ring reused its slot.
+Status StepNotFound(const std::string& dir, int rank, int64_t step, Env* env = nullptr);
+// delete(step) found no kept copy (`original`): a step in the ring is not
+// deleted (the ring reuses its slots itself), said with the committed steps;
+// otherwise `original`.
+Status NotKept(const std::string& dir, int64_t step, const Status& original, Env* env = nullptr);
+
 }  // namespace nonstop

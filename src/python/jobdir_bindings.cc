@@ -416,6 +416,23 @@ py::dict JobViewDict(const std::string& dir, int rank, const std::string& shm_di
 }
 
 void InitJobDir(py::module_& m) {
+  m.def(
+      "step_not_found",
+      [](const std::string& dir, int rank, int64_t step) {
+        py::gil_scoped_release r;
+        return StepNotFound(dir, rank, step).message();
+      },
+      py::arg("dir"), py::arg("rank"), py::arg("step"),
+      "The one line of a step that is not in dir (engine/job_view.h StepNotFound): the "
+      "committed steps there are, and whether the ring overwrote it.");
+  m.def(
+      "not_kept",
+      [](const std::string& dir, int64_t step, const std::string& message) {
+        py::gil_scoped_release r;
+        return NotKept(dir, step, Status::NotFound(message)).message();
+      },
+      py::arg("dir"), py::arg("step"), py::arg("message"),
+      "delete(step) found no kept copy (message): the one line to raise (NotKept).");
   m.def("job_view", &JobViewDict, py::arg("dir"), py::arg("rank") = 0, py::arg("shm_dir") = "",
         "The job view of rank `rank` (engine/job_view.h): {job, rows: [{step, counter, where, "
         "path, state, reason, commit_unix_ns, bytes, metrics, tiers: [{tier, where, recorded}], "

@@ -15,6 +15,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -35,7 +37,9 @@
 #include "jobdir/remote_layout.h"
 #include "python/bindings.h"
 #include "tier/remote_restore.h"
+#include "tier/path_transport.h"
 #include "tier/remote_tier.h"
+#include "tier/s3_request.h"
 #include "tier/staging.h"
 #include "tier/transport.h"
 #include "tier/uploader.h"
@@ -57,6 +61,13 @@ py::dict DocDict(const rl::Doc& d) {
   o["rank"] = d.rank ? py::cast(*d.rank) : py::none();
   o["unix_s"] = d.unix_s ? py::cast(*d.unix_s) : py::none();
   return o;
+}
+
+// warnings.warn("nonstop: " + line) at the caller's caller.
+void Warn(const std::string& line) {
+  if (PyErr_WarnEx(PyExc_UserWarning, ("nonstop: " + line).c_str(), 2) < 0) {
+    throw py::error_already_set();
+  }
 }
 
 std::string_view View(const py::bytes& b) {
@@ -251,6 +262,13 @@ class PyTransport final : public tier::Transport {
     }
     throw StatusError(s);
   }
+  // With the GIL held: the `kind` attribute of the exception that `s` came
+  // from on this thread (None when none).
+  py::object KindOf(const Status& s) {
+    auto it = errors_.find(std::this_thread::get_id());
+    if (it == errors_.end() || it->second.first != s.message()) return py::none();
+    return py::getattr(it->second.second, "kind", py::none());
+  }
   // A throttled upload stops: the transport's abort() (its reads poll it).
   void Abort() override {
     if (Finalizing()) return;
@@ -287,35 +305,86 @@ class PyTransport final : public tier::Transport {
   std::map<std::thread::id, std::pair<std::string, py::object>> errors_;
 };
 
-// nonstop._core.RemoteTier: a PyTransport and the tier over it.
+// nonstop._core.PathStore: a plain directory as the remote, all in C++
+// (tier/path_transport.h): a RemoteTier over it runs no Python per byte.
+// Its methods (for tests and tools) release the GIL.
+struct PyPathStore {
+  PyPathStore(const std::string& root, uint64_t part_bytes)
+      : t(DefaultEnv(), Absolute(root), part_bytes) {}
+  static std::string Absolute(const std::string& root) {
+    std::string p = std::filesystem::absolute(root).lexically_normal().string();
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    return p;
+  }
+  template <typename Fn>
+  auto Run(Fn&& fn) {
+    decltype(fn()) got = Status::Internal("unset");
+    {
+      py::gil_scoped_release r;
+      got = fn();
+    }
+    return got;
+  }
+  tier::PathTransport t;
+};
+
+// nonstop._core.RemoteTier: the tier over a transport: a PathStore's own,
+// or a Python one through a PyTransport.
 class PyRemoteTier {
  public:
-  explicit PyRemoteTier(py::object store)
-      : transport_(std::make_unique<PyTransport>(std::move(store))),
-        tier_(std::make_unique<tier::RemoteTier>(transport_.get(), DefaultEnv())) {}
+  explicit PyRemoteTier(py::object store) {
+    if (py::isinstance<PyPathStore>(store)) {
+      t_ = &store.cast<PyPathStore&>().t;
+      held_ = std::move(store);  // the transport lives as long as the tier
+    } else {
+      py_ = std::make_unique<PyTransport>(std::move(store));
+      t_ = py_.get();
+    }
+    tier_ = std::make_unique<tier::RemoteTier>(t_, DefaultEnv());
+  }
 
   // Runs `fn` on the tier with the GIL released; raises its error.
   template <typename Fn>
   auto Run(Fn&& fn) {
-    transport_->Forget();
+    Forget();
     decltype(fn(*tier_)) got = Status::Internal("unset");
     {
       py::gil_scoped_release r;
       got = fn(*tier_);
     }
     if constexpr (std::is_same_v<decltype(got), Status>) {
-      if (!got.ok()) transport_->Raise(got);
+      if (!got.ok()) Raise(got);
     } else {
-      if (!got.ok()) transport_->Raise(got.status());
+      if (!got.ok()) Raise(got.status());
       return std::move(got).value();
     }
   }
+  // With the GIL held (see PyTransport).
+  void Forget() {
+    if (py_) py_->Forget();
+  }
+  [[noreturn]] void Raise(const Status& s) {
+    if (py_) py_->Raise(s);
+    throw StatusError(s);
+  }
+  // With the GIL held: whether waiting can make the failure `s` of this
+  // thread's last transport call work (its exception's `kind`: not a
+  // missing bucket, refused or missing credentials).
+  bool WaitingHelps(const Status& s) {
+    if (!py_) return true;
+    py::object kind = py_->KindOf(s);
+    if (kind.is_none()) return true;
+    const std::string k = py::str(kind).cast<std::string>();
+    return k != "bucket_missing" && k != "access_denied" && k != "no_credentials";
+  }
 
-  PyTransport& transport() { return *transport_; }
+  const tier::Transport& transport() const { return *t_; }
   tier::RemoteTier& tier() { return *tier_; }
 
  private:
-  std::unique_ptr<PyTransport> transport_;
+  py::object held_;
+  std::unique_ptr<PyTransport> py_;
+  tier::Transport* t_ = nullptr;
   std::unique_ptr<tier::RemoteTier> tier_;
 };
 
@@ -496,10 +565,220 @@ void InitRemoteUploader(py::module_& m) {
            "the one line to warn about.");
 }
 
+// The object store transport's decisions (tier/s3_request.h).
+void InitStoreRequests(py::module_& m) {
+  m.def(
+      "store_failure",
+      [](const std::string& text, bool denied, bool unauthenticated) {
+        tier::StoreFailure f = tier::ClassifyStoreFailure(text, denied, unauthenticated);
+        return py::make_tuple(f.kind, f.line);
+      },
+      py::arg("text"), py::arg("denied") = false, py::arg("unauthenticated") = false,
+      "(kind, one line) of a failed store call: bucket_missing, access_denied, "
+      "no_credentials, unreachable or other.");
+  m.def("duration_s", [](const std::string& v) { return tier::DurationSeconds(v); },
+        py::arg("value"), "A client option's duration ('5s', '500ms', '2min', a number) in s.");
+  m.def(
+      "s3_create_bucket",
+      [](const std::string& prefix_url, const std::string& endpoint, const std::string& bucket,
+         const std::string& region, const std::string& key, const std::string& secret,
+         const std::string& token, const std::string& amz_date) {
+        tier::CreateBucket r = Take(tier::SignCreateBucket(prefix_url, endpoint, bucket, region, key,
+                                                           secret, token, amz_date));
+        py::dict headers;
+        for (const auto& [k, v] : r.headers) headers[py::str(k)] = v;
+        py::dict d;
+        d["url"] = r.url;
+        d["body"] = py::bytes(r.body);
+        d["headers"] = headers;
+        d["what"] = r.what;
+        d["base"] = r.base;
+        return d;
+      },
+      py::arg("prefix_url"), py::arg("endpoint"), py::arg("bucket"), py::arg("region"),
+      py::arg("key"), py::arg("secret"), py::arg("token") = "", py::arg("amz_date") = "",
+      "The signed S3 CreateBucket request (path style, Signature V4): {url, body, headers, "
+      "what, base}; CheckpointIOError without credentials.");
+  m.def(
+      "s3_create_bucket_answer",
+      [](const std::string& what, int code, const py::bytes& body) {
+        return Take(tier::CreateBucketAnswer(what, code, View(body)));
+      },
+      py::arg("what"), py::arg("code"), py::arg("body"),
+      "A CreateBucket's HTTP error answer: False when the bucket is there already (ours); "
+      "else CheckpointIOError with one line.");
+}
+
+void InitPathStore(py::module_& m) {
+  py::class_<PyPathStore>(m, "PathStore",
+                          "A directory (a shared file system) as the remote, in C++ "
+                          "(tier/path_transport.h); a RemoteTier over it runs no Python.")
+      .def(py::init<const std::string&, uint64_t>(), py::arg("root"),
+           py::arg("part_bytes") = uint64_t{8} << 20)
+      .def_property_readonly("url", [](PyPathStore& p) { return p.t.url(); })
+      .def_property_readonly("part_bytes", [](PyPathStore& p) { return p.t.part_bytes(); })
+      .def_property_readonly("s3", [](PyPathStore&) { return false; })
+      .def(
+          "put_bytes",
+          [](PyPathStore& p, const std::string& key, const py::bytes& data) {
+            std::string d(View(data));
+            Check(p.Run([&] { return p.t.PutBytes(key, d); }));
+          },
+          py::arg("key"), py::arg("data"))
+      .def(
+          "get_bytes",
+          [](PyPathStore& p, const std::string& key, uint64_t limit) -> py::object {
+            Result<std::string> got = p.Run([&] { return p.t.GetBytes(key, limit); });
+            if (!got.ok() && got.status().code() == StatusCode::kNotFound) return py::none();
+            std::string b = Take(std::move(got));
+            return py::bytes(b);
+          },
+          py::arg("key"), py::arg("limit"), "The object's bytes; None when missing.")
+      .def(
+          "get_chunks",
+          [](PyPathStore& p, const std::string& key) {
+            uint64_t size = 0;
+            std::vector<std::string> chunks;
+            Check(p.Run([&] {
+              return p.t.GetChunks(key, [&](uint64_t n) { size = n; return Status::OK(); },
+                                   [&](std::string_view c) {
+                                     chunks.emplace_back(c);
+                                     return Status::OK();
+                                   });
+            }));
+            py::list out;
+            for (const std::string& c : chunks) out.append(py::bytes(c));
+            return py::make_tuple(size, out);
+          },
+          py::arg("key"), "(size, [buffers]).")
+      .def(
+          "list",
+          [](PyPathStore& p, const std::string& prefix) {
+            py::list out;
+            for (const tier::StoredObject& o : Take(p.Run([&] { return p.t.List(prefix); }))) {
+              out.append(py::make_tuple(o.key, o.size));
+            }
+            return out;
+          },
+          py::arg("prefix") = "", "(key, size) of every object (temps and links skipped).")
+      .def(
+          "delete",
+          [](PyPathStore& p, const std::vector<std::string>& keys) {
+            Check(p.Run([&] { return p.t.Delete(keys); }));
+          },
+          py::arg("keys"))
+      .def("abort", [](PyPathStore& p) { p.t.Abort(); });
+}
+
 void InitRemoteTier(py::module_& m) {
   py::class_<PyRemoteTier>(m, "RemoteTier",
-                           "The remote tier (tier/remote_tier.h) over a Python transport.")
+                           "The remote tier (tier/remote_tier.h) over a transport: a PathStore, "
+                           "or a Python one.")
       .def(py::init<py::object>(), py::arg("transport"))
+      .def(
+          "rows",
+          [](PyRemoteTier& t, uint32_t rank) {
+            std::string job;  // the prefix's identity (its JOB document)
+            Result<std::optional<std::string>> got = Status::Internal("unset");
+            t.Forget();
+            {
+              py::gil_scoped_release r;
+              got = t.tier().Job();
+            }
+            if (got.ok()) {
+              job = got.value().value_or("");
+            } else if (got.status().code() == StatusCode::kCorruption) {
+              Warn("remote: " + got.status().message());
+            } else {
+              t.Raise(got.status());
+            }
+            const std::string url = t.transport().url();
+            auto held = t.Run([&](tier::RemoteTier& r) { return r.List(rank); });
+            py::list out;
+            for (const tier::HeldStep& s : held) {
+              if (!s.reason.empty()) Warn("remote: " + s.reason + "; skipped");
+              const bool committed = s.state == tier::StepState::kCommitted;
+              py::dict d;
+              d["step"] = s.step;
+              d["counter"] = s.marker && s.marker->counter ? py::cast(*s.marker->counter) : py::none();
+              d["where"] = "remote";
+              d["path"] = url + "/" + rl::PartKey(s.step, rank);
+              d["state"] = StateName(s.state);
+              d["reason"] = s.note;  // why rank `rank` cannot read it
+              d["time"] = s.marker && s.marker->unix_s ? py::cast(*s.marker->unix_s) : py::none();
+              d["bytes"] = s.bytes;
+              d["metrics"] = py::dict();
+              py::list tiers;  // the tiers holding it (one format with a local listing)
+              if (committed && s.note.empty()) {
+                py::dict h;
+                h["tier"] = "remote";
+                h["where"] = url;
+                h["recorded"] = false;
+                tiers.append(h);
+              }
+              d["tiers"] = tiers;
+              d["job"] = job;
+              d["world_size"] = s.marker ? py::cast(s.marker->world_size) : py::none();
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("rank") = 0,
+          "nonstop.list() of the remote: one row per step directory, newest first, in the "
+          "shape of a local listing (where='remote'; bytes: rank `rank`'s part); warns of "
+          "damaged markers and a JOB document that does not parse.")
+      .def(
+          "inspect",
+          [](PyRemoteTier& t) {
+            auto held = t.Run([&](tier::RemoteTier& r) { return r.List(0); });
+            py::list rows;
+            size_t committed = 0;
+            std::string lines;
+            for (const tier::HeldStep& s : held) {
+              if (!s.reason.empty()) Warn("remote: " + s.reason + "; skipped");
+              const std::optional<rl::Doc>& m = s.marker;
+              std::string ranks;
+              for (uint32_t r : s.ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+              py::dict d;
+              d["step"] = s.step;
+              d["committed"] = m.has_value();
+              d["world_size"] = m ? py::cast(m->world_size) : py::none();
+              d["lineage"] = m ? py::cast(m->lineage) : py::none();
+              d["counter"] = m && m->counter ? py::cast(*m->counter) : py::none();
+              d["ranks"] = s.ranks;
+              d["objects"] = s.objects;
+              d["bytes"] = s.total_bytes;
+              rows.append(d);
+              committed += m ? 1 : 0;
+              lines += "  step " + std::to_string(s.step) + ": " +
+                       (m ? "committed, world size " + std::to_string(m->world_size) +
+                                ", lineage " + std::to_string(m->lineage)
+                          : std::string("not committed (never read; retention deletes it)")) +
+                       "; parts of rank(s) " + (ranks.empty() ? "none" : "[" + ranks + "]") +
+                       ", " + std::to_string(s.objects) + " object(s), " +
+                       std::to_string(s.total_bytes) + " bytes\n";
+            }
+            return py::make_tuple(rows, t.transport().url() + ": " + std::to_string(held.size()) +
+                                            " step(s), " + std::to_string(committed) +
+                                            " committed\n" + lines);
+          },
+          "`nonstop inspect URL`: ([{step, committed, world_size, lineage, counter, ranks, "
+          "objects, bytes}], the text); nothing is downloaded but the markers.")
+      .def(
+          "candidates",
+          [](PyRemoteTier& t, std::optional<int64_t> step) {
+            std::vector<std::string> damaged;
+            auto got = t.Run([&](tier::RemoteTier& r) {
+              return tier::RemoteCandidates(DefaultEnv(), &r, step, &damaged);
+            });
+            for (const std::string& d : damaged) Warn("remote: " + d + "; skipped");
+            py::list out;
+            for (const auto& [s, doc] : got) out.append(py::make_tuple(s, DocDict(doc)));
+            return out;
+          },
+          py::arg("step") = py::none(),
+          "[(step, marker)] of the committed steps in the planner's order (`step` alone when "
+          "given); CheckpointNotFoundError when there is none.")
       .def_property_readonly("url", [](PyRemoteTier& t) { return t.transport().url(); })
       .def(
           "list",
@@ -677,7 +956,70 @@ std::vector<tier::RestoreSource> SourcesOf(const py::handle& rows) {
   return out;
 }
 
+// {step, counter, where} rows: local copies of the memory tier (the peer
+// tier's replica fetched for this rank).
+std::vector<PlanCandidate> ExtraOf(const py::list& extra) {
+  std::vector<PlanCandidate> out;
+  for (py::handle row : extra) {
+    py::dict d = py::reinterpret_borrow<py::dict>(row);
+    PlanCandidate c;
+    c.tier = Tier::kMemory;
+    c.step = d["step"].cast<int64_t>();
+    c.counter = d["counter"].cast<uint64_t>();
+    c.where = d.contains("where") ? d["where"].cast<std::string>() : "memory";
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+// `nonstop ls URL`'s text of RemoteTier.rows (the columns of a local ls).
+std::string LsText(const py::list& rows, uint32_t rank, const std::string& url) {
+  if (rows.empty()) return "no checkpoint of rank " + std::to_string(rank) + " in " + url + "\n";
+  char line[1024];
+  std::snprintf(line, sizeof(line), "%-10s %-6s %-11s %-21s %-10s %-24s note\n", "step", "where",
+                "state", "committed (UTC)", "size", "tiers");
+  std::string out = line;
+  for (py::handle h : rows) {
+    py::dict r = py::reinterpret_borrow<py::dict>(h);
+    std::string when = "-", size = "-", tiers;
+    if (!r["time"].is_none()) {
+      const std::time_t t = static_cast<std::time_t>(r["time"].cast<double>());
+      std::tm tm{};
+      gmtime_r(&t, &tm);
+      char buf[32];
+      std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
+      when = buf;
+    }
+    const std::string state = r["state"].cast<std::string>();
+    double n = r["bytes"].cast<double>();
+    if (state == "committed" && n > 0) {
+      const char* units[] = {"B", "KiB", "MiB", "GiB"};
+      int u = 0;
+      while (n >= 1024 && u < 3) {
+        n /= 1024;
+        ++u;
+      }
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", n, units[u]);
+      size = buf;
+    }
+    for (py::handle t : r["tiers"]) {
+      tiers += (tiers.empty() ? "" : "+") + py::reinterpret_borrow<py::dict>(t)["tier"].cast<std::string>();
+    }
+    std::snprintf(line, sizeof(line), "%-10lld %-6s %-11s %-21s %-10s %-24s ",
+                  static_cast<long long>(r["step"].cast<int64_t>()),
+                  r["where"].cast<std::string>().c_str(), state.c_str(), when.c_str(), size.c_str(),
+                  tiers.empty() ? "-" : tiers.c_str());
+    std::string row = line + r["reason"].cast<std::string>();
+    while (!row.empty() && row.back() == ' ') row.pop_back();
+    out += row + "\n";
+  }
+  return out;
+}
+
 void InitRemoteRestore(py::module_& m) {
+  m.def("remote_ls_text", &LsText, py::arg("rows"), py::arg("rank"), py::arg("url"),
+        "`nonstop ls URL`'s text of RemoteTier.rows: a local ls's columns.");
   m.def(
       "plan_remote_restore",
       [](const std::string& job_dir, uint32_t rank, std::optional<py::list> remote,
@@ -696,15 +1038,7 @@ void InitRemoteRestore(py::module_& m) {
             req.remote->emplace_back(r[0].cast<int64_t>(), r[1].cast<uint64_t>());
           }
         }
-        for (py::handle row : extra) {  // {step, counter, where}: a local copy of the memory tier
-          py::dict d = py::reinterpret_borrow<py::dict>(row);
-          PlanCandidate c;
-          c.tier = Tier::kMemory;
-          c.step = d["step"].cast<int64_t>();
-          c.counter = d["counter"].cast<uint64_t>();
-          c.where = d.contains("where") ? d["where"].cast<std::string>() : "memory";
-          req.extra_local.push_back(std::move(c));
-        }
+        req.extra_local = ExtraOf(extra);
         Result<tier::RestorePlan> got = Status::Internal("unset");
         {
           py::gil_scoped_release r;
@@ -726,6 +1060,100 @@ void InitRemoteRestore(py::module_& m) {
       "counter, 'remote' | 'local']] in the planner's order, each step once, local_newest, "
       "local_has_step}.");
   m.def(
+      "restore_remote",
+      [](PyRemoteTier& t, const std::string& job_dir, uint32_t rank, std::optional<int64_t> step,
+         const py::list& extra, const std::string& fetch_dir, py::object read,
+         std::optional<uint32_t> world, bool load) -> py::object {
+        tier::RemoteRestoreRequest req;
+        req.plan.job_dir = job_dir;
+        req.plan.rank = rank;
+        req.plan.step = step;
+        req.plan.extra_local = ExtraOf(extra);
+        req.fetch_dir = fetch_dir;
+        req.world = world;
+        req.load = load;
+        req.waiting_helps = [&t](const Status& s) {
+          py::gil_scoped_acquire g;
+          return t.WaitingHelps(s);
+        };
+        py::object loaded = py::none(), fatal = py::none();
+        py::object base = py::module_::import("nonstop.errors").attr("CheckpointError");
+        tier::ReadFetched read_fn = [&](int64_t s, const std::string& dir) -> Status {
+          py::gil_scoped_acquire g;
+          try {
+            py::object got = read(dir);
+            if (got.is_none() || got.attr("step").cast<int64_t>() != s) {
+              return Status::Corruption(dir + " holds no committed checkpoint of step " +
+                                        std::to_string(s));
+            }
+            loaded = got;
+            return Status::OK();
+          } catch (py::error_already_set& e) {
+            if (!e.matches(base) && !e.matches(PyExc_OSError)) {  // not a checkpoint's failure
+              fatal = e.value();
+              return Status::Aborted(py::str(e.value()).cast<std::string>());
+            }
+            return Status(StatusCodeOfException(e.value().ptr()),
+                          py::str(e.value()).cast<std::string>());
+          }
+        };
+        tier::RemoteRestoreResult out;
+        Status s;
+        t.Forget();
+        {
+          py::gil_scoped_release r;
+          s = tier::RestoreFromRemote(DefaultEnv(), &t.tier(), req, read_fn, &out);
+        }
+        for (const std::string& w : out.warnings) Warn(w);
+        if (!fatal.is_none()) {
+          PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(fatal.ptr())), fatal.ptr());
+          throw py::error_already_set();
+        }
+        if (!s.ok()) t.Raise(s);
+        return out.read ? loaded : py::none();
+      },
+      py::arg("tier"), py::arg("job_dir"), py::arg("rank"), py::arg("step"), py::arg("extra"),
+      py::arg("fetch_dir"), py::arg("read"), py::arg("world") = py::none(),
+      py::arg("load") = false,
+      "One rank's restore with a remote tier (tier/remote_restore.h RestoreFromRemote): "
+      "read(dir) is called on each remote candidate fetched (verified) into fetch_dir, in "
+      "the plan's order, until one returns the LoadedCheckpoint of its step (returned); None: "
+      "the local path reads. Failures are warnings; errors as RestoreFromRemote's.");
+  m.def(
+      "dist_remote_next",
+      [](const std::string& url, const py::list& plans, const py::list& tried) -> py::object {
+        std::vector<std::vector<tier::RestoreSource>> every;
+        for (py::handle e : plans) every.push_back(SourcesOf(e));
+        std::vector<tier::DistTried> done;
+        for (py::handle row : tried) {
+          py::sequence r = py::reinterpret_borrow<py::sequence>(row);
+          tier::DistTried t{r[0].cast<int64_t>(), {}};
+          for (py::handle e : py::reinterpret_borrow<py::sequence>(r[1])) {
+            t.errors.push_back(e.is_none() ? "" : py::str(e).cast<std::string>());
+          }
+          done.push_back(std::move(t));
+        }
+        std::string warning;
+        Result<std::optional<int64_t>> next = tier::NextDistRemoteStep(url, every, done, &warning);
+        if (!warning.empty()) Warn(warning);
+        std::optional<int64_t> s = Take(std::move(next));
+        return s ? py::cast(*s) : py::none();
+      },
+      py::arg("url"), py::arg("plans"), py::arg("tried"),
+      "One move of the distributed remote restore (NextDistRemoteStep): plans, every rank's "
+      "plan order (rank 0 first); tried, [[step, [error or None per rank]]]. The next agreed "
+      "remote step to fetch, or None (the local path restores); warns of the last failure.");
+  m.def(
+      "remote_unlisted",
+      [](const std::string& url, const std::string& why, const std::string& job_dir,
+         std::optional<int64_t> local_newest, bool step_asked) {
+        Warn(Take(tier::UnlistedRemote(url, why, job_dir, local_newest, step_asked, true)));
+      },
+      py::arg("url"), py::arg("why"), py::arg("job_dir"), py::arg("local_newest"),
+      py::arg("step_asked"),
+      "A remote that cannot be listed at restore: the warning (a local step to resume), "
+      "else the CheckpointIOError.");
+  m.def(
       "common_restore_steps",
       [](const py::list& every) {
         std::vector<std::vector<tier::RestoreSource>> in;
@@ -744,9 +1172,11 @@ void InitRemoteRestore(py::module_& m) {
 }  // namespace
 
 void InitRemote(py::module_& m) {
+  InitPathStore(m);
+  InitStoreRequests(m);
   InitRemoteLayout(m);
-  InitRemoteRestore(m);
   InitRemoteTier(m);
+  InitRemoteRestore(m);
   InitRemoteUploader(m);
 }
 

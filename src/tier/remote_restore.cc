@@ -1,6 +1,7 @@
 // The restore plan of a rank with a remote tier (tier/remote_restore.h).
 #include "tier/remote_restore.h"
 
+#include <algorithm>
 #include <memory>
 #include <set>
 #include <unordered_map>
@@ -8,6 +9,7 @@
 
 #include "jobdir/remote_layout.h"
 #include "nonstop/jobdir.h"
+#include "tier/remote_tier.h"
 
 namespace nonstop::tier {
 
@@ -25,7 +27,7 @@ Result<std::vector<size_t>> Order(const std::vector<PlanCandidate>& cands,
   return std::move(plan.order);
 }
 
-bool IsLocal(const PlanCandidate& c) { return c.tier == Tier::kDisk || c.tier == Tier::kKeep; }
+bool IsLocal(const PlanCandidate& c) { return c.tier == nonstop::Tier::kDisk || c.tier == nonstop::Tier::kKeep; }
 
 // Marks damaged the local candidates of the job directory newer than the
 // checkpoint of this rank that verifies (JobDir::Select): a damaged local
@@ -62,7 +64,7 @@ Result<RestorePlan> PlanRemoteRestore(Env* env, const RestorePlanRequest& r) {
         for (const ListedCheckpoint& c : rows.value()) {
           if (c.counter == 0) continue;
           PlanCandidate p;
-          p.tier = c.location.keep ? Tier::kKeep : Tier::kDisk;
+          p.tier = c.location.keep ? nonstop::Tier::kKeep : nonstop::Tier::kDisk;
           p.where = c.location.where;
           p.step = c.step;
           p.counter = c.counter;
@@ -89,7 +91,7 @@ Result<RestorePlan> PlanRemoteRestore(Env* env, const RestorePlanRequest& r) {
   if (r.remote) {
     for (const auto& [step, counter] : *r.remote) {
       PlanCandidate p;
-      p.tier = Tier::kRemote;
+      p.tier = nonstop::Tier::kRemote;
       p.where = r.remote_where + "/" + remote::StepDir(step);
       p.step = step;
       p.counter = counter;
@@ -103,7 +105,7 @@ Result<RestorePlan> PlanRemoteRestore(Env* env, const RestorePlanRequest& r) {
     NONSTOP_ASSIGN_OR_RETURN(order, Order(cands, lineage, r.step, r.exclude));
     if (order.empty() || verified || jd == nullptr) break;
     const PlanCandidate& head = cands[order.front()];
-    if (head.tier == Tier::kRemote || remote_counters.count(head.counter) == 0) break;
+    if (head.tier == nonstop::Tier::kRemote || remote_counters.count(head.counter) == 0) break;
     // The remote holds this checkpoint too: the local copy must verify to
     // be read first.
     verified = true;
@@ -113,7 +115,7 @@ Result<RestorePlan> PlanRemoteRestore(Env* env, const RestorePlanRequest& r) {
   for (size_t i : order) {
     const PlanCandidate& c = cands[i];
     if (!seen.insert(c.step).second) continue;
-    out.order.push_back({c.step, c.counter, c.tier == Tier::kRemote});
+    out.order.push_back({c.step, c.counter, c.tier == nonstop::Tier::kRemote});
   }
   return out;
 }
@@ -140,6 +142,161 @@ std::vector<AgreedStep> CommonRestoreSteps(const std::vector<std::vector<Restore
     if (common) out.push_back({s.step, all_local});
   }
   return out;
+}
+
+}  // namespace nonstop::tier
+
+namespace nonstop::tier {
+
+namespace {
+
+std::string FirstLine(const std::string& s) {
+  const size_t nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+}  // namespace
+
+namespace {
+
+// "rank 1: E; rank 3: F" of the ranks that failed; empty when none did.
+std::string FailedRanks(const DistTried& t) {
+  std::string out;
+  for (size_t r = 0; r < t.errors.size(); ++r) {
+    if (t.errors[r].empty()) continue;
+    out += (out.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + t.errors[r]);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::optional<int64_t>> NextDistRemoteStep(const std::string& url,
+                                                  const std::vector<std::vector<RestoreSource>>& plans,
+                                                  const std::vector<DistTried>& tried,
+                                                  std::string* warning) {
+  if (warning != nullptr && !tried.empty() && !FailedRanks(tried.back()).empty()) {
+    *warning = "remote step " + std::to_string(tried.back().step) + " fails on " +
+               FailedRanks(tried.back()) + "; falling back";
+  }
+  std::unordered_set<int64_t> done;
+  for (const DistTried& t : tried) done.insert(t.step);
+  for (const AgreedStep& a : CommonRestoreSteps(plans)) {
+    if (done.count(a.step) != 0) continue;
+    if (a.all_local) return std::optional<int64_t>();  // every rank's local copy: recover reads it
+    return std::optional<int64_t>(a.step);
+  }
+  bool local = false;
+  for (const auto& plan : plans) {
+    for (const RestoreSource& s : plan) local = local || !s.remote;
+  }
+  for (const DistTried& t : tried) {
+    if (!FailedRanks(t).empty() && !local) {
+      return Status::Corruption("no remote checkpoint in " + url + " verifies on every rank: " +
+                                FailedRanks(t));
+    }
+  }
+  return std::optional<int64_t>();
+}
+
+Result<std::vector<std::pair<int64_t, remote::Doc>>> RemoteCandidates(
+    Env* env, RemoteTier* tier, std::optional<int64_t> step, std::vector<std::string>* damaged) {
+  NONSTOP_ASSIGN_OR_RETURN(auto listed, tier->CommittedSteps(damaged));
+  RestorePlanRequest req;
+  req.step = step;
+  req.remote.emplace();
+  std::unordered_map<int64_t, remote::Doc> marker;
+  for (const auto& [s, doc] : listed) {
+    req.remote->emplace_back(s, doc.counter.value_or(0));
+    marker.emplace(s, doc);
+  }
+  NONSTOP_ASSIGN_OR_RETURN(RestorePlan plan, PlanRemoteRestore(env, req));
+  std::vector<std::pair<int64_t, remote::Doc>> out;
+  for (const RestoreSource& s : plan.order) out.emplace_back(s.step, marker.at(s.step));
+  if (out.empty()) {
+    return Status::NotFound("no committed remote checkpoint" +
+                            (step ? " at step " + std::to_string(*step) : std::string()) + " in " +
+                            tier->where());
+  }
+  return out;
+}
+
+Result<std::string> UnlistedRemote(const std::string& url, const std::string& why,
+                                   const std::string& job_dir, std::optional<int64_t> local_newest,
+                                   bool step_asked, bool waiting_helps) {
+  const std::string msg = "the remote tier " + url + " cannot be listed (" + FirstLine(why) + ")";
+  if (local_newest && !step_asked) {
+    return msg + "; restoring the newest local checkpoint (step " + std::to_string(*local_newest) +
+           ")";
+  }
+  if (!waiting_helps) {  // a missing bucket, refused credentials: say what to fix
+    return Status::IOError(msg + "; " + job_dir +
+                           " holds no local checkpoint to restore instead: fix the remote (or "
+                           "drop remote=)");
+  }
+  return Status::IOError(msg + " and " + job_dir +
+                         " holds no local checkpoint to restore instead; restore() again once "
+                         "the store is reachable (or drop remote=)");
+}
+
+Status RestoreFromRemote(Env* env, RemoteTier* tier, const RemoteRestoreRequest& request,
+                         const ReadFetched& read, RemoteRestoreResult* result) {
+  RemoteRestoreResult& out = *result;
+  RestorePlanRequest req = request.plan;
+  req.remote.reset();
+  req.remote_where = tier->where();
+  NONSTOP_ASSIGN_OR_RETURN(RestorePlan local, PlanRemoteRestore(env, req));
+  if (!request.load && req.step && local.local_has_step) return Status::OK();  // the local path reads it
+
+  std::vector<std::string> damaged;
+  Result<std::vector<std::pair<int64_t, remote::Doc>>> listed = tier->CommittedSteps(&damaged);
+  for (const std::string& d : damaged) out.warnings.push_back("remote: " + d + "; skipped");
+  if (!listed.ok()) {
+    if (request.load) return listed.status();
+    const bool helps = !request.waiting_helps || request.waiting_helps(listed.status());
+    NONSTOP_ASSIGN_OR_RETURN(std::string warning,
+                             UnlistedRemote(tier->where(), listed.status().message(), req.job_dir,
+                                            local.local_newest, req.step.has_value(), helps));
+    out.warnings.push_back(std::move(warning));
+    return Status::OK();
+  }
+  req.remote.emplace();
+  for (const auto& [step, marker] : listed.value()) {
+    if (request.world && std::max<uint32_t>(marker.world_size, 1) != *request.world) continue;  // resharded, not restored
+    req.remote->emplace_back(step, marker.counter.value_or(0));
+  }
+
+  std::string first_error;
+  for (bool tried = false;; tried = true) {
+    NONSTOP_ASSIGN_OR_RETURN(RestorePlan plan, PlanRemoteRestore(env, req));
+    if (plan.order.empty()) {
+      if (request.load && !tried) {
+        return Status::NotFound(
+            "no committed remote checkpoint" +
+            (req.step ? " at step " + std::to_string(*req.step) : std::string()) + " in " +
+            tier->where());
+      }
+      break;
+    }
+    const RestoreSource& head = plan.order.front();
+    if (!head.remote) return Status::OK();  // the local path reads (and verifies) it
+    Result<std::string> dir = tier->Fetch(head.step, req.rank, request.fetch_dir);
+    Status s = dir.ok() ? read(head.step, dir.value()) : dir.status();
+    if (dir.ok() && s.code() == StatusCode::kAborted) return s;
+    if (s.ok()) {
+      out.read = head;
+      return Status::OK();
+    }
+    if (first_error.empty()) first_error = FirstLine(s.message());
+    out.warnings.push_back("remote step " + std::to_string(head.step) + ": " + s.message() +
+                           "; falling back");
+    req.exclude.push_back(head.counter);
+  }
+  if (!first_error.empty() && !local.local_newest) {
+    return Status::Corruption("no remote checkpoint in " + tier->where() +
+                              " verifies: " + first_error);
+  }
+  return Status::OK();
 }
 
 }  // namespace nonstop::tier

@@ -11,16 +11,20 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "jobdir/remote_layout.h"
 #include "nonstop/env.h"
 #include "nonstop/plan.h"
 #include "nonstop/status.h"
 
 namespace nonstop::tier {
+
+class RemoteTier;
 
 // One step of a restore plan and where it is read first.
 struct RestoreSource {
@@ -73,5 +77,74 @@ struct AgreedStep {
   bool all_local = false;
 };
 std::vector<AgreedStep> CommonRestoreSteps(const std::vector<std::vector<RestoreSource>>& every);
+
+// One rank's restore with a remote tier, the whole loop: the local plan
+// (request.step held locally: the local path reads it, nothing is listed);
+// the remote's committed steps listed (of `world` only when given; a marker
+// that does not parse is a warning); then, in the plan's order, the first
+// source: a local one is left to the local path; a remote one is fetched
+// into fetch_dir (verified: tier Fetch) and handed to `read`, and when
+// either fails the warning "remote step S: ERROR; falling back" is added and
+// the plan is made again without that checkpoint.
+struct RemoteRestoreRequest {
+  RestorePlanRequest plan;  // job_dir, rank, step, extra_local, remote_where (`remote` is listed here)
+  std::string fetch_dir;    // where a remote part is fetched (fetch_dir/remote/step-N)
+  std::optional<uint32_t> world;  // only remote steps of this world size
+  // nonstop.load (no local path): no committed step is NotFound "no
+  // committed remote checkpoint [at step S] in URL", and a failed listing
+  // is returned as it is.
+  bool load = false;
+  // Whether waiting can make a failed listing work (a store down, not a
+  // missing bucket or refused credentials); decides the error's advice.
+  std::function<bool(const Status&)> waiting_helps;
+};
+// Reads the fetched one-slot directory of `step`; OK or a one-line error
+// (the next candidate is tried), or Aborted: the restore stops with it.
+using ReadFetched = std::function<Status(int64_t step, const std::string& dir)>;
+struct RemoteRestoreResult {
+  std::optional<RestoreSource> read;  // the remote checkpoint `read` accepted; nullopt: the local path
+  std::vector<std::string> warnings;  // in order, one line each (without "nonstop: ")
+};
+// Errors: a remote that cannot be listed with nothing local to restore
+// instead (IOError, with what to do), every remote candidate failing with
+// nothing local left (Corruption "no remote checkpoint in URL verifies:
+// FIRST ERROR"), and (load) as above. `out` holds the warnings made before
+// an error too.
+Status RestoreFromRemote(Env* env, RemoteTier* tier, const RemoteRestoreRequest& request,
+                         const ReadFetched& read, RemoteRestoreResult* out);
+
+// One move of the distributed remote restore, made alike on every rank:
+// `plans[r]` is rank r's plan (PlanRemoteRestore's order, gathered), `tried`
+// the agreed steps tried so far, each with every rank's one-line error
+// (empty: that rank read it). Returns the next agreed remote step for every
+// rank to fetch and read, or nullopt: the local path restores (an agreed
+// step every rank holds locally, or none left). Corruption "no remote
+// checkpoint in URL verifies on every rank: ..." when every agreed step
+// failed and no rank has a local candidate. `warning` (when not null) gets
+// the line of the last step tried when it failed.
+struct DistTried {
+  int64_t step = 0;
+  std::vector<std::string> errors;  // per rank
+};
+Result<std::optional<int64_t>> NextDistRemoteStep(const std::string& url,
+                                                  const std::vector<std::vector<RestoreSource>>& plans,
+                                                  const std::vector<DistTried>& tried,
+                                                  std::string* warning);
+
+// The remote's committed steps in the planner's order (by counter: a
+// checkpoint, not a step number), `step` alone when given, each with its
+// marker: what `nonstop verify|export URL` and nonstop.load try. NotFound
+// "no committed remote checkpoint [at step S] in URL" when there is none;
+// `damaged` gets one line per marker that does not parse.
+Result<std::vector<std::pair<int64_t, remote::Doc>>> RemoteCandidates(
+    Env* env, RemoteTier* tier, std::optional<int64_t> step, std::vector<std::string>* damaged);
+
+// A remote that cannot be listed at restore (`why`: the store's one line).
+// With a local step to resume (`local_newest`), the warning to give before
+// the local path restores it; with none (or a step asked), the IOError
+// rather than a silent start from scratch, its advice by `waiting_helps`.
+Result<std::string> UnlistedRemote(const std::string& url, const std::string& why,
+                                   const std::string& job_dir, std::optional<int64_t> local_newest,
+                                   bool step_asked, bool waiting_helps);
 
 }  // namespace nonstop::tier

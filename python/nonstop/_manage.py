@@ -4,7 +4,6 @@ which may never be deleted) are C++ (JobDir, src/jobdir/retention.cc); this
 module checks arguments and shapes results."""
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
@@ -12,48 +11,16 @@ from . import _ext, _remote
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 
-
-
 def check_metrics(metrics) -> Optional[dict]:
     """metrics= of save()/step(): a dict of name -> finite number (plain
-    floats are stored; a 0-d tensor or numpy scalar is converted)."""
-    if metrics is None:
-        return None
-    if not isinstance(metrics, dict):
-        raise CheckpointMismatchError(
-            f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
-    out = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str) or not k:
-            raise CheckpointMismatchError(f"metrics: name {k!r} is not a non-empty string")
-        if hasattr(v, "item") and callable(v.item):
-            v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise CheckpointMismatchError(f"metrics[{k!r}] must be a finite number, got {v!r}")
-        out[k] = float(v)
-    return out
+    floats are stored; a 0-d tensor or numpy scalar is converted). C++."""
+    return _ext.core().check_metrics(metrics)
 
 
 def check_retention(keep, max_to_keep, best) -> tuple:
     """(max_to_keep, metric, higher, k) for Engine.set_retention, after
-    checking max_to_keep= and best=("loss", "min", 3)."""
-    if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(
-            max_to_keep, bool) or max_to_keep < 1):
-        raise CheckpointMismatchError(
-            f"max_to_keep must be None or a positive integer, got {max_to_keep!r}")
-    metric, higher, k = "", False, 0
-    if best is not None:
-        if (not isinstance(best, (tuple, list)) or len(best) != 3 or not isinstance(best[0], str)
-                or not best[0] or best[1] not in ("min", "max") or not isinstance(best[2], int)
-                or isinstance(best[2], bool) or best[2] < 1):
-            raise CheckpointMismatchError(
-                f'best must be (metric name, "min" or "max", k >= 1), e.g. ("loss", "min", 3); '
-                f"got {best!r}")
-        metric, higher, k = best[0], best[1] == "max", best[2]
-    if max_to_keep is not None and keep is None:
-        raise CheckpointMismatchError(
-            "max_to_keep bounds the copies keep= makes: give keep=k as well")
-    return (max_to_keep or 0, metric, higher, k)
+    checking max_to_keep= and best=("loss", "min", 3). C++."""
+    return tuple(_ext.core().check_retention(keep, max_to_keep, best))
 
 
 def _row(c: dict, job: str) -> dict:

@@ -82,43 +82,17 @@ class ObjectStore:
         except ImportError as e:  # pragma: no cover - make build installs it
             raise CheckpointError(f"remote={url!r} needs the obstore package ({e})") from None
         self._ob = obstore
-        opts = dict(options or {})
-        self.concurrency = int(opts.pop("max_concurrency", 8))
-        self.part_bytes = int(opts.pop("part_bytes", PART_BYTES))
-        for k in _TIER_OPTIONS:
-            opts.pop(k, None)
-        m = re.match(r"^s3://([^/]+)/?(.*)$", url)
-        if m:
-            bucket, prefix = m.group(1), m.group(2).strip("/")
-            endpoint = opts.pop("endpoint", None) or opts.pop("endpoint_url", None) or (
-                opts.get("client_kwargs", {}) or {}).get("endpoint_url")
-            opts.pop("client_kwargs", None)
-            # create_bucket (remote_options): what the CreateBucket request needs
-            self._s3 = {"bucket": bucket, "endpoint": endpoint, "key": opts.get("key"),
-                        "secret": opts.get("secret"), "token": opts.get("token"),
-                        "region": opts.get("region"),
-                        "timeout": _ext.core().duration_s(str(opts.get("connect_timeout", "5s")))
-                        + _ext.core().duration_s(str(opts.get("timeout", "60s")))}
-            kw = {}
-            for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"),
-                             ("token", "session_token"), ("region", "region")):
-                if opts.get(src) is not None:
-                    kw[dst] = opts.pop(src)
-            client = {"timeout": str(opts.pop("timeout", "60s")),
-                      "connect_timeout": str(opts.pop("connect_timeout", "5s"))}
-            if endpoint:
-                kw["endpoint"] = endpoint
-                client["allow_http"] = endpoint.startswith("http://")
-            kw.update(opts)
+        c = _ext.core().object_store_config(url, dict(options or {}), list(_TIER_OPTIONS))
+        self.concurrency, self.part_bytes, self._s3 = c["concurrency"], c["part_bytes"], c["s3"]
+        if self._s3 is not None:
             self.store = obstore.store.S3Store(
-                bucket, prefix=prefix or None, client_options=client,
+                c["bucket"], prefix=c["prefix"], client_options=c["client"],
                 retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=30),
                               "backoff": {"init_backoff": timedelta(seconds=0.1),
                                           "max_backoff": timedelta(seconds=2), "base": 2}},
-                **kw)
+                **c["kw"])
         else:
-            self._s3 = None
-            self.store = obstore.store.from_url(url, **opts)
+            self.store = obstore.store.from_url(url, **c["kw"])
         self.url = url
 
     def abort(self) -> None:
@@ -256,20 +230,10 @@ def _tier(store):
     return _ext.core().RemoteTier(store)
 
 
-def claim(store, job: str, adopt: bool) -> None:
-    """This job owns the prefix: a prefix without a JOB document is claimed;
-    one of another job is refused (IncompatibleCheckpointError) unless
-    `adopt` (remote_options={"adopt": True}), which takes it over."""
-    _tier(store).claim(job, bool(adopt), time.time())
-
-
 def committed_steps(store, tier=None) -> list:
     """[(step, marker)] of the steps with a COMMITTED marker, newest first
-    (a marker that does not parse is skipped with a warning)."""
-    steps, damaged = (tier or _tier(store)).committed_steps()
-    for e in damaged:
-        warnings.warn(f"nonstop: remote: {e}; skipped", stacklevel=2)
-    return steps
+    (C++ warns of a marker that does not parse, skipped)."""
+    return (tier or _tier(store)).committed_steps()
 
 
 def fetch(store, step: int, rank: int, local_dir: str) -> str:
@@ -355,19 +319,10 @@ class Uploader:
     def __init__(self, store, dir: str, rank: int, world: int, target, core=None, keep=None,
                  options: Optional[dict] = None, keep_max: Optional[int] = None,
                  every: Optional[int] = None, job: str = ""):
-        o = options or {}
-        if int(o.get("max_to_keep", 2)) < 1:
-            raise CheckpointMismatchError("remote_options max_to_keep must be at least 1")
         self.store = store
-        self.up = _ext.core().RemoteUploader(
-            _tier(store), target, dir, rank, world, every=every or 0,
-            max_to_keep=int(o.get("max_to_keep", 2)), keep_every=int(keep or 0),
-            keep_max=int(keep_max or 0), bps=o.get("bandwidth_bps"),
-            poll_s=float(o.get("poll_s", 0.05)),
-            commit_timeout_s=float(o.get("commit_timeout_s", 120.0)),
-            retry_max_s=float(o.get("retry_max_s", 10.0)),
-            close_timeout_s=float(o.get("close_timeout_s", 600.0)), nice=int(o.get("nice", 10)),
-            job=job, note_manifest=bool(o.get("note_manifest", True)))
+        self.up = _ext.core().RemoteUploader.from_options(  # the options are read in C++
+            _tier(store), target, dir, rank, world, dict(options or {}), every or 0,
+            int(keep or 0), int(keep_max or 0), job)
         # at exit (or when dropped unclosed) the thread stops before the interpreter does
         self._exit = weakref.finalize(self, self.up.close, False)
         self.rank, self.final = rank, None
@@ -391,34 +346,9 @@ class Uploader:
         if err is not None:
             warnings.warn(f"nonstop: {err}", stacklevel=3)
 
-
-# ------------------------------------------------------------- restoring
-
-def _listing(tier, world: Optional[int] = None) -> list:
-    """The remote's committed steps as a restore plan takes them: [[step,
-    counter]] (the COMMITTED marker's counter), newest first; JSON, so that
-    rank 0 can hand its listing to the other ranks. `world`: only steps of
-    that world size (another one's parts are resharded, not restored:
-    _peer.py)."""
-    return [[s, int(m.get("counter") or 0)] for s, m in committed_steps(None, tier)
-            if world is None or int(m.get("world_size") or 1) == world]
-
-
-# ------------------------------------------------------------------ tier
-
 def check_every(every, world_size: int) -> Optional[int]:
-    """remote_every: None, or an int >= 1 (one process only)."""
-    if every is None:
-        return None
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise CheckpointMismatchError(
-            f"remote_every must be an int >= 1 (1: every checkpoint, n: every n-th), "
-            f"got {every!r}")
-    if world_size > 1:
-        raise CheckpointMismatchError(
-            "remote_every is for one process: with several ranks the newest checkpoint "
-            "every rank holds is uploaded (leave remote_every out)")
-    return every
+    """remote_every: None, or an int >= 1 (one process only). C++."""
+    return _ext.core().check_remote_every(every, world_size)
 
 
 class Tier:
@@ -458,7 +388,8 @@ class Tier:
         if not self.claimed and self.ckpt.rank == 0 and self.options.get("create_bucket"):
             self.store.create_bucket()  # before the JOB document is written
         if not self.claimed and self.ckpt.rank == 0:
-            claim(self.store, self.job, bool(self.options.get("adopt")))
+            # another job's prefix is refused (IncompatibleCheckpointError) unless adopt
+            _tier(self.store).claim(self.job, bool(self.options.get("adopt")), time.time())
         self.claimed = True
 
     def _target(self):
@@ -555,7 +486,7 @@ class Tier:
         listing = None
         if d.rank == 0:
             try:
-                listing = _listing(_tier(self.store), world=d.world)
+                listing = _tier(self.store).listing(d.world)  # C++: committed, of this world
             except (CheckpointError, OSError) as e:  # the store is down: said on every rank
                 listing = _first_line(e)
         listing = comm.gather(listing)[0]  # rank 0's listing, on every rank

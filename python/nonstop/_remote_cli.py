@@ -90,35 +90,19 @@ def verify(store, step) -> int:
 def export(store, step, out: str, fmt: str, include=None, strip=None) -> int:
     """The newest committed step that downloads intact (or --step), every
     rank's part, exported as a local directory's (safetensors: one-rank
-    checkpoints; dcp: every rank reassembled)."""
-    errors = []
-    for s, _ in _ext.core().RemoteTier(store).candidates(step):  # the planner's order (C++)
-        tmp = _remote.temp_dir()
-        try:
-            try:
-                d = _ext.core().RemoteTier(store).fetch_all(s, tmp)
-            except CorruptCheckpointError as e:
-                errors.append(str(e))
-                print(f"nonstop export: remote step {s}: {e}; trying an older one",
-                      file=sys.stderr, flush=True)
-                continue
-            cmd = [_cli(), "export", d, "--step", str(s), "-o", out, "--format", fmt]
-            for glob in include or ():  # the same filter as a local export's
-                cmd += ["--include", glob]
-            if strip:
-                cmd.append(f"--strip={strip}")
-            rc = _run(cmd)
-            if rc != EXIT_DAMAGED or step is not None:
-                return rc
-            # downloaded intact by its manifest but damaged inside (the
-            # file's own chunk crc32c): as `load` does, the next older step
-            errors.append(f"step {s} is damaged")
-            print(f"nonstop export: remote step {s} is damaged; trying an older one",
-                  file=sys.stderr, flush=True)
-        finally:
-            _remote.remove_temp_dir(tmp)
-    raise _Fail(f"no remote checkpoint in {store.url} downloads intact: {errors[0]}",
-                EXIT_DAMAGED)
+    checkpoints; dcp: every rank reassembled). Which step, and the fallback
+    past a damaged one: C++ (RemoteTier.export)."""
+    args = ["-o", out, "--format", fmt]
+    for glob in include or ():  # the same filter as a local export's
+        args += ["--include", glob]
+    if strip:
+        args.append(f"--strip={strip}")
+    tmp = _remote.temp_dir()
+    try:
+        return _ext.core().RemoteTier(store).export(
+            step, tmp, lambda s, d: _run([_cli(), "export", d, "--step", str(s)] + args))
+    finally:
+        _remote.remove_temp_dir(tmp)
 
 
 def inspect(store, as_json: bool) -> int:

@@ -3,6 +3,7 @@
 // its I/O; errors become nonstop.errors classes through StatusError.
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -415,7 +416,117 @@ py::dict JobViewDict(const std::string& dir, int rank, const std::string& shm_di
   return out;
 }
 
+// A Python int that is not a bool (nullopt otherwise, or past int64).
+std::optional<int64_t> PlainInt(py::handle v) {
+  if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr())) return std::nullopt;
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow != 0) return std::nullopt;
+  return static_cast<int64_t>(x);
+}
+
+[[noreturn]] void Mismatch(const std::string& what) {
+  throw StatusError(Status::InvalidArgument(what));
+}
+
+std::string Repr(py::handle v) { return py::repr(v).cast<std::string>(); }
+
+// keep=, max_to_keep=, best=: (max_to_keep, metric, higher, k) for
+// Engine.set_retention.
+py::tuple CheckRetention(py::object keep, py::object max_to_keep, py::object best) {
+  std::optional<int64_t> most;
+  if (!max_to_keep.is_none()) {
+    most = PlainInt(max_to_keep);
+    if (!most || *most < 1) {
+      Mismatch("max_to_keep must be None or a positive integer, got " + Repr(max_to_keep));
+    }
+  }
+  std::string metric;
+  bool higher = false;
+  int64_t k = 0;
+  if (!best.is_none()) {
+    bool ok = (py::isinstance<py::tuple>(best) || py::isinstance<py::list>(best)) &&
+              py::len(best) == 3;
+    if (ok) {
+      py::sequence b = py::reinterpret_borrow<py::sequence>(best);
+      const std::optional<int64_t> n = PlainInt(b[2]);
+      ok = py::isinstance<py::str>(b[0]) && !b[0].cast<std::string>().empty() &&
+           py::isinstance<py::str>(b[1]) &&
+           (b[1].cast<std::string>() == "min" || b[1].cast<std::string>() == "max") && n &&
+           *n >= 1;
+      if (ok) {
+        metric = b[0].cast<std::string>();
+        higher = b[1].cast<std::string>() == "max";
+        k = *n;
+      }
+    }
+    if (!ok) {
+      Mismatch("best must be (metric name, \"min\" or \"max\", k >= 1), e.g. (\"loss\", "
+               "\"min\", 3); got " + Repr(best));
+    }
+  }
+  if (most && keep.is_none()) {
+    Mismatch("max_to_keep bounds the copies keep= makes: give keep=k as well");
+  }
+  return py::make_tuple(most.value_or(0), metric, higher, k);
+}
+
+// metrics= of save()/step(): a dict of name -> finite number, as floats (a
+// 0-d tensor or numpy scalar converted by its item()).
+py::object CheckMetrics(py::object metrics) {
+  if (metrics.is_none()) return py::none();
+  if (!py::isinstance<py::dict>(metrics)) {
+    Mismatch("metrics must be a dict of name -> number, got " +
+             py::str(py::type::handle_of(metrics).attr("__name__")).cast<std::string>());
+  }
+  py::dict out;
+  for (auto [k, v] : py::reinterpret_borrow<py::dict>(metrics)) {
+    if (!py::isinstance<py::str>(k) || k.cast<std::string>().empty()) {
+      Mismatch("metrics: name " + Repr(k) + " is not a non-empty string");
+    }
+    py::object x = py::reinterpret_borrow<py::object>(v);
+    if (py::hasattr(x, "item") && PyCallable_Check(x.attr("item").ptr())) x = x.attr("item")();
+    bool ok = !PyBool_Check(x.ptr()) && (PyLong_Check(x.ptr()) || PyFloat_Check(x.ptr()));
+    double d = 0;
+    if (ok) {
+      d = PyFloat_AsDouble(x.ptr());
+      if (PyErr_Occurred() != nullptr) {
+        PyErr_Clear();
+        ok = false;
+      }
+      ok = ok && std::isfinite(d);
+    }
+    if (!ok) Mismatch("metrics[" + Repr(k) + "] must be a finite number, got " + Repr(x));
+    out[k] = d;
+  }
+  return out;
+}
+
 void InitJobDir(py::module_& m) {
+  m.def(
+      "check_remote_every",
+      [](py::object every, uint32_t world_size) -> py::object {
+        if (every.is_none()) return py::none();
+        const std::optional<int64_t> n = PlainInt(every);
+        if (!n || *n < 1) {
+          Mismatch("remote_every must be an int >= 1 (1: every checkpoint, n: every n-th), got " +
+                   Repr(every));
+        }
+        if (world_size > 1) {
+          Mismatch("remote_every is for one process: with several ranks the newest checkpoint "
+                   "every rank holds is uploaded (leave remote_every out)");
+        }
+        return py::int_(*n);
+      },
+      py::arg("every"), py::arg("world_size"),
+      "remote_every: None, or an int >= 1 (one process only); CheckpointMismatchError.");
+  m.def("check_retention", &CheckRetention, py::arg("keep"), py::arg("max_to_keep"),
+        py::arg("best"),
+        "(max_to_keep, metric, higher, k) for Engine.set_retention, after checking "
+        "max_to_keep= and best=(\"loss\", \"min\", 3); CheckpointMismatchError otherwise.");
+  m.def("check_metrics", &CheckMetrics, py::arg("metrics"),
+        "metrics= of save()/step() as {name: float} (None stays None); "
+        "CheckpointMismatchError for anything but finite numbers under non-empty names.");
   m.def(
       "step_not_found",
       [](const std::string& dir, int rank, int64_t step) {

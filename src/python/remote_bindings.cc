@@ -555,6 +555,38 @@ void InitRemoteUploader(py::module_& m) {
            py::arg("nice") = 10, py::arg("job") = "", py::arg("note_manifest") = true,
            "Starts the thread. newest(): (counter, step) of the newest checkpoint to upload "
            "(committed, or agreed by every rank), or None.")
+      .def_static(
+          "from_options",
+          [](py::object tier, py::object newest, const std::string& job_dir, uint32_t rank,
+             uint32_t world_size, const py::dict& opts, uint64_t every, uint64_t keep_every,
+             uint32_t keep_max, const std::string& job) {
+            const int64_t max_to_keep = DictGet<int64_t>(opts, "max_to_keep", 2);
+            if (max_to_keep < 1) {
+              throw StatusError(
+                  Status::InvalidArgument("remote_options max_to_keep must be at least 1"));
+            }
+            tier::UploaderOptions o;
+            o.job = job;
+            o.note_manifest = DictGet<bool>(opts, "note_manifest", true);
+            o.job_dir = job_dir;
+            o.rank = rank;
+            o.world_size = world_size;
+            o.every = every;
+            o.retention = {static_cast<uint32_t>(max_to_keep), keep_every, keep_max};
+            o.bps = opts.contains("bandwidth_bps") && !opts["bandwidth_bps"].is_none()
+                        ? opts["bandwidth_bps"].cast<double>() : 0.0;
+            o.poll_s = DictGet<double>(opts, "poll_s", 0.05);
+            o.commit_timeout_s = DictGet<double>(opts, "commit_timeout_s", 120.0);
+            o.retry_max_s = DictGet<double>(opts, "retry_max_s", 10.0);
+            o.close_timeout_s = DictGet<double>(opts, "close_timeout_s", 600.0);
+            o.nice = DictGet<int>(opts, "nice", 10);
+            return std::make_unique<PyUploader>(std::move(tier), std::move(newest), o);
+          },
+          py::arg("tier"), py::arg("newest"), py::arg("job_dir"), py::arg("rank"),
+          py::arg("world_size"), py::arg("options"), py::arg("every"), py::arg("keep_every"),
+          py::arg("keep_max"), py::arg("job"),
+          "The thread with the remote_options keys (max_to_keep >= 1, bandwidth_bps, poll_s, "
+          "commit_timeout_s, retry_max_s, close_timeout_s, nice, note_manifest).")
       .def("started", &PyUploader::Started, py::arg("counter"), py::arg("step"),
            "After each checkpoint started: with every=n a selected one is queued.")
       .def("before_save", &PyUploader::BeforeSave,
@@ -609,7 +641,77 @@ void InitStoreRequests(py::module_& m) {
       "else CheckpointIOError with one line.");
 }
 
+// The remote_options of an object store URL, sorted out (ObjectStore):
+// {concurrency, part_bytes, s3: what CreateBucket needs or None, bucket,
+// prefix, client (client_options), kw (the store's keywords)}. The tier's
+// own options (`tier_keys`) are dropped; the rest go to the client.
+py::dict ObjectStoreConfig(const std::string& url, const py::dict& options,
+                           const std::vector<std::string>& tier_keys) {
+  py::dict opts;
+  for (auto [k, v] : options) opts[k] = v;
+  auto pop = [&](const char* k, py::object fallback) -> py::object {
+    if (!opts.contains(k)) return fallback;
+    py::object v = opts[k];
+    PyDict_DelItemString(opts.ptr(), k);
+    return v;
+  };
+  py::dict out;
+  out["concurrency"] = pop("max_concurrency", py::int_(8)).cast<int64_t>();
+  out["part_bytes"] = pop("part_bytes", py::int_(8 << 20)).cast<int64_t>();
+  for (const std::string& k : tier_keys) pop(k.c_str(), py::none());
+  out["s3"] = py::none();
+  if (url.rfind("s3://", 0) != 0) {
+    out["kw"] = opts;
+    return out;
+  }
+  std::string rest = url.substr(5);
+  const size_t slash = rest.find('/');
+  const std::string bucket = rest.substr(0, slash);
+  std::string prefix = slash == std::string::npos ? "" : rest.substr(slash + 1);
+  while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
+  while (!prefix.empty() && prefix.front() == '/') prefix.erase(0, 1);
+  py::object endpoint = pop("endpoint", py::none());
+  py::object endpoint_url = pop("endpoint_url", py::none());
+  py::object client_kwargs = pop("client_kwargs", py::none());
+  if (!py::bool_(endpoint)) endpoint = endpoint_url;
+  if (!py::bool_(endpoint) && py::isinstance<py::dict>(client_kwargs)) {
+    endpoint = py::reinterpret_borrow<py::dict>(client_kwargs).attr("get")("endpoint_url");
+  }
+  const std::string timeout = py::str(pop("timeout", py::str("60s")));
+  const std::string connect = py::str(pop("connect_timeout", py::str("5s")));
+  py::dict s3;  // create_bucket (remote_options): what the CreateBucket request needs
+  s3["bucket"] = bucket;
+  s3["endpoint"] = endpoint;
+  for (const char* k : {"key", "secret", "token", "region"}) {
+    s3[k] = opts.contains(k) ? py::object(opts[k]) : py::none();
+  }
+  s3["timeout"] = tier::DurationSeconds(connect) + tier::DurationSeconds(timeout);
+  py::dict kw, client;
+  for (auto [src, dst] : {std::pair{"key", "access_key_id"}, {"secret", "secret_access_key"},
+                          {"token", "session_token"}, {"region", "region"}}) {
+    py::object v = pop(src, py::none());
+    if (!v.is_none()) kw[dst] = v;
+  }
+  client["timeout"] = timeout;
+  client["connect_timeout"] = connect;
+  if (py::bool_(endpoint)) {
+    kw["endpoint"] = endpoint;
+    client["allow_http"] = py::str(endpoint).cast<std::string>().rfind("http://", 0) == 0;
+  }
+  for (auto [k, v] : opts) kw[k] = v;
+  out["s3"] = s3;
+  out["bucket"] = bucket;
+  out["prefix"] = prefix.empty() ? py::object(py::none()) : py::str(prefix);
+  out["client"] = client;
+  out["kw"] = kw;
+  return out;
+}
+
 void InitPathStore(py::module_& m) {
+  m.def("object_store_config", &ObjectStoreConfig, py::arg("url"), py::arg("options"),
+        py::arg("tier_keys"),
+        "remote_options of an object store URL sorted out: {concurrency, part_bytes, s3 (the "
+        "CreateBucket's needs, or None), bucket, prefix, client, kw}.");
   py::class_<PyPathStore>(m, "PathStore",
                           "A directory (a shared file system) as the remote, in C++ "
                           "(tier/path_transport.h); a RemoteTier over it runs no Python.")
@@ -765,6 +867,60 @@ void InitRemoteTier(py::module_& m) {
           "`nonstop inspect URL`: ([{step, committed, world_size, lineage, counter, ranks, "
           "objects, bytes}], the text); nothing is downloaded but the markers.")
       .def(
+          "export",
+          [](PyRemoteTier& t, std::optional<int64_t> step, const std::string& fetch_dir,
+             py::object run) {
+            py::object err = py::module_::import("sys").attr("stderr");
+            py::object fatal = py::none();
+            std::function<int(int64_t, const std::string&)> run_fn = [&](int64_t s,
+                                                                          const std::string& d) {
+              py::gil_scoped_acquire g;
+              try {
+                return run(s, d).cast<int>();
+              } catch (py::error_already_set& e) {
+                fatal = e.value();
+                return 2;
+              }
+            };
+            std::function<void(const std::string&)> note = [&](const std::string& line) {
+              py::gil_scoped_acquire g;
+              err.attr("write")("nonstop export: " + line + "\n");
+              err.attr("flush")();
+            };
+            t.Forget();
+            Result<int> rc = Status::Internal("unset");
+            {
+              py::gil_scoped_release r;
+              rc = tier::ExportRemote(DefaultEnv(), &t.tier(), step, fetch_dir, run_fn, note);
+            }
+            if (!fatal.is_none()) {
+              PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(fatal.ptr())), fatal.ptr());
+              throw py::error_already_set();
+            }
+            if (!rc.ok()) t.Raise(rc.status());
+            return rc.value();
+          },
+          py::arg("step"), py::arg("fetch_dir"), py::arg("run"),
+          "`nonstop export URL` (ExportRemote): run(step, dir) on each candidate downloaded "
+          "whole into fetch_dir, falling back while the download fails or (no step asked) "
+          "run returns 1; the exit code. Notes go to stderr.")
+      .def(
+          "listing",
+          [](PyRemoteTier& t, std::optional<uint32_t> world) {
+            std::vector<std::string> damaged;
+            auto steps = t.Run([&](tier::RemoteTier& r) { return r.CommittedSteps(&damaged); });
+            for (const std::string& d : damaged) Warn("remote: " + d + "; skipped");
+            py::list out;
+            for (const auto& [step, doc] : steps) {
+              if (world && std::max<uint32_t>(doc.world_size, 1) != *world) continue;
+              out.append(py::make_tuple(step, doc.counter.value_or(0)));
+            }
+            return out;
+          },
+          py::arg("world") = py::none(),
+          "The committed steps as a restore plan takes them, [(step, marker's counter)] newest "
+          "first; `world`: only steps of that world size (another one's are resharded).")
+      .def(
           "candidates",
           [](PyRemoteTier& t, std::optional<int64_t> step) {
             std::vector<std::string> damaged;
@@ -810,11 +966,12 @@ void InitRemoteTier(py::module_& m) {
           [](PyRemoteTier& t) {
             std::vector<std::string> damaged;
             auto steps = t.Run([&](tier::RemoteTier& r) { return r.CommittedSteps(&damaged); });
+            for (const std::string& d : damaged) Warn("remote: " + d + "; skipped");
             py::list out;
             for (const auto& [step, doc] : steps) out.append(py::make_tuple(step, DocDict(doc)));
-            return py::make_tuple(out, damaged);
+            return out;
           },
-          "([(step, marker)] newest first, [one line per marker that does not parse]).")
+          "[(step, marker)] newest first; warns of a marker that does not parse (skipped).")
       .def(
           "fetch",
           [](PyRemoteTier& t, int64_t step, uint32_t rank, const std::string& local_dir) {

@@ -221,6 +221,40 @@ Result<std::vector<std::pair<int64_t, remote::Doc>>> RemoteCandidates(
   return out;
 }
 
+Result<int> ExportRemote(Env* env, RemoteTier* tier, std::optional<int64_t> step,
+                         const std::string& fetch_dir,
+                         const std::function<int(int64_t, const std::string&)>& run,
+                         const std::function<void(const std::string&)>& note) {
+  std::vector<std::string> damaged;
+  NONSTOP_ASSIGN_OR_RETURN(auto candidates, RemoteCandidates(env, tier, step, &damaged));
+  for (const std::string& d : damaged) note("remote: " + d + "; skipped");
+  std::string first;
+  for (const auto& [s, marker] : candidates) {
+    Result<std::string> dir = tier->FetchAll(s, fetch_dir);
+    int rc = 0;
+    std::string why;
+    if (!dir.ok()) {
+      if (dir.status().code() != StatusCode::kCorruption) return dir.status();
+      why = "remote step " + std::to_string(s) + ": " + dir.status().message();
+    } else {
+      rc = run(s, dir.value());
+      // downloaded intact by its manifest but damaged inside (the file's
+      // own chunk crc32c): as a load does, the next older step
+      if (rc != 1 || step) return rc;
+      why = "remote step " + std::to_string(s) + " is damaged";
+    }
+    if (first.empty()) first = dir.ok() ? "step " + std::to_string(s) + " is damaged" : dir.status().message();
+    note(why + "; trying an older one");
+    if (Result<std::unique_ptr<Directory>> d = env->OpenDirectory(fetch_dir, false); d.ok()) {
+      if (Result<std::unique_ptr<Directory>> local = d.value()->OpenDir(kLocalDir, false); local.ok()) {
+        (void)RemoveTree(*local.value(), remote::StepDir(s));
+      }
+    }
+  }
+  return Status::Corruption("no remote checkpoint in " + tier->where() +
+                            " downloads intact: " + first);
+}
+
 Result<std::string> UnlistedRemote(const std::string& url, const std::string& why,
                                    const std::string& job_dir, std::optional<int64_t> local_newest,
                                    bool step_asked, bool waiting_helps) {

@@ -139,6 +139,19 @@ Result<std::optional<int64_t>> NextDistRemoteStep(const std::string& url,
 Result<std::vector<std::pair<int64_t, remote::Doc>>> RemoteCandidates(
     Env* env, RemoteTier* tier, std::optional<int64_t> step, std::vector<std::string>* damaged);
 
+// `nonstop export URL`: each of RemoteCandidates(step) in order, every
+// rank's part fetched (FetchAll: verified) under fetch_dir and handed to
+// `run` (the export of that directory; its exit code). A download that
+// fails its checks, or (no step asked) an export that exits 1 (damaged
+// inside), falls back to the next older step with a line on `note`.
+// Returns the first other exit code; Corruption "no remote checkpoint in
+// URL downloads intact: FIRST" when none is left. Each step's download is
+// removed after its try.
+Result<int> ExportRemote(Env* env, RemoteTier* tier, std::optional<int64_t> step,
+                         const std::string& fetch_dir,
+                         const std::function<int(int64_t, const std::string&)>& run,
+                         const std::function<void(const std::string&)>& note);
+
 // A remote that cannot be listed at restore (`why`: the store's one line).
 // With a local step to resume (`local_newest`), the warning to give before
 // the local path restores it; with none (or a step asked), the IOError

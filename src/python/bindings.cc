@@ -60,6 +60,14 @@ void RegisterStatusTranslator(py::module_& m) {
   });
 }
 
+bool IsCheckpointFailure(PyObject* exc) {
+  PyObject* base = g_error_classes[static_cast<int>(StatusCode::kInternal)];  // CheckpointError
+  const bool ours = base != nullptr && PyObject_IsInstance(exc, base) == 1;
+  const bool os = PyObject_IsInstance(exc, PyExc_OSError) == 1;
+  PyErr_Clear();
+  return ours || os;
+}
+
 StatusCode StatusCodeOfException(PyObject* exc) {
   // the specific classes before kAborted..kInternal (nonstop.errors: all
   // three are CheckpointError, the base of the others)

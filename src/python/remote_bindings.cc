@@ -48,6 +48,10 @@ namespace py = pybind11;
 
 namespace nonstop::py_bindings {
 
+// bindings.cc: whether a Python exception is a checkpoint's failure
+// (nonstop's CheckpointError or an OSError), not a bug or an interrupt.
+bool IsCheckpointFailure(PyObject* exc);
+
 namespace {
 
 namespace rl = nonstop::remote;
@@ -870,7 +874,7 @@ void InitRemoteTier(py::module_& m) {
           "export",
           [](PyRemoteTier& t, std::optional<int64_t> step, const std::string& fetch_dir,
              py::object run) {
-            py::object err = py::module_::import("sys").attr("stderr");
+            py::object err = py::reinterpret_borrow<py::object>(PySys_GetObject("stderr"));
             py::object fatal = py::none();
             std::function<int(int64_t, const std::string&)> run_fn = [&](int64_t s,
                                                                           const std::string& d) {
@@ -1234,7 +1238,6 @@ void InitRemoteRestore(py::module_& m) {
           return t.WaitingHelps(s);
         };
         py::object loaded = py::none(), fatal = py::none();
-        py::object base = py::module_::import("nonstop.errors").attr("CheckpointError");
         tier::ReadFetched read_fn = [&](int64_t s, const std::string& dir) -> Status {
           py::gil_scoped_acquire g;
           try {
@@ -1246,7 +1249,7 @@ void InitRemoteRestore(py::module_& m) {
             loaded = got;
             return Status::OK();
           } catch (py::error_already_set& e) {
-            if (!e.matches(base) && !e.matches(PyExc_OSError)) {  // not a checkpoint's failure
+            if (!IsCheckpointFailure(e.value().ptr())) {  // a bug or an interrupt: raised
               fatal = e.value();
               return Status::Aborted(py::str(e.value()).cast<std::string>());
             }

@@ -10,12 +10,16 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "nonstop/jobdir.h"
 #include "nonstop/store.h"
 #include "store_test_util.h"
+#include "tier/memory_transport.h"
+#include "tier/remote_tier.h"
 
 namespace nonstop::tier {
 namespace {
@@ -175,6 +179,121 @@ TEST(CommonRestoreStepsTest, RankZerosOrderOfTheStepsEveryRankHolds) {
   EXPECT_TRUE(got[2].all_local);
   EXPECT_TRUE(CommonRestoreSteps({}).empty());
   EXPECT_TRUE(CommonRestoreSteps({r0, {}}).empty());
+}
+
+// The restore loop (RestoreFromRemote) over an in-memory remote holding two
+// published checkpoints: a remote copy that fails to read is a warning and
+// the next older one is read; every one failing with nothing local is the
+// "verifies" error; a step held locally is read locally without listing; a
+// remote that cannot be listed is a warning with a local step and an error
+// without one (its advice by whether waiting helps); load without a step is
+// NotFound.
+TEST_F(RemoteRestoreTest, TheRestoreLoopFallsBackWarnsAndSaysWhyNothingVerifies) {
+  Env* env = DefaultEnv();
+  MemoryTransport store(env);
+  RemoteTier tier(&store, env);
+  const std::string staged = (root_ / "staged").string();
+  {
+    auto d = env->OpenDirectory(staged, true).value();
+    auto m = d->CreateFile("part", MediumKind::kBuffered, MediumOptions{}).value();
+    const std::string bytes(5000, 'x');
+    ASSERT_TRUE(m->Write(0, bytes.data(), bytes.size()).ok());
+    ASSERT_TRUE(m->Sync().ok());
+  }
+  for (auto [step, counter] : {std::pair<int64_t, uint64_t>{3, 6}, {5, 10}}) {
+    auto rep = tier.Publish({step, counter, 0, 0, 1, staged, "part"}, {});
+    ASSERT_TRUE(rep.ok() && rep.value().outcome == PublishReport::Outcome::kCommitted);
+  }
+  const std::string fetch = (root_ / "fetch").string();
+  std::vector<int64_t> read;
+  auto reader = [&](std::set<int64_t> bad) {
+    return [&read, bad](int64_t step, const std::string& dir) {
+      read.push_back(step);
+      EXPECT_NE(dir.find("step-"), std::string::npos);
+      return bad.count(step) ? Status::Corruption("bad " + std::to_string(step)) : Status::OK();
+    };
+  };
+  RemoteRestoreRequest req;
+  req.fetch_dir = fetch;
+  RemoteRestoreResult out;
+  ASSERT_TRUE(RestoreFromRemote(env, &tier, req, reader({5}), &out).ok());
+  ASSERT_TRUE(out.read.has_value());
+  EXPECT_EQ(out.read->step, 3);
+  EXPECT_EQ(read, (std::vector<int64_t>{5, 3}));
+  EXPECT_EQ(out.warnings, (std::vector<std::string>{"remote step 5: bad 5; falling back"}));
+
+  out = {};
+  Status s = RestoreFromRemote(env, &tier, req, reader({3, 5}), &out);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_EQ(s.message(), "no remote checkpoint in mem://bucket/job verifies: bad 5");
+  EXPECT_EQ(out.warnings.size(), 2u);
+
+  // the local newest (counter 12) comes first: the local path reads it
+  Commit(12, 7);
+  req.plan.job_dir = root_.string();
+  out = {};
+  read.clear();
+  ASSERT_TRUE(RestoreFromRemote(env, &tier, req, reader({}), &out).ok());
+  EXPECT_FALSE(out.read.has_value());
+  EXPECT_TRUE(read.empty());
+  // a step held locally is not even listed; a remote-only step is read
+  store.fail_list_from = 0;
+  req.plan.step = 7;
+  out = {};
+  ASSERT_TRUE(RestoreFromRemote(env, &tier, req, reader({}), &out).ok());
+  EXPECT_FALSE(out.read.has_value());
+  EXPECT_TRUE(out.warnings.empty());
+  // unlisted: a warning with a local step to resume, an error without one
+  req.plan.step.reset();
+  out = {};
+  ASSERT_TRUE(RestoreFromRemote(env, &tier, req, reader({}), &out).ok());
+  ASSERT_EQ(out.warnings.size(), 1u);
+  EXPECT_NE(out.warnings[0].find("cannot be listed"), std::string::npos);
+  EXPECT_NE(out.warnings[0].find("restoring the newest local checkpoint (step 7)"),
+            std::string::npos);
+  req.plan.job_dir = "";
+  s = RestoreFromRemote(env, &tier, req, reader({}), &out);
+  EXPECT_EQ(s.code(), StatusCode::kIOError);
+  EXPECT_NE(s.message().find("restore() again once the store is reachable"), std::string::npos);
+  req.waiting_helps = [](const Status&) { return false; };
+  s = RestoreFromRemote(env, &tier, req, reader({}), &out);
+  EXPECT_NE(s.message().find("fix the remote"), std::string::npos);
+  // load: nothing committed at a step is NotFound
+  store.fail_list_from = -1;
+  req.load = true;
+  req.plan.step = 4;
+  s = RestoreFromRemote(env, &tier, req, reader({}), &out);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.message(), "no committed remote checkpoint at step 4 in mem://bucket/job");
+}
+
+// The distributed loop's moves (NextDistRemoteStep): rank 0's order of the
+// steps every rank holds; a step that failed on a rank is a warning and the
+// next one is tried; all failed with nothing local is the error; a step
+// every rank holds locally is left to the local path.
+TEST(NextDistRemoteStepTest, TriesRankZerosOrderWarnsAndFails) {
+  const std::vector<std::vector<RestoreSource>> plans = {
+      {{9, 9, true}, {5, 5, true}}, {{5, 5, true}, {9, 9, true}}};
+  std::string warning;
+  auto next = NextDistRemoteStep("s3://b/p", plans, {}, &warning);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next.value(), std::optional<int64_t>(9));
+  EXPECT_TRUE(warning.empty());
+  std::vector<DistTried> tried = {{9, {"", "part missing"}}};
+  next = NextDistRemoteStep("s3://b/p", plans, tried, &warning);
+  EXPECT_EQ(next.value(), std::optional<int64_t>(5));
+  EXPECT_EQ(warning, "remote step 9 fails on rank 1: part missing; falling back");
+  tried.push_back({5, {"bad", ""}});
+  next = NextDistRemoteStep("s3://b/p", plans, tried, &warning);
+  EXPECT_EQ(next.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(next.status().message(),
+            "no remote checkpoint in s3://b/p verifies on every rank: rank 1: part missing");
+  auto with_local = plans;
+  with_local[1].push_back({2, 2, false});
+  next = NextDistRemoteStep("s3://b/p", with_local, tried, nullptr);
+  EXPECT_EQ(next.value(), std::nullopt);
+  EXPECT_EQ(NextDistRemoteStep("u", {{{4, 4, false}}, {{4, 4, false}}}, {}, nullptr).value(),
+            std::nullopt);
 }
 
 }  // namespace

@@ -416,6 +416,8 @@ py::dict JobViewDict(const std::string& dir, int rank, const std::string& shm_di
   return out;
 }
 
+namespace {
+
 // A Python int that is not a bool (nullopt otherwise, or past int64).
 std::optional<int64_t> PlainInt(py::handle v) {
   if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr())) return std::nullopt;
@@ -501,6 +503,8 @@ py::object CheckMetrics(py::object metrics) {
   }
   return out;
 }
+
+}  // namespace
 
 void InitJobDir(py::module_& m) {
   m.def(

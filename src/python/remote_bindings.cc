@@ -691,8 +691,10 @@ py::dict ObjectStoreConfig(const std::string& url, const py::dict& options,
   }
   s3["timeout"] = tier::DurationSeconds(connect) + tier::DurationSeconds(timeout);
   py::dict kw, client;
-  for (auto [src, dst] : {std::pair{"key", "access_key_id"}, {"secret", "secret_access_key"},
-                          {"token", "session_token"}, {"region", "region"}}) {
+  const std::pair<const char*, const char*> renames[] = {
+      {"key", "access_key_id"}, {"secret", "secret_access_key"}, {"token", "session_token"},
+      {"region", "region"}};
+  for (const auto& [src, dst] : renames) {
     py::object v = pop(src, py::none());
     if (!v.is_none()) kw[dst] = v;
   }

@@ -1,10 +1,16 @@
 // nonstop._core.remote_layout: the names of a remote checkpoint's objects
 // (jobdir/remote_layout.h), for listings and tests.
 //
+// nonstop._core.PathStore(root): a plain path as the remote, all in C++
+// (tier/path_transport.h); a RemoteTier over it runs no Python per byte.
+//
 // nonstop._core.RemoteTier(transport): the remote tier (tier/remote_tier.h)
-// over a Python transport (_remote.ObjectStore or PathStore: put_file,
+// over a PathStore, or a Python transport (_remote.ObjectStore: put_file,
 // put_bytes, get_bytes, get_chunks, list, delete), as the distributed
-// agreement takes a Comm. The C++ tier runs with the GIL released; the
+// agreement takes a Comm; with the restore loop (tier/remote_restore.h
+// RestoreFromRemote, NextDistRemoteStep, ExportRemote), the listing's rows
+// and texts, and the object store's decisions (tier/s3_request.h). The
+// C++ tier runs with the GIL released; the
 // adapter (PyTransport) takes the GIL only around each call of a transport
 // method, never while it waits. A transport's exception reaches C++ as a
 // Status of its class; when that Status comes back out unchanged, the

@@ -1,7 +1,8 @@
 // The bytes of one object store prefix (or a plain directory used as one):
-// what a RemoteTier needs from a store, nothing of its layout. Python hands
-// in its obstore / path transports through an adapter (src/python/
-// remote_bindings.cc); the tests use an in-memory one.
+// what a RemoteTier needs from a store, nothing of its layout. A plain path
+// is PathTransport (path_transport.h); Python hands in its obstore
+// transport through an adapter (src/python/remote_bindings.cc); the tests
+// use an in-memory one.
 //
 // Errors are Status: NotFound for a missing object, Corruption for an
 // object that is not what it must be (a document over its limit, a link),

@@ -8,22 +8,25 @@
 
 namespace nonstop {
 
+PlanCandidate ListedCandidate(const ListedCheckpoint& c) {
+  PlanCandidate pc;
+  pc.tier = c.location.keep ? Tier::kKeep : Tier::kDisk;
+  pc.where = c.location.where;
+  pc.step = c.step;
+  pc.counter = c.counter;
+  pc.committed = c.state != ListedCheckpoint::State::kDamaged;
+  pc.damage = c.reason;
+  pc.overwritten = c.rotated;
+  return pc;
+}
+
 Result<std::vector<int64_t>> PlannedSteps(JobDir& jd, int rank, std::optional<int64_t> step) {
   NONSTOP_ASSIGN_OR_RETURN(std::vector<ListedCheckpoint> listed, jd.List(rank));
   NONSTOP_ASSIGN_OR_RETURN(LineageRecord lineage, jd.ReadLineage(rank));
   std::vector<PlanCandidate> cands;
   for (const ListedCheckpoint& c : listed) {
     if (c.counter == 0 || (!step && c.location.keep)) continue;
-    PlanCandidate pc;
-    pc.tier = c.location.keep ? Tier::kKeep : Tier::kDisk;
-    pc.where = c.location.where;
-    pc.step = c.step;
-    pc.counter = c.counter;
-    // Abandoned ones count as committed here: the planner reads the lineage.
-    pc.committed = c.state != ListedCheckpoint::State::kDamaged;
-    pc.damage = c.reason;
-    pc.overwritten = c.rotated;
-    cands.push_back(std::move(pc));
+    cands.push_back(ListedCandidate(c));
   }
   PlanRequest req;
   req.step = step;

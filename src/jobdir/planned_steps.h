@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "nonstop/jobdir.h"
+#include "nonstop/plan.h"
 #include "nonstop/status.h"
 
 namespace nonstop {
@@ -16,6 +17,10 @@ namespace nonstop {
 // first; abandoned, damaged and overwritten ones left out), each step once;
 // with `step`, only it, keep copies included. The ranks gather these and
 // restore the first step every rank holds (nonstop/dist.h CommonSteps).
+// A listed disk or keep checkpoint as the planner's candidate (tier disk or
+// keep; an abandoned one counts as committed: the planner reads the lineage).
+PlanCandidate ListedCandidate(const ListedCheckpoint& c);
+
 Result<std::vector<int64_t>> PlannedSteps(JobDir& jd, int rank,
                                           std::optional<int64_t> step = std::nullopt);
 

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "jobdir/planned_steps.h"
 #include "jobdir/remote_layout.h"
 #include "nonstop/jobdir.h"
 #include "tier/remote_tier.h"
@@ -63,15 +64,7 @@ Result<RestorePlan> PlanRemoteRestore(Env* env, const RestorePlanRequest& r) {
         lineage = std::move(lin).value();
         for (const ListedCheckpoint& c : rows.value()) {
           if (c.counter == 0) continue;
-          PlanCandidate p;
-          p.tier = c.location.keep ? nonstop::Tier::kKeep : nonstop::Tier::kDisk;
-          p.where = c.location.where;
-          p.step = c.step;
-          p.counter = c.counter;
-          p.committed = c.state != ListedCheckpoint::State::kDamaged;
-          p.damage = c.reason;
-          p.overwritten = c.rotated;
-          cands.push_back(std::move(p));
+          cands.push_back(ListedCandidate(c));
         }
       }
     }

@@ -70,6 +70,41 @@ class _Throttle:
         return self.f.tell()
 
 
+def _store_config(url: str, options: Optional[dict]) -> dict:
+    """remote_options of an object store URL sorted out (adapting keywords
+    to obstore's): {concurrency, part_bytes, s3: what CreateBucket needs or
+    None, bucket, prefix, client (client_options), kw (the store's
+    keywords)}. The tier's own options are dropped; the rest go to the client."""
+    opts = dict(options or {})
+    out = {"concurrency": int(opts.pop("max_concurrency", 8)),
+           "part_bytes": int(opts.pop("part_bytes", 8 << 20)), "s3": None, "kw": opts}
+    for k in _TIER_OPTIONS:
+        opts.pop(k, None)
+    m = re.match(r"^s3://([^/]+)/?(.*)$", url)
+    if not m:
+        return out
+    endpoint, endpoint_url = opts.pop("endpoint", None), opts.pop("endpoint_url", None)
+    endpoint = endpoint or endpoint_url or (opts.pop("client_kwargs", None) or {}).get(
+        "endpoint_url")
+    opts.pop("client_kwargs", None)
+    timeout, connect = str(opts.pop("timeout", "60s")), str(opts.pop("connect_timeout", "5s"))
+    seconds = _ext.core().duration_s
+    out["s3"] = {"bucket": m.group(1), "endpoint": endpoint,
+                 "timeout": seconds(connect) + seconds(timeout),
+                 **{k: opts.get(k) for k in ("key", "secret", "token", "region")}}
+    kw = {dst: opts.pop(src) for src, dst in (("key", "access_key_id"),
+                                              ("secret", "secret_access_key"),
+                                              ("token", "session_token"), ("region", "region"))
+          if opts.get(src) is not None}
+    client = {"timeout": timeout, "connect_timeout": connect}
+    if endpoint:
+        kw["endpoint"] = endpoint
+        client["allow_http"] = str(endpoint).startswith("http://")
+    kw.update(opts)
+    out.update(bucket=m.group(1), prefix=m.group(2).strip("/") or None, client=client, kw=kw)
+    return out
+
+
 class ObjectStore:
     """An S3 (or GCS/Azure) prefix through obstore. abort() (C++'s uploader
     closing past its deadline) stops a throttled upload, and every later one."""
@@ -82,7 +117,7 @@ class ObjectStore:
         except ImportError as e:  # pragma: no cover - make build installs it
             raise CheckpointError(f"remote={url!r} needs the obstore package ({e})") from None
         self._ob = obstore
-        c = _ext.core().object_store_config(url, dict(options or {}), list(_TIER_OPTIONS))
+        c = _store_config(url, options)
         self.concurrency, self.part_bytes, self._s3 = c["concurrency"], c["part_bytes"], c["s3"]
         if self._s3 is not None:
             self.store = obstore.store.S3Store(

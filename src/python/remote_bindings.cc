@@ -651,79 +651,7 @@ void InitStoreRequests(py::module_& m) {
       "else CheckpointIOError with one line.");
 }
 
-// The remote_options of an object store URL, sorted out (ObjectStore):
-// {concurrency, part_bytes, s3: what CreateBucket needs or None, bucket,
-// prefix, client (client_options), kw (the store's keywords)}. The tier's
-// own options (`tier_keys`) are dropped; the rest go to the client.
-py::dict ObjectStoreConfig(const std::string& url, const py::dict& options,
-                           const std::vector<std::string>& tier_keys) {
-  py::dict opts;
-  for (auto [k, v] : options) opts[k] = v;
-  auto pop = [&](const char* k, py::object fallback) -> py::object {
-    if (!opts.contains(k)) return fallback;
-    py::object v = opts[k];
-    PyDict_DelItemString(opts.ptr(), k);
-    return v;
-  };
-  py::dict out;
-  out["concurrency"] = pop("max_concurrency", py::int_(8)).cast<int64_t>();
-  out["part_bytes"] = pop("part_bytes", py::int_(8 << 20)).cast<int64_t>();
-  for (const std::string& k : tier_keys) pop(k.c_str(), py::none());
-  out["s3"] = py::none();
-  if (url.rfind("s3://", 0) != 0) {
-    out["kw"] = opts;
-    return out;
-  }
-  std::string rest = url.substr(5);
-  const size_t slash = rest.find('/');
-  const std::string bucket = rest.substr(0, slash);
-  std::string prefix = slash == std::string::npos ? "" : rest.substr(slash + 1);
-  while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
-  while (!prefix.empty() && prefix.front() == '/') prefix.erase(0, 1);
-  py::object endpoint = pop("endpoint", py::none());
-  py::object endpoint_url = pop("endpoint_url", py::none());
-  py::object client_kwargs = pop("client_kwargs", py::none());
-  if (!py::bool_(endpoint)) endpoint = endpoint_url;
-  if (!py::bool_(endpoint) && py::isinstance<py::dict>(client_kwargs)) {
-    endpoint = py::reinterpret_borrow<py::dict>(client_kwargs).attr("get")("endpoint_url");
-  }
-  const std::string timeout = py::str(pop("timeout", py::str("60s")));
-  const std::string connect = py::str(pop("connect_timeout", py::str("5s")));
-  py::dict s3;  // create_bucket (remote_options): what the CreateBucket request needs
-  s3["bucket"] = bucket;
-  s3["endpoint"] = endpoint;
-  for (const char* k : {"key", "secret", "token", "region"}) {
-    s3[k] = opts.contains(k) ? py::object(opts[k]) : py::none();
-  }
-  s3["timeout"] = tier::DurationSeconds(connect) + tier::DurationSeconds(timeout);
-  py::dict kw, client;
-  const std::pair<const char*, const char*> renames[] = {
-      {"key", "access_key_id"}, {"secret", "secret_access_key"}, {"token", "session_token"},
-      {"region", "region"}};
-  for (const auto& [src, dst] : renames) {
-    py::object v = pop(src, py::none());
-    if (!v.is_none()) kw[dst] = v;
-  }
-  client["timeout"] = timeout;
-  client["connect_timeout"] = connect;
-  if (py::bool_(endpoint)) {
-    kw["endpoint"] = endpoint;
-    client["allow_http"] = py::str(endpoint).cast<std::string>().rfind("http://", 0) == 0;
-  }
-  for (auto [k, v] : opts) kw[k] = v;
-  out["s3"] = s3;
-  out["bucket"] = bucket;
-  out["prefix"] = prefix.empty() ? py::object(py::none()) : py::str(prefix);
-  out["client"] = client;
-  out["kw"] = kw;
-  return out;
-}
-
 void InitPathStore(py::module_& m) {
-  m.def("object_store_config", &ObjectStoreConfig, py::arg("url"), py::arg("options"),
-        py::arg("tier_keys"),
-        "remote_options of an object store URL sorted out: {concurrency, part_bytes, s3 (the "
-        "CreateBucket's needs, or None), bucket, prefix, client, kw}.");
   py::class_<PyPathStore>(m, "PathStore",
                           "A directory (a shared file system) as the remote, in C++ "
                           "(tier/path_transport.h); a RemoteTier over it runs no Python.")

@@ -69,12 +69,11 @@ cbuild: deps
 test-cpp: cbuild
 	cd build && ctest --output-on-failure -j $(JOBS) --timeout 600
 
-# PYTEST_WORKERS=2: two pytest workers (pytest-xdist, --dist loadgroup; the
-# cases that share a machine-wide resource, network namespaces and loop
-# devices, run on one worker in turn: conftest.py XDIST_GROUPS). 28 min
-# instead of 32 for `make test` here; serial (0) stays the default until a
-# whole run with two workers has passed (docs/TESTING.md).
-PYTEST_WORKERS ?= 0
+# Two pytest workers by default (pytest-xdist, --dist loadgroup; the cases
+# that share a machine-wide resource, network namespaces and loop devices,
+# run on one worker in turn: conftest.py XDIST_GROUPS). PYTEST_WORKERS=0
+# runs serially. docs/TESTING.md "Two pytest workers".
+PYTEST_WORKERS ?= 2
 test-py: build
 	$(PY) -m pytest -q --durations=30 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) tests/python
 

@@ -4,7 +4,7 @@ own bandwidth measured in the same run; and the training stall with
 replication on against off.
 
     sudo .venv/bin/python bench/peer_restart_bench.py [--gb 1] [--gb 4] [--rounds 3]
-        [--stall-pairs 3] [--out bench/peer_restart_bench.json]
+        [--stall-pairs 3] [--lean | --no-lean] [--out bench/peer_restart_bench.json]
 
 Needs root (network namespaces, as tests/python/test_peer_tier.py).
 
@@ -47,6 +47,19 @@ that rotates every round (interleaved, so the noise of this shared
            dropped, so it is a lower bound of a cold disk's time)
 
 The peer tier's target: the peer fetch at >= 0.8x the link's bandwidth.
+
+Lean (--lean; the default when a --gb is 2 or more): at most two copies of
+the state in memory at once, so a 4 GB state fits a 24 GiB machine (the
+full mode holds up to five). The survivor drops its tensors and its
+Checkpointer once the checkpoint is committed and uploaded, before the
+pushes (peer_restart_worker.py seed); after each fetch, instead of
+nonstop.load, the fetched copy is read through the same C++ restore path
+with no destination for any tensor: every crc chunk read and verified once,
+nothing kept ("load s" is then that verification; the fetch, the arms and
+the link probe are the same as in the full mode). Each arm's files are
+removed before the next, and the sizes run one after another. Either mode
+first refuses, in one line, when /proc/meminfo's MemAvailable or /dev/shm's
+free space is below what the largest size needs (need_bytes).
 
 Stall (--stall-pairs, 0: skip): a 2-rank job, one rank per host (gloo
 across the veths), a --stall-mb MB state per rank, tier="memory",
@@ -115,26 +128,65 @@ class Worker:
         self.log.close()
 
 
+# Copies of the state one size holds in memory at most (state, memory-tier
+# segment, replicas, fetched copy, loaded tensors), and what the processes
+# (SeaweedFS, torch in each worker, the stall job) need beside them.
+COPIES = {True: 2, False: 5}
+SHM_COPIES = {True: 2, False: 3}
+OVERHEAD = 2 << 30
+
+
+def need_bytes(gb, lean):
+    """(memory, /dev/shm space) a run of the largest of `gb` needs."""
+    n = int(max(gb) * 1e9)
+    return COPIES[lean] * n + OVERHEAD, SHM_COPIES[lean] * n
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def check_memory(gb, lean):
+    """One line (the reason to refuse) when this machine cannot hold the
+    run now, else ""."""
+    mem, shm = need_bytes(gb, lean)
+    have = mem_available()
+    st = os.statvfs("/dev/shm")
+    shm_free = st.f_bavail * st.f_frsize
+    mode = "lean" if lean else "full (try --lean)"
+    if have < mem:
+        return (f"peer_restart_bench: {max(gb):g} GB per rank, {mode}, needs {mem / 2**30:.1f} GiB "
+                f"of memory; MemAvailable is {have / 2**30:.1f} GiB")
+    if shm_free < shm:
+        return (f"peer_restart_bench: {max(gb):g} GB per rank, {mode}, needs {shm / 2**30:.1f} GiB "
+                f"free in /dev/shm; it has {shm_free / 2**30:.1f} GiB")
+    return ""
+
+
 def restart_rounds(a, hs, s3, surv, repl, gb, root, res):
     nbytes = int(gb * 1e9)
     job = f"/bench/job-{gb}"
     url = s3.url(f"peer-restart-{gb}")
     t0 = time.perf_counter()
     seeded = surv("seed", bytes=nbytes, url=url, options=s3.options, job=job,
-                  disk=hs[0].disk, shm=hs[0].shm)
+                  disk=hs[0].disk, shm=hs[0].shm, lean=a.lean)
     print(f"{gb} GB: seeded in {time.perf_counter() - t0:.1f} s (commit + upload)", flush=True)
     nbytes = seeded["bytes"]
     a0 = hs[0].addr
     ways = {
         "link": lambda: repl("probe", addr=a0, port=seeded["raw_port"], bytes=nbytes),
         "peer": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
-                             dest=os.path.join(hs[1].shm, "fetched")),
+                             dest=os.path.join(hs[1].shm, "fetched"), lean=a.lean),
         "peer_to_disk": lambda: repl("peer", endpoint=seeded["mem_ep"], job=job,
-                                     dest=os.path.join(hs[1].disk, "job")),
+                                     dest=os.path.join(hs[1].disk, "job"), lean=a.lean),
         "s3": lambda: repl("s3", url=url, options=s3.options, step=1,
-                           dest=os.path.join(hs[1].disk, "job")),
+                           dest=os.path.join(hs[1].disk, "job"), lean=a.lean),
         "disk": lambda: repl("peer", endpoint=seeded["disk_ep"], job=job,
-                             dest=os.path.join(hs[1].shm, "fetched")),
+                             dest=os.path.join(hs[1].shm, "fetched"), lean=a.lean),
     }
     names = list(ways)
     rows = {k: [] for k in names}
@@ -153,7 +205,8 @@ def restart_rounds(a, hs, s3, surv, repl, gb, root, res):
     finally:
         surv("drop")
     link = statistics.median(x["fetch_s"] for x in rows["link"])
-    out = {"bytes": nbytes, "rounds": rows, "summary": {}}
+    out = {"bytes": nbytes, "lean": a.lean, "load": "verify" if a.lean else "nonstop.load",
+           "rounds": rows, "summary": {}}
     for k in names:
         f = statistics.median(x["fetch_s"] for x in rows[k])
         t = statistics.median(x["fetch_s"] + x["load_s"] for x in rows[k])
@@ -206,16 +259,25 @@ def main():
     ap.add_argument("--stall-every", type=int, default=1)
     ap.add_argument("--stall-steps", type=int, default=30)
     ap.add_argument("--stall-step-s", type=float, default=0.1)
+    ap.add_argument("--lean", action=argparse.BooleanOptionalAction, default=None,
+                    help="at most two copies of the state in memory (module doc); "
+                         "default: on when a --gb is 2 or more")
     ap.add_argument("--out", default=os.path.join(HERE, "peer_restart_bench.json"))
     a = ap.parse_args()
     a.gb = a.gb or [1.0]
+    if a.lean is None:
+        a.lean = max(a.gb) >= 2
     if os.geteuid() != 0:
         sys.exit("peer_restart_bench: network namespaces need root")
+    if a.rounds > 0:
+        why = check_memory(a.gb, a.lean)
+        if why:
+            sys.exit(why)
 
     root = tempfile.mkdtemp(prefix="peer-restart-", dir="/var/tmp")
     shm = tempfile.mkdtemp(prefix="peer-restart-", dir="/dev/shm")
     res = {"command": "python " + " ".join(sys.argv), "cpus": os.cpu_count(),
-           "machine": platform.machine(), "sizes": {}, "stall": None,
+           "machine": platform.machine(), "lean": a.lean, "sizes": {}, "stall": None,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     hs = netns_hosts.Hosts(2, root, store=True)
     workers, s3 = [], None

@@ -11,15 +11,24 @@ network namespace, tests/python/netns_hosts.py). Not a tool of its own.
           then two peer servers on this host's address hold its replica:
           one in the memory directory (tmpfs), one in a disk directory; and
           a raw TCP source for the link probe. Answers their endpoints.
+          `lean`: the state's tensors and the Checkpointer are dropped once
+          the checkpoint is committed and uploaded, before the pushes (the
+          segment is kept by a second link until both replicas are stored),
+          so at most two copies of the state are in memory at once.
   drop    (survivor) closes the servers and removes what seed made.
   probe   (replacement) receives `bytes` from the raw source: seconds.
   peer    (replacement) _core.peer_fetch of the replica at `endpoint` into
           `dest` (a one-slot job directory, verified), then nonstop.load of
-          it: fetch and load seconds.
+          it: fetch and load seconds. `lean`: instead of nonstop.load, the
+          fetched copy is read once more through the same C++ restore path
+          (_core.restore) with no destination for any tensor: every crc chunk
+          read and verified, nothing kept (no second copy of the state).
   s3      (replacement) _remote.fetch of step `step` rank 0 from `url` into
-          `dest`, then nonstop.load: fetch and load seconds.
+          `dest`, then nonstop.load (`lean`: verified as above): fetch and
+          load seconds.
 """
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -110,13 +119,31 @@ def load_all(d):
     return n
 
 
+def verify_all(d):
+    """The lean mode's stand-in for load_all: the checkpoint in `d` (rank 0)
+    read through the same C++ restore path (_core.restore: the job
+    directory's selection, every crc chunk read and verified once, in
+    parallel), with a null destination for every tensor, so nothing is
+    kept. The bytes its tensors hold; a failed check raises."""
+    seen = []
+
+    def prepare(info):
+        seen.append(sum(t["nbytes"] for t in info["tensors"]))
+        return [(0, t["nbytes"]) for t in info["tensors"]]
+
+    got = _core.restore(d, 0, prepare)
+    if got is None or not seen:
+        raise RuntimeError(f"no committed checkpoint in {d}")
+    return seen[-1]
+
+
 class Survivor:
     def __init__(self, addr):
         self.addr = addr
         self.ck = self.servers = self.raw = None
         self.made = []
 
-    def seed(self, bytes, url, options, job, disk, shm):
+    def seed(self, bytes, url, options, job, disk, shm, lean=False):
         n = bytes // 4
         state = {"w": torch.randn(n // 4096, 4096)}
         seed_dir = os.path.join(disk, "seed")
@@ -129,18 +156,29 @@ class Survivor:
         while ck.stats()["memory_counter"] != ck.stats()["committed"] and time.time() < deadline:
             time.sleep(0.05)
         seg = ck.stats()["memory_segment"]
+        held = seg
+        if lean:
+            # The segment outlives the Checkpointer through a second link (same
+            # tmpfs); the state's tensors go once committed and uploaded.
+            held = os.path.join(shm, "seed-segment")
+            os.link(seg, held)
+            ck.close()  # waits for the upload
+            del ck, state
+            gc.collect()
         mem_dir, disk_dir = os.path.join(shm, "peer"), os.path.join(disk, "peer-disk")
         self.servers = [_core.PeerServer(job, SECRET, bind_host=self.addr, dir=d)
                         for d in (mem_dir, disk_dir)]
         eps = [f"{self.addr}:{s.port}" for s in self.servers]
-        for ep in eps:
-            out = _core.peer_push(ep, job, SECRET, seg)
+        for ep in reversed(eps):  # the disk's first (page cache, which can be given back)
+            out = _core.peer_push(ep, job, SECRET, held)
             assert out == "stored", out
-        ck.close()  # waits for the upload; the segment goes with it
+        if not lean:
+            ck.close()  # waits for the upload; the segment goes with it
+            del state
         upload_s = time.perf_counter() - t0
-        del state
-        if os.path.exists(seg):
-            os.unlink(seg)  # only the replicas stay in this host's memory
+        for f in {seg, held}:
+            if os.path.exists(f):
+                os.unlink(f)  # only the replicas stay in this host's memory
         shutil.rmtree(seed_dir, ignore_errors=True)
         self.raw = RawSource(self.addr)
         self.made = [mem_dir, disk_dir]
@@ -181,7 +219,7 @@ def serve():
                     store = _remote.open_store(req["url"], req["options"])
                     d = _remote.fetch(store, req["step"], 0, req["dest"])
                 t1 = time.perf_counter()
-                got = load_all(d)
+                got = verify_all(d) if req.get("lean") else load_all(d)
                 t2 = time.perf_counter()
                 shutil.rmtree(req["dest"], ignore_errors=True)
                 say(fetch_s=t1 - t0, load_s=t2 - t1, loaded_bytes=got)

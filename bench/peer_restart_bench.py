@@ -59,7 +59,8 @@ nothing kept ("load s" is then that verification; the fetch, the arms and
 the link probe are the same as in the full mode). Each arm's files are
 removed before the next, and the sizes run one after another. Either mode
 first refuses, in one line, when /proc/meminfo's MemAvailable or /dev/shm's
-free space is below what the largest size needs (need_bytes).
+free space is below what the largest size needs (need_bytes). The JSON
+records the lowest MemAvailable and the highest Shmem seen during the run.
 
 Stall (--stall-pairs, 0: skip): a 2-rank job, one rank per host (gloo
 across the veths), a --stall-mb MB state per rank, tier="memory",
@@ -80,6 +81,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -148,6 +150,33 @@ def mem_available():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+class MemWatch:
+    """The lowest MemAvailable and the highest Shmem (/proc/meminfo) seen
+    while the run goes, sampled every 0.5 s: what the run took at its peak
+    (with whatever else the machine ran meanwhile)."""
+
+    def __init__(self):
+        self.low_avail, self.high_shmem, self.stop = None, 0, threading.Event()
+        self.th = threading.Thread(target=self.run, daemon=True)
+        self.th.start()
+
+    def run(self):
+        while True:
+            with open("/proc/meminfo") as f:
+                m = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+            a = m.get("MemAvailable", 0)
+            self.low_avail = a if self.low_avail is None else min(self.low_avail, a)
+            self.high_shmem = max(self.high_shmem, m.get("Shmem", 0))
+            if self.stop.wait(0.5):
+                return
+
+    def done(self):
+        self.stop.set()
+        self.th.join()
+        return {"mem_available_low_GiB": round(self.low_avail / 2**30, 2),
+                "shmem_high_GiB": round(self.high_shmem / 2**30, 2)}
 
 
 def check_memory(gb, lean):
@@ -279,6 +308,8 @@ def main():
     res = {"command": "python " + " ".join(sys.argv), "cpus": os.cpu_count(),
            "machine": platform.machine(), "lean": a.lean, "sizes": {}, "stall": None,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res["mem_available_before_GiB"] = round(mem_available() / 2**30, 2)
+    watch = MemWatch()
     hs = netns_hosts.Hosts(2, root, store=True)
     workers, s3 = [], None
     try:
@@ -308,7 +339,11 @@ def main():
         hs.down()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+        res.update(watch.done())
 
+    print(f"\nMemAvailable {res['mem_available_before_GiB']} GiB before, lowest "
+          f"{res['mem_available_low_GiB']} GiB; Shmem highest {res['shmem_high_GiB']} GiB"
+          f" ({'lean' if a.lean else 'full'} mode)")
     print(f"\n{'GB':>5} {'way':<13}{'fetch s':>9}{'restored s':>12}{'GB/s':>8}{'x link':>8}")
     for gb, out in res["sizes"].items():
         for k, v in out["summary"].items():

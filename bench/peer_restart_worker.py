@@ -11,7 +11,8 @@ network namespace, tests/python/netns_hosts.py). Not a tool of its own.
           then two peer servers on this host's address hold its replica:
           one in the memory directory (tmpfs), one in a disk directory; and
           a raw TCP source for the link probe. Answers their endpoints.
-          `lean`: the state's tensors and the Checkpointer are dropped once
+          `lean`: the commit stages through 256 MiB (max_in_flight=1), and
+          the state's tensors and the Checkpointer are dropped once
           the checkpoint is committed and uploaded, before the pushes (the
           segment is kept by a second link until both replicas are stored),
           so at most two copies of the state are in memory at once.
@@ -148,8 +149,12 @@ class Survivor:
         state = {"w": torch.randn(n // 4096, 4096)}
         seed_dir = os.path.join(disk, "seed")
         t0 = time.perf_counter()
+        # lean: one snapshot in flight through a 256 MiB staging buffer, not
+        # two of the state's size (the default), so the commit holds the
+        # state, its segment and 256 MiB.
+        small = {"max_in_flight": 1, "staging_bytes": 256 << 20} if lean else {}
         ck = nonstop.Checkpointer(seed_dir, state, every=1, tier="memory", remote=url,
-                                  remote_options=options)
+                                  remote_options=options, **small)
         ck.step(1)
         ck.wait()
         deadline = time.time() + 300

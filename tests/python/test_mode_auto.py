@@ -35,7 +35,7 @@ KILL_STEPS = 20
 class PerCallAdamW(torch.optim.AdamW):
     """AdamW with a fixed cost per step() call that has gradients to apply:
     concurrent pays it once per step, layer-wise once per parameter."""
-    DELAY = 0.05
+    DELAY = 0.2  # 0.6 s a step between the modes: above what a second pytest worker adds (CI)
 
     def step(self, closure=None):
         if any(p.grad is not None for g in self.param_groups for p in g["params"]):

@@ -84,9 +84,10 @@ def _store_config(url: str, options: Optional[dict]) -> dict:
     if not m:
         return out
     endpoint, endpoint_url = opts.pop("endpoint", None), opts.pop("endpoint_url", None)
-    endpoint = endpoint or endpoint_url or (opts.pop("client_kwargs", None) or {}).get(
-        "endpoint_url")
-    opts.pop("client_kwargs", None)
+    ck = opts.pop("client_kwargs", None)
+    if ck is not None and not isinstance(ck, dict):
+        raise CheckpointMismatchError(f"remote_options client_kwargs must be a dict, got {ck!r}")
+    endpoint = endpoint or endpoint_url or (ck or {}).get("endpoint_url")
     timeout, connect = str(opts.pop("timeout", "60s")), str(opts.pop("connect_timeout", "5s"))
     seconds = _ext.core().duration_s
     out["s3"] = {"bucket": m.group(1), "endpoint": endpoint,

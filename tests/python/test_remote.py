@@ -638,3 +638,17 @@ def test_create_bucket_on_request(tmp_path):
             assert got.step == 0 and torch.equal(got.tensors["w"], torch.full((4,), 3.0))
     finally:
         srv.stop()
+
+
+def test_object_store_options_are_sorted_out_and_a_bad_one_is_one_line():
+    """_remote._store_config: the tier's own options never reach obstore; an
+    endpoint given through client_kwargs is used (http allowed for it); a
+    client_kwargs that is not a dict is one line, not an AttributeError."""
+    from nonstop import _remote
+    c = _remote._store_config("s3://b/p/", {"client_kwargs": {"endpoint_url": "http://h:1"},
+                                            "key": "k", "max_to_keep": 3})
+    assert (c["bucket"], c["prefix"], c["kw"]["endpoint"]) == ("b", "p", "http://h:1")
+    assert c["client"]["allow_http"] and c["kw"]["access_key_id"] == "k"
+    assert "max_to_keep" not in c["kw"] and "client_kwargs" not in c["kw"]
+    with pytest.raises(nonstop.CheckpointMismatchError, match="client_kwargs must be a dict"):
+        _remote._store_config("s3://b", {"client_kwargs": "x"})

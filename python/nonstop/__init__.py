@@ -41,24 +41,9 @@ except ImportError as e:
     _TORCH_ERROR = str(e)
 
 if _TORCH_ERROR is None:
-    from . import _export  # noqa: E402
     from ._checkpointer import Checkpointer  # noqa: E402
+    from ._export import export  # noqa: E402
     from ._restore import LoadedCheckpoint, load  # noqa: E402
-
-    def export(dir: str, out: str, step: "int | None" = None, rank: "int | None" = None,
-               include=None, strip: "str | None" = None, format: str = "safetensors",
-               progress: "bool | None" = None) -> dict:
-        """Writes a checkpoint of `dir` to `out`, as `nonstop export` does:
-        format="safetensors" (one file; a multi-rank job consolidated;
-        include= a glob or list of globs over the names, kept as stored;
-        strip= a prefix removed from them) or format="dcp" (every rank,
-        reassembled, as a torch.distributed.checkpoint directory).
-        progress: a tqdm bar on stderr (None: when stderr is a terminal and
-        the export is 256 MiB or more; True: always; False: never).
-        Returns {'step', 'tensors', 'bytes', 'path'}."""
-        return _export.export_any(dir, out, step=step, rank=rank, include=include, strip=strip,
-                       format=format, progress=progress)
-
     from ._handle import CheckpointHandle  # noqa: E402
     from ._preempt import EXIT_PREEMPTED, Preempted, worker_init_fn  # noqa: E402  docs/PREEMPTION.md
 else:

@@ -35,11 +35,8 @@ class StateApplier:
         self._flat = {}  # per key, for _check_fits of this restore
         for key, obj in self.state.items():
             if stateful(obj) or isinstance(obj, torch.Tensor):
-                flat: dict = {}
-                _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key,
-                               flat)
-                self._flat[key] = flat
-                current.update(flat)
+                self._flat[key] = _flat(key, obj)
+                current.update(self._flat[key])
         return current
 
     def prepare(self, loaded) -> tuple:
@@ -162,9 +159,7 @@ class StateApplier:
             return
         current = self._flat.get(key)
         if current is None:
-            current = {}
-            _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key,
-                           current)
+            current = _flat(key, obj)
         for name, t in current.items():
             if name not in loaded.tensors:
                 if isinstance(obj, (torch.nn.Module, torch.Tensor)):
@@ -176,6 +171,13 @@ class StateApplier:
                 raise CheckpointMismatchError(
                     f"tensor {name!r}: checkpoint step {loaded.step} has "
                     f"{_describe(got)}, the state has {_describe(t)}")
+
+
+def _flat(key: str, obj) -> dict:
+    """The tensors of state `key` (a stateful object or a tensor) by checkpoint name."""
+    out: dict = {}
+    _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key, out)
+    return out
 
 
 def _describe(t) -> str:

@@ -1,29 +1,8 @@
 """nonstop.export(dir, out, format="dcp"): a nonstop job directory as a
-torch.distributed.checkpoint (DCP) checkpoint, loadable under any world size.
-
-    python -m nonstop._dcp DIR OUT [--step N]
-
-Reads every rank file of DIR (all of them must be reachable from this
-process: copy them together first when ranks used local disks), picks the
-newest step committed on every rank (the globally committed one) or `step`,
-reassembles each replicated tensor and each FSDP2 (DTensor) parameter or
-optimizer state from the ranks' pieces (TensorSpec.global) and writes one DCP
-checkpoint of full tensors with a single process; DCP loads them into any
-placement (e.g. a fully_shard model's DTensors) under any world size.
-
-The layout is the one torch.distributed.checkpoint.state_dict.get_state_dict
-gives, under the state's own keys: {"model": model_sd, "optim": optim_sd,
-"sched": {...}, ...}, a model by its own names (a DDP/compile wrapper's
-prefix removed; a tied weight under every name) and an optimizer's state
-and param_groups by parameter FQN (the names are recorded at save time,
-_fqn.py). Non-tensor state (param_groups, schedulers, plain values) is
-included. So a fresh model and optimizer load it with
-`sd = {"model": msd, "optim": osd}` from get_state_dict, `dcp.load(sd, ...)`
-and set_state_dict. A ZeroRedundancyOptimizer's shards are consolidated
-(global parameter order) and named by FQN the same way. Other rank-local
-tensors (state given as local=) have no global value: they are written
-under "rank-R" (layout()).
-The key `nonstop.step` holds the step.
+torch.distributed.checkpoint (DCP) checkpoint in get_state_dict's layout,
+loadable under any world size (`python -m nonstop._dcp DIR OUT [--step N]`;
+docs/DISTRIBUTED.md, "Interop with DCP"). One process reads every rank
+file (gather), reassembles each global tensor and writes full tensors.
 """
 from __future__ import annotations
 
@@ -40,7 +19,7 @@ from ._cli import cli_run
 from ._distributed import consolidate
 from ._objects import CONSOLIDATED
 from ._read import read_tensors
-from .errors import CheckpointMismatchError, CorruptCheckpointError
+from .errors import CorruptCheckpointError
 
 def gather(path: str, step: Optional[int] = None,
            progress=None) -> tuple[int, list, list, set]:
@@ -56,26 +35,13 @@ def gather(path: str, step: Optional[int] = None,
     # The planner chooses (through the job directory's common selection): the
     # newest step every rank committed, of one run, that no rollback abandoned.
     sel = _ext.core().JobDir.open_for_read(path).select_common(len(readers), step=step)
-    per_rank = []
-    for r, chosen in enumerate(sel["ranks"]):
-        where = os.path.dirname(chosen.where)
-        if where:  # a kept copy (keep/step-N/rank-R.nsck)
-            readers[r] = _ext.core().Reader(os.path.join(path, where), rank=r, verify_data=False)
-        reader = readers[r]
-        idx = next((i for i, c in enumerate(reader.checkpoints)
-                    if c["committed"] and c["counter"] == chosen.counter), None)
-        if idx is None:
-            raise CorruptCheckpointError(
-                f"checkpoint step {sel['step']} of rank {r} in {path} changed while it was read")
-        meta = _state.loads(reader.checkpoints[idx]["meta_json"].decode("utf-8"))
-        if "multistep_plan" in meta:  # parts at their own versions (_multistep.py)
-            raise CheckpointMismatchError(
-                f"checkpoint step {sel['step']} in {path} was written by mode='multistep' with "
-                f"replay='torch': its optimizer's tensors reach that step only when restore() "
-                f"replays them; restore it and save with mode='concurrent' to export")
-        per_rank.append({_read.step_key(meta): (idx, meta)})
-    key = next(iter(per_rank[0]))
-    doc = per_rank[0][key][1].get("dist", {})
+    found = []  # per rank: (index, metadata)
+    for r, sel_r in enumerate(sel["ranks"]):
+        readers[r], idx = _read.chosen(path, sel_r, r, readers[r])
+        meta = _state.loads(readers[r].checkpoints[idx]["meta_json"])
+        _read.refuse_replayed(meta, f"checkpoint step {sel['step']} in {path}")
+        found.append((idx, meta))
+    doc = found[0][1].get("dist", {})
     shared = dict(doc.get("shared", {}))
     # FSDP2 Shard(0) DTensors: each rank wrote its rows with the same global
     # layout as a replicated share (_fsdp.py), so they reassemble the same way.
@@ -83,12 +49,11 @@ def gather(path: str, step: Optional[int] = None,
         shared.setdefault(name, [shape, dtype])
     whole = {name: torch.zeros(shape, dtype=_meta_dtype(dtype, name, path))
              for name, (shape, dtype) in shared.items()}
-    tensors, metas = [], []
-    total = sum(sum(spec["nbytes"] for spec in reader.checkpoints[found[key][0]]["tensors"])
-                for reader, found in zip(readers, per_rank))
+    total = sum(sum(spec["nbytes"] for spec in reader.checkpoints[idx]["tensors"])
+                for reader, (idx, _) in zip(readers, found))
     done = 0
-    for reader, found in zip(readers, per_rank):
-        idx, meta = found[key]
+    tensors, metas = [], []
+    for reader, (idx, meta) in zip(readers, found):
         mine = dict(whole)
         got = read_tensors(reader, idx)
         for spec in reader.checkpoints[idx]["tensors"]:
@@ -104,7 +69,7 @@ def gather(path: str, step: Optional[int] = None,
             progress(done, total)
         tensors.append(mine)
         metas.append(meta)
-    return key[0], tensors, metas, set(shared)
+    return _read.step_key(found[0][1])[0], tensors, metas, set(shared)
 
 
 def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
@@ -244,20 +209,25 @@ def _zero_consolidated(key: str, tensors: list, metas: list) -> dict:
     return value
 
 
-def _count(state) -> tuple[int, int]:
-    """(tensors, bytes) of a state, each tensor object once."""
-    seen, nbytes, stack = set(), 0, [state]
-    while stack:
-        node = stack.pop()
+def named(state) -> list:
+    """(name, tensor) for every tensor of a state in get_state_dict's layout
+    (layout()), named by its path ('model/fc.weight'), a tied one under each."""
+    out: list = []
+
+    def walk(node, name, depth):
+        if depth > _state.MAX_DEPTH:
+            return
         if isinstance(node, torch.Tensor):
-            if id(node) not in seen:
-                seen.add(id(node))
-                nbytes += node.numel() * node.element_size()
+            out.append((name, node))
         elif isinstance(node, dict):
-            stack.extend(node.values())
+            for k, v in node.items():
+                walk(v, f"{name}/{k}" if name else str(k), depth + 1)
         elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-    return len(seen), nbytes
+            for i, v in enumerate(node):
+                walk(v, f"{name}/{i}", depth + 1)
+
+    walk(state, "", 0)
+    return out
 
 
 def export_dcp(dir: str, out: str, step: Optional[int] = None,
@@ -274,7 +244,8 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
     finally:
         bar.close()
     state = layout(tensors, metas, shared)
-    count, nbytes = _count(state)
+    distinct = {id(t): t for _, t in named(state)}  # each tensor object once
+    count, nbytes = len(distinct), sum(t.numel() * t.element_size() for t in distinct.values())
     state["nonstop.step"] = torch.tensor(got_step, dtype=torch.int64)
     # The folder through the Env seam (made when missing, a symlink as its last
     # component refused); the files in it are written by torch's FileSystemWriter.

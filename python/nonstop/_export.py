@@ -19,33 +19,35 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _dcp, _ext, _progress, _state
+from . import _dcp, _ext, _progress, _read, _state
 from ._cli import cli_run
 from ._read import check_directory, restore_threads
 from .errors import (CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
-                     CorruptCheckpointError, IncompatibleCheckpointError)
+                     IncompatibleCheckpointError)
 
 # Bytes of stored tensors read per window (as `nonstop export` in C++ does).
 WINDOW_BYTES = 256 << 20
 
 
 def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] = None,
-           include=None, strip: Optional[str] = None, progress: Optional[bool] = None) -> dict:
-    """Writes checkpoint `step` (newest valid when None) of `dir` to the
-    safetensors file `out`, as `nonstop export DIR -o OUT` does. Tensor
-    names are kept ('model/fc.weight'). include: a glob or a list of globs
-    (fnmatch: '*' matches '/' too): only tensors whose name matches one are
-    written; none matching is a CheckpointMismatchError. strip: a prefix
-    removed from the names that start with it (strip='model/' with
-    include='model/*': the file loads into the model directly). The
-    checkpoint's step and JSON metadata go into the safetensors metadata.
-    A directory of a multi-rank job is exported consolidated: each
-    replicated or sharded tensor whole, under its own name (a wrapper's
-    prefix removed), rank-local tensors under 'rank-R/' (_dcp.layout); rank=
-    is for a one-rank directory only.
-    progress: a tqdm bar on stderr (None: on a terminal, for 256 MiB or
-    more; True: always; False: never; _progress.py).
+           include=None, strip: Optional[str] = None, format: str = "safetensors",
+           progress: Optional[bool] = None) -> dict:
+    """nonstop.export (docs/PYTHON.md, "Inspecting and exporting"): checkpoint
+    `step` (newest valid when None) of `dir` written to `out` as `nonstop
+    export DIR -o OUT` does: format="safetensors" (one file, names kept;
+    include= globs over them, fnmatch, none matching is a
+    CheckpointMismatchError; strip= a prefix removed; a multi-rank job
+    consolidated, _dcp.layout, rank= for a one-rank directory only) or
+    format="dcp" (_dcp.export_dcp). progress: a tqdm bar on stderr (None:
+    on a terminal for 256 MiB or more; True: always; False: never).
     Returns {'step', 'tensors', 'bytes', 'path'}."""
+    if format == "dcp":
+        if include is not None or strip is not None or rank is not None:
+            raise ValueError(
+                "format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
+        return _dcp.export_dcp(dir, out, step, progress=progress)
+    if format != "safetensors":
+        raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
     patterns = _patterns(include)
     if strip is not None and not isinstance(strip, str):
         raise CheckpointMismatchError(f"strip must be a string prefix, got {strip!r}")
@@ -62,18 +64,11 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
     rank = 0 if rank is None else rank
     # The planner chooses (the job directory's selection): what load() and
     # restore() read; a step a rollback abandoned is refused as load() does.
-    chosen = _ext.core().JobDir.open_for_read(path).select(rank, step=step)
-    if chosen is None:
+    sel = _ext.core().JobDir.open_for_read(path).select(rank, step=step)
+    if sel is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}")
-    reader = _ext.core().Reader(os.path.join(path, os.path.dirname(chosen.where)), rank=rank,
-                            verify_data=False)
-    ckpts = reader.checkpoints
-    found = [i for i, c in enumerate(ckpts) if c["committed"] and c["counter"] == chosen.counter]
-    if not found:
-        raise CorruptCheckpointError(
-            f"checkpoint step {chosen.step} in {path} changed while it was exported")
-    idx = found[0]
-    info = ckpts[idx]
+    reader, idx = _read.chosen(path, sel, rank)
+    info = reader.checkpoints[idx]
     # Tied weights are stored once; the file holds them under every name
     # (the bytes again), so that a strict load_state_dict finds each.
     index = {spec["name"]: ti for ti, spec in enumerate(info["tensors"])}
@@ -83,11 +78,7 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
         tree = doc.get("state", {})
     except Exception:  # no readable tree: the tensors by their stored names only
         doc, tree = {}, {}
-    if isinstance(doc, dict) and "multistep_plan" in doc:  # parts at their own versions
-        raise CheckpointMismatchError(
-            f"step {info['step']} of {path} was written by mode='multistep' with replay='torch': "
-            f"its optimizer's tensors reach that step only when restore() replays them; restore "
-            f"it and save with mode='concurrent' to export")
+    _read.refuse_replayed(doc, f"step {info['step']} of {path}")
     named += [(path, index[ref]) for path, ref in aliases(tree)
               if ref in index and path not in index]
     entries = []
@@ -149,21 +140,7 @@ def _export_consolidated(path: str, out, step: Optional[int], patterns, strip, b
     except BaseException:
         bar.close()
         raise
-    named: list = []
-
-    def walk(node, name, depth):
-        if depth > _state.MAX_DEPTH:
-            return
-        if isinstance(node, torch.Tensor):
-            named.append((name, node))
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{name}/{k}" if name else str(k), depth + 1)
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, f"{name}/{i}", depth + 1)
-
-    walk(_dcp.layout(tensors, metas, shared), "", 0)
+    named = _dcp.named(_dcp.layout(tensors, metas, shared))
     chosen = [(n, t.detach().contiguous()) for n, t in
               _selected(named, patterns, strip, f"step {got} of {path}")]
     entries = [(n, _safetensors_dtype(n, _state.torch_dtype_code(t.dtype)), list(t.shape),
@@ -248,13 +225,7 @@ def _windows(reader, idx: int, info: dict, entries: list):
             base = buf.ctypes.data
             dests = [(base + at[i], specs[i]["nbytes"]) if i in at else (0, 0)
                      for i in range(len(specs))]
-            if hasattr(reader, "read_into"):
-                reader.read_into(idx, dests, threads=restore_threads(), data_begin=lo,
-                                 data_end=hi)
-            else:  # tests/python/fake_core.py's Reader has only read_tensor
-                for i, (ptr, n) in enumerate(dests):
-                    if n:
-                        reader.read_tensor(idx, i, ptr, n)
+            reader.read_into(idx, dests, threads=restore_threads(), data_begin=lo, data_end=hi)
         yield entries[first:last], buf, at
         first = last
 
@@ -285,24 +256,6 @@ def aliases(tree) -> list:
 
     walk(tree, "", 0)
     return out
-
-
-def export_any(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] = None,
-           include=None, strip: Optional[str] = None, format: str = "safetensors",
-           progress: Optional[bool] = None) -> dict:
-    """nonstop.export: format="safetensors" (one file; a multi-rank job
-    consolidated; export()) or format="dcp" (every rank, reassembled,
-    as DCP). progress: a tqdm bar on stderr (None: when stderr is a terminal
-    and the export is 256 MiB or more; True: always; False: never)."""
-    if format == "dcp":
-        if include is not None or strip is not None or rank is not None:
-            raise ValueError(
-                "format='dcp' exports every rank and tensor; drop include=/strip=/rank=")
-        return _dcp.export_dcp(dir, out, step, progress=progress)
-    if format != "safetensors":
-        raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
-    return export(dir, out, step=step, rank=rank, include=include, strip=strip,
-                              progress=progress)
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from . import _ext, _state
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import (CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompatibleCheckpointError)
 
 FORMAT = "nonstop.torch/1"
 RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
@@ -36,6 +37,30 @@ def readers(path: str):
 
 def step_key(meta: dict) -> tuple:
     return int(meta.get("step", -1)), int(meta.get("dist", {}).get("lineage", 0))
+
+
+def chosen(path: str, sel, rank: int, reader=None) -> tuple:
+    """(Reader, index) of the planner's choice `sel` (a JobDir selection)
+    for `rank` of `path`: `reader` (the rank's slot file) unless it is a kept
+    copy (keep/step-N/rank-R.nsck), found again by its counter."""
+    where = os.path.dirname(sel.where)
+    if reader is None or where:
+        reader = _ext.core().Reader(os.path.join(path, where), rank=rank, verify_data=False)
+    idx = next((i for i, c in enumerate(reader.checkpoints)
+                if c["committed"] and c["counter"] == sel.counter), None)
+    if idx is None:
+        raise CorruptCheckpointError(
+            f"checkpoint step {sel.step} of rank {rank} in {path} changed while it was read")
+    return reader, idx
+
+
+def refuse_replayed(meta, what: str) -> None:
+    """An export of a checkpoint whose parts restore() replays is refused."""
+    if isinstance(meta, dict) and "multistep_plan" in meta:  # parts at their own versions
+        raise CheckpointMismatchError(
+            f"{what} was written by mode='multistep' with replay='torch': its optimizer's "
+            f"tensors reach that step only when restore() replays them; restore it and save "
+            f"with mode='concurrent' to export")
 
 
 

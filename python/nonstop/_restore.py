@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _distributed, _ext, _manage, _progress, _remote, _state
-from ._read import (check_directory, decode_meta, destinations, read_into, restore_direct,
+from ._read import (check_directory, decode_meta, destinations, restore_direct,
                     restore_threads)
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
@@ -42,25 +42,75 @@ class LoadedCheckpoint:
                 f"tensors={len(self.tensors)}, path={self.path!r})")
 
 
+def _checked(info: dict, where: str, path: str, world_size: Optional[int], as_numpy: bool,
+             prepare, live: Optional[dict]) -> tuple:
+    """(LoadedCheckpoint, its destinations, whether prepare() runs after the
+    read) for checkpoint `info`: its world size and metadata checked, its
+    tensors placed (destinations), prepare() run before anything is written
+    unless the checkpoint is sharded: FSDP2 checkpoints become DTensors in
+    prepare(), which may copy them to a device, so that prepare runs after
+    the read, into fresh tensors."""
+    if world_size is not None and info["world_size"] != world_size:
+        raise IncompatibleCheckpointError(
+            f"{path} was written by a job of world size {info['world_size']}; this job "
+            f"has world size {world_size}: use the same world size or a new directory")
+    meta = decode_meta(info, where)
+    sharded = bool(meta.get("dtensor") or meta.get("dist"))
+    tensors, dests = destinations(info["tensors"], as_numpy,
+                                  None if (sharded or as_numpy) else live)
+    info = {k: v for k, v in info.items() if k != "meta_json"}
+    loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
+    if prepare is not None and not sharded:
+        loaded.plan = prepare(loaded)  # every check, before anything is written
+    return loaded, dests, prepare is not None and sharded
+
+
 def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
-                 stats: Optional[dict] = None):
+                stats: Optional[dict] = None):
     """(the newest checkpoint read from the memory tier's segment, "") or
     (None, why it was not used): no segment, not verified, not the planner's
     first choice over the segment, the disk and the lineage (older than the
     disk's newest, abandoned, another job's), or malformed (the caller reads
-    the disk then, into the same tensors). Read through the C++ restore path straight into `live`'s
-    tensors where they fit (read_tensors)."""
+    the disk then, into the same tensors). Read through the C++ restore path
+    straight into `live`'s tensors where they fit, after prepare() checked
+    them; a checkpoint damaged mid-read falls back to the segment's next
+    one in the planner's order."""
     open_segment = getattr(_ext.core(), "open_memory_segment", None)
     if open_segment is None:
         return None, "this build has no memory tier"
     reader, why = open_segment(path, rank)
     if reader is None:
         return None, why
-    try:
-        return read_reader(reader, path, rank, None, world_size, as_numpy=False, prepare=prepare,
-                           live=live, stats=stats), ""
-    except CorruptCheckpointError as e:
-        return None, str(e)
+    ckpts = reader.checkpoints
+    # A rollback is final (DESIGN.md invariant 9): counters the job directory's
+    # lineage record abandoned are never chosen again. The planner orders them
+    # (nonstop/plan.h).
+    lineage = _ext.core().JobDir.open_for_read(path).lineage(rank)
+    order = _ext.core().plan([{"step": int(c["step"]), "counter": int(c["counter"]),
+                               "committed": bool(c["committed"]), "damage": c["reason"] or ""}
+                              for c in ckpts], lineage)["order"]
+    for line in reader.skipped:
+        warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
+                      stacklevel=3)
+    if not order:
+        return None, f"no valid checkpoint in {reader.path}"
+    for n, idx in enumerate(order):
+        try:
+            loaded, dests, after = _checked(ckpts[idx], reader.path, path, world_size, False,
+                                            prepare, live)
+            t0 = time.perf_counter()
+            got = reader.read_into(idx, dests, threads=restore_threads())
+            took = time.perf_counter() - t0
+            if after:
+                loaded.plan = prepare(loaded)
+        except CorruptCheckpointError as e:
+            if n + 1 == len(order):
+                return None, str(e)
+            warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
+            continue
+        if stats is not None:
+            stats.update(_read_stats(got, took, loaded.step))
+        return loaded, ""
 
 
 def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
@@ -81,57 +131,31 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     checked everything. A checksum failure mid-read falls back to the next
     older checkpoint, read into the same tensors. `stats`, when given, is
     filled with the restore's times and sizes."""
-    core = _ext.core()
-    state: dict = {"loaded": None, "began": False}
-    deferred_prepare = []
-
+    state: dict = {"loaded": None, "after": False}
     warned: list = []  # counters whose failure mid-read was warned about
 
     def prep(info: dict):
         """Where each tensor of `info` goes, after every check; a str (the
         reason) when this checkpoint is malformed: the next older one is tried."""
-        try:
-            return prep_checked(info)
-        except CorruptCheckpointError as e:
-            return str(e)
-
-    def prep_checked(info: dict) -> list:
-        where = os.path.join(path, info["where"])
         prev = state["loaded"]
         if prev is not None and prev.counter not in warned:  # the one before failed mid-read
             warned.append(prev.counter)
             warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
                           f"is damaged; falling back to an older checkpoint", stacklevel=4)
-        if world_size is not None and info["world_size"] != world_size:
-            raise IncompatibleCheckpointError(
-                f"{path} was written by a job of world size {info['world_size']}; this job "
-                f"has world size {world_size}: use the same world size or a new directory")
-        meta = decode_meta(info, where)
-        # FSDP2 checkpoints become DTensors in prepare(), which may copy them
-        # to a device: that prepare runs after the read, into fresh tensors.
-        sharded = bool(meta.get("dtensor") or meta.get("dist"))
-        into = None if (sharded or as_numpy) else live
-        tensors, dests = destinations(info["tensors"], as_numpy, into)
-        info = dict(info)
-        info.pop("meta_json")
-        loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
-        deferred_prepare.clear()
-        if prepare is not None:
-            if sharded:
-                deferred_prepare.append(True)
-            else:
-                loaded.plan = prepare(loaded)  # every check, before anything is written
-        state["loaded"] = loaded
-        state["began"] = True
+        try:
+            state["loaded"], dests, state["after"] = _checked(
+                info, os.path.join(path, info["where"]), path, world_size, as_numpy, prepare, live)
+        except CorruptCheckpointError as e:
+            return str(e)
         return dests
 
     exclude: list = []
     bar = _progress.Progress("nonstop restore")
     while True:
         try:
-            got = core.restore(path, rank, prep, step=step, threads=restore_threads(),
-                               progress=None if bar.off else bar, exclude=exclude,
-                               direct=restore_direct())
+            got = _ext.core().restore(path, rank, prep, step=step, threads=restore_threads(),
+                                      progress=None if bar.off else bar, exclude=exclude,
+                                      direct=restore_direct())
         except CorruptCheckpointError as e:
             if step is not None and "is damaged" not in str(e):
                 raise CorruptCheckpointError(
@@ -142,7 +166,7 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
                 raise
             raise _manage.not_found(path, rank, step) from None  # ring and kept steps
         except CheckpointError as e:
-            if state["began"] and "partly overwritten" not in str(e):
+            if state["loaded"] is not None and "partly overwritten" not in str(e):
                 raise type(e)(f"{e}; the state was partly overwritten by this restore") from None
             raise
         finally:
@@ -150,7 +174,7 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
         if got is None:
             return None
         loaded = state["loaded"]
-        if deferred_prepare:
+        if state["after"]:
             try:
                 loaded.plan = prepare(loaded)
             except CorruptCheckpointError as e:
@@ -166,101 +190,19 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
         warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
                       stacklevel=3)
     if stats is not None:
-        st = got["stats"]
-        stats.update(restore_s=got["restore_s"], restore_read_s=st["read_s"],
-                     restore_bytes=st["data_bytes"],
-                     restore_GBps=(st["data_bytes"] / got["restore_s"] / 1e9
-                                   if got["restore_s"] > 0 else 0.0),
-                     restore_direct_bytes=st["direct_bytes"],
-                     restore_odirect_bytes=st.get("odirect_bytes", 0),
-                     restore_h2d_bytes=st.get("h2d_bytes", 0),
-                     restore_h2d_wait_s=st.get("h2d_wait_s", 0.0),
-                     restore_attempts=got["attempts"],
-                     restore_step=int(got["step"]))
+        stats.update(_read_stats(got["stats"], got["restore_s"], got["step"]),
+                     restore_s=got["restore_s"], restore_attempts=got["attempts"])
     return loaded
 
 
-def read_reader(reader, path: str, rank: int, step: Optional[int], world_size: Optional[int],
-                as_numpy: bool, prepare=None, live: Optional[dict] = None,
-                 stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
-    """_read over a core that has only the Reader (tests/python/fake_core.py),
-    or over `reader`, the memory tier's segment (read_memory). With `live`,
-    prepare() checks a checkpoint before its data is read straight into the
-    live tensors (as _read does)."""
-    geometry = reader.geometry
-    if world_size is not None and geometry["world_size"] != world_size:
-        raise IncompatibleCheckpointError(
-            f"{path} was written by a job of world size {geometry['world_size']}; this job "
-            f"has world size {world_size}: use the same world size or a new directory")
-    ckpts = reader.checkpoints
-    # A rollback is final (DESIGN.md invariant 9): counters the job directory's
-    # lineage record abandoned are never chosen again.
-    # The planner orders them (nonstop/plan.h).
-    lineage = _ext.core().JobDir.open_for_read(path).lineage(rank)
-    cands = [{"step": int(c["step"]), "counter": int(c["counter"]),
-              "committed": bool(c["committed"]), "damage": c["reason"] or ""} for c in ckpts]
-    committed = _ext.core().plan(cands, lineage)["order"]
-    if step is not None:
-        order = [i for i in committed if ckpts[i]["step"] == step]
-        damaged = [c for c in ckpts if not c["committed"] and c["step"] == step]
-        if not order and damaged:
-            raise CorruptCheckpointError(
-                f"checkpoint at step {step} in {path} is damaged: {damaged[0]['reason']}")
-        if not order:
-            have = ", ".join(str(ckpts[i]["step"]) for i in committed) or "none"
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at step {step} in {path} (committed steps: {have})")
-    else:
-        order = committed
-        for line in reader.skipped:
-            warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
-                          stacklevel=3)
-        if not order:
-            if ckpts:
-                raise CorruptCheckpointError(
-                    f"no valid checkpoint in {path}: {ckpts[0]['reason'] or 'all damaged'}")
-            return None
-    written = False
-    for n, idx in enumerate(order):
-        info = ckpts[idx]
-        try:
-            meta = decode_meta(info, reader.path)
-            # FSDP2 checkpoints become DTensors in prepare(), which needs their
-            # data: those are read into fresh tensors first (as in _read).
-            sharded = bool(meta.get("dtensor") or meta.get("dist"))
-            into = None if (sharded or as_numpy or prepare is None) else live
-            tensors, dests = destinations(info["tensors"], as_numpy, into)
-            info = dict(info)
-            info.pop("meta_json")
-            loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info,
-                                      reader.path)
-            if prepare is not None and into is not None:
-                loaded.plan = prepare(loaded)  # every check, before anything is written
-            written = written or into is not None
-            t0 = time.perf_counter()
-            read_stats: dict = {}
-            read_into(reader, idx, dests, read_stats)
-            if stats is not None and read_stats:
-                nbytes = read_stats["data_bytes"]
-                took = time.perf_counter() - t0
-                stats.update(restore_read_s=read_stats["read_s"], restore_bytes=nbytes,
-                             restore_direct_bytes=read_stats["direct_bytes"],
-                             restore_h2d_bytes=read_stats.get("h2d_bytes", 0),
-                             restore_h2d_wait_s=read_stats.get("h2d_wait_s", 0.0),
-                             restore_GBps=nbytes / took / 1e9 if took > 0 else 0.0,
-                             restore_step=int(info["step"]))
-            if prepare is not None and into is None:
-                loaded.plan = prepare(loaded)
-        except CorruptCheckpointError as e:
-            if step is not None or n + 1 == len(order):
-                if written:
-                    raise CorruptCheckpointError(
-                        f"{e}; the state was partly overwritten by this restore") from None
-                raise
-            warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
-            continue
-        return loaded
-    return None
+def _read_stats(st: dict, took: float, step) -> dict:
+    """restore()'s stats of one read (the C++ restore path's RestoreStats)."""
+    return dict(restore_read_s=st["read_s"], restore_bytes=st["data_bytes"],
+                restore_GBps=st["data_bytes"] / took / 1e9 if took > 0 else 0.0,
+                restore_direct_bytes=st["direct_bytes"],
+                restore_odirect_bytes=st.get("odirect_bytes", 0),
+                restore_h2d_bytes=st.get("h2d_bytes", 0),
+                restore_h2d_wait_s=st.get("h2d_wait_s", 0.0), restore_step=int(step))
 
 
 def load(dir: str, step: Optional[int] = None, rank: int = 0,

@@ -48,8 +48,6 @@ NUMPY_DTYPES = {
     6: None, 7: np.float32, 8: np.float64, 9: np.bool_, 10: np.complex64,
     11: np.complex128, 12: np.uint16, 13: np.uint32, 14: np.uint64, 15: None, 16: None,
 }
-ITEMSIZE = {0: 1, 1: 1, 2: 2, 3: 4, 4: 8, 5: 2, 6: 2, 7: 4, 8: 8, 9: 1, 10: 8, 11: 16,
-            12: 2, 13: 4, 14: 8, 15: 1, 16: 1}
 
 _RESERVED = "__"
 

@@ -194,3 +194,23 @@ def test_a_cuda_destination_without_a_usable_device_is_refused_before_any_read(t
     # A malformed destination is refused too.
     with pytest.raises(nonstop.CheckpointError, match="pointer, nbytes"):
         r.read_into(idx, [(0, 0, 0)] * len(specs))
+
+
+def test_a_plain_module_is_read_in_place_and_load_state_dict_is_skipped(tmp_path, monkeypatch):
+    """The checked checkpoint's tensors are read straight into the live
+    module's own tensors, so applying it is nothing: load_state_dict (which
+    would copy each tensor onto itself) is not called for a plain module."""
+    d = str(tmp_path / "ck")
+    values = save_two(d)
+    calls = []
+    plain = torch.nn.Module.load_state_dict
+
+    def counted(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return plain(self, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", counted)
+    model, opt = make(1)
+    with nonstop.Checkpointer(d, {"model": model, "optim": opt}) as ck:
+        assert ck.restore() == 1
+    assert calls == []
+    assert all(torch.equal(v, values[1][k]) for k, v in model.state_dict().items())

@@ -183,17 +183,14 @@ def destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
 
 
 def _fits_live(t, code: int, shape: list) -> bool:
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and _restorable_device(t)
+    """Whether the C++ restore path can write tensor `code`/`shape` into `t`:
+    a plain contiguous tensor of that shape and dtype on the CPU, or on
+    CUDA when this build has the CUDA copy engine."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter)
+            and (t.device.type == "cpu"
+                 or (t.device.type == "cuda" and _ext.core().built_with_cuda()))
             and t.is_contiguous() and not t.is_conj() and not t.is_neg()
             and list(t.shape) == list(shape) and _state.torch_dtype_code(t.dtype) == code)
-
-
-def _restorable_device(t) -> bool:
-    """Whether the C++ restore path can write `t`'s memory: a CPU tensor, or a
-    CUDA tensor when this build has the CUDA copy engine."""
-    if t.device.type == "cpu":
-        return True
-    return t.device.type == "cuda" and _ext.core().built_with_cuda()
 
 
 def new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):

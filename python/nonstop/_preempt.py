@@ -1,36 +1,11 @@
-"""Preemption notices: a committed checkpoint before the VM goes away.
-
-Spot VMs get a short notice before they are taken (about 30 s on Google
-Cloud and Azure, 2 minutes on AWS); cloud agents and Kubernetes send SIGTERM
-first. `Checkpointer(..., on_preempt=...)` turns that notice into a
-checkpoint of the step in progress, then a clean exit with a distinct status
-(`EXIT_PREEMPTED`, 75) that a restart resumes from, losing no step.
-
-What happens, in order (docs/PREEMPTION.md):
-
-1. The notice arrives: a signal (SIGTERM by default) or `ckpt.preempt()`
-   from any thread (a metadata-server watcher). The handler records it and
-   prints how long the emergency checkpoint is expected to take, from the
-   persist bandwidth measured so far, against `grace_s`. Nothing else: no
-   engine call, no lock. (CPython runs Python signal handlers on the main
-   thread between bytecodes, never inside a C call, so this is safe; the
-   line goes to stderr with one os.write.)
-2. The training thread finishes its step. At the next `ckpt.step(s)` it
-   abandons the checkpoints still in flight (Engine::AbandonOlderThan: they
-   are older, so the emergency one takes the writers at once), checkpoints
-   step `s` whatever the interval, and waits until it is committed; with
-   several ranks, until every rank has committed it.
-3. It closes the checkpointer (restoring the signal handlers), calls the
-   handler that was installed before nonstop's, if it was a Python function,
-   and raises `Preempted`, a SystemExit whose code is `exit_code`: uncaught,
-   the interpreter unwinds (finally blocks, atexit) and exits with that
-   status; caught, the caller has control back.
-
-With several ranks only some of them may get the signal (one VM of many is
-preempted). Each rank all-reduces (MAX) its notice flag on a gloo side group
-at every step boundary, asynchronously: the reduction started at boundary s
-is read at boundary s+1, so the training thread does not wait for it and
-every rank acts at the same step, one step after the first rank noticed.
+"""Preemption notices: a committed checkpoint before the VM goes away
+(docs/PREEMPTION.md). A signal (SIGTERM by default) or `ckpt.preempt()`
+records the notice and prints the estimate line; the next `ckpt.step(s)`
+checkpoints step `s`, waits until every rank committed it, closes the
+checkpointer and raises `Preempted` (exit status 75). With several ranks the
+notice flag is all-reduced (MAX) asynchronously at each step boundary, so
+every rank acts at the same step, one after the first rank noticed. The
+arithmetic (bandwidth, estimate) is C++: engine/preempt.h.
 """
 from __future__ import annotations
 
@@ -46,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import _objects
+from . import _ext, _objects
 from .errors import CheckpointError, CheckpointMismatchError
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
@@ -59,21 +34,11 @@ _KEYS = {"signals", "exit_code", "grace_s", "chain", "group", "timeout_s"}
 
 
 class Preempted(SystemExit):
-    """Raised by `ckpt.step()` once a preemption notice has been handled.
-
-    It is a SystemExit with `code = exit_code` (75 by default): left uncaught
-    the process exits with that status; catch it to keep control.
-
-    step: the step the emergency checkpoint holds (resume at step + 1).
-    notice_step: the step that was running when the notice arrived.
-    committed: whether the emergency checkpoint is committed (on every rank).
-    latest: the step of the newest committed checkpoint after handling.
-    reason: "SIGTERM", "preempt()" or the reason given to preempt(), or
-        "rank N" when another rank got the notice.
-    notice_to_safe_s: seconds from the notice to the committed checkpoint.
-    checkpoint: the engine's record of the emergency checkpoint (bytes,
-        persist_s, write_GBps, ...), or None.
-    """
+    """Raised by `ckpt.step()` once a preemption notice has been handled: a
+    SystemExit with `code = exit_code` (75 by default). Attributes: step
+    (resume at step + 1), notice_step, committed (on every rank), latest,
+    reason ("SIGTERM", "preempt()", "rank N", ...), notice_to_safe_s,
+    checkpoint (the engine's record, or None); docs/PREEMPTION.md."""
 
     def __init__(self, step: int, notice_step: Optional[int], committed: bool,
                  latest: Optional[int], reason: str, notice_to_safe_s: float, exit_code: int,
@@ -151,50 +116,15 @@ def parse(on_preempt) -> Optional[dict]:
 def persist_bandwidth(stats: dict) -> Optional[float]:
     """Bytes per second of the recent committed checkpoints (median of the
     last 5, start to commit), or None when none has committed yet."""
-    rates = [c["bytes"] / c["persist_s"] for c in stats.get("recent", [])
-             if c.get("committed") and c.get("persist_s", 0) > 0 and c.get("bytes", 0) > 0][-5:]
-    if not rates:
-        return None
-    rates.sort()
-    return rates[len(rates) // 2]
+    return _ext.core().persist_bandwidth(stats.get("recent", []))
 
 
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def estimate_line(*, reason: str, rank: int, notice_step: Optional[int], state_bytes: int,
-                  bandwidth: Optional[float], step_s: Optional[float], lag_steps: int,
-                  grace_s: Optional[float], latest: Optional[int]) -> tuple[str, Optional[float]]:
+def estimate_line(**notice) -> tuple[str, Optional[float]]:
     """The one line printed when a notice arrives, and the expected seconds
-    from the notice to a committed checkpoint (None when unknown)."""
-    where = f" during step {notice_step}" if notice_step is not None else ""
-    head = f"nonstop: preemption notice ({reason}){where} on rank {rank}: "
-    size = _human(state_bytes) if state_bytes else "size unknown (no checkpoint yet)"
-    finish = (lag_steps + 1) * step_s if step_s else 0.0
-    if bandwidth is None or not state_bytes:
-        expected = None
-        est = f"emergency checkpoint of {size}; time unknown (no checkpoint measured yet)"
-    else:
-        write = state_bytes / bandwidth
-        expected = finish + write
-        est = (f"emergency checkpoint of {size} expected in ~{expected:.1f} s "
-               f"(finish step ~{finish:.2f} s + write ~{write:.2f} s at "
-               f"{bandwidth / 1e6:.0f} MB/s measured)")
-    if grace_s is None:
-        tail = ""
-    elif expected is None:
-        tail = f"; grace {grace_s:g} s: cannot tell whether it fits"
-    elif expected <= grace_s:
-        tail = f"; grace {grace_s:g} s: fits"
-    else:
-        keep = f"step {latest}" if latest is not None else "none yet"
-        tail = (f"; grace {grace_s:g} s: WILL NOT FIT (needs ~{expected:.1f} s); trying anyway, "
-                f"the previous committed checkpoint ({keep}) stays intact")
-    return head + est + tail, expected
+    from the notice to a committed checkpoint (None when unknown). Keywords:
+    reason, rank, notice_step, state_bytes, bandwidth, step_s, lag_steps,
+    grace_s, latest."""
+    return _ext.core().preempt_estimate(**notice)
 
 
 # Every PreemptWatch alive in this process (worker_init_fn, a forked child).
@@ -501,15 +431,11 @@ class PreemptWatch:
 
 def worker_init_fn(worker_id=None) -> None:
     """DataLoader(worker_init_fn=nonstop.worker_init_fn): the worker ignores
-    SIGTERM (and the other signals a live Checkpointer handles).
-
-    A scheduler that preempts a job signals its whole process group (Slurm,
-    `kill -TERM -PGID`); DataLoader workers killed by it make the training
-    process fail with "DataLoader worker ... is killed by signal" before the
-    next step boundary, so no emergency checkpoint is taken. Ignoring the
-    signal in the workers leaves them running until the training process has
-    checkpointed; its exit then shuts them down. Call it first in your own
-    worker_init_fn if you have one. See docs/PREEMPTION.md."""
+    SIGTERM (and the other signals a live Checkpointer handles), so a
+    scheduler that signals the whole process group (Slurm, `kill -TERM
+    -PGID`) does not kill the workers before the training process reached
+    its step boundary and checkpointed; its exit then shuts them down. Call
+    it first in your own worker_init_fn. docs/PREEMPTION.md."""
     sigs = {signal.SIGTERM}
     for watch in list(_WATCHES):
         sigs.update(watch.cfg["signals"])

@@ -2,19 +2,11 @@
 
     python -m nonstop.demo [--steps 60] [--every 10] [--out runs/demo]
 
-1. trains a ~10M-parameter GPT-like model (synthetic tokens made on the fly
-   from the step number, AdamW, warm-up + cosine LR) without checkpoints: the
-   reference;
-2. trains it again with torch.save every `every` steps (the baseline);
-3. trains it with nonstop every `every` steps in a child process and kills
-   that process with SIGKILL at a random step after several checkpoints;
-4. restarts it, resumes from the newest checkpoint, and finishes;
-5. checks that the final weights, optimizer state and scheduler state are
-   bitwise identical to the reference (exit status 1 if not), prints a
-   summary table, and writes a loss-vs-step plot and a JSON summary.
-
-Each training run is a child process (`--worker`), so all are measured alike
-and the kill is a real kill -9.
+Four runs of a GPT-like model, each a child process (`--worker`, so all are
+measured alike and the kill is a real kill -9): the reference, torch.save
+every `every` steps, nonstop killed at a random step after several
+checkpoints, and nonstop resumed; then the bitwise check against the
+reference, the table, the plot and summary.json (docs/PYTHON.md, "The demo").
 """
 from __future__ import annotations
 

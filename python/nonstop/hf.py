@@ -1,30 +1,10 @@
-"""nonstop for the Hugging Face Trainer: checkpoint every few optimizer steps
-without stalling, and resume exactly with
-`trainer.train(resume_from_checkpoint=...)`.
-
-    from nonstop.hf import NonstopCallback, resume_from
-
-    cb = NonstopCallback("runs/ckpt", every=50)
-    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
-    trainer.train(resume_from_checkpoint=resume_from(cb))   # None on a fresh start
-
-The Trainer decides how many batches to skip, and restores its RNG states,
-from files in a checkpoint folder, before any callback runs. `resume_from`
-is the bridge: it reads nonstop's newest committed checkpoint and writes
-the folder the Trainer expects (trainer_state.json, model.safetensors,
-rng_state.pth), so the Trainer's own resume logic positions the data and the
-RNG exactly as it would for its own checkpoint. The optimizer and scheduler
-states are not written there: the callback loads them in place from nonstop
-at on_train_begin. nonstop itself reads nothing through pickle; the
-Trainer reads rng_state.pth its own way (torch.load with weights_only=True).
-Under torchrun each rank checkpoints through nonstop's distributed mode;
-resume_from is collective there and on_train_begin restores the agreed step
-on every rank. load_best_model_at_end loads the best kept step's weights at
-on_train_end. `trainer.train(resume_from_checkpoint=True)` works too: at
-Trainer construction (on_init_end) the callback prepares
-output_dir/checkpoint-<global_step> for the Trainer's own lookup.
-
-See docs/HF.md.
+"""nonstop for the Hugging Face Trainer (docs/HF.md): `NonstopCallback`
+checkpoints every few optimizer steps without stalling, and
+`trainer.train(resume_from_checkpoint=resume_from(cb))` (or `=True`) resumes
+exactly: nonstop's checkpoint becomes the Trainer checkpoint folder it
+expects (trainer_state.json, model.safetensors, rng_state*.pth), so the
+Trainer positions the data and the RNG itself; the optimizer and scheduler
+(under torchrun the whole agreed step) are restored in on_train_begin.
 """
 from __future__ import annotations
 
@@ -38,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from safetensors.torch import save as safetensors_bytes
 from transformers import TrainerCallback
 
 from . import (_checkpointer, _dcp, _distributed, _ext, _manage, _options, _rng, _state,
@@ -320,17 +301,8 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     ts = saved["trainer_state"]
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", f"checkpoint-{ts['global_step']}")
-    files = [("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode())]
-    from safetensors.torch import save as safetensors_bytes
-    # Tied weights come back as one tensor under two names: safetensors wants
-    # each name to own its memory (the Trainer loads with strict=False).
-    files.append(("model.safetensors", safetensors_bytes(
-        {k: v.contiguous().clone() for k, v in saved["model"].items()
-         if isinstance(v, torch.Tensor)})))
-    rng = loaded.meta.get("rng")
-    if rng is not None:  # written for the Trainer, which reads it with weights_only=True
-        files.append(("rng_state.pth", _rng_file(rng)))
-    _write_folder(folder, files)
+    _write_folder(folder, _trainer_files(ts, saved["model"], loaded.meta.get("rng"),
+                                         "rng_state.pth"))
     callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
     callback._resume_folder = os.path.abspath(folder)
     return folder
@@ -353,13 +325,10 @@ def _agreed(d: str, step: Optional[int], rank: int, world: int):
     if errors:
         raise CheckpointMismatchError("; ".join(errors))
     steps = [m for _, m in every]
-    order = [s for s in steps[0] if all(s in m for m in steps[1:])]
-    if not order:
-        if step is None and not any(steps):
-            return None  # a fresh start on every rank
-        raise CheckpointNotFoundError(
-            f"no {'checkpoint at step ' + str(step) if step is not None else 'checkpoint'} "
-            f"committed on every rank of {d} (rank {rank} holds steps {mine or 'none'})")
+    order = _ext.core().dist_common_steps(steps)
+    if not order:  # NotFound naming this rank's steps, unless a fresh start on every rank
+        _ext.core().dist_no_common_step(d, rank, step, steps)
+        return None
     s = order[0]
     sel = _ext.core().JobDir.open_for_read(d).select(
         rank, step=s, verify_data=False, include_keep=step is not None)
@@ -373,14 +342,11 @@ def _agreed(d: str, step: Optional[int], rank: int, world: int):
 
 def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Optional[int],
                   rank: int, world: int) -> Optional[str]:
-    """resume_from under torchrun: the ranks agree on the step (the
-    planner's order of rank 0, of the steps every rank committed, as
-    restore() does), each writes its own folder (trainer_state.json, its
-    rng_state_R.pth, and model.safetensors with the live model's weights:
-    the Trainer insists on loading a weights file, and only restore() can
-    reassemble the saved ones from the ranks' shares) and on_train_begin
-    restores the model, optimizer and scheduler of that step on every
-    rank."""
+    """resume_from under torchrun (docs/HF.md): the ranks agree on the step
+    (_agreed), each writes its own folder with the live model's weights (the
+    Trainer insists on a weights file; only restore() can reassemble the
+    saved ones from the ranks' shares), and on_train_begin restores that
+    step on every rank."""
     d = callback.dir
     got = _agreed(d, step, rank, world)
     if got is None:
@@ -389,17 +355,11 @@ def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Option
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", f"rank-{rank}",
                               f"checkpoint-{ts['global_step']}")
-    from safetensors.torch import save as safetensors_bytes
     if callback._model is None:
         raise CheckpointMismatchError("resume_from under torchrun: pass the callback to the "
                                       "Trainer (callbacks=[cb]) before calling resume_from(cb)")
-    files = [("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
-             ("model.safetensors", safetensors_bytes(
-                 {k: v.detach().contiguous().clone()
-                  for k, v in _unwrap.module(callback._model).state_dict().items()}))]
-    if meta.get("rng") is not None:
-        files.append((f"rng_state_{rank}.pth", _rng_file(meta["rng"])))
-    _write_folder(folder, files)
+    _write_folder(folder, _trainer_files(ts, _unwrap.module(callback._model).state_dict(),
+                                         meta.get("rng"), f"rng_state_{rank}.pth"))
     callback._to_load = {"restore_step": s}
     callback._resume_folder = os.path.abspath(folder)
     return folder
@@ -409,19 +369,13 @@ _AUTO_MARK = "nonstop-resume.json"  # names a checkpoint-N folder nonstop wrote 
 
 
 def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]:
-    """on_init_end: makes `trainer.train(resume_from_checkpoint=True)` resume
-    from nonstop. The Trainer looks for the newest `checkpoint-N` folder in
-    output_dir before any callback of train() runs, so the folder is
-    prepared now, at Trainer construction: `<out>/checkpoint-<global_step>`
-    of nonstop's newest committed checkpoint (the step every rank agrees on
-    under torchrun, collective) with trainer_state.json, rng_state*.pth, the
-    live weights as model.safetensors (the Trainer insists on a weights
-    file; on_train_begin restores the saved model, optimizer and scheduler
-    in place) and a marker file. A folder of that name the Trainer wrote
-    itself is left alone (the Trainer resumes from its own checkpoint of the
-    same step); a newer Trainer checkpoint-M wins the Trainer's lookup. Marked
-    folders of earlier runs are removed. Returns (folder, global_step, step)
-    or None."""
+    """on_init_end: for `trainer.train(resume_from_checkpoint=True)`, which
+    looks for the newest `checkpoint-N` in output_dir before any callback of
+    train() runs, prepares `<out>/checkpoint-<global_step>` of the agreed
+    newest step now (collective), as _resume_ranks does, plus a marker file.
+    A Trainer folder of that name is left alone; marked folders of earlier
+    runs are removed (docs/HF.md). Returns (folder, global_step, step) or
+    None."""
     rank, world = _options.world()
     if rank == 0 and os.path.isdir(out):
         for name in os.listdir(out):  # leftovers of a run killed before its first step
@@ -436,25 +390,16 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
     # The Trainer's own checkpoint of that step (rank 0's view, on every rank)
     if _comm(world).gather(os.path.exists(folder))[0]:
         return None
-    if rank == 0:
-        from safetensors.torch import save as safetensors_bytes
-        _write_folder(folder, [
-            (_AUTO_MARK, json.dumps({"dir": os.path.abspath(callback.dir),
-                                     "step": step}).encode()),
-            ("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
-            ("model.safetensors", safetensors_bytes(
-                {k: v.detach().contiguous().clone()
-                 for k, v in _unwrap.module(model).state_dict().items()}))])
-    if meta.get("rng") is not None:
-        if world > 1:
-            torch.distributed.barrier()  # the folder exists
-        name = f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"
-        d = _ext.core().Directory(folder)
-        with d.create(name + ".tmp") as w:
-            w.write(_rng_file(meta["rng"]))
-            w.commit(name)
-        d.sync()
+    rng = meta.get("rng")
+    if rank == 0:  # under torchrun each rank adds its rng_state_R.pth
+        _write_folder(folder, [(_AUTO_MARK, json.dumps({"dir": os.path.abspath(callback.dir),
+                                                        "step": step}).encode())]
+                      + _trainer_files(ts, _unwrap.module(model).state_dict(),
+                                       rng if world == 1 else None, "rng_state.pth"))
     if world > 1:
+        torch.distributed.barrier()  # the folder exists
+        if rng is not None:
+            _ext.core().Directory(folder).write_atomic(f"rng_state_{rank}.pth", _rng_file(rng))
         torch.distributed.barrier()  # every rank's file is there
     return folder, int(ts["global_step"]), step
 
@@ -479,6 +424,20 @@ def _remove(folder: str, name: Optional[str] = None) -> None:
         pass
 
 
+def _trainer_files(ts: dict, weights: dict, rng: Optional[dict], rng_name: str) -> list:
+    """[(name, bytes)] of a Trainer checkpoint folder: trainer_state.json,
+    model.safetensors (each tensor its own copy: tied weights come back as
+    one tensor under two names, and the Trainer loads with strict=False)
+    and, with `rng`, the RNG states as `rng_name` (see _rng_file)."""
+    files = [("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
+             ("model.safetensors", safetensors_bytes(
+                 {k: v.detach().contiguous().clone() for k, v in weights.items()
+                  if isinstance(v, torch.Tensor)}))]
+    if rng is not None:
+        files.append((rng_name, _rng_file(rng)))
+    return files
+
+
 def _write_folder(folder: str, files: list) -> None:
     """Writes `folder` (replacing it) with [(name, bytes)] through the Env
     seam (_core.Directory): FOLDER.tmp is made afresh (a leftover of a kill
@@ -493,9 +452,7 @@ def _write_folder(folder: str, files: list) -> None:
     parent.remove_tree(tmp)
     d = parent.subdir(tmp, create=True)
     for fname, data in files:
-        with d.create(fname + ".tmp") as w:
-            w.write(data)
-            w.commit(fname)
+        d.write_atomic(fname, data)
     parent.remove_tree(name)
     parent.rename(tmp, name)
     parent.sync()
@@ -507,17 +464,10 @@ def _comm(world: int) -> _distributed.Comm:
 
 
 def _rng_file(saved: dict) -> bytes:
-    """The bytes of the Trainer's rng_state.pth (it reads them with
-    weights_only=True); written through the seam by the caller."""
-    buf = io.BytesIO()
-    torch.save(_hf_rng(saved), buf)
-    return buf.getvalue()
-
-
-def _hf_rng(saved: dict) -> dict:
-    """nonstop's RNG record (_rng.capture) in the Trainer's rng_state.pth layout."""
-    # Put the saved states in place, read them back in the Trainer's layout,
-    # then put the current ones back.
+    """nonstop's RNG record (_rng.capture) as the bytes of the Trainer's
+    rng_state.pth (it reads them with weights_only=True): the saved states
+    are put in place, read back in the Trainer's layout, and the current
+    ones put back. Written through the seam by the caller."""
     now = _rng.capture()
     try:
         _rng.restore(saved)
@@ -527,4 +477,6 @@ def _hf_rng(saved: dict) -> dict:
             out["cuda"] = torch.cuda.random.get_rng_state_all()
     finally:
         _rng.restore(now)
-    return out
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()

@@ -1,29 +1,11 @@
-"""nonstop for PyTorch Lightning: checkpoint every few optimizer steps
-without stalling, and resume exactly with `trainer.fit(..., ckpt_path="last")`.
-
-    from nonstop.lightning import NonstopCheckpoint
-
-    trainer = L.Trainer(max_steps=1000, callbacks=[NonstopCheckpoint("runs/ckpt", every=50)])
-    trainer.fit(model, loader, ckpt_path="last")   # a fresh start the first time
-
-What is saved is exactly what Lightning's own checkpoint holds (weights,
-optimizer and scheduler states, loop progress, callback states, the
-StatefulDataLoader's position), plus the global RNG states. The model's
-parameters and the optimizer's state are registered with the engine by
-pointer: they are copied out of their memory in the background, and only
-the next optimizer step waits for that copy. The engine writes and commits
-in the background too.
-
-Files under `dirpath`:
-- `nonstop/`: the nonstop checkpoint directory (inspect, verify, export it
-  with the `nonstop` command);
-- `last.ckpt`: a small JSON marker naming the newest *committed* step. It is
-  written (atomically) only after that checkpoint committed, so it never
-  points at a checkpoint that a crash could lose. Lightning's
-  `ckpt_path="last"` finds it; `load_checkpoint` turns it back into
-  Lightning's checkpoint dict (no pickle).
-
-See docs/LIGHTNING.md.
+"""nonstop for PyTorch Lightning (docs/LIGHTNING.md): `NonstopCheckpoint`
+checkpoints every few optimizer steps without stalling (exactly what
+Lightning's own checkpoint holds, plus the RNG states), and
+`trainer.fit(..., ckpt_path="last")` resumes exactly. Under `dirpath`:
+`nonstop/` (the checkpoint directory) and `last.ckpt`, a small JSON marker
+naming the newest *committed* step, written atomically only after that
+checkpoint committed; `NonstopCheckpointIO.load_checkpoint` turns it back
+into Lightning's checkpoint dict (no pickle).
 """
 from __future__ import annotations
 
@@ -40,6 +22,7 @@ import torch
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.utilities.apply_func import move_data_to_device
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy,
@@ -47,6 +30,8 @@ try:
 except ImportError:  # the standalone package name
     import pytorch_lightning as pl  # type: ignore[no-redef]
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+    from lightning_fabric.utilities.apply_func import (  # type: ignore[no-redef]
+        move_data_to_device)
     from lightning_fabric.utilities.distributed import (  # type: ignore[no-redef]
         DistributedSamplerWrapper)
     from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
@@ -89,40 +74,45 @@ def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = T
     checkpoint nonstop wrote, without pickle. docs/LIGHTNING.md."""
     path = os.fspath(path)
     marker = read_marker(path)
-    if marker is not None:
-        d = marker["dir"]
-        if not os.path.isabs(d):
-            d = os.path.join(os.path.dirname(os.path.abspath(path)), d)
-        loaded = _checkpointer.load(d)  # the newest valid, at or after the marker's step
-    elif os.path.isfile(path):
+    if marker is None and os.path.isfile(path):
         raise CheckpointMismatchError(
             f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
-    else:
-        loaded = _checkpointer.load(path)
-    state = loaded.state.get("lightning")
-    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+    loaded, state = _load(_marked_dir(path, marker) if marker is not None else path, path)
+    if not isinstance(state.get("state_dict"), dict):
         raise CheckpointMismatchError(f"{path}: step {loaded.step} holds no Lightning checkpoint")
     weights = state["state_dict"]
     if map_location is not None:
-        weights = _to(weights, map_location)
+        weights = move_data_to_device(weights, map_location)
     if model is None:
         return weights
     model.load_state_dict(weights, strict=strict)
     return model
 
 
+def _marked_dir(path: str, marker: dict) -> str:
+    """The nonstop directory a marker at `path` names (relative: to its folder)."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), marker["dir"])
+
+
+def _load(d: str, where: str) -> tuple:
+    """The newest valid checkpoint in `d` and its Lightning checkpoint dict:
+    (Loaded, dict). Not the marker's step itself: the marker is written by a
+    handle callback, a little after its commit, and by then the ring may
+    have reused the slot of the step it names."""
+    loaded = _checkpointer.load(d)
+    state = loaded.state.get("lightning")
+    if not isinstance(state, dict):
+        raise CheckpointMismatchError(f"{where}: step {loaded.step} holds no Lightning checkpoint")
+    return loaded, state
+
+
 def _write_atomically(path: str, text: str) -> None:
-    """Through the Env seam (_core.Directory): a temp created O_EXCL|O_NOFOLLOW
-    relative to the directory fd, fsynced, renamed over `path` (a symlink
-    there is refused), the directory fsynced."""
+    """Through the Env seam (Directory.write_atomic): a temp created
+    O_EXCL|O_NOFOLLOW relative to the directory fd, fsynced, renamed over
+    `path` (a symlink there is refused), the directory fsynced."""
     path = os.path.abspath(path)
-    d = _ext.core().Directory(os.path.dirname(path))
-    name = os.path.basename(path)
-    tmp = f".{name}.{os.getpid()}.tmp"
-    d.unlink(tmp, missing_ok=True)  # a stale temp of this pid's earlier life
-    with d.create(tmp) as out:
-        out.write(text.encode())
-        out.commit(name)
+    _ext.core().Directory(os.path.dirname(path)).write_atomic(os.path.basename(path),
+                                                              text.encode())
 
 
 class NonstopCheckpointIO(CheckpointIO):
@@ -160,31 +150,17 @@ class NonstopCheckpointIO(CheckpointIO):
         if marker is None:
             return self._inner().load_checkpoint(path, map_location=map_location,
                                                  weights_only=weights_only)
-        d = marker["dir"]
-        if not os.path.isabs(d):
-            d = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), d)
+        d = _marked_dir(os.fspath(path), marker)
         if self.callback is not None and _options.world()[1] > 1:
             # Every rank restores its own file of the step all ranks agree on
             # (the replicated tensors reassembled from the ranks' shares).
             state, self.loaded_step = self.callback._restore_distributed(d)
             self.loaded_rng = _rng.capture()  # as restored; put back in on_train_start
-            self.loaded_loops = _fit_loop_state(state)
-            if map_location is not None:
-                state = _to(state, map_location)
-            return state
-        # The newest valid checkpoint (at or after the marker's step): the
-        # marker is written by a handle callback, a little after its commit,
-        # and by then the ring may have reused the slot of the step it names.
-        loaded = _checkpointer.load(d)
-        state = loaded.state.get("lightning")
-        if not isinstance(state, dict):
-            raise CheckpointMismatchError(f"{d} step {loaded.step} holds no Lightning checkpoint")
-        self.loaded_rng = loaded.meta.get("rng")
-        self.loaded_step = loaded.step
+        else:
+            loaded, state = _load(d, d)
+            self.loaded_rng, self.loaded_step = loaded.meta.get("rng"), loaded.step
         self.loaded_loops = _fit_loop_state(state)
-        if map_location is not None:
-            state = _to(state, map_location)
-        return state
+        return state if map_location is None else move_data_to_device(state, map_location)
 
     def remove_checkpoint(self, path) -> None:
         self._inner().remove_checkpoint(path)
@@ -235,18 +211,6 @@ def _reiterate(trainer, fit_state: dict) -> None:
         iter(fetcher)
 
 
-def _to(tree, device):
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device)
-    if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to(v, device) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_to(v, device) for v in tree)
-    return tree
-
-
 def _check_wrapped(loader, where: str) -> None:
     """Under DDP Lightning gives a loader whose sampler is torch's
     RandomSampler or SequentialSampler a DistributedSampler (its order a
@@ -279,36 +243,18 @@ def _positive_int(name: str, v) -> None:
 
 
 class NonstopCheckpoint(ModelCheckpoint):
-    """Checkpoints every `every` optimizer steps (or every few epochs, or
-    every so much training time) with nonstop; makes
-    `trainer.fit(..., ckpt_path="last")` resume from the newest committed
-    checkpoint, mid-epoch data position included (with a
-    torchdata StatefulDataLoader), bit for bit. One process or Lightning's
-    DDP strategy (each rank writes its share; docs/LIGHTNING.md).
-
-    dirpath: where the `nonstop/` directory and the `last.ckpt` marker go
-        (default: Lightning's checkpoint directory).
-    every (or Lightning's name, every_n_train_steps): optimizer steps
-        between checkpoints (default 10; micro-batches of gradient
-        accumulation are not steps: a checkpoint is only taken right after
-        an optimizer step).
-    every_n_epochs: a checkpoint after the last optimizer step of every n-th
-        training epoch.
-    train_time_interval: a datetime.timedelta; a checkpoint after the first
-        optimizer step at least that long after the previous checkpoint (or
-        the start of training). Under DDP rank 0's clock decides for every
-        rank. every / every_n_epochs / train_time_interval: one of them, as
-        in Lightning's ModelCheckpoint.
-    monitor, mode ("min"/"max"), save_top_k: the k best checkpoints by the
-        logged metric `monitor` are kept (nonstop's best=); under DDP rank
-        0's value of the metric ranks them on every rank.
-    on_commit: called with each checkpoint's stats once it committed or failed.
-    Other keyword arguments go to nonstop.Checkpointer (max_in_flight=,
-    writers=, staging_bytes=, keep=, medium=, ...).
-
-    It is a ModelCheckpoint (Lightning finds `last.ckpt` through it), but it
-    takes no checkpoint of Lightning's kind: use it instead of, not beside, a
-    ModelCheckpoint writing into the same directory.
+    """Checkpoints with nonstop every `every` (every_n_train_steps=)
+    optimizer steps (default 10), or after the last optimizer step of every
+    `every_n_epochs`-th epoch, or after the first optimizer step
+    `train_time_interval` (a timedelta; under DDP rank 0's clock) after the
+    previous checkpoint: one of the three, as in ModelCheckpoint. Makes
+    `trainer.fit(..., ckpt_path="last")` resume bit for bit from the newest
+    committed checkpoint (mid-epoch data position included with a torchdata
+    StatefulDataLoader). One process or strategy="ddp". monitor=, mode=,
+    save_top_k=: nonstop's best= (under DDP rank 0's metric). on_commit:
+    called with each checkpoint's stats. Other keyword arguments go to
+    nonstop.Checkpointer. Use it instead of, not beside, a ModelCheckpoint
+    writing into the same directory. docs/LIGHTNING.md.
     """
 
     def __init__(self, dirpath=None, every: Optional[int] = None, on_commit=None,

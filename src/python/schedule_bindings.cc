@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "engine/mode_choice.h"
+#include "engine/preempt.h"
 #include "engine/schedule.h"
 #include "python/bindings.h"
 
@@ -82,6 +83,33 @@ void InitSchedule(py::module_& m) {
         }
         return d;
       });
+
+  // A preemption notice's arithmetic (engine/preempt.h): `recent` is
+  // Engine.stats()["recent"]; the estimate returns (line, expected_s).
+  m.def(
+      "persist_bandwidth",
+      [](const py::list& recent) {
+        std::vector<PersistSample> v;
+        for (py::handle h : recent) {
+          py::object get = h.attr("get");
+          v.push_back({py::bool_(get("committed", false)), get("bytes", 0).cast<double>(),
+                       get("persist_s", 0).cast<double>()});
+        }
+        return PersistBandwidth(v);
+      },
+      py::arg("recent"));
+  m.def(
+      "preempt_estimate",
+      [](std::string reason, int64_t rank, std::optional<int64_t> notice_step, int64_t state_bytes,
+         std::optional<double> bandwidth, std::optional<double> step_s, int64_t lag_steps,
+         std::optional<double> grace_s, std::optional<int64_t> latest) {
+        PreemptEstimate e = EstimatePreempt({std::move(reason), rank, notice_step, state_bytes,
+                                             bandwidth, step_s, lag_steps, grace_s, latest});
+        return py::make_tuple(e.line, e.expected_s);
+      },
+      py::kw_only(), py::arg("reason"), py::arg("rank"), py::arg("notice_step"),
+      py::arg("state_bytes"), py::arg("bandwidth"), py::arg("step_s"), py::arg("lag_steps"),
+      py::arg("grace_s"), py::arg("latest"));
 }
 
 }  // namespace nonstop::py_bindings

@@ -4,6 +4,7 @@ docs/PYTHON.md). resolve() applies config=PATH (nonstop tune --out):
 explicit arguments override it, it overrides the defaults."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -88,6 +89,26 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def check_positive(name: str, v) -> int:
+    """`v`, a positive integer (not a bool), or a one-line CheckpointMismatchError."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise CheckpointMismatchError(f"{name} must be a positive integer, got {v!r}")
+    return v
+
+
+def scalar_metrics(values: dict) -> Optional[dict]:
+    """metrics= from what a framework logged (the Trainer's evaluation,
+    Lightning's callback_metrics): the finite numbers, one-element tensors
+    read out, as name -> float; None when there is none."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[str(k)] = float(v)
+    return out or None
 
 
 def check_keep(keep) -> None:
@@ -178,10 +199,7 @@ def resolve(state: dict, **kw) -> Options:
         raise CheckpointMismatchError(
             'best= with world_size > 1 needs every=N: every rank must checkpoint the same '
             'steps (their metrics are agreed at each checkpoint)')
-    max_in_flight = opts["max_in_flight"]
-    if not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise CheckpointMismatchError(
-            f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+    max_in_flight = check_positive("max_in_flight", opts["max_in_flight"])
     check_tier(tier)
     check_device_snapshot_bytes(kw["device_snapshot_bytes"], mode)
     if world_size > 1 and mode == "auto":

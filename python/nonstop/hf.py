@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import os
 import random
 from typing import Optional
@@ -35,8 +34,7 @@ class NonstopCallback(TrainerCallback):
     checkpoint's stats once it committed or failed."""
 
     def __init__(self, dir: str, every: int = 10, on_commit=None, **checkpointer_kwargs):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise CheckpointMismatchError(f"every must be a positive integer, got {every!r}")
+        _options.check_positive("every", every)
         # a typo raises now, not at the first checkpoint
         _checkpointer.check_options("NonstopCallback", checkpointer_kwargs,
                                     own=("dir", "state", "every", "on_commit"))
@@ -141,9 +139,8 @@ class NonstopCallback(TrainerCallback):
         if self._after_eval is None or self._after_eval != state.global_step:
             return
         self._after_eval = None
-        got = {str(k): float(v) for k, v in (metrics or {}).items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        self._save(args, state, model, optimizer, lr_scheduler, got or None)
+        self._save(args, state, model, optimizer, lr_scheduler,
+                   _options.scalar_metrics(metrics or {}))
         # A checkpoint carrying best='s metric is never superseded by a newer
         # one that finishes writing first: the engine holds the newer one's
         # commit until it is committed (ENGINE.md, "Ordered publish").
@@ -208,16 +205,12 @@ class NonstopCallback(TrainerCallback):
     def _load_best_weights(self, state, model) -> None:
         """load_best_model_at_end: the weights of the best evaluated step (the
         Trainer's best_global_step, kept by best=) go into the model, as the
-        Trainer does with its own best checkpoint; under torchrun every rank
-        reads them reassembled from all rank files (one directory every rank
-        sees). state.best_model_checkpoint names the kept copy."""
+        Trainer does with its own best checkpoint, reassembled from all rank
+        files under torchrun (one directory every rank sees).
+        state.best_model_checkpoint names the kept copy."""
         step = state.best_global_step - 1
-        rank, world = _options.world()
-        if world > 1:
-            _, flat = _dcp.collect(self.dir, step)
-            sd = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
-        else:
-            sd = _checkpointer.load(self.dir, step=step).state["model"]
+        _, flat = _dcp.collect(self.dir, step)
+        sd = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
         module = _unwrap.module(model)
         got = module.load_state_dict(sd, strict=False)
         live = module.state_dict()
@@ -227,7 +220,7 @@ class NonstopCallback(TrainerCallback):
             raise CheckpointMismatchError(
                 f"load_best_model_at_end: step {step} of {self.dir} does not fit the model "
                 f"(missing {missing[:3]}, unexpected {got.unexpected_keys[:3]})")
-        kept = [r["path"] for r in _manage.list_checkpoints(self.dir, rank)
+        kept = [r["path"] for r in _manage.list_checkpoints(self.dir, _options.world()[0])
                 if r["step"] == step and r["where"] == "keep"]
         state.best_model_checkpoint = (os.path.join(self.dir, os.path.dirname(kept[0]))
                                        if kept else None)
@@ -264,10 +257,7 @@ def _retention_of(args, given: dict) -> dict:
             raise CheckpointMismatchError(
                 "give TrainingArguments(save_total_limit=...) or NonstopCallback(keep=, "
                 "max_to_keep=), not both")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise CheckpointMismatchError(
-                f"save_total_limit must be a positive integer, got {limit!r}")
-        out["keep"], out["max_to_keep"] = 1, limit
+        out["keep"], out["max_to_keep"] = 1, _options.check_positive("save_total_limit", limit)
     return out
 
 

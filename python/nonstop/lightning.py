@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import threading
 import time
@@ -49,18 +48,10 @@ def read_marker(path: str) -> Optional[dict]:
     """The marker at `path` as a dict, or None when it is not one."""
     try:
         with open(path, "rb") as f:
-            head = f.read(1 << 16)
-    except OSError:
+            marker = json.loads(f.read(1 << 16))  # a marker is small; a torch file is not JSON
+    except (OSError, ValueError):
         return None
-    if not head.lstrip().startswith(b"{"):
-        return None
-    try:
-        marker = json.loads(head)
-    except ValueError:
-        return None
-    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
-        return None
-    return marker
+    return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
 
 
 def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = True,
@@ -237,11 +228,6 @@ def _check_wrapped(loader, where: str) -> None:
         f"(docs/LIGHTNING.md)")
 
 
-def _positive_int(name: str, v) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise CheckpointMismatchError(f"{name} must be a positive integer, got {v!r}")
-
-
 class NonstopCheckpoint(ModelCheckpoint):
     """Checkpoints with nonstop every `every` (every_n_train_steps=)
     optimizer steps (default 10), or after the last optimizer step of every
@@ -278,9 +264,9 @@ class NonstopCheckpoint(ModelCheckpoint):
                 f"every= (every_n_train_steps=), every_n_epochs= and train_time_interval= are "
                 f"mutually exclusive, as in ModelCheckpoint; got {', '.join(given)}")
         if every is not None:
-            _positive_int("every", every)
+            _options.check_positive("every", every)
         if every_n_epochs is not None:
-            _positive_int("every_n_epochs", every_n_epochs)
+            _options.check_positive("every_n_epochs", every_n_epochs)
         if train_time_interval is not None and (
                 not isinstance(train_time_interval, datetime.timedelta)
                 or train_time_interval.total_seconds() <= 0):
@@ -484,13 +470,7 @@ class NonstopCheckpoint(ModelCheckpoint):
         """The scalars logged so far (trainer.callback_metrics, what
         self.log() gave), stored with the checkpoint: best= ranks by them
         (under DDP by rank 0's, which the Checkpointer gives every rank)."""
-        out = {}
-        for k, v in trainer.callback_metrics.items():
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                out[str(k)] = float(v)
-        return out or None
+        return _options.scalar_metrics(trainer.callback_metrics)
 
     def _committed(self, handle) -> None:
         # Under DDP a handle is done once every rank committed the step (the

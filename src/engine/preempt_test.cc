@@ -54,7 +54,11 @@ TEST(PreemptTest, EstimateSaysWhetherTheCheckpointFitsTheGrace) {
   EXPECT_NE(e.line.find("time unknown (no checkpoint measured yet); grace 2 s: cannot tell"),
             std::string::npos);
   // before anything is registered and without a grace: no size, no verdict
-  e = EstimatePreempt({.reason = "rank 3", .rank = 1, .bandwidth = 1e9});
+  PreemptNotice bare;
+  bare.reason = "rank 3";
+  bare.rank = 1;
+  bare.bandwidth = 1e9;
+  e = EstimatePreempt(bare);
   EXPECT_EQ(e.line,
             "nonstop: preemption notice (rank 3) on rank 1: emergency checkpoint of size unknown "
             "(no checkpoint yet); time unknown (no checkpoint measured yet)");

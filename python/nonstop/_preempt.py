@@ -152,16 +152,9 @@ class PreemptWatch:
         self.ckpt = ckpt
         self.cfg = cfg
         _WATCHES.add(self)
-        self._lock = threading.Lock()
-        self.notice_t: Optional[float] = None     # monotonic time of the first notice
-        self.reason: Optional[str] = None
-        self.notice_step: Optional[int] = None
+        # the first notice, the time per step and the ranks' flag (C++; thread-safe)
+        self.notices = _ext.core().PreemptNotices(ckpt.rank, ckpt.world_size)
         self.signums: list[int] = []              # signals received, in order
-        self.expected_s: Optional[float] = None
-        self.line: Optional[str] = None
-        self._last_step: Optional[int] = None
-        self._last_t: Optional[float] = None
-        self.step_s: Optional[float] = None       # EWMA of the time between step() calls
         self._previous: dict[int, Any] = {}
         self._handling = False
         self._bytes_guess = 0
@@ -229,14 +222,8 @@ class PreemptWatch:
     def notice(self, reason: str, step: Optional[int] = None) -> None:
         """Records a notice (first one wins) and prints the estimate.
         Callable from any thread and from a signal handler."""
-        with self._lock:
-            if self.notice_t is not None:
-                return
-            self.notice_t = time.monotonic()
-            self.reason = reason
-            self.notice_step = (step if step is not None else
-                                None if self._last_step is None else self._last_step + 1)
-        self._announce()
+        if self.notices.notice(reason, step, time.monotonic()):
+            self._announce()
 
     def _announce(self) -> None:
         try:
@@ -245,12 +232,8 @@ class PreemptWatch:
             latest = engine.latest() if engine is not None else None
         except Exception:  # a notice must never fail on a statistics read
             stats, latest = {}, None
-        line, expected = estimate_line(
-            reason=self.reason, rank=self.ckpt.rank, notice_step=self.notice_step,
-            state_bytes=self.state_bytes(), bandwidth=persist_bandwidth(stats),
-            step_s=self.step_s, lag_steps=1 if self.ckpt.world_size > 1 else 0,
-            grace_s=self.cfg["grace_s"], latest=None if latest is None else latest[1])
-        self.line, self.expected_s = line, expected
+        line, _ = self.notices.estimate(self.state_bytes(), persist_bandwidth(stats),
+                                        self.cfg["grace_s"], None if latest is None else latest[1])
         try:
             os.write(2, (line + "\n").encode())
         except OSError:
@@ -292,7 +275,7 @@ class PreemptWatch:
         self._group = group
         self._flag = torch.zeros(1, dtype=torch.int32)
 
-    def _agreed(self, local: bool) -> tuple[bool, int]:
+    def _agreed(self) -> tuple[bool, Optional[int]]:
         """Multi-rank: the flag agreed at this boundary (the MAX all-reduce
         started at the previous one) and starts the next. Returns (flag,
         lowest rank that had it)."""
@@ -300,25 +283,20 @@ class PreemptWatch:
         if self._work is not None:
             self._work.wait()
             got = int(self._flag.item())
-        # encode the lowest noticing rank: world - rank, so MAX finds it
-        self._flag.fill_(self.ckpt.world_size - self.ckpt.rank if local else 0)
+        self._flag.fill_(self.notices.flag())  # the MAX names the lowest noticing rank
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group,
                                      async_op=True)
-        return got > 0, self.ckpt.world_size - got
+        return got > 0, self.notices.first_rank(got)
 
     def at_boundary(self, step: int) -> None:
         """Called by ckpt.step(step) before anything else: raises Preempted
         when a notice has to be handled at this boundary."""
-        now = time.monotonic()
-        if self._last_t is not None and self._last_step is not None and step > self._last_step:
-            dt = (now - self._last_t) / (step - self._last_step)
-            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
-        self._last_step, self._last_t = step, now
+        self.notices.boundary(step, time.monotonic())
         if not self._bytes_guess and not self.ckpt.session.registered:
             self._bytes_guess = self._guess_bytes()
-        local = self.notice_t is not None
+        local = self.notices.noticed
         if self._group is not None:
-            due, first = self._agreed(local)
+            due, first = self._agreed()
             if due and not local:
                 self.notice(f"rank {first}", step)
         else:
@@ -338,8 +316,7 @@ class PreemptWatch:
 
     def _handle(self, step: int) -> None:
         self._handling = True
-        if self.notice_step is None:  # the notice came before the first boundary
-            self.notice_step = step
+        self.notices.handled_at(step)  # a notice before the first boundary: this step
         ckpt = self.ckpt
         error: Optional[BaseException] = None
         committed = False
@@ -385,7 +362,7 @@ class PreemptWatch:
         except Exception as e:
             if not committed:
                 error = error or e
-        notice_to_safe = done_t - (self.notice_t or t_start)
+        notice_to_safe = done_t - (self.notices.notice_s or t_start)
         if error is not None:
             os.write(2, f"nonstop: emergency checkpoint of step {step} failed: {error}; the "
                         f"newest committed checkpoint is step {latest}\n".encode())
@@ -400,7 +377,8 @@ class PreemptWatch:
                 prev = prev_handlers.get(signum)
                 if callable(prev) and prev not in (signal.default_int_handler,):
                     prev(signum, None)
-        raise Preempted(step, self.notice_step, committed, latest, self.reason or "?",
+        raise Preempted(step, self.notices.notice_step, committed, latest,
+                        self.notices.reason or "?",
                         notice_to_safe, self.cfg["exit_code"], record) from error
 
     def _all_committed(self, committed: bool) -> bool:

@@ -71,4 +71,68 @@ PreemptEstimate EstimatePreempt(const PreemptNotice& n) {
   return out;
 }
 
+bool PreemptNotices::Notice(const std::string& reason, std::optional<int64_t> step, double now_s) {
+  MutexLock lock(&mu_);
+  if (notice_s_) return false;
+  notice_s_ = now_s;
+  reason_ = reason;
+  notice_step_ = step ? step : last_step_ ? std::optional<int64_t>(*last_step_ + 1) : std::nullopt;
+  return true;
+}
+
+void PreemptNotices::Boundary(int64_t step, double now_s) {
+  MutexLock lock(&mu_);
+  if (last_step_ && step > *last_step_) {
+    const double dt = (now_s - last_s_) / static_cast<double>(step - *last_step_);
+    step_s_ = step_s_ ? 0.8 * *step_s_ + 0.2 * dt : dt;
+  }
+  last_step_ = step;
+  last_s_ = now_s;
+}
+
+int64_t PreemptNotices::Flag() const { return noticed() ? world_ - rank_ : 0; }
+
+std::optional<int> PreemptNotices::FirstRank(int64_t reduced) const {
+  if (reduced <= 0) return std::nullopt;
+  return world_ - static_cast<int>(reduced);
+}
+
+void PreemptNotices::HandledAt(int64_t step) {
+  MutexLock lock(&mu_);
+  if (!notice_step_) notice_step_ = step;
+}
+
+PreemptEstimate PreemptNotices::Estimate(int64_t state_bytes, std::optional<double> bandwidth,
+                                         std::optional<double> grace_s,
+                                         std::optional<int64_t> latest) const {
+  MutexLock lock(&mu_);
+  return EstimatePreempt({reason_, rank_, notice_step_, state_bytes, bandwidth, step_s_,
+                          world_ > 1 ? 1 : 0, grace_s, latest});
+}
+
+bool PreemptNotices::noticed() const {
+  MutexLock lock(&mu_);
+  return notice_s_.has_value();
+}
+
+std::optional<double> PreemptNotices::notice_s() const {
+  MutexLock lock(&mu_);
+  return notice_s_;
+}
+
+std::string PreemptNotices::reason() const {
+  MutexLock lock(&mu_);
+  return reason_;
+}
+
+std::optional<int64_t> PreemptNotices::notice_step() const {
+  MutexLock lock(&mu_);
+  return notice_step_;
+}
+
+std::optional<double> PreemptNotices::step_s() const {
+  MutexLock lock(&mu_);
+  return step_s_;
+}
+
 }  // namespace nonstop

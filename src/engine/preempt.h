@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "base/mutex.h"
+
 namespace nonstop {
 
 // One checkpoint of EngineStats::recent, as far as the bandwidth needs it.
@@ -47,5 +49,53 @@ struct PreemptEstimate {
 // Finish the step(s) in progress ((lag_steps + 1) * step_s) plus write
 // state_bytes at bandwidth; with grace_s, whether that fits.
 PreemptEstimate EstimatePreempt(const PreemptNotice& n);
+
+// One Checkpointer's notice: the first one (why, when, in which step), the
+// seconds per step measured at the step boundaries, and the flag the ranks
+// all-reduce (MAX) at each boundary so that every rank acts at the same one
+// (the all-reduce itself is Python's, on a gloo side group). Thread-safe: a
+// notice may come from any thread.
+class PreemptNotices {
+ public:
+  PreemptNotices(int rank, int world) : rank_(rank), world_(world) {}
+
+  // Records a notice at now_s; the first one wins (false for a later one).
+  // `step`: the step it arrived in; nullopt: the one after the last
+  // boundary (unknown before the first boundary).
+  bool Notice(const std::string& reason, std::optional<int64_t> step, double now_s) EXCLUDES(mu_);
+  // ckpt.step(step) at now_s: the seconds per step move (an EWMA, 0.2 on
+  // the newest interval; a step that did not advance is not timed).
+  void Boundary(int64_t step, double now_s) EXCLUDES(mu_);
+  // This rank's share of the MAX all-reduce: world - rank once noticed (so
+  // the MAX names the lowest noticing rank), else 0.
+  int64_t Flag() const EXCLUDES(mu_);
+  // The lowest rank that had a notice, from the reduced flag; nullopt: none.
+  std::optional<int> FirstRank(int64_t reduced) const;
+  // The emergency checkpoint starts at `step`: a notice that came before
+  // the first boundary gets it as its step.
+  void HandledAt(int64_t step) EXCLUDES(mu_);
+  // The line and expected seconds (EstimatePreempt) of this notice; one more
+  // step to finish with several ranks (the agreement lags one boundary).
+  PreemptEstimate Estimate(int64_t state_bytes, std::optional<double> bandwidth,
+                           std::optional<double> grace_s, std::optional<int64_t> latest) const
+      EXCLUDES(mu_);
+
+  bool noticed() const EXCLUDES(mu_);
+  std::optional<double> notice_s() const EXCLUDES(mu_);
+  std::string reason() const EXCLUDES(mu_);
+  std::optional<int64_t> notice_step() const EXCLUDES(mu_);
+  std::optional<double> step_s() const EXCLUDES(mu_);
+
+ private:
+  const int rank_;
+  const int world_;
+  mutable Mutex mu_;
+  std::optional<double> notice_s_ GUARDED_BY(mu_);
+  std::string reason_ GUARDED_BY(mu_);
+  std::optional<int64_t> notice_step_ GUARDED_BY(mu_);
+  std::optional<int64_t> last_step_ GUARDED_BY(mu_);
+  double last_s_ GUARDED_BY(mu_) = 0;
+  std::optional<double> step_s_ GUARDED_BY(mu_);
+};
 
 }  // namespace nonstop

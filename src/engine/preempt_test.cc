@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <deque>
 #include <string>
+#include <vector>
 
 namespace nonstop {
 namespace {
@@ -62,6 +65,54 @@ TEST(PreemptTest, EstimateSaysWhetherTheCheckpointFitsTheGrace) {
   EXPECT_EQ(e.line,
             "nonstop: preemption notice (rank 3) on rank 1: emergency checkpoint of size unknown "
             "(no checkpoint yet); time unknown (no checkpoint measured yet)");
+}
+
+TEST(PreemptTest, TheFirstNoticeWinsAndTakesTheStepAfterTheLastBoundary) {
+  PreemptNotices n(/*rank=*/0, /*world=*/1);
+  EXPECT_FALSE(n.noticed());
+  EXPECT_EQ(n.Flag(), 0);
+  n.Boundary(4, 10.0);
+  n.Boundary(6, 11.0);  // two steps in 1 s
+  EXPECT_EQ(n.step_s(), 0.5);
+  n.Boundary(7, 12.5);
+  EXPECT_DOUBLE_EQ(*n.step_s(), 0.8 * 0.5 + 0.2 * 1.5);
+  n.Boundary(7, 20.0);  // the same step again: not timed
+  EXPECT_DOUBLE_EQ(*n.step_s(), 0.8 * 0.5 + 0.2 * 1.5);
+  EXPECT_TRUE(n.Notice("SIGTERM", std::nullopt, 21.0));
+  EXPECT_FALSE(n.Notice("preempt()", 3, 22.0));
+  EXPECT_EQ(n.reason(), "SIGTERM");
+  EXPECT_EQ(n.notice_s(), 21.0);
+  EXPECT_EQ(n.notice_step(), 8);  // running after boundary 7
+  n.HandledAt(9);
+  EXPECT_EQ(n.notice_step(), 8);
+  PreemptEstimate e = n.Estimate(1 << 20, 1e6, 30, 7);
+  EXPECT_NE(e.line.find("(SIGTERM) during step 8 on rank 0: emergency checkpoint of 1.0 MiB"),
+            std::string::npos);
+  EXPECT_NEAR(*e.expected_s, 0.8 * 0.5 + 0.2 * 1.5 + 1.048576, 1e-9);  // one step + write
+
+  PreemptNotices early(0, 1);  // before the first boundary: the step it is handled at
+  EXPECT_TRUE(early.Notice("SIGTERM", std::nullopt, 1.0));
+  EXPECT_EQ(early.notice_step(), std::nullopt);
+  early.HandledAt(0);
+  EXPECT_EQ(early.notice_step(), 0);
+}
+
+TEST(PreemptTest, TheFlagsMaxNamesTheLowestNoticingRank) {
+  const int world = 4;
+  std::deque<PreemptNotices> ranks;  // (a Mutex does not move)
+  for (int r = 0; r < world; ++r) ranks.emplace_back(r, world);
+  EXPECT_EQ(ranks[0].FirstRank(0), std::nullopt);
+  ranks[3].Notice("SIGTERM", 5, 1.0);
+  ranks[1].Notice("SIGTERM", 5, 1.0);
+  int64_t reduced = 0;
+  for (const PreemptNotices& n : ranks) reduced = std::max(reduced, n.Flag());
+  for (const PreemptNotices& n : ranks) EXPECT_EQ(n.FirstRank(reduced), 1);
+  // several ranks: the agreement lags one boundary, one more step to finish
+  ranks[1].Boundary(5, 0.0);
+  ranks[1].Boundary(6, 2.0);
+  EXPECT_NE(ranks[1].Estimate(1000, 1000, std::nullopt, std::nullopt).line.find(
+                "expected in ~5.0 s (finish step ~4.00 s + write ~1.00 s"),
+            std::string::npos);
 }
 
 }  // namespace

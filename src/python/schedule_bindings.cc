@@ -84,8 +84,8 @@ void InitSchedule(py::module_& m) {
         return d;
       });
 
-  // A preemption notice's arithmetic (engine/preempt.h): `recent` is
-  // Engine.stats()["recent"]; the estimate returns (line, expected_s).
+  // A preemption notice (engine/preempt.h): `recent` is Engine.stats()["recent"];
+  // the estimates return (line, expected_s). Nothing blocks: no GIL release.
   m.def(
       "persist_bandwidth",
       [](const py::list& recent) {
@@ -110,6 +110,27 @@ void InitSchedule(py::module_& m) {
       py::kw_only(), py::arg("reason"), py::arg("rank"), py::arg("notice_step"),
       py::arg("state_bytes"), py::arg("bandwidth"), py::arg("step_s"), py::arg("lag_steps"),
       py::arg("grace_s"), py::arg("latest"));
+  py::class_<PreemptNotices>(m, "PreemptNotices")
+      .def(py::init<int, int>(), py::arg("rank"), py::arg("world"))
+      .def("notice", &PreemptNotices::Notice, py::arg("reason"), py::arg("step"),
+           py::arg("now_s"))
+      .def("boundary", &PreemptNotices::Boundary, py::arg("step"), py::arg("now_s"))
+      .def("flag", &PreemptNotices::Flag)
+      .def("first_rank", &PreemptNotices::FirstRank, py::arg("reduced"))
+      .def("handled_at", &PreemptNotices::HandledAt, py::arg("step"))
+      .def(
+          "estimate",
+          [](const PreemptNotices& n, int64_t state_bytes, std::optional<double> bandwidth,
+             std::optional<double> grace_s, std::optional<int64_t> latest) {
+            PreemptEstimate e = n.Estimate(state_bytes, bandwidth, grace_s, latest);
+            return py::make_tuple(e.line, e.expected_s);
+          },
+          py::arg("state_bytes"), py::arg("bandwidth"), py::arg("grace_s"), py::arg("latest"))
+      .def_property_readonly("noticed", &PreemptNotices::noticed)
+      .def_property_readonly("notice_s", &PreemptNotices::notice_s)
+      .def_property_readonly("reason", &PreemptNotices::reason)
+      .def_property_readonly("notice_step", &PreemptNotices::notice_step)
+      .def_property_readonly("step_s", &PreemptNotices::step_s);
 }
 
 }  // namespace nonstop::py_bindings

@@ -274,26 +274,41 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     d = callback.dir
     rank, world = _options.world()
     if world > 1:
-        return _resume_ranks(callback, folder, step, rank, world)
-    if not _checkpointer.check_directory(d, 0, None, must_exist=False):
-        return None
-    try:
-        loaded = _checkpointer.load(d, step=step)
-    except CheckpointNotFoundError:
-        if step is not None:
-            raise
-        return None  # killed before its first commit: a fresh start, as restore() says
-    saved = loaded.state
-    for key in ("model", "optim", "trainer_state"):
-        if key not in saved:
-            raise CheckpointMismatchError(f"{d} step {loaded.step} has no {key!r}: "
-                                          f"not written by nonstop.hf.NonstopCallback")
-    ts = saved["trainer_state"]
+        # The ranks agree on the step (_agreed); each writes its own folder
+        # with the live model's weights (the Trainer insists on a weights
+        # file; only restore() can reassemble the saved ones from the ranks'
+        # shares), and on_train_begin restores that step on every rank.
+        got = _agreed(d, step, rank, world)
+        if got is None:
+            return None  # a fresh start on every rank
+        s, ts, meta = got
+        if callback._model is None:
+            raise CheckpointMismatchError("resume_from under torchrun: pass the callback to the "
+                                          "Trainer (callbacks=[cb]) before calling resume_from(cb)")
+        weights, rng, to_load = (_unwrap.module(callback._model).state_dict(), meta.get("rng"),
+                                 {"restore_step": s})
+        sub, rng_name = f"rank-{rank}", f"rng_state_{rank}.pth"
+    else:
+        if not _checkpointer.check_directory(d, 0, None, must_exist=False):
+            return None
+        try:
+            loaded = _checkpointer.load(d, step=step)
+        except CheckpointNotFoundError:
+            if step is not None:
+                raise
+            return None  # killed before its first commit: a fresh start, as restore() says
+        saved = loaded.state
+        for key in ("model", "optim", "trainer_state"):
+            if key not in saved:
+                raise CheckpointMismatchError(f"{d} step {loaded.step} has no {key!r}: "
+                                              f"not written by nonstop.hf.NonstopCallback")
+        ts, weights, rng = saved["trainer_state"], saved["model"], loaded.meta.get("rng")
+        to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
+        sub, rng_name = "", "rng_state.pth"
     if folder is None:
-        folder = os.path.join(d.rstrip(os.sep) + "-resume", f"checkpoint-{ts['global_step']}")
-    _write_folder(folder, _trainer_files(ts, saved["model"], loaded.meta.get("rng"),
-                                         "rng_state.pth"))
-    callback._to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
+        folder = os.path.join(d.rstrip(os.sep) + "-resume", sub, f"checkpoint-{ts['global_step']}")
+    _write_folder(folder, _trainer_files(ts, weights, rng, rng_name))
+    callback._to_load = to_load
     callback._resume_folder = os.path.abspath(folder)
     return folder
 
@@ -330,31 +345,6 @@ def _agreed(d: str, step: Optional[int], rank: int, world: int):
     return s, ts, meta
 
 
-def _resume_ranks(callback: NonstopCallback, folder: Optional[str], step: Optional[int],
-                  rank: int, world: int) -> Optional[str]:
-    """resume_from under torchrun (docs/HF.md): the ranks agree on the step
-    (_agreed), each writes its own folder with the live model's weights (the
-    Trainer insists on a weights file; only restore() can reassemble the
-    saved ones from the ranks' shares), and on_train_begin restores that
-    step on every rank."""
-    d = callback.dir
-    got = _agreed(d, step, rank, world)
-    if got is None:
-        return None  # a fresh start on every rank
-    s, ts, meta = got
-    if folder is None:
-        folder = os.path.join(d.rstrip(os.sep) + "-resume", f"rank-{rank}",
-                              f"checkpoint-{ts['global_step']}")
-    if callback._model is None:
-        raise CheckpointMismatchError("resume_from under torchrun: pass the callback to the "
-                                      "Trainer (callbacks=[cb]) before calling resume_from(cb)")
-    _write_folder(folder, _trainer_files(ts, _unwrap.module(callback._model).state_dict(),
-                                         meta.get("rng"), f"rng_state_{rank}.pth"))
-    callback._to_load = {"restore_step": s}
-    callback._resume_folder = os.path.abspath(folder)
-    return folder
-
-
 _AUTO_MARK = "nonstop-resume.json"  # names a checkpoint-N folder nonstop wrote in output_dir
 
 
@@ -362,10 +352,10 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
     """on_init_end: for `trainer.train(resume_from_checkpoint=True)`, which
     looks for the newest `checkpoint-N` in output_dir before any callback of
     train() runs, prepares `<out>/checkpoint-<global_step>` of the agreed
-    newest step now (collective), as _resume_ranks does, plus a marker file.
-    A Trainer folder of that name is left alone; marked folders of earlier
-    runs are removed (docs/HF.md). Returns (folder, global_step, step) or
-    None."""
+    newest step now (collective), as resume_from does under torchrun, plus a
+    marker file. A Trainer folder of that name is left alone; marked folders
+    of earlier runs are removed (docs/HF.md). Returns (folder, global_step,
+    step) or None."""
     rank, world = _options.world()
     if rank == 0 and os.path.isdir(out):
         for name in os.listdir(out):  # leftovers of a run killed before its first step

@@ -75,6 +75,49 @@ class AgreementRounds {
   std::optional<double> last_t_;
 };
 
+// ---- Saving (Distributed.shard) ----
+
+// Replicated tensors smaller than this (in elements) are not cut: one rank
+// writes each whole.
+inline constexpr uint64_t kMinShardNumel = 1024;
+
+// A replicated tensor to cut among the ranks. `rank0`: rank 0 writes it
+// whole (replicated="rank0", or a module buffer DDP broadcasts from rank 0).
+struct ShardInput {
+  std::string name;
+  uint64_t numel = 0;
+  bool rank0 = false;
+  bool contiguous = true;
+};
+
+// What rank `rank` writes of one tensor: its flat elements [begin, end), or
+// (whole) the tensor as it is (begin 0). Tensors it writes nothing of are
+// left out.
+struct ShardRange {
+  std::string name;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  bool whole = false;
+};
+
+// The cut (docs/DISTRIBUTED.md): a rank0 tensor whole on rank 0; one under
+// kMinShardNumel elements or not contiguous whole on rank crc32c(name) mod
+// world; any other in `world` equal runs of ceil(numel / world) elements,
+// rank r's the r-th (the last ones may be short or empty). In input order.
+std::vector<ShardRange> Shard(const std::vector<ShardInput>& tensors, int rank, int world);
+
+// ---- ZeRO-1 optimizer state (_distributed.consolidate) ----
+
+// An old rank's ZeroRedundancyOptimizer shard: `index[i]` is the global index
+// (ZeRO's own param_groups order) of its local state_dict's i-th parameter in
+// sorted order of the local ids `params`; `state_ids`: the local ids that hold
+// state. Returns each state id's global index, in the order given.
+// Corruption (naming `where`) when the ids and the index do not match.
+Result<std::vector<int64_t>> ZeroGlobalIds(const std::vector<int64_t>& index,
+                                           const std::vector<int64_t>& params,
+                                           const std::vector<int64_t>& state_ids,
+                                           const std::string& where);
+
 // ---- Recovery (Distributed.recover) ----
 
 // The steps every rank holds, in rank 0's order (each rank's list is its

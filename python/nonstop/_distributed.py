@@ -1,14 +1,8 @@
-"""Distributed checkpoints over torch.distributed (docs/DISTRIBUTED.md).
-
-One engine per rank writes `rank-RRRRR.nsck`. This module is the torch side
-of what the ranks decide together: which piece of each replicated tensor a
-rank writes (shard), the agreement thread's rounds, recovery, resharding
-from set-aside files of another world size. Every decision (the agreed step,
-the common step and its fallbacks, the memory tier's all-or-none, the
-reshard's agreement, where each piece's bytes go) is C++'s (nonstop/dist.h,
-plan.h, JobDir): Python gathers what each rank found over a dedicated gloo
-group (JSON, never pickle), hands the lists to C++, and moves the tensors.
-"""
+"""Distributed checkpoints over torch.distributed (docs/DISTRIBUTED.md): the
+torch side of what the ranks decide together. Every decision is C++'s
+(nonstop/dist.h, plan.h, JobDir): Python gathers what each rank found over a
+dedicated gloo group (JSON, never pickle), hands the lists to C++, and moves
+the tensors."""
 from __future__ import annotations
 
 import atexit
@@ -19,7 +13,6 @@ import random
 import threading
 import time
 import warnings
-import zlib
 from typing import Optional
 
 import torch
@@ -34,20 +27,11 @@ from .errors import (BY_STATUS_CODE, CheckpointError, CheckpointIOError, Checkpo
 
 REPLICATED = ("shard", "rank0")
 _CODE = {cls: code for code, cls in BY_STATUS_CODE.items()}  # CheckpointError: 8
-# Marks a resharded ZeroRedundancyOptimizer state: consolidated, not a shard.
-# Tensors smaller than this (in elements) are not cut: one rank writes each whole.
-MIN_SHARD_NUMEL = 1024
 
 
 def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
     """(names written whole by rank 0, names each rank writes for itself) of
-    the module buffers (BatchNorm running statistics, ...) in the state.
-
-    DDP broadcasts rank 0's buffers at the *start* of each forward, so when a
-    checkpoint is taken the ranks' buffers differ (each updated them with its
-    own batch) and rank 0's are the ones every rank will use next: rank 0
-    writes them whole and every rank restores them. With
-    broadcast_buffers=False each rank keeps its own buffers: rank-local."""
+    the module buffers in the state: docs/DISTRIBUTED.md says why."""
     rank0, own = set(), set()
     for key, obj in stateful_keys.items():
         if key in local or not isinstance(obj, torch.nn.Module):
@@ -60,10 +44,6 @@ def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
     return rank0, own
 
 
-def _is_ddp(obj) -> bool:
-    return isinstance(obj, DDP)
-
-
 def zero_layout(obj) -> dict:
     """What resharding a ZeroRedundancyOptimizer's saved shard needs: the
     global index (in the order of ZeRO's own param_groups, as its consolidated
@@ -72,10 +52,6 @@ def zero_layout(obj) -> dict:
     index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
     return {"index": [index[id(p)] for g in obj.optim.param_groups for p in g["params"]],
             "groups": [len(g["params"]) for g in obj.param_groups]}
-
-
-def _owner(name: str, world: int) -> int:
-    return zlib.crc32(name.encode()) % world
 
 
 def _open_read(dir: str):
@@ -137,23 +113,20 @@ class Distributed:
         # ranks take turns, so each file is moved once on a shared file system.
         # Each rank looks at one file first, so a same-size restart costs one
         # file header per rank and one all_gather.
-        err = None
+        comm, err, need = self.comm(), None, False
         try:
             need = needs_set_aside(dir, world)
         except CheckpointError as e:
-            need, err = False, str(e)
-        Comm(self.group, world).check(err)
-        flags = torch.tensor([1 if need else 0])
-        dist.all_reduce(flags, group=self.group)
-        if int(flags.item()):
-            for turn in range(world):
-                err = None
+            err = str(e)
+        comm.check(err)
+        for turn in range(world) if any(comm.gather(need)) else ():
+            err = None
+            try:
                 if turn == rank:
-                    try:
-                        set_aside(dir, world, rank=rank, quick=False)
-                    except CheckpointError as e:
-                        err = str(e)
-                Comm(self.group, world).check(err)
+                    set_aside(dir, world, rank=rank, quick=False)
+            except CheckpointError as e:
+                err = str(e)
+            comm.check(err)
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
@@ -180,12 +153,10 @@ class Distributed:
     # ------------------------------------------------------------- saving
 
     def shard(self, tensors: dict, stateful_keys: dict) -> tuple[dict, dict, dict]:
-        """Cuts this rank's share out of `tensors` (name -> tensor).
-
-        stateful_keys maps a state key to the object under it. Returns
-        (tensors to register, name -> (global_shape, global_offset), the
-        meta["dist"] document)."""
-        out, layouts, shared = {}, {}, {}
+        """This rank's share of `tensors` (name -> tensor; stateful_keys: state
+        key -> object): (tensors to register, name -> (global_shape,
+        global_offset), the meta["dist"] document)."""
+        out, layouts, shared, cut = {}, {}, {}, []
         rank0, own = module_buffers(stateful_keys, self.local)
         for name, t in tensors.items():
             key = name.split("/", 1)[0]
@@ -193,24 +164,16 @@ class Distributed:
                 out[name] = t
                 continue
             shared[name] = [list(t.shape), str(t.dtype).replace("torch.", "")]
-            n = t.numel()
-            if (self.replicated == "rank0" or name in rank0 or n < MIN_SHARD_NUMEL
-                    or not t.is_contiguous()):
-                owner = 0 if self.replicated == "rank0" or name in rank0 else _owner(
-                    name, self.world)
-                if owner == self.rank:
-                    out[name] = t
-                    layouts[name] = (list(t.shape), 0)
-                continue
-            per = -(-n // self.world)
-            begin, end = min(self.rank * per, n), min((self.rank + 1) * per, n)
-            if begin == end:
-                continue
-            out[name] = t.detach().reshape(-1)[begin:end]
+            cut.append((name, t.numel(), self.replicated == "rank0" or name in rank0,
+                        t.is_contiguous()))
+        # Which piece each rank writes: C++ (dist.h Shard).
+        for name, begin, end, whole in _ext.core().dist_shard(cut, self.rank, self.world):
+            t = tensors[name]
+            out[name] = t if whole else t.detach().reshape(-1)[begin:end]
             layouts[name] = (list(t.shape), begin)
         doc = {"world_size": self.world, "lineage": self.lineage, "replicated": self.replicated,
                "shared": shared, "local": sorted(self.local), "own": sorted(own),
-               "ddp": sorted(k for k, o in stateful_keys.items() if _is_ddp(o)),
+               "ddp": sorted(k for k, o in stateful_keys.items() if isinstance(o, DDP)),
                "zero": {k: zero_layout(o) for k, o in stateful_keys.items() if is_zero(o)}}
         return out, layouts, doc
 
@@ -222,13 +185,10 @@ class Distributed:
         return got if isinstance(got, dict) else None
 
     def tidy_kept(self) -> list:
-        """max_to_keep/best with world_size > 1, before the engine opens: a
-        step kept on some ranks only (killed between the ranks' deletions, or
-        a checkpoint that committed on some ranks only) is never restored,
-        since recovery needs the step on every rank; each rank deletes its own
-        file of it (JobDir.delete_kept_share), so that every rank ranks the
-        same kept steps. A copy a restore protects, or the newest committed
-        checkpoint, stays. Collective; returns the steps deleted here."""
+        """max_to_keep/best with world_size > 1, before the engine opens: each
+        rank deletes its file of the kept steps not every rank holds (killed
+        between the ranks' deletions; C++ planned_steps.h TidyKeptShares).
+        Collective; returns the steps deleted here."""
         comm = Comm(self.group, self.world)
         jd, err, mine, gone = None, None, [], []
         try:
@@ -241,17 +201,9 @@ class Distributed:
         except CheckpointError as e:
             err = str(e)
         comm.check(err, CheckpointIOError)
-        every = comm.gather(mine)
-        common = set(_ext.core().dist_common_steps(every))
+        common = _ext.core().dist_common_steps(comm.gather(mine))
         try:
-            for step in mine:
-                if step in common:
-                    continue
-                try:
-                    jd.delete_kept_share(step)
-                    gone.append(step)
-                except (CheckpointNotFoundError, IncompatibleCheckpointError):
-                    pass  # gone already, or protected (it stays)
+            gone = [] if jd is None else jd.tidy_kept_shares(self.rank, common)
         except CheckpointError as e:
             err = str(e)
         finally:
@@ -642,18 +594,9 @@ class Distributed:
 
 
 # ------------------------------------------------------------- resharding
-#
-# A job of world size W' started on a directory written by a job of world
-# size W != W' first sets the old rank files aside into JOBDIR/world-W/ (its
-# own engines then start their own rank files), and restore() rebuilds the
-# state from them: replicated tensors from the recorded global layout (which
-# old rank holds which element range), ZeRO-1 optimizer state consolidated
-# from the old shards (zero_layout) and partitioned again by the new
-# ZeroRedundancyOptimizer. Every old rank file must be visible to every new
-# rank (a shared file system, or the files copied to each node). Which
-# set-aside checkpoint is resharded is the job directory's choice (C++,
-# JobDir.select_reshard: newest step of one run verified on every old rank);
-# Python agrees on it over gloo and rebuilds the torch state.
+# (docs/DISTRIBUTED.md "Recovery": set aside, pick the step, rebuild.) Every
+# old rank file must be visible to every new rank (a shared file system, or
+# the files copied to each node).
 
 
 def needs_set_aside(dir: str, world: int) -> bool:
@@ -664,15 +607,10 @@ def needs_set_aside(dir: str, world: int) -> bool:
 
 
 def set_aside(dir: str, world: int, rank: int = 0, quick: bool = True) -> list:
-    """Moves the rank files (with their agreed and lineage records) that a job
-    of another world size wrote in `dir` into `dir`/world-W/, so this job's
-    engines start their own files (JobDir.set_aside: durable moves through
-    the Env, under rank `rank`'s writer lock, released before the engine
-    takes it). Returns the set-aside directories it moved files into. With
-    world_size > 1 the ranks take turns (Distributed.__init__), so on a
-    shared file system one rank moves each file; on local disks each node's
-    first rank moves its copies. quick: return at once when nothing needs
-    moving (needs_set_aside)."""
+    """Moves the rank files a job of another world size wrote in `dir` into
+    `dir`/world-W/ (JobDir.set_aside, under rank `rank`'s writer lock,
+    released before the engine takes it); returns the directories it moved
+    files into. quick: return at once when nothing needs moving."""
     if quick and not needs_set_aside(dir, world):
         return []
     jd = _ext.core().JobDir.open_for_write(dir, rank=rank, world_size=world)
@@ -741,23 +679,6 @@ class _OldRank:
         return self.sel.read_into(dst, threads=threads)
 
 
-def pick_archive(dir: str, world: int, step: Optional[int] = None,
-                 max_step: Optional[int] = None, extra=()) -> Optional[dict]:
-    """The reshard choice, made by the job directory's owner in C++
-    (JobDir.select_reshard): of the set-aside checkpoints, the newest step
-    committed, of one run and verified on every old rank file, as
-    dict(old_world, dir, step, run_id, ranks=[selected checkpoint per old
-    rank], skipped). None when no set-aside rank file holds any checkpoint
-    record. Raises a one-line error (a missing, damaged or foreign old rank
-    file) when none can be used: a committed checkpoint is never silently
-    replaced by a fresh start. `extra`: [(old world, old rank, path)], more
-    copies of old rank files outside `dir` (the peer tier's, _peer.py)."""
-    jd = _open_read(dir)
-    if jd is None:
-        return None
-    return jd.select_reshard(world, step=step, max_step=max_step, extra=list(extra))
-
-
 def _meta(sel, step: int) -> dict:
     """The metadata of a selected checkpoint (a dict, or a one-line error)."""
     meta = loads(sel.info["meta_json"])
@@ -805,7 +726,11 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
     while True:
         pick, err = None, None
         try:
-            pick = pick_archive(dir, world, step, agree.max_step, extra)
+            # The reshard choice is the job directory's (JobDir.select_reshard):
+            # None when no set-aside rank file holds any checkpoint record.
+            jd = _open_read(dir)
+            pick = None if jd is None else jd.select_reshard(
+                world, step=step, max_step=agree.max_step, extra=list(extra))
         except CheckpointError as e:
             err = _error(e)
         key = None if pick is None else [int(pick[k]) for k in ("old_world", "step", "run_id")]
@@ -877,8 +802,8 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():
         if k in meta["state"] and isinstance(obj, torch.nn.Module) and (
-                (k in saved_ddp) != _is_ddp(obj)):
-            meta["state"][k] = _rename_module_keys(meta["state"][k], tensors, k, _is_ddp(obj))
+                (k in saved_ddp) != isinstance(obj, DDP)):
+            meta["state"][k] = _rename_module_keys(meta["state"][k], tensors, k, isinstance(obj, DDP))
     return tensors, meta
 
 
@@ -890,10 +815,9 @@ def consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
     for meta, parts in zip(metas, zero_parts):
         layout = meta["dist"]["zero"][key]
         local = _state.unflatten(meta["state"][key], parts)
-        ids = sorted(p for g in local["param_groups"] for p in g["params"])
-        pos = {pid: i for i, pid in enumerate(ids)}  # local state_dict ids -> local order
-        for pid, st in local["state"].items():
-            state[layout["index"][pos[pid]]] = st
+        params = [p for g in local["param_groups"] for p in g["params"]]
+        ids = _ext.core().dist_zero_global_ids(layout["index"], params, list(local["state"]), key)
+        state.update(zip(ids, local["state"].values()))
         if groups is None:
             groups, off = [], 0
             for g, size in zip(local["param_groups"], layout["groups"]):
@@ -909,16 +833,12 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     another world size exist: this process's own file when it holds a
     (matching) committed checkpoint, else the newest set-aside one, resharded."""
     jd = _open_read(dir)
-    try:
-        listed = [] if jd is None else [c for c in jd.list(0) if not c["keep"]]
-    except CheckpointError:  # let the ordinary path report it
-        return read_own()
-    steps = [c["step"] for c in listed if c["state"] == "committed"]
-    if steps and (step is None or step in steps):
+    source = "reshard" if jd is None else jd.single_source(step)  # C++ (planned_steps.h)
+    if source == "own":
         return read_own()
     got = reshard(dir, 0, 1, step, Comm(), state)
     if got is None:
-        return read_own() if listed else None
+        return read_own() if source == "reshard_else_own" else None
     key, info, tensors, meta, _, archive = got
     return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
                       os.path.join(archive, _ext.core().JobDir.slot_name(0)))

@@ -122,6 +122,21 @@ TEST_F(CommonSelectTest, PlannedStepsFollowThePlannerAndLeaveAbandonedOnesOut) {
   EXPECT_EQ(PlannedSteps(*jd, 0, 10).value(), (std::vector<int64_t>{10}));
 }
 
+// Restoring with world size 1 beside set-aside files (ChooseSingleSource):
+// the own file when it holds the step, else the reshard; with nothing of its
+// own listed, the reshard alone.
+TEST_F(CommonSelectTest, SingleSourcePrefersTheOwnFileThatHoldsTheStep) {
+  WriteJob(1, {{{1, 10, 7}, {2, 20, 7}}});
+  auto jd = JobDir::OpenForRead(Dir()).value();
+  EXPECT_EQ(ChooseSingleSource(*jd, std::nullopt), SingleSource::kOwn);
+  EXPECT_EQ(ChooseSingleSource(*jd, 10), SingleSource::kOwn);
+  EXPECT_EQ(ChooseSingleSource(*jd, 30), SingleSource::kReshardElseOwn);
+  fs::remove_all(root_);
+  fs::create_directories(root_);
+  auto empty = JobDir::OpenForWrite(Dir(), 0, 1).value();
+  EXPECT_EQ(ChooseSingleSource(*empty, std::nullopt), SingleSource::kReshard);
+}
+
 // Ranks that hold the same steps from different runs (rank 1 was restarted
 // from elsewhere and trained on): a step is common only within one run.
 TEST_F(CommonSelectTest, AStepOfAnotherRunOnOneRankIsNotCommon) {

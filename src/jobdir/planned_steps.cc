@@ -39,4 +39,38 @@ Result<std::vector<int64_t>> PlannedSteps(JobDir& jd, int rank, std::optional<in
   return out;
 }
 
+Result<std::vector<int64_t>> TidyKeptShares(JobDir& jd, int rank,
+                                            const std::vector<int64_t>& common) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<KeptCopy> kept, jd.KeptCopies(rank));
+  std::vector<int64_t> mine;
+  for (const KeptCopy& k : kept) mine.push_back(k.step);
+  std::sort(mine.begin(), mine.end());
+  mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
+  std::vector<int64_t> gone;
+  for (int64_t step : mine) {
+    if (std::find(common.begin(), common.end(), step) != common.end()) continue;
+    const Status s = jd.DeleteKeptShare(step);
+    if (s.ok()) {
+      gone.push_back(step);
+    } else if (s.code() != StatusCode::kNotFound && s.code() != StatusCode::kFailedPrecondition) {
+      return s;
+    }
+  }
+  return gone;
+}
+
+SingleSource ChooseSingleSource(JobDir& jd, std::optional<int64_t> step) {
+  Result<std::vector<ListedCheckpoint>> listed = jd.List(0);
+  if (!listed.ok()) return SingleSource::kOwn;
+  bool any = false;
+  for (const ListedCheckpoint& c : listed.value()) {
+    if (c.location.keep) continue;
+    any = true;
+    if (c.state == ListedCheckpoint::State::kCommitted && (!step || c.step == *step)) {
+      return SingleSource::kOwn;
+    }
+  }
+  return any ? SingleSource::kReshardElseOwn : SingleSource::kReshard;
+}
+
 }  // namespace nonstop

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "env/fault_env.h"
+#include "jobdir/planned_steps.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/store.h"
 #include "store_test_util.h"
@@ -263,6 +264,18 @@ TEST_F(RetentionEnvTest, WithTwoRanksEachDeletesItsOwnFileAndTheLastTheDirectory
   EXPECT_EQ(env_->Dump().find("step-000000000020"), std::string::npos) << env_->Dump();
   // Never the newest committed checkpoint of the rank's ring.
   EXPECT_EQ(jd0->DeleteKeptShare(40).code(), StatusCode::kFailedPrecondition);
+  // TidyKeptShares (the start's tidy-up with world size > 1): rank 0 holds 30
+  // and 40, every rank keeps 30: 40 is not common but is rank 0's newest
+  // committed checkpoint (it stays); a gone step is no error.
+  auto tidy = TidyKeptShares(*jd0, 0, {30});
+  ASSERT_TRUE(tidy.ok()) << tidy.status().ToString();
+  EXPECT_TRUE(tidy.value().empty());
+  CommitAndRetain(*jd0, *f0, 5, 1.0, p);  // rank 0 keeps 40 and 50, rank 1 30
+  tidy = TidyKeptShares(*jd0, 0, {});
+  ASSERT_TRUE(tidy.ok()) << tidy.status().ToString();
+  EXPECT_EQ(tidy.value(), (std::vector<int64_t>{40}));  // 50 is the newest: it stays
+  EXPECT_EQ(KeptSteps(*jd0, 0), (std::vector<int64_t>{50}));
+  EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{30}));  // only its own files go
   // A reader cannot delete.
   auto reader = JobDir::OpenForRead("/job", env_.get());
   ASSERT_TRUE(reader.ok());

@@ -7,6 +7,7 @@
 #include <set>
 #include <utility>
 
+#include "nonstop/crc32c.h"
 #include "nonstop/types.h"
 
 namespace nonstop::dist {
@@ -103,6 +104,46 @@ void AgreementRounds::Dropped() {
 double AgreementRounds::MaxGap(std::optional<double> now_s) {
   if (now_s && last_t_) max_gap_s_ = std::max(max_gap_s_, *now_s - *last_t_);
   return max_gap_s_;
+}
+
+std::vector<ShardRange> Shard(const std::vector<ShardInput>& tensors, int rank, int world) {
+  std::vector<ShardRange> out;
+  const auto r = static_cast<uint64_t>(rank), w = static_cast<uint64_t>(std::max(world, 1));
+  for (const ShardInput& t : tensors) {
+    if (t.rank0 || t.numel < kMinShardNumel || !t.contiguous) {
+      const uint64_t owner = t.rank0 ? 0 : Crc32c(t.name.data(), t.name.size()) % w;
+      if (owner == r) out.push_back({t.name, 0, t.numel, true});
+      continue;
+    }
+    const uint64_t per = (t.numel + w - 1) / w;
+    const uint64_t begin = std::min(r * per, t.numel), end = std::min((r + 1) * per, t.numel);
+    if (begin < end) out.push_back({t.name, begin, end, false});
+  }
+  return out;
+}
+
+Result<std::vector<int64_t>> ZeroGlobalIds(const std::vector<int64_t>& index,
+                                           const std::vector<int64_t>& params,
+                                           const std::vector<int64_t>& state_ids,
+                                           const std::string& where) {
+  std::vector<int64_t> sorted = params;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.size() != index.size() ||
+      std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    return Status::Corruption(where + ": the ZeRO layout indexes " + std::to_string(index.size()) +
+                              " parameters, the saved optimizer has " +
+                              std::to_string(params.size()) + " (or repeats one)");
+  }
+  std::vector<int64_t> out;
+  for (int64_t id : state_ids) {
+    auto it = std::lower_bound(sorted.begin(), sorted.end(), id);
+    if (it == sorted.end() || *it != id) {
+      return Status::Corruption(where + ": the saved optimizer state names parameter " +
+                                std::to_string(id) + ", which no param_group holds");
+    }
+    out.push_back(index[static_cast<size_t>(it - sorted.begin())]);
+  }
+  return out;
 }
 
 std::vector<int64_t> CommonSteps(const std::vector<std::vector<int64_t>>& every) {

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -246,6 +247,52 @@ TEST(DistTest, LayOutSharedRefusesGapsOverlapsAndPiecesOutside) {
   EXPECT_EQ(dtype.status().message(), "unknown dtype 'float128' in a distributed checkpoint");
   auto huge = LayOutShared({{"h", {1LL << 40, 1LL << 40}, "float32"}}, {}, true, "/w", 8);
   EXPECT_FALSE(huge.ok());
+}
+
+// Shard: equal runs of ceil(n / world) cut in order, the last short or
+// empty; small, non-contiguous and rank0 tensors whole on one rank each.
+TEST(DistTest, ShardCutsEqualRunsAndGivesSmallTensorsToOneRank) {
+  const std::vector<ShardInput> in = {{"big", 2050, false, true},
+                                      {"small", 10, false, true},
+                                      {"strided", 5000, false, false},
+                                      {"buf", 5000, true, true},
+                                      {"tail", 1024, false, true}};
+  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> got;
+  std::map<std::string, int> owners;
+  for (int r = 0; r < 3; ++r) {
+    for (const ShardRange& s : Shard(in, r, 3)) {
+      got[s.name].emplace_back(s.begin, s.end);
+      if (s.whole) {
+        EXPECT_EQ(s.begin, 0u);
+        ++owners[s.name];
+      }
+    }
+  }
+  using R = std::vector<std::pair<uint64_t, uint64_t>>;
+  EXPECT_EQ(got["big"], (R{{0, 684}, {684, 1368}, {1368, 2050}}));
+  EXPECT_EQ(got["tail"], (R{{0, 342}, {342, 684}, {684, 1024}}));
+  EXPECT_EQ(got["buf"], (R{{0, 5000}}));
+  EXPECT_EQ(owners, (std::map<std::string, int>{{"buf", 1}, {"small", 1}, {"strided", 1}}));
+  EXPECT_EQ(Shard(in, 0, 3).front().name, "big");  // in input order
+  // 1025 elements over 4 ranks: runs of 257, the last rank 254.
+  EXPECT_EQ(Shard({{"t", 1025, false, true}}, 3, 4).front().begin, 771u);
+  // 1024 elements over 1000 ranks: runs of 2, ranks past 511 write nothing.
+  EXPECT_TRUE(Shard({{"t", 1024, false, true}}, 600, 1000).empty());
+}
+
+// ZeroGlobalIds: a state id's global index is the index of its place among
+// the sorted local ids; a layout that does not match is one line.
+TEST(DistTest, ZeroGlobalIdsMapsLocalIdsAndRefusesMismatches) {
+  auto g = ZeroGlobalIds({7, 2, 9}, {5, 3, 8}, {8, 3}, "w/rank-0");
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(g.value(), (std::vector<int64_t>{9, 7}));
+  auto bad = ZeroGlobalIds({7, 2}, {5, 3, 8}, {3}, "w/rank-0");
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(bad.status().message().find("w/rank-0"), std::string::npos);
+  EXPECT_EQ(ZeroGlobalIds({1, 2}, {3, 3}, {3}, "x").status().code(), StatusCode::kCorruption);
+  auto stray = ZeroGlobalIds({7, 2}, {5, 3}, {4}, "x");
+  EXPECT_EQ(stray.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(stray.status().message().find("parameter 4"), std::string::npos);
 }
 
 }  // namespace

@@ -37,6 +37,24 @@ void InitDist(py::module_& m) {
   }, py::arg("every"),
         "Raises when any rank failed: every rank's None or (Status code, message), "
         "one line (dist.h JoinErrors).");
+  m.def("dist_shard", [](const std::vector<std::tuple<std::string, uint64_t, bool, bool>>& tensors,
+                         int rank, int world) {
+    std::vector<dist::ShardInput> in;
+    for (const auto& [name, numel, rank0, contiguous] : tensors) {
+      in.push_back({name, numel, rank0, contiguous});
+    }
+    std::vector<std::tuple<std::string, uint64_t, uint64_t, bool>> out;
+    for (const auto& r : dist::Shard(in, rank, world)) out.emplace_back(r.name, r.begin, r.end, r.whole);
+    return out;
+  }, py::arg("tensors"), py::arg("rank"), py::arg("world"),
+        "tensors: [(name, numel, rank 0 writes it whole, contiguous)] -> [(name, begin, end, "
+        "whole)] of what this rank writes (dist.h Shard).");
+  m.def("dist_zero_global_ids", [](const std::vector<int64_t>& index,
+                                   const std::vector<int64_t>& params,
+                                   const std::vector<int64_t>& state_ids, const std::string& where) {
+    return Take(dist::ZeroGlobalIds(index, params, state_ids, where));
+  }, py::arg("index"), py::arg("params"), py::arg("state_ids"), py::arg("where"),
+        "Each state id's global ZeRO index (dist.h ZeroGlobalIds).");
   m.def("dist_common_steps", &dist::CommonSteps, py::arg("every"),
         "The steps every rank's planned_steps list holds, in rank 0's order.");
   m.def("dist_no_common_step", [](const std::string& dir, int rank, std::optional<int64_t> step,

@@ -192,6 +192,21 @@ class PyJobDir {
     py::gil_scoped_release release;
     return Take(nonstop::PlannedSteps(j, rank, step));
   }
+  std::vector<int64_t> TidyKeptShares(int rank, const std::vector<int64_t>& common) {
+    JobDir& j = jd();
+    py::gil_scoped_release release;
+    return Take(nonstop::TidyKeptShares(j, rank, common));
+  }
+  std::string SingleSource(std::optional<int64_t> step) {
+    JobDir& j = jd();
+    py::gil_scoped_release release;
+    switch (nonstop::ChooseSingleSource(j, step)) {
+      case nonstop::SingleSource::kOwn: return "own";
+      case nonstop::SingleSource::kReshard: return "reshard";
+      case nonstop::SingleSource::kReshardElseOwn: return "reshard_else_own";
+    }
+    return "own";
+  }
 
   py::list List(int rank) {
     std::vector<ListedCheckpoint> l;
@@ -599,6 +614,10 @@ void InitJobDir(py::module_& m) {
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
       .def("planned_steps", &PyJobDir::PlannedSteps, py::arg("rank") = 0,
            py::arg("step") = py::none())
+      .def("tidy_kept_shares", &PyJobDir::TidyKeptShares, py::arg("rank"), py::arg("common"),
+           "Deletes this writer's kept steps not in `common` (planned_steps.h); the steps gone.")
+      .def("single_source", &PyJobDir::SingleSource, py::arg("step") = py::none(),
+           "World size 1 beside set-aside files: 'own', 'reshard' or 'reshard_else_own'.")
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
       .def("lineage", &PyJobDir::Lineage, py::arg("rank") = 0)
       .def("next_counter", &PyJobDir::NextCounter, py::arg("rank") = 0)

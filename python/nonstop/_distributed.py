@@ -380,26 +380,15 @@ class Distributed:
         Collective: every rank must call it, before its first save().
         `stats` gets restored_from ("memory" or "disk"), memory_unused_because
         and restore_s. `remote` (the job's _remote.Tier, or None): where a
-        reshard from peers' memory finds an old rank on no peer (_peer.py)."""
+        reshard from peers' memory finds an old rank on no peer (_peer.py).
+        The choices are JobDir's: which checkpoints of this rank are committed
+        and not abandoned (planned_steps), which one of a step verifies
+        (select); the ranks only agree on the step."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
         self.engine = engine
-        got = self.recover(step, check_world, stats, remote)
-        if got is None:
-            return None
-        info, tensors, meta, path = got
-        info = dict(info)
-        info.pop("meta_json", None)
-        return loaded_cls(info["step"], info["counter"], tensors, meta, info, path)
-
-    def recover(self, step: Optional[int], check_world,
-                stats: Optional[dict] = None, remote=None) -> Optional[tuple]:
-        """(info, tensors, meta, path) of the agreed checkpoint of this rank;
-        see load(). The choices are JobDir's: which checkpoints of this rank
-        are committed and not abandoned (list), which one of a step verifies
-        (select); the ranks only agree on the step."""
-        core, comm = _ext.core(), self.comm()
+        core, comm = core(), self.comm()  # `core`: _ext.core
         jd, err, foreign, mine = None, None, False, []
         try:
             jd = _open_read(self.dir)
@@ -425,7 +414,7 @@ class Distributed:
         if not order:
             # Nothing this world size committed on every rank: a set-aside
             # checkpoint of another world size, resharded; or a fresh start.
-            got = self._reshard(step, remote)
+            got = self._reshard(step, loaded_cls, remote)
             if got is None:
                 core.dist_no_common_step(self.dir, self.rank, step, every)
             return got
@@ -464,14 +453,14 @@ class Distributed:
             # the ranks' checkpoints are of different runs), or none left: C++.
             warning = core.dist_recover_step(self.dir, order, n, [(e, r) for e, r, _ in got])
             if warning:
-                warnings.warn(warning, stacklevel=4)
+                warnings.warn(warning, stacklevel=3)
                 continue
             full = self.assemble(tensors, info, meta)
             stats.update(restored_from=source, restore_s=time.perf_counter() - t0,
                          restored_from_per_rank=[src for _, _, src in got])
             if agreed is not None and s < agreed:
                 warnings.warn(f"nonstop: rank {self.rank} restores step {s}, older than the "
-                              f"agreed step {agreed}", stacklevel=4)
+                              f"agreed step {agreed}", stacklevel=3)
             counter = int(info["counter"])
             self.lineage = self.new_lineage()
             if not peer and not sel.where.startswith("keep/"):  # no slot of the ring holds it
@@ -484,7 +473,8 @@ class Distributed:
             # that the counters above this one are abandoned.
             self.engine.adopt_restored(counter)
             self._record(counter, s)
-            return info, full, meta, os.path.join(where, sel.where)
+            info = {k: v for k, v in info.items() if k != "meta_json"}
+            return loaded_cls(s, counter, full, meta, info, os.path.join(where, sel.where))
         return None
 
     def _read_memory(self, comm, s: int, err: Optional[str], stats: dict,
@@ -532,7 +522,7 @@ class Distributed:
             stats.pop("_memory_tensors", None)
         return "peer" if peer else "memory" if use else "disk"
 
-    def _reshard(self, step: Optional[int], remote=None) -> Optional[tuple]:
+    def _reshard(self, step: Optional[int], loaded_cls, remote=None):
         # Whether any rank's server or host held a checkpoint of another world
         # size was gathered at construction, so every rank takes this branch
         # or none.
@@ -545,13 +535,13 @@ class Distributed:
             peers.gather_old_shards(self.dir, remote)
             extra = list(peers.reshard_files)
             missing = "; ".join(f"rank {r}: {m}" for r, m in enumerate(
-                Comm(self.group, self.world).gather(peers.reshard_missing)) if m)
+                self.comm().gather(peers.reshard_missing)) if m)
             if peers.reshard_missing:
                 warnings.warn(f"nonstop: resharding from peers' memory: "
                               f"{peers.reshard_missing}; the reshard reads the disk for them",
-                              stacklevel=5)
+                              stacklevel=4)
         try:
-            got = reshard(self.dir, self.rank, self.world, step, Comm(self.group, self.world),
+            got = reshard(self.dir, self.rank, self.world, step, self.comm(),
                           self.state or {}, extra=extra)
         except CheckpointError as e:
             if not missing:
@@ -569,7 +559,8 @@ class Distributed:
         if cand is not None:  # a newer checkpoint of this world size, not on every rank
             self.engine.drop_candidate(cand[0])
         self._record(-1, key[0], (os.path.basename(archive), old_world))
-        return info, tensors, meta, os.path.join(self.dir, _ext.core().JobDir.slot_name(self.rank))
+        return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
+                          os.path.join(self.dir, _ext.core().JobDir.slot_name(self.rank)))
 
     def assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
         """Reassembles every replicated tensor from the ranks' pieces (placed

@@ -189,8 +189,7 @@ class Distributed:
         rank deletes its file of the kept steps not every rank holds (killed
         between the ranks' deletions; C++ planned_steps.h TidyKeptShares).
         Collective; returns the steps deleted here."""
-        comm = Comm(self.group, self.world)
-        jd, err, mine, gone = None, None, [], []
+        comm, jd, err, mine, gone = self.comm(), None, None, [], []
         try:
             probe = _open_read(self.dir)
             if probe is not None:
@@ -497,14 +496,10 @@ class Distributed:
         elif getattr(self, "tier", "auto") == "disk":
             why = 'tier="disk"'
         else:
-            open_segment = getattr(_ext.core(), "open_memory_segment", None)
-            if open_segment is None:
-                why = "this build has no memory tier"
-            else:
-                try:
-                    reader, why = open_segment(self.dir, self.rank, step=s)
-                except (CheckpointError, OSError) as e:
-                    reader, why = None, str(e)
+            try:
+                reader, why = _ext.core().open_memory_segment(self.dir, self.rank, step=s)
+            except (CheckpointError, OSError) as e:
+                reader, why = None, str(e)
         decide = _ext.core().dist_memory
         whys = comm.gather(why)
         if decide(whys)[0]:  # every rank's segment holds the step: read it
@@ -792,9 +787,9 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
     # A module saved under DDP restored without it (one process), or back.
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():
-        if k in meta["state"] and isinstance(obj, torch.nn.Module) and (
-                (k in saved_ddp) != isinstance(obj, DDP)):
-            meta["state"][k] = _rename_module_keys(meta["state"][k], tensors, k, isinstance(obj, DDP))
+        ddp = isinstance(obj, DDP)
+        if k in meta["state"] and isinstance(obj, torch.nn.Module) and (k in saved_ddp) != ddp:
+            meta["state"][k] = _rename_module_keys(meta["state"][k], tensors, k, ddp)
     return tensors, meta
 
 

@@ -63,18 +63,6 @@ def _open_read(dir: str):
         return None
 
 
-def read_agreed(dir: str, rank: int) -> Optional[dict]:
-    """Rank `rank`'s agreed record (JobDir); None when missing or unreadable
-    (it only dates the agreed step: recovery never depends on it)."""
-    jd = _open_read(dir)
-    if jd is None:
-        return None
-    try:
-        return jd.read_agreed(rank)
-    except CheckpointError:
-        return None
-
-
 class Distributed:
     """The distributed side of one Checkpointer on one rank."""
 
@@ -134,7 +122,13 @@ class Distributed:
         self.engine = None
         self.peers = None  # the peer tier (_peer.Peers), started once the engine is open
         self.state: Optional[dict] = None  # the Checkpointer's state (resharding)
-        self.agreed: Optional[dict] = read_agreed(dir, rank)
+        # This rank's agreed record; None when missing or unreadable (it only
+        # dates the agreed step: recovery never depends on it).
+        jd, self.agreed = _open_read(dir), None
+        try:
+            self.agreed = None if jd is None else jd.read_agreed(rank)
+        except CheckpointError:
+            pass
         # The rounds' decisions and progress (stats()), in C++.
         self._rounds = _ext.core().AgreementRounds()
         self.error: Optional[BaseException] = None

@@ -28,7 +28,11 @@ The same script runs against another build of nonstop by running it with
 that build's interpreter, e.g. main's, for a before/after:
     (cd /work/main && .venv/bin/python /path/to/bench/peer_bench.py --out x.json)
 
-Usage: python bench/peer_bench.py [--gb 1] [--rounds 3] [--out bench/peer_bench.json]
+--only fetch times the fetch alone (one untimed push first makes the
+replica; no raw, no push rows): for a profile of the fetch by itself, e.g.
+    perf record -F 1999 -g -o /tmp/f.data .venv/bin/python bench/peer_bench.py --only fetch
+
+Usage: python bench/peer_bench.py [--gb 1] [--rounds 3] [--only fetch] [--out bench/peer_bench.json]
 Prints a table and writes JSON.
 """
 import argparse
@@ -96,6 +100,8 @@ def main():
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--only", choices=["fetch"], default=None,
+                    help="time only this (the replica pushed once, untimed)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "peer_bench.json"))
     a = ap.parse_args()
 
@@ -124,21 +130,25 @@ def main():
         srv = _core.PeerServer("bench", *key, bind_host="127.0.0.1",
                                dir=os.path.join(root, "peer"))
         ep = f"127.0.0.1:{srv.port}"
-        rows = {"raw": [], "push": [], "fetch": []}
-        cpu = {"raw": [], "push": [], "fetch": []}
+        kinds = ["fetch"] if a.only else ["raw", "push", "fetch"]
+        rows = {k: [] for k in kinds}
+        cpu = {k: [] for k in kinds}
+        if a.only:
+            assert _core.peer_push(ep, "bench", *key, seg) == "stored"
         for r in range(a.rounds):
-            c0 = cpu_s()
-            rows["raw"].append(raw_copy(nbytes))
-            cpu["raw"].append(cpu_s() - c0)
-            # A fresh replica each round: remove the held one so the push is not "already held".
-            p = os.path.join(root, "peer", _core.peer_replica_name("bench", 1, 0))
-            if os.path.exists(p):
-                os.unlink(p)
-            t0, c0 = time.perf_counter(), cpu_s()
-            out = _core.peer_push(ep, "bench", *key, seg)
-            rows["push"].append(time.perf_counter() - t0)
-            cpu["push"].append(cpu_s() - c0)
-            assert out == "stored", out
+            if not a.only:
+                c0 = cpu_s()
+                rows["raw"].append(raw_copy(nbytes))
+                cpu["raw"].append(cpu_s() - c0)
+                # A fresh replica each round: remove the held one so the push is not "already held".
+                p = os.path.join(root, "peer", _core.peer_replica_name("bench", 1, 0))
+                if os.path.exists(p):
+                    os.unlink(p)
+                t0, c0 = time.perf_counter(), cpu_s()
+                out = _core.peer_push(ep, "bench", *key, seg)
+                rows["push"].append(time.perf_counter() - t0)
+                cpu["push"].append(cpu_s() - c0)
+                assert out == "stored", out
             local = os.path.join(root, f"local-{r}")
             t0, c0 = time.perf_counter(), cpu_s()
             _core.peer_fetch(ep, "bench", *key, 0, 1, local)
@@ -151,12 +161,12 @@ def main():
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
 
-    raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9
+    raw_gbps = nbytes / statistics.median(rows["raw"]) / 1e9 if "raw" in rows else float("nan")
     result = {"bytes": nbytes, "rounds": a.rounds, "dir": a.dir, "cpus": os.cpu_count(),
               "wire": WIRES.get(getattr(_core, "PEER_WIRE_VERSION", 2 if authed else 1)),
               "nonstop": os.path.dirname(nonstop.__file__), "load_avg": os.getloadavg(),
               "seconds": rows, "cpu_seconds": cpu, "median_GBps": {}, "vs_raw": {},
-              "median_cpu_s_per_GB": {}, "command": "python " + " ".join(sys.argv)}
+              "median_cpu_s_per_GB": {}, "only": a.only, "command": "python " + " ".join(sys.argv)}
     print(f"{'what':<8}{'median s':>10}{'GB/s':>8}{'x raw':>8}{'CPU s/GB':>10}")
     for k, v in rows.items():
         gbps = nbytes / statistics.median(v) / 1e9

@@ -4,7 +4,8 @@ own bandwidth measured in the same run; and the training stall with
 replication on against off.
 
     sudo .venv/bin/python bench/peer_restart_bench.py [--gb 1] [--gb 4] [--rounds 3]
-        [--stall-pairs 3] [--lean | --no-lean] [--out bench/peer_restart_bench.json]
+        [--stall-pairs 3] [--lean | --no-lean] [--link-gbit 10 [--link-gbit 25]]
+        [--ways link,peer] [--out bench/peer_restart_bench.json]
 
 Needs root (network namespaces, as tests/python/test_peer_tier.py).
 
@@ -47,6 +48,19 @@ that rotates every round (interleaved, so the noise of this shared
            dropped, so it is a lower bound of a cold disk's time)
 
 The peer tier's target: the peer fetch at >= 0.8x the link's bandwidth.
+
+The link (--link-gbit N, repeatable). Unshaped, the veth "link" is a
+memcpy by the kernel on the same 2 cores that run both ends: it carries
+as much as those cores can copy, which no checksummed, authenticated
+transfer written to tmpfs can match. With --link-gbit, the replacement's
+side of its veth (the bridge's port towards host 1: everything it
+receives, from the survivor and from the S3 namespace alike) is shaped by
+a token bucket (tc qdisc tbf, rate N Gbit/s, a burst of 4 ms at that rate)
+like a real NIC of N Gbit/s, and every round runs every way unshaped and
+then at each rate (the order of the ways rotating per round): the probe
+and the fetches of one rate are interleaved, and each way's "x link" is
+against the probe at the same rate. --ways restricts which ways run
+(default all; the probe "link" always runs).
 
 Lean (--lean; the default when a --gb is 2 or more): at most two copies of
 the state in memory at once, so a 4 GB state fits a 24 GiB machine (the
@@ -217,32 +231,59 @@ def restart_rounds(a, hs, s3, surv, repl, gb, root, res):
         "disk": lambda: repl("peer", endpoint=seeded["disk_ep"], job=job,
                              dest=os.path.join(hs[1].shm, "fetched"), lean=a.lean),
     }
-    names = list(ways)
-    rows = {k: [] for k in names}
+    names = [k for k in ways if k == "link" or a.ways is None or k in a.ways]
+    shapes = [0.0] + list(a.link_gbit or [])
+    rows = {g: {k: [] for k in names} for g in shapes}
     try:
         for r in range(a.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            for k in order:
-                got = ways[k]()
-                if k == "link":
-                    got = {"fetch_s": got["s"], "load_s": 0.0}
-                else:
-                    assert got["loaded_bytes"] == nbytes, got
-                rows[k].append(got)
-                print(f"  round {r} {k:<12} fetch {got['fetch_s']:.2f} s  load {got['load_s']:.2f} s",
-                      flush=True)
+            for g in shapes:
+                shape_link(hs, g)
+                for k in order:
+                    got = ways[k]()
+                    if k == "link":
+                        got = {"fetch_s": got["s"], "load_s": 0.0}
+                    else:
+                        assert got["loaded_bytes"] == nbytes, got
+                    rows[g][k].append(got)
+                    print(f"  round {r} {link_name(g):<9} {k:<12} fetch {got['fetch_s']:.2f} s  "
+                          f"load {got['load_s']:.2f} s", flush=True)
     finally:
+        shape_link(hs, 0.0)
         surv("drop")
-    link = statistics.median(x["fetch_s"] for x in rows["link"])
-    out = {"bytes": nbytes, "lean": a.lean, "load": "verify" if a.lean else "nonstop.load",
-           "rounds": rows, "summary": {}}
-    for k in names:
-        f = statistics.median(x["fetch_s"] for x in rows[k])
-        t = statistics.median(x["fetch_s"] + x["load_s"] for x in rows[k])
-        out["summary"][k] = {"fetch_s": round(f, 3), "restored_s": round(t, 3),
-                             "fetch_GBps": round(nbytes / f / 1e9, 3),
-                             "fetch_vs_link": round(link / f, 3)}
+    out = {"bytes": nbytes, "lean": a.lean, "load": "verify" if a.lean else "nonstop.load"}
+    for g in shapes:
+        link = statistics.median(x["fetch_s"] for x in rows[g]["link"])
+        part = {"rounds": rows[g], "summary": {}}
+        for k in names:
+            f = statistics.median(x["fetch_s"] for x in rows[g][k])
+            t = statistics.median(x["fetch_s"] + x["load_s"] for x in rows[g][k])
+            part["summary"][k] = {"fetch_s": round(f, 3), "restored_s": round(t, 3),
+                                  "fetch_GBps": round(nbytes / f / 1e9, 3),
+                                  "fetch_vs_link": round(link / f, 3)}
+        if g == 0:
+            out.update(part)  # unshaped: where it always was
+        else:
+            out.setdefault("shaped", {})[link_name(g)] = dict(part, gbit=g)
     res["sizes"][str(gb)] = out
+
+
+def link_name(gbit):
+    return "unshaped" if not gbit else f"{gbit:g}gbit"
+
+
+def shape_link(hs, gbit):
+    """Shapes what host 1 (the replacement) receives to `gbit` Gbit/s with a
+    token bucket on the bridge's veth port towards it; 0: unshaped."""
+    dev = f"{hs.br}v1"
+    subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=20)
+    if not gbit:
+        return
+    rate = int(gbit * 1e9)  # bit/s
+    burst = max(rate // 8 // 250, 256 << 10)  # 4 ms at the rate, in bytes
+    subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
+                    "burst", str(burst), "latency", "50ms"], check=True, capture_output=True,
+                   timeout=20)
 
 
 def stall_pairs(a, hs, root, res):
@@ -291,6 +332,11 @@ def main():
     ap.add_argument("--lean", action=argparse.BooleanOptionalAction, default=None,
                     help="at most two copies of the state in memory (module doc); "
                          "default: on when a --gb is 2 or more")
+    ap.add_argument("--link-gbit", type=float, action="append",
+                    help="also shape the replacement's link to N Gbit/s (tc tbf) and run every way "
+                         "over it, interleaved with the unshaped link (repeat for several)")
+    ap.add_argument("--ways", type=lambda v: v.split(","), default=None,
+                    help="comma-separated ways to run besides the probe (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "peer_restart_bench.json"))
     a = ap.parse_args()
     a.gb = a.gb or [1.0]
@@ -344,11 +390,13 @@ def main():
     print(f"\nMemAvailable {res['mem_available_before_GiB']} GiB before, lowest "
           f"{res['mem_available_low_GiB']} GiB; Shmem highest {res['shmem_high_GiB']} GiB"
           f" ({'lean' if a.lean else 'full'} mode)")
-    print(f"\n{'GB':>5} {'way':<13}{'fetch s':>9}{'restored s':>12}{'GB/s':>8}{'x link':>8}")
+    print(f"\n{'GB':>5} {'way':<22}{'fetch s':>9}{'restored s':>12}{'GB/s':>8}{'x link':>8}")
     for gb, out in res["sizes"].items():
-        for k, v in out["summary"].items():
-            print(f"{gb:>5} {k:<13}{v['fetch_s']:>9.2f}{v['restored_s']:>12.2f}"
-                  f"{v['fetch_GBps']:>8.2f}{v['fetch_vs_link']:>8.2f}")
+        parts = [("", out)] + [(f" @{n}", p) for n, p in out.get("shaped", {}).items()]
+        for tag, part in parts:
+            for k, v in part["summary"].items():
+                print(f"{gb:>5} {(k + tag):<22}{v['fetch_s']:>9.2f}{v['restored_s']:>12.2f}"
+                      f"{v['fetch_GBps']:>8.2f}{v['fetch_vs_link']:>8.2f}")
     if res["stall"]:
         s = res["stall"]
         print(f"stall, replicas=1 vs 0 ({s['mb']} MB/rank, every={s['every']}): step time "

@@ -218,61 +218,80 @@ class ReplicaWriter {
   bool created_ = false, done_ = false;
 };
 
-// Two stages at once over two buffers, in order: `produce` fills one on a
-// helper thread while `consume` uses the other on this one (the next frame
-// received while the last is checked and written; the next piece read and
-// checked while the last is sent). produce sets *more = false with the
-// last buffer. The first error ends both: consume's (then `cancel` unblocks
-// a produce waiting on the socket), else produce's after every buffer it
-// filled before was consumed.
-template <typename Buf, typename Produce, typename Consume, typename Cancel>
-Status TwoStage(std::array<Buf, 2>& bufs, Produce produce, Consume consume, Cancel cancel) {
+// Two stages at once over a ring of N buffers, in order: `produce` fills
+// them on a helper thread while `consume` uses the filled ones on this one
+// (the next frames received while the last is checked and written; the next
+// pieces read and checked while the last is sent). produce sets
+// *more = false with the last buffer. The first error ends both: consume's
+// (then `cancel` unblocks a produce waiting on the socket), else produce's
+// after every buffer it filled before was consumed.
+// A stage that waits for the other is woken only once N/2 buffers are
+// ready for it (or at the end), not after every one: a frame is 256 KiB,
+// and a wakeup per frame per side was thousands of futex sleeps, wakes and
+// context switches per GB (docs/TIERS.md "Measured").
+template <typename Buf, size_t N, typename Produce, typename Consume, typename Cancel>
+Status TwoStage(std::array<Buf, N>& bufs, Produce produce, Consume consume, Cancel cancel) {
+  static_assert(N >= 2);
+  constexpr uint64_t kBatch = N / 2;
   Mutex mu;
   CondVar cv;
-  bool full[2] = {false, false};
+  uint64_t filled = 0, emptied = 0;  // buffers produced and consumed so far (buffer k: bufs[k % N])
   bool produced_all = false, stop = false;
+  bool producer_waits = false, consumer_waits = false;
   Status produce_err;
   std::thread helper([&] {
-    for (int i = 0;; i ^= 1) {
+    for (uint64_t k = 0;; ++k) {
       {
         MutexLock l(&mu);
-        while (full[i] && !stop) cv.Wait(&mu);
+        while (k - emptied >= N && !stop) {
+          producer_waits = true;
+          cv.Wait(&mu);
+        }
+        producer_waits = false;
         if (stop) return;
       }
       bool more = true;
-      Status st = produce(bufs[i], &more);
+      Status st = produce(bufs[k % N], &more);
       MutexLock l(&mu);
       if (!st.ok()) {
         produce_err = st;
       } else {
-        full[i] = true;
+        filled = k + 1;
       }
       if (!st.ok() || !more) produced_all = true;
-      cv.SignalAll();
+      if (consumer_waits && (produced_all || filled - emptied >= kBatch)) cv.SignalAll();
       if (produced_all) return;
     }
   });
   Status consume_err;
-  for (int i = 0;; i ^= 1) {
+  for (uint64_t k = 0;; ++k) {
     {
       MutexLock l(&mu);
-      while (!full[i] && !produced_all) cv.Wait(&mu);
-      if (!full[i]) break;
+      while (k >= filled && !produced_all) {
+        consumer_waits = true;
+        cv.Wait(&mu);
+      }
+      consumer_waits = false;
+      if (k >= filled) break;
     }
-    Status st = consume(bufs[i]);
+    Status st = consume(bufs[k % N]);
     MutexLock l(&mu);
-    full[i] = false;
+    emptied = k + 1;
     if (!st.ok()) {
       consume_err = st;
       stop = true;
     }
-    cv.SignalAll();
+    if (producer_waits && (stop || emptied + N - filled >= kBatch)) cv.SignalAll();
     if (stop) break;
   }
   if (!consume_err.ok()) cancel();
   helper.join();
   return consume_err.ok() ? produce_err : consume_err;
 }
+
+// The buffers (frames or pieces of w::kDataPiece) in flight between the
+// two stages of a send or a receive.
+constexpr size_t kStageBuffers = 4;
 
 // A DATA frame (or the frame that ends the data) received and its payload crc.
 struct InFrame {
@@ -285,7 +304,7 @@ struct InFrame {
 // transfer in errors ("a push", "a fetch"). A REPLY in the stream is the
 // sender's error; any other frame is Corruption.
 Status ReceiveData(w::Socket& s, ReplicaWriter& writer, const std::string& from, const char* what) {
-  std::array<InFrame, 2> bufs;
+  std::array<InFrame, kStageBuffers> bufs;
   bool ended = false;
   Status st = TwoStage(
       bufs,
@@ -341,7 +360,7 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
     uint32_t crc = 0;
     crypto::Block hash{};  // the frame tag's per-byte part (w::DataFrameHash)
   };
-  std::array<Piece, 2> bufs;
+  std::array<Piece, kStageBuffers> bufs;
   for (Piece& p : bufs) p.buf.resize(std::min<uint64_t>(piece, info.data_bytes));
   ChunkChecker check(info.data_bytes, info.crc_chunk_bytes, info.chunk_crcs, info.counter, info.step);
   const std::string where = file.medium().Describe();

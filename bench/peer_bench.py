@@ -30,7 +30,9 @@ that build's interpreter, e.g. main's, for a before/after:
 
 --only fetch times the fetch alone (one untimed push first makes the
 replica; no raw, no push rows): for a profile of the fetch by itself, e.g.
-    perf record -F 1999 -g -o /tmp/f.data .venv/bin/python bench/peer_bench.py --only fetch
+    perf record -k CLOCK_MONOTONIC -F 1999 -g -o /tmp/f.data \
+        .venv/bin/python bench/peer_bench.py --only fetch
+(it prints each fetch's window for perf report --time A,B).
 
 Usage: python bench/peer_bench.py [--gb 1] [--rounds 3] [--only fetch] [--out bench/peer_bench.json]
 Prints a table and writes JSON.
@@ -150,9 +152,13 @@ def main():
                 cpu["push"].append(cpu_s() - c0)
                 assert out == "stored", out
             local = os.path.join(root, f"local-{r}")
+            m0 = time.clock_gettime(time.CLOCK_MONOTONIC)
             t0, c0 = time.perf_counter(), cpu_s()
             _core.peer_fetch(ep, "bench", *key, 0, 1, local)
             rows["fetch"].append(time.perf_counter() - t0)
+            if a.only:  # perf record -k CLOCK_MONOTONIC; perf report --time A,B
+                print(f"fetch window (CLOCK_MONOTONIC): {m0:.6f},"
+                      f"{time.clock_gettime(time.CLOCK_MONOTONIC):.6f}", flush=True)
             cpu["fetch"].append(cpu_s() - c0)
             shutil.rmtree(local)
         srv.close()

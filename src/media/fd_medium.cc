@@ -230,6 +230,35 @@ Status FdMedium::Read(uint64_t offset, void* buf, size_t n) {
   return ReadFull(fd_, path_, offset, buf, n);
 }
 
+namespace {
+
+class FdMapping final : public ReadMapping {
+ public:
+  FdMapping(void* base, size_t len, size_t skip, size_t n) : base_(base), len_(len), skip_(skip), n_(n) {}
+  ~FdMapping() override { ::munmap(base_, len_); }
+  const char* data() const override { return static_cast<const char*>(base_) + skip_; }
+  size_t size() const override { return n_; }
+
+ private:
+  void* base_;
+  size_t len_, skip_, n_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ReadMapping>> FdMedium::MapForRead(uint64_t offset, uint64_t n) {
+  NONSTOP_RETURN_IF_ERROR(CheckReadRange(path_, offset, n, Size()));
+  if (n == 0) return Status::InvalidArgument("map of no bytes of " + path_);
+  const long page_l = ::sysconf(_SC_PAGESIZE);
+  const uint64_t page = page_l > 0 ? static_cast<uint64_t>(page_l) : 4096;
+  const uint64_t begin = offset / page * page;
+  const size_t len = static_cast<size_t>(offset + n - begin);
+  void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED | MAP_POPULATE, fd_, static_cast<off_t>(begin));
+  if (p == MAP_FAILED) return Status::FromErrno("mmap " + path_, errno);
+  return std::unique_ptr<ReadMapping>(
+      new FdMapping(p, len, static_cast<size_t>(offset - begin), static_cast<size_t>(n)));
+}
+
 Result<uint64_t> FdMedium::CachedBytes(uint64_t offset, uint64_t n) {
   if (n == 0) return uint64_t{0};
   const long page_l = ::sysconf(_SC_PAGESIZE);

@@ -343,6 +343,31 @@ TEST(BufferedMediumTest, WritesPastTheEndGrowTheFile) {
   EXPECT_EQ(m->Read(1001, got, sizeof msg).code(), StatusCode::kCorruption);
 }
 
+// MapForRead (the peer tier's sender): the exact bytes of a range at any
+// offset, read-only pages shared with the file; a range past the end
+// refused; what the file holds later shows through the same mapping.
+TEST(BufferedMediumTest, MapForReadShowsTheRangeWithoutACopy) {
+  TempPath tp("/dev/shm");
+  OPEN_OR_SKIP(m, tp.path(), MediumKind::kBuffered);
+  std::vector<uint8_t> data(3 * 4096 + 777);
+  Fill(data.data(), data.size(), 5);
+  ASSERT_TRUE(m->Write(0, data.data(), data.size()).ok());
+  for (uint64_t off : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4096}, uint64_t{5000}}) {
+    const uint64_t n = data.size() - off;
+    auto v = m->MapForRead(off, n);
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    ASSERT_EQ(v.value()->size(), n);
+    EXPECT_EQ(std::memcmp(v.value()->data(), data.data() + off, n), 0) << off;
+  }
+  auto v = m->MapForRead(100, 50);
+  ASSERT_TRUE(v.ok());
+  const uint8_t later[4] = {1, 2, 3, 4};
+  ASSERT_TRUE(m->Write(120, later, sizeof later).ok());
+  EXPECT_EQ(std::memcmp(v.value()->data() + 20, later, sizeof later), 0) << "not the file's pages";
+  EXPECT_FALSE(m->MapForRead(data.size() - 10, 11).ok());
+  EXPECT_FALSE(m->MapForRead(0, 0).ok());
+}
+
 TEST(MmapMediumTest, WritePastTheMappingIsRefused) {
   for (MediumKind k : {MediumKind::kMmap, MediumKind::kPmem}) {
     TempPath tp("/dev/shm");

@@ -160,16 +160,23 @@ NONSTOP_VCLMUL inline __m128i Fold(__m256i v) {
 }
 
 // The same with two blocks per instruction: blocks 2j and 2j+1 of a group
-// of 8 in the low and high 128-bit lanes of register j, against H^(8-2j)
-// and H^(7-2j); the lanes' sums are added before the one reduction.
+// of kAggregate (16) in the low and high 128-bit lanes of register j,
+// against H^(16-2j) and H^(15-2j); the lanes' sums are added before the one
+// reduction. Karatsuba: each pair's middle product is one carry-less
+// multiplication of (hi ^ lo) of block and key, the key's halves XORed
+// ahead (mid = that ^ lo ^ hi, summed over the group first): three
+// multiplications a block instead of four. A reduction per 16 blocks, not
+// per 8, halves the loop's dependency chain through the running value.
 NONSTOP_VCLMUL void BlocksVclmul(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p,
                                  size_t blocks) {
   constexpr int k = Ghash::kAggregate;
-  static_assert(k == 8, "four pairs of blocks per group");
-  __m256i h[k / 2];
+  static_assert(k % 2 == 0, "pairs of blocks per group");
+  __m256i h[k / 2], hk[k / 2];
   for (int j = 0; j < k / 2; ++j) {
     h[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(ToReg(pow[k - 1 - 2 * j])),
                                    ToReg(pow[k - 2 - 2 * j]), 1);
+    // Per lane: the key's hi ^ lo in the low 64 bits.
+    hk[j] = _mm256_xor_si256(h[j], _mm256_shuffle_epi32(h[j], 0x4E));
   }
   const __m256i reverse = _mm256_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                           0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -180,11 +187,12 @@ NONSTOP_VCLMUL void BlocksVclmul(const Gf128 pow[Ghash::kAggregate], Gf128* y, c
       __m256i x = _mm256_shuffle_epi8(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * j * kGhashBytes)), reverse);
       if (j == 0) x = _mm256_xor_si256(x, _mm256_castsi128_si256(acc));  // the low lane: block 0
+      const __m256i xk = _mm256_xor_si256(x, _mm256_shuffle_epi32(x, 0x4E));
       lo = _mm256_xor_si256(lo, _mm256_clmulepi64_epi128(x, h[j], 0x00));
       hi = _mm256_xor_si256(hi, _mm256_clmulepi64_epi128(x, h[j], 0x11));
-      mid = _mm256_xor_si256(mid, _mm256_xor_si256(_mm256_clmulepi64_epi128(x, h[j], 0x01),
-                                                   _mm256_clmulepi64_epi128(x, h[j], 0x10)));
+      mid = _mm256_xor_si256(mid, _mm256_clmulepi64_epi128(xk, hk[j], 0x00));
     }
+    mid = _mm256_xor_si256(mid, _mm256_xor_si256(lo, hi));
     acc = Reduce(Wide{Fold(lo), Fold(mid), Fold(hi)});
   }
   *y = FromReg(acc);

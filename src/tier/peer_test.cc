@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <cstring>
@@ -579,6 +580,50 @@ TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
   // Nothing under the name a restore would read.
   EXPECT_EQ(ReadBack(env.get(), PeerStepDir("/local", 30), SlotFileName(1)).step, -1);
   EXPECT_EQ(env->Dump().find("rank-00001.nsck\n"), std::string::npos) << env->Dump();
+}
+
+// The server's replicas as real files (tmpfs, the default Env): the sender
+// sends them straight from a read-only mapping (Medium::MapForRead), not
+// through a buffer. The bytes arrive exact; a byte damaged in the file is
+// still caught at the sender's chunk check.
+TEST(PeerTest, AReplicaInARealFileIsSentFromItsMappingAndStillChecked) {
+  char tmpl[] = "/dev/shm/nonstop-peer-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string root = tmpl;
+  PeerServerOptions o;
+  o.job = kJob;
+  o.secret = kSecret;
+  o.bind_host = "127.0.0.1";
+  o.dir = root;
+  o.io_timeout_s = 5;
+  o.env = DefaultEnv();
+  auto srv = PeerServer::Start(o);
+  ASSERT_TRUE(srv.ok()) << srv.status().ToString();
+  const std::string ep = srv.value()->endpoint();
+  Source src(1);
+  src.Commit(3, 30);
+  ASSERT_TRUE(src.Push(ep).ok());
+  Status st;
+  EXPECT_EQ(FetchBack(ep, 1, std::nullopt, &st).data, Data(Layout(), 30));
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  {  // one byte of the data region, in the file itself
+    auto d = DefaultEnv()->OpenDirectory(root, false).value();
+    const std::string name = ReplicaName(kJob, 4, 1);
+    auto f = SlotFile::Open(d->OpenFile(name, MediumKind::kBuffered, {.create = false, .read_only = true})
+                                .value())
+                 .value();
+    auto m = d->OpenFile(name, MediumKind::kBuffered, {}).value();
+    const uint64_t off = f->SlotOffset(0) + 200000;
+    uint8_t b = 0;
+    ASSERT_TRUE(m->Read(off, &b, 1).ok());
+    b ^= 0x10;
+    ASSERT_TRUE(m->Write(off, &b, 1).ok());
+  }
+  FetchBack(ep, 1, std::nullopt, &st);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("checksum mismatch"), std::string::npos) << st.ToString();
+  srv.value().reset();
+  std::filesystem::remove_all(root);
 }
 
 TEST(PeerTest, ALinkOrAFolderAtTheReplicaNameIsNeverFollowed) {

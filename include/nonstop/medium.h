@@ -52,15 +52,6 @@ struct ReadDone {
 // Reads of one medium kept in flight together (Medium::OpenReadQueue), so
 // that the device works on the next ones while the caller checks the last.
 // A queue is used by one thread at a time; its medium must outlive it.
-// A read-only view of a range of a file, mapped (Medium::MapForRead): its
-// bytes are the page cache's, no copy; valid while the object lives.
-class ReadMapping {
- public:
-  virtual ~ReadMapping() = default;
-  virtual const char* data() const = 0;
-  virtual size_t size() const = 0;
-};
-
 class ReadQueue {
  public:
   // Waits for every read still in flight (they write into the caller's
@@ -117,17 +108,6 @@ class Medium {
   // wrapper that changes reads, such as a fault-injecting one) gets the
   // plain queue, which performs each read in Submit through this->Read.
   virtual std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth);
-  // [offset, offset + n) mapped read-only and populated (no page faults
-  // when it is read), for a reader that only looks at the bytes (the peer
-  // tier's sender checks and sends them: no copy into a buffer).
-  // Unavailable where the medium is no plain file (the default; wrappers
-  // that change reads, such as a fault-injecting one, do not forward it, so
-  // their callers fall back to Read and see the faults).
-  virtual Result<std::unique_ptr<ReadMapping>> MapForRead(uint64_t offset, uint64_t n) {
-    (void)offset;
-    (void)n;
-    return Status::Unavailable("this medium cannot map a range");
-  }
   // Whether the file lives in memory (tmpfs, ramfs: /dev/shm): no writeback,
   // so no unwritten extent can go stale, and a page reads as zeros until it
   // is written. The slot file then skips writing zeros over its slots.

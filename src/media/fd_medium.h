@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "media/map_read.h"
 #include "media/media_internal.h"
 
 namespace nonstop::media {
@@ -42,8 +43,9 @@ class FdMedium : public MediumBase {
   size_t Alignment() const override { return alignment_; }
   // mincore(2) over a read-only shared mapping of the range.
   Result<uint64_t> CachedBytes(uint64_t offset, uint64_t n) override;
-  // mmap(2) PROT_READ, MAP_SHARED | MAP_POPULATE of the pages of the range.
-  Result<std::unique_ptr<ReadMapping>> MapForRead(uint64_t offset, uint64_t n) override;
+  // mmap(2) PROT_READ, MAP_SHARED | MAP_POPULATE of the pages of the
+  // range (media::MapForRead, map_read.h).
+  Result<std::unique_ptr<ReadMapping>> MapForRead(uint64_t offset, uint64_t n);
   MediumKind kind() const override { return kind_; }
   bool InMemory() const override { return in_memory_; }
 

@@ -6,6 +6,8 @@
 #include <string>
 #include <utility>
 
+#include "media/fd_medium.h"
+#include "media/map_read.h"
 #include "media/media_internal.h"
 #include "media/medium_wrapper.h"
 #include "media/sticky_medium.h"
@@ -152,6 +154,7 @@ class ReadOnlyMedium final : public media::MediumWrapper {
  public:
   ReadOnlyMedium(std::string path, std::unique_ptr<Medium> m)
       : MediumWrapper(std::move(m)), path_(std::move(path)) {}
+  Medium& wrapped() { return inner(); }
   Status Write(uint64_t offset, const void*, size_t n) override {
     return Refuse("write " + path_ + " at " + std::to_string(offset) + " (+" + std::to_string(n) +
                   " bytes)");
@@ -175,6 +178,21 @@ class ReadOnlyMedium final : public media::MediumWrapper {
 }  // namespace
 
 namespace media {
+
+Result<std::unique_ptr<ReadMapping>> MapForRead(Medium& m, uint64_t offset, uint64_t n) {
+  Medium* at = &m;
+  for (;;) {
+    if (auto* s = dynamic_cast<StickySyncMedium*>(at)) {
+      at = &s->wrapped();
+    } else if (auto* r = dynamic_cast<ReadOnlyMedium*>(at)) {
+      at = &r->wrapped();
+    } else {
+      break;
+    }
+  }
+  if (auto* f = dynamic_cast<FdMedium*>(at)) return f->MapForRead(offset, n);
+  return Status::Unavailable("this medium cannot map a range: " + m.Describe());
+}
 
 Result<std::unique_ptr<Medium>> OpenMediumOnFd(int fd, const std::string& path, MediumKind kind,
                                                const MediumOptions& opts) {

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "media/map_read.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
 
@@ -354,18 +355,18 @@ TEST(BufferedMediumTest, MapForReadShowsTheRangeWithoutACopy) {
   ASSERT_TRUE(m->Write(0, data.data(), data.size()).ok());
   for (uint64_t off : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4096}, uint64_t{5000}}) {
     const uint64_t n = data.size() - off;
-    auto v = m->MapForRead(off, n);
+    auto v = media::MapForRead(*m, off, n);
     ASSERT_TRUE(v.ok()) << v.status().ToString();
     ASSERT_EQ(v.value()->size(), n);
     EXPECT_EQ(std::memcmp(v.value()->data(), data.data() + off, n), 0) << off;
   }
-  auto v = m->MapForRead(100, 50);
+  auto v = media::MapForRead(*m, 100, 50);
   ASSERT_TRUE(v.ok());
   const uint8_t later[4] = {1, 2, 3, 4};
   ASSERT_TRUE(m->Write(120, later, sizeof later).ok());
   EXPECT_EQ(std::memcmp(v.value()->data() + 20, later, sizeof later), 0) << "not the file's pages";
-  EXPECT_FALSE(m->MapForRead(data.size() - 10, 11).ok());
-  EXPECT_FALSE(m->MapForRead(0, 0).ok());
+  EXPECT_FALSE(media::MapForRead(*m, data.size() - 10, 11).ok());
+  EXPECT_FALSE(media::MapForRead(*m, 0, 0).ok());
 }
 
 TEST(MmapMediumTest, WritePastTheMappingIsRefused) {

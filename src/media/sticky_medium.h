@@ -44,9 +44,8 @@ class StickySyncMedium final : public MediumWrapper {
   std::unique_ptr<ReadQueue> OpenReadQueue(unsigned depth) override {
     return inner().OpenReadQueue(depth);
   }
-  Result<std::unique_ptr<ReadMapping>> MapForRead(uint64_t offset, uint64_t n) override {
-    return inner().MapForRead(offset, n);
-  }
+  // The medium under it (media::MapForRead looks through it).
+  Medium& wrapped() { return inner(); }
   Status Sync() override {
     if (failed_.load(std::memory_order_acquire)) return Sticky();
     Status st = MediumWrapper::Sync();

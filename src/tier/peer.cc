@@ -27,6 +27,7 @@
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "jobdir/manifest.h"
+#include "media/map_read.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "store/format.h"
@@ -357,7 +358,8 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
   // (a fault-injecting medium, a mapping refused) read into buffers.
   const uint64_t piece = cb <= w::kDataPiece ? w::kDataPiece / cb * cb : w::kDataPiece;
   if (info.data_bytes == 0) return w::SendFrame(s, w::Type::kEnd, {});
-  Result<std::unique_ptr<ReadMapping>> mapped = file.medium().MapForRead(info.data_offset, info.data_bytes);
+  Result<std::unique_ptr<media::ReadMapping>> mapped =
+      media::MapForRead(file.medium(), info.data_offset, info.data_bytes);
   const char* const view = mapped.ok() ? mapped.value()->data() : nullptr;
   struct Piece {
     std::string buf;

@@ -583,7 +583,7 @@ TEST(PeerTest, ADamagedReplicaIsRefusedAtFetch) {
 }
 
 // The server's replicas as real files (tmpfs, the default Env): the sender
-// sends them straight from a read-only mapping (Medium::MapForRead), not
+// sends them straight from a read-only mapping (media::MapForRead), not
 // through a buffer. The bytes arrive exact; a byte damaged in the file is
 // still caught at the sender's chunk check.
 TEST(PeerTest, AReplicaInARealFileIsSentFromItsMappingAndStillChecked) {

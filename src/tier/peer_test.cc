@@ -622,6 +622,9 @@ TEST(PeerTest, AReplicaInARealFileIsSentFromItsMappingAndStillChecked) {
   FetchBack(ep, 1, std::nullopt, &st);
   EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
   EXPECT_NE(st.message().find("checksum mismatch"), std::string::npos) << st.ToString();
+  // Caught by the sender (its reply names its medium, opened read-only),
+  // not only by the receiver's own check.
+  EXPECT_NE(st.message().find("(read-only): data chunk"), std::string::npos) << st.ToString();
   srv.value().reset();
   std::filesystem::remove_all(root);
 }

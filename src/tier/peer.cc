@@ -339,8 +339,12 @@ Status ReceiveData(w::Socket& s, ReplicaWriter& writer, const std::string& from,
 // it (the receiver stops there) and returned.
 // `after` (optional) runs after each DATA frame is sent with its bytes: a
 // push's pace (Replicator: ReplicatorOptions::bps); its error ends the send.
+// `may_map`: the file is one of this process's own replicas or segments,
+// which nothing truncates (a page cut off under a mapping is SIGBUS, not an
+// error); it is mapped only on tmpfs. A job directory's rank file (a disk
+// another host or process may share) and any file on a disk are read.
 Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64_t* sent,
-                const std::function<Status(uint64_t)>& after = nullptr) {
+                bool may_map, const std::function<Status(uint64_t)>& after = nullptr) {
   const uint64_t cb = info.crc_chunk_bytes;
   const auto fail = [&](const Status& r) {
     (void)w::SendFrame(s, w::Type::kReply, w::EncodeReply(r, 0));
@@ -359,7 +363,9 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
   const uint64_t piece = cb <= w::kDataPiece ? w::kDataPiece / cb * cb : w::kDataPiece;
   if (info.data_bytes == 0) return w::SendFrame(s, w::Type::kEnd, {});
   Result<std::unique_ptr<media::ReadMapping>> mapped =
-      media::MapForRead(file.medium(), info.data_offset, info.data_bytes);
+      may_map && file.medium().InMemory()
+          ? media::MapForRead(file.medium(), info.data_offset, info.data_bytes)
+              : Result<std::unique_ptr<media::ReadMapping>>(Status::Unavailable("not mapped"));
   const char* const view = mapped.ok() ? mapped.value()->data() : nullptr;
   struct Piece {
     std::string buf;
@@ -1335,7 +1341,7 @@ bool PeerServer::Impl::HandleFetch(w::Socket& s, std::string_view payload, Sourc
   const std::vector<uint8_t> table = w::EncodeCheckpointTable(info);
   if (!w::SendFrame(s, w::Type::kTable, View(table)).ok()) return false;
   uint64_t sent = 0;
-  Status st = SendData(s, file, info, &sent);
+  Status st = SendData(s, file, info, &sent, /*may_map=*/source != Source::kDisk);
   if (!st.ok()) {
     Error(st);
     return false;
@@ -1368,7 +1374,7 @@ Status SendPush(w::Socket& s, const std::string& job, SlotFile& file, const Chec
   }
   if (o != kGo) return Status::Corruption("peer " + s.peer() + ": unexpected reply to a push");
   uint64_t sent = 0;
-  Status st = SendData(s, file, info, &sent, after);
+  Status st = SendData(s, file, info, &sent, /*may_map=*/true, after);
   if (!st.ok()) {
     // The server may have said why it stopped reading (a damaged chunk it saw).
     if (st.code() == StatusCode::kIOError && s.WaitReadable(0.2)) {

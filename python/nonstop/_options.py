@@ -219,10 +219,7 @@ def resolve(state: dict, **kw) -> Options:
                          copy, clip_grad_norm),
         retention=Retention(keep, max_to_keep, best, rules),
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
-                         _peer.check_replicas(kw["replicas"]),
-                         _peer.check_budget(kw["peer_budget_bytes"]),
-                         _peer.check_every(kw["peer_every"]),
-                         _peer.check_nice(kw["peer_nice"]), _peer.check_bps(kw["peer_bps"])),
+                         *_peer.check_options(kw)),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],
         on_commit=kw["on_commit"])
 

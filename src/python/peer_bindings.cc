@@ -6,6 +6,7 @@
 #include "python/bindings.h"
 #include "engine/memory_tier.h"
 #include "tier/peer.h"
+#include "tier/peer_gather.h"
 #include "tier/peer_wire.h"
 #include "tier/uploader.h"
 
@@ -67,8 +68,10 @@ void InitPeer(py::module_& m) {
                        const std::string& bind_host, uint16_t port, const std::string& dir,
                        uint64_t budget_bytes, uint32_t budget_share, double io_timeout_s,
                        const std::vector<std::string>& segments, double handshake_timeout_s,
-                       int max_pending_handshakes, int nice, const std::string& job_dir) {
+                       int max_pending_handshakes, int nice, const std::string& job_dir,
+                       uint32_t world_size) {
              peer::PeerServerOptions o;
+             o.world_size = world_size;
              o.segments = segments;
              o.job_dir = job_dir;
              o.job = job;
@@ -88,7 +91,7 @@ void InitPeer(py::module_& m) {
            py::arg("dir") = "", py::arg("budget_bytes") = 0, py::arg("budget_share") = 0,
            py::arg("io_timeout_s") = 30.0, py::arg("segments") = std::vector<std::string>{},
            py::arg("handshake_timeout_s") = 0.0, py::arg("max_pending_handshakes") = 8,
-           py::arg("nice") = 10, py::arg("job_dir") = "")
+           py::arg("nice") = 10, py::arg("job_dir") = "", py::arg("world_size") = 0)
       .def_property_readonly("port", &peer::PeerServer::port)
       .def_property_readonly("endpoint", &peer::PeerServer::endpoint)
       .def(
@@ -119,6 +122,7 @@ void InitPeer(py::module_& m) {
             d["bytes_received"] = st.bytes_received;
             d["replica_skipped_budget"] = st.replica_skipped_budget;
             d["replicas_already_held"] = st.replicas_already_held;
+            d["old_world_removed"] = st.old_world_removed;
             d["push_failures"] = st.push_failures;
             d["refused_frames"] = st.refused_frames;
             d["auth_failures"] = st.auth_failures;
@@ -363,12 +367,83 @@ void InitPeer(py::module_& m) {
       py::arg("connect_timeout_s") = 5.0, py::arg("io_timeout_s") = 30.0,
       "Pushes the newest committed checkpoint of the slot file at slot_path now; returns "
       "'stored', 'already_held' or 'skipped_budget'.");
+  m.def(
+      "peer_gather_old_shards",
+      [](const std::string& job_dir, const std::string& job, const py::bytes& secret,
+         const std::vector<std::string>& endpoints, const py::list& copies,
+         const std::vector<std::tuple<uint32_t, int64_t, uint64_t>>& remote_steps,
+         const std::string& remote_url, const std::string& remote_error,
+         const py::object& remote_fetch, const std::string& mem_dir,
+         const std::string& fallback_dir, const std::string& holder) {
+        peer::GatherRequest r;
+        r.job_dir = job_dir;
+        r.job = job;
+        r.secret = secret;
+        r.endpoints = endpoints;
+        for (const py::handle& h : copies) {
+          const py::dict d = h.cast<py::dict>();
+          peer::GatherCopy c;
+          c.held.source_rank = d["source_rank"].cast<uint32_t>();
+          c.held.world_size = d["world_size"].cast<uint32_t>();
+          c.held.step = d["step"].cast<int64_t>();
+          c.held.counter = d["counter"].cast<uint64_t>();
+          c.kind = SourceOf(d["kind"].cast<std::string>());
+          c.holder = d.contains("holder") ? d["holder"].cast<int>() : -1;
+          c.path = d.contains("path") ? d["path"].cast<std::string>() : "";
+          r.copies.push_back(std::move(c));
+        }
+        for (const auto& [w, st, counter] : remote_steps) r.remote_steps.push_back({w, st, counter});
+        r.remote_url = remote_url;
+        r.remote_error = remote_error;
+        if (!remote_fetch.is_none()) {
+          // The remote tier's fetch is Python's (its transport): called with the GIL held.
+          r.remote_fetch = [remote_fetch](int64_t step, uint32_t rank,
+                                          const std::string& dir) -> Result<std::string> {
+            py::gil_scoped_acquire gil;
+            try {
+              return remote_fetch(step, rank, dir).cast<std::string>();
+            } catch (py::error_already_set& e) {
+              return Status::IOError(py::str(e.value()).cast<std::string>());
+            }
+          };
+        }
+        r.mem_dir = mem_dir;
+        r.fallback_dir = fallback_dir;
+        r.holder = holder;
+        peer::GatherResult got;
+        {
+          py::gil_scoped_release release;
+          got = peer::GatherOldShards(r);
+        }
+        py::list files;
+        for (const auto& [w, rank, path] : got.files) files.append(py::make_tuple(w, rank, path));
+        py::dict out;
+        out["files"] = files;
+        out["from"] = got.from;
+        out["missing"] = got.missing;
+        out["bytes"] = got.bytes;
+        out["shared"] = got.shared;
+        out["dir"] = got.dir;
+        return out;
+      },
+      py::arg("job_dir"), py::arg("job"), py::arg("secret"), py::arg("endpoints"),
+      py::arg("copies"), py::arg("remote_steps"), py::arg("remote_url"),
+      py::arg("remote_error"), py::arg("remote_fetch"), py::arg("mem_dir"),
+      py::arg("fallback_dir"), py::arg("holder"),
+      "A copy of every old rank the job directory's world-W/ lacks (tier/peer_gather.h): "
+      "copies [{source_rank, world_size, step, counter, kind, holder (-1: this host's, path)}], "
+      "remote_steps [(world, step, counter)], remote_fetch(step, rank, dir) -> dir or None: "
+      "{files [(world, rank, path)], from {'W/r': line}, missing, bytes, shared, dir}.");
   m.def("peer_step_dir", &peer::PeerStepDir, py::arg("local_dir"), py::arg("step"));
   m.def("peer_replica_name", &peer::ReplicaName, py::arg("job"), py::arg("world_size"),
         py::arg("source_rank"));
   m.def("peer_job_key", &peer::JobKey, py::arg("job"));
   m.def("peer_shared_reshard_dir", &peer::SharedReshardDir, py::arg("job"));
   m.def("peer_memory_dir", &peer::PeerMemoryDir, py::arg("configured") = "");
+  m.def("peer_local_address", &peer::LocalAddress, py::call_guard<py::gil_scoped_release>(),
+        "This process's address on the job's network (tier/peer.h LocalAddress).");
+  m.def("peer_host_id", &peer::HostId, py::arg("addr"),
+        "The failure domain of a rank at addr: $NONSTOP_HOST_ID, else host name@addr.");
   m.def("choose_partners", &peer::ChoosePartners, py::arg("hosts"), py::arg("replicas"),
         "partners[r]: the ranks that hold rank r's replicas (never on r's host).");
 }

@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -16,6 +17,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <list>
 #include <map>
@@ -27,6 +29,7 @@
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "jobdir/manifest.h"
+#include "jobdir/records.h"
 #include "media/map_read.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
@@ -736,7 +739,30 @@ struct PeerServer::Impl {
   // of transfers in progress are counted by `reserved` instead.
   uint64_t UsedBytes() EXCLUDES(mu);
   void SweepStaleTemps();
+  // The replicas of world sizes other than `world` go once the job
+  // directory records an agreed checkpoint of `world` (PeerServer::Start).
+  void DropOtherWorlds(uint32_t world) EXCLUDES(mu);
 };
+
+Result<bool> AgreedInWorld(Env* env, const std::string& job_dir, uint32_t world_size) {
+  if (job_dir.empty() || world_size == 0) return false;
+  if (env == nullptr) env = DefaultEnv();
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(job_dir, false);
+  if (!d.ok() && d.status().code() == StatusCode::kNotFound) return false;
+  NONSTOP_RETURN_IF_ERROR(d.status());
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, d.value()->List());
+  for (const DirEntry& e : entries) {
+    if (!e.name.starts_with("agreed-rank-") || !e.name.ends_with(".json")) continue;
+    Result<std::string> text = ReadSmallFile(*d.value(), e.name, 64 << 10);
+    if (!text.ok()) continue;
+    Result<AgreedRecord> rec = jobdir_internal::DecodeAgreed(text.value(), e.name);
+    if (rec.ok() && rec.value().world_size == static_cast<int>(world_size) &&
+        rec.value().counter >= 0) {
+      return true;
+    }
+  }
+  return false;
+}
 
 Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions& o) {
   if (o.job.empty() || o.job.size() > kMaxJobBytes) {
@@ -768,6 +794,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions& o
     }
   }
   m.SweepStaleTemps();
+  m.DropOtherWorlds(o.world_size);
   NONSTOP_ASSIGN_OR_RETURN(m.listener, w::Listen(o.bind_host, o.port, &m.port));
   if (::pipe2(m.wake, O_CLOEXEC) != 0) return Status::FromErrno("peer server: pipe", errno);
   m.acceptor = std::thread([p = &m] { p->AcceptLoop(); });
@@ -865,6 +892,35 @@ void PeerServer::Impl::SweepStaleTemps() {
                        "build's: a replica is named by its world size and rank since wire " +
                        "version 4)";
   }
+}
+
+void PeerServer::Impl::DropOtherWorlds(uint32_t world) {
+  if (world == 0 || o.job_dir.empty()) return;
+  Result<std::vector<DirEntry>> entries = dir->List();
+  if (!entries.ok()) return;
+  std::vector<std::string> old;
+  for (const DirEntry& e : entries.value()) {
+    std::string n = e.name;
+    if (n.size() > 4 && n.compare(n.size() - 4, 4, kTmpSuffix) == 0) n.resize(n.size() - 4);
+    uint32_t w = 0, r = 0;
+    if (ParseReplica(n, key, &w, &r) && w != world) old.push_back(e.name);
+  }
+  if (old.empty()) return;
+  Result<bool> agreed = AgreedInWorld(env, o.job_dir, world);
+  if (!agreed.ok() || !agreed.value()) return;  // not yet (or unknown): the old world may need them
+  uint64_t removed = 0;
+  for (const std::string& n : old) {
+    uint32_t w = 0, r = 0;
+    const std::string base = n.ends_with(kTmpSuffix) ? n.substr(0, n.size() - 4) : n;
+    (void)ParseReplica(base, key, &w, &r);
+    {
+      MutexLock l(&mu);
+      if (busy.count(WorldRank(w, r)) != 0) continue;  // being received now
+    }
+    if (dir->Unlink(n).ok()) ++removed;
+  }
+  MutexLock l(&mu);
+  stats.old_world_removed += removed;
 }
 
 uint64_t PeerServer::Impl::UsedBytes() {
@@ -1167,7 +1223,10 @@ bool PeerServer::Impl::HandlePush(w::Socket& s, std::string_view payload) {
       return reply(Status::OK(), kHeldReply);
     }
   }
-  // Budget: this job's replicas here, the transfers in progress and this one.
+  // Replicas of old worlds go once this world agreed on a checkpoint of its
+  // own (Start's comment); then the budget: this job's replicas here, the
+  // transfers in progress and this one.
+  DropOtherWorlds(t.world_size);
   const uint64_t used = UsedBytes();
   Result<uint64_t> free_bytes = dir->FreeBytes();
   std::string over;
@@ -1607,16 +1666,26 @@ Result<std::string> FetchInto(const std::string& endpoint, const std::string& jo
 
 namespace {
 
-// Whether `dir`/`name` is a complete copy of exactly this checkpoint.
-bool IsCopyOf(Directory& dir, const std::string& name, uint32_t world_size, uint32_t source_rank,
-              int64_t step, uint64_t counter) {
-  Result<FileStat> st = dir.Stat(name);
+// Whether `dir`/`rel...`/`name` is a complete copy of exactly this
+// checkpoint (any counter when `counter` is nullopt).
+bool IsCopyOf(Directory& dir, const std::vector<std::string>& rel, const std::string& name,
+              uint32_t world_size, uint32_t source_rank, int64_t step,
+              std::optional<uint64_t> counter) {
+  std::unique_ptr<Directory> sub;
+  Directory* at = &dir;
+  for (const std::string& r : rel) {
+    Result<std::unique_ptr<Directory>> next = at->OpenDir(r, false);
+    if (!next.ok()) return false;
+    sub = std::move(next).value();
+    at = sub.get();
+  }
+  Result<FileStat> st = at->Stat(name);
   if (!st.ok() || st.value().type != EntryType::kFile) return false;
-  auto got = OpenNewest(dir, name);
+  auto got = OpenNewest(*at, name);
   if (!got.ok()) return false;
   const CheckpointInfo& i = got.value().second;
   return i.world_size == world_size && i.rank == source_rank && i.step == step &&
-         i.counter == counter;
+         (!counter || i.counter == *counter);
 }
 
 // The holder line of lock file `lock` in `dir` (who took it last: the rank
@@ -1635,46 +1704,40 @@ std::string LockHolder(Directory& dir, const std::string& lock) {
 
 }  // namespace
 
-Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::string& job,
-                                    const std::string& secret, uint32_t world_size,
-                                    uint32_t source_rank, int64_t step, uint64_t counter,
-                                    Source source, const std::string& mem_dir,
-                                    const std::string& fallback_dir, const std::string& holder,
-                                    Env* env, double timeout_s, double wait_s) {
-  if (env == nullptr) env = DefaultEnv();
-  NONSTOP_RETURN_IF_ERROR(CheckJob(job));
-  const std::string shared = SharedReshardDir(job);
-  const std::string sub = "w" + std::to_string(world_size) + "-s" + std::to_string(step) + "-c" +
-                          std::to_string(counter);
-  const std::string name = SlotFileName(static_cast<int>(source_rank));
+Result<SharedCopy> OncePerHost(const OncePerHostCopy& c, const CopyFetch& fetch) {
+  Env* env = c.env != nullptr ? c.env : DefaultEnv();
+  NONSTOP_RETURN_IF_ERROR(CheckJob(c.job));
+  const std::string shared = SharedReshardDir(c.job);
+  const std::string name = SlotFileName(static_cast<int>(c.source_rank));
   const std::string lock = "rank-" + name.substr(5, 5) + ".lock";
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(mem_dir, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(c.mem_dir, true));
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> top, base->OpenDir(shared, true));
-  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, top->OpenDir(sub, true));
-  const std::string path = mem_dir + "/" + shared + "/" + sub + "/" + name;
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d, top->OpenDir(c.sub, true));
+  const auto is_copy = [&] {
+    return IsCopyOf(*d, c.rel, name, c.world_size, c.source_rank, c.step, c.counter);
+  };
+  std::string path = c.mem_dir + "/" + shared + "/" + c.sub + "/";
+  for (const std::string& r : c.rel) path += r + "/";
+  path += name;
   const auto t0 = std::chrono::steady_clock::now();
   std::string by;  // the lock file's holder line, as the last refusal named it
   while (true) {
-    if (IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
-      return SharedCopy{path, false, by.empty() ? LockHolder(*d, lock) : by};
-    }
-    Result<std::unique_ptr<FileLock>> l = d->Lock(lock, holder);
+    if (is_copy()) return SharedCopy{path, false, by.empty() ? LockHolder(*d, lock) : by};
+    Result<std::unique_ptr<FileLock>> l = d->Lock(lock, c.holder);
     if (l.ok()) {
       // Another rank may have finished between the look and the lock.
-      if (IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
-        return SharedCopy{path, false, by.empty() ? "another rank of this host" : by};
-      }
-      NONSTOP_ASSIGN_OR_RETURN(std::string got,
-                               FetchInto(endpoint, job, secret, world_size, source_rank, step,
-                                         source, mem_dir + "/" + shared, sub, env, timeout_s));
-      if (!IsCopyOf(*d, name, world_size, source_rank, step, counter)) {
+      if (is_copy()) return SharedCopy{path, false, by.empty() ? "another rank of this host" : by};
+      NONSTOP_ASSIGN_OR_RETURN(std::string got, fetch(c.mem_dir + "/" + shared, c.sub));
+      if (!is_copy()) {
         (void)d->Unlink(name);
-        return Status::NotFound("peer " + endpoint + ": rank " + std::to_string(source_rank) +
-                                " of world size " + std::to_string(world_size) + " step " +
-                                std::to_string(step) + " is not of counter " +
-                                std::to_string(counter) + " there");
+        return Status::NotFound(c.what + ": rank " + std::to_string(c.source_rank) +
+                                " of world size " + std::to_string(c.world_size) + " step " +
+                                std::to_string(c.step) +
+                                (c.counter ? " is not of counter " + std::to_string(*c.counter)
+                                           : " is not what was fetched") +
+                                " there");
       }
-      return SharedCopy{got, true, holder};
+      return SharedCopy{got, true, c.holder};
     }
     // Held: another rank of this host fetches it (its line names it).
     // Anything else (a link planted at the lock's name): fetched alone.
@@ -1682,15 +1745,39 @@ Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::stri
     const size_t at = msg.find(" is locked by ");
     if (l.status().code() != StatusCode::kFailedPrecondition || at == std::string::npos) break;
     by = msg.substr(at + 14, msg.find(": another nonstop", at) - (at + 14));
-    if (Since(t0) >= wait_s) break;
+    if (Since(t0) >= c.wait_s) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   // Waited long enough (or no lock to take): fetched into this rank's own
   // directory instead.
-  NONSTOP_ASSIGN_OR_RETURN(std::string got,
-                           FetchInto(endpoint, job, secret, world_size, source_rank, step, source,
-                                     fallback_dir, sub, env, timeout_s));
-  return SharedCopy{got, true, holder};
+  NONSTOP_ASSIGN_OR_RETURN(std::string got, fetch(c.fallback_dir, c.sub));
+  return SharedCopy{got, true, c.holder};
+}
+
+Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::string& job,
+                                    const std::string& secret, uint32_t world_size,
+                                    uint32_t source_rank, int64_t step, uint64_t counter,
+                                    Source source, const std::string& mem_dir,
+                                    const std::string& fallback_dir, const std::string& holder,
+                                    Env* env, double timeout_s, double wait_s) {
+  OncePerHostCopy c;
+  c.job = job;
+  c.sub = "w" + std::to_string(world_size) + "-s" + std::to_string(step) + "-c" +
+          std::to_string(counter);
+  c.world_size = world_size;
+  c.source_rank = source_rank;
+  c.step = step;
+  c.counter = counter;
+  c.mem_dir = mem_dir;
+  c.fallback_dir = fallback_dir;
+  c.holder = holder;
+  c.what = "peer " + endpoint;
+  c.env = env;
+  c.wait_s = wait_s;
+  return OncePerHost(c, [&](const std::string& parent, const std::string& sub) {
+    return FetchInto(endpoint, job, secret, world_size, source_rank, step, source, parent, sub,
+                     env, timeout_s);
+  });
 }
 
 // ---------------------------------------------------------------- replicator
@@ -1954,6 +2041,66 @@ void Replicator::Impl::Round() {
 }
 
 // ---------------------------------------------------------------- partners
+
+namespace {
+
+// The first IPv4 address of `host` as text, with `port` (UDP); nullopt when none.
+std::optional<sockaddr_in> Resolve4(const char* host, const std::string& port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host, port.c_str(), &hints, &res) != 0 || res == nullptr) return std::nullopt;
+  sockaddr_in a{};
+  std::memcpy(&a, res->ai_addr, sizeof(a));
+  ::freeaddrinfo(res);
+  return a;
+}
+
+std::string Text4(const sockaddr_in& a) {
+  char buf[INET_ADDRSTRLEN] = {};
+  return ::inet_ntop(AF_INET, &a.sin_addr, buf, sizeof(buf)) != nullptr ? buf : "";
+}
+
+std::string Getenv(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : "";
+}
+
+std::string HostName() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof(name) - 1) == 0 ? name : "";
+}
+
+}  // namespace
+
+std::string LocalAddress() {
+  if (const std::string a = Getenv("NONSTOP_PEER_ADDR"); !a.empty()) return a;
+  if (const std::string master = Getenv("MASTER_ADDR"); !master.empty()) {
+    std::string port = Getenv("MASTER_PORT");
+    if (port.empty()) port = "29500";
+    if (std::optional<sockaddr_in> to = Resolve4(master.c_str(), port)) {
+      const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+      sockaddr_in me{};
+      socklen_t len = sizeof(me);
+      const bool ok = fd >= 0 &&
+                      ::connect(fd, reinterpret_cast<const sockaddr*>(&*to), sizeof(*to)) == 0 &&
+                      ::getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0;
+      if (fd >= 0) ::close(fd);
+      if (ok) return Text4(me);
+    }
+  }
+  const std::string host = HostName();
+  if (std::optional<sockaddr_in> a = host.empty() ? std::nullopt : Resolve4(host.c_str(), "0")) {
+    return Text4(*a);
+  }
+  return "127.0.0.1";
+}
+
+std::string HostId(const std::string& addr) {
+  if (std::string id = Getenv("NONSTOP_HOST_ID"); !id.empty()) return id;
+  return HostName() + "@" + addr;
+}
 
 std::vector<std::vector<uint32_t>> ChoosePartners(const std::vector<std::string>& hosts,
                                                   int replicas) {

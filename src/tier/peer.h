@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -134,7 +135,20 @@ struct PeerServerOptions {
   // server from the numbers asked for, are ever opened, relative to this
   // directory, never following a link: nothing outside it is served.
   std::string job_dir;
+  // The world size of this incarnation of the job (0: not said). With a
+  // job_dir, Start removes the replicas of every other world size once
+  // AgreedInWorld(job_dir, world_size) (see DropOtherWorlds below).
+  uint32_t world_size = 0;
 };
+
+// Whether job directory `job_dir` (through `env`) records an agreed
+// checkpoint that world size `world_size` committed itself: an agreed record
+// ("agreed-rank-RRRRR.json" at its top level, where only the current world's
+// records are; SetAside moves the others into world-W/) of that world size
+// with a counter (not -1: a resharded restore is the old world's
+// checkpoint, not yet one of this world). False without a job directory or
+// a record; a damaged record is not one.
+Result<bool> AgreedInWorld(Env* env, const std::string& job_dir, uint32_t world_size);
 
 // What a server serves of a source rank: the replica it holds, its host's
 // own memory segment, or its host's job directory's rank file.
@@ -145,6 +159,8 @@ struct PeerServerStats {
   uint64_t bytes_received = 0;          // their data bytes
   uint64_t replica_skipped_budget = 0;  // pushes refused: over budget_bytes
   uint64_t replicas_already_held = 0;  // pushes of the checkpoint already held (not sent again)
+  uint64_t old_world_removed = 0;       // replicas of another world size removed: a world of
+                                        // the job committed an agreed checkpoint of its own
   uint64_t push_failures = 0;           // pushes that ended without a replica (cut, damage, I/O)
   uint64_t refused_frames = 0;          // hostile or malformed frames (connection closed)
   uint64_t auth_failures = 0;           // connections that did not complete the handshake
@@ -167,7 +183,18 @@ struct PeerServerStats {
 class PeerServer {
  public:
   // Opens (creating) the memory directory, removes this job's temp files
-  // older than a minute (transfers that died), and listens.
+  // older than a minute (transfers that died) and the replicas of old worlds
+  // (DropOtherWorlds with options.world_size), and listens.
+  //
+  // Old worlds (docs/TIERS.md "Old worlds"): a replica of another world size
+  // than the job's current one is what a reshard reads, and what a restart
+  // that fails back to the old world needs, until the current world has
+  // committed an agreed checkpoint of its own; from then on it only takes
+  // the budget. So when the server starts with world_size W, and before it
+  // takes each push of world W (before the budget is counted), it removes
+  // this job's replicas of every world size W' != W (complete and temp, not
+  // one being received) once AgreedInWorld(job_dir, W); without a job_dir
+  // it never removes one.
   static Result<std::unique_ptr<PeerServer>> Start(const PeerServerOptions& o);
   ~PeerServer();
   uint16_t port() const;
@@ -382,6 +409,32 @@ Result<SharedCopy> FetchOncePerHost(const std::string& endpoint, const std::stri
                                     const std::string& fallback_dir, const std::string& holder,
                                     Env* env = nullptr, double timeout_s = 60,
                                     double wait_s = 120);
+
+// The once-per-host pattern of FetchOncePerHost for any fetch (the remote
+// tier's parts too, peer_gather.h): `fetch(parent, sub)` writes the copy as
+// parent/sub/rel.../rank-RRRRR.nsck and returns its path; it is called with
+// parent = mem_dir/"<job key>-reshard-host" by the rank that holds the lock
+// file "rank-RRRRR.lock" in that sub, or with parent = fallback_dir past
+// wait_s. A copy is taken when its newest committed checkpoint is of
+// (world_size, source_rank, step) and, when given, `counter`.
+struct OncePerHostCopy {
+  std::string job;
+  std::string sub;               // the copy's directory under the shared one
+  std::vector<std::string> rel;  // where in it the fetch writes the file
+  uint32_t world_size = 0;
+  uint32_t source_rank = 0;
+  int64_t step = 0;
+  std::optional<uint64_t> counter;
+  std::string mem_dir;
+  std::string fallback_dir;
+  std::string holder;            // names the caller in the lock file
+  std::string what;              // names the source in errors ("peer host:port")
+  Env* env = nullptr;
+  double wait_s = 120;
+};
+using CopyFetch =
+    std::function<Result<std::string>(const std::string& parent, const std::string& sub)>;
+Result<SharedCopy> OncePerHost(const OncePerHostCopy& c, const CopyFetch& fetch);
 // "<job key>-reshard-host": FetchOncePerHost's directory in the memory
 // directory (removed once the reshard read it).
 std::string SharedReshardDir(const std::string& job);
@@ -406,6 +459,15 @@ Result<std::vector<LocalCopy>> ListLocal(const std::string& job, bool own,
 // checkpoint, gone), Corruption (the chunk named), IOError.
 Status VerifyLocal(const std::string& path, uint32_t source_rank, int64_t step,
                    Env* env = nullptr);
+
+// This process's address on the job's network: $NONSTOP_PEER_ADDR, else the
+// source address of a route to $MASTER_ADDR:$MASTER_PORT (29500 when unset;
+// the interface the process group uses: a UDP connect, no packet is sent),
+// else the host name's IPv4 address, else "127.0.0.1".
+std::string LocalAddress();
+// The failure domain of a rank at `addr`: $NONSTOP_HOST_ID (a rack, a VM),
+// else "<host name>@<addr>" (network namespaces share a host name).
+std::string HostId(const std::string& addr);
 
 // Partners: out[r] = the ranks that hold rank r's replicas, given each
 // rank's host (any string naming its failure domain). Deterministic, never

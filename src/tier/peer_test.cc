@@ -28,6 +28,8 @@
 #include <tuple>
 
 #include "env/fault_env.h"
+#include "jobdir/records.h"
+#include "nonstop/jobdir.h"
 #include "store/format.h"
 #include "tier/peer.h"
 #include "tier/peer_wire.h"
@@ -912,6 +914,85 @@ TEST(PeerTest, ReplicasOfOneRankOfTwoWorldSizesAreKeptApart) {
   // A file whose header says another world than its name: never listed.
   WriteSegment(srv.env.get(), "/shm", ReplicaName(kJob, 8, 2), 2, 9, 90, 4);
   EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().size(), 2u);
+}
+
+// Old worlds: a job that was of world size 2 restarts with 4. The world-2
+// replicas stay (they count against the budget: a world-4 push that does
+// not fit beside them is refused) until the job directory records an agreed
+// checkpoint world 4 committed itself (a resharded restore's record,
+// counter -1, is not one); then the next world-4 push removes them first
+// and is stored, and a server started with world_size 4 removes them at
+// Start. Without a job directory none is ever removed.
+void WriteAgreedRecord(Env* env, const std::string& dir, int rank, int world, int64_t counter) {
+  AgreedRecord rec;
+  rec.step = 40;
+  rec.counter = counter;
+  rec.rank = rank;
+  rec.world_size = world;
+  if (counter < 0) {
+    rec.resharded_from = "world-2";
+    rec.resharded_from_world = 2;
+  }
+  auto d = env->OpenDirectory(dir, true).value();
+  ASSERT_TRUE(WriteFileAtomic(*d, JobDirNames::Agreed(rank), jobdir_internal::EncodeAgreed(rec)).ok());
+}
+
+TEST(PeerTest, OldWorldReplicasGoOnceTheNewWorldAgreedOnItsOwnCheckpoint) {
+  auto env = FaultEnv::Create();
+  WriteSegment(env.get(), "/shm", ReplicaName(kJob, 2, 0), 0, 7, 70, 2);
+  WriteSegment(env.get(), "/shm", ReplicaName(kJob, 2, 1), 1, 7, 70, 2);
+  WriteAgreedRecord(env.get(), "/jobd", 0, 4, -1);  // the reshard's restore of world 4
+  const auto start = [&](uint64_t budget, std::string job_dir) {
+    PeerServerOptions o;
+    o.job = kJob;
+    o.secret = kSecret;
+    o.bind_host = "127.0.0.1";
+    o.dir = "/shm";
+    o.budget_bytes = budget;
+    o.io_timeout_s = 5;
+    o.env = env.get();
+    o.job_dir = std::move(job_dir);
+    o.world_size = 4;
+    return std::move(PeerServer::Start(o)).value();
+  };
+  EXPECT_FALSE(AgreedInWorld(env.get(), "/jobd", 4).value());
+  auto srv = start(0, "/jobd");
+  auto held = ListReplicas(srv->endpoint(), kJob, kSecret).value();
+  ASSERT_EQ(held.size(), 2u);  // kept at Start: world 4 agreed on none of its own
+  const uint64_t one = held[0].bytes;
+  srv->Close();
+  srv = start(one * 5 / 2, "/jobd");  // room for two replicas and a half
+  Source four(1, 4);
+  four.Commit(3, 30);
+  EXPECT_EQ(four.Push(srv->endpoint()).value(), PushOutcome::kSkippedBudget);
+  EXPECT_EQ(ListReplicas(srv->endpoint(), kJob, kSecret).value().size(), 2u);
+  EXPECT_EQ(srv->stats().old_world_removed, 0u);
+
+  WriteAgreedRecord(env.get(), "/jobd", 1, 4, 3);  // world 4 agreed on its counter 3
+  EXPECT_TRUE(AgreedInWorld(env.get(), "/jobd", 4).value());
+  EXPECT_FALSE(AgreedInWorld(env.get(), "/jobd", 2).value());
+  EXPECT_EQ(four.Push(srv->endpoint()).value(), PushOutcome::kStored);
+  held = ListReplicas(srv->endpoint(), kJob, kSecret).value();
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].world_size, 4u);
+  EXPECT_EQ(srv->stats().old_world_removed, 2u);
+  srv->Close();
+
+  // At Start: an old world's replica (and its temp file) found there goes.
+  WriteSegment(env.get(), "/shm", ReplicaName(kJob, 2, 0), 0, 7, 70, 2);
+  WriteSegment(env.get(), "/shm", ReplicaName(kJob, 2, 1) + ".tmp", 1, 7, 70, 2);
+  srv = start(0, "");  // no job directory: never removed
+  EXPECT_EQ(ListReplicas(srv->endpoint(), kJob, kSecret).value().size(), 2u);
+  srv->Close();
+  srv = start(0, "/jobd");
+  held = ListReplicas(srv->endpoint(), kJob, kSecret).value();
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].world_size, 4u);
+  // The replica; its temp file went too (this Env's files are all old:
+  // the stale-temp sweep took it first).
+  EXPECT_EQ(srv->stats().old_world_removed, 1u);
+  EXPECT_EQ(env->Dump().find(ReplicaName(kJob, 2, 0)), std::string::npos) << env->Dump();
+  EXPECT_EQ(env->Dump().find(ReplicaName(kJob, 2, 1)), std::string::npos) << env->Dump();
 }
 
 // A replica named without its world size (a build before wire version 4):

@@ -81,6 +81,16 @@ def optim_by_param(opt) -> dict:
     return out
 
 
+def agreed_everywhere(ckpt, step: int, wait_s: float = 20.0) -> bool:
+    """Whether every rank saw `step` agreed within `wait_s` (collective)."""
+    end = time.monotonic() + wait_s
+    while ckpt.latest() != step and time.monotonic() < end:
+        time.sleep(0.05)
+    ok = torch.tensor([1 if ckpt.latest() == step else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
 def main():
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, on request
@@ -163,6 +173,7 @@ def main():
          lr=[g["lr"] for g in opt.param_groups])
     start = 0 if r is None else r + 1
     stalls = []
+    settle_at = a.settle_kill_at
     for s in range(start, a.steps):
         g = torch.Generator().manual_seed(1000 * s + rank)
         x = torch.randn(16, 32, generator=g)
@@ -195,9 +206,16 @@ def main():
             while ckpt.latest() is None and time.monotonic() < end:
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: its copy/write is in flight
-        if s == a.settle_kill_at:
+        if s == settle_at:
             from memwait import wait_mirrored
             wait_mirrored(ckpt)
+            if a.settle_remote_step and not agreed_everywhere(ckpt, s):
+                # Under load a rank can commit step s while it holds an
+                # older candidate, and s is then never agreed (plan.h
+                # DecideAgreement): settle at the next checkpoint instead.
+                assert s + a.every < a.steps, f"no step from {a.settle_kill_at} on was agreed"
+                settle_at = s + a.every
+                continue
             peers = ckpt.session.dist.peers
             if peers is not None and peers.replicator is not None:
                 newest = ckpt.session.live().latest()[1]

@@ -135,7 +135,7 @@ def test_a_paced_push_keeps_the_bytes_and_says_its_age(tmp_path, monkeypatch):
             rep.close()
         srv.close()
         ck.close()
-    with pytest.raises(TypeError):  # bytes a second: an int >= 0 (Python's check is _peer.check_bps)
+    with pytest.raises(TypeError):  # bytes a second: an int >= 0 (Python's check is _peer.check_option)
         _core.PeerReplicator(JOB, SECRET, 0, seg, [ep], bps=-1)
 
 
@@ -197,5 +197,6 @@ def test_the_secret_is_agreed(monkeypatch):
         with pytest.raises(CheckpointMismatchError):
             _peer.env_secret()
     with pytest.raises(CheckpointMismatchError):
-        _peer.check_budget(-1)
-    assert _peer.check_budget(None) is None and _peer.check_budget(0) == 0
+        _peer.check_option("peer_budget_bytes", -1)
+    assert _peer.check_option("peer_budget_bytes", None) is None
+    assert _peer.check_option("peer_budget_bytes", 0) == 0

@@ -164,6 +164,7 @@ TEST(PeerGatherTest, OnlyAStepEveryMissingOldRankHoldsIsTriedInThePlannersOrder)
   EXPECT_EQ(g.missing, "");
   EXPECT_EQ(g.from["4/3"], "own memory replica (/mem/a3) step 30");
   EXPECT_EQ(g.from["4/2"], "own memory replica (/mem/a2) step 30");
+  EXPECT_EQ(g.files.size(), 2u);  // step 50 never tried
 }
 
 // Nothing to take: every old rank without a copy named in one line, and why.

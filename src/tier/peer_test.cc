@@ -916,6 +916,37 @@ TEST(PeerTest, ReplicasOfOneRankOfTwoWorldSizesAreKeptApart) {
   EXPECT_EQ(ListReplicas(srv.ep(), kJob, kSecret).value().size(), 2u);
 }
 
+// This rank's address and failure domain (what Python's construction
+// gathers): $NONSTOP_PEER_ADDR, else the route to MASTER_ADDR; the domain
+// $NONSTOP_HOST_ID, else host name@address.
+TEST(PeerTest, TheLocalAddressAndHostIdFollowTheEnvironment) {
+  const auto saved = [](const char* n) {
+    const char* v = std::getenv(n);
+    return v != nullptr ? std::optional<std::string>(v) : std::nullopt;
+  };
+  const auto addr = saved("NONSTOP_PEER_ADDR"), master = saved("MASTER_ADDR"),
+             host = saved("NONSTOP_HOST_ID");
+  ::setenv("NONSTOP_PEER_ADDR", "10.1.2.3", 1);
+  EXPECT_EQ(LocalAddress(), "10.1.2.3");
+  ::unsetenv("NONSTOP_PEER_ADDR");
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);  // the route to it leaves from loopback
+  EXPECT_EQ(LocalAddress(), "127.0.0.1");
+  ::setenv("NONSTOP_HOST_ID", "rack-7", 1);
+  EXPECT_EQ(HostId("127.0.0.1"), "rack-7");
+  ::unsetenv("NONSTOP_HOST_ID");
+  char name[256] = {};
+  ASSERT_EQ(::gethostname(name, sizeof(name) - 1), 0);
+  EXPECT_EQ(HostId("10.0.0.9"), std::string(name) + "@10.0.0.9");
+  for (const auto& [n, v] : {std::pair{"NONSTOP_PEER_ADDR", addr}, {"MASTER_ADDR", master},
+                            {"NONSTOP_HOST_ID", host}}) {
+    if (v) {
+      ::setenv(n, v->c_str(), 1);
+    } else {
+      ::unsetenv(n);
+    }
+  }
+}
+
 // Old worlds: a job that was of world size 2 restarts with 4. The world-2
 // replicas stay (they count against the budget: a world-4 push that does
 // not fit beside them is refused) until the job directory records an agreed

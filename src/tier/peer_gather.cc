@@ -7,6 +7,8 @@
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "nonstop/store.h"
+#include "jobdir/remote_layout.h"
+#include "tier/remote_tier.h"
 
 namespace nonstop::peer {
 namespace {
@@ -200,7 +202,7 @@ class Gather {
       if (!r_.remote_fetch) return Status::FailedPrecondition("no remote tier to fetch from");
       OncePerHostCopy o = Once(w, rank, c.step);
       o.sub = "remote-w" + std::to_string(w) + "-s" + std::to_string(c.step);
-      o.rel = {"remote", "step-" + std::to_string(c.step)};
+      o.rel = {tier::kLocalDir, remote::StepDir(c.step)};  // where RemoteTier::Fetch writes
       o.what = "the remote tier (" + r_.remote_url + ")";
       NONSTOP_ASSIGN_OR_RETURN(
           SharedCopy got, OncePerHost(o, [&](const std::string& parent,

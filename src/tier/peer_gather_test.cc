@@ -14,6 +14,7 @@
 #include "env/fault_env.h"
 #include "store/format.h"
 #include "tier/peer.h"
+#include "tier/remote_tier.h"
 
 namespace nonstop::peer {
 namespace {
@@ -202,7 +203,7 @@ TEST(PeerGatherTest, ARemotePartIsFetchedOncePerHost) {
   const auto fetch = [&](int64_t step, uint32_t rank, const std::string& dir) -> Result<std::string> {
     ++fetches;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the other rank waits meanwhile
-    const std::string at = dir + "/remote/step-" + std::to_string(step);
+    const std::string at = tier::LocalStepDir(dir, step);  // as RemoteTier::Fetch writes
     Write(env.get(), at, SlotFileName(static_cast<int>(rank)), rank, 7, step);
     return at;
   };

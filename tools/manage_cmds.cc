@@ -194,9 +194,7 @@ void AddManageCommands(CLI::App& app) {
   ls->callback(Guarded("ls", [args] {
     // a remote (a URL, or a directory used as one): python -m nonstop._remote_cli ls
     if (IsRemoteUrl(args->dir) || remote::LooksLikeRemoteRoot(DefaultEnv(), args->dir)) {
-      std::vector<std::string> v = {"ls", args->dir, "--rank", std::to_string(args->rank)};
-      if (args->json) v.emplace_back("--json");
-      RunRemote(v);
+      RunRemote(RemoteCall("ls", args->dir, "", args->rank, args->json));
     }
     RunLs(args->dir, args->rank, args->json);
   }));

@@ -2,7 +2,8 @@
 // `nonstop verify|inspect|export s3://bucket/prefix` (any `scheme://`,
 // file:// included, as `remote=` of the Checkpointer takes). The executable
 // has no network code: it replaces itself with
-// `PY -m nonstop._remote_cli CMD URL ...` (python/nonstop/_remote_cli.py),
+// `PY -m nonstop._remote_cli CMD URL ...` (python/nonstop/_remote_cli.py;
+// the arguments: RemoteCall),
 // which downloads through the remote tier's own validated path and runs this
 // executable (NONSTOP_CLI) on the downloaded directory. PY is
 // $NONSTOP_PYTHON, else the `python` next to this executable (a virtual
@@ -50,6 +51,14 @@ inline std::string PackagePython() {
     return (self.parent_path() / "python").string();
   }
   return "python3";
+}
+
+// The arguments of python -m nonstop._remote_cli, as this executable parsed
+// and checked them: CMD URL STEP RANK JSON ("" for no step, "" or "1"),
+// then export's own (-o, --format, --include, --strip) after them.
+inline std::vector<std::string> RemoteCall(const std::string& cmd, const std::string& url,
+                                           const std::string& step, int rank, bool json) {
+  return {cmd, url, step, std::to_string(rank), json ? "1" : ""};
 }
 
 // Replaces this process with `argv`; returns only when that failed (errno).

@@ -898,11 +898,10 @@ struct StoreArgs {
 };
 
 // The arguments of `nonstop CMD URL ...` for python -m nonstop._remote_cli
-// (tools/remote_cli.h).
+// (tools/remote_cli.h RemoteCall).
 std::vector<std::string> RemoteArgs(const std::string& cmd, const StoreArgs& a) {
-  std::vector<std::string> v = {cmd, a.dir};
-  if (a.step) v.insert(v.end(), {"--step", std::to_string(*a.step)});
-  if (cmd == "inspect" && a.json) v.emplace_back("--json");
+  std::vector<std::string> v =
+      RemoteCall(cmd, a.dir, a.step ? std::to_string(*a.step) : "", 0, a.json);
   if (cmd == "export") {
     v.insert(v.end(), {"-o", a.out, "--format", a.format});
     for (const std::string& glob : a.include) v.insert(v.end(), {"--include", glob});

@@ -1,18 +1,8 @@
-"""The remote tier's Python side: the obstore transport and torch adaptation
-only. Committed checkpoints are copied to an object store (S3 and what
-obstore speaks) or a plain path (a shared file system), and fetched back by
-a node that lost its local directory. See docs/TIERS.md.
-
-Everything else is C++'s, with the GIL released: src/jobdir/remote_layout.h
-(names, documents, the commit rule, retention), src/tier/remote_tier.h
-(nonstop._core.RemoteTier: listing and its rows, fetch and its checks,
-upload and commit, a follower's pick, the JOB claim), uploader.h (the upload
-thread), path_transport.h (a plain path as the remote: _core.PathStore, no
-Python per byte), remote_restore.h (the restore loop: plan, fetch, verify,
-fall back, the warnings and errors; the ranks' agreement), s3_request.h (a
-store failure's kind and line, the signed CreateBucket). This module hands
-C++ the ObjectStore transport (put, get, list, delete over obstore), as the
-distributed code hands it a Comm, and reads into torch what C++ fetched.
+"""The remote tier's Python side: the obstore transport (put, get, list,
+delete) handed to C++ as the distributed code hands it a Comm, and torch
+adaptation of what C++ fetched. Everything else is C++'s, with the GIL
+released (nonstop._core.RemoteTier, RemoteUploader, PathStore,
+remote_restore.h, s3_request.h); docs/TIERS.md describes the tier.
 """
 from __future__ import annotations
 
@@ -33,11 +23,6 @@ from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError
                      CorruptCheckpointError)
 
 PART_BYTES = 8 << 20              # the transports' preferred crc unit and multipart chunk
-
-
-def _rl():
-    """nonstop._core.remote_layout (src/jobdir/remote_layout.h)."""
-    return _ext.core().remote_layout
 
 
 # ------------------------------------------------------------------ stores
@@ -257,27 +242,23 @@ def open_store(url: str, options: Optional[dict]):
 
 
 # --------------------------------------------------------------- reading
-# Everything but the bytes is C++'s (tier/remote_tier.h): which steps are
-# committed, what a fetch verifies, retention, the job's claim. The store
-# is handed to it as its transport.
+# Everything but the bytes is C++'s (tier/remote_tier.h), over the store
+# as its transport.
 
 def _tier(store):
     """The C++ remote tier over `store` (its transport)."""
     return _ext.core().RemoteTier(store)
 
 
-def committed_steps(store, tier=None) -> list:
-    """[(step, marker)] of the steps with a COMMITTED marker, newest first
-    (C++ warns of a marker that does not parse, skipped)."""
-    return (tier or _tier(store)).committed_steps()
+def committed_steps(store) -> list:
+    """[(step, marker)] of the committed steps, newest first (C++ warns of
+    a marker that does not parse, skipped)."""
+    return _tier(store).committed_steps()
 
 
 def fetch(store, step: int, rank: int, local_dir: str) -> str:
-    """Downloads rank `rank`'s part of committed remote step `step` into
-    local_dir/remote/step-N/rank-R.nsck (C++ verifies the size and every
-    part's crc32 against the manifest while writing, then fsync and rename).
-    Returns the one-slot job directory. Raises CorruptCheckpointError (a
-    missing or damaged part, a manifest of another lineage) or OSError."""
+    """Rank `rank`'s part of committed `step`, verified by C++ (size, every
+    part's crc32) into local_dir/remote/step-N/; that one-slot job directory."""
     return _tier(store).fetch(int(step), int(rank), os.fspath(local_dir))
 
 
@@ -301,16 +282,10 @@ def remove_temp_dir(path: str) -> None:
 
 # -------------------------------------------------------------- retention
 
-def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int],
-           tier=None) -> int:
-    """Retention of the remote (rank 0, after each commit; the rules are
-    remote_layout.h StepsToDelete and DeleteBatches: the newest max_to_keep
-    committed steps stay, with keep=k also the steps whose counter is a
-    multiple of k, the newest keep_max of them; nothing goes before a newer
-    step is committed; a step goes marker first, then its manifests and
-    notes, then its parts). Returns how many steps it deleted. `tier`: the
-    uploader's RemoteTier (it caches the markers' counters between calls)."""
-    return (tier or _tier(store)).retain(int(max_to_keep), int(keep or 0), int(keep_max or 0))
+def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int]) -> int:
+    """Retention of the remote (C++: remote_layout.h StepsToDelete, the
+    uploader runs it after each commit); how many steps it deleted."""
+    return _tier(store).retain(int(max_to_keep), int(keep or 0), int(keep_max or 0))
 
 
 # --------------------------------------------------------------- uploader
@@ -343,45 +318,6 @@ def _start_runtime_niced(nice: int) -> None:
     t.join(10)
 
 
-class Uploader:
-    """One rank's background uploads: the C++ thread (tier/uploader.h,
-    _core.RemoteUploader) over the store. `target()` returns the newest
-    checkpoint to upload as (counter, step) or None: the newest committed
-    one (one process) or the newest globally agreed one; C++ calls it (with
-    the GIL for that call alone) and decides everything else: which one goes
-    next (every=n: each selected one in order), the backoff, retention, the
-    close timeout, the counters, the thread's priority."""
-
-    def __init__(self, store, dir: str, rank: int, world: int, target, core=None, keep=None,
-                 options: Optional[dict] = None, keep_max: Optional[int] = None,
-                 every: Optional[int] = None, job: str = ""):
-        self.store = store
-        self.up = _ext.core().RemoteUploader.from_options(  # the options are read in C++
-            _tier(store), target, dir, rank, world, dict(options or {}), every or 0,
-            int(keep or 0), int(keep_max or 0), job)
-        # at exit (or when dropped unclosed) the thread stops before the interpreter does
-        self._exit = weakref.finalize(self, self.up.close, False)
-        self.rank, self.final = rank, None
-
-    @property
-    def stats(self) -> dict:
-        return self.final if self.final is not None else self.up.stats()
-
-    def snapshot(self) -> dict:
-        s = dict(self.stats)
-        s.update(url=self.store.url)
-        return s
-
-    def close(self, wait: bool = True) -> None:
-        """Uploads the newest checkpoint still to upload (wait=True, within
-        close_timeout_s), then stops the thread; a failure is a warning."""
-        if self.final is not None:
-            return
-        err = self.up.close(wait)
-        self.final = self.up.stats()
-        if err is not None:
-            warnings.warn(f"nonstop: {err}", stacklevel=3)
-
 def check_every(every, world_size: int) -> Optional[int]:
     """remote_every: None, or an int >= 1 (one process only). C++."""
     return _ext.core().check_remote_every(every, world_size)
@@ -400,7 +336,8 @@ class Tier:
         self.store = open_store(url, self.options)
         if isinstance(self.store, ObjectStore):  # before restore() uses obstore on this thread
             _start_runtime_niced(int(self.options.get("nice", 10)))
-        self.uploader: Optional[Uploader] = None
+        self.up = None     # the upload thread (_core.RemoteUploader), from the first save
+        self.final = None  # its stats once closed
         self.engine = None
         self.restored_from: Optional[str] = None
         # The job's identity on the remote (its JOB document): remote_options'
@@ -429,9 +366,10 @@ class Tier:
         self.claimed = True
 
     def _target(self):
-        """The newest checkpoint to upload (the uploader's `newest`): the
-        engine's newest committed one, or the ranks' newest agreed one of
-        this run (an older record may name an abandoned future)."""
+        """The uploader's `newest` (C++ calls it with the GIL for that call
+        alone): (counter, step) of the engine's newest committed checkpoint,
+        or the ranks' newest agreed one of this run (an older record may
+        name an abandoned future); None."""
         dist = self.ckpt.session.dist
         engine = self.engine  # held here: close() clears the Checkpointer's first
         if engine is None or getattr(engine, "closed", False):
@@ -448,32 +386,39 @@ class Tier:
         """remote_every: before a checkpoint starts (and may reuse a ring
         slot), every selected one is copied out of the ring (C++; bounded by
         commit_timeout_s: one that never commits is given up)."""
-        if self.uploader is not None:
-            self.uploader.up.before_save()
+        if self.up is not None:
+            self.up.before_save()
 
     def started(self, counter: Optional[int] = None, step: Optional[int] = None) -> None:
         """After each save() (its engine counter and step): the first starts
         the upload thread; with remote_every, a selected one is queued."""
-        if self.uploader is None:
+        if self.up is None:
             self._claim()
             self.engine = self.ckpt.session.engine
-            self.uploader = Uploader(self.store, self.ckpt.dir, self.ckpt.rank,
-                                     self.ckpt.world_size, self._target,
-                                     keep=self.ckpt.keep, options=self.options,
-                                     keep_max=self.ckpt.max_to_keep, every=self.every,
-                                     job=self.job)
+            c = self.ckpt  # the options are read in C++ (C++ decides everything else)
+            self.up = _ext.core().RemoteUploader.from_options(
+                _tier(self.store), self._target, c.dir, c.rank, c.world_size, self.options,
+                self.every or 0, int(c.keep or 0), int(c.max_to_keep or 0), self.job)
+            # at exit (or when dropped unclosed) the thread stops before the interpreter does
+            weakref.finalize(self, self.up.close, False)
         if counter is not None:
-            self.uploader.up.started(int(counter), int(step))
+            self.up.started(int(counter), int(step))
 
     def stats(self) -> dict:
-        s = self.uploader.snapshot() if self.uploader is not None else {
-            "url": self.store.url, "uploaded_step": None, "uploading_step": None}
-        s["restored_from"] = self.restored_from
+        s = {"uploaded_step": None, "uploading_step": None} if self.up is None else dict(
+            self.final if self.final is not None else self.up.stats())
+        s.update(url=self.store.url, restored_from=self.restored_from)
         return s
 
     def close(self, wait: bool = True) -> None:
-        if self.uploader is not None:
-            self.uploader.close(wait)
+        """Uploads the newest checkpoint still to upload (wait=True, within
+        close_timeout_s), then stops the thread; a failure is a warning."""
+        if self.up is None or self.final is not None:
+            return
+        err = self.up.close(wait)
+        self.final = self.up.stats()
+        if err is not None:
+            warnings.warn(f"nonstop: {err}", stacklevel=3)
 
     # -- restore
 
@@ -484,81 +429,39 @@ class Tier:
         return [] if pf is None else [{"step": pf["step"], "counter": pf["counter"],
                                        "where": "peer"}]
 
-    def _plan(self, listing, step: Optional[int]) -> dict:
-        """This rank's restore plan (C++, tier/remote_restore.h): its job
-        directory's candidates and lineage, the peer tier's replica, and the
-        remote's committed `listing` ([[step, counter]]; None: not listed)."""
-        return self.core().plan_remote_restore(self.ckpt.dir, self.ckpt.rank, listing, step=step,
-                                               extra=self._extra(), where=self.store.url)
-
     def restore(self, step: Optional[int]):
         """A LoadedCheckpoint from the remote when the plan puts a remote
         checkpoint first (newer by counter than every local one, the same
         checkpoint where the local copy fails to verify, or `step` only
         remote); None to restore from the local directory. The loop (plan,
-        fetch, verify, fall back with a warning, the errors) is C++'s
-        (RestoreFromRemote); Python reads into torch what it fetched."""
-        if self.ckpt.session.dist is not None:
-            return self._restore_dist(step)
-        try:
-            self._claim()  # another job's prefix is refused before anything is read
-        except (OSError, CheckpointIOError):
-            pass  # the store is down: the restore says so
-        c = self.ckpt
+        fetch, verify, fall back with a warning, the errors; with ranks, the
+        agreement over the Comm's gathers of JSON, never pickle) is C++'s
+        (RestoreFromRemote, RestoreFromRemoteDist); Python reads into torch
+        what it fetched."""
+        c, d = self.ckpt, self.ckpt.session.dist
+        if d is None:
+            try:
+                self._claim()  # another job's prefix is refused before anything is read
+            except (OSError, CheckpointIOError):
+                pass  # the store is down: the restore says so
         loaded = self.core().restore_remote(
             _tier(self.store), c.dir, c.rank, step, self._extra(), c.dir,
-            lambda d: self.read(d, c.rank, None, c.world_size, as_numpy=False))
-        if loaded is not None:
-            self.restored_from = f"{self.store.url}/{_rl().step_dir(loaded.step)}"
-        return loaded
-
-    def _restore_dist(self, step: Optional[int]):
-        # JSON over the gloo group (_Comm.gather), never all_gather_object or
-        # broadcast_object_list: those unpickle what the peers send. Rank 0
-        # lists the remote; each rank plans (C++) and the ranks gather the
-        # plans; C++ agrees on the steps (common_restore_steps), rank 0's order.
-        d = self.ckpt.session.dist
-        comm = d.comm()
-        listing = None
-        if d.rank == 0:
-            try:
-                listing = _tier(self.store).listing(d.world)  # C++: committed, of this world
-            except (CheckpointError, OSError) as e:  # the store is down: said on every rank
-                listing = _first_line(e)
-        listing = comm.gather(listing)[0]  # rank 0's listing, on every rank
-        if isinstance(listing, str):
-            common = self.core().common_restore_steps(comm.gather(self._plan(None, step)["order"]))
-            self.core().remote_unlisted(self.store.url, listing, self.ckpt.dir,
-                                        common[0][0] if common else None, False)
+            lambda p: self.read(p, c.rank, None, c.world_size, as_numpy=False),
+            world=None if d is None else d.world, gather=None if d is None else d.comm().gather)
+        if loaded is None:
             return None
-        plans, tried = comm.gather(self._plan(listing, step)["order"]), []
-        while True:  # C++ says what to try next, the warnings and the error
-            s = self.core().dist_remote_next(self.store.url, plans, tried)
-            if s is None:
-                return None  # the local path reads it (recover)
-            loaded, err = None, None
-            try:
-                got = fetch(self.store, s, self.ckpt.rank, self.ckpt.dir)
-                loaded = self.read(got, self.ckpt.rank, None, self.ckpt.world_size,
-                                   as_numpy=False)
-                if loaded is None or loaded.step != s:
-                    err = f"{got} holds no committed checkpoint of step {s}"
-            except (CheckpointError, OSError) as e:
-                err = str(e)
-            errs = comm.gather(err)
-            if any(e is not None for e in errs):
-                tried.append([s, errs])
-                continue
-            full = d.assemble(loaded.tensors, loaded.info, loaded.meta)
-            engine = self.ckpt.session.engine
-            d.engine = engine
-            d.lineage = d.new_lineage()
-            cand = engine.candidate()
-            if cand is not None:
-                engine.drop_candidate(cand[0])
-            self.restored_from = f"{self.store.url}/{_rl().step_dir(s)}"
-            return self.loaded_cls(loaded.step, loaded.counter, full, loaded.meta, loaded.info,
-                                   loaded.path)
+        self.restored_from = f"{self.store.url}/{_ext.core().remote_layout.step_dir(loaded.step)}"
+        if d is None:
+            return loaded
+        full = d.assemble(loaded.tensors, loaded.info, loaded.meta)
+        engine = self.ckpt.session.engine
+        d.engine = engine
+        d.lineage = d.new_lineage()
+        cand = engine.candidate()
+        if cand is not None:
+            engine.drop_candidate(cand[0])
+        return self.loaded_cls(loaded.step, loaded.counter, full, loaded.meta, loaded.info,
+                               loaded.path)
 
 
 def is_remote(path, options: Optional[dict] = None) -> bool:
@@ -566,24 +469,18 @@ def is_remote(path, options: Optional[dict] = None) -> bool:
     directory used as a remote (step-N directories, no slot file)."""
     path = os.fspath(path)
     return (options is not None or bool(re.match(r"^[a-z][a-z0-9+.-]*://", path))
-            or _rl().looks_like_remote_root(path))
+            or _ext.core().remote_layout.looks_like_remote_root(path))
 
 
 def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
-    """nonstop.list() of a remote: one row per step directory, newest first,
-    in the shape of a local listing (where="remote"; bytes: rank `rank`'s
-    part). A step without a marker is "uncommitted": an upload under way or
-    given up, never read. Nothing is downloaded but the markers. The rows
-    are C++'s (RemoteTier.rows)."""
+    """nonstop.list() of a remote: C++'s rows (RemoteTier.rows; docs/TIERS.md)."""
     return _tier(open_store(os.fspath(url), options or {})).rows(rank)
 
 
 def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read,
          as_numpy: bool):
-    """nonstop.load() of a remote URL (or, with remote_options, a remote
-    path): the newest committed remote step that verifies (or `step`),
-    fetched into a temporary directory and read from there (the loop and
-    its warnings and errors: C++ RestoreFromRemote)."""
+    """nonstop.load() of a remote: the step C++ RestoreFromRemote fetches
+    (and verifies) into a temporary directory, read from there."""
     store = open_store(url, options or {})
     tmp = temp_dir()
     try:
@@ -592,5 +489,5 @@ def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read
                                             load=True)
     finally:
         remove_temp_dir(tmp)
-    loaded.path = f"{store.url}/{_rl().part_key(loaded.step, rank)}"
+    loaded.path = f"{store.url}/{_ext.core().remote_layout.part_key(loaded.step, rank)}"
     return loaded

@@ -46,7 +46,6 @@
 #include "tier/path_transport.h"
 #include "tier/remote_tier.h"
 #include "tier/s3_request.h"
-#include "tier/staging.h"
 #include "tier/transport.h"
 #include "tier/uploader.h"
 
@@ -87,46 +86,16 @@ std::string_view View(const py::bytes& b) {
   return {p, static_cast<size_t>(n)};
 }
 
-const char* KindName(rl::Key::Kind k) {
-  switch (k) {
-    case rl::Key::Kind::kPart: return "part";
-    case rl::Key::Kind::kManifest: return "manifest";
-    case rl::Key::Kind::kMarker: return "marker";
-    case rl::Key::Kind::kLead: return "lead";
-    case rl::Key::Kind::kSkip: return "skip";
-    case rl::Key::Kind::kOther: return "other";
-  }
-  return "other";
-}
-
 void InitRemoteLayout(py::module_& parent) {
   py::module_ m = parent.def_submodule(
       "remote_layout", "The layout and commit rules of a remote checkpoint (remote_layout.h).");
   m.attr("FORMAT") = rl::kFormat;
-  m.attr("MAX_DOC_BYTES") = rl::kMaxDocBytes;
-  m.attr("MAX_WORLD") = rl::kMaxWorld;
   m.attr("LOCAL_DIR") = tier::kLocalDir;  // DIR/remote/step-N: staged uploads, fetched parts
   m.def("step_dir", &rl::StepDir, py::arg("step"));
   m.def("part_key", &rl::PartKey, py::arg("step"), py::arg("rank"));
   m.def("manifest_key", &rl::ManifestKey, py::arg("step"), py::arg("rank"));
   m.def("marker_key", &rl::MarkerKey, py::arg("step"));
-  m.def("lead_key", &rl::LeadKey, py::arg("step"));
-  m.def("skip_key", &rl::SkipKey, py::arg("step"), py::arg("rank"));
   m.def("job_key", &rl::JobKey);
-  m.def(
-      "decode_job",
-      [](const std::string& text, const std::string& what) { return Take(rl::DecodeJob(text, what)); },
-      py::arg("text"), py::arg("what"),
-      "The job name of a JOB document (its identity); CorruptCheckpointError otherwise.");
-  m.def(
-      "parse_key",
-      [](const std::string& key) -> py::object {
-        std::optional<rl::Key> k = rl::ParseKey(key);
-        if (!k) return py::none();
-        return py::make_tuple(k->step, KindName(k->kind), k->rank);
-      },
-      py::arg("key"), "(step, kind, rank) of step-N/NAME, kind one of part, manifest, marker, "
-      "lead, skip, other; None for any other key.");
   m.def(
       "looks_like_remote_root",
       [](const std::string& path) {
@@ -164,68 +133,52 @@ class PyTransport final : public tier::Transport {
                  double bps) override {
     NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> d,
                              DefaultEnv()->OpenDirectory(dir, false));
-    py::gil_scoped_acquire g;
-    try {
+    return Call([&] {
       py::object src = py::cast(std::shared_ptr<Directory>(std::move(d)));
       store_.attr("put_file")(key, src, name, bps > 0 ? py::cast(bps) : py::none());
       return Status::OK();
-    } catch (py::error_already_set& e) {
-      return Failed(e);
-    }
+    });
   }
   Status PutBytes(const std::string& key, std::string_view data) override {
-    py::gil_scoped_acquire g;
-    try {
+    return Call([&] {
       store_.attr("put_bytes")(key, py::bytes(data.data(), data.size()));
       return Status::OK();
-    } catch (py::error_already_set& e) {
-      return Failed(e);
-    }
+    });
   }
   Result<std::string> GetBytes(const std::string& key, uint64_t limit) override {
-    py::gil_scoped_acquire g;
-    try {
+    return Call([&]() -> Result<std::string> {
       py::object got = store_.attr("get_bytes")(key, limit);
       if (got.is_none()) return Status::NotFound(url_ + "/" + key + ": not found");
       return std::string(View(py::bytes(got)));
-    } catch (py::error_already_set& e) {
-      return Failed(e);
-    }
+    });
   }
   Status GetChunks(const std::string& key, const std::function<Status(uint64_t)>& on_size,
                    const std::function<Status(std::string_view)>& on_chunk) override {
     py::gil_scoped_acquire g;
     py::object it;
     uint64_t size = 0;
-    try {
+    Status s = Catch([&] {
       py::tuple got = store_.attr("get_chunks")(key);
       size = got[0].cast<uint64_t>();
       it = py::iter(got[1]);
-    } catch (py::error_already_set& e) {
-      return Failed(e);
-    }
-    Status s;
-    {
+      return Status::OK();
+    });
+    if (s.ok()) {
       py::gil_scoped_release r;
       s = on_size(size);
     }
     while (s.ok()) {
       py::object buf;
-      try {
-        PyObject* next = PyIter_Next(it.ptr());
-        if (next == nullptr) {
-          if (PyErr_Occurred() != nullptr) throw py::error_already_set();
-          break;
+      Py_buffer view{};
+      s = Catch([&] {
+        buf = py::reinterpret_steal<py::object>(PyIter_Next(it.ptr()));
+        if (!buf && PyErr_Occurred() != nullptr) throw py::error_already_set();
+        if (buf && PyObject_GetBuffer(buf.ptr(), &view, PyBUF_SIMPLE) != 0) {
+          throw py::error_already_set();
         }
-        buf = py::reinterpret_steal<py::object>(next);
-      } catch (py::error_already_set& e) {
-        return Failed(e);
-      }
-      Py_buffer view;
-      if (PyObject_GetBuffer(buf.ptr(), &view, PyBUF_SIMPLE) != 0) {
-        py::error_already_set e;
-        return Failed(e);
-      }
+        return Status::OK();
+      });
+      if (!s.ok() || !buf) break;  // a failure, or the end
       {
         py::gil_scoped_release r;  // buf and view stay referenced: nothing frees them
         s = on_chunk(std::string_view(static_cast<const char*>(view.buf),
@@ -236,26 +189,20 @@ class PyTransport final : public tier::Transport {
     return s;
   }
   Result<std::vector<tier::StoredObject>> List(const std::string& prefix) override {
-    py::gil_scoped_acquire g;
-    try {
+    return Call([&]() -> Result<std::vector<tier::StoredObject>> {
       std::vector<tier::StoredObject> out;
       for (py::handle row : store_.attr("list")(prefix)) {
         py::tuple t = py::reinterpret_borrow<py::tuple>(row);
         out.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>()});
       }
       return out;
-    } catch (py::error_already_set& e) {
-      return Failed(e);
-    }
+    });
   }
   Status Delete(const std::vector<std::string>& keys) override {
-    py::gil_scoped_acquire g;
-    try {
+    return Call([&] {
       store_.attr("delete")(keys);
       return Status::OK();
-    } catch (py::error_already_set& e) {
-      return Failed(e);
-    }
+    });
   }
 
   // With the GIL held. Forgets this thread's last failure (before a call).
@@ -290,6 +237,22 @@ class PyTransport final : public tier::Transport {
   }
 
  private:
+  // With the GIL held: fn() (a Status or Result), or the Status of the
+  // transport's exception it raised (see Failed).
+  template <typename Fn>
+  auto Catch(Fn&& fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (py::error_already_set& e) {
+      return Failed(e);
+    }
+  }
+  // One call of a transport method: the GIL taken for it alone.
+  template <typename Fn>
+  auto Call(Fn&& fn) -> decltype(fn()) {
+    py::gil_scoped_acquire g;
+    return Catch(std::forward<Fn>(fn));
+  }
   // With the GIL held: the Status of a transport's exception, the
   // exception kept for Raise.
   Status Failed(py::error_already_set& e) {
@@ -508,18 +471,6 @@ class PyUploader {
   std::unique_ptr<tier::RemoteUploader> uploader_;  // declared last: goes first
 };
 
-const char* OutcomeName(tier::PublishReport::Outcome o) {
-  using O = tier::PublishReport::Outcome;
-  switch (o) {
-    case O::kUploaded: return "uploaded";
-    case O::kCommitted: return "committed";
-    case O::kSkippedExisting: return "skipped_existing";
-    case O::kGivenUp: return "given_up";
-    case O::kNotCommitted: return "not_committed";
-  }
-  return "uploaded";
-}
-
 const char* StateName(tier::StepState s) {
   switch (s) {
     case tier::StepState::kCommitted: return "committed";
@@ -535,36 +486,6 @@ void InitRemoteUploader(py::module_& m) {
         "best-effort level (best effort).");
   py::class_<PyUploader>(m, "RemoteUploader",
                          "One rank's upload thread (tier/uploader.h) over a RemoteTier.")
-      .def(py::init([](py::object tier, py::object newest, const std::string& job_dir,
-                       uint32_t rank, uint32_t world_size, uint64_t every, uint32_t max_to_keep,
-                       uint64_t keep_every, uint32_t keep_max, std::optional<double> bps,
-                       double poll_s, double commit_timeout_s, double retry_max_s,
-                       double close_timeout_s, int nice, const std::string& job,
-                       bool note_manifest) {
-             tier::UploaderOptions o;
-             o.job = job;
-             o.note_manifest = note_manifest;
-             o.job_dir = job_dir;
-             o.rank = rank;
-             o.world_size = world_size;
-             o.every = every;
-             o.retention = {max_to_keep, keep_every, keep_max};
-             o.bps = bps.value_or(0.0);
-             o.poll_s = poll_s;
-             o.commit_timeout_s = commit_timeout_s;
-             o.retry_max_s = retry_max_s;
-             o.close_timeout_s = close_timeout_s;
-             o.nice = nice;
-             return std::make_unique<PyUploader>(std::move(tier), std::move(newest), o);
-           }),
-           py::arg("tier"), py::arg("newest"), py::arg("job_dir"), py::arg("rank") = 0,
-           py::arg("world_size") = 1, py::arg("every") = 0, py::arg("max_to_keep") = 2,
-           py::arg("keep_every") = 0, py::arg("keep_max") = 0, py::arg("bps") = py::none(),
-           py::arg("poll_s") = 0.05, py::arg("commit_timeout_s") = 120.0,
-           py::arg("retry_max_s") = 10.0, py::arg("close_timeout_s") = 600.0,
-           py::arg("nice") = 10, py::arg("job") = "", py::arg("note_manifest") = true,
-           "Starts the thread. newest(): (counter, step) of the newest checkpoint to upload "
-           "(committed, or agreed by every rank), or None.")
       .def_static(
           "from_options",
           [](py::object tier, py::object newest, const std::string& job_dir, uint32_t rank,
@@ -845,22 +766,6 @@ void InitRemoteTier(py::module_& m) {
           "whole into fetch_dir, falling back while the download fails or (no step asked) "
           "run returns 1; the exit code. Notes go to stderr.")
       .def(
-          "listing",
-          [](PyRemoteTier& t, std::optional<uint32_t> world) {
-            std::vector<std::string> damaged;
-            auto steps = t.Run([&](tier::RemoteTier& r) { return r.CommittedSteps(&damaged); });
-            for (const std::string& d : damaged) Warn("remote: " + d + "; skipped");
-            py::list out;
-            for (const auto& [step, doc] : steps) {
-              if (world && std::max<uint32_t>(doc.world_size, 1) != *world) continue;
-              out.append(py::make_tuple(step, doc.counter.value_or(0)));
-            }
-            return out;
-          },
-          py::arg("world") = py::none(),
-          "The committed steps as a restore plan takes them, [(step, marker's counter)] newest "
-          "first; `world`: only steps of that world size (another one's are resharded).")
-      .def(
           "candidates",
           [](PyRemoteTier& t, std::optional<int64_t> step) {
             std::vector<std::string> damaged;
@@ -876,31 +781,6 @@ void InitRemoteTier(py::module_& m) {
           "[(step, marker)] of the committed steps in the planner's order (`step` alone when "
           "given); CheckpointNotFoundError when there is none.")
       .def_property_readonly("url", [](PyRemoteTier& t) { return t.transport().url(); })
-      .def(
-          "list",
-          [](PyRemoteTier& t, uint32_t rank) {
-            auto held = t.Run([&](tier::RemoteTier& r) { return r.List(rank); });
-            py::list out;
-            for (const tier::HeldStep& s : held) {
-              py::dict d;
-              d["step"] = s.step;
-              d["state"] = StateName(s.state);
-              d["reason"] = s.reason;
-              d["marker"] = s.marker ? py::object(DocDict(*s.marker)) : py::none();
-              d["bytes"] = s.bytes;
-              d["objects"] = s.objects;
-              d["total_bytes"] = s.total_bytes;
-              d["ranks"] = s.ranks;
-              d["note"] = s.note;
-              out.append(d);
-            }
-            return out;
-          },
-          py::arg("rank") = 0,
-          "Every step directory, newest first: {step, state (committed, uncommitted, damaged), "
-          "reason, marker (dict or None), bytes (rank `rank`'s part), objects, total_bytes (every "
-          "object of the step), ranks (whose part is there), note (why rank `rank` cannot read it, "
-          "empty when it can)}.")
       .def(
           "committed_steps",
           [](PyRemoteTier& t) {
@@ -929,13 +809,6 @@ void InitRemoteTier(py::module_& m) {
           "Every rank's part of committed `step`, each verified as fetch does, into "
           "local_dir/remote/step-N; returns that directory.")
       .def(
-          "job",
-          [](PyRemoteTier& t) {
-            return t.Run([&](tier::RemoteTier& r) { return r.Job(); });
-          },
-          "The job that owns the prefix (its JOB document), or None; CorruptCheckpointError "
-          "when it does not parse.")
-      .def(
           "retain",
           [](PyRemoteTier& t, uint32_t max_to_keep, uint64_t keep_every, uint32_t keep_max) {
             return t.Run([&](tier::RemoteTier& r) {
@@ -945,112 +818,12 @@ void InitRemoteTier(py::module_& m) {
           py::arg("max_to_keep"), py::arg("keep_every") = 0, py::arg("keep_max") = 0,
           "Deletes the steps retention does not keep (marker first); how many went.")
       .def(
-          "publish",
-          [](PyRemoteTier& t, int64_t step, uint64_t counter, int64_t lineage, uint32_t rank,
-             uint32_t world, const std::string& dir, const std::string& name,
-             std::optional<double> bps, double commit_timeout_s, double poll_s) {
-            tier::PublishRequest req{step, counter, lineage, rank, world, dir, name};
-            tier::PublishOptions o;
-            o.bps = bps.value_or(0.0);
-            o.commit_timeout_s = commit_timeout_s;
-            o.poll_s = poll_s;
-            tier::PublishReport rep =
-                t.Run([&](tier::RemoteTier& r) { return r.Publish(req, o); });
-            py::dict d;
-            d["outcome"] = OutcomeName(rep.outcome);
-            d["bytes"] = rep.bytes;
-            d["crc_s"] = rep.crc_s;
-            d["put_s"] = rep.put_s;
-            d["upload_s"] = rep.upload_s;
-            d["error"] = rep.error.empty() ? py::object(py::none()) : py::cast(rep.error);
-            return d;
-          },
-          py::arg("step"), py::arg("counter"), py::arg("lineage"), py::arg("rank"),
-          py::arg("world_size"), py::arg("dir"), py::arg("name"), py::arg("bps") = py::none(),
-          py::arg("commit_timeout_s") = 120.0, py::arg("poll_s") = 0.05,
-          "Uploads the staged one-slot copy dir/name of `step` (checksums, part, manifest) "
-          "and, on rank 0, commits it (RemoteTier::Publish); returns {outcome (uploaded, "
-          "committed, skipped_existing, given_up, not_committed), bytes, crc_s, put_s, "
-          "upload_s, error}.")
-      .def_static(
-          "stage",
-          [](const std::string& job_dir, uint32_t rank, uint64_t counter, int64_t step) {
-            Result<tier::StagedCopy> got = Status::Internal("unset");
-            {
-              py::gil_scoped_release r;
-              got = tier::StageCopy(DefaultEnv(), job_dir, rank, counter, step);
-            }
-            tier::StagedCopy c = Take(std::move(got));
-            py::dict d;
-            d["dir"] = c.dir;
-            d["name"] = c.name;
-            d["step"] = c.step;
-            d["counter"] = c.counter;
-            d["lineage"] = c.lineage;
-            return d;
-          },
-          py::arg("job_dir"), py::arg("rank"), py::arg("counter"), py::arg("step"),
-          "The staged one-slot copy of committed checkpoint `counter` (tier/staging.h): "
-          "{dir, name, step, counter, lineage}.")
-      .def_static(
-          "drop_staged",
-          [](const std::string& job_dir, int64_t keep_step) {
-            py::gil_scoped_release r;
-            return tier::DropStaged(DefaultEnv(), job_dir, keep_step);
-          },
-          py::arg("job_dir"), py::arg("keep_step"),
-          "Removes the staged step folders but keep_step's; one line per folder left.")
-      .def(
-          "follow",
-          [](PyRemoteTier& t, const std::string& job_dir, uint32_t rank, uint32_t world,
-             int64_t target_step, std::optional<int64_t> done_step) -> py::object {
-            auto got = t.Run([&](tier::RemoteTier& r) {
-              return r.Follow(job_dir, rank, world, target_step, done_step);
-            });
-            if (!got) return py::none();
-            return py::make_tuple(got->first, got->second);
-          },
-          py::arg("job_dir"), py::arg("rank"), py::arg("world_size"), py::arg("target_step"),
-          py::arg("done_step") = py::none(),
-          "A follower's pick (RemoteTier::Follow): (counter, step) of the newest step rank 0 "
-          "leads that this rank holds in its run, or None; writes the skip note of a step its "
-          "ring no longer holds.")
-      .def_property_readonly("skipped_gone",
-                             [](PyRemoteTier& t) { return t.tier().skipped_gone(); })
-      .def(
-          "stop", [](PyRemoteTier& t, double wait_s) { t.tier().Stop(wait_s); },
-          py::arg("wait_s"), "A commit wait ends wait_s seconds from now at the latest.")
-      .def(
           "claim",
           [](PyRemoteTier& t, const std::string& job, bool adopt, double unix_s) {
             t.Run([&](tier::RemoteTier& r) { return r.Claim(job, adopt, unix_s); });
           },
           py::arg("job"), py::arg("adopt"), py::arg("unix_s"),
           "This job owns the prefix (its JOB document); another job's is refused unless adopt.");
-}
-
-// A restore plan's order as [[step, counter, "remote" | "local"], ...]
-// (plain lists: the ranks gather them as JSON).
-py::list SourcesList(const std::vector<tier::RestoreSource>& order) {
-  py::list out;
-  for (const tier::RestoreSource& s : order) {
-    py::list row;
-    row.append(s.step);
-    row.append(s.counter);
-    row.append(s.remote ? "remote" : "local");
-    out.append(row);
-  }
-  return out;
-}
-
-std::vector<tier::RestoreSource> SourcesOf(const py::handle& rows) {
-  std::vector<tier::RestoreSource> out;
-  for (py::handle row : rows) {
-    py::sequence r = py::reinterpret_borrow<py::sequence>(row);
-    out.push_back({r[0].cast<int64_t>(), r[1].cast<uint64_t>(),
-                   r[2].cast<std::string>() == "remote"});
-  }
-  return out;
 }
 
 // {step, counter, where} rows: local copies of the memory tier (the peer
@@ -1118,49 +891,10 @@ void InitRemoteRestore(py::module_& m) {
   m.def("remote_ls_text", &LsText, py::arg("rows"), py::arg("rank"), py::arg("url"),
         "`nonstop ls URL`'s text of RemoteTier.rows: a local ls's columns.");
   m.def(
-      "plan_remote_restore",
-      [](const std::string& job_dir, uint32_t rank, std::optional<py::list> remote,
-         std::optional<int64_t> step, const py::list& extra, const std::vector<uint64_t>& exclude,
-         const std::string& where) {
-        tier::RestorePlanRequest req;
-        req.job_dir = job_dir;
-        req.rank = rank;
-        req.step = step;
-        req.exclude = exclude;
-        req.remote_where = where;
-        if (remote) {
-          req.remote.emplace();
-          for (py::handle row : *remote) {
-            py::sequence r = py::reinterpret_borrow<py::sequence>(row);
-            req.remote->emplace_back(r[0].cast<int64_t>(), r[1].cast<uint64_t>());
-          }
-        }
-        req.extra_local = ExtraOf(extra);
-        Result<tier::RestorePlan> got = Status::Internal("unset");
-        {
-          py::gil_scoped_release r;
-          got = tier::PlanRemoteRestore(DefaultEnv(), req);
-        }
-        tier::RestorePlan plan = Take(std::move(got));
-        py::dict d;
-        d["order"] = SourcesList(plan.order);
-        d["local_newest"] = plan.local_newest ? py::cast(*plan.local_newest) : py::none();
-        d["local_has_step"] = plan.local_has_step;
-        return d;
-      },
-      py::arg("job_dir"), py::arg("rank"), py::arg("remote"), py::arg("step") = py::none(),
-      py::arg("extra") = py::list(), py::arg("exclude") = std::vector<uint64_t>{},
-      py::arg("where") = "",
-      "The restore plan of a rank with a remote tier (tier/remote_restore.h): job_dir's "
-      "candidates (\"\": none), `extra` local ones ({step, counter, where}: the memory tier), "
-      "the remote's committed [(step, counter)] (None: not listed); returns {order: [[step, "
-      "counter, 'remote' | 'local']] in the planner's order, each step once, local_newest, "
-      "local_has_step}.");
-  m.def(
       "restore_remote",
       [](PyRemoteTier& t, const std::string& job_dir, uint32_t rank, std::optional<int64_t> step,
          const py::list& extra, const std::string& fetch_dir, py::object read,
-         std::optional<uint32_t> world, bool load) -> py::object {
+         std::optional<uint32_t> world, bool load, py::object gather) -> py::object {
         tier::RemoteRestoreRequest req;
         req.plan.job_dir = job_dir;
         req.plan.rank = rank;
@@ -1193,12 +927,26 @@ void InitRemoteRestore(py::module_& m) {
                           py::str(e.value()).cast<std::string>());
           }
         };
+        tier::Gather gather_fn = [&](const std::string& mine) -> Result<std::vector<std::string>> {
+          py::gil_scoped_acquire g;
+          try {  // JSON over the process group (the Comm's gather)
+            py::str text = py::reinterpret_steal<py::str>(
+                PyUnicode_DecodeUTF8(mine.data(), static_cast<Py_ssize_t>(mine.size()), "replace"));
+            return gather(text).cast<std::vector<std::string>>();
+          } catch (py::error_already_set& e) {  // the group failed: raised as it is
+            fatal = e.value();
+            return Status::Aborted(py::str(e.value()).cast<std::string>());
+          }
+        };
         tier::RemoteRestoreResult out;
         Status s;
         t.Forget();
         {
           py::gil_scoped_release r;
-          s = tier::RestoreFromRemote(DefaultEnv(), &t.tier(), req, read_fn, &out);
+          s = gather.is_none()
+                  ? tier::RestoreFromRemote(DefaultEnv(), &t.tier(), req, read_fn, &out)
+                  : tier::RestoreFromRemoteDist(DefaultEnv(), &t.tier(), req, gather_fn, read_fn,
+                                                &out);
         }
         for (const std::string& w : out.warnings) Warn(w);
         if (!fatal.is_none()) {
@@ -1210,59 +958,12 @@ void InitRemoteRestore(py::module_& m) {
       },
       py::arg("tier"), py::arg("job_dir"), py::arg("rank"), py::arg("step"), py::arg("extra"),
       py::arg("fetch_dir"), py::arg("read"), py::arg("world") = py::none(),
-      py::arg("load") = false,
-      "One rank's restore with a remote tier (tier/remote_restore.h RestoreFromRemote): "
-      "read(dir) is called on each remote candidate fetched (verified) into fetch_dir, in "
-      "the plan's order, until one returns the LoadedCheckpoint of its step (returned); None: "
-      "the local path reads. Failures are warnings; errors as RestoreFromRemote's.");
-  m.def(
-      "dist_remote_next",
-      [](const std::string& url, const py::list& plans, const py::list& tried) -> py::object {
-        std::vector<std::vector<tier::RestoreSource>> every;
-        for (py::handle e : plans) every.push_back(SourcesOf(e));
-        std::vector<tier::DistTried> done;
-        for (py::handle row : tried) {
-          py::sequence r = py::reinterpret_borrow<py::sequence>(row);
-          tier::DistTried t{r[0].cast<int64_t>(), {}};
-          for (py::handle e : py::reinterpret_borrow<py::sequence>(r[1])) {
-            t.errors.push_back(e.is_none() ? "" : py::str(e).cast<std::string>());
-          }
-          done.push_back(std::move(t));
-        }
-        std::string warning;
-        Result<std::optional<int64_t>> next = tier::NextDistRemoteStep(url, every, done, &warning);
-        if (!warning.empty()) Warn(warning);
-        std::optional<int64_t> s = Take(std::move(next));
-        return s ? py::cast(*s) : py::none();
-      },
-      py::arg("url"), py::arg("plans"), py::arg("tried"),
-      "One move of the distributed remote restore (NextDistRemoteStep): plans, every rank's "
-      "plan order (rank 0 first); tried, [[step, [error or None per rank]]]. The next agreed "
-      "remote step to fetch, or None (the local path restores); warns of the last failure.");
-  m.def(
-      "remote_unlisted",
-      [](const std::string& url, const std::string& why, const std::string& job_dir,
-         std::optional<int64_t> local_newest, bool step_asked) {
-        Warn(Take(tier::UnlistedRemote(url, why, job_dir, local_newest, step_asked, true)));
-      },
-      py::arg("url"), py::arg("why"), py::arg("job_dir"), py::arg("local_newest"),
-      py::arg("step_asked"),
-      "A remote that cannot be listed at restore: the warning (a local step to resume), "
-      "else the CheckpointIOError.");
-  m.def(
-      "common_restore_steps",
-      [](const py::list& every) {
-        std::vector<std::vector<tier::RestoreSource>> in;
-        for (py::handle e : every) in.push_back(SourcesOf(e));
-        py::list out;
-        for (const tier::AgreedStep& s : tier::CommonRestoreSteps(in)) {
-          out.append(py::make_tuple(s.step, s.all_local));
-        }
-        return out;
-      },
-      py::arg("every"),
-      "The distributed remote restore's agreement: of every rank's plan order (rank 0 first), "
-      "rank 0's steps that every rank holds, as [(step, every rank reads it locally)].");
+      py::arg("load") = false, py::arg("gather") = py::none(),
+      "One rank's restore with a remote tier (tier/remote_restore.h RestoreFromRemote; with "
+      "gather(text) -> every rank's text, rank 0 first: RestoreFromRemoteDist): read(dir) is "
+      "called on each remote candidate fetched (verified) into fetch_dir, in the plan's order, "
+      "until one returns the LoadedCheckpoint of its step (returned); None: the local path "
+      "reads. Failures are warnings; errors as RestoreFromRemote's.");
 }
 
 }  // namespace

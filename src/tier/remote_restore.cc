@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -324,6 +325,109 @@ Status RestoreFromRemote(Env* env, RemoteTier* tier, const RemoteRestoreRequest&
                               " verifies: " + first_error);
   }
   return Status::OK();
+}
+
+namespace {
+
+// A plan's order as the text the ranks gather ("STEP COUNTER r|l" lines), and back.
+std::string OrderText(const std::vector<RestoreSource>& order) {
+  std::string out;
+  for (const RestoreSource& s : order) {
+    out += std::to_string(s.step) + " " + std::to_string(s.counter) + (s.remote ? " r\n" : " l\n");
+  }
+  return out;
+}
+
+Result<std::vector<RestoreSource>> OrderOf(const std::string& text) {
+  std::vector<RestoreSource> out;
+  std::istringstream in(text);
+  RestoreSource s;
+  std::string where;
+  while (in >> s.step >> s.counter >> where) {
+    if (where != "r" && where != "l") break;
+    s.remote = where == "r";
+    out.push_back(s);
+  }
+  if (!(in >> std::ws).eof()) {
+    return Status::Corruption("a rank's restore plan does not parse: " + FirstLine(text));
+  }
+  return out;
+}
+
+}  // namespace
+
+Status RestoreFromRemoteDist(Env* env, RemoteTier* tier, const RemoteRestoreRequest& request,
+                             const Gather& gather, const ReadFetched& read,
+                             RemoteRestoreResult* result) {
+  RemoteRestoreResult& out = *result;
+  RestorePlanRequest req = request.plan;
+  req.remote.reset();
+  req.remote_where = tier->where();
+  std::string mine;  // rank 0's listing: "+" and its steps, or "-" and why it failed
+  if (req.rank == 0) {
+    std::vector<std::string> damaged;
+    Result<std::vector<std::pair<int64_t, remote::Doc>>> listed = tier->CommittedSteps(&damaged);
+    for (const std::string& d : damaged) out.warnings.push_back("remote: " + d + "; skipped");
+    mine = "-" + listed.status().message();
+    if (listed.ok()) {
+      std::vector<RestoreSource> steps;
+      for (const auto& [step, marker] : listed.value()) {
+        if (request.world && std::max<uint32_t>(marker.world_size, 1) != *request.world) continue;  // resharded
+        steps.push_back({step, marker.counter.value_or(0), true});
+      }
+      mine = "+" + OrderText(steps);
+    }
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> lists, gather(mine));
+  if (lists.empty() || lists[0].empty()) {
+    return Status::Corruption("rank 0's listing of " + tier->where() + " did not arrive");
+  }
+  const bool listed = lists[0][0] == '+';
+  if (listed) {
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<RestoreSource> steps, OrderOf(lists[0].substr(1)));
+    req.remote.emplace();
+    for (const RestoreSource& s : steps) req.remote->emplace_back(s.step, s.counter);
+  }
+  NONSTOP_ASSIGN_OR_RETURN(RestorePlan own, PlanRemoteRestore(env, req));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> texts, gather(OrderText(own.order)));
+  std::vector<std::vector<RestoreSource>> plans;
+  for (const std::string& t : texts) {
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<RestoreSource> order, OrderOf(t));
+    plans.push_back(std::move(order));
+  }
+  if (!listed) {  // every rank says so; a step they all hold locally is resumed
+    const std::vector<AgreedStep> common = CommonRestoreSteps(plans);
+    NONSTOP_ASSIGN_OR_RETURN(
+        std::string warning,
+        UnlistedRemote(tier->where(), lists[0].substr(1), req.job_dir,
+                       common.empty() ? std::nullopt : std::optional<int64_t>(common[0].step),
+                       false, true));
+    out.warnings.push_back(std::move(warning));
+    return Status::OK();
+  }
+  std::vector<DistTried> tried;
+  while (true) {
+    std::string warning;
+    Result<std::optional<int64_t>> next = NextDistRemoteStep(tier->where(), plans, tried, &warning);
+    if (!warning.empty()) out.warnings.push_back(std::move(warning));
+    if (!next.ok()) return next.status();
+    if (!next.value()) return Status::OK();  // the local path restores
+    const int64_t step = *next.value();
+    Result<std::string> dir = tier->Fetch(step, req.rank, request.fetch_dir);
+    Status s = dir.ok() ? read(step, dir.value()) : dir.status();
+    if (dir.ok() && s.code() == StatusCode::kAborted) return s;
+    NONSTOP_ASSIGN_OR_RETURN(
+        std::vector<std::string> errors,
+        gather(s.ok() ? "" : s.message().empty() ? s.ToString() : s.message()));
+    if (std::all_of(errors.begin(), errors.end(), [](const std::string& e) { return e.empty(); })) {
+      out.read = RestoreSource{step, 0, true};
+      for (const RestoreSource& o : own.order) {
+        if (o.step == step) out.read->counter = o.counter;
+      }
+      return Status::OK();
+    }
+    tried.push_back({step, std::move(errors)});
+  }
 }
 
 }  // namespace nonstop::tier

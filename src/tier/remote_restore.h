@@ -5,9 +5,9 @@
 // rank's job directory: slot file and keep copies, with its lineage; the
 // remote's committed steps as listed; a local copy handed in, e.g. the peer
 // tier's prefetched replica) and refuses a local copy that fails to verify
-// when the remote holds the same checkpoint. Python only fetches and reads
-// what the plan names (python/nonstop/_remote.py), and across ranks only
-// gathers the plans (CommonRestoreSteps decides).
+// when the remote holds the same checkpoint. Python only reads what C++
+// fetched (python/nonstop/_remote.py), and across ranks only carries the
+// gathers (RestoreFromRemoteDist decides).
 #pragma once
 
 #include <cstdint>
@@ -130,6 +130,23 @@ Result<std::optional<int64_t>> NextDistRemoteStep(const std::string& url,
                                                   const std::vector<std::vector<RestoreSource>>& plans,
                                                   const std::vector<DistTried>& tried,
                                                   std::string* warning);
+
+// The distributed remote restore, called alike on every rank: rank 0 lists
+// the remote's committed steps (of request.world only, when given), every
+// rank plans with that listing (PlanRemoteRestore), and the ranks move
+// together through NextDistRemoteStep, each fetching (verified) and reading
+// its own part of the agreed step; a step that fails on any rank is a
+// warning and the next one is tried. `gather(mine)` returns every rank's
+// text, rank 0 first (python: the Comm's gather of JSON over the process
+// group, never pickle). A listing that fails is UnlistedRemote's warning
+// (with the newest step every rank holds locally) or its error. out->read:
+// the agreed remote step every rank read; nullopt: the local path restores.
+// Errors: NextDistRemoteStep's, UnlistedRemote's, a gathered text that does
+// not parse (Corruption), `read`'s Aborted and the gather's own.
+using Gather = std::function<Result<std::vector<std::string>>(const std::string& mine)>;
+Status RestoreFromRemoteDist(Env* env, RemoteTier* tier, const RemoteRestoreRequest& request,
+                             const Gather& gather, const ReadFetched& read,
+                             RemoteRestoreResult* out);
 
 // The remote's committed steps in the planner's order (by counter: a
 // checkpoint, not a step number), `step` alone when given, each with its

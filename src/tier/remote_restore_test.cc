@@ -9,8 +9,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
+#include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <set>
+#include <thread>
 #include <utility>
 #include <string>
 #include <vector>
@@ -294,6 +300,120 @@ TEST(NextDistRemoteStepTest, TriesRankZerosOrderWarnsAndFails) {
   EXPECT_EQ(next.value(), std::nullopt);
   EXPECT_EQ(NextDistRemoteStep("u", {{{4, 4, false}}, {{4, 4, false}}}, {}, nullptr).value(),
             std::nullopt);
+}
+
+// Two ranks' gather in one process (the Comm's, in python): each call
+// returns both ranks' texts of that round once both gave theirs.
+class TwoRankGather {
+ public:
+  Gather For(uint32_t rank) {
+    return [this, rank](const std::string& mine) -> Result<std::vector<std::string>> {
+      std::unique_lock<std::mutex> l(mu_);
+      const int round = rounds_[rank]++;
+      texts_[round][rank] = mine;
+      ++got_[round];
+      cv_.notify_all();
+      if (!cv_.wait_for(l, std::chrono::seconds(30), [&] { return got_[round] == 2; })) {
+        return Status::DeadlineExceeded("the other rank never gathered");
+      }
+      return std::vector<std::string>(texts_[round].begin(), texts_[round].end());
+    };
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::array<int, 2> rounds_{0, 0};
+  std::map<int, std::array<std::string, 2>> texts_;
+  std::map<int, int> got_;
+};
+
+// The distributed loop (RestoreFromRemoteDist) on two ranks: rank 0's
+// listing reaches rank 1; a step whose part fails on one rank is a warning
+// on both and both fall back to the same older step; a remote that cannot
+// be listed with nothing local is the error on every rank; steps of
+// another world size are left to resharding (the local path).
+TEST_F(RemoteRestoreTest, TheRanksAgreeFallBackTogetherAndFailTogether) {
+  Env* env = DefaultEnv();
+  MemoryTransport store(env);
+  const std::string staged = (root_ / "staged").string();
+  {
+    auto d = env->OpenDirectory(staged, true).value();
+    auto m = d->CreateFile("part", MediumKind::kBuffered, MediumOptions{}).value();
+    const std::string bytes(5000, 'x');
+    ASSERT_TRUE(m->Write(0, bytes.data(), bytes.size()).ok());
+    ASSERT_TRUE(m->Sync().ok());
+  }
+  {
+    RemoteTier tier(&store, env);
+    for (auto [step, counter] : {std::pair<int64_t, uint64_t>{3, 6}, {5, 10}}) {
+      ASSERT_TRUE(tier.Publish({step, counter, 0, 1, 2, staged, "part"}, {}).ok());
+      auto rep = tier.Publish({step, counter, 0, 0, 2, staged, "part"}, {});
+      ASSERT_TRUE(rep.ok() && rep.value().outcome == PublishReport::Outcome::kCommitted);
+    }
+  }
+  struct Rank {
+    Status status;
+    RemoteRestoreResult out;
+    std::vector<int64_t> read;
+  };
+  auto run = [&](std::optional<uint32_t> world, std::set<int64_t> bad_on_1) {
+    TwoRankGather g;
+    std::array<Rank, 2> ranks;
+    auto one = [&](uint32_t rank) {
+      RemoteTier tier(&store, env);
+      RemoteRestoreRequest req;
+      req.plan.rank = rank;
+      req.fetch_dir = (root_ / ("fetch-" + std::to_string(rank))).string();
+      req.world = world;
+      Rank& r = ranks[rank];
+      r.status = RestoreFromRemoteDist(
+          env, &tier, req, g.For(rank),
+          [&](int64_t step, const std::string&) {
+            r.read.push_back(step);
+            return rank == 1 && bad_on_1.count(step) ? Status::Corruption("bad part")
+                                                     : Status::OK();
+          },
+          &r.out);
+    };
+    std::thread t1(one, 1);
+    one(0);
+    t1.join();
+    return ranks;
+  };
+
+  auto ranks = run(2, {5});
+  for (const Rank& r : ranks) {
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    ASSERT_TRUE(r.out.read.has_value());
+    EXPECT_EQ(r.out.read->step, 3);
+    EXPECT_EQ(r.out.read->counter, 6u);
+    EXPECT_EQ(r.read, (std::vector<int64_t>{5, 3}));
+    EXPECT_EQ(r.out.warnings,
+              (std::vector<std::string>{"remote step 5 fails on rank 1: bad part; falling back"}));
+  }
+
+  ranks = run(4, {});  // the remote's steps are of world 2: nothing to read for world 4
+  for (const Rank& r : ranks) {
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    EXPECT_FALSE(r.out.read.has_value());
+    EXPECT_TRUE(r.read.empty());
+  }
+
+  ranks = run(2, {3, 5});
+  for (const Rank& r : ranks) {
+    EXPECT_EQ(r.status.code(), StatusCode::kCorruption);
+    EXPECT_EQ(r.status.message(),
+              "no remote checkpoint in mem://bucket/job verifies on every rank: rank 1: bad part");
+  }
+
+  store.fail_list_from = 0;
+  ranks = run(2, {});
+  for (const Rank& r : ranks) {
+    EXPECT_EQ(r.status.code(), StatusCode::kIOError) << r.status.ToString();
+    EXPECT_NE(r.status.message().find("cannot be listed"), std::string::npos);
+    EXPECT_TRUE(r.read.empty());
+  }
 }
 
 }  // namespace

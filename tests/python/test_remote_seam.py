@@ -89,10 +89,12 @@ def test_links_planted_in_staged_steps_are_removed_never_followed(tmp_path):
     os.symlink(out, os.path.join(inner, "sub", "folder-link"))
     counter = next(c["counter"] for c in nonstop._core.Reader(d, rank=0).checkpoints
                    if c["committed"] and c["step"] == 3)
-    up = _remote.Uploader(_remote.open_store(url, {}), d, 0, 1, lambda: (counter, 3),
-                          lambda: nonstop._core)
+    up = _ext.core().RemoteUploader.from_options(
+        _ext.core().RemoteTier(_remote.open_store(url, {})), lambda: (counter, 3), d, 0, 1, {},
+        0, 0, 0, "")
     up.close()  # uploads (here: finds step 3 committed remotely) before it returns
-    assert up.stats["skipped_existing"] == 1 and up.stats["last_error"] is None, up.stats
+    stats = up.stats()
+    assert stats["skipped_existing"] == 1 and stats["last_error"] is None, stats
     _intact(out)
     assert sorted(os.listdir(staged)) == ["step-000000000003"]
     assert not os.path.islink(part)  # staged again: a verified one-slot copy

@@ -22,7 +22,6 @@
 #include "nonstop/env.h"
 #include "nonstop/jobdir.h"
 #include "store/format.h"
-#include "tools/cli_format.h"
 #include "tools/commands.h"
 #include "tools/remote_cli.h"
 #include "tools/store_json.h"
@@ -34,21 +33,6 @@ using nlohmann::json;
 
 constexpr int kExitNotFound = 1;
 constexpr int kExitRefused = 3;
-
-// One line: control characters (from a hostile name) shown as \xNN, nothing cut.
-std::string OneLine(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c < 0x20 || c == 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
 
 [[noreturn]] void Fail(const std::string& cmd, const Status& s) {
   std::cerr << "nonstop " << cmd << ": " << OneLine(s.message()) << "\n";
@@ -102,35 +86,7 @@ void RunLs(const std::string& dir, int rank, bool as_json) {
     done();
     return;
   }
-  if (rows.empty()) {
-    std::cout << "no checkpoint of rank " << rank << " in " << dir << "\n";
-    return;
-  }
-  if (!view.value().job.empty()) {
-    std::cout << "job " << format::Printable(view.value().job) << "\n";
-  }
-  std::printf("%-10s %-6s %-10s %-21s %-10s %-24s %s\n", "step", "where", "state",
-              "committed (UTC)", "size", "tiers", "metrics");
-  for (const ViewRow& r : rows) {
-    std::string metrics;
-    for (const auto& [k, v] : r.metrics) {
-      char buf[64];
-      std::snprintf(buf, sizeof(buf), "%.6g", v);
-      metrics += (metrics.empty() ? "" : " ") + format::Printable(k) + "=" + buf;
-    }
-    std::string tiers = TierList(r);
-    for (const ViewHolder& h : r.tiers) {
-      if (h.tier == "peer") tiers += " peer@" + OneLine(h.where);
-    }
-    if (r.state != "committed") metrics = format::Printable(r.reason);
-    if (r.state == "committed" && TierList(r) == "memory") {
-      metrics = "memory only: survives a process crash, not a node loss";
-    }
-    std::printf("%-10lld %-6s %-10s %-21s %-10s %-24s %s\n", static_cast<long long>(r.step),
-                r.where.c_str(), r.state.c_str(), UtcTime(r.commit_unix_ns).c_str(),
-                r.state == "committed" && r.bytes ? HumanBytes(r.bytes).c_str() : "-",
-                tiers.empty() ? "-" : tiers.c_str(), metrics.c_str());
-  }
+  std::cout << LsText(view.value(), rank, dir);
   done();
 }
 

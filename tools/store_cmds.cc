@@ -32,7 +32,7 @@
 #include "nonstop/restore.h"
 #include "nonstop/store.h"
 #include "store/format.h"
-#include "tools/cli_format.h"
+#include "engine/job_view.h"  // HumanBytes, UtcTime
 #include "tools/commands.h"
 #include "tools/remote_cli.h"
 #include "tools/store_json.h"

@@ -345,11 +345,8 @@ class Tier:
         # runs the same job in the same directory).
         self.job = str(self.options.get("job") or os.path.abspath(ckpt.dir))
         self.claimed = False
-        # remote_every=n (remote_options "every"): every n-th checkpoint (its
-        # counter a multiple of n) is uploaded, in order, none skipped for a
-        # newer one; the next save() waits until each is copied out of the
-        # ring (before_save). None: the newest committed one whenever the
-        # uploader is free (older ones are skipped).
+        # remote_every=n (remote_options "every"; docs/TIERS.md): every n-th
+        # checkpoint, in order, none skipped; None: the newest committed one.
         self.every = check_every(self.options.get("every"), ckpt.world_size)
         if self.options.get("create_bucket") not in (None, False, True):
             raise CheckpointMismatchError("remote_options create_bucket must be True or False")

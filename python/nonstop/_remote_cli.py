@@ -1,23 +1,13 @@
-"""`nonstop ls|verify|inspect|export URL`: the command line on a remote tier
-(docs/TIERS.md, "The command line on a remote URL").
-
-The `nonstop` executable has no network code: given a URL (`s3://...`, any
-scheme but file://; for ls also a plain directory used as a remote) it
-replaces itself with `PY -m nonstop._remote_cli CMD URL ...` (the arguments
-as it parsed them, tools/remote_cli.h) with NONSTOP_CLI set to its own path.
-The remote tier's C++ (nonstop._core.RemoteTier) lists the steps, picks one
-(the planner) and downloads every rank's part into a temporary directory
-(size and every part crc32 checked against the manifest while writing);
-verify and export then run the same `nonstop verify|export` on it, so the
-checks and the output are a local directory's. The temporary directory is
-removed at the end.
-
-Client options (endpoint, credentials, region) come from the environment
-variable NONSTOP_REMOTE_OPTIONS, a JSON object with the keys of
-`remote_options` (kept out of argv, where other users could read them).
-
-Exit codes as the executable's: 0 ok, 1 damaged (a part or checkpoint fails
-its checks), 2 usage (no such step, store unreachable, bad options).
+"""`nonstop ls|verify|inspect|export URL`: the command line on a remote tier,
+run by the `nonstop` executable (which has no network code) as `PY -m
+nonstop._remote_cli CMD URL ...` with the arguments it parsed and checked
+(tools/remote_cli.h RemoteCall) and NONSTOP_CLI set to its own path. C++
+(RemoteTier) lists, picks and downloads (verified) into a temporary
+directory; verify and export then run that executable on it, so the checks
+and output are a local directory's. Client options: the JSON object
+NONSTOP_REMOTE_OPTIONS (not argv, where other users could read them). Exit
+codes as the executable's: 0 ok, 1 damaged, 2 usage. docs/TIERS.md, "The
+command line on a remote URL".
 """
 from __future__ import annotations
 

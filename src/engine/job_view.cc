@@ -11,6 +11,7 @@
 #include "jobdir/manifest.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
+#include "store/format.h"
 
 namespace nonstop {
 namespace {
@@ -42,6 +43,57 @@ std::string TierList(const ViewRow& row) {
             [](const std::string& a, const std::string& b) { return TierOrder(a) < TierOrder(b); });
   std::string out;
   for (const std::string& n : names) out += (out.empty() ? "" : "+") + n;
+  return out;
+}
+
+std::string OneLine(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+std::string LsText(const JobView& view, int rank, const std::string& where) {
+  if (view.rows.empty()) {
+    return "no checkpoint of rank " + std::to_string(rank) + " in " + where + "\n";
+  }
+  std::string out;
+  if (!view.job.empty()) out = "job " + format::Printable(view.job) + "\n";
+  char line[1024];
+  std::snprintf(line, sizeof(line), "%-10s %-6s %-10s %-21s %-10s %-24s %s\n", "step", "where",
+                "state", "committed (UTC)", "size", "tiers", "metrics");
+  out += line;
+  for (const ViewRow& r : view.rows) {
+    std::string metrics;
+    for (const auto& [k, v] : r.metrics) {
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "%.6g", v);
+      metrics += (metrics.empty() ? "" : " ") + format::Printable(k) + "=" + buf;
+    }
+    std::string tiers = TierList(r);
+    for (const ViewHolder& h : r.tiers) {
+      if (h.tier == "peer") tiers += " peer@" + OneLine(h.where);
+    }
+    if (!r.reason.empty() || r.state != "committed") metrics = format::Printable(r.reason);
+    if (r.state == "committed" && TierList(r) == "memory") {
+      metrics = "memory only: survives a process crash, not a node loss";
+    }
+    std::snprintf(line, sizeof(line), "%-10lld %-6s %-10s %-21s %-10s %-24s ",
+                  static_cast<long long>(r.step), r.where.c_str(), r.state.c_str(),
+                  UtcTime(r.commit_unix_ns).c_str(),
+                  r.state == "committed" && r.bytes ? HumanBytes(r.bytes).c_str() : "-",
+                  tiers.empty() ? "-" : tiers.c_str());
+    std::string row = line + metrics;
+    while (!row.empty() && row.back() == ' ') row.pop_back();
+    out += row + "\n";
+  }
   return out;
 }
 

@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <ctime>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,6 +65,44 @@ Result<JobView> ViewJob(const std::string& dir, int rank, Env* env = nullptr,
 
 // "disk+memory+remote+peer": the tier names of a row, in that order, each once.
 std::string TierList(const ViewRow& row);
+
+// 1536 -> "1.5 KiB"; below 1 KiB the exact count ("512 B").
+inline std::string HumanBytes(uint64_t n) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(n));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
+  }
+  return buf;
+}
+
+// Nanoseconds since the epoch as ISO 8601 UTC; "-" for 0 (not recorded).
+inline std::string UtcTime(uint64_t unix_ns) {
+  if (unix_ns == 0) return "-";
+  std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000ull);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// `s` on one line: control characters (from a hostile name) as \xNN, nothing cut.
+std::string OneLine(const std::string& s);
+
+// The table `nonstop ls` prints of `view`, rank `rank` of `where` (a job
+// directory, or a remote: one format for both): the job, then one line per
+// row (step, where, state, committed (UTC), size, tiers, and the metrics or,
+// when there is one, the reason: why it is not committed or not readable).
+std::string LsText(const JobView& view, int rank, const std::string& where);
 
 // The NotFound of `step` asked of rank `rank` in `dir` (restore(step=)):
 // one line with the committed steps there are ("7, 8, 9 in the ring; 2, 4

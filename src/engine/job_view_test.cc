@@ -175,6 +175,51 @@ struct Workflow {
 
 Result<JobView> View(FaultEnv* env) { return ViewJob("/job", 0, env); }
 
+// `nonstop ls`'s table (LsText), one format for a job directory and a
+// remote: the job, the columns, a committed row's size, tiers (a partner
+// named, control characters escaped) and metrics, the reason in place of the
+// metrics wherever there is one, and an empty view's one line.
+TEST(JobView, LsTextIsOneTableForEveryPlace) {
+  JobView v;
+  EXPECT_EQ(LsText(v, 3, "s3://b/p"), "no checkpoint of rank 3 in s3://b/p\n");
+  v.job = "the-job";
+  ViewRow a;
+  a.step = 7;
+  a.where = "ring";
+  a.state = "committed";
+  a.commit_unix_ns = 86400ull * 1000000000ull;
+  a.bytes = 1536;
+  a.metrics = {{"loss", 0.25}};
+  a.tiers = {{"disk", "d", false}, {"peer", "10.0.0.2:7\n", true}};
+  ViewRow b;
+  b.step = 5;
+  b.where = "remote";
+  b.state = "committed";
+  b.bytes = 10;
+  b.reason = "no part of rank 1";
+  ViewRow c;
+  c.step = 4;
+  c.where = "remote";
+  c.state = "uncommitted";
+  v.rows = {a, b, c};
+  const std::string text = LsText(v, 0, "d");
+  std::vector<std::string> lines;
+  for (size_t i = 0, j; i < text.size(); i = j + 1) {
+    j = text.find('\n', i);
+    lines.push_back(text.substr(i, j - i));
+  }
+  ASSERT_EQ(lines.size(), 5u) << text;
+  EXPECT_EQ(lines[0], "job the-job");
+  EXPECT_EQ(lines[1].substr(0, 16), "step       where");
+  EXPECT_EQ(lines[2],
+            "7          ring   committed  1970-01-02T00:00:00Z  1.5 KiB    disk+peer peer@10.0.0.2:7\\x0a "
+            "loss=0.25");
+  EXPECT_NE(lines[3].find("10 B"), std::string::npos);
+  EXPECT_EQ(lines[3].substr(lines[3].size() - 17), "no part of rank 1");
+  EXPECT_EQ(lines[4].substr(0, 40), "4          remote uncommitted -         ");
+  EXPECT_EQ(lines[4].back(), '-');  // no reason: nothing after the tiers' "-"
+}
+
 TEST(JobView, EveryTierOfEachStepAndTheRollbackWithoutANetwork) {
   Workflow w(FaultEnv::Create());
   for (auto& op : w.Ops()) ASSERT_TRUE(op().ok());

@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "engine/job_view.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
 #include "nonstop/plan.h"
@@ -842,49 +843,24 @@ std::vector<PlanCandidate> ExtraOf(const py::list& extra) {
   return out;
 }
 
-// `nonstop ls URL`'s text of RemoteTier.rows (the columns of a local ls).
+// `nonstop ls URL`'s text of RemoteTier.rows: a local ls's (engine/job_view.h LsText).
 std::string LsText(const py::list& rows, uint32_t rank, const std::string& url) {
-  if (rows.empty()) return "no checkpoint of rank " + std::to_string(rank) + " in " + url + "\n";
-  char line[1024];
-  std::snprintf(line, sizeof(line), "%-10s %-6s %-11s %-21s %-10s %-24s note\n", "step", "where",
-                "state", "committed (UTC)", "size", "tiers");
-  std::string out = line;
+  JobView view;
   for (py::handle h : rows) {
     py::dict r = py::reinterpret_borrow<py::dict>(h);
-    std::string when = "-", size = "-", tiers;
-    if (!r["time"].is_none()) {
-      const std::time_t t = static_cast<std::time_t>(r["time"].cast<double>());
-      std::tm tm{};
-      gmtime_r(&t, &tm);
-      char buf[32];
-      std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
-      when = buf;
-    }
-    const std::string state = r["state"].cast<std::string>();
-    double n = r["bytes"].cast<double>();
-    if (state == "committed" && n > 0) {
-      const char* units[] = {"B", "KiB", "MiB", "GiB"};
-      int u = 0;
-      while (n >= 1024 && u < 3) {
-        n /= 1024;
-        ++u;
-      }
-      char buf[32];
-      std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", n, units[u]);
-      size = buf;
-    }
-    for (py::handle t : r["tiers"]) {
-      tiers += (tiers.empty() ? "" : "+") + py::reinterpret_borrow<py::dict>(t)["tier"].cast<std::string>();
-    }
-    std::snprintf(line, sizeof(line), "%-10lld %-6s %-11s %-21s %-10s %-24s ",
-                  static_cast<long long>(r["step"].cast<int64_t>()),
-                  r["where"].cast<std::string>().c_str(), state.c_str(), when.c_str(), size.c_str(),
-                  tiers.empty() ? "-" : tiers.c_str());
-    std::string row = line + r["reason"].cast<std::string>();
-    while (!row.empty() && row.back() == ' ') row.pop_back();
-    out += row + "\n";
+    ViewRow v;
+    v.step = r["step"].cast<int64_t>();
+    v.counter = r["counter"].is_none() ? 0 : r["counter"].cast<uint64_t>();
+    v.where = r["where"].cast<std::string>();
+    v.state = r["state"].cast<std::string>();
+    v.reason = r["reason"].cast<std::string>();
+    v.commit_unix_ns = r["time"].is_none() ? 0 : static_cast<uint64_t>(r["time"].cast<double>() * 1e9);
+    v.bytes = r["bytes"].cast<uint64_t>();
+    for (py::handle t : r["tiers"]) v.tiers.push_back({t["tier"].cast<std::string>(), "", false});
+    view.job = r["job"].cast<std::string>();
+    view.rows.push_back(std::move(v));
   }
-  return out;
+  return nonstop::LsText(view, static_cast<int>(rank), url);
 }
 
 void InitRemoteRestore(py::module_& m) {

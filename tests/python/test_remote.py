@@ -488,7 +488,9 @@ def test_list_a_remote(tmp_path, remote):
     env = dict(os.environ, NONSTOP_REMOTE_OPTIONS=json.dumps(opts))
     p = subprocess.run([cli, "ls", url], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
-    lines = [ln.split() for ln in p.stdout.splitlines()[1:]]
+    out = p.stdout.splitlines()  # a local ls's table (engine/job_view.h LsText)
+    assert out[0].startswith("job ") and out[1].split()[:3] == ["step", "where", "state"], out
+    lines = [ln.split() for ln in out[2:]]
     assert [(ln[0], ln[1], ln[2]) for ln in lines] == [
         ("5", "remote", "uncommitted"), ("2", "remote", "committed"),
         ("1", "remote", "committed"), ("0", "remote", "committed")]

@@ -33,13 +33,8 @@ def _row(c: dict, job: str) -> dict:
 
 
 def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = None) -> list:
-    """Every checkpoint of `rank` in `dir`, newest first, one dict each, as
-    `nonstop ls` lists them (the job view, engine/job_view.h): the ring (the
-    slot file), the kept copies (keep/), the memory segment, and the steps
-    the job manifest records on the remote and partners (the peer tier);
-    "tiers" names every tier that holds the checkpoint. A remote (a URL, a
-    path with remote_options, or a directory used as a remote) lists its
-    step directories in the same rows (where="remote"; _remote.list_steps)."""
+    """nonstop.list(): the job view of `rank` (engine/job_view.h), as `nonstop
+    ls` lists it, or a remote's steps in the same rows (docs/PYTHON.md)."""
     path = os.fspath(dir)
     if _remote.is_remote(path, remote_options):
         return _remote.list_steps(path, remote_options, rank)

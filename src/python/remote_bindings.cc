@@ -8,7 +8,7 @@
 // over a PathStore, or a Python transport (_remote.ObjectStore: put_file,
 // put_bytes, get_bytes, get_chunks, list, delete), as the distributed
 // agreement takes a Comm; with the restore loop (tier/remote_restore.h
-// RestoreFromRemote, NextDistRemoteStep, ExportRemote), the listing's rows
+// RestoreFromRemote, RestoreFromRemoteDist, ExportRemote), the listing's rows
 // and texts, and the object store's decisions (tier/s3_request.h). The
 // C++ tier runs with the GIL released; the
 // adapter (PyTransport) takes the GIL only around each call of a transport

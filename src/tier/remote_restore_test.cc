@@ -314,7 +314,7 @@ class TwoRankGather {
       ++got_[round];
       cv_.notify_all();
       if (!cv_.wait_for(l, std::chrono::seconds(30), [&] { return got_[round] == 2; })) {
-        return Status::DeadlineExceeded("the other rank never gathered");
+        return Status::Unavailable("the other rank never gathered");
       }
       return std::vector<std::string>(texts_[round].begin(), texts_[round].end());
     };

@@ -415,7 +415,7 @@ class Tier:
         err = self.up.close(wait)
         self.final = self.up.stats()
         if err is not None:
-            warnings.warn(f"nonstop: {err}", stacklevel=3)
+            warnings.warn(f"nonstop: {err}", stacklevel=2)
 
     # -- restore
 

@@ -47,6 +47,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "nonstop/copy_engine.h"
@@ -199,5 +200,57 @@ class MultistepCheckpoint {
 };
 
 std::string_view StateRoleName(StateRole role);
+
+// ---- What mode="multistep" accepts (docs/MULTISTEP.md, "Supported
+// optimizers" and "Replay"). The Python driver describes the torch
+// optimizer as plain values; these decide, one line naming what to change.
+
+// One param_group, with torch's names for its flags.
+struct MultistepGroupDesc {
+  bool fused = false, capturable = false, differentiable = false;
+  std::optional<bool> foreach;       // nullopt: None (torch decides)
+  bool torch_picks_foreach = false;  // torch's choice for foreach=None over its tensors
+  bool amsgrad = false, decoupled_weight_decay = false;
+  std::string tensor_hyperparameter;  // the first hyperparameter held as a tensor ("": none)
+};
+
+// A tensor the window copies: parameter `param` of the optimizer (state
+// empty) or its optimizer state `state` (torch's key: "exp_avg", "step"...).
+struct MultistepTensorDesc {
+  int param = 0;
+  std::string state;
+  std::string device;             // as torch prints it: "cpu", "cuda:0", "meta"
+  std::string dtype = "float32";  // parameters: as torch names it, without "torch."
+  bool contiguous = true;
+};
+
+struct MultistepOptimizerDesc {
+  std::string name;          // its class's name
+  bool torch_class = false;  // exactly torch.optim.AdamW, Adam or SGD (not a subclass)
+  std::vector<MultistepGroupDesc> groups;
+  std::vector<MultistepTensorDesc> tensors;
+};
+
+struct MultistepChoice {
+  MultistepReplay replay = MultistepReplay::kHost;
+  optim::Algorithm algorithm = optim::Algorithm::kAdamW;
+  bool amsgrad = false;
+  std::string device = "cpu";  // the parameters' one device
+};
+
+// Whether the replay takes a tensor on `device` (kHost: the CPU only, its
+// kernels are the CPU's; kRestore: CPU and CUDA). InvalidArgument naming
+// `what` otherwise.
+Status CheckMultistepDevice(std::string_view what, std::string_view device,
+                            MultistepReplay replay);
+
+// replay= "host", "torch" (kRestore) or "auto" ("host" where every
+// parameter is on the CPU and the host's kernels match the optimizer, else
+// "torch"); then every check of the optimizer for that replay, in order:
+// the parameters' devices (one device), their states' (kRestore: beside
+// their parameter), the class and each group's flags, contiguous float32
+// parameters. InvalidArgument naming what to change when one fails.
+Result<MultistepChoice> ChooseMultistep(const MultistepOptimizerDesc& opt,
+                                        std::string_view replay);
 
 }  // namespace nonstop

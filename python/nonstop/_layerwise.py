@@ -1,55 +1,10 @@
 """mode="layerwise": LightCheck's layer-wise asynchronous checkpoints for
-PyTorch (docs/LAYERWISE.md).
-
-The optimizer runs in backward. Each parameter is updated as soon as its
-gradient is final, with a one-parameter instance of the user's optimizer
-class that shares the optimizer's `state` and copies its param_group's
-hyperparameters before each update, so the arithmetic is the optimizer's
-own (same kernels, same order of operations, per tensor). Then, in a step
-that is due for a checkpoint, the copy of that parameter and its optimizer
-state starts at once on the engine's threads (CopyTensors). Before the
-parameter's next update the update waits for that parameter's copy alone:
-for a CUDA parameter on the GPU, where the current stream waits for the
-copy's event (WaitTensorsCopiedOnStream: the host returns once the copy is
-issued and enqueues the update at once); for a CPU parameter on the host
-(WaitTensorsCopied).
-
-When is a gradient final?
-
-* One process: in the parameter's `register_post_accumulate_grad_hook`.
-* Under DistributedDataParallel (any world size): after its bucket's
-  all-reduce. A DDP communication hook (`ddp.register_comm_hook`) scales and
-  all-reduces the bucket exactly as DDP's built-in reduction does, and
-  chains onto the all-reduce's future a callback that updates the bucket's
-  parameters from the reduced gradients (`bucket.gradients()`) and requests
-  their copies. The callback runs on the process group's worker thread
-  while backward goes on; a lock orders it with the training thread.
-  Each rank copies only its own share of the replicated tensors
-  (_distributed.py).
-
-The user's loop does not change:
-
-* The gradients of updated parameters are None once backward has returned,
-  so the user's `optimizer.step()` applies nothing a second time (it still
-  runs its hooks, so LR schedulers see it called). A parameter whose
-  gradient was set outside backward (no hook fired) is still updated by
-  `optimizer.step()`.
-* `ckpt.step(s)` seals the checkpoint of step s: non-tensor state, RNG and
-  tensors not driven by the optimizer (BatchNorm buffers, ...) are captured
-  then, exactly as `save()` does in concurrent mode. When step s+1 is due,
-  it also prepares that checkpoint (the registration and each parameter's
-  engine tensors), so that backward only opens it and requests copies.
-* Gradient clipping needs the global norm before any update. With
-  `clip_grad_norm=max_norm` nothing is updated in backward (under DDP no
-  comm hook is installed: DDP reduces as usual); the updates (and copies)
-  run in the optimizer's step pre-hook, after
-  `torch.nn.utils.clip_grad_norm_` over its parameters, one parameter after
-  another in reverse registration order (about backward order). Do not clip
-  by hand in layerwise mode: the gradients are gone by then.
-
-A checkpoint needs every optimized parameter to have its optimizer state;
-Adam creates it at the first update, so a checkpoint due in the very first
-step falls back to a whole-model (concurrent) checkpoint at `ckpt.step()`.
+PyTorch. The optimizer runs in backward, one parameter at a time, with a
+one-parameter instance of the user's optimizer class (its own arithmetic);
+in a due step each parameter's copy starts right after its update, and its
+next update waits for that copy alone. docs/LAYERWISE.md ("What the Python
+side does") describes the hooks (post-accumulate, DDP's comm hook), the
+prepare/open/seal split, clip_grad_norm= and the first-step fallback.
 """
 from __future__ import annotations
 
@@ -447,15 +402,10 @@ class Layerwise(_periodic.Periodic):
 class Switching(_periodic.Periodic):
     """mode="auto": layer-wise or concurrent, whichever this job measures
     cheaper, switched right after a checkpoint was started or sealed. The
-    rule (a probe that alternates the modes, a margin in concurrent's
-    favour, then hysteresis) is C++ (src/engine/mode_choice.h,
-    `_core.ModeChooser`); this class measures the windows it is fed: from
-    one checkpoint's step (exclusive) to the next's (inclusive), the wall
-    time, the steps and the visible stall. Nothing in flight is cut short:
-    to layer-wise, the first hook waits for the whole-model copy in flight
-    (copy_pending); to concurrent, the next optimizer.step() waits for every
-    copy in flight (copy_pending set). The arithmetic is the optimizer's
-    own either way (docs/LAYERWISE.md)."""
+    rule is C++ (`_core.ModeChooser`); this class feeds it windows (from one
+    checkpoint's step, exclusive, to the next's, inclusive: wall time, steps,
+    visible stall) and swaps the hooks; nothing in flight is cut short
+    (docs/LAYERWISE.md, "mode="auto"": why switching is safe)."""
 
     def __init__(self, session, o, clock=time.perf_counter):
         super().__init__(session)

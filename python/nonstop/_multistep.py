@@ -1,39 +1,11 @@
 """mode="multistep": GoCkpt's multi-step overlapped checkpoints for a
-torch.optim AdamW / Adam / SGD optimizer (docs/MULTISTEP.md).
-
-The schedule lives in C++ (nonstop._core.Multistep, include/nonstop/multistep.h);
-this module only finds the tensors and drives the paper's hooks:
-
-* on_update_begin: the optimizer's step pre-hook. Gradients are final there
-  (after GradScaler's unscale_ and any clipping), and the hyperparameters are
-  read from optimizer.param_groups as the optimizer is about to use them.
-* on_update_end: the step post-hook.
-* on_backward_begin (GoCkpt-O): gradients are copied while the update and the
-  next forward run. This module holds a reference to every gradient being
-  copied, so zero_grad(set_to_none=True) (the default) cannot free its
-  memory; optimizer.zero_grad() is wrapped so that zero_grad(set_to_none=False),
-  which zeroes in place, first waits for the copies.
-* Skipped steps: GradScaler does not call optimizer.step() when it finds
-  inf/NaN, so neither hook runs. A step is therefore skipped when no
-  optimizer.step() ran between two ckpt.step() calls; it is logged as
-  skipped and replay applies nothing for it (torch's step count does not
-  advance either). ckpt.step() must be called once per training step.
-
-A checkpoint due after step N (every `every` steps, as in concurrent mode)
-is copied during steps N+1..N+K and is the state at version N+K-1: its
-tensors the optimizer owns (parameters and their optimizer states) are
-brought to that version by a replay of the logged gradients; everything
-else (buffers, schedulers, RNG, plain data, Adam's step counters) is
-captured at the end of step N+K-1.
-
-Two replays (replay=, docs/MULTISTEP.md "Replay"):
-
-* "host": src/optim's CPU kernels in the background (bitwise torch's
-  single-tensor CPU path): the checkpoint on disk is the plain state.
-* "torch": at restore, with the training optimizer itself on the device it
-  restores to (GPU training, foreach/fused kernels). The checkpoint holds the
-  parts at their versions, the gradient log and C++'s replay plan
-  ("multistep_plan"); restore() applies the plan (replay_restored).
+torch.optim AdamW / Adam / SGD optimizer. The schedule, the replay plan and
+what the mode accepts are C++ (nonstop._core.Multistep, ChooseMultistep:
+include/nonstop/multistep.h); this module describes the optimizer, drives
+the paper's hooks from its step pre/post-hooks and zero_grad, and runs
+replay="torch" at restore with the training optimizer itself.
+docs/MULTISTEP.md describes the hooks, skipped steps (GradScaler), the
+window's versions and both replays.
 """
 from __future__ import annotations
 
@@ -57,7 +29,8 @@ REPLAYS = ("auto", "host", "torch")
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
 # out of a small model.
 BLOCK_BYTES = 4 << 20
-_ROLES_ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The optimizer states a window copies, by algorithm.
+_ROLES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
 
 
 def _mkl_vms_sqrt() -> int:
@@ -66,109 +39,40 @@ def _mkl_vms_sqrt() -> int:
     return _ext.core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
 
 
-def algorithm_of(opt) -> str:
-    """'adamw', 'adam' or 'sgd'; a one-line error for anything else."""
-    name, algo = type(opt).__name__, _algorithm(opt)
-    if algo is None:
-        raise CheckpointMismatchError(
-            f"mode='multistep' replays torch.optim.AdamW, Adam and SGD on the CPU; the optimizer "
-            f"{name} is not supported: use mode='concurrent'")
-    for i, g in enumerate(opt.param_groups):
-        for flag in ("fused", "capturable", "differentiable"):
-            if g.get(flag):
-                raise CheckpointMismatchError(
-                    f"mode='multistep': {name} param_groups[{i}] has {flag}=True; replay matches "
-                    f"the single-tensor path only: construct it with {flag}=False")
-        if g.get("foreach"):
-            raise CheckpointMismatchError(
-                f"mode='multistep': {name} param_groups[{i}] has foreach=True; replay matches the "
-                f"single-tensor path only: construct it with foreach=False or None")
-        if g.get("foreach") is None and _torch_picks_foreach(g["params"]):
-            raise CheckpointMismatchError(
-                f"mode='multistep': {name} param_groups[{i}] has foreach=None and torch picks "
-                f"the foreach kernel for its tensors; replay matches the single-tensor path "
-                f"only: use mode='concurrent' or mode='layerwise'")
-        if algo != "sgd" and bool(g.get("amsgrad")) != bool(opt.param_groups[0].get("amsgrad")):
-            raise CheckpointMismatchError(
-                f"mode='multistep': {name} groups differ in amsgrad; use one setting")
-        if algo != "sgd" and bool(g.get("decoupled_weight_decay")) != bool(
-                opt.param_groups[0].get("decoupled_weight_decay")):
-            raise CheckpointMismatchError(
-                f"mode='multistep': {name} groups differ in decoupled_weight_decay")
-    return algo
-
-
-def _group_hyper(g: dict) -> dict:
-    h = {"lr": float(g["lr"]), "weight_decay": float(g.get("weight_decay", 0.0)),
-         "maximize": bool(g.get("maximize", False))}
-    if "betas" in g:
-        h["betas"] = (float(g["betas"][0]), float(g["betas"][1]))
-        h["eps"] = float(g["eps"])
-    else:
-        h.update(momentum=float(g.get("momentum", 0.0)), dampening=float(g.get("dampening", 0.0)),
-                 nesterov=bool(g.get("nesterov", False)))
-    return h
-
-
-def _device(t: torch.Tensor, what: str = "a parameter", cuda: bool = False):
-    """The engine's (kind, index) of a tensor the schedule copies.
-
-    replay="host" applies the CPU's single-tensor kernels (x86/MKL
-    arithmetic, src/optim) to the state; for tensors a GPU updates, the CUDA
-    kernels' results differ in the last bits, so it takes CPU tensors only.
-    replay="torch" (`cuda`) replays with torch's own optimizer on the device
-    at restore and takes CUDA tensors too (docs/MULTISTEP.md, "Replay")."""
-    if t.device.type == "cuda" and cuda:
-        return 1, t.device.index or 0
-    if t.device.type != "cpu":
-        if cuda:
-            raise CheckpointMismatchError(
-                f"mode='multistep' copies CPU and CUDA tensors, but {what} is on {t.device}: "
-                f"use mode='concurrent'")
-        raise CheckpointMismatchError(
-            f"mode='multistep' with replay='host' replays the optimizer on the CPU and needs CPU "
-            f"tensors, but {what} is on {t.device}: use replay='torch' (or 'auto') for GPU "
-            f"training")
-    return 0, 0
+def _device(t: torch.Tensor, what: str, replay: str) -> tuple:
+    """The engine's (kind, index) of a tensor the window copies; one line
+    where `replay` cannot take its device (CheckMultistepDevice: "host"
+    replays the CPU's kernels, "torch" takes CUDA tensors too)."""
+    _ext.core().multistep_device_check(what, str(t.device), replay)
+    return (1, t.device.index or 0) if t.device.type == "cuda" else (0, 0)
 
 
 # Hyperparameters the plan sets per step (as torch's param_groups name them).
 _HYPER = ("lr", "weight_decay", "maximize", "betas", "eps", "momentum", "dampening", "nesterov")
 
 
-def torch_replay_check(opt) -> str:
-    """replay="torch": 'adamw', 'adam' or 'sgd' where a replay through the
-    training optimizer itself reproduces training bit for bit; a one-line
-    error where it cannot (docs/MULTISTEP.md, "Why it is exact")."""
-    name, algo = type(opt).__name__, _algorithm(opt)
-    if algo is None:
-        raise CheckpointMismatchError(
-            f"mode='multistep' replays torch.optim.AdamW, Adam and SGD (elementwise, no "
-            f"coupling between parameters); the optimizer {name} is not supported: use "
-            f"mode='concurrent'")
-    for i, g in enumerate(opt.param_groups):
-        if g.get("differentiable"):
-            raise CheckpointMismatchError(
-                f"mode='multistep': {name} param_groups[{i}] has differentiable=True; the "
-                f"replay runs under no_grad: construct it with differentiable=False")
-        for key in _HYPER:
-            v = g.get(key)
-            if isinstance(v, torch.Tensor) or (isinstance(v, tuple) and any(
-                    isinstance(x, torch.Tensor) for x in v)):
-                raise CheckpointMismatchError(
-                    f"mode='multistep': {name} param_groups[{i}] holds {key} as a tensor; the "
-                    f"replay logs hyperparameters as numbers: use a float")
-    return algo
-
-
-def _algorithm(opt) -> Optional[str]:
-    """'adamw' (AdamW, or Adam with decoupled_weight_decay), 'adam', 'sgd', or None."""
-    if type(opt) is torch.optim.SGD:
-        return "sgd"
-    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
-        return None
-    adamw = type(opt) is torch.optim.AdamW or opt.param_groups[0].get("decoupled_weight_decay")
-    return "adamw" if adamw else "adam"
+def _describe(opt) -> tuple:
+    """The optimizer as plain values for ChooseMultistep (nonstop/multistep.h),
+    which decides the replay and checks the optimizer for it."""
+    groups, tensors = [], []
+    for g in opt.param_groups:
+        held = [k for k in _HYPER if isinstance(g.get(k), torch.Tensor) or (
+            isinstance(g.get(k), tuple) and any(isinstance(x, torch.Tensor) for x in g[k]))]
+        foreach = g.get("foreach")
+        groups.append((bool(g.get("fused")), bool(g.get("capturable")),
+                       bool(g.get("differentiable")), foreach,
+                       foreach is None and _torch_picks_foreach(g["params"]),
+                       bool(g.get("amsgrad")), bool(g.get("decoupled_weight_decay")),
+                       held[0] if held else ""))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        tensors.append((i, "", str(p.device), str(p.dtype).replace("torch.", ""),
+                        p.is_contiguous()))
+    for i, p in enumerate(params):
+        tensors.extend((i, key, str(v.device), "", True)
+                       for key, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+    torch_class = type(opt) in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+    return type(opt).__name__, torch_class, groups, tensors
 
 
 def _device_name(dev: torch.device) -> str:
@@ -177,6 +81,13 @@ def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return f"cpu/{torch.backends.cpu.get_cpu_capability()}"
+
+
+def _arithmetic(opt, dev: torch.device) -> dict:
+    """What a replay with the training optimizer depends on: torch, the
+    device (type and model) and the optimizer's class."""
+    return {"torch": torch.__version__, "device": dev.type, "device_name": _device_name(dev),
+            "optimizer": type(opt).__name__}
 
 
 def _flags(opt) -> list:
@@ -194,20 +105,6 @@ def _torch_picks_foreach(params: list) -> bool:
     return bool(_default_to_fused_or_foreach(list(params), False, False)[1])
 
 
-def _choose_replay(opt, replay: str) -> str:
-    """replay="auto": "host" where its CPU kernels match training (CPU
-    tensors, the single-tensor path of AdamW/Adam/SGD), else "torch"."""
-    if replay != "auto":
-        return replay
-    try:
-        for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
-            _device(p, f"parameter {i} of the optimizer")
-        algorithm_of(opt)
-    except CheckpointMismatchError:
-        return "torch"
-    return "host"
-
-
 def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
     """Before restore() changes anything: a checkpoint whose parts are at
     their own versions ("multistep_plan") can be brought to its version only
@@ -220,9 +117,7 @@ def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
     if not isinstance(rec, dict) or not isinstance(plan, dict):
         raise CorruptCheckpointError(f"{where}: its multistep replay record is malformed")
     params = [p for g in opt.param_groups for p in g["params"]]
-    dev = params[0].device if params else torch.device("cpu")
-    now = {"torch": torch.__version__, "device": dev.type, "device_name": _device_name(dev),
-           "optimizer": type(opt).__name__}
+    now = _arithmetic(opt, params[0].device if params else torch.device("cpu"))
     for key, what in (("torch", "torch"), ("device", "device type"),
                       ("device_name", "device"), ("optimizer", "optimizer")):
         if rec.get(key) != now[key]:
@@ -249,9 +144,9 @@ def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
 
 
 class MultistepMode(Driver):
-    """Drives nonstop._core.Multistep for one Checkpointer. Stands in for the
-    engine object of concurrent mode too (wait_copied, wait_committed,
-    latest, adopt_restored, stats, close: its hooks are removed there)."""
+    """Drives nonstop._core.Multistep for one Checkpointer; the core is the
+    session's engine (wait_copied, wait_committed, latest, adopt_restored,
+    stats, close)."""
 
     handles = False  # step() returns the step a window began at; save() None
 
@@ -271,36 +166,17 @@ class MultistepMode(Driver):
         self.opt = opts[0]
         # StateApplier.prepare, before restore() changes anything
         self.replay_check = functools.partial(replay_check, self.opt)
-        self.replay = _choose_replay(self.opt, replay)
-        self._cuda = self.replay == "torch"
-        # Device first: a GPU run gets the one line that says what to use.
-        devices = set()
-        for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"]):
-            _device(p, f"parameter {i} of the optimizer", self._cuda)
-            devices.add(p.device)
-        if len(devices) > 1:
-            raise CheckpointMismatchError(
-                f"mode='multistep' needs every parameter of the optimizer on one device, found "
-                f"{', '.join(sorted(map(str, devices)))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
-        self._check_state()
-        self.algorithm = (torch_replay_check(self.opt) if self._cuda
-                          else algorithm_of(self.opt))
-        self.amsgrad = bool(self.opt.param_groups[0].get("amsgrad", False))
+        self._check(replay)
         self.parts = parts
         self.overlap = bool(overlap_gradients)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.opt.param_groups) for _ in g["params"]]
-        for i, p in enumerate(self.params):
-            if p.dtype != torch.float32 or not p.is_contiguous():
-                raise CheckpointMismatchError(
-                    f"mode='multistep' needs contiguous float32 master parameters; parameter {i} "
-                    f"of the optimizer is {str(p.dtype).replace('torch.', '')}"
-                    f"{'' if p.is_contiguous() else ' (not contiguous)'}")
-            _device(p, cuda=self._cuda)
+        # gradients being copied (GoCkpt-O), the optimizer's hooks, its zero_grad
+        self._held, self._hooks, self._orig_zero_grad = [], [], None
 
     def open_engine(self, kw: dict):
-        """The Multistep core (self.core); this object stands in for its engine."""
+        """The Multistep core (self.core): the session's engine. It owns its
+        Engine and serialises every call to it with the window's thread."""
         kw = dict(kw, dir=self.session.dir)
         kw.pop("small_initial_staging", None)  # (the window's staging is its own)
         # Engine options the Multistep binding does not take yet must be unset.
@@ -319,30 +195,26 @@ class MultistepMode(Driver):
         self._due = False                       # a checkpoint waits for the window to close
         self._outputs_set = False
         self._fresh = False                     # some state did not exist at the last refresh
-        self._held: list = []                   # gradients being copied (GoCkpt-O)
         self._hooks = [self.opt.register_step_pre_hook(self._pre),
                        self.opt.register_step_post_hook(self._post)]
-        self._orig_zero_grad = None
         if self.overlap:
             self._orig_zero_grad = self.opt.zero_grad
-            self.opt.zero_grad = self._zero_grad  # instance attribute; removed by close()
-        return self
+            self.opt.zero_grad = self._zero_grad  # instance attribute; removed by detach()
+        return self.core
 
-    def _check_state(self) -> None:
-        """Every optimizer state tensor is on the CPU (replay="host"), or
-        beside its parameter (state created or loaded after the constructor
-        is checked at each window's start). Adam's step counter may stay on
-        the CPU (torch's default)."""
-        for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"]):
-            for key, v in self.opt.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                what = f"optimizer state {key!r} of parameter {i}"
-                _device(v, what, self._cuda)
-                if self._cuda and key != "step" and v.device != p.device:
-                    raise CheckpointMismatchError(
-                        f"mode='multistep': {what} is on {v.device}, its parameter on "
-                        f"{p.device}")
+    def _check(self, replay: str) -> None:
+        """ChooseMultistep (C++) over the optimizer as it is now: the replay
+        ("auto" decided), the algorithm, amsgrad and the parameters' device,
+        or one line. State created or loaded after the constructor, and
+        flags load_state_dict set, are checked at each window's start."""
+        self.replay, self.algorithm, self.amsgrad, device = _ext.core().multistep_choose(
+            *_describe(self.opt), replay)
+        self._cuda = self.replay == "torch"
+        self.device = torch.device(device)
+
+    def _where(self) -> tuple:
+        """The engine's (kind, index) of the parameters' device."""
+        return (1, self.device.index or 0) if self.device.type == "cuda" else (0, 0)
 
     def _stream(self) -> int:
         """The CUDA stream the optimizer updates on: the copies wait for it."""
@@ -400,11 +272,11 @@ class MultistepMode(Driver):
                 g = g.detach().clone()
             grads.append((g.data_ptr(), code(g.dtype)))
             held.append(g)
-        kind, index = (1, self.device.index or 0) if self.device.type == "cuda" else (0, 0)
+        kind, index = self._where()
         stream = self._stream()
-        groups = [_group_hyper(g) for g in self.opt.param_groups]
-        self._timed(self.core.on_update_begin, self._step_now(), groups, False, grads, kind, index,
-                    stream)
+        # the groups' hyperparameters as the optimizer is about to use them
+        self._timed(self.core.on_update_begin, self._step_now(), self.opt.param_groups, False,
+                    grads, kind, index, stream)
         if self.overlap:
             self._held.append(held)
 
@@ -463,11 +335,11 @@ class MultistepMode(Driver):
         self.session.visible_stall_s += time.perf_counter() - t0
 
     def _tensors(self) -> list:
-        self._check_state()
+        self._check(self.replay)
         out, fresh = [], False
+        kind, index = self._where()
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
-            kind, index = _device(p, cuda=self._cuda)
 
             def ptr(key):
                 v = st.get(key)
@@ -488,8 +360,6 @@ class MultistepMode(Driver):
         return out
 
     def _begin(self, step: int) -> None:
-        if not self._cuda:  # flags loaded since (load_state_dict) may have left the host's path
-            algorithm_of(self.opt)
         self._outputs_set = False
         self.core.begin(step, self.algorithm, self.amsgrad, self._tensors(), self._stream())
         self.session.saves += 1
@@ -500,12 +370,10 @@ class MultistepMode(Driver):
         tensors: dict = {}
         meta = self.session.meta(step, tensors)  # metrics=: step(step, metrics=) of this version
         if self._cuda:  # what restore's replay must find again (replay_check)
-            meta["multistep"] = {"replay": "torch", "torch": torch.__version__,
-                                 "device": self.device.type,
-                                 "device_name": _device_name(self.device),
-                                 "optimizer": type(self.opt).__name__, "groups": _flags(self.opt)}
+            meta["multistep"] = dict(_arithmetic(self.opt, self.device), replay="torch",
+                                     groups=_flags(self.opt))
         owned = {}
-        roles = ("momentum_buffer",) if self.algorithm == "sgd" else _ROLES_ADAM
+        roles = _ROLES.get(self.algorithm, _ROLES["adam"])
         for i, p in enumerate(self.params):
             owned[(p.data_ptr(), p.numel())] = (i, "param")
             st = self.opt.state.get(p, {})
@@ -526,7 +394,7 @@ class MultistepMode(Driver):
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
-            kind, index = _device(t, f"tensor {name!r} of the state", self._cuda)
+            kind, index = _device(t, f"tensor {name!r} of the state", self.replay)
             stream = self._stream() if kind == 1 else 0
             outputs.append((name, code(t.dtype), list(t.shape), nbytes, -1, "param",
                             t.data_ptr() if nbytes else 0, kind, index, stream))
@@ -548,22 +416,12 @@ class MultistepMode(Driver):
     def replay_restored(self, meta: dict, tensors: dict) -> None:
         """restore() loaded a checkpoint whose parts are at their own versions
         (replay="torch"; checked by replay_check first): applies C++'s plan
-        (multistep_replay.cc, RestorePlan) with the training optimizer itself,
-        on the device the state was restored to.
-
-        Step N+j of the plan updates, per tensor, the prefix of its elements
-        that is one step behind (parts 1..j). torch updates whole tensors, so
-        the tensor gets the logged gradient on that prefix (zeros elsewhere),
-        its counter the count torch held then, and everything after the prefix
-        (parameter and every state) is put back after the step: the elements
-        beyond are already at a later version. The optimizer's own step() runs
-        with its class, flags and foreach/fused grouping; only the
-        hyperparameters are set to the step's logged values, and put back."""
+        with the training optimizer itself, on the device the state was
+        restored to, each step on the prefix of elements one step behind and
+        everything beyond it put back (docs/MULTISTEP.md, "How restore replays")."""
         plan = meta["multistep_plan"]
-        opt = self.opt
-        params = [p for g in opt.param_groups for p in g["params"]]
-        sgd = type(opt) is torch.optim.SGD
-        roles = ("momentum_buffer",) if sgd else _ROLES_ADAM
+        opt, params = self.opt, self.params
+        roles = _ROLES.get(self.algorithm, _ROLES["adam"])
         groups = [{k: g[k] for k in _HYPER if k in g} for g in opt.param_groups]
         grads = [p.grad for p in params]
         final = {id(p): opt.state[p]["step"].clone() for p in params
@@ -621,30 +479,10 @@ class MultistepMode(Driver):
             buf.view(-1)[:n].copy_(opt.state[p]["momentum_buffer"].view(-1)[:n])
             opt.state[p]["momentum_buffer"] = buf
 
-    # ------------------------------------------------- the engine's interface
-
-    def wait_copied(self) -> None:
-        pass  # nothing is read from the live tensors outside the hooks
-
-    def wait_committed(self, counter: int = 0) -> None:
-        self.core.wait()
-
-    def latest(self):
-        return self.core.latest()
-
-    def adopt_restored(self, counter: int) -> None:
-        """Checkpointer.restore() restored `counter`: the engine keeps it
-        intact until a newer one commits and records a rollback in the job
-        directory's lineage before anything new is written
-        (Engine::AdoptRestored, through the Multistep's serialised engine)."""
-        self.core.adopt_restored(counter)
-
-    def stats(self) -> dict:
-        s = self.core.stats()
+    def add_stats(self, s: dict) -> None:
         s.update(mode="multistep", parts=self.parts, overlap_gradients=self.overlap)
-        return s
 
-    def close(self) -> None:
+    def detach(self) -> None:  # the core (the session's engine) is closed by Session.shut
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -655,4 +493,3 @@ class MultistepMode(Driver):
                 pass
             self._orig_zero_grad = None
         self._held.clear()
-        self.core.close()

@@ -267,6 +267,43 @@ class PyMultistep {
   std::unique_ptr<MultistepCheckpoint> ms_;
 };
 
+// ChooseMultistep's description of a torch optimizer, as plain values.
+// Group: (fused, capturable, differentiable, foreach or None, torch picks
+// foreach, amsgrad, decoupled_weight_decay, hyperparameter held as a tensor
+// or ""). Tensor: (parameter index, state key or "", device, dtype, contiguous).
+using PyGroupDesc =
+    std::tuple<bool, bool, bool, std::optional<bool>, bool, bool, bool, std::string>;
+using PyTensorDesc = std::tuple<int, std::string, std::string, std::string, bool>;
+
+MultistepReplay ParseReplay(const std::string& replay) {
+  if (replay == "host") return MultistepReplay::kHost;
+  if (replay == "torch") return MultistepReplay::kRestore;
+  throw StatusError(Status::InvalidArgument("multistep: replay must be 'host' or 'torch', got '" +
+                                            replay + "'"));
+}
+
+// (replay "host" or "torch", algorithm, amsgrad, the parameters' device)
+std::tuple<std::string, std::string, bool, std::string> Choose(
+    const std::string& name, bool torch_class, const std::vector<PyGroupDesc>& groups,
+    const std::vector<PyTensorDesc>& tensors, const std::string& replay) {
+  MultistepOptimizerDesc d;
+  d.name = name;
+  d.torch_class = torch_class;
+  for (const auto& [fused, capturable, differentiable, foreach, picks, amsgrad, decoupled,
+                    tensor] : groups) {
+    d.groups.push_back({fused, capturable, differentiable, foreach, picks, amsgrad, decoupled,
+                        tensor});
+  }
+  for (const auto& [param, state, device, dtype, contiguous] : tensors) {
+    d.tensors.push_back({param, state, device, dtype, contiguous});
+  }
+  const MultistepChoice c = Take(ChooseMultistep(d, replay));
+  const char* algorithm = c.algorithm == optim::Algorithm::kSgd    ? "sgd"
+                          : c.algorithm == optim::Algorithm::kAdam ? "adam"
+                                                                   : "adamw";
+  return {c.replay == MultistepReplay::kHost ? "host" : "torch", algorithm, c.amsgrad, c.device};
+}
+
 }  // namespace
 
 void InitMultistep(py::module_& m) {
@@ -303,6 +340,16 @@ void InitMultistep(py::module_& m) {
       py::arg("overlap_gradients") = true, py::arg("replay_threads") = 0,
       py::arg("mkl_vms_sqrt") = 0, py::arg("keep_every") = 0, py::arg("memory_tier") = "auto",
       py::arg("replay") = "host");
+  m.def("multistep_choose", &Choose, py::arg("name"), py::arg("torch_class"), py::arg("groups"),
+        py::arg("tensors"), py::arg("replay"),
+        "mode='multistep': the replay and the optimizer checked (ChooseMultistep); "
+        "(replay, algorithm, amsgrad, device)");
+  m.def(
+      "multistep_device_check",
+      [](const std::string& what, const std::string& device, const std::string& replay) {
+        Check(CheckMultistepDevice(what, device, ParseReplay(replay)));
+      },
+      py::arg("what"), py::arg("device"), py::arg("replay"));
   multistep
       .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
            py::arg("amsgrad"), py::arg("tensors"), py::arg("stream") = 0,
@@ -320,6 +367,11 @@ void InitMultistep(py::module_& m) {
       .def_property_readonly("active", &PyMultistep::active)
       .def_property_readonly("version", &PyMultistep::version)
       .def("wait", &PyMultistep::Wait)
+      // The engine's interface, as the session calls it: nothing is read from
+      // the live tensors outside the hooks; every window's commit is waited for.
+      .def("wait_copied", [](PyMultistep&) {})
+      .def(
+          "wait_committed", [](PyMultistep& m, uint64_t) { m.Wait(); }, py::arg("counter") = 0)
       .def("latest", &PyMultistep::Latest)
       .def("adopt_restored", &PyMultistep::AdoptRestored, py::arg("counter"))
       .def("set_retention", &PyMultistep::SetRetention, py::arg("max_to_keep") = 0,

@@ -31,6 +31,14 @@ def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.O
     return cls([p], **kwargs)
 
 
+def _clip(params: list, max_norm: float) -> list:
+    """clip_grad_norm=: the global norm of `params`' gradients clipped; those with one."""
+    params = [p for p in params if p.grad is not None]
+    if params:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return params
+
+
 def _ddp_params(ddp) -> list:
     """The parameters DDP reduces (in its buckets)."""
     ignore = getattr(ddp, "parameters_to_ignore", set())
@@ -78,24 +86,11 @@ class Layerwise(_periodic.Periodic):
         self._subs: dict = {}
         self._hooks = []
         ddps = [d for d in session.state.values() if isinstance(d, DistributedDataParallel)]
-        for obj in session.state.values():
-            if _objects.is_zero(obj):
-                raise CheckpointMismatchError(
-                    "mode='layerwise' updates one parameter at a time, which "
-                    "ZeroRedundancyOptimizer cannot do: use mode='concurrent'")
-        if session.world_size > 1 and not ddps:
-            # Without DDP the gradient a hook sees is this rank's alone.
-            raise CheckpointMismatchError(
-                "mode='layerwise' with world_size > 1 needs the model wrapped in "
-                "DistributedDataParallel in state (its comm hook says when a gradient is "
-                "reduced): use mode='concurrent' otherwise")
-        for d in ddps:
-            if getattr(d, "find_unused_parameters", False):
-                # DDP leaves a globally unused parameter's .grad alone; the
-                # bucket does not say which ones those are.
-                raise CheckpointMismatchError(
-                    "mode='layerwise' does not support DDP's find_unused_parameters=True: "
-                    "use mode='concurrent'")
+        # ZeRO, several ranks without DDP, find_unused_parameters: refused (C++)
+        _ext.core().check_layerwise(
+            zero=any(_objects.is_zero(x) for x in session.state.values()),
+            world_size=session.world_size, ddp_models=len(ddps),
+            find_unused=any(getattr(d, "find_unused_parameters", False) for d in ddps))
         by_ddp = {}
         for d in ddps:
             for p in _ddp_params(d):
@@ -132,10 +127,7 @@ class Layerwise(_periodic.Periodic):
                 self._update([p])
 
     def _on_step(self, opt, args, kwargs) -> None:
-        params = [p for p, (o, _, _) in self._subs.items() if o is opt and p.grad is not None]
-        if not params:
-            return
-        torch.nn.utils.clip_grad_norm_(params, self.clip)
+        params = _clip([p for p, (o, _, _) in self._subs.items() if o is opt], self.clip)
         with self._lock:
             for p in reversed(params):
                 self._update([p])
@@ -412,33 +404,31 @@ class Switching(_periodic.Periodic):
         self.o, self.clip, self.clock = o, o.mode.clip_grad_norm, clock
         self.layerwise: Optional[Layerwise] = None
         self.chooser = _ext.core().ModeChooser(rounds=2, settle=1, margin=0.05, patience=3)
-        self.unavailable: Optional[str] = None  # why layer-wise cannot run (then concurrent)
+        unavailable = None  # why layer-wise cannot run: concurrent, pinned
         if any(isinstance(v, DistributedDataParallel) for v in session.state.values()):
             # layer-wise's DDP communication hook could not be removed again
-            self.unavailable = "a DDP model in state"
+            unavailable = "a DDP model in state"
         else:
             try:  # can layer-wise run on this state at all? (its checks, its hooks)
                 Layerwise(session, o).detach()
             except CheckpointMismatchError as e:
-                self.unavailable = str(e)
+                unavailable = str(e)
+        if unavailable:
+            self.chooser.pin(f"layerwise cannot run here ({unavailable}): concurrent")
         self.restart()
 
     def step(self, step: int) -> Optional[int]:
         got = (self.layerwise or super()).step(step)
-        self.steps += 1
-        if self.session.due_after(step):  # a window ends with its checkpoint
-            now, stall = self.clock(), self.session.visible_stall_s
-            if self.unavailable is None:
-                self.chooser.observe(self.steps, now - self.t0, stall - self.stall0, 1)
-            self.t0, self.stall0, self.steps = now, stall, 0
-            if self.unavailable is None and self.chooser.active == "layerwise":
-                if self.layerwise is None:
-                    self.layerwise = Layerwise(self.session, self.o)
-                    self.layerwise.reset(step)  # the next backward is step + 1's
-            elif self.layerwise is not None:  # to concurrent
-                self.layerwise.detach()
-                self.layerwise = None
-                self.session.copy_pending = True
+        # a window ends with its checkpoint: the mode may change right after it
+        due = self.session.due_after(step)
+        if self.chooser.step(self.clock(), self.session.visible_stall_s, due) == "layerwise":
+            if self.layerwise is None:
+                self.layerwise = Layerwise(self.session, self.o)
+                self.layerwise.reset(step)  # the next backward is step + 1's
+        elif self.layerwise is not None:  # to concurrent
+            self.layerwise.detach()
+            self.layerwise = None
+            self.session.copy_pending = True
         return got
 
     def seal(self, step: int) -> Optional[int]:
@@ -448,23 +438,17 @@ class Switching(_periodic.Periodic):
         if self.clip is not None and self.layerwise is None:
             # concurrent stretches: clip_grad_norm= clips here, as layer-wise's
             # step pre-hook does (same tensors, same order)
-            params = [p for g in optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            if params:
-                torch.nn.utils.clip_grad_norm_(params, self.clip)
+            _clip([p for g in optimizer.param_groups for p in g["params"]], self.clip)
 
     def restored(self, loaded) -> None:
         if self.layerwise is not None:
             self.layerwise.restored(loaded)
 
     def restart(self) -> None:  # a new window starts now (construction, restore())
-        self.t0, self.stall0, self.steps = self.clock(), self.session.visible_stall_s, 0
+        self.chooser.start(self.clock(), self.session.visible_stall_s)
 
     def add_stats(self, s: dict) -> None:  # which mode runs, and the figures it was chosen from
-        s["mode_auto"] = st = self.chooser.state()
-        if self.unavailable:
-            st.update(active="concurrent", decided=True,
-                      reason=f"layerwise cannot run here ({self.unavailable}): concurrent")
+        s["mode_auto"] = self.chooser.state()
 
     def detach(self) -> None:
         if self.layerwise is not None:

@@ -338,24 +338,16 @@ class MultistepMode(Driver):
         self._check(self.replay)
         out, fresh = [], False
         kind, index = self._where()
+        first = _ROLES.get(self.algorithm, _ROLES["adam"])[0]  # torch creates it at the first update
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
-
-            def ptr(key):
-                v = st.get(key)
-                return v.data_ptr() if isinstance(v, torch.Tensor) else 0
-            if self.algorithm == "sgd":
-                ptrs = (0, 0, 0, ptr("momentum_buffer"))
-                fresh |= ptrs[3] == 0
-                step = 0.0
-            else:
-                ptrs = (ptr("exp_avg"), ptr("exp_avg_sq"),
-                        ptr("max_exp_avg_sq") if self.amsgrad else 0, 0)
-                fresh |= ptrs[0] == 0
-                s = st.get("step")
-                step = float(s) if s is not None else 0.0  # (a CUDA counter: synchronises)
+            ptr = {k: v.data_ptr() for k, v in st.items() if isinstance(v, torch.Tensor)}
+            fresh |= first not in ptr
+            step = st.get("step")  # Adam's (a CUDA counter: synchronises)
             out.append((f"param{i}", p.numel(), self._group_of[i], kind, index, p.data_ptr(),
-                        *ptrs, step))
+                        ptr.get("exp_avg", 0), ptr.get("exp_avg_sq", 0),
+                        ptr.get("max_exp_avg_sq", 0) if self.amsgrad else 0,
+                        ptr.get("momentum_buffer", 0), 0.0 if step is None else float(step)))
         self._fresh = fresh
         return out
 
@@ -439,10 +431,8 @@ class MultistepMode(Driver):
                 g.update(h)
             for p, g in zip(params, grads):
                 p.grad = g
-            for p in params:
-                st = opt.state.get(p, {})
-                if id(p) in final:
-                    st["step"].copy_(final[id(p)])
+            for p in (p for p in params if id(p) in final):
+                opt.state[p]["step"].copy_(final[id(p)])
 
     def _replay_step(self, opt, params, roles, step: dict, tensors: dict) -> None:
         for g, h in zip(opt.param_groups, step["groups"]):

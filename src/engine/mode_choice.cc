@@ -16,6 +16,26 @@ const char* CkptModeName(CkptMode m) {
   return m == CkptMode::kLayerwise ? "layerwise" : "concurrent";
 }
 
+Status CheckLayerwise(const LayerwiseSetup& s) {
+  if (s.zero) {
+    return Status::InvalidArgument(
+        "mode='layerwise' updates one parameter at a time, which ZeroRedundancyOptimizer "
+        "cannot do: use mode='concurrent'");
+  }
+  if (s.world_size > 1 && s.ddp_models == 0) {
+    return Status::InvalidArgument(
+        "mode='layerwise' with world_size > 1 needs the model wrapped in "
+        "DistributedDataParallel in state (its comm hook says when a gradient is reduced): "
+        "use mode='concurrent' otherwise");
+  }
+  if (s.find_unused) {
+    return Status::InvalidArgument(
+        "mode='layerwise' does not support DDP's find_unused_parameters=True: use "
+        "mode='concurrent'");
+  }
+  return Status::OK();
+}
+
 Result<ModeChooser> ModeChooser::Make(const ModeChoiceOptions& opts) {
   if (opts.rounds < 1) {
     return Status::InvalidArgument("mode='auto': rounds must be >= 1, got " +
@@ -135,6 +155,26 @@ CkptMode ModeChooser::Observe(const ModeWindow& w) {
                         std::to_string(opts_.patience) + " windows in a row: " + Figures());
   }
   return active_;
+}
+
+void ModeChooser::Start(double now_s, double stall_total_s) {
+  t0_ = now_s;
+  stall0_ = stall_total_s;
+  steps_ = 0;
+}
+
+CkptMode ModeChooser::Step(double now_s, double stall_total_s, bool checkpoint) {
+  ++steps_;
+  if (!checkpoint) return active_;
+  if (!pinned_) Observe({steps_, now_s - t0_, stall_total_s - stall0_, 1});
+  Start(now_s, stall_total_s);
+  return active_;
+}
+
+void ModeChooser::Pin(const std::string& why) {
+  pinned_ = decided_ = true;
+  active_ = CkptMode::kConcurrent;
+  reason_ = why;
 }
 
 ModeChoiceState ModeChooser::State() const {

@@ -76,6 +76,21 @@ struct ModeChoiceState {
   std::string reason;       // one line: why `active`
 };
 
+// What mode="layerwise" needs of the training setup, as the Python driver
+// finds it in the state (docs/LAYERWISE.md, "DDP"). mode="auto" runs
+// concurrent, pinned, where this refuses.
+struct LayerwiseSetup {
+  bool zero = false;         // a ZeroRedundancyOptimizer in state
+  int64_t world_size = 1;
+  int64_t ddp_models = 0;    // DistributedDataParallel modules in state
+  bool find_unused = false;  // one of them has find_unused_parameters=True
+};
+// InvalidArgument, one line saying what to use instead, where layer-wise
+// cannot run: ZeRO (it cannot update one parameter at a time), several
+// ranks without DDP (a hook would see this rank's gradient alone),
+// find_unused_parameters (a bucket does not say which gradients DDP left alone).
+Status CheckLayerwise(const LayerwiseSetup& s);
+
 class ModeChooser {
  public:
   static Result<ModeChooser> Make(const ModeChoiceOptions& opts);
@@ -88,6 +103,17 @@ class ModeChooser {
   CkptMode Observe(const ModeWindow& w);
 
   ModeChoiceState State() const;
+
+  // The windows cut by the chooser itself, for a caller that reports every
+  // step (the clock and the stall total are the caller's). Start opens a
+  // window (construction, a restore); Step counts one step and, when
+  // `checkpoint` (its checkpoint ended the window), observes the window and
+  // opens the next. Returns the mode for the next step.
+  void Start(double now_s, double stall_total_s);
+  CkptMode Step(double now_s, double stall_total_s, bool checkpoint);
+  // Layer-wise cannot run here: concurrent from now on, decided, `why` the
+  // reason; Step observes nothing.
+  void Pin(const std::string& why);
 
  private:
   ModeChooser() = default;
@@ -104,6 +130,9 @@ class ModeChooser {
   bool fresh_ = false;  // after a switch past the probe: the next window replaces the figure
   std::array<ModeFigures, 2> fig_{};
   std::string reason_ = "probing: concurrent first";
+  bool pinned_ = false;
+  int64_t steps_ = 0;  // in the open window
+  double t0_ = 0, stall0_ = 0;  // when it opened
 };
 
 }  // namespace nonstop

@@ -122,6 +122,63 @@ TEST(ModeChoiceTest, NoiseInsideTheMarginNeverFlips) {
   EXPECT_EQ(m.State().switches, 4);  // the probe's own
 }
 
+// Step cuts the windows: steps since the last checkpoint (exclusive) up to
+// the next (inclusive), wall and stall as differences of the caller's totals.
+TEST(ModeChoiceTest, StepCutsWindowsAtCheckpoints) {
+  ModeChooser m = ModeChooser::Make({1, 0, 0.05, 3, 0.3}).value();  // rounds 1, settle 0
+  m.Start(100.0, 5.0);
+  // the job's first window is not measured: 3 steps, then its checkpoint
+  EXPECT_EQ(m.Step(101.0, 5.0, false), CkptMode::kConcurrent);
+  m.Step(102.0, 5.5, false);
+  m.Step(103.0, 6.0, true);
+  EXPECT_EQ(m.State().windows, 1);
+  EXPECT_EQ(m.State().modes[0].windows, 0);
+  // concurrent: 4 steps in 8 s, 2 s of it stall -> 2 s/step, busy 1.5 s/step
+  for (int i = 1; i <= 4; ++i) m.Step(103.0 + 2 * i, 6.0 + 0.5 * i, i == 4);
+  ModeChoiceState st = m.State();
+  EXPECT_EQ(st.modes[0].windows, 1);
+  EXPECT_DOUBLE_EQ(st.modes[0].step_s, 2.0);
+  EXPECT_DOUBLE_EQ(st.modes[0].busy_step_s, 1.5);
+  EXPECT_DOUBLE_EQ(st.modes[0].stall_per_ckpt_s, 2.0);
+  EXPECT_EQ(st.active, CkptMode::kLayerwise);  // the probe goes on
+  // layer-wise: 2 steps of 1 s after a Start (a restore) that drops what came before
+  m.Step(500.0, 50.0, false);
+  m.Start(1000.0, 100.0);
+  m.Step(1001.0, 100.0, false);
+  EXPECT_EQ(m.Step(1002.0, 100.0, true), CkptMode::kLayerwise);  // 1 s/step: decided
+  st = m.State();
+  EXPECT_EQ(st.modes[1].windows, 1);
+  EXPECT_DOUBLE_EQ(st.modes[1].step_s, 1.0);
+  EXPECT_TRUE(st.decided);
+}
+
+TEST(ModeChoiceTest, PinnedStaysConcurrentAndObservesNothing) {
+  ModeChooser m = ModeChooser::Make({}).value();
+  m.Start(0, 0);
+  m.Pin("layerwise cannot run here (a DDP model in state): concurrent");
+  for (int i = 1; i <= 50; ++i) EXPECT_EQ(m.Step(i, 0, i % 2 == 0), CkptMode::kConcurrent);
+  const ModeChoiceState st = m.State();
+  EXPECT_TRUE(st.decided);
+  EXPECT_EQ(st.windows, 0);
+  EXPECT_EQ(st.reason, "layerwise cannot run here (a DDP model in state): concurrent");
+}
+
+TEST(ModeChoiceTest, LayerwiseRefusesZeroRanksWithoutDdpAndFindUnused) {
+  auto refusal = [](const LayerwiseSetup& s) {
+    const Status st = CheckLayerwise(s);
+    EXPECT_TRUE(st.ok() || st.code() == StatusCode::kInvalidArgument);
+    return st.message();
+  };
+  EXPECT_TRUE(CheckLayerwise({}).ok());
+  EXPECT_TRUE(CheckLayerwise({false, 4, 1, false}).ok());
+  EXPECT_NE(refusal({true, 1, 0, false}).find("ZeroRedundancyOptimizer cannot do"),
+            std::string::npos);
+  EXPECT_NE(refusal({false, 2, 0, false}).find("world_size > 1 needs the model wrapped"),
+            std::string::npos);
+  EXPECT_NE(refusal({false, 1, 1, true}).find("find_unused_parameters=True"), std::string::npos);
+  EXPECT_NE(refusal({true, 2, 0, true}).find("ZeroRedundancyOptimizer"), std::string::npos);
+}
+
 TEST(ModeChoiceTest, RejectsBadSettings) {
   for (ModeChoiceOptions o : {ModeChoiceOptions{.rounds = 0}, ModeChoiceOptions{.settle = -1},
                               ModeChoiceOptions{.margin = 1.0}, ModeChoiceOptions{.margin = -0.1},

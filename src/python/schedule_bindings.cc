@@ -47,6 +47,13 @@ void InitSchedule(py::module_& m) {
         return d;
       });
 
+  m.def(
+      "check_layerwise",
+      [](bool zero, int64_t world_size, int64_t ddp_models, bool find_unused) {
+        Check(CheckLayerwise({zero, world_size, ddp_models, find_unused}));
+      },
+      py::arg("zero"), py::arg("world_size"), py::arg("ddp_models"), py::arg("find_unused"),
+      "mode='layerwise': one line where it cannot run (engine/mode_choice.h).");
   // mode="auto": layer-wise or concurrent from measured windows (engine/mode_choice.h).
   py::class_<ModeChooser>(m, "ModeChooser")
       .def(py::init([](int64_t rounds, int64_t settle, double margin, int64_t patience,
@@ -64,6 +71,14 @@ void InitSchedule(py::module_& m) {
             return std::string(CkptModeName(c.Observe({steps, wall_s, stall_s, checkpoints})));
           },
           py::arg("steps"), py::arg("wall_s"), py::arg("stall_s"), py::arg("checkpoints"))
+      .def("start", &ModeChooser::Start, py::arg("now_s"), py::arg("stall_total_s"))
+      .def(
+          "step",
+          [](ModeChooser& c, double now_s, double stall_total_s, bool checkpoint) {
+            return std::string(CkptModeName(c.Step(now_s, stall_total_s, checkpoint)));
+          },
+          py::arg("now_s"), py::arg("stall_total_s"), py::arg("checkpoint"))
+      .def("pin", &ModeChooser::Pin, py::arg("why"))
       .def("state", [](const ModeChooser& c) {
         const ModeChoiceState st = c.State();
         py::dict d;

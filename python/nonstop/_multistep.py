@@ -30,7 +30,8 @@ REPLAYS = ("auto", "host", "torch")
 # out of a small model.
 BLOCK_BYTES = 4 << 20
 # The optimizer states a window copies, by algorithm.
-_ROLES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+_ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_ROLES = {"sgd": ("momentum_buffer",), "adam": _ADAM, "adamw": _ADAM}
 
 
 def _mkl_vms_sqrt() -> int:
@@ -338,7 +339,7 @@ class MultistepMode(Driver):
         self._check(self.replay)
         out, fresh = [], False
         kind, index = self._where()
-        first = _ROLES.get(self.algorithm, _ROLES["adam"])[0]  # torch creates it at the first update
+        first = _ROLES[self.algorithm][0]  # made at the first update
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
             ptr = {k: v.data_ptr() for k, v in st.items() if isinstance(v, torch.Tensor)}
@@ -365,7 +366,7 @@ class MultistepMode(Driver):
             meta["multistep"] = dict(_arithmetic(self.opt, self.device), replay="torch",
                                      groups=_flags(self.opt))
         owned = {}
-        roles = _ROLES.get(self.algorithm, _ROLES["adam"])
+        roles = _ROLES[self.algorithm]
         for i, p in enumerate(self.params):
             owned[(p.data_ptr(), p.numel())] = (i, "param")
             st = self.opt.state.get(p, {})
@@ -413,7 +414,7 @@ class MultistepMode(Driver):
         everything beyond it put back (docs/MULTISTEP.md, "How restore replays")."""
         plan = meta["multistep_plan"]
         opt, params = self.opt, self.params
-        roles = _ROLES.get(self.algorithm, _ROLES["adam"])
+        roles = _ROLES[self.algorithm]
         groups = [{k: g[k] for k in _HYPER if k in g} for g in opt.param_groups]
         grads = [p.grad for p in params]
         final = {id(p): opt.state[p]["step"].clone() for p in params

@@ -43,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -252,5 +253,23 @@ Status CheckMultistepDevice(std::string_view what, std::string_view device,
 // parameters. InvalidArgument naming what to change when one fails.
 Result<MultistepChoice> ChooseMultistep(const MultistepOptimizerDesc& opt,
                                         std::string_view replay);
+
+// What a restore replays a replay="torch" checkpoint with: this run's
+// arithmetic (torch's version, the device type and model, the optimizer's
+// class) and the optimizer's and the checkpoint's shapes.
+struct MultistepRun {
+  std::string torch, device, device_name, optimizer;
+  size_t groups = 0;                         // the optimizer's param_groups
+  std::vector<uint64_t> param_numel;         // per parameter, in the optimizer's order
+  std::map<std::string, uint64_t> tensors;   // the checkpoint's tensors: elements
+};
+
+// Before restore() changes anything: the metadata's "multistep" record and
+// "multistep_plan" (JSON text; "null" when absent) of checkpoint `where`.
+// InvalidArgument where this run's arithmetic is not the one it was saved
+// with (restore it where it was trained); Corruption where the record is
+// malformed or the plan does not fit the optimizer or the gradient log.
+Status CheckMultistepRestore(std::string_view record_json, std::string_view plan_json,
+                             const MultistepRun& run, const std::string& where);
 
 }  // namespace nonstop

@@ -23,7 +23,7 @@ except ImportError:
 
 from . import _ext, _state
 from ._session import Driver
-from .errors import CheckpointMismatchError, CorruptCheckpointError
+from .errors import CheckpointMismatchError
 
 REPLAYS = ("auto", "host", "torch")
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
@@ -108,40 +108,18 @@ def _torch_picks_foreach(params: list) -> bool:
 
 def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
     """Before restore() changes anything: a checkpoint whose parts are at
-    their own versions ("multistep_plan") can be brought to its version only
-    by the optimizer class that trained it, in the same arithmetic: same
-    torch, same device type and model. One line otherwise. (The flags,
-    foreach/fused/capturable, need no check: load_state_dict sets each group's
-    to the saved ones before the replay runs.)"""
-    rec = meta.get("multistep")
-    plan = meta.get("multistep_plan")
-    if not isinstance(rec, dict) or not isinstance(plan, dict):
-        raise CorruptCheckpointError(f"{where}: its multistep replay record is malformed")
+    their own versions ("multistep_plan") is replayed only by the optimizer
+    class that trained it, with the same torch and device type and model,
+    and its plan must fit the optimizer and the gradient log; one line
+    otherwise (CheckMultistepRestore; the flags need no check:
+    load_state_dict sets the saved ones before the replay runs)."""
     params = [p for g in opt.param_groups for p in g["params"]]
     now = _arithmetic(opt, params[0].device if params else torch.device("cpu"))
-    for key, what in (("torch", "torch"), ("device", "device type"),
-                      ("device_name", "device"), ("optimizer", "optimizer")):
-        if rec.get(key) != now[key]:
-            raise CheckpointMismatchError(
-                f"{where} is replayed at restore with the training optimizer's own arithmetic; "
-                f"it was saved with {what} {rec.get(key)!r}, this run has {now[key]!r}: restore "
-                f"it where it was trained")
-    steps = plan.get("steps")
-    if not isinstance(steps, list):
-        raise CorruptCheckpointError(f"{where}: its multistep plan has no steps")
-    for s in steps:
-        if not isinstance(s, dict) or len(s.get("groups", ())) not in (0, len(opt.param_groups)):
-            raise CorruptCheckpointError(f"{where}: its multistep plan does not fit the optimizer")
-        for u in s.get("updates", ()):
-            t, n = u.get("tensor"), u.get("elements")
-            if not (isinstance(t, int) and 0 <= t < len(params) and isinstance(n, int)
-                    and 0 < n <= params[t].numel()):
-                raise CorruptCheckpointError(
-                    f"{where}: its multistep plan names elements the optimizer does not have")
-            g = tensors.get(u.get("gradient"))
-            if not isinstance(g, torch.Tensor) or g.numel() != n:
-                raise CorruptCheckpointError(
-                    f"{where}: its multistep gradient log lacks {u.get('gradient')!r}")
+    _ext.core().multistep_restore_check(
+        _state.dumps(meta.get("multistep")), _state.dumps(meta.get("multistep_plan")), **now,
+        groups=len(opt.param_groups), param_numel=[p.numel() for p in params],
+        tensors={n: t.numel() for n, t in tensors.items() if isinstance(t, torch.Tensor)},
+        where=where)
 
 
 class MultistepMode(Driver):

@@ -6,11 +6,13 @@
 // optimizer itself at restore: elementwise classes, numbers as
 // hyperparameters (docs/MULTISTEP.md, "Why it is exact").
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "jobdir/records.h"
 #include "nonstop/multistep.h"
 
 namespace nonstop {
@@ -103,6 +105,27 @@ std::string What(const MultistepTensorDesc& t) {
                          : "optimizer state '" + t.state + "' of " + param;
 }
 
+using jobdir_internal::Json;
+
+// As Python's repr() prints a string, or a value (the messages name what
+// was saved).
+std::string Quote(std::string_view s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\\' || c == '\'') out += '\\';
+    out += c;
+  }
+  return out + "'";
+}
+
+std::string Repr(const Json* v) {
+  if (v == nullptr || v->type == Json::Type::kNull) return "None";
+  if (v->type == Json::Type::kBool) return v->b ? "True" : "False";
+  if (v->type == Json::Type::kNumber) return v->text;
+  if (v->type != Json::Type::kString) return v->type == Json::Type::kArray ? "[...]" : "{...}";
+  return Quote(v->text);
+}
+
 }  // namespace
 
 Status CheckMultistepDevice(std::string_view what, std::string_view device,
@@ -177,6 +200,70 @@ Result<MultistepChoice> ChooseMultistep(const MultistepOptimizerDesc& opt,
     }
   }
   return c;
+}
+
+Status CheckMultistepRestore(std::string_view record_json, std::string_view plan_json,
+                             const MultistepRun& run, const std::string& where) {
+  // Bounded by the text (already in memory): a plan holds a few elements per
+  // parameter and logged step, more than a job directory's record.
+  const jobdir_internal::JsonLimits limits{plan_json.size() + record_json.size(),
+                                           std::numeric_limits<size_t>::max(), 8};
+  Result<Json> rec = jobdir_internal::ParseJson(record_json, where, limits);
+  Result<Json> plan = jobdir_internal::ParseJson(plan_json, where, limits);
+  if (!rec.ok() || !plan.ok() || rec->type != Json::Type::kObject ||
+      plan->type != Json::Type::kObject) {
+    return Status::Corruption(where + ": its multistep replay record is malformed");
+  }
+  const std::pair<const char*, const std::string*> now[] = {
+      {"torch", &run.torch},
+      {"device", &run.device},
+      {"device_name", &run.device_name},
+      {"optimizer", &run.optimizer}};
+  const char* what[] = {"torch", "device type", "device", "optimizer"};
+  for (size_t k = 0; k < 4; ++k) {
+    const Json* saved = rec->Get(now[k].first);
+    if (saved == nullptr || saved->type != Json::Type::kString || saved->text != *now[k].second) {
+      return Status::InvalidArgument(
+          where + " is replayed at restore with the training optimizer's own arithmetic; it "
+          "was saved with " + what[k] + " " + Repr(saved) + ", this run has " +
+          Quote(*now[k].second) + ": restore it where it was trained");
+    }
+  }
+  const Json* steps = plan->Get("steps");
+  if (steps == nullptr || steps->type != Json::Type::kArray) {
+    return Status::Corruption(where + ": its multistep plan has no steps");
+  }
+  for (const Json& s : steps->items) {
+    const Json* groups = s.Get("groups");  // (null unless s is an object)
+    const size_t n = groups == nullptr ? 0 : groups->items.size();
+    if (s.type != Json::Type::kObject ||
+        (groups != nullptr && groups->type != Json::Type::kArray) ||
+        (n != 0 && n != run.groups)) {
+      return Status::Corruption(where + ": its multistep plan does not fit the optimizer");
+    }
+    const Json* updates = s.Get("updates");
+    if (updates == nullptr) continue;
+    if (updates->type != Json::Type::kArray) {
+      return Status::Corruption(where + ": its multistep plan does not fit the optimizer");
+    }
+    for (const Json& u : updates->items) {
+      const Json* t = u.Get("tensor");
+      const Json* e = u.Get("elements");
+      uint64_t ti = 0, elements = 0;
+      if (t == nullptr || e == nullptr || !t->AsUint64(&ti) || !e->AsUint64(&elements) ||
+          ti >= run.param_numel.size() || elements == 0 || elements > run.param_numel[ti]) {
+        return Status::Corruption(
+            where + ": its multistep plan names elements the optimizer does not have");
+      }
+      const Json* g = u.Get("gradient");
+      const bool named = g != nullptr && g->type == Json::Type::kString;
+      const auto logged = named ? run.tensors.find(g->text) : run.tensors.end();
+      if (logged == run.tensors.end() || logged->second != elements) {
+        return Status::Corruption(where + ": its multistep gradient log lacks " + Repr(g));
+      }
+    }
+  }
+  return Status::OK();
 }
 
 }  // namespace nonstop

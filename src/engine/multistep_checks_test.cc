@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nonstop/multistep.h"
@@ -157,6 +158,95 @@ TEST(MultistepChecksTest, DeviceCheckAlone) {
   EXPECT_FALSE(CheckMultistepDevice("x", "cuda:3", MultistepReplay::kHost).ok());
   EXPECT_FALSE(CheckMultistepDevice("x", "mps:0", MultistepReplay::kRestore).ok());
   EXPECT_FALSE(CheckMultistepDevice("x", "cudax", MultistepReplay::kRestore).ok());
+}
+
+// ---- CheckMultistepRestore: replay="torch" checkpoints at restore --------
+
+const char* kRecord =
+    R"({"torch":"2.13.0+cpu","device":"cpu","device_name":"cpu/AVX512","optimizer":"AdamW",)"
+    R"("replay":"torch","groups":[{"foreach":true}]})";
+
+// Two logged steps (the second skipped) over parameters of 8 and 4 elements.
+std::string Plan(const std::string& update) {
+  return R"({"parts":3,"begin":4,"version":6,"steps":[)"
+         R"({"step":5,"skipped":false,"groups":[{"lr":0.001}],"updates":[)" + update +
+         R"(]},{"step":6,"skipped":true,"groups":[],"updates":[]}]})";
+}
+
+MultistepRun SavedRun() {
+  MultistepRun r{"2.13.0+cpu", "cpu", "cpu/AVX512", "AdamW", 1, {8, 4}, {}};
+  r.tensors = {{"model/w", 8}, {"multistep_replay/g1/0", 5}};
+  return r;
+}
+
+const char* kUpdate =
+    R"({"tensor":0,"elements":5,"gradient":"multistep_replay/g1/0","count":5,"fresh":false})";
+
+Status Restore(const std::string& record, const std::string& plan, const MultistepRun& run) {
+  return CheckMultistepRestore(record, plan, run, "checkpoint step 6 in /d");
+}
+
+TEST(MultistepChecksTest, RestoreAcceptsTheRunItWasSavedWith) {
+  EXPECT_TRUE(Restore(kRecord, Plan(kUpdate), SavedRun()).ok());
+  EXPECT_TRUE(Restore(kRecord, Plan(""), SavedRun()).ok());
+}
+
+TEST(MultistepChecksTest, RestoreRefusesAnotherTorchDeviceOrOptimizerInOneLine) {
+  const std::pair<std::string MultistepRun::*, std::string> cases[] = {
+      {&MultistepRun::torch, "torch '2.13.0+cpu', this run has '2.0.0+other'"},
+      {&MultistepRun::device, "device type 'cpu', this run has '2.0.0+other'"},
+      {&MultistepRun::device_name, "device 'cpu/AVX512', this run has '2.0.0+other'"},
+      {&MultistepRun::optimizer, "optimizer 'AdamW', this run has '2.0.0+other'"}};
+  for (const auto& [field, part] : cases) {
+    MultistepRun run = SavedRun();
+    run.*field = "2.0.0+other";
+    const Status s = Restore(kRecord, Plan(kUpdate), run);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(Has(s.message(), "checkpoint step 6 in /d is replayed at restore with the "
+                                 "training optimizer's own arithmetic; it was saved with " +
+                                     part + ": restore it where it was trained"))
+        << s.message();
+  }
+  const Status s = Restore(R"({"torch":null,"device":"cpu"})", Plan(kUpdate), SavedRun());
+  EXPECT_TRUE(Has(s.message(), "saved with torch None, this run has '2.13.0+cpu'")) << s.message();
+}
+
+TEST(MultistepChecksTest, RestoreRefusesAPlanThatDoesNotFitAsCorruption) {
+  auto corrupt = [](const std::string& record, const std::string& plan, const std::string& part,
+                    const MultistepRun& run = SavedRun()) {
+    const Status s = Restore(record, plan, run);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << part;
+    EXPECT_TRUE(Has(s.message(), "checkpoint step 6 in /d: its multistep " + part))
+        << s.message();
+  };
+  corrupt("null", Plan(kUpdate), "replay record is malformed");
+  corrupt(kRecord, "[1]", "replay record is malformed");
+  corrupt(kRecord, "{\"steps\":", "replay record is malformed");
+  corrupt(kRecord, "{\"parts\":3}", "plan has no steps");
+  corrupt(kRecord, "{\"steps\":[1]}", "plan does not fit the optimizer");
+  MultistepRun two_groups = SavedRun();
+  two_groups.groups = 2;
+  corrupt(kRecord, Plan(kUpdate), "plan does not fit the optimizer", two_groups);
+  corrupt(kRecord, "{\"steps\":[{\"updates\":{}}]}", "plan does not fit the optimizer");
+  for (const std::string bad : {R"({"tensor":2,"elements":1})", R"({"tensor":0,"elements":9})",
+                                R"({"tensor":0,"elements":0})", R"({"tensor":-1,"elements":1})",
+                                R"({"tensor":0.5,"elements":1})", R"({"elements":1})", "7"}) {
+    corrupt(kRecord, Plan(bad), "plan names elements the optimizer does not have");
+  }
+  corrupt(kRecord, Plan(R"({"tensor":0,"elements":5,"gradient":"multistep_replay/g9/0"})"),
+          "gradient log lacks 'multistep_replay/g9/0'");
+  corrupt(kRecord, Plan(R"({"tensor":0,"elements":4,"gradient":"multistep_replay/g1/0"})"),
+          "gradient log lacks 'multistep_replay/g1/0'");
+  corrupt(kRecord, Plan(R"({"tensor":0,"elements":4})"), "gradient log lacks None");
+}
+
+TEST(MultistepChecksTest, RestoreReadsPlansLargerThanAJobDirectoryRecord) {
+  // 30000 updates (a large model's plan): more elements than a record of the
+  // job directory may hold, bounded by the text itself.
+  MultistepRun run = SavedRun();
+  std::string updates;
+  for (int i = 0; i < 30000; ++i) updates += std::string(i ? "," : "") + kUpdate;
+  EXPECT_TRUE(Restore(kRecord, Plan(updates), run).ok());
 }
 
 }  // namespace

@@ -12,13 +12,14 @@ namespace {
 
 class Parser {
  public:
-  Parser(std::string_view s, const std::string& what) : s_(s), what_(what) {}
+  Parser(std::string_view s, const std::string& what, const JsonLimits& limits)
+      : s_(s), what_(what), limits_(limits) {}
 
   Result<Json> Run() {
-    if (s_.size() > kMaxRecordBytes) {
+    if (s_.size() > limits_.max_bytes) {
       return Status::Corruption(what_ + ": " + std::to_string(s_.size()) +
                                 " bytes, more than a record may hold (" +
-                                std::to_string(kMaxRecordBytes) + ")");
+                                std::to_string(limits_.max_bytes) + ")");
     }
     Json v;
     if (!Value(&v, 0)) return Err();
@@ -49,14 +50,14 @@ class Parser {
     return true;
   }
   bool Count() {
-    if (++elements_ > kMaxJsonElements) {
+    if (++elements_ > limits_.max_elements) {
       msg_ = "too many elements";
       return false;
     }
     return true;
   }
   bool Value(Json* v, int depth) {
-    if (depth > kMaxJsonDepth) {
+    if (depth > limits_.max_depth) {
       msg_ = "nested too deep";
       return false;
     }
@@ -241,6 +242,7 @@ class Parser {
 
   std::string_view s_;
   const std::string& what_;
+  JsonLimits limits_;
   size_t i_ = 0;
   size_t elements_ = 0;
   std::string msg_;
@@ -362,7 +364,11 @@ std::string_view TopLevelValue(std::string_view text, std::string_view key) {
 }
 
 Result<Json> ParseJson(std::string_view text, const std::string& what) {
-  return Parser(text, what).Run();
+  return Parser(text, what, JsonLimits{}).Run();
+}
+
+Result<Json> ParseJson(std::string_view text, const std::string& what, const JsonLimits& limits) {
+  return Parser(text, what, limits).Run();
 }
 
 std::string JsonString(std::string_view s) {

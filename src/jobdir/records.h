@@ -36,6 +36,14 @@ struct Json {
 
 // Parses `text` (at most kMaxRecordBytes). Corruption naming `what` on any error.
 Result<Json> ParseJson(std::string_view text, const std::string& what);
+// The same with other bounds, for a document that is already in memory and
+// may be larger than a record (a multistep replay plan).
+struct JsonLimits {
+  uint64_t max_bytes = kMaxRecordBytes;
+  size_t max_elements = kMaxJsonElements;
+  int max_depth = kMaxJsonDepth;
+};
+Result<Json> ParseJson(std::string_view text, const std::string& what, const JsonLimits& limits);
 // The text of the value of `key` in the top-level object of `text`, found by
 // a scan without recursion (hostile bytes); empty when absent or when `text`
 // is not an object the scan understands.

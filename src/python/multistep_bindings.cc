@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -344,6 +345,22 @@ void InitMultistep(py::module_& m) {
         py::arg("tensors"), py::arg("replay"),
         "mode='multistep': the replay and the optimizer checked (ChooseMultistep); "
         "(replay, algorithm, amsgrad, device)");
+  m.def(
+      "multistep_restore_check",
+      [](const std::string& record_json, const std::string& plan_json, const std::string& torch,
+         const std::string& device, const std::string& device_name,
+         const std::string& optimizer, size_t groups, std::vector<uint64_t> param_numel,
+         std::map<std::string, uint64_t> tensors, const std::string& where) {
+        const MultistepRun run{torch, device, device_name, optimizer, groups,
+                               std::move(param_numel), std::move(tensors)};
+        py::gil_scoped_release release;
+        Check(CheckMultistepRestore(record_json, plan_json, run, where));
+      },
+      py::arg("record_json"), py::arg("plan_json"), py::arg("torch"), py::arg("device"),
+      py::arg("device_name"), py::arg("optimizer"), py::arg("groups"), py::arg("param_numel"),
+      py::arg("tensors"), py::arg("where"),
+      "replay='torch' at restore: this run's arithmetic and the plan checked "
+      "(CheckMultistepRestore)");
   m.def(
       "multistep_device_check",
       [](const std::string& what, const std::string& device, const std::string& replay) {

@@ -394,10 +394,10 @@ class Layerwise(_periodic.Periodic):
 class Switching(_periodic.Periodic):
     """mode="auto": layer-wise or concurrent, whichever this job measures
     cheaper, switched right after a checkpoint was started or sealed. The
-    rule is C++ (`_core.ModeChooser`); this class feeds it windows (from one
-    checkpoint's step, exclusive, to the next's, inclusive: wall time, steps,
-    visible stall) and swaps the hooks; nothing in flight is cut short
-    (docs/LAYERWISE.md, "mode="auto"": why switching is safe)."""
+    rule and its windows (one checkpoint's step, exclusive, to the next's,
+    inclusive) are C++ (`_core.ModeChooser`); this class reports each step
+    with the clock and the visible stall, and swaps the hooks; nothing in
+    flight is cut short (docs/LAYERWISE.md, "mode="auto"")."""
 
     def __init__(self, session, o, clock=time.perf_counter):
         super().__init__(session)

@@ -54,6 +54,21 @@ def spy_engine(monkeypatch):
     yield Spy
 
 
+@pytest.fixture
+def load_state_dict_calls(monkeypatch):
+    """A list that records the class name of every module whose
+    load_state_dict is called from now on (the real method still runs)."""
+    import torch
+    calls = []
+    plain = torch.nn.Module.load_state_dict
+
+    def counted(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return plain(self, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", counted)
+    return calls
+
+
 needs_engine = pytest.mark.skipif(
     not real_engine_available(),
     reason="the C++ Engine (include/nonstop/engine.h) has not landed in this build yet")

@@ -216,7 +216,7 @@ def test_a_damaged_data_chunk_in_the_segment_falls_back_to_the_disk(tmp_path, mo
     assert torch.all(model2.weight == 3.0) and torch.all(model2.bias == 3.0)
 
 
-def test_the_segment_is_read_in_place_and_load_state_dict_is_skipped(tmp_path, monkeypatch):
+def test_the_segment_is_read_in_place_and_load_state_dict_is_skipped(tmp_path, monkeypatch, load_state_dict_calls):
     """restore() from the memory tier reads the segment straight into the
     live module's tensors (after prepare() checked them), so applying it
     calls no load_state_dict."""
@@ -226,13 +226,7 @@ def test_the_segment_is_read_in_place_and_load_state_dict_is_skipped(tmp_path, m
     shutil.copy(seg, str(tmp_path / "aside"))
     ckpt.close()
     shutil.copy(str(tmp_path / "aside"), seg)  # as a crashed process would leave it
-    calls = []
-    plain = torch.nn.Module.load_state_dict
-
-    def counted(self, *args, **kwargs):
-        calls.append(type(self).__name__)
-        return plain(self, *args, **kwargs)
-    monkeypatch.setattr(torch.nn.Module, "load_state_dict", counted)
+    calls = load_state_dict_calls
     model = _model()
     with nonstop.Checkpointer(d, {"model": model}, every=1, tier="memory") as ckpt:
         assert ckpt.restore() == 2

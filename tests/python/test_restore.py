@@ -196,19 +196,13 @@ def test_a_cuda_destination_without_a_usable_device_is_refused_before_any_read(t
         r.read_into(idx, [(0, 0, 0)] * len(specs))
 
 
-def test_a_plain_module_is_read_in_place_and_load_state_dict_is_skipped(tmp_path, monkeypatch):
+def test_a_plain_module_is_read_in_place_and_load_state_dict_is_skipped(tmp_path, load_state_dict_calls):
     """The checked checkpoint's tensors are read straight into the live
     module's own tensors, so applying it is nothing: load_state_dict (which
     would copy each tensor onto itself) is not called for a plain module."""
     d = str(tmp_path / "ck")
     values = save_two(d)
-    calls = []
-    plain = torch.nn.Module.load_state_dict
-
-    def counted(self, *args, **kwargs):
-        calls.append(type(self).__name__)
-        return plain(self, *args, **kwargs)
-    monkeypatch.setattr(torch.nn.Module, "load_state_dict", counted)
+    calls = load_state_dict_calls
     model, opt = make(1)
     with nonstop.Checkpointer(d, {"model": model, "optim": opt}) as ck:
         assert ck.restore() == 1

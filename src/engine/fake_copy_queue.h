@@ -49,6 +49,7 @@ class FakeCopyQueue {
     size_t bytes = 0;
     Status status;                // not OK: nothing is copied, the completion says this
     std::function<void()> before;  // on the queue's thread, before the copy (may be empty)
+    std::function<void()> after;   // on the queue's thread, after it, before the completion is done
   };
 
   // `before_each` runs on the queue's thread before every copy (a delay).
@@ -97,6 +98,7 @@ class FakeCopyQueue {
       if (before_each_) before_each_();
       if (it.task.before) it.task.before();
       if (it.task.status.ok()) std::memcpy(it.task.dst, it.task.src, it.task.bytes);
+      if (it.task.after) it.task.after();
       {
         std::lock_guard<std::mutex> lock(it.state->mu);
         it.state->status = it.task.status;

@@ -6,12 +6,15 @@
 // stream", each taking at least bytes / bandwidth; copies of host sources
 // run inline. It records what a real device would not show: a snapshot
 // written over a buffer whose previous contents were not all handed to a
-// drain yet (`overwrites`).
+// drain yet (`overwrites`). What the copies have put in place so far
+// (`direct_copied`, `drain_copied`) and a gate that holds the drains let a
+// test assert the order of events instead of wall times.
 #ifndef NONSTOP_ENGINE_FAKE_DEVICE_COPY_ENGINE_H_
 #define NONSTOP_ENGINE_FAKE_DEVICE_COPY_ENGINE_H_
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -27,8 +30,46 @@
 
 namespace nonstop {
 
+// Holds the drains (DrainToHost) on the copy stream while closed, and so
+// everything queued behind them. Opens by itself after kLimit (counted in
+// `timeouts`), so an engine that waits for a held drain fails its test
+// instead of hanging it.
+class FakeDrainGate {
+ public:
+  static constexpr std::chrono::seconds kLimit{30};
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+  }
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void Pass() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, kLimit, [&] { return open_; })) {
+      ++timeouts;
+      open_ = true;
+    }
+  }
+  std::atomic<int> timeouts{0};
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;  // guarded by mu_
+};
+
 struct FakeDeviceLog {
+  // Bytes submitted: snapshots, drains, direct copies of device sources.
   std::atomic<uint64_t> snapshot_bytes{0}, drain_bytes{0}, direct_bytes{0};
+  // Bytes in place: the drains' and the direct copies' (on the copy stream,
+  // just before their completion is done).
+  std::atomic<uint64_t> drain_copied{0}, direct_copied{0};
+  FakeDrainGate drain_gate;
   std::atomic<int> drain_calls{0};
   std::atomic<int> overwrites{0};
   std::atomic<int> fail_drain_at{-1};  // the drain call (0-based) that fails
@@ -48,7 +89,7 @@ class FakeDeviceCopyEngine final : public CopyEngine {
       return MakeDoneCopy(Status::OK());
     }
     log_->direct_bytes += bytes;
-    return Enqueue(src, dst, bytes, d2h_, Status::OK());
+    return Enqueue(src, dst, bytes, d2h_, Status::OK(), nullptr, &log_->direct_copied);
   }
   void* AllocHost(size_t bytes, bool* pinned) override {
     if (pinned != nullptr) *pinned = false;
@@ -77,7 +118,7 @@ class FakeDeviceCopyEngine final : public CopyEngine {
       left = bytes;
     }
     log_->snapshot_bytes += bytes;
-    return Enqueue(src, dst, bytes, d2d_, Status::OK());
+    return Enqueue(src, dst, bytes, d2d_, Status::OK(), nullptr, nullptr);
   }
   std::unique_ptr<CopyCompletion> DrainToHost(const void* src, int, void* dst,
                                               size_t bytes) override {
@@ -94,16 +135,25 @@ class FakeDeviceCopyEngine final : public CopyEngine {
     const int call = log_->drain_calls++;
     Status st = call == log_->fail_drain_at.load() ? Status::IOError("injected drain failure")
                                                    : Status::OK();
-    return Enqueue(src, dst, bytes, d2h_, st);
+    return Enqueue(src, dst, bytes, d2h_, st, &log_->drain_gate, &log_->drain_copied);
   }
 
  private:
-  // On the copy stream: at least bytes / Bps per copy.
+  // On the copy stream: past `gate` (if any), at least bytes / Bps per
+  // copy; `copied` (if any) counts the bytes once in place.
   std::unique_ptr<CopyCompletion> Enqueue(const void* src, void* dst, size_t bytes, double Bps,
-                                          Status status) {
+                                          Status status, FakeDrainGate* gate,
+                                          std::atomic<uint64_t>* copied) {
     const auto take = std::chrono::duration<double>(static_cast<double>(bytes) / Bps);
-    return queue_.Enqueue(FakeCopyQueue::Task{
-        src, dst, bytes, std::move(status), [take] { std::this_thread::sleep_for(take); }});
+    const bool ok = status.ok();
+    return queue_.Enqueue(FakeCopyQueue::Task{src, dst, bytes, std::move(status),
+                                              [take, gate] {
+                                                if (gate != nullptr) gate->Pass();
+                                                std::this_thread::sleep_for(take);
+                                              },
+                                              [copied, ok, bytes] {
+                                                if (copied != nullptr && ok) *copied += bytes;
+                                              }});
   }
 
   const double d2h_, d2d_;

@@ -311,7 +311,7 @@ class FakeCudaCopyEngine final : public CudaCopyEngine {
   std::unique_ptr<CopyCompletion> Async(const void* src, void* dst, size_t bytes,
                                         Status status = Status::OK(),
                                         std::pair<FakeStream*, uint64_t> after = {nullptr, 0}) {
-    FakeCopyQueue::Task t{src, dst, bytes, std::move(status), {}};
+    FakeCopyQueue::Task t{src, dst, bytes, std::move(status), {}, {}};
     if (after.first != nullptr) {
       t.before = [stream = after.first, pos = after.second] { stream->WaitExecuted(pos); };
     }

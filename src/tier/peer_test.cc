@@ -1277,7 +1277,7 @@ TEST(PeerTest, HostileOwnSegmentRequestsAreRefused) {
     o.Str16(kJob).U32(4).U32(1).U8(0).I64(0).U8(9);
     EXPECT_TRUE(refused(wire::Type::kFetchOwn, o.str()));
   }
-  EXPECT_TRUE(refused(wire::Type::kFetchOwn, std::string("\x05\x00ab", 4)));
+  EXPECT_TRUE(refused(wire::Type::kFetchOwn, std::string("\x05\x00" "ab", 4)));
   {
     wire::Out o;
     o.Str16(kJob).U32(7);

@@ -181,6 +181,7 @@ void Sha256::Reset() {
 }
 
 void Sha256::Update(const void* data, size_t n) {
+  if (n == 0) return;  // an empty view's data may be null: nothing to copy from it
   const uint8_t* p = static_cast<const uint8_t*>(data);
   total_ += n;
   if (used_ > 0) {
@@ -235,7 +236,7 @@ HmacSha256::HmacSha256(std::string_view key) {
   if (key.size() > kSha256Block) {
     const Digest d = Sha256Of(key);
     std::memcpy(k, d.data(), d.size());
-  } else {
+  } else if (!key.empty()) {  // an empty view's data() may be null: no memcpy from it
     std::memcpy(k, key.data(), key.size());
   }
   uint8_t pad[kSha256Block];

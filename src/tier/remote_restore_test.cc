@@ -66,6 +66,16 @@ class RemoteRestoreTest : public ::testing::Test {
     EXPECT_TRUE(info.ok()) << info.status().ToString();
     return info.value();
   }
+  // A directory "staged" holding a 5000-byte file "part" to publish.
+  std::string StagePart(Env* env) {
+    const std::string staged = (root_ / "staged").string();
+    auto d = env->OpenDirectory(staged, true).value();
+    auto m = d->CreateFile("part", MediumKind::kBuffered, MediumOptions{}).value();
+    const std::string bytes(5000, 'x');
+    EXPECT_TRUE(m->Write(0, bytes.data(), bytes.size()).ok());
+    EXPECT_TRUE(m->Sync().ok());
+    return staged;
+  }
   void Damage(const CheckpointInfo& info) {
     std::vector<uint8_t> junk(4096, 0xA5);
     ASSERT_TRUE(sf_->medium().Write(info.data_offset, junk.data(), junk.size()).ok());
@@ -198,14 +208,7 @@ TEST_F(RemoteRestoreTest, TheRestoreLoopFallsBackWarnsAndSaysWhyNothingVerifies)
   Env* env = DefaultEnv();
   MemoryTransport store(env);
   RemoteTier tier(&store, env);
-  const std::string staged = (root_ / "staged").string();
-  {
-    auto d = env->OpenDirectory(staged, true).value();
-    auto m = d->CreateFile("part", MediumKind::kBuffered, MediumOptions{}).value();
-    const std::string bytes(5000, 'x');
-    ASSERT_TRUE(m->Write(0, bytes.data(), bytes.size()).ok());
-    ASSERT_TRUE(m->Sync().ok());
-  }
+  const std::string staged = StagePart(env);
   for (auto [step, counter] : {std::pair<int64_t, uint64_t>{3, 6}, {5, 10}}) {
     auto rep = tier.Publish({step, counter, 0, 0, 1, staged, "part"}, {});
     ASSERT_TRUE(rep.ok() && rep.value().outcome == PublishReport::Outcome::kCommitted);
@@ -336,14 +339,7 @@ class TwoRankGather {
 TEST_F(RemoteRestoreTest, TheRanksAgreeFallBackTogetherAndFailTogether) {
   Env* env = DefaultEnv();
   MemoryTransport store(env);
-  const std::string staged = (root_ / "staged").string();
-  {
-    auto d = env->OpenDirectory(staged, true).value();
-    auto m = d->CreateFile("part", MediumKind::kBuffered, MediumOptions{}).value();
-    const std::string bytes(5000, 'x');
-    ASSERT_TRUE(m->Write(0, bytes.data(), bytes.size()).ok());
-    ASSERT_TRUE(m->Sync().ok());
-  }
+  const std::string staged = StagePart(env);
   {
     RemoteTier tier(&store, env);
     for (auto [step, counter] : {std::pair<int64_t, uint64_t>{3, 6}, {5, 10}}) {

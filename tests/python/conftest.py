@@ -83,6 +83,14 @@ def core():
     yield nonstop._core
 
 
+def warned(rec) -> str:
+    """The messages of the warnings a pytest.warns(...) block recorded, one a
+    line: the message of an assertion about which step a fallback chose, so
+    that a failure says why each newer checkpoint was passed over."""
+    return "warnings: " + ("".join(f"\n  {w.category.__name__}: {w.message}" for w in rec)
+                           or "none")
+
+
 def nonstop_cli():
     """The CLI to test: $NONSTOP_CLI, else `nonstop` on PATH, else the one
     next to this Python; None when there is none."""

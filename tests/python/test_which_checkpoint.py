@@ -3,6 +3,7 @@ export, the DCP export, `nonstop verify/inspect/ls`, nonstop.list) asks the
 one recovery planner, so they agree on a rolled-back lineage and on damage."""
 import os
 import subprocess
+import warnings
 
 import pytest
 
@@ -10,7 +11,7 @@ torch = pytest.importorskip("torch")
 import nonstop  # noqa: E402
 from nonstop import _core  # noqa: E402
 from nonstop.errors import CheckpointNotFoundError, CorruptCheckpointError  # noqa: E402
-from conftest import nonstop_cli  # noqa: E402
+from conftest import nonstop_cli, warned  # noqa: E402
 
 def _cli(*args):
     cli = nonstop_cli()
@@ -148,10 +149,14 @@ def _remote_job(d, url, steps, value, restore_step=None):
 
 
 def _fresh_restore(d, url):
+    """(the step restored, the model, what it warned: the message of an
+    assertion about the step)."""
     model = torch.nn.Linear(4, 4)
     with nonstop.Checkpointer(d, state={"model": model}, every=1, rng=False, remote=url) as ck:
-        got = ck.restore()
-    return got, model
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            got = ck.restore()
+    return got, model, f"restored {got}; {warned(rec)}"
 
 
 def test_after_a_rollback_the_new_checkpoint_is_uploaded_and_a_new_node_gets_it(tmp_path):
@@ -166,8 +171,8 @@ def test_after_a_rollback_the_new_checkpoint_is_uploaded_and_a_new_node_gets_it(
     assert markers[19]["counter"] == new19, markers
     import shutil
     shutil.rmtree(d)  # the replaced node
-    got, model = _fresh_restore(d, url)
-    assert got == 19
+    got, model, why = _fresh_restore(d, url)
+    assert got == 19, why
     assert torch.equal(model.weight, torch.full((4, 4), -19.0))
 
 
@@ -186,8 +191,8 @@ def test_a_damaged_local_newest_restores_its_intact_remote_copy(tmp_path):
     d, url = str(tmp_path / "local"), str(tmp_path / "shared")
     _remote_job(d, url, [14, 19], float)
     _flip_bit(d, 0, 19)
-    got, model = _fresh_restore(d, url)
-    assert got == 19
+    got, model, why = _fresh_restore(d, url)
+    assert got == 19, why
     assert torch.equal(model.weight, torch.full((4, 4), 19.0))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nonstop
-from conftest import needs_engine
+from conftest import needs_engine, warned
 
 pytestmark = needs_engine
 
@@ -19,7 +19,10 @@ def _job(d, every=1, max_in_flight=1):
                                              max_in_flight=max_in_flight, medium="buffered")
 
 
-def _train(model, opt, ck, steps):
+def _train(model, opt, ck, steps, settle=False):
+    """settle: each checkpoint committed before the next starts. Otherwise,
+    with max_in_flight > 1, one that finishes writing after a newer one is
+    superseded (never committed; docs/ENGINE.md "Commit"), as under load."""
     for s in steps:
         opt.zero_grad()
         model(torch.ones(2, 8)).sum().backward()
@@ -27,6 +30,8 @@ def _train(model, opt, ck, steps):
         with torch.no_grad():
             model.weight.fill_(float(s))  # the step is readable from the weights
         ck.step(s)
+        if settle:
+            ck.wait()
     ck.wait()
 
 
@@ -43,8 +48,9 @@ def _corrupt_newest_data(d):
 def test_restore_of_an_older_step_is_final(tmp_path):
     d = str(tmp_path / "job")
     model, opt, ck = _job(d, max_in_flight=2)
-    _train(model, opt, ck, range(10))  # slots (N+1 = 3) hold steps 7, 8 and 9
+    _train(model, opt, ck, range(10), settle=True)  # slots (N+1 = 3) hold steps 7, 8 and 9
     ck.close()
+    assert [s for _, s in _committed(d)] == [7, 8, 9], _committed(d)
     model, opt, ck = _job(d, max_in_flight=2)
     assert ck.restore(step=7) == 7  # roll back from 8 and 9
     _train(model, opt, ck, [8])     # a new step 8 of the restored lineage; one of
@@ -54,8 +60,9 @@ def test_restore_of_an_older_step_is_final(tmp_path):
     # back from.
     _corrupt_newest_data(d)
     model, opt, ck = _job(d, max_in_flight=2)
-    with pytest.warns(UserWarning):
-        assert ck.restore() == 7
+    with pytest.warns(UserWarning) as rec:
+        step = ck.restore()
+    assert step == 7, f"restored {step}; {warned(rec)}"
     assert float(model.weight[0, 0].detach()) == 7.0
     ck.close()
 
@@ -67,14 +74,16 @@ def test_fallback_keeps_the_restored_checkpoint(tmp_path):
     ck.close()
     _corrupt_newest_data(d)  # step 9 damaged
     model, opt, ck = _job(d)
-    with pytest.warns(UserWarning):
-        assert ck.restore() == 8
+    with pytest.warns(UserWarning) as rec:
+        step = ck.restore()
+    assert step == 8, f"restored {step}; {warned(rec)}"
     _train(model, opt, ck, [9])  # must not overwrite step 8's slot
     ck.close()
     _corrupt_newest_data(d)  # the new checkpoint is damaged too
     model, opt, ck = _job(d)
-    with pytest.warns(UserWarning):
-        assert ck.restore() == 8
+    with pytest.warns(UserWarning) as rec:
+        step = ck.restore()
+    assert step == 8, f"restored {step}; {warned(rec)}"
     ck.close()
 
 
@@ -114,8 +123,9 @@ def test_multistep_fallback_keeps_the_restored_checkpoint(tmp_path):
     older, newest = held
     _corrupt_newest_data(d)
     model, opt, ck = _multistep_job(d)
-    with pytest.warns(UserWarning):
-        assert ck.restore() == older[1]
+    with pytest.warns(UserWarning) as rec:
+        step = ck.restore()
+    assert step == older[1], f"restored {step}; {warned(rec)}"
     s = older[1] + 1
     while max(_committed(d))[0] <= newest[0]:
         _train(model, opt, ck, [s])  # until one new checkpoint commits
@@ -125,6 +135,7 @@ def test_multistep_fallback_keeps_the_restored_checkpoint(tmp_path):
     assert older in _committed(d), f"the restored checkpoint was overwritten: {_committed(d)}"
     _corrupt_newest_data(d)  # the new checkpoint is damaged too
     model, opt, ck = _multistep_job(d)
-    with pytest.warns(UserWarning):
-        assert ck.restore() == older[1]
+    with pytest.warns(UserWarning) as rec:
+        step = ck.restore()
+    assert step == older[1], f"restored {step}; {warned(rec)}"
     ck.close()

@@ -72,8 +72,13 @@ def train(d, name, *, parts, overlap, every, steps, skip=(), scaler=False, zero_
     if sched is not None:
         state["sched"] = sched
     gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    # keep=1: every window's checkpoint is one a retention rule keeps, so it
+    # is never superseded. Without it, with two in flight, a window that
+    # completes a few fast steps later may commit first and supersede the
+    # older one (the counter rule, docs/ENGINE.md "Commit"), which the tests
+    # then cannot load. (max_in_flight=1 would leave two slots: too few.)
     ckpt = nonstop.Checkpointer(d, state, every=every, mode="multistep", parts=parts,
-                                overlap_gradients=overlap, medium=medium)
+                                overlap_gradients=overlap, medium=medium, keep=1)
     x = torch.randn(32, 13)
     y = torch.randn(32, 3)
     truth = {}

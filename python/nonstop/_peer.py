@@ -144,6 +144,7 @@ class Peers:
         self.reshard_missing = ""
         self.reshard_bytes, self.reshard_s = 0, 0.0  # fetched for the reshard, and how long
         self.reshard_shared = 0  # copies another rank of this host fetched (one fetch per host)
+        self._lease = None  # this rank's hold on those copies (core.PeerReshardLease)
         comm = dist.comm()
         want = 1 if replicas is None else replicas
         have = hasattr(core, "PeerServer")
@@ -282,16 +283,20 @@ class Peers:
             return []
         return [h for h in got if int(h["world_size"]) != self.world]
 
-    def drop_reshard(self, shared: bool = True) -> None:
-        """Removes the copies fetched for a reshard: once the reshard has read
-        them, at the next one, at close(). With `shared`, also this host's
-        copies fetched once per host: only once every rank has read them
-        (after the reshard's collective; at the start of the next one another
-        rank of this host may be fetching)."""
-        names = [self._place("reshard")[1]]
-        if shared:
-            names.append(_ext.core().peer_shared_reshard_dir(self.job))
-        self._remove(*names)
+    def drop_reshard(self) -> None:
+        """Removes the copies this rank fetched alone for a reshard, and gives
+        up its hold on this host's copies fetched once per host: the last
+        rank of the host to give it up removes them (C++, ReshardLease), so
+        a rank done first (its reshard read them, or failed on that rank
+        alone) never removes a copy another rank of its host still reads.
+        Once the reshard has read them, at the next one, at close()."""
+        self._remove(self._place("reshard")[1])
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                lease.release()
+            except (CheckpointError, OSError):
+                pass  # the copies stay for this host's last holder to remove
 
     def gather_old_shards(self, dir: str, remote=None) -> None:
         """Before resharding a set-aside checkpoint of another world size: a
@@ -302,12 +307,12 @@ class Peers:
         gather decides where from (core.peer_gather_old_shards,
         tier/peer_gather.h; the planner's order). The copies are named in
         reshard_files for JobDir.select_reshard and removed once read
-        (drop_reshard); what cannot be found is named in reshard_missing (the
+        (drop_reshard: those of the host by its last rank); what cannot be found is named in reshard_missing (the
         reshard then fails in one line when an old rank is on no disk
         either). Not collective."""
         core = _ext.core()
         t0 = time.perf_counter()
-        self.drop_reshard(shared=False)  # a restart before this one may have left its copies
+        self.drop_reshard()  # a restart before this one may have left its copies
         mem, name = self._place("reshard")
         # This host's own memory directory is read in place; a server on
         # this host lists the same files.
@@ -331,6 +336,7 @@ class Peers:
         self.reshard_from, self.reshard_missing = dict(got["from"]), got["missing"]
         self.reshard_bytes, self.reshard_shared = got["bytes"], got["shared"]
         self.reshard_dir, self.reshard_s = got["dir"], time.perf_counter() - t0
+        self._lease = got["lease"]
 
     # ------------------------------------------------------------- stats
 
@@ -375,6 +381,6 @@ class Peers:
         if self.prefetched is not None:
             self._remove(self._place("fetched")[1])
             self.prefetched = None
-        if self.reshard_files:
+        if self.reshard_files or self._lease is not None:
             self.drop_reshard()
             self.reshard_files = []

@@ -367,6 +367,15 @@ void InitPeer(py::module_& m) {
       py::arg("connect_timeout_s") = 5.0, py::arg("io_timeout_s") = 30.0,
       "Pushes the newest committed checkpoint of the slot file at slot_path now; returns "
       "'stored', 'already_held' or 'skipped_budget'.");
+  py::class_<peer::ReshardLease, std::shared_ptr<peer::ReshardLease>>(
+      m, "PeerReshardLease",
+      "A rank's hold on its host's reshard copies fetched once per host (tier/peer_gather.h "
+      "ReshardLease), from peer_gather_old_shards.")
+      .def(
+          "release",
+          [](peer::ReshardLease& l) { return Released([&] { return l.Release(); }); },
+          "Gives the hold up; the last holder of the host removes the copies (True: this one "
+          "did).");
   m.def(
       "peer_gather_old_shards",
       [](const std::string& job_dir, const std::string& job, const py::bytes& secret,
@@ -424,6 +433,7 @@ void InitPeer(py::module_& m) {
         out["bytes"] = got.bytes;
         out["shared"] = got.shared;
         out["dir"] = got.dir;
+        out["lease"] = got.lease == nullptr ? py::none() : py::cast(got.lease);
         return out;
       },
       py::arg("job_dir"), py::arg("job"), py::arg("secret"), py::arg("endpoints"),
@@ -433,7 +443,8 @@ void InitPeer(py::module_& m) {
       "A copy of every old rank the job directory's world-W/ lacks (tier/peer_gather.h): "
       "copies [{source_rank, world_size, step, counter, kind, holder (-1: this host's, path)}], "
       "remote_steps [(world, step, counter)], remote_fetch(step, rank, dir) -> dir or None: "
-      "{files [(world, rank, path)], from {'W/r': line}, missing, bytes, shared, dir}.");
+      "{files [(world, rank, path)], from {'W/r': line}, missing, bytes, shared, dir, lease "
+      "(a PeerReshardLease or None: release it once the reshard read the files)}.");
   m.def("peer_step_dir", &peer::PeerStepDir, py::arg("local_dir"), py::arg("step"));
   m.def("peer_replica_name", &peer::ReplicaName, py::arg("job"), py::arg("world_size"),
         py::arg("source_rank"));

@@ -1,8 +1,10 @@
 #include "tier/peer_gather.h"
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
@@ -72,6 +74,31 @@ struct Got {
   std::string from;
   bool fetched = false;
 };
+
+constexpr char kReaders[] = "readers";
+constexpr int kMaxReaders = 4096;
+
+// Whether `s` is Directory::Lock's refusal because another holds the lock.
+bool HeldByAnother(const Status& s) {
+  return s.code() == StatusCode::kFailedPrecondition &&
+         s.message().find(" is locked by ") != std::string::npos;
+}
+
+// Lock `name` in `d`, tried again while another holds it, for `wait_s`.
+Result<std::unique_ptr<FileLock>> LockWaiting(Directory& d, const std::string& name,
+                                              const std::string& holder, double wait_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (true) {
+    Result<std::unique_ptr<FileLock>> l = d.Lock(name, holder);
+    if (l.ok() || !HeldByAnother(l.status())) return l;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >= wait_s) {
+      return l.status();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+std::string HostLockName(const std::string& job) { return SharedReshardDir(job) + ".lock"; }
 
 class Gather {
  public:
@@ -200,6 +227,7 @@ class Gather {
     if (c.at == Cand::At::kRemote) {
       *desc = "the remote tier (" + r_.remote_url + ") step " + std::to_string(c.step);
       if (!r_.remote_fetch) return Status::FailedPrecondition("no remote tier to fetch from");
+      NONSTOP_RETURN_IF_ERROR(Hold());
       OncePerHostCopy o = Once(w, rank, c.step);
       o.sub = "remote-w" + std::to_string(w) + "-s" + std::to_string(c.step);
       o.rel = {tier::kLocalDir, remote::StepDir(c.step)};  // where RemoteTier::Fetch writes
@@ -221,6 +249,7 @@ class Gather {
     const std::string& ep = r_.endpoints.at(c.copy->holder);
     const std::string on = "rank " + std::to_string(c.copy->holder) + " (" + ep + ")";
     *desc = "its " + kind + " on " + on;
+    NONSTOP_RETURN_IF_ERROR(Hold());
     NONSTOP_ASSIGN_OR_RETURN(
         SharedCopy got,
         FetchOncePerHost(ep, r_.job, r_.secret, w, rank, c.step, c.counter, c.copy->kind,
@@ -231,6 +260,17 @@ class Gather {
       ++out_.shared;
     }
     return Got{got.path, from, got.fetched};
+  }
+
+  // This rank's hold on the host's shared copies, taken before it first
+  // fetches or takes one there (and so before the collective that follows
+  // every rank's gather, after which a rank of this host may release).
+  Status Hold() {
+    if (out_.lease != nullptr) return Status::OK();
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<ReshardLease> l,
+                             ReshardLease::Take(r_.mem_dir, r_.job, r_.holder, env_, r_.wait_s));
+    out_.lease = std::move(l);
+    return Status::OK();
   }
 
   OncePerHostCopy Once(uint32_t w, uint32_t rank, int64_t step) const {
@@ -253,6 +293,66 @@ class Gather {
 };
 
 }  // namespace
+
+Result<std::unique_ptr<ReshardLease>> ReshardLease::Take(const std::string& mem_dir,
+                                                         const std::string& job,
+                                                         const std::string& holder, Env* env,
+                                                         double wait_s) {
+  if (env == nullptr) env = DefaultEnv();
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env->OpenDirectory(mem_dir, true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> host,
+                           LockWaiting(*base, HostLockName(job), holder, wait_s));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> top,
+                           base->OpenDir(SharedReshardDir(job), true));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> readers, top->OpenDir(kReaders, true));
+  for (int n = 0; n < kMaxReaders; ++n) {
+    // A free lock file (a holder that released or died) is taken over.
+    Result<std::unique_ptr<FileLock>> l =
+        readers->Lock("reader-" + std::to_string(n) + ".lock", holder);
+    if (!l.ok() && HeldByAnother(l.status())) continue;
+    NONSTOP_RETURN_IF_ERROR(l.status());
+    std::unique_ptr<ReshardLease> lease(new ReshardLease());
+    lease->env_ = env;
+    lease->mem_dir_ = mem_dir;
+    lease->job_ = job;
+    lease->holder_ = holder;
+    lease->wait_s_ = wait_s;
+    lease->mine_ = std::move(l).value();
+    return lease;
+  }
+  return Status::FailedPrecondition(mem_dir + "/" + SharedReshardDir(job) + "/" + kReaders +
+                                    ": " + std::to_string(kMaxReaders) + " holders already");
+}
+
+ReshardLease::~ReshardLease() = default;
+
+Result<bool> ReshardLease::Release() {
+  std::unique_ptr<FileLock> mine = std::move(mine_);  // given up on every path below
+  if (mine == nullptr) return false;
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> base, env_->OpenDirectory(mem_dir_, false));
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> host,
+                           LockWaiting(*base, HostLockName(job_), holder_, wait_s_));
+  mine.reset();
+  const std::string shared = SharedReshardDir(job_);
+  Result<std::unique_ptr<Directory>> top = base->OpenDir(shared, false);
+  if (!top.ok()) {
+    return top.status().code() == StatusCode::kNotFound ? Result<bool>(false)
+                                                        : Result<bool>(top.status());
+  }
+  Result<std::unique_ptr<Directory>> readers = top.value()->OpenDir(kReaders, false);
+  if (readers.ok()) {
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, readers.value()->List());
+    for (const DirEntry& e : entries) {
+      Result<std::unique_ptr<FileLock>> l = readers.value()->Lock(e.name, holder_);
+      if (!l.ok() && HeldByAnother(l.status())) return false;  // another rank still reads
+      NONSTOP_RETURN_IF_ERROR(l.status());
+    }
+  } else if (readers.status().code() != StatusCode::kNotFound) {
+    return readers.status();
+  }
+  NONSTOP_RETURN_IF_ERROR(RemoveTree(*base, shared));
+  return true;
+}
 
 GatherResult GatherOldShards(const GatherRequest& r) {
   Env* env = r.env != nullptr ? r.env : DefaultEnv();

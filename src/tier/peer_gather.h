@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,6 +72,39 @@ struct GatherRequest {
   double wait_s = 120;
 };
 
+// A rank's hold on this host's copies fetched once per host
+// (SharedReshardDir in the memory directory): taken before the rank's gather
+// fetches or takes a copy there, released once its reshard has read them
+// (or failed, or was never run). Every holder keeps a lock file
+// "readers/reader-N.lock" in that directory (Directory::Lock: released when
+// its process dies, so a killed rank holds nothing); Release removes the
+// directory only when no other holder's lock is held. No rank removes a
+// copy another rank of its host may still be reading, whichever path its
+// reshard took (an error raised on that rank alone included), and the last
+// one to finish leaves nothing (copies a dead job left there go with it).
+// Take and Release serialize on "<job key>-reshard-host.lock" beside the
+// directory (left there: one small file a job).
+class ReshardLease {
+ public:
+  static Result<std::unique_ptr<ReshardLease>> Take(const std::string& mem_dir,
+                                                    const std::string& job,
+                                                    const std::string& holder,
+                                                    Env* env = nullptr, double wait_s = 60);
+  ~ReshardLease();  // the hold goes (as at a death); the directory stays
+  ReshardLease(const ReshardLease&) = delete;
+  ReshardLease& operator=(const ReshardLease&) = delete;
+  // Gives the hold up; removes the directory when no other holder is left.
+  // Returns whether it removed it. A second call does nothing (false).
+  Result<bool> Release();
+
+ private:
+  ReshardLease() = default;
+  Env* env_ = nullptr;
+  std::string mem_dir_, job_, holder_;
+  double wait_s_ = 60;
+  std::unique_ptr<FileLock> mine_;
+};
+
 struct GatherResult {
   std::vector<std::tuple<uint32_t, uint32_t, std::string>> files;  // (old world, old rank, path)
   std::map<std::string, std::string> from;  // "W/r" -> where it came from (one line)
@@ -78,6 +112,10 @@ struct GatherResult {
   uint64_t bytes = 0;     // fetched by this rank
   uint64_t shared = 0;    // copies another rank of this host fetched
   std::string dir;        // where the fetched copies are ("": none fetched)
+  // This rank's hold on the host's shared copies (taken at its first try of
+  // a copy from another host or the remote tier; null when it read none
+  // there): Release it once the reshard has read them.
+  std::shared_ptr<ReshardLease> lease;
 };
 
 // Not collective; never fails: what cannot be found is in `missing` (the

@@ -193,48 +193,96 @@ TEST(PeerGatherTest, EveryOldRankWithoutACopyIsNamedWithWhy) {
   EXPECT_EQ(g.missing.find(";"), std::string::npos) << g.missing;
 }
 
-// The remote tier's part of an old rank that two ranks of one host need:
-// fetched once (the first rank), the other takes its copy and says who
-// fetched it.
-TEST(PeerGatherTest, ARemotePartIsFetchedOncePerHost) {
-  auto env = FaultEnv::Create();
-  for (uint32_t k : {0u, 1u, 2u}) Write(env.get(), "/job/world-4", SlotFileName(k), k, 7, 70);
+// Two ranks of one host (threads) gather old world 4 whose old rank 3 only
+// the remote tier holds (step 70; old ranks 0-2 on the disk, OldRanksOnDisk):
+// each GatherResult, and how many fetches ran.
+void OldRanksOnDisk(Env* env) {
+  for (uint32_t k : {0u, 1u, 2u}) Write(env, "/job/world-4", SlotFileName(k), k, 7, 70);
+}
+struct TwoRanks {
+  GatherResult got[2];
   std::atomic<int> fetches{0};
+};
+void GatherOnOneHost(Env* env, TwoRanks& t) {
   const auto fetch = [&](int64_t step, uint32_t rank, const std::string& dir) -> Result<std::string> {
-    ++fetches;
+    ++t.fetches;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the other rank waits meanwhile
     const std::string at = tier::LocalStepDir(dir, step);  // as RemoteTier::Fetch writes
-    Write(env.get(), at, SlotFileName(static_cast<int>(rank)), rank, 7, step);
+    Write(env, at, SlotFileName(static_cast<int>(rank)), rank, 7, step);
     return at;
   };
-  GatherResult got[2];
   std::thread ranks[2];
   for (int i = 0; i < 2; ++i) {
     ranks[i] = std::thread([&, i] {
-      GatherRequest r = Request(env.get(), {});
+      GatherRequest r = Request(env, {});
       r.holder = "rank " + std::to_string(i) + " pid 1";
       r.fallback_dir = "/mem/mine-" + std::to_string(i);
       r.copies = {Copy(0, 70, 7, Source::kReplica, -1, "/nowhere")};  // a copy of old world 4
       r.remote_steps = {{4, 70, 7}};
       r.remote_url = "s3://b/job";
       r.remote_fetch = fetch;
-      got[i] = GatherOldShards(r);
+      t.got[i] = GatherOldShards(r);
     });
   }
-  for (auto& t : ranks) t.join();
-  EXPECT_EQ(fetches.load(), 1);
+  for (auto& th : ranks) th.join();
+}
+
+// The remote tier's part of an old rank that two ranks of one host need:
+// fetched once (the first rank), the other takes its copy and says who
+// fetched it.
+TEST(PeerGatherTest, ARemotePartIsFetchedOncePerHost) {
+  auto env = FaultEnv::Create();
+  OldRanksOnDisk(env.get());
+  TwoRanks t;
+  GatherOnOneHost(env.get(), t);
+  EXPECT_EQ(t.fetches.load(), 1);
   int by_other = 0;
-  for (const GatherResult& g : got) {
+  for (const GatherResult& g : t.got) {
     EXPECT_EQ(g.missing, "");
     const std::string& from = g.from.at("4/3");
     EXPECT_EQ(from.rfind("remote (s3://b/job)", 0), 0u) << from;
     EXPECT_NE(from.find("step 70"), std::string::npos) << from;
     if (from.find(" fetched by rank ") != std::string::npos) ++by_other;
     ASSERT_EQ(g.files.size(), 1u);
-    EXPECT_EQ(std::get<2>(g.files[0]), std::get<2>(got[0].files[0]));
+    EXPECT_EQ(std::get<2>(g.files[0]), std::get<2>(t.got[0].files[0]));
   }
   EXPECT_EQ(by_other, 1);
-  EXPECT_EQ(got[0].shared + got[1].shared, 1u);
+  EXPECT_EQ(t.got[0].shared + t.got[1].shared, 1u);
+}
+
+// The copy fetched once for both ranks of a host stays while either still
+// holds it: the rank done first (its reshard read it, or failed on that rank
+// alone) leaves it for the other, which still reads it; the last one removes
+// the host's directory. A holder that died (its lock gone with it) holds
+// nothing.
+TEST(PeerGatherTest, TheHostsSharedCopyGoesOnlyWithItsLastHolder) {
+  auto env = FaultEnv::Create();
+  OldRanksOnDisk(env.get());
+  TwoRanks t;
+  GatherOnOneHost(env.get(), t);
+  const std::string shared = "/mem/" + SharedReshardDir(kJob);
+  const std::string path = std::get<2>(t.got[1].files.at(0));
+  ASSERT_EQ(path.rfind(shared + "/", 0), 0u) << path;
+  ASSERT_NE(t.got[0].lease, nullptr);
+  ASSERT_NE(t.got[1].lease, nullptr);
+  EXPECT_EQ(t.got[0].lease->Release().value(), false);  // rank 1 still holds it
+  EXPECT_TRUE(VerifyLocal(path, 3, 70, env.get()).ok());
+  EXPECT_EQ(t.got[0].lease->Release().value(), false);  // a second release: nothing
+  EXPECT_TRUE(VerifyLocal(path, 3, 70, env.get()).ok());
+  {  // a third rank of the host that dies holding it
+    auto dead = ReshardLease::Take("/mem", kJob, "rank 2 pid 9", env.get(), 10);
+    ASSERT_TRUE(dead.ok()) << dead.status().message();
+  }
+  EXPECT_EQ(t.got[1].lease->Release().value(), true);
+  EXPECT_EQ(env->OpenDirectory(shared, false).status().code(), StatusCode::kNotFound);
+  // The next gather on this host fetches again, and its holder removes it.
+  TwoRanks again;
+  GatherOnOneHost(env.get(), again);
+  EXPECT_EQ(again.fetches.load(), 1);
+  EXPECT_TRUE(VerifyLocal(std::get<2>(again.got[0].files.at(0)), 3, 70, env.get()).ok());
+  again.got[0].lease.reset();  // rank 0 killed: its hold gone with it
+  EXPECT_EQ(again.got[1].lease->Release().value(), true);
+  EXPECT_EQ(env->OpenDirectory(shared, false).status().code(), StatusCode::kNotFound);
 }
 
 }  // namespace

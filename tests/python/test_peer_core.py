@@ -200,3 +200,52 @@ def test_the_secret_is_agreed(monkeypatch):
         _peer.check_option("peer_budget_bytes", -1)
     assert _peer.check_option("peer_budget_bytes", None) is None
     assert _peer.check_option("peer_budget_bytes", 0) == 0
+
+
+def _rank_on_host_a(rank: int, ep: str, held: dict):
+    """Rank `rank`'s Peers (of 3 ranks: 0 and 1 on host "a", 2 on host "b",
+    whose server at `ep` holds `held`, a replica of another world size), as
+    its construction leaves it, without a server or replicator of its own."""
+    p = _peer.Peers.__new__(_peer.Peers)
+    p.rank, p.world, p.job, p.hosts = rank, 3, JOB, ["a", "a", "b"]
+    p.local, p.other = [], [(2, dict(held, kind="replica"))]
+    p.endpoints, p._secret = ["", "", ep], SECRET
+    p.server = p.replicator = p.prefetched = p._lease = None
+    p.reshard_files = []
+    return p
+
+
+def test_a_hosts_shared_reshard_copy_stays_until_its_last_rank_is_done(tmp_path, monkeypatch):
+    """Two ranks of one host reshard from one copy fetched once for the host
+    (FetchOncePerHost): the rank done first (its reshard read it, or failed
+    on that rank alone: _distributed._reshard's finally) must not remove the
+    copy the other still reads; the last one removes it."""
+    ck = nonstop.Checkpointer(str(tmp_path / "old"), {"w": torch.arange(1000.0)}, every=1,
+                              tier="disk")
+    ck.step(4)
+    ck.wait()
+    ck.close()
+    srv, ep = loopback_server(tmp_path, JOB, SECRET)
+    try:
+        assert _core.peer_push(ep, JOB, SECRET, str(tmp_path / "old" / "rank-00000.nsck")) == "stored"
+        (held,) = srv.list()
+        assert (held["world_size"], held["source_rank"], held["step"]) == (1, 0, 4)
+        monkeypatch.setenv("NONSTOP_SHM_DIR", str(tmp_path / "shm-host"))
+        a, b = _rank_on_host_a(0, ep, held), _rank_on_host_a(1, ep, held)
+        (tmp_path / "new").mkdir()
+        for p in (a, b):
+            p.gather_old_shards(str(tmp_path / "new"))
+            assert p.reshard_missing == "", p.reshard_missing
+        shared = tmp_path / "shm-host" / _core.peer_shared_reshard_dir(JOB)
+        (_, _, path), = b.reshard_files
+        assert a.reshard_files == b.reshard_files and path.startswith(str(shared) + "/")
+        assert (a.reshard_shared, b.reshard_shared) == (0, 1)  # fetched once, by rank 0
+        assert srv.stats()["fetches_served"] == 1
+        a.drop_reshard()  # rank 0 done first: rank 1 still reads the copy
+        _core.peer_verify_local(path, 0, 4)
+        assert nonstop.load(os.path.dirname(path)).tensors["w"].equal(torch.arange(1000.0))
+        b.close()  # the last one: the host's copies go
+        assert not shared.exists()
+        a.close()
+    finally:
+        srv.close()

@@ -15,6 +15,7 @@
 #include "store/format.h"
 #include "tier/peer.h"
 #include "tier/remote_tier.h"
+#include "tier/test_slot_file.h"
 
 namespace nonstop::peer {
 namespace {
@@ -36,29 +37,13 @@ SlotLayout Layout() {
 // rank `rank` of world 4.
 void Write(Env* env, const std::string& dir, const std::string& name, uint32_t rank,
            uint64_t counter, int64_t step) {
-  auto d = env->OpenDirectory(dir, true).value();
   const SlotLayout layout = Layout();
-  StoreGeometry g;
-  g.slots = 1;
-  g.rank = rank;
-  g.world_size = 4;
-  g.slot_bytes = StoreGeometry::SlotBytesFor(layout, 4096);
-  auto f = SlotFile::Create(d->CreateFile(name, MediumKind::kBuffered, {}).value(), g).value();
   std::vector<uint8_t> data(layout.data_bytes);
   std::mt19937_64 rng(static_cast<uint64_t>(step) * 31 + rank);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
-  ASSERT_TRUE(f->WriteData(0, 0, data.data(), data.size()).ok());
-  CommitRequest req;
-  req.slot = 0;
-  req.counter = counter;
-  req.step = step;
-  req.layout = &layout;
-  req.crc_chunk_bytes = kChunk;
-  for (size_t o = 0; o < data.size(); o += kChunk) {
-    req.chunk_crcs.push_back(Crc32c(data.data() + o, std::min<size_t>(kChunk, data.size() - o)));
-  }
-  req.meta_json = "{}";
-  ASSERT_TRUE(f->Commit(req).ok());
+  ASSERT_TRUE(testing::WriteSlotFile(env, dir, name, layout, data,
+                                     {rank, 4, counter, step, "{}", kChunk})
+                  .ok());
 }
 
 void FlipByte(Env* env, const std::string& dir, const std::string& name) {

@@ -33,6 +33,7 @@
 #include "store/format.h"
 #include "tier/peer.h"
 #include "tier/peer_wire.h"
+#include "tier/test_slot_file.h"
 #include "tier/uploader.h"
 
 namespace nonstop::peer {
@@ -69,41 +70,16 @@ std::vector<uint8_t> Data(const SlotLayout& layout, int64_t step) {
   return d;
 }
 
-std::vector<uint32_t> Crcs(const std::vector<uint8_t>& d) {
-  std::vector<uint32_t> out;
-  for (size_t o = 0; o < d.size(); o += kChunk) {
-    out.push_back(Crc32c(d.data() + o, std::min<size_t>(kChunk, d.size() - o)));
-  }
-  return out;
-}
-
 // Writes a one-slot file `name` in `dir` of `env` holding checkpoint
 // (counter, step) of rank `rank`, under a temp name renamed over it (as the
 // memory tier replaces its segment).
 void WriteSegment(Env* env, const std::string& dir, const std::string& name, uint32_t rank,
                   uint64_t counter, int64_t step, uint32_t world = 4) {
-  auto d = env->OpenDirectory(dir, true).value();
   const SlotLayout layout = Layout();
-  StoreGeometry g;
-  g.slots = 1;
-  g.rank = rank;
-  g.world_size = world;
-  g.slot_bytes = StoreGeometry::SlotBytesFor(layout, 4096);
-  (void)d->Unlink(name + ".w");
-  auto f = SlotFile::Create(d->CreateFile(name + ".w", MediumKind::kBuffered, {}).value(), g).value();
-  const auto data = Data(layout, step);
-  ASSERT_TRUE(f->WriteData(0, 0, data.data(), data.size()).ok());
-  CommitRequest req;
-  req.slot = 0;
-  req.counter = counter;
-  req.step = step;
-  req.layout = &layout;
-  req.crc_chunk_bytes = kChunk;
-  req.chunk_crcs = Crcs(data);
-  req.meta_json = "{\"step\":" + std::to_string(step) + "}";
-  ASSERT_TRUE(f->Commit(req).ok());
-  f.reset();
-  ASSERT_TRUE(d->Rename(name + ".w", name).ok());
+  ASSERT_TRUE(testing::WriteSlotFile(env, dir, name, layout, Data(layout, step),
+                                     {rank, world, counter, step,
+                                      "{\"step\":" + std::to_string(step) + "}", kChunk})
+                  .ok());
 }
 
 // The data, step and metadata of the newest committed checkpoint of file

@@ -66,25 +66,8 @@ std::string CkptName(const CheckpointInfo& info) {
          ")";
 }
 
-// Text from a file for the terminal: control characters (escape sequences,
-// newlines) shown as \xNN, at most 64 KiB.
-std::string DisplayText(std::string_view text) {
-  constexpr size_t kMax = 64 << 10;
-  std::string out;
-  size_t i = 0;
-  for (; i < text.size() && out.size() < kMax; ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c == 0x7F) {
-      char esc[8];
-      std::snprintf(esc, sizeof(esc), "\\x%02X", c);
-      out += esc;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  if (i < text.size()) out += "...";
-  return out;
-}
+// At most this much of a text from a file is shown (OneLine: on one line).
+constexpr size_t kShownMax = 64 << 10;
 
 std::string Plural(uint64_t n, const char* what) {
   return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
@@ -334,7 +317,7 @@ void PrintSummary(const CheckpointInfo& in) {
     std::cout << "    tensors by state:";
     for (size_t i = 0; i < order.size() && i < kMaxItems; ++i) {
       const auto& [n, b] = by_state[order[i]];
-      std::cout << (i ? ", " : " ") << DisplayText(order[i].substr(0, 64)) << " " << n << " ("
+      std::cout << (i ? ", " : " ") << OneLine(order[i].substr(0, 64)) << " " << n << " ("
                 << HumanBytes(b) << ")";
     }
     if (order.size() > kMaxItems) std::cout << ", ... (" << order.size() << " in all)";
@@ -351,7 +334,7 @@ void PrintSummary(const CheckpointInfo& in) {
     return;
   }
   if (auto f = meta.find("format"); f != meta.end() && f->is_string()) {
-    std::cout << ", format " << DisplayText(f->get<std::string>().substr(0, 40));
+    std::cout << ", format " << OneLine(f->get<std::string>().substr(0, 40));
   }
   size_t shown = 0;
   for (const auto& [k, v] : meta.items()) {
@@ -360,10 +343,10 @@ void PrintSummary(const CheckpointInfo& in) {
       std::cout << ", ...";
       break;
     }
-    std::cout << (shown == 1 ? ": " : ", ") << DisplayText(k.substr(0, 64)) << " "
+    std::cout << (shown == 1 ? ": " : ", ") << OneLine(k.substr(0, 64)) << " "
               << HumanBytes(DumpJson(v).size());
     if (k == "metrics" && DumpJson(v).size() <= 200) {
-      std::cout << " " << DisplayText(DumpJson(v));
+      std::cout << " " << OneLine(DumpJson(v), kShownMax);
     } else if (k == "rng" && v.is_object()) {  // each generator's record, by size
       std::cout << " (";
       size_t j = 0;
@@ -372,7 +355,7 @@ void PrintSummary(const CheckpointInfo& in) {
           std::cout << ", ...";
           break;
         }
-        std::cout << (j++ ? ", " : "") << DisplayText(g.substr(0, 32)) << " "
+        std::cout << (j++ ? ", " : "") << OneLine(g.substr(0, 32)) << " "
                   << HumanBytes(DumpJson(r).size());
       }
       std::cout << ")";
@@ -437,7 +420,7 @@ void PrintInspect(const ScannedFile& s, bool full) {
                     std::string(DTypeName(te.spec.dtype)).c_str(), ShapeText(te.spec.shape).c_str(),
                     static_cast<unsigned long long>(te.data_offset),
                     static_cast<unsigned long long>(te.spec.nbytes));
-      std::cout << line << DisplayText(te.spec.name) << "\n";
+      std::cout << line << OneLine(te.spec.name, kShownMax) << "\n";
     }
   }
 }

@@ -46,9 +46,11 @@ std::string TierList(const ViewRow& row) {
   return out;
 }
 
-std::string OneLine(const std::string& s) {
+std::string OneLine(std::string_view s, size_t max_bytes) {
   std::string out;
-  for (unsigned char c : s) {
+  size_t i = 0;
+  for (; i < s.size() && out.size() < max_bytes; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
     if (c < 0x20 || c == 0x7f) {
       char buf[8];
       std::snprintf(buf, sizeof(buf), "\\x%02x", c);
@@ -57,6 +59,7 @@ std::string OneLine(const std::string& s) {
       out += static_cast<char>(c);
     }
   }
+  if (i < s.size()) out += "...";
   return out;
 }
 

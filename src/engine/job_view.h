@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <ctime>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -95,8 +96,10 @@ inline std::string UtcTime(uint64_t unix_ns) {
   return buf;
 }
 
-// `s` on one line: control characters (from a hostile name) as \xNN, nothing cut.
-std::string OneLine(const std::string& s);
+// `s` on one line for a terminal: control characters (escape sequences,
+// newlines from a hostile name or file) as \xNN (lowercase hex); past
+// `max_bytes` of text the rest is cut and "..." shown (nothing cut by default).
+std::string OneLine(std::string_view s, size_t max_bytes = std::string::npos);
 
 // The table `nonstop ls` prints of `view`, rank `rank` of `where` (a job
 // directory, or a remote: one format for both): the job, then one line per

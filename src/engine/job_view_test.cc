@@ -380,5 +380,17 @@ TEST(JobView, CrashAtEveryCallOfCommitsRollbackAndManifestNotes) {
               static_cast<unsigned long long>(cut_commit), secs);
 }
 
+// The one escaper for text shown on a terminal (`nonstop ls`, `nonstop
+// inspect`): control characters as lowercase \xNN, the rest as is, and past
+// a cap the rest cut with "...".
+TEST(JobView, OneLineEscapesControlCharactersAndCutsPastItsCap) {
+  EXPECT_EQ(OneLine(std::string("a\x1b[31m\nb\x7f\x00" "c", 11)), "a\\x1b[31m\\x0ab\\x7f\\x00c");
+  EXPECT_EQ(OneLine("caf\xc3\xa9"), "caf\xc3\xa9");  // UTF-8 kept
+  EXPECT_EQ(OneLine("abcdef", 4), "abcd...");
+  EXPECT_EQ(OneLine("abcd", 4), "abcd");
+  EXPECT_EQ(OneLine("\n\nxyz", 6), "\\x0a\\x0a...");  // an escape is never split
+  EXPECT_EQ(OneLine(std::string(100 << 10, 'x'), 64 << 10).size(), (64u << 10) + 3);
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -307,9 +307,9 @@ class Peers:
         gather decides where from (core.peer_gather_old_shards,
         tier/peer_gather.h; the planner's order). The copies are named in
         reshard_files for JobDir.select_reshard and removed once read
-        (drop_reshard: those of the host by its last rank); what cannot be found is named in reshard_missing (the
-        reshard then fails in one line when an old rank is on no disk
-        either). Not collective."""
+        (drop_reshard: those of the host by its last rank); what cannot be
+        found is named in reshard_missing (the reshard then fails in one line
+        when an old rank is on no disk either). Not collective."""
         core = _ext.core()
         t0 = time.perf_counter()
         self.drop_reshard()  # a restart before this one may have left its copies

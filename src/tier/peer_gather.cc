@@ -262,6 +262,7 @@ class Gather {
     return Got{got.path, from, got.fetched};
   }
 
+ public:
   // This rank's hold on the host's shared copies, taken before it first
   // fetches or takes one there (and so before the collective that follows
   // every rank's gather, after which a rank of this host may release).
@@ -272,6 +273,8 @@ class Gather {
     out_.lease = std::move(l);
     return Status::OK();
   }
+
+ private:
 
   OncePerHostCopy Once(uint32_t w, uint32_t rank, int64_t step) const {
     OncePerHostCopy o;
@@ -360,6 +363,11 @@ GatherResult GatherOldShards(const GatherRequest& r) {
   std::set<uint32_t> worlds;
   for (const GatherCopy& c : r.copies) worlds.insert(c.held.world_size);
   Gather g(r, out, env);
+  // Every rank of the host that gathers holds the lease, not only one that
+  // fetches or takes a copy there: so the host's last one removes what a
+  // killed job left there too. (A failure here is tried again, and named,
+  // at the first copy that needs it.)
+  if (!worlds.empty()) (void)g.Hold();
   std::vector<std::string> missing;
   for (uint32_t w : worlds) {
     std::vector<uint32_t> need;

@@ -112,9 +112,10 @@ struct GatherResult {
   uint64_t bytes = 0;     // fetched by this rank
   uint64_t shared = 0;    // copies another rank of this host fetched
   std::string dir;        // where the fetched copies are ("": none fetched)
-  // This rank's hold on the host's shared copies (taken at its first try of
-  // a copy from another host or the remote tier; null when it read none
-  // there): Release it once the reshard has read them.
+  // This rank's hold on the host's shared copies (taken as the gather
+  // starts; null when there was nothing to gather or it could not be taken,
+  // and then no copy there was used): Release it once the reshard has read
+  // them.
   std::shared_ptr<ReshardLease> lease;
 };
 

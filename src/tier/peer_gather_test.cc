@@ -239,7 +239,7 @@ TEST(PeerGatherTest, ARemotePartIsFetchedOncePerHost) {
 // holds it: the rank done first (its reshard read it, or failed on that rank
 // alone) leaves it for the other, which still reads it; the last one removes
 // the host's directory. A holder that died (its lock gone with it) holds
-// nothing.
+// nothing, and what a killed job left goes with the next gather's last.
 TEST(PeerGatherTest, TheHostsSharedCopyGoesOnlyWithItsLastHolder) {
   auto env = FaultEnv::Create();
   OldRanksOnDisk(env.get());
@@ -267,6 +267,17 @@ TEST(PeerGatherTest, TheHostsSharedCopyGoesOnlyWithItsLastHolder) {
   EXPECT_TRUE(VerifyLocal(std::get<2>(again.got[0].files.at(0)), 3, 70, env.get()).ok());
   again.got[0].lease.reset();  // rank 0 killed: its hold gone with it
   EXPECT_EQ(again.got[1].lease->Release().value(), true);
+  EXPECT_EQ(env->OpenDirectory(shared, false).status().code(), StatusCode::kNotFound);
+  // Copies a killed job left there (no holder alive) go with the next
+  // gather's last holder, even one that only read this host's memory in place.
+  Write(env.get(), shared + "/w4-s60-c6", "rank-00001.nsck", 1, 6, 60);
+  Write(env.get(), "/mem", "rep3", 3, 7, 70);
+  GatherRequest r = Request(env.get(), {});
+  r.copies = {Copy(3, 70, 7, Source::kReplica, -1, "/mem/rep3")};
+  GatherResult g = GatherOldShards(r);
+  EXPECT_EQ(g.from["4/3"], "own memory replica (/mem/rep3) step 70");
+  ASSERT_NE(g.lease, nullptr);
+  EXPECT_EQ(g.lease->Release().value(), true);
   EXPECT_EQ(env->OpenDirectory(shared, false).status().code(), StatusCode::kNotFound);
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nonstop/plan.h"
@@ -264,5 +265,57 @@ struct SharedLayout {
 Result<SharedLayout> LayOutShared(const std::vector<SharedTensor>& shared,
                                   const std::vector<Piece>& pieces, bool complete,
                                   const std::string& where, int64_t step);
+
+// ---- FSDP2 DTensors (_fsdp.py) ----
+
+// Rows [begin, end) of dim 0 that `rank` holds under Shard(0): torch.chunk's
+// split, which FSDP2 and DTensor use (ceil(d0 / world) rows each; the last
+// ranks may hold fewer, or none).
+std::pair<int64_t, int64_t> ShardRows(int64_t d0, int rank, int world);
+
+// A DTensor as meta["dist"]["dtensor"] records it (a hostile file's words).
+struct DTensorDoc {
+  std::string name;
+  std::vector<int64_t> shape;  // the global shape
+  std::string dtype;           // DTypeName spelling
+  std::string placement;       // "S0" (Shard(0)) or "R" (Replicate())
+};
+
+// Where rank `rank` of a job of world size `world` finds its new piece of
+// each DTensor: an "S0" one's rows ShardRows(shape[0], rank, world), an "R"
+// one whole, each in one flat buffer at `offset` (a multiple of 64 bytes)
+// with its local `shape`; `copies`: bytes [src, src + nbytes) of old piece
+// `handle` of old rank `rank` go to byte `dst` of the buffer (pieces that
+// hold none of those bytes are left out; at most one copy per piece).
+struct DTensorReshard {
+  struct Tensor {
+    std::string name;
+    std::string dtype;
+    std::vector<int64_t> shape;  // this rank's piece
+    uint64_t offset = 0;
+    uint64_t nbytes = 0;
+  };
+  struct Copy {
+    int rank = 0;
+    size_t handle = 0;
+    uint64_t src = 0;  // bytes into the old piece
+    uint64_t dst = 0;  // bytes into the flat buffer
+    uint64_t nbytes = 0;
+  };
+  std::vector<Tensor> tensors;  // in the order of `doc`
+  uint64_t total = 0;
+  std::vector<Copy> copies;     // in the order of `pieces`
+};
+
+// The plan, or one line (naming the tensor, `where` and `step`) before
+// anything is allocated: an unknown dtype or placement, an "S0" tensor of no
+// dimension, a negative dimension or a size past 2^62 bytes, a name listed
+// twice, a rank or world out of range (Corruption); an old piece outside its
+// tensor, not of whole elements or overlapping another (Corruption); some
+// element of this rank's range held by no old piece (FailedPrecondition:
+// "hold N of elements B..E", a rank file missing or incomplete).
+Result<DTensorReshard> PlanDTensorReshard(const std::vector<DTensorDoc>& doc,
+                                          const std::vector<Piece>& pieces, int rank, int world,
+                                          const std::string& where, int64_t step);
 
 }  // namespace nonstop::dist

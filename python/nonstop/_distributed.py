@@ -776,8 +776,7 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
     # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.
     dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
     if dt:
-        tensors.update(_fsdp.reshard(archive, key, dt, rank, world, core,
-                                     sources=(readers, [0] * old_world)))
+        tensors.update(_fsdp.reshard(readers, [0] * old_world, dt, rank, world, archive, key[0]))
     # A module saved under DDP restored without it (one process), or back.
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():

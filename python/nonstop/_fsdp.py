@@ -1,44 +1,19 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) state: DTensors (docs/DISTRIBUTED.md, "FSDP2").
-
-FSDP2 keeps each parameter, and the optimizer keeps each of its state
-tensors, as a DTensor placed `Shard(0)` on a 1-D device mesh: rank r holds
-rows `[r*ceil(d0/W), (r+1)*ceil(d0/W))` of dim 0 (torch.chunk's split, so
-the last ranks may hold fewer rows, or none). Such a shard is one flat
-element range of the row-major global tensor, so it is recorded with the
-mechanism the replicated shares use (TensorSpec.global: global shape and
-flat element offset), and nothing else is invented:
-
-* **Saving.** Each rank registers `to_local()` (a view of the shard's own
-  memory, no copy) under the DTensor's name, with its place in the global
-  tensor, and lists the name in `meta["dist"]["dtensor"]`
-  (`name -> [global shape, dtype, placement]`). A rank whose shard is empty
-  writes nothing for it. `Replicate()` DTensors are written as replicated
-  tensors (1/world share per rank). Buffers of FSDP2 modules (fully_shard
-  neither shards nor synchronises them) are rank-local: each rank writes
-  its own, whole.
-* **Restoring, same world size.** Each rank reads only its own shard from
-  its own file (bitwise) and wraps it again with `DTensor.from_local` on the
-  mesh of the live model (no collective).
-* **Restoring, another world size.** `reshard()` reads the overlapping
-  ranges of every old rank file (all must be visible in the job directory)
-  and builds this rank's new shard; see read_ranges().
-* **DCP export.** `_dcp.collect` reassembles these names like the
-  replicated ones (the global layout is the same), so the export holds
-  plain full tensors that `torch.distributed.checkpoint.load` reshards into
-  any placement.
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) state: DTensors placed Shard(0)
+or Replicate() on a 1-D mesh, saved as each rank's rows with their global
+layout (TensorSpec.global) and restored, resharded and exported as
+docs/DISTRIBUTED.md "FSDP2" describes.
 """
 from __future__ import annotations
 
-import os
+import math
 import sys
-from typing import Optional
 
 import torch
 
-from . import _objects, _read
-from ._read import RANK_FILE, read_tensors
-from ._state import loads, torch_dtype
-from .errors import CheckpointMismatchError, IncompatibleCheckpointError
+from . import _ext, _objects
+from ._read import read_into
+from ._state import torch_dtype_by_name
+from .errors import CheckpointMismatchError
 
 
 def _dtensor_cls():
@@ -64,20 +39,6 @@ def data_ptr(t) -> int:
     if is_dtensor(t):
         return t._local_tensor.data_ptr()
     return t.data_ptr()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def rows(d0: int, rank: int, world: int) -> tuple[int, int]:
-    """Rows [begin, end) of dim 0 that rank `rank` holds under Shard(0)
-    (torch.chunk's split, which FSDP2 and DTensor use)."""
-    per = -(-d0 // world) if d0 else 0
-    return min(rank * per, d0), min((rank + 1) * per, d0)
 
 
 def _placement(t, name: str, rank: int, world: int) -> str:
@@ -119,7 +80,7 @@ def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
         if kind == "R":
             rest[name] = local
             continue
-        begin, end = rows(shape[0], rank, world)
+        begin, end = _ext.core().dist_shard_rows(shape[0], rank, world)
         want = [end - begin] + shape[1:]
         if list(local.shape) != want:
             raise CheckpointMismatchError(
@@ -129,7 +90,7 @@ def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
         if local.numel() == 0:
             continue  # nothing to write; restored as an empty shard
         shards[name] = local
-        layouts[name] = (shape, begin * _numel(shape[1:]))
+        layouts[name] = (shape, begin * math.prod(shape[1:]))
     return rest, shards, layouts, doc
 
 
@@ -253,7 +214,7 @@ def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world
         if kind == "R":
             local, placement = tensors[name], Replicate()
         else:
-            begin, end = rows(shape[0], rank, world)
+            begin, end = _ext.core().dist_shard_rows(shape[0], rank, world)
             want = [end - begin] + list(shape[1:])
             local = tensors.get(name)
             if local is None:
@@ -269,100 +230,35 @@ def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world
 # -------------------------------------------------------------- resharding
 
 
-def read_ranges(readers: list, indices: list, wanted: dict) -> dict:
-    """Assembles element ranges of global tensors from several rank files.
-
-    readers[r] is old rank r's Reader and indices[r] the index of the
-    checkpoint to read in it. `wanted` maps name -> (global_shape, dtype,
-    begin, end): the flat element range [begin, end) of the global tensor.
-    Every old rank's pieces of that name (TensorSpec.global: global_offset
-    and piece size) that overlap the range are read, chunk crcs verified,
-    and copied in. Returns name -> 1-D tensor of end - begin elements.
-    Raises when some element of a range is held by no old rank."""
-    out, filled = {}, {}
-    for name, (shape, dtype, begin, end) in wanted.items():
-        out[name] = torch.empty(end - begin, dtype=getattr(torch, dtype))
-        filled[name] = 0
-    for reader, idx in zip(readers, indices):
-        info = reader.checkpoints[idx]
-        take = {}  # name -> (lo, hi, g0, begin) of the pieces this file holds
-        for spec in info["tensors"]:
-            name = spec["name"]
-            if name not in wanted:
-                continue
-            _, _, begin, end = wanted[name]
-            n = _numel(spec["shape"])
-            g0 = int(spec.get("global_offset", 0))
-            lo, hi = max(begin, g0), min(end, g0 + n)
-            if lo < hi:
-                torch_dtype(spec["dtype"])  # a bad dtype code: one-line error before the read
-                take[name] = (lo, hi, g0, begin)
-        if not take:
-            continue
-        # One read of the file through the C++ restore path (every crc chunk
-        # read and verified once), not one per tensor.
-        got = read_tensors(reader, idx, names=take.__contains__)
-        for name, (lo, hi, g0, begin) in take.items():
-            piece = got[name].reshape(-1)
-            out[name][lo - begin:hi - begin] = piece[lo - g0:hi - g0]
-            filled[name] += hi - lo
-    for name, (_, _, begin, end) in wanted.items():
-        if filled[name] != end - begin:
-            raise IncompatibleCheckpointError(
-                f"tensor {name!r}: the old rank files hold {filled[name]} of elements "
-                f"{begin}..{end}; some rank file is missing or incomplete")
-    return out
-
-
-def reshard(dir: str, step_key: tuple, doc: dict, rank: int, world: int,
-            core, sources=None) -> dict:
-    """This rank's Shard(0) pieces (name -> tensor shaped for the new world
-    size) of the DTensors in `doc`, read from every old rank file of `dir`
-    at checkpoint `step_key` = (step, lineage). Replicate() ones come whole.
-    sources: (readers, indices) of the old rank files' checkpoints already
-    chosen (the job directory's reshard choice); else `dir` is read here."""
-    if sources is not None:
-        readers, indices = sources
-        return _pieces(readers, list(indices), doc, rank, world)
-    readers = _read.readers(dir)
-    indices = []
-    for r, reader in enumerate(readers):
-        found = None
-        for i, c in enumerate(reader.checkpoints):
-            meta = loads(c["meta_json"].decode("utf-8")) if c["committed"] else None
-            if meta is not None and _read.step_key(meta) == tuple(step_key):
-                found = i
-                break
-        if found is None:
-            raise IncompatibleCheckpointError(
-                f"old rank {r} of {dir} holds no committed checkpoint at step {step_key[0]}")
-        indices.append(found)
-    return _pieces(readers, indices, doc, rank, world)
-
-
-def _pieces(readers: list, indices: list, doc: dict, rank: int, world: int) -> dict:
-    wanted = {}
-    for name, (shape, dtype, kind) in doc.items():
-        if kind == "R":
-            wanted[name] = (shape, dtype, 0, _numel(shape))
-        else:
-            b, e = rows(shape[0], rank, world)
-            inner = _numel(shape[1:])
-            wanted[name] = (shape, dtype, b * inner, e * inner)
-    flat = read_ranges(readers, indices, wanted)
-    out = {}
-    for name, (shape, dtype, kind) in doc.items():
-        if kind == "R":
-            out[name] = flat[name].reshape(shape)
-        else:
-            b, e = rows(shape[0], rank, world)
-            out[name] = flat[name].reshape([e - b] + list(shape[1:]))
-    return out
-
-
-def old_world(dir: str) -> Optional[int]:
-    """The world size the rank files in `dir` were written with, or None."""
-    if not os.path.isdir(dir):
-        return None
-    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, os.listdir(dir)) if m)
-    return ranks[-1] + 1 if ranks else None
+def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, where: str,
+            step: int) -> dict:
+    """This rank's pieces (name -> tensor shaped for the new world size) of
+    the DTensors in `doc` (meta["dist"]["dtensor"]; Replicate() ones whole),
+    from checkpoint indices[r] of old rank r's Reader readers[r] (chunk crcs
+    verified). C++ (dist_plan_dtensor_reshard) checks the metadata against
+    the old pieces, refuses a range no old piece holds, and says which bytes
+    of which old piece land where in one flat buffer: a piece that lies
+    whole in it is read straight there, any other into a buffer of its own
+    and its overlap copied. Each old file is read once, and only when it
+    holds some of those bytes."""
+    specs = [reader.checkpoints[i]["tensors"] for reader, i in zip(readers, indices)]
+    layout, total, copies = _ext.core().dist_plan_dtensor_reshard(
+        [(name, shape, dtype, kind) for name, (shape, dtype, kind) in doc.items()],
+        [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
+         for r, table in enumerate(specs) for i, sp in enumerate(table)], rank, world, where, step)
+    flat = torch.empty(total, dtype=torch.uint8)
+    for r, (reader, idx) in enumerate(zip(readers, indices)):
+        dests, partial = [(0, 0)] * len(specs[r]), []
+        for _, i, src, dst, n in (c for c in copies if c[0] == r):
+            whole = src == 0 and n == int(specs[r][i]["nbytes"])
+            buf = flat[dst:dst + n] if whole else torch.empty(int(specs[r][i]["nbytes"]),
+                                                              dtype=torch.uint8)
+            dests[i] = (buf.data_ptr(), buf.numel())
+            if not whole:
+                partial.append((buf, src, dst, n))
+        if any(n for _, n in dests):
+            read_into(reader, idx, dests)
+        for buf, src, dst, n in partial:
+            flat[dst:dst + n] = buf[src:src + n]
+    return {name: flat[off:off + n].view(torch_dtype_by_name(dtype)).reshape(shape)
+            for name, dtype, shape, off, n in layout}

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from typing import Optional
 
 import numpy as np
 
+from . import _ext
 from .errors import CorruptCheckpointError
 
 try:
@@ -185,8 +185,8 @@ DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "privateuseo
 _NUMPY_SCALARS = {np.dtype(t).str: np.dtype(t).type for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
     np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)}
-# Bounds on the metadata document: its size, and how deeply it nests.
-MAX_META_BYTES = 256 << 20
+# How deeply a state tree nests (as C++ kMaxMetaDepth bounds the metadata
+# document: jobdir/records.h).
 MAX_DEPTH = 200
 
 
@@ -297,43 +297,8 @@ def dumps(tree) -> str:
 
 
 def loads(text):
-    """Parses a metadata document (str or UTF-8 bytes), bounded in size and
-    depth. Raises CorruptCheckpointError (one line) on anything else."""
-    if isinstance(text, (bytes, bytearray)):
-        if len(text) > MAX_META_BYTES:
-            raise CorruptCheckpointError(f"metadata of {len(text)} bytes is larger than "
-                                         f"{MAX_META_BYTES}")
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CorruptCheckpointError(f"metadata is not UTF-8 ({e.reason} at byte "
-                                         f"{e.start})") from None
-    if len(text) > MAX_META_BYTES:
-        raise CorruptCheckpointError(f"metadata of {len(text)} characters is larger than "
-                                     f"{MAX_META_BYTES}")
-    if _depth_exceeds(text, MAX_DEPTH):
-        raise CorruptCheckpointError(f"metadata nests deeper than {MAX_DEPTH} levels")
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"metadata is not JSON ({str(e)[:120]})") from None
-
-
-def _depth_exceeds(text: str, limit: int) -> bool:
-    """Whether brackets outside strings nest deeper than `limit` (a cheap
-    upper bound is tried first)."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    depth = 0
-    for ch in _BRACKETS.findall(_STRINGS.sub("", text)):
-        if ch in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
-
-
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(r"[\[\]{}]")
+    """Parses a metadata document (str or UTF-8 bytes) that C++ checked first
+    (check_meta_json: size, UTF-8, JSON, nesting depth). Raises
+    CorruptCheckpointError (one line) on anything else."""
+    _ext.core().check_meta_json(text)
+    return json.loads(text)

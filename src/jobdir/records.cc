@@ -1,4 +1,4 @@
-// Bounded JSON for the job directory's records (records.h).
+// Bounded JSON for the job directory's records and a checkpoint's metadata (records.h).
 #include "jobdir/records.h"
 
 #include <algorithm>
@@ -7,33 +7,42 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "store/format.h"
+
 namespace nonstop::jobdir_internal {
 namespace {
 
+// Parses into a Json tree, or (Value(nullptr, 0)) only checks: nothing is
+// built, so a check allocates nothing whatever the text holds.
 class Parser {
  public:
   Parser(std::string_view s, const std::string& what, const JsonLimits& limits)
       : s_(s), what_(what), limits_(limits) {}
 
   Result<Json> Run() {
+    Json v;
+    NONSTOP_RETURN_IF_ERROR(Check(&v));
+    return v;
+  }
+  // Run() into `v`, or (nullptr) without building anything.
+  Status Check(Json* v) {
     if (s_.size() > limits_.max_bytes) {
       return Status::Corruption(what_ + ": " + std::to_string(s_.size()) +
-                                " bytes, more than a record may hold (" +
-                                std::to_string(limits_.max_bytes) + ")");
+                                " bytes, more than the limit of " +
+                                std::to_string(limits_.max_bytes));
     }
-    Json v;
-    if (!Value(&v, 0)) return Err();
+    if (!Value(v, 0)) return Err();
     Ws();
     if (i_ != s_.size()) {
       msg_ = "trailing bytes";
       return Err();
     }
-    return v;
+    return Status::OK();
   }
 
  private:
   Status Err() const {
-    return Status::Corruption(what_ + ": not a valid record (" + msg_ + " at byte " +
+    return Status::Corruption(what_ + ": not valid JSON (" + msg_ + " at byte " +
                               std::to_string(i_) + ")");
   }
   void Ws() {
@@ -71,37 +80,48 @@ class Parser {
     if (c == '{') return Object(v, depth);
     if (c == '[') return Array(v, depth);
     if (c == '"') {
-      v->type = Json::Type::kString;
-      return String(&v->text);
+      if (v) v->type = Json::Type::kString;
+      return String(v ? &v->text : nullptr);
     }
-    if (c == 't') {
-      v->type = Json::Type::kBool;
-      v->b = true;
-      return Lit("true");
-    }
-    if (c == 'f') {
-      v->type = Json::Type::kBool;
-      return Lit("false");
+    if (c == 't' || c == 'f') {
+      if (v) {
+        v->type = Json::Type::kBool;
+        v->b = c == 't';
+      }
+      return Lit(c == 't' ? "true" : "false");
     }
     if (c == 'n') return Lit("null");
     return Number(v);
   }
+  // Digits from s_[i_]; how many.
+  size_t Digits() {
+    const size_t b = i_;
+    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
+    return i_ - b;
+  }
+  // RFC 8259's number: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
   bool Number(Json* v) {
     const size_t b = i_;
     if (i_ < s_.size() && s_[i_] == '-') ++i_;
-    bool digits = false;
-    while (i_ < s_.size() && ((s_[i_] >= '0' && s_[i_] <= '9') || s_[i_] == '.' ||
-                              s_[i_] == 'e' || s_[i_] == 'E' || s_[i_] == '+' ||
-                              (s_[i_] == '-' && i_ > b))) {
-      digits = digits || (s_[i_] >= '0' && s_[i_] <= '9');
+    const size_t int0 = i_;
+    bool ok = Digits() > 0 && (s_[int0] != '0' || i_ == int0 + 1);
+    if (ok && i_ < s_.size() && s_[i_] == '.') {
       ++i_;
+      ok = Digits() > 0;
     }
-    if (!digits || i_ - b > 40) {
+    if (ok && i_ < s_.size() && (s_[i_] == 'e' || s_[i_] == 'E')) {
+      ++i_;
+      if (i_ < s_.size() && (s_[i_] == '+' || s_[i_] == '-')) ++i_;
+      ok = Digits() > 0;
+    }
+    if (!ok || i_ - b > limits_.max_number_chars) {
       msg_ = "bad number";
       return false;
     }
-    v->type = Json::Type::kNumber;
-    v->text = std::string(s_.substr(b, i_ - b));
+    if (v) {
+      v->type = Json::Type::kNumber;
+      v->text = std::string(s_.substr(b, i_ - b));
+    }
     return true;
   }
   static void Utf8(uint32_t cp, std::string* out) {
@@ -135,7 +155,9 @@ class Parser {
     *cp = v;
     return true;
   }
+  // A string from its opening quote, into `out` (nullptr: only checked).
   bool String(std::string* out) {
+    std::string scratch;  // a check's escapes (at most 4 bytes, no allocation)
     ++i_;  // opening quote
     while (i_ < s_.size()) {
       const char c = s_[i_++];
@@ -145,20 +167,22 @@ class Parser {
         return false;
       }
       if (c != '\\') {
-        out->push_back(c);
+        if (out) out->push_back(c);
         continue;
       }
       if (i_ >= s_.size()) break;
+      std::string* to = out ? out : &scratch;
+      scratch.clear();
       const char e = s_[i_++];
       switch (e) {
-        case '"': out->push_back('"'); break;
-        case '\\': out->push_back('\\'); break;
-        case '/': out->push_back('/'); break;
-        case 'b': out->push_back('\b'); break;
-        case 'f': out->push_back('\f'); break;
-        case 'n': out->push_back('\n'); break;
-        case 'r': out->push_back('\r'); break;
-        case 't': out->push_back('\t'); break;
+        case '"': to->push_back('"'); break;
+        case '\\': to->push_back('\\'); break;
+        case '/': to->push_back('/'); break;
+        case 'b': to->push_back('\b'); break;
+        case 'f': to->push_back('\f'); break;
+        case 'n': to->push_back('\n'); break;
+        case 'r': to->push_back('\r'); break;
+        case 't': to->push_back('\t'); break;
         case 'u': {
           uint32_t cp = 0;
           if (!Hex4(&cp)) {
@@ -174,7 +198,7 @@ class Parser {
             }
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
-          Utf8(cp, out);
+          Utf8(cp, to);
           break;
         }
         default:
@@ -212,6 +236,7 @@ class Parser {
     }
   }
   bool Array(Json* v, int depth) {
+    if (!v) return Items(']', [&] { return Value(nullptr, depth + 1); });
     v->type = Json::Type::kArray;
     return Items(']', [&] {
       v->items.emplace_back();
@@ -219,7 +244,7 @@ class Parser {
     });
   }
   bool Object(Json* v, int depth) {
-    v->type = Json::Type::kObject;
+    if (v) v->type = Json::Type::kObject;
     return Items('}', [&] {
       Ws();
       if (i_ >= s_.size() || s_[i_] != '"') {
@@ -227,13 +252,14 @@ class Parser {
         return false;
       }
       std::string key;
-      if (!String(&key)) return false;
+      if (!String(v ? &key : nullptr)) return false;
       Ws();
       if (i_ >= s_.size() || s_[i_] != ':') {
         msg_ = "expected ':'";
         return false;
       }
       ++i_;
+      if (!v) return Value(nullptr, depth + 1);
       v->keys.push_back(std::move(key));
       v->items.emplace_back();
       return Value(&v->items.back(), depth + 1);
@@ -369,6 +395,19 @@ Result<Json> ParseJson(std::string_view text, const std::string& what) {
 
 Result<Json> ParseJson(std::string_view text, const std::string& what, const JsonLimits& limits) {
   return Parser(text, what, limits).Run();
+}
+
+Status CheckMetaJson(std::string_view text) {
+  const std::string what = "metadata";
+  if (text.size() <= format::kMaxMetaBytes && !format::IsValidUtf8(text)) {
+    return Status::Corruption("metadata is not valid UTF-8");
+  }
+  JsonLimits limits;
+  limits.max_bytes = format::kMaxMetaBytes;
+  limits.max_elements = SIZE_MAX;  // a check builds nothing
+  limits.max_depth = kMaxMetaDepth;
+  limits.max_number_chars = kMaxMetaNumberChars;
+  return Parser(text, what, limits).Check(nullptr);
 }
 
 std::string JsonString(std::string_view s) {

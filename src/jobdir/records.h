@@ -1,6 +1,7 @@
 // The small JSON records of a job directory (lineage, agreed): a bounded
 // parser (size, depth and element counts limited before anything grows) and
-// their encoding. Internal to src/jobdir.
+// their encoding; and the check of a checkpoint's metadata document.
+// Internal to src/jobdir.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +43,18 @@ struct JsonLimits {
   uint64_t max_bytes = kMaxRecordBytes;
   size_t max_elements = kMaxJsonElements;
   int max_depth = kMaxJsonDepth;
+  size_t max_number_chars = 40;
 };
 Result<Json> ParseJson(std::string_view text, const std::string& what, const JsonLimits& limits);
+
+// A checkpoint's metadata document (meta_json, docs/FORMAT.md), a hostile
+// file's bytes, checked before the Python front end parses it: at most
+// format::kMaxMetaBytes, valid UTF-8, one JSON value (RFC 8259 numbers of at
+// most kMaxMetaNumberChars characters: Python's int() limit) with no value
+// nested deeper than kMaxMetaDepth. Builds nothing. Corruption, one line.
+inline constexpr int kMaxMetaDepth = 200;
+inline constexpr size_t kMaxMetaNumberChars = 4300;
+Status CheckMetaJson(std::string_view text);
 // The text of the value of `key` in the top-level object of `text`, found by
 // a scan without recursion (hostile bytes); empty when absent or when `text`
 // is not an object the scan understands.

@@ -27,6 +27,16 @@ std::string PerRank(const std::vector<std::optional<std::string>>& lines) {
 // Python's repr of a plain name: 'name'.
 std::string Quoted(const std::string& s) { return "'" + s + "'"; }
 
+// A name a hostile file wrote, quoted on one line: control characters and
+// quotes become '?', and at most 200 bytes are kept.
+std::string Printable(const std::string& s) {
+  std::string out = s.substr(0, 200);
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == '\'' || c == 0x7f) c = '?';
+  }
+  return Quoted(out) + (s.size() > 200 ? "..." : "");
+}
+
 std::string StepList(const std::vector<int64_t>& steps) {
   if (steps.empty()) return "none";
   std::string out = "[";
@@ -386,6 +396,108 @@ Result<SharedLayout> LayOutShared(const std::vector<SharedTensor>& shared,
                                 ": the old rank files of " + where + " hold " +
                                 std::to_string(held) + " of its " +
                                 std::to_string(out.tensors[i].nbytes) + " bytes" + at);
+    }
+  }
+  return out;
+}
+
+std::pair<int64_t, int64_t> ShardRows(int64_t d0, int rank, int world) {
+  if (d0 <= 0 || world <= 0 || rank < 0 || rank >= world) return {0, 0};
+  const int64_t per = d0 / world + (d0 % world != 0);
+  return {std::min<int64_t>(rank * per, d0), std::min<int64_t>((rank + 1) * per, d0)};
+}
+
+Result<DTensorReshard> PlanDTensorReshard(const std::vector<DTensorDoc>& doc,
+                                          const std::vector<Piece>& pieces, int rank, int world,
+                                          const std::string& where, int64_t step) {
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
+  constexpr uint64_t kAlign = 64;
+  const std::string at = " in " + where + " at step " + std::to_string(step);
+  if (world <= 0 || rank < 0 || rank >= world) {
+    return Status::InvalidArgument("cannot reshard to rank " + std::to_string(rank) +
+                                   " of world size " + std::to_string(world));
+  }
+  struct Info {
+    uint64_t item = 0, numel = 0;
+    uint64_t begin = 0, end = 0;  // this rank's elements
+    std::vector<std::pair<uint64_t, uint64_t>> held;  // the old pieces' elements
+    uint64_t filled = 0;
+  };
+  DTensorReshard out;
+  std::vector<Info> info(doc.size());
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < doc.size(); ++i) {
+    const DTensorDoc& d = doc[i];
+    const std::string what = "FSDP2 DTensor " + Printable(d.name);
+    DType dt;
+    if (!ParseDType(d.dtype, &dt)) {
+      return Status::Corruption(what + ": unknown dtype " + Printable(d.dtype) + at);
+    }
+    const bool s0 = d.placement == "S0";
+    if (!s0 && d.placement != "R") {
+      return Status::Corruption(what + ": unknown placement " + Printable(d.placement) +
+                                " (not S0 or R)" + at);
+    }
+    if (s0 && d.shape.empty()) return Status::Corruption(what + ": Shard(0) of a 0-dim tensor" + at);
+    Info& t = info[i];
+    t.item = DTypeSize(dt);
+    t.numel = 1;
+    for (int64_t n : d.shape) {
+      if (n < 0 || (n > 0 && t.numel > kMaxBytes / t.item / static_cast<uint64_t>(n))) {
+        return Status::Corruption(what + ": shape out of range" + at);
+      }
+      t.numel *= static_cast<uint64_t>(n);
+    }
+    if (!by_name.emplace(d.name, i).second) return Status::Corruption(what + " listed twice" + at);
+    std::vector<int64_t> shape = d.shape;
+    t.end = t.numel;
+    if (s0) {
+      const auto [b, e] = ShardRows(shape[0], rank, world);
+      const uint64_t inner = shape[0] ? t.numel / static_cast<uint64_t>(shape[0]) : 0;
+      t.begin = static_cast<uint64_t>(b) * inner;
+      t.end = static_cast<uint64_t>(e) * inner;
+      shape[0] = e - b;
+    }
+    const uint64_t nbytes = (t.end - t.begin) * t.item;
+    out.total = (out.total + kAlign - 1) / kAlign * kAlign;
+    if (out.total > kMaxBytes - nbytes) return Status::Corruption(what + ": size out of range" + at);
+    out.tensors.push_back({d.name, d.dtype, std::move(shape), out.total, nbytes});
+    out.total += nbytes;
+  }
+  for (const Piece& p : pieces) {
+    auto it = by_name.find(p.name);
+    if (it == by_name.end()) continue;
+    Info& t = info[it->second];
+    if (p.nbytes % t.item != 0 || p.global_offset > t.numel ||
+        p.nbytes / t.item > t.numel - p.global_offset) {
+      return Status::Corruption("FSDP2 DTensor " + Printable(p.name) + ": rank " +
+                                std::to_string(p.rank) + "'s piece (" + std::to_string(p.nbytes) +
+                                " bytes at element " + std::to_string(p.global_offset) +
+                                ") lies outside its " + std::to_string(t.numel) + " elements" + at);
+    }
+    const uint64_t g0 = p.global_offset, g1 = g0 + p.nbytes / t.item;
+    if (g0 < g1) t.held.emplace_back(g0, g1);
+    const uint64_t lo = std::max(t.begin, g0), hi = std::min(t.end, g1);
+    if (lo >= hi) continue;
+    t.filled += hi - lo;
+    out.copies.push_back({p.rank, p.handle, (lo - g0) * t.item,
+                          out.tensors[it->second].offset + (lo - t.begin) * t.item,
+                          (hi - lo) * t.item});
+  }
+  for (size_t i = 0; i < doc.size(); ++i) {
+    Info& t = info[i];
+    std::sort(t.held.begin(), t.held.end());
+    for (size_t k = 1; k < t.held.size(); ++k) {
+      if (t.held[k].first < t.held[k - 1].second) {
+        return Status::Corruption("FSDP2 DTensor " + Printable(doc[i].name) +
+                                  ": pieces of the old rank files overlap" + at);
+      }
+    }
+    if (t.filled != t.end - t.begin) {
+      return Status::FailedPrecondition(
+          "tensor " + Printable(doc[i].name) + ": the old rank files hold " +
+          std::to_string(t.filled) + " of elements " + std::to_string(t.begin) + ".." +
+          std::to_string(t.end) + at + "; some rank file is missing or incomplete");
     }
   }
   return out;

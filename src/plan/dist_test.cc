@@ -1,7 +1,7 @@
 // The distributed restart's decisions (nonstop/dist.h) on gathered data
 // alone: the common steps, the recover fallbacks, the memory tier's
 // all-or-none choice, the reshard agreement's retries and its one error
-// line, and the byte layout of the replicated tensors.
+// line, the byte layout of the replicated tensors and the FSDP2 reshard's.
 #include "nonstop/dist.h"
 
 #include <gtest/gtest.h>
@@ -293,6 +293,99 @@ TEST(DistTest, ZeroGlobalIdsMapsLocalIdsAndRefusesMismatches) {
   auto stray = ZeroGlobalIds({7, 2}, {5, 3}, {4}, "x");
   EXPECT_EQ(stray.status().code(), StatusCode::kCorruption);
   EXPECT_NE(stray.status().message().find("parameter 4"), std::string::npos);
+}
+
+// ShardRows: torch.chunk's split of dim 0 (ceil(d0 / world) rows each, the
+// last ranks short or empty).
+TEST(DistTest, ShardRowsFollowTorchChunk) {
+  using R = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(ShardRows(67, 0, 2), (R{0, 34}));
+  EXPECT_EQ(ShardRows(67, 1, 2), (R{34, 67}));
+  EXPECT_EQ(ShardRows(5, 2, 4), (R{4, 5}));
+  EXPECT_EQ(ShardRows(5, 3, 4), (R{5, 5}));  // torch.chunk(5, 4): 2, 2, 1 and none
+  EXPECT_EQ(ShardRows(0, 1, 3), (R{0, 0}));
+  EXPECT_EQ(ShardRows(1024, 600, 1000), (R{1024, 1024}));
+  EXPECT_EQ(ShardRows(7, 0, 1), (R{0, 7}));
+}
+
+// PlanDTensorReshard: a [67, 32] Shard(0) tensor saved by 2 ranks (rows
+// 0..34 and 34..67), read by rank 1 of 3 (rows 23..46): the tail of old
+// rank 0's piece and the head of old rank 1's; a Replicate() one whole.
+TEST(DistTest, PlanDTensorReshardCopiesTheOverlappingBytes) {
+  const std::vector<DTensorDoc> doc = {{"w", {67, 32}, "float32", "S0"},
+                                       {"r", {3}, "float64", "R"}};
+  const std::vector<Piece> pieces = {{0, 4, "w", 0, 34 * 32 * 4}, {0, 5, "r", 0, 16},
+                                     {1, 7, "w", 34 * 32, 33 * 32 * 4}, {1, 2, "r", 2, 8},
+                                     {1, 3, "other", 0, 4}};
+  auto got = PlanDTensorReshard(doc, pieces, 1, 3, "/j/world-2", 11);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  const DTensorReshard& p = got.value();
+  ASSERT_EQ(p.tensors.size(), 2u);
+  EXPECT_EQ(p.tensors[0].name, "w");
+  EXPECT_EQ(p.tensors[0].shape, (std::vector<int64_t>{23, 32}));
+  EXPECT_EQ(p.tensors[0].offset, 0u);
+  EXPECT_EQ(p.tensors[0].nbytes, 23u * 32 * 4);
+  EXPECT_EQ(p.tensors[1].shape, (std::vector<int64_t>{3}));
+  EXPECT_EQ(p.tensors[1].offset % 64, 0u);
+  EXPECT_GE(p.tensors[1].offset, 23u * 32 * 4);
+  EXPECT_EQ(p.total, p.tensors[1].offset + 24);
+  ASSERT_EQ(p.copies.size(), 4u);
+  auto eq = [](const DTensorReshard::Copy& c, int rank, size_t handle, uint64_t src,
+               uint64_t dst, uint64_t n) {
+    return c.rank == rank && c.handle == handle && c.src == src && c.dst == dst && c.nbytes == n;
+  };
+  EXPECT_TRUE(eq(p.copies[0], 0, 4, 23 * 32 * 4, 0, 11 * 32 * 4));  // rows 23..34
+  EXPECT_TRUE(eq(p.copies[1], 0, 5, 0, p.tensors[1].offset, 16));
+  EXPECT_TRUE(eq(p.copies[2], 1, 7, 0, 11 * 32 * 4, 12 * 32 * 4));  // rows 34..46
+  EXPECT_TRUE(eq(p.copies[3], 1, 2, 0, p.tensors[1].offset + 16, 8));
+  // Rank 2 of 3: rows 46..67, old rank 1's only; rank 0 of 1: both whole.
+  auto last = PlanDTensorReshard({doc[0]}, pieces, 2, 3, "/j", 11);
+  ASSERT_TRUE(last.ok());
+  ASSERT_EQ(last.value().copies.size(), 1u);
+  EXPECT_TRUE(eq(last.value().copies[0], 1, 7, 12 * 32 * 4, 0, 21 * 32 * 4));
+  auto one = PlanDTensorReshard({doc[0]}, pieces, 0, 1, "/j", 11);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one.value().copies.size(), 2u);
+  EXPECT_EQ(one.value().tensors[0].shape, (std::vector<int64_t>{67, 32}));
+  // More new ranks than rows: an empty piece and no copy.
+  auto empty = PlanDTensorReshard({{"v", {2}, "int64", "S0"}}, {{0, 0, "v", 0, 16}}, 3, 4, "/j", 1);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty.value().tensors[0].shape, (std::vector<int64_t>{0}));
+  EXPECT_TRUE(empty.value().copies.empty());
+}
+
+// Hostile metadata is one line before anything is allocated; a missing
+// old rank file says how much of the range it holds.
+TEST(DistTest, PlanDTensorReshardRefusesBadMetadataAndMissingPieces) {
+  const std::vector<DTensorDoc> doc = {{"w", {10}, "float32", "S0"}};
+  auto code = [&](const std::vector<DTensorDoc>& d, const std::vector<Piece>& p, int rank,
+                  int world) { return PlanDTensorReshard(d, p, rank, world, "/a", 4).status(); };
+  Status missing = code(doc, {{0, 0, "w", 0, 20}}, 0, 1);
+  EXPECT_EQ(missing.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(missing.message(), "tensor 'w': the old rank files hold 5 of elements 0..10 in /a at "
+                               "step 4; some rank file is missing or incomplete");
+  // Rank 1 of 2 wants 5..10, old rank 0 holds 0..5 and old rank 1's file is gone.
+  EXPECT_NE(code(doc, {{0, 0, "w", 0, 20}}, 1, 2).message().find("hold 0 of elements 5..10"),
+            std::string::npos);
+  Status over = code(doc, {{0, 0, "w", 0, 24}, {1, 0, "w", 5, 20}}, 0, 1);
+  EXPECT_EQ(over.code(), StatusCode::kCorruption);
+  EXPECT_NE(over.message().find("overlap"), std::string::npos);
+  Status outside = code(doc, {{0, 0, "w", 8, 12}}, 0, 1);
+  EXPECT_EQ(outside.code(), StatusCode::kCorruption);
+  EXPECT_NE(outside.message().find("lies outside its 10 elements"), std::string::npos);
+  EXPECT_EQ(code(doc, {{0, 0, "w", 0, 6}}, 0, 1).code(), StatusCode::kCorruption);  // 1.5 floats
+  EXPECT_EQ(code({{"w", {10}, "float128", "S0"}}, {}, 0, 1).message(),
+            "FSDP2 DTensor 'w': unknown dtype 'float128' in /a at step 4");
+  EXPECT_EQ(code({{"w", {10}, "float32", "S1"}}, {}, 0, 1).code(), StatusCode::kCorruption);
+  EXPECT_EQ(code({{"w", {}, "float32", "S0"}}, {}, 0, 1).code(), StatusCode::kCorruption);
+  EXPECT_EQ(code({{"w", {-1}, "float32", "S0"}}, {}, 0, 1).code(), StatusCode::kCorruption);
+  Status huge = code({{"h", {1LL << 40, 1LL << 40}, "float32", "R"}}, {}, 0, 1);
+  EXPECT_NE(huge.message().find("shape out of range"), std::string::npos);
+  EXPECT_NE(code({doc[0], doc[0]}, {}, 0, 1).message().find("listed twice"), std::string::npos);
+  EXPECT_EQ(code(doc, {}, 2, 2).code(), StatusCode::kInvalidArgument);
+  Status odd = code({{"a\nb'c", {2}, "float32", "X"}}, {}, 0, 1);
+  EXPECT_EQ(odd.message().find('\n'), std::string::npos);
+  EXPECT_NE(odd.message().find("'a?b?c'"), std::string::npos);
 }
 
 }  // namespace

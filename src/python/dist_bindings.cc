@@ -108,6 +108,39 @@ void InitDist(py::module_& m) {
         "shared: [(name, shape, dtype)]; pieces: [(rank, handle, name, global offset in "
         "elements, nbytes)]. Returns ([(name, offset, nbytes)] by name, total bytes, [(rank, "
         "handle, offset, nbytes)]): where each piece's bytes go in one flat buffer.");
+  m.def("dist_shard_rows", &dist::ShardRows, py::arg("d0"), py::arg("rank"), py::arg("world"),
+        "(begin, end): the rows of dim 0 rank holds under Shard(0), torch.chunk's split "
+        "(dist.h ShardRows).");
+  m.def("dist_plan_dtensor_reshard",
+        [](const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string,
+                                        std::string>>& doc,
+           const std::vector<std::tuple<int, size_t, std::string, uint64_t, uint64_t>>& pieces,
+           int rank, int world, const std::string& where, int64_t step) {
+          std::vector<dist::DTensorDoc> d;
+          for (const auto& [name, shape, dtype, placement] : doc) {
+            d.push_back({name, shape, dtype, placement});
+          }
+          std::vector<dist::Piece> p;
+          for (const auto& [r, handle, name, off, nbytes] : pieces) {
+            p.push_back({r, handle, name, off, nbytes});
+          }
+          dist::DTensorReshard plan =
+              Take(dist::PlanDTensorReshard(d, p, rank, world, where, step));
+          py::list tensors, copies;
+          for (const auto& t : plan.tensors) {
+            tensors.append(py::make_tuple(t.name, t.dtype, t.shape, t.offset, t.nbytes));
+          }
+          for (const auto& c : plan.copies) {
+            copies.append(py::make_tuple(c.rank, c.handle, c.src, c.dst, c.nbytes));
+          }
+          return py::make_tuple(tensors, plan.total, copies);
+        },
+        py::arg("doc"), py::arg("pieces"), py::arg("rank"), py::arg("world"), py::arg("where"),
+        py::arg("step"),
+        "doc: [(name, global shape, dtype, 'S0'|'R')]; pieces: [(old rank, handle, name, global "
+        "offset in elements, nbytes)]. Returns ([(name, dtype, local shape, offset, nbytes)], "
+        "total bytes, [(old rank, handle, src, dst, nbytes)]): this rank's new pieces in one "
+        "flat buffer and which old bytes fill them (dist.h PlanDTensorReshard).");
 
   using AR = dist::AgreementRounds;
   py::class_<AR>(m, "AgreementRounds")

@@ -8,12 +8,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "engine/job_view.h"
 #include "jobdir/planned_steps.h"
+#include "jobdir/records.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "python/bindings.h"
@@ -546,6 +548,20 @@ void InitJobDir(py::module_& m) {
   m.def("check_metrics", &CheckMetrics, py::arg("metrics"),
         "metrics= of save()/step() as {name: float} (None stays None); "
         "CheckpointMismatchError for anything but finite numbers under non-empty names.");
+  m.def(
+      "check_meta_json",
+      [](std::string_view text) {  // str or bytes; the caller's object outlives the view
+        Status s;
+        {
+          py::gil_scoped_release r;
+          s = jobdir_internal::CheckMetaJson(text);
+        }
+        Check(s);
+      },
+      py::arg("text"),
+      "A checkpoint's metadata document (str or bytes) before json.loads: CorruptCheckpointError "
+      "(one line) unless it is valid UTF-8 JSON within the format's size and depth bounds "
+      "(jobdir/records.h CheckMetaJson).");
   m.def(
       "step_not_found",
       [](const std::string& dir, int rank, int64_t step) {

@@ -116,7 +116,7 @@ def test_fsdp2_kill_resume_corrupt_dcp_and_reshard(tmp_path):
 
 def check_layout_dcp_reshard(tmp_path, d, exp):
     import nonstop
-    from nonstop import _fsdp
+    from nonstop import _fsdp, _read
     a, b = nonstop.load(d, rank=0), nonstop.load(d, rank=1)
     assert a.step == b.step == 11
     sa, sb = ({s["name"]: s for s in c.info["tensors"]} for c in (a, b))
@@ -173,11 +173,14 @@ def check_layout_dcp_reshard(tmp_path, d, exp):
 
     # Another world size: the pieces of all old rank files give any rank of
     # any new world size its rows (here 1 and 3 ranks), bit-exact.
-    key = (11, a.meta["dist"]["lineage"])
-    whole = _fsdp.reshard(d, key, doc, rank=0, world=1, core=None)
+    readers = _read.readers(d)
+    idx = [next(i for i, c in enumerate(rd.checkpoints) if c["committed"] and c["step"] == 11)
+           for rd in readers]
+    whole = _fsdp.reshard(readers, idx, doc, rank=0, world=1, where=d, step=11)
     for name in doc:
         assert torch.equal(whole[name], target[name]), name
-    three = [_fsdp.reshard(d, key, doc, rank=r, world=3, core=None) for r in range(3)]
+    three = [_fsdp.reshard(readers, idx, doc, rank=r, world=3, where=d, step=11)
+             for r in range(3)]
     assert [t["model/0.weight"].shape[0] for t in three] == [23, 23, 21]
     for name in doc:
         assert torch.equal(torch.cat([t[name] for t in three]), target[name]), name
@@ -252,7 +255,8 @@ def digest(tensors) -> str:  # as fsdp_train.py's
 
 
 def test_reshard_refuses_a_missing_rank_file(tmp_path):
-    """read_ranges() says what is missing instead of returning zeros."""
+    """reshard() says what is missing instead of returning zeros, and
+    copies the overlapping part of each old piece."""
     import ctypes
 
     from nonstop import _fsdp
@@ -260,30 +264,29 @@ def test_reshard_refuses_a_missing_rank_file(tmp_path):
 
     class Reader:
         def __init__(self, off, n):
+            self.off = off
             self.checkpoints = [{"tensors": [{"name": "w", "shape": [n], "global_offset": off,
                                               "dtype": 7, "nbytes": 4 * n}]}]
-
-        def read_tensor(self, idx, ti, ptr, nbytes):
-            src = torch.full((nbytes // 4,), 2.0)
-            ctypes.memmove(ptr, src.data_ptr(), nbytes)
 
         def read_into(self, idx, dests, threads=4):  # as the real Reader: every destination
             for ptr, nbytes in dests:
                 if nbytes:
-                    self.read_tensor(idx, 0, ptr, nbytes)
+                    src = torch.arange(self.off, self.off + nbytes // 4, dtype=torch.float32)
+                    ctypes.memmove(ptr, src.data_ptr(), nbytes)
             return {}
 
-    got = _fsdp.read_ranges([Reader(0, 5), Reader(5, 5)], [0, 0], {"w": ([10], "float32", 3, 8)})
-    assert torch.equal(got["w"], torch.full((5,), 2.0))
-    with pytest.raises(IncompatibleCheckpointError, match="hold 2 of elements 3..8"):
-        _fsdp.read_ranges([Reader(0, 5)], [0], {"w": ([10], "float32", 3, 8)})
+    doc = {"w": [[10], "float32", "S0"]}  # rank 1 of 3: rows 4..8
+    got = _fsdp.reshard([Reader(0, 5), Reader(5, 5)], [0, 0], doc, 1, 3, "/old", 7)
+    assert torch.equal(got["w"], torch.arange(4.0, 8.0))
+    with pytest.raises(IncompatibleCheckpointError, match="hold 1 of elements 4..8"):
+        _fsdp.reshard([Reader(0, 5)], [0], doc, 1, 3, "/old", 7)
 
 
 def test_rows_follow_torch_chunk():
-    from nonstop import _fsdp
+    from nonstop import _ext
     for d0 in (0, 1, 5, 7, 67, 64):
         for world in (1, 2, 3, 4, 8):
             chunks = torch.arange(d0).chunk(world) if d0 else []
             sizes = [len(c) for c in chunks] + [0] * (world - len(chunks))
-            got = [_fsdp.rows(d0, r, world) for r in range(world)]
+            got = [_ext.core().dist_shard_rows(d0, r, world) for r in range(world)]
             assert [e - b for b, e in got] == sizes, (d0, world)

@@ -29,8 +29,10 @@ TEST(MetaJsonTest, AcceptsWhatPythonsJsonWrites) {
 }
 
 TEST(MetaJsonTest, RefusesDeepNestingAndBadJsonWithOneLine) {
-  // 200 levels of values nested in arrays and objects: fine; 201: refused.
+  // 200 levels of arrays and objects: fine; 201 (even empty): refused.
   EXPECT_EQ(Why(std::string(200, '[') + "1" + std::string(200, ']')), "");
+  EXPECT_NE(Why(std::string(201, '[') + std::string(201, ']')).find("nested too deep"),
+            std::string::npos);
   std::string deep;
   for (int i = 0; i < 201; ++i) deep += "{\"k\":";
   deep += "1" + std::string(201, '}');

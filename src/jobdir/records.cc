@@ -65,11 +65,9 @@ class Parser {
     }
     return true;
   }
+  // `depth`: how many arrays and objects hold this value; at most max_depth
+  // of them nest (a scalar inside the innermost is fine).
   bool Value(Json* v, int depth) {
-    if (depth > limits_.max_depth) {
-      msg_ = "nested too deep";
-      return false;
-    }
     if (!Count()) return false;
     Ws();
     if (i_ >= s_.size()) {
@@ -77,6 +75,10 @@ class Parser {
       return false;
     }
     const char c = s_[i_];
+    if ((c == '{' || c == '[') && depth >= limits_.max_depth) {
+      msg_ = "nested too deep";
+      return false;
+    }
     if (c == '{') return Object(v, depth);
     if (c == '[') return Array(v, depth);
     if (c == '"') {

@@ -50,8 +50,9 @@ Result<Json> ParseJson(std::string_view text, const std::string& what, const Jso
 // A checkpoint's metadata document (meta_json, docs/FORMAT.md), a hostile
 // file's bytes, checked before the Python front end parses it: at most
 // format::kMaxMetaBytes, valid UTF-8, one JSON value (RFC 8259 numbers of at
-// most kMaxMetaNumberChars characters: Python's int() limit) with no value
-// nested deeper than kMaxMetaDepth. Builds nothing. Corruption, one line.
+// most kMaxMetaNumberChars characters: Python's int() limit) whose arrays
+// and objects nest at most kMaxMetaDepth levels. Builds nothing. Corruption,
+// one line.
 inline constexpr int kMaxMetaDepth = 200;
 inline constexpr size_t kMaxMetaNumberChars = 4300;
 Status CheckMetaJson(std::string_view text);

@@ -125,6 +125,38 @@ def test_dtype_tags_are_decoded_from_a_fixed_list_only():
         one_line(e.value)
 
 
+def test_the_metadata_document_is_checked_before_it_is_parsed(tmp_path):
+    """_state.loads: C++ (check_meta_json) refuses a document nested too
+    deep, not UTF-8, or not strict JSON with one line before json.loads
+    sees it; what dumps writes reads back. A real checkpoint whose metadata
+    nests too deep is damaged: restore() falls back to the older one."""
+    tree = {"a": [1, 2.5, "\u00e9", None, True, 10 ** 80, -0.0], "b": {"c": [[]]}}
+    assert _state.loads(_state.dumps(tree)) == tree
+    assert _state.loads(_state.dumps(tree).encode()) == tree
+    for bad, why in ((b"[" * 100000, "nested too deep"), (b'"\xff"', "not valid UTF-8"),
+                     ("{'a': 1}", "not valid JSON"), ("[NaN]", "not valid JSON"),
+                     ("[1]]", "trailing bytes"), ("[" * 201 + "]" * 201, "nested too deep")):
+        with pytest.raises(CorruptCheckpointError, match=why) as e:
+            _state.loads(bad)
+        one_line(e.value)
+    d = str(tmp_path / "ck")
+
+    def hostile(meta):
+        deep: list = []
+        for _ in range(300):
+            deep = [deep]
+        meta["junk"] = deep
+
+    good = write_good_then_hostile(d, hostile)
+    with pytest.raises(CorruptCheckpointError, match="nested too deep") as e:
+        nonstop.load(d, step=2).meta
+    one_line(e.value)
+    got, after, _, warned = restore_into_fresh(d)
+    assert got == 1, "the newest checkpoint is bad: restore falls back to step 1"
+    assert any("step 2" in w for w in warned), warned
+    same(after, good)
+
+
 def test_a_dtype_tag_naming_a_torch_attribute_never_reaches_the_state(tmp_path):
     d = str(tmp_path / "ck")
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import time
 
 import torch
@@ -83,7 +84,7 @@ def main():
         print(f"{n:>8} {len(doc):>10} {old:>9.3f} {new:>9.3f} {new / old:>8.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "bench/meta_loads_ab.py", "rows": rows}, f, indent=1)
+            json.dump({"command": " ".join([".venv/bin/python"] + sys.argv), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

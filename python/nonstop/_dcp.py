@@ -18,7 +18,6 @@ from . import _ext, _progress, _read, _state
 from ._cli import cli_run
 from ._distributed import consolidate
 from ._objects import CONSOLIDATED
-from ._read import read_tensors
 from .errors import CorruptCheckpointError
 
 def gather(path: str, step: Optional[int] = None,
@@ -28,8 +27,9 @@ def gather(path: str, step: Optional[int] = None,
     `path` (or of `step`). A global tensor (replicated, or an FSDP2
     parameter or optimizer state) is reassembled whole from the ranks'
     pieces, and every rank's dict holds that one full tensor. Each rank's
-    checkpoint is read through the one verified read path (read_tensors:
-    every crc chunk read and verified once); `progress(done, total)` is
+    checkpoint is read through the one verified read path (read_into:
+    every crc chunk read and verified once, each piece of a global tensor
+    straight into its place); `progress(done, total)` is
     told the bytes read after each rank."""
     readers = _read.readers(path)
     # The planner chooses (through the job directory's common selection): the
@@ -47,27 +47,31 @@ def gather(path: str, step: Optional[int] = None,
     # layout as a replicated share (_fsdp.py), so they reassemble the same way.
     for name, (shape, dtype, _) in doc.get("dtensor", {}).items():
         shared.setdefault(name, [shape, dtype])
-    whole = {name: torch.zeros(shape, dtype=_meta_dtype(dtype, name, path))
-             for name, (shape, dtype) in shared.items()}
-    total = sum(sum(spec["nbytes"] for spec in reader.checkpoints[idx]["tensors"])
-                for reader, (idx, _) in zip(readers, found))
+    dtypes = {name: _meta_dtype(dtype, name, path) for name, (_, dtype) in shared.items()}
+    specs = [reader.checkpoints[idx]["tensors"] for reader, (idx, _) in zip(readers, found)]
+    # Where each rank's pieces go (C++, dist_lay_out_shared): a piece outside
+    # its tensor, pieces that overlap or leave a gap, a size out of range are
+    # one line before anything is allocated; each piece is read into its place.
+    layout, _, copies = _ext.core().dist_lay_out_shared(
+        [(n, s, d) for n, (s, d) in shared.items()],
+        [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
+         for r, table in enumerate(specs) for i, sp in enumerate(table)], True, path, sel["step"])
+    whole = {name: torch.empty(shared[name][0], dtype=dtypes[name]) for name, _, _ in layout}
+    base = {name: off for name, off, _ in layout}
+    total = sum(sp["nbytes"] for table in specs for sp in table)
     done = 0
     tensors, metas = [], []
-    for reader, (idx, meta) in zip(readers, found):
-        mine = dict(whole)
-        got = read_tensors(reader, idx)
-        for spec in reader.checkpoints[idx]["tensors"]:
-            name, t = spec["name"], got[spec["name"]]
-            done += spec["nbytes"]
-            if name in shared:
-                flat = whole[name].view(-1)
-                off = spec["global_offset"]
-                flat[off:off + t.numel()] = t.view(-1)
-            else:
-                mine[name] = t
+    for r, (reader, (idx, meta)) in enumerate(zip(readers, found)):
+        got, dests = _read.destinations(
+            [None if sp["name"] in shared else sp for sp in specs[r]], False, None)
+        for _, i, off, n in (c for c in copies if c[0] == r):
+            name = specs[r][i]["name"]
+            dests[i] = (whole[name].data_ptr() + off - base[name], n)
+        _read.read_into(reader, idx, dests)
+        done += sum(sp["nbytes"] for sp in specs[r])
         if progress is not None:
             progress(done, total)
-        tensors.append(mine)
+        tensors.append({**whole, **got})
         metas.append(meta)
     return _read.step_key(found[0][1])[0], tensors, metas, set(shared)
 

@@ -293,6 +293,25 @@ def test_export_errors_name_the_file_asked_for(tmp_path):
     assert str(out) in str(e.value) and ".tmp" not in str(e.value), str(e.value)
 
 
+def test_dcp_gather_refuses_pieces_that_do_not_make_their_tensor(tmp_path):
+    """The DCP export reassembles each global tensor from the ranks' pieces
+    where C++ (dist_lay_out_shared) places them: metadata naming a shape
+    the pieces leave a gap in (exported as zeros before) or one of 2^80
+    elements (a raw torch error before) is one line, nothing allocated."""
+    from nonstop import _dcp
+    for shape, why in (([4, 16], "hold 128 of its 256 bytes"), ([1 << 40, 1 << 40], "range")):
+        d = str(tmp_path / f"ck{shape[1]}")
+
+        def hostile(meta):
+            meta.setdefault("dist", {})["shared"] = {"model/weight": [shape, "float32"]}
+
+        write_good_then_hostile(d, hostile)
+        assert _dcp.gather(d, step=1)[0] == 1
+        with pytest.raises(CorruptCheckpointError, match=why) as e:
+            _dcp.gather(d, step=2)
+        one_line(e.value)
+
+
 def test_dcp_gather_decodes_dtypes_from_the_fixed_list():
     """Issue 24: _dcp built tensors with getattr(torch, name) from the
     checkpoint's metadata; a name outside the fixed list is a corrupt

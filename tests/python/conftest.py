@@ -8,6 +8,36 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# What torch.distributed and the launchers read from the environment.
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+            "GROUP_RANK", "NODE_RANK", "OMP_NUM_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def no_distributed_state_left_behind():
+    """Each test ends with no process group and the distributed environment
+    it started with. A framework run in this process can leave both behind:
+    Lightning's Trainer with a distributed strategy (test_lightning's
+    FSDPOnCPU, refused in setup) makes a one-rank gloo group whose TCPStore
+    stays listening on MASTER_PORT, and sets MASTER_ADDR, MASTER_PORT,
+    LOCAL_RANK and NODE_RANK in os.environ. Every child a later test of the
+    same pytest worker started inherited them: a single-process
+    Accelerator(cpu=True) or transformers' TrainingArguments saw LOCAL_RANK,
+    made a one-rank group on that MASTER_PORT and died with EADDRINUSE
+    (session 15: test_accelerate's kill/resume job, the HF and ACCELERATE
+    doc blocks; which tests shared a worker decided it)."""
+    before = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def real_engine_available() -> bool:
     """True when nonstop._core loads and its Engine can open a directory."""
     import tempfile

@@ -6,6 +6,7 @@ The rank scripts (tests/python/*_train.py) begin with start_rank() and end
 with end_rank()."""
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -54,10 +55,58 @@ def finish_rank(out: str, rank: int, result: dict) -> None:
     end_rank()
 
 
+# Ports the tests hand to processes they start (MASTER_PORT, SeaweedFS's
+# listeners). A port found with bind(("127.0.0.1", 0)) and released is in the
+# kernel's ephemeral range: until the child binds it (seconds: it imports
+# torch first), any connect() or bind(0) on the machine may be given it (the
+# other pytest worker's gloo pairs and S3 clients), and the child dies with
+# EADDRINUSE. free_port() gives ports below that range, which the kernel
+# never hands out: each pytest-xdist worker its own share of them
+# (PYTEST_XDIST_WORKER), in turn from a random start, each checked free on
+# every address when given.
+PORTS_LOW = 20000
+_ports = {"next": None}
+
+
+def _port_share():
+    """[low, high): this process's share of the ports below the ephemeral
+    range; None when that range starts too low to leave room."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = (high - PORTS_LOW) // max(1, workers)
+    if size < 256:
+        return None
+    low = PORTS_LOW + (index % workers) * size
+    return low, low + size
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now on every address, for a process about to be
+    started to listen on (see above); successive calls give distinct ports."""
+    share = _port_share()
+    if share is None:  # an odd ip_local_port_range: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low, high = share
+    if _ports["next"] is None:
+        _ports["next"] = random.SystemRandom().randrange(low, high)
+    for _ in range(high - low):
+        port = _ports["next"]
+        _ports["next"] = low + (port + 1 - low) % (high - low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue  # taken (another checkout's tests, a leftover process)
+        return port
+    raise RuntimeError(f"no free TCP port in {low}..{high - 1}")
 
 
 # Processes silent (crash_harness.Watchdog) or running (run_ranks) for a

@@ -24,13 +24,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Optional
 
 import pytest
+
+import dist_launch
 
 IFNAME = "eth0"  # each host's one interface (GLOO_SOCKET_IFNAME)
 
@@ -41,11 +42,10 @@ def ip(*args, check=True):
 
 
 def free_port() -> int:
-    """A TCP port free here; the hosts' own ports are their namespace's, so
-    any number that is free in the root namespace will do."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port for a job's rendezvous (dist_launch.free_port: below the
+    ephemeral range, so none of the hosts' own connections is given it
+    before rank 0 listens on it)."""
+    return dist_launch.free_port()
 
 
 class Host:

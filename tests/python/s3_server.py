@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+
+import dist_launch
 
 ACCESS_KEY = "nonstop"
 SECRET_KEY = "nonstop-secret-key"
@@ -37,20 +38,11 @@ def weed_binary() -> Optional[str]:
     return shutil.which("weed")
 
 
-def _free_ports(n: int, host: str) -> list[int]:
-    """n distinct free TCP ports on `host` (SeaweedFS also takes port+10000
-    for gRPC unless told otherwise: every port is given explicitly)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports (dist_launch.free_port; SeaweedFS also takes
+    port+10000 for gRPC unless told otherwise: every port is given
+    explicitly)."""
+    return [dist_launch.free_port() for _ in range(n)]
 
 
 class SeaweedS3:
@@ -67,7 +59,7 @@ class SeaweedS3:
         self.proc: Optional[subprocess.Popen] = None
         names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc",
                  "s3", "s3_grpc", "metrics", "iceberg"]
-        self.ports = dict(zip(names, _free_ports(len(names), "127.0.0.1")))
+        self.ports = dict(zip(names, _free_ports(len(names))))
 
     @property
     def endpoint(self) -> str:

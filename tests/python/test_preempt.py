@@ -16,13 +16,13 @@ import os
 import queue
 import random
 import signal
-import socket
 import threading
 import time
 
 import pytest
 import torch
 from conftest import needs_engine
+from dist_launch import free_port
 from safetensors.torch import load_file
 
 import nonstop
@@ -224,12 +224,6 @@ class Job:
             self.proc.join(5)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cfg(d, steps, every, final=None, **kw):
     return dict(dir=None if d is None else str(d), steps=steps, every=every,
                 final=None if final is None else str(final), **kw)
@@ -388,5 +382,5 @@ def test_two_ranks_on_gloo_only_one_signalled(tmp_path):
 
 
 def _two(d, steps, final, **kw):
-    port = _free_port()
+    port = free_port()
     return [_cfg(d, steps, 3, final, rank=r, world_size=2, port=port, **kw) for r in range(2)]

@@ -14,7 +14,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <future>
 #include <thread>
 
 #include "env/fault_env.h"
@@ -287,10 +286,9 @@ TEST(TieredTest, CloseWhileTheDiskPersistsTheNewestReturns) {
       ASSERT_TRUE(e->WaitCopied().ok());
     }
     ASSERT_TRUE(e->WaitCommitted().ok());
-    auto closed = std::async(std::launch::async, [&] { return e->Close(); });
-    ASSERT_EQ(closed.wait_for(std::chrono::seconds(20)), std::future_status::ready)
-        << "Close() hangs";
-    EXPECT_TRUE(closed.get().ok());
+    // Close() returning is the event (no wall-clock limit: a hang is caught
+    // by ctest's timeout, which the sanitizer builds scale).
+    EXPECT_TRUE(e->Close().ok());
     EXPECT_GE(e->Stats().persisted_counter, 3u);
   }
 }

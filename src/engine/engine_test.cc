@@ -1182,6 +1182,59 @@ TEST_F(EngineTest, ACheckpointCarryingTheBestMetricIsNeverSuperseded) {
   EXPECT_TRUE(kept);
 }
 
+// One writer commits checkpoints in the order they started: the dispatcher
+// hands out all of a checkpoint's chunks before the next one's and the one
+// writer runs them in that order (TaskPool is FIFO), so none finishes
+// writing before an older one and none is superseded, however the writes
+// are delayed. Tests that need the checkpoint before the newest rely on it
+// (test_fsdp's fallback to step 8, the Lightning DDP jobs: max_in_flight=2,
+// writers=1; docs/TESTING.md). Two writers: the same delay supersedes.
+TEST_F(EngineTest, OneWriterNeverSupersedesTwoWritersMay) {
+  constexpr int kChunks = 8;  // 64 KiB chunks
+  for (int writers : {1, 2}) {
+    SCOPED_TRACE("writers " + std::to_string(writers));
+    fs::remove_all(dir_);
+    auto t = MakeTensor("t", kChunks * 16384);
+    auto gate = std::make_shared<WriteGate>();
+    t.Fill(1, 0);
+    gate->hold = t.data[0];  // step 1's first chunk waits for the gate
+    FaultRig rig;
+    EngineMedia media = rig.Media();
+    auto wrap = media.wrap;
+    media.wrap = [wrap, gate](std::unique_ptr<Medium> opened, const std::string& name,
+                              bool created) -> Result<std::unique_ptr<Medium>> {
+      auto m = wrap(std::move(opened), name, created);
+      if (!m.ok()) return m.status();
+      return std::unique_ptr<Medium>(std::make_unique<GateMedium>(std::move(*m), gate));
+    };
+    EngineOptions o = Options();
+    o.writers = writers;
+    o.max_in_flight = 2;
+    auto engine = std::move(OpenEngine(o, media)).value();
+    ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+    t.Fill(1, 0);
+    ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+    ASSERT_TRUE(engine->WaitCopied().ok());
+    t.Fill(2, 0);
+    ASSERT_TRUE(engine->Checkpoint(2, "").ok());
+    ASSERT_TRUE(engine->WaitCopied().ok());  // step 2's chunks are all queued to the writers
+    if (writers > 1) {
+      // The other writer writes step 2 while step 1's first chunk is held:
+      // step 2 commits first (the event; a hang is ctest's timeout).
+      while (!(engine->Latest().has_value() && engine->Latest()->step == 2)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
+    gate->Open();
+    ASSERT_TRUE(engine->WaitCommitted().ok());
+    EngineStats s = engine->Stats();
+    EXPECT_EQ(s.superseded, writers == 1 ? 0u : 1u);
+    EXPECT_EQ(s.committed, writers == 1 ? 2u : 1u);
+    EXPECT_EQ(engine->Latest()->step, 2);
+    ASSERT_TRUE(engine->Close().ok());
+  }
+}
+
 // One tensor in an engine of the distributed agreement (one slot spare, one
 // checkpoint in flight); Save checkpoints a step and waits for its commit.
 struct AgreeRig {

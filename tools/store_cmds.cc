@@ -2,7 +2,6 @@
 // a checkpoint directory (one rank-*.nsck slot file per rank, docs/FORMAT.md).
 // Every error is one line on stderr and a non-zero exit; a damaged file is
 // reported, never a reason to crash.
-#include <fnmatch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "nonstop/env.h"
+#include "nonstop/export.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "nonstop/medium.h"
@@ -149,30 +149,18 @@ bool Abandoned(const ScannedFile& s, uint64_t counter) {
   return Classify(pc, s.lineage).state == CandidateState::State::kAbandoned;
 }
 
-// The planner's choice in `s` (of `step` when given): the record recovery
-// reads, or null; `skipped` gets why each newer one was not chosen.
-// verify: check the chosen one's data crcs (a scan that did not verify it).
-const ScannedCheckpoint* Planned(const ScannedFile& s, std::optional<int64_t> step,
-                                 std::vector<std::string>* skipped = nullptr,
-                                 bool verify = false) {
+// The planner's choice in `s`: the record recovery reads (the scan verified
+// every record), or null.
+const ScannedCheckpoint* Planned(const ScannedFile& s) {
   const std::vector<PlanCandidate> cands = Candidates(s);
   PlanRequest req;
-  req.step = step;
-  req.verify = verify;
-  Result<Plan> plan = MakePlan(cands, s.lineage, req, [&](const PlanCandidate& c) {
-    const CheckpointInfo& info = s.report.checkpoints[c.handle].info;
-    return s.file->ReadData(info, 0, nullptr, info.data_bytes, /*verify=*/true);
-  });
-  if (!plan.ok()) {
-    if (skipped != nullptr) *skipped = {plan.status().message()};
-    return nullptr;
-  }
-  if (skipped != nullptr) *skipped = plan.value().skipped;
-  if (!plan.value().chosen()) return nullptr;
+  req.verify = false;
+  Result<Plan> plan = MakePlan(cands, s.lineage, req);
+  if (!plan.ok() || !plan.value().chosen()) return nullptr;
   return &s.report.checkpoints[cands[*plan.value().chosen()].handle];
 }
 
-ScannedFile ScanFile(const fs::path& path, bool verify_all, bool verify_data = true) {
+ScannedFile ScanFile(const fs::path& path, bool verify_all) {
   ScannedFile s;
   s.path = path;
   MediumOptions read_only;
@@ -190,7 +178,6 @@ ScannedFile ScanFile(const fs::path& path, bool verify_all, bool verify_data = t
   s.file = std::move(opened).value();
   ScanOptions opts;
   opts.verify_all = verify_all;
-  opts.verify_data = verify_data;
   auto scan = s.file->Scan(opts);
   if (!scan.ok()) {
     s.error = scan.status().message();
@@ -255,7 +242,7 @@ json InspectJson(const ScannedFile& s) {
   f["slot_bytes"] = g.slot_bytes;
   f["medium_bytes"] = s.file->medium().Size();
   json ckpts = json::array();
-  const ScannedCheckpoint* newest = Planned(s, std::nullopt);
+  const ScannedCheckpoint* newest = Planned(s);
   for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
     const ScannedCheckpoint& sc = s.report.checkpoints[i];
     const CheckpointInfo& in = sc.info;
@@ -376,7 +363,7 @@ void PrintInspect(const ScannedFile& s, bool full) {
             << HumanBytes(s.file->medium().Size()) << "\n";
   for (const std::string& note : s.file->salvaged()) std::cout << "  salvaged: " << note << "\n";
   std::cout << "  checkpoints (newest first):\n";
-  const ScannedCheckpoint* newest = Planned(s, std::nullopt);
+  const ScannedCheckpoint* newest = Planned(s);
   if (s.report.checkpoints.empty()) std::cout << "    none committed yet\n";
   for (size_t i = 0; i < s.report.checkpoints.size(); ++i) {
     const ScannedCheckpoint& sc = s.report.checkpoints[i];
@@ -507,7 +494,7 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
     }
     if (t->state != CheckpointState::kCommitted) {
       std::string fallback;
-      const ScannedCheckpoint* used = Planned(s, std::nullopt);
+      const ScannedCheckpoint* used = Planned(s);
       if (t == Target(s, std::nullopt) && used != nullptr) {
         fallback = "; recovery would fall back to " + CkptName(used->info);
       }
@@ -528,41 +515,6 @@ void RunVerify(const std::string& dir, std::optional<int64_t> step) {
   std::cout << "OK: step " << *step << " verified on " << Plural(files.size(), "rank") << ": "
             << Plural(tensors, "tensor") << ", " << HumanBytes(bytes) << ", "
             << Plural(chunks, "data chunk checksum") << ", tables and commit records\n";
-}
-
-// (path, stored name) for each tensor of the metadata's state tree referred to
-// under a path other than its stored name: a tied weight's second name
-// ("model/lm_head.weight" -> "model/tok.weight"). Paths through plain
-// string-keyed objects and arrays only, as nonstop's Python front end forms
-// tensor names (python/nonstop/_state.py); tagged values ("__...") are skipped.
-void TreeAliases(const json& node, const std::string& path, int depth,
-                 std::vector<std::pair<std::string, std::string>>* out) {
-  if (depth > 200) return;
-  if (node.is_object()) {
-    auto ref = node.find("__tensor__");
-    if (node.size() == 1 && ref != node.end() && ref->is_string()) {
-      if (path != ref->get<std::string>()) out->emplace_back(path, ref->get<std::string>());
-      return;
-    }
-    for (const auto& [k, v] : node.items()) {
-      if (k.rfind("__", 0) == 0) return;
-    }
-    for (const auto& [k, v] : node.items()) {
-      TreeAliases(v, path.empty() ? k : path + "/" + k, depth + 1, out);
-    }
-  } else if (node.is_array()) {
-    for (size_t i = 0; i < node.size(); ++i) {
-      TreeAliases(node[i], path + "/" + std::to_string(i), depth + 1, out);
-    }
-  }
-}
-
-bool Included(const std::string& name, const std::vector<std::string>& include) {
-  if (include.empty()) return true;
-  for (const std::string& pattern : include) {
-    if (::fnmatch(pattern.c_str(), name.c_str(), 0) == 0) return true;
-  }
-  return false;
 }
 
 // The export's progress on stderr, drawn as python/nonstop/_progress.py draws
@@ -627,202 +579,38 @@ void RunExport(const std::string& dir, std::optional<int64_t> step, const std::s
                const std::vector<std::string>& include, const std::string& strip,
                int progress) {
   const std::vector<fs::path> paths = SlotFiles("export", dir);
-  if (paths.size() != 1) RunExportConsolidated(dir, step, out, include, strip, progress);
-  // The planner verifies the one it chooses (and falls back past damage).
-  ScannedFile s = ScanFile(paths[0], /*verify_all=*/false, /*verify_data=*/false);
-  if (s.file != nullptr && s.error.empty() && s.file->geometry().world_size > 1) {
+  if (paths.size() != 1 || paths[0].filename() != JobDirNames::Slot(0)) {
     RunExportConsolidated(dir, step, out, include, strip, progress);  // refuses a lone rank
   }
-  const std::string name = (fs::path(dir) / s.path.filename()).string();
-  if (s.file == nullptr || !s.error.empty()) Fail("export", name + ": " + s.error, kExitDamaged);
-  for (const std::string& note : s.file->salvaged()) {
-    std::cerr << "nonstop export: note: " << name << ": " << note << "\n";
-  }
-  // What recovery would load (of --step when given): the planner's choice.
-  std::vector<std::string> skipped;
-  const ScannedCheckpoint* t = Planned(s, step, &skipped, /*verify=*/true);
-  if (t == nullptr) {
-    std::string why = name + ": no committed checkpoint " +
-                      (step ? "at step " + std::to_string(*step) + " " : std::string()) +
-                      "to export";
-    if (!skipped.empty()) {
-      why += " (";
-      for (size_t i = 0; i < skipped.size(); ++i) why += (i ? "; " : "") + skipped[i];
-      why += ")";
-    } else if (step) {
-      why += " (steps here: " + StepsText(s) + ")";
-    }
-    Fail("export", why, kExitDamaged);
-  }
-  const CheckpointInfo& info = t->info;
-
-  // The tensors written, by name: each stored tensor, then each tied
-  // weight's other names from the metadata's state tree (the bytes again, so
-  // that a strict load_state_dict finds every name); --include filters both.
-  std::vector<std::pair<std::string, const TensorEntry*>> entries;
-  std::map<std::string, const TensorEntry*> stored;
-  for (const TensorEntry& te : info.tensors) {
-    stored.emplace(te.spec.name, &te);
-    entries.emplace_back(te.spec.name, &te);
-  }
-  {
-    const json meta = MetaJson(info.meta_json);  // bounded: size and depth
-    std::vector<std::pair<std::string, std::string>> aliases;
-    if (meta.is_object() && meta.contains("state")) TreeAliases(meta["state"], "", 0, &aliases);
-    for (const auto& [path, ref] : aliases) {
-      auto it = stored.find(ref);
-      if (it != stored.end() && !stored.contains(path)) entries.emplace_back(path, it->second);
-    }
-  }
-  std::erase_if(entries, [&](const auto& e) { return !Included(e.first, include); });
-  if (entries.empty() && !include.empty()) {
-    Fail("export", name + ": no tensor of " + CkptName(info) + " matches --include", kExitUsage);
-  }
-  if (!strip.empty()) {  // --strip PREFIX: removed from the names that start with it
-    for (auto& e : entries) {
-      if (e.first.rfind(strip, 0) == 0) e.first = e.first.substr(strip.size());
-    }
-  }
-
-  json header = json::object();
-  uint64_t offset = 0;
-  for (const auto& [tname, te] : entries) {
-    const TensorSpec& sp = te->spec;
-    if (tname == "__metadata__" || header.contains(tname)) {
-      Fail("export", name + ": " + CkptName(info) + " has a tensor name safetensors cannot hold: '" +
-           tname + "'", kExitUsage);
-    }
-    if (sp.dtype == DType::kComplex128) {
-      Fail("export", "tensor '" + sp.name + "' is complex128, which safetensors cannot hold",
-           kExitUsage);
-    }
-    header[tname] = {{"dtype", std::string(DTypeSafetensorsName(sp.dtype))},
-                       {"shape", sp.shape},
-                       {"data_offsets", {offset, offset + sp.nbytes}}};
-    offset += sp.nbytes;
-  }
-  header["__metadata__"] = {{"nonstop.step", std::to_string(info.step)},
-                            {"nonstop.counter", std::to_string(info.counter)},
-                            {"nonstop.meta", info.meta_json}};
-  std::string blob;
-  try {
-    blob = header.dump();
-  } catch (const json::exception&) {
-    Fail("export", name + ": " + CkptName(info) + " has a tensor name or metadata that is not "
-         "valid UTF-8", kExitUsage);
-  }
-  blob.append((8 - blob.size() % 8) % 8, ' ');
-
-  // Written beside the target as OUT.tmp and renamed over it, so a failed
-  // export leaves no half-written file under the requested name. Through the
-  // Env: OUT.tmp is created with O_EXCL|O_NOFOLLOW relative to the output
-  // directory's fd, so a symlink planted there is refused, never followed.
-  const fs::path out_path(out);
-  const std::string out_name = out_path.filename().string();
-  const std::string out_dir =
-      out_path.has_parent_path() ? out_path.parent_path().string() : std::string(".");
-  const std::string tmp_name = out_name + ".tmp";
-  const std::string tmp = out + ".tmp";
-  if (Status st = CheckEntryName(out_name); !st.ok()) {
-    Fail("export", "-o " + out + " does not name a file: " + st.message(), kExitUsage);
-  }
-  if (Status st = CheckEntryName(tmp_name); !st.ok()) {
-    Fail("export", "-o " + out + ": " + st.message(), kExitUsage);
-  }
-  Result<std::unique_ptr<Directory>> od = DefaultEnv()->OpenDirectory(out_dir, /*create=*/false);
-  if (!od.ok()) Fail("export", "cannot open " + out_dir + ": " + od.status().message(), kExitUsage);
-  Directory& odir = *od.value();
-  // A regular file left by an interrupted export is removed (unlink never
-  // follows a link); anything else there (a symlink, a directory) is refused.
-  if (Result<FileStat> st = odir.Stat(tmp_name); st.ok()) {
-    if (st->type != EntryType::kFile) {
-      Fail("export", tmp + " already exists and is not a regular file (a symlink?); refusing to "
-           "write through it: remove it", kExitUsage);
-    }
-    if (Status u = odir.Unlink(tmp_name); !u.ok()) Fail("export", u.message(), kExitUsage);
-  }
-  Result<std::unique_ptr<Medium>> created =
-      odir.CreateFile(tmp_name, MediumKind::kBuffered, MediumOptions{});
-  if (!created.ok()) Fail("export", created.status().message(), kExitUsage);
-  std::unique_ptr<Medium> f = std::move(created).value();
-  auto abandon = [&](const std::string& why, int code) {
-    f.reset();
-    (void)odir.Unlink(tmp_name);
-    Fail("export", why, code);
+  // The library's export (include/nonstop/export.h), as nonstop.export's:
+  // the planner's choice, verified as it is read, a window at a time.
+  ExportRequest req;
+  req.dir = dir;
+  req.step = step;
+  req.include = include;
+  req.strip = strip;
+  SafetensorsTarget target;
+  target.path = out;  // a link planted at OUT.tmp is refused, never followed
+  std::unique_ptr<ExportProgress> bar;
+  target.progress = [&](uint64_t done, uint64_t total) {
+    if (!bar) bar = std::make_unique<ExportProgress>(progress, total);
+    bar->Update(done);
+    return true;
   };
-  uint64_t pos = 0;
-  auto put = [&](const void* p, size_t n) {
-    Status st = f->Write(pos, p, n);
-    if (!st.ok()) abandon("writing " + tmp + ": " + st.message(), kExitUsage);
-    pos += n;
-  };
-  {
-    uint64_t len = blob.size();
-    unsigned char le[8];
-    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(len >> (8 * i));
-    put(le, 8);
-    put(blob.data(), blob.size());
-    // The data through the one restore path (nonstop/restore.h): every crc
-    // chunk read and verified once, in parallel, a window of tensors (table
-    // order, about kWindow bytes) at a time so memory stays bounded.
-    constexpr uint64_t kWindow = 256ull << 20;
-    std::vector<char> buf;
-    ExportProgress bar(progress, offset);
-    uint64_t written = 0;
-    // Windows of entries (in output order, about kWindow bytes of stored
-    // tensors each); a tied weight's second name copies the bytes read once.
-    for (size_t first = 0; first < entries.size();) {
-      size_t last = first;
-      uint64_t bytes = 0, lo = UINT64_MAX, hi = 0;
-      std::vector<void*> dst(info.tensors.size(), nullptr);
-      std::vector<uint64_t> at(info.tensors.size(), 0);  // offset of each kept tensor in buf
-      std::vector<size_t> kept;
-      std::vector<char> in_window(info.tensors.size(), 0);
-      while (last < entries.size()) {
-        const TensorEntry& te = *entries[last].second;
-        const size_t i = static_cast<size_t>(&te - info.tensors.data());
-        const bool fresh = te.spec.nbytes != 0 && !in_window[i];
-        if (fresh && !kept.empty() && bytes + te.spec.nbytes > kWindow) break;
-        if (fresh) {
-          in_window[i] = 1;
-          kept.push_back(i);
-          at[i] = bytes;
-          bytes += te.spec.nbytes;
-          lo = std::min(lo, te.data_offset);
-          hi = std::max(hi, te.data_offset + te.spec.nbytes);
-        }
-        ++last;
-      }
-      if (bytes != 0) {
-        buf.resize(bytes);
-        for (size_t i : kept) dst[i] = buf.data() + at[i];
-        RestoreOptions ro;
-        ro.data_begin = lo;
-        ro.data_end = hi;
-        Status st = ReadCheckpointInto(*s.file, info, dst, ro);
-        if (!st.ok()) abandon(name + ": " + st.message(), kExitDamaged);
-      }
-      for (size_t k = first; k < last; ++k) {
-        const TensorEntry& te = *entries[k].second;
-        const size_t i = static_cast<size_t>(&te - info.tensors.data());
-        if (te.spec.nbytes != 0) put(buf.data() + at[i], te.spec.nbytes);
-        written += te.spec.nbytes;
-      }
-      bar.Update(written);
-      first = last;
-    }
-    if (Status st = f->Sync(); !st.ok()) abandon("syncing " + tmp + ": " + st.message(), kExitUsage);
-    f.reset();
+  Result<ExportResult> r = ExportSafetensors(req, target);
+  bar.reset();
+  if (!r.ok()) {
+    const StatusCode c = r.status().code();
+    const bool output = c == StatusCode::kIOError &&  // the output's, not the checkpoint's
+                        r.status().message().rfind("cannot export to ", 0) == 0;
+    Fail("export", r.status().message(),
+         c == StatusCode::kInvalidArgument || output ? kExitUsage : kExitDamaged);
   }
-  if (Status st = odir.Rename(tmp_name, out_name); !st.ok()) {
-    (void)odir.Unlink(tmp_name);
-    Fail("export", "renaming " + tmp + " to " + out + ": " + st.message(), kExitUsage);
-  }
-  if (Status st = odir.SyncDir(); !st.ok()) {
-    Fail("export", "syncing " + out_dir + ": " + st.message(), kExitUsage);
-  }
-  std::cout << "exported " << CkptName(info) << ": " << Plural(entries.size(), "tensor") << ", "
-            << HumanBytes(offset) << " to " << out << "\n";
+  if (r->world_size > 1) RunExportConsolidated(dir, step, out, include, strip, progress);
+  for (const std::string& note : r->notes) std::cerr << "nonstop export: note: " << note << "\n";
+  std::cout << "exported checkpoint #" << r->counter << " (step " << r->step << "): "
+            << Plural(r->tensors, "tensor") << ", " << HumanBytes(r->bytes) << " to " << out
+            << "\n";
 }
 
 // `export --format dcp` is Python (torch.distributed.checkpoint writes it):

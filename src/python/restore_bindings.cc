@@ -2,17 +2,21 @@
 // Python. Thin: RestoreFromJobDir runs with the GIL released; it takes the GIL
 // only to call the Python `prepare` (checks a selected checkpoint against the
 // live objects and says where each tensor goes) and `progress` callbacks.
+// The safetensors exports (include/nonstop/export.h) likewise.
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "nonstop/copy_engine.h"
+#include "nonstop/export.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/restore.h"
 #include "python/bindings.h"
@@ -218,6 +222,98 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   return d;
 }
 
+// A Python progress(done, total) for an export, called with the GIL taken;
+// an exception it raises cancels the export and is raised again after it.
+std::function<bool(uint64_t, uint64_t)> ExportProgress(const py::object& progress,
+                                                       PendingError* pending) {
+  if (progress.is_none()) return nullptr;
+  return [&progress, pending](uint64_t done, uint64_t total) -> bool {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object r = progress(done, total);
+      return r.is_none() || r.cast<bool>();
+    } catch (py::error_already_set& e) {  // KeyboardInterrupt during a long export
+      if (!pending->error) pending->error = std::move(e);
+      return false;
+    }
+  };
+}
+
+// export_safetensors(dir, out, step=None, rank=0, include=[], include_text="--include",
+//     strip="", window_bytes=256 MiB, threads=4, progress=None, remove_temp_link=True)
+//   -> dict(world_size, step, counter, tensors, bytes, notes); world_size > 1:
+//   nothing written (a multi-rank job is exported consolidated, by Python).
+py::dict ExportSafetensorsPy(const std::string& dir, const std::string& out,
+                             std::optional<int64_t> step, int rank,
+                             const std::vector<std::string>& include,
+                             const std::string& include_text, const std::string& strip,
+                             uint64_t window_bytes, int threads, const py::object& progress,
+                             bool remove_temp_link) {
+  ExportRequest req;
+  req.dir = dir;
+  req.rank = rank;
+  req.step = step;
+  req.include = include;
+  req.include_text = include_text;
+  req.strip = strip;
+  req.window_bytes = window_bytes;
+  req.threads = threads;
+  PendingError pending;
+  SafetensorsTarget target;
+  target.path = out;
+  target.remove_temp_link = remove_temp_link;
+  target.progress = ExportProgress(progress, &pending);
+  std::optional<Result<ExportResult>> r;
+  {
+    py::gil_scoped_release release;
+    r.emplace(ExportSafetensors(req, target));
+  }
+  if (pending.error) throw std::move(*pending.error);
+  const ExportResult res = Take(std::move(*r));
+  py::dict d;
+  d["world_size"] = res.world_size;
+  d["step"] = res.step;
+  d["counter"] = res.counter;
+  d["tensors"] = res.tensors;
+  d["bytes"] = res.bytes;
+  d["notes"] = res.notes;
+  return d;
+}
+
+// write_safetensors(out, [(name, dtype code, shape, pointer, nbytes)], [(key, value)],
+//     progress=None, remove_temp_link=True) -> tensor bytes written. The
+// caller keeps the memory at each pointer alive and unchanged meanwhile.
+uint64_t WriteSafetensorsPy(
+    const std::string& out,
+    const std::vector<std::tuple<std::string, int, std::vector<int64_t>, uintptr_t, uint64_t>>& got,
+    const std::vector<std::pair<std::string, std::string>>& meta, const py::object& progress,
+    bool remove_temp_link) {
+  std::vector<SafetensorsEntry> entries;
+  std::vector<const char*> at;
+  for (const auto& [name, code, shape, ptr, nbytes] : got) {
+    if (code < 0 || code >= kNumDTypes) {
+      throw StatusError(Status::InvalidArgument("tensor '" + name + "': dtype code " +
+                                                std::to_string(code) + " is not one of nonstop's"));
+    }
+    entries.push_back(SafetensorsEntry{name, static_cast<DType>(code), shape, nbytes});
+    at.push_back(reinterpret_cast<const char*>(ptr));
+  }
+  PendingError pending;
+  SafetensorsTarget target;
+  target.path = out;
+  target.remove_temp_link = remove_temp_link;
+  target.progress = ExportProgress(progress, &pending);
+  std::optional<Result<uint64_t>> r;
+  {
+    py::gil_scoped_release release;
+    r.emplace(WriteSafetensors(target, entries, meta, [&](size_t i) -> Result<std::string_view> {
+      return std::string_view(at[i], entries[i].nbytes);
+    }));
+  }
+  if (pending.error) throw std::move(*pending.error);
+  return Take(std::move(*r));
+}
+
 }  // namespace
 
 void InitRestore(py::module_& m) {
@@ -225,6 +321,20 @@ void InitRestore(py::module_& m) {
         py::arg("step") = py::none(), py::arg("include_keep") = true, py::arg("threads") = 4,
         py::arg("progress") = py::none(), py::arg("exclude") = std::vector<uint64_t>{},
         py::arg("direct") = true);
+  m.def("export_safetensors", &ExportSafetensorsPy, py::arg("dir"), py::arg("out"),
+        py::arg("step") = py::none(), py::arg("rank") = 0,
+        py::arg("include") = std::vector<std::string>{}, py::arg("include_text") = "--include",
+        py::arg("strip") = "", py::arg("window_bytes") = uint64_t{256} << 20,
+        py::arg("threads") = 4, py::arg("progress") = py::none(),
+        py::arg("remove_temp_link") = true);
+  m.def("export_names", [](const std::vector<std::string>& names,
+                           const std::vector<std::string>& include,
+                           const std::string& include_text, const std::string& strip,
+                           const std::string& what) {
+    return Take(ExportNames(names, include, include_text, strip, what));
+  });
+  m.def("write_safetensors", &WriteSafetensorsPy, py::arg("out"), py::arg("entries"),
+        py::arg("meta"), py::arg("progress") = py::none(), py::arg("remove_temp_link") = true);
 }
 
 }  // namespace nonstop::py_bindings

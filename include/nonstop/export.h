@@ -1,0 +1,117 @@
+// A checkpoint as one safetensors file: the single-rank export of `nonstop
+// export` and nonstop.export (docs/PYTHON.md "Inspecting and exporting"), in
+// one place, and the file writer that a multi-rank job's consolidated export
+// (Python: python/nonstop/_export.py, which reassembles the shares with
+// torch) uses too.
+//
+// The safetensors layout: 8 bytes (little-endian) of header length, the
+// header (JSON: each tensor's dtype, shape and data_offsets, in order, then
+// "__metadata__", string to string), spaces up to a multiple of 8, then the
+// tensors' bytes back to back.
+//
+// Python (src/python/restore_bindings.cc, module nonstop._core):
+//   export_safetensors(dir, out, step=None, rank=0, include=[], include_text="--include",
+//       strip="", window_bytes=256 MiB, threads=4, progress=None, remove_temp_link=True)
+//       -> dict(world_size, step, counter, tensors, bytes, notes)
+//   export_names(names, include, include_text, strip, what) -> [(name, index)]
+//   write_safetensors(out, [(name, dtype code, shape, pointer, nbytes)], meta,
+//       progress=None, remove_temp_link=True) -> bytes written
+// Both run with the GIL released; progress(done, total) takes it per call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "nonstop/env.h"
+#include "nonstop/status.h"
+#include "nonstop/types.h"
+
+namespace nonstop {
+
+// One tensor of a safetensors file.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
+  uint64_t nbytes = 0;
+};
+
+// Where a safetensors file goes, and how.
+struct SafetensorsTarget {
+  std::string path;  // OUT, as the caller named it (messages name it, never OUT.tmp)
+  // Something other than a regular file at OUT.tmp (a symlink planted there):
+  // true removes it (unlink never follows a link; the Python front end),
+  // false refuses to write (InvalidArgument naming OUT.tmp; the CLI). A
+  // regular file there (an interrupted export) is removed either way.
+  bool remove_temp_link = false;
+  // (bytes written, bytes in all) at most every 0.1 s and once at the end;
+  // false cancels (Aborted, OUT.tmp removed).
+  std::function<bool(uint64_t done, uint64_t total)> progress;
+  Env* env = nullptr;  // null: DefaultEnv()
+};
+
+// The bytes of entry `i` (called once per entry with bytes, in order); the
+// view stays valid until the next call.
+using SafetensorsSource = std::function<Result<std::string_view>(size_t i)>;
+
+// Writes the safetensors file of `entries` (names as given) and `meta`, the
+// bytes from `source`, through the Env: OUT.tmp is created O_EXCL|O_NOFOLLOW
+// relative to the fd of OUT's directory, written, synced, renamed over OUT,
+// and the directory synced; any failure removes OUT.tmp. Returns the bytes of
+// tensor data. Errors: InvalidArgument for a name two entries share (or
+// "__metadata__"), a dtype safetensors cannot hold (complex128), an OUT that
+// names no file; IOError "cannot export to OUT: ..." for the output; the
+// source's errors as they are.
+Result<uint64_t> WriteSafetensors(const SafetensorsTarget& target,
+                                  const std::vector<SafetensorsEntry>& entries,
+                                  const std::vector<std::pair<std::string, std::string>>& meta,
+                                  const SafetensorsSource& source);
+
+// The names an export writes, of `names` in order: those matching a glob of
+// `include` (fnmatch, '*' matches '/' too; all when it is empty), with the
+// prefix `strip` removed where they start with it: (name, index in `names`).
+// None matching is InvalidArgument naming `what` and `include_text`.
+Result<std::vector<std::pair<std::string, size_t>>> ExportNames(
+    const std::vector<std::string>& names, const std::vector<std::string>& include,
+    const std::string& include_text, const std::string& strip, const std::string& what);
+
+struct ExportRequest {
+  std::string dir;                   // the job directory
+  int rank = 0;
+  std::optional<int64_t> step;       // nullopt: what recovery would load
+  std::vector<std::string> include;  // fnmatch globs over the names; empty: every tensor
+  std::string include_text = "--include";  // how the messages name `include`
+  std::string strip;                 // a prefix removed from the names that start with it
+  uint64_t window_bytes = 256ull << 20;  // stored tensor bytes read (and held) at a time
+  int threads = 4;                   // reader threads (RestoreOptions::threads)
+};
+
+struct ExportResult {
+  int world_size = 1;     // > 1: nothing was written; a multi-rank job is exported
+                          // consolidated (Python's reassembly)
+  int64_t step = 0;
+  uint64_t counter = 0;
+  uint64_t tensors = 0;   // names written (a tied weight under each of its names)
+  uint64_t bytes = 0;     // tensor bytes written
+  std::vector<std::string> notes;  // damage the slot file's open worked around (salvaged)
+};
+
+// Exports rank `rank`'s checkpoint of `req.dir`: the one the planner chooses
+// (JobDir::Select: newest committed, not abandoned, verified; of req.step when
+// given), refused when its metadata says restore() must replay its optimizer
+// (mode='multistep' with replay='torch'). Every stored tensor under its name,
+// then each tied weight's other names from the metadata's state tree (the
+// bytes again, so a strict load_state_dict finds every name); `include`
+// filters them (none matching: InvalidArgument), `strip` shortens them. The
+// data is read through ReadCheckpointInto (every crc chunk verified) about
+// window_bytes at a time, in parallel; memory stays bounded by the window or
+// the largest tensor. "__metadata__": nonstop.step, nonstop.counter and
+// nonstop.meta (the checkpoint's metadata). Written by WriteSafetensors.
+Result<ExportResult> ExportSafetensors(const ExportRequest& req, const SafetensorsTarget& target);
+
+}  // namespace nonstop

@@ -1,0 +1,344 @@
+// A checkpoint as one safetensors file (include/nonstop/export.h): the
+// single-rank export of the CLI and of nonstop.export, and the writer of
+// every safetensors export.
+#include "nonstop/export.h"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "jobdir/records.h"
+#include "nonstop/jobdir.h"
+#include "nonstop/restore.h"
+#include "nonstop/store.h"
+
+namespace nonstop {
+namespace {
+
+using jobdir_internal::Json;
+
+// Deeper state trees are not walked for tied-weight names (as
+// python/nonstop/_state.py's MAX_DEPTH).
+constexpr int kMaxTreeDepth = 200;
+
+// (path, stored name) for each tensor of the metadata's state tree referred
+// to under a path other than its stored name: a tied weight's second name
+// ("model/lm_head.weight" -> "model/tok.weight"). Paths through plain
+// string-keyed objects and arrays only, as the Python front end forms tensor
+// names (python/nonstop/_state.py); a tagged value ("__..." keys) is not
+// walked.
+void TreeAliases(const Json& node, const std::string& path, int depth,
+                 std::vector<std::pair<std::string, std::string>>* out) {
+  if (depth > kMaxTreeDepth) return;
+  if (node.type == Json::Type::kObject) {
+    const Json* ref = node.Get("__tensor__");
+    if (node.keys.size() == 1 && ref != nullptr && ref->type == Json::Type::kString) {
+      if (path != ref->text) out->emplace_back(path, ref->text);
+      return;
+    }
+    for (const std::string& k : node.keys) {
+      if (k.rfind("__", 0) == 0) return;
+    }
+    for (size_t i = 0; i < node.keys.size(); ++i) {
+      TreeAliases(node.items[i], path.empty() ? node.keys[i] : path + "/" + node.keys[i],
+                  depth + 1, out);
+    }
+  } else if (node.type == Json::Type::kArray) {
+    for (size_t i = 0; i < node.items.size(); ++i) {
+      TreeAliases(node.items[i], path + "/" + std::to_string(i), depth + 1, out);
+    }
+  }
+}
+
+// The aliases of `meta_json`'s "state" tree; none when it does not parse.
+std::vector<std::pair<std::string, std::string>> MetaAliases(std::string_view meta_json) {
+  std::vector<std::pair<std::string, std::string>> out;
+  const std::string_view state = jobdir_internal::TopLevelValue(meta_json, "state");
+  if (state.empty()) return out;
+  jobdir_internal::JsonLimits limits;
+  limits.max_bytes = state.size();
+  limits.max_elements = state.size();
+  limits.max_depth = kMaxTreeDepth + 2;
+  Result<Json> tree = jobdir_internal::ParseJson(state, "state", limits);
+  if (tree.ok()) TreeAliases(tree.value(), "", 0, &out);
+  return out;
+}
+
+bool Included(const std::string& name, const std::vector<std::string>& include) {
+  if (include.empty()) return true;
+  for (const std::string& pattern : include) {
+    if (::fnmatch(pattern.c_str(), name.c_str(), 0) == 0) return true;
+  }
+  return false;
+}
+
+void ReplaceAll(std::string* s, const std::string& from, const std::string& to) {
+  if (from.empty()) return;
+  for (size_t at = s->find(from); at != std::string::npos; at = s->find(from, at + to.size())) {
+    s->replace(at, from.size(), to);
+  }
+}
+
+}  // namespace
+
+Result<std::vector<std::pair<std::string, size_t>>> ExportNames(
+    const std::vector<std::string>& names, const std::vector<std::string>& include,
+    const std::string& include_text, const std::string& strip, const std::string& what) {
+  std::vector<std::pair<std::string, size_t>> out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (Included(names[i], include)) out.emplace_back(names[i], i);
+  }
+  if (out.empty() && !include.empty()) {
+    return Status::InvalidArgument("no tensor of " + what + " matches " + include_text +
+                                   " (globs over the stored names, e.g. 'model/*'; `nonstop "
+                                   "inspect` lists them)");
+  }
+  if (!strip.empty()) {
+    for (auto& n : out) {
+      if (n.first.rfind(strip, 0) == 0) n.first = n.first.substr(strip.size());
+    }
+  }
+  return out;
+}
+
+Result<uint64_t> WriteSafetensors(const SafetensorsTarget& target,
+                                  const std::vector<SafetensorsEntry>& entries,
+                                  const std::vector<std::pair<std::string, std::string>>& meta,
+                                  const SafetensorsSource& source) {
+  const std::string& out = target.path;
+  std::string header = "{";
+  std::set<std::string_view> seen;
+  uint64_t total = 0;
+  for (const SafetensorsEntry& e : entries) {
+    if (e.name == "__metadata__") {
+      return Status::InvalidArgument("a tensor would be written as '__metadata__', a name "
+                                     "safetensors reserves");
+    }
+    if (!seen.insert(e.name).second) {
+      return Status::InvalidArgument("two tensors would be written as '" + e.name +
+                                     "' (strip made their names collide?)");
+    }
+    if (e.dtype == DType::kComplex128 || static_cast<int>(e.dtype) >= kNumDTypes) {
+      return Status::InvalidArgument("tensor '" + e.name + "' has dtype " +
+                                     std::string(DTypeName(e.dtype)) +
+                                     ", which safetensors cannot hold");
+    }
+    header += jobdir_internal::JsonString(e.name) + ":{\"dtype\":\"" +
+              std::string(DTypeSafetensorsName(e.dtype)) + "\",\"shape\":[";
+    for (size_t d = 0; d < e.shape.size(); ++d) {
+      header += (d ? "," : "") + std::to_string(e.shape[d]);
+    }
+    header += "],\"data_offsets\":[" + std::to_string(total) + "," +
+              std::to_string(total + e.nbytes) + "]},";
+    total += e.nbytes;
+  }
+  header += "\"__metadata__\":{";
+  for (size_t i = 0; i < meta.size(); ++i) {
+    header += (i ? "," : "") + jobdir_internal::JsonString(meta[i].first) + ":" +
+              jobdir_internal::JsonString(meta[i].second);
+  }
+  header += "}}";
+  header.append((8 - header.size() % 8) % 8, ' ');
+
+  // OUT's directory and OUT.tmp in it, through the Env. Errors about the
+  // output name OUT, never OUT.tmp (the name the user gave).
+  const size_t cut = out.rfind('/');
+  const std::string name = cut == std::string::npos ? out : out.substr(cut + 1);
+  const std::string dir = cut == std::string::npos ? "." : cut == 0 ? "/" : out.substr(0, cut);
+  const std::string tmp_name = name + ".tmp";
+  const std::string tmp = out + ".tmp";
+  auto failed = [&](const Status& st) {
+    std::string why = st.message();
+    ReplaceAll(&why, tmp, out);
+    ReplaceAll(&why, tmp_name, name);
+    return Status::IOError("cannot export to " + out + ": " + why);
+  };
+  if (Status st = CheckEntryName(name); !st.ok()) {
+    return Status::InvalidArgument("cannot export to " + out + ": it does not name a file: " +
+                                   st.message());
+  }
+  if (Status st = CheckEntryName(tmp_name); !st.ok()) {
+    return Status::InvalidArgument("cannot export to " + out + ": " + st.message());
+  }
+  Env* env = target.env != nullptr ? target.env : DefaultEnv();
+  Result<std::unique_ptr<Directory>> od = env->OpenDirectory(dir, /*create=*/false);
+  if (!od.ok()) return failed(od.status());
+  Directory& odir = *od.value();
+  // A leftover OUT.tmp (an interrupted export, or something planted) is
+  // removed; unlink never follows a link. Without remove_temp_link only a
+  // regular file is.
+  if (Result<FileStat> st = odir.Stat(tmp_name); st.ok()) {
+    if (st->type != EntryType::kFile && !target.remove_temp_link) {
+      return Status::InvalidArgument(tmp + " already exists and is not a regular file (a "
+                                     "symlink?); refusing to write through it: remove it");
+    }
+    if (Status u = odir.Unlink(tmp_name); !u.ok()) return failed(u);
+  } else if (st.status().code() != StatusCode::kNotFound) {
+    return failed(st.status());
+  }
+  Result<std::unique_ptr<Medium>> created =
+      odir.CreateFile(tmp_name, MediumKind::kBuffered, MediumOptions{});
+  if (!created.ok()) return failed(created.status());
+  std::unique_ptr<Medium> f = std::move(created).value();
+  Status st = [&]() -> Status {
+    uint64_t pos = 0;
+    auto put = [&](const void* p, size_t n) -> Status {
+      Status w = f->Write(pos, p, n);
+      pos += n;
+      return w.ok() ? w : failed(w);
+    };
+    unsigned char le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(header.size() >> (8 * i));
+    NONSTOP_RETURN_IF_ERROR(put(le, 8));
+    NONSTOP_RETURN_IF_ERROR(put(header.data(), header.size()));
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point shown = Clock::now();
+    uint64_t done = 0;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].nbytes == 0) continue;
+      NONSTOP_ASSIGN_OR_RETURN(std::string_view bytes, source(i));
+      if (bytes.size() != entries[i].nbytes) {
+        return Status::Internal("export: " + std::to_string(bytes.size()) + " bytes for tensor '" +
+                                entries[i].name + "' of " + std::to_string(entries[i].nbytes));
+      }
+      NONSTOP_RETURN_IF_ERROR(put(bytes.data(), bytes.size()));
+      done += bytes.size();
+      if (target.progress && Clock::now() - shown >= std::chrono::milliseconds(100)) {
+        shown = Clock::now();
+        if (!target.progress(done, total)) return Status::Aborted("export cancelled");
+      }
+    }
+    if (target.progress && !target.progress(done, total)) {
+      return Status::Aborted("export cancelled");
+    }
+    if (Status s = f->Sync(); !s.ok()) return failed(s);
+    f.reset();
+    if (Status s = odir.Rename(tmp_name, name); !s.ok()) return failed(s);
+    if (Status s = odir.SyncDir(); !s.ok()) return failed(s);
+    return Status::OK();
+  }();
+  if (!st.ok()) {
+    f.reset();
+    (void)odir.Unlink(tmp_name);
+    return st;
+  }
+  return total;
+}
+
+Result<ExportResult> ExportSafetensors(const ExportRequest& req, const SafetensorsTarget& target) {
+  Env* env = target.env != nullptr ? target.env : DefaultEnv();
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<JobDir> jd, JobDir::OpenForRead(req.dir, env));
+  ExportResult res;
+  {  // A multi-rank job is exported consolidated: its header says so before any data is read.
+    Result<std::unique_ptr<Medium>> m = jd->OpenSlot(req.rank, MediumKind::kBuffered, true);
+    Result<std::unique_ptr<SlotFile>> sf =
+        m.ok() ? SlotFile::Open(std::move(m).value()) : Result<std::unique_ptr<SlotFile>>(m.status());
+    if (!sf.ok()) return sf.status().Annotate(jd->SlotPath(req.rank));
+    res.world_size = static_cast<int>(sf.value()->geometry().world_size);
+    res.notes = sf.value()->salvaged();
+    for (std::string& n : res.notes) n = jd->SlotPath(req.rank) + ": " + n;
+    if (res.world_size > 1) return res;
+  }
+  // What recovery would load (of req.step when given): the planner's choice.
+  SelectOptions so;
+  so.step = req.step;
+  NONSTOP_ASSIGN_OR_RETURN(Selection sel, jd->Select(req.rank, so));
+  if (!sel.chosen) {
+    return Status::NotFound("no committed checkpoint in " + req.dir);
+  }
+  Selected& chosen = *sel.chosen;
+  const CheckpointInfo& info = chosen.info;
+  const std::string what = "step " + std::to_string(info.step) + " of " + req.dir;
+  if (!jobdir_internal::TopLevelValue(info.meta_json, "multistep_plan").empty()) {
+    return Status::InvalidArgument(
+        what + " was written by mode='multistep' with replay='torch': its optimizer's tensors "
+               "reach that step only when restore() replays them; restore it and save with "
+               "mode='concurrent' to export");
+  }
+  // Each stored tensor, then each tied weight's other names (table index of each).
+  std::vector<std::string> all;
+  std::vector<size_t> index;
+  std::map<std::string, size_t> stored;
+  for (size_t i = 0; i < info.tensors.size(); ++i) {
+    stored.emplace(info.tensors[i].spec.name, i);
+    all.push_back(info.tensors[i].spec.name);
+    index.push_back(i);
+  }
+  for (const auto& [path, ref] : MetaAliases(info.meta_json)) {
+    auto it = stored.find(ref);
+    if (it != stored.end() && !stored.contains(path)) {
+      all.push_back(path);
+      index.push_back(it->second);
+    }
+  }
+  NONSTOP_ASSIGN_OR_RETURN(auto names,
+                           ExportNames(all, req.include, req.include_text, req.strip, what));
+  for (auto& n : names) n.second = index[n.second];
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, i] : names) {
+    const TensorSpec& sp = info.tensors[i].spec;
+    entries.push_back(SafetensorsEntry{name, sp.dtype, sp.shape, sp.nbytes});
+  }
+
+  // The data through the one restore path: a window of entries (in output
+  // order, about window_bytes of distinct stored tensors, at least one) read
+  // in one ReadCheckpointInto over their byte range; a tied weight's second
+  // name in the window reuses the bytes read once.
+  std::vector<char> buf;
+  std::vector<uint64_t> at(info.tensors.size(), 0);  // offset of each stored tensor in buf
+  std::vector<char> in_window(info.tensors.size(), 0);
+  size_t window_end = 0;
+  auto read_window = [&](size_t first) -> Status {
+    std::fill(in_window.begin(), in_window.end(), 0);
+    uint64_t bytes = 0, lo = UINT64_MAX, hi = 0;
+    std::vector<size_t> kept;
+    size_t last = first;
+    for (; last < names.size(); ++last) {
+      const size_t i = names[last].second;
+      const TensorEntry& te = info.tensors[i];
+      const bool fresh = te.spec.nbytes != 0 && !in_window[i];
+      if (fresh && !kept.empty() && bytes + te.spec.nbytes > req.window_bytes) break;
+      if (fresh) {
+        in_window[i] = 1;
+        kept.push_back(i);
+        at[i] = bytes;
+        bytes += te.spec.nbytes;
+        lo = std::min(lo, te.data_offset);
+        hi = std::max(hi, te.data_offset + te.spec.nbytes);
+      }
+    }
+    window_end = last;
+    buf.resize(bytes);
+    std::vector<void*> dst(info.tensors.size(), nullptr);
+    for (size_t i : kept) dst[i] = buf.data() + at[i];
+    RestoreOptions ro;
+    ro.threads = std::max(1, req.threads);
+    ro.data_begin = lo;
+    ro.data_end = hi;
+    return ReadCheckpointInto(*chosen.file, info, dst, ro);
+  };
+  SafetensorsSource source = [&](size_t k) -> Result<std::string_view> {
+    if (k >= window_end) NONSTOP_RETURN_IF_ERROR(read_window(k));
+    const size_t i = names[k].second;
+    return std::string_view(buf.data() + at[i], info.tensors[i].spec.nbytes);
+  };
+  NONSTOP_ASSIGN_OR_RETURN(
+      res.bytes, WriteSafetensors(target, entries,
+                                  {{"nonstop.step", std::to_string(info.step)},
+                                   {"nonstop.counter", std::to_string(info.counter)},
+                                   {"nonstop.meta", info.meta_json}},
+                                  source));
+  res.step = info.step;
+  res.counter = info.counter;
+  res.tensors = entries.size();
+  return res;
+}
+
+}  // namespace nonstop

@@ -1,0 +1,339 @@
+// The single-rank safetensors export (include/nonstop/export.h): the bytes
+// and names of the checkpoint the planner chooses, tied weights under every
+// name, include/strip, any window size, what it refuses (an abandoned step, a
+// replayed one, no match, colliding names, complex128), a link planted at
+// OUT.tmp, damage (no file left), a multi-rank job (nothing written).
+#include "nonstop/export.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "jobdir/records.h"
+#include "nonstop/jobdir.h"
+#include "nonstop/store.h"
+#include "store_test_util.h"
+
+namespace nonstop {
+namespace {
+
+namespace fs = std::filesystem;
+using jobdir_internal::Json;
+using testing::MakeCheckpoint;
+using testing::TestCheckpoint;
+
+struct File {
+  Json header;
+  std::string data;  // after the header
+};
+
+File ReadSafetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  File f;
+  EXPECT_GE(raw.size(), 8u);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<unsigned char>(raw[i])} << (8 * i);
+  EXPECT_EQ(n % 8, 0u);
+  jobdir_internal::JsonLimits lim;
+  lim.max_bytes = n;
+  Result<Json> h = jobdir_internal::ParseJson(std::string_view(raw).substr(8, n), path, lim);
+  EXPECT_TRUE(h.ok()) << h.status().ToString();
+  if (h.ok()) f.header = std::move(h).value();
+  f.data = raw.substr(8 + n);
+  return f;
+}
+
+// The bytes of tensor `name` in `f` (checked against its data_offsets).
+std::string Bytes(const File& f, const std::string& name) {
+  const Json* e = f.header.Get(name);
+  if (e == nullptr) return "<missing>";
+  const Json* off = e->Get("data_offsets");
+  uint64_t b = 0, end = 0;
+  EXPECT_TRUE(off != nullptr && off->items.size() == 2 && off->items[0].AsUint64(&b) &&
+              off->items[1].AsUint64(&end));
+  EXPECT_LE(end, f.data.size());
+  return f.data.substr(b, end - b);
+}
+
+std::string Stored(const TestCheckpoint& c, size_t i) {
+  const TensorEntry& te = c.layout.tensors[i];
+  return std::string(reinterpret_cast<const char*>(c.data.data()) + te.data_offset,
+                     te.spec.nbytes);
+}
+
+class ExportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("nonstop-export-" + std::to_string(getpid()) + "-" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    dir_ = (root_ / "ck").string();
+    out_ = (root_ / "out.safetensors").string();
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  // A checkpoint of step `step` with at least three tensors, its metadata
+  // `meta` ("" keeps the test's own).
+  static TestCheckpoint Make(int64_t step, const std::string& meta = "") {
+    while (testing::SpecsForStep(step).size() < 3) step += 1000;
+    TestCheckpoint c = MakeCheckpoint(step);
+    if (!meta.empty()) c.meta_json = meta;
+    return c;
+  }
+
+  // Commits `cks` (counters 1, 2, ...) into a new job directory of `world` ranks' rank 0.
+  std::unique_ptr<SlotFile> Commit(const std::vector<TestCheckpoint>& cks, uint32_t world = 1) {
+    auto jd = JobDir::OpenForWrite(dir_, 0, static_cast<int>(world)).value();
+    auto m = jd->CreateTempSlot(MediumKind::kBuffered);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    auto sf = SlotFile::Create(std::move(m).value(),
+                               StoreGeometry{3, testing::kTestSlotBytes, 0, world});
+    EXPECT_TRUE(sf.ok()) << sf.status().ToString();
+    EXPECT_TRUE(jd->PublishTempSlot().ok());
+    uint64_t counter = 0;
+    for (const TestCheckpoint& c : cks) {
+      ++counter;
+      EXPECT_TRUE(testing::WriteAndCommit(*sf.value(), c, counter % 3, counter).ok());
+    }
+    return std::move(sf).value();
+  }
+
+  Result<ExportResult> Export(ExportRequest req = {}, bool remove_temp_link = false) {
+    req.dir = dir_;
+    SafetensorsTarget t;
+    t.path = out_;
+    t.remove_temp_link = remove_temp_link;
+    return ExportSafetensors(req, t);
+  }
+
+  fs::path root_;
+  std::string dir_, out_;
+};
+
+TEST_F(ExportTest, TheNewestCheckpointWithEveryNameAndItsBytesInAnyWindow) {
+  // The state tree names tensor 0 twice (a tied weight), tensor 1 once.
+  const std::string meta =
+      "{\"format\": \"nonstop.torch/1\", \"state\": {\"model\": {\"emb\": {\"__tensor__\": "
+      "\"layer0.weight\"}, \"head\": {\"__tensor__\": \"layer0.weight\"}, \"b\": "
+      "{\"__tensor__\": \"layer1.bias\"}}, \"tagged\": {\"__kind__\": 1, \"x\": {\"__tensor__\": "
+      "\"layer1.bias\"}}}}";
+  const TestCheckpoint old = Make(3), c = Make(8, meta);
+  Commit({old, c});
+  for (uint64_t window : {uint64_t{1}, uint64_t{20000}, uint64_t{256} << 20}) {
+    SCOPED_TRACE(window);
+    ExportRequest req;
+    req.window_bytes = window;
+    Result<ExportResult> r = Export(req);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->world_size, 1);
+    EXPECT_EQ(r->step, c.step);
+    EXPECT_EQ(r->counter, 2u);
+    const File f = ReadSafetensors(out_);
+    // every stored tensor, then the aliases model/emb, model/head, model/b
+    EXPECT_EQ(r->tensors, c.layout.tensors.size() + 3);
+    EXPECT_EQ(f.header.keys.size(), c.layout.tensors.size() + 4);  // + __metadata__
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < c.layout.tensors.size(); ++i) {
+      const TensorSpec& sp = c.layout.tensors[i].spec;
+      EXPECT_EQ(Bytes(f, sp.name), Stored(c, i)) << sp.name;
+      EXPECT_EQ(f.header.Get(sp.name)->Get("dtype")->text, DTypeSafetensorsName(sp.dtype));
+      EXPECT_EQ(f.header.Get(sp.name)->Get("shape")->items.size(), sp.shape.size());
+      bytes += sp.nbytes;
+    }
+    EXPECT_EQ(Bytes(f, "model/emb"), Stored(c, 0));
+    EXPECT_EQ(Bytes(f, "model/head"), Stored(c, 0));
+    EXPECT_EQ(Bytes(f, "model/b"), Stored(c, 1));
+    EXPECT_EQ(f.header.Get("tagged/x"), nullptr);  // not through a tagged value
+    EXPECT_EQ(r->bytes, bytes + 2 * c.layout.tensors[0].spec.nbytes + c.layout.tensors[1].spec.nbytes);
+    EXPECT_EQ(f.data.size(), r->bytes);
+    const Json* md = f.header.Get("__metadata__");
+    ASSERT_NE(md, nullptr);
+    EXPECT_EQ(md->Get("nonstop.step")->text, std::to_string(c.step));
+    EXPECT_EQ(md->Get("nonstop.counter")->text, "2");
+    EXPECT_EQ(md->Get("nonstop.meta")->text, meta);
+    EXPECT_FALSE(fs::exists(out_ + ".tmp"));
+  }
+  // --step: the older one.
+  ExportRequest req;
+  req.step = old.step;
+  ASSERT_TRUE(Export(req).ok());
+  EXPECT_EQ(Bytes(ReadSafetensors(out_), "layer0.weight"), Stored(old, 0));
+}
+
+TEST_F(ExportTest, IncludeAndStripAndWhatTheyRefuse) {
+  const std::string meta =
+      "{\"state\": {\"model\": {\"w\": {\"__tensor__\": \"layer0.weight\"}}}}";
+  const TestCheckpoint c = Make(8, meta);
+  Commit({c});
+  ExportRequest req;
+  req.include = {"model/*", "layer1.*"};
+  req.strip = "model/";
+  Result<ExportResult> r = Export(req);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  File f = ReadSafetensors(out_);
+  EXPECT_EQ(r->tensors, 2u);
+  EXPECT_EQ(Bytes(f, "w"), Stored(c, 0));
+  EXPECT_EQ(Bytes(f, "layer1.bias"), Stored(c, 1));
+  EXPECT_EQ(f.header.Get("layer0.weight"), nullptr);
+
+  fs::remove(out_);
+  req.include = {"nothing/*"};
+  req.include_text = "include=['nothing/*']";
+  r = Export(req);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("matches include=['nothing/*'] (globs over the stored "
+                                      "names, e.g. 'model/*'"),
+            std::string::npos)
+      << r.status().message();
+  // Two names made one by strip: the alias a/layer0.weight and the stored layer0.weight.
+  fs::remove_all(dir_);
+  Commit({Make(8, "{\"state\": {\"a\": {\"layer0.weight\": {\"__tensor__\": \"layer1.bias\"}}}}")});
+  req.include = {};
+  req.strip = "a/";
+  r = Export(req);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("two tensors would be written as 'layer0.weight'"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_FALSE(fs::exists(out_));
+}
+
+TEST_F(ExportTest, AnAbandonedOrReplayedStepIsRefused) {
+  const TestCheckpoint a = Make(9), b = Make(29);
+  Commit({a, b});
+  {
+    auto jd = JobDir::OpenForWrite(dir_).value();
+    ASSERT_TRUE(jd->RecordRestore(0, 1).ok());  // restored step 9: 29 is abandoned
+  }
+  Result<ExportResult> r = Export();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->step, a.step);
+  ExportRequest req;
+  req.step = b.step;
+  fs::remove(out_);
+  r = Export(req);
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("abandoned"), std::string::npos) << r.status().message();
+  EXPECT_FALSE(fs::exists(out_));
+
+  fs::remove_all(dir_);
+  Commit({Make(4, "{\"multistep_plan\": {\"parts\": []}, \"state\": {}}")});
+  r = Export();
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("replay='torch'"), std::string::npos)
+      << r.status().message();
+  EXPECT_FALSE(fs::exists(out_));
+}
+
+TEST_F(ExportTest, DamageFailsTheExportAndLeavesNoFile) {
+  const TestCheckpoint c = Make(8);
+  auto f = Commit({c});
+  const CheckpointInfo info = f->Scan().value().checkpoints[0].info;
+  const uint64_t at = info.data_offset + info.tensors[0].data_offset + info.tensors[0].spec.nbytes / 2;
+  uint8_t byte = 0;
+  ASSERT_TRUE(f->medium().Read(at, &byte, 1).ok());
+  byte ^= 0x40;
+  ASSERT_TRUE(f->medium().Write(at, &byte, 1).ok());
+  ASSERT_TRUE(f->medium().Sync().ok());
+  Result<ExportResult> r = Export();
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+  EXPECT_FALSE(fs::exists(out_));
+  EXPECT_FALSE(fs::exists(out_ + ".tmp"));
+  // Output errors name the file asked for, never OUT.tmp.
+  SafetensorsTarget t;
+  t.path = (root_ / "no-such-dir" / "x.safetensors").string();
+  Result<uint64_t> w = WriteSafetensors(t, {}, {}, nullptr);
+  EXPECT_EQ(w.status().code(), StatusCode::kIOError);
+  EXPECT_EQ(w.status().message().rfind("cannot export to " + t.path + ": ", 0), 0u)
+      << w.status().message();
+  EXPECT_EQ(w.status().message().find(".tmp"), std::string::npos) << w.status().message();
+  // complex128 has no safetensors dtype.
+  t.path = out_;
+  w = WriteSafetensors(t, {SafetensorsEntry{"z", DType::kComplex128, {1}, 16}}, {}, nullptr);
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(w.status().message().find("'z' has dtype complex128"), std::string::npos);
+}
+
+TEST_F(ExportTest, ALinkAtTheTempNameIsRefusedOrRemovedNeverFollowed) {
+  Commit({Make(8)});
+  const std::string victim = (root_ / "victim").string();
+  { std::ofstream(victim) << "precious"; }
+  fs::create_symlink(victim, out_ + ".tmp");
+  Result<ExportResult> r = Export({}, /*remove_temp_link=*/false);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("out.safetensors.tmp already exists"), std::string::npos)
+      << r.status().message();
+  EXPECT_TRUE(fs::is_symlink(out_ + ".tmp"));
+  EXPECT_FALSE(fs::exists(out_));
+  r = Export({}, /*remove_temp_link=*/true);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(fs::is_symlink(out_ + ".tmp"));
+  EXPECT_FALSE(fs::is_symlink(out_));
+  std::ifstream v(victim);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>()),
+            "precious");
+  // A regular leftover (an interrupted export) is replaced either way.
+  { std::ofstream(out_ + ".tmp") << "half"; }
+  ASSERT_TRUE(Export().ok());
+  EXPECT_FALSE(fs::exists(out_ + ".tmp"));
+}
+
+TEST_F(ExportTest, AMultiRankJobIsLeftToTheConsolidatedExport) {
+  Commit({Make(8)}, /*world=*/2);
+  Result<ExportResult> r = Export();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->world_size, 2);
+  EXPECT_FALSE(fs::exists(out_));
+}
+
+TEST_F(ExportTest, ProgressReachesTheTotalAndCanCancel) {
+  Commit({Make(8)});
+  ExportRequest req;
+  req.dir = dir_;
+  req.window_bytes = 1;
+  SafetensorsTarget t;
+  t.path = out_;
+  uint64_t last = 0, total = 0;
+  t.progress = [&](uint64_t done, uint64_t all) {
+    last = done;
+    total = all;
+    return true;
+  };
+  Result<ExportResult> r = ExportSafetensors(req, t);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(last, r->bytes);
+  EXPECT_EQ(total, r->bytes);
+  fs::remove(out_);
+  t.progress = [](uint64_t, uint64_t) { return false; };
+  EXPECT_EQ(ExportSafetensors(req, t).status().code(), StatusCode::kAborted);
+  EXPECT_FALSE(fs::exists(out_));
+  EXPECT_FALSE(fs::exists(out_ + ".tmp"));
+}
+
+TEST(ExportNamesTest, GlobsOverTheNamesKeepThemStripAndNoneMatchingIsAnError) {
+  const std::vector<std::string> names = {"model/fc.weight", "model/fc.bias", "optim/state/0/m",
+                                          "rank-1/x"};
+  auto r = ExportNames(names, {}, "--include", "", "w");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->size(), 4u);
+  r = ExportNames(names, {"model/*", "*/0/*"}, "--include", "model/", "w");  // '*' matches '/'
+  ASSERT_TRUE(r.ok());
+  const std::vector<std::pair<std::string, size_t>> want = {
+      {"fc.weight", 0}, {"fc.bias", 1}, {"optim/state/0/m", 2}};
+  EXPECT_EQ(r.value(), want);
+  r = ExportNames(names, {"model"}, "include=['model']", "", "step 3 of d");
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(),
+            "no tensor of step 3 of d matches include=['model'] (globs over the stored names, "
+            "e.g. 'model/*'; `nonstop inspect` lists them)");
+}
+
+}  // namespace
+}  // namespace nonstop

@@ -42,12 +42,6 @@ def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = N
     return [_row(c, view["job"]) for c in view["rows"]]
 
 
-def not_found(path: str, rank: int, step: int) -> CheckpointNotFoundError:
-    """The one-line error for a step that is not there, with the steps that
-    are (C++ engine/job_view.h StepNotFound)."""
-    return CheckpointNotFoundError(_ext.core().step_not_found(path, rank, step))
-
-
 def check_step(step) -> int:
     """`step` as a training step (a signed 64-bit integer, as the engine
     stores it), else the one-line CheckpointMismatchError."""

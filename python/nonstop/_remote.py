@@ -32,29 +32,6 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0].strip() if text else type(e).__name__
 
-class _Throttle:
-    """A file reader that keeps to `bps` bytes per second (the optional
-    bandwidth limit of uploads); it stops once `abort` is set."""
-
-    def __init__(self, f, bps: float, abort: threading.Event):
-        self.f, self.bps, self.t0, self.n = f, float(bps), time.monotonic(), 0
-        self.abort = abort
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.n += len(data)
-        ahead = self.n / self.bps - (time.monotonic() - self.t0)
-        if ahead > 0 and self.abort.wait(ahead):
-            raise CheckpointError("upload aborted (close_timeout_s passed)")
-        return data
-
-    def seek(self, *a):
-        return self.f.seek(*a)
-
-    def tell(self):
-        return self.f.tell()
-
-
 def _store_config(url: str, options: Optional[dict]) -> dict:
     """remote_options of an object store URL sorted out (adapting keywords
     to obstore's): {concurrency, part_bytes, s3: what CreateBucket needs or
@@ -174,10 +151,11 @@ class ObjectStore:
         through the seam (O_NOFOLLOW relative to the directory fd): obstore
         reads it through a FileReader whose reads fill the buffer with the
         GIL released (it never opens a path itself, so a link planted at the
-        staged name is refused, never followed)."""
-        with src.open(name) as f:
-            self._io(f"uploading {key}", self._ob.put, self.store, key,
-                     _Throttle(f, bps, self._aborted) if bps else f,
+        staged name is refused, never followed). bps: its reads keep to that
+        many bytes a second (C++, tier/pacer.h, as the path transport's),
+        until abort() stops them."""
+        with src.open(name, bps=bps or 0, abort=self._aborted) as f:
+            self._io(f"uploading {key}", self._ob.put, self.store, key, f,
                      chunk_size=self.part_bytes, max_concurrency=self.concurrency)
 
     def put_bytes(self, key: str, data: bytes) -> None:

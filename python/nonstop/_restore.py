@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import _distributed, _ext, _manage, _progress, _remote, _state
+from . import _distributed, _ext, _progress, _remote, _state
 from ._read import (check_directory, decode_meta, destinations, restore_direct,
                     restore_threads)
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -164,7 +164,8 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
         except CheckpointNotFoundError:
             if step is None:
                 raise
-            raise _manage.not_found(path, rank, step) from None  # ring and kept steps
+            # the steps there are, ring and kept (C++ engine/job_view.h StepNotFound)
+            raise CheckpointNotFoundError(_ext.core().step_not_found(path, rank, step)) from None
         except CheckpointError as e:
             if state["loaded"] is not None and "partly overwritten" not in str(e):
                 raise type(e)(f"{e}; the state was partly overwritten by this restore") from None

@@ -17,6 +17,7 @@
 
 #include "nonstop/env.h"
 #include "python/bindings.h"
+#include "tier/pacer.h"
 
 namespace py = pybind11;
 
@@ -106,8 +107,13 @@ class PyWriter {
 // and fills it with the GIL released.
 class PyReadFile {
  public:
-  PyReadFile(std::shared_ptr<Directory> dir, std::string name, std::unique_ptr<Medium> m)
-      : dir_(std::move(dir)), name_(std::move(name)), medium_(std::move(m)) {}
+  // bps > 0: reads keep to that many bytes a second (the upload bandwidth
+  // limit, tier/pacer.h); `abort` (an object with is_set(), a
+  // threading.Event; None: never) stops a paced read with Aborted.
+  PyReadFile(std::shared_ptr<Directory> dir, std::string name, std::unique_ptr<Medium> m,
+             double bps = 0, py::object abort = py::none())
+      : dir_(std::move(dir)), name_(std::move(name)), medium_(std::move(m)), pace_(bps),
+        paced_(bps > 0), abort_(std::move(abort)) {}
 
   // The state is touched with the GIL held only; the read itself runs
   // without it on a reference to the medium (a close meanwhile cannot free
@@ -122,12 +128,20 @@ class PyReadFile {
     if (obj == nullptr) throw py::error_already_set();
     py::bytes out = py::reinterpret_steal<py::bytes>(obj);
     pos_ = at + take;
-    if (take > 0) {
+    read_ += take;
+    const uint64_t read = read_;
+    if (take > 0 || paced_) {
       char* dst = PyBytes_AS_STRING(obj);
       Status s;
       {
         GilRelease g;
-        s = m->Read(at, dst, take);
+        if (take > 0) s = m->Read(at, dst, take);
+        if (s.ok() && paced_) {
+          s = pace_.Wait(read, [this] {
+            py::gil_scoped_acquire gil;
+            return !abort_.is_none() && abort_.attr("is_set")().cast<bool>();
+          });
+        }
       }
       Check(s);
     }
@@ -171,6 +185,10 @@ class PyReadFile {
   std::string name_;
   std::shared_ptr<Medium> medium_;
   uint64_t pos_ = 0;
+  uint64_t read_ = 0;  // bytes read in all (the pace's count)
+  tier::Pacer pace_;
+  bool paced_;
+  py::object abort_;
 };
 
 std::shared_ptr<Directory> OpenDirectory(const std::string& path, bool create) {
@@ -253,7 +271,8 @@ void InitEnv(py::module_& m) {
           py::arg("name"))
       .def(
           "open",
-          [](const std::shared_ptr<Directory>& d, const std::string& name) {
+          [](const std::shared_ptr<Directory>& d, const std::string& name, double bps,
+             py::object abort) {
             MediumOptions ro;
             ro.read_only = true;
             Result<std::unique_ptr<Medium>> r = Status::Internal("unset");
@@ -261,9 +280,13 @@ void InitEnv(py::module_& m) {
               GilRelease g;
               r = d->OpenFile(name, MediumKind::kBuffered, ro);
             }
-            return std::make_unique<PyReadFile>(d, name, Take(std::move(r)));
+            return std::make_unique<PyReadFile>(d, name, Take(std::move(r)), bps,
+                                                std::move(abort));
           },
-          py::arg("name"), "Opens an existing regular file for reading (a symlink is refused).")
+          py::arg("name"), py::arg("bps") = 0.0, py::arg("abort") = py::none(),
+          "Opens an existing regular file for reading (a symlink is refused). bps > 0: its "
+          "reads keep to that many bytes a second (an upload's bandwidth limit) until "
+          "abort.is_set() (a threading.Event), then raise CheckpointError.")
       .def(
           "read",
           [](Directory& d, const std::string& name, uint64_t max_bytes) -> py::object {

@@ -1,9 +1,9 @@
 #include "tier/path_transport.h"
 
 #include <algorithm>
-#include <chrono>
-#include <thread>
 #include <utility>
+
+#include "tier/pacer.h"
 
 namespace nonstop::tier {
 
@@ -60,7 +60,7 @@ Status PathTransport::PutFile(const std::string& key, const std::string& dir,
   Status s = [&]() -> Status {
     NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Medium> out,
                              d->CreateFile(tmp, MediumKind::kBuffered, MediumOptions{}));
-    const auto t0 = std::chrono::steady_clock::now();
+    Pacer pace(bps);  // the bandwidth limit; Abort stops it
     std::string buf(part_, '\0');
     const uint64_t size = src->Size();
     for (uint64_t at = 0; at < size;) {
@@ -68,14 +68,8 @@ Status PathTransport::PutFile(const std::string& key, const std::string& dir,
       NONSTOP_RETURN_IF_ERROR(src->Read(at, buf.data(), n));
       NONSTOP_RETURN_IF_ERROR(out->Write(at, buf.data(), n));
       at += n;
-      while (true) {  // the bandwidth limit; Abort stops it
-        if (aborted_.load()) return Status::Aborted(key + ": upload aborted (close_timeout_s passed)");
-        if (bps <= 0) break;
-        const double ahead = static_cast<double>(at) / bps -
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (ahead <= 0) break;
-        std::this_thread::sleep_for(std::chrono::duration<double>(std::min(ahead, 0.05)));
-      }
+      NONSTOP_RETURN_IF_ERROR(
+          pace.Wait(at, [this] { return aborted_.load(); }).Annotate(key));
     }
     return out->Sync();  // sticky: a failed fsync is never renamed into place
   }();

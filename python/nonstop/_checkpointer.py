@@ -126,7 +126,7 @@ class Checkpointer:
         metrics={"loss": 0.31}: stored with the checkpoint when one starts
         (nonstop.list shows them; best= ranks kept copies by one)."""
         ses = self.session
-        ses.metrics = _manage.check_metrics(metrics)
+        ses.metrics = _ext.core().check_metrics(metrics)  # C++: name -> finite number
         try:
             if ses.forked():
                 ses.live()
@@ -153,7 +153,7 @@ class Checkpointer:
         An error of an earlier checkpoint (a failed write or keep= copy) is
         raised here after this checkpoint has started, once.
         metrics={"loss": 0.31}: stored with the checkpoint (see step())."""
-        self.session.metrics = _manage.check_metrics(metrics)
+        self.session.metrics = _ext.core().check_metrics(metrics)
         self.session.begin_staging()
         try:
             handle = self._watcher.track(self.driver.save(step), step)
@@ -332,7 +332,8 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
             raise CheckpointMismatchError(
                 f"{who}: unknown option {k}=" + (f" (did you mean {near[0]}=?)" if near else "")
                 + "; the options are nonstop.Checkpointer's (docs/PYTHON.md)")
-    _manage.check_retention(options.get("keep"), options.get("max_to_keep"), options.get("best"))
+    _ext.core().check_retention(options.get("keep"), options.get("max_to_keep"),
+                                options.get("best"))
     _options.check_keep(options.get("keep"))
     _options.check_tier(options.get("tier", "auto"))
 

@@ -1,7 +1,9 @@
-"""Checkpoint management: list, delete, metrics and the retention options
-(max_to_keep=, best=). The decisions (which kept copy is made or deleted,
-which may never be deleted) are C++ (JobDir, src/jobdir/retention.cc); this
-module checks arguments and shapes results."""
+"""Checkpoint management: list and delete. The decisions (which kept copy
+is made or deleted, which may never be deleted) are C++ (JobDir,
+src/jobdir/retention.cc), and so are the checks of metrics= and of the
+retention options max_to_keep=/best= (_core.check_metrics,
+_core.check_retention, called directly); this module checks arguments and
+shapes results."""
 from __future__ import annotations
 
 import os
@@ -9,18 +11,6 @@ from typing import Optional
 
 from . import _ext, _remote
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
-
-
-def check_metrics(metrics) -> Optional[dict]:
-    """metrics= of save()/step(): a dict of name -> finite number (plain
-    floats are stored; a 0-d tensor or numpy scalar is converted). C++."""
-    return _ext.core().check_metrics(metrics)
-
-
-def check_retention(keep, max_to_keep, best) -> tuple:
-    """(max_to_keep, metric, higher, k) for Engine.set_retention, after
-    checking max_to_keep= and best=("loss", "min", 3). C++."""
-    return tuple(_ext.core().check_retention(keep, max_to_keep, best))
 
 
 def _row(c: dict, job: str) -> dict:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _data, _manage, _peer, _remote
+from . import _auto, _config, _data, _ext, _peer, _remote
 from .errors import CheckpointMismatchError
 
 # "auto": layer-wise or concurrent, whichever this job measures cheaper (_auto.AutoMode)
@@ -53,7 +53,7 @@ class Retention:
     keep: Optional[int] = None
     max_to_keep: Optional[int] = None
     best: Any = None
-    rules: tuple = (0, "", False, 0)   # _manage.check_retention: JobDir's arguments
+    rules: tuple = (0, "", False, 0)   # _core.check_retention: JobDir's arguments
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,8 @@ def resolve(state: dict, **kw) -> Options:
         raise CheckpointMismatchError("replay= applies to mode='multistep' only")
     check_keep(keep)
     # max_to_keep= and best=("loss", "min", k): which kept copies stay
-    # (JobDir retention in C++; _manage.py, docs/PYTHON.md "Managing checkpoints")
-    rules = _manage.check_retention(keep, max_to_keep, best)
+    # (checked and applied by C++ JobDir retention; docs/PYTHON.md "Managing checkpoints")
+    rules = tuple(_ext.core().check_retention(keep, max_to_keep, best))
     drank, dworld = world()
     rank = drank if kw["rank"] is None else kw["rank"]
     world_size = dworld if kw["world_size"] is None else kw["world_size"]

@@ -36,12 +36,6 @@ DTYPE_CODES = {
     "float8_e4m3fn": 15, "float8_e5m2": 16,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-# Safetensors spellings, by code.
-SAFETENSORS_DTYPES = {
-    0: "U8", 1: "I8", 2: "I16", 3: "I32", 4: "I64", 5: "F16", 6: "BF16", 7: "F32",
-    8: "F64", 9: "BOOL", 10: "C64", 12: "U16", 13: "U32", 14: "U64",
-    15: "F8_E4M3", 16: "F8_E5M2",
-}
 # numpy dtype (for nonstop.load without torch); None where numpy has none.
 NUMPY_DTYPES = {
     0: np.uint8, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.int64, 5: np.float16,

@@ -249,7 +249,20 @@ Result<ExportResult> ExportSafetensors(const ExportRequest& req, const Safetenso
   // What recovery would load (of req.step when given): the planner's choice.
   SelectOptions so;
   so.step = req.step;
-  NONSTOP_ASSIGN_OR_RETURN(Selection sel, jd->Select(req.rank, so));
+  Result<Selection> picked = jd->Select(req.rank, so);
+  if (!picked.ok() && req.step && picked.status().code() == StatusCode::kNotFound) {
+    // A step that is not there: the steps that are.
+    Result<std::vector<ListedCheckpoint>> listed = jd->List(req.rank);
+    std::set<int64_t> steps;
+    for (const ListedCheckpoint& c : listed.ok() ? listed.value() : std::vector<ListedCheckpoint>{}) {
+      if (c.state == ListedCheckpoint::State::kCommitted) steps.insert(c.step);
+    }
+    std::string there;
+    for (int64_t st : steps) there += (there.empty() ? "" : ", ") + std::to_string(st);
+    return Status::NotFound(picked.status().message() + " (steps here: " +
+                            (there.empty() ? "none" : there) + ")");
+  }
+  NONSTOP_ASSIGN_OR_RETURN(Selection sel, std::move(picked));
   if (!sel.chosen) {
     return Status::NotFound("no committed checkpoint in " + req.dir);
   }

@@ -221,6 +221,9 @@ TEST_F(ExportTest, AnAbandonedOrReplayedStepIsRefused) {
   r = Export(req);
   EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
   EXPECT_NE(r.status().message().find("abandoned"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("(steps here: " + std::to_string(a.step) + ")"),
+            std::string::npos)
+      << r.status().message();
   EXPECT_FALSE(fs::exists(out_));
 
   fs::remove_all(dir_);

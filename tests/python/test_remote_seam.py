@@ -218,3 +218,23 @@ def test_remote_every_retries_a_failed_upload_and_never_skips_it(tmp_path):
     steps = sorted(st for st, _ in _remote.committed_steps(_remote.open_store(url, {})))
     assert steps == [0, 1, 2], s
     assert s["committed"] == 3 and s["failures"] == 0 and s["given_up"] == 0, s
+
+
+@pytest.mark.timeout(60)
+def test_a_paced_file_reader_stops_once_aborted(tmp_path):
+    """Directory.open(name, bps=, abort=): the FileReader an object store's
+    upload reads through keeps to bandwidth_bps in C++ (tier/pacer.h, the
+    path transport's pace too), and once abort (the store's Event, set when
+    close_timeout_s passed) is set, a read ahead of the pace raises at once
+    instead of waiting."""
+    d = nonstop._core.Directory(str(tmp_path))
+    d.write_atomic("part", b"x" * 4096)
+    aborted = threading.Event()
+    with d.open("part", bps=1e9, abort=aborted) as f:
+        assert f.read(1024) == b"x" * 1024 and f.read() == b"x" * 3072
+    aborted.set()
+    with d.open("part", bps=1.0, abort=aborted) as f:  # 4096 s of pace
+        with pytest.raises(nonstop.CheckpointError, match=r"^upload aborted \(close_timeout_s"):
+            f.read()
+    with d.open("part", abort=aborted) as f:  # no limit: not paced, never aborted
+        assert len(f.read()) == 4096

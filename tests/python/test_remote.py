@@ -217,8 +217,13 @@ def test_server_stopped_during_upload_then_restarted(tmp_path, s3_server):  # no
     # nothing partial was committed while the server was gone
     assert [s for s, _ in _remote.committed_steps(store)] in ([], [1])
     _wait_uploaded(store, 1, timeout=180)
+    # The marker is visible before the uploader records the step (retention
+    # and the manifest come in between): wait for the record too.
+    deadline = time.monotonic() + 60
+    while ckpt.stats()["remote"]["uploaded_step"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     s = ckpt.stats()["remote"]
-    assert s["retries"] >= 1 and s["uploaded_step"] == 1
+    assert s["retries"] >= 1 and s["uploaded_step"] == 1, s
     want = state["blob"].clone()
     ckpt.close()
     shutil.rmtree(d)

@@ -154,6 +154,14 @@ NONSTOP_CLMUL void BlocksClmul(const Gf128 pow[Ghash::kAggregate], Gf128* y, con
   *y = FromReg(acc);
 }
 
+// One product x * y, reduced.
+NONSTOP_CLMUL Gf128 MulClmul(const Gf128& x, const Gf128& y) {
+  const __m128i zero = _mm_setzero_si128();
+  Wide w{zero, zero, zero};
+  MulAdd(&w, ToReg(x), ToReg(y));
+  return FromReg(Reduce(w));
+}
+
 // The two 128-bit lanes of v added.
 NONSTOP_VCLMUL inline __m128i Fold(__m256i v) {
   return _mm_xor_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -209,6 +217,14 @@ GhashImpl BestHere() {
 #else
   return GhashImpl::kPortable;
 #endif
+}
+
+// x * y with the fastest multiplication this CPU has.
+Gf128 MulBest(const Gf128& x, const Gf128& y) {
+#if defined(__x86_64__)
+  if (BestHere() != GhashImpl::kPortable) return MulClmul(x, y);
+#endif
+  return GfMul(x, y);
 }
 
 void BlocksPortable(const Gf128 pow[Ghash::kAggregate], Gf128* y, const uint8_t* p, size_t blocks) {
@@ -273,6 +289,19 @@ Ghash::Ghash(const uint8_t key[kGhashBytes]) {
   pow_[0] = Gf128::Load(key);
   for (int i = 1; i < kAggregate; ++i) pow_[i] = GfMul(pow_[i - 1], pow_[0]);
   impl_ = std::min(BestHere(), limit.load());
+  sq_[0] = pow_[0];
+  for (int k = 1; k < 64; ++k) {
+    sq_[k] = impl_ == GhashImpl::kPortable ? GfMul(sq_[k - 1], sq_[k - 1]) : MulBest(sq_[k - 1], sq_[k - 1]);
+  }
+}
+
+Gf128 Ghash::MulPow(const Gf128& y, uint64_t m) const {
+  Gf128 r = y;
+  for (int k = 0; m != 0; ++k, m >>= 1) {
+    if ((m & 1) == 0) continue;
+    r = impl_ == GhashImpl::kPortable ? GfMul(r, sq_[k]) : MulBest(r, sq_[k]);
+  }
+  return r;
 }
 
 void Ghash::Blocks(Gf128* y, const uint8_t* p, size_t blocks) const {

@@ -51,12 +51,18 @@ class Ghash {
   // zero-padded to whole blocks, C likewise, then [len(A)]64 || [len(C)]64
   // (bit lengths).
   Block Hash(std::string_view a, std::string_view c) const;
+  // y * H^m: where GHASH of blocks X1..Xm from a running value y equals
+  // y * H^m + GHASH of X1..Xm from zero (GHASH is linear in y), so a hash
+  // of bytes that come before may be joined afterwards (the peer wire's
+  // fused pass: peer_wire.cc). One multiplication per bit set in m.
+  Gf128 MulPow(const Gf128& y, uint64_t m) const;
 
   GhashImpl impl() const { return impl_; }
   const Gf128* powers() const { return pow_; }  // H^1..H^kAggregate
 
  private:
   Gf128 pow_[kAggregate];  // H^1 .. H^kAggregate
+  Gf128 sq_[64];           // H^(2^k), k = 0..63 (MulPow)
   GhashImpl impl_ = GhashImpl::kPortable;
 };
 

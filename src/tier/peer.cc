@@ -177,19 +177,23 @@ class ReplicaWriter {
     }
   }
 
-  // The next bytes of a DATA frame whose payload crc32c is `frame_crc`
-  // (RecvFrame's data_crc: checked here, combined from the chunk crcs).
-  Status Append(std::string_view b, const std::string& from, uint32_t frame_crc) {
-    const uint64_t at = check_.got();
-    uint32_t crc = 0;
-    NONSTOP_RETURN_IF_ERROR(check_.Next(b.data(), b.size(), "peer " + from, &crc));
-    if (crc != frame_crc) return Status::Corruption("peer " + from + ": frame payload checksum mismatch");
-    return file_->WriteData(0, at, b.data(), b.size());
+  // The next bytes of the data as they arrive (a block of a DATA frame:
+  // RecvFrame's fused pass): their chunks checked against the table, *crc
+  // their crc32c. Before Write of the same bytes, on one thread.
+  Status Check(std::string_view b, const std::string& from, uint32_t* crc) {
+    return check_.Next(b.data(), b.size(), "peer " + from, crc);
+  }
+
+  // The next bytes of the data, Checked (a whole frame), into the file.
+  Status Write(std::string_view b) {
+    NONSTOP_RETURN_IF_ERROR(file_->WriteData(0, written_, b.data(), b.size()));
+    written_ += b.size();
+    return Status::OK();
   }
 
   Status Finish(const std::string& final_name, const std::string& from) {
-    if (check_.got() != t_.data_bytes) {
-      return Status::Corruption("peer " + from + ": the data ended at " + std::to_string(check_.got()) +
+    if (check_.got() != t_.data_bytes || written_ != t_.data_bytes) {
+      return Status::Corruption("peer " + from + ": the data ended at " + std::to_string(written_) +
                                 " of " + std::to_string(t_.data_bytes) + " bytes");
     }
     CommitRequest req;
@@ -207,7 +211,7 @@ class ReplicaWriter {
     return dir_->SyncDir();
   }
 
-  uint64_t data_bytes() const { return check_.got(); }
+  uint64_t data_bytes() const { return written_; }
 
  private:
   ReplicaWriter(Directory* dir, std::string tmp, const format::Table& t)
@@ -219,6 +223,7 @@ class ReplicaWriter {
   SlotLayout layout_;
   std::unique_ptr<SlotFile> file_;
   ChunkChecker check_;
+  uint64_t written_ = 0;  // bytes written (Write)
   bool created_ = false, done_ = false;
 };
 
@@ -297,38 +302,36 @@ Status TwoStage(std::array<Buf, N>& bufs, Produce produce, Consume consume, Canc
 // two stages of a send or a receive.
 constexpr size_t kStageBuffers = 4;
 
-// A DATA frame (or the frame that ends the data) received and its payload crc.
-struct InFrame {
-  w::Frame f;
-  uint32_t crc = 0;
-};
-
-// Receives a data region: DATA frames, each given to `writer` (checked and
-// written) while the next is received, up to END. `what` names the
+// Receives a data region: DATA frames, each checked as it is received
+// (the chunk crcs and the tag in one pass: RecvFrame's `check`) and written
+// by `writer` while the next is received, up to END. `what` names the
 // transfer in errors ("a push", "a fetch"). A REPLY in the stream is the
 // sender's error; any other frame is Corruption.
 Status ReceiveData(w::Socket& s, ReplicaWriter& writer, const std::string& from, const char* what) {
-  std::array<InFrame, kStageBuffers> bufs;
+  std::array<w::Frame, kStageBuffers> bufs;
   bool ended = false;
+  const w::BlockCheck check = [&](std::string_view block, uint32_t* crc) {
+    return writer.Check(block, from, crc);
+  };
   Status st = TwoStage(
       bufs,
-      [&](InFrame& b, bool* more) {
-        Status r = w::RecvFrame(s, &b.f, &b.crc);
-        if (r.ok() && b.f.type != static_cast<uint16_t>(w::Type::kData)) *more = false;
+      [&](w::Frame& b, bool* more) {
+        Status r = w::RecvFrame(s, &b, check);
+        if (r.ok() && b.type != static_cast<uint16_t>(w::Type::kData)) *more = false;
         return r;
       },
-      [&](InFrame& b) {
-        if (b.f.type == static_cast<uint16_t>(w::Type::kData)) return writer.Append(b.f.payload, from, b.crc);
-        if (b.f.type == static_cast<uint16_t>(w::Type::kEnd)) {
+      [&](w::Frame& b) {
+        if (b.type == static_cast<uint16_t>(w::Type::kData)) return writer.Write(b.payload);
+        if (b.type == static_cast<uint16_t>(w::Type::kEnd)) {
           ended = true;
           return Status::OK();
         }
-        if (b.f.type == static_cast<uint16_t>(w::Type::kReply)) {
+        if (b.type == static_cast<uint16_t>(w::Type::kReply)) {
           uint32_t unused;
-          Status r = w::DecodeReply(b.f.payload, &unused, from);  // the sender's own read failed
+          Status r = w::DecodeReply(b.payload, &unused, from);  // the sender's own read failed
           return r.ok() ? Status::Corruption("peer " + from + ": a reply inside " + what) : r;
         }
-        return Status::Corruption("peer " + from + ": frame type " + std::to_string(b.f.type) +
+        return Status::Corruption("peer " + from + ": frame type " + std::to_string(b.type) +
                                   " inside " + what);
       },
       // A receive blocked on the socket returns; a reply can still be sent.
@@ -375,7 +378,7 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
     const char* at = nullptr;  // the piece's bytes: in buf or in the mapping
     uint64_t len = 0;
     uint32_t crc = 0;
-    crypto::Block hash{};  // the frame tag's per-byte part (w::DataFrameHash)
+    crypto::Block hash{};  // the frame tag's per-byte part (w::DataFrameChecks)
   };
   std::array<Piece, kStageBuffers> bufs;
   if (view == nullptr) {
@@ -383,6 +386,9 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
   }
   ChunkChecker check(info.data_bytes, info.crc_chunk_bytes, info.chunk_crcs, info.counter, info.step);
   const std::string where = file.medium().Describe();
+  const w::BlockCheck check_block = [&](std::string_view b, uint32_t* crc) {
+    return check.Next(b.data(), b.size(), where, crc);
+  };
   uint64_t off = 0;
   bool read_failed = false;
   Status st = TwoStage(
@@ -396,12 +402,13 @@ Status SendData(w::Socket& s, SlotFile& file, const CheckpointInfo& info, uint64
           p.at = p.buf.data();
           r = file.medium().Read(info.data_offset + off, p.buf.data(), p.len);
         }
-        if (r.ok()) r = check.Next(p.at, p.len, where, &p.crc);
+        // Every chunk checked and the frame's tag hashed in one pass
+        // (w::DataFrameChecks: block by block while each is in cache).
+        if (r.ok()) r = w::DataFrameChecks(s, std::string_view(p.at, p.len), check_block, &p.crc, &p.hash);
         if (!r.ok()) {
           read_failed = true;
           return r;
         }
-        p.hash = w::DataFrameHash(s, std::string_view(p.at, p.len), p.crc);
         off += p.len;
         *more = off < info.data_bytes;
         return Status::OK();

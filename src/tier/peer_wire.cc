@@ -11,12 +11,15 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
+#include "base/crc32c_combine.h"
 #include "nonstop/crc32c.h"
 #include "store/format.h"
 
@@ -372,7 +375,85 @@ crypto::Block DataFrameHash(Socket& s, std::string_view payload, uint32_t payloa
   return HashData(ss->send_hash, h, payload);
 }
 
-Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc) {
+void DataHashRun::Update(const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  size_t fill = bytes_ % crypto::kGhashBytes;
+  bytes_ += n;
+  if (fill != 0) {
+    const size_t take = std::min(n, crypto::kGhashBytes - fill);
+    std::memcpy(part_ + fill, p, take);
+    p += take;
+    n -= take;
+    fill += take;
+    if (fill < crypto::kGhashBytes) return;
+    h_.Blocks(&y_, part_, 1);
+    ++blocks_;
+  }
+  const size_t whole = n / crypto::kGhashBytes;
+  h_.Blocks(&y_, p, whole);
+  blocks_ += whole;
+  std::memcpy(part_, p + whole * crypto::kGhashBytes, n % crypto::kGhashBytes);
+}
+
+crypto::Block DataHashRun::Final(const uint8_t* h) const {
+  // Hash(A = header, C = payload): the header's blocks from zero, moved
+  // past the payload's blocks (times H^m), plus the payload's own GHASH
+  // from zero; then the lengths block.
+  uint8_t a[2 * crypto::kGhashBytes] = {};
+  static_assert(kHeaderBytes <= sizeof(a));
+  std::memcpy(a, h, kHeaderBytes);
+  crypto::Gf128 y;
+  h_.Blocks(&y, a, 2);
+  crypto::Gf128 c = y_;
+  uint64_t m = blocks_;
+  if (const size_t rest = bytes_ % crypto::kGhashBytes; rest != 0) {
+    uint8_t last[crypto::kGhashBytes] = {};
+    std::memcpy(last, part_, rest);
+    h_.Blocks(&c, last, 1);
+    ++m;
+  }
+  y = h_.MulPow(y, m);
+  y.hi ^= c.hi;
+  y.lo ^= c.lo;
+  uint8_t lens[crypto::kGhashBytes];
+  const uint64_t abits = kHeaderBytes * 8, cbits = bytes_ * 8;
+  for (int i = 0; i < 8; ++i) {
+    lens[i] = static_cast<uint8_t>(abits >> (56 - 8 * i));
+    lens[8 + i] = static_cast<uint8_t>(cbits >> (56 - 8 * i));
+  }
+  h_.Blocks(&y, lens, 1);
+  crypto::Block out;
+  y.Store(out.data());
+  return out;
+}
+
+Status DataFrameChecks(Socket& s, std::string_view payload, const BlockCheck& check, uint32_t* crc,
+                       crypto::Block* hash) {
+  const Session* ss = s.session();
+  uint32_t all = 0;
+  std::optional<DataHashRun> run;
+  if (ss != nullptr) run.emplace(ss->send_hash);
+  for (size_t off = 0; off < payload.size();) {
+    const size_t n = std::min(kFuseBytes, payload.size() - off);
+    const std::string_view block = payload.substr(off, n);
+    uint32_t c = 0;
+    NONSTOP_RETURN_IF_ERROR(check(block, &c));
+    all = Crc32cCombine(all, c, n);
+    if (run) run->Update(block.data(), n);
+    off += n;
+  }
+  *crc = all;
+  if (!run) {
+    *hash = {};
+  } else {
+    uint8_t h[kHeaderBytes];
+    EncodeHeader(h, static_cast<uint16_t>(Type::kData), payload.size(), all);
+    *hash = run->Final(h);
+  }
+  return Status::OK();
+}
+
+Status RecvFrame(Socket& s, Frame* f, const BlockCheck& check) {
   uint8_t h[kHeaderBytes];
   NONSTOP_RETURN_IF_ERROR(s.RecvAll(h, sizeof(h)));
   uint32_t magic, pcrc, hcrc;
@@ -404,8 +485,39 @@ Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc) {
   }
   f->type = type;
   f->payload.resize(len);
+  Session* const ss = s.session();
+  if (ss != nullptr && check && type == static_cast<uint16_t>(Type::kData)) {
+    // The fused pass (peer_wire.h): each block received, checked and hashed
+    // while it is in cache; check's verdict waits for the MAC's.
+    DataHashRun run(ss->recv_hash);
+    Status checked;
+    uint32_t all = 0;
+    for (uint64_t off = 0; off < len;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kFuseBytes, len - off));
+      char* p = f->payload.data() + off;
+      NONSTOP_RETURN_IF_ERROR(s.RecvAll(p, n));
+      if (checked.ok()) {
+        uint32_t c = 0;
+        checked = check(std::string_view(p, n), &c);
+        all = Crc32cCombine(all, c, n);
+      }
+      run.Update(p, n);
+      off += n;
+    }
+    uint8_t got[kDataTagBytes];
+    NONSTOP_RETURN_IF_ERROR(s.RecvAll(got, sizeof(got)));
+    const crypto::Block want = DataTag(ss->recv_key, ss->recv_seq++, run.Final(h));
+    if (!crypto::ConstantTimeEqual(got, want.data(), sizeof(got))) {
+      ss->mac_failed = true;
+      return Status::Corruption(from + "frame MAC mismatch (forged, replayed, reordered or "
+                                "damaged in transit)");
+    }
+    NONSTOP_RETURN_IF_ERROR(checked);
+    if (all != pcrc) return Status::Corruption(from + "frame payload checksum mismatch");
+    return Status::OK();
+  }
   if (len > 0) NONSTOP_RETURN_IF_ERROR(s.RecvAll(f->payload.data(), len));
-  if (Session* ss = s.session()) {
+  if (ss != nullptr) {
     uint8_t got[kMacBytes];
     const size_t n = TagBytes(type);
     NONSTOP_RETURN_IF_ERROR(s.RecvAll(got, n));
@@ -423,10 +535,6 @@ Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc) {
       return Status::Corruption(from + "frame MAC mismatch (forged, replayed, reordered or "
                                 "damaged in transit)");
     }
-  }
-  if (data_crc != nullptr && type == static_cast<uint16_t>(Type::kData)) {
-    *data_crc = pcrc;  // the caller checks it (peer_wire.h)
-    return Status::OK();
   }
   if (Crc32c(f->payload.data(), f->payload.size()) != pcrc) {
     return Status::Corruption(from + "frame payload checksum mismatch");

@@ -25,8 +25,9 @@
 
 #include <atomic>
 #include <cstdint>
-#include <memory>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -171,16 +172,59 @@ Status SendDataFrame(Socket& s, std::string_view payload, uint32_t payload_crc,
 // on `s` (zero before the handshake): the per-byte part, which needs no
 // sequence number. Safe beside a send on another thread.
 crypto::Block DataFrameHash(Socket& s, std::string_view payload, uint32_t payload_crc);
+// One pass over a DATA payload for both of its checks: the payload is
+// taken in blocks of kFuseBytes (the last one shorter), and each block's
+// crc32c (the caller's, e.g. its chunk checks) and its GHASH run one after
+// the other while the block is in the L1 cache, instead of one whole pass
+// over the frame for each (the frame leaves L1 and L2 between them).
+inline constexpr size_t kFuseBytes = 16 << 10;
+static_assert(kFuseBytes % crypto::kGhashBytes == 0);
+// The caller's part of the pass: checks the next block (in order) and sets
+// *crc to its crc32c; an error ends the pass.
+using BlockCheck = std::function<Status(std::string_view block, uint32_t* crc)>;
+
+// GHASH of a DATA frame's payload as it arrives (from zero, the payload
+// zero-padded to whole blocks), joined afterwards with the header (which
+// holds the payload's crc32c, known only after the pass): the same value
+// as the one-piece hash (GHASH is linear in its running value:
+// Ghash::MulPow).
+class DataHashRun {
+ public:
+  explicit DataHashRun(const crypto::Ghash& h) : h_(h) {}
+  // The next n bytes of the payload (any n, any alignment).
+  void Update(const void* p, size_t n);
+  // The hash of the frame whose header is `h` (kHeaderBytes) and whose
+  // payload was every byte given to Update.
+  crypto::Block Final(const uint8_t* h) const;
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  const crypto::Ghash& h_;
+  crypto::Gf128 y_;
+  uint64_t bytes_ = 0, blocks_ = 0;  // payload bytes so far; whole 16-byte blocks hashed
+  uint8_t part_[crypto::kGhashBytes] = {};  // a block begun (bytes_ % 16 of them)
+};
+
+// The sender's pass over a DATA payload (one pass, kFuseBytes at a time):
+// `check` on each block, then its GHASH. *crc: the payload's crc32c (the
+// blocks' combined); *hash: DataFrameHash(s, payload, *crc), with no second
+// pass over the bytes. check's first error is returned.
+Status DataFrameChecks(Socket& s, std::string_view payload, const BlockCheck& check, uint32_t* crc,
+                       crypto::Block* hash);
+
 // Receives one frame into *f (its payload buffer reused). Corruption for a
 // header that is not one (magic, version, a type or a length over
 // FrameLimit for the socket's state, header crc) -- before the payload is
 // read or allocated --, for a MAC that does not hold (authenticated
 // sockets) and for a payload crc mismatch; IOError for a cut or a timeout.
-// With `data_crc`, a DATA frame's payload crc is not checked here but
-// returned in *data_crc: the caller checks the frame's chunks anyway and
-// must compare the Crc32cCombine of what it computed with it (every other
-// type is checked here as without it; the MAC is always checked here).
-Status RecvFrame(Socket& s, Frame* f, uint32_t* data_crc = nullptr);
+// With `check` (the receiver of a data region: its chunk checks), a DATA
+// frame's payload is received kFuseBytes at a time, and each block goes
+// through `check` (in order) and the tag's GHASH while it is in cache --
+// one pass for both checks --; the blocks' combined crc32c is compared with
+// the header's. check's error is returned only once the frame's MAC held
+// (a damaged frame is a MAC mismatch, with or without `check`). Other
+// types are received as without it.
+Status RecvFrame(Socket& s, Frame* f, const BlockCheck& check = nullptr);
 
 // InvalidArgument unless `secret` has kMinSecretBytes..kMaxSecretBytes bytes.
 Status CheckSecret(const std::string& secret);

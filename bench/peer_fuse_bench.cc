@@ -79,8 +79,8 @@ int main(int argc, char** argv) {
   const uint64_t frames = static_cast<uint64_t>(gb * 1e9) / frame;
   const double bytes = static_cast<double>(frames * frame);
 
-  const std::vector<std::string> ways = {"separate", "fused", "fused_4k", "fused_8k",
-                                         "fused_32k", "fused_64k", "fused_256k"};
+  const std::vector<std::string> ways = {"separate", "fused", "fused_4k", "fused_8k", "fused_16k",
+                                         "fused_64k", "fused_256k"};
   uint64_t sink = 0;
   const auto run = [&](const std::string& way) {
     const double c0 = ThreadCpu();

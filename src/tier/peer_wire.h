@@ -177,7 +177,7 @@ crypto::Block DataFrameHash(Socket& s, std::string_view payload, uint32_t payloa
 // crc32c (the caller's, e.g. its chunk checks) and its GHASH run one after
 // the other while the block is in the L1 cache, instead of one whole pass
 // over the frame for each (the frame leaves L1 and L2 between them).
-inline constexpr size_t kFuseBytes = 16 << 10;
+inline constexpr size_t kFuseBytes = 32 << 10;
 static_assert(kFuseBytes % crypto::kGhashBytes == 0);
 // The caller's part of the pass: checks the next block (in order) and sets
 // *crc to its crc32c; an error ends the pass.

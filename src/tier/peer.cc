@@ -179,7 +179,8 @@ class ReplicaWriter {
 
   // The next bytes of the data as they arrive (a block of a DATA frame:
   // RecvFrame's fused pass): their chunks checked against the table, *crc
-  // their crc32c. Before Write of the same bytes, on one thread.
+  // their crc32c. On the receiving stage, before the writing stage Writes
+  // the same bytes.
   Status Check(std::string_view b, const std::string& from, uint32_t* crc) {
     return check_.Next(b.data(), b.size(), "peer " + from, crc);
   }
@@ -229,8 +230,8 @@ class ReplicaWriter {
 
 // Two stages at once over a ring of N buffers, in order: `produce` fills
 // them on a helper thread while `consume` uses the filled ones on this one
-// (the sender's next pieces read and checked while the last is sent; the
-// receiver is one thread since session 16, ReceiveData). produce sets
+// (the next frames received while the last is checked and written; the next
+// pieces read and checked while the last is sent). produce sets
 // *more = false with the last buffer. The first error ends both: consume's
 // (then `cancel` unblocks a produce waiting on the socket), else produce's
 // after every buffer it filled before was consumed.
@@ -298,40 +299,46 @@ Status TwoStage(std::array<Buf, N>& bufs, Produce produce, Consume consume, Canc
   return consume_err.ok() ? produce_err : consume_err;
 }
 
-// The buffers (pieces of w::kDataPiece) in flight between the two stages
-// of a send.
+// The buffers (frames or pieces of w::kDataPiece) in flight between the
+// two stages of a send or a receive.
 constexpr size_t kStageBuffers = 4;
 
-// Receives a data region: DATA frames up to END, on this one thread: each
-// frame is received 32 KiB at a time, each block's chunk crcs and tag hash
-// computed while it is in cache (RecvFrame's `check`: one pass), and the
-// frame, once its tag held, written from where it still lies in cache.
-// (The socket's buffer lets the sender go on meanwhile. A second stage on
-// another thread -- receive there, write here -- cost more CPU per byte:
-// the write copy, or a check, then read every frame from the other core's
-// cache; docs/BENCHMARKS.md "Peer tier: one pass for crc32c and GHASH".)
-// `what` names the transfer in errors ("a push", "a fetch"). A REPLY in the
-// stream is the sender's error; any other frame is Corruption.
+// Receives a data region: DATA frames, each checked as it is received
+// (the chunk crcs and the tag in one pass: RecvFrame's `check`) and written
+// by `writer` while the next is received, up to END. `what` names the
+// transfer in errors ("a push", "a fetch"). A REPLY in the stream is the
+// sender's error; any other frame is Corruption.
 Status ReceiveData(w::Socket& s, ReplicaWriter& writer, const std::string& from, const char* what) {
+  std::array<w::Frame, kStageBuffers> bufs;
+  bool ended = false;
   const w::BlockCheck check = [&](std::string_view block, uint32_t* crc) {
     return writer.Check(block, from, crc);
   };
-  w::Frame f;
-  for (;;) {
-    NONSTOP_RETURN_IF_ERROR(w::RecvFrame(s, &f, check));
-    if (f.type == static_cast<uint16_t>(w::Type::kData)) {
-      NONSTOP_RETURN_IF_ERROR(writer.Write(f.payload));
-      continue;
-    }
-    if (f.type == static_cast<uint16_t>(w::Type::kEnd)) return Status::OK();
-    if (f.type == static_cast<uint16_t>(w::Type::kReply)) {
-      uint32_t unused;
-      Status r = w::DecodeReply(f.payload, &unused, from);  // the sender's own read failed
-      return r.ok() ? Status::Corruption("peer " + from + ": a reply inside " + what) : r;
-    }
-    return Status::Corruption("peer " + from + ": frame type " + std::to_string(f.type) +
-                              " inside " + what);
-  }
+  Status st = TwoStage(
+      bufs,
+      [&](w::Frame& b, bool* more) {
+        Status r = w::RecvFrame(s, &b, check);
+        if (r.ok() && b.type != static_cast<uint16_t>(w::Type::kData)) *more = false;
+        return r;
+      },
+      [&](w::Frame& b) {
+        if (b.type == static_cast<uint16_t>(w::Type::kData)) return writer.Write(b.payload);
+        if (b.type == static_cast<uint16_t>(w::Type::kEnd)) {
+          ended = true;
+          return Status::OK();
+        }
+        if (b.type == static_cast<uint16_t>(w::Type::kReply)) {
+          uint32_t unused;
+          Status r = w::DecodeReply(b.payload, &unused, from);  // the sender's own read failed
+          return r.ok() ? Status::Corruption("peer " + from + ": a reply inside " + what) : r;
+        }
+        return Status::Corruption("peer " + from + ": frame type " + std::to_string(b.type) +
+                                  " inside " + what);
+      },
+      // A receive blocked on the socket returns; a reply can still be sent.
+      [&] { (void)::shutdown(s.fd(), SHUT_RD); });
+  if (st.ok() && !ended) st = Status::Corruption("peer " + from + ": " + what + " ended without END");
+  return st;
 }
 
 // Streams the data region of `info` of `file` as DATA frames (every chunk

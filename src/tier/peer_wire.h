@@ -50,10 +50,9 @@ inline constexpr size_t kDataTagBytes = crypto::kGhashBytes;  // DATA frames' ta
 inline constexpr size_t kNonceBytes = 32;
 inline constexpr uint64_t kMaxDataFrame = 16ull << 20;
 // What a sender puts in one DATA frame: small enough that the sender's
-// read, checks and send of a piece overlap finely across its two stages,
-// and that the receiver (one thread) writes a frame while it is still in
-// cache (docs/BENCHMARKS.md "Peer tier: receiving into the destination's
-// mapping", "Peer tier: one pass for crc32c and GHASH").
+// read, checksum passes and send of a piece, and the receiver's checks and
+// write of a frame, overlap finely across the two stages of each side
+// (docs/BENCHMARKS.md "Peer tier: receiving into the destination's mapping").
 inline constexpr uint64_t kDataPiece = 256ull << 10;
 inline constexpr uint64_t kMaxSmallFrame = 64ull << 10;
 inline constexpr uint64_t kMaxListed = 1 << 16;

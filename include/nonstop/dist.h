@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -207,6 +208,117 @@ class ReshardAgreement {
   ReshardKey key_;
   std::string warning_;
 };
+
+// ---- The restart's rounds, driven (Distributed.load, _distributed.reshard) ----
+
+// Every rank's text, rank 0 first, for this rank's `mine`: one collective
+// (python: the Comm's gather, JSON over the gloo group, never pickle). The
+// drivers below make the same calls in the same order on every rank, and
+// encode what they gather themselves (any bytes survive).
+using Gather = std::function<Result<std::vector<std::string>>(const std::string& mine)>;
+
+// A driver's gathered text: fields, each a string or null.
+using Fields = std::vector<std::optional<std::string>>;
+// Every rank's fields (as many as `mine` holds) for this rank's `mine`:
+// one gather; Corruption when a rank's text does not parse.
+Result<std::vector<Fields>> GatherFields(const Gather& gather, const Fields& mine);
+// Steps as a field ("9 5 3") and back (Corruption when it does not parse).
+std::string StepsText(const std::vector<int64_t>& steps);
+Result<std::vector<int64_t>> StepsOf(const std::string& text);
+
+// What one rank brings to a distributed restore.
+struct RecoverRequest {
+  std::string dir;  // the job directory (for the lines)
+  int rank = 0;
+  std::optional<int64_t> step;  // restore(step=s)
+  // Its job directory: why it could not be read, or its planned steps
+  // (JobDir planned_steps: the planner's order) and whether it holds rank
+  // files of another world size not set aside.
+  std::optional<std::string> error;
+  std::vector<int64_t> mine;
+  bool foreign = false;
+  // The step of a partner's replica of this rank's checkpoint, fetched and
+  // verified (the peer tier): it counts as this rank's own unless a step
+  // was asked for that it is not, or the job directory holds it too.
+  std::optional<int64_t> peer_step;
+  // The step of this rank's agreed record (a warning when an older one is
+  // restored).
+  std::optional<int64_t> agreed;
+};
+
+// The rank's side of the rounds. Each returns quickly but for gather; an
+// error Status is a one-line failure of this rank the ranks decide on
+// together, except Aborted (and any error of gather, check, reshard):
+// Recover stops and returns it as it is.
+struct RecoverHooks {
+  Gather gather;
+  // The job directory's own checks, once the ranks found it theirs.
+  std::function<Status()> check;
+  // No step every rank holds: reshard a set-aside checkpoint of another
+  // world size (collective); true when it restored one.
+  std::function<Result<bool>()> reshard;
+  // Selects this rank's checkpoint of `step` (from the peer replica when
+  // `peer`) and reads its metadata: its run id (CheckpointRunId).
+  std::function<Result<uint64_t>(int64_t step, bool peer)> open;
+  // The memory tier's segment of this rank: "" when it holds `step`
+  // (the job directory's choice of it), else why not.
+  std::function<Result<std::string>(int64_t step)> probe_memory;
+  // Reads the opened step's tensors (crcs checked as they are read), from
+  // the memory segment probed when `memory`.
+  std::function<Status(int64_t step, bool memory)> read;
+};
+
+struct RecoverOutcome {
+  enum class Kind { kFresh, kResharded, kRestored };
+  Kind kind = Kind::kFresh;
+  int64_t step = -1;                 // kRestored: the step every rank read
+  std::string source;                // kRestored: "memory", "disk" or "peer" (this rank)
+  std::vector<std::string> sources;  // kRestored: every rank's source
+  std::string memory_unused;         // "rank R: why; ..." of ranks whose memory tier was not used
+  std::vector<std::string> warnings;  // in order, each a whole line ("nonstop: ...")
+};
+
+// The recovery of a distributed restore, one rank's part, alike on every
+// rank (docs/DISTRIBUTED.md "Recovery"): gather what each rank's job
+// directory holds (one error line for all when any rank cannot read it;
+// CheckForeign; then hooks.check); no common step: hooks.reshard, else
+// NoCommonStep. Then the common steps in rank 0's order: each rank opens
+// and reads step S (the newest, with no step asked: from the memory tier
+// when every rank's segment holds it and reads cleanly, DecideMemory, twice:
+// before and after the reads), gathers its outcome, and all restore S or
+// all fall back to the next (DecideRecoverStep's warning), or all fail with
+// its one line. `out` holds the warnings made before an error too.
+Status Recover(const RecoverRequest& request, const RecoverHooks& hooks, RecoverOutcome* out);
+
+// What a rank's JobDir::SelectReshard chose, and the set-aside directory
+// that holds it (for the lines).
+struct ReshardPick {
+  ReshardKey key;
+  std::string archive;
+};
+
+// The reshard's rounds (_distributed.reshard), alike on every rank: each
+// rank picks under ReshardAgreement::max_step() (`pick`: nullopt when no
+// set-aside rank file holds any checkpoint; an error: its code and line),
+// the choices are gathered (OnPicks: choose again, or proceed), each rank
+// rebuilds its state from the agreed key (`rebuild`: Corruption is damage,
+// an older step may do; any other error is fatal for all, one
+// FailedPrecondition line; Aborted returns at once), and the outcomes are gathered (OnRebuilt).
+// Returns the key every rank rebuilt, or nullopt: nothing to reshard.
+// `warnings` gets each fallback's line. With `missing` (a reshard from
+// peers' memory, on every rank or none: this rank's line of the old ranks'
+// files no peer held), the lines are gathered first, a rank's own is a
+// warning, and any error (but Aborted) ends in "; not on any surviving
+// peer either: rank R: ...".
+struct ReshardHooks {
+  Gather gather;
+  std::optional<std::string> missing;
+  std::function<Result<std::optional<ReshardPick>>(std::optional<int64_t> max_step)> pick;
+  std::function<Status(const ReshardPick& pick)> rebuild;
+};
+Result<std::optional<ReshardKey>> ReshardTogether(const std::string& dir, int world,
+                                                  const ReshardHooks& hooks,
+                                                  std::vector<std::string>* warnings);
 
 // The message of a reshard that cannot keep state: a rank-local state key
 // (local=...), or a ZeroRedundancyOptimizer key saved without its layout.

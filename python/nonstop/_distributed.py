@@ -22,11 +22,10 @@ from . import _ext, _fsdp, _state
 from ._objects import CONSOLIDATED, is_zero
 from ._read import destinations, read_into, read_tensors
 from ._state import loads, torch_dtype_by_name
-from .errors import (BY_STATUS_CODE, CheckpointError, CheckpointIOError, CheckpointMismatchError,
+from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                      CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
 
 REPLICATED = ("shard", "rank0")
-_CODE = {cls: code for code, cls in BY_STATUS_CODE.items()}  # CheckpointError: 8
 
 
 def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
@@ -99,22 +98,7 @@ class Distributed:
                                                 timeout=datetime.timedelta(seconds=timeout_s))
         # Rank files of another world size are set aside for resharding; the
         # ranks take turns, so each file is moved once on a shared file system.
-        # Each rank looks at one file first, so a same-size restart costs one
-        # file header per rank and one all_gather.
-        comm, err, need = self.comm(), None, False
-        try:
-            need = needs_set_aside(dir, world)
-        except CheckpointError as e:
-            err = str(e)
-        comm.check(err)
-        for turn in range(world) if any(comm.gather(need)) else ():
-            err = None
-            try:
-                if turn == rank:
-                    set_aside(dir, world, rank=rank, quick=False)
-            except CheckpointError as e:
-                err = str(e)
-            comm.check(err)
+        set_aside(dir, world, rank, self.comm())
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
@@ -181,29 +165,9 @@ class Distributed:
     def tidy_kept(self) -> list:
         """max_to_keep/best with world_size > 1, before the engine opens: each
         rank deletes its file of the kept steps not every rank holds (killed
-        between the ranks' deletions; C++ planned_steps.h TidyKeptShares).
+        between the ranks' deletions; C++ planned_steps.h TidyKeptTogether).
         Collective; returns the steps deleted here."""
-        comm, jd, err, mine, gone = self.comm(), None, None, [], []
-        try:
-            probe = _open_read(self.dir)
-            if probe is not None:
-                probe.close()
-                # The writer's open first redoes this rank's interrupted copies.
-                jd = _ext.core().JobDir.open_for_write(self.dir, self.rank, self.world)
-                mine = sorted({int(k["step"]) for k in jd.kept(self.rank)})
-        except CheckpointError as e:
-            err = str(e)
-        comm.check(err, CheckpointIOError)
-        common = _ext.core().dist_common_steps(comm.gather(mine))
-        try:
-            gone = [] if jd is None else jd.tidy_kept_shares(self.rank, common)
-        except CheckpointError as e:
-            err = str(e)
-        finally:
-            if jd is not None:
-                jd.close()
-        comm.check(err, CheckpointIOError)
-        return gone
+        return _ext.core().dist_tidy_kept(self.dir, self.rank, self.world, self.comm().gather)
 
     def started(self, engine) -> None:
         """Called after each checkpoint is started: the first one starts the
@@ -376,12 +340,14 @@ class Distributed:
         reshard from peers' memory finds an old rank on no peer (_peer.py).
         The choices are JobDir's: which checkpoints of this rank are committed
         and not abandoned (planned_steps), which one of a step verifies
-        (select); the ranks only agree on the step."""
+        (select); the rounds (agree, fall back together, fail together, the
+        memory tier all or none) are C++'s (dist.h Recover): this method
+        only reads what it is told to."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
         self.engine = engine
-        core, comm = core(), self.comm()  # `core`: _ext.core
+        core = core()  # `core`: _ext.core
         jd, err, foreign, mine = None, None, False, []
         try:
             jd = _open_read(self.dir)
@@ -390,152 +356,83 @@ class Distributed:
                 mine = jd.planned_steps(self.rank, step)
         except CheckpointError as e:
             err = str(e)
-        comm.check(err, CorruptCheckpointError)
-        # A replica a partner held, fetched and verified (prefetch_peer): its
-        # step counts as this rank's own.
+        # A replica a partner held, fetched and verified (prefetch_peer).
         pf = self.peers.prefetched if self.peers is not None else None
-        if pf is not None and (step is not None and step != pf["step"] or pf["step"] in mine):
-            pf = None
-        if pf is not None:
-            at = next((i for i, m in enumerate(mine) if m < pf["step"]), len(mine))
-            mine = mine[:at] + [pf["step"]] + mine[at:]
-        core.dist_check_foreign(self.dir, self.world, comm.gather(foreign))
-        check_world(self.dir)
-        every = comm.gather(mine)
-        # The planner's order (rank 0's), of the steps every rank holds.
-        order = core.dist_common_steps(every)
-        if not order:
-            # Nothing this world size committed on every rank: a set-aside
-            # checkpoint of another world size, resharded; or a fresh start.
-            got = self._reshard(step, loaded_cls, remote)
-            if got is None:
-                core.dist_no_common_step(self.dir, self.rank, step, every)
-            return got
-        agreed = self.agreed["step"] if self.agreed else None
         stats = {} if stats is None else stats
-        for n, s in enumerate(order):
-            t0 = time.perf_counter()
-            err, run, sel, meta, tensors = None, 0, None, None, {}
-            peer = pf is not None and s == pf["step"]
-            where = pf["dir"] if peer else self.dir
-            try:
-                # Chunk crcs are verified as the tensors are read below.
-                src = _open_read(where) if peer else jd
-                if src is None:
-                    raise CheckpointNotFoundError(f"{where} is gone")
-                sel = src.select(self.rank, step=s, verify_data=False,
-                                 include_keep=step is not None)
-                info = sel.info
-                meta = _meta(sel, s)
-                run = int(meta.get("dist", {}).get("lineage", 0))
-            except (CheckpointError, OSError) as e:
-                err = str(e)
-            source = "peer" if peer else "disk"
-            if n == 0 and step is None:  # every rank takes this branch, or none
-                source = self._read_memory(comm, s, err, stats, peer)
-                if source == "memory":
-                    tensors = stats.pop("_memory_tensors")
-            if err is None and source in ("disk", "peer"):
-                try:
-                    # The one verified read path: every crc chunk read and checked once.
-                    tensors = read_tensors(_OldRank(sel), 0)
-                except (CheckpointError, OSError) as e:
-                    err = str(e)
-            got = comm.gather([err, run, source])
-            # Restore it, or all fall back to the next step (a rank failed, or
-            # the ranks' checkpoints are of different runs), or none left: C++.
-            warning = core.dist_recover_step(self.dir, order, n, [(e, r) for e, r, _ in got])
-            if warning:
-                warnings.warn(warning, stacklevel=3)
-                continue
-            full = self.assemble(tensors, info, meta)
-            stats.update(restored_from=source, restore_s=time.perf_counter() - t0,
-                         restored_from_per_rank=[src for _, _, src in got])
-            if agreed is not None and s < agreed:
-                warnings.warn(f"nonstop: rank {self.rank} restores step {s}, older than the "
-                              f"agreed step {agreed}", stacklevel=3)
-            counter = int(info["counter"])
-            self.lineage = self.new_lineage()
-            if not peer and not sel.where.startswith("keep/"):  # no slot of the ring holds it
-                self.engine.pin(counter)
-            cand = self.engine.candidate()
-            if cand is not None and cand[0] != counter:
-                self.engine.drop_candidate(cand[0])
-            # A rollback is final (DESIGN.md invariant 9): the engine records
-            # in this rank's lineage record, before it writes anything new,
-            # that the counters above this one are abandoned.
-            self.engine.adopt_restored(counter)
-            self._record(counter, s)
-            info = {k: v for k, v in info.items() if k != "meta_json"}
-            return loaded_cls(s, counter, full, meta, info, os.path.join(where, sel.where))
-        return None
+        cur = {}  # the step being read: its selection, metadata and tensors
 
-    def _read_memory(self, comm, s: int, err: Optional[str], stats: dict,
-                     peer: bool = False) -> str:
-        """The memory tier on a restart (memory_tier.h), decided by all ranks
-        together: "memory" when every rank's segment verified and held exactly
-        the checkpoint of step `s` (the newest step committed on every rank)
-        that the job directory selects, and every rank read it (each chunk's
-        crc checked as it is read); its tensors are then in
-        stats["_memory_tensors"]. Otherwise "disk" on every rank, with
-        stats["memory_unused_because"] naming each rank that could not, and
-        every rank reads its disk: the sources are never mixed. A rank that
-        restores a partner's replica (`peer`: its own tiers lost the step)
-        takes no part in the choice and returns "peer". Collective."""
-        why, reader = "", None
-        if peer:
-            why = None
-        elif err is not None:
-            why = f"the disk's checkpoint of step {s}: {err}"
-        elif getattr(self, "tier", "auto") == "disk":
-            why = 'tier="disk"'
-        else:
+        def open_step(s: int, peer: bool) -> int:
+            cur.update(t0=time.perf_counter(), where=pf["dir"] if peer else self.dir, peer=peer)
+            # Chunk crcs are verified as the tensors are read.
+            src = _open_read(cur["where"]) if peer else jd
+            if src is None:
+                raise CheckpointNotFoundError(f"{cur['where']} is gone")
+            cur["sel"] = src.select(self.rank, step=s, verify_data=False,
+                                    include_keep=step is not None)
+            cur["meta"] = _meta(cur["sel"], s)
+            return int(cur["meta"].get("dist", {}).get("lineage", 0))
+
+        def probe_memory(s: int) -> str:  # the memory tier (memory_tier.h) on a restart
+            if getattr(self, "tier", "auto") == "disk":
+                return 'tier="disk"'
+            cur["reader"], why = core.open_memory_segment(self.dir, self.rank, step=s)
+            return why
+
+        def read(s: int, memory: bool) -> None:
+            if not memory:  # the one verified read path: every crc chunk read and checked once
+                cur["tensors"] = read_tensors(_OldRank(cur["sel"]), 0)
+                return
+            r = cur["reader"]
             try:
-                reader, why = _ext.core().open_memory_segment(self.dir, self.rank, step=s)
+                cur["tensors"] = read_tensors(r, r.newest_valid, stats=stats)
             except (CheckpointError, OSError) as e:
-                reader, why = None, str(e)
-        decide = _ext.core().dist_memory
-        whys = comm.gather(why)
-        if decide(whys)[0]:  # every rank's segment holds the step: read it
-            if why == "":
-                try:
-                    stats["_memory_tensors"] = read_tensors(reader, reader.newest_valid,
-                                                            stats=stats)
-                except (CheckpointError, OSError) as e:
-                    why = f"{reader.path}: {e}"
-            whys = comm.gather(why)
-        use, unused = decide(whys)
+                raise CheckpointIOError(f"{r.path}: {e}") from None
+
+        def reshard() -> bool:  # no step every rank holds: a set-aside checkpoint?
+            cur["resharded"] = self._reshard(step, loaded_cls, remote)
+            return cur["resharded"] is not None
+
+        kind, s, source, per_rank, unused = core.dist_recover(
+            self.dir, self.rank, step, err, mine, foreign, None if pf is None else pf["step"],
+            self.agreed["step"] if self.agreed else None, self.comm().gather,
+            lambda: check_world(self.dir), reshard, open_step, probe_memory, read)
         if unused:
             stats["memory_unused_because"] = unused
-        if not use:
-            stats.pop("_memory_tensors", None)
-        return "peer" if peer else "memory" if use else "disk"
+        if kind != "restored":
+            return cur.get("resharded")
+        sel, meta, info = cur["sel"], cur["meta"], cur["sel"].info
+        full = self.assemble(cur["tensors"], info, meta)
+        stats.update(restored_from=source, restore_s=time.perf_counter() - cur["t0"],
+                     restored_from_per_rank=per_rank)
+        counter = int(info["counter"])
+        self.lineage = self.new_lineage()
+        if not cur["peer"] and not sel.where.startswith("keep/"):  # no slot of the ring holds it
+            self.engine.pin(counter)
+        cand = self.engine.candidate()
+        if cand is not None and cand[0] != counter:
+            self.engine.drop_candidate(cand[0])
+        # A rollback is final (DESIGN.md invariant 9): the engine records
+        # in this rank's lineage record, before it writes anything new,
+        # that the counters above this one are abandoned.
+        self.engine.adopt_restored(counter)
+        self._record(counter, s)
+        info = {k: v for k, v in info.items() if k != "meta_json"}
+        return loaded_cls(s, counter, full, meta, info, os.path.join(cur["where"], sel.where))
 
     def _reshard(self, step: Optional[int], loaded_cls, remote=None):
         # Whether any rank's server or host held a checkpoint of another world
         # size was gathered at construction, so every rank takes this branch
         # or none.
         peers = self.peers if self.peers is not None and self.peers.reshard_any else None
-        missing, extra = "", []
         if peers is not None:
             # Reshard from memory: for each old rank's file this host lacks,
             # a verified copy in this host's memory directory, fetched from
             # another host's server or from the remote tier (_peer.py).
             peers.gather_old_shards(self.dir, remote)
-            extra = list(peers.reshard_files)
-            missing = "; ".join(f"rank {r}: {m}" for r, m in enumerate(
-                self.comm().gather(peers.reshard_missing)) if m)
-            if peers.reshard_missing:
-                warnings.warn(f"nonstop: resharding from peers' memory: "
-                              f"{peers.reshard_missing}; the reshard reads the disk for them",
-                              stacklevel=4)
         try:
-            got = reshard(self.dir, self.rank, self.world, step, self.comm(),
-                          self.state or {}, extra=extra)
-        except CheckpointError as e:
-            if not missing:
-                raise
-            raise type(e)(f"{e}; not on any surviving peer either: {missing}") from None
+            got = reshard(self.dir, self.rank, self.world, step, self.comm(), self.state or {},
+                          extra=list(peers.reshard_files) if peers else [],
+                          missing=peers.reshard_missing if peers else None)
         finally:
             if peers is not None:
                 peers.drop_reshard()  # read (or failed): the copies go
@@ -579,31 +476,13 @@ class Distributed:
 # the files copied to each node).
 
 
-def needs_set_aside(dir: str, world: int) -> bool:
-    """Whether `dir` holds readable rank files of another world size
-    (JobDir.needs_set_aside; no lock taken, nothing changed)."""
-    jd = _open_read(dir)
-    return jd is not None and jd.needs_set_aside(world)
-
-
-def set_aside(dir: str, world: int, rank: int = 0, quick: bool = True) -> list:
+def set_aside(dir: str, world: int, rank: int = 0, comm: Optional["Comm"] = None) -> list:
     """Moves the rank files a job of another world size wrote in `dir` into
-    `dir`/world-W/ (JobDir.set_aside, under rank `rank`'s writer lock,
-    released before the engine takes it); returns the directories it moved
-    files into. quick: return at once when nothing needs moving."""
-    if quick and not needs_set_aside(dir, world):
-        return []
-    jd = _ext.core().JobDir.open_for_write(dir, rank=rank, world_size=world)
-    try:
-        moved = [os.path.join(dir, _ext.core().JobDir.world_name(w)) for w in jd.set_aside(world)]
-    finally:
-        jd.close()
-    if moved:
-        warnings.warn(f"nonstop: {dir} holds a checkpoint of world size "
-                      f"{', '.join(os.path.basename(d)[6:] for d in moved)}; this job has "
-                      f"world size {world}: its rank files are moved to "
-                      f"{', '.join(moved)} and restore() reshards them", stacklevel=4)
-    return moved
+    `dir`/world-W/ (JobDir.set_aside, under each rank's writer lock in turn,
+    released before the engine takes it), with a warning; returns the
+    directories this rank moved files into. Collective over `comm` (world
+    size 1: none; C++ planned_steps.h SetAsideTogether)."""
+    return _ext.core().dist_set_aside(dir, rank, world, (comm or Comm()).gather)
 
 
 def archives(dir: str) -> list:
@@ -637,12 +516,6 @@ class Comm:
         dist.all_gather(got, buf, group=self.group)
         return [json.loads(bytes(g[:k].numpy()).decode("utf-8")) for g, k in zip(got, n)]
 
-    def check(self, err: Optional[str], cls=IncompatibleCheckpointError) -> None:
-        """Raises `cls` on every rank when any rank failed (so none hangs):
-        one line (C++ dist_join_errors)."""
-        _ext.core().dist_join_errors([None if e is None else [_CODE[cls], e]
-                                      for e in self.gather(err)])
-
 
 class _OldRank:
     """One checkpoint chosen by JobDir (select, select_reshard), read like a
@@ -667,11 +540,6 @@ def _meta(sel, step: int) -> dict:
     return meta
 
 
-def _error(e: CheckpointError) -> list:
-    """[Status code, message] of a nonstop error, gathered for C++ to join."""
-    return [next((_CODE[c] for c in type(e).__mro__ if c in _CODE), 8), str(e)]
-
-
 def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
     """A module's state tree saved under DDP ("module." prefixes) loaded into
     a plain module (add=False), or the other way round (add=True)."""
@@ -694,51 +562,44 @@ def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
 
 
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
-            state: dict, extra=()) -> Optional[tuple]:
+            state: dict, extra=(), missing: Optional[str] = None) -> Optional[tuple]:
     """Rebuilds rank `rank`'s state (of a job of world size `world`) from a
     set-aside checkpoint of another world size in `dir`. Returns ((step,
     run id), info, tensors, meta, old world, archive dir), or None when no
     set-aside rank file holds any checkpoint (nothing to lose). Each rank
-    chooses (JobDir.select_reshard) and rebuilds; the ranks gather their
-    choices and outcomes and C++ decides (ReshardAgreement, dist.h): proceed,
-    all try again below a step, or one error line naming the ranks."""
-    agree = _ext.core().ReshardAgreement(dir, world)
-    while True:
-        pick, err = None, None
-        try:
-            # The reshard choice is the job directory's (JobDir.select_reshard):
-            # None when no set-aside rank file holds any checkpoint record.
-            jd = _open_read(dir)
-            pick = None if jd is None else jd.select_reshard(
-                world, step=step, max_step=agree.max_step, extra=list(extra))
-        except CheckpointError as e:
-            err = _error(e)
-        key = None if pick is None else [int(pick[k]) for k in ("old_world", "step", "run_id")]
-        nxt = agree.on_picks(comm.gather([err, key]))
-        if nxt != "proceed":
-            if nxt == "none":
-                return None
-            continue
-        old_world, s, run_id = agree.key
-        archive = os.path.join(dir, pick["dir"])
-        readers = [_OldRank(sel) for sel in pick["ranks"]]
-        src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
-        err, fatal, got = None, None, None
-        try:
-            metas = [_meta(sel, s) for sel in pick["ranks"]]
-            got = _rebuild(readers, metas, src, archive, old_world, rank, world, (s, run_id), state)
-        except (CorruptCheckpointError, OSError) as e:
-            err = str(e)
-        except CheckpointError as e:  # not a damaged file: no older step helps
-            fatal = str(e)
-        if agree.on_rebuilt(comm.gather([err, fatal]), archive) == "retry":
-            warnings.warn(agree.warning, stacklevel=4)
-            continue
-        tensors, meta = got
-        info = dict(readers[src].checkpoints[0])
-        info.pop("meta_json", None)
-        info["resharded_from"] = {"dir": archive, "world_size": old_world}
-        return (s, run_id), info, tensors, meta, old_world, archive
+    chooses (JobDir.select_reshard) and rebuilds; the rounds are C++'s
+    (dist.h ReshardTogether): proceed, all try again below a step, or one
+    error line naming the ranks (and, with `missing`, the old files no
+    surviving peer held)."""
+    cur = {}
+
+    def pick(max_step: Optional[int]):
+        # The reshard choice is the job directory's (JobDir.select_reshard):
+        # None when no set-aside rank file holds any checkpoint record.
+        jd = _open_read(dir)
+        p = cur["pick"] = None if jd is None else jd.select_reshard(
+            world, step=step, max_step=max_step, extra=list(extra))
+        return None if p is None else (int(p["old_world"]), int(p["step"]), int(p["run_id"]),
+                                       os.path.join(dir, p["dir"]))
+
+    def rebuild(old_world: int, s: int, run_id: int, archive: str) -> None:
+        # A CorruptCheckpointError or OSError is damage: every rank falls back.
+        cur["readers"] = [_OldRank(sel) for sel in cur["pick"]["ranks"]]
+        metas = [_meta(sel, s) for sel in cur["pick"]["ranks"]]
+        cur["got"] = _rebuild(cur["readers"], metas, rank % old_world, archive, old_world, rank,
+                              world, (s, run_id), state)
+
+    key = _ext.core().dist_reshard(dir, world, comm.gather, pick, rebuild, missing)
+    if key is None:
+        return None
+    old_world, s, run_id = key
+    archive = os.path.join(dir, cur["pick"]["dir"])
+    tensors, meta = cur["got"]
+    # Whose per-rank state (RNG, own buffers, plain values) is taken: old rank rank % old_world.
+    info = dict(cur["readers"][rank % old_world].checkpoints[0])
+    info.pop("meta_json", None)
+    info["resharded_from"] = {"dir": archive, "world_size": old_world}
+    return (s, run_id), info, tensors, meta, old_world, archive
 
 
 def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):

@@ -11,9 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "jobdir/planned_steps.h"
 #include "jobdir/records.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/store.h"
+#include "plan/rank_threads.h"
 #include "store_test_util.h"
 
 namespace nonstop {
@@ -346,6 +348,45 @@ TEST_F(JobDirTest, ReshardWithADamagedOldRankRaises) {
   EXPECT_NE(common.status().message().find("rank-00001.nsck is missing"), std::string::npos)
       << common.status().message();
   EXPECT_EQ(jd->SelectCommon(2, {}, 5).status().code(), StatusCode::kNotFound);
+}
+
+// SetAsideTogether (Distributed's start) on two ranks: rank 0 sees the file
+// of a world-1 job and moves it in its turn (with the warning's line); a
+// second start has nothing to move and takes no turns; a rank that cannot
+// read the directory fails both with its one line.
+TEST_F(JobDirTest, SetAsideTogetherMovesOnceInTurns) {
+  {
+    auto w = JobDir::OpenForWrite(Dir(), 0, 1).value();
+    auto f = NewSlotFile(*w, 1);
+    Commit(*f, 1, 5);
+  }
+  auto run = [&](const std::vector<std::string>& dirs) {
+    std::vector<Result<std::vector<int>>> got(2, Status::Internal("not run"));
+    dist::RankThreads(2).Run([&](int r, const dist::Gather& g) {
+      got[r] = SetAsideTogether(dirs[r], r, 2, g);
+    });
+    return got;
+  };
+  auto got = run({Dir(), Dir()});
+  ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+  ASSERT_TRUE(got[1].ok()) << got[1].status().ToString();
+  EXPECT_EQ(got[0].value(), std::vector<int>{1});
+  EXPECT_TRUE(got[1].value().empty());
+  EXPECT_TRUE(fs::exists(root_ / "world-1" / "rank-00000.nsck"));
+  EXPECT_FALSE(fs::exists(root_ / "rank-00000.nsck"));
+  EXPECT_EQ(SetAsideWarning("/j", 2, {1, 4}),
+            "nonstop: /j holds a checkpoint of world size 1, 4; this job has world size 2: its "
+            "rank files are moved to /j/world-1, /j/world-4 and restore() reshards them");
+  EXPECT_EQ(SetAsideWarning("/j", 2, {}), "");
+  got = run({Dir(), Dir()});
+  ASSERT_TRUE(got[0].ok() && got[1].ok());
+  EXPECT_TRUE(got[0].value().empty() && got[1].value().empty());
+  got = run({Dir(), (root_ / "world-1" / "rank-00000.nsck").string()});
+  for (const auto& g : got) {
+    ASSERT_FALSE(g.ok());
+    EXPECT_EQ(g.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(g.status().message(), got[1].status().message());
+  }
 }
 
 TEST_F(JobDirTest, SetAsideKeepsAnOlderSetAsideAsPrev) {

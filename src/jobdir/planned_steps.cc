@@ -3,6 +3,8 @@
 #include "jobdir/planned_steps.h"
 
 #include <algorithm>
+#include <memory>
+#include <utility>
 
 #include "nonstop/plan.h"
 
@@ -71,6 +73,108 @@ SingleSource ChooseSingleSource(JobDir& jd, std::optional<int64_t> step) {
     }
   }
   return any ? SingleSource::kReshardElseOwn : SingleSource::kReshard;
+}
+
+namespace {
+
+// Every rank's error line of this round, joined (`code`), when any failed.
+Status Together(const dist::Gather& gather, const Status& mine, StatusCode code) {
+  std::optional<std::string> line;
+  if (!mine.ok()) line = mine.message().empty() ? mine.ToString() : mine.message();
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<dist::Fields> every, dist::GatherFields(gather, {line}));
+  std::vector<std::optional<dist::RankError>> errors;
+  for (const dist::Fields& f : every) {
+    errors.push_back(f[0] ? std::optional<dist::RankError>(dist::RankError{code, *f[0]})
+                          : std::nullopt);
+  }
+  return dist::JoinErrors(errors);
+}
+
+std::string Joined(const std::string& dir, const std::string& name) {
+  return !dir.empty() && dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+}  // namespace
+
+Result<std::vector<int64_t>> TidyKeptTogether(const std::string& dir, int rank, int world,
+                                              const dist::Gather& gather, Env* env) {
+  std::unique_ptr<JobDir> jd;
+  std::vector<int64_t> mine;
+  Status s = JobDir::OpenForRead(dir, env).status();
+  if (s.code() == StatusCode::kNotFound) {
+    s = Status::OK();  // no directory: nothing kept
+  } else if (s.ok()) {
+    // The writer's open first redoes this rank's interrupted copies.
+    Result<std::unique_ptr<JobDir>> w = JobDir::OpenForWrite(dir, rank, world, env);
+    Result<std::vector<KeptCopy>> kept =
+        w.ok() ? w.value()->KeptCopies(rank) : Result<std::vector<KeptCopy>>(w.status());
+    s = kept.status();
+    if (kept.ok()) {
+      jd = std::move(w).value();
+      for (const KeptCopy& k : kept.value()) mine.push_back(k.step);
+    }
+  }
+  NONSTOP_RETURN_IF_ERROR(Together(gather, s, StatusCode::kIOError));
+  std::sort(mine.begin(), mine.end());
+  mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<dist::Fields> every,
+                           dist::GatherFields(gather, {dist::StepsText(mine)}));
+  std::vector<std::vector<int64_t>> all;
+  for (const dist::Fields& f : every) {
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<int64_t> steps, dist::StepsOf(f[0].value_or("")));
+    all.push_back(std::move(steps));
+  }
+  Result<std::vector<int64_t>> gone =
+      jd ? TidyKeptShares(*jd, rank, dist::CommonSteps(all)) : std::vector<int64_t>{};
+  jd.reset();  // the lock, released before the engine takes it
+  NONSTOP_RETURN_IF_ERROR(Together(gather, gone.status(), StatusCode::kIOError));
+  return gone;
+}
+
+Result<std::vector<int>> SetAsideTogether(const std::string& dir, int rank, int world,
+                                          const dist::Gather& gather, Env* env) {
+  bool need = false;
+  Status s;
+  {
+    Result<std::unique_ptr<JobDir>> r = JobDir::OpenForRead(dir, env);  // no lock taken
+    if (r.ok()) {
+      Result<bool> n = r.value()->NeedsSetAside(world);
+      s = n.status();
+      need = n.ok() && n.value();
+    } else if (r.status().code() != StatusCode::kNotFound) {  // no directory: nothing to move
+      s = r.status();
+    }
+  }
+  NONSTOP_RETURN_IF_ERROR(Together(gather, s, StatusCode::kFailedPrecondition));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<dist::Fields> every,
+                           dist::GatherFields(gather, {need ? "1" : "0"}));
+  std::vector<int> moved;
+  if (std::none_of(every.begin(), every.end(), [](const dist::Fields& f) { return f[0] == "1"; })) {
+    return moved;
+  }
+  for (int turn = 0; turn < world; ++turn) {
+    s = Status::OK();
+    if (turn == rank) {
+      Result<std::unique_ptr<JobDir>> w = JobDir::OpenForWrite(dir, rank, world, env);
+      Result<std::vector<int>> m = w.ok() ? w.value()->SetAside(world) : w.status();
+      s = m.status();
+      if (m.ok()) moved = m.value();
+    }
+    NONSTOP_RETURN_IF_ERROR(Together(gather, s, StatusCode::kFailedPrecondition));
+  }
+  return moved;
+}
+
+std::string SetAsideWarning(const std::string& dir, int world, const std::vector<int>& moved) {
+  if (moved.empty()) return "";
+  std::string worlds, dirs;
+  for (int w : moved) {
+    worlds += (worlds.empty() ? "" : ", ") + std::to_string(w);
+    dirs += (dirs.empty() ? "" : ", ") + Joined(dir, JobDirNames::World(w));
+  }
+  return "nonstop: " + dir + " holds a checkpoint of world size " + worlds +
+         "; this job has world size " + std::to_string(world) + ": its rank files are moved to " +
+         dirs + " and restore() reshards them";
 }
 
 }  // namespace nonstop

@@ -4,8 +4,11 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "nonstop/dist.h"
+#include "nonstop/env.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
 #include "nonstop/status.h"
@@ -41,5 +44,31 @@ Result<std::vector<int64_t>> TidyKeptShares(JobDir& jd, int rank,
 // when it lists any checkpoint (kReshardElseOwn: its error is the one to see).
 enum class SingleSource { kOwn, kReshard, kReshardElseOwn };
 SingleSource ChooseSingleSource(JobDir& jd, std::optional<int64_t> step);
+
+// ---- Collective, over dist.h's Gather (Distributed, _distributed.py) ----
+
+// TidyKeptShares on every rank together (Distributed.tidy_kept), before the
+// engine opens: each rank's kept steps (its writer's open first redoes its
+// interrupted copies; no directory: none) gathered, each rank deletes its
+// file of those not every rank keeps. A rank's failure to list or delete
+// is one IOError line on every rank (dist.h JoinErrors). Returns the steps
+// deleted here. `env` null: DefaultEnv().
+Result<std::vector<int64_t>> TidyKeptTogether(const std::string& dir, int rank, int world,
+                                              const dist::Gather& gather, Env* env = nullptr);
+
+// Rank files a job of another world size wrote in `dir`, moved to `dir`/
+// world-W/ for resharding (JobDir::SetAside), collective: each rank looks
+// (JobDir::NeedsSetAside: one file each, so a same-size restart costs one
+// header per rank); when any rank saw some, the ranks take turns, each
+// under its own writer lock (released before the engine takes it), so each
+// file is moved once on a shared file system. A failure is one
+// FailedPrecondition line on every rank. Returns the old world sizes this
+// rank moved files of (SetAsideWarning's line).
+Result<std::vector<int>> SetAsideTogether(const std::string& dir, int rank, int world,
+                                          const dist::Gather& gather, Env* env = nullptr);
+// "nonstop: DIR holds a checkpoint of world size W; this job has world size
+// N: its rank files are moved to DIR/world-W and restore() reshards them";
+// empty when `moved` is.
+std::string SetAsideWarning(const std::string& dir, int world, const std::vector<int>& moved);
 
 }  // namespace nonstop

@@ -14,6 +14,7 @@
 #include "jobdir/planned_steps.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/store.h"
+#include "plan/rank_threads.h"
 #include "store_test_util.h"
 
 namespace nonstop {
@@ -280,6 +281,55 @@ TEST_F(RetentionEnvTest, WithTwoRanksEachDeletesItsOwnFileAndTheLastTheDirectory
   auto reader = JobDir::OpenForRead("/job", env_.get());
   ASSERT_TRUE(reader.ok());
   EXPECT_EQ(reader.value()->DeleteKeptShare(30).code(), StatusCode::kFailedPrecondition);
+}
+
+// TidyKeptTogether (Distributed.tidy_kept) on two ranks: rank 0 kept 40
+// and 50, rank 1 20 and 30 (killed before its deletions); no step is kept
+// by both, so each deletes its own file of them but its newest committed
+// checkpoint. A rank that cannot open the directory fails both, one line,
+// and nothing is deleted.
+TEST_F(RetentionEnvTest, TidyKeptTogetherDeletesWhatNotEveryRankKeeps) {
+  {
+    auto jd0 = Writer(0, 2);
+    auto jd1 = Writer(1, 2);
+    ASSERT_TRUE(jd0 && jd1);
+    auto f0 = NewSlotFile(*jd0, 2);
+    auto f1 = NewSlotFile(*jd1, 2);
+    RetentionPolicy p;
+    p.keep_every = 1;
+    p.max_to_keep = 2;
+    for (uint64_t c = 1; c <= 5; ++c) {
+      CommitAndRetain(*jd0, *f0, c, 1.0, p);
+      if (c <= 3) CommitAndRetain(*jd1, *f1, c, 1.0, p);
+    }
+    EXPECT_EQ(KeptSteps(*jd0, 0), (std::vector<int64_t>{40, 50}));
+    EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{20, 30}));
+  }
+  auto run = [&](const std::vector<std::string>& dirs) {
+    std::vector<Result<std::vector<int64_t>>> got(2, Status::Internal("not run"));
+    dist::RankThreads(2).Run([&](int r, const dist::Gather& g) {
+      got[r] = TidyKeptTogether(dirs[r], r, 2, g, env_.get());
+    });
+    return got;
+  };
+  auto bad = run({"/job", "/job/rank-00000.nsck"});
+  for (const auto& g : bad) {
+    ASSERT_FALSE(g.ok());
+    EXPECT_EQ(g.status().code(), StatusCode::kIOError);
+    EXPECT_EQ(g.status().message(), bad[1].status().message());
+  }
+  auto got = run({"/job", "/job"});
+  ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+  ASSERT_TRUE(got[1].ok()) << got[1].status().ToString();
+  EXPECT_EQ(got[0].value(), (std::vector<int64_t>{40}));
+  EXPECT_EQ(got[1].value(), (std::vector<int64_t>{20}));
+  auto jd = Writer(0, 2);
+  EXPECT_EQ(KeptSteps(*jd, 0), (std::vector<int64_t>{50}));
+  EXPECT_EQ(KeptSteps(*jd, 1), (std::vector<int64_t>{30}));
+  // A directory that does not exist keeps nothing: no error.
+  got = run({"/none", "/none"});
+  ASSERT_TRUE(got[0].ok() && got[1].ok());
+  EXPECT_TRUE(got[0].value().empty());
 }
 
 // A crash (power cut) before each call of a deletion, in both modes, then a

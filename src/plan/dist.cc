@@ -3,6 +3,8 @@
 #include "nonstop/dist.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <utility>
@@ -46,7 +48,89 @@ std::string StepList(const std::vector<int64_t>& steps) {
   return out + "]";
 }
 
+// A gathered text: its fields, each null ("-") or "+LEN:BYTES" (any bytes).
+std::string Encode(const Fields& fields) {
+  std::string out;
+  for (const auto& f : fields) out += f ? "+" + std::to_string(f->size()) + ":" + *f : "-";
+  return out;
+}
+
+Result<Fields> Decode(const std::string& text, size_t n) {
+  Fields out;
+  size_t at = 0;
+  while (at < text.size() && out.size() < n) {
+    if (text[at] == '-') {
+      out.emplace_back(), ++at;
+      continue;
+    }
+    const size_t colon = text.find(':', at);
+    if (text[at] != '+' || colon == std::string::npos || colon == at + 1 || colon - at > 20) break;
+    const std::string digits = text.substr(at + 1, colon - at - 1);
+    if (digits.find_first_not_of("0123456789") != std::string::npos) break;
+    const uint64_t len = std::stoull(digits);
+    if (len > text.size() - colon - 1) break;
+    out.push_back(text.substr(colon + 1, len));
+    at = colon + 1 + len;
+  }
+  if (out.size() != n || at != text.size()) {
+    return Status::Corruption("a rank's gathered text does not parse: " +
+                              text.substr(0, std::min<size_t>(text.size(), 80)));
+  }
+  return out;
+}
+
+// An unsigned number of a gathered field (a run id).
+Result<uint64_t> NumberOf(const std::optional<std::string>& f) {
+  if (!f || f->empty() || f->size() > 20 || f->find_first_not_of("0123456789") != std::string::npos) {
+    return Status::Corruption("a rank's gathered number does not parse");
+  }
+  errno = 0;
+  const unsigned long long v = std::strtoull(f->c_str(), nullptr, 10);
+  if (errno != 0) return Status::Corruption("a rank's gathered number does not parse");
+  return v;
+}
+
 }  // namespace
+
+Result<std::vector<Fields>> GatherFields(const Gather& gather, const Fields& mine) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> texts, gather(Encode(mine)));
+  std::vector<Fields> every;
+  for (const std::string& t : texts) {
+    NONSTOP_ASSIGN_OR_RETURN(Fields f, Decode(t, mine.size()));
+    every.push_back(std::move(f));
+  }
+  return every;
+}
+
+std::optional<std::string> ErrorLine(const Status& s) {
+  if (s.ok()) return std::nullopt;
+  return s.message().empty() ? s.ToString() : s.message();
+}
+
+std::string StepsText(const std::vector<int64_t>& steps) {
+  std::string out;
+  for (int64_t s : steps) out += (out.empty() ? "" : " ") + std::to_string(s);
+  return out;
+}
+
+Result<std::vector<int64_t>> StepsOf(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(' ', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string one = text.substr(at, end - at);
+    char* stop = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(one.c_str(), &stop, 10);
+    if (one.empty() || *stop != '\0' || errno != 0) {
+      return Status::Corruption("a rank's gathered steps do not parse: " + one);
+    }
+    out.push_back(v);
+    at = end + 1;
+  }
+  return out;
+}
 
 Status JoinErrors(const std::vector<std::optional<RankError>>& every) {
   const RankError* first = nullptr;
@@ -501,6 +585,206 @@ Result<DTensorReshard> PlanDTensorReshard(const std::vector<DTensorDoc>& doc,
     }
   }
   return out;
+}
+
+namespace {
+
+std::vector<std::optional<std::string>> Column(const std::vector<Fields>& every, size_t i) {
+  std::vector<std::optional<std::string>> out;
+  for (const Fields& f : every) out.push_back(f[i]);
+  return out;
+}
+
+bool Aborted(const Status& s) { return s.code() == StatusCode::kAborted; }
+
+}  // namespace
+
+Status Recover(const RecoverRequest& req, const RecoverHooks& hooks, RecoverOutcome* result) {
+  RecoverOutcome& out = *result;
+  out = RecoverOutcome{};
+  // A partner's replica counts as this rank's own step, in the planner's
+  // order (newest first), unless the job directory holds that step too.
+  std::vector<int64_t> mine = req.mine;
+  std::optional<int64_t> peer = req.peer_step;
+  if (peer && ((req.step && *req.step != *peer) ||
+               std::find(mine.begin(), mine.end(), *peer) != mine.end())) {
+    peer.reset();
+  }
+  if (peer) {
+    mine.insert(std::find_if(mine.begin(), mine.end(), [&](int64_t m) { return m < *peer; }),
+                *peer);
+  }
+  NONSTOP_ASSIGN_OR_RETURN(
+      std::vector<Fields> first,
+      GatherFields(hooks.gather, {req.error, req.foreign ? "1" : "0", StepsText(mine)}));
+  std::vector<std::optional<RankError>> errors;
+  std::vector<bool> foreign;
+  std::vector<std::vector<int64_t>> every;
+  for (const Fields& f : first) {
+    errors.push_back(f[0] ? std::optional<RankError>(RankError{StatusCode::kCorruption, *f[0]})
+                          : std::nullopt);
+    foreign.push_back(f[1] == "1");
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<int64_t> steps, StepsOf(f[2].value_or("")));
+    every.push_back(std::move(steps));
+  }
+  NONSTOP_RETURN_IF_ERROR(JoinErrors(errors));
+  NONSTOP_RETURN_IF_ERROR(CheckForeign(req.dir, static_cast<int>(first.size()), foreign));
+  if (hooks.check) NONSTOP_RETURN_IF_ERROR(hooks.check());
+  const std::vector<int64_t> order = CommonSteps(every);
+  if (order.empty()) {
+    // Nothing this world size committed on every rank: a set-aside
+    // checkpoint of another world size, resharded; or a fresh start.
+    NONSTOP_ASSIGN_OR_RETURN(bool resharded, hooks.reshard());
+    if (!resharded) NONSTOP_RETURN_IF_ERROR(NoCommonStep(req.dir, req.rank, req.step, every));
+    out.kind = resharded ? RecoverOutcome::Kind::kResharded : RecoverOutcome::Kind::kFresh;
+    return Status::OK();
+  }
+  for (size_t n = 0; n < order.size(); ++n) {
+    const int64_t s = order[n];
+    const bool from_peer = peer && s == *peer;
+    Result<uint64_t> opened = hooks.open(s, from_peer);
+    if (Aborted(opened.status())) return opened.status();
+    std::optional<std::string> err = ErrorLine(opened.status());
+    std::string source = from_peer ? "peer" : "disk";
+    if (n == 0 && !req.step) {  // every rank takes this branch, or none
+      // The memory tier, all or none: every rank's segment holds exactly
+      // the checkpoint of step s the job directory selects, and every rank
+      // read it; else every rank reads its disk (never mixed). A rank that
+      // restores a partner's replica takes no part.
+      std::optional<std::string> why;
+      if (!from_peer && err) {
+        why = "the disk's checkpoint of step " + std::to_string(s) + ": " + *err;
+      } else if (!from_peer) {
+        Result<std::string> probed = hooks.probe_memory(s);
+        if (Aborted(probed.status())) return probed.status();
+        why = probed.ok() ? probed.value() : *ErrorLine(probed.status());
+      }
+      NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> whys, GatherFields(hooks.gather, {why}));
+      MemoryChoice c = DecideMemory(Column(whys, 0));
+      if (c.use) {
+        if (why && why->empty()) {
+          Status read = hooks.read(s, true);
+          if (Aborted(read)) return read;
+          if (!read.ok()) why = *ErrorLine(read);
+        }
+        NONSTOP_ASSIGN_OR_RETURN(whys, GatherFields(hooks.gather, {why}));
+        c = DecideMemory(Column(whys, 0));
+      }
+      out.memory_unused = c.unused;
+      if (!from_peer && c.use) source = "memory";
+    }
+    if (!err && source != "memory") {
+      Status read = hooks.read(s, false);
+      if (Aborted(read)) return read;
+      err = ErrorLine(read);
+    }
+    NONSTOP_ASSIGN_OR_RETURN(
+        std::vector<Fields> outcomes,
+        GatherFields(hooks.gather,
+                     {err, std::to_string(opened.ok() ? opened.value() : 0), source}));
+    std::vector<StepRead> reads;
+    std::vector<std::string> sources;
+    for (const Fields& f : outcomes) {
+      NONSTOP_ASSIGN_OR_RETURN(uint64_t run, NumberOf(f[1]));
+      reads.push_back({f[0], run});
+      sources.push_back(f[2].value_or(""));
+    }
+    // Restore it, or all fall back to the next step (a rank failed, or the
+    // ranks' checkpoints are of different runs), or none left.
+    NONSTOP_ASSIGN_OR_RETURN(std::string warning, DecideRecoverStep(req.dir, order, n, reads));
+    if (!warning.empty()) {
+      out.warnings.push_back(std::move(warning));
+      continue;
+    }
+    out.kind = RecoverOutcome::Kind::kRestored;
+    out.step = s;
+    out.source = source;
+    out.sources = std::move(sources);
+    if (req.agreed && s < *req.agreed) {
+      out.warnings.push_back("nonstop: rank " + std::to_string(req.rank) + " restores step " +
+                             std::to_string(s) + ", older than the agreed step " +
+                             std::to_string(*req.agreed));
+    }
+    return Status::OK();
+  }
+  return Status::Internal("Recover: no common step decided");  // DecideRecoverStep fails the last
+}
+
+namespace {
+
+Result<std::optional<ReshardKey>> ReshardRounds(const std::string& dir, int world,
+                                                const ReshardHooks& hooks,
+                                                std::vector<std::string>* warnings) {
+  ReshardAgreement agree(dir, world);
+  while (true) {
+    Result<std::optional<ReshardPick>> pick = hooks.pick(agree.max_step());
+    if (Aborted(pick.status())) return pick.status();
+    Fields mine(3);
+    if (!pick.ok()) {
+      mine[0] = std::to_string(static_cast<int>(pick.status().code()));
+      mine[1] = pick.status().message();
+    } else if (pick.value()) {
+      const ReshardKey& k = pick.value()->key;
+      mine[2] = std::to_string(k.old_world) + " " + std::to_string(k.step) + " " +
+                std::to_string(k.run_id);
+    }
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> every, GatherFields(hooks.gather, mine));
+    std::vector<ReshardAgreement::Pick> picks;
+    for (const Fields& f : every) {
+      ReshardAgreement::Pick p;
+      if (f[0]) {
+        NONSTOP_ASSIGN_OR_RETURN(uint64_t code, NumberOf(f[0]));
+        p.error = RankError{code <= static_cast<uint64_t>(StatusCode::kInternal)
+                                ? static_cast<StatusCode>(code)
+                                : StatusCode::kInternal,
+                            f[1].value_or("")};
+      }
+      if (f[2]) {
+        NONSTOP_ASSIGN_OR_RETURN(std::vector<int64_t> k, StepsOf(*f[2]));
+        if (k.size() != 3 || k[2] < 0) return Status::Corruption("a rank's gathered key does not parse");
+        p.key = ReshardKey{static_cast<int>(k[0]), k[1], static_cast<uint64_t>(k[2])};
+      }
+      picks.push_back(std::move(p));
+    }
+    NONSTOP_ASSIGN_OR_RETURN(ReshardAgreement::Next next, agree.OnPicks(picks));
+    if (next == ReshardAgreement::Next::kNone) return std::optional<ReshardKey>();
+    if (next != ReshardAgreement::Next::kProceed) continue;
+    // Every rank chose agree.key(): its own pick.
+    Status rebuilt = hooks.rebuild(*pick.value());
+    if (Aborted(rebuilt)) return rebuilt;
+    const bool damage = rebuilt.code() == StatusCode::kCorruption;
+    NONSTOP_ASSIGN_OR_RETURN(
+        std::vector<Fields> outcomes,
+        GatherFields(hooks.gather, {damage ? ErrorLine(rebuilt) : std::nullopt,
+                                    damage ? std::nullopt : ErrorLine(rebuilt)}));
+    std::vector<ReshardAgreement::Rebuilt> all;
+    for (const Fields& f : outcomes) all.push_back({f[0], f[1]});
+    NONSTOP_ASSIGN_OR_RETURN(next, agree.OnRebuilt(all, pick.value()->archive));
+    if (next == ReshardAgreement::Next::kDone) return std::optional<ReshardKey>(agree.key());
+    if (warnings) warnings->push_back(agree.warning());
+  }
+}
+
+}  // namespace
+
+Result<std::optional<ReshardKey>> ReshardTogether(const std::string& dir, int world,
+                                                  const ReshardHooks& hooks,
+                                                  std::vector<std::string>* warnings) {
+  std::string missing;  // "rank R: ..." of the old ranks' files on no peer
+  if (hooks.missing) {
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> every, GatherFields(hooks.gather, {hooks.missing}));
+    std::vector<std::optional<std::string>> lines;
+    for (const Fields& f : every) lines.push_back(f[0] && !f[0]->empty() ? f[0] : std::nullopt);
+    missing = PerRank(lines);
+    if (!hooks.missing->empty() && warnings) {
+      warnings->push_back("nonstop: resharding from peers' memory: " + *hooks.missing +
+                          "; the reshard reads the disk for them");
+    }
+  }
+  Result<std::optional<ReshardKey>> got = ReshardRounds(dir, world, hooks, warnings);
+  if (got.ok() || missing.empty() || Aborted(got.status())) return got;
+  return Status(got.status().code(),
+                got.status().message() + "; not on any surviving peer either: " + missing);
 }
 
 }  // namespace nonstop::dist

@@ -1,15 +1,20 @@
 // The distributed restart's decisions (nonstop/dist.h) on gathered data
 // alone: the common steps, the recover fallbacks, the memory tier's
 // all-or-none choice, the reshard agreement's retries and its one error
-// line, the byte layout of the replicated tensors and the FSDP2 reshard's.
+// line, the byte layout of the replicated tensors and the FSDP2 reshard's;
+// and the drivers of the rounds (Recover, ReshardTogether) on ranks
+// simulated by threads.
 #include "nonstop/dist.h"
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "plan/rank_threads.h"
 
 namespace nonstop::dist {
 namespace {
@@ -386,6 +391,264 @@ TEST(DistTest, PlanDTensorReshardRefusesBadMetadataAndMissingPieces) {
   Status odd = code({{"a\nb'c", {2}, "float32", "X"}}, {}, 0, 1);
   EXPECT_EQ(odd.message().find('\n'), std::string::npos);
   EXPECT_NE(odd.message().find("'a?b?c'"), std::string::npos);
+}
+
+// One rank of a Recover test: its job directory and what its hooks do.
+struct FakeRank {
+  RecoverRequest req;
+  std::map<int64_t, std::string> bad_open, bad_disk;  // step -> error line
+  std::map<int64_t, uint64_t> run;                    // step -> run id (7 otherwise)
+  std::string memory_why = "no segment";              // "" : the segment holds the step
+  std::string bad_memory;                             // the memory read's error, if any
+  bool reshard = false;                               // a set-aside checkpoint to reshard
+  // What happened.
+  Status status;
+  RecoverOutcome out;
+  std::vector<std::string> reads;  // "disk 5", "memory 5", "peer 3"
+  int reshards = 0;
+};
+
+void RunRecover(std::vector<FakeRank>& ranks) {
+  RankThreads g(static_cast<int>(ranks.size()));
+  g.Run([&](int r, const Gather& gather) {
+    FakeRank& me = ranks[r];
+    me.req.dir = "/j";
+    me.req.rank = r;
+    RecoverHooks h;
+    h.gather = gather;
+    h.reshard = [&]() -> Result<bool> {
+      ++me.reshards;
+      return me.reshard;
+    };
+    bool peer_open = false;
+    h.open = [&](int64_t s, bool peer) -> Result<uint64_t> {
+      peer_open = peer;
+      if (me.bad_open.count(s)) return Status::Corruption(me.bad_open[s]);
+      return me.run.count(s) ? me.run[s] : 7;
+    };
+    h.probe_memory = [&](int64_t) -> Result<std::string> { return me.memory_why; };
+    h.read = [&](int64_t s, bool memory) -> Status {
+      me.reads.push_back((memory ? "memory " : peer_open ? "peer " : "disk ") + std::to_string(s));
+      if (memory && !me.bad_memory.empty()) return Status::IOError(me.bad_memory);
+      if (!memory && me.bad_disk.count(s)) return Status::Corruption(me.bad_disk[s]);
+      return Status::OK();
+    };
+    me.status = Recover(me.req, h, &me.out);
+  });
+}
+
+std::vector<FakeRank> Fakes(const std::vector<std::vector<int64_t>>& mine) {
+  std::vector<FakeRank> out(mine.size());
+  for (size_t r = 0; r < mine.size(); ++r) out[r].req.mine = mine[r];
+  return out;
+}
+
+TEST(DistTest, RecoverAgreesOnTheNewestCommonStepAndFallsBackTogether) {
+  // Disagreement: rank 0 holds 9 too; the common steps are 5, 3. Step 5
+  // fails on rank 1 alone: every rank falls back to 3, with one warning.
+  auto ranks = Fakes({{9, 5, 3}, {5, 3, 1}, {5, 3}});
+  ranks[1].bad_disk[5] = "crc mismatch";
+  ranks[0].req.agreed = 5;
+  RunRecover(ranks);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const FakeRank& f = ranks[r];
+    ASSERT_TRUE(f.status.ok()) << f.status.ToString();
+    EXPECT_EQ(f.out.kind, RecoverOutcome::Kind::kRestored);
+    EXPECT_EQ(f.out.step, 3);
+    EXPECT_EQ(f.out.source, "disk");
+    EXPECT_EQ(f.out.sources, (std::vector<std::string>{"disk", "disk", "disk"}));
+    EXPECT_EQ(f.reads, (std::vector<std::string>{"disk 5", "disk 3"}));
+    EXPECT_EQ(f.out.memory_unused, "rank 0: no segment; rank 1: no segment; rank 2: no segment");
+    std::vector<std::string> warnings{
+        "nonstop: step 5 fails on rank 1: crc mismatch; all ranks fall back to step 3"};
+    if (r == 0) warnings.push_back("nonstop: rank 0 restores step 3, older than the agreed step 5");
+    EXPECT_EQ(f.out.warnings, warnings);
+  }
+  // The ranks' checkpoints of a step are of different runs: never mixed.
+  ranks = Fakes({{5, 3}, {5, 3}});
+  ranks[1].run[5] = 8;
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    ASSERT_TRUE(f.status.ok());
+    EXPECT_EQ(f.out.step, 3);
+    EXPECT_EQ(f.out.warnings, (std::vector<std::string>{
+                                  "nonstop: step 5 fails on rank 0: step 5 is of run 7; rank 1: "
+                                  "step 5 is of run 8; all ranks fall back to step 3"}));
+  }
+}
+
+TEST(DistTest, RecoverFailsTogetherWithOneLine) {
+  // Every step fails somewhere: the same error on every rank.
+  auto ranks = Fakes({{5, 3}, {5, 3}});
+  ranks[0].bad_disk[5] = "torn";
+  ranks[1].bad_open[3] = "gone";
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    EXPECT_EQ(f.status.code(), StatusCode::kCorruption);
+    EXPECT_EQ(f.status.message(), "no checkpoint every rank of /j can verify: rank 1: gone");
+    EXPECT_EQ(f.out.warnings, (std::vector<std::string>{
+                                  "nonstop: step 5 fails on rank 0: torn; all ranks fall back to "
+                                  "step 3"}));
+  }
+  EXPECT_EQ(ranks[1].reads, (std::vector<std::string>{"disk 5"}));  // 3 never opened
+  // A rank that cannot read its job directory: one line, on every rank.
+  ranks = Fakes({{5}, {5}});
+  ranks[1].req.error = "slot-1: bad header";
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    EXPECT_EQ(f.status.code(), StatusCode::kCorruption);
+    EXPECT_EQ(f.status.message(), "slot-1: bad header");
+    EXPECT_TRUE(f.reads.empty());
+  }
+  // Rank files of another world size not set aside.
+  ranks = Fakes({{5}, {5}});
+  ranks[0].req.foreign = true;
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) EXPECT_EQ(f.status.code(), StatusCode::kFailedPrecondition);
+  // A step asked for that not every rank holds, and nothing to reshard.
+  ranks = Fakes({{5}, {3}});
+  for (FakeRank& f : ranks) f.req.step = 5;
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    EXPECT_EQ(f.status.code(), StatusCode::kNotFound);
+    EXPECT_EQ(f.reshards, 1);
+  }
+  EXPECT_EQ(ranks[1].status.message(),
+            "no checkpoint at step 5 committed on every rank of /j (rank 1 holds steps [3])");
+}
+
+TEST(DistTest, RecoverFreshReshardPeerAndMemory) {
+  auto ranks = Fakes({{}, {}});
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    ASSERT_TRUE(f.status.ok());
+    EXPECT_EQ(f.out.kind, RecoverOutcome::Kind::kFresh);
+  }
+  ranks = Fakes({{4}, {}});
+  for (FakeRank& f : ranks) f.reshard = true;
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) EXPECT_EQ(f.out.kind, RecoverOutcome::Kind::kResharded);
+  // A partner's replica of step 6 counts as rank 1's own (it takes no part
+  // in the memory tier's choice); every other rank's segment holds 6.
+  ranks = Fakes({{6, 2}, {2}, {6, 2}});
+  ranks[1].req.peer_step = 6;
+  ranks[0].memory_why = ranks[2].memory_why = "";
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    ASSERT_TRUE(f.status.ok()) << f.status.ToString();
+    EXPECT_EQ(f.out.step, 6);
+    EXPECT_EQ(f.out.sources, (std::vector<std::string>{"memory", "peer", "memory"}));
+    EXPECT_EQ(f.out.memory_unused, "");
+  }
+  EXPECT_EQ(ranks[0].reads, (std::vector<std::string>{"memory 6"}));
+  EXPECT_EQ(ranks[1].reads, (std::vector<std::string>{"peer 6"}));
+  // One rank's memory read fails: every rank reads its disk.
+  ranks = Fakes({{6}, {6}});
+  ranks[0].memory_why = ranks[1].memory_why = "";
+  ranks[1].bad_memory = "chunk 3: crc mismatch";
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    ASSERT_TRUE(f.status.ok());
+    EXPECT_EQ(f.out.sources, (std::vector<std::string>{"disk", "disk"}));
+    EXPECT_EQ(f.out.memory_unused, "rank 1: chunk 3: crc mismatch");
+    EXPECT_EQ(f.reads, (std::vector<std::string>{"memory 6", "disk 6"}));
+  }
+  // A step asked for (the planner lists only it): no memory tier; the peer
+  // replica of another step is not used.
+  ranks = Fakes({{2}, {2}});
+  for (FakeRank& f : ranks) f.req.step = 2, f.memory_why = "";
+  ranks[1].req.peer_step = 6;
+  RunRecover(ranks);
+  for (const FakeRank& f : ranks) {
+    ASSERT_TRUE(f.status.ok());
+    EXPECT_EQ(f.out.step, 2);
+    EXPECT_EQ(f.reads, (std::vector<std::string>{"disk 2"}));
+  }
+}
+
+TEST(DistTest, ReshardTogetherRetriesFallsBackAndFailsTogether) {
+  struct R {
+    std::map<int64_t, std::string> bad;  // step -> damage line
+    std::string fatal;
+    std::optional<std::string> missing;
+    std::vector<std::optional<int64_t>> asked;  // max_step of each pick
+    Result<std::optional<ReshardKey>> got = Status::Internal("not run");
+    std::vector<std::string> warnings;
+  };
+  // Steps 8 and 6 of world 4, but rank 1's copy of 8 is missing: it picks 6.
+  auto run = [](std::vector<R>& rs, const std::vector<std::vector<int64_t>>& steps) {
+    RankThreads g(static_cast<int>(rs.size()));
+    g.Run([&](int r, const Gather& gather) {
+      R& me = rs[r];
+      ReshardHooks h;
+      h.gather = gather;
+      h.missing = me.missing;
+      h.pick = [&](std::optional<int64_t> max) -> Result<std::optional<ReshardPick>> {
+        me.asked.push_back(max);
+        for (int64_t s : steps[r]) {
+          if (!max || s <= *max) return std::optional<ReshardPick>(ReshardPick{{4, s, 1}, "/j/world-4"});
+        }
+        if (steps[r].empty()) return std::optional<ReshardPick>();
+        return Status::NotFound("nothing older");
+      };
+      h.rebuild = [&](const ReshardPick& p) -> Status {
+        if (!me.fatal.empty()) return Status::FailedPrecondition(me.fatal);
+        if (me.bad.count(p.key.step)) return Status::Corruption(me.bad[p.key.step]);
+        return Status::OK();
+      };
+      me.got = ReshardTogether("/j", 2, h, &me.warnings);
+    });
+  };
+  std::vector<R> rs(2);
+  rs[0].bad[6] = "bad crc";
+  run(rs, {{8, 6, 4}, {6, 4}});
+  for (const R& r : rs) {
+    ASSERT_TRUE(r.got.ok()) << r.got.status().ToString();
+    EXPECT_EQ(r.got.value(), (ReshardKey{4, 4, 1}));
+    EXPECT_EQ(r.asked, (std::vector<std::optional<int64_t>>{std::nullopt, 6, 5}));
+    EXPECT_EQ(r.warnings, (std::vector<std::string>{
+                              "nonstop: resharding step 6 of /j/world-4 fails on rank 0: bad crc; "
+                              "all ranks fall back to an older step"}));
+  }
+  rs.assign(2, R{});
+  rs[1].fatal = "cannot reshard: rank-local";
+  run(rs, {{8}, {8}});
+  for (const R& r : rs) {
+    EXPECT_EQ(r.got.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(r.got.status().message(), "cannot reshard: rank-local");
+  }
+  rs.assign(2, R{});
+  rs[0].bad[8] = rs[1].bad[8] = "torn";
+  run(rs, {{8}, {8}});
+  for (const R& r : rs) {
+    EXPECT_EQ(r.got.status().code(), StatusCode::kNotFound);
+    EXPECT_EQ(r.got.status().message(),
+              "resharding step 8 of /j/world-4 fails on rank 0: torn; rank 1: torn; then: "
+              "nothing older");
+  }
+  // From peers' memory: rank 1 found old rank 3's file on no peer (a
+  // warning there); the error names it on every rank.
+  rs.assign(2, R{});
+  rs[0].bad[8] = "torn";
+  rs[0].missing = "";
+  rs[1].missing = "old rank 3: on no peer";
+  run(rs, {{8}, {8}});
+  for (const R& r : rs) {
+    EXPECT_EQ(r.got.status().code(), StatusCode::kNotFound);
+    EXPECT_EQ(r.got.status().message(),
+              "resharding step 8 of /j/world-4 fails on rank 0: torn; then: nothing older; not "
+              "on any surviving peer either: rank 1: old rank 3: on no peer");
+  }
+  EXPECT_EQ(rs[1].warnings.front(),
+            "nonstop: resharding from peers' memory: old rank 3: on no peer; the reshard reads "
+            "the disk for them");
+  EXPECT_EQ(rs[0].warnings.size(), 1u);  // the fallback's line only
+  rs.assign(2, R{});
+  run(rs, {{}, {}});
+  for (const R& r : rs) {
+    ASSERT_TRUE(r.got.ok());
+    EXPECT_FALSE(r.got->has_value());
+  }
 }
 
 }  // namespace

@@ -1,22 +1,32 @@
 // nonstop._core's distributed decisions (include/nonstop/dist.h) for
 // _distributed.py: Python gathers what each rank found over its gloo group and
 // hands the lists here; every answer and every error line comes from C++.
-// Pure and quick (no I/O): nothing blocks, so the GIL is kept.
+// Pure and quick (no I/O): nothing blocks, so the GIL is kept; but for the
+// drivers (dist_recover, dist_reshard), whose rounds gather through Python:
+// they run with the GIL released, each hook takes it.
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "jobdir/planned_steps.h"
 #include "nonstop/dist.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
 
 namespace nonstop::py_bindings {
+
+// bindings.cc: whether a Python exception is a checkpoint's failure
+// (nonstop's CheckpointError or an OSError), not a bug or an interrupt.
+bool IsCheckpointFailure(PyObject* exc);
+
 namespace {
 
 using dist::RankError;
@@ -25,6 +35,89 @@ using Gathered = std::optional<std::pair<int, std::string>>;  // (Status code, m
 std::optional<RankError> ErrorOf(const Gathered& g) {
   if (!g) return std::nullopt;
   return RankError{static_cast<StatusCode>(g->first), g->second};
+}
+
+// A driver's Python hooks: each runs with the GIL taken. A checkpoint's
+// failure (nonstop's error, an OSError) becomes a Status of its code and
+// str() (kDamage: Corruption for any OSError too, the reshard's rule); any
+// other exception (a bug, an interrupt), and with kRaise any at all (the
+// process group's failure, a collective hook's error), is kept and the
+// driver stops (Aborted): it is raised as it is afterwards.
+class Hooks {
+ public:
+  enum class On { kLine, kDamage, kRaise };
+
+  template <typename F>
+  Status Call(F&& f, On on = On::kLine) {
+    py::gil_scoped_acquire g;
+    try {
+      f();
+      return Status::OK();
+    } catch (py::error_already_set& e) {
+      const std::string line = py::str(e.value()).cast<std::string>();
+      if (on == On::kRaise || !IsCheckpointFailure(e.value().ptr())) {
+        if (fatal_.is_none()) fatal_ = e.value();
+        return Status::Aborted(line);
+      }
+      StatusCode code = StatusCodeOfException(e.value().ptr());
+      if (on == On::kDamage && PyObject_IsInstance(e.value().ptr(), PyExc_OSError) == 1) {
+        code = StatusCode::kCorruption;
+      }
+      PyErr_Clear();
+      return Status(code == StatusCode::kAborted ? StatusCode::kInternal : code, line);
+    } catch (py::cast_error& e) {  // a hook returned the wrong type: a bug
+      if (fatal_.is_none()) {
+        fatal_ = py::reinterpret_steal<py::object>(
+            PyObject_CallFunction(PyExc_TypeError, "s", e.what()));
+      }
+      return Status::Aborted(e.what());
+    }
+  }
+
+  // Every rank's text: the Comm's gather (JSON over the gloo group). The
+  // texts are bytes; surrogateescape carries any byte through a str.
+  dist::Gather Gather(const py::object& gather) {  // `gather` outlives the driver
+    return [this, &gather](const std::string& mine) -> Result<std::vector<std::string>> {
+      std::vector<std::string> out;
+      Status s = Call([&] {
+        py::object text = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(
+            mine.data(), static_cast<Py_ssize_t>(mine.size()), "surrogateescape"));
+        if (!text) throw py::error_already_set();
+        for (py::handle t : gather(text)) {
+          py::object b = py::reinterpret_steal<py::object>(
+              PyUnicode_AsEncodedString(t.ptr(), "utf-8", "surrogateescape"));
+          if (!b) throw py::error_already_set();
+          out.push_back(b.cast<std::string>());
+        }
+      }, On::kRaise);
+      if (s.ok()) return out;
+      return s;
+    };
+  }
+
+  // After the driver (GIL held): its warnings, then the hook's exception or its error.
+  void Finish(const Status& s, const std::vector<std::string>& warnings, int stacklevel) {
+    for (const std::string& w : warnings) {
+      if (PyErr_WarnEx(PyExc_UserWarning, w.c_str(), stacklevel) < 0) throw py::error_already_set();
+    }
+    if (!fatal_.is_none()) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(fatal_.ptr())), fatal_.ptr());
+      throw py::error_already_set();
+    }
+    Check(s);
+  }
+
+ private:
+  py::object fatal_ = py::none();
+};
+
+const char* KindName(dist::RecoverOutcome::Kind k) {
+  switch (k) {
+    case dist::RecoverOutcome::Kind::kFresh: return "fresh";
+    case dist::RecoverOutcome::Kind::kResharded: return "resharded";
+    case dist::RecoverOutcome::Kind::kRestored: return "restored";
+  }
+  return "?";
 }
 
 }  // namespace
@@ -141,6 +234,132 @@ void InitDist(py::module_& m) {
         "offset in elements, nbytes)]. Returns ([(name, dtype, local shape, offset, nbytes)], "
         "total bytes, [(old rank, handle, src, dst, nbytes)]): this rank's new pieces in one "
         "flat buffer and which old bytes fill them (dist.h PlanDTensorReshard).");
+
+  m.def(
+      "dist_recover",
+      [](const std::string& dir, int rank, std::optional<int64_t> step,
+         std::optional<std::string> error, std::vector<int64_t> mine, bool foreign,
+         std::optional<int64_t> peer_step, std::optional<int64_t> agreed, py::object gather,
+         py::object check, py::object reshard, py::object open, py::object probe_memory,
+         py::object read) {
+        dist::RecoverRequest req{dir, rank, step, std::move(error), std::move(mine), foreign,
+                                 peer_step, agreed};
+        Hooks hk;
+        dist::RecoverHooks h;
+        h.gather = hk.Gather(gather);
+        h.check = [&] { return hk.Call([&] { check(); }, Hooks::On::kRaise); };
+        h.reshard = [&]() -> Result<bool> {
+          bool got = false;
+          Status s = hk.Call([&] { got = reshard().cast<bool>(); }, Hooks::On::kRaise);
+          return s.ok() ? Result<bool>(got) : Result<bool>(s);
+        };
+        h.open = [&](int64_t s, bool peer) -> Result<uint64_t> {
+          uint64_t run = 0;
+          Status st = hk.Call([&] { run = open(s, peer).cast<uint64_t>(); });
+          return st.ok() ? Result<uint64_t>(run) : Result<uint64_t>(st);
+        };
+        h.probe_memory = [&](int64_t s) -> Result<std::string> {
+          std::string why;
+          Status st = hk.Call([&] { why = probe_memory(s).cast<std::string>(); });
+          return st.ok() ? Result<std::string>(why) : Result<std::string>(st);
+        };
+        h.read = [&](int64_t s, bool memory) { return hk.Call([&] { read(s, memory); }); };
+        dist::RecoverOutcome out;
+        Status s;
+        {
+          py::gil_scoped_release r;
+          s = dist::Recover(req, h, &out);
+        }
+        hk.Finish(s, out.warnings, 3);
+        return py::make_tuple(KindName(out.kind), out.step, out.source, out.sources,
+                              out.memory_unused);
+      },
+      py::arg("dir"), py::arg("rank"), py::arg("step"), py::arg("error"), py::arg("mine"),
+      py::arg("foreign"), py::arg("peer_step"), py::arg("agreed"), py::arg("gather"),
+      py::arg("check"), py::arg("reshard"), py::arg("open"), py::arg("probe_memory"),
+      py::arg("read"),
+      "The recovery of a distributed restore, this rank's part, collective (dist.h Recover): "
+      "this rank's job directory (error or None, planned steps, foreign files), the peer "
+      "replica's step, the agreed step; hooks gather(text) -> every rank's text, check(), "
+      "reshard() -> bool, open(step, peer) -> run id, probe_memory(step) -> '' or why, "
+      "read(step, memory). Returns (\"fresh\"|\"resharded\"|\"restored\", step, source, "
+      "every rank's source, memory unused because). Warnings are given; errors are one line.");
+  m.def(
+      "dist_reshard",
+      [](const std::string& dir, int world, py::object gather, py::object pick,
+         py::object rebuild, std::optional<std::string> missing) -> py::object {
+        Hooks hk;
+        dist::ReshardHooks h;
+        h.gather = hk.Gather(gather);
+        h.missing = std::move(missing);
+        h.pick = [&](std::optional<int64_t> max_step) -> Result<std::optional<dist::ReshardPick>> {
+          std::optional<dist::ReshardPick> got;
+          Status s = hk.Call([&] {
+            py::object p = pick(max_step);
+            if (p.is_none()) return;
+            auto [w, st, run, archive] = p.cast<std::tuple<int, int64_t, uint64_t, std::string>>();
+            got = dist::ReshardPick{{w, st, run}, archive};
+          });
+          return s.ok() ? Result<std::optional<dist::ReshardPick>>(got)
+                        : Result<std::optional<dist::ReshardPick>>(s);
+        };
+        h.rebuild = [&](const dist::ReshardPick& p) {
+          return hk.Call([&] { rebuild(p.key.old_world, p.key.step, p.key.run_id, p.archive); },
+                         Hooks::On::kDamage);
+        };
+        Result<std::optional<dist::ReshardKey>> got = Status::Internal("not run");
+        std::vector<std::string> warnings;
+        {
+          py::gil_scoped_release r;
+          got = dist::ReshardTogether(dir, world, h, &warnings);
+        }
+        hk.Finish(got.status(), warnings, 4);
+        if (!got.value()) return py::none();
+        const dist::ReshardKey& k = *got.value();
+        return py::make_tuple(k.old_world, k.step, k.run_id);
+      },
+      py::arg("dir"), py::arg("world"), py::arg("gather"), py::arg("pick"), py::arg("rebuild"),
+      py::arg("missing") = py::none(),
+      "The reshard's rounds, collective (dist.h ReshardTogether): pick(max_step) -> None or "
+      "(old world, step, run id, archive dir); rebuild(old world, step, run id, archive) "
+      "(a CorruptCheckpointError or OSError: damage, all fall back); missing: this rank's line "
+      "of the old files no peer held (a reshard from peers' memory). Returns (old world, step, "
+      "run id) every rank rebuilt, or None: nothing to reshard.");
+
+  m.def("dist_tidy_kept", [](const std::string& dir, int rank, int world, py::object gather) {
+    Hooks hk;
+    const dist::Gather g = hk.Gather(gather);
+    Result<std::vector<int64_t>> gone = Status::Internal("not run");
+    {
+      py::gil_scoped_release r;
+      gone = TidyKeptTogether(dir, rank, world, g);
+    }
+    hk.Finish(gone.status(), {}, 1);
+    return gone.value();
+  }, py::arg("dir"), py::arg("rank"), py::arg("world"), py::arg("gather"),
+        "max_to_keep/best with world_size > 1, collective, before the engine opens "
+        "(planned_steps.h TidyKeptTogether): the steps whose kept copy this rank deleted.");
+  m.def("dist_set_aside", [](const std::string& dir, int rank, int world, py::object gather) {
+    Hooks hk;
+    const dist::Gather g = hk.Gather(gather);
+    Result<std::vector<int>> moved = Status::Internal("not run");
+    {
+      py::gil_scoped_release r;
+      moved = SetAsideTogether(dir, rank, world, g);
+    }
+    std::vector<std::string> warnings, dirs;
+    if (moved.ok() && !moved.value().empty()) {
+      warnings.push_back(SetAsideWarning(dir, world, moved.value()));
+    }
+    hk.Finish(moved.status(), warnings, 4);
+    for (int w : moved.value()) {
+      dirs.push_back((std::filesystem::path(dir) / JobDirNames::World(w)).string());
+    }
+    return dirs;
+  }, py::arg("dir"), py::arg("rank"), py::arg("world"), py::arg("gather"),
+        "Rank files of another world size moved to dir/world-W/ for resharding, collective "
+        "(planned_steps.h SetAsideTogether), with a warning: the directories this rank moved "
+        "files into.");
 
   using AR = dist::AgreementRounds;
   py::class_<AR>(m, "AgreementRounds")

@@ -318,13 +318,8 @@ class Distributed:
         Not collective."""
         if self.peers is None or not self.peers.replicas and not self.peers.held:
             return
-        own = []
-        try:
-            jd = _open_read(self.dir)
-            if jd is not None:
-                own = jd.planned_steps(self.rank)
-        except CheckpointError:
-            pass  # the collective restore reports it
+        # An unreadable job directory holds none: the collective restore reports it.
+        own = _ext.core().dist_local_steps(self.dir, self.rank, self.world)[1]
         self.peers.prefetch(self.dir, own)
 
     # ------------------------------------------------------------ recovery
@@ -332,30 +327,18 @@ class Distributed:
     def load(self, engine, step: Optional[int], core, loaded_cls, check_world,
              stats: Optional[dict] = None, remote=None):
         """Agrees with the peers on the checkpoint to restore, reads it and
-        pins it. Returns a LoadedCheckpoint with complete tensors (the
-        replicated ones reassembled), or None on a fresh start everywhere.
-        Collective: every rank must call it, before its first save().
-        `stats` gets restored_from ("memory" or "disk"), memory_unused_because
-        and restore_s. `remote` (the job's _remote.Tier, or None): where a
-        reshard from peers' memory finds an old rank on no peer (_peer.py).
-        The choices are JobDir's: which checkpoints of this rank are committed
-        and not abandoned (planned_steps), which one of a step verifies
-        (select); the rounds (agree, fall back together, fail together, the
-        memory tier all or none) are C++'s (dist.h Recover): this method
-        only reads what it is told to."""
+        pins it: a LoadedCheckpoint with complete tensors (the replicated
+        ones reassembled), or None on a fresh start everywhere. Collective,
+        before the first save(). `stats` gets restored_from ("memory", "disk"
+        or "peer"), memory_unused_because and restore_s. `remote` (_remote.Tier
+        or None): where a reshard from peers' memory finds an old rank on no
+        peer (_peer.py). The choices are JobDir's (planned_steps, select), the
+        rounds C++'s (dist.h Recover): this method reads what it is told to."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
         self.engine = engine
         core = core()  # `core`: _ext.core
-        jd, err, foreign, mine = None, None, False, []
-        try:
-            jd = _open_read(self.dir)
-            if jd is not None:
-                foreign = jd.needs_set_aside(self.world)
-                mine = jd.planned_steps(self.rank, step)
-        except CheckpointError as e:
-            err = str(e)
         # A replica a partner held, fetched and verified (prefetch_peer).
         pf = self.peers.prefetched if self.peers is not None else None
         stats = {} if stats is None else stats
@@ -364,7 +347,7 @@ class Distributed:
         def open_step(s: int, peer: bool) -> int:
             cur.update(t0=time.perf_counter(), where=pf["dir"] if peer else self.dir, peer=peer)
             # Chunk crcs are verified as the tensors are read.
-            src = _open_read(cur["where"]) if peer else jd
+            src = _open_read(cur["where"])
             if src is None:
                 raise CheckpointNotFoundError(f"{cur['where']} is gone")
             cur["sel"] = src.select(self.rank, step=s, verify_data=False,
@@ -380,7 +363,7 @@ class Distributed:
 
         def read(s: int, memory: bool) -> None:
             if not memory:  # the one verified read path: every crc chunk read and checked once
-                cur["tensors"] = read_tensors(_OldRank(cur["sel"]), 0)
+                cur["tensors"] = read_tensors(cur["sel"], 0)  # a selection reads like a Reader
                 return
             r = cur["reader"]
             try:
@@ -393,7 +376,7 @@ class Distributed:
             return cur["resharded"] is not None
 
         kind, s, source, per_rank, unused = core.dist_recover(
-            self.dir, self.rank, step, err, mine, foreign, None if pf is None else pf["step"],
+            self.dir, self.rank, self.world, step, None if pf is None else pf["step"],
             self.agreed["step"] if self.agreed else None, self.comm().gather,
             lambda: check_world(self.dir), reshard, open_step, probe_memory, read)
         if unused:
@@ -477,20 +460,18 @@ class Distributed:
 
 
 def set_aside(dir: str, world: int, rank: int = 0, comm: Optional["Comm"] = None) -> list:
-    """Moves the rank files a job of another world size wrote in `dir` into
-    `dir`/world-W/ (JobDir.set_aside, under each rank's writer lock in turn,
-    released before the engine takes it), with a warning; returns the
-    directories this rank moved files into. Collective over `comm` (world
-    size 1: none; C++ planned_steps.h SetAsideTogether)."""
+    """Moves the rank files a job of another world size wrote in `dir` to
+    `dir`/world-W/, with a warning, each rank in turn under its writer lock
+    (released before the engine takes it; C++ planned_steps.h SetAsideTogether);
+    returns the directories this rank moved files into. Collective over `comm`."""
     return _ext.core().dist_set_aside(dir, rank, world, (comm or Comm()).gather)
 
 
 def archives(dir: str) -> list:
     """(old world size, directory) of the set-aside checkpoints in `dir`."""
     jd = _open_read(dir)
-    if jd is None:
-        return []
-    return [(w, os.path.join(dir, _ext.core().JobDir.world_name(w))) for w in jd.set_aside_worlds()]
+    return [] if jd is None else [(w, os.path.join(dir, _ext.core().JobDir.world_name(w)))
+                                  for w in jd.set_aside_worlds()]
 
 
 class Comm:
@@ -517,21 +498,6 @@ class Comm:
         return [json.loads(bytes(g[:k].numpy()).decode("utf-8")) for g, k in zip(got, n)]
 
 
-class _OldRank:
-    """One checkpoint chosen by JobDir (select, select_reshard), read like a
-    Reader that holds one checkpoint (index 0); reads verify chunk crcs."""
-
-    def __init__(self, sel):
-        self.sel = sel
-        self.checkpoints = [sel.info]
-
-    def read_tensor(self, idx: int, ti: int, ptr: int, nbytes: int) -> None:
-        self.sel.read_tensor(ti, ptr, nbytes)
-
-    def read_into(self, idx: int, dst: list, threads: int = 4) -> dict:
-        return self.sel.read_into(dst, threads=threads)
-
-
 def _meta(sel, step: int) -> dict:
     """The metadata of a selected checkpoint (a dict, or a one-line error)."""
     meta = loads(sel.info["meta_json"])
@@ -547,16 +513,12 @@ def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
         return tree
     out = {}
     for k, v in tree.items():
-        if add:
-            nk = "module." + k
-        else:
-            nk = k[len("module."):] if k.startswith("module.") else k
-        if isinstance(v, dict) and set(v) == {"__tensor__"}:
-            old = v["__tensor__"]
-            new = f"{key}/{nk}"
-            if old in tensors and new not in tensors:
-                tensors[new] = tensors.pop(old)
-                v = {"__tensor__": new}
+        nk = "module." + k if add else k.removeprefix("module.")
+        new = f"{key}/{nk}"
+        if (isinstance(v, dict) and set(v) == {"__tensor__"} and v["__tensor__"] in tensors
+                and new not in tensors):
+            tensors[new] = tensors.pop(v["__tensor__"])
+            v = {"__tensor__": new}
         out[nk] = v
     return out
 
@@ -584,26 +546,22 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
 
     def rebuild(old_world: int, s: int, run_id: int, archive: str) -> None:
         # A CorruptCheckpointError or OSError is damage: every rank falls back.
-        cur["readers"] = [_OldRank(sel) for sel in cur["pick"]["ranks"]]
-        metas = [_meta(sel, s) for sel in cur["pick"]["ranks"]]
-        cur["got"] = _rebuild(cur["readers"], metas, rank % old_world, archive, old_world, rank,
-                              world, (s, run_id), state)
+        sels = cur["pick"]["ranks"]
+        src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
+        tensors, meta = _rebuild(sels, [_meta(sel, s) for sel in sels], src, archive, old_world,
+                                 rank, world, (s, run_id), state)
+        info = dict(sels[src].info)
+        info.pop("meta_json", None)
+        info["resharded_from"] = {"dir": archive, "world_size": old_world}
+        cur["got"] = (s, run_id), info, tensors, meta, old_world, archive
 
     key = _ext.core().dist_reshard(dir, world, comm.gather, pick, rebuild, missing)
-    if key is None:
-        return None
-    old_world, s, run_id = key
-    archive = os.path.join(dir, cur["pick"]["dir"])
-    tensors, meta = cur["got"]
-    # Whose per-rank state (RNG, own buffers, plain values) is taken: old rank rank % old_world.
-    info = dict(cur["readers"][rank % old_world].checkpoints[0])
-    info.pop("meta_json", None)
-    info["resharded_from"] = {"dir": archive, "world_size": old_world}
-    return (s, run_id), info, tensors, meta, old_world, archive
+    return None if key is None else cur["got"]
 
 
 def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
-    """(tensors, meta) of one step of the old files, for new rank `rank`:
+    """(tensors, meta) of one step of the old files (`readers`: JobDir's
+    selections, each read like a Reader of one checkpoint), for new rank `rank`:
     each old file read once (crcs verified), its pieces of the replicated
     tensors straight into one buffer where C++ placed them (dist_lay_out_shared)."""
     core, doc = _ext.core(), metas[0].get("dist", {})

@@ -96,6 +96,25 @@ std::string Joined(const std::string& dir, const std::string& name) {
 
 }  // namespace
 
+LocalSteps ListLocalSteps(const std::string& dir, int rank, int world,
+                          std::optional<int64_t> step, Env* env) {
+  LocalSteps out;
+  Result<std::unique_ptr<JobDir>> jd = JobDir::OpenForRead(dir, env);
+  Status s = jd.status().code() == StatusCode::kNotFound ? Status::OK() : jd.status();
+  if (jd.ok()) {
+    Result<bool> foreign = jd.value()->NeedsSetAside(world);
+    Result<std::vector<int64_t>> steps =
+        foreign.ok() ? PlannedSteps(*jd.value(), rank, step) : foreign.status();
+    s = steps.status();
+    if (steps.ok()) {
+      out.foreign = foreign.value();
+      out.steps = std::move(steps).value();
+    }
+  }
+  if (!s.ok()) out.error = s.message().empty() ? s.ToString() : s.message();
+  return out;
+}
+
 Result<std::vector<int64_t>> TidyKeptTogether(const std::string& dir, int rank, int world,
                                               const dist::Gather& gather, Env* env) {
   std::unique_ptr<JobDir> jd;

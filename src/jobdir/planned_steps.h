@@ -45,7 +45,22 @@ Result<std::vector<int64_t>> TidyKeptShares(JobDir& jd, int rank,
 enum class SingleSource { kOwn, kReshard, kReshardElseOwn };
 SingleSource ChooseSingleSource(JobDir& jd, std::optional<int64_t> step);
 
-// ---- Collective, over dist.h's Gather (Distributed, _distributed.py) ----
+// ---- A distributed restart (Distributed, _distributed.py) ----
+
+// What rank `rank` brings to a distributed restore (dist.h RecoverRequest's
+// error, mine and foreign): its PlannedSteps (`step`: only it) and whether
+// `dir` holds rank files of another world than `world` not set aside
+// (NeedsSetAside). A directory that does not exist holds nothing; any other
+// failure is the error line (the steps then empty).
+struct LocalSteps {
+  std::optional<std::string> error;
+  std::vector<int64_t> steps;
+  bool foreign = false;
+};
+LocalSteps ListLocalSteps(const std::string& dir, int rank, int world,
+                          std::optional<int64_t> step, Env* env = nullptr);
+
+// Collective, over dist.h's Gather:
 
 // TidyKeptShares on every rank together (Distributed.tidy_kept), before the
 // engine opens: each rank's kept steps (its writer's open first redoes its

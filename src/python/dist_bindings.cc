@@ -237,13 +237,16 @@ void InitDist(py::module_& m) {
 
   m.def(
       "dist_recover",
-      [](const std::string& dir, int rank, std::optional<int64_t> step,
-         std::optional<std::string> error, std::vector<int64_t> mine, bool foreign,
+      [](const std::string& dir, int rank, int world, std::optional<int64_t> step,
          std::optional<int64_t> peer_step, std::optional<int64_t> agreed, py::object gather,
          py::object check, py::object reshard, py::object open, py::object probe_memory,
          py::object read) {
-        dist::RecoverRequest req{dir, rank, step, std::move(error), std::move(mine), foreign,
-                                 peer_step, agreed};
+        dist::RecoverRequest req;
+        req.dir = dir;
+        req.rank = rank;
+        req.step = step;
+        req.peer_step = peer_step;
+        req.agreed = agreed;
         Hooks hk;
         dist::RecoverHooks h;
         h.gather = hk.Gather(gather);
@@ -268,19 +271,22 @@ void InitDist(py::module_& m) {
         Status s;
         {
           py::gil_scoped_release r;
+          LocalSteps local = ListLocalSteps(dir, rank, world, step);
+          req.error = std::move(local.error);
+          req.mine = std::move(local.steps);
+          req.foreign = local.foreign;
           s = dist::Recover(req, h, &out);
         }
         hk.Finish(s, out.warnings, 3);
         return py::make_tuple(KindName(out.kind), out.step, out.source, out.sources,
                               out.memory_unused);
       },
-      py::arg("dir"), py::arg("rank"), py::arg("step"), py::arg("error"), py::arg("mine"),
-      py::arg("foreign"), py::arg("peer_step"), py::arg("agreed"), py::arg("gather"),
-      py::arg("check"), py::arg("reshard"), py::arg("open"), py::arg("probe_memory"),
-      py::arg("read"),
-      "The recovery of a distributed restore, this rank's part, collective (dist.h Recover): "
-      "this rank's job directory (error or None, planned steps, foreign files), the peer "
-      "replica's step, the agreed step; hooks gather(text) -> every rank's text, check(), "
+      py::arg("dir"), py::arg("rank"), py::arg("world"), py::arg("step"), py::arg("peer_step"),
+      py::arg("agreed"), py::arg("gather"), py::arg("check"), py::arg("reshard"),
+      py::arg("open"), py::arg("probe_memory"), py::arg("read"),
+      "The recovery of a distributed restore, this rank's part, collective (dist.h Recover, "
+      "over planned_steps.h ListLocalSteps of dir): the peer replica's step, the agreed "
+      "step; hooks gather(text) -> every rank's text, check(), "
       "reshard() -> bool, open(step, peer) -> run id, probe_memory(step) -> '' or why, "
       "read(step, memory). Returns (\"fresh\"|\"resharded\"|\"restored\", step, source, "
       "every rank's source, memory unused because). Warnings are given; errors are one line.");
@@ -326,6 +332,17 @@ void InitDist(py::module_& m) {
       "of the old files no peer held (a reshard from peers' memory). Returns (old world, step, "
       "run id) every rank rebuilt, or None: nothing to reshard.");
 
+  m.def("dist_local_steps", [](const std::string& dir, int rank, int world,
+                               std::optional<int64_t> step) {
+    LocalSteps l;
+    {
+      py::gil_scoped_release r;
+      l = ListLocalSteps(dir, rank, world, step);
+    }
+    return py::make_tuple(l.error, l.steps, l.foreign);
+  }, py::arg("dir"), py::arg("rank"), py::arg("world"), py::arg("step") = py::none(),
+        "(error line or None, planned steps, foreign rank files) of this rank's job directory "
+        "(planned_steps.h ListLocalSteps): what it brings to dist_recover.");
   m.def("dist_tidy_kept", [](const std::string& dir, int rank, int world, py::object gather) {
     Hooks hk;
     const dist::Gather g = hk.Gather(gather);

@@ -594,6 +594,18 @@ void InitJobDir(py::module_& m) {
       .def("read_tensor", &PySelected::ReadTensor, py::arg("tensor"), py::arg("dst"),
            py::arg("nbytes"), py::arg("verify") = true)
       .def("read_into", &PySelected::ReadInto, py::arg("dst"), py::arg("threads") = 4)
+      // Read like a Reader that holds one checkpoint, index 0 (_read.read_tensors).
+      .def_property_readonly("checkpoints",
+                             [](const PySelected& s) { return py::make_tuple(s.Info()); })
+      .def(
+          "read_into",
+          [](PySelected& s, int idx, const py::sequence& dst, int threads) {
+            if (idx != 0) {
+              throw StatusError(Status::InvalidArgument("a selection holds checkpoint 0 only"));
+            }
+            return s.ReadInto(dst, threads);
+          },
+          py::arg("idx"), py::arg("dst"), py::arg("threads") = 4)
       .def("superseded", &PySelected::Superseded);
 
   py::class_<PyJobDir>(m, "JobDir")

@@ -350,7 +350,7 @@ TEST_F(JobDirTest, ReshardWithADamagedOldRankRaises) {
   EXPECT_EQ(jd->SelectCommon(2, {}, 5).status().code(), StatusCode::kNotFound);
 }
 
-// SetAsideTogether (Distributed's start) on two ranks: rank 0 sees the file
+// ListLocalSteps, then SetAsideTogether (Distributed's start) on two ranks: rank 0 sees the file
 // of a world-1 job and moves it in its turn (with the warning's line); a
 // second start has nothing to move and takes no turns; a rank that cannot
 // read the directory fails both with its one line.
@@ -360,6 +360,18 @@ TEST_F(JobDirTest, SetAsideTogetherMovesOnceInTurns) {
     auto f = NewSlotFile(*w, 1);
     Commit(*f, 1, 5);
   }
+  // What each rank brings to a restore (ListLocalSteps): its steps, and
+  // whether files of another world size wait to be set aside.
+  LocalSteps l = ListLocalSteps(Dir(), 0, 1, std::nullopt);
+  EXPECT_FALSE(l.error.has_value());
+  EXPECT_EQ(l.steps, std::vector<int64_t>{5});
+  EXPECT_FALSE(l.foreign);
+  EXPECT_TRUE(ListLocalSteps(Dir(), 0, 2, std::nullopt).foreign);
+  EXPECT_TRUE(ListLocalSteps(Dir(), 0, 1, 4).steps.empty());
+  l = ListLocalSteps((root_ / "none").string(), 0, 2, std::nullopt);
+  EXPECT_TRUE(!l.error && l.steps.empty() && !l.foreign);
+  l = ListLocalSteps((root_ / "rank-00000.nsck").string(), 0, 2, std::nullopt);
+  EXPECT_TRUE(l.error.has_value());
   auto run = [&](const std::vector<std::string>& dirs) {
     std::vector<Result<std::vector<int>>> got(2, Status::Internal("not run"));
     dist::RankThreads(2).Run([&](int r, const dist::Gather& g) {
@@ -374,6 +386,7 @@ TEST_F(JobDirTest, SetAsideTogetherMovesOnceInTurns) {
   EXPECT_TRUE(got[1].value().empty());
   EXPECT_TRUE(fs::exists(root_ / "world-1" / "rank-00000.nsck"));
   EXPECT_FALSE(fs::exists(root_ / "rank-00000.nsck"));
+  EXPECT_FALSE(ListLocalSteps(Dir(), 0, 2, std::nullopt).foreign);
   EXPECT_EQ(SetAsideWarning("/j", 2, {1, 4}),
             "nonstop: /j holds a checkpoint of world size 1, 4; this job has world size 2: its "
             "rank files are moved to /j/world-1, /j/world-4 and restore() reshards them");

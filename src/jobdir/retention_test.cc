@@ -283,11 +283,11 @@ TEST_F(RetentionEnvTest, WithTwoRanksEachDeletesItsOwnFileAndTheLastTheDirectory
   EXPECT_EQ(reader.value()->DeleteKeptShare(30).code(), StatusCode::kFailedPrecondition);
 }
 
-// TidyKeptTogether (Distributed.tidy_kept) on two ranks: rank 0 kept 40
-// and 50, rank 1 20 and 30 (killed before its deletions); no step is kept
-// by both, so each deletes its own file of them but its newest committed
-// checkpoint. A rank that cannot open the directory fails both, one line,
-// and nothing is deleted.
+// TidyKeptTogether (Distributed.tidy_kept) on two ranks: rank 0 kept 30,
+// 40 and 50, rank 1 10, 20 and 30 (killed before its deletions); only 30 is
+// kept by both, so each deletes its own file of the others but its newest
+// committed checkpoint. A rank that cannot open the directory fails both,
+// one line, and nothing is deleted.
 TEST_F(RetentionEnvTest, TidyKeptTogetherDeletesWhatNotEveryRankKeeps) {
   {
     auto jd0 = Writer(0, 2);
@@ -297,13 +297,13 @@ TEST_F(RetentionEnvTest, TidyKeptTogetherDeletesWhatNotEveryRankKeeps) {
     auto f1 = NewSlotFile(*jd1, 2);
     RetentionPolicy p;
     p.keep_every = 1;
-    p.max_to_keep = 2;
+    p.max_to_keep = 3;
     for (uint64_t c = 1; c <= 5; ++c) {
       CommitAndRetain(*jd0, *f0, c, 1.0, p);
       if (c <= 3) CommitAndRetain(*jd1, *f1, c, 1.0, p);
     }
-    EXPECT_EQ(KeptSteps(*jd0, 0), (std::vector<int64_t>{40, 50}));
-    EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{20, 30}));
+    EXPECT_EQ(KeptSteps(*jd0, 0), (std::vector<int64_t>{30, 40, 50}));
+    EXPECT_EQ(KeptSteps(*jd1, 1), (std::vector<int64_t>{10, 20, 30}));
   }
   auto run = [&](const std::vector<std::string>& dirs) {
     std::vector<Result<std::vector<int64_t>>> got(2, Status::Internal("not run"));
@@ -322,9 +322,9 @@ TEST_F(RetentionEnvTest, TidyKeptTogetherDeletesWhatNotEveryRankKeeps) {
   ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
   ASSERT_TRUE(got[1].ok()) << got[1].status().ToString();
   EXPECT_EQ(got[0].value(), (std::vector<int64_t>{40}));
-  EXPECT_EQ(got[1].value(), (std::vector<int64_t>{20}));
+  EXPECT_EQ(got[1].value(), (std::vector<int64_t>{10, 20}));
   auto jd = Writer(0, 2);
-  EXPECT_EQ(KeptSteps(*jd, 0), (std::vector<int64_t>{50}));
+  EXPECT_EQ(KeptSteps(*jd, 0), (std::vector<int64_t>{30, 50}));
   EXPECT_EQ(KeptSteps(*jd, 1), (std::vector<int64_t>{30}));
   // A directory that does not exist keeps nothing: no error.
   got = run({"/none", "/none"});

@@ -1,10 +1,9 @@
 // nonstop._core's distributed decisions (include/nonstop/dist.h) for
-// _distributed.py: Python gathers what each rank found over its gloo group and
-// hands the lists here; every answer and every error line comes from C++.
-// Pure and quick (no I/O): nothing blocks, so the GIL is kept; but for the
-// drivers (dist_recover, dist_reshard), whose rounds gather through Python:
-// they run with the GIL released, each hook takes it.
-#include <pybind11/functional.h>
+// _distributed.py: every answer and every error line comes from C++. The
+// pure ones are quick (no I/O) and keep the GIL; the drivers of the rounds
+// (dist_recover, dist_reshard, dist_set_aside, dist_tidy_kept) run with the
+// GIL released and call back into Python, taking it, for each gather (the
+// Comm's, over the gloo group) and each read.
 #include <pybind11/stl.h>
 
 #include <cstdint>
@@ -28,14 +27,6 @@ namespace nonstop::py_bindings {
 bool IsCheckpointFailure(PyObject* exc);
 
 namespace {
-
-using dist::RankError;
-using Gathered = std::optional<std::pair<int, std::string>>;  // (Status code, message)
-
-std::optional<RankError> ErrorOf(const Gathered& g) {
-  if (!g) return std::nullopt;
-  return RankError{static_cast<StatusCode>(g->first), g->second};
-}
 
 // A driver's Python hooks: each runs with the GIL taken. A checkpoint's
 // failure (nonstop's error, an OSError) becomes a Status of its code and
@@ -123,13 +114,6 @@ const char* KindName(dist::RecoverOutcome::Kind k) {
 }  // namespace
 
 void InitDist(py::module_& m) {
-  m.def("dist_join_errors", [](const std::vector<Gathered>& every) {
-    std::vector<std::optional<RankError>> in;
-    for (const Gathered& g : every) in.push_back(ErrorOf(g));
-    Check(dist::JoinErrors(in));
-  }, py::arg("every"),
-        "Raises when any rank failed: every rank's None or (Status code, message), "
-        "one line (dist.h JoinErrors).");
   m.def("dist_shard", [](const std::vector<std::tuple<std::string, uint64_t, bool, bool>>& tensors,
                          int rank, int world) {
     std::vector<dist::ShardInput> in;
@@ -155,22 +139,6 @@ void InitDist(py::module_& m) {
     Check(dist::NoCommonStep(dir, rank, step, every));
   }, py::arg("dir"), py::arg("rank"), py::arg("step"), py::arg("every"),
         "No common step and nothing to reshard: returns on a fresh start, else raises.");
-  m.def("dist_check_foreign", [](const std::string& dir, int world, const std::vector<bool>& every) {
-    Check(dist::CheckForeign(dir, world, every));
-  }, py::arg("dir"), py::arg("world"), py::arg("every"));
-  m.def("dist_recover_step", [](const std::string& dir, const std::vector<int64_t>& order, size_t n,
-                                const std::vector<std::pair<std::optional<std::string>, uint64_t>>&
-                                    every) {
-    std::vector<dist::StepRead> in;
-    for (const auto& [err, run] : every) in.push_back({err, run});
-    return Take(dist::DecideRecoverStep(dir, order, n, in));
-  }, py::arg("dir"), py::arg("order"), py::arg("n"), py::arg("every"),
-        "Every rank's (error or None, run id) of step order[n]: '' to restore it, a warning "
-        "to fall back to order[n + 1]; raises when it was the last.");
-  m.def("dist_memory", [](const std::vector<std::optional<std::string>>& whys) {
-    dist::MemoryChoice c = dist::DecideMemory(whys);
-    return std::make_pair(c.use, c.unused);
-  }, py::arg("whys"), "(use the memory tier, 'rank R: why; ...' of the ranks that cannot).");
   m.def("dist_check_reshardable", [](const std::string& archive, int old_world, int world,
                                      const std::vector<std::string>& local,
                                      const std::vector<std::string>& zero_keys,
@@ -409,43 +377,6 @@ void InitDist(py::module_& m) {
       .def_readonly("agreements", &AR::agreements)
       .def_readonly("candidate_drops", &AR::candidate_drops)
       .def_readonly("max_drops_in_row", &AR::max_drops_in_row);
-
-  using RA = dist::ReshardAgreement;
-  auto next_name = [](RA::Next n) {
-    switch (n) {
-      case RA::Next::kNone: return "none";
-      case RA::Next::kRetry: return "retry";
-      case RA::Next::kProceed: return "proceed";
-      case RA::Next::kDone: return "done";
-    }
-    return "?";
-  };
-  py::class_<RA>(m, "ReshardAgreement")
-      .def(py::init<std::string, int>(), py::arg("dir"), py::arg("world"))
-      .def_property_readonly("max_step", &RA::max_step)
-      .def_property_readonly("key", [](const RA& a) {
-        return py::make_tuple(a.key().old_world, a.key().step, a.key().run_id);
-      })
-      .def_property_readonly("warning", &RA::warning)
-      .def("on_picks", [next_name](RA& a,
-                                   const std::vector<std::pair<Gathered, std::optional<std::tuple<
-                                       int, int64_t, uint64_t>>>>& every) {
-        std::vector<RA::Pick> in;
-        for (const auto& [err, key] : every) {
-          RA::Pick p{ErrorOf(err), std::nullopt};
-          if (key) p.key = dist::ReshardKey{std::get<0>(*key), std::get<1>(*key), std::get<2>(*key)};
-          in.push_back(std::move(p));
-        }
-        return std::string(next_name(Take(a.OnPicks(in))));
-      }, py::arg("every"), "Every rank's (error or None, (old world, step, run id) or None).")
-      .def("on_rebuilt", [next_name](RA& a,
-                                     const std::vector<std::pair<std::optional<std::string>,
-                                                                 std::optional<std::string>>>& every,
-                                     const std::string& archive) {
-        std::vector<RA::Rebuilt> in;
-        for (const auto& [err, fatal] : every) in.push_back({err, fatal});
-        return std::string(next_name(Take(a.OnRebuilt(in, archive))));
-      }, py::arg("every"), py::arg("archive"), "Every rank's (damage or None, fatal or None).");
 }
 
 }  // namespace nonstop::py_bindings

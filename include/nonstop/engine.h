@@ -60,6 +60,7 @@ bool ParseLayerCopy(std::string_view name, LayerCopy* out);
 
 class Env;
 struct AgreedRecord;
+class CommitWatch;  // src/engine/commit_watch.h
 
 struct EngineOptions {
   // The job directory, created if missing. The engine opens it once as its
@@ -368,6 +369,12 @@ class Engine {
   // Writes rank `rec.rank`'s agreed record (jobdir.h) durably through the
   // engine's job directory (its writer). FailedPrecondition once closed.
   virtual Status WriteAgreed(const AgreedRecord& rec);
+
+  // The watch of this engine's finished checkpoints (engine/commit_watch.h):
+  // every finished checkpoint and, in distributed mode, every agreed step
+  // written by WriteAgreed is reported to it; Close() stops it. The Python
+  // front end's per-checkpoint handles settle from it. nullptr: none.
+  virtual std::shared_ptr<CommitWatch> Watch();
 
   // ---- Layer-wise checkpoints (LightCheck; docs/LAYERWISE.md) ----
   //

@@ -91,9 +91,9 @@ class Checkpointer:
         self._applier = StateApplier(state, self.dir, self.rank, self.world_size, self.rng)
         self._applier.replay_check = self.driver.replay_check  # multistep's replay="torch"
         # Per-checkpoint handles (and on_commit) settled from the engine's
-        # records by a watcher thread; _handle.py
-        self._watcher = Watcher(lambda: ses.live().stats(), o.on_commit,
-                                None if dist is None else dist.agreed_step)
+        # watch (C++) by a watcher thread; _handle.py
+        ses.watcher = Watcher(ses.engine.watch() if hasattr(ses.engine, "watch") else None,
+                              o.on_commit)
         ses.stage(nbytes, deferred)  # no first-checkpoint spike (Session.stage)
         # Preemption notices (SIGTERM by default): _preempt.py, docs/PREEMPTION.md
         self._preempt = _preempt.install(self, o.on_preempt)
@@ -101,7 +101,7 @@ class Checkpointer:
         if o.remote is not None:
             ses.remote = _remote.Tier(self, o.remote, o.remote_options, _ext.core,
                                       _restore.read, LoadedCheckpoint)
-        self._watcher.start()  # now, not inside the first save() (_handle.Watcher.start)
+        ses.watcher.start()  # now, not inside the first save() (_handle.Watcher.start)
 
     def attach(self, objects) -> None:
         """Hooks the optimizers among `objects` not hooked yet (lightning.py:
@@ -135,7 +135,7 @@ class Checkpointer:
                 self._preempt.at_boundary(step)
             got = self.driver.step(step)
             if self.driver.handles:
-                got = self._watcher.track(got, step)
+                got = ses.watcher.track(got, step)
         finally:
             ses.metrics = None
         ses.report()  # background errors since the last call, once
@@ -156,7 +156,7 @@ class Checkpointer:
         self.session.metrics = _ext.core().check_metrics(metrics)
         self.session.begin_staging()
         try:
-            handle = self._watcher.track(self.driver.save(step), step)
+            handle = self.session.watcher.track(self.driver.save(step), step)
         finally:
             self.session.metrics = None
         self.session.report()
@@ -220,14 +220,7 @@ class Checkpointer:
             self._preempt.close()
         if "driver" in self.__dict__:
             self.driver.detach()
-        if ses.engine is not None:
-            if ses.dist is not None:
-                # A last agreement round with every rank first: the newest
-                # checkpoint every rank committed is agreed then, so its
-                # handle settles as committed (not as unknown) below.
-                ses.settle()
-            if "_watcher" in self.__dict__:
-                self._watcher.close()  # settles the handles of what finishes now
+        if ses.engine is not None:  # everything in flight, the handles, the engine
             ses.shut(self.driver)
         ses.report()
 

@@ -1,27 +1,26 @@
 """One handle per checkpoint: when *this* checkpoint committed, or why it failed.
 
 `Checkpointer.save()` and a due `Checkpointer.step()` return a
-`CheckpointHandle`. The engine keeps a record of each finished checkpoint
-(its stats: counter, step, bytes, copy and persist seconds, committed, error);
-one watcher thread per Checkpointer waits on the engine for those records,
-with the GIL released, and settles the handles in the background: their
-`done()` becomes true, `wait()` returns, callbacks run (on the watcher
-thread), and `on_commit` receives the record.
+`CheckpointHandle`. The engine reports the record of each finished
+checkpoint (its stats: counter, step, bytes, copy and persist seconds,
+committed, error) to its watch (C++, src/engine/commit_watch.h), which
+decides how each tracked checkpoint settled (with several ranks: committed
+only once its step is agreed on). One watcher thread per Checkpointer waits
+in the watch, with the GIL released, and settles the handles in the
+background: their `done()` becomes true, `wait()` returns, callbacks run (on
+the watcher thread), and `on_commit` receives the record.
 
 Watching does not take the error away from the training thread: a failed
 checkpoint still raises from the next `save()`/`step()`/`wait()` as before.
 """
 from __future__ import annotations
 
+import atexit
 import threading
-import time
 import warnings
 from typing import Callable, Optional
 
 from .errors import CheckpointError, CheckpointIOError
-
-_FIRST_POLL_S = 0.002
-_MAX_POLL_S = 0.05
 
 
 class CheckpointHandle:
@@ -98,50 +97,31 @@ def _call(fn, handle) -> None:
                       stacklevel=2)
 
 
-def _error_of(stats: dict) -> BaseException:
-    msg = stats.get("error") or "failed"
-    text = f"checkpoint of step {stats.get('step')} failed: {msg}"
-    if "superseded" in msg or "abandoned" in msg:
-        return CheckpointError(text)
-    return CheckpointIOError(text)
-
-
 class Watcher:
-    """Settles the handles of one Checkpointer from the engine's records.
+    """Settles the handles of one Checkpointer from its engine's watch
+    (`watch`: the engine's CommitWatch; None for an engine without one,
+    whose mode returns no handles)."""
 
-    `stats` returns the engine's stats (a dict with "recent": the records of
-    the last finished checkpoints, oldest first); `agreed` (distributed
-    training) returns the newest globally agreed step: there a checkpoint
-    counts as committed only once every rank committed it.
-    """
-
-    def __init__(self, stats: Callable[[], dict], on_commit=None,
-                 agreed: Optional[Callable[[], Optional[int]]] = None):
-        self._stats = stats
+    def __init__(self, watch, on_commit=None):
+        self._watch = watch
         self._on_commit = on_commit
-        self._agreed = agreed
         self._pending: dict[int, CheckpointHandle] = {}
-        self._local: dict[int, dict] = {}  # committed here, waiting for agreement
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
-        self._tracked = False  # a handle was tracked: from then on the thread exits when idle
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
         """Starts the thread now (the Checkpointer's constructor) rather than
         inside the first save(), which waited for it to start: 13-49 ms on
-        a busy machine. Until the first handle it waits for one (close()
-        stops it)."""
-        with self._lock:
-            self._start_locked()
-
-    def _start_locked(self) -> None:
-        # is_alive(): in a forked child the parent's thread is not running
-        if (self._thread is None or not self._thread.is_alive()) and not self._stop:
-            self._thread = threading.Thread(target=self._run, name="nonstop-handles",
-                                            daemon=True)
-            self._thread.start()
+        a busy machine. It waits in the watch until close()."""
+        if self._watch is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="nonstop-handles", daemon=True)
+        self._thread.start()
+        # Never closed: the thread leaves the watch at interpreter exit while
+        # the interpreter still runs it. (A daemon thread that returns from a
+        # call that released the GIL after finalizing began is ended inside
+        # pybind11's gil_scoped_release destructor: std::terminate.)
+        atexit.register(self._stop_thread, 10.0)
 
     def track(self, counter, step: int):
         """A handle for checkpoint `counter` (None -> None; a handle passes through)."""
@@ -152,9 +132,7 @@ class Watcher:
             h.add_done_callback(self._report)
         with self._lock:
             self._pending[h.counter] = h
-            self._tracked = True
-            self._start_locked()
-        self._wake.set()
+        self._watch.track(h.counter, h.step)
         return h
 
     def _report(self, h: CheckpointHandle) -> None:
@@ -163,89 +141,39 @@ class Watcher:
         self._on_commit(stats)
 
     def _run(self) -> None:
-        delay = _FIRST_POLL_S
-        while True:
-            with self._lock:
-                if self._stop or (not self._pending and self._tracked):
-                    if self._thread is threading.current_thread():
-                        self._thread = None
-                    return
-                parked = not self._pending  # start(): waits for the first handle
-            if parked:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                settled = self.poll()
-            except Exception:  # the engine closed under us: close() settles the rest
-                settled = 0
-            delay = _FIRST_POLL_S if settled else min(delay * 1.5, _MAX_POLL_S)
-            self._wake.wait(delay)
-            self._wake.clear()
+        while (settled := self._watch.next()) is not None:  # GIL released while it waits
+            self._settle(settled)
 
-    def poll(self) -> int:
-        """Settles every pending handle whose record is there; returns how many."""
-        with self._lock:
-            if not self._pending:
-                return 0
-        stats = self._stats()
-        records = {r["counter"]: r for r in stats.get("recent", ())}
-        agreed = self._agreed() if self._agreed is not None else None
-        done = []
-        with self._lock:
-            for counter, h in list(self._pending.items()):
-                rec = records.get(counter) or self._local.get(counter)
-                if rec is None:
-                    continue
-                if rec.get("committed") and self._agreed is not None:
-                    if agreed is None or agreed < h.step:
-                        self._local[counter] = rec
-                        continue
-                self._local.pop(counter, None)
-                del self._pending[counter]
-                done.append((h, rec))
-        for h, rec in done:
-            h._settle(dict(rec), None if rec.get("committed") else _error_of(rec))
-        return len(done)
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Settles what the engine finished (call before the engine closes;
-        the engine must be idle or finishing), then stops the thread. A
-        handle whose record cannot be found is settled with an error that
-        says so."""
-        with self._lock:
-            self._stop = True
-            thread = self._thread
-        self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()  # its callbacks have run when close() returns
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.poll()
-                stats = self._stats()
-            except Exception:
-                break
-            if "recent" not in stats:  # an engine that keeps no records
-                break
-            in_flight = stats.get("in_flight", 0)
+    def _settle(self, settled: list) -> None:
+        """(counter, record, error line, cancelled) of each settled checkpoint:
+        a superseded, abandoned or unknown one is a CheckpointError, a failed
+        one a CheckpointIOError (the watch's decision)."""
+        for counter, record, error, cancelled in settled:
             with self._lock:
-                if not self._pending:
-                    break
-            if in_flight == 0 or time.monotonic() > deadline:
-                try:
-                    self.poll()
-                except Exception:
-                    pass
-                break
-            time.sleep(_FIRST_POLL_S)
+                h = self._pending.pop(counter, None)
+            if h is not None:
+                kind = CheckpointError if cancelled else CheckpointIOError
+                h._settle(record, None if error is None else kind(error))
+
+    def _stop_thread(self, timeout_s: Optional[float] = None) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():  # (in a forked child it never is)
+            return
+        self._watch.stop()  # the thread settles what is settled, then returns
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)  # its callbacks have run when close() returns
+
+    def close(self) -> None:
+        """Settles the handles of what the engine finished (call once nothing
+        is in flight: Session.settle), then stops the thread. A handle whose
+        outcome is not known then (with several ranks: committed here, not
+        agreed on) is settled with an error that says so."""
+        if self._watch is None:
+            return
+        atexit.unregister(self._stop_thread)
+        self._stop_thread()
         self.abandon("its outcome is unknown: the checkpointer closed first")
 
     def abandon(self, why: str) -> None:
-        with self._lock:
-            self._stop = True
-            left, self._pending = list(self._pending.values()), {}
-            self._local.clear()
-        self._wake.set()
-        for h in left:
-            h._settle(None, CheckpointError(f"checkpoint of step {h.step}: {why}"))
+        """Settles every handle not settled yet with `why` and stops watching."""
+        self._settle(self._watch.abandon(why))

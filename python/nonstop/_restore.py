@@ -255,7 +255,7 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
         return None, False
     if session.copy_pending and hasattr(session.engine, "wait_copied"):
         # The tensors are read into in place: no copy of them may be in flight.
-        session.take(session.engine.wait_copied)
+        session.call(session.engine.wait_copied, take=True)
         session.copy_pending = False
     t0 = time.perf_counter()
     loaded, why = None, "a step was asked for"

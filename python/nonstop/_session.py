@@ -51,6 +51,7 @@ class Session:
         self.replica_checked = False    # world_size > 1: replicated tensors compared once
         self.settled = False            # settle() ran (close)
         self.remote = None              # the remote tier (_remote.Tier): told of each checkpoint
+        self.watcher = None             # settles the per-checkpoint handles (_handle.Watcher)
 
     def forked(self) -> bool:
         return self.pid != os.getpid()
@@ -113,12 +114,13 @@ class Session:
             raise CheckpointError(f"the checkpointer for {self.dir} is closed")
         return self.engine
 
-    def call(self, fn, *args, **kwargs):
+    def call(self, fn, *args, take: bool = False, **kwargs):
         """fn(*args): an engine call that first answers with an error queued
         by an earlier checkpoint (and then does nothing). That error is
         taken (reported later, once) and the call made again, so one failed
         checkpoint never costs the next one. The same error twice is the
-        call's own: raised."""
+        call's own: raised; with take=True taken too (reported once), which
+        drains the queue (take_error; a wait: nothing is in flight after it)."""
         taken: dict = {}
         while True:
             try:
@@ -126,6 +128,8 @@ class Session:
             except CheckpointError as e:
                 msg = str(e)
                 if msg in taken or len(taken) >= 1000:
+                    if take:
+                        return None
                     if msg in taken:
                         self.errors.remove(taken[msg])
                     raise
@@ -143,20 +147,6 @@ class Session:
             raise first
         more = "; ".join(str(e) for e in errors[1:])
         raise type(first)(f"{first} (and {len(errors) - 1} more: {more})") from first
-
-    def take(self, fn, *args) -> None:
-        """fn(*args) with a failure taken as a background error; then the
-        rest of the queue (nothing is in flight after a wait)."""
-        seen = set()
-        for _ in range(1000):
-            try:
-                fn(*args)
-                return
-            except CheckpointError as e:
-                if str(e) in seen:  # not a queued error: the call's own, reported once
-                    return
-                seen.add(str(e))
-                self.errors.append(e)
 
     def refs(self, tensors: dict, in_optimizer: set) -> list:
         """(name, dtype, shape, nbytes, ptr, device kind, index, stream,
@@ -213,7 +203,7 @@ class Session:
             self.remote.before_save()
         counter = self.call(engine.checkpoint, int(step), _state.dumps(meta))
         if hasattr(engine, "take_error"):  # earlier failures, reported after this one started
-            self.take(engine.take_error)
+            self.call(engine.take_error, take=True)
         if self.dist is not None:
             self.dist.started(engine)
         self.copy_pending = True
@@ -227,32 +217,34 @@ class Session:
         raises: an error of a checkpoint in flight must not skip the update
         (it is reported at the next step()/save()/wait())."""
         if self.copy_pending and self.engine is not None and not self.forked():
-            t0 = time.perf_counter()
-            try:
-                self.engine.wait_copied()
-            except CheckpointError as e:
-                self.errors.append(e)
-            self.copy_pending = False
-            dt = time.perf_counter() - t0
-            self.hook_stall_s += dt
-            self.visible_stall_s += dt
+            self.hook_stall_s += self.wait_copied(self.engine)
+
+    def wait_copied(self, engine) -> float:
+        """engine.wait_copied(), its error taken; the seconds, counted as visible stall."""
+        t0 = time.perf_counter()
+        try:
+            engine.wait_copied()
+        except CheckpointError as e:
+            self.errors.append(e)
+        self.copy_pending = False
+        dt = time.perf_counter() - t0
+        self.visible_stall_s += dt
+        return dt
 
     def wait(self, committed: bool, take: bool = True) -> None:
         """Waits for the copies (committed=False) or the commits in flight,
         counted as visible stall; then reports the background errors."""
-        t0 = time.perf_counter()
         engine = self.live()
         if not committed:
-            try:
-                engine.wait_copied()
-            except CheckpointError as e:
-                self.errors.append(e)
-        elif take:
-            self.take(engine.wait_committed, 0)
+            self.wait_copied(engine)
         else:
-            engine.wait_committed(0)
-        self.copy_pending = False
-        self.visible_stall_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if take:
+                self.call(engine.wait_committed, 0, take=True)
+            else:
+                engine.wait_committed(0)
+            self.copy_pending = False
+            self.visible_stall_s += time.perf_counter() - t0
         self.report()
 
     def counters(self) -> dict:
@@ -290,12 +282,16 @@ class Session:
         return s
 
     def shut(self, driver) -> None:
-        """settle(); the newest checkpoint uploaded (remote tier); the stats
-        stats() returns from now on (closed_stats); closes the engine.
-        Errors are taken for report()."""
+        """settle(); the handles settled (with several ranks the last round
+        agreed on the newest checkpoint every rank committed: its handle
+        settles as committed, not as unknown); the newest checkpoint uploaded
+        (remote tier); the stats stats() returns from now on (closed_stats);
+        closes the engine. Errors are taken for report()."""
         try:
             self.settle()
         finally:
+            if self.watcher is not None:
+                self.watcher.close()
             engine, self.engine = self.engine, None
             if self.remote is not None:
                 self.remote.close()

@@ -523,6 +523,7 @@ Status EngineImpl::Close() {
   if (prep_thread_.joinable()) prep_thread_.join();
   if (file_prep_thread_.joinable()) file_prep_thread_.join();
   if (retire_thread_.joinable()) retire_thread_.join();
+  watch_->Stop();  // every finished checkpoint was reported to it
   prep.reset();  // frees a prepared pool nobody took
   staging_.reset();
   {
@@ -581,6 +582,7 @@ Status Engine::WriteAgreed(const AgreedRecord&) {
   return Status::FailedPrecondition("this engine keeps no agreed records");
 }
 Status Engine::PrepareStaging(uint64_t) { return Status::OK(); }
+std::shared_ptr<CommitWatch> Engine::Watch() { return nullptr; }
 
 Status Engine::SetRetention(const RetentionPolicy&) {
   return Status::Unavailable("this engine has no retention of kept copies");

@@ -411,7 +411,9 @@ Status EngineImpl::WriteAgreed(const AgreedRecord& rec) {
   // Not under mu_: the record's fsyncs never stall the training thread.
   MutexLock l(&agreed_mu_);
   if (!jd_) return Status::FailedPrecondition("the engine of " + opts_.dir + " is closed");
-  return jd_->WriteAgreed(rec);
+  NONSTOP_RETURN_IF_ERROR(jd_->WriteAgreed(rec));
+  watch_->Agreed(rec.step);  // the handles of the checkpoints it covers settle
+  return Status::OK();
 }
 
 }  // namespace nonstop::engine_detail

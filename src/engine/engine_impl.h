@@ -45,6 +45,7 @@
 #include <thread>
 
 #include "engine/chunk_plan.h"
+#include "engine/commit_watch.h"
 #include "engine/device_snapshot.h"
 #include "engine/engine_internal.h"
 #include "engine/layerwise_plan.h"
@@ -254,6 +255,7 @@ class EngineImpl final : public Engine {
   AgreeOffer Offer() override;
   Result<bool> Aim(int64_t step) override;
   Status WriteAgreed(const AgreedRecord& rec) override;
+  std::shared_ptr<CommitWatch> Watch() override { return watch_; }
 
   Result<uint64_t> BeginCheckpoint(int64_t step) override;
   Status CopyTensors(uint64_t counter, const std::vector<uint32_t>& tensors) override;
@@ -362,6 +364,8 @@ class EngineImpl final : public Engine {
   // The job directory, opened as its writer for the engine's life (holds
   // the rank's lock); every file name and file operation goes through it.
   std::unique_ptr<JobDir> jd_;
+  // Told of every finished checkpoint (RecordFinished) and agreed step (WriteAgreed).
+  const std::shared_ptr<CommitWatch> watch_ = std::make_shared<CommitWatch>(opts_.global_agreement);
   // Held around WriteAgreed (agreement thread) and the jd_.reset() in Close().
   Mutex agreed_mu_;
   // The memory tier's writer (never null after Init; off in "disk" mode).

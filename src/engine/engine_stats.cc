@@ -49,6 +49,7 @@ void EngineImpl::RecordFinished(const Job& job, bool committed, bool superseded,
   stats_.snapshot_bytes_total += cs.snapshot_bytes;
   stats_.direct_bytes_total += cs.direct_bytes;
   stats_.drain_s_total += cs.drain_s;
+  watch_->Finished(cs);
   stats_.recent.push_back(std::move(cs));
   if (stats_.recent.size() > 64) stats_.recent.erase(stats_.recent.begin());
 }

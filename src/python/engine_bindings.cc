@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/commit_watch.h"
 #include "engine/memory_tier.h"
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
@@ -418,6 +419,7 @@ class PyEngine {
     Check(s);
   }
   bool closed() const { return engine_ == nullptr; }
+  std::shared_ptr<CommitWatch> Watch() { return Get().Watch(); }
 
  private:
   Engine& Get() {
@@ -582,10 +584,50 @@ class PyReader {
   LineageRecord lineage_;  // empty for a memory segment
 };
 
+// (counter, record dict or None, error line or None, cancelled): how each
+// tracked checkpoint settled (commit_watch.h).
+py::list OutcomeList(const std::vector<WatchOutcome>& got) {
+  py::list out;
+  for (const WatchOutcome& o : got) {
+    out.append(py::make_tuple(
+        o.counter, o.record ? py::object(CheckpointStatsDict(*o.record)) : py::none(),
+        o.error.empty() ? py::none() : py::object(LossyStr(o.error)),
+        o.kind == WatchOutcome::Kind::kCancelled));
+  }
+  return out;
+}
+
 }  // namespace
 
 void InitEngine(py::module_& m) {
   m.def("slot_file_name", &SlotFileName, py::arg("rank"));
+
+  // The engine's watch of finished checkpoints: Python's handles settle from
+  // next(), which blocks with the GIL released until some did (or stop()).
+  py::class_<CommitWatch, std::shared_ptr<CommitWatch>>(m, "CommitWatch")
+      .def("track", &CommitWatch::Track, py::arg("counter"), py::arg("step"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("next",
+           [](CommitWatch& w) -> py::object {
+             std::optional<std::vector<WatchOutcome>> got;
+             {
+               py::gil_scoped_release release;
+               got = w.Next();
+             }
+             return got ? py::object(OutcomeList(*got)) : py::none();
+           })
+      .def("stop", &CommitWatch::Stop, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abandon",
+          [](CommitWatch& w, const std::string& why) {
+            std::vector<WatchOutcome> got;
+            {
+              py::gil_scoped_release release;
+              got = w.Abandon(why);
+            }
+            return OutcomeList(got);
+          },
+          py::arg("why"));
 
   py::class_<PyEngine> engine(m, "Engine");
   DefInitWithEngineOptions(
@@ -657,6 +699,7 @@ void InitEngine(py::module_& m) {
       .def("abandon_older_than", &PyEngine::AbandonOlderThan,
            py::arg("counter") = std::numeric_limits<uint64_t>::max())
       .def("close", &PyEngine::Close)
+      .def("watch", &PyEngine::Watch)
       .def_property_readonly("closed", &PyEngine::closed);
 
   m.def(

@@ -2,6 +2,9 @@
 checkpoint is committed (readable from disk by then) or has failed."""
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -144,3 +147,28 @@ def test_failed_checkpoint_settles_its_handle_with_the_error_while_training_goes
     shutil.rmtree(slot)
     shutil.move(str(tmp_path / "aside.nsck"), slot)
     assert nonstop.load(d).step == 0
+
+
+def test_a_script_that_never_closes_exits_cleanly_with_checkpoints_in_flight(tmp_path):
+    """The watcher thread waits in the engine's watch (C++) with the GIL
+    released. A script that ends without close() while checkpoints are in
+    flight: the thread must leave the watch before the interpreter
+    finalizes (atexit), or its return into Python then ends in
+    "terminate called without an active exception" (SIGABRT)."""
+    code = textwrap.dedent(f"""
+        import torch, nonstop
+        model = torch.nn.Linear(1024, 1024)
+        done = []
+        ckpt = nonstop.Checkpointer({str(tmp_path / "ck")!r}, {{"model": model}}, every=1,
+                                    on_commit=done.append)
+        for step in range(4):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            ckpt.save(step)
+        print("saved", flush=True)
+    """)
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+        assert "terminate called" not in p.stderr, p.stderr[-3000:]
+        assert p.returncode == 0 and "saved" in p.stdout, (p.returncode, p.stderr[-3000:])

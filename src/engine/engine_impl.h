@@ -364,7 +364,9 @@ class EngineImpl final : public Engine {
   // The job directory, opened as its writer for the engine's life (holds
   // the rank's lock); every file name and file operation goes through it.
   std::unique_ptr<JobDir> jd_;
-  // Told of every finished checkpoint (RecordFinished) and agreed step (WriteAgreed).
+  // Told of every finished checkpoint (RecordFinished, under mu_) and agreed
+  // step (WriteAgreed, under agreed_mu_). Its own mutex is a leaf: it never
+  // calls back into the engine.
   const std::shared_ptr<CommitWatch> watch_ = std::make_shared<CommitWatch>(opts_.global_agreement);
   // Held around WriteAgreed (agreement thread) and the jd_.reset() in Close().
   Mutex agreed_mu_;

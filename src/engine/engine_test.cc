@@ -1123,6 +1123,19 @@ class GateMedium final : public media::MediumWrapper {
   std::shared_ptr<WriteGate> gate_;
 };
 
+// `rig`'s media with every medium it opens behind a GateMedium of `gate`.
+EngineMedia GatedMedia(FaultRig& rig, std::shared_ptr<WriteGate> gate) {
+  EngineMedia media = rig.Media();
+  auto wrap = media.wrap;
+  media.wrap = [wrap, gate](std::unique_ptr<Medium> opened, const std::string& name,
+                            bool created) -> Result<std::unique_ptr<Medium>> {
+    auto m = wrap(std::move(opened), name, created);
+    if (!m.ok()) return m.status();
+    return std::unique_ptr<Medium>(std::make_unique<GateMedium>(std::move(*m), gate));
+  };
+  return media;
+}
+
 // best= (and keep_every): the checkpoint carrying the metric must commit even
 // when a newer one finishes writing first (PCcheck's claim would supersede
 // it, and its metric with it: Trainer's best step was lost so in CI).
@@ -1135,14 +1148,7 @@ TEST_F(EngineTest, ACheckpointCarryingTheBestMetricIsNeverSuperseded) {
   t.Fill(2, 0);
   for (int j = 0; j < kChunks; ++j) gate->count.insert(t.data[static_cast<size_t>(j) * 16384]);
   FaultRig rig;
-  EngineMedia media = rig.Media();
-  auto wrap = media.wrap;
-  media.wrap = [wrap, gate](std::unique_ptr<Medium> opened, const std::string& name,
-                            bool created) -> Result<std::unique_ptr<Medium>> {
-    auto m = wrap(std::move(opened), name, created);
-    if (!m.ok()) return m.status();
-    return std::unique_ptr<Medium>(std::make_unique<GateMedium>(std::move(*m), gate));
-  };
+  EngineMedia media = GatedMedia(rig, gate);
   auto engine = std::move(OpenEngine(Options(), media)).value();
   ASSERT_TRUE(engine->Register({t.Ref()}).ok());
   RetentionPolicy policy;
@@ -1199,14 +1205,7 @@ TEST_F(EngineTest, OneWriterNeverSupersedesTwoWritersMay) {
     t.Fill(1, 0);
     gate->hold = t.data[0];  // step 1's first chunk waits for the gate
     FaultRig rig;
-    EngineMedia media = rig.Media();
-    auto wrap = media.wrap;
-    media.wrap = [wrap, gate](std::unique_ptr<Medium> opened, const std::string& name,
-                              bool created) -> Result<std::unique_ptr<Medium>> {
-      auto m = wrap(std::move(opened), name, created);
-      if (!m.ok()) return m.status();
-      return std::unique_ptr<Medium>(std::make_unique<GateMedium>(std::move(*m), gate));
-    };
+    EngineMedia media = GatedMedia(rig, gate);
     EngineOptions o = Options();
     o.writers = writers;
     o.max_in_flight = 2;

@@ -130,6 +130,22 @@ Result<uint64_t> WriteSafetensors(const SafetensorsTarget& target,
                                      std::string(DTypeName(e.dtype)) +
                                      ", which safetensors cannot hold");
     }
+    // The header must describe the bytes: a shape that does not make
+    // nbytes would write a file that no reader takes.
+    uint64_t want = DTypeSize(e.dtype);
+    for (int64_t d : e.shape) {
+      if (d < 0 || (d > 0 && want > UINT64_MAX / static_cast<uint64_t>(d))) {
+        want = UINT64_MAX;
+        break;
+      }
+      want *= static_cast<uint64_t>(d);
+    }
+    if (want != e.nbytes) {
+      return Status::InvalidArgument("tensor '" + e.name + "': its shape makes " +
+                                     (want == UINT64_MAX ? std::string("no valid size")
+                                                         : std::to_string(want) + " bytes") +
+                                     ", not " + std::to_string(e.nbytes));
+    }
     header += jobdir_internal::JsonString(e.name) + ":{\"dtype\":\"" +
               std::string(DTypeSafetensorsName(e.dtype)) + "\",\"shape\":[";
     for (size_t d = 0; d < e.shape.size(); ++d) {

@@ -262,6 +262,16 @@ TEST_F(ExportTest, DamageFailsTheExportAndLeavesNoFile) {
   w = WriteSafetensors(t, {SafetensorsEntry{"z", DType::kComplex128, {1}, 16}}, {}, nullptr);
   EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(w.status().message().find("'z' has dtype complex128"), std::string::npos);
+  // A shape that does not make the bytes is refused before anything is written.
+  w = WriteSafetensors(t, {SafetensorsEntry{"f", DType::kFloat32, {2, 3}, 20}}, {}, nullptr);
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(w.status().message().find("'f': its shape makes 24 bytes, not 20"), std::string::npos)
+      << w.status().message();
+  w = WriteSafetensors(t, {SafetensorsEntry{"g", DType::kFloat32, {INT64_MAX, 4}, 8}}, {},
+                       nullptr);
+  EXPECT_NE(w.status().message().find("'g': its shape makes no valid size"), std::string::npos)
+      << w.status().message();
+  EXPECT_FALSE(fs::exists(out_));
 }
 
 TEST_F(ExportTest, ALinkAtTheTempNameIsRefusedOrRemovedNeverFollowed) {

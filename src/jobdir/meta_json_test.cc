@@ -26,6 +26,10 @@ TEST(MetaJsonTest, AcceptsWhatPythonsJsonWrites) {
   // Python ints of any size (up to int()'s 4300 digits).
   EXPECT_EQ(Why("[" + std::string(4300, '7') + "]"), "");
   EXPECT_NE(Why("[" + std::string(4301, '7') + "]").find("bad number"), std::string::npos);
+  // A value that starts with no JSON value's character is named so, not a number.
+  EXPECT_NE(Why("{\"a\":\xc3\xbf}").find("unexpected character at byte 5"), std::string::npos)
+      << Why("{\"a\":\xc3\xbf}");
+  EXPECT_NE(Why("[01]").find("bad number"), std::string::npos);
 }
 
 TEST(MetaJsonTest, RefusesDeepNestingAndBadJsonWithOneLine) {

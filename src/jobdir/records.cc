@@ -93,6 +93,10 @@ class Parser {
       return Lit(c == 't' ? "true" : "false");
     }
     if (c == 'n') return Lit("null");
+    if (c != '-' && (c < '0' || c > '9')) {
+      msg_ = "unexpected character";
+      return false;
+    }
     return Number(v);
   }
   // Digits from s_[i_]; how many.

@@ -1,17 +1,9 @@
-"""One handle per checkpoint: when *this* checkpoint committed, or why it failed.
-
-`Checkpointer.save()` and a due `Checkpointer.step()` return a
-`CheckpointHandle`. The engine reports the record of each finished
-checkpoint (its stats: counter, step, bytes, copy and persist seconds,
-committed, error) to its watch (C++, src/engine/commit_watch.h), which
-decides how each tracked checkpoint settled (with several ranks: committed
-only once its step is agreed on). One watcher thread per Checkpointer waits
-in the watch, with the GIL released, and settles the handles in the
-background: their `done()` becomes true, `wait()` returns, callbacks run (on
-the watcher thread), and `on_commit` receives the record.
-
-Watching does not take the error away from the training thread: a failed
-checkpoint still raises from the next `save()`/`step()`/`wait()` as before.
+"""One handle per checkpoint: when *this* checkpoint committed, or why it
+failed (docs/PYTHON.md "Handles"). The engine's watch (C++,
+src/engine/commit_watch.h) decides how each tracked checkpoint settled; one
+watcher thread per Checkpointer waits in it with the GIL released and settles
+the handles (callbacks run on it). A failed checkpoint still raises from the
+next save()/step()/wait() as well.
 """
 from __future__ import annotations
 
@@ -47,10 +39,9 @@ class CheckpointHandle:
         (counter, step, bytes, stall_s, copy_s, persist_s, write_GBps,
         committed, error). Raises its error when it failed, TimeoutError
         when `timeout` seconds passed first."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"checkpoint of step {self.step} not finished after {timeout} s")
-        if self._error is not None:
-            raise self._error
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
         return dict(self._stats)
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
@@ -172,8 +163,4 @@ class Watcher:
             return
         atexit.unregister(self._stop_thread)
         self._stop_thread()
-        self.abandon("its outcome is unknown: the checkpointer closed first")
-
-    def abandon(self, why: str) -> None:
-        """Settles every handle not settled yet with `why` and stops watching."""
-        self._settle(self._watch.abandon(why))
+        self._settle(self._watch.abandon("its outcome is unknown: the checkpointer closed first"))

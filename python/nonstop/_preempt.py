@@ -9,6 +9,7 @@ arithmetic (bandwidth, estimate) is C++: engine/preempt.h.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -30,9 +31,6 @@ from .errors import CheckpointError, CheckpointMismatchError
 # checkpoint reports: a supervisor can tell "preempted, safe to resume" apart.
 EXIT_PREEMPTED = 75
 
-_KEYS = {"signals", "exit_code", "grace_s", "chain", "group", "timeout_s"}
-
-
 class Preempted(SystemExit):
     """Raised by `ckpt.step()` once a preemption notice has been handled: a
     SystemExit with `code = exit_code` (75 by default). Attributes: step
@@ -42,8 +40,9 @@ class Preempted(SystemExit):
 
     def __init__(self, step: int, notice_step: Optional[int], committed: bool,
                  latest: Optional[int], reason: str, notice_to_safe_s: float, exit_code: int,
-                 checkpoint: Optional[dict] = None):
+                 checkpoint: Optional[dict] = None, message: str = ""):
         super().__init__(exit_code)
+        self.message = message  # engine/preempt.h PreemptedMessage
         self.checkpoint = checkpoint
         self.step = step
         self.notice_step = notice_step
@@ -54,77 +53,26 @@ class Preempted(SystemExit):
         self.exit_code = exit_code
 
     def __str__(self):
-        state = "committed" if self.committed else "NOT committed"
-        return (f"preempted ({self.reason}): checkpoint of step {self.step} {state}, newest "
-                f"committed step {self.latest}, {self.notice_to_safe_s:.2f} s after the notice; "
-                f"exit status {self.exit_code}")
-
-
-def _signal_number(s) -> int:
-    if isinstance(s, str):
-        name = s.upper() if s.upper().startswith("SIG") else "SIG" + s.upper()
-        if not hasattr(signal, name):
-            raise CheckpointMismatchError(f"on_preempt: unknown signal {s!r}")
-        return int(getattr(signal, name))
-    if isinstance(s, int):
-        return int(s)
-    raise CheckpointMismatchError(f"on_preempt: signals must be names or numbers, got {s!r}")
+        return self.message
 
 
 def parse(on_preempt) -> Optional[dict]:
-    """on_preempt -> its settings, or None when notices are not handled.
-
-    None/True: SIGTERM, exit status 75, no deadline. False: off. A dict
-    overrides any of: signals (names or numbers; [] = only ckpt.preempt()),
-    exit_code, grace_s (seconds the platform allows; prints whether the
-    checkpoint fits), chain (call the previous Python handler once the
-    checkpoint is committed; default True), group (a torch.distributed
-    group to agree on; default: a new gloo group when world_size > 1),
-    timeout_s (for the agreement collectives; default 300).
-    """
+    """on_preempt -> its settings (signals, exit_code, grace_s, chain, group,
+    timeout_s; docs/PREEMPTION.md "on_preempt"), or None when notices are
+    not handled (False). Checked in C++ (engine/preempt.h ParsePreemptOptions)
+    but group, a torch.distributed group."""
     if on_preempt is False:
         return None
-    cfg = {"signals": [signal.SIGTERM], "exit_code": EXIT_PREEMPTED, "grace_s": None,
-           "chain": True, "group": None, "timeout_s": 300.0}
     if on_preempt is None or on_preempt is True:
-        return cfg
+        on_preempt = {}
     if not isinstance(on_preempt, dict):
         raise CheckpointMismatchError(
             f"on_preempt must be True, False or a dict (signals, exit_code, grace_s, ...), "
             f"got {on_preempt!r}")
-    unknown = set(on_preempt) - _KEYS
-    if unknown:
-        raise CheckpointMismatchError(
-            f"on_preempt: unknown key {sorted(unknown)[0]!r}; use {', '.join(sorted(_KEYS))}")
-    cfg.update(on_preempt)
-    sigs = cfg["signals"]
-    if isinstance(sigs, (str, int)):
-        sigs = [sigs]
-    cfg["signals"] = sorted({_signal_number(s) for s in sigs})
-    if signal.SIGKILL in cfg["signals"] or signal.SIGSTOP in cfg["signals"]:
-        raise CheckpointMismatchError("on_preempt: SIGKILL and SIGSTOP cannot be caught")
-    if not isinstance(cfg["exit_code"], int) or not 0 <= cfg["exit_code"] <= 255:
-        raise CheckpointMismatchError(
-            f"on_preempt: exit_code must be an int in 0..255, got {cfg['exit_code']!r}")
-    if cfg["grace_s"] is not None and not (isinstance(cfg["grace_s"], (int, float))
-                                           and cfg["grace_s"] > 0):
-        raise CheckpointMismatchError(
-            f"on_preempt: grace_s must be a positive number of seconds, got {cfg['grace_s']!r}")
+    rest = {str(k): v for k, v in on_preempt.items() if k != "group"}
+    cfg = _ext.core().preempt_options(json.dumps(rest, default=repr))
+    cfg["group"] = on_preempt.get("group")
     return cfg
-
-
-def persist_bandwidth(stats: dict) -> Optional[float]:
-    """Bytes per second of the recent committed checkpoints (median of the
-    last 5, start to commit), or None when none has committed yet."""
-    return _ext.core().persist_bandwidth(stats.get("recent", []))
-
-
-def estimate_line(**notice) -> tuple[str, Optional[float]]:
-    """The one line printed when a notice arrives, and the expected seconds
-    from the notice to a committed checkpoint (None when unknown). Keywords:
-    reason, rank, notice_step, state_bytes, bandwidth, step_s, lag_steps,
-    grace_s, latest."""
-    return _ext.core().preempt_estimate(**notice)
 
 
 # Every PreemptWatch alive in this process (worker_init_fn, a forked child).
@@ -133,11 +81,17 @@ _WATCHES: "weakref.WeakSet[PreemptWatch]" = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     """In a forked child the preemption signals get their previous meaning
-    back (a child that ignored SIGTERM would hang a pool's terminate()); the
-    parent's Checkpointers never wait on engine threads the fork did not
-    copy (the C++ side leaves their engines alone)."""
+    back (a child that ignored SIGTERM would hang a pool's terminate(); it has
+    no step boundary at which a notice would be handled); the parent's
+    collectives are not the child's to wait for, and the parent's
+    Checkpointers never wait on engine threads the fork did not copy (the
+    C++ side leaves their engines alone)."""
     for watch in list(_WATCHES):
-        watch.after_fork_in_child()
+        watch._work = watch._group = None
+        try:
+            watch.uninstall()
+        except (ValueError, OSError):  # not the main thread: nothing was installed here
+            watch._previous = {}
 
 
 if hasattr(os, "register_at_fork"):
@@ -232,7 +186,8 @@ class PreemptWatch:
             latest = engine.latest() if engine is not None else None
         except Exception:  # a notice must never fail on a statistics read
             stats, latest = {}, None
-        line, _ = self.notices.estimate(self.state_bytes(), persist_bandwidth(stats),
+        bandwidth = _ext.core().persist_bandwidth(stats.get("recent", []))
+        line, _ = self.notices.estimate(self.state_bytes(), bandwidth,
                                         self.cfg["grace_s"], None if latest is None else latest[1])
         try:
             os.write(2, (line + "\n").encode())
@@ -363,23 +318,19 @@ class PreemptWatch:
             if not committed:
                 error = error or e
         notice_to_safe = done_t - (self.notices.notice_s or t_start)
-        if error is not None:
-            os.write(2, f"nonstop: emergency checkpoint of step {step} failed: {error}; the "
-                        f"newest committed checkpoint is step {latest}\n".encode())
-        else:
-            os.write(2, f"nonstop: emergency checkpoint of step {step} "
-                        f"{'committed' if committed else 'NOT committed on every rank'} "
-                        f"{notice_to_safe:.2f} s after the notice (checkpoint "
-                        f"{done_t - t_start:.2f} s); exiting with status "
-                        f"{self.cfg['exit_code']}\n".encode())
+        reason, code = self.notices.reason or "?", self.cfg["exit_code"]
+        line, message = _ext.core().preempt_outcome(
+            reason=reason, step=step, committed=committed, latest=latest,
+            notice_to_safe_s=notice_to_safe, checkpoint_s=done_t - t_start, exit_code=code,
+            error="" if error is None else str(error) or repr(error))
+        os.write(2, (line + "\n").encode())
         if self.cfg["chain"]:
             for signum in dict.fromkeys(signums):
                 prev = prev_handlers.get(signum)
                 if callable(prev) and prev not in (signal.default_int_handler,):
                     prev(signum, None)
-        raise Preempted(step, self.notices.notice_step, committed, latest,
-                        self.notices.reason or "?",
-                        notice_to_safe, self.cfg["exit_code"], record) from error
+        raise Preempted(step, self.notices.notice_step, committed, latest, reason, notice_to_safe,
+                        code, record, message) from error
 
     def _all_committed(self, committed: bool) -> bool:
         """Every rank's verdict (MIN) once all have tried; blocking."""
@@ -394,17 +345,6 @@ class PreemptWatch:
     def close(self) -> None:
         self.uninstall()
         self._wait_work()
-
-    def after_fork_in_child(self) -> None:
-        """In a forked child: the previous handlers again (the child has no
-        step boundary at which a notice would be handled), and the parent's
-        collectives are not ours to wait for."""
-        self._work = None
-        self._group = None
-        try:
-            self.uninstall()
-        except (ValueError, OSError):  # not the main thread: nothing was installed here
-            self._previous = {}
 
 
 def worker_init_fn(worker_id=None) -> None:
@@ -425,6 +365,3 @@ def install(ckpt, on_preempt) -> Optional[PreemptWatch]:
     cfg = parse(on_preempt)
     return None if cfg is None else PreemptWatch(ckpt, cfg)
 
-
-__all__ = ["EXIT_PREEMPTED", "Preempted", "PreemptWatch", "parse", "estimate_line",
-           "persist_bandwidth", "install", "worker_init_fn"]

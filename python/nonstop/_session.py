@@ -19,9 +19,7 @@ from .errors import CheckpointError, CheckpointMismatchError
 
 
 class Session:
-    """What the drivers (the modes, the preemption handling, the remote
-    tier) use of a Checkpointer: the state, its engine and counters, the
-    schedule, and the checkpoint document."""
+    """A Checkpointer's state, engine, counters and schedule (module doc)."""
 
     def __init__(self, dir: str, state: dict, o, dist=None):
         self.dir, self.state, self.rng = dir, state, o.rng
@@ -49,7 +47,6 @@ class Session:
         self.saves = 0
         self.registers = 0
         self.replica_checked = False    # world_size > 1: replicated tensors compared once
-        self.settled = False            # settle() ran (close)
         self.remote = None              # the remote tier (_remote.Tier): told of each checkpoint
         self.watcher = None             # settles the per-checkpoint handles (_handle.Watcher)
 
@@ -60,14 +57,6 @@ class Session:
         """Whether the checkpoint after the update of `step` is due."""
         return self.schedule.due_after(int(step))
 
-    def agreed_metrics(self) -> Optional[dict]:
-        """metrics= of the checkpoint being started. With world_size > 1 and
-        best=: rank 0's on every rank (JSON over gloo; collective), so that
-        every rank ranks its kept copies by the same numbers (JobDir::Retain)."""
-        if self.dist is not None and self.best is not None:
-            return self.dist.agree_metrics(self.metrics)
-        return self.metrics
-
     def meta(self, step: int, tensors: dict) -> dict:
         """A checkpoint's JSON document; the state's tensors added to `tensors`."""
         meta = {"format": FORMAT, "step": int(step), "rank": self.rank,
@@ -75,7 +64,11 @@ class Session:
                 "state": _objects.flatten_state(self.state, tensors)}
         if self.rng:
             meta["rng"] = _rng.capture()
-        metrics = self.agreed_metrics()
+        metrics = self.metrics
+        if self.dist is not None and self.best is not None:
+            # rank 0's on every rank (JSON over gloo; collective), so that every
+            # rank ranks its kept copies by the same numbers (JobDir::Retain)
+            metrics = self.dist.agree_metrics(metrics)
         if metrics:
             meta["metrics"] = metrics
         names = _fqn.describe(self.state)  # get_state_dict's names, for export (_fqn.py)
@@ -247,32 +240,13 @@ class Session:
             self.visible_stall_s += time.perf_counter() - t0
         self.report()
 
-    def counters(self) -> dict:
-        return dict(visible_stall_s=self.visible_stall_s, hook_stall_s=self.hook_stall_s,
-                    saves=self.saves, registers=self.registers)
-
-    def settle(self) -> None:
-        """Waits for everything in flight; with several ranks a last agreement
-        round with every rank, then the agreement stops. Once; errors are
-        taken for report()."""
-        if self.engine is None or self.settled:
-            return
-        self.settled = True
-        try:
-            try:  # (stats() after close() counts every checkpoint)
-                self.engine.wait_committed(0)
-            finally:
-                if self.dist is not None:
-                    self.dist.close()
-        except CheckpointError as e:
-            self.errors.append(e)
-
     def stats(self, driver, engine=None) -> dict:
         """stats(): the engine's, the session's counters, the last restore's,
         the mode's (driver.add_stats), the distributed agreement's and the
         remote tier's."""
         s = (engine or self.live()).stats()
-        s.update(self.counters())
+        s.update(visible_stall_s=self.visible_stall_s, hook_stall_s=self.hook_stall_s,
+                 saves=self.saves, registers=self.registers)
         s.update(self.restore_stats)
         driver.add_stats(s)
         if self.dist is not None:
@@ -282,13 +256,21 @@ class Session:
         return s
 
     def shut(self, driver) -> None:
-        """settle(); the handles settled (with several ranks the last round
-        agreed on the newest checkpoint every rank committed: its handle
-        settles as committed, not as unknown); the newest checkpoint uploaded
-        (remote tier); the stats stats() returns from now on (closed_stats);
-        closes the engine. Errors are taken for report()."""
+        """close(): waits for everything in flight (stats() after close()
+        counts every checkpoint); with several ranks a last agreement round,
+        then the agreement stops; the handles settled (the newest checkpoint
+        every rank committed settles as committed, not as unknown); the
+        newest checkpoint uploaded (remote tier); the stats stats() returns
+        from now on (closed_stats); closes the engine. Errors are taken for
+        report()."""
         try:
-            self.settle()
+            try:
+                self.engine.wait_committed(0)
+            finally:
+                if self.dist is not None:
+                    self.dist.close()
+        except CheckpointError as e:
+            self.errors.append(e)
         finally:
             if self.watcher is not None:
                 self.watcher.close()

@@ -1,11 +1,71 @@
 #include "engine/preempt.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <set>
+
+#include "jobdir/records.h"
 
 namespace nonstop {
 
 namespace {
+
+using jobdir_internal::Json;
+
+// The signals a process may be sent by name (Linux; Python's signal module).
+constexpr struct {
+  const char* name;
+  int number;
+} kSignals[] = {
+    {"HUP", SIGHUP},   {"INT", SIGINT},       {"QUIT", SIGQUIT},     {"ILL", SIGILL},
+    {"TRAP", SIGTRAP}, {"ABRT", SIGABRT},     {"IOT", SIGIOT},       {"BUS", SIGBUS},
+    {"FPE", SIGFPE},   {"KILL", SIGKILL},     {"USR1", SIGUSR1},     {"SEGV", SIGSEGV},
+    {"USR2", SIGUSR2}, {"PIPE", SIGPIPE},     {"ALRM", SIGALRM},     {"TERM", SIGTERM},
+    {"CHLD", SIGCHLD}, {"CONT", SIGCONT},     {"STOP", SIGSTOP},     {"TSTP", SIGTSTP},
+    {"TTIN", SIGTTIN}, {"TTOU", SIGTTOU},     {"URG", SIGURG},       {"XCPU", SIGXCPU},
+    {"XFSZ", SIGXFSZ}, {"VTALRM", SIGVTALRM}, {"PROF", SIGPROF},     {"WINCH", SIGWINCH},
+    {"IO", SIGIO},     {"SYS", SIGSYS},
+#ifdef SIGPWR
+    {"PWR", SIGPWR},
+#endif
+};
+
+// A value as Python would write it in an error line: 'text', 3, True, None.
+std::string Shown(const Json& v) {
+  switch (v.type) {
+    case Json::Type::kNull: return "None";
+    case Json::Type::kBool: return v.b ? "True" : "False";
+    case Json::Type::kNumber: return v.text;
+    case Json::Type::kString: return "'" + v.text + "'";
+    case Json::Type::kArray: return "a list";
+    case Json::Type::kObject: return "a dict";
+  }
+  return "?";
+}
+
+Result<int> SignalNumber(const Json& v) {
+  int64_t n = 0;
+  if (v.AsInt64(&n)) {
+    if (n < 1 || n > 64) return Status::InvalidArgument("on_preempt: no signal number " + v.text);
+    return static_cast<int>(n);
+  }
+  if (v.type != Json::Type::kString) {
+    return Status::InvalidArgument("on_preempt: signals must be names or numbers, got " +
+                                   Shown(v));
+  }
+  std::string name;
+  for (char c : v.text) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (name.rfind("SIG", 0) == 0) name.erase(0, 3);
+  for (const auto& s : kSignals) {
+    if (name == s.name) return s.number;
+  }
+  return Status::InvalidArgument("on_preempt: unknown signal " + Shown(v));
+}
+
+bool PositiveSeconds(const Json& v, double* out) {
+  return v.AsDouble(out) && *out > 0;
+}
 
 std::string Fmt(const char* fmt, double v) {
   char buf[64];
@@ -14,6 +74,64 @@ std::string Fmt(const char* fmt, double v) {
 }
 
 }  // namespace
+
+Result<PreemptOptions> ParsePreemptOptions(std::string_view json) {
+  Result<Json> parsed = jobdir_internal::ParseJson(json, "on_preempt");
+  if (!parsed.ok()) return Status::InvalidArgument(parsed.status().message());  // "on_preempt: ..."
+  const Json& j = parsed.value();
+  if (j.type != Json::Type::kObject) {
+    return Status::InvalidArgument("on_preempt: the settings must be a dict, got " + Shown(j));
+  }
+  static const std::set<std::string> kKeys = {"chain",  "exit_code", "grace_s",
+                                              "group",  "signals",   "timeout_s"};
+  std::set<std::string> unknown;
+  for (const std::string& k : j.keys) {
+    if (!kKeys.count(k)) unknown.insert(k);
+  }
+  if (!unknown.empty()) {
+    return Status::InvalidArgument("on_preempt: unknown key '" + *unknown.begin() +
+                                   "'; use chain, exit_code, grace_s, group, signals, timeout_s");
+  }
+  PreemptOptions o;
+  if (const Json* v = j.Get("signals")) {
+    std::set<int> sigs;
+    for (const Json& s : v->type == Json::Type::kArray ? v->items : std::vector<Json>{*v}) {
+      NONSTOP_ASSIGN_OR_RETURN(int n, SignalNumber(s));
+      if (n == SIGKILL || n == SIGSTOP) {
+        return Status::InvalidArgument("on_preempt: SIGKILL and SIGSTOP cannot be caught");
+      }
+      sigs.insert(n);
+    }
+    o.signals.assign(sigs.begin(), sigs.end());
+  }
+  if (const Json* v = j.Get("exit_code")) {
+    int64_t code = -1;
+    if (!v->AsInt64(&code) || code < 0 || code > 255) {
+      return Status::InvalidArgument("on_preempt: exit_code must be an int in 0..255, got " +
+                                     Shown(*v));
+    }
+    o.exit_code = static_cast<int>(code);
+  }
+  if (const Json* v = j.Get("grace_s"); v != nullptr && v->type != Json::Type::kNull) {
+    double g = 0;
+    if (!PositiveSeconds(*v, &g)) {
+      return Status::InvalidArgument(
+          "on_preempt: grace_s must be a positive number of seconds, got " + Shown(*v));
+    }
+    o.grace_s = g;
+  }
+  if (const Json* v = j.Get("chain")) {
+    if (v->type != Json::Type::kBool) {
+      return Status::InvalidArgument("on_preempt: chain must be True or False, got " + Shown(*v));
+    }
+    o.chain = v->b;
+  }
+  if (const Json* v = j.Get("timeout_s"); v != nullptr && !PositiveSeconds(*v, &o.timeout_s)) {
+    return Status::InvalidArgument(
+        "on_preempt: timeout_s must be a positive number of seconds, got " + Shown(*v));
+  }
+  return o;
+}
 
 std::optional<double> PersistBandwidth(const std::vector<PersistSample>& recent) {
   std::vector<double> rates;
@@ -69,6 +187,25 @@ PreemptEstimate EstimatePreempt(const PreemptNotice& n) {
   }
   out.line = std::move(line);
   return out;
+}
+
+std::string PreemptExitLine(const PreemptOutcome& o) {
+  const std::string head = "nonstop: emergency checkpoint of step " + std::to_string(o.step);
+  const std::string latest = o.latest ? std::to_string(*o.latest) : std::string("None");
+  if (!o.error.empty()) {
+    return head + " failed: " + o.error + "; the newest committed checkpoint is step " + latest;
+  }
+  return head + (o.committed ? " committed " : " NOT committed on every rank ") +
+         Fmt("%.2f", o.notice_to_safe_s) + " s after the notice (checkpoint " +
+         Fmt("%.2f", o.checkpoint_s) + " s); exiting with status " + std::to_string(o.exit_code);
+}
+
+std::string PreemptedMessage(const PreemptOutcome& o) {
+  return "preempted (" + o.reason + "): checkpoint of step " + std::to_string(o.step) +
+         (o.committed ? " committed" : " NOT committed") + ", newest committed step " +
+         (o.latest ? std::to_string(*o.latest) : std::string("None")) + ", " +
+         Fmt("%.2f", o.notice_to_safe_s) + " s after the notice; exit status " +
+         std::to_string(o.exit_code);
 }
 
 bool PreemptNotices::Notice(const std::string& reason, std::optional<int64_t> step, double now_s) {

@@ -5,14 +5,35 @@
 // handler (Python) only hands them numbers.
 #pragma once
 
+#include <csignal>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/mutex.h"
+#include "nonstop/status.h"
 
 namespace nonstop {
+
+// on_preempt's settings (docs/PREEMPTION.md "on_preempt"), but `group` (a
+// torch.distributed group: Python's).
+struct PreemptOptions {
+  std::vector<int> signals{SIGTERM};  // sorted, no duplicates; empty: only ckpt.preempt()
+  int exit_code = 75;                 // sysexits.h EX_TEMPFAIL (_preempt.py EXIT_PREEMPTED)
+  std::optional<double> grace_s;      // seconds the platform allows; nullopt: no deadline
+  bool chain = true;                  // call the previous handler once committed
+  double timeout_s = 300;             // the agreement collectives' timeout
+};
+
+// The settings from a JSON object with any of the keys signals (a name such
+// as "SIGUSR1" or "term", or a number; one or a list), exit_code (0..255),
+// grace_s (positive seconds, or null), chain (a bool), timeout_s (positive
+// seconds) and group (Python's, not looked at); the others keep their
+// defaults. InvalidArgument "on_preempt: ..." (one line) for anything else:
+// an unknown key or signal, SIGKILL or SIGSTOP, a value out of range.
+Result<PreemptOptions> ParsePreemptOptions(std::string_view json);
 
 // One checkpoint of EngineStats::recent, as far as the bandwidth needs it.
 struct PersistSample {
@@ -49,6 +70,23 @@ struct PreemptEstimate {
 // Finish the step(s) in progress ((lag_steps + 1) * step_s) plus write
 // state_bytes at bandwidth; with grace_s, whether that fits.
 PreemptEstimate EstimatePreempt(const PreemptNotice& n);
+
+// How a handled notice ended (_preempt.py Preempted).
+struct PreemptOutcome {
+  std::string reason;             // the notice's: "SIGTERM", "preempt()", "rank 3", ...
+  int64_t step = 0;               // the emergency checkpoint's step
+  bool committed = false;         // on every rank
+  std::optional<int64_t> latest;  // the newest committed step
+  double notice_to_safe_s = 0;    // from the notice until it was committed (or given up)
+  double checkpoint_s = 0;        // the emergency checkpoint alone
+  int exit_code = 75;
+  std::string error;              // why it failed; empty: it did not
+};
+
+// The line printed on stderr before the exit.
+std::string PreemptExitLine(const PreemptOutcome& o);
+// str(Preempted): "preempted (SIGTERM): checkpoint of step 4 committed, ...".
+std::string PreemptedMessage(const PreemptOutcome& o);
 
 // One Checkpointer's notice: the first one (why, when, in which step), the
 // seconds per step measured at the step boundaries, and the flag the ranks

@@ -117,3 +117,100 @@ TEST(PreemptTest, TheFlagsMaxNamesTheLowestNoticingRank) {
 
 }  // namespace
 }  // namespace nonstop
+
+namespace nonstop {
+namespace {
+
+std::string ParseError(std::string_view json) {
+  Result<PreemptOptions> o = ParsePreemptOptions(json);
+  EXPECT_FALSE(o.ok()) << json;
+  if (o.ok()) return "";
+  EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(o.status().message().find('\n'), std::string::npos);
+  return o.status().message();
+}
+
+TEST(PreemptTest, TheOutcomeSaysWhatCommittedAndTheExitStatus) {
+  PreemptOutcome o{.reason = "SIGTERM", .step = 4, .committed = true, .latest = 4,
+                   .notice_to_safe_s = 0.5, .checkpoint_s = 0.25, .exit_code = 75, .error = ""};
+  EXPECT_EQ(PreemptExitLine(o),
+            "nonstop: emergency checkpoint of step 4 committed 0.50 s after the notice "
+            "(checkpoint 0.25 s); exiting with status 75");
+  EXPECT_EQ(PreemptedMessage(o),
+            "preempted (SIGTERM): checkpoint of step 4 committed, newest committed step 4, "
+            "0.50 s after the notice; exit status 75");
+  o.committed = false;  // some rank did not commit it
+  o.latest = 2;
+  EXPECT_EQ(PreemptExitLine(o),
+            "nonstop: emergency checkpoint of step 4 NOT committed on every rank 0.50 s after "
+            "the notice (checkpoint 0.25 s); exiting with status 75");
+  EXPECT_EQ(PreemptedMessage(o),
+            "preempted (SIGTERM): checkpoint of step 4 NOT committed, newest committed step 2, "
+            "0.50 s after the notice; exit status 75");
+  o.error = "disk full";
+  o.latest.reset();
+  EXPECT_EQ(PreemptExitLine(o),
+            "nonstop: emergency checkpoint of step 4 failed: disk full; the newest committed "
+            "checkpoint is step None");
+  EXPECT_EQ(PreemptedMessage(o),
+            "preempted (SIGTERM): checkpoint of step 4 NOT committed, newest committed step "
+            "None, 0.50 s after the notice; exit status 75");
+}
+
+TEST(PreemptTest, OptionsDefaultToSigtermAndStatus75) {
+  Result<PreemptOptions> o = ParsePreemptOptions("{}");
+  ASSERT_TRUE(o.ok()) << o.status().message();
+  EXPECT_EQ(o.value().signals, std::vector<int>{SIGTERM});
+  EXPECT_EQ(o.value().exit_code, 75);
+  EXPECT_EQ(o.value().grace_s, std::nullopt);
+  EXPECT_TRUE(o.value().chain);
+  EXPECT_EQ(o.value().timeout_s, 300);
+  // names with or without SIG, any case, or numbers; sorted, each once
+  o = ParsePreemptOptions(
+      R"({"signals": ["SIGUSR1", "term", 2, "SIGTERM"], "grace_s": 30, "exit_code": 143,
+          "chain": false, "timeout_s": 5.5, "group": null})");
+  ASSERT_TRUE(o.ok()) << o.status().message();
+  std::vector<int> want{SIGINT, SIGUSR1, SIGTERM};
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(o.value().signals, want);
+  EXPECT_EQ(o.value().exit_code, 143);
+  EXPECT_EQ(o.value().grace_s, 30);
+  EXPECT_FALSE(o.value().chain);
+  EXPECT_EQ(o.value().timeout_s, 5.5);
+  o = ParsePreemptOptions(R"({"signals": "usr2", "grace_s": null})");  // one; no deadline
+  ASSERT_TRUE(o.ok()) << o.status().message();
+  EXPECT_EQ(o.value().signals, std::vector<int>{SIGUSR2});
+  EXPECT_EQ(o.value().grace_s, std::nullopt);
+  o = ParsePreemptOptions(R"({"signals": []})");  // only ckpt.preempt()
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o.value().signals.empty());
+}
+
+TEST(PreemptTest, BadOptionsAreRefusedInOneLine) {
+  EXPECT_EQ(ParseError(R"({"signals": ["SIGNOPE"]})"), "on_preempt: unknown signal 'SIGNOPE'");
+  EXPECT_EQ(ParseError(R"({"signals": ["KILL"]})"),
+            "on_preempt: SIGKILL and SIGSTOP cannot be caught");
+  EXPECT_EQ(ParseError(R"({"signals": [19, 15]})"),
+            "on_preempt: SIGKILL and SIGSTOP cannot be caught");
+  EXPECT_EQ(ParseError(R"({"signals": [1.5]})"),
+            "on_preempt: signals must be names or numbers, got 1.5");
+  EXPECT_EQ(ParseError(R"({"signals": [0]})"), "on_preempt: no signal number 0");
+  EXPECT_EQ(ParseError(R"({"exit_code": 300})"),
+            "on_preempt: exit_code must be an int in 0..255, got 300");
+  EXPECT_EQ(ParseError(R"({"exit_code": "75"})"),
+            "on_preempt: exit_code must be an int in 0..255, got '75'");
+  EXPECT_EQ(ParseError(R"({"grace_s": -1})"),
+            "on_preempt: grace_s must be a positive number of seconds, got -1");
+  EXPECT_EQ(ParseError(R"({"timeout_s": 0})"),
+            "on_preempt: timeout_s must be a positive number of seconds, got 0");
+  EXPECT_EQ(ParseError(R"({"chain": 1})"), "on_preempt: chain must be True or False, got 1");
+  EXPECT_EQ(ParseError(R"({"grace": 3, "abc": 1})"),
+            "on_preempt: unknown key 'abc'; use chain, exit_code, grace_s, group, signals, "
+            "timeout_s");
+  EXPECT_EQ(ParseError(R"("SIGTERM")"),
+            "on_preempt: the settings must be a dict, got 'SIGTERM'");
+  EXPECT_EQ(ParseError("{").rfind("on_preempt: ", 0), 0u);
+}
+
+}  // namespace
+}  // namespace nonstop

@@ -16,6 +16,7 @@
 
 #include "jobdir/planned_steps.h"
 #include "nonstop/dist.h"
+#include "plan/replica_check.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -377,6 +378,20 @@ void InitDist(py::module_& m) {
       .def_readonly("agreements", &AR::agreements)
       .def_readonly("candidate_drops", &AR::candidate_drops)
       .def_readonly("max_drops_in_row", &AR::max_drops_in_row);
+
+  // Replicated means equal (_replica.py): on the gathered names' counts, then digests.
+  m.def(
+      "check_replica_names",
+      [](int rank, const std::vector<std::vector<int64_t>>& heads) {
+        Check(dist::CheckReplicaNames(rank, heads));
+      },
+      py::arg("rank"), py::arg("heads"));
+  m.def(
+      "check_replica_digests",
+      [](const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& digests) {
+        Check(dist::CheckReplicaDigests(names, digests));
+      },
+      py::arg("names"), py::arg("digests"));
 }
 
 }  // namespace nonstop::py_bindings

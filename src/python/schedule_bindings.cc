@@ -125,6 +125,30 @@ void InitSchedule(py::module_& m) {
       py::kw_only(), py::arg("reason"), py::arg("rank"), py::arg("notice_step"),
       py::arg("state_bytes"), py::arg("bandwidth"), py::arg("step_s"), py::arg("lag_steps"),
       py::arg("grace_s"), py::arg("latest"));
+  m.def(
+      "preempt_options",
+      [](std::string_view json) {
+        PreemptOptions o = Take(ParsePreemptOptions(json));
+        py::dict d;
+        d["signals"] = o.signals;
+        d["exit_code"] = o.exit_code;
+        d["grace_s"] = o.grace_s;
+        d["chain"] = o.chain;
+        d["timeout_s"] = o.timeout_s;
+        return d;
+      },
+      py::arg("json"), "on_preempt's settings but group, from their JSON (engine/preempt.h).");
+  m.def(
+      "preempt_outcome",
+      [](std::string reason, int64_t step, bool committed, std::optional<int64_t> latest,
+         double notice_to_safe_s, double checkpoint_s, int exit_code, std::string error) {
+        const PreemptOutcome o{std::move(reason), step,         committed, latest,
+                               notice_to_safe_s,  checkpoint_s, exit_code, std::move(error)};
+        return py::make_tuple(PreemptExitLine(o), PreemptedMessage(o));
+      },
+      py::kw_only(), py::arg("reason"), py::arg("step"), py::arg("committed"), py::arg("latest"),
+      py::arg("notice_to_safe_s"), py::arg("checkpoint_s"), py::arg("exit_code"),
+      py::arg("error"), "(the line printed before the exit, str(Preempted)) (engine/preempt.h).");
   py::class_<PreemptNotices>(m, "PreemptNotices")
       .def(py::init<int, int>(), py::arg("rank"), py::arg("world"))
       .def("notice", &PreemptNotices::Notice, py::arg("reason"), py::arg("step"),

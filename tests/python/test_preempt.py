@@ -26,7 +26,7 @@ from dist_launch import free_port
 from safetensors.torch import load_file
 
 import nonstop
-from nonstop import _preempt
+from nonstop import _ext, _preempt
 
 HERE = os.path.dirname(__file__)
 TIMEOUT = 60  # seconds per job
@@ -55,16 +55,16 @@ def test_bad_settings_are_refused_in_one_line(bad):
 def test_estimate_says_whether_the_checkpoint_fits_the_grace_period():
     kw = dict(reason="SIGTERM", rank=0, notice_step=7, state_bytes=3 << 30,
               bandwidth=1e9, step_s=0.5, lag_steps=0, latest=5)
-    line, expected = _preempt.estimate_line(grace_s=30, **kw)
+    line, expected = _ext.core().preempt_estimate(grace_s=30, **kw)
     assert abs(expected - (0.5 + 3 * 2**30 / 1e9)) < 1e-9 and line.endswith("fits")
-    line, _ = _preempt.estimate_line(grace_s=2, **kw)
+    line, _ = _ext.core().preempt_estimate(grace_s=2, **kw)
     assert "WILL NOT FIT" in line and "(step 5) stays intact" in line
-    line, expected = _preempt.estimate_line(grace_s=2, **{**kw, "bandwidth": None})
+    line, expected = _ext.core().preempt_estimate(grace_s=2, **{**kw, "bandwidth": None})
     assert expected is None and "cannot tell" in line
     stats = {"recent": [{"committed": True, "bytes": 100, "persist_s": 1.0},
                         {"committed": False, "bytes": 100, "persist_s": 0.01},
                         {"committed": True, "bytes": 300, "persist_s": 1.0}]}
-    assert _preempt.persist_bandwidth(stats) == 300
+    assert _ext.core().persist_bandwidth(stats["recent"]) == 300
 
 
 # ------------------------------------------------------------- in process

@@ -10,6 +10,7 @@ arithmetic (bandwidth, estimate) is C++: engine/preempt.h.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -69,8 +70,10 @@ def parse(on_preempt) -> Optional[dict]:
         raise CheckpointMismatchError(
             f"on_preempt must be True, False or a dict (signals, exit_code, grace_s, ...), "
             f"got {on_preempt!r}")
-    rest = {str(k): v for k, v in on_preempt.items() if k != "group"}
-    cfg = _ext.core().preempt_options(json.dumps(rest, default=repr))
+    rest = {str(k): repr(v) if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in on_preempt.items() if k != "group"}  # (JSON has no nan, inf)
+    cfg = _ext.core().preempt_options(json.dumps(
+        rest, default=lambda v: sorted(v, key=str) if isinstance(v, (set, frozenset)) else repr(v)))
     cfg["group"] = on_preempt.get("group")
     return cfg
 

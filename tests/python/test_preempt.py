@@ -42,10 +42,12 @@ def test_settings_default_to_sigterm_and_status_75():
                           "exit_code": 143})
     assert cfg["signals"] == sorted([signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
     assert cfg["grace_s"] == 30 and cfg["exit_code"] == 143
+    assert _preempt.parse({"signals": {"usr2"}, "chain": False})["signals"] == [signal.SIGUSR2]
 
 
 @pytest.mark.parametrize("bad", [{"signals": ["SIGNOPE"]}, {"signals": ["KILL"]},
-                                 {"exit_code": 300}, {"grace_s": -1}, {"grace": 3}, "SIGTERM"])
+                                 {"exit_code": 300}, {"grace_s": -1}, {"grace": 3}, "SIGTERM",
+                                 {"grace_s": float("nan")}, {"chain": "yes"}, {"signals": [1.5]}])
 def test_bad_settings_are_refused_in_one_line(bad):
     with pytest.raises(nonstop.CheckpointMismatchError) as e:
         _preempt.parse(bad)

@@ -156,7 +156,7 @@ class Watcher:
 
     def close(self) -> None:
         """Settles the handles of what the engine finished (call once nothing
-        is in flight: Session.settle), then stops the thread. A handle whose
+        is in flight: Session.shut), then stops the thread. A handle whose
         outcome is not known then (with several ranks: committed here, not
         agreed on) is settled with an error that says so."""
         if self._watch is None:

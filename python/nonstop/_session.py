@@ -1,10 +1,7 @@
-"""The one object that owns a Checkpointer's engine and its counters: the
-engine (or the multistep window driving one), the distributed agreement,
-the background errors taken and not reported yet, the registered tensors
-and the stall counters; and the protocol of a mode (Driver), which the
-modes implement (_periodic, _layerwise, _multistep). The modes, the
-preemption handling and the remote tier use the Session; none of them
-touches a Checkpointer's own attributes."""
+"""Session, the one object that owns a Checkpointer's engine, agreement,
+background errors, registered tensors and counters (the modes, the
+preemption handling and the remote tier use it, never a Checkpointer's own
+attributes); and Driver, the protocol of a mode (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import os

@@ -2,8 +2,8 @@
 is made or deleted, which may never be deleted) are C++ (JobDir,
 src/jobdir/retention.cc), and so are the checks of metrics= and of the
 retention options max_to_keep=/best= (_core.check_metrics,
-_core.check_retention, called directly); this module checks arguments and
-shapes results."""
+_core.check_retention, called directly) and the rows of a listing
+(_core.job_view, RemoteTier.rows); this module checks arguments."""
 from __future__ import annotations
 
 import os
@@ -13,23 +13,13 @@ from . import _ext, _remote
 from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 
-def _row(c: dict, job: str) -> dict:
-    return {"step": int(c["step"]), "counter": int(c["counter"]),
-            "where": c["where"], "path": c["path"],
-            "state": c["state"], "reason": c["reason"],
-            "time": c["commit_unix_ns"] / 1e9 if c["commit_unix_ns"] else None,
-            "bytes": int(c["bytes"]), "metrics": dict(c["metrics"]),
-            "tiers": [dict(t) for t in c["tiers"]], "job": job}
-
-
 def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = None) -> list:
     """nonstop.list(): the job view of `rank` (engine/job_view.h), as `nonstop
     ls` lists it, or a remote's steps in the same rows (docs/PYTHON.md)."""
     path = os.fspath(dir)
     if _remote.is_remote(path, remote_options):
         return _remote.list_steps(path, remote_options, rank)
-    view = _ext.core().job_view(path, rank)
-    return [_row(c, view["job"]) for c in view["rows"]]
+    return _ext.core().job_view(path, rank)["rows"]
 
 
 def check_step(step) -> int:

@@ -164,7 +164,7 @@ def resolve(state: dict, **kw) -> Options:
             raise CheckpointMismatchError("remote_options must be a dict")
         remote_options = {**(remote_options or {}), "every": remote_every}
     if isinstance(remote_options, dict):
-        _remote.check_every(remote_options.get("every"), kw["world_size"] or 1)
+        _ext.core().check_remote_every(remote_options.get("every"), kw["world_size"] or 1)
     # A data loader whose restored order would differ is refused (_data.py)
     _data.check_state(state)
     opts = _config.resolve(kw["config"], **{k: kw[k] for k in _config.DEFAULTS})

@@ -6,113 +6,26 @@ partner choice, the reshard's gather of old ranks' copies); Python never
 touches the bytes.
 
 At construction (collective, before restore() and before the agreement
-thread owns the group) rank 0 makes the job's peer secret (32 random bytes;
-docs/TIERS.md "Trust") and sends it in the first exchange, or every rank
-takes $NONSTOP_PEER_SECRET (hex); each rank starts its PeerServer, the ranks
-exchange (host id, server endpoint, what each server holds), the core picks
-each rank's partners on other hosts and each rank starts a replicator to
-them. At restore() a rank whose own tiers lack the newest replica of its
-checkpoint fetches it (verified) into this host's memory directory
-("<job key>-fetched-rank-RRRRR/peer/step-N/"), which the collective restore
-reads like its own disk copy; it is removed at the next fetch and at close().
-A restart of another world size gathers the old ranks' files its job
-directory lacks first (gather_old_shards).
+thread owns the group) the ranks agree on the secret, start their servers,
+exchange (host id, endpoint, what each server holds) and start replicators
+to the partners the core picks; restore() may first fetch this rank's
+replica (prefetch) or, at another world size, the old ranks' files
+(gather_old_shards). docs/TIERS.md says where each lives and when it goes.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from typing import Optional
 
-from . import _ext, _remote
-from .errors import CheckpointError, CheckpointMismatchError
-
-
-IDLE_NICE = 20  # peer_nice="idle": the SCHED_IDLE class (tier::kIdleNice)
-MIN_BPS = 10**6
-SPREAD_S = 10.0  # peer_bps="spread": a push spread over this at least (ReplicatorOptions::spread_s)
-
-# The peer options (docs/TIERS.md "The peer tier from Python"): the words each
-# takes besides an int, the ints it takes, and what its error says it must be.
-OPTIONS = {
-    "replicas": ((None,), lambda v: v >= 0, "must be None or a non-negative integer"),
-    "peer_budget_bytes": ((None,), lambda v: v >= 0, "must be None or a non-negative integer"),
-    "peer_every": ((), lambda v: v >= 1,
-                   "must be an int >= 1 (1: every checkpoint, n: every n-th)"),
-    "peer_nice": (("idle",), lambda v: 0 <= v <= 19, 'must be an int from 0 to 19 or "idle"'),
-    "peer_bps": (("spread",), lambda v: v == 0 or v >= MIN_BPS,
-                 f'must be 0 (unpaced), "spread" or an int >= {MIN_BPS} (bytes a second)'),
-}
-
-
-def check_option(name: str, value):
-    """Option `name` of OPTIONS checked: its value (peer_nice="idle" as
-    IDLE_NICE), or a one-line CheckpointMismatchError."""
-    words, ok, must = OPTIONS[name]
-    if any(value is w or (isinstance(value, str) and value == w) for w in words):
-        return IDLE_NICE if value == "idle" else value
-    if not isinstance(value, int) or isinstance(value, bool) or not ok(value):
-        raise CheckpointMismatchError(f"{name} {must}, got {value!r}")
-    return value
+from . import _ext
+from .errors import CheckpointError
 
 
 def check_options(kw: dict) -> tuple:
     """replicas=, peer_budget_bytes=, peer_every=, peer_nice=, peer_bps= of
-    the Checkpointer's keywords, checked (DistOptions' order)."""
-    return tuple(check_option(n, kw[n]) for n in OPTIONS)
-
-
-SECRET_ENV = "NONSTOP_PEER_SECRET"
-
-def env_secret() -> Optional[bytes]:
-    """$NONSTOP_PEER_SECRET as bytes (hex, 16 to 64 bytes), or None when unset."""
-    v = os.environ.get(SECRET_ENV, "").strip()
-    if not v:
-        return None
-    try:
-        b = bytes.fromhex(v)
-    except ValueError:
-        b = b""
-    if not 16 <= len(b) <= 64:
-        raise CheckpointMismatchError(
-            f"${SECRET_ENV} must be 16 to 64 bytes written in hex (32 to 128 hex digits)")
-    return b
-
-
-def fingerprint(secret: bytes) -> str:
-    """Names a secret without telling it: every rank's must match."""
-    return hashlib.sha256(b"nonstop peer secret fingerprint\0" + secret).hexdigest()
-
-
-def agree_secret(every: list, mine: Optional[bytes]) -> bytes:
-    """The job's peer secret from the first exchange: every rank's
-    $NONSTOP_PEER_SECRET (the same on all), else the 32 bytes rank 0 made."""
-    prints = [e[4] for e in every]
-    if all(prints):
-        if len(set(prints)) != 1:
-            raise CheckpointMismatchError(f"${SECRET_ENV} differs between ranks")
-        return mine
-    if any(prints):
-        raise CheckpointMismatchError(
-            f"${SECRET_ENV} is set on ranks {[r for r, p in enumerate(prints) if p]} only: "
-            "set it on every rank or on none")
-    return bytes.fromhex(every[0][5])
-
-
-# The stats of the replicator and the server (docs/TIERS.md "Stats"): the
-# name in Checkpointer.stats() -> (the core's name, its value without one).
-REPLICATOR_STATS = {
-    "peer_replicated": ("replicated", 0), "peer_bytes": ("bytes", 0),
-    "peer_failures": ("failures", 0), "peer_skipped": ("skipped", 0),
-    "peer_skipped_cadence": ("skipped_cadence", 0), "peer_skipped_budget": ("skipped_budget", 0),
-    "peer_last_step": ("last_step", None), "peer_error": ("last_error", ""),
-    "peer_lag_s": ("lag_s_last", None), "peer_lag_s_max": ("lag_s_max", None)}
-SERVER_STATS = {
-    "peer_held": "held", "peer_held_bytes": "held_bytes", "peer_received": "replicas_received",
-    "peer_served": "fetches_served", "peer_auth_failures": "auth_failures",
-    "peer_handshake_timeouts": "handshake_timeouts", "peer_budget_bytes": "budget_bytes",
-    "peer_old_world_removed": "old_world_removed"}
+    the Checkpointer's keywords, checked (C++, tier/peer_options.h; DistOptions' order)."""
+    return tuple(_ext.core().check_peer_option(n, kw[n]) for n in _ext.core().PEER_OPTIONS)
 
 
 class Peers:
@@ -125,7 +38,7 @@ class Peers:
         self.rank, self.world = dist.rank, dist.world
         self.server = self.replicator = None
         self.partners: list = []
-        self.held: dict = {}  # source rank -> [(step, counter, holder rank)], newest first
+        self.held: list = []  # this rank's replicas: [(step, counter, holder rank)], newest first
         self.note = ""
         self.prefetched: Optional[dict] = None  # {step, counter, dir, holder} or None
         self.unused_because = ""
@@ -139,28 +52,24 @@ class Peers:
         self.local: list = []
         self.reshard_any = False  # any rank's server or host holds another world's checkpoint
         self.reshard_files: list = []  # [(old world, old rank, path)] for JobDir.select_reshard
-        self.reshard_dir = ""  # where the copies fetched for the reshard were written
-        self.reshard_from: dict = {}  # old rank -> where its file came from
         self.reshard_missing = ""
-        self.reshard_bytes, self.reshard_s = 0, 0.0  # fetched for the reshard, and how long
-        self.reshard_shared = 0  # copies another rank of this host fetched (one fetch per host)
-        self._lease = None  # this rank's hold on those copies (core.PeerReshardLease)
+        self.reshard_stats: dict = {}  # the last gather's peer_reshard_* (docs/TIERS.md "Stats")
+        self._lease = None  # this rank's hold on its host's copies (core.PeerReshardLease)
         comm = dist.comm()
         want = 1 if replicas is None else replicas
-        have = hasattr(core, "PeerServer")
-        segment = engine.stats().get("memory_segment", "") if want and have else ""
+        segment = engine.stats().get("memory_segment", "") if want else ""
         addr = core.peer_local_address()  # $NONSTOP_PEER_ADDR, else the route to MASTER_ADDR
-        mine = env_secret()
+        mine = core.peer_env_secret()
         made = os.urandom(32).hex() if dist.rank == 0 and mine is None else ""
         # Every rank must take the same branch: decided together, in one gather
         # (which also carries rank 0's secret: the group's own links).
-        every = comm.gather([core.peer_host_id(addr), bool(want and have), bool(segment),
-                             os.path.abspath(dist.dir), fingerprint(mine) if mine else "", made])
+        every = comm.gather([core.peer_host_id(addr), bool(want), bool(segment),
+                             os.path.abspath(dist.dir),
+                             core.peer_secret_fingerprint(mine) if mine else "", made])
         self.hosts = [e[0] for e in every]
         self.replicas = 0
         if not all(e[1] for e in every):
-            self.note = ("this build has no peer tier" if not have else
-                         "replicas=0" if want == 0 else "replicas=0 on another rank")
+            self.note = "replicas=0" if want == 0 else "replicas=0 on another rank"
             return
         if not all(e[2] for e in every):
             self.note = 'no memory segment to replicate (tier="disk")'
@@ -179,7 +88,7 @@ class Peers:
             # No server: a reshard still reads this host's memory directory.
             self.reshard_any = any(comm.gather(bool(self.local)))
             return
-        secret = agree_secret(every, mine)
+        secret = core.peer_agree_secret([e[4] for e in every], every[0][5], mine or b"")
         err, held, other = "", [], []
         try:
             # The budget: peer_budget_bytes, else a share of the memory
@@ -191,12 +100,11 @@ class Peers:
                 budget_share=0 if budget_bytes is not None else share, segments=segs,
                 nice=peer_nice, job_dir=os.path.abspath(dist.dir), world_size=self.world)
             listed = self.server.list()
-            held = [h for h in listed if int(h.get("world_size", 0)) == self.world]
-            other = [dict(h, kind="replica") for h in listed
-                     if int(h.get("world_size", 0)) != self.world]
-            other += [dict(h, kind=kind) for kind, got in (("segment", self.server.list_own()),
-                                                           ("disk", self.server.list_disk()))
-                      for h in got if int(h.get("world_size", 0)) != self.world]
+            held = [h for h in listed if h["world_size"] == self.world]
+            other = [dict(h, kind=kind) for kind, got in (("replica", listed),
+                                                          ("segment", self.server.list_own()),
+                                                          ("disk", self.server.list_disk()))
+                     for h in got if h["world_size"] != self.world]
         except CheckpointError as e:
             err = f"rank {self.rank}: the peer server cannot start on {addr}: {e}"
         got = comm.gather([err, f"{addr}:{self.server.port}" if not err else "", held, other,
@@ -209,13 +117,10 @@ class Peers:
             return
         self.endpoints = [g[1] for g in got]
         self._secret = secret
-        for holder, g in enumerate(got):
-            self.other += [(holder, h) for h in g[3]]
-            for h in g[2]:
-                self.held.setdefault(int(h["source_rank"]), []).append(
-                    (int(h["step"]), int(h["counter"]), holder))
-        for v in self.held.values():
-            v.sort(reverse=True)
+        self.other = [(holder, h) for holder, g in enumerate(got) for h in g[3]]
+        self.held = sorted(((int(h["step"]), int(h["counter"]), holder)
+                            for holder, g in enumerate(got) for h in g[2]
+                            if int(h["source_rank"]) == self.rank), reverse=True)
         self.replicas = want
         self.partners = list(partners[self.rank])
         if self.partners:
@@ -224,7 +129,7 @@ class Peers:
                     self.job, secret, self.rank, segment,
                     [self.endpoints[p] for p in self.partners], job_dir=every[self.rank][3],
                     every=peer_every, nice=peer_nice, bps=0 if peer_bps == "spread" else peer_bps,
-                    spread_s=SPREAD_S if peer_bps == "spread" else 0.0)
+                    spread_s=core.PEER_SPREAD_S if peer_bps == "spread" else 0.0)
             except CheckpointError as e:  # this rank's copies are not replicated: said
                 self.note = f"the replicator cannot start: {e}"
 
@@ -237,10 +142,9 @@ class Peers:
         step (`own_steps`). Not collective; a failure is remembered
         (unused_because) and the restore goes on without it."""
         self.prefetched, self.unused_because = None, ""
-        mine = self.held.get(self.rank, [])
-        if not mine:
+        if not self.held:
             return
-        step, counter, holder = mine[0]
+        step, counter, holder = self.held[0]
         if step in own_steps:
             return
         try:
@@ -260,36 +164,29 @@ class Peers:
         core = _ext.core()
         return core.peer_memory_dir(""), f"{core.peer_job_key(self.job)}-{what}-rank-{self.rank:05d}"
 
-    def _remove(self, *names: str) -> None:
-        """Removes `names` from this host's memory directory (through the seam; best effort)."""
+    def _remove(self, name: str) -> None:
+        """Removes `name` from this host's memory directory (through the seam; best effort)."""
         core = _ext.core()
-        for n in names:
-            try:
-                core.Directory(core.peer_memory_dir("")).remove_tree(n, missing_ok=True)
-            except (CheckpointError, OSError):
-                pass
+        try:
+            core.Directory(core.peer_memory_dir("")).remove_tree(name, missing_ok=True)
+        except (CheckpointError, OSError):
+            pass
 
     def _list_local(self, segs: list) -> list:
         """This host's replicas and own segments of the job of another world
         size, read from the memory directory (no server); [] when it cannot
         be read (a reshard then reads the peers and the disk)."""
-        core = _ext.core()
-        if not hasattr(core, "peer_list_local"):
-            return []
         try:
-            got = [dict(h, kind="replica") for h in core.peer_list_local(self.job, False)]
-            got += [dict(h, kind="segment") for h in core.peer_list_local(self.job, True, segs)]
+            return [dict(h, kind=kind) for kind, own in (("replica", False), ("segment", True))
+                    for h in _ext.core().peer_list_local(self.job, own, segs)
+                    if int(h["world_size"]) != self.world]
         except (CheckpointError, OSError):
             return []
-        return [h for h in got if int(h["world_size"]) != self.world]
 
     def drop_reshard(self) -> None:
-        """Removes the copies this rank fetched alone for a reshard, and gives
-        up its hold on this host's copies fetched once per host: the last
-        rank of the host to give it up removes them (C++, ReshardLease), so
-        a rank done first (its reshard read them, or failed on that rank
-        alone) never removes a copy another rank of its host still reads.
-        Once the reshard has read them, at the next one, at close()."""
+        """Removes the copies this rank fetched alone for a reshard and gives
+        up its hold on its host's shared ones: the host's last holder removes
+        those (C++ ReshardLease), never a copy another rank still reads."""
         self._remove(self._place("reshard")[1])
         lease, self._lease = self._lease, None
         if lease is not None:
@@ -300,16 +197,12 @@ class Peers:
 
     def gather_old_shards(self, dir: str, remote=None) -> None:
         """Before resharding a set-aside checkpoint of another world size: a
-        copy that verifies of every old rank whose file `dir`/world-W/ lacks,
-        from this host's memory directory (read in place), another host's
-        server (a replica, its own segment or its rank file) or the remote
-        tier (`remote`, a _remote.Tier), fetched once per host; the C++
-        gather decides where from (core.peer_gather_old_shards,
-        tier/peer_gather.h; the planner's order). The copies are named in
-        reshard_files for JobDir.select_reshard and removed once read
-        (drop_reshard: those of the host by its last rank); what cannot be
-        found is named in reshard_missing (the reshard then fails in one line
-        when an old rank is on no disk either). Not collective."""
+        verified copy of every old rank whose file `dir`/world-W/ lacks, from
+        this host's memory directory, another host's server or the remote
+        tier (`remote`, a _remote.Tier); where from is C++'s
+        (tier/peer_gather.h). The copies are named in reshard_files for
+        JobDir.select_reshard, what cannot be found in reshard_missing.
+        Not collective."""
         core = _ext.core()
         t0 = time.perf_counter()
         self.drop_reshard()  # a restart before this one may have left its copies
@@ -322,10 +215,10 @@ class Peers:
         steps, err, url, fetch = [], "", "", None
         if remote is not None and copies:
             url = remote.store.url
-            fetch = lambda step, rank, d: _remote.fetch(remote.store, step, rank, d)  # noqa: E731
+            fetch = lambda st, r, d: core.RemoteTier(remote.store).fetch(st, r, d)  # noqa: E731
             try:
                 steps = [(int(m.get("world_size", 0)), int(st), int(m.get("counter") or 0))
-                         for st, m in _remote.committed_steps(remote.store)]
+                         for st, m in core.RemoteTier(remote.store).committed_steps()]
             except (CheckpointError, OSError) as e:
                 err = f"the remote tier {url} cannot be listed: {e}"
         got = core.peer_gather_old_shards(
@@ -333,10 +226,11 @@ class Peers:
             getattr(self, "endpoints", []), copies, steps, url, err, fetch, mem,
             os.path.join(mem, name), f"rank {self.rank} pid {os.getpid()}")
         self.reshard_files = [tuple(f) for f in got["files"]]
-        self.reshard_from, self.reshard_missing = dict(got["from"]), got["missing"]
-        self.reshard_bytes, self.reshard_shared = got["bytes"], got["shared"]
-        self.reshard_dir, self.reshard_s = got["dir"], time.perf_counter() - t0
-        self._lease = got["lease"]
+        self.reshard_missing, self._lease = got["missing"], got["lease"]
+        self.reshard_stats = {} if not (got["from"] or got["missing"]) else {
+            "peer_reshard_from": dict(got["from"]), "peer_reshard_missing": got["missing"],
+            "peer_reshard_bytes": got["bytes"], "peer_reshard_shared": got["shared"],
+            "peer_reshard_s": time.perf_counter() - t0, "peer_reshard_dir": got["dir"]}
 
     # ------------------------------------------------------------- stats
 
@@ -348,23 +242,12 @@ class Peers:
     def stats(self) -> dict:
         s = {"peer_replicas": self.replicas, "peer_partners": list(self.partners),
              "peer_note": self.note}
-        if self.replicator is not None:
-            r = self.replicator.stats()
-            s.update({n: r.get(k, d) for n, (k, d) in REPLICATOR_STATS.items()})
-        if self.server is not None:
-            v = self.server.stats()
-            s.update({n: v.get(k, 0) for n, k in SERVER_STATS.items()})
+        s.update(_ext.core().peer_tier_stats(self.replicator, self.server))
         if self.prefetched is not None:
             s["peer_fetched_dir"] = self.prefetched["dir"]
         if self.unused_because:
             s["peer_unused_because"] = self.unused_because
-        if self.reshard_from or self.reshard_missing:
-            s["peer_reshard_from"] = dict(self.reshard_from)
-            s["peer_reshard_missing"] = self.reshard_missing
-            s["peer_reshard_bytes"] = self.reshard_bytes
-            s["peer_reshard_shared"] = self.reshard_shared
-            s["peer_reshard_s"] = self.reshard_s
-            s["peer_reshard_dir"] = self.reshard_dir
+        s.update(self.reshard_stats)
         return s
 
     def close(self) -> None:
@@ -373,10 +256,7 @@ class Peers:
         this rank's restore goes."""
         for x in (self.replicator, self.server):
             if x is not None:
-                try:
-                    x.close()
-                except CheckpointError:
-                    pass
+                x.close()  # never raises (C++ Close)
         self.replicator = self.server = None
         if self.prefetched is not None:
             self._remove(self._place("fetched")[1])

@@ -6,6 +6,7 @@ remote_restore.h, s3_request.h); docs/TIERS.md describes the tier.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -32,41 +33,6 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0].strip() if text else type(e).__name__
 
-def _store_config(url: str, options: Optional[dict]) -> dict:
-    """remote_options of an object store URL sorted out (adapting keywords
-    to obstore's): {concurrency, part_bytes, s3: what CreateBucket needs or
-    None, bucket, prefix, client (client_options), kw (the store's
-    keywords)}. The tier's own options are dropped; the rest go to the client."""
-    opts = dict(options or {})
-    out = {"concurrency": int(opts.pop("max_concurrency", 8)),
-           "part_bytes": int(opts.pop("part_bytes", 8 << 20)), "s3": None, "kw": opts}
-    for k in _TIER_OPTIONS:
-        opts.pop(k, None)
-    m = re.match(r"^s3://([^/]+)/?(.*)$", url)
-    if not m:
-        return out
-    endpoint, endpoint_url = opts.pop("endpoint", None), opts.pop("endpoint_url", None)
-    ck = opts.pop("client_kwargs", None)
-    if ck is not None and not isinstance(ck, dict):
-        raise CheckpointMismatchError(f"remote_options client_kwargs must be a dict, got {ck!r}")
-    endpoint = endpoint or endpoint_url or (ck or {}).get("endpoint_url")
-    timeout, connect = str(opts.pop("timeout", "60s")), str(opts.pop("connect_timeout", "5s"))
-    seconds = _ext.core().duration_s
-    out["s3"] = {"bucket": m.group(1), "endpoint": endpoint,
-                 "timeout": seconds(connect) + seconds(timeout),
-                 **{k: opts.get(k) for k in ("key", "secret", "token", "region")}}
-    kw = {dst: opts.pop(src) for src, dst in (("key", "access_key_id"),
-                                              ("secret", "secret_access_key"),
-                                              ("token", "session_token"), ("region", "region"))
-          if opts.get(src) is not None}
-    client = {"timeout": timeout, "connect_timeout": connect}
-    if endpoint:
-        kw["endpoint"] = endpoint
-        client["allow_http"] = str(endpoint).startswith("http://")
-    kw.update(opts)
-    out.update(bucket=m.group(1), prefix=m.group(2).strip("/") or None, client=client, kw=kw)
-    return out
-
 
 class ObjectStore:
     """An S3 (or GCS/Azure) prefix through obstore. abort() (C++'s uploader
@@ -80,9 +46,10 @@ class ObjectStore:
         except ImportError as e:  # pragma: no cover - make build installs it
             raise CheckpointError(f"remote={url!r} needs the obstore package ({e})") from None
         self._ob = obstore
-        c = _store_config(url, options)
+        c = _ext.core().store_options(url, options)  # C++: tier/s3_request.h SortStoreOptions
         self.concurrency, self.part_bytes, self._s3 = c["concurrency"], c["part_bytes"], c["s3"]
-        if self._s3 is not None:
+        self.s3 = self._s3 is not None  # a bucket remote_options create_bucket can create
+        if self.s3:
             self.store = obstore.store.S3Store(
                 c["bucket"], prefix=c["prefix"], client_options=c["client"],
                 retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=30),
@@ -96,26 +63,17 @@ class ObjectStore:
     def abort(self) -> None:
         self._aborted.set()
 
-    @property
-    def s3(self) -> bool:
-        """An s3:// URL (a bucket remote_options create_bucket can create)."""
-        return self._s3 is not None
-
     def create_bucket(self) -> bool:
         """remote_options={'create_bucket': True}: an S3 CreateBucket request
         (signed in C++, tier/s3_request.h; obstore has no call for it). True
         when made, False when it was there already (owned by these
         credentials); anything else is a one-line CheckpointIOError."""
-        c, env = self._s3, os.environ
+        c = self._s3
         if c is None:
             raise CheckpointMismatchError(
                 f"remote_options create_bucket is for s3:// URLs, not {self.url!r}")
-        r = _ext.core().s3_create_bucket(
-            self.url, c["endpoint"] or "", c["bucket"], c["region"] or env.get("AWS_REGION")
-            or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            c["key"] or env.get("AWS_ACCESS_KEY_ID") or "",
-            c["secret"] or env.get("AWS_SECRET_ACCESS_KEY") or "",
-            c["token"] or ("" if c["key"] else env.get("AWS_SESSION_TOKEN", "")))
+        r = _ext.core().s3_create_bucket(self.url, c["endpoint"], c["bucket"], c["region"],
+                                         c["key"], c["secret"], c["token"])  # else $AWS_*
         req = urllib.request.Request(r["url"], data=r["body"], method="PUT", headers=r["headers"])
         try:
             with urllib.request.urlopen(req, timeout=c["timeout"]) as got:
@@ -162,50 +120,30 @@ class ObjectStore:
         self._io(f"writing {key}", self._ob.put, self.store, key, data)
 
     def get_bytes(self, key: str, limit: int) -> Optional[bytes]:
-        try:
+        try:  # its size first: a hostile object is refused before it is read
             meta = self._io(f"reading {key}", self._ob.head, self.store, key)
-        except FileNotFoundError:
-            return None
-        if meta["size"] > limit:
-            raise CorruptCheckpointError(f"{self.url}/{key} is {meta['size']} bytes, "
-                                         f"more than a nonstop document ({limit})")
-        try:
+            if meta["size"] > limit:
+                raise CorruptCheckpointError(f"{self.url}/{key} is {meta['size']} bytes, "
+                                             f"more than a nonstop document ({limit})")
             return bytes(self._io(f"reading {key}",
                                   lambda: self._ob.get(self.store, key).bytes()))
-        except FileNotFoundError:
+        except FileNotFoundError:  # missing (or gone between the two calls)
             return None
 
     def get_chunks(self, key: str):
         """(size, iterator of buffers); FileNotFoundError when missing."""
         res = self._io(f"reading {key}", self._ob.get, self.store, key)
-        stream = res.stream(min_chunk_size=self.part_bytes)
-
-        def chunks():
-            it = iter(stream)
-            while True:
-                buf = self._io(f"reading {key}", next, it, None)
-                if buf is None:
-                    return
-                yield buf
-        return res.meta["size"], chunks()
+        it = iter(res.stream(min_chunk_size=self.part_bytes))
+        return res.meta["size"], iter(lambda: self._io(f"reading {key}", next, it, None), None)
 
     def list(self, prefix: str = "") -> list:
-        def run():
-            out = []
-            for batch in self._ob.list(self.store, prefix or None):
-                out.extend((m["path"], m["size"]) for m in batch)
-            return out
-        return self._io("listing", run)
+        return self._io("listing", lambda: [(m["path"], m["size"]) for batch in
+                                            self._ob.list(self.store, prefix or None)
+                                            for m in batch])
 
     def delete(self, keys: list) -> None:
         if keys:
             self._io("deleting", self._ob.delete, self.store, keys)
-
-
-# Options of the tier itself (the rest go to the client).
-_TIER_OPTIONS = ("max_to_keep", "bandwidth_bps", "close_timeout_s", "poll_s",
-                 "commit_timeout_s", "retry_max_s", "nice", "job", "adopt", "every",
-                 "create_bucket", "note_manifest")
 
 
 def open_store(url: str, options: Optional[dict]):
@@ -219,51 +157,24 @@ def open_store(url: str, options: Optional[dict]):
                                  int((options or {}).get("part_bytes", PART_BYTES)))
 
 
-# --------------------------------------------------------------- reading
-# Everything but the bytes is C++'s (tier/remote_tier.h), over the store
-# as its transport.
+# ------------------------------------------------------- fetched parts
 
-def _tier(store):
-    """The C++ remote tier over `store` (its transport)."""
-    return _ext.core().RemoteTier(store)
-
-
-def committed_steps(store) -> list:
-    """[(step, marker)] of the committed steps, newest first (C++ warns of
-    a marker that does not parse, skipped)."""
-    return _tier(store).committed_steps()
-
-
-def fetch(store, step: int, rank: int, local_dir: str) -> str:
-    """Rank `rank`'s part of committed `step`, verified by C++ (size, every
-    part's crc32) into local_dir/remote/step-N/; that one-slot job directory."""
-    return _tier(store).fetch(int(step), int(rank), os.fspath(local_dir))
-
-
-def temp_dir() -> str:
+@contextlib.contextmanager
+def temp_dir():
     """A new private directory for fetched parts: tempfile.mkdtemp makes it
     exclusively (a fresh random name, mode 0700); every file in it is then
-    written and removed through the seam (fetch, remove_temp_dir)."""
-    return tempfile.mkdtemp(prefix="nonstop-remote-")
-
-
-def remove_temp_dir(path: str) -> None:
-    """Removes a temp_dir() and everything in it through the seam (each
-    subdirectory opened O_NOFOLLOW relative to its parent; links removed,
-    never followed). Best effort: a failure leaves it in the temp folder."""
-    parent, name = os.path.split(os.path.abspath(path))
+    written through the seam, and at the end it is removed through the seam
+    (each subdirectory opened O_NOFOLLOW relative to its parent; links
+    removed, never followed; best effort: a failure leaves it there)."""
+    path = tempfile.mkdtemp(prefix="nonstop-remote-")
     try:
-        _ext.core().Directory(parent).remove_tree(name)
-    except CheckpointError:
-        pass
-
-
-# -------------------------------------------------------------- retention
-
-def retain(store, max_to_keep: int, keep: Optional[int], keep_max: Optional[int]) -> int:
-    """Retention of the remote (C++: remote_layout.h StepsToDelete, the
-    uploader runs it after each commit); how many steps it deleted."""
-    return _tier(store).retain(int(max_to_keep), int(keep or 0), int(keep_max or 0))
+        yield path
+    finally:
+        parent, name = os.path.split(os.path.abspath(path))
+        try:
+            _ext.core().Directory(parent).remove_tree(name)
+        except CheckpointError:
+            pass
 
 
 # --------------------------------------------------------------- uploader
@@ -296,11 +207,6 @@ def _start_runtime_niced(nice: int) -> None:
     t.join(10)
 
 
-def check_every(every, world_size: int) -> Optional[int]:
-    """remote_every: None, or an int >= 1 (one process only). C++."""
-    return _ext.core().check_remote_every(every, world_size)
-
-
 class Tier:
     """The remote tier of one Checkpointer (its `remote=` argument). The
     Checkpointer hands in what it owns (the engine, its reader), so this
@@ -325,7 +231,7 @@ class Tier:
         self.claimed = False
         # remote_every=n (remote_options "every"; docs/TIERS.md): every n-th
         # checkpoint, in order, none skipped; None: the newest committed one.
-        self.every = check_every(self.options.get("every"), ckpt.world_size)
+        self.every = _ext.core().check_remote_every(self.options.get("every"), ckpt.world_size)
         if self.options.get("create_bucket") not in (None, False, True):
             raise CheckpointMismatchError("remote_options create_bucket must be True or False")
         if self.options.get("create_bucket") and not getattr(self.store, "s3", False):
@@ -333,11 +239,12 @@ class Tier:
                 f"remote_options create_bucket is for s3:// URLs, not the path {url!r}")
 
     def _claim(self) -> None:
-        if not self.claimed and self.ckpt.rank == 0 and self.options.get("create_bucket"):
-            self.store.create_bucket()  # before the JOB document is written
         if not self.claimed and self.ckpt.rank == 0:
+            if self.options.get("create_bucket"):
+                self.store.create_bucket()  # before the JOB document is written
             # another job's prefix is refused (IncompatibleCheckpointError) unless adopt
-            _tier(self.store).claim(self.job, bool(self.options.get("adopt")), time.time())
+            _ext.core().RemoteTier(self.store).claim(self.job, bool(self.options.get("adopt")),
+                                                     time.time())
         self.claimed = True
 
     def _target(self):
@@ -372,8 +279,8 @@ class Tier:
             self.engine = self.ckpt.session.engine
             c = self.ckpt  # the options are read in C++ (C++ decides everything else)
             self.up = _ext.core().RemoteUploader.from_options(
-                _tier(self.store), self._target, c.dir, c.rank, c.world_size, self.options,
-                self.every or 0, int(c.keep or 0), int(c.max_to_keep or 0), self.job)
+                _ext.core().RemoteTier(self.store), self._target, c.dir, c.rank, c.world_size,
+                self.options, self.every or 0, int(c.keep or 0), int(c.max_to_keep or 0), self.job)
             # at exit (or when dropped unclosed) the thread stops before the interpreter does
             weakref.finalize(self, self.up.close, False)
         if counter is not None:
@@ -401,8 +308,7 @@ class Tier:
         """The peer tier's replica fetched for this rank: a local candidate."""
         peers = getattr(self.ckpt.session.dist, "peers", None)
         pf = peers.prefetched if peers is not None else None
-        return [] if pf is None else [{"step": pf["step"], "counter": pf["counter"],
-                                       "where": "peer"}]
+        return [] if pf is None else [dict(pf, where="peer")]  # {step, counter, where}
 
     def restore(self, step: Optional[int]):
         """A LoadedCheckpoint from the remote when the plan puts a remote
@@ -420,7 +326,7 @@ class Tier:
             except (OSError, CheckpointIOError):
                 pass  # the store is down: the restore says so
         loaded = self.core().restore_remote(
-            _tier(self.store), c.dir, c.rank, step, self._extra(), c.dir,
+            _ext.core().RemoteTier(self.store), c.dir, c.rank, step, self._extra(), c.dir,
             lambda p: self.read(p, c.rank, None, c.world_size, as_numpy=False),
             world=None if d is None else d.world, gather=None if d is None else d.comm().gather)
         if loaded is None:
@@ -449,20 +355,16 @@ def is_remote(path, options: Optional[dict] = None) -> bool:
 
 def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
     """nonstop.list() of a remote: C++'s rows (RemoteTier.rows; docs/TIERS.md)."""
-    return _tier(open_store(os.fspath(url), options or {})).rows(rank)
+    return _ext.core().RemoteTier(open_store(os.fspath(url), options or {})).rows(rank)
 
 
 def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read,
          as_numpy: bool):
     """nonstop.load() of a remote: the step C++ RestoreFromRemote fetches
     (and verifies) into a temporary directory, read from there."""
-    store = open_store(url, options or {})
-    tmp = temp_dir()
-    try:
-        loaded = _ext.core().restore_remote(_tier(store), "", rank, step, [], tmp,
-                                            lambda d: read(d, rank, None, None, as_numpy),
-                                            load=True)
-    finally:
-        remove_temp_dir(tmp)
-    loaded.path = f"{store.url}/{_ext.core().remote_layout.part_key(loaded.step, rank)}"
+    core, store = _ext.core(), open_store(url, options or {})
+    with temp_dir() as tmp:
+        loaded = core.restore_remote(core.RemoteTier(store), "", rank, step, [], tmp,
+                                     lambda d: read(d, rank, None, None, as_numpy), load=True)
+    loaded.path = f"{store.url}/{core.remote_layout.part_key(loaded.step, rank)}"
     return loaded

@@ -19,17 +19,11 @@ import sys
 
 from . import _ext
 from . import _remote
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 
 EXIT_DAMAGED, EXIT_USAGE = 1, 2
 _LS_KEYS = ("step", "counter", "where", "path", "state", "reason", "time", "bytes", "metrics",
             "tiers", "job")
-
-
-class _Fail(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
 
 
 def _options() -> dict:
@@ -39,9 +33,9 @@ def _options() -> dict:
     try:
         opts = json.loads(raw)
     except ValueError:
-        raise _Fail("NONSTOP_REMOTE_OPTIONS is not JSON", EXIT_USAGE) from None
+        raise CheckpointMismatchError("NONSTOP_REMOTE_OPTIONS is not JSON") from None
     if not isinstance(opts, dict):
-        raise _Fail("NONSTOP_REMOTE_OPTIONS must be a JSON object", EXIT_USAGE)
+        raise CheckpointMismatchError("NONSTOP_REMOTE_OPTIONS must be a JSON object")
     return opts
 
 
@@ -49,7 +43,7 @@ def _run(*args) -> int:
     """`nonstop ARGS...` (this executable, on a downloaded directory)."""
     cli = os.environ.get("NONSTOP_CLI") or shutil.which("nonstop")
     if not cli:
-        raise _Fail("cannot find the nonstop executable (set NONSTOP_CLI)", EXIT_USAGE)
+        raise CheckpointMismatchError("cannot find the nonstop executable (set NONSTOP_CLI)")
     sys.stdout.flush()
     return subprocess.call([cli, *args])
 
@@ -60,14 +54,11 @@ def verify(store, step) -> int:
     is reported as damaged."""
     tier = _ext.core().RemoteTier(store)
     s, marker = tier.candidates(step)[0]  # the planner's (C++)
-    tmp = _remote.temp_dir()
-    try:
+    with _remote.temp_dir() as tmp:
         d = tier.fetch_all(s, tmp)  # damaged: main says so, exit 1
         print(f"{store.url}/{_ext.core().remote_layout.step_dir(s)}: committed, {marker['world_size']} "
               f"rank(s) downloaded, every part crc32 matches its manifest", flush=True)
         return _run("verify", d, "--step", str(s))
-    finally:
-        _remote.remove_temp_dir(tmp)
 
 
 def export(store, step, args: list) -> int:
@@ -75,12 +66,9 @@ def export(store, step, args: list) -> int:
     rank's part, exported as a local directory's with `args` (-o, --format,
     --include, --strip). Which step, and the fallback past a damaged one:
     C++ (RemoteTier.export)."""
-    tmp = _remote.temp_dir()
-    try:
+    with _remote.temp_dir() as tmp:
         return _ext.core().RemoteTier(store).export(
             step, tmp, lambda s, d: _run("export", d, "--step", str(s), *args))
-    finally:
-        _remote.remove_temp_dir(tmp)
 
 
 def main(argv=None) -> int:
@@ -106,9 +94,6 @@ def main(argv=None) -> int:
         print(json.dumps({"url": store.url, "format": _ext.core().remote_layout.FORMAT,
                           "steps": rows}, indent=1) + "\n" if as_json else text, end="")
         return 0
-    except _Fail as f:
-        print(f"nonstop {cmd}: {f}", file=sys.stderr)
-        return f.code
     except CorruptCheckpointError as err:
         print(f"nonstop {cmd}: {err}", file=sys.stderr)
         return EXIT_DAMAGED

@@ -409,7 +409,8 @@ py::dict JobViewDict(const std::string& dir, int rank, const std::string& shm_di
     d["path"] = row.path;
     d["state"] = row.state;
     d["reason"] = row.reason;
-    d["commit_unix_ns"] = row.commit_unix_ns;
+    d["time"] = row.commit_unix_ns ? py::cast(static_cast<double>(row.commit_unix_ns) / 1e9)
+                                   : py::object(py::none());
     d["bytes"] = row.bytes;
     py::dict metrics;
     for (const auto& [k, x] : row.metrics) metrics[py::str(k)] = x;
@@ -423,7 +424,7 @@ py::dict JobViewDict(const std::string& dir, int rank, const std::string& shm_di
       tiers.append(t);
     }
     d["tiers"] = tiers;
-    d["unreadable"] = row.unreadable;
+    d["job"] = v.job;
     rows.append(d);
   }
   py::dict out;
@@ -580,9 +581,9 @@ void InitJobDir(py::module_& m) {
       py::arg("dir"), py::arg("step"), py::arg("message"),
       "delete(step) found no kept copy (message): the one line to raise (NotKept).");
   m.def("job_view", &JobViewDict, py::arg("dir"), py::arg("rank") = 0, py::arg("shm_dir") = "",
-        "The job view of rank `rank` (engine/job_view.h): {job, rows: [{step, counter, where, "
-        "path, state, reason, commit_unix_ns, bytes, metrics, tiers: [{tier, where, recorded}], "
-        "unreadable}], notes}.");
+        "The job view of rank `rank` (engine/job_view.h): {job, rows: nonstop.list()'s "
+        "[{step, counter, where, path, state, reason, time (s or None), bytes, metrics, "
+        "tiers: [{tier, where, recorded}], job}], notes}.");
   py::class_<PySelected>(m, "SelectedCheckpoint")
       .def_property_readonly("info", &PySelected::Info)
       .def_property_readonly("where", &PySelected::where)

@@ -3,10 +3,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
+
 #include "python/bindings.h"
 #include "engine/memory_tier.h"
 #include "tier/peer.h"
 #include "tier/peer_gather.h"
+#include "tier/peer_options.h"
 #include "tier/peer_wire.h"
 #include "tier/uploader.h"
 
@@ -56,9 +59,103 @@ auto Released(Fn&& fn) {
   return Take(std::move(r));
 }
 
+// A Python value of a peer option (an int is a plain int: never a bool).
+peer::OptionValue OptionOf(py::handle v) {
+  peer::OptionValue o;
+  if (v.is_none()) return o;
+  o.kind = peer::OptionValue::kOther;
+  if (py::isinstance<py::str>(v)) {
+    o.kind = peer::OptionValue::kWord;
+    o.word = v.cast<std::string>();
+  } else if (PyLong_Check(v.ptr()) && !PyBool_Check(v.ptr())) {
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow == 0) {
+      o.kind = peer::OptionValue::kInt;
+      o.n = n;
+    }
+  }
+  return o;
+}
+
+// The peer tier's stats under their Checkpointer.stats() names (docs/TIERS.md "Stats").
+py::dict TierStats(peer::Replicator* rep, peer::PeerServer* srv) {
+  py::dict d;
+  auto none_if_negative = [](auto v) { return v < 0 ? py::object(py::none()) : py::cast(v); };
+  if (rep != nullptr) {
+    const peer::ReplicatorStats r = rep->stats();
+    d["peer_replicated"] = r.replicated;
+    d["peer_bytes"] = r.bytes;
+    d["peer_failures"] = r.failures;
+    d["peer_skipped"] = r.skipped;
+    d["peer_skipped_cadence"] = r.skipped_cadence;
+    d["peer_skipped_budget"] = r.skipped_budget;
+    d["peer_last_step"] = none_if_negative(r.last_step);
+    d["peer_error"] = r.last_error;
+    d["peer_lag_s"] = none_if_negative(r.lag_s_last);
+    d["peer_lag_s_max"] = none_if_negative(r.lag_s_max);
+  }
+  if (srv != nullptr) {
+    peer::PeerServerStats v;
+    {
+      py::gil_scoped_release r;  // lists the replicas: file reads
+      v = srv->stats();
+    }
+    d["peer_held"] = v.held;
+    d["peer_held_bytes"] = v.held_bytes;
+    d["peer_received"] = v.replicas_received;
+    d["peer_served"] = v.fetches_served;
+    d["peer_auth_failures"] = v.auth_failures;
+    d["peer_handshake_timeouts"] = v.handshake_timeouts;
+    d["peer_budget_bytes"] = v.budget_bytes;
+    d["peer_old_world_removed"] = v.old_world_removed;
+  }
+  return d;
+}
+
 }  // namespace
 
 void InitPeer(py::module_& m) {
+  py::tuple names(std::size(peer::kOptionNames));
+  for (size_t i = 0; i < std::size(peer::kOptionNames); ++i) {
+    names[i] = py::str(std::string(peer::kOptionNames[i]));
+  }
+  m.attr("PEER_OPTIONS") = names;  // DistOptions' order
+  m.attr("PEER_SPREAD_S") = peer::kSpreadS;  // peer_bps="spread": a push over this at least
+  m.def(
+      "check_peer_option",
+      [](const std::string& name, py::object value) -> py::object {
+        const peer::OptionValue v =
+            Take(peer::CheckOption(name, OptionOf(value), py::repr(value).cast<std::string>()));
+        if (v.kind == peer::OptionValue::kInt) return py::int_(v.n);
+        return v.kind == peer::OptionValue::kWord ? py::object(py::str(v.word)) : py::none();
+      },
+      py::arg("name"), py::arg("value"),
+      "Peer option name's value checked (tier/peer_options.h): peer_nice 'idle' as "
+      "PEER_IDLE_NICE; else CheckpointMismatchError in one line.");
+  m.def(
+      "peer_env_secret",
+      []() -> py::object {
+        const std::string s = Take(peer::EnvSecret());
+        return s.empty() ? py::object(py::none()) : py::object(py::bytes(s));
+      },
+      "$NONSTOP_PEER_SECRET as bytes (hex, 16 to 64 bytes), or None when unset.");
+  m.def(
+      "peer_secret_fingerprint",
+      [](const py::bytes& secret) { return peer::SecretFingerprint(std::string(secret)); },
+      py::arg("secret"), "Names a secret without telling it: every rank's must match.");
+  m.def(
+      "peer_agree_secret",
+      [](const std::vector<std::string>& fingerprints, const std::string& made_hex,
+         const py::bytes& mine) {
+        return py::bytes(Take(peer::AgreeSecret(fingerprints, made_hex, std::string(mine))));
+      },
+      py::arg("fingerprints"), py::arg("made_hex"), py::arg("mine"),
+      "The job's peer secret from the ranks' fingerprints of $NONSTOP_PEER_SECRET ('' where "
+      "unset) and rank 0's made secret (hex): tier/peer_options.h AgreeSecret.");
+  m.def("peer_tier_stats", &TierStats, py::arg("replicator"), py::arg("server"),
+        "The replicator's and the server's stats (either may be None) under their "
+        "Checkpointer.stats() names.");
   m.attr("PEER_WIRE_VERSION") = peer::wire::kVersion;  // docs/FORMAT.md "Peer wire format"
   m.attr("PEER_IDLE_NICE") = tier::kIdleNice;  // nice= that means SCHED_IDLE (peer_nice="idle")
   py::class_<peer::PeerServer>(m, "PeerServer",
@@ -280,32 +377,6 @@ void InitPeer(py::module_& m) {
       py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("timeout_s") = 10.0,
       "What the peer server at endpoint serves of its host's job directory's rank files: "
       "[{source_rank, world_size, step, counter, bytes}].");
-  m.def(
-      "peer_fetch_once_per_host",
-      [](const std::string& endpoint, const std::string& job, const py::bytes& secret,
-         uint32_t source_rank, uint32_t world_size, int64_t step, uint64_t counter,
-         const std::string& source, const std::string& mem_dir, const std::string& fallback_dir,
-         const std::string& holder, double timeout_s, double wait_s) {
-        const std::string key = secret;
-        const peer::Source from = SourceOf(source);
-        peer::SharedCopy c = Released([&] {
-          return peer::FetchOncePerHost(endpoint, job, key, world_size, source_rank, step, counter,
-                                        from, mem_dir, fallback_dir, holder, nullptr, timeout_s,
-                                        wait_s);
-        });
-        py::dict d;
-        d["path"] = c.path;
-        d["fetched"] = c.fetched;
-        d["by"] = c.by;
-        return d;
-      },
-      py::arg("endpoint"), py::arg("job"), py::arg("secret"), py::arg("source_rank"),
-      py::arg("world_size"), py::arg("step"), py::arg("counter"), py::arg("source"),
-      py::arg("mem_dir"), py::arg("fallback_dir"), py::arg("holder"),
-      py::arg("timeout_s") = 60.0, py::arg("wait_s") = 120.0,
-      "peer_fetch_into's checkpoint of (world_size, source_rank, step, counter) fetched once "
-      "per host into mem_dir (tier/peer.h FetchOncePerHost): {path, fetched (by this call), "
-      "by (who fetched it)}.");
   m.def(
       "peer_list_local",
       [](const std::string& job, bool own, const std::vector<std::string>& segments,

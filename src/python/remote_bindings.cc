@@ -547,8 +547,9 @@ void InitStoreRequests(py::module_& m) {
       [](const std::string& prefix_url, const std::string& endpoint, const std::string& bucket,
          const std::string& region, const std::string& key, const std::string& secret,
          const std::string& token, const std::string& amz_date) {
-        tier::CreateBucket r = Take(tier::SignCreateBucket(prefix_url, endpoint, bucket, region, key,
-                                                           secret, token, amz_date));
+        const tier::S3Credentials c = tier::WithEnvironmentCredentials({key, secret, token, region});
+        tier::CreateBucket r = Take(tier::SignCreateBucket(prefix_url, endpoint, bucket, c.region,
+                                                           c.key, c.secret, c.token, amz_date));
         py::dict headers;
         for (const auto& [k, v] : r.headers) headers[py::str(k)] = v;
         py::dict d;
@@ -561,8 +562,69 @@ void InitStoreRequests(py::module_& m) {
       },
       py::arg("prefix_url"), py::arg("endpoint"), py::arg("bucket"), py::arg("region"),
       py::arg("key"), py::arg("secret"), py::arg("token") = "", py::arg("amz_date") = "",
-      "The signed S3 CreateBucket request (path style, Signature V4): {url, body, headers, "
+      "The signed S3 CreateBucket request (path style, Signature V4; credentials and region "
+      "not given are the environment's, WithEnvironmentCredentials): {url, body, headers, "
       "what, base}; CheckpointIOError without credentials.");
+  m.def(
+      "store_options",
+      [](const std::string& url, const py::object& options) {
+        const py::dict opts = options.is_none() ? py::dict() : options.cast<py::dict>();
+        std::vector<std::string> keys;
+        std::map<std::string, std::string> text;
+        for (const auto& [k, v] : opts) {
+          const std::string key = py::str(k);
+          keys.push_back(key);
+          if (key == "client_kwargs" && !v.is_none()) {
+            if (!py::isinstance<py::dict>(v)) {
+              throw StatusError(Status::InvalidArgument(
+                  "remote_options client_kwargs must be a dict, got " +
+                  py::repr(v).cast<std::string>()));
+            }
+            const py::dict ck = py::reinterpret_borrow<py::dict>(v);
+            if (ck.contains("endpoint_url") && !ck["endpoint_url"].is_none()) {
+              text["client_kwargs.endpoint_url"] = py::str(ck["endpoint_url"]);
+            }
+          } else if (!v.is_none()) {
+            text[key] = py::str(v);
+          }
+        }
+        const tier::StoreOptions o = tier::SortStoreOptions(url, keys, text);
+        py::dict kw;
+        for (const auto& [k, to] : o.route) {
+          if (!to.empty()) kw[py::str(to)] = opts[py::str(k)];
+        }
+        py::dict out;
+        out["concurrency"] = opts.contains("max_concurrency") ? py::int_(opts["max_concurrency"])
+                                                              : py::int_(8);
+        out["part_bytes"] = opts.contains("part_bytes") ? py::int_(opts["part_bytes"])
+                                                        : py::int_(8 << 20);
+        out["kw"] = kw;
+        out["s3"] = py::none();
+        if (!o.s3) return out;
+        py::dict client;
+        client["timeout"] = o.timeout;
+        client["connect_timeout"] = o.connect_timeout;
+        if (!o.endpoint.empty()) {
+          kw["endpoint"] = o.endpoint;
+          client["allow_http"] = o.allow_http;
+        }
+        py::dict s3;
+        s3["bucket"] = o.bucket;
+        s3["endpoint"] = o.endpoint;
+        s3["timeout"] = o.request_timeout_s;
+        for (const char* k : {"key", "secret", "token", "region"}) {
+          s3[k] = text.count(k) ? text.at(k) : "";
+        }
+        out["s3"] = s3;
+        out["bucket"] = o.bucket;
+        out["prefix"] = o.prefix.empty() ? py::object(py::none()) : py::str(o.prefix);
+        out["client"] = client;
+        return out;
+      },
+      py::arg("url"), py::arg("options"),
+      "remote_options of an object store URL sorted out (tier/s3_request.h SortStoreOptions): "
+      "{concurrency, part_bytes, s3: what CreateBucket needs or None, bucket, prefix, client "
+      "(client_options), kw (the store's keywords)}.");
   m.def(
       "s3_create_bucket_answer",
       [](const std::string& what, int code, const py::bytes& body) {

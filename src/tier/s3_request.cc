@@ -160,4 +160,61 @@ Result<bool> CreateBucketAnswer(const std::string& what, int code, std::string_v
   return Status::IOError(what + ": HTTP " + std::to_string(code) + name);
 }
 
+StoreOptions SortStoreOptions(const std::string& url, const std::vector<std::string>& keys,
+                              const std::map<std::string, std::string>& text) {
+  StoreOptions out;
+  auto given = [&](const std::string& k) {
+    auto it = text.find(k);
+    return it == text.end() ? std::string() : it->second;
+  };
+  static const std::regex kS3(R"(^s3://([^/]+)/?(.*)$)");
+  std::smatch m;
+  out.s3 = std::regex_match(url, m, kS3);
+  for (const std::string& k : keys) {
+    bool tier = false;
+    for (std::string_view t : kTierOptions) tier = tier || k == t;
+    std::string to = tier ? "" : k;
+    if (out.s3) {
+      if (k == "endpoint" || k == "endpoint_url" || k == "client_kwargs" || k == "timeout" ||
+          k == "connect_timeout") {
+        to = "";
+      } else if (k == "key" || k == "secret" || k == "token" || k == "region") {
+        static const std::map<std::string, std::string> kNames = {
+            {"key", "access_key_id"}, {"secret", "secret_access_key"},
+            {"token", "session_token"}, {"region", "region"}};
+        to = text.count(k) ? kNames.at(k) : "";
+      }
+    }
+    out.route.emplace_back(k, to);
+  }
+  if (!out.s3) return out;
+  out.bucket = m.str(1);
+  out.prefix = m.str(2);
+  while (!out.prefix.empty() && out.prefix.front() == '/') out.prefix.erase(0, 1);
+  while (!out.prefix.empty() && out.prefix.back() == '/') out.prefix.pop_back();
+  for (const char* k : {"endpoint", "endpoint_url", "client_kwargs.endpoint_url"}) {
+    if (out.endpoint.empty()) out.endpoint = given(k);
+  }
+  out.allow_http = out.endpoint.rfind("http://", 0) == 0;
+  if (text.count("timeout")) out.timeout = given("timeout");
+  if (text.count("connect_timeout")) out.connect_timeout = given("connect_timeout");
+  out.request_timeout_s = DurationSeconds(out.connect_timeout) + DurationSeconds(out.timeout);
+  return out;
+}
+
+S3Credentials WithEnvironmentCredentials(S3Credentials c) {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v == nullptr ? "" : v);
+  };
+  for (const char* name : {"AWS_REGION", "AWS_DEFAULT_REGION"}) {
+    if (c.region.empty()) c.region = env(name);
+  }
+  if (c.region.empty()) c.region = "us-east-1";
+  if (c.token.empty() && c.key.empty()) c.token = env("AWS_SESSION_TOKEN");
+  if (c.key.empty()) c.key = env("AWS_ACCESS_KEY_ID");
+  if (c.secret.empty()) c.secret = env("AWS_SECRET_ACCESS_KEY");
+  return c;
+}
+
 }  // namespace nonstop::tier

@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace nonstop::tier {
 namespace {
@@ -81,6 +83,88 @@ TEST(S3Request, DurationOptions) {
   EXPECT_DOUBLE_EQ(DurationSeconds("2min"), 120.0);
   EXPECT_DOUBLE_EQ(DurationSeconds(" 3 "), 3.0);
   EXPECT_DOUBLE_EQ(DurationSeconds("soon"), 60.0);
+}
+
+std::string RouteOf(const StoreOptions& o, const std::string& key) {
+  for (const auto& [k, to] : o.route) {
+    if (k == key) return to;
+  }
+  return "(not given)";
+}
+
+TEST(StoreOptionsTest, TheTiersOwnNeverReachTheClientAndS3KeysAreRenamed) {
+  const std::vector<std::string> keys = {"max_to_keep", "job",     "part_bytes", "key",
+                                         "secret",      "token",   "region",     "endpoint",
+                                         "timeout",     "virtual_hosted_style_request"};
+  StoreOptions o = SortStoreOptions(
+      "s3://bucket/a/b/", keys,
+      {{"key", "K"}, {"secret", "S"}, {"region", "eu"}, {"endpoint", "http://h:1"},
+       {"timeout", "30s"}, {"virtual_hosted_style_request", "False"}});
+  ASSERT_TRUE(o.s3);
+  EXPECT_EQ(o.bucket, "bucket");
+  EXPECT_EQ(o.prefix, "a/b");
+  EXPECT_EQ(RouteOf(o, "max_to_keep"), "");
+  EXPECT_EQ(RouteOf(o, "job"), "");
+  EXPECT_EQ(RouteOf(o, "part_bytes"), "");
+  EXPECT_EQ(RouteOf(o, "key"), "access_key_id");
+  EXPECT_EQ(RouteOf(o, "secret"), "secret_access_key");
+  EXPECT_EQ(RouteOf(o, "token"), "");  // given as None: not the client's
+  EXPECT_EQ(RouteOf(o, "region"), "region");
+  EXPECT_EQ(RouteOf(o, "endpoint"), "");  // read here: the store's endpoint keyword
+  EXPECT_EQ(RouteOf(o, "timeout"), "");   // a client option
+  EXPECT_EQ(RouteOf(o, "virtual_hosted_style_request"), "virtual_hosted_style_request");
+  EXPECT_EQ(o.endpoint, "http://h:1");
+  EXPECT_TRUE(o.allow_http);
+  EXPECT_EQ(o.timeout, "30s");
+  EXPECT_EQ(o.connect_timeout, "5s");
+  EXPECT_DOUBLE_EQ(o.request_timeout_s, 35.0);
+  // The endpoint: endpoint, else endpoint_url, else client_kwargs'.
+  o = SortStoreOptions("s3://b", {"endpoint_url", "client_kwargs"},
+                       {{"endpoint_url", "https://e"}, {"client_kwargs.endpoint_url", "http://c"}});
+  EXPECT_EQ(o.endpoint, "https://e");
+  EXPECT_FALSE(o.allow_http);
+  EXPECT_EQ(o.prefix, "");
+  EXPECT_EQ(RouteOf(o, "client_kwargs"), "");
+  o = SortStoreOptions("s3://b/", {"client_kwargs"}, {{"client_kwargs.endpoint_url", "http://c"}});
+  EXPECT_EQ(o.endpoint, "http://c");
+  EXPECT_TRUE(o.allow_http);
+  EXPECT_DOUBLE_EQ(o.request_timeout_s, 65.0);
+  // Another scheme: the tier's own dropped, everything else the store's as given.
+  o = SortStoreOptions("gs://b/p", {"every", "key", "endpoint"}, {{"key", "K"}});
+  EXPECT_FALSE(o.s3);
+  EXPECT_EQ(RouteOf(o, "every"), "");
+  EXPECT_EQ(RouteOf(o, "key"), "key");
+  EXPECT_EQ(RouteOf(o, "endpoint"), "endpoint");
+}
+
+TEST(StoreOptionsTest, CredentialsNotGivenAreTheEnvironments) {
+  setenv("AWS_ACCESS_KEY_ID", "envkey", 1);
+  setenv("AWS_SECRET_ACCESS_KEY", "envsecret", 1);
+  setenv("AWS_SESSION_TOKEN", "envtoken", 1);
+  unsetenv("AWS_REGION");
+  setenv("AWS_DEFAULT_REGION", "ap-1", 1);
+  S3Credentials c = WithEnvironmentCredentials({});
+  EXPECT_EQ(c.key, "envkey");
+  EXPECT_EQ(c.secret, "envsecret");
+  EXPECT_EQ(c.token, "envtoken");
+  EXPECT_EQ(c.region, "ap-1");
+  setenv("AWS_REGION", "eu-2", 1);
+  // A key given: the environment's session token is not its.
+  c = WithEnvironmentCredentials({"k", "", "", ""});
+  EXPECT_EQ(c.key, "k");
+  EXPECT_EQ(c.secret, "envsecret");
+  EXPECT_EQ(c.token, "");
+  EXPECT_EQ(c.region, "eu-2");
+  c = WithEnvironmentCredentials({"k", "s", "t", "r"});
+  EXPECT_EQ(c.token, "t");
+  EXPECT_EQ(c.region, "r");
+  for (const char* n : {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                        "AWS_REGION", "AWS_DEFAULT_REGION"}) {
+    unsetenv(n);
+  }
+  c = WithEnvironmentCredentials({});
+  EXPECT_EQ(c.key, "");
+  EXPECT_EQ(c.region, "us-east-1");
 }
 
 }  // namespace

@@ -227,7 +227,8 @@ def main():
             if a.remote:  # the remote tier holds a committed step (uploads follow the agreement)
                 from nonstop import _remote
                 end = time.monotonic() + 60
-                while not [st for st, _ in _remote.committed_steps(_remote.open_store(a.remote, {}))
+                remote = nonstop._core.RemoteTier(_remote.open_store(a.remote, {}))
+                while not [st for st, _ in remote.committed_steps()
                            if st == s or not a.settle_remote_step]:
                     st = ckpt.stats()
                     assert time.monotonic() < end, (st.get("remote"), st["agreed_step"],

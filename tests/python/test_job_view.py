@@ -54,7 +54,7 @@ def test_ls_and_list_show_disk_memory_remote_and_peer(tmp_path, monkeypatch, sha
                 model.weight.add_(1.0)
             ck.step(step)
             ck.wait()
-            _wait(lambda: any(s == step for s, _ in _remote.committed_steps(store)),
+            _wait(lambda: any(s == step for s, _ in _core.RemoteTier(store).committed_steps()),
                   f"step {step} committed remotely")
         rep = _core.PeerReplicator(JOB, SECRET, 0, ck.stats()["memory_segment"], [ep], poll_s=0.05,
                                    job_dir=d)

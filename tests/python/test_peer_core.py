@@ -135,7 +135,7 @@ def test_a_paced_push_keeps_the_bytes_and_says_its_age(tmp_path, monkeypatch):
             rep.close()
         srv.close()
         ck.close()
-    with pytest.raises(TypeError):  # bytes a second: an int >= 0 (Python's check is _peer.check_option)
+    with pytest.raises(TypeError):  # bytes a second: an int >= 0 (the option's check is check_peer_option)
         _core.PeerReplicator(JOB, SECRET, 0, seg, [ep], bps=-1)
 
 
@@ -175,31 +175,31 @@ def test_default_budget_is_a_share_of_free_space(tmp_path):
 
 
 def test_the_secret_is_agreed(monkeypatch):
-    monkeypatch.delenv(_peer.SECRET_ENV, raising=False)
-    assert _peer.env_secret() is None
+    """The secret's checks and agreement are C++'s (tier/peer_options.h): the
+    bindings _peer calls, as the ranks' first exchange feeds them."""
+    monkeypatch.delenv("NONSTOP_PEER_SECRET", raising=False)
+    assert _core.peer_env_secret() is None
     made = os.urandom(32)
     # Nobody set it: rank 0's 32 bytes.
-    every = [["h", True, True, "/j", "", made.hex()], ["h2", True, True, "/j", "", ""]]
-    assert _peer.agree_secret(every, None) == made
-    monkeypatch.setenv(_peer.SECRET_ENV, "ab" * 32)
-    mine = _peer.env_secret()
+    assert _core.peer_agree_secret(["", ""], made.hex(), b"") == made
+    monkeypatch.setenv("NONSTOP_PEER_SECRET", "ab" * 32)
+    mine = _core.peer_env_secret()
     assert mine == b"\xab" * 32
-    fp = _peer.fingerprint(mine)
+    fp = _core.peer_secret_fingerprint(mine)
     assert mine.hex() not in fp
-    assert _peer.agree_secret([["h", 1, 1, "/j", fp, ""], ["h2", 1, 1, "/j", fp, ""]], mine) == mine
+    assert _core.peer_agree_secret([fp, fp], "", mine) == mine
     with pytest.raises(CheckpointMismatchError, match="differs"):
-        _peer.agree_secret([["h", 1, 1, "/j", fp, ""],
-                            ["h2", 1, 1, "/j", _peer.fingerprint(b"x" * 32), ""]], mine)
+        _core.peer_agree_secret([fp, _core.peer_secret_fingerprint(b"x" * 32)], "", mine)
     with pytest.raises(CheckpointMismatchError, match="only"):
-        _peer.agree_secret([["h", 1, 1, "/j", fp, ""], ["h2", 1, 1, "/j", "", ""]], mine)
+        _core.peer_agree_secret([fp, ""], "", mine)
     for bad in ("zz" * 32, "ab" * 8):
-        monkeypatch.setenv(_peer.SECRET_ENV, bad)
+        monkeypatch.setenv("NONSTOP_PEER_SECRET", bad)
         with pytest.raises(CheckpointMismatchError):
-            _peer.env_secret()
+            _core.peer_env_secret()
     with pytest.raises(CheckpointMismatchError):
-        _peer.check_option("peer_budget_bytes", -1)
-    assert _peer.check_option("peer_budget_bytes", None) is None
-    assert _peer.check_option("peer_budget_bytes", 0) == 0
+        _core.check_peer_option("peer_budget_bytes", -1)
+    assert _core.check_peer_option("peer_budget_bytes", None) is None
+    assert _core.check_peer_option("peer_budget_bytes", 0) == 0
 
 
 def _rank_on_host_a(rank: int, ep: str, held: dict):
@@ -239,7 +239,8 @@ def test_a_hosts_shared_reshard_copy_stays_until_its_last_rank_is_done(tmp_path,
         shared = tmp_path / "shm-host" / _core.peer_shared_reshard_dir(JOB)
         (_, _, path), = b.reshard_files
         assert a.reshard_files == b.reshard_files and path.startswith(str(shared) + "/")
-        assert (a.reshard_shared, b.reshard_shared) == (0, 1)  # fetched once, by rank 0
+        shares = [p.reshard_stats["peer_reshard_shared"] for p in (a, b)]
+        assert shares == [0, 1]  # fetched once, by rank 0
         assert srv.stats()["fetches_served"] == 1
         a.drop_reshard()  # rank 0 done first: rank 1 still reads the copy
         _core.peer_verify_local(path, 0, 4)

@@ -131,7 +131,8 @@ def test_host_lost_restores_from_partner_memory_or_falls_back(hs, tmp_path):
     assert len(_replicas(hs, "job", [2, 3])) == 2, os.listdir(hs[0].shm)
     hs[1].lose()
     assert os.listdir(hs[1].disk) == [] and os.listdir(hs[1].shm) == []
-    remote_steps = [s for s, _ in _remote.committed_steps(_remote.open_store(shared, {}))]
+    remote = nonstop._core.RemoteTier(_remote.open_store(shared, {}))
+    remote_steps = [s for s, _ in remote.committed_steps()]
     assert remote_steps and max(remote_steps) <= SETTLE  # uploads follow the agreement
     snap = str(tmp_path / "at-the-loss")
     _snapshot(hs, shared, snap)

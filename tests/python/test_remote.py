@@ -59,7 +59,7 @@ def _remote_url(kind, s3, tmp_path):
 def _wait_uploaded(store, step, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(s == step for s, _ in _remote.committed_steps(store)):
+        if any(s == step for s, _ in nonstop._core.RemoteTier(store).committed_steps()):
             return
         time.sleep(0.2)
     raise AssertionError(f"step {step} never committed remotely")
@@ -80,7 +80,7 @@ def test_upload_then_restore_after_local_dir_is_lost(tmp_path, remote):
     ckpt.close()  # waits for the newest upload
     st = ckpt.stats()["remote"] if False else None  # noqa: F841 -- closed
     store = _remote.open_store(url, opts)
-    steps = [s for s, _ in _remote.committed_steps(store)]
+    steps = [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()]
     assert steps[0] == 9
     assert len(steps) <= 2  # max_to_keep=2 by default
     want = _params(state)
@@ -128,7 +128,7 @@ def _two_remote_steps(tmp_path, url, opts):
     assert start == 3
     ckpt.close()
     store = _remote.open_store(url, opts)
-    assert [s for s, _ in _remote.committed_steps(store)] == [7, 3]
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == [7, 3]
     ref3, _, _ = _train(str(tmp_path / "ref3"), 4, None, None)
     want3 = _params(ref3.state)
     ref3.close()
@@ -167,7 +167,8 @@ def test_flipped_bit_in_remote_part_falls_back(tmp_path, remote, where):
     d, store, want3 = _two_remote_steps(tmp_path, url, opts)
     key = _ext.core().remote_layout.part_key(7, 0)
     probe = str(tmp_path / "probe")
-    info = nonstop._core.Reader(_remote.fetch(store, 7, 0, probe), rank=0).checkpoints[0]
+    got = nonstop._core.RemoteTier(store).fetch(7, 0, probe)
+    info = nonstop._core.Reader(got, rank=0).checkpoints[0]
     shutil.rmtree(probe)
     _flip(store, key, info["data_offset"] + info["data_bytes"] // 2)  # inside a tensor
     if where != "data":
@@ -215,7 +216,7 @@ def test_server_stopped_during_upload_then_restarted(tmp_path, s3_server):  # no
     assert ckpt.stats()["remote"]["uploaded_step"] is None
     srv.start()
     # nothing partial was committed while the server was gone
-    assert [s for s, _ in _remote.committed_steps(store)] in ([], [1])
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] in ([], [1])
     _wait_uploaded(store, 1, timeout=180)
     # The marker is visible before the uploader records the step (retention
     # and the manifest come in between): wait for the record too.
@@ -289,7 +290,7 @@ def test_retention_keeps_the_newest(tmp_path):  # the default: max_to_keep from 
     ckpt, _, _ = _train(str(tmp_path / "local"), 12, url, opts, every=2)
     ckpt.close()
     store = _remote.open_store(url, opts)
-    assert [s for s, _ in _remote.committed_steps(store)] == [11]
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == [11]
     dirs = sorted(d for d in os.listdir(url) if d != _ext.core().remote_layout.job_key())
     assert dirs == ["step-000000000011"], dirs
     # local staging keeps at most the newest uploaded copy
@@ -312,7 +313,7 @@ def test_uploads_never_block_local_checkpoints(tmp_path):
         ckpt.close()
     assert time.monotonic() - t0 < 60
     store = _remote.open_store(url, opts)
-    assert _remote.committed_steps(store) == []
+    assert nonstop._core.RemoteTier(store).committed_steps() == []
 
 
 def _cli():
@@ -352,14 +353,15 @@ def test_cli_verify_inspect_export_a_remote_url(tmp_path, remote):
     rc, out, err = run("export", cli_url, "-o", str(tmp_path / "r7.safetensors"))
     assert rc == 0, err
     ref = str(tmp_path / "ref7")
-    subprocess.run([_cli(), "export", _remote.fetch(store, 7, 0, ref), "-o",
+    subprocess.run([_cli(), "export", nonstop._core.RemoteTier(store).fetch(7, 0, ref), "-o",
                     str(tmp_path / "l7.safetensors")], check=True, capture_output=True)
     assert open(tmp_path / "r7.safetensors", "rb").read() == \
         open(tmp_path / "l7.safetensors", "rb").read()
     # damage step 7's part: first the download's check catches it, then (the
     # manifest rewritten to match) the file's own chunk crc32c
     probe = str(tmp_path / "probe")
-    info = nonstop._core.Reader(_remote.fetch(store, 7, 0, probe), rank=0).checkpoints[0]
+    got = nonstop._core.RemoteTier(store).fetch(7, 0, probe)
+    info = nonstop._core.Reader(got, rank=0).checkpoints[0]
     key = _ext.core().remote_layout.part_key(7, 0)
     _flip(store, key, info["data_offset"] + info["data_bytes"] // 2)
     for where in ("download", "file"):
@@ -396,7 +398,7 @@ def _train_paced(dir, steps, url, opts, **kw):
         ckpt.step(step)
         ckpt.wait()
         _wait_uploaded(store, step)
-        counters[step] = dict(_remote.committed_steps(store))[step]["counter"]
+        counters[step] = dict(nonstop._core.RemoteTier(store).committed_steps())[step]["counter"]
     ckpt.close()
     return store, counters
 
@@ -418,14 +420,14 @@ def test_retention_applies_keep_and_max_to_keep_remotely(tmp_path, remote):
     periodic = [s for s in range(10) if counters[s] % 3 == 0]      # steps 2, 5, 8
     want = sorted({9} | set(periodic[-2:]), reverse=True)
     assert want == [9, 8, 5]
-    assert [s for s, _ in _remote.committed_steps(store)] == want
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == want
     assert _step_dirs(store) == [_ext.core().remote_layout.step_dir(s) for s in sorted(want)]
 
 
 def test_retention_without_keep_keeps_the_newest_remote_steps(tmp_path, remote):
     url, opts, _ = remote
     store, _ = _train_paced(str(tmp_path / "local"), 6, url, dict(opts, max_to_keep=3))
-    assert [s for s, _ in _remote.committed_steps(store)] == [5, 4, 3]
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == [5, 4, 3]
     assert _step_dirs(store) == [_ext.core().remote_layout.step_dir(s) for s in (3, 4, 5)]
 
 
@@ -455,17 +457,17 @@ def test_retention_cut_short_leaves_no_half_committed_step(tmp_path, remote):
     and the next retention deletes what is left of it."""
     url, opts, _ = remote
     store, _ = _train_paced(str(tmp_path / "local"), 3, url, dict(opts, max_to_keep=10))
-    assert [s for s, _ in _remote.committed_steps(store)] == [2, 1, 0]
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == [2, 1, 0]
     cut = _CutShort(store)
     with pytest.raises(CheckpointIOError):
-        _remote.retain(cut, 2, None, None)
+        nonstop._core.RemoteTier(cut).retain(2)
     assert cut.deletes == 2
     # step 0 lost its marker, and only its marker: uncommitted, never read
-    assert [s for s, _ in _remote.committed_steps(store)] == [2, 1]
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == [2, 1]
     assert any(k.startswith("step-000000000000/rank-") for k, _ in store.list(""))
     with pytest.raises(nonstop.errors.CheckpointNotFoundError):
         nonstop.load(url, step=0, remote_options=opts)
-    assert _remote.retain(store, 2, None, None) == 1
+    assert nonstop._core.RemoteTier(store).retain(2) == 1
     assert _step_dirs(store) == [_ext.core().remote_layout.step_dir(s) for s in (1, 2)]
     assert nonstop.load(url, remote_options=opts).step == 2
 
@@ -598,7 +600,7 @@ def test_remote_every_uploads_each_selected_checkpoint(tmp_path, shared_s3, n): 
         ckpt.step(step)
     ckpt.close()  # waits for the uploader
     store = _remote.open_store(url, opts)
-    got = sorted(s for s, _ in _remote.committed_steps(store))
+    got = sorted(s for s, _ in nonstop._core.RemoteTier(store).committed_steps())
     assert got == [s for s in range(9) if (s + 1) % n == 0]
     # each one is that step's state
     for s in got:
@@ -648,14 +650,14 @@ def test_create_bucket_on_request(tmp_path):
 
 
 def test_object_store_options_are_sorted_out_and_a_bad_one_is_one_line():
-    """_remote._store_config: the tier's own options never reach obstore; an
-    endpoint given through client_kwargs is used (http allowed for it); a
-    client_kwargs that is not a dict is one line, not an AttributeError."""
-    from nonstop import _remote
-    c = _remote._store_config("s3://b/p/", {"client_kwargs": {"endpoint_url": "http://h:1"},
-                                            "key": "k", "max_to_keep": 3})
+    """_core.store_options (C++, tier/s3_request.h SortStoreOptions): the
+    tier's own options never reach obstore; an endpoint given through
+    client_kwargs is used (http allowed for it); a client_kwargs that is not
+    a dict is one line, not an AttributeError."""
+    c = nonstop._core.store_options("s3://b/p/", {"client_kwargs": {"endpoint_url": "http://h:1"},
+                                                  "key": "k", "max_to_keep": 3})
     assert (c["bucket"], c["prefix"], c["kw"]["endpoint"]) == ("b", "p", "http://h:1")
     assert c["client"]["allow_http"] and c["kw"]["access_key_id"] == "k"
     assert "max_to_keep" not in c["kw"] and "client_kwargs" not in c["kw"]
     with pytest.raises(nonstop.CheckpointMismatchError, match="client_kwargs must be a dict"):
-        _remote._store_config("s3://b", {"client_kwargs": "x"})
+        nonstop._core.store_options("s3://b", {"client_kwargs": "x"})

@@ -132,7 +132,7 @@ def _lose_node_b(net, procs, store, out, when, after_step):
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert all(p.poll() is None for p in procs), f"{when}: a rank died before the kill"
-            steps = [s for s, _ in _remote.committed_steps(store)]
+            steps = [s for s, _ in _ext.core().RemoteTier(store).committed_steps()]
             pb = _progress(out, 1)
             if steps and pb and steps[0] > after_step:
                 if when == "after_upload" and pb["step"] >= steps[0] + 3:
@@ -149,7 +149,7 @@ def _lose_node_b(net, procs, store, out, when, after_step):
         time.sleep(0.5)
     finally:
         _kill(procs)
-    committed = [s for s, _ in _remote.committed_steps(store)]
+    committed = [s for s, _ in _ext.core().RemoteTier(store).committed_steps()]
     assert committed and committed[0] > after_step
     assert busy not in committed  # B's part never arrived: that step is never chosen
     for r in range(2):

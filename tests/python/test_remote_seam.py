@@ -103,13 +103,12 @@ def test_links_planted_in_staged_steps_are_removed_never_followed(tmp_path):
 
 
 def test_remote_temp_dir_removal_never_follows_links(tmp_path):
-    tmp = _remote.temp_dir()
-    assert oct(os.stat(tmp).st_mode & 0o777) == oct(0o700)
     out = _outside(tmp_path)
-    os.makedirs(os.path.join(tmp, "remote", "step-000000000001"))
-    os.symlink(out, os.path.join(tmp, "remote", "step-000000000001", "link"))
-    os.symlink(out / "precious", os.path.join(tmp, "file-link"))
-    _remote.remove_temp_dir(tmp)
+    with _remote.temp_dir() as tmp:  # removed at the end of the block
+        assert oct(os.stat(tmp).st_mode & 0o777) == oct(0o700)
+        os.makedirs(os.path.join(tmp, "remote", "step-000000000001"))
+        os.symlink(out, os.path.join(tmp, "remote", "step-000000000001", "link"))
+        os.symlink(out / "precious", os.path.join(tmp, "file-link"))
     assert not os.path.lexists(tmp)
     _intact(out)
 

@@ -167,7 +167,7 @@ def test_after_a_rollback_the_new_checkpoint_is_uploaded_and_a_new_node_gets_it(
     _remote_job(d, url, [19], lambda s: -float(s), restore_step=9)
     new19 = max(c["counter"] for c in nonstop.list(d) if c["step"] == 19)
     store = _remote.open_store(url, {})
-    markers = dict(_remote.committed_steps(store))
+    markers = dict(_core.RemoteTier(store).committed_steps())
     assert markers[19]["counter"] == new19, markers
     import shutil
     shutil.rmtree(d)  # the replaced node

@@ -60,7 +60,7 @@ def test_a_link_in_a_path_remote_is_never_followed(tmp_path):
     os.symlink(out, os.path.join(url, "step-000000000099"))
     os.symlink(out / "precious", os.path.join(url, "step-000000000003", "rank-00001.nsck"))
     assert [k for k, _ in store.list("") if "99" in k or "rank-00001" in k] == []
-    assert [s for s, _ in _remote.committed_steps(store)] == [7, 3]
+    assert [s for s, _ in nonstop._core.RemoteTier(store).committed_steps()] == [7, 3]
     store.delete([_ext.core().remote_layout.part_key(3, 1), "step-000000000099/precious"])
     assert (out / "precious").read_bytes() == b"precious bytes"
     assert sorted(os.listdir(out)) == ["part", "precious"]
@@ -132,7 +132,7 @@ def test_cli_export_include_on_a_remote_url(tmp_path, shared_s3):  # noqa: F811
     assert r.returncode == 0, r.stderr
     ref = str(tmp_path / "ref")
     want = str(tmp_path / "l.safetensors")
-    subprocess.run([_cli(), "export", _remote.fetch(store, 7, 0, ref), "-o", want,
+    subprocess.run([_cli(), "export", nonstop._core.RemoteTier(store).fetch(7, 0, ref), "-o", want,
                     "--include", "model/fc.*", "--include", "*head*"], check=True,
                    capture_output=True, timeout=300)
     assert open(got, "rb").read() == open(want, "rb").read()
@@ -214,7 +214,8 @@ def test_remote_every_retries_a_failed_upload_and_never_skips_it(tmp_path):
         ck.close()
     assert seen and seen[0].startswith("step 0: "), seen
     s = ck.stats()["remote"]
-    steps = sorted(st for st, _ in _remote.committed_steps(_remote.open_store(url, {})))
+    remote = nonstop._core.RemoteTier(_remote.open_store(url, {}))
+    steps = sorted(st for st, _ in remote.committed_steps())
     assert steps == [0, 1, 2], s
     assert s["committed"] == 3 and s["failures"] == 0 and s["given_up"] == 0, s
 

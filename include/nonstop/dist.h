@@ -385,6 +385,20 @@ Result<SharedLayout> LayOutShared(const std::vector<SharedTensor>& shared,
 // ranks may hold fewer, or none).
 std::pair<int64_t, int64_t> ShardRows(int64_t d0, int rank, int world);
 
+// This rank's Shard(0) piece of a DTensor of global shape `shape` (saving,
+// _fsdp.take; restoring, _fsdp.wrap): its shape (the rows ShardRows gives,
+// the other dimensions whole) and the global offset of its first element,
+// its TensorSpec.global_offset. With `local` (the live piece's shape):
+// InvalidArgument naming tensor `name` when it is not that shape (nonstop
+// expects torch.chunk's split), or when `shape` has no dimension.
+struct ShardPiece {
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;
+};
+Result<ShardPiece> ShardPieceOf(const std::string& name, const std::vector<int64_t>& shape,
+                                int rank, int world,
+                                const std::optional<std::vector<int64_t>>& local = std::nullopt);
+
 // A DTensor as meta["dist"]["dtensor"] records it (a hostile file's words).
 struct DTensorDoc {
   std::string name;

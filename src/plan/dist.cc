@@ -491,6 +491,36 @@ std::pair<int64_t, int64_t> ShardRows(int64_t d0, int rank, int world) {
   return {std::min<int64_t>(rank * per, d0), std::min<int64_t>((rank + 1) * per, d0)};
 }
 
+Result<ShardPiece> ShardPieceOf(const std::string& name, const std::vector<int64_t>& shape,
+                                int rank, int world,
+                                const std::optional<std::vector<int64_t>>& local) {
+  auto list = [](const std::vector<int64_t>& v) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+    return out + "]";
+  };
+  if (shape.empty()) {
+    return Status::InvalidArgument("tensor " + Printable(name) +
+                                   ": a Shard(0) DTensor of no dimension");
+  }
+  const auto [begin, end] = ShardRows(shape[0], rank, world);
+  ShardPiece p{shape, 0};
+  p.shape[0] = end - begin;
+  uint64_t row = 1;
+  for (size_t i = 1; i < shape.size(); ++i) {
+    row *= static_cast<uint64_t>(std::max<int64_t>(shape[i], 0));
+  }
+  p.offset = static_cast<uint64_t>(begin) * row;
+  if (local && *local != p.shape) {
+    return Status::InvalidArgument(
+        "tensor " + Printable(name) + ": rank " + std::to_string(rank) +
+        "'s Shard(0) piece has shape " + list(*local) + ", not " + list(p.shape) + " (rows " +
+        std::to_string(begin) + ".." + std::to_string(end) + " of " + list(shape) +
+        "): nonstop expects torch.chunk's split of dim 0");
+  }
+  return p;
+}
+
 Result<DTensorReshard> PlanDTensorReshard(const std::vector<DTensorDoc>& doc,
                                           const std::vector<Piece>& pieces, int rank, int world,
                                           const std::string& where, int64_t step) {

@@ -313,6 +313,27 @@ TEST(DistTest, ShardRowsFollowTorchChunk) {
   EXPECT_EQ(ShardRows(7, 0, 1), (R{0, 7}));
 }
 
+// ShardPieceOf: rank 1 of 2 holds rows 34..67 of a [67, 32] tensor, its
+// first element the 34 * 32-th; a live piece of another shape is refused
+// with one line naming the tensor, the shapes and the rows.
+TEST(DistTest, ShardPieceOfGivesTheShapeAndOffsetAndRefusesAnotherSplit) {
+  auto p = ShardPieceOf("w", {67, 32}, 1, 2, std::vector<int64_t>{33, 32});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->shape, (std::vector<int64_t>{33, 32}));
+  EXPECT_EQ(p->offset, 34u * 32u);
+  p = ShardPieceOf("b", {5}, 3, 4);  // torch.chunk(5, 4): none for rank 3
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->shape, (std::vector<int64_t>{0}));
+  EXPECT_EQ(p->offset, 5u);
+  p = ShardPieceOf("w", {67, 32}, 1, 2, std::vector<int64_t>{34, 32});
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.status().message(),
+            "tensor 'w': rank 1's Shard(0) piece has shape [34, 32], not [33, 32] (rows 34..67 "
+            "of [67, 32]): nonstop expects torch.chunk's split of dim 0");
+  EXPECT_FALSE(ShardPieceOf("s", {}, 0, 2).ok());
+}
+
 // PlanDTensorReshard: a [67, 32] Shard(0) tensor saved by 2 ranks (rows
 // 0..34 and 34..67), read by rank 1 of 3 (rows 23..46): the tail of old
 // rank 0's piece and the head of old rank 1's; a Replicate() one whole.

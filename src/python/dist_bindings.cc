@@ -173,6 +173,14 @@ void InitDist(py::module_& m) {
   m.def("dist_shard_rows", &dist::ShardRows, py::arg("d0"), py::arg("rank"), py::arg("world"),
         "(begin, end): the rows of dim 0 rank holds under Shard(0), torch.chunk's split "
         "(dist.h ShardRows).");
+  m.def("dist_shard_piece", [](const std::string& name, const std::vector<int64_t>& shape,
+                               int rank, int world, std::optional<std::vector<int64_t>> local) {
+    dist::ShardPiece p = Take(dist::ShardPieceOf(name, shape, rank, world, local));
+    return py::make_tuple(p.offset, p.shape);
+  }, py::arg("name"), py::arg("shape"), py::arg("rank"), py::arg("world"),
+        py::arg("local") = py::none(),
+        "(global offset in elements, shape) of this rank's Shard(0) piece; with `local`, the "
+        "live piece's shape, checked (dist.h ShardPieceOf).");
   m.def("dist_plan_dtensor_reshard",
         [](const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string,
                                         std::string>>& doc,

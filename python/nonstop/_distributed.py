@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import itertools
 import json
 import os
 import random
@@ -21,22 +22,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import _ext, _fsdp, _state
 from ._objects import CONSOLIDATED, is_zero
 from ._read import destinations, read_into, read_tensors
-from ._state import loads, torch_dtype_by_name
+from ._state import loads
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                     CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError)
+                     CheckpointNotFoundError, CorruptCheckpointError)
 
 REPLICATED = ("shard", "rank0")
 
 
 def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
     """(names written whole by rank 0, names each rank writes for itself) of
-    the module buffers in the state: docs/DISTRIBUTED.md says why."""
+    the module buffers in the state: docs/DISTRIBUTED.md says why (DDP
+    without broadcast_buffers, FSDP2: each rank's own)."""
     rank0, own = set(), set()
     for key, obj in stateful_keys.items():
         if key in local or not isinstance(obj, torch.nn.Module):
             continue
         names = {f"{key}/{n}" for n, _ in obj.named_buffers()}
-        if isinstance(obj, DDP) and not obj.broadcast_buffers:
+        if isinstance(obj, DDP) and not obj.broadcast_buffers or _fsdp.is_fsdp(obj):
             own |= names
         else:
             rank0 |= names
@@ -86,16 +88,13 @@ class Distributed:
         self.agree_every_s = agree_every_s
         # A dedicated gloo group with its own timeout: agreement and recovery
         # never touch the training group (NCCL watchdogs, GIL contention).
-        self.group = dist.new_group(backend="gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        self.timeout_s = timeout_s
+        timeout, self.timeout_s = datetime.timedelta(seconds=timeout_s), timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         # best= ranks kept copies by a metric: every rank must use rank 0's,
         # exchanged at each checkpoint on a group of its own (the agreement
         # thread owns self.group once training runs).
-        self.metrics_group = None
-        if agree_metrics:
-            self.metrics_group = dist.new_group(backend="gloo",
-                                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.metrics_group = (dist.new_group(backend="gloo", timeout=timeout)
+                              if agree_metrics else None)
         # Rank files of another world size are set aside for resharding; the
         # ranks take turns, so each file is moved once on a shared file system.
         set_aside(dir, world, rank, self.comm())
@@ -133,7 +132,10 @@ class Distributed:
     def shard(self, tensors: dict, stateful_keys: dict) -> tuple[dict, dict, dict]:
         """This rank's share of `tensors` (name -> tensor; stateful_keys: state
         key -> object): (tensors to register, name -> (global_shape,
-        global_offset), the meta["dist"] document)."""
+        global_offset), the meta["dist"] document). FSDP2 DTensors: their
+        Shard(0) local pieces are this rank's own, Replicate() ones' local
+        tensors are shared like the rest (_fsdp.take; meta["dist"]["dtensor"])."""
+        tensors, pieces, piece_layouts, dtensors = _fsdp.take(tensors, self.rank, self.world)
         out, layouts, shared, cut = {}, {}, {}, []
         rank0, own = module_buffers(stateful_keys, self.local)
         for name, t in tensors.items():
@@ -153,6 +155,10 @@ class Distributed:
                "shared": shared, "local": sorted(self.local), "own": sorted(own),
                "ddp": sorted(k for k, o in stateful_keys.items() if isinstance(o, DDP)),
                "zero": {k: zero_layout(o) for k, o in stateful_keys.items() if is_zero(o)}}
+        out.update(pieces)
+        layouts.update(piece_layouts)
+        if dtensors:
+            doc["dtensor"] = dtensors
         return out, layouts, doc
 
     def agree_metrics(self, metrics: Optional[dict]) -> Optional[dict]:
@@ -326,14 +332,13 @@ class Distributed:
 
     def load(self, engine, step: Optional[int], core, loaded_cls, check_world,
              stats: Optional[dict] = None, remote=None):
-        """Agrees with the peers on the checkpoint to restore, reads it and
-        pins it: a LoadedCheckpoint with complete tensors (the replicated
-        ones reassembled), or None on a fresh start everywhere. Collective,
-        before the first save(). `stats` gets restored_from ("memory", "disk"
-        or "peer"), memory_unused_because and restore_s. `remote` (_remote.Tier
-        or None): where a reshard from peers' memory finds an old rank on no
-        peer (_peer.py). The choices are JobDir's (planned_steps, select), the
-        rounds C++'s (dist.h Recover): this method reads what it is told to."""
+        """The checkpoint the ranks agree on, read (replicated tensors
+        reassembled) and pinned, or None on a fresh start everywhere;
+        collective, before the first save() (docs/DISTRIBUTED.md "Recovery":
+        the rounds are C++'s, dist.h Recover; this reads what it is told to).
+        `stats` gets restored_from, memory_unused_because and restore_s;
+        `remote`: where a reshard from peers' memory finds an old rank on no
+        peer (_peer.py)."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
@@ -414,7 +419,7 @@ class Distributed:
             peers.gather_old_shards(self.dir, remote)
         try:
             got = reshard(self.dir, self.rank, self.world, step, self.comm(), self.state or {},
-                          extra=list(peers.reshard_files) if peers else [],
+                          loaded_cls, self.dir, extra=list(peers.reshard_files) if peers else [],
                           missing=peers.reshard_missing if peers else None)
         finally:
             if peers is not None:
@@ -422,14 +427,13 @@ class Distributed:
                 peers.reshard_files = []
         if got is None:
             return None
-        key, info, tensors, meta, old_world, archive = got
         self.lineage = self.new_lineage()
         cand = self.engine.candidate()
         if cand is not None:  # a newer checkpoint of this world size, not on every rank
             self.engine.drop_candidate(cand[0])
-        self._record(-1, key[0], (os.path.basename(archive), old_world))
-        return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
-                          os.path.join(self.dir, _ext.core().JobDir.slot_name(self.rank)))
+        old = got.info["resharded_from"]
+        self._record(-1, got.step, (os.path.basename(old["dir"]), old["world_size"]))
+        return got
 
     def assemble(self, tensors: dict, info: dict, meta: dict) -> dict:
         """Reassembles every replicated tensor from the ranks' pieces (placed
@@ -449,7 +453,7 @@ class Distributed:
         out = {k: v for k, v in tensors.items() if k not in shared}
         for name, off, n in layout:
             shape, dtype = shared[name]
-            out[name] = flat[off:off + n].clone().view(_torch_dtype_by_name(dtype)).reshape(shape)
+            out[name] = _fsdp.view(flat, off, n, dtype, shape).clone()
         return out
 
 
@@ -468,10 +472,9 @@ def set_aside(dir: str, world: int, rank: int = 0, comm: Optional["Comm"] = None
 
 
 def archives(dir: str) -> list:
-    """(old world size, directory) of the set-aside checkpoints in `dir`."""
+    """The old world sizes of the set-aside checkpoints in `dir`."""
     jd = _open_read(dir)
-    return [] if jd is None else [(w, os.path.join(dir, _ext.core().JobDir.world_name(w)))
-                                  for w in jd.set_aside_worlds()]
+    return [] if jd is None else jd.set_aside_worlds()
 
 
 class Comm:
@@ -523,16 +526,14 @@ def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
     return out
 
 
-def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
-            state: dict, extra=(), missing: Optional[str] = None) -> Optional[tuple]:
-    """Rebuilds rank `rank`'s state (of a job of world size `world`) from a
-    set-aside checkpoint of another world size in `dir`. Returns ((step,
-    run id), info, tensors, meta, old world, archive dir), or None when no
-    set-aside rank file holds any checkpoint (nothing to lose). Each rank
-    chooses (JobDir.select_reshard) and rebuilds; the rounds are C++'s
-    (dist.h ReshardTogether): proceed, all try again below a step, or one
-    error line naming the ranks (and, with `missing`, the old files no
-    surviving peer held)."""
+def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm", state: dict,
+            loaded_cls, into: Optional[str] = None, extra=(), missing: Optional[str] = None):
+    """Rank `rank`'s state (world size `world`) rebuilt from a set-aside
+    checkpoint of another world size in `dir`, as a `loaded_cls` (its path:
+    the rank's slot in `into`, else in the old files' directory), or None
+    when none is set aside (docs/DISTRIBUTED.md "Restoring with another
+    world size"; the rounds: C++ dist.h ReshardTogether; `missing`: the old
+    files no surviving peer held)."""
     cur = {}
 
     def pick(max_step: Optional[int]):
@@ -553,7 +554,8 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm",
         info = dict(sels[src].info)
         info.pop("meta_json", None)
         info["resharded_from"] = {"dir": archive, "world_size": old_world}
-        cur["got"] = (s, run_id), info, tensors, meta, old_world, archive
+        cur["got"] = loaded_cls(s, int(info["counter"]), tensors, meta, info, os.path.join(
+            archive if into is None else into, _ext.core().JobDir.slot_name(rank)))
 
     key = _ext.core().dist_reshard(dir, world, comm.gather, pick, rebuild, missing)
     return None if key is None else cur["got"]
@@ -587,7 +589,7 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
             tensors.update({n: t for n, t in got.items() if n not in zero_parts[-1]})
     for name, off, n in layout:  # every layout offset is aligned for any dtype
         shape, dtype = shared[name]
-        tensors[name] = flat[off:off + n].view(_torch_dtype_by_name(dtype)).reshape(shape)
+        tensors[name] = _fsdp.view(flat, off, n, dtype, shape)
     meta = json.loads(json.dumps(metas[src]))  # a copy: its state tree is rewritten below
     meta["state"] = dict(meta.get("state", {}))
     for zk in sorted(zero_keys):
@@ -616,12 +618,11 @@ def consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
         params = [p for g in local["param_groups"] for p in g["params"]]
         ids = _ext.core().dist_zero_global_ids(layout["index"], params, list(local["state"]), key)
         state.update(zip(ids, local["state"].values()))
-        if groups is None:
-            groups, off = [], 0
-            for g, size in zip(local["param_groups"], layout["groups"]):
-                groups.append(dict({k: v for k, v in g.items() if k != "params"},
-                                   params=list(range(off, off + size))))
-                off += size
+        if groups is None:  # rank 0's, each group's parameters numbered in order
+            ends = itertools.accumulate(layout["groups"])
+            groups = [dict({k: v for k, v in g.items() if k != "params"},
+                           params=list(range(e - n, e)))
+                      for g, n, e in zip(local["param_groups"], layout["groups"], ends)]
     value = {"state": dict(sorted(state.items())), "param_groups": groups, CONSOLIDATED: 1}
     return _state.flatten(value, f"{key}#zero", tensors)
 
@@ -634,16 +635,7 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     source = "reshard" if jd is None else jd.single_source(step)  # C++ (planned_steps.h)
     if source == "own":
         return read_own()
-    got = reshard(dir, 0, 1, step, Comm(), state)
-    if got is None:
-        return read_own() if source == "reshard_else_own" else None
-    key, info, tensors, meta, _, archive = got
-    return loaded_cls(key[0], int(info["counter"]), tensors, meta, info,
-                      os.path.join(archive, _ext.core().JobDir.slot_name(0)))
-
-
-def _torch_dtype_by_name(name: str):
-    t = torch_dtype_by_name(name)  # a fixed list, never a lookup in torch by name
-    if t is None:
-        raise IncompatibleCheckpointError(f"unknown dtype {name!r} in a distributed checkpoint")
-    return t
+    got = reshard(dir, 0, 1, step, Comm(), state, loaded_cls)
+    if got is None and source == "reshard_else_own":
+        return read_own()
+    return got

@@ -5,7 +5,6 @@ docs/DISTRIBUTED.md "FSDP2" describes.
 """
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -13,7 +12,21 @@ import torch
 from . import _ext, _objects
 from ._read import read_into
 from ._state import torch_dtype_by_name
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, IncompatibleCheckpointError
+
+
+def _dtype(name: str):
+    """The torch dtype a distributed checkpoint names: from a fixed list,
+    never looked up in torch by name."""
+    t = torch_dtype_by_name(name)
+    if t is None:  # or one this torch lacks (uint16 before torch 2.3)
+        raise IncompatibleCheckpointError(f"unknown dtype {name!r} in a distributed checkpoint")
+    return t
+
+
+def view(flat, off: int, n: int, dtype: str, shape):
+    """Bytes [off, off + n) of `flat` as a tensor of `dtype` and `shape`."""
+    return flat[off:off + n].view(_dtype(dtype)).reshape(shape)
 
 
 def _dtensor_cls():
@@ -80,52 +93,21 @@ def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
         if kind == "R":
             rest[name] = local
             continue
-        begin, end = _ext.core().dist_shard_rows(shape[0], rank, world)
-        want = [end - begin] + shape[1:]
-        if list(local.shape) != want:
-            raise CheckpointMismatchError(
-                f"tensor {name!r}: rank {rank}'s Shard(0) piece has shape {list(local.shape)}, "
-                f"not {want} (rows {begin}..{end} of {shape}): nonstop expects torch.chunk's "
-                f"split of dim 0")
+        # Its rows and offset, and the check of its shape: C++ (dist.h ShardPieceOf).
+        offset, _ = _ext.core().dist_shard_piece(name, shape, rank, world, list(local.shape))
         if local.numel() == 0:
             continue  # nothing to write; restored as an empty shard
         shards[name] = local
-        layouts[name] = (shape, begin * math.prod(shape[1:]))
+        layouts[name] = (shape, offset)
     return rest, shards, layouts, doc
 
 
-def shard(dist, tensors: dict, state: dict) -> tuple[dict, dict, dict]:
-    """Distributed.shard with FSDP2 DTensors: their Shard(0) local pieces
-    are this rank's own (with their global layout), the rest (Replicate()
-    DTensors' local tensors included) is shared as replicated state.
-    Returns what Distributed.shard does; meta["dist"]["dtensor"] lists the
-    DTensors."""
-    rest, shards, fl, doc = take(tensors, dist.rank, dist.world)
-    own = fsdp_buffers(state)
-    out, layouts, ddoc = dist.shard({n: t for n, t in rest.items() if n not in own}, state)
-    out.update((n, t) for n, t in rest.items() if n in own)
-    out.update(shards)
-    layouts.update(fl)
-    if doc:
-        ddoc["dtensor"] = doc
-    return out, layouts, ddoc
-
-
-def fsdp_buffers(state: dict) -> set:
-    """Names of the buffers (BatchNorm running statistics, ...) of FSDP2
-    modules in the state. fully_shard neither shards nor synchronises
-    buffers, so each rank's are its own: each rank writes and restores its
-    own, whole."""
+def is_fsdp(module) -> bool:
+    """Whether a module holds FSDP2 modules: fully_shard neither shards nor
+    synchronises buffers, so each rank's buffers are its own."""
     # Not imported: no FSDP2 module exists (and importing it costs seconds).
-    FSDPModule = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if FSDPModule is None:
-        return set()
-    names = set()
-    for key, obj in state.items():
-        if isinstance(obj, torch.nn.Module) and any(
-                isinstance(m, FSDPModule) for m in obj.modules()):
-            names |= {f"{key}/{n}" for n, _ in obj.named_buffers()}
-    return names
+    cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in module.modules())
 
 
 def localize(tensors: dict) -> tuple[dict, dict]:
@@ -134,19 +116,6 @@ def localize(tensors: dict) -> tuple[dict, dict]:
     rest, shards, _, doc = take(tensors, 0, 1)
     rest.update(shards)
     return rest, doc
-
-
-def restored(ckpt, loaded) -> None:
-    """Checkpointer.restore's hook: the DTensors saved by an FSDP2 job become
-    DTensors again (on the live model's mesh) before load_state_dict."""
-    meta = loaded.meta
-    if not (meta.get("dtensor") or meta.get("dist", {}).get("dtensor")):
-        return
-    current: dict = {}
-    _objects.flatten_state(ckpt.state, current)
-    if meta.get("dtensor"):
-        meta = dict(meta, dist=dict(meta.get("dist", {}), dtensor=meta["dtensor"]))
-    wrap(loaded.tensors, meta, ckpt.state, current, ckpt.rank, ckpt.world_size)
 
 
 # --------------------------------------------------------------- restoring
@@ -188,19 +157,20 @@ def _mesh_for(name: str, current: dict, meshes: list, world: int) -> tuple:
         f"meshes; nonstop cannot tell which one this tensor belongs to")
 
 
-def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world: int) -> None:
-    """Turns the restored pieces of the DTensors listed in meta["dist"]["dtensor"]
-    back into DTensors (in `tensors`, in place), on the live model's mesh.
-
-    `tensors` holds, per DTensor name, this rank's Shard(0) piece as read
-    from its own file (absent when the piece is empty) or the reassembled
-    full tensor of a Replicate() one. `current` is the live state, flattened
-    (name -> tensor), to find each tensor's mesh."""
-    doc = meta.get("dist", {}).get("dtensor") or {}
+def restored(ckpt, loaded) -> None:
+    """Checkpointer.restore's hook: the DTensors an FSDP2 job saved
+    (meta["dtensor"] with one process, else meta["dist"]["dtensor"]) become
+    DTensors again, on the live model's mesh, before load_state_dict.
+    loaded.tensors holds, per DTensor name, this rank's Shard(0) piece as
+    read (absent when empty) or the whole tensor of a Replicate() one."""
+    meta, tensors, rank, world = loaded.meta, loaded.tensors, ckpt.rank, ckpt.world_size
+    doc = meta.get("dtensor") or meta.get("dist", {}).get("dtensor")
     if not doc:
         return
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    meshes = _meshes(state)
+    current: dict = {}  # the live state, flattened: each tensor's mesh
+    _objects.flatten_state(ckpt.state, current)
+    meshes = _meshes(ckpt.state)
     for name, (shape, dtype, kind) in doc.items():
         cur = current.get(name)
         if world == 1 and not meshes and (cur is None or not is_dtensor(cur)):
@@ -210,15 +180,13 @@ def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world
                 tensors[name] = tensors[name].reshape(shape)
             continue
         mesh, device = _mesh_for(name, current, meshes, world)
-        dt = getattr(torch, dtype)
         if kind == "R":
             local, placement = tensors[name], Replicate()
         else:
-            begin, end = _ext.core().dist_shard_rows(shape[0], rank, world)
-            want = [end - begin] + list(shape[1:])
+            _, want = _ext.core().dist_shard_piece(name, shape, rank, world)
             local = tensors.get(name)
             if local is None:
-                local = torch.empty(want, dtype=dt)
+                local = torch.empty(want, dtype=_dtype(dtype))
             local = local.reshape(want)
             placement = Shard(0)
         local = local.to(device)
@@ -233,14 +201,12 @@ def wrap(tensors: dict, meta: dict, state: dict, current: dict, rank: int, world
 def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, where: str,
             step: int) -> dict:
     """This rank's pieces (name -> tensor shaped for the new world size) of
-    the DTensors in `doc` (meta["dist"]["dtensor"]; Replicate() ones whole),
-    from checkpoint indices[r] of old rank r's Reader readers[r] (chunk crcs
-    verified). C++ (dist_plan_dtensor_reshard) checks the metadata against
-    the old pieces, refuses a range no old piece holds, and says which bytes
-    of which old piece land where in one flat buffer: a piece that lies
-    whole in it is read straight there, any other into a buffer of its own
-    and its overlap copied. Each old file is read once, and only when it
-    holds some of those bytes."""
+    the DTensors in `doc` (meta["dist"]["dtensor"]), from checkpoint
+    indices[r] of old rank r's Reader readers[r], as C++ planned them
+    (dist_plan_dtensor_reshard; docs/DISTRIBUTED.md "FSDP2"). An old piece
+    lying whole in the flat buffer is read straight there, any other into a
+    buffer of its own and its overlap copied; each old file is read once,
+    and only when it holds some of those bytes."""
     specs = [reader.checkpoints[i]["tensors"] for reader, i in zip(readers, indices)]
     layout, total, copies = _ext.core().dist_plan_dtensor_reshard(
         [(name, shape, dtype, kind) for name, (shape, dtype, kind) in doc.items()],
@@ -260,5 +226,4 @@ def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, wher
             read_into(reader, idx, dests)
         for buf, src, dst, n in partial:
             flat[dst:dst + n] = buf[src:src + n]
-    return {name: flat[off:off + n].view(torch_dtype_by_name(dtype)).reshape(shape)
-            for name, dtype, shape, off, n in layout}
+    return {name: view(flat, off, n, dtype, shape) for name, dtype, shape, off, n in layout}

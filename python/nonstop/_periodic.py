@@ -64,7 +64,7 @@ def _shard(ses, tensors: dict, meta: dict) -> tuple:
         tensors, meta["dtensor"] = _fsdp.localize(tensors)
         return tensors, None
     full = tensors
-    tensors, layouts, meta["dist"] = _fsdp.shard(ses.dist, tensors, ses.state)
+    tensors, layouts, meta["dist"] = ses.dist.shard(tensors, ses.state)
     # Tensors treated as replicated must be equal on every rank: checked at the
     # first checkpoint, before the agreement thread shares the group (_replica.py).
     if not ses.replica_checked:

@@ -194,11 +194,6 @@ class PyJobDir {
     py::gil_scoped_release release;
     return Take(nonstop::PlannedSteps(j, rank, step));
   }
-  std::vector<int64_t> TidyKeptShares(int rank, const std::vector<int64_t>& common) {
-    JobDir& j = jd();
-    py::gil_scoped_release release;
-    return Take(nonstop::TidyKeptShares(j, rank, common));
-  }
   std::string SingleSource(std::optional<int64_t> step) {
     JobDir& j = jd();
     py::gil_scoped_release release;
@@ -643,8 +638,6 @@ void InitJobDir(py::module_& m) {
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
       .def("planned_steps", &PyJobDir::PlannedSteps, py::arg("rank") = 0,
            py::arg("step") = py::none())
-      .def("tidy_kept_shares", &PyJobDir::TidyKeptShares, py::arg("rank"), py::arg("common"),
-           "Deletes this writer's kept steps not in `common` (planned_steps.h); the steps gone.")
       .def("single_source", &PyJobDir::SingleSource, py::arg("step") = py::none(),
            "World size 1 beside set-aside files: 'own', 'reshard' or 'reshard_else_own'.")
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))
@@ -656,24 +649,6 @@ void InitJobDir(py::module_& m) {
       .def("set_aside_worlds", &PyJobDir::SetAsideWorlds)
       .def("write_agreed", &PyJobDir::WriteAgreed, py::arg("record"))
       .def("read_agreed", &PyJobDir::ReadAgreed, py::arg("rank") = 0);
-  // The agreement's rule (plan.h DecideAgreement): each rank's offer as
-  // (candidate step, newest committed step, newest started step), -1 for
-  // none; returns ("wait" | "pin" | "aim", step).
-  m.def("decide_agreement", [](const std::vector<std::tuple<int64_t, int64_t, int64_t>>& offers) {
-    std::vector<AgreeOffer> in;
-    for (const auto& [cand, committed, started] : offers) {
-      AgreeOffer o;
-      o.candidate = cand;
-      o.committed = committed;
-      o.started = started;
-      in.push_back(o);
-    }
-    const AgreeDecision d = DecideAgreement(in);
-    const char* kind = d.kind == AgreeDecision::Kind::kPin   ? "pin"
-                       : d.kind == AgreeDecision::Kind::kAim ? "aim"
-                                                             : "wait";
-    return std::make_pair(std::string(kind), d.step);
-  }, py::arg("offers"));
   m.def("plan", &PlanBinding, py::arg("candidates"), py::arg("lineage") = py::none(),
         py::arg("step") = py::none(), py::arg("max_step") = py::none(),
         py::arg("exclude") = std::vector<uint64_t>{});

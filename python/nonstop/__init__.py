@@ -55,8 +55,6 @@ else:
 _TORCH_NAMES = ("Checkpointer", "load", "LoadedCheckpoint", "CheckpointHandle", "export",
                 "Preempted", "EXIT_PREEMPTED", "worker_init_fn")
 
-__all__ = ["Checkpointer", "CheckpointHandle", "load", "export", "LoadedCheckpoint", "Preempted",
-           "EXIT_PREEMPTED", "worker_init_fn",
-           "build_info", "list", "delete", "CheckpointError",
-           "CheckpointIOError", "CheckpointMismatchError", "CheckpointNotFoundError",
-           "CorruptCheckpointError", "IncompatibleCheckpointError"]
+__all__ = [*_TORCH_NAMES, "build_info", "list", "delete", "CheckpointError", "CheckpointIOError",
+           "CheckpointMismatchError", "CheckpointNotFoundError", "CorruptCheckpointError",
+           "IncompatibleCheckpointError"]

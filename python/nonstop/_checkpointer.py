@@ -25,7 +25,6 @@ from . import (_distributed, _ext, _layerwise, _manage, _multistep, _objects, _o
                _periodic, _preempt, _remote, _restore, _session, _unwrap)
 from ._apply import StateApplier
 from ._handle import CheckpointHandle, Watcher
-from ._options import MODES  # noqa: F401  (nonstop._checkpointer.MODES)
 from ._read import check_directory
 from ._restore import LoadedCheckpoint, load  # noqa: F401  nonstop.load, nonstop.LoadedCheckpoint
 from .errors import CheckpointError, CheckpointMismatchError
@@ -78,7 +77,7 @@ class Checkpointer:
             # (bench/construct_bench.py); a restart keeps the floor.
             nbytes = _state_bytes_estimate(state) if dist is None else 0
             deferred = bool(nbytes and restart and self.driver.defer_staging)
-            small = dist is None and not o.engine.staging_bytes and bool(nbytes) and not deferred
+            small = dist is None and not o.engine.kwargs["staging_bytes"] and bool(nbytes) and not deferred
             ses.engine = _open_engine(o, self.driver, _options.engine_kwargs(
                 o, dist is not None, small))
             if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)
@@ -325,10 +324,9 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
             raise CheckpointMismatchError(
                 f"{who}: unknown option {k}=" + (f" (did you mean {near[0]}=?)" if near else "")
                 + "; the options are nonstop.Checkpointer's (docs/PYTHON.md)")
+    _ext.core().check_checkpointer_args({k: options[k] for k in ("keep", "tier") if k in options})
     _ext.core().check_retention(options.get("keep"), options.get("max_to_keep"),
                                 options.get("best"))
-    _options.check_keep(options.get("keep"))
-    _options.check_tier(options.get("tier", "auto"))
 
 
 def _state_bytes_estimate(state: dict) -> int:

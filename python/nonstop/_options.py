@@ -13,25 +13,20 @@ import torch
 from . import _auto, _config, _data, _ext, _peer, _remote
 from .errors import CheckpointMismatchError
 
-# "auto": layer-wise or concurrent, whichever this job measures cheaper (_auto.AutoMode)
-MODES = ("concurrent", "layerwise", "multistep", "auto")
-TIERS = ("auto", "memory", "disk")
+# The keywords C++ checks as given (engine/checkpointer_args.h); every=,
+# mode= and max_in_flight= after config= (mode "auto": layer-wise or
+# concurrent, whichever this job measures cheaper, _auto.AutoMode).
+_CHECKED = ("keep", "tier", "device_snapshot_bytes", "disk_every", "copy", "replay",
+            "clip_grad_norm", "best")
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the engine copies and writes (its constructor's arguments)."""
-    max_in_flight: int = 2
-    writers: int = 0
-    staging_bytes: int = 0
-    chunk_bytes: int = 0
-    copy_threads: int = 1
-    medium: str = "auto"
-    tier: str = "auto"          # the memory tier: "auto", "memory", "disk"
-    # concurrent mode: device memory for device snapshots (docs/CUDA.md);
-    # None: the engine's default (a quarter of free device memory), 0: off
-    device_snapshot_bytes: Optional[int] = None
-    disk_every: int = 1         # the tiered cadence: 1 every checkpoint on disk, N every N-th, 0 auto
+    """How the engine copies and writes: its constructor's arguments but
+    rank and world_size (`kwargs`; C++ chose the mode's, see resolve) and
+    the memory tier ("auto", "memory", "disk")."""
+    kwargs: dict
+    tier: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -111,49 +106,12 @@ def scalar_metrics(values: dict) -> Optional[dict]:
     return out or None
 
 
-def check_keep(keep) -> None:
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-        raise CheckpointMismatchError(f"keep must be None or a positive integer, got {keep!r}")
-
-
-def check_device_snapshot_bytes(n, mode: str) -> None:
-    if n is None:
-        return
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise CheckpointMismatchError(
-            f"device_snapshot_bytes must be None or a non-negative integer, got {n!r}")
-    if n > 0 and mode not in ("concurrent", "auto"):
-        raise CheckpointMismatchError(
-            "device_snapshot_bytes= applies to mode='auto' or mode='concurrent' only")
-
-
-def check_tier(tier) -> None:
-    if tier not in TIERS:
-        raise CheckpointMismatchError(f'tier must be "auto", "memory" or "disk", got {tier!r}')
-
-
-def check_disk_every(disk_every, tier: str, mode: str, world_size: int) -> int:
-    """disk_every= (the tiered cadence, docs/PYTHON.md): 1, an int N > 1,
-    or "auto" (0); anything but 1 needs the memory tier and one process."""
-    if disk_every == "auto":
-        disk_every = 0
-    if not isinstance(disk_every, int) or isinstance(disk_every, bool) or disk_every < 0:
-        raise CheckpointMismatchError(
-            f'disk_every must be a positive integer or "auto", got {disk_every!r}')
-    if disk_every != 1 and (tier == "disk" or mode == "multistep" or world_size > 1):
-        raise CheckpointMismatchError(
-            "disk_every != 1 needs the memory tier (tier='auto' or 'memory'), "
-            "mode='concurrent', 'layerwise' or 'auto', and world_size 1")
-    return disk_every
-
-
 def resolve(state: dict, **kw) -> Options:
     """Every keyword of nonstop.Checkpointer (`kw`: all of them, as its
     signature has them), checked (one-line CheckpointMismatchError), before
     the job directory is opened."""
     remote, remote_options, remote_every = kw["remote"], kw["remote_options"], kw["remote_every"]
     keep, max_to_keep, best, tier = kw["keep"], kw["max_to_keep"], kw["best"], kw["tier"]
-    copy, clip_grad_norm = kw["copy"], kw["clip_grad_norm"]
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointMismatchError("state must be a dict with string keys, "
                                       "e.g. {'model': model, 'optim': optimizer}")
@@ -169,54 +127,27 @@ def resolve(state: dict, **kw) -> Options:
     _data.check_state(state)
     opts = _config.resolve(kw["config"], **{k: kw[k] for k in _config.DEFAULTS})
     every, mode = opts["every"], opts["mode"]
-    # every="auto": the interval adapts to keep the visible stall near
-    # max_overhead (default 3 %) of wall time; see _auto.py, docs/TUNE.md.
-    auto = None
-    if every == "auto":
-        if mode != "concurrent":
-            raise CheckpointMismatchError('every="auto" works with mode="concurrent" only '
-                                          '(mode="auto" compares the modes over fixed windows: '
-                                          'every=N)')
-        auto = _auto.AutoInterval(target=opts["max_overhead"])
-    if mode not in MODES:
-        raise CheckpointMismatchError(
-            f"mode {mode!r} is not available in this version; use one of {', '.join(MODES)}")
-    if auto is None and (not isinstance(every, int) or every < 1):
-        raise CheckpointMismatchError(f'every must be a positive integer or "auto", got {every!r}')
-    if mode not in ("layerwise", "auto") and (copy != "host" or clip_grad_norm is not None):
-        raise CheckpointMismatchError(
-            "copy= and clip_grad_norm= apply to mode='layerwise' (or 'auto') only")
-    if mode != "multistep" and kw["replay"] != "auto":
-        raise CheckpointMismatchError("replay= applies to mode='multistep' only")
-    check_keep(keep)
-    # max_to_keep= and best=("loss", "min", k): which kept copies stay
-    # (checked and applied by C++ JobDir retention; docs/PYTHON.md "Managing checkpoints")
-    rules = tuple(_ext.core().check_retention(keep, max_to_keep, best))
     drank, dworld = world()
     rank = drank if kw["rank"] is None else kw["rank"]
     world_size = dworld if kw["world_size"] is None else kw["world_size"]
-    if best is not None and every == "auto" and world_size > 1:
-        raise CheckpointMismatchError(
-            'best= with world_size > 1 needs every=N: every rank must checkpoint the same '
-            'steps (their metrics are agreed at each checkpoint)')
-    max_in_flight = check_positive("max_in_flight", opts["max_in_flight"])
-    check_tier(tier)
-    check_device_snapshot_bytes(kw["device_snapshot_bytes"], mode)
-    if world_size > 1 and mode == "auto":
-        # Under DDP layer-wise installs a communication hook, which DDP cannot
-        # remove again; each rank would also measure (and pick) on its own.
-        raise CheckpointMismatchError("mode='auto' is single-process only for now; with "
-                                      "world_size > 1 choose mode='concurrent' or 'layerwise'")
-    if world_size > 1 and mode == "multistep":
-        raise CheckpointMismatchError(f"mode {mode!r} is single-process only for now; "
-                                      f"use mode='concurrent' with world_size > 1")
+    # Legal values and combinations of the modes, tiers and cadences: C++
+    # (engine/checkpointer_args.h); disk_every "auto" comes back as 0.
+    engine = _ext.core().check_checkpointer_args(
+        {**{k: kw[k] for k in _CHECKED}, "every": every, "mode": mode,
+         "max_in_flight": opts["max_in_flight"]}, world_size)
+    engine.update(max_in_flight=opts["max_in_flight"], writers=opts["writers"] or 0,
+                  staging_bytes=opts["staging_bytes"] or 0, chunk_bytes=opts["chunk_bytes"] or 0,
+                  copy_threads=opts["copy_threads"], medium=opts["medium"])
+    # max_to_keep= and best=("loss", "min", k): which kept copies stay
+    # (checked and applied by C++ JobDir retention; docs/PYTHON.md "Managing checkpoints")
+    rules = tuple(_ext.core().check_retention(keep, max_to_keep, best))
+    # every="auto": the interval adapts to keep the visible stall near
+    # max_overhead (default 3 %) of wall time; see _auto.py, docs/TUNE.md.
+    auto = _auto.AutoInterval(target=opts["max_overhead"]) if every == "auto" else None
     return Options(
-        engine=EngineOptions(max_in_flight, opts["writers"] or 0, opts["staging_bytes"] or 0,
-                             opts["chunk_bytes"] or 0, opts["copy_threads"], opts["medium"], tier,
-                             kw["device_snapshot_bytes"],
-                             check_disk_every(kw["disk_every"], tier, mode, world_size)),
+        engine=EngineOptions(engine, tier),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
-                         copy, clip_grad_norm),
+                         kw["copy"], kw["clip_grad_norm"]),
         retention=Retention(keep, max_to_keep, best, rules),
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
                          *_peer.check_options(kw)),
@@ -226,24 +157,9 @@ def resolve(state: dict, **kw) -> Options:
 
 def engine_kwargs(o: Options, distributed: bool, small_initial_staging: bool = False) -> dict:
     """The engine's constructor arguments (the multistep window's too)."""
-    e = o.engine
-    kw = dict(rank=o.dist.rank, world_size=o.dist.world_size, max_in_flight=e.max_in_flight,
-              writers=e.writers, staging_bytes=e.staging_bytes, chunk_bytes=e.chunk_bytes,
-              copy_threads=e.copy_threads, medium=e.medium, keep_every=o.retention.keep or 0)
+    kw = dict(o.engine.kwargs, rank=o.dist.rank, world_size=o.dist.world_size)
     if distributed:  # rank shares, global agreement on a gloo group, a pinned slot
         kw.update(extra_slots=1, global_agreement=True)
-    if e.tier != "auto":  # the memory tier (docs/PYTHON.md, "tier"); auto: the engine's default
-        kw["memory_tier"] = e.tier
-    # Device snapshots (docs/CUDA.md): whole checkpoints of the concurrent
-    # mode only; the other modes never take them, so they hold no device memory.
-    if o.mode.mode not in ("concurrent", "auto"):
-        kw["device_snapshot_bytes"] = 0
-    elif e.device_snapshot_bytes is not None:
-        kw["device_snapshot_bytes"] = e.device_snapshot_bytes
-    if e.disk_every != 1:  # the tiered cadence (docs/PYTHON.md, "disk_every")
-        kw["disk_every"] = e.disk_every
-    if o.mode.mode in ("layerwise", "auto"):
-        kw["layer_copy"] = o.mode.copy
     if small_initial_staging:
         kw["small_initial_staging"] = True
     return kw

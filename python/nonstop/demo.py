@@ -211,7 +211,7 @@ class Run:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self.deadline = self.t_spawn + args.timeout
 
-    def follow(self, progress) -> None:
+    def follow(self, progress) -> "Run":
         for line in self.proc.stdout:
             if time.perf_counter() > self.deadline:
                 self.proc.kill()
@@ -230,6 +230,7 @@ class Run:
         rc = self.proc.wait(timeout=max(1, self.deadline - time.perf_counter()))
         if self.kill_at is None and rc != 0:
             raise SystemExit(f"demo: {self.label} failed with exit status {rc}")
+        return self
 
     def event(self, name):
         return next((e for e in self.events if e["event"] == name), None)
@@ -274,25 +275,22 @@ def plot(path: str, ref: Run, crashed: Run, resumed: Run, restored_step: int) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    rs = sorted(ref.steps)
-    ax.plot(rs, [ref.steps[s]["loss"] for s in rs], color="0.6", lw=3, label="reference (no crash)")
-    cs = sorted(crashed.steps)
-    ax.plot(cs, [crashed.steps[s]["loss"] for s in cs], color="C3", lw=1.3,
-            label="nonstop run, killed")
-    us = sorted(resumed.steps)
-    ax.plot(us, [resumed.steps[s]["loss"] for s in us], color="C0", lw=1.3, ls="--",
-            label="nonstop run, resumed")
-    ax.axvspan(restored_step, crashed.killed_after, color="C3", alpha=0.08,
-               label="steps lost, trained again")
-    ax.axvline(crashed.killed_after, color="C3", ls=":", lw=1)
-    ax.annotate(f"SIGKILL after step {crashed.killed_after}", (crashed.killed_after, ax.get_ylim()[1]),
-                textcoords="offset points", xytext=(4, -14), color="C3", fontsize=8)
-    ax.axvline(restored_step, color="C0", ls=":", lw=1)
-    ax.annotate(f"resumed from checkpoint at step {restored_step}", (restored_step, ax.get_ylim()[1]),
-                textcoords="offset points", xytext=(-4, -28), color="C0", fontsize=8, ha="right")
-    for s in cs:
-        if crashed.steps[s]["saved"]:
-            ax.plot(s, crashed.steps[s]["loss"], "o", color="C3", ms=3)
+    for run, color, lw, ls, label in ((ref, "0.6", 3, "-", "reference (no crash)"),
+                                      (crashed, "C3", 1.3, "-", "nonstop run, killed"),
+                                      (resumed, "C0", 1.3, "--", "nonstop run, resumed")):
+        steps = sorted(run.steps)
+        ax.plot(steps, [run.steps[s]["loss"] for s in steps], color=color, lw=lw, ls=ls,
+                label=label)
+    killed = crashed.killed_after
+    ax.axvspan(restored_step, killed, color="C3", alpha=0.08, label="steps lost, trained again")
+    for x, color, dy, ha, text in ((killed, "C3", -14, "left", f"SIGKILL after step {killed}"),
+                                   (restored_step, "C0", -28, "right",
+                                    f"resumed from checkpoint at step {restored_step}")):
+        ax.axvline(x, color=color, ls=":", lw=1)
+        ax.annotate(text, (x, ax.get_ylim()[1]), textcoords="offset points",
+                    xytext=(4 if ha == "left" else -4, dy), color=color, fontsize=8, ha=ha)
+    saved = [s for s in sorted(crashed.steps) if crashed.steps[s]["saved"]]
+    ax.plot(saved, [crashed.steps[s]["loss"] for s in saved], "o", color="C3", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("nonstop: kill -9 and bit-identical resume")
@@ -343,15 +341,11 @@ def main(argv=None) -> int:
         print(f"\r  {run.label:<22} step {ev['step']:>4}/{args.steps - 1}  loss {ev['loss']:.4f}"
               f"  {ev['dt']:.2f}s{mark}", end="" if tty and not last else "\n", flush=True)
 
-    ref = Run(args, "none", "reference", "1/4 reference")
-    ref.follow(progress)
+    ref = Run(args, "none", "reference", "1/4 reference").follow(progress)
     print(f"    ({ref.event('ready')['params'] / 1e6:.1f}M parameters)")
-    base = Run(args, "torchsave", "torchsave", "2/4 torch.save")
-    base.follow(progress)
-    crashed = Run(args, "nonstop", "crashed", "3/4 nonstop, killed", kill_at=kill_at)
-    crashed.follow(progress)
-    resumed = Run(args, "nonstop", "resumed", "4/4 nonstop, resumed")
-    resumed.follow(progress)
+    base = Run(args, "torchsave", "torchsave", "2/4 torch.save").follow(progress)
+    crashed = Run(args, "nonstop", "crashed", "3/4 nonstop, killed", kill_at).follow(progress)
+    resumed = Run(args, "nonstop", "resumed", "4/4 nonstop, resumed").follow(progress)
     restored = resumed.event("restored")
     if restored is None:
         print("FAIL: the resumed run found no checkpoint to restore")

@@ -9,6 +9,7 @@ namespace py = pybind11;
 
 namespace nonstop::py_bindings {
 void InitDist(py::module_& m);  // dist_bindings.cc (a distributed restart's decisions, dist.h)
+void InitOptions(py::module_& m);  // options_bindings.cc (the Checkpointer's keywords, config=)
 }  // namespace nonstop::py_bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -25,4 +26,5 @@ PYBIND11_MODULE(_core, m) {
   nonstop::py_bindings::InitEnv(m);
   nonstop::py_bindings::InitPeer(m);
   nonstop::py_bindings::InitDist(m);
+  nonstop::py_bindings::InitOptions(m);
 }

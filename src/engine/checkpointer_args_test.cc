@@ -1,0 +1,238 @@
+#include "engine/checkpointer_args.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace nonstop {
+namespace {
+
+// The message of CheckCheckpointerArgs(a), "" when a is legal.
+std::string Why(const CheckpointerArgs& a) {
+  Result<EngineChoices> r = CheckCheckpointerArgs(a);
+  if (!r.ok()) {
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  }
+  return r.ok() ? "" : r.status().message();
+}
+
+EngineChoices Choices(const CheckpointerArgs& a) {
+  Result<EngineChoices> r = CheckCheckpointerArgs(a);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? r.value() : EngineChoices{};
+}
+
+TEST(CheckpointerArgsTest, TheDefaultsAndEachModeAreLegal) {
+  CheckpointerArgs a;
+  EngineChoices e = Choices(a);
+  EXPECT_EQ(e.disk_every, 1);
+  EXPECT_EQ(e.keep_every, 0);
+  EXPECT_FALSE(e.device_snapshot_bytes.has_value());
+  EXPECT_EQ(e.memory_tier, "");
+  EXPECT_EQ(e.layer_copy, "");
+  for (const char* m : {"concurrent", "layerwise", "multistep", "auto"}) {
+    a.mode = Arg::Text(m);
+    EXPECT_EQ(Why(a), "") << m;
+  }
+  a.mode = Arg::Text("concurrent");
+  a.every = Arg::Text("auto");
+  a.keep = Arg::Int(3);
+  a.device_snapshot_bytes = Arg::Int(0);
+  a.tier = Arg::Text("memory");
+  e = Choices(a);
+  EXPECT_EQ(e.keep_every, 3);
+  EXPECT_EQ(e.device_snapshot_bytes, 0);
+  EXPECT_EQ(e.memory_tier, "memory");
+}
+
+TEST(CheckpointerArgsTest, OnlyTheConcurrentModesTakeDeviceSnapshotsOnlyLayerModesACopy) {
+  CheckpointerArgs a;
+  a.device_snapshot_bytes = Arg::Int(1 << 20);
+  EXPECT_EQ(Choices(a).device_snapshot_bytes, 1 << 20);
+  a.mode = Arg::Text("auto");
+  a.copy = Arg::Text("device");
+  EngineChoices e = Choices(a);
+  EXPECT_EQ(e.device_snapshot_bytes, 1 << 20);
+  EXPECT_EQ(e.layer_copy, "device");
+  a = {};
+  a.mode = Arg::Text("layerwise");
+  e = Choices(a);
+  EXPECT_EQ(e.device_snapshot_bytes, 0);  // never the engine's default
+  EXPECT_EQ(e.layer_copy, "host");
+  a.copy = Arg::Text("gpu");
+  EXPECT_EQ(Why(a), "unknown copy 'gpu'; use host, direct or device");
+  a.copy = Arg::Other("3");
+  EXPECT_EQ(Why(a), "unknown copy 3; use host, direct or device");
+  a = {};
+  a.mode = Arg::Text("multistep");
+  EXPECT_EQ(Choices(a).device_snapshot_bytes, 0);
+  EXPECT_EQ(Choices(a).layer_copy, "");
+}
+
+TEST(CheckpointerArgsTest, EachBadValueIsNamedWithItsRepr) {
+  struct Case {
+    void (*set)(CheckpointerArgs*);
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](CheckpointerArgs* a) { a->mode = Arg::Text("fast"); },
+       "mode 'fast' is not available in this version; use one of concurrent, layerwise, "
+       "multistep, auto"},
+      {[](CheckpointerArgs* a) { a->every = Arg::Int(0); },
+       "every must be a positive integer or \"auto\", got 0"},
+      {[](CheckpointerArgs* a) { a->every = Arg::Other("True"); },
+       "every must be a positive integer or \"auto\", got True"},
+      {[](CheckpointerArgs* a) { a->keep = Arg::Int(0); },
+       "keep must be None or a positive integer, got 0"},
+      {[](CheckpointerArgs* a) { a->keep = Arg::Real(2.5, "2.5"); },
+       "keep must be None or a positive integer, got 2.5"},
+      {[](CheckpointerArgs* a) { a->max_in_flight = Arg::Int(0); },
+       "max_in_flight must be a positive integer, got 0"},
+      {[](CheckpointerArgs* a) { a->tier = Arg::Text("ssd"); },
+       "tier must be \"auto\", \"memory\" or \"disk\", got 'ssd'"},
+      {[](CheckpointerArgs* a) { a->device_snapshot_bytes = Arg::Int(-1); },
+       "device_snapshot_bytes must be None or a non-negative integer, got -1"},
+      {[](CheckpointerArgs* a) { a->disk_every = Arg::Text("often"); },
+       "disk_every must be a positive integer or \"auto\", got 'often'"},
+      {[](CheckpointerArgs* a) { a->disk_every = Arg::Int(-2); },
+       "disk_every must be a positive integer or \"auto\", got -2"},
+  };
+  for (const Case& c : cases) {
+    CheckpointerArgs a;
+    c.set(&a);
+    EXPECT_EQ(Why(a), c.message);
+  }
+}
+
+TEST(CheckpointerArgsTest, CombinationsOnlySomeModesTake) {
+  CheckpointerArgs a;
+  a.every = Arg::Text("auto");
+  a.mode = Arg::Text("layerwise");
+  EXPECT_EQ(Why(a), "every=\"auto\" works with mode=\"concurrent\" only (mode=\"auto\" compares "
+                    "the modes over fixed windows: every=N)");
+  a = {};
+  a.copy = Arg::Text("device");
+  EXPECT_EQ(Why(a), "copy= and clip_grad_norm= apply to mode='layerwise' (or 'auto') only");
+  a.mode = Arg::Text("auto");
+  EXPECT_EQ(Why(a), "");
+  a = {};
+  a.clip_grad_norm = true;
+  EXPECT_EQ(Why(a), "copy= and clip_grad_norm= apply to mode='layerwise' (or 'auto') only");
+  a = {};
+  a.replay = Arg::Text("host");
+  EXPECT_EQ(Why(a), "replay= applies to mode='multistep' only");
+  a.mode = Arg::Text("multistep");
+  EXPECT_EQ(Why(a), "");
+  a.device_snapshot_bytes = Arg::Int(1 << 20);
+  EXPECT_EQ(Why(a), "device_snapshot_bytes= applies to mode='auto' or mode='concurrent' only");
+  a.device_snapshot_bytes = Arg::Int(0);  // off: any mode
+  EXPECT_EQ(Why(a), "");
+}
+
+TEST(CheckpointerArgsTest, SeveralRanksRefuseSingleProcessModesAndTheTieredCadence) {
+  CheckpointerArgs a;
+  a.world_size = 2;
+  EXPECT_EQ(Why(a), "");
+  a.mode = Arg::Text("auto");
+  EXPECT_EQ(Why(a), "mode='auto' is single-process only for now; with world_size > 1 choose "
+                    "mode='concurrent' or 'layerwise'");
+  a.mode = Arg::Text("multistep");
+  EXPECT_EQ(Why(a), "mode 'multistep' is single-process only for now; use mode='concurrent' "
+                    "with world_size > 1");
+  a = {};
+  a.world_size = 2;
+  a.best = true;
+  a.every = Arg::Text("auto");
+  EXPECT_EQ(Why(a), "best= with world_size > 1 needs every=N: every rank must checkpoint the "
+                    "same steps (their metrics are agreed at each checkpoint)");
+  a.world_size = 1;
+  EXPECT_EQ(Why(a), "");
+  const std::string tiered =
+      "disk_every != 1 needs the memory tier (tier='auto' or 'memory'), mode='concurrent', "
+      "'layerwise' or 'auto', and world_size 1";
+  a = {};
+  a.disk_every = Arg::Text("auto");
+  EXPECT_EQ(Choices(a).disk_every, 0);
+  a.disk_every = Arg::Int(4);
+  EXPECT_EQ(Choices(a).disk_every, 4);
+  a.world_size = 2;
+  EXPECT_EQ(Why(a), tiered);
+  a.world_size = 1;
+  a.tier = Arg::Text("disk");
+  EXPECT_EQ(Why(a), tiered);
+  a.tier = Arg::Text("auto");
+  a.mode = Arg::Text("multistep");
+  EXPECT_EQ(Why(a), tiered);
+}
+
+const std::vector<std::string> kKnown = {"every", "mode", "max_in_flight", "writers",
+                                         "staging_bytes", "chunk_bytes", "medium",
+                                         "copy_threads", "max_overhead"};
+
+ConfigItem Item(const std::string& key, Arg v) { return {key, "'" + key + "'", std::move(v)}; }
+
+std::string ConfigWhy(const std::vector<ConfigItem>& items) {
+  auto r = CheckConfigFile("c.json", items, kKnown);
+  return r.ok() ? "" : r.status().message();
+}
+
+TEST(CheckpointerArgsTest, AConfigFileSetsKnownSettingsAndSkipsRecords) {
+  const std::vector<ConfigItem> items = {
+      Item("format", Arg::Text(kConfigFormat)), Item("every", Arg::Int(75)),
+      Item("tune", Arg::Other("{}")), Item("max_overhead", Arg::Int(0) /* replaced below */),
+      Item("medium", Arg::Text("auto")), Item("writers", Arg())};
+  std::vector<ConfigItem> good = items;
+  good[3].value = Arg::Real(0.05, "0.05");
+  auto r = CheckConfigFile("c.json", good, kKnown);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  const std::vector<ConfigSetting>& s = r.value();
+  ASSERT_EQ(s.size(), 4u);
+  EXPECT_EQ(s[0].name, "every");
+  EXPECT_EQ(s[0].item, 1u);
+  EXPECT_EQ(s[1].name, "max_overhead");
+  EXPECT_TRUE(s[1].real);
+  EXPECT_EQ(s[2].name, "medium");
+  EXPECT_FALSE(s[2].real);
+  EXPECT_EQ(s[3].name, "writers");  // None: the default
+  EXPECT_EQ(ConfigWhy(items),
+            "config c.json: max_overhead must be a fraction in (0, 1), e.g. 0.03, got 0");
+}
+
+TEST(CheckpointerArgsTest, ATuneJsonOutputSetsEveryFromItsInterval) {
+  auto r = CheckConfigFile("t.json",
+                           std::vector<ConfigItem>{Item("max_in_flight", Arg::Int(2)),
+                                                   Item("chunks", Arg::Int(9)),
+                                                   Item("interval", Arg::Int(12))},
+                           kKnown);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_EQ(r.value().size(), 2u);
+  EXPECT_EQ(r.value()[1].name, "every");
+  EXPECT_EQ(r.value()[1].item, 2u);
+  // without `interval` it is a config file, where `chunks` is unknown
+  EXPECT_EQ(ConfigWhy({Item("max_in_flight", Arg::Int(2)), Item("chunks", Arg::Int(9))}),
+            "config c.json: unknown setting 'chunks'; known: every, mode, max_in_flight, "
+            "writers, staging_bytes, chunk_bytes, medium, copy_threads, max_overhead");
+}
+
+TEST(CheckpointerArgsTest, AConfigFileRefusesWrongFormatsTypesAndRanges) {
+  auto r = CheckConfigFile("c.json", std::nullopt, kKnown);
+  EXPECT_EQ(r.status().message(), "config c.json: expected a JSON object");
+  EXPECT_EQ(ConfigWhy({Item("format", Arg::Text("other/2"))}),
+            "config c.json: format 'other/2' is not 'nonstop.config/1'");
+  EXPECT_EQ(ConfigWhy({Item("every", Arg::Int(0))}),
+            "config c.json: every must be a positive integer or \"auto\", got 0");
+  EXPECT_EQ(ConfigWhy({Item("every", Arg::Text("often"))}),
+            "config c.json: every must be a positive integer or \"auto\", got 'often'");
+  EXPECT_EQ(ConfigWhy({Item("every", Arg::Text("auto"))}), "");
+  EXPECT_EQ(ConfigWhy({Item("writers", Arg::Int(-1))}),
+            "config c.json: writers must be a non-negative integer, got -1");
+  EXPECT_EQ(ConfigWhy({Item("copy_threads", Arg::Other("True"))}),
+            "config c.json: copy_threads must be a non-negative integer, got True");
+  EXPECT_EQ(ConfigWhy({Item("mode", Arg::Int(3))}), "config c.json: mode must be a string, got 3");
+  EXPECT_EQ(ConfigWhy({Item("max_overhead", Arg::Int(3))}),
+            "config c.json: max_overhead must be a fraction in (0, 1), e.g. 0.03, got 3");
+}
+
+}  // namespace
+}  // namespace nonstop

@@ -1,0 +1,98 @@
+// The Checkpointer's keywords and its config= file checked by
+// engine/checkpointer_args.h: each Python value becomes an Arg (its kind,
+// value and repr); nothing is decided here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/checkpointer_args.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace nonstop::py_bindings {
+namespace {
+
+Arg ToArg(py::handle v) {
+  const std::string repr = py::repr(v).cast<std::string>();
+  if (v.is_none()) return Arg{};
+  if (PyLong_Check(v.ptr()) && !PyBool_Check(v.ptr())) {
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow == 0) return Arg::Int(x);
+  } else if (PyFloat_Check(v.ptr())) {
+    return Arg::Real(PyFloat_AsDouble(v.ptr()), repr);
+  } else if (PyUnicode_Check(v.ptr())) {
+    Arg a = Arg::Text(v.cast<std::string>());
+    a.repr = repr;
+    return a;
+  }
+  return Arg::Other(repr);
+}
+
+// d[key] as an Arg, or `fallback` when the key is missing.
+Arg Get(const py::dict& d, const char* key, Arg fallback) {
+  return d.contains(key) ? ToArg(d[key]) : fallback;
+}
+
+}  // namespace
+
+void InitOptions(py::module_& m) {
+  m.def(
+      "check_checkpointer_args",
+      [](const py::dict& kw, int64_t world_size) {
+        CheckpointerArgs a;
+        a.mode = Get(kw, "mode", a.mode);
+        a.every = Get(kw, "every", a.every);
+        a.max_in_flight = Get(kw, "max_in_flight", a.max_in_flight);
+        a.keep = Get(kw, "keep", a.keep);
+        a.tier = Get(kw, "tier", a.tier);
+        a.device_snapshot_bytes = Get(kw, "device_snapshot_bytes", a.device_snapshot_bytes);
+        a.disk_every = Get(kw, "disk_every", a.disk_every);
+        a.copy = Get(kw, "copy", a.copy);
+        a.replay = Get(kw, "replay", a.replay);
+        a.clip_grad_norm = kw.contains("clip_grad_norm") && !kw["clip_grad_norm"].is_none();
+        a.best = kw.contains("best") && !kw["best"].is_none();
+        a.world_size = world_size;
+        const EngineChoices e = Take(CheckCheckpointerArgs(a));
+        py::dict out;
+        out["keep_every"] = e.keep_every;
+        if (e.disk_every != 1) out["disk_every"] = e.disk_every;
+        if (e.device_snapshot_bytes) out["device_snapshot_bytes"] = *e.device_snapshot_bytes;
+        if (!e.memory_tier.empty()) out["memory_tier"] = e.memory_tier;
+        if (!e.layer_copy.empty()) out["layer_copy"] = e.layer_copy;
+        return out;
+      },
+      py::arg("kw"), py::arg("world_size") = 1,
+      "Checks the Checkpointer's keywords in `kw` (a missing one: its default) "
+      "(engine/checkpointer_args.h); returns what they set of the Engine's "
+      "arguments (keep_every, and disk_every, device_snapshot_bytes, "
+      "memory_tier, layer_copy where not the default); CheckpointMismatchError otherwise.");
+  m.def(
+      "check_config",
+      [](const std::string& path, const py::object& doc, const std::vector<std::string>& known) {
+        std::optional<std::vector<ConfigItem>> items;
+        std::vector<py::object> values;
+        if (py::isinstance<py::dict>(doc)) {
+          items.emplace();
+          for (auto [k, v] : py::reinterpret_borrow<py::dict>(doc)) {
+            const std::string key = py::str(k).cast<std::string>();
+            items->push_back({key, py::repr(k).cast<std::string>(), ToArg(v)});
+            values.push_back(py::reinterpret_borrow<py::object>(v));
+          }
+        }
+        py::dict out;
+        for (const ConfigSetting& s : Take(CheckConfigFile(path, items, known))) {
+          const py::object& v = values[s.item];
+          out[py::str(s.name)] = s.real ? py::float_(v) : v;
+        }
+        return out;
+      },
+      py::arg("path"), py::arg("doc"), py::arg("known"),
+      "config=PATH's JSON value (`doc`) checked (engine/checkpointer_args.h): "
+      "{argument: value} of the `known` arguments it sets; CheckpointMismatchError otherwise.");
+}
+
+}  // namespace nonstop::py_bindings

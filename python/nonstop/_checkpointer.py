@@ -77,7 +77,8 @@ class Checkpointer:
             # (bench/construct_bench.py); a restart keeps the floor.
             nbytes = _state_bytes_estimate(state) if dist is None else 0
             deferred = bool(nbytes and restart and self.driver.defer_staging)
-            small = dist is None and not o.engine.kwargs["staging_bytes"] and bool(nbytes) and not deferred
+            small = (dist is None and not o.engine.kwargs["staging_bytes"] and bool(nbytes)
+                     and not deferred)
             ses.engine = _open_engine(o, self.driver, _options.engine_kwargs(
                 o, dist is not None, small))
             if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)

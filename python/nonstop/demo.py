@@ -235,13 +235,9 @@ class Run:
     def event(self, name):
         return next((e for e in self.events if e["event"] == name), None)
 
-    def timed_steps(self, skip: int = 2):
-        """Steps after the first `skip` of this process (warm-up)."""
-        return [self.steps[s] for s in sorted(self.steps)][skip:]
-
 
 def steps_per_s(runs) -> float:
-    steps = [e for r in runs for e in r.timed_steps()]
+    steps = [r.steps[s] for r in runs for s in sorted(r.steps)[2:]]  # after each run's warm-up
     return len(steps) / sum(e["dt"] for e in steps) if steps else float("nan")
 
 

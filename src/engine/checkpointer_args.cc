@@ -115,7 +115,8 @@ Result<std::vector<ConfigSetting>> CheckConfigFile(
     return Bad(where + "format " + fmt->value.repr + " is not '" + kConfigFormat + "'");
   }
   // `nonstop tune --json` also prints what it measured; its `interval` is `every`.
-  const bool tune_json = no_format && find("interval") != nullptr && find("max_in_flight") != nullptr;
+  const bool tune_json =
+      no_format && find("interval") != nullptr && find("max_in_flight") != nullptr;
   const auto is_known = [&](const std::string& k) {
     return std::find(known.begin(), known.end(), k) != known.end();
   };

@@ -25,7 +25,9 @@ struct Arg {
   std::string text;    // kText
   std::string repr = "None";  // as Python prints it (messages)
 
-  static Arg Int(int64_t v) { return {Kind::kInt, v, static_cast<double>(v), "", std::to_string(v)}; }
+  static Arg Int(int64_t v) {
+    return {Kind::kInt, v, static_cast<double>(v), "", std::to_string(v)};
+  }
   static Arg Real(double v, std::string repr) { return {Kind::kReal, 0, v, "", std::move(repr)}; }
   static Arg Text(const std::string& s) { return {Kind::kText, 0, 0, s, "'" + s + "'"}; }
   static Arg Other(std::string repr) { return {Kind::kOther, 0, 0, "", std::move(repr)}; }
@@ -93,8 +95,8 @@ struct ConfigSetting {
 // `max_in_flight`) sets `every` from `interval` and skips what it measured.
 // InvalidArgument "config PATH: ..." for a wrong format, an unknown key or a
 // value of the wrong type or range.
-Result<std::vector<ConfigSetting>> CheckConfigFile(const std::string& path,
-                                                   const std::optional<std::vector<ConfigItem>>& items,
-                                                   const std::vector<std::string>& known);
+Result<std::vector<ConfigSetting>> CheckConfigFile(
+    const std::string& path, const std::optional<std::vector<ConfigItem>>& items,
+    const std::vector<std::string>& known);
 
 }  // namespace nonstop

@@ -1,16 +1,10 @@
 """nonstop.Checkpointer: checkpoints a PyTorch job every few steps without
-stopping it, and restores it bit-identically.
-
-The Python side only gathers state: it turns each object's state_dict() into
-named tensors (registered with the C++ engine by pointer, never copied here)
-and JSON, and it installs one optimizer step pre-hook that waits until the
-tensors of the checkpoint in flight have been copied. Copying, writing,
-committing and reading are done by the engine, with the GIL released. The
-engine and its counters belong to a Session (_session.py), the keywords are
-checked into typed options (_options.py), the mode is a driver behind one
-protocol (_session.Driver: _periodic, _layerwise, _multistep), and
-restoring into the live objects is _apply.py's.
-"""
+stopping it, and restores it bit-identically. Python only gathers state
+(tensors registered with the C++ engine by pointer, never copied here) and
+installs one optimizer step pre-hook that waits until the checkpoint in
+flight has been copied; the engine copies, writes, commits and reads with
+the GIL released. The facade over _session, _options, the mode drivers and
+_apply: docs/ARCHITECTURE.md "The Python layers"."""
 from __future__ import annotations
 
 import difflib
@@ -332,25 +326,18 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
 
 def _state_bytes_estimate(state: dict) -> int:
     """The bytes the first checkpoint of `state` will hold, as far as they
-    can be told before it: every tensor of the state as it is now, plus the
-    optimizer state a torch optimizer creates at its first step (Adam-style,
-    `betas` in its defaults: two tensors per parameter; `momentum`: one).
+    can be told before it (C++: the tensors as they are now, plus the moments
+    each torch optimizer without state yet creates at its first step: two
+    per parameter Adam-style, `betas` in its defaults; one with `momentum`).
     0 when the state cannot be walked now (the first save() reports that)."""
     tensors: dict = {}
     try:
         _objects.flatten_state(state, tensors)
     except Exception:  # an optimisation only: save() walks the state and raises
         return 0
-    pad = 4096  # the slot layout aligns each large tensor to 4 KiB
-    nbytes = sum(t.numel() * t.element_size() + pad for t in tensors.values()
-                 if isinstance(t, torch.Tensor))
-    for opt in _unwrap.optimizers(state.values()):
-        if opt.state:
-            continue  # its state exists already and was counted
-        per_param = (2 if "betas" in opt.defaults else
-                     1 if opt.defaults.get("momentum", 0) else 0)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                # the moments, and a small `step` tensor (Adam)
-                nbytes += per_param * (p.numel() * p.element_size() + pad) + 64
-    return nbytes
+    fresh = [(2 if "betas" in o.defaults else 1 if o.defaults.get("momentum", 0) else 0,
+              [p.numel() * p.element_size() for g in o.param_groups for p in g["params"]])
+             for o in _unwrap.optimizers(state.values()) if not o.state]
+    return _ext.core().estimate_first_checkpoint_bytes(
+        [t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)],
+        fresh)

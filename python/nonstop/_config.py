@@ -1,16 +1,6 @@
-"""Checkpointer(config=PATH): settings from a file, usually the one that
-`nonstop tune --out PATH` writes (docs/TUNE.md).
-
-The file is JSON. Its keys are Checkpointer's own argument names:
-
-    {"format": "nonstop.config/1", "every": 75, "max_in_flight": 3, "writers": 4,
-     "chunk_bytes": 1048576, "staging_bytes": 268435456, "medium": "auto",
-     "tune": {... what tune measured ...}}
-
-The output of `nonstop tune --json` is accepted too (its `interval` is
-`every`). Arguments given to Checkpointer explicitly override the file; the
-file overrides the defaults.
-"""
+"""Checkpointer(config=PATH): settings from a JSON file, usually the one
+`nonstop tune --out PATH` writes (its format, and how explicit arguments
+override it: docs/TUNE.md "nonstop tune")."""
 from __future__ import annotations
 
 import json

@@ -1,12 +1,8 @@
 """The one progress bar of nonstop's long reads and writes (restore(),
 nonstop.export, `nonstop export --format dcp`): a tqdm bar of bytes on
-stderr, when tqdm is installed.
-
-show=None (the default): shown only when stderr is a terminal and the work
-is at least MIN_BYTES (256 MiB), unless NONSTOP_PROGRESS says otherwise
-("1": always, "0": never). show=True: always (any size, any stderr);
-show=False: never.
-"""
+stderr, when tqdm is installed. show=None: only on a terminal and from
+MIN_BYTES on, unless NONSTOP_PROGRESS ("1"/"0") says otherwise; show=True:
+always; show=False: never (docs/PYTHON.md)."""
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@
 #include <array>
 
 #include "nonstop/engine.h"
+#include "nonstop/store.h"
 
 namespace nonstop {
 namespace {
@@ -162,6 +163,18 @@ Result<std::vector<ConfigSetting>> CheckConfigFile(
     out.push_back({key, i, real});
   }
   return out;
+}
+
+uint64_t EstimateFirstCheckpointBytes(const std::vector<uint64_t>& tensor_bytes,
+                                      const std::vector<FreshOptimizer>& fresh) {
+  uint64_t n = 0;
+  for (const uint64_t b : tensor_bytes) n += b + kStoreAlign;
+  for (const FreshOptimizer& o : fresh) {
+    for (const uint64_t b : o.param_bytes) {
+      n += static_cast<uint64_t>(o.moments) * (b + kStoreAlign) + 64;  // moments, `step`
+    }
+  }
+  return n;
 }
 
 }  // namespace nonstop

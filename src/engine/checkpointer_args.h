@@ -4,6 +4,7 @@
 // messages that name the keyword and the value as Python wrote it (its
 // repr). The binding (src/python/options_bindings.cc) turns each Python
 // value into an Arg; Python only gathers them and builds its option objects.
+// Also the size of the first checkpoint, estimated before the engine opens.
 #pragma once
 
 #include <cstdint>
@@ -98,5 +99,21 @@ struct ConfigSetting {
 Result<std::vector<ConfigSetting>> CheckConfigFile(
     const std::string& path, const std::optional<std::vector<ConfigItem>>& items,
     const std::vector<std::string>& known);
+
+// A torch optimizer that has no state yet: the moments it creates per
+// parameter at its first step (Adam-style: 2, momentum: 1, none: 0) and the
+// bytes of each of its parameters.
+struct FreshOptimizer {
+  int64_t moments = 0;
+  std::vector<uint64_t> param_bytes;
+};
+
+// The bytes the first checkpoint of a state will hold, as far as they can
+// be told before it (the staging the engine prepares in the background):
+// every tensor as it is now (`tensor_bytes`), plus the moments and a small
+// `step` tensor per parameter of each fresh optimizer; each tensor padded by
+// the slot layout's alignment (kStoreAlign).
+uint64_t EstimateFirstCheckpointBytes(const std::vector<uint64_t>& tensor_bytes,
+                                      const std::vector<FreshOptimizer>& fresh);
 
 }  // namespace nonstop

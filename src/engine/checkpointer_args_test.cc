@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "nonstop/store.h"
+
 #include <string>
 #include <vector>
 
@@ -232,6 +234,15 @@ TEST(CheckpointerArgsTest, AConfigFileRefusesWrongFormatsTypesAndRanges) {
   EXPECT_EQ(ConfigWhy({Item("mode", Arg::Int(3))}), "config c.json: mode must be a string, got 3");
   EXPECT_EQ(ConfigWhy({Item("max_overhead", Arg::Int(3))}),
             "config c.json: max_overhead must be a fraction in (0, 1), e.g. 0.03, got 3");
+}
+
+TEST(CheckpointerArgsTest, TheFirstCheckpointEstimatePadsTensorsAndAddsFreshMoments) {
+  EXPECT_EQ(EstimateFirstCheckpointBytes({}, {}), 0u);
+  EXPECT_EQ(EstimateFirstCheckpointBytes({100, 8}, {}), 108u + 2 * kStoreAlign);
+  // Adam: two moments of each parameter and a `step`; SGD with momentum: one
+  EXPECT_EQ(EstimateFirstCheckpointBytes({100}, {{2, {100, 40}}}),
+            100 + kStoreAlign + 2 * (100 + kStoreAlign) + 64 + 2 * (40 + kStoreAlign) + 64);
+  EXPECT_EQ(EstimateFirstCheckpointBytes({}, {{1, {40}}, {0, {8, 8}}}), 40 + kStoreAlign + 3 * 64);
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 // The Checkpointer's keywords and its config= file checked by
-// engine/checkpointer_args.h: each Python value becomes an Arg (its kind,
-// value and repr); nothing is decided here.
+// engine/checkpointer_args.h (each Python value becomes an Arg: its kind,
+// value and repr), and its first checkpoint's size estimate; nothing is
+// decided here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/checkpointer_args.h"
@@ -93,6 +95,18 @@ void InitOptions(py::module_& m) {
       py::arg("path"), py::arg("doc"), py::arg("known"),
       "config=PATH's JSON value (`doc`) checked (engine/checkpointer_args.h): "
       "{argument: value} of the `known` arguments it sets; CheckpointMismatchError otherwise.");
+  m.def(
+      "estimate_first_checkpoint_bytes",
+      [](const std::vector<uint64_t>& tensor_bytes,
+         const std::vector<std::pair<int64_t, std::vector<uint64_t>>>& fresh) {
+        std::vector<FreshOptimizer> f;
+        for (const auto& [moments, params] : fresh) f.push_back({moments, params});
+        return EstimateFirstCheckpointBytes(tensor_bytes, f);
+      },
+      py::arg("tensor_bytes"), py::arg("fresh"),
+      "The first checkpoint's bytes (engine/checkpointer_args.h): `tensor_bytes` of the "
+      "state now, `fresh`: (moments per parameter, [parameter bytes]) per optimizer without "
+      "state yet.");
 }
 
 }  // namespace nonstop::py_bindings

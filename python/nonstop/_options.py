@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _data, _ext, _peer, _remote
+from . import _auto, _config, _data, _ext, _peer
 from .errors import CheckpointMismatchError
 
 # The keywords C++ checks as given (engine/checkpointer_args.h); every=,

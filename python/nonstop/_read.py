@@ -6,26 +6,21 @@ exports, the distributed reshard and the remote tier; below all of them."""
 from __future__ import annotations
 
 import os
-import re
 from typing import Optional
 
 import numpy as np
 import torch
 
 from . import _ext, _state
-from .errors import (CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompatibleCheckpointError)
+from .errors import CheckpointMismatchError, CorruptCheckpointError, IncompatibleCheckpointError
 
 FORMAT = "nonstop.torch/1"
-RANK_FILE = re.compile(r"^rank-(\d{5})\.nsck$")
 
 
 def readers(path: str):
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, os.listdir(path)) if m)
-    if not ranks:
-        raise CheckpointNotFoundError(f"no nonstop checkpoint in {path}")
+    """A verifying Reader of every rank file of `path` (C++ JobDir::RankFiles
+    lists them: a missing or empty directory is a CheckpointNotFoundError)."""
+    ranks = _ext.core().rank_files(path)
     readers = [_ext.core().Reader(path, rank=r, verify_data=True) for r in ranks]
     world = readers[0].geometry["world_size"]
     if ranks != list(range(world)):
@@ -35,16 +30,12 @@ def readers(path: str):
     return readers
 
 
-def step_key(meta: dict) -> tuple:
-    return int(meta.get("step", -1)), int(meta.get("dist", {}).get("lineage", 0))
-
-
-def chosen(path: str, sel, rank: int, reader=None) -> tuple:
+def chosen(path: str, sel, rank: int, reader) -> tuple:
     """(Reader, index) of the planner's choice `sel` (a JobDir selection)
     for `rank` of `path`: `reader` (the rank's slot file) unless it is a kept
     copy (keep/step-N/rank-R.nsck), found again by its counter."""
     where = os.path.dirname(sel.where)
-    if reader is None or where:
+    if where:
         reader = _ext.core().Reader(os.path.join(path, where), rank=rank, verify_data=False)
     idx = next((i for i, c in enumerate(reader.checkpoints)
                 if c["committed"] and c["counter"] == sel.counter), None)
@@ -63,47 +54,11 @@ def refuse_replayed(meta, what: str) -> None:
             f"with mode='concurrent' to export")
 
 
-
 def check_directory(path: str, rank: int, world_size: Optional[int], must_exist: bool) -> bool:
-    """Checks that `path` is a nonstop directory (or may become one).
-
-    Returns True when it holds this rank's slot file. Raises a one-line
-    error for a missing (when must_exist), foreign or other-world-size
-    directory.
-    """
-    if not os.path.exists(path):
-        if must_exist:
-            raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-        return False
-    if not os.path.isdir(path):
-        raise IncompatibleCheckpointError(f"{path} is a file, not a checkpoint directory")
-    names = sorted(os.listdir(path))
-    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, names) if m)
-    if not ranks:
-        # world-W/: rank files of another world size, set aside for resharding;
-        # rank-R.nsck.tmp: a slot file being created (a kill left it; the
-        # engine deletes it on open)
-        others = [n for n in names if not n.startswith(".")
-                  and not re.match(r"(world-\d+|agreed-rank-\d{5}\.json|rank-\d{5}\.nsck\.tmp|remote|peer)$", n)]
-        if others:
-            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-            raise IncompatibleCheckpointError(
-                f"{path} is not a nonstop checkpoint directory (it holds {shown}); "
-                f"use an empty or new directory")
-        if must_exist:
-            raise CheckpointNotFoundError(f"no nonstop checkpoint in {path} (directory is empty)")
-        return False
-    if world_size is not None and ranks[-1] >= world_size:
-        raise IncompatibleCheckpointError(
-            f"{path} was written by a job of world size {ranks[-1] + 1} or more; this job has "
-            f"world size {world_size}: use the same world size or a new directory")
-    if rank not in ranks:
-        if must_exist:
-            raise CheckpointNotFoundError(f"no nonstop checkpoint for rank {rank} in {path}")
-        return False
-    return True
-
-
+    """Whether `path` holds this rank's slot file; one-line errors for a
+    missing (when must_exist), foreign or other-world-size directory (C++
+    JobDir::CheckDirectory)."""
+    return _ext.core().check_directory(os.fspath(path), rank, world_size, must_exist)
 
 
 def decode_meta(info: dict, where: str) -> dict:
@@ -129,24 +84,18 @@ def restore_threads() -> int:
 
 
 def restore_direct() -> bool:
-    """Whether the restore reads what is not in the page cache with
-    O_DIRECT through a queue of reads in flight (RestoreOptions::direct):
-    on by default (faster cold than buffered reads on the quiet machine,
-    docs/BENCHMARKS.md "Restore"); NONSTOP_RESTORE_DIRECT=0 turns it off."""
+    """RestoreOptions::direct (O_DIRECT reads of what is not cached; docs/BENCHMARKS.md
+    "Restore"): on unless NONSTOP_RESTORE_DIRECT=0."""
     return os.environ.get("NONSTOP_RESTORE_DIRECT", "1") != "0"
 
 
 def destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
     """(name -> tensor, [(data pointer, nbytes)] in table order) for a
-    checkpoint's tensors: the live tensor where one of the same name, shape
-    and dtype is a contiguous tensor whose memory no other destination
-    shares (tied weights: the second gets its own), else a new one. A spec
-    that is None gets no tensor (destination (0, 0): verified, not kept).
-    A live CUDA tensor (in a build with CUDA) is a destination too:
-    (pointer, nbytes, device index, current stream), which the C++ restore
-    path fills through pinned buffers and host-to-device copies
-    (RestoreOptions::dst_devices, docs/CUDA.md "Restore into CUDA tensors")
-    instead of a host tensor copied by load_state_dict afterwards."""
+    checkpoint's tensors: the live tensor where one fits (_fits_live) and
+    no earlier destination shares its memory (tied weights: the second gets
+    its own), else a new one; a None spec: (0, 0), verified, not kept. A live
+    CUDA tensor's is (pointer, nbytes, device, current stream) (docs/CUDA.md
+    "Restore into CUDA tensors")."""
     tensors: dict = {}
     dests = []
     # Live tensors that fit, then those whose memory overlaps an earlier one's dropped.
@@ -169,8 +118,11 @@ def destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
             continue
         code, shape, nbytes = spec["dtype"], spec["shape"], spec["nbytes"]
         t = fit.get(i)
-        if t is None:
-            t = new_tensor(code, shape, nbytes, as_numpy)
+        if t is None and as_numpy:  # bytes where numpy has no such dtype
+            np_dtype = _state.NUMPY_DTYPES.get(code)
+            t = np.empty(shape, np_dtype) if np_dtype is not None else np.empty(nbytes, np.uint8)
+        elif t is None:
+            t = torch.empty(shape, dtype=_state.torch_dtype(code))
         tensors[spec["name"]] = t
         if not nbytes:
             dests.append((0, 0))
@@ -193,39 +145,19 @@ def _fits_live(t, code: int, shape: list) -> bool:
             and list(t.shape) == list(shape) and _state.torch_dtype_code(t.dtype) == code)
 
 
-def new_tensor(code: int, shape: list, nbytes: int, as_numpy: bool):
-    if as_numpy:
-        np_dtype = _state.NUMPY_DTYPES.get(code)
-        return np.empty(shape, dtype=np_dtype) if np_dtype is not None else np.empty(
-            nbytes, dtype=np.uint8)
-    return torch.empty(shape, dtype=_state.torch_dtype(code))
-
-
-def read_tensors(reader, idx: int, as_numpy: bool = False, live: Optional[dict] = None,
-                 stats: Optional[dict] = None, names=None) -> dict:
-    """Every tensor of checkpoint `idx` of an opened `_core.Reader` (a slot
-    file, a keep copy, an archive, a memory-tier segment, a JobDir
-    selection), by name, read through the C++ restore path
-    (Reader.read_into: every crc chunk read and verified once, in parallel,
-    without the GIL) instead of tensor by tensor. `live` (name -> tensor):
-    where one of the same name, shape and dtype is a contiguous CPU tensor,
-    the data lands straight in it (check everything before calling: the read
-    overwrites it). `names` (a predicate on a tensor's name): only those are
-    kept (the others are still verified). `stats`, when given, gets the
-    read's sizes and time. The one helper for every Python reader."""
-    info = reader.checkpoints[idx]
-    specs = info["tensors"]
-    if names is not None:
-        specs = [s if names(s["name"]) else None for s in specs]
-    tensors, dests = destinations(specs, as_numpy, live)
-    read_into(reader, idx, dests, stats)
+def read_tensors(reader, idx: int, stats: Optional[dict] = None) -> dict:
+    """Every tensor of checkpoint `idx` of an opened `_core.Reader` (or a
+    JobDir selection), by name, in one verified read (read_into) into new
+    tensors; `stats` gets the read's sizes and time."""
+    tensors, dests = destinations(reader.checkpoints[idx]["tensors"], False, None)
+    got = read_into(reader, idx, dests)
+    if stats is not None:
+        stats.update(got)
     return tensors
 
 
-def read_into(reader, idx: int, dests: list, stats: Optional[dict] = None) -> None:
-    """Checkpoint `idx` of `reader` into `dests` ([(pointer, nbytes)] in table order)."""
-    got = reader.read_into(idx, dests, threads=restore_threads())
-    if stats is not None:
-        stats.update(got)
-
-
+def read_into(reader, idx: int, dests: list) -> dict:
+    """Checkpoint `idx` of `reader` into `dests` ([(pointer, nbytes)] in table
+    order): every crc chunk read and verified once, in parallel, without the
+    GIL. Returns the read's stats."""
+    return reader.read_into(idx, dests, threads=restore_threads())

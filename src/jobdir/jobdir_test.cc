@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "jobdir/check_dir.h"
 #include "jobdir/planned_steps.h"
 #include "jobdir/records.h"
 #include "nonstop/jobdir.h"
@@ -474,6 +475,54 @@ TEST_F(JobDirTest, ForeignEntriesAreNamed) {
   { std::ofstream(root_ / "notes.txt") << "x"; }
   fs::create_directories(root_ / "world-x");
   EXPECT_EQ(jd->ForeignEntries().value(), (std::vector<std::string>{"notes.txt", "world-x"}));
+}
+
+// The check before a job opens or creates a directory (Python's
+// check_directory) and the ranks a consolidating reader opens.
+TEST_F(JobDirTest, CheckDirectoryNamesWhatIsWrongInOneLine) {
+  auto why = [](const Result<bool>& r) { return r.ok() ? std::string() : r.status().message(); };
+  const std::string d = Dir();
+  // Missing: fine unless it must exist.
+  EXPECT_FALSE(CheckJobDirectory(d, 0, 1, false).value());
+  EXPECT_EQ(CheckJobDirectory(d, 0, 1, true).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(why(CheckJobDirectory(d, 0, 1, true)), "checkpoint directory " + d +
+                                                            " does not exist");
+  EXPECT_EQ(RankFiles(d).status().message(), "checkpoint directory " + d +
+                                                         " does not exist");
+  fs::create_directories(root_);
+  // Empty, or holding only a job's other entries: a new job may use it.
+  fs::create_directories(root_ / "world-2");
+  fs::create_directories(root_ / "remote");
+  { std::ofstream(root_ / "agreed-rank-00001.json") << "{}"; }
+  { std::ofstream(root_ / "rank-00000.nsck.tmp") << "x"; }
+  { std::ofstream(root_ / ".hidden") << "x"; }
+  EXPECT_FALSE(CheckJobDirectory(d, 0, 1, false).value());
+  EXPECT_EQ(why(CheckJobDirectory(d, 0, 1, true)),
+            "no nonstop checkpoint in " + d + " (directory is empty)");
+  EXPECT_EQ(RankFiles(d).status().message(), "no nonstop checkpoint in " + d);
+  // Anything else: another program's directory, the first three named.
+  for (const char* n : {"e.txt", "a.txt", "world-x", "d.txt"}) std::ofstream(root_ / n) << "x";
+  EXPECT_EQ(why(CheckJobDirectory(d, 0, 1, false)),
+            d + " is not a nonstop checkpoint directory (it holds a.txt, d.txt, e.txt, ...); "
+                "use an empty or new directory");
+  EXPECT_EQ(CheckJobDirectory(d, 0, 1, false).status().code(),
+            StatusCode::kFailedPrecondition);
+  // Slot files of ranks 0 and 2: rank 1 has none; a world of 2 is too small.
+  { std::ofstream(root_ / "rank-00000.nsck") << "x"; }
+  { std::ofstream(root_ / "rank-00002.nsck") << "x"; }
+  EXPECT_TRUE(CheckJobDirectory(d, 0, 3, true).value());
+  EXPECT_TRUE(CheckJobDirectory(d, 2, std::nullopt, true).value());
+  EXPECT_FALSE(CheckJobDirectory(d, 1, 3, false).value());
+  EXPECT_EQ(why(CheckJobDirectory(d, 1, 3, true)), "no nonstop checkpoint for rank 1 in " + d);
+  EXPECT_EQ(why(CheckJobDirectory(d, 0, 2, false)),
+            d + " was written by a job of world size 3 or more; this job has world size 2: use "
+                "the same world size or a new directory");
+  EXPECT_EQ(RankFiles(d + "/").value(), (std::vector<int>{0, 2}));
+  // A file is no directory.
+  const std::string file = (root_ / "e.txt").string();
+  EXPECT_EQ(why(CheckJobDirectory(file, 0, 1, false)),
+            file + " is a file, not a checkpoint directory");
+  EXPECT_EQ(RankFiles(file).status().code(), StatusCode::kNotFound);
 }
 
 TEST_F(JobDirTest, ASymlinkPlantedAtTheTempNameIsNeverFollowed) {

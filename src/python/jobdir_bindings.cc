@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/job_view.h"
+#include "jobdir/check_dir.h"
 #include "jobdir/planned_steps.h"
 #include "jobdir/records.h"
 #include "nonstop/jobdir.h"
@@ -544,6 +545,22 @@ void InitJobDir(py::module_& m) {
   m.def("check_metrics", &CheckMetrics, py::arg("metrics"),
         "metrics= of save()/step() as {name: float} (None stays None); "
         "CheckpointMismatchError for anything but finite numbers under non-empty names.");
+  m.def(
+      "check_directory",
+      [](const std::string& path, int rank, std::optional<int> world_size, bool must_exist) {
+        py::gil_scoped_release r;
+        return Take(CheckJobDirectory(path, rank, world_size, must_exist));
+      },
+      py::arg("path"), py::arg("rank"), py::arg("world_size"), py::arg("must_exist"),
+      "Whether `path` holds rank's slot file; one-line errors for a missing (must_exist), "
+      "foreign or other-world-size directory (check_dir.h CheckJobDirectory).");
+  m.def(
+      "rank_files",
+      [](const std::string& path) {
+        py::gil_scoped_release r;
+        return Take(RankFiles(path));
+      },
+      py::arg("path"), "The ranks of the slot files in `path` (check_dir.h RankFiles).");
   m.def(
       "check_meta_json",
       [](std::string_view text) {  // str or bytes; the caller's object outlives the view

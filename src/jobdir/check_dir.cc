@@ -1,0 +1,131 @@
+// What a job directory holds, checked before a job opens or creates it
+// (check_dir.h): the Python front end's check_directory and readers.
+#include "jobdir/check_dir.h"
+
+#include <algorithm>
+#include <string_view>
+#include <utility>
+
+namespace nonstop {
+
+namespace {
+
+bool IsNotFound(const Status& s) { return s.code() == StatusCode::kNotFound; }
+
+// The names in `path` (NotFound when it is missing or no directory) and
+// whether it is a file; for RankFiles and CheckDirectory.
+Result<std::vector<std::string>> ListJobDir(Env* env, const std::string& path, bool* is_file) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const size_t slash = p.find_last_of('/');
+  if (p != "/" && p != "." && slash + 1 < p.size()) {
+    Result<std::unique_ptr<Directory>> parent = env->OpenDirectory(
+        slash == std::string::npos ? "." : (slash == 0 ? "/" : p.substr(0, slash)), false);
+    Result<FileStat> st = parent.ok() ? (*parent)->Stat(p.substr(slash + 1))
+                                      : Result<FileStat>(parent.status());
+    if (!st.ok() && IsNotFound(st.status())) {
+      return Status::NotFound("checkpoint directory " + path + " does not exist");
+    }
+    *is_file = st.ok() && st->type == EntryType::kFile;
+    if (*is_file) return Status::NotFound("checkpoint directory " + path + " does not exist");
+  }
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(path, false);
+  if (!d.ok()) {
+    if (IsNotFound(d.status())) {
+      return Status::NotFound("checkpoint directory " + path + " does not exist");
+    }
+    return d.status().Annotate("cannot open checkpoint directory " + path);
+  }
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, (*d)->List());
+  std::vector<std::string> names;
+  for (DirEntry& e : entries) names.push_back(std::move(e.name));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// NAME followed by five digits and SUF.
+bool Ranked(std::string_view n, std::string_view pre, std::string_view suf) {
+  if (n.size() != pre.size() + 5 + suf.size() || n.substr(0, pre.size()) != pre ||
+      n.substr(pre.size() + 5) != suf) {
+    return false;
+  }
+  return std::all_of(n.begin() + pre.size(), n.begin() + pre.size() + 5,
+                     [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::vector<int> SlotRanks(const std::vector<std::string>& names) {
+  std::vector<int> ranks;
+  for (const std::string& n : names) {
+    if (std::optional<int> r = JobDirNames::ParseSlot(n)) ranks.push_back(*r);
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+}  // namespace
+
+Result<std::vector<int>> RankFiles(const std::string& path, Env* env) {
+  bool is_file = false;
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                           ListJobDir(env ? env : DefaultEnv(), path, &is_file));
+  std::vector<int> ranks = SlotRanks(names);
+  if (ranks.empty()) return Status::NotFound("no nonstop checkpoint in " + path);
+  return ranks;
+}
+
+Result<bool> CheckJobDirectory(const std::string& path, int rank, std::optional<int> world_size,
+                               bool must_exist, Env* env) {
+  bool is_file = false;
+  Result<std::vector<std::string>> names = ListJobDir(env ? env : DefaultEnv(), path, &is_file);
+  if (is_file) {
+    return Status::FailedPrecondition(path + " is a file, not a checkpoint directory");
+  }
+  if (!names.ok()) {
+    if (IsNotFound(names.status()) && !must_exist) return false;
+    return names.status();
+  }
+  const std::vector<int> ranks = SlotRanks(*names);
+  if (ranks.empty()) {
+    // world-W/: rank files of another world size, set aside for resharding;
+    // rank-R.nsck.tmp: a slot file being created (a kill left it; the
+    // engine deletes it on open); remote/, peer/: the tiers' own.
+    std::vector<std::string> others;
+    for (const std::string& n : *names) {
+      const bool world = n.size() > 6 && n.rfind("world-", 0) == 0 &&
+                         std::all_of(n.begin() + 6, n.end(),
+                                     [](char c) { return c >= '0' && c <= '9'; });
+      if (n.empty() || n[0] == '.' || world || Ranked(n, "agreed-rank-", ".json") ||
+          Ranked(n, "rank-", ".nsck.tmp") || n == "remote" || n == "peer") {
+        continue;
+      }
+      others.push_back(n);
+    }
+    if (!others.empty()) {
+      std::string shown;
+      for (size_t i = 0; i < others.size() && i < 3; ++i) shown += (i ? ", " : "") + others[i];
+      if (others.size() > 3) shown += ", ...";
+      return Status::FailedPrecondition(path + " is not a nonstop checkpoint directory (it holds " +
+                                        shown + "); use an empty or new directory");
+    }
+    if (must_exist) {
+      return Status::NotFound("no nonstop checkpoint in " + path + " (directory is empty)");
+    }
+    return false;
+  }
+  if (world_size && ranks.back() >= *world_size) {
+    return Status::FailedPrecondition(
+        path + " was written by a job of world size " + std::to_string(ranks.back() + 1) +
+        " or more; this job has world size " + std::to_string(*world_size) +
+        ": use the same world size or a new directory");
+  }
+  if (!std::binary_search(ranks.begin(), ranks.end(), rank)) {
+    if (must_exist) {
+      return Status::NotFound("no nonstop checkpoint for rank " + std::to_string(rank) + " in " +
+                              path);
+    }
+    return false;
+  }
+  return true;
+}
+
+}  // namespace nonstop

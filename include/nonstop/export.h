@@ -80,6 +80,39 @@ Result<std::vector<std::pair<std::string, size_t>>> ExportNames(
     const std::vector<std::string>& names, const std::vector<std::string>& include,
     const std::string& include_text, const std::string& strip, const std::string& what);
 
+// The "names" of a checkpoint's metadata (the Python front end's parameter
+// names, python/nonstop/_fqn.py), as JSON text, checked before the DCP export
+// renames by them (it comes from the file): null, or an object whose
+// "modules" (when present) maps names to prefix strings and whose
+// "optimizers" (when present) maps names to {"module": str, "params": [str]}.
+// Else Corruption "checkpoint metadata 'names' is malformed: WHY", one line.
+Status CheckExportNames(std::string_view names_json);
+
+// One value of a DCP export in get_state_dict's layout (python/nonstop/_dcp.py
+// layout(), docs/DISTRIBUTED.md "Interop with DCP"): state `key` of rank
+// `rank`'s tree (-1: rank 0's, a global value; else under "rank-R"), whole
+// or only its `entries`; `zero`: the ZeroRedundancyOptimizer consolidated
+// from every rank's shard.
+struct DcpValue {
+  std::string key;
+  int rank = -1;
+  bool whole = true;
+  std::vector<std::string> entries;  // when !whole
+  bool zero = false;
+};
+// The values of the DCP export of a job of states.size() ranks, in the order
+// of rank 0's state keys. `states`: each rank's "state" tree (JSON text;
+// Corruption when one does not parse or is no object); `shared`: the names
+// of the global tensors; `modules`: the keys that are a module's state_dict
+// (the metadata's "names"); `zero`: a ZeroRedundancyOptimizer's keys (more
+// than one rank only). In a multi-rank job a value referring to a tensor not
+// in `shared` is rank-local: a module's entries that do are each rank's
+// (the others one global value), any other value is each rank's whole.
+Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
+                                        const std::vector<std::string>& shared,
+                                        const std::vector<std::string>& modules,
+                                        const std::vector<std::string>& zero);
+
 struct ExportRequest {
   std::string dir;                   // the job directory
   int rank = 0;

@@ -25,12 +25,9 @@ def gather(path: str, step: Optional[int] = None,
     """(step, [per rank: {name: tensor}], [per rank: metadata], names of the
     global tensors) of the newest checkpoint committed on every rank of
     `path` (or of `step`). A global tensor (replicated, or an FSDP2
-    parameter or optimizer state) is reassembled whole from the ranks'
-    pieces, and every rank's dict holds that one full tensor. Each rank's
-    checkpoint is read through the one verified read path (read_into:
-    every crc chunk read and verified once, each piece of a global tensor
-    straight into its place); `progress(done, total)` is
-    told the bytes read after each rank."""
+    parameter or optimizer state) is reassembled whole, each piece read
+    straight into its place (read_into), and every rank's dict holds that
+    one tensor; `progress(done, total)` is told the bytes read after each rank."""
     readers = _read.readers(path)
     # The planner chooses (through the job directory's common selection): the
     # newest step every rank committed, of one run, that no rollback abandoned.
@@ -73,7 +70,7 @@ def gather(path: str, step: Optional[int] = None,
             progress(done, total)
         tensors.append({**whole, **got})
         metas.append(meta)
-    return _read.step_key(found[0][1])[0], tensors, metas, set(shared)
+    return sel["step"], tensors, metas, set(shared)
 
 
 def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
@@ -87,46 +84,6 @@ def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
             if name not in shared:
                 out[f"rank-{r}/{name}" if len(tensors) > 1 else name] = t
     return got, out
-
-
-def _refs(tree) -> set:
-    """Names of the tensors a state tree refers to."""
-    out, stack = set(), [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            ref = node.get("__tensor__", node.get("__ndarray__"))
-            if isinstance(ref, str) and len(node) == 1:
-                out.add(ref)
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return out
-
-
-def _checked_names(names) -> dict:
-    """The metadata's "names" (_fqn.describe) when well formed, else a
-    one-line CorruptCheckpointError: it comes from the file, so a crafted one
-    must not surface as a raw AttributeError/IndexError from the export."""
-    def bad(why: str):
-        return CorruptCheckpointError(f"checkpoint metadata 'names' is malformed: {why}")
-    if names is None:
-        return {}
-    if not isinstance(names, dict):
-        raise bad("not an object")
-    mods, opts = names.get("modules", {}), names.get("optimizers", {})
-    if not isinstance(mods, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in mods.items()):
-        raise bad("'modules' is not a map of names to prefixes")
-    if not isinstance(opts, dict):
-        raise bad("'optimizers' is not an object")
-    for k, o in opts.items():
-        if (not isinstance(o, dict) or not isinstance(o.get("module"), str)
-                or not isinstance(o.get("params"), list)
-                or not all(isinstance(n, str) for n in o["params"])):
-            raise bad(f"optimizer {k!r} has no module name and list of parameter names")
-    return {"modules": mods, "optimizers": opts}
 
 
 def _rename(key: str, value, names: dict):
@@ -155,52 +112,34 @@ def _rename(key: str, value, names: dict):
 
 
 def layout(tensors: list, metas: list, shared: set) -> dict:
-    """The state in get_state_dict's layout: {state key: value}, a module
-    by its own names (a tied weight under every name), an optimizer's state
-    and param_groups by parameter FQN, everything else (schedulers, plain
-    values) as saved; a ZeroRedundancyOptimizer consolidated from its
-    shards. Other rank-local tensors of a multi-rank job (local= state,
-    FSDP2's BatchNorm buffers) go under "rank-R": a module's
-    local entries as {"rank-R": {key: {name: tensor}}}, any other value
-    holding one whole as {"rank-R": {key: value}}."""
-    world = len(metas)
-    names = _checked_names(metas[0].get("names"))
-    zero = metas[0].get("dist", {}).get("zero", {}) if world > 1 else {}
+    """The state in get_state_dict's layout, {state key: value}; rank-local
+    tensors under "rank-R" (docs/DISTRIBUTED.md, "Interop with DCP")."""
+    names = metas[0].get("names")
+    # From the file: a crafted one is a one-line error, never a raw AttributeError.
+    _ext.core().check_export_names(_state.dumps(names))
+    names = names or {}
+    zero = metas[0].get("dist", {}).get("zero", {}) if len(metas) > 1 else {}
     out: dict = {}
-    for key, tree in metas[0].get("state", {}).items():
-        if isinstance(zero, dict) and key in zero:
+    # Which values are global, which each rank's (C++ DcpLayout).
+    for key, r, entries, is_zero in _ext.core().dcp_layout(
+            [_state.dumps(m.get("state", {})) for m in metas], sorted(shared),
+            list(names.get("modules", {})), list(zero) if isinstance(zero, dict) else []):
+        if is_zero:
             # A ZeroRedundancyOptimizer: each rank's shard, consolidated into
             # its global parameter order, then named by FQN like any optimizer.
-            out[key] = _rename(key, _zero_consolidated(key, tensors, metas), names)
-            continue
-        local = {n for n in _refs(tree) if n not in shared} if world > 1 else set()
-        if not local:
-            out[key] = _rename(key, _state.unflatten(tree, tensors[0]), names)
-            continue
-        if key in names.get("modules", {}) and isinstance(tree, dict):
-            # a state_dict: split entry by entry
-            glob = {k: v for k, v in tree.items() if not (_refs(v) & local)}
-            if glob:
-                out[key] = _rename(key, _state.unflatten(glob, tensors[0]), names)
-            for r in range(world):
-                theirs = metas[r].get("state", {}).get(key, {})
-                part = {k: v for k, v in theirs.items() if k not in glob}
-                if part:
-                    out.setdefault(f"rank-{r}", {})[key] = _rename(
-                        key, _state.unflatten(part, tensors[r]), names)
-            continue
-        for r in range(world):
-            theirs = metas[r].get("state", {}).get(key)
-            out.setdefault(f"rank-{r}", {})[key] = _rename(
-                key, _state.unflatten(theirs, tensors[r]), names)
+            value = _zero_consolidated(key, tensors, metas)
+        else:
+            tree = metas[max(r, 0)].get("state", {}).get(key)
+            if entries is not None:
+                tree = {k: tree[k] for k in entries}
+            value = _state.unflatten(tree, tensors[max(r, 0)])
+        (out if r < 0 else out.setdefault(f"rank-{r}", {}))[key] = _rename(key, value, names)
     return out
 
 
 def _zero_consolidated(key: str, tensors: list, metas: list) -> dict:
-    """The consolidated state_dict (global parameter indices, as ZeRO's own
-    consolidate_state_dict gives) of the ZeroRedundancyOptimizer saved under
-    `key`, from every rank's shard (the resharding code's _consolidate). A
-    malformed record is a one-line CorruptCheckpointError."""
+    """The consolidated state_dict (global parameter indices) of the ZeRO
+    optimizer saved under `key`, from every rank's shard (_distributed.consolidate)."""
     scratch: dict = {}
     try:
         tree = consolidate(key, metas, tensors, scratch)
@@ -214,8 +153,7 @@ def _zero_consolidated(key: str, tensors: list, metas: list) -> dict:
 
 
 def named(state) -> list:
-    """(name, tensor) for every tensor of a state in get_state_dict's layout
-    (layout()), named by its path ('model/fc.weight'), a tied one under each."""
+    """(path 'model/fc.weight', tensor) for every tensor of layout()'s state."""
     out: list = []
 
     def walk(node, name, depth):
@@ -236,11 +174,9 @@ def named(state) -> list:
 
 def export_dcp(dir: str, out: str, step: Optional[int] = None,
                progress: Optional[bool] = None) -> dict:
-    """Writes the globally committed checkpoint (or `step`) of `dir` as a DCP
-    checkpoint directory `out`, in get_state_dict's layout (see layout()).
-    progress: the bar of the read (_progress.py: None on a terminal for
-    256 MiB or more, True always, False never).
-    Returns {'step', 'tensors', 'bytes', 'path'}."""
+    """nonstop.export(format="dcp") (docs/DISTRIBUTED.md, "Interop with DCP"):
+    the globally committed checkpoint (or `step`) of `dir` as a DCP directory
+    `out`; progress as _progress.Progress's. Returns {'step', 'tensors', 'bytes', 'path'}."""
     import torch.distributed.checkpoint as dcp
     bar = _progress.Progress("nonstop export", progress)
     try:
@@ -262,6 +198,16 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
     return {"step": got_step, "tensors": count, "bytes": nbytes, "path": out}
 
 
+def _meta_dtype(name, tensor: str, path: str):
+    """The torch dtype a checkpoint's metadata names, from _state's fixed list only."""
+    dt = _state.torch_dtype_by_name(name)
+    if dt is None:
+        raise CorruptCheckpointError(
+            f"{path}: the metadata of tensor {tensor!r} names dtype {str(name)[:40]!r}, which "
+            f"is not one nonstop writes")
+    return dt
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nonstop._dcp",
                                 description="export a nonstop checkpoint as a DCP checkpoint")
@@ -276,15 +222,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _meta_dtype(name, tensor: str, path: str):
-    """The torch dtype a checkpoint's metadata names, from the fixed list
-    restore decodes with (_state.torch_dtype_by_name), never looked up in
-    torch by the name: anything else is a corrupt checkpoint."""
-    dt = _state.torch_dtype_by_name(name)
-    if dt is None:
-        raise CorruptCheckpointError(
-            f"{path}: the metadata of tensor {tensor!r} names dtype {str(name)[:40]!r}, which "
-            f"is not one nonstop writes")
-    return dt

@@ -70,12 +70,9 @@ void AddMemoryTierStats(pybind11::dict& d, const EngineStats& s);
 // read. Returns the read's stats as a dict (data_bytes, tensor_bytes,
 // direct_bytes, pieces, read_s, threads, h2d_bytes, h2d_wait_s); errors name `where`
 // (restore_bindings.cc). Reader.read_into and JobDir selections' read_into.
-// data_begin/data_end: only that byte range of the data region
-// (RestoreOptions; every kept destination must lie inside it).
 pybind11::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
                                     const pybind11::sequence& dst, int threads,
-                                    const std::string& where,
-                                    uint64_t data_begin = 0, uint64_t data_end = UINT64_MAX);
+                                    const std::string& where);
 
 // An agreed record (jobdir.h) from/to its dict (jobdir_bindings.cc): step,
 // counter, lineage, rank, world_size, unix_s, resharded_from=(dir, world).

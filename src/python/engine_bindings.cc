@@ -550,10 +550,7 @@ class PyReader {
   // path (ReadCheckpointInto: every crc chunk read and verified once, in
   // parallel, straight into the destinations), without the GIL. `dst`: one
   // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
-  // data_begin/data_end: only the crc chunks of that byte range of the data
-  // region (a window of a big checkpoint; every destination must lie inside).
-  py::dict ReadInto(int ckpt, const py::sequence& dst,
-                    int threads, uint64_t data_begin, uint64_t data_end) {
+  py::dict ReadInto(int ckpt, const py::sequence& dst, int threads) {
     if (ckpt < 0 || ckpt >= static_cast<int>(report_.checkpoints.size())) {
       throw StatusError(Status::InvalidArgument("no checkpoint #" + std::to_string(ckpt)));
     }
@@ -564,8 +561,7 @@ class PyReader {
                                                 " is not committed"));
     }
     return ReadIntoDestinations(*file_, sc.info, dst, threads,
-                                path_ + ": step " + std::to_string(sc.info.step), data_begin,
-                                data_end);
+                                path_ + ": step " + std::to_string(sc.info.step));
   }
 
  private:
@@ -732,8 +728,7 @@ void InitEngine(py::module_& m) {
       .def("read_tensor", &PyReader::ReadTensor, py::arg("checkpoint"), py::arg("tensor"),
            py::arg("dst"), py::arg("nbytes"), py::arg("verify") = true)
       .def("read_into", &PyReader::ReadInto, py::arg("checkpoint"), py::arg("dst"),
-           py::arg("threads") = 4, py::arg("data_begin") = 0,
-           py::arg("data_end") = std::numeric_limits<uint64_t>::max());
+           py::arg("threads") = 4);
 }
 
 }  // namespace nonstop::py_bindings

@@ -100,15 +100,12 @@ Status DeviceCopyEngine(int threads, std::unique_ptr<CopyEngine>* engine) {
 }  // namespace
 
 py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info, const py::sequence& dst,
-                              int threads, const std::string& where, uint64_t data_begin,
-                              uint64_t data_end) {
+                              int threads, const std::string& where) {
   bool any_device = false;
   Result<RestoreDestinations> d = ParseDestinations(dst, info, &any_device);
   if (!d.ok()) throw StatusError(Status(d.status().code(), "read_into " + d.status().message()));
   RestoreOptions opts;
   opts.threads = std::max(1, threads);
-  opts.data_begin = data_begin;
-  opts.data_end = data_end;
   opts.dst_devices = d->devices;
   RestoreStats st;
   Status s;
@@ -333,6 +330,38 @@ void InitRestore(py::module_& m) {
                            const std::string& what) {
     return Take(ExportNames(names, include, include_text, strip, what));
   });
+  m.def(
+      "dcp_layout",
+      [](const std::vector<std::string>& states, const std::vector<std::string>& shared,
+         const std::vector<std::string>& modules, const std::vector<std::string>& zero) {
+        std::optional<Result<std::vector<DcpValue>>> r;
+        {
+          py::gil_scoped_release release;
+          r.emplace(DcpLayout(states, shared, modules, zero));
+        }
+        py::list out;
+        for (const DcpValue& v : Take(std::move(*r))) {
+          out.append(py::make_tuple(v.key, v.rank, v.whole ? py::object(py::none())
+                                                            : py::cast(v.entries), v.zero));
+        }
+        return out;
+      },
+      py::arg("states"), py::arg("shared"), py::arg("modules"), py::arg("zero"),
+      "[(key, rank or -1 (global), None (whole) or [entries], zero)]: the values of a DCP "
+      "export, from each rank's state tree as JSON (export.h DcpLayout).");
+  m.def(
+      "check_export_names",
+      [](std::string_view names_json) {
+        Status s;
+        {
+          py::gil_scoped_release r;
+          s = CheckExportNames(names_json);
+        }
+        Check(s);
+      },
+      py::arg("names_json"),
+      "The metadata's \"names\" (JSON) before the DCP export renames by them; "
+      "CorruptCheckpointError, one line, when malformed (export.h CheckExportNames).");
   m.def("write_safetensors", &WriteSafetensorsPy, py::arg("out"), py::arg("entries"),
         py::arg("meta"), py::arg("progress") = py::none(), py::arg("remove_temp_link") = true);
 }

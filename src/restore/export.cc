@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <set>
@@ -18,6 +19,7 @@
 #include "nonstop/jobdir.h"
 #include "nonstop/restore.h"
 #include "nonstop/store.h"
+#include "store/format.h"
 
 namespace nonstop {
 namespace {
@@ -87,6 +89,127 @@ void ReplaceAll(std::string* s, const std::string& from, const std::string& to) 
 }
 
 }  // namespace
+
+Status CheckExportNames(std::string_view names_json) {
+  jobdir_internal::JsonLimits limits;
+  limits.max_bytes = format::kMaxMetaBytes;
+  limits.max_elements = SIZE_MAX;
+  limits.max_depth = jobdir_internal::kMaxMetaDepth;
+  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  Result<Json> parsed = jobdir_internal::ParseJson(names_json, "names", limits);
+  auto bad = [](const std::string& why) {
+    return Status::Corruption("checkpoint metadata 'names' is malformed: " + why);
+  };
+  if (!parsed.ok()) return bad(parsed.status().message());
+  const Json& names = *parsed;
+  if (names.type == Json::Type::kNull) return Status::OK();
+  if (names.type != Json::Type::kObject) return bad("not an object");
+  if (const Json* mods = names.Get("modules")) {
+    const bool ok = mods->type == Json::Type::kObject &&
+                    std::all_of(mods->items.begin(), mods->items.end(),
+                                [](const Json& v) { return v.type == Json::Type::kString; });
+    if (!ok) return bad("'modules' is not a map of names to prefixes");
+  }
+  const Json* opts = names.Get("optimizers");
+  if (opts == nullptr) return Status::OK();
+  if (opts->type != Json::Type::kObject) return bad("'optimizers' is not an object");
+  for (size_t i = 0; i < opts->items.size(); ++i) {
+    const Json& o = opts->items[i];
+    const Json* module = o.type == Json::Type::kObject ? o.Get("module") : nullptr;
+    const Json* params = o.type == Json::Type::kObject ? o.Get("params") : nullptr;
+    const bool ok = module != nullptr && module->type == Json::Type::kString &&
+                    params != nullptr && params->type == Json::Type::kArray &&
+                    std::all_of(params->items.begin(), params->items.end(),
+                                [](const Json& p) { return p.type == Json::Type::kString; });
+    if (!ok) {
+      return bad("optimizer " + jobdir_internal::JsonString(opts->keys[i]) +
+                 " has no module name and list of parameter names");
+    }
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// Whether `node` refers to a tensor (a {"__tensor__"/"__ndarray__": name}
+// object) whose name is not in `shared`.
+bool RefersToLocal(const Json& node, const std::set<std::string>& shared) {
+  std::vector<const Json*> stack = {&node};
+  while (!stack.empty()) {
+    const Json* n = stack.back();
+    stack.pop_back();
+    if (n->type == Json::Type::kObject && n->keys.size() == 1 &&
+        (n->keys[0] == "__tensor__" || n->keys[0] == "__ndarray__") &&
+        n->items[0].type == Json::Type::kString) {
+      if (shared.count(n->items[0].text) == 0) return true;
+      continue;
+    }
+    for (const Json& child : n->items) stack.push_back(&child);
+  }
+  return false;
+}
+
+}  // namespace
+
+Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
+                                        const std::vector<std::string>& shared_names,
+                                        const std::vector<std::string>& modules,
+                                        const std::vector<std::string>& zero) {
+  jobdir_internal::JsonLimits limits;
+  limits.max_bytes = format::kMaxMetaBytes;
+  limits.max_elements = SIZE_MAX;
+  limits.max_depth = jobdir_internal::kMaxMetaDepth;
+  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  std::vector<Json> trees;
+  for (size_t r = 0; r < states.size(); ++r) {
+    const std::string what = "the state tree of rank " + std::to_string(r);
+    NONSTOP_ASSIGN_OR_RETURN(Json tree, jobdir_internal::ParseJson(states[r], what, limits));
+    if (tree.type != Json::Type::kObject) return Status::Corruption(what + " is not an object");
+    trees.push_back(std::move(tree));
+  }
+  if (trees.empty()) return std::vector<DcpValue>{};
+  const int world = static_cast<int>(trees.size());
+  const std::set<std::string> shared(shared_names.begin(), shared_names.end());
+  const std::set<std::string> module_keys(modules.begin(), modules.end());
+  const std::set<std::string> zero_keys(zero.begin(), zero.end());
+  std::vector<DcpValue> out;
+  const Json& first = trees[0];
+  for (size_t k = 0; k < first.keys.size(); ++k) {
+    const std::string& key = first.keys[k];
+    const Json& tree = first.items[k];
+    if (world > 1 && zero_keys.count(key)) {
+      out.push_back(DcpValue{key, -1, true, {}, true});
+      continue;
+    }
+    if (world == 1 || !RefersToLocal(tree, shared)) {
+      out.push_back(DcpValue{key, -1, true, {}, false});
+      continue;
+    }
+    if (module_keys.count(key) && tree.type == Json::Type::kObject) {
+      // A state_dict: split entry by entry.
+      DcpValue global{key, -1, false, {}, false};
+      std::set<std::string> in_global;
+      for (size_t e = 0; e < tree.keys.size(); ++e) {
+        if (!RefersToLocal(tree.items[e], shared)) {
+          global.entries.push_back(tree.keys[e]);
+          in_global.insert(tree.keys[e]);
+        }
+      }
+      if (!global.entries.empty()) out.push_back(std::move(global));
+      for (int r = 0; r < world; ++r) {
+        const Json* theirs = trees[r].Get(key);
+        DcpValue part{key, r, false, {}, false};
+        for (size_t e = 0; theirs != nullptr && e < theirs->keys.size(); ++e) {
+          if (in_global.count(theirs->keys[e]) == 0) part.entries.push_back(theirs->keys[e]);
+        }
+        if (!part.entries.empty()) out.push_back(std::move(part));
+      }
+      continue;
+    }
+    for (int r = 0; r < world; ++r) out.push_back(DcpValue{key, r, true, {}, false});
+  }
+  return out;
+}
 
 Result<std::vector<std::pair<std::string, size_t>>> ExportNames(
     const std::vector<std::string>& names, const std::vector<std::string>& include,

@@ -330,6 +330,69 @@ TEST_F(ExportTest, ProgressReachesTheTotalAndCanCancel) {
   EXPECT_FALSE(fs::exists(out_ + ".tmp"));
 }
 
+TEST(ExportNamesTest, MalformedNamesInTheMetadataAreOneLineCorruption) {
+  auto why = [](const std::string& json) { return CheckExportNames(json).message(); };
+  EXPECT_TRUE(CheckExportNames("null").ok());
+  EXPECT_TRUE(CheckExportNames("{}").ok());
+  EXPECT_TRUE(CheckExportNames("{\"modules\": {\"model\": \"module.\"}, \"optimizers\": "
+                               "{\"optim\": {\"module\": \"model\", \"params\": [\"w\"]}}}")
+                  .ok());
+  const std::string pre = "checkpoint metadata 'names' is malformed: ";
+  EXPECT_EQ(CheckExportNames("[1, 2]").code(), StatusCode::kCorruption);
+  EXPECT_EQ(why("[1, 2]"), pre + "not an object");
+  EXPECT_EQ(why("{\"modules\": [\"model\"]}"), pre + "'modules' is not a map of names to prefixes");
+  EXPECT_EQ(why("{\"modules\": {\"model\": 3}}"), pre + "'modules' is not a map of names to prefixes");
+  EXPECT_EQ(why("{\"optimizers\": []}"), pre + "'optimizers' is not an object");
+  for (const char* o : {"{\"module\": \"model\"}", "{\"module\": \"model\", \"params\": [0, 1]}",
+                        "{\"module\": 1, \"params\": []}", "[]"}) {
+    EXPECT_EQ(why(std::string("{\"optimizers\": {\"optim\": ") + o + "}}"),
+              pre + "optimizer \"optim\" has no module name and list of parameter names")
+        << o;
+  }
+  EXPECT_EQ(why("{\"modules\": "), pre + "names: not valid JSON (unexpected end at byte 12)");
+}
+
+// DcpLayout: which values of a multi-rank job are global, which each rank's.
+TEST(DcpLayoutTest, GlobalValuesOnceRankLocalOnesPerRankAModuleSplitByEntry) {
+  auto show = [](const Result<std::vector<DcpValue>>& got) {
+    EXPECT_TRUE(got.ok()) << got.status().ToString();
+    std::string s;
+    for (const DcpValue& v : got.value()) {
+      s += v.key + "@" + std::to_string(v.rank) + (v.zero ? "z" : "");
+      if (!v.whole) {
+        s += "(";
+        for (const std::string& e : v.entries) s += e + ",";
+        s += ")";
+      }
+      s += " ";
+    }
+    return s;
+  };
+  const std::string r0 =
+      "{\"model\": {\"w\": {\"__tensor__\": \"model/w\"}, \"bn\": {\"__tensor__\": \"model/bn\"}},"
+      " \"opt\": {\"state\": {\"__dict__\": [[0, {\"__tensor__\": \"opt/0\"}]]}},"
+      " \"local\": [{\"__ndarray__\": \"local/0\"}], \"zero\": {}, \"step\": 3}";
+  const std::string r1 =
+      "{\"model\": {\"w\": {\"__tensor__\": \"model/w\"}, \"bn\": {\"__tensor__\": \"model/bn\"},"
+      " \"extra\": 1}, \"opt\": {}, \"local\": [], \"zero\": {}, \"step\": 3}";
+  const std::vector<std::string> shared = {"model/w", "opt/0"};
+  // model: "w" global, "bn" each rank's (rank 1 also its own "extra");
+  // opt refers only to shared tensors; local is rank-local whole.
+  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, {"model"}, {"zero"})),
+            "model@-1(w,) model@0(bn,) model@1(bn,extra,) opt@-1 local@0 local@1 zero@-1z "
+            "step@-1 ");
+  // Not a module: a value holding a rank-local tensor is each rank's whole.
+  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, {}, {})),
+            "model@0 model@1 opt@-1 local@0 local@1 zero@-1 step@-1 ");
+  // One rank: everything global, ZeRO too (its one shard is the whole state).
+  EXPECT_EQ(show(DcpLayout({r0}, {}, {"model"}, {"zero"})),
+            "model@-1 opt@-1 local@-1 zero@-1 step@-1 ");
+  EXPECT_EQ(show(DcpLayout({}, {}, {}, {})), "");
+  EXPECT_EQ(DcpLayout({"[1]"}, {}, {}, {}).status().message(),
+            "the state tree of rank 0 is not an object");
+  EXPECT_EQ(DcpLayout({"{}", "{"}, {}, {}, {}).status().code(), StatusCode::kCorruption);
+}
+
 TEST(ExportNamesTest, GlobsOverTheNamesKeepThemStripAndNoneMatchingIsAnError) {
   const std::vector<std::string> names = {"model/fc.weight", "model/fc.bias", "optim/state/0/m",
                                           "rank-1/x"};

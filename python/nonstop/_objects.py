@@ -18,7 +18,6 @@ def stateful(obj) -> bool:
         obj, (dict, torch.Tensor))
 
 
-
 def is_zero(obj) -> bool:
     """True for a ZeroRedundancyOptimizer. Looked up in sys.modules, never
     imported: importing torch.distributed.optim costs ~2 s (TorchScript),

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _distributed, _ext, _progress, _remote, _state
-from ._read import (check_directory, decode_meta, destinations, restore_direct,
+from ._read import (check_directory, decode_meta, destinations, read_into, restore_direct,
                     restore_threads)
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
@@ -45,11 +45,10 @@ class LoadedCheckpoint:
 def _checked(info: dict, where: str, path: str, world_size: Optional[int], as_numpy: bool,
              prepare, live: Optional[dict]) -> tuple:
     """(LoadedCheckpoint, its destinations, whether prepare() runs after the
-    read) for checkpoint `info`: its world size and metadata checked, its
-    tensors placed (destinations), prepare() run before anything is written
-    unless the checkpoint is sharded: FSDP2 checkpoints become DTensors in
-    prepare(), which may copy them to a device, so that prepare runs after
-    the read, into fresh tensors."""
+    read) for checkpoint `info`, checked. prepare() runs before anything is
+    written unless the checkpoint is sharded: FSDP2 checkpoints become
+    DTensors in prepare(), which may copy them to a device, so then it runs
+    after the read, into fresh tensors."""
     if world_size is not None and info["world_size"] != world_size:
         raise IncompatibleCheckpointError(
             f"{path} was written by a job of world size {info['world_size']}; this job "
@@ -68,17 +67,11 @@ def _checked(info: dict, where: str, path: str, world_size: Optional[int], as_nu
 def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
                 stats: Optional[dict] = None):
     """(the newest checkpoint read from the memory tier's segment, "") or
-    (None, why it was not used): no segment, not verified, not the planner's
-    first choice over the segment, the disk and the lineage (older than the
-    disk's newest, abandoned, another job's), or malformed (the caller reads
-    the disk then, into the same tensors). Read through the C++ restore path
-    straight into `live`'s tensors where they fit, after prepare() checked
-    them; a checkpoint damaged mid-read falls back to the segment's next
-    one in the planner's order."""
-    open_segment = getattr(_ext.core(), "open_memory_segment", None)
-    if open_segment is None:
-        return None, "this build has no memory tier"
-    reader, why = open_segment(path, rank)
+    (None, why it was not used: the caller reads the disk then, into the
+    same tensors); the planner orders the segment's checkpoints with the
+    lineage, and one damaged mid-read falls back to the next
+    (docs/TIERS.md, "The restart tier in memory")."""
+    reader, why = _ext.core().open_memory_segment(path, rank)
     if reader is None:
         return None, why
     ckpts = reader.checkpoints
@@ -99,7 +92,7 @@ def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[d
             loaded, dests, after = _checked(ckpts[idx], reader.path, path, world_size, False,
                                             prepare, live)
             t0 = time.perf_counter()
-            got = reader.read_into(idx, dests, threads=restore_threads())
+            got = read_into(reader, idx, dests)
             took = time.perf_counter() - t0
             if after:
                 loaded.plan = prepare(loaded)
@@ -120,17 +113,9 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     verifies (warning about each newer damaged one). None when there is none
     and `step` is None. prepare(loaded), when given, checks a checkpoint
     before it is chosen (its result becomes loaded.plan): a
-    CorruptCheckpointError from it falls back to the next older one.
-
-    One read through the C++ restore path (nonstop._core.restore,
-    include/nonstop/restore.h): selection through the job directory (lineage
-    honoured), every crc chunk read and verified once, in parallel, straight
-    into the tensors. `live` (name -> tensor): the live state's tensors;
-    where a checkpoint tensor's name, shape and dtype match a contiguous CPU (or CUDA)
-    one, it is read straight into that tensor's memory, after prepare()
-    checked everything. A checksum failure mid-read falls back to the next
-    older checkpoint, read into the same tensors. `stats`, when given, is
-    filled with the restore's times and sizes."""
+    CorruptCheckpointError from it falls back to the next older one. One
+    read through nonstop._core.restore, straight into `live`'s tensors where
+    they fit (docs/ARCHITECTURE.md, "Restore"); `stats` gets its times and sizes."""
     state: dict = {"loaded": None, "after": False}
     warned: list = []  # counters whose failure mid-read was warned about
 
@@ -200,10 +185,8 @@ def _read_stats(st: dict, took: float, step) -> dict:
     """restore()'s stats of one read (the C++ restore path's RestoreStats)."""
     return dict(restore_read_s=st["read_s"], restore_bytes=st["data_bytes"],
                 restore_GBps=st["data_bytes"] / took / 1e9 if took > 0 else 0.0,
-                restore_direct_bytes=st["direct_bytes"],
-                restore_odirect_bytes=st.get("odirect_bytes", 0),
-                restore_h2d_bytes=st.get("h2d_bytes", 0),
-                restore_h2d_wait_s=st.get("h2d_wait_s", 0.0), restore_step=int(step))
+                restore_step=int(step), **{f"restore_{k}": st[k] for k in (
+                    "direct_bytes", "odirect_bytes", "h2d_bytes", "h2d_wait_s")})
 
 
 def load(dir: str, step: Optional[int] = None, rank: int = 0,
@@ -226,11 +209,8 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
             applier):
     """Checkpointer.restore's choice of where to read: (the checkpoint read
     and checked by applier.prepare, or None for a fresh start; whether the
-    engine adopts it). The remote tier when it holds a newer one than every
-    rank; with world_size > 1 the ranks' agreed step; resharding to one
-    process; else the memory tier when its segment verifies and holds the
-    disk's newest, else the job directory. session.restore_stats gets the
-    restore's times."""
+    engine adopts it): the remote tier when newer than every rank, the ranks'
+    agreed step, a reshard to one process, the memory tier, the job directory."""
     remote, stats = session.remote, session.restore_stats
     if session.dist is not None and step is None:
         # A replaced host: the newest replica a partner holds of this rank's
@@ -275,13 +255,10 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
 
 
 def install(loaded, adopt: bool, session, applier, driver) -> int:
-    """Checkpointer.restore's second half: the checked checkpoint `loaded`
-    applied to the live objects (session.restore_stats gets
-    restore_apply_s), the mode told (a multistep window's parts replayed to
-    their versions, the layer-wise hooks reset), the engine told (`adopt`:
-    the restored checkpoint stays intact until a newer one commits, and a
-    rollback is recorded before anything new is written;
-    Engine::AdoptRestored). Returns its step."""
+    """Checkpointer.restore's second half: `loaded` applied to the live
+    objects, the mode told (driver.restored), the engine told (`adopt`:
+    Engine::AdoptRestored keeps it intact until a newer one commits).
+    Returns its step."""
     plan = loaded.plan if loaded.plan is not None else applier.prepare(loaded)
     t_apply = time.perf_counter()
     applier.apply(plan)  # into CUDA tensors: load_state_dict's H2D copies

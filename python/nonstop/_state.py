@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Optional
 
 import numpy as np
 
@@ -28,20 +27,14 @@ try:
 except ImportError:  # nonstop.load and export work without torch
     torch = None
 
-# DType numbers of include/nonstop/types.h (part of the on-disk format).
-DTYPE_CODES = {
-    "uint8": 0, "int8": 1, "int16": 2, "int32": 3, "int64": 4, "float16": 5,
-    "bfloat16": 6, "float32": 7, "float64": 8, "bool": 9, "complex64": 10,
-    "complex128": 11, "uint16": 12, "uint32": 13, "uint64": 14,
-    "float8_e4m3fn": 15, "float8_e5m2": 16,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+# DType numbers of include/nonstop/types.h (part of the on-disk format): code = index.
+DTYPE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+               "float64", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
+               "float8_e4m3fn", "float8_e5m2")
+DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_NAMES)}
 # numpy dtype (for nonstop.load without torch); None where numpy has none.
-NUMPY_DTYPES = {
-    0: np.uint8, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.int64, 5: np.float16,
-    6: None, 7: np.float32, 8: np.float64, 9: np.bool_, 10: np.complex64,
-    11: np.complex128, 12: np.uint16, 13: np.uint32, 14: np.uint64, 15: None, 16: None,
-}
+NUMPY_DTYPES = {c: getattr(np, "bool_" if n == "bool" else n, None)
+                for c, n in enumerate(DTYPE_NAMES)}
 
 _RESERVED = "__"
 
@@ -56,8 +49,8 @@ def torch_dtype_code(dtype) -> int:
 
 def torch_dtype(code: int):
     """torch.dtype of a dtype code of the on-disk format (a fixed table)."""
-    name = DTYPE_NAMES.get(code) if isinstance(code, int) else None
-    dt = torch_dtype_by_name(name)
+    dt = torch_dtype_by_name(DTYPE_NAMES[code]) if isinstance(code, int) and 0 <= code < len(
+        DTYPE_NAMES) else None
     if dt is None:
         raise CorruptCheckpointError(f"unknown tensor dtype code {code!r}")
     return dt
@@ -67,32 +60,29 @@ def is_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def flatten(obj, prefix: str, out: dict, where: str = "state", seen: Optional[dict] = None):
+def flatten(obj, prefix: str, out: dict, where: str = "state"):
     """Returns the JSON-able form of `obj`, adding its tensors to `out`.
 
     Tensor names are the path of keys joined by '/', under `prefix`. The same
     tensor (same storage, offset, dtype and shape) seen twice, as tied
-    weights are, is stored once and referenced twice.
-
-    seen: the tensors of `out` by memory, which flatten keeps up to date.
-    Calls that add to one `out` one key at a time pass one dict (empty at
-    first, with `out`) so that each call does not index `out` again: a
-    state of n top-level keys is walked in O(n), not O(n^2). None: built
-    from `out` here.
-    """
-    if seen is None:
-        seen = {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
-    return _flatten(obj, prefix, out, where, seen)
+    weights are, is stored once and referenced twice."""
+    return _flatten(obj, prefix, out, where, _seen(out))
 
 
 def flatten_state(state: dict, out: dict, stateful, state_dict_of) -> dict:
     """{key: flatten(state_dict_of(obj) if stateful(obj) else obj, key, out)}
-    for every top-level key of a Checkpointer's state, in one pass (one
-    `seen` index for all keys)."""
-    seen: dict = {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
-    return {key: flatten(state_dict_of(obj) if stateful(obj) else obj, key, out,
-                         f"state[{key!r}]", seen)
+    for every top-level key of a Checkpointer's state, in one pass: one
+    index of `out`'s tensors by memory for all keys (O(n) for n keys, not
+    O(n^2))."""
+    seen = _seen(out)
+    return {key: _flatten(state_dict_of(obj) if stateful(obj) else obj, key, out,
+                          f"state[{key!r}]", seen)
             for key, obj in state.items()}
+
+
+def _seen(out: dict) -> dict:
+    """The tensors of `out` by memory (_tensor_key), which _flatten keeps up to date."""
+    return {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
 
 
 def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):
@@ -176,9 +166,9 @@ _TORCH_DTYPES = ({n: getattr(torch, n) for n in TORCH_DTYPE_NAMES
                   if isinstance(getattr(torch, n, None), torch.dtype)}
                  if torch is not None else {})
 DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "privateuseone")
-_NUMPY_SCALARS = {np.dtype(t).str: np.dtype(t).type for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)}
+# numpy scalars by dtype string ('<f4'): the numeric dtypes numpy has of DTYPE_NAMES.
+_NUMPY_SCALARS = {np.dtype(t).str: np.dtype(t).type for t in NUMPY_DTYPES.values()
+                  if t is not None}
 # How deeply a state tree nests (as C++ kMaxMetaDepth bounds the metadata
 # document: jobdir/records.h).
 MAX_DEPTH = 200
@@ -189,18 +179,15 @@ class _Bad(Exception):
     CorruptCheckpointError naming where it is)."""
 
 
+def _need(ok: bool, why) -> None:
+    """Raises _Bad(why()) unless `ok` (why: a lambda, so no message is built for good data)."""
+    if not ok:
+        raise _Bad(why())
+
+
 def torch_dtype_by_name(name):
     """torch.dtype for a name written by flatten; None for any other name."""
     return _TORCH_DTYPES.get(name) if isinstance(name, str) else None
-
-
-def _device(val):
-    if not isinstance(val, str) or len(val) > 32:
-        raise _Bad(f"device {val!r} is not a device name")
-    kind, sep, index = val.partition(":")
-    if kind not in DEVICE_TYPES or (sep and not (index.isdigit() and len(index) <= 5)):
-        raise _Bad(f"device {val!r} is not one of {', '.join(DEVICE_TYPES)} (with an index)")
-    return val
 
 
 def unflatten(tree, tensors: dict, as_numpy: bool = False):
@@ -208,19 +195,17 @@ def unflatten(tree, tensors: dict, as_numpy: bool = False):
 
     Every tag is decoded from a fixed list; anything malformed (an unknown
     dtype or device, a dangling tensor reference, a broken float) raises a
-    one-line CorruptCheckpointError."""
+    one-line CorruptCheckpointError. (How deep a tree nests was bounded by
+    C++ before json.loads read it: loads, MAX_DEPTH.)"""
     try:
-        return _unflatten(tree, tensors, as_numpy, "state", 0)
+        return _unflatten(tree, tensors, as_numpy, "state")
     except _Bad as e:
         raise CorruptCheckpointError(f"malformed checkpoint metadata: {e}") from None
 
 
-def _unflatten(tree, tensors: dict, as_numpy: bool, where: str, depth: int):
-    if depth > MAX_DEPTH:
-        raise _Bad(f"{where} nests deeper than {MAX_DEPTH} levels")
-    d = depth + 1
+def _unflatten(tree, tensors: dict, as_numpy: bool, where: str):
     if isinstance(tree, list):
-        return [_unflatten(v, tensors, as_numpy, f"{where}[{i}]", d) for i, v in enumerate(tree)]
+        return [_unflatten(v, tensors, as_numpy, f"{where}[{i}]") for i, v in enumerate(tree)]
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
@@ -230,58 +215,56 @@ def _unflatten(tree, tensors: dict, as_numpy: bool, where: str, depth: int):
                 raise _Bad(f"{where} refers to tensor {str(val)[:80]!r}, which the checkpoint "
                            f"does not hold")
             t = tensors[val]
-            if tag == "__ndarray__" and not isinstance(t, np.ndarray):
-                return t.numpy()
-            return t
+            return t.numpy() if tag == "__ndarray__" and not isinstance(t, np.ndarray) else t
         if tag == "__float__":
-            if not isinstance(val, str) or len(val) != 16:
-                raise _Bad(f"{where}: {str(val)[:40]!r} is not a float's 8 bytes in hex")
             try:
+                _need(isinstance(val, str) and len(val) == 16, lambda: "")
                 return struct.unpack("<d", bytes.fromhex(val))[0]
-            except ValueError:
-                raise _Bad(f"{where}: {val!r} is not a float's 8 bytes in hex") from None
+            except (_Bad, ValueError):
+                raise _Bad(f"{where}: {str(val)[:40]!r} is not a float's 8 bytes in hex") from None
         if tag == "__tuple__":
-            if not isinstance(val, list):
-                raise _Bad(f"{where}: a tuple must be a list")
-            return tuple(_unflatten(v, tensors, as_numpy, f"{where}[{i}]", d)
+            _need(isinstance(val, list), lambda: f"{where}: a tuple must be a list")
+            return tuple(_unflatten(v, tensors, as_numpy, f"{where}[{i}]")
                          for i, v in enumerate(val))
         if tag == "__dict__":
-            if not isinstance(val, list) or not all(isinstance(kv, list) and len(kv) == 2
-                                                    for kv in val):
-                raise _Bad(f"{where}: a dict must be a list of [key, value] pairs")
+            _need(isinstance(val, list) and all(isinstance(kv, list) and len(kv) == 2
+                                                for kv in val),
+                  lambda: f"{where}: a dict must be a list of [key, value] pairs")
             out = {}
             for i, (k, v) in enumerate(val):
-                key = _unflatten(k, tensors, as_numpy, f"{where}.key{i}", d)
+                key = _unflatten(k, tensors, as_numpy, f"{where}.key{i}")
                 try:
                     hash(key)
                 except TypeError:
                     raise _Bad(f"{where}: key {i} is of unhashable type "
                                f"{type(key).__name__}") from None
-                out[key] = _unflatten(v, tensors, as_numpy, f"{where}[{key!r}]", d)
+                out[key] = _unflatten(v, tensors, as_numpy, f"{where}[{key!r}]")
             return out
         if tag == "__npscalar__":
-            if not (isinstance(val, list) and len(val) == 2 and val[0] in _NUMPY_SCALARS
-                    and isinstance(val[1], (bool, int, float, dict))):
-                raise _Bad(f"{where}: numpy scalar {str(val)[:60]!r} is not of a numeric "
-                           f"dtype")
-            value = _unflatten(val[1], tensors, as_numpy, where, d)
+            _need(isinstance(val, list) and len(val) == 2 and val[0] in _NUMPY_SCALARS
+                  and isinstance(val[1], (bool, int, float, dict)),
+                  lambda: f"{where}: numpy scalar {str(val)[:60]!r} is not of a numeric dtype")
+            value = _unflatten(val[1], tensors, as_numpy, where)
             try:
                 return _NUMPY_SCALARS[val[0]](value)
             except (TypeError, ValueError, OverflowError):
                 raise _Bad(f"{where}: {value!r} is not a {val[0]} numpy scalar") from None
         if tag == "__dtype__":
             dt = torch_dtype_by_name(val)
-            if dt is None and not (torch is None and isinstance(val, str)
-                                   and val in TORCH_DTYPE_NAMES):
-                raise _Bad(f"{where}: dtype {str(val)[:40]!r} is not one of torch's tensor "
-                           f"dtypes")
+            _need(dt is not None or (torch is None and isinstance(val, str)
+                                     and val in TORCH_DTYPE_NAMES),
+                  lambda: f"{where}: dtype {str(val)[:40]!r} is not one of torch's tensor dtypes")
             return dt if dt is not None and not as_numpy else val
         if tag == "__device__":
-            val = _device(val)
+            _need(isinstance(val, str) and len(val) <= 32,
+                  lambda: f"device {val!r} is not a device name")
+            kind, sep, index = val.partition(":")
+            _need(kind in DEVICE_TYPES and (not sep or (index.isdigit() and len(index) <= 5)),
+                  lambda: f"device {val!r} is not one of {', '.join(DEVICE_TYPES)} (with an index)")
             return torch.device(val) if torch is not None and not as_numpy else val
-        if tag.startswith(_RESERVED) and tag.endswith(_RESERVED):
-            raise _Bad(f"{where}: unknown tag {tag[:40]!r}")
-    return {k: _unflatten(v, tensors, as_numpy, f"{where}[{k!r}]", d) for k, v in tree.items()}
+        _need(not (tag.startswith(_RESERVED) and tag.endswith(_RESERVED)),
+              lambda: f"{where}: unknown tag {tag[:40]!r}")
+    return {k: _unflatten(v, tensors, as_numpy, f"{where}[{k!r}]") for k, v in tree.items()}
 
 
 def dumps(tree) -> str:

@@ -1,21 +1,7 @@
-"""The names torch.distributed.checkpoint.state_dict.get_state_dict gives,
-recorded with each checkpoint so that an export needs no model.
-
-get_state_dict keys a model by its own names (wrappers such as DDP's
-"module." or torch.compile's "_orig_mod." removed) and an optimizer's state
-by the fully qualified name (FQN) of each parameter, the first name
-named_parameters() gives it (a tied weight's state is under its first name).
-A checkpoint's state keeps torch's own state_dict() form (optimizer state by
-index); `describe` records, in the metadata's "names":
-
-    {"modules": {"model": "module."},                  # the wrapper prefix
-     "optimizers": {"optim": {"module": "model", "params": ["tok.weight", ...]}}}
-
-where params[i] is the FQN of the optimizer's parameter index i. An
-optimizer is named only when every parameter of it belongs to one module of
-the state. A ZeroRedundancyOptimizer is named by its global parameter order
-(its consolidated state_dict's indices): each rank saves its own shard, and
-the export consolidates the shards first (_dcp.layout).
+"""The names torch.distributed.checkpoint.state_dict.get_state_dict gives
+(each module's wrapper prefix, each optimizer parameter's FQN), recorded
+with each checkpoint as the metadata's "names" so that an export needs no
+model: docs/DISTRIBUTED.md "Interop with DCP" describes the record.
 """
 from __future__ import annotations
 

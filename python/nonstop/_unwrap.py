@@ -46,7 +46,7 @@ def optimizers(values) -> list:
 
 def scheduler(obj):
     """The LR scheduler behind an AcceleratedScheduler (`.scheduler`)."""
-    inner = getattr(obj, "scheduler", None) if "scheduler" in _attrs(obj) else None
+    inner = getattr(obj, "__dict__", {}).get("scheduler")
     return obj if inner is None or not hasattr(inner, "state_dict") else inner
 
 
@@ -65,10 +65,3 @@ def module(obj):
             continue
         break
     return obj
-
-
-def _attrs(obj) -> set:
-    try:
-        return set(vars(obj))
-    except TypeError:
-        return set()

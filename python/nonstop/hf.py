@@ -47,10 +47,7 @@ class NonstopCallback(TrainerCallback):
         self._to_load = None  # what resume_from read, for on_train_begin
         self._resume_folder: Optional[str] = None  # what resume_from wrote, removed once read
         self.last_handle = None
-        # what the TrainingArguments set (on_train_begin): best= from
-        # metric_for_best_model/greater_is_better, keep=/max_to_keep= from
-        # save_total_limit
-        self._from_args: dict = {}
+        self._from_args: dict = {}  # what the TrainingArguments set (on_train_begin)
         self._after_eval: Optional[int] = None  # the step whose checkpoint waits for its metrics
         self._model = None  # the Trainer's model (on_init_end), for resume_from under torchrun
         self._load_best = False  # TrainingArguments(load_best_model_at_end=True)
@@ -67,17 +64,15 @@ class NonstopCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
         if args is not None and self.ckpt is None:  # checked before the first step
-            if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-                raise CheckpointMismatchError(
-                    "NonstopCallback supports DDP Trainer runs (torchrun), not FSDP or "
-                    "DeepSpeed yet; see docs/HF.md")
-            self._from_args = _retention_of(args, self.checkpointer_kwargs)
+            # best= from metric_for_best_model/greater_is_better, keep=/
+            # max_to_keep= from save_total_limit (docs/HF.md "Retention ...")
             self._load_best = bool(getattr(args, "load_best_model_at_end", False))
-            if self._load_best and str(getattr(args.save_strategy, "value", args.save_strategy)) \
-                    not in ("steps", "epoch"):
-                raise CheckpointMismatchError(
-                    "load_best_model_at_end with NonstopCallback: give save_strategy equal to "
-                    "eval_strategy ('steps' or 'epoch'); nonstop takes those saves")
+            saves = getattr(args, "save_strategy", "")
+            self._from_args = _ext.core().trainer_options(
+                getattr(args, "metric_for_best_model", None) or None,
+                getattr(args, "greater_is_better", None), getattr(args, "save_total_limit", None),
+                bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)),
+                self._load_best, str(getattr(saves, "value", saves)), list(self.checkpointer_kwargs))
         if self._auto is not None:
             folder, global_step, step = self._auto
             if (state is not None and state.global_step == global_step
@@ -89,8 +84,7 @@ class NonstopCallback(TrainerCallback):
                 # goes after the first step (every rank has read it then).
                 self._to_load = {"restore_step": step}
             else:  # a fresh start, resume_from(cb) or a Trainer checkpoint: unused
-                self._auto = None
-                _remove_auto(folder)
+                self._drop_auto()
         if self._resume_folder is not None:
             # The Trainer has read the weights (before on_train_begin): the
             # full copy resume_from wrote goes now, the rest once read.
@@ -116,9 +110,7 @@ class NonstopCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                     **kwargs):
-        if self._auto is not None:  # every rank has read it (the step's gradients were reduced)
-            folder, self._auto = self._auto[0], None
-            _remove_auto(folder)
+        self._drop_auto()  # every rank has read it (the step's gradients were reduced)
         if self._load_best:
             # The Trainer asks for save_strategy == eval_strategy with
             # load_best_model_at_end: nonstop's checkpoints are those saves.
@@ -159,12 +151,9 @@ class NonstopCallback(TrainerCallback):
                                                on_commit=self.on_commit, **kwargs)
 
     def _restore_step(self, step: int, model, optimizer, lr_scheduler) -> None:
-        """Restores `step` in place before the first step (under torchrun
-        every rank the agreed step, collective; the replicated tensors
-        reassembled from the ranks' shares). The RNG states are left as the
-        Trainer has them: it sets this rank's saved ones from
-        rng_state_R.pth just before the first step, as for its own
-        checkpoint."""
+        """Restores `step` in place before the first step (under torchrun the
+        agreed step, collective). The RNG states stay as the Trainer has them:
+        it sets the saved ones from rng_state*.pth itself (docs/HF.md)."""
         if optimizer is None:
             raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
         self._open(model, optimizer, lr_scheduler)
@@ -191,16 +180,22 @@ class NonstopCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self.close()
-        if self._auto is not None:  # resumed at max_steps: no step ran
-            folder, self._auto = self._auto[0], None
-            if _options.world()[1] > 1:
-                torch.distributed.barrier()
-            _remove_auto(folder)
+        self._drop_auto(barrier=True)  # resumed at max_steps: no step ran
         if self._resume_folder is not None:  # resumed at max_steps: no step began
             folder, self._resume_folder = self._resume_folder, None
             _remove(folder)
         if self._load_best and state.best_global_step and model is not None:
             self._load_best_weights(state, model)
+
+    def _drop_auto(self, barrier: bool = False) -> None:
+        """Forgets the folder on_init_end prepared; rank 0 removes it (after
+        a barrier: once every rank is done with it)."""
+        if self._auto is not None:
+            folder, self._auto = self._auto[0], None
+            if barrier and _options.world()[1] > 1:
+                torch.distributed.barrier()
+            if _options.world()[0] == 0:
+                _remove(folder)
 
     def _load_best_weights(self, state, model) -> None:
         """load_best_model_at_end: the weights of the best evaluated step (the
@@ -230,35 +225,6 @@ class NonstopCallback(TrainerCallback):
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             ckpt.close()
-
-
-def _retention_of(args, given: dict) -> dict:
-    """The Checkpointer options the TrainingArguments ask for:
-    metric_for_best_model (the Trainer's key, "eval_" prefixed as it logs it)
-    and greater_is_better become best=(key, "max"|"min", 1): the best
-    evaluated checkpoint is kept (keep/step-N); save_total_limit=N becomes
-    keep=1, max_to_keep=N: the newest N checkpoints stay as kept copies (the
-    best one does not count, as in the Trainer). Given both ways: refused."""
-    out = {}
-    metric = getattr(args, "metric_for_best_model", None)
-    if metric:
-        if "best" in given:
-            raise CheckpointMismatchError(
-                "give TrainingArguments(metric_for_best_model=...) or NonstopCallback(best=...), "
-                "not both")
-        key = metric if metric.startswith("eval_") else f"eval_{metric}"
-        higher = getattr(args, "greater_is_better", None)
-        if higher is None:  # the Trainer's own default
-            higher = not metric.endswith("loss")
-        out["best"] = (key, "max" if higher else "min", 1)
-    limit = getattr(args, "save_total_limit", None)
-    if limit is not None:
-        if "keep" in given or "max_to_keep" in given:
-            raise CheckpointMismatchError(
-                "give TrainingArguments(save_total_limit=...) or NonstopCallback(keep=, "
-                "max_to_keep=), not both")
-        out["keep"], out["max_to_keep"] = 1, _options.check_positive("save_total_limit", limit)
-    return out
 
 
 def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
@@ -349,19 +315,16 @@ _AUTO_MARK = "nonstop-resume.json"  # names a checkpoint-N folder nonstop wrote 
 
 
 def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]:
-    """on_init_end: for `trainer.train(resume_from_checkpoint=True)`, which
-    looks for the newest `checkpoint-N` in output_dir before any callback of
-    train() runs, prepares `<out>/checkpoint-<global_step>` of the agreed
-    newest step now (collective), as resume_from does under torchrun, plus a
-    marker file. A Trainer folder of that name is left alone; marked folders
-    of earlier runs are removed (docs/HF.md). Returns (folder, global_step,
-    step) or None."""
+    """on_init_end: `<out>/checkpoint-<global_step>` of the agreed newest
+    step plus a marker file, for `trainer.train(resume_from_checkpoint=True)`
+    (collective; docs/HF.md "`resume_from_checkpoint=True`"). Returns
+    (folder, global_step, step) or None."""
     rank, world = _options.world()
     if rank == 0 and os.path.isdir(out):
         for name in os.listdir(out):  # leftovers of a run killed before its first step
             if name.startswith("checkpoint-") and os.path.isfile(
                     os.path.join(out, name, _AUTO_MARK)):
-                _remove_auto(os.path.join(out, name))
+                _remove(os.path.join(out, name))
     got = _agreed(callback.dir, None, rank, world)
     if got is None:
         return None
@@ -382,12 +345,6 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
             _ext.core().Directory(folder).write_atomic(f"rng_state_{rank}.pth", _rng_file(rng))
         torch.distributed.barrier()  # every rank's file is there
     return folder, int(ts["global_step"]), step
-
-
-def _remove_auto(folder: str) -> None:
-    """Removes a folder _prepare_auto wrote (rank 0; the others leave it)."""
-    if _options.world()[0] == 0:
-        _remove(folder)
 
 
 def _remove(folder: str, name: Optional[str] = None) -> None:
@@ -420,22 +377,10 @@ def _trainer_files(ts: dict, weights: dict, rng: Optional[dict], rng_name: str) 
 
 def _write_folder(folder: str, files: list) -> None:
     """Writes `folder` (replacing it) with [(name, bytes)] through the Env
-    seam (_core.Directory): FOLDER.tmp is made afresh (a leftover of a kill
-    removed first, its links removed, never followed), each file is created
-    O_EXCL|O_NOFOLLOW in it, fsynced and renamed into place, then the old
-    FOLDER is removed the same way and FOLDER.tmp renamed over it. A symlink
-    at FOLDER or FOLDER.tmp is removed as a link; nothing outside is touched."""
+    seam, never following a link (docs/HF.md "How resuming works")."""
     folder = os.path.abspath(folder)
-    parent = _ext.core().Directory(os.path.dirname(folder), create=True)
-    name = os.path.basename(folder)
-    tmp = name + ".tmp"
-    parent.remove_tree(tmp)
-    d = parent.subdir(tmp, create=True)
-    for fname, data in files:
-        d.write_atomic(fname, data)
-    parent.remove_tree(name)
-    parent.rename(tmp, name)
-    parent.sync()
+    _ext.core().Directory(os.path.dirname(folder), create=True).write_folder(
+        os.path.basename(folder), files)
 
 
 def _comm(world: int) -> _distributed.Comm:

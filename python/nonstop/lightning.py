@@ -19,16 +19,16 @@ from typing import Any, Optional
 import torch
 
 try:
-    import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.fabric.utilities.apply_func import move_data_to_device
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy,
                                               SingleDeviceStrategy)
 except ImportError:  # the standalone package name
-    import pytorch_lightning as pl  # type: ignore[no-redef]
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO  # type: ignore[no-redef]
     from lightning_fabric.utilities.apply_func import (  # type: ignore[no-redef]
         move_data_to_device)
     from lightning_fabric.utilities.distributed import (  # type: ignore[no-redef]
@@ -115,21 +115,15 @@ class NonstopCheckpointIO(CheckpointIO):
 
     def __init__(self, wrapped: Optional[CheckpointIO] = None):
         super().__init__()
-        self.wrapped = wrapped
+        self.wrapped = wrapped if wrapped is not None else TorchCheckpointIO()
         self.loaded_rng: Optional[dict] = None
         self.loaded_step: Optional[int] = None
         self.loaded_loops: Optional[dict] = None  # the fit loop's state (_reiterate)
         # Under DDP the NonstopCheckpoint that installed it restores (collectively)
         self.callback: Optional["NonstopCheckpoint"] = None
 
-    def _inner(self) -> CheckpointIO:
-        if self.wrapped is None:
-            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-            self.wrapped = TorchCheckpointIO()
-        return self.wrapped
-
     def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None):
-        return self._inner().save_checkpoint(checkpoint, path, storage_options)
+        return self.wrapped.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict:
@@ -139,7 +133,7 @@ class NonstopCheckpointIO(CheckpointIO):
                 os.path.dirname(os.path.abspath(os.fspath(path))) == os.path.abspath(cb.nonstop_dir)):
             marker = {"dir": cb.nonstop_dir}  # no marker yet (_find_last_checkpoints)
         if marker is None:
-            return self._inner().load_checkpoint(path, map_location=map_location,
+            return self.wrapped.load_checkpoint(path, map_location=map_location,
                                                  weights_only=weights_only)
         d = _marked_dir(os.fspath(path), marker)
         if self.callback is not None and _options.world()[1] > 1:
@@ -150,37 +144,25 @@ class NonstopCheckpointIO(CheckpointIO):
         else:
             loaded, state = _load(d, d)
             self.loaded_rng, self.loaded_step = loaded.meta.get("rng"), loaded.step
-        self.loaded_loops = _fit_loop_state(state)
+        loops = state.get("loops")
+        fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+        self.loaded_loops = fit if isinstance(fit, dict) else None
         return state if map_location is None else move_data_to_device(state, map_location)
 
     def remove_checkpoint(self, path) -> None:
-        self._inner().remove_checkpoint(path)
+        self.wrapped.remove_checkpoint(path)
 
     def teardown(self) -> None:
-        if self.wrapped is not None:
-            self.wrapped.teardown()
-
-
-def _fit_loop_state(checkpoint: dict) -> Optional[dict]:
-    loops = checkpoint.get("loops")
-    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
-    return fit if isinstance(fit, dict) else None
+        self.wrapped.teardown()
 
 
 def _reiterate(trainer, fit_state: dict) -> None:
-    """Puts the restored loaders where the uninterrupted run's would be.
-    Lightning makes a restored loader's iterator in setup_data
-    (load_state_dict, then iter()) before it calls set_epoch
-    (on_advance_start), and, resumed after an epoch's last batch, it goes
-    on to the next epoch with that exhausted iterator (an epoch without a
-    batch). Here, before the first batch is fetched:
-    - resumed after an epoch's last batch: set_epoch(the new epoch) and a
-      fresh iterator (the restored one drew its epoch's order, so a
-      torchdata sampler's generator is where the next epoch starts);
-    - resumed mid-epoch with a sampler that orders by epoch (set_epoch: the
-      DistributedSampler Lightning gives each rank under DDP):
-      set_epoch(restored epoch), the loader's state again, a new iterator.
-    The iterator made before is dropped unread (its prefetch included)."""
+    """Puts the restored loaders where the uninterrupted run's would be,
+    before the first batch is fetched (docs/LIGHTNING.md "What it does"):
+    resumed after an epoch's last batch, set_epoch(the new epoch) and a
+    fresh iterator; mid-epoch with a sampler that orders by epoch,
+    set_epoch(restored epoch), the loader's state again, a new iterator.
+    The iterator Lightning made before is dropped unread."""
     loop = trainer.fit_loop
     combined = getattr(loop, "_combined_loader", None)
     fetcher = getattr(loop, "_data_fetcher", None)
@@ -202,30 +184,17 @@ def _reiterate(trainer, fit_state: dict) -> None:
         iter(fetcher)
 
 
-def _check_wrapped(loader, where: str) -> None:
-    """Under DDP Lightning gives a loader whose sampler is torch's
-    RandomSampler or SequentialSampler a DistributedSampler (its order a
-    function of seed and epoch: exact after a restore), and wraps any other
-    sampler in a DistributedSamplerWrapper, which draws the inner sampler
-    anew each epoch; no loader saves that inner sampler's state (a
-    torchdata RandomSampler's generator; StatefulDataLoader(shuffle=True)
-    makes one), so a restored job would see another order from epoch 2 on.
-    Refused, with the fix."""
+def _ddp_wrapped(loader) -> Optional[str]:
+    """The sampler (its class name) Lightning wrapped in a
+    DistributedSamplerWrapper under DDP, unless torch's SequentialSampler: no
+    loader saves its state (docs/LIGHTNING.md "DDP"); None: none."""
     for s in _data.samplers(loader):
         if isinstance(s, DistributedSamplerWrapper):
-            break
-    else:
-        return
-    inner = getattr(getattr(s, "dataset", None), "_sampler", None)
-    if isinstance(inner, torch.utils.data.SequentialSampler):
-        return
-    raise CheckpointMismatchError(
-        f"{where}: under DDP Lightning wraps its {type(inner).__name__} in a "
-        f"DistributedSamplerWrapper, whose state no loader saves (a checkpoint in epoch >= 2 "
-        f"would resume with another order); give the loader "
-        f"sampler=torch.utils.data.RandomSampler(dataset) (Lightning then uses a "
-        f"DistributedSampler, whose order is a function of seed and epoch: exact) "
-        f"(docs/LIGHTNING.md)")
+            inner = getattr(getattr(s, "dataset", None), "_sampler", None)
+            if not isinstance(inner, torch.utils.data.SequentialSampler):
+                return type(inner).__name__
+            return None
+    return None
 
 
 class NonstopCheckpoint(ModelCheckpoint):
@@ -250,44 +219,15 @@ class NonstopCheckpoint(ModelCheckpoint):
                  train_time_interval: Optional[datetime.timedelta] = None,
                  **checkpointer_kwargs):
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=False)
-        if every is not None and every_n_train_steps is not None:
-            raise CheckpointMismatchError(
-                "give every= or every_n_train_steps= (the same option), not both")
-        if every_n_train_steps is not None:
-            every = every_n_train_steps
-        # Lightning's ModelCheckpoint: the three cadences are mutually exclusive
-        given = [f"{n}={v!r}" for n, v in (("every", every), ("every_n_epochs", every_n_epochs),
-                                           ("train_time_interval", train_time_interval))
-                 if v is not None]
-        if len(given) > 1:
-            raise CheckpointMismatchError(
-                f"every= (every_n_train_steps=), every_n_epochs= and train_time_interval= are "
-                f"mutually exclusive, as in ModelCheckpoint; got {', '.join(given)}")
-        if every is not None:
-            _options.check_positive("every", every)
-        if every_n_epochs is not None:
-            _options.check_positive("every_n_epochs", every_n_epochs)
-        if train_time_interval is not None and (
-                not isinstance(train_time_interval, datetime.timedelta)
-                or train_time_interval.total_seconds() <= 0):
-            raise CheckpointMismatchError(
-                f"train_time_interval must be a positive datetime.timedelta, got "
-                f"{train_time_interval!r}")
-        if not given:
-            every = 10
-        # monitor=/mode=/save_top_k= as ModelCheckpoint's: nonstop's best=
-        # (the k best kept copies by that logged metric, JobDir retention).
-        if mode not in ("min", "max"):
-            raise CheckpointMismatchError(
-                f"mode must be 'min' or 'max' (the monitored metric's direction, as "
-                f"ModelCheckpoint's), got {mode!r}; NonstopCheckpoint always checkpoints "
-                f"in the Checkpointer's concurrent mode")
-        if monitor is not None:
-            if "best" in checkpointer_kwargs:
-                raise CheckpointMismatchError("give monitor=/mode=/save_top_k= or best=, not both")
-            checkpointer_kwargs["best"] = (monitor, mode, 1 if save_top_k is None else save_top_k)
-        elif save_top_k is not None:
-            raise CheckpointMismatchError("save_top_k= needs monitor= (the metric it ranks by)")
+        # one cadence at most (as in ModelCheckpoint); monitor=/mode=/
+        # save_top_k= become nonstop's best= (the k best kept copies)
+        td = train_time_interval
+        every, every_n_epochs, best = _ext.core().lightning_cadence(
+            every, every_n_train_steps, every_n_epochs, td,
+            td.total_seconds() if isinstance(td, datetime.timedelta) else None, mode, monitor,
+            save_top_k, "best" in checkpointer_kwargs)
+        if best is not None:
+            checkpointer_kwargs["best"] = best
         # a typo raises now, not at the first checkpoint
         _checkpointer.check_options("NonstopCheckpoint", checkpointer_kwargs,
                                     own=("every", "mode", "state", "dir", "on_commit"))
@@ -347,13 +287,9 @@ class NonstopCheckpoint(ModelCheckpoint):
         self.io = io
 
     def _find_last_checkpoints(self, trainer) -> set:
-        """Lightning's ckpt_path="last": `last.ckpt`; under DDP, when there is
-        none yet, rank 0's file in `nonstop/` (global rank 0 writes the
-        marker once a step is agreed, a little after every rank committed
-        it: a kill in between must not lose that checkpoint; Lightning
-        takes only a path that exists, and NonstopCheckpointIO restores
-        from the directory of that file). Every rank looks at the same
-        file, so every rank restores (the restore is collective) or none."""
+        """Lightning's ckpt_path="last": `last.ckpt`; under DDP, before rank 0
+        wrote its first marker, rank 0's file in `nonstop/` (the same on every
+        rank: every rank restores, collectively, or none; docs/LIGHTNING.md "DDP")."""
         found = super()._find_last_checkpoints(trainer)
         if (not found and trainer.num_devices * trainer.num_nodes > 1
                 and _checkpointer.check_directory(self.nonstop_dir, 0, None, must_exist=False)):
@@ -397,8 +333,7 @@ class NonstopCheckpoint(ModelCheckpoint):
         # first step (_data.py, docs/EXACT_RESUME.md).
         combined = getattr(trainer.fit_loop, "_combined_loader", None)
         for i, loader in enumerate(getattr(combined, "flattened", None) or []):
-            _check_wrapped(loader, f"train dataloader {i}")
-            _data.check_loader(loader, f"train dataloader {i}")
+            _data.check_loader(loader, f"train dataloader {i}", _ddp_wrapped(loader))
         self._last_global_step = trainer.global_step
         self._last_time = self._clock()
         if self.io is not None and self.io.loaded_loops is not None:
@@ -432,9 +367,8 @@ class NonstopCheckpoint(ModelCheckpoint):
 
     def _time_is_up(self, trainer) -> bool:
         """train_time_interval: whether the interval has passed since the
-        last checkpoint (or the start). With world_size > 1 rank 0's answer,
-        broadcast (a tensor, on the training group): every rank must take the
-        same checkpoints (each one is collective)."""
+        last checkpoint (or the start); under DDP rank 0's answer, broadcast
+        (every rank takes the same checkpoints: each one is collective)."""
         now = self._clock()
         due = now - self._last_time >= self.interval.total_seconds()
         if trainer.world_size > 1:
@@ -461,16 +395,13 @@ class NonstopCheckpoint(ModelCheckpoint):
         self._holder.clear()
         self._holder.update(checkpoint)
         self._saved_global_step = trainer.global_step
-        handle = ckpt.save(trainer.global_step - 1, metrics=self._metrics(trainer))
+        # the scalars logged so far (what self.log() gave): best= ranks by
+        # them (under DDP by rank 0's, which the Checkpointer gives every rank)
+        handle = ckpt.save(trainer.global_step - 1,
+                           metrics=_options.scalar_metrics(trainer.callback_metrics))
         handle.add_done_callback(self._committed)
         self.last_handle = handle
         return handle
-
-    def _metrics(self, trainer) -> Optional[dict]:
-        """The scalars logged so far (trainer.callback_metrics, what
-        self.log() gave), stored with the checkpoint: best= ranks by them
-        (under DDP by rank 0's, which the Checkpointer gives every rank)."""
-        return _options.scalar_metrics(trainer.callback_metrics)
 
     def _committed(self, handle) -> None:
         # Under DDP a handle is done once every rank committed the step (the

@@ -12,12 +12,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "env/write_folder.h"
 #include "nonstop/env.h"
 
 namespace nonstop {
@@ -319,6 +321,29 @@ TEST_F(PosixEnvTest, RemoveTreeRemovesLinksNeverWhatTheyName) {
   EXPECT_TRUE(fs::exists(root_ / "job" / "d1" / "d2" / "d3" / "f"));
   EXPECT_TRUE(RemoveTree(*dir_, "d1").ok());
   EXPECT_FALSE(fs::exists(root_ / "job" / "d1"));
+}
+
+TEST_F(PosixEnvTest, WriteFolderReplacesTheFolderAndNeverFollowsALink) {
+  // A kill's leftover at folder.tmp is a link to a directory outside, and
+  // the old folder holds a link to a file outside and a subdirectory.
+  fs::create_directories(root_ / "job" / "ck" / "sub");
+  fs::create_symlink(Precious(), root_ / "job" / "ck" / "model");
+  fs::create_directory_symlink(root_ / "outside", root_ / "job" / "ck.tmp");
+  ASSERT_TRUE(WriteFolder(*dir_, "ck", {{"model", "weights"}, {"state", "{}"}}).ok());
+  EXPECT_EQ(ReadText(Precious()), "precious bytes");
+  EXPECT_EQ(std::vector<fs::path>(fs::directory_iterator(root_ / "outside"), {}),
+            std::vector<fs::path>{Precious()});
+  EXPECT_FALSE(fs::exists(fs::symlink_status(root_ / "job" / "ck.tmp")));
+  EXPECT_FALSE(fs::is_symlink(root_ / "job" / "ck" / "model"));
+  EXPECT_EQ(ReadText(root_ / "job" / "ck" / "model"), "weights");
+  EXPECT_EQ(ReadText(root_ / "job" / "ck" / "state"), "{}");
+  EXPECT_EQ(std::distance(fs::directory_iterator(root_ / "job" / "ck"), {}), 2);
+  // Written afresh; a bad file name fails before the old folder goes.
+  ASSERT_TRUE(WriteFolder(*dir_, "ck", {{"only", "1"}}).ok());
+  EXPECT_EQ(std::distance(fs::directory_iterator(root_ / "job" / "ck"), {}), 1);
+  EXPECT_FALSE(WriteFolder(*dir_, "ck", {{"a/b", "x"}}).ok());
+  EXPECT_EQ(ReadText(root_ / "job" / "ck" / "only"), "1");
+  EXPECT_FALSE(WriteFolder(*dir_, "..", {}).ok());
 }
 
 // Runs `fn` in a forked child that reports on `ready` and then waits to be

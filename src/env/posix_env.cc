@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "media/media_internal.h"
+#include "env/write_folder.h"
 #include "nonstop/env.h"
 
 namespace nonstop {
@@ -474,6 +475,23 @@ Status RemoveTree(Directory& dir, std::string_view name, int max_depth) {
     }
   }
   return dir.RemoveDir(name);
+}
+
+Status WriteFolder(Directory& dir, std::string_view name,
+                   const std::vector<std::pair<std::string, std::string>>& files) {
+  const std::string tmp = std::string(name) + ".tmp";
+  NONSTOP_RETURN_IF_ERROR(CheckEntryName(name));
+  NONSTOP_RETURN_IF_ERROR(CheckEntryName(tmp));
+  if (Status s = RemoveTree(dir, tmp); !s.ok() && s.code() != StatusCode::kNotFound) return s;
+  {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<Directory> sub, dir.OpenDir(tmp, true));
+    for (const auto& [file, content] : files) {
+      NONSTOP_RETURN_IF_ERROR(WriteFileAtomic(*sub, file, content));
+    }
+  }
+  if (Status s = RemoveTree(dir, name); !s.ok() && s.code() != StatusCode::kNotFound) return s;
+  NONSTOP_RETURN_IF_ERROR(dir.Rename(tmp, name));
+  return dir.SyncDir();
 }
 
 Result<std::string> ReadSmallFile(Directory& dir, std::string_view name, uint64_t max_bytes) {

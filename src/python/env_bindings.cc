@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "env/write_folder.h"
 #include "nonstop/env.h"
 #include "python/bindings.h"
 #include "tier/pacer.h"
@@ -258,6 +259,22 @@ void InitEnv(py::module_& m) {
             Check(s);
           },
           py::arg("name"), py::arg("data"))
+      .def(
+          "write_folder",
+          [](Directory& d, const std::string& name,
+             const std::vector<std::pair<std::string, py::bytes>>& files) {
+            std::vector<std::pair<std::string, std::string>> content;
+            for (const auto& [file, data] : files) content.emplace_back(file, std::string(data));
+            Status s;
+            {
+              GilRelease g;
+              s = WriteFolder(d, name, content);
+            }
+            Check(s);
+          },
+          py::arg("name"), py::arg("files"),
+          "Writes the folder `name` holding files [(name, bytes)], replacing it: made as "
+          "NAME.tmp, renamed over NAME; links removed, never followed (env/write_folder.h).")
       .def(
           "create",
           [](const std::shared_ptr<Directory>& d, const std::string& name) {

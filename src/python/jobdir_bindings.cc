@@ -19,6 +19,7 @@
 #include "jobdir/records.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/plan.h"
+#include "plan/integrations.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -518,6 +519,17 @@ py::object CheckMetrics(py::object metrics) {
   return out;
 }
 
+// A keyword as integrations.h takes it (absent: None).
+IntOption IntArg(py::handle v) {
+  if (v.is_none()) return {};
+  return IntOption{true, PlainInt(v), Repr(v)};
+}
+
+py::object BestTuple(const std::optional<BestOption>& b) {
+  if (!b) return py::none();
+  return py::make_tuple(b->metric, b->higher ? "max" : "min", b->k);
+}
+
 }  // namespace
 
 void InitJobDir(py::module_& m) {
@@ -561,6 +573,69 @@ void InitJobDir(py::module_& m) {
         return Take(RankFiles(path));
       },
       py::arg("path"), "The ranks of the slot files in `path` (check_dir.h RankFiles).");
+  m.def(
+      "trainer_options",
+      [](py::object metric, std::optional<bool> greater_is_better, py::object save_total_limit,
+         bool sharded, bool load_best_model_at_end, const std::string& save_strategy,
+         const std::vector<std::string>& given) {
+        TrainerArgs a{metric.is_none() ? "" : metric.cast<std::string>(), greater_is_better,
+                      IntArg(save_total_limit), sharded, load_best_model_at_end, save_strategy};
+        TrainerRetention r = Take(TrainerRetentionOf(a, given));
+        py::dict out;
+        if (r.best) out["best"] = BestTuple(r.best);
+        if (r.max_to_keep) {
+          out["keep"] = 1;
+          out["max_to_keep"] = *r.max_to_keep;
+        }
+        return out;
+      },
+      py::arg("metric_for_best_model"), py::arg("greater_is_better"),
+      py::arg("save_total_limit"), py::arg("sharded"), py::arg("load_best_model_at_end"),
+      py::arg("save_strategy"), py::arg("given"),
+      "The Checkpointer options (best=, keep=, max_to_keep=) TrainingArguments ask for, "
+      "after checking them (integrations.h TrainerRetentionOf); CheckpointMismatchError.");
+  m.def(
+      "lightning_cadence",
+      [](py::object every, py::object every_n_train_steps, py::object every_n_epochs,
+         py::object interval, std::optional<double> interval_seconds, py::object mode,
+         py::object monitor, py::object save_top_k, bool best_given) {
+        if (!monitor.is_none() && !py::isinstance<py::str>(monitor)) {
+          Mismatch("monitor must be a logged metric's name (a str), got " + Repr(monitor));
+        }
+        LightningArgs a;
+        a.every = IntArg(every);
+        a.every_n_train_steps = IntArg(every_n_train_steps);
+        a.every_n_epochs = IntArg(every_n_epochs);
+        a.save_top_k = IntArg(save_top_k);
+        a.interval_given = !interval.is_none();
+        a.interval_seconds = interval_seconds;
+        a.interval_repr = Repr(interval);
+        a.mode = py::isinstance<py::str>(mode) ? mode.cast<std::string>() : "";
+        a.mode_repr = Repr(mode);
+        if (!monitor.is_none()) a.monitor = monitor.cast<std::string>();
+        a.best_given = best_given;
+        LightningCadence c = Take(LightningCadenceOf(a));
+        return py::make_tuple(c.every, c.every_n_epochs, BestTuple(c.best));
+      },
+      py::arg("every"), py::arg("every_n_train_steps"), py::arg("every_n_epochs"),
+      py::arg("interval"), py::arg("interval_seconds"), py::arg("mode"), py::arg("monitor"),
+      py::arg("save_top_k"), py::arg("best_given"),
+      "NonstopCheckpoint's keywords checked: (every, every_n_epochs, best= or None) "
+      "(integrations.h LightningCadenceOf); CheckpointMismatchError otherwise.");
+  m.def(
+      "check_loader_order",
+      [](const std::string& where, const std::string& type, bool stateful,
+         const std::vector<std::tuple<std::string, bool, bool>>& samplers, bool has_generator,
+         std::optional<std::string> ddp_wrapped) {
+        LoaderFacts f{where, type, stateful, {}, has_generator, std::move(ddp_wrapped)};
+        for (const auto& [t, positional, shares] : samplers) f.samplers.push_back({t, positional, shares});
+        Check(CheckLoaderOrder(f));
+      },
+      py::arg("where"), py::arg("type"), py::arg("stateful"), py::arg("samplers"),
+      py::arg("has_generator"), py::arg("ddp_wrapped") = py::none(),
+      "samplers: [(module.Class, positional only, shares the loader's generator)], outermost "
+      "first. CheckpointMismatchError naming the fix when the restored order would differ "
+      "(integrations.h CheckLoaderOrder).");
   m.def(
       "check_meta_json",
       [](std::string_view text) {  // str or bytes; the caller's object outlives the view

@@ -19,13 +19,8 @@ def describe(state: dict) -> dict:
         if not isinstance(obj, torch.nn.Module):
             continue
         inner = _unwrap.module(obj)
-        prefix = ""
-        if inner is not obj:
-            for n, m in obj.named_modules():
-                if m is inner:
-                    prefix = n + "."
-                    break
-        modules[key] = prefix
+        modules[key] = "" if inner is obj else next(
+            (n + "." for n, m in obj.named_modules() if m is inner), "")
         names[key] = {}
         for n, p in inner.named_parameters():  # first name of a tied weight
             names[key].setdefault(id(p), n)

@@ -92,11 +92,11 @@ class NonstopCallback(TrainerCallback):
         if self._to_load is None:
             return
         saved, self._to_load = self._to_load, None
+        if optimizer is None:
+            raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
         if "restore_step" in saved:
             self._restore_step(saved["restore_step"], model, optimizer, lr_scheduler)
             return
-        if optimizer is None:
-            raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
         _unwrap.optimizer(optimizer).load_state_dict(saved["optim"])
         if lr_scheduler is not None and "sched" in saved:
             _unwrap.scheduler(lr_scheduler).load_state_dict(saved["sched"])
@@ -154,8 +154,6 @@ class NonstopCallback(TrainerCallback):
         """Restores `step` in place before the first step (under torchrun the
         agreed step, collective). The RNG states stay as the Trainer has them:
         it sets the saved ones from rng_state*.pth itself (docs/HF.md)."""
-        if optimizer is None:
-            raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
         self._open(model, optimizer, lr_scheduler)
         now = _rng.capture()
         try:

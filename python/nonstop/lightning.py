@@ -69,9 +69,9 @@ def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = T
         raise CheckpointMismatchError(
             f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
     loaded, state = _load(_marked_dir(path, marker) if marker is not None else path, path)
-    if not isinstance(state.get("state_dict"), dict):
+    weights = state.get("state_dict")
+    if not isinstance(weights, dict):
         raise CheckpointMismatchError(f"{path}: step {loaded.step} holds no Lightning checkpoint")
-    weights = state["state_dict"]
     if map_location is not None:
         weights = move_data_to_device(weights, map_location)
     if model is None:
@@ -191,9 +191,8 @@ def _ddp_wrapped(loader) -> Optional[str]:
     for s in _data.samplers(loader):
         if isinstance(s, DistributedSamplerWrapper):
             inner = getattr(getattr(s, "dataset", None), "_sampler", None)
-            if not isinstance(inner, torch.utils.data.SequentialSampler):
-                return type(inner).__name__
-            return None
+            sequential = isinstance(inner, torch.utils.data.SequentialSampler)
+            return None if sequential else type(inner).__name__
     return None
 
 

@@ -39,19 +39,11 @@ def _clip(params: list, max_norm: float) -> list:
     return params
 
 
-def _ddp_params(ddp) -> list:
-    """The parameters DDP reduces (in its buckets)."""
-    ignore = getattr(ddp, "parameters_to_ignore", set())
-    return [p for n, p in ddp.module.named_parameters() if n not in ignore and p.requires_grad]
-
-
 class Layerwise(_periodic.Periodic):
-    """Drives one Checkpointer's engine layer by layer. A parameter and its
-    optimizer state form one group; consecutive updated groups are handed
-    to the engine together once they hold GROUP_BYTES (about a layer), and
-    under DDP at the latest at the end of each bucket, so a model with many
-    small tensors does not pay one engine call (and one wake-up of the copy
-    thread) per bias vector."""
+    """Drives one Checkpointer's engine layer by layer: updated groups (a
+    parameter and its optimizer state) are handed to the engine together
+    once they hold GROUP_BYTES, and under DDP at the latest at the end of
+    each bucket (docs/LAYERWISE.md, "What the Python side does")."""
 
     GROUP_BYTES = 4 << 20
     defer_staging = False
@@ -72,8 +64,7 @@ class Layerwise(_periodic.Periodic):
         self._ptrs: dict = {}        # name -> data_ptr of the state's tensors when registered
         self._groups: dict = {}      # param -> engine tensor indices (this rank's pieces)
         self._pending: set = set()   # params with copies requested and not waited for
-        self._batch: list = []       # updated params whose copies are not requested yet
-        self._batched: set = set()   # the same, for membership (tensors compare by value)
+        self._batch: dict = {}       # updated params whose copies are not requested yet
         self._batch_bytes = 0
         # DDP's callbacks run on the process group's threads, the hooks and
         # ckpt.step() on the training thread: one lock orders every access
@@ -91,10 +82,11 @@ class Layerwise(_periodic.Periodic):
             zero=any(_objects.is_zero(x) for x in session.state.values()),
             world_size=session.world_size, ddp_models=len(ddps),
             find_unused=any(getattr(d, "find_unused_parameters", False) for d in ddps))
-        by_ddp = {}
+        by_ddp = set()  # the parameters DDP reduces (in its buckets)
         for d in ddps:
-            for p in _ddp_params(d):
-                by_ddp.setdefault(p, d)
+            ignore = getattr(d, "parameters_to_ignore", set())
+            by_ddp.update(p for n, p in d.module.named_parameters()
+                          if n not in ignore and p.requires_grad)
         for opt in session.state.values():
             if not isinstance(opt, torch.optim.Optimizer):
                 continue
@@ -205,7 +197,7 @@ class Layerwise(_periodic.Periodic):
             if ses.copy_pending:  # a whole-model checkpoint is still copying
                 engine.wait_copied()
                 ses.copy_pending = False
-            if any(p in self._batched for p in params):  # updated twice in one step
+            if any(p in self._batch for p in params):  # updated twice in one step
                 self._flush()
             wait = [p for p in params if p in self._pending]
             if wait:
@@ -233,8 +225,7 @@ class Layerwise(_periodic.Periodic):
                 finally:
                     p.grad = local
             if self.counter is not None and engine is not None and self._groups.get(p):
-                self._batch.append(p)
-                self._batched.add(p)
+                self._batch[p] = None
                 self._batch_bytes += p.numel() * p.element_size() * (1 + len(opt.state[p]))
                 if self._batch_bytes >= self.GROUP_BYTES:
                     self._flush()
@@ -264,7 +255,7 @@ class Layerwise(_periodic.Periodic):
         self.session.engine.copy_tensors(self.counter,
                                          [i for p in self._batch for i in self._groups[p]])
         self._pending.update(self._batch)
-        self._batch, self._batched, self._batch_bytes = [], set(), 0
+        self._batch, self._batch_bytes = {}, 0
         self.session.visible_stall_s += time.perf_counter() - t0
 
     # --------------------------------------------------------- checkpoints
@@ -279,6 +270,11 @@ class Layerwise(_periodic.Periodic):
                         if st else ()))
         return tuple(sig)
 
+    def _plan_holds(self) -> bool:
+        """The prepared plan is of the current registration and signature."""
+        return (self._plan is not None and self.session.registered is self._plan[2]
+                and self._plan[0] == self._signature())
+
     def _complete(self) -> bool:
         """Whether every optimized parameter has its optimizer state."""
         return all(opt.state.get(p) for p, (opt, _, _) in self._subs.items())
@@ -291,9 +287,8 @@ class Layerwise(_periodic.Periodic):
         if tensors is None:
             tensors = {}
             _objects.flatten_state(ses.state, tensors)
-        if (self._plan is not None and ses.registered is self._plan[2] and not ses.snapshots
-                and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
-                and self._plan[0] == self._signature()):
+        if (not ses.snapshots and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
+                and self._plan_holds()):
             return  # nothing moved (the usual case): the registration and the groups hold
         # With world_size > 1 this rank's shares are registered.
         ses.base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
@@ -320,9 +315,7 @@ class Layerwise(_periodic.Periodic):
         s, ses = self.next_step, self.session
         if not ses.due_after(s) or not self._complete():
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
-        if (self._plan is None or self._plan[0] != self._signature()
-                or ses.registered is not self._plan[2]):
-            self._plan = None
+        if not self._plan_holds():
             self._prepare()
         self._groups = self._plan[1]
         self.counter = engine.begin_checkpoint(int(s))
@@ -347,7 +340,7 @@ class Layerwise(_periodic.Periodic):
                 # Every tensor not requested yet (the last batch too) is copied
                 # by the seal: wait for all of them before their next update.
                 self._pending = set(self._groups)
-                self._batch, self._batched, self._batch_bytes = [], set(), 0
+                self._batch, self._batch_bytes = {}, 0
                 changed = {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs
                 ses.engine.end_checkpoint(counter, int(step), _state.dumps(meta))
                 if changed:
@@ -381,7 +374,7 @@ class Layerwise(_periodic.Periodic):
             self.next_step = 0 if step is None else step + 1
             self._decided = False
             self._pending.clear()
-            self._batch, self._batched, self._batch_bytes = [], set(), 0
+            self._batch, self._batch_bytes = {}, 0
             self._groups = {}
             self._plan = None
 
@@ -392,12 +385,10 @@ class Layerwise(_periodic.Periodic):
 
 
 class Switching(_periodic.Periodic):
-    """mode="auto": layer-wise or concurrent, whichever this job measures
-    cheaper, switched right after a checkpoint was started or sealed. The
-    rule and its windows (one checkpoint's step, exclusive, to the next's,
-    inclusive) are C++ (`_core.ModeChooser`); this class reports each step
-    with the clock and the visible stall, and swaps the hooks; nothing in
-    flight is cut short (docs/LAYERWISE.md, "mode="auto"")."""
+    """mode="auto": the rule and its windows are C++ (`_core.ModeChooser`);
+    this class reports each step with the clock and the visible stall, and
+    swaps the hooks right after a checkpoint was started or sealed; nothing
+    in flight is cut short (docs/LAYERWISE.md, "mode="auto"")."""
 
     def __init__(self, session, o, clock=time.perf_counter):
         super().__init__(session)

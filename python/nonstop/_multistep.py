@@ -25,7 +25,6 @@ from . import _ext, _state
 from ._session import Driver
 from .errors import CheckpointMismatchError
 
-REPLAYS = ("auto", "host", "torch")
 # Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
 # out of a small model.
 BLOCK_BYTES = 4 << 20
@@ -40,12 +39,9 @@ def _mkl_vms_sqrt() -> int:
     return _ext.core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
 
 
-def _device(t: torch.Tensor, what: str, replay: str) -> tuple:
-    """The engine's (kind, index) of a tensor the window copies; one line
-    where `replay` cannot take its device (CheckMultistepDevice: "host"
-    replays the CPU's kernels, "torch" takes CUDA tensors too)."""
-    _ext.core().multistep_device_check(what, str(t.device), replay)
-    return (1, t.device.index or 0) if t.device.type == "cuda" else (0, 0)
+def _where(dev: torch.device) -> tuple:
+    """The engine's (kind, index) of a device."""
+    return (1, dev.index or 0) if dev.type == "cuda" else (0, 0)
 
 
 # Hyperparameters the plan sets per step (as torch's param_groups name them).
@@ -77,8 +73,7 @@ def _describe(opt) -> tuple:
 
 
 def _device_name(dev: torch.device) -> str:
-    """What the replay's arithmetic depends on besides torch: the GPU model,
-    or the CPU kernels' instruction set."""
+    """The GPU model, or the CPU kernels' instruction set."""
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return f"cpu/{torch.backends.cpu.get_cpu_capability()}"
@@ -91,12 +86,6 @@ def _arithmetic(opt, dev: torch.device) -> dict:
             "optimizer": type(opt).__name__}
 
 
-def _flags(opt) -> list:
-    return [{k: g.get(k) for k in ("foreach", "fused", "capturable", "amsgrad",
-                                   "decoupled_weight_decay") if k in g}
-            for g in opt.param_groups]
-
-
 def _torch_picks_foreach(params: list) -> bool:
     """Whether torch runs the foreach kernel for an optimizer group built
     with foreach=None over `params` (torch's own rule: only for tensors on
@@ -107,11 +96,9 @@ def _torch_picks_foreach(params: list) -> bool:
 
 
 def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
-    """Before restore() changes anything: a checkpoint whose parts are at
-    their own versions ("multistep_plan") is replayed only by the optimizer
-    class that trained it, with the same torch and device type and model,
-    and its plan must fit the optimizer and the gradient log; one line
-    otherwise (CheckMultistepRestore; the flags need no check:
+    """Before restore() changes anything: whether this run can replay a
+    checkpoint whose parts are at their own versions (CheckMultistepRestore;
+    docs/MULTISTEP.md, "How restore replays"; the flags need no check:
     load_state_dict sets the saved ones before the replay runs)."""
     params = [p for g in opt.param_groups for p in g["params"]]
     now = _arithmetic(opt, params[0].device if params else torch.device("cpu"))
@@ -139,13 +126,10 @@ class MultistepMode(Driver):
                 f"{len(opts)}")
         if not isinstance(parts, int) or not 1 <= parts <= 64:
             raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {parts!r}")
-        if replay not in REPLAYS:
-            raise CheckpointMismatchError(
-                f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
         self.opt = opts[0]
         # StateApplier.prepare, before restore() changes anything
         self.replay_check = functools.partial(replay_check, self.opt)
-        self._check(replay)
+        self._check(replay)  # and the replay= value (ChooseMultistep)
         self.parts = parts
         self.overlap = bool(overlap_gradients)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
@@ -190,10 +174,6 @@ class MultistepMode(Driver):
             *_describe(self.opt), replay)
         self._cuda = self.replay == "torch"
         self.device = torch.device(device)
-
-    def _where(self) -> tuple:
-        """The engine's (kind, index) of the parameters' device."""
-        return (1, self.device.index or 0) if self.device.type == "cuda" else (0, 0)
 
     def _stream(self) -> int:
         """The CUDA stream the optimizer updates on: the copies wait for it."""
@@ -251,11 +231,9 @@ class MultistepMode(Driver):
                 g = g.detach().clone()
             grads.append((g.data_ptr(), code(g.dtype)))
             held.append(g)
-        kind, index = self._where()
-        stream = self._stream()
         # the groups' hyperparameters as the optimizer is about to use them
         self._timed(self.core.on_update_begin, self._step_now(), self.opt.param_groups, False,
-                    grads, kind, index, stream)
+                    grads, *_where(self.device), self._stream())
         if self.overlap:
             self._held.append(held)
 
@@ -316,7 +294,7 @@ class MultistepMode(Driver):
     def _tensors(self) -> list:
         self._check(self.replay)
         out, fresh = [], False
-        kind, index = self._where()
+        kind, index = _where(self.device)
         first = _ROLES[self.algorithm][0]  # made at the first update
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
@@ -341,14 +319,15 @@ class MultistepMode(Driver):
         tensors: dict = {}
         meta = self.session.meta(step, tensors)  # metrics=: step(step, metrics=) of this version
         if self._cuda:  # what restore's replay must find again (replay_check)
-            meta["multistep"] = dict(_arithmetic(self.opt, self.device), replay="torch",
-                                     groups=_flags(self.opt))
+            meta["multistep"] = dict(_arithmetic(self.opt, self.device), replay="torch", groups=[
+                {k: g[k] for k in ("foreach", "fused", "capturable", "amsgrad",
+                                   "decoupled_weight_decay") if k in g}
+                for g in self.opt.param_groups])
         owned = {}
-        roles = _ROLES[self.algorithm]
         for i, p in enumerate(self.params):
             owned[(p.data_ptr(), p.numel())] = (i, "param")
             st = self.opt.state.get(p, {})
-            for r in roles:
+            for r in _ROLES[self.algorithm]:
                 v = st.get(r)
                 if isinstance(v, torch.Tensor):
                     owned[(v.data_ptr(), v.numel())] = (i, r)
@@ -365,10 +344,12 @@ class MultistepMode(Driver):
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
-            kind, index = _device(t, f"tensor {name!r} of the state", self.replay)
-            stream = self._stream() if kind == 1 else 0
+            _ext.core().multistep_device_check(f"tensor {name!r} of the state", str(t.device),
+                                               self.replay)
+            kind, index = _where(t.device)
             outputs.append((name, code(t.dtype), list(t.shape), nbytes, -1, "param",
-                            t.data_ptr() if nbytes else 0, kind, index, stream))
+                            t.data_ptr() if nbytes else 0, kind, index,
+                            self._stream() if kind == 1 else 0))
         self.core.set_outputs(outputs, _state.dumps(meta))
         self._outputs_set = True
 

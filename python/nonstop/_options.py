@@ -37,7 +37,7 @@ class ModeOptions:
     auto: Optional[_auto.AutoInterval] = None
     parts: int = 7              # multistep
     overlap_gradients: bool = True
-    replay: str = "auto"        # multistep: "auto", "host", "torch" (_multistep.REPLAYS)
+    replay: str = "auto"        # multistep: "auto", "host", "torch" (C++ ChooseMultistep checks it)
     copy: str = "host"          # layerwise
     clip_grad_norm: Optional[float] = None
 

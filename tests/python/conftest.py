@@ -1,5 +1,8 @@
+import json
 import os
+import resource
 import sys
+import time
 
 import pytest
 import torch
@@ -188,3 +191,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     # A stable sort: the rest keep their order (and a group its tests').
     items.sort(key=lambda item: -SLOW_FIRST.get(getattr(item, "originalname", item.name), 0))
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and of its children that
+    have been waited for (their own waited-for children included)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With NONSTOP_TEST_CPU_LOG=FILE, appends one JSON line a test: its id,
+    the xdist worker, start and end (epoch seconds) and the CPU seconds it
+    and its children used (setup, call and teardown). On a loaded machine
+    the CPU seconds, not the wall time, compare two versions of a test; the
+    start and end give each worker's timeline (docs/TESTING.md)."""
+    path = os.environ.get("NONSTOP_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    t0, c0 = time.time(), _cpu_s()
+    yield
+    line = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"),
+            "start": round(t0, 3), "end": round(time.time(), 3), "cpu_s": round(_cpu_s() - c0, 3)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")

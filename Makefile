@@ -66,16 +66,18 @@ cbuild: deps
 	$(CMAKE) -S . -B build $(CMAKE_GEN) -DNONSTOP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	$(CMAKE) --build build -j $(JOBS)
 
+CTEST_RUN = cd build && ctest --output-on-failure -j $(JOBS) --timeout 600
 test-cpp: cbuild
-	cd build && ctest --output-on-failure -j $(JOBS) --timeout 600
+	$(CTEST_RUN)
 
 # Two pytest workers by default (pytest-xdist, --dist loadgroup; the cases
 # that share a machine-wide resource, network namespaces and loop devices,
 # run on one worker in turn: conftest.py XDIST_GROUPS). PYTEST_WORKERS=0
 # runs serially. docs/TESTING.md "Two pytest workers".
 PYTEST_WORKERS ?= 2
+PYTEST_RUN = $(PY) -m pytest -q --durations=30 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) tests/python
 test-py: build
-	$(PY) -m pytest -q --durations=30 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) tests/python
+	$(PYTEST_RUN)
 
 # `pip install .` from a read-only source tree into a fresh venv, then a
 # checkpoint and restore with the installed package (compiles the engine
@@ -83,10 +85,14 @@ test-py: build
 test-packaging: build
 	NONSTOP_PACKAGING_TEST=1 $(PY) -m pytest -q tests/python/test_packaging.py
 
+# Builds once (build, then cbuild: nothing left to compile), then the C++
+# tests, then the Python ones: not through test-cpp and test-py, whose
+# prerequisites would configure the tree and run the editable install again
+# (a pip resolve and an `import torch`: CI paid them twice).
 test: export PYBUILD_TESTS := ON
 test: build cbuild
-	$(MAKE) --no-print-directory test-cpp
-	$(MAKE) --no-print-directory test-py
+	$(CTEST_RUN)
+	$(PYTEST_RUN)
 
 test-asan: deps
 	$(CMAKE) -S . -B build-asan $(CMAKE_GEN) -DNONSTOP_SANITIZE=address -DNONSTOP_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null

@@ -56,14 +56,25 @@ venv: deps .venv/.ready
 # sets) builds the C++ tests in the same pass. Flipping it only adds or
 # drops the test targets: the libraries are not compiled again.
 PYBUILD_TESTS ?= OFF
+# That build type's flags: CMake's -O2 -DNDEBUG, with -g1 for debug info
+# (function names and line tables: a backtrace, gdb's `bt` or a sanitizer
+# report still says file:line; no local variables or types). CMake's -g
+# made objects 4x larger and cost a quarter of the compiler's CPU seconds
+# on a cold build (docs/TESTING.md, "The cold build"). `make build
+# DEBUG_INFO=-g` for a debugger session (the same on `cbuild`: the two
+# share build/, and flags that differ compile everything again).
+DEBUG_INFO ?= -g1
+RELWITHDEBINFO_FLAGS = -O2 $(DEBUG_INFO) -DNDEBUG
 build: venv
 	$(PIP) install -c constraints.txt -q --no-build-isolation -Cbuild-dir=build \
-	    -Ccmake.build-type=RelWithDebInfo -Ccmake.define.NONSTOP_BUILD_TESTS=$(PYBUILD_TESTS) -e .
+	    -Ccmake.build-type=RelWithDebInfo -Ccmake.define.NONSTOP_BUILD_TESTS=$(PYBUILD_TESTS) \
+	    "-Ccmake.define.CMAKE_CXX_FLAGS_RELWITHDEBINFO=$(RELWITHDEBINFO_FLAGS)" -e .
 	@$(PY) -c "import nonstop; print('nonstop', nonstop.__version__, 'ready:', nonstop.build_info())"
 
 # The C++ build with tests (separate from the Python extension's build dir).
 cbuild: deps
-	$(CMAKE) -S . -B build $(CMAKE_GEN) -DNONSTOP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	$(CMAKE) -S . -B build $(CMAKE_GEN) -DNONSTOP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$(RELWITHDEBINFO_FLAGS)" >/dev/null
 	$(CMAKE) --build build -j $(JOBS)
 
 CTEST_RUN = cd build && ctest --output-on-failure -j $(JOBS) --timeout 600

@@ -166,8 +166,8 @@ def read_ceiling(d, tensors):
     with 1 and 4 threads, and a plain memcpy of the same bytes (torch copy_
     into warm tensors, one thread): the read cannot beat memcpy + crc."""
     import torch
-    from nonstop import _checkpointer
-    core = _checkpointer._core()
+    from nonstop import _ext
+    core = _ext.core()
     reader, why = core.open_memory_segment(d, 0)
     if reader is None:
         return {"why": why}

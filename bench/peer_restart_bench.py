@@ -35,7 +35,7 @@ that rotates every round (interleaved, so the noise of this shared
   peer_to_disk  the same fetch into the replacement's job directory on
            disk (where a restart fetched it before: fsync at the disk's
            write speed)
-  s3       _remote.fetch of the step from the object store (SeaweedFS in its
+  s3       _core.RemoteTier.fetch of the step from the object store (SeaweedFS in its
            own namespace) into the job directory (disk, as the remote
            tier's restore does), every part's crc checked; then nonstop.load
   disk     the survivors' disk: a nonstop job keeps no copy of one rank's

@@ -24,7 +24,7 @@ network namespace, tests/python/netns_hosts.py). Not a tool of its own.
           fetched copy is read once more through the same C++ restore path
           (_core.restore) with no destination for any tensor: every crc chunk
           read and verified, nothing kept (no second copy of the state).
-  s3      (replacement) _remote.fetch of step `step` rank 0 from `url` into
+  s3      (replacement) RemoteTier.fetch of step `step` rank 0 from `url` into
           `dest`, then nonstop.load (`lean`: verified as above): fetch and
           load seconds.
 """
@@ -222,7 +222,7 @@ def serve():
                     d = _core.peer_fetch(req["endpoint"], req["job"], SECRET, 0, 1, req["dest"])
                 else:
                     store = _remote.open_store(req["url"], req["options"])
-                    d = _remote.fetch(store, req["step"], 0, req["dest"])
+                    d = _core.RemoteTier(store).fetch(int(req["step"]), 0, req["dest"])
                 t1 = time.perf_counter()
                 got = verify_all(d) if req.get("lean") else load_all(d)
                 t2 = time.perf_counter()

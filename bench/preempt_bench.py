@@ -75,7 +75,12 @@ def one_run(d: str, nbytes: int, scenario: str, step_s: float, medium: str) -> d
         time.sleep(step_s / 2)  # ... and the notice lands in the middle of step 3
     t_notice = time.perf_counter()
     ckpt.preempt("bench")
-    expected = ckpt._preempt.expected_s
+    # What the notice's line estimated (PreemptWatch._announce's figures).
+    w, eng = ckpt._preempt, ckpt.session.engine
+    latest = eng.latest()
+    _, expected = w.notices.estimate(
+        w.state_bytes(), nonstop._ext.core().persist_bandwidth(eng.stats().get("recent", [])),
+        w.cfg["grace_s"], None if latest is None else latest[1])
     time.sleep(step_s / 2)  # the rest of the step
     t_boundary = time.perf_counter()
     try:

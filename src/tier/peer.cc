@@ -1064,6 +1064,13 @@ void PeerServer::Impl::Serve(Conn* c) {
   if (hs.ok()) hs = c->sock.SetTimeout(HandshakeTimeoutS());
   if (hs.ok()) hs = w::ServerHandshake(c->sock, o.job, o.secret);
   c->pending.store(false);
+  // Ran out of time whichever clock saw it first: the acceptor's shutdown at
+  // the deadline, or this socket's own receive timeout (armed after the
+  // deadline was set, so it fires past it), which on a loaded host can beat
+  // a descheduled acceptor. Decided by the clock, not by the race.
+  if (!hs.ok() && c->deadline_ns.load() != 0 && SteadyNs() >= c->deadline_ns.load()) {
+    c->timed_out.store(true);
+  }
   if (hs.ok() && c->timed_out.load()) {
     hs = Status::IOError("peer " + c->sock.peer() + ": the handshake completed past its deadline");
   }

@@ -6,10 +6,9 @@ types are looked at: nothing is iterated, nothing is imported.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.utils.data
-from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+from torch.utils.data import (RandomSampler, SequentialSampler, SubsetRandomSampler,
+                              WeightedRandomSampler)
 
 from . import _ext
 
@@ -40,19 +39,23 @@ def _positional_only(sampler) -> bool:
                 and callable(getattr(sampler, "load_state_dict", None)))
 
 
-def check_loader(loader, where: str, ddp_wrapped: Optional[str] = None) -> None:
-    """Raises CheckpointMismatchError when `loader` (a stateful data loader)
-    would not resume in the exact order; see the module docstring.
-    `ddp_wrapped`: the sampler Lightning wrapped in a DistributedSamplerWrapper
-    (lightning.py), refused for any loader."""
+def check_loader(loader, where: str) -> None:
+    """Raises CheckpointMismatchError when `loader` (a stateful data loader,
+    or any under a DistributedSamplerWrapper: what Lightning makes of a
+    sampler other than torch's under DDP) would not resume in the exact
+    order; see the module docstring."""
+    found = list(samplers(loader))
+    wrap = next((s for s in found if type(s).__name__ == "DistributedSamplerWrapper"), None)
+    inner = getattr(getattr(wrap, "dataset", None), "_sampler", None)
+    wrapped = None if wrap is None or isinstance(inner, SequentialSampler) else type(inner).__name__
     stateful = _is_loader(loader)
-    if not stateful and ddp_wrapped is None:
+    if not stateful and wrapped is None:
         return
     gen = getattr(loader, "generator", None)
-    found = [(f"{type(s).__module__}.{type(s).__name__}", _positional_only(s),
-              gen is not None and getattr(s, "generator", None) is gen) for s in samplers(loader)]
+    facts = [(f"{type(s).__module__}.{type(s).__name__}", _positional_only(s),
+              gen is not None and getattr(s, "generator", None) is gen) for s in found]
     _ext.core().check_loader_order(where, type(getattr(loader, "base_dataloader", loader)).__name__,
-                                   stateful, found, gen is not None, ddp_wrapped)
+                                   stateful, facts, gen is not None, wrapped)
 
 
 def check_state(state: dict) -> None:

@@ -44,12 +44,6 @@ def optimizers(values) -> list:
     return out
 
 
-def scheduler(obj):
-    """The LR scheduler behind an AcceleratedScheduler (`.scheduler`)."""
-    inner = getattr(obj, "__dict__", {}).get("scheduler")
-    return obj if inner is None or not hasattr(inner, "state_dict") else inner
-
-
 def module(obj):
     """The module behind DDP/FSDP-style (`.module`) and torch.compile
     (`._orig_mod`) wrappers."""

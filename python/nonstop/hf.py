@@ -44,7 +44,7 @@ class NonstopCallback(TrainerCallback):
         self.checkpointer_kwargs = checkpointer_kwargs
         self.ckpt: Optional[_checkpointer.Checkpointer] = None
         self._trainer_state: dict = {}
-        self._to_load = None  # what resume_from read, for on_train_begin
+        self._to_load: Optional[int] = None  # the step on_train_begin restores (resume_from)
         self._resume_folder: Optional[str] = None  # what resume_from wrote, removed once read
         self.last_handle = None
         self._from_args: dict = {}  # what the TrainingArguments set (on_train_begin)
@@ -82,7 +82,7 @@ class NonstopCallback(TrainerCallback):
                 # reads rng_state*.pth before the first step; model,
                 # optimizer and scheduler come from nonstop now. The folder
                 # goes after the first step (every rank has read it then).
-                self._to_load = {"restore_step": step}
+                self._to_load = step
             else:  # a fresh start, resume_from(cb) or a Trainer checkpoint: unused
                 self._drop_auto()
         if self._resume_folder is not None:
@@ -91,20 +91,18 @@ class NonstopCallback(TrainerCallback):
             _remove(self._resume_folder, "model.safetensors")
         if self._to_load is None:
             return
-        saved, self._to_load = self._to_load, None
+        step, self._to_load = self._to_load, None
         if optimizer is None:
             raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
-        if "restore_step" in saved:
-            self._restore_step(saved["restore_step"], model, optimizer, lr_scheduler)
-            return
-        _unwrap.optimizer(optimizer).load_state_dict(saved["optim"])
-        if lr_scheduler is not None and "sched" in saved:
-            _unwrap.scheduler(lr_scheduler).load_state_dict(saved["sched"])
+        self._restore_step(step, model, optimizer, lr_scheduler)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        # trainer_state.json and rng_state.pth have been read (the RNG
+        # states just before the first step): resume_from's folder goes.
+        self._drop_resume()
+
+    def _drop_resume(self) -> None:
         if self._resume_folder is not None:
-            # trainer_state.json and rng_state.pth have been read (the RNG
-            # states just before the first step): resume_from's folder goes.
             folder, self._resume_folder = self._resume_folder, None
             _remove(folder)
 
@@ -179,9 +177,7 @@ class NonstopCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self.close()
         self._drop_auto(barrier=True)  # resumed at max_steps: no step ran
-        if self._resume_folder is not None:  # resumed at max_steps: no step began
-            folder, self._resume_folder = self._resume_folder, None
-            _remove(folder)
+        self._drop_resume()  # resumed at max_steps: no step began
         if self._load_best and state.best_global_step and model is not None:
             self._load_best_weights(state, model)
 
@@ -196,11 +192,9 @@ class NonstopCallback(TrainerCallback):
                 _remove(folder)
 
     def _load_best_weights(self, state, model) -> None:
-        """load_best_model_at_end: the weights of the best evaluated step (the
-        Trainer's best_global_step, kept by best=) go into the model, as the
-        Trainer does with its own best checkpoint, reassembled from all rank
-        files under torchrun (one directory every rank sees).
-        state.best_model_checkpoint names the kept copy."""
+        """load_best_model_at_end: the weights of the Trainer's
+        best_global_step (kept by best=; under torchrun reassembled from all
+        rank files) go into the model; best_model_checkpoint names the copy."""
         step = state.best_global_step - 1
         _, flat = _dcp.collect(self.dir, step)
         sd = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
@@ -249,8 +243,7 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
         if callback._model is None:
             raise CheckpointMismatchError("resume_from under torchrun: pass the callback to the "
                                           "Trainer (callbacks=[cb]) before calling resume_from(cb)")
-        weights, rng, to_load = (_unwrap.module(callback._model).state_dict(), meta.get("rng"),
-                                 {"restore_step": s})
+        weights, rng = _unwrap.module(callback._model).state_dict(), meta.get("rng")
         sub, rng_name = f"rank-{rank}", f"rng_state_{rank}.pth"
     else:
         if not _checkpointer.check_directory(d, 0, None, must_exist=False):
@@ -266,13 +259,13 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
             if key not in saved:
                 raise CheckpointMismatchError(f"{d} step {loaded.step} has no {key!r}: "
                                               f"not written by nonstop.hf.NonstopCallback")
-        ts, weights, rng = saved["trainer_state"], saved["model"], loaded.meta.get("rng")
-        to_load = {k: saved[k] for k in ("optim", "sched") if k in saved}
+        s, ts, weights, rng = (loaded.step, saved["trainer_state"], saved["model"],
+                               loaded.meta.get("rng"))
         sub, rng_name = "", "rng_state.pth"
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", sub, f"checkpoint-{ts['global_step']}")
     _write_folder(folder, _trainer_files(ts, weights, rng, rng_name))
-    callback._to_load = to_load
+    callback._to_load = s  # on_train_begin restores it in place (optimizer, scheduler)
     callback._resume_folder = os.path.abspath(folder)
     return folder
 
@@ -388,9 +381,8 @@ def _comm(world: int) -> _distributed.Comm:
 
 def _rng_file(saved: dict) -> bytes:
     """nonstop's RNG record (_rng.capture) as the bytes of the Trainer's
-    rng_state.pth (it reads them with weights_only=True): the saved states
-    are put in place, read back in the Trainer's layout, and the current
-    ones put back. Written through the seam by the caller."""
+    rng_state.pth (read with weights_only=True): the saved states are put in
+    place, read back in the Trainer's layout, and the current ones put back."""
     now = _rng.capture()
     try:
         _rng.restore(saved)

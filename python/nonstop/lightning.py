@@ -19,37 +19,27 @@ from typing import Any, Optional
 import torch
 
 try:
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy,
-                                              SingleDeviceStrategy)
-except ImportError:  # the standalone package name
-    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
-    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO  # type: ignore[no-redef]
-    from lightning_fabric.utilities.apply_func import (  # type: ignore[no-redef]
-        move_data_to_device)
-    from lightning_fabric.utilities.distributed import (  # type: ignore[no-redef]
-        DistributedSamplerWrapper)
-    from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
-    from pytorch_lightning.strategies import (DDPStrategy,  # type: ignore[no-redef]
-                                              DeepSpeedStrategy, SingleDeviceStrategy)
+    import lightning.fabric as fabric
+    import lightning.pytorch as pl
+except ImportError:  # the standalone package names
+    import lightning_fabric as fabric  # type: ignore[no-redef]
+    import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from . import _checkpointer, _data, _ext, _options, _rng
-from .errors import CheckpointMismatchError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
 MARKER_FORMAT = "nonstop.lightning/1"
 __all__ = ["NonstopCheckpoint", "NonstopCheckpointIO", "MARKER_FORMAT", "load_weights"]
 
 
 def read_marker(path: str) -> Optional[dict]:
-    """The marker at `path` as a dict, or None when it is not one."""
+    """The marker at `path` as a dict, or None when it is not one (read
+    through the Env seam: a link is refused; a marker is small, a torch file
+    is bigger or not JSON)."""
+    parent, name = os.path.split(os.path.abspath(path))
     try:
-        with open(path, "rb") as f:
-            marker = json.loads(f.read(1 << 16))  # a marker is small; a torch file is not JSON
-    except (OSError, ValueError):
+        marker = json.loads(_ext.core().Directory(parent).read(name, 1 << 16) or b"null")
+    except (CheckpointError, OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
 
@@ -64,25 +54,28 @@ def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = T
     (torch.load of a JSON file: an UnpicklingError); this reads the
     checkpoint nonstop wrote, without pickle. docs/LIGHTNING.md."""
     path = os.fspath(path)
-    marker = read_marker(path)
-    if marker is None and os.path.isfile(path):
+    d = _marked_dir(path)
+    if d is None and os.path.isfile(path):
         raise CheckpointMismatchError(
             f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
-    loaded, state = _load(_marked_dir(path, marker) if marker is not None else path, path)
+    loaded, state = _load(d or path, path)
     weights = state.get("state_dict")
     if not isinstance(weights, dict):
         raise CheckpointMismatchError(f"{path}: step {loaded.step} holds no Lightning checkpoint")
     if map_location is not None:
-        weights = move_data_to_device(weights, map_location)
+        weights = fabric.utilities.move_data_to_device(weights, map_location)
     if model is None:
         return weights
     model.load_state_dict(weights, strict=strict)
     return model
 
 
-def _marked_dir(path: str, marker: dict) -> str:
-    """The nonstop directory a marker at `path` names (relative: to its folder)."""
-    return os.path.join(os.path.dirname(os.path.abspath(path)), marker["dir"])
+def _marked_dir(path: str) -> Optional[str]:
+    """The nonstop directory the marker at `path` names (relative: to its
+    folder), or None when `path` is no marker."""
+    marker = read_marker(path)
+    return None if marker is None else os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                    marker["dir"])
 
 
 def _load(d: str, where: str) -> tuple:
@@ -106,16 +99,16 @@ def _write_atomically(path: str, text: str) -> None:
                                                               text.encode())
 
 
-class NonstopCheckpointIO(CheckpointIO):
+class NonstopCheckpointIO(fabric.plugins.CheckpointIO):
     """Lightning's CheckpointIO, aware of nonstop markers: load_checkpoint
     of a marker returns the checkpoint dict read from nonstop (and keeps its
     RNG states for NonstopCheckpoint to put back). Any other path goes to
     the CheckpointIO it wraps (Lightning's default: torch.save/torch.load),
     so `trainer.save_checkpoint("x.ckpt")` works as before."""
 
-    def __init__(self, wrapped: Optional[CheckpointIO] = None):
+    def __init__(self, wrapped: Optional[fabric.plugins.CheckpointIO] = None):
         super().__init__()
-        self.wrapped = wrapped if wrapped is not None else TorchCheckpointIO()
+        self.wrapped = wrapped if wrapped is not None else fabric.plugins.TorchCheckpointIO()
         self.loaded_rng: Optional[dict] = None
         self.loaded_step: Optional[int] = None
         self.loaded_loops: Optional[dict] = None  # the fit loop's state (_reiterate)
@@ -127,19 +120,18 @@ class NonstopCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict:
-        marker = read_marker(os.fspath(path))
-        cb = self.callback
-        if (marker is None and cb is not None and _options.world()[1] > 1 and
-                os.path.dirname(os.path.abspath(os.fspath(path))) == os.path.abspath(cb.nonstop_dir)):
-            marker = {"dir": cb.nonstop_dir}  # no marker yet (_find_last_checkpoints)
-        if marker is None:
+        d, cb = _marked_dir(os.fspath(path)), self.callback
+        ddp = cb is not None and _options.world()[1] > 1
+        if d is None and ddp and (os.path.dirname(os.path.abspath(os.fspath(path)))
+                                  == os.path.abspath(cb.nonstop_dir)):
+            d = cb.nonstop_dir  # no marker yet (_find_last_checkpoints)
+        if d is None:
             return self.wrapped.load_checkpoint(path, map_location=map_location,
                                                  weights_only=weights_only)
-        d = _marked_dir(os.fspath(path), marker)
-        if self.callback is not None and _options.world()[1] > 1:
+        if ddp:
             # Every rank restores its own file of the step all ranks agree on
             # (the replicated tensors reassembled from the ranks' shares).
-            state, self.loaded_step = self.callback._restore_distributed(d)
+            state, self.loaded_step = cb._restore_distributed(d)
             self.loaded_rng = _rng.capture()  # as restored; put back in on_train_start
         else:
             loaded, state = _load(d, d)
@@ -147,7 +139,7 @@ class NonstopCheckpointIO(CheckpointIO):
         loops = state.get("loops")
         fit = loops.get("fit_loop") if isinstance(loops, dict) else None
         self.loaded_loops = fit if isinstance(fit, dict) else None
-        return state if map_location is None else move_data_to_device(state, map_location)
+        return state if map_location is None else fabric.utilities.move_data_to_device(state, map_location)
 
     def remove_checkpoint(self, path) -> None:
         self.wrapped.remove_checkpoint(path)
@@ -184,19 +176,7 @@ def _reiterate(trainer, fit_state: dict) -> None:
         iter(fetcher)
 
 
-def _ddp_wrapped(loader) -> Optional[str]:
-    """The sampler (its class name) Lightning wrapped in a
-    DistributedSamplerWrapper under DDP, unless torch's SequentialSampler: no
-    loader saves its state (docs/LIGHTNING.md "DDP"); None: none."""
-    for s in _data.samplers(loader):
-        if isinstance(s, DistributedSamplerWrapper):
-            inner = getattr(getattr(s, "dataset", None), "_sampler", None)
-            sequential = isinstance(inner, torch.utils.data.SequentialSampler)
-            return None if sequential else type(inner).__name__
-    return None
-
-
-class NonstopCheckpoint(ModelCheckpoint):
+class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
     """Checkpoints with nonstop every `every` (every_n_train_steps=)
     optimizer steps (default 10), or after the last optimizer step of every
     `every_n_epochs`-th epoch, or after the first optimizer step
@@ -267,8 +247,8 @@ class NonstopCheckpoint(ModelCheckpoint):
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
-                strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if isinstance(strategy, pl.strategies.DeepSpeedStrategy) or not isinstance(
+                strategy, (pl.strategies.SingleDeviceStrategy, pl.strategies.DDPStrategy)):
             # FSDPStrategy saves and loads its checkpoints itself (state dicts
             # gathered or sharded through DCP, not through CheckpointIO), and
             # Lightning refuses it on CPU; DeepSpeed likewise.
@@ -332,7 +312,7 @@ class NonstopCheckpoint(ModelCheckpoint):
         # first step (_data.py, docs/EXACT_RESUME.md).
         combined = getattr(trainer.fit_loop, "_combined_loader", None)
         for i, loader in enumerate(getattr(combined, "flattened", None) or []):
-            _data.check_loader(loader, f"train dataloader {i}", _ddp_wrapped(loader))
+            _data.check_loader(loader, f"train dataloader {i}")
         self._last_global_step = trainer.global_step
         self._last_time = self._clock()
         if self.io is not None and self.io.loaded_loops is not None:

@@ -111,6 +111,27 @@ def test_load_weights_for_evaluation(tmp_path):
     assert set(sd) == set(module.state_dict())
 
 
+def test_marker_is_read_through_the_seam(tmp_path):
+    """read_marker reads last.ckpt through _core.Directory.read: a marker is
+    found, a link planted at last.ckpt is refused (never followed: None, so
+    Lightning's own loader gets the path), and a torch file bigger than a
+    marker or not JSON is no marker."""
+    import json
+
+    from nonstop.lightning import MARKER_FORMAT, read_marker
+    real = tmp_path / "elsewhere.json"
+    real.write_text(json.dumps({"format": MARKER_FORMAT, "dir": "nonstop", "step": 3}))
+    assert read_marker(str(real))["step"] == 3
+    os.symlink(real, tmp_path / "last.ckpt")
+    assert read_marker(str(tmp_path / "last.ckpt")) is None
+    (tmp_path / "big.ckpt").write_bytes(b"\x80" * (1 << 17))
+    (tmp_path / "small.ckpt").write_bytes(b"\x80\x02}q\x00.")
+    assert read_marker(str(tmp_path / "big.ckpt")) is None
+    assert read_marker(str(tmp_path / "small.ckpt")) is None
+    assert read_marker(str(tmp_path / "missing" / "last.ckpt")) is None
+    assert read_marker(str(tmp_path)) is None
+
+
 def test_monitor_and_save_top_k_keep_the_best_steps(tmp_path):
     """monitor=/mode=/save_top_k= (ModelCheckpoint's) become best=: the
     metric logged with self.log reaches each checkpoint, and the kept copies

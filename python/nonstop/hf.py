@@ -311,11 +311,12 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
     (collective; docs/HF.md "`resume_from_checkpoint=True`"). Returns
     (folder, global_step, step) or None."""
     rank, world = _options.world()
-    if rank == 0 and os.path.isdir(out):
-        for name in os.listdir(out):  # leftovers of a run killed before its first step
-            if name.startswith("checkpoint-") and os.path.isfile(
-                    os.path.join(out, name, _AUTO_MARK)):
-                _remove(os.path.join(out, name))
+    if rank == 0 and os.path.isdir(out):  # leftovers of a run killed before its first step
+        top = _ext.core().Directory(out)  # (through the Env seam, never following a link)
+        for name, kind in top.list():
+            if (kind == "dir" and name.startswith("checkpoint-")
+                    and top.subdir(name).stat(_AUTO_MARK) is not None):
+                top.remove_tree(name)
     got = _agreed(callback.dir, None, rank, world)
     if got is None:
         return None

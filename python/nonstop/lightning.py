@@ -91,9 +91,8 @@ def _load(d: str, where: str) -> tuple:
 
 
 def _write_atomically(path: str, text: str) -> None:
-    """Through the Env seam (Directory.write_atomic): a temp created
-    O_EXCL|O_NOFOLLOW relative to the directory fd, fsynced, renamed over
-    `path` (a symlink there is refused), the directory fsynced."""
+    """Through the Env seam (Directory.write_atomic: temp, fsync, rename
+    over `path`, never following a link)."""
     path = os.path.abspath(path)
     _ext.core().Directory(os.path.dirname(path)).write_atomic(os.path.basename(path),
                                                               text.encode())
@@ -150,11 +149,8 @@ class NonstopCheckpointIO(fabric.plugins.CheckpointIO):
 
 def _reiterate(trainer, fit_state: dict) -> None:
     """Puts the restored loaders where the uninterrupted run's would be,
-    before the first batch is fetched (docs/LIGHTNING.md "What it does"):
-    resumed after an epoch's last batch, set_epoch(the new epoch) and a
-    fresh iterator; mid-epoch with a sampler that orders by epoch,
-    set_epoch(restored epoch), the loader's state again, a new iterator.
-    The iterator Lightning made before is dropped unread."""
+    before the first batch (docs/LIGHTNING.md "What it does": set_epoch,
+    the loader's state again, a new iterator; Lightning's is dropped unread)."""
     loop = trainer.fit_loop
     combined = getattr(loop, "_combined_loader", None)
     fetcher = getattr(loop, "_data_fetcher", None)
@@ -277,10 +273,8 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
 
     def _open(self, optimizers: list) -> _checkpointer.Checkpointer:
         """The Checkpointer of Lightning's checkpoint dict (made at the first
-        save, or at a DDP restore), whose tensors are the live module's and
-        optimizers' own: the optimizers' are left in place until their next
-        step (zero-copy). Under DDP it is made before the optimizers exist:
-        they are attached (hooked) later."""
+        save, or at a DDP restore before the optimizers exist), the
+        optimizers attached (hooked: their tensors stay zero-copy)."""
         if self.ckpt is None:
             kwargs = dict(self.checkpointer_kwargs)
             kwargs.setdefault("on_preempt", False)  # Lightning has its own signal handling
@@ -291,10 +285,8 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
         return self.ckpt
 
     def _restore_distributed(self, d: str) -> tuple:
-        """With world_size > 1 (collective, every rank): restores the
-        newest step that every rank holds committed (nonstop's distributed
-        recovery; the same step on every rank). Returns (Lightning's
-        checkpoint dict, step)."""
+        """With world_size > 1 (collective): restores the newest step every
+        rank committed. Returns (Lightning's checkpoint dict, step)."""
         if os.path.abspath(d) != os.path.abspath(self.nonstop_dir):
             raise CheckpointMismatchError(
                 f"the marker names {d}, this NonstopCheckpoint writes {self.nonstop_dir}")

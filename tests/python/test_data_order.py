@@ -87,6 +87,26 @@ def test_the_exact_recipes_are_accepted(tmp_path, recipe):
     ckpt.close()
 
 
+def test_a_sampler_in_lightnings_ddp_wrapper_is_refused_unless_sequential():
+    """_data.check_loader finds Lightning's DistributedSamplerWrapper (by
+    its class; what Lightning makes of a sampler other than torch's under
+    DDP): around a random sampler it is refused, naming the inner sampler,
+    even for a loader that keeps no state; around torch's SequentialSampler
+    (an order of no epoch) it is accepted."""
+    from nonstop import _data
+    wrapper = pytest.importorskip("lightning.fabric.utilities.distributed").DistributedSamplerWrapper
+
+    def loader(inner, cls=torch.utils.data.DataLoader):
+        return cls(DS, batch_size=3, generator=_gen(8),
+                   sampler=wrapper(inner, num_replicas=2, rank=0))
+
+    for cls in (torch.utils.data.DataLoader, StatefulDataLoader):
+        with pytest.raises(nonstop.CheckpointMismatchError,
+                           match="wraps its RandomSampler in a DistributedSamplerWrapper"):
+            _data.check_loader(loader(StatefulRandomSampler(DS, generator=_gen(7)), cls), "here")
+        _data.check_loader(loader(torch.utils.data.SequentialSampler(DS), cls), "here")
+
+
 def test_accelerate_prepared_loader_is_checked(tmp_path):
     pytest.importorskip("accelerate")
     from accelerate import Accelerator

@@ -34,9 +34,14 @@ def test_resume_from_writes_the_trainer_folder_and_the_callback_removes_it(tmp_p
     d = str(tmp_path / "nonstop")
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
     with nonstop.Checkpointer(d, {"model": model, "optim": opt,
                                   "trainer_state": {"global_step": 3}}, every=1) as ck:
         ck.save(2).wait()
+    saved = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    model = torch.nn.Linear(4, 4)  # the resumed run's, before its first step
+    opt = torch.optim.AdamW(model.parameters())
     cb = NonstopCallback(d)
     folder = resume_from(cb)
     assert folder.endswith(os.path.join("nonstop-resume", "checkpoint-3"))
@@ -45,6 +50,9 @@ def test_resume_from_writes_the_trainer_folder_and_the_callback_removes_it(tmp_p
     assert {"model.safetensors", "rng_state.pth", "trainer_state.json"} <= set(os.listdir(folder))
     assert not os.path.exists(os.path.join(folder, "optimizer.pt"))
     cb.on_train_begin(None, None, None, model=model, optimizer=opt)
+    got = opt.state_dict()["state"][0]  # restored in place from nonstop
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    cb.close()
     assert not os.path.exists(os.path.join(folder, "model.safetensors"))
     assert os.path.exists(os.path.join(folder, "rng_state.pth"))
     cb.on_step_begin(None, None, None)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import _fsdp, _objects, _rng, _state
+from . import _ext, _fsdp, _objects, _rng, _state
 from ._objects import stateful
 from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 
@@ -32,7 +32,7 @@ class StateApplier:
         other stateful objects and plain tensors): restore() reads straight
         into those that match (_read.destinations)."""
         current: dict = {}
-        self._flat = {}  # per key, for _check_fits of this restore
+        self._flat = {}  # per key, for prepare's check of this restore
         for key, obj in self.state.items():
             if stateful(obj) or isinstance(obj, torch.Tensor):
                 self._flat[key] = _flat(key, obj)
@@ -51,18 +51,23 @@ class StateApplier:
         saved = meta.get("state")
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"{where}: its metadata holds no state tree")
-        missing = [k for k in self.state if k not in saved]
-        if missing:
-            raise CheckpointMismatchError(
-                f"{where} has no state {missing[0]!r} "
-                f"(it has {', '.join(map(str, saved)) or 'nothing'})")
         try:
-            values = {key: _state.unflatten(saved[key], loaded.tensors) for key in self.state}
+            values = {key: _state.unflatten(saved[key], loaded.tensors)
+                      for key in self.state if key in saved}
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{where}: {e}") from None
+        live = []
         for key, obj in self.state.items():
-            self._check_fits(key, obj, loaded)
-            self._check_value(key, obj, values[key], where)
+            groups = self._check_value(key, obj, values[key], where) if key in values else ([], [])
+            flat = {} if not (stateful(obj) or isinstance(obj, torch.Tensor)) else (
+                self._flat[key] if key in self._flat else _flat(key, obj))
+            live.append((key, [_desc(n, t) for n, t in flat.items()],
+                         isinstance(obj, (torch.nn.Module, torch.Tensor)), *groups))
+        # C++ (engine/checkpointer_args.h CheckStateFits): a key the checkpoint
+        # lacks, then per key a module's tensor it lacks, a dtype or shape that
+        # differs, an optimizer's parameter group sizes; one-line errors.
+        _ext.core().check_state_fits(where, loaded.step, self.dir, list(saved), live,
+                                     [_desc(n, t) for n, t in loaded.tensors.items()])
         if "multistep_plan" in meta:  # its parts are at their own versions
             if self.replay_check is None:
                 raise CheckpointMismatchError(
@@ -81,8 +86,10 @@ class StateApplier:
                           f"{', '.join(map(repr, extra))}, not restored", stacklevel=4)
         return values, setters
 
-    def _check_value(self, key: str, obj: Any, value: Any, where: str) -> None:
-        """The checks load_state_dict would fail only halfway through."""
+    def _check_value(self, key: str, obj: Any, value: Any, where: str) -> tuple:
+        """The checks load_state_dict would fail only halfway through, of a
+        malformed value; an optimizer's parameter group sizes, live and saved
+        (compared in C++), ([], []) for anything else."""
         if isinstance(obj, torch.Tensor) and not isinstance(value, torch.Tensor):
             raise CorruptCheckpointError(f"{where}: state {key!r} is not a tensor")
         if stateful(obj) and not isinstance(value, dict):
@@ -95,12 +102,8 @@ class StateApplier:
                     isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
                 raise CorruptCheckpointError(
                     f"{where}: state {key!r} is not an optimizer state dict")
-            have = [len(g["params"]) for g in obj.param_groups]
-            got = [len(g["params"]) for g in groups]
-            if have != got:
-                raise CheckpointMismatchError(
-                    f"{where}: optimizer {key!r} has parameter groups of sizes {got}, the "
-                    f"live optimizer {have}")
+            return [len(g["params"]) for g in obj.param_groups], [len(g["params"]) for g in groups]
+        return [], []
 
     def apply(self, plan: tuple) -> None:
         values, setters = plan
@@ -151,27 +154,6 @@ class StateApplier:
                 return False
         return all(isinstance(k, str) and flat.get(f"{key}/{k}") is v for k, v in value.items())
 
-    def _check_fits(self, key: str, obj: Any, loaded) -> None:
-        """Raises a one-line error naming the first tensor whose shape or
-        dtype differs between the checkpoint and `obj` (and, for modules,
-        a tensor the checkpoint lacks), before anything is changed."""
-        if not (stateful(obj) or isinstance(obj, torch.Tensor)):
-            return
-        current = self._flat.get(key)
-        if current is None:
-            current = _flat(key, obj)
-        for name, t in current.items():
-            if name not in loaded.tensors:
-                if isinstance(obj, (torch.nn.Module, torch.Tensor)):
-                    raise CheckpointMismatchError(
-                        f"tensor {name!r} is not in checkpoint step {loaded.step} in {self.dir}")
-                continue
-            got = loaded.tensors[name]
-            if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
-                raise CheckpointMismatchError(
-                    f"tensor {name!r}: checkpoint step {loaded.step} has "
-                    f"{_describe(got)}, the state has {_describe(t)}")
-
 
 def _flat(key: str, obj) -> dict:
     """The tensors of state `key` (a stateful object or a tensor) by checkpoint name."""
@@ -180,5 +162,6 @@ def _flat(key: str, obj) -> dict:
     return out
 
 
-def _describe(t) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+def _desc(name: str, t) -> tuple:
+    """(name, dtype as "float32", shape) for check_state_fits."""
+    return name, str(t.dtype).replace("torch.", ""), list(t.shape)

@@ -7,7 +7,6 @@ the GIL released. The facade over _session, _options, the mode drivers and
 _apply: docs/ARCHITECTURE.md "The Python layers"."""
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 import time
@@ -311,14 +310,7 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
     name (a typo) or one it sets itself, and the values checkable without a
     state (keep=, max_to_keep=, best=, tier=). One-line errors."""
     known = [n for n in inspect.signature(Checkpointer.__init__).parameters if n != "self"]
-    for k in options:
-        if k in own:
-            raise CheckpointMismatchError(f"{who} sets {k}= itself")
-        if k not in known:
-            near = difflib.get_close_matches(k, known, n=1)
-            raise CheckpointMismatchError(
-                f"{who}: unknown option {k}=" + (f" (did you mean {near[0]}=?)" if near else "")
-                + "; the options are nonstop.Checkpointer's (docs/PYTHON.md)")
+    _ext.core().check_option_names(who, list(options), known, list(own))  # the nearest, as difflib
     _ext.core().check_checkpointer_args({k: options[k] for k in ("keep", "tier") if k in options})
     _ext.core().check_retention(options.get("keep"), options.get("max_to_keep"),
                                 options.get("best"))

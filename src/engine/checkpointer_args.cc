@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <unordered_map>
 
 #include "nonstop/engine.h"
 #include "nonstop/store.h"
@@ -175,6 +176,100 @@ uint64_t EstimateFirstCheckpointBytes(const std::vector<uint64_t>& tensor_bytes,
     }
   }
   return n;
+}
+
+
+namespace {
+
+// "float32[32, 16]", as the messages print a tensor.
+std::string Describe(const TensorDesc& t) {
+  std::string s = t.dtype + "[";
+  for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+
+std::string IntList(const std::vector<int64_t>& v) {
+  return Describe({"", "", v});
+}
+
+}  // namespace
+
+Status CheckStateFits(const std::string& where, int64_t step, const std::string& dir,
+                      const std::vector<std::string>& saved_keys,
+                      const std::vector<LiveState>& live, const std::vector<TensorDesc>& saved) {
+  for (const LiveState& s : live) {
+    if (std::find(saved_keys.begin(), saved_keys.end(), s.key) != saved_keys.end()) continue;
+    std::string have;
+    for (const std::string& k : saved_keys) have += (have.empty() ? "" : ", ") + k;
+    return Bad(where + " has no state " + s.key_repr + " (it has " +
+               (have.empty() ? "nothing" : have) + ")");
+  }
+  std::unordered_map<std::string, const TensorDesc*> by_name;
+  for (const TensorDesc& t : saved) by_name.emplace(t.name, &t);
+  const std::string in = "checkpoint step " + std::to_string(step) + " in " + dir;
+  for (const LiveState& s : live) {
+    for (const TensorDesc& t : s.tensors) {
+      const auto it = by_name.find(t.name);
+      if (it == by_name.end()) {
+        if (s.required) return Bad("tensor '" + t.name + "' is not in " + in);
+        continue;
+      }
+      if (it->second->dtype != t.dtype || it->second->shape != t.shape) {
+        return Bad("tensor '" + t.name + "': checkpoint step " + std::to_string(step) + " has " +
+                   Describe(*it->second) + ", the state has " + Describe(t));
+      }
+    }
+    if (s.live_groups != s.saved_groups) {
+      return Bad(where + ": optimizer " + s.key_repr + " has parameter groups of sizes " +
+                 IntList(s.saved_groups) + ", the live optimizer " + IntList(s.live_groups));
+    }
+  }
+  return Status::OK();
+}
+
+
+namespace {
+
+// The characters of a[alo:ahi] and b[blo:bhi] in matching blocks, found as
+// difflib.SequenceMatcher finds them (no junk): the longest common block
+// (the earliest in a, then in b), then the same left and right of it.
+size_t Matching(const std::string& a, size_t alo, size_t ahi, const std::string& b, size_t blo,
+                size_t bhi) {
+  size_t bi = alo, bj = blo, bk = 0;
+  for (size_t i = alo; i < ahi; ++i) {
+    for (size_t j = blo; j < bhi; ++j) {
+      size_t k = 0;
+      while (i + k < ahi && j + k < bhi && a[i + k] == b[j + k]) ++k;
+      if (k > bk) bi = i, bj = j, bk = k;
+    }
+  }
+  if (bk == 0) return 0;
+  return bk + Matching(a, alo, bi, b, blo, bj) + Matching(a, bi + bk, ahi, b, bj + bk, bhi);
+}
+
+}  // namespace
+
+Status CheckOptionNames(const std::string& who, const std::vector<std::string>& given,
+                        const std::vector<std::string>& known,
+                        const std::vector<std::string>& own) {
+  for (const std::string& k : given) {
+    if (std::find(own.begin(), own.end(), k) != own.end()) {
+      return Bad(who + " sets " + k + "= itself");
+    }
+    if (std::find(known.begin(), known.end(), k) != known.end()) continue;
+    // get_close_matches: the best ratio 2 M / (|x| + |k|) >= 0.6; a tie: the greater name.
+    double best = 0.6;
+    std::string near;
+    for (const std::string& x : known) {
+      const double r = 2.0 * static_cast<double>(Matching(x, 0, x.size(), k, 0, k.size())) /
+                       static_cast<double>(x.size() + k.size());
+      if (r > best || (r == best && (near.empty() || x > near))) best = r, near = x;
+    }
+    return Bad(who + ": unknown option " + k + "=" +
+               (near.empty() ? "" : " (did you mean " + near + "=?)") +
+               "; the options are nonstop.Checkpointer's (docs/PYTHON.md)");
+  }
+  return Status::OK();
 }
 
 }  // namespace nonstop

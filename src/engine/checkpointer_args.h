@@ -116,4 +116,48 @@ struct FreshOptimizer {
 uint64_t EstimateFirstCheckpointBytes(const std::vector<uint64_t>& tensor_bytes,
                                       const std::vector<FreshOptimizer>& fresh);
 
+
+// restore(): whether a checkpoint fits the live `state` argument, decided
+// before any object is changed (python/nonstop/_apply.py prepare).
+// A tensor by its checkpoint name, dtype as torch names it without
+// "torch." ("float32") and shape.
+struct TensorDesc {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
+// One key of the live state: its live tensors (a module's, an optimizer's,
+// a plain tensor), whether each must be in the checkpoint (modules and
+// tensors; an optimizer's state may hold fewer), and an optimizer's
+// parameter group sizes, live and saved (both empty: not compared).
+struct LiveState {
+  std::string key;
+  std::string key_repr;  // as Python prints it
+  std::vector<TensorDesc> tensors;
+  bool required = false;
+  std::vector<int64_t> live_groups;
+  std::vector<int64_t> saved_groups;
+};
+
+// InvalidArgument (one line) for the first misfit between the live state
+// and the checkpoint `where` names ("checkpoint step 5 in DIR"; `step` and
+// `dir` for a tensor's message), in this order: a key of the state that
+// the checkpoint lacks (`saved_keys`: its keys), then per key in order: a
+// required tensor it lacks, a tensor whose dtype or shape differs
+// (`saved`: the checkpoint's tensors), an optimizer's group sizes.
+Status CheckStateFits(const std::string& where, int64_t step, const std::string& dir,
+                      const std::vector<std::string>& saved_keys,
+                      const std::vector<LiveState>& live, const std::vector<TensorDesc>& saved);
+
+
+// The Checkpointer keywords an integration (nonstop.hf, nonstop.lightning)
+// was given, checked when it is made: InvalidArgument "WHO sets K= itself"
+// for one in `own`, or "WHO: unknown option K= (did you mean N=?); ..." for
+// one not in `known` (Checkpointer's), N the closest known name as Python's
+// difflib.get_close_matches(K, known, n=1) picks it (ratio >= 0.6).
+Status CheckOptionNames(const std::string& who, const std::vector<std::string>& given,
+                        const std::vector<std::string>& known,
+                        const std::vector<std::string>& own);
+
 }  // namespace nonstop

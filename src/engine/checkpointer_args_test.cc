@@ -245,5 +245,88 @@ TEST(CheckpointerArgsTest, TheFirstCheckpointEstimatePadsTensorsAndAddsFreshMome
   EXPECT_EQ(EstimateFirstCheckpointBytes({}, {{1, {40}}, {0, {8, 8}}}), 40 + kStoreAlign + 3 * 64);
 }
 
+
+// The first misfit between a live state and a checkpoint, "" when it fits.
+std::string Misfit(const std::vector<std::string>& keys, const std::vector<LiveState>& live,
+                   const std::vector<TensorDesc>& saved) {
+  const Status s = CheckStateFits("checkpoint step 3 in /d", 3, "/d", keys, live, saved);
+  if (!s.ok()) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  }
+  return s.ok() ? "" : s.message();
+}
+
+TEST(CheckpointerArgsTest, TheStateFitsACheckpointOrTheFirstMisfitIsNamed) {
+  const TensorDesc w{"model/w", "float32", {32, 16}};
+  const TensorDesc b{"model/b", "float32", {16}};
+  const TensorDesc m{"optim/state/0/exp_avg", "float32", {32, 16}};
+  LiveState model{"model", "'model'", {w, b}, true, {}, {}};
+  LiveState optim{"optim", "'optim'", {m}, false, {2}, {2}};
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, b, m}), "");
+  // An optimizer's state may lack a tensor (no step yet); a module's may not.
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, b}), "");
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, m}),
+            "tensor 'model/b' is not in checkpoint step 3 in /d");
+  EXPECT_EQ(Misfit({"model"}, {model, optim}, {w, b, m}),
+            "checkpoint step 3 in /d has no state 'optim' (it has model)");
+  EXPECT_EQ(Misfit({}, {model}, {}),
+            "checkpoint step 3 in /d has no state 'model' (it has nothing)");
+  // A key is missing before any tensor differs.
+  EXPECT_EQ(Misfit({"model"}, {model, optim}, {{"model/w", "float16", {32, 16}}, b}),
+            "checkpoint step 3 in /d has no state 'optim' (it has model)");
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {{"model/w", "float32", {32, 8}}, b, m}),
+            "tensor 'model/w': checkpoint step 3 has float32[32, 8], the state has "
+            "float32[32, 16]");
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {{"model/w", "bfloat16", {32, 16}}, b, m}),
+            "tensor 'model/w': checkpoint step 3 has bfloat16[32, 16], the state has "
+            "float32[32, 16]");
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, {"model/b", "float32", {}}, m}),
+            "tensor 'model/b': checkpoint step 3 has float32[], the state has float32[16]");
+  // An optimizer's state tensor that differs is a misfit too.
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, b, {m.name, "float32", {16, 32}}}),
+            "tensor 'optim/state/0/exp_avg': checkpoint step 3 has float32[16, 32], the state "
+            "has float32[32, 16]");
+  optim.saved_groups = {1, 1};
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, b, m}),
+            "checkpoint step 3 in /d: optimizer 'optim' has parameter groups of sizes [1, 1], "
+            "the live optimizer [2]");
+  // Keys in order: the model's misfit is named before the optimizer's.
+  EXPECT_EQ(Misfit({"model", "optim"}, {model, optim}, {w, m}),
+            "tensor 'model/b' is not in checkpoint step 3 in /d");
+}
+
+// CheckOptionNames's message, "" when every name is known.
+std::string Names(const std::vector<std::string>& given, const std::vector<std::string>& known) {
+  const Status s = CheckOptionNames("W", given, known, {"dir", "state"});
+  return s.ok() ? "" : s.message();
+}
+
+TEST(CheckpointerArgsTest, AnIntegrationsUnknownOrOwnOptionIsNamedWithTheClosestKnownOne) {
+  const std::vector<std::string> known = {"every", "mode", "max_in_flight", "keep", "tier",
+                                          "max_to_keep", "peer_every", "replicas", "best"};
+  EXPECT_EQ(Names({"keep", "tier"}, known), "");
+  EXPECT_EQ(Names({"keep", "state"}, known), "W sets state= itself");
+  const std::string tail = "; the options are nonstop.Checkpointer's (docs/PYTHON.md)";
+  // What Python's difflib.get_close_matches(name, known, n=1) answers.
+  EXPECT_EQ(Names({"kep"}, known), "W: unknown option kep= (did you mean keep=?)" + tail);
+  EXPECT_EQ(Names({"max_in_fligth"}, known),
+            "W: unknown option max_in_fligth= (did you mean max_in_flight=?)" + tail);
+  EXPECT_EQ(Names({"maxtokeep"}, known),
+            "W: unknown option maxtokeep= (did you mean max_to_keep=?)" + tail);
+  EXPECT_EQ(Names({"peer_evry"}, known),
+            "W: unknown option peer_evry= (did you mean peer_every=?)" + tail);
+  EXPECT_EQ(Names({"replica"}, known),
+            "W: unknown option replica= (did you mean replicas=?)" + tail);
+  EXPECT_EQ(Names({"bst"}, known), "W: unknown option bst= (did you mean best=?)" + tail);
+  EXPECT_EQ(Names({"xyz"}, known), "W: unknown option xyz=" + tail);
+  // Ties go to the greater name; a ratio of exactly 0.6 is close enough, below is not.
+  EXPECT_EQ(Names({"a"}, {"ab", "ba"}), "W: unknown option a= (did you mean ba=?)" + tail);
+  EXPECT_EQ(Names({"a"}, {"ba", "ab"}), "W: unknown option a= (did you mean ba=?)" + tail);
+  EXPECT_EQ(Names({"abc"}, {"abcwxyz"}), "W: unknown option abc= (did you mean abcwxyz=?)" + tail);
+  EXPECT_EQ(Names({"abc"}, {"abwxyzz", "abxy"}), "W: unknown option abc=" + tail);
+  // The first bad name is reported.
+  EXPECT_EQ(Names({"keep", "kep", "dir"}, known),
+            "W: unknown option kep= (did you mean keep=?)" + tail);
+}
 }  // namespace
 }  // namespace nonstop

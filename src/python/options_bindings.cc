@@ -6,10 +6,12 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "engine/checkpointer_args.h"
+#include "engine/run_report.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -107,6 +109,71 @@ void InitOptions(py::module_& m) {
       "The first checkpoint's bytes (engine/checkpointer_args.h): `tensor_bytes` of the "
       "state now, `fresh`: (moments per parameter, [parameter bytes]) per optimizer without "
       "state yet.");
+  m.def(
+      "check_state_fits",
+      [](const std::string& where, int64_t step, const std::string& dir,
+         const std::vector<std::string>& saved_keys, const py::list& live,
+         const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& saved) {
+        using Descs = std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>;
+        std::vector<LiveState> states;
+        for (const py::handle e : live) {
+          const auto t = e.cast<py::tuple>();
+          LiveState s;
+          s.key = t[0].cast<std::string>();
+          s.key_repr = py::repr(t[0]).cast<std::string>();
+          for (const auto& [name, dtype, shape] : t[1].cast<Descs>()) {
+            s.tensors.push_back({name, dtype, shape});
+          }
+          s.required = t[2].cast<bool>();
+          s.live_groups = t[3].cast<std::vector<int64_t>>();
+          s.saved_groups = t[4].cast<std::vector<int64_t>>();
+          states.push_back(std::move(s));
+        }
+        std::vector<TensorDesc> got;
+        for (const auto& [name, dtype, shape] : saved) got.push_back({name, dtype, shape});
+        Check(CheckStateFits(where, step, dir, saved_keys, states, got));
+      },
+      py::arg("where"), py::arg("step"), py::arg("dir"), py::arg("saved_keys"), py::arg("live"),
+      py::arg("saved"),
+      "restore()'s check of the live state against a checkpoint (engine/checkpointer_args.h "
+      "CheckStateFits): `live` as (key, [(name, dtype, shape)], required, live group sizes, "
+      "saved group sizes), `saved` the checkpoint's (name, dtype, shape); "
+      "CheckpointMismatchError for the first misfit.");
+  m.def(
+      "check_option_names",
+      [](const std::string& who, const std::vector<std::string>& given,
+         const std::vector<std::string>& known, const std::vector<std::string>& own) {
+        Check(CheckOptionNames(who, given, known, own));
+      },
+      py::arg("who"), py::arg("given"), py::arg("known"), py::arg("own"),
+      "An integration's Checkpointer keywords (`given`): none in `own`, each in `known` "
+      "(engine/checkpointer_args.h CheckOptionNames); CheckpointMismatchError naming the "
+      "closest known one otherwise.");
+  using Steps = std::vector<std::tuple<int64_t, double, bool, double, double>>;
+  m.def(
+      "demo_rows",
+      [](int64_t every, const std::vector<Steps>& runs, int64_t killed_after,
+         int64_t restored_step, double restore_s, const std::string& restored_from,
+         double ready_t, double restored_t, bool identical) {
+        if (runs.size() != 4) throw py::value_error("demo_rows: four runs");
+        DemoRuns r{every, {}, {}, {}, {}, killed_after, restored_step, restore_s, restored_from,
+                   ready_t, restored_t, identical};
+        std::vector<RunStep>* to[] = {&r.reference, &r.torchsave, &r.killed, &r.resumed};
+        for (size_t i = 0; i < 4; ++i) {
+          for (const auto& [step, dt, saved, stall, t] : runs[i]) {
+            to[i]->push_back({step, dt, saved, stall, t});
+          }
+        }
+        return DemoRows(r);
+      },
+      py::arg("every"), py::arg("runs"), py::arg("killed_after"), py::arg("restored_step"),
+      py::arg("restore_s"), py::arg("restored_from"), py::arg("ready_t"), py::arg("restored_t"),
+      py::arg("identical"),
+      "The demo's table (engine/run_report.h DemoRows): `runs` the reference, torch.save, "
+      "killed and resumed runs' steps as (step, dt, saved, stall, t) in step order; "
+      "[(label, value)].");
+  m.def("format_rows", &FormatRows, py::arg("rows"),
+        "[(label, value)] as the demo prints them, between dashed lines (FormatRows).");
 }
 
 }  // namespace nonstop::py_bindings

@@ -38,7 +38,6 @@ class ModeOptions:
     parts: int = 7              # multistep
     overlap_gradients: bool = True
     replay: str = "auto"        # multistep: "auto", "host", "torch" (C++ ChooseMultistep checks it)
-    copy: str = "host"          # layerwise
     clip_grad_norm: Optional[float] = None
 
 
@@ -147,7 +146,7 @@ def resolve(state: dict, **kw) -> Options:
     return Options(
         engine=EngineOptions(engine, tier),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
-                         kw["copy"], kw["clip_grad_norm"]),
+                         kw["clip_grad_norm"]),
         retention=Retention(keep, max_to_keep, best, rules),
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
                          *_peer.check_options(kw)),

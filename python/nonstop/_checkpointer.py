@@ -317,11 +317,10 @@ def check_options(who: str, options: dict, own=("dir", "state", "every")) -> Non
 
 
 def _state_bytes_estimate(state: dict) -> int:
-    """The bytes the first checkpoint of `state` will hold, as far as they
-    can be told before it (C++: the tensors as they are now, plus the moments
-    each torch optimizer without state yet creates at its first step: two
-    per parameter Adam-style, `betas` in its defaults; one with `momentum`).
-    0 when the state cannot be walked now (the first save() reports that)."""
+    """The first checkpoint's bytes (C++ EstimateFirstCheckpointBytes, engine/
+    checkpointer_args.h): a fresh optimizer's moments per parameter are two
+    Adam-style (`betas` in its defaults), one with `momentum`. 0 when the
+    state cannot be walked now (the first save() reports that)."""
     tensors: dict = {}
     try:
         _objects.flatten_state(state, tensors)

@@ -1,10 +1,6 @@
 """One handle per checkpoint: when *this* checkpoint committed, or why it
-failed (docs/PYTHON.md "Handles"). The engine's watch (C++,
-src/engine/commit_watch.h) decides how each tracked checkpoint settled; one
-watcher thread per Checkpointer waits in it with the GIL released and settles
-the handles (callbacks run on it). A failed checkpoint still raises from the
-next save()/step()/wait() as well.
-"""
+failed; settled by one watcher thread per Checkpointer from the engine's watch
+(C++, src/engine/commit_watch.h), docs/PYTHON.md "Handles"."""
 from __future__ import annotations
 
 import atexit
@@ -115,9 +111,9 @@ class Watcher:
         atexit.register(self._stop_thread, 10.0)
 
     def track(self, counter, step: int):
-        """A handle for checkpoint `counter` (None -> None; a handle passes through)."""
-        if counter is None or isinstance(counter, CheckpointHandle):
-            return counter
+        """A handle for checkpoint `counter` (None -> None)."""
+        if counter is None:
+            return None
         h = CheckpointHandle(step, counter)
         if self._on_commit is not None:
             h.add_done_callback(self._report)

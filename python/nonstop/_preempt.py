@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ext, _objects
-from .errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointError
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 # Not 0 (a scheduler must not think training finished), not 1 (an error), and
@@ -64,17 +64,13 @@ def parse(on_preempt) -> Optional[dict]:
     but group, a torch.distributed group."""
     if on_preempt is False:
         return None
-    if on_preempt is None or on_preempt is True:
-        on_preempt = {}
-    if not isinstance(on_preempt, dict):
-        raise CheckpointMismatchError(
-            f"on_preempt must be True, False or a dict (signals, exit_code, grace_s, ...), "
-            f"got {on_preempt!r}")
-    rest = {str(k): repr(v) if isinstance(v, float) and not math.isfinite(v) else v
-            for k, v in on_preempt.items() if k != "group"}  # (JSON has no nan, inf)
+    given = {} if on_preempt is None or on_preempt is True else on_preempt
+    if isinstance(given, dict):  # (JSON has no nan, inf; group is Python's)
+        given = {str(k): repr(v) if isinstance(v, float) and not math.isfinite(v) else v
+                 for k, v in given.items() if k != "group"}
     cfg = _ext.core().preempt_options(json.dumps(
-        rest, default=lambda v: sorted(v, key=str) if isinstance(v, (set, frozenset)) else repr(v)))
-    cfg["group"] = on_preempt.get("group")
+        given, default=lambda v: sorted(v, key=str) if isinstance(v, (set, frozenset)) else repr(v)))
+    cfg["group"] = on_preempt.get("group") if isinstance(on_preempt, dict) else None
     return cfg
 
 
@@ -116,9 +112,8 @@ class PreemptWatch:
         self._handling = False
         self._bytes_guess = 0
         self._install()
-        self._group = None
-        self._flag = None
-        self._work = None
+        self._group = self._work = None  # the side group of the flag, its all-reduce in flight
+        self._flag = torch.zeros(1, dtype=torch.int32)
         if ckpt.world_size > 1:
             self._setup_group()
 
@@ -146,9 +141,8 @@ class PreemptWatch:
                 signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
 
     def _on_signal(self, signum, frame) -> None:
-        # Runs on the main thread between two bytecodes: only record the
-        # notice and print one line with os.write (print() could re-enter a
-        # buffered stream the interrupted code was writing to).
+        # Runs on the main thread between two bytecodes: only records the
+        # notice and prints one line (_say).
         if signum in self.signums:
             self._insist(signum, frame)
             return
@@ -162,11 +156,8 @@ class PreemptWatch:
         process ends (status 143). The newest committed checkpoint is intact
         whatever is in flight (the store's commit protocol)."""
         prev = self._previous.get(signum, signal.SIG_DFL)
-        try:
-            os.write(2, f"nonstop: {signal.Signals(signum).name} again: not waiting for the "
-                        f"emergency checkpoint\n".encode())
-        except OSError:
-            pass
+        _say(f"nonstop: {signal.Signals(signum).name} again: not waiting for the emergency "
+             f"checkpoint")
         self.uninstall()
         if callable(prev):
             prev(signum, frame)
@@ -183,19 +174,14 @@ class PreemptWatch:
             self._announce()
 
     def _announce(self) -> None:
+        engine, recent, latest = self.ckpt.session.engine, [], None
         try:
-            engine = self.ckpt.session.engine
-            stats = engine.stats() if engine is not None else {}
-            latest = engine.latest() if engine is not None else None
+            if engine is not None:
+                recent, latest = engine.stats().get("recent", []), engine.latest()
         except Exception:  # a notice must never fail on a statistics read
-            stats, latest = {}, None
-        bandwidth = _ext.core().persist_bandwidth(stats.get("recent", []))
-        line, _ = self.notices.estimate(self.state_bytes(), bandwidth,
-                                        self.cfg["grace_s"], None if latest is None else latest[1])
-        try:
-            os.write(2, (line + "\n").encode())
-        except OSError:
-            pass
+            recent, latest = [], None
+        _say(self.notices.estimate(self.state_bytes(), _ext.core().persist_bandwidth(recent),
+                                   self.cfg["grace_s"], latest and latest[1])[0])
 
     def state_bytes(self) -> int:
         reg = self.ckpt.session.registered
@@ -231,20 +217,6 @@ class PreemptWatch:
             group = dist.new_group(backend="gloo",
                                    timeout=timedelta(seconds=self.cfg["timeout_s"]))
         self._group = group
-        self._flag = torch.zeros(1, dtype=torch.int32)
-
-    def _agreed(self) -> tuple[bool, Optional[int]]:
-        """Multi-rank: the flag agreed at this boundary (the MAX all-reduce
-        started at the previous one) and starts the next. Returns (flag,
-        lowest rank that had it)."""
-        got = 0
-        if self._work is not None:
-            self._work.wait()
-            got = int(self._flag.item())
-        self._flag.fill_(self.notices.flag())  # the MAX names the lowest noticing rank
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group,
-                                     async_op=True)
-        return got > 0, self.notices.first_rank(got)
 
     def at_boundary(self, step: int) -> None:
         """Called by ckpt.step(step) before anything else: raises Preempted
@@ -252,13 +224,20 @@ class PreemptWatch:
         self.notices.boundary(step, time.monotonic())
         if not self._bytes_guess and not self.ckpt.session.registered:
             self._bytes_guess = self._guess_bytes()
-        local = self.notices.noticed
+        due = self.notices.noticed
         if self._group is not None:
-            due, first = self._agreed()
-            if due and not local:
-                self.notice(f"rank {first}", step)
-        else:
-            due = local
+            # Multi-rank: the flag agreed at this boundary (the MAX all-reduce
+            # started at the previous one); then the next one starts.
+            got = 0
+            if self._work is not None:
+                self._work.wait()
+                got = int(self._flag.item())
+            self._flag.fill_(self.notices.flag())  # the MAX names the lowest noticing rank
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group,
+                                         async_op=True)
+            if got and not due:
+                self.notice(f"rank {self.notices.first_rank(got)}", step)
+            due = got > 0
         if due and not self._handling:
             self._handle(step)
 
@@ -275,46 +254,19 @@ class PreemptWatch:
     def _handle(self, step: int) -> None:
         self._handling = True
         self.notices.handled_at(step)  # a notice before the first boundary: this step
-        ckpt = self.ckpt
-        error: Optional[BaseException] = None
-        committed = False
-        record = None
+        ckpt, error, committed, record = self.ckpt, None, False, None
         t_start = time.monotonic()
         try:
-            counter = ckpt.driver.emergency(step)  # None: the mode cannot cut a window short
-            if counter is not None:
-                older = None
-                try:
-                    ckpt.session.live().wait_committed(counter)
-                except CheckpointError as e:  # this one's error, or an older one's
-                    older = e
-                # this rank's newest committed (not the agreed one)
-                local = ckpt.session.live().latest()
-                committed = local is not None and local[1] == step
-                if older is not None and not committed:
-                    raise older
-                if older is not None:  # the emergency checkpoint committed; say what failed before
-                    os.write(2, f"nonstop: an earlier checkpoint failed: {older}\n".encode())
-                ckpt.session.errors = []
-                record = next((c for c in ckpt.session.live().stats().get("recent", [])
-                               if c.get("counter") == counter), None)
-            else:
-                # multistep: a window cannot be cut short; keep what is in flight.
-                ckpt.wait()
-                warnings.warn("nonstop: preemption in mode 'multistep' keeps the newest "
-                              "committed checkpoint only; steps after it are lost", stacklevel=4)
+            committed, record = self._emergency(step)
         except Exception as e:  # still exit: the previous committed checkpoint is intact
             error = e
         if self._group is not None:
             committed = self._all_committed(committed)
-        latest = None
         try:
             latest = ckpt.latest()
         except CheckpointError:
-            pass
-        done_t = time.monotonic()
-        prev_handlers = self._previous
-        signums = list(self.signums)
+            latest = None
+        done_t, prev_handlers, signums = time.monotonic(), self._previous, list(self.signums)
         try:
             ckpt.close()  # with several ranks: a last agreement round (docs/DISTRIBUTED.md)
         except Exception as e:
@@ -326,7 +278,7 @@ class PreemptWatch:
             reason=reason, step=step, committed=committed, latest=latest,
             notice_to_safe_s=notice_to_safe, checkpoint_s=done_t - t_start, exit_code=code,
             error="" if error is None else str(error) or repr(error))
-        os.write(2, (line + "\n").encode())
+        _say(line)
         if self.cfg["chain"]:
             for signum in dict.fromkeys(signums):
                 prev = prev_handlers.get(signum)
@@ -334,6 +286,30 @@ class PreemptWatch:
                     prev(signum, None)
         raise Preempted(step, self.notices.notice_step, committed, latest, reason, notice_to_safe,
                         code, record, message) from error
+
+    def _emergency(self, step: int) -> tuple:
+        """`step`'s checkpoint, everything older in flight abandoned: (whether
+        it committed on this rank, the engine's record of it)."""
+        counter = self.ckpt.driver.emergency(step)  # None: the mode cannot cut a window short
+        if counter is None:  # multistep: a window cannot be cut short; keep what is in flight.
+            self.ckpt.wait()
+            warnings.warn("nonstop: preemption in mode 'multistep' keeps the newest "
+                          "committed checkpoint only; steps after it are lost", stacklevel=5)
+            return False, None
+        engine, older = self.ckpt.session.live(), None
+        try:
+            engine.wait_committed(counter)
+        except CheckpointError as e:  # this one's error, or an older one's
+            older = e
+        local = engine.latest()  # this rank's newest committed (not the agreed one)
+        committed = local is not None and local[1] == step
+        if older is not None and not committed:
+            raise older
+        if older is not None:  # the emergency checkpoint committed; say what failed before
+            _say(f"nonstop: an earlier checkpoint failed: {older}")
+        self.ckpt.session.errors = []
+        return committed, next((c for c in engine.stats().get("recent", [])
+                                if c.get("counter") == counter), None)
 
     def _all_committed(self, committed: bool) -> bool:
         """Every rank's verdict (MIN) once all have tried; blocking."""
@@ -348,6 +324,15 @@ class PreemptWatch:
     def close(self) -> None:
         self.uninstall()
         self._wait_work()
+
+
+def _say(line: str) -> None:
+    """One line on stderr with os.write: safe in a signal handler (print()
+    could re-enter a buffered stream the interrupted code was writing to)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def worker_init_fn(worker_id=None) -> None:

@@ -178,11 +178,8 @@ class Session:
         """Registers `refs` with the engine when they changed."""
         if refs == self.registered:
             return
-        engine = self.live()
-        if layouts is None:
-            self.call(engine.register, refs)
-        else:
-            self.call(engine.register, refs, layouts=[layouts.get(r[0]) for r in refs])
+        self.call(self.live().register, refs,
+                  layouts=None if layouts is None else [layouts.get(r[0]) for r in refs])
         self.registered = refs
         self.registers += 1
 

@@ -80,7 +80,8 @@ Result<PreemptOptions> ParsePreemptOptions(std::string_view json) {
   if (!parsed.ok()) return Status::InvalidArgument(parsed.status().message());  // "on_preempt: ..."
   const Json& j = parsed.value();
   if (j.type != Json::Type::kObject) {
-    return Status::InvalidArgument("on_preempt: the settings must be a dict, got " + Shown(j));
+    return Status::InvalidArgument(
+        "on_preempt: True, False or a dict (signals, exit_code, grace_s, ...), got " + Shown(j));
   }
   static const std::set<std::string> kKeys = {"chain",  "exit_code", "grace_s",
                                               "group",  "signals",   "timeout_s"};

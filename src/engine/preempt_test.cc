@@ -208,7 +208,8 @@ TEST(PreemptTest, BadOptionsAreRefusedInOneLine) {
             "on_preempt: unknown key 'abc'; use chain, exit_code, grace_s, group, signals, "
             "timeout_s");
   EXPECT_EQ(ParseError(R"("SIGTERM")"),
-            "on_preempt: the settings must be a dict, got 'SIGTERM'");
+            "on_preempt: True, False or a dict (signals, exit_code, grace_s, ...), got "
+            "'SIGTERM'");
   EXPECT_EQ(ParseError("{").rfind("on_preempt: ", 0), 0u);
 }
 

@@ -36,15 +36,9 @@ def check(dist, tensors: dict, names: list) -> None:
     name) differs between the ranks of `dist` (a _distributed.Distributed).
     Collective: every rank calls it with the same names. Decided in C++
     (plan/replica_check.h)."""
-    # The same names on every rank first (else the second gather could not match).
-    head = torch.tensor([len(names), zlib.crc32("\n".join(names).encode())], dtype=torch.int64)
-    _ext.core().check_replica_names(dist.rank, _gather(dist, head))
-    mine = torch.tensor([digest(tensors[n]) for n in names] or [0], dtype=torch.int64)
-    _ext.core().check_replica_digests(names, _gather(dist, mine))
-
-
-def _gather(dist, t: torch.Tensor) -> list:
-    """Every rank's `t` (all_gather on the Checkpointer's gloo group), as lists."""
-    got = [torch.empty_like(t) for _ in range(dist.world)]
-    torch.distributed.all_gather(got, t, group=dist.group)
-    return [g.tolist() for g in got]
+    # One JSON gather (Distributed.comm): the names' count and hash, then the
+    # digests; ranks that hold different names are told so first.
+    mine = [len(names), zlib.crc32("\n".join(names).encode())] + [digest(tensors[n]) for n in names]
+    every = dist.comm().gather(mine)
+    _ext.core().check_replica_names(dist.rank, [e[:2] for e in every])
+    _ext.core().check_replica_digests(names, [e[2:] for e in every])

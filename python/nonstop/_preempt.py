@@ -296,20 +296,12 @@ class PreemptWatch:
             warnings.warn("nonstop: preemption in mode 'multistep' keeps the newest "
                           "committed checkpoint only; steps after it are lost", stacklevel=5)
             return False, None
-        engine, older = self.ckpt.session.live(), None
-        try:
-            engine.wait_committed(counter)
-        except CheckpointError as e:  # this one's error, or an older one's
-            older = e
-        local = engine.latest()  # this rank's newest committed (not the agreed one)
-        committed = local is not None and local[1] == step
-        if older is not None and not committed:
-            raise older
+        # its error raised when it did not commit (C++: engine/preempt.h AwaitEmergency)
+        committed, record, older = self.ckpt.session.live().await_emergency(counter, step)
         if older is not None:  # the emergency checkpoint committed; say what failed before
             _say(f"nonstop: an earlier checkpoint failed: {older}")
         self.ckpt.session.errors = []
-        return committed, next((c for c in engine.stats().get("recent", [])
-                                if c.get("counter") == counter), None)
+        return committed, record
 
     def _all_committed(self, committed: bool) -> bool:
         """Every rank's verdict (MIN) once all have tried; blocking."""

@@ -19,6 +19,7 @@
 
 #include "engine/damage_step.h"
 #include "engine/engine_internal.h"
+#include "engine/preempt.h"
 #include "media/fault_medium.h"
 #include "media/medium_wrapper.h"
 #include "nonstop/engine.h"
@@ -318,6 +319,47 @@ TEST_F(EngineTest, FailedWriteKeepsThePreviousCheckpointAndTheEngineUsable) {
     want.Fill(3, 0);
     EXPECT_EQ(t.data, want.data);
   }
+}
+
+// A preemption's emergency checkpoint (engine/preempt.h AwaitEmergency):
+// committed, with its record; an older checkpoint's failure said beside it;
+// its own failure returned.
+TEST_F(EngineTest, AwaitEmergencySaysWhetherTheEmergencyCheckpointCommitted) {
+  FaultRig rig;
+  auto t = MakeTensor("t", 100000);
+  auto engine = std::move(OpenEngine(Options(), rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  auto c1 = engine->Checkpoint(1, "");
+  ASSERT_TRUE(c1.ok());
+  Result<EmergencyOutcome> o = AwaitEmergency(*engine, *c1, 1);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->committed);
+  ASSERT_TRUE(o->record.has_value());
+  EXPECT_EQ(o->record->counter, *c1);
+  EXPECT_TRUE(o->record->committed);
+  EXPECT_EQ(o->older, "");
+  o = AwaitEmergency(*engine, *c1, 2);  // step 2 is not this rank's newest committed
+  ASSERT_TRUE(o.ok());
+  EXPECT_FALSE(o->committed);
+
+  // an older checkpoint failed in the background; the emergency one commits
+  rig.disk->InjectError(FaultOp::kWrite, 2, EIO);
+  ASSERT_TRUE(engine->Checkpoint(2, "").ok());
+  while (engine->Stats().in_flight > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  auto c3 = engine->Checkpoint(3, "");
+  ASSERT_TRUE(c3.ok());
+  o = AwaitEmergency(*engine, *c3, 3);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->committed);
+  EXPECT_NE(o->older.find(std::strerror(EIO)), std::string::npos) << o->older;
+
+  // its own write fails: its error; the previous checkpoint stays the newest
+  rig.disk->InjectError(FaultOp::kWrite, 2, EIO);
+  auto c4 = engine->Checkpoint(4, "");
+  ASSERT_TRUE(c4.ok());
+  o = AwaitEmergency(*engine, *c4, 4);
+  EXPECT_EQ(o.status().code(), StatusCode::kIOError) << o.status().ToString();
+  EXPECT_EQ(engine->Latest()->step, 3);
 }
 
 TEST_F(EngineTest, BackgroundErrorReachesTheNextCall) {

@@ -134,6 +134,19 @@ Result<PreemptOptions> ParsePreemptOptions(std::string_view json) {
   return o;
 }
 
+Result<EmergencyOutcome> AwaitEmergency(Engine& engine, uint64_t counter, int64_t step) {
+  const Status waited = engine.WaitCommitted(counter);  // this one's error, or an older one's
+  const std::optional<CommittedCheckpoint> latest = engine.Latest();
+  EmergencyOutcome o;
+  o.committed = latest.has_value() && latest->step == step;
+  if (!waited.ok() && !o.committed) return waited;
+  o.older = waited.message();
+  for (const CheckpointStats& c : engine.Stats().recent) {
+    if (c.counter == counter) o.record = c;
+  }
+  return o;
+}
+
 std::optional<double> PersistBandwidth(const std::vector<PersistSample>& recent) {
   std::vector<double> rates;
   for (const PersistSample& c : recent) {

@@ -1,8 +1,9 @@
 // The arithmetic of a preemption notice (python/nonstop/_preempt.py,
 // docs/PREEMPTION.md): the persist bandwidth measured so far and the one
 // line printed when a notice arrives, with the expected seconds from the
-// notice to a committed emergency checkpoint. Pure functions: the signal
-// handler (Python) only hands them numbers.
+// notice to a committed emergency checkpoint. Pure functions (the signal
+// handler, Python, only hands them numbers), but AwaitEmergency, which waits
+// in the engine at the step boundary.
 #pragma once
 
 #include <csignal>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "nonstop/engine.h"
 #include "nonstop/status.h"
 
 namespace nonstop {
@@ -82,6 +84,18 @@ struct PreemptOutcome {
   int exit_code = 75;
   std::string error;              // why it failed; empty: it did not
 };
+
+// The emergency checkpoint `counter` of `step`, waited for (WaitCommitted):
+// whether it is this rank's newest committed checkpoint (not the agreed one),
+// the engine's record of it (nullopt once it left EngineStats::recent), and
+// the one-line error of an older checkpoint WaitCommitted returned while this
+// one committed ("" when none). The error itself when it did not commit.
+struct EmergencyOutcome {
+  bool committed = false;
+  std::optional<CheckpointStats> record;
+  std::string older;
+};
+Result<EmergencyOutcome> AwaitEmergency(Engine& engine, uint64_t counter, int64_t step);
 
 // The line printed on stderr before the exit.
 std::string PreemptExitLine(const PreemptOutcome& o);

@@ -22,6 +22,7 @@
 
 #include "engine/commit_watch.h"
 #include "engine/memory_tier.h"
+#include "engine/preempt.h"
 #include "nonstop/engine.h"
 #include "nonstop/env.h"
 #include "nonstop/medium.h"
@@ -337,6 +338,20 @@ class PyEngine {
   void DeleteKept(int64_t step) {
     py::gil_scoped_release release;
     Check(Get().DeleteKept(step));
+  }
+  // A preemption's emergency checkpoint, waited for (engine/preempt.h):
+  // (committed on this rank, its record or None, an older failure's line or None).
+  py::tuple AwaitEmergency(uint64_t counter, int64_t step) {
+    Engine& engine = Get();
+    Result<EmergencyOutcome> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release release;
+      r = nonstop::AwaitEmergency(engine, counter, step);
+    }
+    const EmergencyOutcome o = Take(std::move(r));
+    return py::make_tuple(o.committed,
+                          o.record ? py::object(CheckpointStatsDict(*o.record)) : py::none(),
+                          o.older.empty() ? py::none() : py::object(LossyStr(o.older)));
   }
   int AbandonOlderThan(uint64_t counter) {
     py::gil_scoped_release release;
@@ -692,6 +707,7 @@ void InitEngine(py::module_& m) {
       .def("agree_offer", &PyEngine::Offer)
       .def("aim", &PyEngine::Aim, py::arg("step"))
       .def("write_agreed", &PyEngine::WriteAgreed, py::arg("record"))
+      .def("await_emergency", &PyEngine::AwaitEmergency, py::arg("counter"), py::arg("step"))
       .def("abandon_older_than", &PyEngine::AbandonOlderThan,
            py::arg("counter") = std::numeric_limits<uint64_t>::max())
       .def("close", &PyEngine::Close)

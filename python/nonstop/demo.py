@@ -236,6 +236,16 @@ class Run:
         return next((e for e in self.events if e["event"] == name), None)
 
 
+def steps_per_s(runs) -> float:
+    steps = [r.steps[s] for r in runs for s in sorted(r.steps)[2:]]  # after each run's warm-up
+    return len(steps) / sum(e["dt"] for e in steps) if steps else float("nan")
+
+
+def mean_stall(runs) -> float:
+    stalls = [e["stall"] for r in runs for e in r.steps.values() if e["saved"]]
+    return sum(stalls) / len(stalls) if stalls else float("nan")
+
+
 def compare_final(out: str, a: str, b: str) -> tuple[bool, str]:
     from safetensors.torch import load_file
     ta = load_file(os.path.join(out, f"final-{a}.safetensors"))
@@ -337,15 +347,35 @@ def main(argv=None) -> int:
         print("FAIL: the resumed run found no checkpoint to restore")
         return 1
     ok, detail = compare_final(args.out, "reference", "resumed")
-    # The table (C++ engine/run_report.h): each run's steps in step order.
-    steps = [[(s, e["dt"], e["saved"], e["stall"], e["t"]) for s, e in sorted(r.steps.items())]
-             for r in (ref, base, crashed, resumed)]
-    rows = nonstop._core.demo_rows(
-        args.every, steps,
-        crashed.killed_after, restored["step"], restored["restore_s"],
-        restored.get("restored_from", "disk"), resumed.event("ready")["t"], restored["t"], ok)
+    # The ones the killed run printed after its last completed checkpoint.
+    lost = crashed.killed_after - restored["step"]
+    first_resumed = resumed.steps.get(restored["step"] + 1)
+    rows = [
+        ("steps/s, no checkpoints", f"{steps_per_s([ref]):.3f}"),
+        (f"steps/s, nonstop every {args.every}", f"{steps_per_s([crashed, resumed]):.3f}"),
+        (f"steps/s, torch.save every {args.every}", f"{steps_per_s([base]):.3f}"),
+        ("mean stall per checkpoint, nonstop", f"{mean_stall([crashed, resumed]) * 1e3:.1f} ms"),
+        ("mean stall per checkpoint, torch.save", f"{mean_stall([base]) * 1e3:.1f} ms"),
+        ("killed after step", f"{crashed.killed_after}"),
+        ("resumed from checkpoint at step", f"{restored['step']}"),
+        ("steps lost to the crash", f"{lost}"),
+        ("time to recover: restore()",
+         f"{restored['restore_s']:.3f} s from {restored.get('restored_from', 'disk')}"),
+        # From the resumed process's spawn (interpreter, imports and model
+        # included) to the end of its first training step.
+        ("time to recover: start to first step done",
+         f"{first_resumed['t']:.2f} s" if first_resumed else "-"),
+        ("  of which start to model built", f"{resumed.event('ready')['t']:.2f} s"),
+        ("  of which Checkpointer() + restore()",
+         f"{restored['t'] - resumed.event('ready')['t']:.2f} s"),
+        ("final state vs reference", "IDENTICAL" if ok else "DIFFERENT"),
+    ]
+    w = max(len(r[0]) for r in rows)
     print()
-    print(nonstop._core.format_rows(rows), end="")
+    print(f"{'':-<{w + 16}}")
+    for k, v in rows:
+        print(f"{k:<{w}}  {v:>12}")
+    print(f"{'':-<{w + 16}}")
     print("steps/s come from runs one after another and move with the machine's load; the "
           "stall is the\ntime the training thread was blocked in checkpoint calls, "
           "the less noisy measure (bench/torch_overhead.py\ninterleaves and repeats).")

@@ -6,12 +6,10 @@
 #include <pybind11/stl.h>
 
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "engine/checkpointer_args.h"
-#include "engine/run_report.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -149,31 +147,6 @@ void InitOptions(py::module_& m) {
       "An integration's Checkpointer keywords (`given`): none in `own`, each in `known` "
       "(engine/checkpointer_args.h CheckOptionNames); CheckpointMismatchError naming the "
       "closest known one otherwise.");
-  using Steps = std::vector<std::tuple<int64_t, double, bool, double, double>>;
-  m.def(
-      "demo_rows",
-      [](int64_t every, const std::vector<Steps>& runs, int64_t killed_after,
-         int64_t restored_step, double restore_s, const std::string& restored_from,
-         double ready_t, double restored_t, bool identical) {
-        if (runs.size() != 4) throw py::value_error("demo_rows: four runs");
-        DemoRuns r{every, {}, {}, {}, {}, killed_after, restored_step, restore_s, restored_from,
-                   ready_t, restored_t, identical};
-        std::vector<RunStep>* to[] = {&r.reference, &r.torchsave, &r.killed, &r.resumed};
-        for (size_t i = 0; i < 4; ++i) {
-          for (const auto& [step, dt, saved, stall, t] : runs[i]) {
-            to[i]->push_back({step, dt, saved, stall, t});
-          }
-        }
-        return DemoRows(r);
-      },
-      py::arg("every"), py::arg("runs"), py::arg("killed_after"), py::arg("restored_step"),
-      py::arg("restore_s"), py::arg("restored_from"), py::arg("ready_t"), py::arg("restored_t"),
-      py::arg("identical"),
-      "The demo's table (engine/run_report.h DemoRows): `runs` the reference, torch.save, "
-      "killed and resumed runs' steps as (step, dt, saved, stall, t) in step order; "
-      "[(label, value)].");
-  m.def("format_rows", &FormatRows, py::arg("rows"),
-        "[(label, value)] as the demo prints them, between dashed lines (FormatRows).");
 }
 
 }  // namespace nonstop::py_bindings

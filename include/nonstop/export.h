@@ -88,6 +88,31 @@ Result<std::vector<std::pair<std::string, size_t>>> ExportNames(
 // Else Corruption "checkpoint metadata 'names' is malformed: WHY", one line.
 Status CheckExportNames(std::string_view names_json);
 
+// A checkpoint's state tree (its metadata's "state", or a part of it, as
+// JSON text; python/nonstop/_state.py flatten writes it), checked before the
+// Python front end rebuilds it (unflatten, which then trusts it): each
+// one-key "__...__" object is a known tag, well formed, decoded from fixed
+// lists only: "__tensor__"/"__ndarray__" name one of `tensors`, "__float__"
+// is 16 hex digits, "__tuple__" a list, "__dict__" a list of [key, value]
+// pairs whose keys are hashable in Python, "__npscalar__" [numpy numeric
+// dtype string, number], "__dtype__" one of torch's dtype names,
+// "__device__" one of torch's device types with an optional index. Else
+// Corruption "malformed checkpoint metadata: state[...]: WHY", one line.
+Status CheckStateTree(std::string_view tree_json, const std::vector<std::string>& tensors);
+
+// State `key`'s tree (JSON text: a value DcpLayout places, or a
+// ZeroRedundancyOptimizer's consolidated tree) under get_state_dict's names,
+// from the metadata's "names" (`names_json`, as CheckExportNames checks it),
+// as JSON text: a module's dict (names "modules"[key] a prefix) with that
+// prefix removed from its keys; an optimizer's ("optimizers"[key]) "state"
+// keyed and its "param_groups"' "params" listed by parameter name, when
+// those indices are exactly 0..len(params)-1 (else it is not the optimizer
+// the names were taken from); any other value as it is. A dict is written
+// as a plain object, or {"__dict__": pairs} where a key is not a string or
+// starts with "__" (python/nonstop/_state.py). Corruption on malformed JSON.
+Result<std::string> DcpRename(const std::string& key, std::string_view tree_json,
+                              std::string_view names_json);
+
 // One value of a DCP export in get_state_dict's layout (python/nonstop/_dcp.py
 // layout(), docs/DISTRIBUTED.md "Interop with DCP"): state `key` of rank
 // `rank`'s tree (-1: rank 0's, a global value; else under "rank-R"), whole

@@ -108,6 +108,13 @@ struct RestoreOptions {
   unsigned device_buffers = 3;
 };
 
+// The Python front end's restore settings as its environment sets them
+// (docs/PYTHON.md): NONSTOP_RESTORE_THREADS reader threads (at least 1;
+// absent or not a number: 4), NONSTOP_RESTORE_DIRECT=0 no O_DIRECT reads,
+// NONSTOP_RESTORE_QUEUE O_DIRECT reads in flight (1..1024; else the default:
+// for comparisons, 1 per thread is the old one-read-per-thread path).
+RestoreOptions RestoreOptionsFromEnv();
+
 struct RestoreStats {
   uint64_t data_bytes = 0;      // bytes of the data region read (and verified)
   uint64_t tensor_bytes = 0;    // bytes written into destinations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import sys
 from typing import Optional
@@ -86,38 +87,13 @@ def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
     return got, out
 
 
-def _rename(key: str, value, names: dict):
-    """`value` (state `key`, rebuilt) under get_state_dict's names: a
-    module's keys without the wrapper prefix, an optimizer's state and
-    param_groups by parameter FQN."""
-    prefix = names.get("modules", {}).get(key)
-    if prefix is not None and isinstance(value, dict):
-        return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v
-                for k, v in value.items()}
-    opt = names.get("optimizers", {}).get(key)
-    if (opt is not None and isinstance(value, dict) and isinstance(value.get("state"), dict)
-            and isinstance(value.get("param_groups"), list)):
-        fqn = opt["params"]
-        ids = [i for g in value["param_groups"] if isinstance(g, dict)
-               for i in g.get("params", [])]
-        if (not all(isinstance(i, int) for i in ids) or sorted(ids) != list(range(len(fqn)))
-                or not all(isinstance(i, int) and 0 <= i < len(fqn) for i in value["state"])):
-            return value  # not the optimizer the names were taken from
-        out = dict(value)
-        out["state"] = {fqn[i]: v for i, v in value["state"].items()}
-        out["param_groups"] = [{**g, "params": [fqn[i] for i in g["params"]]}
-                               for g in value["param_groups"]]
-        return out
-    return value
-
-
 def layout(tensors: list, metas: list, shared: set) -> dict:
     """The state in get_state_dict's layout, {state key: value}; rank-local
     tensors under "rank-R" (docs/DISTRIBUTED.md, "Interop with DCP")."""
-    names = metas[0].get("names")
+    names_json = _state.dumps(metas[0].get("names"))
     # From the file: a crafted one is a one-line error, never a raw AttributeError.
-    _ext.core().check_export_names(_state.dumps(names))
-    names = names or {}
+    _ext.core().check_export_names(names_json)
+    names = metas[0].get("names") or {}
     zero = metas[0].get("dist", {}).get("zero", {}) if len(metas) > 1 else {}
     out: dict = {}
     # Which values are global, which each rank's (C++ DcpLayout).
@@ -125,31 +101,32 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
             [_state.dumps(m.get("state", {})) for m in metas], sorted(shared),
             list(names.get("modules", {})), list(zero) if isinstance(zero, dict) else []):
         if is_zero:
-            # A ZeroRedundancyOptimizer: each rank's shard, consolidated into
-            # its global parameter order, then named by FQN like any optimizer.
-            value = _zero_consolidated(key, tensors, metas)
+            tree, held = _zero_consolidated(key, tensors, metas)
         else:
-            tree = metas[max(r, 0)].get("state", {}).get(key)
+            tree, held = metas[max(r, 0)].get("state", {}).get(key), tensors[max(r, 0)]
             if entries is not None:
                 tree = {k: tree[k] for k in entries}
-            value = _state.unflatten(tree, tensors[max(r, 0)])
-        (out if r < 0 else out.setdefault(f"rank-{r}", {}))[key] = _rename(key, value, names)
+        # Under get_state_dict's names (C++ DcpRename): a module's keys without
+        # the wrapper prefix, an optimizer's state and param_groups by parameter FQN.
+        renamed = _ext.core().dcp_rename(key, _state.dumps(tree), names_json)
+        value = _state.unflatten(json.loads(renamed), held)
+        if is_zero:
+            value.pop(CONSOLIDATED, None)
+        (out if r < 0 else out.setdefault(f"rank-{r}", {}))[key] = value
     return out
 
 
-def _zero_consolidated(key: str, tensors: list, metas: list) -> dict:
-    """The consolidated state_dict (global parameter indices) of the ZeRO
-    optimizer saved under `key`, from every rank's shard (_distributed.consolidate)."""
+def _zero_consolidated(key: str, tensors: list, metas: list) -> tuple:
+    """(tree, its tensors) of the consolidated state_dict (global parameter
+    indices) of the ZeRO optimizer saved under `key`, from every rank's
+    shard (_distributed.consolidate)."""
     scratch: dict = {}
     try:
-        tree = consolidate(key, metas, tensors, scratch)
-        value = _state.unflatten(tree, scratch)
+        return consolidate(key, metas, tensors, scratch), scratch
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
             f"the ZeRO optimizer state {key!r} cannot be consolidated from the ranks' records "
             f"({type(e).__name__}: {e})") from None
-    value.pop(CONSOLIDATED, None)
-    return value
 
 
 def named(state) -> list:

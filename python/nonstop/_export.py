@@ -17,7 +17,7 @@ from typing import Optional
 
 from . import _dcp, _ext, _progress, _state
 from ._cli import cli_run
-from ._read import check_directory, restore_threads
+from ._read import check_directory
 from .errors import CheckpointMismatchError
 
 # Bytes of stored tensors read per window (as `nonstop export` in C++ does).
@@ -55,7 +55,7 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
     try:
         got = _ext.core().export_safetensors(
             path, os.fspath(out), step, rank or 0, patterns or [], f"include={patterns!r}",
-            strip or "", WINDOW_BYTES, restore_threads(), bar)
+            strip or "", WINDOW_BYTES, progress=bar)
         if got["world_size"] > 1:
             if rank is not None:
                 raise CheckpointMismatchError(

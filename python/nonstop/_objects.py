@@ -74,5 +74,9 @@ def local_optimizer_tensors(obj) -> list:
 
 def flatten_state(state: dict, tensors: dict) -> dict:
     """The state's JSON tree, its tensors added to `tensors` by name, as a
-    checkpoint saves it (a ZeRO optimizer: its local shard)."""
-    return _state.flatten_state(state, tensors, stateful, state_dict_of)
+    checkpoint saves it (a ZeRO optimizer: its local shard); one index of
+    `tensors` by memory for every key (a tensor tied across keys stored once)."""
+    seen = _state.index(tensors)
+    return {key: _state.flatten(state_dict_of(obj) if stateful(obj) else obj, key, tensors,
+                                f"state[{key!r}]", seen)
+            for key, obj in state.items()}

@@ -75,20 +75,6 @@ def decode_meta(info: dict, where: str) -> dict:
     return meta
 
 
-def restore_threads() -> int:
-    """Reader threads: NONSTOP_RESTORE_THREADS, else 4."""
-    try:
-        return max(1, int(os.environ.get("NONSTOP_RESTORE_THREADS", "4")))
-    except ValueError:
-        return 4
-
-
-def restore_direct() -> bool:
-    """RestoreOptions::direct (O_DIRECT reads of what is not cached; docs/BENCHMARKS.md
-    "Restore"): on unless NONSTOP_RESTORE_DIRECT=0."""
-    return os.environ.get("NONSTOP_RESTORE_DIRECT", "1") != "0"
-
-
 def destinations(specs: list, as_numpy: bool, live: Optional[dict]) -> tuple:
     """(name -> tensor, [(data pointer, nbytes)] in table order) for a
     checkpoint's tensors: the live tensor where one fits (_fits_live) and
@@ -159,5 +145,6 @@ def read_tensors(reader, idx: int, stats: Optional[dict] = None) -> dict:
 def read_into(reader, idx: int, dests: list) -> dict:
     """Checkpoint `idx` of `reader` into `dests` ([(pointer, nbytes)] in table
     order): every crc chunk read and verified once, in parallel, without the
-    GIL. Returns the read's stats."""
-    return reader.read_into(idx, dests, threads=restore_threads())
+    GIL (NONSTOP_RESTORE_THREADS threads, C++ RestoreOptionsFromEnv). Returns
+    the read's stats."""
+    return reader.read_into(idx, dests)

@@ -13,8 +13,7 @@ from typing import Optional
 import torch
 
 from . import _distributed, _ext, _progress, _remote, _state
-from ._read import (check_directory, decode_meta, destinations, read_into, restore_direct,
-                    restore_threads)
+from ._read import check_directory, decode_meta, destinations, read_into
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
 
@@ -138,9 +137,9 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     bar = _progress.Progress("nonstop restore")
     while True:
         try:
-            got = _ext.core().restore(path, rank, prep, step=step, threads=restore_threads(),
-                                      progress=None if bar.off else bar, exclude=exclude,
-                                      direct=restore_direct())
+            # threads and O_DIRECT: NONSTOP_RESTORE_* (C++ RestoreOptionsFromEnv)
+            got = _ext.core().restore(path, rank, prep, step=step, exclude=exclude,
+                                      progress=None if bar.off else bar)
         except CorruptCheckpointError as e:
             if step is not None and "is damaged" not in str(e):
                 raise CorruptCheckpointError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from typing import Optional
 
 import numpy as np
 
@@ -60,27 +61,18 @@ def is_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def flatten(obj, prefix: str, out: dict, where: str = "state"):
+def flatten(obj, prefix: str, out: dict, where: str = "state", seen: Optional[dict] = None):
     """Returns the JSON-able form of `obj`, adding its tensors to `out`.
 
     Tensor names are the path of keys joined by '/', under `prefix`. The same
     tensor (same storage, offset, dtype and shape) seen twice, as tied
-    weights are, is stored once and referenced twice."""
-    return _flatten(obj, prefix, out, where, _seen(out))
+    weights are, is stored once and referenced twice. `seen`: index(out),
+    given when several calls add to one `out` (one index for all: O(n) for
+    n calls, not O(n^2))."""
+    return _flatten(obj, prefix, out, where, index(out) if seen is None else seen)
 
 
-def flatten_state(state: dict, out: dict, stateful, state_dict_of) -> dict:
-    """{key: flatten(state_dict_of(obj) if stateful(obj) else obj, key, out)}
-    for every top-level key of a Checkpointer's state, in one pass: one
-    index of `out`'s tensors by memory for all keys (O(n) for n keys, not
-    O(n^2))."""
-    seen = _seen(out)
-    return {key: _flatten(state_dict_of(obj) if stateful(obj) else obj, key, out,
-                          f"state[{key!r}]", seen)
-            for key, obj in state.items()}
-
-
-def _seen(out: dict) -> dict:
+def index(out: dict) -> dict:
     """The tensors of `out` by memory (_tensor_key), which _flatten keeps up to date."""
     return {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
 
@@ -166,23 +158,9 @@ _TORCH_DTYPES = ({n: getattr(torch, n) for n in TORCH_DTYPE_NAMES
                   if isinstance(getattr(torch, n, None), torch.dtype)}
                  if torch is not None else {})
 DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "privateuseone")
-# numpy scalars by dtype string ('<f4'): the numeric dtypes numpy has of DTYPE_NAMES.
-_NUMPY_SCALARS = {np.dtype(t).str: np.dtype(t).type for t in NUMPY_DTYPES.values()
-                  if t is not None}
 # How deeply a state tree nests (as C++ kMaxMetaDepth bounds the metadata
 # document: jobdir/records.h).
 MAX_DEPTH = 200
-
-
-class _Bad(Exception):
-    """A malformed value in a checkpoint's state tree (becomes a
-    CorruptCheckpointError naming where it is)."""
-
-
-def _need(ok: bool, why) -> None:
-    """Raises _Bad(why()) unless `ok` (why: a lambda, so no message is built for good data)."""
-    if not ok:
-        raise _Bad(why())
 
 
 def torch_dtype_by_name(name):
@@ -193,78 +171,45 @@ def torch_dtype_by_name(name):
 def unflatten(tree, tensors: dict, as_numpy: bool = False):
     """The inverse of flatten: rebuilds the state with tensors from `tensors`.
 
-    Every tag is decoded from a fixed list; anything malformed (an unknown
-    dtype or device, a dangling tensor reference, a broken float) raises a
-    one-line CorruptCheckpointError. (How deep a tree nests was bounded by
-    C++ before json.loads read it: loads, MAX_DEPTH.)"""
+    C++ checks the tree first (check_state_tree, export.h CheckStateTree):
+    every tag decoded from a fixed list, every tensor reference one of
+    `tensors`; anything malformed (an unknown dtype or device, a dangling
+    tensor reference, a broken float) raises a one-line
+    CorruptCheckpointError naming where it is."""
+    _ext.core().check_state_tree(dumps(tree), list(tensors))
     try:
-        return _unflatten(tree, tensors, as_numpy, "state")
-    except _Bad as e:
+        return _unflatten(tree, tensors, as_numpy)
+    except (TypeError, ValueError, OverflowError) as e:  # a numpy scalar out of its range
         raise CorruptCheckpointError(f"malformed checkpoint metadata: {e}") from None
 
 
-def _unflatten(tree, tensors: dict, as_numpy: bool, where: str):
+def _unflatten(tree, tensors: dict, as_numpy: bool):
     if isinstance(tree, list):
-        return [_unflatten(v, tensors, as_numpy, f"{where}[{i}]") for i, v in enumerate(tree)]
+        return [_unflatten(v, tensors, as_numpy) for v in tree]
     if not isinstance(tree, dict):
         return tree
-    if len(tree) == 1:
-        (tag, val), = tree.items()
-        if tag in ("__tensor__", "__ndarray__"):
-            if not isinstance(val, str) or val not in tensors:
-                raise _Bad(f"{where} refers to tensor {str(val)[:80]!r}, which the checkpoint "
-                           f"does not hold")
-            t = tensors[val]
-            return t.numpy() if tag == "__ndarray__" and not isinstance(t, np.ndarray) else t
-        if tag == "__float__":
-            try:
-                _need(isinstance(val, str) and len(val) == 16, lambda: "")
-                return struct.unpack("<d", bytes.fromhex(val))[0]
-            except (_Bad, ValueError):
-                raise _Bad(f"{where}: {str(val)[:40]!r} is not a float's 8 bytes in hex") from None
-        if tag == "__tuple__":
-            _need(isinstance(val, list), lambda: f"{where}: a tuple must be a list")
-            return tuple(_unflatten(v, tensors, as_numpy, f"{where}[{i}]")
-                         for i, v in enumerate(val))
-        if tag == "__dict__":
-            _need(isinstance(val, list) and all(isinstance(kv, list) and len(kv) == 2
-                                                for kv in val),
-                  lambda: f"{where}: a dict must be a list of [key, value] pairs")
-            out = {}
-            for i, (k, v) in enumerate(val):
-                key = _unflatten(k, tensors, as_numpy, f"{where}.key{i}")
-                try:
-                    hash(key)
-                except TypeError:
-                    raise _Bad(f"{where}: key {i} is of unhashable type "
-                               f"{type(key).__name__}") from None
-                out[key] = _unflatten(v, tensors, as_numpy, f"{where}[{key!r}]")
-            return out
-        if tag == "__npscalar__":
-            _need(isinstance(val, list) and len(val) == 2 and val[0] in _NUMPY_SCALARS
-                  and isinstance(val[1], (bool, int, float, dict)),
-                  lambda: f"{where}: numpy scalar {str(val)[:60]!r} is not of a numeric dtype")
-            value = _unflatten(val[1], tensors, as_numpy, where)
-            try:
-                return _NUMPY_SCALARS[val[0]](value)
-            except (TypeError, ValueError, OverflowError):
-                raise _Bad(f"{where}: {value!r} is not a {val[0]} numpy scalar") from None
-        if tag == "__dtype__":
-            dt = torch_dtype_by_name(val)
-            _need(dt is not None or (torch is None and isinstance(val, str)
-                                     and val in TORCH_DTYPE_NAMES),
-                  lambda: f"{where}: dtype {str(val)[:40]!r} is not one of torch's tensor dtypes")
-            return dt if dt is not None and not as_numpy else val
-        if tag == "__device__":
-            _need(isinstance(val, str) and len(val) <= 32,
-                  lambda: f"device {val!r} is not a device name")
-            kind, sep, index = val.partition(":")
-            _need(kind in DEVICE_TYPES and (not sep or (index.isdigit() and len(index) <= 5)),
-                  lambda: f"device {val!r} is not one of {', '.join(DEVICE_TYPES)} (with an index)")
-            return torch.device(val) if torch is not None and not as_numpy else val
-        _need(not (tag.startswith(_RESERVED) and tag.endswith(_RESERVED)),
-              lambda: f"{where}: unknown tag {tag[:40]!r}")
-    return {k: _unflatten(v, tensors, as_numpy, f"{where}[{k!r}]") for k, v in tree.items()}
+    tag, val = next(iter(tree.items())) if len(tree) == 1 else (None, None)
+    if tag in ("__tensor__", "__ndarray__"):
+        t = tensors[val]
+        return t.numpy() if tag == "__ndarray__" and not isinstance(t, np.ndarray) else t
+    if tag == "__float__":
+        return struct.unpack("<d", bytes.fromhex(val))[0]
+    if tag == "__tuple__":
+        return tuple(_unflatten(v, tensors, as_numpy) for v in val)
+    if tag == "__dict__":
+        return {_unflatten(k, tensors, as_numpy): _unflatten(v, tensors, as_numpy)
+                for k, v in val}
+    if tag == "__npscalar__":
+        return np.dtype(val[0]).type(_unflatten(val[1], tensors, as_numpy))
+    if tag == "__dtype__":
+        dt = torch_dtype_by_name(val)
+        if dt is None and torch is not None:
+            raise CorruptCheckpointError(f"malformed checkpoint metadata: dtype {val!r} is not "
+                                         f"one of this torch's tensor dtypes")
+        return dt if dt is not None and not as_numpy else val
+    if tag == "__device__":
+        return torch.device(val) if torch is not None and not as_numpy else val
+    return {k: _unflatten(v, tensors, as_numpy) for k, v in tree.items()}
 
 
 def dumps(tree) -> str:

@@ -69,10 +69,11 @@ void AddMemoryTierStats(pybind11::dict& d, const EngineStats& s);
 // destination whose nbytes differs from its tensor's is refused before any
 // read. Returns the read's stats as a dict (data_bytes, tensor_bytes,
 // direct_bytes, pieces, read_s, threads, h2d_bytes, h2d_wait_s); errors name `where`
-// (restore_bindings.cc). Reader.read_into and JobDir selections' read_into.
+// (restore_bindings.cc). Reader.read_into and JobDir selections' read_into;
+// threads None: NONSTOP_RESTORE_THREADS, else 4 (RestoreOptionsFromEnv).
 pybind11::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info,
-                                    const pybind11::sequence& dst, int threads,
-                                    const std::string& where);
+                                    const pybind11::sequence& dst,
+                                    std::optional<int> threads, const std::string& where);
 
 // An agreed record (jobdir.h) from/to its dict (jobdir_bindings.cc): step,
 // counter, lineage, rank, world_size, unix_s, resharded_from=(dir, world).

@@ -565,7 +565,7 @@ class PyReader {
   // path (ReadCheckpointInto: every crc chunk read and verified once, in
   // parallel, straight into the destinations), without the GIL. `dst`: one
   // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
-  py::dict ReadInto(int ckpt, const py::sequence& dst, int threads) {
+  py::dict ReadInto(int ckpt, const py::sequence& dst, std::optional<int> threads) {
     if (ckpt < 0 || ckpt >= static_cast<int>(report_.checkpoints.size())) {
       throw StatusError(Status::InvalidArgument("no checkpoint #" + std::to_string(ckpt)));
     }
@@ -744,7 +744,7 @@ void InitEngine(py::module_& m) {
       .def("read_tensor", &PyReader::ReadTensor, py::arg("checkpoint"), py::arg("tensor"),
            py::arg("dst"), py::arg("nbytes"), py::arg("verify") = true)
       .def("read_into", &PyReader::ReadInto, py::arg("checkpoint"), py::arg("dst"),
-           py::arg("threads") = 4);
+           py::arg("threads") = py::none());
 }
 
 }  // namespace nonstop::py_bindings

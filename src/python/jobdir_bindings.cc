@@ -64,7 +64,7 @@ class PySelected {
   // Every tensor through the one restore path (ReadCheckpointInto: each crc
   // chunk read and verified once, in parallel), without the GIL. `dst`: one
   // (pointer, nbytes) per tensor in table order; pointer 0 = verify only.
-  py::dict ReadInto(const py::sequence& dst, int threads) {
+  py::dict ReadInto(const py::sequence& dst, std::optional<int> threads) {
     return ReadIntoDestinations(*sel_.file, sel_.info, dst, threads,
                                 jd_->path() + "/" + sel_.location.where + ": step " +
                                     std::to_string(sel_.info.step));
@@ -681,19 +681,19 @@ void InitJobDir(py::module_& m) {
       .def_property_readonly("step", &PySelected::step)
       .def("read_tensor", &PySelected::ReadTensor, py::arg("tensor"), py::arg("dst"),
            py::arg("nbytes"), py::arg("verify") = true)
-      .def("read_into", &PySelected::ReadInto, py::arg("dst"), py::arg("threads") = 4)
+      .def("read_into", &PySelected::ReadInto, py::arg("dst"), py::arg("threads") = py::none())
       // Read like a Reader that holds one checkpoint, index 0 (_read.read_tensors).
       .def_property_readonly("checkpoints",
                              [](const PySelected& s) { return py::make_tuple(s.Info()); })
       .def(
           "read_into",
-          [](PySelected& s, int idx, const py::sequence& dst, int threads) {
+          [](PySelected& s, int idx, const py::sequence& dst, std::optional<int> threads) {
             if (idx != 0) {
               throw StatusError(Status::InvalidArgument("a selection holds checkpoint 0 only"));
             }
             return s.ReadInto(dst, threads);
           },
-          py::arg("idx"), py::arg("dst"), py::arg("threads") = 4)
+          py::arg("idx"), py::arg("dst"), py::arg("threads") = py::none())
       .def("superseded", &PySelected::Superseded);
 
   py::class_<PyJobDir>(m, "JobDir")

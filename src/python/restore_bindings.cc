@@ -100,12 +100,12 @@ Status DeviceCopyEngine(int threads, std::unique_ptr<CopyEngine>* engine) {
 }  // namespace
 
 py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info, const py::sequence& dst,
-                              int threads, const std::string& where) {
+                              std::optional<int> threads, const std::string& where) {
   bool any_device = false;
   Result<RestoreDestinations> d = ParseDestinations(dst, info, &any_device);
   if (!d.ok()) throw StatusError(Status(d.status().code(), "read_into " + d.status().message()));
   RestoreOptions opts;
-  opts.threads = std::max(1, threads);
+  opts.threads = std::max(1, threads.value_or(RestoreOptionsFromEnv().threads));
   opts.dst_devices = d->devices;
   RestoreStats st;
   Status s;
@@ -122,8 +122,9 @@ py::dict ReadIntoDestinations(SlotFile& file, const CheckpointInfo& info, const 
 
 namespace {
 
-// restore(path, rank, prepare, step=None, include_keep=True, threads=4,
-//         progress=None, exclude=[], direct=True) -> dict or None (no checkpoint)
+// restore(path, rank, prepare, step=None, include_keep=True, threads=None,
+//         progress=None, exclude=[], direct=None) -> dict or None (no checkpoint)
+//   threads, direct: None takes them from the environment (RestoreOptionsFromEnv).
 //   exclude: counters the caller found unusable (skipped as damaged).
 //   prepare(info: dict) -> [(ptr, nbytes), ...] in info["tensors"] order
 //     (ptr 0: verify that tensor, keep nothing; (ptr, nbytes, device, stream):
@@ -133,9 +134,9 @@ namespace {
 //   progress(done_bytes, total_bytes) -> falsy to cancel (None goes on).
 //   direct: read what is not in the page cache with O_DIRECT (RestoreOptions).
 py::object Restore(const std::string& path, int rank, const py::function& prepare,
-                   std::optional<int64_t> step, bool include_keep, int threads,
+                   std::optional<int64_t> step, bool include_keep, std::optional<int> threads,
                    const py::object& progress, const std::vector<uint64_t>& exclude,
-                   bool direct) {
+                   std::optional<bool> direct) {
   std::unique_ptr<JobDir> jd;
   {
     py::gil_scoped_release release;
@@ -144,7 +145,8 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   PendingError pending;
   // The copy engine for CUDA destinations, made at the first checkpoint that has some.
   std::unique_ptr<CopyEngine> copy;
-  RestoreOptions opts;
+  // NONSTOP_RESTORE_THREADS/_DIRECT/_QUEUE where the caller gives no threads/direct.
+  RestoreOptions opts = RestoreOptionsFromEnv();
   RestorePrepareDevices prep = [&](const Selected& s) -> Result<RestoreDestinations> {
     bool any_device = false;
     std::optional<Result<RestoreDestinations>> dst;
@@ -171,15 +173,8 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
     }
     return std::move(*dst);
   };
-  opts.threads = threads;
-  opts.direct = direct;
-  // NONSTOP_RESTORE_QUEUE: O_DIRECT reads in flight (RestoreOptions::queue_depth),
-  // for comparisons; 1 per thread is the old one-read-per-thread path.
-  if (const char* q = std::getenv("NONSTOP_RESTORE_QUEUE")) {
-    char* end = nullptr;
-    const unsigned long v = std::strtoul(q, &end, 10);
-    if (end != q && *end == '\0' && v >= 1 && v <= 1024) opts.queue_depth = static_cast<unsigned>(v);
-  }
+  if (threads) opts.threads = *threads;
+  if (direct) opts.direct = *direct;
   if (!progress.is_none()) {
     opts.progress = [&](uint64_t done, uint64_t total) -> bool {
       py::gil_scoped_acquire gil;
@@ -237,14 +232,16 @@ std::function<bool(uint64_t, uint64_t)> ExportProgress(const py::object& progres
 }
 
 // export_safetensors(dir, out, step=None, rank=0, include=[], include_text="--include",
-//     strip="", window_bytes=256 MiB, threads=4, progress=None, remove_temp_link=True)
+//     strip="", window_bytes=256 MiB, threads=None (NONSTOP_RESTORE_THREADS, else 4),
+//     progress=None, remove_temp_link=True)
 //   -> dict(world_size, step, counter, tensors, bytes, notes); world_size > 1:
 //   nothing written (a multi-rank job is exported consolidated, by Python).
 py::dict ExportSafetensorsPy(const std::string& dir, const std::string& out,
                              std::optional<int64_t> step, int rank,
                              const std::vector<std::string>& include,
                              const std::string& include_text, const std::string& strip,
-                             uint64_t window_bytes, int threads, const py::object& progress,
+                             uint64_t window_bytes, std::optional<int> threads,
+                             const py::object& progress,
                              bool remove_temp_link) {
   ExportRequest req;
   req.dir = dir;
@@ -254,7 +251,7 @@ py::dict ExportSafetensorsPy(const std::string& dir, const std::string& out,
   req.include_text = include_text;
   req.strip = strip;
   req.window_bytes = window_bytes;
-  req.threads = threads;
+  req.threads = threads.value_or(RestoreOptionsFromEnv().threads);
   PendingError pending;
   SafetensorsTarget target;
   target.path = out;
@@ -315,14 +312,14 @@ uint64_t WriteSafetensorsPy(
 
 void InitRestore(py::module_& m) {
   m.def("restore", &Restore, py::arg("path"), py::arg("rank"), py::arg("prepare"),
-        py::arg("step") = py::none(), py::arg("include_keep") = true, py::arg("threads") = 4,
-        py::arg("progress") = py::none(), py::arg("exclude") = std::vector<uint64_t>{},
-        py::arg("direct") = true);
+        py::arg("step") = py::none(), py::arg("include_keep") = true,
+        py::arg("threads") = py::none(), py::arg("progress") = py::none(),
+        py::arg("exclude") = std::vector<uint64_t>{}, py::arg("direct") = py::none());
   m.def("export_safetensors", &ExportSafetensorsPy, py::arg("dir"), py::arg("out"),
         py::arg("step") = py::none(), py::arg("rank") = 0,
         py::arg("include") = std::vector<std::string>{}, py::arg("include_text") = "--include",
         py::arg("strip") = "", py::arg("window_bytes") = uint64_t{256} << 20,
-        py::arg("threads") = 4, py::arg("progress") = py::none(),
+        py::arg("threads") = py::none(), py::arg("progress") = py::none(),
         py::arg("remove_temp_link") = true);
   m.def("export_names", [](const std::vector<std::string>& names,
                            const std::vector<std::string>& include,
@@ -362,6 +359,32 @@ void InitRestore(py::module_& m) {
       py::arg("names_json"),
       "The metadata's \"names\" (JSON) before the DCP export renames by them; "
       "CorruptCheckpointError, one line, when malformed (export.h CheckExportNames).");
+  m.def(
+      "dcp_rename",
+      [](const std::string& key, std::string_view tree_json, std::string_view names_json) {
+        std::optional<Result<std::string>> r;
+        {
+          py::gil_scoped_release release;
+          r.emplace(DcpRename(key, tree_json, names_json));
+        }
+        return Take(std::move(*r));
+      },
+      py::arg("key"), py::arg("tree_json"), py::arg("names_json"),
+      "State `key`'s tree (JSON) under get_state_dict's names, by the metadata's \"names\" "
+      "(JSON), as JSON (export.h DcpRename).");
+  m.def(
+      "check_state_tree",
+      [](std::string_view tree_json, const std::vector<std::string>& tensors) {
+        Status s;
+        {
+          py::gil_scoped_release r;
+          s = CheckStateTree(tree_json, tensors);
+        }
+        Check(s);
+      },
+      py::arg("tree_json"), py::arg("tensors"),
+      "A state tree (JSON) before _state.unflatten rebuilds it, `tensors` the names it may "
+      "refer to; CorruptCheckpointError, one line, when malformed (export.h CheckStateTree).");
   m.def("write_safetensors", &WriteSafetensorsPy, py::arg("out"), py::arg("entries"),
         py::arg("meta"), py::arg("progress") = py::none(), py::arg("remove_temp_link") = true);
 }

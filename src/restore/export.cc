@@ -6,10 +6,12 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -131,6 +133,177 @@ Status CheckExportNames(std::string_view names_json) {
 
 namespace {
 
+// The fixed lists a state tree's tags are decoded from (python/nonstop/_state.py).
+constexpr std::string_view kTorchDtypes[] = {
+    "bool",          "uint8",          "int8",           "int16",         "int32",
+    "int64",         "uint16",         "uint32",         "uint64",        "float16",
+    "bfloat16",      "float32",        "float64",        "complex32",     "complex64",
+    "complex128",    "float8_e4m3fn",  "float8_e5m2",    "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu", "qint8",         "quint8",         "qint32",        "quint4x2",
+    "quint2x4"};
+constexpr std::string_view kDeviceTypes[] = {"cpu", "cuda", "meta", "mps",
+                                             "xpu", "hpu",  "mtia", "privateuseone"};
+// numpy's scalar types (dtype.str) of the on-disk dtypes numpy has.
+constexpr std::string_view kNumpyScalars[] = {"|u1", "|i1", "<i2", "<i4", "<i8", "<f2", "<f4",
+                                              "<f8", "|b1", "<c8", "<c16", "<u2", "<u4", "<u8"};
+
+// A "__...__" key: a tagged value's, when an object's only key.
+bool IsTag(const std::string& k) {
+  return k.size() >= 2 && k.rfind("__", 0) == 0 && k.compare(k.size() - 2, 2, "__") == 0;
+}
+
+template <size_t N>
+bool OneOf(const std::string_view (&list)[N], std::string_view s) {
+  return std::find(std::begin(list), std::end(list), s) != std::end(list);
+}
+
+// A value as a one-line message shows it.
+std::string Shown(const Json& v) {
+  switch (v.type) {
+    case Json::Type::kString: return "'" + format::Printable(v.text) + "'";
+    case Json::Type::kNumber: return format::Printable(v.text);
+    case Json::Type::kBool: return v.b ? "true" : "false";
+    case Json::Type::kNull: return "null";
+    case Json::Type::kArray: return "a list";
+    case Json::Type::kObject: return "an object";
+  }
+  return "";
+}
+
+// Whether the value `n` rebuilds to is hashable in Python (a dict's key):
+// not a list, dict or numpy array, nor a tuple holding one.
+bool Hashable(const Json& n) {
+  if (n.type == Json::Type::kArray) return false;
+  if (n.type != Json::Type::kObject) return true;
+  if (n.keys.size() != 1) return false;
+  const std::string& tag = n.keys[0];
+  if (tag == "__tuple__") {
+    const std::vector<Json>& items = n.items[0].items;
+    return n.items[0].type == Json::Type::kArray && std::all_of(items.begin(), items.end(), Hashable);
+  }
+  return tag == "__tensor__" || tag == "__float__" || tag == "__npscalar__" || tag == "__dtype__" ||
+         tag == "__device__";
+}
+
+class TreeCheck {
+ public:
+  explicit TreeCheck(const std::vector<std::string>& tensors)
+      : tensors_(tensors.begin(), tensors.end()) {}
+  // An empty string when `n` (at `where`) is well formed, else WHERE: WHY.
+  std::string Check(const Json& n, const std::string& where) const {
+    if (n.type == Json::Type::kArray) {
+      for (size_t i = 0; i < n.items.size(); ++i) {
+        std::string why = Check(n.items[i], where + "[" + std::to_string(i) + "]");
+        if (!why.empty()) return why;
+      }
+      return "";
+    }
+    if (n.type != Json::Type::kObject) return "";
+    if (n.keys.size() == 1) {
+      std::string why = Tag(n.keys[0], n.items[0], where);
+      if (why != "-") return why;  // "-": no tag, a plain one-key dict
+    }
+    for (size_t i = 0; i < n.keys.size(); ++i) {
+      std::string why = Check(n.items[i], where + "['" + format::Printable(n.keys[i]) + "']");
+      if (!why.empty()) return why;
+    }
+    return "";
+  }
+
+ private:
+  std::string Tag(const std::string& tag, const Json& v, const std::string& where) const {
+    const bool str = v.type == Json::Type::kString;
+    if (tag == "__tensor__" || tag == "__ndarray__") {
+      if (str && tensors_.count(v.text)) return "";
+      return where + " refers to tensor " + Shown(v) + ", which the checkpoint does not hold";
+    }
+    if (tag == "__float__") {
+      if (str && v.text.size() == 16 &&
+          std::all_of(v.text.begin(), v.text.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
+        return "";
+      }
+      return where + ": " + Shown(v) + " is not a float's 8 bytes in hex";
+    }
+    if (tag == "__tuple__") {
+      if (v.type != Json::Type::kArray) return where + ": a tuple must be a list";
+      return Check(v, where);
+    }
+    if (tag == "__dict__") {
+      const bool pairs = v.type == Json::Type::kArray &&
+                         std::all_of(v.items.begin(), v.items.end(), [](const Json& kv) {
+                           return kv.type == Json::Type::kArray && kv.items.size() == 2;
+                         });
+      if (!pairs) return where + ": a dict must be a list of [key, value] pairs";
+      for (size_t i = 0; i < v.items.size(); ++i) {
+        const std::string key = std::to_string(i);
+        std::string why = Check(v.items[i].items[0], where + ".key" + key);
+        if (why.empty() && !Hashable(v.items[i].items[0])) {
+          why = where + ": key " + key + " is of an unhashable type (a list, dict or array)";
+        }
+        if (why.empty()) why = Check(v.items[i].items[1], where + "[key " + key + "]");
+        if (!why.empty()) return why;
+      }
+      return "";
+    }
+    if (tag == "__npscalar__") {
+      const bool pair = v.type == Json::Type::kArray && v.items.size() == 2;
+      const Json::Type value = pair ? v.items[1].type : Json::Type::kNull;
+      const bool ok = pair && v.items[0].type == Json::Type::kString &&
+                      OneOf(kNumpyScalars, v.items[0].text) &&
+                      (value == Json::Type::kBool || value == Json::Type::kNumber ||
+                       value == Json::Type::kObject);
+      if (!ok) {
+        return where + ": numpy scalar " +
+               (v.type == Json::Type::kArray && !v.items.empty() ? Shown(v.items[0]) : Shown(v)) +
+               " is not of a numeric dtype";
+      }
+      return Check(v.items[1], where);
+    }
+    if (tag == "__dtype__") {
+      if (str && OneOf(kTorchDtypes, v.text)) return "";
+      return where + ": dtype " + Shown(v) + " is not one of torch's tensor dtypes";
+    }
+    if (tag == "__device__") {
+      const size_t colon = str ? v.text.find(':') : std::string::npos;
+      const std::string_view kind = std::string_view(v.text).substr(0, colon);
+      const std::string_view index =
+          colon == std::string::npos ? "" : std::string_view(v.text).substr(colon + 1);
+      const bool ok = str && v.text.size() <= 32 && OneOf(kDeviceTypes, kind) &&
+                      (colon == std::string::npos ||
+                       (!index.empty() && index.size() <= 5 &&
+                        std::all_of(index.begin(), index.end(),
+                                    [](char c) { return c >= '0' && c <= '9'; })));
+      if (ok) return "";
+      std::string kinds;
+      for (std::string_view k : kDeviceTypes) kinds += (kinds.empty() ? "" : ", ") + std::string(k);
+      return where + ": device " + Shown(v) + " is not one of " + kinds + " (with an index)";
+    }
+    if (IsTag(tag)) {
+      return where + ": unknown tag '" + format::Printable(tag) + "'";
+    }
+    return "-";
+  }
+
+  std::set<std::string> tensors_;
+};
+
+}  // namespace
+
+Status CheckStateTree(std::string_view tree_json, const std::vector<std::string>& tensors) {
+  jobdir_internal::JsonLimits limits;
+  limits.max_bytes = std::max<uint64_t>(tree_json.size(), 1);
+  limits.max_elements = SIZE_MAX;
+  limits.max_depth = jobdir_internal::kMaxMetaDepth;
+  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  Result<Json> tree = jobdir_internal::ParseJson(tree_json, "the state tree", limits);
+  std::string why = tree.ok() ? TreeCheck(tensors).Check(*tree, "state")
+                              : std::string(tree.status().message());
+  if (why.empty()) return Status::OK();
+  return Status::Corruption("malformed checkpoint metadata: " + why);
+}
+
+namespace {
+
 // Whether `node` refers to a tensor (a {"__tensor__"/"__ndarray__": name}
 // object) whose name is not in `shared`.
 bool RefersToLocal(const Json& node, const std::set<std::string>& shared) {
@@ -208,6 +381,172 @@ Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
     }
     for (int r = 0; r < world; ++r) out.push_back(DcpValue{key, r, true, {}, false});
   }
+  return out;
+}
+
+namespace {
+
+// JSON text of `n`.
+void WriteJson(const Json& n, std::string* out) {
+  switch (n.type) {
+    case Json::Type::kNull: *out += "null"; return;
+    case Json::Type::kBool: *out += n.b ? "true" : "false"; return;
+    case Json::Type::kNumber: *out += n.text; return;
+    case Json::Type::kString: *out += jobdir_internal::JsonString(n.text); return;
+    case Json::Type::kArray:
+    case Json::Type::kObject:
+      break;
+  }
+  const bool array = n.type == Json::Type::kArray;
+  out->push_back(array ? '[' : '{');
+  for (size_t i = 0; i < n.items.size(); ++i) {
+    if (i) out->push_back(',');
+    if (!array) *out += jobdir_internal::JsonString(n.keys[i]) + ":";
+    WriteJson(n.items[i], out);
+  }
+  out->push_back(array ? ']' : '}');
+}
+
+Json JsonOf(Json::Type type, std::string text = "") {
+  Json j;
+  j.type = type;
+  j.text = std::move(text);
+  return j;
+}
+
+using DictItems = std::vector<std::pair<Json, Json>>;
+
+// The (key, value) pairs of a state tree's dict: a plain object, or a
+// {"__dict__": [[key, value], ...]}; nullopt for any other value.
+std::optional<DictItems> AsDict(const Json& n) {
+  if (n.type != Json::Type::kObject) return std::nullopt;
+  DictItems out;
+  const Json* pairs = n.keys.size() == 1 ? n.Get("__dict__") : nullptr;
+  if (pairs == nullptr) {
+    if (n.keys.size() == 1 && IsTag(n.keys[0])) return std::nullopt;  // a tensor, a tuple, ...
+    for (size_t i = 0; i < n.keys.size(); ++i) {
+      out.emplace_back(JsonOf(Json::Type::kString, n.keys[i]), n.items[i]);
+    }
+    return out;
+  }
+  if (pairs->type != Json::Type::kArray) return std::nullopt;
+  for (const Json& kv : pairs->items) {
+    if (kv.type != Json::Type::kArray || kv.items.size() != 2) return std::nullopt;
+    out.emplace_back(kv.items[0], kv.items[1]);
+  }
+  return out;
+}
+
+// A dict of `items` as the state tree writes it (python/nonstop/_state.py).
+Json MakeDict(DictItems items) {
+  const bool plain = std::all_of(items.begin(), items.end(), [](const auto& kv) {
+    return kv.first.type == Json::Type::kString && kv.first.text.rfind("__", 0) != 0;
+  });
+  Json out = JsonOf(Json::Type::kObject);
+  if (plain) {
+    for (auto& [k, v] : items) {
+      out.keys.push_back(k.text);
+      out.items.push_back(std::move(v));
+    }
+    return out;
+  }
+  Json pairs = JsonOf(Json::Type::kArray);
+  for (auto& [k, v] : items) {
+    Json kv = JsonOf(Json::Type::kArray);
+    kv.items = {std::move(k), std::move(v)};
+    pairs.items.push_back(std::move(kv));
+  }
+  out.keys = {"__dict__"};
+  out.items = {std::move(pairs)};
+  return out;
+}
+
+Json* Find(DictItems& items, std::string_view key) {
+  for (auto& [k, v] : items) {
+    if (k.type == Json::Type::kString && k.text == key) return &v;
+  }
+  return nullptr;
+}
+
+// A parameter index: a JSON integer in [0, n).
+std::optional<size_t> Index(const Json& j, size_t n) {
+  int64_t i = 0;
+  const bool integer = j.type == Json::Type::kNumber &&
+                       j.text.find_first_of(".eE") == std::string::npos && j.AsInt64(&i);
+  if (!integer || i < 0 || static_cast<uint64_t>(i) >= n) return std::nullopt;
+  return static_cast<size_t>(i);
+}
+
+// An optimizer's state_dict `tree` by the parameter names `fqn`; nullopt
+// when its indices are not exactly 0..fqn.size()-1.
+std::optional<Json> RenameOptimizer(const Json& tree, const std::vector<std::string>& fqn) {
+  std::optional<DictItems> top = AsDict(tree);
+  Json* state = top ? Find(*top, "state") : nullptr;
+  Json* groups = top ? Find(*top, "param_groups") : nullptr;
+  std::optional<DictItems> entries = state ? AsDict(*state) : std::nullopt;
+  if (!entries || groups == nullptr || groups->type != Json::Type::kArray) return std::nullopt;
+  const size_t n = fqn.size();
+  std::vector<bool> seen(n, false);
+  size_t count = 0;
+  for (Json& g : groups->items) {
+    std::optional<DictItems> group = AsDict(g);
+    Json* params = group ? Find(*group, "params") : nullptr;
+    if (params == nullptr || params->type != Json::Type::kArray) return std::nullopt;
+    for (Json& p : params->items) {
+      std::optional<size_t> i = Index(p, n);
+      if (!i || seen[*i]) return std::nullopt;
+      seen[*i] = true;
+      ++count;
+      p = JsonOf(Json::Type::kString, fqn[*i]);
+    }
+    g = MakeDict(std::move(*group));
+  }
+  if (count != n) return std::nullopt;
+  for (auto& [k, v] : *entries) {
+    std::optional<size_t> i = Index(k, n);
+    if (!i) return std::nullopt;
+    k = JsonOf(Json::Type::kString, fqn[*i]);
+  }
+  *state = MakeDict(std::move(*entries));
+  return MakeDict(std::move(*top));
+}
+
+}  // namespace
+
+Result<std::string> DcpRename(const std::string& key, std::string_view tree_json,
+                              std::string_view names_json) {
+  NONSTOP_RETURN_IF_ERROR(CheckExportNames(names_json));
+  jobdir_internal::JsonLimits limits;
+  limits.max_bytes = std::max<uint64_t>({tree_json.size(), names_json.size(), 1});
+  limits.max_elements = SIZE_MAX;
+  limits.max_depth = jobdir_internal::kMaxMetaDepth;
+  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  NONSTOP_ASSIGN_OR_RETURN(Json tree, jobdir_internal::ParseJson(tree_json, "the state tree", limits));
+  NONSTOP_ASSIGN_OR_RETURN(Json names, jobdir_internal::ParseJson(names_json, "names", limits));
+  const Json* modules = names.type == Json::Type::kObject ? names.Get("modules") : nullptr;
+  const Json* prefix = modules != nullptr ? modules->Get(key) : nullptr;
+  std::optional<DictItems> dict = AsDict(tree);
+  std::string out;
+  if (prefix != nullptr && dict) {
+    for (auto& [k, v] : *dict) {
+      if (!prefix->text.empty() && k.type == Json::Type::kString && k.text.rfind(prefix->text, 0) == 0) {
+        k.text = k.text.substr(prefix->text.size());
+      }
+    }
+    WriteJson(MakeDict(std::move(*dict)), &out);
+    return out;
+  }
+  const Json* opts = names.type == Json::Type::kObject ? names.Get("optimizers") : nullptr;
+  const Json* opt = opts != nullptr ? opts->Get(key) : nullptr;
+  if (opt != nullptr) {
+    std::vector<std::string> fqn;
+    for (const Json& p : opt->Get("params")->items) fqn.push_back(p.text);
+    if (std::optional<Json> renamed = RenameOptimizer(tree, fqn)) {
+      WriteJson(*renamed, &out);
+      return out;
+    }
+  }
+  WriteJson(tree, &out);
   return out;
 }
 

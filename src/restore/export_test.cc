@@ -352,6 +352,112 @@ TEST(ExportNamesTest, MalformedNamesInTheMetadataAreOneLineCorruption) {
   EXPECT_EQ(why("{\"modules\": "), pre + "names: not valid JSON (unexpected end at byte 12)");
 }
 
+// CheckStateTree: what _state.unflatten may trust, checked from a fixed list.
+TEST(StateTreeTest, WellFormedTagsPassAnyOtherIsOneLineCorruptionNamingWhere) {
+  const std::vector<std::string> names = {"m/w", "m/b"};
+  auto why = [&](const std::string& json) { return CheckStateTree(json, names).message(); };
+  EXPECT_TRUE(CheckStateTree(
+      "{\"model\": {\"w\": {\"__tensor__\": \"m/w\"}, \"b\": [{\"__ndarray__\": \"m/b\"}]},"
+      " \"x\": {\"__float__\": \"000000000000f87f\"}, \"t\": {\"__tuple__\": [1, \"a\", null]},"
+      " \"d\": {\"__dict__\": [[{\"__tuple__\": [1, {\"__dtype__\": \"float32\"}]}, 2],"
+      " [{\"__tensor__\": \"m/w\"}, {\"__device__\": \"cuda:1\"}], [3, {\"__device__\": \"cpu\"}]]},"
+      " \"n\": {\"__npscalar__\": [\"<f4\", 1.5]}, \"i\": {\"__npscalar__\": [\"|b1\", true]},"
+      " \"f\": {\"__npscalar__\": [\"<f8\", {\"__float__\": \"000000000000f07f\"}]},"
+      " \"plain\": {\"__x\": 1}, \"q\": {\"__dtype__\": \"quint4x2\"}}",
+      names).ok());
+  const std::string pre = "malformed checkpoint metadata: ";
+  EXPECT_EQ(CheckStateTree("{\"__tensor__\": \"nope\"}", names).code(), StatusCode::kCorruption);
+  EXPECT_EQ(why("{\"a\": [0, {\"__tensor__\": \"nope\"}]}"),
+            pre + "state['a'][1] refers to tensor 'nope', which the checkpoint does not hold");
+  EXPECT_EQ(why("{\"__ndarray__\": 3}"),
+            pre + "state refers to tensor 3, which the checkpoint does not hold");
+  EXPECT_EQ(why("{\"__float__\": \"zz\"}"), pre + "state: 'zz' is not a float's 8 bytes in hex");
+  EXPECT_EQ(why("{\"__float__\": \"000000000000f87g\"}"),
+            pre + "state: '000000000000f87g' is not a float's 8 bytes in hex");
+  EXPECT_EQ(why("{\"__tuple__\": 5}"), pre + "state: a tuple must be a list");
+  EXPECT_EQ(why("{\"__tuple__\": [[{\"__dtype__\": \"os\"}]]}"),
+            pre + "state[0][0]: dtype 'os' is not one of torch's tensor dtypes");
+  EXPECT_EQ(why("{\"__dict__\": [[1]]}"), pre + "state: a dict must be a list of [key, value] pairs");
+  EXPECT_EQ(why("{\"__dict__\": {}}"), pre + "state: a dict must be a list of [key, value] pairs");
+  for (const char* key : {"[1]", "{\"a\": 1}", "{\"__tuple__\": [[1]]}", "{\"__ndarray__\": \"m/w\"}",
+                          "{\"__dict__\": []}"}) {
+    EXPECT_EQ(why(std::string("{\"__dict__\": [[0, 1], [") + key + ", 2]]}"),
+              pre + "state: key 1 is of an unhashable type (a list, dict or array)")
+        << key;
+  }
+  EXPECT_EQ(why("{\"__dict__\": [[5, {\"__float__\": 1}]]}"),
+            pre + "state[key 0]: 1 is not a float's 8 bytes in hex");
+  EXPECT_EQ(why("{\"__dict__\": [[{\"__dtype__\": \"load\"}, 1]]}"),
+            pre + "state.key0: dtype 'load' is not one of torch's tensor dtypes");
+  for (const char* bad : {"[\"O\", 1]", "[\"<f4\"]", "[\"<f4\", \"1\"]", "[\"<f4\", [1]]", "\"<f4\""}) {
+    EXPECT_NE(why(std::string("{\"__npscalar__\": ") + bad + "}").find("is not of a numeric dtype"),
+              std::string::npos)
+        << bad;
+  }
+  EXPECT_EQ(why("{\"__npscalar__\": [\"<f8\", {\"__float__\": \"x\"}]}"),
+            pre + "state: 'x' is not a float's 8 bytes in hex");
+  for (const char* bad : {"\"__builtins__\"", "3", "\"Tensor\"", "null"}) {
+    EXPECT_NE(why(std::string("{\"__dtype__\": ") + bad + "}").find("is not one of torch's tensor"),
+              std::string::npos)
+        << bad;
+  }
+  const std::string devices = " is not one of cpu, cuda, meta, mps, xpu, hpu, mtia, privateuseone "
+                              "(with an index)";
+  for (const char* bad : {"cpu;rm", "cuda:", "cuda:x", "cuda:123456", "gpu", "cuda:1:2"}) {
+    EXPECT_EQ(why(std::string("{\"__device__\": \"") + bad + "\"}"),
+              pre + "state: device '" + bad + "'" + devices)
+        << bad;
+  }
+  EXPECT_EQ(why("{\"__device__\": [\"cpu\"]}"), pre + "state: device a list" + devices);
+  EXPECT_EQ(why("{\"k\": {\"__pickle__\": 1}}"), pre + "state['k']: unknown tag '__pickle__'");
+  EXPECT_EQ(why("{\"k\\n\": {\"__\": 1}}"), pre + "state['k\\x0A']: unknown tag '__'");
+  EXPECT_EQ(why("[1"), pre + "the state tree: not valid JSON (expected ',' or ']' at byte 2)");
+  std::string deep(300, '[');
+  EXPECT_NE(why(deep + std::string(300, ']')).find("nested too deep"), std::string::npos);
+}
+
+// DcpRename: a value under get_state_dict's names.
+TEST(DcpRenameTest, ModulePrefixStrippedOptimizerKeyedByNameOtherValuesAsTheyAre) {
+  const std::string names =
+      "{\"modules\": {\"model\": \"module.\"}, \"optimizers\": {\"optim\": {\"module\": "
+      "\"model\", \"params\": [\"fc.weight\", \"fc.bias\", \"__odd\"]}}}";
+  auto rename = [&](const std::string& key, const std::string& tree) {
+    Result<std::string> r = DcpRename(key, tree, names);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r.value() : "";
+  };
+  EXPECT_EQ(rename("model", "{\"module.w\": {\"__tensor__\": \"model/module.w\"}, \"b\": 1}"),
+            "{\"w\":{\"__tensor__\":\"model/module.w\"},\"b\":1}");
+  // A key that becomes "__..." after the prefix goes: written as pairs.
+  EXPECT_EQ(rename("model", "{\"module.__x__\": 1, \"module.y\": [2.5]}"),
+            "{\"__dict__\":[[\"__x__\",1],[\"y\",[2.5]]]}");
+  EXPECT_EQ(rename("model", "{\"__tensor__\": \"model\"}"), "{\"__tensor__\":\"model\"}");
+  const std::string opt =
+      "{\"state\": {\"__dict__\": [[0, {\"step\": 3}], [2, {\"m\": {\"__tensor__\": \"o/2\"}}]]},"
+      " \"param_groups\": [{\"lr\": 0.1, \"params\": [0, 2]}, {\"params\": [1], \"x\": null}]}";
+  EXPECT_EQ(rename("optim", opt),
+            "{\"state\":{\"__dict__\":[[\"fc.weight\",{\"step\":3}],[\"__odd\",{\"m\":{\"__tensor__"
+            "\":\"o/2\"}}]]},\"param_groups\":[{\"lr\":0.1,\"params\":[\"fc.weight\",\"__odd\"]},"
+            "{\"params\":[\"fc.bias\"],\"x\":null}]}");
+  // Not the optimizer the names were taken from: as it is.
+  for (const char* bad : {
+           "{\"state\": {}, \"param_groups\": [{\"params\": [0, 1]}]}",
+           "{\"state\": {}, \"param_groups\": [{\"params\": [0, 1, 1]}]}",
+           "{\"state\": {}, \"param_groups\": [{\"params\": [0, 1, 2.0]}]}",
+           "{\"state\": {\"__dict__\": [[3, 1]]}, \"param_groups\": [{\"params\": [0, 1, 2]}]}",
+           "{\"state\": {\"a\": 1}, \"param_groups\": [{\"params\": [0, 1, 2]}]}",
+           "{\"state\": [], \"param_groups\": [{\"params\": [0, 1, 2]}]}",
+           "{\"state\": {}, \"param_groups\": [3]}", "{\"param_groups\": []}"}) {
+    EXPECT_EQ(rename("optim", bad), rename("other", bad)) << bad;
+    EXPECT_EQ(rename("optim", bad).find("fc."), std::string::npos) << bad;
+  }
+  EXPECT_EQ(rename("optim", "{\"state\": {}, \"param_groups\": [{\"params\": [2, 0, 1]}]}"),
+            "{\"state\":{},\"param_groups\":[{\"params\":[\"__odd\",\"fc.weight\",\"fc.bias\"]}]}");
+  EXPECT_EQ(rename("other", "[1, \"\\u00e9\\n\", {\"a\": true}]"), "[1,\"\u00e9\\u000a\",{\"a\":true}]");
+  EXPECT_EQ(DcpRename("model", "{}", "[1]").status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(DcpRename("model", "{", names).status().code(), StatusCode::kCorruption);
+}
+
 // DcpLayout: which values of a multi-rank job are global, which each rank's.
 TEST(DcpLayoutTest, GlobalValuesOnceRankLocalOnesPerRankAModuleSplitByEntry) {
   auto show = [](const Result<std::vector<DcpValue>>& got) {

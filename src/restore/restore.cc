@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -10,6 +11,8 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -633,6 +636,29 @@ Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions sele
       return Status::Corruption(msg);
     }
   }
+}
+
+RestoreOptions RestoreOptionsFromEnv() {
+  RestoreOptions o;
+  // The value of `name` when it is a whole number, else nullopt.
+  auto number = [](const char* name) -> std::optional<long long> {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return std::nullopt;
+    errno = 0;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end == v || *end != '\0' || errno != 0) return std::nullopt;
+    return n;
+  };
+  if (auto t = number("NONSTOP_RESTORE_THREADS")) {
+    o.threads = static_cast<int>(std::clamp<long long>(*t, 1, 1 << 16));
+  }
+  const char* direct = std::getenv("NONSTOP_RESTORE_DIRECT");
+  o.direct = direct == nullptr || std::string_view(direct) != "0";
+  if (auto q = number("NONSTOP_RESTORE_QUEUE"); q && *q >= 1 && *q <= 1024) {
+    o.queue_depth = static_cast<unsigned>(*q);
+  }
+  return o;
 }
 
 }  // namespace nonstop

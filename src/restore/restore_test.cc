@@ -737,5 +737,38 @@ TEST_F(RestoreTest, DeviceDestinationsFallBackToTheOlderCheckpoint) {
   }
 }
 
+// RestoreOptionsFromEnv: the Python front end's NONSTOP_RESTORE_* settings.
+TEST(RestoreOptionsFromEnvTest, ThreadsDirectAndQueueFromTheEnvironment) {
+  const char* names[] = {"NONSTOP_RESTORE_THREADS", "NONSTOP_RESTORE_DIRECT",
+                         "NONSTOP_RESTORE_QUEUE"};
+  for (const char* n : names) ::unsetenv(n);
+  const RestoreOptions defaults;
+  RestoreOptions o = RestoreOptionsFromEnv();
+  EXPECT_EQ(o.threads, 4);
+  EXPECT_TRUE(o.direct);
+  EXPECT_EQ(o.queue_depth, defaults.queue_depth);
+  ::setenv("NONSTOP_RESTORE_THREADS", "7", 1);
+  ::setenv("NONSTOP_RESTORE_DIRECT", "0", 1);
+  ::setenv("NONSTOP_RESTORE_QUEUE", "3", 1);
+  o = RestoreOptionsFromEnv();
+  EXPECT_EQ(o.threads, 7);
+  EXPECT_FALSE(o.direct);
+  EXPECT_EQ(o.queue_depth, 3u);
+  // Below 1: one thread; not a number: the defaults; any DIRECT but "0": on.
+  ::setenv("NONSTOP_RESTORE_THREADS", "-2", 1);
+  ::setenv("NONSTOP_RESTORE_DIRECT", "1", 1);
+  ::setenv("NONSTOP_RESTORE_QUEUE", "5000", 1);
+  o = RestoreOptionsFromEnv();
+  EXPECT_EQ(o.threads, 1);
+  EXPECT_TRUE(o.direct);
+  EXPECT_EQ(o.queue_depth, defaults.queue_depth);
+  ::setenv("NONSTOP_RESTORE_THREADS", "four", 1);
+  ::setenv("NONSTOP_RESTORE_QUEUE", "2x", 1);
+  o = RestoreOptionsFromEnv();
+  EXPECT_EQ(o.threads, 4);
+  EXPECT_EQ(o.queue_depth, defaults.queue_depth);
+  for (const char* n : names) ::unsetenv(n);
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -2,6 +2,7 @@
 own loader into a fresh model and optimizer with a strict set_state_dict;
 tied weights exported under every name (DCP and safetensors, Python and
 CLI); `nonstop export --include`."""
+import json
 import os
 import subprocess
 import warnings
@@ -267,10 +268,17 @@ def test_malformed_names_in_the_metadata_are_one_line_errors(names):
 
 
 def test_optimizer_names_that_do_not_fit_the_state_leave_it_by_index():
-    from nonstop import _dcp
-    names = {"optimizers": {"o": {"module": "m", "params": ["a.weight"]}}}
+    """The DCP export renames by C++ DcpRename (_dcp.layout); a value it does
+    not fit comes back as it is."""
+    from nonstop import _ext, _state
+    names = _state.dumps({"optimizers": {"o": {"module": "m", "params": ["a.weight"]}}})
     value = {"state": {5: {"step": 1}}, "param_groups": [{"params": [0]}]}
-    assert _dcp._rename("o", value, names) is value  # state index 5 has no name
+    tree = _state.dumps(_state.flatten(value, "o", {}))
+    assert _ext.core().dcp_rename("o", tree, names) == tree  # state index 5 has no name
+    value["state"] = {0: {"step": 1}}
+    renamed = _state.unflatten(json.loads(_ext.core().dcp_rename(
+        "o", _state.dumps(_state.flatten(value, "o", {})), names)), {})
+    assert renamed == {"state": {"a.weight": {"step": 1}}, "param_groups": [{"params": ["a.weight"]}]}
 
 
 def test_dcp_export_of_a_zero_optimizer_is_consolidated_by_fqn(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nonstop import _rng, _state
+from nonstop import _objects, _rng, _state
 
 
 def roundtrip(obj):
@@ -101,13 +101,13 @@ def test_rng_states_round_trip():
 
 
 def test_flatten_state_indexes_tied_tensors_across_keys_once():
-    """Issue 24: one walk over many top-level keys (flatten_state) stores a
+    """Issue 24: one walk over many top-level keys (_objects.flatten_state) stores a
     tensor shared between keys once, like per-key flatten calls did, and
     the same names."""
     shared = torch.arange(6.0)
     state = {f"k{i}": {"w": torch.full((2,), float(i)), "tied": shared} for i in range(50)}
     out: dict = {}
-    tree = _state.flatten_state(state, out, lambda o: False, lambda o: o)
+    tree = _objects.flatten_state(state, out)
     old: dict = {}
     old_tree = {k: _state.flatten(v, k, old, f"state[{k!r}]") for k, v in state.items()}
     assert tree == old_tree and list(out) == list(old)

@@ -65,7 +65,7 @@ def gather(path: str, step: Optional[int] = None,
         for _, i, off, n in (c for c in copies if c[0] == r):
             name = specs[r][i]["name"]
             dests[i] = (whole[name].data_ptr() + off - base[name], n)
-        _read.read_into(reader, idx, dests)
+        reader.read_into(idx, dests)
         done += sum(sp["nbytes"] for sp in specs[r])
         if progress is not None:
             progress(done, total)

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import _ext, _fsdp, _state
 from ._objects import CONSOLIDATED, is_zero
-from ._read import destinations, read_into, read_tensors
+from ._read import destinations, read_tensors
 from ._state import loads
 from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                      CheckpointNotFoundError, CorruptCheckpointError)
@@ -583,7 +583,7 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
         want = [None if sp["name"] in shared or not (
             r == src or sp["name"].split("/", 1)[0] in zero_keys) else sp for sp in specs[r]]
         got, dests = destinations(want, False, None)
-        read_into(reader, 0, [into.get((r, i), d) for i, d in enumerate(dests)])
+        reader.read_into(0, [into.get((r, i), d) for i, d in enumerate(dests)])
         zero_parts.append({n: t for n, t in got.items() if n.split("/", 1)[0] in zero_keys})
         if r == src:  # old rank `src`'s own tensors
             tensors.update({n: t for n, t in got.items() if n not in zero_parts[-1]})

@@ -10,7 +10,6 @@ import sys
 import torch
 
 from . import _ext, _objects
-from ._read import read_into
 from ._state import torch_dtype_by_name
 from .errors import CheckpointMismatchError, IncompatibleCheckpointError
 
@@ -223,7 +222,7 @@ def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, wher
             if not whole:
                 partial.append((buf, src, dst, n))
         if any(n for _, n in dests):
-            read_into(reader, idx, dests)
+            reader.read_into(idx, dests)
         for buf, src, dst, n in partial:
             flat[dst:dst + n] = buf[src:src + n]
     return {name: view(flat, off, n, dtype, shape) for name, dtype, shape, off, n in layout}

@@ -133,18 +133,11 @@ def _fits_live(t, code: int, shape: list) -> bool:
 
 def read_tensors(reader, idx: int, stats: Optional[dict] = None) -> dict:
     """Every tensor of checkpoint `idx` of an opened `_core.Reader` (or a
-    JobDir selection), by name, in one verified read (read_into) into new
-    tensors; `stats` gets the read's sizes and time."""
+    JobDir selection), by name, in one verified read into new tensors
+    (read_into: every crc chunk read and verified once, in parallel, without
+    the GIL, NONSTOP_RESTORE_THREADS threads); `stats` gets its sizes and time."""
     tensors, dests = destinations(reader.checkpoints[idx]["tensors"], False, None)
-    got = read_into(reader, idx, dests)
+    got = reader.read_into(idx, dests)
     if stats is not None:
         stats.update(got)
     return tensors
-
-
-def read_into(reader, idx: int, dests: list) -> dict:
-    """Checkpoint `idx` of `reader` into `dests` ([(pointer, nbytes)] in table
-    order): every crc chunk read and verified once, in parallel, without the
-    GIL (NONSTOP_RESTORE_THREADS threads, C++ RestoreOptionsFromEnv). Returns
-    the read's stats."""
-    return reader.read_into(idx, dests)

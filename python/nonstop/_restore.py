@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _distributed, _ext, _progress, _remote, _state
-from ._read import check_directory, decode_meta, destinations, read_into
+from ._read import check_directory, decode_meta, destinations
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompatibleCheckpointError)
 
@@ -90,9 +90,7 @@ def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[d
         try:
             loaded, dests, after = _checked(ckpts[idx], reader.path, path, world_size, False,
                                             prepare, live)
-            t0 = time.perf_counter()
-            got = read_into(reader, idx, dests)
-            took = time.perf_counter() - t0
+            got = reader.read_into(idx, dests)
             if after:
                 loaded.plan = prepare(loaded)
         except CorruptCheckpointError as e:
@@ -101,7 +99,7 @@ def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[d
             warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
             continue
         if stats is not None:
-            stats.update(_read_stats(got, took, loaded.step))
+            stats.update(_read_stats(got, got["read_s"], loaded.step))
         return loaded, ""
 
 

@@ -18,7 +18,7 @@ def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = N
     ls` lists it, or a remote's steps in the same rows (docs/PYTHON.md)."""
     path = os.fspath(dir)
     if _remote.is_remote(path, remote_options):
-        return _remote.list_steps(path, remote_options, rank)
+        return _ext.core().RemoteTier(_remote.open_store(path, remote_options)).rows(rank)
     return _ext.core().job_view(path, rank)["rows"]
 
 

@@ -67,11 +67,9 @@ class ObjectStore:
         """remote_options={'create_bucket': True}: an S3 CreateBucket request
         (signed in C++, tier/s3_request.h; obstore has no call for it). True
         when made, False when it was there already (owned by these
-        credentials); anything else is a one-line CheckpointIOError."""
+        credentials); anything else is a one-line CheckpointIOError. Only an
+        s3:// store (Tier refuses create_bucket for any other)."""
         c = self._s3
-        if c is None:
-            raise CheckpointMismatchError(
-                f"remote_options create_bucket is for s3:// URLs, not {self.url!r}")
         r = _ext.core().s3_create_bucket(self.url, c["endpoint"], c["bucket"], c["region"],
                                          c["key"], c["secret"], c["token"])  # else $AWS_*
         req = urllib.request.Request(r["url"], data=r["body"], method="PUT", headers=r["headers"])
@@ -351,11 +349,6 @@ def is_remote(path, options: Optional[dict] = None) -> bool:
     path = os.fspath(path)
     return (options is not None or bool(re.match(r"^[a-z][a-z0-9+.-]*://", path))
             or _ext.core().remote_layout.looks_like_remote_root(path))
-
-
-def list_steps(url, options: Optional[dict] = None, rank: int = 0) -> list:
-    """nonstop.list() of a remote: C++'s rows (RemoteTier.rows; docs/TIERS.md)."""
-    return _ext.core().RemoteTier(open_store(os.fspath(url), options or {})).rows(rank)
 
 
 def load(url: str, step: Optional[int], rank: int, options: Optional[dict], read,

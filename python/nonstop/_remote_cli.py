@@ -48,49 +48,42 @@ def _run(*args) -> int:
     return subprocess.call([cli, *args])
 
 
-def verify(store, step) -> int:
-    """The newest committed step (or --step): every rank's part downloaded
-    and checked, then `nonstop verify` on them. No fallback: a damaged step
-    is reported as damaged."""
-    tier = _ext.core().RemoteTier(store)
-    s, marker = tier.candidates(step)[0]  # the planner's (C++)
-    with _remote.temp_dir() as tmp:
-        d = tier.fetch_all(s, tmp)  # damaged: main says so, exit 1
-        print(f"{store.url}/{_ext.core().remote_layout.step_dir(s)}: committed, {marker['world_size']} "
-              f"rank(s) downloaded, every part crc32 matches its manifest", flush=True)
-        return _run("verify", d, "--step", str(s))
-
-
-def export(store, step, args: list) -> int:
-    """The newest committed step that downloads intact (or --step), every
-    rank's part, exported as a local directory's with `args` (-o, --format,
-    --include, --strip). Which step, and the fallback past a damaged one:
-    C++ (RemoteTier.export)."""
-    with _remote.temp_dir() as tmp:
-        return _ext.core().RemoteTier(store).export(
-            step, tmp, lambda s, d: _run("export", d, "--step", str(s), *args))
-
-
 def main(argv=None) -> int:
     # CMD URL STEP RANK JSON EXPORT-ARGS...: as the executable parsed and
     # checked them (tools/remote_cli.h RemoteCall); "" for one not given.
     cmd, url, step, rank, as_json, *args = sys.argv[1:] if argv is None else argv
     step = int(step) if step else None
     try:
+        store = _remote.open_store(url, _options())
+        tier = _ext.core().RemoteTier(store)
         if cmd == "ls":  # nonstop.list()'s rows
-            rows = _remote.list_steps(url, _options(), int(rank))
+            rows = tier.rows(int(rank))
             if as_json:  # the keys of a local `nonstop ls --json` (tools/manage_cmds.cc), and time
                 print(json.dumps([dict({k: r[k] for k in _LS_KEYS}, commit_unix_ns=int(
                     r["time"] * 1e9) if r["time"] else 0) for r in rows], indent=2))
             else:  # C++: a local ls's columns
                 print(_ext.core().remote_ls_text(rows, int(rank), url), end="")
             return 0
-        store = _remote.open_store(url, _options())
         if cmd == "verify":
-            return verify(store, step)
+            # The newest committed step (or --step): every rank's part
+            # downloaded and checked, then `nonstop verify` on them. No
+            # fallback: a damaged step is reported as damaged.
+            s, marker = tier.candidates(step)[0]  # the planner's (C++)
+            with _remote.temp_dir() as tmp:
+                d = tier.fetch_all(s, tmp)  # damaged: exit 1 below
+                print(f"{store.url}/{_ext.core().remote_layout.step_dir(s)}: committed, "
+                      f"{marker['world_size']} rank(s) downloaded, every part crc32 matches "
+                      f"its manifest", flush=True)
+                return _run("verify", d, "--step", str(s))
         if cmd == "export":
-            return export(store, step, args)
-        rows, text = _ext.core().RemoteTier(store).inspect()  # nothing is downloaded but markers
+            # The newest committed step that downloads intact (or --step),
+            # every rank's part, exported as a local directory's with `args`
+            # (-o, --format, --include, --strip). Which step, and the
+            # fallback past a damaged one: C++ (RemoteTier.export).
+            with _remote.temp_dir() as tmp:
+                return tier.export(step, tmp,
+                                   lambda s, d: _run("export", d, "--step", str(s), *args))
+        rows, text = tier.inspect()  # nothing is downloaded but markers
         print(json.dumps({"url": store.url, "format": _ext.core().remote_layout.FORMAT,
                           "steps": rows}, indent=1) + "\n" if as_json else text, end="")
         return 0

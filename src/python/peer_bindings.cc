@@ -10,6 +10,7 @@
 #include "tier/peer.h"
 #include "tier/peer_gather.h"
 #include "tier/peer_options.h"
+#include "tier/peer_setup.h"
 #include "tier/peer_wire.h"
 #include "tier/uploader.h"
 
@@ -113,6 +114,15 @@ py::dict TierStats(peer::Replicator* rep, peer::PeerServer* srv) {
   return d;
 }
 
+// A copy's dict: HeldList's keys, its kind, and (this host's) its path.
+py::dict CopyDict(const peer::GatherCopy& c) {
+  static constexpr const char* kKinds[] = {"replica", "segment", "disk"};
+  py::dict d = HeldList({c.held})[0].cast<py::dict>();
+  d["kind"] = kKinds[static_cast<int>(c.kind)];
+  if (c.holder < 0) d["path"] = c.path;
+  return d;
+}
+
 }  // namespace
 
 void InitPeer(py::module_& m) {
@@ -153,6 +163,88 @@ void InitPeer(py::module_& m) {
       py::arg("fingerprints"), py::arg("made_hex"), py::arg("mine"),
       "The job's peer secret from the ranks' fingerprints of $NONSTOP_PEER_SECRET ('' where "
       "unset) and rank 0's made secret (hex): tier/peer_options.h AgreeSecret.");
+  m.def(
+      "start_peers",
+      [](py::object gather, uint32_t rank, uint32_t world, int replicas,
+         const std::string& segment, const std::string& job_dir,
+         std::optional<uint64_t> budget_bytes, uint32_t every, int nice, py::object bps) {
+        peer::SetupRequest r;
+        r.rank = rank;
+        r.world = world;
+        r.replicas = replicas;
+        r.segment = segment;
+        r.job_dir = job_dir;
+        r.budget_bytes = budget_bytes;
+        r.every = every;
+        r.nice = nice;
+        const bool spread = py::isinstance<py::str>(bps);  // peer_bps="spread"
+        r.bps = spread ? 0 : bps.cast<uint64_t>();
+        r.spread_s = spread ? peer::kSpreadS : 0.0;
+        r.env_secret = Take(peer::EnvSecret());
+        py::object fatal = py::none();
+        peer::SetupGather gather_fn = [&](const std::string& mine) -> Result<std::vector<std::string>> {
+          py::gil_scoped_acquire g;
+          try {  // JSON over the process group (the Comm's gather); any byte through a str
+            py::object text = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(
+                mine.data(), static_cast<Py_ssize_t>(mine.size()), "surrogateescape"));
+            if (!text) throw py::error_already_set();
+            std::vector<std::string> out;
+            for (py::handle t : gather(text)) {
+              py::object b = py::reinterpret_steal<py::object>(
+                  PyUnicode_AsEncodedString(t.ptr(), "utf-8", "surrogateescape"));
+              if (!b) throw py::error_already_set();
+              out.push_back(b.cast<std::string>());
+            }
+            return out;
+          } catch (py::error_already_set& e) {  // the group failed: raised as it is
+            fatal = e.value();
+            return Status::Aborted(py::str(e.value()).cast<std::string>());
+          }
+        };
+        Result<peer::PeerStart> got = Status::Internal("unset");
+        {
+          py::gil_scoped_release release;
+          r.addr = peer::LocalAddress();  // $NONSTOP_PEER_ADDR, else the route to MASTER_ADDR
+          r.host = peer::HostId(r.addr);
+          if (replicas > 0 && !segment.empty()) {  // this host's own segments (any world size)
+            for (auto& [rk, name] : RecordedMemorySegments(job_dir, "", nullptr)) {
+              r.segments.push_back(name);
+            }
+          }
+          got = peer::StartPeers(r, gather_fn);
+        }
+        if (!fatal.is_none()) {
+          PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(fatal.ptr())), fatal.ptr());
+          throw py::error_already_set();
+        }
+        peer::PeerStart s = Take(std::move(got));
+        py::list held, other, local;
+        for (const auto& [step, counter, holder] : s.held) held.append(py::make_tuple(step, counter, holder));
+        for (const peer::GatherCopy& c : s.other) other.append(py::make_tuple(c.holder, CopyDict(c)));
+        for (const peer::GatherCopy& c : s.local) local.append(CopyDict(c));
+        py::dict d;
+        d["note"] = s.note;
+        d["replicas"] = s.replicas;
+        d["hosts"] = s.hosts;
+        d["job"] = s.job;
+        d["_secret"] = py::bytes(s.secret);
+        d["endpoints"] = s.endpoints;
+        d["partners"] = s.partners;
+        d["held"] = held;
+        d["other"] = other;
+        d["local"] = local;
+        d["reshard_any"] = s.reshard_any;
+        d["server"] = s.server == nullptr ? py::none() : py::cast(std::move(s.server));
+        d["replicator"] = s.replicator == nullptr ? py::none() : py::cast(std::move(s.replicator));
+        return d;
+      },
+      py::arg("gather"), py::arg("rank"), py::arg("world"), py::arg("replicas"),
+      py::arg("segment"), py::arg("job_dir"), py::arg("budget_bytes"), py::arg("every"),
+      py::arg("nice"), py::arg("bps"),
+      "Collective: the peer tier's start on this rank (tier/peer_setup.h StartPeers), gather(text) "
+      "-> every rank's text: {note, replicas, hosts, job, _secret, endpoints, partners, held "
+      "[(step, counter, holder)], other [(holder, copy)], local [copy], reshard_any, server, "
+      "replicator} (the attributes of _peer.Peers).");
   m.def("peer_tier_stats", &TierStats, py::arg("replicator"), py::arg("server"),
         "The replicator's and the server's stats (either may be None) under their "
         "Checkpointer.stats() names.");

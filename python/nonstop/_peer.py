@@ -70,36 +70,20 @@ class Peers:
         step, counter, holder = self.held[0]
         if step in own_steps:
             return
-        try:
-            mem, name = self._place("fetched")
-            self._remove(name)
-            d = _ext.core().peer_fetch(self.endpoints[holder], self.job, self._secret,
-                                       self.rank, self.world, os.path.join(mem, name), step=step)
+        try:  # into this rank's own directory, emptied first
+            d = _ext.core().peer_fetch(
+                self.endpoints[holder], self.job, self._secret, self.rank, self.world,
+                _ext.core().peer_rank_dir(self.job, "fetched", self.rank, fresh=True), step=step)
             self.prefetched = {"step": step, "counter": counter, "dir": d, "holder": holder}
         except (CheckpointError, OSError) as e:
             self.unused_because = (f"the replica of rank {self.rank} step {step} on rank "
                                    f"{holder} ({self.endpoints[holder]}): {e}")
 
-    def _place(self, what: str) -> tuple:
-        """(this host's memory directory, the name of this rank's directory in
-        it: "fetched" its replica fetched for its restore, "reshard" the
-        copies it fetched alone for a reshard)."""
-        core = _ext.core()
-        return core.peer_memory_dir(""), f"{core.peer_job_key(self.job)}-{what}-rank-{self.rank:05d}"
-
-    def _remove(self, name: str) -> None:
-        """Removes `name` from this host's memory directory (through the seam; best effort)."""
-        core = _ext.core()
-        try:
-            core.Directory(core.peer_memory_dir("")).remove_tree(name, missing_ok=True)
-        except (CheckpointError, OSError):
-            pass
-
     def drop_reshard(self) -> None:
         """Removes the copies this rank fetched alone for a reshard and gives
         up its hold on its host's shared ones: the host's last holder removes
         those (C++ ReshardLease), never a copy another rank still reads."""
-        self._remove(self._place("reshard")[1])
+        _ext.core().peer_remove_rank_dir(self.job, "reshard", self.rank)
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
@@ -118,24 +102,10 @@ class Peers:
         core = _ext.core()
         t0 = time.perf_counter()
         self.drop_reshard()  # a restart before this one may have left its copies
-        mem, name = self._place("reshard")
-        # This host's own memory directory is read in place; a server on
-        # this host lists the same files.
-        copies = [dict(h, holder=-1) for h in self.local] + [
-            dict(h, holder=holder) for holder, h in self.other
-            if self.hosts[holder] != self.hosts[self.rank]]
-        steps, err, url, fetch = [], "", "", None
-        if remote is not None and copies:
-            url = remote.store.url
-            fetch = lambda st, r, d: core.RemoteTier(remote.store).fetch(st, r, d)  # noqa: E731
-            try:
-                steps = [(int(m.get("world_size", 0)), int(st), int(m.get("counter") or 0))
-                         for st, m in core.RemoteTier(remote.store).committed_steps()]
-            except (CheckpointError, OSError) as e:
-                err = f"the remote tier {url} cannot be listed: {e}"
         got = core.peer_gather_old_shards(
-            os.path.abspath(dir), self.job, self._secret, self.endpoints, copies, steps, url, err,
-            fetch, mem, os.path.join(mem, name), f"rank {self.rank} pid {os.getpid()}")
+            os.path.abspath(dir), self.job, self._secret, self.endpoints, self.local, self.other,
+            self.hosts, self.rank, None if remote is None else core.RemoteTier(remote.store),
+            f"rank {self.rank} pid {os.getpid()}")
         self.reshard_files = [tuple(f) for f in got["files"]]
         self.reshard_missing, self._lease = got["missing"], got["lease"]
         self.reshard_stats = {} if not (got["from"] or got["missing"]) else {
@@ -170,7 +140,7 @@ class Peers:
                 x.close()  # never raises (C++ Close)
         self.replicator = self.server = None
         if self.prefetched is not None:
-            self._remove(self._place("fetched")[1])
+            _ext.core().peer_remove_rank_dir(self.job, "fetched", self.rank)
             self.prefetched = None
         if self.reshard_files or self._lease is not None:
             self.drop_reshard()

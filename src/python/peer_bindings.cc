@@ -15,6 +15,9 @@
 #include "tier/uploader.h"
 
 namespace nonstop::py_bindings {
+
+bool IsCheckpointFailure(PyObject* exc);  // bindings.cc: a nonstop error or an OSError
+
 namespace {
 
 namespace py = pybind11;
@@ -131,7 +134,6 @@ void InitPeer(py::module_& m) {
     names[i] = py::str(std::string(peer::kOptionNames[i]));
   }
   m.attr("PEER_OPTIONS") = names;  // DistOptions' order
-  m.attr("PEER_SPREAD_S") = peer::kSpreadS;  // peer_bps="spread": a push over this at least
   m.def(
       "check_peer_option",
       [](const std::string& name, py::object value) -> py::object {
@@ -470,26 +472,6 @@ void InitPeer(py::module_& m) {
       "What the peer server at endpoint serves of its host's job directory's rank files: "
       "[{source_rank, world_size, step, counter, bytes}].");
   m.def(
-      "peer_list_local",
-      [](const std::string& job, bool own, const std::vector<std::string>& segments,
-         const std::string& dir) {
-        std::vector<peer::LocalCopy> got =
-            Released([&] { return peer::ListLocal(job, own, segments, dir); });
-        py::list out;
-        for (const peer::LocalCopy& c : got) {
-          py::list one = HeldList({c.held});
-          py::dict d = one[0].cast<py::dict>();
-          d["path"] = c.path;
-          out.append(d);
-        }
-        return out;
-      },
-      py::arg("job"), py::arg("own"), py::arg("segments") = std::vector<std::string>{},
-      py::arg("dir") = "",
-      "This host's replicas of job (own=False) or the newest checkpoint of each of its own "
-      "segments (own=True), read from the memory directory without a server: [{source_rank, "
-      "world_size, step, counter, bytes, path}].");
-  m.def(
       "peer_verify_local",
       [](const std::string& path, uint32_t source_rank, int64_t step) {
         Status st;
@@ -542,17 +524,15 @@ void InitPeer(py::module_& m) {
   m.def(
       "peer_gather_old_shards",
       [](const std::string& job_dir, const std::string& job, const py::bytes& secret,
-         const std::vector<std::string>& endpoints, const py::list& copies,
-         const std::vector<std::tuple<uint32_t, int64_t, uint64_t>>& remote_steps,
-         const std::string& remote_url, const std::string& remote_error,
-         const py::object& remote_fetch, const std::string& mem_dir,
-         const std::string& fallback_dir, const std::string& holder) {
+         const std::vector<std::string>& endpoints, const py::list& local, const py::list& other,
+         const std::vector<std::string>& hosts, uint32_t rank, const py::object& remote,
+         const std::string& holder) {
         peer::GatherRequest r;
         r.job_dir = job_dir;
         r.job = job;
         r.secret = secret;
         r.endpoints = endpoints;
-        for (const py::handle& h : copies) {
+        auto add = [&](py::handle h, int at) {
           const py::dict d = h.cast<py::dict>();
           peer::GatherCopy c;
           c.held.source_rank = d["source_rank"].cast<uint32_t>();
@@ -560,27 +540,47 @@ void InitPeer(py::module_& m) {
           c.held.step = d["step"].cast<int64_t>();
           c.held.counter = d["counter"].cast<uint64_t>();
           c.kind = SourceOf(d["kind"].cast<std::string>());
-          c.holder = d.contains("holder") ? d["holder"].cast<int>() : -1;
+          c.holder = at;
           c.path = d.contains("path") ? d["path"].cast<std::string>() : "";
           r.copies.push_back(std::move(c));
+        };
+        // This host's memory directory is read in place; a server on this
+        // host lists the same files: only other hosts' servers are asked.
+        for (const py::handle& h : local) add(h, -1);
+        for (const py::handle& h : other) {
+          const py::tuple t = h.cast<py::tuple>();
+          const int at = t[0].cast<int>();
+          if (hosts.at(static_cast<size_t>(at)) != hosts.at(rank)) add(t[1], at);
         }
-        for (const auto& [w, st, counter] : remote_steps) r.remote_steps.push_back({w, st, counter});
-        r.remote_url = remote_url;
-        r.remote_error = remote_error;
-        if (!remote_fetch.is_none()) {
+        if (!remote.is_none() && !r.copies.empty()) {  // a _core.RemoteTier: its steps, its fetch
+          r.remote_url = remote.attr("url").cast<std::string>();
+          try {
+            for (const py::handle& h : remote.attr("committed_steps")()) {
+              const py::tuple t = h.cast<py::tuple>();
+              const py::dict m = t[1].cast<py::dict>();
+              r.remote_steps.push_back({DictGet<uint32_t>(m, "world_size", 0),
+                                        t[0].cast<int64_t>(), DictGet<uint64_t>(m, "counter", 0)});
+            }
+          } catch (py::error_already_set& e) {
+            if (!IsCheckpointFailure(e.value().ptr())) throw;
+            r.remote_steps.clear();
+            r.remote_error = "the remote tier " + r.remote_url +
+                             " cannot be listed: " + py::str(e.value()).cast<std::string>();
+          }
           // The remote tier's fetch is Python's (its transport): called with the GIL held.
-          r.remote_fetch = [remote_fetch](int64_t step, uint32_t rank,
+          // By pointer: the function is copied with the GIL released; `remote` outlives it.
+          r.remote_fetch = [rm = &remote](int64_t step, uint32_t rank,
                                           const std::string& dir) -> Result<std::string> {
             py::gil_scoped_acquire gil;
             try {
-              return remote_fetch(step, rank, dir).cast<std::string>();
+              return rm->attr("fetch")(step, rank, dir).cast<std::string>();
             } catch (py::error_already_set& e) {
               return Status::IOError(py::str(e.value()).cast<std::string>());
             }
           };
         }
-        r.mem_dir = mem_dir;
-        r.fallback_dir = fallback_dir;
+        r.mem_dir = peer::PeerMemoryDir("");
+        r.fallback_dir = peer::RankDir(job, "reshard", rank);
         r.holder = holder;
         peer::GatherResult got;
         {
@@ -588,7 +588,7 @@ void InitPeer(py::module_& m) {
           got = peer::GatherOldShards(r);
         }
         py::list files;
-        for (const auto& [w, rank, path] : got.files) files.append(py::make_tuple(w, rank, path));
+        for (const auto& [w, rk, path] : got.files) files.append(py::make_tuple(w, rk, path));
         py::dict out;
         out["files"] = files;
         out["from"] = got.from;
@@ -600,24 +600,37 @@ void InitPeer(py::module_& m) {
         return out;
       },
       py::arg("job_dir"), py::arg("job"), py::arg("secret"), py::arg("endpoints"),
-      py::arg("copies"), py::arg("remote_steps"), py::arg("remote_url"),
-      py::arg("remote_error"), py::arg("remote_fetch"), py::arg("mem_dir"),
-      py::arg("fallback_dir"), py::arg("holder"),
-      "A copy of every old rank the job directory's world-W/ lacks (tier/peer_gather.h): "
-      "copies [{source_rank, world_size, step, counter, kind, holder (-1: this host's, path)}], "
-      "remote_steps [(world, step, counter)], remote_fetch(step, rank, dir) -> dir or None: "
-      "{files [(world, rank, path)], from {'W/r': line}, missing, bytes, shared, dir, lease "
-      "(a PeerReshardLease or None: release it once the reshard read the files)}.");
+      py::arg("local"), py::arg("other"), py::arg("hosts"), py::arg("rank"), py::arg("remote"),
+      py::arg("holder"),
+      "A copy of every old rank the job directory's world-W/ lacks (tier/peer_gather.h), for "
+      "rank `rank`: from this host's memory directory (local [{source_rank, world_size, step, "
+      "counter, kind, path}]), another host's server (other [(holder rank, {...})], hosts: "
+      "every rank's host) or the remote tier (remote: a RemoteTier or None); fetched alone "
+      "into peer_rank_dir(job, 'reshard', rank): {files [(world, rank, path)], from {'W/r': "
+      "line}, missing, bytes, shared, dir, lease (a PeerReshardLease or None: release it once "
+      "the reshard read the files)}.");
+  m.def(
+      "peer_rank_dir",
+      [](const std::string& job, const std::string& what, uint32_t rank, bool fresh) {
+        py::gil_scoped_release r;
+        return peer::RankDir(job, what, rank, fresh);
+      },
+      py::arg("job"), py::arg("what"), py::arg("rank"), py::arg("fresh") = false,
+      "This rank's own directory in the memory directory (tier/peer_setup.h RankDir; fresh: "
+      "what a run before left there removed first).");
+  m.def(
+      "peer_remove_rank_dir",
+      [](const std::string& job, const std::string& what, uint32_t rank) {
+        py::gil_scoped_release r;
+        return peer::RemoveRankDir(job, what, rank);
+      },
+      py::arg("job"), py::arg("what"), py::arg("rank"),
+      "Removes peer_rank_dir(job, what, rank) through the seam; best effort (False: not there "
+      "or not removed).");
   m.def("peer_step_dir", &peer::PeerStepDir, py::arg("local_dir"), py::arg("step"));
   m.def("peer_replica_name", &peer::ReplicaName, py::arg("job"), py::arg("world_size"),
         py::arg("source_rank"));
-  m.def("peer_job_key", &peer::JobKey, py::arg("job"));
   m.def("peer_shared_reshard_dir", &peer::SharedReshardDir, py::arg("job"));
-  m.def("peer_memory_dir", &peer::PeerMemoryDir, py::arg("configured") = "");
-  m.def("peer_local_address", &peer::LocalAddress, py::call_guard<py::gil_scoped_release>(),
-        "This process's address on the job's network (tier/peer.h LocalAddress).");
-  m.def("peer_host_id", &peer::HostId, py::arg("addr"),
-        "The failure domain of a rank at addr: $NONSTOP_HOST_ID, else host name@addr.");
   m.def("choose_partners", &peer::ChoosePartners, py::arg("hosts"), py::arg("replicas"),
         "partners[r]: the ranks that hold rank r's replicas (never on r's host).");
 }

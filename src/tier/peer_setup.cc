@@ -1,6 +1,7 @@
 #include "tier/peer_setup.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 
 #include "jobdir/records.h"
@@ -225,6 +226,28 @@ Result<PeerStart> StartPeers(const SetupRequest& r, const SetupGather& gather) {
     }
   }
   return out;
+}
+
+namespace {
+std::string RankDirName(const std::string& job, const std::string& what, uint32_t rank) {
+  char r[16];
+  std::snprintf(r, sizeof(r), "%05u", rank);
+  return JobKey(job) + "-" + what + "-rank-" + r;
+}
+}  // namespace
+
+std::string RankDir(const std::string& job, const std::string& what, uint32_t rank, bool fresh,
+                    const std::string& mem_dir, Env* env) {
+  if (fresh) (void)RemoveRankDir(job, what, rank, mem_dir, env);
+  return PeerMemoryDir(mem_dir) + "/" + RankDirName(job, what, rank);
+}
+
+bool RemoveRankDir(const std::string& job, const std::string& what, uint32_t rank,
+                   const std::string& mem_dir, Env* env) {
+  if (env == nullptr) env = DefaultEnv();
+  Result<std::unique_ptr<Directory>> d = env->OpenDirectory(PeerMemoryDir(mem_dir), false);
+  if (!d.ok()) return false;
+  return RemoveTree(**d, RankDirName(job, what, rank)).ok() && (*d)->SyncDir().ok();
 }
 
 }  // namespace nonstop::peer

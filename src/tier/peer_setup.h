@@ -73,4 +73,17 @@ struct PeerStart {
 // Errors: the gather's, AgreeSecret's, a gathered text that does not parse.
 Result<PeerStart> StartPeers(const SetupRequest& r, const SetupGather& gather);
 
+// This rank's own directory in the memory directory PeerMemoryDir(mem_dir),
+// absolute: "<JobKey(job)>-<what>-rank-RRRRR" (what: "fetched", its
+// replica fetched for its restore; "reshard", the copies it fetched alone
+// for a reshard). With `fresh`, what a run before this one left there is
+// removed first.
+std::string RankDir(const std::string& job, const std::string& what, uint32_t rank,
+                    bool fresh = false, const std::string& mem_dir = "", Env* env = nullptr);
+// Removes RankDir(job, what, rank) through the seam (each subdirectory
+// opened relative to its parent, links removed, never followed). Best
+// effort: false when it was not there or could not be removed.
+bool RemoveRankDir(const std::string& job, const std::string& what, uint32_t rank,
+                   const std::string& mem_dir = "", Env* env = nullptr);
+
 }  // namespace nonstop::peer

@@ -196,5 +196,28 @@ TEST(PeerSetup, OneRanksServerThatCannotStartIsEveryRanksNote) {
   }
 }
 
+TEST(PeerSetup, ARanksOwnDirectoryIsNamedByJobWhatAndRankAndRemovedWhole) {
+  Hosts h;
+  Env* env = h.env.get();
+  const std::string d = RankDir("/job", "fetched", 3, false, "/shm", env);
+  EXPECT_EQ(d, "/shm/" + JobKey("/job") + "-fetched-rank-00003");
+  EXPECT_NE(RankDir("/job", "reshard", 3, false, "/shm", env), d);
+  EXPECT_NE(RankDir("/job", "fetched", 4, false, "/shm", env), d);
+  EXPECT_FALSE(RemoveRankDir("/job", "fetched", 3, "/shm", env));  // not there
+  auto tree = [&](const std::string& step) {  // as a fetch leaves it
+    for (const std::string& p : {std::string("/shm"), d, d + "/peer", d + "/peer/" + step}) {
+      ASSERT_TRUE(env->OpenDirectory(p, true).ok()) << p;
+    }
+    h.Replica(d + "/peer/" + step, 2, 0, 7, 1);
+  };
+  tree("step-7");
+  EXPECT_EQ(RankDir("/job", "fetched", 3, true, "/shm", env), d);  // fresh: removed
+  EXPECT_FALSE(env->OpenDirectory(d, false).ok());
+  tree("step-8");
+  EXPECT_TRUE(RemoveRankDir("/job", "fetched", 3, "/shm", env));
+  EXPECT_FALSE(env->OpenDirectory(d, false).ok());
+  EXPECT_TRUE(env->OpenDirectory("/shm", false).ok());  // the memory directory stays
+}
+
 }  // namespace
 }  // namespace nonstop::peer

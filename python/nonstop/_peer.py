@@ -1,17 +1,10 @@
-"""The peer tier in Python (docs/TIERS.md "The peer tier from Python"): what
-the ranks must decide together, on the Checkpointer's own gloo group. The
-tier itself is C++ (src/tier/peer*: the server that holds partners' replicas
-in this host's memory directory, the replicator, the verified fetch, the
-partner choice, the reshard's gather of old ranks' copies); Python never
-touches the bytes.
-
-At construction (collective, before restore() and before the agreement
-thread owns the group) the ranks agree on the secret, start their servers,
-exchange (host id, endpoint, what each server holds) and start replicators
-to the partners the core picks (C++ over the group's gather,
-tier/peer_setup.h); restore() may first fetch this rank's
-replica (prefetch) or, at another world size, the old ranks' files
-(gather_old_shards). docs/TIERS.md says where each lives and when it goes.
+"""The peer tier of one rank for the front end (docs/TIERS.md "The peer tier
+from Python"). The tier is C++ (src/tier/peer*): its collective start over
+the Checkpointer's gloo group, before restore() and before the agreement
+thread owns the group (tier/peer_setup.h), the server, the replicator, the
+verified fetch of this rank's replica (prefetch) and, at another world
+size, the gather of the old ranks' copies (gather_old_shards); Python never
+touches the bytes. docs/TIERS.md says where each copy lives and when it goes.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """`nonstop ls|verify|inspect|export URL`: the command line on a remote tier,
-run by the `nonstop` executable (which has no network code) as `PY -m
+run by the `nonstop` executable (no network code) as `PY -m
 nonstop._remote_cli CMD URL ...` with the arguments it parsed and checked
-(tools/remote_cli.h RemoteCall) and NONSTOP_CLI set to its own path. C++
-(RemoteTier) lists, picks and downloads (verified) into a temporary
-directory; verify and export then run that executable on it, so the checks
-and output are a local directory's. Client options: the JSON object
-NONSTOP_REMOTE_OPTIONS (not argv, where other users could read them). Exit
-codes as the executable's: 0 ok, 1 damaged, 2 usage. docs/TIERS.md, "The
-command line on a remote URL".
+(tools/remote_cli.h RemoteCall); docs/TIERS.md "The command line on a
+remote URL" (the options in NONSTOP_REMOTE_OPTIONS, why, the exit codes).
 """
 from __future__ import annotations
 

@@ -111,4 +111,9 @@ uint64_t StagingPool::waits() const {
   return waits_;
 }
 
+uint32_t StagingPool::waiting() const {
+  MutexLock lock(&mu_);
+  return static_cast<uint32_t>(waiters_.size());
+}
+
 }  // namespace nonstop

@@ -63,6 +63,8 @@ class StagingPool {
   // Seconds Acquire callers spent blocked, summed over all calls.
   double wait_s_total() const;
   uint64_t waits() const;
+  // Acquire calls blocked now (waits() counts them once they return).
+  uint32_t waiting() const;
 
  private:
   StagingPool(CopyEngine* copy, uint64_t chunk_bytes) : copy_(copy), chunk_bytes_(chunk_bytes) {}

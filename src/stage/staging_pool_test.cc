@@ -44,6 +44,14 @@ TEST(StagingPoolTest, AcquireWaitsAndCountsTheWait) {
   auto first = pool->Acquire();
   ASSERT_TRUE(first.ok());
   std::thread releaser([&] {
+    // Released 50 ms after the second Acquire blocks, not 50 ms after this
+    // thread starts: on a loaded host the main thread can reach Acquire
+    // later than that (it then waited not at all).
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (pool->waiting() == 0 && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(pool->waiting(), 1u);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     pool->Release(*first);
   });
@@ -51,6 +59,7 @@ TEST(StagingPoolTest, AcquireWaitsAndCountsTheWait) {
   releaser.join();
   ASSERT_TRUE(second.ok());
   EXPECT_EQ(pool->waits(), 1u);
+  EXPECT_EQ(pool->waiting(), 0u);
   EXPECT_GE(pool->wait_s_total(), 0.03);
   pool->Release(*second);
 }

@@ -10,7 +10,8 @@ after a preemption notice.
 
 cfg: dir, steps, every, final (path prefix for the final state, or None),
 pace_s (sleep per step, so signals land inside steps), rank, world_size,
-port (for world_size > 1), grace_s, max_in_flight.
+port (for world_size > 1), grace_s, max_in_flight, stderr (a file that
+takes the process's stderr: nonstop's notice lines).
 """
 import json
 import os
@@ -70,6 +71,10 @@ def run(cfg: dict, events=None) -> None:
         else:
             print(json.dumps(ev), flush=True)
 
+    if cfg.get("stderr"):  # a file for the test to read nonstop's lines from
+        fd = os.open(cfg["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
     torch.set_num_threads(1)
     rank, world = cfg.get("rank", 0), cfg.get("world_size", 1)
     if world > 1:

@@ -211,7 +211,13 @@ def test_server_stopped_during_upload_then_restarted(tmp_path, s3_server):  # no
     assert ckpt.stats()["remote"]["uploading_step"] == 1
     time.sleep(0.5)
     srv.stop()  # mid-upload
-    time.sleep(2.0)
+    # Down until the uploader saw it fail: the store client retries a short
+    # outage itself, so a fixed pause could end before any attempt failed
+    # (a loaded host: retries 0 with the step uploaded).
+    deadline = time.monotonic() + 120
+    while ckpt.stats()["remote"]["retries"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ckpt.stats()["remote"]["retries"] >= 1, ckpt.stats()["remote"]
     store = _remote.open_store(url, opts)
     assert ckpt.stats()["remote"]["uploaded_step"] is None
     srv.start()

@@ -63,6 +63,27 @@ class AgreementRounds {
   void Pinned(double now_s);
   void Dropped();
 
+  // One round driven (Distributed._loop; docs/DISTRIBUTED.md "Agreement"):
+  // this rank's offer gathered (closing: with its newest committed
+  // checkpoint), then OnRound's step done through the engine's hooks: pin
+  // and record, or aim (Dropped() when that drops a candidate); on the last
+  // round, pin the newest every rank committed while it is still this
+  // rank's candidate, and record it. Returns true after the last round; the
+  // first error of a hook, as it is.
+  struct Hooks {
+    std::function<Result<AgreeOffer>()> offer;  // Engine::Offer
+    // The newest committed checkpoint (counter, step), asked only when closing.
+    std::function<Result<std::optional<std::pair<uint64_t, int64_t>>>()> latest;
+    // Every rank's [candidate, committed, started, stopping, newest] for this rank's.
+    std::function<Result<std::vector<std::vector<int64_t>>>(const std::vector<int64_t>&)> gather;
+    std::function<Status(uint64_t counter)> pin;
+    std::function<Result<bool>(int64_t step)> aim;  // Engine::Aim: true when it dropped one
+    std::function<Result<std::optional<uint64_t>>()> candidate;  // the candidate's counter
+    std::function<Status(uint64_t counter, int64_t step)> record;  // this rank's agreed record
+    std::function<double()> now;                                  // monotonic seconds
+  };
+  Result<bool> Round(const Hooks& hooks, bool stopping, std::optional<int64_t> agreed);
+
   int64_t rounds = 0;
   int64_t agreements = 0;
   int64_t candidate_drops = 0;
@@ -76,6 +97,13 @@ class AgreementRounds {
   double max_gap_s_ = 0;
   std::optional<double> last_t_;
 };
+
+// Distributed's construction: `replicated` is "shard" or "rank0"
+// (InvalidArgument); torch.distributed is initialised (`initialized`,
+// Unavailable otherwise) and says this process is rank `dist_rank` of
+// `dist_world`, the `rank` and `world` given (InvalidArgument).
+Status CheckWorld(const std::string& replicated, int rank, int world, bool initialized,
+                  int dist_rank, int dist_world);
 
 // ---- Saving (Distributed.shard) ----
 
@@ -379,6 +407,17 @@ Result<SharedLayout> LayOutShared(const std::vector<SharedTensor>& shared,
                                   const std::string& where, int64_t step);
 
 // ---- FSDP2 DTensors (_fsdp.py) ----
+
+// A DTensor's placement as nonstop saves it (_fsdp.take): "S0" (Shard(0)
+// of a tensor with a dimension) or "R" (Replicate()), as `placement` names
+// it (any other: how torch prints it). InvalidArgument naming tensor `name`
+// when its device mesh (`mesh_ndim` dimensions, `mesh_ranks` flattened,
+// `mesh_text` as printed) is not 1-D over all `world` ranks (HSDP, 2-D
+// meshes), or for another placement.
+Result<std::string> DTensorPlacement(const std::string& name, int mesh_ndim,
+                                     const std::vector<int64_t>& mesh_ranks,
+                                     const std::string& mesh_text, const std::string& placement,
+                                     int world);
 
 // Rows [begin, end) of dim 0 that `rank` holds under Shard(0): torch.chunk's
 // split, which FSDP2 and DTensor use (ceil(d0 / world) rows each; the last

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import itertools
 import json
 import os
 import random
@@ -20,13 +19,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import _ext, _fsdp, _state
-from ._objects import CONSOLIDATED, is_zero
+from ._objects import is_zero
 from ._read import destinations, read_tensors
 from ._state import loads
-from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                     CheckpointNotFoundError, CorruptCheckpointError)
-
-REPLICATED = ("shard", "rank0")
+from .errors import (CheckpointError, CheckpointIOError, CheckpointNotFoundError,
+                     CorruptCheckpointError)
 
 
 def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
@@ -70,18 +67,10 @@ class Distributed:
     def __init__(self, dir: str, rank: int, world: int, replicated: str = "shard",
                  local=(), timeout_s: float = 300.0, agree_every_s: float = 0.05,
                  agree_metrics: bool = False):
-        if replicated not in REPLICATED:
-            raise CheckpointMismatchError(
-                f"replicated must be one of {', '.join(REPLICATED)}, got {replicated!r}")
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            raise CheckpointError(
-                f"world_size={world} needs torch.distributed initialised "
-                f"(torch.distributed.init_process_group, or run under torchrun)")
-        if dist.get_world_size() != world or dist.get_rank() != rank:
-            raise CheckpointMismatchError(
-                f"rank {rank} of world size {world} given, but torch.distributed says rank "
-                f"{dist.get_rank()} of {dist.get_world_size()}")
+        up = dist.is_available() and dist.is_initialized()
+        _ext.core().dist_check_world(replicated, rank, world, up, dist.get_rank() if up else -1,
+                                     dist.get_world_size() if up else -1)
         self.dir, self.rank, self.world = dir, rank, world
         self.replicated = replicated
         self.local = set(local)
@@ -188,57 +177,37 @@ class Distributed:
     # ---------------------------------------------------------- agreement
 
     def _loop(self) -> None:
-        """The agreement's rounds: each rank's offer gathered, the deciding
-        and the counting in C++ (dist.h AgreementRounds; plan.h DecideAgreement),
-        the same answer on every rank from the same offers."""
-        rounds = self._rounds
+        """The agreement's rounds: each rank's offer gathered, the deciding,
+        the engine's pins and aims and the counting in C++ (dist.h
+        AgreementRounds::Round; plan.h DecideAgreement), the same answer on
+        every rank from the same offers."""
         try:
-            while True:
-                # This rank's offer (Engine::Offer): its candidate, the newest
-                # step it committed and the newest it started.
-                counter, step, committed, started = self.engine.agree_offer()
-                stopping = 1 if self._stop.is_set() else 0
-                newest = self.engine.latest() if stopping else None
-                mine = torch.tensor([step, committed, started, stopping,
-                                     -1 if newest is None else int(newest[1])], dtype=torch.int64)
-                got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
-                self._gather(got, mine)
-                kind, aim, close, close_step = rounds.on_round(
-                    [g.tolist() for g in got], self.agreed_step(), time.monotonic())
-                if kind == "pin":
-                    self.engine.pin(counter)
-                    self._record(counter, step)
-                    rounds.pinned(time.monotonic())
-                elif kind == "aim" and self.engine.aim(aim):
-                    rounds.dropped()
-                if close:  # every rank is closing: record the newest all committed
-                    if close_step >= 0:
-                        cand = self.engine.candidate()
-                        if cand is not None and cand[0] == newest[0]:
-                            self.engine.pin(newest[0])
-                        self._record(int(newest[0]), close_step)
-                    return
+            while not self._rounds.round(self.engine, self._gather, self._record,
+                                         self._stop.is_set(), self.agreed_step()):
                 self._stop.wait(self.agree_every_s)
                 if self._exiting.is_set():
                     self._park()
         except BaseException as e:  # surfaces in stats() and close()
             self.error = e
 
-    def _gather(self, got: list, mine) -> None:
-        """all_gather of the offers, polled rather than waited for inside
-        torch: a daemon thread that returns from a call which released the
-        GIL (torch's Work.wait) after the interpreter began to finalize is
-        ended by it from within a destructor, and std::terminate aborts the
-        process ("terminate called without an active exception"). Polled,
-        the thread waits in Python (a sleep it is ended in quietly), and
-        parks when the process exits (_at_exit)."""
-        work = torch.distributed.all_gather(got, mine, group=self.group, async_op=True)
+    def _gather(self, mine: list) -> list:
+        """Every rank's offer (five int64s): an all_gather polled rather than
+        waited for inside torch: a daemon thread that returns from a call which
+        released the GIL (torch's Work.wait) after the interpreter began to
+        finalize is ended by it from within a destructor, and std::terminate
+        aborts the process ("terminate called without an active exception").
+        Polled, the thread waits in Python (a sleep it is ended in quietly),
+        and parks when the process exits (_at_exit)."""
+        got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
+        work = torch.distributed.all_gather(got, torch.tensor(mine, dtype=torch.int64),
+                                            group=self.group, async_op=True)
         delay = 0.0005
         while not work.is_completed():
             if self._exiting.wait(delay):
                 self._park()
             delay = min(delay * 2, 0.01)
         work.wait()  # the collective's error, if any
+        return [g.tolist() for g in got]
 
     def _park(self) -> None:
         """Stops the thread for good at interpreter exit, inside the round:
@@ -307,12 +276,9 @@ class Distributed:
         return self._rounds.rounds
 
     def stats(self) -> dict:
-        r = self._rounds
-        s = {"agreed_step": self.agreed_step(), "rounds": r.rounds, "agreements": r.agreements,
-             "candidate_drops": r.candidate_drops, "max_drops_in_row": r.max_drops_in_row,
-             # The gap still open counts too (no agreement since) while the thread runs.
-             "max_agree_gap_s": r.max_gap(time.monotonic() if self._thread is not None else None),
-             "lineage": self.lineage, "agreement_error": repr(self.error) if self.error else None}
+        # The gap still open counts too (no agreement since) while the thread runs.
+        s = dict(self._rounds.stats(self._thread is not None), agreed_step=self.agreed_step(),
+                 lineage=self.lineage, agreement_error=repr(self.error) if self.error else None)
         if self.peers is not None:
             s.update(self.peers.stats())
         return s
@@ -509,23 +475,6 @@ def _meta(sel, step: int) -> dict:
     return meta
 
 
-def _rename_module_keys(tree, tensors: dict, key: str, add: bool):
-    """A module's state tree saved under DDP ("module." prefixes) loaded into
-    a plain module (add=False), or the other way round (add=True)."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for k, v in tree.items():
-        nk = "module." + k if add else k.removeprefix("module.")
-        new = f"{key}/{nk}"
-        if (isinstance(v, dict) and set(v) == {"__tensor__"} and v["__tensor__"] in tensors
-                and new not in tensors):
-            tensors[new] = tensors.pop(v["__tensor__"])
-            v = {"__tensor__": new}
-        out[nk] = v
-    return out
-
-
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm", state: dict,
             loaded_cls, into: Optional[str] = None, extra=(), missing: Optional[str] = None):
     """Rank `rank`'s state (world size `world`) rebuilt from a set-aside
@@ -534,34 +483,32 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm", 
     when none is set aside (docs/DISTRIBUTED.md "Restoring with another
     world size"; the rounds: C++ dist.h ReshardTogether; `missing`: the old
     files no surviving peer held)."""
-    cur = {}
+    got = []
 
     def pick(max_step: Optional[int]):
         # The reshard choice is the job directory's (JobDir.select_reshard):
         # None when no set-aside rank file holds any checkpoint record.
         jd = _open_read(dir)
-        p = cur["pick"] = None if jd is None else jd.select_reshard(
-            world, step=step, max_step=max_step, extra=list(extra))
-        return None if p is None else (int(p["old_world"]), int(p["step"]), int(p["run_id"]),
-                                       os.path.join(dir, p["dir"]))
+        return None if jd is None else jd.select_reshard(world, step=step, max_step=max_step,
+                                                         extra=list(extra))
 
-    def rebuild(old_world: int, s: int, run_id: int, archive: str) -> None:
+    def rebuild(p: dict, archive: str) -> None:
         # A CorruptCheckpointError or OSError is damage: every rank falls back.
-        sels = cur["pick"]["ranks"]
+        old_world, s, sels = int(p["old_world"]), int(p["step"]), p["ranks"]
         src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
         tensors, meta = _rebuild(sels, [_meta(sel, s) for sel in sels], src, archive, old_world,
-                                 rank, world, (s, run_id), state)
+                                 rank, world, s, state)
         info = dict(sels[src].info)
         info.pop("meta_json", None)
         info["resharded_from"] = {"dir": archive, "world_size": old_world}
-        cur["got"] = loaded_cls(s, int(info["counter"]), tensors, meta, info, os.path.join(
-            archive if into is None else into, _ext.core().JobDir.slot_name(rank)))
+        got.append(loaded_cls(s, int(info["counter"]), tensors, meta, info, os.path.join(
+            archive if into is None else into, _ext.core().JobDir.slot_name(rank))))
 
     key = _ext.core().dist_reshard(dir, world, comm.gather, pick, rebuild, missing)
-    return None if key is None else cur["got"]
+    return None if key is None else got[-1]
 
 
-def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
+def _rebuild(readers, metas, src, archive, old_world, rank, world, step, state):
     """(tensors, meta) of one step of the old files (`readers`: JobDir's
     selections, each read like a Reader of one checkpoint), for new rank `rank`:
     each old file read once (crcs verified), its pieces of the replicated
@@ -575,7 +522,7 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
     layout, total, copies = core.dist_lay_out_shared(
         [(n, s, d) for n, (s, d) in shared.items()],
         [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
-         for r, table in enumerate(specs) for i, sp in enumerate(table)], True, archive, key[0])
+         for r, table in enumerate(specs) for i, sp in enumerate(table)], True, archive, step)
     flat = torch.empty(total, dtype=torch.uint8)
     into = {(r, i): (flat.data_ptr() + off, n) for r, i, off, n in copies}
     zero_parts, tensors = [], {}
@@ -597,34 +544,32 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, key, state):
     # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.
     dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
     if dt:
-        tensors.update(_fsdp.reshard(readers, [0] * old_world, dt, rank, world, archive, key[0]))
-    # A module saved under DDP restored without it (one process), or back.
+        tensors.update(_fsdp.reshard(readers, [0] * old_world, dt, rank, world, archive, step))
+    # A module saved under DDP restored without it (one process), or back
+    # (C++ state_tree.h RenameModuleKeys).
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():
         ddp = isinstance(obj, DDP)
         if k in meta["state"] and isinstance(obj, torch.nn.Module) and (k in saved_ddp) != ddp:
-            meta["state"][k] = _rename_module_keys(meta["state"][k], tensors, k, ddp)
+            tree, renames = core.dist_rename_module_keys(k, _state.dumps(meta["state"][k]), ddp,
+                                                         list(tensors))
+            meta["state"][k] = json.loads(tree)
+            for _, old, new in renames:
+                tensors[new] = tensors.pop(old)
     return tensors, meta
 
 
 def consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
     """The consolidated state_dict (global parameter indices) of the
-    ZeroRedundancyOptimizer saved under `key`, from every old rank's shard.
-    Its tensors are added to `tensors` under `key`#zero/...; returns its tree."""
-    state, groups = {}, None
-    for meta, parts in zip(metas, zero_parts):
-        layout = meta["dist"]["zero"][key]
-        local = _state.unflatten(meta["state"][key], parts)
-        params = [p for g in local["param_groups"] for p in g["params"]]
-        ids = _ext.core().dist_zero_global_ids(layout["index"], params, list(local["state"]), key)
-        state.update(zip(ids, local["state"].values()))
-        if groups is None:  # rank 0's, each group's parameters numbered in order
-            ends = itertools.accumulate(layout["groups"])
-            groups = [dict({k: v for k, v in g.items() if k != "params"},
-                           params=list(range(e - n, e)))
-                      for g, n, e in zip(local["param_groups"], layout["groups"], ends)]
-    value = {"state": dict(sorted(state.items())), "param_groups": groups, CONSOLIDATED: 1}
-    return _state.flatten(value, f"{key}#zero", tensors)
+    ZeroRedundancyOptimizer saved under `key`, from every old rank's shard
+    (C++ state_tree.h ConsolidateZero). Its tensors are added to `tensors`
+    under new names; returns its tree."""
+    tree, renames = _ext.core().dist_consolidate_zero(
+        key, [_state.dumps(m["state"][key]) for m in metas],
+        [_state.dumps(m["dist"]["zero"][key]) for m in metas], [list(p) for p in zero_parts])
+    for r, old, new in renames:
+        tensors[new] = zero_parts[r][old]
+    return json.loads(tree)
 
 
 def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: dict):

@@ -53,24 +53,14 @@ def data_ptr(t) -> int:
     return t.data_ptr()
 
 
-def _placement(t, name: str, rank: int, world: int) -> str:
-    """'S0' or 'R'; anything else is refused with one line."""
+def _placement(t, name: str, world: int) -> str:
+    """'S0' or 'R'; anything else is refused with one line (C++ dist.h DTensorPlacement)."""
     from torch.distributed.tensor import Replicate, Shard
-    mesh = t.device_mesh
-    ranks = mesh.mesh.flatten().tolist()
-    if mesh.ndim != 1 or ranks != list(range(world)):
-        raise CheckpointMismatchError(
-            f"tensor {name!r} is a DTensor on mesh {mesh.mesh.tolist()}: nonstop handles "
-            f"DTensors on a 1-D mesh over all {world} ranks (FSDP2 fully_shard); HSDP and "
-            f"2-D meshes are not supported yet")
-    (p,) = t.placements
-    if isinstance(p, Shard) and p.dim == 0 and t.dim() > 0:
-        return "S0"
-    if isinstance(p, Replicate):
-        return "R"
-    raise CheckpointMismatchError(
-        f"tensor {name!r} is a DTensor placed {p}: nonstop handles Shard(0) (FSDP2's "
-        f"default) and Replicate() placements only")
+    mesh, p = t.device_mesh, t.placements[0]  # one placement: the C++ check wants a 1-D mesh
+    kind = ("S0" if isinstance(p, Shard) and p.dim == 0 and t.dim() > 0
+            else "R" if isinstance(p, Replicate) else str(p))
+    return _ext.core().dist_placement(name, mesh.ndim, mesh.mesh.flatten().tolist(),
+                                      str(mesh.mesh.tolist()), kind, world)
 
 
 def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
@@ -85,7 +75,7 @@ def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
         if not is_dtensor(t):
             rest[name] = t
             continue
-        kind = _placement(t, name, rank, world)
+        kind = _placement(t, name, world)
         local = t._local_tensor.detach()  # a view of the shard's memory, never a copy
         shape = [int(d) for d in t.shape]
         doc[name] = [shape, str(t.dtype).replace("torch.", ""), kind]

@@ -183,6 +183,49 @@ AgreementRounds::Step AgreementRounds::OnRound(const std::vector<RoundOffer>& ev
   return out;
 }
 
+Result<bool> AgreementRounds::Round(const Hooks& h, bool stopping,
+                                    std::optional<int64_t> agreed) {
+  NONSTOP_ASSIGN_OR_RETURN(const AgreeOffer offer, h.offer());
+  std::optional<std::pair<uint64_t, int64_t>> newest;
+  if (stopping) {
+    NONSTOP_ASSIGN_OR_RETURN(newest, h.latest());
+  }
+  Result<std::vector<std::vector<int64_t>>> got =
+      h.gather({offer.candidate, offer.committed, offer.started, stopping ? 1 : 0,
+                newest ? newest->second : -1});
+  if (!got.ok()) return got.status();
+  std::vector<RoundOffer> every;
+  for (const std::vector<int64_t>& g : got.value()) {
+    if (g.size() != 5) return Status::InvalidArgument("a round offer has 5 fields");
+    RoundOffer r;
+    r.offer.candidate = g[0];
+    r.offer.committed = g[1];
+    r.offer.started = g[2];
+    r.stopping = g[3] != 0;
+    r.newest = g[4];
+    every.push_back(r);
+  }
+  const Step s = OnRound(every, agreed, h.now());
+  if (s.kind == Step::Kind::kPin) {
+    if (Status st = h.pin(offer.counter); !st.ok()) return st;
+    if (Status st = h.record(offer.counter, offer.candidate); !st.ok()) return st;
+    Pinned(h.now());
+  } else if (s.kind == Step::Kind::kAim) {
+    Result<bool> dropped = h.aim(s.aim);
+    if (!dropped.ok()) return dropped.status();
+    if (dropped.value()) Dropped();
+  }
+  if (!s.close) return false;
+  if (s.close_step >= 0 && newest) {  // every rank is closing: record the newest all committed
+    NONSTOP_ASSIGN_OR_RETURN(const std::optional<uint64_t> cand, h.candidate());
+    if (cand == newest->first) {
+      if (Status st = h.pin(newest->first); !st.ok()) return st;
+    }
+    if (Status st = h.record(newest->first, s.close_step); !st.ok()) return st;
+  }
+  return true;
+}
+
 void AgreementRounds::Pinned(double now_s) {
   ++agreements;
   drops_in_row_ = 0;
@@ -198,6 +241,26 @@ void AgreementRounds::Dropped() {
 double AgreementRounds::MaxGap(std::optional<double> now_s) {
   if (now_s && last_t_) max_gap_s_ = std::max(max_gap_s_, *now_s - *last_t_);
   return max_gap_s_;
+}
+
+Status CheckWorld(const std::string& replicated, int rank, int world, bool initialized,
+                  int dist_rank, int dist_world) {
+  if (replicated != "shard" && replicated != "rank0") {
+    return Status::InvalidArgument("replicated must be one of shard, rank0, got " +
+                                   Printable(replicated));
+  }
+  if (!initialized) {
+    return Status::Unavailable("world_size=" + std::to_string(world) +
+                               " needs torch.distributed initialised "
+                               "(torch.distributed.init_process_group, or run under torchrun)");
+  }
+  if (dist_world != world || dist_rank != rank) {
+    return Status::InvalidArgument(
+        "rank " + std::to_string(rank) + " of world size " + std::to_string(world) +
+        " given, but torch.distributed says rank " + std::to_string(dist_rank) + " of " +
+        std::to_string(dist_world));
+  }
+  return Status::OK();
 }
 
 std::vector<ShardRange> Shard(const std::vector<ShardInput>& tensors, int rank, int world) {
@@ -489,6 +552,27 @@ std::pair<int64_t, int64_t> ShardRows(int64_t d0, int rank, int world) {
   if (d0 <= 0 || world <= 0 || rank < 0 || rank >= world) return {0, 0};
   const int64_t per = d0 / world + (d0 % world != 0);
   return {std::min<int64_t>(rank * per, d0), std::min<int64_t>((rank + 1) * per, d0)};
+}
+
+Result<std::string> DTensorPlacement(const std::string& name, int mesh_ndim,
+                                     const std::vector<int64_t>& mesh_ranks,
+                                     const std::string& mesh_text, const std::string& placement,
+                                     int world) {
+  bool all = mesh_ndim == 1 && mesh_ranks.size() == static_cast<size_t>(std::max(world, 0));
+  for (size_t r = 0; all && r < mesh_ranks.size(); ++r) all = mesh_ranks[r] == static_cast<int64_t>(r);
+  if (!all) {
+    return Status::InvalidArgument(
+        "tensor " + Printable(name) + " is a DTensor on mesh " + mesh_text.substr(0, 200) +
+        ": nonstop handles DTensors on a 1-D mesh over all " + std::to_string(world) +
+        " ranks (FSDP2 fully_shard); HSDP and 2-D meshes are not supported yet");
+  }
+  if (placement != "S0" && placement != "R") {
+    return Status::InvalidArgument("tensor " + Printable(name) + " is a DTensor placed " +
+                                   placement.substr(0, 80) +
+                                   ": nonstop handles Shard(0) (FSDP2's default) and Replicate() "
+                                   "placements only");
+  }
+  return placement;
 }
 
 Result<ShardPiece> ShardPieceOf(const std::string& name, const std::vector<int64_t>& shape,

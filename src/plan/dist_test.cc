@@ -86,6 +86,104 @@ TEST(DistTest, AgreementRoundsCloseOnTheNewestEveryRankCommitted) {
   EXPECT_EQ(s.close_step, -1);
 }
 
+// The round driven on one rank whose engine is a record of the calls made
+// (the other ranks' offers given as the gather's answer).
+TEST(DistTest, AgreementRoundDrivesPinAimAndTheLastRecord) {
+  AgreeOffer offer{10, 10, 10, 3};
+  std::optional<std::pair<uint64_t, int64_t>> latest;
+  std::optional<uint64_t> candidate = 3;
+  std::vector<int64_t> other = {10, 10, 10, 0, -1}, sent;
+  std::vector<std::string> calls;
+  bool dropped = true;
+  AgreementRounds::Hooks h;
+  h.offer = [&]() -> Result<AgreeOffer> { return offer; };
+  h.latest = [&]() -> Result<std::optional<std::pair<uint64_t, int64_t>>> { return latest; };
+  h.gather = [&](const std::vector<int64_t>& mine)
+      -> Result<std::vector<std::vector<int64_t>>> {
+    sent = mine;
+    return std::vector<std::vector<int64_t>>{mine, other};
+  };
+  h.pin = [&](uint64_t c) {
+    calls.push_back("pin " + std::to_string(c));
+    return Status::OK();
+  };
+  h.aim = [&](int64_t s) -> Result<bool> {
+    calls.push_back("aim " + std::to_string(s));
+    return dropped;
+  };
+  h.candidate = [&]() -> Result<std::optional<uint64_t>> { return candidate; };
+  h.record = [&](uint64_t c, int64_t s) {
+    calls.push_back("record " + std::to_string(c) + " " + std::to_string(s));
+    return Status::OK();
+  };
+  double t = 0;
+  h.now = [&] { return t += 1; };
+  AgreementRounds a;
+  EXPECT_EQ(a.Round(h, false, std::nullopt).value(), false);
+  EXPECT_EQ(sent, (std::vector<int64_t>{10, 10, 10, 0, -1}));
+  EXPECT_EQ(calls, (std::vector<std::string>{"pin 3", "record 3 10"}));
+  EXPECT_EQ(a.agreements, 1);
+  calls.clear();
+  EXPECT_EQ(a.Round(h, false, 10).value(), false);  // agreed already: aim past it
+  EXPECT_EQ(calls, (std::vector<std::string>{"aim 11"}));
+  EXPECT_EQ(a.candidate_drops, 1);
+  // Every rank closing on step 20, this rank's candidate (counter 5): pinned, recorded.
+  calls.clear();
+  offer = {-1, 20, 20, 0};
+  latest = std::make_pair(uint64_t{5}, int64_t{20});
+  candidate = 5;
+  other = {-1, 20, 20, 1, 20};
+  dropped = false;
+  EXPECT_EQ(a.Round(h, true, 10).value(), true);
+  EXPECT_EQ(sent, (std::vector<int64_t>{-1, 20, 20, 1, 20}));
+  EXPECT_EQ(calls, (std::vector<std::string>{"pin 5", "record 5 20"}));  // no candidate: wait
+  EXPECT_EQ(a.candidate_drops, 1);
+  // Its candidate is another checkpoint: recorded, not pinned.
+  calls.clear();
+  candidate = 4;
+  EXPECT_EQ(a.Round(h, true, 10).value(), true);
+  EXPECT_EQ(calls, (std::vector<std::string>{"record 5 20"}));
+  // A malformed offer, and a gather's error, as they are.
+  other = {1, 2};
+  EXPECT_EQ(a.Round(h, false, 10).status().code(), StatusCode::kInvalidArgument);
+  h.gather = [](const std::vector<int64_t>&) -> Result<std::vector<std::vector<int64_t>>> {
+    return Status::Aborted("gone");
+  };
+  EXPECT_EQ(a.Round(h, false, 10).status().message(), "gone");
+}
+
+TEST(DistTest, DTensorPlacementOnlyShard0OrReplicateOnAOneDMeshOfAllRanks) {
+  EXPECT_EQ(DTensorPlacement("w", 1, {0, 1}, "[0, 1]", "S0", 2).value(), "S0");
+  EXPECT_EQ(DTensorPlacement("w", 1, {0, 1, 2}, "[0, 1, 2]", "R", 3).value(), "R");
+  Result<std::string> two_d = DTensorPlacement("w", 2, {0, 1, 2, 3}, "[[0, 1], [2, 3]]", "S0", 4);
+  EXPECT_EQ(two_d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(two_d.status().message(),
+            "tensor 'w' is a DTensor on mesh [[0, 1], [2, 3]]: nonstop handles DTensors on a 1-D "
+            "mesh over all 4 ranks (FSDP2 fully_shard); HSDP and 2-D meshes are not supported yet");
+  EXPECT_FALSE(DTensorPlacement("w", 1, {0}, "[0]", "S0", 2).ok());        // not every rank
+  EXPECT_FALSE(DTensorPlacement("w", 1, {1, 0}, "[1, 0]", "S0", 2).ok());  // another order
+  Result<std::string> other = DTensorPlacement("w", 1, {0, 1}, "[0, 1]", "Shard(dim=1)", 2);
+  EXPECT_EQ(other.status().message(),
+            "tensor 'w' is a DTensor placed Shard(dim=1): nonstop handles Shard(0) (FSDP2's "
+            "default) and Replicate() placements only");
+}
+
+TEST(DistTest, CheckWorldRefusesAnotherReplicatedNoProcessGroupOrAnotherRank) {
+  EXPECT_TRUE(CheckWorld("shard", 1, 2, true, 1, 2).ok());
+  EXPECT_TRUE(CheckWorld("rank0", 0, 4, true, 0, 4).ok());
+  Status s = CheckWorld("all", 0, 2, true, 0, 2);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "replicated must be one of shard, rank0, got 'all'");
+  s = CheckWorld("shard", 0, 2, false, -1, -1);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(s.message(), "world_size=2 needs torch.distributed initialised "
+                         "(torch.distributed.init_process_group, or run under torchrun)");
+  s = CheckWorld("shard", 1, 2, true, 0, 2);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "rank 1 of world size 2 given, but torch.distributed says rank 0 of 2");
+  EXPECT_FALSE(CheckWorld("shard", 0, 2, true, 0, 3).ok());
+}
+
 TEST(DistTest, CommonStepsInRankZerosOrder) {
   EXPECT_EQ(CommonSteps({{30, 20, 10}, {10, 20}, {20, 10, 40}}), (std::vector<int64_t>{20, 10}));
   // Rank 0's order wins even when another rank lists the steps otherwise.

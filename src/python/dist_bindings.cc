@@ -6,6 +6,7 @@
 // Comm's, over the gloo group) and each read.
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "nonstop/dist.h"
 #include "plan/replica_check.h"
 #include "python/bindings.h"
+#include "restore/state_tree.h"
 
 namespace py = pybind11;
 
@@ -103,6 +105,12 @@ class Hooks {
   py::object fatal_ = py::none();
 };
 
+// The rounds' clock (CLOCK_MONOTONIC, Python's time.monotonic()), in seconds.
+double MonotonicS() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 const char* KindName(dist::RecoverOutcome::Kind k) {
   switch (k) {
     case dist::RecoverOutcome::Kind::kFresh: return "fresh";
@@ -115,6 +123,12 @@ const char* KindName(dist::RecoverOutcome::Kind k) {
 }  // namespace
 
 void InitDist(py::module_& m) {
+  m.def("dist_check_world", [](const std::string& replicated, int rank, int world,
+                               bool initialized, int dist_rank, int dist_world) {
+    Check(dist::CheckWorld(replicated, rank, world, initialized, dist_rank, dist_world));
+  }, py::arg("replicated"), py::arg("rank"), py::arg("world"), py::arg("initialized"),
+        py::arg("dist_rank"), py::arg("dist_world"),
+        "Distributed's arguments against torch.distributed's (dist.h CheckWorld).");
   m.def("dist_shard", [](const std::vector<std::tuple<std::string, uint64_t, bool, bool>>& tensors,
                          int rank, int world) {
     std::vector<dist::ShardInput> in;
@@ -127,12 +141,25 @@ void InitDist(py::module_& m) {
   }, py::arg("tensors"), py::arg("rank"), py::arg("world"),
         "tensors: [(name, numel, rank 0 writes it whole, contiguous)] -> [(name, begin, end, "
         "whole)] of what this rank writes (dist.h Shard).");
-  m.def("dist_zero_global_ids", [](const std::vector<int64_t>& index,
-                                   const std::vector<int64_t>& params,
-                                   const std::vector<int64_t>& state_ids, const std::string& where) {
-    return Take(dist::ZeroGlobalIds(index, params, state_ids, where));
-  }, py::arg("index"), py::arg("params"), py::arg("state_ids"), py::arg("where"),
-        "Each state id's global ZeRO index (dist.h ZeroGlobalIds).");
+  // State tree rewrites (restore/state_tree.h): (tree as JSON bytes, [(rank, old, new)]).
+  auto rewrite = [](Result<TreeRewrite> r) {
+    TreeRewrite t = Take(std::move(r));
+    return py::make_tuple(py::bytes(t.tree), t.renames);
+  };
+  m.def("dist_consolidate_zero", [rewrite](const std::string& key,
+                                           const std::vector<std::string>& trees,
+                                           const std::vector<std::string>& layouts,
+                                           const std::vector<std::vector<std::string>>& names) {
+    return rewrite(ConsolidateZero(key, trees, layouts, names));
+  }, py::arg("key"), py::arg("trees"), py::arg("layouts"), py::arg("names"),
+        "A ZeroRedundancyOptimizer's consolidated state tree from every old rank's tree, "
+        "layout and tensor names (state_tree.h ConsolidateZero).");
+  m.def("dist_rename_module_keys", [rewrite](const std::string& key, const std::string& tree,
+                                             bool add, const std::vector<std::string>& names) {
+    return rewrite(RenameModuleKeys(key, tree, add, names));
+  }, py::arg("key"), py::arg("tree"), py::arg("add"), py::arg("names"),
+        "A module's state tree between DDP's \"module.\" keys and none (state_tree.h "
+        "RenameModuleKeys).");
   m.def("dist_common_steps", &dist::CommonSteps, py::arg("every"),
         "The steps every rank's planned_steps list holds, in rank 0's order.");
   m.def("dist_no_common_step", [](const std::string& dir, int rank, std::optional<int64_t> step,
@@ -173,6 +200,13 @@ void InitDist(py::module_& m) {
   m.def("dist_shard_rows", &dist::ShardRows, py::arg("d0"), py::arg("rank"), py::arg("world"),
         "(begin, end): the rows of dim 0 rank holds under Shard(0), torch.chunk's split "
         "(dist.h ShardRows).");
+  m.def("dist_placement", [](const std::string& name, int mesh_ndim,
+                             const std::vector<int64_t>& mesh_ranks, const std::string& mesh_text,
+                             const std::string& placement, int world) {
+    return Take(dist::DTensorPlacement(name, mesh_ndim, mesh_ranks, mesh_text, placement, world));
+  }, py::arg("name"), py::arg("mesh_ndim"), py::arg("mesh_ranks"), py::arg("mesh_text"),
+        py::arg("placement"), py::arg("world"),
+        "'S0' or 'R': a DTensor's placement, checked (dist.h DTensorPlacement).");
   m.def("dist_shard_piece", [](const std::string& name, const std::vector<int64_t>& shape,
                                int rank, int world, std::optional<std::vector<int64_t>> local) {
     dist::ShardPiece p = Take(dist::ShardPieceOf(name, shape, rank, world, local));
@@ -275,20 +309,23 @@ void InitDist(py::module_& m) {
         dist::ReshardHooks h;
         h.gather = hk.Gather(gather);
         h.missing = std::move(missing);
+        py::object picked = py::none();  // the last pick's dict, for rebuild
         h.pick = [&](std::optional<int64_t> max_step) -> Result<std::optional<dist::ReshardPick>> {
           std::optional<dist::ReshardPick> got;
           Status s = hk.Call([&] {
-            py::object p = pick(max_step);
-            if (p.is_none()) return;
-            auto [w, st, run, archive] = p.cast<std::tuple<int, int64_t, uint64_t, std::string>>();
-            got = dist::ReshardPick{{w, st, run}, archive};
+            picked = pick(max_step);
+            if (picked.is_none()) return;
+            const py::dict p = picked.cast<py::dict>();
+            got = dist::ReshardPick{{p["old_world"].cast<int>(), p["step"].cast<int64_t>(),
+                                     p["run_id"].cast<uint64_t>()},
+                                    (std::filesystem::path(dir) /
+                                     p["dir"].cast<std::string>()).string()};
           });
           return s.ok() ? Result<std::optional<dist::ReshardPick>>(got)
                         : Result<std::optional<dist::ReshardPick>>(s);
         };
         h.rebuild = [&](const dist::ReshardPick& p) {
-          return hk.Call([&] { rebuild(p.key.old_world, p.key.step, p.key.run_id, p.archive); },
-                         Hooks::On::kDamage);
+          return hk.Call([&] { rebuild(picked, p.archive); }, Hooks::On::kDamage);
         };
         Result<std::optional<dist::ReshardKey>> got = Status::Internal("not run");
         std::vector<std::string> warnings;
@@ -304,7 +341,7 @@ void InitDist(py::module_& m) {
       py::arg("dir"), py::arg("world"), py::arg("gather"), py::arg("pick"), py::arg("rebuild"),
       py::arg("missing") = py::none(),
       "The reshard's rounds, collective (dist.h ReshardTogether): pick(max_step) -> None or "
-      "(old world, step, run id, archive dir); rebuild(old world, step, run id, archive) "
+      "JobDir.select_reshard's dict; rebuild(that dict, its archive dir under dir) "
       "(a CorruptCheckpointError or OSError: damage, all fall back); missing: this rank's line "
       "of the old files no peer held (a reshard from peers' memory). Returns (old world, step, "
       "run id) every rank rebuilt, or None: nothing to reshard.");
@@ -358,34 +395,78 @@ void InitDist(py::module_& m) {
   using AR = dist::AgreementRounds;
   py::class_<AR>(m, "AgreementRounds")
       .def(py::init<>())
-      .def("on_round", [](AR& a, const std::vector<std::vector<int64_t>>& every,
-                          std::optional<int64_t> agreed, double now_s) {
-        std::vector<dist::RoundOffer> in;
-        for (const auto& g : every) {
-          if (g.size() != 5) throw StatusError(Status::InvalidArgument("a round offer has 5 fields"));
-          dist::RoundOffer r;
-          r.offer.candidate = g[0];
-          r.offer.committed = g[1];
-          r.offer.started = g[2];
-          r.stopping = g[3] != 0;
-          r.newest = g[4];
-          in.push_back(r);
+      .def("round", [](AR& a, py::object engine, py::object gather, py::object record,
+                       bool stopping, std::optional<int64_t> agreed) {
+        // Each hook calls the engine's Python method (Engine's binding; or a
+        // test's stand-in), with the GIL taken; errors are raised as they are.
+        Hooks hk;
+        auto call = [&](auto&& f) { return hk.Call(f, Hooks::On::kRaise); };
+        using Newest = std::optional<std::pair<uint64_t, int64_t>>;
+        AR::Hooks h;
+        h.offer = [&]() -> Result<AgreeOffer> {
+          AgreeOffer o;
+          Status s = call([&] {
+            auto [counter, step, committed, started] =
+                engine.attr("agree_offer")()
+                    .cast<std::tuple<std::optional<uint64_t>, int64_t, int64_t, int64_t>>();
+            o = AgreeOffer{step, committed, started, counter.value_or(0)};
+          });
+          return s.ok() ? Result<AgreeOffer>(o) : Result<AgreeOffer>(s);
+        };
+        h.latest = [&]() -> Result<Newest> {
+          Newest n;
+          Status s = call([&] { n = engine.attr("latest")().cast<Newest>(); });
+          return s.ok() ? Result<Newest>(n) : Result<Newest>(s);
+        };
+        h.gather = [&](const std::vector<int64_t>& mine) -> Result<std::vector<std::vector<int64_t>>> {
+          std::vector<std::vector<int64_t>> every;
+          Status s = call([&] { every = gather(mine).cast<std::vector<std::vector<int64_t>>>(); });
+          if (s.ok()) return every;
+          return s;
+        };
+        h.pin = [&](uint64_t counter) { return call([&] { engine.attr("pin")(counter); }); };
+        h.aim = [&](int64_t step) -> Result<bool> {
+          bool dropped = false;
+          Status s = call([&] { dropped = engine.attr("aim")(step).cast<bool>(); });
+          return s.ok() ? Result<bool>(dropped) : Result<bool>(s);
+        };
+        h.candidate = [&]() -> Result<std::optional<uint64_t>> {
+          Newest c;
+          Status s = call([&] { c = engine.attr("candidate")().cast<Newest>(); });
+          if (!s.ok()) return s;
+          return c ? std::optional<uint64_t>(c->first) : std::nullopt;
+        };
+        h.record = [&](uint64_t counter, int64_t step) {
+          return call([&] { record(counter, step); });
+        };
+        h.now = MonotonicS;
+        Result<bool> done = Status::Internal("not run");
+        {
+          py::gil_scoped_release r;
+          done = a.Round(h, stopping, agreed);
         }
-        const AR::Step s = a.OnRound(in, agreed, now_s);
-        const char* kind = s.kind == AR::Step::Kind::kPin   ? "pin"
-                           : s.kind == AR::Step::Kind::kAim ? "aim"
-                                                            : "wait";
-        return py::make_tuple(kind, s.aim, s.close, s.close_step);
-      }, py::arg("every"), py::arg("agreed"), py::arg("now_s"),
-           "Every rank's [candidate, committed, started, stopping, newest] -> (\"pin\"|\"aim\"|"
-           "\"wait\", aim step, last round, step to record on closing or -1).")
-      .def("pinned", &AR::Pinned, py::arg("now_s"))
-      .def("dropped", &AR::Dropped)
-      .def("max_gap", &AR::MaxGap, py::arg("now_s") = py::none())
-      .def_readonly("rounds", &AR::rounds)
-      .def_readonly("agreements", &AR::agreements)
-      .def_readonly("candidate_drops", &AR::candidate_drops)
-      .def_readonly("max_drops_in_row", &AR::max_drops_in_row);
+        hk.Finish(done.status(), {}, 1);
+        return done.value();
+      }, py::arg("engine"), py::arg("gather"), py::arg("record"), py::arg("stopping"),
+           py::arg("agreed"),
+           "One round of the agreement thread (dist.h AgreementRounds::Round) on `engine` "
+           "(agree_offer, latest, pin, aim, candidate: Engine's methods); gather([candidate, "
+           "committed, started, stopping, newest]) -> every rank's; record(counter, step) "
+           "writes the agreed record. True after the last round.")
+      .def("stats", [](AR& a, bool running) {
+        py::dict d;
+        d["rounds"] = a.rounds;
+        d["agreements"] = a.agreements;
+        d["candidate_drops"] = a.candidate_drops;
+        d["max_drops_in_row"] = a.max_drops_in_row;
+        std::optional<double> now;
+        if (running) now = MonotonicS();
+        d["max_agree_gap_s"] = a.MaxGap(now);
+        return d;
+      }, py::arg("running"),
+           "The progress counters; with `running`, the gap still open (no agreement since) "
+           "counts too.")
+      .def_readonly("rounds", &AR::rounds);
 
   // Replicated means equal (_replica.py): on the gathered names' counts, then digests.
   m.def(

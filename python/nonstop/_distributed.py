@@ -53,8 +53,7 @@ def zero_layout(obj) -> dict:
 
 
 def _open_read(dir: str):
-    """The job directory opened for reading (JobDir, no lock), or None when
-    it does not exist."""
+    """The job directory opened for reading (JobDir, no lock), or None when absent."""
     try:
         return _ext.core().JobDir.open_for_read(dir)
     except CheckpointNotFoundError:
@@ -537,8 +536,8 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, step, state):
     for name, off, n in layout:  # every layout offset is aligned for any dtype
         shape, dtype = shared[name]
         tensors[name] = _fsdp.view(flat, off, n, dtype, shape)
-    meta = json.loads(json.dumps(metas[src]))  # a copy: its state tree is rewritten below
-    meta["state"] = dict(meta.get("state", {}))
+    # Copies: its state's trees are replaced below (the old ones are never changed).
+    meta = dict(metas[src], state=dict(metas[src].get("state", {})))
     for zk in sorted(zero_keys):
         meta["state"][zk] = consolidate(zk, metas, zero_parts, tensors)
     # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.

@@ -112,7 +112,10 @@ enum class StateRole : uint8_t { kParam, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMome
 
 // A tensor of the persisted checkpoint: either a reconstructed buffer
 // (`tensor` >= 0: index into Begin's list, and `role`), or bytes copied when
-// SetOutputs is called (`tensor` < 0: `data` on `device`).
+// SetOutputs is called (`tensor` < 0: `data` on `device`). SetOutputs makes
+// an output given as bytes that are a window tensor's own (its parameter or
+// a kept state: the same float32 data pointer and size) that reconstructed
+// buffer, so the caller may pass every tensor of its state as bytes.
 struct OutputTensor {
   TensorSpec spec;
   int tensor = -1;

@@ -314,8 +314,9 @@ class MultistepMode(Driver):
         self.session.saves += 1
 
     def _set_outputs(self, step: int) -> None:
-        """Everything of the checkpoint at version `step`: optimizer-owned
-        tensors point at the reconstructed buffers, the rest is copied now."""
+        """Everything of the checkpoint at version `step`: C++ (SetOutputs)
+        points the optimizer's own tensors at the reconstructed buffers and
+        copies the rest now."""
         tensors: dict = {}
         meta = self.session.meta(step, tensors)  # metrics=: step(step, metrics=) of this version
         if self._cuda:  # what restore's replay must find again (replay_check)
@@ -323,31 +324,17 @@ class MultistepMode(Driver):
                 {k: g[k] for k in ("foreach", "fused", "capturable", "amsgrad",
                                    "decoupled_weight_decay") if k in g}
                 for g in self.opt.param_groups])
-        owned = {}
-        for i, p in enumerate(self.params):
-            owned[(p.data_ptr(), p.numel())] = (i, "param")
-            st = self.opt.state.get(p, {})
-            for r in _ROLES[self.algorithm]:
-                v = st.get(r)
-                if isinstance(v, torch.Tensor):
-                    owned[(v.data_ptr(), v.numel())] = (i, r)
         outputs, keep = [], []
         code = _state.torch_dtype_code
         for name, t in tensors.items():
-            hit = owned.get((t.data_ptr(), t.numel())) if (
-                t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0) else None
-            nbytes = t.numel() * t.element_size()
-            if hit is not None:
-                outputs.append((name, code(t.dtype), list(t.shape), nbytes, hit[0], hit[1], 0, 0,
-                                0, 0))
-                continue
+            _ext.core().multistep_device_check(f"tensor {name!r} of the state", str(t.device),
+                                               self.replay)
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
-            _ext.core().multistep_device_check(f"tensor {name!r} of the state", str(t.device),
-                                               self.replay)
             kind, index = _where(t.device)
-            outputs.append((name, code(t.dtype), list(t.shape), nbytes, -1, "param",
+            nbytes = t.numel() * t.element_size()
+            outputs.append((name, code(t.dtype), list(t.shape), nbytes,
                             t.data_ptr() if nbytes else 0, kind, index,
                             self._stream() if kind == 1 else 0))
         self.core.set_outputs(outputs, _state.dumps(meta))
@@ -437,9 +424,6 @@ class MultistepMode(Driver):
             h.remove()
         self._hooks = []
         if self._orig_zero_grad is not None:
-            try:
-                del self.opt.zero_grad
-            except AttributeError:
-                pass
+            self.opt.__dict__.pop("zero_grad", None)  # the class's zero_grad again
             self._orig_zero_grad = None
         self._held.clear()

@@ -10,12 +10,12 @@ from typing import Any, Optional
 
 import torch
 
-from . import _auto, _config, _data, _ext, _peer
+from . import _config, _data, _ext, _peer
 from .errors import CheckpointMismatchError
 
 # The keywords C++ checks as given (engine/checkpointer_args.h); every=,
 # mode= and max_in_flight= after config= (mode "auto": layer-wise or
-# concurrent, whichever this job measures cheaper, _auto.AutoMode).
+# concurrent, whichever this job measures cheaper, _layerwise.Switching).
 _CHECKED = ("keep", "tier", "device_snapshot_bytes", "disk_every", "copy", "replay",
             "clip_grad_norm", "best")
 
@@ -34,7 +34,7 @@ class ModeOptions:
     """When a checkpoint is due and how it is taken."""
     mode: str = "concurrent"
     every: Any = 10             # an int, or "auto" (auto: the controller)
-    auto: Optional[_auto.AutoInterval] = None
+    auto: Any = None            # every="auto": its controller, a _core.Schedule
     parts: int = 7              # multistep
     overlap_gradients: bool = True
     replay: str = "auto"        # multistep: "auto", "host", "torch" (C++ ChooseMultistep checks it)
@@ -141,8 +141,8 @@ def resolve(state: dict, **kw) -> Options:
     # (checked and applied by C++ JobDir retention; docs/PYTHON.md "Managing checkpoints")
     rules = tuple(_ext.core().check_retention(keep, max_to_keep, best))
     # every="auto": the interval adapts to keep the visible stall near
-    # max_overhead (default 3 %) of wall time; see _auto.py, docs/TUNE.md.
-    auto = _auto.AutoInterval(target=opts["max_overhead"]) if every == "auto" else None
+    # max_overhead (default 3 %) of wall time; see docs/TUNE.md.
+    auto = _ext.core().Schedule.auto(target=opts["max_overhead"]) if every == "auto" else None
     return Options(
         engine=EngineOptions(engine, tier),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],

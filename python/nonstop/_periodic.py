@@ -1,5 +1,6 @@
 """mode="concurrent": whole-state checkpoints, every N steps or as often as
-a stall budget allows (every="auto", _auto.py). The state's tensors are
+a stall budget allows (every="auto": the C++ controller, _core.Schedule,
+fed the clock and the stall here; docs/TUNE.md). The state's tensors are
 registered with the engine by pointer and copied in the background; the
 optimizers' step pre-hook (Session.before_update) waits for the copy. The
 other modes take whole-state checkpoints through it too."""
@@ -27,15 +28,12 @@ class Periodic(Driver):
         # every="auto": ask the controller; feed it the persist times of the
         # checkpoints committed since.
         ses, auto = self.session, self.interval
-        if not auto.observe_step(ses.visible_stall_s):
+        if not auto.observe_step(ses.visible_stall_s, time.perf_counter()):
             return None
         counter = self.save(step)  # step() reports background errors after it
-        auto.started(ses.visible_stall_s)
-        stats = ses.live().stats()
-        for r in stats.get("recent", ()):
-            if r.get("committed") and r.get("counter", 0) > auto.seen_counter:
-                auto.observe_persist(r.get("persist_s", 0.0), stats.get("max_in_flight", 1))
-                auto.seen_counter = r["counter"]
+        auto.started(ses.visible_stall_s, time.perf_counter())
+        stats = ses.live().stats()  # each newly committed checkpoint's persist time
+        auto.observe_commits(stats.get("recent", []), stats.get("max_in_flight", 1))
         return counter
 
     def save(self, step: int) -> int:

@@ -23,8 +23,8 @@ class Session:
         self.rank, self.world_size = o.dist.rank, o.dist.world_size
         self.best = o.retention.best
         # When a checkpoint is due, for every mode: the one rule, in C++
-        # (src/engine/schedule.h); every="auto" feeds it the clock (_auto.py).
-        self.schedule = (o.mode.auto.schedule if o.mode.auto is not None
+        # (src/engine/schedule.h); every="auto" feeds it the clock (_periodic.py).
+        self.schedule = (o.mode.auto if o.mode.auto is not None
                          else _ext.core().Schedule.every(o.mode.every))
         self.engine = None              # set once opened; None once closed
         self.dist = dist                # _distributed.Distributed with world_size > 1

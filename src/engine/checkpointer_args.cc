@@ -23,7 +23,7 @@ bool OneOf(const Arg& a, std::initializer_list<const char*> names) {
 Result<EngineChoices> CheckCheckpointerArgs(const CheckpointerArgs& a) {
   const bool auto_every = a.every.is("auto");
   // every="auto": the interval adapts to keep the visible stall near
-  // max_overhead of wall time (_auto.AutoInterval, docs/TUNE.md).
+  // max_overhead of wall time (Schedule::Auto, docs/TUNE.md).
   if (auto_every && !a.mode.is("concurrent")) {
     return Bad("every=\"auto\" works with mode=\"concurrent\" only (mode=\"auto\" compares the "
                "modes over fixed windows: every=N)");

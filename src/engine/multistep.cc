@@ -219,6 +219,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
           std::to_string(version()) + " while its window is open");
     }
     const auto t0 = Clock::now();
+    multistep_internal::MatchOutputs(config_, tensors_, &outputs);
     for (const auto& o : outputs) {
       if (o.tensor >= static_cast<int>(tensors_.size())) {
         return Status::InvalidArgument("multistep: output '" + o.spec.name +

@@ -3,6 +3,7 @@
 // (multistep_internal.h).
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <utility>
 
 #include "engine/multistep_internal.h"
@@ -283,6 +284,30 @@ Status Refresh(std::vector<OptimizerTensor>* tensors, std::span<const OptimizerT
     dst.momentum_buffer = refreshed[t].momentum_buffer;
   }
   return Status::OK();
+}
+
+void MatchOutputs(const optim::OptimizerConfig& config, const std::vector<OptimizerTensor>& tensors,
+                  std::vector<OutputTensor>* outputs) {
+  std::map<const void*, std::pair<int, StateRole>> owned;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (int r = 0; r < kNumRoles; ++r) {
+      const auto role = static_cast<StateRole>(r);
+      const float* src = RoleSource(tensors[t], role);
+      if (UsesRole(config, role) && src != nullptr) owned[src] = {static_cast<int>(t), role};
+    }
+  }
+  for (auto& o : *outputs) {
+    const auto it = o.tensor < 0 && o.spec.dtype == DType::kFloat32 && o.spec.nbytes > 0
+                        ? owned.find(o.data)
+                        : owned.end();
+    if (it == owned.end() || tensors[it->second.first].numel * sizeof(float) != o.spec.nbytes) {
+      continue;
+    }
+    o.tensor = it->second.first;
+    o.role = it->second.second;
+    o.data = nullptr;
+    o.device = Device{};
+  }
 }
 
 Status CopyOtherOutputs(CopyEngine* copy, HostArena* arena, std::vector<OutputTensor>* outputs) {

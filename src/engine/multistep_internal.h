@@ -169,6 +169,13 @@ class StateBuffers {
 // same order and sizes) replace those of *tensors.
 Status Refresh(std::vector<OptimizerTensor>* tensors, std::span<const OptimizerTensor> refreshed);
 
+// SetOutputs: an output given as bytes (tensor < 0) that is one of the
+// window's tensors (float32, the same data pointer and size as its parameter
+// or a state `config` keeps) becomes that tensor's reconstructed buffer
+// (tensor, role): the caller passes every tensor of the state as it is.
+void MatchOutputs(const optim::OptimizerConfig& config, const std::vector<OptimizerTensor>& tensors,
+                  std::vector<OutputTensor>* outputs);
+
 // SetOutputs: copies the outputs that are not reconstructed (tensor < 0)
 // into *arena, laid out as staged buffers, and points them there (host).
 Status CopyOtherOutputs(CopyEngine* copy, HostArena* arena, std::vector<OutputTensor>* outputs);

@@ -27,6 +27,66 @@ namespace {
 namespace fs = std::filesystem;
 using multistep_internal::PlanParts;
 
+// SetOutputs is handed every tensor of the state as bytes: those that are a
+// window tensor's own (float32, same pointer, same size, a role this
+// optimizer keeps) become reconstructed buffers; everything else is copied.
+TEST(MatchOutputsTest, TheOptimizersOwnTensorsBecomeReconstructedBuffers) {
+  std::vector<float> p0(8), m0(8), v0(8), vmax0(8), p1(3), buf(8), other(8);
+  std::vector<OptimizerTensor> tensors(2);
+  tensors[0].numel = 8;
+  tensors[0].param = p0.data();
+  tensors[0].exp_avg = m0.data();
+  tensors[0].exp_avg_sq = v0.data();
+  tensors[0].max_exp_avg_sq = vmax0.data();
+  tensors[0].momentum_buffer = buf.data();  // not a role of Adam: never matched
+  tensors[1].numel = 3;
+  tensors[1].param = p1.data();
+  const auto out = [](const void* data, uint64_t nbytes, DType dtype = DType::kFloat32) {
+    OutputTensor o;
+    o.spec.dtype = dtype;
+    o.spec.nbytes = nbytes;
+    o.data = data;
+    o.device = Device{DeviceKind::kHost, 0, 0};
+    return o;
+  };
+  std::vector<OutputTensor> outputs = {
+      out(p0.data(), 32), out(v0.data(), 32), out(p1.data(), 12),
+      out(vmax0.data(), 32),  // not kept without amsgrad
+      out(buf.data(), 32), out(other.data(), 32),
+      out(p0.data(), 16),                  // a view: part of p0's bytes
+      out(m0.data(), 32, DType::kInt32),  // the same bytes as another dtype
+      out(p1.data(), 0)};                 // empty
+  optim::OptimizerConfig adam;
+  adam.algorithm = optim::Algorithm::kAdam;
+  multistep_internal::MatchOutputs(adam, tensors, &outputs);
+  const std::vector<std::pair<int, StateRole>> want = {
+      {0, StateRole::kParam}, {0, StateRole::kExpAvgSq}, {1, StateRole::kParam}};
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (i < want.size()) {
+      EXPECT_EQ(outputs[i].tensor, want[i].first) << i;
+      EXPECT_EQ(outputs[i].role, want[i].second) << i;
+      EXPECT_EQ(outputs[i].data, nullptr) << i;
+    } else {
+      EXPECT_EQ(outputs[i].tensor, -1) << i;  // copied as bytes
+      EXPECT_NE(outputs[i].data, nullptr) << i;
+    }
+  }
+  // amsgrad keeps max_exp_avg_sq; SGD keeps the momentum buffer only.
+  adam.amsgrad = true;
+  outputs = {out(vmax0.data(), 32), out(buf.data(), 32)};
+  multistep_internal::MatchOutputs(adam, tensors, &outputs);
+  EXPECT_EQ(outputs[0].tensor, 0);
+  EXPECT_EQ(outputs[0].role, StateRole::kMaxExpAvgSq);
+  EXPECT_EQ(outputs[1].tensor, -1);
+  optim::OptimizerConfig sgd;
+  sgd.algorithm = optim::Algorithm::kSgd;
+  outputs = {out(buf.data(), 32), out(m0.data(), 32)};
+  multistep_internal::MatchOutputs(sgd, tensors, &outputs);
+  EXPECT_EQ(outputs[0].tensor, 0);
+  EXPECT_EQ(outputs[0].role, StateRole::kMomentumBuffer);
+  EXPECT_EQ(outputs[1].tensor, -1);
+}
+
 TEST(PlanPartsTest, CoversEveryElementOnceInBlocksAndParts) {
   const std::vector<size_t> numels = {3000, 17, 1, 5000, 0, 1023};
   for (int parts : {1, 3, 7, 40}) {

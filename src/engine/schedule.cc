@@ -111,6 +111,12 @@ void Schedule::ObservePersist(double persist_s, int max_in_flight) {
   max_in_flight_ = std::max(1, max_in_flight);
 }
 
+void Schedule::ObserveCommitted(uint64_t counter, double persist_s, int max_in_flight) {
+  if (counter <= seen_counter_) return;
+  seen_counter_ = counter;
+  ObservePersist(persist_s, max_in_flight);
+}
+
 AutoScheduleState Schedule::State() const {
   AutoScheduleState s;
   s.target = opts_.target;

@@ -68,6 +68,10 @@ class Schedule {
   void Started(double stall_total_s, double now_s);
   // One committed checkpoint's persist time (start to committed).
   void ObservePersist(double persist_s, int max_in_flight);
+  // ObservePersist for a committed checkpoint the engine reports (its
+  // stats' recent list, read after each start): each counter once, so those
+  // at or below the newest one observed are skipped.
+  void ObserveCommitted(uint64_t counter, double persist_s, int max_in_flight);
   AutoScheduleState State() const;
 
  private:
@@ -88,6 +92,7 @@ class Schedule {
   double wall_s_ = 0, stall_s_ = 0;  // since the first checkpoint started
   double window_stall_ = 0;          // stall since the newest checkpoint started
   std::optional<int64_t> last_interval_;
+  uint64_t seen_counter_ = 0;  // the newest committed checkpoint observed
 };
 
 }  // namespace nonstop

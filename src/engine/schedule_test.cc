@@ -112,6 +112,22 @@ TEST(ScheduleTest, AutoWaitsForTheMediumBeforeCheckpointsQueue) {
   EXPECT_EQ(s.State().interval, 10);
 }
 
+// The engine's recent list is read after each start and repeats the
+// checkpoints it reported before: each committed counter counts once.
+TEST(ScheduleTest, AutoObservesEachCommittedCheckpointOnce) {
+  Schedule s = Schedule::Auto({.target = 0.03, .alpha = 0.5}).value();
+  s.ObserveCommitted(1, 2.0, 2);
+  ASSERT_TRUE(s.State().persist_s.has_value());
+  EXPECT_DOUBLE_EQ(*s.State().persist_s, 2.0);
+  s.ObserveCommitted(1, 8.0, 2);  // seen already
+  s.ObserveCommitted(0, 8.0, 2);  // older
+  EXPECT_DOUBLE_EQ(*s.State().persist_s, 2.0);
+  s.ObserveCommitted(3, 4.0, 2);
+  EXPECT_DOUBLE_EQ(*s.State().persist_s, 3.0);  // EWMA, alpha 0.5
+  s.ObserveCommitted(2, 8.0, 2);  // below the newest seen
+  EXPECT_DOUBLE_EQ(*s.State().persist_s, 3.0);
+}
+
 TEST(ScheduleTest, AutoWarmupAndBounds) {
   Schedule s =
       Schedule::Auto({.target = 0.5, .warmup = 3, .min_interval = 2, .max_interval = 5}).value();

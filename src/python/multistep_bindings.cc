@@ -71,19 +71,10 @@ std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in,
   return out;
 }
 
-StateRole ParseRole(const std::string& s) {
-  if (s == "param") return StateRole::kParam;
-  if (s == "exp_avg") return StateRole::kExpAvg;
-  if (s == "exp_avg_sq") return StateRole::kExpAvgSq;
-  if (s == "max_exp_avg_sq") return StateRole::kMaxExpAvgSq;
-  if (s == "momentum_buffer") return StateRole::kMomentumBuffer;
-  throw StatusError(Status::InvalidArgument("multistep: unknown state role '" + s + "'"));
-}
-
-// (name, dtype code, shape, nbytes, tensor index or -1, role, data_ptr,
-//  device kind, device index, stream)
-using PyOutput = std::tuple<std::string, int, std::vector<int64_t>, uint64_t, int, std::string,
-                            uintptr_t, int, int, uintptr_t>;
+// (name, dtype code, shape, nbytes, data_ptr, device kind, device index,
+//  stream): every tensor of the state; SetOutputs finds the optimizer's own.
+using PyOutput =
+    std::tuple<std::string, int, std::vector<int64_t>, uint64_t, uintptr_t, int, int, uintptr_t>;
 
 py::dict WindowDict(const MultistepWindowStats& w) {
   py::dict d;
@@ -174,15 +165,12 @@ class PyMultistep {
   void SetOutputs(const std::vector<PyOutput>& outputs, std::string meta_json) {
     std::vector<OutputTensor> out;
     out.reserve(outputs.size());
-    for (const auto& [name, dtype, shape, nbytes, tensor, role, ptr, kind, index, stream] :
-         outputs) {
+    for (const auto& [name, dtype, shape, nbytes, ptr, kind, index, stream] : outputs) {
       OutputTensor o;
       o.spec.name = name;
       o.spec.dtype = DTypeFromCode(dtype, "tensor '" + name + "'");
       o.spec.shape = shape;
       o.spec.nbytes = nbytes;
-      o.tensor = tensor;
-      o.role = ParseRole(role);
       o.data = reinterpret_cast<const void*>(ptr);
       o.device = MakeDevice(kind, index, stream);
       out.push_back(std::move(o));

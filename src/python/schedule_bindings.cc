@@ -31,6 +31,19 @@ void InitSchedule(py::module_& m) {
       .def("started", &Schedule::Started, py::arg("stall_total_s"), py::arg("now_s"))
       .def("observe_persist", &Schedule::ObservePersist, py::arg("persist_s"),
            py::arg("max_in_flight"))
+      .def(
+          "observe_commits",
+          [](Schedule& s, const py::iterable& recent, int max_in_flight) {
+            for (const auto& item : recent) {  // engine stats()["recent"]: dicts
+              const auto r = item.cast<py::dict>();
+              if (!r.contains("committed") || !py::bool_(r["committed"])) continue;
+              s.ObserveCommitted(r.contains("counter") ? r["counter"].cast<uint64_t>() : 0,
+                                 r.contains("persist_s") ? r["persist_s"].cast<double>() : 0.0,
+                                 max_in_flight);
+            }
+          },
+          py::arg("recent"), py::arg("max_in_flight"),
+          "ObserveCommitted for each committed checkpoint of the engine's stats()['recent']")
       .def("state", [](const Schedule& s) {
         const AutoScheduleState st = s.State();
         py::dict d;

@@ -1,11 +1,15 @@
-"""every="auto" (nonstop/_auto.py): the interval follows the stall, and the
-visible-stall overhead stays near the target. The controller is driven by a
+"""every="auto" (the C++ controller, _core.Schedule.auto): the interval
+follows the stall, and the visible-stall overhead stays near the target. The controller is driven by a
 simulated clock here, so these tests measure the control law, not the machine."""
 import statistics
 
 import pytest
 
-from nonstop._auto import AutoInterval
+from nonstop import _ext
+
+
+def AutoInterval(**kw):
+    return _ext.core().Schedule.auto(**kw)
 
 
 class Loop:
@@ -13,7 +17,7 @@ class Loop:
     checkpoint costs `save_s` inside save() and `wait_s` in the next step's
     wait before the optimizer update (the copy not yet done)."""
 
-    def __init__(self, auto: AutoInterval, step_s: float):
+    def __init__(self, auto, step_s: float):
         self.auto, self.step_s = auto, step_s
         self.now, self.stall = 0.0, 0.0
         self.pending_wait = 0.0
@@ -30,10 +34,10 @@ class Loop:
             self.stall += self.pending_wait
             self.pending_wait = 0.0
             self.steps += 1
-            if self.auto.observe_step(self.stall, now=self.now):
+            if self.auto.observe_step(self.stall, now_s=self.now):
                 self.now += save_s
                 self.stall += save_s
-                self.auto.started(self.stall, now=self.now)
+                self.auto.started(self.stall, now_s=self.now)
                 if persist_s:
                     self.auto.observe_persist(persist_s, 2)
                 self.pending_wait = wait_s
@@ -67,7 +71,7 @@ def test_interval_follows_the_stall_and_overhead_stays_near_target():
     assert 4 <= f3 <= 7, f3
     for ovh in (ovh1, ovh2, ovh3):
         assert 0.025 <= ovh <= 0.032, (ovh1, ovh2, ovh3)
-    assert auto.interval == pytest.approx(6, abs=1)
+    assert auto.state()["interval"] == pytest.approx(6, abs=1)
 
 
 def test_adapts_quickly_to_a_stall_step_change():
@@ -97,7 +101,7 @@ def test_waits_for_the_medium_before_checkpoints_queue():
     loop = Loop(auto, step_s=0.1)
     loop.run(500, wait_s=0.0, persist_s=2.0)
     assert min(loop.intervals_after(50)) >= 10
-    assert auto.interval == 10
+    assert auto.state()["interval"] == 10
 
 
 def test_warmup_and_bounds():
@@ -171,7 +175,6 @@ def test_checkpointer_every_auto_follows_an_injected_stall(spy_engine, tmp_path,
     model, opt, sched = tiny.make()
     with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt},
                               every="auto", max_overhead=0.1) as ck:
-        ck.driver.interval._clock = clock.perf_counter
         # 10 ms steps, q = 10 % of wall time (stall included): 3 ms of stall
         # per checkpoint -> 3 / (10 f + 3) <= 0.1 at f = 3; 30 ms -> f = 27.
         m1 = _auto_phase(ck, model, opt, sched, 60, 0, sleep_s=0.010, clock=clock)

@@ -9,7 +9,6 @@ window's versions and both replays.
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Optional
@@ -95,20 +94,6 @@ def _torch_picks_foreach(params: list) -> bool:
     return bool(_default_to_fused_or_foreach(list(params), False, False)[1])
 
 
-def replay_check(opt, meta: dict, tensors: dict, where: str) -> None:
-    """Before restore() changes anything: whether this run can replay a
-    checkpoint whose parts are at their own versions (CheckMultistepRestore;
-    docs/MULTISTEP.md, "How restore replays"; the flags need no check:
-    load_state_dict sets the saved ones before the replay runs)."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    now = _arithmetic(opt, params[0].device if params else torch.device("cpu"))
-    _ext.core().multistep_restore_check(
-        _state.dumps(meta.get("multistep")), _state.dumps(meta.get("multistep_plan")), **now,
-        groups=len(opt.param_groups), param_numel=[p.numel() for p in params],
-        tensors={n: t.numel() for n, t in tensors.items() if isinstance(t, torch.Tensor)},
-        where=where)
-
-
 class MultistepMode(Driver):
     """Drives nonstop._core.Multistep for one Checkpointer; the core is the
     session's engine (wait_copied, wait_committed, latest, adopt_restored,
@@ -127,8 +112,6 @@ class MultistepMode(Driver):
         if not isinstance(parts, int) or not 1 <= parts <= 64:
             raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {parts!r}")
         self.opt = opts[0]
-        # StateApplier.prepare, before restore() changes anything
-        self.replay_check = functools.partial(replay_check, self.opt)
         self._check(replay)  # and the replay= value (ChooseMultistep)
         self.parts = parts
         self.overlap = bool(overlap_gradients)
@@ -347,6 +330,19 @@ class MultistepMode(Driver):
 
     def wait(self) -> None:
         self.session.wait(committed=True, take=False)
+
+    def replay_check(self, meta: dict, tensors: dict, where: str) -> None:
+        """StateApplier.prepare, before restore() changes anything: whether
+        this run can replay a checkpoint whose parts are at their own versions
+        (CheckMultistepRestore; docs/MULTISTEP.md, "How restore replays"; the
+        flags need no check: load_state_dict sets the saved ones before the
+        replay runs)."""
+        _ext.core().multistep_restore_check(
+            _state.dumps(meta.get("multistep")), _state.dumps(meta.get("multistep_plan")),
+            **_arithmetic(self.opt, self.device), groups=len(self.opt.param_groups),
+            param_numel=[p.numel() for p in self.params],
+            tensors={n: t.numel() for n, t in tensors.items() if isinstance(t, torch.Tensor)},
+            where=where)
 
     def restored(self, loaded) -> None:
         if "multistep_plan" in loaded.meta:  # parts at their versions

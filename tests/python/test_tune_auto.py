@@ -115,6 +115,21 @@ def test_warmup_and_bounds():
     assert max(loop.intervals_after(70)) == 5
 
 
+def test_observes_each_committed_checkpoint_of_the_engine_stats_once():
+    # _periodic hands the engine's stats()["recent"] after each start; the
+    # list repeats what it reported before.
+    auto = AutoInterval(target=0.03, alpha=0.5)
+    recent = [{"counter": 1, "committed": True, "persist_s": 2.0},
+              {"counter": 2, "committed": False, "persist_s": 9.0}]
+    auto.observe_commits(recent, 2)
+    assert auto.state()["persist_s"] == 2.0
+    recent += [{"counter": 3, "committed": True, "persist_s": 4.0}]
+    auto.observe_commits(recent, 2)  # counter 1 again: not counted twice
+    assert auto.state()["persist_s"] == 3.0
+    auto.observe_commits(recent, 2)  # nothing new (counted again: 3.25)
+    assert auto.state()["persist_s"] == 3.0
+
+
 @pytest.mark.parametrize("kw", [{"target": 0}, {"target": 1.5}, {"min_interval": 0},
                                 {"min_interval": 5, "max_interval": 2}, {"alpha": 0}])
 def test_rejects_bad_settings(kw):

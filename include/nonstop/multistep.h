@@ -188,6 +188,27 @@ class MultistepCheckpoint {
   // tensor < 0 are copied now (counted as stall).
   virtual Status SetOutputs(std::vector<OutputTensor> outputs, std::string meta_json) = 0;
 
+  // The training loop's steps as a driver sees them (the Python front end:
+  // an optimizer step pre-hook, ckpt.step and ckpt.save). CountUpdate: an
+  // update is about to run (also while no window is open);
+  // InvalidArgument for a second one since the last MarkStep while a
+  // window is open. next_step(): the step that update belongs to, the last
+  // marked + 1 (0 before any).
+  virtual Status CountUpdate() = 0;
+  virtual int64_t next_step() const = 0;
+  // After the update of `step` (ckpt.step): while a window is open, a step
+  // without an update is logged as skipped (GradScaler skipped it). `due`:
+  // a checkpoint is due after it; it begins now when no window is open,
+  // else at the first MarkStep after the open one closed. True when the
+  // caller must Begin(step, ...) now.
+  virtual Result<bool> MarkStep(int64_t step, bool due) = 0;
+  // ckpt.save: true when the caller must Begin now; false when a window is
+  // open (the checkpoint is then due at the first MarkStep after it closes).
+  virtual bool RequestCheckpoint() = 0;
+  // Whether SetOutputs is due now: the window's version was updated (or
+  // skipped) and its outputs are not set yet.
+  virtual bool outputs_due() const = 0;
+
   // Waits until every window is persisted and committed (or failed; returns
   // its error).
   virtual Status Wait() = 0;

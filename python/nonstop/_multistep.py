@@ -135,12 +135,8 @@ class MultistepMode(Driver):
                                           block_bytes=BLOCK_BYTES, replay=(
                                               "restore" if self._cuda else "host"),
                                           mkl_vms_sqrt=_mkl_vms_sqrt(), **kw)
-        self._replaying = False                 # restore's replay: the hooks stand aside
-        self._last_step: Optional[int] = None  # the last step ckpt.step() saw
-        self._updates = 0                       # optimizer.step() calls since then
-        self._due = False                       # a checkpoint waits for the window to close
-        self._outputs_set = False
-        self._fresh = False                     # some state did not exist at the last refresh
+        self._replaying = False  # restore's replay: the hooks stand aside
+        self._fresh = False      # some state did not exist at the last refresh
         self._hooks = [self.opt.register_step_pre_hook(self._pre),
                        self.opt.register_step_post_hook(self._post)]
         if self.overlap:
@@ -173,9 +169,6 @@ class MultistepMode(Driver):
         finally:
             self.session.visible_stall_s += time.perf_counter() - t0
 
-    def _step_now(self) -> int:
-        return 0 if self._last_step is None else self._last_step + 1
-
     def _pre(self, optimizer, args, kwargs):
         if self._replaying:
             return
@@ -188,11 +181,7 @@ class MultistepMode(Driver):
                 "mode='multistep': GradScaler steps this fused optimizer itself (it unscales "
                 "and skips overflow steps inside the kernel, out of the log's sight): use "
                 "fused=False with GradScaler")
-        self._updates += 1
-        if self._updates > 1 and self.core.active:
-            raise CheckpointMismatchError(
-                "mode='multistep' needs one optimizer.step() per ckpt.step(); call ckpt.step(step) "
-                "after every training step")
+        self.core.count_update()  # one optimizer.step() per ckpt.step() while a window is open
         self._release_copied()
         if not self.core.active:
             return
@@ -215,7 +204,7 @@ class MultistepMode(Driver):
             grads.append((g.data_ptr(), code(g.dtype)))
             held.append(g)
         # the groups' hyperparameters as the optimizer is about to use them
-        self._timed(self.core.on_update_begin, self._step_now(), self.opt.param_groups, False,
+        self._timed(self.core.on_update_begin, self.core.next_step, self.opt.param_groups, False,
                     grads, *_where(self.device), self._stream())
         if self.overlap:
             self._held.append(held)
@@ -223,7 +212,7 @@ class MultistepMode(Driver):
     def _post(self, optimizer, args, kwargs):
         if self.core.active and not self._replaying:
             refreshed = self._tensors() if self._fresh else None
-            self._timed(self.core.on_update_end, self._step_now(), refreshed)
+            self._timed(self.core.on_update_end, self.core.next_step, refreshed)
 
     def _zero_grad(self, set_to_none: bool = True):
         # set_to_none=True drops the optimizer's reference; ours keeps the
@@ -242,21 +231,12 @@ class MultistepMode(Driver):
 
     def step(self, step: int) -> Optional[int]:
         """ckpt.step(step): after the update of `step` (or its skip); every
-        step drives the window."""
+        step drives the window (C++ MarkStep: skipped steps, when one begins)."""
         t0, due = time.perf_counter(), self.session.due_after(step)
-        self._last_step = step
-        if self._updates == 0 and self.core.active:
-            # No optimizer.step() this step: GradScaler skipped it.
-            self.core.on_update_begin(step, [], True, [])
-            self.core.on_update_end(step, None)
-        self._updates = 0
-        self._due = self._due or due
-        started = None
-        if self._due and not self.core.active:
+        started = step if self.core.mark_step(step, due) else None
+        if started is not None:
             self._begin(step)
-            self._due = False
-            started = step
-        if self.core.active and not self._outputs_set and self.core.version == step:
+        if self.core.outputs_due:
             self._set_outputs(step)
         self._release_copied()
         self.session.visible_stall_s += time.perf_counter() - t0
@@ -266,11 +246,9 @@ class MultistepMode(Driver):
         """ckpt.save(step): begins a window now (or when the open one closes);
         the checkpoint is of version step + parts - 1."""
         t0 = time.perf_counter()
-        if self.core.active:
-            self._due = True
-        else:
+        if self.core.request_checkpoint():  # else when the open window closes
             self._begin(step)
-            if self.core.version == step:
+            if self.core.outputs_due:
                 self._set_outputs(step)
         self.session.visible_stall_s += time.perf_counter() - t0
 
@@ -292,7 +270,6 @@ class MultistepMode(Driver):
         return out
 
     def _begin(self, step: int) -> None:
-        self._outputs_set = False
         self.core.begin(step, self.algorithm, self.amsgrad, self._tensors(), self._stream())
         self.session.saves += 1
 
@@ -321,7 +298,6 @@ class MultistepMode(Driver):
                             t.data_ptr() if nbytes else 0, kind, index,
                             self._stream() if kind == 1 else 0))
         self.core.set_outputs(outputs, _state.dumps(meta))
-        self._outputs_set = True
 
     # ---------------------------------------------------------- restoring
 

@@ -250,6 +250,38 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     return Status::OK();
   }
 
+  Status CountUpdate() override {
+    if (++updates_ > 1 && active_) {
+      return Status::InvalidArgument(
+          "mode='multistep' needs one optimizer.step() per ckpt.step(); call ckpt.step(step) "
+          "after every training step");
+    }
+    return Status::OK();
+  }
+
+  int64_t next_step() const override { return last_step_ ? *last_step_ + 1 : 0; }
+
+  Result<bool> MarkStep(int64_t step, bool due) override {
+    last_step_ = step;
+    if (updates_ == 0 && active_) {  // no optimizer.step() this step: GradScaler skipped it
+      NONSTOP_RETURN_IF_ERROR(OnUpdateBegin(step, {}, /*skipped=*/true, {}));
+      NONSTOP_RETURN_IF_ERROR(OnUpdateEnd(step, {}));
+    }
+    updates_ = 0;
+    due_ = due_ || due;
+    if (!due_ || active_) return false;
+    due_ = false;
+    return true;
+  }
+
+  bool RequestCheckpoint() override {
+    if (!active_) return true;
+    due_ = true;
+    return false;
+  }
+
+  bool outputs_due() const override { return active_ && !outputs_set_ && pos_ == K(); }
+
   Status Wait() override {
     {
       MutexLock lock(&mu_);
@@ -583,6 +615,10 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
   std::vector<OutputTensor> outputs_;
   std::string meta_;
   bool outputs_set_ = false;
+  // The driver's steps (CountUpdate, MarkStep, RequestCheckpoint): training thread.
+  int updates_ = 0;                  // updates counted since the last MarkStep
+  std::optional<int64_t> last_step_;  // the last marked step
+  bool due_ = false;                 // a checkpoint waits for the open window to close
   Clock::time_point window_start_;
   uint64_t window_index_ = 0;
 

@@ -615,6 +615,79 @@ TEST(MultistepErrorTest, AFailedCopyFailsTheWindowAndTheNextOneWorks) {
   fs::remove_all(dir);
 }
 
+// The driver's steps (the Python front end's hooks): which step an update
+// belongs to, a step without an update logged as skipped, a checkpoint due
+// while a window is open begun at the first step after it closed, the
+// outputs due after the version's update, two updates in one step refused.
+TEST(MultistepDriverTest, MarkStepDecidesWindowsSkipsAndOutputs) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("nonstop_multistep_driver_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  EngineOptions eo;
+  eo.dir = dir.string();
+  eo.medium = MediumKind::kBuffered;
+  eo.chunk_bytes = 64 << 10;
+  eo.staging_bytes = 1 << 20;
+  auto engine = Engine::Open(eo);
+  ASSERT_TRUE(engine.ok());
+  MultistepOptions mo;
+  mo.parts = 3;
+  mo.block_bytes = 4096;
+  auto created = MultistepCheckpoint::Create(engine->get(), mo);
+  ASSERT_TRUE(created.ok());
+  MultistepCheckpoint* ms = created->get();
+  Trainer tr(optim::Algorithm::kSgd, {2000, 3000});
+  const auto outputs = [&] {  // w0 as bytes: SetOutputs finds it is the window's
+    OutputTensor o;
+    o.spec.name = "w0";
+    o.spec.dtype = DType::kFloat32;
+    o.spec.shape = {2000};
+    o.spec.nbytes = 2000 * sizeof(float);
+    o.data = tr.param[0].data();
+    return std::vector<OutputTensor>{o};
+  };
+  const auto update = [&](int64_t s) {  // CountUpdate, then the hooks (Trainer::Step)
+    ASSERT_TRUE(ms->CountUpdate().ok());
+    ASSERT_EQ(ms->next_step(), s);
+    tr.Step(static_cast<int>(s), /*skipped=*/false, ms, s);
+  };
+  EXPECT_EQ(ms->next_step(), 0);
+  update(0);
+  EXPECT_FALSE(ms->MarkStep(0, /*due=*/false).value());
+  update(1);
+  ASSERT_TRUE(ms->MarkStep(1, /*due=*/true).value());  // begin now: no window is open
+  ASSERT_TRUE(ms->Begin(1, tr.config, tr.Tensors()).ok());
+  EXPECT_FALSE(ms->outputs_due());
+  EXPECT_FALSE(ms->RequestCheckpoint());  // save() while open: after it closes
+  update(2);
+  Status twice = ms->CountUpdate();  // a second update before ckpt.step(2)
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.message().find("one optimizer.step() per ckpt.step()"), std::string::npos);
+  EXPECT_FALSE(ms->MarkStep(2, /*due=*/false).value());
+  EXPECT_FALSE(ms->outputs_due());
+  // Step 3 without an update: logged as skipped, and the version (3) is done.
+  EXPECT_FALSE(ms->MarkStep(3, /*due=*/false).value());
+  EXPECT_EQ(ms->Stats().recent.back().skipped_steps, 1);
+  EXPECT_TRUE(ms->outputs_due());
+  ASSERT_TRUE(ms->SetOutputs(outputs(), "{}").ok());
+  EXPECT_FALSE(ms->outputs_due());
+  update(4);  // closes the window
+  EXPECT_FALSE(ms->active());
+  EXPECT_TRUE(ms->MarkStep(4, /*due=*/false).value());  // save()'s checkpoint, now
+  Status begun = ms->Begin(4, tr.config, tr.Tensors());
+  ASSERT_TRUE(begun.ok()) << begun.ToString();
+  EXPECT_FALSE(ms->MarkStep(5, /*due=*/false).value());  // step 5 skipped
+  EXPECT_FALSE(ms->MarkStep(6, /*due=*/false).value());
+  ASSERT_TRUE(ms->SetOutputs(outputs(), "{}").ok());
+  EXPECT_FALSE(ms->MarkStep(7, /*due=*/false).value());  // closes it (a skipped last step)
+  EXPECT_FALSE(ms->active());
+  ASSERT_TRUE(ms->Wait().ok());
+  EXPECT_EQ(ms->Stats().persisted, 2u);
+  ASSERT_TRUE(ms->Close().ok());
+  ASSERT_TRUE((*engine)->Close().ok());
+  fs::remove_all(dir);
+}
+
 TEST(MultistepCreateTest, RejectsBadOptions) {
   MultistepOptions mo;
   mo.parts = 0;

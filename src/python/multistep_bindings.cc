@@ -182,6 +182,14 @@ class PyMultistep {
   bool GradientCopiesPending() { return Get().GradientCopiesPending(); }
   bool active() { return Get().active(); }
   int64_t version() { return Get().version(); }
+  void CountUpdate() { Check(Get().CountUpdate()); }
+  int64_t next_step() { return Get().next_step(); }
+  bool MarkStep(int64_t step, bool due) {
+    py::gil_scoped_release release;  // a skipped step may wait for the window's copies
+    return Take(Get().MarkStep(step, due));
+  }
+  bool RequestCheckpoint() { return Get().RequestCheckpoint(); }
+  bool outputs_due() { return Get().outputs_due(); }
 
   void Wait() {
     py::gil_scoped_release release;
@@ -371,6 +379,11 @@ void InitMultistep(py::module_& m) {
       .def("gradient_copies_pending", &PyMultistep::GradientCopiesPending)
       .def_property_readonly("active", &PyMultistep::active)
       .def_property_readonly("version", &PyMultistep::version)
+      .def("count_update", &PyMultistep::CountUpdate)
+      .def_property_readonly("next_step", &PyMultistep::next_step)
+      .def("mark_step", &PyMultistep::MarkStep, py::arg("step"), py::arg("due"))
+      .def("request_checkpoint", &PyMultistep::RequestCheckpoint)
+      .def_property_readonly("outputs_due", &PyMultistep::outputs_due)
       .def("wait", &PyMultistep::Wait)
       // The engine's interface, as the session calls it: nothing is read from
       // the live tensors outside the hooks; every window's commit is waited for.

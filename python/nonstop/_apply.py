@@ -20,7 +20,7 @@ class StateApplier:
     def __init__(self, state: dict, dir: str, rank: int, world_size: int, rng: bool):
         self.state, self.dir, self.rank, self.world_size, self.rng = state, dir, rank, world_size, rng
         self._flat: dict = {}  # per key: the live tensors of the restore under way
-        # mode="multistep" (_multistep.replay_check): whether a checkpoint whose
+        # mode="multistep" (MultistepMode.replay_check): whether a checkpoint whose
         # parts restore() replays ("multistep_plan") can be replayed here
         self.replay_check = None
 

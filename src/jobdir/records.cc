@@ -408,12 +408,16 @@ Status CheckMetaJson(std::string_view text) {
   if (text.size() <= format::kMaxMetaBytes && !format::IsValidUtf8(text)) {
     return Status::Corruption("metadata is not valid UTF-8");
   }
+  return Parser(text, what, MetaJsonLimits(format::kMaxMetaBytes)).Check(nullptr);
+}
+
+JsonLimits MetaJsonLimits(uint64_t max_bytes) {
   JsonLimits limits;
-  limits.max_bytes = format::kMaxMetaBytes;
-  limits.max_elements = SIZE_MAX;  // a check builds nothing
+  limits.max_bytes = max_bytes;
+  limits.max_elements = SIZE_MAX;
   limits.max_depth = kMaxMetaDepth;
   limits.max_number_chars = kMaxMetaNumberChars;
-  return Parser(text, what, limits).Check(nullptr);
+  return limits;
 }
 
 std::string JsonString(std::string_view s) {
@@ -433,6 +437,26 @@ std::string JsonString(std::string_view s) {
   }
   out.push_back('"');
   return out;
+}
+
+void AppendJson(const Json& j, std::string* out) {
+  switch (j.type) {
+    case Json::Type::kNull: *out += "null"; return;
+    case Json::Type::kBool: *out += j.b ? "true" : "false"; return;
+    case Json::Type::kNumber: *out += j.text; return;
+    case Json::Type::kString: *out += JsonString(j.text); return;
+    case Json::Type::kArray:
+    case Json::Type::kObject:
+      break;
+  }
+  const bool obj = j.type == Json::Type::kObject;
+  out->push_back(obj ? '{' : '[');
+  for (size_t i = 0; i < j.items.size(); ++i) {
+    if (i) out->push_back(',');
+    if (obj) *out += JsonString(j.keys[i]) + ":";
+    AppendJson(j.items[i], out);
+  }
+  out->push_back(obj ? '}' : ']');
 }
 
 std::string EncodeLineage(const LineageRecord& rec, int rank) {

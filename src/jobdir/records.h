@@ -56,12 +56,18 @@ Result<Json> ParseJson(std::string_view text, const std::string& what, const Jso
 inline constexpr int kMaxMetaDepth = 200;
 inline constexpr size_t kMaxMetaNumberChars = 4300;
 Status CheckMetaJson(std::string_view text);
+// CheckMetaJson's bounds for a tree that is built (elements unbounded): at
+// most `max_bytes`, kMaxMetaDepth levels, kMaxMetaNumberChars per number.
+JsonLimits MetaJsonLimits(uint64_t max_bytes);
 // The text of the value of `key` in the top-level object of `text`, found by
 // a scan without recursion (hostile bytes); empty when absent or when `text`
 // is not an object the scan understands.
 std::string_view TopLevelValue(std::string_view text, std::string_view key);
 // A JSON string literal for `s` (quotes included).
 std::string JsonString(std::string_view s);
+// The JSON text of `j` without spaces, each number as its original text (a
+// float stays exactly what was parsed), appended to `out`.
+void AppendJson(const Json& j, std::string* out);
 
 std::string EncodeLineage(const LineageRecord& rec, int rank);
 Result<LineageRecord> DecodeLineage(std::string_view text, const std::string& what);

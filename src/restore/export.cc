@@ -93,11 +93,7 @@ void ReplaceAll(std::string* s, const std::string& from, const std::string& to) 
 }  // namespace
 
 Status CheckExportNames(std::string_view names_json) {
-  jobdir_internal::JsonLimits limits;
-  limits.max_bytes = format::kMaxMetaBytes;
-  limits.max_elements = SIZE_MAX;
-  limits.max_depth = jobdir_internal::kMaxMetaDepth;
-  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  const jobdir_internal::JsonLimits limits = jobdir_internal::MetaJsonLimits(format::kMaxMetaBytes);
   Result<Json> parsed = jobdir_internal::ParseJson(names_json, "names", limits);
   auto bad = [](const std::string& why) {
     return Status::Corruption("checkpoint metadata 'names' is malformed: " + why);
@@ -290,11 +286,8 @@ class TreeCheck {
 }  // namespace
 
 Status CheckStateTree(std::string_view tree_json, const std::vector<std::string>& tensors) {
-  jobdir_internal::JsonLimits limits;
-  limits.max_bytes = std::max<uint64_t>(tree_json.size(), 1);
-  limits.max_elements = SIZE_MAX;
-  limits.max_depth = jobdir_internal::kMaxMetaDepth;
-  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  const jobdir_internal::JsonLimits limits =
+      jobdir_internal::MetaJsonLimits(std::max<uint64_t>(tree_json.size(), 1));
   Result<Json> tree = jobdir_internal::ParseJson(tree_json, "the state tree", limits);
   std::string why = tree.ok() ? TreeCheck(tensors).Check(*tree, "state")
                               : std::string(tree.status().message());
@@ -328,11 +321,7 @@ Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
                                         const std::vector<std::string>& shared_names,
                                         const std::vector<std::string>& modules,
                                         const std::vector<std::string>& zero) {
-  jobdir_internal::JsonLimits limits;
-  limits.max_bytes = format::kMaxMetaBytes;
-  limits.max_elements = SIZE_MAX;
-  limits.max_depth = jobdir_internal::kMaxMetaDepth;
-  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  const jobdir_internal::JsonLimits limits = jobdir_internal::MetaJsonLimits(format::kMaxMetaBytes);
   std::vector<Json> trees;
   for (size_t r = 0; r < states.size(); ++r) {
     const std::string what = "the state tree of rank " + std::to_string(r);
@@ -385,27 +374,6 @@ Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
 }
 
 namespace {
-
-// JSON text of `n`.
-void WriteJson(const Json& n, std::string* out) {
-  switch (n.type) {
-    case Json::Type::kNull: *out += "null"; return;
-    case Json::Type::kBool: *out += n.b ? "true" : "false"; return;
-    case Json::Type::kNumber: *out += n.text; return;
-    case Json::Type::kString: *out += jobdir_internal::JsonString(n.text); return;
-    case Json::Type::kArray:
-    case Json::Type::kObject:
-      break;
-  }
-  const bool array = n.type == Json::Type::kArray;
-  out->push_back(array ? '[' : '{');
-  for (size_t i = 0; i < n.items.size(); ++i) {
-    if (i) out->push_back(',');
-    if (!array) *out += jobdir_internal::JsonString(n.keys[i]) + ":";
-    WriteJson(n.items[i], out);
-  }
-  out->push_back(array ? ']' : '}');
-}
 
 Json JsonOf(Json::Type type, std::string text = "") {
   Json j;
@@ -516,11 +484,8 @@ std::optional<Json> RenameOptimizer(const Json& tree, const std::vector<std::str
 Result<std::string> DcpRename(const std::string& key, std::string_view tree_json,
                               std::string_view names_json) {
   NONSTOP_RETURN_IF_ERROR(CheckExportNames(names_json));
-  jobdir_internal::JsonLimits limits;
-  limits.max_bytes = std::max<uint64_t>({tree_json.size(), names_json.size(), 1});
-  limits.max_elements = SIZE_MAX;
-  limits.max_depth = jobdir_internal::kMaxMetaDepth;
-  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
+  const jobdir_internal::JsonLimits limits =
+      jobdir_internal::MetaJsonLimits(std::max<uint64_t>({tree_json.size(), names_json.size(), 1}));
   NONSTOP_ASSIGN_OR_RETURN(Json tree, jobdir_internal::ParseJson(tree_json, "the state tree", limits));
   NONSTOP_ASSIGN_OR_RETURN(Json names, jobdir_internal::ParseJson(names_json, "names", limits));
   const Json* modules = names.type == Json::Type::kObject ? names.Get("modules") : nullptr;
@@ -533,7 +498,7 @@ Result<std::string> DcpRename(const std::string& key, std::string_view tree_json
         k.text = k.text.substr(prefix->text.size());
       }
     }
-    WriteJson(MakeDict(std::move(*dict)), &out);
+    jobdir_internal::AppendJson(MakeDict(std::move(*dict)), &out);
     return out;
   }
   const Json* opts = names.type == Json::Type::kObject ? names.Get("optimizers") : nullptr;
@@ -542,11 +507,11 @@ Result<std::string> DcpRename(const std::string& key, std::string_view tree_json
     std::vector<std::string> fqn;
     for (const Json& p : opt->Get("params")->items) fqn.push_back(p.text);
     if (std::optional<Json> renamed = RenameOptimizer(tree, fqn)) {
-      WriteJson(*renamed, &out);
+      jobdir_internal::AppendJson(*renamed, &out);
       return out;
     }
   }
-  WriteJson(tree, &out);
+  jobdir_internal::AppendJson(tree, &out);
   return out;
 }
 

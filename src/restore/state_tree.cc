@@ -16,32 +16,8 @@ namespace {
 using jobdir_internal::Json;
 
 Result<Json> Parse(const std::string& text, const std::string& what) {
-  jobdir_internal::JsonLimits limits;
-  limits.max_bytes = format::kMaxMetaBytes;
-  limits.max_elements = SIZE_MAX;
-  limits.max_depth = jobdir_internal::kMaxMetaDepth;
-  limits.max_number_chars = jobdir_internal::kMaxMetaNumberChars;
-  return jobdir_internal::ParseJson(text, what, limits);
-}
-
-void Write(const Json& j, std::string* out) {
-  switch (j.type) {
-    case Json::Type::kNull: *out += "null"; return;
-    case Json::Type::kBool: *out += j.b ? "true" : "false"; return;
-    case Json::Type::kNumber: *out += j.text; return;
-    case Json::Type::kString: *out += jobdir_internal::JsonString(j.text); return;
-    case Json::Type::kArray:
-    case Json::Type::kObject: {
-      const bool obj = j.type == Json::Type::kObject;
-      out->push_back(obj ? '{' : '[');
-      for (size_t i = 0; i < j.items.size(); ++i) {
-        if (i) out->push_back(',');
-        if (obj) *out += jobdir_internal::JsonString(j.keys[i]) + ":";
-        Write(j.items[i], out);
-      }
-      out->push_back(obj ? '}' : ']');
-    }
-  }
+  return jobdir_internal::ParseJson(text, what,
+                                    jobdir_internal::MetaJsonLimits(format::kMaxMetaBytes));
 }
 
 // The tensor a {"__tensor__"/"__ndarray__": name} leaf names, else nullptr.
@@ -183,13 +159,13 @@ Result<TreeRewrite> ConsolidateZero(const std::string& key, const std::vector<st
     for (auto it = state.begin(); it != state.end(); ++it) {
       if (it != state.begin()) out.tree.push_back(',');
       out.tree += "[" + std::to_string(it->first) + ",";
-      Write(it->second, &out.tree);
+      jobdir_internal::AppendJson(it->second, &out.tree);
       out.tree.push_back(']');
     }
     out.tree += "]}";
   }
   out.tree += ",\"param_groups\":";
-  Write(groups, &out.tree);
+  jobdir_internal::AppendJson(groups, &out.tree);
   out.tree += ",\"nonstop_consolidated_zero\":1}";
   return out;
 }
@@ -216,7 +192,7 @@ Result<TreeRewrite> RenameModuleKeys(const std::string& key, const std::string& 
       name->text = renamed;
     }
   }
-  Write(j, &out.tree);
+  jobdir_internal::AppendJson(j, &out.tree);
   return out;
 }
 

@@ -107,6 +107,11 @@ std::optional<std::string> ErrorLine(const Status& s) {
   return s.message().empty() ? s.ToString() : s.message();
 }
 
+// What the other ranks are told of a hook that stopped on this one.
+std::string StoppedLine(const Status& s) {
+  return "the reshard stopped on another rank: " + *ErrorLine(s);
+}
+
 std::string StepsText(const std::vector<int64_t>& steps) {
   std::string out;
   for (int64_t s : steps) out += (out.empty() ? "" : " ") + std::to_string(s);
@@ -832,9 +837,15 @@ Result<std::optional<ReshardKey>> ReshardRounds(const std::string& dir, int worl
   ReshardAgreement agree(dir, world);
   while (true) {
     Result<std::optional<ReshardPick>> pick = hooks.pick(agree.max_step());
-    if (Aborted(pick.status())) return pick.status();
+    // A hook that stopped (a bug, an interrupt: Aborted) still takes part in
+    // this round's gather, as an error, so that no other rank waits for it
+    // until the process group's timeout; this rank then returns its own.
+    const bool stopped = Aborted(pick.status());
     Fields mine(3);
-    if (!pick.ok()) {
+    if (stopped) {
+      mine[0] = std::to_string(static_cast<int>(StatusCode::kInternal));
+      mine[1] = StoppedLine(pick.status());
+    } else if (!pick.ok()) {
       mine[0] = std::to_string(static_cast<int>(pick.status().code()));
       mine[1] = pick.status().message();
     } else if (pick.value()) {
@@ -842,7 +853,9 @@ Result<std::optional<ReshardKey>> ReshardRounds(const std::string& dir, int worl
       mine[2] = std::to_string(k.old_world) + " " + std::to_string(k.step) + " " +
                 std::to_string(k.run_id);
     }
-    NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> every, GatherFields(hooks.gather, mine));
+    Result<std::vector<Fields>> gathered = GatherFields(hooks.gather, mine);
+    if (stopped) return pick.status();
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> every, std::move(gathered));
     std::vector<ReshardAgreement::Pick> picks;
     for (const Fields& f : every) {
       ReshardAgreement::Pick p;
@@ -865,12 +878,13 @@ Result<std::optional<ReshardKey>> ReshardRounds(const std::string& dir, int worl
     if (next != ReshardAgreement::Next::kProceed) continue;
     // Every rank chose agree.key(): its own pick.
     Status rebuilt = hooks.rebuild(*pick.value());
-    if (Aborted(rebuilt)) return rebuilt;
     const bool damage = rebuilt.code() == StatusCode::kCorruption;
-    NONSTOP_ASSIGN_OR_RETURN(
-        std::vector<Fields> outcomes,
-        GatherFields(hooks.gather, {damage ? ErrorLine(rebuilt) : std::nullopt,
-                                    damage ? std::nullopt : ErrorLine(rebuilt)}));
+    std::optional<std::string> fatal = damage ? std::nullopt : ErrorLine(rebuilt);
+    if (Aborted(rebuilt)) fatal = StoppedLine(rebuilt);  // told, as the pick's above
+    Result<std::vector<Fields>> gathered_outcomes =
+        GatherFields(hooks.gather, {damage ? ErrorLine(rebuilt) : std::nullopt, fatal});
+    if (Aborted(rebuilt)) return rebuilt;
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> outcomes, std::move(gathered_outcomes));
     std::vector<ReshardAgreement::Rebuilt> all;
     for (const Fields& f : outcomes) all.push_back({f[0], f[1]});
     NONSTOP_ASSIGN_OR_RETURN(next, agree.OnRebuilt(all, pick.value()->archive));

@@ -689,6 +689,7 @@ TEST(DistTest, ReshardTogetherRetriesFallsBackAndFailsTogether) {
   struct R {
     std::map<int64_t, std::string> bad;  // step -> damage line
     std::string fatal;
+    bool stop_pick = false, stop_rebuild = false;  // the hook stops (Aborted: a bug, an interrupt)
     std::optional<std::string> missing;
     std::vector<std::optional<int64_t>> asked;  // max_step of each pick
     Result<std::optional<ReshardKey>> got = Status::Internal("not run");
@@ -704,6 +705,7 @@ TEST(DistTest, ReshardTogetherRetriesFallsBackAndFailsTogether) {
       h.missing = me.missing;
       h.pick = [&](std::optional<int64_t> max) -> Result<std::optional<ReshardPick>> {
         me.asked.push_back(max);
+        if (me.stop_pick && max) return Status::Aborted("KeyboardInterrupt");
         for (int64_t s : steps[r]) {
           if (!max || s <= *max) return std::optional<ReshardPick>(ReshardPick{{4, s, 1}, "/j/world-4"});
         }
@@ -711,6 +713,7 @@ TEST(DistTest, ReshardTogetherRetriesFallsBackAndFailsTogether) {
         return Status::NotFound("nothing older");
       };
       h.rebuild = [&](const ReshardPick& p) -> Status {
+        if (me.stop_rebuild) return Status::Aborted("KeyError: 'w'");
         if (!me.fatal.empty()) return Status::FailedPrecondition(me.fatal);
         if (me.bad.count(p.key.step)) return Status::Corruption(me.bad[p.key.step]);
         return Status::OK();
@@ -768,6 +771,28 @@ TEST(DistTest, ReshardTogetherRetriesFallsBackAndFailsTogether) {
     ASSERT_TRUE(r.got.ok());
     EXPECT_FALSE(r.got->has_value());
   }
+  // A hook that stops on one rank (a bug, an interrupt) stops every rank in
+  // the same round: that rank returns its own (Aborted: its exception is
+  // raised), the others an error naming it; none waits for a round the
+  // stopped rank never takes part in (before, rank 0 waited forever here).
+  rs.assign(2, R{});
+  rs[1].stop_rebuild = true;
+  run(rs, {{8}, {8}});
+  EXPECT_EQ(rs[1].got.status().code(), StatusCode::kAborted);
+  EXPECT_EQ(rs[1].got.status().message(), "KeyError: 'w'");
+  EXPECT_EQ(rs[0].got.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rs[0].got.status().message(), "the reshard stopped on another rank: KeyError: 'w'");
+  // The same in a pick (the second: after a fallback from step 8).
+  rs.assign(2, R{});
+  rs[0].bad[8] = "torn";
+  rs[0].stop_pick = true;
+  run(rs, {{8, 6}, {8, 6}});
+  EXPECT_EQ(rs[0].got.status().code(), StatusCode::kAborted);
+  EXPECT_EQ(rs[0].got.status().message(), "KeyboardInterrupt");
+  EXPECT_EQ(rs[1].got.status().code(), StatusCode::kInternal);
+  EXPECT_EQ(rs[1].got.status().message(),
+            "resharding step 8 of /j/world-4 fails on rank 0: torn; then: the reshard stopped on "
+            "another rank: KeyboardInterrupt");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@ MASTER_ADDR, MASTER_PORT set (or under torchrun):
 
     python dist_train.py DIR STEPS EVERY KIND OUT [--kill-at S --kill-rank R]
                          [--slow-rank R --slow-s X] [--replicated shard|rank0]
+                         [--stop-rebuild-rank R]
 
 KIND is ddp (DDP + AdamW, replicated state) or zero (DDP +
 ZeroRedundancyOptimizer: each rank checkpoints its optimizer shard). It
@@ -25,6 +26,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nonstop  # noqa: E402
+from nonstop import _distributed  # noqa: E402
 from dist_launch import end_rank, start_rank  # noqa: E402
 
 
@@ -130,8 +132,13 @@ def main():
     p.add_argument("--remote", default=None)
     p.add_argument("--settle-remote-step", action="store_true")
     p.add_argument("--remote-close-s", type=float, default=600.0)
+    p.add_argument("--stop-rebuild-rank", type=int, default=-1)
     a = p.parse_args()
     rank, world = start_rank(), dist.get_world_size()
+    if rank == a.stop_rebuild_rank:  # a bug in this rank's reshard: not a checkpoint's failure
+        def broken(*args, **kw):
+            raise RuntimeError("a bug in this rank's rebuild")
+        _distributed._rebuild = broken
     if a.model == "bn":
         model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1),
                               nn.Linear(64, 32))

@@ -298,9 +298,22 @@ def reshard_round_trip(tmp_path, kind):
 
 def test_reshard_ddp_2_to_4_to_2_and_to_one_process(tmp_path):
     one, saved = reshard_round_trip(tmp_path, "ddp")
-    miss, bad = str(tmp_path / "missing"), str(tmp_path / "bad")
+    miss, bad, stop = str(tmp_path / "missing"), str(tmp_path / "bad"), str(tmp_path / "stop")
     shutil.copytree(one, miss)
     shutil.copytree(one, bad)
+    shutil.copytree(one, stop)
+    # A bug on one rank of the reshard (an exception that is not a
+    # checkpoint's failure): raised there as it is; every other rank is told
+    # in the same round and raises one line, instead of waiting in a gather
+    # for the process group's timeout (dist_timeout_s) and failing with gloo's.
+    res = run_ranks(3, [os.path.join(HERE, "dist_train.py"), stop, str(STEPS + 1), str(EVERY),
+                        "ddp", str(tmp_path / "stopped"), "--stop-rebuild-rank", "1"],
+                    timeout=TIMEOUT)
+    assert all(rc != 0 for rc, _, _ in res), [rc for rc, _, _ in res]
+    assert "RuntimeError: a bug in this rank's rebuild" in res[1][2], res[1][2][-2000:]
+    for r in (0, 2):
+        assert "the reshard stopped on another rank: a bug in this rank's rebuild" in res[r][2], \
+            res[r][2][-2000:]
     restore_one_process(one, saved)
     # Old rank 1's newest checkpoint damaged: the one process falls back to step 8.
     import nonstop

@@ -30,6 +30,17 @@ using multistep_internal::PlanParts;
 // SetOutputs is handed every tensor of the state as bytes: those that are a
 // window tensor's own (float32, same pointer, same size, a role this
 // optimizer keeps) become reconstructed buffers; everything else is copied.
+// A buffered engine in `dir` with small chunks and staging (the multistep
+// tests' states are a few KB).
+Result<std::unique_ptr<Engine>> OpenSmallEngine(const fs::path& dir) {
+  EngineOptions eo;
+  eo.dir = dir.string();
+  eo.medium = MediumKind::kBuffered;
+  eo.chunk_bytes = 64 << 10;
+  eo.staging_bytes = 1 << 20;
+  return Engine::Open(eo);
+}
+
 TEST(MatchOutputsTest, TheOptimizersOwnTensorsBecomeReconstructedBuffers) {
   std::vector<float> p0(8), m0(8), v0(8), vmax0(8), p1(3), buf(8), other(8);
   std::vector<OptimizerTensor> tensors(2);
@@ -576,12 +587,7 @@ TEST(MultistepErrorTest, AFailedCopyFailsTheWindowAndTheNextOneWorks) {
   const fs::path dir =
       fs::temp_directory_path() / ("nonstop_multistep_err_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  EngineOptions eo;
-  eo.dir = dir.string();
-  eo.medium = MediumKind::kBuffered;
-  eo.chunk_bytes = 64 << 10;
-  eo.staging_bytes = 1 << 20;
-  auto engine = Engine::Open(eo);
+  auto engine = OpenSmallEngine(dir);
   ASSERT_TRUE(engine.ok());
   MultistepOptions mo;
   mo.parts = 2;
@@ -623,12 +629,7 @@ TEST(MultistepDriverTest, MarkStepDecidesWindowsSkipsAndOutputs) {
   const fs::path dir =
       fs::temp_directory_path() / ("nonstop_multistep_driver_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  EngineOptions eo;
-  eo.dir = dir.string();
-  eo.medium = MediumKind::kBuffered;
-  eo.chunk_bytes = 64 << 10;
-  eo.staging_bytes = 1 << 20;
-  auto engine = Engine::Open(eo);
+  auto engine = OpenSmallEngine(dir);
   ASSERT_TRUE(engine.ok());
   MultistepOptions mo;
   mo.parts = 3;

@@ -43,7 +43,8 @@ class Layerwise(_periodic.Periodic):
     """Drives one Checkpointer's engine layer by layer: updated groups (a
     parameter and its optimizer state) are handed to the engine together
     once they hold GROUP_BYTES, and under DDP at the latest at the end of
-    each bucket (docs/LAYERWISE.md, "What the Python side does")."""
+    each bucket; _core.LayerwiseBook says which tensors to hand over and to
+    wait for (docs/LAYERWISE.md, "What the Python side does")."""
 
     GROUP_BYTES = 4 << 20
     defer_staging = False
@@ -58,14 +59,11 @@ class Layerwise(_periodic.Periodic):
         self.next_step = 0           # the step the next backward belongs to
         self.counter: Optional[int] = None  # open layer-wise checkpoint
         self._decided = False        # whether this step's checkpoint was decided
-        # Prepared for the next checkpoint: (signature, groups, the registered refs).
+        # Prepared for the next checkpoint (the book holds its groups):
+        # (signature, the registered refs).
         self._plan: Optional[tuple] = None
         self._keep: dict = {}        # the registered tensors, kept alive while registered
         self._ptrs: dict = {}        # name -> data_ptr of the state's tensors when registered
-        self._groups: dict = {}      # param -> engine tensor indices (this rank's pieces)
-        self._pending: set = set()   # params with copies requested and not waited for
-        self._batch: dict = {}       # updated params whose copies are not requested yet
-        self._batch_bytes = 0
         # DDP's callbacks run on the process group's threads, the hooks and
         # ckpt.step() on the training thread: one lock orders every access
         # to the fields above and every engine call made from a hook.
@@ -77,11 +75,13 @@ class Layerwise(_periodic.Periodic):
         self._subs: dict = {}
         self._hooks = []
         ddps = [d for d in session.state.values() if isinstance(d, DistributedDataParallel)]
-        # ZeRO, several ranks without DDP, find_unused_parameters: refused (C++)
+        # ZeRO, several ranks without DDP, find_unused_parameters, DDP under
+        # mode="auto" (its comm hook could not be removed again): refused (C++)
         _ext.core().check_layerwise(
             zero=any(_objects.is_zero(x) for x in session.state.values()),
             world_size=session.world_size, ddp_models=len(ddps),
-            find_unused=any(getattr(d, "find_unused_parameters", False) for d in ddps))
+            find_unused=any(getattr(d, "find_unused_parameters", False) for d in ddps),
+            auto_mode=o.mode.mode == "auto")
         by_ddp = set()  # the parameters DDP reduces (in its buckets)
         for d in ddps:
             ignore = getattr(d, "parameters_to_ignore", set())
@@ -102,6 +102,9 @@ class Layerwise(_periodic.Periodic):
         if not self._subs:
             raise CheckpointMismatchError("mode='layerwise' needs a torch.optim.Optimizer in state whose "
                              "parameters require grad")
+        self._ids = {p: i for i, p in enumerate(self._subs)}  # the book's parameter numbers
+        self._book = _ext.core().LayerwiseBook(self.GROUP_BYTES, [
+            (p.device.index or 0) if p.device.type == "cuda" else -1 for p in self._subs])
         if self.clip is None:
             for d in ddps:
                 try:
@@ -123,7 +126,7 @@ class Layerwise(_periodic.Periodic):
         with self._lock:
             for p in reversed(params):
                 self._update([p])
-            self._flush()
+            self._copy(self._book.flush())
 
     def _comm_hook(self, group, bucket):
         """DDP communication hook (training thread, inside backward): the
@@ -163,7 +166,7 @@ class Layerwise(_periodic.Periodic):
             with self._lock:
                 todo = [(p, g) for p, g in zip(params, grads) if p in self._subs]
                 self._update([p for p, _ in todo], dict(todo))
-                self._flush()
+                self._copy(self._book.flush())
                 self._updated.extend(p for p, _ in todo)
             return buf
 
@@ -190,19 +193,24 @@ class Layerwise(_periodic.Periodic):
         ses = self.session
         engine = ses.engine
         if engine is not None:
+            if ses.copy_pending:  # a whole-model checkpoint is still copying (errors: at step())
+                ses.hook_stall_s += ses.wait_copied(engine)
             t0 = time.perf_counter()
             if not self._decided:
                 self._decided = True
                 self._maybe_begin(engine)
-            if ses.copy_pending:  # a whole-model checkpoint is still copying
-                engine.wait_copied()
-                ses.copy_pending = False
-            if any(p in self._batch for p in params):  # updated twice in one step
-                self._flush()
-            wait = [p for p in params if p in self._pending]
-            if wait:
-                self._wait_copies(engine, wait)
-                self._pending.difference_update(wait)
+            # Updated twice in one step: the batch is handed over first. Then
+            # LightCheck's rule: their next update (about to be enqueued on the
+            # current stream) runs after their copies. CUDA parameters: the
+            # stream waits on the GPU; others: the host waits.
+            copy, waits = self._book.update([self._ids[p] for p in params])
+            self._copy(copy)
+            for device, tensors in waits:
+                if device < 0:
+                    engine.wait_tensors_copied(tensors)
+                else:
+                    engine.wait_tensors_copied_on_stream(
+                        tensors, device, torch.cuda.current_stream(device).cuda_stream)
             dt = time.perf_counter() - t0
             ses.hook_stall_s += dt
             ses.visible_stall_s += dt
@@ -224,55 +232,34 @@ class Layerwise(_periodic.Periodic):
                     sub.step()
                 finally:
                     p.grad = local
-            if self.counter is not None and engine is not None and self._groups.get(p):
-                self._batch[p] = None
-                self._batch_bytes += p.numel() * p.element_size() * (1 + len(opt.state[p]))
-                if self._batch_bytes >= self.GROUP_BYTES:
-                    self._flush()
+            if engine is not None:  # batched while a checkpoint is open
+                nbytes = p.numel() * p.element_size() * (1 + len(opt.state.get(p, ())))
+                self._copy(self._book.updated(self._ids[p], nbytes))
 
-    def _wait_copies(self, engine, params: list) -> None:
-        """LightCheck's rule for `params`: their next update (about to be
-        enqueued on the current stream) runs after their copies. CUDA
-        parameters: the stream waits on the GPU; others: the host waits."""
-        host, on_stream = [], {}
-        for p in params:
-            if p.device.type == "cuda":
-                on_stream.setdefault(p.device, []).extend(self._groups[p])
-            else:
-                host.extend(self._groups[p])
-        if host:
-            engine.wait_tensors_copied(host)
-        for device, tensors in on_stream.items():
-            engine.wait_tensors_copied_on_stream(
-                tensors, device.index or 0, torch.cuda.current_stream(device).cuda_stream)
-
-    def _flush(self) -> None:
-        """Requests the copies of the batched groups (they may change again
-        only after WaitTensorsCopied)."""
-        if not self._batch:
-            return
-        t0 = time.perf_counter()
-        self.session.engine.copy_tensors(self.counter,
-                                         [i for p in self._batch for i in self._groups[p]])
-        self._pending.update(self._batch)
-        self._batch, self._batch_bytes = {}, 0
-        self.session.visible_stall_s += time.perf_counter() - t0
+    def _copy(self, tensors: list) -> None:
+        """Requests the copies of `tensors` (they may change again only
+        after WaitTensorsCopied)."""
+        if tensors:
+            t0 = time.perf_counter()
+            self.session.engine.copy_tensors(self.counter, tensors)
+            self.session.visible_stall_s += time.perf_counter() - t0
 
     # --------------------------------------------------------- checkpoints
 
     def _signature(self) -> tuple:
-        """Where the optimizer-driven tensors are: the plan holds while this is unchanged."""
+        """Where the optimizer-driven tensors are, per parameter: (the
+        data_ptrs of it and its state's tensors, the state's id). The plan
+        holds while this is unchanged."""
         sig = []
         for p, (opt, _, _) in self._subs.items():
             st = opt.state.get(p)
-            sig.append((p.data_ptr(), id(st),
-                        tuple(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-                        if st else ()))
+            ptrs = [v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor)] if st else []
+            sig.append(((p.data_ptr(), *ptrs), id(st)))
         return tuple(sig)
 
     def _plan_holds(self) -> bool:
         """The prepared plan is of the current registration and signature."""
-        return (self._plan is not None and self.session.registered is self._plan[2]
+        return (self._plan is not None and self.session.registered is self._plan[1]
                 and self._plan[0] == self._signature())
 
     def _complete(self) -> bool:
@@ -299,14 +286,9 @@ class Layerwise(_periodic.Periodic):
         ses.register(refs, layouts)
         self._keep = tensors  # registered by pointer: keep them alive
         self._ptrs = dict(ses.base_ptr)
-        index: dict = {}
-        for i, r in enumerate(refs):
-            index.setdefault(ses.base_ptr.get(r[0], r[4]), []).append(i)
-        groups = {}
-        for p, (opt, _, _) in self._subs.items():
-            ts = [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
-            groups[p] = [i for t in ts for i in index.get(t.data_ptr(), ())]
-        self._plan = (self._signature(), groups, ses.registered)
+        sig = self._signature()  # each parameter's groups: the refs of its pointers
+        self._book.plan([ses.base_ptr.get(r[0], r[4]) for r in refs], [ptrs for ptrs, _ in sig])
+        self._plan = (sig, ses.registered)
 
     def _maybe_begin(self, engine) -> None:
         """At the first update of a step: opens the step's checkpoint when it
@@ -317,8 +299,8 @@ class Layerwise(_periodic.Periodic):
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
         if not self._plan_holds():
             self._prepare()
-        self._groups = self._plan[1]
         self.counter = engine.begin_checkpoint(int(s))
+        self._book.open()
         if ses.dist is not None:
             ses.dist.started(engine)  # the first one starts the agreement thread
 
@@ -339,8 +321,7 @@ class Layerwise(_periodic.Periodic):
                 counter, self.counter = self.counter, None
                 # Every tensor not requested yet (the last batch too) is copied
                 # by the seal: wait for all of them before their next update.
-                self._pending = set(self._groups)
-                self._batch, self._batch_bytes = {}, 0
+                self._book.seal()
                 changed = {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs
                 ses.engine.end_checkpoint(counter, int(step), _state.dumps(meta))
                 if changed:
@@ -373,9 +354,7 @@ class Layerwise(_periodic.Periodic):
         with self._lock:
             self.next_step = 0 if step is None else step + 1
             self._decided = False
-            self._pending.clear()
-            self._batch, self._batch_bytes = {}, 0
-            self._groups = {}
+            self._book.reset()
             self._plan = None
 
     def detach(self) -> None:
@@ -395,17 +374,10 @@ class Switching(_periodic.Periodic):
         self.o, self.clip, self.clock = o, o.mode.clip_grad_norm, clock
         self.layerwise: Optional[Layerwise] = None
         self.chooser = _ext.core().ModeChooser(rounds=2, settle=1, margin=0.05, patience=3)
-        unavailable = None  # why layer-wise cannot run: concurrent, pinned
-        if any(isinstance(v, DistributedDataParallel) for v in session.state.values()):
-            # layer-wise's DDP communication hook could not be removed again
-            unavailable = "a DDP model in state"
-        else:
-            try:  # can layer-wise run on this state at all? (its checks, its hooks)
-                Layerwise(session, o).detach()
-            except CheckpointMismatchError as e:
-                unavailable = str(e)
-        if unavailable:
-            self.chooser.pin(f"layerwise cannot run here ({unavailable}): concurrent")
+        try:  # can layer-wise run on this state at all? (its checks, its hooks)
+            Layerwise(session, o).detach()
+        except CheckpointMismatchError as e:  # no: concurrent, pinned
+            self.chooser.pin(f"layerwise cannot run here ({e}): concurrent")
         self.restart()
 
     def step(self, step: int) -> Optional[int]:

@@ -17,6 +17,11 @@ const char* CkptModeName(CkptMode m) {
 }
 
 Status CheckLayerwise(const LayerwiseSetup& s) {
+  if (s.auto_mode && s.ddp_models > 0) {
+    return Status::InvalidArgument(
+        "a DDP model in state: mode='auto' could not remove layer-wise's DDP communication "
+        "hook again (use mode='layerwise')");
+  }
   if (s.zero) {
     return Status::InvalidArgument(
         "mode='layerwise' updates one parameter at a time, which ZeroRedundancyOptimizer "

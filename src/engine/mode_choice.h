@@ -84,11 +84,13 @@ struct LayerwiseSetup {
   int64_t world_size = 1;
   int64_t ddp_models = 0;    // DistributedDataParallel modules in state
   bool find_unused = false;  // one of them has find_unused_parameters=True
+  bool auto_mode = false;    // mode="auto", which must be able to remove the hooks again
 };
 // InvalidArgument, one line saying what to use instead, where layer-wise
 // cannot run: ZeRO (it cannot update one parameter at a time), several
 // ranks without DDP (a hook would see this rank's gradient alone),
-// find_unused_parameters (a bucket does not say which gradients DDP left alone).
+// find_unused_parameters (a bucket does not say which gradients DDP left alone);
+// under mode="auto", any DDP model (its communication hook cannot be removed).
 Status CheckLayerwise(const LayerwiseSetup& s);
 
 class ModeChooser {

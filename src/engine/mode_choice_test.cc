@@ -177,6 +177,10 @@ TEST(ModeChoiceTest, LayerwiseRefusesZeroRanksWithoutDdpAndFindUnused) {
             std::string::npos);
   EXPECT_NE(refusal({false, 1, 1, true}).find("find_unused_parameters=True"), std::string::npos);
   EXPECT_NE(refusal({true, 2, 0, true}).find("ZeroRedundancyOptimizer"), std::string::npos);
+  // mode="auto": any DDP model, before the other reasons
+  EXPECT_TRUE(CheckLayerwise({false, 4, 1, false, false}).ok());
+  EXPECT_EQ(refusal({false, 4, 1, true, true}).rfind("a DDP model in state: mode='auto'", 0), 0u);
+  EXPECT_TRUE(CheckLayerwise({false, 1, 0, false, true}).ok());
 }
 
 TEST(ModeChoiceTest, RejectsBadSettings) {

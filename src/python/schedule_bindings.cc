@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "engine/layerwise_book.h"
 #include "engine/mode_choice.h"
 #include "engine/preempt.h"
 #include "engine/schedule.h"
@@ -62,10 +63,11 @@ void InitSchedule(py::module_& m) {
 
   m.def(
       "check_layerwise",
-      [](bool zero, int64_t world_size, int64_t ddp_models, bool find_unused) {
-        Check(CheckLayerwise({zero, world_size, ddp_models, find_unused}));
+      [](bool zero, int64_t world_size, int64_t ddp_models, bool find_unused, bool auto_mode) {
+        Check(CheckLayerwise({zero, world_size, ddp_models, find_unused, auto_mode}));
       },
       py::arg("zero"), py::arg("world_size"), py::arg("ddp_models"), py::arg("find_unused"),
+      py::arg("auto_mode") = false,
       "mode='layerwise': one line where it cannot run (engine/mode_choice.h).");
   // mode="auto": layer-wise or concurrent from measured windows (engine/mode_choice.h).
   py::class_<ModeChooser>(m, "ModeChooser")
@@ -111,6 +113,24 @@ void InitSchedule(py::module_& m) {
         }
         return d;
       });
+
+  // mode="layerwise": which engine tensors to hand over and wait for
+  // (engine/layerwise_book.h); the driver issues the engine calls.
+  py::class_<LayerwiseBook>(m, "LayerwiseBook")
+      .def(py::init<uint64_t, std::vector<int>>(), py::arg("group_bytes"), py::arg("devices"))
+      .def("plan", &LayerwiseBook::Plan, py::arg("ref_ptrs"), py::arg("param_ptrs"))
+      .def("open", &LayerwiseBook::Open)
+      .def(
+          "update",
+          [](LayerwiseBook& b, const std::vector<uint32_t>& ids) {
+            LayerwiseBook::Before r = b.Update(ids);
+            return py::make_tuple(r.copy, r.waits);
+          },
+          py::arg("ids"))
+      .def("updated", &LayerwiseBook::Updated, py::arg("id"), py::arg("bytes"))
+      .def("flush", &LayerwiseBook::Flush)
+      .def("seal", &LayerwiseBook::Seal)
+      .def("reset", &LayerwiseBook::Reset);
 
   // A preemption notice (engine/preempt.h): `recent` is Engine.stats()["recent"];
   // the estimates return (line, expected_s). Nothing blocks: no GIL release.

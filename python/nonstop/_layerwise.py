@@ -95,7 +95,7 @@ class Layerwise(_periodic.Periodic):
                     if not p.requires_grad or p in self._subs:
                         continue
                     self._subs[p] = (opt, gi, _sub_optimizer(opt, p))
-                    if p not in by_ddp:  # DDP's are updated by its comm hook
+                    if p not in by_ddp and self.clip is None:  # DDP's: by its comm hook
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             if self.clip is not None:
                 self._hooks.append(opt.register_step_pre_hook(self._on_step))
@@ -116,10 +116,9 @@ class Layerwise(_periodic.Periodic):
 
     # ------------------------------------------------------------ the hooks
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if self.clip is None:
-            with self._lock:
-                self._update([p])
+    def _on_grad(self, p: torch.Tensor) -> None:  # (with clip_grad_norm=: _on_step updates)
+        with self._lock:
+            self._update([p])
 
     def _on_step(self, opt, args, kwargs) -> None:
         params = _clip([p for p, (o, _, _) in self._subs.items() if o is opt], self.clip)
@@ -134,10 +133,7 @@ class Layerwise(_periodic.Periodic):
         and copies of its parameters, on the thread that completes it."""
         if not self._decided or not self._queued:
             with self._lock:
-                if not self._decided:  # before the first all-reduce: no callback runs yet
-                    self._decided = True
-                    if self.session.engine is not None:
-                        self._maybe_begin(self.session.engine)
+                self._maybe_begin()  # before the first all-reduce: no callback runs yet
                 if not self._queued:
                     self._queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -196,9 +192,7 @@ class Layerwise(_periodic.Periodic):
             if ses.copy_pending:  # a whole-model checkpoint is still copying (errors: at step())
                 ses.hook_stall_s += ses.wait_copied(engine)
             t0 = time.perf_counter()
-            if not self._decided:
-                self._decided = True
-                self._maybe_begin(engine)
+            self._maybe_begin()
             # Updated twice in one step: the batch is handed over first. Then
             # LightCheck's rule: their next update (about to be enqueued on the
             # current stream) runs after their copies. CUDA parameters: the
@@ -216,10 +210,8 @@ class Layerwise(_periodic.Periodic):
             ses.visible_stall_s += dt
         for p in params:
             opt, gi, sub = self._subs[p]
-            sg = sub.param_groups[0]
-            for k, v in opt.param_groups[gi].items():
-                if k != "params":
-                    sg[k] = v
+            sub.param_groups[0].update(
+                (k, v) for k, v in opt.param_groups[gi].items() if k != "params")
             sub.state = opt.state  # shared (load_state_dict replaces opt.state)
             if grads is None:
                 sub.step()
@@ -290,12 +282,15 @@ class Layerwise(_periodic.Periodic):
         self._book.plan([ses.base_ptr.get(r[0], r[4]) for r in refs], [ptrs for ptrs, _ in sig])
         self._plan = (sig, ses.registered)
 
-    def _maybe_begin(self, engine) -> None:
-        """At the first update of a step: opens the step's checkpoint when it
-        is due (with the plan prepared by the previous ckpt.step(), or one
-        made now)."""
-        s, ses = self.next_step, self.session
-        if not ses.due_after(s) or not self._complete():
+    def _maybe_begin(self) -> None:
+        """At the first update of a step (once: _decided): opens the step's
+        checkpoint when it is due (with the plan prepared by the previous
+        ckpt.step(), or one made now)."""
+        if self._decided:
+            return
+        self._decided = True
+        s, ses, engine = self.next_step, self.session, self.session.engine
+        if engine is None or not ses.due_after(s) or not self._complete():
             return  # not due, or no optimizer state yet: ckpt.step() saves the whole model
         if not self._plan_holds():
             self._prepare()

@@ -203,6 +203,34 @@ def test_every_checkpoint_across_switches_holds_its_step_value(tmp_path):
     assert checked >= 1
 
 
+@needs_engine
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+def test_auto_with_a_ddp_model_runs_concurrent_pinned_and_installs_no_comm_hook(tmp_path):
+    # layer-wise's DDP communication hook could not be removed again, so
+    # auto refuses layer-wise up front (C++ CheckLayerwise, auto_mode): it
+    # says why, never probes, and leaves DDP without a hook of its own.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg",
+                                         rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(MLP(dim=16))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with nonstop.Checkpointer(str(tmp_path / "ck"), {"model": model, "optim": opt},
+                                  every=1, mode="auto", rng=False) as ck:
+            for s in range(6):
+                opt.zero_grad(set_to_none=True)
+                model(torch.randn(4, 16)).square().mean().backward()
+                opt.step()
+                ck.step(s)
+            m = ck.stats()["mode_auto"]
+        assert m["reason"].startswith("layerwise cannot run here (a DDP model in state: "
+                                      "mode='auto' could not remove"), m["reason"]
+        assert m["decided"] and m["active"] == "concurrent" and m["switches"] == 0, m
+        model.register_comm_hook(None, lambda _, bucket: None)  # DDP takes only one
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return ch.reference(tmp_path_factory, KILL_STEPS)

@@ -305,8 +305,7 @@ class Layerwise(_periodic.Periodic):
         the checkpoint of the next step when it is due."""
         ses = self.session
         with self._lock:
-            counter = None
-            tensors = None
+            counter = tensors = None
             t0 = time.perf_counter()
             if self.counter is not None:
                 tensors = {}

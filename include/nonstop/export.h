@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "nonstop/dist.h"
 #include "nonstop/env.h"
 #include "nonstop/status.h"
 #include "nonstop/types.h"
@@ -100,6 +101,36 @@ Status CheckExportNames(std::string_view names_json);
 // Corruption "malformed checkpoint metadata: state[...]: WHY", one line.
 Status CheckStateTree(std::string_view tree_json, const std::vector<std::string>& tensors);
 
+// The fixed lists CheckStateTree decodes those tags from, which the Python
+// front end's flatten checks a live dtype or device against too
+// (python/nonstop/_state.py takes them from here): torch's dtype names and
+// device types.
+std::vector<std::string> StateTreeDtypes();
+std::vector<std::string> StateTreeDevices();
+
+// What restore() needs of a value: anything, a tensor, a dict (a stateful
+// object's state dict), an optimizer's state dict.
+enum class StateKind { kAny, kTensor, kStateDict, kOptimizer };
+struct StateKey {
+  std::string key;
+  std::string key_repr;  // as Python prints it
+  StateKind kind = StateKind::kAny;
+};
+
+// restore()'s check of a checkpoint's state tree before anything of it is
+// rebuilt (python/nonstop/_apply.py prepare): `state_json` (the metadata's
+// "state", JSON text) is an object, and the tree of each of `keys` it holds
+// is well formed (CheckStateTree against `tensors`, the checkpoint's tensor
+// names, once for all keys: _state.rebuild then trusts it) and, in `keys`'
+// order, of its kind: a tensor; a dict; an optimizer's state dict ("state"
+// a dict, "param_groups" a list of dicts each with a "params" list) unless
+// it is a ZeRO optimizer's consolidated one. Returns per key of `keys` the
+// saved parameter group sizes of a kOptimizer's (nullopt for any other: not
+// compared). Else Corruption "WHERE: ...", one line naming the key.
+Result<std::vector<std::optional<std::vector<int64_t>>>> CheckSavedState(
+    const std::string& where, std::string_view state_json, const std::vector<StateKey>& keys,
+    const std::vector<std::string>& tensors);
+
 // State `key`'s tree (JSON text: a value DcpLayout places, or a
 // ZeroRedundancyOptimizer's consolidated tree) under get_state_dict's names,
 // from the metadata's "names" (`names_json`, as CheckExportNames checks it),
@@ -112,6 +143,31 @@ Status CheckStateTree(std::string_view tree_json, const std::vector<std::string>
 // starts with "__" (python/nonstop/_state.py). Corruption on malformed JSON.
 Result<std::string> DcpRename(const std::string& key, std::string_view tree_json,
                               std::string_view names_json);
+
+// The global tensors of a multi-rank job's DCP export (python/nonstop/_dcp.py
+// gather), from rank 0's metadata "dist" document (`dist_json`): its
+// "shared" table ({name: [shape, dtype]}, replicated tensors) and its
+// "dtensor" table ({name: [shape, dtype, placement]}, FSDP2's: each rank
+// wrote its Shard(0) rows with a replicated share's global layout, so they
+// reassemble the same way; a name in both is "shared"'s), by name; and where
+// each of `pieces` (every rank's tensor table) goes: `offset` bytes into its
+// tensor (dist::LayOutShared, complete). Corruption "WHERE: ...", one line,
+// for tables of another form, a dtype not one nonstop writes ("the metadata
+// of tensor 'N' names dtype ..."), and LayOutShared's refusals (a piece
+// outside its tensor, pieces that overlap or leave a gap, a size out of
+// range), before anything is allocated.
+struct DcpTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kUInt8;
+};
+struct DcpGather {
+  std::vector<DcpTensor> tensors;
+  std::vector<dist::PieceCopy> copies;  // offset: into the piece's tensor
+};
+Result<DcpGather> DcpGatherLayout(std::string_view dist_json,
+                                  const std::vector<dist::Piece>& pieces,
+                                  const std::string& where, int64_t step);
 
 // One value of a DCP export in get_state_dict's layout (python/nonstop/_dcp.py
 // layout(), docs/DISTRIBUTED.md "Interop with DCP"): state `key` of rank

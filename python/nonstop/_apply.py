@@ -49,20 +49,24 @@ class StateApplier:
         meta = loaded.meta
         where = f"checkpoint step {loaded.step} in {self.dir}"
         saved = meta.get("state")
-        if not isinstance(saved, dict):
-            raise CorruptCheckpointError(f"{where}: its metadata holds no state tree")
+        # C++ (export.h CheckSavedState): the tree of every key checked once,
+        # then each value of the kind load_state_dict would fail on only halfway
+        # through (a tensor, a state dict, an optimizer's); its group sizes.
+        groups = _ext.core().check_saved_state(
+            where, _state.dumps(saved), [(key, _kind(obj)) for key, obj in self.state.items()],
+            list(loaded.tensors))
         try:
-            values = {key: _state.unflatten(saved[key], loaded.tensors)
+            values = {key: _state.rebuild(saved[key], loaded.tensors)
                       for key in self.state if key in saved}
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{where}: {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:  # a numpy scalar out of its range
+            raise CorruptCheckpointError(f"{where}: malformed checkpoint metadata: {e}") from None
         live = []
-        for key, obj in self.state.items():
-            groups = self._check_value(key, obj, values[key], where) if key in values else ([], [])
+        for (key, obj), got in zip(self.state.items(), groups):
             flat = {} if not (stateful(obj) or isinstance(obj, torch.Tensor)) else (
                 self._flat[key] if key in self._flat else _flat(key, obj))
+            mine = [] if got is None else [len(g["params"]) for g in obj.param_groups]
             live.append((key, [_desc(n, t) for n, t in flat.items()],
-                         isinstance(obj, (torch.nn.Module, torch.Tensor)), *groups))
+                         isinstance(obj, (torch.nn.Module, torch.Tensor)), mine, got or []))
         # C++ (engine/checkpointer_args.h CheckStateFits): a key the checkpoint
         # lacks, then per key a module's tensor it lacks, a dtype or shape that
         # differs, an optimizer's parameter group sizes; one-line errors.
@@ -85,25 +89,6 @@ class StateApplier:
             warnings.warn(f"nonstop: checkpoint step {loaded.step} also holds state "
                           f"{', '.join(map(repr, extra))}, not restored", stacklevel=4)
         return values, setters
-
-    def _check_value(self, key: str, obj: Any, value: Any, where: str) -> tuple:
-        """The checks load_state_dict would fail only halfway through, of a
-        malformed value; an optimizer's parameter group sizes, live and saved
-        (compared in C++), ([], []) for anything else."""
-        if isinstance(obj, torch.Tensor) and not isinstance(value, torch.Tensor):
-            raise CorruptCheckpointError(f"{where}: state {key!r} is not a tensor")
-        if stateful(obj) and not isinstance(value, dict):
-            raise CorruptCheckpointError(
-                f"{where}: state {key!r} is a {type(value).__name__}, not a state dict")
-        if isinstance(obj, torch.optim.Optimizer) and not _objects.is_zero(obj) and (
-                value.get(_objects.CONSOLIDATED) is None):
-            groups = value.get("param_groups")
-            if not isinstance(groups, list) or not isinstance(value.get("state"), dict) or not all(
-                    isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-                raise CorruptCheckpointError(
-                    f"{where}: state {key!r} is not an optimizer state dict")
-            return [len(g["params"]) for g in obj.param_groups], [len(g["params"]) for g in groups]
-        return [], []
 
     def apply(self, plan: tuple) -> None:
         values, setters = plan
@@ -160,6 +145,16 @@ def _flat(key: str, obj) -> dict:
     out: dict = {}
     _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key, out)
     return out
+
+
+def _kind(obj) -> int:
+    """What restore() needs of `obj`'s value (export.h StateKind): 1 a tensor,
+    3 an optimizer's state dict (not a ZeRO one's), 2 a state dict, 0 anything."""
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, torch.optim.Optimizer) and not _objects.is_zero(obj):
+        return 3
+    return 2 if stateful(obj) else 0
 
 
 def _desc(name: str, t) -> tuple:

@@ -16,10 +16,9 @@ from typing import Optional
 import torch
 
 from . import _ext, _progress, _read, _state
-from ._cli import cli_run
 from ._distributed import consolidate
 from ._objects import CONSOLIDATED
-from .errors import CorruptCheckpointError
+from .errors import CheckpointMismatchError, CorruptCheckpointError
 
 def gather(path: str, step: Optional[int] = None,
            progress=None) -> tuple[int, list, list, set]:
@@ -39,39 +38,32 @@ def gather(path: str, step: Optional[int] = None,
         meta = _state.loads(readers[r].checkpoints[idx]["meta_json"])
         _read.refuse_replayed(meta, f"checkpoint step {sel['step']} in {path}")
         found.append((idx, meta))
-    doc = found[0][1].get("dist", {})
-    shared = dict(doc.get("shared", {}))
-    # FSDP2 Shard(0) DTensors: each rank wrote its rows with the same global
-    # layout as a replicated share (_fsdp.py), so they reassemble the same way.
-    for name, (shape, dtype, _) in doc.get("dtensor", {}).items():
-        shared.setdefault(name, [shape, dtype])
-    dtypes = {name: _meta_dtype(dtype, name, path) for name, (_, dtype) in shared.items()}
     specs = [reader.checkpoints[idx]["tensors"] for reader, (idx, _) in zip(readers, found)]
-    # Where each rank's pieces go (C++, dist_lay_out_shared): a piece outside
-    # its tensor, pieces that overlap or leave a gap, a size out of range are
-    # one line before anything is allocated; each piece is read into its place.
-    layout, _, copies = _ext.core().dist_lay_out_shared(
-        [(n, s, d) for n, (s, d) in shared.items()],
+    # The global tensors and where each rank's pieces go in them (C++
+    # DcpGatherLayout: the metadata's "shared" and FSDP2 "dtensor" tables, each
+    # dtype from the fixed list): a piece outside its tensor, pieces that overlap
+    # or leave a gap, a size out of range are one line before anything is allocated.
+    layout, copies = _ext.core().dcp_gather_layout(
+        _state.dumps(found[0][1].get("dist", {})),
         [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
-         for r, table in enumerate(specs) for i, sp in enumerate(table)], True, path, sel["step"])
-    whole = {name: torch.empty(shared[name][0], dtype=dtypes[name]) for name, _, _ in layout}
-    base = {name: off for name, off, _ in layout}
+         for r, table in enumerate(specs) for i, sp in enumerate(table)], path, sel["step"])
+    whole = {name: torch.empty(shape, dtype=_state.torch_dtype(code))
+             for name, shape, code in layout}
     total = sum(sp["nbytes"] for table in specs for sp in table)
     done = 0
     tensors, metas = [], []
     for r, (reader, (idx, meta)) in enumerate(zip(readers, found)):
         got, dests = _read.destinations(
-            [None if sp["name"] in shared else sp for sp in specs[r]], False, None)
+            [None if sp["name"] in whole else sp for sp in specs[r]], False, None)
         for _, i, off, n in (c for c in copies if c[0] == r):
-            name = specs[r][i]["name"]
-            dests[i] = (whole[name].data_ptr() + off - base[name], n)
+            dests[i] = (whole[specs[r][i]["name"]].data_ptr() + off, n)
         reader.read_into(idx, dests)
         done += sum(sp["nbytes"] for sp in specs[r])
         if progress is not None:
             progress(done, total)
         tensors.append({**whole, **got})
         metas.append(meta)
-    return sel["step"], tensors, metas, set(shared)
+    return sel["step"], tensors, metas, set(whole)
 
 
 def collect(path: str, step: Optional[int] = None) -> tuple[int, dict]:
@@ -100,8 +92,14 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
     for key, r, entries, is_zero in _ext.core().dcp_layout(
             [_state.dumps(m.get("state", {})) for m in metas], sorted(shared),
             list(names.get("modules", {})), list(zero) if isinstance(zero, dict) else []):
-        if is_zero:
-            tree, held = _zero_consolidated(key, tensors, metas)
+        if is_zero:  # the consolidated state_dict, from every rank's shard
+            held = {}
+            try:
+                tree = consolidate(key, metas, tensors, held)
+            except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+                raise CorruptCheckpointError(
+                    f"the ZeRO optimizer state {key!r} cannot be consolidated from the ranks' "
+                    f"records ({type(e).__name__}: {e})") from None
         else:
             tree, held = metas[max(r, 0)].get("state", {}).get(key), tensors[max(r, 0)]
             if entries is not None:
@@ -114,19 +112,6 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
             value.pop(CONSOLIDATED, None)
         (out if r < 0 else out.setdefault(f"rank-{r}", {}))[key] = value
     return out
-
-
-def _zero_consolidated(key: str, tensors: list, metas: list) -> tuple:
-    """(tree, its tensors) of the consolidated state_dict (global parameter
-    indices) of the ZeRO optimizer saved under `key`, from every rank's
-    shard (_distributed.consolidate)."""
-    scratch: dict = {}
-    try:
-        return consolidate(key, metas, tensors, scratch), scratch
-    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
-        raise CorruptCheckpointError(
-            f"the ZeRO optimizer state {key!r} cannot be consolidated from the ranks' records "
-            f"({type(e).__name__}: {e})") from None
 
 
 def named(state) -> list:
@@ -175,14 +160,20 @@ def export_dcp(dir: str, out: str, step: Optional[int] = None,
     return {"step": got_step, "tensors": count, "bytes": nbytes, "path": out}
 
 
-def _meta_dtype(name, tensor: str, path: str):
-    """The torch dtype a checkpoint's metadata names, from _state's fixed list only."""
-    dt = _state.torch_dtype_by_name(name)
-    if dt is None:
-        raise CorruptCheckpointError(
-            f"{path}: the metadata of tensor {tensor!r} names dtype {str(name)[:40]!r}, which "
-            f"is not one nonstop writes")
-    return dt
+def cli_run(call) -> int:
+    """A `python -m` export entry the CLI runs (this one and _export's): its
+    result in one line, or its error in one line with the CLI's exit codes
+    (2: the arguments, 1: anything else)."""
+    try:
+        r = call()
+    except CheckpointMismatchError as e:
+        print(f"nonstop export: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 -- one line, as the CLI does
+        print(f"nonstop export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported step {r['step']}: {r['tensors']} tensors, {r['bytes']} bytes to {r['path']}")
+    return 0
 
 
 def main(argv=None) -> int:

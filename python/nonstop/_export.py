@@ -16,7 +16,6 @@ import sys
 from typing import Optional
 
 from . import _dcp, _ext, _progress, _state
-from ._cli import cli_run
 from ._read import check_directory
 from .errors import CheckpointMismatchError
 
@@ -43,61 +42,47 @@ def export(dir: str, out: str, step: Optional[int] = None, rank: Optional[int] =
         return _dcp.export_dcp(dir, out, step, progress=progress)
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors' or 'dcp', got {format!r}")
-    patterns = _patterns(include)
+    pats = [include] if isinstance(include, str) else include
+    if include is not None and (not isinstance(pats, (list, tuple)) or not pats or not all(
+            isinstance(p, str) and p for p in pats)):
+        raise CheckpointMismatchError(
+            f"include must be a glob or a list of globs ('model/*'), got {include!r}")
+    patterns = list(pats or [])
+    what = f"include={patterns!r}"
     if strip is not None and not isinstance(strip, str):
         raise CheckpointMismatchError(f"strip must be a string prefix, got {strip!r}")
     bar = _progress.Progress("nonstop export", progress)
-    path = os.fspath(dir)
+    path, out = os.fspath(dir), os.fspath(out)
     check_directory(path, rank or 0, None, must_exist=True)
     # C++ chooses (the planner: what load() and restore() read; a step a
     # rollback abandoned, or one restore() replays, is refused as load()
     # does), reads and writes; tied weights under every name.
     try:
-        got = _ext.core().export_safetensors(
-            path, os.fspath(out), step, rank or 0, patterns or [], f"include={patterns!r}",
-            strip or "", WINDOW_BYTES, progress=bar)
+        got = _ext.core().export_safetensors(path, out, step, rank or 0, patterns, what,
+                                             strip or "", WINDOW_BYTES, progress=bar)
         if got["world_size"] > 1:
             if rank is not None:
                 raise CheckpointMismatchError(
                     f"{path} is a {got['world_size']}-rank job: it is exported consolidated "
                     f"(every rank's pieces reassembled); drop rank=")
-            return _export_consolidated(path, out, step, patterns, strip, bar)
+            # Reassembled with torch (_dcp.gather/layout, as the DCP export),
+            # written by C++ (_core.write_safetensors: the names checked, through the Env seam).
+            step, tensors, metas, shared = _dcp.gather(path, step, progress=bar)
+            named = _dcp.named(_dcp.layout(tensors, metas, shared))
+            picked = _ext.core().export_names([n for n, _ in named], patterns, what,
+                                              strip or "", f"step {step} of {path}")
+            chosen = [(n, named[i][1].detach().contiguous()) for n, i in picked]
+            got = {"step": step, "tensors": len(chosen), "bytes": _ext.core().write_safetensors(
+                out, [(n, _state.torch_dtype_code(t.dtype), list(t.shape), t.data_ptr(),
+                       t.numel() * t.element_size()) for n, t in chosen],
+                [("nonstop.step", str(step)), ("nonstop.world_size", str(len(metas)))])}
     finally:
         bar.close()
-    return {"step": got["step"], "tensors": got["tensors"], "bytes": got["bytes"],
-            "path": os.fspath(out)}
-
-
-def _patterns(include) -> Optional[list]:
-    if include is None:
-        return None
-    pats = [include] if isinstance(include, str) else include
-    if not isinstance(pats, (list, tuple)) or not pats or not all(
-            isinstance(p, str) and p for p in pats):
-        raise CheckpointMismatchError(
-            f"include must be a glob or a list of globs ('model/*'), got {include!r}")
-    return list(pats)
-
-
-def _export_consolidated(path: str, out, step: Optional[int], patterns, strip, bar) -> dict:
-    """A multi-rank job's checkpoint committed on every rank, reassembled
-    (_dcp.gather/layout, as the DCP export) and written as safetensors by
-    C++ (_core.write_safetensors: the names checked, through the Env seam)."""
-    got, tensors, metas, shared = _dcp.gather(path, step, progress=bar)
-    named = _dcp.named(_dcp.layout(tensors, metas, shared))
-    picked = _ext.core().export_names([n for n, _ in named], patterns or [],
-                                      f"include={patterns!r}", strip or "", f"step {got} of {path}")
-    chosen = [(n, named[i][1].detach().contiguous()) for n, i in picked]
-    entries = [(n, _state.torch_dtype_code(t.dtype), list(t.shape), t.data_ptr(),
-                t.numel() * t.element_size()) for n, t in chosen]
-    meta = [("nonstop.step", str(got)), ("nonstop.world_size", str(len(metas)))]
-    nbytes = _ext.core().write_safetensors(os.fspath(out), entries, meta)
-    return {"step": got, "tensors": len(entries), "bytes": nbytes, "path": os.fspath(out)}
+    return {"step": got["step"], "tensors": got["tensors"], "bytes": got["bytes"], "path": out}
 
 
 def main(argv=None) -> int:
-    """`python -m nonstop._export DIR -o OUT`: what `nonstop export` runs
-    for a multi-rank directory (the consolidation is Python's)."""
+    """`python -m nonstop._export DIR -o OUT`: `nonstop export` of a multi-rank job."""
     p = argparse.ArgumentParser(prog="python -m nonstop._export",
                                 description="export a nonstop checkpoint as safetensors")
     p.add_argument("dir")
@@ -107,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--strip", default=None)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     a = p.parse_args(argv)
-    return cli_run(lambda: export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
+    return _dcp.cli_run(lambda: export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
                                   progress=a.progress))
 
 

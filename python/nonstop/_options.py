@@ -1,16 +1,19 @@
 """The Checkpointer's keyword arguments, checked and grouped into a few
 typed objects (every keyword of nonstop.Checkpointer is still accepted; see
-docs/PYTHON.md). resolve() applies config=PATH (nonstop tune --out):
-explicit arguments override it, it overrides the defaults."""
+docs/PYTHON.md). resolve() applies config=PATH (nonstop tune --out; its
+format: docs/TUNE.md "nonstop tune"): explicit arguments override it, it
+overrides the defaults."""
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from . import _config, _data, _ext, _peer
+from . import _data, _ext, _peer
 from .errors import CheckpointMismatchError
 
 # The keywords C++ checks as given (engine/checkpointer_args.h); every=,
@@ -18,6 +21,10 @@ from .errors import CheckpointMismatchError
 # concurrent, whichever this job measures cheaper, _layerwise.Switching).
 _CHECKED = ("keep", "tier", "device_snapshot_bytes", "disk_every", "copy", "replay",
             "clip_grad_norm", "best")
+# Checkpointer's defaults for the arguments a config file may set.
+DEFAULTS = {"every": 10, "mode": "concurrent", "max_in_flight": 2, "writers": None,
+            "staging_bytes": None, "chunk_bytes": None, "medium": "auto", "copy_threads": 1,
+            "max_overhead": 0.03}
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,29 @@ def scalar_metrics(values: dict) -> Optional[dict]:
     return out or None
 
 
+def load_config(path: str) -> dict:
+    """Reads a config file; returns {argument: value} for the keys it sets.
+    Raises a one-line CheckpointMismatchError for an unreadable file, a
+    wrong type or an unknown key (checked by C++: engine/checkpointer_args.h)."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise CheckpointMismatchError(f"config {path}: cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise CheckpointMismatchError(f"config {path}: not JSON ({e})") from None
+    return _ext.core().check_config(path, doc, list(DEFAULTS))
+
+
+def config_settings(config: Optional[str], **explicit) -> dict:
+    """The settings to use: explicit arguments (those not None), then the
+    config file, then DEFAULTS."""
+    settings = {**DEFAULTS, **(load_config(config) if config is not None else {})}
+    settings.update({k: v for k, v in explicit.items() if v is not None})
+    return settings
+
+
 def resolve(state: dict, **kw) -> Options:
     """Every keyword of nonstop.Checkpointer (`kw`: all of them, as its
     signature has them), checked (one-line CheckpointMismatchError), before
@@ -124,7 +154,7 @@ def resolve(state: dict, **kw) -> Options:
         _ext.core().check_remote_every(remote_options.get("every"), kw["world_size"] or 1)
     # A data loader whose restored order would differ is refused (_data.py)
     _data.check_state(state)
-    opts = _config.resolve(kw["config"], **{k: kw[k] for k in _config.DEFAULTS})
+    opts = config_settings(kw["config"], **{k: kw[k] for k in DEFAULTS})
     every, mode = opts["every"], opts["mode"]
     drank, dworld = world()
     rank = drank if kw["rank"] is None else kw["rank"]

@@ -1,15 +1,9 @@
-"""State <-> (named tensors, JSON): how a state dict becomes a checkpoint.
-
-A state tree (dicts, lists, tuples, tensors and plain values) is split into
-a list of named tensors, which the engine stores as raw bytes, and a JSON
-document that records the tree with each tensor replaced by a reference to
-its name. Nothing is pickled. Every plain value round-trips exactly:
-
-- ``None``, ``bool``, ``str`` and ``int`` (any size) are JSON values;
-- finite floats are written with ``repr`` (Python's ``json`` does), which
-  round-trips bitwise; ``nan``, ``inf``, ``-inf`` are tagged with their bits;
-- tuples, dicts with non-string keys, ``torch.dtype``, ``torch.device``,
-  numpy arrays and numpy scalars are tagged objects (``{"__tuple__": ...}``).
+"""State <-> (named tensors, JSON): how a state dict becomes a checkpoint
+(docs/PYTHON.md "How state is stored"). Tensors are stored by name; the
+rest is one JSON document referring to them, nothing pickled. Finite floats
+are written with ``repr`` (bitwise); ``nan``/``inf`` by their bits, tuples,
+dicts with non-string keys, dtypes, devices and numpy values as one-key
+``{"__tag__": ...}`` objects (the tags: C++ CheckStateTree, export.h).
 """
 from __future__ import annotations
 
@@ -28,10 +22,14 @@ try:
 except ImportError:  # nonstop.load and export work without torch
     torch = None
 
-# DType numbers of include/nonstop/types.h (part of the on-disk format): code = index.
-DTYPE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
-               "float64", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
-               "float8_e4m3fn", "float8_e5m2")
+# From C++'s fixed lists (never a name looked up in torch or numpy): the dtype
+# names by code of the on-disk format (include/nonstop/types.h), and the only
+# torch dtypes and device types a state tree may name (export.h StateTreeDtypes).
+DTYPE_NAMES, TORCH_DTYPE_NAMES, DEVICE_TYPES = (
+    _ext.core().state_tree_names() if _ext.ERROR is None else ((), (), ()))
+_TORCH_DTYPES = ({n: getattr(torch, n) for n in TORCH_DTYPE_NAMES
+                  if isinstance(getattr(torch, n, None), torch.dtype)}
+                 if torch is not None else {})
 DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_NAMES)}
 # numpy dtype (for nonstop.load without torch); None where numpy has none.
 NUMPY_DTYPES = {c: getattr(np, "bool_" if n == "bool" else n, None)
@@ -57,6 +55,11 @@ def torch_dtype(code: int):
     return dt
 
 
+def index(out: dict) -> dict:
+    """The tensors of `out` by memory (_tensor_key), which flatten keeps up to date."""
+    return {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
+
+
 def is_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -69,17 +72,9 @@ def flatten(obj, prefix: str, out: dict, where: str = "state", seen: Optional[di
     weights are, is stored once and referenced twice. `seen`: index(out),
     given when several calls add to one `out` (one index for all: O(n) for
     n calls, not O(n^2))."""
-    return _flatten(obj, prefix, out, where, index(out) if seen is None else seen)
-
-
-def index(out: dict) -> dict:
-    """The tensors of `out` by memory (_tensor_key), which _flatten keeps up to date."""
-    return {_tensor_key(t): n for n, t in out.items() if is_tensor(t) and t.numel() > 0}
-
-
-def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):
+    seen = index(out) if seen is None else seen
     if isinstance(obj, np.generic):  # before float: np.float64 is a float
-        return {"__npscalar__": [obj.dtype.str, _flatten(obj.item(), prefix, out, where, seen)]}
+        return {"__npscalar__": [obj.dtype.str, flatten(obj.item(), prefix, out, where, seen)]}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -107,17 +102,17 @@ def _flatten(obj, prefix: str, out: dict, where: str, seen: dict):
                             f"{', '.join(DEVICE_TYPES)}")
         return {"__device__": str(obj)}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
+        return {"__tuple__": [flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
                               for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
+        return [flatten(v, f"{prefix}/{i}", out, f"{where}[{i}]", seen)
                 for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith(_RESERVED) for k in obj):
-            return {k: _flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]", seen)
+            return {k: flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]", seen)
                     for k, v in obj.items()}
-        return {"__dict__": [[_flatten(k, f"{prefix}/key{i}", out, where, seen),
-                              _flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]", seen)]
+        return {"__dict__": [[flatten(k, f"{prefix}/key{i}", out, where, seen),
+                              flatten(v, f"{prefix}/{k}", out, f"{where}[{k!r}]", seen)]
                              for i, (k, v) in enumerate(obj.items())]}
     raise TypeError(f"cannot checkpoint {where}: {type(obj).__name__} is neither a tensor "
                     f"nor JSON data; give it state_dict()/load_state_dict()")
@@ -147,17 +142,6 @@ def _add_tensor(t, name: str, out: dict, seen: dict) -> str:
     return name
 
 
-# The only dtypes and devices a checkpoint's metadata may name: decoded from
-# these fixed lists, never by looking a name up in torch or numpy.
-TORCH_DTYPE_NAMES = frozenset((
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "qint8", "quint8", "qint32", "quint4x2", "quint2x4"))
-_TORCH_DTYPES = ({n: getattr(torch, n) for n in TORCH_DTYPE_NAMES
-                  if isinstance(getattr(torch, n, None), torch.dtype)}
-                 if torch is not None else {})
-DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "privateuseone")
 # How deeply a state tree nests (as C++ kMaxMetaDepth bounds the metadata
 # document: jobdir/records.h).
 MAX_DEPTH = 200
@@ -178,14 +162,16 @@ def unflatten(tree, tensors: dict, as_numpy: bool = False):
     CorruptCheckpointError naming where it is."""
     _ext.core().check_state_tree(dumps(tree), list(tensors))
     try:
-        return _unflatten(tree, tensors, as_numpy)
+        return rebuild(tree, tensors, as_numpy)
     except (TypeError, ValueError, OverflowError) as e:  # a numpy scalar out of its range
         raise CorruptCheckpointError(f"malformed checkpoint metadata: {e}") from None
 
 
-def _unflatten(tree, tensors: dict, as_numpy: bool):
+def rebuild(tree, tensors: dict, as_numpy: bool = False):
+    """unflatten without C++'s check: for a tree C++ checked already
+    (check_saved_state, once for restore()'s every key)."""
     if isinstance(tree, list):
-        return [_unflatten(v, tensors, as_numpy) for v in tree]
+        return [rebuild(v, tensors, as_numpy) for v in tree]
     if not isinstance(tree, dict):
         return tree
     tag, val = next(iter(tree.items())) if len(tree) == 1 else (None, None)
@@ -195,12 +181,12 @@ def _unflatten(tree, tensors: dict, as_numpy: bool):
     if tag == "__float__":
         return struct.unpack("<d", bytes.fromhex(val))[0]
     if tag == "__tuple__":
-        return tuple(_unflatten(v, tensors, as_numpy) for v in val)
+        return tuple(rebuild(v, tensors, as_numpy) for v in val)
     if tag == "__dict__":
-        return {_unflatten(k, tensors, as_numpy): _unflatten(v, tensors, as_numpy)
+        return {rebuild(k, tensors, as_numpy): rebuild(v, tensors, as_numpy)
                 for k, v in val}
     if tag == "__npscalar__":
-        return np.dtype(val[0]).type(_unflatten(val[1], tensors, as_numpy))
+        return np.dtype(val[0]).type(rebuild(val[1], tensors, as_numpy))
     if tag == "__dtype__":
         dt = torch_dtype_by_name(val)
         if dt is None and torch is not None:
@@ -209,7 +195,7 @@ def _unflatten(tree, tensors: dict, as_numpy: bool):
         return dt if dt is not None and not as_numpy else val
     if tag == "__device__":
         return torch.device(val) if torch is not None and not as_numpy else val
-    return {k: _unflatten(v, tensors, as_numpy) for k, v in tree.items()}
+    return {k: rebuild(v, tensors, as_numpy) for k, v in tree.items()}
 
 
 def dumps(tree) -> str:

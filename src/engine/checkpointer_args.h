@@ -1,5 +1,5 @@
 // The Checkpointer's keyword arguments (python/nonstop/_options.py) and its
-// config=PATH file (_config.py, docs/TUNE.md): which values and which
+// config=PATH file (_options.py load_config, docs/TUNE.md): which values and which
 // combinations are legal, decided here, in one place, with one-line
 // messages that name the keyword and the value as Python wrote it (its
 // repr). The binding (src/python/options_bindings.cc) turns each Python

@@ -385,6 +385,66 @@ void InitRestore(py::module_& m) {
       py::arg("tree_json"), py::arg("tensors"),
       "A state tree (JSON) before _state.unflatten rebuilds it, `tensors` the names it may "
       "refer to; CorruptCheckpointError, one line, when malformed (export.h CheckStateTree).");
+  m.def(
+      "dcp_gather_layout",
+      [](std::string_view dist_json,
+         const std::vector<std::tuple<int, size_t, std::string, uint64_t, uint64_t>>& pieces,
+         const std::string& where, int64_t step) {
+        std::vector<dist::Piece> p;
+        for (const auto& [rank, handle, name, off, nbytes] : pieces) {
+          p.push_back({rank, handle, name, off, nbytes});
+        }
+        std::optional<Result<DcpGather>> r;
+        {
+          py::gil_scoped_release release;
+          r.emplace(DcpGatherLayout(dist_json, p, where, step));
+        }
+        const DcpGather g = Take(std::move(*r));
+        py::list tensors, copies;
+        for (const DcpTensor& t : g.tensors) {
+          tensors.append(py::make_tuple(t.name, t.shape, static_cast<int>(t.dtype)));
+        }
+        for (const dist::PieceCopy& c : g.copies) {
+          copies.append(py::make_tuple(c.rank, c.handle, c.offset, c.nbytes));
+        }
+        return py::make_tuple(tensors, copies);
+      },
+      py::arg("dist_json"), py::arg("pieces"), py::arg("where"), py::arg("step"),
+      "The DCP export's global tensors from the metadata's \"dist\" (JSON) and where each "
+      "piece goes: pieces [(rank, handle, name, global offset in elements, nbytes)]; returns "
+      "([(name, shape, dtype code)] by name, [(rank, handle, byte offset into its tensor, "
+      "nbytes)]) (export.h DcpGatherLayout).");
+  m.def(
+      "state_tree_names",
+      [] {
+        std::vector<std::string> codes;
+        for (int c = 0; c < kNumDTypes; ++c) codes.emplace_back(DTypeName(static_cast<DType>(c)));
+        return py::make_tuple(codes, StateTreeDtypes(), StateTreeDevices());
+      },
+      "(the on-disk dtype names by code, types.h; torch's dtype names and device types a "
+      "state tree may name, export.h StateTreeDtypes/StateTreeDevices).");
+  m.def(
+      "check_saved_state",
+      [](const std::string& where, std::string_view state_json,
+         const std::vector<std::tuple<std::string, int>>& keys,
+         const std::vector<std::string>& tensors) {
+        std::vector<StateKey> k;
+        for (const auto& [key, kind] : keys) {
+          k.push_back({key, py::repr(py::str(key)).cast<std::string>(),
+                       static_cast<StateKind>(std::clamp(kind, 0, 3))});
+        }
+        std::optional<Result<std::vector<std::optional<std::vector<int64_t>>>>> r;
+        {
+          py::gil_scoped_release release;
+          r.emplace(CheckSavedState(where, state_json, k, tensors));
+        }
+        return Take(std::move(*r));
+      },
+      py::arg("where"), py::arg("state_json"), py::arg("keys"), py::arg("tensors"),
+      "restore()'s check of the metadata's state tree (JSON) before it is rebuilt: `keys` "
+      "[(key, kind: 0 any, 1 tensor, 2 state dict, 3 optimizer)], `tensors` the checkpoint's "
+      "names; per key the saved optimizer's group sizes (None: not compared); "
+      "CorruptCheckpointError, one line (export.h CheckSavedState).");
   m.def("write_safetensors", &WriteSafetensorsPy, py::arg("out"), py::arg("entries"),
         py::arg("meta"), py::arg("progress") = py::none(), py::arg("remove_temp_link") = true);
 }

@@ -295,6 +295,113 @@ Status CheckStateTree(std::string_view tree_json, const std::vector<std::string>
   return Status::Corruption("malformed checkpoint metadata: " + why);
 }
 
+std::vector<std::string> StateTreeDtypes() {
+  return {std::begin(kTorchDtypes), std::end(kTorchDtypes)};
+}
+
+std::vector<std::string> StateTreeDevices() {
+  return {std::begin(kDeviceTypes), std::end(kDeviceTypes)};
+}
+
+namespace {
+
+// Whether a checked tree's value `n` rebuilds to a dict: an object that is
+// no tagged value, or a "__dict__" one.
+bool IsDict(const Json& n) {
+  return n.type == Json::Type::kObject &&
+         (n.keys.size() != 1 || !IsTag(n.keys[0]) || n.keys[0] == "__dict__");
+}
+
+// The value of string key `key` of a dict IsDict accepts; null when none.
+const Json* DictGet(const Json& d, std::string_view key) {
+  if (d.keys.size() != 1 || d.keys[0] != "__dict__") return d.Get(key);
+  for (const Json& kv : d.items[0].items) {
+    if (kv.items[0].type == Json::Type::kString && kv.items[0].text == key) return &kv.items[1];
+  }
+  return nullptr;
+}
+
+// The Python type a checked tree's value `n` rebuilds to, as its messages name it.
+std::string PyType(const Json& n) {
+  switch (n.type) {
+    case Json::Type::kNull: return "NoneType";
+    case Json::Type::kBool: return "bool";
+    case Json::Type::kString: return "str";
+    case Json::Type::kNumber:
+      return n.text.find_first_of(".eE") == std::string::npos ? "int" : "float";
+    case Json::Type::kArray: return "list";
+    case Json::Type::kObject: break;
+  }
+  if (IsDict(n)) return "dict";
+  const std::string& tag = n.keys[0];
+  if (tag == "__tensor__") return "Tensor";
+  if (tag == "__ndarray__") return "ndarray";
+  if (tag == "__npscalar__") return "numpy scalar";
+  return tag.substr(2, tag.size() - 4);  // float, tuple, dtype, device
+}
+
+// The parameter group sizes of optimizer state dict `v`; nullopt when it
+// is not one.
+std::optional<std::vector<int64_t>> GroupSizes(const Json& v) {
+  const Json* groups = DictGet(v, "param_groups");
+  const Json* state = DictGet(v, "state");
+  if (groups == nullptr || groups->type != Json::Type::kArray || state == nullptr ||
+      !IsDict(*state)) {
+    return std::nullopt;
+  }
+  std::vector<int64_t> sizes;
+  for (const Json& g : groups->items) {
+    const Json* params = IsDict(g) ? DictGet(g, "params") : nullptr;
+    if (params == nullptr || params->type != Json::Type::kArray) return std::nullopt;
+    sizes.push_back(static_cast<int64_t>(params->items.size()));
+  }
+  return sizes;
+}
+
+}  // namespace
+
+Result<std::vector<std::optional<std::vector<int64_t>>>> CheckSavedState(
+    const std::string& where, std::string_view state_json, const std::vector<StateKey>& keys,
+    const std::vector<std::string>& tensors) {
+  const jobdir_internal::JsonLimits limits =
+      jobdir_internal::MetaJsonLimits(std::max<uint64_t>(state_json.size(), 1));
+  Result<Json> tree = jobdir_internal::ParseJson(state_json, "the state tree", limits);
+  if (!tree.ok()) {
+    return Status::Corruption(where + ": malformed checkpoint metadata: " +
+                              std::string(tree.status().message()));
+  }
+  if (tree->type != Json::Type::kObject) {
+    return Status::Corruption(where + ": its metadata holds no state tree");
+  }
+  const TreeCheck check(tensors);
+  for (const StateKey& k : keys) {
+    const Json* v = tree->Get(k.key);
+    std::string why = v == nullptr ? "" : check.Check(*v, "state[" + k.key_repr + "]");
+    if (!why.empty()) return Status::Corruption(where + ": malformed checkpoint metadata: " + why);
+  }
+  std::vector<std::optional<std::vector<int64_t>>> out;
+  for (const StateKey& k : keys) {
+    out.emplace_back();
+    const Json* v = tree->Get(k.key);
+    if (v == nullptr || k.kind == StateKind::kAny) continue;
+    const std::string state = where + ": state " + k.key_repr;
+    if (k.kind == StateKind::kTensor) {
+      if (v->type != Json::Type::kObject || v->keys.size() != 1 || v->keys[0] != "__tensor__") {
+        return Status::Corruption(state + " is not a tensor");
+      }
+      continue;
+    }
+    if (!IsDict(*v)) return Status::Corruption(state + " is a " + PyType(*v) + ", not a state dict");
+    const Json* zero = DictGet(*v, "nonstop_consolidated_zero");  // _objects.CONSOLIDATED
+    if (k.kind != StateKind::kOptimizer || (zero != nullptr && zero->type != Json::Type::kNull)) {
+      continue;
+    }
+    out.back() = GroupSizes(*v);
+    if (!out.back()) return Status::Corruption(state + " is not an optimizer state dict");
+  }
+  return out;
+}
+
 namespace {
 
 // Whether `node` refers to a tensor (a {"__tensor__"/"__ndarray__": name}
@@ -316,6 +423,69 @@ bool RefersToLocal(const Json& node, const std::set<std::string>& shared) {
 }
 
 }  // namespace
+
+Result<DcpGather> DcpGatherLayout(std::string_view dist_json,
+                                  const std::vector<dist::Piece>& pieces,
+                                  const std::string& where, int64_t step) {
+  const jobdir_internal::JsonLimits limits =
+      jobdir_internal::MetaJsonLimits(std::max<uint64_t>(dist_json.size(), 1));
+  Result<Json> doc = jobdir_internal::ParseJson(dist_json, "the metadata's \"dist\"", limits);
+  if (!doc.ok()) return Status::Corruption(where + ": " + std::string(doc.status().message()));
+  if (doc->type != Json::Type::kObject) {
+    return Status::Corruption(where + ": the metadata's \"dist\" is not an object");
+  }
+  std::vector<dist::SharedTensor> shared;
+  std::map<std::string, DType> dtypes;
+  for (const std::string table : {"shared", "dtensor"}) {
+    const Json* t = doc->Get(table);
+    if (t == nullptr) continue;
+    if (t->type != Json::Type::kObject) {
+      return Status::Corruption(where + ": the metadata's \"" + table + "\" table is not an object");
+    }
+    const size_t fields = table == "shared" ? 2 : 3;
+    for (size_t i = 0; i < t->keys.size(); ++i) {
+      const Json& e = t->items[i];
+      const std::string tensor = "the metadata of tensor '" + format::Printable(t->keys[i]) + "'";
+      bool ok = e.type == Json::Type::kArray && e.items.size() == fields &&
+                e.items[0].type == Json::Type::kArray;
+      std::vector<int64_t> shape(ok ? e.items[0].items.size() : 0);
+      for (size_t d = 0; ok && d < shape.size(); ++d) ok = e.items[0].items[d].AsInt64(&shape[d]);
+      if (!ok) {
+        return Status::Corruption(where + ": " + tensor + " in \"" + table + "\" is not [shape, " +
+                                  (fields == 2 ? "dtype]" : "dtype, placement]"));
+      }
+      const Json& dtype = e.items[1];
+      DType dt;
+      if (dtype.type != Json::Type::kString || !ParseDType(dtype.text, &dt)) {
+        const std::string shown = dtype.type == Json::Type::kString
+                                      ? "'" + format::Printable(dtype.text.substr(0, 40)) + "'"
+                                      : Shown(dtype);
+        return Status::Corruption(where + ": " + tensor + " names dtype " + shown +
+                                  ", which is not one nonstop writes");
+      }
+      if (dtypes.emplace(t->keys[i], dt).second) {
+        shared.push_back({t->keys[i], std::move(shape), dtype.text});
+      }
+    }
+  }
+  NONSTOP_ASSIGN_OR_RETURN(dist::SharedLayout layout,
+                           dist::LayOutShared(shared, pieces, true, where, step));
+  DcpGather out;
+  std::map<std::string, uint64_t> base;
+  for (const dist::SharedLayout::Tensor& t : layout.tensors) {
+    base[t.name] = t.offset;
+    const auto s = std::find_if(shared.begin(), shared.end(),
+                                [&](const dist::SharedTensor& x) { return x.name == t.name; });
+    out.tensors.push_back({t.name, s->shape, dtypes[t.name]});
+  }
+  std::map<std::pair<int, size_t>, const std::string*> names;
+  for (const dist::Piece& p : pieces) names[{p.rank, p.handle}] = &p.name;
+  for (dist::PieceCopy c : layout.copies) {
+    c.offset -= base[*names[{c.rank, c.handle}]];
+    out.copies.push_back(c);
+  }
+  return out;
+}
 
 Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
                                         const std::vector<std::string>& shared_names,

@@ -8,10 +8,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "jobdir/records.h"
@@ -414,6 +417,140 @@ TEST(StateTreeTest, WellFormedTagsPassAnyOtherIsOneLineCorruptionNamingWhere) {
   EXPECT_EQ(why("[1"), pre + "the state tree: not valid JSON (expected ',' or ']' at byte 2)");
   std::string deep(300, '[');
   EXPECT_NE(why(deep + std::string(300, ']')).find("nested too deep"), std::string::npos);
+}
+
+// The fixed lists the tags are decoded from, as the Python front end takes them.
+TEST(StateTreeTest, NamesAreTheFixedListsTheCheckDecodesFrom) {
+  const std::vector<std::string> dtypes = StateTreeDtypes(), devices = StateTreeDevices();
+  EXPECT_EQ(dtypes.size(), 26u);
+  for (const char* d : {"float32", "bfloat16", "float8_e8m0fnu", "quint2x4"}) {
+    EXPECT_NE(std::find(dtypes.begin(), dtypes.end(), d), dtypes.end()) << d;
+    EXPECT_TRUE(CheckStateTree(std::string("{\"__dtype__\": \"") + d + "\"}", {}).ok()) << d;
+  }
+  EXPECT_EQ(devices, (std::vector<std::string>{"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia",
+                                               "privateuseone"}));
+}
+
+// CheckSavedState: restore()'s one check of the state tree, then each key's kind.
+TEST(StateTreeTest, SavedStateCheckedOnceThenEachKeyOfItsKind) {
+  const std::vector<std::string> names = {"m/w", "o/state/0/exp_avg"};
+  const std::string where = "checkpoint step 3 in /d";
+  using K = StateKind;
+  const std::vector<StateKey> keys = {{"model", "'model'", K::kStateDict},
+                                      {"optim", "'optim'", K::kOptimizer},
+                                      {"t", "'t'", K::kTensor},
+                                      {"n", "'n'", K::kAny},
+                                      {"absent", "'absent'", K::kOptimizer}};
+  const std::string good =
+      R"({"model": {"w": {"__tensor__": "m/w"}}, "t": {"__tensor__": "m/w"}, "n": 5,)"
+      R"( "optim": {"state": {"__dict__": [[0, {"exp_avg": {"__tensor__": "o/state/0/exp_avg"}}]]},)"
+      R"( "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"params": []}]}, "extra": {"__x__": 1}})";
+  auto got = CheckSavedState(where, good, keys, names);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  ASSERT_EQ(got->size(), 5u);
+  EXPECT_FALSE((*got)[0]);
+  EXPECT_EQ((*got)[1], (std::vector<int64_t>{2, 0}));
+  EXPECT_FALSE((*got)[2] || (*got)[3] || (*got)[4]);
+  // A "__dict__" form (a key that is no string) and a consolidated ZeRO state.
+  got = CheckSavedState(where,
+                        R"({"optim": {"__dict__": [[1, 2], ["state", {}], ["param_groups",)"
+                        R"( [{"__dict__": [["params", [7]]]}]]]}, "model": {"__dict__": []}})",
+                        keys, names);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_EQ((*got)[1], (std::vector<int64_t>{1}));
+  got = CheckSavedState(where, R"({"optim": {"nonstop_consolidated_zero": 1, "state": 3}})", keys,
+                        names);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_FALSE((*got)[1]);
+  got = CheckSavedState(where, R"({"optim": {"nonstop_consolidated_zero": null, "state": {},)"
+                        R"( "param_groups": []}})", keys, names);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  EXPECT_EQ((*got)[1], std::vector<int64_t>{});
+  auto why = [&](const std::string& json) {
+    Status s = CheckSavedState(where, json, keys, names).status();
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << json;
+    return s.message();
+  };
+  const std::string pre = where + ": ";
+  EXPECT_EQ(why("null"), pre + "its metadata holds no state tree");
+  EXPECT_EQ(why("[{}]"), pre + "its metadata holds no state tree");
+  EXPECT_EQ(why("{\"model\": "), pre + "malformed checkpoint metadata: the state tree: not valid "
+                                       "JSON (unexpected end at byte 10)");
+  // The tree first, every key's (the key named), before any key's kind.
+  EXPECT_EQ(why(R"({"model": 3, "n": {"a": [{"__tensor__": "nope"}]}})"),
+            pre + "malformed checkpoint metadata: state['n']['a'][0] refers to tensor 'nope', "
+                  "which the checkpoint does not hold");
+  EXPECT_EQ(why(R"({"t": {"__ndarray__": "m/w"}})"), pre + "state 't' is not a tensor");
+  EXPECT_EQ(why(R"({"t": [1]})"), pre + "state 't' is not a tensor");
+  for (const auto& [value, type] : std::vector<std::pair<std::string, std::string>>{
+           {"[1]", "list"}, {"3", "int"}, {"2.5", "float"}, {"null", "NoneType"},
+           {"\"s\"", "str"}, {"true", "bool"}, {R"({"__tensor__": "m/w"})", "Tensor"},
+           {R"({"__tuple__": []})", "tuple"}, {R"({"__float__": "000000000000f87f"})", "float"},
+           {R"({"__dtype__": "float32"})", "dtype"}}) {
+    EXPECT_EQ(why("{\"model\": " + value + "}"), pre + "state 'model' is a " + type +
+                                                      ", not a state dict");
+  }
+  for (const char* optim :
+       {R"({"state": {}})", R"({"param_groups": []})", R"({"state": [], "param_groups": []})",
+        R"({"state": {}, "param_groups": {"__tuple__": []}})",
+        R"({"state": {}, "param_groups": [{"lr": 1}]})",
+        R"({"state": {}, "param_groups": [[0]]})",
+        R"({"state": {}, "param_groups": [{"params": {"__tuple__": [0]}}]})"}) {
+    EXPECT_EQ(why(std::string("{\"optim\": ") + optim + "}"),
+              pre + "state 'optim' is not an optimizer state dict")
+        << optim;
+  }
+}
+
+// DcpGatherLayout: the DCP export's global tensors from the "dist" tables,
+// and where each rank's piece goes in its tensor.
+TEST(DcpGatherLayoutTest, SharedAndDTensorTablesByNameEachPieceIntoItsTensor) {
+  const std::string dist =
+      R"({"shared": {"b": [[2], "float32"]}, "dtensor": {"w": [[4, 2], "bfloat16", "S0"],)"
+      R"( "b": [[9], "int8", "R"]}, "zero": {}})";
+  const std::vector<dist::Piece> pieces = {{0, 0, "w", 0, 8}, {0, 1, "b", 0, 8},
+                                           {0, 2, "local", 0, 4}, {1, 0, "w", 4, 8}};
+  auto got = DcpGatherLayout(dist, pieces, "/d", 5);
+  ASSERT_TRUE(got.ok()) << got.status().message();
+  ASSERT_EQ(got->tensors.size(), 2u);
+  EXPECT_EQ(got->tensors[0].name, "b");  // "shared"'s, by name
+  EXPECT_EQ(got->tensors[0].shape, std::vector<int64_t>{2});
+  EXPECT_EQ(got->tensors[0].dtype, DType::kFloat32);
+  EXPECT_EQ(got->tensors[1].name, "w");
+  EXPECT_EQ(got->tensors[1].shape, (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(got->tensors[1].dtype, DType::kBFloat16);
+  ASSERT_EQ(got->copies.size(), 3u);  // "local" is no global tensor's
+  const std::vector<std::tuple<int, size_t, uint64_t, uint64_t>> want = {
+      {0, 0, 0, 8}, {0, 1, 0, 8}, {1, 0, 8, 8}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    const dist::PieceCopy& c = got->copies[i];
+    EXPECT_EQ(std::make_tuple(c.rank, c.handle, c.offset, c.nbytes), want[i]) << i;
+  }
+  EXPECT_TRUE(DcpGatherLayout("{}", pieces, "/d", 5)->tensors.empty());
+  auto why = [&](const std::string& json, const std::vector<dist::Piece>& p) {
+    Status s = DcpGatherLayout(json, p, "/d", 5).status();
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << json;
+    return s.message();
+  };
+  EXPECT_EQ(why("[]", pieces), "/d: the metadata's \"dist\" is not an object");
+  EXPECT_EQ(why(R"({"shared": [1]})", pieces), "/d: the metadata's \"shared\" table is not an object");
+  for (const char* e : {"[[2]]", "[2, \"float32\"]", "[[2.5], \"float32\"]", "{}"}) {
+    EXPECT_EQ(why(std::string(R"({"shared": {"b": )") + e + "}}", pieces),
+              "/d: the metadata of tensor 'b' in \"shared\" is not [shape, dtype]")
+        << e;
+  }
+  EXPECT_EQ(why(R"({"dtensor": {"w": [[4, 2], "float32"]}})", pieces),
+            "/d: the metadata of tensor 'w' in \"dtensor\" is not [shape, dtype, placement]");
+  for (const auto& [dtype, shown] : std::vector<std::pair<std::string, std::string>>{
+           {"\"Tensor\"", "'Tensor'"}, {"\"__class__\"", "'__class__'"}, {"7", "7"},
+           {"null", "null"}, {"\"qint8\"", "'qint8'"}, {"\"" + std::string(50, 'x') + "\"",
+                                                      "'" + std::string(40, 'x') + "'"}}) {
+    EXPECT_EQ(why(R"({"shared": {"b": [[2], )" + dtype + "]}}", pieces),
+              "/d: the metadata of tensor 'b' names dtype " + shown +
+                  ", which is not one nonstop writes");
+  }
+  // A gap LayOutShared finds: rank 1's rows missing.
+  EXPECT_NE(why(dist, {{0, 0, "w", 0, 8}, {0, 1, "b", 0, 8}}).find("w"), std::string::npos);
 }
 
 // DcpRename: a value under get_state_dict's names.

@@ -312,15 +312,20 @@ def test_dcp_gather_refuses_pieces_that_do_not_make_their_tensor(tmp_path):
         one_line(e.value)
 
 
-def test_dcp_gather_decodes_dtypes_from_the_fixed_list():
+def test_dcp_gather_decodes_dtypes_from_the_fixed_list(tmp_path):
     """Issue 24: _dcp built tensors with getattr(torch, name) from the
     checkpoint's metadata; a name outside the fixed list is a corrupt
-    checkpoint, never an attribute lookup in torch."""
-    import torch
-
+    checkpoint, never an attribute lookup in torch (C++ DcpGatherLayout
+    decodes it, before anything is allocated)."""
     from nonstop import _dcp
-    from nonstop.errors import CorruptCheckpointError
-    assert _dcp._meta_dtype("bfloat16", "w", "d") is torch.bfloat16
-    for bad in ("Tensor", "nn", "__class__", "save", 7, None):
-        with pytest.raises(CorruptCheckpointError, match="names dtype"):
-            _dcp._meta_dtype(bad, "w", "d")
+    for i, bad in enumerate(("Tensor", "nn", "__class__", "save", 7, None)):
+        d = str(tmp_path / f"ck{i}")
+
+        def hostile(meta):
+            meta.setdefault("dist", {})["shared"] = {"model/weight": [[4, 4], bad]}
+
+        write_good_then_hostile(d, hostile)
+        assert _dcp.gather(d, step=1)[0] == 1
+        with pytest.raises(CorruptCheckpointError, match="names dtype") as e:
+            _dcp.gather(d, step=2)
+        one_line(e.value)

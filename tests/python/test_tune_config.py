@@ -1,6 +1,6 @@
 """`nonstop tune` end to end (a small, quick run on a scratch directory: the
 JSON fields are sane and follow PCcheck's eq. 3) and the config file it
-writes (nonstop/_config.py)."""
+writes (nonstop/_options.py load_config)."""
 import json
 import math
 import os
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nonstop import _config
+from nonstop import _options
 from nonstop.errors import CheckpointMismatchError
 
 
@@ -67,7 +67,7 @@ def test_tune_json_is_sane_and_follows_equation_3(tmp_path):
     assert c["format"] == "nonstop.config/1"
     assert (c["every"], c["max_in_flight"], c["writers"], c["chunk_bytes"]) == (
         j["interval"], j["max_in_flight"], j["writers"], j["chunk_bytes"])
-    got = _config.load(str(cfg))
+    got = _options.load_config(str(cfg))
     assert got["every"] == j["interval"] and got["staging_bytes"] == j["staging_bytes"]
     assert not (tmp_path / "dir" / ".nonstop-tune").exists()
 
@@ -96,7 +96,7 @@ def test_config_reads_checkpointer_names(tmp_path):
     p.write_text(json.dumps({"format": "nonstop.config/1", "every": 7, "max_in_flight": 3,
                              "writers": 2, "chunk_bytes": 1 << 20, "medium": "buffered",
                              "tune": {"anything": 1}}))
-    assert _config.load(str(p)) == {"every": 7, "max_in_flight": 3, "writers": 2,
+    assert _options.load_config(str(p)) == {"every": 7, "max_in_flight": 3, "writers": 2,
                                     "chunk_bytes": 1 << 20, "medium": "buffered"}
 
 
@@ -104,17 +104,17 @@ def test_config_accepts_tune_json_output(tmp_path):
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"max_in_flight": 2, "writers": 4, "chunk_bytes": 4096, "chunks": 9,
                              "interval": 12, "tw_s": 0.3, "measured": {}, "inputs": {}}))
-    assert _config.load(str(p)) == {"max_in_flight": 2, "writers": 4, "chunk_bytes": 4096,
+    assert _options.load_config(str(p)) == {"max_in_flight": 2, "writers": 4, "chunk_bytes": 4096,
                                     "every": 12}
 
 
 def test_explicit_arguments_override_the_file(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"every": "auto", "max_in_flight": 3, "max_overhead": 0.05}))
-    s = _config.resolve(str(p), every=5, max_in_flight=None, medium=None)
+    s = _options.config_settings(str(p), every=5, max_in_flight=None, medium=None)
     assert s["every"] == 5 and s["max_in_flight"] == 3 and s["max_overhead"] == 0.05
     assert s["medium"] == "auto"  # the default
-    assert _config.resolve(None)["every"] == 10
+    assert _options.config_settings(None)["every"] == 10
 
 
 @pytest.mark.parametrize("doc,msg", [
@@ -130,17 +130,17 @@ def test_config_errors_are_one_line(tmp_path, doc, msg):
     p = tmp_path / "c.json"
     p.write_text(json.dumps(doc))
     with pytest.raises(CheckpointMismatchError, match=msg) as e:
-        _config.load(str(p))
+        _options.load_config(str(p))
     assert "\n" not in str(e.value) and str(p) in str(e.value)
 
 
 def test_config_missing_or_not_json(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="cannot read"):
-        _config.load(str(tmp_path / "nope.json"))
+        _options.load_config(str(tmp_path / "nope.json"))
     p = tmp_path / "bad.json"
     p.write_text("{")
     with pytest.raises(CheckpointMismatchError, match="not JSON"):
-        _config.load(str(p))
+        _options.load_config(str(p))
 
 
 def test_checkpointer_takes_the_config_and_explicit_arguments_win(spy_engine, tmp_path):

@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--strip", default=None)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     a = p.parse_args(argv)
-    return _dcp.cli_run(lambda: export(a.dir, a.output, a.step, include=a.include, strip=a.strip,
-                                  progress=a.progress))
+    return _dcp.cli_run(lambda: export(a.dir, a.output, a.step, include=a.include,
+                                       strip=a.strip, progress=a.progress))
 
 
 if __name__ == "__main__":

@@ -243,6 +243,26 @@ def test_a_dangling_tensor_reference_falls_back(tmp_path):
     same(after, good)
 
 
+@pytest.mark.parametrize("key, value, why", [
+    ("model", [1, 2], "state 'model' is a list, not a state dict"),
+    ("sched", {"__tuple__": []}, "state 'sched' is a tuple, not a state dict"),
+    ("optim", {"state": {}, "param_groups": [{"lr": 1}]}, "'optim' is not an optimizer state"),
+    ("optim", {"state": [], "param_groups": []}, "'optim' is not an optimizer state"),
+])
+def test_a_value_not_of_its_objects_kind_falls_back(tmp_path, key, value, why):
+    """C++ CheckSavedState: a value load_state_dict would fail on only halfway
+    through is a corrupt checkpoint, found before anything changes: asked
+    for, one line naming the key; the newest, restore falls back to the older."""
+    d = str(tmp_path / "ck")
+    good = write_good_then_hostile(d, lambda meta: meta["state"].update({key: value}))
+    with pytest.raises(CorruptCheckpointError, match=why) as e:
+        restore_into_fresh(d, step=2)
+    one_line(e.value)
+    got, after, _, _ = restore_into_fresh(d)
+    assert got == 1
+    same(after, good)
+
+
 def test_optimizer_that_does_not_fit_leaves_the_model_untouched(tmp_path):
     d = str(tmp_path / "ck")
     model, opt = make()

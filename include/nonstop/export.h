@@ -184,15 +184,16 @@ struct DcpValue {
 // The values of the DCP export of a job of states.size() ranks, in the order
 // of rank 0's state keys. `states`: each rank's "state" tree (JSON text;
 // Corruption when one does not parse or is no object); `shared`: the names
-// of the global tensors; `modules`: the keys that are a module's state_dict
-// (the metadata's "names"); `zero`: a ZeroRedundancyOptimizer's keys (more
-// than one rank only). In a multi-rank job a value referring to a tensor not
-// in `shared` is rank-local: a module's entries that do are each rank's
-// (the others one global value), any other value is each rank's whole.
+// of the global tensors; `names_json`: rank 0's metadata "names" (checked
+// first, CheckExportNames), whose "modules" are the keys that are a module's
+// state_dict; `dist_json`: rank 0's metadata "dist", whose "zero" (an
+// object) has a ZeroRedundancyOptimizer's keys (more than one rank only). In
+// a multi-rank job a value referring to a tensor not in `shared` is
+// rank-local: a module's entries that do are each rank's (the others one
+// global value), any other value is each rank's whole.
 Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
                                         const std::vector<std::string>& shared,
-                                        const std::vector<std::string>& modules,
-                                        const std::vector<std::string>& zero);
+                                        std::string_view names_json, std::string_view dist_json);
 
 struct ExportRequest {
   std::string dir;                   // the job directory

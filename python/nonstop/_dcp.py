@@ -83,15 +83,12 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
     """The state in get_state_dict's layout, {state key: value}; rank-local
     tensors under "rank-R" (docs/DISTRIBUTED.md, "Interop with DCP")."""
     names_json = _state.dumps(metas[0].get("names"))
-    # From the file: a crafted one is a one-line error, never a raw AttributeError.
-    _ext.core().check_export_names(names_json)
-    names = metas[0].get("names") or {}
-    zero = metas[0].get("dist", {}).get("zero", {}) if len(metas) > 1 else {}
     out: dict = {}
-    # Which values are global, which each rank's (C++ DcpLayout).
+    # Which values are global, which each rank's (C++ DcpLayout: by rank 0's
+    # "names", checked first, and its ZeRO optimizers' keys, "dist" "zero").
     for key, r, entries, is_zero in _ext.core().dcp_layout(
-            [_state.dumps(m.get("state", {})) for m in metas], sorted(shared),
-            list(names.get("modules", {})), list(zero) if isinstance(zero, dict) else []):
+            [_state.dumps(m.get("state", {})) for m in metas], sorted(shared), names_json,
+            _state.dumps(metas[0].get("dist", {}))):
         if is_zero:  # the consolidated state_dict, from every rank's shard
             held = {}
             try:

@@ -330,11 +330,11 @@ void InitRestore(py::module_& m) {
   m.def(
       "dcp_layout",
       [](const std::vector<std::string>& states, const std::vector<std::string>& shared,
-         const std::vector<std::string>& modules, const std::vector<std::string>& zero) {
+         std::string_view names_json, std::string_view dist_json) {
         std::optional<Result<std::vector<DcpValue>>> r;
         {
           py::gil_scoped_release release;
-          r.emplace(DcpLayout(states, shared, modules, zero));
+          r.emplace(DcpLayout(states, shared, names_json, dist_json));
         }
         py::list out;
         for (const DcpValue& v : Take(std::move(*r))) {
@@ -343,22 +343,10 @@ void InitRestore(py::module_& m) {
         }
         return out;
       },
-      py::arg("states"), py::arg("shared"), py::arg("modules"), py::arg("zero"),
+      py::arg("states"), py::arg("shared"), py::arg("names_json"), py::arg("dist_json"),
       "[(key, rank or -1 (global), None (whole) or [entries], zero)]: the values of a DCP "
-      "export, from each rank's state tree as JSON (export.h DcpLayout).");
-  m.def(
-      "check_export_names",
-      [](std::string_view names_json) {
-        Status s;
-        {
-          py::gil_scoped_release r;
-          s = CheckExportNames(names_json);
-        }
-        Check(s);
-      },
-      py::arg("names_json"),
-      "The metadata's \"names\" (JSON) before the DCP export renames by them; "
-      "CorruptCheckpointError, one line, when malformed (export.h CheckExportNames).");
+      "export, from each rank's state tree and rank 0's \"names\" and \"dist\" as JSON "
+      "(export.h DcpLayout; CorruptCheckpointError, one line, for malformed names).");
   m.def(
       "dcp_rename",
       [](const std::string& key, std::string_view tree_json, std::string_view names_json) {

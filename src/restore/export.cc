@@ -489,9 +489,20 @@ Result<DcpGather> DcpGatherLayout(std::string_view dist_json,
 
 Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
                                         const std::vector<std::string>& shared_names,
-                                        const std::vector<std::string>& modules,
-                                        const std::vector<std::string>& zero) {
+                                        std::string_view names_json, std::string_view dist_json) {
+  NONSTOP_RETURN_IF_ERROR(CheckExportNames(names_json));
   const jobdir_internal::JsonLimits limits = jobdir_internal::MetaJsonLimits(format::kMaxMetaBytes);
+  NONSTOP_ASSIGN_OR_RETURN(Json names, jobdir_internal::ParseJson(names_json, "names", limits));
+  NONSTOP_ASSIGN_OR_RETURN(Json dist, jobdir_internal::ParseJson(dist_json, "dist", limits));
+  const Json* modules = names.type == Json::Type::kObject ? names.Get("modules") : nullptr;
+  const Json* zero = dist.type == Json::Type::kObject ? dist.Get("zero") : nullptr;
+  const std::set<std::string> module_keys =
+      modules != nullptr ? std::set<std::string>(modules->keys.begin(), modules->keys.end())
+                         : std::set<std::string>();
+  const std::set<std::string> zero_keys =
+      zero != nullptr && zero->type == Json::Type::kObject
+          ? std::set<std::string>(zero->keys.begin(), zero->keys.end())
+          : std::set<std::string>();
   std::vector<Json> trees;
   for (size_t r = 0; r < states.size(); ++r) {
     const std::string what = "the state tree of rank " + std::to_string(r);
@@ -502,8 +513,6 @@ Result<std::vector<DcpValue>> DcpLayout(const std::vector<std::string>& states,
   if (trees.empty()) return std::vector<DcpValue>{};
   const int world = static_cast<int>(trees.size());
   const std::set<std::string> shared(shared_names.begin(), shared_names.end());
-  const std::set<std::string> module_keys(modules.begin(), modules.end());
-  const std::set<std::string> zero_keys(zero.begin(), zero.end());
   std::vector<DcpValue> out;
   const Json& first = trees[0];
   for (size_t k = 0; k < first.keys.size(); ++k) {

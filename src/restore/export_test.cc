@@ -619,21 +619,30 @@ TEST(DcpLayoutTest, GlobalValuesOnceRankLocalOnesPerRankAModuleSplitByEntry) {
       "{\"model\": {\"w\": {\"__tensor__\": \"model/w\"}, \"bn\": {\"__tensor__\": \"model/bn\"},"
       " \"extra\": 1}, \"opt\": {}, \"local\": [], \"zero\": {}, \"step\": 3}";
   const std::vector<std::string> shared = {"model/w", "opt/0"};
+  const std::string mods = "{\"modules\": {\"model\": \"module.\"}}";
+  const std::string zero = "{\"zero\": {\"zero\": {}}}";
   // model: "w" global, "bn" each rank's (rank 1 also its own "extra");
   // opt refers only to shared tensors; local is rank-local whole.
-  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, {"model"}, {"zero"})),
+  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, mods, zero)),
             "model@-1(w,) model@0(bn,) model@1(bn,extra,) opt@-1 local@0 local@1 zero@-1z "
             "step@-1 ");
   // Not a module: a value holding a rank-local tensor is each rank's whole.
-  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, {}, {})),
+  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, "null", "{\"zero\": [\"zero\"]}")),
             "model@0 model@1 opt@-1 local@0 local@1 zero@-1 step@-1 ");
   // One rank: everything global, ZeRO too (its one shard is the whole state).
-  EXPECT_EQ(show(DcpLayout({r0}, {}, {"model"}, {"zero"})),
+  EXPECT_EQ(show(DcpLayout({r0}, {}, mods, zero)),
             "model@-1 opt@-1 local@-1 zero@-1 step@-1 ");
-  EXPECT_EQ(show(DcpLayout({}, {}, {}, {})), "");
-  EXPECT_EQ(DcpLayout({"[1]"}, {}, {}, {}).status().message(),
+  EXPECT_EQ(show(DcpLayout({}, {}, "null", "{}")), "");
+  EXPECT_EQ(DcpLayout({"[1]"}, {}, "null", "{}").status().message(),
             "the state tree of rank 0 is not an object");
-  EXPECT_EQ(DcpLayout({"{}", "{"}, {}, {}, {}).status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(DcpLayout({"{}", "{"}, {}, "null", "{}").status().code(), StatusCode::kCorruption);
+  // The names checked first; a "dist" of another form holds no ZeRO keys.
+  EXPECT_EQ(DcpLayout({r0, r1}, shared, "{\"modules\": [1]}", "{}").status().message(),
+            "checkpoint metadata 'names' is malformed: 'modules' is not a map of names to "
+            "prefixes");
+  EXPECT_EQ(show(DcpLayout({r0, r1}, shared, "{}", "[1]")),
+            "model@0 model@1 opt@-1 local@0 local@1 zero@-1 step@-1 ");
+  EXPECT_EQ(DcpLayout({r0}, {}, "{}", "{").status().code(), StatusCode::kCorruption);
 }
 
 TEST(ExportNamesTest, GlobsOverTheNamesKeepThemStripAndNoneMatchingIsAnError) {

@@ -43,10 +43,9 @@ def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
 
 
 def zero_layout(obj) -> dict:
-    """What resharding a ZeroRedundancyOptimizer's saved shard needs: the
-    global index (in the order of ZeRO's own param_groups, as its consolidated
-    state_dict numbers them) of each parameter of this rank's local
-    optimizer, in the local state_dict's order, and the size of each group."""
+    """A ZeroRedundancyOptimizer's layout for resharding: the global index (as its
+    consolidated state_dict numbers them) of each parameter of this rank's local
+    optimizer, in the local state_dict's order; the size of each group."""
     index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
     return {"index": [index[id(p)] for g in obj.optim.param_groups for p in g["params"]],
             "groups": [len(g["params"]) for g in obj.param_groups]}
@@ -83,9 +82,7 @@ class Distributed:
         # thread owns self.group once training runs).
         self.metrics_group = (dist.new_group(backend="gloo", timeout=timeout)
                               if agree_metrics else None)
-        # Rank files of another world size are set aside for resharding; the
-        # ranks take turns, so each file is moved once on a shared file system.
-        set_aside(dir, world, rank, self.comm())
+        set_aside(dir, world, rank, self.comm())  # rank files of another world size
         # The lineage names one run of training from one restored (or fresh)
         # state: after a restore, checkpoints of the abandoned future (same
         # steps, other lineage) are never mixed with new ones.
@@ -100,8 +97,7 @@ class Distributed:
             self.agreed = None if jd is None else jd.read_agreed(rank)
         except CheckpointError:
             pass
-        # The rounds' decisions and progress (stats()), in C++.
-        self._rounds = _ext.core().AgreementRounds()
+        self._rounds = _ext.core().AgreementRounds()  # the rounds' decisions and stats()
         self.error: Optional[BaseException] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -118,11 +114,9 @@ class Distributed:
     # ------------------------------------------------------------- saving
 
     def shard(self, tensors: dict, stateful_keys: dict) -> tuple[dict, dict, dict]:
-        """This rank's share of `tensors` (name -> tensor; stateful_keys: state
-        key -> object): (tensors to register, name -> (global_shape,
-        global_offset), the meta["dist"] document). FSDP2 DTensors: their
-        Shard(0) local pieces are this rank's own, Replicate() ones' local
-        tensors are shared like the rest (_fsdp.take; meta["dist"]["dtensor"])."""
+        """This rank's share of `tensors` (stateful_keys: state key -> object):
+        (tensors to register, name -> (global_shape, global_offset), the
+        meta["dist"] document); FSDP2 DTensors: _fsdp.take."""
         tensors, pieces, piece_layouts, dtensors = _fsdp.take(tensors, self.rank, self.world)
         out, layouts, shared, cut = {}, {}, {}, []
         rank0, own = module_buffers(stateful_keys, self.local)
@@ -150,17 +144,14 @@ class Distributed:
         return out, layouts, doc
 
     def agree_metrics(self, metrics: Optional[dict]) -> Optional[dict]:
-        """Rank 0's metrics= (name -> float, or None) on every rank: JSON
-        over gloo, never pickle. Collective: every rank calls it for each
-        checkpoint it starts."""
+        """Rank 0's metrics= (name -> float, or None) on every rank; collective:
+        every rank calls it for each checkpoint it starts."""
         got = Comm(self.metrics_group, self.world).gather(metrics)[0]
         return got if isinstance(got, dict) else None
 
     def tidy_kept(self) -> list:
-        """max_to_keep/best with world_size > 1, before the engine opens: each
-        rank deletes its file of the kept steps not every rank holds (killed
-        between the ranks' deletions; C++ planned_steps.h TidyKeptTogether).
-        Collective; returns the steps deleted here."""
+        """Collective, before the engine opens: the kept steps not every rank holds
+        deleted (planned_steps.h TidyKeptTogether); returns the steps deleted here."""
         return _ext.core().dist_tidy_kept(self.dir, self.rank, self.world, self.comm().gather)
 
     def started(self, engine) -> None:
@@ -176,10 +167,7 @@ class Distributed:
     # ---------------------------------------------------------- agreement
 
     def _loop(self) -> None:
-        """The agreement's rounds: each rank's offer gathered, the deciding,
-        the engine's pins and aims and the counting in C++ (dist.h
-        AgreementRounds::Round; plan.h DecideAgreement), the same answer on
-        every rank from the same offers."""
+        """The agreement's rounds (C++: dist.h AgreementRounds::Round)."""
         try:
             while not self._rounds.round(self.engine, self._gather, self._record,
                                          self._stop.is_set(), self.agreed_step()):
@@ -190,13 +178,11 @@ class Distributed:
             self.error = e
 
     def _gather(self, mine: list) -> list:
-        """Every rank's offer (five int64s): an all_gather polled rather than
-        waited for inside torch: a daemon thread that returns from a call which
-        released the GIL (torch's Work.wait) after the interpreter began to
-        finalize is ended by it from within a destructor, and std::terminate
-        aborts the process ("terminate called without an active exception").
-        Polled, the thread waits in Python (a sleep it is ended in quietly),
-        and parks when the process exits (_at_exit)."""
+        """Every rank's offer (five int64s): an all_gather polled, not waited for
+        in torch: a daemon thread returning from a call that released the GIL
+        (Work.wait) once the interpreter finalizes is ended from a destructor,
+        and std::terminate aborts the process. Polled, it waits in Python (a
+        sleep it is ended in quietly), and parks at exit (_at_exit)."""
         got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
         work = torch.distributed.all_gather(got, torch.tensor(mine, dtype=torch.int64),
                                             group=self.group, async_op=True)
@@ -209,19 +195,17 @@ class Distributed:
         return [g.tolist() for g in got]
 
     def _park(self) -> None:
-        """Stops the thread for good at interpreter exit, inside the round:
-        it never returns, so the round's tensors (a collective gloo may still
-        hold) are never freed by gloo's thread, which would need the GIL of
-        a finalized interpreter."""
+        """Stops the thread for good at interpreter exit, inside the round: the
+        round's tensors (gloo may still hold them) are then never freed by
+        gloo's thread, which would need a finalized interpreter's GIL."""
         self._parked.set()
         threading.Event().wait()
 
     def _at_exit(self) -> None:
-        """atexit, for a rank never closed (an exception left the training
-        loop): before the interpreter finalizes, the agreement thread parks
-        (it leaves its collective unfinished; no last round, which would wait
-        for the other ranks) and touches neither the engine nor torch again.
-        Bounded: a round's calls into the engine are short."""
+        """atexit, for a rank never closed (an exception left the training loop):
+        the agreement thread parks before the interpreter finalizes (no last
+        round, which would wait for the other ranks). Bounded: a round's calls
+        into the engine are short."""
         thread = self._thread
         if thread is None:
             return
@@ -232,8 +216,7 @@ class Distributed:
                 break
 
     def _record(self, counter: int, step: int, resharded_from=None) -> None:
-        """This rank's agreed record, written durably by the engine's job
-        directory (C++; the engine holds the writer lock)."""
+        """This rank's agreed record, written durably by the engine (its writer lock)."""
         rec = {"step": step, "counter": counter, "lineage": self.lineage, "rank": self.rank,
                "world_size": self.world, "unix_s": time.time()}
         if resharded_from is not None:
@@ -283,10 +266,9 @@ class Distributed:
         return s
 
     def prefetch_peer(self) -> None:
-        """restore() without a step, before any collective read: where this
-        rank's own job directory lacks the newest replica a partner holds of
-        its checkpoint (a replaced host), fetches it, verified (_peer.py).
-        Not collective."""
+        """restore() without a step, not collective: the newest replica a partner
+        holds of this rank's checkpoint its own job directory lacks (a replaced
+        host), fetched and verified (_peer.py)."""
         if self.peers is None or not self.peers.replicas and not self.peers.held:
             return
         # An unreadable job directory holds none: the collective restore reports it.
@@ -299,11 +281,9 @@ class Distributed:
              stats: Optional[dict] = None, remote=None):
         """The checkpoint the ranks agree on, read (replicated tensors
         reassembled) and pinned, or None on a fresh start everywhere;
-        collective, before the first save() (docs/DISTRIBUTED.md "Recovery":
-        the rounds are C++'s, dist.h Recover; this reads what it is told to).
-        `stats` gets restored_from, memory_unused_because and restore_s;
-        `remote`: where a reshard from peers' memory finds an old rank on no
-        peer (_peer.py)."""
+        collective, before the first save() (docs/DISTRIBUTED.md "Recovery";
+        the rounds: dist.h Recover). `stats` gets restored_from,
+        memory_unused_because and restore_s; `remote`: _reshard's."""
         if self._thread is not None:
             raise CheckpointError("restore() after save() is not supported with world_size > 1; "
                                   "restore once, before training")
@@ -373,14 +353,12 @@ class Distributed:
         return loaded_cls(s, counter, full, meta, info, os.path.join(cur["where"], sel.where))
 
     def _reshard(self, step: Optional[int], loaded_cls, remote=None):
-        # Whether any rank's server or host held a checkpoint of another world
-        # size was gathered at construction, so every rank takes this branch
-        # or none.
+        """A set-aside checkpoint resharded, or None. From peers' memory when any
+        rank's host held one (gathered at construction, so every rank alike):
+        each old rank's file this host lacks fetched, verified, from another
+        host or from `remote` (_peer.py)."""
         peers = self.peers if self.peers is not None and self.peers.reshard_any else None
         if peers is not None:
-            # Reshard from memory: for each old rank's file this host lacks,
-            # a verified copy in this host's memory directory, fetched from
-            # another host's server or from the remote tier (_peer.py).
             peers.gather_old_shards(self.dir, remote)
         try:
             got = reshard(self.dir, self.rank, self.world, step, self.comm(), self.state or {},
@@ -423,16 +401,13 @@ class Distributed:
 
 
 # ------------------------------------------------------------- resharding
-# (docs/DISTRIBUTED.md "Recovery": set aside, pick the step, rebuild.) Every
-# old rank file must be visible to every new rank (a shared file system, or
-# the files copied to each node).
+# (docs/DISTRIBUTED.md "Restoring with another world size".)
 
 
 def set_aside(dir: str, world: int, rank: int = 0, comm: Optional["Comm"] = None) -> list:
-    """Moves the rank files a job of another world size wrote in `dir` to
-    `dir`/world-W/, with a warning, each rank in turn under its writer lock
-    (released before the engine takes it; C++ planned_steps.h SetAsideTogether);
-    returns the directories this rank moved files into. Collective over `comm`."""
+    """Collective over `comm`: the rank files of another world size in `dir`
+    moved to `dir`/world-W/, with a warning (planned_steps.h SetAsideTogether);
+    returns the directories this rank moved files into."""
     return _ext.core().dist_set_aside(dir, rank, world, (comm or Comm()).gather)
 
 
@@ -476,12 +451,10 @@ def _meta(sel, step: int) -> dict:
 
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm", state: dict,
             loaded_cls, into: Optional[str] = None, extra=(), missing: Optional[str] = None):
-    """Rank `rank`'s state (world size `world`) rebuilt from a set-aside
-    checkpoint of another world size in `dir`, as a `loaded_cls` (its path:
-    the rank's slot in `into`, else in the old files' directory), or None
-    when none is set aside (docs/DISTRIBUTED.md "Restoring with another
-    world size"; the rounds: C++ dist.h ReshardTogether; `missing`: the old
-    files no surviving peer held)."""
+    """Rank `rank`'s state rebuilt from a set-aside checkpoint of another world
+    size in `dir`, a `loaded_cls` (its path: the rank's slot in `into`, else in
+    the old files' directory), or None (the rounds: dist.h ReshardTogether;
+    `missing`: the old files no surviving peer held)."""
     got = []
 
     def pick(max_step: Optional[int]):
@@ -493,25 +466,19 @@ def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm", 
 
     def rebuild(p: dict, archive: str) -> None:
         # A CorruptCheckpointError or OSError is damage: every rank falls back.
-        old_world, s, sels = int(p["old_world"]), int(p["step"]), p["ranks"]
-        src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
-        tensors, meta = _rebuild(sels, [_meta(sel, s) for sel in sels], src, archive, old_world,
-                                 rank, world, s, state)
-        info = dict(sels[src].info)
-        info.pop("meta_json", None)
-        info["resharded_from"] = {"dir": archive, "world_size": old_world}
-        got.append(loaded_cls(s, int(info["counter"]), tensors, meta, info, os.path.join(
-            archive if into is None else into, _ext.core().JobDir.slot_name(rank))))
+        got.append(_rebuild(p, archive, rank, world, state, loaded_cls, into))
 
     key = _ext.core().dist_reshard(dir, world, comm.gather, pick, rebuild, missing)
     return None if key is None else got[-1]
 
 
-def _rebuild(readers, metas, src, archive, old_world, rank, world, step, state):
-    """(tensors, meta) of one step of the old files (`readers`: JobDir's
-    selections, each read like a Reader of one checkpoint), for new rank `rank`:
-    each old file read once (crcs verified), its pieces of the replicated
-    tensors straight into one buffer where C++ placed them (dist_lay_out_shared)."""
+def _rebuild(p: dict, archive: str, rank: int, world: int, state: dict, loaded_cls, into):
+    """New rank `rank`'s `loaded_cls` of the old files' step JobDir.select_reshard
+    picked (`p`): each old file read once, crcs verified, its replicated pieces
+    straight where C++ placed them (dist_lay_out_shared)."""
+    old_world, step, readers = int(p["old_world"]), int(p["step"]), p["ranks"]
+    src = rank % old_world  # whose per-rank state (RNG, own buffers, plain values) we take
+    metas = [_meta(sel, step) for sel in readers]
     core, doc = _ext.core(), metas[0].get("dist", {})
     zero_keys = set(doc.get("zero", {}))
     core.dist_check_reshardable(archive, old_world, world, list(doc.get("local", [])),
@@ -523,16 +490,19 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, step, state):
         [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
          for r, table in enumerate(specs) for i, sp in enumerate(table)], True, archive, step)
     flat = torch.empty(total, dtype=torch.uint8)
-    into = {(r, i): (flat.data_ptr() + off, n) for r, i, off, n in copies}
-    zero_parts, tensors = [], {}
-    for r, reader in enumerate(readers):
-        want = [None if sp["name"] in shared or not (
-            r == src or sp["name"].split("/", 1)[0] in zero_keys) else sp for sp in specs[r]]
-        got, dests = destinations(want, False, None)
-        reader.read_into(0, [into.get((r, i), d) for i, d in enumerate(dests)])
-        zero_parts.append({n: t for n, t in got.items() if n.split("/", 1)[0] in zero_keys})
-        if r == src:  # old rank `src`'s own tensors
-            tensors.update({n: t for n, t in got.items() if n not in zero_parts[-1]})
+    place = {(r, i): (flat.data_ptr() + off, n) for r, i, off, n in copies}
+    dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
+    own, dests = [], []  # per old rank: what it gives whole (old rank src's own tensors, ZeRO's)
+    for r, table in enumerate(specs):
+        got, d = destinations([None if sp["name"] in shared or sp["name"] in dt or not (
+            r == src or sp["name"].split("/", 1)[0] in zero_keys) else sp for sp in table],
+            False, None)
+        own.append(got)
+        dests.append([place.get((r, i), x) for i, x in enumerate(d)])
+    # One read of each old file, with the FSDP2 Shard(0) DTensors' rows for this rank.
+    pieces = _fsdp.reshard(readers, [0] * old_world, dt, rank, world, archive, step, dests)
+    zero_parts = [{n: t for n, t in g.items() if n.split("/", 1)[0] in zero_keys} for g in own]
+    tensors = {n: t for n, t in own[src].items() if n not in zero_parts[src]}
     for name, off, n in layout:  # every layout offset is aligned for any dtype
         shape, dtype = shared[name]
         tensors[name] = _fsdp.view(flat, off, n, dtype, shape)
@@ -540,10 +510,7 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, step, state):
     meta = dict(metas[src], state=dict(metas[src].get("state", {})))
     for zk in sorted(zero_keys):
         meta["state"][zk] = consolidate(zk, metas, zero_parts, tensors)
-    # FSDP2 Shard(0) DTensors: this rank's rows under the new world size.
-    dt = {n: v for n, v in doc.get("dtensor", {}).items() if v[2] != "R"}
-    if dt:
-        tensors.update(_fsdp.reshard(readers, [0] * old_world, dt, rank, world, archive, step))
+    tensors.update(pieces)
     # A module saved under DDP restored without it (one process), or back
     # (C++ state_tree.h RenameModuleKeys).
     saved_ddp = set(doc.get("ddp", []))
@@ -555,14 +522,15 @@ def _rebuild(readers, metas, src, archive, old_world, rank, world, step, state):
             meta["state"][k] = json.loads(tree)
             for _, old, new in renames:
                 tensors[new] = tensors.pop(old)
-    return tensors, meta
+    info = {k: v for k, v in readers[src].info.items() if k != "meta_json"}
+    info["resharded_from"] = {"dir": archive, "world_size": old_world}
+    return loaded_cls(step, int(info["counter"]), tensors, meta, info, os.path.join(
+        archive if into is None else into, core.JobDir.slot_name(rank)))
 
 
 def consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
-    """The consolidated state_dict (global parameter indices) of the
-    ZeroRedundancyOptimizer saved under `key`, from every old rank's shard
-    (C++ state_tree.h ConsolidateZero). Its tensors are added to `tensors`
-    under new names; returns its tree."""
+    """The consolidated state_dict tree of the ZeroRedundancyOptimizer under
+    `key` (state_tree.h ConsolidateZero); its tensors added to `tensors`."""
     tree, renames = _ext.core().dist_consolidate_zero(
         key, [_state.dumps(m["state"][key]) for m in metas],
         [_state.dumps(m["dist"]["zero"][key]) for m in metas], [list(p) for p in zero_parts])
@@ -572,9 +540,8 @@ def consolidate(key: str, metas: list, zero_parts: list, tensors: dict):
 
 
 def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: dict):
-    """Checkpointer.restore with world size 1 where set-aside checkpoints of
-    another world size exist: this process's own file when it holds a
-    (matching) committed checkpoint, else the newest set-aside one, resharded."""
+    """Checkpointer.restore with world size 1 beside set-aside checkpoints:
+    its own file's checkpoint (JobDir.single_source), else one resharded."""
     jd = _open_read(dir)
     source = "reshard" if jd is None else jd.single_source(step)  # C++ (planned_steps.h)
     if source == "own":

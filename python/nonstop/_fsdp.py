@@ -6,6 +6,7 @@ docs/DISTRIBUTED.md "FSDP2" describes.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 
@@ -46,11 +47,8 @@ def has_dtensors(tensors: dict) -> bool:
 
 
 def data_ptr(t) -> int:
-    """The address of a tensor's memory; for a DTensor, of its local shard
-    (DTensor.data_ptr() is 0)."""
-    if is_dtensor(t):
-        return t._local_tensor.data_ptr()
-    return t.data_ptr()
+    """The address of a tensor's memory (a DTensor's data_ptr() is 0: its local shard's)."""
+    return t._local_tensor.data_ptr() if is_dtensor(t) else t.data_ptr()
 
 
 def _placement(t, name: str, world: int) -> str:
@@ -64,12 +62,10 @@ def _placement(t, name: str, world: int) -> str:
 
 
 def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
-    """Splits the DTensors out of `tensors` (name -> tensor, in order).
-
-    Returns (tensors with each Replicate() DTensor replaced by its local,
-    full tensor: the caller shares those as replicated state; the Shard(0)
-    local shards to register, name -> view; their layouts, name ->
-    (global_shape, global_offset); the `meta["dist"]["dtensor"]` document)."""
+    """Splits the DTensors out of `tensors` (name -> tensor, in order): (the
+    rest, each Replicate() DTensor as its local, whole tensor, which the caller
+    shares as replicated state; the Shard(0) local shards, name -> view; their
+    (global_shape, global_offset); the meta["dist"]["dtensor"] document)."""
     rest, shards, layouts, doc = {}, {}, {}, {}
     for name, t in tensors.items():
         if not is_dtensor(t):
@@ -188,14 +184,13 @@ def restored(ckpt, loaded) -> None:
 
 
 def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, where: str,
-            step: int) -> dict:
+            step: int, preset: Optional[list] = None) -> dict:
     """This rank's pieces (name -> tensor shaped for the new world size) of
     the DTensors in `doc` (meta["dist"]["dtensor"]), from checkpoint
     indices[r] of old rank r's Reader readers[r], as C++ planned them
-    (dist_plan_dtensor_reshard; docs/DISTRIBUTED.md "FSDP2"). An old piece
-    lying whole in the flat buffer is read straight there, any other into a
-    buffer of its own and its overlap copied; each old file is read once,
-    and only when it holds some of those bytes."""
+    (dist_plan_dtensor_reshard; docs/DISTRIBUTED.md "FSDP2"). `preset`: per
+    old rank, the destinations of its other tensors (in the same read; every
+    file is then read, each chunk verified)."""
     specs = [reader.checkpoints[i]["tensors"] for reader, i in zip(readers, indices)]
     layout, total, copies = _ext.core().dist_plan_dtensor_reshard(
         [(name, shape, dtype, kind) for name, (shape, dtype, kind) in doc.items()],
@@ -203,7 +198,9 @@ def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, wher
          for r, table in enumerate(specs) for i, sp in enumerate(table)], rank, world, where, step)
     flat = torch.empty(total, dtype=torch.uint8)
     for r, (reader, idx) in enumerate(zip(readers, indices)):
-        dests, partial = [(0, 0)] * len(specs[r]), []
+        dests, partial = list(preset[r]) if preset else [(0, 0)] * len(specs[r]), []
+        # A piece lying whole in `flat` is read straight there, any other into a
+        # buffer of its own and its overlap copied; each file read once, if needed.
         for _, i, src, dst, n in (c for c in copies if c[0] == r):
             whole = src == 0 and n == int(specs[r][i]["nbytes"])
             buf = flat[dst:dst + n] if whole else torch.empty(int(specs[r][i]["nbytes"]),
@@ -211,7 +208,7 @@ def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, wher
             dests[i] = (buf.data_ptr(), buf.numel())
             if not whole:
                 partial.append((buf, src, dst, n))
-        if any(n for _, n in dests):
+        if preset or any(n for _, n in dests):
             reader.read_into(idx, dests)
         for buf, src, dst, n in partial:
             flat[dst:dst + n] = buf[src:src + n]

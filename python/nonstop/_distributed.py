@@ -150,8 +150,9 @@ class Distributed:
         return got if isinstance(got, dict) else None
 
     def tidy_kept(self) -> list:
-        """Collective, before the engine opens: the kept steps not every rank holds
-        deleted (planned_steps.h TidyKeptTogether); returns the steps deleted here."""
+        """Collective, before the engine opens: deletes the kept steps not every rank
+        holds (a kill between the ranks' deletions; planned_steps.h
+        TidyKeptTogether); returns those this rank deleted."""
         return _ext.core().dist_tidy_kept(self.dir, self.rank, self.world, self.comm().gather)
 
     def started(self, engine) -> None:
@@ -180,9 +181,9 @@ class Distributed:
     def _gather(self, mine: list) -> list:
         """Every rank's offer (five int64s): an all_gather polled, not waited for
         in torch: a daemon thread returning from a call that released the GIL
-        (Work.wait) once the interpreter finalizes is ended from a destructor,
-        and std::terminate aborts the process. Polled, it waits in Python (a
-        sleep it is ended in quietly), and parks at exit (_at_exit)."""
+        (Work.wait) once the interpreter finalizes is ended from a destructor:
+        std::terminate ("terminate called without an active exception"). Polled,
+        it waits in Python (a sleep it is ended in quietly), and parks at exit."""
         got = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
         work = torch.distributed.all_gather(got, torch.tensor(mine, dtype=torch.int64),
                                             group=self.group, async_op=True)
@@ -406,8 +407,10 @@ class Distributed:
 
 def set_aside(dir: str, world: int, rank: int = 0, comm: Optional["Comm"] = None) -> list:
     """Collective over `comm`: the rank files of another world size in `dir`
-    moved to `dir`/world-W/, with a warning (planned_steps.h SetAsideTogether);
-    returns the directories this rank moved files into."""
+    moved to `dir`/world-W/ with a warning, the ranks in turn (each file moved
+    once on a shared file system), each under its writer lock, released before
+    the engine takes it (planned_steps.h SetAsideTogether); returns the
+    directories this rank moved files into."""
     return _ext.core().dist_set_aside(dir, rank, world, (comm or Comm()).gather)
 
 

@@ -483,4 +483,28 @@ Result<DTensorReshard> PlanDTensorReshard(const std::vector<DTensorDoc>& doc,
                                           const std::vector<Piece>& pieces, int rank, int world,
                                           const std::string& where, int64_t step);
 
+// How rank `rank` of a job of world size `world` makes each saved DTensor
+// (`doc`) a DTensor again on the live state (_fsdp.restored). `live`: the
+// names whose live tensor is a DTensor (its mesh is used); `any_mesh`:
+// whether the live state has DTensor parameters at all; `meshes`: how many
+// distinct 1-D meshes over all `world` ranks they use, `same`: whether those
+// compare equal (then any of them serves a name without a live DTensor, an
+// optimizer's state before its first step). One process without
+// fully_shard (a resharded FSDP2 checkpoint in a plain model): `plain`, the
+// whole tensor. Refused with one line naming the tensor (InvalidArgument):
+// no usable mesh, meshes that differ, a Shard(0) of no dimension; an
+// unknown placement (Corruption).
+struct DTensorRestore {
+  std::string name;
+  bool plain = false;      // the whole tensor as it is, reshaped to `shape`
+  bool live = false;       // on the live tensor's mesh, else on the parameters' one mesh
+  bool shard = false;      // Shard(0), else Replicate()
+  std::vector<int64_t> shape;  // the global shape
+  std::vector<int64_t> local;  // this rank's piece's shape
+};
+Result<std::vector<DTensorRestore>> PlanDTensorRestore(const std::vector<DTensorDoc>& doc,
+                                                       int rank, int world,
+                                                       const std::vector<std::string>& live,
+                                                       bool any_mesh, int meshes, bool same);
+
 }  // namespace nonstop::dist

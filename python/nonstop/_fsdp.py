@@ -12,7 +12,7 @@ import torch
 
 from . import _ext, _objects
 from ._state import torch_dtype_by_name
-from .errors import CheckpointMismatchError, IncompatibleCheckpointError
+from .errors import IncompatibleCheckpointError
 
 
 def _dtype(name: str):
@@ -122,26 +122,6 @@ def _meshes(state: dict) -> list:
     return found
 
 
-def _mesh_for(name: str, current: dict, meshes: list, world: int) -> tuple:
-    """(mesh, device) for the DTensor `name`: the live tensor's of that name
-    (a module's parameter), else the one mesh of the live parameters (an
-    optimizer's state before its first step)."""
-    t = current.get(name)
-    if t is not None and is_dtensor(t):
-        return t.device_mesh, t._local_tensor.device
-    usable = [(m, d) for m, d in meshes if m.ndim == 1 and m.size() == world]
-    if usable and all(m == usable[0][0] for m, _ in usable):
-        return usable[0]
-    if not usable:
-        raise CheckpointMismatchError(
-            f"tensor {name!r} was saved as an FSDP2 DTensor, but the state to restore has no "
-            f"DTensor parameters on a 1-D mesh of {world} ranks: apply fully_shard before "
-            f"restore()")
-    raise CheckpointMismatchError(
-        f"tensor {name!r}: the state to restore has DTensors on {len(usable)} different "
-        f"meshes; nonstop cannot tell which one this tensor belongs to")
-
-
 def restored(ckpt, loaded) -> None:
     """Checkpointer.restore's hook: the DTensors an FSDP2 job saved
     (meta["dtensor"] with one process, else meta["dist"]["dtensor"]) become
@@ -156,28 +136,26 @@ def restored(ckpt, loaded) -> None:
     current: dict = {}  # the live state, flattened: each tensor's mesh
     _objects.flatten_state(ckpt.state, current)
     meshes = _meshes(ckpt.state)
-    for name, (shape, dtype, kind) in doc.items():
-        cur = current.get(name)
-        if world == 1 and not meshes and (cur is None or not is_dtensor(cur)):
-            # One process without fully_shard (a resharded FSDP checkpoint
-            # loaded into a plain model): the whole tensor, as is.
+    usable = [(m, d) for m, d in meshes if m.ndim == 1 and m.size() == world]
+    # Each one's mesh (the live tensor's, else the parameters' one) and piece,
+    # or why none serves: C++ (dist.h PlanDTensorRestore).
+    for name, plain, live, shard, shape, want in _ext.core().dist_plan_dtensor_restore(
+            [(n, s, d, k) for n, (s, d, k) in doc.items()], rank, world,
+            [n for n in doc if is_dtensor(current.get(n))], bool(meshes), len(usable),
+            all(m == usable[0][0] for m, _ in usable)):
+        if plain:  # one process, no fully_shard (a resharded job in a plain model): whole
             if name in tensors:
                 tensors[name] = tensors[name].reshape(shape)
             continue
-        mesh, device = _mesh_for(name, current, meshes, world)
-        if kind == "R":
-            local, placement = tensors[name], Replicate()
-        else:
-            _, want = _ext.core().dist_shard_piece(name, shape, rank, world)
-            local = tensors.get(name)
-            if local is None:
-                local = torch.empty(want, dtype=_dtype(dtype))
-            local = local.reshape(want)
-            placement = Shard(0)
-        local = local.to(device)
+        cur = current.get(name)
+        mesh, device = (cur.device_mesh, cur._local_tensor.device) if live else usable[0]
+        if shard and name not in tensors:  # an empty Shard(0) piece is not saved
+            tensors[name] = torch.empty(want, dtype=_dtype(doc[name][1]))
+        local = tensors[name].reshape(want).to(device)
         stride = torch.empty(shape, device="meta").stride()
-        tensors[name] = DTensor.from_local(local, mesh, [placement], run_check=False,
-                                           shape=torch.Size(shape), stride=stride)
+        tensors[name] = DTensor.from_local(local, mesh, [Shard(0) if shard else Replicate()],
+                                           run_check=False, shape=torch.Size(shape),
+                                           stride=stride)
 
 
 # -------------------------------------------------------------- resharding

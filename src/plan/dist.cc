@@ -706,6 +706,41 @@ Result<DTensorReshard> PlanDTensorReshard(const std::vector<DTensorDoc>& doc,
   return out;
 }
 
+Result<std::vector<DTensorRestore>> PlanDTensorRestore(const std::vector<DTensorDoc>& doc,
+                                                       int rank, int world,
+                                                       const std::vector<std::string>& live,
+                                                       bool any_mesh, int meshes, bool same) {
+  const std::set<std::string> on_live(live.begin(), live.end());
+  std::vector<DTensorRestore> out;
+  for (const DTensorDoc& d : doc) {
+    DTensorRestore r{d.name, false, on_live.count(d.name) > 0, d.placement == "S0", d.shape,
+                     d.shape};
+    if (!r.shard && d.placement != "R") {
+      return Status::Corruption("FSDP2 DTensor " + Printable(d.name) + ": unknown placement " +
+                                Printable(d.placement) + " (not S0 or R)");
+    }
+    r.plain = world == 1 && !any_mesh && !r.live;
+    if (!r.plain && !r.live && meshes == 0) {
+      return Status::InvalidArgument(
+          "tensor " + Printable(d.name) + " was saved as an FSDP2 DTensor, but the state to "
+          "restore has no DTensor parameters on a 1-D mesh of " + std::to_string(world) +
+          " ranks: apply fully_shard before restore()");
+    }
+    if (!r.plain && !r.live && !same) {
+      return Status::InvalidArgument("tensor " + Printable(d.name) + ": the state to restore "
+                                     "has DTensors on " + std::to_string(meshes) +
+                                     " different meshes; nonstop cannot tell which one this "
+                                     "tensor belongs to");
+    }
+    if (r.shard && !r.plain) {
+      NONSTOP_ASSIGN_OR_RETURN(ShardPiece p, ShardPieceOf(d.name, d.shape, rank, world));
+      r.local = p.shape;
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 namespace {
 
 std::vector<std::optional<std::string>> Column(const std::vector<Fields>& every, size_t i) {

@@ -512,6 +512,52 @@ TEST(DistTest, PlanDTensorReshardRefusesBadMetadataAndMissingPieces) {
   EXPECT_NE(odd.message().find("'a?b?c'"), std::string::npos);
 }
 
+// PlanDTensorRestore: rank 1 of 2 restores a Shard(0) [67, 32] tensor (its
+// rows 34..67) on its live parameter's mesh and a Replicate() one whole on
+// the parameters' one mesh (an optimizer's state before its first step).
+TEST(DistTest, PlanDTensorRestoreShapesEachPieceAndPicksItsMesh) {
+  const std::vector<DTensorDoc> doc = {{"w", {67, 32}, "float32", "S0"},
+                                       {"m", {3}, "float32", "R"}};
+  auto got = PlanDTensorRestore(doc, 1, 2, {"w"}, true, 1, true);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 2u);
+  const DTensorRestore& w = (*got)[0];
+  EXPECT_TRUE(w.live && w.shard && !w.plain);
+  EXPECT_EQ(w.shape, (std::vector<int64_t>{67, 32}));
+  EXPECT_EQ(w.local, (std::vector<int64_t>{33, 32}));
+  const DTensorRestore& m = (*got)[1];
+  EXPECT_TRUE(!m.live && !m.shard && !m.plain);
+  EXPECT_EQ(m.local, (std::vector<int64_t>{3}));
+  // One process without fully_shard: each tensor whole, as it is.
+  got = PlanDTensorRestore(doc, 0, 1, {}, false, 0, true);
+  ASSERT_TRUE(got.ok());
+  EXPECT_TRUE((*got)[0].plain && (*got)[1].plain);
+  EXPECT_EQ((*got)[0].local, (std::vector<int64_t>{67, 32}));
+  // One process with fully_shard: a mesh of one, every row its own.
+  got = PlanDTensorRestore(doc, 0, 1, {"w"}, true, 1, true);
+  ASSERT_TRUE(got.ok());
+  EXPECT_FALSE((*got)[0].plain);
+  EXPECT_EQ((*got)[0].local, (std::vector<int64_t>{67, 32}));
+}
+
+TEST(DistTest, PlanDTensorRestoreRefusesWhatHasNoMeshOrNoPlacement) {
+  const std::vector<DTensorDoc> doc = {{"m", {3}, "float32", "S0"}};
+  Status none = PlanDTensorRestore(doc, 0, 2, {}, true, 0, true).status();
+  EXPECT_EQ(none.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(none.message(),
+            "tensor 'm' was saved as an FSDP2 DTensor, but the state to restore has no DTensor "
+            "parameters on a 1-D mesh of 2 ranks: apply fully_shard before restore()");
+  Status two = PlanDTensorRestore(doc, 0, 2, {}, true, 2, false).status();
+  EXPECT_EQ(two.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(two.message(), "tensor 'm': the state to restore has DTensors on 2 different meshes; "
+                           "nonstop cannot tell which one this tensor belongs to");
+  EXPECT_TRUE(PlanDTensorRestore(doc, 0, 2, {"m"}, true, 2, false).ok());  // its own mesh
+  EXPECT_EQ(PlanDTensorRestore({{"s", {}, "float32", "S0"}}, 0, 2, {"s"}, true, 1, true)
+                .status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanDTensorRestore({{"x", {3}, "float32", "S1"}}, 0, 1, {}, false, 0, true)
+                .status().code(), StatusCode::kCorruption);
+}
+
 // One rank of a Recover test: its job directory and what its hooks do.
 struct FakeRank {
   RecoverRequest req;

@@ -245,6 +245,27 @@ void InitDist(py::module_& m) {
         "offset in elements, nbytes)]. Returns ([(name, dtype, local shape, offset, nbytes)], "
         "total bytes, [(old rank, handle, src, dst, nbytes)]): this rank's new pieces in one "
         "flat buffer and which old bytes fill them (dist.h PlanDTensorReshard).");
+  m.def("dist_plan_dtensor_restore",
+        [](const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string,
+                                        std::string>>& doc,
+           int rank, int world, const std::vector<std::string>& live, bool any_mesh, int meshes,
+           bool same) {
+          std::vector<dist::DTensorDoc> d;
+          for (const auto& [name, shape, dtype, placement] : doc) {
+            d.push_back({name, shape, dtype, placement});
+          }
+          py::list out;
+          for (const auto& r : Take(dist::PlanDTensorRestore(d, rank, world, live, any_mesh,
+                                                              meshes, same))) {
+            out.append(py::make_tuple(r.name, r.plain, r.live, r.shard, r.shape, r.local));
+          }
+          return out;
+        },
+        py::arg("doc"), py::arg("rank"), py::arg("world"), py::arg("live"), py::arg("any_mesh"),
+        py::arg("meshes"), py::arg("same"),
+        "doc: [(name, global shape, dtype, 'S0'|'R')]. Returns [(name, plain, on the live "
+        "tensor's mesh, Shard(0), global shape, local shape)] in doc's order (dist.h "
+        "PlanDTensorRestore).");
 
   m.def(
       "dist_recover",

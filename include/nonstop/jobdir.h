@@ -94,6 +94,11 @@ struct JobDirNames {
   static std::optional<int> ParseSlot(std::string_view name);
   static std::optional<int64_t> ParseKeepStep(std::string_view name);
   static std::optional<int> ParseWorld(std::string_view name);
+  // Whether `name` is one of a rank's files of the job's top directory: its
+  // slot file, the records above and the temp names each is written under
+  // ("rank-00003.nsck.tmp", "manifest-rank-00003.json.tmp"; a kill may
+  // leave one behind).
+  static bool IsRankFile(std::string_view name);
 };
 
 // Where a checkpoint lives, relative to the job directory.

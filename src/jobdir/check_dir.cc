@@ -43,16 +43,6 @@ Result<std::vector<std::string>> ListJobDir(Env* env, const std::string& path, b
   return names;
 }
 
-// NAME followed by five digits and SUF.
-bool Ranked(std::string_view n, std::string_view pre, std::string_view suf) {
-  if (n.size() != pre.size() + 5 + suf.size() || n.substr(0, pre.size()) != pre ||
-      n.substr(pre.size() + 5) != suf) {
-    return false;
-  }
-  return std::all_of(n.begin() + pre.size(), n.begin() + pre.size() + 5,
-                     [](char c) { return c >= '0' && c <= '9'; });
-}
-
 std::vector<int> SlotRanks(const std::vector<std::string>& names) {
   std::vector<int> ranks;
   for (const std::string& n : names) {
@@ -87,15 +77,14 @@ Result<bool> CheckJobDirectory(const std::string& path, int rank, std::optional<
   const std::vector<int> ranks = SlotRanks(*names);
   if (ranks.empty()) {
     // world-W/: rank files of another world size, set aside for resharding;
-    // rank-R.nsck.tmp: a slot file being created (a kill left it; the
-    // engine deletes it on open); remote/, peer/: the tiers' own.
+    // a rank's records and temp files ("rank-R.nsck.tmp": a slot file being
+    // created, "manifest-rank-R.json.tmp": a record being written; a kill
+    // may leave one, and set-aside leaves a temp name behind); keep/;
+    // remote/, peer/: the tiers' own.
     std::vector<std::string> others;
     for (const std::string& n : *names) {
-      const bool world = n.size() > 6 && n.rfind("world-", 0) == 0 &&
-                         std::all_of(n.begin() + 6, n.end(),
-                                     [](char c) { return c >= '0' && c <= '9'; });
-      if (n.empty() || n[0] == '.' || world || Ranked(n, "agreed-rank-", ".json") ||
-          Ranked(n, "rank-", ".nsck.tmp") || n == "remote" || n == "peer") {
+      if (n.empty() || n[0] == '.' || JobDirNames::IsRankFile(n) || JobDirNames::ParseWorld(n) ||
+          n == JobDirNames::KeepRoot() || n == "remote" || n == "peer") {
         continue;
       }
       others.push_back(n);

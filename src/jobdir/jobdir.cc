@@ -396,27 +396,12 @@ std::string JobDir::SlotPath(int rank) const { return impl_->Where(JobDirNames::
 Result<std::vector<std::string>> JobDir::ForeignEntries() {
   NONSTOP_ASSIGN_OR_RETURN(std::vector<DirEntry> entries, impl_->dir->List());
   std::vector<std::string> out;
-  auto ranked = [](std::string_view n, std::string_view pre, std::string_view suf) {
-    if (n.size() != pre.size() + 5 + suf.size() || n.substr(0, pre.size()) != pre ||
-        n.substr(pre.size() + 5) != suf) {
-      return false;
-    }
-    for (char c : n.substr(pre.size(), 5)) {
-      if (c < '0' || c > '9') return false;
-    }
-    return true;
-  };
   for (const DirEntry& e : entries) {
     const std::string& n = e.name;
     if (n.empty() || n[0] == '.') continue;
     const bool file = e.type == EntryType::kFile;
     const bool dir = e.type == EntryType::kDirectory;
-    if (file && (ranked(n, "rank-", ".nsck") || ranked(n, "rank-", ".nsck.tmp") ||
-                 ranked(n, "lineage-rank-", ".json") || ranked(n, "lineage-rank-", ".json.tmp") ||
-                 ranked(n, "agreed-rank-", ".json") || ranked(n, "agreed-rank-", ".json.tmp") ||
-                 ranked(n, "manifest-rank-", ".json") || ranked(n, "manifest-rank-", ".json.tmp"))) {
-      continue;
-    }
+    if (file && JobDirNames::IsRankFile(n)) continue;
     if (dir && (n == JobDirNames::KeepRoot() || JobDirNames::ParseWorld(n))) continue;
     out.push_back(n);
   }

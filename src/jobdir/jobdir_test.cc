@@ -496,12 +496,22 @@ TEST_F(JobDirTest, CheckDirectoryNamesWhatIsWrongInOneLine) {
   { std::ofstream(root_ / "agreed-rank-00001.json") << "{}"; }
   { std::ofstream(root_ / "rank-00000.nsck.tmp") << "x"; }
   { std::ofstream(root_ / ".hidden") << "x"; }
+  // A rank's records and the temp names they are written under (a kill or a
+  // set-aside may leave one beside no slot file), and keep/.
+  for (const char* n : {"manifest-rank-00000.json.tmp", "manifest-rank-00001.json",
+                        "lineage-rank-00002.json", "lineage-rank-00000.json.tmp",
+                        "agreed-rank-00003.json.tmp"}) {
+    std::ofstream(root_ / n) << "{}";
+  }
+  fs::create_directories(root_ / "keep");
   EXPECT_FALSE(CheckJobDirectory(d, 0, 1, false).value());
   EXPECT_EQ(why(CheckJobDirectory(d, 0, 1, true)),
             "no nonstop checkpoint in " + d + " (directory is empty)");
   EXPECT_EQ(RankFiles(d).status().message(), "no nonstop checkpoint in " + d);
   // Anything else: another program's directory, the first three named.
-  for (const char* n : {"e.txt", "a.txt", "world-x", "d.txt"}) std::ofstream(root_ / n) << "x";
+  for (const char* n : {"e.txt", "a.txt", "world-x", "d.txt", "manifest-rank-0001.json"}) {
+    std::ofstream(root_ / n) << "x";
+  }
   EXPECT_EQ(why(CheckJobDirectory(d, 0, 1, false)),
             d + " is not a nonstop checkpoint directory (it holds a.txt, d.txt, e.txt, ...); "
                 "use an empty or new directory");

@@ -54,6 +54,25 @@ std::optional<int> JobDirNames::ParseSlot(std::string_view name) {
   return r;
 }
 
+bool JobDirNames::IsRankFile(std::string_view name) {
+  auto ranked = [name](std::string_view pre, std::string_view suf) {
+    if (name.size() != pre.size() + 5 + suf.size() || name.substr(0, pre.size()) != pre ||
+        name.substr(pre.size() + 5) != suf) {
+      return false;
+    }
+    int r = 0;
+    return ParseDigits(name.substr(pre.size(), 5), &r);
+  };
+  for (std::string_view suf : {"", ".tmp"}) {
+    const std::string nsck = std::string(".nsck") += suf, json = std::string(".json") += suf;
+    if (ranked("rank-", nsck) || ranked("lineage-rank-", json) || ranked("agreed-rank-", json) ||
+        ranked("manifest-rank-", json)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 std::optional<int64_t> JobDirNames::ParseKeepStep(std::string_view name) {
   constexpr std::string_view kPre = "step-";
   if (name.size() < kPre.size() + 12 || name.substr(0, kPre.size()) != kPre) return std::nullopt;

@@ -306,10 +306,18 @@ struct RecoverOutcome {
   std::vector<std::string> warnings;  // in order, each a whole line ("nonstop: ...")
 };
 
+// Recover's first round, also the Hugging Face integration's agreement
+// (planned_steps.h AgreeOnStep): every rank's planned steps (RecoverRequest's
+// mine), gathered with this rank's `error` and `foreign`; one Corruption line
+// for all when any rank could not read its job directory (JoinErrors), then
+// CheckForeign.
+Result<std::vector<std::vector<int64_t>>> GatherPlannedSteps(
+    const Gather& gather, const std::string& dir, const std::optional<std::string>& error,
+    bool foreign, const std::vector<int64_t>& mine);
+
 // The recovery of a distributed restore, one rank's part, alike on every
 // rank (docs/DISTRIBUTED.md "Recovery"): gather what each rank's job
-// directory holds (one error line for all when any rank cannot read it;
-// CheckForeign; then hooks.check); no common step: hooks.reshard, else
+// directory holds (GatherPlannedSteps; then hooks.check); no common step: hooks.reshard, else
 // NoCommonStep. Then the common steps in rank 0's order: each rank opens
 // and reads step S (the newest, with no step asked: from the memory tier
 // when every rank's segment holds it and reads cleanly, DecideMemory, twice:

@@ -82,7 +82,7 @@ Result<std::vector<std::pair<std::string, size_t>>> ExportNames(
     const std::string& include_text, const std::string& strip, const std::string& what);
 
 // The "names" of a checkpoint's metadata (the Python front end's parameter
-// names, python/nonstop/_fqn.py), as JSON text, checked before the DCP export
+// names, python/nonstop/_unwrap.py), as JSON text, checked before the DCP export
 // renames by them (it comes from the file): null, or an object whose
 // "modules" (when present) maps names to prefix strings and whose
 // "optimizers" (when present) maps names to {"module": str, "params": [str]}.

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from . import _ext, _fqn, _fsdp, _objects, _rng, _state, _unwrap
+from . import _ext, _fsdp, _objects, _rng, _state, _unwrap
 from ._read import FORMAT
 from .errors import CheckpointError, CheckpointMismatchError
 
@@ -68,7 +68,7 @@ class Session:
             metrics = self.dist.agree_metrics(metrics)
         if metrics:
             meta["metrics"] = metrics
-        names = _fqn.describe(self.state)  # get_state_dict's names, for export (_fqn.py)
+        names = _unwrap.describe(self.state)  # get_state_dict's names, for export (_unwrap.py)
         if names:
             meta["names"] = names
         return meta

@@ -8,7 +8,9 @@ and registers the wrapped object; the wrapper keeps delegating to it, so
 state_dict() and load_state_dict() are the same either way.
 
 Module wrappers are not unwrapped for naming: a DDP model in `state` is
-saved under its own state_dict() names ("module.x"), as before.
+saved under its own state_dict() names ("module.x"), as before; describe()
+records the names get_state_dict gives them (docs/DISTRIBUTED.md "Interop
+with DCP"), so that an export needs no model.
 """
 from __future__ import annotations
 
@@ -59,3 +61,34 @@ def module(obj):
             continue
         break
     return obj
+
+
+def describe(state: dict) -> dict:
+    """The names torch.distributed.checkpoint.state_dict.get_state_dict gives
+    `state` (each module's wrapper prefix, each optimizer parameter's FQN),
+    recorded as the metadata's "names": {"modules": ..., "optimizers": ...};
+    {} when it holds no module."""
+    modules: dict = {}
+    names: dict = {}  # state key -> {id(param): FQN}
+    for key, obj in state.items():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        inner = module(obj)
+        modules[key] = "" if inner is obj else next(
+            (n + "." for n, m in obj.named_modules() if m is inner), "")
+        names[key] = {}
+        for n, p in inner.named_parameters():  # first name of a tied weight
+            names[key].setdefault(id(p), n)
+    if not modules:
+        return {}
+    optimizers: dict = {}
+    for key, obj in state.items():
+        opt = optimizer(obj)
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for mkey, by_id in names.items():
+            if params and all(id(p) in by_id for p in params):
+                optimizers[key] = {"module": mkey, "params": [by_id[id(p)] for p in params]}
+                break
+    return {"modules": modules, "optimizers": optimizers}

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from . import (_checkpointer, _dcp, _distributed, _ext, _manage, _options, _rng, _state,
                _unwrap)
-from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 __all__ = ["NonstopCallback", "resume_from"]
 
@@ -264,34 +264,20 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
         sub, rng_name = "", "rng_state.pth"
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", sub, f"checkpoint-{ts['global_step']}")
-    _write_folder(folder, _trainer_files(ts, weights, rng, rng_name))
+    _write_folder(folder, ts, weights, rng, rng_name)
     callback._to_load = s  # on_train_begin restores it in place (optimizer, scheduler)
     callback._resume_folder = os.path.abspath(folder)
     return folder
 
 
 def _agreed(d: str, step: Optional[int], rank: int, world: int):
-    """The step to resume from in `d` (the planner's order of rank 0, of the
-    steps every rank committed, as restore() does; collective when world >
-    1), with its TrainerState dict and metadata: (step, trainer_state,
-    meta), or None on a fresh start (no checkpoint on any rank)."""
-    err, mine = None, []
-    try:
-        if _checkpointer.check_directory(d, rank, world if world > 1 else None,
-                                        must_exist=False):
-            mine = _ext.core().JobDir.open_for_read(d).planned_steps(rank, step)
-    except CheckpointError as e:
-        err = f"rank {rank}: {e}"
-    every = _comm(world).gather([err, mine])  # JSON over tensors, never pickle
-    errors = [e for e, _ in every if e is not None]
-    if errors:
-        raise CheckpointMismatchError("; ".join(errors))
-    steps = [m for _, m in every]
-    order = _ext.core().dist_common_steps(steps)
-    if not order:  # NotFound naming this rank's steps, unless a fresh start on every rank
-        _ext.core().dist_no_common_step(d, rank, step, steps)
+    """The step to resume from in `d` (C++ AgreeOnStep: the first step every
+    rank committed, in the planner's order of rank 0, as restore() picks it;
+    collective when world > 1), with its TrainerState dict and metadata:
+    (step, trainer_state, meta), or None on a fresh start on every rank."""
+    s = _ext.core().dist_agree_on_step(d, rank, world, step, _comm(world).gather)
+    if s is None:
         return None
-    s = order[0]
     sel = _ext.core().JobDir.open_for_read(d).select(
         rank, step=s, verify_data=False, include_keep=step is not None)
     meta = _state.loads(sel.info["meta_json"])
@@ -327,10 +313,9 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
         return None
     rng = meta.get("rng")
     if rank == 0:  # under torchrun each rank adds its rng_state_R.pth
-        _write_folder(folder, [(_AUTO_MARK, json.dumps({"dir": os.path.abspath(callback.dir),
-                                                        "step": step}).encode())]
-                      + _trainer_files(ts, _unwrap.module(model).state_dict(),
-                                       rng if world == 1 else None, "rng_state.pth"))
+        mark = json.dumps({"dir": os.path.abspath(callback.dir), "step": step}).encode()
+        _write_folder(folder, ts, _unwrap.module(model).state_dict(),
+                      rng if world == 1 else None, "rng_state.pth", ((_AUTO_MARK, mark),))
     if world > 1:
         torch.distributed.barrier()  # the folder exists
         if rng is not None:
@@ -353,23 +338,20 @@ def _remove(folder: str, name: Optional[str] = None) -> None:
         pass
 
 
-def _trainer_files(ts: dict, weights: dict, rng: Optional[dict], rng_name: str) -> list:
-    """[(name, bytes)] of a Trainer checkpoint folder: trainer_state.json,
-    model.safetensors (each tensor its own copy: tied weights come back as
-    one tensor under two names, and the Trainer loads with strict=False)
-    and, with `rng`, the RNG states as `rng_name` (see _rng_file)."""
-    files = [("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
+def _write_folder(folder: str, ts: dict, weights: dict, rng: Optional[dict], rng_name: str,
+                  extra: tuple = ()) -> None:
+    """Writes the Trainer checkpoint `folder` (replacing it) through the Env
+    seam, never following a link (docs/HF.md "How resuming works"): `extra`
+    [(name, bytes)], trainer_state.json, model.safetensors (each tensor its
+    own copy: tied weights come back as one tensor under two names, and the
+    Trainer loads with strict=False) and, with `rng`, the RNG states as
+    `rng_name` (see _rng_file)."""
+    files = [*extra, ("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
              ("model.safetensors", safetensors_bytes(
                  {k: v.detach().contiguous().clone() for k, v in weights.items()
                   if isinstance(v, torch.Tensor)}))]
     if rng is not None:
         files.append((rng_name, _rng_file(rng)))
-    return files
-
-
-def _write_folder(folder: str, files: list) -> None:
-    """Writes `folder` (replacing it) with [(name, bytes)] through the Env
-    seam, never following a link (docs/HF.md "How resuming works")."""
     folder = os.path.abspath(folder)
     _ext.core().Directory(os.path.dirname(folder), create=True).write_folder(
         os.path.basename(folder), files)

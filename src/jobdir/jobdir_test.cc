@@ -403,6 +403,56 @@ TEST_F(JobDirTest, SetAsideTogetherMovesOnceInTurns) {
   }
 }
 
+// AgreeOnStep (hf.py's resume under torchrun) on two ranks: no directory is
+// a fresh start; the newest step both ranks committed; a step one rank lacks
+// is NotFound; a rank's unreadable directory or another world's rank files
+// are every rank's one line; world 1 ignores the world size.
+TEST_F(JobDirTest, AgreeOnStepTakesTheNewestStepEveryRankCommitted) {
+  using Got = Result<std::optional<int64_t>>;
+  auto run = [&](const std::vector<std::string>& dirs, std::optional<int64_t> step) {
+    std::vector<Got> got(dirs.size(), Status::Internal("not run"));
+    const int world = static_cast<int>(dirs.size());
+    dist::RankThreads(world).Run([&](int r, const dist::Gather& g) {
+      got[r] = AgreeOnStep(dirs[r], r, world, step, g);
+    });
+    return got;
+  };
+  for (const Got& g : run({Dir(), Dir()}, std::nullopt)) {
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    EXPECT_FALSE(g.value().has_value());
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    auto w = JobDir::OpenForWrite(Dir(), rank, 2).value();
+    auto f = NewSlotFile(*w, 2);
+    Commit(*f, 1, 5);
+    if (rank == 0) Commit(*f, 2, 7);  // rank 1 was killed before committing step 7
+  }
+  for (const Got& g : run({Dir(), Dir()}, std::nullopt)) {
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    EXPECT_EQ(g.value(), std::optional<int64_t>(5));
+  }
+  std::vector<Got> got = run({Dir(), Dir()}, 7);
+  for (const Got& g : got) EXPECT_EQ(g.status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(got[0].status().message(), "no checkpoint at step 7 committed on every rank of " +
+                                           Dir() + " (rank 0 holds steps [7])");
+  const std::string file = (root_ / "rank-00000.nsck").string();
+  for (const Got& g : run({Dir(), file}, std::nullopt)) {
+    EXPECT_EQ(g.status().code(), StatusCode::kCorruption);
+    EXPECT_EQ(g.status().message(), file + " is a file, not a checkpoint directory");
+  }
+  // One process reads rank 0's file of the two-rank job (its world unchecked).
+  got = run({Dir()}, std::nullopt);
+  ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+  EXPECT_EQ(got[0].value(), std::optional<int64_t>(7));
+  // Three ranks: the two-rank job's files were not set aside.
+  got = run({Dir(), Dir(), Dir()}, std::nullopt);
+  for (const Got& g : got) {
+    EXPECT_EQ(g.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(g.status().message().find("another world size"), std::string::npos)
+        << g.status().message();
+  }
+}
+
 TEST_F(JobDirTest, SetAsideKeepsAnOlderSetAsideAsPrev) {
   for (int round = 0; round < 2; ++round) {
     {

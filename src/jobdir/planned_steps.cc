@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "jobdir/check_dir.h"
 #include "nonstop/plan.h"
 
 namespace nonstop {
@@ -113,6 +114,27 @@ LocalSteps ListLocalSteps(const std::string& dir, int rank, int world,
   }
   if (!s.ok()) out.error = s.message().empty() ? s.ToString() : s.message();
   return out;
+}
+
+Result<std::optional<int64_t>> AgreeOnStep(const std::string& dir, int rank, int world,
+                                           std::optional<int64_t> step,
+                                           const dist::Gather& gather, Env* env) {
+  // A directory of another program, a file or a larger world's: that line.
+  const Result<bool> ours = CheckJobDirectory(
+      dir, rank, world > 1 ? std::optional<int>(world) : std::nullopt, false, env);
+  LocalSteps mine;
+  if (!ours.ok()) {
+    mine.error = ours.status().message();
+  } else if (ours.value()) {
+    mine = ListLocalSteps(dir, rank, world, step, env);
+  }
+  NONSTOP_ASSIGN_OR_RETURN(
+      std::vector<std::vector<int64_t>> every,
+      dist::GatherPlannedSteps(gather, dir, mine.error, mine.foreign && world > 1, mine.steps));
+  const std::vector<int64_t> order = dist::CommonSteps(every);
+  if (!order.empty()) return std::optional<int64_t>(order.front());
+  NONSTOP_RETURN_IF_ERROR(dist::NoCommonStep(dir, rank, step, every));
+  return std::optional<int64_t>();
 }
 
 Result<std::vector<int64_t>> TidyKeptTogether(const std::string& dir, int rank, int world,

@@ -62,6 +62,19 @@ LocalSteps ListLocalSteps(const std::string& dir, int rank, int world,
 
 // Collective, over dist.h's Gather:
 
+// The step a Hugging Face Trainer resumes from (hf.py resume_from under
+// torchrun, resume_from_checkpoint=True): each rank's CheckJobDirectory
+// (check_dir.h; its world size only when `world` > 1) and ListLocalSteps
+// gathered (dist.h GatherPlannedSteps: any rank's error is every rank's
+// line; rank files of another world size count only when `world` > 1),
+// then the first step every rank holds in rank 0's order (dist.h
+// CommonSteps), as a distributed restore picks it; nullopt on a fresh start
+// (no rank holds a step and none was asked for), else NoCommonStep's
+// NotFound. `env` null: DefaultEnv().
+Result<std::optional<int64_t>> AgreeOnStep(const std::string& dir, int rank, int world,
+                                           std::optional<int64_t> step,
+                                           const dist::Gather& gather, Env* env = nullptr);
+
 // TidyKeptShares on every rank together (Distributed.tidy_kept), before the
 // engine opens: each rank's kept steps (its writer's open first redoes its
 // interrupted copies; no directory: none) gathered, each rank deletes its

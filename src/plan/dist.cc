@@ -753,6 +753,26 @@ bool Aborted(const Status& s) { return s.code() == StatusCode::kAborted; }
 
 }  // namespace
 
+Result<std::vector<std::vector<int64_t>>> GatherPlannedSteps(
+    const Gather& gather, const std::string& dir, const std::optional<std::string>& error,
+    bool foreign, const std::vector<int64_t>& mine) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<Fields> first,
+                           GatherFields(gather, {error, foreign ? "1" : "0", StepsText(mine)}));
+  std::vector<std::optional<RankError>> errors;
+  std::vector<bool> foreigns;
+  std::vector<std::vector<int64_t>> every;
+  for (const Fields& f : first) {
+    errors.push_back(f[0] ? std::optional<RankError>(RankError{StatusCode::kCorruption, *f[0]})
+                          : std::nullopt);
+    foreigns.push_back(f[1] == "1");
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<int64_t> steps, StepsOf(f[2].value_or("")));
+    every.push_back(std::move(steps));
+  }
+  NONSTOP_RETURN_IF_ERROR(JoinErrors(errors));
+  NONSTOP_RETURN_IF_ERROR(CheckForeign(dir, static_cast<int>(first.size()), foreigns));
+  return every;
+}
+
 Status Recover(const RecoverRequest& req, const RecoverHooks& hooks, RecoverOutcome* result) {
   RecoverOutcome& out = *result;
   out = RecoverOutcome{};
@@ -768,21 +788,8 @@ Status Recover(const RecoverRequest& req, const RecoverHooks& hooks, RecoverOutc
     mine.insert(std::find_if(mine.begin(), mine.end(), [&](int64_t m) { return m < *peer; }),
                 *peer);
   }
-  NONSTOP_ASSIGN_OR_RETURN(
-      std::vector<Fields> first,
-      GatherFields(hooks.gather, {req.error, req.foreign ? "1" : "0", StepsText(mine)}));
-  std::vector<std::optional<RankError>> errors;
-  std::vector<bool> foreign;
-  std::vector<std::vector<int64_t>> every;
-  for (const Fields& f : first) {
-    errors.push_back(f[0] ? std::optional<RankError>(RankError{StatusCode::kCorruption, *f[0]})
-                          : std::nullopt);
-    foreign.push_back(f[1] == "1");
-    NONSTOP_ASSIGN_OR_RETURN(std::vector<int64_t> steps, StepsOf(f[2].value_or("")));
-    every.push_back(std::move(steps));
-  }
-  NONSTOP_RETURN_IF_ERROR(JoinErrors(errors));
-  NONSTOP_RETURN_IF_ERROR(CheckForeign(req.dir, static_cast<int>(first.size()), foreign));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<std::vector<int64_t>> every,
+                           GatherPlannedSteps(hooks.gather, req.dir, req.error, req.foreign, mine));
   if (hooks.check) NONSTOP_RETURN_IF_ERROR(hooks.check());
   const std::vector<int64_t> order = CommonSteps(every);
   if (order.empty()) {

@@ -1,9 +1,9 @@
 // nonstop._core's distributed decisions (include/nonstop/dist.h) for
-// _distributed.py: every answer and every error line comes from C++. The
-// pure ones are quick (no I/O) and keep the GIL; the drivers of the rounds
-// (dist_recover, dist_reshard, dist_set_aside, dist_tidy_kept) run with the
-// GIL released and call back into Python, taking it, for each gather (the
-// Comm's, over the gloo group) and each read.
+// _distributed.py (and hf.py): every answer and every error line comes from
+// C++. The pure ones are quick (no I/O) and keep the GIL; the drivers of the
+// rounds (dist_recover, dist_reshard, dist_set_aside, dist_tidy_kept,
+// dist_agree_on_step) run with the GIL released and call back into Python,
+// taking it, for each gather (the Comm's, over the gloo group) and each read.
 #include <pybind11/stl.h>
 
 #include <chrono>
@@ -378,6 +378,20 @@ void InitDist(py::module_& m) {
   }, py::arg("dir"), py::arg("rank"), py::arg("world"), py::arg("step") = py::none(),
         "(error line or None, planned steps, foreign rank files) of this rank's job directory "
         "(planned_steps.h ListLocalSteps): what it brings to dist_recover.");
+  m.def("dist_agree_on_step", [](const std::string& dir, int rank, int world,
+                                 std::optional<int64_t> step, py::object gather) {
+    Hooks hk;
+    const dist::Gather g = hk.Gather(gather);
+    Result<std::optional<int64_t>> got = Status::Internal("not run");
+    {
+      py::gil_scoped_release r;
+      got = AgreeOnStep(dir, rank, world, step, g);
+    }
+    hk.Finish(got.status(), {}, 1);
+    return got.value();
+  }, py::arg("dir"), py::arg("rank"), py::arg("world"), py::arg("step"), py::arg("gather"),
+        "The step a Trainer resumes from, collective (planned_steps.h AgreeOnStep): the first "
+        "step every rank committed, or None on a fresh start.");
   m.def("dist_tidy_kept", [](const std::string& dir, int rank, int world, py::object gather) {
     Hooks hk;
     const dist::Gather g = hk.Gather(gather);

@@ -24,19 +24,15 @@ def samplers(loader, depth: int = 0):
             yield from samplers(s, depth + 1)
 
 
-def _is_loader(obj) -> bool:
-    base = getattr(obj, "base_dataloader", obj)  # Accelerate's DataLoaderShard
-    return (isinstance(base, torch.utils.data.DataLoader)
-            and callable(getattr(obj, "state_dict", None))
+def _stateful(obj) -> bool:
+    return (callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
 
 
 def _positional_only(sampler) -> bool:
     """A random sampler whose state a loader can keep only as a position."""
-    if not isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)):
-        return False
-    return not (callable(getattr(sampler, "state_dict", None))
-                and callable(getattr(sampler, "load_state_dict", None)))
+    return (isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler))
+            and not _stateful(sampler))
 
 
 def check_loader(loader, where: str) -> None:
@@ -48,14 +44,15 @@ def check_loader(loader, where: str) -> None:
     wrap = next((s for s in found if type(s).__name__ == "DistributedSamplerWrapper"), None)
     inner = getattr(getattr(wrap, "dataset", None), "_sampler", None)
     wrapped = None if wrap is None or isinstance(inner, SequentialSampler) else type(inner).__name__
-    stateful = _is_loader(loader)
+    base = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderShard
+    stateful = isinstance(base, torch.utils.data.DataLoader) and _stateful(loader)
     if not stateful and wrapped is None:
         return
     gen = getattr(loader, "generator", None)
     facts = [(f"{type(s).__module__}.{type(s).__name__}", _positional_only(s),
               gen is not None and getattr(s, "generator", None) is gen) for s in found]
-    _ext.core().check_loader_order(where, type(getattr(loader, "base_dataloader", loader)).__name__,
-                                   stateful, facts, gen is not None, wrapped)
+    _ext.core().check_loader_order(where, type(base).__name__, stateful, facts, gen is not None,
+                                   wrapped)
 
 
 def check_state(state: dict) -> None:

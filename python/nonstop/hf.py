@@ -1,10 +1,7 @@
-"""nonstop for the Hugging Face Trainer (docs/HF.md): `NonstopCallback`
-checkpoints every few optimizer steps without stalling, and
-`trainer.train(resume_from_checkpoint=resume_from(cb))` (or `=True`) resumes
-exactly: nonstop's checkpoint becomes the Trainer checkpoint folder it
-expects (trainer_state.json, model.safetensors, rng_state*.pth), so the
-Trainer positions the data and the RNG itself; the optimizer and scheduler
-(under torchrun the whole agreed step) are restored in on_train_begin.
+"""nonstop for the Hugging Face Trainer: `NonstopCallback` checkpoints every
+few optimizer steps without stalling; `resume_from(cb)` (or
+`resume_from_checkpoint=True`) resumes exactly through a Trainer checkpoint
+folder nonstop writes (docs/HF.md "How resuming works").
 """
 from __future__ import annotations
 
@@ -94,7 +91,18 @@ class NonstopCallback(TrainerCallback):
         step, self._to_load = self._to_load, None
         if optimizer is None:
             raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
-        self._restore_step(step, model, optimizer, lr_scheduler)
+        # Restored in place before the first step (under torchrun the agreed
+        # step, collective). The RNG states stay as the Trainer has them: it
+        # sets the saved ones from rng_state*.pth itself (docs/HF.md).
+        self._open(model, optimizer, lr_scheduler)
+        now = _rng.capture()
+        try:
+            got = self.ckpt.restore(step=step)
+        finally:
+            _rng.restore(now)
+        if got != step:
+            raise CheckpointMismatchError(f"{self.dir}: restored step {got}, the ranks agreed "
+                                          f"on step {step}")
 
     def on_step_begin(self, args, state, control, **kwargs):
         # trainer_state.json and rng_state.pth have been read (the RNG
@@ -113,24 +121,20 @@ class NonstopCallback(TrainerCallback):
             # The Trainer asks for save_strategy == eval_strategy with
             # load_best_model_at_end: nonstop's checkpoints are those saves.
             control.should_save = False
-        best = self._from_args.get("best")
-        if best is not None and control.should_evaluate:
+        if self._from_args.get("best") is not None and control.should_evaluate:
             # metric_for_best_model: the checkpoint of an evaluated step is
             # taken once the evaluation's metrics are known (on_evaluate;
             # the Trainer's flow callback has set should_evaluate by now)
             self._after_eval = state.global_step
-            return
-        if state.global_step % self.every:
-            return
-        self._save(args, state, model, optimizer, lr_scheduler, None)
+        elif state.global_step % self.every == 0:
+            self._save(state, model, optimizer, lr_scheduler, None)
 
     def on_evaluate(self, args, state, control, metrics=None, model=None, optimizer=None,
                     lr_scheduler=None, **kwargs):
-        if self._after_eval is None or self._after_eval != state.global_step:
+        if self._after_eval != state.global_step:
             return
         self._after_eval = None
-        self._save(args, state, model, optimizer, lr_scheduler,
-                   _options.scalar_metrics(metrics or {}))
+        self._save(state, model, optimizer, lr_scheduler, _options.scalar_metrics(metrics or {}))
         # A checkpoint carrying best='s metric is never superseded by a newer
         # one that finishes writing first: the engine holds the newer one's
         # commit until it is committed (ENGINE.md, "Ordered publish").
@@ -148,21 +152,7 @@ class NonstopCallback(TrainerCallback):
         self.ckpt = _checkpointer.Checkpointer(self.dir, st, every=self.every,
                                                on_commit=self.on_commit, **kwargs)
 
-    def _restore_step(self, step: int, model, optimizer, lr_scheduler) -> None:
-        """Restores `step` in place before the first step (under torchrun the
-        agreed step, collective). The RNG states stay as the Trainer has them:
-        it sets the saved ones from rng_state*.pth itself (docs/HF.md)."""
-        self._open(model, optimizer, lr_scheduler)
-        now = _rng.capture()
-        try:
-            got = self.ckpt.restore(step=step)
-        finally:
-            _rng.restore(now)
-        if got != step:
-            raise CheckpointMismatchError(f"{self.dir}: restored step {got}, the ranks agreed "
-                                          f"on step {step}")
-
-    def _save(self, args, state, model, optimizer, lr_scheduler, metrics) -> None:
+    def _save(self, state, model, optimizer, lr_scheduler, metrics) -> None:
         self._trainer_state.clear()
         # as TrainerState.save_to_json writes it (through JSON: plain values only)
         self._trainer_state.update(json.loads(json.dumps(dataclasses.asdict(state))))
@@ -340,12 +330,10 @@ def _remove(folder: str, name: Optional[str] = None) -> None:
 
 def _write_folder(folder: str, ts: dict, weights: dict, rng: Optional[dict], rng_name: str,
                   extra: tuple = ()) -> None:
-    """Writes the Trainer checkpoint `folder` (replacing it) through the Env
-    seam, never following a link (docs/HF.md "How resuming works"): `extra`
-    [(name, bytes)], trainer_state.json, model.safetensors (each tensor its
-    own copy: tied weights come back as one tensor under two names, and the
-    Trainer loads with strict=False) and, with `rng`, the RNG states as
-    `rng_name` (see _rng_file)."""
+    """Writes the Trainer checkpoint `folder` (docs/HF.md "How resuming
+    works"): `extra` [(name, bytes)], trainer_state.json, model.safetensors
+    (each tensor its own copy: tied weights come back as one tensor under
+    two names, and the Trainer loads with strict=False), `rng` as `rng_name`."""
     files = [*extra, ("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
              ("model.safetensors", safetensors_bytes(
                  {k: v.detach().contiguous().clone() for k, v in weights.items()

@@ -58,10 +58,7 @@ def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = T
     if d is None and os.path.isfile(path):
         raise CheckpointMismatchError(
             f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
-    loaded, state = _load(d or path, path)
-    weights = state.get("state_dict")
-    if not isinstance(weights, dict):
-        raise CheckpointMismatchError(f"{path}: step {loaded.step} holds no Lightning checkpoint")
+    weights = _load(d or path, path)[1]["state_dict"]
     if map_location is not None:
         weights = fabric.utilities.move_data_to_device(weights, map_location)
     if model is None:
@@ -85,7 +82,7 @@ def _load(d: str, where: str) -> tuple:
     have reused the slot of the step it names."""
     loaded = _checkpointer.load(d)
     state = loaded.state.get("lightning")
-    if not isinstance(state, dict):
+    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
         raise CheckpointMismatchError(f"{where}: step {loaded.step} holds no Lightning checkpoint")
     return loaded, state
 
@@ -295,8 +292,7 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
             raise CheckpointNotFoundError(
                 f"{d}: no step that every rank committed (a kill during the first "
                 f"checkpoint); remove the directory to start afresh")
-        self._marker_step = max(self._marker_step, step)
-        return dict(self._holder), step
+        return dict(self._holder), step  # on_train_start: the marker's step
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -323,17 +319,15 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
         if gs == self._last_global_step:
             return  # no optimizer step on this batch (gradient accumulation)
         self._last_global_step = gs
-        if self.every is not None and gs % self.every == 0:
-            self.save(trainer)
-        elif self.epochs is not None and (trainer.current_epoch + 1) % self.epochs == 0 and (
-                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
-            # every_n_epochs: after the epoch's last optimizer step, not in
-            # on_train_epoch_end: a loader saved after its epoch ended
-            # resumes with the same epoch's order again (a torchdata sampler
-            # keeps its generator as of the epoch's start), while one saved
-            # at its last batch resumes exactly.
-            self.save(trainer)
-        elif self.interval is not None and self._time_is_up(trainer):
+        # every_n_epochs: after the epoch's last optimizer step, not in
+        # on_train_epoch_end: a loader saved after its epoch ended resumes
+        # with the same epoch's order again (a torchdata sampler keeps its
+        # generator as of the epoch's start), while one saved at its last
+        # batch resumes exactly.
+        if ((self.every is not None and gs % self.every == 0)
+                or (self.epochs is not None and (trainer.current_epoch + 1) % self.epochs == 0
+                    and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+                or (self.interval is not None and self._time_is_up(trainer))):
             self.save(trainer)
 
     def _time_is_up(self, trainer) -> bool:

@@ -160,13 +160,6 @@ void InitDist(py::module_& m) {
   }, py::arg("key"), py::arg("tree"), py::arg("add"), py::arg("names"),
         "A module's state tree between DDP's \"module.\" keys and none (state_tree.h "
         "RenameModuleKeys).");
-  m.def("dist_common_steps", &dist::CommonSteps, py::arg("every"),
-        "The steps every rank's planned_steps list holds, in rank 0's order.");
-  m.def("dist_no_common_step", [](const std::string& dir, int rank, std::optional<int64_t> step,
-                                  const std::vector<std::vector<int64_t>>& every) {
-    Check(dist::NoCommonStep(dir, rank, step, every));
-  }, py::arg("dir"), py::arg("rank"), py::arg("step"), py::arg("every"),
-        "No common step and nothing to reshard: returns on a fresh start, else raises.");
   m.def("dist_check_reshardable", [](const std::string& archive, int old_world, int world,
                                      const std::vector<std::string>& local,
                                      const std::vector<std::string>& zero_keys,

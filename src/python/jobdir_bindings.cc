@@ -191,11 +191,6 @@ class PyJobDir {
     return d;
   }
 
-  std::vector<int64_t> PlannedSteps(int rank, std::optional<int64_t> step) {
-    JobDir& j = jd();
-    py::gil_scoped_release release;
-    return Take(nonstop::PlannedSteps(j, rank, step));
-  }
   std::string SingleSource(std::optional<int64_t> step) {
     JobDir& j = jd();
     py::gil_scoped_release release;
@@ -728,8 +723,6 @@ void InitJobDir(py::module_& m) {
            "extra: [(old world, old rank, absolute path)]: more copies of old rank files "
            "outside the job directory (the peer tier's, docs/DISTRIBUTED.md).")
       .def("list", &PyJobDir::List, py::arg("rank") = 0)
-      .def("planned_steps", &PyJobDir::PlannedSteps, py::arg("rank") = 0,
-           py::arg("step") = py::none())
       .def("single_source", &PyJobDir::SingleSource, py::arg("step") = py::none(),
            "World size 1 beside set-aside files: 'own', 'reshard' or 'reshard_else_own'.")
       .def("record_restore", &PyJobDir::RecordRestore, py::arg("rank"), py::arg("counter"))

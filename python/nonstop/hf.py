@@ -142,9 +142,7 @@ class NonstopCallback(TrainerCallback):
     def _open(self, model, optimizer, lr_scheduler) -> None:
         """The Checkpointer of this run (one per rank under torchrun: with
         torch.distributed initialised it is nonstop's distributed mode)."""
-        kwargs = dict(self.checkpointer_kwargs)
-        kwargs.update(self._from_args)
-        kwargs.setdefault("on_preempt", False)
+        kwargs = {"on_preempt": False, **self.checkpointer_kwargs, **self._from_args}
         st = {"model": _unwrap.module(model), "optim": optimizer,
               "trainer_state": self._trainer_state}
         if lr_scheduler is not None:
@@ -236,14 +234,12 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
         weights, rng = _unwrap.module(callback._model).state_dict(), meta.get("rng")
         sub, rng_name = f"rank-{rank}", f"rng_state_{rank}.pth"
     else:
-        if not _checkpointer.check_directory(d, 0, None, must_exist=False):
-            return None
         try:
             loaded = _checkpointer.load(d, step=step)
         except CheckpointNotFoundError:
             if step is not None:
                 raise
-            return None  # killed before its first commit: a fresh start, as restore() says
+            return None  # no checkpoint (or killed before its first commit): a fresh start
         saved = loaded.state
         for key in ("model", "optim", "trainer_state"):
             if key not in saved:

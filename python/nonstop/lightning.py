@@ -273,8 +273,7 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
         save, or at a DDP restore before the optimizers exist), the
         optimizers attached (hooked: their tensors stay zero-copy)."""
         if self.ckpt is None:
-            kwargs = dict(self.checkpointer_kwargs)
-            kwargs.setdefault("on_preempt", False)  # Lightning has its own signal handling
+            kwargs = {"on_preempt": False, **self.checkpointer_kwargs}  # Lightning handles signals
             self.ckpt = _checkpointer.Checkpointer(
                 self.nonstop_dir, {"lightning": self._holder}, every=self.every or 1,
                 on_commit=self.on_commit, **kwargs)

@@ -60,8 +60,11 @@ def test_resume_from_writes_the_trainer_folder_and_the_callback_removes_it(tmp_p
 
 
 def test_resume_from_an_empty_directory_is_a_fresh_start(tmp_path):
+    from nonstop.errors import CheckpointNotFoundError
     from nonstop.hf import NonstopCallback, resume_from
     assert resume_from(NonstopCallback(str(tmp_path / "none"))) is None
+    with pytest.raises(CheckpointNotFoundError):  # a step asked for is not there
+        resume_from(NonstopCallback(str(tmp_path / "none")), step=3)
 
 
 def test_resume_from_a_job_killed_before_its_first_commit_is_a_fresh_start(tmp_path):

@@ -1,11 +1,7 @@
-"""nonstop for PyTorch Lightning (docs/LIGHTNING.md): `NonstopCheckpoint`
-checkpoints every few optimizer steps without stalling (exactly what
-Lightning's own checkpoint holds, plus the RNG states), and
-`trainer.fit(..., ckpt_path="last")` resumes exactly. Under `dirpath`:
-`nonstop/` (the checkpoint directory) and `last.ckpt`, a small JSON marker
-naming the newest *committed* step, written atomically only after that
-checkpoint committed; `NonstopCheckpointIO.load_checkpoint` turns it back
-into Lightning's checkpoint dict (no pickle).
+"""nonstop for PyTorch Lightning: `NonstopCheckpoint` checkpoints every few
+optimizer steps without stalling, and `trainer.fit(..., ckpt_path="last")`
+resumes exactly from `last.ckpt`, a JSON marker written once its step
+committed, which `NonstopCheckpointIO` reads without pickle (docs/LIGHTNING.md).
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@
 //                                         honoured), then ReadCheckpointInto,
 //                                         falling back to the next older
 //                                         checkpoint on a checksum failure
+//   RestoreFromSlotFile(file, ...)        the same over one slot file's
+//                                         checkpoints (a memory segment)
 //
 // How it reads: the data region is cut into pieces of whole crc chunks (about
 // RestoreOptions::piece_bytes each). A few threads take pieces in order and
@@ -177,5 +179,20 @@ Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions sele
 Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions select,
                                         const RestorePrepareDevices& prepare,
                                         const RestoreOptions& opts = {});
+
+// The same walk over the checkpoints of one open slot file outside a job
+// directory (the memory tier's segment, engine/memory_tier.h), as scanned in
+// `report`: the planner (MakePlan) orders them with the job directory's
+// `lineage` (never an abandoned counter, nor one in `exclude`), and the
+// first that `prepare` accepts and that reads back intact is restored; one
+// whose prepare says Corruption or whose data fails its checksums is named
+// in `skipped` and the next older one is read into the destinations prepare
+// gives for it. `where` (the file's path) is each Selected's location.where.
+// None left: no `chosen`, `skipped` saying why. Any other error stops it.
+Result<RestoreResult> RestoreFromSlotFile(SlotFile& file, const std::string& where,
+                                          const ScanReport& report, const LineageRecord& lineage,
+                                          const std::vector<uint64_t>& exclude,
+                                          const RestorePrepareDevices& prepare,
+                                          const RestoreOptions& opts = {});
 
 }  // namespace nonstop

@@ -239,8 +239,7 @@ class Checkpointer:
         engine = self.session.live()
         if not hasattr(engine, "delete_kept"):
             raise CheckpointMismatchError("delete() works with mode='concurrent' or 'layerwise'")
-        _manage.check_step(step)
-        _manage.delete_with(engine.delete_kept, self.dir, step)
+        _manage.delete(self.dir, step, engine.delete_kept)
 
     # ------------------------------------------------------------- restoring
 

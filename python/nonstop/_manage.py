@@ -33,22 +33,18 @@ def check_step(step) -> int:
     return int(step)
 
 
-def delete(dir: str, step: int) -> None:
+def delete(dir: str, step: int, delete_kept=None) -> None:
     """Deletes the kept copy of `step` in `dir` (keep/step-N/, every rank's
-    file) while no job writes to `dir`."""
+    file): through `delete_kept` (a Checkpointer's engine's), else while no
+    job writes to `dir`. A step in the ring is said to be there, not kept
+    (C++ engine/job_view.h NotKept)."""
     path = os.fspath(dir)
     check_step(step)
-    jd = _ext.core().JobDir.open_for_maintenance(path)
+    jd = None if delete_kept else _ext.core().JobDir.open_for_maintenance(path)
     try:
-        delete_with(jd.delete_kept, path, step)
-    finally:
-        jd.close()
-
-
-def delete_with(fn, path: str, step: int) -> None:
-    """fn(step) (a kept copy's deletion); a step in the ring is said to be
-    there, not kept (C++ engine/job_view.h NotKept)."""
-    try:
-        fn(int(step))
+        (delete_kept or jd.delete_kept)(int(step))
     except CheckpointNotFoundError as e:
         raise CheckpointNotFoundError(_ext.core().not_kept(path, int(step), str(e))) from None
+    finally:
+        if jd is not None:
+            jd.close()

@@ -1,11 +1,6 @@
-"""The peer tier of one rank for the front end (docs/TIERS.md "The peer tier
-from Python"). The tier is C++ (src/tier/peer*): its collective start over
-the Checkpointer's gloo group, before restore() and before the agreement
-thread owns the group (tier/peer_setup.h), the server, the replicator, the
-verified fetch of this rank's replica (prefetch) and, at another world
-size, the gather of the old ranks' copies (gather_old_shards); Python never
-touches the bytes. docs/TIERS.md says where each copy lives and when it goes.
-"""
+"""The peer tier of one rank for the front end: the tier is C++
+(src/tier/peer*), started collectively over the Checkpointer's gloo group;
+Python never touches the bytes (docs/TIERS.md "The peer tier from Python")."""
 from __future__ import annotations
 
 import os
@@ -38,13 +33,9 @@ class Peers:
         want = 1 if replicas is None else replicas
         segment = engine.stats().get("memory_segment", "") if want else ""
         # Collective, in C++ (tier/peer_setup.h StartPeers) over the group's
-        # gathers: note, replicas, hosts, job, _secret, endpoints, partners,
-        # held [(step, counter, holder rank)] (this rank's replicas, newest
-        # first), other [(holder rank, {source_rank, world_size, step,
-        # counter, bytes, kind})] (another world size's checkpoints the
-        # servers held: kind replica, segment or disk), local (the same of
-        # this host's memory directory, with path), reshard_any, server,
-        # replicator.
+        # gathers: the attributes _core.start_peers's docstring lists (held:
+        # this rank's replicas, newest first; other, local: another world
+        # size's checkpoints the servers and this host's memory held).
         vars(self).update(_ext.core().start_peers(
             dist.comm().gather, dist.rank, dist.world, want, segment, os.path.abspath(dist.dir),
             budget_bytes, peer_every, peer_nice, peer_bps))
@@ -86,12 +77,9 @@ class Peers:
 
     def gather_old_shards(self, dir: str, remote=None) -> None:
         """Before resharding a set-aside checkpoint of another world size: a
-        verified copy of every old rank whose file `dir`/world-W/ lacks, from
-        this host's memory directory, another host's server or the remote
-        tier (`remote`, a _remote.Tier); where from is C++'s
-        (tier/peer_gather.h). The copies are named in reshard_files for
-        JobDir.select_reshard, what cannot be found in reshard_missing.
-        Not collective."""
+        verified copy of every old rank `dir`/world-W/ lacks, from where C++
+        decides (tier/peer_gather.h; `remote`: a _remote.Tier), named in
+        reshard_files for JobDir.select_reshard (else reshard_missing)."""
         core = _ext.core()
         t0 = time.perf_counter()
         self.drop_reshard()  # a restart before this one may have left its copies

@@ -133,9 +133,8 @@ def _fits_live(t, code: int, shape: list) -> bool:
 
 def read_tensors(reader, idx: int, stats: Optional[dict] = None) -> dict:
     """Every tensor of checkpoint `idx` of an opened `_core.Reader` (or a
-    JobDir selection), by name, in one verified read into new tensors
-    (read_into: every crc chunk read and verified once, in parallel, without
-    the GIL, NONSTOP_RESTORE_THREADS threads); `stats` gets its sizes and time."""
+    JobDir selection), by name, in one verified read (read_into) into new
+    tensors; `stats` gets its sizes and time."""
     tensors, dests = destinations(reader.checkpoints[idx]["tensors"], False, None)
     got = reader.read_into(idx, dests)
     if stats is not None:

@@ -159,10 +159,8 @@ def open_store(url: str, options: Optional[dict]):
 
 @contextlib.contextmanager
 def temp_dir():
-    """A new private directory for fetched parts: tempfile.mkdtemp makes it
-    exclusively (a fresh random name, mode 0700); every file in it is then
-    written through the seam, and at the end it is removed through the seam
-    (each subdirectory opened O_NOFOLLOW relative to its parent; links
+    """A new private directory for fetched parts (tempfile.mkdtemp: a fresh
+    random name, mode 0700), removed at the end through the seam (links
     removed, never followed; best effort: a failure leaves it there)."""
     path = tempfile.mkdtemp(prefix="nonstop-remote-")
     try:
@@ -302,29 +300,21 @@ class Tier:
 
     # -- restore
 
-    def _extra(self) -> list:
-        """The peer tier's replica fetched for this rank: a local candidate."""
-        peers = getattr(self.ckpt.session.dist, "peers", None)
-        pf = peers.prefetched if peers is not None else None
-        return [] if pf is None else [dict(pf, where="peer")]  # {step, counter, where}
-
     def restore(self, step: Optional[int]):
         """A LoadedCheckpoint from the remote when the plan puts a remote
-        checkpoint first (newer by counter than every local one, the same
-        checkpoint where the local copy fails to verify, or `step` only
-        remote); None to restore from the local directory. The loop (plan,
-        fetch, verify, fall back with a warning, the errors; with ranks, the
-        agreement over the Comm's gathers of JSON, never pickle) is C++'s
-        (RestoreFromRemote, RestoreFromRemoteDist); Python reads into torch
-        what it fetched."""
+        checkpoint first, else None (the local directory). The loop and, with
+        ranks, the agreement are C++'s (tier/remote_restore.h); Python reads
+        into torch what it fetched."""
         c, d = self.ckpt, self.ckpt.session.dist
+        pf = getattr(getattr(d, "peers", None), "prefetched", None)  # the peer tier's replica
         if d is None:
             try:
                 self._claim()  # another job's prefix is refused before anything is read
             except (OSError, CheckpointIOError):
                 pass  # the store is down: the restore says so
         loaded = self.core().restore_remote(
-            _ext.core().RemoteTier(self.store), c.dir, c.rank, step, self._extra(), c.dir,
+            _ext.core().RemoteTier(self.store), c.dir, c.rank, step,
+            [] if pf is None else [dict(pf, where="peer")], c.dir,  # a local candidate
             lambda p: self.read(p, c.rank, None, c.world_size, as_numpy=False),
             world=None if d is None else d.world, gather=None if d is None else d.comm().gather)
         if loaded is None:

@@ -63,67 +63,33 @@ def _checked(info: dict, where: str, path: str, world_size: Optional[int], as_nu
     return loaded, dests, prepare is not None and sharded
 
 
-def read_memory(path: str, rank: int, world_size: int, prepare, live: Optional[dict] = None,
-                stats: Optional[dict] = None):
-    """(the newest checkpoint read from the memory tier's segment, "") or
-    (None, why it was not used: the caller reads the disk then, into the
-    same tensors); the planner orders the segment's checkpoints with the
-    lineage, and one damaged mid-read falls back to the next
-    (docs/TIERS.md, "The restart tier in memory")."""
-    reader, why = _ext.core().open_memory_segment(path, rank)
-    if reader is None:
-        return None, why
-    ckpts = reader.checkpoints
-    # A rollback is final (DESIGN.md invariant 9): counters the job directory's
-    # lineage record abandoned are never chosen again. The planner orders them
-    # (nonstop/plan.h).
-    lineage = _ext.core().JobDir.open_for_read(path).lineage(rank)
-    order = _ext.core().plan([{"step": int(c["step"]), "counter": int(c["counter"]),
-                               "committed": bool(c["committed"]), "damage": c["reason"] or ""}
-                              for c in ckpts], lineage)["order"]
-    for line in reader.skipped:
-        warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
-                      stacklevel=3)
-    if not order:
-        return None, f"no valid checkpoint in {reader.path}"
-    for n, idx in enumerate(order):
-        try:
-            loaded, dests, after = _checked(ckpts[idx], reader.path, path, world_size, False,
-                                            prepare, live)
-            got = reader.read_into(idx, dests)
-            if after:
-                loaded.plan = prepare(loaded)
-        except CorruptCheckpointError as e:
-            if n + 1 == len(order):
-                return None, str(e)
-            warnings.warn(f"nonstop: {e}; falling back to an older checkpoint", stacklevel=3)
-            continue
-        if stats is not None:
-            stats.update(_read_stats(got, got["read_s"], loaded.step))
-        return loaded, ""
-
-
 def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
           as_numpy: bool, prepare=None, live: Optional[dict] = None,
-          stats: Optional[dict] = None) -> Optional[LoadedCheckpoint]:
+          stats: Optional[dict] = None, memory: bool = False) -> Optional[LoadedCheckpoint]:
     """Reads one checkpoint of `rank` in `path`: `step`, or the newest that
     verifies (warning about each newer damaged one). None when there is none
     and `step` is None. prepare(loaded), when given, checks a checkpoint
     before it is chosen (its result becomes loaded.plan): a
     CorruptCheckpointError from it falls back to the next older one. One
     read through nonstop._core.restore, straight into `live`'s tensors where
-    they fit (docs/ARCHITECTURE.md, "Restore"); `stats` gets its times and sizes."""
-    state: dict = {"loaded": None, "after": False}
+    they fit (docs/ARCHITECTURE.md, "Restore"); `stats` gets its times and
+    sizes. memory: the memory tier's segment first, used only when it
+    verifies and the planner puts one of its checkpoints first (the disk's
+    newest, or a newer one only memory holds: disk_every=), else the disk
+    into the same tensors (docs/TIERS.md, "The restart tier in memory")."""
+    state: dict = {"loaded": None, "after": False, "memory": False}
     warned: list = []  # counters whose failure mid-read was warned about
 
     def prep(info: dict):
         """Where each tensor of `info` goes, after every check; a str (the
         reason) when this checkpoint is malformed: the next older one is tried."""
         prev = state["loaded"]
-        if prev is not None and prev.counter not in warned:  # the one before failed mid-read
+        if prev is not None and prev.counter not in warned and not state["memory"]:
+            # the one before failed mid-read (a memory segment's: memory_unused_because)
             warned.append(prev.counter)
             warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
                           f"is damaged; falling back to an older checkpoint", stacklevel=4)
+        state["memory"] = os.path.isabs(info["where"])  # the memory tier's segment
         try:
             state["loaded"], dests, state["after"] = _checked(
                 info, os.path.join(path, info["where"]), path, world_size, as_numpy, prepare, live)
@@ -137,17 +103,7 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
         try:
             # threads and O_DIRECT: NONSTOP_RESTORE_* (C++ RestoreOptionsFromEnv)
             got = _ext.core().restore(path, rank, prep, step=step, exclude=exclude,
-                                      progress=None if bar.off else bar)
-        except CorruptCheckpointError as e:
-            if step is not None and "is damaged" not in str(e):
-                raise CorruptCheckpointError(
-                    f"checkpoint at step {step} in {path} is damaged: {e}") from None
-            raise
-        except CheckpointNotFoundError:
-            if step is None:
-                raise
-            # the steps there are, ring and kept (C++ engine/job_view.h StepNotFound)
-            raise CheckpointNotFoundError(_ext.core().step_not_found(path, rank, step)) from None
+                                      progress=None if bar.off else bar, memory=memory)
         except CheckpointError as e:
             if state["loaded"] is not None and "partly overwritten" not in str(e):
                 raise type(e)(f"{e}; the state was partly overwritten by this restore") from None
@@ -172,18 +128,18 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
             continue
         warnings.warn(f"nonstop: {path}: {line}; falling back to an older checkpoint",
                       stacklevel=3)
-    if stats is not None:
-        stats.update(_read_stats(got["stats"], got["restore_s"], got["step"]),
-                     restore_s=got["restore_s"], restore_attempts=got["attempts"])
+    if stats is not None:  # the C++ restore path's RestoreStats of the read that succeeded
+        st, took = got["stats"], got["restore_s"]
+        stats.update(restore_read_s=st["read_s"], restore_bytes=st["data_bytes"],
+                     restore_GBps=st["data_bytes"] / took / 1e9 if took > 0 else 0.0,
+                     restore_step=int(got["step"]), restore_s=took,
+                     restore_attempts=got["attempts"], restored_from=got["from"],
+                     **{f"restore_{k}": st[k] for k in (
+                         "direct_bytes", "odirect_bytes", "h2d_bytes", "h2d_wait_s")})
+        if got["from"] == "disk":
+            stats["memory_unused_because"] = got["memory_unused_because"] or (
+                "a step was asked for" if step is not None else "tier='disk'")
     return loaded
-
-
-def _read_stats(st: dict, took: float, step) -> dict:
-    """restore()'s stats of one read (the C++ restore path's RestoreStats)."""
-    return dict(restore_read_s=st["read_s"], restore_bytes=st["data_bytes"],
-                restore_GBps=st["data_bytes"] / took / 1e9 if took > 0 else 0.0,
-                restore_step=int(step), **{f"restore_{k}": st[k] for k in (
-                    "direct_bytes", "odirect_bytes", "h2d_bytes", "h2d_wait_s")})
 
 
 def load(dir: str, step: Optional[int] = None, rank: int = 0,
@@ -234,20 +190,8 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
         # The tensors are read into in place: no copy of them may be in flight.
         session.call(session.engine.wait_copied, take=True)
         session.copy_pending = False
-    t0 = time.perf_counter()
-    loaded, why = None, "a step was asked for"
-    if step is None and tier != "disk":
-        # The memory tier first: used only when its segment verifies and the
-        # planner puts its checkpoint first (the disk's newest, or a newer
-        # one only memory holds: the tiered cadence, disk_every=).
-        loaded, why = read_memory(dir, rank, world_size, applier.prepare,
-                                  live=applier.live_tensors(), stats=stats)
-    if loaded is not None:
-        stats.update(restored_from="memory", restore_s=time.perf_counter() - t0)
-    else:
-        loaded = read(dir, rank, step, world_size, as_numpy=False, prepare=applier.prepare,
-                      live=applier.live_tensors(), stats=stats)
-        stats.update(restored_from="disk", memory_unused_because=why)
+    loaded = read(dir, rank, step, world_size, as_numpy=False, prepare=applier.prepare,
+                  live=applier.live_tensors(), stats=stats, memory=step is None and tier != "disk")
     return loaded, loaded is not None
 
 

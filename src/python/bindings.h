@@ -58,6 +58,11 @@ void RegisterStatusTranslator(pybind11::module_& m);
 // with U+FFFD instead of raising. The one shape Engine.restore,
 // Reader.checkpoints and JobDir selections share.
 pybind11::dict InfoDict(const CheckpointInfo& info);
+// "" when every tensor name of `info` is UTF-8, else which one is not (a
+// reader falls back past such a checkpoint).
+std::string BadTensorName(const CheckpointInfo& info);
+// `s` as a str, bytes that are not UTF-8 replaced by U+FFFD.
+pybind11::str LossyStr(const std::string& s);
 // The memory tier's keys of an engine's stats (memory_tier, memory_counter, ...).
 void AddMemoryTierStats(pybind11::dict& d, const EngineStats& s);
 

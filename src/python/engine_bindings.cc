@@ -124,6 +124,15 @@ py::dict TensorDict(const TensorEntry& e) {
   return d;
 }
 
+std::string BadTensorName(const CheckpointInfo& info) {
+  for (size_t i = 0; i < info.tensors.size(); ++i) {
+    if (!IsUtf8(info.tensors[i].spec.name)) {
+      return "tensor #" + std::to_string(i) + "'s name is not valid UTF-8";
+    }
+  }
+  return "";
+}
+
 py::dict InfoDict(const CheckpointInfo& info) {
   py::dict d;
   d["counter"] = info.counter;
@@ -580,14 +589,7 @@ class PyReader {
   }
 
  private:
-  static std::string BadName(const CheckpointInfo& info) {
-    for (size_t i = 0; i < info.tensors.size(); ++i) {
-      if (!IsUtf8(info.tensors[i].spec.name)) {
-        return "tensor #" + std::to_string(i) + "'s name is not valid UTF-8";
-      }
-    }
-    return "";
-  }
+  static std::string BadName(const CheckpointInfo& info) { return BadTensorName(info); }
 
   std::string path_;
   std::unique_ptr<SlotFile> file_;

@@ -646,15 +646,6 @@ void InitJobDir(py::module_& m) {
       "(one line) unless it is valid UTF-8 JSON within the format's size and depth bounds "
       "(jobdir/records.h CheckMetaJson).");
   m.def(
-      "step_not_found",
-      [](const std::string& dir, int rank, int64_t step) {
-        py::gil_scoped_release r;
-        return StepNotFound(dir, rank, step).message();
-      },
-      py::arg("dir"), py::arg("rank"), py::arg("step"),
-      "The one line of a step that is not in dir (engine/job_view.h StepNotFound): the "
-      "committed steps there are, and whether the ring overwrote it.");
-  m.def(
       "not_kept",
       [](const std::string& dir, int64_t step, const std::string& message) {
         py::gil_scoped_release r;

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "engine/job_view.h"
+#include "engine/memory_tier.h"
 #include "nonstop/copy_engine.h"
 #include "nonstop/export.h"
 #include "nonstop/jobdir.h"
@@ -133,10 +135,17 @@ namespace {
 //     stops the restore and is raised as it is.
 //   progress(done_bytes, total_bytes) -> falsy to cancel (None goes on).
 //   direct: read what is not in the page cache with O_DIRECT (RestoreOptions).
+//   With `step`: CheckpointNotFoundError names the steps there are
+//   (StepNotFound), and CorruptCheckpointError says that step is damaged.
+//   memory: the memory tier's segment first (engine/memory_tier.h), when it
+//     verifies and the planner puts one of its checkpoints first
+//     (RestoreFromSlotFile); else, or when none of them reads back intact,
+//     the job directory into the same destinations: "from" says which, and
+//     "memory_unused_because" why not the segment.
 py::object Restore(const std::string& path, int rank, const py::function& prepare,
                    std::optional<int64_t> step, bool include_keep, std::optional<int> threads,
                    const py::object& progress, const std::vector<uint64_t>& exclude,
-                   std::optional<bool> direct) {
+                   std::optional<bool> direct, bool memory) {
   std::unique_ptr<JobDir> jd;
   {
     py::gil_scoped_release release;
@@ -192,15 +201,55 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   so.include_keep = include_keep;
   so.exclude = exclude;
   std::optional<Result<RestoreResult>> r;
+  std::string unused;  // why the memory tier's segment was not restored
+  bool from_memory = false;
   {
     py::gil_scoped_release release;
-    r.emplace(RestoreFromJobDir(*jd, rank, so, prep, opts));
+    if (memory) {
+      Result<std::optional<MemorySegment>> seg =
+          OpenMemorySegment(path, rank, "", nullptr, nullptr, &unused);
+      if (!seg.ok()) unused = seg.status().ToString();
+      if (seg.ok() && seg->has_value()) {
+        MemorySegment& m = **seg;
+        Result<LineageRecord> lineage = jd->ReadLineage(rank);
+        if (!lineage.ok()) {
+          r.emplace(lineage.status());
+        } else {
+          r.emplace(RestoreFromSlotFile(
+              *m.file, m.path, m.report, *lineage, exclude,
+              [&](const Selected& s) -> Result<RestoreDestinations> {
+                std::string bad = BadTensorName(s.info);
+                if (!bad.empty()) return Status::Corruption(bad);
+                return prep(s);
+              },
+              opts));
+        }
+        if (r->ok() && !(*r)->chosen) {  // none of its checkpoints: the disk, into the same memory
+          for (const std::string& line : (*r)->skipped) unused += (unused.empty() ? "" : "; ") + line;
+          r.reset();
+        }
+      }
+    }
+    from_memory = r.has_value();
+    if (!r) r.emplace(RestoreFromJobDir(*jd, rank, so, prep, opts));
   }
   if (pending.error) throw std::move(*pending.error);
+  if (!r->ok() && step) {  // restore(step=): the steps there are, or that step's damage
+    const Status& st = r->status();
+    if (st.code() == StatusCode::kNotFound) {
+      py::gil_scoped_release release;
+      r.emplace(StepNotFound(path, rank, *step));  // engine/job_view.h
+    } else if (st.code() == StatusCode::kCorruption &&
+               st.message().find("is damaged") == std::string::npos) {
+      r.emplace(Status::Corruption("checkpoint at step " + std::to_string(*step) + " in " + path +
+                                   " is damaged: " + st.message()));
+    }
+  }
   RestoreResult res = Take(std::move(*r));
   if (!res.chosen) return py::none();
   // The tensors and metadata went to prepare(); the result says which one won.
   py::dict d;
+  d["from"] = from_memory ? "memory" : "disk";
   d["counter"] = res.chosen->info.counter;
   d["step"] = res.chosen->info.step;
   d["data_bytes"] = res.chosen->info.data_bytes;
@@ -211,6 +260,7 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   d["attempts"] = res.attempts;
   d["restore_s"] = res.seconds;
   d["stats"] = StatsDict(res.stats);
+  d["memory_unused_because"] = LossyStr(unused);
   return d;
 }
 
@@ -314,7 +364,8 @@ void InitRestore(py::module_& m) {
   m.def("restore", &Restore, py::arg("path"), py::arg("rank"), py::arg("prepare"),
         py::arg("step") = py::none(), py::arg("include_keep") = true,
         py::arg("threads") = py::none(), py::arg("progress") = py::none(),
-        py::arg("exclude") = std::vector<uint64_t>{}, py::arg("direct") = py::none());
+        py::arg("exclude") = std::vector<uint64_t>{}, py::arg("direct") = py::none(),
+        py::arg("memory") = false);
   m.def("export_safetensors", &ExportSafetensorsPy, py::arg("dir"), py::arg("out"),
         py::arg("step") = py::none(), py::arg("rank") = 0,
         py::arg("include") = std::vector<std::string>{}, py::arg("include_text") = "--include",

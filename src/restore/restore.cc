@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "nonstop/env.h"
+#include "nonstop/plan.h"
 
 namespace nonstop {
 namespace {
@@ -636,6 +637,49 @@ Result<RestoreResult> RestoreFromJobDir(JobDir& jd, int rank, SelectOptions sele
       return Status::Corruption(msg);
     }
   }
+}
+
+Result<RestoreResult> RestoreFromSlotFile(SlotFile& file, const std::string& where,
+                                          const ScanReport& report, const LineageRecord& lineage,
+                                          const std::vector<uint64_t>& exclude,
+                                          const RestorePrepareDevices& prepare,
+                                          const RestoreOptions& opts) {
+  const auto t0 = Clock::now();
+  std::vector<PlanCandidate> cands;
+  for (size_t i = 0; i < report.checkpoints.size(); ++i) {
+    const ScannedCheckpoint& c = report.checkpoints[i];
+    cands.push_back(PlanCandidate{Tier::kMemory, where, c.info.step, c.info.counter,
+                                  c.state == CheckpointState::kCommitted, c.reason, false, i});
+  }
+  PlanRequest req;
+  req.exclude = exclude;
+  RestoreResult out;
+  // Verifying a candidate is reading it into the destinations prepare gives.
+  auto read = [&](const PlanCandidate& pc) -> Status {
+    Selected s;
+    s.info = report.checkpoints[pc.handle].info;
+    s.location.where = where;
+    NONSTOP_ASSIGN_OR_RETURN(RestoreDestinations dst, prepare(s));
+    ++out.attempts;
+    RestoreOptions o = opts;
+    o.dst_devices = std::move(dst.devices);
+    o.direct_medium = nullptr;  // the segment lives in memory (a tmpfs)
+    return ReadCheckpointInto(file, s.info, dst.ptrs, o, &out.stats);
+  };
+  NONSTOP_ASSIGN_OR_RETURN(Plan plan, MakePlan(cands, lineage, req, read));
+  out.skipped = report.skipped;
+  out.skipped.insert(out.skipped.end(), plan.skipped.begin(), plan.skipped.end());
+  out.fallback = plan.fallback;
+  if (plan.chosen()) {
+    Selected s;
+    s.info = report.checkpoints[cands[*plan.chosen()].handle].info;
+    s.location.where = where;
+    out.chosen = std::move(s);
+  } else if (out.skipped.empty()) {
+    out.skipped.push_back("no valid checkpoint in " + where);
+  }
+  out.seconds = Since(t0);
+  return out;
 }
 
 RestoreOptions RestoreOptionsFromEnv() {

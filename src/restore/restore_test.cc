@@ -505,6 +505,59 @@ TEST_F(RestoreTest, PrepareCorruptionFallsBackAndOtherErrorsStop) {
   EXPECT_EQ(stop.status().message().find("overwritten"), std::string::npos);
 }
 
+// One slot file outside a job directory (a memory segment): the planner
+// orders its checkpoints with the lineage; a checksum failure mid-read falls
+// back into the same memory, an abandoned counter is never read, and with
+// none left nothing is chosen and `skipped` says why.
+TEST_F(RestoreTest, OneSlotFileFallsBackPastDamageAndHonoursTheLineage) {
+  auto jd = JobDir::OpenForWrite(root_.string()).value();
+  auto f = NewSlotFile(*jd);
+  const TestCheckpoint older = MakeCheckpoint(6);
+  const CheckpointInfo ni = CommitOlderAndDamagedNewer(*f, older);
+  auto report = f->Scan(ScanOptions{false, false});
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  Dest d(ni);
+  std::vector<int64_t> prepared;
+  auto prep = [&](const Selected& s) -> Result<RestoreDestinations> {
+    prepared.push_back(s.info.step);
+    EXPECT_EQ(s.location.where, "seg");
+    return RestoreDestinations{d.ptrs, {}};
+  };
+  RestoreOptions o;
+  o.threads = 1;
+  o.piece_bytes = 1;  // chunk by chunk: the newer one is partly written when it fails
+  auto r = RestoreFromSlotFile(*f, "seg", *report, LineageRecord{}, {}, prep, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->chosen.has_value());
+  EXPECT_EQ(r->chosen->info.step, 6);
+  EXPECT_EQ(r->attempts, 2);
+  EXPECT_EQ(prepared, (std::vector<int64_t>{7, 6}));
+  EXPECT_TRUE(Holds(d, older));
+  ASSERT_EQ(r->skipped.size(), 1u);
+  EXPECT_NE(r->skipped[0].find("seg: checkpoint #2 (step 7)"), std::string::npos) << r->skipped[0];
+  EXPECT_NE(r->skipped[0].find("checksum mismatch"), std::string::npos) << r->skipped[0];
+
+  // Counter 1 abandoned by a rollback, counter 2 excluded: nothing is read.
+  LineageRecord l;
+  l.abandoned = {{1, 1}};
+  l.abandoned_through = 1;
+  prepared.clear();
+  r = RestoreFromSlotFile(*f, "seg", *report, l, {2}, prep, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->chosen.has_value());
+  EXPECT_TRUE(prepared.empty());
+  EXPECT_EQ(r->attempts, 0);
+  ASSERT_FALSE(r->skipped.empty());
+
+  // A prepare error other than Corruption stops it.
+  auto stop = RestoreFromSlotFile(*f, "seg", *report, LineageRecord{}, {},
+                                  [](const Selected&) -> Result<RestoreDestinations> {
+                                    return Status::FailedPrecondition("shape differs");
+                                  });
+  ASSERT_FALSE(stop.ok());
+  EXPECT_EQ(stop.status().code(), StatusCode::kFailedPrecondition);
+}
+
 TEST_F(RestoreTest, EmptyDirectoryIsAFreshStart) {
   auto jd = JobDir::OpenForWrite(root_.string()).value();
   auto r = RestoreFromJobDir(*jd, 0, {}, [](const Selected&) -> Result<std::vector<void*>> {

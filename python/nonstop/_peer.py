@@ -4,11 +4,9 @@ Python never touches the bytes (docs/TIERS.md "The peer tier from Python")."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Optional
 
 from . import _ext
-from .errors import CheckpointError
 
 
 def check_options(kw: dict) -> tuple:
@@ -47,21 +45,10 @@ class Peers:
         replica of this rank's checkpoint that a partner's server held at
         construction, when this rank's own tiers hold no checkpoint of that
         step (`own_steps`). Not collective; a failure is remembered
-        (unused_because) and the restore goes on without it."""
-        self.prefetched, self.unused_because = None, ""
-        if not self.held:
-            return
-        step, counter, holder = self.held[0]
-        if step in own_steps:
-            return
-        try:  # into this rank's own directory, emptied first
-            d = _ext.core().peer_fetch(
-                self.endpoints[holder], self.job, self._secret, self.rank, self.world,
-                _ext.core().peer_rank_dir(self.job, "fetched", self.rank, fresh=True), step=step)
-            self.prefetched = {"step": step, "counter": counter, "dir": d, "holder": holder}
-        except (CheckpointError, OSError) as e:
-            self.unused_because = (f"the replica of rank {self.rank} step {step} on rank "
-                                   f"{holder} ({self.endpoints[holder]}): {e}")
+        (unused_because) and the restore goes on without it (C++,
+        tier/peer_setup.h PrefetchOwnReplica)."""
+        self.prefetched, self.unused_because = _ext.core().peer_prefetch(
+            self.held, self.endpoints, self.job, self._secret, self.rank, self.world, own_steps)
 
     def drop_reshard(self) -> None:
         """Removes the copies this rank fetched alone for a reshard and gives
@@ -70,10 +57,7 @@ class Peers:
         _ext.core().peer_remove_rank_dir(self.job, "reshard", self.rank)
         lease, self._lease = self._lease, None
         if lease is not None:
-            try:
-                lease.release()
-            except (CheckpointError, OSError):
-                pass  # the copies stay for this host's last holder to remove
+            lease.release()  # never raises: a failure leaves the copies to the last holder
 
     def gather_old_shards(self, dir: str, remote=None) -> None:
         """Before resharding a set-aside checkpoint of another world size: a
@@ -81,7 +65,6 @@ class Peers:
         decides (tier/peer_gather.h; `remote`: a _remote.Tier), named in
         reshard_files for JobDir.select_reshard (else reshard_missing)."""
         core = _ext.core()
-        t0 = time.perf_counter()
         self.drop_reshard()  # a restart before this one may have left its copies
         got = core.peer_gather_old_shards(
             os.path.abspath(dir), self.job, self._secret, self.endpoints, self.local, self.other,
@@ -89,10 +72,7 @@ class Peers:
             f"rank {self.rank} pid {os.getpid()}")
         self.reshard_files = [tuple(f) for f in got["files"]]
         self.reshard_missing, self._lease = got["missing"], got["lease"]
-        self.reshard_stats = {} if not (got["from"] or got["missing"]) else {
-            "peer_reshard_from": dict(got["from"]), "peer_reshard_missing": got["missing"],
-            "peer_reshard_bytes": got["bytes"], "peer_reshard_shared": got["shared"],
-            "peer_reshard_s": time.perf_counter() - t0, "peer_reshard_dir": got["dir"]}
+        self.reshard_stats = got["stats"]  # peer_reshard_* (docs/TIERS.md "Stats")
 
     # ------------------------------------------------------------- stats
 

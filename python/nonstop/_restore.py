@@ -89,7 +89,7 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
             warned.append(prev.counter)
             warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
                           f"is damaged; falling back to an older checkpoint", stacklevel=4)
-        state["memory"] = os.path.isabs(info["where"])  # the memory tier's segment
+        state["memory"] = info["memory"]  # the memory tier's segment
         try:
             state["loaded"], dests, state["after"] = _checked(
                 info, os.path.join(path, info["where"]), path, world_size, as_numpy, prepare, live)

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <iterator>
 
 #include "python/bindings.h"
@@ -518,9 +519,13 @@ void InitPeer(py::module_& m) {
       "ReshardLease), from peer_gather_old_shards.")
       .def(
           "release",
-          [](peer::ReshardLease& l) { return Released([&] { return l.Release(); }); },
+          [](peer::ReshardLease& l) {
+            py::gil_scoped_release r;
+            Result<bool> done = l.Release();
+            return done.ok() && *done;  // a failure leaves the copies to the host's last holder
+          },
           "Gives the hold up; the last holder of the host removes the copies (True: this one "
-          "did).");
+          "did; never raises).");
   m.def(
       "peer_gather_old_shards",
       [](const std::string& job_dir, const std::string& job, const py::bytes& secret,
@@ -583,19 +588,26 @@ void InitPeer(py::module_& m) {
         r.fallback_dir = peer::RankDir(job, "reshard", rank);
         r.holder = holder;
         peer::GatherResult got;
+        const auto t0 = std::chrono::steady_clock::now();
         {
           py::gil_scoped_release release;
           got = peer::GatherOldShards(r);
         }
         py::list files;
         for (const auto& [w, rk, path] : got.files) files.append(py::make_tuple(w, rk, path));
-        py::dict out;
+        py::dict out, stats;  // stats: Checkpointer.stats()'s peer_reshard_* (none: nothing gathered)
+        if (!got.from.empty() || !got.missing.empty()) {
+          stats["peer_reshard_from"] = got.from;
+          stats["peer_reshard_missing"] = got.missing;
+          stats["peer_reshard_bytes"] = got.bytes;
+          stats["peer_reshard_shared"] = got.shared;
+          stats["peer_reshard_s"] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          stats["peer_reshard_dir"] = got.dir;
+        }
         out["files"] = files;
-        out["from"] = got.from;
         out["missing"] = got.missing;
-        out["bytes"] = got.bytes;
-        out["shared"] = got.shared;
-        out["dir"] = got.dir;
+        out["stats"] = stats;
         out["lease"] = got.lease == nullptr ? py::none() : py::cast(got.lease);
         return out;
       },
@@ -606,9 +618,34 @@ void InitPeer(py::module_& m) {
       "rank `rank`: from this host's memory directory (local [{source_rank, world_size, step, "
       "counter, kind, path}]), another host's server (other [(holder rank, {...})], hosts: "
       "every rank's host) or the remote tier (remote: a RemoteTier or None); fetched alone "
-      "into peer_rank_dir(job, 'reshard', rank): {files [(world, rank, path)], from {'W/r': "
-      "line}, missing, bytes, shared, dir, lease (a PeerReshardLease or None: release it once "
-      "the reshard read the files)}.");
+      "into peer_rank_dir(job, 'reshard', rank): {files [(world, rank, path)], missing, stats "
+      "(peer_reshard_from {'W/r': line}, _missing, _bytes, _shared, _s, _dir; {} when nothing "
+      "was gathered), lease (a PeerReshardLease or None: release it once the reshard read the "
+      "files)}.");
+  m.def(
+      "peer_prefetch",
+      [](const std::vector<std::tuple<int64_t, uint64_t, uint32_t>>& held,
+         const std::vector<std::string>& endpoints, const std::string& job,
+         const py::bytes& secret, uint32_t rank, uint32_t world,
+         const std::vector<int64_t>& own_steps) {
+        const std::string key = secret;
+        peer::Prefetched p;
+        {
+          py::gil_scoped_release r;
+          p = peer::PrefetchOwnReplica(held, endpoints, job, key, rank, world, own_steps);
+        }
+        py::object got = py::none();
+        if (!p.dir.empty()) {
+          got = py::dict(py::arg("step") = p.step, py::arg("counter") = p.counter,
+                         py::arg("dir") = p.dir, py::arg("holder") = p.holder);
+        }
+        return py::make_tuple(got, LossyStr(p.why));
+      },
+      py::arg("held"), py::arg("endpoints"), py::arg("job"), py::arg("secret"), py::arg("rank"),
+      py::arg("world"), py::arg("own_steps"),
+      "({step, counter, dir, holder} or None, why not): the newest replica of this rank held "
+      "at the start, fetched and verified unless own_steps has its step "
+      "(tier/peer_setup.h PrefetchOwnReplica).");
   m.def(
       "peer_rank_dir",
       [](const std::string& job, const std::string& what, uint32_t rank, bool fresh) {

@@ -156,6 +156,7 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
   std::unique_ptr<CopyEngine> copy;
   // NONSTOP_RESTORE_THREADS/_DIRECT/_QUEUE where the caller gives no threads/direct.
   RestoreOptions opts = RestoreOptionsFromEnv();
+  bool in_memory = false;
   RestorePrepareDevices prep = [&](const Selected& s) -> Result<RestoreDestinations> {
     bool any_device = false;
     std::optional<Result<RestoreDestinations>> dst;
@@ -165,6 +166,7 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
         py::dict info = InfoDict(s.info);
         info["where"] = s.location.where;
         info["keep"] = s.location.keep;
+        info["memory"] = in_memory;  // the memory tier's segment (memory=True), not the disk
         py::object answer = prepare(info);
         if (py::isinstance<py::str>(answer)) return Status::Corruption(answer.cast<std::string>());
         dst.emplace(ParseDestinations(answer.cast<py::sequence>(), s.info, &any_device));
@@ -215,6 +217,7 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
         if (!lineage.ok()) {
           r.emplace(lineage.status());
         } else {
+          in_memory = true;
           r.emplace(RestoreFromSlotFile(
               *m.file, m.path, m.report, *lineage, exclude,
               [&](const Selected& s) -> Result<RestoreDestinations> {
@@ -223,6 +226,7 @@ py::object Restore(const std::string& path, int rank, const py::function& prepar
                 return prep(s);
               },
               opts));
+          in_memory = false;
         }
         if (r->ok() && !(*r)->chosen) {  // none of its checkpoints: the disk, into the same memory
           for (const std::string& line : (*r)->skipped) unused += (unused.empty() ? "" : "; ") + line;

@@ -250,4 +250,25 @@ bool RemoveRankDir(const std::string& job, const std::string& what, uint32_t ran
   return RemoveTree(**d, RankDirName(job, what, rank)).ok() && (*d)->SyncDir().ok();
 }
 
+Prefetched PrefetchOwnReplica(const std::vector<std::tuple<int64_t, uint64_t, uint32_t>>& held,
+                              const std::vector<std::string>& endpoints, const std::string& job,
+                              const std::string& secret, uint32_t rank, uint32_t world,
+                              const std::vector<int64_t>& own_steps, const std::string& mem_dir,
+                              Env* env) {
+  Prefetched out;
+  if (held.empty()) return out;
+  std::tie(out.step, out.counter, out.holder) = held.front();
+  if (std::find(own_steps.begin(), own_steps.end(), out.step) != own_steps.end()) return out;
+  const std::string& ep = out.holder < endpoints.size() ? endpoints[out.holder] : "";
+  Result<std::string> d = FetchReplica(ep, job, secret, world, rank, out.step,
+                                       RankDir(job, "fetched", rank, true, mem_dir, env), env);
+  if (d.ok()) {
+    out.dir = *d;
+  } else {
+    out.why = "the replica of rank " + std::to_string(rank) + " step " + std::to_string(out.step) +
+              " on rank " + std::to_string(out.holder) + " (" + ep + "): " + d.status().message();
+  }
+  return out;
+}
+
 }  // namespace nonstop::peer

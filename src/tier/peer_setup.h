@@ -86,4 +86,24 @@ std::string RankDir(const std::string& job, const std::string& what, uint32_t ra
 bool RemoveRankDir(const std::string& job, const std::string& what, uint32_t rank,
                    const std::string& mem_dir = "", Env* env = nullptr);
 
+// The restart's prefetch of rank `rank` (of `world`), before the collective
+// restore (not collective): the newest replica of its checkpoint a
+// partner's server held at the start (held[0] of PeerStart::held, at
+// endpoints[holder]), fetched and verified into RankDir(job, "fetched",
+// rank, fresh) unless this rank's own tiers hold a checkpoint of that step
+// (`own_steps`). Nothing fetched: `dir` empty, and `why` says why when a
+// fetch failed (the restore goes on without it).
+struct Prefetched {
+  int64_t step = 0;
+  uint64_t counter = 0;
+  uint32_t holder = 0;
+  std::string dir;  // the one-slot job directory fetched ("": none)
+  std::string why;  // why the replica is not used ("": none was wanted)
+};
+Prefetched PrefetchOwnReplica(const std::vector<std::tuple<int64_t, uint64_t, uint32_t>>& held,
+                              const std::vector<std::string>& endpoints, const std::string& job,
+                              const std::string& secret, uint32_t rank, uint32_t world,
+                              const std::vector<int64_t>& own_steps,
+                              const std::string& mem_dir = "", Env* env = nullptr);
+
 }  // namespace nonstop::peer

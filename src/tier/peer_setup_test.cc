@@ -219,5 +219,37 @@ TEST(PeerSetup, ARanksOwnDirectoryIsNamedByJobWhatAndRankAndRemovedWhole) {
   EXPECT_TRUE(env->OpenDirectory("/shm", false).ok());  // the memory directory stays
 }
 
+TEST(PeerSetup, TheNewestReplicaHeldIsPrefetchedUnlessThisRankHoldsItsStep) {
+  Hosts h;
+  h.Replica("/shm-b", 2, 0, 7, 3);  // rank 0's replica, on rank 1's host
+  std::vector<Result<PeerStart>> got = RunRanks({h.Rank(0, "a", "/shm-a"), h.Rank(1, "b", "/shm-b")});
+  ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+  ASSERT_TRUE(got[1].ok()) << got[1].status().ToString();
+  const PeerStart& a = *got[0];
+  Env* env = h.env.get();
+  // This rank's own tiers hold step 7: nothing fetched, nothing to say.
+  Prefetched p = PrefetchOwnReplica(a.held, a.endpoints, a.job, a.secret, 0, 2, {7}, "/shm-a", env);
+  EXPECT_EQ(p.dir, "");
+  EXPECT_EQ(p.why, "");
+  EXPECT_FALSE(env->OpenDirectory(RankDir("/job", "fetched", 0, false, "/shm-a", env), false).ok());
+  p = PrefetchOwnReplica(a.held, a.endpoints, a.job, a.secret, 0, 2, {5}, "/shm-a", env);
+  EXPECT_EQ(p.why, "");
+  EXPECT_EQ(p.step, 7);
+  EXPECT_EQ(p.counter, 3u);
+  EXPECT_EQ(p.holder, 1u);
+  EXPECT_EQ(p.dir, PeerStepDir(RankDir("/job", "fetched", 0, false, "/shm-a", env), 7));
+  EXPECT_TRUE(env->OpenDirectory(p.dir, false).ok());
+  // Rank 1 holds no replica of its own: nothing.
+  EXPECT_EQ(PrefetchOwnReplica(got[1]->held, a.endpoints, a.job, a.secret, 1, 2, {}, "/shm-b", env).dir,
+            "");
+  // Its holder's server gone: why, naming the replica and where it was.
+  got[1]->server.reset();
+  p = PrefetchOwnReplica(a.held, a.endpoints, a.job, a.secret, 0, 2, {}, "/shm-a", env);
+  EXPECT_EQ(p.dir, "");
+  EXPECT_NE(p.why.find("the replica of rank 0 step 7 on rank 1 (" + a.endpoints[1] + "): "),
+            std::string::npos)
+      << p.why;
+}
+
 }  // namespace
 }  // namespace nonstop::peer

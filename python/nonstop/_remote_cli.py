@@ -22,11 +22,8 @@ _LS_KEYS = ("step", "counter", "where", "path", "state", "reason", "time", "byte
 
 
 def _options() -> dict:
-    raw = os.environ.get("NONSTOP_REMOTE_OPTIONS", "")
-    if not raw:
-        return {}
     try:
-        opts = json.loads(raw)
+        opts = json.loads(os.environ.get("NONSTOP_REMOTE_OPTIONS") or "{}")
     except ValueError:
         raise CheckpointMismatchError("NONSTOP_REMOTE_OPTIONS is not JSON") from None
     if not isinstance(opts, dict):

@@ -10,11 +10,11 @@
 // Errors. A checkpoint that fails in the background (a write, a sync, a
 // keep copy) is queued, oldest first, and each queued failure is returned
 // once: by WaitCommitted(its counter), or by the next TakeError(),
-// WaitCopied(), WaitCommitted(0), Register(), Restore() or Close().
-// Checkpoint() never returns an earlier checkpoint's failure: it starts the
-// new checkpoint, so one transient error costs only the checkpoint that
-// failed. A caller that wants to report failures at checkpoint time calls
-// TakeError() right after Checkpoint().
+// WaitCopied(), WaitCommitted(0), EndCheckpoint(), Restore() or Close().
+// Register() and Checkpoint() never return an earlier checkpoint's failure:
+// they register and start the new checkpoint, so one transient error costs
+// only the checkpoint that failed. A caller that wants to report failures at
+// checkpoint time calls TakeError() right after Checkpoint().
 //
 // fsync failures are sticky (DESIGN.md invariant 8): after a sync of the
 // slot file fails, no checkpoint whose bytes were written before it is ever

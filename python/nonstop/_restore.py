@@ -188,7 +188,7 @@ def restore(dir: str, rank: int, world_size: int, tier: str, step: Optional[int]
         return None, False
     if session.copy_pending and hasattr(session.engine, "wait_copied"):
         # The tensors are read into in place: no copy of them may be in flight.
-        session.call(session.engine.wait_copied, take=True)
+        session.take(session.engine.wait_copied)
         session.copy_pending = False
     loaded = read(dir, rank, step, world_size, as_numpy=False, prepare=applier.prepare,
                   live=applier.live_tensors(), stats=stats, memory=step is None and tier != "disk")

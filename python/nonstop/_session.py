@@ -82,13 +82,12 @@ class Session:
         staging in the background, now or (`deferred`: a restart) once
         restore() has read."""
         if self.dist is None and hasattr(self.engine, "prepare_staging"):
-            if deferred:
-                self.staging_deferred = nbytes
-            elif nbytes:
-                self.engine.prepare_staging(nbytes)
+            self.staging_deferred = nbytes
+            if not deferred:
+                self.begin_staging()
 
     def begin_staging(self) -> None:
-        """Starts the staging allocation stage() deferred."""
+        """Starts the staging allocation stage() deferred (or asked for)."""
         nbytes, self.staging_deferred = self.staging_deferred, 0
         if nbytes and not self.forked():
             self.live().prepare_staging(nbytes)
@@ -104,26 +103,19 @@ class Session:
             raise CheckpointError(f"the checkpointer for {self.dir} is closed")
         return self.engine
 
-    def call(self, fn, *args, take: bool = False, **kwargs):
-        """fn(*args): an engine call that first answers with an error queued
-        by an earlier checkpoint (and then does nothing). That error is
-        taken (reported later, once) and the call made again, so one failed
-        checkpoint never costs the next one. The same error twice is the
-        call's own: raised; with take=True taken too (reported once), which
-        drains the queue (take_error; a wait: nothing is in flight after it)."""
-        taken: dict = {}
-        while True:
+    def take(self, fn, *args) -> None:
+        """fn(*args), an engine wait or take_error, until it stops raising:
+        each failure an earlier checkpoint queued (include/nonstop/engine.h
+        "Errors") is taken for report(); the same line twice is the call's
+        own error, taken once."""
+        taken: set = set()
+        while len(taken) < 1000:
             try:
-                return fn(*args, **kwargs)
+                return fn(*args)
             except CheckpointError as e:
-                msg = str(e)
-                if msg in taken or len(taken) >= 1000:
-                    if take:
-                        return None
-                    if msg in taken:
-                        self.errors.remove(taken[msg])
-                    raise
-                taken[msg] = e
+                if str(e) in taken:
+                    return
+                taken.add(str(e))
                 self.errors.append(e)
 
     def report(self) -> None:
@@ -178,8 +170,7 @@ class Session:
         """Registers `refs` with the engine when they changed."""
         if refs == self.registered:
             return
-        self.call(self.live().register, refs,
-                  layouts=None if layouts is None else [layouts.get(r[0]) for r in refs])
+        self.live().register(refs, None if layouts is None else [layouts.get(r[0]) for r in refs])
         self.registered = refs
         self.registers += 1
 
@@ -188,9 +179,9 @@ class Session:
         engine = self.live()
         if self.remote is not None:  # remote_every: the selected ones copied out of the ring
             self.remote.before_save()
-        counter = self.call(engine.checkpoint, int(step), _state.dumps(meta))
+        counter = engine.checkpoint(int(step), _state.dumps(meta))
         if hasattr(engine, "take_error"):  # earlier failures, reported after this one started
-            self.call(engine.take_error, take=True)
+            self.take(engine.take_error)
         if self.dist is not None:
             self.dist.started(engine)
         self.copy_pending = True
@@ -204,35 +195,27 @@ class Session:
         raises: an error of a checkpoint in flight must not skip the update
         (it is reported at the next step()/save()/wait())."""
         if self.copy_pending and self.engine is not None and not self.forked():
-            self.hook_stall_s += self.wait_copied(self.engine)
+            self.hook_stall_s += self.waited(self.engine, committed=False)
 
-    def wait_copied(self, engine) -> float:
-        """engine.wait_copied(), its error taken; the seconds, counted as visible stall."""
+    def wait(self, committed: bool, take: bool = True) -> None:
+        """Waits for the copies (committed=False) or the commits in flight;
+        then reports the background errors."""
+        self.waited(self.live(), committed, take)
+        self.report()
+
+    def waited(self, engine, committed: bool, take: bool = True) -> float:
+        """engine.wait_copied() or wait_committed(), its errors taken (take=
+        False: raised); the seconds, counted as visible stall."""
         t0 = time.perf_counter()
-        try:
-            engine.wait_copied()
-        except CheckpointError as e:
-            self.errors.append(e)
+        fn = engine.wait_committed if committed else engine.wait_copied
+        if take:
+            self.take(fn)
+        else:
+            fn()
         self.copy_pending = False
         dt = time.perf_counter() - t0
         self.visible_stall_s += dt
         return dt
-
-    def wait(self, committed: bool, take: bool = True) -> None:
-        """Waits for the copies (committed=False) or the commits in flight,
-        counted as visible stall; then reports the background errors."""
-        engine = self.live()
-        if not committed:
-            self.wait_copied(engine)
-        else:
-            t0 = time.perf_counter()
-            if take:
-                self.call(engine.wait_committed, 0, take=True)
-            else:
-                engine.wait_committed(0)
-            self.copy_pending = False
-            self.visible_stall_s += time.perf_counter() - t0
-        self.report()
 
     def stats(self, driver, engine=None) -> dict:
         """stats(): the engine's, the session's counters, the last restore's,

@@ -331,7 +331,8 @@ Status EngineImpl::PublishTemp(SlotFile& file) {
 Status EngineImpl::Register(std::vector<TensorRef> tensors) {
   MutexLock lock(&mu_);
   NONSTOP_RETURN_IF_ERROR(CheckOpen());
-  NONSTOP_RETURN_IF_ERROR(TakePendingError());
+  // An earlier checkpoint's failure stays queued (engine.h "Errors"): a new
+  // registration is not refused for it.
   std::vector<TensorSpec> specs;
   specs.reserve(tensors.size());
   // Bytes that go through the staging pool (every tensor not staged).

@@ -703,6 +703,33 @@ TEST_F(EngineTest, AQueuedFailureDoesNotCostTheNextCheckpoint) {
   EXPECT_EQ(engine->Stats().failed, 1u);
 }
 
+TEST_F(EngineTest, AQueuedFailureDoesNotRefuseTheNextRegister) {
+  // Register() used to return a queued failure and register nothing; the
+  // Python front end then had to take it and call again.
+  FaultRig rig;
+  auto t = MakeTensor("t", 100000);
+  auto u = MakeTensor("u", 1000);
+  auto engine = std::move(OpenEngine(Options(), rig.Media())).value();
+  ASSERT_TRUE(engine->Register({t.Ref()}).ok());
+  rig.disk->InjectError(FaultOp::kWrite, 1, EIO);
+  ASSERT_TRUE(engine->Checkpoint(1, "").ok());
+  while (engine->Stats().in_flight > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Status reg = engine->Register({t.Ref(), u.Ref()});
+  ASSERT_TRUE(reg.ok()) << "the earlier failure must not refuse this registration: "
+                        << reg.ToString();
+  auto c2 = engine->Checkpoint(2, "");
+  ASSERT_TRUE(c2.ok()) << c2.status().ToString();
+  Status old = engine->TakeError();  // still queued, reported once
+  EXPECT_EQ(old.code(), StatusCode::kIOError) << old.ToString();
+  EXPECT_NE(old.message().find("step 1"), std::string::npos) << old.message();
+  EXPECT_TRUE(engine->TakeError().ok());
+  ASSERT_TRUE(engine->WaitCommitted(*c2).ok());
+  EXPECT_EQ(engine->Latest()->step, 2);
+  auto info = engine->Restore();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->tensors.size(), 2u);  // the second registration's
+}
+
 // ---- the restored checkpoint is protected (DESIGN.md invariant 9) ----------
 
 TEST_F(EngineTest, AFallbackRestoreKeepsTheRestoredCheckpointUntilANewerCommits) {

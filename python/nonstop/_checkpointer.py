@@ -89,7 +89,7 @@ class Checkpointer:
                               o.on_commit)
         ses.stage(nbytes, deferred)  # no first-checkpoint spike (Session.stage)
         # Preemption notices (SIGTERM by default): _preempt.py, docs/PREEMPTION.md
-        self._preempt = _preempt.install(self, o.on_preempt)
+        self._preempt = _preempt.install(self, o.on_preempt, _state_bytes_estimate)
         # remote=: committed checkpoints also uploaded; _remote.py, docs/TIERS.md
         if o.remote is not None:
             ses.remote = _remote.Tier(self, o.remote, o.remote_options, _ext.core,

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import _ext, _objects
+from . import _ext
 from .errors import CheckpointError
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
@@ -39,19 +39,10 @@ class Preempted(SystemExit):
     reason ("SIGTERM", "preempt()", "rank N", ...), notice_to_safe_s,
     checkpoint (the engine's record, or None); docs/PREEMPTION.md."""
 
-    def __init__(self, step: int, notice_step: Optional[int], committed: bool,
-                 latest: Optional[int], reason: str, notice_to_safe_s: float, exit_code: int,
-                 checkpoint: Optional[dict] = None, message: str = ""):
-        super().__init__(exit_code)
+    def __init__(self, message: str, **attrs):
+        super().__init__(attrs["exit_code"])
         self.message = message  # engine/preempt.h PreemptedMessage
-        self.checkpoint = checkpoint
-        self.step = step
-        self.notice_step = notice_step
-        self.committed = committed
-        self.latest = latest
-        self.reason = reason
-        self.notice_to_safe_s = notice_to_safe_s
-        self.exit_code = exit_code
+        self.__dict__.update(attrs)  # the attributes above
 
     def __str__(self):
         return self.message
@@ -101,9 +92,10 @@ class PreemptWatch:
     """One Checkpointer's notice handling: the signal handlers, the flag, the
     cross-rank agreement and the emergency checkpoint. See the module doc."""
 
-    def __init__(self, ckpt, cfg: dict):
+    def __init__(self, ckpt, cfg: dict, estimate):
         self.ckpt = ckpt
         self.cfg = cfg
+        self._estimate = estimate  # state -> its bytes (_checkpointer._state_bytes_estimate)
         _WATCHES.add(self)
         # the first notice, the time per step and the ranks' flag (C++; thread-safe)
         self.notices = _ext.core().PreemptNotices(ckpt.rank, ckpt.world_size)
@@ -187,19 +179,6 @@ class PreemptWatch:
         reg = self.ckpt.session.registered
         return sum(r[3] for r in reg) if reg else self._bytes_guess
 
-    def _guess_bytes(self) -> int:
-        """The state's tensor bytes before the first checkpoint registered
-        them (once per process, at the first boundary)."""
-        tensors: dict = {}
-        try:
-            # as save() walks it (ZeRO: local shard)
-            _objects.flatten_state(self.ckpt.state, tensors)
-        except Exception:
-            return 0
-        seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()
-                if isinstance(t, torch.Tensor)}
-        return sum(seen.values())
-
     # ------------------------------------------------- at each step boundary
 
     def _setup_group(self) -> None:
@@ -223,7 +202,8 @@ class PreemptWatch:
         when a notice has to be handled at this boundary."""
         self.notices.boundary(step, time.monotonic())
         if not self._bytes_guess and not self.ckpt.session.registered:
-            self._bytes_guess = self._guess_bytes()
+            # before the first checkpoint registered them: once, at the first boundary
+            self._bytes_guess = self._estimate(self.ckpt.state)
         due = self.notices.noticed
         if self._group is not None:
             # Multi-rank: the flag agreed at this boundary (the MAX all-reduce
@@ -272,11 +252,11 @@ class PreemptWatch:
         except Exception as e:
             if not committed:
                 error = error or e
-        notice_to_safe = done_t - (self.notices.notice_s or t_start)
-        reason, code = self.notices.reason or "?", self.cfg["exit_code"]
+        out = dict(reason=self.notices.reason or "?", step=step, committed=committed,
+                   latest=latest, notice_to_safe_s=done_t - (self.notices.notice_s or t_start),
+                   exit_code=self.cfg["exit_code"])
         line, message = _ext.core().preempt_outcome(
-            reason=reason, step=step, committed=committed, latest=latest,
-            notice_to_safe_s=notice_to_safe, checkpoint_s=done_t - t_start, exit_code=code,
+            **out, checkpoint_s=done_t - t_start,
             error="" if error is None else str(error) or repr(error))
         _say(line)
         if self.cfg["chain"]:
@@ -284,8 +264,8 @@ class PreemptWatch:
                 prev = prev_handlers.get(signum)
                 if callable(prev) and prev not in (signal.default_int_handler,):
                     prev(signum, None)
-        raise Preempted(step, self.notices.notice_step, committed, latest, reason, notice_to_safe,
-                        code, record, message) from error
+        raise Preempted(message, notice_step=self.notices.notice_step, checkpoint=record,
+                        **out) from error
 
     def _emergency(self, step: int) -> tuple:
         """`step`'s checkpoint, everything older in flight abandoned: (whether
@@ -341,7 +321,7 @@ def worker_init_fn(worker_id=None) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def install(ckpt, on_preempt) -> Optional[PreemptWatch]:
+def install(ckpt, on_preempt, estimate) -> Optional[PreemptWatch]:
     cfg = parse(on_preempt)
-    return None if cfg is None else PreemptWatch(ckpt, cfg)
+    return None if cfg is None else PreemptWatch(ckpt, cfg, estimate)
 

@@ -6,45 +6,40 @@ from __future__ import annotations
 import atexit
 import threading
 import warnings
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 from .errors import CheckpointError, CheckpointIOError
 
 
-class CheckpointHandle:
-    """One checkpoint started by save() or step().
+class CheckpointHandle(Future):
+    """One checkpoint started by save() or step(): a concurrent.futures.Future
+    of its stats that the watcher settles (cancel() does nothing).
 
     step: the training step it holds; counter: the engine's checkpoint number.
     """
 
     def __init__(self, step: int, counter: int):
+        super().__init__()
         self.step = int(step)
         self.counter = int(counter)
-        self._event = threading.Event()
-        self._lock = threading.Lock()
         self._stats: Optional[dict] = None
-        self._error: Optional[BaseException] = None
-        self._callbacks: list = []
-
-    def done(self) -> bool:
-        """True once the checkpoint is committed or has failed."""
-        return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> dict:
         """Blocks until the checkpoint is committed and returns its stats
         (counter, step, bytes, stall_s, copy_s, persist_s, write_GBps,
         committed, error). Raises its error when it failed, TimeoutError
         when `timeout` seconds passed first."""
-        error = self.exception(timeout)
-        if error is not None:
-            raise error
-        return dict(self._stats)
+        self.exception(timeout)
+        return dict(self.result())  # raises its error
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Blocks like wait(); returns the checkpoint's error, or None when it committed."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"checkpoint of step {self.step} not finished after {timeout} s")
-        return self._error
+        try:
+            return super().exception(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"checkpoint of step {self.step} not finished after {timeout} s"
+                               ) from None
 
     @property
     def stats(self) -> Optional[dict]:
@@ -54,25 +49,21 @@ class CheckpointHandle:
     def add_done_callback(self, fn: Callable[["CheckpointHandle"], object]) -> None:
         """Calls fn(handle) once the checkpoint is committed or has failed:
         on the watcher thread, or at once (on this thread) if it already is."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        _call(fn, self)
+        super().add_done_callback(lambda h: _call(fn, h))
+
+    def cancel(self) -> bool:  # the engine finishes what it started
+        return False
 
     def _settle(self, stats: Optional[dict], error: Optional[BaseException]) -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._stats, self._error = stats, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            _call(fn, self)
+        self._stats = stats
+        if error is None:
+            self.set_result(stats)
+        else:
+            self.set_exception(error)
 
     def __repr__(self):
         state = ("pending" if not self.done() else
-                 "committed" if self._error is None else f"failed: {self._error}")
+                 "committed" if self.exception() is None else f"failed: {self.exception()}")
         return f"CheckpointHandle(step={self.step}, counter={self.counter}, {state})"
 
 
@@ -124,7 +115,7 @@ class Watcher:
 
     def _report(self, h: CheckpointHandle) -> None:
         stats = h.stats or {"counter": h.counter, "step": h.step, "committed": False,
-                            "error": str(h._error)}
+                            "error": str(h.exception())}
         self._on_commit(stats)
 
     def _run(self) -> None:

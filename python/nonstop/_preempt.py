@@ -71,11 +71,8 @@ _WATCHES: "weakref.WeakSet[PreemptWatch]" = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     """In a forked child the preemption signals get their previous meaning
-    back (a child that ignored SIGTERM would hang a pool's terminate(); it has
-    no step boundary at which a notice would be handled); the parent's
-    collectives are not the child's to wait for, and the parent's
-    Checkpointers never wait on engine threads the fork did not copy (the
-    C++ side leaves their engines alone)."""
+    back (docs/PYTHON.md "Fork"); the parent's collectives are not the
+    child's to wait for."""
     for watch in list(_WATCHES):
         watch._work = watch._group = None
         try:
@@ -142,11 +139,8 @@ class PreemptWatch:
         self.notice(signal.Signals(signum).name)
 
     def _insist(self, signum, frame) -> None:
-        """The same signal a second time: whoever sends it will not wait for
-        a step boundary (or the job is outside its training loop). Give the
-        signal its previous meaning at once: for SIGTERM by default, the
-        process ends (status 143). The newest committed checkpoint is intact
-        whatever is in flight (the store's commit protocol)."""
+        """The same signal again means "now": its previous meaning at once
+        (docs/PREEMPTION.md "A second signal")."""
         prev = self._previous.get(signum, signal.SIG_DFL)
         _say(f"nonstop: {signal.Signals(signum).name} again: not waiting for the emergency "
              f"checkpoint")

@@ -233,13 +233,10 @@ class Session:
         return s
 
     def shut(self, driver) -> None:
-        """close(): waits for everything in flight (stats() after close()
-        counts every checkpoint); with several ranks a last agreement round,
-        then the agreement stops; the handles settled (the newest checkpoint
-        every rank committed settles as committed, not as unknown); the
-        newest checkpoint uploaded (remote tier); the stats stats() returns
-        from now on (closed_stats); closes the engine. Errors are taken for
-        report()."""
+        """close(), in this order: everything in flight waited for; with
+        several ranks a last agreement round, so that the handles settle
+        after it (docs/PYTHON.md "Handles"); the remote tier's last upload;
+        closed_stats; the engine closed. Errors are taken for report()."""
         try:
             try:
                 self.engine.wait_committed(0)

@@ -12,6 +12,7 @@ import torch
 
 import nonstop
 from conftest import needs_engine
+from nonstop._handle import CheckpointHandle
 from nonstop.errors import CheckpointError, CheckpointIOError
 
 pytestmark = needs_engine
@@ -93,6 +94,26 @@ def test_save_returns_a_handle(tmp_path):
         assert h.wait(timeout=60)["step"] == 41
         assert ckpt.latest() == 41
         assert "committed" in repr(h)
+
+
+def test_a_handle_is_a_future_that_cancel_leaves_alone():
+    """CheckpointHandle on its own (a concurrent.futures.Future): cancel()
+    must not cancel a pending handle (the watcher settles it later), a wait
+    that times out says which step, and a callback that raises warns."""
+    h = CheckpointHandle(3, 7)
+    assert not h.cancel() and not h.done()
+    with pytest.raises(TimeoutError, match="checkpoint of step 3 not finished after 0.01 s"):
+        h.wait(timeout=0.01)
+    h.add_done_callback(lambda h: 1 / 0)
+    with pytest.warns(UserWarning, match="callback raised ZeroDivisionError"):
+        h._settle({"counter": 7, "step": 3, "committed": True}, None)
+    assert h.wait() == {"counter": 7, "step": 3, "committed": True} == h.stats
+    failed = CheckpointHandle(4, 8)
+    failed._settle({"committed": False}, CheckpointIOError("checkpoint of step 4: EIO"))
+    assert isinstance(failed.exception(), CheckpointIOError) and not failed.stats["committed"]
+    with pytest.raises(CheckpointIOError, match="step 4"):
+        failed.wait()
+    assert "failed: checkpoint of step 4" in repr(failed)
 
 
 def test_failed_checkpoint_settles_its_handle_with_the_error_while_training_goes_on(tmp_path):

@@ -40,12 +40,10 @@ class Preempted(SystemExit):
     checkpoint (the engine's record, or None); docs/PREEMPTION.md."""
 
     def __init__(self, message: str, **attrs):
-        super().__init__(attrs["exit_code"])
-        self.message = message  # engine/preempt.h PreemptedMessage
+        super().__init__(message)  # str(): engine/preempt.h PreemptedMessage
+        self.message = message
         self.__dict__.update(attrs)  # the attributes above
-
-    def __str__(self):
-        return self.message
+        self.code = self.exit_code   # the exit status when uncaught
 
 
 def parse(on_preempt) -> Optional[dict]:

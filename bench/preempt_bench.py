@@ -75,7 +75,7 @@ def one_run(d: str, nbytes: int, scenario: str, step_s: float, medium: str) -> d
         time.sleep(step_s / 2)  # ... and the notice lands in the middle of step 3
     t_notice = time.perf_counter()
     ckpt.preempt("bench")
-    # What the notice's line estimated (PreemptWatch._announce's figures).
+    # What the notice's line estimated (PreemptWatch.notice's figures).
     w, eng = ckpt._preempt, ckpt.session.engine
     latest = eng.latest()
     _, expected = w.notices.estimate(

@@ -154,10 +154,8 @@ class PreemptWatch:
     def notice(self, reason: str, step: Optional[int] = None) -> None:
         """Records a notice (first one wins) and prints the estimate.
         Callable from any thread and from a signal handler."""
-        if self.notices.notice(reason, step, time.monotonic()):
-            self._announce()
-
-    def _announce(self) -> None:
+        if not self.notices.notice(reason, step, time.monotonic()):
+            return
         engine, recent, latest = self.ckpt.session.engine, [], None
         try:
             if engine is not None:

@@ -190,7 +190,7 @@ class Layerwise(_periodic.Periodic):
         engine = ses.engine
         if engine is not None:
             if ses.copy_pending:  # a whole-model checkpoint is still copying (errors: at step())
-                ses.hook_stall_s += ses.wait_copied(engine)
+                ses.hook_stall_s += ses.waited(engine, committed=False)
             t0 = time.perf_counter()
             self._maybe_begin()
             # Updated twice in one step: the batch is handed over first. Then

@@ -131,6 +131,17 @@ Result<std::vector<std::optional<std::vector<int64_t>>>> CheckSavedState(
     const std::string& where, std::string_view state_json, const std::vector<StateKey>& keys,
     const std::vector<std::string>& tensors);
 
+// A checkpoint's RNG record (its metadata's "rng", JSON text;
+// python/nonstop/_rng.py capture writes it), checked before restore builds
+// a generator state from it: an object whose parts, each optional, are
+// "random" {"t": [3, {"t": [625 integers < 2^32, the last <= 624]}, null or a
+// number]} (Python's random.getstate, tuples as {"t": [...]}), "numpy"
+// ["MT19937", [624 integers < 2^32], position 0..624, has_gauss 0 or 1, a
+// number], "torch" a hex string and "cuda" a list of hex strings (each not empty, at
+// most 1 MiB of text; torch checks its own states' sizes). Else Corruption "RNG
+// record 'PART' is malformed: WHY" (or "RNG record is a T, not a dict"), one line.
+Status CheckRngRecord(std::string_view record_json);
+
 // State `key`'s tree (JSON text: a value DcpLayout places, or a
 // ZeroRedundancyOptimizer's consolidated tree) under get_state_dict's names,
 // from the metadata's "names" (`names_json`, as CheckExportNames checks it),

@@ -488,6 +488,11 @@ void InitRestore(py::module_& m) {
       "[(key, kind: 0 any, 1 tensor, 2 state dict, 3 optimizer)], `tensors` the checkpoint's "
       "names; per key the saved optimizer's group sizes (None: not compared); "
       "CorruptCheckpointError, one line (export.h CheckSavedState).");
+  m.def(
+      "check_rng_record", [](std::string_view record_json) { Check(CheckRngRecord(record_json)); },
+      py::arg("record_json"),
+      "An RNG record (JSON) before _rng.prepare builds generator states from it; "
+      "CorruptCheckpointError, one line, naming the part when malformed (export.h CheckRngRecord).");
   m.def("write_safetensors", &WriteSafetensorsPy, py::arg("out"), py::arg("entries"),
         py::arg("meta"), py::arg("progress") = py::none(), py::arg("remove_temp_link") = true);
 }

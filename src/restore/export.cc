@@ -404,6 +404,98 @@ Result<std::vector<std::optional<std::vector<int64_t>>>> CheckSavedState(
 
 namespace {
 
+// The Python type name of a JSON value, as a record's reader sees it.
+const char* PyTypeName(const Json& j) {
+  switch (j.type) {
+    case Json::Type::kNull: return "NoneType";
+    case Json::Type::kBool: return "bool";
+    case Json::Type::kNumber: return "number";
+    case Json::Type::kString: return "str";
+    case Json::Type::kArray: return "list";
+    case Json::Type::kObject: break;
+  }
+  return "dict";
+}
+
+// Whether every item is an integer in [0, 2^32).
+bool Uint32s(const std::vector<Json>& items) {
+  uint64_t v = 0;
+  return std::all_of(items.begin(), items.end(),
+                     [&](const Json& x) { return x.AsUint64(&v) && v <= 0xffffffffu; });
+}
+
+bool HexString(const Json& j) {
+  return j.type == Json::Type::kString && !j.text.empty() && j.text.size() % 2 == 0 &&
+         j.text.size() <= (1u << 20) &&
+         std::all_of(j.text.begin(), j.text.end(), [](char c) { return std::isxdigit(c) != 0; });
+}
+
+// The tuple {"t": [...]} of `n` items as its items, or null.
+const std::vector<Json>* Tuple(const Json& j, size_t n) {
+  const Json* t = j.type == Json::Type::kObject && j.keys.size() == 1 ? j.Get("t") : nullptr;
+  return t != nullptr && t->type == Json::Type::kArray && t->items.size() == n ? &t->items
+                                                                               : nullptr;
+}
+
+// Why one part of an RNG record is malformed; empty when it is well formed.
+std::string RngPartCheck(const std::string& part, const Json& j) {
+  double d = 0;
+  uint64_t u = 0;
+  if (part == "random") {
+    const std::vector<Json>* t = Tuple(j, 3);
+    const std::vector<Json>* mt = t != nullptr ? Tuple((*t)[1], 625) : nullptr;
+    if (mt == nullptr) return "not a tuple (3, (625 integers), gauss)";
+    if (!(*t)[0].AsUint64(&u) || u != 3) return "version is not 3";
+    if (!Uint32s(*mt) || !mt->back().AsUint64(&u) || u > 624) {
+      return "the Mersenne Twister state is not 625 integers < 2^32 ending at a position <= 624";
+    }
+    if ((*t)[2].type != Json::Type::kNull && !(*t)[2].AsDouble(&d)) {
+      return "gauss is neither null nor a number";
+    }
+  } else if (part == "numpy") {
+    if (j.type != Json::Type::kArray || j.items.size() != 5) {
+      return "not a list [kind, keys, pos, has_gauss, cached]";
+    }
+    const std::vector<Json>& v = j.items;
+    if (v[0].type != Json::Type::kString || v[0].text != "MT19937" ||
+        v[1].type != Json::Type::kArray || v[1].items.size() != 624 || !Uint32s(v[1].items)) {
+      return "not MT19937's 624 keys (integers < 2^32)";
+    }
+    if (!v[2].AsUint64(&u) || u > 624) return "pos is not an integer in 0..624";
+    if (!v[3].AsUint64(&u) || u > 1) return "has_gauss is not 0 or 1";
+    if (!v[4].AsDouble(&d)) return "cached is not a number";
+  } else if (part == "torch") {
+    if (!HexString(j)) return "not a hex string";
+  } else if (part == "cuda") {
+    if (j.type != Json::Type::kArray) return "not a list";
+    if (!std::all_of(j.items.begin(), j.items.end(), HexString)) return "not hex strings";
+  }
+  return "";
+}
+
+}  // namespace
+
+Status CheckRngRecord(std::string_view record_json) {
+  const jobdir_internal::JsonLimits limits =
+      jobdir_internal::MetaJsonLimits(std::max<uint64_t>(record_json.size(), 1));
+  NONSTOP_ASSIGN_OR_RETURN(Json record,
+                           jobdir_internal::ParseJson(record_json, "RNG record", limits));
+  if (record.type != Json::Type::kObject) {
+    return Status::Corruption(std::string("RNG record is a ") + PyTypeName(record) +
+                              ", not a dict");
+  }
+  for (const char* part : {"random", "numpy", "torch", "cuda"}) {
+    const Json* j = record.Get(part);
+    const std::string why = j != nullptr ? RngPartCheck(part, *j) : "";
+    if (!why.empty()) {
+      return Status::Corruption(std::string("RNG record '") + part + "' is malformed: " + why);
+    }
+  }
+  return Status::OK();
+}
+
+namespace {
+
 // Whether `node` refers to a tensor (a {"__tensor__"/"__ndarray__": name}
 // object) whose name is not in `shared`.
 bool RefersToLocal(const Json& node, const std::set<std::string>& shared) {

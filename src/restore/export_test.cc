@@ -553,6 +553,61 @@ TEST(DcpGatherLayoutTest, SharedAndDTensorTablesByNameEachPieceIntoItsTensor) {
   EXPECT_NE(why(dist, {{0, 0, "w", 0, 8}, {0, 1, "b", 0, 8}}).find("w"), std::string::npos);
 }
 
+// CheckRngRecord: what _rng.prepare may build generator states from.
+TEST(RngRecordTest, WellFormedPartsPassAnyOtherIsOneLineCorruptionNamingThePart) {
+  auto ints = [](int n, long long last) {
+    std::string s = "[";
+    for (int i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(i == n - 1 ? last : 7LL * i);
+    return s + "]";
+  };
+  auto random = [&](const std::string& mt, const std::string& gauss) {
+    return "{\"random\": {\"t\": [3, {\"t\": " + mt + "}, " + gauss + "]}}";
+  };
+  auto numpy = [&](const std::string& keys, const std::string& rest) {
+    return "{\"numpy\": [\"MT19937\", " + keys + ", " + rest + "]}";
+  };
+  EXPECT_TRUE(CheckRngRecord("{}").ok());
+  EXPECT_TRUE(CheckRngRecord(random(ints(625, 624), "null")).ok());
+  EXPECT_TRUE(CheckRngRecord(random(ints(625, 0), "-0.5")).ok());
+  EXPECT_TRUE(CheckRngRecord(numpy(ints(624, 4294967295), "624, 1, 0.25")).ok());
+  EXPECT_TRUE(CheckRngRecord("{\"torch\": \"00aF\", \"cuda\": [\"ff\"], \"x\": 1}").ok());
+  auto why = [](const std::string& json) {
+    const Status s = CheckRngRecord(json);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << json;
+    EXPECT_EQ(s.message().find('\n'), std::string::npos);
+    return std::string(s.message());
+  };
+  const std::string r = "RNG record 'random' is malformed: ";
+  const std::string n = "RNG record 'numpy' is malformed: ";
+  EXPECT_EQ(why("\"not a dict\""), "RNG record is a str, not a dict");
+  EXPECT_EQ(why("[1]"), "RNG record is a list, not a dict");
+  EXPECT_EQ(why(random("[1, 2]", "null")), r + "not a tuple (3, (625 integers), gauss)");
+  EXPECT_EQ(why("{\"random\": {\"t\": [2, {\"t\": " + ints(625, 0) + "}, null]}}"),
+            r + "version is not 3");
+  const std::string mt = "the Mersenne Twister state is not 625 integers < 2^32 ending at a "
+                         "position <= 624";
+  EXPECT_EQ(why(random(ints(625, 625), "null")), r + mt);
+  EXPECT_EQ(why(random(ints(625, 624).replace(1, 1, "4294967296"), "null")), r + mt);
+  EXPECT_EQ(why(random(ints(625, 624).replace(1, 1, "-1"), "null")), r + mt);
+  EXPECT_EQ(why(random(ints(625, 624), "\"x\"")), r + "gauss is neither null nor a number");
+  EXPECT_EQ(why("{\"numpy\": 7}"), n + "not a list [kind, keys, pos, has_gauss, cached]");
+  EXPECT_EQ(why(numpy("[1, 2, 3]", "0, 0, 0.0")), n + "not MT19937's 624 keys (integers < 2^32)");
+  EXPECT_EQ(why("{\"numpy\": [\"PCG64\", " + ints(624, 0) + ", 0, 0, 0.0]}"),
+            n + "not MT19937's 624 keys (integers < 2^32)");
+  EXPECT_EQ(why(numpy(ints(624, 0), "625, 0, 0.0")), n + "pos is not an integer in 0..624");
+  EXPECT_EQ(why(numpy(ints(624, 0), "0, 2, 0.0")), n + "has_gauss is not 0 or 1");
+  EXPECT_EQ(why(numpy(ints(624, 0), "0, 0, null")), n + "cached is not a number");
+  EXPECT_EQ(why("{\"torch\": \"0\"}"), "RNG record 'torch' is malformed: not a hex string");
+  EXPECT_EQ(why("{\"torch\": \"zz\"}"), "RNG record 'torch' is malformed: not a hex string");
+  EXPECT_EQ(why("{\"torch\": \"\"}"), "RNG record 'torch' is malformed: not a hex string");
+  EXPECT_EQ(why("{\"torch\": \"" + std::string((1u << 20) + 2, 'a') + "\"}"),
+            "RNG record 'torch' is malformed: not a hex string");
+  EXPECT_EQ(why("{\"cuda\": \"00\"}"), "RNG record 'cuda' is malformed: not a list");
+  EXPECT_EQ(why("{\"cuda\": [\"00\", 1]}"), "RNG record 'cuda' is malformed: not hex strings");
+  EXPECT_EQ(why("{\"cuda\": [\"00\", \"\"]}"), "RNG record 'cuda' is malformed: not hex strings");
+  EXPECT_NE(why("{\"torch\": ").find("RNG record"), std::string::npos);  // not JSON
+}
+
 // DcpRename: a value under get_state_dict's names.
 TEST(DcpRenameTest, ModulePrefixStrippedOptimizerKeyedByNameOtherValuesAsTheyAre) {
   const std::string names =

@@ -57,9 +57,7 @@ def load_state_dict_into(obj, value) -> None:
         # ZeRO copies its own param_groups into the local optimizer at each
         # step: give them the restored hyperparameters (lr, betas, ...).
         for mine, local in zip(obj.param_groups, obj.optim.param_groups):
-            for k, v in local.items():
-                if k != "params":
-                    mine[k] = v
+            mine.update({k: v for k, v in local.items() if k != "params"})
         return
     obj.load_state_dict(value)
 

@@ -182,6 +182,10 @@ class MultistepCheckpoint {
   // that appeared since (optimizer states are created at the first update).
   virtual Status OnUpdateEnd(int64_t step,
                              std::span<const OptimizerTensor> refreshed = {}) = 0;
+  // Whether a tensor of the open window lacks its first optimizer state
+  // (exp_avg; SGD: momentum_buffer), which the optimizer makes at the
+  // tensor's first update: OnUpdateEnd then wants `refreshed`.
+  virtual bool needs_refresh() const = 0;
 
   // The checkpoint's tensors and metadata at version N+K-1: call after the
   // update of step N+K-1 and before that of step N+K. Tensors with
@@ -192,9 +196,11 @@ class MultistepCheckpoint {
   // an optimizer step pre-hook, ckpt.step and ckpt.save). CountUpdate: an
   // update is about to run (also while no window is open);
   // InvalidArgument for a second one since the last MarkStep while a
-  // window is open. next_step(): the step that update belongs to, the last
-  // marked + 1 (0 before any).
-  virtual Status CountUpdate() = 0;
+  // window is open, and with replay kRestore for one that GradScaler runs
+  // inside a fused optimizer (`scaler_inside`: the kernel unscales and skips
+  // overflow steps itself, after the log saw the step). next_step(): the
+  // step that update belongs to, the last marked + 1 (0 before any).
+  virtual Status CountUpdate(bool scaler_inside = false) = 0;
   virtual int64_t next_step() const = 0;
   // After the update of `step` (ckpt.step): while a window is open, a step
   // without an update is logged as skipped (GradScaler skipped it). `due`:

@@ -32,17 +32,6 @@ _ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _ROLES = {"sgd": ("momentum_buffer",), "adam": _ADAM, "adamw": _ADAM}
 
 
-def _mkl_vms_sqrt() -> int:
-    """torch's own fp32 sqrt (MKL vmsSqrt) for bitwise Adam replay; 0 if absent."""
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    return _ext.core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
-
-
-def _where(dev: torch.device) -> tuple:
-    """The engine's (kind, index) of a device."""
-    return (1, dev.index or 0) if dev.type == "cuda" else (0, 0)
-
-
 # Hyperparameters the plan sets per step (as torch's param_groups name them).
 _HYPER = ("lr", "weight_decay", "maximize", "betas", "eps", "momentum", "dampening", "nesterov")
 
@@ -50,7 +39,7 @@ _HYPER = ("lr", "weight_decay", "maximize", "betas", "eps", "momentum", "dampeni
 def _describe(opt) -> tuple:
     """The optimizer as plain values for ChooseMultistep (nonstop/multistep.h),
     which decides the replay and checks the optimizer for it."""
-    groups, tensors = [], []
+    groups = []
     for g in opt.param_groups:
         held = [k for k in _HYPER if isinstance(g.get(k), torch.Tensor) or (
             isinstance(g.get(k), tuple) and any(isinstance(x, torch.Tensor) for x in g[k]))]
@@ -61,27 +50,21 @@ def _describe(opt) -> tuple:
                        bool(g.get("amsgrad")), bool(g.get("decoupled_weight_decay")),
                        held[0] if held else ""))
     params = [p for g in opt.param_groups for p in g["params"]]
-    for i, p in enumerate(params):
-        tensors.append((i, "", str(p.device), str(p.dtype).replace("torch.", ""),
-                        p.is_contiguous()))
-    for i, p in enumerate(params):
-        tensors.extend((i, key, str(v.device), "", True)
-                       for key, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+    tensors = [(i, "", str(p.device), str(p.dtype).replace("torch.", ""), p.is_contiguous())
+               for i, p in enumerate(params)]  # the parameters, then their states
+    tensors += [(i, key, str(v.device), "", True) for i, p in enumerate(params)
+                for key, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
     torch_class = type(opt) in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
     return type(opt).__name__, torch_class, groups, tensors
 
 
-def _device_name(dev: torch.device) -> str:
-    """The GPU model, or the CPU kernels' instruction set."""
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"cpu/{torch.backends.cpu.get_cpu_capability()}"
-
-
 def _arithmetic(opt, dev: torch.device) -> dict:
     """What a replay with the training optimizer depends on: torch, the
-    device (type and model) and the optimizer's class."""
-    return {"torch": torch.__version__, "device": dev.type, "device_name": _device_name(dev),
+    device (type and model: the GPU's, or the CPU kernels' instruction set)
+    and the optimizer's class."""
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+            else f"cpu/{torch.backends.cpu.get_cpu_capability()}")
+    return {"torch": torch.__version__, "device": dev.type, "device_name": name,
             "optimizer": type(opt).__name__}
 
 
@@ -103,18 +86,17 @@ class MultistepMode(Driver):
 
     def __init__(self, session, o):
         super().__init__(session)
-        parts, overlap_gradients, replay = o.mode.parts, o.mode.overlap_gradients, o.mode.replay
+        m = o.mode
         opts = [x for x in session.state.values() if isinstance(x, torch.optim.Optimizer)]
         if len(opts) != 1:
             raise CheckpointMismatchError(
                 f"mode='multistep' needs exactly one torch.optim optimizer in state, found "
                 f"{len(opts)}")
-        if not isinstance(parts, int) or not 1 <= parts <= 64:
-            raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {parts!r}")
+        if not isinstance(m.parts, int) or not 1 <= m.parts <= 64:
+            raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {m.parts!r}")
         self.opt = opts[0]
-        self._check(replay)  # and the replay= value (ChooseMultistep)
-        self.parts = parts
-        self.overlap = bool(overlap_gradients)
+        self._check(m.replay)  # and the replay= value (ChooseMultistep)
+        self.parts, self.overlap = m.parts, bool(m.overlap_gradients)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.opt.param_groups) for _ in g["params"]]
         # gradients being copied (GoCkpt-O), the optimizer's hooks, its zero_grad
@@ -123,20 +105,15 @@ class MultistepMode(Driver):
     def open_engine(self, kw: dict):
         """The Multistep core (self.core): the session's engine. It owns its
         Engine and serialises every call to it with the window's thread."""
-        kw = dict(kw, dir=self.session.dir)
-        kw.pop("small_initial_staging", None)  # (the window's staging is its own)
-        # Engine options the Multistep binding does not take yet must be unset.
-        known = {"dir", "rank", "world_size", "max_in_flight", "writers", "staging_bytes",
-                 "chunk_bytes", "copy_threads", "medium", "keep_every", "memory_tier"}
-        for key in [k for k in kw if k not in known]:
-            if kw.pop(key):
-                raise CheckpointMismatchError(f"mode='multistep' does not support {key} yet")
-        self.core = _ext.core().Multistep(parts=self.parts, overlap_gradients=self.overlap,
-                                          block_bytes=BLOCK_BYTES, replay=(
-                                              "restore" if self._cuda else "host"),
-                                          mkl_vms_sqrt=_mkl_vms_sqrt(), **kw)
+        # torch's own fp32 sqrt (MKL vmsSqrt) for a bitwise Adam replay; 0 if absent
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        sqrt = _ext.core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
+        # (engine options it does not take yet are refused there unless unset)
+        self.core = _ext.core().Multistep(dir=self.session.dir, parts=self.parts,
+                                          overlap_gradients=self.overlap, block_bytes=BLOCK_BYTES,
+                                          replay="restore" if self._cuda else "host",
+                                          mkl_vms_sqrt=sqrt, **kw)
         self._replaying = False  # restore's replay: the hooks stand aside
-        self._fresh = False      # some state did not exist at the last refresh
         self._hooks = [self.opt.register_step_pre_hook(self._pre),
                        self.opt.register_step_post_hook(self._post)]
         if self.overlap:
@@ -172,21 +149,15 @@ class MultistepMode(Driver):
     def _pre(self, optimizer, args, kwargs):
         if self._replaying:
             return
-        if self._cuda and (getattr(optimizer, "found_inf", None) is not None
-                           or getattr(optimizer, "grad_scale", None) is not None
-                           or "grad_scaler" in kwargs):
-            # GradScaler steps a fused optimizer itself: the kernel unscales
-            # and skips overflow steps inside, after this hook logged them.
-            raise CheckpointMismatchError(
-                "mode='multistep': GradScaler steps this fused optimizer itself (it unscales "
-                "and skips overflow steps inside the kernel, out of the log's sight): use "
-                "fused=False with GradScaler")
-        self.core.count_update()  # one optimizer.step() per ckpt.step() while a window is open
+        # One optimizer.step() per ckpt.step() while a window is open; GradScaler
+        # stepping a fused optimizer itself is refused for replay="torch" (C++).
+        self.core.count_update(getattr(optimizer, "found_inf", None) is not None
+                               or getattr(optimizer, "grad_scale", None) is not None
+                               or "grad_scaler" in kwargs)
         self._release_copied()
         if not self.core.active:
             return
         grads, held = [], []
-        code = _state.torch_dtype_code
         clone = self._cuda and self.overlap
         for p in self.params:
             g = p.grad
@@ -201,17 +172,17 @@ class MultistepMode(Driver):
                 # overlapped copy reads a snapshot taken before it (on CUDA a
                 # device-to-device copy on the optimizer's stream).
                 g = g.detach().clone()
-            grads.append((g.data_ptr(), code(g.dtype)))
+            grads.append((g.data_ptr(), _state.torch_dtype_code(g.dtype)))
             held.append(g)
         # the groups' hyperparameters as the optimizer is about to use them
         self._timed(self.core.on_update_begin, self.core.next_step, self.opt.param_groups, False,
-                    grads, *_where(self.device), self._stream())
+                    grads, str(self.device), self._stream())
         if self.overlap:
             self._held.append(held)
 
     def _post(self, optimizer, args, kwargs):
         if self.core.active and not self._replaying:
-            refreshed = self._tensors() if self._fresh else None
+            refreshed = self._tensors() if self.core.needs_refresh else None
             self._timed(self.core.on_update_end, self.core.next_step, refreshed)
 
     def _zero_grad(self, set_to_none: bool = True):
@@ -254,19 +225,15 @@ class MultistepMode(Driver):
 
     def _tensors(self) -> list:
         self._check(self.replay)
-        out, fresh = [], False
-        kind, index = _where(self.device)
-        first = _ROLES[self.algorithm][0]  # made at the first update
+        out = []
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p, {})
             ptr = {k: v.data_ptr() for k, v in st.items() if isinstance(v, torch.Tensor)}
-            fresh |= first not in ptr
             step = st.get("step")  # Adam's (a CUDA counter: synchronises)
-            out.append((f"param{i}", p.numel(), self._group_of[i], kind, index, p.data_ptr(),
+            out.append((f"param{i}", p.numel(), self._group_of[i], str(self.device), p.data_ptr(),
                         ptr.get("exp_avg", 0), ptr.get("exp_avg_sq", 0),
                         ptr.get("max_exp_avg_sq", 0) if self.amsgrad else 0,
                         ptr.get("momentum_buffer", 0), 0.0 if step is None else float(step)))
-        self._fresh = fresh
         return out
 
     def _begin(self, step: int) -> None:
@@ -284,20 +251,14 @@ class MultistepMode(Driver):
                 {k: g[k] for k in ("foreach", "fused", "capturable", "amsgrad",
                                    "decoupled_weight_decay") if k in g}
                 for g in self.opt.param_groups])
-        outputs, keep = [], []
-        code = _state.torch_dtype_code
-        for name, t in tensors.items():
-            _ext.core().multistep_device_check(f"tensor {name!r} of the state", str(t.device),
-                                               self.replay)
-            if not t.is_contiguous():
-                t = t.contiguous()
-                keep.append(t)
-            kind, index = _where(t.device)
+        outputs, keep = [], []  # keep: contiguous copies, alive until copied
+        for name, t in tensors.items():  # each tensor's device checked by set_outputs
+            t = t.contiguous()
+            keep.append(t)
             nbytes = t.numel() * t.element_size()
-            outputs.append((name, code(t.dtype), list(t.shape), nbytes,
-                            t.data_ptr() if nbytes else 0, kind, index,
-                            self._stream() if kind == 1 else 0))
-        self.core.set_outputs(outputs, _state.dumps(meta))
+            outputs.append((name, _state.torch_dtype_code(t.dtype), list(t.shape), nbytes,
+                            t.data_ptr() if nbytes else 0, str(t.device)))
+        self.core.set_outputs(outputs, _state.dumps(meta), self._stream())
 
     # ---------------------------------------------------------- restoring
 
@@ -321,43 +282,36 @@ class MultistepMode(Driver):
             where=where)
 
     def restored(self, loaded) -> None:
-        if "multistep_plan" in loaded.meta:  # parts at their versions
-            self.replay_restored(loaded.meta, loaded.tensors)
-
-    def replay_restored(self, meta: dict, tensors: dict) -> None:
-        """restore() loaded a checkpoint whose parts are at their own versions
-        (replay="torch"; checked by replay_check first): applies C++'s plan
-        with the training optimizer itself, on the device the state was
-        restored to, each step on the prefix of elements one step behind and
-        everything beyond it put back (docs/MULTISTEP.md, "How restore replays")."""
-        plan = meta["multistep_plan"]
+        """restore() loaded a checkpoint: parts at their own versions (its
+        "multistep_plan"; checked by replay_check first) are brought to its
+        version with the training optimizer (docs/MULTISTEP.md, "How restore replays")."""
+        if "multistep_plan" not in loaded.meta:
+            return
         opt, params = self.opt, self.params
-        roles = _ROLES[self.algorithm]
         groups = [{k: g[k] for k in _HYPER if k in g} for g in opt.param_groups]
         grads = [p.grad for p in params]
-        final = {id(p): opt.state[p]["step"].clone() for p in params
-                 if isinstance(opt.state.get(p, {}).get("step"), torch.Tensor)}
+        counters = [(st["step"], st["step"].clone())
+                    for st in (opt.state.get(p, {}) for p in params)
+                    if isinstance(st.get("step"), torch.Tensor)]
         self._replaying = True
         try:
             with torch.no_grad():
-                for step in plan["steps"]:
-                    if step["skipped"] or not step["updates"]:
-                        continue
-                    self._replay_step(opt, params, roles, step, tensors)
+                for step in loaded.meta["multistep_plan"]["steps"]:
+                    if not step["skipped"] and step["updates"]:
+                        self._replay_step(step, loaded.tensors)
         finally:
             self._replaying = False
             for g, h in zip(opt.param_groups, groups):
                 g.update(h)
             for p, g in zip(params, grads):
                 p.grad = g
-            for p in (p for p in params if id(p) in final):
-                opt.state[p]["step"].copy_(final[id(p)])
+            for counter, saved in counters:  # the saved step counters
+                counter.copy_(saved)
 
-    def _replay_step(self, opt, params, roles, step: dict, tensors: dict) -> None:
+    def _replay_step(self, step: dict, tensors: dict) -> None:
+        opt, params, roles = self.opt, self.params, _ROLES[self.algorithm]
         for g, h in zip(opt.param_groups, step["groups"]):
-            for k, v in h.items():
-                if k not in g:
-                    continue
+            for k, v in ((k, v) for k, v in h.items() if k in g):
                 if k == "betas":  # JSON writes 0.0 as 0: the types torch saw in training
                     v = tuple(type(o)(x) for o, x in zip(g[k], v))
                 elif isinstance(g[k], float) and not isinstance(v, bool):
@@ -370,9 +324,8 @@ class MultistepMode(Driver):
         for u in step["updates"]:
             p, n = params[u["tensor"]], u["elements"]
             logged = tensors[u["gradient"]]
-            grad = torch.zeros(p.shape, dtype=logged.dtype, device=p.device)
-            grad.view(-1)[:n].copy_(logged.reshape(-1))
-            p.grad = grad
+            p.grad = torch.zeros(p.shape, dtype=logged.dtype, device=p.device)
+            p.grad.view(-1)[:n].copy_(logged.reshape(-1))
             st = opt.state[p]
             for t in [p] + [st[r] for r in roles if isinstance(st.get(r), torch.Tensor)]:
                 if n < t.numel():

@@ -60,6 +60,11 @@ struct WindowJob {
   std::string meta;
 };
 
+// The state the optimizer makes at a tensor's first update.
+const float* FirstState(const optim::OptimizerConfig& c, const OptimizerTensor& t) {
+  return c.algorithm == optim::Algorithm::kSgd ? t.momentum_buffer : t.exp_avg;
+}
+
 class MultistepCheckpointImpl final : public MultistepCheckpoint {
  public:
   MultistepCheckpointImpl(Engine* engine, const MultistepOptions& o,
@@ -101,9 +106,7 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     begin_state_.clear();
     for (const auto& t : tensors_) {
       begin_step_count_.push_back(t.step);
-      begin_state_.push_back(config_.algorithm == optim::Algorithm::kSgd
-                                 ? t.momentum_buffer != nullptr
-                                 : t.exp_avg != nullptr);
+      begin_state_.push_back(FirstState(config_, t) != nullptr);
     }
     NONSTOP_RETURN_IF_ERROR(Plan());
     begin_step_ = step;
@@ -212,6 +215,12 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     return Status::OK();
   }
 
+  bool needs_refresh() const override {
+    return active_ && std::any_of(tensors_.begin(), tensors_.end(), [&](const auto& t) {
+             return FirstState(config_, t) == nullptr;
+           });
+  }
+
   Status SetOutputs(std::vector<OutputTensor> outputs, std::string meta_json) override {
     if (!active_ || pos_ != K()) {
       return Status::FailedPrecondition(
@@ -250,7 +259,13 @@ class MultistepCheckpointImpl final : public MultistepCheckpoint {
     return Status::OK();
   }
 
-  Status CountUpdate() override {
+  Status CountUpdate(bool scaler_inside) override {
+    if (scaler_inside && opts_.replay == MultistepReplay::kRestore) {
+      return Status::InvalidArgument(
+          "mode='multistep': GradScaler steps this fused optimizer itself (it unscales and "
+          "skips overflow steps inside the kernel, out of the log's sight): use fused=False "
+          "with GradScaler");
+    }
     if (++updates_ > 1 && active_) {
       return Status::InvalidArgument(
           "mode='multistep' needs one optimizer.step() per ckpt.step(); call ckpt.step(step) "

@@ -689,6 +689,67 @@ TEST(MultistepDriverTest, MarkStepDecidesWindowsSkipsAndOutputs) {
   fs::remove_all(dir);
 }
 
+// needs_refresh: while a tensor of the open window has no first state (SGD's
+// momentum buffer, made at its first update), OnUpdateEnd wants the
+// refreshed pointers; once they are all known, or no window is open, not.
+TEST(MultistepDriverTest, NeedsRefreshUntilEveryFirstStateIsKnown) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("nonstop_multistep_refresh_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto engine = OpenSmallEngine(dir);
+  ASSERT_TRUE(engine.ok());
+  MultistepOptions mo;
+  mo.parts = 3;
+  mo.block_bytes = 4096;
+  auto created = MultistepCheckpoint::Create(engine->get(), mo);
+  ASSERT_TRUE(created.ok());
+  MultistepCheckpoint* ms = created->get();
+  EXPECT_TRUE(ms->CountUpdate(/*scaler_inside=*/true).ok());  // replay kHost: no log to miss
+  Trainer tr(optim::Algorithm::kSgd, {2000, 3000});
+  EXPECT_FALSE(ms->needs_refresh());  // no window
+  ASSERT_TRUE(ms->Begin(0, tr.config, tr.Tensors()).ok());
+  EXPECT_TRUE(ms->needs_refresh());  // no momentum buffer yet
+  ASSERT_TRUE(ms->OnUpdateBegin(1, tr.Groups(1), /*skipped=*/true, {}).ok());
+  ASSERT_TRUE(ms->OnUpdateEnd(1).ok());
+  EXPECT_TRUE(ms->needs_refresh());  // a skipped step made none
+  tr.Step(2, /*skipped=*/false, ms, 2);  // passes the buffers its update made
+  EXPECT_FALSE(ms->needs_refresh());
+  OutputTensor w0;  // as bytes: SetOutputs finds it is the window's
+  w0.spec.name = "w0";
+  w0.spec.dtype = DType::kFloat32;
+  w0.spec.shape = {2000};
+  w0.spec.nbytes = 2000 * sizeof(float);
+  w0.data = tr.param[0].data();
+  ASSERT_TRUE(ms->SetOutputs({w0}, "{}").ok());
+  ASSERT_TRUE(ms->OnUpdateBegin(3, tr.Groups(3), /*skipped=*/true, {}).ok());  // closes it
+  EXPECT_FALSE(ms->active());
+  ASSERT_TRUE(ms->Wait().ok());
+  ASSERT_TRUE(ms->Close().ok());
+  ASSERT_TRUE((*engine)->Close().ok());
+  fs::remove_all(dir);
+}
+
+// With replay kRestore the log must see what the update applies: GradScaler
+// stepping a fused optimizer itself (unscaling and skipping inside) is refused.
+TEST(MultistepDriverTest, GradScalerInsideAFusedOptimizerIsRefusedForTheTorchReplay) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("nonstop_multistep_scaler_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto engine = OpenSmallEngine(dir);
+  ASSERT_TRUE(engine.ok());
+  MultistepOptions mo;
+  mo.replay = MultistepReplay::kRestore;
+  auto ms = MultistepCheckpoint::Create(engine->get(), mo);
+  ASSERT_TRUE(ms.ok());
+  const Status s = (*ms)->CountUpdate(/*scaler_inside=*/true);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("use fused=False with GradScaler"), std::string::npos) << s.ToString();
+  EXPECT_TRUE((*ms)->CountUpdate().ok());
+  ASSERT_TRUE((*ms)->Close().ok());
+  ASSERT_TRUE((*engine)->Close().ok());
+  fs::remove_all(dir);
+}
+
 TEST(MultistepCreateTest, RejectsBadOptions) {
   MultistepOptions mo;
   mo.parts = 0;

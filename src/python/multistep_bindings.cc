@@ -29,11 +29,14 @@ namespace py = pybind11;
 namespace nonstop::py_bindings {
 namespace {
 
-Device MakeDevice(int kind, int index, uintptr_t stream) {
+// A torch device ("cpu", "cuda" or "cuda:N"; ChooseMultistep and
+// CheckMultistepDevice refuse others) as the engine's; `stream` for CUDA.
+Device DeviceOf(const std::string& device, uintptr_t stream) {
+  const size_t colon = device.find(':');
   Device d;
-  d.kind = kind == 1 ? DeviceKind::kCuda : DeviceKind::kHost;
-  d.index = index;
-  d.stream = stream;
+  d.kind = device.compare(0, 4, "cuda") == 0 ? DeviceKind::kCuda : DeviceKind::kHost;
+  d.index = colon == std::string::npos ? 0 : std::stoi(device.substr(colon + 1));
+  d.stream = d.kind == DeviceKind::kCuda ? stream : 0;
   return d;
 }
 
@@ -45,21 +48,21 @@ DType DTypeFromCode(int code, const std::string& what) {
   return static_cast<DType>(code);
 }
 
-// (name, numel, group, device kind, device index, param, exp_avg, exp_avg_sq,
+// (name, numel, group, torch device, param, exp_avg, exp_avg_sq,
 //  max_exp_avg_sq, momentum_buffer, step); pointers 0 when absent.
-using PyOptimizerTensor = std::tuple<std::string, size_t, int, int, int, uintptr_t, uintptr_t,
+using PyOptimizerTensor = std::tuple<std::string, size_t, int, std::string, uintptr_t, uintptr_t,
                                      uintptr_t, uintptr_t, uintptr_t, double>;
 
 std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in,
                                        uintptr_t stream = 0) {
   std::vector<OptimizerTensor> out;
   out.reserve(in.size());
-  for (const auto& [name, numel, group, kind, index, p, m, v, vmax, mom, step] : in) {
+  for (const auto& [name, numel, group, device, p, m, v, vmax, mom, step] : in) {
     OptimizerTensor t;
     t.name = name;
     t.numel = numel;
     t.group = group;
-    t.device = MakeDevice(kind, index, stream);
+    t.device = DeviceOf(device, stream);
     t.param = reinterpret_cast<const float*>(p);
     t.exp_avg = reinterpret_cast<const float*>(m);
     t.exp_avg_sq = reinterpret_cast<const float*>(v);
@@ -71,10 +74,10 @@ std::vector<OptimizerTensor> ToTensors(const std::vector<PyOptimizerTensor>& in,
   return out;
 }
 
-// (name, dtype code, shape, nbytes, data_ptr, device kind, device index,
-//  stream): every tensor of the state; SetOutputs finds the optimizer's own.
+// (name, dtype code, shape, nbytes, data_ptr, torch device): every tensor
+// of the state; SetOutputs finds the optimizer's own.
 using PyOutput =
-    std::tuple<std::string, int, std::vector<int64_t>, uint64_t, uintptr_t, int, int, uintptr_t>;
+    std::tuple<std::string, int, std::vector<int64_t>, uint64_t, uintptr_t, std::string>;
 
 py::dict WindowDict(const MultistepWindowStats& w) {
   py::dict d;
@@ -95,7 +98,8 @@ py::dict WindowDict(const MultistepWindowStats& w) {
 
 class PyMultistep {
  public:
-  PyMultistep(const EngineOptions& eo, const MultistepOptions& mo) : pid_(getpid()) {
+  PyMultistep(const EngineOptions& eo, const MultistepOptions& mo)
+      : pid_(getpid()), replay_(mo.replay) {
     py::gil_scoped_release release;
     engine_ = Take(Engine::Open(eo));
     ms_ = Take(MultistepCheckpoint::Create(engine_.get(), mo));
@@ -139,13 +143,13 @@ class PyMultistep {
 
   // grads: (data_ptr or 0, dtype code) per tensor of begin(); all on `device`.
   void OnUpdateBegin(int64_t step, const py::list& groups, bool skipped,
-                     const std::vector<std::pair<uintptr_t, int>>& grads, int device_kind,
-                     int device_index, uintptr_t stream) {
+                     const std::vector<std::pair<uintptr_t, int>>& grads,
+                     const std::string& device, uintptr_t stream) {
     std::vector<optim::StepHyperparameters> hs;
     hs.reserve(groups.size());
     for (const auto& g : groups) hs.push_back(HyperparametersFromGroup(g.cast<py::dict>()));
     std::vector<GradRef> gs(grads.size());
-    const Device dev = MakeDevice(device_kind, device_index, stream);
+    const Device dev = DeviceOf(device, stream);
     for (size_t i = 0; i < grads.size(); ++i) {
       gs[i].data = reinterpret_cast<const void*>(grads[i].first);
       gs[i].dtype = DTypeFromCode(grads[i].second, "gradient");
@@ -162,17 +166,19 @@ class PyMultistep {
     Check(Get().OnUpdateEnd(step, r));
   }
 
-  void SetOutputs(const std::vector<PyOutput>& outputs, std::string meta_json) {
+  // stream: the CUDA stream the optimizer updates on (the CUDA tensors' copies wait for it).
+  void SetOutputs(const std::vector<PyOutput>& outputs, std::string meta_json, uintptr_t stream) {
     std::vector<OutputTensor> out;
     out.reserve(outputs.size());
-    for (const auto& [name, dtype, shape, nbytes, ptr, kind, index, stream] : outputs) {
+    for (const auto& [name, dtype, shape, nbytes, ptr, device] : outputs) {
+      Check(CheckMultistepDevice("tensor '" + name + "' of the state", device, replay_));
       OutputTensor o;
       o.spec.name = name;
       o.spec.dtype = DTypeFromCode(dtype, "tensor '" + name + "'");
       o.spec.shape = shape;
       o.spec.nbytes = nbytes;
       o.data = reinterpret_cast<const void*>(ptr);
-      o.device = MakeDevice(kind, index, stream);
+      o.device = DeviceOf(device, stream);
       out.push_back(std::move(o));
     }
     py::gil_scoped_release release;
@@ -182,7 +188,7 @@ class PyMultistep {
   bool GradientCopiesPending() { return Get().GradientCopiesPending(); }
   bool active() { return Get().active(); }
   int64_t version() { return Get().version(); }
-  void CountUpdate() { Check(Get().CountUpdate()); }
+  void CountUpdate(bool scaler_inside) { Check(Get().CountUpdate(scaler_inside)); }
   int64_t next_step() { return Get().next_step(); }
   bool MarkStep(int64_t step, bool due) {
     py::gil_scoped_release release;  // a skipped step may wait for the window's copies
@@ -190,6 +196,7 @@ class PyMultistep {
   }
   bool RequestCheckpoint() { return Get().RequestCheckpoint(); }
   bool outputs_due() { return Get().outputs_due(); }
+  bool needs_refresh() { return Get().needs_refresh(); }
 
   void Wait() {
     py::gil_scoped_release release;
@@ -255,6 +262,7 @@ class PyMultistep {
 
  private:
   pid_t pid_;
+  MultistepReplay replay_;  // which devices the state's tensors may be on
   uintptr_t stream_ = 0;  // Begin's
   MultistepCheckpoint& Get() {
     if (!ms_) throw StatusError(Status::FailedPrecondition("the checkpointer is closed"));
@@ -271,13 +279,6 @@ class PyMultistep {
 using PyGroupDesc =
     std::tuple<bool, bool, bool, std::optional<bool>, bool, bool, bool, std::string>;
 using PyTensorDesc = std::tuple<int, std::string, std::string, std::string, bool>;
-
-MultistepReplay ParseReplay(const std::string& replay) {
-  if (replay == "host") return MultistepReplay::kHost;
-  if (replay == "torch") return MultistepReplay::kRestore;
-  throw StatusError(Status::InvalidArgument("multistep: replay must be 'host' or 'torch', got '" +
-                                            replay + "'"));
-}
 
 // (replay "host" or "torch", algorithm, amsgrad, the parameters' device)
 std::tuple<std::string, std::string, bool, std::string> Choose(
@@ -312,7 +313,18 @@ void InitMultistep(py::module_& m) {
                   const std::string& medium, int parts, uint64_t block_bytes,
                   bool overlap_gradients, int replay_threads, uintptr_t mkl_vms_sqrt,
                   uint64_t keep_every, const std::string& memory_tier,
-                  const std::string& replay) {
+                  const std::string& replay, const py::kwargs& other) {
+        // The Python front end passes the engine's whole set of options
+        // (_options.engine_kwargs): those this schedule does not take yet
+        // must be unset; the window's staging is its own.
+        for (const auto& [key, value] : other) {
+          const std::string k = py::str(key);
+          const bool set = py::bool_(py::reinterpret_borrow<py::object>(value));
+          if (set && k != "small_initial_staging") {
+            throw StatusError(
+                Status::InvalidArgument("mode='multistep' does not support " + k + " yet"));
+          }
+        }
         EngineOptions o =
             EngineOptionsFromPy(dir, rank, world_size, max_in_flight, writers, staging_bytes,
                                 chunk_bytes, copy_threads, medium, keep_every);
@@ -357,33 +369,28 @@ void InitMultistep(py::module_& m) {
       py::arg("tensors"), py::arg("where"),
       "replay='torch' at restore: this run's arithmetic and the plan checked "
       "(CheckMultistepRestore)");
-  m.def(
-      "multistep_device_check",
-      [](const std::string& what, const std::string& device, const std::string& replay) {
-        Check(CheckMultistepDevice(what, device, ParseReplay(replay)));
-      },
-      py::arg("what"), py::arg("device"), py::arg("replay"));
   multistep
       .def("begin", &PyMultistep::Begin, py::arg("step"), py::arg("algorithm"),
            py::arg("amsgrad"), py::arg("tensors"), py::arg("stream") = 0,
-           "tensors: (name, numel, group, device kind, device index, param, exp_avg, "
-           "exp_avg_sq, max_exp_avg_sq, momentum_buffer, step) per parameter; pointers 0 "
-           "when absent.")
+           "tensors: (name, numel, group, torch device, param, exp_avg, exp_avg_sq, "
+           "max_exp_avg_sq, momentum_buffer, step) per parameter; pointers 0 when absent.")
       .def("on_backward_begin", &PyMultistep::OnBackwardBegin)
       .def("on_update_begin", &PyMultistep::OnUpdateBegin, py::arg("step"), py::arg("groups"),
-           py::arg("skipped"), py::arg("grads"), py::arg("device_kind") = 0,
-           py::arg("device_index") = 0, py::arg("stream") = 0)
+           py::arg("skipped"), py::arg("grads"), py::arg("device") = "cpu",
+           py::arg("stream") = 0)
       .def("on_update_end", &PyMultistep::OnUpdateEnd, py::arg("step"),
            py::arg("refreshed") = py::none())
-      .def("set_outputs", &PyMultistep::SetOutputs, py::arg("outputs"), py::arg("meta_json"))
+      .def("set_outputs", &PyMultistep::SetOutputs, py::arg("outputs"), py::arg("meta_json"),
+           py::arg("stream") = 0)
       .def("gradient_copies_pending", &PyMultistep::GradientCopiesPending)
       .def_property_readonly("active", &PyMultistep::active)
       .def_property_readonly("version", &PyMultistep::version)
-      .def("count_update", &PyMultistep::CountUpdate)
+      .def("count_update", &PyMultistep::CountUpdate, py::arg("scaler_inside") = false)
       .def_property_readonly("next_step", &PyMultistep::next_step)
       .def("mark_step", &PyMultistep::MarkStep, py::arg("step"), py::arg("due"))
       .def("request_checkpoint", &PyMultistep::RequestCheckpoint)
       .def_property_readonly("outputs_due", &PyMultistep::outputs_due)
+      .def_property_readonly("needs_refresh", &PyMultistep::needs_refresh)
       .def("wait", &PyMultistep::Wait)
       // The engine's interface, as the session calls it: nothing is read from
       // the live tensors outside the hooks; every window's commit is waited for.

@@ -269,6 +269,39 @@ def test_optimizer_state_off_the_cpu_is_refused(tmp_path, small_blocks):
         ck.close()
 
 
+@needs_engine
+@multistep_core
+def test_engine_options_the_window_does_not_take_are_refused(tmp_path):
+    # The binding gets the engine's whole set of options
+    # (_options.engine_kwargs): those it does not take yet must be unset.
+    with pytest.raises(nonstop.CheckpointMismatchError,
+                       match="mode='multistep' does not support layer_copy yet"):
+        nonstop._core.Multistep(dir=str(tmp_path), layer_copy="device")
+    nonstop._core.Multistep(dir=str(tmp_path), layer_copy="", extra_slots=0,
+                            small_initial_staging=True).close()
+
+
+@needs_engine
+@multistep_core
+def test_other_state_off_the_cpu_is_refused(tmp_path, small_blocks):
+    # A tensor of the state that is not the optimizer's (here a holder's) is
+    # copied as it is when the window's outputs are set: checked there.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = nonstop.Checkpointer(str(tmp_path / "a"), {"model": model, "optim": opt,
+                                                    "extra": {"t": torch.zeros(3, device="meta")}},
+                              mode="multistep", every=1, parts=1, replay="host")
+    try:
+        model(torch.randn(8, 13)).sum().backward()
+        opt.step()
+        with pytest.raises(nonstop.CheckpointMismatchError) as e:
+            ck.step(0)  # due: the window (one part) begins and its outputs are set
+        _one_line_refusal(e, "tensor 'extra/t' of the state is on meta")
+    finally:
+        ck.close()
+
+
 def test_torch_picks_no_foreach_kernel_for_cpu_tensors():
     # The rule the guard relies on: foreach=None runs the single-tensor
     # kernel (the one replay matches) for CPU tensors; a device with foreach

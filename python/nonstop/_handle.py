@@ -7,6 +7,7 @@ import atexit
 import threading
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not TimeoutError before 3.11
 from typing import Callable, Optional
 
 from .errors import CheckpointError, CheckpointIOError
@@ -37,7 +38,7 @@ class CheckpointHandle(Future):
         """Blocks like wait(); returns the checkpoint's error, or None when it committed."""
         try:
             return super().exception(timeout)
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):
             raise TimeoutError(f"checkpoint of step {self.step} not finished after {timeout} s"
                                ) from None
 

@@ -212,7 +212,8 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     """Turns nonstop's newest committed checkpoint (or `step`) in
     `callback.dir` into a Trainer checkpoint folder and returns its path,
     for `trainer.train(resume_from_checkpoint=...)`; None when there is no
-    checkpoint yet (a fresh start). `folder` defaults to
+    checkpoint yet (a fresh start), CheckpointNotFoundError when `step` is
+    given and not committed (a missing directory too). `folder` defaults to
     `<callback.dir>-resume/checkpoint-<global_step>` (per rank under
     torchrun: `<callback.dir>-resume/rank-R/checkpoint-<global_step>`) and
     is rewritten. With torch.distributed initialised (the Trainer made under

@@ -103,10 +103,15 @@ class Directory {
   // Takes an exclusive, non-blocking lock on file `name` (created when
   // missing; flock(LOCK_EX|LOCK_NB) on POSIX), then writes `holder` (one line,
   // e.g. "pid 1234 on host a7") into it. When another process holds it:
-  // FailedPrecondition naming the lock file and the holder's line.
+  // FailedPrecondition naming the lock file and the holder's line
+  // (kNoHolderLine in the moment between the holder's flock and its write).
   virtual Result<std::unique_ptr<FileLock>> Lock(std::string_view name,
                                                  const std::string& holder) = 0;
 };
+
+// What Directory::Lock's refusal names as the holder when the holder has
+// taken the lock and not yet written its line.
+inline constexpr char kNoHolderLine[] = "another process (no holder line yet)";
 
 class Env {
  public:

@@ -283,7 +283,7 @@ class PosixDirectory final : public Directory {
         std::string line = ReadHolderLine(fd);
         ::close(fd);
         return Status::FailedPrecondition(
-            full + " is locked by " + (line.empty() ? "another process (no holder line yet)" : line) +
+            full + " is locked by " + (line.empty() ? std::string(kNoHolderLine) : line) +
             ": another nonstop job writes to this directory");
       }
       ::close(fd);

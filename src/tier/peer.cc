@@ -1759,7 +1759,10 @@ Result<SharedCopy> OncePerHost(const OncePerHostCopy& c, const CopyFetch& fetch)
     const std::string& msg = l.status().message();
     const size_t at = msg.find(" is locked by ");
     if (l.status().code() != StatusCode::kFailedPrecondition || at == std::string::npos) break;
-    by = msg.substr(at + 14, msg.find(": another nonstop", at) - (at + 14));
+    // The holder's line, unless the refusal fell between its flock and its
+    // write (then the line is read from the lock file once the copy is there).
+    std::string line = msg.substr(at + 14, msg.find(": another nonstop", at) - (at + 14));
+    if (line != kNoHolderLine) by = std::move(line);
     if (Since(t0) >= c.wait_s) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

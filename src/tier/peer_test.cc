@@ -7,6 +7,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sched.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -1125,6 +1127,55 @@ TEST(PeerTest, TwoRanksOfOneHostFetchOneCopy) {
   EXPECT_FALSE(third.value().fetched);
   EXPECT_EQ(third.value().by, "rank " + std::to_string(fetcher));  // the lock file's line
   EXPECT_EQ(srv.s->stats().fetches_served, 1u);
+}
+
+// Another rank took the lock and has not yet written its holder line (the
+// moment between its flock and its write, when Lock's refusal names
+// kNoHolderLine): the copy it then fetches is said to be fetched by the
+// line it wrote, not by that placeholder. Real files: the default Env's lock.
+TEST(PeerTest, ACopyTakenWhileItsFetcherHadNoHolderLineNamesTheFetcher) {
+  Server srv;
+  Source src(2);
+  src.Commit(6, 60);
+  ASSERT_TRUE(src.Push(srv.ep()).ok());
+  char tmpl[] = "/tmp/nonstop-peer-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string mem = tmpl, top = mem + "/" + SharedReshardDir(kJob), sub = "w4-s60-c6";
+  auto shared = DefaultEnv()->OpenDirectory(top + "/" + sub, true);
+  ASSERT_TRUE(shared.ok()) << shared.status().ToString();
+  const int fd = ::open((top + "/" + sub + "/rank-00002.lock").c_str(),
+                        O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  auto refused = shared.value()->Lock("rank-00002.lock", "rank 9");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(kNoHolderLine), std::string::npos)
+      << refused.status().ToString();
+  Result<SharedCopy> got = Status::Internal("unset");
+  std::thread t([&] {
+    got = FetchOncePerHost(srv.ep(), kJob, kSecret, 4, 2, 60, 6, kFromReplica, mem,
+                           mem + "/own-1", "rank 1", DefaultEnv(), 10, 30);
+  });
+  // The fetcher: its copy made aside, then (while the other is refused with
+  // no line, and before its next try) its line written and the copy put in
+  // place at once, as a fetch quicker than the other's 20 ms between tries.
+  ASSERT_TRUE(
+      FetchInto(srv.ep(), kJob, kSecret, 4, 2, 60, kFromReplica, top, "aside", DefaultEnv(), 10)
+          .ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // refused, with no line
+  const std::string line = "rank 0 pid 7\n";
+  ASSERT_EQ(::pwrite(fd, line.data(), line.size(), 0), static_cast<ssize_t>(line.size()));
+  ASSERT_EQ(::rename((top + "/aside/rank-00002.nsck").c_str(),
+                     (top + "/" + sub + "/rank-00002.nsck").c_str()),
+            0);
+  t.join();
+  ::close(fd);  // lets go
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_FALSE(got.value().fetched);
+  EXPECT_EQ(got.value().path, top + "/" + sub + "/rank-00002.nsck");
+  EXPECT_EQ(got.value().by, "rank 0 pid 7");
+  EXPECT_EQ(srv.s->stats().fetches_served, 1u);
+  std::filesystem::remove_all(mem);
 }
 
 // A fetcher that holds the lock and never finishes (a stalled or hung

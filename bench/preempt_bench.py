@@ -79,7 +79,8 @@ def one_run(d: str, nbytes: int, scenario: str, step_s: float, medium: str) -> d
     w, eng = ckpt._preempt, ckpt.session.engine
     latest = eng.latest()
     _, expected = w.notices.estimate(
-        w.state_bytes(), nonstop._ext.core().persist_bandwidth(eng.stats().get("recent", [])),
+        sum(r[3] for r in ckpt.session.registered),
+        nonstop._ext.core().persist_bandwidth(eng.stats().get("recent", [])),
         w.cfg["grace_s"], None if latest is None else latest[1])
     time.sleep(step_s / 2)  # the rest of the step
     t_boundary = time.perf_counter()

@@ -52,8 +52,19 @@ class Checkpointer:
         self.keep, self.max_to_keep, self.best = (o.retention.keep, o.retention.max_to_keep,
                                                   o.retention.best)
         self.rank, self.world_size = o.dist.rank, o.dist.world_size
-        restart = _open_dir(self.dir, self.rank, self.world_size)
-        dist = _open_dist(o, self.dir, state) if self.world_size > 1 else None
+        # Rank files of another world size are set aside for resharding
+        # (_distributed.py; world_size > 1: collectively, in Distributed).
+        if self.world_size == 1:
+            _distributed.set_aside(self.dir, 1)
+        restart = check_directory(self.dir, self.rank, 1 if self.world_size == 1 else None,
+                                  must_exist=False)  # True: this rank has a checkpoint there
+        dist, d = None, o.dist
+        if self.world_size > 1:  # the ranks' agreement (_distributed.py, docs/DISTRIBUTED.md)
+            dist = _distributed.Distributed(self.dir, d.rank, d.world_size, d.replicated, d.local,
+                                            d.dist_timeout_s, agree_metrics=self.best is not None)
+            dist.state, dist.tier = state, self.tier  # resharding; the ranks' memory segments
+            if o.retention.rules[0] or o.retention.rules[3]:  # max_to_keep/best delete kept copies
+                dist.tidy_kept()  # collective: every rank holds the same kept steps first
         ses = self.session = _session.Session(self.dir, state, o, dist)
         self._hooks: list = []
         self._preempt = None
@@ -72,12 +83,17 @@ class Checkpointer:
             deferred = bool(nbytes and restart and self.driver.defer_staging)
             small = (dist is None and not o.engine.kwargs["staging_bytes"] and bool(nbytes)
                      and not deferred)
-            ses.engine = _open_engine(o, self.driver, _options.engine_kwargs(
-                o, dist is not None, small))
+            engine = self.driver.open_engine(_options.engine_kwargs(o, dist is not None, small))
+            if o.retention.rules != (0, "", False, 0):  # the multistep window: its core's
+                try:
+                    getattr(engine, "core", engine).set_retention(*o.retention.rules)
+                except Exception:
+                    engine.close()
+                    raise
+            ses.engine = engine
             if dist is not None:  # replicas=: the peer tier (collective; _peer.py, docs/TIERS.md)
-                dist.peers = _peer.Peers(dist, o.dist.replicas, ses.engine,
-                                         o.dist.peer_budget_bytes, o.dist.peer_every,
-                                         o.dist.peer_nice, o.dist.peer_bps)
+                dist.peers = _peer.Peers(dist, d.replicas, ses.engine, d.peer_budget_bytes,
+                                         d.peer_every, d.peer_nice, d.peer_bps)
         except Exception:
             self.close()
             raise
@@ -89,7 +105,8 @@ class Checkpointer:
                               o.on_commit)
         ses.stage(nbytes, deferred)  # no first-checkpoint spike (Session.stage)
         # Preemption notices (SIGTERM by default): _preempt.py, docs/PREEMPTION.md
-        self._preempt = _preempt.install(self, o.on_preempt, _state_bytes_estimate)
+        cfg = _preempt.parse(o.on_preempt)  # None: on_preempt=False
+        self._preempt = cfg and _preempt.PreemptWatch(self, cfg, _state_bytes_estimate)
         # remote=: committed checkpoints also uploaded; _remote.py, docs/TIERS.md
         if o.remote is not None:
             ses.remote = _remote.Tier(self, o.remote, o.remote_options, _ext.core,
@@ -118,21 +135,7 @@ class Checkpointer:
         status 75 when uncaught).
         metrics={"loss": 0.31}: stored with the checkpoint when one starts
         (nonstop.list shows them; best= ranks kept copies by one)."""
-        ses = self.session
-        ses.metrics = _ext.core().check_metrics(metrics)  # C++: name -> finite number
-        try:
-            if ses.forked():
-                ses.live()
-            ses.begin_staging()
-            if self._preempt is not None:
-                self._preempt.at_boundary(step)
-            got = self.driver.step(step)
-            if self.driver.handles:
-                got = ses.watcher.track(got, step)
-        finally:
-            ses.metrics = None
-        ses.report()  # background errors since the last call, once
-        return got
+        return self._start(step, metrics, boundary=True)
 
     def save(self, step: int, metrics: Optional[dict] = None) -> Optional[CheckpointHandle]:
         """Starts a checkpoint of the state as it is now, labelled `step`.
@@ -146,14 +149,25 @@ class Checkpointer:
         An error of an earlier checkpoint (a failed write or keep= copy) is
         raised here after this checkpoint has started, once.
         metrics={"loss": 0.31}: stored with the checkpoint (see step())."""
-        self.session.metrics = _ext.core().check_metrics(metrics)
-        self.session.begin_staging()
+        return self._start(step, metrics, boundary=False)
+
+    def _start(self, step: int, metrics, boundary: bool) -> Optional[CheckpointHandle]:
+        """step() (`boundary`: the mode decides; multistep's are no handles) or save()."""
+        ses = self.session
+        ses.metrics = _ext.core().check_metrics(metrics)  # C++: name -> finite number
         try:
-            handle = self.session.watcher.track(self.driver.save(step), step)
+            if ses.forked():
+                ses.live()
+            ses.begin_staging()
+            if boundary and self._preempt is not None:
+                self._preempt.at_boundary(step)
+            got = self.driver.step(step) if boundary else self.driver.save(step)
+            if self.driver.handles or not boundary:
+                got = ses.watcher.track(got, step)
         finally:
-            self.session.metrics = None
-        self.session.report()
-        return handle
+            ses.metrics = None
+        ses.report()  # background errors since the last call, once
+        return got
 
     def _before_update(self, optimizer, args, kwargs):  # the optimizers' step pre-hook
         self.session.before_update()
@@ -269,38 +283,6 @@ class Checkpointer:
 # The modes, each a driver behind _session.Driver's protocol.
 _DRIVERS = {"concurrent": _periodic.Periodic, "layerwise": _layerwise.Layerwise,
             "auto": _layerwise.Switching, "multistep": _multistep.MultistepMode}
-
-
-def _open_dir(dir: str, rank: int, world_size: int) -> bool:
-    """Checks the job directory; True when this rank has a checkpoint there
-    (a restart). Rank files of another world size are set aside for
-    resharding (_distributed.py; world_size > 1: collectively, in Distributed)."""
-    if world_size == 1:
-        _distributed.set_aside(dir, 1)
-    return check_directory(dir, rank, world_size if world_size == 1 else None, must_exist=False)
-
-
-def _open_dist(o, dir: str, state: dict):
-    """world_size > 1: the ranks' agreement (_distributed.py, docs/DISTRIBUTED.md)."""
-    d = o.dist
-    dist = _distributed.Distributed(dir, d.rank, d.world_size, d.replicated, d.local,
-                                    d.dist_timeout_s, agree_metrics=o.retention.best is not None)
-    dist.state, dist.tier = state, o.engine.tier  # resharding; the ranks' memory segments
-    if o.retention.rules[0] or o.retention.rules[3]:  # max_to_keep/best delete kept copies
-        dist.tidy_kept()  # collective: every rank holds the same kept steps first
-    return dist
-
-
-def _open_engine(o, driver, kw: dict):
-    """The engine the mode drives (the multistep window), its retention set."""
-    engine = driver.open_engine(kw)
-    if o.retention.rules != (0, "", False, 0):
-        try:
-            getattr(engine, "core", engine).set_retention(*o.retention.rules)
-        except Exception:
-            engine.close()
-            raise
-    return engine
 
 
 def check_options(who: str, options: dict, own=("dir", "state", "every")) -> None:

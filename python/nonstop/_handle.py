@@ -115,9 +115,8 @@ class Watcher:
         return h
 
     def _report(self, h: CheckpointHandle) -> None:
-        stats = h.stats or {"counter": h.counter, "step": h.step, "committed": False,
-                            "error": str(h.exception())}
-        self._on_commit(stats)
+        self._on_commit(h.stats or {"counter": h.counter, "step": h.step, "committed": False,
+                                    "error": str(h.exception())})
 
     def _run(self) -> None:
         while (settled := self._watch.next()) is not None:  # GIL released while it waits

@@ -140,7 +140,6 @@ def resolve(state: dict, **kw) -> Options:
     signature has them), checked (one-line CheckpointMismatchError), before
     the job directory is opened."""
     remote, remote_options, remote_every = kw["remote"], kw["remote_options"], kw["remote_every"]
-    keep, max_to_keep, best, tier = kw["keep"], kw["max_to_keep"], kw["best"], kw["tier"]
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointMismatchError("state must be a dict with string keys, "
                                       "e.g. {'model': model, 'optim': optimizer}")
@@ -169,15 +168,15 @@ def resolve(state: dict, **kw) -> Options:
                   copy_threads=opts["copy_threads"], medium=opts["medium"])
     # max_to_keep= and best=("loss", "min", k): which kept copies stay
     # (checked and applied by C++ JobDir retention; docs/PYTHON.md "Managing checkpoints")
-    rules = tuple(_ext.core().check_retention(keep, max_to_keep, best))
+    rules = tuple(_ext.core().check_retention(kw["keep"], kw["max_to_keep"], kw["best"]))
     # every="auto": the interval adapts to keep the visible stall near
     # max_overhead (default 3 %) of wall time; see docs/TUNE.md.
     auto = _ext.core().Schedule.auto(target=opts["max_overhead"]) if every == "auto" else None
     return Options(
-        engine=EngineOptions(engine, tier),
+        engine=EngineOptions(engine, kw["tier"]),
         mode=ModeOptions(mode, every, auto, kw["parts"], kw["overlap_gradients"], kw["replay"],
                          kw["clip_grad_norm"]),
-        retention=Retention(keep, max_to_keep, best, rules),
+        retention=Retention(kw["keep"], kw["max_to_keep"], kw["best"], rules),
         dist=DistOptions(rank, world_size, kw["replicated"], kw["local"], kw["dist_timeout_s"],
                          *_peer.check_options(kw)),
         remote=remote, remote_options=remote_options, rng=kw["rng"], on_preempt=kw["on_preempt"],

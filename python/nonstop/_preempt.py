@@ -98,24 +98,26 @@ class PreemptWatch:
         self._previous: dict[int, Any] = {}
         self._handling = False
         self._bytes_guess = 0
-        self._install()
-        self._group = self._work = None  # the side group of the flag, its all-reduce in flight
-        self._flag = torch.zeros(1, dtype=torch.int32)
-        if ckpt.world_size > 1:
-            self._setup_group()
-
-    # ----------------------------------------------------------- the signals
-
-    def _install(self) -> None:
-        if not self.cfg["signals"]:
-            return
-        if threading.current_thread() is not threading.main_thread():
+        if cfg["signals"] and threading.current_thread() is not threading.main_thread():
             warnings.warn("nonstop: Checkpointer created outside the main thread: no signal "
                           "handler installed (Python allows them only there); call "
-                          "ckpt.preempt() on a notice", stacklevel=4)
-            return
-        for sig in self.cfg["signals"]:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+                          "ckpt.preempt() on a notice", stacklevel=2)
+        else:
+            for sig in cfg["signals"]:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._group = self._work = None  # the side group of the flag, its all-reduce in flight
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        if ckpt.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            warnings.warn(f"nonstop: world_size {ckpt.world_size} without an initialised "
+                          f"torch.distributed: a notice is handled by the rank that gets it "
+                          f"only", stacklevel=2)
+        elif ckpt.world_size > 1:
+            # A side group, so the flag never waits behind the training's own
+            # collectives, and gloo, so it works with a CPU tensor whatever
+            # the training backend (NCCL included). Collective: every rank
+            # creates its Checkpointer.
+            self._group = cfg["group"] if cfg["group"] is not None else dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=cfg["timeout_s"]))
 
     def uninstall(self) -> None:
         """Puts back the handlers that were there before, unless someone
@@ -129,16 +131,12 @@ class PreemptWatch:
 
     def _on_signal(self, signum, frame) -> None:
         # Runs on the main thread between two bytecodes: only records the
-        # notice and prints one line (_say).
-        if signum in self.signums:
-            self._insist(signum, frame)
+        # notice and prints one line (_say). The same signal again means
+        # "now": its previous meaning at once (docs/PREEMPTION.md "A second signal").
+        if signum not in self.signums:
+            self.signums.append(signum)
+            self.notice(signal.Signals(signum).name)
             return
-        self.signums.append(signum)
-        self.notice(signal.Signals(signum).name)
-
-    def _insist(self, signum, frame) -> None:
-        """The same signal again means "now": its previous meaning at once
-        (docs/PREEMPTION.md "A second signal")."""
         prev = self._previous.get(signum, signal.SIG_DFL)
         _say(f"nonstop: {signal.Signals(signum).name} again: not waiting for the emergency "
              f"checkpoint")
@@ -149,43 +147,20 @@ class PreemptWatch:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
-    # ------------------------------------------------------------ the notice
-
     def notice(self, reason: str, step: Optional[int] = None) -> None:
         """Records a notice (first one wins) and prints the estimate.
         Callable from any thread and from a signal handler."""
         if not self.notices.notice(reason, step, time.monotonic()):
             return
-        engine, recent, latest = self.ckpt.session.engine, [], None
+        ses, recent, latest = self.ckpt.session, [], None
         try:
-            if engine is not None:
-                recent, latest = engine.stats().get("recent", []), engine.latest()
+            if ses.engine is not None:
+                recent, latest = ses.engine.stats().get("recent", []), ses.engine.latest()
         except Exception:  # a notice must never fail on a statistics read
             recent, latest = [], None
-        _say(self.notices.estimate(self.state_bytes(), _ext.core().persist_bandwidth(recent),
+        nbytes = sum(r[3] for r in ses.registered) if ses.registered else self._bytes_guess
+        _say(self.notices.estimate(nbytes, _ext.core().persist_bandwidth(recent),
                                    self.cfg["grace_s"], latest and latest[1])[0])
-
-    def state_bytes(self) -> int:
-        reg = self.ckpt.session.registered
-        return sum(r[3] for r in reg) if reg else self._bytes_guess
-
-    # ------------------------------------------------- at each step boundary
-
-    def _setup_group(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            warnings.warn(f"nonstop: world_size {self.ckpt.world_size} without an initialised "
-                          f"torch.distributed: a notice is handled by the rank that gets it "
-                          f"only", stacklevel=4)
-            return
-        group = self.cfg["group"]
-        if group is None:
-            # A side group, so the flag never waits behind the training's own
-            # collectives, and gloo, so it works with a CPU tensor whatever
-            # the training backend (NCCL included). Collective: every rank
-            # creates its Checkpointer.
-            group = dist.new_group(backend="gloo",
-                                   timeout=timedelta(seconds=self.cfg["timeout_s"]))
-        self._group = group
 
     def at_boundary(self, step: int) -> None:
         """Called by ckpt.step(step) before anything else: raises Preempted
@@ -219,19 +194,32 @@ class PreemptWatch:
             except Exception:  # a peer that already left; nothing to agree on any more
                 pass
 
-    # ------------------------------------------------ the emergency checkpoint
-
     def _handle(self, step: int) -> None:
         self._handling = True
         self.notices.handled_at(step)  # a notice before the first boundary: this step
         ckpt, error, committed, record = self.ckpt, None, False, None
         t_start = time.monotonic()
-        try:
-            committed, record = self._emergency(step)
+        try:  # `step`'s checkpoint, everything older in flight abandoned
+            counter = ckpt.driver.emergency(step)  # None: the mode cannot cut a window short
+            if counter is None:  # multistep: keep what is in flight
+                ckpt.wait()
+                warnings.warn("nonstop: preemption in mode 'multistep' keeps the newest "
+                              "committed checkpoint only; steps after it are lost", stacklevel=4)
+            else:  # its error raised when it did not commit (C++: engine/preempt.h AwaitEmergency)
+                committed, record, older = ckpt.session.live().await_emergency(counter, step)
+                if older is not None:  # the emergency checkpoint committed; say what failed before
+                    _say(f"nonstop: an earlier checkpoint failed: {older}")
+                ckpt.session.errors = []
         except Exception as e:  # still exit: the previous committed checkpoint is intact
             error = e
-        if self._group is not None:
-            committed = self._all_committed(committed)
+        if self._group is not None:  # every rank's verdict (MIN) once all have tried
+            self._wait_work()
+            self._flag.fill_(1 if committed else 0)
+            try:
+                dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self._group)
+                committed = bool(self._flag.item())
+            except Exception:
+                committed = False
         try:
             latest = ckpt.latest()
         except CheckpointError:
@@ -252,36 +240,10 @@ class PreemptWatch:
         if self.cfg["chain"]:
             for signum in dict.fromkeys(signums):
                 prev = prev_handlers.get(signum)
-                if callable(prev) and prev not in (signal.default_int_handler,):
+                if callable(prev) and prev is not signal.default_int_handler:
                     prev(signum, None)
         raise Preempted(message, notice_step=self.notices.notice_step, checkpoint=record,
                         **out) from error
-
-    def _emergency(self, step: int) -> tuple:
-        """`step`'s checkpoint, everything older in flight abandoned: (whether
-        it committed on this rank, the engine's record of it)."""
-        counter = self.ckpt.driver.emergency(step)  # None: the mode cannot cut a window short
-        if counter is None:  # multistep: a window cannot be cut short; keep what is in flight.
-            self.ckpt.wait()
-            warnings.warn("nonstop: preemption in mode 'multistep' keeps the newest "
-                          "committed checkpoint only; steps after it are lost", stacklevel=5)
-            return False, None
-        # its error raised when it did not commit (C++: engine/preempt.h AwaitEmergency)
-        committed, record, older = self.ckpt.session.live().await_emergency(counter, step)
-        if older is not None:  # the emergency checkpoint committed; say what failed before
-            _say(f"nonstop: an earlier checkpoint failed: {older}")
-        self.ckpt.session.errors = []
-        return committed, record
-
-    def _all_committed(self, committed: bool) -> bool:
-        """Every rank's verdict (MIN) once all have tried; blocking."""
-        self._wait_work()
-        self._flag.fill_(1 if committed else 0)
-        try:
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self._group)
-        except Exception:
-            return False
-        return bool(self._flag.item())
 
     def close(self) -> None:
         self.uninstall()
@@ -309,9 +271,3 @@ def worker_init_fn(worker_id=None) -> None:
         sigs.update(watch.cfg["signals"])
     for sig in sorted(sigs):
         signal.signal(sig, signal.SIG_IGN)
-
-
-def install(ckpt, on_preempt, estimate) -> Optional[PreemptWatch]:
-    cfg = parse(on_preempt)
-    return None if cfg is None else PreemptWatch(ckpt, cfg, estimate)
-

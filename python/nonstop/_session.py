@@ -121,22 +121,19 @@ class Session:
     def report(self) -> None:
         """Raises the background errors taken since the last report, once:
         the first with its class, the others named in its line."""
-        if not self.errors:
-            return
         errors, self.errors = self.errors, []
-        first = errors[0]
         if len(errors) == 1:
-            raise first
-        more = "; ".join(str(e) for e in errors[1:])
-        raise type(first)(f"{first} (and {len(errors) - 1} more: {more})") from first
+            raise errors[0]
+        if errors:
+            more = "; ".join(str(e) for e in errors[1:])
+            raise type(errors[0])(f"{errors[0]} (and {len(errors) - 1} more: {more})") from errors[0]
 
     def refs(self, tensors: dict, in_optimizer: set) -> list:
         """(name, dtype, shape, nbytes, ptr, device kind, index, stream,
         copy_at_checkpoint) for each tensor, as the engine's register() takes;
         a tensor whose memory only optimizer.step() changes (`in_optimizer`)
         is copied after the checkpoint starts, the others inside it."""
-        refs = []
-        snapshots_used = set()
+        refs, snapshots_used = [], set()
         for name, t in tensors.items():
             copy_now = self.base_ptr.get(name, t.data_ptr()) not in in_optimizer
             if not t.is_contiguous():
@@ -151,19 +148,15 @@ class Session:
                     snap.copy_(t)
                 t, copy_now = snap, False
                 snapshots_used.add(name)
-            if t.device.type == "cuda":
-                dev_kind, dev_index = 1, t.device.index or 0
-                stream = torch.cuda.current_stream(t.device).cuda_stream
-            elif t.device.type == "cpu":
-                dev_kind, dev_index, stream = 0, 0, 0
-            else:
+            if t.device.type not in ("cpu", "cuda"):
                 raise CheckpointMismatchError(
                     f"tensor {name!r} is on {t.device}; nonstop checkpoints CPU and CUDA tensors")
+            cuda = t.device.type == "cuda"
+            stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
             refs.append((name, _state.torch_dtype_code(t.dtype), list(t.shape),
-                         t.numel() * t.element_size(), t.data_ptr(), dev_kind, dev_index, stream,
-                         copy_now))
-        for name in set(self.snapshots) - snapshots_used:
-            del self.snapshots[name]
+                         t.numel() * t.element_size(), t.data_ptr(), int(cuda),
+                         (t.device.index or 0) if cuda else 0, stream, copy_now))
+        self.snapshots = {n: v for n, v in self.snapshots.items() if n in snapshots_used}
         return refs
 
     def register(self, refs: list, layouts: Optional[dict] = None) -> None:

@@ -74,3 +74,38 @@ def test_a_forked_child_never_hangs_and_refuses_the_parents_checkpointer(tmp_pat
     assert "forked child" in child, child
     expected_code = -15 if how == "sigterm" else 7
     assert f"PARENT latest 1 child {expected_code}" in p.stdout, out
+
+
+MULTISTEP_CHILD = textwrap.dedent(r"""
+    import os, sys
+    import torch
+    import nonstop
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    ck = nonstop.Checkpointer(sys.argv[1], {"model": model, "optim": opt}, mode="multistep",
+                              every=4, on_preempt=False)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ck.save(1)
+            print("CHILD SAVED", flush=True)
+        except nonstop.CheckpointError as e:
+            print("CHILD", e, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    ck.close()
+""")
+
+
+def test_save_in_a_forked_child_is_refused_in_mode_multistep_too(tmp_path):
+    """docs/PYTHON.md "Fork": save() there raises in every mode (multistep's
+    save never asks the engine itself)."""
+    script = tmp_path / "fork_multistep.py"
+    script.write_text(MULTISTEP_CHILD)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")],
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    child = next(line for line in p.stdout.splitlines() if line.startswith("CHILD"))
+    assert "forked child" in child, out

@@ -125,8 +125,8 @@ class Session:
         if len(errors) == 1:
             raise errors[0]
         if errors:
-            more = "; ".join(str(e) for e in errors[1:])
-            raise type(errors[0])(f"{errors[0]} (and {len(errors) - 1} more: {more})") from errors[0]
+            first, more = errors[0], "; ".join(str(e) for e in errors[1:])
+            raise type(first)(f"{first} (and {len(errors) - 1} more: {more})") from first
 
     def refs(self, tensors: dict, in_optimizer: set) -> list:
         """(name, dtype, shape, nbytes, ptr, device kind, index, stream,

@@ -1,11 +1,7 @@
-"""mode="layerwise": LightCheck's layer-wise asynchronous checkpoints for
-PyTorch. The optimizer runs in backward, one parameter at a time, with a
-one-parameter instance of the user's optimizer class (its own arithmetic);
-in a due step each parameter's copy starts right after its update, and its
-next update waits for that copy alone. docs/LAYERWISE.md ("What the Python
-side does") describes the hooks (post-accumulate, DDP's comm hook), the
-prepare/open/seal split, clip_grad_norm= and the first-step fallback.
-"""
+"""mode="layerwise" (LightCheck): the optimizer runs in backward, one
+parameter at a time (a one-parameter instance of the user's class); in a due
+step each parameter's copy starts after its update, and its next update waits
+for that copy alone. docs/LAYERWISE.md, "What the Python side does"."""
 from __future__ import annotations
 
 import inspect
@@ -22,8 +18,7 @@ from .errors import CheckpointMismatchError
 
 
 def _sub_optimizer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.Optimizer:
-    """A one-parameter optimizer of opt's class, built from opt.defaults
-    (only the arguments its constructor takes)."""
+    """A one-parameter optimizer of opt's class (the opt.defaults it takes)."""
     cls = type(opt)
     params = inspect.signature(cls.__init__).parameters
     accepts_all = any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values())
@@ -40,40 +35,32 @@ def _clip(params: list, max_norm: float) -> list:
 
 
 class Layerwise(_periodic.Periodic):
-    """Drives one Checkpointer's engine layer by layer: updated groups (a
-    parameter and its optimizer state) are handed to the engine together
-    once they hold GROUP_BYTES, and under DDP at the latest at the end of
-    each bucket; _core.LayerwiseBook says which tensors to hand over and to
-    wait for (docs/LAYERWISE.md, "What the Python side does")."""
+    """Drives the engine layer by layer; _core.LayerwiseBook says which
+    tensors (a parameter and its optimizer state) to hand over and to wait for."""
 
     GROUP_BYTES = 4 << 20
     defer_staging = False
 
     def __init__(self, session, o):
         super().__init__(session)
-        clip_grad_norm = o.mode.clip_grad_norm
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
+        self.clip = o.mode.clip_grad_norm
+        if self.clip is not None and not self.clip > 0:
             raise CheckpointMismatchError(
-                f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
-        self.clip = clip_grad_norm
+                f"clip_grad_norm must be a positive number or None, got {self.clip!r}")
         self.next_step = 0           # the step the next backward belongs to
         self.counter: Optional[int] = None  # open layer-wise checkpoint
         self._decided = False        # whether this step's checkpoint was decided
-        # Prepared for the next checkpoint (the book holds its groups):
-        # (signature, the registered refs).
-        self._plan: Optional[tuple] = None
+        self._plan: Optional[tuple] = None  # the book's plan: (signature, registered refs)
         self._keep: dict = {}        # the registered tensors, kept alive while registered
         self._ptrs: dict = {}        # name -> data_ptr of the state's tensors when registered
-        # DDP's callbacks run on the process group's threads, the hooks and
-        # ckpt.step() on the training thread: one lock orders every access
-        # to the fields above and every engine call made from a hook.
+        # DDP's callbacks run on the process group's threads, the hooks and ckpt.step() on the
+        # training thread: one lock orders all access to the fields above and hooks' engine calls.
         self._lock = threading.RLock()
         self._updated: list = []     # DDP params updated by the comm hook this backward
         self._queued = False         # the end-of-backward callback is queued
         # param -> (optimizer, index of its param_group, sub-optimizer). The
         # group is looked up at each update: load_state_dict replaces the dicts.
         self._subs: dict = {}
-        self._hooks = []
         ddps = [d for d in session.state.values() if isinstance(d, DistributedDataParallel)]
         # ZeRO, several ranks without DDP, find_unused_parameters, DDP under
         # mode="auto" (its comm hook could not be removed again): refused (C++)
@@ -82,37 +69,32 @@ class Layerwise(_periodic.Periodic):
             world_size=session.world_size, ddp_models=len(ddps),
             find_unused=any(getattr(d, "find_unused_parameters", False) for d in ddps),
             auto_mode=o.mode.mode == "auto")
-        by_ddp = set()  # the parameters DDP reduces (in its buckets)
-        for d in ddps:
-            ignore = getattr(d, "parameters_to_ignore", set())
-            by_ddp.update(p for n, p in d.module.named_parameters()
-                          if n not in ignore and p.requires_grad)
-        for opt in session.state.values():
-            if not isinstance(opt, torch.optim.Optimizer):
-                continue
+        opts = [x for x in session.state.values() if isinstance(x, torch.optim.Optimizer)]
+        for opt in opts:
             for gi, group in enumerate(opt.param_groups):
                 for p in group["params"]:
-                    if not p.requires_grad or p in self._subs:
-                        continue
-                    self._subs[p] = (opt, gi, _sub_optimizer(opt, p))
-                    if p not in by_ddp and self.clip is None:  # DDP's: by its comm hook
-                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-            if self.clip is not None:
-                self._hooks.append(opt.register_step_pre_hook(self._on_step))
+                    if p.requires_grad and p not in self._subs:
+                        self._subs[p] = (opt, gi, _sub_optimizer(opt, p))
         if not self._subs:
-            raise CheckpointMismatchError("mode='layerwise' needs a torch.optim.Optimizer in state whose "
-                             "parameters require grad")
+            raise CheckpointMismatchError("mode='layerwise' needs a torch.optim.Optimizer in "
+                                          "state whose parameters require grad")
         self._ids = {p: i for i, p in enumerate(self._subs)}  # the book's parameter numbers
         self._book = _ext.core().LayerwiseBook(self.GROUP_BYTES, [
             (p.device.index or 0) if p.device.type == "cuda" else -1 for p in self._subs])
-        if self.clip is None:
-            for d in ddps:
-                try:
-                    d.register_comm_hook(d.process_group, self._comm_hook)
-                except RuntimeError as e:
-                    raise CheckpointMismatchError(
-                        f"mode='layerwise' installs a DDP communication hook and DDP refused "
-                        f"it ({str(e).splitlines()[0]}); register no comm hook of your own") from None
+        if self.clip is not None:  # _on_step updates them all
+            self._hooks = [opt.register_step_pre_hook(self._on_step) for opt in opts]
+            return
+        for d in ddps:  # DDP's parameters are updated by its comm hook
+            try:
+                d.register_comm_hook(d.process_group, self._comm_hook)
+            except RuntimeError as e:
+                raise CheckpointMismatchError(
+                    f"mode='layerwise' installs a DDP communication hook and DDP refused "
+                    f"it ({str(e).splitlines()[0]}); register no comm hook of your own") from None
+        by_ddp = {p for d in ddps for n, p in d.module.named_parameters()
+                  if n not in getattr(d, "parameters_to_ignore", ()) and p.requires_grad}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in self._subs if p not in by_ddp]
 
     # ------------------------------------------------------------ the hooks
 
@@ -137,14 +119,12 @@ class Layerwise(_periodic.Periodic):
                 if not self._queued:
                     self._queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        params, grads = bucket.parameters(), bucket.gradients()
-        buf = bucket.buffer()
+        params, grads, buf = bucket.parameters(), bucket.gradients(), bucket.buffer()
         world = group.size()
-        # reducer.cpp without a comm hook: a gradient is multiplied by
-        # 1/world as it is copied into the bucket (at::mul_out with a wrapped
-        # double scalar), or divided by world in place where it already is a
-        # view of the bucket (gradient_as_bucket_view); then the bucket is
-        # summed. A comm hook receives plain copies, so do the same here.
+        # reducer.cpp without a comm hook: a gradient is multiplied by 1/world as it is copied into
+        # the bucket (at::mul_out with a wrapped double scalar), or divided by world in place where
+        # it already is a view of the bucket (gradient_as_bucket_view); then the bucket is summed.
+        # A comm hook receives plain copies, so do the same here.
         views = [p.grad is not None and p.grad.data_ptr() == g.data_ptr() and g.numel() > 0
                  for p, g in zip(params, grads)]
         if not any(views):
@@ -169,9 +149,8 @@ class Layerwise(_periodic.Periodic):
         return fut.then(reduced)
 
     def _end_backward(self) -> None:
-        # Queued at the first bucket, this may run before DDP's own final
-        # callback, which waits for the buckets and writes the reduced
-        # gradients into .grad: queue the clean-up once more, after it.
+        # Queued at the first bucket, this may run before DDP's own final callback (which writes
+        # the reduced gradients into .grad): queue the clean-up once more, after it.
         torch.autograd.Variable._execution_engine.queue_callback(self._clear_grads)
 
     def _clear_grads(self) -> None:
@@ -182,21 +161,17 @@ class Layerwise(_periodic.Periodic):
             self._queued = False
 
     def _update(self, params: list, grads: Optional[dict] = None) -> None:
-        """Updates `params` (under the lock): waits for their copies of the
-        checkpoints in flight first, then runs each one's update and batches
-        its copy when a checkpoint is open. `grads`: param -> the reduced
-        gradient to use (DDP), else p.grad."""
-        ses = self.session
-        engine = ses.engine
+        """Updates `params` (under the lock) after their copies in flight; batches
+        their copies while a checkpoint is open. `grads`: DDP's reduced ones."""
+        ses, engine = self.session, self.session.engine
         if engine is not None:
             if ses.copy_pending:  # a whole-model checkpoint is still copying (errors: at step())
                 ses.hook_stall_s += ses.waited(engine, committed=False)
             t0 = time.perf_counter()
             self._maybe_begin()
-            # Updated twice in one step: the batch is handed over first. Then
-            # LightCheck's rule: their next update (about to be enqueued on the
-            # current stream) runs after their copies. CUDA parameters: the
-            # stream waits on the GPU; others: the host waits.
+            # Updated twice in one step: the batch is handed over first. Then LightCheck's rule:
+            # their next update (about to be enqueued on the current stream) runs after their
+            # copies. CUDA parameters: the stream waits on the GPU; others: the host waits.
             copy, waits = self._book.update([self._ids[p] for p in params])
             self._copy(copy)
             for device, tensors in waits:
@@ -229,8 +204,7 @@ class Layerwise(_periodic.Periodic):
                 self._copy(self._book.updated(self._ids[p], nbytes))
 
     def _copy(self, tensors: list) -> None:
-        """Requests the copies of `tensors` (they may change again only
-        after WaitTensorsCopied)."""
+        """Requests the copies of `tensors` (changed again after WaitTensorsCopied)."""
         if tensors:
             t0 = time.perf_counter()
             self.session.engine.copy_tensors(self.counter, tensors)
@@ -239,9 +213,8 @@ class Layerwise(_periodic.Periodic):
     # --------------------------------------------------------- checkpoints
 
     def _signature(self) -> tuple:
-        """Where the optimizer-driven tensors are, per parameter: (the
-        data_ptrs of it and its state's tensors, the state's id). The plan
-        holds while this is unchanged."""
+        """Per parameter: (the data_ptrs of it and its state's tensors, the
+        state's id). The plan holds while this is unchanged."""
         sig = []
         for p, (opt, _, _) in self._subs.items():
             st = opt.state.get(p)
@@ -259,20 +232,18 @@ class Layerwise(_periodic.Periodic):
         return all(opt.state.get(p) for p, (opt, _, _) in self._subs.items())
 
     def _prepare(self, tensors: Optional[dict] = None) -> None:
-        """Registers the state's tensors (this rank's pieces of them) unless
-        they are registered already, and finds each parameter's engine
-        tensors. `tensors`: the flattened state, when the caller has it."""
+        """Registers the state's tensors (this rank's pieces) unless registered
+        already, and plans the book's groups. `tensors`: the flattened state."""
         ses = self.session
         if tensors is None:
             tensors = {}
             _objects.flatten_state(ses.state, tensors)
-        if (not ses.snapshots and {n: t.data_ptr() for n, t in tensors.items()} == self._ptrs
-                and self._plan_holds()):
+        ptrs = {n: t.data_ptr() for n, t in tensors.items()}
+        if not ses.snapshots and ptrs == self._ptrs and self._plan_holds():
             return  # nothing moved (the usual case): the registration and the groups hold
-        # With world_size > 1 this rank's shares are registered.
-        ses.base_ptr = {n: t.data_ptr() for n, t in tensors.items()}
+        ses.base_ptr = ptrs
         layouts = None
-        if ses.dist is not None:
+        if ses.dist is not None:  # world_size > 1: this rank's shares are registered
             tensors, layouts, _ = ses.dist.shard(tensors, ses.state)
         refs = ses.refs(tensors, ses.owned())
         ses.register(refs, layouts)
@@ -283,9 +254,8 @@ class Layerwise(_periodic.Periodic):
         self._plan = (sig, ses.registered)
 
     def _maybe_begin(self) -> None:
-        """At the first update of a step (once: _decided): opens the step's
-        checkpoint when it is due (with the plan prepared by the previous
-        ckpt.step(), or one made now)."""
+        """At a step's first update (once: _decided): opens its checkpoint when
+        due (with the plan the previous ckpt.step() prepared, or one made now)."""
         if self._decided:
             return
         self._decided = True
@@ -300,9 +270,8 @@ class Layerwise(_periodic.Periodic):
             ses.dist.started(engine)  # the first one starts the agreement thread
 
     def step(self, step: int) -> Optional[int]:
-        """ckpt.step(step) in layerwise mode: seals the open checkpoint, or
-        starts a whole-model one when due and none is open; then prepares
-        the checkpoint of the next step when it is due."""
+        """Seals the open checkpoint, or starts a whole-model one when due and
+        none is open; then prepares the next step's when that one is due."""
         ses = self.session
         with self._lock:
             counter = tensors = None
@@ -316,9 +285,8 @@ class Layerwise(_periodic.Periodic):
                 # Every tensor not requested yet (the last batch too) is copied
                 # by the seal: wait for all of them before their next update.
                 self._book.seal()
-                changed = {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs
                 ses.engine.end_checkpoint(counter, int(step), _state.dumps(meta))
-                if changed:
+                if {n: t.data_ptr() for n, t in tensors.items()} != self._ptrs:
                     warnings.warn("nonstop: the state's tensors changed during step "
                                   f"{step}; its layer-wise checkpoint may not restore",
                                   stacklevel=3)
@@ -329,9 +297,8 @@ class Layerwise(_periodic.Periodic):
             self.next_step = step + 1
             self._decided = False
             self._queued = False  # (a backward that raised left it set)
-            # The next step is due: register and find the groups now, on the
-            # training thread between steps, so that backward only opens the
-            # checkpoint and requests copies.
+            # The next step is due: plan now, between steps, so that backward
+            # only opens the checkpoint and requests copies.
             if ses.due_after(step + 1) and self._complete():
                 self._prepare(tensors)
             ses.visible_stall_s += time.perf_counter() - t0
@@ -358,10 +325,9 @@ class Layerwise(_periodic.Periodic):
 
 
 class Switching(_periodic.Periodic):
-    """mode="auto": the rule and its windows are C++ (`_core.ModeChooser`);
-    this class reports each step with the clock and the visible stall, and
-    swaps the hooks right after a checkpoint was started or sealed; nothing
-    in flight is cut short (docs/LAYERWISE.md, "mode="auto"")."""
+    """mode="auto": `_core.ModeChooser` decides; this reports each step's clock
+    and visible stall, and swaps the hooks right after a checkpoint was started
+    or sealed: nothing in flight is cut short (docs/LAYERWISE.md, "mode="auto"")."""
 
     def __init__(self, session, o, clock=time.perf_counter):
         super().__init__(session)

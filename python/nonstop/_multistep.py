@@ -1,12 +1,9 @@
-"""mode="multistep": GoCkpt's multi-step overlapped checkpoints for a
-torch.optim AdamW / Adam / SGD optimizer. The schedule, the replay plan and
-what the mode accepts are C++ (nonstop._core.Multistep, ChooseMultistep:
-include/nonstop/multistep.h); this module describes the optimizer, drives
-the paper's hooks from its step pre/post-hooks and zero_grad, and runs
-replay="torch" at restore with the training optimizer itself.
-docs/MULTISTEP.md describes the hooks, skipped steps (GradScaler), the
-window's versions and both replays.
-"""
+"""mode="multistep": GoCkpt's multi-step overlapped checkpoints for a torch.optim
+AdamW / Adam / SGD. The schedule, the replay plan and what the mode accepts are
+C++ (_core.Multistep, ChooseMultistep: include/nonstop/multistep.h); this module
+describes the optimizer, drives the paper's hooks from its step pre/post-hooks
+and zero_grad, and runs replay="torch" at restore with the training optimizer.
+docs/MULTISTEP.md: the hooks, skipped steps, the window's versions, both replays."""
 from __future__ import annotations
 
 import os
@@ -24,21 +21,15 @@ from . import _ext, _state
 from ._session import Driver
 from .errors import CheckpointMismatchError
 
-# Parameter bytes per block (GoCkpt: 4 MiB). Tests lower it to get many parts
-# out of a small model.
-BLOCK_BYTES = 4 << 20
-# The optimizer states a window copies, by algorithm.
-_ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+BLOCK_BYTES = 4 << 20  # parameter bytes per block (GoCkpt's); tests lower it
+_ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # the states a window copies
 _ROLES = {"sgd": ("momentum_buffer",), "adam": _ADAM, "adamw": _ADAM}
-
-
 # Hyperparameters the plan sets per step (as torch's param_groups name them).
 _HYPER = ("lr", "weight_decay", "maximize", "betas", "eps", "momentum", "dampening", "nesterov")
 
 
 def _describe(opt) -> tuple:
-    """The optimizer as plain values for ChooseMultistep (nonstop/multistep.h),
-    which decides the replay and checks the optimizer for it."""
+    """The optimizer as plain values for ChooseMultistep (nonstop/multistep.h)."""
     groups = []
     for g in opt.param_groups:
         held = [k for k in _HYPER if isinstance(g.get(k), torch.Tensor) or (
@@ -59,9 +50,8 @@ def _describe(opt) -> tuple:
 
 
 def _arithmetic(opt, dev: torch.device) -> dict:
-    """What a replay with the training optimizer depends on: torch, the
-    device (type and model: the GPU's, or the CPU kernels' instruction set)
-    and the optimizer's class."""
+    """What a replay with the training optimizer depends on: torch, the device
+    (the GPU's model, or the CPU kernels' instruction set), the optimizer's class."""
     name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
             else f"cpu/{torch.backends.cpu.get_cpu_capability()}")
     return {"torch": torch.__version__, "device": dev.type, "device_name": name,
@@ -69,18 +59,16 @@ def _arithmetic(opt, dev: torch.device) -> dict:
 
 
 def _torch_picks_foreach(params: list) -> bool:
-    """Whether torch runs the foreach kernel for an optimizer group built
-    with foreach=None over `params` (torch's own rule: only for tensors on
-    devices with foreach kernels, never for CPU tensors)."""
+    """Whether torch runs the foreach kernel for a group built with foreach=None
+    over `params` (torch's own rule: never for CPU tensors)."""
     if _default_to_fused_or_foreach is None:  # another torch: decide by device, as torch 2.x does
         return any(p.device.type != "cpu" for p in params)
     return bool(_default_to_fused_or_foreach(list(params), False, False)[1])
 
 
 class MultistepMode(Driver):
-    """Drives nonstop._core.Multistep for one Checkpointer; the core is the
-    session's engine (wait_copied, wait_committed, latest, adopt_restored,
-    stats, close)."""
+    """Drives nonstop._core.Multistep, the session's engine (wait_copied,
+    wait_committed, latest, adopt_restored, stats, close)."""
 
     handles = False  # step() returns the step a window began at; save() None
 
@@ -89,9 +77,8 @@ class MultistepMode(Driver):
         m = o.mode
         opts = [x for x in session.state.values() if isinstance(x, torch.optim.Optimizer)]
         if len(opts) != 1:
-            raise CheckpointMismatchError(
-                f"mode='multistep' needs exactly one torch.optim optimizer in state, found "
-                f"{len(opts)}")
+            raise CheckpointMismatchError("mode='multistep' needs exactly one torch.optim "
+                                          f"optimizer in state, found {len(opts)}")
         if not isinstance(m.parts, int) or not 1 <= m.parts <= 64:
             raise CheckpointMismatchError(f"parts must be an integer in 1..64, got {m.parts!r}")
         self.opt = opts[0]
@@ -103,8 +90,7 @@ class MultistepMode(Driver):
         self._held, self._hooks, self._orig_zero_grad = [], [], None
 
     def open_engine(self, kw: dict):
-        """The Multistep core (self.core): the session's engine. It owns its
-        Engine and serialises every call to it with the window's thread."""
+        """The Multistep core (self.core), which owns its Engine."""
         # torch's own fp32 sqrt (MKL vmsSqrt) for a bitwise Adam replay; 0 if absent
         lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
         sqrt = _ext.core().optim.find_mkl_vms_sqrt(lib) if os.path.exists(lib) else 0
@@ -122,10 +108,8 @@ class MultistepMode(Driver):
         return self.core
 
     def _check(self, replay: str) -> None:
-        """ChooseMultistep (C++) over the optimizer as it is now: the replay
-        ("auto" decided), the algorithm, amsgrad and the parameters' device,
-        or one line. State created or loaded after the constructor, and
-        flags load_state_dict set, are checked at each window's start."""
+        """ChooseMultistep (C++) over the optimizer now: the replay, algorithm,
+        amsgrad and device, or one line (again at each window's start)."""
         self.replay, self.algorithm, self.amsgrad, device = _ext.core().multistep_choose(
             *_describe(self.opt), replay)
         self._cuda = self.replay == "torch"
@@ -133,9 +117,8 @@ class MultistepMode(Driver):
 
     def _stream(self) -> int:
         """The CUDA stream the optimizer updates on: the copies wait for it."""
-        if self.device.type != "cuda":
-            return 0
-        return torch.cuda.current_stream(self.device).cuda_stream
+        cuda = self.device.type == "cuda"
+        return torch.cuda.current_stream(self.device).cuda_stream if cuda else 0
 
     # ---------------------------------------------------------------- hooks
 
@@ -167,10 +150,9 @@ class MultistepMode(Driver):
             if g.is_sparse or not g.is_contiguous():
                 raise CheckpointMismatchError("mode='multistep' needs dense contiguous gradients")
             if clone:
-                # torch's foreach kernels may change gradients in place during
-                # the update (SGD nesterov: _foreach_add_(grads, bufs)); the
-                # overlapped copy reads a snapshot taken before it (on CUDA a
-                # device-to-device copy on the optimizer's stream).
+                # torch's foreach kernels may change gradients in place during the update (SGD
+                # nesterov: _foreach_add_(grads, bufs)); the overlapped copy reads a snapshot taken
+                # before it (on CUDA a device-to-device copy on the optimizer's stream).
                 g = g.detach().clone()
             grads.append((g.data_ptr(), _state.torch_dtype_code(g.dtype)))
             held.append(g)
@@ -186,9 +168,8 @@ class MultistepMode(Driver):
             self._timed(self.core.on_update_end, self.core.next_step, refreshed)
 
     def _zero_grad(self, set_to_none: bool = True):
-        # set_to_none=True drops the optimizer's reference; ours keeps the
-        # memory alive until copied, so nothing waits. Zeroing in place must
-        # wait for the copies (the paper's on_backward_begin).
+        # set_to_none=True drops the optimizer's reference (ours keeps the memory alive until
+        # copied): nothing waits. Zeroing in place waits for the copies (on_backward_begin).
         if self._held and not set_to_none:
             self._timed(self.core.on_backward_begin)
             self._held.clear()
@@ -241,9 +222,8 @@ class MultistepMode(Driver):
         self.session.saves += 1
 
     def _set_outputs(self, step: int) -> None:
-        """Everything of the checkpoint at version `step`: C++ (SetOutputs)
-        points the optimizer's own tensors at the reconstructed buffers and
-        copies the rest now."""
+        """The checkpoint of version `step`: C++ (SetOutputs) points the optimizer's
+        tensors at the reconstructed buffers and copies the rest now."""
         tensors: dict = {}
         meta = self.session.meta(step, tensors)  # metrics=: step(step, metrics=) of this version
         if self._cuda:  # what restore's replay must find again (replay_check)
@@ -269,11 +249,9 @@ class MultistepMode(Driver):
         self.session.wait(committed=True, take=False)
 
     def replay_check(self, meta: dict, tensors: dict, where: str) -> None:
-        """StateApplier.prepare, before restore() changes anything: whether
-        this run can replay a checkpoint whose parts are at their own versions
-        (CheckMultistepRestore; docs/MULTISTEP.md, "How restore replays"; the
-        flags need no check: load_state_dict sets the saved ones before the
-        replay runs)."""
+        """Before restore() changes anything: whether this run can replay a
+        checkpoint whose parts are at their own versions (CheckMultistepRestore;
+        docs/MULTISTEP.md, "How restore replays")."""
         _ext.core().multistep_restore_check(
             _state.dumps(meta.get("multistep")), _state.dumps(meta.get("multistep_plan")),
             **_arithmetic(self.opt, self.device), groups=len(self.opt.param_groups),
@@ -282,9 +260,8 @@ class MultistepMode(Driver):
             where=where)
 
     def restored(self, loaded) -> None:
-        """restore() loaded a checkpoint: parts at their own versions (its
-        "multistep_plan"; checked by replay_check first) are brought to its
-        version with the training optimizer (docs/MULTISTEP.md, "How restore replays")."""
+        """Brings a loaded checkpoint's parts at their own versions (its
+        "multistep_plan") to its version with the training optimizer."""
         if "multistep_plan" not in loaded.meta:
             return
         opt, params = self.opt, self.params

@@ -1,9 +1,7 @@
-"""mode="concurrent": whole-state checkpoints, every N steps or as often as
-a stall budget allows (every="auto": the C++ controller, _core.Schedule,
-fed the clock and the stall here; docs/TUNE.md). The state's tensors are
-registered with the engine by pointer and copied in the background; the
-optimizers' step pre-hook (Session.before_update) waits for the copy. The
-other modes take whole-state checkpoints through it too."""
+"""mode="concurrent": whole-state checkpoints (the other modes' too), every N
+steps or as often as a stall budget allows (every="auto": _core.Schedule, fed
+the clock and the stall here; docs/TUNE.md). The state's tensors are copied in
+the background; the step pre-hook (Session.before_update) waits for the copy."""
 from __future__ import annotations
 
 import time
@@ -25,8 +23,7 @@ class Periodic(Driver):
     def step(self, step: int) -> Optional[int]:
         if self.interval is None:
             return super().step(step)
-        # every="auto": ask the controller; feed it the persist times of the
-        # checkpoints committed since.
+        # every="auto": ask the controller; feed it the checkpoints' persist times
         ses, auto = self.session, self.interval
         if not auto.observe_step(ses.visible_stall_s, time.perf_counter()):
             return None

@@ -27,25 +27,19 @@ from .errors import (CheckpointError, CheckpointIOError, CheckpointNotFoundError
 
 
 def module_buffers(stateful_keys: dict, local) -> tuple[set, set]:
-    """(names written whole by rank 0, names each rank writes for itself) of
-    the module buffers in the state: docs/DISTRIBUTED.md says why (DDP
-    without broadcast_buffers, FSDP2: each rank's own)."""
+    """(names written whole by rank 0, names each rank writes for itself) of the
+    module buffers in the state (DDP without broadcast_buffers, FSDP2: its own)."""
     rank0, own = set(), set()
     for key, obj in stateful_keys.items():
-        if key in local or not isinstance(obj, torch.nn.Module):
-            continue
-        names = {f"{key}/{n}" for n, _ in obj.named_buffers()}
-        if isinstance(obj, DDP) and not obj.broadcast_buffers or _fsdp.is_fsdp(obj):
-            own |= names
-        else:
-            rank0 |= names
+        if key not in local and isinstance(obj, torch.nn.Module):
+            (own if isinstance(obj, DDP) and not obj.broadcast_buffers or _fsdp.is_fsdp(obj)
+             else rank0).update(f"{key}/{n}" for n, _ in obj.named_buffers())
     return rank0, own
 
 
 def zero_layout(obj) -> dict:
-    """A ZeroRedundancyOptimizer's layout for resharding: the global index (as its
-    consolidated state_dict numbers them) of each parameter of this rank's local
-    optimizer, in the local state_dict's order; the size of each group."""
+    """A ZeroRedundancyOptimizer's layout for resharding: the global index (its
+    consolidated state_dict's) of each local parameter in order; each group's size."""
     index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
     return {"index": [index[id(p)] for g in obj.optim.param_groups for p in g["params"]],
             "groups": [len(g["params"]) for g in obj.param_groups]}
@@ -69,10 +63,8 @@ class Distributed:
         up = dist.is_available() and dist.is_initialized()
         _ext.core().dist_check_world(replicated, rank, world, up, dist.get_rank() if up else -1,
                                      dist.get_world_size() if up else -1)
-        self.dir, self.rank, self.world = dir, rank, world
-        self.replicated = replicated
-        self.local = set(local)
-        self.agree_every_s = agree_every_s
+        self.dir, self.rank, self.world, self.replicated = dir, rank, world, replicated
+        self.local, self.agree_every_s = set(local), agree_every_s
         # A dedicated gloo group with its own timeout: agreement and recovery
         # never touch the training group (NCCL watchdogs, GIL contention).
         timeout, self.timeout_s = datetime.timedelta(seconds=timeout_s), timeout_s
@@ -102,16 +94,13 @@ class Distributed:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         # Interpreter exit with this rank never closed (_at_exit).
-        self._exiting = threading.Event()
-        self._parked = threading.Event()
+        self._exiting, self._parked = threading.Event(), threading.Event()
 
     def new_lineage(self) -> int:
         t = torch.tensor([random.SystemRandom().getrandbits(62) if self.rank == 0 else 0],
                          dtype=torch.int64)
         torch.distributed.broadcast(t, src=0, group=self.group)
         return int(t.item())
-
-    # ------------------------------------------------------------- saving
 
     def shard(self, tensors: dict, stateful_keys: dict) -> tuple[dict, dict, dict]:
         """This rank's share of `tensors` (stateful_keys: state key -> object):
@@ -137,11 +126,9 @@ class Distributed:
                "shared": shared, "local": sorted(self.local), "own": sorted(own),
                "ddp": sorted(k for k, o in stateful_keys.items() if isinstance(o, DDP)),
                "zero": {k: zero_layout(o) for k, o in stateful_keys.items() if is_zero(o)}}
-        out.update(pieces)
-        layouts.update(piece_layouts)
         if dtensors:
             doc["dtensor"] = dtensors
-        return out, layouts, doc
+        return {**out, **pieces}, {**layouts, **piece_layouts}, doc
 
     def agree_metrics(self, metrics: Optional[dict]) -> Optional[dict]:
         """Rank 0's metrics= (name -> float, or None) on every rank; collective:
@@ -150,9 +137,8 @@ class Distributed:
         return got if isinstance(got, dict) else None
 
     def tidy_kept(self) -> list:
-        """Collective, before the engine opens: deletes the kept steps not every rank
-        holds (a kill between the ranks' deletions; planned_steps.h
-        TidyKeptTogether); returns those this rank deleted."""
+        """Collective, before the engine opens: deletes the kept steps some rank lacks (a
+        kill between deletions; planned_steps.h TidyKeptTogether); returns those it deleted."""
         return _ext.core().dist_tidy_kept(self.dir, self.rank, self.world, self.comm().gather)
 
     def started(self, engine) -> None:
@@ -164,8 +150,6 @@ class Distributed:
                                             daemon=True)
             self._thread.start()
             atexit.register(self._at_exit)
-
-    # ---------------------------------------------------------- agreement
 
     def _loop(self) -> None:
         """The agreement's rounds (C++: dist.h AgreementRounds::Round)."""
@@ -212,9 +196,8 @@ class Distributed:
             return
         self._exiting.set()
         deadline = time.monotonic() + 10.0
-        while thread.is_alive() and not self._parked.wait(0.01):
-            if time.monotonic() > deadline:
-                break
+        while thread.is_alive() and time.monotonic() <= deadline and not self._parked.wait(0.01):
+            pass
 
     def _record(self, counter: int, step: int, resharded_from=None) -> None:
         """This rank's agreed record, written durably by the engine (its writer lock)."""
@@ -243,16 +226,14 @@ class Distributed:
             wait_s = self.timeout_s + 10
             self._thread.join(wait_s)
             if self._thread.is_alive() and self.error is None:
-                self.error = CheckpointError(
-                    f"the agreement thread did not stop within {wait_s:.0f} s (dist_timeout_s "
-                    f"+ 10); left behind")
+                self.error = CheckpointError(f"the agreement thread did not stop within "
+                                             f"{wait_s:.0f} s (dist_timeout_s + 10); left behind")
             self._thread = None
         if self.peers is not None:
             self.peers.close()
         if self.error is not None:
             e, self.error = self.error, None
-            warnings.warn(f"nonstop: rank {self.rank}: global agreement stopped: {e}",
-                          stacklevel=3)
+            warnings.warn(f"nonstop: rank {self.rank}: global agreement stopped: {e}", stacklevel=3)
 
     @property
     def rounds(self) -> int:
@@ -267,16 +248,13 @@ class Distributed:
         return s
 
     def prefetch_peer(self) -> None:
-        """restore() without a step, not collective: the newest replica a partner
-        holds of this rank's checkpoint its own job directory lacks (a replaced
-        host), fetched and verified (_peer.py)."""
+        """restore() without a step, not collective: the newest replica a partner holds
+        of a checkpoint this rank's job directory lacks, fetched and verified (_peer.py)."""
         if self.peers is None or not self.peers.replicas and not self.peers.held:
             return
         # An unreadable job directory holds none: the collective restore reports it.
         own = _ext.core().dist_local_steps(self.dir, self.rank, self.world)[1]
         self.peers.prefetch(self.dir, own)
-
-    # ------------------------------------------------------------ recovery
 
     def load(self, engine, step: Optional[int], core, loaded_cls, check_world,
              stats: Optional[dict] = None, remote=None):
@@ -345,19 +323,17 @@ class Distributed:
         cand = self.engine.candidate()
         if cand is not None and cand[0] != counter:
             self.engine.drop_candidate(cand[0])
-        # A rollback is final (DESIGN.md invariant 9): the engine records
-        # in this rank's lineage record, before it writes anything new,
-        # that the counters above this one are abandoned.
+        # A rollback is final (DESIGN.md invariant 9): the engine records in this rank's
+        # lineage record, before it writes anything new, that the counters above are abandoned.
         self.engine.adopt_restored(counter)
         self._record(counter, s)
         info = {k: v for k, v in info.items() if k != "meta_json"}
         return loaded_cls(s, counter, full, meta, info, os.path.join(cur["where"], sel.where))
 
     def _reshard(self, step: Optional[int], loaded_cls, remote=None):
-        """A set-aside checkpoint resharded, or None. From peers' memory when any
-        rank's host held one (gathered at construction, so every rank alike):
-        each old rank's file this host lacks fetched, verified, from another
-        host or from `remote` (_peer.py)."""
+        """A set-aside checkpoint resharded, or None. From peers' memory when any rank's
+        host held one (known at construction, so every rank alike): each old rank's
+        file this host lacks fetched, verified, from another host or `remote` (_peer.py)."""
         peers = self.peers if self.peers is not None and self.peers.reshard_any else None
         if peers is not None:
             peers.gather_old_shards(self.dir, remote)
@@ -394,23 +370,15 @@ class Distributed:
                 flat[off:off + n] = tensors[name].reshape(-1).view(torch.uint8)
         if total:
             torch.distributed.all_reduce(flat, group=self.group)
-        out = {k: v for k, v in tensors.items() if k not in shared}
-        for name, off, n in layout:
-            shape, dtype = shared[name]
-            out[name] = _fsdp.view(flat, off, n, dtype, shape).clone()
-        return out
-
-
-# ------------------------------------------------------------- resharding
-# (docs/DISTRIBUTED.md "Restoring with another world size".)
+        views = {name: _fsdp.view(flat, off, n, shared[name][1], shared[name][0]).clone()
+                 for name, off, n in layout}
+        return {**{k: v for k, v in tensors.items() if k not in shared}, **views}
 
 
 def set_aside(dir: str, world: int, rank: int = 0, comm: Optional["Comm"] = None) -> list:
-    """Collective over `comm`: the rank files of another world size in `dir`
-    moved to `dir`/world-W/ with a warning, the ranks in turn (each file moved
-    once on a shared file system), each under its writer lock, released before
-    the engine takes it (planned_steps.h SetAsideTogether); returns the
-    directories this rank moved files into."""
+    """Collective over `comm`: the rank files of another world size in `dir` moved
+    to `dir`/world-W/ with a warning (planned_steps.h SetAsideTogether); returns
+    the directories this rank moved files into."""
     return _ext.core().dist_set_aside(dir, rank, world, (comm or Comm()).gather)
 
 
@@ -432,15 +400,13 @@ class Comm:
         (all_gather_object unpickles what the peers send)."""
         if self.group is None:
             return [obj]
-        dist = torch.distributed
-        data = json.dumps(obj).encode("utf-8")
+        dist, data = torch.distributed, json.dumps(obj).encode("utf-8")
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
         n = [int(t.item()) for t in sizes]
-        buf = torch.zeros(max(n), dtype=torch.uint8)
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         got = [torch.zeros(max(n), dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(got, buf, group=self.group)
+        dist.all_gather(got, torch.frombuffer(bytearray(data.ljust(max(n), b"\0")),
+                                              dtype=torch.uint8), group=self.group)
         return [json.loads(bytes(g[:k].numpy()).decode("utf-8")) for g, k in zip(got, n)]
 
 
@@ -455,23 +421,20 @@ def _meta(sel, step: int) -> dict:
 def reshard(dir: str, rank: int, world: int, step: Optional[int], comm: "Comm", state: dict,
             loaded_cls, into: Optional[str] = None, extra=(), missing: Optional[str] = None):
     """Rank `rank`'s state rebuilt from a set-aside checkpoint of another world
-    size in `dir`, a `loaded_cls` (its path: the rank's slot in `into`, else in
-    the old files' directory), or None (the rounds: dist.h ReshardTogether;
-    `missing`: the old files no surviving peer held)."""
+    size in `dir` (docs/DISTRIBUTED.md "Restoring with another world size"), a
+    `loaded_cls` (its path: the rank's slot in `into`, else in the old files'
+    directory), or None (the rounds: dist.h ReshardTogether; `missing`: the old
+    files no surviving peer held)."""
     got = []
 
-    def pick(max_step: Optional[int]):
-        # The reshard choice is the job directory's (JobDir.select_reshard):
-        # None when no set-aside rank file holds any checkpoint record.
+    def pick(max_step: Optional[int]):  # JobDir.select_reshard's choice, or None: nothing set aside
         jd = _open_read(dir)
         return None if jd is None else jd.select_reshard(world, step=step, max_step=max_step,
                                                          extra=list(extra))
 
-    def rebuild(p: dict, archive: str) -> None:
-        # A CorruptCheckpointError or OSError is damage: every rank falls back.
-        got.append(_rebuild(p, archive, rank, world, state, loaded_cls, into))
-
-    key = _ext.core().dist_reshard(dir, world, comm.gather, pick, rebuild, missing)
+    # rebuild: a CorruptCheckpointError or OSError is damage, every rank falls back.
+    key = _ext.core().dist_reshard(dir, world, comm.gather, pick, lambda p, archive: got.append(
+        _rebuild(p, archive, rank, world, state, loaded_cls, into)), missing)
     return None if key is None else got[-1]
 
 
@@ -514,8 +477,7 @@ def _rebuild(p: dict, archive: str, rank: int, world: int, state: dict, loaded_c
     for zk in sorted(zero_keys):
         meta["state"][zk] = consolidate(zk, metas, zero_parts, tensors)
     tensors.update(pieces)
-    # A module saved under DDP restored without it (one process), or back
-    # (C++ state_tree.h RenameModuleKeys).
+    # A module saved under DDP restored without it, or back (state_tree.h RenameModuleKeys).
     saved_ddp = set(doc.get("ddp", []))
     for k, obj in state.items():
         ddp = isinstance(obj, DDP)
@@ -547,9 +509,5 @@ def restore_single(dir: str, step: Optional[int], read_own, loaded_cls, state: d
     its own file's checkpoint (JobDir.single_source), else one resharded."""
     jd = _open_read(dir)
     source = "reshard" if jd is None else jd.single_source(step)  # C++ (planned_steps.h)
-    if source == "own":
-        return read_own()
-    got = reshard(dir, 0, 1, step, Comm(), state, loaded_cls)
-    if got is None and source == "reshard_else_own":
-        return read_own()
-    return got
+    got = None if source == "own" else reshard(dir, 0, 1, step, Comm(), state, loaded_cls)
+    return read_own() if got is None and source != "reshard" else got

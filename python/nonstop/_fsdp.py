@@ -1,8 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) state: DTensors placed Shard(0)
 or Replicate() on a 1-D mesh, saved as each rank's rows with their global
 layout (TensorSpec.global) and restored, resharded and exported as
-docs/DISTRIBUTED.md "FSDP2" describes.
-"""
+docs/DISTRIBUTED.md "FSDP2" describes."""
 from __future__ import annotations
 
 import sys
@@ -16,8 +15,7 @@ from .errors import IncompatibleCheckpointError
 
 
 def _dtype(name: str):
-    """The torch dtype a distributed checkpoint names: from a fixed list,
-    never looked up in torch by name."""
+    """The torch dtype a distributed checkpoint names (a fixed list, never torch's getattr)."""
     t = torch_dtype_by_name(name)
     if t is None:  # or one this torch lacks (uint16 before torch 2.3)
         raise IncompatibleCheckpointError(f"unknown dtype {name!r} in a distributed checkpoint")
@@ -30,10 +28,8 @@ def view(flat, off: int, n: int, dtype: str, shape):
 
 
 def _dtensor_cls():
-    """The DTensor class, or None while torch.distributed.tensor has not been
-    imported (then no DTensor exists; importing it here would cost seconds)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None)
+    # None until torch.distributed.tensor is imported: no DTensor exists (importing costs seconds)
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def is_dtensor(t) -> bool:
@@ -80,10 +76,8 @@ def take(tensors: dict, rank: int, world: int) -> tuple[dict, dict, dict, dict]:
             continue
         # Its rows and offset, and the check of its shape: C++ (dist.h ShardPieceOf).
         offset, _ = _ext.core().dist_shard_piece(name, shape, rank, world, list(local.shape))
-        if local.numel() == 0:
-            continue  # nothing to write; restored as an empty shard
-        shards[name] = local
-        layouts[name] = (shape, offset)
+        if local.numel():  # else nothing to write: restored as an empty shard
+            shards[name], layouts[name] = local, (shape, offset)
     return rest, shards, layouts, doc
 
 
@@ -103,25 +97,6 @@ def localize(tensors: dict) -> tuple[dict, dict]:
     return rest, doc
 
 
-# --------------------------------------------------------------- restoring
-
-
-def _meshes(state: dict) -> list:
-    """(device mesh, device of the local shards) of the DTensor parameters
-    in the live state, one per mesh."""
-    found = []
-    for obj in state.values():
-        params = []
-        if isinstance(obj, torch.nn.Module):
-            params = list(obj.parameters())
-        elif isinstance(obj, torch.optim.Optimizer):
-            params = [p for g in obj.param_groups for p in g["params"]]
-        for p in params:
-            if is_dtensor(p) and all(p.device_mesh is not m for m, _ in found):
-                found.append((p.device_mesh, p._local_tensor.device))
-    return found
-
-
 def restored(ckpt, loaded) -> None:
     """Checkpointer.restore's hook: the DTensors an FSDP2 job saved
     (meta["dtensor"] with one process, else meta["dist"]["dtensor"]) become
@@ -135,8 +110,14 @@ def restored(ckpt, loaded) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     current: dict = {}  # the live state, flattened: each tensor's mesh
     _objects.flatten_state(ckpt.state, current)
-    meshes = _meshes(ckpt.state)
-    usable = [(m, d) for m, d in meshes if m.ndim == 1 and m.size() == world]
+    meshes: dict = {}  # id -> (device mesh, device of the local shards) of the DTensor parameters
+    for obj in ckpt.state.values():
+        params = (obj.parameters() if isinstance(obj, torch.nn.Module) else
+                  [p for g in obj.param_groups for p in g["params"]]
+                  if isinstance(obj, torch.optim.Optimizer) else [])
+        for p in filter(is_dtensor, params):
+            meshes.setdefault(id(p.device_mesh), (p.device_mesh, p._local_tensor.device))
+    usable = [(m, d) for m, d in meshes.values() if m.ndim == 1 and m.size() == world]
     # Each one's mesh (the live tensor's, else the parameters' one) and piece,
     # or why none serves: C++ (dist.h PlanDTensorRestore).
     for name, plain, live, shard, shape, want in _ext.core().dist_plan_dtensor_restore(
@@ -158,17 +139,13 @@ def restored(ckpt, loaded) -> None:
                                            stride=stride)
 
 
-# -------------------------------------------------------------- resharding
-
-
 def reshard(readers: list, indices: list, doc: dict, rank: int, world: int, where: str,
             step: int, preset: Optional[list] = None) -> dict:
-    """This rank's pieces (name -> tensor shaped for the new world size) of
-    the DTensors in `doc` (meta["dist"]["dtensor"]), from checkpoint
-    indices[r] of old rank r's Reader readers[r], as C++ planned them
-    (dist_plan_dtensor_reshard; docs/DISTRIBUTED.md "FSDP2"). `preset`: per
-    old rank, the destinations of its other tensors (in the same read; every
-    file is then read, each chunk verified)."""
+    """This rank's pieces (name -> tensor shaped for the new world size) of the
+    DTensors in `doc` (meta["dist"]["dtensor"]), from checkpoint indices[r] of old
+    rank r's Reader readers[r], as C++ planned them (dist_plan_dtensor_reshard).
+    `preset`: per old rank, the destinations of its other tensors (in the same
+    read; every file is then read, each chunk verified)."""
     specs = [reader.checkpoints[i]["tensors"] for reader, i in zip(readers, indices)]
     layout, total, copies = _ext.core().dist_plan_dtensor_reshard(
         [(name, shape, dtype, kind) for name, (shape, dtype, kind) in doc.items()],

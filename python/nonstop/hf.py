@@ -48,9 +48,7 @@ class NonstopCallback(TrainerCallback):
         self._after_eval: Optional[int] = None  # the step whose checkpoint waits for its metrics
         self._model = None  # the Trainer's model (on_init_end), for resume_from under torchrun
         self._load_best = False  # TrainingArguments(load_best_model_at_end=True)
-        # (folder, global_step, step) of the checkpoint-<global_step> folder
-        # on_init_end prepared in output_dir for resume_from_checkpoint=True
-        self._auto: Optional[tuple] = None
+        self._auto: Optional[tuple] = None  # what on_init_end prepared (_prepare_auto)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._model = model
@@ -61,8 +59,7 @@ class NonstopCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
         if args is not None and self.ckpt is None:  # checked before the first step
-            # best= from metric_for_best_model/greater_is_better, keep=/
-            # max_to_keep= from save_total_limit (docs/HF.md "Retention ...")
+            # best=, keep=, max_to_keep= (docs/HF.md "Retention ...")
             self._load_best = bool(getattr(args, "load_best_model_at_end", False))
             saves = getattr(args, "save_strategy", "")
             self._from_args = _ext.core().trainer_options(
@@ -71,29 +68,26 @@ class NonstopCallback(TrainerCallback):
                 bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)),
                 self._load_best, str(getattr(saves, "value", saves)), list(self.checkpointer_kwargs))
         if self._auto is not None:
-            folder, global_step, step = self._auto
+            _, global_step, step = self._auto
             if (state is not None and state.global_step == global_step
                     and self._resume_folder is None and self._to_load is None):
-                # train(resume_from_checkpoint=True) took the folder: the
-                # Trainer has set the TrainerState (the data position) and
-                # reads rng_state*.pth before the first step; model,
-                # optimizer and scheduler come from nonstop now. The folder
-                # goes after the first step (every rank has read it then).
+                # train(resume_from_checkpoint=True) took the folder (the Trainer
+                # read trainer_state.json, reads rng_state*.pth before the first
+                # step): model, optimizer and scheduler come from nonstop now.
                 self._to_load = step
             else:  # a fresh start, resume_from(cb) or a Trainer checkpoint: unused
                 self._drop_auto()
         if self._resume_folder is not None:
             # The Trainer has read the weights (before on_train_begin): the
             # full copy resume_from wrote goes now, the rest once read.
-            _remove(self._resume_folder, "model.safetensors")
+            _remove(os.path.join(self._resume_folder, "model.safetensors"))
         if self._to_load is None:
             return
         step, self._to_load = self._to_load, None
         if optimizer is None:
             raise CheckpointMismatchError("resume_from: the Trainer passed no optimizer")
-        # Restored in place before the first step (under torchrun the agreed
-        # step, collective). The RNG states stay as the Trainer has them: it
-        # sets the saved ones from rng_state*.pth itself (docs/HF.md).
+        # Restored in place (under torchrun the agreed step, collective); the RNG
+        # states stay: the Trainer sets the saved ones from rng_state*.pth itself.
         self._open(model, optimizer, lr_scheduler)
         now = _rng.capture()
         try:
@@ -135,9 +129,8 @@ class NonstopCallback(TrainerCallback):
             return
         self._after_eval = None
         self._save(state, model, optimizer, lr_scheduler, _options.scalar_metrics(metrics or {}))
-        # A checkpoint carrying best='s metric is never superseded by a newer
-        # one that finishes writing first: the engine holds the newer one's
-        # commit until it is committed (ENGINE.md, "Ordered publish").
+        # A checkpoint carrying best='s metric is never superseded by a newer one
+        # that finishes writing first (ENGINE.md, "Ordered publish").
 
     def _open(self, model, optimizer, lr_scheduler) -> None:
         """The Checkpointer of this run (one per rank under torchrun: with
@@ -170,8 +163,7 @@ class NonstopCallback(TrainerCallback):
             self._load_best_weights(state, model)
 
     def _drop_auto(self, barrier: bool = False) -> None:
-        """Forgets the folder on_init_end prepared; rank 0 removes it (after
-        a barrier: once every rank is done with it)."""
+        """Forgets the folder on_init_end prepared; rank 0 removes it (after `barrier`)."""
         if self._auto is not None:
             folder, self._auto = self._auto[0], None
             if barrier and _options.world()[1] > 1:
@@ -180,9 +172,8 @@ class NonstopCallback(TrainerCallback):
                 _remove(folder)
 
     def _load_best_weights(self, state, model) -> None:
-        """load_best_model_at_end: the weights of the Trainer's
-        best_global_step (kept by best=; under torchrun reassembled from all
-        rank files) go into the model; best_model_checkpoint names the copy."""
+        """load_best_model_at_end: the weights of best_global_step (kept by best=;
+        under torchrun reassembled from all rank files) into the model."""
         step = state.best_global_step - 1
         _, flat = _dcp.collect(self.dir, step)
         sd = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
@@ -221,10 +212,9 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
     d = callback.dir
     rank, world = _options.world()
     if world > 1:
-        # The ranks agree on the step (_agreed); each writes its own folder
-        # with the live model's weights (the Trainer insists on a weights
-        # file; only restore() can reassemble the saved ones from the ranks'
-        # shares), and on_train_begin restores that step on every rank.
+        # The ranks agree on the step; each writes its own folder with the live
+        # model's weights (the Trainer insists on a weights file; only restore()
+        # can reassemble the saved ones), and on_train_begin restores that step.
         got = _agreed(d, step, rank, world)
         if got is None:
             return None  # a fresh start on every rank
@@ -232,7 +222,7 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
         if callback._model is None:
             raise CheckpointMismatchError("resume_from under torchrun: pass the callback to the "
                                           "Trainer (callbacks=[cb]) before calling resume_from(cb)")
-        weights, rng = _unwrap.module(callback._model).state_dict(), meta.get("rng")
+        weights = _unwrap.module(callback._model).state_dict()
         sub, rng_name = f"rank-{rank}", f"rng_state_{rank}.pth"
     else:
         try:
@@ -246,22 +236,20 @@ def resume_from(callback: NonstopCallback, folder: Optional[str] = None,
             if key not in saved:
                 raise CheckpointMismatchError(f"{d} step {loaded.step} has no {key!r}: "
                                               f"not written by nonstop.hf.NonstopCallback")
-        s, ts, weights, rng = (loaded.step, saved["trainer_state"], saved["model"],
-                               loaded.meta.get("rng"))
+        s, ts, weights, meta = loaded.step, saved["trainer_state"], saved["model"], loaded.meta
         sub, rng_name = "", "rng_state.pth"
     if folder is None:
         folder = os.path.join(d.rstrip(os.sep) + "-resume", sub, f"checkpoint-{ts['global_step']}")
-    _write_folder(folder, ts, weights, rng, rng_name)
+    _write_folder(folder, ts, weights, meta.get("rng"), rng_name)
     callback._to_load = s  # on_train_begin restores it in place (optimizer, scheduler)
     callback._resume_folder = os.path.abspath(folder)
     return folder
 
 
 def _agreed(d: str, step: Optional[int], rank: int, world: int):
-    """The step to resume from in `d` (C++ AgreeOnStep: the first step every
-    rank committed, in the planner's order of rank 0, as restore() picks it;
-    collective when world > 1), with its TrainerState dict and metadata:
-    (step, trainer_state, meta), or None on a fresh start on every rank."""
+    """(step, trainer_state, meta) of the step to resume from in `d` (C++
+    AgreeOnStep, as restore() picks it; collective when world > 1), or None
+    on a fresh start on every rank."""
     s = _ext.core().dist_agree_on_step(d, rank, world, step, _comm(world).gather)
     if s is None:
         return None
@@ -279,10 +267,9 @@ _AUTO_MARK = "nonstop-resume.json"  # names a checkpoint-N folder nonstop wrote 
 
 
 def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]:
-    """on_init_end: `<out>/checkpoint-<global_step>` of the agreed newest
-    step plus a marker file, for `trainer.train(resume_from_checkpoint=True)`
-    (collective; docs/HF.md "`resume_from_checkpoint=True`"). Returns
-    (folder, global_step, step) or None."""
+    """on_init_end (collective): `<out>/checkpoint-<global_step>` of the agreed
+    newest step, marked, for `trainer.train(resume_from_checkpoint=True)`
+    (docs/HF.md). Returns (folder, global_step, step) or None."""
     rank, world = _options.world()
     if rank == 0 and os.path.isdir(out):  # leftovers of a run killed before its first step
         top = _ext.core().Directory(out)  # (through the Env seam, never following a link)
@@ -311,26 +298,20 @@ def _prepare_auto(callback: NonstopCallback, out: str, model) -> Optional[tuple]
     return folder, int(ts["global_step"]), step
 
 
-def _remove(folder: str, name: Optional[str] = None) -> None:
-    """Removes `folder` (or the file `name` in it) through the Env seam;
-    already gone is fine."""
-    parent, base = os.path.split(folder)
+def _remove(path: str) -> None:
+    """Removes the folder or file `path` through the Env seam, if there."""
+    parent, name = os.path.split(path)
     try:
-        d = _ext.core().Directory(parent)
-        if name is None:
-            d.remove_tree(base)
-        else:
-            d.subdir(base).unlink(name, missing_ok=True)
+        _ext.core().Directory(parent).remove_tree(name)
     except CheckpointNotFoundError:
         pass
 
 
 def _write_folder(folder: str, ts: dict, weights: dict, rng: Optional[dict], rng_name: str,
                   extra: tuple = ()) -> None:
-    """Writes the Trainer checkpoint `folder` (docs/HF.md "How resuming
-    works"): `extra` [(name, bytes)], trainer_state.json, model.safetensors
-    (each tensor its own copy: tied weights come back as one tensor under
-    two names, and the Trainer loads with strict=False), `rng` as `rng_name`."""
+    """Writes the Trainer checkpoint `folder`: `extra` [(name, bytes)], trainer_state.json,
+    model.safetensors (each tensor its own copy: tied weights come back as one tensor
+    under two names; the Trainer loads with strict=False), `rng` as `rng_name`."""
     files = [*extra, ("trainer_state.json", json.dumps(ts, indent=2, sort_keys=True).encode()),
              ("model.safetensors", safetensors_bytes(
                  {k: v.detach().contiguous().clone() for k, v in weights.items()
@@ -348,9 +329,8 @@ def _comm(world: int) -> _distributed.Comm:
 
 
 def _rng_file(saved: dict) -> bytes:
-    """nonstop's RNG record (_rng.capture) as the bytes of the Trainer's
-    rng_state.pth (read with weights_only=True): the saved states are put in
-    place, read back in the Trainer's layout, and the current ones put back."""
+    """nonstop's RNG record as the Trainer's rng_state.pth (read with weights_only=True):
+    put in place, read back in the Trainer's layout; the current states go back."""
     now = _rng.capture()
     try:
         _rng.restore(saved)

@@ -6,7 +6,6 @@ committed, which `NonstopCheckpointIO` reads without pickle (docs/LIGHTNING.md).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import threading
 import time
@@ -22,60 +21,44 @@ except ImportError:  # the standalone package names
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from . import _checkpointer, _data, _ext, _options, _rng
-from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import CheckpointMismatchError, CheckpointNotFoundError
 
 MARKER_FORMAT = "nonstop.lightning/1"
 __all__ = ["NonstopCheckpoint", "NonstopCheckpointIO", "MARKER_FORMAT", "load_weights"]
 
 
 def read_marker(path: str) -> Optional[dict]:
-    """The marker at `path` as a dict, or None when it is not one (read
-    through the Env seam: a link is refused; a marker is small, a torch file
-    is bigger or not JSON)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    try:
-        marker = json.loads(_ext.core().Directory(parent).read(name, 1 << 16) or b"null")
-    except (CheckpointError, OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
+    """The marker at `path` as a dict (format, dir, nonstop_dir: the directory it names,
+    step, global_step), or None when it is none (C++ ReadLightningMarker: through the
+    Env seam, a link refused; a torch file is bigger than a marker or not JSON)."""
+    return _ext.core().read_lightning_marker(os.path.abspath(path))
 
 
 def load_weights(path, model: Optional[torch.nn.Module] = None, strict: bool = True,
                  map_location=None):
-    """The weights of a NonstopCheckpoint's checkpoint, for evaluation:
-    `path` is its `last.ckpt` marker or the `nonstop/` directory: the newest
-    valid step (at or after the one the marker names). Returns the LightningModule's
-    state_dict; with `model`, loads it there (`strict`) and returns the
-    model. `Model.load_from_checkpoint("last.ckpt")` cannot read the marker
-    (torch.load of a JSON file: an UnpicklingError); this reads the
+    """The weights of a NonstopCheckpoint's checkpoint, for evaluation: `path` is its
+    `last.ckpt` marker or the `nonstop/` directory: the newest valid step (at or after
+    the one the marker names). Returns the LightningModule's state_dict; with `model`,
+    loads it there (`strict`) and returns the model. Model.load_from_checkpoint cannot
+    read the marker (torch.load of a JSON file: an UnpicklingError); this reads the
     checkpoint nonstop wrote, without pickle. docs/LIGHTNING.md."""
     path = os.fspath(path)
-    d = _marked_dir(path)
+    d = (read_marker(path) or {}).get("nonstop_dir")
     if d is None and os.path.isfile(path):
         raise CheckpointMismatchError(
             f"{path} is not a nonstop.lightning marker (last.ckpt written by NonstopCheckpoint)")
     weights = _load(d or path, path)[1]["state_dict"]
     if map_location is not None:
         weights = fabric.utilities.move_data_to_device(weights, map_location)
-    if model is None:
-        return weights
-    model.load_state_dict(weights, strict=strict)
-    return model
-
-
-def _marked_dir(path: str) -> Optional[str]:
-    """The nonstop directory the marker at `path` names (relative: to its
-    folder), or None when `path` is no marker."""
-    marker = read_marker(path)
-    return None if marker is None else os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                    marker["dir"])
+    if model is not None:
+        model.load_state_dict(weights, strict=strict)
+    return weights if model is None else model
 
 
 def _load(d: str, where: str) -> tuple:
-    """The newest valid checkpoint in `d` and its Lightning checkpoint dict:
-    (Loaded, dict). Not the marker's step itself: the marker is written by a
-    handle callback, a little after its commit, and by then the ring may
-    have reused the slot of the step it names."""
+    """(Loaded, Lightning's checkpoint dict) of the newest valid checkpoint in `d`.
+    Not the marker's step itself: the marker is written a little after its
+    commit, and by then the ring may have reused the slot of the step it names."""
     loaded = _checkpointer.load(d)
     state = loaded.state.get("lightning")
     if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
@@ -84,19 +67,16 @@ def _load(d: str, where: str) -> tuple:
 
 
 def _write_atomically(path: str, text: str) -> None:
-    """Through the Env seam (Directory.write_atomic: temp, fsync, rename
-    over `path`, never following a link)."""
-    path = os.path.abspath(path)
-    _ext.core().Directory(os.path.dirname(path)).write_atomic(os.path.basename(path),
-                                                              text.encode())
+    """Through the Env seam (temp, fsync, rename over `path`, never following a link)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    _ext.core().Directory(parent).write_atomic(name, text.encode())
 
 
 class NonstopCheckpointIO(fabric.plugins.CheckpointIO):
-    """Lightning's CheckpointIO, aware of nonstop markers: load_checkpoint
-    of a marker returns the checkpoint dict read from nonstop (and keeps its
-    RNG states for NonstopCheckpoint to put back). Any other path goes to
-    the CheckpointIO it wraps (Lightning's default: torch.save/torch.load),
-    so `trainer.save_checkpoint("x.ckpt")` works as before."""
+    """Lightning's CheckpointIO, aware of nonstop markers: load_checkpoint of a
+    marker returns the checkpoint dict read from nonstop (and keeps its RNG states
+    for NonstopCheckpoint to put back). Any other path goes to the CheckpointIO it
+    wraps (Lightning's default), so `trainer.save_checkpoint("x.ckpt")` works as before."""
 
     def __init__(self, wrapped: Optional[fabric.plugins.CheckpointIO] = None):
         super().__init__()
@@ -104,15 +84,14 @@ class NonstopCheckpointIO(fabric.plugins.CheckpointIO):
         self.loaded_rng: Optional[dict] = None
         self.loaded_step: Optional[int] = None
         self.loaded_loops: Optional[dict] = None  # the fit loop's state (_reiterate)
-        # Under DDP the NonstopCheckpoint that installed it restores (collectively)
-        self.callback: Optional["NonstopCheckpoint"] = None
+        self.callback: Optional["NonstopCheckpoint"] = None  # under DDP it restores, collectively
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None):
         return self.wrapped.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict:
-        d, cb = _marked_dir(os.fspath(path)), self.callback
+        d, cb = (read_marker(os.fspath(path)) or {}).get("nonstop_dir"), self.callback
         ddp = cb is not None and _options.world()[1] > 1
         if d is None and ddp and (os.path.dirname(os.path.abspath(os.fspath(path)))
                                   == os.path.abspath(cb.nonstop_dir)):
@@ -121,9 +100,17 @@ class NonstopCheckpointIO(fabric.plugins.CheckpointIO):
             return self.wrapped.load_checkpoint(path, map_location=map_location,
                                                  weights_only=weights_only)
         if ddp:
-            # Every rank restores its own file of the step all ranks agree on
-            # (the replicated tensors reassembled from the ranks' shares).
-            state, self.loaded_step = cb._restore_distributed(d)
+            # Every rank restores (collectively) its own file of the newest step
+            # all ranks committed (replicated tensors reassembled from their shares).
+            if os.path.abspath(d) != os.path.abspath(cb.nonstop_dir):
+                raise CheckpointMismatchError(
+                    f"the marker names {d}, this NonstopCheckpoint writes {cb.nonstop_dir}")
+            step = cb._open([]).restore()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"{d}: no step that every rank committed (a kill during the first "
+                    f"checkpoint); remove the directory to start afresh")
+            state, self.loaded_step = dict(cb._holder), step
             self.loaded_rng = _rng.capture()  # as restored; put back in on_train_start
         else:
             loaded, state = _load(d, d)
@@ -166,19 +153,17 @@ def _reiterate(trainer, fit_state: dict) -> None:
 
 
 class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
-    """Checkpoints with nonstop every `every` (every_n_train_steps=)
-    optimizer steps (default 10), or after the last optimizer step of every
-    `every_n_epochs`-th epoch, or after the first optimizer step
-    `train_time_interval` (a timedelta; under DDP rank 0's clock) after the
-    previous checkpoint: one of the three, as in ModelCheckpoint. Makes
-    `trainer.fit(..., ckpt_path="last")` resume bit for bit from the newest
-    committed checkpoint (mid-epoch data position included with a torchdata
-    StatefulDataLoader). One process or strategy="ddp". monitor=, mode=,
-    save_top_k=: nonstop's best= (under DDP rank 0's metric). on_commit:
+    """Checkpoints with nonstop every `every` (every_n_train_steps=) optimizer steps
+    (default 10), or after the last optimizer step of every `every_n_epochs`-th
+    epoch, or after the first optimizer step `train_time_interval` (a timedelta;
+    under DDP rank 0's clock) after the previous checkpoint: one of the three, as
+    in ModelCheckpoint. Makes `trainer.fit(..., ckpt_path="last")` resume bit for
+    bit from the newest committed checkpoint (mid-epoch data position included
+    with a torchdata StatefulDataLoader). One process or strategy="ddp". monitor=,
+    mode=, save_top_k=: nonstop's best= (under DDP rank 0's metric). on_commit:
     called with each checkpoint's stats. Other keyword arguments go to
-    nonstop.Checkpointer. Use it instead of, not beside, a ModelCheckpoint
-    writing into the same directory. docs/LIGHTNING.md.
-    """
+    nonstop.Checkpointer. Use it instead of, not beside, a ModelCheckpoint writing
+    into the same directory. docs/LIGHTNING.md."""
 
     def __init__(self, dirpath=None, every: Optional[int] = None, on_commit=None,
                  monitor: Optional[str] = None, mode: str = "min",
@@ -187,8 +172,7 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
                  train_time_interval: Optional[datetime.timedelta] = None,
                  **checkpointer_kwargs):
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=False)
-        # one cadence at most (as in ModelCheckpoint); monitor=/mode=/
-        # save_top_k= become nonstop's best= (the k best kept copies)
+        # one cadence at most; monitor=/mode=/save_top_k= become best= (C++)
         td = train_time_interval
         every, every_n_epochs, best = _ext.core().lightning_cadence(
             every, every_n_train_steps, every_n_epochs, td,
@@ -247,12 +231,10 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
                 f"through CheckpointIO); see docs/LIGHTNING.md")
         self._writes_marker = trainer.is_global_zero
         # Installed before Lightning restores from ckpt_path (setup hooks run first).
-        io = strategy.checkpoint_io
-        if not isinstance(io, NonstopCheckpointIO):
-            io = NonstopCheckpointIO(io)
-            strategy.checkpoint_io = io
-        io.callback = self
-        self.io = io
+        if not isinstance(strategy.checkpoint_io, NonstopCheckpointIO):
+            strategy.checkpoint_io = NonstopCheckpointIO(strategy.checkpoint_io)
+        self.io = strategy.checkpoint_io
+        self.io.callback = self
 
     def _find_last_checkpoints(self, trainer) -> set:
         """Lightning's ckpt_path="last": `last.ckpt`; under DDP, before rank 0
@@ -265,8 +247,7 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
         return found
 
     def _open(self, optimizers: list) -> _checkpointer.Checkpointer:
-        """The Checkpointer of Lightning's checkpoint dict (made at the first
-        save, or at a DDP restore before the optimizers exist), the
+        """The Checkpointer (made at the first save or DDP restore), the
         optimizers attached (hooked: their tensors stay zero-copy)."""
         if self.ckpt is None:
             kwargs = {"on_preempt": False, **self.checkpointer_kwargs}  # Lightning handles signals
@@ -275,19 +256,6 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
                 on_commit=self.on_commit, **kwargs)
         self.ckpt.attach(optimizers)
         return self.ckpt
-
-    def _restore_distributed(self, d: str) -> tuple:
-        """With world_size > 1 (collective): restores the newest step every
-        rank committed. Returns (Lightning's checkpoint dict, step)."""
-        if os.path.abspath(d) != os.path.abspath(self.nonstop_dir):
-            raise CheckpointMismatchError(
-                f"the marker names {d}, this NonstopCheckpoint writes {self.nonstop_dir}")
-        step = self._open([]).restore()
-        if step is None:
-            raise CheckpointNotFoundError(
-                f"{d}: no step that every rank committed (a kill during the first "
-                f"checkpoint); remove the directory to start afresh")
-        return dict(self._holder), step  # on_train_start: the marker's step
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -301,9 +269,8 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
         if self.io is not None and self.io.loaded_loops is not None:
             _reiterate(trainer, self.io.loaded_loops)
             self.io.loaded_loops = None
-        # The RNG states saved with the checkpoint Lightning restored from go
-        # back now, after Lightning's own restore work and before the first
-        # step (Lightning does not save them).
+        # The RNG states saved with the restored checkpoint (Lightning saves
+        # none) go back after Lightning's own restore work, before the first step.
         if self.io is not None and self.io.loaded_rng is not None:
             _rng.restore(self.io.loaded_rng)
             self._marker_step = max(self._marker_step, self.io.loaded_step or -1)
@@ -315,10 +282,9 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
             return  # no optimizer step on this batch (gradient accumulation)
         self._last_global_step = gs
         # every_n_epochs: after the epoch's last optimizer step, not in
-        # on_train_epoch_end: a loader saved after its epoch ended resumes
-        # with the same epoch's order again (a torchdata sampler keeps its
-        # generator as of the epoch's start), while one saved at its last
-        # batch resumes exactly.
+        # on_train_epoch_end: a loader saved after its epoch ended resumes with
+        # that epoch's order again (a torchdata sampler keeps its generator as
+        # of the epoch's start); one saved at its last batch resumes exactly.
         if ((self.every is not None and gs % self.every == 0)
                 or (self.epochs is not None and (trainer.current_epoch + 1) % self.epochs == 0
                     and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
@@ -326,9 +292,8 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
             self.save(trainer)
 
     def _time_is_up(self, trainer) -> bool:
-        """train_time_interval: whether the interval has passed since the
-        last checkpoint (or the start); under DDP rank 0's answer, broadcast
-        (every rank takes the same checkpoints: each one is collective)."""
+        """Whether train_time_interval has passed since the last checkpoint (or
+        the start); under DDP rank 0's answer, broadcast (checkpoints are collective)."""
         now = self._clock()
         due = now - self._last_time >= self.interval.total_seconds()
         if trainer.world_size > 1:
@@ -372,9 +337,7 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
             if handle.step <= self._marker_step:
                 return
             self._marker_step = handle.step
-            _write_atomically(self.marker_path, json.dumps(
-                {"format": MARKER_FORMAT, "dir": "nonstop", "step": handle.step,
-                 "global_step": handle.step + 1}))
+            _write_atomically(self.marker_path, _ext.core().lightning_marker_json(handle.step))
 
     def on_validation_end(self, trainer, pl_module) -> None:
         pass  # checkpoints are taken after optimizer steps and at epoch ends only

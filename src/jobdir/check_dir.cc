@@ -3,8 +3,11 @@
 #include "jobdir/check_dir.h"
 
 #include <algorithm>
+#include <memory>
 #include <string_view>
 #include <utility>
+
+#include "jobdir/records.h"
 
 namespace nonstop {
 
@@ -115,6 +118,37 @@ Result<bool> CheckJobDirectory(const std::string& path, int rank, std::optional<
     return false;
   }
   return true;
+}
+
+std::string LightningMarkerJson(int64_t step) {
+  return std::string("{\"format\": \"") + kLightningMarkerFormat +
+         "\", \"dir\": \"nonstop\", \"step\": " + std::to_string(step) +
+         ", \"global_step\": " + std::to_string(step + 1) + "}";
+}
+
+std::optional<LightningMarker> ReadLightningMarker(const std::string& path, Env* env) {
+  const size_t slash = path.find_last_of('/');
+  const std::string parent =
+      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  Result<std::unique_ptr<Directory>> d = (env ? env : DefaultEnv())->OpenDirectory(parent, false);
+  if (!d.ok()) return std::nullopt;
+  Result<std::string> text = ReadSmallFile(**d, path.substr(slash + 1), 1 << 16);
+  if (!text.ok()) return std::nullopt;
+  Result<jobdir_internal::Json> j = jobdir_internal::ParseJson(*text, path);
+  if (!j.ok()) return std::nullopt;
+  const jobdir_internal::Json* format = j->Get("format");
+  const jobdir_internal::Json* dir = j->Get("dir");
+  const jobdir_internal::Json* step = j->Get("step");
+  using Type = jobdir_internal::Json::Type;
+  LightningMarker m;
+  if (!format || format->type != Type::kString || format->text != kLightningMarkerFormat ||
+      !dir || dir->type != Type::kString || !CheckEntryName(dir->text).ok() || !step ||
+      !step->AsInt64(&m.step) || m.step < 0) {
+    return std::nullopt;
+  }
+  m.dir = dir->text;
+  m.nonstop_dir = (parent == "/" ? "" : parent) + "/" + m.dir;
+  return m;
 }
 
 }  // namespace nonstop

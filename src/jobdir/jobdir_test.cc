@@ -585,6 +585,50 @@ TEST_F(JobDirTest, CheckDirectoryNamesWhatIsWrongInOneLine) {
   EXPECT_EQ(RankFiles(file).status().code(), StatusCode::kNotFound);
 }
 
+// nonstop.lightning's last.ckpt: what NonstopCheckpoint writes reads back;
+// anything else (a link, a torch file, another format, a dir that is not one
+// path component, a bad step) is no marker, so Lightning's own loader gets it.
+TEST_F(JobDirTest, LightningMarkerReadsWhatItWritesAndNothingElse) {
+  fs::create_directories(root_);
+  auto write = [&](const char* name, const std::string& text) {
+    std::ofstream(root_ / name, std::ios::binary) << text;
+    return (root_ / name).string();
+  };
+  EXPECT_EQ(LightningMarkerJson(7),
+            "{\"format\": \"nonstop.lightning/1\", \"dir\": \"nonstop\", \"step\": 7, "
+            "\"global_step\": 8}");
+  std::optional<LightningMarker> m =
+      ReadLightningMarker(write("last.ckpt", LightningMarkerJson(7)));
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->dir, "nonstop");
+  EXPECT_EQ(m->nonstop_dir, Dir() + "/nonstop");
+  EXPECT_EQ(m->step, 7);
+  m = ReadLightningMarker(
+      write("m.ckpt", R"({"format": "nonstop.lightning/1", "dir": "x", "step": 0})"));
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->dir, "x");
+  EXPECT_EQ(m->nonstop_dir, Dir() + "/x");
+  EXPECT_EQ(m->step, 0);
+  fs::create_symlink(root_ / "last.ckpt", root_ / "link.ckpt");
+  EXPECT_FALSE(ReadLightningMarker((root_ / "link.ckpt").string()));
+  EXPECT_FALSE(ReadLightningMarker((root_ / "missing.ckpt").string()));
+  EXPECT_FALSE(ReadLightningMarker((root_ / "no" / "last.ckpt").string()));
+  EXPECT_FALSE(ReadLightningMarker(root_.string()));
+  EXPECT_FALSE(ReadLightningMarker(write("big.ckpt", std::string(1 << 17, ' ') + "{}")));
+  EXPECT_FALSE(ReadLightningMarker(write("torch.ckpt", "\x80\x02}q\x00.")));
+  for (const char* bad : {R"({"format": "nonstop.lightning/2", "dir": "nonstop", "step": 1})",
+                          R"({"dir": "nonstop", "step": 1})", R"([1, 2])", "null",
+                          R"({"format": "nonstop.lightning/1", "dir": "../x", "step": 1})",
+                          R"({"format": "nonstop.lightning/1", "dir": "a/b", "step": 1})",
+                          R"({"format": "nonstop.lightning/1", "dir": 5, "step": 1})",
+                          R"({"format": "nonstop.lightning/1", "step": 1})",
+                          R"({"format": "nonstop.lightning/1", "dir": "nonstop", "step": -1})",
+                          R"({"format": "nonstop.lightning/1", "dir": "nonstop", "step": 1.5})",
+                          R"({"format": "nonstop.lightning/1", "dir": "nonstop"})"}) {
+    EXPECT_FALSE(ReadLightningMarker(write("bad.ckpt", bad))) << bad;
+  }
+}
+
 TEST_F(JobDirTest, ASymlinkPlantedAtTheTempNameIsNeverFollowed) {
   auto jd = JobDir::OpenForWrite(Dir()).value();
   const fs::path victim = root_.string() + "-victim";

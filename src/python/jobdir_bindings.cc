@@ -569,6 +569,29 @@ void InitJobDir(py::module_& m) {
       },
       py::arg("path"), "The ranks of the slot files in `path` (check_dir.h RankFiles).");
   m.def(
+      "read_lightning_marker",
+      [](const std::string& path) -> py::object {
+        std::optional<LightningMarker> got;
+        {
+          py::gil_scoped_release r;
+          got = ReadLightningMarker(path);
+        }
+        if (!got) return py::none();
+        py::dict out;
+        out["format"] = kLightningMarkerFormat;
+        out["dir"] = got->dir;
+        out["nonstop_dir"] = got->nonstop_dir;
+        out["step"] = got->step;
+        out["global_step"] = got->step + 1;
+        return out;
+      },
+      py::arg("path"),
+      "nonstop.lightning's marker at `path` as {format, dir, nonstop_dir, step, global_step}, "
+      "or None when it holds none (check_dir.h ReadLightningMarker: a link is refused, never "
+      "followed).");
+  m.def("lightning_marker_json", &LightningMarkerJson, py::arg("step"),
+        "The text of the marker naming committed step `step` (check_dir.h LightningMarkerJson).");
+  m.def(
       "trainer_options",
       [](py::object metric, std::optional<bool> greater_is_better, py::object save_total_limit,
          bool sharded, bool load_best_model_at_end, const std::string& save_strategy,

@@ -112,16 +112,23 @@ def test_load_weights_for_evaluation(tmp_path):
 
 
 def test_marker_is_read_through_the_seam(tmp_path):
-    """read_marker reads last.ckpt through _core.Directory.read: a marker is
-    found, a link planted at last.ckpt is refused (never followed: None, so
-    Lightning's own loader gets the path), and a torch file bigger than a
-    marker or not JSON is no marker."""
+    """read_marker reads last.ckpt through the Env seam (C++
+    ReadLightningMarker): a marker is found, a link planted at last.ckpt is
+    refused (never followed: None, so Lightning's own loader gets the path),
+    a torch file bigger than a marker or not JSON is no marker, nor is one
+    naming anything but a directory beside it."""
     import json
 
     from nonstop.lightning import MARKER_FORMAT, read_marker
     real = tmp_path / "elsewhere.json"
     real.write_text(json.dumps({"format": MARKER_FORMAT, "dir": "nonstop", "step": 3}))
-    assert read_marker(str(real))["step"] == 3
+    assert read_marker(str(real)) == {"format": MARKER_FORMAT, "dir": "nonstop", "step": 3,
+                                      "global_step": 4,
+                                      "nonstop_dir": str(tmp_path / "nonstop")}
+    for bad in ("../nonstop", "a/b", 5, None):
+        (tmp_path / "bad.ckpt").write_text(
+            json.dumps({"format": MARKER_FORMAT, "dir": bad, "step": 3}))
+        assert read_marker(str(tmp_path / "bad.ckpt")) is None, bad
     os.symlink(real, tmp_path / "last.ckpt")
     assert read_marker(str(tmp_path / "last.ckpt")) is None
     (tmp_path / "big.ckpt").write_bytes(b"\x80" * (1 << 17))

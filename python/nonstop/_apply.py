@@ -31,13 +31,8 @@ class StateApplier:
         """The live state's tensors by checkpoint name (modules, optimizers,
         other stateful objects and plain tensors): restore() reads straight
         into those that match (_read.destinations)."""
-        current: dict = {}
-        self._flat = {}  # per key, for prepare's check of this restore
-        for key, obj in self.state.items():
-            if stateful(obj) or isinstance(obj, torch.Tensor):
-                self._flat[key] = _flat(key, obj)
-                current.update(self._flat[key])
-        return current
+        self._flat = {key: _flat(key, obj) for key, obj in self.state.items()}  # for prepare
+        return {n: t for flat in self._flat.values() for n, t in flat.items()}
 
     def prepare(self, loaded) -> tuple:
         """Everything restore() will do to the live objects, checked and
@@ -62,8 +57,7 @@ class StateApplier:
             raise CorruptCheckpointError(f"{where}: malformed checkpoint metadata: {e}") from None
         live = []
         for (key, obj), got in zip(self.state.items(), groups):
-            flat = {} if not (stateful(obj) or isinstance(obj, torch.Tensor)) else (
-                self._flat[key] if key in self._flat else _flat(key, obj))
+            flat = self._flat[key] if key in self._flat else _flat(key, obj)
             mine = [] if got is None else [len(g["params"]) for g in obj.param_groups]
             live.append((key, [_desc(n, t) for n, t in flat.items()],
                          isinstance(obj, (torch.nn.Module, torch.Tensor)), mine, got or []))
@@ -125,9 +119,8 @@ class StateApplier:
         dict has exactly value's keys, and each value is the live tensor of
         that key, already read in place (_read.destinations). Its checks (missing
         and unexpected keys, shapes) then hold by construction."""
-        if not isinstance(obj, torch.nn.Module) or not isinstance(value, dict):
-            return False
-        if type(obj).load_state_dict is not torch.nn.Module.load_state_dict:
+        if (not isinstance(obj, torch.nn.Module) or not isinstance(value, dict)
+                or type(obj).load_state_dict is not torch.nn.Module.load_state_dict):
             return False
         flat = self._flat.get(key)
         if not flat or len(flat) != len(value):
@@ -141,9 +134,11 @@ class StateApplier:
 
 
 def _flat(key: str, obj) -> dict:
-    """The tensors of state `key` (a stateful object or a tensor) by checkpoint name."""
+    """The tensors of state `key` by checkpoint name (none unless it is a
+    stateful object or a tensor)."""
     out: dict = {}
-    _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key, out)
+    if stateful(obj) or isinstance(obj, torch.Tensor):
+        _state.flatten(_objects.state_dict_of(obj) if stateful(obj) else obj, key, out)
     return out
 
 

@@ -36,13 +36,16 @@ def gather(path: str, step: Optional[int] = None,
     for r, sel_r in enumerate(sel["ranks"]):
         readers[r], idx = _read.chosen(path, sel_r, r, readers[r])
         meta = _state.loads(readers[r].checkpoints[idx]["meta_json"])
-        _read.refuse_replayed(meta, f"checkpoint step {sel['step']} in {path}")
+        if isinstance(meta, dict) and "multistep_plan" in meta:  # parts at their own versions
+            raise CheckpointMismatchError(
+                f"checkpoint step {sel['step']} in {path} was written by mode='multistep' with "
+                f"replay='torch': its optimizer's tensors reach that step only when restore() "
+                f"replays them; restore it and save with mode='concurrent' to export")
         found.append((idx, meta))
     specs = [reader.checkpoints[idx]["tensors"] for reader, (idx, _) in zip(readers, found)]
     # The global tensors and where each rank's pieces go in them (C++
-    # DcpGatherLayout: the metadata's "shared" and FSDP2 "dtensor" tables, each
-    # dtype from the fixed list): a piece outside its tensor, pieces that overlap
-    # or leave a gap, a size out of range are one line before anything is allocated.
+    # DcpGatherLayout, from the "shared" and FSDP2 "dtensor" tables): bad pieces
+    # or sizes are one line before anything is allocated.
     layout, copies = _ext.core().dcp_gather_layout(
         _state.dumps(found[0][1].get("dist", {})),
         [(r, i, sp["name"], int(sp.get("global_offset", 0)), int(sp["nbytes"]))
@@ -111,24 +114,18 @@ def layout(tensors: list, metas: list, shared: set) -> dict:
     return out
 
 
-def named(state) -> list:
+def named(node, name: str = "", depth: int = 0) -> list:
     """(path 'model/fc.weight', tensor) for every tensor of layout()'s state."""
-    out: list = []
-
-    def walk(node, name, depth):
-        if depth > _state.MAX_DEPTH:
-            return
-        if isinstance(node, torch.Tensor):
-            out.append((name, node))
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{name}/{k}" if name else str(k), depth + 1)
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, f"{name}/{i}", depth + 1)
-
-    walk(state, "", 0)
-    return out
+    if depth > _state.MAX_DEPTH:
+        return []
+    if isinstance(node, torch.Tensor):
+        return [(name, node)]
+    kids: list = []
+    if isinstance(node, dict):
+        kids = [(f"{name}/{k}" if name else str(k), v) for k, v in node.items()]
+    elif isinstance(node, (list, tuple)):
+        kids = [(f"{name}/{i}", v) for i, v in enumerate(node)]
+    return [got for n, v in kids for got in named(v, n, depth + 1)]
 
 
 def export_dcp(dir: str, out: str, step: Optional[int] = None,
@@ -163,12 +160,9 @@ def cli_run(call) -> int:
     (2: the arguments, 1: anything else)."""
     try:
         r = call()
-    except CheckpointMismatchError as e:
-        print(f"nonstop export: {e}", file=sys.stderr)
-        return 2
     except Exception as e:  # noqa: BLE001 -- one line, as the CLI does
         print(f"nonstop export: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, CheckpointMismatchError) else 1
     print(f"exported step {r['step']}: {r['tensors']} tensors, {r['bytes']} bytes to {r['path']}")
     return 0
 

@@ -1,13 +1,8 @@
-"""nonstop.export: one checkpoint as a safetensors file.
-
-A one-rank job's checkpoint is exported by C++ (_core.export_safetensors,
-include/nonstop/export.h, what `nonstop export` runs): the planner's choice,
-read through the one verified read path a window of tensors (about
-WINDOW_BYTES) at a time without the GIL, written through the Env seam. A
-multi-rank job's is reassembled here with torch (_dcp) and written by the
-same C++ writer (_core.write_safetensors). A progress bar (_progress.py) is
-shown for long exports.
-"""
+"""nonstop.export: one checkpoint as a safetensors file. A one-rank job's is
+exported by C++ (_core.export_safetensors, what `nonstop export` runs: the
+planner's choice, read verified a window of WINDOW_BYTES at a time without
+the GIL, written through the Env seam); a multi-rank job's is reassembled
+here with torch (_dcp) and written by the same C++ writer."""
 from __future__ import annotations
 
 import argparse

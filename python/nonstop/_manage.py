@@ -22,24 +22,17 @@ def list_checkpoints(dir: str, rank: int = 0, remote_options: Optional[dict] = N
     return _ext.core().job_view(path, rank)["rows"]
 
 
-def check_step(step) -> int:
-    """`step` as a training step (a signed 64-bit integer, as the engine
-    stores it), else the one-line CheckpointMismatchError."""
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
-    if not -(1 << 63) <= step < (1 << 63):
-        raise CheckpointMismatchError(
-            f"step {step} is out of range: a step is a signed 64-bit integer")
-    return int(step)
-
-
 def delete(dir: str, step: int, delete_kept=None) -> None:
     """Deletes the kept copy of `step` in `dir` (keep/step-N/, every rank's
     file): through `delete_kept` (a Checkpointer's engine's), else while no
     job writes to `dir`. A step in the ring is said to be there, not kept
     (C++ engine/job_view.h NotKept)."""
     path = os.fspath(dir)
-    check_step(step)
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise CheckpointMismatchError(f"step must be an integer, got {step!r}")
+    if not -(1 << 63) <= step < (1 << 63):  # as the engine stores it
+        raise CheckpointMismatchError(
+            f"step {step} is out of range: a step is a signed 64-bit integer")
     jd = None if delete_kept else _ext.core().JobDir.open_for_maintenance(path)
     try:
         (delete_kept or jd.delete_kept)(int(step))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _ext, _state
-from .errors import CheckpointMismatchError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 FORMAT = "nonstop.torch/1"
 
@@ -43,15 +43,6 @@ def chosen(path: str, sel, rank: int, reader) -> tuple:
         raise CorruptCheckpointError(
             f"checkpoint step {sel.step} of rank {rank} in {path} changed while it was read")
     return reader, idx
-
-
-def refuse_replayed(meta, what: str) -> None:
-    """An export of a checkpoint whose parts restore() replays is refused."""
-    if isinstance(meta, dict) and "multistep_plan" in meta:  # parts at their own versions
-        raise CheckpointMismatchError(
-            f"{what} was written by mode='multistep' with replay='torch': its optimizer's "
-            f"tensors reach that step only when restore() replays them; restore it and save "
-            f"with mode='concurrent' to export")
 
 
 def check_directory(path: str, rank: int, world_size: Optional[int], must_exist: bool) -> bool:

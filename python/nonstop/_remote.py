@@ -24,15 +24,10 @@ from .errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError
                      CorruptCheckpointError)
 
 PART_BYTES = 8 << 20              # the transports' preferred crc unit and multipart chunk
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://")  # scheme://
 
 
 # ------------------------------------------------------------------ stores
-
-def _first_line(e: BaseException) -> str:
-    """obstore's messages run to many lines (a debug dump): the first says it."""
-    text = str(e).strip()
-    return text.splitlines()[0].strip() if text else type(e).__name__
-
 
 class ObjectStore:
     """An S3 (or GCS/Azure) prefix through obstore. abort() (C++'s uploader
@@ -64,11 +59,9 @@ class ObjectStore:
         self._aborted.set()
 
     def create_bucket(self) -> bool:
-        """remote_options={'create_bucket': True}: an S3 CreateBucket request
-        (signed in C++, tier/s3_request.h; obstore has no call for it). True
-        when made, False when it was there already (owned by these
-        credentials); anything else is a one-line CheckpointIOError. Only an
-        s3:// store (Tier refuses create_bucket for any other)."""
+        """remote_options={'create_bucket': True} (s3:// only): a CreateBucket
+        request signed in C++ (obstore has none). True when made, False when
+        these credentials own it already; else a one-line CheckpointIOError."""
         c = self._s3
         r = _ext.core().s3_create_bucket(self.url, c["endpoint"], c["bucket"], c["region"],
                                          c["key"], c["secret"], c["token"])  # else $AWS_*
@@ -79,9 +72,10 @@ class ObjectStore:
             return True
         except urllib.error.HTTPError as e:
             return _ext.core().s3_create_bucket_answer(r["what"], e.code, e.read(4096))
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError) as e:  # its first line says it
+            why = (str(e).strip() or type(e).__name__).splitlines()[0].strip()
             raise CheckpointIOError(f"{r['what']}: the store is unreachable ({r['base']}): "
-                                    f"{_first_line(e)}") from None
+                                    f"{why}") from None
 
     def _io(self, what: str, fn, *args, **kw):
         """Runs one obstore call. A missing object is FileNotFoundError; any
@@ -103,13 +97,10 @@ class ObjectStore:
             raise err from None
 
     def put_file(self, key: str, src, name: str, bps: Optional[float] = None) -> None:
-        """Uploads file `name` of the _core.Directory `src`. The file is opened
-        through the seam (O_NOFOLLOW relative to the directory fd): obstore
-        reads it through a FileReader whose reads fill the buffer with the
-        GIL released (it never opens a path itself, so a link planted at the
-        staged name is refused, never followed). bps: its reads keep to that
-        many bytes a second (C++, tier/pacer.h, as the path transport's),
-        until abort() stops them."""
+        """Uploads file `name` of the _core.Directory `src`, opened through the
+        seam (O_NOFOLLOW: a link planted at the staged name is refused) and
+        read without the GIL; bps: at most that many bytes a second
+        (tier/pacer.h) until abort() stops them."""
         with src.open(name, bps=bps or 0, abort=self._aborted) as f:
             self._io(f"uploading {key}", self._ob.put, self.store, key, f,
                      chunk_size=self.part_bytes, max_concurrency=self.concurrency)
@@ -149,7 +140,7 @@ def open_store(url: str, options: Optional[dict]):
     path the C++ PathStore (tier/path_transport.h: through the Env seam,
     relative to directory fds, links refused; no Python runs per byte)."""
     url = os.fspath(url)
-    if re.match(r"^[a-z][a-z0-9+.-]*://", url) and not url.startswith("file://"):
+    if _URL.match(url) and not url.startswith("file://"):
         return ObjectStore(url, options or {})
     return _ext.core().PathStore(url[len("file://"):] if url.startswith("file://") else url,
                                  int((options or {}).get("part_bytes", PART_BYTES)))
@@ -179,12 +170,10 @@ _RUNTIME_STARTED = False
 
 
 def _start_runtime_niced(nice: int) -> None:
-    """obstore runs its transfers on a runtime of worker threads made the
-    first time it is used in the process; they inherit that thread's CPU
-    priority. The first use is usually restore() on the training thread, so
-    the upload's HTTP work would run at training's priority. Used once here
-    first, from a thread at `nice` (a call on an in-memory store: no I/O,
-    milliseconds), the workers run at nice +`nice` for the process's life."""
+    """obstore's worker threads, made at its first use in the process,
+    inherit that thread's CPU priority: usually training's (restore() first).
+    Used first here from a thread at `nice` (an in-memory store: no I/O),
+    they run the uploads at nice +`nice` for the process's life."""
     global _RUNTIME_STARTED
     if _RUNTIME_STARTED or nice <= 0:
         return
@@ -225,8 +214,7 @@ class Tier:
         # runs the same job in the same directory).
         self.job = str(self.options.get("job") or os.path.abspath(ckpt.dir))
         self.claimed = False
-        # remote_every=n (remote_options "every"; docs/TIERS.md): every n-th
-        # checkpoint, in order, none skipped; None: the newest committed one.
+        # remote_every=n: every n-th checkpoint, none skipped; None: the newest.
         self.every = _ext.core().check_remote_every(self.options.get("every"), ckpt.world_size)
         if self.options.get("create_bucket") not in (None, False, True):
             raise CheckpointMismatchError("remote_options create_bucket must be True or False")
@@ -323,8 +311,7 @@ class Tier:
         if d is None:
             return loaded
         full = d.assemble(loaded.tensors, loaded.info, loaded.meta)
-        engine = self.ckpt.session.engine
-        d.engine = engine
+        d.engine = engine = self.ckpt.session.engine
         d.lineage = d.new_lineage()
         cand = engine.candidate()
         if cand is not None:
@@ -337,7 +324,7 @@ def is_remote(path, options: Optional[dict] = None) -> bool:
     """A URL (any scheme://), a path given with remote_options, or a plain
     directory used as a remote (step-N directories, no slot file)."""
     path = os.fspath(path)
-    return (options is not None or bool(re.match(r"^[a-z][a-z0-9+.-]*://", path))
+    return (options is not None or bool(_URL.match(path))
             or _ext.core().remote_layout.looks_like_remote_root(path))
 
 

@@ -41,28 +41,6 @@ class LoadedCheckpoint:
                 f"tensors={len(self.tensors)}, path={self.path!r})")
 
 
-def _checked(info: dict, where: str, path: str, world_size: Optional[int], as_numpy: bool,
-             prepare, live: Optional[dict]) -> tuple:
-    """(LoadedCheckpoint, its destinations, whether prepare() runs after the
-    read) for checkpoint `info`, checked. prepare() runs before anything is
-    written unless the checkpoint is sharded: FSDP2 checkpoints become
-    DTensors in prepare(), which may copy them to a device, so then it runs
-    after the read, into fresh tensors."""
-    if world_size is not None and info["world_size"] != world_size:
-        raise IncompatibleCheckpointError(
-            f"{path} was written by a job of world size {info['world_size']}; this job "
-            f"has world size {world_size}: use the same world size or a new directory")
-    meta = decode_meta(info, where)
-    sharded = bool(meta.get("dtensor") or meta.get("dist"))
-    tensors, dests = destinations(info["tensors"], as_numpy,
-                                  None if (sharded or as_numpy) else live)
-    info = {k: v for k, v in info.items() if k != "meta_json"}
-    loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
-    if prepare is not None and not sharded:
-        loaded.plan = prepare(loaded)  # every check, before anything is written
-    return loaded, dests, prepare is not None and sharded
-
-
 def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
           as_numpy: bool, prepare=None, live: Optional[dict] = None,
           stats: Optional[dict] = None, memory: bool = False) -> Optional[LoadedCheckpoint]:
@@ -73,16 +51,18 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
     CorruptCheckpointError from it falls back to the next older one. One
     read through nonstop._core.restore, straight into `live`'s tensors where
     they fit (docs/ARCHITECTURE.md, "Restore"); `stats` gets its times and
-    sizes. memory: the memory tier's segment first, used only when it
-    verifies and the planner puts one of its checkpoints first (the disk's
-    newest, or a newer one only memory holds: disk_every=), else the disk
-    into the same tensors (docs/TIERS.md, "The restart tier in memory")."""
+    sizes. memory: the memory tier's segment when it verifies and the planner
+    puts one of its checkpoints first, else the disk into the same tensors
+    (docs/TIERS.md, "The restart tier in memory")."""
     state: dict = {"loaded": None, "after": False, "memory": False}
     warned: list = []  # counters whose failure mid-read was warned about
 
     def prep(info: dict):
         """Where each tensor of `info` goes, after every check; a str (the
-        reason) when this checkpoint is malformed: the next older one is tried."""
+        reason) when this checkpoint is malformed: the next older one is tried.
+        prepare() runs here, before anything is written, unless the checkpoint
+        is sharded: FSDP2's become DTensors in prepare(), which may copy them
+        to a device, so then it runs after the read, into fresh tensors."""
         prev = state["loaded"]
         if prev is not None and prev.counter not in warned and not state["memory"]:
             # the one before failed mid-read (a memory segment's: memory_unused_because)
@@ -90,11 +70,23 @@ def read(path: str, rank: int, step: Optional[int], world_size: Optional[int],
             warnings.warn(f"nonstop: {prev.path}: checkpoint #{prev.counter} (step {prev.step}) "
                           f"is damaged; falling back to an older checkpoint", stacklevel=4)
         state["memory"] = info["memory"]  # the memory tier's segment
+        if world_size is not None and info["world_size"] != world_size:
+            raise IncompatibleCheckpointError(
+                f"{path} was written by a job of world size {info['world_size']}; this job "
+                f"has world size {world_size}: use the same world size or a new directory")
+        where = os.path.join(path, info["where"])
         try:
-            state["loaded"], dests, state["after"] = _checked(
-                info, os.path.join(path, info["where"]), path, world_size, as_numpy, prepare, live)
+            meta = decode_meta(info, where)
+            sharded = bool(meta.get("dtensor") or meta.get("dist"))
+            tensors, dests = destinations(info["tensors"], as_numpy,
+                                          None if (sharded or as_numpy) else live)
+            info = {k: v for k, v in info.items() if k != "meta_json"}
+            loaded = LoadedCheckpoint(info["step"], info["counter"], tensors, meta, info, where)
+            if prepare is not None and not sharded:
+                loaded.plan = prepare(loaded)  # every check, before anything is written
         except CorruptCheckpointError as e:
             return str(e)
+        state["loaded"], state["after"] = loaded, prepare is not None and sharded
         return dests
 
     exclude: list = []

@@ -65,13 +65,10 @@ def is_tensor(x) -> bool:
 
 
 def flatten(obj, prefix: str, out: dict, where: str = "state", seen: Optional[dict] = None):
-    """Returns the JSON-able form of `obj`, adding its tensors to `out`.
-
-    Tensor names are the path of keys joined by '/', under `prefix`. The same
-    tensor (same storage, offset, dtype and shape) seen twice, as tied
-    weights are, is stored once and referenced twice. `seen`: index(out),
-    given when several calls add to one `out` (one index for all: O(n) for
-    n calls, not O(n^2))."""
+    """Returns the JSON-able form of `obj`, adding its tensors to `out` by
+    the path of keys joined by '/' under `prefix`. The same tensor seen twice
+    (same memory, dtype and shape: tied weights) is stored once and referenced
+    twice. `seen`: index(out), one for several calls into one `out` (O(n^2) else)."""
     seen = index(out) if seen is None else seen
     if isinstance(obj, np.generic):  # before float: np.float64 is a float
         return {"__npscalar__": [obj.dtype.str, flatten(obj.item(), prefix, out, where, seen)]}
@@ -126,18 +123,16 @@ def _tensor_key(t):
 
 
 def _add_tensor(t, name: str, out: dict, seen: dict) -> str:
-    shareable = is_tensor(t) and t.numel() > 0
-    if shareable:
-        # Tied weights: the same memory under a second name is stored once.
-        key = _tensor_key(t)
-        if key in seen:
-            return seen[key]
+    # Tied weights: the same memory under a second name is stored once.
+    key = _tensor_key(t) if is_tensor(t) and t.numel() > 0 else None
+    if key in seen:
+        return seen[key]
     base, n = name, 1
     while name in out:
         n += 1
         name = f"{base}#{n}"
     out[name] = t
-    if shareable:
+    if key is not None:
         seen[key] = name
     return name
 
@@ -153,13 +148,10 @@ def torch_dtype_by_name(name):
 
 
 def unflatten(tree, tensors: dict, as_numpy: bool = False):
-    """The inverse of flatten: rebuilds the state with tensors from `tensors`.
-
-    C++ checks the tree first (check_state_tree, export.h CheckStateTree):
-    every tag decoded from a fixed list, every tensor reference one of
-    `tensors`; anything malformed (an unknown dtype or device, a dangling
-    tensor reference, a broken float) raises a one-line
-    CorruptCheckpointError naming where it is."""
+    """The inverse of flatten: rebuilds the state with tensors from `tensors`,
+    after C++ checks the tree (export.h CheckStateTree): anything malformed
+    (an unknown tag, dtype or device, a dangling tensor reference, a broken
+    float) raises a one-line CorruptCheckpointError naming where it is."""
     _ext.core().check_state_tree(dumps(tree), list(tensors))
     try:
         return rebuild(tree, tensors, as_numpy)

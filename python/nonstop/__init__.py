@@ -45,7 +45,8 @@ if _TORCH_ERROR is None:
     from ._export import export  # noqa: E402
     from ._restore import LoadedCheckpoint, load  # noqa: E402
     from ._handle import CheckpointHandle  # noqa: E402
-    from ._preempt import EXIT_PREEMPTED, Preempted, worker_init_fn  # noqa: E402  docs/PREEMPTION.md
+    # docs/PREEMPTION.md
+    from ._preempt import EXIT_PREEMPTED, Preempted, worker_init_fn  # noqa: E402
 else:
     def __getattr__(name):
         if name in _TORCH_NAMES:

@@ -18,7 +18,8 @@ class StateApplier:
     target: `rank`/`world_size` place FSDP2 shards, `rng` restores the RNG."""
 
     def __init__(self, state: dict, dir: str, rank: int, world_size: int, rng: bool):
-        self.state, self.dir, self.rank, self.world_size, self.rng = state, dir, rank, world_size, rng
+        self.state, self.dir, self.rng = state, dir, rng
+        self.rank, self.world_size = rank, world_size
         self._flat: dict = {}  # per key: the live tensors of the restore under way
         # mode="multistep" (MultistepMode.replay_check): whether a checkpoint whose
         # parts restore() replays ("multistep_plan") can be replayed here

@@ -57,8 +57,8 @@ def parse(on_preempt) -> Optional[dict]:
     if isinstance(given, dict):  # (JSON has no nan, inf; group is Python's)
         given = {str(k): repr(v) if isinstance(v, float) and not math.isfinite(v) else v
                  for k, v in given.items() if k != "group"}
-    cfg = _ext.core().preempt_options(json.dumps(
-        given, default=lambda v: sorted(v, key=str) if isinstance(v, (set, frozenset)) else repr(v)))
+    cfg = _ext.core().preempt_options(json.dumps(given, default=lambda v: (  # sets: sorted lists
+        sorted(v, key=str) if isinstance(v, (set, frozenset)) else repr(v))))
     cfg["group"] = on_preempt.get("group") if isinstance(on_preempt, dict) else None
     return cfg
 

@@ -111,7 +111,8 @@ def make_training(size: str = "10m", total_steps: int = 60, seed: int = 0):
     def lr_at(s):
         if s < warmup:
             return (s + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total_steps - warmup)))
+        cosine = math.cos(math.pi * (s - warmup) / max(1, total_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + cosine)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     return cfg, model, opt, sched

@@ -66,7 +66,8 @@ class NonstopCallback(TrainerCallback):
                 getattr(args, "metric_for_best_model", None) or None,
                 getattr(args, "greater_is_better", None), getattr(args, "save_total_limit", None),
                 bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)),
-                self._load_best, str(getattr(saves, "value", saves)), list(self.checkpointer_kwargs))
+                self._load_best, str(getattr(saves, "value", saves)),
+                list(self.checkpointer_kwargs))
         if self._auto is not None:
             _, global_step, step = self._auto
             if (state is not None and state.global_step == global_step

@@ -118,7 +118,9 @@ class NonstopCheckpointIO(fabric.plugins.CheckpointIO):
         loops = state.get("loops")
         fit = loops.get("fit_loop") if isinstance(loops, dict) else None
         self.loaded_loops = fit if isinstance(fit, dict) else None
-        return state if map_location is None else fabric.utilities.move_data_to_device(state, map_location)
+        if map_location is None:
+            return state
+        return fabric.utilities.move_data_to_device(state, map_location)
 
     def remove_checkpoint(self, path) -> None:
         self.wrapped.remove_checkpoint(path)
@@ -209,7 +211,8 @@ class NonstopCheckpoint(pl.callbacks.ModelCheckpoint):
 
     @property
     def marker_path(self) -> str:
-        return os.path.join(os.fspath(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        name = self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION
+        return os.path.join(os.fspath(self.dirpath), name)
 
     @property
     def state_key(self) -> str:

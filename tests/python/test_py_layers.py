@@ -1,7 +1,9 @@
 """The imports of python/nonstop follow python/LAYERS: no circle, no import
 inside a function (optional packages aside), no private name of another
 module (tools/check_py_layers.py; also the ctest py_layers_check); the
-Checkpointer is at most 300 lines and holds its mode as a driver."""
+Checkpointer is at most 300 lines and holds its mode as a driver; the
+package is at most 6,000 lines (issue 23: adapters over the C++ engine, not
+a second engine)."""
 import ast
 import os
 import sys
@@ -31,6 +33,16 @@ def _checkpointer_class():
 def test_the_checkpointer_class_is_at_most_300_lines():
     cls = _checkpointer_class()
     assert cls.end_lineno - cls.lineno + 1 <= 300
+
+
+def test_the_package_is_at_most_6000_lines():
+    pkg = os.path.join(ROOT, "python", "nonstop")
+    lines = {}
+    for name in sorted(os.listdir(pkg)):
+        if name.endswith(".py"):
+            with open(os.path.join(pkg, name), encoding="utf-8") as f:
+                lines[name] = len(f.read().splitlines())
+    assert sum(lines.values()) <= 6000, sorted(lines.items(), key=lambda kv: -kv[1])
 
 
 def test_the_checkpointer_never_branches_on_the_mode_name():

@@ -323,7 +323,8 @@ Status JobDir::Impl::TidyLeftovers() {
   };
   bool changed = false;
   for (const std::string& name : {JobDirNames::TempSlot(rank), JobDirNames::Lineage(rank) + ".tmp",
-                                  JobDirNames::Agreed(rank) + ".tmp"}) {
+                                  JobDirNames::Agreed(rank) + ".tmp",
+                                  JobDirNames::Manifest(rank) + ".tmp"}) {
     NONSTOP_ASSIGN_OR_RETURN(bool gone, unlink_if(*dir, name));
     changed = changed || gone;
   }

@@ -113,6 +113,21 @@ TEST_F(JobDirTest, SecondWriterIsRefusedWithTheHolderNamed) {
   EXPECT_TRUE(JobDir::OpenForWrite(Dir()).ok());
 }
 
+// A writer's open removes the temp names its own records are written under
+// (a kill mid-write leaves one), the job manifest's too; another rank's stay.
+TEST_F(JobDirTest, AWritersOpenRemovesItsRecordsTempFiles) {
+  fs::create_directories(root_);
+  const std::vector<std::string> mine = {"rank-00000.nsck.tmp", "lineage-rank-00000.json.tmp",
+                                         "agreed-rank-00000.json.tmp",
+                                         "manifest-rank-00000.json.tmp"};
+  for (const std::string& n : mine) std::ofstream(root_ / n) << "x";
+  { std::ofstream(root_ / "manifest-rank-00001.json.tmp") << "x"; }
+  auto w = JobDir::OpenForWrite(Dir(), 0, 2);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  for (const std::string& n : mine) EXPECT_FALSE(fs::exists(root_ / n)) << n;
+  EXPECT_TRUE(fs::exists(root_ / "manifest-rank-00001.json.tmp"));
+}
+
 TEST_F(JobDirTest, ReaderOfAMissingDirectoryGetsNotFound) {
   auto r = JobDir::OpenForRead(Dir());
   ASSERT_FALSE(r.ok());

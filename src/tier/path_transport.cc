@@ -138,7 +138,10 @@ Status PathTransport::Walk(Directory& d, const std::string& rel, int depth,
         return sub.status();  // removed meanwhile, or replaced by a link: skipped
       }
     } else if (e.type == EntryType::kFile && !EndsWith(e.name, ".tmp")) {
+      // A failed stat fails the listing: an object left out (a step's
+      // COMMITTED) would make retention delete a committed step's parts.
       Result<FileStat> st = d.Stat(e.name);
+      if (!st.ok() && st.status().code() != StatusCode::kNotFound) return st.status();
       if (st.ok() && st.value().type == EntryType::kFile) out->push_back({key, st.value().size});
     }
   }

@@ -11,7 +11,8 @@
 //    keeps to `bps` bytes a second when bps > 0 and stops once Abort ran.
 //  - GetBytes/GetChunks: a link or anything but a regular file is
 //    Corruption; a missing object NotFound.
-//  - List skips temps (*.tmp) and links, and nests at most 8 levels.
+//  - List skips temps (*.tmp) and links, and nests at most 8 levels; an
+//    object it cannot stat fails it (one removed meanwhile is skipped).
 //  - Delete removes the files that are there (never through a link) and
 //    then every step directory it left empty.
 //

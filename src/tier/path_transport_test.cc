@@ -124,6 +124,40 @@ TEST_F(PathTransportTest, ALinkPlantedInTheRootIsNeverFollowed) {
   EXPECT_EQ(secret->List().value().size(), 1u);
 }
 
+// A listing that cannot stat an object fails: it never leaves it out. Left
+// out, step 7's COMMITTED made it look uncommitted, and retention deleted
+// its part and manifest but not the marker it had not seen: a committed
+// step (one it had to keep) over missing objects (found by
+// tests/tier_crash_test.cc).
+TEST_F(PathTransportTest, AFailedStatFailsTheListingAndRetentionDeletesNothing) {
+  Stage("rank-00000.nsck", 5000);
+  RemoteTier tier(&t_, env_.get());
+  for (int64_t step : {7, 8}) {
+    PublishRequest req{step, static_cast<uint64_t>(step), 0, 0, 1, "/job/staged", "rank-00000.nsck"};
+    auto rep = tier.Publish(req, {});
+    ASSERT_TRUE(rep.ok()) << rep.status().message();
+    ASSERT_EQ(rep.value().outcome, PublishReport::Outcome::kCommitted);
+  }
+  rl::Retention keep2;
+  keep2.max_to_keep = 2;
+  // Each of the six objects (two steps: part, manifest, COMMITTED) in turn.
+  for (uint64_t n = 1; n <= 6; ++n) {
+    env_->InjectError(EnvOp::kStat, n, EIO);
+    EXPECT_EQ(t_.List("").status().code(), StatusCode::kIOError) << "stat " << n;
+    env_->ClearFaults();
+    env_->InjectError(EnvOp::kStat, n, EIO);
+    EXPECT_FALSE(tier.Retain(keep2).ok()) << "stat " << n << ":\n" << env_->Dump();
+    env_->ClearFaults();
+  }
+  auto steps = tier.CommittedSteps();
+  ASSERT_TRUE(steps.ok());
+  EXPECT_EQ(steps.value().size(), 2u);  // both kept: neither is past the newest two
+  for (int64_t step : {7, 8}) {
+    auto got = tier.Fetch(step, 0, "/restore");
+    EXPECT_TRUE(got.ok()) << got.status().message();
+  }
+}
+
 TEST_F(PathTransportTest, DeleteRemovesEmptiedStepDirectories) {
   ASSERT_TRUE(t_.PutBytes(rl::MarkerKey(3), "m").ok());
   ASSERT_TRUE(t_.PutBytes(rl::ManifestKey(3, 0), "m").ok());

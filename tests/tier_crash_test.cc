@@ -516,7 +516,7 @@ TEST(TierCrashTest, RandomCrashPointsOverDiskManifestAndRemoteLoseNothing) {
   int recovered = 0, other_errors = 0;
   std::map<std::string, int> crashed_in;  // phase -> count, to show the spread
   const auto t0 = std::chrono::steady_clock::now();
-  constexpr int kPointsPerEpisode = 10;
+  constexpr int kPointsPerEpisode = 20;
   uint64_t seed = 0, total = 0;
   Model clean;
   for (int i = 0; i < points; ++i) {

@@ -18,7 +18,8 @@
 // (dropping or tearing everything not synced) before a random one of them.
 // Recovery then does what a restarted job does (a writer's open, the remote's
 // committed steps, a Fetch of each, the recovery planner over the disk and
-// the remote, the job view) and checks against what the episode was told:
+// the remote, the job view), a third of the time after a first try of its
+// writes crashed again, and checks against what the episode was told:
 //   - committed lost: a checkpoint reported committed on disk (and not
 //     abandoned since) is not recovered; a step the remote reported
 //     committed (and retention has not deleted since) is not listed
@@ -509,11 +510,28 @@ Status Recover(FaultEnv* env, const Model& m, Tally& t, const std::string& where
   return Status::OK();
 }
 
+// A restarted job's writes on its way to the checks (the writer's open
+// tidying leftovers, a fetch of each committed remote step), crashed again
+// at `nth` of its calls: the recovery after it must see the same.
+void CrashedRecovery(FaultEnv* env, uint64_t nth, CrashMode mode, uint64_t seed) {
+  env->CrashOnCall(nth, mode, seed);
+  Status st = [&]() -> Status {
+    NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<JobDir> jd, JobDir::OpenForWrite(kJob, 0, 1, env));
+    tier::PathTransport transport(env, kRemote, 4096);
+    tier::RemoteTier tier(&transport, env);
+    NONSTOP_ASSIGN_OR_RETURN(auto listed, tier.CommittedSteps());
+    for (const auto& [s, doc] : listed) NONSTOP_RETURN_IF_ERROR(tier.Fetch(s, 0, kRecoverDir).status());
+    return Status::OK();
+  }();
+  (void)st;  // crashed or not: what it left is what the next recovery sees
+  env->ClearFaults();
+}
+
 TEST(TierCrashTest, RandomCrashPointsOverDiskManifestAndRemoteLoseNothing) {
   const int points = CrashPoints();
   std::mt19937_64 rng(20261130);
   Tally t;
-  int recovered = 0, other_errors = 0;
+  int recovered = 0, other_errors = 0, second_crashes = 0;
   std::map<std::string, int> crashed_in;  // phase -> count, to show the spread
   const auto t0 = std::chrono::steady_clock::now();
   constexpr int kPointsPerEpisode = 20;
@@ -555,6 +573,11 @@ TEST(TierCrashTest, RandomCrashPointsOverDiskManifestAndRemoteLoseNothing) {
       ++other_errors;
     }
     env->ClearFaults();
+    if (rng() % 3 == 0) {  // a second crash, during the restarted job's own writes
+      CrashedRecovery(env.get(), 1 + rng() % 60,
+                      rng() % 2 ? CrashMode::kTornUnsynced : CrashMode::kDropUnsynced, rng());
+      if (env->crashes() == 2) ++second_crashes;
+    }
     Status r = Recover(env.get(), m, t, where);
     ASSERT_TRUE(r.ok()) << where << ": recovery failed: " << r.ToString();
     if (t.lost + t.wrong == before) ++recovered;
@@ -562,10 +585,11 @@ TEST(TierCrashTest, RandomCrashPointsOverDiskManifestAndRemoteLoseNothing) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("tier crash points: %d, recovered: %d, committed lost: %d, wrong: %d\n", points,
               recovered, t.lost, t.wrong);
-  std::printf("(%.1f s; %d episodes ended by another error than the crash's; the last "
+  std::printf("(%.1f s; %d second crashes during recovery; %d episodes ended by another "
+              "error than the crash's; the last "
               "episode: %llu calls, %d publishes, %d retains, %d fetches, %d rollbacks, "
               "%d manifest notes)\n",
-              secs, other_errors, static_cast<unsigned long long>(total), clean.publishes,
+              secs, second_crashes, other_errors, static_cast<unsigned long long>(total), clean.publishes,
               clean.retains, clean.fetches, clean.rollbacks, clean.notes);
   for (const auto& [phase, n] : crashed_in) std::printf("  crashed in %-32s %5d\n", phase.c_str(), n);
   for (const auto& f : t.failures) std::printf("  %s\n", f.c_str());

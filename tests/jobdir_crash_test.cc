@@ -39,6 +39,7 @@
 #include <tuple>
 #include <vector>
 
+#include "crash_ckpt.h"
 #include "env/fault_env.h"
 #include "nonstop/jobdir.h"
 #include "nonstop/store.h"
@@ -47,7 +48,6 @@ namespace nonstop {
 namespace {
 
 constexpr char kJob[] = "/job";
-constexpr uint32_t kCrcChunk = 4096;
 constexpr uint32_t kSlots = 3;  // one in flight, the newest, the protected one
 
 int CrashPoints() {
@@ -55,51 +55,16 @@ int CrashPoints() {
   return env ? std::atoi(env) : 5000;
 }
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+using crash_ckpt::Ckpt;
 
 // A small checkpoint whose every byte is a function of (step, rank, world).
-struct Ckpt {
-  SlotLayout layout;
-  std::vector<uint8_t> data;
-  std::vector<uint32_t> crcs;
-  std::string meta;
-};
-
 Ckpt MakeUncached(int64_t step, int rank, int world) {
-  uint64_t s = Mix(static_cast<uint64_t>(step) * 1009 + static_cast<uint64_t>(rank) * 31 +
-                   static_cast<uint64_t>(world));
-  std::vector<TensorSpec> specs;
-  const int n = 1 + static_cast<int>(s % 3);
-  for (int i = 0; i < n; ++i) {
-    s = Mix(s);
-    TensorSpec t;
-    t.name = "t" + std::to_string(i);
-    t.dtype = DType::kUInt8;
-    const int64_t bytes = 300 + static_cast<int64_t>(s % 9000);
-    t.shape = {bytes};
-    t.nbytes = static_cast<uint64_t>(bytes);
-    specs.push_back(t);
-  }
-  Ckpt c;
-  c.layout = SlotLayout::Plan(specs).value();
-  c.data.assign(c.layout.data_bytes, 0);
-  for (const TensorEntry& te : c.layout.tensors) {
-    for (uint64_t i = 0; i < te.spec.nbytes; ++i) {
-      if (i % 8 == 0) s = Mix(s);
-      c.data[te.data_offset + i] = static_cast<uint8_t>(s >> (8 * (i % 8)));
-    }
-  }
-  for (size_t off = 0; off < c.data.size(); off += kCrcChunk) {
-    c.crcs.push_back(Crc32c(c.data.data() + off, std::min<size_t>(kCrcChunk, c.data.size() - off)));
-  }
-  c.meta = "{\"step\": " + std::to_string(step) + ", \"rank\": " + std::to_string(rank) +
-           ", \"world\": " + std::to_string(world) + "}";
-  return c;
+  return crash_ckpt::Make(crash_ckpt::Mix(static_cast<uint64_t>(step) * 1009 +
+                                          static_cast<uint64_t>(rank) * 31 +
+                                          static_cast<uint64_t>(world)),
+                          3, "t", 300, 9000,
+                          "{\"step\": " + std::to_string(step) + ", \"rank\": " +
+                              std::to_string(rank) + ", \"world\": " + std::to_string(world) + "}");
 }
 
 // Make, remembered (the same steps recur in every episode).
@@ -113,17 +78,7 @@ const Ckpt& Make(int64_t step, int rank, int world) {
 
 Result<CheckpointInfo> CommitStep(SlotFile& f, uint32_t slot, uint64_t counter, int64_t step,
                                   int rank, int world) {
-  const Ckpt& c = Make(step, rank, world);
-  NONSTOP_RETURN_IF_ERROR(f.WriteData(slot, 0, c.data.data(), c.data.size()));
-  CommitRequest req;
-  req.slot = slot;
-  req.counter = counter;
-  req.step = step;
-  req.layout = &c.layout;
-  req.crc_chunk_bytes = kCrcChunk;
-  req.chunk_crcs = c.crcs;
-  req.meta_json = c.meta;
-  return f.Commit(req);
+  return crash_ckpt::Commit(f, slot, counter, step, Make(step, rank, world));
 }
 
 // The recovered checkpoint holds exactly what was written for its step.

@@ -47,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "crash_ckpt.h"
 #include "engine/job_view.h"
 #include "env/fault_env.h"
 #include "jobdir/manifest.h"
@@ -68,7 +69,6 @@ constexpr char kRemote[] = "/remote";
 constexpr char kFetchDir[] = "/fetch";    // the episode's fetches
 constexpr char kRecoverDir[] = "/rec";    // the recovery's fetches
 constexpr char kJobName[] = "job-a";
-constexpr uint32_t kCrcChunk = 4096;
 constexpr uint32_t kSlots = 3;  // one in flight, the newest, the protected one
 
 // NONSTOP_TIER_CRASH_POINTS: fewer (or more) for a quick local run; the
@@ -76,54 +76,21 @@ constexpr uint32_t kSlots = 3;  // one in flight, the newest, the protected one
 const char* PointsOverride() { return std::getenv("NONSTOP_TIER_CRASH_POINTS"); }
 int CrashPoints() { return PointsOverride() ? std::atoi(PointsOverride()) : 5000; }
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+using crash_ckpt::Ckpt;
 
 // A small checkpoint whose every byte is a function of (step, counter): the
 // same step committed again after a rollback is another checkpoint, with
-// other bytes, so a mix of the two or the abandoned one is seen.
-struct Ckpt {
-  SlotLayout layout;
-  std::vector<uint8_t> data;
-  std::vector<uint32_t> crcs;
-  std::string meta;
-};
-
+// other bytes, so a mix of the two or the abandoned one is seen. Remembered
+// (the same ones recur in every episode).
 const Ckpt& Make(int64_t step, uint64_t counter) {
   static std::map<std::pair<int64_t, uint64_t>, Ckpt> cache;
   auto key = std::make_pair(step, counter);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  uint64_t s = Mix(static_cast<uint64_t>(step) * 7919 + counter);
-  std::vector<TensorSpec> specs;
-  const int n = 1 + static_cast<int>(s % 2);
-  for (int i = 0; i < n; ++i) {
-    s = Mix(s);
-    TensorSpec t;
-    t.name = "w" + std::to_string(i);
-    t.dtype = DType::kUInt8;
-    const int64_t bytes = 200 + static_cast<int64_t>(s % 5000);
-    t.shape = {bytes};
-    t.nbytes = static_cast<uint64_t>(bytes);
-    specs.push_back(t);
-  }
-  Ckpt c;
-  c.layout = SlotLayout::Plan(specs).value();
-  c.data.assign(c.layout.data_bytes, 0);
-  for (const TensorEntry& te : c.layout.tensors) {
-    for (uint64_t i = 0; i < te.spec.nbytes; ++i) {
-      if (i % 8 == 0) s = Mix(s);
-      c.data[te.data_offset + i] = static_cast<uint8_t>(s >> (8 * (i % 8)));
-    }
-  }
-  for (size_t off = 0; off < c.data.size(); off += kCrcChunk) {
-    c.crcs.push_back(Crc32c(c.data.data() + off, std::min<size_t>(kCrcChunk, c.data.size() - off)));
-  }
-  c.meta = "{\"step\": " + std::to_string(step) + ", \"counter\": " + std::to_string(counter) + "}";
+  Ckpt c = crash_ckpt::Make(crash_ckpt::Mix(static_cast<uint64_t>(step) * 7919 + counter), 2, "w",
+                            200, 5000,
+                            "{\"step\": " + std::to_string(step) + ", \"counter\": " +
+                                std::to_string(counter) + "}");
   return cache.emplace(key, std::move(c)).first->second;
 }
 
@@ -268,17 +235,8 @@ Status Episode(uint64_t seed, Env* env, Model& m) {
       ++step;
       m.step_of[counter] = step;
       g_phase = "commit";
-      const Ckpt& c = Make(step, counter);
-      NONSTOP_RETURN_IF_ERROR(sf->WriteData(slot, 0, c.data.data(), c.data.size()));
-      CommitRequest req;
-      req.slot = slot;
-      req.counter = counter;
-      req.step = step;
-      req.layout = &c.layout;
-      req.crc_chunk_bytes = kCrcChunk;
-      req.chunk_crcs = c.crcs;
-      req.meta_json = c.meta;
-      NONSTOP_RETURN_IF_ERROR(sf->Commit(req).status());
+      NONSTOP_RETURN_IF_ERROR(
+          crash_ckpt::Commit(*sf, slot, counter, step, Make(step, counter)).status());
       m.floor = counter;
       newest_slot = static_cast<int>(slot);
       protected_slot = -1;
